@@ -1,0 +1,247 @@
+"""``ParallelConfig``: every parallel degree and mode, validated when it is built.
+
+A config is a frozen dataclass. Building one checks every rule at once, so an
+invalid choice is refused in the notebook kernel before any process is touched::
+
+    >>> import colab_kit as ck
+    >>> ck.ParallelConfig(dp=2, tp=4, tp_mode="2d").world_size
+    8
+    >>> ck.ParallelConfig(tp=6, tp_mode="2d")
+    Traceback (most recent call last):
+    ...
+    colab_kit.config.ConfigError: tp=6 with tp_mode='2d' needs tp to be a square (q*q): try 4 or 9
+
+The same config can be parsed from the words a magic receives, as ``key=value``
+words or as ``--key value`` flags (``ParallelConfig.parse("dp=2 --tp 2")``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import shlex
+from dataclasses import dataclass, field
+from typing import Iterable
+
+__all__ = ["ConfigError", "ParallelConfig", "TP_MODES", "SP_MODES", "SCHEDULES"]
+
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+SP_MODES = ("ring", "ulysses", "split_gather")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+OFFLOADS = ("none", "cpu")
+PRECISIONS = ("fp32", "fp16", "bf16")
+AXES = ("pp", "dp", "sp", "tp")  # slowest to fastest varying in the rank order
+
+
+class ConfigError(ValueError):
+    """An invalid parallel configuration; the message names the rule and a valid choice."""
+
+
+def _nearest(n: int, ok) -> list[int]:
+    """The valid values closest to ``n`` (one below and one above when they exist)."""
+    below = next((k for k in range(n - 1, 0, -1) if ok(k)), None)
+    above = next(k for k in range(n + 1, 64 * n + 2) if ok(k))
+    return [k for k in (below, above) if k is not None]
+
+
+def _is_square(n: int) -> bool:
+    return math.isqrt(n) ** 2 == n
+
+
+def _cube_root(n: int) -> int | None:
+    q = round(n ** (1 / 3))
+    return next((k for k in (q - 1, q, q + 1) if k > 0 and k ** 3 == n), None)
+
+
+def _or(values: Iterable) -> str:
+    values = [str(v) for v in values]
+    return " or ".join(values) if len(values) < 3 else ", ".join(values[:-1]) + " or " + values[-1]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one training job is split over ``world_size = dp * pp * sp * tp`` ranks."""
+
+    dp: int = 1
+    """Data-parallel degree: replicas that each see ``1/dp`` of the global batch."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks that share every weight matrix."""
+    pp: int = 1
+    """Pipeline-parallel degree: stages the model's blocks are split into."""
+    sp: int = 1
+    """Sequence-parallel degree for ``sp_mode`` 'ring' or 'ulysses' (ranks that split the sequence)."""
+    tp_mode: str = "1d"
+    """'1d' (Megatron), '2d' (SUMMA, tp = q*q), '2.5d' (Tesseract, tp = depth*q*q) or '3d' (tp = q**3)."""
+    tp_depth: int = 1
+    """Depth d of the 2.5D mode; only meaningful with tp_mode='2.5d'."""
+    sp_mode: str = "ring"
+    """'ring' (ring self-attention), 'ulysses' (all-to-all) or 'split_gather' (Megatron SP inside tp)."""
+    zero: int = 0
+    """ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters sharded over dp."""
+    offload: str = "none"
+    """'none' or 'cpu': keep ZeRO's sharded optimizer states in host memory."""
+    microbatches: int = 1
+    """Microbatches per step (pipeline microbatches, or gradient accumulation when pp=1)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: 'gpipe', '1f1b', 'interleaved' or 'zb-h1'."""
+    chunks: int = 1
+    """Model chunks per pipeline rank (virtual stages); > 1 only with schedule='interleaved'."""
+    precision: str = "fp32"
+    """'fp32', 'fp16' or 'bf16'."""
+
+    def __post_init__(self):
+        self._check()
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def world_size(self) -> int:
+        """Number of ranks this config needs: ``dp * pp * sp * tp``."""
+        return self.dp * self.pp * self.sp * self.tp
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Axis sizes in rank order, slowest first: ``{"pp", "dp", "sp", "tp"}``."""
+        return {a: getattr(self, a) for a in AXES}
+
+    @property
+    def tp_q(self) -> int:
+        """Side q of the tensor grid: tp for 1d, sqrt(tp/d) for 2d/2.5d, cbrt(tp) for 3d."""
+        if self.tp_mode == "1d":
+            return self.tp
+        if self.tp_mode == "3d":
+            return _cube_root(self.tp)
+        return math.isqrt(self.tp // self.tp_depth)
+
+    def replace(self, **changes) -> "ParallelConfig":
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """Short human form, e.g. ``dp=2 x tp=4 (2d) = 8 ranks``."""
+        parts = [f"{a}={getattr(self, a)}" for a in ("dp", "pp", "sp", "tp") if getattr(self, a) > 1]
+        if self.tp > 1:
+            parts[-1] += f" ({self.tp_mode}" + (f", depth {self.tp_depth})" if self.tp_mode == "2.5d" else ")")
+        return (" x ".join(parts) or "single rank") + f" = {self.world_size} rank" + ("s" if self.world_size > 1 else "")
+
+    def check_world_size(self, n: int) -> None:
+        """Raise ConfigError unless this config fits exactly ``n`` ranks."""
+        if self.world_size == n:
+            return
+        hint = f"dp={n // (self.world_size // self.dp)}" if n % (self.world_size // self.dp) == 0 else None
+        msg = (f"this config needs dp*pp*sp*tp = {self.dp}*{self.pp}*{self.sp}*{self.tp} = "
+               f"{self.world_size} ranks, but there are {n}")
+        raise ConfigError(msg + (f": try {hint}" if hint else f": choose degrees whose product is {n}"))
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def parse(cls, words: str | list[str], base: "ParallelConfig | None" = None) -> "ParallelConfig":
+        """Build a config from ``"dp=2 tp=4 tp_mode=2d"`` or ``"--dp 2 --tp 4 --tp-mode 2d"``.
+
+        Unknown keys and unparsable values raise ConfigError naming the nearest key.
+        Fields not given keep their value in ``base`` (or the default).
+        """
+        if isinstance(words, str):
+            words = shlex.split(words)
+        values, i = {}, 0
+        while i < len(words):
+            word = words[i]
+            if word.startswith("--"):
+                key = word[2:]
+                if "=" in key:
+                    key, value = key.split("=", 1)
+                elif i + 1 < len(words) and not words[i + 1].startswith("--"):
+                    value, i = words[i + 1], i + 1
+                else:
+                    raise ConfigError(f"flag {word} needs a value, e.g. {word} 2")
+            elif "=" in word:
+                key, value = word.split("=", 1)
+            else:
+                raise ConfigError(f"cannot read {word!r}: write key=value (dp=2) or a flag (--dp 2)")
+            values[key.replace("-", "_")] = value
+            i += 1
+        return cls.from_dict(values, base=base)
+
+    @classmethod
+    def from_dict(cls, values: dict, base: "ParallelConfig | None" = None) -> "ParallelConfig":
+        """Build a config from a mapping of field names to values (strings are converted)."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = dict(base.to_dict()) if base is not None else {}
+        for key, value in values.items():
+            if key not in fields:
+                near = difflib.get_close_matches(key, fields, n=1)
+                hint = f"did you mean {near[0]!r}?" if near else f"known keys: {', '.join(fields)}"
+                raise ConfigError(f"unknown config key {key!r}: {hint}")
+            if fields[key].type == "int" and not isinstance(value, int):
+                try:
+                    value = int(value)
+                except (TypeError, ValueError):
+                    raise ConfigError(f"{key} must be a whole number, got {value!r}") from None
+            elif fields[key].type == "str":
+                value = str(value).lower()
+            kwargs[key] = value
+        return cls(**kwargs)
+
+    # ------------------------------------------------------------------ rules
+    def _check(self) -> None:
+        for name in ("dp", "tp", "pp", "sp", "tp_depth", "microbatches", "chunks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be a positive whole number, got {v!r}: try {name}=1")
+        for name, allowed in (("tp_mode", TP_MODES), ("sp_mode", SP_MODES), ("schedule", SCHEDULES),
+                              ("offload", OFFLOADS), ("precision", PRECISIONS)):
+            v = getattr(self, name)
+            if v not in allowed:
+                near = difflib.get_close_matches(str(v), allowed, n=1)
+                hint = f"did you mean {near[0]!r}? " if near else ""
+                raise ConfigError(f"unknown {name} {v!r}: {hint}choose one of {_or(repr(a) for a in allowed)}")
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
+        self._check_tensor()
+        self._check_sequence()
+        self._check_pipeline()
+        if self.offload != "none" and self.zero == 0:
+            raise ConfigError(f"offload={self.offload!r} moves ZeRO's sharded optimizer states to the host, "
+                              "so it needs zero >= 1: try zero=1")
+
+    def _check_tensor(self) -> None:
+        tp, mode, d = self.tp, self.tp_mode, self.tp_depth
+        if mode != "2.5d" and d != 1:
+            raise ConfigError(f"tp_depth={d} applies only to tp_mode='2.5d' (tp = depth*q*q): "
+                              f"set tp_depth=1 or tp_mode='2.5d'")
+        if mode == "2d" and not _is_square(tp):
+            raise ConfigError(f"tp={tp} with tp_mode='2d' needs tp to be a square (q*q): "
+                              f"try {_or(_nearest(tp, _is_square))}")
+        if mode == "2.5d" and (tp % d or not _is_square(tp // d)):
+            ok = _nearest(tp, lambda n: n % d == 0 and _is_square(n // d))
+            raise ConfigError(f"tp={tp} with tp_mode='2.5d' and tp_depth={d} needs tp = depth*q*q: "
+                              f"try tp={_or(ok)} (q = {_or(math.isqrt(k // d) for k in ok)})")
+        if mode == "3d" and _cube_root(tp) is None:
+            raise ConfigError(f"tp={tp} with tp_mode='3d' needs tp to be a cube (q*q*q): "
+                              f"try {_or(_nearest(tp, lambda n: _cube_root(n) is not None))}")
+
+    def _check_sequence(self) -> None:
+        if self.sp_mode == "split_gather":
+            if self.tp == 1:
+                raise ConfigError("sp_mode='split_gather' splits the sequence inside the tensor-parallel "
+                                  "group, so it needs tp > 1: try tp=2, or sp_mode='ring' with sp > 1")
+            if self.sp != 1:
+                raise ConfigError(f"sp_mode='split_gather' runs on the tp group and has no sp axis, so it "
+                                  f"needs sp=1 (got sp={self.sp}): try sp=1 tp={self.tp * self.sp}, "
+                                  "or sp_mode='ring'")
+
+    def _check_pipeline(self) -> None:
+        pp, m, v, s = self.pp, self.microbatches, self.chunks, self.schedule
+        if s == "interleaved":
+            if v < 2:
+                raise ConfigError("schedule='interleaved' gives each pipeline rank several model chunks, "
+                                  f"so it needs chunks > 1 (got chunks={v}): try chunks=2")
+            if m % pp:
+                ok = _nearest(m, lambda k: k % pp == 0)
+                raise ConfigError(f"schedule='interleaved' needs microbatches divisible by pp={pp} "
+                                  f"(got microbatches={m}): try microbatches={_or(ok)}")
+        elif v != 1:
+            raise ConfigError(f"chunks={v} (virtual stages) needs schedule='interleaved'; "
+                              f"schedule={s!r} runs one chunk per rank: set chunks=1 or schedule='interleaved'")

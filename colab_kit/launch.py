@@ -1,0 +1,154 @@
+"""``launch(fn, world_size, *args)``: run ``fn`` on local ranks with torch.distributed up.
+
+Each rank is a fresh process (forked from a server that has already imported
+torch, so a start costs a fraction of a second). The parent owns the rendezvous
+store on a free port, so two launches never race for a port. On CPU the ranks
+use gloo and split the cores between them (``torch.set_num_threads``); with
+``backend="nccl"`` rank r drives GPU r.
+
+    >>> def hello(x):
+    ...     import torch.distributed as dist
+    ...     return dist.get_rank() * x
+    >>> ck.launch(hello, 4, 10)
+    [0, 10, 20, 30]
+
+A rank that raises is reported with its rank and traceback (``RankError``);
+the ranks still waiting for it in a collective are stopped after a short
+grace period instead of hanging the caller.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import time
+import traceback
+from datetime import timedelta
+
+from .errors import RankError, RankTimeout
+
+try:
+    import cloudpickle as _pickler  # functions defined in a notebook or a test body
+except ImportError:  # pragma: no cover
+    _pickler = pickle
+
+__all__ = ["launch", "default_backend", "threads_per_rank"]
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "colab_kit"])
+    return _CTX
+
+
+def default_backend(world_size: int) -> str:
+    """'nccl' when every rank can have its own GPU, else 'gloo'."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def threads_per_rank(ranks_on_host: int) -> int:
+    """Cores per rank so that the ranks of one host do not oversubscribe it."""
+    return max(1, (os.cpu_count() or 1) // max(1, ranks_on_host))
+
+
+def _worker(rank, world_size, port, payload, results, backend, threads, timeout):
+    import torch
+    import torch.distributed as dist
+
+    status, value = "ok", None
+    try:
+        fn, args = _pickler.loads(payload)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        value = _pickler.dumps(fn(*args))
+    except BaseException:  # report everything, including KeyboardInterrupt
+        status, value = "error", traceback.format_exc()
+    results.put((rank, status, value))
+    if status == "ok" and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch(fn, world_size: int, *args, backend: str | None = None, timeout: float = 600.0,
+           grace: float = 5.0, threads: int | None = None) -> list:
+    """Run ``fn(*args)`` on ``world_size`` local ranks; return the results in rank order.
+
+    ``timeout`` bounds the whole run; ``grace`` is how long the other ranks get
+    to finish after one has failed before they are stopped.
+    """
+    import torch.distributed as dist
+
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive whole number, got {world_size!r}")
+    backend = backend or default_backend(world_size)
+    threads = threads or threads_per_rank(world_size)
+    try:
+        payload = _pickler.dumps((fn, args))
+    except Exception as exc:
+        raise TypeError(f"launch could not pickle {getattr(fn, '__name__', fn)!r} and its arguments "
+                        f"for the ranks: {exc}") from exc
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    ctx = _context()
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, payload, results, backend, threads,
+                                               timeout), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, results, timeout, grace)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+        del store
+
+
+def _collect(procs, results, timeout: float, grace: float) -> list:
+    world_size = len(procs)
+    done: dict[int, object] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(done) + len(failures) < world_size:
+        now = time.monotonic()
+        if now > deadline:
+            pending = [r for r in range(world_size) if r not in done and r not in failures]
+            if failures:
+                raise RankError(failures, pending, "launch")
+            raise RankTimeout(pending, timeout, "launch")
+        try:
+            rank, status, value = results.get(timeout=0.2)
+        except queue_mod.Empty:
+            for r, p in enumerate(procs):  # a rank that died without a word (segfault, os._exit, OOM kill)
+                if r not in done and r not in failures and p.exitcode is not None:
+                    time.sleep(0.2)  # its message may still be in the pipe
+                    if results.empty():
+                        failures[r] = f"rank {r} exited with code {p.exitcode} without reporting a result"
+            if failures:
+                deadline = min(deadline, time.monotonic() + grace)
+            continue
+        if status == "ok":
+            done[rank] = _pickler.loads(value)
+        else:
+            failures[rank] = value
+            deadline = min(deadline, time.monotonic() + grace)
+    if failures:
+        raise RankError(failures, [], "launch")
+    return [done[r] for r in range(world_size)]
+

@@ -1,0 +1,209 @@
+"""The device mesh: ``MeshLayout`` (pure arithmetic) and ``ProcessMesh`` (real groups).
+
+Every group comes from one named grid built with one idiom,
+``torch.arange(world).view(shape)``, whose axes are named once, slowest first:
+``pp``, ``dp``, ``sp``, ``tp``. So ``tp`` varies fastest::
+
+    rank = ((pp_i * dp + dp_i) * sp + sp_i) * tp + tp_i
+
+Worked example, ``ParallelConfig(dp=2, pp=2, tp=2)`` (8 ranks)::
+
+    rank  pp dp sp tp      groups("tp") = [[0,1],[2,3],[4,5],[6,7]]
+      0    0  0  0  0      groups("dp") = [[0,2],[1,3],[4,6],[5,7]]
+      1    0  0  0  1      groups("pp") = [[0,4],[1,5],[2,6],[3,7]]
+      2    0  1  0  0
+      3    0  1  0  1      rank 5 sees: tp group [4,5] (tp rank 1),
+      4    1  0  0  0               dp group [5,7] (dp rank 0),
+      5    1  0  0  1               pp group [1,5] (last stage).
+      ...
+
+A group on an axis is the set of ranks whose coordinates differ on that axis
+only. The tensor block of ``tp`` consecutive ranks is itself a small grid
+whose sub-axes depend on ``tp_mode`` (last name fastest):
+
+=========  ===============================  =======================================
+tp_mode    sub-axes (sizes)                 tp_i from sub-coordinates
+=========  ===============================  =======================================
+``1d``     ``tp`` (P)                       tp_i
+``2d``     ``tp_row``, ``tp_col`` (q, q)    row * q + col
+``2.5d``   ``tp_dep``, ``tp_row``,          (dep * q + row) * q + col: each depth
+           ``tp_col`` (d, q, q)             layer is one contiguous q x q SUMMA grid
+``3d``     ``tp_in``, ``tp_wt``,            (in * q + wt) * q + out
+           ``tp_out`` (q, q, q)
+=========  ===============================  =======================================
+
+Worked example, 2D with tp=4 (q=2), ranks 0..3 of one tensor block::
+
+    grid        coords                     groups("tp_col") = [[0,1],[2,3]]   (one grid row each)
+    0 1         0: row 0 col 0             groups("tp_row") = [[0,2],[1,3]]   (one grid column each)
+    2 3         3: row 1 col 1
+
+In SUMMA, rank (i, j) holds block A[i, j]; the broadcast of A[i, k] runs over
+its ``tp_col`` group (its grid row), that of B[k, j] over its ``tp_row`` group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .config import AXES, ParallelConfig
+
+__all__ = ["MeshLayout", "ProcessMesh", "tp_sub_axes"]
+
+
+def tp_sub_axes(cfg: ParallelConfig) -> dict[str, int]:
+    """Names and sizes of the tensor block's sub-axes, slowest first (see module docstring)."""
+    q = cfg.tp_q
+    if cfg.tp_mode == "2d":
+        return {"tp_row": q, "tp_col": q}
+    if cfg.tp_mode == "2.5d":
+        return {"tp_dep": cfg.tp_depth, "tp_row": q, "tp_col": q}
+    if cfg.tp_mode == "3d":
+        return {"tp_in": q, "tp_wt": q, "tp_out": q}
+    return {}
+
+
+class MeshLayout:
+    """Rank <-> coordinates and group membership for every axis; no processes.
+
+    >>> lay = MeshLayout(ParallelConfig(dp=2, tp=2))
+    >>> lay.coords(3)
+    {'pp': 0, 'dp': 1, 'sp': 0, 'tp': 1}
+    >>> lay.groups("dp")
+    [[0, 2], [1, 3]]
+    """
+
+    def __init__(self, config: ParallelConfig):
+        self.config = config
+        self.sub = tp_sub_axes(config)
+        self.axes = tuple(AXES) + tuple(self.sub)
+        shape = [config.pp, config.dp, config.sp, config.tp]
+        self.grid = torch.arange(config.world_size).view(*shape)
+        self.fine_names = ("pp", "dp", "sp") + (tuple(self.sub) or ("tp",))
+        self.fine_grid = self.grid.view(*shape[:3], *(self.sub.values() or [config.tp]))
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    def size(self, axis: str) -> int:
+        """Number of ranks in each group of ``axis``."""
+        self._check_axis(axis)
+        return self.config.shape[axis] if axis in AXES else self.sub[axis]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``{"pp", "dp", "sp", "tp"}`` coordinates of ``rank``."""
+        self._check_rank(rank)
+        idx = (self.grid == rank).nonzero()[0].tolist()
+        return dict(zip(AXES, idx))
+
+    def sub_coords(self, rank: int) -> dict[str, int]:
+        """Coordinates of ``rank`` on the tensor sub-axes of its mode (empty for 1d)."""
+        self._check_rank(rank)
+        if not self.sub:
+            return {}
+        idx = (self.fine_grid == rank).nonzero()[0].tolist()[3:]
+        return dict(zip(self.sub, idx))
+
+    def all_coords(self, rank: int) -> dict[str, int]:
+        """Main and tensor sub-axis coordinates together."""
+        return {**self.coords(rank), **self.sub_coords(rank)}
+
+    def rank_of(self, **coords: int) -> int:
+        """Inverse of ``coords``: ``rank_of(pp=1, dp=0, sp=0, tp=1)``; missing axes count as 0."""
+        idx = tuple(coords.get(a, 0) for a in AXES)
+        return int(self.grid[idx])
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group of ``axis``, as rank lists in ascending order of the axis coordinate."""
+        self._check_axis(axis)
+        names = AXES if axis in AXES else self.fine_names
+        grid = self.grid if axis in AXES else self.fine_grid
+        dim = names.index(axis)
+        return grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
+
+    def group_of(self, rank: int, axis: str) -> list[int]:
+        """The group of ``axis`` that contains ``rank``."""
+        return next(g for g in self.groups(axis) if rank in g)
+
+    def table(self) -> list[dict[str, int]]:
+        """One row per rank with every coordinate: handy for printing or plotting."""
+        return [{"rank": r, **self.all_coords(r)} for r in range(self.world_size)]
+
+    def _check_axis(self, axis: str) -> None:
+        if axis not in self.axes:
+            raise ValueError(f"unknown axis {axis!r} for tp_mode={self.config.tp_mode!r}: "
+                             f"this mesh has axes {', '.join(self.axes)}")
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside this mesh of {self.world_size} ranks (0..{self.world_size - 1})")
+
+    def __repr__(self) -> str:
+        return f"MeshLayout({self.config.describe()}, axes={self.axes})"
+
+
+class ProcessMesh:
+    """The real process groups of a config on the current torch.distributed world.
+
+    Built on ``torch.distributed.device_mesh``: one DeviceMesh over
+    ``(pp, dp, sp, tp)`` and, for the 2D/2.5D/3D modes, the tensor block
+    unflattened into its sub-axes. Every rank builds the same mesh (it is a
+    collective). Several meshes can live in one process.
+
+    Inside a rank of ``ParallelConfig(dp=2, tp=2)``::
+
+        mesh = ProcessMesh(cfg)
+        mesh.rank("dp"), mesh.size("dp")   # rank 3 -> (1, 2)
+        mesh.group("tp")                   # the ProcessGroup of ranks [2, 3]
+        mesh.log                           # CommLog of collectives run through colab_kit.comm
+    """
+
+    def __init__(self, config: ParallelConfig, device_type: str | None = None):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .comm import CommLog
+
+        if not dist.is_initialized():
+            raise RuntimeError("ProcessMesh needs torch.distributed to be initialised: run inside "
+                               "ck.launch(fn, world_size) or a ck.Cluster, or call init_process_group")
+        config.check_world_size(dist.get_world_size())
+        self.config = config
+        self.layout = MeshLayout(config)
+        if device_type is None:
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        self.device_type = device_type
+        self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
+            else torch.device("cpu")
+        self.global_rank = dist.get_rank()
+        self.device_mesh = init_device_mesh(device_type, tuple(config.shape.values()), mesh_dim_names=AXES)
+        self.tp_mesh = None
+        if self.layout.sub:
+            self.tp_mesh = self.device_mesh["tp"]._unflatten(0, tuple(self.layout.sub.values()),
+                                                             tuple(self.layout.sub))
+        self.log = CommLog()
+
+    def _mesh_for(self, axis: str):
+        self.layout._check_axis(axis)
+        return self.device_mesh[axis] if axis in AXES else self.tp_mesh[axis]
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The ProcessGroup of ``axis`` that contains this rank."""
+        return self._mesh_for(axis).get_group()
+
+    def rank(self, axis: str) -> int:
+        """This rank's coordinate on ``axis`` (its rank inside the group)."""
+        return self.layout.all_coords(self.global_rank)[axis]
+
+    def size(self, axis: str) -> int:
+        return self.layout.size(axis)
+
+    def ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group on ``axis``."""
+        return self.layout.group_of(self.global_rank, axis)
+
+    def coords(self) -> dict[str, int]:
+        return self.layout.all_coords(self.global_rank)
+
+    def __repr__(self) -> str:
+        return f"ProcessMesh(rank {self.global_rank}: {self.coords()}, {self.config.describe()})"
