@@ -73,7 +73,11 @@ class Pending:
         self.then = then
         self.t0 = time.perf_counter()
 
-    def wait(self) -> CommRecord:
+    def wait(self) -> CommRecord | None:
+        if self.work is None:  # a no-op on a size-1 axis: nothing ran, nothing recorded
+            if self.then is not None:
+                self.then()
+            return None
         self.work.wait()
         rec = self.log.add(self.op, self.axis, self.nbytes, time.perf_counter() - self.t0, self.tag)
         if self.then is not None:
@@ -96,13 +100,20 @@ def _run(mesh, op: str, axis: str, tensor: torch.Tensor, launch, async_op: bool,
 
 
 def all_reduce(tensor: torch.Tensor, mesh, axis: str, op=dist.ReduceOp.SUM, *, async_op: bool = False,
-               tag: str = ""):
-    """In-place all-reduce of ``tensor`` over this rank's ``axis`` group (size 1: no-op, no record)."""
+               tag: str = "", then=None):
+    """In-place all-reduce of ``tensor`` over this rank's ``axis`` group (size 1: no-op, no record).
+
+    With ``async_op=True`` it returns a ``Pending``; ``then`` is called once the result is ready.
+    On a size-1 axis nothing runs and nothing is recorded; ``async_op=True`` still returns a
+    ``Pending`` whose ``wait()`` returns None.
+    """
     if mesh.size(axis) == 1:
+        if async_op:
+            return Pending(None, mesh.log, "all_reduce", axis, 0, tag, then)
         return tensor
     group = mesh.group(axis)
     return _run(mesh, "all_reduce", axis, tensor,
-                lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op, tag)
+                lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op, tag, then)
 
 
 def broadcast(tensor: torch.Tensor, mesh, axis: str, src: int = 0, *, tag: str = "") -> torch.Tensor:

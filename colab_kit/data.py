@@ -1,0 +1,135 @@
+"""Data parallelism: split the batch over ``dp``, all-reduce gradients in buckets.
+
+Each dp rank runs the whole model on ``1/dp`` of the global batch. Gradients
+live in a few flat buckets (``param.grad`` is a view into its bucket, so no copy
+is made); when the last gradient of a bucket has been accumulated during
+backward, that bucket is scaled by ``1/dp`` and its all-reduce starts at once,
+overlapping the rest of the backward pass (the bucketing of PyTorch DDP, Li et
+al. 2020, arXiv 2006.15704). ``finish()`` waits for all of them.
+
+Worked example, dp=2, global batch of 8 rows, two buckets::
+
+    rank 0: rows 0..3 -> backward -> bucket 1 (head, ln_f, last block) ready -> all_reduce starts
+                                  -> bucket 0 (earlier blocks, embeddings) ready -> all_reduce starts
+            finish(): wait both; every grad now holds (g_rank0 + g_rank1) / 2
+    rank 1: rows 4..7, the same buckets in the same order
+
+Buckets fill in reverse parameter order, the order backward produces gradients.
+By default a bucket holds about a quarter of the gradients (at least 64 KiB, at
+most DDP's 25 MB), so even a small model overlaps communication with backward.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import comm
+
+__all__ = ["GradBuckets", "split_batch"]
+
+
+def split_batch(batch: torch.Tensor, parts: int, index: int, what: str = "dp") -> torch.Tensor:
+    """Rows ``index*B/parts .. (index+1)*B/parts`` of ``batch`` (dim 0)."""
+    rows = batch.shape[0]
+    if rows % parts:
+        raise ValueError(f"a global batch of {rows} rows does not split evenly over {what}={parts}: "
+                         f"use a batch size that is a multiple of {parts} (e.g. {parts * max(1, rows // parts)})")
+    size = rows // parts
+    return batch[index * size:(index + 1) * size]
+
+
+class _Bucket:
+    def __init__(self, params: list[torch.nn.Parameter], device):
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=device)
+        self.ready = 0
+        self.pending = None
+        offset = 0
+        for p in params:
+            p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+
+class GradBuckets:
+    """Flat gradient buckets over ``axis`` with all-reduce overlapped with backward.
+
+    ``arm(sync)`` before each backward: with ``sync=False`` (an earlier microbatch
+    of gradient accumulation) gradients only accumulate. ``finish()`` after the
+    last backward waits for every bucket; ``zero()`` clears them for the next step.
+    """
+
+    def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None):
+        self.mesh, self.axis = mesh, axis
+        self.size = mesh.size(axis)
+        self.events = events if events is not None else []
+        params = [p for p in params if p.requires_grad]
+        if bucket_bytes is None:  # about four buckets, so that communication overlaps backward; DDP's 25 MB cap
+            total = sum(p.numel() * p.element_size() for p in params)
+            bucket_bytes = min(25 << 20, max(64 << 10, total // 4))
+        self.buckets: list[_Bucket] = []
+        group, nbytes = [], 0
+        for p in reversed(params):
+            group.append(p)
+            nbytes += p.numel() * p.element_size()
+            if nbytes >= bucket_bytes:
+                self.buckets.append(_Bucket(group, mesh.device))
+                group, nbytes = [], 0
+        if group:
+            self.buckets.append(_Bucket(group, mesh.device))
+        self._owner = {id(p): b for b in self.buckets for p in b.params}
+        self._sync = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self.t0 = time.perf_counter()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
+    def arm(self, sync: bool, t0: float | None = None) -> None:
+        self._sync = sync
+        if t0 is not None:
+            self.t0 = t0
+        for b in self.buckets:
+            b.ready = 0
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        bucket = self._owner[id(p)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self.size == 1:
+            return
+        bucket.buffer.div_(self.size)
+        start = time.perf_counter() - self.t0
+        index = self.buckets.index(bucket)
+
+        def record():
+            self.events.append({"name": f"all_reduce bucket {index}", "kind": "comm", "start": start,
+                                "end": time.perf_counter() - self.t0})
+
+        bucket.pending = comm.all_reduce(bucket.buffer, self.mesh, self.axis, async_op=True,
+                                         tag=f"grad bucket {index}", then=record)
+
+    def finish(self) -> None:
+        """Wait for every bucket; launch any whose parameters got no gradient this step."""
+        for b in self.buckets:
+            if b.pending is None and self._sync and b.ready < len(b.params):
+                self._launch(b)
+        for b in self.buckets:
+            if b.pending is not None:
+                b.pending.wait()
+                b.pending = None
+
+    def zero(self) -> None:
+        for b in self.buckets:
+            b.buffer.zero_()
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()

@@ -1,0 +1,174 @@
+"""``boost(model, optimizer_factory, config)``: compose the parallel parts into one ``Engine``.
+
+Every rank calls ``boost`` with the same dense model (built from the same seed)
+and the same config; the engine shards what the config asks for and trains so
+that the losses equal one process training the dense model on the whole batch.
+
+Inside each rank of ``ParallelConfig(dp=4)``, with a global batch of 16 rows::
+
+    engine = ck.boost(model, lambda ps: torch.optim.AdamW(ps, lr=3e-3), cfg)
+    loss = engine.train_step((inputs, targets))   # inputs [16, T] on every rank
+    # rank r runs rows 4r..4r+3, all-reduces gradients over dp in buckets during
+    # backward, steps the optimizer; loss is the mean over all 16 rows, same on every rank
+
+What runs now: data parallelism (any dp) with gradient accumulation over
+``config.microbatches``. Tensor, pipeline and sequence parallelism, ZeRO,
+offload and mixed precision are refused with a ConfigError that says so; the
+engine never falls back to another mode.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import comm
+from .config import ConfigError, ParallelConfig
+from .data import GradBuckets, split_batch
+from .memory import ActivationMeter, optimizer_bytes, tensor_bytes
+from .mesh import ProcessMesh
+
+__all__ = ["boost", "Engine", "lm_loss"]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy, the loss of the correctness contract."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _refuse_unimplemented(cfg: ParallelConfig) -> None:
+    todo = [(cfg.tp > 1, f"tensor parallelism (tp={cfg.tp}, tp_mode={cfg.tp_mode!r})", "tp=1"),
+            (cfg.pp > 1, f"pipeline parallelism (pp={cfg.pp}, schedule={cfg.schedule!r})", "pp=1"),
+            (cfg.sp > 1, f"sequence parallelism (sp={cfg.sp}, sp_mode={cfg.sp_mode!r})", "sp=1"),
+            (cfg.zero > 0, f"ZeRO stage {cfg.zero}", "zero=0"),
+            (cfg.offload != "none", f"offload={cfg.offload!r}", "offload='none'"),
+            (cfg.precision != "fp32", f"precision={cfg.precision!r}", "precision='fp32'")]
+    missing = [(what, fix) for cond, what, fix in todo if cond]
+    if missing:
+        whats = "; ".join(w for w, _ in missing)
+        fixes = " ".join(f for _, f in missing)
+        raise ConfigError(f"this version of the engine does not run {whats} yet (data parallelism with "
+                          f"gradient accumulation is what runs today): set {fixes} and scale dp instead")
+
+
+def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig, *,
+          mesh: ProcessMesh | None = None, loss_fn: Callable = lm_loss, bucket_bytes: int | None = None) -> "Engine":
+    """Shard ``model`` for ``config`` on this rank and return its ``Engine``.
+
+    ``optimizer_factory(params)`` builds the optimizer over this rank's parameters.
+    ``mesh`` defaults to ``ProcessMesh(config)`` on the current torch.distributed world.
+    ``bucket_bytes`` sets the size of the gradient all-reduce buckets (default: about a
+    quarter of the gradients, 64 KiB to 25 MB).
+    """
+    if not isinstance(config, ParallelConfig):
+        raise TypeError(f"config must be a ck.ParallelConfig, got {type(config).__name__}")
+    _refuse_unimplemented(config)
+    mesh = mesh or ProcessMesh(config)
+    if mesh.config != config:
+        raise ConfigError(f"the mesh was built for {mesh.config.describe()} but boost was given "
+                          f"{config.describe()}: pass the same config to both")
+    return Engine(model, optimizer_factory, config, mesh, loss_fn, bucket_bytes)
+
+
+class Engine:
+    """One rank's share of a training job: model, optimizer, communication, records."""
+
+    def __init__(self, model, optimizer_factory, config, mesh, loss_fn=lm_loss, bucket_bytes=None):
+        self.config, self.mesh, self.loss_fn = config, mesh, loss_fn
+        self.module = model.to(mesh.device)
+        self._events: list[dict] = []
+        with torch.no_grad():  # one starting point even if a rank's seed differed
+            for p in self.module.parameters():
+                comm.broadcast(p.data, mesh, "dp", tag="init params")
+        self.grads = GradBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events)
+        self.optimizer = optimizer_factory([p for p in self.module.parameters() if p.requires_grad])
+        self._acts = ActivationMeter(exclude=list(self.module.parameters()))
+        self.step_count = 0
+        self.history: list[float] = []
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch) -> float:
+        """One optimizer step on the global batch ``(inputs, targets)``; returns the global mean loss."""
+        inputs, targets = batch
+        cfg, mesh = self.config, self.mesh
+        m = cfg.microbatches
+        rows = inputs.shape[0]
+        if rows % (cfg.dp * m):
+            raise ValueError(f"a global batch of {rows} rows does not split over dp={cfg.dp} x microbatches={m}: "
+                             f"use a multiple of {cfg.dp * m} rows")
+        inputs = split_batch(inputs, cfg.dp, mesh.rank("dp")).to(mesh.device)
+        targets = split_batch(targets, cfg.dp, mesh.rank("dp")).to(mesh.device)
+        mesh.log.begin_step()
+        self._events.clear()
+        self._acts.reset()
+        t0 = time.perf_counter()
+        self.module.train()
+        local = torch.zeros((), device=mesh.device)
+        for i in range(m):
+            self.grads.arm(sync=(i == m - 1), t0=t0)
+            x, y = split_batch(inputs, m, i, "microbatches"), split_batch(targets, m, i, "microbatches")
+            with self._timed(f"forward {i}", "compute", t0), self._acts.measure():
+                loss = self.loss_fn(self.module(x), y) / m
+            with self._timed(f"backward {i}", "compute", t0):
+                loss.backward()
+            local += loss.detach()
+        self.grads.finish()
+        with self._timed("optimizer step", "compute", t0):
+            self.optimizer.step()
+            self.grads.zero()
+        with self._timed("loss all_reduce", "comm", t0):
+            comm.all_reduce(local, mesh, "dp", tag="loss")
+        self.step_count += 1
+        value = local.item() / cfg.dp
+        self.history.append(value)
+        return value
+
+    def _timed(self, name: str, kind: str, t0: float):
+        events = self._events
+
+        class _Span:
+            def __enter__(self):
+                self.start = time.perf_counter() - t0
+
+            def __exit__(self, *exc):
+                events.append({"name": name, "kind": kind, "start": self.start, "end": time.perf_counter() - t0})
+
+        return _Span()
+
+    @torch.no_grad()
+    def evaluate(self, batch) -> float:
+        """Global mean loss of ``batch`` without training."""
+        inputs, targets = batch
+        self.module.eval()
+        x = split_batch(inputs, self.config.dp, self.mesh.rank("dp")).to(self.mesh.device)
+        y = split_batch(targets, self.config.dp, self.mesh.rank("dp")).to(self.mesh.device)
+        loss = self.loss_fn(self.module(x), y).reshape(1)
+        comm.all_reduce(loss, self.mesh, "dp", tag="eval loss")
+        return loss.item() / self.config.dp
+
+    # ------------------------------------------------------------------ records
+    def memory(self) -> dict:
+        """Measured bytes on this rank: params, grads, optimizer, activations (see colab_kit.memory)."""
+        return {"params": tensor_bytes(self.module.parameters()),
+                "grads": self.grads.nbytes,
+                "optimizer": optimizer_bytes(self.optimizer),
+                "activations": self._acts.peak}
+
+    def comm(self, last_step: bool = False) -> list[dict]:
+        """This rank's recorded collectives (all, or those of the last step)."""
+        log = self.mesh.log
+        return log.as_dicts(log.last_step() if last_step else None)
+
+    def timeline(self) -> list[dict]:
+        """This rank's events of the last step: name, kind (compute/comm), start and end in seconds."""
+        return sorted(self._events, key=lambda e: e["start"])
+
+    def state_vector(self) -> torch.Tensor:
+        """All parameters flattened into one CPU vector (for checking ranks agree)."""
+        return torch.cat([p.detach().reshape(-1).cpu() for p in self.module.parameters()])
+
+    def __repr__(self) -> str:
+        return f"Engine({self.config.describe()}, rank {self.mesh.global_rank}, step {self.step_count})"

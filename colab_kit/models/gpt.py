@@ -1,0 +1,149 @@
+"""A small decoder-only transformer (GPT) that the engine can shard and stage.
+
+Token and position embeddings, ``n_layers`` pre-LayerNorm blocks (causal
+self-attention, then a GELU MLP) kept in ``model.blocks`` so that a pipeline can
+cut between them, a final LayerNorm and an untied LM head. Q, K and V are three
+separate ``nn.Linear`` so that a tensor-parallel plan can split heads by
+splitting output features. The model knows nothing about parallelism.
+
+Parameters come from the config's seed alone (the global RNG is left as it
+was), so every rank that builds ``GPT(cfg)`` holds identical weights::
+
+    >>> cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2)
+    >>> a, b = GPT(cfg), GPT(cfg)
+    >>> all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    True
+    >>> GPT(cfg)(torch.zeros(8, 32, dtype=torch.long)).shape
+    torch.Size([8, 32, 64])
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPTConfig", "GPT", "Block", "Attention", "MLP"]
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 64
+    """Number of token ids."""
+    seq_len: int = 32
+    """Longest sequence (size of the position table)."""
+    d_model: int = 64
+    """Hidden size."""
+    n_heads: int = 4
+    """Attention heads; must divide d_model."""
+    n_layers: int = 2
+    """Transformer blocks."""
+    d_ff: int | None = None
+    """MLP inner size; 4 * d_model when None."""
+    dropout: float = 0.0
+    """Dropout on attention output and MLP output; 0.0 keeps training deterministic."""
+    seed: int = 0
+    """Seed of the parameter initialisation."""
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}: "
+                             f"try d_model={self.n_heads * max(1, round(self.d_model / self.n_heads))}")
+        if self.d_ff is None:
+            self.d_ff = 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention: q, k, v projections, softmax(qk^T/sqrt(d)) v, out projection."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # heads = out_features / head_dim, so a layer holding a slice of heads works unchanged
+        split = lambda y: y.view(b, t, -1, self.head_dim).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc2(F.gelu(self.fc1(x))))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer; ``forward(tokens [b, t]) -> logits [b, t, vocab]``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.ln_f = nn.LayerNorm(cfg.d_model)
+            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self._init_weights()
+
+    def _init_weights(self) -> None:
+        # GPT-2 style: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
+            else:
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("proj.weight", "fc2.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence of {t} tokens is longer than GPTConfig.seq_len={self.cfg.seq_len}")
+        return self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
