@@ -9,9 +9,10 @@ Measured, on this rank, in bytes (each storage counted once):
   the peak over the step's microbatches (parameters saved by a layer are not counted
   twice). ``ActivationMeter`` records them with ``torch.autograd.graph.saved_tensors_hooks``.
 
-Worked example, the demo GPT (110,336 fp32 parameters) with AdamW and dp=4:
-every rank reports params 441,344 B, grads 441,344 B, optimizer 882,688 B
-(+ 8 B of step counters per tensor), and activations for its quarter of the batch.
+Worked example, the demo GPT (110,336 fp32 parameters in 37 tensors) with AdamW,
+dp=4 and a global batch of 32 rows: every rank reports params 441,344 B, grads
+441,344 B, optimizer 882,836 B (two moments, 882,688 B, and a 4-byte step counter
+per tensor) and activations 2,328,836 B for its 8 rows.
 """
 from __future__ import annotations
 

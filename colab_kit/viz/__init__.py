@@ -1,0 +1,9 @@
+"""Pure plotly figure builders: data in, ``go.Figure`` out (no widgets, no processes).
+
+Figures of recorded data say so in their title; planned or analytic data is
+labelled as planned.
+"""
+from .mesh import mesh_figure
+from .training import loss_figure, memory_figure, timeline_figure
+
+__all__ = ["mesh_figure", "loss_figure", "memory_figure", "timeline_figure"]

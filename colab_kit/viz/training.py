@@ -1,0 +1,69 @@
+"""Figures of what the engine recorded: loss per step, memory per rank, step timeline.
+
+Each builder takes plain data gathered from the ranks (lists and dicts), so it
+works the same on a live cluster's results, a saved report or a test fixture::
+
+    >>> fig = memory_figure([{"params": 400, "grads": 400, "optimizer": 800, "activations": 300}] * 2)
+    >>> [trace.name for trace in fig.data]
+    ['params', 'grads', 'optimizer', 'activations']
+"""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+__all__ = ["loss_figure", "memory_figure", "timeline_figure"]
+
+_CATEGORY_COLOURS = {"params": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b", "activations": "#e45756"}
+_KIND_COLOURS = {"compute": "#4c78a8", "comm": "#f58518", "idle": "#d3d3d3"}
+
+
+def loss_figure(losses, title: str = "Training loss (measured)", reference=None) -> go.Figure:
+    """Loss per step; ``losses`` is a list, or a dict of name -> list for several runs.
+
+    ``reference`` (optional list) is drawn dashed, e.g. a single-process run.
+    """
+    runs = losses if isinstance(losses, dict) else {"loss": losses}
+    fig = go.Figure()
+    for name, values in runs.items():
+        fig.add_scatter(x=list(range(1, len(values) + 1)), y=list(values), mode="lines+markers", name=str(name))
+    if reference is not None:
+        fig.add_scatter(x=list(range(1, len(reference) + 1)), y=list(reference), mode="lines",
+                        name="single process", line={"dash": "dash"})
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title="mean token cross-entropy",
+                      template="plotly_white", height=360)
+    return fig
+
+
+def memory_figure(per_rank: list[dict], title: str = "Memory per rank (measured)") -> go.Figure:
+    """Stacked bars: one bar per rank, one segment per category (bytes shown as MiB)."""
+    categories = [c for c in _CATEGORY_COLOURS if any(c in m for m in per_rank)]
+    categories += sorted({k for m in per_rank for k in m if isinstance(m[k], (int, float))} - set(categories))
+    ranks = [f"rank {r}" for r in range(len(per_rank))]
+    fig = go.Figure()
+    for cat in categories:
+        mib = [m.get(cat, 0) / 2**20 for m in per_rank]
+        fig.add_bar(x=ranks, y=mib, name=cat, marker_color=_CATEGORY_COLOURS.get(cat),
+                    hovertemplate=f"{cat}: %{{y:.3f}} MiB<extra>%{{x}}</extra>")
+    fig.update_layout(barmode="stack", title=title, yaxis_title="MiB", template="plotly_white", height=360)
+    return fig
+
+
+def timeline_figure(per_rank: list[list[dict]], title: str = "Last step per rank (measured)") -> go.Figure:
+    """Gantt chart of each rank's events (``name``, ``kind``, ``start``, ``end`` in seconds).
+
+    Overlapping events (a bucket all-reduce during backward) are drawn on a second
+    lane of the rank so that both stay visible.
+    """
+    fig = go.Figure()
+    shown = set()
+    for rank, events in enumerate(per_rank):
+        for e in events:
+            lane = f"rank {rank}" + (" comm" if e["kind"] == "comm" else "")
+            fig.add_bar(x=[(e["end"] - e["start"]) * 1e3], base=[e["start"] * 1e3], y=[lane], orientation="h",
+                        marker_color=_KIND_COLOURS.get(e["kind"], "#999"), name=e["kind"],
+                        legendgroup=e["kind"], showlegend=e["kind"] not in shown,
+                        hovertemplate=f"{e['name']}<br>%{{base:.2f}} ms + %{{x:.2f}} ms<extra>{lane}</extra>")
+            shown.add(e["kind"])
+    fig.update_layout(barmode="overlay", title=title, xaxis_title="ms since step start", template="plotly_white",
+                      height=120 + 40 * max(1, len(per_rank)), yaxis={"autorange": "reversed"})
+    return fig
