@@ -1,0 +1,31 @@
+"""The headless main job, `colab-kit demo`, end to end on 2 local ranks."""
+import subprocess
+import sys
+
+from colab_kit import cli
+
+
+def test_demo_trains_reports_and_matches_one_process(tmp_path, capsys):
+    report = tmp_path / "report.html"
+    code = cli.main(["demo", "--ranks", "2", "--steps", "6", "--batch", "8", "--report", str(report)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "dp=2 = 2 ranks" in out
+    assert out.count("loss ") >= 6  # one line per step
+    assert "step   6/6" in out
+    assert "memory per rank" in out and "activations" in out
+    assert "max relative loss difference" in out and "(OK, contract 1e-5)" in out
+    html = report.read_text()
+    # four plotly figures: mesh, loss, memory, timeline; plotly.js embedded once so it opens offline
+    assert html.count("Plotly.newPlot") == 4
+    assert "Training loss" in html and "Memory per rank" in html
+
+
+def test_demo_rejects_batch_that_does_not_split(capsys):
+    assert cli.main(["demo", "--ranks", "3", "--batch", "8", "--steps", "1", "--report", ""]) == 2
+    assert "--batch 8 does not split over 3 ranks" in capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    out = subprocess.run([sys.executable, "-m", "colab_kit.cli", "demo", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--ranks" in out.stdout
