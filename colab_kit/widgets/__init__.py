@@ -1,0 +1,10 @@
+"""Notebook widgets, composed from the pure figure builders in ``colab_kit.viz``.
+
+ipywidgets is imported only when a widget is displayed; outside a kernel each
+widget prints a text summary instead.
+
+    ck.widgets.ConfigPicker()       # pick degrees and modes, see the mesh, Apply to the cluster
+"""
+from .config_picker import ConfigPicker
+
+__all__ = ["ConfigPicker"]

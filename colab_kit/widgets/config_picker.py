@@ -1,0 +1,224 @@
+"""``ConfigPicker``: choose the parallel degrees with widgets, see the mesh, apply to the cluster.
+
+    picker = ck.widgets.ConfigPicker()      # uses the %colossal cluster when there is one
+    picker                                  # widgets in a notebook, a text summary elsewhere
+
+Every change is validated at once with ``ParallelConfig`` and the world size,
+and the status line says whether it fits (or shows the ConfigError's message)::
+
+    picker.set(dp=2, tp=2)   # on a 4-rank cluster -> "ok: dp=2 x tp=2 (1d) = 4 ranks fits the 4 ranks"
+    picker.set(tp=3)         # -> "not valid: this config needs dp*pp*sp*tp = 2*1*1*3 = 6 ranks, but there are 4: ..."
+    picker.apply()           # the same path as %colossal config: config and mesh set on every rank
+
+The logic (``set``, ``status``, ``config``, ``figure``, ``apply``) needs no browser;
+ipywidgets is imported only when the widget is shown.
+"""
+from __future__ import annotations
+
+from ..config import SCHEDULES, SP_MODES, TP_MODES, ConfigError, ParallelConfig
+
+__all__ = ["ConfigPicker", "FIELDS"]
+
+FIELDS = ("dp", "tp", "pp", "sp", "tp_mode", "tp_depth", "sp_mode", "schedule", "microbatches", "chunks", "zero")
+_CHOICES = {"tp_mode": TP_MODES, "sp_mode": SP_MODES, "schedule": SCHEDULES, "zero": (0, 1, 2, 3)}
+
+
+def _magic_state():
+    """The %colossal state of the running IPython, if the extension is loaded."""
+    try:
+        from ..magics import state
+
+        return state()
+    except Exception:  # noqa: BLE001 - no IPython, or the extension is not loaded
+        return None
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+class ConfigPicker:
+    """Widgets for dp, tp, pp, sp, tp_mode, tp_depth, sp_mode, schedule, microbatches, chunks, zero.
+
+    cluster: where Apply sends the config; None means the %colossal cluster (if any).
+    world_size: the size the choice must fit; None means the cluster's size (or no check).
+    """
+
+    def __init__(self, cluster=None, world_size: int | None = None, *, config: ParallelConfig | None = None,
+                 state=None):
+        self.cluster = cluster
+        self.state = state if state is not None else (_magic_state() if cluster is None else None)
+        self._world_size = world_size
+        start = config or (self.state.config if self.state is not None and self.state.config else None)
+        if start is None:
+            start = ParallelConfig(dp=self.world_size or 1)
+        self.values = {f: getattr(start, f) for f in FIELDS}
+        self.config: ParallelConfig | None = None   # the current choice when valid
+        self.error: str | None = None                # the rule it breaks when not
+        self.message = ""                            # result of the last Apply
+        self._ui = None
+        self._validate()
+
+    # ------------------------------------------------------------ logic (no widgets)
+    @property
+    def target(self):
+        """The cluster Apply would use, or None."""
+        if self.cluster is not None:
+            return self.cluster
+        return self.state.cluster if self.state is not None else None
+
+    @property
+    def world_size(self) -> int | None:
+        if self._world_size is not None:
+            return self._world_size
+        target = self.target
+        return target.world_size if target is not None and target.running else None
+
+    def set(self, **changes) -> str:
+        """Change some fields (as a widget would), validate, redraw; return the status text."""
+        for key, value in changes.items():
+            if key not in FIELDS:
+                raise ConfigError(f"ConfigPicker has no field {key!r}: fields are {', '.join(FIELDS)}")
+            self.values[key] = value
+        self._validate()
+        if self._ui is not None:
+            self._sync_ui(changes)
+        return self.status()
+
+    def _validate(self) -> None:
+        try:
+            cfg = ParallelConfig.from_dict(self.values)
+            if self.world_size is not None:
+                cfg.check_world_size(self.world_size)
+        except ConfigError as exc:
+            self.config, self.error = None, str(exc)
+        else:
+            self.config, self.error = cfg, None
+
+    def status(self) -> str:
+        """'ok: ...' when the choice is valid and fits, else 'not valid: <the ConfigError message>'."""
+        if self.error is not None:
+            return f"not valid: {self.error}"
+        n = self.world_size
+        fits = f" fits the {n} ranks" if n is not None else " (no cluster: nothing to check the world size against)"
+        return f"ok: {self.config.describe()}{fits}"
+
+    def figure(self):
+        """The mesh figure of the current choice (an empty figure naming the problem when invalid)."""
+        import plotly.graph_objects as go
+
+        from ..viz.mesh import mesh_figure
+
+        if self.config is None:
+            fig = go.Figure()
+            fig.update_layout(title="no valid config", xaxis=dict(visible=False), yaxis=dict(visible=False),
+                              height=200, plot_bgcolor="white")
+            return fig
+        return mesh_figure(self.config, axis="tp" if self.config.tp > 1 else "dp")
+
+    def apply(self) -> str:
+        """Send the current choice to the cluster, by the same path as ``%colossal config``."""
+        from ..cluster import ClusterError
+        from ..errors import RankError
+
+        if self.config is None:
+            self.message = f"not applied: {self.error}"
+        elif self.target is None or not self.target.running:
+            self.message = "not applied: no cluster running (start one with %colossal start -n 4)"
+        else:
+            try:
+                if self.cluster is None and self.state is not None:
+                    self.message = self.state.apply_config(self.config)
+                else:
+                    self.target.set_config(self.config)
+                    self.message = f"config set on {self.target.world_size} ranks: {self.config.describe()}"
+            except (ConfigError, ClusterError, RankError) as exc:
+                self.message = f"not applied: {str(exc).splitlines()[0]}"
+        if self._ui is not None:
+            self._ui["message"].value = self.message
+        return self.message
+
+    # ------------------------------------------------------------ widgets (lazy)
+    def widget(self):
+        """The ipywidgets form (built once)."""
+        if self._ui is None:
+            self._ui = self._build()
+        return self._ui["box"]
+
+    def _build(self) -> dict:
+        import ipywidgets as w
+
+        ui = {}
+        for f in FIELDS:
+            if f in _CHOICES:
+                ui[f] = w.Dropdown(options=list(_CHOICES[f]), value=self.values[f], description=f)
+            else:
+                ui[f] = w.BoundedIntText(value=self.values[f], min=1, max=1024, description=f)
+            ui[f].layout.width = "180px"
+            ui[f].observe(lambda change, f=f: self.set(**{f: change["new"]}), names="value")
+        ui["status"] = w.HTML()
+        ui["message"] = w.Label(value=self.message)
+        button = w.Button(description="Apply", button_style="primary", tooltip="set this config on every rank")
+        button.on_click(lambda _: self.apply())
+        ui["fig"] = self._figure_view(w)
+        degrees = w.HBox([ui[f] for f in ("dp", "tp", "pp", "sp")])
+        modes = w.HBox([ui[f] for f in ("tp_mode", "tp_depth", "sp_mode")])
+        sched = w.HBox([ui[f] for f in ("schedule", "microbatches", "chunks", "zero")])
+        ui["box"] = w.VBox([degrees, modes, sched, ui["status"], w.HBox([button, ui["message"]]), ui["fig"]])
+        self._ui = ui
+        self._sync_ui({})
+        return ui
+
+    def _figure_view(self, w):
+        import plotly.graph_objects as go
+
+        try:
+            return go.FigureWidget(self.figure())  # needs anywidget
+        except Exception:  # noqa: BLE001 - fall back to displaying a plain figure in an Output
+            return w.Output()
+
+    def _sync_ui(self, changes: dict) -> None:
+        ui = self._ui
+        for key, value in changes.items():
+            if ui[key].value != value:
+                ui[key].value = value  # observers call set() again with the same value: harmless
+        ok = self.error is None
+        colour = "green" if ok else "#b00020"
+        ui["status"].value = f"<span style='color:{colour}'>{_html(self.status())}</span>"
+        fig = self.figure()
+        view = ui["fig"]
+        if hasattr(view, "batch_update"):
+            with view.batch_update():
+                view.data = []
+                view.add_traces(list(fig.data))
+                view.layout = fig.layout
+        else:
+            from IPython.display import display
+
+            view.clear_output(wait=True)
+            with view:
+                display(fig)
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        if _in_kernel():
+            try:
+                display(self.widget())
+                return
+            except ImportError:
+                pass
+        print(repr(self))
+
+    def __repr__(self) -> str:
+        fields = " ".join(f"{k}={v}" for k, v in self.values.items())
+        return f"ConfigPicker({fields})\n{self.status()}"
+
+
+def _html(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
