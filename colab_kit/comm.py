@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommRecord", "CommLog", "all_reduce", "broadcast", "all_gather", "Pending"]
+__all__ = ["CommRecord", "CommLog", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "Pending",
+           "copy_to_group", "reduce_from_group", "gather_from_group", "split_to_group"]
 
 
 @dataclass
@@ -136,3 +137,108 @@ def all_gather(tensor: torch.Tensor, mesh, axis: str, dim: int = 0, *, tag: str 
     _run(mesh, "all_gather", axis, tensor,
          lambda a: dist.all_gather(parts, tensor, group=mesh.group(axis), async_op=a), False, tag)
     return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, mesh, axis: str, dim: int = 0, *, tag: str = "") -> torch.Tensor:
+    """Sum ``tensor`` over the ``axis`` group and keep this rank's slice of ``dim`` (n equal slices)."""
+    n = mesh.size(axis)
+    if n == 1:
+        return tensor
+    if tensor.shape[dim] % n:
+        raise ValueError(f"reduce_scatter over {axis} (size {n}) needs dim {dim} of size {tensor.shape[dim]} "
+                         f"to be divisible by {n}")
+    parts = [p.contiguous() for p in tensor.chunk(n, dim=dim)]
+    out = torch.empty_like(parts[0])
+    _run(mesh, "reduce_scatter", axis, tensor,
+         lambda a: dist.reduce_scatter(out, parts, group=mesh.group(axis), async_op=a), False, tag)
+    return out
+
+
+def reduce(tensor: torch.Tensor, mesh, axis: str, dst: int = 0, *, tag: str = "") -> torch.Tensor:
+    """In-place sum onto the rank whose ``axis`` coordinate is ``dst`` (others keep garbage)."""
+    if mesh.size(axis) == 1:
+        return tensor
+    dst_global = mesh.ranks(axis)[dst]
+    return _run(mesh, "reduce", axis, tensor,
+                lambda a: dist.reduce(tensor, dst=dst_global, group=mesh.group(axis), async_op=a), False, tag)
+
+
+# --------------------------------------------------------------------------- autograd collectives
+# Megatron-LM (Shoeybi et al. 2019, arXiv 1909.08053) names the pair of conjugate operators
+# around a tensor-parallel MLP f and g: f is the identity forward and an all-reduce backward,
+# g the reverse. Every collective they run is recorded like the plain ones above.
+
+class CopyToGroup(torch.autograd.Function):
+    """Megatron's f: forward identity; backward all-reduce (sum) of the gradient over ``axis``.
+
+    Put in front of a column-parallel layer whose input is replicated: each rank's
+    slice of the layer contributes part of the input gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, mesh, axis):
+        ctx.mesh, ctx.axis = mesh, axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.mesh, ctx.axis, tag="f backward"), None, None
+
+
+class ReduceFromGroup(torch.autograd.Function):
+    """Megatron's g: forward all-reduce (sum) over ``axis``; backward identity.
+
+    Put after a row-parallel layer: each rank holds a partial sum of the output.
+    """
+
+    @staticmethod
+    def forward(ctx, x, mesh, axis):
+        return all_reduce(x.contiguous().clone(), mesh, axis, tag="g forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class GatherFromGroup(torch.autograd.Function):
+    """Forward all-gather along ``dim`` over ``axis``; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, axis, dim):
+        ctx.mesh, ctx.axis, ctx.dim = mesh, axis, dim
+        return all_gather(x, mesh, axis, dim, tag="gather forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, i = ctx.mesh.size(ctx.axis), ctx.mesh.rank(ctx.axis)
+        return grad.chunk(n, dim=ctx.dim)[i].contiguous(), None, None, None
+
+
+class SplitToGroup(torch.autograd.Function):
+    """Forward keeps this rank's slice of ``dim``; backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, axis, dim):
+        ctx.mesh, ctx.axis, ctx.dim = mesh, axis, dim
+        n, i = mesh.size(axis), mesh.rank(axis)
+        return x.chunk(n, dim=dim)[i].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.mesh, ctx.axis, ctx.dim, tag="split backward"), None, None, None
+
+
+def copy_to_group(x, mesh, axis):
+    return CopyToGroup.apply(x, mesh, axis) if mesh.size(axis) > 1 else x
+
+
+def reduce_from_group(x, mesh, axis):
+    return ReduceFromGroup.apply(x, mesh, axis) if mesh.size(axis) > 1 else x
+
+
+def gather_from_group(x, mesh, axis, dim=-1):
+    return GatherFromGroup.apply(x, mesh, axis, dim % x.dim()) if mesh.size(axis) > 1 else x
+
+
+def split_to_group(x, mesh, axis, dim=-1):
+    return SplitToGroup.apply(x, mesh, axis, dim % x.dim()) if mesh.size(axis) > 1 else x

@@ -12,9 +12,9 @@ Inside each rank of ``ParallelConfig(dp=4)``, with a global batch of 16 rows::
     # backward, steps the optimizer; loss is the mean over all 16 rows, same on every rank
 
 What runs now: data parallelism (any dp) with gradient accumulation over
-``config.microbatches``. Tensor, pipeline and sequence parallelism, ZeRO,
-offload and mixed precision are refused with a ConfigError that says so; the
-engine never falls back to another mode.
+``config.microbatches``, composed with tensor parallelism (``colab_kit.tensor``).
+Pipeline and sequence parallelism, ZeRO, offload and mixed precision are refused
+with a ConfigError that says so; the engine never falls back to another mode.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from .config import ConfigError, ParallelConfig
 from .data import GradBuckets, split_batch
 from .memory import ActivationMeter, optimizer_bytes, tensor_bytes
 from .mesh import ProcessMesh
+from .tensor import check_model, plan_for, sync_grads
 
 __all__ = ["boost", "Engine", "lm_loss"]
 
@@ -40,8 +41,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _refuse_unimplemented(cfg: ParallelConfig) -> None:
-    todo = [(cfg.tp > 1, f"tensor parallelism (tp={cfg.tp}, tp_mode={cfg.tp_mode!r})", "tp=1"),
-            (cfg.pp > 1, f"pipeline parallelism (pp={cfg.pp}, schedule={cfg.schedule!r})", "pp=1"),
+    todo = [(cfg.pp > 1, f"pipeline parallelism (pp={cfg.pp}, schedule={cfg.schedule!r})", "pp=1"),
             (cfg.sp > 1, f"sequence parallelism (sp={cfg.sp}, sp_mode={cfg.sp_mode!r})", "sp=1"),
             (cfg.zero > 0, f"ZeRO stage {cfg.zero}", "zero=0"),
             (cfg.offload != "none", f"offload={cfg.offload!r}", "offload='none'"),
@@ -50,8 +50,8 @@ def _refuse_unimplemented(cfg: ParallelConfig) -> None:
     if missing:
         whats = "; ".join(w for w, _ in missing)
         fixes = " ".join(f for _, f in missing)
-        raise ConfigError(f"this version of the engine does not run {whats} yet (data parallelism with "
-                          f"gradient accumulation is what runs today): set {fixes} and scale dp instead")
+        raise ConfigError(f"this version of the engine does not run {whats} yet (data and tensor parallelism "
+                          f"with gradient accumulation are what run today): set {fixes} and scale dp or tp instead")
 
 
 def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig, *,
@@ -66,6 +66,8 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"config must be a ck.ParallelConfig, got {type(config).__name__}")
     _refuse_unimplemented(config)
+    if config.tp > 1 and hasattr(model, "cfg"):
+        check_model(model.cfg, config)  # sizes that do not divide: refused before any collective
     mesh = mesh or ProcessMesh(config)
     if mesh.config != config:
         raise ConfigError(f"the mesh was built for {mesh.config.describe()} but boost was given "
@@ -78,6 +80,16 @@ class Engine:
 
     def __init__(self, model, optimizer_factory, config, mesh, loss_fn=lm_loss, bucket_bytes=None):
         self.config, self.mesh, self.loss_fn = config, mesh, loss_fn
+        self.tp_plan = None
+        if config.tp > 1:
+            if not hasattr(model, "blocks") or not hasattr(model, "cfg"):
+                raise ConfigError(f"tensor parallelism shards ck.models.GPT; got {type(model).__name__}: "
+                                  "use tp=1 for other models")
+            check_model(model.cfg, config)
+            self.tp_plan = plan_for(mesh)
+            model = self.tp_plan.parallelize(model)
+            if loss_fn is lm_loss:
+                self.loss_fn = self.tp_plan.loss
         self.module = model.to(mesh.device)
         self._events: list[dict] = []
         with torch.no_grad():  # one starting point even if a rank's seed differed
@@ -99,8 +111,8 @@ class Engine:
         if rows % (cfg.dp * m):
             raise ValueError(f"a global batch of {rows} rows does not split over dp={cfg.dp} x microbatches={m}: "
                              f"use a multiple of {cfg.dp * m} rows")
-        inputs = split_batch(inputs, cfg.dp, mesh.rank("dp")).to(mesh.device)
-        targets = split_batch(targets, cfg.dp, mesh.rank("dp")).to(mesh.device)
+        inputs, targets = self._local_rows(inputs), self._local_rows(targets)
+        shards = self.tp_plan.batch_shards if self.tp_plan else 1
         mesh.log.begin_step()
         self._events.clear()
         self._acts.reset()
@@ -113,18 +125,33 @@ class Engine:
             with self._timed(f"forward {i}", "compute", t0), self._acts.measure():
                 loss = self.loss_fn(self.module(x), y) / m
             with self._timed(f"backward {i}", "compute", t0):
-                loss.backward()
+                (loss / shards).backward()
             local += loss.detach()
         self.grads.finish()
+        if self.tp_plan is not None:
+            sync_grads(self.module, mesh)
         with self._timed("optimizer step", "compute", t0):
             self.optimizer.step()
             self.grads.zero()
         with self._timed("loss all_reduce", "comm", t0):
-            comm.all_reduce(local, mesh, "dp", tag="loss")
+            value = self._global_mean(local)
         self.step_count += 1
-        value = local.item() / cfg.dp
         self.history.append(value)
         return value
+
+    def _local_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the global batch: its dp share, then its share inside tp."""
+        rows = split_batch(rows, self.config.dp, self.mesh.rank("dp"))
+        if self.tp_plan is not None:
+            rows = self.tp_plan.shard_batch(rows)
+        return rows.to(self.mesh.device)
+
+    def _global_mean(self, local: torch.Tensor) -> float:
+        """Mean over dp and tp of each rank's mean loss (tp ranks that share rows agree)."""
+        local = local.reshape(1)
+        comm.all_reduce(local, self.mesh, "dp", tag="loss")
+        comm.all_reduce(local, self.mesh, "tp", tag="loss")
+        return local.item() / (self.config.dp * self.config.tp)
 
     def _timed(self, name: str, kind: str, t0: float):
         events = self._events
@@ -143,11 +170,7 @@ class Engine:
         """Global mean loss of ``batch`` without training."""
         inputs, targets = batch
         self.module.eval()
-        x = split_batch(inputs, self.config.dp, self.mesh.rank("dp")).to(self.mesh.device)
-        y = split_batch(targets, self.config.dp, self.mesh.rank("dp")).to(self.mesh.device)
-        loss = self.loss_fn(self.module(x), y).reshape(1)
-        comm.all_reduce(loss, self.mesh, "dp", tag="eval loss")
-        return loss.item() / self.config.dp
+        return self._global_mean(self.loss_fn(self.module(self._local_rows(inputs)), self._local_rows(targets)))
 
     # ------------------------------------------------------------------ records
     def memory(self) -> dict:

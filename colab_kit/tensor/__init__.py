@@ -1,0 +1,127 @@
+"""Tensor parallelism in the four modes of the Colossal-AI paper.
+
+A ``TensorPlan`` turns the dense GPT into this rank's shard, in place, for one
+mode. Every mode keeps the same contract so that the engine treats them alike:
+
+- ``plan.parallelize(model)`` replaces Linear / LayerNorm / Embedding modules with
+  parallel layers built ``from_dense`` (each can gather itself back: ``to_dense()``);
+  the model's own forward code runs unchanged on the local shards.
+- ``plan.shard_batch(rows)`` keeps the rows of the (dp-local) batch this rank works on:
+  modes that split the batch inside the tensor block do it over ``plan.batch_axes``.
+- ``plan.loss(local_logits, local_targets)`` is the vocab-parallel cross-entropy: the
+  mean over this rank's tokens, computed without ever gathering full logits.
+- After backward, a parameter whose gradient is only partial on this rank (the same
+  weight slice used by several batch shards) carries ``param._ck_grad_sum_axes``;
+  ``sync_grads(module, mesh)`` sums those gradients over the named axes.
+
+The loss each rank backpropagates is ``plan.loss(...) / plan.batch_shards``, so the
+weight gradients that the parallel layers sum over batch shards come out as the
+gradient of the mean over the whole (dp-local) batch.
+
+=======  ================================  ======================  ==================
+mode     paper                             activation [b, t, h]    batch_axes
+=======  ================================  ======================  ==================
+1d       Megatron-LM (1909.08053)          replicated              ()
+2d       SUMMA / Optimus (2104.05343)      b by tp_row, h by       (tp_row,)
+                                           tp_col
+2.5d     Tesseract (2105.14500)            b by (tp_dep, tp_row),  (tp_dep, tp_row)
+                                           h by tp_col
+3d       3D parallelism (2105.14450)       see ``tp3d``            see ``tp3d``
+=======  ================================  ======================  ==================
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from .. import comm
+from ..config import ConfigError
+
+__all__ = ["TensorPlan", "plan_for", "plan_class", "check_model", "mark_grad_sum", "sync_grads"]
+
+
+def mark_grad_sum(param: nn.Parameter, *axes: str) -> nn.Parameter:
+    """Record that ``param``'s gradient must be summed over ``axes`` after backward."""
+    param._ck_grad_sum_axes = tuple(axes)
+    return param
+
+
+def sync_grads(module: nn.Module, mesh) -> None:
+    """Sum every marked parameter's gradient over its axes (see ``mark_grad_sum``)."""
+    for p in module.parameters():
+        for axis in getattr(p, "_ck_grad_sum_axes", ()):
+            if p.grad is not None and mesh.size(axis) > 1:
+                comm.all_reduce(p.grad, mesh, axis, tag="replicated grad")
+
+
+class TensorPlan:
+    """Base of the per-mode plans; see the module docstring for the contract."""
+
+    mode = ""
+    batch_axes: tuple[str, ...] = ()
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    @property
+    def batch_shards(self) -> int:
+        return math.prod(self.mesh.size(a) for a in self.batch_axes)
+
+    def shard_batch(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows: split over ``batch_axes``, slowest axis first."""
+        for axis in self.batch_axes:
+            n, i = self.mesh.size(axis), self.mesh.rank(axis)
+            if rows.shape[0] % n:
+                raise ValueError(f"{rows.shape[0]} rows do not split over {axis}={n} inside tp_mode="
+                                 f"{self.mode!r}: use a batch whose rows per dp rank are a multiple of "
+                                 f"{self.batch_shards}")
+            rows = rows.chunk(n)[i]
+        return rows
+
+    @classmethod
+    def check(cls, model_cfg, layout) -> None:
+        """Raise ConfigError when the model's sizes do not divide over this mode's mesh.
+
+        Pure: ``layout`` is a ``MeshLayout``, so the check runs in the notebook kernel
+        before any process is touched (``check_model``).
+        """
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def require_divisible(what: dict[str, int], by: int, rule: str) -> None:
+    """ConfigError naming every size in ``what`` that ``by`` does not divide."""
+    bad = {k: v for k, v in what.items() if v % by}
+    if bad:
+        sizes = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise ConfigError(f"{sizes} not divisible by {by}: {rule}")
+
+
+def plan_class(tp_mode: str) -> type[TensorPlan]:
+    """The plan class of a tensor mode."""
+    if tp_mode == "1d":
+        from .tp1d import Plan1D
+        return Plan1D
+    if tp_mode in ("2d", "2.5d"):
+        from .tp2d import Plan2D
+        return Plan2D
+    from .tp3d import Plan3D
+    return Plan3D
+
+
+def plan_for(mesh) -> TensorPlan:
+    """The plan of ``mesh.config.tp_mode`` on this rank's mesh."""
+    return plan_class(mesh.config.tp_mode)(mesh)
+
+
+def check_model(model_cfg, config) -> None:
+    """ConfigError, before any process runs, if ``model_cfg`` cannot be sharded by ``config``."""
+    if config.tp > 1:
+        from ..mesh import MeshLayout
+        plan_class(config.tp_mode).check(model_cfg, MeshLayout(config))

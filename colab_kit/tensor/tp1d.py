@@ -1,0 +1,147 @@
+"""1D tensor parallelism (Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053).
+
+Activations stay whole on every rank of the ``tp`` group; weights are split:
+
+- ``ColumnLinear`` splits the output features (rows of ``W [out, in]``), after
+  Megatron's f (identity forward, all-reduce of the input gradient backward);
+- ``RowLinear`` splits the input features (columns of ``W``) and sums the partial
+  outputs with Megatron's g (all-reduce forward, identity backward);
+- ``VocabEmbedding`` splits the vocabulary: each rank looks up the tokens it owns,
+  zeros the rest, and g sums the rows;
+- the LM head is a ``ColumnLinear`` over the vocabulary whose logits stay split for
+  the vocab-parallel cross-entropy.
+
+Worked example, tp=2, d_model=4, n_heads=2, MLP 4 -> 16 -> 4::
+
+    rank 0: q, k, v rows 0..1 (head 0)   fc1 rows 0..7    fc2 cols 0..7    vocab 0..V/2-1
+    rank 1: q, k, v rows 2..3 (head 1)   fc1 rows 8..15   fc2 cols 8..15   vocab V/2..V-1
+    per block forward: 2 all-reduces of [b, t, 4] (attention out, MLP out); backward: 2 more (f)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import comm
+from . import TensorPlan, require_divisible
+from .cross_entropy import vocab_parallel_cross_entropy
+
+__all__ = ["ColumnLinear", "RowLinear", "VocabEmbedding", "Plan1D"]
+
+
+def _slice(t: torch.Tensor, n: int, i: int, dim: int) -> torch.Tensor:
+    return t.detach().chunk(n, dim=dim)[i].clone()
+
+
+class ColumnLinear(nn.Module):
+    """``y[..., out/n] = f(x) W_i^T + b_i``: this rank's block of output features."""
+
+    def __init__(self, weight, bias, mesh, axis: str = "tp"):
+        super().__init__()
+        self.mesh, self.axis = mesh, axis
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, mesh, axis: str = "tp") -> "ColumnLinear":
+        n, i = mesh.size(axis), mesh.rank(axis)
+        bias = _slice(dense.bias, n, i, 0) if dense.bias is not None else None
+        return cls(_slice(dense.weight, n, i, 0), bias, mesh, axis)
+
+    def forward(self, x):
+        return F.linear(comm.copy_to_group(x, self.mesh, self.axis), self.weight, self.bias)
+
+    def to_dense(self) -> nn.Linear:
+        w = comm.all_gather(self.weight.detach(), self.mesh, self.axis, 0, tag="to_dense")
+        dense = nn.Linear(w.shape[1], w.shape[0], bias=self.bias is not None)
+        with torch.no_grad():
+            dense.weight.copy_(w)
+            if self.bias is not None:
+                dense.bias.copy_(comm.all_gather(self.bias.detach(), self.mesh, self.axis, 0, tag="to_dense"))
+        return dense
+
+
+class RowLinear(nn.Module):
+    """``y = g(x[..., in/n] W_i^T) + b``: partial products summed over the group."""
+
+    def __init__(self, weight, bias, mesh, axis: str = "tp"):
+        super().__init__()
+        self.mesh, self.axis = mesh, axis
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, mesh, axis: str = "tp") -> "RowLinear":
+        n, i = mesh.size(axis), mesh.rank(axis)
+        bias = dense.bias.detach().clone() if dense.bias is not None else None
+        return cls(_slice(dense.weight, n, i, 1), bias, mesh, axis)
+
+    def forward(self, x):
+        y = comm.reduce_from_group(F.linear(x, self.weight), self.mesh, self.axis)
+        return y + self.bias if self.bias is not None else y
+
+    def to_dense(self) -> nn.Linear:
+        w = comm.all_gather(self.weight.detach(), self.mesh, self.axis, 1, tag="to_dense")
+        dense = nn.Linear(w.shape[1], w.shape[0], bias=self.bias is not None)
+        with torch.no_grad():
+            dense.weight.copy_(w)
+            if self.bias is not None:
+                dense.bias.copy_(self.bias)
+        return dense
+
+
+class VocabEmbedding(nn.Module):
+    """Embedding table split over the vocabulary; the looked-up rows are summed with g."""
+
+    def __init__(self, weight, vocab_start: int, mesh, axis: str = "tp"):
+        super().__init__()
+        self.mesh, self.axis, self.vocab_start = mesh, axis, vocab_start
+        self.weight = nn.Parameter(weight)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Embedding, mesh, axis: str = "tp") -> "VocabEmbedding":
+        n, i = mesh.size(axis), mesh.rank(axis)
+        part = _slice(dense.weight, n, i, 0)
+        return cls(part, i * part.shape[0], mesh, axis)
+
+    def forward(self, tokens):
+        local = tokens - self.vocab_start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine.unsqueeze(-1)
+        return comm.reduce_from_group(rows, self.mesh, self.axis)
+
+    def to_dense(self) -> nn.Embedding:
+        w = comm.all_gather(self.weight.detach(), self.mesh, self.axis, 0, tag="to_dense")
+        dense = nn.Embedding(*w.shape)
+        with torch.no_grad():
+            dense.weight.copy_(w)
+        return dense
+
+
+class Plan1D(TensorPlan):
+    mode = "1d"
+    batch_axes = ()
+
+    @classmethod
+    def check(cls, cfg, layout) -> None:
+        p = layout.size("tp")
+        require_divisible({"n_heads": cfg.n_heads, "d_ff": cfg.d_ff, "vocab_size": cfg.vocab_size}, p,
+                          f"tp_mode='1d' splits attention heads, the MLP's inner size and the vocabulary "
+                          f"over tp={p}: choose sizes that are multiples of {p}, or a tp that divides them")
+
+    def parallelize(self, model):
+        mesh = self.mesh
+        model.tok = VocabEmbedding.from_dense(model.tok, mesh)
+        for block in model.blocks:
+            for name in ("q", "k", "v"):
+                setattr(block.attn, name, ColumnLinear.from_dense(getattr(block.attn, name), mesh))
+            block.attn.proj = RowLinear.from_dense(block.attn.proj, mesh)
+            block.mlp.fc1 = ColumnLinear.from_dense(block.mlp.fc1, mesh)
+            block.mlp.fc2 = RowLinear.from_dense(block.mlp.fc2, mesh)
+        model.head = ColumnLinear.from_dense(model.head, mesh)
+        return model
+
+    def loss(self, logits, targets):
+        start = self.mesh.rank("tp") * logits.shape[-1]
+        return vocab_parallel_cross_entropy(logits, targets, self.mesh, "tp", start).mean()
