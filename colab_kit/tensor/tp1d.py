@@ -145,3 +145,20 @@ class Plan1D(TensorPlan):
     def loss(self, logits, targets):
         start = self.mesh.rank("tp") * logits.shape[-1]
         return vocab_parallel_cross_entropy(logits, targets, self.mesh, "tp", start).mean()
+
+
+def linear_comm_bytes(rows: int, d_in: int, d_out: int, kind: str, bytes_per_elem: int = 4) -> dict:
+    """Payload bytes one rank hands to collectives for one 1D Linear (Megatron-LM, section 3).
+
+    A column-parallel layer all-reduces the input gradient ``[rows, d_in]`` in backward
+    (Megatron's f); a row-parallel layer all-reduces its output ``[rows, d_out]`` in
+    forward (g). A ring all-reduce moves ``2 (P - 1) / P`` of that payload per rank.
+
+    >>> linear_comm_bytes(rows=128, d_in=64, d_out=256, kind="column")
+    {'forward': 0, 'backward': 32768}
+    """
+    if kind == "column":
+        return {"forward": 0, "backward": rows * d_in * bytes_per_elem}
+    if kind == "row":
+        return {"forward": rows * d_out * bytes_per_elem, "backward": 0}
+    raise ValueError(f"kind must be 'column' or 'row', got {kind!r}")
