@@ -36,7 +36,8 @@ def _train(config_dict: dict, steps: int, batch: int, lr: float, show_progress: 
     if lead:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=steps, desc=f"training ({cfg.describe()})", unit="step", file=sys.stdout)
+        bar = tqdm(total=steps, desc=f"training ({cfg.describe()})", unit="step", file=sys.stdout,
+                   mininterval=0.5)
     losses = []
     t0 = time.perf_counter()
     for step in range(steps):
@@ -91,9 +92,10 @@ def write_report(path: str, cfg, results: list[dict], reference: list[float] | N
 
 
 def demo(ranks: int | None = None, steps: int = 40, batch: int = 32, lr: float = 3e-3,
-         report: str = "demo-report.html", check: bool = True, out=sys.stdout) -> dict:
+         report: str = "demo-report.html", check: bool = True, out=None) -> dict:
     import torch
 
+    out = out or sys.stdout
     import colab_kit as ck
     from colab_kit.launch import default_backend
 

@@ -5,11 +5,13 @@ import sys
 from colab_kit import cli
 
 
-def test_demo_trains_reports_and_matches_one_process(tmp_path, capsys):
+def test_demo_trains_reports_and_matches_one_process(tmp_path):
+    # a real process, as a user runs it: the ranks print the per-step lines to its stdout
     report = tmp_path / "report.html"
-    code = cli.main(["demo", "--ranks", "2", "--steps", "6", "--batch", "8", "--report", str(report)])
-    out = capsys.readouterr().out
-    assert code == 0, out
+    run = subprocess.run([sys.executable, "-m", "colab_kit.cli", "demo", "--ranks", "2", "--steps", "6",
+                          "--batch", "8", "--report", str(report)], capture_output=True, text=True, timeout=300)
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr
     assert "dp=2 = 2 ranks" in out
     assert out.count("loss ") >= 6  # one line per step
     assert "step   6/6" in out
