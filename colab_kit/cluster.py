@@ -70,6 +70,8 @@ class RankTable(list):
         lines += ["  ".join(str(r[c]).ljust(width[c]) for c in cols) for r in self]
         return "\n".join(lines)
 
+    __repr__ = __str__
+
     def _repr_html_(self) -> str:
         if not self:
             return "<i>no ranks</i>"

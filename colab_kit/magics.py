@@ -265,8 +265,6 @@ class ColossalMagics(Magics):
               + (f" with config {cluster.config.describe()}" if cluster.config else ""))
         display(cluster.ranks())
 
-    _do_help = None  # handled in _line
-
     def _cell(self, line: str, cell: str):
         args = _parser("%%colossal", _CELL_FLAGS).parse_args(shlex.split(line))
         cluster = self.state.require_cluster()

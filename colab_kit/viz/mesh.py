@@ -87,7 +87,7 @@ def mesh_figure(config_or_layout: ParallelConfig | MeshLayout, axis: str = "tp")
     groups = layout.groups(axis)  # raises ValueError naming the axes this mesh has
     pos = cell_positions(layout)
     small = layout.world_size <= 32
-    fig = go.Figure()
+    fig, shapes = go.Figure(), []
     for i, ranks in enumerate(groups):
         colour = PALETTE[i % len(PALETTE)]
         labels = [_label(layout, r, small) for r in ranks]
@@ -97,16 +97,14 @@ def mesh_figure(config_or_layout: ParallelConfig | MeshLayout, axis: str = "tp")
             text=[t for t, _ in labels], hovertext=[h for _, h in labels], hoverinfo="text",
             textfont=dict(color="white", size=13), customdata=ranks,
             name=f"{axis} group {i}: ranks {', '.join(map(str, ranks))}", legendgroup=f"g{i}"))
-        for r in ranks:
-            x, y = pos[r]
-            fig.add_shape(type="rect", x0=x - 0.45, x1=x + 0.45, y0=y - 0.45, y1=y + 0.45,
-                          fillcolor=colour, line=dict(color="white", width=1), layer="below",
-                          name=f"rank {r}")
+        shapes += [dict(type="rect", x0=pos[r][0] - 0.45, x1=pos[r][0] + 0.45, y0=pos[r][1] - 0.45,
+                        y1=pos[r][1] + 0.45, fillcolor=colour, line=dict(color="white", width=1), layer="below",
+                        name=f"rank {r}") for r in ranks]
     _block_titles(fig, layout, pos)
     width = max(x for x, _ in pos.values()) + 1
     height = max(y for _, y in pos.values()) + 1
     fig.update_layout(
-        title=f"{cfg.describe()}: coloured by {axis} group ({len(groups)} groups of {layout.size(axis)})",
+        shapes=shapes, title=f"{cfg.describe()}: coloured by {axis} group ({len(groups)} groups of {layout.size(axis)})",
         xaxis=dict(visible=False, range=[-1.6 if cfg.dp > 1 else -0.8, width - 0.2]),
         yaxis=dict(visible=False, autorange="reversed", scaleanchor="x", range=[height - 0.2, -1.0]),
         plot_bgcolor="white", showlegend=len(groups) <= 16,

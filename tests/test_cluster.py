@@ -1,0 +1,188 @@
+"""Cluster: real ipyparallel engines with torch.distributed (tier 3)."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+import colab_kit as ck
+from colab_kit.cluster import Cluster, ClusterError
+
+
+def _rank_times_ten():
+    import torch.distributed as dist
+
+    return dist.get_rank() * 10
+
+
+def _env():
+    import torch
+
+    from colab_kit.launch import threads_per_rank
+
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return {**{k: os.environ[k] for k in keys}, "pid": os.getpid(), "threads": torch.get_num_threads(),
+            "expected_threads": threads_per_rank(4)}
+
+
+def _all_reduce(x):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank() + 1)]) * x
+    dist.all_reduce(t)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dist.get_rank())
+    return t.item(), gathered
+
+
+def _fail_on_rank_1_while_others_wait():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 refuses")
+    dist.all_reduce(torch.ones(1))  # ranks 0, 2, 3 wait here for rank 1 forever
+    return "unreachable"
+
+
+def _fail_everywhere():
+    import torch.distributed as dist
+
+    raise KeyError(f"missing on {dist.get_rank()}")
+
+
+def test_ranks_table_matches_the_engines(cluster):
+    table = cluster.ranks()
+    assert [row["rank"] for row in table] == [0, 1, 2, 3]
+    assert {row["device"] for row in table} == {"cpu"} and {row["backend"] for row in table} == {"gloo"}
+    envs = cluster.run(_env)
+    assert [row["pid"] for row in table] == [e["pid"] for e in envs]
+    assert len({e["pid"] for e in envs}) == 4
+    for rank, e in enumerate(envs):
+        assert (e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"]) == (str(rank), "4", str(rank))
+        assert e["threads"] == e["expected_threads"]
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+    assert "rank" in str(table) and str(table[0]["pid"]) in table._repr_html_()
+
+
+def test_run_gives_results_by_rank(cluster):
+    assert cluster.run(_rank_times_ten) == [0, 10, 20, 30]
+    assert cluster.run(_rank_times_ten, ranks=[3, 1]) == {1: 10, 3: 30}
+    assert cluster.run(lambda a, b: a + b, 2, 3) == [5, 5, 5, 5]
+    with pytest.raises(ClusterError, match=r"not ranks of this cluster: choose among 0..3"):
+        cluster.run(_rank_times_ten, ranks=[7])
+
+
+def test_all_reduce_across_engines(cluster):
+    results = cluster.run(_all_reduce, 2.0)
+    assert results == [(20.0, [0, 1, 2, 3])] * 4  # (1+2+3+4)*2 on every rank
+
+
+def test_execute_captures_output_per_rank_with_rank_config_mesh_predefined(cluster):
+    out = cluster.execute("import sys\nprint('hi', rank)\nprint('warn', file=sys.stderr)\nrank * 2")
+    assert sorted(out) == [0, 1, 2, 3]
+    for r, o in out.items():
+        assert (o.stdout, o.stderr, o.result, o.status) == (f"hi {r}\n", "warn\n", str(2 * r), "ok")
+    assert cluster.execute("print(config, mesh)", ranks=[2])[2].stdout == "None None\n"
+
+
+def test_set_config_builds_the_mesh_on_every_rank(cluster):
+    cfg = ck.ParallelConfig(dp=2, tp=2)
+    cluster.set_config(cfg)
+    assert cluster.config == cfg
+    out = cluster.execute("print(config.describe(), mesh.ranks('tp'), mesh.ranks('dp'))")
+    assert [o.stdout for o in out.values()] == [
+        "dp=2 x tp=2 (1d) = 4 ranks [0, 1] [0, 2]\n", "dp=2 x tp=2 (1d) = 4 ranks [0, 1] [1, 3]\n",
+        "dp=2 x tp=2 (1d) = 4 ranks [2, 3] [0, 2]\n", "dp=2 x tp=2 (1d) = 4 ranks [2, 3] [1, 3]\n"]
+    with pytest.raises(ck.ConfigError, match="needs dp\\*pp\\*sp\\*tp = 8\\*1\\*1\\*1 = 8 ranks, but there are 4"):
+        cluster.set_config(ck.ParallelConfig(dp=8))
+    assert cluster.config == cfg  # unchanged: refused before any engine was touched
+    assert cluster.execute("print(config.dp)", ranks=[0])[0].stdout == "2\n"
+
+
+def test_every_rank_failing_needs_no_restart(cluster):
+    with pytest.raises(ck.RankError) as info:
+        cluster.run(_fail_everywhere)
+    assert sorted(info.value.failures) == [0, 1, 2, 3] and info.value.stuck == []
+    assert "KeyError" in info.value.failures[2] and "missing on 2" in info.value.failures[2]
+    assert not cluster.needs_restart
+    assert cluster.run(_rank_times_ten) == [0, 10, 20, 30]
+
+
+def test_timeout_without_failure_raises_rank_timeout_and_blocks_until_done(cluster):
+    t0 = time.monotonic()
+    with pytest.raises(ck.RankTimeout) as info:
+        cluster.run(time.sleep, 1.5, timeout=0.3)
+    assert time.monotonic() - t0 < 1.2
+    assert info.value.stuck == [0, 1, 2, 3] and "restart" in str(info.value)
+    with pytest.raises(ClusterError, match="still running a call that timed out"):
+        cluster.run(_rank_times_ten)
+    time.sleep(1.6)
+    assert cluster.run(_rank_times_ten) == [0, 10, 20, 30]
+
+
+def test_failing_rank_is_reported_while_others_wait_then_restart_works(cluster):
+    old_pids = [row["pid"] for row in cluster.ranks()]
+    cluster.set_config(ck.ParallelConfig(dp=4))
+    t0 = time.monotonic()
+    with pytest.raises(ck.RankError) as info:
+        cluster.run(_fail_on_rank_1_while_others_wait, timeout=60)
+    elapsed = time.monotonic() - t0
+    err = info.value
+    assert elapsed < cluster.grace + 5, f"the caller hung for {elapsed:.1f} s"
+    assert err.rank == 1 and list(err.failures) == [1] and err.stuck == [0, 2, 3]
+    assert "rank 1 refuses" in err.failures[1] and "_fail_on_rank_1_while_others_wait" in err.failures[1]
+    assert "%colossal restart" in err.advice and "cluster.restart()" in str(err)
+    assert cluster.needs_restart and "NEEDS RESTART" in cluster.status()
+    with pytest.raises(ClusterError, match="needs a restart"):
+        cluster.run(_rank_times_ten)
+
+    cluster.restart()
+    assert not cluster.needs_restart
+    assert set(old_pids).isdisjoint(row["pid"] for row in cluster.ranks())
+    for pid in old_pids:  # the stuck engines were really killed
+        with pytest.raises(ProcessLookupError):
+            _wait_gone(pid)
+    assert cluster.run(_all_reduce, 1.0) == [(10.0, [0, 1, 2, 3])] * 4
+    assert cluster.config == ck.ParallelConfig(dp=4)  # re-applied on the fresh engines
+    assert cluster.execute("print(mesh.ranks('dp'))", ranks=[3])[3].stdout == "[0, 1, 2, 3]\n"
+
+
+def _wait_gone(pid: int) -> None:
+    """Raise ProcessLookupError once ``pid`` is gone (a zombie still counts as gone)."""
+    for _ in range(50):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[1].startswith("Z"):
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    raise ProcessLookupError(pid)
+
+
+def test_bad_launcher_name_is_a_clear_error():
+    with pytest.raises(ClusterError) as info:
+        Cluster(n=2, engines="slurmm")
+    msg = str(info.value)
+    assert "unknown engine launcher engines='slurmm'" in msg and "local" in msg and "slurm" in msg
+
+
+def test_bad_sizes_are_clear_errors():
+    with pytest.raises(ClusterError, match="n must be a positive whole number"):
+        Cluster(n=0)
+    with pytest.raises(ClusterError, match="backend must be 'gloo', 'nccl'"):
+        Cluster(n=2, backend="mpi")
+
+
+def test_engines_that_do_not_register_in_time_give_a_clear_error():
+    t0 = time.monotonic()
+    cluster = Cluster(n=2, timeout=0.5)
+    with pytest.raises(ClusterError, match=r"only [01] of 2 engines registered within 0.5 s") as info:
+        cluster.start()
+    assert "timeout=" in str(info.value)
+    assert not cluster.running and time.monotonic() - t0 < 30
+    with pytest.raises(ClusterError, match="no cluster is running"):
+        cluster.run(_rank_times_ten)

@@ -1,0 +1,182 @@
+"""%colossal / %%colossal through a real IPython shell (tier 3)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import colab_kit as ck
+from colab_kit.cluster import Cluster
+
+
+@pytest.fixture(scope="module")
+def ip():
+    import plotly.io as pio
+    from IPython.testing.globalipapp import start_ipython
+
+    shell = start_ipython()
+    old_renderer, pio.renderers.default = pio.renderers.default, "json"  # no browser to open here
+    shell.run_line_magic("load_ext", "colab_kit")
+    yield shell
+    pio.renderers.default = old_renderer
+
+
+@pytest.fixture
+def state(ip):
+    s = ck.magics.state(ip)
+    s.cluster, s.config, s.last = None, None, None
+    yield s
+    if s.cluster is not None and s.cluster.running and not getattr(s.cluster, "_shared", False):
+        s.cluster.stop()  # a cluster this test started (and left behind when it failed)
+    s.cluster, s.config = None, None
+
+
+@pytest.fixture
+def run(ip, capsys):
+    """run(src) -> (error or None, stdout, stderr) of one cell."""
+    def _run(src: str):
+        capsys.readouterr()
+        result = ip.run_cell(src)
+        out, err = capsys.readouterr()
+        return result.error_in_exec or result.error_before_exec, out, err
+    return _run
+
+
+@pytest.fixture
+def shared(state, cluster):
+    """The session cluster adopted by the magics (never stopped by them)."""
+    cluster._shared = True
+    state.cluster = cluster
+    return cluster
+
+
+def _usage(run, src: str, *needles: str) -> str:
+    error, out, err = run(src)
+    assert type(error).__name__ == "UsageError", (src, error, out, err)
+    text = out + err
+    for needle in needles:
+        assert needle in text, (src, needle, text)
+    assert "Traceback" not in text
+    return text
+
+
+def test_bad_input_without_a_cluster(run, state):
+    _usage(run, "%colossal strat", "unknown subcommand 'strat'", "did you mean 'start'?", "stop, restart")
+    _usage(run, "%colossal start --bogus 3", "%colossal start: unrecognized arguments: --bogus 3",
+           "[-n N] [--engines ENGINES]")
+    _usage(run, "%colossal start -n four", "argument -n: invalid int value: 'four'")
+    _usage(run, "%colossal start -n 0", "n must be a positive whole number")
+    _usage(run, "%colossal start --engines slurmm", "unknown engine launcher engines='slurmm'", "slurm")
+    _usage(run, "%colossal status --verbose", "%colossal status: unrecognized arguments: --verbose")
+    _usage(run, "%colossal config dp=4 tpp=2", "unknown config key 'tpp'", "did you mean 'tp'?")
+    _usage(run, "%colossal config --dp", "flag --dp needs a value")
+    _usage(run, "%colossal config tp=6 tp_mode=2d", "tp=6 with tp_mode='2d' needs tp to be a square (q*q): try 4 or 9")
+    _usage(run, "%colossal mesh", "no config to draw", "%colossal mesh dp=2 tp=2")
+    _usage(run, "%colossal mesh --axis tp_row dp=2", "unknown axis 'tp_row'", "this mesh has axes pp, dp, sp, tp")
+    for src in ("%colossal stop", "%colossal restart", "%%colossal\nprint(rank)"):
+        _usage(run, src, "no cluster started: run %colossal start -n 4 first")
+    assert state.cluster is None and state.config is None
+
+
+def test_help_status_config_and_mesh_need_no_cluster(run, ip, state):
+    error, out, _ = run("%colossal")
+    assert error is None and "%colossal start [-n N]" in out and "%%colossal [--ranks 0,2]" in out
+    error, out, _ = run("%colossal status")
+    assert error is None and "no cluster running" in out
+    error, out, _ = run("%colossal config --dp 2 --tp 2")
+    assert error is None and "kept in the kernel" in out
+    assert state.config == ck.ParallelConfig(dp=2, tp=2)
+    error, _, _ = run("fig = %colossal mesh")
+    fig = ip.user_ns["fig"]
+    assert error is None and [list(t.customdata) for t in fig.data] == [[0, 1], [2, 3]]
+    error, _, _ = run("fig = %colossal mesh --axis dp pp=2 tp=2")  # inline words win over the set config
+    assert error is None and [list(t.customdata) for t in ip.user_ns["fig"].data] == [[0], [1], [2], [3]]
+
+
+def test_config_checks_the_world_size_before_touching_the_engines(run, state, shared):
+    error, out, _ = run("%colossal config dp=4")
+    assert error is None and "config set on 4 ranks: dp=4 = 4 ranks" in out
+    assert shared.config == state.config == ck.ParallelConfig(dp=4)
+    _usage(run, "%colossal config dp=2", "needs dp*pp*sp*tp = 2*1*1*1 = 2 ranks, but there are 4", "try dp=4")
+    assert [o.stdout for o in shared.execute("print(config.dp)").values()] == ["4\n"] * 4
+    assert state.config == ck.ParallelConfig(dp=4)
+    error, out, _ = run("%colossal status")
+    assert error is None and "4 ranks (local engines, gloo); config: dp=4 = 4 ranks" in out
+
+
+def test_cell_runs_on_every_rank_with_output_grouped(run, state, shared):
+    run("%colossal config dp=2 tp=2")
+    error, out, _ = run("%%colossal\nprint(rank, mesh.ranks('tp'))\nrank * 10")
+    assert error is None
+    assert out.index("[rank 0]\n0 [0, 1]\nOut[rank 0]: 0") < out.index("[rank 3]\n3 [2, 3]\nOut[rank 3]: 30")
+    assert sorted(state.last) == [0, 1, 2, 3] and state.last[2].stdout == "2 [2, 3]\n"
+    error, out, _ = run("%%colossal\nprint(config.describe())")
+    assert error is None and out == "[ranks 0, 1, 2, 3]\ndp=2 x tp=2 (1d) = 4 ranks\n"
+    error, out, _ = run("%%colossal --ranks 0,2\nprint('only', rank)")
+    assert error is None and out == "[rank 0]\nonly 0\n[rank 2]\nonly 2\n"
+    _usage(run, "%%colossal --ranks 0,x\nprint(rank)", "argument --ranks: expected comma-separated ranks like 0,2")
+    _usage(run, "%%colossal --ranks 9\nprint(rank)", "ranks [9] are not ranks of this cluster")
+    _usage(run, "%%colossal --rank 1\nprint(rank)", "%%colossal: unrecognized arguments: --rank 1")
+
+
+def test_cell_timeout_returns_and_reports_the_running_ranks(run, shared):
+    t0 = time.monotonic()
+    error, out, err = run("%%colossal --timeout 0.3\nimport time\ntime.sleep(1.5)")
+    assert isinstance(error, ck.RankTimeout) and time.monotonic() - t0 < 1.2
+    assert "[ranks 0, 1, 2, 3] still running" in out and "did not finish within 0.3 s" in out + err
+    _usage(run, "%%colossal\nprint(rank)", "still running a call that timed out")
+    time.sleep(1.6)
+    error, out, _ = run("%%colossal --ranks 1\nprint(rank)")
+    assert error is None and out == "[rank 1]\n1\n"
+
+
+def test_lifecycle_start_fail_restart_stop_start_again(run, state):
+    error, out, _ = run("%colossal start -n 2")
+    assert error is None, out
+    assert "started 2 ranks (local engines, gloo)" in out
+    pids = [row["pid"] for row in state.cluster.ranks()]
+    for pid in pids:
+        assert str(pid) in out
+    _usage(run, "%colossal start -n 2", "already running")
+    run("%colossal config dp=2")
+
+    cell = ("%%colossal\nimport torch, torch.distributed as dist\nprint('before', rank)\n"
+            "if rank == 1:\n    raise ValueError('rank one is unhappy')\ndist.all_reduce(torch.ones(1))\n")
+    t0 = time.monotonic()
+    error, out, err = run(cell)
+    assert time.monotonic() - t0 < state.cluster.grace + 5
+    assert isinstance(error, ck.RankError) and error.rank == 1 and error.stuck == [0]
+    text = out + err
+    assert "[rank 0] still running" in text and "[rank 1] FAILED" in text and "before 1" in text
+    assert "ValueError: rank one is unhappy" in text and "----> 4" in text  # the rank's own traceback
+    assert "RankError: rank 1 failed in %%colossal" in text and "run %colossal restart" in text
+    assert "site-packages/IPython" not in text  # no kernel-side traceback dump
+    _usage(run, "%%colossal\nprint(rank)", "needs a restart", "%colossal restart")
+    error, out, _ = run("%colossal status")
+    assert "NEEDS RESTART" in out
+
+    error, out, _ = run("%colossal restart")
+    assert error is None and "restarted 2 ranks" in out and "with config dp=2 = 2 ranks" in out
+    error, out, _ = run("%%colossal\nimport torch, torch.distributed as dist\nt = torch.ones(1)\n"
+                        "dist.all_reduce(t)\nprint(t.item(), mesh.ranks('dp'))")
+    assert error is None and out == "[ranks 0, 1]\n2.0 [0, 1]\n"
+
+    old = state.cluster
+    error, out, _ = run("%colossal stop")
+    assert error is None and "cluster stopped" in out and not old.running and state.cluster is None
+    _usage(run, "%%colossal\nprint(rank)", "no cluster started")
+    error, out, _ = run("%colossal start -n 2")
+    assert error is None and "started 2 ranks" in out
+    error, out, _ = run("%%colossal\nprint(rank, config.describe())")  # the kept config came back
+    assert error is None and out == "[rank 0]\n0 dp=2 = 2 ranks\n[rank 1]\n1 dp=2 = 2 ranks\n"
+    run("%colossal stop")
+
+
+def test_state_works_without_ipython():
+    s = ck.magics.ColossalState()
+    with pytest.raises(ck.cluster.ClusterError, match="no cluster started"):
+        s.require_cluster()
+    assert "kept in the kernel" in s.apply_config(ck.ParallelConfig(dp=2))
+    assert s.mesh_config([]) == ck.ParallelConfig(dp=2)
+    assert s.mesh_config(["tp=4"]) == ck.ParallelConfig(tp=4)
+    assert isinstance(Cluster, type)

@@ -1,0 +1,89 @@
+"""ConfigPicker: the logic without a browser, the widgets headless, Apply against a real cluster."""
+from __future__ import annotations
+
+import pytest
+
+import colab_kit as ck
+from colab_kit.widgets import ConfigPicker
+from colab_kit.widgets.config_picker import FIELDS
+
+
+def test_status_follows_every_change():
+    p = ConfigPicker(world_size=4)
+    assert p.status() == "ok: dp=4 = 4 ranks fits the 4 ranks" and p.config == ck.ParallelConfig(dp=4)
+    assert p.set(dp=2, tp=2) == "ok: dp=2 x tp=2 (1d) = 4 ranks fits the 4 ranks"
+    assert p.set(tp_mode="2d") == ("not valid: tp=2 with tp_mode='2d' needs tp to be a square (q*q): try 1 or 4")
+    assert p.config is None and "square" in p.error
+    assert p.set(dp=1, tp=4).startswith("ok: tp=4 (2d) = 4 ranks")
+    assert p.set(dp=2) == ("not valid: this config needs dp*pp*sp*tp = 2*1*1*4 = 8 ranks, but there are 4: "
+                           "try dp=1")
+    assert p.set(dp=1, tp=2, tp_mode="1d", sp_mode="split_gather").startswith("not valid: this config needs")
+    assert p.set(dp=2, schedule="interleaved").startswith("not valid: schedule='interleaved' gives each")
+    assert p.set(schedule="1f1b", sp_mode="ring", zero=2) == "ok: dp=2 x tp=2 (1d) = 4 ranks fits the 4 ranks"
+    assert p.config.zero == 2
+    with pytest.raises(ck.ConfigError, match="no field 'offload'"):
+        p.set(offload="cpu")
+
+
+def test_without_a_world_size_only_the_rules_apply():
+    p = ConfigPicker(config=ck.ParallelConfig(pp=2, microbatches=4))
+    assert p.world_size is None
+    assert p.status() == "ok: pp=2 = 2 ranks (no cluster: nothing to check the world size against)"
+    assert p.values["microbatches"] == 4
+    assert p.apply() == "not applied: no cluster running (start one with %colossal start -n 4)"
+
+
+def test_figure_redraws_with_the_choice():
+    p = ConfigPicker(world_size=8)
+    assert [list(t.customdata) for t in p.figure().data] == [list(range(8))]  # dp=8: one dp group
+    p.set(dp=2, tp=4)
+    assert [list(t.customdata) for t in p.figure().data] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    p.set(tp=3)
+    assert p.figure().data == () and p.figure().layout.title.text == "no valid config"
+
+
+def test_widgets_drive_the_same_logic():
+    p = ConfigPicker(world_size=4)
+    box = p.widget()
+    ui = p._ui
+    assert set(FIELDS) <= set(ui) and box is p.widget()
+    assert ui["zero"].options == (0, 1, 2, 3) and "2.5d" in ui["tp_mode"].options
+    ui["dp"].value = 2  # as if the user typed it
+    assert p.values["dp"] == 2 and "not valid" in ui["status"].value and "#b00020" in ui["status"].value
+    ui["tp"].value = 2
+    assert ui["status"].value.startswith("<span style='color:green'>ok: dp=2 x tp=2")
+    fig = ui["fig"]
+    assert [list(t.customdata) for t in fig.data] == [[0, 1], [2, 3]]  # the FigureWidget was redrawn
+    p.set(tp_mode="2d")  # code changes reach the widgets too
+    assert ui["tp_mode"].value == "2d" and "square" in ui["status"].value
+
+
+def test_text_fallback_outside_a_kernel(capsys):
+    p = ConfigPicker(world_size=2)
+    p._ipython_display_()
+    out = capsys.readouterr().out
+    assert out.startswith("ConfigPicker(dp=2 tp=1 pp=1") and "ok: dp=2 = 2 ranks fits the 2 ranks" in out
+    assert p._ui is None  # no widget was built
+
+
+def test_apply_sends_the_config_to_the_cluster(cluster):
+    p = ConfigPicker(cluster)
+    assert p.world_size == 4 and p.status() == "ok: dp=4 = 4 ranks fits the 4 ranks"
+    p.set(dp=2, tp=2)
+    assert p.apply() == "config set on 4 ranks: dp=2 x tp=2 (1d) = 4 ranks"
+    assert cluster.config == ck.ParallelConfig(dp=2, tp=2)
+    assert cluster.execute("print(mesh.ranks('tp'))", ranks=[3])[3].stdout == "[2, 3]\n"
+    p.set(tp=4)
+    assert p.apply().startswith("not applied: this config needs")
+    assert cluster.config == ck.ParallelConfig(dp=2, tp=2)
+
+
+def test_apply_goes_through_the_magic_state(cluster):
+    state = ck.magics.ColossalState()
+    state.cluster = cluster
+    p = ConfigPicker(state=state)
+    assert p.target is cluster and p.world_size == 4
+    p.set(dp=1, tp=4, tp_mode="2d")
+    assert p.apply() == "config set on 4 ranks: tp=4 (2d) = 4 ranks"
+    assert state.config == cluster.config == ck.ParallelConfig(tp=4, tp_mode="2d")
+    assert cluster.execute("print(mesh.coords()['tp_row'], mesh.coords()['tp_col'])", ranks=[2])[2].stdout == "1 0\n"
