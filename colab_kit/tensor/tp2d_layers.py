@@ -1,0 +1,282 @@
+"""SUMMA matrix products and the 2D / 2.5D layers built on them (see ``tp2d`` for the plan).
+
+Every product works on one q x q grid of the mesh (one depth layer in 2.5D): the
+rank at grid row ``i`` (its ``tp_row`` coordinate) and column ``j`` (``tp_col``)
+holds block ``(i, j)`` of each matrix. ``groups("tp_col")`` of rank (i, j) is its
+grid row {(i, *)}, ``groups("tp_row")`` its grid column {(*, j)}. Three products,
+as in Optimus (Xu et al., arXiv 2104.05343, Algorithms 1-3), each a loop of q steps:
+
+==========  ==================  ===============================  ==============================
+product     block computed      step k broadcasts                then
+==========  ==================  ===============================  ==============================
+C = A B     C[i,j] on (i,j)     A[i,k] over tp_col (from (i,k)),  add A[i,k] B[k,j]
+                                B[k,j] over tp_row (from (k,j))
+C = A B^T   C[i,k] on (i,k)     B[k,j] over tp_row (from (k,j))   reduce A[i,j] B[k,j]^T over
+                                                                  tp_col onto (i,k)
+C = A^T B   C[k,j] on (k,j)     A[i,k] over tp_col (from (i,k))   reduce A[i,k]^T B[i,j] over
+                                                                  tp_row onto (k,j)
+==========  ==================  ===============================  ==============================
+
+Worked example, q=2, C = A B on rank 1 = (row 0, col 1)::
+
+    k=0: gets A[0,0] from rank 0 (tp_col); B[0,1] is its own block, so it sends it to
+         rank 3 (tp_row); adds A[0,0] B[0,1]
+    k=1: sends A[0,1] to rank 0 (tp_col); gets B[1,1] from rank 3 (tp_row);
+         adds A[0,1] B[1,1]
+    -> C[0,1] = A[0,0] B[0,1] + A[0,1] B[1,1]
+
+The backward of each product is two of the others (the ``SUMMA_*`` autograd functions).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import comm
+from . import mark_grad_sum
+
+__all__ = ["summa_ab", "summa_abt", "summa_atb", "SUMMA_AB", "SUMMA_ABT", "SUMMA_ATB",
+           "Linear2D", "LayerNorm2D", "Embedding2D", "batch_axes_of", "depth_axes_of"]
+
+
+def batch_axes_of(mesh) -> tuple[str, ...]:
+    """Axes that split the batch: ("tp_dep", "tp_row") in 2.5D, ("tp_row",) in 2D."""
+    return ("tp_dep", "tp_row") if mesh.config.tp_mode == "2.5d" else ("tp_row",)
+
+
+def depth_axes_of(mesh) -> tuple[str, ...]:
+    """Axes over which weights are replicated: ("tp_dep",) in 2.5D, none in 2D."""
+    return ("tp_dep",) if mesh.config.tp_mode == "2.5d" else ()
+
+
+def _from(block: torch.Tensor, mesh, axis: str, src: int, tag: str) -> torch.Tensor:
+    """``block`` of the rank at ``src`` on ``axis``, broadcast to the whole group."""
+    buf = block if mesh.rank(axis) == src else torch.empty_like(block)
+    return comm.broadcast(buf, mesh, axis, src, tag=tag)
+
+
+# --------------------------------------------------------------------------- the three products
+def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh) -> torch.Tensor:
+    """C = A B: A [m, n] and B [n, p] in blocks; returns this rank's block of C [m, p]."""
+    a, b = a.detach().contiguous(), b.detach().contiguous()
+    c = None
+    for k in range(mesh.size("tp_col")):
+        a_k = _from(a, mesh, "tp_col", k, "SUMMA A")
+        b_k = _from(b, mesh, "tp_row", k, "SUMMA B")
+        c = a_k @ b_k if c is None else c.addmm_(a_k, b_k)
+    return c
+
+
+def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh) -> torch.Tensor:
+    """C = A B^T: A [m, n] and B [p, n] in blocks; returns this rank's block of C [m, p]."""
+    a, b = a.detach().contiguous(), b.detach().contiguous()
+    c = None
+    for k in range(mesh.size("tp_row")):
+        part = a @ _from(b, mesh, "tp_row", k, "SUMMA B").t()
+        comm.reduce(part, mesh, "tp_col", dst=k, tag="SUMMA C")
+        if mesh.rank("tp_col") == k:
+            c = part
+    return c
+
+
+def summa_atb(a: torch.Tensor, b: torch.Tensor, mesh) -> torch.Tensor:
+    """C = A^T B: A [m, n] and B [m, p] in blocks; returns this rank's block of C [n, p]."""
+    a, b = a.detach().contiguous(), b.detach().contiguous()
+    c = None
+    for k in range(mesh.size("tp_col")):
+        part = _from(a, mesh, "tp_col", k, "SUMMA A").t() @ b
+        comm.reduce(part, mesh, "tp_row", dst=k, tag="SUMMA C")
+        if mesh.rank("tp_row") == k:
+            c = part
+    return c
+
+
+class SUMMA_AB(torch.autograd.Function):
+    """Optimus's C = A B; backward dA = dC B^T (``summa_abt``), dB = A^T dC (``summa_atb``)."""
+
+    @staticmethod
+    def forward(ctx, a, b, mesh):
+        ctx.save_for_backward(a, b)
+        ctx.mesh = mesh
+        return summa_ab(a, b, mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        da = summa_abt(grad, b, ctx.mesh) if ctx.needs_input_grad[0] else None
+        db = summa_atb(a, grad, ctx.mesh) if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+class SUMMA_ABT(torch.autograd.Function):
+    """Optimus's C = A B^T; backward dA = dC B (``summa_ab``), dB = dC^T A (``summa_atb``)."""
+
+    @staticmethod
+    def forward(ctx, a, b, mesh):
+        ctx.save_for_backward(a, b)
+        ctx.mesh = mesh
+        return summa_abt(a, b, mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        da = summa_ab(grad, b, ctx.mesh) if ctx.needs_input_grad[0] else None
+        db = summa_atb(grad, a, ctx.mesh) if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+class SUMMA_ATB(torch.autograd.Function):
+    """Optimus's C = A^T B; backward dA = B dC^T (``summa_abt``), dB = A dC (``summa_ab``)."""
+
+    @staticmethod
+    def forward(ctx, a, b, mesh):
+        ctx.save_for_backward(a, b)
+        ctx.mesh = mesh
+        return summa_atb(a, b, mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        da = summa_abt(b, grad, ctx.mesh) if ctx.needs_input_grad[0] else None
+        db = summa_ab(a, grad, ctx.mesh) if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+class RowSum(torch.autograd.Function):
+    """Sum over the grid row (tp_col) both ways: every rank's output is the total, so each
+    input's gradient is the sum of every rank's output gradient."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return comm.all_reduce(x.contiguous().clone(), mesh, "tp_col", tag="row sum forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce(grad.contiguous().clone(), ctx.mesh, "tp_col", tag="row sum backward"), None
+
+
+# --------------------------------------------------------------------------- layers
+def _block(t: torch.Tensor, q: int, i: int, j: int | None = None) -> torch.Tensor:
+    """Block i of dim 0 (and j of dim 1) of ``t``, as a fresh contiguous tensor."""
+    t = t.detach().chunk(q, 0)[i]
+    return (t if j is None else t.chunk(q, 1)[j]).clone(memory_format=torch.contiguous_format)
+
+
+def _gather_cols(t: torch.Tensor, mesh) -> torch.Tensor:
+    return comm.all_gather(t.detach(), mesh, "tp_col", dim=t.dim() - 1, tag="to_dense")
+
+
+class Linear2D(nn.Module):
+    """``y = x W + b`` with SUMMA; W = dense.weight.T [in, out] in q x q blocks.
+
+    ``weight`` is this rank's block W[i, j] (shape [in/q, out/q], the paper's
+    orientation, not nn.Linear's), the same on every depth layer, so its gradient is
+    summed over tp_dep in ``sync_grads``. ``bias`` is b's block j of the output
+    columns, the same on every grid row and depth layer: each rank adds it to its own
+    rows and its gradient is summed over the batch axes in ``sync_grads``.
+
+    tp=4 (q=2), nn.Linear(8, 12): rank (i, j) takes x[rows of batch block i, 4j:4j+4],
+    holds W[4i:4i+4, 6j:6j+6] = dense.weight[6j:6j+6, 4i:4i+4].T and b[6j:6j+6],
+    returns y[rows of batch block i, 6j:6j+6].
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mesh):
+        super().__init__()
+        self.mesh = mesh
+        self.weight = mark_grad_sum(nn.Parameter(weight), *depth_axes_of(mesh))
+        self.bias = mark_grad_sum(nn.Parameter(bias), *batch_axes_of(mesh)) if bias is not None else None
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, mesh) -> "Linear2D":
+        q, i, j = mesh.size("tp_col"), mesh.rank("tp_row"), mesh.rank("tp_col")
+        bias = _block(dense.bias, q, j) if dense.bias is not None else None
+        return cls(_block(dense.weight.t(), q, i, j), bias, mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = SUMMA_AB.apply(x.reshape(-1, x.shape[-1]), self.weight, self.mesh)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y + self.bias if self.bias is not None else y
+
+    def to_dense(self) -> nn.Linear:
+        w = comm.all_gather(_gather_cols(self.weight, self.mesh), self.mesh, "tp_row", dim=0, tag="to_dense")
+        dense = nn.Linear(*w.shape, bias=self.bias is not None)
+        with torch.no_grad():
+            dense.weight.copy_(w.t())
+            if self.bias is not None:
+                dense.bias.copy_(_gather_cols(self.bias, self.mesh))
+        return dense
+
+
+class LayerNorm2D(nn.Module):
+    """LayerNorm over a hidden dim split by tp_col: mean and variance are sums over the grid row.
+
+    tp=4 (q=2), nn.LayerNorm(8): rank (i, j) takes x[rows of block i, 4j:4j+4], all-reduces
+    sum(x) and then sum((x - mean)^2) of its rows over {(i, 0), (i, 1)}, and holds
+    weight[4j:4j+4], bias[4j:4j+4] (same on every grid row and depth layer: gradients
+    summed over the batch axes in ``sync_grads``). Backward: the two sums, reversed.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, eps: float, mesh):
+        super().__init__()
+        self.mesh, self.eps = mesh, eps
+        self.weight = mark_grad_sum(nn.Parameter(weight), *batch_axes_of(mesh))
+        self.bias = mark_grad_sum(nn.Parameter(bias), *batch_axes_of(mesh))
+
+    @classmethod
+    def from_dense(cls, dense: nn.LayerNorm, mesh) -> "LayerNorm2D":
+        if len(dense.normalized_shape) != 1 or dense.weight is None or dense.bias is None:
+            raise ValueError("LayerNorm2D shards a LayerNorm over one dim with weight and bias")
+        q, j = mesh.size("tp_col"), mesh.rank("tp_col")
+        return cls(_block(dense.weight, q, j), _block(dense.bias, q, j), dense.eps, mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width = x.shape[-1] * self.mesh.size("tp_col")
+        mean = RowSum.apply(x.sum(-1, keepdim=True), self.mesh) / width
+        centred = x - mean
+        var = RowSum.apply((centred * centred).sum(-1, keepdim=True), self.mesh) / width
+        return centred * torch.rsqrt(var + self.eps) * self.weight + self.bias
+
+    def to_dense(self) -> nn.LayerNorm:
+        w, b = _gather_cols(self.weight, self.mesh), _gather_cols(self.bias, self.mesh)
+        dense = nn.LayerNorm(w.shape[0], eps=self.eps)
+        with torch.no_grad():
+            dense.weight.copy_(w)
+            dense.bias.copy_(b)
+        return dense
+
+
+class Embedding2D(nn.Module):
+    """Embedding table split by hidden column: rank (i, j) holds table[:, block j].
+
+    The lookup needs no communication: each rank looks its own rows' ids up in its
+    column block, giving the activation layout directly. The block is the same on every
+    grid row and depth layer, so its gradient is summed over the batch axes in
+    ``sync_grads``. (Colossal-AI's Embedding2D instead stores V x h/q^2 and all-gathers
+    it over the grid column each step: less memory, more traffic.)
+
+    tp=4 (q=2), nn.Embedding(64, 8): ranks (0, 0) and (1, 0) hold table[:, 0:4],
+    ranks (0, 1) and (1, 1) hold table[:, 4:8]; rank (i, j) returns
+    table[ids of batch block i, 4j:4j+4].
+    """
+
+    def __init__(self, weight: torch.Tensor, mesh):
+        super().__init__()
+        self.mesh = mesh
+        self.weight = mark_grad_sum(nn.Parameter(weight), *batch_axes_of(mesh))
+
+    @classmethod
+    def from_dense(cls, dense: nn.Embedding, mesh) -> "Embedding2D":
+        q, j = mesh.size("tp_col"), mesh.rank("tp_col")
+        return cls(_block(dense.weight.t(), q, j).t().contiguous(), mesh)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def to_dense(self) -> nn.Embedding:
+        w = _gather_cols(self.weight, self.mesh)
+        dense = nn.Embedding(*w.shape)
+        with torch.no_grad():
+            dense.weight.copy_(w)
+        return dense
