@@ -1,0 +1,148 @@
+"""3D tensor parallelism (Bian et al. 2021, "Maximizing Parallelism in Distributed Training
+for Huge Neural Networks", arXiv 2105.14450), as Colossal-AI runs it.
+
+The tensor block of ``tp = q**3`` ranks is a cube with axes ``tp_in``, ``tp_wt``,
+``tp_out`` (``tp_i = (in * q + wt) * q + out``, see ``colab_kit.mesh``). Each
+Linear (``tp3d_layers.Matmul3D``) all-gathers its input along one axis, its weight
+along ``tp_wt``, multiplies, and reduce-scatters the product along the third axis;
+the output's layout is the input's with ``tp_in`` and ``tp_out`` swapped, so the
+two Linears of a pair (q/k/v then proj, fc1 then fc2) bring the layout back.
+
+Layout of an activation ``[b, t, h]`` (no piece is held twice inside the cube):
+
+==================  =======================  ===============  ========================
+tensor              batch rows split over    features over    produced by
+==================  =======================  ===============  ========================
+tokens, targets     (tp_wt, tp_out)          --               ``shard_batch``
+logits              (tp_wt, tp_out)          tp_in (vocab)    ``head``
+residual stream x   (tp_wt, tp_in)           tp_out           embeddings, proj, fc2
+inside attn / MLP   (tp_wt, tp_out)          tp_in (heads,    q, k, v, fc1
+                                             d_ff)
+==================  =======================  ===============  ========================
+
+Parameters: a Linear's weight is split q**3 ways (see ``Linear3D``); the token table
+q*q ways, over vocabulary (tp_in) and features (tp_out); Linear biases, LayerNorm
+weights and biases and the position table q ways, over features. Copies held by
+several row blocks sum their gradients after backward (``mark_grad_sum``).
+
+Why this one: the residual add ``x + attn(ln1(x))`` needs attention to give back
+x's layout, and attention needs whole sequences and whole heads, so batch rows (not
+tokens) are split and q/k/v split their output features, which are contiguous heads.
+The first Linear of each pair gathers over ``tp_in`` and reduce-scatters over
+``tp_out``, as the axes' names say; the LM head is such a first Linear, so the logits
+come out with rows over (tp_wt, tp_out) and the vocabulary over tp_in. The targets
+must be split the same way, and the engine splits inputs and targets alike, so
+``batch_axes = ("tp_wt", "tp_out")`` and the token embedding moves its tokens to
+the residual rows (an all-gather of integers over tp_out, the only reshuffle).
+``batch_shards = q*q``: every rank backpropagates its mean loss / q**2.
+
+Worked example, tp=8 (q=2), batch 8, d_model 32, 4 heads, vocab 64::
+
+    rank (in,wt,out)  tokens/logits   residual x          q/k/v out*  logits vocab
+     0   (0,0,0)      rows 0-1        rows 0-1, h 0-15    heads 0-1   0-31
+     1   (0,0,1)      rows 2-3        rows 0-1, h 16-31   heads 0-1   0-31
+     2   (0,1,0)      rows 4-5        rows 4-5, h 0-15    heads 0-1   0-31
+     3   (0,1,1)      rows 6-7        rows 4-5, h 16-31   heads 0-1   0-31
+     4   (1,0,0)      rows 0-1        rows 2-3, h 0-15    heads 2-3   32-63
+     5   (1,0,1)      rows 2-3        rows 2-3, h 16-31   heads 2-3   32-63
+     6   (1,1,0)      rows 4-5        rows 6-7, h 0-15    heads 2-3   32-63
+     7   (1,1,1)      rows 6-7        rows 6-7, h 16-31   heads 2-3   32-63
+    * rows as tokens/logits
+
+    q/k/v/fc1/head: Linear3D(in_axis=tp_in, out_axis=tp_out)  x (res.) -> inner / logits
+    proj/fc2:       Linear3D(in_axis=tp_out, out_axis=tp_in)  inner    -> residual
+    LayerNorms: features over tp_out, statistics all-reduced over tp_out
+    per block forward: q, k, v, proj, fc1, fc2 each 2 all-gathers + 1 reduce-scatter,
+    plus 2 all-reduces of [b/q^2, t, 1] per LayerNorm; backward the same count again.
+"""
+from __future__ import annotations
+
+from . import TensorPlan, require_divisible
+from .cross_entropy import vocab_parallel_cross_entropy
+from .tp3d_layers import (WT, Embedding3D, LayerNorm3D, Linear3D, VocabEmbedding3D, local_block,
+                          other_axis)
+
+__all__ = ["Plan3D", "linear_comm_bytes", "Linear3D", "LayerNorm3D", "VocabEmbedding3D", "Embedding3D",
+           "local_block", "other_axis", "RESIDUAL", "INNER", "BATCH_AXES"]
+
+BATCH_AXES = (WT, "tp_out")
+RESIDUAL = ((WT, "tp_in"), "tp_out")   # (row axes, feature axis) of the residual stream
+INNER = ((WT, "tp_out"), "tp_in")      # ... of q/k/v and fc1 outputs, and of the logits
+
+
+def linear_comm_bytes(rows: int, d_in: int, d_out: int, q: int, bytes_per_elem: int = 4) -> dict[str, int]:
+    """Bytes one rank hands to the collectives of one ``Linear3D`` (the unit ``mesh.log`` records).
+
+    ``rows`` counts the rows the whole cube works on (tokens of the dp-local batch, b*t);
+    ``e = bytes_per_elem``. Forward and backward each run two all-gathers and one
+    reduce-scatter; an all-gather is handed the local piece, a reduce-scatter the whole
+    partial product::
+
+        forward  = e * ( rows d_in / q^3        all_gather X over the input axis
+                       + d_in d_out / q^3       all_gather W over tp_wt
+                       + rows d_out / q^2 )     reduce_scatter X^ W^T over the output axis
+        backward = e * ( rows d_out / q^3       all_gather dY over the output axis
+                       + rows d_in / q^2        reduce_scatter dY^ W^ over the input axis
+                       + d_in d_out / q^2 )     reduce_scatter dY^T X^ over tp_wt
+
+    On the wire (ring collectives over q ranks) each of the six moves ``(q - 1) / q^3`` of
+    the whole matrix it concerns (X, W or Y), the paper's cost per processor: with p = q^3
+    ranks, O(p^(-2/3)) of the matrices, against O(1) for 1D tensor parallelism. The bias
+    gradient's sum (``sync_grads``, d_out / q elements over tp_wt and the output axis) comes
+    on top; an input that needs no gradient skips the backward's reduce-scatter over the
+    input axis. Example: rows=64, d_in=32, d_out=128, q=2 -> forward 4 * (256 + 512 + 2048) =
+    11264, backward 4 * (1024 + 512 + 1024) = 10240.
+    """
+    def part(n: int, d: int) -> int:
+        if n % d:
+            raise ValueError(f"{n} does not split into {d} equal parts: 3d needs rows, d_in and d_out "
+                             f"that divide over the cube (q={q})")
+        return n // d
+
+    q2, q3 = q * q, q ** 3
+    fwd = part(rows * d_in, q3) + part(d_in * d_out, q3) + part(rows * d_out, q2)
+    bwd = part(rows * d_out, q3) + part(rows * d_in, q2) + part(d_in * d_out, q2)
+    return {"forward": fwd * bytes_per_elem, "backward": bwd * bytes_per_elem}
+
+
+class Plan3D(TensorPlan):
+    """3D tensor parallelism over the cube (tp_in, tp_wt, tp_out); see the module docstring."""
+
+    mode = "3d"
+    batch_axes = BATCH_AXES
+
+    @classmethod
+    def check(cls, cfg, layout) -> None:
+        q = layout.size(WT)
+        where = f"tp_mode='3d' with tp={q ** 3} (q={q})"
+        require_divisible({"d_model": cfg.d_model, "d_ff": cfg.d_ff}, q * q,
+                          f"{where} splits each Linear's input features over q*q={q * q} ranks "
+                          f"(tp_wt and one of tp_in/tp_out): choose multiples of {q * q}")
+        require_divisible({"n_heads": cfg.n_heads, "vocab_size": cfg.vocab_size}, q,
+                          f"{where} splits attention heads and the vocabulary over q={q} ranks: "
+                          f"choose multiples of {q}")
+
+    def parallelize(self, model):
+        mesh = self.mesh
+        (_, res_h), (_, inner_h) = RESIDUAL, INNER
+        first = dict(in_axis=inner_h, out_axis=res_h)   # residual -> inner
+        second = dict(in_axis=res_h, out_axis=inner_h)  # inner -> residual
+        model.tok = VocabEmbedding3D.from_dense(model.tok, mesh, vocab_axis=other_axis(res_h))
+        model.pos = Embedding3D.from_dense(model.pos, mesh, axis=res_h)
+        for block in model.blocks:
+            block.ln1 = LayerNorm3D.from_dense(block.ln1, mesh, axis=res_h)
+            block.ln2 = LayerNorm3D.from_dense(block.ln2, mesh, axis=res_h)
+            for name in ("q", "k", "v"):
+                setattr(block.attn, name, Linear3D.from_dense(getattr(block.attn, name), mesh, **first))
+            block.attn.proj = Linear3D.from_dense(block.attn.proj, mesh, **second)
+            block.mlp.fc1 = Linear3D.from_dense(block.mlp.fc1, mesh, **first)
+            block.mlp.fc2 = Linear3D.from_dense(block.mlp.fc2, mesh, **second)
+        model.ln_f = LayerNorm3D.from_dense(model.ln_f, mesh, axis=res_h)
+        model.head = Linear3D.from_dense(model.head, mesh, **first)
+        return model
+
+    def loss(self, logits, targets):
+        """Mean cross-entropy of this rank's tokens; logits rows over (tp_wt, tp_out), vocab over tp_in."""
+        axis = INNER[1]
+        start = self.mesh.rank(axis) * logits.shape[-1]
+        return vocab_parallel_cross_entropy(logits, targets, self.mesh, axis, start).mean()

@@ -1,0 +1,274 @@
+"""Layers of 3D tensor parallelism (Bian et al. 2021, arXiv 2105.14450); see ``tp3d`` for the layout.
+
+The ``q**3`` ranks of the tensor block form a cube with axes ``tp_in``, ``tp_wt``
+and ``tp_out``. An activation ``[b, t, h]`` is never replicated inside the cube:
+its batch rows are split over ``tp_wt`` and one of ``tp_in`` / ``tp_out``, its
+hidden features over the other one. ``local_block`` names the piece a rank holds::
+
+    local_block(x, mesh, rows=("tp_wt", "tp_in"), hidden="tp_out")
+    # rows chunk tp_wt, then chunk tp_in; hidden chunk tp_out  ->  [b/q^2, t, h/q]
+
+Every collective goes through ``colab_kit.comm`` with its axis name, so the log
+shows which side of the cube each one ran on.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import comm
+from . import mark_grad_sum
+
+__all__ = ["WT", "other_axis", "local_block", "Matmul3D", "AllReduce3D", "ReduceScatter3D",
+           "Linear3D", "LayerNorm3D", "VocabEmbedding3D", "Embedding3D"]
+
+WT = "tp_wt"  # the weight axis: it never changes role
+
+
+def other_axis(axis: str) -> str:
+    """``tp_in`` <-> ``tp_out``: consecutive layers swap the two (Colossal-AI's swap of in/out groups)."""
+    return {"tp_in": "tp_out", "tp_out": "tp_in"}[axis]
+
+
+def _chunk(t: torch.Tensor, mesh, axis: str, dim: int) -> torch.Tensor:
+    return t.chunk(mesh.size(axis), dim=dim)[mesh.rank(axis)]
+
+
+def local_block(full: torch.Tensor, mesh, rows: tuple[str, ...], hidden: str | None) -> torch.Tensor:
+    """This rank's piece of a whole activation (no communication): dim 0 split over ``rows``
+    (slowest axis first), the last dim over ``hidden`` (None: kept whole)."""
+    for axis in rows:
+        full = _chunk(full, mesh, axis, 0)
+    if hidden is not None:
+        full = _chunk(full, mesh, hidden, -1)
+    return full.contiguous()
+
+
+# --------------------------------------------------------------------------- autograd functions
+
+class Matmul3D(torch.autograd.Function):
+    """The paper's 3-D matrix multiplication ``Y = X W^T`` on the cube.
+
+    With ``a`` = ``in_axis`` and ``c`` = ``out_axis`` (``tp_in``/``tp_out`` in either order)
+    and ``W [out_f, in_f]`` in PyTorch's order, rank (a, w, c) holds::
+
+        X  [b/q^2, t, in_f/q]   rows block (w, a), features block c
+        W  [out_f/q, in_f/q^2]  rows block a, columns block (c, w)
+
+    forward:   X^ = all_gather(X, a)          [b/q, t, in_f/q]     rows block w
+               W^ = all_gather(W, tp_wt)      [out_f/q, in_f/q]
+               Y  = reduce_scatter(X^ W^T, c) [b/q^2, t, out_f/q]  rows block (w, c), features block a
+    backward:  dY^ = all_gather(dY, c)
+               dX  = reduce_scatter(dY^ W^, a)
+               dW  = reduce_scatter(dY^T X^, tp_wt)   (sums the row blocks w that shared W^)
+
+    The output's layout is the input's with ``a`` and ``c`` swapped, which is what the next
+    layer (built with the axes swapped) takes. X^ and W^ are kept for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, mesh, in_axis, out_axis):
+        ctx.mesh, ctx.in_axis, ctx.out_axis = mesh, in_axis, out_axis
+        x_hat = comm.all_gather(x, mesh, in_axis, 0, tag="3d input")
+        w_hat = comm.all_gather(weight, mesh, WT, 1, tag="3d weight")
+        ctx.save_for_backward(x_hat, w_hat)
+        return comm.reduce_scatter(F.linear(x_hat, w_hat), mesh, out_axis, 0, tag="3d output")
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_hat, w_hat = ctx.saved_tensors
+        mesh = ctx.mesh
+        g_hat = comm.all_gather(grad.contiguous(), mesh, ctx.out_axis, 0, tag="3d output grad")
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = comm.reduce_scatter(g_hat @ w_hat, mesh, ctx.in_axis, 0, tag="3d input grad")
+        if ctx.needs_input_grad[1]:
+            dw_hat = g_hat.reshape(-1, g_hat.shape[-1]).t() @ x_hat.reshape(-1, x_hat.shape[-1])
+            dw = comm.reduce_scatter(dw_hat, mesh, WT, 1, tag="3d weight grad")
+        return dx, dw, None, None, None
+
+
+class AllReduce3D(torch.autograd.Function):
+    """Sum over ``axis`` forward, and sum of the gradients backward: every rank of the group
+    uses the total, so each partial's gradient is the sum of theirs (LayerNorm statistics)."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, axis):
+        ctx.mesh, ctx.axis = mesh, axis
+        return comm.all_reduce(x.contiguous().clone(), mesh, axis, tag="3d stats")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce(grad.contiguous().clone(), ctx.mesh, ctx.axis, tag="3d stats grad"), None, None
+
+
+class ReduceScatter3D(torch.autograd.Function):
+    """Sum over ``axis`` keeping this rank's rows (dim 0) forward; all-gather of the rows backward."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, axis):
+        ctx.mesh, ctx.axis = mesh, axis
+        return comm.reduce_scatter(x.contiguous(), mesh, axis, 0, tag="3d rows")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather(grad.contiguous(), ctx.mesh, ctx.axis, 0, tag="3d rows grad"), None, None
+
+
+# --------------------------------------------------------------------------- layers
+
+class Linear3D(nn.Module):
+    """``nn.Linear`` on the cube: ``Matmul3D`` plus a bias split like the output features.
+
+    Takes rows over (tp_wt, ``in_axis``) and features over ``out_axis``; gives rows over
+    (tp_wt, ``out_axis``) and features over ``in_axis``. The bias ``[out_f/q]`` (block
+    ``in_axis``) is shared by the q*q row blocks of (tp_wt, ``out_axis``), so its gradient
+    is summed over those axes (``mark_grad_sum``); the weight's is complete after backward.
+
+    tp=8 (q=2), ``Linear(32, 128)`` with in_axis=tp_in, out_axis=tp_out; rank 6 is
+    (in 1, wt 1, out 0)::
+
+        weight [64, 8]: dense rows 64..127 (in 1), columns 8..15 (block out*q + wt = 1)
+        bias   [64]:    dense 64..127
+        x [2, t, 16] rows 6..7 of 8, features 0..15  ->  y [2, t, 64] rows 4..5, features 64..127
+    """
+
+    def __init__(self, weight, bias, mesh, in_axis: str = "tp_in", out_axis: str = "tp_out"):
+        super().__init__()
+        self.mesh, self.in_axis, self.out_axis = mesh, in_axis, out_axis
+        self.weight = nn.Parameter(weight)
+        self.bias = mark_grad_sum(nn.Parameter(bias), WT, out_axis) if bias is not None else None
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, mesh, in_axis: str = "tp_in", out_axis: str = "tp_out") -> "Linear3D":
+        q = mesh.size(WT)
+        w = dense.weight.detach().chunk(q, 0)[mesh.rank(in_axis)]
+        w = w.chunk(q * q, 1)[mesh.rank(out_axis) * q + mesh.rank(WT)].clone()
+        b = _chunk(dense.bias.detach(), mesh, in_axis, 0).clone() if dense.bias is not None else None
+        return cls(w, b, mesh, in_axis, out_axis)
+
+    def forward(self, x):
+        y = Matmul3D.apply(x, self.weight, self.mesh, self.in_axis, self.out_axis)
+        return y + self.bias if self.bias is not None else y
+
+    def to_dense(self) -> nn.Linear:
+        """Collective over the cube: the whole ``nn.Linear``."""
+        mesh, tag = self.mesh, "to_dense"
+        w = comm.all_gather(self.weight.detach(), mesh, WT, 1, tag=tag)
+        w = comm.all_gather(w, mesh, self.out_axis, 1, tag=tag)
+        w = comm.all_gather(w, mesh, self.in_axis, 0, tag=tag)
+        dense = nn.Linear(w.shape[1], w.shape[0], bias=self.bias is not None)
+        with torch.no_grad():
+            dense.weight.copy_(w)
+            if self.bias is not None:
+                dense.bias.copy_(comm.all_gather(self.bias.detach(), mesh, self.in_axis, 0, tag=tag))
+        return dense
+
+
+class LayerNorm3D(nn.Module):
+    """LayerNorm over hidden features split over ``axis``: mean and variance from two all-reduces.
+
+    Rows are split over (tp_wt, the other of tp_in/tp_out), which share the ``[h/q]`` slices of
+    weight and bias: their gradients are summed over those two axes. tp=8 (q=2), h=32,
+    axis=tp_out: rank 6 (out 0) holds weight[0:16]; ``sum x`` and ``sum (x - mean)^2`` of
+    its 16 features are all-reduced with rank 7's (out 1), then divided by 32.
+    """
+
+    def __init__(self, weight, bias, eps: float, hidden: int, mesh, axis: str = "tp_out"):
+        super().__init__()
+        self.mesh, self.axis, self.eps, self.hidden = mesh, axis, eps, hidden
+        self.weight = mark_grad_sum(nn.Parameter(weight), WT, other_axis(axis))
+        self.bias = mark_grad_sum(nn.Parameter(bias), WT, other_axis(axis))
+
+    @classmethod
+    def from_dense(cls, dense: nn.LayerNorm, mesh, axis: str = "tp_out") -> "LayerNorm3D":
+        if dense.weight is None or dense.bias is None or len(dense.normalized_shape) != 1:
+            raise ValueError("LayerNorm3D shards a LayerNorm over the last dim with weight and bias")
+        part = lambda t: _chunk(t.detach(), mesh, axis, 0).clone()  # noqa: E731
+        return cls(part(dense.weight), part(dense.bias), dense.eps, dense.normalized_shape[0], mesh, axis)
+
+    def forward(self, x):
+        mean = AllReduce3D.apply(x.sum(-1, keepdim=True), self.mesh, self.axis) / self.hidden
+        centred = x - mean
+        var = AllReduce3D.apply(centred.pow(2).sum(-1, keepdim=True), self.mesh, self.axis) / self.hidden
+        return centred * torch.rsqrt(var + self.eps) * self.weight + self.bias
+
+    def to_dense(self) -> nn.LayerNorm:
+        dense = nn.LayerNorm(self.hidden, eps=self.eps)
+        with torch.no_grad():
+            dense.weight.copy_(comm.all_gather(self.weight.detach(), self.mesh, self.axis, 0, tag="to_dense"))
+            dense.bias.copy_(comm.all_gather(self.bias.detach(), self.mesh, self.axis, 0, tag="to_dense"))
+        return dense
+
+
+class VocabEmbedding3D(nn.Module):
+    """Token embedding: table ``[V/q, h/q]``, vocabulary over ``vocab_axis``, hidden over the other.
+
+    Tokens arrive with rows over (tp_wt, ``hidden_axis``) and leave as activations with rows
+    over (tp_wt, ``vocab_axis``), features over ``hidden_axis``: the tokens are all-gathered
+    over ``hidden_axis`` (integers, cheap), each rank looks up the ones its vocabulary slice
+    owns (zeros elsewhere), and a reduce-scatter over ``vocab_axis`` sums the slices and
+    hands each rank its rows. The q copies along tp_wt sum their gradients.
+
+    tp=8 (q=2), V=64, h=32, vocab_axis=tp_in, hidden_axis=tp_out; rank 6 (in 1, wt 1, out 0)::
+
+        table [32, 16]: tokens 32..63, features 0..15
+        tokens rows 4..5 -> gathered over tp_out: rows 4..7 -> [4, t, 16] partial
+        reduce_scatter over tp_in -> rows 6..7, features 0..15
+    """
+
+    def __init__(self, weight, vocab_start: int, mesh, vocab_axis: str = "tp_in"):
+        super().__init__()
+        self.mesh, self.vocab_axis, self.hidden_axis = mesh, vocab_axis, other_axis(vocab_axis)
+        self.vocab_start = vocab_start
+        self.weight = mark_grad_sum(nn.Parameter(weight), WT)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Embedding, mesh, vocab_axis: str = "tp_in") -> "VocabEmbedding3D":
+        part = _chunk(dense.weight.detach(), mesh, vocab_axis, 0)
+        part = _chunk(part, mesh, other_axis(vocab_axis), 1).clone()
+        return cls(part, mesh.rank(vocab_axis) * part.shape[0], mesh, vocab_axis)
+
+    def forward(self, tokens):
+        tokens = comm.all_gather(tokens, self.mesh, self.hidden_axis, 0, tag="3d tokens")
+        local = tokens - self.vocab_start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine.unsqueeze(-1)
+        return ReduceScatter3D.apply(rows, self.mesh, self.vocab_axis)
+
+    def to_dense(self) -> nn.Embedding:
+        w = comm.all_gather(self.weight.detach(), self.mesh, self.hidden_axis, 1, tag="to_dense")
+        w = comm.all_gather(w, self.mesh, self.vocab_axis, 0, tag="to_dense")
+        dense = nn.Embedding(*w.shape)
+        with torch.no_grad():
+            dense.weight.copy_(w)
+        return dense
+
+
+class Embedding3D(nn.Module):
+    """Embedding for ids every rank holds whole (positions): table ``[n, h/q]`` split over
+    ``axis``; the output ``[..., h/q]`` broadcasts onto activations whose rows are split over
+    (tp_wt, the other axis), which sum the gradient of the shared slice.
+
+    tp=8 (q=2), seq 16, h=32, axis=tp_out: rank 6 (out 0) holds table[:, 0:16].
+    """
+
+    def __init__(self, weight, mesh, axis: str = "tp_out"):
+        super().__init__()
+        self.mesh, self.axis = mesh, axis
+        self.weight = mark_grad_sum(nn.Parameter(weight), WT, other_axis(axis))
+
+    @classmethod
+    def from_dense(cls, dense: nn.Embedding, mesh, axis: str = "tp_out") -> "Embedding3D":
+        return cls(_chunk(dense.weight.detach(), mesh, axis, 1).clone(), mesh, axis)
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight)
+
+    def to_dense(self) -> nn.Embedding:
+        w = comm.all_gather(self.weight.detach(), self.mesh, self.axis, 1, tag="to_dense")
+        dense = nn.Embedding(*w.shape)
+        with torch.no_grad():
+            dense.weight.copy_(w)
+        return dense
