@@ -22,6 +22,7 @@ next call is refused until they finish (or ``restart()`` stops them).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import os
 import re
 import signal
@@ -138,7 +139,7 @@ class Cluster:
         if self.running:
             raise ClusterError(f"this cluster of {len(self._views)} ranks is already running: "
                                "stop() it first, or restart() it")
-        kwargs = {"log_level": 30, **self.ipp_kwargs}
+        kwargs = {"log_level": logging.ERROR, **self.ipp_kwargs}  # SIGKILLed engines are no news
         try:
             self._ipp = ipp.Cluster(n=self.n, engines=self.engines, **kwargs)
             self._ipp.start_controller_sync()

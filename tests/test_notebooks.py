@@ -1,0 +1,58 @@
+"""Every notebook in notebooks/ runs top to bottom in a real kernel (tier 3).
+
+Parametrized over the folder, so a new notebook is tested as soon as it is added.
+Cells tagged ``raises-exception`` may fail (nbclient's convention); any other
+error fails the test with the cell and its traceback. ``EXPECT`` adds, per
+notebook, outputs that must appear under the cell whose source contains a marker.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+
+EXPECT = {  # notebook -> [(marker in the cell source, text its output must contain)]
+    "01_quickstart.ipynb": [
+        ("%colossal start -n 4", "started 4 ranks"),
+        ("%colossal config dp=4", "config set on 4 ranks: dp=4 = 4 ranks"),
+        ("engine.train_step", "[ranks 0, 1, 2, 3]\nstep  0  loss"),
+        ("engine.train_step", "step 29  loss"),
+        ("engine.memory()", "rank 3: params"),
+        ('raise RuntimeError("rank 2', "[rank 2] FAILED"),
+        ('raise RuntimeError("rank 2', "RankError: rank 2 failed in %%colossal"),
+        ('raise RuntimeError("rank 2', "%colossal restart"),
+        ("%colossal status", "NEEDS RESTART"),
+        ("sum of ranks", "sum of ranks = 6, config dp=4 = 4 ranks"),
+        ("%colossal stop", "cluster stopped"),
+    ],
+}
+
+
+def _text(cell) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        parts.append(out.get("text", ""))
+        parts.append("\n".join(out.get("traceback", [])))
+        parts.append(out.get("data", {}).get("text/plain", ""))
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs_top_to_bottom(path: Path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert not cell.get("outputs"), f"{path.name} is committed with outputs: clear them"
+    client = NotebookClient(nb, kernel_name="python3", timeout=600, startup_timeout=120,
+                            resources={"metadata": {"path": str(path.parent)}})
+    client.execute()  # raises CellExecutionError naming the cell that failed
+    for marker, expected in EXPECT.get(path.name, []):
+        cells = [c for c in nb.cells if c.cell_type == "code" and marker in c.source]
+        assert cells, f"{path.name}: no cell contains {marker!r}"
+        assert any(expected in _text(c) for c in cells), \
+            f"{path.name}: the cell with {marker!r} did not show {expected!r}:\n{_text(cells[-1])[:2000]}"
