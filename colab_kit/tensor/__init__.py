@@ -49,11 +49,23 @@ def mark_grad_sum(param: nn.Parameter, *axes: str) -> nn.Parameter:
 
 
 def sync_grads(module: nn.Module, mesh) -> None:
-    """Sum every marked parameter's gradient over its axes (see ``mark_grad_sum``)."""
+    """Sum every marked parameter's gradient over its axes (see ``mark_grad_sum``).
+
+    One flat all-reduce per axis: the marked gradients are packed, summed, unpacked.
+    A parameter marked with two axes is summed over the first, then the second.
+    """
+    by_axis: dict[str, list[torch.Tensor]] = {}
     for p in module.parameters():
         for axis in getattr(p, "_ck_grad_sum_axes", ()):
             if p.grad is not None and mesh.size(axis) > 1:
-                comm.all_reduce(p.grad, mesh, axis, tag="replicated grad")
+                by_axis.setdefault(axis, []).append(p.grad)
+    for axis, grads in by_axis.items():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, mesh, axis, tag="replicated grads")
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 class TensorPlan:
