@@ -39,7 +39,8 @@ import torch.nn as nn
 from .. import comm
 from ..config import ConfigError
 
-__all__ = ["TensorPlan", "plan_for", "plan_class", "check_model", "mark_grad_sum", "sync_grads"]
+__all__ = ["TensorPlan", "plan_for", "plan_class", "check_model", "linear_comm_bytes", "mark_grad_sum",
+           "sync_grads"]
 
 
 def mark_grad_sum(param: nn.Parameter, *axes: str) -> nn.Parameter:
@@ -130,6 +131,26 @@ def plan_class(tp_mode: str) -> type[TensorPlan]:
 def plan_for(mesh) -> TensorPlan:
     """The plan of ``mesh.config.tp_mode`` on this rank's mesh."""
     return plan_class(mesh.config.tp_mode)(mesh)
+
+
+def linear_comm_bytes(config, rows: int, d_in: int, d_out: int, kind: str = "column",
+                      bytes_per_elem: int = 4) -> dict[str, int]:
+    """The paper's communication of one parallel Linear ``d_in -> d_out`` in ``config``'s mode.
+
+    Bytes one rank hands to collectives, by direction (``forward``, ``backward`` and, for
+    the modes that have it, the once-per-step ``grad_sync``). ``rows`` = tokens of the
+    dp-local batch; ``kind`` ('column' or 'row') matters for 1D only. Each mode's own
+    function documents its formula: ``tp1d``, ``tp2d`` (2D and 2.5D), ``tp3d``.
+    """
+    q = config.tp_q
+    if config.tp_mode == "1d":
+        from .tp1d import linear_comm_bytes as f
+        return f(rows, d_in, d_out, kind, bytes_per_elem)
+    if config.tp_mode in ("2d", "2.5d"):
+        from .tp2d import linear_comm_bytes as f
+        return f(rows, d_in, d_out, q, config.tp_depth, bytes_per_elem=bytes_per_elem)
+    from .tp3d import linear_comm_bytes as f
+    return f(rows, d_in, d_out, q, bytes_per_elem)
 
 
 def check_model(model_cfg, config) -> None:

@@ -4,6 +4,8 @@ Figures of recorded data say so in their title; planned or analytic data is
 labelled as planned.
 """
 from .mesh import mesh_figure
+from .tensor import traffic_figure, weight_owner_figure
 from .training import loss_figure, memory_figure, timeline_figure
 
-__all__ = ["mesh_figure", "loss_figure", "memory_figure", "timeline_figure"]
+__all__ = ["mesh_figure", "loss_figure", "memory_figure", "timeline_figure", "weight_owner_figure",
+           "traffic_figure"]

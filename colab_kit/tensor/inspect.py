@@ -1,0 +1,67 @@
+"""Look inside a sharded model on a live mesh: who holds which block, what one layer sends.
+
+Both are measured on the real layers, not drawn from a plan:
+
+- ``owner_map(layer)`` fills each rank's shard of ``layer.weight`` with that rank's
+  number and gathers it back with the layer's own ``to_dense()``: the result is the
+  dense ``[out, in]`` weight with every entry replaced by the rank that holds it
+  (for blocks replicated over ``dp`` or 2.5D's depth, the copy ``to_dense`` reads).
+- ``LayerTraffic(module, mesh)`` counts the bytes this rank hands to collectives
+  while ``module`` runs its forward and its backward.
+
+On 2 ranks with 1D tensor parallelism, ``owner_map`` of an MLP's ``fc1`` (4 -> 8) is::
+
+    [[0, 0, 0, 0],      rows 0..3 (output features 0..3) on rank 0
+     ...
+     [1, 1, 1, 1]]      rows 4..7 on rank 1
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["owner_map", "LayerTraffic"]
+
+
+@torch.no_grad()
+def owner_map(layer: nn.Module) -> torch.Tensor:
+    """``[out, in]`` integer tensor: the global rank holding each weight entry (collective)."""
+    saved = layer.weight.detach().clone()
+    layer.weight.fill_(dist.get_rank())
+    try:
+        dense = layer.to_dense()
+    finally:
+        layer.weight.copy_(saved)
+    return dense.weight.detach().round().to(torch.int64)
+
+
+class LayerTraffic:
+    """Bytes of collectives run inside ``module``'s forward and backward on this rank.
+
+    >>> traffic = LayerTraffic(model.blocks[0].mlp.fc1, mesh)   # before the step
+    >>> engine.train_step(batch)
+    >>> traffic.forward, traffic.backward                        # bytes, by direction
+    """
+
+    def __init__(self, module: nn.Module, mesh):
+        self.mesh, self.forward, self.backward = mesh, 0, 0
+        self.by_axis: dict[str, int] = {}
+        self._mark = 0
+        self._hooks = [module.register_forward_pre_hook(lambda *a: self._start()),
+                       module.register_forward_hook(lambda *a: self._stop("forward")),
+                       module.register_full_backward_pre_hook(lambda *a: self._start()),
+                       module.register_full_backward_hook(lambda *a: self._stop("backward"))]
+
+    def _start(self) -> None:
+        self._mark = len(self.mesh.log.records)
+
+    def _stop(self, direction: str) -> None:
+        records = self.mesh.log.records[self._mark:]
+        setattr(self, direction, getattr(self, direction) + sum(r.bytes for r in records))
+        for r in records:
+            self.by_axis[r.axis] = self.by_axis.get(r.axis, 0) + r.bytes
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
