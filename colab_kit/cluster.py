@@ -29,56 +29,20 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
 
 from . import remote
 from .config import ParallelConfig
 from .errors import RankError, RankTimeout
+from .rank_results import RankOutput, RankTable, rank_output, split, unwrap_call, unwrap_execute, unwrap_plain
 
 __all__ = ["Cluster", "ClusterError", "RankOutput", "RankTable", "RESTART_ADVICE"]
 
 RESTART_ADVICE = ("the cluster's process group is now unusable: run %colossal restart (or cluster.restart()) "
                   "to get fresh engines with the same config")
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class ClusterError(RuntimeError):
     """The cluster cannot do what was asked (not started, failed to start, needs a restart)."""
-
-
-@dataclass
-class RankOutput:
-    """What one rank printed and returned for a code string (``Cluster.execute``)."""
-
-    rank: int
-    stdout: str = ""
-    stderr: str = ""
-    result: str | None = None           # text/plain of the cell's last expression
-    error: str | None = None            # plain-text traceback when the rank raised
-    status: str = "ok"                  # "ok", "error" or "stuck" (still running when given up on)
-    displays: list = field(default_factory=list)  # rich outputs: {"data": ..., "metadata": ...}
-
-
-class RankTable(list):
-    """The ranks table: a list of row dicts that prints as an aligned table."""
-
-    def __str__(self) -> str:
-        if not self:
-            return "(no ranks)"
-        cols = list(self[0])
-        width = {c: max(len(c), *(len(str(r[c])) for r in self)) for c in cols}
-        lines = ["  ".join(c.ljust(width[c]) for c in cols)]
-        lines += ["  ".join(str(r[c]).ljust(width[c]) for c in cols) for r in self]
-        return "\n".join(lines)
-
-    __repr__ = __str__
-
-    def _repr_html_(self) -> str:
-        if not self:
-            return "<i>no ranks</i>"
-        head = "".join(f"<th>{c}</th>" for c in self[0])
-        body = "".join("<tr>" + "".join(f"<td>{v}</td>" for v in r.values()) + "</tr>" for r in self)
-        return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def _launcher_names() -> list[str]:
@@ -118,7 +82,7 @@ class Cluster:
         self.grace, self.collective_timeout, self.ipp_kwargs = grace, collective_timeout, ipp_kwargs
         self.config: ParallelConfig | None = None
         self._ipp = self._client = None
-        self._views: list = []
+        self._ids: list[int] = []                # engine id of each rank
         self._table = RankTable()
         self._broken: str | None = None          # why the cluster needs a restart
         self._busy: dict[int, object] = {}       # rank -> unfinished AsyncResult of a timed-out call
@@ -137,7 +101,7 @@ class Cluster:
         import ipyparallel as ipp
 
         if self.running:
-            raise ClusterError(f"this cluster of {len(self._views)} ranks is already running: "
+            raise ClusterError(f"this cluster of {self.world_size} ranks is already running: "
                                "stop() it first, or restart() it")
         kwargs = {"log_level": logging.ERROR, **self.ipp_kwargs}  # SIGKILLed engines are no news
         try:
@@ -162,7 +126,7 @@ class Cluster:
         """Kill the engines, start fresh ones, re-initialise torch.distributed, re-apply the config."""
         if self._ipp is None:
             raise ClusterError("no cluster to restart: start one first (cluster.start() or %colossal start)")
-        old = set(self._client.ids) | set(self._engine_ids())
+        old = set(self._client.ids) | set(self._ids)
         try:
             self._kill_local_engines()
             self._ipp.stop_engines_sync()
@@ -180,15 +144,11 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _engine_ids(self) -> list[int]:
-        return [v.targets for v in self._views]
-
     def _start_engines(self, old_ids: set[int]) -> None:
         """Start an engine set, wait for ``n`` new engines, then bring torch.distributed up."""
-        self._views, self._table, self._broken, self._busy = [], RankTable(), None, {}
+        self._ids, self._table, self._broken, self._busy = [], RankTable(), None, {}
         self._ipp.start_engines_sync(self.n)
-        ids = self._wait_for_engines(old_ids)
-        self._views = [self._client[i] for i in ids]
+        self._ids = self._wait_for_engines(old_ids)
         self._init_dist()
         if self.config is not None:
             self.set_config(self.config)
@@ -225,8 +185,9 @@ class Cluster:
         host = re.sub(r"^\w+://|:\d+$", "", self._client._config.get("interface", "tcp://127.0.0.1"))
         if host in ("*", "0.0.0.0", ""):
             host = self._client._config.get("location") or "127.0.0.1"
-        info = self._gather({r: v.apply_async(remote.probe, host, list(sys.path), os.getcwd())
-                             for r, v in enumerate(self._views)}, self.timeout, "start (probe)")
+        ranks = list(range(self.n))
+        info = self._gather(self._apply(ranks, remote.probe, host, list(sys.path), os.getcwd()), self.timeout,
+                            "start (probe)")
         hosts = [info[r]["host"] for r in range(self.n)]
         local = [hosts[:r].count(h) for r, h in enumerate(hosts)]
         per_host = [hosts.count(h) for h in hosts]
@@ -236,11 +197,11 @@ class Cluster:
             short = [r for r in range(self.n) if info[r]["cuda"] < per_host[r]]
             raise ClusterError(f"backend='nccl' needs one GPU per engine, but ranks {short} see fewer GPUs "
                                "than engines on their host: use backend='gloo' or fewer engines per host")
-        addr, port = self._gather({0: self._views[0].apply_async(remote.open_store, info[0]["ip"], self.n,
-                                                                 self.timeout)}, self.timeout, "start")[0]
-        done = self._gather({r: v.apply_async(remote.init_rank, r, self.n, local[r], per_host[r], addr, port,
-                                              backend, self.collective_timeout)
-                             for r, v in enumerate(self._views)}, self.timeout, "start (init_process_group)")
+        addr, port = self._gather(self._apply([0], remote.open_store, info[0]["ip"], self.n, self.timeout),
+                                  self.timeout, "start")[0]
+        done = self._gather({r: self._client[self._ids[r]].apply_async(
+            remote.init_rank, r, self.n, local[r], per_host[r], addr, port, backend, self.collective_timeout)
+            for r in ranks}, self.timeout, "start (init_process_group)")
         self._table = RankTable({"rank": r, "host": hosts[r], "pid": info[r]["pid"], "device": done[r]["device"],
                                  "backend": backend} for r in range(self.n))
 
@@ -265,7 +226,7 @@ class Cluster:
             except Exception:  # noqa: BLE001 - best effort: the processes may be gone already
                 pass
         self._ipp = self._client = None
-        self._views, self._table, self._broken, self._busy = [], RankTable(), None, {}
+        self._ids, self._table, self._broken, self._busy = [], RankTable(), None, {}
 
     # ------------------------------------------------------------ use
     def ranks(self) -> RankTable:
@@ -274,22 +235,22 @@ class Cluster:
 
     @property
     def world_size(self) -> int:
-        return len(self._views)
+        return len(self._ids)
 
     def set_config(self, config: ParallelConfig | None) -> None:
         """Check ``config`` against the world size, then set ``config`` and build ``mesh`` on every rank."""
         self._check_usable()
         if config is not None:
             config.check_world_size(self.world_size)
-        self._gather({r: v.apply_async(remote.set_config, config and config.to_dict())
-                      for r, v in enumerate(self._views)}, self.timeout, "set_config")
+        self._gather(self._apply(list(range(self.world_size)), remote.set_config, config and config.to_dict()),
+                     self.timeout, "set_config")
         self.config = config
 
     def run(self, fn, *args, ranks: list[int] | None = None, timeout: float | None = None):
         """``fn(*args)`` on every rank (or ``ranks``): a list by rank, or a dict rank -> result."""
         targets = self._targets(ranks)
-        ars = {r: self._views[r].apply_async(remote.call, fn, args, {}) for r in targets}
-        out = self._gather(ars, timeout, getattr(fn, "__name__", "run"), unwrap=_unwrap_call)
+        ars = self._apply(targets, remote.call, fn, args, {})
+        out = self._gather(ars, timeout, getattr(fn, "__name__", "run"), unwrap=unwrap_call)
         return [out[r] for r in targets] if ranks is None else {r: out[r] for r in targets}
 
     def execute(self, code: str, ranks: list[int] | None = None, timeout: float | None = None,
@@ -300,13 +261,13 @@ class Cluster:
         stuck ones with what they printed so far), so a caller can still show them.
         """
         targets = self._targets(ranks)
-        ars = {r: self._views[r].execute(code, silent=False, block=False) for r in targets}
+        ars = split(self._view(targets).execute(code, silent=False, block=False), targets)
         try:
-            self._gather(ars, timeout, where, unwrap=_unwrap_execute)
+            self._gather(ars, timeout, where, unwrap=unwrap_execute)
         except RankError as err:
-            err.outputs = {r: _rank_output(r, ar, err) for r, ar in ars.items()}
+            err.outputs = {r: rank_output(r, ar, err) for r, ar in ars.items()}
             raise
-        return {r: _rank_output(r, ar, None) for r, ar in ars.items()}
+        return {r: rank_output(r, ar, None) for r, ar in ars.items()}
 
     def status(self) -> str:
         """One line: running or not, ranks, backend, config, and whether a restart is needed."""
@@ -325,7 +286,15 @@ class Cluster:
     def __repr__(self) -> str:
         return f"Cluster(n={self.n}, engines={self.engines!r}: {self.status()})"
 
-    # ------------------------------------------------------------ waiting, with failure handling
+    # ------------------------------------------------------------ sending, and waiting with failure handling
+    def _view(self, ranks: list[int]):
+        """One DirectView on the engines of ``ranks``: a call is serialised once for all of them."""
+        return self._client[[self._ids[r] for r in ranks]]
+
+    def _apply(self, ranks: list[int], fn, *args) -> dict:
+        """``fn(*args)`` on ``ranks``: rank -> AsyncResult."""
+        return split(self._view(ranks).apply_async(fn, *args), ranks)
+
     def _targets(self, ranks: list[int] | None) -> list[int]:
         self._check_usable()
         if ranks is None:
@@ -351,7 +320,7 @@ class Cluster:
 
     def _gather(self, ars: dict, timeout: float | None, where: str, unwrap=None) -> dict:
         """Wait for one AsyncResult per rank; give up on the rest ``grace`` s after a failure."""
-        unwrap = unwrap or _unwrap_plain
+        unwrap = unwrap or unwrap_plain
         deadline = float("inf") if timeout is None else time.monotonic() + timeout
         pending, results, failures = dict(ars), {}, {}
         try:
@@ -381,42 +350,3 @@ class Cluster:
                               "%colossal restart (cluster.restart()) to stop them")
         return results
 
-
-def _remote_error_text(exc: BaseException) -> str:
-    tb = getattr(exc, "traceback", None)
-    if isinstance(tb, list):
-        tb = "\n".join(tb)
-    text = tb or f"{type(exc).__name__}: {exc}"
-    return _ANSI.sub("", text)
-
-
-def _unwrap_plain(ar) -> tuple[bool, object]:
-    try:
-        return True, ar.get()
-    except Exception as exc:  # noqa: BLE001 - a RemoteError/EngineError is a failure of that rank
-        return False, _remote_error_text(exc)
-
-
-def _unwrap_call(ar) -> tuple[bool, object]:
-    ok, value = _unwrap_plain(ar)
-    if not ok:
-        return False, value
-    status, value = value
-    return status == "ok", value
-
-
-def _unwrap_execute(ar) -> tuple[bool, object]:
-    ok, value = _unwrap_plain(ar)
-    return ok, (None if ok else value)
-
-
-def _rank_output(rank: int, ar, err: RankError | None) -> RankOutput:
-    if ar.ready():
-        ar.wait_for_output(1.0)  # stdout arrives on its own channel, a little after the result
-    status = "stuck" if not ar.ready() else "error" if err is not None and rank in err.failures else "ok"
-    res = ar.execute_result if status == "ok" else None
-    displays = [{"data": o.get("data", {}), "metadata": o.get("metadata", {})}
-                for o in (ar.outputs or []) if isinstance(o, dict)]
-    return RankOutput(rank, ar.stdout or "", ar.stderr or "",
-                      res["data"].get("text/plain") if res else None,
-                      err.failures.get(rank) if status == "error" else None, status, displays)
