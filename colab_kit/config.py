@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import operator
 import shlex
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -130,7 +131,8 @@ class ParallelConfig:
         """Raise ConfigError unless this config fits exactly ``n`` ranks."""
         if self.world_size == n:
             return
-        hint = f"dp={n // (self.world_size // self.dp)}" if n % (self.world_size // self.dp) == 0 else None
+        rest = self.world_size // self.dp
+        hint = f"dp={n // rest}" if n >= rest and n % rest == 0 else None
         msg = (f"this config needs dp*pp*sp*tp = {self.dp}*{self.pp}*{self.sp}*{self.tp} = "
                f"{self.world_size} ranks, but there are {n}")
         raise ConfigError(msg + (f": try {hint}" if hint else f": choose degrees whose product is {n}"))
@@ -174,11 +176,16 @@ class ParallelConfig:
                 near = difflib.get_close_matches(key, fields, n=1)
                 hint = f"did you mean {near[0]!r}?" if near else f"known keys: {', '.join(fields)}"
                 raise ConfigError(f"unknown config key {key!r}: {hint}")
-            if fields[key].type == "int" and not isinstance(value, int):
+            if fields[key].type == "int" and isinstance(value, str):
                 try:
                     value = int(value)
-                except (TypeError, ValueError):
+                except ValueError:
                     raise ConfigError(f"{key} must be a whole number, got {value!r}") from None
+            elif fields[key].type == "int" and not isinstance(value, (int, bool)):
+                try:  # numpy integers and the like; 2.5 stays 2.5 and is refused by the rules
+                    value = operator.index(value)
+                except TypeError:
+                    pass
             elif fields[key].type == "str":
                 value = str(value).lower()
             kwargs[key] = value
@@ -194,10 +201,10 @@ class ParallelConfig:
                               ("offload", OFFLOADS), ("precision", PRECISIONS)):
             v = getattr(self, name)
             if v not in allowed:
-                near = difflib.get_close_matches(str(v), allowed, n=1)
+                near = difflib.get_close_matches(str(v).lower(), allowed, n=1)
                 hint = f"did you mean {near[0]!r}? " if near else ""
                 raise ConfigError(f"unknown {name} {v!r}: {hint}choose one of {_or(repr(a) for a in allowed)}")
-        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+        if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
         self._check_tensor()
         self._check_sequence()
