@@ -19,8 +19,8 @@ class RankError(RuntimeError):
 
     @property
     def rank(self) -> int:
-        """The first failing rank."""
-        return next(iter(self.failures))
+        """The first failing rank (for a timeout, where none failed: the first stuck rank)."""
+        return next(iter(self.failures), self.stuck[0] if self.stuck else None)
 
     def _message(self) -> str:
         first, *later = self.failures

@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover
 __all__ = ["launch", "default_backend", "threads_per_rank"]
 
 _CTX = None
+_RELEASE = "colab_kit/launch/release"  # set by the parent once every rank has reported
 
 
 def _context():
@@ -64,7 +65,7 @@ def _worker(rank, world_size, port, payload, results, backend, threads, timeout)
     import torch
     import torch.distributed as dist
 
-    status, value = "ok", None
+    status, value, store = "ok", None, None
     try:
         fn, args = _pickler.loads(payload)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -80,6 +81,13 @@ def _worker(rank, world_size, port, payload, results, backend, threads, timeout)
     except BaseException:  # report everything, including KeyboardInterrupt
         status, value = "error", traceback.format_exc()
     results.put((rank, status, value))
+    if status == "ok" and store is not None:
+        # keep this rank's connections open until every rank has reported: a rank that
+        # returns early and exits would break peers still connecting or finishing a collective
+        try:
+            store.wait([_RELEASE], timedelta(seconds=timeout + 60))  # the parent releases by its deadline
+        except Exception:  # the parent is gone (its store closed): nothing left to wait for
+            pass
     if status == "ok" and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -110,17 +118,24 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout: floa
                                                timeout), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
+    reported: set[int] = set()
     try:
-        return _collect(procs, results, timeout, grace)
+        return _collect(procs, results, timeout, grace, reported)
     finally:
+        store.set(_RELEASE, "1")  # ranks that finished may exit now (and flush their output)
+        for r, p in enumerate(procs):
+            if r not in reported and p.is_alive():  # stuck in a collective or hanging
+                p.kill()
         for p in procs:
+            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-            p.join(timeout=5)
+                p.join(timeout=5)
         del store
 
 
-def _collect(procs, results, timeout: float, grace: float) -> list:
+def _collect(procs, results, timeout: float, grace: float, reported: set) -> list:
+    """Gather every rank's message; ``reported`` collects the ranks that sent one."""
     world_size = len(procs)
     done: dict[int, object] = {}
     failures: dict[int, str] = {}
@@ -135,20 +150,45 @@ def _collect(procs, results, timeout: float, grace: float) -> list:
         try:
             rank, status, value = results.get(timeout=0.2)
         except queue_mod.Empty:
-            for r, p in enumerate(procs):  # a rank that died without a word (segfault, os._exit, OOM kill)
-                if r not in done and r not in failures and p.exitcode is not None:
-                    time.sleep(0.2)  # its message may still be in the pipe
-                    if results.empty():
-                        failures[r] = f"rank {r} exited with code {p.exitcode} without reporting a result"
+            if any(p.exitcode is not None for r, p in enumerate(procs) if r not in done and r not in failures):
+                time.sleep(0.2)  # a rank that exited may still have its message in the pipe
+                if results.empty():
+                    _record_silent_deaths(procs, done, failures, exitcode_zero=True)
             if failures:
                 deadline = min(deadline, time.monotonic() + grace)
             continue
+        reported.add(rank)
+        if rank in failures:  # declared dead before its message was read: the message says more
+            del failures[rank]
         if status == "ok":
             done[rank] = _pickler.loads(value)
         else:
-            failures[rank] = value
+            # a peer that died without a word (os._exit, segfault) is the likely cause of this
+            # rank's error ("Connection closed by peer"), so it is recorded first; its exit can
+            # show up a moment after that error, so the first error waits briefly for it
+            _record_silent_deaths(procs, done, failures, exitcode_zero=False, wait=0.0 if failures else 0.25)
+            failures.setdefault(rank, value)
             deadline = min(deadline, time.monotonic() + grace)
     if failures:
         raise RankError(failures, [], "launch")
     return [done[r] for r in range(world_size)]
+
+
+def _record_silent_deaths(procs, done, failures, exitcode_zero: bool, wait: float = 0.0) -> None:
+    """Record the ranks that exited without reporting (segfault, os._exit, OOM kill),
+    polling up to ``wait`` seconds for one to appear.
+
+    A rank exits with code 0 only after its message is in the pipe, so code 0 counts
+    as silent only once the pipe is empty (``exitcode_zero``)."""
+    until = time.monotonic() + wait
+    while True:
+        found = False
+        for r, p in enumerate(procs):
+            code = p.exitcode
+            if r not in done and r not in failures and code is not None and (code != 0 or exitcode_zero):
+                failures[r] = f"rank {r} exited with code {code} without reporting a result"
+                found = True
+        if found or time.monotonic() >= until:
+            return
+        time.sleep(0.01)
 

@@ -1,0 +1,289 @@
+"""Tier 2: ``ck.launch`` on real CPU processes with gloo.
+
+Each launch of a few ranks costs a fraction of a second once the fork server is warm. The
+failure tests check that the caller is told WHICH rank failed and why, and that it is not
+left waiting for the ranks that were stuck in a collective with it.
+"""
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+import colab_kit as ck
+from colab_kit.errors import RankError, RankTimeout
+
+# the package attribute ``ck.launch`` is the function; the module is reached through importlib
+launch_mod = importlib.import_module("colab_kit.launch")
+
+# rank functions travel by value: the ranks need not import this test module (nor pytest)
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+# --------------------------------------------------------------------------- rank functions
+def rank_info(x, y=None):
+    return {
+        "rank": dist.get_rank(), "world": dist.get_world_size(), "backend": dist.get_backend(),
+        "env": (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]),
+        "args": (x, y), "threads": torch.get_num_threads(),
+    }
+
+
+def raise_on_2(kind):
+    if dist.get_rank() == 2:
+        raise ValueError("boom from rank 2")
+    if kind == "barrier":
+        dist.barrier()
+    else:
+        t = torch.ones(3)
+        dist.all_reduce(t)
+    return "finished"
+
+
+def raise_on_0_while_1_sleeps():
+    if dist.get_rank() == 0:
+        raise RuntimeError("first failure")
+    time.sleep(1000)
+
+
+def hang_on_1():
+    if dist.get_rank() == 1:
+        time.sleep(1000)
+    return dist.get_rank()
+
+
+def exit_3_on_3(in_collective):
+    if dist.get_rank() == 3:
+        os._exit(3)
+    if in_collective:
+        t = torch.ones(2)
+        dist.all_reduce(t)
+    return dist.get_rank()
+
+
+def sys_exit_on_1():
+    if dist.get_rank() == 1:
+        sys.exit(5)
+    return "ok"
+
+
+def unpicklable_result_on_1():
+    return threading.Lock() if dist.get_rank() == 1 else "ok"
+
+
+# --------------------------------------------------------------------------- results and arguments
+def test_results_by_rank_and_args_passed():
+    out = ck.launch(rank_info, 3, 5, {"k": [1, 2]})
+    assert [o["rank"] for o in out] == [0, 1, 2]
+    for r, o in enumerate(out):
+        assert o["world"] == 3
+        assert o["backend"] == "gloo"
+        assert o["env"] == (str(r), "3", str(r))
+        assert o["args"] == (5, {"k": [1, 2]})
+
+
+def test_single_rank_and_tensor_results():
+    assert ck.launch(lambda: torch.arange(3) * (dist.get_rank() + 1), 1)[0].tolist() == [0, 1, 2]
+
+
+def test_closure_and_lambda():
+    factor = 7
+
+    def local(v):  # a closure over a local variable, defined in the test body
+        return dist.get_rank() * factor + v
+
+    assert ck.launch(local, 2, 1) == [1, 8]
+    assert ck.launch(lambda a, b: (dist.get_rank(), a + b), 2, "x", "y") == [(0, "xy"), (1, "xy")]
+
+
+def test_collectives_work_across_ranks():
+    def fn():
+        t = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(t)
+        return t.item()
+
+    assert ck.launch(fn, 4) == [10.0] * 4
+
+
+def test_unpicklable_argument_is_refused_in_the_caller():
+    with pytest.raises(TypeError, match="launch could not pickle 'rank_info'"):
+        ck.launch(rank_info, 2, threading.Lock())
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, "2"])
+def test_world_size_must_be_positive_int(bad):
+    with pytest.raises(ValueError) as info:
+        ck.launch(rank_info, bad)
+    assert str(info.value) == f"world_size must be a positive whole number, got {bad!r}"
+
+
+# --------------------------------------------------------------------------- threads
+def test_threads_per_rank(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert launch_mod.threads_per_rank(4) == 4
+    assert launch_mod.threads_per_rank(3) == 5
+    assert launch_mod.threads_per_rank(1) == 16
+    assert launch_mod.threads_per_rank(32) == 1
+    assert launch_mod.threads_per_rank(0) == 16
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert launch_mod.threads_per_rank(4) == 1
+
+
+def test_threads_set_in_each_rank():
+    assert [o["threads"] for o in ck.launch(rank_info, 2, 0, threads=2)] == [2, 2]
+    default = launch_mod.threads_per_rank(2)
+    assert [o["threads"] for o in ck.launch(rank_info, 2, 0)] == [default, default]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only expectation")
+def test_default_backend_on_cpu():
+    assert launch_mod.default_backend(1) == "gloo"
+    assert launch_mod.default_backend(4) == "gloo"
+
+
+# --------------------------------------------------------------------------- failures
+@pytest.mark.parametrize("kind", ["barrier", "all_reduce"])
+def test_raising_rank_is_reported_while_others_wait_in_a_collective(kind):
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        ck.launch(raise_on_2, 4, kind, timeout=120)
+    elapsed = time.monotonic() - t0
+    # the peers error out at once (gloo sees the closed connection) or are stopped after grace=5 s;
+    # either way far sooner than the timeout (bound generous for a loaded 2-core machine)
+    assert elapsed < 10, f"launch took {elapsed:.1f} s: it waited for the stuck ranks"
+    e = info.value
+    assert type(e) is RankError
+    assert e.rank == 2 and next(iter(e.failures)) == 2
+    tb = e.failures[2]
+    assert "Traceback (most recent call last)" in tb
+    assert "in raise_on_2" in tb and 'raise ValueError("boom from rank 2")' in tb
+    assert tb.rstrip().endswith("ValueError: boom from rank 2")
+    assert set(e.failures) | set(e.stuck) == {0, 1, 2, 3}  # nobody got through the collective
+    msg = str(e)
+    assert msg.startswith("rank 2 failed in launch: ValueError: boom from rank 2")
+    assert "--- traceback of rank 2 ---" in msg
+
+
+def test_failed_rank_with_a_stuck_peer_stops_after_grace():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        ck.launch(raise_on_0_while_1_sleeps, 2, timeout=120, grace=1)
+    assert time.monotonic() - t0 < 10
+    e = info.value
+    assert list(e.failures) == [0] and e.stuck == [1]
+    assert "RuntimeError: first failure" in e.failures[0]
+    assert "ranks 1 were still waiting" in str(e)
+    assert not mp.active_children()  # the sleeping rank was stopped
+
+
+def test_hanging_rank_gives_rank_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        ck.launch(hang_on_1, 3, timeout=3)
+    elapsed = time.monotonic() - t0
+    assert 3 <= elapsed < 12
+    e = info.value
+    assert isinstance(e, RankError)
+    assert e.stuck == [1] and e.failures == {} and e.timeout == 3
+    assert e.rank == 1
+    assert str(e).startswith("ranks 1 did not finish within 3 s in launch")
+    assert not mp.active_children()  # the hanging rank was stopped
+
+
+def test_rank_that_exits_without_a_word_is_blamed_first():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        ck.launch(exit_3_on_3, 4, True, timeout=120)
+    assert time.monotonic() - t0 < 10
+    e = info.value
+    # the peers' "connection closed" errors come after it: rank 3 is the cause
+    assert e.rank == 3 and next(iter(e.failures)) == 3
+    assert e.failures[3] == "rank 3 exited with code 3 without reporting a result"
+    assert str(e).startswith("rank 3 failed in launch: rank 3 exited with code 3 without reporting a result")
+
+
+def test_rank_that_exits_while_others_finish():
+    with pytest.raises(RankError) as info:
+        ck.launch(exit_3_on_3, 4, False, timeout=60)
+    assert info.value.failures == {3: "rank 3 exited with code 3 without reporting a result"}
+
+
+def test_sys_exit_in_a_rank_is_reported():
+    with pytest.raises(RankError) as info:
+        ck.launch(sys_exit_on_1, 2, timeout=60)
+    assert list(info.value.failures) == [1]
+    assert info.value.failures[1].rstrip().endswith("SystemExit: 5")
+
+
+def test_unpicklable_result_is_reported_for_that_rank():
+    with pytest.raises(RankError) as info:
+        ck.launch(unpicklable_result_on_1, 2, timeout=60)
+    assert list(info.value.failures) == [1]
+    assert "lock" in info.value.failures[1]
+
+
+def test_launch_still_works_after_failures():
+    assert ck.launch(lambda: dist.get_rank(), 4) == [0, 1, 2, 3]
+
+
+# --------------------------------------------------------------------------- error objects
+def test_rank_error_message_and_fields():
+    e = RankError({2: "Traceback ...\nValueError: x", 0: "Traceback ...\nRuntimeError: peer"}, [3, 1],
+                  where="step", advice="check rank 2")
+    assert e.rank == 2 and e.stuck == [1, 3]
+    assert str(e).splitlines()[:4] == [
+        "rank 2 failed in step: ValueError: x",
+        "  rank 0 failed after it: RuntimeError: peer",
+        "  ranks 1, 3 were still waiting (most likely in a collective for the failed rank) and were stopped",
+        "check rank 2",
+    ]
+    assert isinstance(e, RuntimeError)
+
+
+def test_rank_timeout_message():
+    e = RankTimeout([2, 0], 1.5, where="cluster.run")
+    assert e.stuck == [0, 2] and e.rank == 0 and e.failures == {}
+    assert str(e) == ("ranks 0, 2 did not finish within 1.5 s in cluster.run "
+                      "(a collective that not every rank entered waits forever)")
+    assert ck.RankTimeout is RankTimeout and ck.RankError is RankError
+
+
+# --------------------------------------------------------------------------- finished ranks wait for the others
+def early_finisher():
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        store.set("pid0", str(os.getpid()))
+        return "returned at once"
+    time.sleep(1.0)  # rank 0 has long returned by now
+    pid = int(store.get("pid0"))
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ", 1)[1][0]  # process state: R/S/D..., "Z" once it has exited
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
+def test_finished_rank_stays_connected_until_every_rank_reported():
+    # a rank that returned early and exited would close its gloo connections under peers
+    # that are still connecting (init) or finishing a collective with it
+    out = ck.launch(early_finisher, 2, timeout=60)
+    assert out[0] == "returned at once"
+    assert out[1] in "RSD", f"rank 0 had exited (state {out[1]!r}) while rank 1 was still running"
+
+
+def print_without_flush(folder):
+    sys.stdout = open(os.path.join(folder, f"rank{dist.get_rank()}.txt"), "w")  # block-buffered
+    print(f"hello from rank {dist.get_rank()}")  # no flush: only a normal exit writes it out
+    return None
+
+
+def test_finished_ranks_exit_normally_and_flush_their_output(tmp_path):
+    ck.launch(print_without_flush, 2, str(tmp_path), timeout=60)
+    for r in range(2):
+        assert (tmp_path / f"rank{r}.txt").read_text() == f"hello from rank {r}\n"
