@@ -111,6 +111,11 @@ class MeshLayout:
 
     def rank_of(self, **coords: int) -> int:
         """Inverse of ``coords``: ``rank_of(pp=1, dp=0, sp=0, tp=1)``; missing axes count as 0."""
+        for axis, i in coords.items():
+            if axis not in AXES:
+                raise ValueError(f"unknown axis {axis!r} for rank_of: give coordinates on {', '.join(AXES)}")
+            if not 0 <= i < self.config.shape[axis]:
+                raise ValueError(f"{axis}={i} is outside the {axis} axis of size {self.config.shape[axis]}")
         idx = tuple(coords.get(a, 0) for a in AXES)
         return int(self.grid[idx])
 
@@ -193,6 +198,7 @@ class ProcessMesh:
 
     def rank(self, axis: str) -> int:
         """This rank's coordinate on ``axis`` (its rank inside the group)."""
+        self.layout._check_axis(axis)
         return self.layout.all_coords(self.global_rank)[axis]
 
     def size(self, axis: str) -> int:

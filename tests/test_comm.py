@@ -1,0 +1,203 @@
+"""Recorded collectives: values on every axis and the (op, axis, bytes) record of each call.
+
+Tier 1 checks CommLog on its own; tier 2 runs every collective in ONE ``ck.launch`` of 4 ranks
+with a ``dp=2, tp=2`` mesh (and a ``tp=4`` 2D mesh on the same ranks for the sub-axes). The
+expected values are written out by hand from the groups: tp [[0,1],[2,3]], dp [[0,2],[1,3]],
+and in 2D tp_col [[0,1],[2,3]], tp_row [[0,2],[1,3]].
+"""
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+import colab_kit as ck
+from colab_kit import comm
+from colab_kit.comm import CommLog, CommRecord, Pending
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+# --------------------------------------------------------------------------- tier 1: CommLog
+def test_comm_log_records_summary_and_steps():
+    log = CommLog()
+    r = log.add("all_reduce", "dp", 4096, 0.5, tag="grads")
+    assert r == CommRecord("all_reduce", "dp", 4096, 0.5, "grads")
+    log.add("all_reduce", "dp", 1000, 0.25)
+    log.begin_step()
+    log.add("all_gather", "tp", 64.0, 1)  # numbers are normalised: int bytes, float seconds
+    assert log.records[-1] == CommRecord("all_gather", "tp", 64, 1.0, "")
+    assert type(log.records[-1].bytes) is int and type(log.records[-1].seconds) is float
+    assert log.last_step() == [log.records[-1]]
+    assert log.summary() == {
+        "all_reduce@dp": {"count": 2, "bytes": 5096, "seconds": 0.75},
+        "all_gather@tp": {"count": 1, "bytes": 64, "seconds": 1.0},
+    }
+    assert log.summary(log.last_step()) == {"all_gather@tp": {"count": 1, "bytes": 64, "seconds": 1.0}}
+    assert log.as_dicts(log.last_step()) == [
+        {"op": "all_gather", "axis": "tp", "bytes": 64, "seconds": 1.0, "tag": ""}]
+    assert len(log.as_dicts()) == 3
+
+
+def test_comm_logs_are_independent():
+    a, b = CommLog(), CommLog()
+    a.add("broadcast", "dp", 1, 0.0)
+    assert b.records == []
+
+
+# --------------------------------------------------------------------------- tier 2: one launch
+def _rows(log, start=0):
+    return [(r.op, r.axis, r.bytes, r.tag) for r in log.records[start:]]
+
+
+def comm_checks():
+    rank = dist.get_rank()
+    mesh = ck.ProcessMesh(ck.ParallelConfig(dp=2, tp=2))
+    out = {}
+
+    # all_reduce: in place, returns the same tensor
+    t = torch.full((3,), float(rank + 1))                       # 3 x fp32 = 12 bytes
+    out["ar_tp_same"] = comm.all_reduce(t, mesh, "tp") is t
+    out["ar_tp"] = t.tolist()
+    t = torch.full((2,), float(rank + 1), dtype=torch.float64)  # 2 x fp64 = 16 bytes
+    comm.all_reduce(t, mesh, "dp", tag="grads")
+    out["ar_dp"] = t.tolist()
+    t = torch.tensor([float(rank)])                             # 4 bytes
+    comm.all_reduce(t, mesh, "tp", op=dist.ReduceOp.MAX)
+    out["ar_tp_max"] = t.item()
+
+    # broadcast from an axis coordinate (not a global rank)
+    t = torch.full((4,), 10.0 * rank)                           # 16 bytes
+    out["bc_dp_same"] = comm.broadcast(t, mesh, "dp", src=1) is t
+    out["bc_dp_src1"] = t.tolist()
+    t = torch.full((5,), 10 * rank, dtype=torch.int64)          # 40 bytes
+    comm.broadcast(t, mesh, "tp")
+    out["bc_tp_src0"] = t.tolist()
+    t = torch.full((1,), 10.0 * rank)                           # 4 bytes
+    comm.broadcast(t, mesh, "tp", src=1)
+    out["bc_tp_src1"] = t.item()
+
+    # all_gather in the order of the axis coordinate, along dim
+    out["ag_tp_dim0"] = comm.all_gather(torch.tensor([[rank, rank + 10]]), mesh, "tp").tolist()   # 16 bytes
+    out["ag_dp_dim1"] = comm.all_gather(torch.tensor([[float(rank)]]), mesh, "dp", dim=1).tolist()  # 4 bytes
+    nc = (torch.arange(6.0).view(2, 3) + 100 * rank).t()       # non-contiguous, 6 x fp32 = 24 bytes
+    out["ag_dp_noncontig"] = comm.all_gather(nc, mesh, "dp", tag="nc").tolist()
+
+    # async all_reduce: recorded when wait() returns
+    t = torch.full((8,), float(rank))                           # 32 bytes
+    n = len(mesh.log.records)
+    pending = comm.all_reduce(t, mesh, "dp", async_op=True, tag="async")
+    out["async_is_pending"] = isinstance(pending, Pending)
+    out["async_recorded_before_wait"] = len(mesh.log.records) - n
+    rec = pending.wait()
+    out["async_value"] = t.tolist()
+    out["async_rec_is_last"] = rec is mesh.log.records[-1]
+
+    out["records"] = _rows(mesh.log)
+    out["seconds_ok"] = all(r.seconds >= 0 for r in mesh.log.records)
+
+    # size-1 axes (pp, sp): no-op, same object, no record
+    n = len(mesh.log.records)
+    t = torch.ones(2)
+    out["size1_same"] = [comm.all_reduce(t, mesh, "pp") is t, comm.broadcast(t, mesh, "sp") is t,
+                         comm.all_gather(t, mesh, "pp") is t]
+    p = comm.all_reduce(t, mesh, "sp", async_op=True)
+    out["size1_async"] = (isinstance(p, Pending), p.wait())
+    out["size1_values"] = t.tolist()
+    out["size1_new_records"] = len(mesh.log.records) - n
+
+    # tensor sub-axes on a second mesh over the same ranks (2D, tp=4, q=2)
+    mesh2 = ck.ProcessMesh(ck.ParallelConfig(tp=4, tp_mode="2d"))
+    t = torch.tensor([float(rank + 1)])
+    comm.all_reduce(t, mesh2, "tp_row")
+    out["ar_tp_row"] = t.item()
+    t = torch.tensor([float(rank + 1)])
+    comm.all_reduce(t, mesh2, "tp_col")
+    out["ar_tp_col"] = t.item()
+    out["ag_tp_row"] = comm.all_gather(torch.tensor([rank]), mesh2, "tp_row").tolist()
+    t = torch.tensor([10 * rank])
+    comm.broadcast(t, mesh2, "tp_col", src=1)
+    out["bc_tp_col_src1"] = t.item()
+    out["records2"] = _rows(mesh2.log)
+    out["mesh1_untouched"] = len(mesh.log.records) == n
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return ck.launch(comm_checks, 4, timeout=120)
+
+
+def by_rank(results, key):
+    return [r[key] for r in results]
+
+
+def test_all_reduce_values(results):
+    assert by_rank(results, "ar_tp_same") == [True] * 4
+    assert by_rank(results, "ar_tp") == [[3.0] * 3, [3.0] * 3, [7.0] * 3, [7.0] * 3]  # 1+2, 3+4
+    assert by_rank(results, "ar_dp") == [[4.0] * 2, [6.0] * 2, [4.0] * 2, [6.0] * 2]  # 1+3, 2+4
+    assert by_rank(results, "ar_tp_max") == [1.0, 1.0, 3.0, 3.0]
+
+
+def test_broadcast_values(results):
+    assert by_rank(results, "bc_dp_same") == [True] * 4
+    # dp coordinate 1 of group [0, 2] is rank 2, of [1, 3] is rank 3
+    assert by_rank(results, "bc_dp_src1") == [[20.0] * 4, [30.0] * 4, [20.0] * 4, [30.0] * 4]
+    assert by_rank(results, "bc_tp_src0") == [[0] * 5, [0] * 5, [20] * 5, [20] * 5]
+    assert by_rank(results, "bc_tp_src1") == [10.0, 10.0, 30.0, 30.0]
+
+
+def test_all_gather_values(results):
+    assert by_rank(results, "ag_tp_dim0") == [[[0, 10], [1, 11]]] * 2 + [[[2, 12], [3, 13]]] * 2
+    assert by_rank(results, "ag_dp_dim1") == [[[0.0, 2.0]], [[1.0, 3.0]], [[0.0, 2.0]], [[1.0, 3.0]]]
+    block = lambda r: (torch.arange(6.0).view(2, 3) + 100 * r).t().tolist()  # noqa: E731
+    for r, got in enumerate(by_rank(results, "ag_dp_noncontig")):
+        dp_group = [0, 2] if r % 2 == 0 else [1, 3]
+        assert got == block(dp_group[0]) + block(dp_group[1])
+
+
+def test_async_all_reduce(results):
+    assert by_rank(results, "async_is_pending") == [True] * 4
+    assert by_rank(results, "async_recorded_before_wait") == [0] * 4
+    assert by_rank(results, "async_value") == [[2.0] * 8, [4.0] * 8, [2.0] * 8, [4.0] * 8]
+    assert by_rank(results, "async_rec_is_last") == [True] * 4
+
+
+def test_every_call_is_recorded_with_op_axis_bytes(results):
+    expected = [
+        ("all_reduce", "tp", 12, ""),
+        ("all_reduce", "dp", 16, "grads"),
+        ("all_reduce", "tp", 4, ""),
+        ("broadcast", "dp", 16, ""),
+        ("broadcast", "tp", 40, ""),
+        ("broadcast", "tp", 4, ""),
+        ("all_gather", "tp", 16, ""),
+        ("all_gather", "dp", 4, ""),
+        ("all_gather", "dp", 24, "nc"),
+        ("all_reduce", "dp", 32, "async"),
+    ]
+    for r in results:
+        assert r["records"] == expected
+        assert r["seconds_ok"]
+
+
+def test_size_one_axis_is_a_no_op(results):
+    for r in results:
+        assert r["size1_same"] == [True, True, True]
+        assert r["size1_async"] == (True, None)
+        assert r["size1_values"] == [1.0, 1.0]
+        assert r["size1_new_records"] == 0
+
+
+def test_tensor_sub_axes(results):
+    assert by_rank(results, "ar_tp_row") == [4.0, 6.0, 4.0, 6.0]   # tp_row groups [0,2], [1,3]
+    assert by_rank(results, "ar_tp_col") == [3.0, 3.0, 7.0, 7.0]   # tp_col groups [0,1], [2,3]
+    assert by_rank(results, "ag_tp_row") == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert by_rank(results, "bc_tp_col_src1") == [10, 10, 30, 30]
+    for r in results:
+        assert r["records2"] == [("all_reduce", "tp_row", 4, ""), ("all_reduce", "tp_col", 4, ""),
+                                 ("all_gather", "tp_row", 8, ""), ("broadcast", "tp_col", 8, "")]
+        assert r["mesh1_untouched"]  # each mesh has its own log
