@@ -187,6 +187,10 @@ class ProcessMesh:
             self.tp_mesh = self.device_mesh["tp"]._unflatten(0, tuple(self.layout.sub.values()),
                                                              tuple(self.layout.sub))
         self.log = CommLog()
+        # looked up on every collective: computed once (slicing a DeviceMesh costs ~1 ms)
+        self._coords = self.layout.all_coords(self.global_rank)
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._ranks: dict[str, list[int]] = {}
 
     def _mesh_for(self, axis: str):
         self.layout._check_axis(axis)
@@ -194,22 +198,27 @@ class ProcessMesh:
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """The ProcessGroup of ``axis`` that contains this rank."""
-        return self._mesh_for(axis).get_group()
+        if axis not in self._groups:
+            self._groups[axis] = self._mesh_for(axis).get_group()
+        return self._groups[axis]
 
     def rank(self, axis: str) -> int:
         """This rank's coordinate on ``axis`` (its rank inside the group)."""
-        self.layout._check_axis(axis)
-        return self.layout.all_coords(self.global_rank)[axis]
+        if axis not in self._coords:
+            self.layout._check_axis(axis)
+        return self._coords[axis]
 
     def size(self, axis: str) -> int:
         return self.layout.size(axis)
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group on ``axis``."""
-        return self.layout.group_of(self.global_rank, axis)
+        if axis not in self._ranks:
+            self._ranks[axis] = self.layout.group_of(self.global_rank, axis)
+        return list(self._ranks[axis])
 
     def coords(self) -> dict[str, int]:
-        return self.layout.all_coords(self.global_rank)
+        return dict(self._coords)
 
     def __repr__(self) -> str:
         return f"ProcessMesh(rank {self.global_rank}: {self.coords()}, {self.config.describe()})"
