@@ -1,0 +1,217 @@
+"""Pipeline schedules as data: a ``Plan`` holds, for each pipeline rank, its actions in order.
+
+``build_plan(schedule, pp, microbatches, chunks)`` writes the compute actions (F, B, I, W)
+of one training step; ``lower(plan)`` (lowering.py) adds the sends and receives;
+``check(plan)`` (check.py) validates it in one process; ``simulate(plan)`` (simulate.py)
+draws its timeline. Stage ``s`` runs on pipeline rank ``s % pp``.
+
+What each rank sees for 1F1B with pp=4, microbatches=8 (``print(build_plan("1f1b", 4, 8))``):
+rank r first runs ``pp-1-r`` warm-up forwards, then alternates one forward and one
+backward, then drains the backwards it still owes::
+
+    rank 0: 0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0F7 0B4 0B5 0B6 0B7
+    rank 1: 1F0 1F1 1F2 1B0 1F3 1B1 1F4 1B2 1F5 1B3 1F6 1B4 1F7 1B5 1B6 1B7
+    rank 2: 2F0 2F1 2B0 2F2 2B1 2F3 2B2 2F4 2B3 2F5 2B4 2F6 2B5 2F7 2B6 2B7
+    rank 3: 3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3F4 3B4 3F5 3B5 3F6 3B6 3F7 3B7
+
+ZB-H1 (Qi et al. 2023) splits each backward into I (gradient of the stage input, which the
+previous stage waits for) and W (gradient of the weights, which nobody waits for). Rank r
+keeps the 1F1B order of F and I but holds back r of its W passes, so they fill the idle
+slots near the end of the step instead of delaying the I chain
+(``print(build_plan("zb-h1", 4, 8))``)::
+
+    rank 0: 0F0 0F1 0F2 0F3 0I0 0W0 0F4 0I1 0W1 0F5 0I2 0W2 0F6 0I3 0W3 0F7 0I4 0W4 0I5 0W5 0I6 0W6 0I7 0W7
+    rank 1: 1F0 1F1 1F2 1I0 1F3 1I1 1W0 1F4 1I2 1W1 1F5 1I3 1W2 1F6 1I4 1W3 1F7 1I5 1W4 1I6 1W5 1I7 1W6 1W7
+    rank 2: 2F0 2F1 2I0 2F2 2I1 2F3 2I2 2W0 2F4 2I3 2W1 2F5 2I4 2W2 2F6 2I5 2W3 2F7 2I6 2W4 2I7 2W5 2W6 2W7
+    rank 3: 3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0 3F4 3I4 3W1 3F5 3I5 3W2 3F6 3I6 3W3 3F7 3I7 3W4 3W5 3W6 3W7
+
+With unit costs (F = I = W = 1) the step takes 3m + p - 1 time units instead of 1F1B's
+3(m + p - 1), and no rank holds more microbatches between F and I than under 1F1B.
+"""
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass, field
+
+from .actions import Action, format_actions, parse
+
+__all__ = ["Plan", "build_plan", "build_plan_for"]
+
+
+@dataclass
+class Plan:
+    """One training step of a pipeline schedule: ``actions[r]`` is what pipeline rank r runs, in order."""
+
+    pp: int
+    """Pipeline ranks (one list of actions each)."""
+    microbatches: int
+    """Microbatches per step."""
+    chunks: int
+    """Model chunks (virtual stages) per rank; stage s is chunk s // pp of rank s % pp."""
+    schedule: str
+    """Name of the generator ('gpipe', '1f1b', 'interleaved', 'zb-h1') or 'custom'."""
+    actions: list[list[Action]] = field(default_factory=list)
+    """Per pipeline rank, the actions in execution order."""
+    lowered: bool = False
+    """True once ``lower`` added the send and receive actions."""
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.chunks
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.pp
+
+    def __str__(self) -> str:
+        return "\n".join(f"rank {r}: {format_actions(a)}" for r, a in enumerate(self.actions))
+
+    def __repr__(self) -> str:
+        n = sum(len(a) for a in self.actions)
+        return (f"Plan({self.schedule!r}, pp={self.pp}, microbatches={self.microbatches}, "
+                f"chunks={self.chunks}, lowered={self.lowered}, {n} actions)")
+
+    def compute(self, rank: int) -> list[Action]:
+        """The compute actions (F, B, I, W) of one rank, communication left out."""
+        return [a for a in self.actions[rank] if not a.is_comm]
+
+    @classmethod
+    def parse(cls, text: str, schedule: str = "custom", *, pp: int | None = None,
+              microbatches: int | None = None, chunks: int | None = None,
+              lowered: bool | None = None) -> "Plan":
+        """Read the printed form back: one line per rank, an optional ``rank r:`` prefix.
+
+        Blank lines and ``#`` comments are skipped. ``pp`` is the number of lines, the
+        other sizes are inferred from the largest stage and microbatch unless given, and
+        ``lowered`` from the presence of communication actions::
+
+            >>> Plan.parse("rank 0: 0F0 1F0 1B0 0B0").chunks   # pp=1, two stages on rank 0
+            2
+        """
+        rows: list[list[Action]] = []
+        for line in text.splitlines():
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            m = re.match(r"^rank\s+(\d+)\s*:(.*)$", line)
+            if m:
+                if int(m.group(1)) != len(rows):
+                    raise ValueError(f"plan text lists rank {m.group(1)} where rank {len(rows)} was expected")
+                line = m.group(2)
+            words = line.split()
+            rows.append([parse(w) for w in words])
+        pp = pp or len(rows)
+        rows += [[] for _ in range(pp - len(rows))]
+        everything = [a for row in rows for a in row]
+        n_stages = max((a.stage for a in everything), default=0) + 1
+        chunks = chunks or max(1, -(-n_stages // pp))
+        microbatches = microbatches or max((a.microbatch for a in everything), default=0) + 1
+        lowered = any(a.is_comm for a in everything) if lowered is None else lowered
+        return cls(pp, microbatches, chunks, schedule, rows, lowered)
+
+
+# ------------------------------------------------------------------------ generators
+def _gpipe(pp: int, m: int) -> list[list[Action]]:
+    """All forwards, then all backwards (Huang et al. 2019)."""
+    return [[Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)] for r in range(pp)]
+
+
+def _one_f_one_b(pp: int, m: int) -> list[list[Action]]:
+    """PipeDream-flush / 1F1B: pp-1-r warm-up forwards, then one forward one backward, then drain."""
+    plan = []
+    for r in range(pp):
+        warm = min(pp - 1 - r, m)
+        acts = [Action(r, "F", i) for i in range(warm)]
+        for i in range(m - warm):
+            acts += [Action(r, "F", warm + i), Action(r, "B", i)]
+        acts += [Action(r, "B", i) for i in range(m - warm, m)]
+        plan.append(acts)
+    return plan
+
+
+def _zb_h1(pp: int, m: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al. 2023, arXiv 2401.10241): 1F1B with B split into I and W, rank r defers r W passes.
+
+    The F/I order is exactly 1F1B's, so activations (held from F until I) peak as in
+    1F1B. Each I is followed by the oldest pending W once more than r are pending;
+    whatever is still pending runs at the end, where rank r would otherwise wait
+    for the last input gradients to come back up the pipeline.
+    """
+    plan = []
+    for r in range(pp):
+        warm = min(pp - 1 - r, m)
+        acts = [Action(r, "F", i) for i in range(warm)]
+        pending: deque[int] = deque()
+
+        def backward(i: int) -> None:
+            acts.append(Action(r, "I", i))
+            pending.append(i)
+            if len(pending) > r:
+                acts.append(Action(r, "W", pending.popleft()))
+
+        for i in range(m - warm):
+            acts.append(Action(r, "F", warm + i))
+            backward(i)
+        for i in range(m - warm, m):
+            backward(i)
+        acts += [Action(r, "W", i) for i in pending]
+        plan.append(acts)
+    return plan
+
+
+def _interleaved(pp: int, m: int, v: int) -> list[list[Action]]:
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021): v chunks per rank, stage c*pp + r.
+
+    Rank r walks m*v "virtual microbatches" k. Forward k is microbatch
+    ``(k // (pp*v)) * pp + k % pp`` of chunk ``(k % (pp*v)) // pp``; backward k is the same
+    microbatch of chunk ``v - 1 - that``. Groups of pp microbatches go through chunk 0,
+    then chunk 1, ... Warm-up is ``2*(pp-1-r) + (v-1)*pp`` forwards (all of them when
+    m == pp), then one forward one backward, then the remaining backwards.
+    """
+    total = m * v
+
+    def act(r: int, k: int, kind: str) -> Action:
+        chunk = (k % (pp * v)) // pp
+        if kind == "B":
+            chunk = v - 1 - chunk
+        return Action(chunk * pp + r, kind, (k // (pp * v)) * pp + k % pp)
+
+    plan = []
+    for r in range(pp):
+        warm = total if m == pp else min(2 * (pp - 1 - r) + (v - 1) * pp, total)
+        acts = [act(r, k, "F") for k in range(warm)]
+        for k in range(total - warm):
+            acts += [act(r, warm + k, "F"), act(r, k, "B")]
+        acts += [act(r, k, "B") for k in range(total - warm, total)]
+        plan.append(acts)
+    return plan
+
+
+def build_plan(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> Plan:
+    """The compute actions of one step of ``schedule`` on ``pp`` ranks (see the module docstring).
+
+    Shapes a schedule cannot take raise ``ConfigError`` with the rule and a valid choice,
+    the same rules ``ParallelConfig`` enforces::
+
+        >>> build_plan("interleaved", pp=2, microbatches=3, chunks=2)
+        Traceback (most recent call last):
+        ...
+        colab_kit.config.ConfigError: schedule='interleaved' needs microbatches divisible by pp=2 (got microbatches=3): try microbatches=2 or 4
+    """
+    from ..config import ParallelConfig  # validates pp, microbatches, chunks and schedule together
+
+    ParallelConfig(pp=pp, microbatches=microbatches, schedule=schedule, chunks=chunks)
+    if schedule == "gpipe":
+        actions = _gpipe(pp, microbatches)
+    elif schedule == "1f1b":
+        actions = _one_f_one_b(pp, microbatches)
+    elif schedule == "zb-h1":
+        actions = _zb_h1(pp, microbatches)
+    else:
+        actions = _interleaved(pp, microbatches, chunks)
+    return Plan(pp, microbatches, chunks, schedule, actions)
+
+
+def build_plan_for(config) -> Plan:
+    """``build_plan`` with the pipeline fields of a ``ParallelConfig``."""
+    return build_plan(config.schedule, config.pp, config.microbatches, config.chunks)
