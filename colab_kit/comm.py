@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CommRecord", "CommLog", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "Pending",
-           "copy_to_group", "reduce_from_group", "gather_from_group", "split_to_group"]
+           "copy_to_group", "reduce_from_group", "gather_from_group", "split_to_group", "P2PPending", "isend",
+           "irecv"]
 
 
 @dataclass
@@ -67,23 +68,24 @@ class CommLog:
 
 
 class Pending:
-    """An async collective in flight; ``wait()`` finishes it and records its time."""
+    """An async collective in flight; ``wait()`` finishes it and records its time (once)."""
 
     def __init__(self, work, log: CommLog, op: str, axis: str, nbytes: int, tag: str, then=None):
         self.work, self.log, self.op, self.axis, self.nbytes, self.tag = work, log, op, axis, nbytes, tag
         self.then = then
         self.t0 = time.perf_counter()
+        self.done, self.record = False, None
 
     def wait(self) -> CommRecord | None:
-        if self.work is None:  # a no-op on a size-1 axis: nothing ran, nothing recorded
-            if self.then is not None:
-                self.then()
-            return None
-        self.work.wait()
-        rec = self.log.add(self.op, self.axis, self.nbytes, time.perf_counter() - self.t0, self.tag)
+        if self.done:
+            return self.record
+        if self.work is not None:  # None: a no-op on a size-1 axis, nothing ran, nothing recorded
+            self.work.wait()
+            self.record = self.log.add(self.op, self.axis, self.nbytes, time.perf_counter() - self.t0, self.tag)
+        self.done = True
         if self.then is not None:
             self.then()
-        return rec
+        return self.record
 
 
 def _run(mesh, op: str, axis: str, tensor: torch.Tensor, launch, async_op: bool, tag: str, then=None):
@@ -161,6 +163,56 @@ def reduce(tensor: torch.Tensor, mesh, axis: str, dst: int = 0, *, tag: str = ""
     dst_global = mesh.ranks(axis)[dst]
     return _run(mesh, "reduce", axis, tensor,
                 lambda a: dist.reduce(tensor, dst=dst_global, group=mesh.group(axis), async_op=a), False, tag)
+
+
+# --------------------------------------------------------------------------- point-to-point
+# The pipeline's sends and receives between neighbouring stages. Recorded like the
+# collectives (op "send" / "recv", the axis, the payload bytes, seconds from posting
+# until ``wait()`` returned), so ``mesh.log.summary()`` shows them as ``send@pp``.
+
+class P2PPending(Pending):
+    """A point-to-point send or receive in flight; ``wait(timeout)`` finishes and records it.
+
+    With a ``timeout`` (seconds) a wait that runs out raises the backend's RuntimeError
+    (gloo then closes the connection to that peer: the job cannot go on after it).
+    """
+
+    def wait(self, timeout: float | None = None) -> CommRecord:
+        from datetime import timedelta
+
+        if timeout is None:
+            self.work.wait()
+        else:
+            self.work.wait(timedelta(seconds=timeout))
+        rec = self.log.add(self.op, self.axis, self.nbytes, time.perf_counter() - self.t0, self.tag)
+        if self.then is not None:
+            self.then()
+        return rec
+
+
+def _p2p(op, tensor, mesh, axis, peer, msg_tag, tag):
+    if not 0 <= peer < mesh.size(axis) or peer == mesh.rank(axis):
+        raise ValueError(f"{op} over {axis} needs a peer coordinate other than this rank's "
+                         f"({mesh.rank(axis)}) in 0..{mesh.size(axis) - 1}, got {peer}")
+    other = mesh.ranks(axis)[peer]
+    fn = dist.isend if op == "send" else dist.irecv
+    kw = {"dst": other} if op == "send" else {"src": other}
+    work = fn(tensor, group=mesh.group(axis), tag=msg_tag, **kw)
+    return P2PPending(work, mesh.log, op, axis, tensor.numel() * tensor.element_size(), tag)
+
+
+def isend(tensor: torch.Tensor, mesh, axis: str, peer: int, *, msg_tag: int = 0, tag: str = "") -> P2PPending:
+    """Start sending ``tensor`` to the rank whose ``axis`` coordinate is ``peer`` (same other coordinates).
+
+    ``msg_tag`` is the backend's message tag (the receive must use the same one); ``tag``
+    labels the record. Keep ``tensor`` unchanged until ``wait()`` returns.
+    """
+    return _p2p("send", tensor.contiguous(), mesh, axis, peer, msg_tag, tag)
+
+
+def irecv(tensor: torch.Tensor, mesh, axis: str, peer: int, *, msg_tag: int = 0, tag: str = "") -> P2PPending:
+    """Start receiving into ``tensor`` (contiguous, of the sent shape) from the ``axis`` coordinate ``peer``."""
+    return _p2p("recv", tensor, mesh, axis, peer, msg_tag, tag)
 
 
 # --------------------------------------------------------------------------- autograd collectives

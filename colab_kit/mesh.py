@@ -184,13 +184,22 @@ class ProcessMesh:
         self.device_mesh = init_device_mesh(device_type, tuple(config.shape.values()), mesh_dim_names=AXES)
         self.tp_mesh = None
         if self.layout.sub:
-            self.tp_mesh = self.device_mesh["tp"]._unflatten(0, tuple(self.layout.sub.values()),
-                                                             tuple(self.layout.sub))
+            self.tp_mesh = self._tensor_sub_mesh(device_type)
         self.log = CommLog()
         # looked up on every collective: computed once (slicing a DeviceMesh costs ~1 ms)
         self._coords = self.layout.all_coords(self.global_rank)
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._ranks: dict[str, list[int]] = {}
+
+    def _tensor_sub_mesh(self, device_type: str):
+        """The tp block unflattened into its sub-axes (a DeviceMesh over pp, dp, sp, *sub)."""
+        sub = self.layout.sub
+        try:  # no new process groups for pp/dp/sp; private in torch 2.13, hence the fallback
+            return self.device_mesh["tp"]._unflatten(0, tuple(sub.values()), tuple(sub))
+        except AttributeError:
+            from torch.distributed.device_mesh import init_device_mesh
+            shape = tuple(self.config.shape[a] for a in ("pp", "dp", "sp")) + tuple(sub.values())
+            return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "sp") + tuple(sub))
 
     def _mesh_for(self, axis: str):
         self.layout._check_axis(axis)
