@@ -287,9 +287,31 @@ class Cluster:
         return f"Cluster(n={self.n}, engines={self.engines!r}: {self.status()})"
 
     # ------------------------------------------------------------ sending, and waiting with failure handling
+    def _interrupt(self, pending: dict) -> None:
+        """Pass an interrupt on to the ranks still running (this host's, by SIGINT); a rank that
+        does not stop within ``grace`` (blocked in a C++ collective) leaves the cluster needing a restart."""
+        me = socket.gethostname()
+        for rank in pending:
+            row = self._table[rank] if rank < len(self._table) else None
+            if row is not None and row["host"] == me:
+                try:
+                    os.kill(row["pid"], signal.SIGINT)
+                except OSError:
+                    pass
+        cf.wait(list(pending.values()), timeout=self.grace)
+        still = sorted(r for r, ar in pending.items() if not ar.ready())
+        self._busy = {}
+        if still:
+            self._broken = f"ranks {still} did not stop when interrupted (blocked in a collective?)"
+
     def _view(self, ranks: list[int]):
         """One DirectView on the engines of ``ranks``: a call is serialised once for all of them."""
-        return self._client[[self._ids[r] for r in ranks]]
+        ids = [self._ids[r] for r in ranks]
+        gone = [r for r, i in zip(ranks, ids) if i not in self._client.ids]
+        if gone:
+            self._broken = f"the engines of ranks {gone} are gone (killed, or out of memory?)"
+            raise ClusterError(f"{self._broken}: run %colossal restart (or cluster.restart()) for fresh engines")
+        return self._client[ids]
 
     def _apply(self, ranks: list[int], fn, *args) -> dict:
         """``fn(*args)`` on ``ranks``: rank -> AsyncResult."""
@@ -334,13 +356,15 @@ class Cluster:
                     else:
                         failures[rank] = value
                         deadline = min(deadline, time.monotonic() + self.grace)
-        except KeyboardInterrupt:
-            self._busy = pending
+        except KeyboardInterrupt:  # Ctrl-C or the notebook's stop button
+            self._interrupt(pending)
             raise
         if failures:
             advice = ""
-            if pending:
-                self._broken = f"rank {next(iter(failures))} failed in {where} while ranks {sorted(pending)} waited"
+            died = [r for r, text in failures.items() if text.startswith("EngineError")]
+            if pending or died:
+                self._broken = (f"the engines of ranks {died} died in {where}" if died else
+                                f"rank {next(iter(failures))} failed in {where} while ranks {sorted(pending)} waited")
                 advice = RESTART_ADVICE
             raise RankError(failures, sorted(pending), where, advice)
         if pending:

@@ -1,7 +1,9 @@
 """Cluster: real ipyparallel engines with torch.distributed (tier 3)."""
 from __future__ import annotations
 
+import _thread
 import os
+import threading
 import time
 
 import pytest
@@ -148,6 +150,42 @@ def test_failing_rank_is_reported_while_others_wait_then_restart_works(cluster):
     assert cluster.run(_all_reduce, 1.0) == [(10.0, [0, 1, 2, 3])] * 4
     assert cluster.config == ck.ParallelConfig(dp=4)  # re-applied on the fresh engines
     assert cluster.execute("print(mesh.ranks('dp'))", ranks=[3])[3].stdout == "[0, 1, 2, 3]\n"
+
+
+def _exit_on_rank_2():
+    import os
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 2:
+        os._exit(3)  # as if killed or out of memory: no traceback, no result
+    return dist.get_rank()
+
+
+def _slow_loop():
+    import time
+
+    for _ in range(300):
+        time.sleep(0.1)
+    return "finished"
+
+
+def test_interrupt_reaches_the_ranks(cluster):
+    t0 = time.monotonic()
+    threading.Timer(0.5, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.run(_slow_loop)
+    assert time.monotonic() - t0 < cluster.grace + 3
+    assert not cluster.needs_restart and cluster.run(_rank_times_ten) == [0, 10, 20, 30]  # not still looping
+
+
+def test_a_rank_whose_engine_dies_is_reported_and_needs_a_restart(cluster):
+    with pytest.raises(ck.RankError) as info:
+        cluster.run(_exit_on_rank_2, timeout=60)
+    assert info.value.rank == 2 and "engine process died" in info.value.failures[2]
+    assert cluster.needs_restart and "%colossal restart" in str(info.value)
+    with pytest.raises(ClusterError, match="needs a restart"):
+        cluster.run(_rank_times_ten)  # the fixture restarts it for the next test
 
 
 def _wait_gone(pid: int) -> None:
