@@ -48,6 +48,27 @@ def test_every_schedule_checks_lowers_and_simulates_over_the_grid():
         assert Plan.parse(str(lowered), plan.schedule, lowered=True) == lowered, shape
 
 
+def test_order_rules_hold_at_every_timestep_of_the_lockstep_run():
+    """An oracle independent of check's dependency code: the timestep each action ran at."""
+    for shape in GRID:
+        plan = lower(build_plan(*shape))
+        at = {a: t for t, row in enumerate(steps(plan)) for a in row if a is not None}
+        n = plan.n_stages
+        for a, t in at.items():
+            s, mb = a.stage, a.microbatch
+            bwd = lambda stage: at.get(Action(stage, "B", mb), at.get(Action(stage, "I", mb)))  # noqa: E731
+            if a.kind == "F" and s > 0:
+                assert at[Action(s - 1, "F", mb)] < t, (shape, a)
+            if a.kind in ("B", "I"):
+                assert at[Action(s, "F", mb)] < t, (shape, a)
+                assert s == n - 1 or bwd(s + 1) < t, (shape, a)
+            if a.kind == "W":
+                assert at[Action(s, "I", mb)] < t, (shape, a)
+            if a.kind in ("RF", "RB"):
+                from colab_kit.pipeline.lowering import match
+                assert at[match(a)] < t, (shape, a)
+
+
 def test_each_action_sits_on_its_rank_and_each_stage_gets_every_microbatch():
     for s, pp, m, v in GRID:
         plan = build_plan(s, pp, m, v)
@@ -264,3 +285,14 @@ def test_simulate_refuses_a_broken_plan():
         simulate(Plan.parse("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0"))
     with pytest.raises(PlanError):
         check(Plan(2, 1, 1, "custom", [[Action(0, "F", 0), Action(0, "B", 0)]]))  # one rank list for pp=2
+
+
+def test_docstring_examples_are_true():
+    import doctest
+    import importlib
+
+    # importlib: the package attributes ``check`` and ``simulate`` are the functions
+    for name in ("schedules", "check", "simulate"):
+        mod = importlib.import_module(f"colab_kit.pipeline.{name}")
+        result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0, mod.__name__

@@ -1,4 +1,4 @@
-"""Validate a plan in one process, then step it: every rank runs its next action when it can.
+r"""Validate a plan in one process, then step it: every rank runs its next action when it can.
 
 ``check(plan)`` raises ``PlanError`` (a ``ValueError``) naming the rank, the position in
 that rank's list and the rule broken. The rules:
@@ -17,19 +17,21 @@ that rank's list and the rule broken. The rules:
 Then the plan is stepped in lockstep: at each timestep every rank runs its next action
 if everything it depends on ran at an earlier timestep (in a lowered plan a receive
 depends on its matching send, not on the remote compute). If the ranks get stuck, the
-error shows the last timesteps as a timestep x rank grid and what each rank waits for::
+error shows the last timesteps as a timestep x rank grid and what each rank waits for.
+Rank 1 below starts with microbatch 1 while rank 0 wants microbatch 0 back first::
 
-    PlanError: rank 0 position 1: plan deadlocks at timestep 2 ...
-    step | rank 0       | rank 1
-       0 | 0F0          | .
-       1 | .            | 1F0
-       2 | waits 0B0    | waits 1F1
-    rank 0 position 1: 0B0 waits for 1B0 (backward of stage s after backward of stage s+1), at rank 1 position 2 behind 1F1
+    >>> from colab_kit.pipeline import Plan, check
+    >>> check(Plan.parse("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
     ...
+    colab_kit.pipeline.check.PlanError: rank 0 position 1: plan deadlocks at timestep 1: no rank can run its next action (rule: ...)
+    step | rank 0    | rank 1
+       0 | 0F0       | .
+       1 | waits 0B0 | waits 1F1
+    rank 0 position 1: 0B0 waits for 1B0 (backward (B/I) of stage s after backward of stage s+1), at rank 1 position 3 behind 1F1
+    rank 1 position 0: 1F1 waits for 0F1 (stage s's forward before stage s+1's forward of the same microbatch), at rank 0 position 2 behind 0B0
 """
 from __future__ import annotations
-
-from collections import Counter
 
 from .actions import Action
 from .lowering import inputs_of, match, outputs_of

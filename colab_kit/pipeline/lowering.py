@@ -78,7 +78,7 @@ def message_tag(action: Action, microbatches: int) -> int:
 
 
 def lower(plan):
-    """A copy of ``plan`` with SF/RF/SB/RB actions added (see the module docstring)."""
+    """A copy of ``plan`` with SF/RF/SB/RB actions added (a lowered plan is returned as it is)."""
     from .schedules import Plan
 
     if plan.lowered:

@@ -5,8 +5,9 @@ starts when its rank is free and everything it depends on has ended (a receive w
 its matching send; in a plan that is not lowered, a compute waits directly for the
 remote compute that produces its input). For 1F1B with pp=2, microbatches=3::
 
+    >>> from colab_kit.pipeline import build_plan, simulate
     >>> t = simulate(build_plan("1f1b", 2, 3))
-    >>> print(t.grid())
+    >>> print(t.grid())  # doctest: +ELLIPSIS
     time | rank 0   | rank 1
        0 | 0F0      | .
        1 | 0F1      | 1F0
