@@ -12,9 +12,11 @@ Inside each rank of ``ParallelConfig(dp=4)``, with a global batch of 16 rows::
     # backward, steps the optimizer; loss is the mean over all 16 rows, same on every rank
 
 What runs now: data parallelism (any dp) with gradient accumulation over
-``config.microbatches``, composed with tensor parallelism (``colab_kit.tensor``).
-Pipeline and sequence parallelism, ZeRO, offload and mixed precision are refused
-with a ConfigError that says so; the engine never falls back to another mode.
+``config.microbatches``, composed with tensor parallelism (``colab_kit.tensor``)
+and pipeline parallelism (``colab_kit.pipeline``: the model cut into ``pp * chunks``
+stages, any schedule run by one executor, ``engine.pipeline`` to step it).
+Sequence parallelism, ZeRO, offload and mixed precision are refused with a
+ConfigError that says so; the engine never falls back to another mode.
 """
 from __future__ import annotations
 
@@ -41,8 +43,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _refuse_unimplemented(cfg: ParallelConfig) -> None:
-    todo = [(cfg.pp > 1, f"pipeline parallelism (pp={cfg.pp}, schedule={cfg.schedule!r})", "pp=1"),
-            (cfg.sp > 1, f"sequence parallelism (sp={cfg.sp}, sp_mode={cfg.sp_mode!r})", "sp=1"),
+    todo = [(cfg.sp > 1, f"sequence parallelism (sp={cfg.sp}, sp_mode={cfg.sp_mode!r})", "sp=1"),
             (cfg.zero > 0, f"ZeRO stage {cfg.zero}", "zero=0"),
             (cfg.offload != "none", f"offload={cfg.offload!r}", "offload='none'"),
             (cfg.precision != "fp32", f"precision={cfg.precision!r}", "precision='fp32'")]
@@ -50,8 +51,8 @@ def _refuse_unimplemented(cfg: ParallelConfig) -> None:
     if missing:
         whats = "; ".join(w for w, _ in missing)
         fixes = " ".join(f for _, f in missing)
-        raise ConfigError(f"this version of the engine does not run {whats} yet (data and tensor parallelism "
-                          f"with gradient accumulation are what run today): set {fixes} and scale dp or tp instead")
+        raise ConfigError(f"this version of the engine does not run {whats} yet (data, tensor and pipeline "
+                          f"parallelism are what run today): set {fixes} and scale dp, tp or pp instead")
 
 
 def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig, *,
@@ -68,6 +69,9 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
     _refuse_unimplemented(config)
     if config.tp > 1 and hasattr(model, "cfg"):
         check_model(model.cfg, config)  # sizes that do not divide: refused before any collective
+    if config.pp > 1 and hasattr(model, "blocks"):
+        from .pipeline.stage import check_stages
+        check_stages(len(model.blocks), config)
     mesh = mesh or ProcessMesh(config)
     if mesh.config != config:
         raise ConfigError(f"the mesh was built for {mesh.config.describe()} but boost was given "
@@ -90,6 +94,11 @@ class Engine:
             model = self.tp_plan.parallelize(model)
             if loss_fn is lm_loss:
                 self.loss_fn = self.tp_plan.loss
+        stages = None
+        if config.pp > 1:  # after the tensor plan: each stage holds this rank's tensor shards
+            from .pipeline.stage import split_model
+            stages = split_model(model, config, mesh.rank("pp"))
+            model = nn.ModuleList(stages)
         self.module = model.to(mesh.device)
         self._events: list[dict] = []
         with torch.no_grad():  # one starting point even if a rank's seed differed
@@ -100,10 +109,18 @@ class Engine:
         self._acts = ActivationMeter(exclude=list(self.module.parameters()))
         self.step_count = 0
         self.history: list[float] = []
+        self.pipeline = None
+        """With pp > 1, the ``PipelineExecutor`` of this rank: ``begin``/``advance``/``finish``/``state``."""
+        if stages is not None:
+            from .pipeline.executor import PipelineExecutor
+            self.pipeline = PipelineExecutor(self, stages)
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch) -> float:
         """One optimizer step on the global batch ``(inputs, targets)``; returns the global mean loss."""
+        if self.pipeline is not None:
+            self.pipeline.begin(batch)
+            return self.pipeline.finish()
         inputs, targets = batch
         cfg, mesh = self.config, self.mesh
         m = cfg.microbatches
@@ -127,17 +144,27 @@ class Engine:
             with self._timed(f"backward {i}", "compute", t0):
                 (loss / shards).backward()
             local += loss.detach()
+        return self._update(local, t0)
+
+    def _update(self, local: torch.Tensor, t0: float) -> float:
+        """After the last backward: reduce gradients, step the optimizer, return the global mean loss."""
         self.grads.finish()
         if self.tp_plan is not None:
-            sync_grads(self.module, mesh)
+            sync_grads(self.module, self.mesh)
         with self._timed("optimizer step", "compute", t0):
             self.optimizer.step()
             self.grads.zero()
         with self._timed("loss all_reduce", "comm", t0):
-            value = self._global_mean(local)
+            value = self._pipeline_loss(local) if self.pipeline is not None else self._global_mean(local)
         self.step_count += 1
         self.history.append(value)
         return value
+
+    def _pipeline_loss(self, local: torch.Tensor) -> float:
+        """The last stage holds the loss, the other stages zero: sum over pp, then mean over dp and tp."""
+        local = local.reshape(1).clone()
+        comm.all_reduce(local, self.mesh, "pp", tag="loss")
+        return self._global_mean(local)
 
     def _local_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the global batch: its dp share, then its share inside tp."""
@@ -168,6 +195,8 @@ class Engine:
     @torch.no_grad()
     def evaluate(self, batch) -> float:
         """Global mean loss of ``batch`` without training."""
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(batch)
         inputs, targets = batch
         self.module.eval()
         return self._global_mean(self.loss_fn(self.module(self._local_rows(inputs)), self._local_rows(targets)))

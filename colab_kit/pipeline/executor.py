@@ -1,0 +1,365 @@
+"""One executor for every schedule: run this rank's actions of a lowered plan, in order.
+
+``engine.pipeline`` is a ``PipelineExecutor``. ``engine.train_step(batch)`` is
+``begin(batch)`` then ``finish()``; in between, ``advance(k)`` runs the next k timesteps
+of the plan's lockstep grid (``check.steps``) on this rank, so a notebook can step all
+ranks together and look at ``state()``. What each action does on this rank:
+
+====  =====================================================================================
+F     run the stage on its input (tokens on stage 0, else the received activation as a
+      leaf that requires grad); the last stage adds the loss / microbatches; keep
+      (input, output) for backward
+B     full backward of the stage from the received output gradient (the loss on the last
+      stage): weight gradients accumulate, the input gradient is kept for SB
+I     input gradient only: ``autograd.grad(output, input, grad, retain_graph=True)``
+W     weight gradients later: ``autograd.backward(output, grad, inputs=stage params)``
+      walks the retained graph again (simple and exact; a fused split that saves only each
+      layer's input and output gradient would make W cheaper, not different)
+SF/SB ``isend`` of the activation / input gradient to the neighbour pp rank (same dp and tp
+      coordinates); completed at the end of the step
+RF/RB blocking receive, at most ``timeout`` seconds (else ``PipelineHang``, see ``hang``)
+====  =====================================================================================
+
+Worked example, ``ParallelConfig(pp=2, microbatches=2, schedule="1f1b")``, 8 rows per step::
+
+    rank 0 (stage 0: embeddings, blocks 0-1): 0F0 0SF0 0F1 0SF1 0RB0 0B0 0RB1 0B1
+        rows 0-3 and 4-7 through its blocks, sends the activations, gets gradients back
+    rank 1 (stage 1: blocks 2-3, ln_f, head):  1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1
+        loss of microbatch i = mean token cross-entropy / 2; the step's loss is their sum,
+        sent to every rank with an all-reduce over pp (then averaged over dp and tp)
+
+Stepping cannot deadlock: in the grid a receive sits at a later timestep than its send,
+and a send never waits, so when every rank runs all its actions before timestep T, each
+receive's message was posted by a peer that needed nothing at or after that timestep.
+
+The activation of a boundary travels with a shape header the first time (per boundary and
+batch shape); later transfers reuse the shape. Messages carry ``lowering.message_tag``.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..data import split_batch
+from .check import steps
+from .hang import HangMonitor, PipelineHang, describe, render_grid
+from .lowering import lower, message_tag
+
+__all__ = ["PipelineExecutor", "PipelineHang"]
+
+_HEADER = 1 << 24  # tag offset of shape headers
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+class PipelineExecutor:
+    """This rank's pipeline: its stages, the lowered plan, stepping and hang reports."""
+
+    timeout: float = 60.0
+    """Seconds a receive (or a send's completion) may wait before ``PipelineHang``."""
+
+    def __init__(self, engine, stages):
+        self.engine, self.mesh, self.config = engine, engine.mesh, engine.config
+        self.stages = {st.index: st for st in stages}
+        self.params = {s: [p for p in st.parameters() if p.requires_grad] for s, st in self.stages.items()}
+        self.pp, self.me = self.config.pp, self.mesh.rank("pp")
+        self.coords = self.mesh.coords()
+        self._plan = None
+        self._shapes, self._shapes_sent = {}, set()
+        self.monitor = HangMonitor(_agree_nonce(self.mesh), dist.get_world_size(), self.mesh.global_rank)
+        self.step, self.running, self.timestep, self.pos = 0, False, 0, 0
+        self._actions, self._index = [], []
+        self._set("paused")
+
+    # ------------------------------------------------------------------ the plan
+    @property
+    def plan(self):
+        """The lowered plan this rank runs (built from the config on first use; assign to replace)."""
+        if self._plan is None:
+            from .schedules import build_plan_for
+            self.plan = build_plan_for(self.config)
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan) -> None:
+        if self.running:
+            raise RuntimeError("a step is running: finish() it before changing the plan")
+        if (plan.pp, plan.chunks) != (self.pp, self.config.chunks):
+            raise ValueError(f"the plan has pp={plan.pp}, chunks={plan.chunks} but the engine was built for "
+                             f"pp={self.pp}, chunks={self.config.chunks}")
+        plan = lower(plan)
+        rows = steps(plan)  # checks the plan: a broken one raises PlanError here, in every rank
+        self.timesteps = [[t for t, row in enumerate(rows) if row[r] is not None] for r in range(plan.pp)]
+        self.n_timesteps, self._plan = len(rows), plan
+
+    # ------------------------------------------------------------------ stepping
+    def begin(self, batch, *, forward_only: bool = False) -> None:
+        """Start a step on the global batch ``(inputs, targets)`` (same on every rank); nothing runs yet."""
+        if self.running:
+            raise RuntimeError("a pipeline step is already running: advance() or finish() it first")
+        eng, plan = self.engine, self.plan
+        inputs, targets = batch
+        self.m = m = plan.microbatches
+        rows, dp = inputs.shape[0], self.config.dp
+        if rows % (dp * m):
+            raise ValueError(f"a global batch of {rows} rows does not split over dp={dp} x microbatches={m}: "
+                             f"use a multiple of {dp * m} rows")
+        x, y = eng._local_rows(inputs), eng._local_rows(targets)
+        self._x = [split_batch(x, m, i, "microbatches") for i in range(m)]
+        self._y = [split_batch(y, m, i, "microbatches") for i in range(m)]
+        self._key = tuple(inputs.shape)
+        mine = self.plan.actions[self.me]
+        self._index = [i for i, a in enumerate(mine) if not forward_only or a.kind in ("F", "SF", "RF")]
+        self._actions = [mine[i] for i in self._index]
+        grads = [j for j, a in enumerate(self._actions) if a.kind in ("B", "W")]
+        self._sync_at = grads[-1] if grads and len(self.stages) == 1 else None  # overlap dp with the last one
+        self.forward_only, self.t0 = forward_only, time.perf_counter()
+        self.step += 1
+        self._saved, self._act, self._out, self._gout, self._gin, self._wgrad = {}, {}, {}, {}, {}, {}
+        self._bytes, self._held, self.peak_bytes, self._sends = {}, 0, 0, []
+        self.loss = torch.zeros((), device=self.mesh.device)
+        if not forward_only:
+            eng.mesh.log.begin_step()
+            eng._events.clear()
+            eng._acts.reset()
+            eng.module.train()
+            eng.grads.arm(sync=False, t0=self.t0)
+        self.running, self.timestep, self.pos = True, 0, 0
+        self._set("paused")
+        self.monitor.start(self.step, self._report)
+
+    def advance(self, k: int = 1) -> dict:
+        """Run the next ``k`` timesteps of the plan on this rank (call it on every rank); returns ``state()``."""
+        return self.advance_to(self.timestep + k)
+
+    def advance_to(self, timestep: int) -> dict:
+        """Run every action of this rank scheduled before ``timestep``; returns ``state()``."""
+        if not self.running:
+            raise RuntimeError("no pipeline step is running: call begin(batch) first")
+        paused = self._since
+        if time.perf_counter() - paused > 1e-3 and self.pos > 0:
+            self._event("paused", "idle", paused - self.t0, time.perf_counter() - self.t0)
+        ts = self.timesteps[self.me]
+        while self.pos < len(self._actions) and ts[self._index[self.pos]] < timestep:
+            self._run(self.pos)
+            self.pos += 1
+        self.timestep = max(self.timestep, min(timestep, self.n_timesteps))
+        self._set("paused")
+        return self.state()
+
+    def finish(self) -> float:
+        """Run what is left, wait for the sends, then (training) reduce gradients and step: the global loss."""
+        self.advance_to(self.n_timesteps)
+        for a, pending in self._sends:
+            self._set("waiting", f"{a} (its send) to be received")
+            self._wait(pending, a, "the peer to receive it")
+        self._set("done", "in the gradient all-reduce, optimizer step or loss all-reduce")
+        try:
+            if self.forward_only:
+                return self.engine._pipeline_loss(self.loss)
+            self.engine._acts.peak = self.peak_bytes
+            if self._sync_at is None:
+                self.engine.grads.arm(sync=True)
+            return self.engine._update(self.loss, self.t0)
+        finally:
+            self.running = False
+            self.monitor.stop()
+
+    @torch.no_grad()
+    def evaluate(self, batch) -> float:
+        """Global mean loss of ``batch``: the plan's forwards only, no gradients."""
+        self.engine.module.eval()
+        self.begin(batch, forward_only=True)
+        return self.finish()
+
+    def state(self) -> dict:
+        """Where this rank is: executed actions, the next one, activations held (stage, microbatch)."""
+        acts = self._actions
+        return {"rank": self.mesh.global_rank, "pp_rank": self.me, "step": self.step, "running": self.running,
+                "timestep": self.timestep, "timesteps": self.n_timesteps if self._plan else None,
+                "position": self.pos, "of": len(acts), "executed": [str(a) for a in acts[:self.pos]],
+                "next": str(acts[self.pos]) if self.pos < len(acts) else None,
+                "held": [f"{s}F{m}" for s, m in getattr(self, "_saved", {})], "held_bytes": getattr(self, "_held", 0),
+                "loss_so_far": float(self.loss) if self.running else None}
+
+    # ------------------------------------------------------------------ actions
+    def _run(self, j: int) -> None:
+        a = self._actions[j]
+        if self.monitor.flagged.is_set():
+            raise self._hang(f"rank {self.mesh.global_rank} stopped before {a}: another rank reported a hang")
+        self._set("running")
+        if j == self._sync_at:
+            self.engine.grads.arm(sync=True)
+        start = time.perf_counter() - self.t0
+        getattr(self, "_do_" + a.kind)(a, a.stage, a.microbatch)
+        self._event(str(a), "comm" if a.is_comm else "compute", start, time.perf_counter() - self.t0, a,
+                    self.timesteps[self.me][self._index[j]])
+
+    def _event(self, name, kind, start, end, a=None, timestep=None) -> None:
+        ev = {"name": name, "kind": kind, "start": start, "end": end, "rank": self.mesh.global_rank,
+              "pp_rank": self.me}
+        if a is not None:
+            ev.update(action=str(a), stage=a.stage, microbatch=a.microbatch, timestep=timestep)
+        self.engine._events.append(ev)
+
+    def _do_F(self, a, s, m):
+        st = self.stages[s]
+        x = self._x[m] if st.first else self._take(self._act, a, "its input activation").requires_grad_()
+        with self.engine._acts.measure():
+            y = st(x)
+            if st.last:
+                loss = self.engine.loss_fn(y, self._y[m]) / self.m
+                self.loss += loss.detach()
+                y = loss / (self.engine.tp_plan.batch_shards if self.engine.tp_plan else 1)
+        if not self.forward_only:
+            self._saved[s, m] = (x, y)
+            self._bytes[s, m] = self.engine._acts.last
+            self._held += self._bytes[s, m]
+            self.peak_bytes = max(self.peak_bytes, self._held)
+        if not st.last and (s + 1) % self.pp == self.me:  # local handoff (two stages on one rank)
+            self._act[s + 1, m] = y.detach()
+        elif not st.last:
+            self._out[s, m] = y.detach()
+
+    def _do_B(self, a, s, m):
+        x, y = self._saved.pop((s, m))
+        self._held -= self._bytes.pop((s, m))
+        grad = None if self.stages[s].last else self._take(self._gout, a, "its output gradient")
+        torch.autograd.backward(y, grad)
+        if s > 0:
+            self._give_grad(s, m, x.grad)
+
+    def _do_I(self, a, s, m):
+        x, y = self._saved[s, m]
+        grad = None if self.stages[s].last else self._take(self._gout, a, "its output gradient")
+        self._wgrad[s, m] = grad
+        if s > 0:
+            (gx,) = torch.autograd.grad(y, x, grad, retain_graph=True)
+            self._give_grad(s, m, gx)
+
+    def _do_W(self, a, s, m):
+        x, y = self._saved.pop((s, m))
+        self._held -= self._bytes.pop((s, m))
+        torch.autograd.backward(y, self._wgrad.pop((s, m)), inputs=self.params[s])
+
+    def _give_grad(self, s, m, gx):
+        if (s - 1) % self.pp == self.me:  # local handoff (two stages on one rank)
+            self._gout[s - 1, m] = gx
+        else:
+            self._gin[s, m] = gx
+
+    def _do_SF(self, a, s, m):
+        t = self._take(self._out, a, "the activation to send")
+        key = (s, self._key)
+        if key not in self._shapes_sent:
+            self._shapes_sent.add(key)
+            self._send(a, _pack(t), (s + 1) % self.pp, _HEADER + message_tag(a, self.m), f"{a} shape")
+        self._send(a, t, (s + 1) % self.pp, message_tag(a, self.m), str(a))
+
+    def _do_SB(self, a, s, m):
+        self._send(a, self._take(self._gin, a, "the input gradient to send"), (s - 1) % self.pp,
+                   message_tag(a, self.m), str(a))
+
+    def _do_RF(self, a, s, m):
+        key, src = (s - 1, self._key), (s - 1) % self.pp
+        if key not in self._shapes:
+            header = torch.zeros(8, dtype=torch.int64, device=self.mesh.device)
+            self._recv(a, header, src, _HEADER + message_tag(a, self.m), f"{a} shape")
+            self._shapes[key] = _unpack(header)
+        shape, dtype = self._shapes[key]
+        self._act[s, m] = self._recv(a, torch.empty(shape, dtype=dtype, device=self.mesh.device), src,
+                                     message_tag(a, self.m), str(a))
+
+    def _do_RB(self, a, s, m):
+        y = self._saved[s, m][1]
+        self._gout[s, m] = self._recv(a, torch.empty_like(y), (s + 1) % self.pp, message_tag(a, self.m), str(a))
+
+    def _take(self, store: dict, a, what: str):
+        try:
+            return store.pop((a.stage, a.microbatch))
+        except KeyError:
+            raise RuntimeError(f"pipeline rank {self.me} ran {a} without {what}: the plan must put the action "
+                               "that provides it (a receive, or the stage before it on this rank) first") from None
+
+    # ------------------------------------------------------------------ communication and hangs
+    def _send(self, a, t, peer, msg_tag, label):
+        try:
+            self._sends.append((a, comm.isend(t, self.mesh, "pp", peer, msg_tag=msg_tag, tag=label)))
+        except RuntimeError as exc:
+            raise self._hang(f"rank {self.mesh.global_rank} could not send {a}: {_last(exc)}") from exc
+
+    def _recv(self, a, buf, peer, msg_tag, label):
+        try:
+            pending = comm.irecv(buf, self.mesh, "pp", peer, msg_tag=msg_tag, tag=label)
+        except RuntimeError as exc:
+            raise self._hang(f"rank {self.mesh.global_rank} could not receive {a}: {_last(exc)}") from exc
+        self._set("waiting")
+        what = (f"the activation of stage {a.stage - 1}" if a.kind == "RF" else
+                f"the input gradient of stage {a.stage + 1}") + f", microbatch {a.microbatch}"
+        self._wait(pending, a, what + f", from pipeline rank {peer} (rank {self.mesh.ranks('pp')[peer]})")
+        return buf
+
+    def _wait(self, pending, a, what: str) -> None:
+        try:
+            pending.wait(self.timeout)
+        except RuntimeError as exc:
+            waited = time.perf_counter() - self._since
+            raise self._hang(f"rank {self.mesh.global_rank} (pp {self.me}) waited {waited:.1f} s for {a} "
+                             f"({what}); the backend said: {_last(exc)}") from exc
+
+    def _set(self, state: str, note: str = "") -> None:
+        """What this rank is doing now (read by the hang monitor's thread)."""
+        self._state, self._note, self._since = state, note, time.perf_counter()
+
+    def _report(self) -> dict:
+        j, acts = self.pos, self._actions
+        at = self._state != "done" and not self._note and j < len(acts)
+        return dict(rank=self.mesh.global_rank, pp=self.me, dp=self.coords["dp"], sp=self.coords["sp"],
+                    tp=self.coords["tp"], step=self.step, state=self._state, note=self._note,
+                    action=str(acts[j]) if at else None, position=self._index[j] if at else None,
+                    of=len(self.plan.actions[self.me]), since=time.perf_counter() - self._since,
+                    timestep=self.timesteps[self.me][self._index[j]] if at else None)
+
+    def _hang(self, reason: str) -> PipelineHang:
+        reports = self.monitor.fail(self._report(), reason)
+        mine = (self.coords["dp"], self.coords["sp"], self.coords["tp"])
+        same = {r["pp"]: r["position"] for r in reports.values()
+                if (r["dp"], r["sp"], r["tp"]) == mine and r["position"] is not None}
+        lines = [f"{reason}", "", f"plan of pipeline (dp {mine[0]}, sp {mine[1]}, tp {mine[2]}), "
+                 "[action] = where each rank is (actions above it ran, below it not yet):",
+                 render_grid(self.plan, self.timesteps, same), ""]
+        lines += [describe(reports[r]) if r in reports else f"rank {r}: no report within "
+                  f"{self.monitor.report_wait:g} s (its process may be gone)" for r in range(self.monitor.world)]
+        lines.append("the connections between these ranks may now be closed: restart the ranks before training "
+                     f"again (engine.pipeline.timeout = {self.timeout:g} s)")
+        self.running = False
+        self.monitor.stop()
+        return PipelineHang("\n".join(lines), reports, self.mesh.global_rank)
+
+
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    """Shape header: [dtype code, ndim, dims...] in 8 int64s."""
+    if t.dim() > 6:
+        raise ValueError(f"pipeline activations of up to 6 dims travel between stages, got shape {tuple(t.shape)}")
+    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (6 - t.dim()), dtype=torch.int64,
+                        device=t.device)
+
+
+def _unpack(h: torch.Tensor):
+    h = h.tolist()
+    return tuple(h[2:2 + h[1]]), _DTYPES[h[0]]
+
+
+def _last(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__
+
+
+def _agree_nonce(mesh) -> int:
+    """A number every rank of this job agrees on, naming this executor's keys in the store."""
+    t = torch.tensor([random.SystemRandom().getrandbits(62) if dist.get_rank() == 0 else 0], device=mesh.device)
+    dist.broadcast(t, src=0)
+    return int(t.item())

@@ -1,0 +1,192 @@
+"""Hang diagnostics: when a pipeline rank waits too long, every rank says where it is.
+
+Every blocking receive of the executor waits at most ``engine.pipeline.timeout``
+seconds. When one runs out, that rank
+
+1. writes its report (rank, position in its plan, the action it waits on, for how long)
+   under a key of the torch.distributed store, and raises a flag there;
+2. every other rank's ``HangMonitor`` thread, which watches that flag during a step,
+   answers with its own report at once, even if its main thread is busy computing,
+   sleeping or blocked in a collective (the thread only talks to the store);
+3. the first rank gathers the reports (waiting at most ``report_wait`` seconds) and raises
+   ``PipelineHang``, whose message is the plan's timestep x rank grid with each rank's
+   current action in brackets, then one line per rank. Ranks blocked on a receive time
+   out in turn; a rank whose monitor saw the flag raises ``PipelineHang`` before its next
+   action instead of going on.
+
+Worked example, pp=2 GPipe, 2 microbatches, rank 0 lost its send ``0SF1``::
+
+    PipelineHang: rank 1 (pp 1 dp 0 tp 0) waited 2.0 s for 1RF1 ...
+    step | rank 0   | rank 1
+       0 | 0F0      | .
+       1 | 0SF0     | 1RF0
+       2 | 0F1      | 1F0
+       3 | 0SF1     | [1RF1]
+       4 | [0RB1]   | 1F1
+       ...
+    rank 0 (pp 0 dp 0 tp 0): waiting 2.0 s for 0RB1, position 4 of 8 (timestep 4)
+    rank 1 (pp 1 dp 0 tp 0): waiting 2.0 s for 1RF1, position 2 of 8 (timestep 3)
+
+After a hang the backend's connections between the stuck ranks may be closed: restart
+the ranks (``cluster.restart()``) before training again.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .check import format_grid
+
+__all__ = ["PipelineHang", "HangMonitor", "render_grid", "describe"]
+
+
+class PipelineHang(RuntimeError):
+    """A pipeline rank waited longer than the timeout; ``reports`` maps rank -> where it was."""
+
+    def __init__(self, message: str, reports: dict[int, dict] | None = None, rank: int | None = None):
+        super().__init__(message)
+        self.reports, self.rank = dict(reports or {}), rank
+
+    def __reduce__(self):  # crosses process boundaries (launch, ipyparallel) intact
+        return (type(self), (str(self), self.reports, self.rank))
+
+
+def describe(report: dict) -> str:
+    """One line: ``rank 1 (pp 1 dp 0 tp 0): waiting 2.0 s for 1RF1, position 2 of 8 (timestep 3)``."""
+    who = f"rank {report['rank']} (pp {report['pp']} dp {report['dp']} tp {report['tp']})"
+    state, action, since = report.get("state"), report.get("action"), report.get("since", 0.0)
+    where = "" if report.get("position") is None else f", position {report['position']} of {report['of']}" + (
+        f" (timestep {report['timestep']})" if report.get("timestep") is not None else "")
+    if state == "waiting":
+        what = f"waiting {since:.1f} s for {action or report.get('note')}"
+    elif state == "running":
+        what = f"running {action} for {since:.1f} s"
+    elif state == "done":
+        what = "ran its whole plan" + (f"; now {report['note']}" if report.get("note") else "")
+    else:
+        what = f"paused before {action}" if action else "not in a step"
+    return f"{who}: {what}{where}"
+
+
+def render_grid(plan, timesteps: list[list[int]], positions: dict[int, int], window: int = 3) -> str:
+    """The plan's timestep x pipeline-rank grid, each rank's action at ``positions[r]`` in brackets.
+
+    ``timesteps[r][i]`` is the timestep of rank r's i-th action. Long grids keep the rows
+    from ``window`` steps before the earliest bracket to ``window`` after the latest.
+    """
+    n_steps = 1 + max((t for row in timesteps for t in row), default=-1)
+    cells = [["."] * plan.pp for _ in range(n_steps)]
+    for r, row in enumerate(plan.actions):
+        for i, a in enumerate(row):
+            mark = positions.get(r) == i
+            cells[timesteps[r][i]][r] = f"[{a}]" if mark else str(a)
+    marked = [timesteps[r][i] for r, i in positions.items() if i < len(timesteps[r])]
+    lo, hi = 0, n_steps
+    if n_steps > 4 * window + 6 and marked:
+        lo, hi = max(0, min(marked) - window), min(n_steps, max(marked) + window + 1)
+    rows = [(str(t), cells[t]) for t in range(lo, hi)]
+    text = format_grid(rows)
+    if lo > 0:
+        text = text.replace("\n", f"\n  ... ({lo} earlier steps)\n", 1)
+    if hi < n_steps:
+        text += f"\n  ... ({n_steps - hi} later steps)"
+    return text
+
+
+def _store_client():
+    """Our own connection to the job's TCPStore (a second client: no lock shared with the process group)."""
+    store = dist.distributed_c10d._get_default_store()
+    base = store
+    while hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        try:
+            return dist.TCPStore(base.host, base.port, is_master=False, timeout=timedelta(seconds=30))
+        except Exception:  # pragma: no cover - fall back to the shared client
+            pass
+    return base
+
+
+class HangMonitor:
+    """Per-rank watcher of one job's hang flag, over the torch.distributed store.
+
+    ``start(step, report)`` watches the flag of that step in a daemon thread; ``report()``
+    returns this rank's current report (a JSON-able dict). ``flagged`` is set once any rank
+    raised the flag. ``fail(report)`` publishes this rank's report, raises the flag and
+    returns every report gathered within ``report_wait`` seconds.
+    """
+
+    poll = 0.05
+
+    def __init__(self, nonce: int, world_size: int, rank: int):
+        self.prefix, self.world, self.rank = f"colab_kit/pipeline/{nonce}", world_size, rank
+        self._store, self._lock = None, threading.Lock()
+        self.flagged = threading.Event()
+        self._step, self._thread, self._report = None, None, None
+        self.report_wait = 2.0
+
+    def _key(self, step, what: str) -> str:
+        return f"{self.prefix}/{step}/{what}"
+
+    @property
+    def store(self):
+        if self._store is None:
+            self._store = _store_client()
+        return self._store
+
+    def start(self, step: int, report) -> None:
+        self.stop()
+        self.store  # connect in the main thread
+        self.flagged.clear()
+        self._step, self._report = step, report
+        self._thread = threading.Thread(target=self._watch, args=(step,), daemon=True,
+                                        name=f"colab_kit pipeline hang monitor, step {step}")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._step = None
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _watch(self, step: int) -> None:
+        key = self._key(step, "hang")
+        while self._step == step:
+            try:
+                with self._lock:
+                    hit = self.store.check([key])
+            except Exception:  # the store went away (job ending): nothing left to watch
+                return
+            if hit:
+                self.flagged.set()
+                self._publish(step, self._report())
+                return
+            time.sleep(self.poll)
+
+    def _publish(self, step, report: dict) -> None:
+        with self._lock:
+            self.store.set(self._key(step, f"report/{self.rank}"), json.dumps(report))
+
+    def fail(self, report: dict, reason: str) -> dict[int, dict]:
+        """Publish ``report``, raise the flag, gather every rank's report (rank -> dict)."""
+        step = self._step if self._step is not None else -1
+        self._publish(step, report)
+        with self._lock:
+            self.store.set(self._key(step, "hang"), json.dumps({"rank": self.rank, "reason": reason}))
+        self.flagged.set()
+        keys = {r: self._key(step, f"report/{r}") for r in range(self.world)}
+        got: dict[int, dict] = {}
+        deadline = time.monotonic() + self.report_wait
+        while True:
+            for r, k in keys.items():
+                if r not in got:
+                    with self._lock:
+                        if self.store.check([k]):
+                            got[r] = json.loads(self.store.get(k))
+            if len(got) == self.world or time.monotonic() > deadline:
+                return got
+            time.sleep(self.poll)
