@@ -140,7 +140,7 @@ class PipelineExecutor:
         if not self.running:
             raise RuntimeError("no pipeline step is running: call begin(batch) first")
         paused = self._since
-        if time.perf_counter() - paused > 1e-3 and self.pos > 0:
+        if self.pos > 0:  # a pause between advance() calls
             self._event("paused", "idle", paused - self.t0, time.perf_counter() - self.t0)
         ts = self.timesteps[self.me]
         while self.pos < len(self._actions) and ts[self._index[self.pos]] < timestep:
@@ -189,7 +189,10 @@ class PipelineExecutor:
     def _run(self, j: int) -> None:
         a = self._actions[j]
         if self.monitor.flagged.is_set():
-            raise self._hang(f"rank {self.mesh.global_rank} stopped before {a}: another rank reported a hang")
+            self._set("stopped")
+            first = self.monitor.first()
+            raise self._hang(f"rank {self.mesh.global_rank} (pp {self.me}) stopped before {a} because rank "
+                             f"{first.get('rank')} reported a hang: {first.get('reason')}")
         self._set("running")
         if j == self._sync_at:
             self.engine.grads.arm(sync=True)
@@ -299,7 +302,7 @@ class PipelineExecutor:
         self._set("waiting")
         what = (f"the activation of stage {a.stage - 1}" if a.kind == "RF" else
                 f"the input gradient of stage {a.stage + 1}") + f", microbatch {a.microbatch}"
-        self._wait(pending, a, what + f", from pipeline rank {peer} (rank {self.mesh.ranks('pp')[peer]})")
+        self._wait(pending, a, what + f", from rank {self.mesh.ranks('pp')[peer]} (pp {peer})")
         return buf
 
     def _wait(self, pending, a, what: str) -> None:

@@ -65,6 +65,8 @@ def describe(report: dict) -> str:
         what = f"waiting {since:.1f} s for {action or report.get('note')}"
     elif state == "running":
         what = f"running {action} for {since:.1f} s"
+    elif state == "stopped":
+        what = f"stopped before {action}, on another rank's report"
     elif state == "done":
         what = "ran its whole plan" + (f"; now {report['note']}" if report.get("note") else "")
     else:
@@ -171,12 +173,19 @@ class HangMonitor:
         with self._lock:
             self.store.set(self._key(step, f"report/{self.rank}"), json.dumps(report))
 
+    def first(self) -> dict:
+        """The flag: ``{"rank": r, "reason": ...}`` of the rank that raised it first (empty if none yet)."""
+        key = self._key(self._step if self._step is not None else -1, "hang")
+        with self._lock:
+            return json.loads(self.store.get(key)) if self.store.check([key]) else {}
+
     def fail(self, report: dict, reason: str) -> dict[int, dict]:
         """Publish ``report``, raise the flag, gather every rank's report (rank -> dict)."""
         step = self._step if self._step is not None else -1
         self._publish(step, report)
         with self._lock:
-            self.store.set(self._key(step, "hang"), json.dumps({"rank": self.rank, "reason": reason}))
+            if not self.store.check([self._key(step, "hang")]):
+                self.store.set(self._key(step, "hang"), json.dumps({"rank": self.rank, "reason": reason}))
         self.flagged.set()
         keys = {r: self._key(step, f"report/{r}") for r in range(self.world)}
         got: dict[int, dict] = {}

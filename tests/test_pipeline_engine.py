@@ -1,0 +1,234 @@
+"""Pipeline engine against one process: every schedule (gpipe, 1f1b, interleaved, zb-h1) for
+pp=2, pp=4, pp=2 x dp=2 and pp=2 x tp=2 trains to the single-process losses; a stepped step
+equals an unstepped one bit for bit; a stuck rank gives every rank's position within the
+timeout. One spawn per world size, configurations looped inside."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import pytest
+import torch
+
+import colab_kit as ck
+from colab_kit.datasets import SyntheticTokens
+from colab_kit.engine import lm_loss
+from colab_kit.models import GPT, GPTConfig
+from colab_kit.pipeline import Plan, build_plan, lower, simulate
+from colab_kit.pipeline.hang import PipelineHang
+from colab_kit.pipeline.stage import check_stages, stage_layers
+
+from tests.test_dp import OPTIMIZERS
+
+GPT4 = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
+STEPS, BATCH, M = 5, 8, 4
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def configs(**base) -> list[dict]:
+    return [dict(base, microbatches=M, schedule=s, chunks=2 if s == "interleaved" else 1) for s in SCHEDULES]
+
+
+def model_cfg(kw: dict) -> GPTConfig:
+    """4 blocks, or one per stage where pp * chunks is larger (pp=4 interleaved: 8 stages)."""
+    return dataclasses.replace(GPT4, n_layers=max(4, kw["pp"] * kw["chunks"]))
+
+
+@functools.lru_cache(maxsize=None)
+def reference(n_layers: int, opt: str):
+    model, data = GPT(dataclasses.replace(GPT4, n_layers=n_layers)), SyntheticTokens(64, 16, seed=1)
+    optimizer = OPTIMIZERS[opt](model.parameters())
+    losses = []
+    for step in range(STEPS):
+        x, y = data.batch(step, BATCH)
+        optimizer.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# --------------------------------------------------------------------------- on each rank
+def _train(cfgs):
+    data, out = SyntheticTokens(64, 16, seed=1), {}
+    for kw in cfgs:
+        for opt in OPTIMIZERS:
+            engine = ck.boost(GPT(model_cfg(kw)), OPTIMIZERS[opt], ck.ParallelConfig(**kw))
+            losses = [engine.train_step(data.batch(s, BATCH)) for s in range(STEPS)]
+            pipe = engine.pipeline
+            mine = pipe.plan.actions[pipe.me]
+            params = {}
+            if kw.get("tp", 1) == 1:
+                params = {n: p.detach().clone() for st in engine.module
+                          for n, p in zip(st.source_names, st.parameters())}
+            out[tuple(sorted(kw.items())), opt] = dict(
+                losses=losses, params=params, plan=[str(a) for a in mine],
+                actions=[e["action"] for e in engine.timeline() if "action" in e],
+                kinds={e["kind"] for e in engine.timeline()},
+                p2p=[(r["op"], r["axis"], r["tag"], r["bytes"]) for r in engine.comm(last_step=True)
+                     if r["axis"] == "pp" and r["op"] in ("send", "recv")],
+                memory=engine.memory())
+    return out
+
+
+def _stepping(cfgs):
+    """Per config: two engines, one stepped a timestep at a time: losses and parameters bit for bit."""
+    data, out = SyntheticTokens(64, 16, seed=1), {}
+    for kw in cfgs:
+        cfg = ck.ParallelConfig(**kw)
+        plain = ck.boost(GPT(model_cfg(kw)), OPTIMIZERS["sgd"], cfg)
+        stepped = ck.boost(GPT(model_cfg(kw)), OPTIMIZERS["sgd"], cfg)
+        pipe, states, losses = stepped.pipeline, [], []
+        for step in range(2):
+            batch = data.batch(step, BATCH)
+            losses.append((plain.train_step(batch), None))
+            pipe.begin(batch)
+            if step == 0:
+                while pipe.timestep < pipe.n_timesteps:
+                    states.append(pipe.advance(1))
+            else:  # jump halfway, then one at a time, then the rest
+                states.append(pipe.advance_to(pipe.n_timesteps // 2))
+                states.append(pipe.advance())
+            losses[-1] = (losses[-1][0], pipe.finish())
+        out[tuple(sorted(kw.items()))] = dict(
+            losses=losses, same_params=torch.equal(plain.state_vector(), stepped.state_vector()),
+            executed=[len(s["executed"]) for s in states[:pipe.n_timesteps]],
+            expected=[sum(t < k + 1 for t in pipe.timesteps[pipe.me]) for k in range(pipe.n_timesteps)],
+            held=max(len(s["held"]) for s in states[:pipe.n_timesteps]), last=states[pipe.n_timesteps - 1],
+            timeline_kinds={e["kind"] for e in stepped.timeline()})
+    return out
+
+
+def _train_and_step(train_cfgs, step_cfgs):
+    return _train(train_cfgs), _stepping(step_cfgs)
+
+
+# --------------------------------------------------------------------------- parity
+def _check_training(results, cfgs):
+    for kw in cfgs:
+        key = tuple(sorted(kw.items()))
+        for opt in OPTIMIZERS:
+            ref_losses, ref_params = reference(model_cfg(kw).n_layers, opt)
+            owned = {}
+            for rank, res in enumerate(results):
+                got = res[key, opt]
+                assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (kw, opt, rank)
+                assert got["losses"] == results[0][key, opt]["losses"], (kw, opt, rank)  # equal on all ranks
+                for name, p in got["params"].items():
+                    torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=5e-5, msg=lambda m: f"{name} {m}")
+                    owned[name] = p
+                # every action ran once, in plan order, and was timed
+                assert got["actions"] == got["plan"], (kw, opt, rank)
+                assert got["kinds"] <= {"compute", "comm", "idle"} and "comm" in got["kinds"]
+                # one recorded p2p per send/receive action after the first step (no shape header any more)
+                comm_actions = [a for a in got["plan"] if any(k in a for k in ("SF", "RF", "SB", "RB"))]
+                assert sorted(t for _, _, t, _ in got["p2p"]) == sorted(comm_actions)
+                rows = BATCH // kw.get("dp", 1) // M
+                assert {b for *_, b in got["p2p"]} == {rows * 16 * 32 * 4}
+            if kw.get("tp", 1) == 1:  # the stages together hold the whole model
+                assert set(owned) == set(ref_params), (kw, opt)
+
+
+def _check_stepping(stepped, cfgs):
+    for kw in cfgs:
+        key = tuple(sorted(kw.items()))
+        for rank, res in enumerate(stepped):
+            got = res[key]
+            assert all(a == b for a, b in got["losses"]), (kw, rank, got["losses"])  # bitwise
+            assert got["same_params"], (kw, rank)
+            assert got["executed"] == got["expected"], (kw, rank)
+            assert got["last"]["next"] is None and got["last"]["held"] == []
+            assert "idle" in got["timeline_kinds"]  # the pauses between advance() calls
+            pp_rank = rank // (kw.get("dp", 1) * kw.get("tp", 1))
+            plan = lower(build_plan(kw["schedule"], kw["pp"], kw["microbatches"], kw["chunks"]))
+            assert got["held"] == simulate(plan).peak_held[pp_rank], (kw, rank)
+
+
+def test_pp2_every_schedule_matches_single_process_and_steps():
+    cfgs = configs(pp=2)
+    t = time.perf_counter()
+    results = ck.launch(_train_and_step, 2, cfgs, cfgs)
+    took = time.perf_counter() - t
+    _check_training([r[0] for r in results], cfgs)
+    _check_stepping([r[1] for r in results], cfgs)
+    # GPipe keeps every microbatch's activations on rank 0, 1F1B at most pp of them
+    mem = {s: results[0][0][tuple(sorted(kw.items())), "sgd"]["memory"]["activations"]
+           for s, kw in zip(SCHEDULES, cfgs)}
+    assert mem["1f1b"] < 0.6 * mem["gpipe"], mem
+    assert took < 120, took
+
+
+def test_pp4_and_pp2_with_dp_and_tp_match_single_process():
+    cfgs = configs(pp=4) + configs(pp=2, dp=2) + configs(pp=2, tp=2)
+    step_cfgs = configs(pp=4)[2:3] + configs(pp=2, dp=2)[3:] + configs(pp=2, tp=2)[1:2]
+    results = ck.launch(_train_and_step, 4, cfgs, step_cfgs)
+    _check_training([r[0] for r in results], cfgs)
+    _check_stepping([r[1] for r in results], step_cfgs)
+
+
+# --------------------------------------------------------------------------- hangs
+def _stuck(fault: str, timeout: float):
+    """Rank 0 loses its send 0SF1 ('lost send'), or rank 1 sleeps in 1F1 ('sleep')."""
+    import torch.distributed as dist
+
+    from colab_kit.pipeline import PlanError
+
+    rank, data = dist.get_rank(), SyntheticTokens(64, 16, seed=1)
+    engine = ck.boost(GPT(GPT4), OPTIMIZERS["sgd"], ck.ParallelConfig(pp=2, microbatches=2, schedule="gpipe"))
+    pipe = engine.pipeline
+    pipe.timeout = timeout
+    engine.train_step(data.batch(0, BATCH))  # a good step first
+    broken = Plan.parse("rank 0: 0F0 0SF0 0F1 0RB0 0B0 0RB1 0B1\n"
+                        "rank 1: 1RF0 1F0 1RF1 1F1 1B0 1SB0 1B1 1SB1", "gpipe")
+    try:
+        pipe.plan = broken
+        refused = None
+    except PlanError as exc:  # a plan missing a send is refused on every rank before it runs
+        refused = str(exc)
+    if fault == "lost send" and rank == 0:
+        send = pipe._do_SF
+        pipe._do_SF = lambda a, s, m: pipe._out.pop((s, m)) if m == 1 else send(a, s, m)
+    if fault == "sleep" and rank == 1:
+        forward = pipe._do_F
+        pipe._do_F = lambda a, s, m: (time.sleep(3 * timeout) if m == 1 else None, forward(a, s, m))
+    t = time.perf_counter()
+    try:
+        engine.train_step(data.batch(1, BATCH))
+    except PipelineHang as exc:
+        return dict(message=str(exc), seconds=time.perf_counter() - t, reports=exc.reports, refused=refused)
+    return dict(message=None, seconds=time.perf_counter() - t, refused=refused)
+
+
+@pytest.mark.parametrize("fault", ["lost send", "sleep"])
+def test_stuck_rank_reports_every_rank_within_the_timeout(fault):
+    timeout = 1.0
+    results = ck.launch(_stuck, 2, fault, timeout, timeout=60)
+    for rank, res in enumerate(results):
+        assert "0SF1" in res["refused"], res["refused"]
+        assert res["message"] is not None, f"rank {rank} did not report a hang"
+    first = results[0] if fault == "sleep" else results[1]  # the rank that waits on the other
+    assert first["seconds"] < timeout + 2.5, first["seconds"]
+    msg = first["message"]
+    assert "step | rank 0" in msg and set(first["reports"]) == {0, 1}, msg
+    for line in ("rank 0 (pp 0 dp 0 tp 0):", "rank 1 (pp 1 dp 0 tp 0):"):
+        assert line in msg, msg
+    if fault == "lost send":
+        assert "waited" in msg and "1RF1" in msg and "[1RF1]" in msg, msg
+        assert "[0RB0]" in msg, msg  # rank 0 in its grid column: waiting for a gradient that never comes
+    else:
+        assert "waited" in msg and "0RB0" in msg and "[0RB0]" in msg, msg
+        assert "running 1F1" in msg and "[1F1]" in msg, msg  # the sleeping rank answered from its monitor
+        assert "stopped before 1B0 because rank 0 reported a hang" in results[1]["message"], results[1]["message"]
+        assert "stopped before 1B0, on another rank" in results[1]["message"]
+
+
+# --------------------------------------------------------------------------- no processes
+def test_layers_that_do_not_split_over_stages_are_refused_before_any_process():
+    with pytest.raises(ck.ConfigError, match=r"n_layers=4 does not split evenly over pp\*chunks = 4\*2 = 8"):
+        ck.boost(GPT(GPT4), OPTIMIZERS["sgd"], ck.ParallelConfig(pp=4, schedule="interleaved", chunks=2,
+                                                                 microbatches=4))
+    with pytest.raises(ck.ConfigError, match="n_layers=3 .* = 2 pipeline stages: use n_layers a multiple of 2"):
+        check_stages(3, ck.ParallelConfig(pp=2))
+    assert stage_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
