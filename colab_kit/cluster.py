@@ -108,7 +108,7 @@ class Cluster:
             self._ipp = ipp.Cluster(n=self.n, engines=self.engines, **kwargs)
             self._ipp.start_controller_sync()
             self._client = self._ipp.connect_client_sync()
-            self._start_engines(set())
+            self._start_engines(self._registered())
         except BaseException as exc:
             self._teardown(kill=True)
             if isinstance(exc, (ClusterError, KeyboardInterrupt)):
@@ -126,7 +126,7 @@ class Cluster:
         """Kill the engines, start fresh ones, re-initialise torch.distributed, re-apply the config."""
         if self._ipp is None:
             raise ClusterError("no cluster to restart: start one first (cluster.start() or %colossal start)")
-        old = set(self._client.ids) | set(self._ids)
+        old = self._registered()
         try:
             self._kill_local_engines()
             self._ipp.stop_engines_sync()
@@ -144,19 +144,24 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _start_engines(self, old_ids: set[int]) -> None:
+    def _registered(self) -> set[tuple[int, str]]:
+        """(engine id, engine uuid) of every registered engine: launchers such as mpi reuse ids."""
+        engines = self._client._engines
+        return {(i, engines.get(i)) for i in self._client.ids}
+
+    def _start_engines(self, old: set[tuple[int, str]]) -> None:
         """Start an engine set, wait for ``n`` new engines, then bring torch.distributed up."""
         self._ids, self._table, self._broken, self._busy = [], RankTable(), None, {}
         self._ipp.start_engines_sync(self.n)
-        self._ids = self._wait_for_engines(old_ids)
+        self._ids = self._wait_for_engines(old)
         self._init_dist()
         if self.config is not None:
             self.set_config(self.config)
 
-    def _wait_for_engines(self, old_ids: set[int]) -> list[int]:
+    def _wait_for_engines(self, old: set[tuple[int, str]]) -> list[int]:
         deadline = time.monotonic() + self.timeout
         while True:
-            new = sorted(set(self._client.ids) - old_ids)
+            new = sorted(i for i, _ in self._registered() - old)
             if len(new) >= self.n:
                 return new[:self.n]
             sets = list(self._ipp.engines.values())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import _thread
 import os
+import shutil
 import threading
 import time
 
@@ -224,3 +225,16 @@ def test_engines_that_do_not_register_in_time_give_a_clear_error():
     assert not cluster.running and time.monotonic() - t0 < 30
     with pytest.raises(ClusterError, match="no cluster is running"):
         cluster.run(_rank_times_ten)
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (pip install mpi4py mpich)")
+def test_mpi_engines_start_train_and_restart():
+    """The multi-host launch path on one machine: engines started by mpiexec, whose ids are reused."""
+    with Cluster(n=2, engines="mpi", timeout=180) as cluster:
+        assert [row["rank"] for row in cluster.ranks()] == [0, 1]
+        assert cluster.run(_all_reduce, 1.0) == [(3.0, [0, 1])] * 2
+        pids = {row["pid"] for row in cluster.ranks()}
+        cluster.restart()
+        assert pids.isdisjoint(row["pid"] for row in cluster.ranks())
+        assert cluster.run(_all_reduce, 2.0) == [(6.0, [0, 1])] * 2
+    assert not cluster.running
