@@ -4,7 +4,9 @@ ipywidgets is imported only when a widget is displayed; outside a kernel each
 widget prints a text summary instead.
 
     ck.widgets.ConfigPicker()       # pick degrees and modes, see the mesh, Apply to the cluster
+    ck.widgets.ScheduleStepper(cluster, batch)   # step a real pipeline step, watch the grid fill in
 """
 from .config_picker import ConfigPicker
+from .schedule_stepper import ScheduleStepper
 
-__all__ = ["ConfigPicker"]
+__all__ = ["ConfigPicker", "ScheduleStepper"]

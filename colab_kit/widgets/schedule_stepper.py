@@ -1,0 +1,269 @@
+"""``ScheduleStepper``: step a real pipeline training step on the cluster, timestep by timestep.
+
+    stepper = ck.widgets.ScheduleStepper(cluster, lambda step: data.batch(step, 16))
+    stepper            # buttons Step / Play / Reset, timesteps-per-click slider, the plan's grid,
+                       # activations held per rank, the loss once the step finished
+    stepper.step(10)   # the same from code: every rank runs its actions of timesteps 0..9
+
+Every rank's namespace must hold the engine (``engine = ck.boost(...)`` with pp > 1; another
+name with ``var=``). ``step(k)`` calls ``engine.pipeline.advance_to(t + k)`` on every rank
+through ``cluster.run``, so all ranks advance together (a receive waits for a send of an
+earlier timestep, which its peer runs in the same call), then reads ``state()`` back: what
+each rank executed, its next action, the activations it holds. The grid fills in with what
+the ranks report, never with what the plan predicts. At the last timestep the stepper
+calls ``finish()`` (gradients, optimizer step) and shows the loss; the next ``step()``
+begins a new training step on the next batch. ``reset()`` first finishes a step that is
+under way (its messages are already in flight: the ranks cannot drop half a step), then
+shows the grid empty again.
+
+Given a ``Plan`` instead of a cluster, the stepper walks the plan's lockstep grid without
+any engine (labelled "plan only"), which is how the plan itself can be read step by step.
+"""
+from __future__ import annotations
+
+import time
+
+from .config_picker import _html, _in_kernel
+from .stepper_state import StepperError, StepperState, _rank_advance, _rank_begin, _rank_finish, _rank_probe
+
+__all__ = ["ScheduleStepper", "StepperState", "StepperError"]
+
+
+# ------------------------------------------------------------------ the stepper
+class ScheduleStepper:
+    """Step a pipeline training step on every rank and watch the plan's grid fill in.
+
+    source: a ``Cluster`` whose ranks hold a pp > 1 engine in ``var`` (None: the
+        ``%colossal`` cluster), or a ``Plan`` to walk without an engine.
+    batch: the global batch ``(inputs, targets)``, or a function ``step -> batch``
+        (called in the kernel with 0, 1, ... for each training step begun).
+    k: timesteps per ``step()`` (the slider's start value).
+    delay: while playing, the widgets redraw at most this often (seconds); redrawing the
+        grid costs a few tenths of a second, stepping the ranks a few hundredths.
+    """
+
+    def __init__(self, source=None, batch=None, *, var: str = "engine", k: int = 1, delay: float = 0.5):
+        from ..pipeline import lower, steps
+
+        self.var, self.batch, self.k, self.delay = var, batch, max(1, int(k)), delay
+        self.cluster, self._ui = None, None
+        if hasattr(source, "actions") and hasattr(source, "pp"):
+            plan, what, states = lower(source), "plan only (no engine ran these actions)", None
+        else:
+            self.cluster = source if source is not None else _magic_cluster()
+            plan, states = self._probe()
+            what = f"engine on {self.cluster.world_size} ranks"
+        self.state = StepperState(plan, steps(plan), what)
+        if states is not None and any(s["running"] for s in states):  # adopt a step begun elsewhere
+            self._take(states)
+            self.state.running, self.state.step = True, states[0]["step"]
+
+    # ------------------------------------------------------------ logic (no widgets)
+    def step(self, k: int | None = None, *, redraw: bool = True) -> StepperState:
+        """Advance every rank ``k`` timesteps (beginning a training step first if none runs)."""
+        st = self.state
+        if not st.running:
+            self._begin()
+        self._advance(min(st.timestep + (k or self.k), st.n_timesteps))
+        if st.timestep >= st.n_timesteps:
+            self._finish()
+        if redraw:
+            self._redraw()
+        return st
+
+    def play(self, delay: float | None = None) -> StepperState:
+        """Step until the training step has finished; the widgets redraw at most every ``delay`` s."""
+        delay = self.delay if delay is None else delay
+        last = time.monotonic()
+        self.step()
+        while self.state.running:
+            due = self._ui is not None and time.monotonic() - last >= delay
+            self.step(redraw=due)
+            last = time.monotonic() if due else last
+        self._redraw()
+        return self.state
+
+    def reset(self) -> StepperState:
+        """Finish a step under way (the ranks cannot drop half a step), then show the grid empty."""
+        st = self.state
+        if st.running:
+            self._finish()
+        st.running, st.finished, st.timestep, st.ranks, st.held = False, False, 0, {}, {}
+        self._redraw()
+        return st
+
+    def figure(self):
+        """The plan's grid: executed actions solid, the rest pale, each rank's next action outlined."""
+        from ..viz.pipeline import schedule_figure
+
+        st = self.state
+        if not st.ranks:
+            return schedule_figure(st.plan)
+        return schedule_figure(st.plan, executed=st.executed, current=st.current)
+
+    def memory_figure(self):
+        """Activations each rank holds: planned lines, the ranks' reports as markers."""
+        from ..viz.pipeline import activation_memory_figure
+
+        return activation_memory_figure(self.state.plan, measured=self.state.held or None)
+
+    # ------------------------------------------------------------ driving the ranks (or walking the plan)
+    def _probe(self):
+        from ..errors import RankError
+
+        try:
+            got = self.cluster.run(_rank_probe, self.var)
+        except RankError as exc:
+            raise StepperError(f"could not read the pipeline of the ranks: {str(exc).splitlines()[0]}") from None
+        bad = [(r, g) for r, g in enumerate(got) if isinstance(g, str)]
+        if bad:
+            r, why = bad[0]
+            raise StepperError(f"rank {r} has {why}: build the pipeline engine on every rank first, e.g. in a "
+                               f"%%colossal cell: {self.var} = ck.boost(model, optimizer_factory, config) "
+                               "with a config of pp > 1")
+        return got[0][0], [g[1] for g in got]
+
+    def _run(self, fn, *args):
+        return self.cluster.run(fn, self.var, *args)
+
+    def _begin(self) -> None:
+        st = self.state
+        st.running, st.finished, st.loss, st.timestep, st.step = True, False, None, 0, st.step + 1
+        st.held = {r: [(0, 0)] for r in range(st.plan.pp)}
+        if self.cluster is None:
+            self._take(self._walk(0))
+            return
+        batch = self.batch(st.step - 1) if callable(self.batch) else self.batch
+        if batch is None:
+            st.running, st.step = False, st.step - 1
+            raise StepperError("no batch to train on: ScheduleStepper(cluster, batch) takes the global batch "
+                               "(inputs, targets) or a function step -> batch")
+        self._take(self._run(_rank_begin, batch))
+
+    def _advance(self, timestep: int) -> None:
+        st = self.state
+        self._take(self._walk(timestep) if self.cluster is None else self._run(_rank_advance, timestep))
+        st.timestep = timestep
+        for r, s in st.ranks.items():
+            st.held.setdefault(r, []).append((timestep, len(s["held"])))
+
+    def _finish(self) -> None:
+        st = self.state
+        if self.cluster is not None:
+            got = self._run(_rank_finish)
+            st.loss = got[0][0]
+            st.losses.append(st.loss)
+            self._take([g[1] for g in got])
+            st.peak_bytes = [got[s["rank"]][2] for _, s in sorted(st.ranks.items())]
+        st.running, st.finished, st.timestep = False, True, st.n_timesteps
+
+    def _take(self, states: list[dict]) -> None:
+        """Keep the state of the first global rank of each pipeline rank (the dp 0, tp 0 pipeline)."""
+        ranks: dict[int, dict] = {}
+        for s in states:
+            ranks.setdefault(s["pp_rank"], s)
+        self.state.ranks = ranks
+
+    def _walk(self, timestep: int) -> list[dict]:
+        """Plan only: the states the ranks would report after every action before ``timestep``."""
+        st, plan = self.state, self.state.plan
+        out = []
+        for r, row in enumerate(plan.actions):
+            n = sum(1 for t in range(min(timestep, st.n_timesteps)) if st.grid[t][r] is not None)
+            ran = row[:n]
+            live = [a for a in ran if a.kind == "F"]
+            freed = {(a.stage, a.microbatch) for a in ran if a.kind in ("B", "W")}
+            out.append({"rank": r, "pp_rank": r, "step": st.step, "running": True, "timestep": timestep,
+                        "position": n, "of": len(row), "executed": [str(a) for a in ran],
+                        "next": str(row[n]) if n < len(row) else None, "held_bytes": 0,
+                        "held": [str(a) for a in live if (a.stage, a.microbatch) not in freed]})
+        return out
+
+    # ------------------------------------------------------------ widgets (lazy)
+    def widget(self):
+        """Step / Play / Reset buttons, a timesteps-per-step slider, status, grid and memory figures."""
+        if self._ui is None:
+            self._ui = self._build()
+            self._redraw()
+        return self._ui["box"]
+
+    def _build(self) -> dict:
+        import ipywidgets as w
+
+        ui = {"status": w.HTML(), "loss": w.HTML()}
+        for name, tip, action in (("Step", "run the next timesteps on every rank", lambda: self.step(ui["k"].value)),
+                                  ("Play", "step until the training step has finished", self.play),
+                                  ("Reset", "finish a step under way, then start the grid afresh", self.reset)):
+            ui[name] = w.Button(description=name, tooltip=tip, button_style="primary" if name == "Step" else "")
+            ui[name].on_click(lambda _, action=action: self._click(action))
+        ui["k"] = w.IntSlider(value=self.k, min=1, max=max(1, self.state.n_timesteps), description="timesteps")
+        ui["k"].observe(lambda change: setattr(self, "k", change["new"]), names="value")
+        ui["grid"], ui["memory"] = _figure_view(w, self.figure()), _figure_view(w, self.memory_figure())
+        ui["box"] = w.VBox([w.HBox([ui["Step"], ui["Play"], ui["Reset"], ui["k"]]), ui["status"], ui["loss"],
+                            ui["grid"], ui["memory"]])
+        return ui
+
+    def _click(self, action) -> None:
+        try:
+            action()
+        except Exception as exc:  # noqa: BLE001 - a widget callback has nowhere else to report
+            self._ui["status"].value = f"<span style='color:#b00020'>{_html(str(exc).splitlines()[0])}</span>"
+
+    def _redraw(self) -> None:
+        ui = self._ui
+        if ui is None:
+            return
+        st = self.state
+        head = repr(st).splitlines()
+        ui["status"].value = "<br>".join(_html(line) for line in [head[0]] + [x for x in head if x.startswith("pp rank")])
+        ui["loss"].value = (f"<b>loss of step {len(st.losses)}: {st.loss:.4f}</b>" if st.loss is not None else "")
+        _update(ui["grid"], self.figure())
+        _update(ui["memory"], self.memory_figure())
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        if _in_kernel():
+            try:
+                display(self.widget())
+                return
+            except ImportError:
+                pass
+        print(repr(self))
+
+    def __repr__(self) -> str:
+        return f"ScheduleStepper({repr(self.state)})"
+
+
+def _magic_cluster():
+    from .config_picker import _magic_state
+
+    state = _magic_state()
+    cluster = state.cluster if state is not None else None
+    if cluster is None or not cluster.running:
+        raise StepperError("no cluster to step: pass ScheduleStepper(cluster, batch), start one with "
+                           "%colossal start -n 4, or pass a Plan to walk it without an engine")
+    return cluster
+
+
+def _figure_view(w, fig):
+    import plotly.graph_objects as go
+
+    try:
+        return go.FigureWidget(fig)  # needs anywidget
+    except Exception:  # noqa: BLE001 - fall back to a plain figure in an Output
+        return w.Output()
+
+
+def _update(view, fig) -> None:
+    if hasattr(view, "batch_update"):
+        with view.batch_update():
+            view.data = []
+            view.add_traces(list(fig.data))
+            view.layout = fig.layout
+    else:
+        from IPython.display import display
+
+        view.clear_output(wait=True)
+        with view:
+            display(fig)
