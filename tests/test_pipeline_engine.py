@@ -47,6 +47,8 @@ def reference(n_layers: int, opt: str):
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+    with torch.no_grad():
+        losses.append(lm_loss(model(data.batch(STEPS, BATCH)[0]), data.batch(STEPS, BATCH)[1]).item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -70,6 +72,7 @@ def _train(cfgs):
                 p2p=[(r["op"], r["axis"], r["tag"], r["bytes"]) for r in engine.comm(last_step=True)
                      if r["axis"] == "pp" and r["op"] in ("send", "recv")],
                 memory=engine.memory())
+            out[tuple(sorted(kw.items())), opt]["losses"].append(engine.evaluate(data.batch(STEPS, BATCH)))
     return out
 
 

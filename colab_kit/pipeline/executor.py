@@ -28,12 +28,26 @@ Worked example, ``ParallelConfig(pp=2, microbatches=2, schedule="1f1b")``, 8 row
         loss of microbatch i = mean token cross-entropy / 2; the step's loss is their sum,
         sent to every rank with an all-reduce over pp (then averaged over dp and tp)
 
-Stepping cannot deadlock: in the grid a receive sits at a later timestep than its send,
-and a send never waits, so when every rank runs all its actions before timestep T, each
-receive's message was posted by a peer that needed nothing at or after that timestep.
+Stepping, on every rank (``cluster.run`` or ``%colossal``), the same example::
 
-The activation of a boundary travels with a shape header the first time (per boundary and
-batch shape); later transfers reuse the shape. Messages carry ``lowering.message_tag``.
+    pipe = engine.pipeline
+    pipe.begin(batch)             # timestep 0, nothing run
+    pipe.advance()                # timestep 0: rank 0 runs 0F0, rank 1 nothing yet
+    pipe.advance_to(3)            # timesteps 1, 2: rank 0 runs 0SF0 0F1, rank 1 runs 1RF0
+    pipe.state()["held"]          # rank 0: ['0F0', '0F1'] (kept for backward); rank 1: []
+    loss = pipe.finish()          # the rest, then gradients, optimizer step, global loss
+
+Stepping cannot deadlock: in the grid (``check.steps``, one action per rank per timestep)
+a receive sits at a later timestep than its send, and a send never waits. So when every
+rank runs all its actions before timestep T, each receive's message was posted by a peer
+that needed nothing at or after that timestep: by induction on the timestep every wait
+ends. A stepped step runs the same actions in the same order as ``train_step``, so its
+losses and parameters are the same bit for bit.
+
+Data parallelism: the dp gradient buckets (``data.GradBuckets``) hold this rank's stage
+parameters; they accumulate over the microbatches, and with one stage per rank the
+all-reduce starts during the last B (or W) of the plan, else after it. The sends and
+receives live in ``p2p`` (``CommActions``); the hang reports in ``hang``.
 """
 from __future__ import annotations
 
@@ -43,19 +57,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import comm
 from ..data import split_batch
 from .check import steps
-from .hang import HangMonitor, PipelineHang, describe, render_grid
-from .lowering import lower, message_tag
+from .hang import HangMonitor, PipelineHang, hang_message
+from .lowering import lower
+from .p2p import CommActions
 
 __all__ = ["PipelineExecutor", "PipelineHang"]
 
-_HEADER = 1 << 24  # tag offset of shape headers
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
-
-class PipelineExecutor:
+class PipelineExecutor(CommActions):
     """This rank's pipeline: its stages, the lowered plan, stepping and hang reports."""
 
     timeout: float = 60.0
@@ -110,7 +121,7 @@ class PipelineExecutor:
         x, y = eng._local_rows(inputs), eng._local_rows(targets)
         self._x = [split_batch(x, m, i, "microbatches") for i in range(m)]
         self._y = [split_batch(y, m, i, "microbatches") for i in range(m)]
-        self._key = tuple(inputs.shape)
+        self._key = (tuple(inputs.shape), m)  # names the activation shapes
         mine = self.plan.actions[self.me]
         self._index = [i for i, a in enumerate(mine) if not forward_only or a.kind in ("F", "SF", "RF")]
         self._actions = [mine[i] for i in self._index]
@@ -254,32 +265,6 @@ class PipelineExecutor:
         else:
             self._gin[s, m] = gx
 
-    def _do_SF(self, a, s, m):
-        t = self._take(self._out, a, "the activation to send")
-        key = (s, self._key)
-        if key not in self._shapes_sent:
-            self._shapes_sent.add(key)
-            self._send(a, _pack(t), (s + 1) % self.pp, _HEADER + message_tag(a, self.m), f"{a} shape")
-        self._send(a, t, (s + 1) % self.pp, message_tag(a, self.m), str(a))
-
-    def _do_SB(self, a, s, m):
-        self._send(a, self._take(self._gin, a, "the input gradient to send"), (s - 1) % self.pp,
-                   message_tag(a, self.m), str(a))
-
-    def _do_RF(self, a, s, m):
-        key, src = (s - 1, self._key), (s - 1) % self.pp
-        if key not in self._shapes:
-            header = torch.zeros(8, dtype=torch.int64, device=self.mesh.device)
-            self._recv(a, header, src, _HEADER + message_tag(a, self.m), f"{a} shape")
-            self._shapes[key] = _unpack(header)
-        shape, dtype = self._shapes[key]
-        self._act[s, m] = self._recv(a, torch.empty(shape, dtype=dtype, device=self.mesh.device), src,
-                                     message_tag(a, self.m), str(a))
-
-    def _do_RB(self, a, s, m):
-        y = self._saved[s, m][1]
-        self._gout[s, m] = self._recv(a, torch.empty_like(y), (s + 1) % self.pp, message_tag(a, self.m), str(a))
-
     def _take(self, store: dict, a, what: str):
         try:
             return store.pop((a.stage, a.microbatch))
@@ -287,32 +272,7 @@ class PipelineExecutor:
             raise RuntimeError(f"pipeline rank {self.me} ran {a} without {what}: the plan must put the action "
                                "that provides it (a receive, or the stage before it on this rank) first") from None
 
-    # ------------------------------------------------------------------ communication and hangs
-    def _send(self, a, t, peer, msg_tag, label):
-        try:
-            self._sends.append((a, comm.isend(t, self.mesh, "pp", peer, msg_tag=msg_tag, tag=label)))
-        except RuntimeError as exc:
-            raise self._hang(f"rank {self.mesh.global_rank} could not send {a}: {_last(exc)}") from exc
-
-    def _recv(self, a, buf, peer, msg_tag, label):
-        try:
-            pending = comm.irecv(buf, self.mesh, "pp", peer, msg_tag=msg_tag, tag=label)
-        except RuntimeError as exc:
-            raise self._hang(f"rank {self.mesh.global_rank} could not receive {a}: {_last(exc)}") from exc
-        self._set("waiting")
-        what = (f"the activation of stage {a.stage - 1}" if a.kind == "RF" else
-                f"the input gradient of stage {a.stage + 1}") + f", microbatch {a.microbatch}"
-        self._wait(pending, a, what + f", from rank {self.mesh.ranks('pp')[peer]} (pp {peer})")
-        return buf
-
-    def _wait(self, pending, a, what: str) -> None:
-        try:
-            pending.wait(self.timeout)
-        except RuntimeError as exc:
-            waited = time.perf_counter() - self._since
-            raise self._hang(f"rank {self.mesh.global_rank} (pp {self.me}) waited {waited:.1f} s for {a} "
-                             f"({what}); the backend said: {_last(exc)}") from exc
-
+    # ------------------------------------------------------------------ hangs
     def _set(self, state: str, note: str = "") -> None:
         """What this rank is doing now (read by the hang monitor's thread)."""
         self._state, self._note, self._since = state, note, time.perf_counter()
@@ -328,37 +288,11 @@ class PipelineExecutor:
 
     def _hang(self, reason: str) -> PipelineHang:
         reports = self.monitor.fail(self._report(), reason)
-        mine = (self.coords["dp"], self.coords["sp"], self.coords["tp"])
-        same = {r["pp"]: r["position"] for r in reports.values()
-                if (r["dp"], r["sp"], r["tp"]) == mine and r["position"] is not None}
-        lines = [f"{reason}", "", f"plan of pipeline (dp {mine[0]}, sp {mine[1]}, tp {mine[2]}), "
-                 "[action] = where each rank is (actions above it ran, below it not yet):",
-                 render_grid(self.plan, self.timesteps, same), ""]
-        lines += [describe(reports[r]) if r in reports else f"rank {r}: no report within "
-                  f"{self.monitor.report_wait:g} s (its process may be gone)" for r in range(self.monitor.world)]
-        lines.append("the connections between these ranks may now be closed: restart the ranks before training "
-                     f"again (engine.pipeline.timeout = {self.timeout:g} s)")
         self.running = False
         self.monitor.stop()
-        return PipelineHang("\n".join(lines), reports, self.mesh.global_rank)
-
-
-def _pack(t: torch.Tensor) -> torch.Tensor:
-    """Shape header: [dtype code, ndim, dims...] in 8 int64s."""
-    if t.dim() > 6:
-        raise ValueError(f"pipeline activations of up to 6 dims travel between stages, got shape {tuple(t.shape)}")
-    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (6 - t.dim()), dtype=torch.int64,
-                        device=t.device)
-
-
-def _unpack(h: torch.Tensor):
-    h = h.tolist()
-    return tuple(h[2:2 + h[1]]), _DTYPES[h[0]]
-
-
-def _last(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[-1] if text else type(exc).__name__
+        text = hang_message(reason, reports, self.plan, self.timesteps, self.coords, self.monitor.world,
+                            self.timeout, self.monitor.report_wait)
+        return PipelineHang(text, reports, self.mesh.global_rank)
 
 
 def _agree_nonce(mesh) -> int:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .check import format_grid
 
-__all__ = ["PipelineHang", "HangMonitor", "render_grid", "describe"]
+__all__ = ["PipelineHang", "HangMonitor", "render_grid", "describe", "hang_message"]
 
 
 class PipelineHang(RuntimeError):
@@ -97,6 +97,22 @@ def render_grid(plan, timesteps: list[list[int]], positions: dict[int, int], win
     if hi < n_steps:
         text += f"\n  ... ({n_steps - hi} later steps)"
     return text
+
+
+def hang_message(reason: str, reports: dict[int, dict], plan, timesteps, coords: dict, world: int,
+                 timeout: float, report_wait: float) -> str:
+    """The reason, the grid of this rank's pipeline with every rank's position, one line per rank."""
+    mine = (coords["dp"], coords["sp"], coords["tp"])
+    same = {r["pp"]: r["position"] for r in reports.values()
+            if (r["dp"], r["sp"], r["tp"]) == mine and r["position"] is not None}
+    lines = [reason, "", f"plan of pipeline (dp {mine[0]}, sp {mine[1]}, tp {mine[2]}), "
+             "[action] = where each rank is (actions above it ran, below it not yet):",
+             render_grid(plan, timesteps, same), ""]
+    lines += [describe(reports[r]) if r in reports else
+              f"rank {r}: no report within {report_wait:g} s (its process may be gone)" for r in range(world)]
+    lines.append("the connections between these ranks may now be closed: restart the ranks before training "
+                 f"again (engine.pipeline.timeout = {timeout:g} s)")
+    return "\n".join(lines)
 
 
 def _store_client():
