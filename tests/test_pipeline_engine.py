@@ -173,7 +173,7 @@ def test_pp4_and_pp2_with_dp_and_tp_match_single_process():
 
 # --------------------------------------------------------------------------- hangs
 def _stuck(fault: str, timeout: float):
-    """Rank 0 loses its send 0SF1 ('lost send'), or rank 1 sleeps in 1F1 ('sleep')."""
+    """Rank 0 loses its send 0SF1 ('lost send'), or rank 1 sleeps in 1F1 ('sleep') or fails in it ('error')."""
     import torch.distributed as dist
 
     from colab_kit.pipeline import PlanError
@@ -196,22 +196,27 @@ def _stuck(fault: str, timeout: float):
     if fault == "sleep" and rank == 1:
         forward = pipe._do_F
         pipe._do_F = lambda a, s, m: (time.sleep(3 * timeout) if m == 1 else None, forward(a, s, m))
+    if fault == "error" and rank == 1:
+        forward = pipe._do_F
+        pipe._do_F = lambda a, s, m: forward(a, s, m) if m == 0 else 1 / 0
     t = time.perf_counter()
     try:
         engine.train_step(data.batch(1, BATCH))
     except PipelineHang as exc:
         return dict(message=str(exc), seconds=time.perf_counter() - t, reports=exc.reports, refused=refused)
+    except ZeroDivisionError as exc:  # the failing rank gets its own error back
+        return dict(message=repr(exc), seconds=time.perf_counter() - t, refused=refused)
     return dict(message=None, seconds=time.perf_counter() - t, refused=refused)
 
 
-@pytest.mark.parametrize("fault", ["lost send", "sleep"])
+@pytest.mark.parametrize("fault", ["lost send", "sleep", "error"])
 def test_stuck_rank_reports_every_rank_within_the_timeout(fault):
     timeout = 1.0
     results = ck.launch(_stuck, 2, fault, timeout, timeout=60)
     for rank, res in enumerate(results):
         assert "0SF1" in res["refused"], res["refused"]
         assert res["message"] is not None, f"rank {rank} did not report a hang"
-    first = results[0] if fault == "sleep" else results[1]  # the rank that waits on the other
+    first = results[1] if fault == "lost send" else results[0]  # the rank that waits on the other
     assert first["seconds"] < timeout + 2.5, first["seconds"]
     msg = first["message"]
     assert "step | rank 0" in msg and set(first["reports"]) == {0, 1}, msg
@@ -220,11 +225,14 @@ def test_stuck_rank_reports_every_rank_within_the_timeout(fault):
     if fault == "lost send":
         assert "waited" in msg and "1RF1" in msg and "[1RF1]" in msg, msg
         assert "[0RB0]" in msg, msg  # rank 0 in its grid column: waiting for a gradient that never comes
-    else:
+    elif fault == "sleep":
         assert "waited" in msg and "0RB0" in msg and "[0RB0]" in msg, msg
         assert "running 1F1" in msg and "[1F1]" in msg, msg  # the sleeping rank answered from its monitor
-        assert "stopped before 1B0 because rank 0 reported a hang" in results[1]["message"], results[1]["message"]
+        assert "stopped before 1B0 because rank 0 reported: rank 0 (pp 0) waited" in results[1]["message"]
         assert "stopped before 1B0, on another rank" in results[1]["message"]
+    else:
+        assert results[1]["message"].startswith("ZeroDivisionError"), results[1]["message"]
+        assert "[0RB0]" in msg and "rank 1 (pp 1 dp 0 tp 0): failed in 1F1: ZeroDivisionError" in msg, msg
 
 
 # --------------------------------------------------------------------------- no processes

@@ -61,7 +61,7 @@ from ..data import split_batch
 from .check import steps
 from .hang import HangMonitor, PipelineHang, hang_message
 from .lowering import lower
-from .p2p import CommActions
+from .p2p import CommActions, _last
 
 __all__ = ["PipelineExecutor", "PipelineHang"]
 
@@ -154,9 +154,20 @@ class PipelineExecutor(CommActions):
         if self.pos > 0:  # a pause between advance() calls
             self._event("paused", "idle", paused - self.t0, time.perf_counter() - self.t0)
         ts = self.timesteps[self.me]
-        while self.pos < len(self._actions) and ts[self._index[self.pos]] < timestep:
-            self._run(self.pos)
-            self.pos += 1
+        try:
+            while self.pos < len(self._actions) and ts[self._index[self.pos]] < timestep:
+                self._run(self.pos)
+                self.pos += 1
+        except PipelineHang:
+            raise
+        except BaseException as exc:  # tell the other ranks at once, so they stop instead of timing out
+            a = self._actions[self.pos]
+            self._set("failed", f"{type(exc).__name__}: {_last(exc)}")
+            self.monitor.announce(self._report(), f"rank {self.mesh.global_rank} (pp {self.me}) failed in {a}: "
+                                  f"{type(exc).__name__}: {_last(exc)}")
+            self.running = False
+            self.monitor.stop()
+            raise
         self.timestep = max(self.timestep, min(timestep, self.n_timesteps))
         self._set("paused")
         return self.state()
@@ -203,7 +214,7 @@ class PipelineExecutor(CommActions):
             self._set("stopped")
             first = self.monitor.first()
             raise self._hang(f"rank {self.mesh.global_rank} (pp {self.me}) stopped before {a} because rank "
-                             f"{first.get('rank')} reported a hang: {first.get('reason')}")
+                             f"{first.get('rank')} reported: {first.get('reason')}")
         self._set("running")
         if j == self._sync_at:
             self.engine.grads.arm(sync=True)
@@ -213,6 +224,8 @@ class PipelineExecutor(CommActions):
                     self.timesteps[self.me][self._index[j]])
 
     def _event(self, name, kind, start, end, a=None, timestep=None) -> None:
+        if self.forward_only:  # evaluate() leaves the last training step's timeline alone
+            return
         ev = {"name": name, "kind": kind, "start": start, "end": end, "rank": self.mesh.global_rank,
               "pp_rank": self.me}
         if a is not None:
@@ -279,7 +292,7 @@ class PipelineExecutor(CommActions):
 
     def _report(self) -> dict:
         j, acts = self.pos, self._actions
-        at = self._state != "done" and not self._note and j < len(acts)
+        at = j < len(acts)  # False once every action ran (waiting for sends, gradients, optimizer)
         return dict(rank=self.mesh.global_rank, pp=self.me, dp=self.coords["dp"], sp=self.coords["sp"],
                     tp=self.coords["tp"], step=self.step, state=self._state, note=self._note,
                     action=str(acts[j]) if at else None, position=self._index[j] if at else None,

@@ -14,6 +14,9 @@ seconds. When one runs out, that rank
    out in turn; a rank whose monitor saw the flag raises ``PipelineHang`` before its next
    action instead of going on.
 
+A rank whose action raises (a bug in a stage, an interrupt) publishes a ``failed`` report
+and raises the flag before re-raising, so the others show where it failed and stop.
+
 Worked example, pp=2 GPipe, 2 microbatches, rank 0 lost its send ``0SF1``::
 
     PipelineHang: rank 1 (pp 1 dp 0 tp 0) waited 2.0 s for 1RF1 ...
@@ -65,6 +68,8 @@ def describe(report: dict) -> str:
         what = f"waiting {since:.1f} s for {action or report.get('note')}"
     elif state == "running":
         what = f"running {action} for {since:.1f} s"
+    elif state == "failed":
+        what = f"failed in {action}: {report.get('note')}"
     elif state == "stopped":
         what = f"stopped before {action}, on another rank's report"
     elif state == "done":
@@ -195,14 +200,18 @@ class HangMonitor:
         with self._lock:
             return json.loads(self.store.get(key)) if self.store.check([key]) else {}
 
-    def fail(self, report: dict, reason: str) -> dict[int, dict]:
-        """Publish ``report``, raise the flag, gather every rank's report (rank -> dict)."""
+    def announce(self, report: dict, reason: str) -> None:
+        """Publish ``report`` and raise the flag (unless a rank raised it first)."""
         step = self._step if self._step is not None else -1
         self._publish(step, report)
-        with self._lock:
-            if not self.store.check([self._key(step, "hang")]):
-                self.store.set(self._key(step, "hang"), json.dumps({"rank": self.rank, "reason": reason}))
+        with self._lock:  # only the first rank's reason stays
+            self.store.compare_set(self._key(step, "hang"), "", json.dumps({"rank": self.rank, "reason": reason}))
         self.flagged.set()
+
+    def fail(self, report: dict, reason: str) -> dict[int, dict]:
+        """``announce``, then gather every rank's report (rank -> dict) for ``report_wait`` seconds at most."""
+        step = self._step if self._step is not None else -1
+        self.announce(report, reason)
         keys = {r: self._key(step, f"report/{r}") for r in range(self.world)}
         got: dict[int, dict] = {}
         deadline = time.monotonic() + self.report_wait
