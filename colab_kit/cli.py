@@ -57,20 +57,12 @@ def _single_process(steps: int, batch: int, lr: float) -> list[float]:
     import torch
 
     from colab_kit.datasets import SyntheticTokens
-    from colab_kit.engine import lm_loss
-    from colab_kit.models import GPT, GPTConfig
+    from colab_kit.models import GPTConfig
+    from colab_kit.reference import single_process_losses
 
-    model = GPT(GPTConfig(**MODEL))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    data, losses = SyntheticTokens(MODEL["vocab_size"], MODEL["seq_len"], seed=0), []
-    for step in range(steps):
-        x, y = data.batch(step, batch)
-        opt.zero_grad()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    data = SyntheticTokens(MODEL["vocab_size"], MODEL["seq_len"], seed=0)
+    return single_process_losses(GPTConfig(**MODEL), lambda ps: torch.optim.AdamW(ps, lr=lr), data,
+                                 steps, batch)[0]
 
 
 def write_report(path: str, cfg, results: list[dict], reference: list[float] | None) -> None:
@@ -98,6 +90,7 @@ def demo(ranks: int | None = None, steps: int = 40, batch: int = 32, lr: float =
     out = out or sys.stdout
     import colab_kit as ck
     from colab_kit.launch import default_backend
+    from colab_kit.reference import max_relative_difference
 
     if ranks is None:
         ranks = torch.cuda.device_count() or 4
@@ -120,7 +113,7 @@ def demo(ranks: int | None = None, steps: int = 40, batch: int = 32, lr: float =
     reference = None
     if check:
         reference = _single_process(steps, batch, lr)
-        worst = max(abs(a - b) / abs(b) for a, b in zip(results[0]["losses"], reference))
+        worst = max_relative_difference(results[0]["losses"], reference)
         verdict = "OK" if worst <= 1e-5 else "MISMATCH"
         print(f"\nagainst one process training the same model: max relative loss difference {worst:.2e} "
               f"({verdict}, contract 1e-5)", file=out)
@@ -149,8 +142,9 @@ def main(argv=None) -> int:
         print(f"colab-kit demo: {exc}", file=sys.stderr)
         return 2
     if result["reference"] is not None:
-        worst = max(abs(a - b) / abs(b) for a, b in zip(result["results"][0]["losses"], result["reference"]))
-        return 0 if worst <= 1e-5 else 1
+        from colab_kit.reference import max_relative_difference
+
+        return 0 if max_relative_difference(result["results"][0]["losses"], result["reference"]) <= 1e-5 else 1
     return 0
 
 

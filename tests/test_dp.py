@@ -7,7 +7,7 @@ import torch
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
-from colab_kit.engine import lm_loss
+from colab_kit.reference import single_process_losses
 from colab_kit.models import GPT, GPTConfig
 
 GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
@@ -21,17 +21,7 @@ CASES = [(opt, mb) for opt in OPTIMIZERS for mb in (1, 2)]
 
 def single_process(opt: str):
     torch.manual_seed(123)  # the model must not depend on the global RNG
-    model, data = GPT(GPT_CFG), SyntheticTokens(64, 16, seed=1)
-    optimizer = OPTIMIZERS[opt](model.parameters())
-    losses = []
-    for step in range(STEPS):
-        x, y = data.batch(step, BATCH)
-        optimizer.zero_grad()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return single_process_losses(GPT_CFG, OPTIMIZERS[opt], SyntheticTokens(64, 16, seed=1), STEPS, BATCH)
 
 
 def train_cases(dp: int):
