@@ -4,6 +4,8 @@
     %colossal start -n 4              # 4 engines, torch.distributed up; shows rank, host, pid, device
     %colossal config dp=2 tp=2        # checked in the kernel first, then set on every rank (+ mesh)
     %colossal mesh --axis tp          # plotly figure of the device mesh (no cluster needed)
+    %colossal schedule --pp 4 --microbatches 8 --schedule zb-h1   # planned grid, bubble (no cluster)
+    %colossal timeline --var engine   # the last step of `engine` on every rank (measured)
     %colossal status | stop | restart
 
     %%colossal --ranks 0,2 --timeout 30
@@ -109,11 +111,19 @@ _FLAGS = {
     "timeout": (("--timeout",), dict(type=float, default=None, metavar="S", help="seconds before giving up")),
     "axis": (("--axis",), dict(default="tp", help="colour the ranks by their group on this axis")),
     "ranks": (("--ranks",), dict(type=_rank_list, default=None, metavar="0,2", help="only these ranks")),
+    "pp": (("--pp",), dict(type=int, default=None, metavar="P", help="pipeline ranks")),
+    "microbatches": (("-m", "--microbatches"), dict(type=int, default=None, metavar="M", help="microbatches per step")),
+    "schedule": (("--schedule",), dict(default=None, metavar="S", help="gpipe, 1f1b, interleaved or zb-h1")),
+    "chunks": (("--chunks",), dict(type=int, default=None, metavar="V", help="model chunks per rank (interleaved)")),
+    "var": (("--var",), dict(default="engine", metavar="NAME", help="the engine's variable on the ranks")),
 }
 _COMMANDS = {  # name: (flags, takes config words, help)
     "start": (("n", "engines", "timeout"), False, "start engines and torch.distributed; show the ranks"),
     "config": ((), True, "check a config (dp=2 tp=2 or --dp 2 --tp 2) and set it on every rank"),
     "mesh": (("axis",), True, "draw the device mesh of the config (or of config words given here)"),
+    "schedule": (("pp", "microbatches", "schedule", "chunks"), False,
+                 "plan a pipeline schedule (no cluster needed): grid, bubble, peak activations"),
+    "timeline": (("var",), False, "the last training step of every rank: compute, communication, idle"),
     "status": ((), False, "show the cluster, its ranks and config"),
     "stop": ((), False, "stop the cluster"),
     "restart": ((), False, "fresh engines with the same config (after a failure)"),
@@ -212,11 +222,16 @@ class ColossalMagics(Magics):
                              + f". Subcommands: {', '.join(_COMMANDS)}")
         flags, takes_words, _ = _COMMANDS[name]
         parser = _parser(f"%colossal {name}", flags)
-        if takes_words:
-            args, words = parser.parse_known_args(rest)
-        else:
-            args, words = parser.parse_args(rest), []
-        return getattr(self, f"_do_{name}")(args, words)
+        if not takes_words:
+            return getattr(self, f"_do_{name}")(parser.parse_args(rest), [])
+        args, words = parser.parse_known_args(rest)
+        try:
+            return getattr(self, f"_do_{name}")(args, words)
+        except ConfigError as exc:
+            if not str(exc).startswith(("unknown config key", "cannot read", "flag ")):
+                raise
+            usage = parser.format_usage().strip()[7:]  # a word it could not read: show what it takes
+            raise UsageError(f"{exc}. Usage: {usage} [dp=2 tp=2 ... or --dp 2 --tp 2 ...]") from None
 
     def _do_start(self, args, words):
         t0 = time.perf_counter()
@@ -245,6 +260,24 @@ class ColossalMagics(Magics):
             return mesh_figure(config, axis=args.axis)
         except ValueError as exc:
             raise UsageError(f"%colossal mesh: {exc}") from None
+
+    def _do_schedule(self, args, words):
+        from .pipeline_views import schedule_view
+
+        text, fig = schedule_view(self.state.config, pp=args.pp, microbatches=args.microbatches,
+                                  schedule=args.schedule, chunks=args.chunks)
+        print(text)
+        return fig
+
+    def _do_timeline(self, args, words):
+        from .pipeline_views import NoTimeline, timeline_view
+
+        try:
+            text, fig = timeline_view(self.state.require_cluster(), args.var)
+        except NoTimeline as exc:
+            raise UsageError(f"%colossal timeline: {exc}") from None
+        print(text)
+        return fig
 
     def _do_status(self, args, words):
         cluster = self.state.cluster

@@ -73,7 +73,8 @@ def test_bad_input_without_a_cluster(run, state):
     _usage(run, "%colossal config tp=6 tp_mode=2d", "tp=6 with tp_mode='2d' needs tp to be a square (q*q): try 4 or 9")
     _usage(run, "%colossal mesh", "no config to draw", "%colossal mesh dp=2 tp=2")
     _usage(run, "%colossal mesh --axis tp_row dp=2", "unknown axis 'tp_row'", "this mesh has axes pp, dp, sp, tp")
-    for src in ("%colossal stop", "%colossal restart", "%%colossal\nprint(rank)"):
+    _usage(run, "%colossal mesh --axs tp dp=2", "unknown config key 'axs'", "Usage: %colossal mesh [--axis AXIS]")
+    for src in ("%colossal stop", "%colossal restart", "%%colossal\nprint(rank)", "%colossal timeline"):
         _usage(run, src, "no cluster started: run %colossal start -n 4 first")
     assert state.cluster is None and state.config is None
 
@@ -180,3 +181,66 @@ def test_state_works_without_ipython():
     assert s.mesh_config([]) == ck.ParallelConfig(dp=2)
     assert s.mesh_config(["tp=4"]) == ck.ParallelConfig(tp=4)
     assert isinstance(Cluster, type)
+
+
+def test_schedule_plans_in_the_kernel(run, ip, state):
+    error, out, _ = run("fig = %colossal schedule --pp 4 --microbatches 8 --schedule interleaved --chunks 2")
+    assert error is None, out
+    assert "interleaved, pp=4, microbatches=8, chunks=2 (planned" in out and "bubble 15.8% of rank time" in out
+    assert "textbook (p-1)/(m+p-1) = 27.3%; this schedule's (p-1)/(v*m+p-1) = 15.8%" in out
+    assert "peak activations held per rank: 11, 9, 7, 5 microbatches of one chunk" in out
+    fig = ip.user_ns["fig"]
+    labels = {label for t in fig.data for label in t.text}
+    assert {"0F0", "7B7", "4F3"} <= labels and len(labels) == 2 * 8 * 8
+    assert "planned timeline (simulated)" in fig.layout.title.text
+    error, out, _ = run("%colossal schedule -m 4 --schedule zb-h1")  # pp defaults to 4
+    assert error is None and "zb-h1, pp=4, microbatches=4" in out and "held until the W pass" in out
+    run("%colossal config pp=2 microbatches=4 schedule=gpipe")  # the kept config fills what is not given
+    error, out, _ = run("%colossal schedule")
+    assert error is None and out.startswith("gpipe, pp=2, microbatches=4 (planned") and "peak" in out
+    error, out, _ = run("%colossal schedule --schedule interleaved")  # interleaved picks chunks=2
+    assert error is None and "interleaved, pp=2, microbatches=4, chunks=2" in out
+    _usage(run, "%colossal schedule --schedule interleaved --chunks 1", "needs chunks > 1", "try chunks=2")
+    _usage(run, "%colossal schedule --pp 4 --schedule interleaved -m 6", "needs microbatches divisible by pp=4",
+           "try microbatches=4 or 8")
+    _usage(run, "%colossal schedule --schedule zb", "unknown schedule 'zb'", "'zb-h1'")
+    _usage(run, "%colossal schedule --pp two", "argument --pp: invalid int value: 'two'")
+    _usage(run, "%colossal schedule --stages 4", "unrecognized arguments: --stages 4")
+    assert state.cluster is None
+
+
+def test_timeline_gathers_the_last_step_of_every_rank(run, ip, state, shared):
+    _usage(run, "%colossal timeline --var tl_engine", "ranks [0, 1, 2, 3] have no engine in a variable 'tl_engine'",
+           "--var NAME")
+    run("%colossal config pp=4 microbatches=4")
+    error, out, _ = run("%%colossal\nimport torch, colab_kit as ck\nfrom colab_kit.models import GPT, GPTConfig\n"
+                        "torch.manual_seed(0)\nmodel = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, "
+                        "n_layers=4))\ntl_engine = ck.boost(model, lambda ps: torch.optim.SGD(ps, lr=0.1), config, "
+                        "mesh=mesh)")
+    assert error is None, out
+    _usage(run, "%colossal timeline --var tl_engine", "has not trained a step yet", "tl_engine.train_step(batch)")
+    error, out, _ = run("%%colossal\nfrom colab_kit.datasets import SyntheticTokens\n"
+                        "loss = tl_engine.train_step(SyntheticTokens(32, 8).batch(0, 8))")
+    assert error is None, out
+    error, out, _ = run("fig = %colossal timeline --var tl_engine")
+    assert error is None, out
+    assert "last step of 'tl_engine' on 4 ranks (measured" in out and "rank 3: compute" in out
+    assert "pipeline bubble (measured):" in out
+    fig = ip.user_ns["fig"]
+    labels = {label for t in fig.data for label in t.text}
+    assert {"0F0", "3B3", "1RF2", "optimizer step"} <= labels
+    assert {"rank 0", "rank 3"} <= set(fig.layout.yaxis.categoryarray) and "measured" in fig.layout.title.text
+    assert {t.name for t in fig.data} >= {"F forward", "B backward", "idle"}
+
+
+def test_loading_twice_keeps_the_state_and_unloading_removes_everything(ip, state):
+    state.config = ck.ParallelConfig(dp=2)
+    ck.magics.load_ipython_extension(ip)  # a second load keeps the state (and any cluster)
+    assert ck.magics.state(ip) is state
+    assert ip.custom_exceptions == (ck.RankError, ck.cluster.ClusterError, ck.ConfigError)
+    ip.run_line_magic("unload_ext", "colab_kit")
+    assert "colossal" not in ip.magics_manager.magics["line"] and ip.custom_exceptions == ()
+    with pytest.raises(RuntimeError, match="%load_ext colab_kit"):
+        ck.magics.state(ip)
+    ip.run_line_magic("load_ext", "colab_kit")
+    assert ck.magics.state(ip) is not state and ck.magics.state(ip).config is None

@@ -72,7 +72,7 @@ def schedule_figure(source, executed=None, current=None, title: str | None = Non
     plan = source if what == "plan" else getattr(source, "plan", None)
     marked = executed is not None or current is not None
     done, now = action_set(executed, plan), action_set(current, plan)
-    m = max(plan.microbatches if plan is not None else 1, 1)
+    m = plan.microbatches if plan is not None else 1 + max((c.microbatch or 0 for c in items), default=0)
     groups: dict[tuple[str, str], list] = {}
     for c in items:
         state = "planned" if what != "measured" else "measured"
@@ -87,7 +87,7 @@ def schedule_figure(source, executed=None, current=None, title: str | None = Non
     for (kind, state), group in sorted(groups.items(), key=lambda kv: (states.index(kv[0][1]),
                                                                      order.index(kv[0][0]))):
         base = KIND_COLOURS.get(kind, "#999999")
-        colours = [_shade(base, 0.45 * (c.microbatch or 0) / max(m - 1, 1)) for c in group]
+        colours = [_shade(base, 0.45 * min(c.microbatch or 0, m - 1) / max(m - 1, 1)) for c in group]
         pale = state == "planned, not run yet"
         lanes = [f"{row_name} {c.rank}" + (" (async)" if c.lane else "") for c in group]
         fig.add_bar(

@@ -1,0 +1,94 @@
+"""What ``%colossal schedule`` and ``%colossal timeline`` show, as plain functions (no IPython).
+
+``schedule_view`` builds a plan in the kernel (no cluster) and simulates it::
+
+    >>> text, fig = schedule_view(pp=4, microbatches=8, schedule="1f1b")
+    >>> print(text)
+    1f1b, pp=4, microbatches=8 (planned: simulated with F=1, B=2, I=1, W=1 time units)
+      bubble 27.3% of rank time (textbook (p-1)/(m+p-1) = 27.3%), makespan 33 units
+      peak activations held per rank: 4, 3, 2, 1 microbatches
+
+``timeline_view(cluster, "engine")`` gathers ``engine.timeline()`` from every rank: the
+measured events of its last step, drawn with the idle gaps between them.
+"""
+from __future__ import annotations
+
+__all__ = ["schedule_view", "timeline_view", "NoTimeline"]
+
+DEFAULTS = {"pp": 4, "microbatches": 8, "schedule": "1f1b", "chunks": 1}
+
+
+def schedule_view(config=None, *, pp=None, microbatches=None, schedule=None, chunks=None):
+    """(summary text, simulated timeline figure) of a schedule; unset values come from ``config``
+    (when it has pp > 1), else ``DEFAULTS`` (interleaved defaults to chunks=2). Bad shapes raise
+    ``ConfigError`` with the rule."""
+    from .pipeline import build_plan, simulate
+    from .pipeline.simulate import theory_bubble
+    from .viz.pipeline import schedule_figure
+
+    base = config if config is not None and config.pp > 1 else None
+    given = dict(pp=pp, microbatches=microbatches, schedule=schedule, chunks=chunks)
+    v = {k: given[k] if given[k] is not None else getattr(base, k) if base is not None else DEFAULTS[k]
+         for k in DEFAULTS}
+    if chunks is None and v["schedule"] == "interleaved" and v["chunks"] == 1:
+        v["chunks"] = 2
+    if chunks is None and v["schedule"] != "interleaved":
+        v["chunks"] = 1
+    plan = build_plan(v["schedule"], v["pp"], v["microbatches"], v["chunks"])
+    t = simulate(plan)
+    p, m = plan.pp, plan.microbatches
+    book = (p - 1) / (m + p - 1)
+    own = theory_bubble(plan.schedule, p, m, plan.chunks)
+    formula = {"interleaved": "(p-1)/(v*m+p-1)", "zb-h1": "(p-1)/(3m+p-1)"}.get(plan.schedule)
+    lines = [f"{plan.schedule}, pp={p}, microbatches={m}" + (f", chunks={plan.chunks}" if plan.chunks > 1 else "")
+             + " (planned: simulated with F=1, B=2, I=1, W=1 time units)",
+             f"  bubble {t.bubble_fraction:.1%} of rank time (textbook (p-1)/(m+p-1) = {book:.1%}"
+             + (f"; this schedule's {formula} = {own:.1%}" if formula else "") + f"), makespan {t.makespan:g} units",
+             f"  peak activations held per rank: {', '.join(map(str, t.peak_activations))} microbatches"
+             + (f" of one chunk (a chunk is 1/{plan.chunks} of the rank's layers)" if plan.chunks > 1 else "")]
+    if t.peak_held != t.peak_activations:
+        lines.append(f"  (held until the W pass, as colab_kit's executor does: {', '.join(map(str, t.peak_held))})")
+    return "\n".join(lines), schedule_figure(t)
+
+
+class NoTimeline(LookupError):
+    """The ranks have no engine of that name, or it has not trained a step."""
+
+
+def _rank_timeline(var: str):
+    """On a rank: the events of ``var``'s last step, or None when there is no such engine."""
+    from colab_kit.remote import namespace
+
+    eng = namespace().get(var)
+    return eng.timeline() if eng is not None and hasattr(eng, "timeline") else None
+
+
+def timeline_view(cluster, var: str = "engine"):
+    """(summary text, measured Gantt figure) of the last step of ``var`` on every rank.
+
+    Raises ``NoTimeline`` saying what to do when a rank has no such engine or it has
+    not trained a step yet.
+    """
+    from .viz.pipeline import schedule_figure
+    from .viz.schedule_data import event_cells, measured_bubble
+
+    got = cluster.run(_rank_timeline, var)
+    missing = [r for r, events in enumerate(got) if events is None]
+    if missing:
+        raise NoTimeline(f"ranks {missing} have no engine in a variable {var!r}: build one and train a step "
+                         f"(in a %%colossal cell: {var} = ck.boost(model, optimizer_factory, config, mesh=mesh); "
+                         f"{var}.train_step(batch)), or name its variable with --var NAME")
+    if not any(got):
+        raise NoTimeline(f"the engine {var!r} on the ranks has not trained a step yet: "
+                         f"run {var}.train_step(batch) on every rank first")
+    totals = {}
+    for c in event_cells(got, idle=True):
+        if c.lane == 0:
+            kind = "idle" if c.kind == "idle" else "comm" if c.kind in ("SF", "RF", "SB", "RB", "comm") else "compute"
+            totals.setdefault(c.rank, {"compute": 0.0, "comm": 0.0, "idle": 0.0})[kind] += c.end - c.start
+    lines = [f"last step of {var!r} on {len(got)} ranks (measured; ms since each rank's step began):"]
+    lines += [f"  rank {r}: compute {t['compute']:.1f} ms, communication {t['comm']:.1f} ms, idle {t['idle']:.1f} ms"
+              for r, t in sorted(totals.items())]
+    if any(e.get("action") for events in got for e in events):
+        lines.append(f"  pipeline bubble (measured): {measured_bubble(got):.1%} of rank time")
+    return "\n".join(lines), schedule_figure(got)
