@@ -87,7 +87,8 @@ def timeline_view(cluster, var: str = "engine"):
             kind = "idle" if c.kind == "idle" else "comm" if c.kind in ("SF", "RF", "SB", "RB", "comm") else "compute"
             totals.setdefault(c.rank, {"compute": 0.0, "comm": 0.0, "idle": 0.0})[kind] += c.end - c.start
     lines = [f"last step of {var!r} on {len(got)} ranks (measured; ms since each rank's step began):"]
-    lines += [f"  rank {r}: compute {t['compute']:.1f} ms, communication {t['comm']:.1f} ms, idle {t['idle']:.1f} ms"
+    lines += [f"  rank {r}: compute {t['compute']:.1f} ms, communication (sending, or waiting to receive) "
+              f"{t['comm']:.1f} ms, idle {t['idle']:.1f} ms"
               for r, t in sorted(totals.items())]
     if any(e.get("action") for events in got for e in events):
         lines.append(f"  pipeline bubble (measured): {measured_bubble(got):.1%} of rank time")

@@ -35,6 +35,27 @@ EXPECT = {  # notebook -> [(marker in the cell source, text its output must cont
         ('explore("tp=6', "refused before any rank ran: tp=6 with tp_mode='2d' needs tp to be a square"),
         ("largest relative difference", "2D on 8 ranks vs one process"),
     ],
+    "03_pipeline.ipynb": [
+        ('print(build_plan("1f1b"', "rank 3: 3F0 3B0 3F1 3B1"),
+        ("--schedule gpipe", "bubble 27.3% of rank time (textbook (p-1)/(m+p-1) = 27.3%)"),
+        ("--schedule gpipe", "peak activations held per rank: 8, 8, 8, 8"),
+        ("--schedule 1f1b", "peak activations held per rank: 4, 3, 2, 1"),
+        ("--schedule interleaved --chunks 2", "this schedule's (p-1)/(v*m+p-1) = 15.8%"),
+        ("--schedule zb-h1", "bubble 11.1% of rank time"),
+        ("planned = {s: simulate", "zb-h1        planned bubble  11.1%"),
+        ("%colossal start -n 4", "started 4 ranks"),
+        ("cluster.run(measure", "schedule      planned  measured   peak activation MiB per rank (measured)"),
+        ("cluster.run(measure", "interleaved     15.8%"),
+        ("engine = ck.boost", "rank 3: stage 3 of 4: blocks 3-3, ln_f, head"),
+        ("stepper.step(9)", "engine on 4 ranks: step 1, timestep 9 of 60"),
+        ("stepper.step(9)", "pp rank 0 (rank 0): ran 8 of 32 actions, next 0RB0, holds 4 activations"),
+        ("stepper.play()", "step 1, finished"),
+        ("stepper.play()", "loss of step 1: "),
+        ("%colossal timeline", "last step of 'engine' on 4 ranks (measured"),
+        ("%colossal timeline", "pipeline bubble (measured):"),
+        ("largest relative difference", "pipeline (pp=4, 1f1b) vs one process"),
+        ("%colossal stop", "cluster stopped"),
+    ],
 }
 
 
