@@ -28,7 +28,7 @@ __all__ = ["schedule_figure", "activation_memory_figure", "bubble_figure", "acti
            "KIND_COLOURS", "KIND_NAMES"]
 
 KIND_COLOURS = {"F": "#4C78A8", "B": "#54A24B", "I": "#F58518", "W": "#B279A2", "SF": "#9D9D9D",
-                "RF": "#9D9D9D", "SB": "#BAB0AC", "RB": "#BAB0AC", "compute": "#4C78A8", "comm": "#F2A65A",
+                "RF": "#9D9D9D", "SB": "#BAB0AC", "RB": "#BAB0AC", "compute": "#5D4E7B", "comm": "#F2A65A",
                 "idle": "#E8E8E8"}
 KIND_NAMES = {"F": "F forward", "B": "B backward", "I": "I input grad", "W": "W weight grad", "SF": "SF send act",
               "RF": "RF recv act", "SB": "SB send grad", "RB": "RB recv grad", "compute": "compute",
@@ -130,7 +130,7 @@ def activation_memory_figure(source, measured=None, frees: tuple[str, ...] = ("B
     Planned lines come from ``held_series(source)`` (a Plan: x = timesteps done; a
     Timeline: x = planned time). ``measured``: per rank, ``[(x, held), ...]`` as recorded
     by the engine (``ScheduleStepper`` samples ``engine.pipeline.state()["held"]``), a list
-    by rank or a dict rank -> samples; drawn as markers on the same axis.
+    by rank or a dict rank -> samples; drawn as markers only (nothing is known between samples).
     """
     fig = go.Figure()
     for r, (x, y) in enumerate(held_series(source, frees)):
@@ -142,8 +142,8 @@ def activation_memory_figure(source, measured=None, frees: tuple[str, ...] = ("B
         if not points:
             continue
         colour = _SCHEDULE_COLOURS[r % len(_SCHEDULE_COLOURS)]
-        fig.add_scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="markers+lines",
-                        line=dict(shape="hv", color=colour), marker=dict(size=7), name=f"rank {r} (measured)",
+        fig.add_scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="markers",
+                        marker=dict(size=8, color=colour), name=f"rank {r} (measured)",
                         legendgroup=f"r{r}")
     plan = source if hasattr(source, "actions") else source.plan
     timeline = hasattr(source, "events")
