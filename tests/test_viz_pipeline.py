@@ -155,11 +155,11 @@ def test_bubble_and_peak_figures():
     rows = [{"schedule": "gpipe", "planned": 0.27, "measured": 0.31, "theory": 0.2727},
             {"schedule": "zb-h1", "planned": 0.1, "measured": None}]
     fig = bubble_figure(rows, pp=4, microbatches=8)
-    assert [t.name for t in fig.data] == ["planned (simulated)", "measured on the engine", "formula of the schedule"]
+    assert [t.name for t in fig.data] == ["planned (simulated)", "measured on the engine", "formula of the schedule",
+                                          "textbook (p-1)/(m+p-1) = 27.3%"]
     assert list(fig.data[0].y) == [0.27, 0.1] and list(fig.data[1].text) == ["31.0%", ""]
     line = fig.layout.shapes[0]
     assert line.y0 == line.y1 == pytest.approx(3 / 11)
-    assert "(p-1)/(m+p-1) = 27.3%" in fig.layout.annotations[0].text
     assert [t.name for t in bubble_figure(rows[1:]).data] == ["planned (simulated)"]
     fig = activation_peaks_figure([{"schedule": "1f1b", "planned": [4, 3, 2, 1], "measured": [2**21] * 4}])
     assert list(fig.data[0].y) == [4, 3, 2, 1] and list(fig.data[1].y) == [2.0] * 4

@@ -176,8 +176,9 @@ def bubble_figure(rows, pp: int | None = None, microbatches: int | None = None,
                         marker=dict(symbol="diamond", size=11, color="black"))
     if pp and microbatches:
         book = (pp - 1) / (microbatches + pp - 1)
-        fig.add_hline(y=book, line_dash="dash", line_color="#e45756",
-                      annotation_text=f"textbook (p-1)/(m+p-1) = {book:.1%}", annotation_position="bottom right")
+        fig.add_hline(y=book, line_dash="dash", line_color="#e45756")
+        fig.add_scatter(x=[None], y=[None], mode="lines", line=dict(dash="dash", color="#e45756"),
+                        name=f"textbook (p-1)/(m+p-1) = {book:.1%}")  # the line's legend entry
     fig.update_layout(barmode="group", title=title or "Pipeline bubble: idle share of rank time",
                       yaxis=dict(title="bubble fraction", tickformat=".0%", rangemode="tozero"),
                       template="plotly_white", height=380)
