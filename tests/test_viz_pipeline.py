@@ -164,3 +164,12 @@ def test_bubble_and_peak_figures():
     fig = activation_peaks_figure([{"schedule": "1f1b", "planned": [4, 3, 2, 1], "measured": [2**21] * 4}])
     assert list(fig.data[0].y) == [4, 3, 2, 1] and list(fig.data[1].y) == [2.0] * 4
     assert len(activation_peaks_figure([{"schedule": "1f1b", "planned": [1, 1]}]).data) == 1
+
+
+def test_docstring_examples_are_true():
+    import doctest
+    import importlib
+
+    for name in ("colab_kit.viz.pipeline", "colab_kit.viz.schedule_data", "colab_kit.pipeline_views"):
+        result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0, name
