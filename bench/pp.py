@@ -1,0 +1,136 @@
+"""Pipeline parallelism: measured bubbles against theory, and colab_kit 1F1B against
+``torch.distributed.pipelining.Schedule1F1B`` side by side in one run.
+
+Part 1 trains the same GPT with every schedule on ``--pp`` ranks and reads each
+rank's executed actions from ``engine.timeline()``: the measured bubble is the share
+of the step's span (first action to last, per rank) that a rank spent outside its
+compute actions, averaged over ranks. Beside it, the plan's simulated bubble (unit
+costs F=1, B=2, I=W=1) and the textbook (p-1)/(m+p-1).
+
+Part 2 runs colab_kit's 1F1B and PyTorch's Schedule1F1B on the same two stages (the
+stages colab_kit cuts, wrapped in torch's PipelineStage), alternating in rounds, and
+prints the median step times and their ratio (target <= 1.10).
+
+    python bench/pp.py
+    python bench/pp.py --pp 4 --microbatches 8 --rounds 4
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import colab_kit as ck
+from colab_kit.datasets import SyntheticTokens
+from colab_kit.engine import lm_loss
+from colab_kit.models import GPT, GPTConfig
+from colab_kit.pipeline import build_plan, lower, simulate
+from colab_kit.pipeline.actions import COMPUTE, parse
+
+
+def _measured_bubble(events: list[dict]) -> float:
+    """1 - compute time / span of this rank's executed pipeline actions."""
+    acts = []
+    for e in events:
+        try:
+            a = parse(str(e.get("name", "")).split()[0])
+        except (ValueError, IndexError):
+            continue
+        if isinstance(a, ck.pipeline.Action):
+            acts.append((e, a))
+    compute = [e for e, a in acts if a.kind in COMPUTE]
+    if not compute:
+        return float("nan")
+    span = max(e["end"] for e, _ in acts) - min(e["start"] for e, _ in acts)
+    return 1 - sum(e["end"] - e["start"] for e in compute) / span
+
+
+def _schedules(gpt_kwargs, batch, microbatches, steps):
+    out = {}
+    data = SyntheticTokens(gpt_kwargs["vocab_size"], gpt_kwargs["seq_len"], seed=0)
+    pp = torch.distributed.get_world_size()
+    for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+        cfg = ck.ParallelConfig(pp=pp, microbatches=microbatches, schedule=schedule, chunks=chunks)
+        engine = ck.boost(GPT(GPTConfig(**gpt_kwargs)), lambda ps: torch.optim.SGD(ps, lr=0.05), cfg)
+        bubbles = []
+        for s in range(steps):
+            engine.train_step(data.batch(s, batch))
+            if s:  # the first step warms up
+                bubbles.append(_measured_bubble(engine.timeline()))
+        out[schedule] = statistics.median(bubbles)
+    return out
+
+
+def _versus_torch(gpt_kwargs, batch, microbatches, rounds, steps):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from colab_kit.pipeline.stage import split_model
+
+    pp, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    gcfg = GPTConfig(**gpt_kwargs)
+    cfg = ck.ParallelConfig(pp=pp, microbatches=microbatches, schedule="1f1b")
+    engine = ck.boost(GPT(gcfg), lambda ps: torch.optim.SGD(ps, lr=0.05), cfg)
+    (stage,) = split_model(GPT(gcfg), cfg, rank)
+    torch_stage = PipelineStage(stage, rank, pp, torch.device("cpu"))
+    schedule = Schedule1F1B(torch_stage, microbatches, loss_fn=lm_loss)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.05)
+    data = SyntheticTokens(gcfg.vocab_size, gcfg.seq_len, seed=0)
+
+    def torch_step(s):
+        x, y = data.batch(s, batch)
+        opt.zero_grad()
+        losses = []
+        if rank == 0:
+            schedule.step(x)
+        elif rank == pp - 1:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        opt.step()
+        return losses
+
+    runners = {"colab_kit": lambda s: engine.train_step(data.batch(s, batch)), "torch": torch_step}
+    times = {k: [] for k in runners}
+    for r in range(rounds + 1):
+        for name in (("colab_kit", "torch") if r % 2 == 0 else ("torch", "colab_kit")):
+            torch.distributed.barrier()
+            for s in range(steps):
+                t0 = time.perf_counter()
+                runners[name](r * steps + s)
+                torch.distributed.barrier()  # a step ends when every stage is done
+                if r:
+                    times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    args = ap.parse_args(argv)
+    gpt = dict(vocab_size=256, seq_len=args.seq, d_model=args.d_model, n_heads=4, n_layers=args.layers)
+    p, m = args.pp, args.microbatches
+    measured = ck.launch(_schedules, p, gpt, args.batch, m, args.steps)
+    print(f"GPT {gpt}, global batch {args.batch}, pp={p}, microbatches={m}")
+    print(f"{'schedule':12} {'measured bubble':>16} {'planned (simulated)':>20} {'textbook (p-1)/(m+p-1)':>24}")
+    for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+        planned = simulate(lower(build_plan(schedule, p, m, chunks))).bubble_fraction
+        got = statistics.mean(r[schedule] for r in measured)
+        print(f"{schedule:12} {got:>16.3f} {planned:>20.3f} {(p - 1) / (m + p - 1):>24.3f}")
+    times = ck.launch(_versus_torch, 2, gpt, args.batch, m, args.rounds, args.steps)[0]
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    print(f"\npp=2, 1F1B, microbatches={m}: median step time   colab_kit {med['colab_kit']:.2f} ms   "
+          f"torch.distributed.pipelining {med['torch']:.2f} ms   ratio {med['colab_kit'] / med['torch']:.3f} "
+          f"(target <= 1.10)")
+
+
+if __name__ == "__main__":
+    main()
