@@ -84,14 +84,14 @@ def test_without_a_cluster_it_says_what_to_do():
 
 
 # ------------------------------------------------------------------ against the real engine
-def _build(name, schedule, chunks, layers):
+def _build(name, words, layers):
     import torch
 
     import colab_kit as ck
     from colab_kit.models import GPT, GPTConfig
     from colab_kit.remote import namespace
 
-    cfg = ck.ParallelConfig(pp=4, microbatches=8, schedule=schedule, chunks=chunks)
+    cfg = ck.ParallelConfig.parse(words)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=layers))
     namespace()[name] = ck.boost(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), cfg)
@@ -110,28 +110,31 @@ def _timeline(name):
     return namespace()[name].timeline()
 
 
-@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("interleaved", 2)])
-def test_stepping_the_real_engine(cluster, schedule, chunks):
+@pytest.mark.parametrize("words", ["pp=4 microbatches=8", "pp=4 microbatches=8 schedule=interleaved chunks=2",
+                                   "pp=2 dp=2 microbatches=4 schedule=zb-h1"])
+def test_stepping_the_real_engine(cluster, words):
     from colab_kit.datasets import SyntheticTokens
 
+    cfg = ck.ParallelConfig.parse(words)
     data = SyntheticTokens(64, 16, seed=0)
-    cluster.run(_build, "stepped", schedule, chunks, 8)
-    cluster.run(_build, "plain", schedule, chunks, 8)
+    cluster.run(_build, "stepped", words, 8)
+    cluster.run(_build, "plain", words, 8)
     s = ScheduleStepper(cluster, lambda i: data.batch(i, 16), var="stepped")
     plan = s.state.plan
-    assert plan.lowered and plan.schedule == schedule and plan.chunks == chunks
+    assert plan.lowered and (plan.schedule, plan.pp, plan.chunks) == (cfg.schedule, cfg.pp, cfg.chunks)
     assert s.state.source == "engine on 4 ranks"
     planned = held_series(plan)
     for t in (5, 17):
         st = s.step(t - s.state.timestep)
         assert st.running and st.timestep == t
+        assert {r: x["rank"] for r, x in st.ranks.items()} == {r: r * cfg.dp for r in range(cfg.pp)}  # dp 0's
         # the ranks report exactly the plan's prefix: nothing is filled in from the plan
         assert {r: x["executed"] for r, x in st.ranks.items()} == _prefix(plan, t)
-        assert [st.held[r][-1] for r in range(4)] == [(t, planned[r][1][t]) for r in range(4)]
+        assert [st.held[r][-1] for r in range(cfg.pp)] == [(t, planned[r][1][t]) for r in range(cfg.pp)]
         assert all(x["held_bytes"] > 0 for x in st.ranks.values() if x["held"])
     st = s.play(delay=0)
     assert st.finished and st.executed == {str(a) for row in plan.actions for a in row}
-    assert len(st.peak_bytes) == 4 and all(b > 0 for b in st.peak_bytes)
+    assert len(st.peak_bytes) == cfg.pp and all(b > 0 for b in st.peak_bytes)
     reference = cluster.run(_train_step, "plain", data.batch(0, 16))
     assert st.loss == pytest.approx(reference[0], rel=1e-6) and st.losses == [st.loss]
     events = cluster.run(_timeline, "stepped")
