@@ -150,3 +150,11 @@ def test_a_rank_without_the_engine_is_named(cluster):
     cluster.set_config(ck.ParallelConfig(pp=4, microbatches=4))
     with pytest.raises(StepperError, match="rank 0 has no variable 'no_such_engine': build the pipeline engine"):
         ScheduleStepper(cluster, None, var="no_such_engine")
+
+
+def test_outside_a_kernel_it_prints_text(capsys):
+    s = ScheduleStepper(build_plan("1f1b", 2, 2))
+    s.step(3)
+    s._ipython_display_()
+    out = capsys.readouterr().out
+    assert out.startswith("ScheduleStepper(1f1b pp=2 microbatches=2, plan only") and "timestep 3 of" in out
