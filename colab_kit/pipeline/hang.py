@@ -137,7 +137,7 @@ def _store_client():
 class HangMonitor:
     """Per-rank watcher of one job's hang flag, over the torch.distributed store.
 
-    ``start(step, report)`` watches the flag of that step in a daemon thread; ``report()``
+    ``start(step, report)`` watches the flag of that step from a daemon thread; ``report()``
     returns this rank's current report (a JSON-able dict). ``flagged`` is set once any rank
     raised the flag. ``fail(report)`` publishes this rank's report, raises the flag and
     returns every report gathered within ``report_wait`` seconds.
@@ -148,7 +148,7 @@ class HangMonitor:
     def __init__(self, nonce: int, world_size: int, rank: int):
         self.prefix, self.world, self.rank = f"colab_kit/pipeline/{nonce}", world_size, rank
         self._store, self._lock = None, threading.Lock()
-        self.flagged = threading.Event()
+        self.flagged, self._active = threading.Event(), threading.Event()
         self._step, self._thread, self._report = None, None, None
         self.report_wait = 2.0
 
@@ -162,31 +162,35 @@ class HangMonitor:
         return self._store
 
     def start(self, step: int, report) -> None:
-        self.stop()
         self.store  # connect in the main thread
         self.flagged.clear()
         self._step, self._report = step, report
-        self._thread = threading.Thread(target=self._watch, args=(step,), daemon=True,
-                                        name=f"colab_kit pipeline hang monitor, step {step}")
-        self._thread.start()
+        self._active.set()
+        if self._thread is None:  # one thread per monitor, idle between steps: starting a step costs nothing
+            self._thread = threading.Thread(target=self._watch, daemon=True, name="colab_kit pipeline hang monitor")
+            self._thread.start()
 
     def stop(self) -> None:
         self._step = None
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._active.clear()
 
-    def _watch(self, step: int) -> None:
-        key = self._key(step, "hang")
-        while self._step == step:
+    def _watch(self) -> None:
+        answered = None
+        while True:
+            self._active.wait()
+            step = self._step
+            if step is None or step == answered:
+                time.sleep(self.poll)
+                continue
             try:
                 with self._lock:
-                    hit = self.store.check([key])
-            except Exception:  # the store went away (job ending): nothing left to watch
-                return
-            if hit:
-                self.flagged.set()
-                self._publish(step, self._report())
+                    hit = self.store.check([self._key(step, "hang")])
+                if hit and step == self._step:
+                    self.flagged.set()
+                    self._publish(step, self._report())
+                    answered = step
+            except Exception:  # the store went away (the job is ending): nothing left to watch
+                self._thread = None
                 return
             time.sleep(self.poll)
 
