@@ -2,9 +2,9 @@
 ``torch.distributed.pipelining.Schedule1F1B`` side by side in one run.
 
 Part 1 trains the same GPT with every schedule on ``--pp`` ranks and reads each
-rank's executed actions from ``engine.timeline()``: the measured bubble is the share
-of the step's span (first action to last, per rank) that a rank spent outside its
-compute actions, averaged over ranks. Beside it, the plan's simulated bubble (unit
+rank's executed actions from ``engine.timeline()``: the measured bubble is
+``1 - compute time / (ranks x span)`` (``colab_kit.viz.schedule_data.measured_bubble``,
+the definition the notebook and ``%colossal timeline`` use; waiting in a receive is idle). Beside it, the plan's simulated bubble (unit
 costs F=1, B=2, I=W=1) and the textbook (p-1)/(m+p-1).
 
 Part 2 runs colab_kit's 1F1B and PyTorch's Schedule1F1B on the same two stages (the
@@ -27,24 +27,7 @@ from colab_kit.datasets import SyntheticTokens
 from colab_kit.engine import lm_loss
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.pipeline import build_plan, lower, simulate
-from colab_kit.pipeline.actions import COMPUTE, parse
-
-
-def _measured_bubble(events: list[dict]) -> float:
-    """1 - compute time / span of this rank's executed pipeline actions."""
-    acts = []
-    for e in events:
-        try:
-            a = parse(str(e.get("name", "")).split()[0])
-        except (ValueError, IndexError):
-            continue
-        if isinstance(a, ck.pipeline.Action):
-            acts.append((e, a))
-    compute = [e for e, a in acts if a.kind in COMPUTE]
-    if not compute:
-        return float("nan")
-    span = max(e["end"] for e, _ in acts) - min(e["start"] for e, _ in acts)
-    return 1 - sum(e["end"] - e["start"] for e in compute) / span
+from colab_kit.viz.schedule_data import measured_bubble
 
 
 def _schedules(gpt_kwargs, batch, microbatches, steps):
@@ -54,12 +37,11 @@ def _schedules(gpt_kwargs, batch, microbatches, steps):
     for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
         cfg = ck.ParallelConfig(pp=pp, microbatches=microbatches, schedule=schedule, chunks=chunks)
         engine = ck.boost(GPT(GPTConfig(**gpt_kwargs)), lambda ps: torch.optim.SGD(ps, lr=0.05), cfg)
-        bubbles = []
+        out[schedule] = []
         for s in range(steps):
             engine.train_step(data.batch(s, batch))
             if s:  # the first step warms up
-                bubbles.append(_measured_bubble(engine.timeline()))
-        out[schedule] = statistics.median(bubbles)
+                out[schedule].append(engine.timeline())
     return out
 
 
@@ -123,7 +105,8 @@ def main(argv=None):
     print(f"{'schedule':12} {'measured bubble':>16} {'planned (simulated)':>20} {'textbook (p-1)/(m+p-1)':>24}")
     for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
         planned = simulate(lower(build_plan(schedule, p, m, chunks))).bubble_fraction
-        got = statistics.mean(r[schedule] for r in measured)
+        got = statistics.median(measured_bubble([rank[schedule][i] for rank in measured])
+                                for i in range(args.steps - 1))
         print(f"{schedule:12} {got:>16.3f} {planned:>20.3f} {(p - 1) / (m + p - 1):>24.3f}")
     times = ck.launch(_versus_torch, 2, gpt, args.batch, m, args.rounds, args.steps)[0]
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
