@@ -259,16 +259,18 @@ class Cluster:
         return [out[r] for r in targets] if ranks is None else {r: out[r] for r in targets}
 
     def execute(self, code: str, ranks: list[int] | None = None, timeout: float | None = None,
-                where: str = "execute") -> dict[int, RankOutput]:
+                where: str = "execute", progress=None) -> dict[int, RankOutput]:
         """Run ``code`` in every rank's namespace; rank -> RankOutput (stdout, stderr, result).
 
         On failure the RankError carries ``outputs`` (every rank's RankOutput, the
         stuck ones with what they printed so far), so a caller can still show them.
+        ``progress(seconds, {rank: stdout so far})`` is called about once a second while waiting.
         """
         targets = self._targets(ranks)
         ars = split(self._view(targets).execute(code, silent=False, block=False), targets)
+        tick = None if progress is None else (lambda t: progress(t, {r: ar.stdout or "" for r, ar in ars.items()}))
         try:
-            self._gather(ars, timeout, where, unwrap=unwrap_execute)
+            self._gather(ars, timeout, where, unwrap=unwrap_execute, tick=tick)
         except RankError as err:
             err.outputs = {r: rank_output(r, ar, err) for r, ar in ars.items()}
             raise
@@ -345,15 +347,18 @@ class Cluster:
                                "queue behind it: wait for them (%colossal status), or run %colossal restart")
         self._busy = {}
 
-    def _gather(self, ars: dict, timeout: float | None, where: str, unwrap=None) -> dict:
+    def _gather(self, ars: dict, timeout: float | None, where: str, unwrap=None, tick=None) -> dict:
         """Wait for one AsyncResult per rank; give up on the rest ``grace`` s after a failure."""
         unwrap = unwrap or unwrap_plain
-        deadline = float("inf") if timeout is None else time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = float("inf") if timeout is None else t0 + timeout
         pending, results, failures = dict(ars), {}, {}
         try:
             while pending and time.monotonic() < deadline:
                 left = min(deadline - time.monotonic(), 1.0)
                 done, _ = cf.wait(list(pending.values()), timeout=max(left, 0), return_when=cf.FIRST_COMPLETED)
+                if tick is not None and not done:
+                    tick(time.monotonic() - t0)
                 for rank in [r for r, ar in pending.items() if ar in done]:
                     ok, value = unwrap(pending.pop(rank))
                     if ok:

@@ -18,7 +18,9 @@ With ``config dp=2 tp=2`` on 4 ranks the cell above prints, grouped per rank::
     [rank 2]
     2 [2, 3]
 
-Ranks whose output is identical are shown once (``[ranks 0, 1, 2, 3]``). A rank that
+Ranks whose output is identical are shown once (``[ranks 0, 1, 2, 3]``). In a notebook
+a cell that runs longer than 2 s shows a live line meanwhile (the last line a rank
+printed), replaced by the grouped output at the end. A rank that
 raises is shown with its traceback; the call returns after a short grace period even
 when the other ranks wait for it in a collective (then ``%colossal restart``).
 Bad input (unknown subcommand or flag, invalid config, world size mismatch, no
@@ -181,6 +183,46 @@ def show_outputs(outputs: dict[int, RankOutput]) -> None:
     sys.stdout.flush()
 
 
+class _Line:
+    """A one-line display (HTML in a notebook, plain text elsewhere)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def _repr_html_(self) -> str:
+        escaped = self.text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        return f"<code>{escaped}</code>" if self.text else ""
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+class _Progress:
+    """A live line saying that a long cell still runs, with the latest line a rank printed;
+    emptied when the cell ends (its grouped output follows)::
+
+        running on 4 ranks for 7 s; rank 0: step 10  loss 3.0004
+    """
+
+    def __init__(self, n: int, after: float = 2.0):
+        self.n, self.after, self.handle = n, after, None
+
+    def __call__(self, seconds: float, stdout: dict[int, str]) -> None:
+        if seconds < self.after:
+            return
+        said = [(r, out.rstrip().splitlines()[-1]) for r, out in stdout.items() if out.strip()]
+        line = _Line(f"running on {self.n} ranks for {seconds:.0f} s"
+                     + (f"; rank {said[0][0]}: {said[0][1]}" if said else ""))
+        if self.handle is None:
+            self.handle = display(line, display_id=True)
+        else:
+            self.handle.update(line)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.update(_Line(""))
+
+
 def _show_error(shell, etype, value, tb, tb_offset=None):
     """Custom handler: the error's own message, without the kernel-side traceback."""
     text = str(value)
@@ -301,14 +343,20 @@ class ColossalMagics(Magics):
     def _cell(self, line: str, cell: str):
         args = _parser("%%colossal", _CELL_FLAGS).parse_args(shlex.split(line))
         cluster = self.state.require_cluster()
+        progress = _Progress(cluster.world_size if args.ranks is None else len(args.ranks)) \
+            if getattr(self.shell, "kernel", None) is not None else None  # a live line in notebooks only
         try:
-            self.state.last = cluster.execute(cell, ranks=args.ranks, timeout=args.timeout, where="%%colossal")
+            self.state.last = cluster.execute(cell, ranks=args.ranks, timeout=args.timeout, where="%%colossal",
+                                              progress=progress)
         except RankError as err:
             self.state.last = getattr(err, "outputs", None)
             if self.state.last:
                 show_outputs(self.state.last)
                 err.shown = True
             raise err from None
+        finally:
+            if progress is not None:
+                progress.close()
         show_outputs(self.state.last)
 
 

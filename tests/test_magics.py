@@ -244,3 +244,27 @@ def test_loading_twice_keeps_the_state_and_unloading_removes_everything(ip, stat
         ck.magics.state(ip)
     ip.run_line_magic("load_ext", "colab_kit")
     assert ck.magics.state(ip) is not state and ck.magics.state(ip).config is None
+
+
+def test_progress_line_of_a_long_cell(monkeypatch):
+    shown = []
+
+    class Handle:
+        def update(self, obj):
+            shown.append(("update", repr(obj), obj._repr_html_()))
+
+    def fake_display(obj, display_id=False):
+        shown.append(("display", repr(obj), obj._repr_html_()))
+        return Handle()
+
+    monkeypatch.setattr(ck.magics, "display", fake_display)
+    progress = ck.magics._Progress(4)
+    progress(1.0, {0: "step 0\n"})  # quick cells show nothing
+    assert shown == []
+    progress(2.4, {0: "", 1: ""})
+    progress(3.6, {0: "step 0\nstep 1  loss <3.1>\n", 1: "step 0\n"})
+    progress.close()
+    assert shown == [("display", "running on 4 ranks for 2 s", "<code>running on 4 ranks for 2 s</code>"),
+                     ("update", "running on 4 ranks for 4 s; rank 0: step 1  loss <3.1>",
+                      "<code>running on 4 ranks for 4 s; rank 0: step 1  loss &lt;3.1&gt;</code>"),
+                     ("update", "", "")]
