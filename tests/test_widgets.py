@@ -76,6 +76,7 @@ def test_apply_sends_the_config_to_the_cluster(cluster):
     p.set(tp=4)
     assert p.apply().startswith("not applied: this config needs")
     assert cluster.config == ck.ParallelConfig(dp=2, tp=2)
+    assert ConfigPicker(cluster).config == ck.ParallelConfig(dp=2, tp=2)  # a new picker starts from it
 
 
 def test_apply_goes_through_the_magic_state(cluster):

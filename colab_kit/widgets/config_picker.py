@@ -54,7 +54,8 @@ class ConfigPicker:
         self.cluster = cluster
         self.state = state if state is not None else (_magic_state() if cluster is None else None)
         self._world_size = world_size
-        start = config or (self.state.config if self.state is not None and self.state.config else None)
+        start = config or (self.state.config if self.state is not None else None) \
+            or (self.target.config if self.target is not None else None)
         if start is None:
             start = ParallelConfig(dp=self.world_size or 1)
         self.values = {f: getattr(start, f) for f in FIELDS}
