@@ -45,6 +45,17 @@ class ClusterError(RuntimeError):
     """The cluster cannot do what was asked (not started, failed to start, needs a restart)."""
 
 
+def _preload_torch(config=None):
+    """ipyparallel config whose engines import torch while they start up: that overlaps the
+    import with the engines' registration (about 2 s less for 4 engines on 2 cores)."""
+    from traitlets.config import Config
+
+    config = Config(config or {})
+    if "engine_args" not in config.EngineLauncher:
+        config.EngineLauncher.engine_args = ["--IPEngine.startup_command=import torch, torch.distributed"]
+    return config
+
+
 def _launcher_names() -> list[str]:
     from importlib.metadata import entry_points
 
@@ -104,6 +115,7 @@ class Cluster:
             raise ClusterError(f"this cluster of {self.world_size} ranks is already running: "
                                "stop() it first, or restart() it")
         kwargs = {"log_level": logging.ERROR, **self.ipp_kwargs}  # SIGKILLed engines are no news
+        kwargs["config"] = _preload_torch(kwargs.get("config"))
         try:
             self._ipp = ipp.Cluster(n=self.n, engines=self.engines, **kwargs)
             self._ipp.start_controller_sync()
