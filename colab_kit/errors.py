@@ -30,7 +30,7 @@ class RankError(RuntimeError):
             lines.append(f"  rank {rank} failed after it: {_last_line(self.failures[rank])}")
         if self.stuck:
             lines.append(f"  ranks {', '.join(map(str, self.stuck))} were still waiting (most likely in a "
-                         "collective for the failed rank) and were stopped")
+                         "collective for the failed rank)")
         if self.advice:
             lines.append(self.advice)
         first = next(iter(self.failures.items()), None)

@@ -145,7 +145,7 @@ def _collect(procs, results, timeout: float, grace: float, reported: set) -> lis
         if now > deadline:
             pending = [r for r in range(world_size) if r not in done and r not in failures]
             if failures:
-                raise RankError(failures, pending, "launch")
+                raise RankError(failures, pending, "launch", advice="  launch stopped those ranks' processes")
             raise RankTimeout(pending, timeout, "launch")
         try:
             rank, status, value = results.get(timeout=0.2)
