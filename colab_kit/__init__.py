@@ -20,10 +20,12 @@ from .mesh import MeshLayout, ProcessMesh
 __version__ = "0.1.0"
 
 __all__ = ["ParallelConfig", "ConfigError", "MeshLayout", "ProcessMesh", "launch", "Cluster", "boost",
-           "Engine", "RankError", "RankTimeout", "models", "datasets", "viz", "widgets", "comm"]
+           "Engine", "RankError", "RankTimeout", "models", "datasets", "viz", "widgets", "comm", "tensor", "pipeline",
+           "reference"]
 
 _LAZY = {"Cluster": ("cluster", "Cluster"), "boost": ("engine", "boost"), "Engine": ("engine", "Engine")}
-_SUBMODULES = {"models", "datasets", "viz", "widgets", "comm", "magics", "cluster", "engine", "data", "memory"}
+_SUBMODULES = {"models", "datasets", "viz", "widgets", "comm", "magics", "cluster", "engine", "data", "memory",
+               "tensor", "pipeline", "reference"}
 
 
 def __getattr__(name):
