@@ -21,7 +21,7 @@ import difflib
 import math
 import operator
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 __all__ = ["ConfigError", "ParallelConfig", "TP_MODES", "SP_MODES", "SCHEDULES"]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
-from colab_kit.engine import lm_loss
+from colab_kit.reference import single_process_losses
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.tensor import check_model, sync_grads
 from colab_kit.tensor.tp2d import Embedding2D, LayerNorm2D, Linear2D, Plan2D, linear_comm_bytes
@@ -141,16 +141,8 @@ def _check_layers(cfg_kwargs):
 
 def single_process(opt: str) -> list[float]:
     """The reference: the dense GPT trained by plain PyTorch on the whole batch (as in test_dp)."""
-    model, data = GPT(GPT_CFG), SyntheticTokens(64, GPT_CFG.seq_len, seed=1)
-    optimizer, losses = OPTIMIZERS[opt](model.parameters()), []
-    for step in range(STEPS):
-        x, y = data.batch(step, BATCH)
-        optimizer.zero_grad()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return single_process_losses(GPT_CFG, OPTIMIZERS[opt], SyntheticTokens(64, GPT_CFG.seq_len, seed=1),
+                                 STEPS, BATCH)[0]
 
 
 def _train(cfgs):

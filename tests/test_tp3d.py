@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
-from colab_kit.engine import lm_loss
+from colab_kit.reference import single_process_losses
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.tensor import check_model, sync_grads
 from colab_kit.tensor.tp3d import (BATCH_AXES, INNER, RESIDUAL, Embedding3D, LayerNorm3D, Linear3D, Plan3D,
@@ -178,17 +178,7 @@ def _all_checks():
 
 
 def _single_process(opt):
-    model, data = GPT(GPT_CFG), SyntheticTokens(64, 8, seed=1)
-    optimizer = OPTIMIZERS[opt](model.parameters())
-    losses = []
-    for step in range(STEPS):
-        x, y = data.batch(step, BATCH)
-        optimizer.zero_grad()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return single_process_losses(GPT_CFG, OPTIMIZERS[opt], SyntheticTokens(64, 8, seed=1), STEPS, BATCH)
 
 
 @pytest.fixture(scope="module")
