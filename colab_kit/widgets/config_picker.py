@@ -42,7 +42,22 @@ def _in_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
-class ConfigPicker:
+class KernelDisplay:
+    """Shows ``self.widget()`` in a Jupyter kernel; elsewhere (or without ipywidgets) prints ``repr``."""
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        if _in_kernel():
+            try:
+                display(self.widget())
+                return
+            except ImportError:
+                pass
+        print(repr(self))
+
+
+class ConfigPicker(KernelDisplay):
     """Widgets for dp, tp, pp, sp, tp_mode, tp_depth, sp_mode, schedule, microbatches, chunks, zero.
 
     cluster: where Apply sends the config; None means the %colossal cluster (if any).
@@ -204,17 +219,6 @@ class ConfigPicker:
             view.clear_output(wait=True)
             with view:
                 display(fig)
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        if _in_kernel():
-            try:
-                display(self.widget())
-                return
-            except ImportError:
-                pass
-        print(repr(self))
 
     def __repr__(self) -> str:
         fields = " ".join(f"{k}={v}" for k, v in self.values.items())

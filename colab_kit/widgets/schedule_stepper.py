@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import time
 
-from .config_picker import _html, _in_kernel
+from .config_picker import KernelDisplay, _html
 from .stepper_state import StepperError, StepperState, _rank_advance, _rank_begin, _rank_finish, _rank_probe
 
 __all__ = ["ScheduleStepper", "StepperState", "StepperError"]
 
 
 # ------------------------------------------------------------------ the stepper
-class ScheduleStepper:
+class ScheduleStepper(KernelDisplay):
     """Step a pipeline training step on every rank and watch the plan's grid fill in.
 
     source: a ``Cluster`` whose ranks hold a pp > 1 engine in ``var`` (None: the
@@ -219,17 +219,6 @@ class ScheduleStepper:
         ui["loss"].value = (f"<b>loss of step {len(st.losses)}: {st.loss:.4f}</b>" if st.loss is not None else "")
         _update(ui["grid"], self.figure())
         _update(ui["memory"], self.memory_figure())
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        if _in_kernel():
-            try:
-                display(self.widget())
-                return
-            except ImportError:
-                pass
-        print(repr(self))
 
     def __repr__(self) -> str:
         return f"ScheduleStepper({repr(self.state)})"
