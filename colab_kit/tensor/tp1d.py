@@ -34,8 +34,11 @@ def _slice(t: torch.Tensor, n: int, i: int, dim: int) -> torch.Tensor:
     return t.detach().chunk(n, dim=dim)[i].clone()
 
 
-class ColumnLinear(nn.Module):
-    """``y[..., out/n] = f(x) W_i^T + b_i``: this rank's block of output features."""
+class _SplitLinear(nn.Module):
+    """A Linear whose weight ``[out, in]`` is split over ``axis`` along ``split_dim``:
+    0 (output features, bias split too) or 1 (input features, bias kept whole)."""
+
+    split_dim = 0
 
     def __init__(self, weight, bias, mesh, axis: str = "tp"):
         super().__init__()
@@ -44,51 +47,43 @@ class ColumnLinear(nn.Module):
         self.bias = nn.Parameter(bias) if bias is not None else None
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, mesh, axis: str = "tp") -> "ColumnLinear":
+    def from_dense(cls, dense: nn.Linear, mesh, axis: str = "tp"):
         n, i = mesh.size(axis), mesh.rank(axis)
-        bias = _slice(dense.bias, n, i, 0) if dense.bias is not None else None
-        return cls(_slice(dense.weight, n, i, 0), bias, mesh, axis)
+        bias = None
+        if dense.bias is not None:
+            bias = _slice(dense.bias, n, i, 0) if cls.split_dim == 0 else dense.bias.detach().clone()
+        return cls(_slice(dense.weight, n, i, cls.split_dim), bias, mesh, axis)
+
+    def to_dense(self) -> nn.Linear:
+        """The whole layer, gathered from every rank of the group (a collective)."""
+        w = comm.all_gather(self.weight.detach(), self.mesh, self.axis, self.split_dim, tag="to_dense")
+        dense = nn.Linear(w.shape[1], w.shape[0], bias=self.bias is not None)
+        with torch.no_grad():
+            dense.weight.copy_(w)
+            if self.bias is not None:
+                b = self.bias.detach()
+                dense.bias.copy_(comm.all_gather(b, self.mesh, self.axis, 0, tag="to_dense")
+                                 if self.split_dim == 0 else b)
+        return dense
+
+
+class ColumnLinear(_SplitLinear):
+    """``y[..., out/n] = f(x) W_i^T + b_i``: this rank's block of output features."""
+
+    split_dim = 0
 
     def forward(self, x):
         return F.linear(comm.copy_to_group(x, self.mesh, self.axis), self.weight, self.bias)
 
-    def to_dense(self) -> nn.Linear:
-        w = comm.all_gather(self.weight.detach(), self.mesh, self.axis, 0, tag="to_dense")
-        dense = nn.Linear(w.shape[1], w.shape[0], bias=self.bias is not None)
-        with torch.no_grad():
-            dense.weight.copy_(w)
-            if self.bias is not None:
-                dense.bias.copy_(comm.all_gather(self.bias.detach(), self.mesh, self.axis, 0, tag="to_dense"))
-        return dense
 
-
-class RowLinear(nn.Module):
+class RowLinear(_SplitLinear):
     """``y = g(x[..., in/n] W_i^T) + b``: partial products summed over the group."""
 
-    def __init__(self, weight, bias, mesh, axis: str = "tp"):
-        super().__init__()
-        self.mesh, self.axis = mesh, axis
-        self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias) if bias is not None else None
-
-    @classmethod
-    def from_dense(cls, dense: nn.Linear, mesh, axis: str = "tp") -> "RowLinear":
-        n, i = mesh.size(axis), mesh.rank(axis)
-        bias = dense.bias.detach().clone() if dense.bias is not None else None
-        return cls(_slice(dense.weight, n, i, 1), bias, mesh, axis)
+    split_dim = 1
 
     def forward(self, x):
         y = comm.reduce_from_group(F.linear(x, self.weight), self.mesh, self.axis)
         return y + self.bias if self.bias is not None else y
-
-    def to_dense(self) -> nn.Linear:
-        w = comm.all_gather(self.weight.detach(), self.mesh, self.axis, 1, tag="to_dense")
-        dense = nn.Linear(w.shape[1], w.shape[0], bias=self.bias is not None)
-        with torch.no_grad():
-            dense.weight.copy_(w)
-            if self.bias is not None:
-                dense.bias.copy_(self.bias)
-        return dense
 
 
 class VocabEmbedding(nn.Module):

@@ -16,6 +16,7 @@ ipywidgets is imported only when the widget is shown.
 from __future__ import annotations
 
 from ..config import SCHEDULES, SP_MODES, TP_MODES, ConfigError, ParallelConfig
+from .figure_view import figure_view, redraw
 
 __all__ = ["ConfigPicker", "FIELDS"]
 
@@ -181,7 +182,7 @@ class ConfigPicker(KernelDisplay):
         ui["message"] = w.Label(value=self.message)
         button = w.Button(description="Apply", button_style="primary", tooltip="set this config on every rank")
         button.on_click(lambda _: self.apply())
-        ui["fig"] = self._figure_view(w)
+        ui["fig"] = figure_view(self.figure())
         degrees = w.HBox([ui[f] for f in ("dp", "tp", "pp", "sp")])
         modes = w.HBox([ui[f] for f in ("tp_mode", "tp_depth", "sp_mode")])
         sched = w.HBox([ui[f] for f in ("schedule", "microbatches", "chunks", "zero")])
@@ -189,14 +190,6 @@ class ConfigPicker(KernelDisplay):
         self._ui = ui
         self._sync_ui({})
         return ui
-
-    def _figure_view(self, w):
-        import plotly.graph_objects as go
-
-        try:
-            return go.FigureWidget(self.figure())  # needs anywidget
-        except Exception:  # noqa: BLE001 - fall back to displaying a plain figure in an Output
-            return w.Output()
 
     def _sync_ui(self, changes: dict) -> None:
         ui = self._ui
@@ -206,19 +199,7 @@ class ConfigPicker(KernelDisplay):
         ok = self.error is None
         colour = "green" if ok else "#b00020"
         ui["status"].value = f"<span style='color:{colour}'>{_html(self.status())}</span>"
-        fig = self.figure()
-        view = ui["fig"]
-        if hasattr(view, "batch_update"):
-            with view.batch_update():
-                view.data = []
-                view.add_traces(list(fig.data))
-                view.layout = fig.layout
-        else:
-            from IPython.display import display
-
-            view.clear_output(wait=True)
-            with view:
-                display(fig)
+        redraw(ui["fig"], self.figure())
 
     def __repr__(self) -> str:
         fields = " ".join(f"{k}={v}" for k, v in self.values.items())

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 
 from .config_picker import KernelDisplay, _html
+from .figure_view import figure_view, redraw
 from .stepper_state import StepperError, StepperState, _rank_advance, _rank_begin, _rank_finish, _rank_probe
 
 __all__ = ["ScheduleStepper", "StepperState", "StepperError"]
@@ -198,7 +199,7 @@ class ScheduleStepper(KernelDisplay):
             ui[name].on_click(lambda _, action=action: self._click(action))
         ui["k"] = w.IntSlider(value=self.k, min=1, max=max(1, self.state.n_timesteps), description="timesteps")
         ui["k"].observe(lambda change: setattr(self, "k", change["new"]), names="value")
-        ui["grid"], ui["memory"] = _figure_view(w, self.figure()), _figure_view(w, self.memory_figure())
+        ui["grid"], ui["memory"] = figure_view(self.figure()), figure_view(self.memory_figure())
         ui["box"] = w.VBox([w.HBox([ui["Step"], ui["Play"], ui["Reset"], ui["k"]]), ui["status"], ui["loss"],
                             ui["grid"], ui["memory"]])
         return ui
@@ -217,8 +218,8 @@ class ScheduleStepper(KernelDisplay):
         head = repr(st).splitlines()
         ui["status"].value = "<br>".join(_html(line) for line in [head[0]] + [x for x in head if x.startswith("pp rank")])
         ui["loss"].value = (f"<b>loss of step {len(st.losses)}: {st.loss:.4f}</b>" if st.loss is not None else "")
-        _update(ui["grid"], self.figure())
-        _update(ui["memory"], self.memory_figure())
+        redraw(ui["grid"], self.figure())
+        redraw(ui["memory"], self.memory_figure())
 
     def __repr__(self) -> str:
         return f"ScheduleStepper({repr(self.state)})"
@@ -233,26 +234,3 @@ def _magic_cluster():
         raise StepperError("no cluster to step: pass ScheduleStepper(cluster, batch), start one with "
                            "%colossal start -n 4, or pass a Plan to walk it without an engine")
     return cluster
-
-
-def _figure_view(w, fig):
-    import plotly.graph_objects as go
-
-    try:
-        return go.FigureWidget(fig)  # needs anywidget
-    except Exception:  # noqa: BLE001 - fall back to a plain figure in an Output
-        return w.Output()
-
-
-def _update(view, fig) -> None:
-    if hasattr(view, "batch_update"):
-        with view.batch_update():
-            view.data = []
-            view.add_traces(list(fig.data))
-            view.layout = fig.layout
-    else:
-        from IPython.display import display
-
-        view.clear_output(wait=True)
-        with view:
-            display(fig)
