@@ -21,6 +21,7 @@ ConfigError that says so; the engine never falls back to another mode.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -180,17 +181,12 @@ class Engine:
         comm.all_reduce(local, self.mesh, "tp", tag="loss")
         return local.item() / (self.config.dp * self.config.tp)
 
+    @contextmanager
     def _timed(self, name: str, kind: str, t0: float):
-        events = self._events
-
-        class _Span:
-            def __enter__(self):
-                self.start = time.perf_counter() - t0
-
-            def __exit__(self, *exc):
-                events.append({"name": name, "kind": kind, "start": self.start, "end": time.perf_counter() - t0})
-
-        return _Span()
+        """Record the enclosed work as one event of this step's timeline."""
+        start = time.perf_counter() - t0
+        yield
+        self._events.append({"name": name, "kind": kind, "start": start, "end": time.perf_counter() - t0})
 
     @torch.no_grad()
     def evaluate(self, batch) -> float:

@@ -16,13 +16,13 @@ from typing import Callable
 
 import torch
 
-__all__ = ["single_process_losses", "max_relative_difference"]
+__all__ = ["train_single_process", "single_process_losses", "max_relative_difference"]
 
 
-def single_process_losses(model_cfg, optimizer_factory: Callable, data, steps: int, batch_size: int,
-                          loss_fn: Callable | None = None) -> tuple[list[float], torch.Tensor]:
+def train_single_process(model_cfg, optimizer_factory: Callable, data, steps: int, batch_size: int,
+                         loss_fn: Callable | None = None):
     """Train ``GPT(model_cfg)`` on ``data.batch(step, batch_size)`` for ``steps`` steps in this
-    process; return the loss of every step and the final parameters as one flat vector."""
+    process; return the loss of every step and the trained model."""
     from .engine import lm_loss
     from .models import GPT
 
@@ -37,6 +37,13 @@ def single_process_losses(model_cfg, optimizer_factory: Callable, data, steps: i
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+    return losses, model
+
+
+def single_process_losses(model_cfg, optimizer_factory: Callable, data, steps: int, batch_size: int,
+                          loss_fn: Callable | None = None) -> tuple[list[float], torch.Tensor]:
+    """``train_single_process``, with the final parameters as one flat vector."""
+    losses, model = train_single_process(model_cfg, optimizer_factory, data, steps, batch_size, loss_fn)
     return losses, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 

@@ -14,6 +14,7 @@ import torch
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.engine import lm_loss
+from colab_kit.reference import train_single_process
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.pipeline import Plan, build_plan, lower, simulate
 from colab_kit.pipeline.hang import PipelineHang
@@ -37,16 +38,9 @@ def model_cfg(kw: dict) -> GPTConfig:
 
 @functools.lru_cache(maxsize=None)
 def reference(n_layers: int, opt: str):
-    model, data = GPT(dataclasses.replace(GPT4, n_layers=n_layers)), SyntheticTokens(64, 16, seed=1)
-    optimizer = OPTIMIZERS[opt](model.parameters())
-    losses = []
-    for step in range(STEPS):
-        x, y = data.batch(step, BATCH)
-        optimizer.zero_grad()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    data = SyntheticTokens(64, 16, seed=1)
+    losses, model = train_single_process(dataclasses.replace(GPT4, n_layers=n_layers), OPTIMIZERS[opt], data,
+                                         STEPS, BATCH)
     with torch.no_grad():
         losses.append(lm_loss(model(data.batch(STEPS, BATCH)[0]), data.batch(STEPS, BATCH)[1]).item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
