@@ -257,8 +257,8 @@ def test_progress_line_of_a_long_cell(monkeypatch):
         shown.append(("display", repr(obj), obj._repr_html_()))
         return Handle()
 
-    monkeypatch.setattr(ck.magics, "display", fake_display)
-    progress = ck.magics._Progress(4)
+    monkeypatch.setattr(ck.magics.output, "display", fake_display)
+    progress = ck.magics.output.Progress(4)
     progress(1.0, {0: "step 0\n"})  # quick cells show nothing
     assert shown == []
     progress(2.4, {0: "", 1: ""})

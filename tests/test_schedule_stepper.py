@@ -89,7 +89,7 @@ def _build(name, words, layers):
 
     import colab_kit as ck
     from colab_kit.models import GPT, GPTConfig
-    from colab_kit.remote import namespace
+    from colab_kit.cluster.remote import namespace
 
     cfg = ck.ParallelConfig.parse(words)
     torch.manual_seed(0)
@@ -99,13 +99,13 @@ def _build(name, words, layers):
 
 
 def _train_step(name, batch):
-    from colab_kit.remote import namespace
+    from colab_kit.cluster.remote import namespace
 
     return namespace()[name].train_step(batch)
 
 
 def _timeline(name):
-    from colab_kit.remote import namespace
+    from colab_kit.cluster.remote import namespace
 
     return namespace()[name].timeline()
 

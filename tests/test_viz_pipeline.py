@@ -170,6 +170,6 @@ def test_docstring_examples_are_true():
     import doctest
     import importlib
 
-    for name in ("colab_kit.viz.pipeline", "colab_kit.viz.schedule_data", "colab_kit.pipeline_views"):
+    for name in ("colab_kit.viz.pipeline", "colab_kit.viz.schedule_data", "colab_kit.magics.pipeline_views"):
         result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, name

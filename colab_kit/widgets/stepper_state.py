@@ -21,7 +21,7 @@ class StepperError(RuntimeError):
 
 # ------------------------------------------------------------------ run on the ranks
 def _rank_engine(var: str):
-    from colab_kit.remote import namespace
+    from colab_kit.cluster.remote import namespace
 
     eng = namespace().get(var)
     if eng is None or getattr(eng, "pipeline", None) is None:
@@ -31,7 +31,7 @@ def _rank_engine(var: str):
 
 def _rank_probe(var: str):
     """(plan, state) of this rank's pipeline, or a string saying what is missing."""
-    from colab_kit.remote import namespace
+    from colab_kit.cluster.remote import namespace
 
     eng = namespace().get(var)
     if eng is None:

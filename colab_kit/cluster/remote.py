@@ -91,7 +91,7 @@ def init_rank(rank: int, world_size: int, local_rank: int, local_world: int, add
     import torch
     import torch.distributed as dist
 
-    from .launch import threads_per_rank
+    from ..launch import threads_per_rank
 
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world))
@@ -114,8 +114,8 @@ def init_rank(rank: int, world_size: int, local_rank: int, local_world: int, add
 
 def set_config(config: dict | None) -> str:
     """Set ``config`` (a ParallelConfig) and build ``mesh`` (a ProcessMesh; a collective)."""
-    from .config import ParallelConfig
-    from .mesh import ProcessMesh
+    from ..config import ParallelConfig
+    from ..mesh import ProcessMesh
 
     ns = namespace()
     if config is None:

@@ -22,9 +22,9 @@ def schedule_view(config=None, *, pp=None, microbatches=None, schedule=None, chu
     """(summary text, simulated timeline figure) of a schedule; unset values come from ``config``
     (when it has pp > 1), else ``DEFAULTS`` (interleaved defaults to chunks=2). Bad shapes raise
     ``ConfigError`` with the rule."""
-    from .pipeline import build_plan, simulate
-    from .pipeline.simulate import theory_bubble
-    from .viz.pipeline import schedule_figure
+    from ..pipeline import build_plan, simulate
+    from ..pipeline.simulate import theory_bubble
+    from ..viz.pipeline import schedule_figure
 
     base = config if config is not None and config.pp > 1 else None
     given = dict(pp=pp, microbatches=microbatches, schedule=schedule, chunks=chunks)
@@ -57,7 +57,7 @@ class NoTimeline(LookupError):
 
 def _rank_timeline(var: str):
     """On a rank: the events of ``var``'s last step, or None when there is no such engine."""
-    from colab_kit.remote import namespace
+    from colab_kit.cluster.remote import namespace
 
     eng = namespace().get(var)
     return eng.timeline() if eng is not None and hasattr(eng, "timeline") else None
@@ -69,8 +69,8 @@ def timeline_view(cluster, var: str = "engine"):
     Raises ``NoTimeline`` saying what to do when a rank has no such engine or it has
     not trained a step yet.
     """
-    from .viz.pipeline import schedule_figure
-    from .viz.schedule_data import event_cells, measured_bubble
+    from ..viz.pipeline import schedule_figure
+    from ..viz.schedule_data import event_cells, measured_bubble
 
     got = cluster.run(_rank_timeline, var)
     missing = [r for r, events in enumerate(got) if events is None]

@@ -5,7 +5,7 @@
     [0, 10, 20, 30]
 
 Rank = the engine's index in sorted engine-id order. Every engine's namespace has
-``rank``, ``config`` and ``mesh`` (see ``colab_kit.remote``), so code sent with
+``rank``, ``config`` and ``mesh`` (see ``colab_kit.cluster.remote``), so code sent with
 ``cluster.execute(code)`` or a ``%%colossal`` cell reads them directly::
 
     cluster.set_config(ck.ParallelConfig(dp=2, tp=2))
@@ -31,9 +31,9 @@ import sys
 import time
 
 from . import remote
-from .config import ParallelConfig
-from .errors import RankError, RankTimeout
-from .rank_results import RankOutput, RankTable, rank_output, split, unwrap_call, unwrap_execute, unwrap_plain
+from ..config import ParallelConfig
+from ..errors import RankError, RankTimeout
+from .results import RankOutput, RankTable, rank_output, split, unwrap_call, unwrap_execute, unwrap_plain
 
 __all__ = ["Cluster", "ClusterError", "RankOutput", "RankTable", "RESTART_ADVICE"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .errors import RankError
+from ..errors import RankError
 
 __all__ = ["RankOutput", "RankTable", "split", "unwrap_plain", "unwrap_call", "unwrap_execute", "rank_output"]
 

@@ -1,0 +1,65 @@
+"""``ColossalState``: what the ``%colossal`` magics act on (one cluster, one kernel-side config).
+
+Usable without IPython::
+
+    s = ColossalState()
+    s.apply_config(ck.ParallelConfig(dp=2))   # kept in the kernel: no cluster yet
+    s.start(2)                                # engines up, the kept config applied on both ranks
+"""
+from __future__ import annotations
+
+from ..cluster import Cluster, ClusterError
+from ..config import ConfigError, ParallelConfig
+
+__all__ = ["ColossalState"]
+
+
+class ColossalState:
+    """What the magics act on: at most one cluster, and the config chosen in the kernel.
+
+    Usable without IPython: ``s = ColossalState(); s.start(4); s.apply_config(cfg)``.
+    """
+
+    def __init__(self):
+        self.cluster: Cluster | None = None
+        self.config: ParallelConfig | None = None   # also kept while no cluster runs (for mesh, next start)
+        self.last: dict[int, RankOutput] | None = None  # outputs of the last %%colossal cell
+
+    def require_cluster(self) -> Cluster:
+        if self.cluster is None or not self.cluster.running:
+            raise ClusterError("no cluster started: run %colossal start -n 4 first")
+        return self.cluster
+
+    def start(self, n: int | None = None, engines: str = "local", timeout: float | None = None) -> Cluster:
+        if self.cluster is not None and self.cluster.running:
+            raise ClusterError(f"a cluster of {self.cluster.world_size} ranks is already running: "
+                               "%colossal stop it first, or %colossal restart it")
+        cluster = Cluster(n, engines, timeout=timeout or 60).start()
+        self.cluster = cluster
+        if self.config is not None and self.config.world_size == cluster.world_size:
+            cluster.set_config(self.config)
+        return cluster
+
+    def apply_config(self, config: ParallelConfig) -> str:
+        """The one path a config takes to the ranks (``%colossal config`` and ConfigPicker's Apply)."""
+        if self.cluster is None or not self.cluster.running:
+            self.config = config
+            return f"config {config.describe()} kept in the kernel; %colossal start will apply it"
+        config.check_world_size(self.cluster.world_size)  # before any engine is touched
+        self.cluster.set_config(config)
+        self.config = config
+        return f"config set on {self.cluster.world_size} ranks: {config.describe()}"
+
+    def mesh_config(self, words: list[str]) -> ParallelConfig:
+        if words:
+            return ParallelConfig.parse(words)
+        if self.config is not None:
+            return self.config
+        if self.cluster is not None and self.cluster.running:
+            return ParallelConfig(dp=self.cluster.world_size)
+        raise ConfigError("no config to draw: set one with %colossal config dp=2 tp=2, "
+                          "or give it inline: %colossal mesh dp=2 tp=2")
+
+    def stop(self) -> None:
+        self.require_cluster().stop()
+        self.cluster = None
