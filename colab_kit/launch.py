@@ -12,7 +12,8 @@ use gloo and split the cores between them (``torch.set_num_threads``); with
     >>> ck.launch(hello, 4, 10)
     [0, 10, 20, 30]
 
-A rank that raises is reported with its rank and traceback (``RankError``);
+A rank that raises is reported with its rank and traceback (``RankError``), whose
+lines are quoted even for code defined in a notebook cell (``tracebacks.pack``);
 the ranks still waiting for it in a collective are stopped after a short
 grace period instead of hanging the caller.
 """
@@ -26,10 +27,12 @@ import time
 import traceback
 from datetime import timedelta
 
+from . import tracebacks
 from .errors import RankError, RankTimeout
+from .net import LOOPBACK, gloo_env, listening_store
 
 try:
-    import cloudpickle as _pickler  # functions defined in a notebook or a test body
+    import cloudpickle as _pickler  # results (the function and its arguments go through ``tracebacks.pack``)
 except ImportError:  # pragma: no cover
     _pickler = pickle
 
@@ -67,8 +70,9 @@ def _worker(rank, world_size, port, payload, results, backend, threads, timeout)
 
     status, value, store = "ok", None, None
     try:
-        fn, args = _pickler.loads(payload)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        fn, args = tracebacks.unpack(payload)  # the caller's code keeps its file names and lines
+        os.environ.update(gloo_env(LOOPBACK))  # gloo listens on loopback too
+        os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         torch.set_num_threads(threads)
         if backend == "nccl":
@@ -99,19 +103,16 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout: floa
     ``timeout`` bounds the whole run; ``grace`` is how long the other ranks get
     to finish after one has failed before they are stopped.
     """
-    import torch.distributed as dist
-
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive whole number, got {world_size!r}")
     backend = backend or default_backend(world_size)
     threads = threads or threads_per_rank(world_size)
     try:
-        payload = _pickler.dumps((fn, args))
+        payload = tracebacks.pack((fn, args))  # by value where needed, with the source lines of that code
     except Exception as exc:
         raise TypeError(f"launch could not pickle {getattr(fn, '__name__', fn)!r} and its arguments "
                         f"for the ranks: {exc}") from exc
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+    store = listening_store(LOOPBACK, world_size + 1, timeout)  # loopback only (colab_kit.net)
     ctx = _context()
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, payload, results, backend, threads,

@@ -230,7 +230,7 @@ def test_engines_that_do_not_register_in_time_give_a_clear_error():
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (pip install mpi4py mpich)")
 def test_mpi_engines_start_train_and_restart():
     """The multi-host launch path on one machine: engines started by mpiexec, whose ids are reused."""
-    with Cluster(n=2, engines="mpi", timeout=180) as cluster:
+    with Cluster(n=2, engines="mpi", ip="127.0.0.1", timeout=180) as cluster:
         assert [row["rank"] for row in cluster.ranks()] == [0, 1]
         assert cluster.run(_all_reduce, 1.0) == [(3.0, [0, 1])] * 2
         pids = {row["pid"] for row in cluster.ranks()}

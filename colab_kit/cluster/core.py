@@ -24,25 +24,21 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import os
-import re
 import signal
-import socket
 import sys
 import time
 
-from . import remote
 from ..config import ParallelConfig
-from ..errors import RankError, RankTimeout
-from .results import RankOutput, RankTable, rank_output, split, unwrap_call, unwrap_execute, unwrap_plain
+from ..errors import RankError
+from ..net import LOOPBACK, is_loopback
+from . import remote
+from .gather import RESTART_ADVICE, ClusterError, Waiting
+from .results import RankOutput, RankTable, check_ranks, rank_output, split, unwrap_call, unwrap_execute
+from .watchdog import Watchdog, cluster_processes, descendant_pids
 
 __all__ = ["Cluster", "ClusterError", "RankOutput", "RankTable", "RESTART_ADVICE"]
 
-RESTART_ADVICE = ("the cluster's process group is now unusable: run %colossal restart (or cluster.restart()) "
-                  "to get fresh engines with the same config")
-
-
-class ClusterError(RuntimeError):
-    """The cluster cannot do what was asked (not started, failed to start, needs a restart)."""
+LOCAL_LAUNCHERS = ("local",)  # launchers that only ever start engines on this host
 
 
 def _preload_torch(config=None):
@@ -62,22 +58,33 @@ def _launcher_names() -> list[str]:
     return sorted(e.name for e in entry_points(group="ipyparallel.engine_launchers"))
 
 
-class Cluster:
+class Cluster(Waiting):
     """ipyparallel engines with torch.distributed up on every one of them.
 
     n: engines (ranks); None means one per GPU when CUDA is available, else 4.
     engines: ipyparallel's engine launcher ("local", "mpi", "slurm", "ssh", ...).
+    ip: the address the controller and the rendezvous store listen on. Local engines
+        use 127.0.0.1 (nothing listens beyond loopback); a launcher that can start
+        engines on other hosts needs it named (``ip="10.0.0.5"``, or ``ip="127.0.0.1"``
+        when every engine is on this host), since that opens the cluster to the network.
     timeout: seconds to wait for engines to register and for the rendezvous.
     backend: "gloo" or "nccl"; None picks nccl when every engine has its own GPU.
     grace: seconds the other ranks get to finish after one failed.
     collective_timeout: the process group's timeout, so a rank left waiting in a
         collective gives up by itself instead of blocking its engine forever.
-    ipp_kwargs: passed to ``ipyparallel.Cluster`` (profile, controller_ip, ...).
+    ipp_kwargs: passed to ``ipyparallel.Cluster`` (profile, ...).
+
+    POSIX only (Linux, macOS): engines are signalled and watched as POSIX processes.
+    The engines and the controller die with the process that started them, however it
+    dies (``colab_kit.cluster.watchdog``).
     """
 
-    def __init__(self, n: int | None = None, engines: str = "local", *, timeout: float = 60,
-                 backend: str | None = None, grace: float = 3.0, collective_timeout: float = 120,
-                 **ipp_kwargs):
+    def __init__(self, n: int | None = None, engines: str = "local", *, ip: str | None = None,
+                 timeout: float = 60, backend: str | None = None, grace: float = 3.0,
+                 collective_timeout: float = 120, **ipp_kwargs):
+        if os.name != "posix":
+            raise ClusterError(f"colab_kit's cluster runs on POSIX systems (Linux, macOS), not {sys.platform}: "
+                               "on Windows use WSL, or ck.launch for local ranks")
         if n is None:
             import torch
 
@@ -89,10 +96,18 @@ class Cluster:
                                f"{', '.join(_launcher_names())} (or give a launcher class path)")
         if backend not in (None, "gloo", "nccl"):
             raise ClusterError(f"backend must be 'gloo', 'nccl' or None (pick by hardware), got {backend!r}")
-        self.n, self.engines, self.timeout, self.backend = n, engines, timeout, backend
+        if "controller_ip" in ipp_kwargs:
+            ip = ip or ipp_kwargs.pop("controller_ip")
+        if ip is None and engines not in LOCAL_LAUNCHERS:
+            raise ClusterError(
+                f"engines={engines!r} can start engines on other hosts, which must reach this one: name the "
+                "address to listen on with ip='10.0.0.5' (an address of this host that they can reach), or "
+                "ip='127.0.0.1' when every engine runs on this host. Local engines need no ip (loopback only)")
+        self.n, self.engines, self.ip, self.timeout, self.backend = n, engines, ip or LOOPBACK, timeout, backend
         self.grace, self.collective_timeout, self.ipp_kwargs = grace, collective_timeout, ipp_kwargs
         self.config: ParallelConfig | None = None
-        self._ipp = self._client = None
+        self._ipp = self._client = self._watchdog = None
+        self._engine_procs: list = []            # this host's engine processes (psutil), for the watchdog
         self._ids: list[int] = []                # engine id of each rank
         self._table = RankTable()
         self._broken: str | None = None          # why the cluster needs a restart
@@ -107,8 +122,12 @@ class Cluster:
     def needs_restart(self) -> bool:
         return self._broken is not None
 
-    def start(self) -> "Cluster":
-        """Start the controller and ``n`` engines, wait for them, initialise torch.distributed."""
+    def start(self, progress=None) -> "Cluster":
+        """Start the controller and ``n`` engines, wait for them, initialise torch.distributed.
+
+        ``progress(stage, done, total)``, if given, is called while this runs: with
+        "engines registered" as engines come up, then "torch.distributed ready".
+        """
         import ipyparallel as ipp
 
         if self.running:
@@ -117,12 +136,15 @@ class Cluster:
         kwargs = {"log_level": logging.ERROR, **self.ipp_kwargs}  # SIGKILLed engines are no news
         kwargs["config"] = _preload_torch(kwargs.get("config"))
         try:
-            self._ipp = ipp.Cluster(n=self.n, engines=self.engines, **kwargs)
+            self._watchdog = Watchdog()
+            before = descendant_pids()
+            self._ipp = ipp.Cluster(n=self.n, engines=self.engines, controller_ip=self.ip, **kwargs)
             self._ipp.start_controller_sync()
+            self._watchdog.watch(cluster_processes(before))
             self._client = self._ipp.connect_client_sync()
-            self._start_engines(self._registered())
+            self._start_engines(progress)
         except BaseException as exc:
-            self._teardown(kill=True)
+            self._teardown()
             if isinstance(exc, (ClusterError, KeyboardInterrupt)):
                 raise
             raise ClusterError(f"could not start {self.n} engines with engines={self.engines!r}: "
@@ -130,21 +152,19 @@ class Cluster:
         return self
 
     def stop(self) -> None:
-        """Stop the engines and the controller. This host's engines are killed outright (a rank
-        stuck in a collective ignores gentler signals); other hosts' go through their launcher."""
-        self._teardown(kill=True)
+        """Stop the engines and the controller. Engines are killed outright, through their launcher
+        (a rank stuck in a collective ignores gentler signals)."""
+        self._teardown()
 
-    def restart(self) -> "Cluster":
+    def restart(self, progress=None) -> "Cluster":
         """Kill the engines, start fresh ones, re-initialise torch.distributed, re-apply the config."""
         if self._ipp is None:
             raise ClusterError("no cluster to restart: start one first (cluster.start() or %colossal start)")
-        old = self._registered()
         try:
-            self._kill_local_engines()
-            self._ipp.stop_engines_sync()
-            self._start_engines(old)
+            self._stop_engines()
+            self._start_engines(progress)
         except BaseException as exc:
-            self._teardown(kill=True)
+            self._teardown()
             if isinstance(exc, (ClusterError, KeyboardInterrupt)):
                 raise
             raise ClusterError(f"restart failed, the cluster is stopped: {type(exc).__name__}: {exc}") from exc
@@ -156,35 +176,58 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _registered(self) -> set[tuple[int, str]]:
-        """(engine id, engine uuid) of every registered engine: launchers such as mpi reuse ids."""
-        engines = self._client._engines
-        return {(i, engines.get(i)) for i in self._client.ids}
-
-    def _start_engines(self, old: set[tuple[int, str]]) -> None:
-        """Start an engine set, wait for ``n`` new engines, then bring torch.distributed up."""
+    def _start_engines(self, progress=None) -> None:
+        """Start an engine set, wait for ``n`` engines, then bring torch.distributed up."""
         self._ids, self._table, self._broken, self._busy = [], RankTable(), None, {}
+        before = descendant_pids()
         self._ipp.start_engines_sync(self.n)
-        self._ids = self._wait_for_engines(old)
+        self._ids = self._wait_for_engines(progress)
+        self._engine_procs = cluster_processes(before)  # the engines and their nannies
+        self._watchdog.watch(self._engine_procs)
         self._init_dist()
+        if progress is not None:
+            progress("torch.distributed ready", self.n, self.n)
         if self.config is not None:
             self.set_config(self.config)
 
-    def _wait_for_engines(self, old: set[tuple[int, str]]) -> list[int]:
+    def _stop_engines(self) -> None:
+        """SIGKILL every engine through its launcher, and wait until the controller has seen them go."""
+        try:
+            self._ipp.signal_engines_sync(signal.SIGKILL)
+        except Exception:  # noqa: BLE001 - engines that are gone already
+            pass
+        self._ipp.stop_engines_sync()
         deadline = time.monotonic() + self.timeout
-        while True:
-            new = sorted(i for i, _ in self._registered() - old)
-            if len(new) >= self.n:
-                return new[:self.n]
-            sets = list(self._ipp.engines.values())
-            dead = sets and all(getattr(s, "state", "running") == "after" for s in sets)
-            if dead or time.monotonic() > deadline:
-                why = "all engine processes exited" if dead else f"within {self.timeout:g} s"
-                raise ClusterError(
-                    f"only {len(new)} of {self.n} engines registered {why} (engines={self.engines!r}). "
-                    f"Check that the launcher works on this machine, or give more time with timeout=..."
-                    + self._engine_output())
+        while self._client.ids and time.monotonic() < deadline:  # their nannies report at once
             time.sleep(0.05)
+        if self._client.ids:
+            raise ClusterError(f"engines {self._client.ids} were still registered {self.timeout:g} s after "
+                               "they were killed")
+        self._watchdog.forget(self._engine_procs)
+
+    def _wait_for_engines(self, progress=None) -> list[int]:
+        """ipyparallel's public wait, reporting how many engines registered while it runs."""
+        future = self._client.wait_for_engines(self.n, timeout=self.timeout, block=False, interactive=False)
+        said = -1
+        while True:
+            try:
+                future.result(timeout=0.1)
+                break
+            except cf.TimeoutError:
+                got = min(len(self._client.ids), self.n)
+                if progress is not None and got != said:
+                    progress("engines registered", got, self.n)
+                    said = got
+            except Exception as exc:  # noqa: BLE001 - ipyparallel's TimeoutError or "engine set stopped"
+                got = len(self._client.ids)
+                why = "all engine processes exited" if "stopped" in str(exc) else f"within {self.timeout:g} s"
+                raise ClusterError(
+                    f"only {got} of {self.n} engines registered {why} (engines={self.engines!r}). "
+                    f"Check that the launcher works on this machine, or give more time with timeout=..."
+                    + self._engine_output()) from None
+        if progress is not None:
+            progress("engines registered", self.n, self.n)
+        return sorted(self._client.ids)[:self.n]
 
     def _engine_output(self) -> str:
         text = ""
@@ -199,11 +242,8 @@ class Cluster:
 
     def _init_dist(self) -> None:
         """probe -> rank 0 opens the store -> every rank joins the process group."""
-        host = re.sub(r"^\w+://|:\d+$", "", self._client._config.get("interface", "tcp://127.0.0.1"))
-        if host in ("*", "0.0.0.0", ""):
-            host = self._client._config.get("location") or "127.0.0.1"
         ranks = list(range(self.n))
-        info = self._gather(self._apply(ranks, remote.probe, host, list(sys.path), os.getcwd()), self.timeout,
+        info = self._gather(self._apply(ranks, remote.probe, self.ip, list(sys.path), os.getcwd()), self.timeout,
                             "start (probe)")
         hosts = [info[r]["host"] for r in range(self.n)]
         local = [hosts[:r].count(h) for r, h in enumerate(hosts)]
@@ -214,7 +254,8 @@ class Cluster:
             short = [r for r in range(self.n) if info[r]["cuda"] < per_host[r]]
             raise ClusterError(f"backend='nccl' needs one GPU per engine, but ranks {short} see fewer GPUs "
                                "than engines on their host: use backend='gloo' or fewer engines per host")
-        addr, port = self._gather(self._apply([0], remote.open_store, info[0]["ip"], self.n, self.timeout),
+        store_ip = LOOPBACK if is_loopback(self.ip) else info[0]["ip"]
+        addr, port = self._gather(self._apply([0], remote.open_store, store_ip, self.n, self.timeout),
                                   self.timeout, "start")[0]
         done = self._gather({r: self._client[self._ids[r]].apply_async(
             remote.init_rank, r, self.n, local[r], per_host[r], addr, port, backend, self.collective_timeout)
@@ -222,19 +263,12 @@ class Cluster:
         self._table = RankTable({"rank": r, "host": hosts[r], "pid": info[r]["pid"], "device": done[r]["device"],
                                  "backend": backend} for r in range(self.n))
 
-    def _kill_local_engines(self) -> None:
-        """SIGKILL this host's engines: a rank blocked in a C++ collective ignores gentler signals."""
-        me = socket.gethostname()
-        for row in self._table:
-            if row["host"] == me:
-                try:
-                    os.kill(row["pid"], signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-
-    def _teardown(self, kill: bool) -> None:
-        if kill:
-            self._kill_local_engines()
+    def _teardown(self) -> None:
+        if self._ipp is not None:
+            try:
+                self._ipp.signal_engines_sync(signal.SIGKILL)
+            except Exception:  # noqa: BLE001 - best effort: the processes may be gone already
+                pass
         if self._client is not None:
             self._client.close()
         if self._ipp is not None:
@@ -242,7 +276,9 @@ class Cluster:
                 self._ipp.stop_cluster_sync()
             except Exception:  # noqa: BLE001 - best effort: the processes may be gone already
                 pass
-        self._ipp = self._client = None
+        if self._watchdog is not None:
+            self._watchdog.close()
+        self._ipp = self._client = self._watchdog = None
         self._ids, self._table, self._broken, self._busy = [], RankTable(), None, {}
 
     # ------------------------------------------------------------ use
@@ -266,8 +302,9 @@ class Cluster:
     def run(self, fn, *args, ranks: list[int] | None = None, timeout: float | None = None):
         """``fn(*args)`` on every rank (or ``ranks``): a list by rank, or a dict rank -> result."""
         targets = self._targets(ranks)
-        ars = self._apply(targets, remote.call, fn, args, {})
+        ars = self._apply(targets, remote.call, fn, args, {}, remote.source_map(fn, args))
         out = self._gather(ars, timeout, getattr(fn, "__name__", "run"), unwrap=unwrap_call)
+        check_ranks(ars, self._ids)
         return [out[r] for r in targets] if ranks is None else {r: out[r] for r in targets}
 
     def execute(self, code: str, ranks: list[int] | None = None, timeout: float | None = None,
@@ -275,16 +312,23 @@ class Cluster:
         """Run ``code`` in every rank's namespace; rank -> RankOutput (stdout, stderr, result).
 
         On failure the RankError carries ``outputs`` (every rank's RankOutput, the
-        stuck ones with what they printed so far), so a caller can still show them.
+        stuck ones with what they printed so far), so a caller can still show them; so
+        does the KeyboardInterrupt of a Ctrl-C (and ``cluster_status``: whether the ranks
+        passed the health check that follows an interrupt).
         ``progress(seconds, {rank: stdout so far})`` is called about once a second while waiting.
         """
         targets = self._targets(ranks)
-        ars = split(self._view(targets).execute(code, silent=False, block=False), targets)
+        ars = split(self._client, self._view(targets).execute(code, silent=False, block=False), targets)
         tick = None if progress is None else (lambda t: progress(t, {r: ar.stdout or "" for r, ar in ars.items()}))
         try:
             self._gather(ars, timeout, where, unwrap=unwrap_execute, tick=tick)
+            check_ranks(ars, self._ids)
         except RankError as err:
             err.outputs = {r: rank_output(r, ar, err) for r, ar in ars.items()}
+            raise
+        except KeyboardInterrupt as stop:  # the ranks were interrupted and checked: keep what they said
+            stop.outputs = {r: rank_output(r, ar, None, interrupted=True) for r, ar in ars.items()}
+            stop.cluster_status = self.status()
             raise
         return {r: rank_output(r, ar, None) for r, ar in ars.items()}
 
@@ -305,24 +349,7 @@ class Cluster:
     def __repr__(self) -> str:
         return f"Cluster(n={self.n}, engines={self.engines!r}: {self.status()})"
 
-    # ------------------------------------------------------------ sending, and waiting with failure handling
-    def _interrupt(self, pending: dict) -> None:
-        """Pass an interrupt on to the ranks still running (this host's, by SIGINT); a rank that
-        does not stop within ``grace`` (blocked in a C++ collective) leaves the cluster needing a restart."""
-        me = socket.gethostname()
-        for rank in pending:
-            row = self._table[rank] if rank < len(self._table) else None
-            if row is not None and row["host"] == me:
-                try:
-                    os.kill(row["pid"], signal.SIGINT)
-                except OSError:
-                    pass
-        cf.wait(list(pending.values()), timeout=self.grace)
-        still = sorted(r for r, ar in pending.items() if not ar.ready())
-        self._busy = {}
-        if still:
-            self._broken = f"ranks {still} did not stop when interrupted (blocked in a collective?)"
-
+    # ------------------------------------------------------------ sending
     def _view(self, ranks: list[int]):
         """One DirectView on the engines of ``ranks``: a call is serialised once for all of them."""
         ids = [self._ids[r] for r in ranks]
@@ -334,7 +361,7 @@ class Cluster:
 
     def _apply(self, ranks: list[int], fn, *args) -> dict:
         """``fn(*args)`` on ``ranks``: rank -> AsyncResult."""
-        return split(self._view(ranks).apply_async(fn, *args), ranks)
+        return split(self._client, self._view(ranks).apply_async(fn, *args), ranks)
 
     def _targets(self, ranks: list[int] | None) -> list[int]:
         self._check_usable()
@@ -358,41 +385,4 @@ class Cluster:
             raise ClusterError(f"ranks {busy} are still running a call that timed out, so new work would "
                                "queue behind it: wait for them (%colossal status), or run %colossal restart")
         self._busy = {}
-
-    def _gather(self, ars: dict, timeout: float | None, where: str, unwrap=None, tick=None) -> dict:
-        """Wait for one AsyncResult per rank; give up on the rest ``grace`` s after a failure."""
-        unwrap = unwrap or unwrap_plain
-        t0 = time.monotonic()
-        deadline = float("inf") if timeout is None else t0 + timeout
-        pending, results, failures = dict(ars), {}, {}
-        try:
-            while pending and time.monotonic() < deadline:
-                left = min(deadline - time.monotonic(), 1.0)
-                done, _ = cf.wait(list(pending.values()), timeout=max(left, 0), return_when=cf.FIRST_COMPLETED)
-                if tick is not None and not done:
-                    tick(time.monotonic() - t0)
-                for rank in [r for r, ar in pending.items() if ar in done]:
-                    ok, value = unwrap(pending.pop(rank))
-                    if ok:
-                        results[rank] = value
-                    else:
-                        failures[rank] = value
-                        deadline = min(deadline, time.monotonic() + self.grace)
-        except KeyboardInterrupt:  # Ctrl-C or the notebook's stop button
-            self._interrupt(pending)
-            raise
-        if failures:
-            advice = ""
-            died = [r for r, text in failures.items() if text.startswith("EngineError")]
-            if pending or died:
-                self._broken = (f"the engines of ranks {died} died in {where}" if died else
-                                f"rank {next(iter(failures))} failed in {where} while ranks {sorted(pending)} waited")
-                advice = RESTART_ADVICE
-            raise RankError(failures, sorted(pending), where, advice)
-        if pending:
-            self._busy = pending
-            raise RankTimeout(sorted(pending), timeout, where,
-                              "they are still running it: wait for them (%colossal status), or run "
-                              "%colossal restart (cluster.restart()) to stop them")
-        return results
 

@@ -30,7 +30,9 @@ import sys
 import traceback
 from datetime import timedelta
 
-__all__ = ["probe", "open_store", "init_rank", "set_config", "call", "namespace"]
+from ..tracebacks import install as install_sources, source_map  # call's two halves: engine, kernel
+
+__all__ = ["probe", "open_store", "init_rank", "set_config", "call", "health", "namespace"]
 
 _STORE = "__colab_kit_store__"
 
@@ -71,11 +73,11 @@ def probe(controller_host: str, sys_path: list[str], cwd: str) -> dict:
 
 
 def open_store(addr: str, world_size: int, timeout: float) -> tuple[str, int]:
-    """Rank 0: open the rendezvous store on a free port (the OS picks it, so no race)."""
-    import torch.distributed as dist
+    """Rank 0: open the rendezvous store on ``addr`` only, on a free port (the OS picks it, so no
+    race; ``colab_kit.net.listening_store`` keeps it off the other interfaces)."""
+    from ..net import listening_store
 
-    store = dist.TCPStore(addr, 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+    store = listening_store(addr, world_size, timeout)
     namespace()[_STORE] = store
     return addr, store.port
 
@@ -92,7 +94,9 @@ def init_rank(rank: int, world_size: int, local_rank: int, local_world: int, add
     import torch.distributed as dist
 
     from ..launch import threads_per_rank
+    from ..net import gloo_env
 
+    os.environ.update(gloo_env(addr))  # a loopback rendezvous keeps gloo's sockets on loopback too
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world))
     torch.set_num_threads(threads_per_rank(local_world))
@@ -126,13 +130,31 @@ def set_config(config: dict | None) -> str:
     return cfg.describe()
 
 
-def call(fn, args: tuple, kwargs: dict):
+def call(fn, args: tuple, kwargs: dict, sources: dict | None = None):
     """Run ``fn(*args, **kwargs)``; return ("ok", value) or ("error", traceback text).
 
     Catching here (rather than letting ipyparallel wrap the exception) keeps the
     traceback plain text and lets a result that cannot be pickled be reported too.
+    ``sources`` (``source_map(fn, args)``, made in the kernel) puts the lines of code
+    this engine cannot read, such as a notebook cell's, in its ``linecache`` first, so
+    that the traceback quotes them.
     """
     try:
+        install_sources(sources)
         return ("ok", fn(*args, **kwargs))
     except BaseException:  # KeyboardInterrupt from an interrupt is a failure of this rank too
         return ("error", traceback.format_exc())
+
+
+def health(seconds: float) -> str:
+    """A barrier that every rank must reach within ``seconds`` (gloo: a monitored barrier, which
+    names the rank that missed it); run after an interrupt to check that the ranks are in step."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=timedelta(seconds=seconds), wait_all_ranks=True)
+    else:
+        dist.barrier()
+    return "ok"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..errors import RankError
 
-__all__ = ["RankOutput", "RankTable", "split", "unwrap_plain", "unwrap_call", "unwrap_execute", "rank_output"]
+__all__ = ["RankOutput", "RankTable", "split", "check_ranks", "unwrap_plain", "unwrap_call", "unwrap_execute", "rank_output"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -31,7 +31,8 @@ class RankOutput:
     stderr: str = ""
     result: str | None = None           # text/plain of the cell's last expression
     error: str | None = None            # plain-text traceback when the rank raised
-    status: str = "ok"                  # "ok", "error" or "stuck" (still running when given up on)
+    status: str = "ok"                  # "ok", "error", "interrupted" (Ctrl-C) or "stuck" (still running
+                                        # when given up on)
     displays: list = field(default_factory=list)  # rich outputs: {"data": ..., "metadata": ...}
 
 
@@ -87,10 +88,14 @@ def unwrap_execute(ar) -> tuple[bool, object]:
     return ok, (None if ok else value)
 
 
-def rank_output(rank: int, ar, err: RankError | None) -> RankOutput:
+def rank_output(rank: int, ar, err: RankError | None, interrupted: bool = False) -> RankOutput:
     if ar.ready():
         ar.wait_for_output(1.0)  # stdout arrives on its own channel, a little after the result
     status = "stuck" if not ar.ready() else "error" if err is not None and rank in err.failures else "ok"
+    if interrupted and status == "ok" and not unwrap_plain(ar)[0]:
+        status = "interrupted"
+    if status == "interrupted":
+        return RankOutput(rank, ar.stdout or "", ar.stderr or "", None, None, status, [])
     res = ar.execute_result if status == "ok" else None
     displays = [{"data": o.get("data", {}), "metadata": o.get("metadata", {})}
                 for o in (ar.outputs or []) if isinstance(o, dict)]
@@ -99,10 +104,19 @@ def rank_output(rank: int, ar, err: RankError | None) -> RankOutput:
                       err.failures.get(rank) if status == "error" else None, status, displays)
 
 
-def split(ar, ranks: list[int]) -> dict:
-    """One AsyncResult per rank out of a multi-engine one (its children are in target order)."""
-    from ipyparallel.client.asyncresult import AsyncResult
-
+def split(client, ar, ranks: list[int]) -> dict:
+    """One AsyncResult per rank out of a multi-engine one, through public ipyparallel calls: a
+    DirectView sends one message per target, in target order (``ar.msg_ids``), and
+    ``client.get_result`` wraps each. ``check_ranks`` later confirms the order from each
+    result's metadata (the engine that ran it)."""
     ar.owner = False  # each rank's own result pops its cached data when read
-    return {r: AsyncResult(ar._client, child, fname=ar._fname, owner=True)
-            for r, child in zip(ranks, ar._children)}
+    return {r: client.get_result(msg_id, block=False, owner=True) for r, msg_id in zip(ranks, ar.msg_ids)}
+
+
+def check_ranks(ars: dict, engine_ids: list[int]) -> None:
+    """Every finished result came from the engine of its rank (``metadata["engine_id"]``)."""
+    for rank, ar in ars.items():
+        got = ar.metadata.get("engine_id") if ar.ready() else None
+        if got is not None and got != engine_ids[rank]:
+            raise RuntimeError(f"the result for rank {rank} came from engine {got}, not from its engine "
+                               f"{engine_ids[rank]}: ipyparallel's message order changed; please report this")

@@ -1,0 +1,134 @@
+"""Waiting for the ranks of a ``Cluster``: failures, deaths, timeouts and Ctrl-C.
+
+One call to the cluster is one ipyparallel AsyncResult per rank. ``Waiting.gather``
+waits for them and decides what the caller is told::
+
+    all finished                           -> {rank: result}
+    rank 1 raised, ranks 0, 2, 3 waited    -> RankError, rank 1 first; after ``grace`` s the
+                                              waiting ranks are given up on and the cluster is
+                                              marked for restart (its process group is unusable)
+    rank 2's engine was killed             -> RankError that blames rank 2 first (its engine is
+                                              gone), never a peer that only saw its connection drop
+    nobody failed, ``timeout`` passed      -> RankTimeout; the ranks keep running (cluster busy)
+    Ctrl-C (KeyboardInterrupt)             -> SIGINT to the running ranks through ipyparallel,
+                                              then a short monitored barrier: a rank that does not
+                                              join it marks the cluster for restart
+    the controller process died            -> ClusterError at once, never a wait forever
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import signal
+import time
+
+from ..errors import RankError, RankTimeout
+from . import remote
+from .results import unwrap_plain
+
+__all__ = ["Waiting", "RESTART_ADVICE", "ClusterError"]
+
+RESTART_ADVICE = ("the cluster's process group is now unusable: run %colossal restart (or cluster.restart()) "
+                  "to get fresh engines with the same config")
+HEALTH_SECONDS = 5.0
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot do what was asked (not started, failed to start, needs a restart)."""
+
+    def _render_traceback_(self) -> list[str]:  # IPython: the message, not the kernel-side frames
+        return [f"ClusterError: {self}"]
+
+
+class Waiting:
+    """The waiting half of ``Cluster`` (needs ``_client``, ``_ipp``, ``_ids``, ``grace``,
+    ``timeout``, ``_broken``, ``_busy``)."""
+
+    def _controller_dead(self) -> bool:
+        launcher = getattr(self._ipp, "controller", None)
+        return launcher is not None and getattr(launcher, "state", "running") == "after"
+
+    def _dead_ranks(self, ranks) -> list[int]:
+        """Ranks whose engine has unregistered (the engine's nanny tells the controller at once)."""
+        alive = set(self._client.ids)
+        return [r for r in ranks if self._ids[r] not in alive]
+
+    def _signal(self, ranks, sig) -> None:
+        """``sig`` to the engines of ``ranks`` through ipyparallel (their nannies relay it, on any host)."""
+        ids = [self._ids[r] for r in ranks if self._ids[r] in self._client.ids]
+        if ids:
+            try:
+                self._client.send_signal(sig, targets=ids, block=False)
+            except Exception:  # noqa: BLE001 - an engine that is gone cannot be signalled
+                pass
+
+    def _interrupt(self, pending: dict) -> None:
+        """Pass a Ctrl-C on to the ranks still running; then check that every rank is in step."""
+        self._signal(list(pending), signal.SIGINT)
+        cf.wait(list(pending.values()), timeout=self.grace)
+        still = sorted(r for r, ar in pending.items() if not ar.ready())
+        self._busy = {}
+        if still:
+            self._broken = f"ranks {still} did not stop when interrupted (blocked in a collective?)"
+            return
+        self.health_check()
+
+    def health_check(self, seconds: float = HEALTH_SECONDS) -> bool:
+        """A monitored barrier on every rank; a rank that misses it marks the cluster for restart."""
+        ranks = list(range(len(self._ids)))
+        ars = self._apply(ranks, remote.health, seconds)
+        done, _ = cf.wait(list(ars.values()), timeout=seconds + self.grace)
+        bad = sorted(r for r, ar in ars.items() if ar not in done or not unwrap_plain(ar)[0])
+        if bad:
+            self._broken = f"ranks {bad} failed the health check after an interrupt (out of step)"
+        return not bad
+
+    def _gather(self, ars: dict, timeout: float | None, where: str, unwrap=None, tick=None) -> dict:
+        """Wait for one AsyncResult per rank; give up on the rest ``grace`` s after a failure."""
+        unwrap = unwrap or unwrap_plain
+        t0 = time.monotonic()
+        deadline = float("inf") if timeout is None else t0 + timeout
+        pending, results, failures = dict(ars), {}, {}
+        try:
+            while pending and time.monotonic() < deadline:
+                left = min(deadline - time.monotonic(), 1.0)
+                done, _ = cf.wait(list(pending.values()), timeout=max(left, 0), return_when=cf.FIRST_COMPLETED)
+                if not done and self._controller_dead():
+                    self._broken = "the ipyparallel controller process exited"
+                    raise ClusterError(f"{self._broken} while ranks {sorted(pending)} ran {where}: "
+                                       "stop the cluster and start a new one (%colossal stop, %colossal start)")
+                if tick is not None and not done:
+                    tick(time.monotonic() - t0)
+                for rank in [r for r, ar in pending.items() if ar in done]:
+                    ok, value = unwrap(pending.pop(rank))
+                    if ok:
+                        results[rank] = value
+                    else:
+                        failures[rank] = value
+                        deadline = min(deadline, time.monotonic() + self.grace)
+        except KeyboardInterrupt:  # Ctrl-C or the notebook's stop button
+            self._interrupt(pending)
+            raise
+        if failures:
+            self._raise_failures(failures, pending, where)
+        if pending:
+            self._busy = pending
+            raise RankTimeout(sorted(pending), timeout, where,
+                              "they are still running it: wait for them (%colossal status), or run "
+                              "%colossal restart (cluster.restart()) to stop them")
+        return results
+
+    def _raise_failures(self, failures: dict, pending: dict, where: str):
+        """RankError with the dead engines first: a peer's "connection closed" is their consequence."""
+        died = [r for r, text in failures.items() if text.startswith("EngineError")]
+        for r in self._dead_ranks(sorted(pending)):  # dead, but the controller has not said so yet
+            failures[r] = ("EngineError: this rank's engine process died (killed, crashed or out of "
+                           "memory) while running the call")
+            pending.pop(r)
+            died.append(r)
+        ordered = {r: failures[r] for r in died} | {r: t for r, t in failures.items() if r not in died}
+        advice = ""
+        if pending or died:
+            self._broken = (f"the engines of ranks {sorted(died)} died in {where}" if died else
+                            f"rank {next(iter(ordered))} failed in {where} while ranks {sorted(pending)} waited")
+            advice = RESTART_ADVICE
+        raise RankError(ordered, sorted(pending), where, advice)

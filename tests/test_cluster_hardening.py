@@ -1,0 +1,172 @@
+"""The cluster layer, hardened (tier 3): loopback only, no orphans, deaths and interrupts.
+
+Each test here fails without the behaviour it names: a store bound to every interface, a
+cluster that outlives a SIGKILLed kernel, a peer blamed for a killed engine, a dead
+controller waited on forever, a Ctrl-C that loses the ranks' output or leaves ranks out
+of step unnoticed.
+"""
+from __future__ import annotations
+
+import _thread
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+import colab_kit as ck
+from colab_kit.cluster import Cluster, ClusterError
+
+
+def _listening(pids) -> list[tuple[int, str]]:
+    """(pid, address) of every listening TCP socket of ``pids``."""
+    out = []
+    for pid in pids:
+        try:
+            conns = psutil.Process(pid).net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        out += [(pid, c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN]
+    return out
+
+
+def _loopback(addr: str) -> bool:
+    return addr.startswith("127.") or addr == "::1"
+
+
+def _rank_sockets(kernel_pid):
+    """Inside a launched rank: its own listening sockets, and those of the launching process."""
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1))  # gloo's pairs are up
+    return _listening([os.getpid(), kernel_pid])
+
+
+def test_launch_listens_on_loopback_only():
+    found = ck.launch(_rank_sockets, 2, os.getpid())
+    socks = [s for per_rank in found for s in per_rank]
+    assert any(pid == os.getpid() for pid, _ in socks), "the rendezvous store should be listening"
+    assert [s for s in socks if not _loopback(s[1])] == []
+
+
+def test_cluster_listens_on_loopback_only(cluster):
+    cluster.run(_rank_sockets, os.getpid())  # engines' gloo pairs are up
+    procs = psutil.Process().children(recursive=True)
+    socks = _listening([p.pid for p in procs])
+    engine_pids = {row["pid"] for row in cluster.ranks()}
+    assert {pid for pid, _ in socks} & engine_pids, "the engines' store and gloo should be listening"
+    assert [s for s in socks if not _loopback(s[1])] == []
+
+
+def test_multi_host_launchers_need_an_address_and_windows_is_refused(monkeypatch):
+    with pytest.raises(ClusterError, match=r"ip='10\.0\.0\.5'.*ip='127\.0\.0\.1'"):
+        Cluster(n=2, engines="mpi")
+    assert Cluster(n=2, engines="mpi", ip="127.0.0.1").ip == "127.0.0.1"
+    assert Cluster(n=2).ip == "127.0.0.1"
+    monkeypatch.setattr(os, "name", "nt")
+    with pytest.raises(ClusterError, match="POSIX"):
+        Cluster(n=2)
+
+
+_ORPHAN_SCRIPT = textwrap.dedent("""
+    import json, sys, time, psutil
+    from colab_kit.cluster import Cluster
+    cluster = Cluster(n=2, timeout=180).start()
+    kids = [p.pid for p in psutil.Process().children(recursive=True)]
+    print(json.dumps(kids), flush=True)
+    time.sleep(600)
+""")
+
+
+def test_no_orphans_when_the_kernel_is_sigkilled():
+    child = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT], stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        pids = json.loads(line)
+        alive = [p for p in map(_proc, pids) if p is not None]
+        assert len(alive) >= 4, f"expected a controller, 2 engines and a watchdog, got {alive}"
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        t0 = time.monotonic()
+        gone, left = psutil.wait_procs(alive, timeout=30)
+        assert left == [], f"still running {time.monotonic() - t0:.0f} s after the kernel died: {left}"
+    finally:
+        child.kill()
+        for pid in json.loads(line or "[]"):
+            p = _proc(pid)
+            if p is not None:
+                p.kill()
+
+
+def _proc(pid):
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
+
+
+def _barrier_forever():
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    time.sleep(1000)
+
+
+def test_a_killed_engine_is_blamed_first_not_the_peer_that_lost_it(cluster):
+    pid = cluster.ranks()[1]["pid"]
+    threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    with pytest.raises(ck.RankError) as info:
+        cluster.run(_barrier_forever, timeout=120)
+    assert time.monotonic() - t0 < 60
+    assert info.value.rank == 1, str(info.value)
+    assert "engine process died" in info.value.failures[1]
+    assert cluster.needs_restart
+
+
+def _sleep_or_block():
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    print("started", dist.get_rank(), flush=True)
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # blocked in C++: a SIGINT cannot stop it
+    time.sleep(1000)
+
+
+def test_ctrl_c_keeps_the_output_and_checks_the_ranks(cluster):
+    threading.Timer(1.5, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt) as info:
+        cluster.execute("import time\nprint('step', rank, flush=True)\ntime.sleep(1000)")
+    outs = info.value.outputs
+    assert sorted(outs) == [0, 1, 2, 3]
+    assert all(o.stdout == f"step {r}\n" and o.status == "interrupted" for r, o in outs.items())
+    assert not cluster.needs_restart  # every rank stopped and passed the monitored barrier
+    assert cluster.run(os.getpid) == [row["pid"] for row in cluster.ranks()]
+    # now rank 0 is blocked in a collective that the others never join: out of step
+    threading.Timer(2.0, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.run(_sleep_or_block)
+    assert cluster.needs_restart and "did not stop" in cluster.status()
+
+
+def test_a_dead_controller_is_detected_not_waited_on():
+    with Cluster(n=2, timeout=180) as cluster:
+        controller = psutil.Process(cluster._ipp.controller.pid)  # the launcher's process
+        threading.Timer(1.0, controller.kill).start()
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError, match="controller process exited"):
+            cluster.execute("import time; time.sleep(1000)")
+        assert time.monotonic() - t0 < 30
+        assert cluster.needs_restart
