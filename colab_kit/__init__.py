@@ -38,6 +38,11 @@ def __getattr__(name):
     raise AttributeError(f"module 'colab_kit' has no attribute {name!r}")
 
 
+def __dir__():
+    # what is loaded on first use, too: tab completion and dir(ck) show the whole API
+    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
+
+
 def load_ipython_extension(ipython):
     """``%load_ext colab_kit``: register the ``%colossal`` line and cell magics."""
     from .magics import load_ipython_extension as _load

@@ -24,6 +24,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Iterable
 
+from .errors import MessageOnly
+
 __all__ = ["ConfigError", "ParallelConfig", "TP_MODES", "SP_MODES", "SCHEDULES"]
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
@@ -34,8 +36,9 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 AXES = ("pp", "dp", "sp", "tp")  # slowest to fastest varying in the rank order
 
 
-class ConfigError(ValueError):
-    """An invalid parallel configuration; the message names the rule and a valid choice."""
+class ConfigError(MessageOnly, ValueError):
+    """An invalid parallel configuration; the message names the rule and a valid choice
+    (IPython shows the message, not the kernel-side frames)."""
 
 
 def _nearest(n: int, ok) -> list[int]:
@@ -142,12 +145,13 @@ class ParallelConfig:
     def parse(cls, words: str | list[str], base: "ParallelConfig | None" = None) -> "ParallelConfig":
         """Build a config from ``"dp=2 tp=4 tp_mode=2d"`` or ``"--dp 2 --tp 4 --tp-mode 2d"``.
 
-        Unknown keys and unparsable values raise ConfigError naming the nearest key.
+        Unknown keys and unparsable values raise ConfigError naming the nearest key, and so
+        does a key given twice (``dp=2 dp=4``, ``dp=2 --dp 4``): which one was meant is unclear.
         Fields not given keep their value in ``base`` (or the default).
         """
         if isinstance(words, str):
             words = shlex.split(words)
-        values, i = {}, 0
+        values, given, i = {}, {}, 0
         while i < len(words):
             word = words[i]
             if word.startswith("--"):
@@ -162,7 +166,10 @@ class ParallelConfig:
                 key, value = word.split("=", 1)
             else:
                 raise ConfigError(f"cannot read {word!r}: write key=value (dp=2) or a flag (--dp 2)")
-            values[key.replace("-", "_")] = value
+            name, said = key.replace("-", "_"), word if "=" in word else f"{word} {value}"
+            if name in values:
+                raise ConfigError(f"config key {name!r} given twice, as {given[name]} and as {said}: give it once")
+            values[name], given[name] = value, said
             i += 1
         return cls.from_dict(values, base=base)
 

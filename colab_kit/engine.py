@@ -35,7 +35,7 @@ from .memory import ActivationMeter, optimizer_bytes, tensor_bytes
 from .mesh import ProcessMesh
 from .tensor import check_model, plan_for, sync_grads
 
-__all__ = ["boost", "Engine", "lm_loss"]
+__all__ = ["boost", "Engine", "lm_loss", "unsupported"]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -43,17 +43,27 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _refuse_unimplemented(cfg: ParallelConfig) -> None:
+def unsupported(config: ParallelConfig) -> str | None:
+    """Why ``boost`` refuses a valid ``config`` today (the message of the ConfigError it raises), or None.
+
+    ConfigPicker shows the same text as "valid, not runnable yet"::
+
+        unsupported(ParallelConfig(dp=2, tp=2))   # None: boost runs it
+        unsupported(ParallelConfig(dp=2, zero=1)) # "this version of the engine does not run ZeRO stage 1 yet
+                                                  #  (...): set zero=0 and scale dp, tp or pp instead"
+    """
+    cfg = config
     todo = [(cfg.sp > 1, f"sequence parallelism (sp={cfg.sp}, sp_mode={cfg.sp_mode!r})", "sp=1"),
             (cfg.zero > 0, f"ZeRO stage {cfg.zero}", "zero=0"),
             (cfg.offload != "none", f"offload={cfg.offload!r}", "offload='none'"),
             (cfg.precision != "fp32", f"precision={cfg.precision!r}", "precision='fp32'")]
     missing = [(what, fix) for cond, what, fix in todo if cond]
-    if missing:
-        whats = "; ".join(w for w, _ in missing)
-        fixes = " ".join(f for _, f in missing)
-        raise ConfigError(f"this version of the engine does not run {whats} yet (data, tensor and pipeline "
-                          f"parallelism are what run today): set {fixes} and scale dp, tp or pp instead")
+    if not missing:
+        return None
+    whats = "; ".join(w for w, _ in missing)
+    fixes = " ".join(f for _, f in missing)
+    return (f"this version of the engine does not run {whats} yet (data, tensor and pipeline "
+            f"parallelism are what run today): set {fixes} and scale dp, tp or pp instead")
 
 
 def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig, *,
@@ -67,7 +77,9 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
     """
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"config must be a ck.ParallelConfig, got {type(config).__name__}")
-    _refuse_unimplemented(config)
+    why = unsupported(config)
+    if why is not None:
+        raise ConfigError(why)
     if config.tp > 1 and hasattr(model, "cfg"):
         check_model(model.cfg, config)  # sizes that do not divide: refused before any collective
     if config.pp > 1 and hasattr(model, "blocks"):

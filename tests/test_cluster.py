@@ -7,6 +7,7 @@ import shutil
 import threading
 import time
 
+import psutil
 import pytest
 
 import colab_kit as ck
@@ -217,12 +218,15 @@ def test_bad_sizes_are_clear_errors():
 
 
 def test_engines_that_do_not_register_in_time_give_a_clear_error():
+    engines_before = {p.pid for p in psutil.Process().children(recursive=True) if _is_engine(p)}
     t0 = time.monotonic()
     cluster = Cluster(n=2, timeout=0.5)
     with pytest.raises(ClusterError, match=r"only [01] of 2 engines registered within 0.5 s") as info:
         cluster.start()
     assert "timeout=" in str(info.value)
     assert not cluster.running and time.monotonic() - t0 < 30
+    late = [p for p in psutil.Process().children(recursive=True) if _is_engine(p) and p.pid not in engines_before]
+    assert late == [], f"engines that registered too late were left running: {late}"
     with pytest.raises(ClusterError, match="no cluster is running"):
         cluster.run(_rank_times_ten)
 
@@ -238,3 +242,44 @@ def test_mpi_engines_start_train_and_restart():
         assert pids.isdisjoint(row["pid"] for row in cluster.ranks())
         assert cluster.run(_all_reduce, 2.0) == [(6.0, [0, 1])] * 2
     assert not cluster.running
+
+
+def _print_then_sleep():
+    import time
+
+    import torch.distributed as dist
+
+    print(f"rank {dist.get_rank()} working", flush=True)
+    time.sleep(2.5)
+    return dist.get_rank()
+
+
+def test_long_run_calls_report_progress_with_what_the_ranks_printed(cluster, monkeypatch):
+    seen = []
+    assert cluster.run(_print_then_sleep, progress=lambda t, out: seen.append((t, dict(out)))) == [0, 1, 2, 3]
+    assert seen and seen[-1][0] >= 1.0
+    assert any(out.get(3) == "rank 3 working\n" for _, out in seen)
+    # in a notebook kernel the default is a live line (magics.output.Progress), closed at the end
+    import colab_kit.cluster.core as core
+    from colab_kit.magics.output import Progress
+
+    lines = []
+
+    class Recorder(Progress):
+        def show(self, text):
+            lines.append(text)
+
+        def close(self):
+            lines.append("closed")
+
+    monkeypatch.setattr(core, "_notebook_progress", lambda n: Recorder(n))
+    cluster.run(_print_then_sleep)
+    assert any(t.startswith("running on 4 ranks for 2 s; rank 0: rank 0 working") for t in lines), lines
+    assert lines[-1] == "closed"
+
+
+def _is_engine(p) -> bool:
+    try:
+        return "ipyparallel.engine" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -384,6 +384,18 @@ def test_parse_malformed_words(words, message):
     assert str(info.value) == message
 
 
+@pytest.mark.parametrize("words, message", [
+    ("dp=2 dp=4", "config key 'dp' given twice, as dp=2 and as dp=4: give it once"),
+    ("dp=2 --dp 4", "config key 'dp' given twice, as dp=2 and as --dp 4: give it once"),
+    ("--tp-mode 2d tp=4 tp_mode=2d",
+     "config key 'tp_mode' given twice, as --tp-mode 2d and as tp_mode=2d: give it once"),
+])
+def test_parse_refuses_a_key_given_twice(words, message):
+    with pytest.raises(ConfigError) as info:  # even with the same value: which one was meant is unclear
+        P.parse(words)
+    assert str(info.value) == message
+
+
 def test_parse_base_config_carries_over():
     base = P(dp=2, tp=4, tp_mode="2d", zero=1)
     c = P.parse("--pp 2", base=base)

@@ -65,7 +65,8 @@ def test_bad_input_without_a_cluster(run, state):
     _usage(run, "%colossal start --bogus 3", "%colossal start: unrecognized arguments: --bogus 3",
            "[-n N] [--engines ENGINES]")
     _usage(run, "%colossal start -n four", "argument -n: invalid int value: 'four'")
-    _usage(run, "%colossal start -n 0", "n must be a positive whole number")
+    _usage(run, "%colossal start -n 0", "argument -n: must be a positive whole number, got '0'")
+    _usage(run, "%colossal start --timeout 0", "argument --timeout: must be a number of seconds > 0, got '0'")
     _usage(run, "%colossal start --engines slurmm", "unknown engine launcher engines='slurmm'", "slurm")
     _usage(run, "%colossal status --verbose", "%colossal status: unrecognized arguments: --verbose")
     _usage(run, "%colossal config dp=4 tpp=2", "unknown config key 'tpp'", "did you mean 'tp'?")
@@ -115,9 +116,67 @@ def test_cell_runs_on_every_rank_with_output_grouped(run, state, shared):
     assert error is None and out == "[ranks 0, 1, 2, 3]\ndp=2 x tp=2 (1d) = 4 ranks\n"
     error, out, _ = run("%%colossal --ranks 0,2\nprint('only', rank)")
     assert error is None and out == "[rank 0]\nonly 0\n[rank 2]\nonly 2\n"
-    _usage(run, "%%colossal --ranks 0,x\nprint(rank)", "argument --ranks: expected comma-separated ranks like 0,2")
-    _usage(run, "%%colossal --ranks 9\nprint(rank)", "ranks [9] are not ranks of this cluster")
     _usage(run, "%%colossal --rank 1\nprint(rank)", "%%colossal: unrecognized arguments: --rank 1")
+
+
+@pytest.mark.parametrize("src, needle", [
+    ("%%colossal --ranks '0,\nprint(rank)",
+     "%%colossal: cannot split \"--ranks '0,\" into words: No closing quotation"),
+    ("%%colossal --ranks 0,x\nprint(rank)", "argument --ranks: expected comma-separated ranks like 0,2, got '0,x'"),
+    ("%%colossal --ranks ,\nprint(rank)", "argument --ranks: expected comma-separated ranks like 0,2, got ','"),
+    ("%%colossal --ranks 0,-1\nprint(rank)", "argument --ranks: ranks are numbered from 0, got '0,-1'"),
+    ("%%colossal --ranks 9\nprint(rank)", "ranks [9] are not ranks of this cluster: choose among 0..3"),
+    ("%%colossal --timeout -1\nprint(rank)", "argument --timeout: must be a number of seconds > 0, got '-1'"),
+    ("%%colossal --timeout 0\nprint(rank)", "argument --timeout: must be a number of seconds > 0, got '0'"),
+    ("%%colossal --timeout soon\nprint(rank)", "argument --timeout: invalid float value: 'soon'"),
+    ("%colossal start -n 0", "argument -n: must be a positive whole number, got '0'"),
+    ("%colossal config dp=2 dp=4", "config key 'dp' given twice, as dp=2 and as dp=4: give it once"),
+    ("%colossal config dp=4 --dp 4", "config key 'dp' given twice, as dp=4 and as --dp 4: give it once"),
+])
+def test_bad_flags_are_usage_errors_that_leave_the_cluster_usable(run, state, shared, src, needle):
+    _usage(run, src, needle)
+    assert state.cluster is shared and state.config is None and shared.config is None
+    error, out, _ = run("%%colossal --ranks 0,3\nprint('still here', rank)")
+    assert error is None and out == "[rank 0]\nstill here 0\n[rank 3]\nstill here 3\n"
+    assert shared.status() == "4 ranks (local engines, gloo); config: none set"
+
+
+def test_help_documents_every_subcommand_and_flag(run, ip, state):
+    from colab_kit.magics.flags import CELL_FLAGS, COMMANDS, FLAGS, help_text
+
+    doc = ip.find_line_magic("colossal").__doc__
+    assert doc == ip.find_cell_magic("colossal").__doc__ == help_text()
+    error, out, _ = run("%colossal?")
+    assert error is None and help_text().splitlines()[2] in out
+    for name, (flags, _, text) in COMMANDS.items():
+        assert f"%colossal {name}" in doc and text in doc
+        for flag in flags:
+            assert all(f in doc for f in FLAGS[flag][0]) and FLAGS[flag][1]["help"] in doc
+    assert "%%colossal [--ranks 0,2] [--timeout S]" in doc and all(FLAGS[f][1]["help"] in doc for f in CELL_FLAGS)
+
+
+def test_dash_h_shows_one_subcommand_and_does_nothing_else(run, state, shared):
+    from colab_kit.magics.flags import COMMANDS, help_text
+
+    for name, (_, _, text) in COMMANDS.items():
+        for flag in ("-h", "--help"):
+            error, out, _ = run(f"%colossal {name} {flag}")
+            if name == "help":  # help's help is the whole help
+                assert error is None and out == help_text() + "\n"
+                continue
+            assert error is None and out.startswith(f"usage: %colossal {name}") and text in out, (name, out)
+    error, out, _ = run("%colossal start -n 2 -h")  # not started: the cluster is still the shared one
+    assert error is None and "--engines ENGINES  ipyparallel launcher" in out
+    error, out, _ = run("%colossal config dp=4 -h")
+    assert error is None and "config words: key=value or --key value, keys: dp, tp" in out
+    assert run("%colossal stop -h")[0] is None and state.cluster is shared and shared.running
+    assert state.config is None and shared.config is None
+    error, out, _ = run("%colossal help schedule")
+    assert error is None and out.startswith("usage: %colossal schedule [--pp P] [-m M]")
+    assert "-m M, --microbatches M" in out
+    error, out, _ = run("%%colossal -h\nraise SystemExit('the cell must not run')")
+    assert error is None and out.startswith("usage: %%colossal [--ranks 0,2] [--timeout S]") and state.last is None
+    assert "--timeout S  seconds before giving up" in out
 
 
 def test_cell_timeout_returns_and_reports_the_running_ranks(run, shared):
@@ -129,6 +188,20 @@ def test_cell_timeout_returns_and_reports_the_running_ranks(run, shared):
     time.sleep(1.6)
     error, out, _ = run("%%colossal --ranks 1\nprint(rank)")
     assert error is None and out == "[rank 1]\n1\n"
+
+
+def test_ctrl_c_in_a_cell_shows_every_ranks_output_and_the_health_check(run, shared):
+    import _thread
+    import threading
+
+    threading.Timer(1.5, _thread.interrupt_main).start()
+    error, out, err = run("%%colossal\nimport time\nprint('working on', rank, flush=True)\ntime.sleep(1000)")
+    assert isinstance(error, KeyboardInterrupt)
+    for r in range(4):
+        assert f"[rank {r}] interrupted\nworking on {r}\n" in out
+    assert "interrupted; cluster: 4 ranks" in err and "NEEDS RESTART" not in err
+    error, out, _ = run("%%colossal --ranks 2\nprint(rank)")
+    assert error is None and out == "[rank 2]\n2\n"
 
 
 def test_lifecycle_start_fail_restart_stop_start_again(run, state):
@@ -237,9 +310,9 @@ def test_loading_twice_keeps_the_state_and_unloading_removes_everything(ip, stat
     state.config = ck.ParallelConfig(dp=2)
     ck.magics.load_ipython_extension(ip)  # a second load keeps the state (and any cluster)
     assert ck.magics.state(ip) is state
-    assert ip.custom_exceptions == (ck.RankError, ck.cluster.ClusterError, ck.ConfigError)
+    assert ip.custom_exceptions == ()  # errors render themselves (_render_traceback_): no shell-wide handler
     ip.run_line_magic("unload_ext", "colab_kit")
-    assert "colossal" not in ip.magics_manager.magics["line"] and ip.custom_exceptions == ()
+    assert "colossal" not in ip.magics_manager.magics["line"]
     with pytest.raises(RuntimeError, match="%load_ext colab_kit"):
         ck.magics.state(ip)
     ip.run_line_magic("load_ext", "colab_kit")
@@ -268,3 +341,93 @@ def test_progress_line_of_a_long_cell(monkeypatch):
                      ("update", "running on 4 ranks for 4 s; rank 0: step 1  loss <3.1>",
                       "<code>running on 4 ranks for 4 s; rank 0: step 1  loss &lt;3.1&gt;</code>"),
                      ("update", "", "")]
+
+
+def test_a_failing_rank_renders_as_its_message_without_a_kernel_traceback(run, ip):
+    ip.user_ns["err"] = ck.RankError({1: "Traceback (most recent call last):\n  in f\nValueError: boom"}, [0], "f",
+                                     "run %colossal restart")
+    error, out, err = run("raise err")
+    text = out + err
+    assert isinstance(error, ck.RankError) and "RankError: rank 1 failed in f: ValueError: boom" in text
+    assert "--- traceback of rank 1 ---" in text and "----> 1 raise err" not in text and "Cell In[" not in text
+    ip.user_ns["err"].shown = True  # the magic printed every rank's traceback already: the summary alone
+    error, out, err = run("raise err")
+    assert "run %colossal restart" in out + err and "--- traceback of rank" not in out + err
+
+
+class FakeCluster:
+    """Cluster.start / restart with the progress keyword: says how far it got, starts nothing."""
+    calls: list = []
+
+    def __init__(self, n=None, engines="local", *, timeout=60):
+        self.world_size, self.engines, self.config, self.running = n, engines, None, True
+
+    def _go(self, what, progress):
+        FakeCluster.calls.append((what, progress))
+        for done in range(self.world_size + 1):
+            progress and progress("engines registered", done, self.world_size)
+        progress and progress("engines registered", self.world_size, self.world_size)  # unchanged: not redrawn
+        progress and progress("torch.distributed ready", self.world_size, self.world_size)
+        return self
+
+    def start(self, progress=None):
+        return self._go("start", progress)
+
+    def restart(self, progress=None):
+        return self._go("restart", progress)
+
+    def ranks(self):
+        return [{"rank": r, "backend": "gloo"} for r in range(self.world_size)]
+
+    def stop(self):
+        self.running = False
+
+
+@pytest.fixture
+def fake_cluster(monkeypatch):
+    import sys
+
+    FakeCluster.calls = []
+    monkeypatch.setattr(sys.modules["colab_kit.magics.state"], "Cluster", FakeCluster)
+    return FakeCluster
+
+
+def test_start_and_restart_show_progress_in_a_notebook(run, ip, state, fake_cluster, monkeypatch):
+    shown = []
+
+    class Handle:
+        def update(self, obj):
+            shown.append(repr(obj))
+
+    def fake_display(obj, display_id=False):
+        assert display_id is True
+        shown.append(repr(obj))
+        return Handle()
+
+    monkeypatch.setattr(ck.magics.output, "display", fake_display)
+    monkeypatch.setattr(ip, "kernel", object(), raising=False)  # as in a notebook
+    error, out, _ = run("%colossal start -n 2")
+    assert error is None and "started 2 ranks (local engines, gloo)" in out
+    assert [line.rsplit(" (", 1)[0] for line in shown] == [
+        "starting the cluster: engines registered 0/2", "starting the cluster: engines registered 1/2",
+        "starting the cluster: engines registered 2/2", "starting the cluster: torch.distributed ready 2/2", ""]
+    shown.clear()
+    error, out, _ = run("%colossal restart")
+    assert error is None and "restarted 2 ranks" in out
+    assert shown[-2:] == ["restarting the cluster: torch.distributed ready 2/2 (0 s)", ""]
+    assert [what for what, progress in fake_cluster.calls] == ["start", "restart"]
+
+
+def test_start_shows_no_progress_in_a_terminal(run, state, fake_cluster):
+    error, out, _ = run("%colossal start -n 2")
+    assert error is None and out.startswith("started 2 ranks (local engines, gloo) in 0.0 s\n")
+    assert "engines registered" not in out and fake_cluster.calls == [("start", None)]
+
+
+def test_progress_goes_only_to_a_method_that_takes_it():
+    from colab_kit.magics.state import with_progress
+
+    told = []
+    assert with_progress(lambda: "old", told.append) == "old"  # a Cluster without the keyword still starts
+    assert with_progress(lambda progress=None: progress, told.append) == told.append
+    assert with_progress(lambda progress=None: progress, None) is None

@@ -1,10 +1,17 @@
 """ConfigPicker: the logic without a browser, the widgets headless, Apply against a real cluster."""
 from __future__ import annotations
 
+import asyncio
+import threading
+from types import SimpleNamespace
+
 import pytest
 
 import colab_kit as ck
 from colab_kit.widgets import ConfigPicker
+from colab_kit.cluster import ClusterError
+from colab_kit.engine import unsupported
+from colab_kit.widgets import display
 from colab_kit.widgets.config_picker import FIELDS
 
 
@@ -19,8 +26,8 @@ def test_status_follows_every_change():
                            "try dp=1")
     assert p.set(dp=1, tp=2, tp_mode="1d", sp_mode="split_gather").startswith("not valid: this config needs")
     assert p.set(dp=2, schedule="interleaved").startswith("not valid: schedule='interleaved' gives each")
-    assert p.set(schedule="1f1b", sp_mode="ring", zero=2) == "ok: dp=2 x tp=2 (1d) = 4 ranks fits the 4 ranks"
-    assert p.config.zero == 2
+    assert p.set(schedule="1f1b", sp_mode="ring") == "ok: dp=2 x tp=2 (1d) = 4 ranks fits the 4 ranks"
+    assert p.unsupported is None
     with pytest.raises(ck.ConfigError, match="no field 'offload'"):
         p.set(offload="cpu")
 
@@ -56,6 +63,82 @@ def test_widgets_drive_the_same_logic():
     assert [list(t.customdata) for t in fig.data] == [[0, 1], [2, 3]]  # the FigureWidget was redrawn
     p.set(tp_mode="2d")  # code changes reach the widgets too
     assert ui["tp_mode"].value == "2d" and "square" in ui["status"].value
+
+
+@pytest.mark.parametrize("world, changes, why", [
+    (2, dict(dp=1, sp=2), "sequence parallelism (sp=2, sp_mode='ring')"),
+    (4, dict(dp=2, sp=2, sp_mode="ulysses"), "sequence parallelism (sp=2, sp_mode='ulysses')"),
+    (4, dict(zero=1), "ZeRO stage 1"), (4, dict(dp=2, tp=2, zero=3), "ZeRO stage 3")])
+def test_a_valid_config_that_boost_refuses_is_not_runnable_yet(world, changes, why):
+    p = ConfigPicker(world_size=world)
+    status = p.set(**changes)
+    assert p.config is not None and p.error is None  # ParallelConfig accepts it, the mesh is drawn
+    assert status == f"valid, not runnable yet: {unsupported(p.config)}" and p.unsupported == unsupported(p.config)
+    assert f"does not run {why} yet" in status and p.figure().data != ()
+    with pytest.raises(ck.ConfigError) as refused:  # the very message boost raises
+        ck.boost(None, None, p.config)
+    assert str(refused.value) == p.unsupported
+    box = p.widget()
+    assert box is not None and "#b36b00" in p._ui["status"].value and "not runnable yet" in p._ui["status"].value
+    p.set(sp=1, zero=0, dp=world, tp=1)
+    assert p.status().startswith("ok: ") and p.unsupported is None and "green" in p._ui["status"].value
+
+
+class _FakeState:
+    """A %colossal state whose apply_config records what the Apply button showed meanwhile."""
+
+    def __init__(self, picker_ui, outcome):
+        self.cluster = SimpleNamespace(running=True, world_size=4, config=None)
+        self.config, self.ui, self.outcome, self.seen = None, picker_ui, outcome, []
+
+    def apply_config(self, config):
+        button, message = self.ui()["apply"], self.ui()["message"]
+        self.seen.append((button.disabled, button.description, message.value, threading.current_thread().name))
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return self.outcome
+
+
+@pytest.mark.parametrize("outcome, shown", [
+    ("config set on 4 ranks: dp=2 x tp=2 (1d) = 4 ranks", "config set on 4 ranks: dp=2 x tp=2 (1d) = 4 ranks"),
+    (ClusterError("the cluster needs a restart: rank 1 died\nmore"), "not applied: the cluster needs a restart: "
+                                                                     "rank 1 died"),
+    (RuntimeError("unexpected"), "not applied: RuntimeError: unexpected")])
+def test_apply_shows_that_it_is_applying_then_the_outcome(outcome, shown):
+    p = ConfigPicker(state=None, world_size=4)
+    p.state = _FakeState(lambda: p._ui, outcome)
+    p.set(dp=2, tp=2)
+    p.widget()
+    assert p._click_apply() is None  # no running loop: done at once
+    applying = (True, "Applying…", "applying dp=2 x tp=2 (1d) = 4 ranks: building the mesh on every rank…")
+    assert p.state.seen == [(*applying, threading.current_thread().name)]
+    button = p._ui["apply"]
+    assert (button.disabled, button.description, p._ui["message"].value, p.message) == (False, "Apply", shown, shown)
+
+    async def click_in_a_kernel():  # a running loop: the call to the cluster is awaited in a worker thread
+        task = p._click_apply()
+        assert isinstance(task, asyncio.Task) and button.disabled and button.description == "Applying…"
+        await task
+
+    asyncio.run(click_in_a_kernel())
+    assert p.state.seen[1][:3] == applying and p.state.seen[1][3] != threading.current_thread().name
+    assert (button.disabled, button.description, p._ui["message"].value) == (False, "Apply", shown)
+
+
+def test_text_plain_is_the_text_form_not_the_widget_repr(monkeypatch):
+    p = ConfigPicker(world_size=4)
+    p.set(dp=2, tp=2)
+    text = "\n".join([repr(p).splitlines()[0], "ok: dp=2 x tp=2 (1d) = 4 ranks fits the 4 ranks",
+                      "mesh: dp groups [0, 2] [1, 3]; tp groups [0, 1] [2, 3]"])
+    assert repr(p) == text and p._repr_mimebundle_() == {"text/plain": text}  # outside a kernel: text only
+    monkeypatch.setattr(display, "in_kernel", lambda: True)
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj, raw=False: shown.append((obj, raw)))
+    p._ipython_display_()
+    (bundle, raw), = shown
+    assert raw and bundle["text/plain"] == text and not bundle["text/plain"].startswith("VBox")
+    assert bundle[display.WIDGET_MIME]["model_id"] == p.widget().model_id
+    assert p._repr_mimebundle_() == bundle
 
 
 def test_text_fallback_outside_a_kernel(capsys):

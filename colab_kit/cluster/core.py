@@ -21,7 +21,6 @@ next call is refused until they finish (or ``restart()`` stops them).
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import os
 import signal
@@ -30,35 +29,20 @@ import time
 
 from ..config import ParallelConfig
 from ..errors import RankError
-from ..net import LOOPBACK, is_loopback
+from ..net import LOOPBACK
+from ..tracebacks import source_map
 from . import remote
 from .gather import RESTART_ADVICE, ClusterError, Waiting
 from .results import RankOutput, RankTable, check_ranks, rank_output, split, unwrap_call, unwrap_execute
-from .watchdog import Watchdog, cluster_processes, descendant_pids
+from .startup import Startup, launcher_names, preload_torch
+from .watchdog import Watchdog, cluster_processes, descendant_pids, end_processes, with_descendants
 
 __all__ = ["Cluster", "ClusterError", "RankOutput", "RankTable", "RESTART_ADVICE"]
 
 LOCAL_LAUNCHERS = ("local",)  # launchers that only ever start engines on this host
 
 
-def _preload_torch(config=None):
-    """ipyparallel config whose engines import torch while they start up: that overlaps the
-    import with the engines' registration (about 2 s less for 4 engines on 2 cores)."""
-    from traitlets.config import Config
-
-    config = Config(config or {})
-    if "engine_args" not in config.EngineLauncher:
-        config.EngineLauncher.engine_args = ["--IPEngine.startup_command=import torch, torch.distributed"]
-    return config
-
-
-def _launcher_names() -> list[str]:
-    from importlib.metadata import entry_points
-
-    return sorted(e.name for e in entry_points(group="ipyparallel.engine_launchers"))
-
-
-class Cluster(Waiting):
+class Cluster(Startup, Waiting):
     """ipyparallel engines with torch.distributed up on every one of them.
 
     n: engines (ranks); None means one per GPU when CUDA is available, else 4.
@@ -91,9 +75,9 @@ class Cluster(Waiting):
             n = torch.cuda.device_count() if torch.cuda.is_available() else 4
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ClusterError(f"n must be a positive whole number of engines, got {n!r}: try n=4")
-        if isinstance(engines, str) and "." not in engines and engines not in _launcher_names():
+        if isinstance(engines, str) and "." not in engines and engines not in launcher_names():
             raise ClusterError(f"unknown engine launcher engines={engines!r}: ipyparallel knows "
-                               f"{', '.join(_launcher_names())} (or give a launcher class path)")
+                               f"{', '.join(launcher_names())} (or give a launcher class path)")
         if backend not in (None, "gloo", "nccl"):
             raise ClusterError(f"backend must be 'gloo', 'nccl' or None (pick by hardware), got {backend!r}")
         if "controller_ip" in ipp_kwargs:
@@ -108,6 +92,7 @@ class Cluster(Waiting):
         self.config: ParallelConfig | None = None
         self._ipp = self._client = self._watchdog = None
         self._engine_procs: list = []            # this host's engine processes (psutil), for the watchdog
+        self._controller_procs: list = []        # the controller's processes: a dead one is noticed
         self._ids: list[int] = []                # engine id of each rank
         self._table = RankTable()
         self._broken: str | None = None          # why the cluster needs a restart
@@ -134,13 +119,14 @@ class Cluster(Waiting):
             raise ClusterError(f"this cluster of {self.world_size} ranks is already running: "
                                "stop() it first, or restart() it")
         kwargs = {"log_level": logging.ERROR, **self.ipp_kwargs}  # SIGKILLed engines are no news
-        kwargs["config"] = _preload_torch(kwargs.get("config"))
+        kwargs["config"] = preload_torch(kwargs.get("config"))
         try:
             self._watchdog = Watchdog()
             before = descendant_pids()
             self._ipp = ipp.Cluster(n=self.n, engines=self.engines, controller_ip=self.ip, **kwargs)
             self._ipp.start_controller_sync()
-            self._watchdog.watch(cluster_processes(before))
+            self._controller_procs = cluster_processes(before)  # the controller and its schedulers
+            self._watchdog.watch(self._controller_procs)
             self._client = self._ipp.connect_client_sync()
             self._start_engines(progress)
         except BaseException as exc:
@@ -181,9 +167,12 @@ class Cluster(Waiting):
         self._ids, self._table, self._broken, self._busy = [], RankTable(), None, {}
         before = descendant_pids()
         self._ipp.start_engines_sync(self.n)
-        self._ids = self._wait_for_engines(progress)
-        self._engine_procs = cluster_processes(before)  # the engines and their nannies
+        self._engine_procs = cluster_processes(before)  # watched from the start: a failed start ends them too
         self._watchdog.watch(self._engine_procs)
+        self._ids = self._wait_for_engines(progress)
+        self._engine_procs = with_descendants(self._engine_procs)  # and now their nannies
+        self._controller_procs = with_descendants(self._controller_procs)  # its schedulers are up by now
+        self._watchdog.watch(self._engine_procs + self._controller_procs)
         self._init_dist()
         if progress is not None:
             progress("torch.distributed ready", self.n, self.n)
@@ -205,64 +194,6 @@ class Cluster(Waiting):
                                "they were killed")
         self._watchdog.forget(self._engine_procs)
 
-    def _wait_for_engines(self, progress=None) -> list[int]:
-        """ipyparallel's public wait, reporting how many engines registered while it runs."""
-        future = self._client.wait_for_engines(self.n, timeout=self.timeout, block=False, interactive=False)
-        said = -1
-        while True:
-            try:
-                future.result(timeout=0.1)
-                break
-            except cf.TimeoutError:
-                got = min(len(self._client.ids), self.n)
-                if progress is not None and got != said:
-                    progress("engines registered", got, self.n)
-                    said = got
-            except Exception as exc:  # noqa: BLE001 - ipyparallel's TimeoutError or "engine set stopped"
-                got = len(self._client.ids)
-                why = "all engine processes exited" if "stopped" in str(exc) else f"within {self.timeout:g} s"
-                raise ClusterError(
-                    f"only {got} of {self.n} engines registered {why} (engines={self.engines!r}). "
-                    f"Check that the launcher works on this machine, or give more time with timeout=..."
-                    + self._engine_output()) from None
-        if progress is not None:
-            progress("engines registered", self.n, self.n)
-        return sorted(self._client.ids)[:self.n]
-
-    def _engine_output(self) -> str:
-        text = ""
-        for s in self._ipp.engines.values():
-            try:
-                out = s.get_output()
-                text += "\n".join(out.values()) if isinstance(out, dict) else str(out or "")
-            except Exception:  # noqa: BLE001 - output is a hint only
-                pass
-        tail = "\n".join(text.strip().splitlines()[-8:])
-        return f"\nlast lines of the engines' output:\n{tail}" if tail else ""
-
-    def _init_dist(self) -> None:
-        """probe -> rank 0 opens the store -> every rank joins the process group."""
-        ranks = list(range(self.n))
-        info = self._gather(self._apply(ranks, remote.probe, self.ip, list(sys.path), os.getcwd()), self.timeout,
-                            "start (probe)")
-        hosts = [info[r]["host"] for r in range(self.n)]
-        local = [hosts[:r].count(h) for r, h in enumerate(hosts)]
-        per_host = [hosts.count(h) for h in hosts]
-        gpus_ok = all(info[r]["cuda"] >= per_host[r] for r in range(self.n))
-        backend = self.backend or ("nccl" if gpus_ok else "gloo")
-        if backend == "nccl" and not gpus_ok:
-            short = [r for r in range(self.n) if info[r]["cuda"] < per_host[r]]
-            raise ClusterError(f"backend='nccl' needs one GPU per engine, but ranks {short} see fewer GPUs "
-                               "than engines on their host: use backend='gloo' or fewer engines per host")
-        store_ip = LOOPBACK if is_loopback(self.ip) else info[0]["ip"]
-        addr, port = self._gather(self._apply([0], remote.open_store, store_ip, self.n, self.timeout),
-                                  self.timeout, "start")[0]
-        done = self._gather({r: self._client[self._ids[r]].apply_async(
-            remote.init_rank, r, self.n, local[r], per_host[r], addr, port, backend, self.collective_timeout)
-            for r in ranks}, self.timeout, "start (init_process_group)")
-        self._table = RankTable({"rank": r, "host": hosts[r], "pid": info[r]["pid"], "device": done[r]["device"],
-                                 "backend": backend} for r in range(self.n))
-
     def _teardown(self) -> None:
         if self._ipp is not None:
             try:
@@ -276,9 +207,11 @@ class Cluster(Waiting):
                 self._ipp.stop_cluster_sync()
             except Exception:  # noqa: BLE001 - best effort: the processes may be gone already
                 pass
+        end_processes(self._engine_procs + self._controller_procs)  # e.g. a dead controller's schedulers
         if self._watchdog is not None:
             self._watchdog.close()
         self._ipp = self._client = self._watchdog = None
+        self._engine_procs, self._controller_procs = [], []
         self._ids, self._table, self._broken, self._busy = [], RankTable(), None, {}
 
     # ------------------------------------------------------------ use
@@ -299,11 +232,22 @@ class Cluster(Waiting):
                      self.timeout, "set_config")
         self.config = config
 
-    def run(self, fn, *args, ranks: list[int] | None = None, timeout: float | None = None):
-        """``fn(*args)`` on every rank (or ``ranks``): a list by rank, or a dict rank -> result."""
+    def run(self, fn, *args, ranks: list[int] | None = None, timeout: float | None = None, progress="auto"):
+        """``fn(*args)`` on every rank (or ``ranks``): a list by rank, or a dict rank -> result.
+
+        ``progress(seconds, {rank: stdout so far})`` is called about once a second while
+        waiting; the default ("auto") shows a live line in a notebook once a call has run
+        for 2 s (``running on 4 ranks for 7 s; rank 0: step 10 loss 3.0``), nothing elsewhere.
+        """
         targets = self._targets(ranks)
-        ars = self._apply(targets, remote.call, fn, args, {}, remote.source_map(fn, args))
-        out = self._gather(ars, timeout, getattr(fn, "__name__", "run"), unwrap=unwrap_call)
+        ars = self._apply(targets, remote.call, fn, args, {}, source_map(fn, args))
+        line = _notebook_progress(len(targets)) if progress == "auto" else progress
+        tick = None if line is None else (lambda t: line(t, {r: ar.stdout or "" for r, ar in ars.items()}))
+        try:
+            out = self._gather(ars, timeout, getattr(fn, "__name__", "run"), unwrap=unwrap_call, tick=tick)
+        finally:
+            if progress == "auto" and line is not None:
+                line.close()
         check_ranks(ars, self._ids)
         return [out[r] for r in targets] if ranks is None else {r: out[r] for r in targets}
 
@@ -318,7 +262,7 @@ class Cluster(Waiting):
         ``progress(seconds, {rank: stdout so far})`` is called about once a second while waiting.
         """
         targets = self._targets(ranks)
-        ars = split(self._client, self._view(targets).execute(code, silent=False, block=False), targets)
+        ars = split(self._view(targets).execute(code, silent=False, block=False), targets)
         tick = None if progress is None else (lambda t: progress(t, {r: ar.stdout or "" for r, ar in ars.items()}))
         try:
             self._gather(ars, timeout, where, unwrap=unwrap_execute, tick=tick)
@@ -357,11 +301,11 @@ class Cluster(Waiting):
         if gone:
             self._broken = f"the engines of ranks {gone} are gone (killed, or out of memory?)"
             raise ClusterError(f"{self._broken}: run %colossal restart (or cluster.restart()) for fresh engines")
-        return self._client[ids]
+        return self._client[ids[0] if len(ids) == 1 else ids]  # one engine: plain results, not lists
 
     def _apply(self, ranks: list[int], fn, *args) -> dict:
         """``fn(*args)`` on ``ranks``: rank -> AsyncResult."""
-        return split(self._client, self._view(ranks).apply_async(fn, *args), ranks)
+        return split(self._view(ranks).apply_async(fn, *args), ranks)
 
     def _targets(self, ranks: list[int] | None) -> list[int]:
         self._check_usable()
@@ -386,3 +330,16 @@ class Cluster(Waiting):
                                "queue behind it: wait for them (%colossal status), or run %colossal restart")
         self._busy = {}
 
+
+def _notebook_progress(n: int):
+    """A live progress line when running inside a notebook kernel, else None."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    if shell is None or getattr(shell, "kernel", None) is None:
+        return None
+    from ..magics.output import Progress
+
+    return Progress(n)

@@ -21,7 +21,7 @@ import concurrent.futures as cf
 import signal
 import time
 
-from ..errors import RankError, RankTimeout
+from ..errors import MessageOnly, RankError, RankTimeout
 from . import remote
 from .results import unwrap_plain
 
@@ -32,20 +32,26 @@ RESTART_ADVICE = ("the cluster's process group is now unusable: run %colossal re
 HEALTH_SECONDS = 5.0
 
 
-class ClusterError(RuntimeError):
-    """The cluster cannot do what was asked (not started, failed to start, needs a restart)."""
-
-    def _render_traceback_(self) -> list[str]:  # IPython: the message, not the kernel-side frames
-        return [f"ClusterError: {self}"]
+class ClusterError(MessageOnly, RuntimeError):
+    """The cluster cannot do what was asked (not started, failed to start, needs a restart).
+    IPython shows its message only: the kernel-side frames say nothing the message does not."""
 
 
 class Waiting:
-    """The waiting half of ``Cluster`` (needs ``_client``, ``_ipp``, ``_ids``, ``grace``,
-    ``timeout``, ``_broken``, ``_busy``)."""
+    """The waiting half of ``Cluster`` (needs ``_client``, ``_ids``, ``_controller_procs``,
+    ``grace``, ``timeout``, ``_broken``, ``_busy``)."""
 
     def _controller_dead(self) -> bool:
-        launcher = getattr(self._ipp, "controller", None)
-        return launcher is not None and getattr(launcher, "state", "running") == "after"
+        """Whether a process of the controller (started by this kernel) has ended."""
+        import psutil
+
+        for proc in self._controller_procs:
+            try:
+                if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.Error:
+                return True
+        return False
 
     def _dead_ranks(self, ranks) -> list[int]:
         """Ranks whose engine has unregistered (the engine's nanny tells the controller at once)."""

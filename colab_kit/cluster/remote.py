@@ -30,7 +30,7 @@ import sys
 import traceback
 from datetime import timedelta
 
-from ..tracebacks import install as install_sources, source_map  # call's two halves: engine, kernel
+from ..tracebacks import install as install_sources  # the kernel side is tracebacks.source_map
 
 __all__ = ["probe", "open_store", "init_rank", "set_config", "call", "health", "namespace"]
 

@@ -104,13 +104,11 @@ def rank_output(rank: int, ar, err: RankError | None, interrupted: bool = False)
                       err.failures.get(rank) if status == "error" else None, status, displays)
 
 
-def split(client, ar, ranks: list[int]) -> dict:
-    """One AsyncResult per rank out of a multi-engine one, through public ipyparallel calls: a
-    DirectView sends one message per target, in target order (``ar.msg_ids``), and
-    ``client.get_result`` wraps each. ``check_ranks`` later confirms the order from each
-    result's metadata (the engine that ran it)."""
-    ar.owner = False  # each rank's own result pops its cached data when read
-    return {r: client.get_result(msg_id, block=False, owner=True) for r, msg_id in zip(ranks, ar.msg_ids)}
+def split(ar, ranks: list[int]) -> dict:
+    """One AsyncResult per rank out of a multi-engine one: ipyparallel's public
+    ``AsyncResult.split()`` gives one per message, in target order; ``check_ranks``
+    confirms that order from each finished result's metadata (the engine that ran it)."""
+    return dict(zip(ranks, ar.split()))
 
 
 def check_ranks(ars: dict, engine_ids: list[int]) -> None:

@@ -25,7 +25,7 @@ import sys
 
 import psutil
 
-__all__ = ["Watchdog", "cluster_processes"]
+__all__ = ["Watchdog", "cluster_processes", "descendant_pids", "with_descendants", "end_processes"]
 
 KILL_AFTER = 3.0
 
@@ -86,6 +86,29 @@ def descendant_pids() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+def with_descendants(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """``procs`` and every process they have started since (still running ones)."""
+    out = {p.pid: p for p in procs}
+    for p in procs:
+        try:
+            out.update({c.pid: c for c in p.children(recursive=True)})
+        except psutil.Error:
+            pass
+    return list(out.values())
+
+
+def end_processes(procs: list[psutil.Process]) -> None:
+    """TERM, then KILL after a short wait, whatever of ``procs`` still runs (pid reuse is checked)."""
+    _end({(p.pid, p.create_time()) for p in procs if _alive_proc(p)}, wait=1.0)
+
+
+def _alive_proc(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def _alive(pid: int, created: float):
     try:
         p = psutil.Process(pid)
@@ -94,14 +117,14 @@ def _alive(pid: int, created: float):
         return None
 
 
-def _end(watched: set[tuple[int, float]]) -> None:
+def _end(watched: set[tuple[int, float]], wait: float = KILL_AFTER) -> None:
     procs = [p for p in (_alive(pid, c) for pid, c in watched) if p is not None]
     for p in procs:  # TERM first: a controller or engine that can still clean up does
         try:
             p.send_signal(signal.SIGTERM)
         except psutil.Error:
             pass
-    _, left = psutil.wait_procs(procs, timeout=KILL_AFTER)
+    _, left = psutil.wait_procs(procs, timeout=wait)
     for p in left:
         try:
             p.kill()

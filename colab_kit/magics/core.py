@@ -22,15 +22,20 @@ Ranks whose output is identical are shown once (``[ranks 0, 1, 2, 3]``). In a no
 a cell that runs longer than 2 s shows a live line meanwhile (the last line a rank
 printed), replaced by the grouped output at the end. A rank that
 raises is shown with its traceback; the call returns after a short grace period even
-when the other ranks wait for it in a collective (then ``%colossal restart``).
-Bad input (unknown subcommand or flag, invalid config, world size mismatch, no
-cluster) gives one clear paragraph, not a traceback. The magics act on one explicit
-``ColossalState`` (``colab_kit.magics.state()`` returns the shell's).
+when the other ranks wait for it in a collective (then ``%colossal restart``); the
+``RankError`` then renders as its summary alone (``_render_traceback_``).
+Bad input (unknown subcommand or flag, invalid config, a config key given twice, bad
+``--ranks``, a timeout <= 0, world size mismatch, no cluster) is a ``UsageError``: one
+clear paragraph, not a traceback, and the cluster stays usable. ``%colossal?`` lists
+every subcommand and flag; ``-h`` after a subcommand (or on ``%%colossal``) shows its
+help. ``start`` and ``restart`` show a live line in a notebook (engines registered,
+torch.distributed ready). The magics act on one explicit ``ColossalState``
+(``colab_kit.magics.state()`` returns the shell's).
 """
 from __future__ import annotations
 
 import difflib
-import shlex
+import sys
 import time
 
 from IPython.core.error import UsageError
@@ -40,22 +45,12 @@ from IPython.display import display
 from ..cluster import ClusterError
 from ..config import ConfigError, ParallelConfig
 from ..errors import RankError
-from .flags import CELL_FLAGS, COMMANDS, help_text, parser
-from .output import Progress, show_outputs
+from .flags import COMMANDS, cell_parser, command_parser, help_text, split, wants_help
+from .output import Progress, StageProgress, show_outputs
 from .state import ColossalState
 
 __all__ = ["ColossalState", "ColossalMagics", "state", "show_outputs", "load_ipython_extension",
            "unload_ipython_extension"]
-
-
-def _show_error(shell, etype, value, tb, tb_offset=None):
-    """Custom handler: the error's own message, without the kernel-side traceback."""
-    text = str(value)
-    if getattr(value, "shown", False):  # the magic already printed every rank's traceback
-        text = text.split("\n--- traceback of rank")[0]
-    stb = [f"{etype.__name__}: {text}"]
-    shell._showtraceback(etype, value, stb)
-    return stb
 
 
 # ---------------------------------------------------------------- the magics
@@ -75,21 +70,21 @@ class ColossalMagics(Magics):
             raise UsageError(str(exc)) from None
 
     def _line(self, line: str):
-        try:
-            argv = shlex.split(line)
-        except ValueError as exc:
-            raise UsageError(f"%colossal: cannot split {line!r}: {exc}") from None
+        argv = split(line, "%colossal")
         if not argv or argv[0] in ("help", "-h", "--help"):
-            print(help_text())
+            topic = argv[1] if argv[1:] and argv[1] in COMMANDS else None
+            print(command_parser(topic).format_help() if topic else help_text())
             return None
         name, rest = argv[0], argv[1:]
         if name not in COMMANDS:
             near = difflib.get_close_matches(name, COMMANDS, n=1)
             raise UsageError(f"%colossal: unknown subcommand {name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
                              + f". Subcommands: {', '.join(COMMANDS)}")
-        flags, takes_words, _ = COMMANDS[name]
-        p = parser(f"%colossal {name}", flags)
-        if not takes_words:
+        p = command_parser(name)
+        if wants_help(rest):  # that subcommand's usage and help, and nothing else
+            print(p.format_help())
+            return None
+        if not COMMANDS[name][1]:
             return getattr(self, f"_do_{name}")(p.parse_args(rest), [])
         args, words = p.parse_known_args(rest)
         try:
@@ -97,12 +92,24 @@ class ColossalMagics(Magics):
         except ConfigError as exc:
             if not str(exc).startswith(("unknown config key", "cannot read", "flag ")):
                 raise
-            usage = p.format_usage().strip()[7:]  # a word it could not read: show what it takes
-            raise UsageError(f"{exc}. Usage: {usage} [dp=2 tp=2 ... or --dp 2 --tp 2 ...]") from None
+            raise UsageError(f"{exc}. Usage: {p.usage_line()}") from None  # a word it could not read
+
+    @property
+    def _notebook(self) -> bool:
+        """Live progress lines only where a kernel shows them; a plain terminal gets the result alone."""
+        return getattr(self.shell, "kernel", None) is not None
+
+    def _live(self, what: str) -> StageProgress | None:
+        return StageProgress(what) if self._notebook else None
 
     def _do_start(self, args, words):
         t0 = time.perf_counter()
-        cluster = self.state.start(args.n, args.engines, args.timeout)
+        progress = self._live("starting the cluster")
+        try:
+            cluster = self.state.start(args.n, args.engines, args.timeout, progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
         backend = cluster.ranks()[0]["backend"]
         print(f"started {cluster.world_size} ranks ({args.engines} engines, {backend}) "
               f"in {time.perf_counter() - t0:.1f} s")
@@ -160,16 +167,24 @@ class ColossalMagics(Magics):
 
     def _do_restart(self, args, words):
         t0 = time.perf_counter()
-        cluster = self.state.require_cluster().restart()
+        progress = self._live("restarting the cluster")
+        try:
+            cluster = self.state.restart(progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
         print(f"restarted {cluster.world_size} ranks in {time.perf_counter() - t0:.1f} s"
               + (f" with config {cluster.config.describe()}" if cluster.config else ""))
         display(cluster.ranks())
 
     def _cell(self, line: str, cell: str):
-        args = parser("%%colossal", CELL_FLAGS).parse_args(shlex.split(line))
+        p, argv = cell_parser(), split(line, "%%colossal")
+        if wants_help(argv):  # the help, and the cell is not run
+            print(p.format_help())
+            return
+        args = p.parse_args(argv)
         cluster = self.state.require_cluster()
-        progress = Progress(cluster.world_size if args.ranks is None else len(args.ranks)) \
-            if getattr(self.shell, "kernel", None) is not None else None  # a live line in notebooks only
+        progress = Progress(cluster.world_size if args.ranks is None else len(args.ranks)) if self._notebook else None
         try:
             self.state.last = cluster.execute(cell, ranks=args.ranks, timeout=args.timeout, where="%%colossal",
                                               progress=progress)
@@ -179,10 +194,20 @@ class ColossalMagics(Magics):
                 show_outputs(self.state.last)
                 err.shown = True
             raise err from None
+        except KeyboardInterrupt as stop:  # Ctrl-C / the stop button: what every rank said so far, then
+            self.state.last = getattr(stop, "outputs", None)  # whether the ranks are still in step
+            if self.state.last:
+                show_outputs(self.state.last)
+            if getattr(stop, "cluster_status", None):
+                print(f"interrupted; cluster: {stop.cluster_status}", file=sys.stderr)
+            raise
         finally:
             if progress is not None:
                 progress.close()
         show_outputs(self.state.last)
+
+
+ColossalMagics.colossal.__doc__ = help_text()  # what %colossal? shows: built from the one flags table
 
 
 def state(shell=None) -> ColossalState:
@@ -200,8 +225,6 @@ def load_ipython_extension(ipython) -> None:
     if "ColossalMagics" in ipython.magics_manager.registry:
         return  # loaded twice: keep the existing state (and its cluster)
     ipython.register_magics(ColossalMagics(ipython, ColossalState()))
-    if not ipython.custom_exceptions:
-        ipython.set_custom_exc((RankError, ClusterError, ConfigError), _show_error)
 
 
 def unload_ipython_extension(ipython) -> None:
@@ -210,6 +233,4 @@ def unload_ipython_extension(ipython) -> None:
         magics.state.cluster.stop()
     ipython.magics_manager.magics["line"].pop("colossal", None)
     ipython.magics_manager.magics["cell"].pop("colossal", None)
-    if ipython.custom_exceptions == (RankError, ClusterError, ConfigError):
-        ipython.set_custom_exc((), None)
 

@@ -1,25 +1,57 @@
-"""The ``%colossal`` flags and subcommands, declared once; argparse parsers that raise
-``UsageError`` (never ``sys.exit``) and the help text built from the same table."""
+"""The ``%colossal`` flags and subcommands, declared once: the argparse parsers (which raise
+``UsageError``, never ``sys.exit``), each subcommand's ``-h`` and the help text that
+``%colossal``, ``%colossal?`` and ``%colossal help`` show are all built from this table."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
+import shlex
 
 from IPython.core.error import UsageError
 
-__all__ = ["FLAGS", "COMMANDS", "CELL_FLAGS", "parser", "help_text"]
+from ..config import ParallelConfig
+
+__all__ = ["FLAGS", "COMMANDS", "CELL_FLAGS", "CELL_HELP", "CONFIG_WORDS", "parser", "command_parser", "cell_parser",
+           "split", "wants_help", "help_text"]
+
+HELP = ("-h", "--help")
+CONFIG_WORDS = "[dp=2 tp=2 ... | --dp 2 --tp 2 ...]"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)  # a ValueError reads "invalid int value: 'four'"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or math.isnan(value):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _rank_list(text: str) -> list[int]:
     try:
-        return [int(w) for w in text.split(",") if w.strip()]
+        ranks = [int(w) for w in text.split(",") if w.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ranks like 0,2, got {text!r}") from None
+        ranks = None
+    if not ranks:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ranks like 0,2, got {text!r}")
+    if min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"ranks are numbered from 0, got {text!r}")
+    return ranks
 
+
+_positive_int.__name__, _seconds.__name__ = "int", "float"  # argparse names the type in its message
 
 FLAGS = {
-    "n": (("-n",), dict(type=int, default=None, metavar="N", help="engines (ranks); default: one per GPU, else 4")),
+    "n": (("-n",), dict(type=_positive_int, default=None, metavar="N",
+                        help="engines (ranks); default: one per GPU, else 4")),
     "engines": (("--engines",), dict(default="local", help="ipyparallel launcher: local, mpi, slurm, ssh, ...")),
-    "timeout": (("--timeout",), dict(type=float, default=None, metavar="S", help="seconds before giving up")),
+    "timeout": (("--timeout",), dict(type=_seconds, default=None, metavar="S", help="seconds before giving up")),
     "axis": (("--axis",), dict(default="tp", help="colour the ranks by their group on this axis")),
     "ranks": (("--ranks",), dict(type=_rank_list, default=None, metavar="0,2", help="only these ranks")),
     "pp": (("--pp",), dict(type=int, default=None, metavar="P", help="pipeline ranks")),
@@ -38,28 +70,69 @@ COMMANDS = {  # name: (flags, takes config words, help)
     "status": ((), False, "show the cluster, its ranks and config"),
     "stop": ((), False, "stop the cluster"),
     "restart": ((), False, "fresh engines with the same config (after a failure)"),
-    "help": ((), False, "this help"),
+    "help": ((), False, "this help (help SUBCOMMAND: that subcommand's)"),
 }
 CELL_FLAGS = ("ranks", "timeout")
+CELL_HELP = "run the cell on every rank (or on --ranks); rank, config and mesh are predefined there"
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse would print and sys.exit: a clear UsageError instead
-        raise UsageError(f"{self.prog}: {message}. Usage: {self.format_usage().strip()[7:]}")
+        raise UsageError(f"{self.prog}: {message}. Usage: {self.usage_line()}")
+
+    def usage_line(self) -> str:
+        return self.format_usage().strip()[len("usage: "):]
 
 
-def parser(prog: str, flags) -> _Parser:
-    p = _Parser(prog=prog, add_help=False, allow_abbrev=False)
+def parser(prog: str, flags, help: str = "", words: bool = False) -> _Parser:
+    """The parser of one subcommand; ``-h`` is accepted (see ``wants_help``) but not listed in usage lines."""
+    keys = ", ".join(f.name for f in dataclasses.fields(ParallelConfig))
+    p = _Parser(prog=prog, add_help=False, allow_abbrev=False, description=help,
+                epilog=f"config words: key=value or --key value, keys: {keys}" if words else None)
+    p.add_argument(*HELP, action="store_true", dest="help", help=argparse.SUPPRESS)
     for name in flags:
         names, kwargs = FLAGS[name]
         p.add_argument(*names, dest=name, **kwargs)
+    if words:
+        p.usage = f"{p.usage_line()} {CONFIG_WORDS}".replace("%", "%%")  # argparse %-formats usage
     return p
 
 
+def command_parser(name: str) -> _Parser:
+    flags, words, text = COMMANDS[name]
+    return parser(f"%colossal {name}", flags, text, words)
+
+
+def cell_parser() -> _Parser:
+    return parser("%%colossal", CELL_FLAGS, CELL_HELP)
+
+
+def split(line: str, prog: str) -> list[str]:
+    """``shlex.split``, with an unbalanced quote (``--ranks '0,``) a UsageError."""
+    try:
+        return shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"{prog}: cannot split {line!r} into words: {exc}") from None
+
+
+def wants_help(argv: list[str]) -> bool:
+    return any(word in HELP for word in argv)
+
+
+def _flag_lines(flags) -> list[str]:
+    lines = []
+    for name in flags:
+        names, kwargs = FLAGS[name]
+        label = ", ".join(names) + (f" {kwargs['metavar']}" if "metavar" in kwargs else f" {names[-1][2:].upper()}")
+        lines.append(f"      {label:<22} {kwargs['help']}")
+    return lines
+
+
 def help_text() -> str:
-    lines = ["%colossal SUBCOMMAND [flags]:"]
+    """Every subcommand with its flags, then the cell magic (``%colossal?`` shows this too)."""
+    lines = ["%colossal SUBCOMMAND [flags]   (-h after any subcommand: its help)", ""]
     for name, (flags, words, text) in COMMANDS.items():
-        usage = parser(f"%colossal {name}", flags).format_usage().strip()[7:] + (" [dp=.. tp=..]" if words else "")
-        lines.append(f"  {usage:<58} {text}")
-    lines.append("%%colossal [--ranks 0,2] [--timeout S]: run the cell on every rank (rank, config, mesh predefined)")
+        lines += [f"  {command_parser(name).usage_line()}", f"      {text}", *_flag_lines(flags)]
+    lines += ["", cell_parser().usage_line(), f"      {CELL_HELP}",
+              *_flag_lines(CELL_FLAGS)]
     return "\n".join(lines)

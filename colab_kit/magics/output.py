@@ -1,14 +1,16 @@
-"""Showing what the ranks printed: grouped per rank, and a live progress line for long cells."""
+"""Showing what the ranks printed, grouped per rank; live progress lines for long cells and for
+starting engines (notebooks only: a plain terminal gets the final output alone)."""
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 from IPython.display import display, publish_display_data
 
 from ..cluster import RankOutput
 
-__all__ = ["show_outputs", "Progress"]
+__all__ = ["show_outputs", "LiveLine", "Progress", "StageProgress"]
 
 
 def show_outputs(outputs: dict[int, RankOutput]) -> None:
@@ -23,7 +25,8 @@ def show_outputs(outputs: dict[int, RankOutput]) -> None:
         if not (o.stdout or o.stderr or o.result is not None or o.displays or o.status != "ok"):
             continue
         name = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        print(f"[{name}]" + {"ok": "", "error": " FAILED", "stuck": " still running (given up on)"}[o.status])
+        print(f"[{name}]" + {"ok": "", "error": " FAILED", "interrupted": " interrupted",
+                                 "stuck": " still running (given up on)"}[o.status])
         if o.stdout:
             print(o.stdout, end="" if o.stdout.endswith("\n") else "\n")
         if o.stderr:
@@ -51,7 +54,23 @@ class Line:
         return self.text
 
 
-class Progress:
+class LiveLine:
+    """One line of a notebook's output, updated in place (``display_id``); emptied by ``close``."""
+
+    handle = None
+
+    def show(self, text: str) -> None:
+        if self.handle is None:
+            self.handle = display(Line(text), display_id=True)
+        else:
+            self.handle.update(Line(text))
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.update(Line(""))
+
+
+class Progress(LiveLine):
     """A live line saying that a long cell still runs, with the latest line a rank printed;
     emptied when the cell ends (its grouped output follows)::
 
@@ -59,19 +78,29 @@ class Progress:
     """
 
     def __init__(self, n: int, after: float = 2.0):
-        self.n, self.after, self.handle = n, after, None
+        self.n, self.after = n, after
 
     def __call__(self, seconds: float, stdout: dict[int, str]) -> None:
         if seconds < self.after:
             return
         said = [(r, out.rstrip().splitlines()[-1]) for r, out in stdout.items() if out.strip()]
-        line = Line(f"running on {self.n} ranks for {seconds:.0f} s"
-                     + (f"; rank {said[0][0]}: {said[0][1]}" if said else ""))
-        if self.handle is None:
-            self.handle = display(line, display_id=True)
-        else:
-            self.handle.update(line)
+        self.show(f"running on {self.n} ranks for {seconds:.0f} s"
+                  + (f"; rank {said[0][0]}: {said[0][1]}" if said else ""))
 
-    def close(self) -> None:
-        if self.handle is not None:
-            self.handle.update(Line(""))
+
+class StageProgress(LiveLine):
+    """``progress(stage, done, total)`` for ``Cluster.start`` / ``restart``: a live line,
+    redrawn only when its text changes, emptied when the cluster is up::
+
+        starting 4 ranks: engines registered 3/4 (5 s)
+        starting 4 ranks: torch.distributed ready 4/4 (8 s)
+    """
+
+    def __init__(self, what: str):
+        self.what, self.t0, self.text = what, time.monotonic(), None
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        text = f"{self.what}: {stage} {done}/{total} ({time.monotonic() - self.t0:.0f} s)"
+        if text != self.text:
+            self.text = text
+            self.show(text)

@@ -8,10 +8,12 @@ Usable without IPython::
 """
 from __future__ import annotations
 
-from ..cluster import Cluster, ClusterError
+import inspect
+
+from ..cluster import Cluster, ClusterError, RankOutput
 from ..config import ConfigError, ParallelConfig
 
-__all__ = ["ColossalState"]
+__all__ = ["ColossalState", "with_progress"]
 
 
 class ColossalState:
@@ -30,15 +32,20 @@ class ColossalState:
             raise ClusterError("no cluster started: run %colossal start -n 4 first")
         return self.cluster
 
-    def start(self, n: int | None = None, engines: str = "local", timeout: float | None = None) -> Cluster:
+    def start(self, n: int | None = None, engines: str = "local", timeout: float | None = None,
+              progress=None) -> Cluster:
+        """Start a cluster (``progress(stage, done, total)`` is told how far it got) and apply the kept config."""
         if self.cluster is not None and self.cluster.running:
             raise ClusterError(f"a cluster of {self.cluster.world_size} ranks is already running: "
                                "%colossal stop it first, or %colossal restart it")
-        cluster = Cluster(n, engines, timeout=timeout or 60).start()
+        cluster = with_progress(Cluster(n, engines, timeout=timeout or 60).start, progress)
         self.cluster = cluster
         if self.config is not None and self.config.world_size == cluster.world_size:
             cluster.set_config(self.config)
         return cluster
+
+    def restart(self, progress=None) -> Cluster:
+        return with_progress(self.require_cluster().restart, progress)
 
     def apply_config(self, config: ParallelConfig) -> str:
         """The one path a config takes to the ranks (``%colossal config`` and ConfigPicker's Apply)."""
@@ -63,3 +70,11 @@ class ColossalState:
     def stop(self) -> None:
         self.require_cluster().stop()
         self.cluster = None
+
+
+def with_progress(method, progress):
+    """``method(progress=progress)`` where the method takes a ``progress`` keyword (``Cluster.start``
+    and ``restart`` as of this version), else ``method()``: progress is shown where it can be."""
+    if progress is not None and "progress" in inspect.signature(method).parameters:
+        return method(progress=progress)
+    return method()

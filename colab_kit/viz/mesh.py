@@ -73,10 +73,12 @@ def _label(layout: MeshLayout, rank: int, small: bool) -> tuple[str, str]:
     """(text in the square, hover text)."""
     coords = layout.all_coords(rank)
     shown = {a: v for a, v in coords.items() if layout.size(a) > 1}
+    if any(a.startswith("tp_") for a in shown):  # the sub-axes say more than the flat tp index
+        shown.pop("tp", None)
     hover = f"rank {rank}<br>" + ", ".join(f"{a} {v}" for a, v in coords.items())
     text = f"<b>{rank}</b>"
-    if small and shown:
-        text += "<br><span style='font-size:9px'>" + " ".join(f"{a}{v}" for a, v in shown.items()) + "</span>"
+    if small and shown:  # one coordinate per line, so that the text stays inside its square
+        text += "".join(f"<br><span style='font-size:8px'>{a} {v}</span>" for a, v in shown.items())
     return text, hover
 
 

@@ -1,7 +1,9 @@
 """Notebook widgets, composed from the pure figure builders in ``colab_kit.viz``.
 
 ipywidgets is imported only when a widget is displayed; outside a kernel each
-widget prints a text summary instead.
+widget prints its text form instead, and a frontend that cannot render widgets
+(nbconvert to text, a console) shows that same text (``display.KernelDisplay``).
+Buttons that call the cluster never block the kernel (see ``display``).
 
     ck.widgets.ConfigPicker()       # pick degrees and modes, see the mesh, Apply to the cluster
     ck.widgets.ScheduleStepper(cluster, batch)   # step a real pipeline step, watch the grid fill in

@@ -8,17 +8,22 @@ and the status line says whether it fits (or shows the ConfigError's message)::
 
     picker.set(dp=2, tp=2)   # on a 4-rank cluster -> "ok: dp=2 x tp=2 (1d) = 4 ranks fits the 4 ranks"
     picker.set(tp=3)         # -> "not valid: this config needs dp*pp*sp*tp = 2*1*1*3 = 6 ranks, but there are 4: ..."
+    picker.set(tp=1, sp=2)   # -> "valid, not runnable yet: this version of the engine does not run sequence
+                             #     parallelism (sp=2, sp_mode='ring') yet (...)": ck.boost would refuse it
     picker.apply()           # the same path as %colossal config: config and mesh set on every rank
 
 The logic (``set``, ``status``, ``config``, ``figure``, ``apply``) needs no browser;
-ipywidgets is imported only when the widget is shown.
+ipywidgets is imported only when the widget is shown. The Apply button shows that it is
+applying (disabled, "Applying…", a status line) while the ranks build the mesh, then the
+result or the error; in a kernel that call runs in a worker thread, so the kernel stays free.
 """
 from __future__ import annotations
 
 from ..config import SCHEDULES, SP_MODES, TP_MODES, ConfigError, ParallelConfig
+from .display import KernelDisplay, html, keep_quiet, off_loop, running_loop
 from .figure_view import figure_view, redraw
 
-__all__ = ["ConfigPicker", "FIELDS"]
+__all__ = ["ConfigPicker", "FIELDS", "mesh_summary"]
 
 FIELDS = ("dp", "tp", "pp", "sp", "tp_mode", "tp_depth", "sp_mode", "schedule", "microbatches", "chunks", "zero")
 _CHOICES = {"tp_mode": TP_MODES, "sp_mode": SP_MODES, "schedule": SCHEDULES, "zero": (0, 1, 2, 3)}
@@ -32,30 +37,6 @@ def _magic_state():
         return state()
     except Exception:  # noqa: BLE001 - no IPython, or the extension is not loaded
         return None
-
-
-def _in_kernel() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
-
-
-class KernelDisplay:
-    """Shows ``self.widget()`` in a Jupyter kernel; elsewhere (or without ipywidgets) prints ``repr``."""
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        if _in_kernel():
-            try:
-                display(self.widget())
-                return
-            except ImportError:
-                pass
-        print(repr(self))
 
 
 class ConfigPicker(KernelDisplay):
@@ -77,6 +58,7 @@ class ConfigPicker(KernelDisplay):
         self.values = {f: getattr(start, f) for f in FIELDS}
         self.config: ParallelConfig | None = None   # the current choice when valid
         self.error: str | None = None                # the rule it breaks when not
+        self.unsupported: str | None = None          # why ck.boost refuses it although it is valid
         self.message = ""                            # result of the last Apply
         self._ui = None
         self._validate()
@@ -108,19 +90,24 @@ class ConfigPicker(KernelDisplay):
         return self.status()
 
     def _validate(self) -> None:
+        from ..engine import unsupported
+
         try:
             cfg = ParallelConfig.from_dict(self.values)
             if self.world_size is not None:
                 cfg.check_world_size(self.world_size)
         except ConfigError as exc:
-            self.config, self.error = None, str(exc)
+            self.config, self.error, self.unsupported = None, str(exc), None
         else:
-            self.config, self.error = cfg, None
+            self.config, self.error, self.unsupported = cfg, None, unsupported(cfg)
 
     def status(self) -> str:
-        """'ok: ...' when the choice is valid and fits, else 'not valid: <the ConfigError message>'."""
+        """'ok: ...' when the choice is valid, fits and ``ck.boost`` runs it; 'valid, not runnable yet:
+        <why boost refuses it>'; else 'not valid: <the ConfigError message>'."""
         if self.error is not None:
             return f"not valid: {self.error}"
+        if self.unsupported is not None:
+            return f"valid, not runnable yet: {self.unsupported}"
         n = self.world_size
         fits = f" fits the {n} ranks" if n is not None else " (no cluster: nothing to check the world size against)"
         return f"ok: {self.config.describe()}{fits}"
@@ -140,25 +127,56 @@ class ConfigPicker(KernelDisplay):
 
     def apply(self) -> str:
         """Send the current choice to the cluster, by the same path as ``%colossal config``."""
+        self.message = self._apply()
+        if self._ui is not None:
+            self._ui["message"].value = self.message
+        return self.message
+
+    def _apply(self) -> str:
+        """What ``apply`` does, without touching the widgets (so a worker thread can run it)."""
         from ..cluster import ClusterError
         from ..errors import RankError
 
         if self.config is None:
-            self.message = f"not applied: {self.error}"
-        elif self.target is None or not self.target.running:
-            self.message = "not applied: no cluster running (start one with %colossal start -n 4)"
-        else:
-            try:
-                if self.cluster is None and self.state is not None:
-                    self.message = self.state.apply_config(self.config)
-                else:
-                    self.target.set_config(self.config)
-                    self.message = f"config set on {self.target.world_size} ranks: {self.config.describe()}"
-            except (ConfigError, ClusterError, RankError) as exc:
-                self.message = f"not applied: {str(exc).splitlines()[0]}"
-        if self._ui is not None:
-            self._ui["message"].value = self.message
-        return self.message
+            return f"not applied: {self.error}"
+        if self.target is None or not self.target.running:
+            return "not applied: no cluster running (start one with %colossal start -n 4)"
+        try:
+            if self.cluster is None and self.state is not None:
+                return self.state.apply_config(self.config)
+            self.target.set_config(self.config)
+            return f"config set on {self.target.world_size} ranks: {self.config.describe()}"
+        except (ConfigError, ClusterError, RankError) as exc:
+            return f"not applied: {str(exc).splitlines()[0]}"
+
+    def _click_apply(self):
+        """The Apply button: show that it is applying, set the config (off the kernel's loop when one runs),
+        then show the result or the error. Returns the task, or None when it ran at once."""
+        ui = self._ui
+        ui["apply"].disabled, ui["apply"].description = True, "Applying…"
+        ui["message"].value = (f"applying {self.config.describe()}: building the mesh on every rank…"
+                               if self.config else "applying…")
+        loop = running_loop()
+        if loop is None:
+            self._applied(self._attempt())
+            return None
+
+        async def apply_off_loop():
+            self._applied(await off_loop(self._attempt))
+
+        return keep_quiet(loop.create_task(apply_off_loop()))
+
+    def _attempt(self) -> str:
+        try:
+            return self._apply()
+        except Exception as exc:  # noqa: BLE001 - a button has nowhere else to report
+            return f"not applied: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+    def _applied(self, message: str) -> None:
+        self.message = message
+        ui = self._ui
+        ui["message"].value = message
+        ui["apply"].disabled, ui["apply"].description = False, "Apply"
 
     # ------------------------------------------------------------ widgets (lazy)
     def widget(self):
@@ -180,13 +198,13 @@ class ConfigPicker(KernelDisplay):
             ui[f].observe(lambda change, f=f: self.set(**{f: change["new"]}), names="value")
         ui["status"] = w.HTML()
         ui["message"] = w.Label(value=self.message)
-        button = w.Button(description="Apply", button_style="primary", tooltip="set this config on every rank")
-        button.on_click(lambda _: self.apply())
+        ui["apply"] = w.Button(description="Apply", button_style="primary", tooltip="set this config on every rank")
+        ui["apply"].on_click(lambda _: self._click_apply())
         ui["fig"] = figure_view(self.figure())
         degrees = w.HBox([ui[f] for f in ("dp", "tp", "pp", "sp")])
         modes = w.HBox([ui[f] for f in ("tp_mode", "tp_depth", "sp_mode")])
         sched = w.HBox([ui[f] for f in ("schedule", "microbatches", "chunks", "zero")])
-        ui["box"] = w.VBox([degrees, modes, sched, ui["status"], w.HBox([button, ui["message"]]), ui["fig"]])
+        ui["box"] = w.VBox([degrees, modes, sched, ui["status"], w.HBox([ui["apply"], ui["message"]]), ui["fig"]])
         self._ui = ui
         self._sync_ui({})
         return ui
@@ -196,15 +214,30 @@ class ConfigPicker(KernelDisplay):
         for key, value in changes.items():
             if ui[key].value != value:
                 ui[key].value = value  # observers call set() again with the same value: harmless
-        ok = self.error is None
-        colour = "green" if ok else "#b00020"
-        ui["status"].value = f"<span style='color:{colour}'>{_html(self.status())}</span>"
+        colour = "#b00020" if self.error else "#b36b00" if self.unsupported else "green"
+        ui["status"].value = f"<span style='color:{colour}'>{html(self.status())}</span>"
         redraw(ui["fig"], self.figure())
 
     def __repr__(self) -> str:
         fields = " ".join(f"{k}={v}" for k, v in self.values.items())
-        return f"ConfigPicker({fields})\n{self.status()}"
+        text = f"ConfigPicker({fields})\n{self.status()}"
+        return text if self.config is None else f"{text}\n{mesh_summary(self.config)}"
 
 
-def _html(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+def mesh_summary(config: ParallelConfig, most: int = 4) -> str:
+    """The groups of every axis with more than one rank, the text form of the mesh figure.
+
+    >>> mesh_summary(ParallelConfig(dp=2, tp=2))
+    'mesh: dp groups [0, 2] [1, 3]; tp groups [0, 1] [2, 3]'
+    """
+    from ..mesh import MeshLayout
+
+    lay = MeshLayout(config)
+    parts = []
+    for axis in lay.axes:
+        if lay.size(axis) > 1:
+            groups = lay.groups(axis)
+            more = f" ... ({len(groups)} groups)" if len(groups) > most else ""
+            parts.append(f"{axis} groups " + " ".join(str(g) for g in groups[:most]) + more)
+    return "mesh: " + ("; ".join(parts) or "one rank")
+

@@ -1,7 +1,7 @@
 """``ScheduleStepper``: step a real pipeline training step on the cluster, timestep by timestep.
 
     stepper = ck.widgets.ScheduleStepper(cluster, lambda step: data.batch(step, 16))
-    stepper            # buttons Step / Play / Reset, timesteps-per-click slider, the plan's grid,
+    stepper            # buttons Step / Play / Pause / Reset, timesteps per click, the plan's grid,
                        # activations held per rank, the loss once the step finished
     stepper.step(10)   # the same from code: every rank runs its actions of timesteps 0..9
 
@@ -18,12 +18,26 @@ shows the grid empty again.
 
 Given a ``Plan`` instead of a cluster, the stepper walks the plan's lockstep grid without
 any engine (labelled "plan only"), which is how the plan itself can be read step by step.
+
+The buttons never block the kernel: a click starts a task on the kernel's event loop that
+awaits each call to the ranks in a worker thread, so the kernel keeps handling messages.
+Step / Play / Reset are disabled while the ranks work, Pause stops Play after the step under
+way, and an error is shown in the widget's output area. From code::
+
+    task = stepper.play_in_background()   # in a kernel: returns at once (an asyncio.Task)
+    stepper.pause()                       # ... which stops after the step under way
+    stepper.play()                        # synchronous: returns when the step has finished
+
+Without a running event loop (plain Python, a script) the buttons and ``play_in_background()``
+run synchronously. While it plays, leave the cluster to the stepper (or Pause first).
 """
 from __future__ import annotations
 
+import asyncio
 import time
+import traceback
 
-from .config_picker import KernelDisplay, _html
+from .display import KernelDisplay, html, keep_quiet, off_loop, running_loop
 from .figure_view import figure_view, redraw
 from .stepper_state import StepperError, StepperState, _rank_advance, _rank_begin, _rank_finish, _rank_probe
 
@@ -48,6 +62,7 @@ class ScheduleStepper(KernelDisplay):
 
         self.var, self.batch, self.k, self.delay = var, batch, max(1, int(k)), delay
         self.cluster, self._ui = None, None
+        self.busy, self.error, self._task, self._pause = False, None, None, False
         if hasattr(source, "actions") and hasattr(source, "pp"):
             plan, what, states = lower(source), "plan only (no engine ran these actions)", None
         else:
@@ -73,24 +88,34 @@ class ScheduleStepper(KernelDisplay):
         return st
 
     def play(self, delay: float | None = None) -> StepperState:
-        """Step until the training step has finished; the widgets redraw at most every ``delay`` s."""
-        delay = self.delay if delay is None else delay
-        last = time.monotonic()
-        self.step()
-        while self.state.running:
-            due = self._ui is not None and time.monotonic() - last >= delay
-            self.step(redraw=due)
-            last = time.monotonic() if due else last
+        """Step until the training step has finished and return; the widgets redraw at most every ``delay`` s."""
+        self._pause = False
+        for unit in self._work(lambda: self.step(redraw=False), True, delay):
+            unit()
         self._redraw()
         return self.state
 
-    def reset(self) -> StepperState:
+    def play_in_background(self, delay: float | None = None):
+        """Play as a task on the running event loop (the kernel's) and return it at once; ``pause()`` stops it.
+
+        Without a running loop this is ``play()``: it returns the state when the step has finished.
+        """
+        if running_loop() is None:
+            return self.play(delay)
+        return self._start(lambda: self.step(redraw=False), repeat=True, delay=delay)
+
+    def pause(self) -> None:
+        """Stop a background Play after the step under way (the ranks stay where they are: Play resumes)."""
+        self._pause = True
+
+    def reset(self, *, redraw: bool = True) -> StepperState:
         """Finish a step under way (the ranks cannot drop half a step), then show the grid empty."""
         st = self.state
         if st.running:
             self._finish()
         st.running, st.finished, st.timestep, st.ranks, st.held = False, False, 0, {}, {}
-        self._redraw()
+        if redraw:
+            self._redraw()
         return st
 
     def figure(self):
@@ -132,7 +157,7 @@ class ScheduleStepper(KernelDisplay):
         st.running, st.finished, st.loss, st.timestep, st.step = True, False, None, 0, st.step + 1
         st.held = {r: [(0, 0)] for r in range(st.plan.pp)}
         if self.cluster is None:
-            self._take(self._walk(0))
+            self._take(st.walk(0))
             return
         batch = self.batch(st.step - 1) if callable(self.batch) else self.batch
         if batch is None:
@@ -143,7 +168,7 @@ class ScheduleStepper(KernelDisplay):
 
     def _advance(self, timestep: int) -> None:
         st = self.state
-        self._take(self._walk(timestep) if self.cluster is None else self._run(_rank_advance, timestep))
+        self._take(st.walk(timestep) if self.cluster is None else self._run(_rank_advance, timestep))
         st.timestep = timestep
         for r, s in st.ranks.items():
             st.held.setdefault(r, []).append((timestep, len(s["held"])))
@@ -165,24 +190,9 @@ class ScheduleStepper(KernelDisplay):
             ranks.setdefault(s["pp_rank"], s)
         self.state.ranks = ranks
 
-    def _walk(self, timestep: int) -> list[dict]:
-        """Plan only: the states the ranks would report after every action before ``timestep``."""
-        st, plan = self.state, self.state.plan
-        out = []
-        for r, row in enumerate(plan.actions):
-            n = sum(1 for t in range(min(timestep, st.n_timesteps)) if st.grid[t][r] is not None)
-            ran = row[:n]
-            live = [a for a in ran if a.kind == "F"]
-            freed = {(a.stage, a.microbatch) for a in ran if a.kind in ("B", "W")}
-            out.append({"rank": r, "pp_rank": r, "step": st.step, "running": True, "timestep": timestep,
-                        "position": n, "of": len(row), "executed": [str(a) for a in ran],
-                        "next": str(row[n]) if n < len(row) else None, "held_bytes": 0,
-                        "held": [str(a) for a in live if (a.stage, a.microbatch) not in freed]})
-        return out
-
     # ------------------------------------------------------------ widgets (lazy)
     def widget(self):
-        """Step / Play / Reset buttons, a timesteps-per-step slider, status, grid and memory figures."""
+        """Step / Play / Pause / Reset buttons, a timesteps-per-step slider, status, errors, grid and memory figures."""
         if self._ui is None:
             self._ui = self._build()
             self._redraw()
@@ -191,24 +201,89 @@ class ScheduleStepper(KernelDisplay):
     def _build(self) -> dict:
         import ipywidgets as w
 
-        ui = {"status": w.HTML(), "loss": w.HTML()}
-        for name, tip, action in (("Step", "run the next timesteps on every rank", lambda: self.step(ui["k"].value)),
-                                  ("Play", "step until the training step has finished", self.play),
-                                  ("Reset", "finish a step under way, then start the grid afresh", self.reset)):
+        ui = {"status": w.HTML(), "loss": w.HTML(), "errors": w.Output()}  # errors: a failed click, whole
+        one = lambda: self.step(redraw=False)  # noqa: E731 - one step of self.k timesteps (the slider's)
+        for name, tip, action in (
+                ("Step", "run the next timesteps on every rank", lambda: self._start(one)),
+                ("Play", "step until the training step has finished", lambda: self._start(one, repeat=True)),
+                ("Pause", "stop playing after the step under way", self.pause),
+                ("Reset", "finish a step under way, then start the grid afresh",
+                 lambda: self._start(lambda: self.reset(redraw=False)))):
             ui[name] = w.Button(description=name, tooltip=tip, button_style="primary" if name == "Step" else "")
-            ui[name].on_click(lambda _, action=action: self._click(action))
+            ui[name].on_click(lambda _, action=action: action())
+        ui["Pause"].disabled = True
         ui["k"] = w.IntSlider(value=self.k, min=1, max=max(1, self.state.n_timesteps), description="timesteps")
         ui["k"].observe(lambda change: setattr(self, "k", change["new"]), names="value")
         ui["grid"], ui["memory"] = figure_view(self.figure()), figure_view(self.memory_figure())
-        ui["box"] = w.VBox([w.HBox([ui["Step"], ui["Play"], ui["Reset"], ui["k"]]), ui["status"], ui["loss"],
-                            ui["grid"], ui["memory"]])
+        ui["box"] = w.VBox([w.HBox([ui[b] for b in ("Step", "Play", "Pause", "Reset", "k")]), ui["status"],
+                            ui["loss"], ui["errors"], ui["grid"], ui["memory"]])
         return ui
 
-    def _click(self, action) -> None:
+    # ------------------------------------------------------------ the buttons' work, off the kernel's loop
+    def _work(self, unit, repeat: bool, delay: float | None):
+        """``unit`` (one blocking call to the ranks), then again while ``repeat`` and the step runs and no
+        Pause came; the widgets redraw between units at most every ``delay`` s."""
+        delay = self.delay if delay is None else delay
+        last = time.monotonic()
+        yield unit
+        while repeat and self.state.running and not self._pause:
+            if time.monotonic() - last >= delay:
+                self._redraw()
+                last = time.monotonic()
+            yield unit
+
+    def _start(self, unit, repeat: bool = False, delay: float | None = None):
+        """A button's work: under a running event loop a task (returned at once) that awaits each unit in a
+        worker thread; else done now (returns None). Either way the buttons are disabled meanwhile and
+        enabled after, and an error is shown in the widget and kept in ``self.error``."""
+        if self.busy:
+            return self._task
+        self._busy(True, playing=repeat)
+        work = self._work(unit, repeat, delay)
+        if running_loop() is None:
+            try:
+                for unit in work:
+                    unit()
+            except Exception as exc:  # noqa: BLE001 - a button has nowhere else to report
+                self._report(exc)
+            finally:
+                self._busy(False)
+            return None
+        self._task = keep_quiet(asyncio.get_running_loop().create_task(self._drive(work)))
+        return self._task
+
+    async def _drive(self, work):
         try:
-            action()
-        except Exception as exc:  # noqa: BLE001 - a widget callback has nowhere else to report
-            self._ui["status"].value = f"<span style='color:#b00020'>{_html(str(exc).splitlines()[0])}</span>"
+            for unit in work:
+                await off_loop(unit)  # the kernel keeps serving messages while the ranks work
+                await asyncio.sleep(0)  # and between steps
+        except Exception as exc:
+            self._report(exc)
+            raise
+        finally:
+            self._busy(False)
+        return self.state
+
+    def _busy(self, busy: bool, playing: bool = False) -> None:
+        self.busy, self._pause = busy, False
+        if busy:
+            self.error = None
+        ui = self._ui
+        if ui is None:
+            return
+        for name in ("Step", "Play", "Reset"):
+            ui[name].disabled = busy
+        ui["Pause"].disabled = not (busy and playing)
+        if busy:
+            ui["errors"].outputs = ()
+        else:
+            self._redraw()
+
+    def _report(self, exc: BaseException) -> None:
+        """Keep the error and show it whole in the widget's output area, its first line in the status."""
+        self.error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        if self._ui is not None:
+            self._ui["errors"].append_stderr(self.error + "\n")
 
     def _redraw(self) -> None:
         ui = self._ui
@@ -216,7 +291,10 @@ class ScheduleStepper(KernelDisplay):
             return
         st = self.state
         head = repr(st).splitlines()
-        ui["status"].value = "<br>".join(_html(line) for line in [head[0]] + [x for x in head if x.startswith("pp rank")])
+        lines = [html(line) for line in [head[0]] + [x for x in head if x.startswith("pp rank")]]
+        if self.error:
+            lines.append(f"<span style='color:#b00020'>{html(self.error.splitlines()[0])}</span>")
+        ui["status"].value = "<br>".join(lines)
         ui["loss"].value = (f"<b>loss of step {len(st.losses)}: {st.loss:.4f}</b>" if st.loss is not None else "")
         redraw(ui["grid"], self.figure())
         redraw(ui["memory"], self.memory_figure())

@@ -96,6 +96,20 @@ class StepperState:
     def current(self) -> dict[int, str | None]:
         return {r: s.get("next") for r, s in self.ranks.items()} if self.running else {}
 
+    def walk(self, timestep: int) -> list[dict]:
+        """Plan only: the states the ranks would report after every action before ``timestep``."""
+        out = []
+        for r, row in enumerate(self.plan.actions):
+            n = sum(1 for t in range(min(timestep, self.n_timesteps)) if self.grid[t][r] is not None)
+            ran = row[:n]
+            live = [a for a in ran if a.kind == "F"]
+            freed = {(a.stage, a.microbatch) for a in ran if a.kind in ("B", "W")}
+            out.append({"rank": r, "pp_rank": r, "step": self.step, "running": True, "timestep": timestep,
+                        "position": n, "of": len(row), "executed": [str(a) for a in ran],
+                        "next": str(row[n]) if n < len(row) else None, "held_bytes": 0,
+                        "held": [str(a) for a in live if (a.stage, a.microbatch) not in freed]})
+        return out
+
     def __repr__(self) -> str:
         from ..pipeline.hang import render_grid
 

@@ -1,0 +1,445 @@
+"""Every notebook run in a real browser: JupyterLab on loopback, headless Chromium (tier 4).
+
+A module-scoped JupyterLab serves a temporary copy of ``notebooks/`` on 127.0.0.1 (free
+port, random token; its own settings, runtime and IPython dirs). For each notebook,
+Chromium (Debian's ``/usr/bin/chromium``, driven by Playwright, which never downloads a
+browser here) opens it, runs "Run All Cells" from JupyterLab's Run menu and waits until
+the kernel is idle and every code cell has an execution count (or fails naming the cell
+that stopped the run, or the one still running after RUN_TIMEOUT). The executed notebook
+is saved (Ctrl+S) so the page can be checked against what the kernel sent:
+
+- every ipywidgets view the kernel sent is drawn as widgets, never as a ``VBox(...)`` /
+  ``FigureWidget(...)`` / ``Figure({...`` text repr, "Loading widget" or "Error displaying widget";
+- every plotly figure the kernel sent is drawn (``.js-plotly-plot`` with its svg), and no
+  figure is wider than the notebook's output area (its right-hand part would be cut off);
+- ``SHOWS`` names cells (by a marker in their source) that must show a widget or a plot;
+- no cell raised or shows a traceback unless it is tagged ``raises-exception``
+  (JupyterLab then keeps running the cells after it).
+
+A screenshot of the whole notebook goes to ``tests/screenshots/<notebook stem>.png``
+(also when the test fails). Skipped, with the reason, only where ``/usr/bin/chromium`` or
+``playwright`` is missing (``apt-get install chromium``; ``pip install playwright``);
+``pytest --ignore tests/test_browser.py`` leaves it out.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+SCREENSHOTS = Path(__file__).resolve().parent / "screenshots"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+RUN_TIMEOUT = 600      # seconds per notebook, from "Run All Cells" to the last execution count
+SERVER_TIMEOUT = 90    # seconds for JupyterLab to answer
+
+SHOWS = {  # notebook -> [(marker in a cell's source, "widget" | "plot" it must show)]
+    "01_quickstart.ipynb": [
+        ("%colossal mesh --axis dp", "plot"),
+        ("ck.widgets.ConfigPicker()", "widget"),
+        ("ck.widgets.ConfigPicker()", "plot"),
+        ("viz.memory_figure(memory).show()", "plot"),
+    ],
+    "02_tensor_parallel.ipynb": [
+        ("%colossal mesh --axis tp_col", "plot"),
+        ("%colossal mesh --axis tp_dep", "plot"),
+        ("viz.weight_owner_figure", "plot"),
+        ("viz.traffic_figure", "plot"),
+    ],
+    "03_pipeline.ipynb": [
+        ("--schedule gpipe", "plot"),
+        ("viz.bubble_figure", "plot"),
+        ("stepper = ck.widgets.ScheduleStepper", "widget"),
+        ("stepper = ck.widgets.ScheduleStepper", "plot"),
+        ("stepper.figure().show()", "plot"),
+        ("%colossal timeline", "plot"),
+    ],
+}
+
+# A widget or a figure shown as its Python repr: what a frontend without widget support prints.
+WIDGET_AS_TEXT = re.compile(r"^\s*(?:[A-Z]\w*(?:Box|Widget|Output|Button|Tab|Accordion|Stack|Picker|Stepper)"
+                            r"|Output|Figure)\((?:children=|\{|\)|layout=)", re.M)
+WIDGET = "application/vnd.jupyter.widget-view+json"
+PLOTLY = "application/vnd.plotly.v1+json"
+STDERR = "application/vnd.jupyter.stderr"
+
+
+def _missing() -> str | None:
+    if not Path(CHROMIUM).exists():
+        return f"{CHROMIUM} is missing (Debian: apt-get install chromium)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright package is missing (pip install playwright)"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+
+
+# ---------------------------------------------------------------- the server
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Lab:
+    """A JupyterLab process on 127.0.0.1 in its own process group, and its REST API."""
+
+    def __init__(self, workdir: Path):
+        self.dir = workdir / "notebooks"
+        shutil.copytree(ROOT / "notebooks", self.dir, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+        settings = workdir / "settings"
+        for plugin, values in {
+            # no toasts asking about news or updates in the screenshots
+            "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+            # every cell attached to the page, so cell i of the page is cell i of the .ipynb
+            "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+        }.items():
+            path = settings / f"{plugin}.jupyterlab-settings"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(values))
+        self.port = _free_port()
+        self.token = secrets.token_hex(16)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = (workdir / "jupyterlab.log").open("w")
+        # its own runtime and IPython dirs: the kernels' connection and cluster files stay in workdir,
+        # apart from any other cluster running on this machine
+        env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(workdir / "runtime"), IPYTHONDIR=str(workdir / "ipython"),
+                   JUPYTER_PLATFORM_DIRS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--no-browser",
+             "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
+             f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.dir}",
+             f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={workdir / 'workspaces'}",
+             "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+             "--ServerApp.terminals_enabled=False", "--ServerApp.allow_root=True"],  # CI runs as root
+            cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.logfile = workdir / "jupyterlab.log"
+        deadline = time.monotonic() + SERVER_TIMEOUT
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"JupyterLab exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                self.api("GET", "/api/status")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"JupyterLab did not answer within {SERVER_TIMEOUT} s:\n{self.log_tail()}")
+                time.sleep(0.5)
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.logfile.read_text(errors="replace")[-n:]
+
+    def api(self, method: str, path: str):
+        req = urllib.request.Request(self.url + path, method=method,
+                                     headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
+    def kernels_idle(self, connected: bool = False) -> bool:
+        kernels = self.api("GET", "/api/kernels")
+        return bool(kernels) and all(k["execution_state"] == "idle" and (k["connections"] or not connected)
+                                     for k in kernels)
+
+    def _descendants(self):
+        import psutil
+
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop_kernels(self) -> list[str]:
+        """Shut every kernel down through the API; kill whatever they started that outlives them
+        (engines, controller) 30 s later. Returns the command lines of what had to be killed."""
+        import psutil
+
+        procs = self._descendants()  # taken while the kernels (and their engines) are alive
+        for what in ("sessions", "kernels"):
+            try:
+                for k in self.api("GET", f"/api/{what}") or []:
+                    self.api("DELETE", f"/api/{what}/{k['id']}")
+            except OSError:  # the server is gone, or the kernel went with its session
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=30)
+        killed = []
+        for p in alive:
+            try:
+                killed.append(" ".join(p.cmdline())[:200])
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=10)
+        return killed
+
+    def close(self) -> None:
+        import psutil
+
+        procs = self._descendants()
+        try:
+            if self.proc.poll() is None:
+                try:
+                    self.stop_kernels()
+                    self.api("POST", "/api/shutdown")
+                    self.proc.wait(timeout=20)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+        finally:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the server's whole process group
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            for p in procs:  # and anything that left the group (engines started in a new session)
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            self.log.close()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    server = Lab(tmp_path_factory.mktemp("browser"))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+# ---------------------------------------------------------------- the page
+
+# One snapshot of the notebook as drawn: per cell its prompt, per output what the page shows.
+# Cells are in notebook order (windowingMode "none" keeps them all in the DOM), so cell i here is
+# cell i of the .ipynb. JupyterLab marks text outputs with data-mime-type; a plotly figure is a
+# .jp-RenderedPlotly output and a widget view an unmarked panel holding the widget's elements.
+SNAPSHOT_JS = """() => {
+  const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
+  if (!nb) return null;
+  const all = (o, sel) => [...(o.matches(sel) ? [o] : []), ...o.querySelectorAll(sel)];
+  return [...nb.querySelectorAll('.jp-Cell')].filter(c => c.closest('.jp-Notebook') === nb).map(c => ({
+    code: c.classList.contains('jp-CodeCell'),
+    prompt: (c.querySelector('.jp-InputPrompt') || {}).innerText || '',
+    outputs: [...c.querySelectorAll('.jp-OutputArea-output')].map(o => ({
+      mime: o.getAttribute('data-mime-type') || '',
+      text: (o.innerText || '').slice(0, 3000),
+      plotly_output: o.classList.contains('jp-RenderedPlotly'),
+      widgets: all(o, '.jupyter-widgets').length,
+      controls: o.querySelectorAll('.jupyter-widgets button, .jupyter-widgets select, .jupyter-widgets input').length,
+      plots: all(o, '.js-plotly-plot').filter(p => p.querySelector('.main-svg')).length,
+      // plots drawn wider than their output area, whose right-hand part is cut off: [drawn, shown] px
+      clipped: all(o, '.js-plotly-plot').map(p => p.querySelector('.main-svg')).filter(svg => svg).map(svg => {
+        const r = svg.getBoundingClientRect(), box = o.getBoundingClientRect();
+        return [Math.round(r.width), Math.round(box.right - r.left)];
+      }).filter(([drawn, shown]) => drawn > shown + 2),
+    })),
+  }));
+}"""
+
+
+def _prompt_count(prompt: str) -> str:
+    m = re.search(r"\[(.*?)\]", prompt)
+    return m.group(1).strip() if m else ""
+
+
+def _head(cells_json, i: int) -> str:
+    src = "".join(cells_json[i]["source"]).strip()
+    return f"cell {i} ({src.splitlines()[0] if src else ''!r})"
+
+
+def _describe(cells_json, snap, i: int) -> str:
+    outs = "\n".join(f"  [{o['mime'] or 'plotly' if o['plotly_output'] else o['mime'] or 'widget'}] {o['text'][:1500]}"
+                     for o in snap[i]["outputs"])
+    return f"{_head(cells_json, i)}, prompt {snap[i]['prompt']!r}, shows:\n{outs or '  (nothing)'}"
+
+
+def _errors(cell_snap) -> list[str]:
+    """Error text shown in a cell: a traceback (or an exception line) on the stderr mime type."""
+    return [o["text"] for o in cell_snap["outputs"]
+            if o["mime"] == STDERR and re.search(r"Traceback|^\w*(Error|Exception)\b", o["text"], re.M)]
+
+
+def _run_all(page, lab: Lab, cells_json, name: str) -> list:
+    """Run All Cells from the Run menu; return the snapshot once every code cell has run."""
+    code = [i for i, c in enumerate(cells_json) if c["cell_type"] == "code"]
+    start = time.monotonic()
+    # the page says "Idle" before its kernel has started: wait for the kernel and the page's connection to it
+    while not lab.kernels_idle(connected=True):
+        assert time.monotonic() < start + 120, f"{name}: no kernel connected to the page within 120 s"
+        time.sleep(0.5)
+    deadline = time.monotonic() + RUN_TIMEOUT
+    clicked = stalled_since = None
+    while True:
+        if clicked is None:
+            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+            clicked = time.monotonic()
+        time.sleep(1)
+        snap = page.evaluate(SNAPSHOT_JS)
+        assert snap and [c["code"] for c in snap] == [c["cell_type"] == "code" for c in cells_json], \
+            f"{name}: the page's cells do not match the file's ({len(snap or [])} vs {len(cells_json)})"
+        counts = {i: _prompt_count(snap[i]["prompt"]) for i in code}
+        if not any(counts.values()) and time.monotonic() - clicked > 20:
+            clicked = None  # the click reached a page not yet ready: nothing ran at all, so click again
+            continue
+        running = [i for i in code if counts[i] == "*"]  # the first one runs, the others wait their turn
+        idle = not running and lab.kernels_idle()
+        if idle and all(counts[i].isdigit() for i in code):
+            return snap
+        if idle:  # nothing queued, yet some cells never ran: an error stopped "Run All Cells"
+            stalled_since = stalled_since or time.monotonic()
+            if time.monotonic() - stalled_since > 10:
+                failed = [i for i in code if counts[i].isdigit() and _errors(snap[i])]
+                never = [i for i in code if not counts[i].isdigit()]
+                detail = "\n".join(_describe(cells_json, snap, i) for i in failed) or "(no error output shown)"
+                pytest.fail(f"{name}: cells {never} never ran; the run stopped after:\n{detail}")
+        else:
+            stalled_since = None
+        if time.monotonic() > deadline:
+            if not running:
+                pytest.fail(f"{name}: not finished after {RUN_TIMEOUT} s, though no cell is marked running")
+            pytest.fail(f"{name}: not finished after {RUN_TIMEOUT} s; still running "
+                        f"{_describe(cells_json, snap, running[0])}\n(queued behind it: cells {running[1:]})")
+
+
+def _settle(page, timeout: float = 60) -> list:
+    """Wait until no widget says it is loading and every plotly output has drawn its svg."""
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = page.evaluate(SNAPSHOT_JS)
+        pending = [o for c in snap for o in c["outputs"]
+                   if "Loading widget" in o["text"] or (o["plotly_output"] and not o["plots"])]
+        if not pending or time.monotonic() > deadline:
+            return snap
+        time.sleep(1)
+
+
+def _save(page, path: Path, problems: list) -> list:
+    """Ctrl+S, then the saved cells: the kernel's own record of each output (its mime types, errors)."""
+    page.keyboard.press("Escape")
+    page.keyboard.press("Control+s")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            cells = json.loads(path.read_text())["cells"]
+        except json.JSONDecodeError:  # read while being written
+            cells = []
+        if cells and all(c.get("execution_count") for c in cells if c["cell_type"] == "code"):
+            return cells
+        if time.monotonic() > deadline:
+            problems.append("Ctrl+S did not save the executed notebook within 30 s: "
+                            "which widgets and figures the kernel sent, and its errors, were not checked")
+            return []
+        time.sleep(0.5)
+
+
+def _screenshot(page, path: Path) -> None:
+    """The whole notebook in one picture: make the viewport as tall as the notebook, then shoot."""
+    scroller = """(document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-WindowedPanel-outer')
+                   || document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook'))"""
+    width = page.viewport_size["width"]
+    height = page.evaluate(f"() => {{ const p = {scroller}; return p.scrollHeight + p.getBoundingClientRect().top + 60; }}")
+    page.set_viewport_size({"width": width, "height": int(min(max(height, 800), 16000))})
+    page.evaluate(f"() => {{ {scroller}.scrollTop = 0; }}")
+    page.wait_for_timeout(2000)  # let plotly relayout to the new size
+    path.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(path), full_page=True)
+
+
+def _check(name: str, cells_json, saved, snap, may_fail: set[int], width: int) -> list[str]:
+    """What is wrong with the page as drawn, given what the kernel sent (``saved``, [] when unknown)."""
+    problems = []
+    for i, cell in enumerate(snap):
+        head, outs = _head(cells_json, i), cell["outputs"]
+        sent = saved[i].get("outputs", []) if saved else []
+        mimes = [m for o in sent for m in o.get("data", {})]
+        drawn_widgets = [o for o in outs if not o["mime"] and not o["plotly_output"] and (o["widgets"] or o["plots"])]
+        drawn_plots = [o for o in outs if o["plotly_output"] and o["plots"]]
+        if mimes.count(WIDGET) > len(drawn_widgets):
+            problems.append(f"{head}: the kernel sent {mimes.count(WIDGET)} widget views, the page drew "
+                            f"{len(drawn_widgets)}:\n" + _describe(cells_json, snap, i))
+        if mimes.count(PLOTLY) > len(drawn_plots):
+            problems.append(f"{head}: the kernel sent {mimes.count(PLOTLY)} plotly figures, the page drew "
+                            f"{len(drawn_plots)}:\n" + _describe(cells_json, snap, i))
+        for o in outs:
+            if "Error displaying widget" in o["text"] or "Loading widget" in o["text"]:
+                problems.append(f"{head}: a widget view was not drawn: {o['text'][:300]!r}")
+            if o["mime"] != STDERR and not o["widgets"] and not o["plots"] and WIDGET_AS_TEXT.search(o["text"]):
+                problems.append(f"{head}: a widget or figure shown as text: {o['text'][:300]!r}")
+            for drawn, shown in o["clipped"]:
+                problems.append(f"{head}: a plotly figure {drawn} px wide is cut to the {shown} px of the "
+                                f"notebook's output area in a {width} px wide window")
+        if i not in may_fail:
+            raised = [o for o in sent if o.get("output_type") == "error"]
+            for o in raised:
+                tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(o.get("traceback", [])))
+                problems.append(f"{head} raised {o.get('ename')}: {o.get('evalue')}\n{tb[-2000:]}")
+            if not raised:  # a traceback printed to stderr (by a rank, say) without an exception here
+                problems += [f"{head} shows an error:\n{e[:2000]}" for e in _errors(cell)]
+    for marker, kind in SHOWS.get(name, []):
+        hits = [i for i, c in enumerate(cells_json) if c["cell_type"] == "code" and marker in "".join(c["source"])]
+        if not hits:
+            problems.append(f"no cell contains {marker!r} (update SHOWS in {Path(__file__).name})")
+            continue
+        key = "controls" if kind == "widget" else "plots"  # a widget: its buttons, sliders, dropdowns drawn
+        if not any(o[key] for i in hits for o in snap[i]["outputs"]):
+            problems.append(f"the cell with {marker!r} shows no {kind}:\n" + _describe(cells_json, snap, hits[0]))
+    return problems
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_renders_in_a_browser(path: Path, lab: Lab, browser):
+    name = path.name
+    cells_json = json.loads((lab.dir / name).read_text())["cells"]
+    may_fail = {i for i, c in enumerate(cells_json) if "raises-exception" in c.get("metadata", {}).get("tags", [])}
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(f"JavaScript error in the page: {exc}"))
+    try:
+        page.goto(f"{lab.url}/lab/tree/{name}?token={lab.token}&reset", timeout=120_000)
+        page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=120_000)
+        page.keyboard.press("Control+b")  # hide the file browser: more room for the notebook
+        t0 = time.monotonic()
+        _run_all(page, lab, cells_json, name)
+        snap = _settle(page)
+        print(f"{name}: ran in {time.monotonic() - t0:.0f} s")
+        saved = _save(page, lab.dir / name, problems)
+        problems += _check(name, cells_json, saved, snap, may_fail, page.viewport_size["width"])
+        assert not problems, f"{name} in JupyterLab:\n" + "\n\n".join(dict.fromkeys(problems))
+    finally:
+        try:  # also when it failed: the picture shows where
+            _screenshot(page, SCREENSHOTS / f"{path.stem}.png")
+        except Exception as exc:  # noqa: BLE001 - a failed screenshot must not hide the test's own failure
+            print(f"{name}: no screenshot: {exc}")
+        page.close()
+        leftover = lab.stop_kernels()
+        if leftover:
+            print(f"{name}: killed {len(leftover)} processes that outlived the kernel: {leftover[:3]}")
