@@ -283,3 +283,20 @@ def _is_engine(p) -> bool:
         return "ipyparallel.engine" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def test_results_are_matched_to_ranks_by_the_engine_that_ran_them():
+    """The one assumption about ipyparallel's internals (a multi-engine result splits in target
+    order) is checked on every call from public metadata; a reordering is an error, not a mix-up."""
+    from colab_kit.cluster.results import check_ranks
+
+    class Done:
+        def __init__(self, engine_id):
+            self.metadata = {"engine_id": engine_id}
+
+        def ready(self):
+            return True
+
+    check_ranks({0: Done(5), 1: Done(7)}, [5, 7])
+    with pytest.raises(RuntimeError, match="rank 0 came from engine 7, not from its engine 5"):
+        check_ranks({0: Done(7), 1: Done(5)}, [5, 7])
