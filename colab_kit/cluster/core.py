@@ -293,43 +293,6 @@ class Cluster(Startup, Waiting):
     def __repr__(self) -> str:
         return f"Cluster(n={self.n}, engines={self.engines!r}: {self.status()})"
 
-    # ------------------------------------------------------------ sending
-    def _view(self, ranks: list[int]):
-        """One DirectView on the engines of ``ranks``: a call is serialised once for all of them."""
-        ids = [self._ids[r] for r in ranks]
-        gone = [r for r, i in zip(ranks, ids) if i not in self._client.ids]
-        if gone:
-            self._broken = f"the engines of ranks {gone} are gone (killed, or out of memory?)"
-            raise ClusterError(f"{self._broken}: run %colossal restart (or cluster.restart()) for fresh engines")
-        return self._client[ids[0] if len(ids) == 1 else ids]  # one engine: plain results, not lists
-
-    def _apply(self, ranks: list[int], fn, *args) -> dict:
-        """``fn(*args)`` on ``ranks``: rank -> AsyncResult."""
-        return split(self._view(ranks).apply_async(fn, *args), ranks)
-
-    def _targets(self, ranks: list[int] | None) -> list[int]:
-        self._check_usable()
-        if ranks is None:
-            return list(range(self.world_size))
-        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.world_size)]
-        if bad or not ranks:
-            raise ClusterError(f"ranks {bad or ranks} are not ranks of this cluster: "
-                               f"choose among 0..{self.world_size - 1}")
-        return sorted(set(ranks))
-
-    def _check_usable(self) -> None:
-        if not self.running:
-            raise ClusterError("no cluster is running: start one with %colossal start -n 4 "
-                               "(or ck.Cluster(n=4).start())")
-        if self._broken:
-            raise ClusterError(f"the cluster needs a restart: {self._broken}. Run %colossal restart "
-                               "(or cluster.restart()) first")
-        busy = sorted(r for r, ar in self._busy.items() if not ar.ready())
-        if busy:
-            raise ClusterError(f"ranks {busy} are still running a call that timed out, so new work would "
-                               "queue behind it: wait for them (%colossal status), or run %colossal restart")
-        self._busy = {}
-
 
 def _notebook_progress(n: int):
     """A live progress line when running inside a notebook kernel, else None."""

@@ -1,4 +1,4 @@
-"""Waiting for the ranks of a ``Cluster``: failures, deaths, timeouts and Ctrl-C.
+"""Sending to and waiting for the ranks of a ``Cluster``: failures, deaths, timeouts and Ctrl-C.
 
 One call to the cluster is one ipyparallel AsyncResult per rank. ``Waiting.gather``
 waits for them and decides what the caller is told::
@@ -23,7 +23,7 @@ import time
 
 from ..errors import MessageOnly, RankError, RankTimeout
 from . import remote
-from .results import unwrap_plain
+from .results import split, unwrap_plain
 
 __all__ = ["Waiting", "RESTART_ADVICE", "ClusterError"]
 
@@ -38,8 +38,8 @@ class ClusterError(MessageOnly, RuntimeError):
 
 
 class Waiting:
-    """The waiting half of ``Cluster`` (needs ``_client``, ``_ids``, ``_controller_procs``,
-    ``grace``, ``timeout``, ``_broken``, ``_busy``)."""
+    """The sending and waiting half of ``Cluster`` (needs ``_client``, ``_ids``, ``world_size``,
+    ``running``, ``_controller_procs``, ``grace``, ``timeout``, ``_broken``, ``_busy``)."""
 
     def _controller_dead(self) -> bool:
         """Whether a process of the controller (started by this kernel) has ended."""
@@ -138,3 +138,40 @@ class Waiting:
                             f"rank {next(iter(ordered))} failed in {where} while ranks {sorted(pending)} waited")
             advice = RESTART_ADVICE
         raise RankError(ordered, sorted(pending), where, advice)
+
+    # ------------------------------------------------------------ sending
+    def _view(self, ranks: list[int]):
+        """One DirectView on the engines of ``ranks``: a call is serialised once for all of them."""
+        ids = [self._ids[r] for r in ranks]
+        gone = [r for r, i in zip(ranks, ids) if i not in self._client.ids]
+        if gone:
+            self._broken = f"the engines of ranks {gone} are gone (killed, or out of memory?)"
+            raise ClusterError(f"{self._broken}: run %colossal restart (or cluster.restart()) for fresh engines")
+        return self._client[ids[0] if len(ids) == 1 else ids]  # one engine: plain results, not lists
+
+    def _apply(self, ranks: list[int], fn, *args) -> dict:
+        """``fn(*args)`` on ``ranks``: rank -> AsyncResult."""
+        return split(self._view(ranks).apply_async(fn, *args), ranks)
+
+    def _targets(self, ranks: list[int] | None) -> list[int]:
+        self._check_usable()
+        if ranks is None:
+            return list(range(self.world_size))
+        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.world_size)]
+        if bad or not ranks:
+            raise ClusterError(f"ranks {bad or ranks} are not ranks of this cluster: "
+                               f"choose among 0..{self.world_size - 1}")
+        return sorted(set(ranks))
+
+    def _check_usable(self) -> None:
+        if not self.running:
+            raise ClusterError("no cluster is running: start one with %colossal start -n 4 "
+                               "(or ck.Cluster(n=4).start())")
+        if self._broken:
+            raise ClusterError(f"the cluster needs a restart: {self._broken}. Run %colossal restart "
+                               "(or cluster.restart()) first")
+        busy = sorted(r for r, ar in self._busy.items() if not ar.ready())
+        if busy:
+            raise ClusterError(f"ranks {busy} are still running a call that timed out, so new work would "
+                               "queue behind it: wait for them (%colossal status), or run %colossal restart")
+        self._busy = {}
