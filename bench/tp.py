@@ -60,16 +60,14 @@ def _compare(gpt_kwargs, batch, rounds, steps):
     mesh = ck.ProcessMesh(ck.ParallelConfig(tp=torch.distributed.get_world_size()))
     ours = _blocks(gcfg)
     for b in ours:
-        for name in ("q", "k", "v"):
-            setattr(b.attn, name, ColumnLinear.from_dense(getattr(b.attn, name), mesh))
+        b.attn.qkv = ColumnLinear.from_dense(b.attn.qkv, mesh)
         b.attn.proj = RowLinear.from_dense(b.attn.proj, mesh)
         b.mlp.fc1, b.mlp.fc2 = ColumnLinear.from_dense(b.mlp.fc1, mesh), RowLinear.from_dense(b.mlp.fc2, mesh)
     dmesh = init_device_mesh("cpu", (mesh.size("tp"),), mesh_dim_names=("tp",))
     theirs = _blocks(gcfg)
     plan = {}
     for i in range(len(theirs)):
-        plan.update({f"{i}.attn.q": ColwiseParallel(), f"{i}.attn.k": ColwiseParallel(),
-                     f"{i}.attn.v": ColwiseParallel(), f"{i}.attn.proj": RowwiseParallel(),
+        plan.update({f"{i}.attn.qkv": ColwiseParallel(), f"{i}.attn.proj": RowwiseParallel(),
                      f"{i}.mlp.fc1": ColwiseParallel(), f"{i}.mlp.fc2": RowwiseParallel()})
     theirs = parallelize_module(theirs, dmesh, plan)
     models = {"colab_kit": ours, "dtensor": theirs}

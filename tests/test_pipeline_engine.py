@@ -113,8 +113,13 @@ def _check_training(results, cfgs):
                 got = res[key, opt]
                 assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (kw, opt, rank)
                 assert got["losses"] == results[0][key, opt]["losses"], (kw, opt, rank)  # equal on all ranks
+                # AdamW divides each gradient by its own running size, so an element whose gradient
+                # sits at fp32 rounding noise (summed per microbatch here, over the batch there) can
+                # move by a fraction of lr either way: a looser atol for it; SGD keeps the tight one
+                atol = 2e-4 if opt == "adamw" else 5e-5
                 for name, p in got["params"].items():
-                    torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=5e-5, msg=lambda m: f"{name} {m}")
+                    torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=atol,
+                                               msg=lambda m: f"{kw} {opt} {name} {m}")
                     owned[name] = p
                 # every action ran once, in plan order, and was timed
                 assert got["actions"] == got["plan"], (kw, opt, rank)

@@ -2,9 +2,12 @@
 
 Token and position embeddings, ``n_layers`` pre-LayerNorm blocks (causal
 self-attention, then a GELU MLP) kept in ``model.blocks`` so that a pipeline can
-cut between them, a final LayerNorm and an untied LM head. Q, K and V are three
-separate ``nn.Linear`` so that a tensor-parallel plan can split heads by
-splitting output features. The model knows nothing about parallelism.
+cut between them, a final LayerNorm and an untied LM head. Q, K and V come from one
+fused projection ``attn.qkv`` whose output features are laid out head by head
+(Megatron's order: ``[h0 q | h0 k | h0 v | h1 q | ...]``, ``head_dim`` each), so any
+contiguous split of its output features is a set of whole heads with their q, k and v,
+and a tensor-parallel plan communicates the attention's input once, not three times.
+The model knows nothing about parallelism.
 
 Parameters come from the config's seed alone (the global RNG is left as it
 was), so every rank that builds ``GPT(cfg)`` holds identical weights::
@@ -63,22 +66,20 @@ class GPTConfig:
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention: q, k, v projections, softmax(qk^T/sqrt(d)) v, out projection."""
+    """Causal multi-head self-attention: one fused q, k, v projection, softmax(qk^T/sqrt(d)) v, out projection."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.q = nn.Linear(cfg.d_model, cfg.d_model)
-        self.k = nn.Linear(cfg.d_model, cfg.d_model)
-        self.v = nn.Linear(cfg.d_model, cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # head by head: [q k v] of h0, then h1, ...
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        # heads = out_features / head_dim, so a layer holding a slice of heads works unchanged
-        split = lambda y: y.view(b, t, -1, self.head_dim).transpose(1, 2)  # noqa: E731
-        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        # heads = out_features / (3 head_dim), so a layer holding a slice of heads works unchanged
+        qkv = self.qkv(x).view(b, t, -1, 3, self.head_dim).transpose(1, 2)  # [b, heads, t, 3, head_dim]
+        q, k, v = qkv.unbind(3)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 

@@ -48,7 +48,7 @@ class Stage(nn.Module):
 
     The first stage takes token ids ``[b, t]``; the last returns logits. ``source_names``
     gives, for each of this stage's parameters in order, its name in the whole model
-    (``blocks.2.attn.q.weight``), so it can be compared with an unsplit model.
+    (``blocks.2.attn.qkv.weight``), so it can be compared with an unsplit model.
     """
 
     def __init__(self, model: nn.Module, index: int, n_stages: int, layers: range, names: dict[int, str]):

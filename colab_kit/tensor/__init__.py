@@ -39,7 +39,7 @@ import torch.nn as nn
 from .. import comm
 from ..config import ConfigError
 
-__all__ = ["TensorPlan", "plan_for", "plan_class", "check_model", "linear_comm_bytes", "mark_grad_sum",
+__all__ = ["block_collectives", "TensorPlan", "plan_for", "plan_class", "check_model", "linear_comm_bytes", "mark_grad_sum",
            "sync_grads"]
 
 
@@ -151,6 +151,35 @@ def linear_comm_bytes(config, rows: int, d_in: int, d_out: int, kind: str = "col
         return f(rows, d_in, d_out, q, config.tp_depth, bytes_per_elem=bytes_per_elem)
     from .tp3d import linear_comm_bytes as f
     return f(rows, d_in, d_out, q, bytes_per_elem)
+
+
+def block_collectives(config) -> dict[str, int]:
+    """Collectives one transformer block sends per training step (forward and backward) on the
+    tensor axes, by op: four Linears (the fused qkv, proj, fc1, fc2) and two LayerNorms.
+
+    ==========  ==========================================  ================================
+    mode        per Linear                                  per block (q = grid side)
+    ==========  ==========================================  ================================
+    1d          column: f's all-reduce (bwd); row: g's      all_reduce 4 (Megatron's count)
+                all-reduce (fwd); LayerNorms need none
+    2d, 2.5d    SUMMA: q steps of 2 broadcasts (fwd), of    broadcast 16q, reduce 8q,
+                broadcast + reduce for dX and for dW        all_reduce 8 (LayerNorm sums)
+    3d          all-gather X and W, reduce-scatter Y (fwd); all_gather 12, reduce_scatter 12,
+                all-gather dY, reduce-scatter dX and dW     all_reduce 8 (LayerNorm sums)
+    ==========  ==========================================  ================================
+
+    Worked example, ``ParallelConfig(tp=4, tp_mode="2d")`` (q = 2): a block's step sends
+    32 broadcasts, 16 reduces and 8 all-reduces inside the 2 x 2 grid. With q, k and v as
+    three Linears it would be 48, 24 and 8: the attention input would travel three times.
+    """
+    q = config.tp_q
+    if config.tp == 1:
+        return {}
+    if config.tp_mode == "1d":
+        return {"all_reduce": 4}
+    if config.tp_mode in ("2d", "2.5d"):
+        return {"broadcast": 16 * q, "reduce": 8 * q, "all_reduce": 8}
+    return {"all_gather": 12, "reduce_scatter": 12, "all_reduce": 8}
 
 
 def check_model(model_cfg, config) -> None:

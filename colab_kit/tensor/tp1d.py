@@ -13,9 +13,10 @@ Activations stay whole on every rank of the ``tp`` group; weights are split:
 
 Worked example, tp=2, d_model=4, n_heads=2, MLP 4 -> 16 -> 4::
 
-    rank 0: q, k, v rows 0..1 (head 0)   fc1 rows 0..7    fc2 cols 0..7    vocab 0..V/2-1
-    rank 1: q, k, v rows 2..3 (head 1)   fc1 rows 8..15   fc2 cols 8..15   vocab V/2..V-1
-    per block forward: 2 all-reduces of [b, t, 4] (attention out, MLP out); backward: 2 more (f)
+    rank 0: qkv rows 0..5 (head 0's q, k, v)   fc1 rows 0..7    fc2 cols 0..7    vocab 0..V/2-1
+    rank 1: qkv rows 6..11 (head 1's q, k, v)  fc1 rows 8..15   fc2 cols 8..15   vocab V/2..V-1
+    per block forward: 2 all-reduces of [b, t, 4] (attention out, MLP out); backward: 2 more (f at
+    the fused qkv's input and at fc1's): 4 per block and step, Megatron's count
 """
 from __future__ import annotations
 
@@ -129,8 +130,7 @@ class Plan1D(TensorPlan):
         mesh = self.mesh
         model.tok = VocabEmbedding.from_dense(model.tok, mesh)
         for block in model.blocks:
-            for name in ("q", "k", "v"):
-                setattr(block.attn, name, ColumnLinear.from_dense(getattr(block.attn, name), mesh))
+            block.attn.qkv = ColumnLinear.from_dense(block.attn.qkv, mesh)  # whole heads (see models.gpt)
             block.attn.proj = RowLinear.from_dense(block.attn.proj, mesh)
             block.mlp.fc1 = ColumnLinear.from_dense(block.mlp.fc1, mesh)
             block.mlp.fc2 = RowLinear.from_dense(block.mlp.fc2, mesh)

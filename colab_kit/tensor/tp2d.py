@@ -112,8 +112,8 @@ class Plan2D(TensorPlan):
         for block in model.blocks:
             block.ln1 = LayerNorm2D.from_dense(block.ln1, mesh)
             block.ln2 = LayerNorm2D.from_dense(block.ln2, mesh)
-            for name in ("q", "k", "v", "proj"):
-                setattr(block.attn, name, Linear2D.from_dense(getattr(block.attn, name), mesh))
+            block.attn.qkv = Linear2D.from_dense(block.attn.qkv, mesh)  # one SUMMA for q, k and v
+            block.attn.proj = Linear2D.from_dense(block.attn.proj, mesh)
             block.mlp.fc1 = Linear2D.from_dense(block.mlp.fc1, mesh)
             block.mlp.fc2 = Linear2D.from_dense(block.mlp.fc2, mesh)
         model.ln_f = LayerNorm2D.from_dense(model.ln_f, mesh)

@@ -132,8 +132,7 @@ class Plan3D(TensorPlan):
         for block in model.blocks:
             block.ln1 = LayerNorm3D.from_dense(block.ln1, mesh, axis=res_h)
             block.ln2 = LayerNorm3D.from_dense(block.ln2, mesh, axis=res_h)
-            for name in ("q", "k", "v"):
-                setattr(block.attn, name, Linear3D.from_dense(getattr(block.attn, name), mesh, **first))
+            block.attn.qkv = Linear3D.from_dense(block.attn.qkv, mesh, **first)  # the input gathered once
             block.attn.proj = Linear3D.from_dense(block.attn.proj, mesh, **second)
             block.mlp.fc1 = Linear3D.from_dense(block.mlp.fc1, mesh, **first)
             block.mlp.fc2 = Linear3D.from_dense(block.mlp.fc2, mesh, **second)
