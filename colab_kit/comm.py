@@ -7,11 +7,27 @@ was ready (for async calls, until ``wait()`` returned)::
     >>> from colab_kit import comm
     >>> comm.all_reduce(grad_bucket, mesh, "dp")          # on every rank of the dp group
     >>> mesh.log.records[-1]
-    CommRecord(op='all_reduce', axis='dp', bytes=4096, seconds=0.0003, tag='')
+    CommRecord(op='all_reduce', axis='dp', bytes=4096, seconds=0.0003, tag='', wire=6144)
 
-Bytes count the payload this rank hands to the collective (for all_reduce the
-size of the tensor), the figure the paper's formulas use; the wire traffic of a
-ring all-reduce is ``2 (n - 1) / n`` of it.
+Two byte counts per record, because they answer different questions:
+
+``bytes`` (payload)
+    what this rank hands to the collective: the tensor it passes in. This is the unit
+    of the paper's per-layer formulas (``tensor.linear_comm_bytes``) and it does not
+    depend on how the backend moves data. all_reduce, broadcast, reduce, send, recv:
+    the tensor (on every rank, the receivers of a broadcast too); all_gather: this
+    rank's piece ``s``; reduce_scatter: the whole input ``S`` before it is split.
+``wire`` (bytes this rank sends, ring / pipelined-chain model, group of n ranks)
+    all_reduce ``2 (n-1)/n * S``, reduce_scatter ``(n-1)/n * S``, all_gather
+    ``(n-1) * s`` (= ``(n-1)/n`` of the gathered result), broadcast and reduce
+    ``(n-1)/n * S`` (a chain forwards S n-1 times; averaged per rank), send ``S``,
+    recv ``0``. This is what a link carries, so it compares across ops and modes.
+
+Worked example, a 4 KiB tensor on a dp group of 4 ranks::
+
+    all_reduce      bytes 4096   wire 6144     (2 * 3/4 * 4096)
+    all_gather      bytes 4096   wire 12288    (3 pieces sent; result 16 KiB)
+    reduce_scatter  bytes 4096   wire 3072     (3/4 of the input)
 """
 from __future__ import annotations
 
@@ -21,18 +37,32 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommRecord", "CommLog", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "Pending",
+__all__ = ["CommRecord", "CommLog", "wire_bytes", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "Pending",
            "copy_to_group", "reduce_from_group", "gather_from_group", "split_to_group", "P2PPending", "isend",
            "irecv"]
+
+
+def wire_bytes(op: str, payload: int, n: int) -> int:
+    """Bytes one rank sends for a collective of ``payload`` bytes (see the module docstring)."""
+    if op in ("send",):
+        return payload
+    if op == "recv" or n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * payload // n
+    if op == "all_gather":
+        return (n - 1) * payload
+    return (n - 1) * payload // n  # reduce_scatter, broadcast, reduce
 
 
 @dataclass
 class CommRecord:
     op: str
     axis: str
-    bytes: int
+    bytes: int          # payload: what this rank handed to the collective (the papers' unit)
     seconds: float
     tag: str = ""
+    wire: int = 0       # bytes this rank sent under the ring / chain model (``wire_bytes``)
 
 
 @dataclass
@@ -42,8 +72,9 @@ class CommLog:
     records: list = field(default_factory=list)
     step_start: int = 0
 
-    def add(self, op: str, axis: str, nbytes: int, seconds: float, tag: str = "") -> CommRecord:
-        rec = CommRecord(op, axis, int(nbytes), float(seconds), tag)
+    def add(self, op: str, axis: str, nbytes: int, seconds: float, tag: str = "", n: int = 1) -> CommRecord:
+        """Record one call; ``n`` is the group's size (for the wire bytes)."""
+        rec = CommRecord(op, axis, int(nbytes), float(seconds), tag, wire_bytes(op, int(nbytes), n))
         self.records.append(rec)
         return rec
 
@@ -54,12 +85,13 @@ class CommLog:
         return self.records[self.step_start:]
 
     def summary(self, records=None) -> dict:
-        """Totals by (op, axis): count, bytes, seconds."""
+        """Totals by (op, axis): count, bytes (payload), wire, seconds."""
         out: dict = {}
         for r in self.records if records is None else records:
-            s = out.setdefault(f"{r.op}@{r.axis}", {"count": 0, "bytes": 0, "seconds": 0.0})
+            s = out.setdefault(f"{r.op}@{r.axis}", {"count": 0, "bytes": 0, "wire": 0, "seconds": 0.0})
             s["count"] += 1
             s["bytes"] += r.bytes
+            s["wire"] += r.wire
             s["seconds"] += r.seconds
         return out
 
@@ -70,8 +102,9 @@ class CommLog:
 class Pending:
     """An async collective in flight; ``wait()`` finishes it and records its time (once)."""
 
-    def __init__(self, work, log: CommLog, op: str, axis: str, nbytes: int, tag: str, then=None):
+    def __init__(self, work, log: CommLog, op: str, axis: str, nbytes: int, tag: str, then=None, n: int = 1):
         self.work, self.log, self.op, self.axis, self.nbytes, self.tag = work, log, op, axis, nbytes, tag
+        self.n = n
         self.then = then
         self.t0 = time.perf_counter()
         self.done, self.record = False, None
@@ -81,7 +114,8 @@ class Pending:
             return self.record
         if self.work is not None:  # None: a no-op on a size-1 axis, nothing ran, nothing recorded
             self.work.wait()
-            self.record = self.log.add(self.op, self.axis, self.nbytes, time.perf_counter() - self.t0, self.tag)
+            self.record = self.log.add(self.op, self.axis, self.nbytes, time.perf_counter() - self.t0, self.tag,
+                                       self.n)
         self.done = True
         if self.then is not None:
             self.then()
@@ -91,12 +125,12 @@ class Pending:
 def _run(mesh, op: str, axis: str, tensor: torch.Tensor, launch, async_op: bool, tag: str, then=None):
     nbytes = tensor.numel() * tensor.element_size()
     if async_op:
-        return Pending(launch(True), mesh.log, op, axis, nbytes, tag, then)
+        return Pending(launch(True), mesh.log, op, axis, nbytes, tag, then, mesh.size(axis))
     t0 = time.perf_counter()
     work = launch(False)
     if work is not None:
         work.wait()
-    mesh.log.add(op, axis, nbytes, time.perf_counter() - t0, tag)
+    mesh.log.add(op, axis, nbytes, time.perf_counter() - t0, tag, mesh.size(axis))
     if then is not None:
         then()
     return tensor

@@ -33,13 +33,15 @@ def test_comm_log_records_summary_and_steps():
     assert type(log.records[-1].bytes) is int and type(log.records[-1].seconds) is float
     assert log.last_step() == [log.records[-1]]
     assert log.summary() == {
-        "all_reduce@dp": {"count": 2, "bytes": 5096, "seconds": 0.75},
-        "all_gather@tp": {"count": 1, "bytes": 64, "seconds": 1.0},
+        "all_reduce@dp": {"count": 2, "bytes": 5096, "wire": 0, "seconds": 0.75},
+        "all_gather@tp": {"count": 1, "bytes": 64, "wire": 0, "seconds": 1.0},
     }
-    assert log.summary(log.last_step()) == {"all_gather@tp": {"count": 1, "bytes": 64, "seconds": 1.0}}
+    assert log.summary(log.last_step()) == {"all_gather@tp": {"count": 1, "bytes": 64, "wire": 0, "seconds": 1.0}}
     assert log.as_dicts(log.last_step()) == [
-        {"op": "all_gather", "axis": "tp", "bytes": 64, "seconds": 1.0, "tag": ""}]
-    assert len(log.as_dicts()) == 3
+        {"op": "all_gather", "axis": "tp", "bytes": 64, "seconds": 1.0, "tag": "", "wire": 0}]
+    log.add("all_reduce", "dp", 4096, 0.1, n=4)  # the group's size gives the wire bytes
+    assert log.records[-1].wire == 6144
+    assert len(log.as_dicts()) == 4
 
 
 def test_comm_logs_are_independent():
@@ -97,6 +99,8 @@ def comm_checks():
     out["async_rec_is_last"] = rec is mesh.log.records[-1]
 
     out["records"] = _rows(mesh.log)
+    out["wire_rows"] = [((r.op, r.bytes), r.wire) for r in mesh.log.records
+                        if (r.op, r.bytes) in {("all_reduce", 12), ("broadcast", 40), ("all_gather", 16)}]
     out["seconds_ok"] = all(r.seconds >= 0 for r in mesh.log.records)
 
     # size-1 axes (pp, sp): no-op, same object, no record
@@ -123,6 +127,15 @@ def comm_checks():
     out["bc_tp_col_src1"] = t.item()
     out["records2"] = _rows(mesh2.log)
     out["mesh1_untouched"] = len(mesh.log.records) == n
+
+    # payload vs wire on a group of 4 (dp=4): 4 KiB each
+    mesh4 = ck.ProcessMesh(ck.ParallelConfig(dp=4))
+    comm.all_reduce(torch.ones(1024), mesh4, "dp")
+    comm.all_gather(torch.ones(1024), mesh4, "dp")
+    comm.reduce_scatter(torch.ones(1024), mesh4, "dp")
+    comm.broadcast(torch.ones(1024), mesh4, "dp")
+    comm.reduce(torch.ones(1024), mesh4, "dp")
+    out["wire4"] = [(r.op, r.bytes, r.wire) for r in mesh4.log.records]
     return out
 
 
@@ -182,6 +195,17 @@ def test_every_call_is_recorded_with_op_axis_bytes(results):
     for r in results:
         assert r["records"] == expected
         assert r["seconds_ok"]
+
+
+def test_payload_and_wire_bytes_under_the_ring_model(results):
+    """payload = what the rank handed in; wire = what it sends: all_reduce 2(n-1)/n S, all_gather
+    (n-1) s, reduce_scatter / broadcast / reduce (n-1)/n S, for n = 4 and S = s = 4096."""
+    for r in results:
+        assert r["wire4"] == [("all_reduce", 4096, 6144), ("all_gather", 4096, 12288),
+                              ("reduce_scatter", 4096, 3072), ("broadcast", 4096, 3072), ("reduce", 4096, 3072)]
+    # on the groups of 2 above: all_reduce 2 * 1/2 S = S, all_gather s, broadcast S/2
+    wire = {rec[0]: rec[1] for rec in results[0]["wire_rows"]}
+    assert wire == {("all_reduce", 12): 12, ("broadcast", 40): 20, ("all_gather", 16): 16}
 
 
 def test_size_one_axis_is_a_no_op(results):

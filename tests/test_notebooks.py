@@ -31,6 +31,7 @@ EXPECT = {  # notebook -> [(marker in the cell source, text its output must cont
         ("%colossal start -n 8", "started 8 ranks"),
         ("probed:", "tp=8 (3d) = 8 ranks"),
         ('assert r["forward"] == f["forward"]', "backward  98,304 B (formula  98,304)"),
+        ('assert r["forward"] == f["forward"]', "| wire sent"),
         ("dense_bytes", "tp=8 (3d) = 8 ranks              rank 0 holds"),
         ('explore("tp=6', "refused before any rank ran: tp=6 with tp_mode='2d' needs tp to be a square"),
         ("largest relative difference", "2D on 8 ranks vs one process"),

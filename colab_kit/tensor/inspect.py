@@ -7,7 +7,8 @@ Both are measured on the real layers, not drawn from a plan:
   dense ``[out, in]`` weight with every entry replaced by the rank that holds it
   (for blocks replicated over ``dp`` or 2.5D's depth, the copy ``to_dense`` reads).
 - ``LayerTraffic(module, mesh)`` counts the bytes this rank hands to collectives
-  while ``module`` runs its forward and its backward.
+  while ``module`` runs its forward and its backward (the payload, the papers' unit),
+  and beside them the bytes it sends on the wire (``colab_kit.comm`` states both models).
 
 On 2 ranks with 1D tensor parallelism, ``owner_map`` of an MLP's ``fc1`` (4 -> 8) is::
 
@@ -41,11 +42,13 @@ class LayerTraffic:
 
     >>> traffic = LayerTraffic(model.blocks[0].mlp.fc1, mesh)   # before the step
     >>> engine.train_step(batch)
-    >>> traffic.forward, traffic.backward                        # bytes, by direction
+    >>> traffic.forward, traffic.backward                        # payload bytes, by direction
+    >>> traffic.wire                                             # {"forward": ..., "backward": ...} sent
     """
 
     def __init__(self, module: nn.Module, mesh):
         self.mesh, self.forward, self.backward = mesh, 0, 0
+        self.wire = {"forward": 0, "backward": 0}
         self.by_axis: dict[str, int] = {}
         self._mark = 0
         self._hooks = [module.register_forward_pre_hook(lambda *a: self._start()),
@@ -59,6 +62,7 @@ class LayerTraffic:
     def _stop(self, direction: str) -> None:
         records = self.mesh.log.records[self._mark:]
         setattr(self, direction, getattr(self, direction) + sum(r.bytes for r in records))
+        self.wire[direction] += sum(r.wire for r in records)
         for r in records:
             self.by_axis[r.axis] = self.by_axis.get(r.axis, 0) + r.bytes
 
