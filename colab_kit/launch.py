@@ -175,6 +175,10 @@ def _collect(procs, results, timeout: float, grace: float, reported: set) -> lis
     return [done[r] for r in range(world_size)]
 
 
+_MAIN_HINT = ("; if ck.launch was called from a script, is the call under `if __name__ == \"__main__\":`? "
+              "Each rank re-imports the script, so an unguarded call runs again in every rank")
+
+
 def _record_silent_deaths(procs, done, failures, exitcode_zero: bool, wait: float = 0.0) -> None:
     """Record the ranks that exited without reporting (segfault, os._exit, OOM kill),
     polling up to ``wait`` seconds for one to appear.
@@ -187,7 +191,9 @@ def _record_silent_deaths(procs, done, failures, exitcode_zero: bool, wait: floa
         for r, p in enumerate(procs):
             code = p.exitcode
             if r not in done and r not in failures and code is not None and (code != 0 or exitcode_zero):
-                failures[r] = f"rank {r} exited with code {code} without reporting a result"
+                # code 1: Python failed before the rank's function could run (it reports everything else)
+                failures[r] = (f"rank {r} exited with code {code} without reporting a result"
+                               + (_MAIN_HINT if code == 1 else ""))
                 found = True
         if found or time.monotonic() >= until:
             return

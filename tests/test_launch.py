@@ -287,3 +287,15 @@ def test_finished_ranks_exit_normally_and_flush_their_output(tmp_path):
     ck.launch(print_without_flush, 2, str(tmp_path), timeout=60)
     for r in range(2):
         assert (tmp_path / f"rank{r}.txt").read_text() == f"hello from rank {r}\n"
+
+
+def test_an_unguarded_script_is_told_why_its_ranks_died(tmp_path):
+    """Every rank re-imports the calling script; without a __main__ guard they die before running
+    anything, and the error says what to change."""
+    import subprocess
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("import colab_kit as ck\nprint(ck.launch(lambda: 1, 2))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "RankError" in done.stderr and 'under `if __name__ == "__main__":`' in done.stderr
