@@ -124,8 +124,11 @@ def plan_class(tp_mode: str) -> type[TensorPlan]:
     if tp_mode in ("2d", "2.5d"):
         from .tp2d import Plan2D
         return Plan2D
-    from .tp3d import Plan3D
-    return Plan3D
+    if tp_mode == "3d":
+        from .tp3d import Plan3D
+        return Plan3D
+    from ..config import ConfigError
+    raise ConfigError(f"unknown tp_mode {tp_mode!r}: choose one of '1d', '2d', '2.5d' or '3d'")
 
 
 def plan_for(mesh) -> TensorPlan:
@@ -185,5 +188,13 @@ def block_collectives(config) -> dict[str, int]:
 def check_model(model_cfg, config) -> None:
     """ConfigError, before any process runs, if ``model_cfg`` cannot be sharded by ``config``."""
     if config.tp > 1:
+        from ..config import ConfigError
         from ..mesh import MeshLayout
+
+        if getattr(model_cfg, "dropout", 0.0):
+            raise ConfigError(
+                f"dropout={model_cfg.dropout} with tensor parallelism (tp={config.tp}) needs the same dropout "
+                "masks on ranks whose activations are copies and different ones where they are split (a "
+                "Megatron-style RNG tracker), which colab_kit does not have yet: use dropout=0.0 with tp > 1, "
+                "or dropout with dp / pp only")
         plan_class(config.tp_mode).check(model_cfg, MeshLayout(config))
