@@ -11,12 +11,12 @@ import torch.nn.functional as F
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
-from colab_kit.reference import single_process_losses
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.tensor import check_model, sync_grads
 from colab_kit.tensor.tp2d import Embedding2D, LayerNorm2D, Linear2D, Plan2D, linear_comm_bytes
 
 from tests.test_dp import BATCH, OPTIMIZERS, STEPS
+from tests.test_tp1d import assert_params_match
 
 # one block and short sequences: 8 ranks share 2 cores, and a step runs hundreds of collectives
 GPT_CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=1)
@@ -139,18 +139,15 @@ def _check_layers(cfg_kwargs):
     return [k for k, ok in out.items() if not ok]
 
 
-def single_process(opt: str) -> list[float]:
-    """The reference: the dense GPT trained by plain PyTorch on the whole batch (as in test_dp)."""
-    return single_process_losses(GPT_CFG, OPTIMIZERS[opt], SyntheticTokens(64, GPT_CFG.seq_len, seed=1),
-                                 STEPS, BATCH)[0]
-
-
 def _train(cfgs):
+    from colab_kit.tensor.inspect import dense_state
+
     data, out = SyntheticTokens(64, GPT_CFG.seq_len, seed=1), {}
     for kw in cfgs:
         for opt in OPTIMIZERS:
             engine = ck.boost(GPT(GPT_CFG), OPTIMIZERS[opt], ck.ParallelConfig(**kw))
-            out[str(kw), opt] = [engine.train_step(data.batch(s, BATCH)) for s in range(STEPS)]
+            losses = [engine.train_step(data.batch(s, BATCH)) for s in range(STEPS)]
+            out[str(kw), opt] = losses, dense_state(engine.module)
     return out
 
 
@@ -160,19 +157,28 @@ def _layers_and_training(cfgs):
 
 @pytest.fixture(scope="module")
 def references():
-    return {opt: single_process(opt) for opt in OPTIMIZERS}
+    """Losses and final parameters (by name) of the dense GPT trained in one process."""
+    from colab_kit.reference import train_single_process
+
+    out = {}
+    for opt in OPTIMIZERS:
+        losses, model = train_single_process(GPT_CFG, OPTIMIZERS[opt], SyntheticTokens(64, GPT_CFG.seq_len, seed=1),
+                                             STEPS, BATCH)
+        out[opt] = losses, {n: p.detach() for n, p in model.named_parameters()}
+    return out
 
 
 @pytest.mark.parametrize("world, cfgs", [(4, CFG_4), (8, CFG_8)])
 def test_2d_layers_and_training(world, cfgs, references):
-    assert all(abs(losses[-1] - losses[0]) > 1e-2 for losses in references.values())  # a non-trivial match
+    assert all(abs(losses[-1] - losses[0]) > 1e-2 for losses, _ in references.values())  # a non-trivial match
     results = ck.launch(_layers_and_training, world, cfgs)
     for rank, (layer_failures, losses) in enumerate(results):
         for cfg, failures in zip(cfgs, layer_failures):
             assert failures == [], (rank, cfg, failures)
         assert len(losses) == len(cfgs) * len(OPTIMIZERS)
-        for (cfg, opt), got in losses.items():
-            assert got == pytest.approx(references[opt], rel=1e-5), (rank, cfg, opt)
+        for (cfg, opt), (got, params) in losses.items():
+            assert got == pytest.approx(references[opt][0], rel=1e-5), (rank, cfg, opt)
+            assert_params_match(params, references[opt][1], opt, (rank, cfg, opt))
 
 
 def test_2d_sizes_that_do_not_divide_are_refused_without_processes():

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["owner_map", "LayerTraffic"]
+__all__ = ["owner_map", "LayerTraffic", "dense_state"]
 
 
 @torch.no_grad()
@@ -35,6 +35,27 @@ def owner_map(layer: nn.Module) -> torch.Tensor:
     finally:
         layer.weight.copy_(saved)
     return dense.weight.detach().round().to(torch.int64)
+
+
+@torch.no_grad()
+def dense_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's parameters by their dense names, gathered from every rank (a collective:
+    every rank of the tensor group calls it). Sharded layers gather through their ``to_dense``;
+    parameters outside them (1D's LayerNorms and position table) are whole on every rank already.
+
+    After ``Plan1D(mesh).parallelize(GPT(cfg))`` on 2 ranks, ``dense_state(model)["blocks.0.attn.qkv.weight"]``
+    is the ``[3d, d]`` weight again, on both ranks, as ``GPT(cfg)`` would hold it.
+    """
+    sharded = [(name, mod) for name, mod in model.named_modules() if name and hasattr(mod, "to_dense")]
+    out = {}
+    for name, mod in sharded:
+        for pname, p in mod.to_dense().named_parameters():
+            out[f"{name}.{pname}"] = p.detach().clone()
+    inside = tuple(name + "." for name, _ in sharded)
+    for pname, p in model.named_parameters():
+        if not pname.startswith(inside):
+            out[pname] = p.detach().clone()
+    return out
 
 
 class LayerTraffic:
