@@ -43,8 +43,10 @@ def _grads_of(dense):
     return twin
 
 
-def _check_layers(cfg_kwargs):
-    """On one rank: each 2D layer's output and gradients vs the dense layer's; returns failures."""
+def _check_layers(cfg_kwargs, dims=(B, T, D_IN, D_OUT, VOCAB)):
+    """On one rank: each 2D layer's output and gradients vs the dense layer's; returns failures.
+    ``dims`` (batch, tokens, in, out, vocabulary) must divide by the grid's side q."""
+    B, T, D_IN, D_OUT, VOCAB = dims  # noqa: N806 - the module's names, sized for this grid
     mesh = ck.ProcessMesh(ck.ParallelConfig(**cfg_kwargs))
     plan = Plan2D(mesh)
     q, j = mesh.size("tp_col"), mesh.rank("tp_col")
@@ -131,8 +133,9 @@ def _check_layers(cfg_kwargs):
     params_close("head", layer, dense)
 
     # whole GPT forward: this rank's rows and vocabulary columns of the dense logits
-    model = GPT(GPT_CFG)
-    tokens2 = SyntheticTokens(64, GPT_CFG.seq_len).batch(0, 4)[0]
+    gpt_cfg = GPT_CFG if q == 2 else GPTConfig(vocab_size=72, seq_len=8, d_model=36, n_heads=6, n_layers=1)
+    model = GPT(gpt_cfg)
+    tokens2 = SyntheticTokens(gpt_cfg.vocab_size, gpt_cfg.seq_len).batch(0, B)[0]
     want = model(tokens2)
     plan.parallelize(model)
     close("gpt logits", model(rows(tokens2)), local(want))
@@ -205,3 +208,11 @@ def test_linear_comm_bytes_formula():
     assert two == {"forward": (24 + 48) * 2, "backward": 2 * (24 + 48) * 2, "grad_sync": 24 * 2}
     with pytest.raises(ValueError, match="rows=6 is not divisible by 4"):
         linear_comm_bytes(6, 8, 12, 2, 2)
+
+
+def test_2d_layers_at_q3_on_9_ranks():
+    """An odd grid side: a wrong q (a 2 hard-wired somewhere, a row/column mix-up that q=2 hides
+    by symmetry) shows here. Every layer against its dense twin on a 3 x 3 grid."""
+    results = ck.launch(_check_layers, 9, dict(tp=9, tp_mode="2d"), (6, 2, 12, 18, 18), timeout=300)
+    for rank, failures in enumerate(results):
+        assert failures == [], (rank, failures)
