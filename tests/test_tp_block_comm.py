@@ -45,3 +45,26 @@ def test_collectives_per_block_match_each_modes_formula():
         got = {op: n for op, n in measured[cfg.describe()].items() if n}
         assert got == block_collectives(cfg), (cfg.describe(), got)
     assert measured[ck.ParallelConfig(**CONFIGS[0]).describe()] .get("all_reduce") == 4  # Megatron's count
+
+
+def _cross_entropy_traffic():
+    from colab_kit.tensor.cross_entropy import vocab_parallel_cross_entropy
+
+    mesh = ck.ProcessMesh(ck.ParallelConfig(tp=2))
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 8, requires_grad=True)  # 15 tokens, this rank's 8 of 16 vocabulary columns
+    targets = torch.randint(0, 16, (3, 5))
+    mark = len(mesh.log.records)
+    loss = vocab_parallel_cross_entropy(logits, targets, mesh, "tp", 8 * mesh.rank("tp")).mean()
+    forward = [(r.op, r.bytes) for r in mesh.log.records[mark:]]
+    mark = len(mesh.log.records)
+    loss.backward()
+    return forward, len(mesh.log.records) - mark
+
+
+def test_cross_entropy_sends_three_numbers_per_token_and_nothing_backward():
+    """Megatron's vocab-parallel loss: the max, then (sum of exponentials, target logit) stacked,
+    so 2 all-reduces and 3 x 4 bytes per token forward; the backward is local (softmax - onehot)."""
+    for forward, backward_records in ck.launch(_cross_entropy_traffic, 2):
+        assert forward == [("all_reduce", 15 * 4), ("all_reduce", 15 * 8)]
+        assert backward_records == 0
