@@ -13,7 +13,7 @@ import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.tensor import check_model, sync_grads
-from colab_kit.tensor.tp2d import Embedding2D, LayerNorm2D, Linear2D, Plan2D, linear_comm_bytes
+from colab_kit.tensor.tp2d import Embedding2D, LayerNorm2D, Linear2D, Plan2D, VocabEmbedding2D, linear_comm_bytes
 
 from tests.test_dp import BATCH, OPTIMIZERS, STEPS
 from tests.test_tp1d import assert_params_match
@@ -116,6 +116,15 @@ def _check_layers(cfg_kwargs, dims=(B, T, D_IN, D_OUT, VOCAB)):
     (y * local(g_in)).sum().backward()
     sync_grads(layer, mesh)
     params_close("embedding", layer, dense)
+
+    # token table the paper's way: vocabulary over tp_row, hidden over tp_col (V/q x h/q)
+    layer = VocabEmbedding2D.from_dense(dense, mesh)
+    out["vocab embedding holds V/q x h/q"] = layer.weight.shape == (VOCAB // q, D_IN // q)
+    y = layer(rows(tokens))
+    close("vocab embedding out", y, local(dense(tokens)))
+    (y * local(g_in)).sum().backward()
+    sync_grads(layer, mesh)
+    params_close("vocab embedding", layer, dense)
 
     # LM head + vocab-parallel cross-entropy: logits split by vocabulary, never gathered
     dense = _dense(4, nn.Linear, D_IN, VOCAB, bias=False)

@@ -13,7 +13,9 @@ Layout on the rank at depth ``dep``, grid row ``i`` (tp_row) and column ``j`` (t
   hidden block ``j``;
 - Linear (``Linear2D``): block (i, j) of W = dense.weight.T [in, out]; bias block j;
 - LayerNorm (``LayerNorm2D``): weight and bias block j; statistics summed over the row;
-- Embedding (``Embedding2D``): table[:, block j] (split by hidden column, no forward
+- token table (``VocabEmbedding2D``): block (i, j) of table [V, h] (vocabulary over
+  tp_row, hidden over tp_col: the paper's V/q x h/q; the ids go round the grid column);
+- position table (``Embedding2D``): table[:, block j] (split by hidden column, no forward
   communication);
 - LM head: a ``Linear2D`` over the vocabulary, so the logits come out split by
   vocabulary over tp_col, which is what ``vocab_parallel_cross_entropy`` takes.
@@ -44,10 +46,10 @@ from __future__ import annotations
 
 from . import TensorPlan, require_divisible
 from .cross_entropy import vocab_parallel_cross_entropy
-from .tp2d_layers import (SUMMA_AB, SUMMA_ABT, SUMMA_ATB, Embedding2D, LayerNorm2D, Linear2D, batch_axes_of,
-                          summa_ab, summa_abt, summa_atb)
+from .tp2d_layers import (SUMMA_AB, SUMMA_ABT, SUMMA_ATB, Embedding2D, LayerNorm2D, Linear2D, VocabEmbedding2D,
+                          batch_axes_of, summa_ab, summa_abt, summa_atb)
 
-__all__ = ["Plan2D", "linear_comm_bytes", "Linear2D", "LayerNorm2D", "Embedding2D",
+__all__ = ["Plan2D", "linear_comm_bytes", "Linear2D", "LayerNorm2D", "Embedding2D", "VocabEmbedding2D",
            "SUMMA_AB", "SUMMA_ABT", "SUMMA_ATB", "summa_ab", "summa_abt", "summa_atb"]
 
 
@@ -107,7 +109,7 @@ class Plan2D(TensorPlan):
 
     def parallelize(self, model):
         mesh = self.mesh
-        model.tok = Embedding2D.from_dense(model.tok, mesh)
+        model.tok = VocabEmbedding2D.from_dense(model.tok, mesh)
         model.pos = Embedding2D.from_dense(model.pos, mesh)
         for block in model.blocks:
             block.ln1 = LayerNorm2D.from_dense(block.ln1, mesh)

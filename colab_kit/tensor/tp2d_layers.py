@@ -37,7 +37,7 @@ from .. import comm
 from . import mark_grad_sum
 
 __all__ = ["summa_ab", "summa_abt", "summa_atb", "SUMMA_AB", "SUMMA_ABT", "SUMMA_ATB",
-           "Linear2D", "LayerNorm2D", "Embedding2D", "batch_axes_of", "depth_axes_of"]
+           "Linear2D", "LayerNorm2D", "Embedding2D", "VocabEmbedding2D", "batch_axes_of", "depth_axes_of"]
 
 
 def batch_axes_of(mesh) -> tuple[str, ...]:
@@ -276,6 +276,50 @@ class Embedding2D(nn.Module):
 
     def to_dense(self) -> nn.Embedding:
         w = _gather_cols(self.weight, self.mesh)
+        dense = nn.Embedding(*w.shape)
+        with torch.no_grad():
+            dense.weight.copy_(w)
+        return dense
+
+
+class VocabEmbedding2D(nn.Module):
+    """The token table the paper's way: vocabulary split over tp_row, hidden over tp_col, so rank
+    (i, j) holds ``table[V/q block i, h/q block j]`` (``V/q x h/q``, a 1/q^2 share; the same on
+    every 2.5D depth layer, whose gradients are summed over tp_dep).
+
+    A grid row's batch rows need every vocabulary block, so the lookup goes round the grid
+    column: all-gather the token ids over tp_row (integers, cheap), look them all up in this
+    rank's vocabulary block (zero where a token lives elsewhere), and reduce-scatter the partial
+    rows over tp_row, which sums the blocks and hands each grid row back its own batch rows.
+    Backward: the reduce-scatter's all-gather, then a local embedding gradient.
+
+    tp=4 (q=2), nn.Embedding(64, 8), 4 batch rows: rank (1, 0) holds table[32:64, 0:4];
+    it gathers the ids of rows 0..3, fills the entries of ids >= 32 from its block, and after
+    the reduce-scatter over {(0, 0), (1, 0)} returns table[ids of rows 2..3, 0:4].
+    """
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, mesh):
+        super().__init__()
+        self.mesh, self.vocab_start = mesh, vocab_start
+        self.weight = mark_grad_sum(nn.Parameter(weight), *depth_axes_of(mesh))
+
+    @classmethod
+    def from_dense(cls, dense: nn.Embedding, mesh) -> "VocabEmbedding2D":
+        q, i, j = mesh.size("tp_col"), mesh.rank("tp_row"), mesh.rank("tp_col")
+        block = _block(dense.weight, q, i, j)
+        return cls(block, i * block.shape[0], mesh)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from .tp3d_layers import ReduceScatter3D  # the generic reduce-scatter / all-gather pair
+
+        every = comm.all_gather(ids.contiguous(), self.mesh, "tp_row", dim=0, tag="2d token ids")
+        local = every - self.vocab_start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        partial = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine.unsqueeze(-1)
+        return ReduceScatter3D.apply(partial, self.mesh, "tp_row")
+
+    def to_dense(self) -> nn.Embedding:
+        w = comm.all_gather(_gather_cols(self.weight, self.mesh), self.mesh, "tp_row", dim=0, tag="to_dense")
         dense = nn.Embedding(*w.shape)
         with torch.no_grad():
             dense.weight.copy_(w)
