@@ -146,11 +146,15 @@ def main(argv=None):
                           small)[0])
     print(f"\nparameter bytes per rank (rank 0), GPT {small}: dense model {dense_all:,} B, "
           f"of which block matrices {dense_matrices:,} B")
-    print(f"{'config':34} {'params':>9} {'block matrices':>15} {'measured share':>15} {'theory':>8}")
+    print(f"{'config':34} {'params':>9} {'whole share':>12} {'block matrices':>15} {'block share':>12} {'theory':>8}")
     for name, r in rows.items():
         theory = {"1d": r["tp"], "2d": r["q"] ** 2, "2.5d": r["q"] ** 2, "3d": r["q"] ** 3}[r["tp_mode"]]
-        print(f"{name:34} {r['params']:>9,} {r['block_matrices']:>15,} "
-              f"{'1/' + format(dense_matrices / r['block_matrices'], '.2f'):>15} {'1/' + str(theory):>8}")
+        print(f"{name:34} {r['params']:>9,} {'1/' + format(dense_all / r['params'], '.2f'):>12} "
+              f"{r['block_matrices']:>15,} {'1/' + format(dense_matrices / r['block_matrices'], '.2f'):>12} "
+              f"{'1/' + str(theory):>8}")
+    print("whole share: every parameter on the rank (embeddings, LayerNorms and biases too) against the dense "
+          "model; 2.5D's theory is per depth layer (1/q^2); small models keep LayerNorms and position tables "
+          "above the share")
 
 
 if __name__ == "__main__":
