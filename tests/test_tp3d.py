@@ -106,6 +106,8 @@ def _layer_checks(mesh):
     g = torch.randn(B, T, D_IN)
     compare("token embedding", make(dense), dense, make, tokens, local_block(tokens, mesh, BATCH_AXES, None),
             g, local_block(g, mesh, rows, h), rows, h)
+    out.append(("token table is V/q^2 x h/q", torch.tensor(make(dense).weight.shape),
+                torch.tensor([VOCAB // 4, D_IN // 2])))
 
     # position embedding: whole ids, output broadcast onto the residual rows
     dense = _seeded(6, nn.Embedding, T, D_IN)
@@ -231,13 +233,13 @@ def test_3d_sizes_that_do_not_divide_are_refused_without_processes():
         check_model(GPTConfig(vocab_size=64, d_model=34, n_heads=2, d_ff=128), cfg)
     with pytest.raises(ck.ConfigError, match=r"d_ff=66 not divisible by 4"):
         check_model(GPTConfig(vocab_size=64, d_model=32, n_heads=4, d_ff=66), cfg)
-    with pytest.raises(ck.ConfigError, match=r"vocab_size=63 not divisible by 2: .* splits attention heads "
-                                             r"and the vocabulary over q=2 ranks"):
-        ck.boost(GPT(GPTConfig(vocab_size=63, d_model=32, n_heads=4)), OPTIMIZERS["sgd"], cfg)
+    with pytest.raises(ck.ConfigError, match=r"vocab_size=62 not divisible by 4: .* splits the token table's "
+                                             r"vocabulary over q\*q=4 ranks \(tp_wt and tp_in, the paper's V/q\^2"):
+        ck.boost(GPT(GPTConfig(vocab_size=62, d_model=32, n_heads=4)), OPTIMIZERS["sgd"], cfg)
     with pytest.raises(ck.ConfigError, match=r"n_heads=1 not divisible by 2"):
         check_model(GPTConfig(vocab_size=64, d_model=32, n_heads=1), cfg)
     check_model(GPT_CFG, cfg)  # divides: no error
-    check_model(GPTConfig(vocab_size=81, d_model=81, n_heads=3, d_ff=162),
+    check_model(GPTConfig(vocab_size=81, d_model=81, n_heads=3, d_ff=162),  # vocabulary 81 = 9 * 9 too
                 ck.ParallelConfig(tp=27, tp_mode="3d"))  # q=3: d_model 81 = 9 * 9
 
 

@@ -21,7 +21,8 @@ inside attn / MLP   (tp_wt, tp_out)          tp_in (heads,    q, k, v, fc1
 ==================  =======================  ===============  ========================
 
 Parameters: a Linear's weight is split q**3 ways (see ``Linear3D``); the token table
-q*q ways, over vocabulary (tp_in) and features (tp_out); Linear biases, LayerNorm
+q**3 ways too, vocabulary over (tp_in, tp_wt) and features over tp_out (the paper's
+V/q^2 x h/q, ``VocabEmbedding3D``); Linear biases, LayerNorm
 weights and biases and the position table q ways, over features. Copies held by
 several row blocks sum their gradients after backward (``mark_grad_sum``).
 
@@ -118,9 +119,11 @@ class Plan3D(TensorPlan):
         require_divisible({"d_model": cfg.d_model, "d_ff": cfg.d_ff}, q * q,
                           f"{where} splits each Linear's input features over q*q={q * q} ranks "
                           f"(tp_wt and one of tp_in/tp_out): choose multiples of {q * q}")
-        require_divisible({"n_heads": cfg.n_heads, "vocab_size": cfg.vocab_size}, q,
-                          f"{where} splits attention heads and the vocabulary over q={q} ranks: "
-                          f"choose multiples of {q}")
+        require_divisible({"n_heads": cfg.n_heads}, q,
+                          f"{where} splits attention heads over q={q} ranks: choose multiples of {q}")
+        require_divisible({"vocab_size": cfg.vocab_size}, q * q,
+                          f"{where} splits the token table's vocabulary over q*q={q * q} ranks (tp_wt and "
+                          f"tp_in, the paper's V/q^2 x h/q): choose multiples of {q * q}")
 
     def parallelize(self, model):
         mesh = self.mesh

@@ -203,42 +203,50 @@ class LayerNorm3D(nn.Module):
 
 
 class VocabEmbedding3D(nn.Module):
-    """Token embedding: table ``[V/q, h/q]``, vocabulary over ``vocab_axis``, hidden over the other.
+    """Token embedding the paper's way: table ``[V/q^2, h/q]``, the vocabulary split over
+    (``vocab_axis``, tp_wt), the hidden size over the other cube axis (``hidden_axis``).
 
     Tokens arrive with rows over (tp_wt, ``hidden_axis``) and leave as activations with rows
-    over (tp_wt, ``vocab_axis``), features over ``hidden_axis``: the tokens are all-gathered
-    over ``hidden_axis`` (integers, cheap), each rank looks up the ones its vocabulary slice
-    owns (zeros elsewhere), and a reduce-scatter over ``vocab_axis`` sums the slices and
-    hands each rank its rows. The q copies along tp_wt sum their gradients.
+    over (tp_wt, ``vocab_axis``), features over ``hidden_axis``. Every vocabulary slice is
+    needed by every row, so the token ids (integers, cheap) are all-gathered over
+    ``hidden_axis`` and then tp_wt: each rank looks the whole local batch up in its slice
+    (zeros elsewhere), and two reduce-scatters, over tp_wt and then ``vocab_axis``, sum the
+    q^2 slices and hand each rank its rows. Backward: the two all-gathers, then a local
+    embedding gradient (no copies to sum: each rank owns its slice alone).
 
-    tp=8 (q=2), V=64, h=32, vocab_axis=tp_in, hidden_axis=tp_out; rank 6 (in 1, wt 1, out 0)::
+    tp=8 (q=2), V=64, h=32, vocab_axis=tp_in, hidden_axis=tp_out; rank 6 (in 1, wt 1, out 0),
+    vocabulary slice in*q + wt = 3::
 
-        table [32, 16]: tokens 32..63, features 0..15
-        tokens rows 4..5 -> gathered over tp_out: rows 4..7 -> [4, t, 16] partial
-        reduce_scatter over tp_in -> rows 6..7, features 0..15
+        table [16, 16]: tokens 48..63, features 0..15
+        tokens rows 4..5 -> gathered over tp_out (rows 4..7), then tp_wt (rows 0..7)
+        partial [8, t, 16] -> reduce-scatter over tp_wt: rows 4..7 -> over tp_in: rows 6..7
     """
 
     def __init__(self, weight, vocab_start: int, mesh, vocab_axis: str = "tp_in"):
         super().__init__()
         self.mesh, self.vocab_axis, self.hidden_axis = mesh, vocab_axis, other_axis(vocab_axis)
         self.vocab_start = vocab_start
-        self.weight = mark_grad_sum(nn.Parameter(weight), WT)
+        self.weight = nn.Parameter(weight)
 
     @classmethod
     def from_dense(cls, dense: nn.Embedding, mesh, vocab_axis: str = "tp_in") -> "VocabEmbedding3D":
-        part = _chunk(dense.weight.detach(), mesh, vocab_axis, 0)
+        q = mesh.size(WT)
+        slice_ = mesh.rank(vocab_axis) * q + mesh.rank(WT)
+        part = dense.weight.detach().chunk(q * q, 0)[slice_]
         part = _chunk(part, mesh, other_axis(vocab_axis), 1).clone()
-        return cls(part, mesh.rank(vocab_axis) * part.shape[0], mesh, vocab_axis)
+        return cls(part, slice_ * part.shape[0], mesh, vocab_axis)
 
     def forward(self, tokens):
         tokens = comm.all_gather(tokens, self.mesh, self.hidden_axis, 0, tag="3d tokens")
+        tokens = comm.all_gather(tokens, self.mesh, WT, 0, tag="3d tokens")
         local = tokens - self.vocab_start
         mine = (local >= 0) & (local < self.weight.shape[0])
         rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine.unsqueeze(-1)
-        return ReduceScatter3D.apply(rows, self.mesh, self.vocab_axis)
+        return ReduceScatter3D.apply(ReduceScatter3D.apply(rows, self.mesh, WT), self.mesh, self.vocab_axis)
 
     def to_dense(self) -> nn.Embedding:
         w = comm.all_gather(self.weight.detach(), self.mesh, self.hidden_axis, 1, tag="to_dense")
+        w = comm.all_gather(w, self.mesh, WT, 0, tag="to_dense")
         w = comm.all_gather(w, self.mesh, self.vocab_axis, 0, tag="to_dense")
         dense = nn.Embedding(*w.shape)
         with torch.no_grad():
