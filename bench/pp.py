@@ -5,14 +5,17 @@ Part 1 trains the same GPT with every schedule on ``--pp`` ranks and reads each
 rank's executed actions from ``engine.timeline()``: the measured bubble is
 ``1 - compute time / (ranks x span)`` (``colab_kit.viz.schedule_data.measured_bubble``,
 the definition the notebook and ``%colossal timeline`` use; waiting in a receive is idle). Beside it, the plan's simulated bubble (unit
-costs F=1, B=2, I=W=1) and the textbook (p-1)/(m+p-1).
+costs F=1, B=2, I=W=1) and each schedule's own textbook formula
+(``colab_kit.pipeline.simulate.theory_bubble``: (p-1)/(m+p-1) for GPipe and 1F1B,
+(p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1).
 
 Part 2 runs colab_kit's 1F1B and PyTorch's Schedule1F1B on the same two stages (the
 stages colab_kit cuts, wrapped in torch's PipelineStage), alternating in rounds, and
-prints the median step times and their ratio (target <= 1.10).
+prints the median step times and their ratio (target <= 1.10), and checks that the two
+trained to the same losses (they start from the same weights and see the same batches).
 
     python bench/pp.py
-    python bench/pp.py --pp 4 --microbatches 8 --rounds 4
+    python bench/pp.py --pp 4          (the GPT gets 2 * pp layers, so interleaving's 2 chunks fit)
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from colab_kit.datasets import SyntheticTokens
 from colab_kit.engine import lm_loss
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.pipeline import build_plan, lower, simulate
+from colab_kit.pipeline.simulate import theory_bubble
 from colab_kit.viz.schedule_data import measured_bubble
 
 
@@ -71,20 +75,20 @@ def _versus_torch(gpt_kwargs, batch, microbatches, rounds, steps):
         else:
             schedule.step()
         opt.step()
-        return losses
+        return float(torch.stack(losses).detach().mean()) if losses else None  # the mean over microbatches
 
     runners = {"colab_kit": lambda s: engine.train_step(data.batch(s, batch)), "torch": torch_step}
-    times = {k: [] for k in runners}
+    times, losses = {k: [] for k in runners}, {k: {} for k in runners}
     for r in range(rounds + 1):
         for name in (("colab_kit", "torch") if r % 2 == 0 else ("torch", "colab_kit")):
             torch.distributed.barrier()
             for s in range(steps):
                 t0 = time.perf_counter()
-                runners[name](r * steps + s)
+                losses[name][r * steps + s] = runners[name](r * steps + s)
                 torch.distributed.barrier()  # a step ends when every stage is done
                 if r:
                     times[name].append(time.perf_counter() - t0)
-    return times
+    return times, losses
 
 
 def main(argv=None):
@@ -95,24 +99,29 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=None, help="default: 2 * pp (interleaving needs pp * 2 | layers)")
     ap.add_argument("--seq", type=int, default=64)
     args = ap.parse_args(argv)
-    gpt = dict(vocab_size=256, seq_len=args.seq, d_model=args.d_model, n_heads=4, n_layers=args.layers)
+    layers = args.layers or max(4, 2 * args.pp)
+    gpt = dict(vocab_size=256, seq_len=args.seq, d_model=args.d_model, n_heads=4, n_layers=layers)
     p, m = args.pp, args.microbatches
     measured = ck.launch(_schedules, p, gpt, args.batch, m, args.steps)
     print(f"GPT {gpt}, global batch {args.batch}, pp={p}, microbatches={m}")
-    print(f"{'schedule':12} {'measured bubble':>16} {'planned (simulated)':>20} {'textbook (p-1)/(m+p-1)':>24}")
+    print(f"{'schedule':12} {'measured bubble':>16} {'planned (simulated)':>20} {'its textbook formula':>21}")
     for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
         planned = simulate(lower(build_plan(schedule, p, m, chunks))).bubble_fraction
         got = statistics.median(measured_bubble([rank[schedule][i] for rank in measured])
                                 for i in range(args.steps - 1))
-        print(f"{schedule:12} {got:>16.3f} {planned:>20.3f} {(p - 1) / (m + p - 1):>24.3f}")
-    times = ck.launch(_versus_torch, 2, gpt, args.batch, m, args.rounds, args.steps)[0]
+        print(f"{schedule:12} {got:>16.3f} {planned:>20.3f} {theory_bubble(schedule, p, m, chunks):>21.3f}")
+    gpt2 = dict(gpt, n_layers=args.layers or 4)  # the side-by-side runs on 2 ranks
+    results = ck.launch(_versus_torch, 2, gpt2, args.batch, m, args.rounds, args.steps)
+    times, losses = results[0][0], results[-1][1]  # torch reports its loss on the last stage
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    print(f"\npp=2, 1F1B, microbatches={m}: median step time   colab_kit {med['colab_kit']:.2f} ms   "
+    print(f"\npp=2, 1F1B, microbatches={m}, {gpt2['n_layers']} layers: median step time   colab_kit {med['colab_kit']:.2f} ms   "
           f"torch.distributed.pipelining {med['torch']:.2f} ms   ratio {med['colab_kit'] / med['torch']:.3f} "
           f"(target <= 1.10)")
+    worst = max(abs(losses["colab_kit"][k] - losses["torch"][k]) / abs(losses["torch"][k]) for k in losses["torch"])
+    print(f"max relative loss difference colab_kit vs torch over {len(losses['torch'])} steps: {worst:.2e}")
 
 
 if __name__ == "__main__":
