@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -149,12 +150,23 @@ class Lab:
     def log_tail(self, n: int = 4000) -> str:
         return self.logfile.read_text(errors="replace")[-n:]
 
-    def api(self, method: str, path: str):
+    def api(self, method: str, path: str, tries: int = 6):
+        """The server's REST API. A 5xx or a refused connection is retried: jupyter_server can
+        answer 500 to ``GET /api/kernels`` while a kernel is still starting (seen in CI once)."""
         req = urllib.request.Request(self.url + path, method=method,
                                      headers={"Authorization": f"token {self.token}"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            body = r.read()
-        return json.loads(body) if body else None
+        for attempt in range(tries):
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    body = r.read()
+                return json.loads(body) if body else None
+            except urllib.error.HTTPError as err:
+                if err.code < 500 or attempt == tries - 1:
+                    raise
+            except urllib.error.URLError:
+                if attempt == tries - 1:
+                    raise
+            time.sleep(0.5)
 
     def kernels_idle(self, connected: bool = False) -> bool:
         kernels = self.api("GET", "/api/kernels")
