@@ -99,14 +99,13 @@ def with_descendants(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 def end_processes(procs: list[psutil.Process]) -> None:
     """TERM, then KILL after a short wait, whatever of ``procs`` still runs (pid reuse is checked)."""
-    _end({(p.pid, p.create_time()) for p in procs if _alive_proc(p)}, wait=1.0)
-
-
-def _alive_proc(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    keys = set()
+    for p in procs:
+        try:
+            keys.add((p.pid, p.create_time()))
+        except psutil.Error:  # gone already
+            pass
+    _end(keys, wait=1.0)
 
 
 def _alive(pid: int, created: float):
