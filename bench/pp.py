@@ -1,21 +1,25 @@
-"""Pipeline parallelism: measured bubbles against theory, and colab_kit 1F1B against
-``torch.distributed.pipelining.Schedule1F1B`` side by side in one run.
+"""Pipeline parallelism: step times and bubbles per schedule, and colab_kit against
+``torch.distributed.pipelining`` on the same stages and the same action lists, in one run.
 
-Part 1 trains the same GPT with every schedule on ``--pp`` ranks and reads each
-rank's executed actions from ``engine.timeline()``: the measured bubble is
-``1 - compute time / (ranks x span)`` (``colab_kit.viz.schedule_data.measured_bubble``,
-the definition the notebook and ``%colossal timeline`` use; waiting in a receive is idle). Beside it, the plan's simulated bubble (unit
-costs F=1, B=2, I=W=1) and each schedule's own textbook formula
+Part 1 trains the same GPT with every schedule on ``--pp`` ranks, the schedules taking
+turns in rounds (so load on the machine falls on all of them alike), and prints per
+schedule the median step time and its ratio to 1F1B (the metric that cannot reward extra
+work: a schedule that redoes part of a backward is slower, whatever its bubble says),
+the measured bubble ``1 - compute time / (ranks x span)`` from ``engine.timeline()``
+(``colab_kit.viz.schedule_data.measured_bubble``; waiting in a receive is idle), the plan's
+simulated bubble (unit costs F=1, B=2, I=W=1) and the schedule's own textbook formula
 (``colab_kit.pipeline.simulate.theory_bubble``: (p-1)/(m+p-1) for GPipe and 1F1B,
-(p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1).
+(p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1, (p-1)/(6m+p-1) ZB-V).
 
-Part 2 runs colab_kit's 1F1B and PyTorch's Schedule1F1B on the same two stages (the
-stages colab_kit cuts, wrapped in torch's PipelineStage), alternating in rounds, and
-prints the median step times and their ratio (target <= 1.10), and checks that the two
-trained to the same losses (they start from the same weights and see the same batches).
+Part 2 runs, on 2 ranks, the stages colab_kit cuts wrapped in torch's ``PipelineStage``:
+colab_kit 1F1B against torch's ``Schedule1F1B``, and colab_kit ZB-H1 against torch's
+``_PipelineScheduleRuntime`` executing colab_kit's own ZB-H1 action lists (the same F, I,
+W order; torch adds its sends and receives). Each pair alternates in rounds; it prints
+median step times, their ratio (target <= 1.10) and the largest loss difference (they
+start from the same weights and see the same batches).
 
     python bench/pp.py
-    python bench/pp.py --pp 4          (the GPT gets 2 * pp layers, so interleaving's 2 chunks fit)
+    python bench/pp.py --pp 4          (the GPT gets 2 * pp layers, so the 2 chunks of interleaved and zb-v fit)
 """
 from __future__ import annotations
 
@@ -33,54 +37,18 @@ from colab_kit.pipeline import build_plan, lower, simulate
 from colab_kit.pipeline.simulate import theory_bubble
 from colab_kit.viz.schedule_data import measured_bubble
 
-
-def _schedules(gpt_kwargs, batch, microbatches, steps):
-    out = {}
-    data = SyntheticTokens(gpt_kwargs["vocab_size"], gpt_kwargs["seq_len"], seed=0)
-    pp = torch.distributed.get_world_size()
-    for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
-        cfg = ck.ParallelConfig(pp=pp, microbatches=microbatches, schedule=schedule, chunks=chunks)
-        engine = ck.boost(GPT(GPTConfig(**gpt_kwargs)), lambda ps: torch.optim.SGD(ps, lr=0.05), cfg)
-        out[schedule] = []
-        for s in range(steps):
-            engine.train_step(data.batch(s, batch))
-            if s:  # the first step warms up
-                out[schedule].append(engine.timeline())
-    return out
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
 
 
-def _versus_torch(gpt_kwargs, batch, microbatches, rounds, steps):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+def _sgd(ps):
+    return torch.optim.SGD(ps, lr=0.05)
 
-    from colab_kit.pipeline.stage import split_model
 
-    pp, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    gcfg = GPTConfig(**gpt_kwargs)
-    cfg = ck.ParallelConfig(pp=pp, microbatches=microbatches, schedule="1f1b")
-    engine = ck.boost(GPT(gcfg), lambda ps: torch.optim.SGD(ps, lr=0.05), cfg)
-    (stage,) = split_model(GPT(gcfg), cfg, rank)
-    torch_stage = PipelineStage(stage, rank, pp, torch.device("cpu"))
-    schedule = Schedule1F1B(torch_stage, microbatches, loss_fn=lm_loss)
-    opt = torch.optim.SGD(stage.parameters(), lr=0.05)
-    data = SyntheticTokens(gcfg.vocab_size, gcfg.seq_len, seed=0)
-
-    def torch_step(s):
-        x, y = data.batch(s, batch)
-        opt.zero_grad()
-        losses = []
-        if rank == 0:
-            schedule.step(x)
-        elif rank == pp - 1:
-            schedule.step(target=y, losses=losses)
-        else:
-            schedule.step()
-        opt.step()
-        return float(torch.stack(losses).detach().mean()) if losses else None  # the mean over microbatches
-
-    runners = {"colab_kit": lambda s: engine.train_step(data.batch(s, batch)), "torch": torch_step}
-    times, losses = {k: [] for k in runners}, {k: {} for k in runners}
+def _rounds(runners: dict, rounds: int, steps: int, after=None):
+    """Run each runner for ``steps`` steps per round, the order rotating; time every step after round 0."""
+    names, times, losses = list(runners), {k: [] for k in runners}, {k: {} for k in runners}
     for r in range(rounds + 1):
-        for name in (("colab_kit", "torch") if r % 2 == 0 else ("torch", "colab_kit")):
+        for name in names[r % len(names):] + names[:r % len(names)]:
             torch.distributed.barrier()
             for s in range(steps):
                 t0 = time.perf_counter()
@@ -88,7 +56,67 @@ def _versus_torch(gpt_kwargs, batch, microbatches, rounds, steps):
                 torch.distributed.barrier()  # a step ends when every stage is done
                 if r:
                     times[name].append(time.perf_counter() - t0)
+                    if after is not None:
+                        after(name)
     return times, losses
+
+
+def _schedules(gpt_kwargs, batch, microbatches, rounds, steps):
+    data = SyntheticTokens(gpt_kwargs["vocab_size"], gpt_kwargs["seq_len"], seed=0)
+    pp = torch.distributed.get_world_size()
+    engines = {s: ck.boost(GPT(GPTConfig(**gpt_kwargs)), _sgd, ck.ParallelConfig(
+        pp=pp, microbatches=microbatches, schedule=s, chunks=c)) for s, c in SCHEDULES}
+    timelines = {s: [] for s in engines}
+    runners = {s: (lambda i, e=e: e.train_step(data.batch(i, batch))) for s, e in engines.items()}
+    times, _ = _rounds(runners, rounds, steps, after=lambda s: timelines[s].append(engines[s].timeline()))
+    for e in engines.values():
+        e.close()
+    return times, timelines
+
+
+def _versus_torch(gpt_kwargs, batch, microbatches, rounds, steps):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
+
+    from colab_kit.pipeline.stage import split_model
+
+    pp, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    gcfg = GPTConfig(**gpt_kwargs)
+    data = SyntheticTokens(gcfg.vocab_size, gcfg.seq_len, seed=0)
+    kinds = {"F": _ComputationType.FORWARD, "I": _ComputationType.BACKWARD_INPUT,
+             "W": _ComputationType.BACKWARD_WEIGHT, "B": _ComputationType.FULL_BACKWARD}
+    out = {}
+    for schedule in ("1f1b", "zb-h1"):
+        cfg = ck.ParallelConfig(pp=pp, microbatches=microbatches, schedule=schedule)
+        engine = ck.boost(GPT(gcfg), _sgd, cfg)
+        (stage,) = split_model(GPT(gcfg), cfg, rank)
+        torch_stage = PipelineStage(stage, rank, pp, torch.device("cpu"))
+        if schedule == "1f1b":
+            runtime = Schedule1F1B(torch_stage, microbatches, loss_fn=lm_loss)
+        else:  # torch's runtime executing colab_kit's own ZB-H1 compute actions
+            runtime = _PipelineScheduleRuntime([torch_stage], microbatches, loss_fn=lm_loss)
+            plan = build_plan(schedule, pp, microbatches)
+            runtime._prepare_schedule_with_comms(
+                {r: [_Action(a.stage, kinds[a.kind], a.microbatch) for a in plan.actions[r]] for r in range(pp)})
+        opt = _sgd(stage.parameters())
+
+        def torch_step(s, runtime=runtime, opt=opt):
+            x, y = data.batch(s, batch)
+            opt.zero_grad()
+            losses = []
+            if rank == 0:
+                runtime.step(x)
+            elif rank == pp - 1:
+                runtime.step(target=y, losses=losses)
+            else:
+                runtime.step()
+            opt.step()
+            return float(torch.stack(losses).detach().mean()) if losses else None  # the mean over microbatches
+
+        runners = {"colab_kit": lambda s, e=engine: e.train_step(data.batch(s, batch)), "torch": torch_step}
+        out[schedule] = _rounds(runners, rounds, steps)
+        engine.close()
+    return out
 
 
 def main(argv=None):
@@ -97,7 +125,7 @@ def main(argv=None):
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=None, help="default: 2 * pp (interleaving needs pp * 2 | layers)")
     ap.add_argument("--seq", type=int, default=64)
@@ -105,23 +133,29 @@ def main(argv=None):
     layers = args.layers or max(4, 2 * args.pp)
     gpt = dict(vocab_size=256, seq_len=args.seq, d_model=args.d_model, n_heads=4, n_layers=layers)
     p, m = args.pp, args.microbatches
-    measured = ck.launch(_schedules, p, gpt, args.batch, m, args.steps)
-    print(f"GPT {gpt}, global batch {args.batch}, pp={p}, microbatches={m}")
-    print(f"{'schedule':12} {'measured bubble':>16} {'planned (simulated)':>20} {'its textbook formula':>21}")
-    for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+    results = ck.launch(_schedules, p, gpt, args.batch, m, args.rounds, args.steps)
+    times = results[0][0]
+    med = {s: statistics.median(v) * 1e3 for s, v in times.items()}
+    n = len(times["1f1b"])
+    print(f"GPT {gpt}, global batch {args.batch}, pp={p}, microbatches={m}, {args.rounds} rounds x {args.steps} "
+          f"steps timed per schedule")
+    print(f"{'schedule':12} {'step ms':>8} {'vs 1f1b':>8} {'measured bubble':>16} {'planned (simulated)':>20} "
+          f"{'its textbook formula':>21}")
+    for schedule, chunks in SCHEDULES:
         planned = simulate(lower(build_plan(schedule, p, m, chunks))).bubble_fraction
-        got = statistics.median(measured_bubble([rank[schedule][i] for rank in measured])
-                                for i in range(args.steps - 1))
-        print(f"{schedule:12} {got:>16.3f} {planned:>20.3f} {theory_bubble(schedule, p, m, chunks):>21.3f}")
+        got = statistics.median(measured_bubble([rank[1][schedule][i] for rank in results]) for i in range(n))
+        print(f"{schedule:12} {med[schedule]:>8.2f} {med[schedule] / med['1f1b']:>8.3f} {got:>16.3f} "
+              f"{planned:>20.3f} {theory_bubble(schedule, p, m, chunks):>21.3f}")
     gpt2 = dict(gpt, n_layers=args.layers or 4)  # the side-by-side runs on 2 ranks
-    results = ck.launch(_versus_torch, 2, gpt2, args.batch, m, args.rounds, args.steps)
-    times, losses = results[0][0], results[-1][1]  # torch reports its loss on the last stage
-    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    print(f"\npp=2, 1F1B, microbatches={m}, {gpt2['n_layers']} layers: median step time   colab_kit {med['colab_kit']:.2f} ms   "
-          f"torch.distributed.pipelining {med['torch']:.2f} ms   ratio {med['colab_kit'] / med['torch']:.3f} "
-          f"(target <= 1.10)")
-    worst = max(abs(losses["colab_kit"][k] - losses["torch"][k]) / abs(losses["torch"][k]) for k in losses["torch"])
-    print(f"max relative loss difference colab_kit vs torch over {len(losses['torch'])} steps: {worst:.2e}")
+    pairs = ck.launch(_versus_torch, 2, gpt2, args.batch, m, args.rounds, args.steps)
+    for schedule, torch_name in (("1f1b", "Schedule1F1B"), ("zb-h1", "_PipelineScheduleRuntime, same actions")):
+        times, losses = pairs[0][schedule][0], pairs[-1][schedule][1]  # torch reports its loss on the last stage
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        worst = max(abs(losses["colab_kit"][k] - losses["torch"][k]) / abs(losses["torch"][k]) for k in losses["torch"])
+        print(f"\npp=2, {schedule}, microbatches={m}, {gpt2['n_layers']} layers: median step time   colab_kit "
+              f"{med['colab_kit']:.2f} ms   torch ({torch_name}) {med['torch']:.2f} ms   ratio "
+              f"{med['colab_kit'] / med['torch']:.3f} (target <= 1.10); max relative loss difference over "
+              f"{len(losses['torch'])} steps: {worst:.2e}")
 
 
 if __name__ == "__main__":

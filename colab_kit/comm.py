@@ -2,11 +2,16 @@
 
 Each record is one collective on one rank: the op, the mesh axis it ran on,
 the bytes this rank contributed and the seconds from launch until the result
-was ready (for async calls, until ``wait()`` returned)::
+was ready (for async calls, until ``wait()`` returned). Inside each rank of a dp group of 4::
 
-    >>> from colab_kit import comm
-    >>> comm.all_reduce(grad_bucket, mesh, "dp")          # on every rank of the dp group
-    >>> mesh.log.records[-1]
+    comm.all_reduce(grad_bucket, mesh, "dp")   # a 4 KiB bucket
+    mesh.log.records[-1]
+    # CommRecord(op='all_reduce', axis='dp', bytes=4096, seconds=0.0003, tag='', wire=6144)
+
+The record itself needs no ranks::
+
+    >>> log = CommLog()
+    >>> log.add("all_reduce", "dp", 4096, 0.0003, n=4)
     CommRecord(op='all_reduce', axis='dp', bytes=4096, seconds=0.0003, tag='', wire=6144)
 
 Two byte counts per record, because they answer different questions:
@@ -31,15 +36,107 @@ Worked example, a 4 KiB tensor on a dp group of 4 ranks::
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommRecord", "CommLog", "wire_bytes", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "Pending",
+__all__ = ["Aborted", "WaitTimeout", "ABORT_POLL", "CommRecord", "CommLog", "wire_bytes", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "Pending",
            "copy_to_group", "reduce_from_group", "gather_from_group", "split_to_group", "P2PPending", "isend",
            "irecv"]
+
+
+ABORT_POLL = 0.25
+"""Seconds between looks at ``mesh.abort_flag`` while a wait is blocked (see ``finish``)."""
+
+
+class Aborted(RuntimeError):
+    """A wait given up because another rank raised the job's hang flag (``mesh.abort_flag``)."""
+
+
+class WaitTimeout(RuntimeError):
+    """A point-to-point wait that ran past its timeout (the connection stays open)."""
+
+
+def finish(work, flag: threading.Event | None = None, what: str = "a collective", timeout: float | None = None):
+    """Wait for a backend ``Work``; while ``flag`` (an Event) is given, look at it every ``ABORT_POLL`` s.
+
+    Without a flag or timeout this is ``work.wait()``. With one, the main thread sleeps on an
+    Event that the work's completion sets, waking every ``ABORT_POLL`` s to look at the flag
+    and the clock: a collective sets it from its future; work without a future (gloo's sends
+    and receives, whose ``is_completed()`` stays False until someone waits) is waited on by
+    ``_Waiter``'s thread. A set flag raises ``Aborted``, a timeout ``WaitTimeout``; neither
+    touches the work, so gloo keeps its connections (a timed ``Work.wait`` would close them).
+    """
+    if flag is None and timeout is None:
+        work.wait()
+        return
+    t0 = time.monotonic()
+    done, errors = threading.Event(), []
+    try:
+        work.get_future().add_done_callback(lambda _: done.set())
+        waiter = None
+    except RuntimeError:  # no future for this kind of work
+        waiter = _Waiter.get()
+        waiter.put(work, done, errors)
+    while not done.wait(ABORT_POLL if timeout is None else min(ABORT_POLL, timeout)):
+        stop = None
+        if flag is not None and flag.is_set():
+            stop = Aborted(f"gave up waiting for {what}: another rank raised the hang flag")
+        elif timeout is not None and time.monotonic() - t0 > timeout:
+            stop = WaitTimeout(f"{what} did not complete within {timeout:g} s")
+        if stop is not None:
+            if waiter is not None:
+                waiter.abandon()  # its thread stays in that wait; the next one gets a fresh thread
+            raise stop
+    if errors:
+        raise errors[0]
+    if waiter is None:
+        work.wait()  # completed: returns at once, or raises the backend's error
+
+
+class _Waiter:
+    """One daemon thread per process that runs ``work.wait()`` for ``finish`` (see there).
+
+    Made on first use and reused; a wait abandoned on a flag or timeout keeps its thread
+    blocked, so the next wait makes a new ``_Waiter`` (at most one per abandoned wait, and
+    after a hang the pipeline runs no further steps).
+    """
+
+    _current: "_Waiter | None" = None
+    _lock = threading.Lock()
+
+    def __init__(self):
+        import queue
+
+        self.queue, self.abandoned = queue.SimpleQueue(), False
+        threading.Thread(target=self._loop, daemon=True, name="colab_kit comm waiter").start()
+
+    @classmethod
+    def get(cls) -> "_Waiter":
+        with cls._lock:
+            if cls._current is None or cls._current.abandoned:
+                cls._current = cls()
+            return cls._current
+
+    def put(self, work, done: threading.Event, errors: list) -> None:
+        self.queue.put((work, done, errors))
+
+    def abandon(self) -> None:
+        self.abandoned = True
+
+    def _loop(self) -> None:
+        while True:
+            work, done, errors = self.queue.get()
+            try:
+                work.wait()
+            except BaseException as exc:  # handed to the waiting thread
+                errors.append(exc)
+            done.set()
+            if self.abandoned and self.queue.empty():
+                return
 
 
 def wire_bytes(op: str, payload: int, n: int) -> int:
@@ -102,8 +199,10 @@ class CommLog:
 class Pending:
     """An async collective in flight; ``wait()`` finishes it and records its time (once)."""
 
-    def __init__(self, work, log: CommLog, op: str, axis: str, nbytes: int, tag: str, then=None, n: int = 1):
+    def __init__(self, work, log: CommLog, op: str, axis: str, nbytes: int, tag: str, then=None, n: int = 1,
+                 flag: threading.Event | None = None):
         self.work, self.log, self.op, self.axis, self.nbytes, self.tag = work, log, op, axis, nbytes, tag
+        self.flag = flag
         self.n = n
         self.then = then
         self.t0 = time.perf_counter()
@@ -113,7 +212,7 @@ class Pending:
         if self.done:
             return self.record
         if self.work is not None:  # None: a no-op on a size-1 axis, nothing ran, nothing recorded
-            self.work.wait()
+            finish(self.work, self.flag, f"{self.op} over {self.axis}")
             self.record = self.log.add(self.op, self.axis, self.nbytes, time.perf_counter() - self.t0, self.tag,
                                        self.n)
         self.done = True
@@ -122,18 +221,43 @@ class Pending:
         return self.record
 
 
+# The fused, single-buffer forms (NCCL's native allgather / reduce-scatter): one contiguous
+# input and one contiguous output, no list of per-rank tensors. torch 2.13 renamed them
+# (``*_single``; the old ``*_into_tensor`` / ``*_tensor`` names warn); older torch has only those.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _run(mesh, op: str, axis: str, tensor: torch.Tensor, launch, async_op: bool, tag: str, then=None):
     nbytes = tensor.numel() * tensor.element_size()
+    flag = getattr(mesh, "abort_flag", None)  # set during a pipeline step (see pipeline.hang)
     if async_op:
-        return Pending(launch(True), mesh.log, op, axis, nbytes, tag, then, mesh.size(axis))
+        return Pending(launch(True), mesh.log, op, axis, nbytes, tag, then, mesh.size(axis), flag)
     t0 = time.perf_counter()
-    work = launch(False)
+    work = launch(flag is not None)  # async while a flag is set, so that the wait can look at it
     if work is not None:
-        work.wait()
+        finish(work, flag, f"{op} over {axis}")
     mesh.log.add(op, axis, nbytes, time.perf_counter() - t0, tag, mesh.size(axis))
     if then is not None:
         then()
     return tensor
+
+
+def _in_place(tensor: torch.Tensor, then):
+    """A contiguous buffer for an in-place collective on ``tensor``, and the ``then`` that copies it back.
+
+    Backends want contiguous buffers (NCCL requires them): a non-contiguous ``tensor`` is
+    run through a contiguous copy whose result is written back into it once ready.
+    """
+    if tensor.is_contiguous():
+        return tensor, then
+    buf = tensor.contiguous()
+
+    def back():
+        tensor.copy_(buf)
+        if then is not None:
+            then()
+    return buf, back
 
 
 def all_reduce(tensor: torch.Tensor, mesh, axis: str, op=dist.ReduceOp.SUM, *, async_op: bool = False,
@@ -149,8 +273,10 @@ def all_reduce(tensor: torch.Tensor, mesh, axis: str, op=dist.ReduceOp.SUM, *, a
             return Pending(None, mesh.log, "all_reduce", axis, 0, tag, then)
         return tensor
     group = mesh.group(axis)
-    return _run(mesh, "all_reduce", axis, tensor,
-                lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op, tag, then)
+    buf, then = _in_place(tensor, then)
+    out = _run(mesh, "all_reduce", axis, buf,
+               lambda a: dist.all_reduce(buf, op=op, group=group, async_op=a), async_op, tag, then)
+    return out if async_op else tensor
 
 
 def broadcast(tensor: torch.Tensor, mesh, axis: str, src: int = 0, *, tag: str = "") -> torch.Tensor:
@@ -159,35 +285,55 @@ def broadcast(tensor: torch.Tensor, mesh, axis: str, src: int = 0, *, tag: str =
         return tensor
     group = mesh.group(axis)
     src_global = mesh.ranks(axis)[src]
-    return _run(mesh, "broadcast", axis, tensor,
-                lambda a: dist.broadcast(tensor, src=src_global, group=group, async_op=a), False, tag)
+    buf, then = _in_place(tensor, None)
+    _run(mesh, "broadcast", axis, buf,
+         lambda a: dist.broadcast(buf, src=src_global, group=group, async_op=a), False, tag, then)
+    return tensor
 
 
 def all_gather(tensor: torch.Tensor, mesh, axis: str, dim: int = 0, *, tag: str = "") -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along ``dim``, in the order of the ``axis`` coordinate."""
+    """Concatenate every rank's ``tensor`` along ``dim``, in the order of the ``axis`` coordinate.
+
+    One fused all-gather into one contiguous buffer ``[n * numel]`` (rank r's piece at
+    ``r * numel``): along ``dim=0`` the result is a view of it, along another dim one
+    reorder (the copy ``torch.cat`` would make). Recorded bytes: this rank's piece.
+    """
     n = mesh.size(axis)
     if n == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(n)]
-    tensor = tensor.contiguous()
-    _run(mesh, "all_gather", axis, tensor,
-         lambda a: dist.all_gather(parts, tensor, group=mesh.group(axis), async_op=a), False, tag)
-    return torch.cat(parts, dim=dim)
+    piece = tensor.contiguous()
+    shape = tuple(piece.shape)
+    out = torch.empty(n * piece.numel(), dtype=piece.dtype, device=piece.device)
+    flat = piece.view(-1)
+    _run(mesh, "all_gather", axis, piece,
+         lambda a: _all_gather_single(out, flat, group=mesh.group(axis), async_op=a), False, tag)
+    dim = dim % max(len(shape), 1)
+    stacked = out.view((n,) + shape)                    # [n, *shape]: rank r's piece at [r]
+    if dim == 0:
+        return stacked.view((n * shape[0],) + shape[1:]) if shape else stacked
+    return stacked.movedim(0, dim).reshape(shape[:dim] + (n * shape[dim],) + shape[dim + 1:])
 
 
 def reduce_scatter(tensor: torch.Tensor, mesh, axis: str, dim: int = 0, *, tag: str = "") -> torch.Tensor:
-    """Sum ``tensor`` over the ``axis`` group and keep this rank's slice of ``dim`` (n equal slices)."""
+    """Sum ``tensor`` over the ``axis`` group and keep this rank's slice of ``dim`` (n equal slices).
+
+    One fused reduce-scatter of one contiguous buffer whose ``n`` blocks are the slices in
+    rank order: along ``dim=0`` a contiguous ``tensor`` is used as it is, along another dim
+    ``dim`` is moved to the front first. Recorded bytes: the whole input.
+    """
     n = mesh.size(axis)
     if n == 1:
         return tensor
+    dim = dim % tensor.dim()
     if tensor.shape[dim] % n:
         raise ValueError(f"reduce_scatter over {axis} (size {n}) needs dim {dim} of size {tensor.shape[dim]} "
                          f"to be divisible by {n}")
-    parts = [p.contiguous() for p in tensor.chunk(n, dim=dim)]
-    out = torch.empty_like(parts[0])
-    _run(mesh, "reduce_scatter", axis, tensor,
-         lambda a: dist.reduce_scatter(out, parts, group=mesh.group(axis), async_op=a), False, tag)
-    return out
+    front = (tensor if dim == 0 else tensor.movedim(dim, 0)).contiguous()   # slices = row blocks
+    out = torch.empty((front.shape[0] // n,) + tuple(front.shape[1:]), dtype=front.dtype, device=front.device)
+    flat_in, flat_out = front.view(-1), out.view(-1)
+    _run(mesh, "reduce_scatter", axis, front,
+         lambda a: _reduce_scatter_single(flat_out, flat_in, group=mesh.group(axis), async_op=a), False, tag)
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
 def reduce(tensor: torch.Tensor, mesh, axis: str, dst: int = 0, *, tag: str = "") -> torch.Tensor:
@@ -195,8 +341,10 @@ def reduce(tensor: torch.Tensor, mesh, axis: str, dst: int = 0, *, tag: str = ""
     if mesh.size(axis) == 1:
         return tensor
     dst_global = mesh.ranks(axis)[dst]
-    return _run(mesh, "reduce", axis, tensor,
-                lambda a: dist.reduce(tensor, dst=dst_global, group=mesh.group(axis), async_op=a), False, tag)
+    buf, then = _in_place(tensor, None)
+    _run(mesh, "reduce", axis, buf,
+         lambda a: dist.reduce(buf, dst=dst_global, group=mesh.group(axis), async_op=a), False, tag, then)
+    return tensor
 
 
 # --------------------------------------------------------------------------- point-to-point
@@ -207,17 +355,12 @@ def reduce(tensor: torch.Tensor, mesh, axis: str, dst: int = 0, *, tag: str = ""
 class P2PPending(Pending):
     """A point-to-point send or receive in flight; ``wait(timeout)`` finishes and records it.
 
-    With a ``timeout`` (seconds) a wait that runs out raises the backend's RuntimeError
-    (gloo then closes the connection to that peer: the job cannot go on after it).
+    With a ``timeout`` (seconds) a wait that runs out raises ``WaitTimeout``; while the
+    mesh's ``abort_flag`` is set up (a pipeline step) a raised flag ends it with ``Aborted``.
     """
 
     def wait(self, timeout: float | None = None) -> CommRecord:
-        from datetime import timedelta
-
-        if timeout is None:
-            self.work.wait()
-        else:
-            self.work.wait(timedelta(seconds=timeout))
+        finish(self.work, self.flag, f"{self.op} over {self.axis} ({self.tag})", timeout)
         rec = self.log.add(self.op, self.axis, self.nbytes, time.perf_counter() - self.t0, self.tag)
         if self.then is not None:
             self.then()
@@ -232,7 +375,8 @@ def _p2p(op, tensor, mesh, axis, peer, msg_tag, tag):
     fn = dist.isend if op == "send" else dist.irecv
     kw = {"dst": other} if op == "send" else {"src": other}
     work = fn(tensor, group=mesh.group(axis), tag=msg_tag, **kw)
-    return P2PPending(work, mesh.log, op, axis, tensor.numel() * tensor.element_size(), tag)
+    return P2PPending(work, mesh.log, op, axis, tensor.numel() * tensor.element_size(), tag,
+                      flag=getattr(mesh, "abort_flag", None))
 
 
 def isend(tensor: torch.Tensor, mesh, axis: str, peer: int, *, msg_tag: int = 0, tag: str = "") -> P2PPending:

@@ -30,7 +30,7 @@ __all__ = ["ConfigError", "ParallelConfig", "TP_MODES", "SP_MODES", "SCHEDULES"]
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 SP_MODES = ("ring", "ulysses", "split_gather")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 OFFLOADS = ("none", "cpu")
 PRECISIONS = ("fp32", "fp16", "bf16")
 AXES = ("pp", "dp", "sp", "tp")  # slowest to fastest varying in the rank order
@@ -87,9 +87,9 @@ class ParallelConfig:
     microbatches: int = 1
     """Microbatches per step (pipeline microbatches, or gradient accumulation when pp=1)."""
     schedule: str = "1f1b"
-    """Pipeline schedule: 'gpipe', '1f1b', 'interleaved' or 'zb-h1'."""
+    """Pipeline schedule: 'gpipe', '1f1b', 'interleaved', 'zb-h1' or 'zb-v'."""
     chunks: int = 1
-    """Model chunks per pipeline rank (virtual stages); > 1 only with schedule='interleaved'."""
+    """Model chunks per pipeline rank (virtual stages): > 1 with schedule='interleaved', exactly 2 with 'zb-v'."""
     precision: str = "fp32"
     """'fp32', 'fp16' or 'bf16'."""
 
@@ -256,6 +256,13 @@ class ParallelConfig:
                 ok = _nearest(m, lambda k: k % pp == 0)
                 raise ConfigError(f"schedule='interleaved' needs microbatches divisible by pp={pp} "
                                   f"(got microbatches={m}): try microbatches={_or(ok)}")
+        elif s == "zb-v":  # any microbatch count works: the list scheduler fills what the V leaves idle
+            if v != 2:
+                raise ConfigError(f"schedule='zb-v' places exactly two model chunks per pipeline rank, in a V "
+                                  f"(stages 0..pp-1 down the ranks, pp..2pp-1 back up), so it needs chunks=2 "
+                                  f"(got chunks={v}): set chunks=2" + (f", or schedule='interleaved' for {v} chunks"
+                                                                        if v > 2 else ""))
         elif v != 1:
-            raise ConfigError(f"chunks={v} (virtual stages) needs schedule='interleaved'; "
+            also = " (or 'zb-v', which takes exactly 2)" if v == 2 else " ('zb-v' takes exactly 2)"
+            raise ConfigError(f"chunks={v} (virtual stages) needs schedule='interleaved'{also}; "
                               f"schedule={s!r} runs one chunk per rank: set chunks=1 or schedule='interleaved'")

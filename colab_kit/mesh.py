@@ -162,7 +162,64 @@ class ProcessMesh:
         mesh.rank("dp"), mesh.size("dp")   # rank 3 -> (1, 2)
         mesh.group("tp")                   # the ProcessGroup of ranks [2, 3]
         mesh.log                           # CommLog of collectives run through colab_kit.comm
+
+    ``ProcessMesh.shared(cfg)`` is the mesh ``boost`` uses: one per config and world, reused
+    by every engine of that config (building groups is a collective and each group holds
+    connections, so a notebook that boosts in a loop must not make new ones each time).
+    ``release()`` gives one engine's hold back; the last one destroys the groups.
     """
+
+    _shared: dict = {}
+    abort_flag = None
+    """A ``threading.Event`` while a pipeline step runs: blocked waits in ``comm`` give up once it is set."""
+
+    @classmethod
+    def shared(cls, config: ParallelConfig, device_type: str | None = None) -> "ProcessMesh":
+        """The mesh of ``config`` on this world, built on first use and then reused; each call holds it once.
+
+        >>> a = ProcessMesh.shared(cfg); b = ProcessMesh.shared(cfg)   # inside a rank  # doctest: +SKIP
+        >>> a is b, a.users                                                             # doctest: +SKIP
+        (True, 2)
+        """
+        if not dist.is_initialized():
+            cls(config)  # raises the explanation
+        world = dist.distributed_c10d._get_default_group()
+        key = (config, device_type, id(world))
+        mesh = cls._shared.get(key)
+        if mesh is None or mesh.closed:
+            mesh = cls._shared[key] = cls(config, device_type)
+            mesh._key = key
+        mesh.users += 1
+        return mesh
+
+    def release(self) -> None:
+        """Give back one hold from ``shared``; when none is left, destroy this mesh's process groups."""
+        if self.closed:
+            return
+        self.users = max(0, self.users - 1)
+        if self.users or self._key is None:
+            return
+        self.closed = True
+        if self._shared.get(self._key) is self:
+            del self._shared[self._key]
+        groups = {id(g): g for g in self._all_groups()}
+        for g in groups.values():
+            if g is not dist.group.WORLD and g is not dist.distributed_c10d._get_default_group():
+                try:
+                    g.shutdown()  # closes the backend's connections; destroy alone leaves them open
+                    dist.destroy_process_group(g)
+                except (ValueError, RuntimeError):  # already gone (the world was torn down)
+                    pass
+        self._groups.clear()
+        self.device_mesh = self.tp_mesh = None  # the groups' connections close when the last reference goes
+
+    def _all_groups(self) -> list:
+        """Every process group this mesh built (its DeviceMesh dimensions, and the tensor sub-axes)."""
+        out = []
+        for mesh in (self.device_mesh, self.tp_mesh):
+            if mesh is not None:
+                out += [mesh.get_group(i) for i in range(mesh.ndim)]
+        return out
 
     def __init__(self, config: ParallelConfig, device_type: str | None = None):
         from torch.distributed.device_mesh import init_device_mesh
@@ -186,6 +243,7 @@ class ProcessMesh:
         if self.layout.sub:
             self.tp_mesh = self._tensor_sub_mesh(device_type)
         self.log = CommLog()
+        self.users, self.closed, self._key = 0, False, None
         # looked up on every collective: computed once (slicing a DeviceMesh costs ~1 ms)
         self._coords = self.layout.all_coords(self.global_rank)
         self._groups: dict[str, dist.ProcessGroup] = {}
@@ -208,6 +266,9 @@ class ProcessMesh:
     def group(self, axis: str) -> dist.ProcessGroup:
         """The ProcessGroup of ``axis`` that contains this rank."""
         if axis not in self._groups:
+            if self.closed:
+                raise RuntimeError(f"this mesh ({self.config.describe()}) was released with the last engine that "
+                                   "used it (engine.close()): boost again, or use ProcessMesh.shared(config)")
             self._groups[axis] = self._mesh_for(axis).get_group()
         return self._groups[axis]
 

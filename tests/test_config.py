@@ -122,8 +122,8 @@ def test_positive_whole_degrees(name):
     ("tp_mode", "2.5d", "25d", "2.5d", "'1d', '2d', '2.5d' or '3d'"),
     ("tp_mode", "2d", "2D", "2d", "'1d', '2d', '2.5d' or '3d'"),
     ("sp_mode", "ulysses", "ulyses", "ulysses", "'ring', 'ulysses' or 'split_gather'"),
-    ("schedule", "gpipe", "gpipee", "gpipe", "'gpipe', '1f1b', 'interleaved' or 'zb-h1'"),
-    ("schedule", "1f1b", "1F1B", "1f1b", "'gpipe', '1f1b', 'interleaved' or 'zb-h1'"),
+    ("schedule", "gpipe", "gpipee", "gpipe", "'gpipe', '1f1b', 'interleaved', 'zb-h1' or 'zb-v'"),
+    ("schedule", "1f1b", "1F1B", "1f1b", "'gpipe', '1f1b', 'interleaved', 'zb-h1' or 'zb-v'"),
     ("offload", "cpu", "cpuu", "cpu", "'none' or 'cpu'"),
     ("precision", "bf16", "bf15", "bf16", "'fp32', 'fp16' or 'bf16'"),
 ])
@@ -147,7 +147,7 @@ def test_every_listed_mode_is_accepted():
     for m in SP_MODES:
         P(sp_mode=m, tp=2 if m == "split_gather" else 1)
     for s in SCHEDULES:
-        P(schedule=s, pp=2, chunks=2 if s == "interleaved" else 1, microbatches=2)
+        P(schedule=s, pp=2, chunks=2 if s in ("interleaved", "zb-v") else 1, microbatches=2)
 
 
 # --------------------------------------------------------------------------- rule: ZeRO stage
@@ -261,8 +261,23 @@ def test_interleaved_needs_microbatches_divisible_by_pp(pp, m, hint):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_chunks_need_interleaved(schedule):
     assert P(pp=2, schedule=schedule, microbatches=4).chunks == 1
-    refused(f"chunks=2 (virtual stages) needs schedule='interleaved'; schedule={schedule!r} runs one chunk per "
-            "rank: set chunks=1 or schedule='interleaved'", pp=2, schedule=schedule, chunks=2, microbatches=4)
+    refused(f"chunks=2 (virtual stages) needs schedule='interleaved' (or 'zb-v', which takes exactly 2); "
+            f"schedule={schedule!r} runs one chunk per rank: set chunks=1 or schedule='interleaved'",
+            pp=2, schedule=schedule, chunks=2, microbatches=4)
+
+
+# --------------------------------------------------------------------------- rule: zb-v schedule
+@pytest.mark.parametrize("m", [1, 3, 5, 8])
+def test_zb_v_takes_any_microbatch_count(m):
+    assert P(pp=4, schedule="zb-v", chunks=2, microbatches=m).chunks == 2
+
+
+@pytest.mark.parametrize("chunks, hint", [(1, "set chunks=2"),
+                                          (3, "set chunks=2, or schedule='interleaved' for 3 chunks")])
+def test_zb_v_needs_two_chunks(chunks, hint):
+    refused(f"schedule='zb-v' places exactly two model chunks per pipeline rank, in a V (stages 0..pp-1 down the "
+            f"ranks, pp..2pp-1 back up), so it needs chunks=2 (got chunks={chunks}): {hint}",
+            pp=2, schedule="zb-v", chunks=chunks, microbatches=4)
 
 
 # --------------------------------------------------------------------------- rule: offload needs ZeRO

@@ -1,4 +1,4 @@
-"""Pipeline engine against one process: every schedule (gpipe, 1f1b, interleaved, zb-h1) for
+"""Pipeline engine against one process: every schedule (gpipe, 1f1b, interleaved, zb-h1, zb-v) for
 pp=2, pp=4, pp=2 x dp=2 and pp=2 x tp=2 trains to the single-process losses; a stepped step
 equals an unstepped one bit for bit; a stuck rank gives every rank's position within the
 timeout. One spawn per world size, configurations looped inside."""
@@ -18,21 +18,22 @@ from colab_kit.reference import train_single_process
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.pipeline import Plan, build_plan, lower, simulate
 from colab_kit.pipeline.hang import PipelineHang
-from colab_kit.pipeline.stage import check_stages, stage_layers
+from colab_kit.pipeline.stage import check_stages, split_model, stage_layers
 
 from tests.test_dp import OPTIMIZERS
 
 GPT4 = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
 STEPS, BATCH, M = 5, 8, 4
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 
 def configs(**base) -> list[dict]:
-    return [dict(base, microbatches=M, schedule=s, chunks=2 if s == "interleaved" else 1) for s in SCHEDULES]
+    return [dict(base, microbatches=M, schedule=s, chunks=2 if s in ("interleaved", "zb-v") else 1)
+            for s in SCHEDULES]
 
 
 def model_cfg(kw: dict) -> GPTConfig:
-    """4 blocks, or one per stage where pp * chunks is larger (pp=4 interleaved: 8 stages)."""
+    """4 blocks, or one per stage where pp * chunks is larger (pp=4 interleaved or zb-v: 8 stages)."""
     return dataclasses.replace(GPT4, n_layers=max(4, kw["pp"] * kw["chunks"]))
 
 
@@ -164,7 +165,9 @@ def test_pp2_every_schedule_matches_single_process_and_steps():
 
 def test_pp4_and_pp2_with_dp_and_tp_match_single_process():
     cfgs = configs(pp=4) + configs(pp=2, dp=2) + configs(pp=2, tp=2)
-    step_cfgs = configs(pp=4)[2:3] + configs(pp=2, dp=2)[3:] + configs(pp=2, tp=2)[1:2]
+    step = dict(zip(SCHEDULES, range(len(SCHEDULES))))
+    step_cfgs = ([configs(pp=4)[step["interleaved"]], configs(pp=4)[step["zb-v"]],
+                  configs(pp=2, dp=2)[step["zb-h1"]], configs(pp=2, tp=2)[step["1f1b"]]])
     results = ck.launch(_train_and_step, 4, cfgs, step_cfgs)
     _check_training([r[0] for r in results], cfgs)
     _check_stepping([r[1] for r in results], step_cfgs)
@@ -242,3 +245,14 @@ def test_layers_that_do_not_split_over_stages_are_refused_before_any_process():
     with pytest.raises(ck.ConfigError, match="n_layers=3 .* = 2 pipeline stages: use n_layers a multiple of 2"):
         check_stages(3, ck.ParallelConfig(pp=2))
     assert stage_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+
+
+def test_split_model_gives_each_rank_its_stages_of_the_placement():
+    gpt = GPT(dataclasses.replace(GPT4, n_layers=8))
+    v = ck.ParallelConfig(pp=4, schedule="zb-v", chunks=2, microbatches=4)
+    loop = v.replace(schedule="interleaved")
+    assert [[st.index for st in split_model(gpt, v, r)] for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [[st.index for st in split_model(gpt, loop, r)] for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    first, last = split_model(gpt, v, 0)  # under the V rank 0 holds the embeddings and the head
+    assert first.first and last.last and list(last.layers) == [7]
+    assert "embeddings" in repr(first) and "ln_f, head" in repr(last)

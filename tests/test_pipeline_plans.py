@@ -10,18 +10,25 @@ import itertools
 
 import pytest
 
+from colab_kit.config import SCHEDULES as CONFIG_SCHEDULES
 from colab_kit.config import ConfigError, ParallelConfig
 from colab_kit.pipeline import (Action, Plan, PlanError, build_plan, build_plan_for, check, lower,
                                 message_tag, parse, peer, simulate, steps)
+from colab_kit.pipeline.schedules import SCHEDULE_PLACEMENT
 from colab_kit.pipeline.simulate import theory_bubble
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 
 def shapes():
-    """(schedule, pp, microbatches, chunks) over pp 1..5, microbatches 1..8, chunks 1..3."""
-    for s, pp, m in itertools.product(SCHEDULES, range(1, 6), range(1, 9)):
-        if s != "interleaved":
+    """(schedule, pp, microbatches, chunks): pp 1..5, microbatches 1..8 (zb-v, pp <= 4: to 3*pp), chunks 1..3."""
+    for s, pp, m in itertools.product(SCHEDULES, range(1, 6), range(1, 13)):
+        if s == "zb-v":
+            if m <= (max(8, 3 * pp) if pp <= 4 else 8):
+                yield s, pp, m, 2
+        elif m > 8:
+            continue
+        elif s != "interleaved":
             yield s, pp, m, 1
         elif m % pp == 0:
             yield from ((s, pp, m, v) for v in (2, 3))
@@ -74,8 +81,9 @@ def test_each_action_sits_on_its_rank_and_each_stage_gets_every_microbatch():
         plan = build_plan(s, pp, m, v)
         assert len(plan.actions) == pp
         for r, row in enumerate(plan.actions):
-            assert all(a.stage % pp == r for a in row)
-        kinds = ("I", "W") if s == "zb-h1" else ("B",)
+            assert all(plan.rank_of(a.stage) == r for a in row)
+            assert sorted({a.stage for a in row}) == sorted(plan.stages_of(r))
+        kinds = ("I", "W") if s.startswith("zb") else ("B",)
         for kind in ("F",) + kinds:
             have = sorted((a.stage, a.microbatch) for row in plan.actions for a in row if a.kind == kind)
             assert have == sorted(itertools.product(range(pp * v), range(m))), (s, pp, m, v, kind)
@@ -90,10 +98,18 @@ def test_printed_plans_of_the_docstring():
     assert zb[3].startswith("rank 3: 3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0 3F4") and zb[3].endswith("3W4 3W5 3W6 3W7")
     assert str(lower(build_plan("1f1b", 2, 2))) == ("rank 0: 0F0 0SF0 0F1 0SF1 0RB0 0B0 0RB1 0B1\n"
                                                     "rank 1: 1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1")
+    import colab_kit.pipeline.lowering as lowering
     import colab_kit.pipeline.schedules as mod
     for schedule in ("1f1b", "zb-h1"):
         for line in str(build_plan(schedule, 4, 8)).splitlines():
             assert line in mod.__doc__
+    unwrapped = " ".join(mod.__doc__.split())  # the zb-v lines are wrapped after 24 actions
+    for line in str(build_plan("zb-v", 4, 8, 2)).splitlines():
+        assert line in unwrapped
+    for line in str(lower(build_plan("zb-v", 2, 1, 2))).splitlines():
+        assert line in lowering.__doc__
+    assert "1RF2 2RB0 2I0 1I0 1SB0 2W0 1F2" in str(lower(build_plan("zb-v", 2, 4, 2))).splitlines()[1]
+    assert "1RF2 2RB0 2I0 1I0 1SB0 2W0 1F2" in lowering.__doc__
 
 
 def test_interleaved_follows_megatron_chunk_order():
@@ -114,11 +130,108 @@ def test_pp1_interleaved_keeps_every_chunk_on_rank_0_without_communication():
     check(plan)
 
 
+# --------------------------------------------------------------------------- zb-v
+ZBV = [(pp, m) for pp in range(1, 5) for m in range(1, 3 * pp + 1)]
+
+
+def test_zb_v_puts_two_chunks_per_rank_in_a_v():
+    plan = build_plan("zb-v", 4, 8, 2)
+    assert plan.placement == "v" and "placement='v'" in repr(plan)
+    assert [plan.rank_of(s) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [plan.stages_of(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert build_plan("interleaved", 4, 8, 2).stages_of(0) == [0, 4]  # 'loop' as before
+    assert set(SCHEDULE_PLACEMENT) == set(CONFIG_SCHEDULES) and SCHEDULE_PLACEMENT["zb-v"] == "v"
+    assert [peer(parse(x), plan) for x in ("0SF0", "6SF0", "7SB0", "4SB0")] == [1, 0, 1, 3]  # 4SB0: the tip
+    assert build_plan("zb-v", 1, 3, 2).stages_of(0) == [0, 1]  # pp=1: both chunks on rank 0
+    # the tip of the V (stage 3 -> 4) is a hand-off in rank 3's memory; rank 0 talks to rank 1 both ways
+    low = lower(plan)
+    tip = [str(a) for a in low.actions[3] if a.is_comm and (a.stage, a.kind) in ((3, "SF"), (4, "RF"), (4, "SB"),
+                                                                                 (3, "RB"))]
+    assert tip == [] and not any(a.is_comm for a in lower(build_plan("zb-v", 1, 3, 2)).actions[0])
+    assert {a.kind for a in low.actions[0] if a.is_comm} == {"SF", "RF", "SB", "RB"}
+    assert {(a.stage, a.kind) for a in low.actions[0] if a.is_comm} == {(0, "SF"), (0, "RB"), (7, "RF"), (7, "SB")}
+    # printed and read back: the schedule's name, or the actions alone, give the placement
+    assert Plan.parse(str(plan), "zb-v") == plan
+    assert Plan.parse(str(plan)).placement == "v"
+    assert Plan.parse("rank 0: 0F0 2F0\nrank 1: 1F0 3F0").placement == "loop"
+    with pytest.raises(ValueError, match="unknown placement 'w'"):
+        Plan(2, 1, 2, "custom", placement="w")
+
+
+def test_check_names_the_placement_of_a_misplaced_action():
+    text = str(build_plan("zb-v", 2, 1, 2)).replace("3F0", "2F0", 1)  # 2F0 moved onto rank 0
+    with pytest.raises(PlanError, match=r"2F0 belongs on rank 1 \('v' placement\)"):
+        check(Plan.parse(text, "zb-v"))
+
+
+def test_zb_v_has_exactly_one_f_i_and_w_per_stage_and_microbatch():
+    for pp, m in ZBV:
+        acts = [a for row in build_plan("zb-v", pp, m, 2).actions for a in row]
+        every = sorted(itertools.product(range(2 * pp), range(m)))
+        for kind in "FIW":
+            assert sorted((a.stage, a.microbatch) for a in acts if a.kind == kind) == every, (pp, m, kind)
+        assert len(acts) == 3 * len(every)
+
+
+def test_zb_v_runs_f_then_i_then_w_and_microbatches_in_order_on_each_rank():
+    for pp, m in ZBV:
+        for row in build_plan("zb-v", pp, m, 2).actions:
+            at = {a: i for i, a in enumerate(row)}
+            for a in row:
+                if a.kind == "F":
+                    assert at[a] < at[Action(a.stage, "I", a.microbatch)] < at[Action(a.stage, "W", a.microbatch)]
+            for s in {a.stage for a in row}:
+                for kind in "FIW":
+                    assert [a.microbatch for a in row if (a.stage, a.kind) == (s, kind)] == list(range(m)), (pp, m)
+
+
+def test_zb_v_respects_dependencies_across_ranks_and_runs_to_the_end_lowered():
+    for pp, m in ZBV:
+        plan = build_plan("zb-v", pp, m, 2)
+        at = {a: t for t, row in enumerate(steps(plan)) for a in row if a is not None}
+        for a, t in at.items():
+            s, mb = a.stage, a.microbatch
+            if a.kind == "F" and s > 0:
+                assert at[Action(s - 1, "F", mb)] < t, (pp, m, a)
+            if a.kind == "I":
+                assert at[Action(s, "F", mb)] < t and (s == 2 * pp - 1 or at[Action(s + 1, "I", mb)] < t), (pp, m, a)
+        low = lower(plan)
+        assert sum(a is not None for row in steps(low) for a in row) == sum(map(len, low.actions))  # no deadlock
+
+
+def test_zb_v_holds_at_most_2p_chunk_microbatches_on_every_rank():
+    for pp, m in ZBV:
+        t = simulate(build_plan("zb-v", pp, m, 2))
+        one_f_one_b_first_rank = simulate(build_plan("1f1b", pp, m)).peak_held[0]  # whole microbatches
+        # held from F until W (the executor keeps a stage's input for W): 2*min(p, m) chunks, i.e.
+        # what 1F1B's first rank holds, but on every rank
+        assert t.peak_held == [2 * min(pp, m)] * pp == [2 * one_f_one_b_first_rank] * pp, (pp, m)
+
+
+def test_zb_v_makespan_is_the_floor_6m_plus_p_minus_1_and_below_zb_h1():
+    for pp, m in ZBV:
+        v, h = simulate(build_plan("zb-v", pp, m, 2)), simulate(build_plan("zb-h1", pp, m))
+        # rank p-1 idles p-1 chunk forwards before its first input, then runs 6m chunk passes
+        assert v.makespan >= 6 * m + pp - 1
+        if m >= pp:
+            assert v.makespan == 6 * m + pp - 1, (pp, m)
+            assert v.bubble_fraction == pytest.approx(theory_bubble("zb-v", pp, m, 2))
+        # a chunk is half a rank's layers: in whole-rank units ZB-V's step is 3m + (p-1)/2 when m >= p
+        if pp > 1:
+            assert v.makespan / 2 < h.makespan and v.bubble_fraction < h.bubble_fraction, (pp, m)
+        else:
+            assert v.makespan / 2 == h.makespan == 3 * m and v.bubble_fraction == 0
+    v, h, f = (simulate(build_plan(s, 4, 8, c)) for s, c in (("zb-v", 2), ("zb-h1", 1), ("1f1b", 1)))
+    assert (v.makespan, h.makespan, f.makespan) == (51, 27, 33)  # the module docstring's figures
+    assert [round(x.bubble_fraction, 3) for x in (v, h, f)] == [0.059, 0.111, 0.273]
+
+
 # --------------------------------------------------------------------------- refused shapes
 @pytest.mark.parametrize("args, words", [
     (("interleaved", 2, 3, 2), ["divisible by pp=2", "microbatches=2 or 4"]),
     (("interleaved", 2, 4, 1), ["chunks > 1", "chunks=2"]),
     (("1f1b", 2, 4, 2), ["needs schedule='interleaved'", "chunks=1"]),
+    (("zb-v", 2, 4, 1), ["schedule='zb-v'", "needs chunks=2", "set chunks=2"]),
     (("gpipe", 2, 0, 1), ["microbatches must be a positive", "microbatches=1"]),
     (("gpipe", 0, 4, 1), ["pp must be a positive"]),
     (("zb-h2", 2, 4, 1), ["unknown schedule", "'zb-h1'"]),

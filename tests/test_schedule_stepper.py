@@ -20,8 +20,8 @@ def _prefix(plan, t):
     return {r: [str(row[r]) for row in rows[:t] if row[r] is not None] for r in range(plan.pp)}
 
 
-@pytest.mark.parametrize("shape", [("1f1b", 4, 8, 1), ("zb-h1", 4, 8, 1), ("interleaved", 2, 4, 2)],
-                         ids=lambda s: s[0])
+@pytest.mark.parametrize("shape", [("1f1b", 4, 8, 1), ("zb-h1", 4, 8, 1), ("interleaved", 2, 4, 2),
+                                   ("zb-v", 4, 8, 2)], ids=lambda s: s[0])
 def test_walking_a_plan_step_by_step(shape):
     plan = lower(build_plan(*shape))
     s = ScheduleStepper(build_plan(*shape))
@@ -274,7 +274,8 @@ def _timeline(name):
 
 
 @pytest.mark.parametrize("words", ["pp=4 microbatches=8", "pp=4 microbatches=8 schedule=interleaved chunks=2",
-                                   "pp=2 dp=2 microbatches=4 schedule=zb-h1"])
+                                   "pp=2 dp=2 microbatches=4 schedule=zb-h1",
+                                   "pp=4 microbatches=8 schedule=zb-v chunks=2"])
 def test_stepping_the_real_engine(cluster, words):
     from colab_kit.datasets import SyntheticTokens
 

@@ -182,7 +182,7 @@ def references():
 
 @pytest.mark.parametrize("world, cfgs", [(4, CFG_4), (8, CFG_8)])
 def test_2d_layers_and_training(world, cfgs, references):
-    assert all(abs(losses[-1] - losses[0]) > 1e-2 for losses, _ in references.values())  # a non-trivial match
+    assert all(max(abs(x - losses[0]) for x in losses) > 1e-2 for losses, _ in references.values())  # it trained
     results = ck.launch(_layers_and_training, world, cfgs)
     for rank, (layer_failures, losses) in enumerate(results):
         for cfg, failures in zip(cfgs, layer_failures):

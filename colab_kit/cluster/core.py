@@ -1,6 +1,6 @@
 """``Cluster``: ipyparallel engines, one per rank, with torch.distributed initialised.
 
-    >>> with ck.Cluster(n=4) as cluster:            # 4 local engines, gloo on CPU
+    >>> with ck.Cluster(n=4) as cluster:            # 4 local engines, gloo on CPU  # doctest: +SKIP
     ...     cluster.run(lambda x: torch.distributed.get_rank() * x, 10)
     [0, 10, 20, 30]
 

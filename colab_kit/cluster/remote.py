@@ -122,11 +122,16 @@ def set_config(config: dict | None) -> str:
     from ..mesh import ProcessMesh
 
     ns = namespace()
+    old = ns.get("mesh")
     if config is None:
         ns.update(config=None, mesh=None)
+    else:  # the mesh boost() uses for this config too (ProcessMesh.shared): no second set of groups
+        cfg = ParallelConfig.from_dict(config)
+        ns.update(config=cfg, mesh=ProcessMesh.shared(cfg))
+    if isinstance(old, ProcessMesh):
+        old.release()
+    if config is None:
         return "cleared"
-    cfg = ParallelConfig.from_dict(config)
-    ns.update(config=cfg, mesh=ProcessMesh(cfg))
     return cfg.describe()
 
 

@@ -56,8 +56,9 @@ FLAGS = {
     "ranks": (("--ranks",), dict(type=_rank_list, default=None, metavar="0,2", help="only these ranks")),
     "pp": (("--pp",), dict(type=int, default=None, metavar="P", help="pipeline ranks")),
     "microbatches": (("-m", "--microbatches"), dict(type=int, default=None, metavar="M", help="microbatches per step")),
-    "schedule": (("--schedule",), dict(default=None, metavar="S", help="gpipe, 1f1b, interleaved or zb-h1")),
-    "chunks": (("--chunks",), dict(type=int, default=None, metavar="V", help="model chunks per rank (interleaved)")),
+    "schedule": (("--schedule",), dict(default=None, metavar="S", help="gpipe, 1f1b, interleaved, zb-h1 or zb-v")),
+    "chunks": (("--chunks",), dict(type=int, default=None, metavar="V",
+                                   help="model chunks per rank (interleaved; zb-v takes 2)")),
     "var": (("--var",), dict(default="engine", metavar="NAME", help="the engine's variable on the ranks")),
 }
 COMMANDS = {  # name: (flags, takes config words, help)

@@ -20,7 +20,7 @@ DEFAULTS = {"pp": 4, "microbatches": 8, "schedule": "1f1b", "chunks": 1}
 
 def schedule_view(config=None, *, pp=None, microbatches=None, schedule=None, chunks=None):
     """(summary text, simulated timeline figure) of a schedule; unset values come from ``config``
-    (when it has pp > 1), else ``DEFAULTS`` (interleaved defaults to chunks=2). Bad shapes raise
+    (when it has pp > 1), else ``DEFAULTS`` (interleaved and zb-v default to chunks=2). Bad shapes raise
     ``ConfigError`` with the rule."""
     from ..pipeline import build_plan, simulate
     from ..pipeline.simulate import theory_bubble
@@ -30,16 +30,17 @@ def schedule_view(config=None, *, pp=None, microbatches=None, schedule=None, chu
     given = dict(pp=pp, microbatches=microbatches, schedule=schedule, chunks=chunks)
     v = {k: given[k] if given[k] is not None else getattr(base, k) if base is not None else DEFAULTS[k]
          for k in DEFAULTS}
-    if chunks is None and v["schedule"] == "interleaved" and v["chunks"] == 1:
+    if chunks is None and v["schedule"] in ("interleaved", "zb-v") and v["chunks"] == 1:
         v["chunks"] = 2
-    if chunks is None and v["schedule"] != "interleaved":
+    if chunks is None and v["schedule"] not in ("interleaved", "zb-v"):
         v["chunks"] = 1
     plan = build_plan(v["schedule"], v["pp"], v["microbatches"], v["chunks"])
     t = simulate(plan)
     p, m = plan.pp, plan.microbatches
     book = (p - 1) / (m + p - 1)
     own = theory_bubble(plan.schedule, p, m, plan.chunks)
-    formula = {"interleaved": "(p-1)/(v*m+p-1)", "zb-h1": "(p-1)/(3m+p-1)"}.get(plan.schedule)
+    formula = {"interleaved": "(p-1)/(v*m+p-1)", "zb-h1": "(p-1)/(3m+p-1)",
+               "zb-v": "(p-1)/(6m+p-1)"}.get(plan.schedule)
     lines = [f"{plan.schedule}, pp={p}, microbatches={m}" + (f", chunks={plan.chunks}" if plan.chunks > 1 else "")
              + " (planned: simulated with F=1, B=2, I=1, W=1 time units)",
              f"  bubble {t.bubble_fraction:.1%} of rank time (textbook (p-1)/(m+p-1) = {book:.1%}"

@@ -10,7 +10,11 @@ and a tensor-parallel plan communicates the attention's input once, not three ti
 The model knows nothing about parallelism.
 
 Parameters come from the config's seed alone (the global RNG is left as it
-was), so every rank that builds ``GPT(cfg)`` holds identical weights::
+was), so every rank that builds ``GPT(cfg)`` holds identical weights. Each
+parameter draws from its own generator, seeded with ``(cfg.seed, its name)``
+(``GPT.init_parameter``), so any one of them can be rebuilt alone, in any order:
+``GPT(cfg, device="meta")`` holds shapes only, and ``ck.boost`` builds from it just
+this rank's shards, equal to the dense model's (``colab_kit.init``)::
 
     >>> cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2)
     >>> a, b = GPT(cfg), GPT(cfg)
@@ -18,10 +22,16 @@ was), so every rank that builds ``GPT(cfg)`` holds identical weights::
     True
     >>> GPT(cfg)(torch.zeros(8, 32, dtype=torch.long)).shape
     torch.Size([8, 32, 64])
+    >>> meta = GPT(cfg, device="meta")
+    >>> w = torch.empty(meta.head.weight.shape)
+    >>> torch.equal(meta.init_parameter("head.weight", w), a.head.weight)
+    True
 """
 from __future__ import annotations
 
+import hashlib
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -111,28 +121,50 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer; ``forward(tokens [b, t]) -> logits [b, t, vocab]``."""
+    """Decoder-only transformer; ``forward(tokens [b, t]) -> logits [b, t, vocab]``.
 
-    def __init__(self, cfg: GPTConfig):
+    ``device="meta"`` builds the modules with shapes and no storage (the same as
+    ``with torch.device("meta"): GPT(cfg)``); ``ck.boost`` then builds each rank's shards.
+    """
+
+    def __init__(self, cfg: GPTConfig, device: str | torch.device | None = None):
         super().__init__()
         self.cfg = cfg
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-            self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        # nn's default init draws from the global RNG (init_parameter then overwrites it all): leave it as it was
+        with torch.random.fork_rng(devices=[]), (torch.device(device) if device is not None else nullcontext()):
+            # tables made empty (init_parameter fills them): nn.Embedding's own normal_ on the meta
+            # device would import torch._dynamo, seconds in every rank
+            self.tok = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.d_model), freeze=False)
+            self.pos = nn.Embedding.from_pretrained(torch.empty(cfg.seq_len, cfg.d_model), freeze=False)
             self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
             self.ln_f = nn.LayerNorm(cfg.d_model)
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-            self._init_weights()
+        self._init_weights()
 
     def _init_weights(self) -> None:
-        # GPT-2 style: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layers)
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
-            else:
-                std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("proj.weight", "fc2.weight")) else 0.02
-                nn.init.normal_(p, 0.0, std)
+            if not p.is_meta:  # a meta parameter is built later, from its name (colab_kit.init)
+                self.init_parameter(name, p)
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Fill ``tensor`` (shaped like the parameter called ``name``) with its initial values; return it.
+
+        GPT-2's recipe: LayerNorm weights 1, biases 0, matrices N(0, 0.02), the residual
+        projections (``proj``, ``fc2``) scaled by 1/sqrt(2 n_layers). The draws come from a
+        generator seeded with ``(cfg.seed, name)`` alone: the values do not depend on which
+        other parameters were made before, so ``init_parameter("blocks.1.mlp.fc1.weight", t)``
+        gives the dense model's ``blocks[1].mlp.fc1.weight`` on its own.
+        """
+        if tensor.dim() == 1:
+            return tensor.zero_() if name.endswith("bias") else tensor.fill_(1.0)
+        std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("proj.weight", "fc2.weight")) else 0.02
+        digest = hashlib.blake2b(f"{self.cfg.seed}/{name}".encode(), digest_size=8).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+        if tensor.device.type == "cpu":
+            return tensor.normal_(0.0, std, generator=gen)
+        # the generator is a CPU one: draw there, so that every device gets the same values
+        return tensor.copy_(torch.empty(tensor.shape, dtype=tensor.dtype).normal_(0.0, std, generator=gen))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]

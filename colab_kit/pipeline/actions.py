@@ -15,8 +15,9 @@ in a compact form that parses back::
 
 Compute actions (F, B, I, W) come from the schedule generators; the lowering pass
 adds the communication actions (SF, RF, SB, RB). Stage ``s`` of ``pp * chunks``
-stages lives on pipeline rank ``s % pp`` (chunk ``s // pp``), so with one chunk
-stage and pipeline rank coincide.
+stages is chunk ``s // pp`` of the pipeline rank ``Plan.rank_of(s)`` names: rank
+``s % pp`` under the round-robin 'loop' placement (so with one chunk stage and
+pipeline rank coincide), the V of ``zb-v`` sends the second chunk back up the ranks.
 """
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ def format_actions(actions) -> str:
     return " ".join(str(a) for a in actions)
 
 
-def stage_rank(stage: int, pp: int) -> int:
-    """The pipeline rank that runs ``stage`` (stages are dealt round-robin over ranks)."""
-    return stage % pp
+def stage_rank(stage: int, pp: int, placement: str = "loop") -> int:
+    """The pipeline rank that runs ``stage``, for code without a plan at hand (``Plan.rank_of`` decides)."""
+    from .schedules import Plan
+
+    return Plan(pp, 1, 1, "custom", placement=placement).rank_of(stage)

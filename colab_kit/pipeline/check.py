@@ -4,7 +4,7 @@ r"""Validate a plan in one process, then step it: every rank runs its next actio
 that rank's list and the rule broken. The rules:
 
 * count: every (stage, microbatch) has exactly one F, and one B or else one I and one W;
-  each action sits on rank ``stage % pp``.
+  each action sits on rank ``plan.rank_of(stage)``.
 * forward: stage s's forward runs before stage s+1's forward of the same microbatch.
 * backward: the backward (B or I) of stage s runs after that of stage s+1.
 * own forward: a backward runs after its own stage's forward; W runs after its I.
@@ -40,7 +40,7 @@ __all__ = ["PlanError", "check", "steps", "format_grid", "RULES"]
 
 RULES = {
     "count": "every (stage, microbatch) has exactly one F and one B (or one I and one W)",
-    "placement": "stage s runs on pipeline rank s % pp",
+    "placement": "stage s runs on pipeline rank plan.rank_of(s)",
     "forward": "stage s's forward before stage s+1's forward of the same microbatch",
     "backward": "backward (B/I) of stage s after backward of stage s+1",
     "own": "backward after its own forward",
@@ -75,13 +75,14 @@ def _index(plan) -> dict[Action, tuple[int, int]]:
         for i, a in enumerate(row):
             if not (0 <= a.stage < n and 0 <= a.microbatch < m):
                 raise PlanError(f"{a} is outside stages 0..{n - 1} / microbatches 0..{m - 1}", r, i, "count")
-            if a.stage % plan.pp != r:
-                raise PlanError(f"{a} belongs on rank {a.stage % plan.pp}", r, i, "placement")
+            if plan.rank_of(a.stage) != r:
+                raise PlanError(f"{a} belongs on rank {plan.rank_of(a.stage)} ({plan.placement!r} placement)",
+                                r, i, "placement")
             if a.is_comm and not plan.lowered:
                 raise PlanError(f"{a} is a communication action in a plan with lowered=False", r, i, "send")
             if a.is_comm and not 0 <= match(a).stage < n:
                 raise PlanError(f"{a} has no peer: stage {match(a).stage} does not exist", r, i, "send")
-            if a.is_comm and match(a).stage % plan.pp == r:
+            if a.is_comm and plan.rank_of(match(a).stage) == r:
                 raise PlanError(f"{a} talks to its own rank: stages on one rank hand tensors over locally, "
                                 f"without communication", r, i, "send")
             if a in where:
@@ -93,7 +94,7 @@ def _index(plan) -> dict[Action, tuple[int, int]]:
             missing = ("F" if not have["F"] else "I" if have["W"] and not have["I"]
                        else "W" if have["I"] and not have["W"] else "B" if not (have["B"] or have["I"]) else None)
             if missing:
-                raise PlanError(f"no {missing} for stage {s} microbatch {mb}", s % plan.pp, None, "count")
+                raise PlanError(f"no {missing} for stage {s} microbatch {mb}", plan.rank_of(s), None, "count")
             if have["B"] and have["I"]:
                 raise PlanError(f"stage {s} microbatch {mb} has both B and I", *where[Action(s, "I", mb)], "count")
     return where
@@ -142,7 +143,7 @@ def _dependencies(plan, where) -> dict[tuple[int, int], list[tuple[tuple[int, in
                 continue
             other = match(a)
             if other not in where:
-                raise PlanError(f"{a} has no matching {other} on rank {other.stage % plan.pp}", r, i, "send")
+                raise PlanError(f"{a} has no matching {other} on rank {plan.rank_of(other.stage)}", r, i, "send")
             if a.kind in ("RF", "RB"):
                 deps[(r, i)].append((where[other], "match"))
                 continue
@@ -159,12 +160,12 @@ def _fifo(plan) -> None:
     for r, row in enumerate(plan.actions):
         for a in row:
             if a.kind in ("SF", "SB"):
-                sent.setdefault((r, match(a).stage % plan.pp), []).append(a)
+                sent.setdefault((r, plan.rank_of(match(a).stage)), []).append(a)
     got: dict[tuple[int, int], int] = {}
     for r, row in enumerate(plan.actions):
         for i, a in enumerate(row):
             if a.kind in ("RF", "RB"):
-                src = match(a).stage % plan.pp
+                src = plan.rank_of(match(a).stage)
                 k = got.get((src, r), 0)
                 expected = sent[(src, r)][k]
                 if expected != match(a):

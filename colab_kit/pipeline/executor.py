@@ -11,10 +11,16 @@ F     run the stage on its input (tokens on stage 0, else the received activatio
       (input, output) for backward
 B     full backward of the stage from the received output gradient (the loss on the last
       stage): weight gradients accumulate, the input gradient is kept for SB
-I     input gradient only: ``autograd.grad(output, input, grad, retain_graph=True)``
-W     weight gradients later: ``autograd.backward(output, grad, inputs=stage params)``
-      walks the retained graph again (simple and exact; a fused split that saves only each
-      layer's input and output gradient would make W cheaper, not different)
+I     input gradient only, the zero-bubble split (``zero_bubble``, Qi et al. 2023):
+      ``store.backward_input(output, grad)`` runs the backward with a ``WeightGradStore``
+      active: each linear computes ``dx = g W`` and keeps ``(x, g)``; LayerNorms, embeddings
+      and the 2D/3D layers get their gradients now; the graph is freed, and until W the
+      microbatch is held as the store's bytes (its linears' inputs and output gradients)
+W     ``store.run()``: ``dW = g^T x`` and ``db = sum g`` per linear, accumulated into
+      ``.grad`` (the dp buckets' hooks fire); I + W costs the FLOPs of one B. Where the
+      split buys nothing (the first stage, which sends no input gradient, when the rank
+      runs its W right after its I, as ZB-H1's rank 0 always does), I runs the fused B
+      and W has nothing left to do: same FLOPs, one pass instead of two
 SF/SB ``isend`` of the activation / input gradient to the neighbour pp rank (same dp and tp
       coordinates); completed at the end of the step
 RF/RB blocking receive, at most ``timeout`` seconds (else ``PipelineHang``, see ``hang``)
@@ -46,24 +52,31 @@ losses and parameters are the same bit for bit.
 
 Data parallelism: the dp gradient buckets (``data.GradBuckets``) hold this rank's stage
 parameters; they accumulate over the microbatches, and with one stage per rank the
-all-reduce starts during the last B (or W) of the plan, else after it. The sends and
+all-reduce starts during the last B (or W) of the plan, else after it (so does a bucket
+holding a parameter whose gradient comes in I, like a LayerNorm's). The sends and
 receives live in ``p2p`` (``CommActions``); the hang reports in ``hang``.
 """
 from __future__ import annotations
 
 import random
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..data import split_batch
+from .actions import Action
 from .check import steps
 from .hang import HangMonitor, PipelineHang, hang_message
 from .lowering import lower
 from .p2p import CommActions, _last
+from .zero_bubble import WeightGradStore, use_split_backward
 
 __all__ = ["PipelineExecutor", "PipelineHang"]
+
+_FUSED = "fused into I"  # _saved marker: this microbatch's I ran the whole backward
 
 
 class PipelineExecutor(CommActions):
@@ -81,6 +94,9 @@ class PipelineExecutor(CommActions):
         self._plan = None
         self._shapes, self._shapes_sent = {}, set()
         self.monitor = HangMonitor(_agree_nonce(self.mesh), dist.get_world_size(), self.mesh.global_rank)
+        weakref.finalize(self, HangMonitor.close, self.monitor)  # an engine dropped without close()
+        self.broken: str | None = None
+        """Why this pipeline runs no more steps (a hang or a failed rank in an earlier step), or None."""
         self.step, self.running, self.timestep, self.pos = 0, False, 0, 0
         self._actions, self._index = [], []
         self._set("paused")
@@ -101,6 +117,10 @@ class PipelineExecutor(CommActions):
         if (plan.pp, plan.chunks) != (self.pp, self.config.chunks):
             raise ValueError(f"the plan has pp={plan.pp}, chunks={plan.chunks} but the engine was built for "
                              f"pp={self.pp}, chunks={self.config.chunks}")
+        if sorted(self.stages) != plan.stages_of(self.me):
+            raise ValueError(f"the plan puts stages {plan.stages_of(self.me)} on pipeline rank {self.me} "
+                             f"({plan.placement} placement) but this rank holds stages {sorted(self.stages)}: "
+                             f"use a plan with the engine's placement (schedule {self.config.schedule!r})")
         plan = lower(plan)
         rows = steps(plan)  # checks the plan: a broken one raises PlanError here, in every rank
         self.timesteps = [[t for t, row in enumerate(rows) if row[r] is not None] for r in range(plan.pp)]
@@ -111,6 +131,14 @@ class PipelineExecutor(CommActions):
         """Start a step on the global batch ``(inputs, targets)`` (same on every rank); nothing runs yet."""
         if self.running:
             raise RuntimeError("a pipeline step is already running: advance() or finish() it first")
+        if self.broken is not None:
+            raise PipelineHang(f"rank {self.mesh.global_rank} runs no more pipeline steps: step {self.step} broke "
+                               f"({self.broken}). Messages of that step may still be in flight and the backend may "
+                               "have closed connections between ranks, so a new step could read stale data or "
+                               "hang: restart the ranks (cluster.restart() or %colossal restart) and boost again",
+                               rank=self.mesh.global_rank)
+        if self.monitor._closed.is_set():
+            raise RuntimeError("this engine was closed (engine.close()): boost a new one to train again")
         eng, plan = self.engine, self.plan
         inputs, targets = batch
         self.m = m = plan.microbatches
@@ -123,14 +151,21 @@ class PipelineExecutor(CommActions):
         self._y = [split_batch(y, m, i, "microbatches") for i in range(m)]
         self._key = (tuple(inputs.shape), m)  # names the activation shapes
         mine = self.plan.actions[self.me]
+        if any(a.kind in ("I", "W") for a in mine):  # zero-bubble: linears can defer dW to W (idempotent)
+            use_split_backward(*self.stages.values())
         self._index = [i for i, a in enumerate(mine) if not forward_only or a.kind in ("F", "SF", "RF")]
         self._actions = [mine[i] for i in self._index]
-        grads = [j for j, a in enumerate(self._actions) if a.kind in ("B", "W")]
+        compute = [a for a in self._actions if not a.is_comm]
+        self._fused = {(a.stage, a.microbatch) for a, b in zip(compute, compute[1:])  # I then its own W
+                       if a.kind == "I" and a.stage == 0 and b == Action(a.stage, "W", a.microbatch)}
+        grads = [j for j, a in enumerate(self._actions)  # actions whose hooks complete a gradient
+                 if a.kind in ("B", "W") and (a.stage, a.microbatch) not in self._fused
+                 or a.kind == "I" and (a.stage, a.microbatch) in self._fused]
         self._sync_at = grads[-1] if grads and len(self.stages) == 1 else None  # overlap dp with the last one
         self.forward_only, self.t0 = forward_only, time.perf_counter()
         self.step += 1
-        self._saved, self._act, self._out, self._gout, self._gin, self._wgrad = {}, {}, {}, {}, {}, {}
-        self._bytes, self._held, self.peak_bytes, self._sends = {}, 0, 0, []
+        self._saved, self._act, self._out, self._gout, self._gin = {}, {}, {}, {}, {}
+        self._bytes, self._held, self.peak_bytes, self._sends, self._posted = {}, 0, 0, [], {}
         self.loss = torch.zeros((), device=self.mesh.device)
         if not forward_only:
             eng.mesh.log.begin_step()
@@ -141,6 +176,7 @@ class PipelineExecutor(CommActions):
         self.running, self.timestep, self.pos = True, 0, 0
         self._set("paused")
         self.monitor.start(self.step, self._report)
+        self.mesh.abort_flag = self.monitor.flagged  # blocked collectives and receives wake on a report
 
     def advance(self, k: int = 1) -> dict:
         """Run the next ``k`` timesteps of the plan on this rank (call it on every rank); returns ``state()``."""
@@ -160,13 +196,18 @@ class PipelineExecutor(CommActions):
                 self.pos += 1
         except PipelineHang:
             raise
+        except comm.Aborted as exc:  # blocked in a collective when another rank reported
+            a = self._actions[self.pos]
+            self._set("stopped")
+            first = self.monitor.first()
+            raise self._hang(f"rank {self.mesh.global_rank} (pp {self.me}) stopped in {a} ({exc}) because rank "
+                             f"{first.get('rank')} reported: {first.get('reason')}") from None
         except BaseException as exc:  # tell the other ranks at once, so they stop instead of timing out
             a = self._actions[self.pos]
             self._set("failed", f"{type(exc).__name__}: {_last(exc)}")
             self.monitor.announce(self._report(), f"rank {self.mesh.global_rank} (pp {self.me}) failed in {a}: "
                                   f"{type(exc).__name__}: {_last(exc)}")
-            self.running = False
-            self.monitor.stop()
+            self._end(f"rank {self.mesh.global_rank} failed in {a}: {type(exc).__name__}")
             raise
         self.timestep = max(self.timestep, min(timestep, self.n_timesteps))
         self._set("paused")
@@ -178,6 +219,7 @@ class PipelineExecutor(CommActions):
         for a, pending in self._sends:
             self._set("waiting", f"{a} (its send) to be received")
             self._wait(pending, a, "the peer to receive it")
+        self._sends = []
         self._set("done", "in the gradient all-reduce, optimizer step or loss all-reduce")
         try:
             if self.forward_only:
@@ -186,9 +228,12 @@ class PipelineExecutor(CommActions):
             if self._sync_at is None:
                 self.engine.grads.arm(sync=True)
             return self.engine._update(self.loss, self.t0)
+        except comm.Aborted:
+            first = self.monitor.first()
+            raise self._hang(f"rank {self.mesh.global_rank} (pp {self.me}) stopped in its gradient or loss "
+                             f"reduction because rank {first.get('rank')} reported: {first.get('reason')}") from None
         finally:
-            self.running = False
-            self.monitor.stop()
+            self._end()
 
     @torch.no_grad()
     def evaluate(self, batch) -> float:
@@ -215,6 +260,8 @@ class PipelineExecutor(CommActions):
             first = self.monitor.first()
             raise self._hang(f"rank {self.mesh.global_rank} (pp {self.me}) stopped before {a} because rank "
                              f"{first.get('rank')} reported: {first.get('reason')}")
+        if self.prefetch:
+            self._post_ahead(j)
         self._set("running")
         if j == self._sync_at:
             self.engine.grads.arm(sync=True)
@@ -246,7 +293,7 @@ class PipelineExecutor(CommActions):
             self._bytes[s, m] = self.engine._acts.last
             self._held += self._bytes[s, m]
             self.peak_bytes = max(self.peak_bytes, self._held)
-        if not st.last and (s + 1) % self.pp == self.me:  # local handoff (two stages on one rank)
+        if not st.last and self.plan.rank_of(s + 1) == self.me:  # local handoff (two stages on one rank)
             self._act[s + 1, m] = y.detach()
         elif not st.last:
             self._out[s, m] = y.detach()
@@ -262,18 +309,33 @@ class PipelineExecutor(CommActions):
     def _do_I(self, a, s, m):
         x, y = self._saved[s, m]
         grad = None if self.stages[s].last else self._take(self._gout, a, "its output gradient")
-        self._wgrad[s, m] = grad
+        if (s, m) in self._fused:  # the first stage, W next: one fused backward (see the table above)
+            torch.autograd.backward(y, grad)
+            self._saved[s, m] = _FUSED
+            self._held -= self._bytes[s, m]
+            self._bytes[s, m] = 0
+            return
+        store = WeightGradStore(str(a))
+        store.backward_input(y, grad)  # no retain_graph: only what the store keeps outlives this backward
+        self._saved[s, m] = store  # still held until W, now as the linears' inputs and output gradients
+        self._held += store.nbytes - self._bytes[s, m]
+        self._bytes[s, m] = store.nbytes
         if s > 0:
-            (gx,) = torch.autograd.grad(y, x, grad, retain_graph=True)
-            self._give_grad(s, m, gx)
+            self._give_grad(s, m, x.grad)
 
     def _do_W(self, a, s, m):
-        x, y = self._saved.pop((s, m))
+        store = self._saved.get((s, m))
+        if not isinstance(store, WeightGradStore) and store is not _FUSED:
+            why = f"before {s}I{m}" if store is not None else "without an F and I before it, or a second time"
+            raise RuntimeError(f"pipeline rank {self.me} ran {a} {why}: a plan runs each microbatch's F, then I, "
+                               "then W, once each")
+        del self._saved[s, m]
         self._held -= self._bytes.pop((s, m))
-        torch.autograd.backward(y, self._wgrad.pop((s, m)), inputs=self.params[s])
+        if store is not _FUSED:
+            store.run()
 
     def _give_grad(self, s, m, gx):
-        if (s - 1) % self.pp == self.me:  # local handoff (two stages on one rank)
+        if self.plan.rank_of(s - 1) == self.me:  # local handoff (two stages on one rank)
             self._gout[s - 1, m] = gx
         else:
             self._gin[s, m] = gx
@@ -299,10 +361,23 @@ class PipelineExecutor(CommActions):
                     of=len(self.plan.actions[self.me]), since=time.perf_counter() - self._since,
                     timestep=self.timesteps[self.me][self._index[j]] if at else None)
 
+    def _end(self, broken: str | None = None) -> None:
+        """The step is over (done or failed): stop watching; a failure breaks the pipeline for good."""
+        if broken and self.broken is None:
+            self.broken = broken
+        self.running = False
+        self.mesh.abort_flag = None
+        self.monitor.stop()
+
+    def close(self) -> None:
+        """End the hang monitor's thread and its store connection (``engine.close()`` calls it)."""
+        if self.running:
+            raise RuntimeError("a pipeline step is running: finish() it before closing the engine")
+        self.monitor.close()
+
     def _hang(self, reason: str) -> PipelineHang:
         reports = self.monitor.fail(self._report(), reason)
-        self.running = False
-        self.monitor.stop()
+        self._end(reason.splitlines()[0])
         text = hang_message(reason, reports, self.plan, self.timesteps, self.coords, self.monitor.world,
                             self.timeout, self.monitor.report_wait)
         return PipelineHang(text, reports, self.mesh.global_rank)

@@ -30,8 +30,18 @@ Worked example, pp=2 GPipe, 2 microbatches, rank 0 lost its send ``0SF1``::
     rank 0 (pp 0 dp 0 tp 0): waiting 2.0 s for 0RB1, position 4 of 8 (timestep 4)
     rank 1 (pp 1 dp 0 tp 0): waiting 2.0 s for 1RF1, position 2 of 8 (timestep 3)
 
-After a hang the backend's connections between the stuck ranks may be closed: restart
-the ranks (``cluster.restart()``) before training again.
+A rank blocked inside a receive or a collective does not wait for its own timeout:
+during a step the executor hands the flag to ``colab_kit.comm`` (``mesh.abort_flag``), whose
+waits wake at least every ``comm.ABORT_POLL`` seconds (0.25) to look at it, so a blocked rank
+stops within a second of any other rank's report.
+
+After a hang the backend's connections between the stuck ranks may be closed and messages
+of the broken step may still be in flight: the executor refuses ``begin()`` from then on
+and says so. Restart the ranks (``cluster.restart()``) before training again.
+
+The monitor's thread and its store connection belong to one executor: ``close()`` (called
+by ``engine.close()``, or when the executor is garbage collected) ends the thread and drops
+the connection, so building engines in a loop leaks neither.
 """
 from __future__ import annotations
 
@@ -150,6 +160,7 @@ class HangMonitor:
         self._store, self._lock = None, threading.Lock()
         self.flagged, self._active = threading.Event(), threading.Event()
         self._step, self._thread, self._report = None, None, None
+        self._closed = threading.Event()
         self.report_wait = 2.0
 
     def _key(self, step, what: str) -> str:
@@ -162,6 +173,8 @@ class HangMonitor:
         return self._store
 
     def start(self, step: int, report) -> None:
+        if self._closed.is_set():
+            raise RuntimeError("this hang monitor was closed with its engine: boost a new engine")
         self.store  # connect in the main thread
         self.flagged.clear()
         self._step, self._report = step, report
@@ -171,13 +184,30 @@ class HangMonitor:
             self._thread.start()
 
     def stop(self) -> None:
-        self._step = None
+        self._step, self._report = None, None  # the thread keeps no reference to the executor between steps
         self._active.clear()
+
+    def close(self) -> None:
+        """End the watcher thread (within one poll) and drop the store connection; idempotent."""
+        self.stop()
+        self._closed.set()
+        self._active.set()  # wake the thread so it sees the close
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5 * self.poll + 1.0)
+        self._store = None  # the client's socket closes with the object
+
+    @property
+    def alive(self) -> bool:
+        """Whether the watcher thread is running (False before the first step and after ``close``)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def _watch(self) -> None:
         answered = None
-        while True:
+        while not self._closed.is_set():
             self._active.wait()
+            if self._closed.is_set():
+                return
             step = self._step
             if step is None or step == answered:
                 time.sleep(self.poll)
@@ -185,10 +215,12 @@ class HangMonitor:
             try:
                 with self._lock:
                     hit = self.store.check([self._key(step, "hang")])
-                if hit and step == self._step:
+                report = self._report if hit and step == self._step else None
+                if report is not None:
                     self.flagged.set()
-                    self._publish(step, self._report())
+                    self._publish(step, report())
                     answered = step
+                report = None  # hold no reference to the executor between looks
             except Exception:  # the store went away (the job is ending): nothing left to watch
                 self._thread = None
                 return

@@ -2,13 +2,22 @@
 
 A mixin of ``PipelineExecutor``: each message goes between the same dp/sp/tp coordinates
 of two neighbouring pipeline ranks, over the mesh's ``pp`` group, recorded in ``mesh.log``
-as ``send@pp`` / ``recv@pp`` with the action as its tag. Messages carry
-``lowering.message_tag`` (equal at both ends), so they match whatever order they arrive in.
+as ``send@pp`` / ``recv@pp`` with the action as its tag. A message's backend tag is
+``lowering.message_tag`` (equal at both ends, so messages match whatever order they arrive
+in) with the step number (mod 256) and a header bit above it (``step_tag``): a message left
+over from a broken step can never be taken for one of the next.
 
-Worked example, pp=2, stage 0 on rank 0 sends microbatch 1's activation ``[2, 16, 32]``::
+Receives are posted early: before each action the executor posts the ``irecv`` of the next
+``prefetch`` receives of its list (2 by default) whose buffer it can already shape, so a
+message that arrives while the rank computes lands at once, and a send followed by a
+receive (``0SF3 0RB1`` in 1F1B's steady state) has both in flight before anything waits.
+The receive action itself then only waits.
 
-    rank 0  0SF1: isend(act, to pp 1, tag=message_tag(0SF1))      completed at the end of the step
-    rank 1  1RF1: irecv(buffer [2, 16, 32], from pp 0, same tag).wait(timeout)  -> input of 1F1
+Worked example, pp=2, step 5, stage 0 on rank 0 sends microbatch 1's activation ``[2, 16, 32]``::
+
+    rank 0  0SF1: isend(act, to pp 1, tag=step_tag(0SF1, step 5))   completed at the end of the step
+    rank 1  (while running 1F0) irecv(buffer [2, 16, 32], from pp 0, same tag) posted early
+    rank 1  1RF1: wait for it (at most ``timeout`` s, waking on the hang flag)  -> input of 1F1
 
 The receiver learns the activation's shape and dtype from a small header (8 int64s) sent
 before the first activation over each stage boundary (per batch shape and microbatch
@@ -26,38 +35,87 @@ from .lowering import message_tag
 
 __all__ = ["CommActions"]
 
-_HEADER = 1 << 24  # tag offset of shape headers
+_STEP_SHIFT, _HEADER_BIT, _STEPS = 23, 1 << 22, 256  # tag = step % 256 << 23 | header << 22 | message_tag
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def step_tag(a, microbatches: int, step: int, header: bool = False) -> int:
+    """The backend tag of action ``a``'s message in ``step`` (equal at both ends)::
+
+        >>> from colab_kit.pipeline.actions import parse
+        >>> step_tag(parse("0SF1"), 2, step=5) == step_tag(parse("1RF1"), 2, step=5)
+        True
+        >>> step_tag(parse("0SF1"), 2, step=5) != step_tag(parse("0SF1"), 2, step=6)
+        True
+    """
+    base = message_tag(a, microbatches)
+    if base >= _HEADER_BIT:
+        raise ValueError(f"{a}: message number {base} does not fit the 22 bits of a pipeline tag; use fewer "
+                         "stages x microbatches per step")
+    return ((step % _STEPS) << _STEP_SHIFT) | (_HEADER_BIT if header else 0) | base
 
 
 class CommActions:
     """SF, SB, RF, RB and the timed wait behind every receive (see ``PipelineExecutor``)."""
+
+    prefetch: int = 2
+    """How many of the coming receives are posted ahead of the action that waits for them."""
+
+    def _tag(self, a, header: bool = False) -> int:
+        return step_tag(a, self.m, self.step, header)
+
+    def _post_ahead(self, j: int) -> None:
+        """Post the irecv of the next ``prefetch`` receives after position ``j`` that can be shaped now."""
+        seen = 0
+        for a in self._actions[j:]:
+            if seen >= self.prefetch:
+                return
+            if a.kind not in ("RF", "RB"):
+                continue
+            seen += 1
+            if a not in self._posted:
+                buf = self._recv_buffer(a)
+                if buf is not None:
+                    self._posted[a] = self._post(a, buf)
+
+    def _recv_buffer(self, a):
+        """An empty buffer of the right shape for receive ``a``, or None while its shape is unknown."""
+        if a.kind == "RF":
+            known = self._shapes.get((a.stage - 1, self._key))
+            return None if known is None else torch.empty(known[0], dtype=known[1], device=self.mesh.device)
+        saved = self._saved.get((a.stage, a.microbatch))
+        return None if saved is None else torch.empty_like(saved[1])
+
+    def _post(self, a, buf):
+        peer = self.plan.rank_of(a.stage - 1 if a.kind == "RF" else a.stage + 1)
+        try:
+            return comm.irecv(buf, self.mesh, "pp", peer, msg_tag=self._tag(a), tag=str(a)), buf
+        except RuntimeError as exc:
+            raise self._hang(f"rank {self.mesh.global_rank} could not receive {a}: {_last(exc)}") from exc
 
     def _do_SF(self, a, s, m):
         t = self._take(self._out, a, "the activation to send")
         key = (s, self._key)
         if key not in self._shapes_sent:
             self._shapes_sent.add(key)
-            self._send(a, _pack(t), (s + 1) % self.pp, _HEADER + message_tag(a, self.m), f"{a} shape")
-        self._send(a, t, (s + 1) % self.pp, message_tag(a, self.m), str(a))
+            self._send(a, _pack(t), self.plan.rank_of(s + 1), self._tag(a, header=True), f"{a} shape")
+        self._send(a, t, self.plan.rank_of(s + 1), self._tag(a), str(a))
 
     def _do_SB(self, a, s, m):
-        self._send(a, self._take(self._gin, a, "the input gradient to send"), (s - 1) % self.pp,
-                   message_tag(a, self.m), str(a))
+        self._send(a, self._take(self._gin, a, "the input gradient to send"), self.plan.rank_of(s - 1),
+                   self._tag(a), str(a))
 
     def _do_RF(self, a, s, m):
-        key, src = (s - 1, self._key), (s - 1) % self.pp
-        if key not in self._shapes:
+        key = (s - 1, self._key)
+        if key not in self._shapes and a not in self._posted:
             header = torch.zeros(8, dtype=torch.int64, device=self.mesh.device)
-            self._recv(a, header, src, _HEADER + message_tag(a, self.m), f"{a} shape")
+            self._recv(a, (comm.irecv(header, self.mesh, "pp", self.plan.rank_of(s - 1),
+                                      msg_tag=self._tag(a, header=True), tag=f"{a} shape"), header))
             self._shapes[key] = _unpack(header)
-        shape, dtype = self._shapes[key]
-        self._act[s, m] = self._recv(a, torch.empty(shape, dtype=dtype, device=self.mesh.device), src,
-                                     message_tag(a, self.m), str(a))
+        self._act[s, m] = self._recv(a)
 
     def _do_RB(self, a, s, m):
-        y = self._saved[s, m][1]
-        self._gout[s, m] = self._recv(a, torch.empty_like(y), (s + 1) % self.pp, message_tag(a, self.m), str(a))
+        self._gout[s, m] = self._recv(a)
 
     # ------------------------------------------------------------------ posting and waiting
     def _send(self, a, t, peer, msg_tag, label):
@@ -66,11 +124,11 @@ class CommActions:
         except RuntimeError as exc:
             raise self._hang(f"rank {self.mesh.global_rank} could not send {a}: {_last(exc)}") from exc
 
-    def _recv(self, a, buf, peer, msg_tag, label):
-        try:
-            pending = comm.irecv(buf, self.mesh, "pp", peer, msg_tag=msg_tag, tag=label)
-        except RuntimeError as exc:
-            raise self._hang(f"rank {self.mesh.global_rank} could not receive {a}: {_last(exc)}") from exc
+    def _recv(self, a, posted=None):
+        """Wait for receive ``a`` (posted ahead, or now) and return its buffer."""
+        posted = posted or self._posted.pop(a, None) or self._post(a, self._recv_buffer(a))
+        pending, buf = posted
+        peer = self.plan.rank_of(a.stage - 1 if a.kind == "RF" else a.stage + 1)
         self._set("waiting")
         what = (f"the activation of stage {a.stage - 1}" if a.kind == "RF" else
                 f"the input gradient of stage {a.stage + 1}") + f", microbatch {a.microbatch}"
@@ -80,6 +138,11 @@ class CommActions:
     def _wait(self, pending, a, what: str) -> None:
         try:
             pending.wait(self.timeout)
+        except comm.Aborted:
+            self._set("stopped", f"in {a}")
+            first = self.monitor.first()
+            raise self._hang(f"rank {self.mesh.global_rank} (pp {self.me}) stopped waiting for {a} ({what}) "
+                             f"because rank {first.get('rank')} reported: {first.get('reason')}") from None
         except RuntimeError as exc:
             waited = time.perf_counter() - self._since
             raise self._hang(f"rank {self.mesh.global_rank} (pp {self.me}) waited {waited:.1f} s for {a} "

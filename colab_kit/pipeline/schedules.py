@@ -3,7 +3,7 @@
 ``build_plan(schedule, pp, microbatches, chunks)`` writes the compute actions (F, B, I, W)
 of one training step; ``lower(plan)`` (lowering.py) adds the sends and receives;
 ``check(plan)`` (check.py) validates it in one process; ``simulate(plan)`` (simulate.py)
-draws its timeline. Stage ``s`` runs on pipeline rank ``s % pp``.
+draws its timeline. Stage ``s`` runs on pipeline rank ``plan.rank_of(s)``.
 
 What each rank sees for 1F1B with pp=4, microbatches=8 (``print(build_plan("1f1b", 4, 8))``):
 rank r first runs ``pp-1-r`` warm-up forwards, then alternates one forward and one
@@ -27,6 +27,31 @@ slots near the end of the step instead of delaying the I chain
 
 With unit costs (F = I = W = 1) the step takes 3m + p - 1 time units instead of 1F1B's
 3(m + p - 1), and no rank holds more microbatches between F and I than under 1F1B.
+
+ZB-V (the same paper; ``build_plan("zb-v", pp, m, chunks=2)``) cuts the model into
+2p stages placed in a V: stages 0..p-1 go down ranks 0..p-1 and stages p..2p-1 come back up
+from rank p-1 to rank 0 (``Plan.rank_of``, placement 'v'). Rank 0 holds the embeddings and the
+head, and the hop from stage p-1 to stage p stays in rank p-1's memory. The order comes from a
+greedy list scheduler (``_zb_v``: ready I first, then a forward while the rank holds fewer than
+2p chunk-microbatches, then the oldest W). ``print(build_plan("zb-v", 4, 8, 2))``, each rank's
+line wrapped after 24 actions::
+
+    rank 0: 0F0 0F1 0F2 0F3 0F4 0F5 0F6 7F0 7I0 7W0 7F1 7I1 7W1 7F2 7I2 0I0 7W2 7F3 7I3 0I1 0W0 0I2 0F7 7W3
+            7F4 0I3 7I4 0W1 0W2 0W3 7F5 7I5 7W4 0I4 7W5 7F6 7I6 0W4 7W6 0I5 0W5 7F7 7I7 0I6 7W7 0W6 0I7 0W7
+    rank 1: 1F0 1F1 1F2 1F3 1F4 6F0 1F5 6F1 6I0 6W0 6F2 6I1 6W1 1I0 6I2 6F3 1W0 1I1 6I3 1I2 1F6 6W2 6F4 1I3
+            1W1 1F7 6I4 6W3 6F5 1W2 1W3 1I4 6I5 6F6 6W4 1W4 6I6 1I5 6W5 6F7 6W6 1I6 6I7 1W5 1W6 6W7 1I7 1W7
+    rank 2: 2F0 2F1 2F2 5F0 2F3 5F1 2F4 5F2 5I0 5W0 5F3 2I0 5I1 2W0 5I2 2I1 2F5 2I2 5I3 5W1 5F4 2I3 5W2 2F6
+            2W1 5F5 5I4 2W2 2F7 2I4 5W3 5F6 5I5 2W3 5W4 2I5 5I6 5F7 2W4 2I6 5W5 2W5 5I7 5W6 2W6 2I7 5W7 2W7
+    rank 3: 3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4I0 3I0 4W0 3F4 4I1 3I1 4I2 3I2 3W0 4F4 4I3 3I3 4W1 3F5 3W1 4F5
+            4W2 3F6 4I4 3I4 3W2 4F6 4W3 3F7 4I5 3I5 3W3 4F7 4I6 3I6 4W4 3W4 4W5 3W5 4I7 3I7 4W6 3W6 4W7 3W7
+
+Rank 0 runs 2p-1 = 7 chunk-0 forwards while microbatch 0 goes round the V to stage 7.
+Each action is one chunk, half a rank's layers: with F = I = W = 1 per chunk (``simulate``)
+every rank is busy 6m = 48 units and the step takes 6m + p - 1 = 51, the least possible (rank 3
+cannot start before p - 1 chunk forwards reach it). Bubble 3/51 = 5.9%, against ZB-H1's 11.1%
+(27 units of whole-rank passes) and 1F1B's 27.3% (33 units); in whole-rank units ZB-V takes
+25.5 = 3m + (p-1)/2, half of ZB-H1's tail. Every rank holds at most 2p = 8 chunk-microbatches
+between F and W, the 4 whole microbatches 1F1B's first rank holds, the same on every rank.
 """
 from __future__ import annotations
 
@@ -36,7 +61,12 @@ from dataclasses import dataclass, field
 
 from .actions import Action, format_actions, parse
 
-__all__ = ["Plan", "build_plan", "build_plan_for"]
+__all__ = ["Plan", "build_plan", "build_plan_for", "PLACEMENTS", "SCHEDULE_PLACEMENT"]
+
+PLACEMENTS = ("loop", "v")
+"""How stages are dealt to pipeline ranks (``Plan.rank_of``)."""
+SCHEDULE_PLACEMENT = {"gpipe": "loop", "1f1b": "loop", "interleaved": "loop", "zb-h1": "loop", "zb-v": "v"}
+"""The placement each generator writes its plan for."""
 
 
 @dataclass
@@ -48,28 +78,50 @@ class Plan:
     microbatches: int
     """Microbatches per step."""
     chunks: int
-    """Model chunks (virtual stages) per rank; stage s is chunk s // pp of rank s % pp."""
+    """Model chunks (virtual stages) per rank; stage s is chunk s // pp, on rank ``rank_of(s)``."""
     schedule: str
-    """Name of the generator ('gpipe', '1f1b', 'interleaved', 'zb-h1') or 'custom'."""
+    """Name of the generator ('gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-v') or 'custom'."""
     actions: list[list[Action]] = field(default_factory=list)
     """Per pipeline rank, the actions in execution order."""
     lowered: bool = False
     """True once ``lower`` added the send and receive actions."""
+    placement: str = "loop"
+    """How stages are dealt to ranks: 'loop' (round-robin) or 'v' (zig-zag); see ``rank_of``."""
+
+    def __post_init__(self):
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {self.placement!r}: one of {', '.join(map(repr, PLACEMENTS))}")
 
     @property
     def n_stages(self) -> int:
         return self.pp * self.chunks
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.pp
+        """The pipeline rank that runs ``stage``: the one place that decides it.
+
+        Chunk ``c = stage // pp`` walks the ranks upwards under 'loop' placement; under 'v'
+        the odd chunks walk back down, so stage pp-1 and stage pp share the last rank and the
+        first and last stages share rank 0. With pp=3, chunks=2::
+
+            stage   0 1 2 | 3 4 5
+            'loop'  0 1 2 | 0 1 2
+            'v'     0 1 2 | 2 1 0
+        """
+        chunk, i = divmod(stage, self.pp)
+        return self.pp - 1 - i if self.placement == "v" and chunk % 2 else i
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages pipeline rank ``rank`` runs, in chunk order (``[0, 5]`` for rank 0 above, under 'v')."""
+        return [s for s in range(self.n_stages) if self.rank_of(s) == rank]
 
     def __str__(self) -> str:
         return "\n".join(f"rank {r}: {format_actions(a)}" for r, a in enumerate(self.actions))
 
     def __repr__(self) -> str:
         n = sum(len(a) for a in self.actions)
+        where = f", placement={self.placement!r}" if self.placement != "loop" else ""
         return (f"Plan({self.schedule!r}, pp={self.pp}, microbatches={self.microbatches}, "
-                f"chunks={self.chunks}, lowered={self.lowered}, {n} actions)")
+                f"chunks={self.chunks}{where}, lowered={self.lowered}, {n} actions)")
 
     def compute(self, rank: int) -> list[Action]:
         """The compute actions (F, B, I, W) of one rank, communication left out."""
@@ -78,15 +130,19 @@ class Plan:
     @classmethod
     def parse(cls, text: str, schedule: str = "custom", *, pp: int | None = None,
               microbatches: int | None = None, chunks: int | None = None,
-              lowered: bool | None = None) -> "Plan":
+              lowered: bool | None = None, placement: str | None = None) -> "Plan":
         """Read the printed form back: one line per rank, an optional ``rank r:`` prefix.
 
         Blank lines and ``#`` comments are skipped. ``pp`` is the number of lines, the
-        other sizes are inferred from the largest stage and microbatch unless given, and
-        ``lowered`` from the presence of communication actions::
+        other sizes are inferred from the largest stage and microbatch unless given,
+        ``lowered`` from the presence of communication actions, and ``placement`` from
+        the schedule's name, else as the first of 'loop', 'v' that puts every action on
+        the rank that lists it::
 
             >>> Plan.parse("rank 0: 0F0 1F0 1B0 0B0").chunks   # pp=1, two stages on rank 0
             2
+            >>> Plan.parse("rank 0: 0F0 3F0\\nrank 1: 1F0 2F0").placement   # stage 3 back on rank 0
+            'v'
         """
         rows: list[list[Action]] = []
         for line in text.splitlines():
@@ -107,7 +163,11 @@ class Plan:
         chunks = chunks or max(1, -(-n_stages // pp))
         microbatches = microbatches or max((a.microbatch for a in everything), default=0) + 1
         lowered = any(a.is_comm for a in everything) if lowered is None else lowered
-        return cls(pp, microbatches, chunks, schedule, rows, lowered)
+        if placement is None:
+            placement = SCHEDULE_PLACEMENT.get(schedule) or next(
+                (p for p in PLACEMENTS if all(cls(pp, 1, 1, schedule, placement=p).rank_of(a.stage) == r
+                                              for r, row in enumerate(rows) for a in row)), "loop")
+        return cls(pp, microbatches, chunks, schedule, rows, lowered, placement)
 
 
 # ------------------------------------------------------------------------ generators
@@ -187,6 +247,60 @@ def _interleaved(pp: int, m: int, v: int) -> list[list[Action]]:
     return plan
 
 
+def _zb_v(pp: int, m: int) -> list[list[Action]]:
+    """ZB-V (Qi et al. 2023): two chunks per rank on the V placement, by greedy list scheduling.
+
+    The clock ticks in unit steps (F = I = W = 1, a hand-off between ranks free, as in
+    ``simulate``). At each step every rank runs one action whose inputs ended at an
+    earlier step, trying in this order: the I of its oldest microbatch whose output
+    gradient is there; else a forward, chunk 1 before chunk 0, if fewer than 2*pp
+    (stage, microbatch) pairs are held between F and W on the rank (the 1F1B peak: a
+    chunk is half a rank's layers); else the oldest W it owes. Microbatches pass each
+    stage in order.
+    """
+    n, limit = 2 * pp, 2 * pp
+    mine = [Plan(pp, m, 2, "zb-v", placement="v").stages_of(r) for r in range(pp)]  # [r, 2pp-1-r]
+    ended: dict[tuple[str, int, int], int] = {}  # (kind, stage, microbatch) -> step it ran in
+    next_f, next_i = [0] * n, [0] * n
+    held, owed = [0] * pp, [deque() for _ in range(pp)]  # F done, W not yet; I done, W not yet
+    plan: list[list[Action]] = [[] for _ in range(pp)]
+    t = 0
+
+    def ready(kind: str, s: int, i: int) -> bool:  # ran at an earlier step (not at all: False)
+        return ended.get((kind, s, i), t) < t
+
+    def pick(r: int) -> Action | None:
+        bwd = [(next_i[s], -s) for s in mine[r] if next_i[s] < m and ready("F", s, next_i[s])
+               and (s == n - 1 or ready("I", s + 1, next_i[s]))]
+        if bwd:
+            i, s = min(bwd)
+            return Action(-s, "I", i)
+        fwd = [(-s, next_f[s]) for s in mine[r] if next_f[s] < m and (s == 0 or ready("F", s - 1, next_f[s]))]
+        if fwd and held[r] < limit:
+            s, i = min(fwd)
+            return Action(-s, "F", i)
+        return Action(owed[r][0][0], "W", owed[r][0][1]) if owed[r] else None
+
+    while sum(map(len, plan)) < 3 * n * m:
+        ran = [(r, a) for r in range(pp) if (a := pick(r)) is not None]
+        if not ran:
+            raise RuntimeError(f"zb-v list scheduler stuck at step {t} (pp={pp}, microbatches={m})")
+        for r, a in ran:
+            ended[a.kind, a.stage, a.microbatch] = t
+            plan[r].append(a)
+            if a.kind == "F":
+                next_f[a.stage] += 1
+                held[r] += 1
+            elif a.kind == "I":
+                next_i[a.stage] += 1
+                owed[r].append((a.stage, a.microbatch))
+            else:
+                owed[r].popleft()
+                held[r] -= 1
+        t += 1
+    return plan
+
+
 def build_plan(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> Plan:
     """The compute actions of one step of ``schedule`` on ``pp`` ranks (see the module docstring).
 
@@ -207,9 +321,11 @@ def build_plan(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> Pl
         actions = _one_f_one_b(pp, microbatches)
     elif schedule == "zb-h1":
         actions = _zb_h1(pp, microbatches)
+    elif schedule == "zb-v":
+        actions = _zb_v(pp, microbatches)
     else:
         actions = _interleaved(pp, microbatches, chunks)
-    return Plan(pp, microbatches, chunks, schedule, actions)
+    return Plan(pp, microbatches, chunks, schedule, actions, placement=SCHEDULE_PLACEMENT[schedule])
 
 
 def build_plan_for(config) -> Plan:

@@ -130,10 +130,16 @@ def theory_bubble(schedule: str, pp: int, microbatches: int, chunks: int = 1) ->
 
     GPipe and 1F1B: (p-1)/(m+p-1). Interleaved with v chunks: (p-1)/(v*m+p-1).
     ZB-H1 (F=I=W=1): the idle time per rank is (p-1)*(F+I-W) = p-1 over 3m work: (p-1)/(3m+p-1).
+    ZB-V (F=I=W=1 per chunk, two chunks): the last rank waits p-1 chunk forwards for its first
+    input, then has 6m chunk passes to run, so no step is shorter than 6m+p-1: (p-1)/(6m+p-1),
+    the floor the list scheduler reaches for pp <= 4 once m >= p (for m >= 2p it stays within 2
+    units of it up to pp = 12).
     """
     p, m, v = pp, microbatches, chunks
     if schedule == "interleaved":
         return (p - 1) / (v * m + p - 1)
     if schedule == "zb-h1":
         return (p - 1) / (3 * m + p - 1)
+    if schedule == "zb-v":
+        return (p - 1) / (6 * m + p - 1)
     return (p - 1) / (m + p - 1)

@@ -2,12 +2,18 @@
 
 The ``n_layers`` blocks are dealt evenly over ``S = pp * chunks`` stages, in order;
 the embeddings go with the first stage, the final LayerNorm and the LM head (and so
-the loss) with the last. Stage ``s`` lives on pipeline rank ``s % pp`` as its chunk
-``s // pp``. Worked example, ``n_layers=4``, ``pp=2``::
+the loss) with the last. Stage ``s`` is chunk ``s // pp`` of the pipeline rank
+``Plan.rank_of(s)`` names (the schedule's placement). Worked example, ``n_layers=4``, ``pp=2``::
 
-    chunks=1 (gpipe, 1f1b, zb-h1)          chunks=2 (interleaved)
-    rank 0: stage 0 = tok, pos, blocks 0-1   rank 0: stage 0 = tok, pos, block 0 | stage 2 = block 2
-    rank 1: stage 1 = blocks 2-3, ln_f, head rank 1: stage 1 = block 1 | stage 3 = block 3, ln_f, head
+    chunks=1 (gpipe, 1f1b, zb-h1)   rank 0: stage 0 = tok, pos, blocks 0-1
+                                    rank 1: stage 1 = blocks 2-3, ln_f, head
+    chunks=2, 'loop' (interleaved)  rank 0: stage 0 = tok, pos, block 0 | stage 2 = block 2
+                                    rank 1: stage 1 = block 1 | stage 3 = block 3, ln_f, head
+    chunks=2, 'v' (zb-v)            rank 0: stage 0 = tok, pos, block 0 | stage 3 = block 3, ln_f, head
+                                    rank 1: stage 1 = block 1 | stage 2 = block 2
+
+Under the V, rank 0 holds both the embeddings and the head (so the loss), and rank 1 passes
+block 1's output to block 2 in its own memory.
 
 The split works on the model *after* the tensor plan has sharded it, so a stage's
 modules are the tensor-parallel layers of this rank: the model's own ``embed``,
@@ -84,13 +90,18 @@ class Stage(nn.Module):
 
 
 def split_model(model: nn.Module, config, pp_rank: int) -> list[Stage]:
-    """The stages of pipeline rank ``pp_rank``, in chunk order: stages ``pp_rank + c * pp``."""
+    """The stages of pipeline rank ``pp_rank``, in chunk order: ``Plan.stages_of`` under the schedule's
+    placement (``[pp_rank, pp_rank + pp]`` for interleaved, ``[pp_rank, 2*pp - 1 - pp_rank]`` for zb-v)."""
     missing = [a for a in ("embed",) + _TAIL if not hasattr(model, a)]
     if missing:
         raise ConfigError(f"pipeline parallelism splits models shaped like ck.models.GPT (embed(), blocks, ln_f, "
                           f"head); {type(model).__name__} has no {', '.join(missing)}: use pp=1 for this model")
     check_stages(len(model.blocks), config)
+    from .schedules import SCHEDULE_PLACEMENT, Plan
+
     n = config.pp * config.chunks
     names = {id(p): name for name, p in model.named_parameters()}
     layers = stage_layers(len(model.blocks), n)
-    return [Stage(model, s, n, layers[s], names) for s in range(pp_rank, n, config.pp)]
+    where = Plan(config.pp, config.microbatches, config.chunks, config.schedule,
+                 placement=SCHEDULE_PLACEMENT[config.schedule])
+    return [Stage(model, s, n, layers[s], names) for s in where.stages_of(pp_rank)]

@@ -61,10 +61,12 @@ def dense_state(model: nn.Module) -> dict[str, torch.Tensor]:
 class LayerTraffic:
     """Bytes of collectives run inside ``module``'s forward and backward on this rank.
 
-    >>> traffic = LayerTraffic(model.blocks[0].mlp.fc1, mesh)   # before the step
-    >>> engine.train_step(batch)
-    >>> traffic.forward, traffic.backward                        # payload bytes, by direction
-    >>> traffic.wire                                             # {"forward": ..., "backward": ...} sent
+    Inside a rank (``engine`` boosted with tensor parallelism)::
+
+        traffic = LayerTraffic(engine.module.blocks[0].mlp.fc1, engine.mesh)   # before the step
+        engine.train_step(batch)
+        traffic.forward, traffic.backward     # payload bytes, by direction
+        traffic.wire                          # {"forward": ..., "backward": ...}: bytes sent
     """
 
     def __init__(self, module: nn.Module, mesh):

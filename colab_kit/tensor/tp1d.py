@@ -25,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
+from ..pipeline.zero_bubble import split_linear
+from ..init import dense_value
 from . import TensorPlan, require_divisible
 from .cross_entropy import vocab_parallel_cross_entropy
 
@@ -32,7 +34,8 @@ __all__ = ["ColumnLinear", "RowLinear", "VocabEmbedding", "Plan1D"]
 
 
 def _slice(t: torch.Tensor, n: int, i: int, dim: int) -> torch.Tensor:
-    return t.detach().chunk(n, dim=dim)[i].clone()
+    """Block ``i`` of ``n`` along ``dim`` of ``t``'s dense value (made here if ``t`` is meta: ``colab_kit.init``)."""
+    return dense_value(t).detach().chunk(n, dim=dim)[i].clone()
 
 
 class _SplitLinear(nn.Module):
@@ -52,7 +55,7 @@ class _SplitLinear(nn.Module):
         n, i = mesh.size(axis), mesh.rank(axis)
         bias = None
         if dense.bias is not None:
-            bias = _slice(dense.bias, n, i, 0) if cls.split_dim == 0 else dense.bias.detach().clone()
+            bias = _slice(dense.bias, n, i, 0) if cls.split_dim == 0 else dense_value(dense.bias).detach().clone()
         return cls(_slice(dense.weight, n, i, cls.split_dim), bias, mesh, axis)
 
     def to_dense(self) -> nn.Linear:
@@ -74,7 +77,8 @@ class ColumnLinear(_SplitLinear):
     split_dim = 0
 
     def forward(self, x):
-        return F.linear(comm.copy_to_group(x, self.mesh, self.axis), self.weight, self.bias)
+        # split_linear: F.linear whose weight gradient a zero-bubble I pass defers to W
+        return split_linear(comm.copy_to_group(x, self.mesh, self.axis), self.weight, self.bias)
 
 
 class RowLinear(_SplitLinear):
@@ -83,7 +87,7 @@ class RowLinear(_SplitLinear):
     split_dim = 1
 
     def forward(self, x):
-        y = comm.reduce_from_group(F.linear(x, self.weight), self.mesh, self.axis)
+        y = comm.reduce_from_group(split_linear(x, self.weight), self.mesh, self.axis)
         return y + self.bias if self.bias is not None else y
 
 

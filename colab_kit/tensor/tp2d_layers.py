@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
+from ..init import dense_value
 from . import mark_grad_sum
 
 __all__ = ["summa_ab", "summa_abt", "summa_atb", "SUMMA_AB", "SUMMA_ABT", "SUMMA_ATB",
@@ -159,8 +160,9 @@ class RowSum(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- layers
 def _block(t: torch.Tensor, q: int, i: int, j: int | None = None) -> torch.Tensor:
-    """Block i of dim 0 (and j of dim 1) of ``t``, as a fresh contiguous tensor."""
-    t = t.detach().chunk(q, 0)[i]
+    """Block i of dim 0 (and j of dim 1) of ``t``'s dense value (``colab_kit.init``), as a fresh
+    contiguous tensor; a transposed weight is made dense first: ``_block(dense_value(w).t(), ...)``."""
+    t = dense_value(t).detach().chunk(q, 0)[i]
     return (t if j is None else t.chunk(q, 1)[j]).clone(memory_format=torch.contiguous_format)
 
 
@@ -192,7 +194,7 @@ class Linear2D(nn.Module):
     def from_dense(cls, dense: nn.Linear, mesh) -> "Linear2D":
         q, i, j = mesh.size("tp_col"), mesh.rank("tp_row"), mesh.rank("tp_col")
         bias = _block(dense.bias, q, j) if dense.bias is not None else None
-        return cls(_block(dense.weight.t(), q, i, j), bias, mesh)
+        return cls(_block(dense_value(dense.weight).t(), q, i, j), bias, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = SUMMA_AB.apply(x.reshape(-1, x.shape[-1]), self.weight, self.mesh)
@@ -269,7 +271,7 @@ class Embedding2D(nn.Module):
     @classmethod
     def from_dense(cls, dense: nn.Embedding, mesh) -> "Embedding2D":
         q, j = mesh.size("tp_col"), mesh.rank("tp_col")
-        return cls(_block(dense.weight.t(), q, j).t().contiguous(), mesh)
+        return cls(_block(dense_value(dense.weight).t(), q, j).t().contiguous(), mesh)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)

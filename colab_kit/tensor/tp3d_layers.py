@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
+from ..init import dense_value
 from . import mark_grad_sum
 
 __all__ = ["WT", "other_axis", "local_block", "Matmul3D", "AllReduce3D", "ReduceScatter3D",
@@ -143,9 +144,9 @@ class Linear3D(nn.Module):
     @classmethod
     def from_dense(cls, dense: nn.Linear, mesh, in_axis: str = "tp_in", out_axis: str = "tp_out") -> "Linear3D":
         q = mesh.size(WT)
-        w = dense.weight.detach().chunk(q, 0)[mesh.rank(in_axis)]
+        w = dense_value(dense.weight).detach().chunk(q, 0)[mesh.rank(in_axis)]  # meta: made here (colab_kit.init)
         w = w.chunk(q * q, 1)[mesh.rank(out_axis) * q + mesh.rank(WT)].clone()
-        b = _chunk(dense.bias.detach(), mesh, in_axis, 0).clone() if dense.bias is not None else None
+        b = _chunk(dense_value(dense.bias).detach(), mesh, in_axis, 0).clone() if dense.bias is not None else None
         return cls(w, b, mesh, in_axis, out_axis)
 
     def forward(self, x):
@@ -185,7 +186,7 @@ class LayerNorm3D(nn.Module):
     def from_dense(cls, dense: nn.LayerNorm, mesh, axis: str = "tp_out") -> "LayerNorm3D":
         if dense.weight is None or dense.bias is None or len(dense.normalized_shape) != 1:
             raise ValueError("LayerNorm3D shards a LayerNorm over the last dim with weight and bias")
-        part = lambda t: _chunk(t.detach(), mesh, axis, 0).clone()  # noqa: E731
+        part = lambda t: _chunk(dense_value(t).detach(), mesh, axis, 0).clone()  # noqa: E731
         return cls(part(dense.weight), part(dense.bias), dense.eps, dense.normalized_shape[0], mesh, axis)
 
     def forward(self, x):
@@ -232,7 +233,7 @@ class VocabEmbedding3D(nn.Module):
     def from_dense(cls, dense: nn.Embedding, mesh, vocab_axis: str = "tp_in") -> "VocabEmbedding3D":
         q = mesh.size(WT)
         slice_ = mesh.rank(vocab_axis) * q + mesh.rank(WT)
-        part = dense.weight.detach().chunk(q * q, 0)[slice_]
+        part = dense_value(dense.weight).detach().chunk(q * q, 0)[slice_]
         part = _chunk(part, mesh, other_axis(vocab_axis), 1).clone()
         return cls(part, slice_ * part.shape[0], mesh, vocab_axis)
 
@@ -269,7 +270,7 @@ class Embedding3D(nn.Module):
 
     @classmethod
     def from_dense(cls, dense: nn.Embedding, mesh, axis: str = "tp_out") -> "Embedding3D":
-        return cls(_chunk(dense.weight.detach(), mesh, axis, 1).clone(), mesh, axis)
+        return cls(_chunk(dense_value(dense.weight).detach(), mesh, axis, 1).clone(), mesh, axis)
 
     def forward(self, ids):
         return F.embedding(ids, self.weight)
