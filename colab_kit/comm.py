@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 __all__ = ["Aborted", "WaitTimeout", "ABORT_POLL", "CommRecord", "CommLog", "wire_bytes", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "Pending",
            "copy_to_group", "reduce_from_group", "gather_from_group", "split_to_group", "P2PPending", "isend",
-           "irecv"]
+           "irecv", "reduce_scatter_into", "all_gather_into"]
 
 
 ABORT_POLL = 0.25
@@ -345,6 +345,58 @@ def reduce(tensor: torch.Tensor, mesh, axis: str, dst: int = 0, *, tag: str = ""
     _run(mesh, "reduce", axis, buf,
          lambda a: dist.reduce(buf, dst=dst_global, group=mesh.group(axis), async_op=a), False, tag, then)
     return tensor
+
+
+def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, mesh, axis: str, *, async_op: bool = False,
+                        tag: str = "", then=None):
+    """Sum the flat ``tensor`` (n equal blocks, in rank order) over ``axis``; this rank's block lands in ``out``.
+
+    The flat, in-place form that ZeRO runs on its gradient buckets: ``tensor`` and ``out`` are
+    contiguous 1-D buffers, ``tensor.numel() == n * out.numel()``; ``out`` may be this rank's own
+    block of ``tensor`` (the backends' in-place form). With ``async_op=True`` a ``Pending``. On a
+    size-1 axis ``tensor`` is copied into ``out`` (unless it is ``out``), nothing recorded.
+    Recorded bytes: the whole input, as ``reduce_scatter``::
+
+        # dp=2, tensor = [a0 a1 a2 a3] on rank 0, [b0 b1 b2 b3] on rank 1
+        reduce_scatter_into(out, tensor, mesh, "dp")  # out: [a0+b0, a1+b1] on rank 0, [a2+b2, a3+b3] on rank 1
+    """
+    n = mesh.size(axis)
+    if tensor.numel() != n * out.numel():
+        raise ValueError(f"reduce_scatter_into over {axis} (size {n}) needs an input of {n} x {out.numel()} "
+                         f"elements, got {tensor.numel()}")
+    if n == 1:
+        if out.data_ptr() != tensor.data_ptr():
+            out.copy_(tensor.view_as(out))
+        if async_op:
+            return Pending(None, mesh.log, "reduce_scatter", axis, 0, tag, then)
+        return out
+    result = _run(mesh, "reduce_scatter", axis, tensor,
+                  lambda a: _reduce_scatter_single(out, tensor, group=mesh.group(axis), async_op=a), async_op, tag,
+                  then)
+    return result if async_op else out
+
+
+def all_gather_into(out: torch.Tensor, piece: torch.Tensor, mesh, axis: str, *, async_op: bool = False,
+                    tag: str = "", then=None):
+    """Every rank's flat ``piece`` over ``axis``, back to back in rank order, into the flat ``out``.
+
+    ``out.numel() == n * piece.numel()``; ``piece`` may be this rank's own block of ``out``
+    (in place: ZeRO's updated shard inside the bucket of parameters). With ``async_op=True``
+    a ``Pending``. Recorded bytes: this rank's piece, as ``all_gather``.
+    """
+    n = mesh.size(axis)
+    if out.numel() != n * piece.numel():
+        raise ValueError(f"all_gather_into over {axis} (size {n}) needs an output of {n} x {piece.numel()} "
+                         f"elements, got {out.numel()}")
+    if n == 1:
+        if out.data_ptr() != piece.data_ptr():
+            out.copy_(piece.view_as(out))
+        if async_op:
+            return Pending(None, mesh.log, "all_gather", axis, 0, tag, then)
+        return out
+    result = _run(mesh, "all_gather", axis, piece,
+                  lambda a: _all_gather_single(out, piece, group=mesh.group(axis), async_op=a), async_op, tag, then)
+    return result if async_op else out
 
 
 # --------------------------------------------------------------------------- point-to-point

@@ -34,6 +34,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 OFFLOADS = ("none", "cpu")
 PRECISIONS = ("fp32", "fp16", "bf16")
 AXES = ("pp", "dp", "sp", "tp")  # slowest to fastest varying in the rank order
+_BOOL_FIELDS = ("recompute",)
+_WORDS_TRUE, _WORDS_FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
 class ConfigError(MessageOnly, ValueError):
@@ -92,6 +94,9 @@ class ParallelConfig:
     """Model chunks per pipeline rank (virtual stages): > 1 with schedule='interleaved', exactly 2 with 'zb-v'."""
     precision: str = "fp32"
     """'fp32', 'fp16' or 'bf16'."""
+    recompute: bool = False
+    """Recompute each transformer block's activations in backward instead of keeping them
+    (activation checkpointing, ``colab_kit.recompute``): a block keeps only its input."""
 
     def __post_init__(self):
         self._check()
@@ -128,7 +133,8 @@ class ParallelConfig:
         parts = [f"{a}={getattr(self, a)}" for a in ("dp", "pp", "sp", "tp") if getattr(self, a) > 1]
         if self.tp > 1:
             parts[-1] += f" ({self.tp_mode}" + (f", depth {self.tp_depth})" if self.tp_mode == "2.5d" else ")")
-        return (" x ".join(parts) or "single rank") + f" = {self.world_size} rank" + ("s" if self.world_size > 1 else "")
+        text = (" x ".join(parts) or "single rank") + f" = {self.world_size} rank" + ("s" if self.world_size > 1 else "")
+        return text + (", recompute" if self.recompute else "")
 
     def check_world_size(self, n: int) -> None:
         """Raise ConfigError unless this config fits exactly ``n`` ranks."""
@@ -158,6 +164,9 @@ class ParallelConfig:
                 key = word[2:]
                 if "=" in key:
                     key, value = key.split("=", 1)
+                elif key.replace("-", "_") in _BOOL_FIELDS:  # a switch: --recompute, or --recompute off
+                    following = words[i + 1].lower() if i + 1 < len(words) else ""
+                    value, i = (words[i + 1], i + 1) if following in _WORDS_TRUE + _WORDS_FALSE else ("true", i)
                 elif i + 1 < len(words) and not words[i + 1].startswith("--"):
                     value, i = words[i + 1], i + 1
                 else:
@@ -195,6 +204,13 @@ class ParallelConfig:
                     pass
             elif fields[key].type == "str":
                 value = str(value).lower()
+            elif fields[key].type == "bool" and isinstance(value, str):
+                word = value.strip().lower()
+                if word not in _WORDS_TRUE + _WORDS_FALSE:
+                    raise ConfigError(f"{key} must be true or false, got {value!r}")
+                value = word in _WORDS_TRUE
+            elif fields[key].type == "bool" and not isinstance(value, bool) and value in (0, 1):
+                value = bool(value)  # 0 / 1, numpy's bool_
             kwargs[key] = value
         return cls(**kwargs)
 
@@ -211,6 +227,8 @@ class ParallelConfig:
                 near = difflib.get_close_matches(str(v).lower(), allowed, n=1)
                 hint = f"did you mean {near[0]!r}? " if near else ""
                 raise ConfigError(f"unknown {name} {v!r}: {hint}choose one of {_or(repr(a) for a in allowed)}")
+        if not isinstance(self.recompute, bool):
+            raise ConfigError(f"recompute must be True or False, got {self.recompute!r}")
         if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
         self._check_tensor()

@@ -19,8 +19,10 @@ the engine's hold on its mesh (shared by every engine of one config) and its thr
 What runs now: data parallelism (any dp) with gradient accumulation over
 ``config.microbatches``, composed with tensor parallelism (``colab_kit.tensor``)
 and pipeline parallelism (``colab_kit.pipeline``: the model cut into ``pp * chunks``
-stages, any schedule run by one executor, ``engine.pipeline`` to step it).
-Sequence parallelism, ZeRO, offload and mixed precision are refused with a
+stages, any schedule run by one executor, ``engine.pipeline`` to step it), and
+ZeRO stages 1 and 2 over dp (``colab_kit.zero``: the optimizer built over this
+rank's flat pieces, gradients reduce-scattered, updated pieces all-gathered).
+Sequence parallelism, ZeRO stage 3, offload and mixed precision are refused with a
 ConfigError that says so; the engine never falls back to another mode.
 """
 from __future__ import annotations
@@ -55,12 +57,12 @@ def unsupported(config: ParallelConfig) -> str | None:
     ConfigPicker shows the same text as "valid, not runnable yet"::
 
         unsupported(ParallelConfig(dp=2, tp=2))   # None: boost runs it
-        unsupported(ParallelConfig(dp=2, zero=1)) # "this version of the engine does not run ZeRO stage 1 yet
-                                                  #  (...): set zero=0 and scale dp, tp or pp instead"
+        unsupported(ParallelConfig(dp=2, zero=3)) # "this version of the engine does not run ZeRO stage 3 yet
+                                                  #  (...): set zero=1 or zero=2 and scale dp, tp or pp instead"
     """
     cfg = config
     todo = [(cfg.sp > 1, f"sequence parallelism (sp={cfg.sp}, sp_mode={cfg.sp_mode!r})", "sp=1"),
-            (cfg.zero > 0, f"ZeRO stage {cfg.zero}", "zero=0"),
+            (cfg.zero > 2, f"ZeRO stage {cfg.zero}", "zero=1 or zero=2"),
             (cfg.offload != "none", f"offload={cfg.offload!r}", "offload='none'"),
             (cfg.precision != "fp32", f"precision={cfg.precision!r}", "precision='fp32'")]
     missing = [(what, fix) for cond, what, fix in todo if cond]
@@ -69,7 +71,7 @@ def unsupported(config: ParallelConfig) -> str | None:
     whats = "; ".join(w for w, _ in missing)
     fixes = " ".join(f for _, f in missing)
     return (f"this version of the engine does not run {whats} yet (data, tensor and pipeline "
-            f"parallelism are what run today): set {fixes} and scale dp, tp or pp instead")
+            f"parallelism and ZeRO stages 1 and 2 are what run today): set {fixes} and scale dp, tp or pp instead")
 
 
 def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig, *,
@@ -125,6 +127,9 @@ class Engine:
             model = self.tp_plan.parallelize(model)
             if loss_fn is lm_loss:
                 self.loss_fn = self.tp_plan.loss
+        if config.recompute:  # each block keeps its input only, runs its forward again in backward
+            from .recompute import recompute_blocks
+            recompute_blocks(model)  # before the split: the stages hold these same blocks
         stages = None
         if config.pp > 1:  # after the tensor plan: each stage holds this rank's tensor shards
             from .pipeline.stage import split_model
@@ -135,8 +140,13 @@ class Engine:
         with torch.no_grad():  # one starting point even if a rank's seed differed
             for p in self.module.parameters():
                 comm.broadcast(p.data, mesh, "dp", tag="init params")
-        self.grads = GradBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events)
-        self.optimizer = optimizer_factory([p for p in self.module.parameters() if p.requires_grad])
+        if config.zero:  # parameters move into one flat buffer; the optimizer steps this rank's pieces
+            from .zero import ZeroBuckets
+            self.grads = ZeroBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events, config.zero)
+            self.optimizer = self.grads.build_optimizer(optimizer_factory)
+        else:
+            self.grads = GradBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events)
+            self.optimizer = optimizer_factory([p for p in self.module.parameters() if p.requires_grad])
         self._acts = ActivationMeter(exclude=list(self.module.parameters()))
         self.step_count = 0
         self.history: list[float] = []
@@ -181,13 +191,24 @@ class Engine:
         return self._update(local, t0)
 
     def _update(self, local: torch.Tensor, t0: float) -> float:
-        """After the last backward: reduce gradients, step the optimizer, return the global mean loss."""
+        """After the last backward: reduce gradients, step the optimizer, return the global mean loss.
+
+        The tensor plan's sums over replicated axes come after the dp reduction and before the
+        step (sums over different groups commute); with ZeRO on this rank's reduced pieces, then
+        the updated pieces are all-gathered back into the parameters.
+        """
         self.grads.finish()
-        if self.tp_plan is not None:
+        zero = self.config.zero > 0
+        if self.tp_plan is not None and zero:
+            self.grads.sync_replicated()
+        elif self.tp_plan is not None:
             sync_grads(self.module, self.mesh)
         with self._timed("optimizer step", "compute", t0):
             self.optimizer.step()
             self.grads.zero()
+        if zero:
+            with self._timed("all_gather params", "comm", t0):
+                self.grads.gather_params()
         with self._timed("loss all_reduce", "comm", t0):
             value = self._pipeline_loss(local) if self.pipeline is not None else self._global_mean(local)
         self.step_count += 1
@@ -232,7 +253,10 @@ class Engine:
 
     # ------------------------------------------------------------------ records
     def memory(self) -> dict:
-        """Measured bytes on this rank: params, grads, optimizer, activations (see colab_kit.memory)."""
+        """Measured bytes on this rank: params, grads, optimizer, activations (see colab_kit.memory).
+
+        Held now, between steps: with ZeRO the optimizer states of this rank's pieces (1/dp of
+        them, plus padding) and, at stage 2, only the gradient pieces (see colab_kit.zero)."""
         return {"params": tensor_bytes(self.module.parameters()),
                 "grads": self.grads.nbytes,
                 "optimizer": optimizer_bytes(self.optimizer),

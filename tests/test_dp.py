@@ -85,7 +85,7 @@ def test_dp_records_and_memory():
 def test_unimplemented_modes_are_refused_before_any_process():
     model = GPT(GPT_CFG)
     for cfg, word in [(ck.ParallelConfig(sp=2), "sequence parallelism"),
-                      (ck.ParallelConfig(zero=1), "ZeRO stage 1"),
+                      (ck.ParallelConfig(zero=3), "ZeRO stage 3"),
                       (ck.ParallelConfig(precision="bf16"), "precision='bf16'")]:
         with pytest.raises(ck.ConfigError, match=word):
             ck.boost(model, OPTIMIZERS["sgd"], cfg)

@@ -68,7 +68,7 @@ def test_widgets_drive_the_same_logic():
 @pytest.mark.parametrize("world, changes, why", [
     (2, dict(dp=1, sp=2), "sequence parallelism (sp=2, sp_mode='ring')"),
     (4, dict(dp=2, sp=2, sp_mode="ulysses"), "sequence parallelism (sp=2, sp_mode='ulysses')"),
-    (4, dict(zero=1), "ZeRO stage 1"), (4, dict(dp=2, tp=2, zero=3), "ZeRO stage 3")])
+    (4, dict(zero=3), "ZeRO stage 3"), (4, dict(dp=2, tp=2, zero=3), "ZeRO stage 3")])
 def test_a_valid_config_that_boost_refuses_is_not_runnable_yet(world, changes, why):
     p = ConfigPicker(world_size=world)
     status = p.set(**changes)

@@ -282,7 +282,7 @@ class PipelineExecutor(CommActions):
     def _do_F(self, a, s, m):
         st = self.stages[s]
         x = self._x[m] if st.first else self._take(self._act, a, "its input activation").requires_grad_()
-        with self.engine._acts.measure():
+        with self.engine._acts.measure((s, tuple(x.shape), x.dtype, torch.is_grad_enabled())):  # hooks once per shape
             y = st(x)
             if st.last:
                 loss = self.engine.loss_fn(y, self._y[m]) / self.m

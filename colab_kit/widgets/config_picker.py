@@ -25,7 +25,8 @@ from .figure_view import figure_view, redraw
 
 __all__ = ["ConfigPicker", "FIELDS", "mesh_summary"]
 
-FIELDS = ("dp", "tp", "pp", "sp", "tp_mode", "tp_depth", "sp_mode", "schedule", "microbatches", "chunks", "zero")
+FIELDS = ("dp", "tp", "pp", "sp", "tp_mode", "tp_depth", "sp_mode", "schedule", "microbatches", "chunks", "zero",
+          "recompute")
 _CHOICES = {"tp_mode": TP_MODES, "sp_mode": SP_MODES, "schedule": SCHEDULES, "zero": (0, 1, 2, 3)}
 
 
@@ -40,7 +41,7 @@ def _magic_state():
 
 
 class ConfigPicker(KernelDisplay):
-    """Widgets for dp, tp, pp, sp, tp_mode, tp_depth, sp_mode, schedule, microbatches, chunks, zero.
+    """Widgets for dp, tp, pp, sp, tp_mode, tp_depth, sp_mode, schedule, microbatches, chunks, zero, recompute.
 
     cluster: where Apply sends the config; None means the %colossal cluster (if any).
     world_size: the size the choice must fit; None means the cluster's size (or no check).
@@ -190,7 +191,9 @@ class ConfigPicker(KernelDisplay):
 
         ui = {}
         for f in FIELDS:
-            if f in _CHOICES:
+            if f == "recompute":
+                ui[f] = w.Checkbox(value=self.values[f], description=f)
+            elif f in _CHOICES:
                 ui[f] = w.Dropdown(options=list(_CHOICES[f]), value=self.values[f], description=f)
             else:
                 ui[f] = w.BoundedIntText(value=self.values[f], min=1, max=1024, description=f)
@@ -203,7 +206,7 @@ class ConfigPicker(KernelDisplay):
         ui["fig"] = figure_view(self.figure())
         degrees = w.HBox([ui[f] for f in ("dp", "tp", "pp", "sp")])
         modes = w.HBox([ui[f] for f in ("tp_mode", "tp_depth", "sp_mode")])
-        sched = w.HBox([ui[f] for f in ("schedule", "microbatches", "chunks", "zero")])
+        sched = w.HBox([ui[f] for f in ("schedule", "microbatches", "chunks", "zero", "recompute")])
         ui["box"] = w.VBox([degrees, modes, sched, ui["status"], w.HBox([ui["apply"], ui["message"]]), ui["fig"]])
         self._ui = ui
         self._sync_ui({})

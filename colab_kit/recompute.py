@@ -1,0 +1,112 @@
+"""Recomputation: each transformer block keeps only its input, and runs its forward again in backward.
+
+``ParallelConfig(recompute=True)`` asks ``ck.boost`` for it (Chen et al. 2016, "Training Deep
+Nets with Sublinear Memory Cost", arXiv 1604.06174; Colossal-AI calls it activation
+checkpointing). After the tensor plan and before the pipeline split, the engine calls
+``recompute_blocks(model)``: every module of ``model.blocks`` then runs its own forward under
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. The model's code is not
+touched: only the block's class changes, to a subclass whose ``forward`` wraps the original
+(``Block`` becomes ``RecomputedBlock``; parameter names and state-dict keys stay the same,
+the way ``zero_bubble.use_split_backward`` turns an ``nn.Linear`` into a ``DeferredLinear``).
+
+What autograd keeps, one GPT block, a microbatch of N = b*t rows, hidden h, MLP f, heads a,
+fp32 (``colab_kit.memory.activation_bytes`` counts it; ``ActivationMeter`` measures it)::
+
+    without recompute   LayerNorm inputs and outputs, q k v, attention output and its
+                        log-sum-exp, the MLP's inner activations: 4N(8h + 2f) + 4N(a + 4) B
+    with recompute      the block's input [b, t, h]: 4Nh B
+    in backward         block i's forward runs again (its saved tensors live until its
+                        backward is done), then block i's backward: one block's worth extra
+
+So the activations held between forward and backward fall from L blocks' worth to L inputs,
+and a step costs one more forward of every block (about 4/3 of the FLOPs of a step without).
+
+Each rank sees its own blocks run twice; collectives inside a block run twice as well. With
+tp=2 (1d), per block and microbatch: forward all-reduces after ``attn.proj`` and ``mlp.fc2``;
+in backward the recomputation runs the attention's all-reduce again (it stops, as torch's
+checkpoint does, once the last saved tensor, ``fc2``'s input, is rebuilt, so before
+``fc2``'s all-reduce), then the backward's two all-reduces. The comm log of a step with
+recompute has one more tp all-reduce per block and microbatch than without (tested in
+``tests/test_recompute.py``). Every rank of a tp group recomputes the same ops in the same
+order, so the extra collectives match up.
+
+Pipeline stages hold the same block modules, so a stage recomputes its blocks in its B (or
+I). Under the zero-bubble split (``pipeline.zero_bubble``) the recomputed forward runs inside
+the I pass: each ``ZeroBubbleLinear`` gets its input back from the recomputation and pushes
+``(x, g)`` on the ``WeightGradStore`` as before, so W still computes every deferred dW.
+
+The meter (``colab_kit.memory.ActivationMeter``) counts what saved-tensor hooks see. The
+checkpoint keeps the block's input in a closure, out of their sight, and its own hooks hide
+the block's saved tensors (the innermost hooks win); ``_Hold`` saves the input through the
+hooks active outside the block, so the meter counts it, once, as it is really held.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import ConfigError
+
+__all__ = ["recompute_blocks", "is_recomputed", "recomputed_class"]
+
+_CLASSES: dict[type, type] = {}
+
+
+class _Hold(torch.autograd.Function):
+    """Identity that saves its input for backward (and never reads it): the saved-tensor
+    hooks outside a recomputed block see the one tensor the block keeps."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def recomputed_class(cls: type) -> type:
+    """The subclass of ``cls`` whose forward recomputes in backward (one per class, made once)."""
+    if getattr(cls, "_ck_recomputed_from", None) is not None:
+        return cls
+    if cls not in _CLASSES:
+        def forward(self, x, *args, **kwargs):
+            if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
+                return cls.forward(self, x, *args, **kwargs)
+            return checkpoint(cls.forward, self, _Hold.apply(x), *args, use_reentrant=False, **kwargs)
+
+        name = f"Recomputed{cls.__name__}"
+        new = type(name, (cls,), {"forward": forward, "_ck_recomputed_from": cls, "__module__": __name__,
+                                  "__qualname__": name, "__doc__": f"``{cls.__name__}`` whose activations "
+                                  "are recomputed in backward (colab_kit.recompute)."})
+        _CLASSES[cls] = new
+        globals().setdefault(name, new)  # pickled by reference, like a class written here
+    return _CLASSES[cls]
+
+
+def is_recomputed(module: nn.Module) -> bool:
+    """Whether ``module``'s forward recomputes its activations in backward."""
+    return getattr(type(module), "_ck_recomputed_from", None) is not None
+
+
+def recompute_blocks(model: nn.Module) -> int:
+    """Make every module of ``model.blocks`` recompute its activations in backward; returns how
+    many changed (calling it twice changes nothing more).
+
+    >>> from colab_kit.models import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(n_layers=2))
+    >>> recompute_blocks(model), type(model.blocks[0]).__name__, recompute_blocks(model)
+    (2, 'RecomputedBlock', 0)
+    """
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ConfigError(f"recompute=True checkpoints each module of model.blocks (as ck.models.GPT has); "
+                          f"{type(model).__name__} has no blocks list: set recompute=False for this model")
+    changed = 0
+    for block in blocks:
+        if not is_recomputed(block):
+            block.__class__ = recomputed_class(type(block))
+            changed += 1
+    return changed

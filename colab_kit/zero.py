@@ -1,0 +1,273 @@
+"""ZeRO stages 1 and 2 over the dp axis (Rajbhandari et al. 2020, arXiv 1910.02054).
+
+Plain data parallelism keeps on every dp rank the whole optimizer state and the whole
+reduced gradient, although each rank then makes the same update. ZeRO cuts the update
+into dp pieces: each rank keeps the optimizer state of its piece only, steps that piece,
+and the updated pieces are gathered back into every rank's full parameters.
+
+- stage 1 (P_os): optimizer states sharded; gradients are held whole.
+- stage 2 (P_os+g): gradients sharded too: after the reduction only this rank's piece is kept.
+
+Layout. Gradients fill buckets during backward exactly as in ``GradBuckets`` (reverse
+parameter order, about two buckets). Each bucket is padded to a multiple of dp and is cut
+into dp equal pieces; rank r owns piece r of every bucket. Parameters are moved into one
+flat buffer with the same layout as the gradients (each ``param.data`` a view into it), so
+a bucket of gradients and its bucket of parameters cover the same elements. In DTensor's
+words, per bucket over the dp axis: parameters Replicate; gradients Partial after backward,
+Shard(0) after the reduce-scatter; optimizer states Shard(0).
+
+Worked example, dp=2, two buckets of 10 and 7 elements (the second padded to 8)::
+
+    flat space      bucket 0: [0, 10)            bucket 1: [10, 18)  (17 used, 1 padding)
+    rank 0 owns     [0, 5)                       [10, 14)            -> shard tensors of 5 and 4
+    rank 1 owns     [5, 10)                      [14, 18)
+
+    backward        bucket 1 complete -> reduce-scatter (async): rank r gets its 4 summed elements
+                    bucket 0 complete -> reduce-scatter (async): rank r gets its 5
+    finish()        wait both (a bucket with a parameter that got no gradient is launched here)
+    step            optimizer.step() over this rank's two shard tensors only
+    gather          all-gather bucket 0 and bucket 1: every rank's updated piece -> full parameters
+
+Per step and rank, a bucket of S bytes sends (n-1)/n S in its reduce-scatter and (n-1)/n S
+in its all-gather: the bytes of one ring all-reduce (2 (n-1)/n S), as the paper says.
+That is what NCCL moves, and what the comm records count. torch's gloo backend runs a
+reduce-scatter as an all-reduce of a copy of the input, keeping one block, so on CPU
+ranks a ZeRO step really moves an all-reduce plus an all-gather (FSDP2 on gloo alike).
+Both collectives run in place here (output inside input, or input inside output), which
+NCCL documents and gloo allows (it copies through its own buffers).
+
+The optimizer. ``optimizer_factory`` is called with this rank's shard tensors: one flat
+tensor per bucket, a view into the parameter buffer (so stepping it updates this rank's
+piece of the parameters in place), whose ``.grad`` is this rank's piece of the reduced
+gradient. An elementwise optimizer (SGD with momentum, Adam, AdamW, ...) makes the same
+update on a flat piece as on each parameter. One that looks at a whole parameter would not:
+LAMB and LARS scale each parameter's update by the ratio of its norms, Adafactor factors a
+matrix's second moment by rows and columns; on a flat piece those are norms of a piece of
+several parameters. ``check_optimizer`` refuses the ones torch ships (LBFGS, SparseAdam,
+Adafactor) and warns for any optimizer it does not know to be elementwise. Parameter groups
+built by name cannot be expressed over flat pieces either.
+
+Memory (fp32, P parameters, dp = n), what ``nbytes`` and ``engine.memory()`` report:
+
+- stage 1: grads 4P (the full buffer; this rank's reduced piece is a view into it,
+  reduced in place), optimizer states K*P/n.
+- stage 2: after the step grads 4P/n (the pieces). The full gradient buffer is still made
+  for the backward: autograd accumulates into it over microbatches and the buckets are
+  reduce-scattered from it. It is allocated at the step's first backward and freed once
+  every reduce-scatter has finished, so it is not held across steps, by the optimizer
+  step, or by the forward of the next step: in this implementation stage 2 saves the
+  gradient memory outside backward, not the peak inside it (a bucket freed as soon as its
+  own reduce-scatter ends would lower that peak too; not done here).
+
+Composition. With tensor parallelism the parameters are this rank's tp shards, sharded
+again over the dp group of this tp coordinate. A parameter whose gradient the tensor plan
+sums over a replicated axis (``mark_grad_sum``) is summed on this rank's piece, after the
+dp reduction: sums over different groups commute, and every rank of one tp group holds the
+same layout and the same dp coordinate, hence the same pieces (checked once at start). With
+pipeline parallelism each pp rank shards its own stages' parameters over its dp group; the
+executor drives ``arm``/``finish`` as for ``GradBuckets``.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import comm
+from .config import ConfigError
+from .data import GradBuckets
+from .memory import tensor_bytes
+
+__all__ = ["ZeroBuckets", "check_optimizer", "ELEMENTWISE"]
+
+ELEMENTWISE = tuple(getattr(torch.optim, name) for name in
+                    ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop",
+                     "Rprop", "ASGD") if hasattr(torch.optim, name))
+"""torch optimizers whose update of an element depends on that element's history only."""
+
+_WHOLE_PARAMETER = tuple(getattr(torch.optim, name) for name in ("LBFGS", "SparseAdam", "Adafactor")
+                         if hasattr(torch.optim, name))
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that cannot step flat pieces; warn for one not known to be elementwise."""
+    kind = type(optimizer).__name__
+    if isinstance(optimizer, _WHOLE_PARAMETER):
+        raise ConfigError(f"ZeRO steps flat pieces of several parameters, and {kind} needs whole parameters "
+                          f"(shapes, norms or a closure): use an elementwise optimizer such as AdamW or SGD, or zero=0")
+    if not isinstance(optimizer, ELEMENTWISE):
+        warnings.warn(f"ZeRO steps flat pieces of several parameters; {kind} is not known to be elementwise. An "
+                      f"optimizer that uses per-parameter norms or shapes (LAMB, LARS, Adafactor) would compute "
+                      f"them over pieces and give different updates than zero=0", stacklevel=3)
+
+
+def _padded(numel: int, n: int) -> int:
+    return -(-numel // n) * n
+
+
+class ZeroBuckets(GradBuckets):
+    """``GradBuckets`` for ZeRO stage 1 or 2: reduce-scatter instead of all-reduce, pieces for the optimizer.
+
+    The same interface as ``GradBuckets`` (``arm``, ``finish``, ``zero``, ``remove``, ``nbytes``),
+    so the engine and the pipeline executor drive it alike, plus ``shards`` (this rank's flat
+    tensors, for the optimizer), ``build_optimizer``, ``sync_replicated`` (tensor-parallel sums
+    on the pieces) and ``gather_params`` (after the step).
+    """
+
+    def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
+                 stage: int = 1):
+        if stage not in (1, 2):
+            raise ConfigError(f"ZeroBuckets runs ZeRO stage 1 or 2, got {stage}")
+        params = [p for p in params if p.requires_grad]
+        super().__init__(params, mesh, axis, bucket_bytes, events)  # the buckets, their order and hooks
+        if len({(p.dtype, p.device) for p in params}) > 1:
+            raise ConfigError("ZeRO keeps parameters in one flat buffer: they must share one dtype and device")
+        self.stage, self.rank = stage, mesh.rank(axis)
+        n, r = self.size, self.rank
+        used = [sum(p.numel() for p in b.params) for b in self.buckets]
+        self.sizes = [_padded(u, n) for u in used]
+        self.padding = sum(s - u for s, u in zip(self.sizes, used))
+        offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self._offset = {}  # id(param) -> (bucket index, offset in the flat space)
+        dtype, device = self.flat.dtype, self.flat.device
+        self.param_flat = torch.zeros(sum(self.sizes), dtype=dtype, device=device)
+        with torch.no_grad():
+            for b, off in zip(self.buckets, offsets):
+                for p in b.params:
+                    view = self.param_flat[off:off + p.numel()]
+                    view.copy_(p.detach().reshape(-1))
+                    p.data = view.view_as(p)
+                    self._offset[id(p)] = (b.index, off)
+                    off += p.numel()
+        self._param_buckets = list(self.param_flat.split(self.sizes))
+        self._ranges = [(off + r * s // n, off + (r + 1) * s // n) for off, s in zip(offsets, self.sizes)]
+        self.shards = [nn.Parameter(self.param_flat[a:b]) for a, b in self._ranges]
+        """This rank's pieces of the parameters, one flat tensor per bucket (views: stepping them updates the model)."""
+        self.flat = None
+        self._attach()
+        if stage == 1:  # reduced in place: this rank's piece of the full gradient buffer
+            self._pieces = [self.flat[a:b] for a, b in self._ranges]
+        else:
+            self._grad_shard = torch.zeros(sum(b - a for a, b in self._ranges), dtype=dtype, device=device)
+            self._pieces = list(self._grad_shard.split([b - a for a, b in self._ranges]))
+        for shard, piece in zip(self.shards, self._pieces):
+            shard.grad = piece
+        self._sums = self._replicated_slices(params)
+
+    # ------------------------------------------------------------------ gradient buffer
+    def _attach(self) -> None:
+        """Make the full (padded) gradient buffer and point every ``param.grad`` into it."""
+        self.flat = torch.zeros(sum(self.sizes), dtype=self.param_flat.dtype, device=self.param_flat.device)
+        for b, buf in zip(self.buckets, self.flat.split(self.sizes)):
+            b.buffer, off = buf, 0
+            for p in b.params:
+                p.grad = buf[off:off + p.numel()].view_as(p)
+                off += p.numel()
+
+    def _release(self) -> None:
+        """Stage 2: drop the full gradient buffer once its pieces are reduced (the pieces stay)."""
+        for b in self.buckets:
+            b.buffer = None
+            for p in b.params:
+                p.grad = None
+        self.flat = None
+
+    @property
+    def nbytes(self) -> int:
+        """Gradient bytes held now: the full buffer while it exists, plus the pieces (stage 2)."""
+        return tensor_bytes([self.flat, getattr(self, "_grad_shard", None)])
+
+    def arm(self, sync: bool, t0: float | None = None) -> None:
+        if self.flat is None:  # stage 2, first backward of a step
+            self._attach()
+        super().arm(sync, t0)
+
+    def _launch(self, bucket) -> None:
+        i, out = bucket.index, self._pieces[bucket.index]
+        if self.size == 1:
+            comm.reduce_scatter_into(out, bucket.buffer, self.mesh, self.axis)  # a copy (stage 2) or nothing
+            return
+        bucket.buffer.div_(self.size)
+        start = time.perf_counter() - self.t0
+
+        def record():
+            self.events.append({"name": f"reduce_scatter bucket {i}", "kind": "comm", "start": start,
+                                "end": time.perf_counter() - self.t0})
+
+        bucket.pending = comm.reduce_scatter_into(out, bucket.buffer, self.mesh, self.axis, async_op=True,
+                                                  tag=f"grad bucket {i}", then=record)
+
+    def finish(self) -> None:
+        """Wait for every reduce-scatter (launching a bucket that got no gradient); stage 2 frees the buffer."""
+        if self.flat is None:
+            return
+        super().finish()
+        if self.stage == 2 and self._sync:
+            self._release()
+        for shard, piece in zip(self.shards, self._pieces):  # again: a user's optimizer.zero_grad() drops them
+            shard.grad = piece
+
+    def zero(self) -> None:
+        if self.flat is not None:
+            self.flat.zero_()
+
+    # ------------------------------------------------------------------ optimizer
+    def build_optimizer(self, optimizer_factory) -> torch.optim.Optimizer:
+        """``optimizer_factory(self.shards)``, checked to step exactly these tensors elementwise."""
+        optimizer = optimizer_factory(list(self.shards))
+        given = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if given != {id(s) for s in self.shards}:
+            raise ConfigError("with ZeRO, optimizer_factory(params) must build the optimizer over exactly the "
+                              "tensors it is given (this rank's flat pieces), e.g. lambda ps: torch.optim.AdamW(ps)")
+        check_optimizer(optimizer)
+        return optimizer
+
+    def gather_params(self) -> None:
+        """All-gather every bucket's updated pieces into the full parameters (in place, buckets in flight together)."""
+        pending = [comm.all_gather_into(out, shard.detach(), self.mesh, self.axis, async_op=True,
+                                        tag=f"param bucket {i}")
+                   for i, (out, shard) in enumerate(zip(self._param_buckets, self.shards))]
+        for p in pending:
+            p.wait()
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def _replicated_slices(self, params) -> dict[str, list[tuple[int, int, int]]]:
+        """Per axis, the (piece, lo, hi) slices of this rank's pieces that belong to marked parameters."""
+        sums: dict[str, list[tuple[int, int, int]]] = {}
+        for p in params:
+            axes = [a for a in getattr(p, "_ck_grad_sum_axes", ()) if self.mesh.size(a) > 1]
+            if not axes:
+                continue
+            i, start = self._offset[id(p)]
+            a, b = self._ranges[i]
+            lo, hi = max(start, a), min(start + p.numel(), b)
+            for axis in axes:
+                if lo < hi:
+                    sums.setdefault(axis, []).append((i, lo - a, hi - a))
+        if any(getattr(p, "_ck_grad_sum_axes", ()) for p in params) and self.mesh.size("tp") > 1:
+            self._check_same_layout(params)
+        return sums
+
+    def _check_same_layout(self, params) -> None:
+        """Every rank of the tensor group must cut its flat space alike (a tiny all-reduce, once)."""
+        sig = torch.tensor([len(params), sum(self.sizes), sum((j + 1) * p.numel() for j, p in enumerate(params))],
+                           dtype=torch.int64, device=self.param_flat.device)
+        both = torch.cat([sig, -sig])
+        comm.all_reduce(both, self.mesh, "tp", op=dist.ReduceOp.MAX, tag="zero layout check")
+        if not torch.equal(both[:3], -both[3:]):
+            raise ConfigError("ZeRO with tensor parallelism needs the same parameter shapes on every tp rank; "
+                              "this tensor plan gives different ones: use zero=0 with it")
+
+    def sync_replicated(self) -> None:
+        """The tensor plan's gradient sums (``tensor.sync_grads``), on this rank's reduced pieces."""
+        for axis, slices in self._sums.items():
+            grads = [self._pieces[i][lo:hi] for i, lo, hi in slices]
+            flat = torch.cat(grads)
+            comm.all_reduce(flat, self.mesh, axis, tag="replicated grads")
+            off = 0
+            for g in grads:
+                g.copy_(flat[off:off + g.numel()])
+                off += g.numel()

@@ -1,0 +1,150 @@
+"""Recomputation (``recompute=True``): same losses as one process, fewer activations, more FLOPs.
+
+One spawn of 2 ranks runs dp=2, tp=2 (1d), pp=2 (1f1b) and pp=2 (zb-h1), each with recompute on
+(AdamW and SGD + momentum) and off (SGD), and reports losses, parameters, memory and comm.
+The config field and the FLOP count are checked in this process.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import colab_kit as ck
+from colab_kit.datasets import SyntheticTokens
+from colab_kit.engine import lm_loss
+from colab_kit.memory import activation_bytes
+from colab_kit.models import GPT, GPTConfig
+from colab_kit.recompute import is_recomputed, recompute_blocks
+from colab_kit.reference import train_single_process
+
+from tests.test_dp import OPTIMIZERS
+
+GPT4 = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
+STEPS, BATCH = 5, 8
+CONFIGS = {
+    "dp=2": dict(dp=2),
+    "tp=2": dict(tp=2),
+    "pp=2 1f1b": dict(pp=2, microbatches=4, schedule="1f1b"),
+    "pp=2 zb-h1": dict(pp=2, microbatches=4, schedule="zb-h1"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def reference(opt: str):
+    losses, model = train_single_process(GPT4, OPTIMIZERS[opt], SyntheticTokens(64, 16, seed=1), STEPS, BATCH)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _params(engine) -> dict:
+    """This rank's parameters under their dense names (whole tensors where tp=1)."""
+    if engine.pipeline is not None:
+        return {n: p.detach().clone() for st in engine.module for n, p in zip(st.source_names, st.parameters())}
+    if engine.config.tp == 1:
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    from colab_kit.tensor.inspect import dense_state
+    return {n: t.clone() for n, t in dense_state(engine.module).items()}
+
+
+def _train(configs):
+    data, out = SyntheticTokens(64, 16, seed=1), {}
+    for name, kw in configs.items():
+        for recompute, opt in ((True, "adamw"), (True, "sgd"), (False, "sgd")):
+            engine = ck.boost(GPT(GPT4), OPTIMIZERS[opt], ck.ParallelConfig(recompute=recompute, **kw))
+            losses = [engine.train_step(data.batch(s, BATCH)) for s in range(STEPS)]
+            blocks = [b for st in engine.module for b in st.blocks] if engine.pipeline else engine.module.blocks
+            tp_all_reduces = sum(r["op"] == "all_reduce" and r["axis"] == "tp" for r in engine.comm(last_step=True))
+            out[name, recompute, opt] = dict(losses=losses, memory=engine.memory(), tp_all_reduces=tp_all_reduces,
+                                             recomputed=[is_recomputed(b) for b in blocks], params=_params(engine))
+            engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return ck.launch(_train, 2, CONFIGS)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_recompute_matches_single_process(results, name):
+    for opt in OPTIMIZERS:
+        ref_losses, ref_params = reference(opt)
+        for rank, res in enumerate(results):
+            got = res[name, True, opt]
+            assert all(got["recomputed"]) and got["recomputed"], (name, rank)
+            assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (name, opt, rank)
+            atol = 2e-4 if opt == "adamw" else 5e-5  # see test_pipeline_engine: Adam on rounding-noise gradients
+            for n, p in got["params"].items():
+                torch.testing.assert_close(p, ref_params[n], rtol=1e-5, atol=atol, msg=lambda m: f"{name} {opt} {n} {m}")
+        # the same with recompute off, bit for bit up to float reassociation
+        for rank, res in enumerate(results):
+            assert res[name, True, "sgd"]["losses"] == pytest.approx(res[name, False, "sgd"]["losses"], rel=1e-6)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_recompute_holds_a_fraction_of_the_activations(results, name):
+    for res in results:
+        on, off = res[name, True, "sgd"]["memory"], res[name, False, "sgd"]["memory"]
+        assert 0 < on["activations"] < 0.25 * off["activations"], (name, on, off)
+        assert {k: on[k] for k in ("params", "grads", "optimizer")} == \
+               {k: off[k] for k in ("params", "grads", "optimizer")}
+
+
+def test_recompute_measured_activations_agree_with_the_estimate(results):
+    """One process's rows per rank: dp=2 halves the batch; the estimate is within 10%."""
+    for rank, res in enumerate(results):
+        for recompute in (True, False):
+            want = activation_bytes(GPT4, BATCH // 2, recompute=recompute)["held"]
+            got = res["dp=2", recompute, "sgd"]["memory"]["activations"]
+            assert got == pytest.approx(want, rel=0.1), (rank, recompute, got, want)
+
+
+def test_recompute_runs_one_more_tp_all_reduce_per_block(results):
+    """1D tp: the recomputation runs attn.proj's forward all-reduce again (it stops before fc2's)."""
+    for res in results:
+        on, off = res["tp=2", True, "sgd"]["tp_all_reduces"], res["tp=2", False, "sgd"]["tp_all_reduces"]
+        assert on - off == GPT4.n_layers, (on, off)
+
+
+def _step_flops(model, x, y) -> int:
+    with FlopCounterMode(display=False) as counter:
+        lm_loss(model(x), y).backward()
+    return counter.get_total_flops()
+
+
+def test_recompute_really_runs_the_blocks_forward_again():
+    """A recomputed step costs one more forward of every block, less fc2's matmul (torch's checkpoint
+    stops once fc2's input, the last saved tensor, is rebuilt)."""
+    x, y = SyntheticTokens(64, 16, seed=1).batch(0, BATCH)
+    plain, recomputed = GPT(GPT4), GPT(GPT4)
+    assert recompute_blocks(recomputed) == GPT4.n_layers
+    with FlopCounterMode(display=False) as fwd:
+        with torch.no_grad():
+            plain.blocks[0](plain.embed(x))
+    n, h, f = BATCH * GPT4.seq_len, GPT4.d_model, GPT4.d_ff
+    block_forward = fwd.get_total_flops()
+    extra = _step_flops(recomputed, x, y) - _step_flops(plain, x, y)
+    assert extra == GPT4.n_layers * (block_forward - 2 * n * f * h)
+
+
+def test_recompute_config_field():
+    P = ck.ParallelConfig
+    assert P().recompute is False and P(recompute=True).recompute is True
+    assert P(dp=2, recompute=True).describe() == "dp=2 = 2 ranks, recompute"
+    assert P(dp=2).describe() == "dp=2 = 2 ranks"
+    c = P(dp=2, recompute=True)
+    assert P.from_dict(c.to_dict()) == c and P(**c.to_dict()) == c
+    assert P.parse("dp=2 --recompute").recompute and P.parse("--recompute --dp 2").dp == 2
+    assert P.parse("recompute=on").recompute and not P.parse("--recompute off").recompute
+    assert P.parse("recompute=True dp=2").recompute and P.from_dict({"recompute": 1}).recompute
+    with pytest.raises(ck.ConfigError, match="recompute must be true or false, got 'maybe'"):
+        P.parse("recompute=maybe")
+    with pytest.raises(ck.ConfigError, match="recompute must be True or False, got 'yes'"):
+        P(recompute="yes")
+
+
+def test_recompute_refuses_a_model_without_blocks():
+    with pytest.raises(ck.ConfigError, match="no blocks list"):
+        recompute_blocks(torch.nn.Linear(2, 2))

@@ -1,0 +1,225 @@
+"""ZeRO stages 1 and 2 against one process: five GPT steps (AdamW and SGD + momentum) give the
+single-process losses (1e-5 relative) and final parameters, for zero=1 and 2 at dp=2, zero=2 at
+dp=4 with microbatches, with tp=2 (1d), with pp=2 (1f1b) and with a 2D tensor mode (8 ranks); the
+optimizer states per rank are the dense states / dp (plus padding); the collectives per step are
+one reduce-scatter of the gradients and one all-gather of the parameters per bucket, together the
+wire bytes of one all-reduce; a parameter that gets no gradient neither stalls nor corrupts a step.
+One spawn per world size, configurations looped inside."""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import colab_kit as ck
+from colab_kit import comm
+from colab_kit.comm import wire_bytes
+from colab_kit.datasets import SyntheticTokens
+from colab_kit.models import GPT
+from colab_kit.reference import train_single_process
+from colab_kit.zero import check_optimizer
+
+from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS, STEPS
+
+STATES = {"adamw": 2, "sgd": 1}  # fp32 state tensors per parameter element
+WORLD2 = [dict(dp=2, zero=1), dict(dp=2, zero=2)]
+WORLD4 = [dict(dp=4, zero=2, microbatches=2), dict(dp=2, tp=2, zero=2),
+          dict(dp=2, pp=2, zero=2, microbatches=2, schedule="1f1b"), dict(dp=2, pp=2, zero=1, microbatches=2)]
+WORLD8 = [dict(dp=2, tp=4, tp_mode="2d", zero=1)]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(opt: str):
+    losses, model = train_single_process(GPT_CFG, OPTIMIZERS[opt], SyntheticTokens(64, 16, seed=1), STEPS, BATCH)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _named(engine, kw) -> dict:
+    """The trained parameters by their dense names (gathered over tp; this rank's stages with pp)."""
+    if kw.get("pp", 1) > 1:
+        return {n: p.detach().clone() for st in engine.module for n, p in zip(st.source_names, st.parameters())}
+    if kw.get("tp", 1) > 1:
+        from colab_kit.tensor.inspect import dense_state
+        return dense_state(engine.module)
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def _with_unused(seed: int = 5) -> nn.Module:
+    model = GPT(GPT_CFG)
+    torch.manual_seed(seed)
+    model.unused = nn.Linear(4, 4)  # never called by GPT.forward: no gradient, ever
+    return model
+
+
+# --------------------------------------------------------------------------- on each rank
+def _train(cfgs, extras: bool = False):
+    data, out = SyntheticTokens(64, 16, seed=1), {}
+    for kw in cfgs:
+        for opt in OPTIMIZERS:
+            engine = ck.boost(GPT(GPT_CFG), OPTIMIZERS[opt], ck.ParallelConfig(**kw))
+            losses = [engine.train_step(data.batch(s, BATCH)) for s in range(STEPS)]
+            z, records = engine.grads, engine.comm(last_step=True)  # before the checks' own collectives
+            out[tuple(sorted(kw.items())), opt] = dict(
+                losses=losses, params=_named(engine, kw), memory=engine.memory(),
+                comm=records, kinds={e["kind"] for e in engine.timeline()},
+                local=sum(p.numel() for p in engine.module.parameters()), sizes=list(z.sizes),
+                shard=sum(s.numel() for s in z.shards), buckets=len(z.buckets),
+                same=_same_over_dp(engine))
+            engine.close()
+    if extras:
+        out["unused"] = _unused(data)
+        out["refused"] = _refused()
+    return out
+
+
+def _same_over_dp(engine) -> bool:
+    """Every dp rank holds exactly the same parameters (the all-gather put them back whole)."""
+    v = engine.state_vector()
+    got = comm.all_gather(v, engine.mesh, "dp").view(engine.config.dp, -1)
+    return all(torch.equal(row, v) for row in got)
+
+
+def _unused(data):
+    """zero=1 with the default buckets, zero=2 with one bucket per tensor (the unused one alone)."""
+    out = {}
+    for zero, bucket_bytes in ((1, None), (2, 1)):
+        for opt in OPTIMIZERS:
+            engine = ck.boost(_with_unused(), OPTIMIZERS[opt], ck.ParallelConfig(dp=2, zero=zero),
+                              bucket_bytes=bucket_bytes)
+            losses = [engine.train_step(data.batch(s, BATCH)) for s in range(STEPS)]
+            params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+            out[zero, opt] = dict(losses=losses, params=params, buckets=len(engine.grads.buckets),
+                                  grad_records=sum(r["tag"].startswith("grad") for r in engine.comm(last_step=True)))
+            engine.close()
+    return out
+
+
+def _refused():
+    """An optimizer built over other tensors than the pieces it is given is refused on every rank."""
+    try:
+        ck.boost(GPT(GPT_CFG), lambda ps: torch.optim.SGD(GPT(GPT_CFG).parameters(), lr=0.1),
+                 ck.ParallelConfig(dp=2, zero=1))
+    except ck.ConfigError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return ck.launch(_train, 2, WORLD2, True)
+
+
+# --------------------------------------------------------------------------- checks
+def _check_parity(results, cfgs):
+    for kw in cfgs:
+        key = tuple(sorted(kw.items()))
+        for opt in OPTIMIZERS:
+            ref_losses, ref_params = reference(opt)
+            owned = set()
+            for rank, res in enumerate(results):
+                got = res[key, opt]
+                assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (kw, opt, rank)
+                assert got["same"], (kw, opt, rank)
+                atol = 2e-4 if opt == "adamw" else 5e-5  # as the dp and pipeline tests (Adam at noise level)
+                for name, p in got["params"].items():
+                    torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=atol,
+                                               msg=lambda m: f"{kw} {opt} rank {rank} {name}: {m}")
+                    owned.add(name)
+                assert "comm" in got["kinds"] and got["kinds"] <= {"compute", "comm", "idle"}, (kw, opt, rank)
+            assert owned == set(ref_params), (kw, opt)  # pp: the stages together hold the whole model
+
+
+def _check_memory(results, cfgs):
+    """Optimizer states = dense states / dp (+ padding); grads: stage 1 whole, stage 2 the pieces."""
+    for kw in cfgs:
+        key, dp = tuple(sorted(kw.items())), kw["dp"]
+        for opt in OPTIMIZERS:
+            for rank, res in enumerate(results):
+                got = res[key, opt]
+                mem, padded = got["memory"], sum(got["sizes"])
+                assert got["shard"] * dp == padded and padded - got["local"] < dp * got["buckets"], (kw, rank)
+                counters = 4 * got["buckets"] if opt == "adamw" else 0  # Adam's step count, one per tensor
+                dense = STATES[opt] * 4 * got["local"]
+                assert mem["optimizer"] == STATES[opt] * 4 * got["shard"] + counters, (kw, opt, rank)
+                assert dense / dp <= mem["optimizer"] - counters < dense / dp + STATES[opt] * 4 * got["buckets"]
+                assert mem["params"] == 4 * padded
+                assert mem["grads"] == (4 * padded if kw["zero"] == 1 else 4 * got["shard"]), (kw, opt, rank)
+
+
+def _check_comm(results, cfgs):
+    """Per step: per bucket one reduce-scatter (whole bucket) and one all-gather (this rank's piece)."""
+    for kw in cfgs:
+        key, dp = tuple(sorted(kw.items())), kw["dp"]
+        for res in results:
+            got = res[key, "adamw"]
+            dp_records = [r for r in got["comm"] if r["axis"] == "dp"]
+            rs = [r for r in dp_records if r["op"] == "reduce_scatter"]
+            ag = [r for r in dp_records if r["op"] == "all_gather"]
+            assert len(rs) == len(ag) == got["buckets"], kw
+            assert [r["tag"] for r in dp_records if r not in rs + ag] == ["loss"], kw
+            assert sorted(r["bytes"] for r in rs) == sorted(4 * s for s in got["sizes"])
+            assert sorted(r["bytes"] * dp for r in ag) == sorted(4 * s for s in got["sizes"])
+            padded = 4 * sum(got["sizes"])
+            assert sum(r["wire"] for r in rs + ag) == wire_bytes("all_reduce", padded, dp), kw
+
+
+def test_zero_dp2_parity_memory_comm_unused(world2):
+    _check_parity(world2, WORLD2)
+    _check_memory(world2, WORLD2)
+    _check_comm(world2, WORLD2)
+
+
+def test_a_parameter_without_gradient_neither_stalls_nor_corrupts(world2):
+    init = {n: p.detach() for n, p in _with_unused().named_parameters() if n.startswith("unused")}
+    for res in world2:
+        for (zero, opt), got in res["unused"].items():
+            ref_losses, ref_params = reference(opt)
+            assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (zero, opt)
+            atol = 2e-4 if opt == "adamw" else 5e-5
+            for name, p in ref_params.items():
+                torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=atol)
+            # its gradient was exactly zero: SGD leaves it alone, AdamW only decays it (lr 3e-3, wd 0.01)
+            decay = (1 - 3e-3 * 0.01) ** STEPS if opt == "adamw" else 1.0
+            for name, p in init.items():
+                torch.testing.assert_close(got["params"][name], p * decay, rtol=1e-6, atol=0)
+            if zero == 2:  # one bucket per tensor: the unused weight and bias are buckets of their own
+                assert got["buckets"] == len(ref_params) + 2 and got["grad_records"] == got["buckets"]
+
+
+def test_an_optimizer_over_other_tensors_is_refused(world2):
+    assert all("over exactly the tensors it is given" in res["refused"] for res in world2)
+
+
+def test_zero_with_microbatches_tp_and_pp():
+    results = ck.launch(_train, 4, WORLD4)
+    _check_parity(results, WORLD4)
+    _check_memory(results, WORLD4)
+    _check_comm(results, WORLD4)
+
+
+def test_zero_with_2d_tensor_parallelism_on_8_ranks():
+    results = ck.launch(_train, 8, WORLD8, timeout=300)
+    _check_parity(results, WORLD8)
+    _check_memory(results, WORLD8)
+
+
+def test_stage_3_and_whole_parameter_optimizers_are_refused():
+    with pytest.raises(ck.ConfigError, match=r"ZeRO stage 3 yet .*set zero=1 or zero=2"):
+        ck.boost(GPT(GPT_CFG), OPTIMIZERS["sgd"], ck.ParallelConfig(dp=2, zero=3))
+    t = [torch.zeros(3, requires_grad=True)]
+    with pytest.raises(ck.ConfigError, match="LBFGS needs whole parameters"):
+        check_optimizer(torch.optim.LBFGS(t))
+
+    class Lamb(torch.optim.Optimizer):  # stands for any optimizer outside torch's elementwise ones
+        def __init__(self, params):
+            super().__init__(params, {})
+
+    with pytest.warns(UserWarning, match="Lamb is not known to be elementwise.*LAMB, LARS"):
+        check_optimizer(Lamb(t))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for make in OPTIMIZERS.values():
+            check_optimizer(make(t))
