@@ -133,7 +133,7 @@ class ParallelConfig:
         parts = [f"{a}={getattr(self, a)}" for a in ("dp", "pp", "sp", "tp") if getattr(self, a) > 1]
         if self.tp > 1:
             parts[-1] += f" ({self.tp_mode}" + (f", depth {self.tp_depth})" if self.tp_mode == "2.5d" else ")")
-        text = (" x ".join(parts) or "single rank") + f" = {self.world_size} rank" + ("s" if self.world_size > 1 else "")
+        text = (" x ".join(parts) or "single rank") + f" = {self.world_size} rank" + "s" * (self.world_size > 1)
         return text + (", recompute" if self.recompute else "")
 
     def check_world_size(self, n: int) -> None:

@@ -19,10 +19,9 @@ formulas (``model_state_bytes``: 16 bytes per parameter with fp32 Adam, divided 
 stage by stage), the activations from a count of what each GPT op saves
 (``activation_bytes``). For the example above ``estimate(110_336, "adamw", model=cfg,
 rows=8)`` gives params 441,344, grads 441,344, optimizer 882,688 (no step counters) and
-activations 2,316,544 B: the meter counts 12,292 B more, the whole batch's token ids and
-targets that the rank's rows are slices of, and the loss's 4-byte weight. With
-``recompute=True`` (``colab_kit.recompute``) each block keeps only its input: the estimate
-falls to 334,080 B.
+activations 2,316,548 B: the meter counts 12,288 B more, the whole batch's token ids and
+targets that the rank's rows are slices of. With ``recompute=True`` (``colab_kit.recompute``)
+each block keeps only its input: 334,084 B estimated (the meter: the same 12,288 B more).
 """
 from __future__ import annotations
 
@@ -196,15 +195,16 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
     is rebuilt, so the peak in backward is ``held`` plus one block's worth (``peak``). The
     embeddings save the token ids (8 N) and positions (8 seq); the last stage saves ln_f's
     input and statistics, the head's input (e N (2h) + 8 N), the log-softmax (e N V / tp)
-    and the targets (8 N). The meter counts a tensor's whole storage: the token ids and targets
-    of a microbatch that is a slice of a larger batch count as that batch (the estimate counts N).
+    and the targets (8 N) with the loss's weight (4). The meter counts a tensor's whole storage:
+    the token ids and targets of a microbatch that is a slice of a larger batch count as that
+    batch (the estimate counts N).
     1D tensor parallelism is estimated for the blocks; its vocabulary-parallel embedding and
     loss save a little more than the dense ones.
 
     >>> from colab_kit.models import GPTConfig
     >>> a = activation_bytes(GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2), 8)
     >>> a["block"], a["held"], a["peak"] == a["held"]
-    (1056768, 2316544, True)
+    (1056768, 2316548, True)
     """
     h, f, heads, vocab = model.d_model, model.d_ff, model.n_heads, model.vocab_size
     seq = model.seq_len if seq is None else seq
@@ -213,7 +213,7 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
     block = 2 * (e * n * h + 8 * n) + 2 * e * n * h + (4 * e * n * h + 4 * n * heads + 2 * e * n * f) // tp
     kept = e * n * h if recompute else block
     embed = 8 * n + 8 * seq if first else 0
-    head = (2 * e * n * h + 8 * n + e * n * vocab // tp + 8 * n) if last else 0
+    head = (2 * e * n * h + 8 * n + e * n * vocab // tp + 8 * n + 4) if last else 0
     held = layers * kept + embed + head
     return {"block": block, "blocks": layers * kept, "embedding": embed, "head": head, "held": held,
             "peak": held + (block if recompute and layers else 0)}

@@ -77,7 +77,8 @@ def test_recompute_matches_single_process(results, name):
             assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (name, opt, rank)
             atol = 2e-4 if opt == "adamw" else 5e-5  # see test_pipeline_engine: Adam on rounding-noise gradients
             for n, p in got["params"].items():
-                torch.testing.assert_close(p, ref_params[n], rtol=1e-5, atol=atol, msg=lambda m: f"{name} {opt} {n} {m}")
+                torch.testing.assert_close(p, ref_params[n], rtol=1e-5, atol=atol,
+                                           msg=lambda m: f"{name} {opt} {n} {m}")
         # the same with recompute off, bit for bit up to float reassociation
         for rank, res in enumerate(results):
             assert res[name, True, "sgd"]["losses"] == pytest.approx(res[name, False, "sgd"]["losses"], rel=1e-6)
@@ -85,20 +86,31 @@ def test_recompute_matches_single_process(results, name):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_recompute_holds_a_fraction_of_the_activations(results, name):
-    for res in results:
+    for rank, res in enumerate(results):
         on, off = res[name, True, "sgd"]["memory"], res[name, False, "sgd"]["memory"]
-        assert 0 < on["activations"] < 0.25 * off["activations"], (name, on, off)
+        # zb-h1's last stage splits I and W: from I to W its store keeps every linear's input and
+        # output gradient (recomputed or not), so its peak falls less (0.58 measured, 0.07-0.17 elsewhere)
+        ratio = 0.65 if name == "pp=2 zb-h1" and rank == 1 else 0.25
+        assert 0 < on["activations"] < ratio * off["activations"], (name, rank, on, off)
         assert {k: on[k] for k in ("params", "grads", "optimizer")} == \
                {k: off[k] for k in ("params", "grads", "optimizer")}
 
 
 def test_recompute_measured_activations_agree_with_the_estimate(results):
-    """One process's rows per rank: dp=2 halves the batch; the estimate is within 10%."""
+    """The estimate per rank within 10%: dp=2 holds half the rows, tp=2 (1d) all rows with the
+    inner activations split, a pp stage its blocks times the microbatches it holds at its peak."""
+    from colab_kit.pipeline import build_plan, lower, simulate
+
+    held = simulate(lower(build_plan("1f1b", 2, 4, 1))).peak_held  # microbatches in flight per pp rank
     for rank, res in enumerate(results):
-        for recompute in (True, False):
-            want = activation_bytes(GPT4, BATCH // 2, recompute=recompute)["held"]
-            got = res["dp=2", recompute, "sgd"]["memory"]["activations"]
-            assert got == pytest.approx(want, rel=0.1), (rank, recompute, got, want)
+        for rc in (True, False):
+            stage = activation_bytes(GPT4, BATCH // 4, layers=2, first=rank == 0, last=rank == 1, recompute=rc)
+            want = {"dp=2": activation_bytes(GPT4, BATCH // 2, recompute=rc)["held"],
+                    "tp=2": activation_bytes(GPT4, BATCH, tp=2, recompute=rc)["held"],
+                    "pp=2 1f1b": held[rank] * stage["held"]}
+            for name, bytes_ in want.items():
+                got = res[name, rc, "sgd"]["memory"]["activations"]
+                assert got == pytest.approx(bytes_, rel=0.1), (name, rank, rc, got, bytes_)
 
 
 def test_recompute_runs_one_more_tp_all_reduce_per_block(results):
