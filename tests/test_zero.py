@@ -18,6 +18,7 @@ import colab_kit as ck
 from colab_kit import comm
 from colab_kit.comm import wire_bytes
 from colab_kit.datasets import SyntheticTokens
+from colab_kit.memory import model_state_bytes
 from colab_kit.models import GPT
 from colab_kit.reference import train_single_process
 from colab_kit.zero import check_optimizer
@@ -147,6 +148,10 @@ def _check_memory(results, cfgs):
                 assert dense / dp <= mem["optimizer"] - counters < dense / dp + STATES[opt] * 4 * got["buckets"]
                 assert mem["params"] == 4 * padded
                 assert mem["grads"] == (4 * padded if kw["zero"] == 1 else 4 * got["shard"]), (kw, opt, rank)
+                # the one estimator (the ZeRO paper's formulas) agrees with the measurement within 5%
+                est = model_state_bytes(got["local"], opt, "fp32", dp=dp, zero=kw["zero"])
+                for part in ("params", "grads", "optimizer"):
+                    assert abs(est[part] - mem[part]) <= 0.05 * mem[part], (kw, opt, rank, part, est, mem)
 
 
 def _check_comm(results, cfgs):
