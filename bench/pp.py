@@ -34,6 +34,7 @@ from colab_kit.datasets import SyntheticTokens
 from colab_kit.engine import lm_loss
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.pipeline import build_plan, lower, simulate
+from colab_kit.pipeline.actions import parse
 from colab_kit.pipeline.simulate import theory_bubble
 from colab_kit.viz.schedule_data import measured_bubble
 
@@ -146,6 +147,13 @@ def main(argv=None):
         got = statistics.median(measured_bubble([rank[1][schedule][i] for rank in results]) for i in range(n))
         print(f"{schedule:12} {med[schedule]:>8.2f} {med[schedule] / med['1f1b']:>8.3f} {got:>16.3f} "
               f"{planned:>20.3f} {theory_bubble(schedule, p, m, chunks):>21.3f}")
+    last = results[-1][1]  # the last pipeline rank's timelines: its compute per step, by action kind
+
+    def per_step(schedule, kinds):
+        return sum(e["end"] - e["start"] for tl in last[schedule] for e in tl
+                   if e.get("action") and parse(e["action"]).kind in kinds) / n * 1e3
+    print(f"last rank's compute per step: 1f1b B {per_step('1f1b', ('B',)):.1f} ms; zb-h1 I {per_step('zb-h1', ('I',)):.1f} "
+          f"+ W {per_step('zb-h1', ('W',)):.1f} ms (the split's cost: I + W against B)")
     gpt2 = dict(gpt, n_layers=args.layers or 4)  # the side-by-side runs on 2 ranks
     pairs = ck.launch(_versus_torch, 2, gpt2, args.batch, m, args.rounds, args.steps)
     for schedule, torch_name in (("1f1b", "Schedule1F1B"), ("zb-h1", "_PipelineScheduleRuntime, same actions")):
