@@ -106,7 +106,7 @@ def demo(ranks: int | None = None, steps: int = 40, batch: int = 32, lr: float =
           f"loss {results[0]['losses'][0]:.4f} -> {results[0]['losses'][-1]:.4f}", file=out)
     print(f"bytes all-reduced per step on each rank: {results[0]['comm_bytes_per_step']:,}", file=out)
     print("\nmemory per rank (bytes, measured):", file=out)
-    keys = list(results[0]["memory"])
+    keys = [k for k, v in results[0]["memory"].items() if isinstance(v, int)]  # totals (not the by-place dicts)
     print("rank  " + "  ".join(f"{k:>12}" for k in keys), file=out)
     for r, res in enumerate(results):
         print(f"{r:4d}  " + "  ".join(f"{res['memory'][k]:>12,}" for k in keys), file=out)

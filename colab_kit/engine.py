@@ -45,6 +45,8 @@ from .tensor import check_model, plan_for, sync_grads
 
 __all__ = ["boost", "Engine", "lm_loss", "unsupported"]
 
+_STATE_NAMES = {0: "sgd-nomomentum", 1: "sgd-momentum", 2: "adamw"}  # fp32 states per parameter -> estimator name
+
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy, the loss of the correctness contract."""
@@ -135,7 +137,10 @@ class Engine:
             from .pipeline.stage import split_model
             stages = split_model(model, config, mesh.rank("pp"))
             model = nn.ModuleList(stages)
+        self._model_cfg = getattr(model, "cfg", None)
         self.module = materialize(model).to(mesh.device)  # what is still meta: whole copies (see colab_kit.init)
+        self._n_local = sum(p.numel() for p in self.module.parameters() if p.requires_grad)  # before ZeRO
+        self._rows = None  # rows of the last step's microbatch on this rank (for the activation estimate)
         self._events: list[dict] = []
         with torch.no_grad():  # one starting point even if a rank's seed differed
             for p in self.module.parameters():
@@ -172,6 +177,7 @@ class Engine:
             raise ValueError(f"a global batch of {rows} rows does not split over dp={cfg.dp} x microbatches={m}: "
                              f"use a multiple of {cfg.dp * m} rows")
         inputs, targets = self._local_rows(inputs), self._local_rows(targets)
+        self._rows = inputs.shape[0] // m
         shards = self.tp_plan.batch_shards if self.tp_plan else 1
         mesh.log.begin_step()
         self._events.clear()
@@ -253,14 +259,51 @@ class Engine:
 
     # ------------------------------------------------------------------ records
     def memory(self) -> dict:
-        """Measured bytes on this rank: params, grads, optimizer, activations (see colab_kit.memory).
+        """Measured bytes on this rank: params, grads, optimizer, activations (see colab_kit.memory),
+        and where they live: ``"device"`` and ``"host"``, each a dict of the same four categories
+        whose sum is the total.
 
         Held now, between steps: with ZeRO the optimizer states of this rank's pieces (1/dp of
-        them, plus padding) and, at stage 2, only the gradient pieces (see colab_kit.zero)."""
-        return {"params": tensor_bytes(self.module.parameters()),
-                "grads": self.grads.nbytes,
-                "optimizer": optimizer_bytes(self.optimizer),
-                "activations": self._acts.peak}
+        them, plus padding) and, at stage 2, only the gradient pieces (see colab_kit.zero). The
+        device is the rank's accelerator; on a machine without one it is an account of the same
+        host memory (``offload`` moves what it names to the "host" side of that account)::
+
+            {"params": 441344, "grads": 441344, "optimizer": 882836, "activations": 2328836,
+             "device": {"params": 441344, ..., "activations": 2328836},
+             "host": {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}}
+        """
+        totals = {"params": self._param_bytes(), "grads": self.grads.nbytes,
+                  "optimizer": optimizer_bytes(self.optimizer), "activations": self._acts.peak}
+        host_of = getattr(self.grads, "host_bytes", None)
+        host = dict.fromkeys(totals, 0)
+        if host_of is not None:
+            host.update(host_of(self.optimizer))
+        return {**totals, "device": {k: totals[k] - host[k] for k in totals}, "host": host}
+
+    def _param_bytes(self) -> int:
+        held = getattr(self.grads, "param_bytes", None)  # ZeRO-3: this rank's shards (and what is gathered now)
+        return held() if held is not None else tensor_bytes(self.module.parameters())
+
+    def memory_estimate(self) -> dict:
+        """The estimate of ``memory()`` from ``colab_kit.memory.estimate``: the ZeRO paper's formulas
+        for the model states of this rank's parameters (after tp and pp, before ZeRO), and the GPT
+        activation count for the last step's microbatch (0 before a step, or for another model).
+        Same keys as ``memory()``, "device" and "host" included."""
+        from .memory import estimate, optimizer_states
+        try:
+            states = optimizer_states(self.optimizer)
+        except ValueError:
+            states = "adamw"
+        cfg = self.config
+        rows = self._rows or 0
+        est = estimate(self._n_local, states if isinstance(states, str) else _STATE_NAMES[states], dp=cfg.dp,
+                       zero=cfg.zero, precision=cfg.precision, model=self._model_cfg if cfg.pp == 1 else None,
+                       rows=rows, recompute=cfg.recompute, tp=cfg.tp if cfg.tp_mode == "1d" else 1)
+        host = dict.fromkeys(est, 0)
+        plan = getattr(self.grads, "host_estimate", None)
+        if plan is not None:
+            host.update(plan(est))
+        return {**est, "device": {k: est[k] - host[k] for k in est}, "host": host}
 
     def comm(self, last_step: bool = False) -> list[dict]:
         """This rank's recorded collectives (all, or those of the last step)."""

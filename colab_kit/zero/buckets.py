@@ -76,10 +76,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import comm
-from .config import ConfigError
-from .data import GradBuckets
-from .memory import tensor_bytes
+from .. import comm
+from ..config import ConfigError
+from ..data import GradBuckets
+from ..memory import tensor_bytes
 
 __all__ = ["ZeroBuckets", "check_optimizer", "ELEMENTWISE"]
 
