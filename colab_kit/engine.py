@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
@@ -64,7 +64,9 @@ def unsupported(config: ParallelConfig) -> str | None:
     """
     cfg = config
     todo = [(cfg.sp > 1, f"sequence parallelism (sp={cfg.sp}, sp_mode={cfg.sp_mode!r})", "sp=1"),
-            (cfg.zero > 2, f"ZeRO stage {cfg.zero}", "zero=1 or zero=2"),
+            (cfg.zero == 3 and cfg.pp > 1, "ZeRO stage 3 with pipeline parallelism (each stage would gather its "
+             "parameters for every microbatch's forward and backward, 2 x microbatches all-gathers per step, or "
+             "keep them whole through the step, which is stage 2's memory)", "zero=2 with pp, or zero=3 with pp=1"),
             (cfg.offload != "none", f"offload={cfg.offload!r}", "offload='none'"),
             (cfg.precision != "fp32", f"precision={cfg.precision!r}", "precision='fp32'")]
     missing = [(what, fix) for cond, what, fix in todo if cond]
@@ -145,14 +147,18 @@ class Engine:
         with torch.no_grad():  # one starting point even if a rank's seed differed
             for p in self.module.parameters():
                 comm.broadcast(p.data, mesh, "dp", tag="init params")
-        if config.zero:  # parameters move into one flat buffer; the optimizer steps this rank's pieces
+        if config.zero == 3:  # parameters sharded too: each block gathered before it runs, freed after
+            from .zero.stage3 import ZeroParams
+            self.grads = ZeroParams(self.module, mesh, "dp", self._events)
+            self.optimizer = self.grads.build_optimizer(optimizer_factory)
+        elif config.zero:  # parameters move into one flat buffer; the optimizer steps this rank's pieces
             from .zero import ZeroBuckets
             self.grads = ZeroBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events, config.zero)
             self.optimizer = self.grads.build_optimizer(optimizer_factory)
         else:
             self.grads = GradBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events)
             self.optimizer = optimizer_factory([p for p in self.module.parameters() if p.requires_grad])
-        self._acts = ActivationMeter(exclude=list(self.module.parameters()))
+        self._acts = ActivationMeter(exclude=list(self.module.parameters()), live=getattr(self.grads, "live", None))
         self.step_count = 0
         self.history: list[float] = []
         self.pipeline = None
@@ -316,7 +322,14 @@ class Engine:
 
     def state_vector(self) -> torch.Tensor:
         """All parameters flattened into one CPU vector (for checking ranks agree)."""
-        return torch.cat([p.detach().reshape(-1).cpu() for p in self.module.parameters()])
+        with self.gathered():
+            return torch.cat([p.detach().reshape(-1).cpu() for p in self.module.parameters()])
+
+    def gathered(self):
+        """A context in which every parameter of ``self.module`` is whole (ZeRO stage 3 gathers
+        them, and frees them after); with other configs nothing to do."""
+        whole = getattr(self.grads, "gathered", None)
+        return whole() if whole is not None else nullcontext()
 
     # ------------------------------------------------------------------ lifetime
     _release_mesh = None

@@ -68,12 +68,15 @@ class ActivationMeter:
     y.shape)``). That is exact for a model whose saved tensors follow from the
     input's shape (every model here); a model whose saved tensors depend on the data
     (routing, ``nonzero``) must call ``measure()`` without a key. ``forget()`` drops
-    what was measured. Storages are keyed by address alone (CPU and CUDA addresses do
+    what was measured. ``live`` is a set of storage addresses, kept up to date by its owner,
+    that are parameters too (ZeRO stage 3 gathers a block's parameters into fresh storage each
+    time). Storages are keyed by address alone (CPU and CUDA addresses do
     not overlap in one process) and each is counted once per block.
     """
 
-    def __init__(self, exclude=()):
+    def __init__(self, exclude=(), live: set | None = None):
         self._exclude = frozenset(p.untyped_storage().data_ptr() for p in exclude)
+        self._live = live if live is not None else set()  # parameter storages that come and go (ZeRO-3's chunks)
         self._known: dict = {}
         self.peak = 0
         self.last = 0
@@ -83,12 +86,12 @@ class ActivationMeter:
             return self._reuse(self._known[key])
         seen = set(self._exclude)   # parameters (and their views) are never counted
         self.last = 0
-        add = seen.add
+        add, live = seen.add, self._live
 
         def pack(t: torch.Tensor):
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr not in seen:
+            if ptr not in seen and ptr not in live:
                 add(ptr)
                 self.last += storage.nbytes()
                 if self.last > self.peak:

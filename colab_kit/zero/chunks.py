@@ -1,0 +1,152 @@
+"""Chunks: the parameters of one unit of a model in one flat buffer, sharded over the dp axis.
+
+Gemini (Colossal-AI's heterogeneous memory manager) keeps parameters in chunks: flat buffers
+that are gathered, freed, reduced and moved as one. Here a chunk holds one unit of the model
+(a transformer block, or the parameters outside the blocks: embeddings, final LayerNorm, head),
+in the order the forward pass uses them, so "gather the next chunk" is "gather the next block".
+
+A chunk of ``numel`` elements is padded to ``size``, a multiple of n = dp, and cut into n
+pieces of ``size / n``; rank r keeps piece r as ``shard`` (an fp32 tensor of its own, what the
+optimizer steps) with its ``shard.grad``. The unit's parameters are views into ``full``, a
+buffer of ``size`` elements whose storage exists only while the chunk is gathered: ``free()``
+resizes the storage to zero bytes, ``gather()`` allocates it again and all-gathers every
+rank's piece into it. The parameters stay the same ``nn.Parameter`` objects throughout (autograd
+saved them in forward; their data is there again when the chunk is gathered for backward).
+In DTensor's words, per chunk over dp: ``shard`` Shard(0); ``full`` Replicate while gathered.
+
+Worked example, dp=2, a chunk with a weight [3, 2] and a bias [3] (9 elements, padded to 10)::
+
+    full (gathered)   [w00 w01 w10 w11 w20 w21 b0 b1 b2 pad]
+    rank 0 shard      [w00 w01 w10 w11 w20]             rank 1 shard  [w21 b0 b1 b2 pad]
+    backward          p.grad are views into grad_full (zeros at the chunk's backward gather)
+    reduce_grads()    grad_full / 2, reduce-scatter in place -> rank r adds its 5 summed
+                      elements into shard.grad; grad_full is dropped once that finished
+
+Every step of a chunk's life is a state: "free" -> "gathering" (all-gather in flight) ->
+"full" -> "free". Gathering a chunk that is gathering waits for it; gathering a full one does
+nothing; so a prefetch and a use in either order cost one all-gather.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .. import comm
+
+__all__ = ["Chunk", "padded"]
+
+
+def padded(numel: int, n: int) -> int:
+    """``numel`` rounded up to a multiple of ``n``."""
+    return -(-numel // n) * n
+
+
+class Chunk:
+    """The parameters ``params`` of unit ``name`` in one flat buffer, sharded over ``axis``."""
+
+    def __init__(self, index: int, name: str, params: list[nn.Parameter], mesh, axis: str = "dp"):
+        self.index, self.name, self.params, self.mesh, self.axis = index, name, params, mesh, axis
+        n, r = mesh.size(axis), mesh.rank(axis)
+        self.n, self.rank = n, r
+        self.numel = sum(p.numel() for p in params)
+        self.size = padded(max(self.numel, 1), n)
+        self.piece = self.size // n
+        dtype = params[0].dtype if params else torch.float32
+        device = params[0].device if params else mesh.device
+        self.full = torch.zeros(self.size, dtype=dtype, device=device)
+        self.offsets: dict[int, int] = {}  # id(param) -> its offset in the flat space
+        off = 0
+        with torch.no_grad():
+            for p in params:
+                view = self.full[off:off + p.numel()]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+                self.offsets[id(p)] = off
+                off += p.numel()
+        self.shard = nn.Parameter(self.full[r * self.piece:(r + 1) * self.piece].clone())
+        self.shard.grad = torch.zeros_like(self.shard)
+        self.grad_full: torch.Tensor | None = None
+        self.state, self.pending, self.ready = "full", None, 0
+        self._reducing = None  # (pending reduce-scatter, grad_full) until its piece is added
+        self.free()
+
+    # ------------------------------------------------------------------ parameters
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole chunk when gathered."""
+        return self.size * self.full.element_size()
+
+    def gather(self, async_op: bool = False) -> None:
+        """Make the parameters whole: all-gather every rank's piece (async: ``wait()`` later)."""
+        if self.state == "full":
+            return
+        if self.state == "gathering":
+            if not async_op:
+                self.wait()
+            return
+        self.full.untyped_storage().resize_(self.nbytes)
+        self.state = "gathering"
+        self.pending = comm.all_gather_into(self.full, self.shard.detach(), self.mesh, self.axis, async_op=True,
+                                            tag=f"zero3 gather {self.name}")
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        if self.state == "gathering":
+            self.pending.wait()
+            self.pending, self.state = None, "full"
+
+    def free(self) -> None:
+        """Drop the gathered parameters (their storage goes to zero bytes); this rank's shard stays."""
+        if self.state == "gathering":
+            self.wait()
+        if self.state == "full":
+            self.full.untyped_storage().resize_(0)
+            self.state = "free"
+
+    def storage_ptr(self) -> int:
+        return self.full.untyped_storage().data_ptr()
+
+    # ------------------------------------------------------------------ gradients
+    def prepare_grads(self) -> None:
+        """Give every parameter a zero ``.grad`` view into one flat buffer (before its backward)."""
+        if self.grad_full is not None:
+            return  # still accumulating (an earlier microbatch left it unreduced)
+        self.grad_full = torch.zeros(self.size, dtype=self.shard.dtype, device=self.shard.device)
+        for p in self.params:
+            off = self.offsets[id(p)]
+            p.grad = self.grad_full[off:off + p.numel()].view_as(p)
+
+    def reduce_grads(self) -> None:
+        """Average ``grad_full`` over the axis, reduce-scatter it in place (async) and drop the
+        parameters' gradient views; ``finish_reduce()`` adds the reduced piece into ``shard.grad``."""
+        self.finish_reduce()
+        if self.grad_full is None:  # no backward reached this chunk: its gradient is zero everywhere
+            self.prepare_grads()
+        flat, r, k = self.grad_full, self.rank, self.piece
+        for p in self.params:
+            p.grad = None
+        self.grad_full = None
+        if self.n > 1:
+            flat.div_(self.n)
+        pending = comm.reduce_scatter_into(flat[r * k:(r + 1) * k], flat, self.mesh, self.axis, async_op=True,
+                                           tag=f"zero3 grads {self.name}")
+        self._reducing = (pending, flat)
+
+    def finish_reduce(self) -> None:
+        if self._reducing is not None:
+            pending, flat = self._reducing
+            pending.wait()
+            self.shard.grad.add_(flat[self.rank * self.piece:(self.rank + 1) * self.piece])
+            self._reducing = None
+
+    def grad_bytes(self) -> int:
+        """Gradient bytes held now: this rank's reduced piece, plus the whole-chunk buffer while it exists."""
+        held = self.shard.grad.numel() * self.shard.grad.element_size()
+        for t in (self.grad_full, self._reducing[1] if self._reducing else None):
+            if t is not None:
+                held += t.numel() * t.element_size()
+        return held
+
+    def __repr__(self) -> str:
+        return f"Chunk({self.index}, {self.name!r}, {self.numel} elements, piece {self.piece}, {self.state})"

@@ -1,0 +1,245 @@
+"""ZeRO stage 3 (P_os+g+p): parameters, gradients and optimizer states all sharded over dp.
+
+Each rank keeps 1/dp of every parameter (``chunks.Chunk``: one chunk per transformer block,
+one for the rest of the model). A block's parameters are gathered just before it runs and
+freed after; the forward of block i prefetches block i+1 (its all-gather runs while block i
+computes), the backward of block i prefetches block i-1. Once every gradient of a block has
+arrived in backward, its gradient is reduce-scattered (async, overlapping the backward of the
+blocks before it) and its parameters are freed again. The optimizer steps this rank's shards;
+nothing is gathered after the step: the next forward gathers what it uses.
+
+What one rank of dp=2 sees in a step of a GPT with blocks b0, b1 (R = the rest: embeddings,
+ln_f, head), one microbatch::
+
+    forward   gather R, gather b0 | prefetch b1 | b0 runs | free b0 | b1 runs | free b1 | head
+    backward  (head, ln_f grads into R's buffer)
+              b1's output gradient: gather b1, prefetch b0 | b1 backward | b1 grads complete:
+              reduce-scatter b1 (async), free b1 | b0 likewise | embeddings: R complete:
+              reduce-scatter R, free R
+    step      optimizer over this rank's shards (one flat piece per chunk)
+
+Per step and microbatch: an all-gather per block in forward and another in backward, one for
+R, and one reduce-scatter per chunk: the paper's 1.5x the traffic of data parallelism (an
+all-reduce moves two chunk sizes per rank, stage 3 three). With ``microbatches > 1`` every
+microbatch reduce-scatters its gradients into the shards (accumulated there, fp32), so no
+rank ever holds a whole model's gradient; a chunk whose parameters got no gradient in a
+microbatch is reduced at ``finish()`` (with zeros for what got none), on every rank alike.
+
+Between steps a rank holds 4P/N parameter bytes, 4P/N gradient bytes and K P/N optimizer
+bytes (fp32, P parameters on this rank before ZeRO, N = dp): the ZeRO paper's 16P/N with Adam.
+Inside a step, at most the chunks being used (and prefetched) are whole.
+
+Hooks: a forward pre-hook and a forward hook on each block (``model.blocks``) and on the
+model, a tensor hook on each block's output (its backward is next), and a post-accumulate-grad
+hook on every parameter. A model without ``blocks`` is one chunk, gathered for the whole step.
+With recompute (``colab_kit.recompute``) a block's own hooks fire once, around the forward;
+its recomputation in backward runs after the output hook gathered it. Pipeline parallelism is
+refused with zero=3 (see ``engine.unsupported``).
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+from .. import comm
+from ..config import ConfigError
+from .buckets import check_optimizer
+from .chunks import Chunk
+
+__all__ = ["ZeroParams", "units_of"]
+
+
+def units_of(module: nn.Module) -> list[tuple[str, nn.Module | None, list[nn.Parameter]]]:
+    """The chunks' units in forward order: ``("rest", None, params outside the blocks)`` first, then
+    ``("blocks.i", block, its params)``; a model without ``blocks`` is one unit."""
+    blocks = getattr(module, "blocks", None)
+    inner = {id(p) for b in blocks for p in b.parameters()} if isinstance(blocks, nn.ModuleList) else set()
+    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in inner]
+    units = [("rest", None, rest)]
+    if inner:
+        units += [(f"blocks.{i}", b, [p for p in b.parameters() if p.requires_grad]) for i, b in enumerate(blocks)]
+    return units
+
+
+def _call(ref, method, *args):
+    owner = ref()
+    if owner is not None:
+        return getattr(owner, method)(*args)
+
+
+class ZeroParams:
+    """ZeRO stage 3 over ``axis`` for ``module``: the interface of ``ZeroBuckets`` (``arm``,
+    ``finish``, ``zero``, ``remove``, ``nbytes``, ``build_optimizer``, ``sync_replicated``,
+    ``gather_params``), plus ``param_bytes()``, ``gathered()`` and ``live`` (the storages of the
+    chunks whole right now, which the activation meter does not count)."""
+
+    def __init__(self, module: nn.Module, mesh, axis: str = "dp", events=None, prefetch: bool = True):
+        self.module, self.mesh, self.axis = module, mesh, axis
+        self.events = events if events is not None else []
+        self.prefetch = prefetch
+        units = units_of(module)
+        if len({(p.dtype, p.device) for _, _, ps in units for p in ps}) > 1:
+            raise ConfigError("ZeRO keeps parameters in flat chunks: they must share one dtype and device")
+        self.chunks = [Chunk(i, name, params, mesh, axis) for i, (name, _, params) in enumerate(units)]
+        self.shards = [c.shard for c in self.chunks]
+        """This rank's pieces, one flat tensor per chunk: what the optimizer steps."""
+        self.live: set[int] = set()
+        self.t0 = time.perf_counter()
+        ref = weakref.ref(self)
+        self._hooks = [module.register_forward_pre_hook(partial(_call, ref, "_pre_forward", 0)),
+                       module.register_forward_hook(partial(_call, ref, "_post_forward", 0))]
+        for c, (_, block, _) in zip(self.chunks, units):
+            if block is not None:
+                self._hooks += [block.register_forward_pre_hook(partial(_call, ref, "_pre_forward", c.index)),
+                                block.register_forward_hook(partial(_call, ref, "_post_forward", c.index))]
+            for p in c.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(partial(_call, ref, "_on_grad", c.index)))
+        self._sums = self._replicated_slices()
+
+    # ------------------------------------------------------------------ gather / free
+    def _gather(self, i: int, async_op: bool = False) -> None:
+        c = self.chunks[i]
+        if c.state == "free":
+            c.gather(async_op=True)
+            self.live.add(c.storage_ptr())
+        if not async_op:
+            c.wait()
+
+    def _free(self, i: int) -> None:
+        c = self.chunks[i]
+        self.live.discard(c.storage_ptr())
+        c.free()
+
+    def _pre_forward(self, i: int, _module, _args) -> None:
+        self._gather(i)
+        nxt = 1 if i == 0 else i + 1
+        if self.prefetch and nxt < len(self.chunks):
+            self._gather(nxt, async_op=True)
+
+    def _post_forward(self, i: int, _module, _args, out) -> None:
+        training = torch.is_grad_enabled()
+        if i == 0:  # the model: R stays whole through backward (head and embeddings), freed when reduced
+            if training:
+                self.chunks[0].prepare_grads()
+            else:
+                self._free(0)
+            return
+        self._free(i)
+        if training:
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(partial(_call, weakref.ref(self), "_pre_backward", i))
+                    break
+
+    def _pre_backward(self, i: int, _grad) -> None:
+        self._gather(i)
+        self.chunks[i].prepare_grads()
+        if self.prefetch and i > 1:
+            self._gather(i - 1, async_op=True)
+
+    def _on_grad(self, i: int, _param) -> None:
+        c = self.chunks[i]
+        c.ready += 1
+        if c.ready == len(c.params):
+            self._reduce(c)
+
+    def _reduce(self, c: Chunk) -> None:
+        start = time.perf_counter() - self.t0
+        c.reduce_grads()
+        self._free(c.index)
+        self.events.append({"name": f"reduce_scatter {c.name}", "kind": "comm", "start": start,
+                            "end": time.perf_counter() - self.t0})
+
+    # ------------------------------------------------------------------ the engine's interface
+    def arm(self, sync: bool, t0: float | None = None) -> None:
+        """Before each microbatch's backward: count gradients afresh (every microbatch reduces)."""
+        if t0 is not None:
+            self.t0 = t0
+        for c in self.chunks:
+            c.ready = 0
+
+    def finish(self) -> None:
+        """Reduce what backward did not complete (parameters without a gradient), wait for every
+        reduce-scatter, free every chunk."""
+        for c in self.chunks:
+            if c.grad_full is not None or (c.ready and c.ready < len(c.params)):
+                self._reduce(c)
+        for c in self.chunks:
+            c.finish_reduce()
+            self._free(c.index)
+
+    def zero(self) -> None:
+        for c in self.chunks:
+            c.shard.grad.zero_()
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def gather_params(self) -> None:
+        """Nothing: stage 3 gathers a chunk when the model next uses it."""
+
+    @contextmanager
+    def gathered(self):
+        """Every parameter whole inside the block (to read or save the model), freed after::
+
+            with engine.grads.gathered():
+                state = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        """
+        for c in self.chunks:
+            self._gather(c.index)
+        try:
+            yield
+        finally:
+            for c in self.chunks:
+                self._free(c.index)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.grad_bytes() for c in self.chunks)
+
+    def param_bytes(self) -> int:
+        """This rank's shards plus the chunks whole right now."""
+        return sum(c.shard.numel() * c.shard.element_size() + (c.nbytes if c.state != "free" else 0)
+                   for c in self.chunks)
+
+    def build_optimizer(self, optimizer_factory) -> torch.optim.Optimizer:
+        """``optimizer_factory(self.shards)``, checked to step exactly these tensors, elementwise."""
+        optimizer = optimizer_factory(list(self.shards))
+        given = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if given != {id(s) for s in self.shards}:
+            raise ConfigError("with ZeRO, optimizer_factory(params) must build the optimizer over exactly the "
+                              "tensors it is given (this rank's flat pieces), e.g. lambda ps: torch.optim.AdamW(ps)")
+        check_optimizer(optimizer)
+        return optimizer
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def _replicated_slices(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Per axis, the (chunk, lo, hi) slices of this rank's pieces that hold marked parameters."""
+        sums: dict[str, list[tuple[int, int, int]]] = {}
+        for c in self.chunks:
+            a, b = c.rank * c.piece, (c.rank + 1) * c.piece
+            for p in c.params:
+                start = c.offsets[id(p)]
+                lo, hi = max(start, a), min(start + p.numel(), b)
+                for axis in getattr(p, "_ck_grad_sum_axes", ()):
+                    if self.mesh.size(axis) > 1 and lo < hi:
+                        sums.setdefault(axis, []).append((c.index, lo - a, hi - a))
+        return sums
+
+    def sync_replicated(self) -> None:
+        """The tensor plan's gradient sums over replicated axes, on this rank's reduced pieces."""
+        for axis, slices in self._sums.items():
+            grads = [self.chunks[i].shard.grad[lo:hi] for i, lo, hi in slices]
+            flat = torch.cat(grads)
+            comm.all_reduce(flat, self.mesh, axis, tag="replicated grads")
+            off = 0
+            for g in grads:
+                g.copy_(flat[off:off + g.numel()])
+                off += g.numel()
