@@ -89,6 +89,9 @@ class ZeroParams:
         self.shards = [c.shard for c in self.chunks]
         """This rank's pieces, one flat tensor per chunk: what the optimizer steps."""
         self.live: set[int] = set()
+        self.peak_gathered = 0
+        """Most bytes of whole chunks at once during the last step (its peak of gathered parameters)."""
+        self._peak = 0
         self.t0 = time.perf_counter()
         ref = weakref.ref(self)
         self._hooks = [module.register_forward_pre_hook(partial(_call, ref, "_pre_forward", 0)),
@@ -107,6 +110,8 @@ class ZeroParams:
         if c.state == "free":
             c.gather(async_op=True)
             self.live.add(c.storage_ptr())
+            whole = sum(k.nbytes for k in self.chunks if k.state != "free")
+            self._peak = max(self._peak, whole)
         if not async_op:
             c.wait()
 
@@ -176,6 +181,7 @@ class ZeroParams:
     def zero(self) -> None:
         for c in self.chunks:
             c.shard.grad.zero_()
+        self.peak_gathered, self._peak = self._peak, 0  # after the step: its peak is known
 
     def remove(self) -> None:
         for h in self._hooks:
