@@ -31,7 +31,7 @@ __all__ = ["ConfigError", "ParallelConfig", "TP_MODES", "SP_MODES", "SCHEDULES"]
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 SP_MODES = ("ring", "ulysses", "split_gather")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
-OFFLOADS = ("none", "cpu")
+OFFLOADS = ("none", "cpu", "auto")
 PRECISIONS = ("fp32", "fp16", "bf16")
 AXES = ("pp", "dp", "sp", "tp")  # slowest to fastest varying in the rank order
 _BOOL_FIELDS = ("recompute",)
@@ -85,7 +85,9 @@ class ParallelConfig:
     zero: int = 0
     """ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters sharded over dp."""
     offload: str = "none"
-    """'none' or 'cpu': keep ZeRO's sharded optimizer states in host memory."""
+    """'none'; 'cpu': ZeRO's sharded optimizer states and the update in host memory (ZeRO-Offload);
+    'auto' (zero=3): each chunk on the device or the host under ``boost(..., device_budget=BYTES)``,
+    placed from the first step's measured use (``colab_kit.zero.placement``)."""
     microbatches: int = 1
     """Microbatches per step (pipeline microbatches, or gradient accumulation when pp=1)."""
     schedule: str = "1f1b"
@@ -237,6 +239,9 @@ class ParallelConfig:
         if self.offload != "none" and self.zero == 0:
             raise ConfigError(f"offload={self.offload!r} moves ZeRO's sharded optimizer states to the host, "
                               "so it needs zero >= 1: try zero=1")
+        if self.offload == "auto" and self.zero != 3:
+            raise ConfigError(f"offload='auto' places ZeRO-3's parameter chunks between device and host, so it "
+                              f"needs zero=3 (got zero={self.zero}): try zero=3, or offload='cpu' with zero={self.zero}")
 
     def _check_tensor(self) -> None:
         tp, mode, d = self.tp, self.tp_mode, self.tp_depth

@@ -21,7 +21,7 @@ from colab_kit.models import GPT
 from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS, STEPS
 from tests.test_zero import _same_over_dp, _with_unused, reference
 
-WORLD2 = [dict(dp=2, zero=3), dict(dp=2, zero=3, recompute=True)]
+WORLD2 = [dict(dp=2, zero=3), dict(dp=2, zero=3, recompute=True), dict(dp=2, zero=3, offload="cpu")]
 WORLD4 = [dict(dp=4, zero=3), dict(dp=4, zero=3, microbatches=2), dict(dp=2, tp=2, zero=3)]
 WORLD8 = [dict(dp=2, tp=4, tp_mode="2d", zero=3)]
 
@@ -138,3 +138,58 @@ def test_zero3_with_microbatches_and_tp():
 def test_zero3_with_2d_tensor_parallelism_on_8_ranks():
     results = ck.launch(_train, 8, WORLD8, timeout=300)
     _check(results, WORLD8)
+
+
+# --------------------------------------------------------------------------- heterogeneous memory
+BIG = dict(vocab_size=64, seq_len=16, d_model=64, n_heads=4, n_layers=4)  # model states well above activations
+
+
+def _adamw(ps):
+    return torch.optim.AdamW(ps, lr=3e-3)
+
+
+def _offload(_):
+    """offload='cpu': every chunk's states on the host. offload='auto' under a budget below the model
+    states: trains on, the device account never passes the budget. A budget too small for a step:
+    refused before the step, with the bytes needed."""
+    from colab_kit.models import GPTConfig
+    cfg, data, out = GPTConfig(**BIG), SyntheticTokens(64, 16, seed=1), {}
+    config = ck.ParallelConfig(dp=2, zero=3, offload="auto", recompute=True)
+    probe = ck.boost(GPT(cfg), _adamw, config, device_budget=1 << 40)  # everything fits: what a step needs
+    probe.train_step(data.batch(0, 4))
+    states = sum(probe.memory()[k] for k in ("params", "grads", "optimizer"))
+    probe.close()
+    budget = int(0.95 * states)
+    engine = ck.boost(GPT(cfg), _adamw, config, device_budget=budget)
+    losses = [engine.train_step(data.batch(s, 4)) for s in range(STEPS)]
+    place = engine.grads.placement
+    out["auto"] = dict(losses=losses, budget=budget, states=states, peak=place.account.peak, where=list(place.where),
+                       memory=engine.memory(), log=place.log)
+    engine.close()
+    try:
+        ck.boost(GPT(cfg), _adamw, config, device_budget=200_000).train_step(data.batch(0, 4))
+    except ck.ConfigError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+def test_zero3_offload_cpu_and_auto_under_a_budget(world2):
+    from colab_kit.models import GPTConfig
+    from colab_kit.reference import train_single_process
+    results = ck.launch(_offload, 2, None)
+    ref, _ = train_single_process(GPTConfig(**BIG), _adamw, SyntheticTokens(64, 16, seed=1), STEPS, 4)
+    for rank, res in enumerate(results):
+        auto = res["auto"]
+        assert auto["losses"] == pytest.approx(ref, rel=1e-5), rank
+        assert auto["budget"] < auto["states"] and auto["peak"] <= auto["budget"], (rank, auto["peak"], auto["budget"])
+        assert auto["where"][0] == "device" and auto["where"][-1] == "host", auto["where"]  # the last blocks go first
+        mem = auto["memory"]
+        for part in ("params", "grads", "optimizer"):
+            assert mem["device"][part] + mem["host"][part] == mem[part] and mem["host"][part] > 0
+        assert [e["step"] for e in auto["log"] if e["moved"] and e["step"] > 0], auto["log"]  # placed after step 1
+        assert "too small for one step" in res["refused"] and "at least" in res["refused"], res["refused"]
+    # offload='cpu' (in world2): the states all on the host, the device holds none between steps
+    for res in world2:
+        for opt in OPTIMIZERS:
+            mem = res[(("dp", 2), ("offload", "cpu"), ("zero", 3)), opt]["memory"]
+            assert all(mem["device"][k] == 0 and mem["host"][k] == mem[k] for k in ("params", "grads", "optimizer"))

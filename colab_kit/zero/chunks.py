@@ -76,8 +76,9 @@ class Chunk:
         """Bytes of the whole chunk when gathered."""
         return self.size * self.full.element_size()
 
-    def gather(self, async_op: bool = False) -> None:
-        """Make the parameters whole: all-gather every rank's piece (async: ``wait()`` later)."""
+    def gather(self, async_op: bool = False, source: torch.Tensor | None = None) -> None:
+        """Make the parameters whole: all-gather every rank's piece (async: ``wait()`` later);
+        ``source``: this rank's piece where the collective can read it (a staged copy of a shard on the host)."""
         if self.state == "full":
             return
         if self.state == "gathering":
@@ -86,7 +87,8 @@ class Chunk:
             return
         self.full.untyped_storage().resize_(self.nbytes)
         self.state = "gathering"
-        self.pending = comm.all_gather_into(self.full, self.shard.detach(), self.mesh, self.axis, async_op=True,
+        piece = self.shard.detach() if source is None else source
+        self.pending = comm.all_gather_into(self.full, piece, self.mesh, self.axis, async_op=True,
                                             tag=f"zero3 gather {self.name}")
         if not async_op:
             self.wait()
@@ -112,7 +114,7 @@ class Chunk:
         """Give every parameter a zero ``.grad`` view into one flat buffer (before its backward)."""
         if self.grad_full is not None:
             return  # still accumulating (an earlier microbatch left it unreduced)
-        self.grad_full = torch.zeros(self.size, dtype=self.shard.dtype, device=self.shard.device)
+        self.grad_full = torch.zeros(self.size, dtype=self.full.dtype, device=self.full.device)
         for p in self.params:
             off = self.offsets[id(p)]
             p.grad = self.grad_full[off:off + p.numel()].view_as(p)
@@ -137,7 +139,8 @@ class Chunk:
         if self._reducing is not None:
             pending, flat = self._reducing
             pending.wait()
-            self.shard.grad.add_(flat[self.rank * self.piece:(self.rank + 1) * self.piece])
+            piece = flat[self.rank * self.piece:(self.rank + 1) * self.piece]
+            self.shard.grad.add_(piece.to(self.shard.grad.device))  # on the host when the chunk is placed there
             self._reducing = None
 
     def grad_bytes(self) -> int:

@@ -78,7 +78,8 @@ class ZeroParams:
     ``gather_params``), plus ``param_bytes()``, ``gathered()`` and ``live`` (the storages of the
     chunks whole right now, which the activation meter does not count)."""
 
-    def __init__(self, module: nn.Module, mesh, axis: str = "dp", events=None, prefetch: bool = True):
+    def __init__(self, module: nn.Module, mesh, axis: str = "dp", events=None, prefetch: bool = True,
+                 offload: str = "none", device_budget: int | None = None):
         self.module, self.mesh, self.axis = module, mesh, axis
         self.events = events if events is not None else []
         self.prefetch = prefetch
@@ -86,9 +87,15 @@ class ZeroParams:
         if len({(p.dtype, p.device) for _, _, ps in units for p in ps}) > 1:
             raise ConfigError("ZeRO keeps parameters in flat chunks: they must share one dtype and device")
         self.chunks = [Chunk(i, name, params, mesh, axis) for i, (name, _, params) in enumerate(units)]
+        self.placement = None
+        """With ``offload`` 'cpu' or 'auto': where each chunk's states live, and the device account."""
+        if offload != "none":
+            from .offload import ChunkPlacement
+            self.placement = ChunkPlacement(self.chunks, offload, mesh.device, device_budget)
         self.shards = [c.shard for c in self.chunks]
         """This rank's pieces, one flat tensor per chunk: what the optimizer steps."""
         self.live: set[int] = set()
+        self._inflight: list[Chunk] = []  # chunks whose reduce-scatter may still run
         self.peak_gathered = 0
         """Most bytes of whole chunks at once during the last step (its peak of gathered parameters)."""
         self._peak = 0
@@ -106,19 +113,32 @@ class ZeroParams:
 
     # ------------------------------------------------------------------ gather / free
     def _gather(self, i: int, async_op: bool = False) -> None:
-        c = self.chunks[i]
+        c, place = self.chunks[i], self.placement
         if c.state == "free":
-            c.gather(async_op=True)
+            if place is not None:
+                place.hold(f"gathered {c.name}", c.nbytes)
+            c.gather(async_op=True, source=place.staged(i) if place is not None else None)
             self.live.add(c.storage_ptr())
             whole = sum(k.nbytes for k in self.chunks if k.state != "free")
             self._peak = max(self._peak, whole)
         if not async_op:
             c.wait()
+            if place is not None:
+                place.unstage(i)
 
     def _free(self, i: int) -> None:
         c = self.chunks[i]
         self.live.discard(c.storage_ptr())
         c.free()
+        if self.placement is not None:
+            self.placement.unstage(i)
+            self.placement.release(f"gathered {c.name}")
+
+    def _prepare_grads(self, i: int) -> None:
+        c = self.chunks[i]
+        if self.placement is not None and c.grad_full is None:
+            self.placement.hold(f"gradient of {c.name}", c.nbytes)
+        c.prepare_grads()
 
     def _pre_forward(self, i: int, _module, _args) -> None:
         self._gather(i)
@@ -130,7 +150,7 @@ class ZeroParams:
         training = torch.is_grad_enabled()
         if i == 0:  # the model: R stays whole through backward (head and embeddings), freed when reduced
             if training:
-                self.chunks[0].prepare_grads()
+                self._prepare_grads(0)
             else:
                 self._free(0)
             return
@@ -143,7 +163,7 @@ class ZeroParams:
 
     def _pre_backward(self, i: int, _grad) -> None:
         self._gather(i)
-        self.chunks[i].prepare_grads()
+        self._prepare_grads(i)
         if self.prefetch and i > 1:
             self._gather(i - 1, async_op=True)
 
@@ -159,6 +179,15 @@ class ZeroParams:
         self._free(c.index)
         self.events.append({"name": f"reduce_scatter {c.name}", "kind": "comm", "start": start,
                             "end": time.perf_counter() - self.t0})
+        self._inflight.append(c)
+        while len(self._inflight) > 1:  # one reduce-scatter in flight beside the backward: its buffer only
+            self._settle(self._inflight.pop(0))
+
+    def _settle(self, c: Chunk) -> None:
+        """Wait for ``c``'s reduce-scatter, add its piece into the shard's gradient, drop its buffer."""
+        c.finish_reduce()
+        if self.placement is not None:
+            self.placement.release(f"gradient of {c.name}")
 
     # ------------------------------------------------------------------ the engine's interface
     def arm(self, sync: bool, t0: float | None = None) -> None:
@@ -174,9 +203,10 @@ class ZeroParams:
         for c in self.chunks:
             if c.grad_full is not None or (c.ready and c.ready < len(c.params)):
                 self._reduce(c)
-        for c in self.chunks:
-            c.finish_reduce()
+        for c in self._inflight + self.chunks:
+            self._settle(c)
             self._free(c.index)
+        self._inflight = []
 
     def zero(self) -> None:
         for c in self.chunks:
@@ -223,7 +253,13 @@ class ZeroParams:
             raise ConfigError("with ZeRO, optimizer_factory(params) must build the optimizer over exactly the "
                               "tensors it is given (this rank's flat pieces), e.g. lambda ps: torch.optim.AdamW(ps)")
         check_optimizer(optimizer)
+        if self.placement is not None:
+            self.placement.optimizer = optimizer
         return optimizer
+
+    def host_bytes(self, optimizer) -> dict:
+        """Bytes by category on the host side (chunks the placement put there)."""
+        return self.placement.host_bytes(optimizer) if self.placement is not None else {}
 
     # ------------------------------------------------------------------ tensor parallelism
     def _replicated_slices(self) -> dict[str, list[tuple[int, int, int]]]:

@@ -1,0 +1,234 @@
+"""Heterogeneous memory: ZeRO's model states on the device or the host (ZeRO-Offload, Gemini).
+
+Two parts, one account:
+
+- ``HostStep`` (``offload="cpu"`` with zero=1 or 2; Ren et al. 2021, ZeRO-Offload): the
+  parameters stay on the device, whole, for compute; the optimizer steps an fp32 copy of
+  this rank's pieces that lives on the host, with its states. Per step: the reduced gradient
+  pieces go to the host, the host steps, the updated pieces come back and are all-gathered.
+- ``ChunkPlacement`` (zero=3, ``offload="cpu"`` or ``"auto"``; Colossal-AI's Gemini): every
+  chunk's model states (its shard, the shard's gradient and its optimizer states) live on the
+  device or on the host, as one. ``"cpu"`` puts every chunk on the host. ``"auto"`` keeps on
+  the device as many chunks as ``device_budget`` leaves room for, once the first step
+  (run with every chunk on the host) has measured what a step needs on the device besides
+  the chunks' states: the gathered parameters, gradient buffers and activations.
+  Which chunks stay is Belady's rule at the step boundary: when the budget is short, the
+  chunk evicted is the one the next step needs furthest ahead. A step uses the chunks in
+  forward order (the rest of the model, block 0, block 1, ...), so the last blocks go to the
+  host first. Within a step chunks do not move: moving a chunk costs its states (16 bytes a
+  parameter with Adam, per rank) each way, while a chunk on the host costs a staged copy of
+  its shard (4 bytes) for each gather and its gradient piece back.
+
+A chunk on the host is gathered through a staged copy of its shard on the device, its
+reduce-scatter lands on the device and is added into the host gradient, and its update runs
+on the host. On a machine with a GPU the tensors really move (``tensor.to``); on one without,
+the device is an account kept over the same host memory: each decision is made, recorded
+(``ChunkPlacement.log``) and enforced (``Account.check`` raises ``DeviceBudgetExceeded``
+when the device side would pass the budget) exactly as it would be with a GPU.
+
+Worked example, dp=2, a GPT of 2 blocks, chunks R (rest) 8 KiB, b0 and b1 24 KiB whole, so
+per rank (fp32 Adam, 16 bytes a parameter over 2 ranks) states of R 16 KiB, b0 and b1 48 KiB;
+a step measured at 100 KiB of gathered chunks, gradient buffers and activations;
+``device_budget`` = 180 KiB::
+
+    step 1   R, b0, b1 on the host (the safe start); the account records 100 KiB at most
+    after    room = 180 - 100 = 80 KiB: R (16) fits, b0 (48) fits, b1 (48) does not
+             -> R, b0 on the device; b1 stays on the host (needed furthest ahead)
+    step 2+  device at most 100 + 64 = 164 KiB <= 180; b1 staged for its gathers, stepped on the host
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..memory import tensor_bytes
+
+__all__ = ["Account", "DeviceBudgetExceeded", "HostStep", "ChunkPlacement", "host_device"]
+
+
+def host_device() -> torch.device:
+    return torch.device("cpu")
+
+
+class DeviceBudgetExceeded(MemoryError):
+    """The device side of the account would pass ``device_budget``."""
+
+
+class Account:
+    """Bytes held on the device now, by what holds them, against ``budget`` (None: no limit)."""
+
+    def __init__(self, budget: int | None = None):
+        self.budget = budget
+        self.held: dict[str, int] = {}
+        self.peak = 0
+        self.step_peak = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.held.values())
+
+    def set(self, what: str, nbytes: int) -> None:
+        """Hold ``nbytes`` under ``what`` (replacing what it held); raises when over the budget."""
+        old = self.held.get(what, 0)
+        self.held[what] = nbytes
+        total = self.total
+        if self.budget is not None and total > self.budget:
+            self.held[what] = old
+            raise DeviceBudgetExceeded(
+                f"device_budget={self.budget:,} B would be exceeded by {what} ({nbytes:,} B): the device would "
+                f"hold {total:,} B ({self._top()}); raise device_budget to at least {total:,} B, or use "
+                f"offload='cpu'")
+        self.peak = max(self.peak, total)
+        self.step_peak = max(self.step_peak, total)
+
+    def drop(self, what: str) -> None:
+        self.held.pop(what, None)
+
+    def _top(self) -> str:
+        top = sorted(self.held.items(), key=lambda kv: -kv[1])[:3]
+        return ", ".join(f"{k} {v:,} B" for k, v in top)
+
+
+def _move(t: torch.Tensor, device: torch.device) -> None:
+    if t is not None and t.device != device:
+        t.data = t.data.to(device)
+
+
+class HostStep:
+    """``offload="cpu"`` for ZeRO 1 and 2: the optimizer steps host copies of ``pieces``.
+
+    ``pieces`` are this rank's flat pieces on the device (views into the parameters, their
+    ``.grad`` the reduced gradient pieces). ``masters`` are their host copies, what the optimizer
+    is built over. ``before()`` copies the gradients to the host, ``after()`` the updated values
+    back (then the engine all-gathers them as without offload). The host gradients exist only
+    during the step.
+    """
+
+    def __init__(self, pieces: list[torch.Tensor]):
+        self.pieces = pieces
+        host = host_device()
+        self.masters = [nn.Parameter(p.detach().to(host, copy=True).float()) for p in pieces]
+
+    def before(self) -> None:
+        for p, m in zip(self.pieces, self.masters):
+            m.grad = p.grad.detach().to(m.device, dtype=m.dtype, copy=True)
+
+    def after(self) -> None:
+        with torch.no_grad():
+            for p, m in zip(self.pieces, self.masters):
+                p.copy_(m.detach().to(p.device, dtype=p.dtype))
+                m.grad = None
+
+    def host_bytes(self, optimizer) -> dict:
+        """Everything of the optimizer is on the host: its states and the fp32 copies it steps."""
+        from ..memory import optimizer_bytes
+        return {"optimizer": optimizer_bytes(optimizer) + tensor_bytes(self.masters)}
+
+
+class ChunkPlacement:
+    """Where each ZeRO-3 chunk's states live; ``"cpu"``: all on the host, ``"auto"``: under a budget."""
+
+    def __init__(self, chunks, mode: str, device: torch.device, budget: int | None = None):
+        self.chunks, self.mode, self.device, self.budget = chunks, mode, torch.device(device), budget
+        self.account = Account(budget)
+        self.where = ["device"] * len(chunks)
+        self.log: list[dict] = []
+        self.optimizer = None
+        self.step = 0
+        if mode in ("cpu", "auto"):  # "auto" starts on the host and measures its first step
+            for c in chunks:
+                self.place(c.index, "host", "offload='cpu'" if mode == "cpu" else "first step measured on the host")
+
+    # ------------------------------------------------------------------ states of a chunk
+    def state_tensors(self, i: int) -> list[torch.Tensor]:
+        c = self.chunks[i]
+        out = [c.shard, c.shard.grad]
+        if self.optimizer is not None:
+            out += [v for v in self.optimizer.state.get(c.shard, {}).values() if isinstance(v, torch.Tensor)]
+        return out
+
+    def state_bytes(self, i: int) -> int:
+        return tensor_bytes(self.state_tensors(i))
+
+    def place(self, i: int, where: str, reason: str) -> None:
+        """Put chunk ``i``'s states on ``where`` ('device' or 'host'), recorded with ``reason``."""
+        target = self.device if where == "device" else host_device()
+        for t in self.state_tensors(i):
+            _move(t, target)
+        self.log.append({"step": self.step, "chunk": self.chunks[i].name, "to": where, "moved": where != self.where[i],
+                         "bytes": self.state_bytes(i), "reason": reason})
+        self.where[i] = where
+        self._account_states()
+
+    def _account_states(self) -> None:
+        on_device = sum(self.state_bytes(i) for i, w in enumerate(self.where) if w == "device")
+        self.account.held["chunk states"] = on_device  # placement itself is checked by plan(), not here
+
+    # ------------------------------------------------------------------ during a step
+    def staged(self, i: int) -> torch.Tensor:
+        """Chunk ``i``'s shard on the device, for its all-gather (a copy when it lives on the host)."""
+        c = self.chunks[i]
+        if self.where[i] == "host":
+            self.account.set(f"staged shard {c.name}", c.shard.numel() * c.shard.element_size())
+            return c.shard.detach().to(self.device)
+        return c.shard.detach()
+
+    def unstage(self, i: int) -> None:
+        self.account.drop(f"staged shard {self.chunks[i].name}")
+
+    def hold(self, what: str, nbytes: int) -> None:
+        self.account.set(what, nbytes)
+
+    def release(self, what: str) -> None:
+        self.account.drop(what)
+
+    # ------------------------------------------------------------------ between steps
+    def host_bytes(self, optimizer) -> dict:
+        out = {"params": 0, "grads": 0, "optimizer": 0}
+        for i, w in enumerate(self.where):
+            if w == "host":
+                c = self.chunks[i]
+                out["params"] += c.shard.numel() * c.shard.element_size()
+                out["grads"] += c.shard.grad.numel() * c.shard.grad.element_size()
+                out["optimizer"] += tensor_bytes(self.state_tensors(i)[2:])
+        return out
+
+    def check_step(self, chunks, activations: int) -> None:
+        """Refuse, before a step runs, a budget below what one step holds on the device at once
+        whatever the placement: the rest of the model whole with its gradient buffer, two blocks
+        whole (one in use, one prefetched), a block's gradient buffer, a staged shard, and the
+        activations held for this step."""
+        rest, blocks = chunks[0], chunks[1:] or chunks[:1]
+        big = max(c.nbytes for c in blocks)
+        piece = max(c.shard.numel() * c.shard.element_size() for c in chunks)
+        acts = activations
+        need = 2 * rest.nbytes + 3 * big + piece + acts
+        if need > self.budget:
+            from ..config import ConfigError
+            raise ConfigError(
+                f"device_budget={self.budget:,} B is too small for one step of this model: the device holds at once "
+                f"the rest of the model and its gradient (2 x {rest.nbytes:,} B), two blocks and a block's gradient "
+                f"(3 x {big:,} B), a staged shard ({piece:,} B) and the activations ({acts:,} B): at least "
+                f"{need:,} B. Raise device_budget, use a smaller batch or recompute=True, or more dp ranks")
+
+    def after_step(self) -> None:
+        """After each step: with "auto", after the first step, place the chunks (``plan``)."""
+        self.step += 1
+        measured = self.account.step_peak
+        self.account.step_peak = 0
+        if self.mode == "auto" and self.step == 1:
+            self.plan(measured)
+
+    def plan(self, measured: int) -> None:
+        """Belady at the step boundary: keep chunks on the device in the order the next step uses
+        them (forward order) while the budget leaves room beside ``measured`` (the first step's
+        device peak with every chunk on the host); the rest stay on the host."""
+        room = self.budget - measured
+        for i, c in enumerate(self.chunks):
+            need = self.state_bytes(i)
+            if need <= room:
+                room -= need
+                self.place(i, "device", f"fits: {need:,} B of states, {room:,} B of the budget left")
+            else:
+                self.place(i, "host", f"{need:,} B of states do not fit in the {room:,} B left: needed furthest "
+                                      f"ahead of what is kept")
