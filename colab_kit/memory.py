@@ -30,7 +30,7 @@ from contextlib import contextmanager
 import torch
 
 __all__ = ["tensor_bytes", "optimizer_bytes", "ActivationMeter", "estimate", "model_state_bytes", "activation_bytes",
-           "optimizer_states", "PRECISION_BYTES", "OPTIMIZER_STATES"]
+           "optimizer_states", "placed", "PRECISION_BYTES", "OPTIMIZER_STATES"]
 
 
 def _storage_key(t: torch.Tensor):
@@ -148,7 +148,7 @@ def optimizer_states(optimizer) -> int:
 
 
 def model_state_bytes(n_params: int, optimizer="adamw", precision: str = "fp32", dp: int = 1,
-                      zero: int = 0) -> dict:
+                      zero: int = 0, offload: str = "none") -> dict:
     """Bytes per rank of params, grads and optimizer states: the ZeRO paper's formulas.
 
     ``n_params`` is Psi, the parameters this rank holds before ZeRO (already divided by tp and
@@ -158,19 +158,47 @@ def model_state_bytes(n_params: int, optimizer="adamw", precision: str = "fp32",
     shards the optimizer over dp, stage 2 the gradients too, stage 3 the parameters too
     (a shard is ceil(Psi / N) parameters).
 
+    ``offload="cpu"`` with stage 1 or 2 in fp32 adds the fp32 copy of this rank's piece that the
+    host steps (K + 4: ZeRO-Offload keeps the parameters on the device for compute and their
+    fp32 master on the host; under mixed precision that master is already in K). Stage 3 keeps
+    its shard itself on the host: the formulas do not change, only where the bytes live
+    (``placed``).
+
     >>> model_state_bytes(1000, "adamw", "fp32", dp=4, zero=2)    # 4 Psi + 12 Psi / N
     {'params': 4000, 'grads': 1000, 'optimizer': 2000}
+    >>> model_state_bytes(1000, "adamw", "fp32", dp=4, zero=1, offload="cpu")["optimizer"]  # (8 + 4) Psi / N
+    3000
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISION_BYTES)}")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {zero!r}")
     b = PRECISION_BYTES[precision]
-    k = 4 * optimizer_states(optimizer) + (4 if b < 4 else 0)
+    k = 4 * optimizer_states(optimizer) + (4 if b < 4 or (offload != "none" and zero in (1, 2)) else 0)
     shard = -(-n_params // dp)
     return {"params": b * (shard if zero >= 3 else n_params),
             "grads": b * (shard if zero >= 2 else n_params),
             "optimizer": k * (shard if zero >= 1 else n_params)}
+
+
+def placed(est: dict, zero: int = 0, offload: str = "none", host_share: float | None = None) -> dict:
+    """``est`` (the categories of ``estimate``) with where they live: ``{**est, "device": {...},
+    "host": {...}}``. ``offload="cpu"``: stage 1/2's optimizer (states and fp32 copies) on the
+    host; stage 3's params, grads and optimizer all on the host. ``"auto"``: ``host_share`` of
+    stage 3's model states on the host (the placement's share of chunk elements). Activations
+    live on the device.
+
+    >>> placed({"params": 10, "grads": 10, "optimizer": 20, "activations": 5}, 3, "cpu")["device"]
+    {'params': 0, 'grads': 0, 'optimizer': 0, 'activations': 5}
+    """
+    host = dict.fromkeys(est, 0)
+    if offload == "cpu" and zero in (1, 2):
+        host["optimizer"] = est["optimizer"]
+    elif offload in ("cpu", "auto") and zero == 3:
+        share = 1.0 if offload == "cpu" else (host_share or 0.0)
+        for k in ("params", "grads", "optimizer"):
+            host[k] = int(round(est[k] * share))
+    return {**est, "device": {k: est[k] - host[k] for k in est}, "host": host}
 
 
 def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | None = None, first: bool = True,
@@ -224,7 +252,7 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
 
 def estimate(n_params: int, optimizer="adamw", bytes_per_param: int | None = None, dp: int = 1, zero: int = 0,
              *, precision: str | None = None, model=None, rows: int = 0, recompute: bool = False, tp: int = 1,
-             layers: int | None = None, first: bool = True, last: bool = True) -> dict:
+             layers: int | None = None, first: bool = True, last: bool = True, offload: str = "none") -> dict:
     """Estimated bytes per rank in the categories ``engine.memory()`` measures.
 
     params, grads, optimizer: ``model_state_bytes`` (the ZeRO paper's formulas, Psi =
@@ -256,7 +284,7 @@ def estimate(n_params: int, optimizer="adamw", bytes_per_param: int | None = Non
     elif bytes_per_param is not None and bytes_per_param != PRECISION_BYTES.get(precision):
         raise ValueError(f"precision={precision!r} keeps {PRECISION_BYTES.get(precision)} bytes per parameter, "
                          f"not bytes_per_param={bytes_per_param}: give one of them")
-    out = model_state_bytes(n_params, optimizer, precision, dp, zero)
+    out = model_state_bytes(n_params, optimizer, precision, dp, zero, offload)
     acts = 0
     if model is not None and rows:
         acts = activation_bytes(model, rows, layers=layers, first=first, last=last, tp=tp, recompute=recompute,

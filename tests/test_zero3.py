@@ -22,7 +22,8 @@ from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS, STEPS
 from tests.test_zero import _same_over_dp, _with_unused, reference
 
 WORLD2 = [dict(dp=2, zero=3), dict(dp=2, zero=3, recompute=True), dict(dp=2, zero=3, offload="cpu")]
-WORLD4 = [dict(dp=4, zero=3), dict(dp=4, zero=3, microbatches=2), dict(dp=2, tp=2, zero=3)]
+WORLD4 = [dict(dp=4, zero=3), dict(dp=4, zero=3, microbatches=2), dict(dp=2, tp=2, zero=3),
+          dict(dp=2, tp=2, zero=3, offload="cpu", microbatches=2)]  # Gemini + tp, + accumulation: users hit both
 WORLD8 = [dict(dp=2, tp=4, tp_mode="2d", zero=3)]
 
 

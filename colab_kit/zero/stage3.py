@@ -257,6 +257,13 @@ class ZeroParams:
             self.placement.optimizer = optimizer
         return optimizer
 
+    def host_share(self) -> float:
+        """The share of this rank's chunk elements whose states the placement put on the host."""
+        if self.placement is None:
+            return 0.0
+        total = sum(c.piece for c in self.chunks)
+        return sum(c.piece for c, w in zip(self.chunks, self.placement.where) if w == "host") / max(total, 1)
+
     def host_bytes(self, optimizer) -> dict:
         """Bytes by category on the host side (chunks the placement put there)."""
         return self.placement.host_bytes(optimizer) if self.placement is not None else {}
