@@ -68,7 +68,7 @@ def test_widgets_drive_the_same_logic():
 @pytest.mark.parametrize("world, changes, why", [
     (2, dict(dp=1, sp=2), "sequence parallelism (sp=2, sp_mode='ring')"),
     (4, dict(dp=2, sp=2, sp_mode="ulysses"), "sequence parallelism (sp=2, sp_mode='ulysses')"),
-    (4, dict(zero=3), "ZeRO stage 3"), (4, dict(dp=2, tp=2, zero=3), "ZeRO stage 3")])
+    (4, dict(dp=2, pp=2, zero=3), "ZeRO stage 3 with pipeline parallelism")])
 def test_a_valid_config_that_boost_refuses_is_not_runnable_yet(world, changes, why):
     p = ConfigPicker(world_size=world)
     status = p.set(**changes)
@@ -80,7 +80,7 @@ def test_a_valid_config_that_boost_refuses_is_not_runnable_yet(world, changes, w
     assert str(refused.value) == p.unsupported
     box = p.widget()
     assert box is not None and "#b36b00" in p._ui["status"].value and "not runnable yet" in p._ui["status"].value
-    p.set(sp=1, zero=0, dp=world, tp=1)
+    p.set(sp=1, zero=0, pp=1, dp=world, tp=1)
     assert p.status().startswith("ok: ") and p.unsupported is None and "green" in p._ui["status"].value
 
 

@@ -6,6 +6,7 @@
     %colossal mesh --axis tp          # plotly figure of the device mesh (no cluster needed)
     %colossal schedule --pp 4 --microbatches 8 --schedule zb-h1   # planned grid, bubble (no cluster)
     %colossal timeline --var engine   # the last step of `engine` on every rank (measured)
+    %colossal memory --by place       # memory per rank, measured beside the estimate (MemoryView)
     %colossal status | stop | restart
 
     %%colossal --ranks 0,2 --timeout 30
@@ -61,6 +62,7 @@ class ColossalMagics(Magics):
     def __init__(self, shell, state: ColossalState):
         super().__init__(shell)
         self.state = state
+        self._memory_view = None  # the MemoryView %colossal memory showed last (it watches until replaced)
 
     @line_cell_magic
     def colossal(self, line: str, cell: str | None = None):
@@ -153,6 +155,25 @@ class ColossalMagics(Magics):
         print(text)
         return fig
 
+    def _do_memory(self, args, words):
+        """A ``MemoryView`` that watches (refreshed after each ``%%colossal`` cell) where widgets render;
+        elsewhere its text table, and the figure as the result."""
+        from ..widgets.memory_view import MemoryView, NoMemory
+
+        self.state.require_cluster()
+        try:
+            view = MemoryView(self.state, args.var, by=args.by)
+        except NoMemory as exc:
+            raise UsageError(f"%colossal memory: {exc}") from None
+        old, self._memory_view = self._memory_view, None
+        if old is not None:
+            old.unwatch()  # the view shown before stops refreshing: one watcher per %colossal memory
+        if self._notebook and _has_widgets():
+            self._memory_view = view.watch(self.shell)
+            return view
+        print(repr(view))
+        return view.figure()
+
     def _do_status(self, args, words):
         cluster = self.state.cluster
         print(cluster.status() if cluster is not None else "no cluster running")
@@ -205,6 +226,12 @@ class ColossalMagics(Magics):
             if progress is not None:
                 progress.close()
         show_outputs(self.state.last)
+
+
+def _has_widgets() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ipywidgets") is not None
 
 
 ColossalMagics.colossal.__doc__ = help_text()  # what %colossal? shows: built from the one flags table

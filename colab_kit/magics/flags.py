@@ -60,6 +60,8 @@ FLAGS = {
     "chunks": (("--chunks",), dict(type=int, default=None, metavar="V",
                                    help="model chunks per rank (interleaved; zb-v takes 2)")),
     "var": (("--var",), dict(default="engine", metavar="NAME", help="the engine's variable on the ranks")),
+    "by": (("--by",), dict(default="category", choices=("category", "place"), metavar="category|place",
+                           help="stack the bars by category (params, grads, ...) or by place (device, host)")),
 }
 COMMANDS = {  # name: (flags, takes config words, help)
     "start": (("n", "engines", "timeout"), False, "start engines and torch.distributed; show the ranks"),
@@ -68,6 +70,7 @@ COMMANDS = {  # name: (flags, takes config words, help)
     "schedule": (("pp", "microbatches", "schedule", "chunks"), False,
                  "plan a pipeline schedule (no cluster needed): grid, bubble, peak activations"),
     "timeline": (("var",), False, "the last training step of every rank: compute, communication, idle"),
+    "memory": (("var", "by"), False, "memory per rank, measured beside the estimate, refreshed after each step"),
     "status": ((), False, "show the cluster, its ranks and config"),
     "stop": ((), False, "stop the cluster"),
     "restart": ((), False, "fresh engines with the same config (after a failure)"),

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from .memory import memory_by_rank_figure
+
 __all__ = ["loss_figure", "memory_figure", "timeline_figure"]
 
-_CATEGORY_COLOURS = {"params": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b", "activations": "#e45756"}
 _KIND_COLOURS = {"compute": "#4c78a8", "comm": "#f58518", "idle": "#d3d3d3"}
 
 
@@ -35,17 +36,11 @@ def loss_figure(losses, title: str = "Training loss (measured)", reference=None)
 
 
 def memory_figure(per_rank: list[dict], title: str = "Memory per rank (measured)") -> go.Figure:
-    """Stacked bars: one bar per rank, one segment per category (bytes shown as MiB)."""
-    categories = [c for c in _CATEGORY_COLOURS if any(c in m for m in per_rank)]
-    categories += sorted({k for m in per_rank for k in m if isinstance(m[k], (int, float))} - set(categories))
-    ranks = [f"rank {r}" for r in range(len(per_rank))]
-    fig = go.Figure()
-    for cat in categories:
-        mib = [m.get(cat, 0) / 2**20 for m in per_rank]
-        fig.add_bar(x=ranks, y=mib, name=cat, marker_color=_CATEGORY_COLOURS.get(cat),
-                    hovertemplate=f"{cat}: %{{y:.3f}} MiB<extra>%{{x}}</extra>")
-    fig.update_layout(barmode="stack", title=title, yaxis_title="MiB", template="plotly_white", height=360)
-    return fig
+    """Stacked bars: one bar per rank, one segment per category (bytes shown as MiB, hover in bytes).
+
+    The measured half of ``viz.memory.memory_by_rank_figure`` (which adds the estimate, places, a budget).
+    """
+    return memory_by_rank_figure(per_rank, title=title)
 
 
 def timeline_figure(per_rank: list[list[dict]], title: str = "Last step per rank (measured)") -> go.Figure:

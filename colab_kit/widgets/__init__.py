@@ -7,8 +7,10 @@ Buttons that call the cluster never block the kernel (see ``display``).
 
     ck.widgets.ConfigPicker()       # pick degrees and modes, see the mesh, Apply to the cluster
     ck.widgets.ScheduleStepper(cluster, batch)   # step a real pipeline step, watch the grid fill in
+    ck.widgets.MemoryView().watch() # memory per rank, measured beside the estimate, after each step
 """
 from .config_picker import ConfigPicker
+from .memory_view import MemoryView
 from .schedule_stepper import ScheduleStepper
 
-__all__ = ["ConfigPicker", "ScheduleStepper"]
+__all__ = ["ConfigPicker", "ScheduleStepper", "MemoryView"]
