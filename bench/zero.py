@@ -1,24 +1,42 @@
-"""ZeRO-2: colab_kit ``zero=2`` against FSDP2 ``fully_shard(reshard_after_forward=False)``, side by side.
+"""ZeRO 1/2/3, offload and bf16: colab_kit against its PyTorch-native peer, side by side, at dp=2 and dp=4.
 
-FSDP2 that keeps its parameters gathered between forward and backward is PyTorch's
-ZeRO-2: gradients reduce-scattered, each rank stepping its shard of the optimizer
-states. Both sides train the same GPT (same seed) on the same batches, on the same
-local ranks, with AdamW, and each step is timed whole (forward, backward, gradient
-reduction, optimizer step, parameter gather, the global loss). The runs alternate
-in short rounds, ABBA, so that machine noise hits both alike; the headline is the
-median over rounds of the ratio of adjacent rounds, beside the ratio of the overall
-medians. Target: <= 1.00.
+One run puts each colab_kit configuration beside the PyTorch-native run a user would pick
+instead (``bench/_zero_peers.py`` builds the peers), on the same local ranks, the same GPT
+(same seed), the same batches, AdamW:
 
-It also prints what each rank holds after a step: optimizer-state bytes (target:
-at most FSDP2's), gradient bytes and parameter bytes, and checks that both sides
-made the same updates (losses step by step).
+    zero3          colab_kit zero=3                  FSDP2 fully_shard (reshard_after_forward=True), per block + root
+    zero2          colab_kit zero=2                  FSDP2 fully_shard(reshard_after_forward=False)
+    zero1          colab_kit zero=1                  DDP + torch.distributed.optim.ZeroRedundancyOptimizer
+    zero3-offload  colab_kit zero=3, offload="cpu"   FSDP2 + CPUOffloadPolicy(pin_memory=False)
+    bf16-zero2     colab_kit zero=2, bf16            FSDP2 (reshard_after_forward=False) + MixedPrecisionPolicy
+    bf16-zero3     colab_kit zero=3, bf16            FSDP2 (reshard_after_forward=True) + MixedPrecisionPolicy
+                   (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
 
-    python bench/zero.py                  # 2 ranks, 20 rounds of 3 steps
-    python bench/zero.py --ranks 4 --rounds 10 --d-model 64
+Each step is timed whole (forward, backward, gradient reduction, optimizer step, parameter
+gather, the global loss). The two sides alternate in short rounds, ABBA, so that machine
+noise hits both alike; the headline ratio is the median over rounds of colab_kit / peer of
+adjacent rounds (goal <= 1.00), printed beside each side's median step time. Bytes: the model
+states (params + grads + optimizer) this rank holds after a step, the most over the rounds,
+for the rank that holds the most (goal: at most the peer's); colab_kit from ``engine.memory()``
+(host and device together), the peer from its local tensors (DTensor ``to_local()``) and its
+optimizer states. Losses: both sides' global losses step by step, max relative difference,
+against 1e-5 in fp32 and the looser 2^-7 (bf16's machine epsilon) with bf16.
+A configuration colab_kit refuses (``ck.ConfigError``) prints "not runnable yet: <message>".
+
+Read the bytes with what each side keeps between steps: ZeRO-2 (colab_kit zero=2) keeps the
+parameters whole, while FSDP2 with reshard_after_forward=False still reshards them after
+backward, so zero2's bytes ratio is (4 + 12/N) / (16/N) by design, not a leak; with bf16,
+colab_kit keeps whole bf16 parameters and fp32 masters of its pieces, FSDP2 fp32 sharded
+parameters (its masters) and casts them to bf16 at each all-gather.
+
+    python bench/zero.py                          # dp=2 and dp=4, 8 rounds x 3 steps per pair
+    python bench/zero.py --ranks 2 --rounds 20    # one dp, more rounds
+    python bench/zero.py --pairs zero3 bf16-zero3
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -26,107 +44,159 @@ import torch
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
-from colab_kit.engine import lm_loss
 from colab_kit.models import GPT, GPTConfig
 
+try:
+    from _zero_peers import PEERS, adamw
+except ImportError:  # run as a module (python -m bench.zero)
+    from bench._zero_peers import PEERS, adamw
 
-def _local_bytes(tensors) -> int:
-    """Bytes of this rank's local pieces (a DTensor's ``to_local()``, a plain tensor as it is)."""
-    total = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            t = t.to_local() if hasattr(t, "to_local") else t
-            total += t.numel() * t.element_size()
-    return total
-
-
-def _fsdp2(gcfg: GPTConfig, world: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = GPT(gcfg)
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:  # one communication unit per block, and the rest at the root
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    return model
+DEFAULT_PAIRS = ("zero3", "zero2", "zero1", "zero3-offload", "bf16-zero2", "bf16-zero3")
+THRESHOLD = {"fp32": 1e-5, "bf16": 2.0 ** -7}
+STATES = ("params", "grads", "optimizer")
 
 
-def _rounds(gpt_kwargs: dict, batch: int, rounds: int, steps: int):
+def _ck_label(fields: dict) -> str:
+    return "zero=%d" % fields["zero"] + "".join(f", {k}={v!r}" for k, v in fields.items() if k != "zero")
+
+
+def _pair(name: str, gcfg: GPTConfig, batch: int, rounds: int, steps: int) -> dict:
+    """One pair on this rank: ABBA rounds of colab_kit and its peer; times, losses, bytes held."""
     dist = torch.distributed
     rank, world = dist.get_rank(), dist.get_world_size()
-    gcfg = GPTConfig(**gpt_kwargs)
+    fields, _label, build, _tol = PEERS[name]
     data = SyntheticTokens(gcfg.vocab_size, gcfg.seq_len, seed=0)
-    adam = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
-    engine = ck.boost(GPT(gcfg), adam, ck.ParallelConfig(dp=world, zero=2))
-    fsdp = _fsdp2(gcfg, world)
-    fsdp_opt = adam(fsdp.parameters())
+    try:  # refused before any collective, on every rank alike
+        engine = ck.boost(GPT(gcfg), adamw, ck.ParallelConfig(dp=world, **fields))
+    except ck.ConfigError as exc:
+        return {"refused": str(exc)}
+    peer = build(gcfg)
     rows = batch // world
 
-    def fsdp_step(step):
+    def peer_step(step):
         x, y = data.batch(step, batch)
-        loss = lm_loss(fsdp(x[rank * rows:(rank + 1) * rows]), y[rank * rows:(rank + 1) * rows])
-        loss.backward()
-        fsdp_opt.step()
-        fsdp_opt.zero_grad(set_to_none=False)  # keep the gradient shards, as colab_kit keeps its pieces
-        loss = loss.detach()
-        dist.all_reduce(loss)
-        return loss.item() / world
+        return peer.step(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
 
-    names = ("colab_kit", "fsdp2")
-    runners = {"colab_kit": lambda s: engine.train_step(data.batch(s, batch)), "fsdp2": fsdp_step}
+    def held(mem: dict) -> dict:
+        return {k: mem[k] for k in STATES}
+
+    names = ("colab_kit", "peer")
+    runners = {"colab_kit": lambda s: engine.train_step(data.batch(s, batch)), "peer": peer_step}
+    memory = {"colab_kit": lambda: held(engine.memory()), "peer": peer.memory}
     times = {n: [] for n in names}
     losses = {n: [] for n in names}
     per_round = {n: [] for n in names}
+    peak = {n: dict.fromkeys(STATES, 0) for n in names}
     for r in range(rounds + 1):  # round 0 warms up both
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for side in (names if r % 2 == 0 else names[::-1]):
             dist.barrier()
             mine = []
             for s in range(steps):
                 t0 = time.perf_counter()
-                loss = runners[name](r * steps + s)
+                loss = runners[side](r * steps + s)
                 if r:
                     mine.append(time.perf_counter() - t0)
-                    losses[name].append(loss)
+                    losses[side].append(loss)
             if r:
-                times[name] += mine
-                per_round[name].append(statistics.median(mine))
-    fsdp_mem = {"params": _local_bytes(fsdp.parameters()),
-                "grads": _local_bytes(p.grad for p in fsdp.parameters()),
-                "optimizer": _local_bytes(v for st in fsdp_opt.state.values() for v in st.values())}
-    return {"times": times, "losses": losses, "per_round": per_round, "ck_mem": engine.memory(),
-            "fsdp_mem": fsdp_mem, "n_params": sum(p.numel() for p in GPT(gcfg).parameters())}
+                times[side] += mine
+                per_round[side].append(statistics.median(mine))
+            now = memory[side]()  # after a step, outside the timed steps
+            if sum(now.values()) > sum(peak[side].values()):
+                peak[side] = now
+    engine.close()
+    dist.barrier()
+    return {"times": times, "losses": losses, "per_round": per_round, "peak": peak}
+
+
+def _run(gpt_kwargs: dict, batch: int, rounds: int, steps: int, pairs: list[str]) -> dict:
+    gcfg = GPTConfig(**gpt_kwargs)
+    out = {name: _pair(name, gcfg, batch, rounds, steps) for name in pairs}
+    out["n_params"] = sum(p.numel() for p in GPT(gcfg).parameters())
+    return out
+
+
+def _summary(name: str, results: list[dict]) -> dict:
+    """One row from every rank's results of one pair."""
+    res = results[0][name]
+    if "refused" in res:
+        return {"refused": res["refused"]}
+    tol = THRESHOLD[PEERS[name][3]]
+    med = {k: statistics.median(v) * 1e3 for k, v in res["times"].items()}
+    paired = statistics.median(a / b for a, b in zip(res["per_round"]["colab_kit"], res["per_round"]["peer"]))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(res["losses"]["colab_kit"], res["losses"]["peer"]))
+    most = {}
+    for side in ("colab_kit", "peer"):  # the rank that holds the most model-state bytes
+        most[side] = max((r[name]["peak"][side] for r in results), key=lambda m: sum(m.values()))
+    return {"med": med, "paired": paired, "worst": worst, "tol": tol, "most": most,
+            "steps": len(res["times"]["colab_kit"])}
+
+
+def _table(rows: list[tuple[int, str, dict]]) -> list[str]:
+    head = (f"{'dp':>2}  {'pair':<13} {'ck ms':>8} {'peer ms':>8} {'ratio':>6}  {'ck bytes':>11} {'peer bytes':>11} "
+            f"{'bytes':>6}  {'loss max rel diff':<24}")
+    lines = [head, f"{'':>2}  {'':<13} {'median':>8} {'median':>8} {'ABBA':>6}  {'per rank':>11} {'per rank':>11} "
+                   f"{'ck/peer':>6}", "-" * len(head)]
+    for dp, name, s in rows:
+        if "refused" in s:
+            lines.append(f"{dp:>2}  {name:<13} not runnable yet: {s['refused']}")
+            continue
+        ck_b, peer_b = (sum(s["most"][k].values()) for k in ("colab_kit", "peer"))
+        ok = "ok" if s["worst"] <= s["tol"] else "OVER"
+        lines.append(f"{dp:>2}  {name:<13} {s['med']['colab_kit']:>8.2f} {s['med']['peer']:>8.2f} "
+                     f"{s['paired']:>6.3f}  {ck_b:>11,} {peer_b:>11,} {ck_b / peer_b:>6.3f}  "
+                     f"{s['worst']:.2e} ({ok}, <= {s['tol']:.1e})")
+    return lines
+
+
+def _breakdown(rows: list[tuple[int, str, dict]]) -> list[str]:
+    lines = ["model-state bytes of the rank holding the most, colab_kit / peer:"]
+    for dp, name, s in rows:
+        if "refused" not in s:
+            cells = "   ".join(f"{k} {s['most']['colab_kit'][k]:,} / {s['most']['peer'][k]:,}" for k in STATES)
+            lines.append(f"  dp={dp} {name:<13} {cells}")
+    return lines
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="dp sizes to run, one launch each")
+    ap.add_argument("--pairs", nargs="+", default=list(DEFAULT_PAIRS), choices=list(PEERS))
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--d-model-4", type=int, default=None,
+                    help="d_model for dp >= 4 (default: --d-model); smaller keeps an oversubscribed run short")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     args = ap.parse_args(argv)
-    gpt = dict(vocab_size=256, seq_len=args.seq, d_model=args.d_model, n_heads=4, n_layers=args.layers)
-    results = ck.launch(_rounds, args.ranks, gpt, args.batch, args.rounds, args.steps)
-    res = results[0]
-    med = {k: statistics.median(v) * 1e3 for k, v in res["times"].items()}
-    paired = statistics.median(a / b for a, b in zip(res["per_round"]["colab_kit"], res["per_round"]["fsdp2"]))
-    worst = max(abs(a - b) / abs(b) for a, b in zip(res["losses"]["colab_kit"], res["losses"]["fsdp2"]))
-    print(f"GPT {gpt} ({res['n_params']:,} parameters), global batch {args.batch}, {args.ranks} ranks, "
-          f"{args.rounds} rounds x {args.steps} steps a side, AdamW, torch {torch.__version__}")
-    print(f"median step time   colab_kit zero=2 {med['colab_kit']:.2f} ms   FSDP2 (reshard_after_forward=False) "
-          f"{med['fsdp2']:.2f} ms   ratio {med['colab_kit'] / med['fsdp2']:.3f}")
-    print(f"median of adjacent-round ratios colab_kit / FSDP2  {paired:.3f} (target <= 1.00)")
-    dense = 2 * 4 * res["n_params"]
-    print(f"bytes held per rank after a step (AdamW dense states: {dense:,} B; / {args.ranks} = "
-          f"{dense // args.ranks:,} B):")
-    for key in ("optimizer", "grads", "params"):
-        cells = "   ".join(f"rank {r}: ck {res_r['ck_mem'][key]:,} / fsdp2 {res_r['fsdp_mem'][key]:,}"
-                           for r, res_r in enumerate(results))
-        print(f"  {key:<9} {cells}")
-    print(f"same work: losses differ by at most {worst:.2e} (relative)")
+    cores = os.cpu_count() or 1
+    load = "load average %.1f %.1f %.1f" % os.getloadavg()
+    print(f"torch {torch.__version__}, {cores} cores ({load} at start), AdamW lr=1e-3, global batch {args.batch}, "
+          f"{args.rounds} rounds x {args.steps} steps a side after a warm-up round")
+    for name in args.pairs:
+        fields, label, _, _ = PEERS[name]
+        print(f"  {name:<13} colab_kit {_ck_label(fields):<34} vs {label}")
+    rows = []
+    for dp in args.ranks:
+        d = args.d_model_4 if dp >= 4 and args.d_model_4 else args.d_model
+        gpt = dict(vocab_size=256, seq_len=args.seq, d_model=d, n_heads=4, n_layers=args.layers)
+        t0 = time.perf_counter()
+        results = ck.launch(_run, dp, gpt, args.batch, args.rounds, args.steps, args.pairs, timeout=1800.0)
+        note = f", OVERSUBSCRIBED: {dp} ranks on {cores} cores, times not representative" if dp > cores else ""
+        print(f"dp={dp}: GPT {gpt} ({results[0]['n_params']:,} parameters, dense AdamW states "
+              f"{8 * results[0]['n_params']:,} B), {time.perf_counter() - t0:.0f} s{note}", flush=True)
+        rows += [(dp, name, _summary(name, results)) for name in args.pairs]
+    print()
+    print("\n".join(_table(rows)))
+    print("ratio: median over rounds of colab_kit / peer of adjacent ABBA rounds (goal <= 1.00); bytes: params + "
+          "grads + optimizer held after a step, most over rounds, rank with the most (goal ck/peer <= 1.00)")
+    over = [dp for dp in args.ranks if dp > cores]
+    if over:
+        print(f"dp={', '.join(map(str, over))} ran more ranks than the {cores} cores: oversubscribed, so those step "
+              f"times measure contention as much as the engines")
+    print("\n".join(_breakdown(rows)))
+    print("load average %.1f %.1f %.1f at the end" % os.getloadavg())
 
 
 if __name__ == "__main__":

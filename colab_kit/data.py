@@ -35,6 +35,7 @@ from functools import partial
 import torch
 
 from . import comm
+from .precision import MasterWeights
 
 __all__ = ["GradBuckets", "split_batch"]
 
@@ -56,6 +57,7 @@ class _Bucket:
         self.index, self.params, self.buffer = index, params, buffer
         self.ready = 0
         self.pending = None
+        self.staged = None  # mixed precision: the fp32 copy that is reduced (colab_kit.precision)
         offset = 0
         for p in params:
             p.grad = buffer[offset:offset + p.numel()].view_as(p)
@@ -74,6 +76,10 @@ class GradBuckets:
     ``arm(sync)`` before each backward: with ``sync=False`` (an earlier microbatch
     of gradient accumulation) gradients only accumulate. ``finish()`` after the
     last backward waits for every bucket; ``zero()`` clears them for the next step.
+
+    With 16-bit parameters (mixed precision, ``colab_kit.precision``) gradients still accumulate
+    in the 16-bit buckets, but each bucket is reduced as an fp32 copy that becomes the ``.grad``
+    of the fp32 ``masters`` (the optimizer is built over them: ``build_optimizer``) until ``zero()``.
     """
 
     def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None):
@@ -81,6 +87,7 @@ class GradBuckets:
         self.size = mesh.size(axis)
         self.events = events if events is not None else []
         params = [p for p in params if p.requires_grad]
+        self._params = params
         if bucket_bytes is None:  # about two buckets: the first overlaps backward; DDP's 25 MB cap
             total = sum(p.numel() * p.element_size() for p in params)
             bucket_bytes = min(25 << 20, max(64 << 10, total // 2))
@@ -105,11 +112,22 @@ class GradBuckets:
         # a cycle, so a strong one would keep the buckets (and the mesh's groups) of a dropped engine
         self._hooks = [p.register_post_accumulate_grad_hook(partial(_deliver, weakref.ref(self), b))
                        for b in self.buckets for p in b.params]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}  # for ready()
         self.t0 = time.perf_counter()
+        self.masters = self._build_masters(params)
+        """fp32 master weights when the parameters are 16-bit (colab_kit.precision), else None."""
+
+    def _build_masters(self, params):
+        low = self.flat.dtype in (torch.bfloat16, torch.float16)
+        return MasterWeights(params) if low else None
 
     @property
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
+
+    def master_bytes(self) -> int:
+        """Bytes of the fp32 master weights (counted as "optimizer" by ``engine.memory()``)."""
+        return self.masters.nbytes if self.masters is not None else 0
 
     def arm(self, sync: bool, t0: float | None = None) -> None:
         self._sync = sync
@@ -118,6 +136,14 @@ class GradBuckets:
         for b in self.buckets:
             b.ready = 0
 
+    def ready(self, param: torch.Tensor) -> None:
+        """``param.grad`` is complete for this backward: what its post-accumulate-grad hook does, for
+        code that adds into ``.grad`` itself rather than through autograd (the zero-bubble W's
+        ``addmm`` in place, ``pipeline.zero_bubble``). Call it once per parameter and backward."""
+        bucket = self._bucket_of.get(id(param))
+        if bucket is not None:
+            self._on_grad(bucket, param)
+
     def _on_grad(self, bucket: _Bucket, _param: torch.Tensor) -> None:
         if self._sync:
             bucket.ready += 1
@@ -125,9 +151,12 @@ class GradBuckets:
                 self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
+        buffer = bucket.buffer
+        if self.masters is not None:  # mixed precision: reduce an fp32 copy, the masters' gradient
+            buffer = bucket.staged = bucket.buffer.float()
         if self.size == 1:
             return
-        bucket.buffer.div_(self.size)
+        buffer.div_(self.size)
         start = time.perf_counter() - self.t0
         index = bucket.index
 
@@ -135,7 +164,7 @@ class GradBuckets:
             self.events.append({"name": f"all_reduce bucket {index}", "kind": "comm", "start": start,
                                 "end": time.perf_counter() - self.t0})
 
-        bucket.pending = comm.all_reduce(bucket.buffer, self.mesh, self.axis, async_op=True,
+        bucket.pending = comm.all_reduce(buffer, self.mesh, self.axis, async_op=True,
                                          tag=f"grad bucket {index}", then=record)
 
     def finish(self) -> None:
@@ -147,9 +176,33 @@ class GradBuckets:
             if b.pending is not None:
                 b.pending.wait()
                 b.pending = None
+        if self.masters is not None and self._sync:
+            self._masters_grads()
+
+    def _masters_grads(self) -> None:
+        """Mixed precision: each master's ``.grad`` is its view of its bucket's reduced fp32 copy."""
+        views = {}
+        for b in self.buckets:
+            off = 0
+            for p in b.params:
+                views[id(p)] = b.staged[off:off + p.numel()]
+                off += p.numel()
+        self.masters.set_grads([views[id(p)] for p in self.masters.model])
+
+    def sync_replicated(self) -> None:
+        """Mixed precision with a tensor plan: its gradient sums, on the masters' fp32 gradients."""
+        from .tensor import sync_grads
+        sync_grads(torch.nn.ParameterList(self.masters.params), self.mesh)
+
+    def build_optimizer(self, optimizer_factory) -> torch.optim.Optimizer:
+        """``optimizer_factory`` over the fp32 masters (mixed precision) or the parameters."""
+        params = self.masters.params if self.masters is not None else list(self._params)
+        return optimizer_factory(params)
 
     def zero(self) -> None:
         self.flat.zero_()
+        for b in self.buckets:
+            b.staged = None
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -22,7 +22,8 @@ and pipeline parallelism (``colab_kit.pipeline``: the model cut into ``pp * chun
 stages, any schedule run by one executor, ``engine.pipeline`` to step it), and
 ZeRO stages 1 and 2 over dp (``colab_kit.zero``: the optimizer built over this
 rank's flat pieces, gradients reduce-scattered, updated pieces all-gathered).
-Sequence parallelism, ZeRO stage 3, offload and mixed precision are refused with a
+Mixed precision (``precision="bf16"`` or ``"fp16"``: ``colab_kit.precision``) composes with
+all of these but ZeRO stage 3. Sequence parallelism, ZeRO stage 3 and offload are refused with a
 ConfigError that says so; the engine never falls back to another mode.
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .config import ConfigError, ParallelConfig
 from .data import GradBuckets, split_batch
 from .memory import ActivationMeter, optimizer_bytes, tensor_bytes
 from .mesh import ProcessMesh
+from .precision import LossScaler, MasterWeights, loss_in_fp32, master_step, to_compute_dtype
 from .tensor import check_model, plan_for, sync_grads
 
 __all__ = ["boost", "Engine", "lm_loss", "unsupported"]
@@ -59,27 +61,34 @@ def unsupported(config: ParallelConfig) -> str | None:
     ConfigPicker shows the same text as "valid, not runnable yet"::
 
         unsupported(ParallelConfig(dp=2, tp=2))   # None: boost runs it
-        unsupported(ParallelConfig(dp=2, zero=3)) # "this version of the engine does not run ZeRO stage 3 yet
-                                                  #  (...): set zero=1 or zero=2 and scale dp, tp or pp instead"
+        unsupported(ParallelConfig(dp=2, pp=2, zero=3))  # "this version of the engine does not run ZeRO
+                                  # stage 3 with pipeline parallelism yet (...): set zero=2 with pp (...)"
+
+    ZeRO stage 3 with a pipeline is refused on purpose: each stage would gather its parameters
+    for every microbatch's forward and backward (2 x microbatches all-gathers per step), or keep
+    them whole through the step, which is stage 2's memory at stage 3's traffic.
     """
     cfg = config
     todo = [(cfg.sp > 1, f"sequence parallelism (sp={cfg.sp}, sp_mode={cfg.sp_mode!r})", "sp=1"),
-            (cfg.zero == 3 and cfg.pp > 1, "ZeRO stage 3 with pipeline parallelism (each stage would gather its "
-             "parameters for every microbatch's forward and backward, 2 x microbatches all-gathers per step, or "
-             "keep them whole through the step, which is stage 2's memory)", "zero=2 with pp, or zero=3 with pp=1"),
-            (cfg.offload != "none", f"offload={cfg.offload!r}", "offload='none'"),
-            (cfg.precision != "fp32", f"precision={cfg.precision!r}", "precision='fp32'")]
+            (cfg.zero == 3 and cfg.pp > 1, "ZeRO stage 3 with pipeline parallelism",
+             "zero=2 with pp (stage 3 would gather each stage's parameters for every microbatch's forward and "
+             "backward), or zero=3 with pp=1"),
+            (cfg.offload != "none" and cfg.zero < 3, f"offload={cfg.offload!r} with ZeRO stage {cfg.zero}",
+             "zero=3 (or offload='none')"),
+            (cfg.precision != "fp32" and cfg.zero == 3, f"precision={cfg.precision!r} with ZeRO stage 3 "
+             "(its chunks have no fp32 masters yet)", "precision='fp32' with zero=3, or zero<=2 with bf16/fp16")]
     missing = [(what, fix) for cond, what, fix in todo if cond]
     if not missing:
         return None
     whats = "; ".join(w for w, _ in missing)
     fixes = " ".join(f for _, f in missing)
-    return (f"this version of the engine does not run {whats} yet (data, tensor and pipeline "
-            f"parallelism and ZeRO stages 1 and 2 are what run today): set {fixes} and scale dp, tp or pp instead")
+    return (f"this version of the engine does not run {whats} yet (data, tensor and pipeline parallelism, "
+            f"ZeRO stages 1 to 3, offload and mixed precision are what run today): set {fixes}")
 
 
 def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig, *,
-          mesh: ProcessMesh | None = None, loss_fn: Callable = lm_loss, bucket_bytes: int | None = None) -> "Engine":
+          mesh: ProcessMesh | None = None, loss_fn: Callable = lm_loss, bucket_bytes: int | None = None,
+          device_budget: int | None = None) -> "Engine":
     """Shard ``model`` for ``config`` on this rank and return its ``Engine``.
 
     ``optimizer_factory(params)`` builds the optimizer over this rank's parameters.
@@ -90,6 +99,15 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
     """
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"config must be a ck.ParallelConfig, got {type(config).__name__}")
+    if config.offload == "auto" and device_budget is None:
+        raise ConfigError("offload='auto' places chunks under a device budget: pass boost(..., device_budget=BYTES), "
+                          "e.g. device_budget=2**30 for 1 GiB per rank")
+    if device_budget is not None and config.offload != "auto":
+        raise ConfigError(f"device_budget applies to offload='auto' (got offload={config.offload!r}): "
+                          "set offload='auto' with zero=3, or drop device_budget")
+    if device_budget is not None and (isinstance(device_budget, bool) or not isinstance(device_budget, int)
+                                      or device_budget <= 0):
+        raise ConfigError(f"device_budget must be a positive number of bytes, got {device_budget!r}")
     why = unsupported(config)
     if why is not None:
         raise ConfigError(why)
@@ -104,7 +122,7 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
         raise ConfigError(f"the mesh was built for {mesh.config.describe()} but boost was given "
                           f"{config.describe()}: pass the same config to both")
     try:
-        engine = Engine(model, optimizer_factory, config, mesh, loss_fn, bucket_bytes)
+        engine = Engine(model, optimizer_factory, config, mesh, loss_fn, bucket_bytes, device_budget)
     except BaseException:
         if owned:
             mesh.release()
@@ -117,7 +135,8 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
 class Engine:
     """One rank's share of a training job: model, optimizer, communication, records."""
 
-    def __init__(self, model, optimizer_factory, config, mesh, loss_fn=lm_loss, bucket_bytes=None):
+    def __init__(self, model, optimizer_factory, config, mesh, loss_fn=lm_loss, bucket_bytes=None,
+                 device_budget=None):
         self.config, self.mesh, self.loss_fn = config, mesh, loss_fn
         self.tp_plan = None
         from .init import defer, materialize  # a meta-device model: only this rank's shards are made
@@ -147,9 +166,17 @@ class Engine:
         with torch.no_grad():  # one starting point even if a rank's seed differed
             for p in self.module.parameters():
                 comm.broadcast(p.data, mesh, "dp", tag="init params")
+        if config.precision != "fp32":  # a 16-bit model; fp32 masters and reductions (colab_kit.precision)
+            to_compute_dtype(self.module, config.precision)
+            self.loss_fn = loss_in_fp32(self.loss_fn)
+        self.device_budget = device_budget
+        """offload='auto': the bytes each rank's device may hold (``colab_kit.zero.offload``); else None."""
+        self.scaler = LossScaler() if config.precision == "fp16" else None
+        """fp16: the dynamic loss scale (``colab_kit.precision.LossScaler``); None otherwise."""
         if config.zero == 3:  # parameters sharded too: each block gathered before it runs, freed after
             from .zero.stage3 import ZeroParams
-            self.grads = ZeroParams(self.module, mesh, "dp", self._events)
+            self.grads = ZeroParams(self.module, mesh, "dp", self._events, offload=config.offload,
+                                    device_budget=device_budget)
             self.optimizer = self.grads.build_optimizer(optimizer_factory)
         elif config.zero:  # parameters move into one flat buffer; the optimizer steps this rank's pieces
             from .zero import ZeroBuckets
@@ -157,10 +184,12 @@ class Engine:
             self.optimizer = self.grads.build_optimizer(optimizer_factory)
         else:
             self.grads = GradBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events)
-            self.optimizer = optimizer_factory([p for p in self.module.parameters() if p.requires_grad])
+            self.optimizer = self.grads.build_optimizer(optimizer_factory)  # the parameters, or their fp32 masters
         self._acts = ActivationMeter(exclude=list(self.module.parameters()), live=getattr(self.grads, "live", None))
         self.step_count = 0
         self.history: list[float] = []
+        self.records: list[dict] = []
+        """One dict per train_step: {"step" (1, 2, ...), "loss", "skipped", "loss_scale" (fp16), "note"}."""
         self.pipeline = None
         """With pp > 1, the ``PipelineExecutor`` of this rank: ``begin``/``advance``/``finish``/``state``."""
         if stages is not None:
@@ -184,6 +213,7 @@ class Engine:
                              f"use a multiple of {cfg.dp * m} rows")
         inputs, targets = self._local_rows(inputs), self._local_rows(targets)
         self._rows = inputs.shape[0] // m
+        self._hold_activations(self._rows)
         shards = self.tp_plan.batch_shards if self.tp_plan else 1
         mesh.log.begin_step()
         self._events.clear()
@@ -198,9 +228,22 @@ class Engine:
             with self._timed(f"forward {i}", "compute", t0), self._acts.measure((x.shape, x.dtype, y.shape)):
                 loss = self.loss_fn(self.module(x), y) / m
             with self._timed(f"backward {i}", "compute", t0):
-                (loss / shards).backward()
+                (self.scale_loss(loss) / shards).backward()
             local += loss.detach()
         return self._update(local, t0)
+
+    def _hold_activations(self, rows: int) -> None:
+        """With a device account (offload): reserve the step's activations on it before the step,
+        the larger of the last step's measurement and the estimate, and refuse a budget that
+        cannot hold one step before any of it runs."""
+        place = getattr(self.grads, "placement", None)
+        if place is None:
+            return
+        est = self.memory_estimate()["activations"] if self._model_cfg is not None else 0
+        acts = max(self._acts.peak, est)
+        if place.budget is not None and self.step_count == 0:
+            place.check_step(self.grads.chunks, acts)
+        place.hold("activations", acts)
 
     def _update(self, local: torch.Tensor, t0: float) -> float:
         """After the last backward: reduce gradients, step the optimizer, return the global mean loss.
@@ -211,21 +254,38 @@ class Engine:
         """
         self.grads.finish()
         zero = self.config.zero > 0
-        if self.tp_plan is not None and zero:
+        masters = getattr(self.grads, "masters", None)  # mixed precision: fp32 masters, grads set by finish()
+        masters = masters if isinstance(masters, MasterWeights) else None
+        if self.tp_plan is not None and (zero or masters is not None):
             self.grads.sync_replicated()
         elif self.tp_plan is not None:
             sync_grads(self.module, self.mesh)
+        done = {"skipped": False, "loss_scale": None, "note": ""}
         with self._timed("optimizer step", "compute", t0):
-            self.optimizer.step()
+            if masters is None:
+                self.optimizer.step()
+            else:  # unscale and check (fp16), step the masters, copy them into the 16-bit parameters
+                done = master_step(self.optimizer, masters, self.scaler, self.mesh)
             self.grads.zero()
-        if zero:
+        if done["note"]:  # on the timeline, not the console
+            now = time.perf_counter() - t0
+            self._events.append({"name": done["note"], "kind": "compute", "start": now, "end": now})
+        if zero and not done["skipped"]:
             with self._timed("all_gather params", "comm", t0):
                 self.grads.gather_params()
         with self._timed("loss all_reduce", "comm", t0):
             value = self._pipeline_loss(local) if self.pipeline is not None else self._global_mean(local)
         self.step_count += 1
         self.history.append(value)
+        place = getattr(self.grads, "placement", None)
+        if place is not None:  # offload='auto': the first step measured, the chunks are placed now
+            place.after_step()
+        self.records.append({"step": self.step_count, "loss": value, **done})
         return value
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss that backward starts from: times the fp16 loss scale, else itself."""
+        return loss if self.scaler is None else self.scaler.scale_loss(loss)
 
     def _pipeline_loss(self, local: torch.Tensor) -> float:
         """The last stage holds the loss, the other stages zero: sum over pp, then mean over dp and tp."""
@@ -278,8 +338,10 @@ class Engine:
              "device": {"params": 441344, ..., "activations": 2328836},
              "host": {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}}
         """
+        masters = getattr(self.grads, "master_bytes", None)  # mixed precision: fp32 masters are optimizer state
         totals = {"params": self._param_bytes(), "grads": self.grads.nbytes,
-                  "optimizer": optimizer_bytes(self.optimizer), "activations": self._acts.peak}
+                  "optimizer": optimizer_bytes(self.optimizer) + (masters() if masters else 0),
+                  "activations": self._acts.peak}
         host_of = getattr(self.grads, "host_bytes", None)
         host = dict.fromkeys(totals, 0)
         if host_of is not None:
@@ -295,7 +357,7 @@ class Engine:
         for the model states of this rank's parameters (after tp and pp, before ZeRO), and the GPT
         activation count for the last step's microbatch (0 before a step, or for another model).
         Same keys as ``memory()``, "device" and "host" included."""
-        from .memory import estimate, optimizer_states
+        from .memory import estimate, optimizer_states, placed
         try:
             states = optimizer_states(self.optimizer)
         except ValueError:
@@ -304,12 +366,10 @@ class Engine:
         rows = self._rows or 0
         est = estimate(self._n_local, states if isinstance(states, str) else _STATE_NAMES[states], dp=cfg.dp,
                        zero=cfg.zero, precision=cfg.precision, model=self._model_cfg if cfg.pp == 1 else None,
-                       rows=rows, recompute=cfg.recompute, tp=cfg.tp if cfg.tp_mode == "1d" else 1)
-        host = dict.fromkeys(est, 0)
-        plan = getattr(self.grads, "host_estimate", None)
-        if plan is not None:
-            host.update(plan(est))
-        return {**est, "device": {k: est[k] - host[k] for k in est}, "host": host}
+                       rows=rows, recompute=cfg.recompute, tp=cfg.tp if cfg.tp_mode == "1d" else 1,
+                       offload=cfg.offload)
+        share = getattr(self.grads, "host_share", None)
+        return placed(est, cfg.zero, cfg.offload, share() if share is not None else None)
 
     def comm(self, last_step: bool = False) -> list[dict]:
         """This rank's recorded collectives (all, or those of the last step)."""

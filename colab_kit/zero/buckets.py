@@ -59,6 +59,11 @@ Memory (fp32, P parameters, dp = n), what ``nbytes`` and ``engine.memory()`` rep
   gradient memory outside backward, not the peak inside it (a bucket freed as soon as its
   own reduce-scatter ends would lower that peak too; not done here).
 
+Mixed precision (``colab_kit.precision``): the buffers above are 16-bit; each bucket is
+reduce-scattered as an fp32 copy, the fp32 pieces are the ``.grad`` of this rank's fp32
+``masters`` (the optimizer's tensors, 4P/n, counted as "optimizer"); stage 2 keeps its
+reduced piece in 16 bits (2P/n). After the step the masters are copied into the 16-bit pieces.
+
 Composition. With tensor parallelism the parameters are this rank's tp shards, sharded
 again over the dp group of this tp coordinate. A parameter whose gradient the tensor plan
 sums over a replicated axis (``mark_grad_sum``) is summed on this rank's piece, after the
@@ -80,6 +85,7 @@ from .. import comm
 from ..config import ConfigError
 from ..data import GradBuckets
 from ..memory import tensor_bytes
+from ..precision import MasterWeights
 
 __all__ = ["ZeroBuckets", "check_optimizer", "ELEMENTWISE"]
 
@@ -146,6 +152,9 @@ class ZeroBuckets(GradBuckets):
         self._ranges = [(off + r * s // n, off + (r + 1) * s // n) for off, s in zip(offsets, self.sizes)]
         self.shards = [nn.Parameter(self.param_flat[a:b]) for a, b in self._ranges]
         """This rank's pieces of the parameters, one flat tensor per bucket (views: stepping them updates the model)."""
+        self.masters = MasterWeights(self.shards) if dtype in (torch.bfloat16, torch.float16) else None
+        """Mixed precision: fp32 masters of the pieces, what the optimizer steps (colab_kit.precision)."""
+        self._reduced = [None] * len(self.shards)  # mixed precision: the fp32 reduced pieces of this step
         self.flat = None
         self._attach()
         if stage == 1:  # reduced in place: this rank's piece of the full gradient buffer
@@ -153,9 +162,13 @@ class ZeroBuckets(GradBuckets):
         else:
             self._grad_shard = torch.zeros(sum(b - a for a, b in self._ranges), dtype=dtype, device=device)
             self._pieces = list(self._grad_shard.split([b - a for a, b in self._ranges]))
-        for shard, piece in zip(self.shards, self._pieces):
-            shard.grad = piece
+        if self.masters is None:
+            for shard, piece in zip(self.shards, self._pieces):
+                shard.grad = piece
         self._sums = self._replicated_slices(params)
+
+    def _build_masters(self, params):
+        return None  # over this rank's pieces, once they exist (below)
 
     # ------------------------------------------------------------------ gradient buffer
     def _attach(self) -> None:
@@ -186,29 +199,47 @@ class ZeroBuckets(GradBuckets):
         super().arm(sync, t0)
 
     def _launch(self, bucket) -> None:
-        i, out = bucket.index, self._pieces[bucket.index]
+        i, out, buffer = bucket.index, self._pieces[bucket.index], bucket.buffer
+        if self.masters is not None:  # mixed precision: reduce-scatter an fp32 copy into an fp32 piece
+            buffer = bucket.staged = bucket.buffer.float()
+            out = self._reduced[i] = torch.empty(out.numel(), dtype=torch.float32, device=out.device)
         if self.size == 1:
-            comm.reduce_scatter_into(out, bucket.buffer, self.mesh, self.axis)  # a copy (stage 2) or nothing
+            comm.reduce_scatter_into(out, buffer, self.mesh, self.axis)  # a copy (stage 2, mixed) or nothing
             return
-        bucket.buffer.div_(self.size)
+        buffer.div_(self.size)
         start = time.perf_counter() - self.t0
 
         def record():
             self.events.append({"name": f"reduce_scatter bucket {i}", "kind": "comm", "start": start,
                                 "end": time.perf_counter() - self.t0})
 
-        bucket.pending = comm.reduce_scatter_into(out, bucket.buffer, self.mesh, self.axis, async_op=True,
+        bucket.pending = comm.reduce_scatter_into(out, buffer, self.mesh, self.axis, async_op=True,
                                                   tag=f"grad bucket {i}", then=record)
 
     def finish(self) -> None:
         """Wait for every reduce-scatter (launching a bucket that got no gradient); stage 2 frees the buffer."""
         if self.flat is None:
             return
-        super().finish()
+        super().finish()  # mixed precision: sets the masters' gradients (_masters_grads)
         if self.stage == 2 and self._sync:
             self._release()
-        for shard, piece in zip(self.shards, self._pieces):  # again: a user's optimizer.zero_grad() drops them
-            shard.grad = piece
+        if self.masters is None:
+            for shard, piece in zip(self.shards, self._pieces):  # again: a user's optimizer.zero_grad() drops them
+                shard.grad = piece
+
+    def _masters_grads(self) -> None:
+        """Mixed precision: the fp32 reduced pieces become the masters' gradients. Stage 2 keeps its
+        reduced piece in 16 bits (2 Psi / N, the paper's; see colab_kit.precision), the master's
+        fp32 gradient made from it for this step."""
+        for b in self.buckets:
+            b.staged = None
+        if self.stage == 2:
+            for piece, reduced in zip(self._pieces, self._reduced):
+                piece.copy_(reduced)
+            self.masters.set_grads(self._pieces)
+        else:
+            self.masters.set_grads(self._reduced)
+        self._reduced = [None] * len(self.shards)
 
     def zero(self) -> None:
         if self.flat is not None:
@@ -216,10 +247,12 @@ class ZeroBuckets(GradBuckets):
 
     # ------------------------------------------------------------------ optimizer
     def build_optimizer(self, optimizer_factory) -> torch.optim.Optimizer:
-        """``optimizer_factory(self.shards)``, checked to step exactly these tensors elementwise."""
-        optimizer = optimizer_factory(list(self.shards))
+        """``optimizer_factory(self.shards)`` (mixed precision: their fp32 masters), checked to step
+        exactly these tensors elementwise."""
+        tensors = self.masters.params if self.masters is not None else self.shards
+        optimizer = optimizer_factory(list(tensors))
         given = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if given != {id(s) for s in self.shards}:
+        if given != {id(s) for s in tensors}:
             raise ConfigError("with ZeRO, optimizer_factory(params) must build the optimizer over exactly the "
                               "tensors it is given (this rank's flat pieces), e.g. lambda ps: torch.optim.AdamW(ps)")
         check_optimizer(optimizer)
@@ -262,9 +295,11 @@ class ZeroBuckets(GradBuckets):
                               "this tensor plan gives different ones: use zero=0 with it")
 
     def sync_replicated(self) -> None:
-        """The tensor plan's gradient sums (``tensor.sync_grads``), on this rank's reduced pieces."""
+        """The tensor plan's gradient sums (``tensor.sync_grads``), on this rank's reduced pieces
+        (mixed precision: on the masters' fp32 gradients)."""
+        pieces = self.masters.grads if self.masters is not None else self._pieces
         for axis, slices in self._sums.items():
-            grads = [self._pieces[i][lo:hi] for i, lo, hi in slices]
+            grads = [pieces[i][lo:hi] for i, lo, hi in slices]
             flat = torch.cat(grads)
             comm.all_reduce(flat, self.mesh, axis, tag="replicated grads")
             off = 0
