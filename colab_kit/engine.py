@@ -72,11 +72,7 @@ def unsupported(config: ParallelConfig) -> str | None:
     todo = [(cfg.sp > 1, f"sequence parallelism (sp={cfg.sp}, sp_mode={cfg.sp_mode!r})", "sp=1"),
             (cfg.zero == 3 and cfg.pp > 1, "ZeRO stage 3 with pipeline parallelism",
              "zero=2 with pp (stage 3 would gather each stage's parameters for every microbatch's forward and "
-             "backward), or zero=3 with pp=1"),
-            (cfg.offload != "none" and cfg.zero < 3, f"offload={cfg.offload!r} with ZeRO stage {cfg.zero}",
-             "zero=3 (or offload='none')"),
-            (cfg.precision != "fp32" and cfg.zero == 3, f"precision={cfg.precision!r} with ZeRO stage 3 "
-             "(its chunks have no fp32 masters yet)", "precision='fp32' with zero=3, or zero<=2 with bf16/fp16")]
+             "backward), or zero=3 with pp=1")]
     missing = [(what, fix) for cond, what, fix in todo if cond]
     if not missing:
         return None
@@ -180,7 +176,8 @@ class Engine:
             self.optimizer = self.grads.build_optimizer(optimizer_factory)
         elif config.zero:  # parameters move into one flat buffer; the optimizer steps this rank's pieces
             from .zero import ZeroBuckets
-            self.grads = ZeroBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events, config.zero)
+            self.grads = ZeroBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events, config.zero,
+                                     offload=config.offload)
             self.optimizer = self.grads.build_optimizer(optimizer_factory)
         else:
             self.grads = GradBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events)

@@ -57,7 +57,7 @@ API (shared by ``GradBuckets``, ``ZeroBuckets``, the one-process reference and Z
     compute_dtype(precision) -> torch.dtype            # "fp32" / "bf16" / "fp16"
     to_compute_dtype(module, precision) -> module       # floating params and buffers, in place
     loss_in_fp32(loss_fn) -> loss_fn                    # casts 16-bit logits to fp32 first
-    MasterWeights(tensors)                              # fp32 copies of 16-bit tensors (params or flat pieces)
+    MasterWeights(tensors, device=None)                 # fp32 copies of 16-bit tensors (params or flat pieces)
         .params  .model  .grads  .set_grads(grads)  .drop_grads()  .copy_to_model()  .nbytes
     LossScaler(init_scale=2.**16, growth_factor=2., backoff_factor=.5, growth_interval=2000)
         .scale  .scale_loss(loss)  .unscale_and_check(grads, mesh=None) -> bool  .update(overflow) -> str
@@ -116,13 +116,16 @@ def loss_in_fp32(loss_fn):
 class MasterWeights:
     """fp32 copies (``params``, what the optimizer steps) of 16-bit tensors (``model``).
 
+    ``device``: where the copies live (default: the tensors' own); ``offload="cpu"`` puts them,
+    hence the optimizer's states and its update, on the host (``colab_kit.zero``).
+
     ``tensors``: the model's parameters (zero=0, one process) or this rank's flat pieces
     (ZeRO). A tensor plan's gradient-sum marks (``_ck_grad_sum_axes``) are copied onto the masters.
     """
 
-    def __init__(self, tensors):
+    def __init__(self, tensors, device=None):
         self.model = list(tensors)
-        self.params = [nn.Parameter(t.detach().to(torch.float32, copy=True)) for t in self.model]
+        self.params = [nn.Parameter(t.detach().to(device=device, dtype=torch.float32, copy=True)) for t in self.model]
         for m, t in zip(self.params, self.model):
             if hasattr(t, "_ck_grad_sum_axes"):
                 m._ck_grad_sum_axes = t._ck_grad_sum_axes
@@ -134,7 +137,7 @@ class MasterWeights:
     def set_grads(self, grads) -> None:
         """The masters' gradients (converted to fp32 where they are not), one per master."""
         for m, g in zip(self.params, grads, strict=True):
-            m.grad = g.to(torch.float32).view_as(m)
+            m.grad = g.to(device=m.device, dtype=torch.float32).view_as(m)
 
     def drop_grads(self) -> None:
         for m in self.params:

@@ -3,7 +3,7 @@
 Five GPT steps with AdamW and with SGD + momentum give the one-process recipe's losses within
 ``precision.TOLERANCE`` (relative) and its 16-bit parameters within a few bf16 ulps: bf16 at dp=2
 with zero 0, 1, 2, fp16 at dp=2 zero=2, bf16 with microbatches=2, bf16 with tp=2 (1d) and zero=2,
-bf16 with a 2D tensor mode, fp16 with pp=2 (1f1b) and zero=1. Model-state bytes per rank are the
+bf16 with a 2D tensor mode, fp16 with pp=2 (1f1b) and zero=1, bf16 with zero=3 (and offload="cpu"). Model-state bytes per rank are the
 ZeRO paper's mixed-precision formulas (``memory.model_state_bytes(..., "bf16")``) within 5%. An
 fp16 overflow injected on one rank at step 3 skips that step on every rank and halves the scale.
 One spawn per world size, configurations looped inside.
@@ -26,7 +26,9 @@ from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS, STEPS
 from tests.test_zero import _named
 
 WORLD2 = [dict(dp=2, precision="bf16"), dict(dp=2, zero=1, precision="bf16"), dict(dp=2, zero=2, precision="bf16"),
-          dict(dp=2, zero=2, precision="fp16"), dict(dp=2, microbatches=2, precision="bf16")]
+          dict(dp=2, zero=2, precision="fp16"), dict(dp=2, microbatches=2, precision="bf16"),
+          dict(dp=2, zero=3, precision="bf16"), dict(dp=2, zero=3, offload="cpu", precision="bf16")]
+MEMORY2 = [WORLD2[i] for i in (0, 1, 2, 5, 6)]  # the formula's cases (microbatches and fp16 add nothing new)
 WORLD4 = [dict(dp=2, tp=2, zero=2, precision="bf16"), dict(tp=4, tp_mode="2d", precision="bf16"),
           dict(dp=2, pp=2, zero=1, microbatches=2, schedule="1f1b", precision="fp16")]
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,7 +54,7 @@ def _train(cfgs, overflow: bool = False):
                 local=sum(p.numel() for p in engine.module.parameters()))
             engine.close()
     if overflow:
-        out["overflow"] = {zero: _overflow(data, zero) for zero in (0, 2)}
+        out["overflow"] = {zero: _overflow(data, zero) for zero in (0, 2, 3)}
     return out
 
 
@@ -108,18 +110,21 @@ def _check_memory(results, cfgs):
             for rank, res in enumerate(results):
                 got = res[key, opt]
                 mem = got["memory"]
-                est = model_state_bytes(got["local"], opt, kw["precision"], dp=kw.get("dp", 1), zero=kw.get("zero", 0))
+                est = model_state_bytes(got["local"], opt, kw["precision"], dp=kw.get("dp", 1), zero=kw.get("zero", 0),
+                                        offload=kw.get("offload", "none"))
                 for part in ("params", "grads", "optimizer"):
                     assert abs(est[part] - mem[part]) <= 0.05 * mem[part], (kw, opt, rank, part, est, mem)
+                    if kw.get("offload") == "cpu":  # ZeRO-3: every chunk's states on the host
+                        assert mem["host"][part] == mem[part], (kw, opt, rank, part, mem)
 
 
 def test_mixed_precision_dp2_parity_and_memory(world2):
     _check_parity(world2, WORLD2)
-    _check_memory(world2, WORLD2[:3])
+    _check_memory(world2, MEMORY2)
 
 
 def test_fp16_overflow_skips_the_step_on_every_rank_and_halves_the_scale(world2):
-    for zero in (0, 2):
+    for zero in (0, 2, 3):
         runs = [res["overflow"][zero] for res in world2]
         for rank, got in enumerate(runs):
             rec = got["records"]
@@ -154,8 +159,3 @@ def test_loss_scaler_and_master_step_in_one_process():
     masters.set_grads([torch.tensor([1.0, float("nan"), 0.0])])
     done = master_step(opt, masters, scaler)
     assert done["skipped"] and scaler.scale == 8.0 and w.tolist() == [0.0, 0.0, 0.0]
-
-
-def test_precision_with_zero_3_is_refused():
-    with pytest.raises(ck.ConfigError, match="precision='bf16' with ZeRO stage 3"):
-        ck.boost(GPT(GPT_CFG), OPTIMIZERS["sgd"], ck.ParallelConfig(dp=2, zero=3, precision="bf16"))

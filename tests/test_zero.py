@@ -1,5 +1,6 @@
 """ZeRO stages 1 and 2 against one process: five GPT steps (AdamW and SGD + momentum) give the
-single-process losses (1e-5 relative) and final parameters, for zero=1 and 2 at dp=2, zero=2 at
+single-process losses (1e-5 relative) and final parameters, for zero=1 and 2 at dp=2 (zero=1 with
+offload="cpu" too: the optimizer and its fp32 copies on the host), zero=2 at
 dp=4 with microbatches, with tp=2 (1d), with pp=2 (1f1b) and with a 2D tensor mode (8 ranks); the
 optimizer states per rank are the dense states / dp (plus padding); the collectives per step are
 one reduce-scatter of the gradients and one all-gather of the parameters per bucket, together the
@@ -26,7 +27,7 @@ from colab_kit.zero import check_optimizer
 from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS, STEPS
 
 STATES = {"adamw": 2, "sgd": 1}  # fp32 state tensors per parameter element
-WORLD2 = [dict(dp=2, zero=1), dict(dp=2, zero=2)]
+WORLD2 = [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=1, offload="cpu")]
 WORLD4 = [dict(dp=4, zero=2, microbatches=2), dict(dp=2, tp=2, zero=2),
           dict(dp=2, pp=2, zero=2, microbatches=2, schedule="1f1b"), dict(dp=2, pp=2, zero=1, microbatches=2)]
 WORLD8 = [dict(dp=2, tp=4, tp_mode="2d", zero=2)]  # zero=3 with 2d: tests/test_zero3.py
@@ -40,6 +41,11 @@ def reference(opt: str):
 
 def _named(engine, kw) -> dict:
     """The trained parameters by their dense names (gathered over tp; this rank's stages with pp)."""
+    with engine.gathered():  # ZeRO-3: the chunks whole while they are read
+        return _named_whole(engine, kw)
+
+
+def _named_whole(engine, kw) -> dict:
     if kw.get("pp", 1) > 1:
         return {n: p.detach().clone() for st in engine.module for n, p in zip(st.source_names, st.parameters())}
     if kw.get("tp", 1) > 1:
@@ -143,13 +149,17 @@ def _check_memory(results, cfgs):
                 mem, padded = got["memory"], sum(got["sizes"])
                 assert got["shard"] * dp == padded and padded - got["local"] < dp * got["buckets"], (kw, rank)
                 counters = 4 * got["buckets"] if opt == "adamw" else 0  # Adam's step count, one per tensor
+                offload = kw.get("offload", "none")
+                masters = 4 * got["shard"] if offload == "cpu" else 0  # ZeRO-Offload: the host's fp32 copies
                 dense = STATES[opt] * 4 * got["local"]
-                assert mem["optimizer"] == STATES[opt] * 4 * got["shard"] + counters, (kw, opt, rank)
-                assert dense / dp <= mem["optimizer"] - counters < dense / dp + STATES[opt] * 4 * got["buckets"]
+                assert mem["optimizer"] == STATES[opt] * 4 * got["shard"] + counters + masters, (kw, opt, rank)
+                assert dense / dp <= mem["optimizer"] - counters - masters < dense / dp + STATES[opt] * 4 * got["buckets"]
+                if offload == "cpu":  # the optimizer, states and copies, on the host; the rest on the device
+                    assert mem["host"] == {"params": 0, "grads": 0, "optimizer": mem["optimizer"], "activations": 0}
                 assert mem["params"] == 4 * padded
                 assert mem["grads"] == (4 * padded if kw["zero"] == 1 else 4 * got["shard"]), (kw, opt, rank)
                 # the one estimator (the ZeRO paper's formulas) agrees with the measurement within 5%
-                est = model_state_bytes(got["local"], opt, "fp32", dp=dp, zero=kw["zero"])
+                est = model_state_bytes(got["local"], opt, "fp32", dp=dp, zero=kw["zero"], offload=offload)
                 for part in ("params", "grads", "optimizer"):
                     assert abs(est[part] - mem[part]) <= 0.05 * mem[part], (kw, opt, rank, part, est, mem)
 

@@ -124,7 +124,7 @@ class ZeroBuckets(GradBuckets):
     """
 
     def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
-                 stage: int = 1):
+                 stage: int = 1, offload: str = "none"):
         if stage not in (1, 2):
             raise ConfigError(f"ZeroBuckets runs ZeRO stage 1 or 2, got {stage}")
         params = [p for p in params if p.requires_grad]
@@ -152,8 +152,13 @@ class ZeroBuckets(GradBuckets):
         self._ranges = [(off + r * s // n, off + (r + 1) * s // n) for off, s in zip(offsets, self.sizes)]
         self.shards = [nn.Parameter(self.param_flat[a:b]) for a, b in self._ranges]
         """This rank's pieces of the parameters, one flat tensor per bucket (views: stepping them updates the model)."""
-        self.masters = MasterWeights(self.shards) if dtype in (torch.bfloat16, torch.float16) else None
-        """Mixed precision: fp32 masters of the pieces, what the optimizer steps (colab_kit.precision)."""
+        self.offload = offload
+        mixed = dtype in (torch.bfloat16, torch.float16)
+        self.masters = (MasterWeights(self.shards, device="cpu" if offload == "cpu" else None)
+                        if mixed or offload == "cpu" else None)
+        """Mixed precision: fp32 masters of the pieces, what the optimizer steps (colab_kit.precision).
+        ``offload="cpu"`` (ZeRO-Offload): the masters live on the host, fp32 included, so the
+        optimizer's states and its update are there too; the parameters stay on the device."""
         self._reduced = [None] * len(self.shards)  # mixed precision: the fp32 reduced pieces of this step
         self.flat = None
         self._attach()
@@ -166,6 +171,13 @@ class ZeroBuckets(GradBuckets):
             for shard, piece in zip(self.shards, self._pieces):
                 shard.grad = piece
         self._sums = self._replicated_slices(params)
+
+    def host_bytes(self, optimizer) -> dict:
+        """offload='cpu': the optimizer's states and the masters it steps are on the host."""
+        if self.offload != "cpu":
+            return {}
+        from ..memory import optimizer_bytes
+        return {"optimizer": optimizer_bytes(optimizer) + self.masters.nbytes}
 
     def _build_masters(self, params):
         return None  # over this rank's pieces, once they exist (below)

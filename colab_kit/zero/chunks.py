@@ -22,6 +22,10 @@ Worked example, dp=2, a chunk with a weight [3, 2] and a bias [3] (9 elements, p
     reduce_grads()    grad_full / 2, reduce-scatter in place -> rank r adds its 5 summed
                       elements into shard.grad; grad_full is dropped once that finished
 
+Mixed precision (``colab_kit.precision``): ``full``, ``shard`` and ``shard.grad`` are 16-bit;
+the gradient is reduce-scattered in fp32 (a copy of ``grad_full``) and added into the 16-bit
+``shard.grad``; the fp32 masters the optimizer steps belong to ``ZeroParams``.
+
 Every step of a chunk's life is a state: "free" -> "gathering" (all-gather in flight) ->
 "full" -> "free". Gathering a chunk that is gathering waits for it; gathering a full one does
 nothing; so a prefetch and a use in either order cost one all-gather.
@@ -125,7 +129,7 @@ class Chunk:
         self.finish_reduce()
         if self.grad_full is None:  # no backward reached this chunk: its gradient is zero everywhere
             self.prepare_grads()
-        flat, r, k = self.grad_full, self.rank, self.piece
+        flat, r, k = self.grad_full.float(), self.rank, self.piece  # reduced in fp32 (a copy of 16-bit gradients)
         for p in self.params:
             p.grad = None
         self.grad_full = None
@@ -139,8 +143,8 @@ class Chunk:
         if self._reducing is not None:
             pending, flat = self._reducing
             pending.wait()
-            piece = flat[self.rank * self.piece:(self.rank + 1) * self.piece]
-            self.shard.grad.add_(piece.to(self.shard.grad.device))  # on the host when the chunk is placed there
+            piece = flat[self.rank * self.piece:(self.rank + 1) * self.piece]  # fp32; the shard's gradient may be
+            self.shard.grad.add_(piece.to(self.shard.grad.device, self.shard.grad.dtype))  # 16-bit, on the host
             self._reducing = None
 
     def grad_bytes(self) -> int:

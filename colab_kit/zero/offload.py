@@ -2,9 +2,10 @@
 
 Two parts, one account:
 
-- ``HostStep`` (``offload="cpu"`` with zero=1 or 2; Ren et al. 2021, ZeRO-Offload): the
-  parameters stay on the device, whole, for compute; the optimizer steps an fp32 copy of
-  this rank's pieces that lives on the host, with its states. Per step: the reduced gradient
+- ``offload="cpu"`` with zero=1 or 2 (Ren et al. 2021, ZeRO-Offload) is ``ZeroBuckets`` with
+  its fp32 masters (``colab_kit.precision.MasterWeights``) on the host, in fp32 as in mixed
+  precision: the parameters stay on the device, whole, for compute; the optimizer steps the
+  host copies of this rank's pieces, with its states there. Per step: the reduced gradient
   pieces go to the host, the host steps, the updated pieces come back and are all-gathered.
 - ``ChunkPlacement`` (zero=3, ``offload="cpu"`` or ``"auto"``; Colossal-AI's Gemini): every
   chunk's model states (its shard, the shard's gradient and its optimizer states) live on the
@@ -39,11 +40,10 @@ a step measured at 100 KiB of gathered chunks, gradient buffers and activations;
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from ..memory import tensor_bytes
 
-__all__ = ["Account", "DeviceBudgetExceeded", "HostStep", "ChunkPlacement", "host_device"]
+__all__ = ["Account", "DeviceBudgetExceeded", "ChunkPlacement", "host_device"]
 
 
 def host_device() -> torch.device:
@@ -94,37 +94,6 @@ def _move(t: torch.Tensor, device: torch.device) -> None:
         t.data = t.data.to(device)
 
 
-class HostStep:
-    """``offload="cpu"`` for ZeRO 1 and 2: the optimizer steps host copies of ``pieces``.
-
-    ``pieces`` are this rank's flat pieces on the device (views into the parameters, their
-    ``.grad`` the reduced gradient pieces). ``masters`` are their host copies, what the optimizer
-    is built over. ``before()`` copies the gradients to the host, ``after()`` the updated values
-    back (then the engine all-gathers them as without offload). The host gradients exist only
-    during the step.
-    """
-
-    def __init__(self, pieces: list[torch.Tensor]):
-        self.pieces = pieces
-        host = host_device()
-        self.masters = [nn.Parameter(p.detach().to(host, copy=True).float()) for p in pieces]
-
-    def before(self) -> None:
-        for p, m in zip(self.pieces, self.masters):
-            m.grad = p.grad.detach().to(m.device, dtype=m.dtype, copy=True)
-
-    def after(self) -> None:
-        with torch.no_grad():
-            for p, m in zip(self.pieces, self.masters):
-                p.copy_(m.detach().to(p.device, dtype=p.dtype))
-                m.grad = None
-
-    def host_bytes(self, optimizer) -> dict:
-        """Everything of the optimizer is on the host: its states and the fp32 copies it steps."""
-        from ..memory import optimizer_bytes
-        return {"optimizer": optimizer_bytes(optimizer) + tensor_bytes(self.masters)}
-
-
 class ChunkPlacement:
     """Where each ZeRO-3 chunk's states live; ``"cpu"``: all on the host, ``"auto"``: under a budget."""
 
@@ -134,6 +103,7 @@ class ChunkPlacement:
         self.where = ["device"] * len(chunks)
         self.log: list[dict] = []
         self.optimizer = None
+        self.keys = None  # per chunk, the tensor the optimizer steps (set by ZeroParams)
         self.step = 0
         if mode in ("cpu", "auto"):  # "auto" starts on the host and measures its first step
             for c in chunks:
@@ -141,10 +111,15 @@ class ChunkPlacement:
 
     # ------------------------------------------------------------------ states of a chunk
     def state_tensors(self, i: int) -> list[torch.Tensor]:
+        """Chunk ``i``'s shard and its gradient, then what the optimizer steps for it (the shard, or
+        its fp32 master under mixed precision) and that tensor's optimizer states."""
         c = self.chunks[i]
         out = [c.shard, c.shard.grad]
+        key = self.keys[i] if self.keys is not None else c.shard
+        if key is not c.shard:
+            out.append(key)
         if self.optimizer is not None:
-            out += [v for v in self.optimizer.state.get(c.shard, {}).values() if isinstance(v, torch.Tensor)]
+            out += [v for v in self.optimizer.state.get(key, {}).values() if isinstance(v, torch.Tensor)]
         return out
 
     def state_bytes(self, i: int) -> int:
@@ -190,7 +165,7 @@ class ChunkPlacement:
                 c = self.chunks[i]
                 out["params"] += c.shard.numel() * c.shard.element_size()
                 out["grads"] += c.shard.grad.numel() * c.shard.grad.element_size()
-                out["optimizer"] += tensor_bytes(self.state_tensors(i)[2:])
+                out["optimizer"] += tensor_bytes(self.state_tensors(i)[2:])  # (master and) states
         return out
 
     def check_step(self, chunks, activations: int) -> None:

@@ -48,6 +48,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..config import ConfigError
+from ..precision import MasterWeights
 from .buckets import check_optimizer
 from .chunks import Chunk
 
@@ -93,7 +94,12 @@ class ZeroParams:
             from .offload import ChunkPlacement
             self.placement = ChunkPlacement(self.chunks, offload, mesh.device, device_budget)
         self.shards = [c.shard for c in self.chunks]
-        """This rank's pieces, one flat tensor per chunk: what the optimizer steps."""
+        """This rank's pieces, one flat tensor per chunk: what the optimizer steps (in fp32)."""
+        mixed = self.chunks[0].full.dtype in (torch.bfloat16, torch.float16)
+        self.masters = MasterWeights(self.shards, device="cpu" if offload != "none" else None) if mixed else None
+        """Mixed precision: fp32 masters of the 16-bit shards, what the optimizer steps (``colab_kit.precision``)."""
+        if self.placement is not None:
+            self.placement.keys = self.masters.params if mixed else self.shards
         self.live: set[int] = set()
         self._inflight: list[Chunk] = []  # chunks whose reduce-scatter may still run
         self.peak_gathered = 0
@@ -136,8 +142,9 @@ class ZeroParams:
 
     def _prepare_grads(self, i: int) -> None:
         c = self.chunks[i]
-        if self.placement is not None and c.grad_full is None:
-            self.placement.hold(f"gradient of {c.name}", c.nbytes)
+        if self.placement is not None and c.grad_full is None:  # its buffer, and the fp32 copy it is reduced in
+            wide = 0 if c.full.dtype == torch.float32 else 4 * c.size
+            self.placement.hold(f"gradient of {c.name}", c.nbytes + wide)
         c.prepare_grads()
 
     def _pre_forward(self, i: int, _module, _args) -> None:
@@ -207,6 +214,11 @@ class ZeroParams:
             self._settle(c)
             self._free(c.index)
         self._inflight = []
+        if self.masters is not None:  # the step's fp32 gradients, made from the 16-bit reduced pieces
+            self.masters.set_grads([c.shard.grad for c in self.chunks])
+
+    def master_bytes(self) -> int:
+        return self.masters.nbytes if self.masters is not None else 0
 
     def zero(self) -> None:
         for c in self.chunks:
@@ -247,9 +259,10 @@ class ZeroParams:
 
     def build_optimizer(self, optimizer_factory) -> torch.optim.Optimizer:
         """``optimizer_factory(self.shards)``, checked to step exactly these tensors, elementwise."""
-        optimizer = optimizer_factory(list(self.shards))
+        tensors = self.masters.params if self.masters is not None else self.shards
+        optimizer = optimizer_factory(list(tensors))
         given = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if given != {id(s) for s in self.shards}:
+        if given != {id(s) for s in tensors}:
             raise ConfigError("with ZeRO, optimizer_factory(params) must build the optimizer over exactly the "
                               "tensors it is given (this rank's flat pieces), e.g. lambda ps: torch.optim.AdamW(ps)")
         check_optimizer(optimizer)
@@ -284,8 +297,9 @@ class ZeroParams:
 
     def sync_replicated(self) -> None:
         """The tensor plan's gradient sums over replicated axes, on this rank's reduced pieces."""
+        pieces = self.masters.grads if self.masters is not None else [c.shard.grad for c in self.chunks]
         for axis, slices in self._sums.items():
-            grads = [self.chunks[i].shard.grad[lo:hi] for i, lo, hi in slices]
+            grads = [pieces[i][lo:hi] for i, lo, hi in slices]
             flat = torch.cat(grads)
             comm.all_reduce(flat, self.mesh, axis, tag="replicated grads")
             off = 0
