@@ -21,12 +21,14 @@ Two byte counts per record, because they answer different questions:
     of the paper's per-layer formulas (``tensor.linear_comm_bytes``) and it does not
     depend on how the backend moves data. all_reduce, broadcast, reduce, send, recv:
     the tensor (on every rank, the receivers of a broadcast too); all_gather: this
-    rank's piece ``s``; reduce_scatter: the whole input ``S`` before it is split.
+    rank's piece ``s``; reduce_scatter and all_to_all: the whole input ``S`` before it
+    is split.
 ``wire`` (bytes this rank sends, ring / pipelined-chain model, group of n ranks)
     all_reduce ``2 (n-1)/n * S``, reduce_scatter ``(n-1)/n * S``, all_gather
     ``(n-1) * s`` (= ``(n-1)/n`` of the gathered result), broadcast and reduce
     ``(n-1)/n * S`` (a chain forwards S n-1 times; averaged per rank), send ``S``,
-    recv ``0``. This is what a link carries, so it compares across ops and modes.
+    recv ``0``; all_to_all ``(n-1)/n * S`` (it keeps its own block). This is what a link
+    carries, so it compares across ops and modes.
 
 Worked example, a 4 KiB tensor on a dp group of 4 ranks::
 
@@ -45,7 +47,7 @@ import torch.distributed as dist
 
 __all__ = ["Aborted", "WaitTimeout", "ABORT_POLL", "CommRecord", "CommLog", "wire_bytes", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "Pending",
            "copy_to_group", "reduce_from_group", "gather_from_group", "split_to_group", "P2PPending", "isend",
-           "irecv", "reduce_scatter_into", "all_gather_into"]
+           "irecv", "sendrecv", "reduce_scatter_into", "all_gather_into", "all_to_all"]
 
 
 ABORT_POLL = 0.25
@@ -149,7 +151,7 @@ def wire_bytes(op: str, payload: int, n: int) -> int:
         return 2 * (n - 1) * payload // n
     if op == "all_gather":
         return (n - 1) * payload
-    return (n - 1) * payload // n  # reduce_scatter, broadcast, reduce
+    return (n - 1) * payload // n  # reduce_scatter, broadcast, reduce, all_to_all
 
 
 @dataclass
@@ -399,6 +401,35 @@ def all_gather_into(out: torch.Tensor, piece: torch.Tensor, mesh, axis: str, *, 
     return result if async_op else out
 
 
+def all_to_all(tensor: torch.Tensor, mesh, axis: str, split_dim: int, cat_dim: int, *,
+               tag: str = "") -> torch.Tensor:
+    """Cut ``tensor`` into n equal blocks along ``split_dim``, send block j to ``axis`` coordinate j,
+    and concatenate the blocks received along ``cat_dim`` in rank order.
+
+    One fused ``all_to_all_single`` of one contiguous buffer (``split_dim`` moved to the
+    front). The reverse exchange is ``all_to_all(y, mesh, axis, cat_dim, split_dim)``. Size-1
+    axis: ``tensor`` itself, nothing recorded. Recorded bytes: the whole input. DeepSpeed-Ulysses'
+    sequence-to-heads exchange, sp=2, ``x`` of shape ``[heads=4, t/2=3]`` on each rank::
+
+        all_to_all(x, mesh, "sp", split_dim=0, cat_dim=1)   # -> [heads 2, t 6]
+        # rank 0: heads 0-1 of rank 0's tokens, then of rank 1's; rank 1: heads 2-3 likewise
+    """
+    n = mesh.size(axis)
+    if n == 1:
+        return tensor
+    split_dim, cat_dim = split_dim % tensor.dim(), cat_dim % tensor.dim()
+    if tensor.shape[split_dim] % n:
+        raise ValueError(f"all_to_all over {axis} (size {n}) needs dim {split_dim} of size "
+                         f"{tensor.shape[split_dim]} to be divisible by {n}")
+    front = tensor.movedim(split_dim, 0).contiguous()  # block j (rows j*s/n ...) goes to rank j
+    out = torch.empty_like(front)
+    _run(mesh, "all_to_all", axis, front,
+         lambda a: dist.all_to_all_single(out, front, group=mesh.group(axis), async_op=a), False, tag)
+    pieces = out.view((n, front.shape[0] // n) + tuple(front.shape[1:])).movedim(1, split_dim + 1)
+    shape = tuple(pieces.shape[1:])                      # one piece, split_dim already 1/n
+    return pieces.movedim(0, cat_dim).reshape(shape[:cat_dim] + (n * shape[cat_dim],) + shape[cat_dim + 1:])
+
+
 # --------------------------------------------------------------------------- point-to-point
 # The pipeline's sends and receives between neighbouring stages. Recorded like the
 # collectives (op "send" / "recv", the axis, the payload bytes, seconds from posting
@@ -443,6 +474,32 @@ def isend(tensor: torch.Tensor, mesh, axis: str, peer: int, *, msg_tag: int = 0,
 def irecv(tensor: torch.Tensor, mesh, axis: str, peer: int, *, msg_tag: int = 0, tag: str = "") -> P2PPending:
     """Start receiving into ``tensor`` (contiguous, of the sent shape) from the ``axis`` coordinate ``peer``."""
     return _p2p("recv", tensor, mesh, axis, peer, msg_tag, tag)
+
+
+def sendrecv(send: torch.Tensor, recv: torch.Tensor, mesh, axis: str, to: int, source: int, *, msg_tag: int = 0,
+             tag: str = "") -> list[P2PPending]:
+    """Post a send of ``send`` to ``axis`` coordinate ``to`` and a receive into ``recv`` from ``source``, together.
+
+    One ring step: every rank sends to its next and receives from its previous at once. Both
+    go in one ``batch_isend_irecv``, so NCCL runs them as one group (posted one by one, the
+    sends of a ring can wait on each other); gloo runs them as two messages. Returns the two
+    ``P2PPending`` (send, recv), recorded as ``send`` / ``recv`` once waited. Keep ``send``
+    unchanged until then. Ring attention's step on rank 1 of sp=4::
+
+        sendrecv(kv, incoming, mesh, "sp", to=2, source=0, msg_tag=i, tag="ring kv")
+    """
+    n, me = mesh.size(axis), mesh.rank(axis)
+    for op, peer in (("send", to), ("recv", source)):
+        if not 0 <= peer < n or peer == me:
+            raise ValueError(f"{op} over {axis} needs a peer coordinate other than this rank's ({me}) "
+                             f"in 0..{n - 1}, got {peer}")
+    send, group, ranks = send.contiguous(), mesh.group(axis), mesh.ranks(axis)
+    ops = [dist.P2POp(dist.isend, send, ranks[to], group, msg_tag),
+           dist.P2POp(dist.irecv, recv, ranks[source], group, msg_tag)]
+    works = dist.batch_isend_irecv(ops)
+    flag = getattr(mesh, "abort_flag", None)
+    return [P2PPending(w, mesh.log, op, axis, t.numel() * t.element_size(), tag, flag=flag)
+            for w, op, t in zip(works, ("send", "recv"), (send, recv))]
 
 
 # --------------------------------------------------------------------------- autograd collectives

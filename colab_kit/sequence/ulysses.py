@@ -1,0 +1,90 @@
+"""DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv 2309.14509): all-to-all around attention.
+
+Each rank of the ``sp`` axis holds all heads of its ``t / sp`` tokens. One all-to-all
+turns that into all ``t`` tokens of ``heads / sp`` heads; attention is then the plain
+causal one over the whole sequence of those heads (any kernel: SDPA here), and a second
+all-to-all turns the output back to the rank's tokens. The backward of an all-to-all is
+the reverse all-to-all (``UlyssesAllToAll``). q, k and v travel in one message.
+
+Worked example, sp=2, 4 heads, t=8, contiguous layout (rank 0 tokens 0-3, rank 1 tokens 4-7)::
+
+    before      rank 0: heads 0-3 x tokens 0-3       rank 1: heads 0-3 x tokens 4-7
+    all-to-all  rank 0: heads 0-1 x tokens 0-7       rank 1: heads 2-3 x tokens 0-7
+    attention   causal SDPA on [b, 2, 8, d] on each rank (no communication)
+    all-to-all  rank 0: heads 0-3 x tokens 0-3       rank 1: heads 0-3 x tokens 4-7
+
+Layout: Ulysses needs no causal balancing (every rank gets whole rows of whole heads),
+so its natural layout is ``"contiguous"`` (the default). It also takes the ring's
+``"zigzag"`` layout, so one data split serves both modes: the gathered sequence is then
+in rank order of the zigzag chunks (``zigzag.gathered_order``), put into natural order
+before the causal attention and back after (two index_selects, no communication).
+
+The heads must divide by sp; a ``ConfigError`` (a ValueError) names the valid sp otherwise.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import comm
+from ..config import ConfigError
+from .zigzag import LAYOUTS, gathered_order
+
+__all__ = ["UlyssesAllToAll", "ulysses_attention", "check_heads"]
+
+
+class UlyssesAllToAll(torch.autograd.Function):
+    """``apply(x, mesh, axis, split_dim, cat_dim)``: ``comm.all_to_all`` forward; the reverse one backward.
+
+    Sequence-to-heads on ``[3, b, heads, t/sp, d]`` is ``split_dim=2, cat_dim=3`` (-> ``[3, b,
+    heads/sp, t, d]``); heads-to-sequence on ``[b, heads/sp, t, d]`` is ``split_dim=2, cat_dim=1``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, mesh, axis, split_dim, cat_dim):
+        ctx.mesh, ctx.axis, ctx.split_dim, ctx.cat_dim = mesh, axis, split_dim, cat_dim
+        return comm.all_to_all(x, mesh, axis, split_dim, cat_dim, tag="ulysses")
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = comm.all_to_all(grad, ctx.mesh, ctx.axis, ctx.cat_dim, ctx.split_dim, tag="ulysses backward")
+        return back, None, None, None, None
+
+
+def check_heads(heads: int, sp: int) -> None:
+    """Refuse a head count that sp does not divide, naming the sp that would."""
+    if heads % sp:
+        ok = [s for s in range(1, heads + 1) if heads % s == 0]
+        raise ConfigError(f"sp_mode='ulysses' gives each of the sp ranks heads/sp whole heads, so sp must divide "
+                          f"the {heads} heads (sp={sp} does not): use sp in {ok}, or sp_mode='ring'")
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis: str = "sp", *,
+                      layout: str = "contiguous") -> torch.Tensor:
+    """Causal self-attention of the sequence split over ``axis``, by the Ulysses all-to-all.
+
+    ``q, k, v``: ``[b, heads, t_local, d]``, this rank's ``t / sp`` tokens in ``layout``;
+    returns this rank's rows of the causal attention, same shape and layout. Records two
+    ``all_to_all@sp`` in the forward and two in the backward.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sequence layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"ulysses_attention needs q, k, v of one shape [b, heads, t_local, d], got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    n = mesh.size(axis)
+    check_heads(q.shape[1], n)
+    if n == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if layout == "zigzag" and q.shape[2] % 2:
+        raise ValueError(f"the zigzag layout holds two equal chunks per rank, got t_local={q.shape[2]}: "
+                         f"the sequence must be a multiple of 2*sp = {2 * n}")
+    qkv = UlyssesAllToAll.apply(torch.stack([q, k, v]), mesh, axis, 2, 3)   # [3, b, heads/sp, t, d]
+    order = None
+    if layout == "zigzag":
+        order = gathered_order(n, n * q.shape[2], layout, device=q.device)
+        qkv = qkv.index_select(3, order.argsort())                           # natural token order
+    out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+    if order is not None:
+        out = out.index_select(2, order)                                     # back to rank order
+    return UlyssesAllToAll.apply(out, mesh, axis, 2, 1)                      # [b, heads, t/sp, d]
