@@ -69,6 +69,11 @@ SHOWS = {  # notebook -> [(marker in a cell's source, "widget" | "plot" it must 
         ("stepper.figure().show()", "plot"),
         ("%colossal timeline", "plot"),
     ],
+    "04_zero_and_memory.ipynb": [
+        ('by="place", title=', "plot"),
+        ("%colossal memory --by place", "widget"),
+        ("viz.loss_figure", "plot"),
+    ],
 }
 
 # A widget or a figure shown as its Python repr: what a frontend without widget support prints.

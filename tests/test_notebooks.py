@@ -57,6 +57,19 @@ EXPECT = {  # notebook -> [(marker in the cell source, text its output must cont
         ("largest relative difference", "pipeline (pp=4, 1f1b) vs one process"),
         ("%colossal stop", "cluster stopped"),
     ],
+    "04_zero_and_memory.ipynb": [
+        ("for precision in", "zero=3 fp32         0.82     0.82       1.65          3.29"),
+        ("%colossal start -n 4", "started 4 ranks"),
+        ("runs = {name: cluster.run", "zero=3 bf16 recompute"),
+        ("reference = {p: train_single_process", "zero=3 offload=cpu       losses"),
+        ("reference = {p: train_single_process", "vs one process (bf16)"),
+        ("len(engine.grads.chunks)", "rank 3: loss"),
+        ("%colossal memory --by place", "device budget: 7,837,286 B"),
+        ("device_budget=BUDGET", "-> host    793,092 B of states do not fit"),
+        ("device_budget=BUDGET", "rank 3: device account peak"),
+        ("deep = cluster.run", "under the budget vs one process"),
+        ("%colossal stop", "cluster stopped"),
+    ],
 }
 
 

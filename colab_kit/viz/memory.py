@@ -60,7 +60,8 @@ def segments(per_rank: list[dict | None], by: str = "category") -> dict[str, lis
 
 
 def memory_by_rank_figure(measured: list[dict], estimated: list[dict | None] | None = None,
-                          budget: int | None = None, by: str = "category", title: str | None = None) -> go.Figure:
+                          budget: int | None = None, by: str = "category", title: str | None = None,
+                          labels: list[str] | None = None) -> go.Figure:
     """Stacked bars per rank (MiB; hover: bytes), the estimate beside the measurement, a budget line.
 
     measured: ``engine.memory()`` of each rank, in rank order.
@@ -68,6 +69,7 @@ def memory_by_rank_figure(measured: list[dict], estimated: list[dict | None] | N
         entry: none for that rank).
     budget: the device budget in bytes, drawn as a dashed horizontal line ("device budget").
     by: "category" (params, grads, optimizer, activations) or "place" (device, host).
+    labels: a name per bar instead of "rank r" (e.g. one rank's memory under several configs).
     """
     kinds = [("measured", measured)] + ([("estimated", estimated)] if estimated is not None else [])
     if estimated is not None and len(estimated) != len(measured):
@@ -77,8 +79,8 @@ def memory_by_rank_figure(measured: list[dict], estimated: list[dict | None] | N
         est = kind == "estimated"
         for name, values in segments(rows, by).items():
             ranks = [r for r, v in enumerate(values) if v is not None]
-            x = ([f"rank {r}" for r in ranks] if estimated is None
-                 else [[f"rank {r}" for r in ranks], [kind] * len(ranks)])
+            names = [labels[r] if labels else f"rank {r}" for r in ranks]
+            x = names if estimated is None else [names, [kind] * len(ranks)]
             label = f"{name} (estimated)" if est else name
             fig.add_bar(x=x, y=[values[r] / MIB for r in ranks], customdata=[values[r] for r in ranks],
                         name=label, legendgroup=kind, legendgrouptitle_text=kind,
