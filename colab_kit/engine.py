@@ -19,12 +19,13 @@ the engine's hold on its mesh (shared by every engine of one config) and its thr
 What runs now: data parallelism (any dp) with gradient accumulation over
 ``config.microbatches``, composed with tensor parallelism (``colab_kit.tensor``)
 and pipeline parallelism (``colab_kit.pipeline``: the model cut into ``pp * chunks``
-stages, any schedule run by one executor, ``engine.pipeline`` to step it), and
-ZeRO stages 1 and 2 over dp (``colab_kit.zero``: the optimizer built over this
-rank's flat pieces, gradients reduce-scattered, updated pieces all-gathered).
-Mixed precision (``precision="bf16"`` or ``"fp16"``: ``colab_kit.precision``) composes with
-all of these but ZeRO stage 3. Sequence parallelism, ZeRO stage 3 and offload are refused with a
-ConfigError that says so; the engine never falls back to another mode.
+stages, any schedule run by one executor, ``engine.pipeline`` to step it); ZeRO over dp
+(``colab_kit.zero``: stages 1 and 2 build the optimizer over this rank's flat pieces,
+reduce-scatter gradients and all-gather the updated pieces; stage 3 shards the parameters
+in per-block chunks gathered around each use); ``offload`` "cpu" and "auto" (with
+``device_budget``); mixed precision (``colab_kit.precision``); recomputation. Sequence
+parallelism and ZeRO-3 with a pipeline are refused with a ConfigError that says so
+(``unsupported``); the engine never falls back to another mode.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from colab_kit.zero import check_optimizer
 from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS, STEPS
 
 STATES = {"adamw": 2, "sgd": 1}  # fp32 state tensors per parameter element
-WORLD2 = [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=1, offload="cpu")]
+WORLD2 = [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=1, offload="cpu"), dict(dp=2, zero=2, microbatches=4)]
 WORLD4 = [dict(dp=4, zero=2, microbatches=2), dict(dp=2, tp=2, zero=2),
           dict(dp=2, pp=2, zero=2, microbatches=2, schedule="1f1b"), dict(dp=2, pp=2, zero=1, microbatches=2)]
 WORLD8 = [dict(dp=2, tp=4, tp_mode="2d", zero=2)]  # zero=3 with 2d: tests/test_zero3.py
