@@ -70,10 +70,13 @@ def unsupported(config: ParallelConfig) -> str | None:
     them whole through the step, which is stage 2's memory at stage 3's traffic.
     """
     cfg = config
-    todo = [(cfg.sp > 1, f"sequence parallelism (sp={cfg.sp}, sp_mode={cfg.sp_mode!r})", "sp=1"),
+    todo = [(cfg.sp > 1 and cfg.tp > 1 and cfg.tp_mode != "1d",
+             f"sequence parallelism (sp={cfg.sp}) with tp_mode={cfg.tp_mode!r}", "tp_mode='1d' with sp, or sp=1"),
             (cfg.zero == 3 and cfg.pp > 1, "ZeRO stage 3 with pipeline parallelism",
              "zero=2 with pp (stage 3 would gather each stage's parameters for every microbatch's forward and "
-             "backward), or zero=3 with pp=1")]
+             "backward), or zero=3 with pp=1"),
+            (cfg.sp_mode == "split_gather" and cfg.tp_mode != "1d",  # its plan splits 1D's layers only
+             f"sp_mode='split_gather' with tp_mode={cfg.tp_mode!r}", "tp_mode='1d' with split_gather")]
     missing = [(what, fix) for cond, what, fix in todo if cond]
     if not missing:
         return None
@@ -110,6 +113,9 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
         raise ConfigError(why)
     if config.tp > 1 and hasattr(model, "cfg"):
         check_model(model.cfg, config)  # sizes that do not divide: refused before any collective
+    if config.sp > 1 and hasattr(model, "cfg"):  # ulysses: heads per tensor rank must divide by sp
+        from .sequence.plan import SequencePlan
+        SequencePlan.check(model.cfg, config)
     if config.pp > 1 and hasattr(model, "blocks"):
         from .pipeline.stage import check_stages
         check_stages(len(model.blocks), config)
@@ -147,6 +153,12 @@ class Engine:
             model = self.tp_plan.parallelize(model)
             if loss_fn is lm_loss:
                 self.loss_fn = self.tp_plan.loss
+        self.sp_plan = None
+        """With sp > 1 ("ring" or "ulysses"), the ``SequencePlan``: this rank's tokens, the ring's records."""
+        if config.sp > 1:  # after the tensor plan: attention on this rank's heads and tokens
+            from .sequence.plan import SequencePlan
+            self.sp_plan = SequencePlan(mesh)
+            model = self.sp_plan.parallelize(model)
         if config.recompute:  # each block keeps its input only, runs its forward again in backward
             from .recompute import recompute_blocks
             recompute_blocks(model)  # before the split: the stages hold these same blocks
@@ -210,11 +222,13 @@ class Engine:
             raise ValueError(f"a global batch of {rows} rows does not split over dp={cfg.dp} x microbatches={m}: "
                              f"use a multiple of {cfg.dp * m} rows")
         inputs, targets = self._local_rows(inputs), self._local_rows(targets)
-        self._rows = inputs.shape[0] // m
+        self._rows, self._seq = inputs.shape[0] // m, inputs.shape[1]
         self._hold_activations(self._rows)
-        shards = self.tp_plan.batch_shards if self.tp_plan else 1
+        shards = self.loss_shards
         mesh.log.begin_step()
         self._events.clear()
+        if self.sp_plan is not None:
+            self.sp_plan.begin_step()
         self._acts.reset()
         t0 = time.perf_counter()
         if not self.module.training:  # module.train() walks every submodule: ~0.15 ms a step for 4 layers
@@ -254,9 +268,10 @@ class Engine:
         zero = self.config.zero > 0
         masters = getattr(self.grads, "masters", None)  # mixed precision: fp32 masters, grads set by finish()
         masters = masters if isinstance(masters, MasterWeights) else None
-        if self.tp_plan is not None and (zero or masters is not None):
+        sums = self.tp_plan is not None or self.sp_plan is not None  # parameters replicated over tp or sp axes
+        if sums and (zero or masters is not None):
             self.grads.sync_replicated()
-        elif self.tp_plan is not None:
+        elif sums:
             sync_grads(self.module, self.mesh)
         done = {"skipped": False, "loss_scale": None, "note": ""}
         with self._timed("optimizer step", "compute", t0):
@@ -291,19 +306,31 @@ class Engine:
         comm.all_reduce(local, self.mesh, "pp", tag="loss")
         return self._global_mean(local)
 
+    @property
+    def loss_shards(self) -> int:
+        """What each rank's mean loss is divided by before backward: the ranks that share its rows
+        (the tensor plan's batch axes) times those that share its sequences (sp); with the dp
+        buckets' 1/dp and the sums over tp and sp, the gradients are the global mean's."""
+        return (self.tp_plan.batch_shards if self.tp_plan else 1) * self.config.sp
+
     def _local_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of the global batch: its dp share, then its share inside tp."""
+        """This rank's rows of the global batch: its dp share, then its share inside tp, then its
+        tokens of each row over sp (a length that does not split is refused here, before any collective)."""
         rows = split_batch(rows, self.config.dp, self.mesh.rank("dp"))
         if self.tp_plan is not None:
             rows = self.tp_plan.shard_batch(rows)
+        if self.sp_plan is not None:
+            rows = self.sp_plan.shard_tokens(rows)
         return rows.to(self.mesh.device)
 
     def _global_mean(self, local: torch.Tensor) -> float:
-        """Mean over dp and tp of each rank's mean loss (tp ranks that share rows agree)."""
+        """Mean over dp, sp and tp of each rank's mean loss (tp ranks that share rows agree; sp ranks
+        hold equal numbers of tokens, so the mean of their means is the mean over the whole sequence)."""
         local = local.reshape(1)
         comm.all_reduce(local, self.mesh, "dp", tag="loss")
+        comm.all_reduce(local, self.mesh, "sp", tag="loss")
         comm.all_reduce(local, self.mesh, "tp", tag="loss")
-        return local.item() / (self.config.dp * self.config.tp)
+        return local.item() / (self.config.dp * self.config.sp * self.config.tp)
 
     @contextmanager
     def _timed(self, name: str, kind: str, t0: float):
@@ -365,7 +392,7 @@ class Engine:
         est = estimate(self._n_local, states if isinstance(states, str) else _STATE_NAMES[states], dp=cfg.dp,
                        zero=cfg.zero, precision=cfg.precision, model=self._model_cfg if cfg.pp == 1 else None,
                        rows=rows, recompute=cfg.recompute, tp=cfg.tp if cfg.tp_mode == "1d" else 1,
-                       offload=cfg.offload)
+                       offload=cfg.offload, seq=getattr(self, "_seq", None))
         share = getattr(self.grads, "host_share", None)
         return placed(est, cfg.zero, cfg.offload, share() if share is not None else None)
 

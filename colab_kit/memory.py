@@ -252,7 +252,8 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
 
 def estimate(n_params: int, optimizer="adamw", bytes_per_param: int | None = None, dp: int = 1, zero: int = 0,
              *, precision: str | None = None, model=None, rows: int = 0, recompute: bool = False, tp: int = 1,
-             layers: int | None = None, first: bool = True, last: bool = True, offload: str = "none") -> dict:
+             layers: int | None = None, first: bool = True, last: bool = True, offload: str = "none",
+             seq: int | None = None) -> dict:
     """Estimated bytes per rank in the categories ``engine.memory()`` measures.
 
     params, grads, optimizer: ``model_state_bytes`` (the ZeRO paper's formulas, Psi =
@@ -287,7 +288,7 @@ def estimate(n_params: int, optimizer="adamw", bytes_per_param: int | None = Non
     out = model_state_bytes(n_params, optimizer, precision, dp, zero, offload)
     acts = 0
     if model is not None and rows:
-        acts = activation_bytes(model, rows, layers=layers, first=first, last=last, tp=tp, recompute=recompute,
+        acts = activation_bytes(model, rows, seq=seq, layers=layers, first=first, last=last, tp=tp, recompute=recompute,
                                 bytes_per_elem=PRECISION_BYTES[precision])["held"]
     out["activations"] = acts
     return out

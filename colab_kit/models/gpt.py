@@ -90,8 +90,13 @@ class Attention(nn.Module):
         # heads = out_features / (3 head_dim), so a layer holding a slice of heads works unchanged
         qkv = self.qkv(x).view(b, t, -1, 3, self.head_dim).transpose(1, 2)  # [b, heads, t, 3, head_dim]
         q, k, v = qkv.unbind(3)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attend(q, k, v)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal softmax(q k^T / sqrt(d)) v over ``[b, heads, t, head_dim]`` (a parallel plan may
+        replace it on an instance, e.g. sequence parallelism's ring attention)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):

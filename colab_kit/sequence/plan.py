@@ -1,0 +1,126 @@
+"""``SequencePlan``: how ``sp_mode`` "ring" or "ulysses" splits a GPT's sequence over the ``sp`` axis.
+
+Every rank of an ``sp`` group holds the whole model and ``t / sp`` of each sequence's tokens
+(ring: the zigzag layout, so the causal work is even; ulysses: contiguous, its all-to-all gives
+every rank whole heads over the whole sequence). Only attention mixes tokens, so only
+attention talks: the plan replaces each block's ``attn.attend`` with ``ring_attention`` or
+``ulysses_attention`` on this mesh, and the position table with one that looks up the global
+positions of this rank's tokens. Everything else (embeddings, LayerNorm, MLP, head, loss) runs
+on the local tokens unchanged.
+
+The loss and the gradients. Each rank's loss is the mean over its own tokens; as every rank of
+an sp group holds the same number of tokens, the global mean is the mean over sp of the local
+means (the engine all-reduces it over sp as over dp). The parameters are replicated over sp,
+so their gradients are summed over sp after backward (``mark_grad_sum(p, "sp")``, the same
+route as tensor parallelism's replicated parameters: after the dp reduction, on ZeRO's pieces
+too), with the backward started from ``loss / sp``, as ``dp`` divides by dp.
+
+Worked example, ``sp=2`` ring, a batch of 2 sequences of 8 tokens::
+
+    rank 0   tokens [0 1 6 7] of each row, positions [0 1 6 7]; loss_0 = mean over its 16 tokens
+    rank 1   tokens [2 3 4 5] of each row, positions [2 3 4 5]; loss_1 likewise
+    attention: K/V chunks go round the ring (1 rotation), online softmax merges the blocks
+    global loss = (loss_0 + loss_1) / 2 (all-reduce over sp), equal to the unsplit loss
+    backward from loss_r / 2; gradients all-reduced over sp (and dp) -> one process's gradient
+
+A sequence whose length does not split into ``2 sp`` chunks (ring) or ``sp`` pieces (ulysses,
+with its head count divisible by sp) is refused at the first step, before any collective, with
+the multiple to use (``check_length``, ``check_heads``).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import ConfigError
+from .ring import RingRecorder, ring_attention
+from .ulysses import check_heads, ulysses_attention
+from .zigzag import check_length, sequence_positions, split_sequence
+
+__all__ = ["SequencePlan", "SequencePositions", "LAYOUT"]
+
+LAYOUT = {"ring": "zigzag", "ulysses": "contiguous"}
+"""The token layout over sp of each mode."""
+
+
+class SequencePositions(nn.Embedding):
+    """A position table that looks up the global positions of this rank's tokens.
+
+    ``forward(torch.arange(t_local))`` (what ``GPT.embed`` passes) returns the rows of the
+    positions this rank holds: with sp=2 ring, rank 1's ``arange(4)`` reads rows [2 3 4 5] of 8.
+    Same parameter as the ``nn.Embedding`` it was (only the class changes).
+    """
+
+    _sp_rank = 0
+    _sp_size = 1
+    _sp_layout = "zigzag"
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        t = positions.shape[-1] * self._sp_size
+        glob = sequence_positions(self._sp_rank, self._sp_size, t, self._sp_layout, device=positions.device)
+        return F.embedding(glob[positions], self.weight)
+
+
+class SequencePlan:
+    """Split the sequence over ``sp`` for ``mesh.config.sp_mode`` ("ring" or "ulysses")."""
+
+    def __init__(self, mesh, axis: str = "sp"):
+        self.mesh, self.axis = mesh, axis
+        self.mode = mesh.config.sp_mode
+        if self.mode not in LAYOUT:
+            raise ConfigError(f"SequencePlan runs sp_mode 'ring' or 'ulysses', got {self.mode!r}")
+        self.size, self.rank = mesh.size(axis), mesh.rank(axis)
+        self.layout = LAYOUT[self.mode]
+        self.recorder = RingRecorder() if self.mode == "ring" else None
+        """Ring: the rotations of the last forward and backward (which K/V chunk each rank held)."""
+
+    @staticmethod
+    def check(model_cfg, config) -> None:
+        """Refuse what cannot split, in the kernel: Ulysses needs the heads per tensor rank to divide by sp."""
+        if config.sp > 1 and config.sp_mode == "ulysses":
+            check_heads(model_cfg.n_heads // config.tp, config.sp)
+
+    def check_length(self, t: int) -> None:
+        """A sequence of ``t`` tokens must split into this mode's pieces (before any collective)."""
+        check_length(t, self.size, self.layout)
+
+    # ------------------------------------------------------------------ the model
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Attention through the ring (or all-to-all), positions looked up globally, gradients summed over sp."""
+        blocks = getattr(model, "blocks", None)
+        if blocks is None or not hasattr(model, "pos"):
+            raise ConfigError(f"sequence parallelism splits models shaped like ck.models.GPT (blocks, pos); got "
+                              f"{type(model).__name__}: use sp=1")
+        for block in blocks:
+            block.attn.attend = self.attend  # an instance attribute: the model's code is not touched
+        pos = model.pos
+        if type(pos) is not nn.Embedding:
+            raise ConfigError(f"sequence parallelism expects the position table to be an nn.Embedding, got "
+                              f"{type(pos).__name__} (tp_mode={self.mesh.config.tp_mode!r}): use tp_mode='1d'")
+        pos.__class__ = SequencePositions
+        pos._sp_rank, pos._sp_size, pos._sp_layout = self.rank, self.size, self.layout
+        for p in model.parameters():  # replicated over sp: summed over it after backward
+            axes = tuple(getattr(p, "_ck_grad_sum_axes", ()))
+            if self.axis not in axes:
+                p._ck_grad_sum_axes = axes + (self.axis,)
+        return model
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.mode == "ring":
+            return ring_attention(q, k, v, self.mesh, self.axis, layout=self.layout, recorder=self.recorder)
+        return ulysses_attention(q, k, v, self.mesh, self.axis, layout=self.layout)
+
+    def begin_step(self) -> None:
+        """A new step: the ring's records start afresh (they hold the last step's rotations only)."""
+        if self.recorder is not None:
+            self.recorder.events.clear()
+            self.recorder.t0 = time.perf_counter()
+
+    # ------------------------------------------------------------------ the batch
+    def shard_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of every row (``[b, t] -> [b, t / sp]``, in this mode's layout)."""
+        self.check_length(rows.shape[1])
+        return split_sequence(rows, self.rank, self.size, dim=1, layout=self.layout)
