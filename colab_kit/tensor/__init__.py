@@ -116,8 +116,15 @@ def require_divisible(what: dict[str, int], by: int, rule: str) -> None:
         raise ConfigError(f"{sizes} not divisible by {by}: {rule}")
 
 
-def plan_class(tp_mode: str) -> type[TensorPlan]:
-    """The plan class of a tensor mode."""
+def plan_class(tp_mode: str, sp_mode: str | None = None) -> type[TensorPlan]:
+    """The plan class of a tensor mode; ``sp_mode="split_gather"`` (Megatron's sequence parallelism
+    inside the tp group) selects ``split_gather.SplitGather1D``, which runs on 1D only."""
+    if sp_mode == "split_gather":
+        if tp_mode != "1d":
+            raise ConfigError(f"sp_mode='split_gather' splits 1D's LayerNorm and dropout regions along the "
+                              f"sequence; tp_mode={tp_mode!r} has no split_gather form: use tp_mode='1d'")
+        from .split_gather import SplitGather1D
+        return SplitGather1D
     if tp_mode == "1d":
         from .tp1d import Plan1D
         return Plan1D
@@ -127,13 +134,12 @@ def plan_class(tp_mode: str) -> type[TensorPlan]:
     if tp_mode == "3d":
         from .tp3d import Plan3D
         return Plan3D
-    from ..config import ConfigError
     raise ConfigError(f"unknown tp_mode {tp_mode!r}: choose one of '1d', '2d', '2.5d' or '3d'")
 
 
 def plan_for(mesh) -> TensorPlan:
-    """The plan of ``mesh.config.tp_mode`` on this rank's mesh."""
-    return plan_class(mesh.config.tp_mode)(mesh)
+    """The plan of ``mesh.config.tp_mode`` (and ``sp_mode``, for "split_gather") on this rank's mesh."""
+    return plan_class(mesh.config.tp_mode, mesh.config.sp_mode)(mesh)
 
 
 def linear_comm_bytes(config, rows: int, d_in: int, d_out: int, kind: str = "column",
@@ -165,6 +171,9 @@ def block_collectives(config) -> dict[str, int]:
     ==========  ==========================================  ================================
     1d          column: f's all-reduce (bwd); row: g's      all_reduce 4 (Megatron's count)
                 all-reduce (fwd); LayerNorms need none
+    1d +        column: all-gather (fwd), reduce-scatter    all_gather 4, reduce_scatter 4
+    split_      (bwd); row: reduce-scatter (fwd),           (same wire bytes as 1D's 4
+    gather      all-gather (bwd), along the sequence        all-reduces)
     2d, 2.5d    SUMMA: q steps of 2 broadcasts (fwd), of    broadcast 16q, reduce 8q,
                 broadcast + reduce for dX and for dW        all_reduce 8 (LayerNorm sums)
     3d          all-gather X and W, reduce-scatter Y (fwd); all_gather 12, reduce_scatter 12,
@@ -178,6 +187,8 @@ def block_collectives(config) -> dict[str, int]:
     q = config.tp_q
     if config.tp == 1:
         return {}
+    if config.tp_mode == "1d" and config.sp_mode == "split_gather":
+        return {"all_gather": 4, "reduce_scatter": 4}  # g and g-bar around each Linear pair, both ways
     if config.tp_mode == "1d":
         return {"all_reduce": 4}
     if config.tp_mode in ("2d", "2.5d"):
@@ -197,4 +208,4 @@ def check_model(model_cfg, config) -> None:
                 "masks on ranks whose activations are copies and different ones where they are split (a "
                 "Megatron-style RNG tracker), which colab_kit does not have yet: use dropout=0.0 with tp > 1, "
                 "or dropout with dp / pp only")
-        plan_class(config.tp_mode).check(model_cfg, MeshLayout(config))
+        plan_class(config.tp_mode, config.sp_mode).check(model_cfg, MeshLayout(config))

@@ -106,10 +106,13 @@ class VocabEmbedding(nn.Module):
         return cls(part, i * part.shape[0], mesh, axis)
 
     def forward(self, tokens):
+        return comm.reduce_from_group(self.partial_rows(tokens), self.mesh, self.axis)
+
+    def partial_rows(self, tokens):
+        """This rank's share of the looked-up rows: its vocabulary's rows, zeros for the other tokens."""
         local = tokens - self.vocab_start
         mine = (local >= 0) & (local < self.weight.shape[0])
-        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine.unsqueeze(-1)
-        return comm.reduce_from_group(rows, self.mesh, self.axis)
+        return F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine.unsqueeze(-1)
 
     def to_dense(self) -> nn.Embedding:
         w = comm.all_gather(self.weight.detach(), self.mesh, self.axis, 0, tag="to_dense")
