@@ -23,9 +23,11 @@ stages, any schedule run by one executor, ``engine.pipeline`` to step it); ZeRO 
 (``colab_kit.zero``: stages 1 and 2 build the optimizer over this rank's flat pieces,
 reduce-scatter gradients and all-gather the updated pieces; stage 3 shards the parameters
 in per-block chunks gathered around each use); ``offload`` "cpu" and "auto" (with
-``device_budget``); mixed precision (``colab_kit.precision``); recomputation. Sequence
-parallelism and ZeRO-3 with a pipeline are refused with a ConfigError that says so
-(``unsupported``); the engine never falls back to another mode.
+``device_budget``); mixed precision (``colab_kit.precision``); recomputation; sequence
+parallelism (``colab_kit.sequence``: ring and Ulysses over the sp axis, split_gather inside the
+1D tensor group). Sequence parallelism with the 2D/2.5D/3D tensor modes and ZeRO-3 with a
+pipeline are refused with a ConfigError that says so (``unsupported``); the engine never falls
+back to another mode.
 """
 from __future__ import annotations
 
@@ -83,7 +85,7 @@ def unsupported(config: ParallelConfig) -> str | None:
     whats = "; ".join(w for w, _ in missing)
     fixes = " ".join(f for _, f in missing)
     return (f"this version of the engine does not run {whats} yet (data, tensor and pipeline parallelism, "
-            f"ZeRO stages 1 to 3, offload and mixed precision are what run today): set {fixes}")
+            f"sequence parallelism, ZeRO stages 1 to 3, offload and mixed precision are what run today): set {fixes}")
 
 
 def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig, *,

@@ -66,8 +66,8 @@ def test_widgets_drive_the_same_logic():
 
 
 @pytest.mark.parametrize("world, changes, why", [
-    (2, dict(dp=1, sp=2), "sequence parallelism (sp=2, sp_mode='ring')"),
-    (4, dict(dp=2, sp=2, sp_mode="ulysses"), "sequence parallelism (sp=2, sp_mode='ulysses')"),
+    (8, dict(dp=1, sp=2, tp=4, tp_mode="2d"), "sequence parallelism (sp=2) with tp_mode='2d'"),
+    (4, dict(dp=1, tp=4, tp_mode="2d", sp_mode="split_gather"), "sp_mode='split_gather' with tp_mode='2d'"),
     (4, dict(dp=2, pp=2, zero=3), "ZeRO stage 3 with pipeline parallelism")])
 def test_a_valid_config_that_boost_refuses_is_not_runnable_yet(world, changes, why):
     p = ConfigPicker(world_size=world)
@@ -80,7 +80,7 @@ def test_a_valid_config_that_boost_refuses_is_not_runnable_yet(world, changes, w
     assert str(refused.value) == p.unsupported
     box = p.widget()
     assert box is not None and "#b36b00" in p._ui["status"].value and "not runnable yet" in p._ui["status"].value
-    p.set(sp=1, zero=0, pp=1, dp=world, tp=1)
+    p.set(sp=1, zero=0, pp=1, dp=world, tp=1, tp_mode="1d", sp_mode="ring")
     assert p.status().startswith("ok: ") and p.unsupported is None and "green" in p._ui["status"].value
 
 
