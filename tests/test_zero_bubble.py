@@ -152,6 +152,76 @@ def test_hooks_fire_on_w_and_gradients_accumulate_in_place():
     assert flat.abs().sum() > 0
 
 
+def test_w_with_ready_adds_in_place_and_tells_each_parameter_once():
+    """The executor's W, ``run(ready=...)``: every dW goes straight into the existing ``.grad`` (a
+    bucket's flat buffer), ``ready`` is told once per linear parameter in place of the hooks, and
+    FLOPs and gradients are B's."""
+    (sb, xb), (si, xi) = _stage(1), _stage(1)
+    params = list(si.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    off = 0
+    for p in params:
+        p.grad = flat[off:off + p.numel()].view_as(p)
+        off += p.numel()
+    hooked = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: hooked.append(id(p)))
+    yb, yi = sb(xb), si(xi)
+    g = _out_grad(yb)
+    f_b = _flops(lambda: torch.autograd.backward(yb, g))
+    store = WeightGradStore()
+    f_i = _flops(lambda: store.backward_input(yi, g))
+    hooked.clear()
+    told = []
+    f_w = _flops(lambda: store.run(ready=lambda p: told.append(id(p))))
+    linears = _linears(si)
+    assert f_w == sum(2 * B * T * m.weight.shape[0] * m.weight.shape[1] for m in linears)
+    assert abs(f_i + f_w - f_b) <= 0.01 * f_b, (f_i, f_w, f_b)
+    assert hooked == [] and sorted(told) == sorted(id(t) for m in linears for t in (m.weight, m.bias) if t is not None)
+    assert all(p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in params)
+    for (name, p), q in zip(sb.named_parameters(), params):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_w_with_ready_tells_a_shared_weight_once_after_its_last_part():
+    torch.manual_seed(0)
+    lin, ref = nn.Linear(5, 5), nn.Linear(5, 5)
+    ref.load_state_dict(lin.state_dict())
+    use_split_backward(lin)
+    x = torch.randn(3, 5, requires_grad=True)
+    torch.autograd.backward(ref(ref(x.detach().requires_grad_())), torch.ones(3, 5))
+    store = WeightGradStore()
+    store.backward_input(lin(lin(x)), torch.ones(3, 5))
+    assert len(store.entries) == 2  # one per use, the same weight and bias
+    told = []
+    store.run(ready=lambda p: told.append((id(p), p.grad.clone())))  # lin.weight.grad is None before W
+    assert [i for i, _ in told] == [id(lin.weight), id(lin.bias)]
+    torch.testing.assert_close(told[0][1], ref.weight.grad, rtol=1e-6, atol=1e-6)  # whole when told
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_grad_buckets_ready_counts_like_the_hook():
+    """``GradBuckets.ready(p)`` is what ``p``'s post-accumulate-grad hook does: a bucket launches its
+    all-reduce when every parameter in it is ready, once per backward."""
+    from types import SimpleNamespace
+
+    from colab_kit.data import GradBuckets
+
+    params = [nn.Parameter(torch.randn(64, 64)) for _ in range(4)]
+    mesh = SimpleNamespace(size=lambda axis: 1, device=torch.device("cpu"))
+    buckets = GradBuckets(params, mesh, bucket_bytes=2 * 64 * 64 * 4)  # two buckets of two
+    launched = []
+    buckets._launch = lambda b: launched.append(b.index)
+    buckets.arm(sync=True)
+    for p in params[::-1]:  # the order backward produces gradients
+        buckets.ready(p)
+    buckets.ready(nn.Parameter(torch.zeros(1)))  # not in any bucket: ignored
+    assert launched == [0, 1]
+    buckets.arm(sync=True)
+    sum(p.sum() for p in params).backward()  # the hooks: the same counting
+    assert launched == [0, 1, 0, 1]
+
+
 def test_w_before_i_or_twice_is_an_error():
     with pytest.raises(RuntimeError, match="before its I pass"):
         WeightGradStore("1W0").run()

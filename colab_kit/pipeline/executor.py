@@ -16,11 +16,12 @@ I     input gradient only, the zero-bubble split (``zero_bubble``, Qi et al. 202
       active: each linear computes ``dx = g W`` and keeps ``(x, g)``; LayerNorms, embeddings
       and the 2D/3D layers get their gradients now; the graph is freed, and until W the
       microbatch is held as the store's bytes (its linears' inputs and output gradients)
-W     ``store.run()``: ``dW = g^T x`` and ``db = sum g`` per linear, accumulated into
-      ``.grad`` (the dp buckets' hooks fire); I + W costs the FLOPs of one B. Where the
-      split buys nothing (the first stage, which sends no input gradient, when the rank
-      runs its W right after its I, as ZB-H1's rank 0 always does), I runs the fused B
-      and W has nothing left to do: same FLOPs, one pass instead of two
+W     ``store.run(ready=engine.grads.ready)``: ``dW = g^T x`` and ``db = sum g`` per linear,
+      added in place into ``.grad`` (the dp buckets told each gradient is ready); I + W
+      costs the FLOPs of one B. On the first stage nothing waits for I (it sends no input
+      gradient), so the split buys nothing there: its I only keeps the received gradient
+      and its W runs the whole backward, B's one pass (same FLOPs; under ZB-H1 rank 0 runs
+      them back to back, under ZB-V what the plan put between them runs sooner)
 SF/SB ``isend`` of the activation / input gradient to the neighbour pp rank (same dp and tp
       coordinates); completed at the end of the step
 RF/RB blocking receive, at most ``timeout`` seconds (else ``PipelineHang``, see ``hang``)
@@ -67,16 +68,22 @@ import torch.distributed as dist
 
 from .. import comm
 from ..data import split_batch
-from .actions import Action
 from .check import steps
 from .hang import HangMonitor, PipelineHang, hang_message
 from .lowering import lower
-from .p2p import CommActions, _last
-from .zero_bubble import WeightGradStore, use_split_backward
+from .p2p import CommActions, _last, receives_ahead
+from .zero_bubble import WeightGradStore, input_pass_leaves, use_split_backward
 
 __all__ = ["PipelineExecutor", "PipelineHang"]
 
-_FUSED = "fused into I"  # _saved marker: this microbatch's I ran the whole backward
+
+class _WholeBackward:
+    """``_saved`` after a first-stage I: the output and its gradient, the whole backward left to W."""
+
+    __slots__ = ("y", "grad")
+
+    def __init__(self, y, grad):
+        self.y, self.grad = y, grad
 
 
 class PipelineExecutor(CommActions):
@@ -151,17 +158,14 @@ class PipelineExecutor(CommActions):
         self._y = [split_batch(y, m, i, "microbatches") for i in range(m)]
         self._key = (tuple(inputs.shape), m)  # names the activation shapes
         mine = self.plan.actions[self.me]
-        if any(a.kind in ("I", "W") for a in mine):  # zero-bubble: linears can defer dW to W (idempotent)
-            use_split_backward(*self.stages.values())
+        if any(a.kind in ("I", "W") for a in mine):  # zero-bubble: linears can defer dW to W (idempotent);
+            use_split_backward(*(st for s, st in self.stages.items() if s > 0))  # the first stage never splits
         self._index = [i for i, a in enumerate(mine) if not forward_only or a.kind in ("F", "SF", "RF")]
         self._actions = [mine[i] for i in self._index]
-        compute = [a for a in self._actions if not a.is_comm]
-        self._fused = {(a.stage, a.microbatch) for a, b in zip(compute, compute[1:])  # I then its own W
-                       if a.kind == "I" and a.stage == 0 and b == Action(a.stage, "W", a.microbatch)}
-        grads = [j for j, a in enumerate(self._actions)  # actions whose hooks complete a gradient
-                 if a.kind in ("B", "W") and (a.stage, a.microbatch) not in self._fused
-                 or a.kind == "I" and (a.stage, a.microbatch) in self._fused]
+        self._ahead = receives_ahead(self._actions, self.prefetch)  # what _post_ahead(j) looks at
+        grads = [j for j, a in enumerate(self._actions) if a.kind in ("B", "W")]  # they complete gradients
         self._sync_at = grads[-1] if grads and len(self.stages) == 1 else None  # overlap dp with the last one
+        self._leaves = {}  # stage -> the parameters its I passes give gradients to (this step: see _do_I)
         self.forward_only, self.t0 = forward_only, time.perf_counter()
         self.step += 1
         self._saved, self._act, self._out, self._gout, self._gin = {}, {}, {}, {}, {}
@@ -170,6 +174,8 @@ class PipelineExecutor(CommActions):
         if not forward_only:
             eng.mesh.log.begin_step()
             eng._events.clear()
+            if eng.sp_plan is not None:
+                eng.sp_plan.begin_step()
             eng._acts.reset()
             eng.module.train()
             eng.grads.arm(sync=False, t0=self.t0)
@@ -276,7 +282,7 @@ class PipelineExecutor(CommActions):
         ev = {"name": name, "kind": kind, "start": start, "end": end, "rank": self.mesh.global_rank,
               "pp_rank": self.me}
         if a is not None:
-            ev.update(action=str(a), stage=a.stage, microbatch=a.microbatch, timestep=timestep)
+            ev.update(action=name, stage=a.stage, microbatch=a.microbatch, timestep=timestep)  # name is str(a)
         self.engine._events.append(ev)
 
     def _do_F(self, a, s, m):
@@ -287,7 +293,7 @@ class PipelineExecutor(CommActions):
             if st.last:
                 loss = self.engine.loss_fn(y, self._y[m]) / self.m
                 self.loss += loss.detach()
-                y = loss / (self.engine.tp_plan.batch_shards if self.engine.tp_plan else 1)
+                y = self.engine.scale_loss(loss) / self.engine.loss_shards
         if not self.forward_only:
             self._saved[s, m] = (x, y)
             self._bytes[s, m] = self.engine._acts.last
@@ -309,30 +315,43 @@ class PipelineExecutor(CommActions):
     def _do_I(self, a, s, m):
         x, y = self._saved[s, m]
         grad = None if self.stages[s].last else self._take(self._gout, a, "its output gradient")
-        if (s, m) in self._fused:  # the first stage, W next: one fused backward (see the table above)
-            torch.autograd.backward(y, grad)
-            self._saved[s, m] = _FUSED
-            self._held -= self._bytes[s, m]
-            self._bytes[s, m] = 0
+        if s == 0:  # nothing waits for the first stage's I: its whole backward runs in W (the table above)
+            self._saved[s, m] = _WholeBackward(y, grad)
             return
         store = WeightGradStore(str(a))
-        store.backward_input(y, grad)  # no retain_graph: only what the store keeps outlives this backward
+        store.backward_input(y, grad, self._input_leaves(s, x, y))  # no retain_graph: the graph is freed
         self._saved[s, m] = store  # still held until W, now as the linears' inputs and output gradients
-        self._held += store.nbytes - self._bytes[s, m]
-        self._bytes[s, m] = store.nbytes
+        nbytes = store.nbytes
+        self._held += nbytes - self._bytes[s, m]
+        self._bytes[s, m] = nbytes
         if s > 0:
             self._give_grad(s, m, x.grad)
 
     def _do_W(self, a, s, m):
         store = self._saved.get((s, m))
-        if not isinstance(store, WeightGradStore) and store is not _FUSED:
+        if not isinstance(store, (WeightGradStore, _WholeBackward)):
             why = f"before {s}I{m}" if store is not None else "without an F and I before it, or a second time"
             raise RuntimeError(f"pipeline rank {self.me} ran {a} {why}: a plan runs each microbatch's F, then I, "
                                "then W, once each")
         del self._saved[s, m]
         self._held -= self._bytes.pop((s, m))
-        if store is not _FUSED:
-            store.run()
+        if isinstance(store, _WholeBackward):
+            torch.autograd.backward(store.y, store.grad)
+        else:  # in place into .grad; the dp buckets are told each parameter's gradient is ready
+            store.run(ready=self.engine.grads.ready)
+
+    def _input_leaves(self, s, x, y) -> list:
+        """``input_pass_leaves(y)``, the graph walked once per stage and step (every microbatch of a
+        stage has the same graph): the stage's parameters that get their gradient in I, then ``x``."""
+        if s not in self._leaves:
+            leaves = input_pass_leaves(y)
+            mine = {id(p) for p in self.params[s]}
+            cacheable = all(id(t) in mine or t is x for t in leaves)  # else walk it for each microbatch
+            self._leaves[s] = ([t for t in leaves if t is not x], any(t is x for t in leaves)) if cacheable else None
+        if self._leaves[s] is None:
+            return input_pass_leaves(y)
+        params, with_x = self._leaves[s]
+        return params + [x] if with_x else params
 
     def _give_grad(self, s, m, gx):
         if self.plan.rank_of(s - 1) == self.me:  # local handoff (two stages on one rank)

@@ -66,13 +66,7 @@ class CommActions:
 
     def _post_ahead(self, j: int) -> None:
         """Post the irecv of the next ``prefetch`` receives after position ``j`` that can be shaped now."""
-        seen = 0
-        for a in self._actions[j:]:
-            if seen >= self.prefetch:
-                return
-            if a.kind not in ("RF", "RB"):
-                continue
-            seen += 1
+        for a in self._ahead[j]:
             if a not in self._posted:
                 buf = self._recv_buffer(a)
                 if buf is not None:
@@ -147,6 +141,17 @@ class CommActions:
             waited = time.perf_counter() - self._since
             raise self._hang(f"rank {self.mesh.global_rank} (pp {self.me}) waited {waited:.1f} s for {a} "
                              f"({what}); the backend said: {_last(exc)}") from exc
+
+
+def receives_ahead(actions, n: int) -> list[tuple]:
+    """For each position j of ``actions``, the first ``n`` receives at or after j: what
+    ``_post_ahead(j)`` looks at (worked out once per step, not once per action)."""
+    out, coming = [()] * len(actions), []
+    for j in range(len(actions) - 1, -1, -1):
+        if actions[j].kind in ("RF", "RB"):
+            coming = [actions[j]] + coming[:n - 1]
+        out[j] = tuple(coming[:n])
+    return out
 
 
 def _pack(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,11 @@ autograd function that makes the cut: its backward always computes ``dx``; then
   gradient and pushes ``(weight, bias, x, g)`` on the store instead; ``store.run()`` (W)
   later does the matmul (and the sum) per layer and accumulates them into ``.grad`` through
   autograd, so the parameters' post-accumulate-grad hooks fire then, once (the dp buckets
-  of ``data.GradBuckets`` count on them).
+  of ``data.GradBuckets`` count on them). The pipeline executor runs
+  ``store.run(ready=engine.grads.ready)`` instead: each matmul adds in place into ``.grad``
+  (``addmm``, as B's own accumulation would) and the buckets are told directly, once per
+  parameter; that skips a temporary per weight and an autograd call per W, which on CPU ranks
+  made I + W take 1.3x B's time for the same FLOPs.
 
 So I + W costs the FLOPs of one backward (the same matmuls, in two groups). After I the
 autograd graph is freed: the store keeps each linear's input (one of the tensors the
@@ -91,14 +95,16 @@ class WeightGradStore:
         _ACTIVE.remove(self)
         self.state = "captured"
 
-    def backward_input(self, y: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+    def backward_input(self, y: torch.Tensor, grad: torch.Tensor | None = None, inputs=None) -> None:
         """I: ``autograd.backward(y, grad)`` with this store active and no retain_graph.
 
-        Only the leaves that need their gradient now are its ``inputs`` (``input_pass_leaves``),
-        so autograd never visits a deferred parameter: its post-accumulate-grad hooks fire once,
-        in W, with the gradient (a visit with no gradient would fire them too, empty-handed).
+        Only the leaves that need their gradient now are its ``inputs`` (``input_pass_leaves``,
+        or ``inputs`` when the caller already knows them: the pipeline executor keeps them per
+        stage and step), so autograd never visits a deferred parameter: its post-accumulate-grad
+        hooks fire once, in W, with the gradient (a visit with no gradient would fire them too,
+        empty-handed).
         """
-        leaves = input_pass_leaves(y)
+        leaves = input_pass_leaves(y) if inputs is None else inputs
         with self:
             torch.autograd.backward(y, grad, inputs=leaves or None)
 
@@ -110,32 +116,73 @@ class WeightGradStore:
         """Bytes of the distinct storages the store keeps alive (inputs and output gradients, not weights)."""
         return tensor_bytes(t for _, _, x, g in self.entries for t in (x, g))
 
-    def run(self) -> None:
-        """W: compute every deferred ``dW = g^T x``, ``db = sum g`` and accumulate them into the parameters."""
+    def run(self, ready=None) -> None:
+        """W: compute every deferred ``dW = g^T x``, ``db = sum g`` and accumulate them into the parameters.
+
+        ``ready=None``: the sums reach ``.grad`` through autograd (each parameter a root of one
+        backward), so the parameters' post-accumulate-grad hooks fire, once each. With ``ready``
+        (a callable, e.g. ``data.GradBuckets.ready``, what the pipeline executor passes) each matmul
+        adds straight into the existing ``.grad`` (``addmm_``: no temporary, no autograd call, so W
+        costs what the same matmuls cost inside B) and ``ready(param)`` is called once per parameter,
+        right after its last addition, in place of the hooks (a bucket's all-reduce can start while
+        the rest of W computes).
+        """
         if self.state != "captured":
             what = {"empty": "before its I pass filled it (W before I?)", "capturing": "inside its own I pass",
                     "done": "a second time (W twice?)"}[self.state]
             raise RuntimeError(f"weight-gradient store {self.name!r} run {what}: each microbatch's W runs once, "
                                "after its I")
-        grads: dict[int, list] = {}  # id(param) -> [param, summed gradient]
-
-        def add(p, grad):
-            if id(p) in grads:
-                grads[id(p)][1] += grad
-            else:
-                grads[id(p)] = [p, grad]
-
+        entries, self.entries, self.state = self.entries, [], "done"
+        if ready is None:
+            return _run_through_autograd(entries)
+        last = {id(p): i for i, (w, b, _, _) in enumerate(entries) for p in (w, b) if p is not None}
         with torch.no_grad():
-            for w, b, x, g in self.entries:
+            for i, (w, b, x, g) in enumerate(entries):
                 g2 = g.reshape(-1, g.shape[-1])
                 if w is not None:
-                    add(w, g2.t().mm(x.reshape(-1, x.shape[-1])).to(w.dtype))
+                    _add_into_grad(w, g2.t(), x.reshape(-1, x.shape[-1]))
                 if b is not None:
-                    add(b, g2.sum(0).to(b.dtype))
-        self.entries, self.state = [], "done"
-        if grads:  # a leaf as a root of backward: AccumulateGrad adds into .grad and fires the hooks
-            params, values = zip(*grads.values())
-            torch.autograd.backward(list(params), list(values))
+                    _add_into_grad(b, g2.sum(0))
+                for p in (w, b):
+                    if p is not None and last[id(p)] == i:
+                        ready(p)
+
+
+def _add_into_grad(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None) -> None:
+    """``p.grad += a @ b`` (or ``+= a`` when ``b`` is None), in place where ``p.grad`` exists and dtypes agree."""
+    if p.grad is not None and p.grad.dtype == a.dtype:
+        if b is None:
+            p.grad.add_(a)
+        else:  # addmm_'s twin (FlopCounterMode counts this form, not the method)
+            torch.addmm(p.grad, a, b, out=p.grad)
+        return
+    value = (a if b is None else a.mm(b)).to(p.dtype)
+    if p.grad is None:
+        p.grad = value
+    else:
+        p.grad.add_(value)
+
+
+def _run_through_autograd(entries) -> None:
+    """W for a store run without ``ready``: sum per parameter, then autograd adds into ``.grad`` (hooks fire)."""
+    grads: dict[int, list] = {}  # id(param) -> [param, summed gradient]
+
+    def add(p, grad):
+        if id(p) in grads:
+            grads[id(p)][1] += grad
+        else:
+            grads[id(p)] = [p, grad]
+
+    with torch.no_grad():
+        for w, b, x, g in entries:
+            g2 = g.reshape(-1, g.shape[-1])
+            if w is not None:
+                add(w, g2.t().mm(x.reshape(-1, x.shape[-1])).to(w.dtype))
+            if b is not None:
+                add(b, g2.sum(0).to(b.dtype))
+    if grads:  # a leaf as a root of backward: AccumulateGrad adds into .grad and fires the hooks
+        params, values = zip(*grads.values())
+        torch.autograd.backward(list(params), list(values))
 
 
 class ZeroBubbleLinear(torch.autograd.Function):

@@ -8,8 +8,8 @@ and the status line says whether it fits (or shows the ConfigError's message)::
 
     picker.set(dp=2, tp=2)   # on a 4-rank cluster -> "ok: dp=2 x tp=2 (1d) = 4 ranks fits the 4 ranks"
     picker.set(tp=3)         # -> "not valid: this config needs dp*pp*sp*tp = 2*1*1*3 = 6 ranks, but there are 4: ..."
-    picker.set(tp=1, sp=2)   # -> "valid, not runnable yet: this version of the engine does not run sequence
-                             #     parallelism (sp=2, sp_mode='ring') yet (...)": ck.boost would refuse it
+    picker.set(dp=1, pp=2, zero=3)  # -> "valid, not runnable yet: this version of the engine does not run
+                                    #     ZeRO stage 3 with pipeline parallelism yet (...)": ck.boost would refuse it
     picker.apply()           # the same path as %colossal config: config and mesh set on every rank
 
 The logic (``set``, ``status``, ``config``, ``figure``, ``apply``) needs no browser;
