@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -43,14 +43,13 @@ import torch.nn.functional as F
 from . import comm
 from .config import ConfigError, ParallelConfig
 from .data import GradBuckets, split_batch
-from .memory import ActivationMeter, optimizer_bytes, tensor_bytes
+from .memory import ActivationMeter
+from .engine_records import EngineRecords
 from .mesh import ProcessMesh
 from .precision import LossScaler, MasterWeights, loss_in_fp32, master_step, to_compute_dtype
 from .tensor import check_model, plan_for, sync_grads
 
 __all__ = ["boost", "Engine", "lm_loss", "unsupported"]
-
-_STATE_NAMES = {0: "sgd-nomomentum", 1: "sgd-momentum", 2: "adamw"}  # fp32 states per parameter -> estimator name
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -137,7 +136,7 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
     return engine
 
 
-class Engine:
+class Engine(EngineRecords):
     """One rank's share of a training job: model, optimizer, communication, records."""
 
     def __init__(self, model, optimizer_factory, config, mesh, loss_fn=lm_loss, bucket_bytes=None,
@@ -349,74 +348,6 @@ class Engine:
         inputs, targets = batch
         self.module.eval()
         return self._global_mean(self.loss_fn(self.module(self._local_rows(inputs)), self._local_rows(targets)))
-
-    # ------------------------------------------------------------------ records
-    def memory(self) -> dict:
-        """Measured bytes on this rank: params, grads, optimizer, activations (see colab_kit.memory),
-        and where they live: ``"device"`` and ``"host"``, each a dict of the same four categories
-        whose sum is the total.
-
-        Held now, between steps: with ZeRO the optimizer states of this rank's pieces (1/dp of
-        them, plus padding) and, at stage 2, only the gradient pieces (see colab_kit.zero). The
-        device is the rank's accelerator; on a machine without one it is an account of the same
-        host memory (``offload`` moves what it names to the "host" side of that account)::
-
-            {"params": 441344, "grads": 441344, "optimizer": 882836, "activations": 2328836,
-             "device": {"params": 441344, ..., "activations": 2328836},
-             "host": {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}}
-        """
-        masters = getattr(self.grads, "master_bytes", None)  # mixed precision: fp32 masters are optimizer state
-        totals = {"params": self._param_bytes(), "grads": self.grads.nbytes,
-                  "optimizer": optimizer_bytes(self.optimizer) + (masters() if masters else 0),
-                  "activations": self._acts.peak}
-        host_of = getattr(self.grads, "host_bytes", None)
-        host = dict.fromkeys(totals, 0)
-        if host_of is not None:
-            host.update(host_of(self.optimizer))
-        return {**totals, "device": {k: totals[k] - host[k] for k in totals}, "host": host}
-
-    def _param_bytes(self) -> int:
-        held = getattr(self.grads, "param_bytes", None)  # ZeRO-3: this rank's shards (and what is gathered now)
-        return held() if held is not None else tensor_bytes(self.module.parameters())
-
-    def memory_estimate(self) -> dict:
-        """The estimate of ``memory()`` from ``colab_kit.memory.estimate``: the ZeRO paper's formulas
-        for the model states of this rank's parameters (after tp and pp, before ZeRO), and the GPT
-        activation count for the last step's microbatch (0 before a step, or for another model).
-        Same keys as ``memory()``, "device" and "host" included."""
-        from .memory import estimate, optimizer_states, placed
-        try:
-            states = optimizer_states(self.optimizer)
-        except ValueError:
-            states = "adamw"
-        cfg = self.config
-        rows = self._rows or 0
-        est = estimate(self._n_local, states if isinstance(states, str) else _STATE_NAMES[states], dp=cfg.dp,
-                       zero=cfg.zero, precision=cfg.precision, model=self._model_cfg if cfg.pp == 1 else None,
-                       rows=rows, recompute=cfg.recompute, tp=cfg.tp if cfg.tp_mode == "1d" else 1,
-                       offload=cfg.offload, seq=getattr(self, "_seq", None))
-        share = getattr(self.grads, "host_share", None)
-        return placed(est, cfg.zero, cfg.offload, share() if share is not None else None)
-
-    def comm(self, last_step: bool = False) -> list[dict]:
-        """This rank's recorded collectives (all, or those of the last step)."""
-        log = self.mesh.log
-        return log.as_dicts(log.last_step() if last_step else None)
-
-    def timeline(self) -> list[dict]:
-        """This rank's events of the last step: name, kind (compute/comm), start and end in seconds."""
-        return sorted(self._events, key=lambda e: e["start"])
-
-    def state_vector(self) -> torch.Tensor:
-        """All parameters flattened into one CPU vector (for checking ranks agree)."""
-        with self.gathered():
-            return torch.cat([p.detach().reshape(-1).cpu() for p in self.module.parameters()])
-
-    def gathered(self):
-        """A context in which every parameter of ``self.module`` is whole (ZeRO stage 3 gathers
-        them, and frees them after); with other configs nothing to do."""
-        whole = getattr(self.grads, "gathered", None)
-        return whole() if whole is not None else nullcontext()
 
     # ------------------------------------------------------------------ lifetime
     _release_mesh = None
