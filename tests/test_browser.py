@@ -74,6 +74,13 @@ SHOWS = {  # notebook -> [(marker in a cell's source, "widget" | "plot" it must 
         ("%colossal memory --by place", "widget"),
         ("viz.loss_figure", "plot"),
     ],
+    "05_sequence_parallel.ipynb": [
+        ("viz.zigzag_figure", "plot"),
+        ('viz.ring_figure(events, "forward")', "plot"),
+        ('viz.ring_figure(events, "backward")', "plot"),
+        ("viz.ulysses_figure", "plot"),
+        ("viz.sequence_memory_figure", "plot"),
+    ],
 }
 
 # A widget or a figure shown as its Python repr: what a frontend without widget support prints.

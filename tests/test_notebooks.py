@@ -70,6 +70,20 @@ EXPECT = {  # notebook -> [(marker in the cell source, text its output must cont
         ("deep = cluster.run", "under the budget vs one process"),
         ("%colossal stop", "cluster stopped"),
     ],
+    "05_sequence_parallel.ipynb": [
+        ("saved_bytes(plain, t)", " 1024                     33.00      0.281"),
+        ("%colossal start -n 4", "started 4 ranks"),
+        ("ring = cluster.run", "f0 f1 f2 f3 f0 f1 f2 f3 b0 b1 b2 b3 b0 b1 b2 b3"),
+        ("ring = cluster.run", "rotation 1: rank 0 holds [3, 4]   rank 1 holds [0, 7]"),
+        ("uly = cluster.run", "rank 0 recorded 8 all_to_all over sp in the last step"),
+        ("uly = cluster.run", "derived from the layout, per block: q, k, v to heads 24,576 B, output to tokens 8,192 B"),
+        ("BUDGET = 2 * MiB", "activations per rank, MiB (budget 2.00 MiB)"),
+        ("BUDGET = 2 * MiB", "split_gather tp=4"),
+        ("fits = viz.longest_fit", "ring sp=4            768"),
+        ("fits = viz.longest_fit", "one process          192"),
+        ("largest relative difference", "ulysses sp=4  sgd"),
+        ("%colossal stop", "cluster stopped"),
+    ],
 }
 
 
