@@ -32,7 +32,6 @@ back to another mode.
 from __future__ import annotations
 
 import time
-import weakref
 from contextlib import contextmanager
 from typing import Callable
 
@@ -131,8 +130,9 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
         if owned:
             mesh.release()
         raise
-    if owned:  # given back by close(), or when a dropped engine is collected
-        engine._release_mesh = weakref.finalize(engine, mesh.release)
+    if owned:  # given back by close(); for an engine dropped without it, by the next boost (ProcessMesh.prune)
+        mesh.track(engine)
+        engine._owns_mesh = True
     return engine
 
 
@@ -350,13 +350,15 @@ class Engine(EngineRecords):
         return self._global_mean(self.loss_fn(self.module(self._local_rows(inputs)), self._local_rows(targets)))
 
     # ------------------------------------------------------------------ lifetime
-    _release_mesh = None
+    _owns_mesh = False
     closed = False
 
     def close(self) -> None:
         """Release what this engine holds: the pipeline's hang monitor (its thread and store
         connection) and its hold on the shared mesh, whose process groups are destroyed when
-        no other engine of the same config holds it. Idempotent; a closed engine does not train::
+        no other engine of the same config holds it. Idempotent; a closed engine does not train.
+        An engine dropped without ``close()`` ends its threads when collected and gives its hold
+        back at the next ``boost`` (``ProcessMesh.prune``), at the same point on every rank::
 
             for lr in (1e-3, 3e-3):                 # a sweep in one notebook: no groups or threads pile up
                 engine = ck.boost(GPT(cfg), make_opt(lr), config)
@@ -369,8 +371,9 @@ class Engine(EngineRecords):
             self.pipeline.close()
         self.grads.remove()  # the gradient hooks hold the buckets (and the mesh) from C++: gc cannot free them
         self.closed = True
-        if self._release_mesh is not None:
-            self._release_mesh()  # a finalizer runs once: close() then collection does not release twice
+        if self._owns_mesh:
+            self.mesh.untrack(self)
+            self.mesh.release()
 
     def __enter__(self) -> "Engine":
         return self

@@ -43,6 +43,9 @@ its ``tp_col`` group (its grid row), that of B[k, j] over its ``tp_row`` group.
 """
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -167,6 +170,13 @@ class ProcessMesh:
     by every engine of that config (building groups is a collective and each group holds
     connections, so a notebook that boosts in a loop must not make new ones each time).
     ``release()`` gives one engine's hold back; the last one destroys the groups.
+
+    An engine dropped without ``close()`` gives its hold back at the next ``shared()`` (or
+    ``ProcessMesh.prune()``), never from the garbage collector: when the collector runs
+    differs from rank to rank, and a mesh destroyed on one rank while another still reuses it
+    leaves the next collective waiting forever (the ranks would disagree on whether the next
+    ``shared()`` builds groups, itself a collective). ``prune()`` runs a full collection first,
+    at the same point of the program on every rank, so every rank sees the same engines gone.
     """
 
     _shared: dict = {}
@@ -183,6 +193,7 @@ class ProcessMesh:
         """
         if not dist.is_initialized():
             cls(config)  # raises the explanation
+        cls.prune()
         world = dist.distributed_c10d._get_default_group()
         key = (config, device_type, id(world))
         mesh = cls._shared.get(key)
@@ -191,6 +202,31 @@ class ProcessMesh:
             mesh._key = key
         mesh.users += 1
         return mesh
+
+    def track(self, holder) -> None:
+        """Note that ``holder`` (an engine) took one hold with ``shared()``: if it is dropped without
+        giving it back, ``prune()`` does."""
+        self._holders.append(weakref.ref(holder))
+
+    def untrack(self, holder) -> None:
+        self._holders = [w for w in self._holders if w() is not None and w() is not holder]
+
+    @classmethod
+    def prune(cls) -> int:
+        """Give back the holds of engines dropped without ``close()`` (after a full garbage
+        collection, so every rank that calls it at the same point agrees); meshes left with no
+        hold are destroyed. Returns how many meshes were destroyed. ``shared()`` calls it."""
+        gc.collect()
+        destroyed = 0
+        for mesh in list(cls._shared.values()):
+            dead = [w for w in mesh._holders if w() is None]
+            if not dead:
+                continue
+            mesh._holders = [w for w in mesh._holders if w() is not None]
+            for _ in dead:
+                mesh.release()
+            destroyed += mesh.closed
+        return destroyed
 
     def release(self) -> None:
         """Give back one hold from ``shared``; when none is left, destroy this mesh's process groups."""
@@ -244,6 +280,7 @@ class ProcessMesh:
             self.tp_mesh = self._tensor_sub_mesh(device_type)
         self.log = CommLog()
         self.users, self.closed, self._key = 0, False, None
+        self._holders: list = []  # weak references to the engines holding this mesh (``track``)
         # looked up on every collective: computed once (slicing a DeviceMesh costs ~1 ms)
         self._coords = self.layout.all_coords(self.global_rank)
         self._groups: dict[str, dist.ProcessGroup] = {}

@@ -113,7 +113,9 @@ def _loop():
     del dropped
     gc.collect()
     time.sleep(0.3)
-    return dict(base=base, counts=counts, same_mesh=same_mesh, closed_error=closed_error,
+    kept = len(ProcessMesh._shared)  # the collector alone never destroys a mesh (ranks collect at other times)
+    pruned = ProcessMesh.prune()     # the next boost does this, at the same point on every rank
+    return dict(base=base, counts=counts, same_mesh=same_mesh, closed_error=closed_error, kept=kept, pruned=pruned,
                 dropped_alive=monitor.alive, shared_left=len(ProcessMesh._shared), after=census())
 
 
@@ -126,4 +128,5 @@ def test_engines_in_a_loop_leak_no_thread_connection_or_group():
             assert after == base, f"after close: {after}, before the loop: {base}"
         assert "closed" in res["closed_error"]
         assert not res["dropped_alive"], "the hang monitor of a dropped engine kept running"
+        assert res["kept"] == 1 and res["pruned"] == 1, res  # kept through gc, given back by prune()
         assert res["shared_left"] == 0 and res["after"] == base, res  # the dropped engine's mesh went with it
