@@ -14,7 +14,9 @@ is saved (Ctrl+S) so the page can be checked against what the kernel sent:
   figure is wider than the notebook's output area (its right-hand part would be cut off);
 - ``SHOWS`` names cells (by a marker in their source) that must show a widget or a plot;
 - no cell raised or shows a traceback unless it is tagged ``raises-exception``
-  (JupyterLab then keeps running the cells after it).
+  (JupyterLab then keeps running the cells after it);
+- the outputs ``tests/test_notebooks.py`` expects (its ``EXPECT``) are in what the kernel sent:
+  where this tier runs, that file does not run the notebooks a second time with nbclient.
 
 A screenshot of the whole notebook goes to ``tests/screenshots/<notebook stem>.png``
 (also when the test fails). Skipped, with the reason, only where ``/usr/bin/chromium`` or
@@ -457,6 +459,9 @@ def test_notebook_renders_in_a_browser(path: Path, lab: Lab, browser):
         print(f"{name}: ran in {time.monotonic() - t0:.0f} s")
         saved = _save(page, lab.dir / name, problems)
         problems += _check(name, cells_json, saved, snap, may_fail, page.viewport_size["width"])
+        if saved:  # the outputs tests/test_notebooks.py expects, from this run (nbclient skips where this runs)
+            from tests.test_notebooks import expected_problems
+            problems += expected_problems(name, saved)
         assert not problems, f"{name} in JupyterLab:\n" + "\n\n".join(dict.fromkeys(problems))
     finally:
         try:  # also when it failed: the picture shows where

@@ -124,7 +124,7 @@ def test_positive_whole_degrees(name):
     ("sp_mode", "ulysses", "ulyses", "ulysses", "'ring', 'ulysses' or 'split_gather'"),
     ("schedule", "gpipe", "gpipee", "gpipe", "'gpipe', '1f1b', 'interleaved', 'zb-h1' or 'zb-v'"),
     ("schedule", "1f1b", "1F1B", "1f1b", "'gpipe', '1f1b', 'interleaved', 'zb-h1' or 'zb-v'"),
-    ("offload", "cpu", "cpuu", "cpu", "'none' or 'cpu'"),
+    ("offload", "cpu", "cpuu", "cpu", "'none', 'cpu' or 'auto'"),
     ("precision", "bf16", "bf15", "bf16", "'fp32', 'fp16' or 'bf16'"),
 ])
 def test_unknown_mode_names_suggest_the_nearest(field, good, bad, suggestion, choices):

@@ -84,7 +84,7 @@ def test_dp_records_and_memory():
 
 def test_unimplemented_modes_are_refused_before_any_process():
     model = GPT(GPT_CFG)
-    for cfg, word in [(ck.ParallelConfig(sp=2), "sequence parallelism"),
+    for cfg, word in [(ck.ParallelConfig(sp=2, tp=4, tp_mode="2d"), r"sequence parallelism \(sp=2\) with tp_mode='2d'"),
                       (ck.ParallelConfig(pp=2, zero=3), "ZeRO stage 3 with pipeline parallelism"),
                       (ck.ParallelConfig(zero=3, offload="auto"), r"device_budget=BYTES")]:
         with pytest.raises(ck.ConfigError, match=word):

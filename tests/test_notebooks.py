@@ -87,17 +87,45 @@ EXPECT = {  # notebook -> [(marker in the cell source, text its output must cont
 }
 
 
+def _join(value) -> str:
+    """A notebook string field: a str in memory, a list of lines in a saved .ipynb."""
+    return "".join(value) if isinstance(value, list) else (value or "")
+
+
 def _text(cell) -> str:
     parts = []
     for out in cell.get("outputs", []):
-        parts.append(out.get("text", ""))
+        parts.append(_join(out.get("text", "")))
         parts.append("\n".join(out.get("traceback", [])))
-        parts.append(out.get("data", {}).get("text/plain", ""))
+        parts.append(_join(out.get("data", {}).get("text/plain", "")))
     return "".join(parts)
+
+
+def expected_problems(name: str, cells) -> list[str]:
+    """What ``EXPECT`` wants under each marker's cell that the executed ``cells`` (nbformat cells,
+    or the dicts of a saved .ipynb) do not show."""
+    problems = []
+    for marker, expected in EXPECT.get(name, []):
+        hits = [c for c in cells if c["cell_type"] == "code" and marker in _join(c["source"])]
+        if not hits:
+            problems.append(f"{name}: no cell contains {marker!r}")
+        elif not any(expected in _text(c) for c in hits):
+            problems.append(f"{name}: the cell with {marker!r} did not show {expected!r}:\n{_text(hits[-1])[:2000]}")
+    return problems
+
+
+def _browser_runs() -> bool:
+    from tests.test_browser import _missing
+    return _missing() is None
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path: Path):
+    """nbclient runs the notebook where the browser tier cannot; where it can, tests/test_browser.py
+    runs it top to bottom in JupyterLab and checks these same outputs on what the kernel sent
+    (one run of each notebook per suite, not two)."""
+    if _browser_runs():
+        pytest.skip("run top to bottom in JupyterLab by tests/test_browser.py, which checks the same EXPECT outputs")
     import nbformat
     from nbclient import NotebookClient
 
@@ -108,8 +136,14 @@ def test_notebook_runs_top_to_bottom(path: Path):
     client = NotebookClient(nb, kernel_name="python3", timeout=600, startup_timeout=120,
                             resources={"metadata": {"path": str(path.parent)}})
     client.execute()  # raises CellExecutionError naming the cell that failed
-    for marker, expected in EXPECT.get(path.name, []):
-        cells = [c for c in nb.cells if c.cell_type == "code" and marker in c.source]
-        assert cells, f"{path.name}: no cell contains {marker!r}"
-        assert any(expected in _text(c) for c in cells), \
-            f"{path.name}: the cell with {marker!r} did not show {expected!r}:\n{_text(cells[-1])[:2000]}"
+    problems = expected_problems(path.name, nb.cells)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebooks_are_committed_without_outputs(path: Path):
+    import nbformat
+
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type == "code":
+            assert not cell.get("outputs"), f"{path.name} is committed with outputs: clear them"

@@ -10,8 +10,6 @@ ring records its rotations (which K/V chunk each rank held). One spawn per world
 """
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -19,30 +17,14 @@ import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.memory import ActivationMeter
 from colab_kit.models import GPT, GPTConfig
-from colab_kit.reference import train_single_process
 
 from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS, STEPS
+from tests.test_zero import _named, reference
 
 WORLD2 = [dict(sp=2), dict(sp=2, sp_mode="ulysses")]
 WORLD4 = [dict(sp=4), dict(sp=4, sp_mode="ulysses"), dict(sp=2, dp=2), dict(sp=2, tp=2),
           dict(sp=2, pp=2, microbatches=2), dict(sp=2, dp=2, zero=2), dict(sp=2, dp=2, zero=3)]
 LONG = GPTConfig(vocab_size=64, seq_len=256, d_model=32, n_heads=4, n_layers=2)  # activations grow with t
-
-
-@functools.lru_cache(maxsize=None)
-def reference(opt: str):
-    losses, model = train_single_process(GPT_CFG, OPTIMIZERS[opt], SyntheticTokens(64, 16, seed=1), STEPS, BATCH)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _params(engine, kw) -> dict:
-    with engine.gathered():
-        if kw.get("pp", 1) > 1:
-            return {n: p.detach().clone() for st in engine.module for n, p in zip(st.source_names, st.parameters())}
-        if kw.get("tp", 1) > 1:
-            from colab_kit.tensor.inspect import dense_state
-            return dense_state(engine.module)
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
 def _train(cfgs, extras: bool = False):
@@ -53,7 +35,7 @@ def _train(cfgs, extras: bool = False):
             losses = [engine.train_step(data.batch(s, BATCH)) for s in range(STEPS)]
             rec = engine.sp_plan.recorder
             out[tuple(sorted(kw.items())), opt] = dict(
-                losses=losses, params=_params(engine, kw),
+                losses=losses, params=_named(engine, kw),
                 holds=rec.holds("forward") if rec is not None else None,
                 rotations=sum(e["phase"] == "forward" for e in rec.events) if rec is not None else None)
             engine.close()

@@ -19,20 +19,12 @@ from colab_kit.memory import model_state_bytes
 from colab_kit.models import GPT
 
 from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS, STEPS
-from tests.test_zero import _same_over_dp, _with_unused, reference
+from tests.test_zero import _named, _same_over_dp, _with_unused, reference
 
 WORLD2 = [dict(dp=2, zero=3), dict(dp=2, zero=3, recompute=True), dict(dp=2, zero=3, offload="cpu")]
 WORLD4 = [dict(dp=4, zero=3), dict(dp=4, zero=3, microbatches=2), dict(dp=2, tp=2, zero=3),
           dict(dp=2, tp=2, zero=3, offload="cpu", microbatches=2)]  # Gemini + tp, + accumulation: users hit both
 WORLD8 = [dict(dp=2, tp=4, tp_mode="2d", zero=3)]
-
-
-def _named(engine, kw) -> dict:
-    with engine.gathered():
-        if kw.get("tp", 1) > 1:
-            from colab_kit.tensor.inspect import dense_state
-            return dense_state(engine.module)
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
 def _train(cfgs, extras: bool = False):

@@ -110,6 +110,32 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
                       f"them over pieces and give different updates than zero=0", stacklevel=3)
 
 
+def build_over(tensors, optimizer_factory) -> torch.optim.Optimizer:
+    """``optimizer_factory(tensors)`` (this rank's flat pieces, or their fp32 masters), checked to
+    step exactly these tensors, with an elementwise optimizer (``check_optimizer``)."""
+    tensors = list(tensors)
+    optimizer = optimizer_factory(list(tensors))
+    given = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if given != {id(s) for s in tensors}:
+        raise ConfigError("with ZeRO, optimizer_factory(params) must build the optimizer over exactly the "
+                          "tensors it is given (this rank's flat pieces), e.g. lambda ps: torch.optim.AdamW(ps)")
+    check_optimizer(optimizer)
+    return optimizer
+
+
+def sum_slices(pieces, sums: dict, mesh) -> None:
+    """The tensor plan's gradient sums over replicated axes, on flat pieces: ``sums`` maps an axis to
+    the ``(piece, lo, hi)`` slices that hold marked parameters; one flat all-reduce per axis."""
+    for axis, slices in sums.items():
+        grads = [pieces[i][lo:hi] for i, lo, hi in slices]
+        flat = torch.cat(grads)
+        comm.all_reduce(flat, mesh, axis, tag="replicated grads")
+        off = 0
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()])
+            off += g.numel()
+
+
 def _padded(numel: int, n: int) -> int:
     return -(-numel // n) * n
 
@@ -261,14 +287,7 @@ class ZeroBuckets(GradBuckets):
     def build_optimizer(self, optimizer_factory) -> torch.optim.Optimizer:
         """``optimizer_factory(self.shards)`` (mixed precision: their fp32 masters), checked to step
         exactly these tensors elementwise."""
-        tensors = self.masters.params if self.masters is not None else self.shards
-        optimizer = optimizer_factory(list(tensors))
-        given = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if given != {id(s) for s in tensors}:
-            raise ConfigError("with ZeRO, optimizer_factory(params) must build the optimizer over exactly the "
-                              "tensors it is given (this rank's flat pieces), e.g. lambda ps: torch.optim.AdamW(ps)")
-        check_optimizer(optimizer)
-        return optimizer
+        return build_over(self.masters.params if self.masters is not None else self.shards, optimizer_factory)
 
     def gather_params(self) -> None:
         """All-gather every bucket's updated pieces into the full parameters (in place, buckets in flight together)."""
@@ -309,12 +328,4 @@ class ZeroBuckets(GradBuckets):
     def sync_replicated(self) -> None:
         """The tensor plan's gradient sums (``tensor.sync_grads``), on this rank's reduced pieces
         (mixed precision: on the masters' fp32 gradients)."""
-        pieces = self.masters.grads if self.masters is not None else self._pieces
-        for axis, slices in self._sums.items():
-            grads = [pieces[i][lo:hi] for i, lo, hi in slices]
-            flat = torch.cat(grads)
-            comm.all_reduce(flat, self.mesh, axis, tag="replicated grads")
-            off = 0
-            for g in grads:
-                g.copy_(flat[off:off + g.numel()])
-                off += g.numel()
+        sum_slices(self.masters.grads if self.masters is not None else self._pieces, self._sums, self.mesh)

@@ -46,10 +46,9 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from .. import comm
 from ..config import ConfigError
 from ..precision import MasterWeights
-from .buckets import check_optimizer
+from .buckets import build_over, sum_slices
 from .chunks import Chunk
 
 __all__ = ["ZeroParams", "units_of"]
@@ -259,13 +258,7 @@ class ZeroParams:
 
     def build_optimizer(self, optimizer_factory) -> torch.optim.Optimizer:
         """``optimizer_factory(self.shards)``, checked to step exactly these tensors, elementwise."""
-        tensors = self.masters.params if self.masters is not None else self.shards
-        optimizer = optimizer_factory(list(tensors))
-        given = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if given != {id(s) for s in tensors}:
-            raise ConfigError("with ZeRO, optimizer_factory(params) must build the optimizer over exactly the "
-                              "tensors it is given (this rank's flat pieces), e.g. lambda ps: torch.optim.AdamW(ps)")
-        check_optimizer(optimizer)
+        optimizer = build_over(self.masters.params if self.masters is not None else self.shards, optimizer_factory)
         if self.placement is not None:
             self.placement.optimizer = optimizer
         return optimizer
@@ -298,11 +291,4 @@ class ZeroParams:
     def sync_replicated(self) -> None:
         """The tensor plan's gradient sums over replicated axes, on this rank's reduced pieces."""
         pieces = self.masters.grads if self.masters is not None else [c.shard.grad for c in self.chunks]
-        for axis, slices in self._sums.items():
-            grads = [pieces[i][lo:hi] for i, lo, hi in slices]
-            flat = torch.cat(grads)
-            comm.all_reduce(flat, self.mesh, axis, tag="replicated grads")
-            off = 0
-            for g in grads:
-                g.copy_(flat[off:off + g.numel()])
-                off += g.numel()
+        sum_slices(pieces, self._sums, self.mesh)
