@@ -152,8 +152,9 @@ def main(argv=None):
     def per_step(schedule, kinds):
         return sum(e["end"] - e["start"] for tl in last[schedule] for e in tl
                    if e.get("action") and parse(e["action"]).kind in kinds) / n * 1e3
-    print(f"last rank's compute per step: 1f1b B {per_step('1f1b', ('B',)):.1f} ms; zb-h1 I {per_step('zb-h1', ('I',)):.1f} "
-          f"+ W {per_step('zb-h1', ('W',)):.1f} ms (the split's cost: I + W against B)")
+    b, i, w = per_step('1f1b', ('B',)), per_step('zb-h1', ('I',)), per_step('zb-h1', ('W',))
+    print(f"last rank's compute per step: 1f1b B {b:.1f} ms; zb-h1 I {i:.1f} + W {w:.1f} ms = {(i + w) / b:.3f} of B "
+          f"(the split's cost: I + W against B)")
     gpt2 = dict(gpt, n_layers=args.layers or 4)  # the side-by-side runs on 2 ranks
     pairs = ck.launch(_versus_torch, 2, gpt2, args.batch, m, args.rounds, args.steps)
     for schedule, torch_name in (("1f1b", "Schedule1F1B"), ("zb-h1", "_PipelineScheduleRuntime, same actions")):
