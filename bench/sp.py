@@ -2,8 +2,8 @@
 
 Part 1 (the paper's claim: ring self-attention reaches 3.0x the sequence length of tensor
 parallelism on the same devices). For ring sp=4, ulysses sp=4, split_gather tp=4, tp=4 (1d)
-and one process, a GPT (d=64, 4 heads, 2 layers, batch 2) trains one step at t = 64, 128, ...
-doubling up to --max-t. What a rank holds at its peak is measured by the engine:
+and one process, a GPT (d=64, 4 heads, 2 layers, batch 2) trains one step at t = 128, 256, ...
+(steps of --step) up to --max-t. What a rank holds at its peak is measured by the engine:
 model states (params + grads + optimizer) + the activations saved for backward. The longest
 t whose peak stays under --budget (bytes per rank) is printed per mode, with its ratio to tp=4.
 
@@ -15,7 +15,7 @@ Part 3, peers: DeepSpeed's ``DistributedAttention`` (Ulysses) where deepspeed is
 PyTorch's ring attention is reached through ``context_parallel``, which does not run on CPU
 tensors in torch 2.13, so it is reported as not run on a machine without a GPU.
 
-    python bench/sp.py                          # budget 6 MiB per rank, t up to 2048
+    python bench/sp.py                          # budget 8 MiB per rank, t up to 3072 in steps of 128
     python bench/sp.py --budget 8388608 --max-t 4096 --t 1024 --rounds 5
 """
 from __future__ import annotations
@@ -93,14 +93,15 @@ def _peers() -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--budget", type=int, default=6 << 20, help="bytes per rank (default 6 MiB)")
-    p.add_argument("--max-t", type=int, default=2048)
+    p.add_argument("--budget", type=int, default=8 << 20, help="bytes per rank (default 8 MiB)")
+    p.add_argument("--max-t", type=int, default=3072)
+    p.add_argument("--step", type=int, default=128, help="lengths tried: step, 2 step, ... up to --max-t")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--t", type=int, default=512, help="length of part 2")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=2)
     args = p.parse_args(argv)
-    lengths = [t for t in (2 ** k for k in range(6, 20)) if t <= args.max_t]
+    lengths = list(range(args.step, args.max_t + 1, args.step))
     print(f"part 1: longest sequence under {args.budget:,} B per rank (model states + activations, measured), "
           f"GPT d=64 x 2 layers, batch {args.batch}")
     longest = {}
@@ -112,7 +113,8 @@ def main(argv=None) -> int:
         fits = [t for t, b in res.items() if b <= args.budget]
         longest[name] = max(fits) if fits else 0
         tail = " (the largest t tried: it may fit longer)" if longest[name] == max(lengths) else ""
-        print(f"  {name:18} " + "  ".join(f"t={t}: {b / 2**20:.2f} MiB" for t, b in res.items())
+        shown = list(res.items())[-3:]  # the last lengths tried: the edge of the budget
+        print(f"  {name:18} ... " + "  ".join(f"t={t}: {b / 2**20:.2f} MiB" for t, b in shown)
               + f"   -> longest {longest[name]}{tail}")
     base = longest.get("tp=4 (1d)")
     if base:
