@@ -63,7 +63,8 @@ class EngineRecords:
         est = estimate(self._n_local, states if isinstance(states, str) else _STATE_NAMES[states], dp=cfg.dp,
                        zero=cfg.zero, precision=cfg.precision, model=self._model_cfg if cfg.pp == 1 else None,
                        rows=rows, recompute=cfg.recompute, tp=cfg.tp if cfg.tp_mode == "1d" else 1,
-                       offload=cfg.offload, seq=getattr(self, "_seq", None))
+                       offload=cfg.offload, seq=getattr(self, "_seq", None),
+                       sequence_split=cfg.tp if cfg.sp_mode == "split_gather" and cfg.tp > 1 else 1)
         share = getattr(self.grads, "host_share", None)
         return placed(est, cfg.zero, cfg.offload, share() if share is not None else None)
 

@@ -202,7 +202,8 @@ def placed(est: dict, zero: int = 0, offload: str = "none", host_share: float | 
 
 
 def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | None = None, first: bool = True,
-                     last: bool = True, tp: int = 1, recompute: bool = False, bytes_per_elem: int = 4) -> dict:
+                     last: bool = True, tp: int = 1, recompute: bool = False, bytes_per_elem: int = 4,
+                     sequence_split: int = 1) -> dict:
     """Bytes autograd saves in one forward of ``rows`` sequences through a ``ck.models.GPT``
     (``model`` is its ``GPTConfig``) on one rank: what ``ActivationMeter`` measures.
 
@@ -230,7 +231,9 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
     the token ids and targets of a microbatch that is a slice of a larger batch count as that
     batch (the estimate counts N).
     1D tensor parallelism is estimated for the blocks; its vocabulary-parallel embedding and
-    loss save a little more than the dense ones.
+    loss save a little more than the dense ones. ``sequence_split``: split_gather (Megatron's
+    sequence parallelism in the tp group) keeps each LayerNorm's input and statistics split
+    along the sequence over that many ranks; the rest is 1D's.
 
     >>> from colab_kit.models import GPTConfig
     >>> a = activation_bytes(GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2), 8)
@@ -241,10 +244,11 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
     seq = model.seq_len if seq is None else seq
     layers = model.n_layers if layers is None else layers
     n, e = rows * seq, bytes_per_elem
-    block = 2 * (e * n * h + 8 * n) + 2 * e * n * h + (4 * e * n * h + 4 * n * heads + 2 * e * n * f) // tp
+    ln = (e * n * h + 8 * n) // sequence_split  # one LayerNorm: its input, mean and 1/std
+    block = 2 * ln + 2 * e * n * h + (4 * e * n * h + 4 * n * heads + 2 * e * n * f) // tp
     kept = e * n * h if recompute else block
     embed = 8 * n + 8 * seq if first else 0
-    head = (2 * e * n * h + 8 * n + e * n * vocab // tp + 8 * n + 4) if last else 0
+    head = (ln + e * n * h + e * n * vocab // tp + 8 * n + 4) if last else 0
     held = layers * kept + embed + head
     return {"block": block, "blocks": layers * kept, "embedding": embed, "head": head, "held": held,
             "peak": held + (block if recompute and layers else 0)}
@@ -253,7 +257,7 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
 def estimate(n_params: int, optimizer="adamw", bytes_per_param: int | None = None, dp: int = 1, zero: int = 0,
              *, precision: str | None = None, model=None, rows: int = 0, recompute: bool = False, tp: int = 1,
              layers: int | None = None, first: bool = True, last: bool = True, offload: str = "none",
-             seq: int | None = None) -> dict:
+             seq: int | None = None, sequence_split: int = 1) -> dict:
     """Estimated bytes per rank in the categories ``engine.memory()`` measures.
 
     params, grads, optimizer: ``model_state_bytes`` (the ZeRO paper's formulas, Psi =
@@ -289,6 +293,7 @@ def estimate(n_params: int, optimizer="adamw", bytes_per_param: int | None = Non
     acts = 0
     if model is not None and rows:
         acts = activation_bytes(model, rows, seq=seq, layers=layers, first=first, last=last, tp=tp, recompute=recompute,
+                                sequence_split=sequence_split,
                                 bytes_per_elem=PRECISION_BYTES[precision])["held"]
     out["activations"] = acts
     return out

@@ -42,7 +42,7 @@ def _one_step(kw, n_layers):
     engine.train_step(SyntheticTokens(64, 16, seed=1).batch(0, BATCH))
     recs = [(r["op"], r["tag"], r["bytes"], r["wire"]) for r in engine.comm(last_step=True)
             if r["axis"] == "tp" and r["tag"] not in SKIP_TAGS]
-    return recs, engine.memory()["activations"]
+    return recs, engine.memory()["activations"], engine.memory_estimate()["activations"]
 
 
 def _refused_length():
@@ -128,6 +128,8 @@ def test_split_gather_holds_fewer_activation_bytes_than_1d(spawned):
             split = (2 * L + 1) * (b * t * h + 2 * b * t) * 4
             assert one_d - sg == split * (n - 1) // n, (world, rank, one_d, sg)
             assert sg < one_d
+            est_1d, est_sg = steps["1d", 2][2], steps["sg", 2][2]  # the estimator knows the split too
+            assert est_1d - est_sg == split * (n - 1) // n, (world, rank, est_1d, est_sg)
 
 
 def test_a_sequence_that_does_not_split_is_refused_with_the_multiple(spawned):
