@@ -23,8 +23,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import sys
 import time
 import traceback
+from contextlib import contextmanager
 from datetime import timedelta
 
 from . import tracebacks
@@ -96,6 +98,23 @@ def _worker(rank, world_size, port, payload, results, backend, threads, timeout)
         dist.destroy_process_group()
 
 
+@contextmanager
+def _main_not_reimported():
+    """Start ranks without importing a main module that is no file again (``python - < script``,
+    a pipe, an embedded interpreter): multiprocessing would try to, and every rank would die with
+    FileNotFoundError. The ranks get ``fn`` by value (``tracebacks.pack``), so they need not."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.isfile(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
 def launch(fn, world_size: int, *args, backend: str | None = None, timeout: float = 600.0,
            grace: float = 5.0, threads: int | None = None) -> list:
     """Run ``fn(*args)`` on ``world_size`` local ranks; return the results in rank order.
@@ -117,8 +136,9 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout: floa
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, payload, results, backend, threads,
                                                timeout), daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with _main_not_reimported():
+        for p in procs:
+            p.start()
     reported: set[int] = set()
     try:
         return _collect(procs, results, timeout, grace, reported)

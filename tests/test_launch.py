@@ -299,3 +299,15 @@ def test_an_unguarded_script_is_told_why_its_ranks_died(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "RankError" in done.stderr and 'under `if __name__ == "__main__":`' in done.stderr
+
+
+def test_launch_from_a_script_piped_to_python():
+    """``python - < script`` (a heredoc, a pipe): the main module is no file, so the ranks must not
+    import it again; they get the function by value and run."""
+    import subprocess
+
+    code = "import colab_kit as ck\ndef f():\n    import torch.distributed as dist\n    return 10 * dist.get_rank()\n" \
+           "print(ck.launch(f, 2), ck.launch(lambda: 7, 2))\n"
+    done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0, 10] [7, 7]"
