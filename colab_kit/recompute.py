@@ -65,11 +65,11 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from .classes import derived_class
 from .config import ConfigError
 
 __all__ = ["recompute_blocks", "is_recomputed", "recomputed_class"]
 
-_CLASSES: dict[type, type] = {}
 
 
 class _Hold(torch.autograd.Function):
@@ -90,19 +90,17 @@ def recomputed_class(cls: type) -> type:
     """The subclass of ``cls`` whose forward recomputes in backward (one per class, made once)."""
     if getattr(cls, "_ck_recomputed_from", None) is not None:
         return cls
-    if cls not in _CLASSES:
+
+    def make_forward(cls):
         def forward(self, x, *args, **kwargs):
             if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
                 return cls.forward(self, x, *args, **kwargs)
             return checkpoint(cls.forward, self, _Hold.apply(x), *args, use_reentrant=False, **kwargs)
+        return forward
 
-        name = f"Recomputed{cls.__name__}"
-        new = type(name, (cls,), {"forward": forward, "_ck_recomputed_from": cls, "__module__": __name__,
-                                  "__qualname__": name, "__doc__": f"``{cls.__name__}`` whose activations "
-                                  "are recomputed in backward (colab_kit.recompute)."})
-        _CLASSES[cls] = new
-        globals().setdefault(name, new)  # pickled by reference, like a class written here
-    return _CLASSES[cls]
+    return derived_class(cls, "Recomputed", make_forward, __name__,
+                         f"``{cls.__name__}`` whose activations are recomputed in backward (colab_kit.recompute).",
+                         _ck_recomputed_from=cls)
 
 
 def is_recomputed(module: nn.Module) -> bool:

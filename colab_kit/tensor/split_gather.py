@@ -55,6 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
+from ..classes import derived_class
 from ..pipeline.zero_bubble import split_linear
 from . import mark_grad_sum, require_divisible
 from .tp1d import ColumnLinear, Plan1D, RowLinear, VocabEmbedding
@@ -119,9 +120,6 @@ def sum_over(param: nn.Parameter, axis: str) -> nn.Parameter:
     return mark_grad_sum(param, *axes, *(() if axis in axes else (axis,)))
 
 
-_GATHERED: dict[type, type] = {}
-
-
 def gathered_class(cls: type) -> type:
     """The subclass of ``cls`` whose forward runs g on its input first (one per class, made once).
 
@@ -131,17 +129,15 @@ def gathered_class(cls: type) -> type:
     """
     if getattr(cls, "_ck_gathered_from", None) is not None:
         return cls
-    if cls not in _GATHERED:
+
+    def make_forward(cls):
         def forward(self, x, *args, **kwargs):
             return cls.forward(self, gather_from_sequence_parallel(x, self._sg_mesh, self._sg_axis), *args, **kwargs)
+        return forward
 
-        name = f"Gathered{cls.__name__}"
-        new = type(name, (cls,), {"forward": forward, "_ck_gathered_from": cls, "__module__": __name__,
-                                  "__qualname__": name, "__doc__": f"``{cls.__name__}`` entered through g: "
-                                  "its input all-gathered along the sequence (colab_kit.tensor.split_gather)."})
-        _GATHERED[cls] = new
-        globals().setdefault(name, new)  # pickled by reference, like a class written here
-    return _GATHERED[cls]
+    return derived_class(cls, "Gathered", make_forward, __name__, f"``{cls.__name__}`` entered through g: its "
+                         "input all-gathered along the sequence (colab_kit.tensor.split_gather).",
+                         _ck_gathered_from=cls)
 
 
 def gather_at_entry(module: nn.Module, mesh, axis: str = "tp") -> nn.Module:
