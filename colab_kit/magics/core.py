@@ -7,6 +7,7 @@
     %colossal schedule --pp 4 --microbatches 8 --schedule zb-h1   # planned grid, bubble (no cluster)
     %colossal timeline --var engine   # the last step of `engine` on every rank (measured)
     %colossal memory --by place       # memory per rank, measured beside the estimate (MemoryView)
+    %colossal plan --model MODEL --batch 16 --memory 64MiB   # candidates, estimated (PlannerView)
     %colossal status | stop | restart
 
     %%colossal --ranks 0,2 --timeout 30
@@ -173,6 +174,44 @@ class ColossalMagics(Magics):
             return view
         print(repr(view))
         return view.figure()
+
+    def _do_plan(self, args, words):
+        """``ck.plan`` for the model in ``--model``: a ``PlannerView`` where widgets render (Apply sets the
+        chosen config as ``%colossal config`` does); elsewhere its text table, and the scatter as the result."""
+        from ..planner import plan
+        from ..widgets.planner_view import PlannerView
+
+        model_cfg = self._model_config(args.model)
+        if args.world is not None:
+            ranks = args.world
+        elif self.state.cluster is not None and self.state.cluster.running:
+            ranks = self.state.cluster.world_size
+        else:
+            raise UsageError("%colossal plan: no cluster to take the number of ranks from: "
+                             "give --ranks N, or run %colossal start -n 4 first")
+        try:
+            cands = plan(model_cfg, ranks, args.batch, memory_per_rank=args.memory)
+            view = PlannerView(cands, self.state, memory_per_rank=args.memory, top=args.top)
+        except ValueError as exc:  # ConfigError included: the rule the model, batch or ranks break
+            raise UsageError(f"%colossal plan: {exc}") from None
+        if self._notebook and _has_widgets():
+            return view
+        print(repr(view))
+        return view.figure()
+
+    def _model_config(self, var: str):
+        """The GPTConfig in the kernel variable ``var`` (or the ``.cfg`` of a GPT there)."""
+        from ..models import GPTConfig
+
+        if var not in self.shell.user_ns:
+            raise UsageError(f"%colossal plan: no variable {var!r} in the kernel: define the model's config first, "
+                             f"e.g. {var} = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4)")
+        value = self.shell.user_ns[var]
+        value = value if isinstance(value, GPTConfig) else getattr(value, "cfg", value)
+        if not isinstance(value, GPTConfig):
+            raise UsageError(f"%colossal plan: {var!r} is a {type(value).__name__}, not a GPTConfig or a GPT: "
+                             "--model names a variable holding the model's GPTConfig")
+        return value
 
     def _do_status(self, args, words):
         cluster = self.state.cluster

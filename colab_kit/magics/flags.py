@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import shlex
 
 from IPython.core.error import UsageError
@@ -45,7 +46,23 @@ def _rank_list(text: str) -> list[int]:
     return ranks
 
 
-_positive_int.__name__, _seconds.__name__ = "int", "float"  # argparse names the type in its message
+_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _bytes(text: str) -> int:
+    """``64MiB``, ``1.5GiB``, ``4096`` (bytes): binary units only, so 64MiB is exactly 64 * 2**20."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = m and (m.group(2).lower() or "b")
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected bytes like 64MiB, 1.5GiB or 4096 (units B, KiB, MiB, GiB, TiB), "
+                                         f"got {text!r}")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte, got {text!r}")
+    return value
+
+
+_positive_int.__name__, _seconds.__name__, _bytes.__name__ = "int", "float", "bytes"  # argparse names the type in its message
 
 FLAGS = {
     "n": (("-n",), dict(type=_positive_int, default=None, metavar="N",
@@ -62,6 +79,13 @@ FLAGS = {
     "var": (("--var",), dict(default="engine", metavar="NAME", help="the engine's variable on the ranks")),
     "by": (("--by",), dict(default="category", choices=("category", "place"), metavar="category|place",
                            help="stack the bars by category (params, grads, ...) or by place (device, host)")),
+    "model": (("--model",), dict(required=True, metavar="VAR", help="a GPTConfig (or GPT) in a kernel variable")),
+    "batch": (("--batch",), dict(type=_positive_int, required=True, metavar="N", help="global batch (sequences per step)")),
+    "world": (("--ranks",), dict(type=_positive_int, default=None, metavar="N",
+                                 help="ranks to plan for; default: the cluster's size")),
+    "memory": (("--memory",), dict(type=_bytes, default=None, metavar="64MiB",
+                                   help="memory per rank (B, KiB, MiB, GiB); candidates over it are marked")),
+    "top": (("--top",), dict(type=_positive_int, default=10, metavar="K", help="show the best K candidates")),
 }
 COMMANDS = {  # name: (flags, takes config words, help)
     "start": (("n", "engines", "timeout"), False, "start engines and torch.distributed; show the ranks"),
@@ -71,6 +95,8 @@ COMMANDS = {  # name: (flags, takes config words, help)
                  "plan a pipeline schedule (no cluster needed): grid, bubble, peak activations"),
     "timeline": (("var",), False, "the last training step of every rank: compute, communication, idle"),
     "memory": (("var", "by"), False, "memory per rank, measured beside the estimate, refreshed after each step"),
+    "plan": (("model", "batch", "world", "memory", "top"), False,
+             "plan a model's parallel configs (estimated memory and step time), Apply one (PlannerView)"),
     "status": ((), False, "show the cluster, its ranks and config"),
     "stop": ((), False, "stop the cluster"),
     "restart": ((), False, "fresh engines with the same config (after a failure)"),

@@ -1,0 +1,97 @@
+"""PlannerView: the text table, choosing by row or by point, Apply by %colossal config's path."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import colab_kit as ck
+from colab_kit.widgets import PlannerView
+from tests.test_viz_planner import CANDS, MIB
+
+
+class _State:
+    """Records what Apply hands to ``apply_config`` (the path %colossal config takes)."""
+
+    def __init__(self, outcome="config set on 4 ranks: tp=4 (1d) = 4 ranks"):
+        self.outcome, self.seen = outcome, []
+
+    def apply_config(self, config):
+        self.seen.append(config)
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return self.outcome
+
+
+def test_text_table_chooses_the_best_that_fits_and_says_it_is_planned(capsys):
+    v = PlannerView(CANDS[2:] + CANDS[:2], state=_State(), memory_per_rank=8 * MIB)
+    assert v.selected == 2  # the first candidate that fits, best first
+    lines = repr(v).splitlines()
+    assert lines[0] == "PlannerView: 4 candidates, best first (planned: estimated, not run); memory per rank 8.00 MiB"
+    assert lines[1].split() == ["#", "config", "params", "grads", "optimizer", "activations", "step", "ms", "fits",
+                                "why"]
+    assert lines[2].split() == ["0", "tp=4", "9.00", "0.00", "0.00", "0.00", "30.00", "no", "tp", "all-reduce"]
+    assert lines[4].startswith(" >   2  dp=4 ")
+    assert lines[5].split()[:7] == ["3", "dp=4", "zero=3", "offload=cpu", "1.00", "0.00", "6.00"]
+    assert lines[-1] == "  chosen: #2 dp=4 (dp=4 = 4 ranks)"
+    v._ipython_display_()  # outside a kernel: the text, no widget built
+    assert capsys.readouterr().out == repr(v) + "\n" and v._ui is None
+
+
+def test_select_and_apply_go_through_the_state():
+    state = _State()
+    v = PlannerView(CANDS, state=state, memory_per_rank=8 * MIB, top=3)
+    assert len(v.candidates) == 3
+    assert v.select(2) == "chosen: #2 tp=4 (tp=4 (1d) = 4 ranks); estimated not to fit: tp all-reduce"
+    assert list(v.figure().data[-1].customdata) == [2]
+    assert v.apply() == "config set on 4 ranks: tp=4 (1d) = 4 ranks" and state.seen == [ck.ParallelConfig(tp=4)]
+    assert repr(v).endswith("\n  config set on 4 ranks: tp=4 (1d) = 4 ranks")
+    state.outcome = ck.ConfigError("this config needs dp*pp*sp*tp = 1*1*1*4 = 4 ranks, but there are 8: try dp=2")
+    assert v.apply() == "not applied: this config needs dp*pp*sp*tp = 1*1*1*4 = 4 ranks, but there are 8: try dp=2"
+    with pytest.raises(ValueError, match=r"candidate 3: choose 0..2"):
+        v.select(3)
+    with pytest.raises(ValueError, match="no candidates to show"):
+        PlannerView([], state=state)
+    assert PlannerView(CANDS, state=None)._apply().startswith("not applied: no %colossal state")
+
+
+def test_a_row_or_a_point_chooses_and_the_button_applies():
+    state = _State()
+    v = PlannerView(CANDS, state=state)
+    v.widget()
+    ui = v._ui
+    assert [label.split()[1] for label, _ in ui["table"].options] == ["dp=4", "dp=4", "tp=4", "pp=4"]
+    ui["table"].value = 3  # a click on row 3
+    assert v.selected == 3 and ui["status"].value.startswith("chosen: #3 pp=4 microbatches=4")
+    fig = ui["figure"]
+    if not hasattr(fig, "data"):
+        pytest.skip("no anywidget: the figure is a plain Output, nothing to click")
+    assert list(fig.data[-1].customdata) == [3]  # the ring moved with the row
+    from plotly.callbacks import InputDeviceState, Points
+
+    fits = next(t for t in fig.data if t.name == "fits")
+    fits._dispatch_on_click(Points(point_inds=[1], trace_name="fits"), InputDeviceState())  # a click on a point
+    assert v.selected == 1 and ui["table"].value == 1 and list(ui["figure"].data[-1].customdata) == [1]
+    assert v.click_apply() is None  # no running loop: applied at once
+    assert state.seen == [CANDS[1].config] and ui["message"].value == "config set on 4 ranks: tp=4 (1d) = 4 ranks"
+    assert (ui["apply"].disabled, ui["apply"].description) == (False, "Apply")
+    state.outcome = RuntimeError("boom")
+    v.click_apply()
+    assert ui["message"].value == "not applied: RuntimeError: boom"
+
+
+def test_apply_through_the_view_sets_the_config_as_the_magic_does(cluster):
+    state = ck.magics.ColossalState()
+    state.cluster = cluster
+    cands = [SimpleNamespace(**{**vars(c), "config": cfg}) for c, cfg in
+             zip(CANDS, (ck.ParallelConfig(dp=2, tp=2), ck.ParallelConfig(pp=2, dp=2, microbatches=2),
+                         ck.ParallelConfig(dp=8)))]
+    v = PlannerView(cands, state=state)
+    v.select(1)
+    assert v.apply() == "config set on 4 ranks: dp=2 x pp=2 = 4 ranks"
+    assert state.config == cluster.config == ck.ParallelConfig(pp=2, dp=2, microbatches=2)
+    assert cluster.execute("print(mesh.ranks('pp'), config.microbatches)", ranks=[3])[3].stdout == "[1, 3] 2\n"
+    v.select(2)  # planned for 8 ranks: refused by the same check as %colossal config, nothing changes
+    assert v.apply() == ("not applied: this config needs dp*pp*sp*tp = 8*1*1*1 = 8 ranks, but there are 4: "
+                         "try dp=4")
+    assert state.config == cluster.config == ck.ParallelConfig(pp=2, dp=2, microbatches=2)
