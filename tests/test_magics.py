@@ -431,3 +431,22 @@ def test_progress_goes_only_to_a_method_that_takes_it():
     assert with_progress(lambda: "old", told.append) == "old"  # a Cluster without the keyword still starts
     assert with_progress(lambda progress=None: progress, told.append) == told.append
     assert with_progress(lambda progress=None: progress, None) is None
+
+
+def test_plan_refuses_bad_input_before_planning(run, ip, state):
+    ip.user_ns["MODEL"] = ck.models.GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+    ip.user_ns["not_a_model"] = 3
+    _usage(run, "%colossal plan --batch 8", "the following arguments are required: --model",
+           "Usage: %colossal plan --model VAR --batch N [--ranks N] [--memory 64MiB] [--top K]")
+    _usage(run, "%colossal plan --model MODEL --batch 8 --memory 64MB",
+           "argument --memory: expected bytes like 64MiB, 1.5GiB or 4096 (units B, KiB, MiB, GiB, TiB), got '64MB'")
+    _usage(run, "%colossal plan --model MODEL --batch 0", "argument --batch: must be a positive whole number, got '0'")
+    _usage(run, "%colossal plan --model MODEL --batch 8 --top 0", "argument --top: must be a positive whole number")
+    _usage(run, "%colossal plan --model MODL --batch 8 --ranks 4", "no variable 'MODL' in the kernel",
+           "MODL = GPTConfig(")
+    _usage(run, "%colossal plan --model not_a_model --batch 8 --ranks 4", "'not_a_model' is a int, not a GPTConfig")
+    _usage(run, "%colossal plan --model MODEL --batch 8", "no cluster to take the number of ranks from: give --ranks N")
+    error, out, _ = run("%colossal help plan")
+    assert error is None and out.startswith("usage: %colossal plan --model VAR --batch N")
+    assert "--memory 64MiB" in out and "memory per rank (B, KiB, MiB, GiB)" in out
+    assert state.config is None

@@ -178,9 +178,6 @@ class ColossalMagics(Magics):
     def _do_plan(self, args, words):
         """``ck.plan`` for the model in ``--model``: a ``PlannerView`` where widgets render (Apply sets the
         chosen config as ``%colossal config`` does); elsewhere its text table, and the scatter as the result."""
-        from ..planner import plan
-        from ..widgets.planner_view import PlannerView
-
         model_cfg = self._model_config(args.model)
         if args.world is not None:
             ranks = args.world
@@ -189,6 +186,9 @@ class ColossalMagics(Magics):
         else:
             raise UsageError("%colossal plan: no cluster to take the number of ranks from: "
                              "give --ranks N, or run %colossal start -n 4 first")
+        from ..planner import plan
+        from ..widgets.planner_view import PlannerView
+
         try:
             cands = plan(model_cfg, ranks, args.batch, memory_per_rank=args.memory)
             view = PlannerView(cands, self.state, memory_per_rank=args.memory, top=args.top)

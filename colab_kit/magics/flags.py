@@ -111,7 +111,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}. Usage: {self.usage_line()}")
 
     def usage_line(self) -> str:
-        return self.format_usage().strip()[len("usage: "):]
+        return " ".join(self.format_usage().split())[len("usage: "):]  # one line, however argparse wrapped it
 
 
 def parser(prog: str, flags, help: str = "", words: bool = False) -> _Parser:
