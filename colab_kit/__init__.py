@@ -21,11 +21,12 @@ __version__ = "0.1.0"
 
 __all__ = ["ParallelConfig", "ConfigError", "MeshLayout", "ProcessMesh", "launch", "Cluster", "boost",
            "Engine", "RankError", "RankTimeout", "models", "datasets", "viz", "widgets", "comm", "tensor", "pipeline",
-           "reference"]
+           "reference", "plan", "planner"]
 
-_LAZY = {"Cluster": ("cluster", "Cluster"), "boost": ("engine", "boost"), "Engine": ("engine", "Engine")}
+_LAZY = {"Cluster": ("cluster", "Cluster"), "boost": ("engine", "boost"), "Engine": ("engine", "Engine"),
+         "plan": ("planner", "plan")}
 _SUBMODULES = {"models", "datasets", "viz", "widgets", "comm", "magics", "cluster", "engine", "data", "memory",
-               "tensor", "pipeline", "reference"}
+               "tensor", "pipeline", "reference", "planner"}
 
 
 def __getattr__(name):

@@ -37,7 +37,13 @@ import torch
 from . import comm
 from .precision import MasterWeights
 
-__all__ = ["GradBuckets", "split_batch"]
+__all__ = ["GradBuckets", "split_batch", "default_bucket_bytes"]
+
+
+def default_bucket_bytes(total: int) -> int:
+    """Bucket size for ``total`` gradient bytes: about two buckets (the first overlaps backward),
+    64 KiB to DDP's 25 MB cap. ``ck.plan`` counts the all-reduces per step from it."""
+    return min(25 << 20, max(64 << 10, total // 2))
 
 
 def split_batch(batch: torch.Tensor, parts: int, index: int, what: str = "dp") -> torch.Tensor:
@@ -88,9 +94,8 @@ class GradBuckets:
         self.events = events if events is not None else []
         params = [p for p in params if p.requires_grad]
         self._params = params
-        if bucket_bytes is None:  # about two buckets: the first overlaps backward; DDP's 25 MB cap
-            total = sum(p.numel() * p.element_size() for p in params)
-            bucket_bytes = min(25 << 20, max(64 << 10, total // 2))
+        if bucket_bytes is None:
+            bucket_bytes = default_bucket_bytes(sum(p.numel() * p.element_size() for p in params))
         groups, group, nbytes = [], [], 0
         for p in reversed(params):
             group.append(p)
@@ -203,6 +208,14 @@ class GradBuckets:
         self.flat.zero_()
         for b in self.buckets:
             b.staged = None
+
+    def optimizer_layout(self) -> list[tuple[torch.Tensor, list[tuple]]]:
+        """For each tensor the optimizer steps: ``(tensor, runs)``, a run ``(param, start, length, at)``
+        saying that elements ``[start, start + length)`` of ``param.reshape(-1)`` are at ``[at, at + length)``
+        of ``tensor.reshape(-1)`` (``colab_kit.checkpoint`` maps them to the dense model). Here each
+        tensor is one parameter (or its fp32 master), whole."""
+        steps = self.masters.params if self.masters is not None else self._params
+        return [(t, [(p, 0, p.numel(), 0)]) for t, p in zip(steps, self._params)]
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -1,0 +1,248 @@
+"""``ck.plan``: which parallel configuration to run, estimated before anything runs.
+
+    >>> import colab_kit as ck
+    >>> from colab_kit.models import GPTConfig
+    >>> model = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2)
+    >>> cands = ck.plan(model, 4, batch=16, constants=ck.planner.EXAMPLE_CONSTANTS)
+    >>> cands[0].config.world_size, cands[0].fits
+    (4, True)
+    >>> sorted(cands[0].memory)[:4]
+    ['activations', 'device', 'grads', 'host']
+
+Every config that ``ParallelConfig`` accepts for ``world_size`` ranks, that ``boost`` runs
+(``engine.unsupported``) and that the model and batch admit (``tensor.check_model``,
+``SequencePlan.check``, ``pipeline.stage.check_stages``, the batch over dp x microbatches and the
+tensor plan's batch shards) is a candidate: dp, tp in four modes, pp with every schedule and a
+few microbatch counts, ring / Ulysses / split_gather, ZeRO 0-3, offload none / cpu (and 'auto'
+when ``memory_per_rank`` is given: ``cand.boost_kwargs == {"device_budget": memory_per_rank}``),
+recomputation on and off. For each: memory per rank from ``colab_kit.estimate.config_estimate``
+(the estimate ``engine.memory_estimate()`` reports) and seconds per step from ``cost`` with
+constants measured on this machine (``constants``). Within one parallel shape (the degrees,
+modes and schedule) a candidate that another one beats on both memory and time is dropped.
+
+This package is ``colab_kit.planner``, not ``colab_kit.plan``: a submodule named ``plan``
+would become the attribute ``colab_kit.plan`` once imported, shadowing the function
+``ck.plan`` that ``colab_kit/__init__.py`` exports lazily from here.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from ..config import ConfigError, ParallelConfig
+from .constants import constants
+
+__all__ = ["plan", "Candidate", "Candidates", "constants", "enumerate_configs", "EXAMPLE_CONSTANTS"]
+
+_OP = {"alpha": 1e-4, "beta": 1e9}
+EXAMPLE_CONSTANTS = {"ranks": 0, "matmul": {"call_seconds": 1e-5, "flops_per_s": 1e10},
+                     "memory": {"bytes_per_s": 1e10},
+                     "comm": {"2": {op: dict(_OP) for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                                                             "all_to_all", "send")}}}
+"""Round numbers (not measured) for examples and tests that must not depend on the machine."""
+
+
+@dataclass
+class Candidate:
+    """One configuration with its estimates (see the module docstring)."""
+
+    config: ParallelConfig
+    memory: dict
+    step_seconds: float
+    fits: bool
+    breakdown: dict
+    collectives: dict = field(default_factory=dict)
+    boost_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.memory["device"].values())
+
+    @property
+    def why(self) -> str:
+        """What dominates the cost, e.g. ``compute 71%, comm:tp 22% (8 per step)``."""
+        total = self.step_seconds or 1.0
+        top = sorted(self.breakdown.items(), key=lambda kv: -kv[1])[:2]
+        words = []
+        for k, v in top:
+            n = self.collectives.get(k.split(":")[1]) if k.startswith("comm:") else None
+            words.append(f"{k} {100 * v / total:.0f}%" + (f" ({n} per step)" if n else ""))
+        return ", ".join(words)
+
+    def describe(self) -> str:
+        c = self.config
+        extra = [f"zero={c.zero}"] * bool(c.zero) + [f"offload={c.offload}"] * (c.offload != "none")
+        if c.pp > 1:
+            extra.append(f"{c.schedule} m={c.microbatches}" + (f" v={c.chunks}" if c.chunks > 1 else ""))
+        elif c.microbatches > 1:
+            extra.append(f"m={c.microbatches}")
+        if c.sp > 1 or c.sp_mode == "split_gather":
+            extra.append(c.sp_mode)
+        text = c.describe().split(" = ")[0].replace(", recompute", "")
+        return " ".join([text] + extra + ["recompute"] * c.recompute)
+
+
+class Candidates(list):
+    """The candidates, best first; ``table()`` as text, ``_repr_html_()`` in a notebook."""
+
+    constants: dict = {}
+    memory_per_rank: int | None = None
+
+    def table(self, top: int | None = None) -> str:
+        rows = self[:top] if top else self
+        head = f"{'#':>3}  {'config':44} {'fits':4} {'MiB/rank':>9} {'states':>9} {'acts':>9} {'ms/step':>8}  why"
+        lines = [head]
+        for i, c in enumerate(rows):
+            states = c.memory["params"] + c.memory["grads"] + c.memory["optimizer"]
+            lines.append(f"{i:>3}  {c.describe()[:44]:44} {'yes' if c.fits else 'no':4} {c.device_bytes / 2**20:9.2f} "
+                         f"{states / 2**20:9.2f} {c.memory['activations'] / 2**20:9.2f} {1e3 * c.step_seconds:8.1f}  "
+                         f"{c.why}")
+        budget = "no memory limit" if self.memory_per_rank is None else f"memory_per_rank {self.memory_per_rank:,} B"
+        lines.append(f"{len(rows)} of {len(self)} candidates; {budget}; estimates (MiB on the device per rank)")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        import html
+        rows = "".join(
+            f"<tr style='{'' if c.fits else 'color:#999'}'><td>{i}</td><td>{html.escape(c.describe())}</td>"
+            f"<td>{'yes' if c.fits else 'no'}</td><td>{c.device_bytes / 2**20:.2f}</td>"
+            f"<td>{1e3 * c.step_seconds:.1f}</td><td>{html.escape(c.why)}</td></tr>" for i, c in enumerate(self))
+        return ("<table><thead><tr><th>#</th><th>config</th><th>fits</th><th>MiB/rank (est.)</th>"
+                f"<th>ms/step (est.)</th><th>why</th></tr></thead><tbody>{rows}</tbody></table>")
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _tensor_modes(tp: int):
+    yield "1d", 1
+    if tp > 1 and math.isqrt(tp) ** 2 == tp:
+        yield "2d", 1
+    for d in _divisors(tp)[1:]:
+        if tp // d > 1 and math.isqrt(tp // d) ** 2 == tp // d:
+            yield "2.5d", d
+    q = round(tp ** (1 / 3))
+    if tp > 1 and q ** 3 == tp:
+        yield "3d", 1
+
+
+def _pipelines(pp: int):
+    if pp == 1:
+        yield from (("1f1b", 1, m) for m in (1, 2))
+        return
+    for m in (pp, 2 * pp):
+        for s in ("gpipe", "1f1b", "zb-h1"):
+            yield s, 1, m
+        yield "interleaved", 2, m
+        yield "zb-v", 2, m
+
+
+def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32", with_auto: bool = False):
+    """Every config boost runs for this model and batch on ``world_size`` ranks (see the module docstring)."""
+    from ..engine import unsupported
+    from ..pipeline.stage import check_stages
+    from ..sequence.plan import SequencePlan
+    from ..tensor import check_model
+
+    for tp, sp, pp in itertools.product(_divisors(world_size), repeat=3):
+        if world_size % (tp * sp * pp):
+            continue
+        dp = world_size // (tp * sp * pp)
+        for (mode, depth), sp_mode, (schedule, chunks, m) in itertools.product(
+                _tensor_modes(tp), ("ring", "ulysses") if sp > 1 else ("ring", "split_gather") if tp > 1 else ("ring",),
+                _pipelines(pp)):
+            for zero, offload, recompute in itertools.product((0, 1, 2, 3) if dp > 1 else (0,),
+                                                              ("none", "cpu", "auto"), (False, True)):
+                if (offload == "auto" and not with_auto) or (offload != "none" and zero == 0):
+                    continue
+                try:
+                    cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, tp_mode=mode, tp_depth=depth, sp_mode=sp_mode,
+                                         zero=zero, offload=offload, microbatches=m, schedule=schedule, chunks=chunks,
+                                         precision=precision, recompute=recompute)
+                    if unsupported(cfg) is not None:
+                        continue
+                    check_model(model, cfg)
+                    if sp > 1:
+                        SequencePlan.check(model, cfg)
+                    if pp > 1:
+                        check_stages(model.n_layers, cfg)
+                except ConfigError:
+                    continue
+                shards = {"1d": 1, "2d": cfg.tp_q, "2.5d": depth * cfg.tp_q, "3d": cfg.tp_q ** 2}[mode]
+                if batch % (dp * m) or (batch // (dp * m)) % shards:
+                    continue
+                yield cfg
+
+
+def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision: str = "fp32",
+         optimizer: str = "adamw", *, seq: int | None = None, constants: dict | None = None,
+         limit: int | None = None) -> Candidates:
+    """Candidates for training ``model_cfg`` (a ``ck.models.GPTConfig``) on ``world_size`` ranks with
+    a global ``batch`` of rows per step, best first: those that fit ``memory_per_rank`` bytes
+    (device bytes per rank), then by estimated seconds per step. ``limit`` keeps the first N."""
+    from ..estimate import config_estimate
+    from ..memory import optimizer_states
+    from .cost import step_seconds
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive whole number of ranks, got {world_size!r}: try 4")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ConfigError(f"batch must be a positive whole number of rows per step, got {batch!r}: try {world_size * 4}")
+    optimizer_states(optimizer)  # an unknown name is refused here
+    if memory_per_rank is not None and (not isinstance(memory_per_rank, int) or memory_per_rank <= 0):
+        raise ConfigError(f"memory_per_rank must be a positive number of bytes, got {memory_per_rank!r}")
+    seq = model_cfg.seq_len if seq is None else seq
+    if seq != model_cfg.seq_len:
+        import dataclasses
+        model_cfg = dataclasses.replace(model_cfg, seq_len=seq)
+    consts = constants if constants is not None else globals()["constants"](ranks=world_size)
+    out = Candidates()
+    out.constants, out.memory_per_rank = consts, memory_per_rank
+    for cfg in enumerate_configs(model_cfg, world_size, batch, precision, with_auto=memory_per_rank is not None):
+        mem = config_estimate(model_cfg, cfg, batch, optimizer, host_share=None)
+        kwargs = {}
+        if cfg.offload == "auto":  # the placement puts on the host what does not fit
+            kwargs = {"device_budget": memory_per_rank}
+            mem = _auto_placed(mem, memory_per_rank)
+        seconds, parts, counts = step_seconds(model_cfg, cfg, batch, consts, mem)
+        fits = memory_per_rank is None or sum(mem["device"].values()) <= memory_per_rank
+        out.append(Candidate(cfg, mem, seconds, fits, parts, counts, kwargs))
+    if not out:
+        raise ConfigError(f"no configuration runs a global batch of {batch} rows on {world_size} ranks for this model: "
+                          f"the batch must split over dp x microbatches (and the tensor plan's batch shards); "
+                          f"try a batch that is a multiple of {world_size}, e.g. {world_size * max(1, batch // world_size)}"
+                          f" or {world_size * 4}")
+    kept = _prune(out)
+    kept.sort(key=lambda c: (not c.fits, c.step_seconds))
+    result = Candidates(kept[:limit] if limit else kept)
+    result.constants, result.memory_per_rank = consts, memory_per_rank
+    return result
+
+
+def _auto_placed(mem: dict, budget: int) -> dict:
+    """offload='auto' (ZeRO-3 chunks placed under the budget): the model states that do not fit
+    beside the activations go to the host, in proportion."""
+    from ..memory import placed
+    states = mem["params"] + mem["grads"] + mem["optimizer"]
+    room = max(0, budget - mem["activations"])
+    share = 0.0 if states <= room else 1.0 - room / states
+    est = {k: mem[k] for k in ("params", "grads", "optimizer", "activations")}
+    return placed(est, 3, "auto", share)
+
+
+def _prune(cands: list) -> list:
+    """Within each parallel shape keep the candidates no other one beats on device bytes and time."""
+    groups: dict = {}
+    for c in cands:
+        k = c.config
+        groups.setdefault((k.dp, k.tp, k.pp, k.sp, k.tp_mode, k.tp_depth, k.sp_mode, k.schedule, k.chunks), []).append(c)
+    kept = []
+    for group in groups.values():
+        for i, c in enumerate(group):
+            mine = (c.device_bytes, c.step_seconds)
+            if not any(o.device_bytes <= mine[0] and o.step_seconds <= mine[1]
+                       and ((o.device_bytes, o.step_seconds) != mine or j < i) for j, o in enumerate(group) if j != i):
+                kept.append(c)
+    return kept

@@ -1,0 +1,170 @@
+"""Seconds per ``train_step`` of one config: compute plus communication, from measured constants.
+
+Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
+
+- compute: FLOPs from the model by the standard count, forward ``2 N`` per token for the N
+  matmul parameters (q/k/v, proj, fc1, fc2, head) plus ``4 t h`` per token for attention's two
+  products (the CPU kernel computes the whole ``t x t`` square: no causal halving), divided by
+  tp (every mode splits the matmuls evenly) and sp (tokens); backward twice the forward,
+  recomputation one more forward. Each matmul call also costs the measured per-call time.
+  Seconds = FLOPs / the matmul rate measured with this many ranks running at once
+  (``constants``: it already includes ranks sharing the cores).
+- pipeline: the schedule's own timeline (``pipeline.simulate`` on its plan, F = 1, B = 2, I = W = 1,
+  B = 3 and I = 2 with recomputation), scaled to the stage's forward seconds; what the
+  fullest rank is idle is the bubble.
+- communication, ``alpha + wire / beta`` per collective with the group's measured constants:
+  dp gradients in the buckets of ``data.default_bucket_bytes`` (ZeRO 1/2 reduce-scatter them
+  and all-gather the parameters; ZeRO 3 gathers each block's parameters in forward and again in
+  backward and reduce-scatters its gradients); tp: the counts of
+  ``tensor.block_collectives`` and the bytes of ``tensor.linear_comm_bytes`` for the four
+  Linears of every block and the head; sp: ring's K/V rotations (``sp - 1`` forward, twice that
+  back) or Ulysses' four all-to-alls each way; pp: a send of the stage's output per microbatch
+  and one of its gradient back. Wire bytes are ``comm.wire_bytes``, as the comm records count.
+- optimizer: its bytes read and written once (params, grads, states of this rank's shard) at
+  the measured memory rate; offload='cpu' adds copying the gradients out and parameters back.
+"""
+from __future__ import annotations
+
+import functools
+
+from ..comm import wire_bytes
+from ..data import default_bucket_bytes
+from ..estimate import part_params, stage_params
+from ..memory import PRECISION_BYTES
+from ..tensor import block_collectives, linear_comm_bytes
+
+__all__ = ["step_seconds"]
+
+_MAIN_OP = {"1d": "all_reduce", "2d": "broadcast", "2.5d": "broadcast", "3d": "all_gather"}
+
+
+def _op(consts, op: str, n: int) -> tuple[float, float]:
+    """(alpha, beta) of ``op`` on a group of ``n`` ranks (the nearest group size measured)."""
+    comm = consts["comm"]
+    key = str(n) if str(n) in comm else min(comm, key=lambda k: abs(int(k) - n))
+    op = {"reduce": "broadcast", "sendrecv": "send", "recv": "send"}.get(op, op)
+    c = comm[key][op]
+    return c["alpha"], c["beta"]
+
+
+def _coll(consts, op: str, payload: int, n: int, count: int = 1) -> float:
+    """Seconds of ``count`` collectives ``op`` of ``payload`` bytes each on ``n`` ranks."""
+    if n <= 1 or count == 0:
+        return 0.0
+    alpha, beta = _op(consts, op, n)
+    return count * (alpha + wire_bytes("send" if op == "sendrecv" else op, payload, n) / beta)
+
+
+@functools.lru_cache(maxsize=512)
+def _pipeline_units(schedule: str, pp: int, m: int, chunks: int, recompute: bool) -> tuple[float, float]:
+    """(makespan, busy time of the busiest rank) of the schedule, in units of one stage forward."""
+    from ..pipeline import build_plan, simulate
+    costs = {"F": 1, "B": 3, "I": 2, "W": 1} if recompute else {"F": 1, "B": 2, "I": 1, "W": 1}
+    t = simulate(build_plan(schedule, pp, m, chunks), costs)
+    return float(t.makespan), float(max(t.busy))
+
+
+def _forward(model, cfg, consts, tokens: int, layers: int, head: bool) -> float:
+    """Seconds of one forward on this rank: ``tokens`` per microbatch, ``layers`` blocks, the head."""
+    h, f, v, t = model.d_model, model.d_ff, model.vocab_size, model.seq_len
+    tok = tokens / cfg.sp
+    flops = layers * (2 * tok * (4 * h * h + 2 * h * f) + 4 * tok * t / cfg.sp * h) + (2 * tok * h * v if head else 0)
+    calls = layers * 6 + head
+    mm = consts["matmul"]
+    return calls * mm["call_seconds"] + flops / cfg.tp / mm["flops_per_s"]
+
+
+def _tp_comm(model, cfg, consts, tokens: int, layers: int, head: bool, e: int) -> tuple[float, int]:
+    """Seconds and collectives of the tensor plan in one microbatch's forward and backward."""
+    if cfg.tp == 1:
+        return 0.0, 0
+    h, f, v = model.d_model, model.d_ff, model.vocab_size
+    n = cfg.tp if cfg.tp_mode == "1d" else cfg.tp_q
+    rows = tokens // cfg.sp
+    lin = [(h, 3 * h, "column"), (h, h, "row"), (h, f, "column"), (f, h, "row")]
+    payload = sum(sum(linear_comm_bytes(cfg, rows, i, o, k, e)[d] for d in ("forward", "backward")) for i, o, k in lin)
+    counts = block_collectives(cfg)
+    main = "all_gather" if cfg.sp_mode == "split_gather" else _MAIN_OP[cfg.tp_mode]
+    per_call = payload / max(1, sum(counts.values()))
+    seconds = layers * sum(_coll(consts, op, int(per_call), n, c) for op, c in counts.items())
+    count = layers * sum(counts.values())
+    if head:  # the head Linear, the loss's three small all-reduces (max, sum, target logit)
+        hb = linear_comm_bytes(cfg, rows, h, v, "column", e)
+        seconds += _coll(consts, main, hb["forward"] + hb["backward"], n) + _coll(consts, "all_reduce", 4 * rows, n, 3)
+        count += 4
+    return seconds, count
+
+
+def _sp_comm(model, cfg, consts, tokens: int, layers: int, e: int) -> tuple[float, int]:
+    if cfg.sp == 1:
+        return 0.0, 0
+    kv = 2 * tokens // cfg.sp * model.d_model // cfg.tp * e
+    if cfg.sp_mode == "ring":
+        count = 3 * (cfg.sp - 1)
+        return layers * _coll(consts, "sendrecv", kv, cfg.sp, count), layers * count
+    return layers * _coll(consts, "all_to_all", kv // 2, cfg.sp, 8), layers * 8
+
+
+def step_seconds(model, cfg, batch: int, consts: dict, memory: dict) -> tuple[float, dict, dict]:
+    """(seconds, breakdown by part, collectives per step by part) of one train_step of ``cfg``."""
+    e = PRECISION_BYTES[cfg.precision]
+    m = cfg.microbatches
+    tokens = batch // (cfg.dp * m) * model.seq_len
+    n_stages = cfg.pp * cfg.chunks
+    layers_stage = model.n_layers // n_stages
+    layers_rank = layers_stage * cfg.chunks
+    parts, counts = {}, {}
+    if cfg.pp == 1:
+        fwd = _forward(model, cfg, consts, tokens, model.n_layers, True)
+        parts["compute"] = m * fwd * (4 if cfg.recompute else 3)
+    else:
+        fwd = _forward(model, cfg, consts, tokens, layers_stage, False)
+        span, busy = _pipeline_units(cfg.schedule, cfg.pp, m, cfg.chunks, cfg.recompute)
+        head = _forward(model, cfg, consts, tokens, 0, True) * m * 3
+        parts["compute"] = busy * fwd + head
+        parts["bubble"] = (span - busy) * fwd
+        act = tokens // cfg.sp * model.d_model * e // (cfg.tp if cfg.tp_mode != "1d" else 1)
+        sends = 2 * m * cfg.chunks
+        parts["comm:pp"] = _coll(consts, "send", act, 2, sends)
+        counts["pp"] = sends
+    tp_s, tp_n = _tp_comm(model, cfg, consts, tokens, layers_rank, True, e)  # the head's rank is the slowest
+    parts["comm:tp"], counts["tp"] = m * tp_s, m * tp_n
+    sp_s, sp_n = _sp_comm(model, cfg, consts, tokens, layers_rank, e)
+    parts["comm:sp"], counts["sp"] = m * sp_s, m * sp_n
+    dp_s, dp_n = _dp_comm(model, cfg, consts, memory)
+    parts["comm:dp"], counts["dp"] = dp_s, dp_n
+    if cfg.sp > 1:  # gradients of the parameters replicated over sp, one flat all-reduce
+        parts["comm:sp"] += _coll(consts, "all_reduce", memory["grads"] * (cfg.dp if cfg.zero >= 2 else 1), cfg.sp)
+    parts["optimizer"] = _optimizer(cfg, consts, memory)
+    loss = sum(_coll(consts, "all_reduce", 4, n) for n in (cfg.dp, cfg.sp, cfg.tp, cfg.pp))
+    parts["comm:loss"] = loss
+    parts = {k: v for k, v in parts.items() if v > 0}
+    return sum(parts.values()), parts, {k: v for k, v in counts.items() if v}
+
+
+def _dp_comm(model, cfg, consts, memory) -> tuple[float, int]:
+    if cfg.dp == 1:
+        return 0.0, 0
+    e = 4  # gradients are reduced in fp32 (colab_kit.precision)
+    params = max(stage_params(model, cfg))
+    total = params * e
+    if cfg.zero == 3:
+        parts = part_params(model, cfg)
+        block = parts["block"] * e
+        n = model.n_layers + 2
+        gather = _coll(consts, "all_gather", block // cfg.dp, cfg.dp, 2 * n)
+        return gather + _coll(consts, "reduce_scatter", block, cfg.dp, n), 3 * n
+    bucket = default_bucket_bytes(total)
+    nb = -(-total // bucket)
+    if cfg.zero:
+        rs = _coll(consts, "reduce_scatter", bucket, cfg.dp, nb)
+        return rs + _coll(consts, "all_gather", bucket // cfg.dp, cfg.dp, nb), 2 * nb
+    return _coll(consts, "all_reduce", bucket, cfg.dp, nb), nb
+
+
+def _optimizer(cfg, consts, memory) -> float:
+    touched = memory["params"] // (cfg.dp if cfg.zero in (1, 2) else 1) + memory["grads"] + memory["optimizer"]
+    seconds = 2 * touched / consts["memory"]["bytes_per_s"]
+    if cfg.offload == "cpu":
+        seconds += 2 * memory["grads"] / consts["memory"]["bytes_per_s"]
+    return seconds
