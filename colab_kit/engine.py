@@ -142,6 +142,8 @@ class Engine(EngineRecords):
     def __init__(self, model, optimizer_factory, config, mesh, loss_fn=lm_loss, bucket_bytes=None,
                  device_budget=None):
         self.config, self.mesh, self.loss_fn = config, mesh, loss_fn
+        self.model_cfg = getattr(model, "cfg", None)
+        """The dense model's config (``GPTConfig``), whatever the split; None for another model."""
         self.tp_plan = None
         from .init import defer, materialize  # a meta-device model: only this rank's shards are made
         defer(model, config, mesh.rank("pp"))

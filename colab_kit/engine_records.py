@@ -77,6 +77,18 @@ class EngineRecords:
         """This rank's events of the last step: name, kind (compute/comm), start and end in seconds."""
         return sorted(self._events, key=lambda e: e["start"])
 
+    def save(self, path, extra: dict | None = None) -> None:
+        """A sharded checkpoint of this engine at ``path`` (every rank calls it), written atomically;
+        ``extra``: a dict saved with it and returned by ``load`` (see ``colab_kit.checkpoint``)."""
+        from .checkpoint import save
+        save(self, path, extra)
+
+    def load(self, path) -> dict:
+        """Load a checkpoint saved by an engine of any config (same model) and continue from its
+        step; returns the ``extra`` dict given to ``save`` (see ``colab_kit.checkpoint``)."""
+        from .checkpoint import load
+        return load(self, path)
+
     def state_vector(self) -> torch.Tensor:
         """All parameters flattened into one CPU vector (for checking ranks agree)."""
         with self.gathered():

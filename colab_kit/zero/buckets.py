@@ -289,6 +289,22 @@ class ZeroBuckets(GradBuckets):
         exactly these tensors elementwise."""
         return build_over(self.masters.params if self.masters is not None else self.shards, optimizer_factory)
 
+    def optimizer_layout(self) -> list[tuple[torch.Tensor, list[tuple]]]:
+        """``(tensor, runs)`` per tensor the optimizer steps (this rank's piece of each bucket, or its
+        fp32 master): the parameters' elements inside the piece (``GradBuckets.optimizer_layout``);
+        a piece's padding is in no run."""
+        steps = self.masters.params if self.masters is not None else self.shards
+        out = []
+        for i, (t, (a, b)) in enumerate(zip(steps, self._ranges)):
+            runs = []
+            for p in self.buckets[i].params:
+                off = self._offset[id(p)][1]
+                lo, hi = max(off, a), min(off + p.numel(), b)
+                if lo < hi:
+                    runs.append((p, lo - off, hi - lo, lo - a))
+            out.append((t, runs))
+        return out
+
     def gather_params(self) -> None:
         """All-gather every bucket's updated pieces into the full parameters (in place, buckets in flight together)."""
         pending = [comm.all_gather_into(out, shard.detach(), self.mesh, self.axis, async_op=True,

@@ -263,6 +263,21 @@ class ZeroParams:
             self.placement.optimizer = optimizer
         return optimizer
 
+    def optimizer_layout(self) -> list[tuple[torch.Tensor, list[tuple]]]:
+        """``(tensor, runs)`` per tensor the optimizer steps (this rank's piece of each chunk, or its
+        fp32 master), as ``GradBuckets.optimizer_layout``; a piece's padding is in no run."""
+        steps = self.masters.params if self.masters is not None else self.shards
+        out = []
+        for t, c in zip(steps, self.chunks):
+            a, b, runs = c.rank * c.piece, (c.rank + 1) * c.piece, []
+            for p in c.params:
+                off = c.offsets[id(p)]
+                lo, hi = max(off, a), min(off + p.numel(), b)
+                if lo < hi:
+                    runs.append((p, lo - off, hi - lo, lo - a))
+            out.append((t, runs))
+        return out
+
     def host_share(self) -> float:
         """The share of this rank's chunk elements whose states the placement put on the host."""
         if self.placement is None:

@@ -1,0 +1,278 @@
+"""Sharded checkpoints that load into an engine of any config: ``engine.save(path)``, ``engine.load(path)``.
+
+A checkpoint holds every parameter in its *dense* coordinates (the name and shape it has in
+``ck.models.GPT(cfg)``), whatever the config that wrote it, so any other config can read it:
+
+- ``model/<name>``: the parameter values; with mixed precision the fp32 masters (the 16-bit
+  model is made from them again at load);
+- ``optim/<state>/<name>``: the optimizer's per-element states (AdamW's ``exp_avg`` and
+  ``exp_avg_sq``, SGD's ``momentum_buffer``), in the same coordinates; its scalar states
+  (AdamW's ``step``) are in the manifest, per parameter;
+- ``rng/cpu/<rank>`` (and ``rng/cuda/<rank>``): each rank's torch RNG state;
+- ``manifest.json``: format, parallel config, model config (``GPTConfig``), world size, the
+  engine's step count (also the data position: ``SyntheticTokens.batch(step, ...)`` continues
+  from it), history and records, the fp16 loss scale, the optimizer's class, per-file bytes and
+  sha256; ``extra.pt``: the ``extra`` dict given to ``save`` (``torch.save``; read back with
+  ``weights_only=True``, so tensors, numbers, strings, lists and dicts), returned by ``load``.
+
+Saving. Each rank finds where its elements live in the dense model (``layout.local_space``:
+the engine's own sharding replayed on a model of dense indices, through the tensor plan, the
+pipeline split, and ZeRO's pieces), cuts what it holds of each tensor into rectangles, and all
+ranks exchange those lists once (an object all-gather); a region held by several ranks is
+written by the lowest of them. Each rank then hands ``torch.distributed.checkpoint.save`` its
+rectangles as a ``ShardedTensor`` (local shards + the global list of every rank's shards, built
+without further collectives): one DCP file per rank, ``.metadata`` from the coordinator. Every
+dense tensor is stored 2-D (1-D ``[n]`` as ``[1, n]``). Atomicity: see ``checkpoint.files``.
+
+Worked example, ``ParallelConfig(dp=2, tp=2)`` (ranks ``2 * dp_i + tp_i``), GPT d_model=32,
+n_heads=4. ``blocks.0.attn.qkv.weight`` is ``[96, 32]`` in the dense model (heads 0-1 rows 0-47)::
+
+    rank (dp, tp)   holds (1D tensor plan)      writes model/blocks.0.attn.qkv.weight
+    0    (0, 0)     rows 0-47                   chunk offsets (0, 0), sizes (48, 32)
+    1    (0, 1)     rows 48-95                  chunk offsets (48, 0), sizes (48, 32)
+    2    (1, 0)     rows 0-47 (a dp copy)       nothing: rank 0 is lower
+    3    (1, 1)     rows 48-95                  nothing: rank 1 is lower
+
+``blocks.0.ln1.weight`` ([32], stored [1, 32]) is whole on all four ranks: rank 0 writes it, one
+chunk (0, 0) of (1, 32). ``optim/exp_avg/...`` and ``optim/exp_avg_sq/...`` follow the same
+chunks. With ``zero=1`` each rank holds the optimizer's fp32 piece of a flat bucket instead:
+its rectangles are a few partial rows and row blocks of several tensors, all written (ZeRO's
+pieces overlap nowhere), and ``tests/test_checkpoint.py`` reads these chunks back from DCP's
+metadata.
+
+Loading. Every rank checks the checkpoint first (``files.check``: the manifest exists, the
+model config is this engine's, the files' sizes and hashes, split over ranks, verdicts gathered:
+one answer everywhere). Then, one dense tensor at a time, it reads the whole tensor
+(``dcp.load`` into a plain tensor, which assembles it from the saved chunks, ``no_dist``: no
+collective), keeps its own elements through the same index map, and drops it: memory peaks at
+this rank's model states, plus its index map (one int32 per element it holds), plus the largest
+dense tensor. Then the 16-bit model is made from the masters, ZeRO 1-2 all-gather the updated
+parameters, and the step count, history, loss scale and RNG states are set.
+
+RNG states: restored when the world size is the one that saved (rank r gets rank r's); with
+another world size they are left as they are (the ranks see other rows and tokens anyway; the
+training itself does not draw from them unless the model has dropout, which tp refuses).
+The optimizer's hyperparameters (lr, betas, weight decay) come from this engine's
+``optimizer_factory``, not from the checkpoint; its class must be the one that saved.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from .files import CheckpointError, check, data_files, file_digest, finish, start
+from .layout import local_space, owners, rectangles, store_shape
+
+__all__ = ["CheckpointError", "save", "load", "check"]
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.replace("torch.", ""))
+
+
+def _gather(obj) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _agree(fn):
+    """Run ``fn`` on rank 0, then raise its error (if any) on every rank."""
+    err = None
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - passed on to every rank
+            err = f"{type(e).__name__}: {e}"
+    box = [err]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise RuntimeError(box[0])
+
+
+def _states(optimizer, tensors, ks) -> tuple[list[str], dict]:
+    """The per-element state names shared by tensors ``ks`` and their scalar states (from the first)."""
+    names, scalars = None, {}
+    for k in ks:
+        t, st = tensors[k], optimizer.state.get(tensors[k], {})
+        per = {s for s, v in st.items() if torch.is_tensor(v) and v.shape == t.shape}
+        names = per if names is None else names & per
+        for s, v in st.items():
+            if s in per or s in scalars or not (torch.is_tensor(v) or isinstance(v, (int, float))):
+                continue
+            if torch.is_tensor(v):
+                scalars[s] = {"value": v.item(), "dtype": str(v.dtype), "cpu": v.device.type == "cpu"}
+            else:
+                scalars[s] = {"value": v, "dtype": None, "cpu": True}
+    return sorted(names or ()), scalars
+
+
+def _owned_shards(key, values, space, where, mine_rects, all_rects, shape2d):
+    """The ShardedTensor of ``key``: this rank's rectangles' values, every rank's rectangles' metadata."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+    cols, local, mds = shape2d[1], [], []
+    rank = dist.get_rank()
+    dtype = None
+    for r, rects in enumerate(all_rects):
+        for a, b, n, m in rects:
+            md = ShardMetadata([a, b], [n, m], f"rank:{r}/cpu")
+            mds.append(md)
+            if r == rank:
+                idx = ((torch.arange(n) + a)[:, None] * cols + (torch.arange(m) + b)[None, :]).reshape(-1)
+                vals = space.read(values, where[idx]).view(n, m)
+                dtype = vals.dtype
+                local.append(Shard(vals, md))
+    meta = ShardedTensorMetadata(mds, torch.Size(shape2d), TensorProperties(dtype=dtype))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta), str(dtype)
+
+
+def save(engine, path, extra: dict | None = None) -> None:
+    """Write ``engine``'s checkpoint to ``path`` (a directory), atomically; every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    path = os.path.abspath(os.fspath(path))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    space, opt = local_space(engine), engine.optimizer
+    table = space.table
+    held, where_of = {}, {}
+    for name in table.names:
+        dpos, lpos = space.held(name)
+        if dpos.numel():
+            ks = torch.unique(torch.searchsorted(space.starts, lpos, right=True) - 1).tolist()
+            held[name] = (rectangles(dpos, store_shape(table.shapes[name])), *_states(opt, space.tensors, ks))
+    everyone = _gather(held)
+    box = [uuid.uuid4().hex[:8] if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    tmp = f"{path}.tmp-{box[0]}"
+
+    def begin():
+        start(tmp, world + 1 + (extra is not None))
+        if extra is not None:
+            torch.save(extra, os.path.join(tmp, "extra.pt"))
+    _agree(begin)
+    sd, tensors = {}, {}
+    for name in table.names:
+        shape2d = store_shape(table.shapes[name])
+        holders = [e.get(name) for e in everyone]
+        first = next((h for h in holders if h is not None), None)
+        if first is None:
+            raise RuntimeError(f"colab_kit.checkpoint: no rank holds {name}")
+        states = sorted(set.intersection(*(set(h[1]) for h in holders if h is not None)))
+        own = owners([h[0] if h is not None else [] for h in holders], shape2d)
+        entry = {"shape": list(table.shapes[name]), "store": list(shape2d), "states": states, "scalars": first[2]}
+        if own[rank]:
+            dpos, lpos = space.held(name)
+            where = torch.full((table.numel[name],), -1, dtype=torch.int64)
+            where[dpos] = lpos
+            sd[f"model/{name}"], entry["dtype"] = _owned_shards(
+                name, space.tensors, space, where, own[rank], own, shape2d)
+            for s in states:
+                vals = [opt.state.get(t, {}).get(s) for t in space.tensors]
+                sd[f"optim/{s}/{name}"], entry[f"dtype/{s}"] = _owned_shards(
+                    name, vals, space, where, own[rank], own, shape2d)
+        tensors[name] = entry
+    sd[f"rng/cpu/{rank}"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        sd[f"rng/cuda/{rank}"] = torch.cuda.get_rng_state()
+    try:
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))
+    except Exception as e:
+        raise RuntimeError(f"saving {path} failed ({type(e).__name__}: {e}); {tmp} is left incomplete (load "
+                           f"refuses it); the checkpoint at {path}, if any, is unchanged") from e
+    digests = {n: file_digest(os.path.join(tmp, n)) for n in data_files(tmp) if n.startswith(f"__{rank}_")}
+    digests = {k: v for d in _gather(digests) for k, v in d.items()}
+    dtypes = _gather({n: {k: v for k, v in t.items() if k.startswith("dtype")} for n, t in tensors.items()})
+    for d in dtypes:
+        for n, kv in d.items():
+            tensors[n].update(kv)
+    cfg, mcfg = engine.config, engine.model_cfg
+    manifest = {"config": dataclasses.asdict(cfg), "describe": cfg.describe(), "world_size": world,
+                "model": dataclasses.asdict(mcfg) if dataclasses.is_dataclass(mcfg) else None,
+                "model_class": type(mcfg).__name__ if mcfg is not None else None,
+                "step": engine.step_count, "history": list(engine.history), "records": list(engine.records),
+                "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+                "optimizer": type(opt).__name__, "tensors": tensors, "extra": extra is not None,
+                "rng": {"cuda": any(k.startswith("rng/cuda/") for k in sd)}}
+    _agree(lambda: finish(tmp, path, manifest, digests))
+
+
+def _read(path: str, key: str, shape2d, dtype: torch.dtype) -> torch.Tensor:
+    import torch.distributed.checkpoint as dcp
+    out = torch.empty(tuple(shape2d), dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({key: out}, checkpoint_id=path, no_dist=True)
+    return out
+
+
+def load(engine, path) -> dict:
+    """Load ``path`` into ``engine`` (any config, same model); return the ``extra`` dict saved with it."""
+    path = os.path.abspath(os.fspath(path))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    err, manifest = None, None
+    try:
+        manifest = check(path, engine.model_cfg, part=rank, parts=world)
+        if manifest["optimizer"] != type(engine.optimizer).__name__:
+            raise CheckpointError(f"{path} was saved with optimizer {manifest['optimizer']}, this engine's is "
+                                  f"{type(engine.optimizer).__name__}: its states would not mean the same")
+    except (CheckpointError, OSError, ValueError) as e:
+        err = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
+    errors = [e for e in _gather(err) if e is not None]
+    if errors:
+        raise CheckpointError(errors[0])
+    space, opt = local_space(engine), engine.optimizer
+    table = space.table
+    saved = manifest["tensors"]
+    if sorted(saved) != sorted(table.names) or any(saved[n]["shape"] != list(table.shapes[n]) for n in table.names):
+        raise CheckpointError(f"{path} holds other parameters: "
+                              f"{sorted(set(saved) ^ set(table.names)) or 'the same names with other shapes'}")
+    with torch.no_grad():
+        for name in table.names:
+            dpos, lpos = space.held(name)
+            if not dpos.numel():
+                continue
+            meta, store = saved[name], saved[name]["store"]
+            ks = torch.unique(torch.searchsorted(space.starts, lpos, right=True) - 1).tolist()
+            dense = _read(path, f"model/{name}", store, _dtype(meta["dtype"])).view(-1)
+            space.write(space.tensors, lpos, dense[dpos])
+            del dense
+            for s in meta["states"]:
+                for k in ks:
+                    st, t = opt.state[space.tensors[k]], space.tensors[k]
+                    if s not in st:
+                        st[s] = torch.zeros_like(t, dtype=_dtype(meta[f"dtype/{s}"]))
+                dense = _read(path, f"optim/{s}/{name}", store, _dtype(meta[f"dtype/{s}"])).view(-1)
+                space.write([opt.state.get(t, {}).get(s) for t in space.tensors], lpos, dense[dpos])
+                del dense
+            for s, v in meta["scalars"].items():
+                for k in ks:
+                    t = space.tensors[k]
+                    value = v["value"] if v["dtype"] is None else torch.tensor(
+                        v["value"], dtype=_dtype(v["dtype"]), device="cpu" if v["cpu"] else t.device)
+                    opt.state[t][s] = value
+    masters = getattr(engine.grads, "masters", None)
+    if masters is not None:
+        masters.copy_to_model()
+    if engine.config.zero in (1, 2):
+        engine.grads.gather_params()
+    engine.step_count = manifest["step"]
+    engine.history[:] = manifest["history"]
+    engine.records[:] = manifest["records"]
+    if engine.scaler is not None and manifest["scaler"] is not None:
+        engine.scaler.load_state_dict(manifest["scaler"])
+    if manifest["world_size"] == world:
+        torch.set_rng_state(_read(path, f"rng/cpu/{rank}", [torch.get_rng_state().numel()], torch.uint8))
+        if manifest["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(_read(path, f"rng/cuda/{rank}", [torch.cuda.get_rng_state().numel()],
+                                           torch.uint8))
+    extra = {}
+    if manifest["extra"]:
+        extra = torch.load(os.path.join(path, "extra.pt"), weights_only=True)
+    dist.barrier()
+    return extra

@@ -1,0 +1,140 @@
+"""The checkpoint directory: written under a temporary name, made complete by its manifest, checked.
+
+``path.tmp-<nonce>/`` is made by rank 0 (the nonce broadcast), with ``started.json`` (how many
+files the save will write); every rank writes its DCP file there; after a barrier rank 0 writes
+``manifest.json`` (format, config, model config, step, per-file bytes and sha256, tensor table)
+and renames the directory to ``path``. An older checkpoint at ``path`` is first renamed to
+``path.old-<nonce>``, the new one moved into place, then the old one deleted: at every instant
+``path`` is either the old complete checkpoint, absent (between the two renames), or the new one.
+
+``check(path, model_cfg)`` is what ``load`` runs on every rank before anything is read (pure:
+no process group needed, so a notebook kernel can run it too); the file hashes may be split
+over ranks (``part``/``parts``) and the verdicts gathered, so that every rank gives one answer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+
+__all__ = ["CheckpointError", "FORMAT", "MANIFEST", "STARTED", "check", "describe_difference", "file_digest",
+           "finish", "read_manifest"]
+
+FORMAT = "colab_kit.checkpoint/1"
+MANIFEST = "manifest.json"
+STARTED = "started.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: missing, incomplete, corrupted, or of another model."""
+
+
+def file_digest(path: str) -> dict:
+    with open(path, "rb") as f:
+        return {"bytes": os.path.getsize(path), "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".part"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def start(tmp: str, expect: int) -> None:
+    os.makedirs(tmp)
+    _write_json(os.path.join(tmp, STARTED), {"format": FORMAT, "files": expect})
+
+
+def data_files(d: str) -> list[str]:
+    """The files a save writes (DCP's data files and ``.metadata``, the extra), sorted."""
+    return sorted(f for f in os.listdir(d) if f.endswith(".distcp") or f in (".metadata", "extra.pt"))
+
+
+def finish(tmp: str, path: str, manifest: dict, digests: dict) -> None:
+    """Rank 0, after every rank has written: the manifest, then the rename into place."""
+    names = data_files(tmp)
+    missing = sorted(set(names) - set(digests))
+    digests = {**digests, **{n: file_digest(os.path.join(tmp, n)) for n in missing}}
+    _write_json(os.path.join(tmp, MANIFEST), {**manifest, "format": FORMAT, "files": digests})
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if os.path.lexists(path):
+        old = f"{tmp.rsplit('.tmp-', 1)[0]}.old-{tmp.rsplit('.tmp-', 1)[1]}"
+        os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, path)
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of a complete checkpoint, or CheckpointError saying why there is none."""
+    if not os.path.isdir(path):
+        parent = os.path.dirname(os.path.abspath(path)) or "."
+        base = os.path.basename(os.path.abspath(path))
+        near = sorted(f for f in os.listdir(parent) if f.startswith(base + ".")) if os.path.isdir(parent) else []
+        hint = f" (next to it: {', '.join(near)})" if near else ""
+        raise CheckpointError(f"no checkpoint at {path}: the directory does not exist{hint}")
+    man = os.path.join(path, MANIFEST)
+    if not os.path.exists(man):
+        started = os.path.join(path, STARTED)
+        expect = "?"
+        if os.path.exists(started):
+            with open(started) as f:
+                expect = json.load(f).get("files", "?")
+        have = len(data_files(path))
+        raise CheckpointError(f"{path} is incomplete: the save was interrupted, {have} of {expect} files written "
+                              f"and no {MANIFEST}; a checkpoint is loadable only once its save finished "
+                              f"(load the previous one, or save again)")
+    with open(man) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {manifest.get('format')!r}; this colab_kit reads {FORMAT!r}")
+    return manifest
+
+
+def describe_difference(saved: dict | None, model_cfg) -> str | None:
+    """Which model-config fields differ between the checkpoint and this engine, or None."""
+    mine = dataclasses.asdict(model_cfg) if dataclasses.is_dataclass(model_cfg) else None
+    if saved == mine:
+        return None
+    if saved is None or mine is None:
+        return f"the checkpoint's model config is {saved}, this engine's {mine}"
+    keys = sorted(set(saved) | set(mine))
+    diff = [f"{k} (checkpoint {saved.get(k)!r}, this engine {mine.get(k)!r})" for k in keys
+            if saved.get(k) != mine.get(k)]
+    return ", ".join(diff)
+
+
+def check(path: str, model_cfg=None, part: int = 0, parts: int = 1, check_model: bool = True) -> dict:
+    """Refuse a checkpoint that is missing, incomplete, corrupted or of another model; return its manifest.
+
+    Hashes files ``part::parts`` of the sorted list (every file when ``parts == 1``)."""
+    manifest = read_manifest(path)
+    if check_model:
+        diff = describe_difference(manifest.get("model"), model_cfg)
+        if diff is not None:
+            raise CheckpointError(f"{path} holds another model: {type(model_cfg).__name__} differs in {diff}; "
+                                  "a checkpoint loads into an engine of any parallel config, but of the same model")
+    files = manifest["files"]
+    present = set(data_files(path))
+    lost = sorted(set(files) - present)
+    if lost:
+        raise CheckpointError(f"{path} is corrupted: {', '.join(lost)} listed in {MANIFEST} but missing")
+    for name in sorted(files)[part::parts]:
+        got, want = file_digest(os.path.join(path, name)), files[name]
+        if got["bytes"] != want["bytes"]:
+            raise CheckpointError(f"{path} is corrupted: {name} has {got['bytes']} bytes, the manifest says "
+                                  f"{want['bytes']} (truncated or overwritten)")
+        if got["sha256"] != want["sha256"]:
+            raise CheckpointError(f"{path} is corrupted: {name}'s sha256 differs from the manifest's "
+                                  f"(its bytes changed after the save)")
+    return manifest
