@@ -49,24 +49,38 @@ class EngineRecords:
         return held() if held is not None else tensor_bytes(self.module.parameters())
 
     def memory_estimate(self) -> dict:
-        """The estimate of ``memory()`` from ``colab_kit.memory.estimate``: the ZeRO paper's formulas
-        for the model states of this rank's parameters (after tp and pp, before ZeRO), and the GPT
-        activation count for the last step's microbatch (0 before a step, or for another model).
-        Same keys as ``memory()``, "device" and "host" included."""
+        """The estimate of ``memory()`` from ``colab_kit.estimate.config_estimate``, the one ``ck.plan``
+        ranks candidates by: the ZeRO paper's formulas for the model states of this rank's
+        parameters (counted per tensor mode and pipeline stage), and the GPT activation count in this
+        config's layout for the last step's batch (0 before a step). Another model: the model states
+        of its measured parameter count. Same keys as ``memory()``, "device" and "host" included."""
         from .memory import estimate, optimizer_states, placed
         try:
             states = optimizer_states(self.optimizer)
         except ValueError:
             states = "adamw"
         cfg = self.config
-        rows = self._rows or 0
-        est = estimate(self._n_local, states if isinstance(states, str) else _STATE_NAMES[states], dp=cfg.dp,
-                       zero=cfg.zero, precision=cfg.precision, model=self._model_cfg if cfg.pp == 1 else None,
-                       rows=rows, recompute=cfg.recompute, tp=cfg.tp if cfg.tp_mode == "1d" else 1,
-                       offload=cfg.offload, seq=getattr(self, "_seq", None),
-                       sequence_split=cfg.tp if cfg.sp_mode == "split_gather" and cfg.tp > 1 else 1)
+        name = states if isinstance(states, str) else _STATE_NAMES[states]
         share = getattr(self.grads, "host_share", None)
-        return placed(est, cfg.zero, cfg.offload, share() if share is not None else None)
+        share = share() if share is not None else None
+        rows, seq = self._rows or 0, getattr(self, "_seq", None)
+        micro = getattr(self.pipeline, "_x", None)  # with pp: the executor's microbatches of the last step
+        if micro:
+            rows, seq = micro[0].shape[0], micro[0].shape[1]
+        model = getattr(self, "model_cfg", None) or self._model_cfg  # the dense model's config, also with pp
+        if model is not None and hasattr(model, "n_layers"):  # a GPT: the planner's estimate
+            from .estimate import config_estimate
+            shards = self.tp_plan.batch_shards if self.tp_plan is not None else 1
+            seq = seq or model.seq_len
+            seq = seq * cfg.sp if self.sp_plan is not None else seq  # the engine keeps this rank's tokens
+            est = config_estimate(model, cfg, rows * shards * cfg.dp * cfg.microbatches, name, seq=seq,
+                                  pp_rank=self.mesh.rank("pp"), host_share=share)
+            if not rows:
+                est = placed({**{k: est[k] for k in ("params", "grads", "optimizer")}, "activations": 0},
+                             cfg.zero, cfg.offload, share)
+            return est
+        est = estimate(self._n_local, name, dp=cfg.dp, zero=cfg.zero, precision=cfg.precision, offload=cfg.offload)
+        return placed(est, cfg.zero, cfg.offload, share)
 
     def comm(self, last_step: bool = False) -> list[dict]:
         """This rank's recorded collectives (all, or those of the last step)."""

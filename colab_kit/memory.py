@@ -246,7 +246,7 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
     n, e = rows * seq, bytes_per_elem
     ln = (e * n * h + 8 * n) // sequence_split  # one LayerNorm: its input, mean and 1/std
     block = 2 * ln + 2 * e * n * h + (4 * e * n * h + 4 * n * heads + 2 * e * n * f) // tp
-    kept = e * n * h if recompute else block
+    kept = e * n * h // sequence_split if recompute else block  # split_gather: the block input is split too
     embed = 8 * n + 8 * seq if first else 0
     head = (ln + e * n * h + e * n * vocab // tp + 8 * n + 4) if last else 0
     held = layers * kept + embed + head
@@ -297,3 +297,6 @@ def estimate(n_params: int, optimizer="adamw", bytes_per_param: int | None = Non
                                 bytes_per_elem=PRECISION_BYTES[precision])["held"]
     out["activations"] = acts
     return out
+
+
+from .estimate import config_estimate, rank_params  # noqa: E402  (the per-config estimate, built on the above)
