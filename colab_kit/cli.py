@@ -8,6 +8,7 @@ checks the losses against one process training the same model, and writes
 
     $ colab-kit demo                    # dp=4 on 4 CPU ranks, 40 steps
     $ colab-kit demo --ranks 2 --steps 10 --report /tmp/r.html
+    $ colab-kit plan --ranks 8 --memory 4MiB --top 10   # ck.plan's table (--constants: the measured ones)
 """
 from __future__ import annotations
 
@@ -123,6 +124,53 @@ def demo(ranks: int | None = None, steps: int = 40, batch: int = 32, lr: float =
     return {"results": results, "reference": reference, "config": cfg}
 
 
+PLAN_MODELS = {"small": MODEL, "medium": dict(vocab_size=256, seq_len=64, d_model=128, n_heads=8, n_layers=8)}
+"""Models ``colab-kit plan --model`` knows: "small" is the demo's GPT."""
+
+
+def _bytes(text: str) -> int:
+    """``--memory``: bytes, or a number with KiB / MiB / GiB (``512MiB``, ``1.5 GiB``)."""
+    t = text.strip().replace(" ", "")
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)):
+        if t.lower().endswith(unit.lower()):
+            return int(float(t[: -len(unit)]) * k)
+    return int(t)
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="rank parallel configurations by estimated memory and step time (ck.plan)")
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--model", choices=sorted(PLAN_MODELS), default="small")
+    p.add_argument("--batch", type=int, default=32, help="global batch size (rows)")
+    p.add_argument("--memory", type=_bytes, default=None, help="device bytes per rank (e.g. 64MiB)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--constants", action="store_true", help="print the measured constants too")
+    p.add_argument("--refresh", action="store_true", help="measure the constants again")
+
+
+def plan_command(args, out=None) -> int:
+    import json
+
+    import colab_kit as ck
+    from colab_kit.models import GPTConfig
+    from colab_kit.planner import constants
+
+    out = out or sys.stdout
+    try:
+        consts = constants(refresh=args.refresh, ranks=args.ranks) if args.ranks >= 1 else None
+        cands = ck.plan(GPTConfig(**PLAN_MODELS[args.model]), args.ranks, args.batch, args.memory, args.precision,
+                        constants=consts)
+    except ck.ConfigError as exc:
+        print(f"colab-kit plan: {exc}", file=sys.stderr)
+        return 2
+    print(f"colab_kit plan: GPT {PLAN_MODELS[args.model]} on {args.ranks} ranks, batch {args.batch}", file=out)
+    print(cands.table(args.top), file=out)
+    if args.constants:
+        print(json.dumps(cands.constants, indent=1, sort_keys=True), file=out)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="colab-kit", description="colab_kit command line")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,8 +181,12 @@ def main(argv=None) -> int:
     d.add_argument("--lr", type=float, default=3e-3)
     d.add_argument("--report", default="demo-report.html", help="HTML report path ('' for none)")
     d.add_argument("--no-check", action="store_true", help="skip the single-process comparison")
+    add_plan_parser(sub)
     args = parser.parse_args(argv)
     import colab_kit as ck
+
+    if args.command == "plan":
+        return plan_command(args)
 
     try:
         result = demo(args.ranks, args.steps, args.batch, args.lr, args.report, not args.no_check)

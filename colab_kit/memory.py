@@ -299,4 +299,8 @@ def estimate(n_params: int, optimizer="adamw", bytes_per_param: int | None = Non
     return out
 
 
-from .estimate import config_estimate, rank_params  # noqa: E402  (the per-config estimate, built on the above)
+def __getattr__(name):  # the per-config estimate (colab_kit.estimate) is built on the formulas above
+    if name in ("config_estimate", "rank_params"):
+        from . import estimate
+        return getattr(estimate, name)
+    raise AttributeError(f"module 'colab_kit.memory' has no attribute {name!r}")

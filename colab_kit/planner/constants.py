@@ -6,6 +6,8 @@ measures, all ranks at the same time (so that they share the cores the way a rea
 - ``matmul``: each rank times fp32 matmuls ``[m, k] @ [k, n]`` of a few sizes with the threads
   ``ck.launch`` gives it (cores / ranks) and fits ``seconds = call + flops / flops_per_s``:
   a per-call overhead and the rate, per rank, with ``ranks`` ranks running at once;
+- ``dispatch``: a tiny Linear + GELU forward and backward, timed, over the aten ops its forward
+  dispatches (``count_ops``): seconds of overhead per op, what dominates a small model on CPU;
 - ``memory``: ``a.add_(b)`` over 4 MiB, bytes read and written per second (the optimizer step);
 - ``comm``: for every group size ``n`` that divides ``ranks`` (the ranks split into ``ranks / n``
   groups, every group busy at once) and each of all_reduce, all_gather, reduce_scatter,
@@ -25,7 +27,7 @@ import platform
 import statistics
 import time
 
-__all__ = ["constants", "measure", "cache_path", "OPS"]
+__all__ = ["constants", "measure", "cache_path", "count_ops", "OPS"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send")
 _SIZES = (1 << 10, 1 << 14, 1 << 18)  # fp32 elements per rank's payload: 4 KiB, 64 KiB, 1 MiB
@@ -91,11 +93,14 @@ def _time(fn, reps: int) -> float:
 
 
 def _measure_rank(ranks: int) -> dict:
+    import warnings
+
     import torch
     import torch.distributed as dist
 
     from ..comm import wire_bytes
 
+    warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's renamed collectives
     rank = dist.get_rank()
     dist.barrier()
     xs, ys = [], []
@@ -104,6 +109,9 @@ def _measure_rank(ranks: int) -> dict:
         xs.append(2 * m * k * n)
         ys.append(_time(lambda: a @ b, 5))
     call, per_flop = _fit(xs, ys)
+    lin, x = torch.nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True)
+    tiny = _time(lambda: torch.nn.functional.gelu(lin(x)).sum().backward(), 20)
+    op_seconds = tiny / count_ops(lambda: torch.nn.functional.gelu(lin(x)).sum())
     big, other = torch.randn(1 << 20), torch.randn(1 << 20)
     dist.barrier()
     mem = _time(lambda: big.add_(other), 5)
@@ -124,8 +132,24 @@ def _measure_rank(ranks: int) -> dict:
             dist.destroy_process_group(g)
     return {"ranks": ranks, "threads_per_rank": torch.get_num_threads(),
             "matmul": {"call_seconds": call, "flops_per_s": 1.0 / per_flop},
+            "dispatch": {"op_seconds": op_seconds},
             "memory": {"bytes_per_s": 3 * big.numel() * 4 / mem},
             "comm": comm, "backend": dist.get_backend(), "torch": torch.__version__}
+
+
+def count_ops(fn) -> int:
+    """Aten ops ``fn()`` dispatches (its forward; each has a backward counterpart)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Count.n += 1
+            return func(*args, **(kwargs or {}))
+    with _Count():
+        fn()
+    return max(1, _Count.n)
 
 
 def _payload(op, size, n):

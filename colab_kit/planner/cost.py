@@ -6,7 +6,9 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   matmul parameters (q/k/v, proj, fc1, fc2, head) plus ``4 t h`` per token for attention's two
   products (the CPU kernel computes the whole ``t x t`` square: no causal halving), divided by
   tp (every mode splits the matmuls evenly) and sp (tokens); backward twice the forward,
-  recomputation one more forward. Each matmul call also costs the measured per-call time.
+  recomputation one more forward. Each matmul call also costs the measured per-call time, and
+  each aten op of the forward (counted once on a tiny GPT of the same structure) the measured
+  dispatch overhead per op (``constants``'s "dispatch"), which is what a small model spends most on.
   Seconds = FLOPs / the matmul rate measured with this many ranks running at once
   (``constants``: it already includes ranks sharing the cores).
 - pipeline: the schedule's own timeline (``pipeline.simulate`` on its plan, F = 1, B = 2, I = W = 1,
@@ -71,7 +73,26 @@ def _forward(model, cfg, consts, tokens: int, layers: int, head: bool) -> float:
     flops = layers * (2 * tok * (4 * h * h + 2 * h * f) + 4 * tok * t / cfg.sp * h) + (2 * tok * h * v if head else 0)
     calls = layers * 6 + head
     mm = consts["matmul"]
-    return calls * mm["call_seconds"] + flops / cfg.tp / mm["flops_per_s"]
+    block_ops, head_ops = _op_counts(model.n_heads)
+    ops = layers * block_ops + (head_ops if head else 0)
+    overhead = ops * consts.get("dispatch", {}).get("op_seconds", 0.0)
+    return calls * mm["call_seconds"] + flops / cfg.tp / mm["flops_per_s"] + overhead
+
+
+@functools.lru_cache(maxsize=64)
+def _op_counts(heads: int) -> tuple[int, int]:
+    """Aten ops of one block's forward and of the embeddings + ln_f + head + loss (a tiny GPT of
+    the same structure, counted once: the count does not depend on the sizes)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..models import GPT, GPTConfig
+    from .constants import count_ops
+    g = GPTConfig(vocab_size=8, seq_len=4, d_model=2 * heads, n_heads=heads, n_layers=1)
+    model, x = GPT(g), torch.zeros(1, 4, dtype=torch.long)
+    whole = count_ops(lambda: F.cross_entropy(model(x).flatten(0, 1), x.flatten()))
+    block = count_ops(lambda: model.blocks[0](torch.zeros(1, 4, 2 * heads)))
+    return block, whole - block
 
 
 def _tp_comm(model, cfg, consts, tokens: int, layers: int, head: bool, e: int) -> tuple[float, int]:

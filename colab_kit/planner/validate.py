@@ -1,0 +1,101 @@
+"""The planner against runs: boost the top candidates, train a few steps, compare.
+
+``validate(model, ranks, batch, top)`` plans, then in ONE ``ck.launch`` of ``ranks`` processes
+boosts each of the ``top`` candidates in turn (rank 0's numbers: the fullest pipeline rank is
+taken over ranks), trains ``steps`` steps on ``SyntheticTokens`` and returns one row per
+candidate: estimated and measured model-state bytes (params + grads + optimizer), activations,
+and median step seconds (first step left out), plus the Spearman rank correlation of the times.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+__all__ = ["validate", "spearman", "run_candidates"]
+
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation of two equal-length sequences (average ranks for ties)."""
+    def ranks(xs):
+        order = sorted(range(len(xs)), key=lambda i: xs[i])
+        r = [0.0] * len(xs)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    ra, rb = ranks(list(a)), ranks(list(b))
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    den = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return num / den if den else 0.0
+
+
+def run_candidates(model_kwargs: dict, configs: list[dict], kwargs: list[dict], batch: int, steps: int) -> list[dict]:
+    """On every rank: boost each config, train ``steps`` steps; this rank's memory and step times."""
+    import torch
+
+    import colab_kit as ck
+    from colab_kit.datasets import SyntheticTokens
+    from colab_kit.models import GPT, GPTConfig
+
+    g = GPTConfig(**model_kwargs)
+    data = SyntheticTokens(g.vocab_size, g.seq_len, seed=0)
+    out = []
+    warm = ck.boost(GPT(g), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(**configs[0]), **kwargs[0])
+    for s in range(2):  # the first steps in a fresh process are slow (allocator, thread pools): untimed
+        warm.train_step(data.batch(s, batch))
+    warm.close()
+    for c, kw in zip(configs, kwargs):
+        engine = ck.boost(GPT(g), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(**c), **kw)
+        times, losses = [], []
+        for s in range(steps):
+            t = time.perf_counter()
+            losses.append(engine.train_step(data.batch(s, batch)))
+            times.append(time.perf_counter() - t)
+        mem = engine.memory()
+        out.append({"memory": {k: mem[k] for k in ("params", "grads", "optimizer", "activations")},
+                    "seconds": statistics.median(times[1:]), "losses": losses})
+        engine.close()
+    return out
+
+
+def validate(model, ranks: int = 4, batch: int = 16, top: int = 6, steps: int = 4, constants=None) -> dict:
+    """Plan ``model`` (a GPTConfig) on ``ranks`` ranks, run the top ``top`` candidates; rows + Spearman."""
+    import dataclasses
+
+    from ..launch import launch
+    from . import plan
+
+    cands = plan(model, ranks, batch, constants=constants, limit=top)
+    res = launch(run_candidates, ranks, dataclasses.asdict(model), [c.config.to_dict() for c in cands],
+                 [c.boost_kwargs for c in cands], batch, steps)
+    rows = []
+    for i, c in enumerate(cands):
+        per_rank = [r[i] for r in res]
+        # the rank the estimate describes: the fullest (most model-state + activation bytes)
+        worst = max(per_rank, key=lambda r: sum(r["memory"].values()))
+        est_states = c.memory["params"] + c.memory["grads"] + c.memory["optimizer"]
+        got = worst["memory"]
+        rows.append({"config": c.describe(), "est_states": est_states,
+                     "states": got["params"] + got["grads"] + got["optimizer"],
+                     "est_activations": c.memory["activations"], "activations": got["activations"],
+                     "est_seconds": c.step_seconds, "seconds": max(r["seconds"] for r in per_rank),
+                     "losses": per_rank[0]["losses"]})
+    rho = spearman([r["est_seconds"] for r in rows], [r["seconds"] for r in rows])
+    return {"rows": rows, "spearman": rho, "constants": cands.constants}
+
+
+def format_rows(result: dict) -> str:
+    head = (f"{'config':44} {'states est':>11} {'measured':>11} {'acts est':>11} {'measured':>11} "
+            f"{'ms est':>7} {'measured':>8}")
+    lines = [head]
+    for r in result["rows"]:
+        lines.append(f"{r['config'][:44]:44} {r['est_states']:>11,} {r['states']:>11,} {r['est_activations']:>11,} "
+                     f"{r['activations']:>11,} {1e3 * r['est_seconds']:7.1f} {1e3 * r['seconds']:8.1f}")
+    lines.append(f"Spearman rank correlation of step times: {result['spearman']:.2f}")
+    return "\n".join(lines)
