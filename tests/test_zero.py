@@ -165,20 +165,24 @@ def _check_memory(results, cfgs):
 
 
 def _check_comm(results, cfgs):
-    """Per step: per bucket one reduce-scatter (whole bucket) and one all-gather (this rank's piece)."""
+    """Per step: per bucket one reduce-scatter (whole bucket) and one all-gather (this rank's piece);
+    stage 2 without pp reduces every microbatch (colab_kit.zero.stage2): m reduce-scatters per bucket."""
     for kw in cfgs:
         key, dp = tuple(sorted(kw.items())), kw["dp"]
+        m = kw.get("microbatches", 1) if kw["zero"] == 2 and kw.get("pp", 1) == 1 else 1
         for res in results:
             got = res[key, "adamw"]
             dp_records = [r for r in got["comm"] if r["axis"] == "dp"]
             rs = [r for r in dp_records if r["op"] == "reduce_scatter"]
             ag = [r for r in dp_records if r["op"] == "all_gather"]
-            assert len(rs) == len(ag) == got["buckets"], kw
+            assert len(rs) == m * got["buckets"] and len(ag) == got["buckets"], kw
             assert [r["tag"] for r in dp_records if r not in rs + ag] == ["loss"], kw
-            assert sorted(r["bytes"] for r in rs) == sorted(4 * s for s in got["sizes"])
+            assert sorted(r["bytes"] for r in rs) == sorted(4 * s for s in got["sizes"] for _ in range(m))
             assert sorted(r["bytes"] * dp for r in ag) == sorted(4 * s for s in got["sizes"])
             padded = 4 * sum(got["sizes"])
-            assert sum(r["wire"] for r in rs + ag) == wire_bytes("all_reduce", padded, dp), kw
+            rs_wire, ag_wire = sum(r["wire"] for r in rs), sum(r["wire"] for r in ag)
+            assert rs_wire == m * wire_bytes("reduce_scatter", padded, dp), kw  # per microbatch: an all-reduce's
+            assert rs_wire // m + ag_wire == wire_bytes("all_reduce", padded, dp), kw  # half, the gather the other
 
 
 def test_zero_dp2_parity_memory_comm_unused(world2):

@@ -51,13 +51,9 @@ Memory (fp32, P parameters, dp = n), what ``nbytes`` and ``engine.memory()`` rep
 
 - stage 1: grads 4P (the full buffer; this rank's reduced piece is a view into it,
   reduced in place), optimizer states K*P/n.
-- stage 2: after the step grads 4P/n (the pieces). The full gradient buffer is still made
-  for the backward: autograd accumulates into it over microbatches and the buckets are
-  reduce-scattered from it. It is allocated at the step's first backward and freed once
-  every reduce-scatter has finished, so it is not held across steps, by the optimizer
-  step, or by the forward of the next step: in this implementation stage 2 saves the
-  gradient memory outside backward, not the peak inside it (a bucket freed as soon as its
-  own reduce-scatter ends would lower that peak too; not done here).
+- stage 2: grads 4P/n between steps (the pieces). Inside the step each bucket's full storage
+  exists only from its first gradient to the end of its own reduce-scatter, and every microbatch
+  is reduced (``colab_kit.zero.stage2``: ``ZeroStage2``, what ``ZeroBuckets(stage=2)`` makes).
 
 Mixed precision (``colab_kit.precision``): the buffers above are 16-bit; each bucket is
 reduce-scattered as an fp32 copy, the fp32 pieces are the ``.grad`` of this rank's fp32
@@ -149,6 +145,13 @@ class ZeroBuckets(GradBuckets):
     on the pieces) and ``gather_params`` (after the step).
     """
 
+    def __new__(cls, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
+                stage: int = 1, offload: str = "none"):
+        if cls is ZeroBuckets and stage == 2:  # stage 2 frees each bucket after its reduce-scatter
+            from .stage2 import ZeroStage2
+            cls = ZeroStage2
+        return super().__new__(cls)
+
     def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
                  stage: int = 1, offload: str = "none"):
         if stage not in (1, 2):
@@ -218,23 +221,10 @@ class ZeroBuckets(GradBuckets):
                 p.grad = buf[off:off + p.numel()].view_as(p)
                 off += p.numel()
 
-    def _release(self) -> None:
-        """Stage 2: drop the full gradient buffer once its pieces are reduced (the pieces stay)."""
-        for b in self.buckets:
-            b.buffer = None
-            for p in b.params:
-                p.grad = None
-        self.flat = None
-
     @property
     def nbytes(self) -> int:
-        """Gradient bytes held now: the full buffer while it exists, plus the pieces (stage 2)."""
-        return tensor_bytes([self.flat, getattr(self, "_grad_shard", None)])
-
-    def arm(self, sync: bool, t0: float | None = None) -> None:
-        if self.flat is None:  # stage 2, first backward of a step
-            self._attach()
-        super().arm(sync, t0)
+        """Gradient bytes held now: the full buffer (stage 1)."""
+        return tensor_bytes([self.flat])
 
     def _launch(self, bucket) -> None:
         i, out, buffer = bucket.index, self._pieces[bucket.index], bucket.buffer
@@ -255,12 +245,8 @@ class ZeroBuckets(GradBuckets):
                                                   tag=f"grad bucket {i}", then=record)
 
     def finish(self) -> None:
-        """Wait for every reduce-scatter (launching a bucket that got no gradient); stage 2 frees the buffer."""
-        if self.flat is None:
-            return
+        """Wait for every reduce-scatter (launching a bucket that got no gradient)."""
         super().finish()  # mixed precision: sets the masters' gradients (_masters_grads)
-        if self.stage == 2 and self._sync:
-            self._release()
         if self.masters is None:
             for shard, piece in zip(self.shards, self._pieces):  # again: a user's optimizer.zero_grad() drops them
                 shard.grad = piece
@@ -280,8 +266,7 @@ class ZeroBuckets(GradBuckets):
         self._reduced = [None] * len(self.shards)
 
     def zero(self) -> None:
-        if self.flat is not None:
-            self.flat.zero_()
+        self.flat.zero_()
 
     # ------------------------------------------------------------------ optimizer
     def build_optimizer(self, optimizer_factory) -> torch.optim.Optimizer:
