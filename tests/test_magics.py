@@ -450,3 +450,33 @@ def test_plan_refuses_bad_input_before_planning(run, ip, state):
     assert error is None and out.startswith("usage: %colossal plan --model VAR --batch N")
     assert "--memory 64MiB" in out and "memory per rank (B, KiB, MiB, GiB)" in out
     assert state.config is None
+
+
+def test_plan_shows_the_candidates_and_apply_sets_what_config_sets(run, ip, state, shared, monkeypatch):
+    from colab_kit import planner
+    from colab_kit.viz.planner import config_words
+    from colab_kit.widgets import PlannerView
+
+    monkeypatch.setattr(planner, "constants", lambda ranks=4, refresh=False: planner.EXAMPLE_CONSTANTS)  # no measuring
+    ip.user_ns["MODEL"] = ck.models.GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+    error, out, _ = run("fig = %colossal plan --model MODEL --batch 8 --memory 1MiB --top 5")  # a terminal
+    assert error is None, error
+    assert out.startswith("PlannerView: 5 of ") and "best first (planned: estimated, not run); memory per rank 1.00" in out
+    assert ip.user_ns["fig"].layout.title.text.startswith("Planned (estimated, not run)")
+    monkeypatch.setattr(ip, "kernel", object(), raising=False)  # as in a notebook: the view itself
+    error, out, _ = run("view = %colossal plan --model MODEL --batch 8 --top 5")
+    view = ip.user_ns["view"]
+    assert error is None and isinstance(view, PlannerView) and view.state is state and len(view.candidates) == 5
+    assert all(c.config.world_size == 4 for c in view.candidates)  # --ranks defaults to the cluster's 4
+    view.select(1)
+    message = view.apply()
+    assert message == f"config set on 4 ranks: {view.chosen.config.describe()}"
+    assert state.config == shared.config == view.chosen.config
+    state.config = None
+    shared.set_config(None)
+    error, out, _ = run(f"%colossal config {config_words(view.chosen.config)}")
+    assert error is None and out == message + "\n" and state.config == shared.config == view.chosen.config
+    error, out, _ = run("view8 = %colossal plan --model MODEL --batch 8 --ranks 8 --top 3")
+    assert error is None and ip.user_ns["view8"].apply().startswith(
+        "not applied: this config needs dp*pp*sp*tp = ") and ", but there are 4" in ip.user_ns["view8"].message
+    assert state.config == shared.config == view.chosen.config

@@ -41,7 +41,7 @@ def test_text_table_chooses_the_best_that_fits_and_says_it_is_planned(capsys):
 def test_select_and_apply_go_through_the_state():
     state = _State()
     v = PlannerView(CANDS, state=state, memory_per_rank=8 * MIB, top=3)
-    assert len(v.candidates) == 3
+    assert len(v.candidates) == 3 and repr(v).startswith("PlannerView: 3 of 4 candidates, best first")
     assert v.select(2) == "chosen: #2 tp=4 (tp=4 (1d) = 4 ranks); estimated not to fit: tp all-reduce"
     assert list(v.figure().data[-1].customdata) == [2]
     assert v.apply() == "config set on 4 ranks: tp=4 (1d) = 4 ranks" and state.seen == [ck.ParallelConfig(tp=4)]
@@ -95,3 +95,28 @@ def test_apply_through_the_view_sets_the_config_as_the_magic_does(cluster):
     assert v.apply() == ("not applied: this config needs dp*pp*sp*tp = 8*1*1*1 = 8 ranks, but there are 4: "
                          "try dp=4")
     assert state.config == cluster.config == ck.ParallelConfig(pp=2, dp=2, microbatches=2)
+
+
+def test_the_planner_s_candidates_apply_as_percent_colossal_config_does(cluster):
+    """ck.plan's own candidates for 4 ranks (fixed constants: no measuring here): the view's Apply and
+    ``%colossal config <the same words>`` leave the state, the cluster and the ranks' mesh the same."""
+    from colab_kit.models import GPTConfig
+    from colab_kit.planner import EXAMPLE_CONSTANTS
+    from colab_kit.viz.planner import config_words
+
+    model = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+    cands = ck.plan(model, 4, 8, memory_per_rank=MIB, constants=EXAMPLE_CONSTANTS)
+    state = ck.magics.ColossalState()
+    state.cluster = cluster
+    v = PlannerView(cands, state=state, top=6)
+    assert v.memory_per_rank == MIB and repr(v).startswith(f"PlannerView: 6 of {len(cands)} candidates")
+    pick = next(i for i, c in enumerate(v.candidates) if c.config.world_size == 4 and c.config.dp < 4)
+    v.select(pick)
+    words = config_words(v.chosen.config)
+    assert v.apply() == f"config set on 4 ranks: {v.chosen.config.describe()}"
+    by_view = (state.config, cluster.config, cluster.execute("print(mesh.ranks('dp'))", ranks=[1])[1].stdout)
+    assert by_view[0] == by_view[1] == v.chosen.config
+    state.config = None
+    cluster.set_config(None)
+    assert state.apply_config(ck.ParallelConfig.parse(words)) == v.message  # what %colossal config prints
+    assert (state.config, cluster.config, cluster.execute("print(mesh.ranks('dp'))", ranks=[1])[1].stdout) == by_view

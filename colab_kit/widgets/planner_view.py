@@ -49,6 +49,7 @@ class PlannerView(KernelDisplay):
 
         if top is not None and top < 1:
             raise ValueError(f"top={top}: show at least one candidate (top >= 1)")
+        self.total = len(candidates)
         self.candidates = list(candidates)[:top]
         if not self.candidates:
             raise ValueError("no candidates to show: the planner found no config for this model, batch and ranks")
@@ -98,8 +99,10 @@ class PlannerView(KernelDisplay):
         """The text form (see the module docstring)."""
         head, lines = self.rows()
         budget = f"; memory per rank {self.memory_per_rank / MIB:.2f} MiB" if self.memory_per_rank else ""
-        out = [f"PlannerView: {len(self.candidates)} candidate{'s' * (len(self.candidates) > 1)}, best first "
-               f"(planned: estimated, not run){budget}", f"   {head}"]
+        shown = len(self.candidates)
+        count = f"{shown} of {self.total} candidates" if shown < self.total else \
+            f"{shown} candidate{'s' * (shown > 1)}"
+        out = [f"PlannerView: {count}, best first (planned: estimated, not run){budget}", f"   {head}"]
         out += [f"{'>' if i == self.selected else ' ':>2} {line}" for i, line in enumerate(lines)]
         out.append(f"  {self.status()}")
         return "\n".join(out + ([f"  {self.message}"] if self.message else []))
@@ -122,9 +125,11 @@ class PlannerView(KernelDisplay):
         if self.state is None:
             return "not applied: no %colossal state (run %load_ext colab_kit, or pass PlannerView(cands, state))"
         try:
-            return self.state.apply_config(self.chosen.config)
+            done = self.state.apply_config(self.chosen.config)
         except (ConfigError, ClusterError, RankError) as exc:
             return f"not applied: {str(exc).splitlines()[0]}"
+        kwargs = getattr(self.chosen, "boost_kwargs", None)  # e.g. offload='auto' runs under a device budget
+        return done + (f"; boost with {', '.join(f'{k}={v!r}' for k, v in kwargs.items())}" if kwargs else "")
 
     def _attempt(self) -> str:
         try:
@@ -139,7 +144,8 @@ class PlannerView(KernelDisplay):
             import ipywidgets as w
 
             head, lines = self.rows()
-            ui = {"table": w.Select(options=[(line, i) for i, line in enumerate(lines)], value=self.selected,
+            nbsp = [line.replace(" ", "\u00a0") for line in lines]  # a browser collapses spaces in an <option>
+            ui = {"table": w.Select(options=[(line, i) for i, line in enumerate(nbsp)], value=self.selected,
                                     rows=min(len(lines), 12), layout=w.Layout(width="100%")),
                   "status": w.HTML(), "message": w.HTML(value=html(self.message)),
                   "apply": w.Button(description="Apply", button_style="primary",
