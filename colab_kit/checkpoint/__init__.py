@@ -182,7 +182,7 @@ def save(engine, path, extra: dict | None = None) -> None:
         sd[f"rng/cuda/{rank}"] = torch.cuda.get_rng_state()
     try:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))
-    except Exception as e:
+    except (Exception, dcp.api.CheckpointException) as e:  # DCP's is a BaseException
         raise RuntimeError(f"saving {path} failed ({type(e).__name__}: {e}); {tmp} is left incomplete (load "
                            f"refuses it); the checkpoint at {path}, if any, is unchanged") from e
     digests = {n: file_digest(os.path.join(tmp, n)) for n in data_files(tmp) if n.startswith(f"__{rank}_")}
