@@ -31,3 +31,29 @@ def test_demo_rejects_batch_that_does_not_split(capsys):
 def test_console_script_is_installed():
     out = subprocess.run([sys.executable, "-m", "colab_kit.cli", "demo", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--ranks" in out.stdout
+
+
+def test_demo_any_config_saves_and_resumes_under_another(tmp_path):
+    """tp=2 for 3 steps, saved; resumed under pp=2 for 2 more: the 5 losses match one process's 5."""
+    import io
+
+    ckpt, report = str(tmp_path / "ck"), tmp_path / "r.html"
+    first = io.StringIO()
+    cli.demo(steps=3, batch=8, report="", out=first, config="tp=2", save=ckpt)
+    assert "tp=2 (1d) = 2 ranks" in first.getvalue() and f"checkpoint of step 3 saved to {ckpt}" in first.getvalue()
+    assert "(OK, contract 1e-5)" in first.getvalue()
+    second = io.StringIO()
+    got = cli.demo(steps=2, batch=8, report=str(report), out=second, config="pp=2", resume=ckpt)
+    text = second.getvalue()
+    assert f"2 steps after the 3 steps of {ckpt}" in text
+    assert "for all 5 steps" in text and "(OK, contract 1e-5)" in text, text
+    assert len(got["results"][0]["losses"]) == 5 and got["results"][0]["start"] == 3
+    html = report.read_text()
+    assert "pp=2" in html and "coloured by pp group" in html and "Memory per rank" in html
+
+
+def test_demo_config_refusals(capsys):
+    assert cli.main(["demo", "--config", "dp=2 tp=2", "--ranks", "2", "--steps", "1", "--report", ""]) == 2
+    assert "runs on 4 ranks, not --ranks 2" in capsys.readouterr().err
+    assert cli.main(["demo", "--config", "dp=2", "--batch", "5", "--steps", "1", "--report", ""]) == 2
+    assert "--batch 5 does not split over dp=2 x microbatches=1" in capsys.readouterr().err
