@@ -11,7 +11,7 @@
 
 Every config that ``ParallelConfig`` accepts for ``world_size`` ranks, that ``boost`` runs
 (``engine.unsupported``) and that the model and batch admit (``tensor.check_model``,
-``SequencePlan.check``, ``pipeline.stage.check_stages``, the batch over dp x microbatches and the
+``SequencePlan.check`` and the sequence's split, ``pipeline.stage.check_stages``, the batch over dp x microbatches and the
 tensor plan's batch shards) is a candidate: dp, tp in four modes, pp with every schedule and a
 few microbatch counts, ring / Ulysses / split_gather, ZeRO 0-3, offload none / cpu (and 'auto'
 when ``memory_per_rank`` is given: ``cand.boost_kwargs == {"device_budget": memory_per_rank}``),
@@ -36,7 +36,7 @@ from .constants import constants
 __all__ = ["plan", "Candidate", "Candidates", "constants", "enumerate_configs", "EXAMPLE_CONSTANTS"]
 
 _OP = {"alpha": 1e-4, "beta": 1e9}
-EXAMPLE_CONSTANTS = {"ranks": 0, "matmul": {"call_seconds": 1e-5, "flops_per_s": 1e10},
+EXAMPLE_CONSTANTS = {"ranks": 0, "matmul": {"flops_per_s": 1e10}, "dispatch": {"op_seconds": 2e-5},
                      "memory": {"bytes_per_s": 1e10},
                      "comm": {"2": {op: dict(_OP) for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast",
                                                              "all_to_all", "send")}}}
@@ -143,7 +143,7 @@ def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32
     """Every config boost runs for this model and batch on ``world_size`` ranks (see the module docstring)."""
     from ..engine import unsupported
     from ..pipeline.stage import check_stages
-    from ..sequence.plan import SequencePlan
+    from ..sequence.plan import LAYOUT, SequencePlan, check_length
     from ..tensor import check_model
 
     for tp, sp, pp in itertools.product(_divisors(world_size), repeat=3):
@@ -166,6 +166,7 @@ def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32
                     check_model(model, cfg)
                     if sp > 1:
                         SequencePlan.check(model, cfg)
+                        check_length(model.seq_len, sp, LAYOUT[sp_mode])
                     if pp > 1:
                         check_stages(model.n_layers, cfg)
                 except ConfigError:
@@ -210,10 +211,11 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
         fits = memory_per_rank is None or sum(mem["device"].values()) <= memory_per_rank
         out.append(Candidate(cfg, mem, seconds, fits, parts, counts, kwargs))
     if not out:
-        raise ConfigError(f"no configuration runs a global batch of {batch} rows on {world_size} ranks for this model: "
-                          f"the batch must split over dp x microbatches (and the tensor plan's batch shards); "
-                          f"try a batch that is a multiple of {world_size}, e.g. {world_size * max(1, batch // world_size)}"
-                          f" or {world_size * 4}")
+        raise ConfigError(f"no configuration of {world_size} ranks runs this model with a global batch of {batch} "
+                          f"rows: data parallelism needs the batch to split over dp x microbatches (a multiple of "
+                          f"dp), tensor and sequence parallelism need the model's heads, sizes and sequence length "
+                          f"to divide over them, a pipeline needs n_layers to split over its stages: try a batch "
+                          f"that is a multiple of {world_size} (e.g. {world_size * max(1, round(batch / world_size))})")
     kept = _prune(out)
     kept.sort(key=lambda c: (not c.fits, c.step_seconds))
     result = Candidates(kept[:limit] if limit else kept)

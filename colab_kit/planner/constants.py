@@ -3,21 +3,22 @@
 ``constants(ranks=4)`` starts ``ranks`` local processes once (``ck.launch``, gloo on CPU) and
 measures, all ranks at the same time (so that they share the cores the way a real run does):
 
-- ``matmul``: each rank times fp32 matmuls ``[m, k] @ [k, n]`` of a few sizes with the threads
-  ``ck.launch`` gives it (cores / ranks) and fits ``seconds = call + flops / flops_per_s``:
-  a per-call overhead and the rate, per rank, with ``ranks`` ranks running at once;
-- ``dispatch``: a tiny Linear + GELU forward and backward, timed, over the aten ops its forward
-  dispatches (``count_ops``): seconds of overhead per op, what dominates a small model on CPU;
+- ``matmul``: each rank times an fp32 matmul ``[512, 256] @ [256, 1024]`` with the threads
+  ``ck.launch`` gives it (cores / ranks): FLOPs per second per rank with ``ranks`` ranks running
+  at once (the slowest rank's);
+- ``dispatch``: a tiny Linear + GELU forward and backward, timed, over the autograd ops of its
+  graph (``count_ops``): seconds of overhead per op, what dominates a small model on CPU;
 - ``memory``: ``a.add_(b)`` over 4 MiB, bytes read and written per second (the optimizer step);
 - ``comm``: for every group size ``n`` that divides ``ranks`` (the ranks split into ``ranks / n``
   groups, every group busy at once) and each of all_reduce, all_gather, reduce_scatter,
-  broadcast, all_to_all, and send/recv (a ping-pong between pairs), the median time of a few
+  broadcast, all_to_all, and send/recv (a ping-pong between pairs), the time of a few
   sizes, fitted to ``seconds = alpha + wire_bytes / beta`` where ``wire_bytes`` is
   ``colab_kit.comm.wire_bytes``: the bytes the engine's comm records call wire bytes.
 
 The result is cached as JSON in ``$COLAB_KIT_CACHE`` (default ``~/.cache/colab_kit``) under
 ``constants-<host>-<torch version>.json``, one entry per rank count; ``refresh=True`` measures
-again. A test passes fixed numbers instead (``ck.plan(..., constants={...})``).
+again. Every time is the median of 7 runs (ranks that wait for their turn on shared cores are
+part of what a run pays). A test passes fixed numbers instead (``ck.plan(..., constants={...})``).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ __all__ = ["constants", "measure", "cache_path", "count_ops", "OPS"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send")
 _SIZES = (1 << 10, 1 << 14, 1 << 18)  # fp32 elements per rank's payload: 4 KiB, 64 KiB, 1 MiB
-_MATMUL = ((64, 64, 64), (256, 64, 256), (512, 256, 512), (512, 512, 1024))
+_MATMUL = (512, 256, 1024)
 
 
 def cache_path() -> str:
@@ -89,7 +90,7 @@ def _time(fn, reps: int) -> float:
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return statistics.median(ts)  # ranks waiting for each other's turn on shared cores is part of the cost
 
 
 def _measure_rank(ranks: int) -> dict:
@@ -103,12 +104,9 @@ def _measure_rank(ranks: int) -> dict:
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's renamed collectives
     rank = dist.get_rank()
     dist.barrier()
-    xs, ys = [], []
-    for m, k, n in _MATMUL:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        xs.append(2 * m * k * n)
-        ys.append(_time(lambda: a @ b, 5))
-    call, per_flop = _fit(xs, ys)
+    m, k, n = _MATMUL
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    rate = 2 * m * k * n / _time(lambda: a @ b, 7)
     lin, x = torch.nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True)
     tiny = _time(lambda: torch.nn.functional.gelu(lin(x)).sum().backward(), 20)
     op_seconds = tiny / count_ops(lambda: torch.nn.functional.gelu(lin(x)).sum())
@@ -131,25 +129,24 @@ def _measure_rank(ranks: int) -> dict:
         for g in groups:
             dist.destroy_process_group(g)
     return {"ranks": ranks, "threads_per_rank": torch.get_num_threads(),
-            "matmul": {"call_seconds": call, "flops_per_s": 1.0 / per_flop},
+            "matmul": {"flops_per_s": rate},
             "dispatch": {"op_seconds": op_seconds},
             "memory": {"bytes_per_s": 3 * big.numel() * 4 / mem},
             "comm": comm, "backend": dist.get_backend(), "torch": torch.__version__}
 
 
 def count_ops(fn) -> int:
-    """Aten ops ``fn()`` dispatches (its forward; each has a backward counterpart)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            _Count.n += 1
-            return func(*args, **(kwargs or {}))
-    with _Count():
-        fn()
-    return max(1, _Count.n)
+    """Autograd nodes of the graph ``fn()`` builds (its ops that have a backward): walked from the
+    output's ``grad_fn``, so nothing but the forward runs."""
+    out = fn()
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(n for n, _ in node.next_functions)
+    return max(1, sum(1 for n in seen if type(n).__name__ != "AccumulateGrad"))
 
 
 def _payload(op, size, n):

@@ -6,8 +6,7 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   matmul parameters (q/k/v, proj, fc1, fc2, head) plus ``4 t h`` per token for attention's two
   products (the CPU kernel computes the whole ``t x t`` square: no causal halving), divided by
   tp (every mode splits the matmuls evenly) and sp (tokens); backward twice the forward,
-  recomputation one more forward. Each matmul call also costs the measured per-call time, and
-  each aten op of the forward (counted once on a tiny GPT of the same structure) the measured
+  recomputation one more forward. Each autograd op of the forward (counted once on a tiny GPT of the same structure) the measured
   dispatch overhead per op (``constants``'s "dispatch"), which is what a small model spends most on.
   Seconds = FLOPs / the matmul rate measured with this many ranks running at once
   (``constants``: it already includes ranks sharing the cores).
@@ -15,7 +14,8 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   B = 3 and I = 2 with recomputation), scaled to the stage's forward seconds; what the
   fullest rank is idle is the bubble.
 - communication, ``alpha + wire / beta`` per collective with the group's measured constants:
-  dp gradients in the buckets of ``data.default_bucket_bytes`` (ZeRO 1/2 reduce-scatter them
+  dp gradients in the buckets of ``data.default_bucket_bytes``, all but the first (which runs
+  while backward goes on) exposed (ZeRO 1/2 reduce-scatter them
   and all-gather the parameters; ZeRO 3 gathers each block's parameters in forward and again in
   backward and reduce-scatters its gradients); tp: the counts of
   ``tensor.block_collectives`` and the bytes of ``tensor.linear_comm_bytes`` for the four
@@ -71,18 +71,38 @@ def _forward(model, cfg, consts, tokens: int, layers: int, head: bool) -> float:
     h, f, v, t = model.d_model, model.d_ff, model.vocab_size, model.seq_len
     tok = tokens / cfg.sp
     flops = layers * (2 * tok * (4 * h * h + 2 * h * f) + 4 * tok * t / cfg.sp * h) + (2 * tok * h * v if head else 0)
-    calls = layers * 6 + head
-    mm = consts["matmul"]
     block_ops, head_ops = _op_counts(model.n_heads)
-    ops = layers * block_ops + (head_ops if head else 0)
+    ops = layers * (block_ops + mode_ops(cfg)) + (head_ops if head else 0)
     overhead = ops * consts.get("dispatch", {}).get("op_seconds", 0.0)
-    return calls * mm["call_seconds"] + flops / cfg.tp / mm["flops_per_s"] + overhead
+    return flops / cfg.tp / consts["matmul"]["flops_per_s"] + overhead
+
+
+def mode_ops(cfg) -> int:
+    """Ops a block's forward runs on top of the dense block's in ``cfg``'s layers, counted from
+    their source: ring attention (``sequence.ring``) replaces one fused attention call by 2 sp + 1
+    causal chunk pairs per rank (zigzag), each a block forward (scores, mask, log-sum-exp,
+    exp, matmul: about 9 ops) merged into the running result (``merge_lse``: about 8); Ulysses
+    adds its four all-to-alls with their reshapes (8); 1D one autograd collective per Linear (4),
+    split_gather two (8); SUMMA (2D, 2.5D) q steps of two broadcasts, a matmul and an add per
+    Linear (16 q) and LayerNorm2D's explicit statistics (about 9 ops each instead of one); 3D two
+    all-gathers and a reduce-scatter per Linear (12) and LayerNorm3D's statistics."""
+    extra = 0
+    if cfg.sp > 1:
+        extra += 17 * (2 * cfg.sp + 1) if cfg.sp_mode == "ring" else 8
+    if cfg.tp > 1:
+        if cfg.tp_mode == "1d":
+            extra += 8 if cfg.sp_mode == "split_gather" else 4
+        elif cfg.tp_mode in ("2d", "2.5d"):
+            extra += 16 * cfg.tp_q + 16
+        else:
+            extra += 12 + 16
+    return extra
 
 
 @functools.lru_cache(maxsize=64)
 def _op_counts(heads: int) -> tuple[int, int]:
-    """Aten ops of one block's forward and of the embeddings + ln_f + head + loss (a tiny GPT of
-    the same structure, counted once: the count does not depend on the sizes)."""
+    """Autograd ops of one block and of the embeddings + ln_f + head + loss (a tiny GPT of the
+    same structure, counted once: the count does not depend on the sizes)."""
     import torch
     import torch.nn.functional as F
 
@@ -91,7 +111,7 @@ def _op_counts(heads: int) -> tuple[int, int]:
     g = GPTConfig(vocab_size=8, seq_len=4, d_model=2 * heads, n_heads=heads, n_layers=1)
     model, x = GPT(g), torch.zeros(1, 4, dtype=torch.long)
     whole = count_ops(lambda: F.cross_entropy(model(x).flatten(0, 1), x.flatten()))
-    block = count_ops(lambda: model.blocks[0](torch.zeros(1, 4, 2 * heads)))
+    block = count_ops(lambda: model.blocks[0](torch.zeros(1, 4, 2 * heads, requires_grad=True)).sum()) - 1
     return block, whole - block
 
 
@@ -180,7 +200,7 @@ def _dp_comm(model, cfg, consts, memory) -> tuple[float, int]:
     if cfg.zero:
         rs = _coll(consts, "reduce_scatter", bucket, cfg.dp, nb)
         return rs + _coll(consts, "all_gather", bucket // cfg.dp, cfg.dp, nb), 2 * nb
-    return _coll(consts, "all_reduce", bucket, cfg.dp, nb), nb
+    return _coll(consts, "all_reduce", bucket, cfg.dp, max(1, nb - 1)), nb  # the first bucket overlaps backward
 
 
 def _optimizer(cfg, consts, memory) -> float:

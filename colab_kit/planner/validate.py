@@ -1,9 +1,9 @@
 """The planner against runs: boost the top candidates, train a few steps, compare.
 
-``validate(model, ranks, batch, top)`` plans, then in ONE ``ck.launch`` of ``ranks`` processes
-boosts each of the ``top`` candidates in turn (rank 0's numbers: the fullest pipeline rank is
-taken over ranks), trains ``steps`` steps on ``SyntheticTokens`` and returns one row per
-candidate: estimated and measured model-state bytes (params + grads + optimizer), activations,
+``validate(model, ranks, batch, top)`` plans, takes the best candidate of each of the first
+``top`` layouts (``distinct_layouts``), then in ONE ``ck.launch`` of ``ranks`` processes boosts
+them all and trains them in turn, ``steps`` rounds on ``SyntheticTokens`` (the fullest rank's
+memory, the slowest rank's time), and returns one row per candidate: estimated and measured model-state bytes (params + grads + optimizer), activations,
 and median step seconds (first step left out), plus the Spearman rank correlation of the times.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 
-__all__ = ["validate", "spearman", "run_candidates"]
+__all__ = ["validate", "spearman", "run_candidates", "distinct_layouts", "format_rows"]
 
 
 def spearman(a, b) -> float:
@@ -36,7 +36,9 @@ def spearman(a, b) -> float:
 
 
 def run_candidates(model_kwargs: dict, configs: list[dict], kwargs: list[dict], batch: int, steps: int) -> list[dict]:
-    """On every rank: boost each config, train ``steps`` steps; this rank's memory and step times."""
+    """On every rank: boost every config (all engines alive at once), then ``steps`` rounds of one
+    step of each in turn, so that a change in the machine's load falls on all of them alike; this
+    rank's memory and median step seconds per config (the first round is not timed)."""
     import torch
 
     import colab_kit as ck
@@ -45,23 +47,36 @@ def run_candidates(model_kwargs: dict, configs: list[dict], kwargs: list[dict], 
 
     g = GPTConfig(**model_kwargs)
     data = SyntheticTokens(g.vocab_size, g.seq_len, seed=0)
-    out = []
-    warm = ck.boost(GPT(g), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(**configs[0]), **kwargs[0])
-    for s in range(2):  # the first steps in a fresh process are slow (allocator, thread pools): untimed
-        warm.train_step(data.batch(s, batch))
-    warm.close()
-    for c, kw in zip(configs, kwargs):
-        engine = ck.boost(GPT(g), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(**c), **kw)
-        times, losses = [], []
-        for s in range(steps):
+    engines = [ck.boost(GPT(g), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(**c), **kw)
+               for c, kw in zip(configs, kwargs)]
+    times = [[] for _ in engines]
+    losses = [[] for _ in engines]
+    for s in range(steps + 1):
+        for i, engine in enumerate(engines):
             t = time.perf_counter()
-            losses.append(engine.train_step(data.batch(s, batch)))
-            times.append(time.perf_counter() - t)
+            losses[i].append(engine.train_step(data.batch(s, batch)))
+            if s:
+                times[i].append(time.perf_counter() - t)
+    out = []
+    for i, engine in enumerate(engines):
         mem = engine.memory()
         out.append({"memory": {k: mem[k] for k in ("params", "grads", "optimizer", "activations")},
-                    "seconds": statistics.median(times[1:]), "losses": losses})
+                    "seconds": statistics.median(times[i]), "losses": losses[i]})
         engine.close()
     return out
+
+
+def distinct_layouts(cands, top: int) -> list:
+    """The best candidate of each layout (degrees and modes; schedule, ZeRO, offload and recompute
+    free), in the planner's order, the first ``top`` of them: what a user chooses between."""
+    seen, out = set(), []
+    for c in cands:
+        k = c.config
+        key = (k.dp, k.tp, k.tp_mode, k.tp_depth, k.pp, k.sp, k.sp_mode)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out[:top]
 
 
 def validate(model, ranks: int = 4, batch: int = 16, top: int = 6, steps: int = 4, constants=None) -> dict:
@@ -71,7 +86,7 @@ def validate(model, ranks: int = 4, batch: int = 16, top: int = 6, steps: int = 
     from ..launch import launch
     from . import plan
 
-    cands = plan(model, ranks, batch, constants=constants, limit=top)
+    cands = distinct_layouts(plan(model, ranks, batch, constants=constants), top)
     res = launch(run_candidates, ranks, dataclasses.asdict(model), [c.config.to_dict() for c in cands],
                  [c.boost_kwargs for c in cands], batch, steps)
     rows = []
@@ -87,7 +102,7 @@ def validate(model, ranks: int = 4, batch: int = 16, top: int = 6, steps: int = 
                      "est_seconds": c.step_seconds, "seconds": max(r["seconds"] for r in per_rank),
                      "losses": per_rank[0]["losses"]})
     rho = spearman([r["est_seconds"] for r in rows], [r["seconds"] for r in rows])
-    return {"rows": rows, "spearman": rho, "constants": cands.constants}
+    return {"rows": rows, "spearman": rho}
 
 
 def format_rows(result: dict) -> str:

