@@ -33,7 +33,7 @@ def test_text_table_chooses_the_best_that_fits_and_says_it_is_planned(capsys):
     assert lines[2].split() == ["0", "tp=4", "9.00", "0.00", "0.00", "0.00", "30.00", "no", "tp", "all-reduce"]
     assert lines[4].startswith(" >   2  dp=4 ")
     assert lines[5].split()[:7] == ["3", "dp=4", "zero=3", "offload=cpu", "1.00", "0.00", "6.00"]
-    assert lines[-1] == "  chosen: #2 dp=4 (dp=4 = 4 ranks)"
+    assert lines[-1] == "  chosen: #2 dp=4: %colossal config dp=4"
     v._ipython_display_()  # outside a kernel: the text, no widget built
     assert capsys.readouterr().out == repr(v) + "\n" and v._ui is None
 
@@ -42,7 +42,7 @@ def test_select_and_apply_go_through_the_state():
     state = _State()
     v = PlannerView(CANDS, state=state, memory_per_rank=8 * MIB, top=3)
     assert len(v.candidates) == 3 and repr(v).startswith("PlannerView: 3 of 4 candidates, best first")
-    assert v.select(2) == "chosen: #2 tp=4 (tp=4 (1d) = 4 ranks); estimated not to fit: tp all-reduce"
+    assert v.select(2) == "chosen: #2 tp=4: %colossal config tp=4; estimated not to fit: tp all-reduce"
     assert list(v.figure().data[-1].customdata) == [2]
     assert v.apply() == "config set on 4 ranks: tp=4 (1d) = 4 ranks" and state.seen == [ck.ParallelConfig(tp=4)]
     assert repr(v).endswith("\n  config set on 4 ranks: tp=4 (1d) = 4 ranks")
@@ -62,7 +62,8 @@ def test_a_row_or_a_point_chooses_and_the_button_applies():
     ui = v._ui
     assert [label.split()[1] for label, _ in ui["table"].options] == ["dp=4", "dp=4", "tp=4", "pp=4"]
     ui["table"].value = 3  # a click on row 3
-    assert v.selected == 3 and ui["status"].value.startswith("chosen: #3 pp=4 microbatches=4")
+    assert v.selected == 3 and ui["status"].value == "chosen: #3 pp=4 microbatches=4: %colossal config pp=4 microbatches=4; " \
+        "estimated not to fit: bubble 43%"
     fig = ui["figure"]
     if not hasattr(fig, "data"):
         pytest.skip("no anywidget: the figure is a plain Output, nothing to click")

@@ -17,7 +17,7 @@ made-up pair of candidates on 4 ranks under 8 MiB per rank the text reads::
          #  config  params   grads  optimizer  activations  step ms  fits  why
      >   0  dp=4      3.00    0.00       0.00         0.00    20.00  yes   compute
          1  tp=4      9.00    0.00       0.00         0.00    30.00  no    tp all-reduce
-      chosen: #0 dp=4 (dp=4 = 4 ranks)
+      chosen: #0 dp=4: %colossal config dp=4
 
 (``>`` marks the chosen row; Apply's result follows on a last line once applied.)
 """
@@ -31,6 +31,13 @@ from .figure_view import figure_view, redraw
 __all__ = ["PlannerView"]
 
 _STYLE = "<style>.ck-planner select {font-family: monospace; font-size: 12px}</style>"
+
+
+def _label(candidate) -> str:
+    """A candidate's short name: ``Candidate.describe()`` (``dp=2 x pp=2 zero=2 zb-v m=2 v=2``) where it has one,
+    else the config words."""
+    describe = getattr(candidate, "describe", None)
+    return describe() if callable(describe) else config_words(candidate.config)
 
 
 class PlannerView(KernelDisplay):
@@ -76,7 +83,7 @@ class PlannerView(KernelDisplay):
 
     def status(self) -> str:
         c = self.chosen
-        line = f"chosen: #{self.selected} {config_words(c.config)} ({c.config.describe()})"
+        line = f"chosen: #{self.selected} {_label(c)}: %colossal config {config_words(c.config)}"
         return line if c.fits else f"{line}; estimated not to fit: {c.why}"
 
     def figure(self):
@@ -85,13 +92,13 @@ class PlannerView(KernelDisplay):
 
     def rows(self) -> tuple[str, list[str]]:
         """(header, one line per candidate): config words, MiB per category, step ms, fits, why."""
-        width = max(6, *(len(config_words(c.config)) for c in self.candidates))
+        width = max(6, *(len(_label(c)) for c in self.candidates))
         head = f"{'#':>3}  {'config':<{width}}  " + "  ".join(f"{k:>{max(6, len(k))}}" for k in CATEGORIES) \
             + f"  {'step ms':>7}  fits  why"
         lines = []
         for i, c in enumerate(self.candidates):
             mib = "  ".join(f"{c.memory.get(k, 0) / MIB:>{max(6, len(k))}.2f}" for k in CATEGORIES)
-            lines.append(f"{i:>3}  {config_words(c.config):<{width}}  {mib}  {c.step_seconds * 1e3:>7.2f}  "
+            lines.append(f"{i:>3}  {_label(c):<{width}}  {mib}  {c.step_seconds * 1e3:>7.2f}  "
                          f"{'yes' if c.fits else 'no':<4}  {c.why}")
         return head, lines
 
