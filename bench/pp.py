@@ -9,7 +9,11 @@ the measured bubble ``1 - compute time / (ranks x span)`` from ``engine.timeline
 (``colab_kit.viz.schedule_data.measured_bubble``; waiting in a receive is idle), the plan's
 simulated bubble (unit costs F=1, B=2, I=W=1) and the schedule's own textbook formula
 (``colab_kit.pipeline.simulate.theory_bubble``: (p-1)/(m+p-1) for GPipe and 1F1B,
-(p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1, (p-1)/(6m+p-1) ZB-V).
+(p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1, (p-1)/(6m+p-1) ZB-V). The row
+``zb-v fitted`` is ZB-V re-scheduled from its own costs: after two warm-up steps
+``engine.pipeline.replan()`` measures each stage's F, I and W in the timeline and list-schedules
+the V on them (``colab_kit.pipeline.costs``); the run prints those costs and both plans'
+simulated makespans under them.
 
 Part 2 runs, on 2 ranks, the stages colab_kit cuts wrapped in torch's ``PipelineStage``:
 colab_kit 1F1B against torch's ``Schedule1F1B``, and colab_kit ZB-H1 against torch's
@@ -39,6 +43,8 @@ from colab_kit.pipeline.simulate import theory_bubble
 from colab_kit.viz.schedule_data import measured_bubble
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
+FITTED = "zb-v fitted"
+"""ZB-V list-scheduled from its own measured costs (``engine.pipeline.replan()`` after one step)."""
 
 
 def _sgd(ps):
@@ -67,12 +73,17 @@ def _schedules(gpt_kwargs, batch, microbatches, rounds, steps):
     pp = torch.distributed.get_world_size()
     engines = {s: ck.boost(GPT(GPTConfig(**gpt_kwargs)), _sgd, ck.ParallelConfig(
         pp=pp, microbatches=microbatches, schedule=s, chunks=c)) for s, c in SCHEDULES}
+    engines[FITTED] = ck.boost(GPT(GPTConfig(**gpt_kwargs)), _sgd, ck.ParallelConfig(
+        pp=pp, microbatches=microbatches, schedule="zb-v", chunks=2))
+    for i in range(2):  # warm-up steps, then the costs of the second one
+        engines[FITTED].train_step(data.batch(i, batch))
+    costs = engines[FITTED].pipeline.replan()
     timelines = {s: [] for s in engines}
     runners = {s: (lambda i, e=e: e.train_step(data.batch(i, batch))) for s, e in engines.items()}
     times, _ = _rounds(runners, rounds, steps, after=lambda s: timelines[s].append(engines[s].timeline()))
     for e in engines.values():
         e.close()
-    return times, timelines
+    return times, timelines, costs
 
 
 def _versus_torch(gpt_kwargs, batch, microbatches, rounds, steps):
@@ -135,18 +146,25 @@ def main(argv=None):
     gpt = dict(vocab_size=256, seq_len=args.seq, d_model=args.d_model, n_heads=4, n_layers=layers)
     p, m = args.pp, args.microbatches
     results = ck.launch(_schedules, p, gpt, args.batch, m, args.rounds, args.steps)
-    times = results[0][0]
+    times, costs = results[0][0], results[0][2]
     med = {s: statistics.median(v) * 1e3 for s, v in times.items()}
     n = len(times["1f1b"])
     print(f"GPT {gpt}, global batch {args.batch}, pp={p}, microbatches={m}, {args.rounds} rounds x {args.steps} "
           f"steps timed per schedule")
     print(f"{'schedule':12} {'step ms':>8} {'vs 1f1b':>8} {'measured bubble':>16} {'planned (simulated)':>20} "
           f"{'its textbook formula':>21}")
-    for schedule, chunks in SCHEDULES:
-        planned = simulate(lower(build_plan(schedule, p, m, chunks))).bubble_fraction
+    for schedule, chunks in SCHEDULES + ((FITTED, 2),):
+        plan = build_plan("zb-v", p, m, 2, costs=costs) if schedule == FITTED else build_plan(schedule, p, m, chunks)
+        planned = simulate(lower(plan)).bubble_fraction
         got = statistics.median(measured_bubble([rank[1][schedule][i] for rank in results]) for i in range(n))
         print(f"{schedule:12} {med[schedule]:>8.2f} {med[schedule] / med['1f1b']:>8.3f} {got:>16.3f} "
-              f"{planned:>20.3f} {theory_bubble(schedule, p, m, chunks):>21.3f}")
+              f"{planned:>20.3f} {theory_bubble(schedule.split()[0], p, m, chunks):>21.3f}")
+    unit, fitted = build_plan("zb-v", p, m, 2), build_plan("zb-v", p, m, 2, costs=costs)
+    print(f"zb-v fitted: costs measured in its second step (ms, the slowest rank): " + ", ".join(
+        f"{s}{k} {v * 1e3:.2f}" for (s, k), v in costs.items()) + f"; with these costs and free messages the "
+        f"unit-step plan takes {simulate(unit, costs).makespan * 1e3:.1f} ms, the fitted one "
+        f"{simulate(fitted, costs).makespan * 1e3:.1f} ms (busiest rank's work "
+        f"{max(simulate(fitted, costs).busy) * 1e3:.1f} ms)")
     last = results[-1][1]  # the last pipeline rank's timelines: its compute per step, by action kind
 
     def per_step(schedule, kinds):

@@ -62,27 +62,32 @@ class WaitTimeout(RuntimeError):
     """A point-to-point wait that ran past its timeout (the connection stays open)."""
 
 
-def finish(work, flag: threading.Event | None = None, what: str = "a collective", timeout: float | None = None):
+def finish(work, flag: threading.Event | None = None, what: str = "a collective", timeout: float | None = None,
+           armed: tuple | None = None):
     """Wait for a backend ``Work``; while ``flag`` (an Event) is given, look at it every ``ABORT_POLL`` s.
 
     Without a flag or timeout this is ``work.wait()``. With one, the main thread sleeps on an
     Event that the work's completion sets, waking every ``ABORT_POLL`` s to look at the flag
     and the clock: a collective sets it from its future; work without a future (gloo's sends
-    and receives, whose ``is_completed()`` stays False until someone waits) is waited on by
-    ``_Waiter``'s thread. A set flag raises ``Aborted``, a timeout ``WaitTimeout``; neither
-    touches the work, so gloo keeps its connections (a timed ``Work.wait`` would close them).
+    and receives, whose ``is_completed()`` stays False until someone waits) is waited on by a
+    ``_Waiter`` thread. ``armed`` is what ``_Waiter.watch(work)`` returned when the work was
+    posted (``isend(..., arm=True)``): that thread has been waiting since, so a message that
+    arrived meanwhile costs no hand-off here. A set flag raises ``Aborted``, a timeout
+    ``WaitTimeout``; neither touches the work, so gloo keeps its connections (a timed
+    ``Work.wait`` would close them).
     """
-    if flag is None and timeout is None:
+    if armed is None and flag is None and timeout is None:
         work.wait()
         return
     t0 = time.monotonic()
-    done, errors = threading.Event(), []
-    try:
-        work.get_future().add_done_callback(lambda _: done.set())
-        waiter = None
-    except RuntimeError:  # no future for this kind of work
-        waiter = _Waiter.get()
-        waiter.put(work, done, errors)
+    if armed is not None:
+        done, errors, waiter = armed
+    else:
+        try:
+            done, errors, waiter = threading.Event(), [], None
+            work.get_future().add_done_callback(lambda _: done.set())
+        except RuntimeError:  # no future for this kind of work
+            done, errors, waiter = _Waiter.watch(work)
     while not done.wait(ABORT_POLL if timeout is None else min(ABORT_POLL, timeout)):
         stop = None
         if flag is not None and flag.is_set():
@@ -91,7 +96,7 @@ def finish(work, flag: threading.Event | None = None, what: str = "a collective"
             stop = WaitTimeout(f"{what} did not complete within {timeout:g} s")
         if stop is not None:
             if waiter is not None:
-                waiter.abandon()  # its thread stays in that wait; the next one gets a fresh thread
+                waiter.abandon()  # its thread stays in that wait and is never reused
             raise stop
     if errors:
         raise errors[0]
@@ -100,14 +105,17 @@ def finish(work, flag: threading.Event | None = None, what: str = "a collective"
 
 
 class _Waiter:
-    """One daemon thread per process that runs ``work.wait()`` for ``finish`` (see there).
+    """A daemon thread that runs ``work.wait()`` for ``finish`` (see there), one work at a time.
 
-    Made on first use and reused; a wait abandoned on a flag or timeout keeps its thread
-    blocked, so the next wait makes a new ``_Waiter`` (at most one per abandoned wait, and
-    after a hang the pipeline runs no further steps).
+    ``watch(work)`` hands the work to an idle thread of the pool (or a new one) and returns
+    ``(done, errors, thread)``: ``done`` is set once the wait returned, ``errors`` holds what it
+    raised. Each work has its own thread while it waits, so a receive that completes late never
+    holds up one that completed early. A thread goes back to the pool after its wait; one whose
+    wait was abandoned on a flag or timeout stays blocked in it and is never reused (after a
+    hang the pipeline runs no further steps).
     """
 
-    _current: "_Waiter | None" = None
+    _idle: list["_Waiter"] = []
     _lock = threading.Lock()
 
     def __init__(self):
@@ -117,14 +125,12 @@ class _Waiter:
         threading.Thread(target=self._loop, daemon=True, name="colab_kit comm waiter").start()
 
     @classmethod
-    def get(cls) -> "_Waiter":
+    def watch(cls, work) -> tuple:
         with cls._lock:
-            if cls._current is None or cls._current.abandoned:
-                cls._current = cls()
-            return cls._current
-
-    def put(self, work, done: threading.Event, errors: list) -> None:
-        self.queue.put((work, done, errors))
+            waiter = cls._idle.pop() if cls._idle else cls()
+        done, errors = threading.Event(), []
+        waiter.queue.put((work, done, errors))
+        return done, errors, waiter
 
     def abandon(self) -> None:
         self.abandoned = True
@@ -137,8 +143,10 @@ class _Waiter:
             except BaseException as exc:  # handed to the waiting thread
                 errors.append(exc)
             done.set()
-            if self.abandoned and self.queue.empty():
+            if self.abandoned:
                 return
+            with _Waiter._lock:
+                _Waiter._idle.append(self)
 
 
 def wire_bytes(op: str, payload: int, n: int) -> int:
@@ -440,17 +448,20 @@ class P2PPending(Pending):
 
     With a ``timeout`` (seconds) a wait that runs out raises ``WaitTimeout``; while the
     mesh's ``abort_flag`` is set up (a pipeline step) a raised flag ends it with ``Aborted``.
+    ``armed``: a waiter thread waits on it from the moment it was posted (``arm=True``).
     """
 
+    armed = None
+
     def wait(self, timeout: float | None = None) -> CommRecord:
-        finish(self.work, self.flag, f"{self.op} over {self.axis} ({self.tag})", timeout)
+        finish(self.work, self.flag, f"{self.op} over {self.axis} ({self.tag})", timeout, self.armed)
         rec = self.log.add(self.op, self.axis, self.nbytes, time.perf_counter() - self.t0, self.tag)
         if self.then is not None:
             self.then()
         return rec
 
 
-def _p2p(op, tensor, mesh, axis, peer, msg_tag, tag):
+def _p2p(op, tensor, mesh, axis, peer, msg_tag, tag, arm=False):
     if not 0 <= peer < mesh.size(axis) or peer == mesh.rank(axis):
         raise ValueError(f"{op} over {axis} needs a peer coordinate other than this rank's "
                          f"({mesh.rank(axis)}) in 0..{mesh.size(axis) - 1}, got {peer}")
@@ -458,22 +469,30 @@ def _p2p(op, tensor, mesh, axis, peer, msg_tag, tag):
     fn = dist.isend if op == "send" else dist.irecv
     kw = {"dst": other} if op == "send" else {"src": other}
     work = fn(tensor, group=mesh.group(axis), tag=msg_tag, **kw)
-    return P2PPending(work, mesh.log, op, axis, tensor.numel() * tensor.element_size(), tag,
-                      flag=getattr(mesh, "abort_flag", None))
+    pending = P2PPending(work, mesh.log, op, axis, tensor.numel() * tensor.element_size(), tag,
+                         flag=getattr(mesh, "abort_flag", None))
+    if arm:
+        pending.armed = _Waiter.watch(work)
+    return pending
 
 
-def isend(tensor: torch.Tensor, mesh, axis: str, peer: int, *, msg_tag: int = 0, tag: str = "") -> P2PPending:
+def isend(tensor: torch.Tensor, mesh, axis: str, peer: int, *, msg_tag: int = 0, tag: str = "",
+          arm: bool = False) -> P2PPending:
     """Start sending ``tensor`` to the rank whose ``axis`` coordinate is ``peer`` (same other coordinates).
 
     ``msg_tag`` is the backend's message tag (the receive must use the same one); ``tag``
-    labels the record. Keep ``tensor`` unchanged until ``wait()`` returns.
+    labels the record. Keep ``tensor`` unchanged until ``wait()`` returns. ``arm=True``: a
+    waiter thread starts waiting now, so ``wait()`` on a completed send returns at once
+    (the pipeline's sends and receives are armed).
     """
-    return _p2p("send", tensor.contiguous(), mesh, axis, peer, msg_tag, tag)
+    return _p2p("send", tensor.contiguous(), mesh, axis, peer, msg_tag, tag, arm)
 
 
-def irecv(tensor: torch.Tensor, mesh, axis: str, peer: int, *, msg_tag: int = 0, tag: str = "") -> P2PPending:
-    """Start receiving into ``tensor`` (contiguous, of the sent shape) from the ``axis`` coordinate ``peer``."""
-    return _p2p("recv", tensor, mesh, axis, peer, msg_tag, tag)
+def irecv(tensor: torch.Tensor, mesh, axis: str, peer: int, *, msg_tag: int = 0, tag: str = "",
+          arm: bool = False) -> P2PPending:
+    """Start receiving into ``tensor`` (contiguous, of the sent shape) from the ``axis`` coordinate ``peer``
+    (``arm`` as for ``isend``)."""
+    return _p2p("recv", tensor, mesh, axis, peer, msg_tag, tag, arm)
 
 
 def sendrecv(send: torch.Tensor, recv: torch.Tensor, mesh, axis: str, to: int, source: int, *, msg_tag: int = 0,

@@ -1,4 +1,5 @@
-"""Pipeline engine against one process: every schedule (gpipe, 1f1b, interleaved, zb-h1, zb-v) for
+"""Pipeline engine against one process: every schedule (gpipe, 1f1b, interleaved, zb-h1, zb-v, which
+re-plans from its measured costs after step 2) for
 pp=2, pp=4, pp=2 x dp=2 and pp=2 x tp=2 trains to the single-process losses; a stepped step
 equals an unstepped one bit for bit; a stuck rank gives every rank's position within the
 timeout. One spawn per world size, configurations looped inside."""
@@ -53,8 +54,11 @@ def _train(cfgs):
     for kw in cfgs:
         for opt in OPTIMIZERS:
             engine = ck.boost(GPT(model_cfg(kw)), OPTIMIZERS[opt], ck.ParallelConfig(**kw))
-            losses = [engine.train_step(data.batch(s, BATCH)) for s in range(STEPS)]
-            pipe = engine.pipeline
+            pipe, losses, fitted = engine.pipeline, [], None
+            for s in range(STEPS):
+                losses.append(engine.train_step(data.batch(s, BATCH)))
+                if s == 1 and kw["schedule"] == "zb-v":  # the rest of the steps run the V fitted to its costs
+                    fitted = pipe.replan()
             mine = pipe.plan.actions[pipe.me]
             params = {}
             if kw.get("tp", 1) == 1:
@@ -66,7 +70,7 @@ def _train(cfgs):
                 kinds={e["kind"] for e in engine.timeline()},
                 p2p=[(r["op"], r["axis"], r["tag"], r["bytes"]) for r in engine.comm(last_step=True)
                      if r["axis"] == "pp" and r["op"] in ("send", "recv")],
-                memory=engine.memory())
+                memory=engine.memory(), fitted=fitted)
             out[tuple(sorted(kw.items())), opt]["losses"].append(engine.evaluate(data.batch(STEPS, BATCH)))
     return out
 
@@ -130,6 +134,12 @@ def _check_training(results, cfgs):
                 assert sorted(t for _, _, t, _ in got["p2p"]) == sorted(comm_actions)
                 rows = BATCH // kw.get("dp", 1) // M
                 assert {b for *_, b in got["p2p"]} == {rows * 16 * 32 * 4}
+                if kw["schedule"] == "zb-v":  # replan(): every stage's F, I, W measured, the same on every rank
+                    n = kw["pp"] * 2
+                    assert sorted(got["fitted"]) == sorted((s, k) for s in range(n) for k in "FIW")
+                    assert got["fitted"] == results[0][key, opt]["fitted"] and min(got["fitted"].values()) >= 0
+                    assert got["plan"] == [str(a) for a in lower(build_plan("zb-v", kw["pp"], M, 2, costs=got["fitted"]))
+                                           .actions[rank // (kw.get("dp", 1) * kw.get("tp", 1))]]
             if kw.get("tp", 1) == 1:  # the stages together hold the whole model
                 assert set(owned) == set(ref_params), (kw, opt)
 

@@ -133,6 +133,29 @@ class PipelineExecutor(CommActions):
         self.timesteps = [[t for t, row in enumerate(rows) if row[r] is not None] for r in range(plan.pp)]
         self.n_timesteps, self._plan = len(rows), plan
 
+    def replan(self, costs: dict | None = None) -> dict:
+        """ZB-V re-scheduled from per-stage costs (``costs.zb_v_timed``); call it on every rank.
+
+        ``costs=None`` measures them from the last training step's timeline (``costs.measured_costs``:
+        an all-reduce, so every rank builds the same plan). Returns the costs used::
+
+            engine.train_step(batch)                # a step with the unit-step plan (and warm-up)
+            costs = engine.pipeline.replan()        # {(0, 'F'): 0.0021, (0, 'I'): 0.0, (0, 'W'): 0.0040, ...}
+            engine.train_step(batch)                # the same F, I, W per microbatch, in the fitted order
+        """
+        if self.config.schedule != "zb-v":
+            raise ValueError(f"replan() orders the zb-v schedule from measured costs; this engine runs "
+                             f"{self.config.schedule!r}: build it with schedule='zb-v', chunks=2")
+        from .costs import measured_costs
+        from .schedules import build_plan
+
+        if costs is None:
+            if self.running:
+                raise RuntimeError("a step is running: finish() it before replan()")
+            costs = measured_costs(self.engine._events, range(self.plan.n_stages), self.mesh.device)
+        self.plan = build_plan("zb-v", self.pp, self.config.microbatches, 2, costs=costs)
+        return costs
+
     # ------------------------------------------------------------------ stepping
     def begin(self, batch, *, forward_only: bool = False) -> None:
         """Start a step on the global batch ``(inputs, targets)`` (same on every rank); nothing runs yet."""

@@ -11,7 +11,10 @@ Receives are posted early: before each action the executor posts the ``irecv`` o
 ``prefetch`` receives of its list (2 by default) whose buffer it can already shape, so a
 message that arrives while the rank computes lands at once, and a send followed by a
 receive (``0SF3 0RB1`` in 1F1B's steady state) has both in flight before anything waits.
-The receive action itself then only waits.
+Every posted send and receive is armed (``comm.isend(..., arm=True)``): a waiter thread
+waits on it from the moment it is posted, so the receive action finds a message that came
+in during compute already complete and goes on without handing its wait to a thread, and
+the end of the step finds its sends done. The receive action itself then only waits.
 
 Worked example, pp=2, step 5, stage 0 on rank 0 sends microbatch 1's activation ``[2, 16, 32]``::
 
@@ -83,7 +86,7 @@ class CommActions:
     def _post(self, a, buf):
         peer = self.plan.rank_of(a.stage - 1 if a.kind == "RF" else a.stage + 1)
         try:
-            return comm.irecv(buf, self.mesh, "pp", peer, msg_tag=self._tag(a), tag=str(a)), buf
+            return comm.irecv(buf, self.mesh, "pp", peer, msg_tag=self._tag(a), tag=str(a), arm=True), buf
         except RuntimeError as exc:
             raise self._hang(f"rank {self.mesh.global_rank} could not receive {a}: {_last(exc)}") from exc
 
@@ -114,7 +117,7 @@ class CommActions:
     # ------------------------------------------------------------------ posting and waiting
     def _send(self, a, t, peer, msg_tag, label):
         try:
-            self._sends.append((a, comm.isend(t, self.mesh, "pp", peer, msg_tag=msg_tag, tag=label)))
+            self._sends.append((a, comm.isend(t, self.mesh, "pp", peer, msg_tag=msg_tag, tag=label, arm=True)))
         except RuntimeError as exc:
             raise self._hang(f"rank {self.mesh.global_rank} could not send {a}: {_last(exc)}") from exc
 

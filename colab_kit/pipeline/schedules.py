@@ -301,8 +301,12 @@ def _zb_v(pp: int, m: int) -> list[list[Action]]:
     return plan
 
 
-def build_plan(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> Plan:
+def build_plan(schedule: str, pp: int, microbatches: int, chunks: int = 1, costs: dict | None = None) -> Plan:
     """The compute actions of one step of ``schedule`` on ``pp`` ranks (see the module docstring).
+
+    ``costs`` (zb-v only): ``{(stage, kind): time}`` for F, I and W, or kind defaults; the V is
+    then list-scheduled on those durations instead of unit steps (``costs.zb_v_plan``), as the
+    paper's automatic schedules use profiled times (``engine.pipeline.replan()`` measures them).
 
     Shapes a schedule cannot take raise ``ConfigError`` with the rule and a valid choice,
     the same rules ``ParallelConfig`` enforces::
@@ -315,7 +319,13 @@ def build_plan(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> Pl
     from ..config import ParallelConfig  # validates pp, microbatches, chunks and schedule together
 
     ParallelConfig(pp=pp, microbatches=microbatches, schedule=schedule, chunks=chunks)
-    if schedule == "gpipe":
+    if costs is not None and schedule != "zb-v":
+        raise ValueError(f"costs shape only the zb-v schedule (its list scheduler), not {schedule!r}: "
+                         "leave costs=None, or use schedule='zb-v' with chunks=2")
+    if costs is not None:
+        from .costs import zb_v_plan
+        actions = zb_v_plan(pp, microbatches, costs, _zb_v(pp, microbatches))
+    elif schedule == "gpipe":
         actions = _gpipe(pp, microbatches)
     elif schedule == "1f1b":
         actions = _one_f_one_b(pp, microbatches)

@@ -1,6 +1,7 @@
 """The planned timeline of a plan, with no processes: when each action would start and end.
 
-Each action lasts ``costs[kind]`` (default F=1, B=2, I=1, W=1, communication 0) and
+Each action lasts ``costs[kind]`` (default F=1, B=2, I=1, W=1, communication 0), or
+``costs[(stage, kind)]`` where that is given (``build_plan(..., costs=)`` takes the same), and
 starts when its rank is free and everything it depends on has ended (a receive waits for
 its matching send; in a plan that is not lowered, a compute waits directly for the
 remote compute that produces its input). For 1F1B with pp=2, microbatches=3::
@@ -105,7 +106,7 @@ class Timeline:
 
 def simulate(plan, costs: dict | None = None) -> Timeline:
     """The planned timeline of ``plan`` (checked first: a broken plan raises ``PlanError``)."""
-    cost = dict(DEFAULT_COSTS, **(costs or {}))
+    cost = {**DEFAULT_COSTS, **(costs or {})}
     check(plan)
     deps = _dependencies(plan, _index(plan))
     rows, _, _ = _step(plan, deps)  # lockstep order: a valid order to fix start times in
@@ -119,7 +120,7 @@ def simulate(plan, costs: dict | None = None) -> Timeline:
                 continue
             i = pos[r]
             start = max([free[r]] + [end[d] for d, _ in deps[(r, i)]])
-            end[(r, i)] = free[r] = start + cost[a.kind]
+            end[(r, i)] = free[r] = start + cost.get((a.stage, a.kind), cost[a.kind])
             events[r].append((start, free[r], a))
             pos[r] += 1
     return Timeline(plan, events, cost)
