@@ -1,7 +1,8 @@
 """ZeRO over the dp axis (Rajbhandari et al. 2020, arXiv 1910.02054) and heterogeneous memory.
 
 - ``buckets``: stages 1 and 2 (``ZeroBuckets``): optimizer states, then gradients, sharded;
-  parameters whole on every rank.
+  parameters whole on every rank. ``stage2``: what ``ZeroBuckets(stage=2)`` makes (``ZeroStage2``):
+  each gradient bucket exists only from its first gradient to the end of its reduce-scatter.
 - ``stage3``: stage 3 (``ZeroParams``): parameters sharded too, each block's gathered just
   before it runs and freed after.
 
