@@ -54,7 +54,7 @@ It is for benchmarks and tests, never on by default. ``torch.distributed._tools.
 MemTracker`` runs on CPU in torch 2.13 too (one iteration per tracker), but files storages by the
 phase in which it meets them rather than by what holds them: for two ``Linear(64, 64)`` and AdamW
 its "Optstate" peak read 99,600 B against 66,576 B of states and step counters, the step's
-temporaries included; a bucket made in a backward hook would be filed with backward's temporaries.
+temporaries included.
 """
 from __future__ import annotations
 

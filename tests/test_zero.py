@@ -3,8 +3,8 @@ single-process losses (1e-5 relative) and final parameters, for zero=1 and 2 at 
 offload="cpu" too: the optimizer and its fp32 copies on the host), zero=2 at
 dp=4 with microbatches, with tp=2 (1d), with pp=2 (1f1b) and with a 2D tensor mode (8 ranks); the
 optimizer states per rank are the dense states / dp (plus padding); the collectives per step are
-one reduce-scatter of the gradients and one all-gather of the parameters per bucket, together the
-wire bytes of one all-reduce; a parameter that gets no gradient neither stalls nor corrupts a step.
+one reduce-scatter of the gradients (stage 2 without pp: one per microbatch) and one all-gather of
+the parameters per bucket, together the wire bytes of one all-reduce (per microbatch's reduction); a parameter that gets no gradient neither stalls nor corrupts a step.
 One spawn per world size, configurations looped inside."""
 from __future__ import annotations
 
