@@ -12,7 +12,10 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   (``constants``: it already includes ranks sharing the cores).
 - pipeline: the schedule's own timeline (``pipeline.simulate`` on its plan, F = 1, B = 2, I = W = 1,
   B = 3 and I = 2 with recomputation), scaled to the stage's forward seconds; what the
-  fullest rank is idle is the bubble.
+  fullest rank is idle is the bubble. The measured rates are per rank with all ranks busy; with
+  R ranks on C < R cores a rank runs at C/R of its own speed, and a rank idle in the bubble frees
+  its core, so the step is max(makespan x C/R, busy) in those units: no bubble at all on a
+  machine with 4 ranks on 2 cores, the full bubble with a core per rank.
 - communication, ``alpha + wire / beta`` per collective with the group's measured constants:
   dp gradients in the buckets of ``data.default_bucket_bytes``, all but the first (which runs
   while backward goes on) exposed (ZeRO 1/2 reduce-scatter them
@@ -163,7 +166,10 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict) -> tuple[fl
         span, busy = _pipeline_units(cfg.schedule, cfg.pp, m, cfg.chunks, cfg.recompute)
         head = _forward(model, cfg, consts, tokens, 0, True) * m * 3
         parts["compute"] = busy * fwd + head
-        parts["bubble"] = (span - busy) * fwd
+        # more ranks than cores: a rank waiting in the bubble gives its core to one that computes, so
+        # the step is the longer of the schedule at one rank's own speed and the work shared out
+        share = min(1.0, consts.get("cores", consts.get("ranks", 1)) / max(1, consts.get("ranks", 1)))
+        parts["bubble"] = max(0.0, span * fwd * share - busy * fwd)
         act = tokens // cfg.sp * model.d_model * e // (cfg.tp if cfg.tp_mode != "1d" else 1)
         sends = 2 * m * cfg.chunks
         parts["comm:pp"] = _coll(consts, "send", act, 2, sends)
