@@ -1,0 +1,54 @@
+"""The planner against runs: ``ck.plan``'s estimates beside what the engine measures.
+
+Measures the machine's constants afresh (``ck.planner.constants(refresh=True)``: matmul rate,
+per-op overhead, memory rate, every collective's alpha and beta on each group size, in one
+spawn of ``--ranks`` processes; the time it took is printed), plans a GPT for ``--ranks``
+ranks and a global batch of ``--batch`` rows, takes the best candidate of each of the first
+``--top`` layouts, boosts them all in ONE spawn and trains them in turns for ``--steps``
+rounds (``colab_kit.planner.validate``), and prints per candidate the estimated and measured
+model-state bytes (params + grads + optimizer, the fullest rank), activations, and median step
+time (the slowest rank), with the Spearman rank correlation of the step times.
+
+    python bench/plan.py                       # the demo GPT with 4 layers, 4 ranks, batch 16, 8 layouts
+    python bench/plan.py --ranks 8 --batch 32 --top 10
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--top", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--layers", type=int, default=4)
+    args = p.parse_args(argv)
+
+    import os
+
+    from colab_kit.models import GPTConfig
+    from colab_kit.planner import constants
+    from colab_kit.planner.validate import format_rows, validate
+
+    model = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=args.layers)
+    t0 = time.perf_counter()
+    consts = constants(refresh=True, ranks=args.ranks)
+    print(f"constants measured on {args.ranks} ranks in {consts['seconds_to_measure']:.2f} s "
+          f"(spawn included; {time.perf_counter() - t0:.2f} s with the cache write); "
+          f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"  matmul {consts['matmul']['flops_per_s'] / 1e9:.2f} GFLOP/s per rank, "
+          f"{consts['dispatch']['op_seconds'] * 1e6:.1f} us per autograd op, "
+          f"all_reduce on 2 ranks alpha {consts['comm']['2']['all_reduce']['alpha'] * 1e3:.2f} ms")
+    t0 = time.perf_counter()
+    result = validate(model, args.ranks, args.batch, args.top, args.steps, constants=consts)
+    print(f"\nGPT {model.vocab_size}/{model.seq_len}/{model.d_model}/{model.n_heads} heads/{model.n_layers} layers, "
+          f"{args.ranks} ranks, batch {args.batch}, {args.steps} timed rounds "
+          f"({time.perf_counter() - t0:.1f} s; load average after: {os.getloadavg()[0]:.1f})")
+    print(format_rows(result))
+
+
+if __name__ == "__main__":
+    main()
