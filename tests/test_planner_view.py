@@ -61,6 +61,7 @@ def test_a_row_or_a_point_chooses_and_the_button_applies():
     v.widget()
     ui = v._ui
     assert [label.split()[1] for label, _ in ui["table"].options] == ["dp=4", "dp=4", "tp=4", "pp=4"]
+    drawn = list(getattr(ui["figure"], "data", ()))
     ui["table"].value = 3  # a click on row 3
     assert v.selected == 3 and ui["status"].value == "chosen: #3 pp=4 microbatches=4: %colossal config pp=4 microbatches=4; " \
         "estimated not to fit: bubble 43%"
@@ -68,6 +69,7 @@ def test_a_row_or_a_point_chooses_and_the_button_applies():
     if not hasattr(fig, "data"):
         pytest.skip("no anywidget: the figure is a plain Output, nothing to click")
     assert list(fig.data[-1].customdata) == [3]  # the ring moved with the row
+    assert len(fig.data) == len(drawn) and all(a is b for a, b in zip(fig.data, drawn))  # moved, not redrawn
     from plotly.callbacks import InputDeviceState, Points
 
     fits = next(t for t in fig.data if t.name == "fits")

@@ -167,7 +167,9 @@ class PlannerView(KernelDisplay):
             ui["box"] = w.VBox([note, header, ui["table"], ui["status"], w.HBox([ui["apply"], ui["message"]]),
                                 ui["figure"]])
             self._ui = ui
-            self._redraw()
+            for trace in getattr(ui["figure"], "data", ()):  # a FigureWidget: a click on a marker chooses
+                trace.on_click(self.click_point)
+            self._redraw(figure=False)  # the figure was just drawn with the chosen ring where it belongs
         return self._ui["box"]
 
     def click_point(self, trace, points, selector=None) -> None:
@@ -196,7 +198,7 @@ class PlannerView(KernelDisplay):
         self._ui["message"].value = html(message)
         self._ui["apply"].disabled, self._ui["apply"].description = False, "Apply"
 
-    def _redraw(self) -> None:
+    def _redraw(self, figure: bool = True) -> None:
         ui = self._ui
         if ui is None:
             return
@@ -204,6 +206,17 @@ class PlannerView(KernelDisplay):
             ui["table"].value = self.selected  # its observer calls select() again: no change, no redraw
         ui["status"].value = html(self.status())
         ui["message"].value = html(self.message)
-        redraw(ui["figure"], self.figure())
-        for trace in getattr(ui["figure"], "data", ()):  # a FigureWidget: clicks on its markers choose
-            trace.on_click(self.click_point)
+        if figure:
+            self._move_ring()
+
+    def _move_ring(self) -> None:
+        """Ring the chosen candidate: on a FigureWidget only the "chosen" trace moves (its markers keep their
+        click handlers and nothing is deleted and re-added); an Output is drawn again."""
+        view = self._ui["figure"]
+        ring = next((t for t in getattr(view, "data", ()) if t.name == "chosen"), None)
+        if ring is None:
+            redraw(view, self.figure())
+            return
+        new = plan_figure([self.chosen]).data[0]
+        with view.batch_update():
+            ring.x, ring.y, ring.customdata = new.x, new.y, [self.selected]
