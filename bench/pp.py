@@ -165,11 +165,19 @@ def main(argv=None):
         f"unit-step plan takes {simulate(unit, costs).makespan * 1e3:.1f} ms, the fitted one "
         f"{simulate(fitted, costs).makespan * 1e3:.1f} ms (busiest rank's work "
         f"{max(simulate(fitted, costs).busy) * 1e3:.1f} ms)")
+    v = build_plan("zb-v", p, m, 2)
+    print("zb-v work per microbatch by rank (F + I + W of its two stages, from those costs): " + ", ".join(
+        f"rank {r} {sum(costs[s, k] for s in v.stages_of(r) for k in 'FIW') * 1e3:.2f} ms" for r in range(p)))
     last = results[-1][1]  # the last pipeline rank's timelines: its compute per step, by action kind
 
     def per_step(schedule, kinds):
         return sum(e["end"] - e["start"] for tl in last[schedule] for e in tl
                    if e.get("action") and parse(e["action"]).kind in kinds) / n * 1e3
+    def busy(schedule, r):  # rank r's compute per step, ms
+        return sum(e["end"] - e["start"] for tl in results[r][1][schedule] for e in tl
+                   if e.get("action") and e.get("kind") == "compute") / n * 1e3
+    print("compute per step by rank (ms): " + "; ".join(
+        f"{s} " + " ".join(f"{busy(s, r):.1f}" for r in range(p)) for s in ("1f1b", "zb-h1", "zb-v", FITTED)))
     b, i, w = per_step('1f1b', ('B',)), per_step('zb-h1', ('I',)), per_step('zb-h1', ('W',))
     print(f"last rank's compute per step: 1f1b B {b:.1f} ms; zb-h1 I {i:.1f} + W {w:.1f} ms = {(i + w) / b:.3f} of B "
           f"(the split's cost: I + W against B)")

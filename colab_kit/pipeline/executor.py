@@ -51,6 +51,10 @@ that needed nothing at or after that timestep: by induction on the timestep ever
 ends. A stepped step runs the same actions in the same order as ``train_step``, so its
 losses and parameters are the same bit for bit.
 
+ZB-V's order assumes equal F, I and W per chunk; ``replan()`` (on every rank, between steps)
+measures each stage's actions in the last step's timeline, all-reduces them and installs
+``build_plan("zb-v", ..., costs=...)``: the same actions, in an order fitted to what they cost.
+
 Data parallelism: the dp gradient buckets (``data.GradBuckets``) hold this rank's stage
 parameters; they accumulate over the microbatches, and with one stage per rank the
 all-reduce starts during the last B (or W) of the plan, else after it (so does a bucket

@@ -45,6 +45,10 @@ line wrapped after 24 actions::
     rank 3: 3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4I0 3I0 4W0 3F4 4I1 3I1 4I2 3I2 3W0 4F4 4I3 3I3 4W1 3F5 3W1 4F5
             4W2 3F6 4I4 3I4 3W2 4F6 4W3 3F7 4I5 3I5 3W3 4F7 4I6 3I6 4W4 3W4 4W5 3W5 4I7 3I7 4W6 3W6 4W7 3W7
 
+Those unit steps are an assumption: ``build_plan("zb-v", pp, m, 2, costs={(stage, kind): t})``
+schedules the V on each stage's own F, I and W durations (``costs.py``; equal costs give this
+very plan), and ``engine.pipeline.replan()`` measures them on the ranks.
+
 Rank 0 runs 2p-1 = 7 chunk-0 forwards while microbatch 0 goes round the V to stage 7.
 Each action is one chunk, half a rank's layers: with F = I = W = 1 per chunk (``simulate``)
 every rank is busy 6m = 48 units and the step takes 6m + p - 1 = 51, the least possible (rank 3
