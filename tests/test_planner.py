@@ -70,7 +70,9 @@ def test_fits_honours_memory_per_rank_and_auto_offload_gets_the_budget():
     auto = [c for c in cands if c.config.offload == "auto"]
     assert auto and all(c.boost_kwargs == {"device_budget": budget} for c in auto)
     assert not any(c.config.offload == "auto" for c in ck.plan(SMALL, 4, 16, constants=EXAMPLE_CONSTANTS))
-    assert len(ck.plan(SMALL, 4, 16, constants=EXAMPLE_CONSTANTS, limit=3)) == 3
+    three = ck.plan(SMALL, 4, 16, constants=EXAMPLE_CONSTANTS, limit=3)
+    assert len(three) == 3 and three[:2].constants is EXAMPLE_CONSTANTS and "2 of 2 candidates" in three[:2].table()
+    assert "<table>" in three._repr_html_() and three[0].describe() in three.table()
 
 
 def test_bad_input_is_refused_with_the_rule():

@@ -89,6 +89,13 @@ class Candidates(list):
     constants: dict = {}
     memory_per_rank: int | None = None
 
+    def __getitem__(self, i):
+        got = super().__getitem__(i)
+        if isinstance(i, slice):  # cands[:3] keeps table() and the constants
+            got = Candidates(got)
+            got.constants, got.memory_per_rank = self.constants, self.memory_per_rank
+        return got
+
     def table(self, top: int | None = None) -> str:
         rows = self[:top] if top else self
         head = f"{'#':>3}  {'config':44} {'fits':4} {'MiB/rank':>9} {'states':>9} {'acts':>9} {'ms/step':>8}  why"

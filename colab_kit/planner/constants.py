@@ -85,6 +85,9 @@ def _fit(xs, ys) -> tuple[float, float]:
     return a, b
 
 
+_SYNC = [lambda: None]  # torch.cuda.synchronize on a GPU rank: a time is read after the work is done
+
+
 def _per_call(fn, window: float = 0.08, windows: int = 3) -> float:
     """Seconds per call of ``fn``: calls run back to back for ``window`` seconds of wall time (every
     rank busy at once, so ranks sharing cores share them here too), the best of ``windows``
@@ -96,6 +99,7 @@ def _per_call(fn, window: float = 0.08, windows: int = 3) -> float:
         while time.perf_counter() - t0 < window:
             fn()
             calls += 1
+        _SYNC[0]()
         best = min(best, (time.perf_counter() - t0) / calls)
     return best
 
@@ -106,8 +110,10 @@ def _time(fn, reps: int, between=None) -> float:
     for _ in range(reps):
         if between is not None:
             between()
+        _SYNC[0]()
         t = time.perf_counter()
         fn()
+        _SYNC[0]()
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)  # ranks waiting for each other's turn on shared cores is part of the cost
 
@@ -122,6 +128,9 @@ def _measure_rank(ranks: int) -> dict:
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's renamed collectives
     rank = dist.get_rank()
+    if dist.get_backend() == "nccl":  # one GPU per rank: measure on it
+        torch.set_default_device(torch.device("cuda", torch.cuda.current_device()))
+        _SYNC[0] = torch.cuda.synchronize
     dist.barrier()
     m, k, n = _MATMUL
     a, b = torch.randn(m, k), torch.randn(k, n)
@@ -129,7 +138,7 @@ def _measure_rank(ranks: int) -> dict:
     lin, x = torch.nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True)
     tiny = _per_call(lambda: torch.nn.functional.gelu(lin(x)).sum().backward())
     op_seconds = tiny / count_ops(lambda: torch.nn.functional.gelu(lin(x)).sum())
-    big, other = torch.randn(1 << 20), torch.randn(1 << 20)
+    big, other = torch.randn(1 << 20), torch.randn(1 << 20)  # on the rank's device
     dist.barrier()
     mem = _time(lambda: big.add_(other), 5)
     comm = {}
