@@ -168,7 +168,7 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict) -> tuple[fl
         parts["compute"] = busy * fwd + head
         # more ranks than cores: a rank waiting in the bubble gives its core to one that computes, so
         # the step is the longer of the schedule at one rank's own speed and the work shared out
-        share = min(1.0, consts.get("cores", consts.get("ranks", 1)) / max(1, consts.get("ranks", 1)))
+        share = min(1.0, consts.get("cores", cfg.world_size) / cfg.world_size)
         parts["bubble"] = max(0.0, span * fwd * share - busy * fwd)
         act = tokens // cfg.sp * model.d_model * e // (cfg.tp if cfg.tp_mode != "1d" else 1)
         sends = 2 * m * cfg.chunks
