@@ -44,9 +44,11 @@ Loading. Every rank checks the checkpoint first (``files.check``: the manifest e
 model config is this engine's, the files' sizes and hashes, split over ranks, verdicts gathered:
 one answer everywhere). Then, one dense tensor at a time, it reads the whole tensor
 (``dcp.load`` into a plain tensor, which assembles it from the saved chunks, ``no_dist``: no
-collective), keeps its own elements through the same index map, and drops it: memory peaks at
-this rank's model states, plus its index map (one int32 per element it holds), plus the largest
-dense tensor. Then the 16-bit model is made from the masters, ZeRO 1-2 all-gather the updated
+collective), keeps its own elements through the same index map, and drops it. Beyond this rank's
+model states (filled in place), a load holds its index map (a dense and a local position per
+element it holds: 8 bytes with int32) and, one tensor at a time, that tensor's float64 index
+values while the replay cuts them (twice the dense tensor) or the dense tensor while it is read
+(``tests/test_checkpoint.py`` bounds it so). Then the 16-bit model is made from the masters, ZeRO 1-2 all-gather the updated
 parameters, and the step count, history, loss scale and RNG states are set.
 
 RNG states: restored when the world size is the one that saved (rank r gets rank r's); with
@@ -169,7 +171,7 @@ def save(engine, path, extra: dict | None = None) -> None:
         if own[rank]:
             dpos, lpos = space.held(name)
             where = torch.full((table.numel[name],), -1, dtype=torch.int64)
-            where[dpos] = lpos
+            where[dpos] = lpos.to(torch.int64)
             sd[f"model/{name}"], entry["dtype"] = _owned_shards(
                 name, space.tensors, space, where, own[rank], own, shape2d)
             for s in states:

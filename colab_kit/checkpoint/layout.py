@@ -51,6 +51,7 @@ class DenseTable:
             offs.append(off)
             off += self.numel[n]
         self.offset = dict(zip(self.names, offs))
+        self.index = {n: j for j, n in enumerate(self.names)}
         self.total = off
         self.starts = torch.tensor(offs + [off], dtype=torch.int64)
 
@@ -61,29 +62,25 @@ class DenseTable:
 class LocalSpace:
     """This rank's optimizer tensors ``T_k`` seen as one flat space of ``sum(numel)`` positions.
 
-    ``gidx``: per position, the global dense index of the element there (-1: ZeRO padding).
-    ``held(name)`` -> (dense flat positions, local positions) of the elements of ``name`` here.
+    ``held(name)`` -> (dense flat positions, local positions) of the elements of ``name`` here
+    (int32 below 2**31 elements: 8 bytes per element this rank holds, and nothing for padding).
     """
 
-    def __init__(self, tensors: list[torch.Tensor], gidx: torch.Tensor, table: DenseTable):
-        self.tensors, self.gidx, self.table = tensors, gidx, table
+    def __init__(self, tensors: list[torch.Tensor], held: dict, table: DenseTable, dtype: torch.dtype):
+        self.tensors, self.table, self._held = tensors, table, held
         self.sizes = [t.numel() for t in tensors]
-        self.starts = torch.tensor([0] + list(torch.tensor(self.sizes).cumsum(0).tolist()), dtype=torch.int64) \
-            if tensors else torch.zeros(1, dtype=torch.int64)
-        valid = (gidx >= 0).nonzero().flatten()
-        g = gidx[valid]
-        order = torch.argsort(g)
-        self._sorted, self._pos = g[order], valid[order]
-        if self._sorted.numel() > 1 and bool((self._sorted[1:] == self._sorted[:-1]).any()):
-            raise RuntimeError("colab_kit.checkpoint: a dense element appears twice among this rank's optimizer "
-                               "tensors; the layout is not one this module understands")
+        cum = [0]
+        for n in self.sizes:
+            cum.append(cum[-1] + n)
+        self.starts = torch.tensor(cum, dtype=dtype)
+        for name, (dpos, _) in held.items():
+            if torch.unique(dpos).numel() != dpos.numel():
+                raise RuntimeError(f"colab_kit.checkpoint: an element of {name} appears twice among this rank's "
+                                   "optimizer tensors; the layout is not one this module understands")
 
     def held(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        lo_g = self.table.offset[name]
-        hi_g = lo_g + self.table.numel[name]
-        lo = int(torch.searchsorted(self._sorted, lo_g))
-        hi = int(torch.searchsorted(self._sorted, hi_g))
-        return self._sorted[lo:hi] - lo_g, self._pos[lo:hi]
+        empty = torch.zeros(0, dtype=self.starts.dtype)
+        return self._held.get(name, (empty, empty))
 
     def read(self, values: list[torch.Tensor], pos: torch.Tensor) -> torch.Tensor:
         """Elements at local positions ``pos`` of ``values`` (tensors shaped like ``self.tensors``), on the CPU."""
@@ -100,34 +97,51 @@ class LocalSpace:
             flat[local.to(flat.device)] = data[sel].to(device=flat.device, dtype=flat.dtype)
 
     def _split(self, pos: torch.Tensor):
+        if not pos.numel():
+            return
+        lo, hi = (int(torch.searchsorted(self.starts, int(f(pos)), right=True)) - 1 for f in (torch.min, torch.max))
+        if lo == hi:  # all in one tensor (a parameter's elements mostly are)
+            yield lo, slice(None), pos - self.starts[lo]
+            return
         k = torch.searchsorted(self.starts, pos, right=True) - 1
         for kk in torch.unique(k).tolist():
             sel = (k == kk).nonzero().flatten()
             yield kk, sel, pos[sel] - self.starts[kk]
 
 
-def _index_model(engine) -> tuple[nn.Module, DenseTable]:
-    """The engine's model rebuilt with dense indices for values, sharded as the engine sharded it."""
-    from ..init import defer, materialize
-    cfg, config, mesh = engine.model_cfg, engine.config, engine.mesh
-    if cfg is None:  # not a GPT: tp = pp = 1 (boost refuses them otherwise), the local model is dense
-        named = [(n, tuple(p.shape)) for n, p in engine.module.named_parameters() if p.requires_grad]
-        table = DenseTable(named)
-        model = nn.Module()
-        model._ps = nn.ParameterList(nn.Parameter(_arange(table, n), requires_grad=False) for n, _ in named)
-        return model, table
+def _units(names: list[str]) -> list[list[str]]:
+    """The replay's units: each transformer block's parameters together, every other parameter alone."""
+    units: dict[str, list[str]] = {}
+    for n in names:
+        parts = n.split(".")
+        key = ".".join(parts[:2]) if parts[0] == "blocks" and len(parts) > 2 else n
+        units.setdefault(key, []).append(n)
+    return list(units.values())
+
+
+def _replay(engine, table: DenseTable, unit: set[str]):
+    """This rank's parameters (in the engine's order) rebuilt from a float64 model whose parameters in
+    ``unit`` hold their global dense indices; the others stay meta (nothing is made for them)."""
+    from ..init import _RECIPE, defer
     from ..models import GPT
-    model = GPT(cfg, device="meta").to(torch.float64)
-    table = DenseTable([(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    config, mesh = engine.config, engine.mesh
+    model = GPT(engine.model_cfg, device="meta").to(torch.float64)
     model.init_parameter = lambda name, out: out.copy_(_arange(table, name).view(out.shape))
     defer(model, config, mesh.rank("pp"))
+    for name, t in model.named_parameters():
+        if name not in unit and hasattr(t, _RECIPE):
+            delattr(t, _RECIPE)
     if config.tp > 1:
         from ..tensor import plan_for
         model = plan_for(mesh).parallelize(model)
     if config.pp > 1:
         from ..pipeline.stage import split_model
         model = nn.ModuleList(split_model(model, config, mesh.rank("pp")))
-    return materialize(model), table
+    out = []
+    for p in model.parameters():  # cut by the plan: real; left whole: its name (the indices are an arange)
+        recipe = getattr(p, _RECIPE, None) if p.is_meta else None
+        out.append(p if recipe is None else recipe[1])
+    return out
 
 
 def _arange(table: DenseTable, name: str) -> torch.Tensor:
@@ -136,25 +150,61 @@ def _arange(table: DenseTable, name: str) -> torch.Tensor:
 
 
 def local_space(engine) -> LocalSpace:
-    """This rank's optimizer tensors and the dense index of each of their elements (module docstring)."""
-    index_model, table = _index_model(engine)
+    """This rank's optimizer tensors and the dense index of each of their elements (module docstring).
+
+    The index model is replayed one unit at a time (a block, or one other parameter), so this costs
+    one unit's local parameters in float64 at a time (and, inside the tensor plan, the dense float64
+    tensor it cuts), plus the result: a dense and a local position per element (int32)."""
     mine = [p for p in engine.module.parameters() if p.requires_grad]
-    idx = list(index_model.parameters())
-    if len(idx) != len(mine) or any(a.shape != b.shape for a, b in zip(idx, mine)):
-        raise RuntimeError("colab_kit.checkpoint: the index model's parameters do not match this engine's "
-                           f"({len(idx)} against {len(mine)}); the engine's sharding changed without this module")
-    dtype = torch.int32 if table.total < 2 ** 31 - 1 else torch.int64
-    of = {id(p): t.detach().reshape(-1).to(dtype) for p, t in zip(mine, idx)}
-    del index_model, idx
-    tensors, pieces = [], []
-    for t, runs in engine.grads.optimizer_layout():
-        g = torch.full((t.numel(),), -1, dtype=dtype)
+    layout = engine.grads.optimizer_layout()
+    runs_of: dict[int, list] = {}
+    for k, (t, runs) in enumerate(layout):
         for p, start, length, at in runs:
-            g[at:at + length] = of[id(p)][start:start + length]
-        tensors.append(t)
-        pieces.append(g)
-    gidx = torch.cat(pieces).to(torch.int64) if pieces else torch.zeros(0, dtype=torch.int64)
-    return LocalSpace(tensors, gidx, table)
+            runs_of.setdefault(id(p), []).append((k, start, length, at))
+    if engine.model_cfg is None:  # not a GPT: tp = pp = 1 (boost refuses them otherwise), the local model is dense
+        table = DenseTable([(n, tuple(p.shape)) for n, p in engine.module.named_parameters() if p.requires_grad])
+        units, replay = [table.names], lambda unit: list(table.names)
+    else:
+        from ..models import GPT
+        table = DenseTable([(n, tuple(p.shape)) for n, p in GPT(engine.model_cfg, device="meta").named_parameters()])
+        units, replay = _units(table.names), lambda unit: _replay(engine, table, set(unit))
+    dtype = torch.int32 if table.total < 2 ** 31 - 1 else torch.int64
+    starts = [0]
+    for t, _ in layout:
+        starts.append(starts[-1] + t.numel())
+    parts: dict[int, list] = {}  # dense parameter -> [(dense positions, local positions)]
+    for unit in units:
+        idx = replay(unit)
+        shapes = [table.shapes[a] if isinstance(a, str) else tuple(a.shape) for a in idx]
+        if len(idx) != len(mine) or any(a != tuple(b.shape) for a, b in zip(shapes, mine)):
+            raise RuntimeError("colab_kit.checkpoint: the index model's parameters do not match this engine's "
+                               f"({len(idx)} against {len(mine)}); the engine's sharding changed without this module")
+        for p, values in zip(mine, idx):
+            if not isinstance(values, str) and values.is_meta:
+                continue
+            flat = None if isinstance(values, str) else values.detach().reshape(-1)
+            for k, start, length, at in runs_of.get(id(p), ()):
+                local = torch.arange(starts[k] + at, starts[k] + at + length, dtype=dtype)
+                if flat is None:  # a whole dense tensor: its positions are known without making them
+                    parts.setdefault(table.index[values], []).append(
+                        (torch.arange(start, start + length, dtype=dtype), local))
+                    continue
+                seg = flat[start:start + length]
+                j = int(torch.searchsorted(table.starts, int(seg.min()), right=True)) - 1
+                if int(seg.max()) < int(table.starts[j + 1]):  # one dense tensor (every plan cuts so)
+                    parts.setdefault(j, []).append(((seg - float(table.starts[j])).to(dtype), local))
+                    continue
+                g = seg.to(torch.int64)
+                owner = torch.searchsorted(table.starts, g, right=True) - 1
+                for j in torch.unique(owner).tolist():
+                    sel = owner == j
+                    parts.setdefault(j, []).append(((g[sel] - table.starts[j]).to(dtype), local[sel]))
+        del idx
+    held = {}
+    for j, chunks in sorted(parts.items()):
+        held[table.names[j]] = (torch.cat([d for d, _ in chunks]), torch.cat([lp for _, lp in chunks]))
+        chunks.clear()
+    return LocalSpace([t for t, _ in layout], held, table, dtype)
 
 
 def rectangles(dense_pos: torch.Tensor, shape2d: tuple[int, int]) -> list[tuple[int, int, int, int]]:
