@@ -18,6 +18,12 @@ completed, so a rank never holds the whole model's gradients at once:
   arriving in bucket order (backward's order, as here) a rank holds at most two full
   buckets: one being reduced, one filling.
 
+Mixed precision: a bucket is reduce-scattered as an fp32 copy (the 16-bit bucket is dropped once
+the copy is made), in place, and this rank's block is rounded into the 16-bit piece as soon as the
+reduction completes (added to it for later microbatches, as one process accumulates 16-bit
+gradients), so no fp32 piece lives through backward; ``finish()`` makes the masters' fp32
+gradients from the pieces.
+
 Gradient accumulation (``microbatches > 1``). Without pipeline parallelism every microbatch
 is reduced: each microbatch's buckets are reduce-scattered and freed as above, the first
 reduction of the step written into the piece, the later ones (reduced in place into this
@@ -176,7 +182,7 @@ class ZeroStage2(ZeroBuckets):
         bucket.buffer, bucket.written, bucket.ready, bucket.launched = None, set(), 0, True
         self._retire()  # at most one in flight
         src = buf
-        if self.masters is not None:  # mixed precision (or offload): reduce an fp32 copy
+        if self.masters is not None:  # mixed precision (or offload): reduce an fp32 copy, kept as 16 bits
             src = buf.float()
             if src.data_ptr() != buf.data_ptr():
                 self._hold(tensor_bytes([src]))
@@ -186,15 +192,12 @@ class ZeroStage2(ZeroBuckets):
         if n > 1:
             src.div_(n)
         k = src.numel() // n
-        if self._first[i]:
-            if self.masters is None:
-                out = self._pieces[i]
-            else:
-                out = self._reduced[i] = torch.empty(k, dtype=torch.float32, device=src.device)
-            add = None
-        else:
+        piece = self._pieces[i]
+        if self._first[i] and self.masters is None:  # straight into the piece
+            out, add = piece, None
+        else:  # in place into this rank's block, then into the (16-bit under mixed precision) piece
             out = src[r * k:(r + 1) * k]
-            add = (self._pieces[i] if self.masters is None else self._reduced[i], out)
+            add = (piece, out, self._first[i])
         self._first[i] = False
         start = time.perf_counter() - self.t0
 
@@ -214,7 +217,8 @@ class ZeroStage2(ZeroBuckets):
         self._inflight = None
         pending.wait()
         if add is not None:
-            add[0].add_(add[1])
+            piece, block, first = add
+            piece.copy_(block) if first else piece.add_(block)
         self._full -= tensor_bytes([src])
 
     def _poll(self) -> None:
@@ -237,8 +241,8 @@ class ZeroStage2(ZeroBuckets):
         self._flush()
         self._retire()
         self._active = False
-        if self.masters is not None:
-            self._masters_grads()
+        if self.masters is not None:  # the masters' fp32 gradients, made from the pieces for this step
+            self.masters.set_grads(self._pieces)
         else:
             for shard, piece in zip(self.shards, self._pieces):  # again: a user's optimizer.zero_grad() drops them
                 shard.grad = piece
