@@ -33,6 +33,7 @@ PAIRS = [  # (A, B, optimizer)
     (dict(pp=2, tp=2), dict(dp=2, zero=3), "adamw"),
     (dict(tp=4, tp_mode="2d"), dict(dp=2, tp=2, zero=1), "sgd"),
     (dict(dp=2, tp=2, zero=1, precision="bf16"), dict(pp=2, tp=2, precision="bf16"), "adamw"),
+    (dict(dp=2, sp=2, zero=2), dict(dp=2, tp=2, sp_mode="split_gather"), "sgd"),
 ]
 
 

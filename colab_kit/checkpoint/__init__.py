@@ -35,10 +35,9 @@ n_heads=4. ``blocks.0.attn.qkv.weight`` is ``[96, 32]`` in the dense model (head
 
 ``blocks.0.ln1.weight`` ([32], stored [1, 32]) is whole on all four ranks: rank 0 writes it, one
 chunk (0, 0) of (1, 32). ``optim/exp_avg/...`` and ``optim/exp_avg_sq/...`` follow the same
-chunks. With ``zero=1`` each rank holds the optimizer's fp32 piece of a flat bucket instead:
+chunks. With ZeRO each rank holds the optimizer's fp32 piece of a flat bucket (or chunk) instead:
 its rectangles are a few partial rows and row blocks of several tensors, all written (ZeRO's
-pieces overlap nowhere), and ``tests/test_checkpoint.py`` reads these chunks back from DCP's
-metadata.
+pieces overlap nowhere); ``tests/test_checkpoint.py`` reads both layouts back from DCP's metadata.
 
 Loading. Every rank checks the checkpoint first (``files.check``: the manifest exists, the
 model config is this engine's, the files' sizes and hashes, split over ranks, verdicts gathered:
@@ -114,7 +113,7 @@ def _states(optimizer, tensors, ks) -> tuple[list[str], dict]:
     return sorted(names or ()), scalars
 
 
-def _owned_shards(key, values, space, where, mine_rects, all_rects, shape2d):
+def _owned_shards(values, space, where, all_rects, shape2d):
     """The ShardedTensor of ``key``: this rank's rectangles' values, every rank's rectangles' metadata."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
@@ -173,11 +172,11 @@ def save(engine, path, extra: dict | None = None) -> None:
             where = torch.full((table.numel[name],), -1, dtype=torch.int64)
             where[dpos] = lpos.to(torch.int64)
             sd[f"model/{name}"], entry["dtype"] = _owned_shards(
-                name, space.tensors, space, where, own[rank], own, shape2d)
+                space.tensors, space, where, own, shape2d)
             for s in states:
                 vals = [opt.state.get(t, {}).get(s) for t in space.tensors]
                 sd[f"optim/{s}/{name}"], entry[f"dtype/{s}"] = _owned_shards(
-                    name, vals, space, where, own[rank], own, shape2d)
+                    vals, space, where, own, shape2d)
         tensors[name] = entry
     sd[f"rng/cpu/{rank}"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
