@@ -1,5 +1,5 @@
 """ZeRO stages 1 and 2 against one process: five GPT steps (AdamW and SGD + momentum) give the
-single-process losses (1e-5 relative) and final parameters, for zero=1 and 2 at dp=2 (zero=1 with
+single-process losses (1e-5 relative) and final parameters, for zero=1 and 2 at dp=2 (zero=1 and 2 with
 offload="cpu" too: the optimizer and its fp32 copies on the host), zero=2 at
 dp=4 with microbatches, with tp=2 (1d), with pp=2 (1f1b) and with a 2D tensor mode (8 ranks); the
 optimizer states per rank are the dense states / dp (plus padding); the collectives per step are
@@ -27,7 +27,8 @@ from colab_kit.zero import check_optimizer
 from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS, STEPS
 
 STATES = {"adamw": 2, "sgd": 1}  # fp32 state tensors per parameter element
-WORLD2 = [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=1, offload="cpu"), dict(dp=2, zero=2, microbatches=4)]
+WORLD2 = [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=1, offload="cpu"), dict(dp=2, zero=2, microbatches=4),
+          dict(dp=2, zero=2, offload="cpu", microbatches=2)]  # stage 2's fp32 masters path, reduced per microbatch
 WORLD4 = [dict(dp=4, zero=2, microbatches=2), dict(dp=2, tp=2, zero=2),
           dict(dp=2, pp=2, zero=2, microbatches=2, schedule="1f1b"), dict(dp=2, pp=2, zero=1, microbatches=2)]
 WORLD8 = [dict(dp=2, tp=4, tp_mode="2d", zero=2)]  # zero=3 with 2d: tests/test_zero3.py
