@@ -176,8 +176,16 @@ def main(argv=None):
     def busy(schedule, r):  # rank r's compute per step, ms
         return sum(e["end"] - e["start"] for tl in results[r][1][schedule] for e in tl
                    if e.get("action") and e.get("kind") == "compute") / n * 1e3
+    def between(schedule, r):  # rank r's time per step outside any action (executor overhead), ms
+        gaps = 0.0
+        for tl in results[r][1][schedule]:
+            acts = [e for e in tl if e.get("action")]
+            gaps += sum(b["start"] - a["end"] for a, b in zip(acts, acts[1:]))
+        return gaps / n * 1e3
     print("compute per step by rank (ms): " + "; ".join(
         f"{s} " + " ".join(f"{busy(s, r):.1f}" for r in range(p)) for s in ("1f1b", "zb-h1", "zb-v", FITTED)))
+    print("time between actions per step by rank (ms): " + "; ".join(
+        f"{s} " + " ".join(f"{between(s, r):.1f}" for r in range(p)) for s in ("1f1b", "zb-h1", "zb-v", FITTED)))
     b, i, w = per_step('1f1b', ('B',)), per_step('zb-h1', ('I',)), per_step('zb-h1', ('W',))
     print(f"last rank's compute per step: 1f1b B {b:.1f} ms; zb-h1 I {i:.1f} + W {w:.1f} ms = {(i + w) / b:.3f} of B "
           f"(the split's cost: I + W against B)")
