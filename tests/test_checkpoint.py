@@ -34,6 +34,7 @@ PAIRS = [  # (A, B, optimizer)
     (dict(tp=4, tp_mode="2d"), dict(dp=2, tp=2, zero=1), "sgd"),
     (dict(dp=2, tp=2, zero=1, precision="bf16"), dict(pp=2, tp=2, precision="bf16"), "adamw"),
     (dict(dp=2, sp=2, zero=2), dict(dp=2, tp=2, sp_mode="split_gather"), "sgd"),
+    (dict(dp=4, zero=1, offload="cpu", precision="fp16"), dict(dp=2, zero=3, offload="cpu", precision="fp16"), "adamw"),
 ]
 
 
@@ -61,7 +62,8 @@ def _pairs(root: str, phase: str) -> dict:
         for s in range(start, STEPS):
             engine.train_step(data.batch(s, BATCH))
         engine.save(os.path.join(root, f"final{i}"))  # the parameters by dense name, read back below
-        out[i] = dict(losses=list(engine.history), start=start, extra=extra)
+        out[i] = dict(losses=list(engine.history), start=start, extra=extra,
+                      scale=engine.scaler.state_dict() if engine.scaler is not None else None)
         engine.close()
     if phase == "A":
         out["refusals"] = _refusals(root)
@@ -187,7 +189,8 @@ def _reference(opt: str, precision: str):
     params = dict(model.named_parameters())
     if masters is not None:
         params = dict(zip(params, masters.params))
-    return losses, {n: p.detach().float() for n, p in params.items()}
+    scaler = getattr(model, "scaler", None)
+    return losses, {n: p.detach().float() for n, p in params.items()}, scaler.state_dict() if scaler else None
 
 
 def _saved(path: str, name: str, shape) -> torch.Tensor:
@@ -208,7 +211,7 @@ def test_three_plus_two_steps_equal_five(runs, i):
     a, b, opt = PAIRS[i]
     precision = b.get("precision", "fp32")
     tol = 1e-5 if precision == "fp32" else TOLERANCE[precision]
-    want, ref_params = _reference(opt, precision)
+    want, ref_params, ref_scale = _reference(opt, precision)
     results = four if i in four[0] else two
     for rank, res in enumerate(results):
         got = res[i]
@@ -216,6 +219,8 @@ def test_three_plus_two_steps_equal_five(runs, i):
         assert got["extra"]["pair"] == i and torch.equal(got["extra"]["note"], torch.arange(3))
         rel = max(abs(x - y) / abs(y) for x, y in zip(got["losses"], want))
         assert rel < tol, (a, b, rank, got["losses"], want)
+        if precision == "fp16":  # the loss scale carried over: the one process's after its 5 steps
+            assert got["scale"] == ref_scale, (got["scale"], ref_scale)
     final = os.path.join(root, f"final{i}")
     assert check(final, CFG)["step"] == STEPS
     if precision != "fp32":  # bf16: parity is on the losses, as tests/test_precision.py's (16-bit noise in
