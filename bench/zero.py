@@ -15,23 +15,34 @@ instead (``bench/_zero_peers.py`` builds the peers), on the same local ranks, th
 Each step is timed whole (forward, backward, gradient reduction, optimizer step, parameter
 gather, the global loss). The two sides alternate in short rounds, ABBA, so that machine
 noise hits both alike; the headline ratio is the median over rounds of colab_kit / peer of
-adjacent rounds (goal <= 1.00), printed beside each side's median step time. Bytes: the model
-states (params + grads + optimizer) this rank holds after a step, the most over the rounds,
-for the rank that holds the most (goal: at most the peer's); colab_kit from ``engine.memory()``
-(host and device together), the peer from its local tensors (DTensor ``to_local()``) and its
-optimizer states. Losses: both sides' global losses step by step, max relative difference,
-against 1e-5 in fp32 and the looser 2^-7 (bf16's machine epsilon) with bf16.
-A configuration colab_kit refuses (``ck.ConfigError``) prints "not runnable yet: <message>".
+adjacent rounds (goal <= 1.00), printed beside each side's median step time. Losses: both
+sides' global losses step by step, max relative difference, against 1e-5 in fp32 and the looser
+2^-7 (bf16's machine epsilon) with bf16. A configuration colab_kit refuses (``ck.ConfigError``)
+prints "not runnable yet: <message>".
 
-Read the bytes with what each side keeps between steps: ZeRO-2 (colab_kit zero=2) keeps the
+Bytes, two figures per side, for the rank that has the most (goal: colab_kit at most the peer's):
+
+- held: the model states (params + grads + optimizer) held after a step, the most over the
+  rounds; colab_kit from ``engine.memory()`` (host and device together), the peer from its local
+  tensors (DTensor ``to_local()``) and its optimizer states;
+- peak: the most model-state bytes held at once inside one more step (not timed), measured on
+  both sides by the same instrument, ``colab_kit.memory_peak.StatePeak`` (after every dispatched
+  op: the storages reachable from the model, the optimizer and the parallel part, and the live
+  storages the parallel machinery allocated: colab_kit's buckets and chunks, FSDP2's unsharded
+  parameters, all-gather and reduce-scatter buffers; each storage once, at its size then).
+
+Read the held bytes with what each side keeps between steps: ZeRO-2 (colab_kit zero=2) keeps the
 parameters whole, while FSDP2 with reshard_after_forward=False still reshards them after
-backward, so zero2's bytes ratio is (4 + 12/N) / (16/N) by design, not a leak; with bf16,
-colab_kit keeps whole bf16 parameters and fp32 masters of its pieces, FSDP2 fp32 sharded
-parameters (its masters) and casts them to bf16 at each all-gather.
+backward, so zero2's held ratio is (4 + 12/N) / (16/N), not a leak. Inside the step FSDP2 holds
+its sharded parameters beside the unsharded ones, and colab_kit's stage 2 holds at most two
+gradient buckets beside its pieces (``colab_kit.zero.stage2``): the peak is where they compare.
+With bf16, colab_kit keeps whole bf16 parameters and fp32 masters of its pieces, FSDP2 fp32
+sharded parameters (its masters) and casts them to bf16 at each all-gather.
 
     python bench/zero.py                          # dp=2 and dp=4, 8 rounds x 3 steps per pair
     python bench/zero.py --ranks 2 --rounds 20    # one dp, more rounds
     python bench/zero.py --pairs zero3 bf16-zero3
+    python bench/zero.py --rounds 2 --steps 2     # short: bytes are exact, times noisy
 """
 from __future__ import annotations
 
@@ -44,6 +55,7 @@ import torch
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
+from colab_kit.memory_peak import StatePeak
 from colab_kit.models import GPT, GPTConfig
 
 try:
@@ -103,9 +115,16 @@ def _pair(name: str, gcfg: GPTConfig, batch: int, rounds: int, steps: int) -> di
             now = memory[side]()  # after a step, outside the timed steps
             if sum(now.values()) > sum(peak[side].values()):
                 peak[side] = now
+    inside = {}
+    roots = {"colab_kit": (engine.module, engine.optimizer, engine.grads), "peer": (peer.model, peer.optimizer)}
+    for side in names:  # one more step each (the same batch), under the meter, not timed
+        dist.barrier()
+        with StatePeak(*roots[side]) as meter:
+            runners[side]((rounds + 1) * steps)
+        inside[side] = {"total": meter.peak, **meter.at_peak}
     engine.close()
     dist.barrier()
-    return {"times": times, "losses": losses, "per_round": per_round, "peak": peak}
+    return {"times": times, "losses": losses, "per_round": per_round, "peak": peak, "inside": inside}
 
 
 def _run(gpt_kwargs: dict, batch: int, rounds: int, steps: int, pairs: list[str]) -> dict:
@@ -124,35 +143,43 @@ def _summary(name: str, results: list[dict]) -> dict:
     med = {k: statistics.median(v) * 1e3 for k, v in res["times"].items()}
     paired = statistics.median(a / b for a, b in zip(res["per_round"]["colab_kit"], res["per_round"]["peer"]))
     worst = max(abs(a - b) / abs(b) for a, b in zip(res["losses"]["colab_kit"], res["losses"]["peer"]))
-    most = {}
+    most, inside = {}, {}
     for side in ("colab_kit", "peer"):  # the rank that holds the most model-state bytes
         most[side] = max((r[name]["peak"][side] for r in results), key=lambda m: sum(m.values()))
-    return {"med": med, "paired": paired, "worst": worst, "tol": tol, "most": most,
+        inside[side] = max((r[name]["inside"][side] for r in results), key=lambda m: m["total"])
+    return {"med": med, "paired": paired, "worst": worst, "tol": tol, "most": most, "inside": inside,
             "steps": len(res["times"]["colab_kit"])}
 
 
 def _table(rows: list[tuple[int, str, dict]]) -> list[str]:
-    head = (f"{'dp':>2}  {'pair':<13} {'ck ms':>8} {'peer ms':>8} {'ratio':>6}  {'ck bytes':>11} {'peer bytes':>11} "
-            f"{'bytes':>6}  {'loss max rel diff':<24}")
-    lines = [head, f"{'':>2}  {'':<13} {'median':>8} {'median':>8} {'ABBA':>6}  {'per rank':>11} {'per rank':>11} "
-                   f"{'ck/peer':>6}", "-" * len(head)]
+    head = (f"{'dp':>2}  {'pair':<13} {'ck ms':>8} {'peer ms':>8} {'ratio':>6}  {'ck held':>10} {'peer held':>10} "
+            f"{'held':>6}  {'ck peak':>10} {'peer peak':>10} {'peak':>6}  {'loss max rel diff':<24}")
+    lines = [head, f"{'':>2}  {'':<13} {'median':>8} {'median':>8} {'ABBA':>6}  {'B/rank':>10} {'B/rank':>10} "
+                   f"{'ck/peer':>6}  {'B/rank':>10} {'B/rank':>10} {'ck/peer':>6}", "-" * len(head)]
     for dp, name, s in rows:
         if "refused" in s:
             lines.append(f"{dp:>2}  {name:<13} not runnable yet: {s['refused']}")
             continue
         ck_b, peer_b = (sum(s["most"][k].values()) for k in ("colab_kit", "peer"))
+        ck_p, peer_p = (s["inside"][k]["total"] for k in ("colab_kit", "peer"))
         ok = "ok" if s["worst"] <= s["tol"] else "OVER"
         lines.append(f"{dp:>2}  {name:<13} {s['med']['colab_kit']:>8.2f} {s['med']['peer']:>8.2f} "
-                     f"{s['paired']:>6.3f}  {ck_b:>11,} {peer_b:>11,} {ck_b / peer_b:>6.3f}  "
-                     f"{s['worst']:.2e} ({ok}, <= {s['tol']:.1e})")
+                     f"{s['paired']:>6.3f}  {ck_b:>10,} {peer_b:>10,} {ck_b / peer_b:>6.3f}  "
+                     f"{ck_p:>10,} {peer_p:>10,} {ck_p / peer_p:>6.3f}  {s['worst']:.2e} ({ok}, <= {s['tol']:.1e})")
     return lines
 
 
 def _breakdown(rows: list[tuple[int, str, dict]]) -> list[str]:
-    lines = ["model-state bytes of the rank holding the most, colab_kit / peer:"]
+    lines = ["model-state bytes of the rank holding the most, colab_kit / peer, held after a step:"]
     for dp, name, s in rows:
         if "refused" not in s:
             cells = "   ".join(f"{k} {s['most']['colab_kit'][k]:,} / {s['most']['peer'][k]:,}" for k in STATES)
+            lines.append(f"  dp={dp} {name:<13} {cells}")
+    lines.append("at the in-step peak (StatePeak; other: buffers found in the parallel parts, in flight or gathered):")
+    for dp, name, s in rows:
+        if "refused" not in s:
+            cells = "   ".join(f"{k} {s['inside']['colab_kit'][k]:,} / {s['inside']['peer'][k]:,}"
+                               for k in STATES + ("other",))
             lines.append(f"  dp={dp} {name:<13} {cells}")
     return lines
 
@@ -189,8 +216,10 @@ def main(argv=None):
         rows += [(dp, name, _summary(name, results)) for name in args.pairs]
     print()
     print("\n".join(_table(rows)))
-    print("ratio: median over rounds of colab_kit / peer of adjacent ABBA rounds (goal <= 1.00); bytes: params + "
-          "grads + optimizer held after a step, most over rounds, rank with the most (goal ck/peer <= 1.00)")
+    print("ratio: median over rounds of colab_kit / peer of adjacent ABBA rounds (goal <= 1.00); held: params + "
+          "grads + optimizer held after a step, most over rounds; peak: the most model-state bytes at once inside "
+          "one step, the same meter on both sides (colab_kit.memory_peak.StatePeak); bytes of the rank with the most "
+          "(goal ck/peer <= 1.00)")
     over = [dp for dp in args.ranks if dp > cores]
     if over:
         print(f"dp={', '.join(map(str, over))} ran more ranks than the {cores} cores: oversubscribed, so those step "
