@@ -52,6 +52,9 @@ def _pairs(root: str, phase: str) -> dict:
             engine = ck.boost(GPT(CFG), OPTIMIZERS[opt], ck.ParallelConfig(**a))
             for s in range(SPLIT):
                 engine.train_step(data.batch(s, BATCH))
+            if i == 0:
+                torch.manual_seed(100 + dist.get_rank())  # each rank its own RNG state, restored by load
+                out["rng"] = torch.get_rng_state()
             engine.save(path, extra={"pair": i, "note": torch.arange(3)})
             engine.close()
         if ck.ParallelConfig(**b).world_size != world:
@@ -66,7 +69,7 @@ def _pairs(root: str, phase: str) -> dict:
                       scale=engine.scaler.state_dict() if engine.scaler is not None else None)
         engine.close()
     if phase == "A":
-        out["refusals"] = _refusals(root)
+        out["refusals"] = _refusals(root, out["rng"])
     return out
 
 
@@ -78,7 +81,7 @@ def _refused(engine, path) -> str:
     return "loaded"
 
 
-def _refusals(root: str) -> dict:
+def _refusals(root: str, rng: torch.Tensor) -> dict:
     """On 4 ranks, after the pairs: corrupted, truncated, another model, missing, interrupted save."""
     import torch.distributed as dist
     from unittest import mock
@@ -114,7 +117,9 @@ def _refusals(root: str) -> dict:
             out["interrupted"] = "saved"
         except RuntimeError as e:
             out["interrupted"] = str(e)
+    torch.manual_seed(7)
     out["after"] = engine.load(good)["pair"], engine.step_count  # the previous checkpoint, step 3
+    out["rng"] = torch.equal(torch.get_rng_state(), rng)  # same world size: this rank's own state back
     temp = sorted(glob.glob(good + ".tmp-*"))
     out["temp"] = _refused(engine, temp[0]) if temp else "no temp dir"
     engine.close()
@@ -260,7 +265,7 @@ def test_refusals_say_what_differs(runs):
         assert "corrupted: __1_0.distcp has" in r["truncated"] and "truncated" in r["truncated"]
         assert "no checkpoint at" in r["missing"] and "does not exist" in r["missing"]
         assert "disk full (injected)" in r["interrupted"] and "is unchanged" in r["interrupted"]
-        assert r["after"] == (0, SPLIT)
+        assert r["after"] == (0, SPLIT) and r["rng"] is True
         assert "incomplete: the save was interrupted" in r["temp"] and "of 5 files" in r["temp"]
         assert "another model" in r["other model"] and "d_model (checkpoint 32, this engine 16)" in r["other model"]
         assert "saved with optimizer AdamW" in r["other optimizer"] and "SGD" in r["other optimizer"]
