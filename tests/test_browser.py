@@ -83,6 +83,13 @@ SHOWS = {  # notebook -> [(marker in a cell's source, "widget" | "plot" it must 
         ("viz.ulysses_figure", "plot"),
         ("viz.sequence_memory_figure", "plot"),
     ],
+    "06_hybrid_and_planner.ipynb": [
+        ("viz.plan_figure(cands, BUDGET)", "plot"),
+        ("%colossal plan --model MODEL", "widget"),
+        ("%colossal plan --model MODEL", "plot"),
+        ("viz.plan_vs_measured_figure", "plot"),
+        ("viz.loss_figure", "plot"),
+    ],
 }
 
 # A widget or a figure shown as its Python repr: what a frontend without widget support prints.

@@ -84,6 +84,18 @@ EXPECT = {  # notebook -> [(marker in the cell source, text its output must cont
         ("largest relative difference", "ulysses sp=4  sgd"),
         ("%colossal stop", "cluster stopped"),
     ],
+    "06_hybrid_and_planner.ipynb": [
+        ("cands = ck.plan(MODEL, 8", "candidates for 8 ranks,"),
+        ("cands = ck.plan(MODEL, 8", "fit under 2 MiB per rank"),
+        ("%colossal start -n 8", "started 8 ranks"),
+        ("%colossal plan --model MODEL", "best first (planned: estimated, not run); memory per rank 2.00 MiB"),
+        ("measured = [cluster.run(trial", "planned (estimated) / measured on the 8 ranks"),
+        ("before = cluster.run(first_part", "dp=2 tp=2 pp=2 microbatches=2: losses"),
+        ("view.select(best)", "config set on 8 ranks: "),
+        ("after = cluster.run(resume", "at step 3: losses"),
+        ("largest relative difference", "vs one process: "),
+        ("%colossal stop", "cluster stopped"),
+    ],
 }
 
 
