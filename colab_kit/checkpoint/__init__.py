@@ -47,8 +47,8 @@ collective), keeps its own elements through the same index map, and drops it. Be
 model states (filled in place), a load holds its index map (a dense and a local position per
 element it holds: 8 bytes with int32) and, one tensor at a time, that tensor's float64 index
 values while the replay cuts them (twice the dense tensor) or the dense tensor while it is read
-(``tests/test_checkpoint.py`` bounds it so). Then the 16-bit model is made from the masters, ZeRO 1-2 all-gather the updated
-parameters, and the step count, history, loss scale and RNG states are set.
+(``tests/test_checkpoint.py`` bounds it so). Then the 16-bit model is made from the masters, ZeRO
+1-2 all-gather the updated parameters, and the step count, history, loss scale and RNG states are set.
 
 RNG states: restored when the world size is the one that saved (rank r gets rank r's); with
 another world size they are left as they are (the ranks see other rows and tokens anyway; the
@@ -135,19 +135,16 @@ def _owned_shards(values, space, where, all_rects, shape2d):
 
 
 def save(engine, path, extra: dict | None = None) -> None:
-    """Write ``engine``'s checkpoint to ``path`` (a directory), atomically; every rank calls it."""
+    """Write ``engine``'s checkpoint to ``path`` (a directory on a filesystem every rank sees),
+    atomically; every rank calls it with the same path."""
     import torch.distributed.checkpoint as dcp
     path = os.path.abspath(os.fspath(path))
     rank, world = dist.get_rank(), dist.get_world_size()
-    space, opt = local_space(engine), engine.optimizer
-    table = space.table
-    held, where_of = {}, {}
-    for name in table.names:
-        dpos, lpos = space.held(name)
-        if dpos.numel():
-            ks = torch.unique(torch.searchsorted(space.starts, lpos, right=True) - 1).tolist()
-            held[name] = (rectangles(dpos, store_shape(table.shapes[name])), *_states(opt, space.tensors, ks))
-    everyone = _gather(held)
+    space = local_space(engine)
+    everyone = _gather((path, _held(space, engine.optimizer)))
+    paths = sorted({p for p, _ in everyone})
+    if len(paths) > 1:
+        raise ValueError(f"engine.save needs the same path on every rank, got {', '.join(paths)}")
     box = [uuid.uuid4().hex[:8] if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     tmp = f"{path}.tmp-{box[0]}"
@@ -157,7 +154,40 @@ def save(engine, path, extra: dict | None = None) -> None:
         if extra is not None:
             torch.save(extra, os.path.join(tmp, "extra.pt"))
     _agree(begin)
-    sd, tensors = {}, {}
+    blind = [r for r, seen in enumerate(_gather(os.path.isdir(tmp))) if not seen]
+    if blind:
+        raise RuntimeError(f"ranks {blind} do not see {tmp}, which rank 0 made: a checkpoint is written to a "
+                           "directory every rank shares (one filesystem, or a network one)")
+    sd, tensors = _state_dict(space, engine.optimizer, [h for _, h in everyone])
+    try:
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))
+    except (Exception, dcp.api.CheckpointException) as e:  # DCP's is a BaseException
+        raise RuntimeError(f"saving {path} failed ({type(e).__name__}: {e}); {tmp} is left incomplete (load "
+                           f"refuses it); the checkpoint at {path}, if any, is unchanged") from e
+    digests = {n: file_digest(os.path.join(tmp, n)) for n in data_files(tmp) if n.startswith(f"__{rank}_")}
+    digests = {k: v for d in _gather(digests) for k, v in d.items()}
+    for d in _gather({n: {k: v for k, v in t.items() if k.startswith("dtype")} for n, t in tensors.items()}):
+        for n, kv in d.items():  # the dtypes, known where a rank writes
+            tensors[n].update(kv)
+    manifest = _manifest(engine, tensors, extra is not None, any(k.startswith("rng/cuda/") for k in sd))
+    _agree(lambda: finish(tmp, path, manifest, digests))
+
+
+def _held(space, opt) -> dict:
+    """Per dense tensor this rank holds: its rectangles, per-element state names, scalar states."""
+    held = {}
+    for name in space.table.names:
+        dpos, lpos = space.held(name)
+        if dpos.numel():
+            ks = torch.unique(torch.searchsorted(space.starts, lpos, right=True) - 1).tolist()
+            held[name] = (rectangles(dpos, store_shape(space.table.shapes[name])), *_states(opt, space.tensors, ks))
+    return held
+
+
+def _state_dict(space, opt, everyone: list[dict]) -> tuple[dict, dict]:
+    """What this rank hands DCP (its owned rectangles of every tensor and state, its RNG states), and
+    the manifest's tensor table."""
+    rank, table, sd, tensors = dist.get_rank(), space.table, {}, {}
     for name in table.names:
         shape2d = store_shape(table.shapes[name])
         holders = [e.get(name) for e in everyone]
@@ -171,36 +201,26 @@ def save(engine, path, extra: dict | None = None) -> None:
             dpos, lpos = space.held(name)
             where = torch.full((table.numel[name],), -1, dtype=torch.int64)
             where[dpos] = lpos.to(torch.int64)
-            sd[f"model/{name}"], entry["dtype"] = _owned_shards(
-                space.tensors, space, where, own, shape2d)
+            sd[f"model/{name}"], entry["dtype"] = _owned_shards(space.tensors, space, where, own, shape2d)
             for s in states:
                 vals = [opt.state.get(t, {}).get(s) for t in space.tensors]
-                sd[f"optim/{s}/{name}"], entry[f"dtype/{s}"] = _owned_shards(
-                    vals, space, where, own, shape2d)
+                sd[f"optim/{s}/{name}"], entry[f"dtype/{s}"] = _owned_shards(vals, space, where, own, shape2d)
         tensors[name] = entry
     sd[f"rng/cpu/{rank}"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         sd[f"rng/cuda/{rank}"] = torch.cuda.get_rng_state()
-    try:
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))
-    except (Exception, dcp.api.CheckpointException) as e:  # DCP's is a BaseException
-        raise RuntimeError(f"saving {path} failed ({type(e).__name__}: {e}); {tmp} is left incomplete (load "
-                           f"refuses it); the checkpoint at {path}, if any, is unchanged") from e
-    digests = {n: file_digest(os.path.join(tmp, n)) for n in data_files(tmp) if n.startswith(f"__{rank}_")}
-    digests = {k: v for d in _gather(digests) for k, v in d.items()}
-    dtypes = _gather({n: {k: v for k, v in t.items() if k.startswith("dtype")} for n, t in tensors.items()})
-    for d in dtypes:
-        for n, kv in d.items():
-            tensors[n].update(kv)
+    return sd, tensors
+
+
+def _manifest(engine, tensors: dict, extra: bool, cuda_rng: bool) -> dict:
     cfg, mcfg = engine.config, engine.model_cfg
-    manifest = {"config": dataclasses.asdict(cfg), "describe": cfg.describe(), "world_size": world,
-                "model": dataclasses.asdict(mcfg) if dataclasses.is_dataclass(mcfg) else None,
-                "model_class": type(mcfg).__name__ if mcfg is not None else None,
-                "step": engine.step_count, "history": list(engine.history), "records": list(engine.records),
-                "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-                "optimizer": type(opt).__name__, "tensors": tensors, "extra": extra is not None,
-                "rng": {"cuda": any(k.startswith("rng/cuda/") for k in sd)}}
-    _agree(lambda: finish(tmp, path, manifest, digests))
+    return {"config": dataclasses.asdict(cfg), "describe": cfg.describe(), "world_size": dist.get_world_size(),
+            "model": dataclasses.asdict(mcfg) if dataclasses.is_dataclass(mcfg) else None,
+            "model_class": type(mcfg).__name__ if mcfg is not None else None,
+            "step": engine.step_count, "history": list(engine.history), "records": list(engine.records),
+            "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+            "optimizer": type(engine.optimizer).__name__, "tensors": tensors, "extra": extra,
+            "rng": {"cuda": cuda_rng}}
 
 
 def _read(path: str, key: str, shape2d, dtype: torch.dtype) -> torch.Tensor:
