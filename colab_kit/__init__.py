@@ -26,7 +26,7 @@ __all__ = ["ParallelConfig", "ConfigError", "MeshLayout", "ProcessMesh", "launch
 _LAZY = {"Cluster": ("cluster", "Cluster"), "boost": ("engine", "boost"), "Engine": ("engine", "Engine"),
          "plan": ("planner", "plan")}
 _SUBMODULES = {"models", "datasets", "viz", "widgets", "comm", "magics", "cluster", "engine", "data", "memory",
-               "tensor", "pipeline", "reference", "planner"}
+               "tensor", "pipeline", "reference", "planner", "checkpoint"}
 
 
 def __getattr__(name):
