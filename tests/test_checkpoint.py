@@ -297,3 +297,16 @@ def test_load_memory_is_own_index_plus_one_parameter(runs):
         m = res["refusals"]["memory"]
         bound = 8 * m["held"] + 3 * largest + (64 << 10)
         assert m["own"] <= bound, (rank, m, bound)
+
+
+def test_owners_write_each_region_once():
+    """Pure: of what several ranks hold the lowest writes; a partial overlap leaves the rest to the next."""
+    from colab_kit.checkpoint.layout import owners, rectangles
+    assert owners([[(0, 0, 2, 4)], [(0, 0, 2, 4)], [(1, 0, 1, 4)]], (2, 4)) == [[(0, 0, 2, 4)], [], []]
+    assert owners([[(0, 0, 1, 4)], [(0, 0, 2, 4)]], (2, 4)) == [[(0, 0, 1, 4)], [(1, 0, 1, 4)]]
+    assert owners([[(0, 0, 2, 2)], [(0, 2, 2, 2)]], (2, 4)) == [[(0, 0, 2, 2)], [(0, 2, 2, 2)]]
+    with pytest.raises(RuntimeError, match="held by no rank"):
+        owners([[(0, 0, 1, 4)]], (2, 4))
+    # a 2D tile of a [4, 6] tensor, given as its flat positions in any order
+    tile = torch.tensor([r * 6 + c for r in (3, 2) for c in (5, 4, 3)])
+    assert rectangles(tile, (4, 6)) == [(2, 3, 2, 3)]

@@ -238,7 +238,7 @@ def load(engine, path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     err, manifest = None, None
     try:
-        manifest = check(path, engine.model_cfg, part=rank, parts=world)
+        manifest = check(path, engine.model_cfg, part=rank, parts=world, check_model=True)
         if manifest["optimizer"] != type(engine.optimizer).__name__:
             raise CheckpointError(f"{path} was saved with optimizer {manifest['optimizer']}, this engine's is "
                                   f"{type(engine.optimizer).__name__}: its states would not mean the same")

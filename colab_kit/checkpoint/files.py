@@ -114,12 +114,16 @@ def describe_difference(saved: dict | None, model_cfg) -> str | None:
     return ", ".join(diff)
 
 
-def check(path: str, model_cfg=None, part: int = 0, parts: int = 1, check_model: bool = True) -> dict:
+def check(path: str, model_cfg=None, part: int = 0, parts: int = 1, check_model: bool | None = None) -> dict:
     """Refuse a checkpoint that is missing, incomplete, corrupted or of another model; return its manifest.
 
-    Hashes files ``part::parts`` of the sorted list (every file when ``parts == 1``)."""
+    ``model_cfg`` (checked when given, or with ``check_model=True``): the model it must hold.
+    Hashes files ``part::parts`` of the sorted list (every file when ``parts == 1``)::
+
+        ck.checkpoint.check("runs/ck", GPTConfig(...))["step"]    # in a kernel: no ranks needed
+    """
     manifest = read_manifest(path)
-    if check_model:
+    if check_model or (check_model is None and model_cfg is not None):
         diff = describe_difference(manifest.get("model"), model_cfg)
         if diff is not None:
             raise CheckpointError(f"{path} holds another model: {type(model_cfg).__name__} differs in {diff}; "
