@@ -3,16 +3,20 @@
 ``constants(ranks=4)`` starts ``ranks`` local processes once (``ck.launch``, gloo on CPU) and
 measures, all ranks at the same time (so that they share the cores the way a real run does):
 
-- ``matmul``: each rank runs fp32 matmuls ``[512, 256] @ [256, 1024]`` back to back (``_per_call``)
-  with the threads ``ck.launch`` gives it (cores / ranks): FLOPs per second per rank with
-  ``ranks`` ranks running at once (the slowest rank's);
-- ``dispatch``: a tiny Linear + GELU forward and backward, run back to back, over the autograd ops of its
-  graph (``count_ops``): seconds of overhead per op, what dominates a small model on CPU;
+- ``matmul`` and ``dispatch``: before each timed collective (below) every rank runs a burst of
+  compute, itself timed (``_Burst``): eight tiny Linear + GELU forwards and backwards (seconds
+  per autograd op of their graph, ``count_ops``: the overhead that dominates a small model on
+  CPU) and one fp32 ``[256, 256] @ [256, 256]`` matmul (FLOPs per second), with the threads
+  ``ck.launch`` gives a rank (cores / ranks) and every rank busy at once, so the sharing of cores
+  is in the numbers; the medians, of the slowest rank. Sampled between the collectives, compute
+  and communication are measured at the same moments of a shared machine's load;
 - ``memory``: ``a.add_(b)`` over 4 MiB, bytes read and written per second (the optimizer step);
 - ``comm``: for every group size ``n`` that divides ``ranks`` (the ranks split into ``ranks / n``
-  groups, every group busy at once) and each of all_reduce, all_gather, reduce_scatter,
-  broadcast, all_to_all, and send/recv (a ping-pong between pairs), the time of a few
-  sizes, each after a short matmul (as in a step, where ranks reach a collective at different
+  groups, every group busy at once: the "tp" axis of a ``ProcessMesh``) and each of all_reduce,
+  all_gather, reduce_scatter, broadcast, all_to_all, and send/recv (pairs exchanging a message
+  each way with ``comm.sendrecv``), called through ``colab_kit.comm`` as the engine calls them
+  (records and all), the time of a few
+  sizes, each after the burst (as in a step, where ranks reach a collective at different
   moments: with more ranks than cores, waiting for a peer's turn is most of a small collective's
   cost), fitted to ``seconds = alpha + wire_bytes / beta`` where ``wire_bytes`` is
   ``colab_kit.comm.wire_bytes``: the bytes the engine's comm records call wire bytes.
@@ -34,7 +38,6 @@ __all__ = ["constants", "measure", "cache_path", "count_ops", "OPS"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send")
 _SIZES = (1 << 10, 1 << 14, 1 << 18)  # fp32 elements per rank's payload: 4 KiB, 64 KiB, 1 MiB
-_MATMUL = (512, 256, 1024)
 
 
 def cache_path() -> str:
@@ -71,6 +74,7 @@ def measure(ranks: int = 4) -> dict:
     per_rank = launch(_measure_rank, ranks, ranks)
     out = per_rank[0]
     out["matmul"]["flops_per_s"] = min(r["matmul"]["flops_per_s"] for r in per_rank)  # the slowest rank
+    out["dispatch"]["op_seconds"] = max(r["dispatch"]["op_seconds"] for r in per_rank)
     out["seconds_to_measure"] = round(time.perf_counter() - t0, 2)
     return out
 
@@ -86,22 +90,6 @@ def _fit(xs, ys) -> tuple[float, float]:
 
 
 _SYNC = [lambda: None]  # torch.cuda.synchronize on a GPU rank: a time is read after the work is done
-
-
-def _per_call(fn, window: float = 0.08, windows: int = 3) -> float:
-    """Seconds per call of ``fn``: calls run back to back for ``window`` seconds of wall time (every
-    rank busy at once, so ranks sharing cores share them here too), the best of ``windows``
-    windows (a window that another job's burst of load fell on says nothing about this machine)."""
-    fn()
-    best = float("inf")
-    for _ in range(windows):
-        calls, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < window:
-            fn()
-            calls += 1
-        _SYNC[0]()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best
 
 
 def _time(fn, reps: int, between=None) -> float:
@@ -125,6 +113,8 @@ def _measure_rank(ranks: int) -> dict:
     import torch.distributed as dist
 
     from ..comm import wire_bytes
+    from ..config import ParallelConfig
+    from ..mesh import ProcessMesh
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's renamed collectives
     rank = dist.get_rank()
@@ -132,33 +122,29 @@ def _measure_rank(ranks: int) -> dict:
         torch.set_default_device(torch.device("cuda", torch.cuda.current_device()))
         _SYNC[0] = torch.cuda.synchronize
     dist.barrier()
-    m, k, n = _MATMUL
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    rate = 2 * m * k * n / _per_call(lambda: a @ b)
-    lin, x = torch.nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True)
-    tiny = _per_call(lambda: torch.nn.functional.gelu(lin(x)).sum().backward())
-    op_seconds = tiny / count_ops(lambda: torch.nn.functional.gelu(lin(x)).sum())
+    burst = _Burst()
+    for _ in range(3):
+        burst()
     big, other = torch.randn(1 << 20), torch.randn(1 << 20)  # on the rank's device
     dist.barrier()
     mem = _time(lambda: big.add_(other), 5)
     comm = {}
     for n in [k for k in range(2, ranks + 1) if ranks % k == 0]:
-        groups = [dist.new_group(list(range(g, g + n))) for g in range(0, ranks, n)]
-        group, me = groups[rank // n], rank % n
-        first = rank - me
+        # the ranks in groups of n (every group busy at once), through colab_kit.comm on a mesh:
+        # the collectives the engine calls, as it calls them (autograd-free, recorded)
+        mesh = ProcessMesh.shared(ParallelConfig(dp=ranks // n, tp=n))
         comm[str(n)] = {}
         for op in OPS:
             pts = []
             for size in _SIZES:
-                payload = _payload(op, size, n)
-                pts.append((wire_bytes(op, size * 4, n), _collective(op, payload, group, n, me, first)))
+                t = torch.ones(size, device=mesh.device)
+                pts.append((wire_bytes(op, size * 4, n), _collective(op, t, mesh, n, burst)))
             a, inv = _fit([p[0] for p in pts], [p[1] for p in pts])
             comm[str(n)][op] = {"alpha": a, "beta": 1.0 / inv}
-        for g in groups:
-            dist.destroy_process_group(g)
+        mesh.release()
     return {"ranks": ranks, "threads_per_rank": torch.get_num_threads(), "cores": os.cpu_count() or 1,
-            "matmul": {"flops_per_s": rate},
-            "dispatch": {"op_seconds": op_seconds},
+            "matmul": {"flops_per_s": statistics.median(burst.flops_per_s)},
+            "dispatch": {"op_seconds": statistics.median(burst.op_seconds)},
             "memory": {"bytes_per_s": 3 * big.numel() * 4 / mem},
             "comm": comm, "backend": dist.get_backend(), "torch": torch.__version__}
 
@@ -177,45 +163,64 @@ def count_ops(fn) -> int:
     return max(1, sum(1 for n in seen if type(n).__name__ != "AccumulateGrad"))
 
 
-def _payload(op, size, n):
-    import torch
-    return torch.ones(size)
+class _Burst:
+    """The compute run before each timed collective, itself timed: ``tiny`` small Linear + GELU
+    forwards and backwards (per-op overhead) and one ``[256, 256] @ [256, 256]`` matmul (rate).
+    Sampled between the collectives, compute and communication are measured at the same moments
+    of the machine's load, and the ranks reach each collective apart, as in a step."""
+
+    def __init__(self, tiny: int = 8):
+        import torch
+        self.lin, self.x = torch.nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True)
+        self.a, self.b = torch.randn(256, 256), torch.randn(256, 256)
+        self.tiny, self.ops = tiny, count_ops(self._forward)
+        self.op_seconds, self.flops_per_s = [], []
+
+    def _forward(self):
+        import torch
+        return torch.nn.functional.gelu(self.lin(self.x)).sum()
+
+    def __call__(self):
+        t0 = time.perf_counter()
+        for _ in range(self.tiny):
+            self._forward().backward()
+        _SYNC[0]()
+        t1 = time.perf_counter()
+        self.a @ self.b
+        _SYNC[0]()
+        t2 = time.perf_counter()
+        self.op_seconds.append((t1 - t0) / (self.tiny * self.ops))
+        self.flops_per_s.append(2 * 256 ** 3 / (t2 - t1))
 
 
-def _collective(op: str, t, group, n: int, me: int, first: int, reps: int = 7) -> float:
+def _collective(op: str, t, mesh, n: int, burst, reps: int = 7) -> float:
+    """Median seconds of one ``op`` of ``t`` over the mesh's "tp" groups (send: an exchange
+    between pairs, ``comm.sendrecv``), each after a ``burst`` of compute."""
     import torch
     import torch.distributed as dist
 
-    a, b = torch.randn(256, 256), torch.randn(256, 256)  # ~33 MFLOP: a few ms, about one layer's forward
-    burst = lambda: a @ b  # noqa: E731  compute between collectives, as in a step: ranks arrive apart
+    from .. import comm
 
+    me = mesh.rank("tp")
     if op == "all_reduce":
-        fn = lambda: dist.all_reduce(t, group=group)  # noqa: E731
+        fn = lambda: comm.all_reduce(t, mesh, "tp", tag="planner constants")  # noqa: E731
     elif op == "all_gather":
-        out = torch.empty(t.numel() * n)
-        fn = lambda: dist.all_gather_into_tensor(out, t, group=group)  # noqa: E731
+        fn = lambda: comm.all_gather(t, mesh, "tp", tag="planner constants")  # noqa: E731
     elif op == "reduce_scatter":
-        out = torch.empty(t.numel() // n)
-        fn = lambda: dist.reduce_scatter_tensor(out, t, group=group)  # noqa: E731
+        fn = lambda: comm.reduce_scatter(t, mesh, "tp", tag="planner constants")  # noqa: E731
     elif op == "broadcast":
-        fn = lambda: dist.broadcast(t, src=first, group=group)  # noqa: E731
+        fn = lambda: comm.broadcast(t, mesh, "tp", tag="planner constants")  # noqa: E731
     elif op == "all_to_all":
-        out = torch.empty_like(t)
-        fn = lambda: dist.all_to_all_single(out, t, group=group)  # noqa: E731
-    else:  # send: ping-pong between pairs (0, 1), (2, 3), ... of the group; one way is half a round trip
-        peer = first + (me ^ 1) if (me ^ 1) < n else None
+        fn = lambda: comm.all_to_all(t, mesh, "tp", 0, 0, tag="planner constants")  # noqa: E731
+    else:  # send: pairs (0, 1), (2, 3), ... of each group exchange one message each way at once
+        peer = me ^ 1 if (me ^ 1) < n else None
         buf = torch.empty_like(t)
 
         def fn():
-            if peer is None:
-                return
-            if me % 2 == 0:
-                dist.send(t, peer)
-                dist.recv(buf, peer)
-            else:
-                dist.recv(buf, peer)
-                dist.send(t, peer)
-        dist.barrier(group=group)
-        return _time(fn, reps, burst) / 2
-    dist.barrier(group=group)
-    return _time(fn, reps, burst)
+            if peer is not None:
+                for pending in comm.sendrecv(t, buf, mesh, "tp", to=peer, source=peer, tag="planner constants"):
+                    pending.wait()
+    dist.barrier()
+    seconds = _time(fn, reps, burst)
+    mesh.log.records.clear()  # the records of a measurement are nobody's step
+    return seconds

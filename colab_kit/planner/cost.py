@@ -24,7 +24,8 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   ``tensor.block_collectives`` and the bytes of ``tensor.linear_comm_bytes`` for the four
   Linears of every block and the head; sp: ring's K/V rotations (``sp - 1`` forward, twice that
   back) or Ulysses' four all-to-alls each way; pp: a send of the stage's output per microbatch
-  and one of its gradient back. Wire bytes are ``comm.wire_bytes``, as the comm records count.
+  and one of its gradient back, whose bytes all count but whose latency only on the first
+  microbatch's way through the stages and back (receives are posted ahead, sends do not block). Wire bytes are ``comm.wire_bytes``, as the comm records count.
 - optimizer: its bytes read and written once (params, grads, states of this rank's shard) at
   the measured memory rate; offload='cpu' adds copying the gradients out and parameters back.
 """
@@ -172,7 +173,10 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict) -> tuple[fl
         parts["bubble"] = max(0.0, span * fwd * share - busy * fwd)
         act = tokens // cfg.sp * model.d_model * e // (cfg.tp if cfg.tp_mode != "1d" else 1)
         sends = 2 * m * cfg.chunks
-        parts["comm:pp"] = _coll(consts, "send", act, 2, sends)
+        alpha, beta = _op(consts, "send", 2)
+        # receives are posted ahead and sends do not block: only the first microbatch's way down the
+        # pipeline and its gradient's way back wait for a message's latency; the bytes all pass
+        parts["comm:pp"] = 2 * (cfg.pp * cfg.chunks - 1) * alpha + sends * act / beta
         counts["pp"] = sends
     tp_s, tp_n = _tp_comm(model, cfg, consts, tokens, layers_rank, True, e)  # the head's rank is the slowest
     parts["comm:tp"], counts["tp"] = m * tp_s, m * tp_n
