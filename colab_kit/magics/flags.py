@@ -96,7 +96,7 @@ COMMANDS = {  # name: (flags, takes config words, help)
     "timeline": (("var",), False, "the last training step of every rank: compute, communication, idle"),
     "memory": (("var", "by"), False, "memory per rank, measured beside the estimate, refreshed after each step"),
     "plan": (("model", "batch", "world", "memory", "top"), False,
-             "plan a model's parallel configs (estimated memory and step time), Apply one (PlannerView)"),
+             "plan a model's configs: estimated memory and step time; Apply one"),
     "status": ((), False, "show the cluster, its ranks and config"),
     "stop": ((), False, "stop the cluster"),
     "restart": ((), False, "fresh engines with the same config (after a failure)"),
