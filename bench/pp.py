@@ -10,9 +10,9 @@ the measured bubble ``1 - compute time / (ranks x span)`` from ``engine.timeline
 simulated bubble (unit costs F=1, B=2, I=W=1) and the schedule's own textbook formula
 (``colab_kit.pipeline.simulate.theory_bubble``: (p-1)/(m+p-1) for GPipe and 1F1B,
 (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1, (p-1)/(6m+p-1) ZB-V). The row
-``zb-v fitted`` is ZB-V re-scheduled from its own costs: after two warm-up steps
-``engine.pipeline.replan()`` measures each stage's F, I and W in the timeline and list-schedules
-the V on them (``colab_kit.pipeline.costs``); the run prints those costs and both plans'
+``zb-v fitted`` is ZB-V re-scheduled from its own costs: each stage's F, I and W measured in the
+timelines of warm-up steps 2-4 (``costs.measured_costs``, medians, the slowest rank's), then
+``engine.pipeline.replan(costs)`` list-schedules the V on them (``colab_kit.pipeline.costs``); the run prints those costs and both plans'
 simulated makespans under them.
 
 Part 2 runs, on 2 ranks, the stages colab_kit cuts wrapped in torch's ``PipelineStage``:
@@ -39,6 +39,7 @@ from colab_kit.engine import lm_loss
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.pipeline import build_plan, lower, simulate
 from colab_kit.pipeline.actions import parse
+from colab_kit.pipeline.costs import measured_costs
 from colab_kit.pipeline.simulate import theory_bubble
 from colab_kit.viz.schedule_data import measured_bubble
 
@@ -75,9 +76,11 @@ def _schedules(gpt_kwargs, batch, microbatches, rounds, steps):
         pp=pp, microbatches=microbatches, schedule=s, chunks=c)) for s, c in SCHEDULES}
     engines[FITTED] = ck.boost(GPT(GPTConfig(**gpt_kwargs)), _sgd, ck.ParallelConfig(
         pp=pp, microbatches=microbatches, schedule="zb-v", chunks=2))
-    for i in range(2):  # warm-up steps, then the costs of the second one
+    warm = []
+    for i in range(4):  # warm-up steps; the costs are the medians over the last three (one step is noisy under load)
         engines[FITTED].train_step(data.batch(i, batch))
-    costs = engines[FITTED].pipeline.replan()
+        warm += engines[FITTED].timeline() if i else []
+    costs = engines[FITTED].pipeline.replan(measured_costs(warm, range(2 * pp)))
     timelines = {s: [] for s in engines}
     runners = {s: (lambda i, e=e: e.train_step(data.batch(i, batch))) for s, e in engines.items()}
     times, _ = _rounds(runners, rounds, steps, after=lambda s: timelines[s].append(engines[s].timeline()))
@@ -160,7 +163,7 @@ def main(argv=None):
         print(f"{schedule:12} {med[schedule]:>8.2f} {med[schedule] / med['1f1b']:>8.3f} {got:>16.3f} "
               f"{planned:>20.3f} {theory_bubble(schedule.split()[0], p, m, chunks):>21.3f}")
     unit, fitted = build_plan("zb-v", p, m, 2), build_plan("zb-v", p, m, 2, costs=costs)
-    print(f"zb-v fitted: costs measured in its second step (ms, the slowest rank): " + ", ".join(
+    print(f"zb-v fitted: costs measured in warm-up steps 2-4 (ms, the slowest rank): " + ", ".join(
         f"{s}{k} {v * 1e3:.2f}" for (s, k), v in costs.items()) + f"; with these costs and free messages the "
         f"unit-step plan takes {simulate(unit, costs).makespan * 1e3:.1f} ms, the fitted one "
         f"{simulate(fitted, costs).makespan * 1e3:.1f} ms (busiest rank's work "
