@@ -19,14 +19,18 @@ Costs are a dict ``{(stage, kind): seconds}`` for every stage and kind F, I, W (
 only ratios matter), kind defaults ``{"F": t, "I": t, "W": t}`` standing in for stages not
 named. ``engine.pipeline.replan()`` measures them (``measured_costs``: the median duration
 of each stage's actions in the last training step, the largest over the ranks holding that
-stage) and installs the plan on every rank.
+stage; pass it the events of several steps for steadier medians) and installs the plan on
+every rank. Re-planning changes only the order: the same F, I and W run once each per
+microbatch, so training stays equal to one process (to fp32 rounding of the gradient sums,
+which now add up in another order).
 
-Why it matters, measured on 2 CPU ranks (``bench/pp.py``'s GPT d=128 x 4, 8 microbatches,
-from ``engine.timeline()``): a chunk's F took about 2.1 ms, its I 2.7 ms and its W 1.6 ms,
-and the first stage, which never splits (see ``executor``), an I of 0 and a W of 4.0 ms (its
-whole backward). With those durations and free messages the unit-step plan leaves 11 ms of
-its 113.5 ms idle on the busiest rank; the plan built from them leaves 7 ms. Worked example,
-pp=2, 8 microbatches (``simulate`` takes the same costs)::
+Why it matters: ``python bench/pp.py`` (GPT d=128 x 4, 8 microbatches, 2 CPU ranks) prints
+the costs it fits; one run (2026-12-01, a loaded machine) read a chunk's F at 1.9-2.4 ms, I
+2.3-2.7 ms and W 1.4-1.6 ms, and the first stage, which never splits (see ``executor``), an I
+of 0.01 ms and a W of 3.8 ms (its whole backward). The example rounds such costs to one
+value per kind. With them and free messages the unit-step plan leaves 11 ms of its 113.5 ms
+idle on the busiest rank; the plan built from them leaves 7 ms. Worked example, pp=2, 8
+microbatches (``simulate`` takes the same costs)::
 
     >>> from colab_kit.pipeline import build_plan, simulate
     >>> c = {"F": 2.1, "I": 2.7, "W": 1.6, (0, "I"): 0.0, (0, "W"): 4.0}
