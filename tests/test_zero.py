@@ -4,7 +4,9 @@ offload="cpu" too: the optimizer and its fp32 copies on the host), zero=2 at
 dp=4 with microbatches, with tp=2 (1d), with pp=2 (1f1b) and with a 2D tensor mode (8 ranks); the
 optimizer states per rank are the dense states / dp (plus padding); the collectives per step are
 one reduce-scatter of the gradients (stage 2 without pp: one per microbatch) and one all-gather of
-the parameters per bucket, together the wire bytes of one all-reduce (per microbatch's reduction); a parameter that gets no gradient neither stalls nor corrupts a step.
+the parameters per bucket, together the wire bytes of one all-reduce (per microbatch's reduction);
+a parameter that gets no gradient neither stalls nor corrupts a step; inside a stage-2 step a
+rank's gradients stay under its pieces plus two buckets (measured with StatePeak).
 One spawn per world size, configurations looped inside."""
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from colab_kit import comm
 from colab_kit.comm import wire_bytes
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.memory import model_state_bytes
+from colab_kit.memory_peak import StatePeak, state_bytes
 from colab_kit.models import GPT
 from colab_kit.reference import train_single_process
 from colab_kit.zero import check_optimizer
@@ -80,6 +83,7 @@ def _train(cfgs, extras: bool = False):
     if extras:
         out["unused"] = _unused(data)
         out["refused"] = _refused()
+        out["peak"] = _peak(data)
     return out
 
 
@@ -113,6 +117,28 @@ def _refused():
     except ck.ConfigError as exc:
         return str(exc)
     return None
+
+
+def _peak(data):
+    """zero=2, buckets of about 1/8 of the gradients, microbatches 1 and 2: one step under StatePeak
+    (the meter bench/zero.py applies to FSDP2 alike), after a warm-up step."""
+    out, grads_total = {}, 4 * sum(p.numel() for p in GPT(GPT_CFG).parameters())
+    for m in (1, 2):
+        engine = ck.boost(GPT(GPT_CFG), OPTIMIZERS["adamw"], ck.ParallelConfig(dp=2, zero=2, microbatches=m),
+                          bucket_bytes=grads_total // 8)
+        losses = [engine.train_step(data.batch(0, BATCH))]
+        roots = (engine.module, engine.optimizer, engine.grads)
+        before = state_bytes(*roots)
+        with StatePeak(*roots) as meter:
+            losses.append(engine.train_step(data.batch(1, BATCH)))
+        z = engine.grads
+        out[m] = dict(losses=losses, peak=meter.peak, at_peak=meter.at_peak, before=before, after=state_bytes(*roots),
+                      memory=engine.memory(), own=getattr(z, "peak_nbytes", None),  # None before stage 2 counted it
+                      pieces=4 * sum(s.numel() for s in z.shards), buckets=[4 * s for s in z.sizes],
+                      largest_param=max(4 * p.numel() for p in engine.module.parameters()),
+                      local=sum(p.numel() for p in engine.module.parameters()))
+        engine.close()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +237,30 @@ def test_a_parameter_without_gradient_neither_stalls_nor_corrupts(world2):
 
 def test_an_optimizer_over_other_tensors_is_refused(world2):
     assert all("over exactly the tensors it is given" in res["refused"] for res in world2)
+
+
+def test_stage2_peak_gradients_stay_under_pieces_plus_two_buckets(world2):
+    """Inside a step, per rank (fp32): peak grads <= pieces (4 Psi / N, padded) + 2 x the largest bucket
+    + the largest parameter's gradient. Two buckets: one being reduce-scattered, one filling
+    (colab_kit.zero.stage2); one gradient: autograd's fresh tensor while it is copied into its bucket.
+    Before stage 2 freed its buckets a rank held 4 Psi + 4 Psi / N of gradients through backward."""
+    ref = reference("adamw")[0][:2]
+    for rank, res in enumerate(world2):
+        for m, got in res["peak"].items():
+            assert got["losses"] == pytest.approx(ref, rel=1e-5), (m, rank)
+            grads_peak = got["peak"] - got["before"]["params"] - got["before"]["optimizer"]  # those stay put
+            two = sum(sorted(got["buckets"])[-2:])
+            whole = 4 * got["local"]
+            assert len(got["buckets"]) >= 6 and two < whole / 2, got["buckets"]
+            assert grads_peak <= got["pieces"] + two + got["largest_param"], (m, rank, grads_peak, got["at_peak"])
+            # the rank's own count of its full buckets is what the meter saw (up to one fresh gradient)
+            assert got["own"] <= grads_peak <= got["own"] + got["largest_param"], (m, rank, got["own"], grads_peak)
+            # after the step: only the pieces, as the formula says
+            assert got["after"]["grads"] == got["memory"]["grads"] == got["pieces"], (m, rank)
+            est = model_state_bytes(got["local"], "adamw", "fp32", dp=2, zero=2)
+            for part in ("params", "grads", "optimizer"):
+                assert abs(est[part] - got["memory"][part]) <= 0.05 * got["memory"][part], (m, rank, part)
+
 
 
 def test_zero_with_microbatches_tp_and_pp():
