@@ -39,7 +39,7 @@ _OP = {"alpha": 1e-4, "beta": 1e9}
 EXAMPLE_CONSTANTS = {"ranks": 0, "cores": 1024, "matmul": {"flops_per_s": 1e10}, "dispatch": {"op_seconds": 2e-5},
                      "memory": {"bytes_per_s": 1e10},
                      "comm": {"2": {op: dict(_OP) for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast",
-                                                             "all_to_all", "send")}}}
+                                                             "all_to_all", "send", "sendrecv")}}}
 """Round numbers (not measured) for examples and tests that must not depend on the machine."""
 
 

@@ -13,8 +13,9 @@ measures, all ranks at the same time (so that they share the cores the way a rea
 - ``memory``: ``a.add_(b)`` over 4 MiB, bytes read and written per second (the optimizer step);
 - ``comm``: for every group size ``n`` that divides ``ranks`` (the ranks split into ``ranks / n``
   groups, every group busy at once: the "tp" axis of a ``ProcessMesh``) and each of all_reduce,
-  all_gather, reduce_scatter, broadcast, all_to_all, and send/recv (pairs exchanging a message
-  each way with ``comm.sendrecv``), called through ``colab_kit.comm`` as the engine calls them
+  all_gather, reduce_scatter, broadcast, all_to_all, send (a ping-pong of ``comm.isend`` /
+  ``irecv`` between pairs, half the round trip: a pipeline's message) and sendrecv (pairs
+  exchanging a message each way at once with ``comm.sendrecv``: a ring's step), called through ``colab_kit.comm`` as the engine calls them
   (records and all), the time of a few
   sizes, each after the burst (as in a step, where ranks reach a collective at different
   moments: with more ranks than cores, waiting for a peer's turn is most of a small collective's
@@ -36,7 +37,7 @@ import time
 
 __all__ = ["constants", "measure", "cache_path", "count_ops", "OPS"]
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "sendrecv")
 _SIZES = (1 << 10, 1 << 14, 1 << 18)  # fp32 elements per rank's payload: 4 KiB, 64 KiB, 1 MiB
 
 
@@ -138,7 +139,8 @@ def _measure_rank(ranks: int) -> dict:
             pts = []
             for size in _SIZES:
                 t = torch.ones(size, device=mesh.device)
-                pts.append((wire_bytes(op, size * 4, n), _collective(op, t, mesh, n, burst)))
+                wire = wire_bytes("send" if op == "sendrecv" else op, size * 4, n)  # each way: one message
+                pts.append((wire, _collective(op, t, mesh, n, burst)))
             a, inv = _fit([p[0] for p in pts], [p[1] for p in pts])
             comm[str(n)][op] = {"alpha": a, "beta": 1.0 / inv}
         mesh.release()
@@ -212,15 +214,22 @@ def _collective(op: str, t, mesh, n: int, burst, reps: int = 7) -> float:
         fn = lambda: comm.broadcast(t, mesh, "tp", tag="planner constants")  # noqa: E731
     elif op == "all_to_all":
         fn = lambda: comm.all_to_all(t, mesh, "tp", 0, 0, tag="planner constants")  # noqa: E731
-    else:  # send: pairs (0, 1), (2, 3), ... of each group exchange one message each way at once
+    else:  # pairs (0, 1), (2, 3), ... of each group: sendrecv exchanges a message each way at once
+        # (the ring's step); send is a ping-pong of isend / irecv (a pipeline's), half a round trip
         peer = me ^ 1 if (me ^ 1) < n else None
         buf = torch.empty_like(t)
 
         def fn():
-            if peer is not None:
+            if peer is None:
+                return
+            if op == "sendrecv":
                 for pending in comm.sendrecv(t, buf, mesh, "tp", to=peer, source=peer, tag="planner constants"):
                     pending.wait()
+                return
+            first, then = (comm.isend, comm.irecv) if me % 2 == 0 else (comm.irecv, comm.isend)
+            first(t if first is comm.isend else buf, mesh, "tp", peer, tag="planner constants").wait()
+            then(t if then is comm.isend else buf, mesh, "tp", peer, tag="planner constants").wait()
     dist.barrier()
-    seconds = _time(fn, reps, burst)
+    seconds = _time(fn, reps, burst) / (2 if op == "send" else 1)
     mesh.log.records.clear()  # the records of a measurement are nobody's step
     return seconds

@@ -22,8 +22,9 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   and all-gather the parameters; ZeRO 3 gathers each block's parameters in forward and again in
   backward and reduce-scatters its gradients); tp: the counts of
   ``tensor.block_collectives`` and the bytes of ``tensor.linear_comm_bytes`` for the four
-  Linears of every block and the head; sp: ring's K/V rotations (``sp - 1`` forward, twice that
-  back) or Ulysses' four all-to-alls each way; pp: a send of the stage's output per microbatch
+  Linears of every block and the head; sp: ring's K/V rotations (``sp - 1`` forward; ``sp - 1``
+  back and ``sp`` passes of the dK/dV sums) or Ulysses' two all-to-alls each way (q, k, v
+  together, then the output); pp: a send of the stage's output per microbatch
   and one of its gradient back, whose bytes all count but whose latency only on the first
   microbatch's way through the stages and back (receives are posted ahead, sends do not block). Wire bytes are ``comm.wire_bytes``, as the comm records count.
 - optimizer: its bytes read and written once (params, grads, states of this rank's shard) at
@@ -48,8 +49,8 @@ def _op(consts, op: str, n: int) -> tuple[float, float]:
     """(alpha, beta) of ``op`` on a group of ``n`` ranks (the nearest group size measured)."""
     comm = consts["comm"]
     key = str(n) if str(n) in comm else min(comm, key=lambda k: abs(int(k) - n))
-    op = {"reduce": "broadcast", "sendrecv": "send", "recv": "send"}.get(op, op)
-    c = comm[key][op]
+    op = {"reduce": "broadcast", "recv": "send"}.get(op, op)
+    c = comm[key].get(op) or comm[key]["send"]  # constants measured before sendrecv had its own
     return c["alpha"], c["beta"]
 
 
@@ -86,13 +87,13 @@ def mode_ops(cfg) -> int:
     their source: ring attention (``sequence.ring``) replaces one fused attention call by 2 sp + 1
     causal chunk pairs per rank (zigzag), each a block forward (scores, mask, log-sum-exp,
     exp, matmul: about 9 ops) merged into the running result (``merge_lse``: about 8); Ulysses
-    adds its four all-to-alls with their reshapes (8); 1D one autograd collective per Linear (4),
+    its two all-to-alls with the stacking and reshapes around them (6); 1D one autograd collective per Linear (4),
     split_gather two (8); SUMMA (2D, 2.5D) q steps of two broadcasts, a matmul and an add per
     Linear (16 q) and LayerNorm2D's explicit statistics (about 9 ops each instead of one); 3D two
     all-gathers and a reduce-scatter per Linear (12) and LayerNorm3D's statistics."""
     extra = 0
     if cfg.sp > 1:
-        extra += 17 * (2 * cfg.sp + 1) if cfg.sp_mode == "ring" else 8
+        extra += 17 * (2 * cfg.sp + 1) if cfg.sp_mode == "ring" else 6
     if cfg.tp > 1:
         if cfg.tp_mode == "1d":
             extra += 8 if cfg.sp_mode == "split_gather" else 4
@@ -143,11 +144,12 @@ def _tp_comm(model, cfg, consts, tokens: int, layers: int, head: bool, e: int) -
 def _sp_comm(model, cfg, consts, tokens: int, layers: int, e: int) -> tuple[float, int]:
     if cfg.sp == 1:
         return 0.0, 0
-    kv = 2 * tokens // cfg.sp * model.d_model // cfg.tp * e
-    if cfg.sp_mode == "ring":
-        count = 3 * (cfg.sp - 1)
+    kv = 2 * tokens // cfg.sp * model.d_model // cfg.tp * e  # K and V of this rank's tokens, one message
+    if cfg.sp_mode == "ring":  # sp - 1 rotations forward; backward sp - 1 of K/V and sp of the dK/dV sums
+        count = 3 * cfg.sp - 2
         return layers * _coll(consts, "sendrecv", kv, cfg.sp, count), layers * count
-    return layers * _coll(consts, "all_to_all", kv // 2, cfg.sp, 8), layers * 8
+    # Ulysses: q, k, v in one all-to-all and the output in another, each reversed in backward
+    return layers * _coll(consts, "all_to_all", kv, cfg.sp, 4), layers * 4
 
 
 def step_seconds(model, cfg, batch: int, consts: dict, memory: dict) -> tuple[float, dict, dict]:
