@@ -65,8 +65,8 @@ def test_a_row_or_a_point_chooses_and_the_button_applies():
     assert [label.split()[1] for label, _ in ui["table"].options] == ["dp=4", "dp=4", "tp=4", "pp=4"]
     drawn = list(getattr(ui["figure"], "data", ()))
     ui["table"].value = 3  # a click on row 3
-    assert v.selected == 3 and ui["status"].value == "chosen: #3 pp=4 microbatches=4: %colossal config pp=4 microbatches=4; " \
-        "estimated not to fit: bubble 43%"
+    assert v.selected == 3 and ui["status"].value == (
+        "chosen: #3 pp=4 microbatches=4: %colossal config pp=4 microbatches=4; estimated not to fit: bubble 43%")
     fig = ui["figure"]
     if not hasattr(fig, "data"):
         pytest.skip("no anywidget: the figure is a plain Output, nothing to click")

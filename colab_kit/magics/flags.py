@@ -62,7 +62,8 @@ def _bytes(text: str) -> int:
     return value
 
 
-_positive_int.__name__, _seconds.__name__, _bytes.__name__ = "int", "float", "bytes"  # argparse names the type in its message
+# argparse names the type in its message
+_positive_int.__name__, _seconds.__name__, _bytes.__name__ = "int", "float", "bytes"
 
 FLAGS = {
     "n": (("-n",), dict(type=_positive_int, default=None, metavar="N",
@@ -80,7 +81,8 @@ FLAGS = {
     "by": (("--by",), dict(default="category", choices=("category", "place"), metavar="category|place",
                            help="stack the bars by category (params, grads, ...) or by place (device, host)")),
     "model": (("--model",), dict(required=True, metavar="VAR", help="a GPTConfig (or GPT) in a kernel variable")),
-    "batch": (("--batch",), dict(type=_positive_int, required=True, metavar="N", help="global batch (sequences per step)")),
+    "batch": (("--batch",), dict(type=_positive_int, required=True, metavar="N",
+                                 help="global batch (sequences per step)")),
     "world": (("--ranks",), dict(type=_positive_int, default=None, metavar="N",
                                  help="ranks to plan for; default: the cluster's size")),
     "memory": (("--memory",), dict(type=_bytes, default=None, metavar="64MiB",
