@@ -131,12 +131,28 @@ class ParallelConfig:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
-        """Short human form, e.g. ``dp=2 x tp=4 (2d) = 8 ranks``."""
+        """Short human form: the degrees, then every field that is not its default, so two
+        different configs never read alike::
+
+            dp=2 x tp=4 (2d) = 8 ranks
+            dp=2 x pp=2 = 4 ranks, zb-v x 8 microbatches, 2 chunks, zero=2, bf16, recompute
+        """
         parts = [f"{a}={getattr(self, a)}" for a in ("dp", "pp", "sp", "tp") if getattr(self, a) > 1]
         if self.tp > 1:
             parts[-1] += f" ({self.tp_mode}" + (f", depth {self.tp_depth})" if self.tp_mode == "2.5d" else ")")
         text = (" x ".join(parts) or "single rank") + f" = {self.world_size} rank" + "s" * (self.world_size > 1)
-        return text + (", recompute" if self.recompute else "")
+        extra = []
+        if self.sp_mode == "split_gather" or (self.sp > 1 and self.sp_mode != "ring"):
+            extra.append(self.sp_mode)
+        if self.pp > 1:
+            extra.append(f"{self.schedule} x {self.microbatches} microbatch" + "es" * (self.microbatches > 1))
+        elif self.microbatches > 1:
+            extra.append(f"{self.microbatches} microbatches")
+        if self.chunks > 1:
+            extra.append(f"{self.chunks} chunks")
+        extra += [f"zero={self.zero}"] * (self.zero > 0) + [f"offload={self.offload}"] * (self.offload != "none")
+        extra += [self.precision] * (self.precision != "fp32") + ["recompute"] * self.recompute
+        return ", ".join([text, *extra])
 
     def check_world_size(self, n: int) -> None:
         """Raise ConfigError unless this config fits exactly ``n`` ranks."""

@@ -35,7 +35,8 @@ def test_status_follows_every_change():
 def test_without_a_world_size_only_the_rules_apply():
     p = ConfigPicker(config=ck.ParallelConfig(pp=2, microbatches=4))
     assert p.world_size is None
-    assert p.status() == "ok: pp=2 = 2 ranks (no cluster: nothing to check the world size against)"
+    assert p.status() == ("ok: pp=2 = 2 ranks, 1f1b x 4 microbatches (no cluster: nothing to check the world size "
+                          "against)")
     assert p.values["microbatches"] == 4
     assert p.apply() == "not applied: no cluster running (start one with %colossal start -n 4)"
 
