@@ -64,9 +64,9 @@ class EngineRecords:
         share = getattr(self.grads, "host_share", None)
         share = share() if share is not None else None
         rows, seq = self._rows or 0, getattr(self, "_seq", None)
-        micro = getattr(self.pipeline, "_x", None)  # with pp: the executor's microbatches of the last step
-        if micro:
-            rows, seq = micro[0].shape[0], micro[0].shape[1]
+        micro = self.pipeline.microbatch_shape() if self.pipeline is not None else None
+        if micro:  # with pp: the executor's microbatches of the last step
+            rows, seq = micro
         model = getattr(self, "model_cfg", None) or self._model_cfg  # the dense model's config, also with pp
         if model is not None and hasattr(model, "n_layers"):  # a GPT: the planner's estimate
             from .estimate import config_estimate

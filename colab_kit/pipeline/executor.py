@@ -275,6 +275,12 @@ class PipelineExecutor(CommActions):
         self.begin(batch, forward_only=True)
         return self.finish()
 
+    def microbatch_shape(self) -> tuple[int, int] | None:
+        """(rows, tokens) of one microbatch of the last step on this rank, or None before a step
+        (what the memory estimate counts activations for)."""
+        x = getattr(self, "_x", None)
+        return (x[0].shape[0], x[0].shape[1]) if x else None
+
     def state(self) -> dict:
         """Where this rank is: executed actions, the next one, activations held (stage, microbatch)."""
         acts = self._actions
