@@ -8,13 +8,13 @@ costs measured on CPU ranks it is strictly shorter. Bad costs are refused with t
 """
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
 
-from colab_kit.pipeline import Action, build_plan, lower, simulate, steps
+from colab_kit.pipeline import build_plan, lower, simulate, steps
 from colab_kit.pipeline.costs import measured_costs, stage_costs, zb_v_timed
+from tests.test_pipeline_plans import assert_f_i_w_in_order, assert_one_f_i_w_each
 
 ZBV = [(pp, m) for pp in range(1, 5) for m in range(1, 3 * pp + 1)]
 MEASURED = {"F": 2.1, "I": 2.7, "W": 1.6, (0, "I"): 0.0, (0, "W"): 4.0}  # the costs module's example
@@ -40,19 +40,10 @@ def test_plans_from_uneven_costs_keep_every_zb_v_rule_and_never_plan_slower():
         for costs in [MEASURED] + [random_costs(rng, pp) for _ in range(4)]:
             plan = build_plan("zb-v", pp, m, 2, costs=costs)
             assert plan.placement == "v" and plan.chunks == 2
-            acts = [a for row in plan.actions for a in row]
-            every = sorted(itertools.product(range(2 * pp), range(m)))
-            for kind in "FIW":
-                assert sorted((a.stage, a.microbatch) for a in acts if a.kind == kind) == every, (pp, m, kind)
+            assert_one_f_i_w_each(plan, pp, m)
+            assert_f_i_w_in_order(plan, pp, m)
             for r, row in enumerate(plan.actions):
                 assert {a.stage for a in row} <= set(plan.stages_of(r))
-                at = {a: i for i, a in enumerate(row)}
-                for a in row:
-                    if a.kind == "F":
-                        assert at[a] < at[Action(a.stage, "I", a.microbatch)] < at[Action(a.stage, "W", a.microbatch)]
-                for s in {a.stage for a in row}:
-                    for kind in "FIW":
-                        assert [a.microbatch for a in row if (a.stage, a.kind) == (s, kind)] == list(range(m))
             low = lower(plan)  # steps() checks dependencies across ranks; every action gets a timestep
             assert sum(a is not None for row in steps(low) for a in row) == sum(map(len, low.actions))
             assert max(simulate(plan).peak_held) <= 2 * pp, (pp, m)

@@ -164,25 +164,35 @@ def test_check_names_the_placement_of_a_misplaced_action():
         check(Plan.parse(text, "zb-v"))
 
 
+def assert_one_f_i_w_each(plan, pp: int, m: int) -> None:
+    """ZB-V's count rule: exactly one F, one I and one W per stage and microbatch."""
+    acts = [a for row in plan.actions for a in row]
+    every = sorted(itertools.product(range(2 * pp), range(m)))
+    for kind in "FIW":
+        assert sorted((a.stage, a.microbatch) for a in acts if a.kind == kind) == every, (pp, m, kind)
+    assert len(acts) == 3 * len(every)
+
+
+def assert_f_i_w_in_order(plan, pp: int, m: int) -> None:
+    """ZB-V's order rule on each rank: F before I before W of a microbatch; microbatches in order."""
+    for row in plan.actions:
+        at = {a: i for i, a in enumerate(row)}
+        for a in row:
+            if a.kind == "F":
+                assert at[a] < at[Action(a.stage, "I", a.microbatch)] < at[Action(a.stage, "W", a.microbatch)]
+        for s in {a.stage for a in row}:
+            for kind in "FIW":
+                assert [a.microbatch for a in row if (a.stage, a.kind) == (s, kind)] == list(range(m)), (pp, m)
+
+
 def test_zb_v_has_exactly_one_f_i_and_w_per_stage_and_microbatch():
     for pp, m in ZBV:
-        acts = [a for row in build_plan("zb-v", pp, m, 2).actions for a in row]
-        every = sorted(itertools.product(range(2 * pp), range(m)))
-        for kind in "FIW":
-            assert sorted((a.stage, a.microbatch) for a in acts if a.kind == kind) == every, (pp, m, kind)
-        assert len(acts) == 3 * len(every)
+        assert_one_f_i_w_each(build_plan("zb-v", pp, m, 2), pp, m)
 
 
 def test_zb_v_runs_f_then_i_then_w_and_microbatches_in_order_on_each_rank():
     for pp, m in ZBV:
-        for row in build_plan("zb-v", pp, m, 2).actions:
-            at = {a: i for i, a in enumerate(row)}
-            for a in row:
-                if a.kind == "F":
-                    assert at[a] < at[Action(a.stage, "I", a.microbatch)] < at[Action(a.stage, "W", a.microbatch)]
-            for s in {a.stage for a in row}:
-                for kind in "FIW":
-                    assert [a.microbatch for a in row if (a.stage, a.kind) == (s, kind)] == list(range(m)), (pp, m)
+        assert_f_i_w_in_order(build_plan("zb-v", pp, m, 2), pp, m)
 
 
 def test_zb_v_respects_dependencies_across_ranks_and_runs_to_the_end_lowered():
