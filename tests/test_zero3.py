@@ -10,12 +10,15 @@ parameter that gets no gradient neither stalls nor corrupts a step. One spawn pe
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.memory import model_state_bytes
+from colab_kit.memory_peak import StatePeak, state_bytes
 from colab_kit.models import GPT
 
 from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS, STEPS
@@ -46,6 +49,41 @@ def _train(cfgs, extras: bool = False):
             engine.close()
     if extras:
         out["unused"] = _unused(data)
+        out["state_peaks"] = _state_peaks(data)
+    return out
+
+
+def _state_peaks(data):
+    """zero=3 (fp32, bf16) and zero=2 (bf16), AdamW: after a warm-up step, one step under StatePeak (the
+    meter bench/zero.py applies to FSDP2 alike), with the bytes reachable when the optimizer steps."""
+    out, cfg = {}, dataclasses.replace(GPT_CFG, n_layers=3)  # three blocks: one in flight while two are whole
+    for zero, precision in ((3, "fp32"), (3, "bf16"), (2, "bf16")):
+        engine = ck.boost(GPT(cfg), OPTIMIZERS["adamw"], ck.ParallelConfig(dp=2, zero=zero, precision=precision))
+        engine.train_step(data.batch(0, BATCH))
+        z, roots, at_step = engine.grads, (engine.module, engine.optimizer, engine.grads), []
+        step = engine.optimizer.step
+
+        def stepping(*args, **kwargs):
+            at_step.append(sum(state_bytes(*roots).values()))
+            return step(*args, **kwargs)
+
+        before = sum(state_bytes(*roots).values())
+        engine.optimizer.step = stepping
+        with StatePeak(*roots) as meter:
+            engine.train_step(data.batch(1, BATCH))
+        del engine.optimizer.step
+        pieces = [c.shard.grad for c in z.chunks] if zero == 3 else z._pieces
+        got = dict(peak=meter.peak, at_peak=meter.at_peak, before=before, at_step=at_step[0],
+                   after=sum(state_bytes(*roots).values()), memory=engine.memory(),
+                   pieces16=sum(t.numel() * t.element_size() for t in pieces),
+                   grads32=sum(4 * m.numel() for m in z.masters.params) if z.masters is not None else 0)
+        if zero == 3:
+            names = list(engine.module._modules)  # the rest's parameters used after the blocks (head side)
+            after_blocks = {id(p) for n in names[names.index("blocks") + 1:] for p in engine.module._modules[n].parameters()}
+            got.update(chunk_bytes=[c.nbytes for c in z.chunks], block_fp32=max(4 * c.size for c in z.chunks[1:]),
+                       head_side=sum(p.numel() * p.element_size() for p in z.chunks[0].params if id(p) in after_blocks))
+        out[zero, precision] = got
+        engine.close()
     return out
 
 
@@ -107,6 +145,25 @@ def world2():
 
 def test_zero3_dp2_parity_memory_comm(world2):
     _check(world2, WORLD2)
+
+
+def test_in_step_peaks_rest_two_blocks_one_gradient_one_reduction_and_no_16_bit_piece_at_the_step(world2):
+    """Measured with StatePeak, per rank of dp=2. zero=3 (fp32, bf16): inside a step at most, beyond what is held
+    between steps, the rest and two blocks whole (compute dtype), one block's gradient buffer, one reduction in
+    flight (fp32) and autograd's gradients of the rest's head side: the rest's gradient buffer is made only when
+    its last gradient (the embeddings') has arrived, one reduce-scatter in flight, no 16-bit copy of the reduced
+    piece. bf16 (zero=2 and 3): when the optimizer steps, the 16-bit gradient pieces are released beside the fp32
+    master gradients made from them (before: both held, 2 Psi / N more), and they are back after the step."""
+    for rank, res in enumerate(world2):
+        for (zero, precision), got in res["state_peaks"].items():
+            key = (zero, precision, rank)
+            assert got["after"] == got["before"], key  # between steps: as before it (the formula's bytes)
+            if precision == "bf16":
+                assert got["at_step"] == got["before"] - got["pieces16"] + got["grads32"], (key, got)
+            if zero == 3:
+                rest, block = got["chunk_bytes"][0], max(got["chunk_bytes"][1:])
+                bound = rest + 3 * block + got["block_fp32"] + got["head_side"]
+                assert got["peak"] - got["before"] <= bound, (key, got["peak"] - got["before"], bound, got["at_peak"])
 
 
 def test_zero3_a_parameter_without_gradient_neither_stalls_nor_corrupts(world2):

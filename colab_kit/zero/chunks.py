@@ -18,7 +18,9 @@ Worked example, dp=2, a chunk with a weight [3, 2] and a bias [3] (9 elements, p
 
     full (gathered)   [w00 w01 w10 w11 w20 w21 b0 b1 b2 pad]
     rank 0 shard      [w00 w01 w10 w11 w20]             rank 1 shard  [w21 b0 b1 b2 pad]
-    backward          p.grad are views into grad_full (zeros at the chunk's backward gather)
+    backward          p.grad are views into grad_full (zeros at the chunk's backward gather); or,
+                      for a chunk that collects (ZeRO-3's rest), autograd's own tensors, copied
+                      into a fresh grad_full by collect_grads() when the last has arrived
     reduce_grads()    grad_full / 2, reduce-scatter in place -> rank r adds its 5 summed
                       elements into shard.grad; grad_full is dropped once that finished
 
@@ -72,6 +74,7 @@ class Chunk:
         self.grad_full: torch.Tensor | None = None
         self.state, self.pending, self.ready = "full", None, 0
         self._reducing = None  # (pending reduce-scatter, grad_full) until its piece is added
+        self.fresh = True  # shard.grad is zero (no reduction since the last step): the next is copied in
         self.free()
 
     # ------------------------------------------------------------------ parameters
@@ -123,12 +126,26 @@ class Chunk:
             off = self.offsets[id(p)]
             p.grad = self.grad_full[off:off + p.numel()].view_as(p)
 
+    def has_grads(self) -> bool:
+        """Some gradient of this microbatch or an earlier one waits to be reduced."""
+        return self.grad_full is not None or any(p.grad is not None for p in self.params)
+
+    def collect_grads(self) -> None:
+        """A chunk whose gradients autograd made as its own tensors (no ``prepare_grads``): copy them
+        into a fresh zero ``grad_full`` (zeros where a parameter got none), each dropped once copied."""
+        self.grad_full = torch.zeros(self.size, dtype=self.full.dtype, device=self.full.device)
+        for p in self.params:
+            if p.grad is not None:
+                off = self.offsets[id(p)]
+                self.grad_full[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+
     def reduce_grads(self) -> None:
         """Average ``grad_full`` over the axis, reduce-scatter it in place (async) and drop the
         parameters' gradient views; ``finish_reduce()`` adds the reduced piece into ``shard.grad``."""
         self.finish_reduce()
-        if self.grad_full is None:  # no backward reached this chunk: its gradient is zero everywhere
-            self.prepare_grads()
+        if self.grad_full is None:  # autograd's own tensors (or none: a gradient of zeros everywhere)
+            self.collect_grads()
         flat, r, k = self.grad_full.float(), self.rank, self.piece  # reduced in fp32 (a copy of 16-bit gradients)
         for p in self.params:
             p.grad = None
@@ -144,15 +161,21 @@ class Chunk:
             pending, flat = self._reducing
             pending.wait()
             piece = flat[self.rank * self.piece:(self.rank + 1) * self.piece]  # fp32; the shard's gradient may be
-            self.shard.grad.add_(piece.to(self.shard.grad.device, self.shard.grad.dtype))  # 16-bit, on the host
-            self._reducing = None
+            if self.fresh:  # 16-bit, on the host. The step's first reduction: a converting copy (0 + x is x)
+                self.shard.grad.copy_(piece)
+            else:  # later microbatches: rounded first, then added, as one process accumulates 16-bit gradients
+                self.shard.grad.add_(piece.to(self.shard.grad.device, self.shard.grad.dtype))
+            self._reducing, self.fresh = None, False
 
     def grad_bytes(self) -> int:
-        """Gradient bytes held now: this rank's reduced piece, plus the whole-chunk buffer while it exists."""
-        held = self.shard.grad.numel() * self.shard.grad.element_size()
+        """Gradient bytes held now: this rank's reduced piece (unless released for the step), plus the
+        whole-chunk buffer while it exists, plus autograd's own gradients of a chunk that collects them."""
+        held = self.shard.grad.untyped_storage().nbytes()
         for t in (self.grad_full, self._reducing[1] if self._reducing else None):
             if t is not None:
                 held += t.numel() * t.element_size()
+        if self.grad_full is None:
+            held += sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
         return held
 
     def __repr__(self) -> str:

@@ -21,8 +21,17 @@ completed, so a rank never holds the whole model's gradients at once:
 Mixed precision: a bucket is reduce-scattered as an fp32 copy (the 16-bit bucket is dropped once
 the copy is made), in place, and this rank's block is rounded into the 16-bit piece as soon as the
 reduction completes (added to it for later microbatches, as one process accumulates 16-bit
-gradients), so no fp32 piece lives through backward; ``finish()`` makes the masters' fp32
-gradients from the pieces.
+gradients), so no fp32 piece lives through backward. ``finish()`` makes the masters' fp32
+gradients from the pieces one piece at a time and releases each 16-bit piece (its storage resized
+to 0) as soon as its fp32 gradient exists; ``zero()`` gives the pieces back, zeroed, after the
+step. So the step holds 4 Psi / N of gradients (the fp32 ones, plus at most one 16-bit piece while
+it is converted) instead of 6 Psi / N, and between steps the pieces are there again: the paper's
+2 Psi / N. Why not make the fp32 gradient straight from the fp32 reduction: with microbatches > 1
+the 16-bit piece must exist through backward anyway (one process accumulates 16 bits), and with
+one microbatch an fp32 block kept through backward would be 4 Psi / N where the piece is 2 Psi / N;
+the values are the same either way (the fp32 gradient is the 16-bit piece widened), so parity with
+one process stays exact. The pieces are separate tensors under mixed precision, one storage each,
+so that each can go as soon as it is converted.
 
 Gradient accumulation (``microbatches > 1``). Without pipeline parallelism every microbatch
 is reduced: each microbatch's buckets are reduce-scattered and freed as above, the first
@@ -98,6 +107,9 @@ class ZeroStage2(ZeroBuckets):
         self._first = [True] * len(self.buckets)  # no reduction of this bucket yet this step
         self._open = False  # a generation armed with reductions on, not yet flushed
         self._active = False  # between the first arm() of a step and finish()
+        if self.masters is not None:  # one storage per piece, each released once its fp32 gradient exists
+            self._pieces = [torch.zeros_like(piece) for piece in self._pieces]
+            self._grad_shard = None
         self._full = 0  # full-bucket bytes held now
         self.peak_full = 0
         """The most full-bucket bytes held at once during the last step."""
@@ -128,12 +140,12 @@ class ZeroStage2(ZeroBuckets):
     def nbytes(self) -> int:
         """Gradient bytes held now: the pieces, and the full buckets that exist at this moment."""
         held = [b.buffer for b in self.buckets] + [self._inflight[0] if self._inflight else None]
-        return tensor_bytes([self._grad_shard] + held)
+        return tensor_bytes(self._pieces + held)
 
     @property
     def peak_nbytes(self) -> int:
         """The pieces plus the most full-bucket bytes held at once in the last step."""
-        return tensor_bytes([self._grad_shard]) + self.peak_full
+        return tensor_bytes(self._pieces) + self.peak_full
 
     # ------------------------------------------------------------------ backward
     def arm(self, sync: bool, t0: float | None = None) -> None:
@@ -242,10 +254,18 @@ class ZeroStage2(ZeroBuckets):
         self._retire()
         self._active = False
         if self.masters is not None:  # the masters' fp32 gradients, made from the pieces for this step
-            self.masters.set_grads(self._pieces)
+            for master, piece in zip(self.masters.params, self._pieces, strict=True):
+                master.grad = piece.to(device=master.device, dtype=torch.float32).view_as(master)
+                if master.grad.untyped_storage().data_ptr() != piece.untyped_storage().data_ptr():
+                    piece.untyped_storage().resize_(0)  # its values live on in the fp32 gradient; back at zero()
         else:
             for shard, piece in zip(self.shards, self._pieces):  # again: a user's optimizer.zero_grad() drops them
                 shard.grad = piece
 
     def zero(self) -> None:
         self._first = [True] * len(self.buckets)
+        for piece in self._pieces:  # mixed precision: the pieces released at finish() come back, zeroed
+            size = piece.numel() * piece.element_size()
+            if piece.untyped_storage().nbytes() < size:
+                piece.untyped_storage().resize_(size)
+                piece.zero_()

@@ -12,10 +12,10 @@ What one rank of dp=2 sees in a step of a GPT with blocks b0, b1 (R = the rest: 
 ln_f, head), one microbatch::
 
     forward   gather R, gather b0 | prefetch b1 | b0 runs | free b0 | b1 runs | free b1 | head
-    backward  (head, ln_f grads into R's buffer)
+    backward  (head, ln_f grads: autograd's own tensors, no buffer of R's size yet)
               b1's output gradient: gather b1, prefetch b0 | b1 backward | b1 grads complete:
-              reduce-scatter b1 (async), free b1 | b0 likewise | embeddings: R complete:
-              reduce-scatter R, free R
+              reduce-scatter b1 (async), free b1 | b0: wait for b1's, then likewise |
+              embeddings: R complete: its grads copied into R's buffer, reduce-scatter R, free R
     step      optimizer over this rank's shards (one flat piece per chunk)
 
 Per step and microbatch: an all-gather per block in forward and another in backward, one for
@@ -27,7 +27,23 @@ microbatch is reduced at ``finish()`` (with zeros for what got none), on every r
 
 Between steps a rank holds 4P/N parameter bytes, 4P/N gradient bytes and K P/N optimizer
 bytes (fp32, P parameters on this rank before ZeRO, N = dp): the ZeRO paper's 16P/N with Adam.
-Inside a step, at most the chunks being used (and prefetched) are whole.
+Inside a step, beyond that, at most: R and two blocks whole (one used, one prefetched), one
+block's gradient buffer, one reduce-scatter in flight (the previous block's buffer; it is waited
+for before the next one starts, which costs no overlap: one process group runs its collectives
+in order anyway) and autograd's gradients of R's head side. R's buffer is made only when its
+last gradient (the embeddings', at the very end of backward) has arrived: made at the end of
+forward, it would hold the embeddings' gradient bytes through the whole backward, where FSDP2
+holds them only from the embedding's backward on. Measured with ``colab_kit.memory_peak`` on a
+GPT d=128 x 4 (bench/zero.py) that is FSDP2's in-step peak to the byte, less its per-parameter
+step counters (tests/test_zero3.py checks the bound above on three blocks).
+
+Mixed precision: a block's gradient is reduced as an fp32 copy; the reduced piece is copied
+straight into the (zeroed) 16-bit ``shard.grad`` on the step's first reduction (rounded first
+and added only for later microbatches), with no 16-bit temporary. At the step each chunk's fp32
+master gradient is made from its 16-bit piece and the piece's storage is released at once (its
+values live on, widened, in the fp32 gradient); ``zero()`` gives it back, zeroed. So the step
+holds 4P/N of gradients (FSDP2's fp32 sharded gradients), not 6P/N, and between steps the
+paper's 2P/N is there again. The values are those of the 16-bit pieces: parity is unchanged.
 
 Hooks: a forward pre-hook and a forward hook on each block (``model.blocks``) and on the
 model, a tensor hook on each block's output (its backward is next), and a post-accumulate-grad
@@ -155,9 +171,9 @@ class ZeroParams:
     def _post_forward(self, i: int, _module, _args, out) -> None:
         training = torch.is_grad_enabled()
         if i == 0:  # the model: R stays whole through backward (head and embeddings), freed when reduced
-            if training:
-                self._prepare_grads(0)
-            else:
+            if training and self.placement is not None:  # autograd's gradients of R, at most the chunk
+                self.placement.hold(f"gradient of {self.chunks[0].name}", self.chunks[0].nbytes)
+            if not training:
                 self._free(0)
             return
         self._free(i)
@@ -180,14 +196,20 @@ class ZeroParams:
             self._reduce(c)
 
     def _reduce(self, c: Chunk) -> None:
+        while self._inflight:  # at most one reduce-scatter in flight: the previous one's buffer goes first
+            self._settle(self._inflight.pop(0))
+        if c.grad_full is None and self.placement is not None:  # R: its flat buffer beside autograd's tensors
+            wide = 0 if c.full.dtype == torch.float32 else 4 * c.size
+            self.placement.hold(f"gradient of {c.name}", 2 * c.nbytes + wide)
         start = time.perf_counter() - self.t0
         c.reduce_grads()
+        if self.placement is not None:
+            wide = 0 if c.full.dtype == torch.float32 else 4 * c.size
+            self.placement.hold(f"gradient of {c.name}", c.nbytes + wide)
         self._free(c.index)
         self.events.append({"name": f"reduce_scatter {c.name}", "kind": "comm", "start": start,
                             "end": time.perf_counter() - self.t0})
         self._inflight.append(c)
-        while len(self._inflight) > 1:  # one reduce-scatter in flight beside the backward: its buffer only
-            self._settle(self._inflight.pop(0))
 
     def _settle(self, c: Chunk) -> None:
         """Wait for ``c``'s reduce-scatter, add its piece into the shard's gradient, drop its buffer."""
@@ -207,21 +229,27 @@ class ZeroParams:
         """Reduce what backward did not complete (parameters without a gradient), wait for every
         reduce-scatter, free every chunk."""
         for c in self.chunks:
-            if c.grad_full is not None or (c.ready and c.ready < len(c.params)):
+            if c.has_grads() or (c.ready and c.ready < len(c.params)):
                 self._reduce(c)
         for c in self._inflight + self.chunks:
             self._settle(c)
             self._free(c.index)
         self._inflight = []
-        if self.masters is not None:  # the step's fp32 gradients, made from the 16-bit reduced pieces
-            self.masters.set_grads([c.shard.grad for c in self.chunks])
+        if self.masters is not None:  # the step's fp32 gradients, made from the 16-bit reduced pieces,
+            for master, c in zip(self.masters.params, self.chunks, strict=True):  # each piece released once
+                master.grad = c.shard.grad.to(device=master.device, dtype=torch.float32).view_as(master)
+                c.shard.grad.untyped_storage().resize_(0)  # widened (its values are the fp32 ones); back at zero()
 
     def master_bytes(self) -> int:
         return self.masters.nbytes if self.masters is not None else 0
 
     def zero(self) -> None:
         for c in self.chunks:
-            c.shard.grad.zero_()
+            g = c.shard.grad
+            if g.untyped_storage().nbytes() < g.numel() * g.element_size():  # released at finish()
+                g.untyped_storage().resize_(g.numel() * g.element_size())
+            g.zero_()
+            c.fresh = True
         self.peak_gathered, self._peak = self._peak, 0  # after the step: its peak is known
 
     def remove(self) -> None:
