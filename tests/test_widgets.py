@@ -172,3 +172,35 @@ def test_apply_goes_through_the_magic_state(cluster):
     assert p.apply() == "config set on 4 ranks: tp=4 (2d) = 4 ranks"
     assert state.config == cluster.config == ck.ParallelConfig(tp=4, tp_mode="2d")
     assert cluster.execute("print(mesh.coords()['tp_row'], mesh.coords()['tp_col'])", ranks=[2])[2].stdout == "1 0\n"
+
+
+def test_a_figure_view_opens_with_its_traces_and_sends_nothing_unchanged(monkeypatch):
+    """The comm_open of figure_view's FigureWidget carries the figure (a browser still building the model
+    loses the updates sent right after it: notebook 06's PlannerView drew axes alone), and redrawing the
+    same figure sends no message."""
+    import comm
+    import plotly.graph_objects as go
+
+    from colab_kit.widgets.figure_view import figure_view, redraw
+
+    opened, sent = [], []
+    real = comm.create_comm
+
+    def create_comm(**kwargs):
+        opened.append(kwargs["data"]["state"])
+        c = real(**kwargs)
+        c.send = lambda data=None, **kw: sent.append(data)
+        return c
+
+    monkeypatch.setattr(comm, "create_comm", create_comm)
+    fig = go.Figure(go.Scatter(x=[1, 2, 3], y=[4, 5, 6], name="points"), layout={"title": {"text": "t"}})
+    view = figure_view(fig)
+    state = next(s for s in opened if s.get("_model_name") == "AnyModel")
+    assert [(t["name"], t["x"], t["y"]) for t in state["_widget_data"]] == [("points", [1, 2, 3], [4, 5, 6])]
+    assert state["_widget_layout"]["title"] == {"text": "t"}
+    assert not [m for m in sent if {"_widget_data", "_widget_layout"} & set((m or {}).get("state", {}))]
+    sent.clear()
+    redraw(view, go.Figure(fig))
+    assert sent == []
+    redraw(view, go.Figure(go.Scatter(x=[1], y=[7])))
+    assert sent and list(view.data[0].y) == [7]
