@@ -79,7 +79,8 @@ def _state_peaks(data):
                    grads32=sum(4 * m.numel() for m in z.masters.params) if z.masters is not None else 0)
         if zero == 3:
             names = list(engine.module._modules)  # the rest's parameters used after the blocks (head side)
-            after_blocks = {id(p) for n in names[names.index("blocks") + 1:] for p in engine.module._modules[n].parameters()}
+            after_blocks = {id(p) for n in names[names.index("blocks") + 1:]
+                            for p in engine.module._modules[n].parameters()}
             got.update(chunk_bytes=[c.nbytes for c in z.chunks], block_fp32=max(4 * c.size for c in z.chunks[1:]),
                        head_side=sum(p.numel() * p.element_size() for p in z.chunks[0].params if id(p) in after_blocks))
         out[zero, precision] = got
