@@ -12,7 +12,11 @@ is saved (Ctrl+S) so the page can be checked against what the kernel sent:
   ``FigureWidget(...)`` / ``Figure({...`` text repr, "Loading widget" or "Error displaying widget";
 - every plotly figure the kernel sent is drawn (``.js-plotly-plot`` with its svg), and no
   figure is wider than the notebook's output area (its right-hand part would be cut off);
-- ``SHOWS`` names cells (by a marker in their source) that must show a widget or a plot;
+- every figure drawn on the page (a static one or a ``FigureWidget``) whose traces carry points
+  draws marks for them (``MARKS``: markers, lines, bars, heatmap images... in its trace layers),
+  not its axes alone; a static figure's traces on the page carry the points the kernel sent;
+- ``SHOWS`` names cells (by a marker in their source) that must show a widget or a plot, a plot
+  being one with its data drawn (a ``FigureWidget`` whose model lost its traces carries none);
 - no cell raised or shows a traceback unless it is tagged ``raises-exception``
   (JupyterLab then keeps running the cells after it);
 - the outputs ``tests/test_notebooks.py`` expects (its ``EXPECT``) are in what the kernel sent:
@@ -270,14 +274,22 @@ def browser():
 
 # ---------------------------------------------------------------- the page
 
+# What plotly.js draws for the data of a trace, by trace type: a marker, a line, a bar, a heatmap's image,
+# a pie's slice. A figure that carries data and draws none of these is blank (its axes alone).
+MARKS = (".scatterlayer .trace .point", ".scatterlayer .trace path.js-line", ".scatterlayer .trace .textpoint",
+         ".barlayer .trace .point", ".heatmaplayer image", ".imagelayer image", ".contourlayer .trace path",
+         ".boxlayer .trace path", ".pielayer .slice", ".funnellayer .point", ".waterfalllayer .point")
+
 # One snapshot of the notebook as drawn: per cell its prompt, per output what the page shows.
 # Cells are in notebook order (windowingMode "none" keeps them all in the DOM), so cell i here is
 # cell i of the .ipynb. JupyterLab marks text outputs with data-mime-type; a plotly figure is a
 # .jp-RenderedPlotly output and a widget view an unmarked panel holding the widget's elements.
 SNAPSHOT_JS = """() => {
+  const MARKS = %s;
   const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
   if (!nb) return null;
   const all = (o, sel) => [...(o.matches(sel) ? [o] : []), ...o.querySelectorAll(sel)];
+  const size = v => (v == null || typeof v === 'string') ? 0 : (typeof v.length === 'number' ? v.length : 0);
   return [...nb.querySelectorAll('.jp-Cell')].filter(c => c.closest('.jp-Notebook') === nb).map(c => ({
     code: c.classList.contains('jp-CodeCell'),
     prompt: (c.querySelector('.jp-InputPrompt') || {}).innerText || '',
@@ -288,6 +300,12 @@ SNAPSHOT_JS = """() => {
       widgets: all(o, '.jupyter-widgets').length,
       controls: o.querySelectorAll('.jupyter-widgets button, .jupyter-widgets select, .jupyter-widgets input').length,
       plots: all(o, '.js-plotly-plot').filter(p => p.querySelector('.main-svg')).length,
+      // per drawn plot: the points its traces carry (as plotly.js holds them) and the marks drawn for them
+      drawn: all(o, '.js-plotly-plot').filter(p => p.querySelector('.main-svg')).map(p => ({
+        carried: (p._fullData || []).filter(t => t.visible === true)
+          .reduce((n, t) => n + Math.max(0, ...['x', 'y', 'z', 'values', 'r'].map(k => size(t[k]))), 0),
+        marks: p.querySelectorAll(MARKS).length,
+      })),
       // plots drawn wider than their output area, whose right-hand part is cut off: [drawn, shown] px
       clipped: all(o, '.js-plotly-plot').map(p => p.querySelector('.main-svg')).filter(svg => svg).map(svg => {
         const r = svg.getBoundingClientRect(), box = o.getBoundingClientRect();
@@ -295,7 +313,7 @@ SNAPSHOT_JS = """() => {
       }).filter(([drawn, shown]) => drawn > shown + 2),
     })),
   }));
-}"""
+}""" % json.dumps(", ".join(MARKS))
 
 
 def _prompt_count(prompt: str) -> str:
@@ -369,7 +387,8 @@ def _settle(page, timeout: float = 60) -> list:
     while True:
         snap = page.evaluate(SNAPSHOT_JS)
         pending = [o for c in snap for o in c["outputs"]
-                   if "Loading widget" in o["text"] or (o["plotly_output"] and not o["plots"])]
+                   if "Loading widget" in o["text"] or (o["plotly_output"] and not o["plots"])
+                   or any(d["carried"] and not d["marks"] for d in o["drawn"])]
         if not pending or time.monotonic() > deadline:
             return snap
         time.sleep(1)
@@ -407,6 +426,15 @@ def _screenshot(page, path: Path) -> None:
     page.screenshot(path=str(path), full_page=True)
 
 
+def _points(spec: dict) -> int:
+    """The points a plotly figure the kernel sent carries (x, y, z, values: the longest per visible trace);
+    a base64 array (``{"dtype", "bdata"}``) counts as one."""
+    def size(v) -> int:
+        return 1 if isinstance(v, dict) and v.get("bdata") else len(v) if isinstance(v, list) else 0
+    return sum(max(size(t.get(k)) for k in ("x", "y", "z", "values", "r"))
+               for t in spec.get("data", []) if t.get("visible", True) is True)
+
+
 def _check(name: str, cells_json, saved, snap, may_fail: set[int], width: int) -> list[str]:
     """What is wrong with the page as drawn, given what the kernel sent (``saved``, [] when unknown)."""
     problems = []
@@ -419,6 +447,11 @@ def _check(name: str, cells_json, saved, snap, may_fail: set[int], width: int) -
         if mimes.count(WIDGET) > len(drawn_widgets):
             problems.append(f"{head}: the kernel sent {mimes.count(WIDGET)} widget views, the page drew "
                             f"{len(drawn_widgets)}:\n" + _describe(cells_json, snap, i))
+        sent_points = [_points(o["data"][PLOTLY]) for o in sent if PLOTLY in o.get("data", {})]
+        shown_points = [d["carried"] for o in outs if o["plotly_output"] for d in o["drawn"]]
+        if sum(sent_points) and not any(shown_points):
+            problems.append(f"{head}: the kernel sent plotly figures with {sent_points} points, the page's "
+                            f"figures carry {shown_points}:\n" + _describe(cells_json, snap, i))
         if mimes.count(PLOTLY) > len(drawn_plots):
             problems.append(f"{head}: the kernel sent {mimes.count(PLOTLY)} plotly figures, the page drew "
                             f"{len(drawn_plots)}:\n" + _describe(cells_json, snap, i))
@@ -427,6 +460,10 @@ def _check(name: str, cells_json, saved, snap, may_fail: set[int], width: int) -
                 problems.append(f"{head}: a widget view was not drawn: {o['text'][:300]!r}")
             if o["mime"] != STDERR and not o["widgets"] and not o["plots"] and WIDGET_AS_TEXT.search(o["text"]):
                 problems.append(f"{head}: a widget or figure shown as text: {o['text'][:300]!r}")
+            for d in o["drawn"]:
+                if d["carried"] and not d["marks"]:
+                    problems.append(f"{head}: a plotly figure whose traces carry {d['carried']} points draws "
+                                    f"none of them (its axes alone):\n" + _describe(cells_json, snap, i))
             for drawn, shown in o["clipped"]:
                 problems.append(f"{head}: a plotly figure {drawn} px wide is cut to the {shown} px of the "
                                 f"notebook's output area in a {width} px wide window")
@@ -442,9 +479,13 @@ def _check(name: str, cells_json, saved, snap, may_fail: set[int], width: int) -
         if not hits:
             problems.append(f"no cell contains {marker!r} (update SHOWS in {Path(__file__).name})")
             continue
-        key = "controls" if kind == "widget" else "plots"  # a widget: its buttons, sliders, dropdowns drawn
-        if not any(o[key] for i in hits for o in snap[i]["outputs"]):
-            problems.append(f"the cell with {marker!r} shows no {kind}:\n" + _describe(cells_json, snap, hits[0]))
+        if kind == "widget":  # a widget: its buttons, sliders, dropdowns drawn
+            shown = any(o["controls"] for i in hits for o in snap[i]["outputs"])
+        else:  # a plot: one whose data is drawn (a FigureWidget whose model lost its traces carries none)
+            shown = any(d["marks"] for i in hits for o in snap[i]["outputs"] for d in o["drawn"])
+        if not shown:
+            what = kind if kind == "widget" else "plot with its data drawn"
+            problems.append(f"the cell with {marker!r} shows no {what}:\n" + _describe(cells_json, snap, hits[0]))
     return problems
 
 
@@ -479,3 +520,4 @@ def test_notebook_renders_in_a_browser(path: Path, lab: Lab, browser):
         leftover = lab.stop_kernels()
         if leftover:
             print(f"{name}: killed {len(leftover)} processes that outlived the kernel: {leftover[:3]}")
+
