@@ -521,3 +521,28 @@ def test_notebook_renders_in_a_browser(path: Path, lab: Lab, browser):
         if leftover:
             print(f"{name}: killed {len(leftover)} processes that outlived the kernel: {leftover[:3]}")
 
+
+
+def test_a_figure_drawn_without_its_data_is_reported():
+    """``_check`` on made-up snapshots (no browser): a FigureWidget whose model lost its traces (axes alone,
+    nothing carried) in a ``SHOWS`` cell, and a static figure carrying points that draws no marks."""
+    name, marker = "06_hybrid_and_planner.ipynb", "%colossal plan --model MODEL"
+    cells_json = [{"cell_type": "code", "source": [marker]}]
+    saved = [{"outputs": [{"output_type": "display_data", "data": {WIDGET: {}}}]}]
+
+    def snap(drawn, plotly_output=False):
+        out = {"mime": "", "text": "Apply", "plotly_output": plotly_output, "widgets": 1, "controls": 1,
+               "plots": len(drawn), "drawn": drawn, "clipped": []}
+        return [{"code": True, "prompt": "[1]:", "outputs": [out]}]
+
+    def shown(problems):
+        return [p for p in problems if "no plot with its data drawn" in p or "draws none of them" in p]
+
+    assert shown(_check(name, cells_json, saved, snap([{"carried": 9, "marks": 9}]), set(), 1280)) == []
+    blank = _check(name, cells_json, saved, snap([{"carried": 0, "marks": 0}]), set(), 1280)
+    assert len(shown(blank)) == 1 and "shows no plot with its data drawn" in shown(blank)[0]
+    unmarked = _check(name, cells_json, saved, snap([{"carried": 9, "marks": 0}]), set(), 1280)
+    assert any("carry 9 points draws none of them" in p for p in unmarked)
+    sent = [{"outputs": [{"output_type": "display_data", "data": {PLOTLY: {"data": [{"x": [1, 2], "y": [3, 4]}]}}}]}]
+    lost = _check("x.ipynb", cells_json, sent, snap([{"carried": 0, "marks": 0}], plotly_output=True), set(), 1280)
+    assert any("the kernel sent plotly figures with [2] points" in p for p in lost)
