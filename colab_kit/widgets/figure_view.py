@@ -9,9 +9,10 @@ and sets the figure's traces and layout afterwards, as two ``update`` messages s
 millisecond later. A browser busy elsewhere (eight ranks training on two cores) is still
 building the widget's model when those two messages arrive, and loses them: the model
 keeps its empty opening state, every view of it draws the axes and no trace, and no later
-message repairs it (plotly's view only redraws on trace edits). Measured in headless
-Chromium under a 10x CPU throttle (``Emulation.setCPUThrottlingRate``) with notebook 06's
-PlannerView: the model's ``_widget_data`` stayed ``[]`` and both displays drew 0 points.
+message repairs it (plotly's view only redraws on trace edits). Seen with notebook 06's
+PlannerView in headless Chromium (JupyterLab, Playwright, ``Emulation.setCPUThrottlingRate``
+10, cells 1, 3, 7, 8, 10 and a second ``display(view)``), in one of two runs: the model's
+``_widget_data`` stayed ``[]`` and both displays drew 0 points; it depends on timing.
 ``figure_view`` builds the widget with its comm closed and opens it once the figure is
 set, so the opening message itself carries the traces and the layout::
 
