@@ -93,7 +93,7 @@ def test_apply_through_the_view_sets_the_config_as_the_magic_does(cluster):
                          ck.ParallelConfig(dp=8)))]
     v = PlannerView(cands, state=state)
     v.select(1)
-    assert v.apply() == "config set on 4 ranks: dp=2 x pp=2 = 4 ranks"
+    assert v.apply() == "config set on 4 ranks: dp=2 x pp=2 = 4 ranks, 1f1b x 2 microbatches"
     assert state.config == cluster.config == ck.ParallelConfig(pp=2, dp=2, microbatches=2)
     assert cluster.execute("print(mesh.ranks('pp'), config.microbatches)", ranks=[3])[3].stdout == "[1, 3] 2\n"
     v.select(2)  # planned for 8 ranks: refused by the same check as %colossal config, nothing changes
