@@ -144,7 +144,7 @@ class ParallelConfig:
         extra = []
         if self.sp_mode == "split_gather" or (self.sp > 1 and self.sp_mode != "ring"):
             extra.append(self.sp_mode)
-        if self.pp > 1:
+        if self.pp > 1 and (self.schedule != "1f1b" or self.microbatches > 1):
             extra.append(f"{self.schedule} x {self.microbatches} microbatch" + "es" * (self.microbatches > 1))
         elif self.microbatches > 1:
             extra.append(f"{self.microbatches} microbatches")

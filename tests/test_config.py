@@ -100,7 +100,8 @@ def test_tp_q(kwargs, q):
 def test_describe():
     assert P(dp=2, tp=4, tp_mode="2d").describe() == "dp=2 x tp=4 (2d) = 8 ranks"
     assert P(tp=8, tp_mode="2.5d", tp_depth=2).describe() == "tp=8 (2.5d, depth 2) = 8 ranks"
-    assert P(dp=2, pp=2, sp=2).describe() == "dp=2 x pp=2 x sp=2 = 8 ranks, 1f1b x 1 microbatch"
+    assert P(dp=2, pp=2, sp=2).describe() == "dp=2 x pp=2 x sp=2 = 8 ranks"
+    assert P(pp=2, schedule="gpipe").describe() == "pp=2 = 2 ranks, gpipe x 1 microbatch"
     # every field off its default is named, so two different configs never read alike
     assert P(dp=2, pp=2, schedule="zb-v", chunks=2, microbatches=8, zero=2, precision="bf16",
              recompute=True).describe() == ("dp=2 x pp=2 = 4 ranks, zb-v x 8 microbatches, 2 chunks, zero=2, bf16, "
