@@ -20,7 +20,7 @@ result or the error; in a kernel that call runs in a worker thread, so the kerne
 from __future__ import annotations
 
 from ..config import SCHEDULES, SP_MODES, TP_MODES, ConfigError, ParallelConfig
-from .display import KernelDisplay, html, keep_quiet, off_loop, running_loop
+from .display import KernelDisplay, html, then
 from .figure_view import figure_view, redraw
 
 __all__ = ["ConfigPicker", "FIELDS", "mesh_summary"]
@@ -157,15 +157,7 @@ class ConfigPicker(KernelDisplay):
         ui["apply"].disabled, ui["apply"].description = True, "Applying…"
         ui["message"].value = (f"applying {self.config.describe()}: building the mesh on every rank…"
                                if self.config else "applying…")
-        loop = running_loop()
-        if loop is None:
-            self._applied(self._attempt())
-            return None
-
-        async def apply_off_loop():
-            self._applied(await off_loop(self._attempt))
-
-        return keep_quiet(loop.create_task(apply_off_loop()))
+        return then(self._attempt, self._applied)
 
     def _attempt(self) -> str:
         try:

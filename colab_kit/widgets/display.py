@@ -54,6 +54,21 @@ def keep_quiet(task: asyncio.Task) -> asyncio.Task:
     return task
 
 
+def then(attempt, done):
+    """A button's work: ``done(attempt())``, with ``attempt`` in a worker thread when the kernel's
+    loop runs (so the kernel stays free while the ranks work) and at once in plain Python.
+    Returns the task, or None when it ran at once."""
+    loop = running_loop()
+    if loop is None:
+        done(attempt())
+        return None
+
+    async def work():
+        done(await off_loop(attempt))
+
+    return keep_quiet(loop.create_task(work()))
+
+
 class KernelDisplay:
     """Shows ``self.widget()`` in a kernel with ``repr(self)`` as its text/plain; elsewhere prints ``repr``."""
 

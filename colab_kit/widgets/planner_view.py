@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from ..viz.memory import CATEGORIES, MIB
 from ..viz.planner import config_words, plan_figure
-from .display import KernelDisplay, html, keep_quiet, off_loop, running_loop
+from .display import KernelDisplay, html, then
 from .figure_view import figure_view, redraw
 
 __all__ = ["PlannerView"]
@@ -183,15 +183,7 @@ class PlannerView(KernelDisplay):
         ui = self._ui
         ui["apply"].disabled, ui["apply"].description = True, "Applying…"
         ui["message"].value = html(f"applying {config_words(self.chosen.config)}: building the mesh on every rank…")
-        loop = running_loop()
-        if loop is None:
-            self._applied(self._attempt())
-            return None
-
-        async def work():
-            self._applied(await off_loop(self._attempt))
-
-        return keep_quiet(loop.create_task(work()))
+        return then(self._attempt, self._applied)
 
     def _applied(self, message: str) -> None:
         self.message = message
