@@ -170,7 +170,6 @@ class Engine(EngineRecords):
             from .pipeline.stage import split_model
             stages = split_model(model, config, mesh.rank("pp"))
             model = nn.ModuleList(stages)
-        self._model_cfg = getattr(model, "cfg", None)
         self.module = materialize(model).to(mesh.device)  # what is still meta: whole copies (see colab_kit.init)
         self._n_local = sum(p.numel() for p in self.module.parameters() if p.requires_grad)  # before ZeRO
         self._rows = None  # rows of the last step's microbatch on this rank (for the activation estimate)
@@ -254,7 +253,7 @@ class Engine(EngineRecords):
         place = getattr(self.grads, "placement", None)
         if place is None:
             return
-        est = self.memory_estimate()["activations"] if self._model_cfg is not None else 0
+        est = self.memory_estimate()["activations"] if self.model_cfg is not None else 0
         acts = max(self._acts.peak, est)
         if place.budget is not None and self.step_count == 0:
             place.check_step(self.grads.chunks, acts)

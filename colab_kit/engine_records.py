@@ -67,7 +67,7 @@ class EngineRecords:
         micro = self.pipeline.microbatch_shape() if self.pipeline is not None else None
         if micro:  # with pp: the executor's microbatches of the last step
             rows, seq = micro
-        model = getattr(self, "model_cfg", None) or self._model_cfg  # the dense model's config, also with pp
+        model = self.model_cfg  # the dense model's config, also with pp
         if model is not None and hasattr(model, "n_layers"):  # a GPT: the planner's estimate
             from .estimate import config_estimate
             shards = self.tp_plan.batch_shards if self.tp_plan is not None else 1
