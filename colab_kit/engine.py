@@ -190,9 +190,10 @@ class Engine(EngineRecords):
                                     device_budget=device_budget)
             self.optimizer = self.grads.build_optimizer(optimizer_factory)
         elif config.zero:  # parameters move into one flat buffer; the optimizer steps this rank's pieces
-            from .zero import ZeroBuckets
-            self.grads = ZeroBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events, config.zero,
-                                     offload=config.offload)
+            from .zero import ZeroBuckets, ZeroStage2  # stage 2 frees each bucket after its reduce-scatter
+            part = ZeroStage2 if config.zero == 2 else ZeroBuckets
+            self.grads = part(self.module.parameters(), mesh, "dp", bucket_bytes, self._events, config.zero,
+                              offload=config.offload)
             self.optimizer = self.grads.build_optimizer(optimizer_factory)
         else:
             self.grads = GradBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events)

@@ -1,7 +1,7 @@
 """ZeRO over the dp axis (Rajbhandari et al. 2020, arXiv 1910.02054) and heterogeneous memory.
 
 - ``buckets``: stages 1 and 2 (``ZeroBuckets``): optimizer states, then gradients, sharded;
-  parameters whole on every rank. ``stage2``: what ``ZeroBuckets(stage=2)`` makes (``ZeroStage2``):
+  parameters whole on every rank. ``stage2``: stage 2 (``ZeroStage2``, a ``ZeroBuckets``):
   each gradient bucket exists only from its first gradient to the end of its reduce-scatter.
 - ``stage3``: stage 3 (``ZeroParams``): parameters sharded too, each block's gathered just
   before it runs and freed after.
@@ -11,5 +11,6 @@ and the pipeline executor drive (``arm``, ``finish``, ``zero``, ``remove``, ``nb
 ``build_optimizer``, ``sync_replicated``, ``gather_params``).
 """
 from .buckets import ELEMENTWISE, ZeroBuckets, check_optimizer
+from .stage2 import ZeroStage2
 
-__all__ = ["ZeroBuckets", "check_optimizer", "ELEMENTWISE"]
+__all__ = ["ZeroBuckets", "ZeroStage2", "check_optimizer", "ELEMENTWISE"]

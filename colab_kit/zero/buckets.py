@@ -53,7 +53,7 @@ Memory (fp32, P parameters, dp = n), what ``nbytes`` and ``engine.memory()`` rep
   reduced in place), optimizer states K*P/n.
 - stage 2: grads 4P/n between steps (the pieces). Inside the step each bucket's full storage
   exists only from its first gradient to the end of its own reduce-scatter, and every microbatch
-  is reduced (``colab_kit.zero.stage2``: ``ZeroStage2``, what ``ZeroBuckets(stage=2)`` makes).
+  is reduced (``colab_kit.zero.stage2.ZeroStage2``, the subclass ``ck.boost`` builds for zero=2).
 
 Mixed precision (``colab_kit.precision``): the buffers above are 16-bit; each bucket is
 reduce-scattered as an fp32 copy, the fp32 pieces are the ``.grad`` of this rank's fp32
@@ -144,13 +144,6 @@ class ZeroBuckets(GradBuckets):
     tensors, for the optimizer), ``build_optimizer``, ``sync_replicated`` (tensor-parallel sums
     on the pieces) and ``gather_params`` (after the step).
     """
-
-    def __new__(cls, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
-                stage: int = 1, offload: str = "none"):
-        if cls is ZeroBuckets and stage == 2:  # stage 2 frees each bucket after its reduce-scatter
-            from .stage2 import ZeroStage2
-            cls = ZeroStage2
-        return super().__new__(cls)
 
     def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
                  stage: int = 1, offload: str = "none"):
