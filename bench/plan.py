@@ -23,7 +23,7 @@ def main(argv=None) -> None:
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--top", type=int, default=8)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--layers", type=int, default=4)
     args = p.parse_args(argv)
 

@@ -3,7 +3,7 @@
 ``constants(ranks=4)`` starts ``ranks`` local processes once (``ck.launch``, gloo on CPU) and
 measures, all ranks at the same time (so that they share the cores the way a real run does):
 
-- ``matmul`` and ``dispatch``: before each timed collective (below) every rank runs a burst of
+- ``matmul`` and ``dispatch``: before each trial of a collective (below) every rank runs a burst of
   compute, itself timed (``_Burst``): eight tiny Linear + GELU forwards and backwards (seconds
   per autograd op of their graph, ``count_ops``: the overhead that dominates a small model on
   CPU) and one fp32 ``[256, 256] @ [256, 256]`` matmul (FLOPs per second), with the threads
@@ -15,17 +15,27 @@ measures, all ranks at the same time (so that they share the cores the way a rea
   groups, every group busy at once: the "tp" axis of a ``ProcessMesh``) and each of all_reduce,
   all_gather, reduce_scatter, broadcast, all_to_all, send (a ping-pong of ``comm.isend`` /
   ``irecv`` between pairs, half the round trip: a pipeline's message) and sendrecv (pairs
-  exchanging a message each way at once with ``comm.sendrecv``: a ring's step), called through ``colab_kit.comm`` as the engine calls them
-  (records and all), the time of a few
-  sizes, each after the burst (as in a step, where ranks reach a collective at different
-  moments: with more ranks than cores, waiting for a peer's turn is most of a small collective's
-  cost), fitted to ``seconds = alpha + wire_bytes / beta`` where ``wire_bytes`` is
-  ``colab_kit.comm.wire_bytes``: the bytes the engine's comm records call wire bytes.
+  exchanging a message each way at once with ``comm.sendrecv``: a ring's step), called through
+  ``colab_kit.comm`` as the engine calls them (records and all), the seconds one collective adds
+  to a step at a few sizes, fitted to ``seconds = alpha + wire_bytes / beta`` where ``wire_bytes``
+  is ``colab_kit.comm.wire_bytes``: the bytes the engine's comm records call wire bytes.
+
+  "Adds to a step" is measured in step, not alone: ``reps`` rounds of a small piece of compute
+  (one tiny forward and backward, what a block does between two collectives) followed by the
+  collective, minus the same rounds without it, every rank busy alike; the median of 3 such
+  trials per rank, then the median over ranks (each rank sees a collective differently: the one
+  that came first waited longest). With more ranks than cores most of a small collective's cost
+  is waiting for a peer's turn on a core, and only a measurement inside a running loop sees that
+  as a step does. (Timed alone after a burst of compute, as this module first did, the ranks
+  arrived milliseconds apart and a Ulysses all-to-all read 1.5-2.4x what it adds to a step.)
+
+  Worked example, 4 ranks on 2 cores (gloo, 2026-12-01): an all_to_all of 4 KiB per rank on
+  groups of 2 adds 1.3-1.4 ms, on one group of 4 about 2.1 ms; an all_reduce 1.6-2.3 ms and
+  5.0-5.4 ms; ``alpha`` is nearly all of it at these sizes.
 
 The result is cached as JSON in ``$COLAB_KIT_CACHE`` (default ``~/.cache/colab_kit``) under
 ``constants-<host>-<torch version>.json``, one entry per rank count; ``refresh=True`` measures
-again. Every collective's time is the median of 7 runs (ranks that wait for their turn on shared cores are
-part of what a run pays). A test passes fixed numbers instead (``ck.plan(..., constants={...})``).
+again. A test passes fixed numbers instead (``ck.plan(..., constants={...})``).
 """
 from __future__ import annotations
 
@@ -69,15 +79,29 @@ def constants(refresh: bool = False, ranks: int = 4) -> dict:
 
 
 def measure(ranks: int = 4) -> dict:
-    """Measure now (see the module docstring); about 2-4 s on 4 CPU ranks plus process start."""
+    """Measure now (see the module docstring); about 4-6 s on 4 CPU ranks plus process start."""
     from ..launch import launch
     t0 = time.perf_counter()
     per_rank = launch(_measure_rank, ranks, ranks)
-    out = per_rank[0]
+    out = {k: v for k, v in per_rank[0].items() if k != "points"}
     out["matmul"]["flops_per_s"] = min(r["matmul"]["flops_per_s"] for r in per_rank)  # the slowest rank
     out["dispatch"]["op_seconds"] = max(r["dispatch"]["op_seconds"] for r in per_rank)
+    out["comm"] = _fit_points([r["points"] for r in per_rank])
     out["seconds_to_measure"] = round(time.perf_counter() - t0, 2)
     return out
+
+
+def _fit_points(per_rank: list[dict]) -> dict:
+    """``{n: {op: {alpha, beta}}}`` fitted to the median over ranks of each (n, op, size)'s seconds:
+    every rank's own view of a collective differs (the one that came first waited longest), their
+    median is the collective's cost to a typical rank, and one rank's bad sample does not set it."""
+    comm = {}
+    for key in per_rank[0]:
+        n, op = key.split("/")
+        pts = [(wire, statistics.median(r[key][i][1] for r in per_rank)) for i, (wire, _) in enumerate(per_rank[0][key])]
+        a, inv = _fit([p[0] for p in pts], [p[1] for p in pts])
+        comm.setdefault(n, {})[op] = {"alpha": a, "beta": 1.0 / inv}
+    return comm
 
 
 def _fit(xs, ys) -> tuple[float, float]:
@@ -93,18 +117,16 @@ def _fit(xs, ys) -> tuple[float, float]:
 _SYNC = [lambda: None]  # torch.cuda.synchronize on a GPU rank: a time is read after the work is done
 
 
-def _time(fn, reps: int, between=None) -> float:
+def _time(fn, reps: int) -> float:
     fn()
     ts = []
     for _ in range(reps):
-        if between is not None:
-            between()
         _SYNC[0]()
         t = time.perf_counter()
         fn()
         _SYNC[0]()
         ts.append(time.perf_counter() - t)
-    return statistics.median(ts)  # ranks waiting for each other's turn on shared cores is part of the cost
+    return statistics.median(ts)
 
 
 def _measure_rank(ranks: int) -> dict:
@@ -129,26 +151,23 @@ def _measure_rank(ranks: int) -> dict:
     big, other = torch.randn(1 << 20), torch.randn(1 << 20)  # on the rank's device
     dist.barrier()
     mem = _time(lambda: big.add_(other), 5)
-    comm = {}
+    points = {}
     for n in [k for k in range(2, ranks + 1) if ranks % k == 0]:
         # the ranks in groups of n (every group busy at once), through colab_kit.comm on a mesh:
         # the collectives the engine calls, as it calls them (autograd-free, recorded)
         mesh = ProcessMesh.shared(ParallelConfig(dp=ranks // n, tp=n))
-        comm[str(n)] = {}
         for op in OPS:
-            pts = []
+            pts = points[f"{n}/{op}"] = []
             for size in _SIZES:
                 t = torch.ones(size, device=mesh.device)
                 wire = wire_bytes("send" if op == "sendrecv" else op, size * 4, n)  # each way: one message
                 pts.append((wire, _collective(op, t, mesh, n, burst)))
-            a, inv = _fit([p[0] for p in pts], [p[1] for p in pts])
-            comm[str(n)][op] = {"alpha": a, "beta": 1.0 / inv}
         mesh.release()
     return {"ranks": ranks, "threads_per_rank": torch.get_num_threads(), "cores": os.cpu_count() or 1,
             "matmul": {"flops_per_s": statistics.median(burst.flops_per_s)},
             "dispatch": {"op_seconds": statistics.median(burst.op_seconds)},
             "memory": {"bytes_per_s": 3 * big.numel() * 4 / mem},
-            "comm": comm, "backend": dist.get_backend(), "torch": torch.__version__}
+            "points": points, "backend": dist.get_backend(), "torch": torch.__version__}
 
 
 def count_ops(fn) -> int:
@@ -166,10 +185,10 @@ def count_ops(fn) -> int:
 
 
 class _Burst:
-    """The compute run before each timed collective, itself timed: ``tiny`` small Linear + GELU
+    """The compute run before each trial of a collective, itself timed: ``tiny`` small Linear + GELU
     forwards and backwards (per-op overhead) and one ``[256, 256] @ [256, 256]`` matmul (rate).
-    Sampled between the collectives, compute and communication are measured at the same moments
-    of the machine's load, and the ranks reach each collective apart, as in a step."""
+    Sampled between the collectives' trials, compute and communication are measured at the same
+    moments of the machine's load; ``light`` is the compute inside a trial."""
 
     def __init__(self, tiny: int = 8):
         import torch
@@ -194,8 +213,12 @@ class _Burst:
         self.op_seconds.append((t1 - t0) / (self.tiny * self.ops))
         self.flops_per_s.append(2 * 256 ** 3 / (t2 - t1))
 
+    def light(self):
+        """One tiny forward and backward: the compute between two collectives of a block."""
+        self._forward().backward()
 
-def _collective(op: str, t, mesh, n: int, burst, reps: int = 7) -> float:
+
+def _collective(op: str, t, mesh, n: int, burst, reps: int = 6) -> float:
     """Median seconds of one ``op`` of ``t`` over the mesh's "tp" groups (send: an exchange
     between pairs, ``comm.sendrecv``), each after a ``burst`` of compute."""
     import torch
@@ -229,7 +252,25 @@ def _collective(op: str, t, mesh, n: int, burst, reps: int = 7) -> float:
             first, then = (comm.isend, comm.irecv) if me % 2 == 0 else (comm.irecv, comm.isend)
             first(t if first is comm.isend else buf, mesh, "tp", peer, tag="planner constants").wait()
             then(t if then is comm.isend else buf, mesh, "tp", peer, tag="planner constants").wait()
-    dist.barrier()
-    seconds = _time(fn, reps, burst) / (2 if op == "send" else 1)
+    # in step: each of ``reps`` rounds a small piece of compute (one tiny forward and backward, as
+    # between a block's collectives) then the collective; minus the same rounds without it, with
+    # every rank busy alike. Before each trial one full burst samples the compute rates.
+    trials = []
+    for _ in range(3):
+        burst()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            burst.light()
+            fn()
+        _SYNC[0]()
+        t1 = time.perf_counter()
+        dist.barrier()
+        t2 = time.perf_counter()
+        for _ in range(reps):
+            burst.light()
+        _SYNC[0]()
+        t3 = time.perf_counter()
+        trials.append(max(0.0, (t1 - t0) - (t3 - t2)) / reps)
     mesh.log.records.clear()  # the records of a measurement are nobody's step
-    return seconds
+    return statistics.median(trials) / (2 if op == "send" else 1)

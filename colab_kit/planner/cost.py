@@ -15,7 +15,10 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   fullest rank is idle is the bubble. The measured rates are per rank with all ranks busy; with
   R ranks on C < R cores a rank runs at C/R of its own speed, and a rank idle in the bubble frees
   its core, so the step is max(makespan x C/R, busy) in those units: no bubble at all on a
-  machine with 4 ranks on 2 cores, the full bubble with a core per rank.
+  machine with 4 ranks on 2 cores, the full bubble with a core per rank. A stage's tp and sp
+  collectives are part of each of its slots (fill and drain included) and are not sped up by
+  idle cores: with ``c`` their seconds per unit of the schedule, the bubble is
+  ``max(0, span (fwd C/R + c) - busy (fwd + c))``.
 - communication, ``alpha + wire / beta`` per collective with the group's measured constants:
   dp gradients in the buckets of ``data.default_bucket_bytes``, all but the first (which runs
   while backward goes on) exposed (ZeRO 1/2 reduce-scatter them
@@ -172,7 +175,13 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict) -> tuple[fl
         # more ranks than cores: a rank waiting in the bubble gives its core to one that computes, so
         # the step is the longer of the schedule at one rank's own speed and the work shared out
         share = min(1.0, consts.get("cores", cfg.world_size) / cfg.world_size)
-        parts["bubble"] = max(0.0, span * fwd * share - busy * fwd)
+        # a stage's tp and sp collectives lengthen every slot of the schedule, the fill and drain
+        # slots too, and waiting on a peer is not sped up by idle cores: per unit of the schedule
+        # (a forward is one, a backward two) the microbatch's in-stage communication over its units
+        tp1, _ = _tp_comm(model, cfg, consts, tokens, layers_stage, False, e)
+        sp1, _ = _sp_comm(model, cfg, consts, tokens, layers_stage, e)
+        unit = (tp1 + sp1) / (busy / (m * cfg.chunks))
+        parts["bubble"] = max(0.0, span * (fwd * share + unit) - busy * (fwd + unit))
         act = tokens // cfg.sp * model.d_model * e // (cfg.tp if cfg.tp_mode != "1d" else 1)
         sends = 2 * m * cfg.chunks
         alpha, beta = _op(consts, "send", 2)
