@@ -7,13 +7,15 @@ schedule the median step time and its ratio to 1F1B (the metric that cannot rewa
 work: a schedule that redoes part of a backward is slower, whatever its bubble says),
 the measured bubble ``1 - compute time / (ranks x span)`` from ``engine.timeline()``
 (``colab_kit.viz.schedule_data.measured_bubble``; waiting in a receive is idle), the plan's
-simulated bubble (unit costs F=1, B=2, I=W=1) and the schedule's own textbook formula
+simulated bubble (the plan the engine runs, simulated with unit costs F=1, B=2, I=W=1) and
+the schedule's own textbook formula
 (``colab_kit.pipeline.simulate.theory_bubble``: (p-1)/(m+p-1) for GPipe and 1F1B,
-(p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1, (p-1)/(6m+p-1) ZB-V). The row
-``zb-v fitted`` is ZB-V re-scheduled from its own costs: each stage's F, I and W measured in the
+(p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1, (p-1)/(6m+p-1) ZB-V). The row ``zb-v``
+runs the engine's default ZB-V plan, list-scheduled on the stages' FLOPs
+(``costs.flop_costs``: known before any step runs); the row ``zb-v fitted`` is ZB-V re-scheduled from its own costs: each stage's F, I and W measured in the
 timelines of warm-up steps 2-4 (``costs.measured_costs``, medians, the slowest rank's), then
-``engine.pipeline.replan(costs)`` list-schedules the V on them (``colab_kit.pipeline.costs``); the run prints those costs and both plans'
-simulated makespans under them.
+``engine.pipeline.replan(costs)`` list-schedules the V on them (``colab_kit.pipeline.costs``); the run prints those costs and
+the simulated makespans under them of the unit-step plan, the FLOP plan and the fitted plan.
 
 Part 2 runs, on 2 ranks, the stages colab_kit cuts wrapped in torch's ``PipelineStage``:
 colab_kit 1F1B against torch's ``Schedule1F1B``, and colab_kit ZB-H1 against torch's
@@ -23,7 +25,9 @@ median step times, their ratio (target <= 1.10) and the largest loss difference 
 start from the same weights and see the same batches).
 
     python bench/pp.py
-    python bench/pp.py --pp 4          (the GPT gets 2 * pp layers, so the 2 chunks of interleaved and zb-v fit)
+    python bench/pp.py --pp 4          (the GPT gets 4 * pp layers: two blocks per stage of interleaved and zb-v)
+    python bench/pp.py --layers 4      (one block per stage: the V's rank 0, which holds the embeddings and the
+                                        head beside two blocks, then carries a larger share and ZB-V only ties 1F1B)
 """
 from __future__ import annotations
 
@@ -37,9 +41,9 @@ import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.engine import lm_loss
 from colab_kit.models import GPT, GPTConfig
-from colab_kit.pipeline import build_plan, lower, simulate
+from colab_kit.pipeline import build_plan, build_plan_for, lower, simulate
 from colab_kit.pipeline.actions import parse
-from colab_kit.pipeline.costs import measured_costs
+from colab_kit.pipeline.costs import flop_costs, measured_costs
 from colab_kit.pipeline.simulate import theory_bubble
 from colab_kit.viz.schedule_data import measured_bubble
 
@@ -142,10 +146,10 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=None, help="default: 2 * pp (interleaving needs pp * 2 | layers)")
+    ap.add_argument("--layers", type=int, default=None, help="default: 4 * pp, two blocks per stage of interleaved and zb-v (they need pp * 2 | layers)")
     ap.add_argument("--seq", type=int, default=64)
     args = ap.parse_args(argv)
-    layers = args.layers or max(4, 2 * args.pp)
+    layers = args.layers or 4 * args.pp  # two blocks per stage of the 2-chunk schedules
     gpt = dict(vocab_size=256, seq_len=args.seq, d_model=args.d_model, n_heads=4, n_layers=layers)
     p, m = args.pp, args.microbatches
     results = ck.launch(_schedules, p, gpt, args.batch, m, args.rounds, args.steps)
@@ -157,15 +161,18 @@ def main(argv=None):
     print(f"{'schedule':12} {'step ms':>8} {'vs 1f1b':>8} {'measured bubble':>16} {'planned (simulated)':>20} "
           f"{'its textbook formula':>21}")
     for schedule, chunks in SCHEDULES + ((FITTED, 2),):
-        plan = build_plan("zb-v", p, m, 2, costs=costs) if schedule == FITTED else build_plan(schedule, p, m, chunks)
+        plan = build_plan("zb-v", p, m, 2, costs=costs) if schedule == FITTED else build_plan_for(
+            ck.ParallelConfig(pp=p, microbatches=m, schedule=schedule, chunks=chunks), GPTConfig(**gpt))  # the engine's
         planned = simulate(lower(plan)).bubble_fraction
         got = statistics.median(measured_bubble([rank[1][schedule][i] for rank in results]) for i in range(n))
         print(f"{schedule:12} {med[schedule]:>8.2f} {med[schedule] / med['1f1b']:>8.3f} {got:>16.3f} "
               f"{planned:>20.3f} {theory_bubble(schedule.split()[0], p, m, chunks):>21.3f}")
     unit, fitted = build_plan("zb-v", p, m, 2), build_plan("zb-v", p, m, 2, costs=costs)
+    flops = build_plan("zb-v", p, m, 2, costs=flop_costs(GPTConfig(**gpt), 2 * p))
     print(f"zb-v fitted: costs measured in warm-up steps 2-4 (ms, the slowest rank): " + ", ".join(
         f"{s}{k} {v * 1e3:.2f}" for (s, k), v in costs.items()) + f"; with these costs and free messages the "
-        f"unit-step plan takes {simulate(unit, costs).makespan * 1e3:.1f} ms, the fitted one "
+        f"unit-step plan takes {simulate(unit, costs).makespan * 1e3:.1f} ms, the engine's default (on the "
+        f"stages' FLOPs) {simulate(flops, costs).makespan * 1e3:.1f} ms, the fitted one "
         f"{simulate(fitted, costs).makespan * 1e3:.1f} ms (busiest rank's work "
         f"{max(simulate(fitted, costs).busy) * 1e3:.1f} ms)")
     v = build_plan("zb-v", p, m, 2)
@@ -192,7 +199,7 @@ def main(argv=None):
     b, i, w = per_step('1f1b', ('B',)), per_step('zb-h1', ('I',)), per_step('zb-h1', ('W',))
     print(f"last rank's compute per step: 1f1b B {b:.1f} ms; zb-h1 I {i:.1f} + W {w:.1f} ms = {(i + w) / b:.3f} of B "
           f"(the split's cost: I + W against B)")
-    gpt2 = dict(gpt, n_layers=args.layers or 4)  # the side-by-side runs on 2 ranks
+    gpt2 = dict(gpt, n_layers=args.layers or 8)  # the side-by-side runs on 2 ranks
     pairs = ck.launch(_versus_torch, 2, gpt2, args.batch, m, args.rounds, args.steps)
     for schedule, torch_name in (("1f1b", "Schedule1F1B"), ("zb-h1", "_PipelineScheduleRuntime, same actions")):
         times, losses = pairs[0][schedule][0], pairs[-1][schedule][1]  # torch reports its loss on the last stage

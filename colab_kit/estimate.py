@@ -62,10 +62,11 @@ def part_params(model, config) -> dict:
     return {"embed": (v // (q * q)) * (h // q) + t * (h // q), "block": block, "tail": 2 * h // q + h * v // q ** 3}
 
 
-def _stages(config):
+def _stages(config, model=None):
+    """The plan the engine runs for ``config`` and ``model`` (``build_plan_for``), and ``stage_layers``."""
     from .pipeline.schedules import build_plan_for
     from .pipeline.stage import stage_layers
-    return build_plan_for(config), stage_layers
+    return build_plan_for(config, model), stage_layers
 
 
 def stage_params(model, config) -> list[int]:
@@ -79,7 +80,7 @@ def stage_params(model, config) -> list[int]:
     parts = part_params(model, config)
     if config.pp == 1:
         return [parts["embed"] + model.n_layers * parts["block"] + parts["tail"]]
-    plan, stage_layers = _stages(config)
+    plan, stage_layers = _stages(config, model)
     n = config.pp * config.chunks
     layers = stage_layers(model.n_layers, n)
 
@@ -136,7 +137,7 @@ def pipeline_peak(model, config, rows: int, seq: int) -> list[int]:
     sequences per microbatch: the rank's compute actions in order, F adding its stage's bytes
     (``layout_activations``), B or W (zero-bubble: after I the weight pass still reads them)
     freeing them. GPipe holds every microbatch; 1F1B at most ``pp - rank``."""
-    plan, stage_layers = _stages(config)
+    plan, stage_layers = _stages(config, model)
     n = config.pp * config.chunks
     layers = stage_layers(model.n_layers, n)
     per = [layout_activations(model, config, rows, seq, layers=len(layers[s]), first=s == 0, last=s == n - 1)

@@ -17,7 +17,7 @@ from colab_kit.datasets import SyntheticTokens
 from colab_kit.engine import lm_loss
 from colab_kit.reference import train_single_process
 from colab_kit.models import GPT, GPTConfig
-from colab_kit.pipeline import Plan, build_plan, lower, simulate
+from colab_kit.pipeline import Plan, build_plan, build_plan_for, lower, simulate
 from colab_kit.pipeline.hang import PipelineHang
 from colab_kit.pipeline.stage import check_stages, split_model, stage_layers
 
@@ -155,7 +155,7 @@ def _check_stepping(stepped, cfgs):
             assert got["last"]["next"] is None and got["last"]["held"] == []
             assert "idle" in got["timeline_kinds"]  # the pauses between advance() calls
             pp_rank = rank // (kw.get("dp", 1) * kw.get("tp", 1))
-            plan = lower(build_plan(kw["schedule"], kw["pp"], kw["microbatches"], kw["chunks"]))
+            plan = lower(build_plan_for(ck.ParallelConfig(**kw), model_cfg(kw)))  # the engine's (zb-v: on the FLOPs)
             assert got["held"] == simulate(plan).peak_held[pp_rank], (kw, rank)
 
 

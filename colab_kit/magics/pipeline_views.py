@@ -49,6 +49,9 @@ def schedule_view(config=None, *, pp=None, microbatches=None, schedule=None, chu
              + (f" of one chunk (a chunk is 1/{plan.chunks} of the rank's layers)" if plan.chunks > 1 else "")]
     if t.peak_held != t.peak_activations:
         lines.append(f"  (held until the W pass, as colab_kit's executor does: {', '.join(map(str, t.peak_held))})")
+    if plan.schedule == "zb-v":
+        lines.append("  (the unit-step V; an engine orders its V on its stages' FLOPs, "
+                     "ck.pipeline.build_plan_for(config, model_cfg), and engine.pipeline.replan() on measured costs)")
     return "\n".join(lines), schedule_figure(t)
 
 

@@ -48,7 +48,7 @@ from collections import deque
 
 from .actions import Action, parse
 
-__all__ = ["stage_costs", "zb_v_timed", "zb_v_plan", "measured_costs"]
+__all__ = ["stage_costs", "zb_v_timed", "zb_v_plan", "measured_costs", "flop_costs"]
 
 KINDS = ("F", "I", "W")
 
@@ -167,3 +167,34 @@ def measured_costs(events: list[dict], stages, device="cpu") -> dict[tuple[int, 
         raise RuntimeError(f"no measured duration for {', '.join(missing[:6])}: run a training step with this plan "
                            "(all of its F, I and W actions) before measuring its costs")
     return {key: v / 1e6 for key, v in zip(keys, us.tolist())}
+
+
+def flop_costs(model_cfg, n_stages: int) -> dict:
+    """Each stage's F, I and W in FLOPs per token of a GPT (``model_cfg``: a ``GPTConfig``) cut
+    into ``n_stages`` equal stages: the costs the engine's first zb-v plan is scheduled on.
+
+    Per block and token, with ``h`` d_model, ``f`` d_ff, ``t`` seq_len and ``v`` vocab_size: the
+    four Linears' forward matmuls ``lin = 2 (4 h^2 + 2 h f)`` and attention's two products
+    ``att = 4 t h``; I is the input gradients (``lin`` again) and attention's backward
+    (``2 att``), W the weight gradients (``lin``). The last stage adds the head (``2 h v`` to
+    each of F, I, W); the first stage's I is 0 and its W the whole backward (nothing waits for
+    its input gradient: ``executor``). Only ratios matter to the scheduler. Worked example,
+    d_model 128, d_ff 512, seq_len 64, vocab 256, 4 layers over 4 stages::
+
+        >>> from colab_kit.models import GPTConfig
+        >>> c = flop_costs(GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4), 4)
+        >>> c["F"], c["I"], c["W"], c[(0, "I")], c[(0, "W")], c[(3, "F")]
+        (425984, 458752, 393216, 0, 851968, 491520)
+
+    On CPU ranks the elementwise backward ops make I dearer than this (``python bench/pp.py``
+    measured I/W about 1.5 against these 1.17); ``engine.pipeline.replan()`` fits measured costs.
+    """
+    h, f, t, v = model_cfg.d_model, model_cfg.d_ff, model_cfg.seq_len, model_cfg.vocab_size
+    per = model_cfg.n_layers // n_stages
+    lin, att, head = 2 * (4 * h * h + 2 * h * f), 4 * t * h, 2 * h * v
+    F, I, W = per * (lin + att), per * (lin + 2 * att), per * lin
+    last = n_stages - 1
+    costs = {"F": F, "I": I, "W": W, (last, "F"): F + head, (last, "I"): I + head, (last, "W"): W + head}
+    whole = costs[0, "I"] + costs[0, "W"] if last == 0 else I + W
+    costs[0, "I"], costs[0, "W"] = 0, whole
+    return costs

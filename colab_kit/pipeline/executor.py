@@ -51,9 +51,11 @@ that needed nothing at or after that timestep: by induction on the timestep ever
 ends. A stepped step runs the same actions in the same order as ``train_step``, so its
 losses and parameters are the same bit for bit.
 
-ZB-V's order assumes equal F, I and W per chunk; ``replan()`` (on every rank, between steps)
-measures each stage's actions in the last step's timeline, all-reduces them and installs
-``build_plan("zb-v", ..., costs=...)``: the same actions, in an order fitted to what they cost.
+The engine's first ZB-V plan is ordered on each stage's FLOPs (``build_plan_for(config,
+model_cfg)``, ``costs.flop_costs``: the first stage's whole backward in W, the head on the last),
+not on equal unit steps; ``replan()`` (on every rank, between steps) measures each stage's
+actions in the last step's timeline, all-reduces them and installs ``build_plan("zb-v", ...,
+costs=...)``: the same actions, in an order fitted to what they cost.
 
 Data parallelism: the dp gradient buckets (``data.GradBuckets``) hold this rank's stage
 parameters; they accumulate over the microbatches, and with one stage per rank the
@@ -118,7 +120,7 @@ class PipelineExecutor(CommActions):
         """The lowered plan this rank runs (built from the config on first use; assign to replace)."""
         if self._plan is None:
             from .schedules import build_plan_for
-            self.plan = build_plan_for(self.config)
+            self.plan = build_plan_for(self.config, self.engine.model_cfg)  # zb-v: on the stages' FLOPs
         return self._plan
 
     @plan.setter

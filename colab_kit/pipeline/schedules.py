@@ -47,7 +47,8 @@ line wrapped after 24 actions::
 
 Those unit steps are an assumption: ``build_plan("zb-v", pp, m, 2, costs={(stage, kind): t})``
 schedules the V on each stage's own F, I and W durations (``costs.py``; equal costs give this
-very plan), and ``engine.pipeline.replan()`` measures them on the ranks.
+very plan); an engine's first plan uses the stages' FLOPs (``build_plan_for(config, model_cfg)``),
+and ``engine.pipeline.replan()`` measures them on the ranks.
 
 Rank 0 runs 2p-1 = 7 chunk-0 forwards while microbatch 0 goes round the V to stage 7.
 Each action is one chunk, half a rank's layers: with F = I = W = 1 per chunk (``simulate``)
@@ -342,6 +343,17 @@ def build_plan(schedule: str, pp: int, microbatches: int, chunks: int = 1, costs
     return Plan(pp, microbatches, chunks, schedule, actions, placement=SCHEDULE_PLACEMENT[schedule])
 
 
-def build_plan_for(config) -> Plan:
-    """``build_plan`` with the pipeline fields of a ``ParallelConfig``."""
+def build_plan_for(config, model_cfg=None) -> Plan:
+    """``build_plan`` with the pipeline fields of a ``ParallelConfig``: the plan the engine runs.
+
+    For zb-v with the model's config (a ``GPTConfig``: what ``boost`` knows) the V is
+    list-scheduled on each stage's FLOPs instead of unit steps (``costs.flop_costs``: the first
+    stage's whole backward in W, the head's matmul on the last stage), before any step has run;
+    ``engine.pipeline.replan()`` can refine it from measured costs later. Other schedules, or no
+    model config, give ``build_plan``'s plan.
+    """
+    if config.schedule == "zb-v" and model_cfg is not None:
+        from .costs import flop_costs
+        return build_plan("zb-v", config.pp, config.microbatches, config.chunks,
+                          costs=flop_costs(model_cfg, config.pp * config.chunks))
     return build_plan(config.schedule, config.pp, config.microbatches, config.chunks)
