@@ -282,6 +282,17 @@ def test_killed_rank_leaves_previous_checkpoint(tmp_path):
     assert len(temp) == 1
     with pytest.raises(CheckpointError, match="incomplete: the save was interrupted"):
         check(temp[0], CFG)
+    ck.launch(_save_again, 1, str(tmp_path))  # the next complete save to the same path clears it away
+    assert glob.glob(str(tmp_path / "ck.*")) == [] and check(str(tmp_path / "ck"), CFG)["step"] == 2
+
+
+def _save_again(root: str) -> None:
+    """One rank: load the checkpoint at ``root/ck``, train a step, save to the same path."""
+    engine = ck.boost(GPT(CFG), OPTIMIZERS["adamw"], ck.ParallelConfig())
+    engine.load(os.path.join(root, "ck"))
+    engine.train_step(_data().batch(1, BATCH))
+    engine.save(os.path.join(root, "ck"))
+    engine.close()
 
 
 def test_load_memory_is_own_index_plus_one_parameter(runs):

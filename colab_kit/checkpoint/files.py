@@ -6,6 +6,8 @@ files the save will write); every rank writes its DCP file there; after a barrie
 and renames the directory to ``path``. An older checkpoint at ``path`` is first renamed to
 ``path.old-<nonce>``, the new one moved into place, then the old one deleted: at every instant
 ``path`` is either the old complete checkpoint, absent (between the two renames), or the new one.
+A complete save also removes the ``path.tmp-*`` and ``path.old-*`` that interrupted saves to the
+same path left (``leftovers``).
 
 ``check(path, model_cfg)`` is what ``load`` runs on every rank before anything is read (pure:
 no process group needed, so a notebook kernel can run it too); the file hashes may be split
@@ -20,7 +22,7 @@ import os
 import shutil
 
 __all__ = ["CheckpointError", "FORMAT", "MANIFEST", "STARTED", "check", "describe_difference", "file_digest",
-           "finish", "read_manifest"]
+           "finish", "leftovers", "read_manifest"]
 
 FORMAT = "colab_kit.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -73,6 +75,17 @@ def finish(tmp: str, path: str, manifest: dict, digests: dict) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, path)
+    for left in leftovers(path):  # what interrupted saves to this path left behind
+        shutil.rmtree(left, ignore_errors=True)
+
+
+def leftovers(path: str) -> list[str]:
+    """``path.tmp-*`` and ``path.old-*`` beside ``path``: the directories of saves to ``path`` that
+    were interrupted (a rank killed mid-write leaves its temporary directory; ``load`` refuses it).
+    The next complete save to ``path`` removes them: one save to a path runs at a time (two at
+    once would rename over each other anyway), so none of them can still be in use."""
+    import glob
+    return sorted(glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".old-*"))
 
 
 def read_manifest(path: str) -> dict:
