@@ -22,8 +22,8 @@ from colab_kit.models import GPT, GPTConfig
 from colab_kit.precision import TOLERANCE
 from colab_kit.reference import train_single_process
 
-CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
-OTHER = GPTConfig(vocab_size=64, seq_len=16, d_model=16, n_heads=4, n_layers=2)
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)  # 4 stages for the 2-chunk schedules
+OTHER = GPTConfig(vocab_size=64, seq_len=16, d_model=16, n_heads=4, n_layers=4)
 OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1),
               "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)}
 STEPS, SPLIT, BATCH = 5, 3, 8
@@ -35,6 +35,9 @@ PAIRS = [  # (A, B, optimizer)
     (dict(dp=2, tp=2, zero=1, precision="bf16"), dict(pp=2, tp=2, precision="bf16"), "adamw"),
     (dict(dp=2, sp=2, zero=2), dict(dp=2, tp=2, sp_mode="split_gather"), "sgd"),
     (dict(dp=4, zero=1, offload="cpu", precision="fp16"), dict(dp=2, zero=3, offload="cpu", precision="fp16"), "adamw"),
+    # the 2-chunk schedules: the V (stages 0 and 3 on one rank, ordered on the stages' FLOPs) to the loop
+    (dict(pp=2, dp=2, schedule="zb-v", chunks=2, microbatches=2),
+     dict(pp=2, tp=2, schedule="interleaved", chunks=2, microbatches=2), "adamw"),
 ]
 
 
