@@ -10,7 +10,8 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   dispatch overhead per op (``constants``'s "dispatch"), which is what a small model spends most on.
   Seconds = FLOPs / the matmul rate measured with this many ranks running at once
   (``constants``: it already includes ranks sharing the cores).
-- pipeline: the schedule's own timeline (``pipeline.simulate`` on its plan, F = 1, B = 2, I = W = 1,
+- pipeline: the schedule's own timeline (``pipeline.simulate`` on the plan the engine runs, zb-v's
+  ordered on the stages' FLOPs; F = 1, B = 2, I = W = 1,
   B = 3 and I = 2 with recomputation), scaled to the stage's forward seconds; what the
   fullest rank is idle is the bubble. The measured rates are per rank with all ranks busy; with
   R ranks on C < R cores a rank runs at C/R of its own speed, and a rank idle in the bubble frees
@@ -66,11 +67,14 @@ def _coll(consts, op: str, payload: int, n: int, count: int = 1) -> float:
 
 
 @functools.lru_cache(maxsize=512)
-def _pipeline_units(schedule: str, pp: int, m: int, chunks: int, recompute: bool) -> tuple[float, float]:
-    """(makespan, busy time of the busiest rank) of the schedule, in units of one stage forward."""
+def _pipeline_units(schedule: str, pp: int, m: int, chunks: int, recompute: bool,
+                    order: tuple | None = None) -> tuple[float, float]:
+    """(makespan, busy time of the busiest rank) of the schedule, in units of one stage forward.
+    ``order``: zb-v's stage costs as sorted items, the plan the engine runs (``build_plan_for``)."""
     from ..pipeline import build_plan, simulate
     costs = {"F": 1, "B": 3, "I": 2, "W": 1} if recompute else {"F": 1, "B": 2, "I": 1, "W": 1}
-    t = simulate(build_plan(schedule, pp, m, chunks), costs)
+    plan = build_plan(schedule, pp, m, chunks, costs=dict(order)) if order else build_plan(schedule, pp, m, chunks)
+    t = simulate(plan, costs)
     return float(t.makespan), float(max(t.busy))
 
 
@@ -169,7 +173,11 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict) -> tuple[fl
         parts["compute"] = m * fwd * (4 if cfg.recompute else 3)
     else:
         fwd = _forward(model, cfg, consts, tokens, layers_stage, False)
-        span, busy = _pipeline_units(cfg.schedule, cfg.pp, m, cfg.chunks, cfg.recompute)
+        order = None
+        if cfg.schedule == "zb-v":  # the engine orders its V on the stages' FLOPs: simulate that plan
+            from ..pipeline.costs import flop_costs
+            order = tuple(sorted(flop_costs(model, n_stages).items(), key=str))
+        span, busy = _pipeline_units(cfg.schedule, cfg.pp, m, cfg.chunks, cfg.recompute, order)
         head = _forward(model, cfg, consts, tokens, 0, True) * m * 3
         parts["compute"] = busy * fwd + head
         # more ranks than cores: a rank waiting in the bubble gives its core to one that computes, so
