@@ -169,7 +169,7 @@ def main(argv=None):
               f"{planned:>20.3f} {theory_bubble(schedule.split()[0], p, m, chunks):>21.3f}")
     unit, fitted = build_plan("zb-v", p, m, 2), build_plan("zb-v", p, m, 2, costs=costs)
     flops = build_plan("zb-v", p, m, 2, costs=flop_costs(GPTConfig(**gpt), 2 * p))
-    print(f"zb-v fitted: costs measured in warm-up steps 2-4 (ms, the slowest rank): " + ", ".join(
+    print("zb-v fitted: costs measured in warm-up steps 2-4 (ms, the slowest rank): " + ", ".join(
         f"{s}{k} {v * 1e3:.2f}" for (s, k), v in costs.items()) + f"; with these costs and free messages the "
         f"unit-step plan takes {simulate(unit, costs).makespan * 1e3:.1f} ms, the engine's default (on the "
         f"stages' FLOPs) {simulate(flops, costs).makespan * 1e3:.1f} ms, the fitted one "

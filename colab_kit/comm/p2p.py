@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .records import CommRecord
 from .waiting import Pending, _Waiter, finish
 
 __all__ = ["P2PPending", "isend", "irecv", "sendrecv"]

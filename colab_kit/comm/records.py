@@ -3,7 +3,6 @@ bytes, seconds), ``CommLog`` (a mesh's records) and ``wire_bytes`` (the ring / c
 each op). Part of ``colab_kit.comm``; its docstring gives both byte counts with a worked example."""
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 
 __all__ = ["wire_bytes", "CommRecord", "CommLog"]

@@ -140,7 +140,6 @@ def _measure_rank(ranks: int) -> dict:
     from ..mesh import ProcessMesh
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's renamed collectives
-    rank = dist.get_rank()
     if dist.get_backend() == "nccl":  # one GPU per rank: measure on it
         torch.set_default_device(torch.device("cuda", torch.cuda.current_device()))
         _SYNC[0] = torch.cuda.synchronize
