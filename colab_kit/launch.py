@@ -80,8 +80,11 @@ def keep_freed_memory(mmap_below: int = 32 << 20, trim_above: int = 256 << 20) -
     per step and 1F1B's none, for the same work. So a rank serves blocks up to ``mmap_below``
     from its heap and returns the free top only beyond ``trim_above`` (PyTorch's CUDA caching
     allocator keeps device memory the same way). Returns whether the allocator took the settings
-    (False on another libc, where nothing changes).
+    (False on another libc, where nothing changes, and with ``COLAB_KIT_KEEP_FREED=0`` in the
+    environment, which leaves glibc's own behaviour: for comparing, or for a host short of memory).
     """
+    if os.environ.get("COLAB_KIT_KEEP_FREED", "1") == "0":
+        return False
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
