@@ -489,6 +489,15 @@ def _check(name: str, cells_json, saved, snap, may_fail: set[int], width: int) -
     return problems
 
 
+SLOW_START = {"[anywidget] Failed to initialize model."}
+"""Page errors that say a widget was slow, not broken. anywidget rejects a model's ``ready`` promise
+2 s after it starts (``AbortSignal.timeout(2000)`` in its runtime) whether or not the model then
+finishes: with ranks training on the same 2 cores, plotly's large module can take longer (seen
+once in about six runs of notebook 06 on 2026-12-01, the figure drawn in the end). Whether every
+widget and figure was drawn is what ``_check`` counts (views sent against views drawn, points
+carried against marks drawn), so a view that really failed still fails the test."""
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_renders_in_a_browser(path: Path, lab: Lab, browser):
     name = path.name
@@ -496,7 +505,8 @@ def test_notebook_renders_in_a_browser(path: Path, lab: Lab, browser):
     may_fail = {i for i, c in enumerate(cells_json) if "raises-exception" in c.get("metadata", {}).get("tags", [])}
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     problems: list[str] = []
-    page.on("pageerror", lambda exc: problems.append(f"JavaScript error in the page: {exc}"))
+    page.on("pageerror", lambda exc: None if str(exc) in SLOW_START else problems.append(
+        f"JavaScript error in the page: {exc}"))
     try:
         page.goto(f"{lab.url}/lab/tree/{name}?token={lab.token}&reset", timeout=120_000)
         page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=120_000)

@@ -94,3 +94,22 @@ def test_bad_costs_are_refused_with_the_rule(costs, words):
 def test_costs_shape_only_zb_v():
     with pytest.raises(ValueError, match="costs shape only the zb-v schedule .* not 'zb-h1'"):
         build_plan("zb-h1", 2, 4, costs={"F": 1, "I": 1, "W": 1})
+
+
+def test_flop_costs_plan_and_replan_keeps_the_shorter():
+    """The engine's first V is ordered on the stages' FLOPs (``flop_costs``): under the costs bench/pp.py
+    measured on CPU ranks (d=128 x 8, pp=2) it simulates shorter than the unit-step V; and
+    ``shorter_plan`` (what ``replan()`` installs) keeps whichever of two plans those costs favour."""
+    from colab_kit.models import GPTConfig
+    from colab_kit.pipeline.costs import flop_costs, shorter_plan
+
+    measured = {(0, "F"): 3.58, (0, "I"): 0.01, (0, "W"): 7.03, (1, "F"): 3.83, (1, "I"): 4.38, (1, "W"): 2.82,
+                (2, "F"): 3.80, (2, "I"): 4.53, (2, "W"): 2.88, (3, "F"): 4.16, (3, "I"): 4.59, (3, "W"): 2.89}
+    gpt = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=8)
+    unit, flops = build_plan("zb-v", 2, 8, 2), build_plan("zb-v", 2, 8, 2, costs=flop_costs(gpt, 4))
+    assert_one_f_i_w_each(flops, 2, 8)
+    assert_f_i_w_in_order(flops, 2, 8)
+    cost = stage_costs(measured, 4)
+    assert simulate(flops, cost).makespan < 0.95 * simulate(unit, cost).makespan  # 182.6 against 198.6
+    assert shorter_plan(unit, flops, measured) is flops and shorter_plan(flops, unit, measured) is flops
+    assert shorter_plan(unit, unit, measured) is unit  # a tie keeps the first

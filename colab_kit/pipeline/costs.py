@@ -48,7 +48,7 @@ from collections import deque
 
 from .actions import Action, parse
 
-__all__ = ["stage_costs", "zb_v_timed", "zb_v_plan", "measured_costs", "flop_costs"]
+__all__ = ["stage_costs", "zb_v_timed", "zb_v_plan", "measured_costs", "flop_costs", "shorter_plan"]
 
 KINDS = ("F", "I", "W")
 
@@ -198,3 +198,12 @@ def flop_costs(model_cfg, n_stages: int) -> dict:
     whole = costs[0, "I"] + costs[0, "W"] if last == 0 else I + W
     costs[0, "I"], costs[0, "W"] = 0, whole
     return costs
+
+
+def shorter_plan(first, second, costs: dict):
+    """Whichever of two plans of the same zb-v step simulates shorter under ``costs`` (``first`` on
+    a tie): what ``engine.pipeline.replan()`` installs, so that re-planning from measured costs
+    never installs a plan those costs say is slower than the one the engine started with."""
+    from .simulate import simulate
+    cost = stage_costs(costs, first.n_stages)
+    return second if simulate(second, cost).makespan < simulate(first, cost).makespan else first

@@ -135,23 +135,27 @@ class PipelineExecutor(ComputeActions, CommActions):
         """ZB-V re-scheduled from per-stage costs (``costs.zb_v_timed``); call it on every rank.
 
         ``costs=None`` measures them from the last training step's timeline (``costs.measured_costs``:
-        an all-reduce, so every rank builds the same plan). Returns the costs used::
+        an all-reduce, so every rank builds the same plan). The plan scheduled on them is installed
+        unless the engine's first plan (``build_plan_for``: on the stages' FLOPs) simulates shorter
+        under the same costs; then that one stays. Returns the costs used::
 
-            engine.train_step(batch)                # a step with the unit-step plan (and warm-up)
+            engine.train_step(batch)                # a step with the FLOP-ordered plan (and warm-up)
             costs = engine.pipeline.replan()        # {(0, 'F'): 0.0021, (0, 'I'): 0.0, (0, 'W'): 0.0040, ...}
             engine.train_step(batch)                # the same F, I, W per microbatch, in the fitted order
         """
         if self.config.schedule != "zb-v":
             raise ValueError(f"replan() orders the zb-v schedule from measured costs; this engine runs "
                              f"{self.config.schedule!r}: build it with schedule='zb-v', chunks=2")
-        from .costs import measured_costs
-        from .schedules import build_plan
+        from .costs import measured_costs, shorter_plan
+        from .schedules import build_plan, build_plan_for
 
         if costs is None:
             if self.running:
                 raise RuntimeError("a step is running: finish() it before replan()")
             costs = measured_costs(self.engine._events, range(self.plan.n_stages), self.mesh.device)
-        self.plan = build_plan("zb-v", self.pp, self.config.microbatches, 2, costs=costs)
+        fitted = build_plan("zb-v", self.pp, self.config.microbatches, 2, costs=costs)
+        default = build_plan_for(self.config, self.engine.model_cfg)  # on the FLOPs (or unit steps)
+        self.plan = shorter_plan(fitted, default, costs)  # the same costs on every rank: the same choice
         return costs
 
     # ------------------------------------------------------------------ stepping
