@@ -53,8 +53,13 @@ values while the replay cuts them (twice the dense tensor) or the dense tensor w
 RNG states: restored when the world size is the one that saved (rank r gets rank r's); with
 another world size they are left as they are (the ranks see other rows and tokens anyway; the
 training itself does not draw from them unless the model has dropout, which tp refuses).
-The optimizer's hyperparameters (lr, betas, weight decay) come from this engine's
-``optimizer_factory``, not from the checkpoint; its class must be the one that saved.
+The optimizer's class must be the one that saved. Its numeric hyperparameters per param group
+(lr, betas, eps, weight decay, momentum, and the ``initial_lr`` an LR scheduler adds) are saved
+and restored, as ``torch.optim.Optimizer.load_state_dict`` does, so a scheduler resumed with
+``load_state_dict`` goes on from the learning rate it had reached; flags (``foreach``, ``fused``,
+``amsgrad``...) stay this engine's. Group by group where the engine has as many groups as the
+checkpoint; one set applied to every group where the checkpoint's groups all agree; otherwise
+(other groups under another config) this engine's values stay, with a warning.
 """
 from __future__ import annotations
 
@@ -220,7 +225,46 @@ def _manifest(engine, tensors: dict, extra: bool, cuda_rng: bool) -> dict:
             "step": engine.step_count, "history": list(engine.history), "records": list(engine.records),
             "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
             "optimizer": type(engine.optimizer).__name__, "tensors": tensors, "extra": extra,
-            "rng": {"cuda": cuda_rng}}
+            "param_groups": [_hyper(g) for g in engine.optimizer.param_groups], "rng": {"cuda": cuda_rng}}
+
+
+def _number(v):
+    """``v`` as a JSON number (or list of numbers) when it is a numeric hyperparameter, else None."""
+    if torch.is_tensor(v) and v.numel() == 1:
+        v = v.item()
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, (int, float)):
+        return v
+    if isinstance(v, (tuple, list)) and v and all(_number(x) is not None for x in v):
+        return [_number(x) for x in v]
+    return None
+
+
+def _hyper(group: dict) -> dict:
+    """A param group's numeric hyperparameters (not its parameters, not its flags)."""
+    return {k: n for k, v in group.items() if k != "params" and (n := _number(v)) is not None}
+
+
+def _restore_hyper(opt, saved: list[dict] | None, path: str) -> None:
+    if not saved:  # a checkpoint from before they were saved
+        return
+    groups = opt.param_groups
+    if len(saved) == len(groups):
+        pairs = zip(groups, saved)
+    elif all(g == saved[0] for g in saved):
+        pairs = ((g, saved[0]) for g in groups)
+    else:
+        warnings.warn(f"{path} holds {len(saved)} optimizer param groups with different hyperparameters and this "
+                      f"engine {len(groups)}: the engine keeps its own (lr {[g.get('lr') for g in groups]})")
+        return
+    for group, values in pairs:
+        for k, v in values.items():
+            now = group.get(k)
+            if torch.is_tensor(now):
+                now.fill_(v)
+            else:
+                group[k] = tuple(v) if isinstance(now, tuple) or (now is None and isinstance(v, list)) else v
 
 
 def _read(path: str, key: str, shape2d, dtype: torch.dtype) -> torch.Tensor:
@@ -282,6 +326,7 @@ def load(engine, path) -> dict:
         masters.copy_to_model()
     if engine.config.zero in (1, 2):
         engine.grads.gather_params()
+    _restore_hyper(opt, manifest.get("param_groups"), path)
     engine.step_count = manifest["step"]
     engine.history[:] = manifest["history"]
     engine.records[:] = manifest["records"]
