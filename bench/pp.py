@@ -45,7 +45,7 @@ from colab_kit.engine import lm_loss
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.pipeline import build_plan, build_plan_for, lower, simulate
 from colab_kit.pipeline.actions import parse
-from colab_kit.pipeline.costs import flop_costs, measured_costs, shorter_plan
+from colab_kit.pipeline.costs import measured_costs, shorter_plan
 from colab_kit.pipeline.simulate import theory_bubble
 from colab_kit.viz.schedule_data import measured_bubble
 
@@ -162,7 +162,8 @@ def main(argv=None):
           f"steps timed per schedule")
     print(f"{'schedule':12} {'step ms':>8} {'vs 1f1b':>8} {'measured bubble':>16} {'planned (simulated)':>20} "
           f"{'its textbook formula':>21}")
-    flops = build_plan("zb-v", p, m, 2, costs=flop_costs(GPTConfig(**gpt), 2 * p))  # the engine's first V
+    flops = build_plan_for(ck.ParallelConfig(pp=p, microbatches=m, schedule="zb-v", chunks=2),
+                           GPTConfig(**gpt))  # the engine's first V, on the stages' FLOPs
     fitted = build_plan("zb-v", p, m, 2, costs=costs)
     installed = shorter_plan(fitted, flops, costs)  # what replan() kept
     for schedule, chunks in SCHEDULES + ((FITTED, 2),):

@@ -153,20 +153,7 @@ def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, mesh, axis: str
         # dp=2, tensor = [a0 a1 a2 a3] on rank 0, [b0 b1 b2 b3] on rank 1
         reduce_scatter_into(out, tensor, mesh, "dp")  # out: [a0+b0, a1+b1] on rank 0, [a2+b2, a3+b3] on rank 1
     """
-    n = mesh.size(axis)
-    if tensor.numel() != n * out.numel():
-        raise ValueError(f"reduce_scatter_into over {axis} (size {n}) needs an input of {n} x {out.numel()} "
-                         f"elements, got {tensor.numel()}")
-    if n == 1:
-        if out.data_ptr() != tensor.data_ptr():
-            out.copy_(tensor.view_as(out))
-        if async_op:
-            return Pending(None, mesh.log, "reduce_scatter", axis, 0, tag, then)
-        return out
-    result = _run(mesh, "reduce_scatter", axis, tensor,
-                  lambda a: _reduce_scatter_single(out, tensor, group=mesh.group(axis), async_op=a), async_op, tag,
-                  then)
-    return result if async_op else out
+    return _fused("reduce_scatter", out, tensor, tensor, out, mesh, axis, _reduce_scatter_single, async_op, tag, then)
 
 
 def all_gather_into(out: torch.Tensor, piece: torch.Tensor, mesh, axis: str, *, async_op: bool = False,
@@ -177,18 +164,24 @@ def all_gather_into(out: torch.Tensor, piece: torch.Tensor, mesh, axis: str, *, 
     (in place: ZeRO's updated shard inside the bucket of parameters). With ``async_op=True``
     a ``Pending``. Recorded bytes: this rank's piece, as ``all_gather``.
     """
+    return _fused("all_gather", out, piece, out, piece, mesh, axis, _all_gather_single, async_op, tag, then)
+
+
+def _fused(op: str, out, src, whole, block, mesh, axis: str, single, async_op: bool, tag: str, then):
+    """The single-buffer ``op`` of ``src`` into ``out`` (``whole`` holds n of ``block``): the
+    size check, a copy on a size-1 axis (nothing recorded), else ``single`` recorded as ``op``
+    with ``src``'s bytes."""
     n = mesh.size(axis)
-    if out.numel() != n * piece.numel():
-        raise ValueError(f"all_gather_into over {axis} (size {n}) needs an output of {n} x {piece.numel()} "
-                         f"elements, got {out.numel()}")
+    if whole.numel() != n * block.numel():
+        side = "an input" if whole is src else "an output"
+        raise ValueError(f"{op}_into over {axis} (size {n}) needs {side} of {n} x {block.numel()} elements, "
+                         f"got {whole.numel()}")
     if n == 1:
-        if out.data_ptr() != piece.data_ptr():
-            out.copy_(piece.view_as(out))
-        if async_op:
-            return Pending(None, mesh.log, "all_gather", axis, 0, tag, then)
-        return out
-    result = _run(mesh, "all_gather", axis, piece,
-                  lambda a: _all_gather_single(out, piece, group=mesh.group(axis), async_op=a), async_op, tag, then)
+        if out.data_ptr() != src.data_ptr():
+            out.copy_(src.view_as(out))
+        return Pending(None, mesh.log, op, axis, 0, tag, then) if async_op else out
+    result = _run(mesh, op, axis, src, lambda a: single(out, src, group=mesh.group(axis), async_op=a), async_op, tag,
+                  then)
     return result if async_op else out
 
 

@@ -48,7 +48,7 @@ from collections import deque
 
 from .actions import Action, parse
 
-__all__ = ["stage_costs", "zb_v_timed", "zb_v_plan", "measured_costs", "flop_costs", "shorter_plan"]
+__all__ = ["stage_costs", "zb_v_timed", "zb_v_plan", "measured_costs", "flop_costs", "flops_per_token", "shorter_plan"]
 
 KINDS = ("F", "I", "W")
 
@@ -189,15 +189,22 @@ def flop_costs(model_cfg, n_stages: int) -> dict:
     On CPU ranks the elementwise backward ops make I dearer than this (``python bench/pp.py``
     measured I/W about 1.5 against these 1.17); ``engine.pipeline.replan()`` fits measured costs.
     """
-    h, f, t, v = model_cfg.d_model, model_cfg.d_ff, model_cfg.seq_len, model_cfg.vocab_size
+    lin, att, head = flops_per_token(model_cfg)
     per = model_cfg.n_layers // n_stages
-    lin, att, head = 2 * (4 * h * h + 2 * h * f), 4 * t * h, 2 * h * v
     F, I, W = per * (lin + att), per * (lin + 2 * att), per * lin
     last = n_stages - 1
     costs = {"F": F, "I": I, "W": W, (last, "F"): F + head, (last, "I"): I + head, (last, "W"): W + head}
-    whole = costs[0, "I"] + costs[0, "W"] if last == 0 else I + W
-    costs[0, "I"], costs[0, "W"] = 0, whole
+    costs[0, "I"], costs[0, "W"] = 0, costs.get((0, "I"), I) + costs.get((0, "W"), W)
     return costs
+
+
+def flops_per_token(model_cfg) -> tuple[int, int, int]:
+    """Forward FLOPs per token of a GPT by the standard count: ``(lin, att, head)``, the four
+    Linears of a block ``2 (4 h^2 + 2 h f)``, attention's two products over the whole sequence
+    ``4 t h`` (the CPU kernel computes the whole square: no causal halving) and the head ``2 h v``.
+    ``flop_costs`` and the planner's cost model (``planner.cost``) both count with it."""
+    h, f, t, v = model_cfg.d_model, model_cfg.d_ff, model_cfg.seq_len, model_cfg.vocab_size
+    return 2 * (4 * h * h + 2 * h * f), 4 * t * h, 2 * h * v
 
 
 def shorter_plan(first, second, costs: dict):

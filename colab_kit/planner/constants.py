@@ -218,8 +218,9 @@ class _Burst:
 
 
 def _collective(op: str, t, mesh, n: int, burst, reps: int = 6) -> float:
-    """Median seconds of one ``op`` of ``t`` over the mesh's "tp" groups (send: an exchange
-    between pairs, ``comm.sendrecv``), each after a ``burst`` of compute."""
+    """Seconds one ``op`` of ``t`` over the mesh's "tp" groups adds to a running loop (the module
+    docstring's "in step"; send: half an isend/irecv round trip between pairs, sendrecv: a
+    ``comm.sendrecv`` exchange), the median of 3 trials, a ``burst`` of compute before each."""
     import torch
     import torch.distributed as dist
 

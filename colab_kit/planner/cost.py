@@ -36,12 +36,14 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from ..comm import wire_bytes
 from ..data import default_bucket_bytes
 from ..estimate import part_params, stage_params
 from ..memory import PRECISION_BYTES
+from ..pipeline.costs import flops_per_token
 from ..tensor import block_collectives, linear_comm_bytes
 
 __all__ = ["step_seconds"]
@@ -68,21 +70,23 @@ def _coll(consts, op: str, payload: int, n: int, count: int = 1) -> float:
 
 @functools.lru_cache(maxsize=512)
 def _pipeline_units(schedule: str, pp: int, m: int, chunks: int, recompute: bool,
-                    order: tuple | None = None) -> tuple[float, float]:
-    """(makespan, busy time of the busiest rank) of the schedule, in units of one stage forward.
-    ``order``: zb-v's stage costs as sorted items, the plan the engine runs (``build_plan_for``)."""
-    from ..pipeline import build_plan, simulate
+                    model_key: tuple) -> tuple[float, float]:
+    """(makespan, busy time of the busiest rank) of the plan the engine runs (``build_plan_for``),
+    in units of one stage forward. ``model_key``: the model config's class and fields (hashable)."""
+    from ..config import ParallelConfig
+    from ..pipeline import build_plan_for, simulate
     costs = {"F": 1, "B": 3, "I": 2, "W": 1} if recompute else {"F": 1, "B": 2, "I": 1, "W": 1}
-    plan = build_plan(schedule, pp, m, chunks, costs=dict(order)) if order else build_plan(schedule, pp, m, chunks)
+    cls, fields = model_key
+    plan = build_plan_for(ParallelConfig(pp=pp, microbatches=m, schedule=schedule, chunks=chunks), cls(**dict(fields)))
     t = simulate(plan, costs)
     return float(t.makespan), float(max(t.busy))
 
 
 def _forward(model, cfg, consts, tokens: int, layers: int, head: bool) -> float:
     """Seconds of one forward on this rank: ``tokens`` per microbatch, ``layers`` blocks, the head."""
-    h, f, v, t = model.d_model, model.d_ff, model.vocab_size, model.seq_len
-    tok = tokens / cfg.sp
-    flops = layers * (2 * tok * (4 * h * h + 2 * h * f) + 4 * tok * t / cfg.sp * h) + (2 * tok * h * v if head else 0)
+    lin, att, head_flops = flops_per_token(model)
+    tok = tokens / cfg.sp  # this rank's tokens; attention reaches the whole sequence, split over sp too
+    flops = layers * tok * (lin + att / cfg.sp) + (tok * head_flops if head else 0)
     block_ops, head_ops = _op_counts(model.n_heads)
     ops = layers * (block_ops + mode_ops(cfg)) + (head_ops if head else 0)
     overhead = ops * consts.get("dispatch", {}).get("op_seconds", 0.0)
@@ -173,11 +177,8 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict) -> tuple[fl
         parts["compute"] = m * fwd * (4 if cfg.recompute else 3)
     else:
         fwd = _forward(model, cfg, consts, tokens, layers_stage, False)
-        order = None
-        if cfg.schedule == "zb-v":  # the engine orders its V on the stages' FLOPs: simulate that plan
-            from ..pipeline.costs import flop_costs
-            order = tuple(sorted(flop_costs(model, n_stages).items(), key=str))
-        span, busy = _pipeline_units(cfg.schedule, cfg.pp, m, cfg.chunks, cfg.recompute, order)
+        model_key = (type(model), tuple(dataclasses.asdict(model).items()))
+        span, busy = _pipeline_units(cfg.schedule, cfg.pp, m, cfg.chunks, cfg.recompute, model_key)
         head = _forward(model, cfg, consts, tokens, 0, True) * m * 3
         parts["compute"] = busy * fwd + head
         # more ranks than cores: a rank waiting in the bubble gives its core to one that computes, so
