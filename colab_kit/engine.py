@@ -52,8 +52,46 @@ __all__ = ["boost", "Engine", "lm_loss", "unsupported"]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, the loss of the correctness contract."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    """Mean token cross-entropy, the loss of the correctness contract: over every target that is not
+    -100 (``F.cross_entropy``'s ``ignore_index``); logits ``[b, t, V]`` with targets ``[b, t]``, or
+    ``[b, C]`` with ``[b]`` (a classifier)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class TokenLoss:
+    """The engine's own ``lm_loss``, exact however the batch is split.
+
+    Each piece of the global batch (a dp rank's microbatch, the rows of a tensor plan's batch axes,
+    an sp rank's tokens) holds its own number of counted targets (not -100: a masked-LM batch predicts
+    15% of its tokens, unevenly). A mean of the pieces' means would weigh them alike; instead each
+    piece returns ``sum of its token losses * pieces / counted targets of the global batch``, which the
+    engine's mean over pieces turns into the global batch's mean. The count is read off the global
+    targets, which every rank has (no collective).
+
+    Worked example, dp=2, 8 counted targets in the global batch: rank 0's rows hold 6, rank 1's 2;
+    rank 0 returns ``sum_0 * 2 / 8``, rank 1 ``sum_1 * 2 / 8``; their mean is ``(sum_0 + sum_1) / 8``.
+    """
+
+    def __init__(self, per_token):
+        self.per_token = per_token
+        """``per_token(logits, targets)``: the cross-entropy of every token (vocab-parallel under tp)."""
+        self.scale = None
+
+    def count(self, targets: torch.Tensor, pieces: int) -> None:
+        """Set this step's scale from the global batch's ``targets`` split into ``pieces``."""
+        self.scale = pieces / max(int((targets != -100).sum()), 1)
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        counted = targets != -100
+        losses = torch.where(counted, self.per_token(logits, targets), 0.0)
+        if self.scale is None:  # no global batch given: this piece's own mean
+            return losses.sum() / counted.sum().clamp(min=1)
+        return losses.sum() * self.scale
+
+
+def _token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).clamp(min=0),
+                           reduction="none").view(targets.shape)
 
 
 def unsupported(config: ParallelConfig) -> str | None:
@@ -86,12 +124,15 @@ def unsupported(config: ParallelConfig) -> str | None:
             f"sequence parallelism, ZeRO stages 1 to 3, offload and mixed precision are what run today): set {fixes}")
 
 
-def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig, *,
+def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig, *, policy=None,
           mesh: ProcessMesh | None = None, loss_fn: Callable = lm_loss, bucket_bytes: int | None = None,
           device_budget: int | None = None) -> "Engine":
     """Shard ``model`` for ``config`` on this rank and return its ``Engine``.
 
-    ``optimizer_factory(params)`` builds the optimizer over this rank's parameters.
+    ``optimizer_factory(params)`` builds the optimizer over this rank's parameters. ``policy``
+    (``colab_kit.policy.Policy``) says what each part of ``model`` is; the built-in models (GPT,
+    BERT, ViT) have theirs. Tensor, pipeline and sequence parallelism and recomputation need one;
+    data parallelism and ZeRO take any module.
     ``mesh`` defaults to ``ProcessMesh.shared(config)``: one mesh per config, reused by every
     engine of that config until the last of them is closed (``engine.close()``).
     ``bucket_bytes`` sets the size of the gradient all-reduce buckets (default: about a
@@ -111,21 +152,14 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
     why = unsupported(config)
     if why is not None:
         raise ConfigError(why)
-    if config.tp > 1 and hasattr(model, "cfg"):
-        check_model(model.cfg, config)  # sizes that do not divide: refused before any collective
-    if config.sp > 1 and hasattr(model, "cfg"):  # ulysses: heads per tensor rank must divide by sp
-        from .sequence.plan import SequencePlan
-        SequencePlan.check(model.cfg, config)
-    if config.pp > 1 and hasattr(model, "blocks"):
-        from .pipeline.stage import check_stages
-        check_stages(len(model.blocks), config)
+    policy = check_policy(model, config, policy)  # sizes that do not divide: refused before any collective
     owned = mesh is None
     mesh = mesh or ProcessMesh.shared(config)
     if mesh.config != config:
         raise ConfigError(f"the mesh was built for {mesh.config.describe()} but boost was given "
                           f"{config.describe()}: pass the same config to both")
     try:
-        engine = Engine(model, optimizer_factory, config, mesh, loss_fn, bucket_bytes, device_budget)
+        engine = Engine(model, optimizer_factory, config, mesh, loss_fn, bucket_bytes, device_budget, policy)
     except BaseException:
         if owned:
             mesh.release()
@@ -136,39 +170,79 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
     return engine
 
 
+def check_policy(model: nn.Module, config: ParallelConfig, policy=None):
+    """The policy ``boost`` will lower for ``model`` (given, or the built-in one of its class), checked
+    against ``config`` in the kernel, before any process is touched: a missing policy where tp, pp, sp or
+    recompute needs one, paths the model lacks, sizes that do not divide, blocks that do not split."""
+    from .policy import missing_policy_message, policy_for
+    policy = policy_for(model, policy)
+    needs = [f"{k}={getattr(config, k)}" for k in ("tp", "pp", "sp") if getattr(config, k) > 1]
+    needs += ["recompute=True"] if config.recompute else []
+    if policy is None:
+        if needs:
+            raise ConfigError(missing_policy_message(model, " and ".join(needs)))
+        return None
+    if not needs:
+        return policy
+    policy.check(model)
+    if config.tp > 1:
+        check_model(model, config, policy)
+    if config.sp > 1:  # ulysses: heads per tensor rank must divide by sp
+        from .sequence.plan import SequencePlan
+        from .tensor import model_sizes
+        SequencePlan.check(model_sizes(model, policy), config)
+        SequencePlan.check_policy(model, policy, config)
+    if config.pp > 1:
+        from .pipeline.schedules import SCHEDULE_PLACEMENT, Plan
+        from .pipeline.stage import check_stages
+        check_stages(len(policy.block_list(model)), config)
+        n = config.pp * config.chunks
+        where = Plan(config.pp, config.microbatches, config.chunks, config.schedule,
+                     placement=SCHEDULE_PLACEMENT[config.schedule])
+        if policy.tied and where.rank_of(0) != where.rank_of(n - 1):
+            a, b = policy.tied[0]
+            raise ConfigError(f"{b} shares its weight with {a}, and pp={config.pp} with schedule="
+                              f"{config.schedule!r} puts the first and the last stage on different ranks, which "
+                              f"this version cannot keep in step yet: use schedule='zb-v' (both on rank 0), or "
+                              f"untie them (e.g. BERTConfig(tie_embeddings=False))")
+    return policy
+
+
 class Engine(EngineRecords):
     """One rank's share of a training job: model, optimizer, communication, records."""
 
     def __init__(self, model, optimizer_factory, config, mesh, loss_fn=lm_loss, bucket_bytes=None,
-                 device_budget=None):
+                 device_budget=None, policy=None):
         self.config, self.mesh, self.loss_fn = config, mesh, loss_fn
         self.model_cfg = getattr(model, "cfg", None)
-        """The dense model's config (``GPTConfig``), whatever the split; None for another model."""
+        """The dense model's config (``GPTConfig``, ``BERTConfig``, ...), whatever the split; None for another model."""
+        self.policy = policy
+        """The ``colab_kit.policy.Policy`` the parallel parts lowered (None: a model under dp / ZeRO only)."""
+        from .init import defer, materialize, meta_twin  # a meta-device model: only this rank's shards are made
+        self._twin = meta_twin(model)  # shapes only: the checkpoint's index replay rebuilds the sharding on it
         self.tp_plan = None
-        from .init import defer, materialize  # a meta-device model: only this rank's shards are made
-        defer(model, config, mesh.rank("pp"))
+        defer(model, config, mesh.rank("pp"), policy)
+        self._token_loss = None
+        if loss_fn is lm_loss:  # the contract's loss, exact on uneven counts of predicted tokens (TokenLoss)
+            self._token_loss = self.loss_fn = TokenLoss(_token_losses)
         if config.tp > 1:
-            if not hasattr(model, "blocks") or not hasattr(model, "cfg"):
-                raise ConfigError(f"tensor parallelism shards ck.models.GPT; got {type(model).__name__}: "
-                                  "use tp=1 for other models")
-            check_model(model.cfg, config)
             self.tp_plan = plan_for(mesh)
-            model = self.tp_plan.parallelize(model)
-            if loss_fn is lm_loss:
-                self.loss_fn = self.tp_plan.loss
+            model = self.tp_plan.parallelize(model, policy)
+            if self._token_loss is not None:
+                self._token_loss.per_token = self.tp_plan.token_losses
         self.sp_plan = None
         """With sp > 1 ("ring" or "ulysses"), the ``SequencePlan``: this rank's tokens, the ring's records."""
         if config.sp > 1:  # after the tensor plan: attention on this rank's heads and tokens
             from .sequence.plan import SequencePlan
             self.sp_plan = SequencePlan(mesh)
-            model = self.sp_plan.parallelize(model)
+            model = self.sp_plan.parallelize(model, policy)
         if config.recompute:  # each block keeps its input only, runs its forward again in backward
             from .recompute import recompute_blocks
-            recompute_blocks(model)  # before the split: the stages hold these same blocks
+            recompute_blocks(model, policy)  # before the split: the stages hold these same blocks
         stages = None
         if config.pp > 1:  # after the tensor plan: each stage holds this rank's tensor shards
             from .pipeline.stage import split_model
-            stages = split_model(model, config, mesh.rank("pp"))
+            stages = split_model(model, config, mesh.rank("pp"), policy)
             model = nn.ModuleList(stages)
         self.module = materialize(model).to(mesh.device)  # what is still meta: whole copies (see colab_kit.init)
         self._n_local = sum(p.numel() for p in self.module.parameters() if p.requires_grad)  # before ZeRO
@@ -187,7 +261,8 @@ class Engine(EngineRecords):
         if config.zero == 3:  # parameters sharded too: each block gathered before it runs, freed after
             from .zero.stage3 import ZeroParams
             self.grads = ZeroParams(self.module, mesh, "dp", self._events, offload=config.offload,
-                                    device_budget=device_budget)
+                                    device_budget=device_budget,
+                                    blocks=policy.block_list(self.module) if policy is not None else None)
             self.optimizer = self.grads.build_optimizer(optimizer_factory)
         elif config.zero:  # parameters move into one flat buffer; the optimizer steps this rank's pieces
             from .zero import ZeroBuckets, ZeroStage2  # stage 2 frees each bucket after its reduce-scatter
@@ -220,6 +295,7 @@ class Engine(EngineRecords):
         inputs, targets = batch
         cfg, mesh = self.config, self.mesh
         m = cfg.microbatches
+        self.count_targets(targets, m)
         rows = inputs.shape[0]
         if rows % (cfg.dp * m):
             raise ValueError(f"a global batch of {rows} rows does not split over dp={cfg.dp} x microbatches={m}: "
@@ -246,6 +322,12 @@ class Engine(EngineRecords):
                 (self.scale_loss(loss) / shards).backward()
             local += loss.detach()
         return self._update(local, t0)
+
+    def count_targets(self, targets: torch.Tensor, microbatches: int) -> None:
+        """Tell the engine's loss how many targets the global batch counts (``TokenLoss``), before a step or
+        an evaluation that splits it into ``dp * microbatches * loss_shards`` pieces."""
+        if self._token_loss is not None:
+            self._token_loss.count(targets, self.config.dp * microbatches * self.loss_shards)
 
     def _hold_activations(self, rows: int) -> None:
         """With a device account (offload): reserve the step's activations on it before the step,
@@ -349,6 +431,7 @@ class Engine(EngineRecords):
             return self.pipeline.evaluate(batch)
         inputs, targets = batch
         self.module.eval()
+        self.count_targets(targets, 1)
         return self._global_mean(self.loss_fn(self.module(self._local_rows(inputs)), self._local_rows(targets)))
 
     # ------------------------------------------------------------------ lifetime

@@ -68,7 +68,8 @@ class EngineRecords:
         if micro:  # with pp: the executor's microbatches of the last step
             rows, seq = micro
         model = self.model_cfg  # the dense model's config, also with pp
-        if model is not None and hasattr(model, "n_layers"):  # a GPT: the planner's estimate
+        from .models import GPTConfig
+        if isinstance(model, GPTConfig):  # a GPT: the planner's estimate
             from .estimate import config_estimate
             shards = self.tp_plan.batch_shards if self.tp_plan is not None else 1
             seq = seq or model.seq_len

@@ -52,15 +52,17 @@ measures), against 69,504 for the dense model.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
-__all__ = ["defer", "dense_value", "materialize"]
+__all__ = ["defer", "dense_value", "materialize", "meta_twin"]
 
 _RECIPE = "_ck_init"  # on a meta tensor: (init_parameter, name), how to make its dense value
 
 
-def defer(model: nn.Module, config=None, pp_rank: int = 0) -> bool:
+def defer(model: nn.Module, config=None, pp_rank: int = 0, policy=None) -> bool:
     """Give each meta parameter and buffer of ``model`` its recipe, ``(model.init_parameter, name)``;
     return whether there were any (False: a dense model, nothing to do).
 
@@ -81,7 +83,7 @@ def defer(model: nn.Module, config=None, pp_rank: int = 0) -> bool:
     if config is not None and config.pp > 1:
         from .pipeline.stage import split_model  # the same split the engine makes after the plan
 
-        stages = split_model(model, config, pp_rank)
+        stages = split_model(model, config, pp_rank, policy)
         mine = {id(t) for s in stages for t in (*s.parameters(), *s.buffers())}
     for name, t in meta.items():
         if mine is None or id(t) in mine:
@@ -130,3 +132,14 @@ def _made(t: torch.Tensor, where: str) -> torch.Tensor:
     p = nn.Parameter(value, requires_grad=t.requires_grad)
     p.__dict__.update({k: v for k, v in t.__dict__.items() if k != _RECIPE})  # e.g. _ck_grad_sum_axes
     return p
+
+
+def meta_twin(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` on the meta device (shapes, no storage; tied parameters stay tied), made before
+    the engine shards it: the checkpoint's index replay (``checkpoint.layout``) runs the same sharding on
+    copies of it, whatever the model."""
+    memo = {}
+    for t in (*model.parameters(), *model.buffers()):
+        twin = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        memo[id(t)] = nn.Parameter(twin, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else twin
+    return copy.deepcopy(model, memo)

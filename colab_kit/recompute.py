@@ -108,19 +108,21 @@ def is_recomputed(module: nn.Module) -> bool:
     return getattr(type(module), "_ck_recomputed_from", None) is not None
 
 
-def recompute_blocks(model: nn.Module) -> int:
-    """Make every module of ``model.blocks`` recompute its activations in backward; returns how
-    many changed (calling it twice changes nothing more).
+def recompute_blocks(model: nn.Module, policy=None) -> int:
+    """Make every block of ``model`` (the policy's ``blocks``: ``model.blocks`` for the built-in
+    models) recompute its activations in backward; returns how many changed (calling it twice
+    changes nothing more).
 
     >>> from colab_kit.models import GPT, GPTConfig
     >>> model = GPT(GPTConfig(n_layers=2))
     >>> recompute_blocks(model), type(model.blocks[0]).__name__, recompute_blocks(model)
     (2, 'RecomputedBlock', 0)
     """
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise ConfigError(f"recompute=True checkpoints each module of model.blocks (as ck.models.GPT has); "
-                          f"{type(model).__name__} has no blocks list: set recompute=False for this model")
+    from .policy import missing_policy_message, policy_for
+    policy = policy_for(model, policy)
+    if policy is None:
+        raise ConfigError(missing_policy_message(model, "recompute=True (which checkpoints each block)"))
+    blocks = policy.block_list(model)
     changed = 0
     for block in blocks:
         if not is_recomputed(block):

@@ -88,7 +88,7 @@ def test_use_split_backward_keeps_the_model_and_is_idempotent():
     assert n == 4 * 2 + 1  # qkv, proj, fc1, fc2 of blocks 2-3, and the head
     assert use_split_backward(stage) == 0 and list(stage.state_dict()) == keys
     assert all(type(m) is not nn.Linear for m in stage.modules())
-    assert isinstance(stage.head, DeferredLinear) and isinstance(stage.head, nn.Linear)
+    assert isinstance(stage.model.head, DeferredLinear) and isinstance(stage.model.head, nn.Linear)
     assert type(model.blocks[0].attn.qkv) is nn.Linear  # the stage on the other rank is untouched
 
 

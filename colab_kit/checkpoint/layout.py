@@ -109,34 +109,41 @@ class LocalSpace:
             yield kk, sel, pos[sel] - self.starts[kk]
 
 
-def _units(names: list[str]) -> list[list[str]]:
-    """The replay's units: each transformer block's parameters together, every other parameter alone."""
+def _sharded(config) -> bool:
+    return config.tp > 1 or config.pp > 1
+
+
+def _units(names: list[str], blocks: str = "blocks") -> list[list[str]]:
+    """The replay's units: each block's parameters together (``blocks``: the policy's path of the
+    blocks list), every other parameter alone."""
     units: dict[str, list[str]] = {}
+    depth = blocks.count(".") + 2
     for n in names:
         parts = n.split(".")
-        key = ".".join(parts[:2]) if parts[0] == "blocks" and len(parts) > 2 else n
+        inside = n.startswith(blocks + ".") and len(parts) > depth
+        key = ".".join(parts[:depth]) if inside else n
         units.setdefault(key, []).append(n)
     return list(units.values())
 
 
 def _replay(engine, table: DenseTable, unit: set[str]):
-    """This rank's parameters (in the engine's order) rebuilt from a float64 model whose parameters in
-    ``unit`` hold their global dense indices; the others stay meta (nothing is made for them)."""
-    from ..init import _RECIPE, defer
-    from ..models import GPT
-    config, mesh = engine.config, engine.mesh
-    model = GPT(engine.model_cfg, device="meta").to(torch.float64)
+    """This rank's parameters (in the engine's order) rebuilt from a float64 twin of the model whose
+    parameters in ``unit`` hold their global dense indices; the others stay meta (nothing is made for
+    them). The twin goes through the engine's own policy: the same tensor plan, the same pipeline split."""
+    from ..init import _RECIPE, defer, meta_twin
+    config, mesh, policy = engine.config, engine.mesh, engine.policy
+    model = meta_twin(engine._twin).to(torch.float64)
     model.init_parameter = lambda name, out: out.copy_(_arange(table, name).view(out.shape))
-    defer(model, config, mesh.rank("pp"))
+    defer(model, config, mesh.rank("pp"), policy)
     for name, t in model.named_parameters():
         if name not in unit and hasattr(t, _RECIPE):
             delattr(t, _RECIPE)
     if config.tp > 1:
         from ..tensor import plan_for
-        model = plan_for(mesh).parallelize(model)
+        model = plan_for(mesh).parallelize(model, policy)
     if config.pp > 1:
         from ..pipeline.stage import split_model
-        model = nn.ModuleList(split_model(model, config, mesh.rank("pp")))
+        model = nn.ModuleList(split_model(model, config, mesh.rank("pp"), policy))
     out = []
     for p in model.parameters():  # cut by the plan: real; left whole: its name (the indices are an arange)
         recipe = getattr(p, _RECIPE, None) if p.is_meta else None
@@ -161,13 +168,13 @@ def local_space(engine) -> LocalSpace:
     for k, (t, runs) in enumerate(layout):
         for p, start, length, at in runs:
             runs_of.setdefault(id(p), []).append((k, start, length, at))
-    if engine.model_cfg is None:  # not a GPT: tp = pp = 1 (boost refuses them otherwise), the local model is dense
+    if engine.policy is None or not _sharded(engine.config):  # the local model is dense (dp / ZeRO only)
         table = DenseTable([(n, tuple(p.shape)) for n, p in engine.module.named_parameters() if p.requires_grad])
         units, replay = [table.names], lambda unit: list(table.names)
     else:
-        from ..models import GPT
-        table = DenseTable([(n, tuple(p.shape)) for n, p in GPT(engine.model_cfg, device="meta").named_parameters()])
-        units, replay = _units(table.names), lambda unit: _replay(engine, table, set(unit))
+        table = DenseTable([(n, tuple(p.shape)) for n, p in engine._twin.named_parameters()])
+        units = _units(table.names, engine.policy.blocks)
+        replay = lambda unit: _replay(engine, table, set(unit))  # noqa: E731
     dtype = torch.int32 if table.total < 2 ** 31 - 1 else torch.int64
     starts = [0]
     for t, _ in layout:

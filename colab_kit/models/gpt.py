@@ -1,13 +1,10 @@
 """A small decoder-only transformer (GPT) that the engine can shard and stage.
 
 Token and position embeddings, ``n_layers`` pre-LayerNorm blocks (causal
-self-attention, then a GELU MLP) kept in ``model.blocks`` so that a pipeline can
-cut between them, a final LayerNorm and an untied LM head. Q, K and V come from one
-fused projection ``attn.qkv`` whose output features are laid out head by head
-(Megatron's order: ``[h0 q | h0 k | h0 v | h1 q | ...]``, ``head_dim`` each), so any
-contiguous split of its output features is a set of whole heads with their q, k and v,
-and a tensor-parallel plan communicates the attention's input once, not three times.
-The model knows nothing about parallelism.
+self-attention, then a GELU MLP; ``models.layers``) kept in ``model.blocks`` so that a
+pipeline can cut between them, a final LayerNorm and an untied LM head. The model knows
+nothing about parallelism: its policy (``colab_kit.policy.builtin.gpt_policy``) says what
+each part is, and the parallel parts read that.
 
 Parameters come from the config's seed alone (the global RNG is left as it
 was), so every rank that builds ``GPT(cfg)`` holds identical weights. Each
@@ -29,14 +26,14 @@ this rank's shards, equal to the dense model's (``colab_kit.init``)::
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from .layers import MLP, Attention, Block, init_by_name
 
 __all__ = ["GPTConfig", "GPT", "Block", "Attention", "MLP"]
 
@@ -75,56 +72,6 @@ class GPTConfig:
         return self.d_model // self.n_heads
 
 
-class Attention(nn.Module):
-    """Causal multi-head self-attention: one fused q, k, v projection, softmax(qk^T/sqrt(d)) v, out projection."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # head by head: [q k v] of h0, then h1, ...
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.dropout = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        # heads = out_features / (3 head_dim), so a layer holding a slice of heads works unchanged
-        qkv = self.qkv(x).view(b, t, -1, 3, self.head_dim).transpose(1, 2)  # [b, heads, t, 3, head_dim]
-        q, k, v = qkv.unbind(3)
-        y = self.attend(q, k, v)
-        return self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax(q k^T / sqrt(d)) v over ``[b, heads, t, head_dim]`` (a parallel plan may
-        replace it on an instance, e.g. sequence parallelism's ring attention)."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.fc1 = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model)
-        self.dropout = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.fc2(F.gelu(self.fc1(x))))
-
-
-class Block(nn.Module):
-    """Pre-LN transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = Attention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
 class GPT(nn.Module):
     """Decoder-only transformer; ``forward(tokens [b, t]) -> logits [b, t, vocab]``.
 
@@ -141,7 +88,7 @@ class GPT(nn.Module):
             # device would import torch._dynamo, seconds in every rank
             self.tok = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.d_model), freeze=False)
             self.pos = nn.Embedding.from_pretrained(torch.empty(cfg.seq_len, cfg.d_model), freeze=False)
-            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.blocks = nn.ModuleList(Block(cfg, causal=True) for _ in range(cfg.n_layers))
             self.ln_f = nn.LayerNorm(cfg.d_model)
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._init_weights()
@@ -161,15 +108,7 @@ class GPT(nn.Module):
         other parameters were made before, so ``init_parameter("blocks.1.mlp.fc1.weight", t)``
         gives the dense model's ``blocks[1].mlp.fc1.weight`` on its own.
         """
-        if tensor.dim() == 1:
-            return tensor.zero_() if name.endswith("bias") else tensor.fill_(1.0)
-        std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("proj.weight", "fc2.weight")) else 0.02
-        digest = hashlib.blake2b(f"{self.cfg.seed}/{name}".encode(), digest_size=8).digest()
-        gen = torch.Generator().manual_seed(int.from_bytes(digest, "little"))
-        if tensor.device.type == "cpu":
-            return tensor.normal_(0.0, std, generator=gen)
-        # the generator is a CPU one: draw there, so that every device gets the same values
-        return tensor.copy_(torch.empty(tensor.shape, dtype=tensor.dtype).normal_(0.0, std, generator=gen))
+        return init_by_name(name, tensor, self.cfg.seed, 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]

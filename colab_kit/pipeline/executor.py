@@ -178,6 +178,7 @@ class PipelineExecutor(ComputeActions, CommActions):
         if rows % (dp * m):
             raise ValueError(f"a global batch of {rows} rows does not split over dp={dp} x microbatches={m}: "
                              f"use a multiple of {dp * m} rows")
+        eng.count_targets(targets, m)
         x, y = eng._local_rows(inputs), eng._local_rows(targets)
         self._x = [split_batch(x, m, i, "microbatches") for i in range(m)]
         self._y = [split_batch(y, m, i, "microbatches") for i in range(m)]

@@ -44,7 +44,7 @@ class ComputeActions:
         st = self.stages[s]
         x = self._x[m] if st.first else self._take(self._act, a, "its input activation").requires_grad_()
         with self.engine._acts.measure((s, tuple(x.shape), x.dtype, torch.is_grad_enabled())):  # hooks once per shape
-            y = st(x)
+            y = st(x, self._x[m])
             if st.last:
                 loss = self.engine.loss_fn(y, self._y[m]) / self.m
                 self.loss += loss.detach()

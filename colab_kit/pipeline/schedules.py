@@ -350,9 +350,10 @@ def build_plan_for(config, model_cfg=None) -> Plan:
     list-scheduled on each stage's FLOPs instead of unit steps (``costs.flop_costs``: the first
     stage's whole backward in W, the head's matmul on the last stage), before any step has run;
     ``engine.pipeline.replan()`` can refine it from measured costs later. Other schedules, or no
-    model config, give ``build_plan``'s plan.
+    model config, give ``build_plan``'s plan. A config without a vocabulary (ViT's) has no FLOP
+    model here yet: unit steps.
     """
-    if config.schedule == "zb-v" and model_cfg is not None:
+    if config.schedule == "zb-v" and all(hasattr(model_cfg, a) for a in ("vocab_size", "d_ff", "n_layers")):
         from .costs import flop_costs
         return build_plan("zb-v", config.pp, config.microbatches, config.chunks,
                           costs=flop_costs(model_cfg, config.pp * config.chunks))

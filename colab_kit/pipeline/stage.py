@@ -16,12 +16,16 @@ Under the V, rank 0 holds both the embeddings and the head (so the loss), and ra
 block 1's output to block 2 in its own memory.
 
 The split works on the model *after* the tensor plan has sharded it, so a stage's
-modules are the tensor-parallel layers of this rank: the model's own ``embed``,
-blocks, ``ln_f`` and ``head`` run unchanged, on local shards. Any model with that
-shape (``embed(tokens)`` using its other child modules, a ``blocks`` list, ``ln_f``
-and ``head``) can be staged; ``ck.models.GPT`` is the one the engine ships.
+modules are the tensor-parallel layers of this rank. What a stage runs comes from the model's
+policy (``colab_kit.policy``): the first stage runs ``policy.embed(model, inputs)``, every stage
+its blocks, the last ``policy.finish(model, hidden)``. Each stage holds a *shell* of the model: the
+same classes and attribute names, with the blocks list cut down to its own blocks and every module
+of another stage replaced by a parameterless ``Elsewhere`` placeholder, so the model's own code runs
+unchanged on the parts it holds (a user's model, a Hugging Face one, the built-in GPT alike).
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn as nn
@@ -30,7 +34,6 @@ from ..config import ConfigError
 
 __all__ = ["Stage", "stage_layers", "split_model", "check_stages"]
 
-_TAIL = ("blocks", "ln_f", "head")
 
 
 def check_stages(n_layers: int, config) -> None:
@@ -49,59 +52,107 @@ def stage_layers(n_layers: int, n_stages: int) -> list[range]:
     return [range(s * per, (s + 1) * per) for s in range(n_stages)]
 
 
-class Stage(nn.Module):
-    """Stage ``index`` of ``n_stages``: ``forward(x)`` maps its input to its output.
+class Elsewhere(nn.Module):
+    """Stands in a stage's shell for a module that another pipeline stage holds."""
 
-    The first stage takes token ids ``[b, t]``; the last returns logits. ``source_names``
-    gives, for each of this stage's parameters in order, its name in the whole model
-    (``blocks.2.attn.qkv.weight``), so it can be compared with an unsplit model.
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"{self.path} lives on another pipeline stage: the policy's embed/finish used a "
+                           f"module its stage does not hold (list it in Policy.tail if finish needs it)")
+
+    def extra_repr(self) -> str:
+        return self.path
+
+
+def _shell(module: nn.Module, path: str, keep, blocks_path: str, blocks: nn.ModuleList, first: bool) -> nn.Module:
+    """A copy of ``module`` (the same class and attributes) whose children are kept, cut down or replaced."""
+    shell = copy.copy(module)
+    shell._modules = {}
+    shell._parameters = dict(module._parameters) if first else {}  # direct parameters go with the embeddings
+    shell._buffers = dict(module._buffers) if first else {}
+    for name, child in module._modules.items():
+        sub = f"{path}.{name}" if path else name
+        if sub == blocks_path:
+            shell._modules[name] = blocks
+        elif keep(sub) == "all":
+            shell._modules[name] = child
+        elif keep(sub) == "part":
+            shell._modules[name] = _shell(child, sub, keep, blocks_path, blocks, first)
+        else:
+            shell._modules[name] = Elsewhere(sub) if child is not None else None
+    return shell
+
+
+class Stage(nn.Module):
+    """Stage ``index`` of ``n_stages``: ``forward(x, inputs)`` maps its input to its output.
+
+    The first stage takes the batch's inputs (token ids ``[b, t]``, images); the last returns logits.
+    ``inputs`` (the microbatch's inputs, which every stage has) feeds ``policy.context``, e.g. BERT's
+    padding mask, passed to every block. ``source_names`` gives, for each of this stage's parameters in
+    order, its name in the whole model (``blocks.2.attn.qkv.weight``), so it can be compared with an
+    unsplit model.
     """
 
-    def __init__(self, model: nn.Module, index: int, n_stages: int, layers: range, names: dict[int, str]):
+    def __init__(self, model: nn.Module, policy, index: int, n_stages: int, layers: range, names: dict[int, str]):
         super().__init__()
-        self.index, self.n_stages = index, n_stages
+        self.index, self.n_stages, self.policy = index, n_stages, policy
         self.first, self.last = index == 0, index == n_stages - 1
-        if self.first:
-            for name, child in model.named_children():
-                if name not in _TAIL:
-                    self.add_module(name, child)
-            if hasattr(model, "cfg"):
-                self.cfg = model.cfg
-            self._embed = type(model).embed  # the model's own code, run on this module's children
-        self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
+        all_blocks = policy.block_list(model)
+        blocks = nn.ModuleList(all_blocks[i] for i in layers)
+        tail = tuple(policy.tail)
+
+        def keep(path: str) -> str:
+            on_way = policy.blocks.startswith(path + ".") or any(t.startswith(path + ".") for t in tail)
+            if path in tail:
+                return "all" if self.last else "none"
+            if on_way:
+                return "part"
+            return "all" if self.first else "none"
+
+        self.model = _shell(model, "", keep, policy.blocks, blocks, self.first)
         self.layers = layers
-        if self.last:
-            self.ln_f, self.head = model.ln_f, model.head
         self.source_names = [names[id(p)] for p in self.parameters()]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """This stage's blocks (inside its shell of the model)."""
+        from ..policy import get_module
+        return get_module(self.model, self.policy.blocks)
+
+    def forward(self, x: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
         if self.first:
-            x = self._embed(self, x)
+            x = self.policy.embed(self.model, x if inputs is None else inputs)
+        ctx = self.policy.context(self.model, inputs) if self.policy.context is not None and inputs is not None else {}
         for block in self.blocks:
-            x = block(x)
+            x = block(x, **ctx)
         if self.last:
-            x = self.head(self.ln_f(x))
+            x = self.policy.finish(self.model, x)
         return x
 
     def extra_repr(self) -> str:
         what = (["embeddings"] if self.first else []) + [f"blocks {self.layers.start}-{self.layers.stop - 1}"] + (
-            ["ln_f, head"] if self.last else [])
+            [", ".join(self.policy.tail) or "finish"] if self.last else [])
         return f"stage {self.index} of {self.n_stages}: " + ", ".join(what)
 
 
-def split_model(model: nn.Module, config, pp_rank: int) -> list[Stage]:
+def split_model(model: nn.Module, config, pp_rank: int, policy=None) -> list[Stage]:
     """The stages of pipeline rank ``pp_rank``, in chunk order: ``Plan.stages_of`` under the schedule's
     placement (``[pp_rank, pp_rank + pp]`` for interleaved, ``[pp_rank, 2*pp - 1 - pp_rank]`` for zb-v)."""
-    missing = [a for a in ("embed",) + _TAIL if not hasattr(model, a)]
-    if missing:
-        raise ConfigError(f"pipeline parallelism splits models shaped like ck.models.GPT (embed(), blocks, ln_f, "
-                          f"head); {type(model).__name__} has no {', '.join(missing)}: use pp=1 for this model")
-    check_stages(len(model.blocks), config)
+    from ..policy import missing_policy_message, policy_for
+    policy = policy_for(model, policy)
+    if policy is None:
+        raise ConfigError(missing_policy_message(model, f"pipeline parallelism (pp={config.pp})"))
+    policy.check(model, kinds=False)  # after the tensor plan
+    n_layers = len(policy.block_list(model))
+    check_stages(n_layers, config)
     from .schedules import SCHEDULE_PLACEMENT, Plan
 
     n = config.pp * config.chunks
     names = {id(p): name for name, p in model.named_parameters()}
-    layers = stage_layers(len(model.blocks), n)
+    layers = stage_layers(n_layers, n)
     where = Plan(config.pp, config.microbatches, config.chunks, config.schedule,
                  placement=SCHEDULE_PLACEMENT[config.schedule])
-    return [Stage(model, s, n, layers[s], names) for s in where.stages_of(pp_rank)]
+    return [Stage(model, policy, s, n, layers[s], names) for s in where.stages_of(pp_rank)]

@@ -79,29 +79,46 @@ class SequencePlan:
 
     @staticmethod
     def check(model_cfg, config) -> None:
-        """Refuse what cannot split, in the kernel: Ulysses needs the heads per tensor rank to divide by sp."""
+        """Refuse what cannot split, in the kernel: Ulysses needs the heads per tensor rank to divide by sp.
+        ``model_cfg``: a config with ``n_heads``, or the namespace ``tensor.model_sizes`` reads off a model."""
         if config.sp > 1 and config.sp_mode == "ulysses":
             check_heads(model_cfg.n_heads // config.tp, config.sp)
+
+    @staticmethod
+    def check_policy(model, policy, config) -> None:
+        """What the policy must say for sequence parallelism: an ``attend`` on every attention, all causal."""
+        atts = policy.attentions(model)
+        if not atts or any(a.attend is None for _, _, a in atts):
+            raise ConfigError(f"sequence parallelism replaces each attention's attend(q, k, v); policy "
+                              f"{policy.name!r} names none for some attention module: give Attention(attend="
+                              f"'<method name>') in the policy, or use sp=1")
+        if any(not a.causal for _, _, a in atts):
+            raise ConfigError(f"sp_mode={config.sp_mode!r} runs causal attention; policy {policy.name!r} has "
+                              f"bidirectional attention (BERT, ViT), which sequence parallelism does not run "
+                              f"yet: use sp=1 for this model")
 
     def check_length(self, t: int) -> None:
         """A sequence of ``t`` tokens must split into this mode's pieces (before any collective)."""
         check_length(t, self.size, self.layout)
 
     # ------------------------------------------------------------------ the model
-    def parallelize(self, model: nn.Module) -> nn.Module:
-        """Attention through the ring (or all-to-all), positions looked up globally, gradients summed over sp."""
-        blocks = getattr(model, "blocks", None)
-        if blocks is None or not hasattr(model, "pos"):
-            raise ConfigError(f"sequence parallelism splits models shaped like ck.models.GPT (blocks, pos); got "
-                              f"{type(model).__name__}: use sp=1")
-        for block in blocks:
-            block.attn.attend = self.attend  # an instance attribute: the model's code is not touched
-        pos = model.pos
-        if type(pos) is not nn.Embedding:
-            raise ConfigError(f"sequence parallelism expects the position table to be an nn.Embedding, got "
-                              f"{type(pos).__name__} (tp_mode={self.mesh.config.tp_mode!r}): use tp_mode='1d'")
-        pos.__class__ = SequencePositions
-        pos._sp_rank, pos._sp_size, pos._sp_layout = self.rank, self.size, self.layout
+    def parallelize(self, model: nn.Module, policy=None) -> nn.Module:
+        """Attention through the ring (or all-to-all), positions looked up globally, gradients summed over sp.
+
+        What changes comes from the policy: each attention module's ``attend`` method (an instance
+        attribute: the model's code is not touched) and each ``positions`` table."""
+        from ..policy import policy_for
+        policy = policy or policy_for(model)
+        policy.check(model, kinds=False)  # after the tensor plan
+        self.check_policy(model, policy, self.mesh.config)
+        for _, module, a in policy.attentions(model):
+            setattr(module, a.attend, self.attend)
+        for path, _, pos in policy.modules(model, "positions"):
+            if type(pos) is not nn.Embedding:
+                raise ConfigError(f"sequence parallelism expects the position table {path} to be an nn.Embedding, "
+                                  f"got {type(pos).__name__} (tp_mode={self.mesh.config.tp_mode!r}): use tp_mode='1d'")
+            pos.__class__ = SequencePositions
+            pos._sp_rank, pos._sp_size, pos._sp_layout = self.rank, self.size, self.layout
         for p in model.parameters():  # replicated over sp: summed over it after backward
             axes = tuple(getattr(p, "_ck_grad_sum_axes", ()))
             if self.axis not in axes:

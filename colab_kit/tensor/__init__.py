@@ -38,8 +38,10 @@ import torch.nn as nn
 
 from .. import comm
 from ..config import ConfigError
+from ..policy import get_module, set_module
+from .cross_entropy import vocab_parallel_cross_entropy
 
-__all__ = ["block_collectives", "TensorPlan", "plan_for", "plan_class", "check_model", "linear_comm_bytes", "mark_grad_sum",
+__all__ = ["block_collectives", "TensorPlan", "plan_for", "plan_class", "check_model", "model_sizes", "linear_comm_bytes", "mark_grad_sum",
            "sync_grads"]
 
 
@@ -101,11 +103,51 @@ class TensorPlan:
         before any process is touched (``check_model``).
         """
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
+    # ------------------------------------------------------------------ lowering a policy
+    head_axes: tuple[str, ...] = ("tp",)
+    """Axes over which the attention heads are split (their sizes divide each head count)."""
+    vocab_axis = "tp"
+    """The axis the logits' vocabulary (or classes) is split over, for the vocab-parallel loss."""
+
+    def layer(self, role: str, path: str, dense: nn.Module) -> nn.Module | None:
+        """This mode's layer for a dense module of ``role`` (None: keep it whole on every rank)."""
         raise NotImplementedError
 
+    def parallelize(self, model: nn.Module, policy=None) -> nn.Module:
+        """Replace every layer ``policy`` names by this mode's (in the model's own module order, so a
+        meta model's shards are made one at a time), divide the attention head counts by the head split,
+        and tie what the policy ties. The model's own forward code then runs on the local shards."""
+        if policy is None:
+            from ..policy import policy_for
+            policy = policy_for(model)
+        policy.check(model)
+        made: dict[str, nn.Module] = {}
+        for path, role, dense in policy.modules(model):
+            new = self.layer(role, path, dense)
+            if new is not None:
+                set_module(model, path, new)
+                made[path] = new
+        split = math.prod(self.mesh.size(a) for a in self.head_axes)
+        for _, att, what in policy.attentions(model):
+            for name in (*what.heads, *what.kv_heads):
+                setattr(att, name, getattr(att, name) // split)
+        for a, b in policy.tied:
+            self.tie(model, get_module(model, a), get_module(model, b), a, b)
+        return model
+
+    def tie(self, model: nn.Module, table: nn.Module, head: nn.Module, table_path: str, head_path: str) -> None:
+        """Make ``head`` use ``table``'s weight again after both were sharded (the policy's ``tied``)."""
+        raise ConfigError(f"tp_mode={self.mesh.config.tp_mode!r} cannot shard {head_path} tied to {table_path} "
+                          f"yet: untie them (e.g. BERTConfig(tie_embeddings=False)) or use tp_mode '1d' or '2d'")
+
+    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy from logits split over ``vocab_axis`` (targets -100: any value)."""
+        start = self.mesh.rank(self.vocab_axis) * logits.shape[-1]
+        return vocab_parallel_cross_entropy(logits, targets, self.mesh, self.vocab_axis, start)
+
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Mean cross-entropy over this rank's tokens."""
+        return self.token_losses(logits, targets).mean()
 
 
 def require_divisible(what: dict[str, int], by: int, rule: str) -> None:
@@ -196,16 +238,56 @@ def block_collectives(config) -> dict[str, int]:
     return {"all_gather": 12, "reduce_scatter": 12, "all_reduce": 8}
 
 
-def check_model(model_cfg, config) -> None:
-    """ConfigError, before any process runs, if ``model_cfg`` cannot be sharded by ``config``."""
+def check_model(model_cfg, config, policy=None) -> None:
+    """ConfigError, before any process runs, if a model cannot be sharded by ``config``.
+
+    ``model_cfg``: a built-in model's config (``GPTConfig``), or the model itself with its
+    ``policy`` (``colab_kit.policy``), whose sizes are read off its layers (``model_sizes``).
+    """
     if config.tp > 1:
-        from ..config import ConfigError
         from ..mesh import MeshLayout
 
-        if getattr(model_cfg, "dropout", 0.0):
+        sizes = model_sizes(model_cfg, policy)
+        if getattr(sizes, "dropout", 0.0):
             raise ConfigError(
-                f"dropout={model_cfg.dropout} with tensor parallelism (tp={config.tp}) needs the same dropout "
+                f"dropout={sizes.dropout} with tensor parallelism (tp={config.tp}) needs the same dropout "
                 "masks on ranks whose activations are copies and different ones where they are split (a "
                 "Megatron-style RNG tracker), which colab_kit does not have yet: use dropout=0.0 with tp > 1, "
                 "or dropout with dp / pp only")
-        plan_class(config.tp_mode, config.sp_mode).check(model_cfg, MeshLayout(config))
+        plan_class(config.tp_mode, config.sp_mode).check(sizes, MeshLayout(config))
+
+
+def model_sizes(model, policy=None):
+    """The sizes a tensor mode splits, as one namespace: ``d_model``, ``n_heads``, ``d_ff``, ``seq_len``,
+    ``outputs`` (the head's: ``{"vocab_size": V}`` or ``{"num_classes": C}``), ``tables`` (the token
+    table's ``{"vocab_size": V}``), ``inputs`` (an input Linear's ``{"input features": F}``), ``dropout``,
+    ``roles`` (each role the model has -> its first path) and ``tied`` (the policy's tied pairs).
+
+    From a config (``GPTConfig``), its fields; from a model with its policy, its layers: ``d_ff`` is the
+    gcd of the out features of the column Linears outside attention (a tp size divides all of them
+    exactly when it divides their gcd), ``d_model`` the first norm's width.
+    """
+    from types import SimpleNamespace
+    if not isinstance(model, nn.Module):
+        v = model.vocab_size
+        return SimpleNamespace(d_model=model.d_model, n_heads=model.n_heads, d_ff=model.d_ff,
+                               seq_len=model.seq_len, outputs={"vocab_size": v}, tables={"vocab_size": v},
+                               inputs={}, dropout=getattr(model, "dropout", 0.0), roles={}, tied=())
+    inside = {p for p, _, _ in policy.attentions(model)}
+    cols = [m.out_features for p, _, m in policy.modules(model, "column")
+            if not any(p.startswith(a + ".") for a in inside)]
+    norms = policy.modules(model, "norm")
+    rows = policy.modules(model, "row")
+    d_model = norms[0][2].normalized_shape[0] if norms else (rows[0][2].out_features if rows else 0)
+    heads = policy.head_count(model)["heads"]
+    head_name = "num_classes" if policy.loss == "classes" else "vocab_size"
+    pos = policy.modules(model, "positions")
+    drops = [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
+    return SimpleNamespace(
+        d_model=d_model, n_heads=heads, d_ff=math.gcd(*cols) if cols else d_model,
+        seq_len=pos[0][2].num_embeddings if pos else 0,
+        outputs={head_name: m.out_features for _, _, m in policy.modules(model, "head")},
+        tables={"vocab_size": m.num_embeddings for _, _, m in policy.modules(model, "vocab")},
+        inputs={"input features": m.in_features for _, _, m in policy.modules(model, "input")},
+        dropout=max(drops, default=0.0), roles={r: p for p, r, _ in reversed(policy.modules(model))},
+        tied=tuple(policy.tied))

@@ -55,6 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
+from ..config import ConfigError
 from ..classes import derived_class
 from ..pipeline.zero_bubble import split_linear
 from . import mark_grad_sum, require_divisible
@@ -202,6 +203,12 @@ class SplitGather1D(Plan1D):
 
     @classmethod
     def check(cls, cfg, layout) -> None:
+        bad = sorted(set(getattr(cfg, "roles", {})) - {"vocab", "positions", "column", "row", "norm", "head"})
+        if bad or getattr(cfg, "tied", ()):
+            what = ", ".join(f"{r} ({cfg.roles[r]})" for r in bad) + (" and tied weights" if cfg.tied else "")
+            raise ConfigError(f"sp_mode='split_gather' splits the sequence of models made of token and position "
+                              f"tables, norms, column/row Linears and a head; this one also has {what}: use "
+                              f"plain tp_mode='1d' (sp_mode='ring' or 'ulysses' for causal models)")
         super().check(cfg, layout)
         p = layout.size("tp")
         require_divisible({"seq_len": cfg.seq_len}, p,
@@ -217,22 +224,38 @@ class SplitGather1D(Plan1D):
                              f"sp_mode='split_gather': use a sequence length that is a multiple of {n}")
         return super().shard_batch(rows)
 
-    def parallelize(self, model):
+    def parallelize(self, model, policy=None):
+        """1D's layers by role, with the regions split along the sequence: g at the entry of each
+        attention module (it reads the whole sequence's length) and of each column Linear outside one
+        (the MLP's up projections, the head), g-bar after each row Linear and the token table."""
+        from ..policy import policy_for
+        policy = policy or policy_for(model)
+        policy.check(model)
+        self._attention_paths = tuple(p for p, _, _ in policy.attentions(model))
+        for _, att, _ in policy.attentions(model):
+            gather_at_entry(att, self.mesh, "tp")
+        return super().parallelize(model, policy)
+
+    def layer(self, role, path, dense):
         mesh, axis = self.mesh, "tp"
-        model.tok = SequenceVocabEmbedding.from_dense(model.tok, mesh, axis)
-        model.pos.__class__ = SequencePositions1D
-        model.pos._tp_rank, model.pos._tp_size = mesh.rank(axis), mesh.size(axis)
-        sum_over(model.pos.weight, axis)
-        for block in model.blocks:
-            block.attn.qkv = RegionColumnLinear.from_dense(block.attn.qkv, mesh, axis)  # whole heads (models.gpt)
-            block.attn.proj = SequenceRowLinear.from_dense(block.attn.proj, mesh, axis)
-            block.mlp.fc1 = RegionColumnLinear.from_dense(block.mlp.fc1, mesh, axis)
-            block.mlp.fc2 = SequenceRowLinear.from_dense(block.mlp.fc2, mesh, axis)
-            gather_at_entry(block.attn, mesh, axis)
-            gather_at_entry(block.mlp, mesh, axis)
-            for p in (*block.ln1.parameters(), *block.ln2.parameters()):
+        if role == "vocab":
+            return SequenceVocabEmbedding.from_dense(dense, mesh, axis)
+        if role == "positions":
+            dense.__class__ = SequencePositions1D
+            dense._tp_rank, dense._tp_size = mesh.rank(axis), mesh.size(axis)
+            sum_over(dense.weight, axis)
+            return None
+        if role == "norm":
+            for p in dense.parameters():
                 sum_over(p, axis)
-        for p in model.ln_f.parameters():
-            sum_over(p, axis)
-        model.head = gather_at_entry(RegionColumnLinear.from_dense(model.head, mesh, axis), mesh, axis)
-        return model
+            return None
+        if role == "row":
+            return SequenceRowLinear.from_dense(dense, mesh, axis)
+        linear = RegionColumnLinear.from_dense(dense, mesh, axis)  # column, head
+        return linear if self._in_attention(path) else gather_at_entry(linear, mesh, axis)
+
+    def _in_attention(self, path: str) -> bool:
+        return any(path.startswith(a + ".") for a in self._attention_paths)
+
+    _attention_paths: tuple[str, ...] = ()
+

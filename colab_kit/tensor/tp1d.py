@@ -28,7 +28,6 @@ from .. import comm
 from ..pipeline.zero_bubble import split_linear
 from ..init import dense_value
 from . import TensorPlan, require_divisible
-from .cross_entropy import vocab_parallel_cross_entropy
 
 __all__ = ["ColumnLinear", "RowLinear", "VocabEmbedding", "Plan1D"]
 
@@ -123,30 +122,28 @@ class VocabEmbedding(nn.Module):
 
 
 class Plan1D(TensorPlan):
+    """Megatron's 1D plan, by role: the token table split by vocabulary, each pair's first Linear by
+    output features and second by input features, the head by vocabulary (or classes); positions,
+    tables, input and width-keeping Linears and norms stay whole (activations are whole here)."""
+
     mode = "1d"
     batch_axes = ()
+    LAYERS = {"vocab": VocabEmbedding, "column": ColumnLinear, "row": RowLinear, "head": ColumnLinear}
 
     @classmethod
     def check(cls, cfg, layout) -> None:
         p = layout.size("tp")
-        require_divisible({"n_heads": cfg.n_heads, "d_ff": cfg.d_ff, "vocab_size": cfg.vocab_size}, p,
+        require_divisible({"n_heads": cfg.n_heads, "d_ff": cfg.d_ff, **cfg.outputs, **cfg.tables}, p,
                           f"tp_mode='1d' splits attention heads, the MLP's inner size and the vocabulary "
                           f"over tp={p}: choose sizes that are multiples of {p}, or a tp that divides them")
 
-    def parallelize(self, model):
-        mesh = self.mesh
-        model.tok = VocabEmbedding.from_dense(model.tok, mesh)
-        for block in model.blocks:
-            block.attn.qkv = ColumnLinear.from_dense(block.attn.qkv, mesh)  # whole heads (see models.gpt)
-            block.attn.proj = RowLinear.from_dense(block.attn.proj, mesh)
-            block.mlp.fc1 = ColumnLinear.from_dense(block.mlp.fc1, mesh)
-            block.mlp.fc2 = RowLinear.from_dense(block.mlp.fc2, mesh)
-        model.head = ColumnLinear.from_dense(model.head, mesh)
-        return model
+    def layer(self, role, path, dense):
+        make = self.LAYERS.get(role)
+        return make.from_dense(dense, self.mesh) if make is not None else None
 
-    def loss(self, logits, targets):
-        start = self.mesh.rank("tp") * logits.shape[-1]
-        return vocab_parallel_cross_entropy(logits, targets, self.mesh, "tp", start).mean()
+    def tie(self, model, table, head, table_path, head_path):
+        """The vocabulary-split table and the vocabulary-split head hold the same rows: one parameter."""
+        head.weight = table.weight
 
 
 def linear_comm_bytes(rows: int, d_in: int, d_out: int, kind: str, bytes_per_elem: int = 4) -> dict:

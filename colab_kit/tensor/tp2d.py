@@ -44,10 +44,10 @@ works on rows 4..5 and hidden cols 4..7.
 """
 from __future__ import annotations
 
+from ..policy import set_module
 from . import TensorPlan, require_divisible
-from .cross_entropy import vocab_parallel_cross_entropy
-from .tp2d_layers import (SUMMA_AB, SUMMA_ABT, SUMMA_ATB, Embedding2D, LayerNorm2D, Linear2D, VocabEmbedding2D,
-                          batch_axes_of, summa_ab, summa_abt, summa_atb)
+from .tp2d_layers import (SUMMA_AB, SUMMA_ABT, SUMMA_ATB, Embedding2D, InputLinear2D, LayerNorm2D, Linear2D,
+                          TiedHead2D, VocabEmbedding2D, batch_axes_of, summa_ab, summa_abt, summa_atb)
 
 __all__ = ["Plan2D", "linear_comm_bytes", "Linear2D", "LayerNorm2D", "Embedding2D", "VocabEmbedding2D",
            "SUMMA_AB", "SUMMA_ABT", "SUMMA_ATB", "summa_ab", "summa_abt", "summa_atb"]
@@ -90,6 +90,8 @@ class Plan2D(TensorPlan):
     """The plan of tp_mode '2d' and '2.5d' (see the module docstring)."""
 
     mode = "2d"  # "2.5d" on a 2.5d mesh (set per instance)
+    head_axes = ("tp_col",)
+    vocab_axis = "tp_col"  # logits: rows by grid row, vocabulary by grid column
 
     def __init__(self, mesh):
         super().__init__(mesh)
@@ -102,27 +104,23 @@ class Plan2D(TensorPlan):
         mode = layout.config.tp_mode
         grid = f"tp={layout.config.tp}" + (f" with depth {layout.size('tp_dep')}" if mode == "2.5d" else "")
         require_divisible({"d_model": cfg.d_model, "n_heads": cfg.n_heads, "d_ff": cfg.d_ff,
-                           "vocab_size": cfg.vocab_size}, q,
+                           **cfg.outputs, **cfg.tables, **cfg.inputs}, q,
                           f"tp_mode={mode!r} ({grid}, a {q} x {q} grid) splits the hidden size, the attention "
                           f"heads, the MLP's inner size and the vocabulary over the q={q} grid columns: "
                           f"choose sizes that are multiples of {q}")
 
-    def parallelize(self, model):
+    def layer(self, role, path, dense):
         mesh = self.mesh
-        model.tok = VocabEmbedding2D.from_dense(model.tok, mesh)
-        model.pos = Embedding2D.from_dense(model.pos, mesh)
-        for block in model.blocks:
-            block.ln1 = LayerNorm2D.from_dense(block.ln1, mesh)
-            block.ln2 = LayerNorm2D.from_dense(block.ln2, mesh)
-            block.attn.qkv = Linear2D.from_dense(block.attn.qkv, mesh)  # one SUMMA for q, k and v
-            block.attn.proj = Linear2D.from_dense(block.attn.proj, mesh)
-            block.mlp.fc1 = Linear2D.from_dense(block.mlp.fc1, mesh)
-            block.mlp.fc2 = Linear2D.from_dense(block.mlp.fc2, mesh)
-        model.ln_f = LayerNorm2D.from_dense(model.ln_f, mesh)
-        model.head = Linear2D.from_dense(model.head, mesh)
-        return model
+        if role == "vocab":
+            return VocabEmbedding2D.from_dense(dense, mesh)
+        if role in ("positions", "table"):
+            return Embedding2D.from_dense(dense, mesh)
+        if role == "norm":
+            return LayerNorm2D.from_dense(dense, mesh)
+        if role == "input":  # the raw input, whole: this rank's feature block, then SUMMA
+            return InputLinear2D.from_dense(dense, mesh)
+        return Linear2D.from_dense(dense, mesh)  # column, row, dense, head: one SUMMA each (q/k/v fused)
 
-    def loss(self, logits, targets):
-        """Mean cross-entropy of this rank's rows, from logits split by vocabulary over tp_col."""
-        start = self.mesh.rank("tp_col") * logits.shape[-1]
-        return vocab_parallel_cross_entropy(logits, targets, self.mesh, "tp_col", start).mean()
+    def tie(self, model, table, head, table_path, head_path):
+        """The head's logits from the token table's own blocks: ``x table^T`` by SUMMA (``TiedHead2D``)."""
+        set_module(model, head_path, TiedHead2D(table, head.bias, self.mesh))

@@ -326,3 +326,44 @@ class VocabEmbedding2D(nn.Module):
         with torch.no_grad():
             dense.weight.copy_(w)
         return dense
+
+
+class InputLinear2D(Linear2D):
+    """A Linear on the raw input (ViT's patch embedding): the input arrives whole in its features
+    (rows already split over the batch axes), so each rank takes its feature block j and runs the
+    SUMMA of ``Linear2D``. The input needs no gradient, so the slice costs nothing backward.
+
+    tp=4 (q=2), patches of 4 values, nn.Linear(4, 8): rank (i, j) takes patches[rows of block i,
+    2j:2j+2] and returns y[rows of block i, 4j:4j+4].
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, j = self.mesh.size("tp_col"), self.mesh.rank("tp_col")
+        return super().forward(x.chunk(q, dim=-1)[j])
+
+
+class TiedHead2D(nn.Module):
+    """An output layer whose weight is the token table (``tied`` in the policy): ``x table^T + b``.
+
+    The table is held as ``VocabEmbedding2D`` holds it, block (i, j) = ``table[V/q block i, h/q block
+    j]``, which is B of ``C = A B^T`` with A = x (rows block i, hidden block j): SUMMA's A B^T gives
+    rank (i, k) logits of rows block i and vocabulary block k, the layout the vocab-parallel loss
+    reads. One parameter, two uses: its gradient gets both. The bias block k is shared by the grid
+    rows (its gradient summed over the batch axes).
+    """
+
+    def __init__(self, table: nn.Module, bias: torch.Tensor | None, mesh):
+        super().__init__()
+        self.mesh = mesh
+        self.table = [table]  # not a child: the parameter is the table module's
+        q, j = mesh.size("tp_col"), mesh.rank("tp_col")
+        self.bias = mark_grad_sum(nn.Parameter(_block(bias, q, j)), *batch_axes_of(mesh)) if bias is not None else None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table[0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = SUMMA_ABT.apply(x.reshape(-1, x.shape[-1]), self.weight, self.mesh)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y + self.bias if self.bias is not None else y

@@ -58,9 +58,9 @@ Worked example, tp=8 (q=2), batch 8, d_model 32, 4 heads, vocab 64::
 """
 from __future__ import annotations
 
+from ..config import ConfigError
 from . import TensorPlan, require_divisible
-from .cross_entropy import vocab_parallel_cross_entropy
-from .tp3d_layers import (WT, Embedding3D, LayerNorm3D, Linear3D, VocabEmbedding3D, local_block,
+from .tp3d_layers import (WT, Embedding3D, InputLinear3D, LayerNorm3D, Linear3D, VocabEmbedding3D, local_block,
                           other_axis)
 
 __all__ = ["Plan3D", "linear_comm_bytes", "Linear3D", "LayerNorm3D", "VocabEmbedding3D", "Embedding3D",
@@ -111,40 +111,51 @@ class Plan3D(TensorPlan):
 
     mode = "3d"
     batch_axes = BATCH_AXES
+    head_axes = (INNER[1],)  # q/k/v outputs: heads over tp_in
+    vocab_axis = INNER[1]
 
     @classmethod
     def check(cls, cfg, layout) -> None:
         q = layout.size(WT)
         where = f"tp_mode='3d' with tp={q ** 3} (q={q})"
+        if "dense" in getattr(cfg, "roles", {}):
+            raise ConfigError(f"tp_mode='3d' has no layer for {cfg.roles['dense']} (a width-keeping Linear on the "
+                              f"residual would need its input and output in one layout): use tp_mode '1d' or "
+                              f"'2d' for this model")
+        if getattr(cfg, "tied", ()):
+            a, b = cfg.tied[0]
+            raise ConfigError(f"tp_mode='3d' cannot shard {b} tied to {a} yet: untie them (e.g. "
+                              f"BERTConfig(tie_embeddings=False)) or use tp_mode '1d' or '2d'")
         require_divisible({"d_model": cfg.d_model, "d_ff": cfg.d_ff}, q * q,
                           f"{where} splits each Linear's input features over q*q={q * q} ranks "
                           f"(tp_wt and one of tp_in/tp_out): choose multiples of {q * q}")
         require_divisible({"n_heads": cfg.n_heads}, q,
                           f"{where} splits attention heads over q={q} ranks: choose multiples of {q}")
-        require_divisible({"vocab_size": cfg.vocab_size}, q * q,
+        require_divisible({k: v for k, v in cfg.outputs.items() if k not in cfg.tables}, q,
+                          f"{where} splits the head's outputs over q={q} ranks: choose multiples of {q}")
+        require_divisible({**cfg.inputs}, q * q, f"{where} splits an input Linear's features over q*q={q * q} ranks: "
+                          f"choose multiples of {q * q}")
+        require_divisible(dict(cfg.tables), q * q,
                           f"{where} splits the token table's vocabulary over q*q={q * q} ranks (tp_wt and "
                           f"tp_in, the paper's V/q^2 x h/q): choose multiples of {q * q}")
 
-    def parallelize(self, model):
+    def layer(self, role, path, dense):
         mesh = self.mesh
         (_, res_h), (_, inner_h) = RESIDUAL, INNER
         first = dict(in_axis=inner_h, out_axis=res_h)   # residual -> inner
         second = dict(in_axis=res_h, out_axis=inner_h)  # inner -> residual
-        model.tok = VocabEmbedding3D.from_dense(model.tok, mesh, vocab_axis=other_axis(res_h))
-        model.pos = Embedding3D.from_dense(model.pos, mesh, axis=res_h)
-        for block in model.blocks:
-            block.ln1 = LayerNorm3D.from_dense(block.ln1, mesh, axis=res_h)
-            block.ln2 = LayerNorm3D.from_dense(block.ln2, mesh, axis=res_h)
-            block.attn.qkv = Linear3D.from_dense(block.attn.qkv, mesh, **first)  # the input gathered once
-            block.attn.proj = Linear3D.from_dense(block.attn.proj, mesh, **second)
-            block.mlp.fc1 = Linear3D.from_dense(block.mlp.fc1, mesh, **first)
-            block.mlp.fc2 = Linear3D.from_dense(block.mlp.fc2, mesh, **second)
-        model.ln_f = LayerNorm3D.from_dense(model.ln_f, mesh, axis=res_h)
-        model.head = Linear3D.from_dense(model.head, mesh, **first)
-        return model
-
-    def loss(self, logits, targets):
-        """Mean cross-entropy of this rank's tokens; logits rows over (tp_wt, tp_out), vocab over tp_in."""
-        axis = INNER[1]
-        start = self.mesh.rank(axis) * logits.shape[-1]
-        return vocab_parallel_cross_entropy(logits, targets, self.mesh, axis, start).mean()
+        if role == "vocab":
+            return VocabEmbedding3D.from_dense(dense, mesh, vocab_axis=other_axis(res_h))
+        if role in ("positions", "table"):
+            return Embedding3D.from_dense(dense, mesh, axis=res_h)
+        if role == "norm":
+            return LayerNorm3D.from_dense(dense, mesh, axis=res_h)
+        if role in ("column", "head"):
+            return Linear3D.from_dense(dense, mesh, **first)  # q/k/v fused: the input gathered once
+        if role == "row":
+            return Linear3D.from_dense(dense, mesh, **second)
+        if role == "input":  # rows arrive as the batch's (the inner layout): this rank's features, then inner -> residual
+            return InputLinear3D.from_dense(dense, mesh, **second)
+        raise ConfigError(f"tp_mode='3d' has no layer for {path} (role {role!r}: a width-keeping Linear on the "
+                          f"residual would need its input and output in one layout): use tp_mode '1d' or '2d' "
+                          f"for this model")

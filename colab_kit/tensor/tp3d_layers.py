@@ -281,3 +281,17 @@ class Embedding3D(nn.Module):
         with torch.no_grad():
             dense.weight.copy_(w)
         return dense
+
+
+class InputLinear3D(Linear3D):
+    """A Linear on the raw input (ViT's patch embedding). The input's rows arrive split as the batch's
+    (over tp_wt and ``in_axis``) and its features whole: each rank takes its block of the features over
+    ``out_axis`` (the layout ``Linear3D`` takes) and runs its matmul. No gradient flows to the input.
+
+    tp=8 (q=2), patches of 4 values, in_axis=tp_out, out_axis=tp_in: rank (in 1, wt 0, out 1) takes
+    features 2..3 of rows 2..3 and returns rows of the residual layout, features over tp_out.
+    """
+
+    def forward(self, x):
+        q = self.mesh.size(WT)
+        return super().forward(x.chunk(q, dim=-1)[self.mesh.rank(self.out_axis)].contiguous())

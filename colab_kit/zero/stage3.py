@@ -45,9 +45,9 @@ values live on, widened, in the fp32 gradient); ``zero()`` gives it back, zeroed
 holds 4P/N of gradients (FSDP2's fp32 sharded gradients), not 6P/N, and between steps the
 paper's 2P/N is there again. The values are those of the 16-bit pieces: parity is unchanged.
 
-Hooks: a forward pre-hook and a forward hook on each block (``model.blocks``) and on the
+Hooks: a forward pre-hook and a forward hook on each block (the policy's ``blocks``) and on the
 model, a tensor hook on each block's output (its backward is next), and a post-accumulate-grad
-hook on every parameter. A model without ``blocks`` is one chunk, gathered for the whole step.
+hook on every parameter. A model without a policy is one chunk, gathered for the whole step.
 With recompute (``colab_kit.recompute``) a block's own hooks fire once, around the forward;
 its recomputation in backward runs after the output hook gathered it. Pipeline parallelism is
 refused with zero=3 (see ``engine.unsupported``).
@@ -70,10 +70,11 @@ from .chunks import Chunk
 __all__ = ["ZeroParams", "units_of"]
 
 
-def units_of(module: nn.Module) -> list[tuple[str, nn.Module | None, list[nn.Parameter]]]:
+def units_of(module: nn.Module, blocks: nn.ModuleList | None = None) -> list[tuple[str, nn.Module | None,
+                                                                                  list[nn.Parameter]]]:
     """The chunks' units in forward order: ``("rest", None, params outside the blocks)`` first, then
-    ``("blocks.i", block, its params)``; a model without ``blocks`` is one unit."""
-    blocks = getattr(module, "blocks", None)
+    ``("blocks.i", block, its params)``; ``blocks``: the policy's list of blocks (``colab_kit.policy``);
+    without one the model is one unit."""
     inner = {id(p) for b in blocks for p in b.parameters()} if isinstance(blocks, nn.ModuleList) else set()
     rest = [p for p in module.parameters() if p.requires_grad and id(p) not in inner]
     units = [("rest", None, rest)]
@@ -95,11 +96,11 @@ class ZeroParams:
     chunks whole right now, which the activation meter does not count)."""
 
     def __init__(self, module: nn.Module, mesh, axis: str = "dp", events=None, prefetch: bool = True,
-                 offload: str = "none", device_budget: int | None = None):
+                 offload: str = "none", device_budget: int | None = None, blocks: nn.ModuleList | None = None):
         self.module, self.mesh, self.axis = module, mesh, axis
         self.events = events if events is not None else []
         self.prefetch = prefetch
-        units = units_of(module)
+        units = units_of(module, blocks)
         if len({(p.dtype, p.device) for _, _, ps in units for p in ps}) > 1:
             raise ConfigError("ZeRO keeps parameters in flat chunks: they must share one dtype and device")
         self.chunks = [Chunk(i, name, params, mesh, axis) for i, (name, _, params) in enumerate(units)]

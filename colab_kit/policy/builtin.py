@@ -1,0 +1,57 @@
+"""The policies of the models colab_kit ships: GPT, BERT and ViT (``colab_kit.models``).
+
+They use the public ``Policy`` API exactly as a user's policy does; importing this module
+registers them (``policy_for`` does it on first use).
+"""
+from __future__ import annotations
+
+from ..models import BERT, GPT, ViT
+from . import Attention, Policy, register
+
+__all__ = ["gpt_policy", "bert_policy", "vit_policy"]
+
+_BLOCK = {"blocks.*.ln1": "norm", "blocks.*.ln2": "norm",
+          "blocks.*.attn.qkv": "column", "blocks.*.attn.proj": "row",
+          "blocks.*.mlp.fc1": "column", "blocks.*.mlp.fc2": "row"}
+"""The pre-LN block every built-in model shares (``models.layers.Block``): fused q/k/v head by head."""
+
+
+def _attention(causal: bool) -> dict[str, Attention]:
+    return {"blocks.*.attn": Attention(heads=("n_heads",), attend="attend", causal=causal)}
+
+
+def gpt_policy(model: GPT) -> Policy:
+    """GPT: token and position tables, the blocks, ``ln_f`` and an untied LM head."""
+    return Policy(name="gpt", blocks="blocks",
+                  layers={"tok": "vocab", "pos": "positions", **_BLOCK, "ln_f": "norm", "head": "head"},
+                  attention=_attention(causal=True),
+                  embed=lambda m, tokens: m.embed(tokens), finish=lambda m, x: m.head(m.ln_f(x)),
+                  tail=("ln_f", "head"), loss="tokens")
+
+
+def bert_policy(model: BERT) -> Policy:
+    """BERT: token, position and token-type tables and their LayerNorm, bidirectional blocks, the masked-LM
+    head (a width-keeping transform, its LayerNorm, and the decoder tied to the token table)."""
+    return Policy(name="bert", blocks="blocks",
+                  layers={"tok": "vocab", "pos": "positions", "typ": "table", "ln_e": "norm", **_BLOCK,
+                          "mlm.dense": "dense", "mlm.ln": "norm", "mlm.decoder": "head"},
+                  attention=_attention(causal=False),
+                  embed=lambda m, ids: m.embed(ids), finish=lambda m, x: m.mlm(x),
+                  tail=("mlm",), loss="tokens", context=lambda m, ids: {"mask": m.padding_mask(ids)},
+                  tied=(("tok", "mlm.decoder"),) if model.cfg.tie_embeddings else ())
+
+
+def vit_policy(model: ViT) -> Policy:
+    """ViT: the patch embedding (a Linear on flattened patches), class token and position tables,
+    bidirectional blocks, the final LayerNorm and the classification head on the class token."""
+    return Policy(name="vit", blocks="blocks",
+                  layers={"patch": "input", "cls": "table", "pos": "positions", **_BLOCK, "ln_f": "norm",
+                          "head": "head"},
+                  attention=_attention(causal=False),
+                  embed=lambda m, images: m.embed(images), finish=lambda m, x: m.classify(x),
+                  tail=("ln_f", "head"), loss="classes")
+
+
+register(GPT, gpt_policy)
+register(BERT, bert_policy)
+register(ViT, vit_policy)

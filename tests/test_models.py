@@ -1,0 +1,307 @@
+"""Any model through its policy: BERT, ViT, GPT and a user's own model (attributes named unlike GPT's,
+sharded through a ``Policy`` written here) each train five steps to the losses and parameters of the
+same model trained in one process with plain PyTorch (``F.cross_entropy``, its ``ignore_index``), with
+AdamW and with SGD + momentum, under tp 1d and 2d, pp 1f1b and zb-h1 (and zb-v, where BERT's tied
+head and token table live on one rank), ZeRO-3, and dp x tp x pp; ViT also under 2.5d and 3d, on
+scikit-learn's digits. BERT's batches predict a different number of tokens in every shard, so the
+global masked-LM mean is checked, not a mean of means. One spawn per world size, configs looped inside.
+
+What is refused, in the kernel before any process: a model without a policy under tp/pp/sp, a policy
+whose paths the model lacks, sizes that do not divide, a mode a model's parts cannot take.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import colab_kit as ck
+from colab_kit.datasets import SyntheticTokens
+from colab_kit.models import BERT, GPT, BERTConfig, GPTConfig, ViT, ViTConfig
+from colab_kit.policy import Attention, Policy
+
+from tests.test_dp import OPTIMIZERS
+
+STEPS, BATCH = 5, 8
+RTOL = 1e-5
+
+
+# --------------------------------------------------------------------------- a user's own model
+class Mixer(nn.Module):
+    """Causal attention with its own names: ``wqkv`` (head by head), ``wo``, ``heads``."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.wqkv, self.wo = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.wqkv(x).view(b, t, self.heads, 3, -1).permute(3, 0, 2, 1, 4)
+        return self.wo(self.attend(q, k, v).transpose(1, 2).reshape(b, t, -1))
+
+    def attend(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Layer(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.norm_a, self.mix, self.norm_b = nn.LayerNorm(d), Mixer(d, heads), nn.LayerNorm(d)
+        self.ff = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x):
+        x = x + self.mix(self.norm_a(x))
+        return x + self.ff(self.norm_b(x))
+
+
+class Net(nn.Module):
+    def __init__(self, vocab=64, seq=16, d=32, heads=4, depth=4):
+        super().__init__()
+        torch.manual_seed(7)  # the same weights on every rank
+        self.words, self.where = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.layers = nn.ModuleList(Layer(d, heads) for _ in range(depth))
+        self.final, self.out = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def embed(self, ids):
+        return self.words(ids) + self.where(torch.arange(ids.shape[1], device=ids.device))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(self.final(x))
+
+
+NET_POLICY = Policy(
+    name="net", blocks="layers",
+    layers={"words": "vocab", "where": "positions", "final": "norm", "out": "head",
+            "layers.*.norm_a": "norm", "layers.*.norm_b": "norm",
+            "layers.*.mix.wqkv": "column", "layers.*.mix.wo": "row",
+            "layers.*.ff.0": "column", "layers.*.ff.2": "row"},
+    attention={"layers.*.mix": Attention(heads=("heads",), attend="attend")},
+    embed=lambda m, ids: m.embed(ids), finish=lambda m, x: m.out(m.final(x)), tail=("final", "out"))
+
+
+# --------------------------------------------------------------------------- models and their data
+BERT_CFG = BERTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
+VIT_CFG = ViTConfig(image_size=8, patch_size=2, channels=1, num_classes=10, d_model=32, n_heads=4, n_layers=4)
+GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
+
+
+def make(name: str, tie: bool = True) -> nn.Module:
+    if name == "gpt":
+        return GPT(GPT_CFG)
+    if name == "bert":
+        return BERT(BERTConfig(**{**BERT_CFG.__dict__, "tie_embeddings": tie}))
+    if name == "vit":
+        return ViT(VIT_CFG)
+    return Net()
+
+
+def mlm_batch(step: int, rows: int = BATCH):
+    """Masked-LM batches: ids in 2..63 with trailing padding (id 0) on some rows, about a quarter of the
+    real tokens predicted (their input replaced by id 1), -100 elsewhere: every shard counts differently."""
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(2, 64, (rows, 16), generator=g)
+    lengths = torch.randint(6, 17, (rows, 1), generator=g)
+    real = torch.arange(16) < lengths
+    ids = torch.where(real, ids, 0)
+    picked = (torch.rand(rows, 16, generator=g) < 0.25) & real
+    picked[0, 0] = True  # at least one
+    targets = torch.where(picked, ids, -100)
+    return torch.where(picked, 1, ids), targets
+
+
+@functools.lru_cache(maxsize=1)
+def digits():
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    return torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0, torch.tensor(d.target)
+
+
+def batch(name: str, step: int):
+    if name == "bert":
+        return mlm_batch(step)
+    if name == "vit":
+        x, y = digits()
+        i = torch.arange(step * BATCH, (step + 1) * BATCH)
+        return x[i], y[i]
+    return SyntheticTokens(64, 16, seed=1).batch(step, BATCH)
+
+
+def plain_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@functools.lru_cache(maxsize=None)
+def reference(name: str, opt: str, tie: bool = True):
+    """Plain PyTorch in one process: the model, its optimizer, F.cross_entropy, five steps."""
+    model = make(name, tie)
+    optimizer = OPTIMIZERS[opt](model.parameters())
+    losses = []
+    for s in range(STEPS):
+        x, y = batch(name, s)
+        loss = plain_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _policy(name):
+    return NET_POLICY if name == "net" else None
+
+
+# --------------------------------------------------------------------------- on each rank
+def _train(cases):
+    out = {}
+    for name, kw, tie in cases:
+        for opt in OPTIMIZERS:
+            engine = ck.boost(make(name, tie), OPTIMIZERS[opt], ck.ParallelConfig(**kw), policy=_policy(name))
+            losses = [engine.train_step(batch(name, s)) for s in range(STEPS)]
+            params = {}
+            if kw.get("tp", 1) == 1 and kw.get("zero", 0) < 3:
+                if engine.pipeline is not None:
+                    params = {n: p.detach().clone() for st in engine.module
+                              for n, p in zip(st.source_names, st.parameters())}
+                else:
+                    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+            out[name, tuple(sorted(kw.items())), tie, opt] = (losses, params)
+            engine.close()
+    return out
+
+
+CASES = {
+    2: [(m, kw, True) for m in ("bert", "vit", "net") for kw in
+        (dict(tp=2), dict(pp=2, microbatches=2, schedule="1f1b"), dict(pp=2, microbatches=2, schedule="zb-h1"),
+         dict(dp=2, zero=3))
+        if not (m == "bert" and "pp" in kw)]
+       + [("bert", dict(pp=2, microbatches=2, schedule=s), False) for s in ("1f1b", "zb-h1")]
+       + [("bert", dict(pp=2, microbatches=2, schedule="zb-v", chunks=2), True),
+          ("gpt", dict(tp=2, recompute=True), True), ("vit", dict(dp=2, recompute=True), True)],
+    4: [(m, dict(tp=4, tp_mode="2d"), True) for m in ("bert", "vit", "net")],
+    8: [(m, dict(dp=2, tp=2, pp=2, microbatches=2), m != "bert") for m in ("bert", "vit", "net")]
+       + [("vit", dict(tp=8, tp_mode="2.5d", tp_depth=2), True), ("vit", dict(tp=8, tp_mode="3d"), True)],
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = {}
+    for world, cases in CASES.items():
+        out.update(ck.launch(_train, world, cases)[0])
+    return out
+
+
+def _close(a, b, rtol=RTOL):
+    return all(abs(x - y) <= rtol * abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("case", [(w, *c) for w, cs in CASES.items() for c in cs],
+                         ids=lambda c: f"{c[1]}-{'-'.join(f'{k}{v}' for k, v in c[2].items())}")
+def test_trains_like_one_process(runs, case):
+    _, name, kw, tie = case
+    for opt in OPTIMIZERS:
+        losses, params = runs[name, tuple(sorted(kw.items())), tie, opt]
+        ref_losses, ref_params = reference(name, opt, tie)
+        assert _close(losses, ref_losses), (opt, losses, ref_losses)
+        assert abs(ref_losses[-1] - ref_losses[0]) > 1e3 * RTOL * abs(ref_losses[0])  # it did train
+        for n, p in params.items():
+            assert torch.allclose(p, ref_params[n], rtol=1e-4, atol=1e-5), (opt, n)
+            # the untrained weights would not pass: training moved this tensor further than the tolerance
+        moved = [n for n in params if not torch.allclose(make(name, tie).state_dict()[n], ref_params[n],
+                                                         rtol=1e-4, atol=1e-5)]
+        assert not params or moved
+
+
+def test_masked_lm_loss_is_the_global_mean_not_a_mean_of_means():
+    """BERT's batches count different numbers of targets per dp shard: the two means differ here,
+    so the dp runs above check the global one."""
+    x, y = mlm_batch(0)
+    logits = torch.randn(BATCH, 16, 64)
+    full = plain_loss(logits, y)
+    halves = [plain_loss(logits[i:i + 4], y[i:i + 4]) for i in (0, 4)]
+    assert (y[:4] != -100).sum() != (y[4:] != -100).sum()
+    assert abs((halves[0] + halves[1]) / 2 - full) > 1e-3
+
+
+def test_vit_learns_the_digits():
+    """Three hundred steps on real images: accuracy on held-out digits rises well above chance."""
+    torch.manual_seed(0)
+    x, y = digits()
+    model = ViT(ViTConfig(image_size=8, patch_size=2, channels=1, num_classes=10, d_model=32, n_heads=4,
+                          n_layers=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for s in range(300):
+        i = torch.randint(0, 1400, (32,))
+        loss = plain_loss(model(x[i]), y[i])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        acc = (model(x[1400:]).argmax(-1) == y[1400:]).float().mean().item()
+    assert acc > 0.6, acc  # chance is 0.1
+
+
+# --------------------------------------------------------------------------- refused in the kernel
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _opt(ps):
+    return torch.optim.SGD(ps, lr=0.1)
+
+
+def test_a_model_without_policy_is_refused_with_how_to_write_one():
+    with pytest.raises(ck.ConfigError, match=r"tp=2 needs a sharding policy for Plain.*policy=Policy\(blocks="):
+        ck.boost(Plain(), _opt, ck.ParallelConfig(tp=2))
+    with pytest.raises(ck.ConfigError, match=r"pp=2 needs a sharding policy for Plain"):
+        ck.boost(Plain(), _opt, ck.ParallelConfig(pp=2))
+    with pytest.raises(ck.ConfigError, match=r"recompute=True needs a sharding policy"):
+        ck.boost(Plain(), _opt, ck.ParallelConfig(dp=2, recompute=True))
+
+
+def test_a_policy_that_does_not_fit_names_the_paths():
+    wrong = Policy(blocks="layers", layers={"words": "vocab", "layers.*.mix.q": "column", "out": "row"},
+                   embed=NET_POLICY.embed, finish=NET_POLICY.finish)
+    with pytest.raises(ck.ConfigError, match=r"layers.0.mix.q \(column\) is missing.*layers.3.mix.q"):
+        ck.boost(Net(), _opt, ck.ParallelConfig(tp=2), policy=wrong)
+    with pytest.raises(ck.ConfigError, match=r"words \(vocab\) is a Embedding|out \(row\) is a Linear") as e:
+        ck.boost(Net(), _opt, ck.ParallelConfig(tp=2), policy=Policy(
+            blocks="layers", layers={"words": "norm"}, embed=NET_POLICY.embed, finish=NET_POLICY.finish))
+    assert "not an LayerNorm" in str(e.value)
+    with pytest.raises(ValueError, match="unknown roles"):
+        Policy(blocks="layers", layers={"words": "embedding"}, embed=None, finish=None)
+
+
+def test_sizes_that_do_not_divide_are_refused_with_the_rule():
+    with pytest.raises(ck.ConfigError, match=r"num_classes=10 not divisible by 4: tp_mode='1d'"):
+        ck.boost(ViT(VIT_CFG), _opt, ck.ParallelConfig(tp=4))
+    with pytest.raises(ck.ConfigError, match=r"n_heads=3 not divisible by 2"):
+        ck.boost(BERT(BERTConfig(d_model=48, n_heads=3)), _opt, ck.ParallelConfig(tp=2))
+    odd = ViTConfig(image_size=6, patch_size=3, channels=1, num_classes=10, d_model=32, n_heads=4)
+    with pytest.raises(ck.ConfigError, match=r"input features=9 not divisible by 2: tp_mode='2d'"):
+        ck.boost(ViT(odd), _opt, ck.ParallelConfig(tp=4, tp_mode="2d"))
+    with pytest.raises(ck.ConfigError, match=r"n_layers=4 does not split evenly over pp\*chunks = 3\*1"):
+        ck.boost(Net(), _opt, ck.ParallelConfig(pp=3), policy=NET_POLICY)
+
+
+def test_modes_a_model_cannot_take_yet_say_so():
+    with pytest.raises(ck.ConfigError, match=r"tp_mode='3d' has no layer for mlm.dense"):
+        ck.boost(BERT(BERT_CFG), _opt, ck.ParallelConfig(tp=8, tp_mode="3d"))
+    with pytest.raises(ck.ConfigError, match=r"mlm.decoder shares its weight with tok.*schedule='zb-v'"):
+        ck.boost(BERT(BERT_CFG), _opt, ck.ParallelConfig(pp=2, schedule="1f1b"))
+    with pytest.raises(ck.ConfigError, match=r"bidirectional attention .* sequence parallelism does not run"):
+        ck.boost(ViT(VIT_CFG), _opt, ck.ParallelConfig(sp=2))
+    with pytest.raises(ck.ConfigError, match=r"split_gather splits the sequence of models made of"):
+        ck.boost(ViT(VIT_CFG), _opt, ck.ParallelConfig(tp=2, sp_mode="split_gather"))
