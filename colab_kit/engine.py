@@ -176,6 +176,8 @@ def check_policy(model: nn.Module, config: ParallelConfig, policy=None):
     recompute needs one, paths the model lacks, sizes that do not divide, blocks that do not split."""
     from .policy import missing_policy_message, policy_for
     policy = policy_for(model, policy)
+    if policy is not None and policy.prepare is not None:  # e.g. a Hugging Face GPT-2's Conv1D -> nn.Linear
+        policy.prepare(model)
     needs = [f"{k}={getattr(config, k)}" for k in ("tp", "pp", "sp") if getattr(config, k) > 1]
     needs += ["recompute=True"] if config.recompute else []
     if policy is None:
@@ -199,12 +201,13 @@ def check_policy(model: nn.Module, config: ParallelConfig, policy=None):
         n = config.pp * config.chunks
         where = Plan(config.pp, config.microbatches, config.chunks, config.schedule,
                      placement=SCHEDULE_PLACEMENT[config.schedule])
-        if policy.tied and where.rank_of(0) != where.rank_of(n - 1):
+        if policy.tied and where.rank_of(0) != where.rank_of(n - 1) and config.zero:
             a, b = policy.tied[0]
             raise ConfigError(f"{b} shares its weight with {a}, and pp={config.pp} with schedule="
-                              f"{config.schedule!r} puts the first and the last stage on different ranks, which "
-                              f"this version cannot keep in step yet: use schedule='zb-v' (both on rank 0), or "
-                              f"untie them (e.g. BERTConfig(tie_embeddings=False))")
+                              f"{config.schedule!r} puts the first and the last stage on different ranks, whose "
+                              f"copies' gradients are summed before the step; ZeRO's flat pieces (zero="
+                              f"{config.zero}) place them differently on the two ranks, which this version does "
+                              f"not sum yet: use zero=0, schedule='zb-v' (both stages on one rank), or untie them")
     return policy
 
 
@@ -218,6 +221,7 @@ class Engine(EngineRecords):
         """The dense model's config (``GPTConfig``, ``BERTConfig``, ...), whatever the split; None for another model."""
         self.policy = policy
         """The ``colab_kit.policy.Policy`` the parallel parts lowered (None: a model under dp / ZeRO only)."""
+        self._logits = policy.output if policy is not None and policy.output is not None else (lambda out: out)
         from .init import defer, materialize, meta_twin  # a meta-device model: only this rank's shards are made
         self._twin = meta_twin(model)  # shapes only: the checkpoint's index replay rebuilds the sharding on it
         self.tp_plan = None
@@ -240,10 +244,16 @@ class Engine(EngineRecords):
             from .recompute import recompute_blocks
             recompute_blocks(model, policy)  # before the split: the stages hold these same blocks
         stages = None
+        self._tied = []
+        """With pp, tied weights whose first and last stage are on different pipeline ranks: ``(shape, dtype,
+        the parameter here or None)`` per pair; their gradients are summed over pp before each step."""
         if config.pp > 1:  # after the tensor plan: each stage holds this rank's tensor shards
-            from .pipeline.stage import split_model
+            from .pipeline.stage import split_model, tied_across_ranks
+            tied = tied_across_ranks(model, config, policy)
             stages = split_model(model, config, mesh.rank("pp"), policy)
             model = nn.ModuleList(stages)
+            mine = {id(p) for p in model.parameters()}
+            self._tied = [(tuple(t.shape), t.dtype, t if id(t) in mine else None) for t in tied]
         self.module = materialize(model).to(mesh.device)  # what is still meta: whole copies (see colab_kit.init)
         self._n_local = sum(p.numel() for p in self.module.parameters() if p.requires_grad)  # before ZeRO
         self._rows = None  # rows of the last step's microbatch on this rank (for the activation estimate)
@@ -317,7 +327,7 @@ class Engine(EngineRecords):
             self.grads.arm(sync=(i == m - 1), t0=t0)
             x, y = split_batch(inputs, m, i, "microbatches"), split_batch(targets, m, i, "microbatches")
             with self._timed(f"forward {i}", "compute", t0), self._acts.measure((x.shape, x.dtype, y.shape)):
-                loss = self.loss_fn(self.module(x), y) / m
+                loss = self.loss_fn(self._logits(self.module(x)), y) / m
             with self._timed(f"backward {i}", "compute", t0):
                 (self.scale_loss(loss) / shards).backward()
             local += loss.detach()
@@ -353,6 +363,8 @@ class Engine(EngineRecords):
         zero = self.config.zero > 0
         masters = getattr(self.grads, "masters", None)  # mixed precision: fp32 masters, grads set by finish()
         masters = masters if isinstance(masters, MasterWeights) else None
+        if self._tied:
+            self._sum_tied(masters)
         sums = self.tp_plan is not None or self.sp_plan is not None  # parameters replicated over tp or sp axes
         if sums and (zero or masters is not None):
             self.grads.sync_replicated()
@@ -380,6 +392,22 @@ class Engine(EngineRecords):
             place.after_step()
         self.records.append({"step": self.step_count, "loss": value, **done})
         return value
+
+    def _sum_tied(self, masters) -> None:
+        """A weight the first and the last pipeline stage share (a head tied to the token table) has a
+        copy on each of their ranks, each with the gradient of its own use: sum them over pp (the ranks
+        between contribute zeros), so both copies take the same step and stay equal (Megatron's way)."""
+        for shape, dtype, p in self._tied:
+            if p is None:  # the gradient's dtype: the fp32 masters', else the model's (16-bit after to_compute_dtype)
+                dtype = torch.float32 if masters is not None else {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                                                   "fp16": torch.float16}[self.config.precision]
+                g = torch.zeros(shape, dtype=dtype, device=self.mesh.device)
+            elif masters is not None:
+                g = masters.params[next(i for i, t in enumerate(masters.model) if t is p)].grad
+            else:
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                p.grad = g
+            comm.all_reduce(g, self.mesh, "pp", tag="tied grads")
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss that backward starts from: times the fp16 loss scale, else itself."""
@@ -432,7 +460,8 @@ class Engine(EngineRecords):
         inputs, targets = batch
         self.module.eval()
         self.count_targets(targets, 1)
-        return self._global_mean(self.loss_fn(self.module(self._local_rows(inputs)), self._local_rows(targets)))
+        logits = self._logits(self.module(self._local_rows(inputs)))
+        return self._global_mean(self.loss_fn(logits, self._local_rows(targets)))
 
     # ------------------------------------------------------------------ lifetime
     _owns_mesh = False

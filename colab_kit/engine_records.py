@@ -104,6 +104,18 @@ class EngineRecords:
         from .checkpoint import load
         return load(self, path)
 
+    def save_pretrained(self, directory) -> None:
+        """Write a Hugging Face model's ``save_pretrained`` directory (safetensors) that ``transformers``
+        loads back unchanged, from every rank's shards (every rank calls it; ``checkpoint.pretrained``)."""
+        from .checkpoint.pretrained import save_pretrained
+        save_pretrained(self, directory)
+
+    def load_pretrained(self, directory) -> None:
+        """Read a local ``save_pretrained`` directory into this engine's shards, each rank reading only the
+        rows it holds; the optimizer's states are left as they are (``checkpoint.pretrained``)."""
+        from .checkpoint.pretrained import load_pretrained
+        load_pretrained(self, directory)
+
     def state_vector(self) -> torch.Tensor:
         """All parameters flattened into one CPU vector (for checking ranks agree)."""
         with self.gathered():

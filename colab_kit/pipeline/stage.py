@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from ..config import ConfigError
 
-__all__ = ["Stage", "stage_layers", "split_model", "check_stages"]
+__all__ = ["Stage", "stage_layers", "split_model", "check_stages", "tied_across_ranks", "Elsewhere"]
 
 
 
@@ -105,7 +105,9 @@ class Stage(nn.Module):
         tail = tuple(policy.tail)
 
         def keep(path: str) -> str:
-            on_way = policy.blocks.startswith(path + ".") or any(t.startswith(path + ".") for t in tail)
+            on_way = any(t.startswith(path + ".") for t in (policy.blocks, *tail, *policy.everywhere))
+            if path in policy.everywhere:
+                return "all"
             if path in tail:
                 return "all" if self.last else "none"
             if on_way:
@@ -136,6 +138,20 @@ class Stage(nn.Module):
         what = (["embeddings"] if self.first else []) + [f"blocks {self.layers.start}-{self.layers.stop - 1}"] + (
             [", ".join(self.policy.tail) or "finish"] if self.last else [])
         return f"stage {self.index} of {self.n_stages}: " + ", ".join(what)
+
+
+def tied_across_ranks(model: nn.Module, config, policy) -> list[torch.Tensor]:
+    """The weights of ``policy.tied`` (before the split, after the tensor plan: this rank's shard shape,
+    meta where another rank builds it) whose first and last stage live on different pipeline ranks."""
+    from ..policy import get_module
+    from .schedules import SCHEDULE_PLACEMENT, Plan
+
+    n = config.pp * config.chunks
+    where = Plan(config.pp, config.microbatches, config.chunks, config.schedule,
+                 placement=SCHEDULE_PLACEMENT[config.schedule])
+    if not policy.tied or where.rank_of(0) == where.rank_of(n - 1):
+        return []
+    return [get_module(model, a).weight for a, _ in policy.tied]
 
 
 def split_model(model: nn.Module, config, pp_rank: int, policy=None) -> list[Stage]:

@@ -20,8 +20,13 @@ column      nn.Linear              the first Linear of a pair (q/k/v, the MLP's 
 row         nn.Linear              the second (attention out, the MLP's down projection)
 dense       nn.Linear              a width-keeping Linear on the residual (BERT's MLM transform)
 norm        nn.LayerNorm           a LayerNorm over the residual's features
+rmsnorm     a module with          an RMSNorm over the residual's features (``weight * x /
+            ``weight``, ``eps`` or rms(x)``, statistics in fp32: Llama's)
+            ``variance_epsilon``
 head        nn.Linear              the output projection (vocabulary or classes); its logits stay
                                    split for the vocab-parallel cross-entropy
+rotary      a module called as     rotary position embeddings (Llama's ``rotary_emb``): sequence
+            ``(x, position_ids)``  parallelism hands it this rank's global positions
 ==========  =====================  ================================================================
 
 Write one for your own model in about twenty lines (the README shows the same)::
@@ -76,7 +81,8 @@ __all__ = ["Attention", "Policy", "ROLES", "register", "policy_for", "find", "ge
            "missing_policy_message"]
 
 ROLES = {"vocab": nn.Embedding, "positions": nn.Embedding, "table": nn.Embedding, "input": nn.Linear,
-         "column": nn.Linear, "row": nn.Linear, "dense": nn.Linear, "norm": nn.LayerNorm, "head": nn.Linear}
+         "column": nn.Linear, "row": nn.Linear, "dense": nn.Linear, "norm": nn.LayerNorm, "rmsnorm": nn.Module,
+         "head": nn.Linear, "rotary": nn.Module}
 """Each role and the kind of dense module it names."""
 
 LOSSES = ("tokens", "classes")
@@ -96,6 +102,16 @@ class Attention:
     kv_heads: tuple[str, ...] = ()
     attend: str | None = None
     causal: bool = True
+    widths: tuple[str, ...] = ()
+    """Attributes holding a width in features of the local q/k/v (GPT-2's ``split_size``): divided
+    like the heads."""
+    n_heads: int = 0
+    """The head count, where the module keeps none in an attribute (Llama reshapes with -1)."""
+    n_kv_heads: int = 0
+    """The key/value head count (grouped-query attention), likewise."""
+    hf: bool = False
+    """The module calls ``transformers``' attention-function registry (``config._attn_implementation``):
+    sequence parallelism registers its ring / all-to-all function there instead of replacing ``attend``."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +139,16 @@ class Policy:
     loss: str = "tokens"
     tied: tuple[tuple[str, str], ...] = ()
     context: Callable | None = None
+    fused: dict[str, int] = field(default_factory=dict)
+    """Column Linears whose output features are ``k`` equal parts used apart (GPT-2's ``c_attn``:
+    ``[q | k | v]``): each part is split on its own, so a rank holds ``[q_i | k_i | v_i]``."""
+    prepare: Callable | None = None
+    """``prepare(model)``, run once by ``boost`` on the dense model before anything else (a Hugging Face
+    GPT-2's ``Conv1D`` layers become ``nn.Linear``s), or None."""
+    output: Callable | None = None
+    """Maps what ``model(inputs)`` returns to the logits (a Hugging Face output's ``.logits``), or None."""
+    everywhere: tuple[str, ...] = ()
+    """Parameterless modules every pipeline stage keeps (Llama's rotary embedding)."""
     name: str = ""
 
     def __post_init__(self):
@@ -172,7 +198,10 @@ class Policy:
                     problems.append(f"{path} ({role}) is missing")
                     continue
                 if kinds and not isinstance(mod, ROLES[role]):
-                    problems.append(f"{path} ({role}) is a {type(mod).__name__}, not an {ROLES[role].__name__}")
+                    problems.append(f"{path} is {type(mod).__name__}, where role {role!r} needs nn.{ROLES[role].__name__}")
+                elif kinds and role == "rmsnorm" and not (hasattr(mod, "weight") and
+                                                          (hasattr(mod, "eps") or hasattr(mod, "variance_epsilon"))):
+                    problems.append(f"{path} (rmsnorm) has no weight and eps (or variance_epsilon)")
         for pattern, att in self.attention.items():
             for path in expand(pattern, self.blocks, n):
                 try:
@@ -180,7 +209,7 @@ class Policy:
                 except AttributeError:
                     problems.append(f"attention {path} is missing")
                     continue
-                for a in (*att.heads, *att.kv_heads, *((att.attend,) if att.attend else ())):
+                for a in (*att.heads, *att.kv_heads, *att.widths, *((att.attend,) if att.attend else ())):
                     if not hasattr(mod, a):
                         problems.append(f"attention {path} has no attribute {a!r}")
         for path in self.tail:
@@ -197,8 +226,8 @@ class Policy:
         if not atts:
             return {"heads": 0, "kv_heads": 0}
         _, mod, att = atts[0]
-        heads = getattr(mod, att.heads[0]) if att.heads else 0
-        kv = getattr(mod, att.kv_heads[0]) if att.kv_heads else heads
+        heads = getattr(mod, att.heads[0]) if att.heads else att.n_heads
+        kv = getattr(mod, att.kv_heads[0]) if att.kv_heads else (att.n_kv_heads or heads)
         return {"heads": heads, "kv_heads": kv}
 
 
@@ -231,7 +260,10 @@ def set_module(model: nn.Module, path: str, new: nn.Module) -> None:
 
 # ---------------------------------------------------------------------- registry
 _REGISTRY: dict[type, Callable[[nn.Module], Policy]] = {}
-_LAZY: dict[str, str] = {}  # "module:Class" of a model family -> "module:factory" (transformers, loaded on use)
+_LAZY: dict[str, str] = {  # "module:Class" of a model family -> "module:factory" (transformers, loaded on use)
+    "transformers.models.gpt2.modeling_gpt2:GPT2LMHeadModel": "colab_kit.policy.hf:gpt2_policy",
+    "transformers.models.llama.modeling_llama:LlamaForCausalLM": "colab_kit.policy.hf:llama_policy",
+}
 
 
 def register(model_class: type, policy: Callable[[nn.Module], Policy] | Policy) -> None:

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..classes import derived_class
 from ..config import ConfigError
 from .ring import RingRecorder, ring_attention
 from .ulysses import check_heads, ulysses_attention
@@ -64,6 +65,24 @@ class SequencePositions(nn.Embedding):
         return F.embedding(glob[positions], self.weight)
 
 
+def _global_positions_class(cls: type) -> type:
+    """The subclass of a rotary-embedding module ``cls`` (called as ``(x, position_ids)``) that looks up
+    the global positions of this rank's tokens: with sp=2 ring, rank 1's ``arange(4)`` becomes [2 3 4 5]."""
+    if getattr(cls, "_ck_positions_from", None) is not None:
+        return cls
+
+    def make_forward(cls):
+        def forward(self, x, position_ids, *args, **kwargs):
+            t = position_ids.shape[-1] * self._sp_size
+            glob = sequence_positions(self._sp_rank, self._sp_size, t, self._sp_layout, device=position_ids.device)
+            return cls.forward(self, x, glob[position_ids], *args, **kwargs)
+        return forward
+
+    return derived_class(cls, "GlobalPositions", make_forward, __name__,
+                         f"``{cls.__name__}`` at this rank's global positions (colab_kit.sequence.plan).",
+                         _ck_positions_from=cls)
+
+
 class SequencePlan:
     """Split the sequence over ``sp`` for ``mesh.config.sp_mode`` ("ring" or "ulysses")."""
 
@@ -88,7 +107,7 @@ class SequencePlan:
     def check_policy(model, policy, config) -> None:
         """What the policy must say for sequence parallelism: an ``attend`` on every attention, all causal."""
         atts = policy.attentions(model)
-        if not atts or any(a.attend is None for _, _, a in atts):
+        if not atts or any(a.attend is None and not a.hf for _, _, a in atts):
             raise ConfigError(f"sequence parallelism replaces each attention's attend(q, k, v); policy "
                               f"{policy.name!r} names none for some attention module: give Attention(attend="
                               f"'<method name>') in the policy, or use sp=1")
@@ -112,7 +131,13 @@ class SequencePlan:
         policy.check(model, kinds=False)  # after the tensor plan
         self.check_policy(model, policy, self.mesh.config)
         for _, module, a in policy.attentions(model):
-            setattr(module, a.attend, self.attend)
+            if a.hf:  # transformers' registry: this plan's function, under a name of its own
+                module.config._attn_implementation = self.hf_attention()
+            else:
+                setattr(module, a.attend, self.attend)
+        for _, _, rot in policy.modules(model, "rotary"):
+            rot.__class__ = _global_positions_class(type(rot))
+            rot._sp_rank, rot._sp_size, rot._sp_layout = self.rank, self.size, self.layout
         for path, _, pos in policy.modules(model, "positions"):
             if type(pos) is not nn.Embedding:
                 raise ConfigError(f"sequence parallelism expects the position table {path} to be an nn.Embedding, "
@@ -129,6 +154,33 @@ class SequencePlan:
         if self.mode == "ring":
             return ring_attention(q, k, v, self.mesh, self.axis, layout=self.layout, recorder=self.recorder)
         return ulysses_attention(q, k, v, self.mesh, self.axis, layout=self.layout)
+
+    def hf_attention(self) -> str:
+        """Register this plan's attention in ``transformers``' registry (once) and return its name: the
+        function a Hugging Face attention module calls, ``(module, q, k, v, mask, dropout, scaling)``,
+        with grouped key/value heads repeated, run through the ring or the all-to-all."""
+        name = f"colab_kit_sp_{id(self)}"
+        if getattr(self, "_hf_name", None) == name:
+            return name
+        from transformers import AttentionInterface, AttentionMaskInterface
+
+        def attention(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, **kwargs):
+            d = query.shape[-1]
+            if scaling is not None and abs(scaling - d ** -0.5) > 1e-12:
+                raise ConfigError(f"sequence parallelism scales attention by 1/sqrt(head_dim); this model asks "
+                                  f"for {scaling}: use sp=1 for it")
+            if dropout:
+                raise ConfigError("attention dropout under sequence parallelism is not supported: set the "
+                                  "model's attention dropout to 0, or sp=1")
+            groups = query.shape[1] // key.shape[1]
+            if groups > 1:
+                key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+            return self.attend(query, key, value).transpose(1, 2).contiguous(), None
+
+        AttentionInterface.register(name, attention)
+        AttentionMaskInterface.register(name, lambda *args, **kwargs: None)  # the ring masks by global position
+        self._hf_name = name
+        return name
 
     def begin_step(self) -> None:
         """A new step: the ring's records start afresh (they hold the last step's rotations only)."""

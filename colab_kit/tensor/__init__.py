@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..config import ConfigError
-from ..policy import get_module, set_module
+from ..policy import expand, get_module, set_module
 from .cross_entropy import vocab_parallel_cross_entropy
 
 __all__ = ["block_collectives", "TensorPlan", "plan_for", "plan_class", "check_model", "model_sizes", "linear_comm_bytes", "mark_grad_sum",
@@ -121,22 +121,27 @@ class TensorPlan:
             from ..policy import policy_for
             policy = policy_for(model)
         policy.check(model)
-        made: dict[str, nn.Module] = {}
+        split = math.prod(self.mesh.size(a) for a in self.head_axes)
+        fused = {p: k for pattern, k in policy.fused.items()
+                 for p in expand(pattern, policy.blocks, len(policy.block_list(model)))}
+        dense_of = {}
         for path, role, dense in policy.modules(model):
+            dense_of[path] = dense
+            if path in fused:  # [q | k | v] -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]: a contiguous split is whole parts
+                dense = regrouped(dense, fused[path], split)
             new = self.layer(role, path, dense)
             if new is not None:
                 set_module(model, path, new)
-                made[path] = new
-        split = math.prod(self.mesh.size(a) for a in self.head_axes)
         for _, att, what in policy.attentions(model):
-            for name in (*what.heads, *what.kv_heads):
+            for name in (*what.heads, *what.kv_heads, *what.widths):
                 setattr(att, name, getattr(att, name) // split)
-        for a, b in policy.tied:
-            self.tie(model, get_module(model, a), get_module(model, b), a, b)
+        for a, b in policy.tied:  # the head as it was (dense), the table as this mode made it
+            self.tie(model, get_module(model, a), dense_of.get(b, get_module(model, b)), a, b)
         return model
 
     def tie(self, model: nn.Module, table: nn.Module, head: nn.Module, table_path: str, head_path: str) -> None:
-        """Make ``head`` use ``table``'s weight again after both were sharded (the policy's ``tied``)."""
+        """Make the head at ``head_path`` use ``table``'s (sharded) weight again (the policy's ``tied``);
+        ``head`` is the dense head module, before this mode replaced it."""
         raise ConfigError(f"tp_mode={self.mesh.config.tp_mode!r} cannot shard {head_path} tied to {table_path} "
                           f"yet: untie them (e.g. BERTConfig(tie_embeddings=False)) or use tp_mode '1d' or '2d'")
 
@@ -148,6 +153,30 @@ class TensorPlan:
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over this rank's tokens."""
         return self.token_losses(logits, targets).mean()
+
+
+def regrouped(dense: nn.Linear, parts: int, n: int) -> nn.Linear:
+    """``dense`` with its output features reordered from ``parts`` blocks (``[q | k | v]``) to ``n`` groups
+    of every block's share (``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``), so that block ``i`` of a contiguous
+    ``n``-way split of the output features is rank ``i``'s share of each part. A new Linear on the CPU
+    (from the dense value: ``colab_kit.init``); the layer cut from it keeps only its slice.
+
+    >>> lin = nn.Linear(1, 6, bias=False)
+    >>> with torch.no_grad(): _ = lin.weight.copy_(torch.arange(6.).view(6, 1))   # q0 q1 | k0 k1 | v0 v1
+    >>> regrouped(lin, 3, 2).weight.flatten().tolist()
+    [0.0, 2.0, 4.0, 1.0, 3.0, 5.0]
+    """
+    from ..init import dense_value
+    out = dense.out_features
+    if out % (parts * n):
+        raise ConfigError(f"{out} fused output features in {parts} parts do not split over {n} ranks: "
+                          f"each part's size must be a multiple of {n}")
+    order = torch.arange(out).view(parts, n, out // (parts * n)).transpose(0, 1).reshape(-1)
+    new = nn.Linear(dense.in_features, out, bias=dense.bias is not None, device="meta")
+    new.weight = nn.Parameter(dense_value(dense.weight).detach()[order].clone())
+    if dense.bias is not None:
+        new.bias = nn.Parameter(dense_value(dense.bias).detach()[order].clone())
+    return new
 
 
 def require_divisible(what: dict[str, int], by: int, rule: str) -> None:
@@ -261,7 +290,8 @@ def model_sizes(model, policy=None):
     """The sizes a tensor mode splits, as one namespace: ``d_model``, ``n_heads``, ``d_ff``, ``seq_len``,
     ``outputs`` (the head's: ``{"vocab_size": V}`` or ``{"num_classes": C}``), ``tables`` (the token
     table's ``{"vocab_size": V}``), ``inputs`` (an input Linear's ``{"input features": F}``), ``dropout``,
-    ``roles`` (each role the model has -> its first path) and ``tied`` (the policy's tied pairs).
+    ``roles`` (each role the model has -> its first path), ``tied`` (the policy's tied pairs) and ``kv``
+    (``{"n_kv_heads": k}`` where grouped-query attention has fewer key/value heads than query heads).
 
     From a config (``GPTConfig``), its fields; from a model with its policy, its layers: ``d_ff`` is the
     gcd of the out features of the column Linears outside attention (a tp size divides all of them
@@ -272,14 +302,15 @@ def model_sizes(model, policy=None):
         v = model.vocab_size
         return SimpleNamespace(d_model=model.d_model, n_heads=model.n_heads, d_ff=model.d_ff,
                                seq_len=model.seq_len, outputs={"vocab_size": v}, tables={"vocab_size": v},
-                               inputs={}, dropout=getattr(model, "dropout", 0.0), roles={}, tied=())
+                               inputs={}, dropout=getattr(model, "dropout", 0.0), roles={}, tied=(), kv={})
     inside = {p for p, _, _ in policy.attentions(model)}
     cols = [m.out_features for p, _, m in policy.modules(model, "column")
             if not any(p.startswith(a + ".") for a in inside)]
     norms = policy.modules(model, "norm")
     rows = policy.modules(model, "row")
     d_model = norms[0][2].normalized_shape[0] if norms else (rows[0][2].out_features if rows else 0)
-    heads = policy.head_count(model)["heads"]
+    counts = policy.head_count(model)
+    heads = counts["heads"]
     head_name = "num_classes" if policy.loss == "classes" else "vocab_size"
     pos = policy.modules(model, "positions")
     drops = [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
@@ -289,5 +320,6 @@ def model_sizes(model, policy=None):
         outputs={head_name: m.out_features for _, _, m in policy.modules(model, "head")},
         tables={"vocab_size": m.num_embeddings for _, _, m in policy.modules(model, "vocab")},
         inputs={"input features": m.in_features for _, _, m in policy.modules(model, "input")},
+        kv={"n_kv_heads": counts["kv_heads"]} if counts["kv_heads"] != heads else {},
         dropout=max(drops, default=0.0), roles={r: p for p, r, _ in reversed(policy.modules(model))},
         tied=tuple(policy.tied))

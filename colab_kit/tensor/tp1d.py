@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from .. import comm
 from ..pipeline.zero_bubble import split_linear
 from ..init import dense_value
+from ..policy import get_module
 from . import TensorPlan, require_divisible
 
-__all__ = ["ColumnLinear", "RowLinear", "VocabEmbedding", "Plan1D"]
+__all__ = ["ColumnLinear", "RowLinear", "VocabEmbedding", "Plan1D", "local_lookup"]
 
 
 def _slice(t: torch.Tensor, n: int, i: int, dim: int) -> torch.Tensor:
@@ -90,28 +91,39 @@ class RowLinear(_SplitLinear):
         return y + self.bias if self.bias is not None else y
 
 
+def local_lookup(tokens: torch.Tensor, weight: torch.Tensor, vocab_start: int, padding_idx: int | None = None):
+    """Rows of the tokens this vocabulary slice ``[vocab_start, vocab_start + len(weight))`` owns, zeros for
+    the others (their gradient is zero too); the dense table's ``padding_idx`` row, where it falls in this
+    slice, gets no gradient, as in ``nn.Embedding``."""
+    local = tokens - vocab_start
+    n = weight.shape[0]
+    mine = (local >= 0) & (local < n)
+    pad = None if padding_idx is None or not 0 <= padding_idx - vocab_start < n else padding_idx - vocab_start
+    return F.embedding(local.clamp(0, n - 1), weight, padding_idx=pad) * mine.unsqueeze(-1)
+
+
 class VocabEmbedding(nn.Module):
     """Embedding table split over the vocabulary; the looked-up rows are summed with g."""
 
-    def __init__(self, weight, vocab_start: int, mesh, axis: str = "tp"):
+    def __init__(self, weight, vocab_start: int, mesh, axis: str = "tp", padding_idx: int | None = None):
         super().__init__()
         self.mesh, self.axis, self.vocab_start = mesh, axis, vocab_start
         self.weight = nn.Parameter(weight)
+        self.padding_idx = padding_idx
+        """The dense table's ``padding_idx`` (its row gets no gradient), or None."""
 
     @classmethod
     def from_dense(cls, dense: nn.Embedding, mesh, axis: str = "tp") -> "VocabEmbedding":
         n, i = mesh.size(axis), mesh.rank(axis)
         part = _slice(dense.weight, n, i, 0)
-        return cls(part, i * part.shape[0], mesh, axis)
+        return cls(part, i * part.shape[0], mesh, axis, dense.padding_idx)
 
     def forward(self, tokens):
         return comm.reduce_from_group(self.partial_rows(tokens), self.mesh, self.axis)
 
     def partial_rows(self, tokens):
         """This rank's share of the looked-up rows: its vocabulary's rows, zeros for the other tokens."""
-        local = tokens - self.vocab_start
-        mine = (local >= 0) & (local < self.weight.shape[0])
-        return F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine.unsqueeze(-1)
+        return local_lookup(tokens, self.weight, self.vocab_start, self.padding_idx)
 
     def to_dense(self) -> nn.Embedding:
         w = comm.all_gather(self.weight.detach(), self.mesh, self.axis, 0, tag="to_dense")
@@ -133,7 +145,7 @@ class Plan1D(TensorPlan):
     @classmethod
     def check(cls, cfg, layout) -> None:
         p = layout.size("tp")
-        require_divisible({"n_heads": cfg.n_heads, "d_ff": cfg.d_ff, **cfg.outputs, **cfg.tables}, p,
+        require_divisible({"n_heads": cfg.n_heads, **cfg.kv, "d_ff": cfg.d_ff, **cfg.outputs, **cfg.tables}, p,
                           f"tp_mode='1d' splits attention heads, the MLP's inner size and the vocabulary "
                           f"over tp={p}: choose sizes that are multiples of {p}, or a tp that divides them")
 
@@ -143,7 +155,7 @@ class Plan1D(TensorPlan):
 
     def tie(self, model, table, head, table_path, head_path):
         """The vocabulary-split table and the vocabulary-split head hold the same rows: one parameter."""
-        head.weight = table.weight
+        get_module(model, head_path).weight = table.weight
 
 
 def linear_comm_bytes(rows: int, d_in: int, d_out: int, kind: str, bytes_per_elem: int = 4) -> dict:

@@ -47,6 +47,7 @@ from __future__ import annotations
 from ..policy import set_module
 from . import TensorPlan, require_divisible
 from .tp2d_layers import (SUMMA_AB, SUMMA_ABT, SUMMA_ATB, Embedding2D, InputLinear2D, LayerNorm2D, Linear2D,
+                          RMSNorm2D,
                           TiedHead2D, VocabEmbedding2D, batch_axes_of, summa_ab, summa_abt, summa_atb)
 
 __all__ = ["Plan2D", "linear_comm_bytes", "Linear2D", "LayerNorm2D", "Embedding2D", "VocabEmbedding2D",
@@ -103,7 +104,7 @@ class Plan2D(TensorPlan):
         q = layout.size("tp_col")
         mode = layout.config.tp_mode
         grid = f"tp={layout.config.tp}" + (f" with depth {layout.size('tp_dep')}" if mode == "2.5d" else "")
-        require_divisible({"d_model": cfg.d_model, "n_heads": cfg.n_heads, "d_ff": cfg.d_ff,
+        require_divisible({"d_model": cfg.d_model, "n_heads": cfg.n_heads, **cfg.kv, "d_ff": cfg.d_ff,
                            **cfg.outputs, **cfg.tables, **cfg.inputs}, q,
                           f"tp_mode={mode!r} ({grid}, a {q} x {q} grid) splits the hidden size, the attention "
                           f"heads, the MLP's inner size and the vocabulary over the q={q} grid columns: "
@@ -117,6 +118,10 @@ class Plan2D(TensorPlan):
             return Embedding2D.from_dense(dense, mesh)
         if role == "norm":
             return LayerNorm2D.from_dense(dense, mesh)
+        if role == "rmsnorm":
+            return RMSNorm2D.from_dense(dense, mesh)
+        if role == "rotary":  # no parameters: the same on every rank
+            return None
         if role == "input":  # the raw input, whole: this rank's feature block, then SUMMA
             return InputLinear2D.from_dense(dense, mesh)
         return Linear2D.from_dense(dense, mesh)  # column, row, dense, head: one SUMMA each (q/k/v fused)

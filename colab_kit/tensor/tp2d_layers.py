@@ -300,24 +300,24 @@ class VocabEmbedding2D(nn.Module):
     the reduce-scatter over {(0, 0), (1, 0)} returns table[ids of rows 2..3, 0:4].
     """
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int, mesh):
+    def __init__(self, weight: torch.Tensor, vocab_start: int, mesh, padding_idx: int | None = None):
         super().__init__()
-        self.mesh, self.vocab_start = mesh, vocab_start
+        self.mesh, self.vocab_start, self.padding_idx = mesh, vocab_start, padding_idx
         self.weight = mark_grad_sum(nn.Parameter(weight), *depth_axes_of(mesh))
 
     @classmethod
     def from_dense(cls, dense: nn.Embedding, mesh) -> "VocabEmbedding2D":
         q, i, j = mesh.size("tp_col"), mesh.rank("tp_row"), mesh.rank("tp_col")
         block = _block(dense.weight, q, i, j)
-        return cls(block, i * block.shape[0], mesh)
+        return cls(block, i * block.shape[0], mesh, dense.padding_idx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         from .tp3d_layers import ReduceScatter3D  # the generic reduce-scatter / all-gather pair
 
+        from .tp1d import local_lookup
+
         every = comm.all_gather(ids.contiguous(), self.mesh, "tp_row", dim=0, tag="2d token ids")
-        local = every - self.vocab_start
-        mine = (local >= 0) & (local < self.weight.shape[0])
-        partial = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine.unsqueeze(-1)
+        partial = local_lookup(every, self.weight, self.vocab_start, self.padding_idx)
         return ReduceScatter3D.apply(partial, self.mesh, "tp_row")
 
     def to_dense(self) -> nn.Embedding:
@@ -355,15 +355,36 @@ class TiedHead2D(nn.Module):
     def __init__(self, table: nn.Module, bias: torch.Tensor | None, mesh):
         super().__init__()
         self.mesh = mesh
-        self.table = [table]  # not a child: the parameter is the table module's
+        self.weight = table.weight  # the table's own parameter, registered here too (a pipeline's last stage)
         q, j = mesh.size("tp_col"), mesh.rank("tp_col")
         self.bias = mark_grad_sum(nn.Parameter(_block(bias, q, j)), *batch_axes_of(mesh)) if bias is not None else None
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.table[0].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = SUMMA_ABT.apply(x.reshape(-1, x.shape[-1]), self.weight, self.mesh)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y + self.bias if self.bias is not None else y
+
+
+class RMSNorm2D(nn.Module):
+    """RMSNorm over a hidden dim split by tp_col (Llama's, statistics in fp32): the mean square is a
+    sum over the grid row. Rank (i, j) holds weight block j (the same on every grid row and depth
+    layer: its gradient summed over the batch axes in ``sync_grads``).
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float, mesh):
+        super().__init__()
+        self.mesh, self.eps = mesh, eps
+        self.weight = mark_grad_sum(nn.Parameter(weight), *batch_axes_of(mesh))
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, mesh) -> "RMSNorm2D":
+        eps = getattr(dense, "variance_epsilon", None)
+        eps = getattr(dense, "eps", None) if eps is None else eps
+        q, j = mesh.size("tp_col"), mesh.rank("tp_col")
+        return cls(_block(dense.weight, q, j), 1e-6 if eps is None else eps, mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, width = x.dtype, x.shape[-1] * self.mesh.size("tp_col")
+        x = x.to(torch.float32)
+        mean_sq = RowSum.apply(x.pow(2).sum(-1, keepdim=True), self.mesh) / width
+        return self.weight * (x * torch.rsqrt(mean_sq + self.eps)).to(dtype)

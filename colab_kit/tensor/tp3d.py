@@ -122,6 +122,9 @@ class Plan3D(TensorPlan):
             raise ConfigError(f"tp_mode='3d' has no layer for {cfg.roles['dense']} (a width-keeping Linear on the "
                               f"residual would need its input and output in one layout): use tp_mode '1d' or "
                               f"'2d' for this model")
+        if "rmsnorm" in getattr(cfg, "roles", {}):
+            raise ConfigError(f"tp_mode='3d' has no RMSNorm layer yet ({cfg.roles['rmsnorm']}): use tp_mode '1d' "
+                              f"or '2d' for this model")
         if getattr(cfg, "tied", ()):
             a, b = cfg.tied[0]
             raise ConfigError(f"tp_mode='3d' cannot shard {b} tied to {a} yet: untie them (e.g. "
@@ -129,7 +132,7 @@ class Plan3D(TensorPlan):
         require_divisible({"d_model": cfg.d_model, "d_ff": cfg.d_ff}, q * q,
                           f"{where} splits each Linear's input features over q*q={q * q} ranks "
                           f"(tp_wt and one of tp_in/tp_out): choose multiples of {q * q}")
-        require_divisible({"n_heads": cfg.n_heads}, q,
+        require_divisible({"n_heads": cfg.n_heads, **cfg.kv}, q,
                           f"{where} splits attention heads over q={q} ranks: choose multiples of {q}")
         require_divisible({k: v for k, v in cfg.outputs.items() if k not in cfg.tables}, q,
                           f"{where} splits the head's outputs over q={q} ranks: choose multiples of {q}")
@@ -154,6 +157,8 @@ class Plan3D(TensorPlan):
             return Linear3D.from_dense(dense, mesh, **first)  # q/k/v fused: the input gathered once
         if role == "row":
             return Linear3D.from_dense(dense, mesh, **second)
+        if role == "rotary":  # no parameters: the same on every rank
+            return None
         if role == "input":  # rows arrive as the batch's (the inner layout): this rank's features, then inner -> residual
             return InputLinear3D.from_dense(dense, mesh, **second)
         raise ConfigError(f"tp_mode='3d' has no layer for {path} (role {role!r}: a width-keeping Linear on the "

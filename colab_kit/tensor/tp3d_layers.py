@@ -223,10 +223,10 @@ class VocabEmbedding3D(nn.Module):
         partial [8, t, 16] -> reduce-scatter over tp_wt: rows 4..7 -> over tp_in: rows 6..7
     """
 
-    def __init__(self, weight, vocab_start: int, mesh, vocab_axis: str = "tp_in"):
+    def __init__(self, weight, vocab_start: int, mesh, vocab_axis: str = "tp_in", padding_idx: int | None = None):
         super().__init__()
         self.mesh, self.vocab_axis, self.hidden_axis = mesh, vocab_axis, other_axis(vocab_axis)
-        self.vocab_start = vocab_start
+        self.vocab_start, self.padding_idx = vocab_start, padding_idx
         self.weight = nn.Parameter(weight)
 
     @classmethod
@@ -235,14 +235,13 @@ class VocabEmbedding3D(nn.Module):
         slice_ = mesh.rank(vocab_axis) * q + mesh.rank(WT)
         part = dense_value(dense.weight).detach().chunk(q * q, 0)[slice_]
         part = _chunk(part, mesh, other_axis(vocab_axis), 1).clone()
-        return cls(part, slice_ * part.shape[0], mesh, vocab_axis)
+        return cls(part, slice_ * part.shape[0], mesh, vocab_axis, dense.padding_idx)
 
     def forward(self, tokens):
         tokens = comm.all_gather(tokens, self.mesh, self.hidden_axis, 0, tag="3d tokens")
         tokens = comm.all_gather(tokens, self.mesh, WT, 0, tag="3d tokens")
-        local = tokens - self.vocab_start
-        mine = (local >= 0) & (local < self.weight.shape[0])
-        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine.unsqueeze(-1)
+        from .tp1d import local_lookup
+        rows = local_lookup(tokens, self.weight, self.vocab_start, self.padding_idx)
         return ReduceScatter3D.apply(ReduceScatter3D.apply(rows, self.mesh, WT), self.mesh, self.vocab_axis)
 
     def to_dense(self) -> nn.Embedding:

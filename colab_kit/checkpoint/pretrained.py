@@ -1,0 +1,143 @@
+"""The Hugging Face format: ``engine.save_pretrained(directory)`` and ``engine.load_pretrained(directory)``.
+
+Both go through the checkpoint's index map (``layout.local_space``: where each element this rank
+holds lives in the dense model), so they work under every config the engine runs (tensor modes,
+pipeline stages, ZeRO pieces, mixed precision: the fp32 masters are what is read and written).
+
+``save_pretrained`` (every rank calls it): one tensor at a time, each rank hands rank 0 the values
+it holds with their dense positions (an object gather); rank 0 assembles the tensor, checks that
+every element arrived, and finally writes a ``transformers`` model of the engine's class with
+``save_pretrained`` (safetensors), so ``AutoModel.from_pretrained`` / ``GPT2LMHeadModel
+.from_pretrained`` read it unchanged. Layers that ``prepare`` turned from ``Conv1D`` into
+``nn.Linear`` (GPT-2) are transposed back. Rank 0 holds the dense model once, at the end.
+
+``load_pretrained``: every rank opens the safetensors files itself and, tensor by tensor, reads
+only the rows its elements come from (``safe_open(...).get_slice``), keeps its own elements
+through the index map, and writes them into its parameters (or their fp32 masters, then copied
+into the 16-bit model; ZeRO 1-2 all-gather the updated pieces). The optimizer's states and the
+step count are left as they are: loading pretrained weights starts a fine-tuning run.
+
+Worked example, ``ParallelConfig(tp=2)``, GPT-2 with n_embd=32: ``transformer.h.0.attn.c_attn
+.weight`` is ``[32, 96]`` in the file (Conv1D: ``[in, out]``) and ``[96, 32]`` in the engine's dense
+coordinates; tp rank 0 holds dense rows 0-15, 32-47 and 64-79 (q, k, v of heads 0-1: the policy's
+``fused``), so it reads the whole tensor (its rows are the file's columns) and keeps those rows.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from .layout import local_space
+
+__all__ = ["save_pretrained", "load_pretrained"]
+
+
+def _conv_paths(engine) -> set[str]:
+    from ..policy.hf import CONV1D_ATTR
+    return set(getattr(engine._twin, CONV1D_ATTR, []))
+
+
+def _is_conv(name: str, convs: set[str]) -> bool:
+    return name.endswith(".weight") and name[: -len(".weight")] in convs
+
+
+def save_pretrained(engine, directory) -> None:
+    """Write ``directory`` in the Hugging Face format of the engine's model (see the module docstring)."""
+    twin = engine._twin
+    if not hasattr(twin, "save_pretrained") or not hasattr(twin, "config"):
+        raise TypeError(f"save_pretrained writes transformers models; this engine trains a {type(twin).__name__}: "
+                        f"use engine.save(path) for colab_kit's own sharded checkpoints")
+    space = local_space(engine)
+    table = space.table
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dense: dict[str, torch.Tensor] = {}
+    for name in table.names:
+        dpos, lpos = space.held(name)
+        mine = (dpos.to(torch.int64), space.read(space.tensors, lpos) if dpos.numel() else torch.zeros(0))
+        parts = [None] * world if rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if rank != 0:
+            continue
+        n = table.numel[name]
+        flat, seen = torch.empty(n, dtype=torch.float32), torch.zeros(n, dtype=torch.bool)
+        for pos, values in parts:
+            flat[pos] = values.to(torch.float32)
+            seen[pos] = True
+        if not bool(seen.all()):
+            raise RuntimeError(f"save_pretrained: {int((~seen).sum())} elements of {name} are held by no rank")
+        dense[name] = flat.view(table.shapes[name])
+    if rank == 0:
+        _write(twin, dense, _conv_paths(engine), os.fspath(directory))
+    dist.barrier()
+
+
+def _write(twin, dense: dict, convs: set[str], directory: str) -> None:
+    with torch.random.fork_rng(devices=[]):  # the fresh model's own random init must not move the RNG
+        model = type(twin)(twin.config)
+    state = {name: (t.t().contiguous() if _is_conv(name, convs) else t) for name, t in dense.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    if unexpected or set(missing) - tied - {n for n, _ in model.named_buffers()}:
+        raise RuntimeError(f"save_pretrained: the engine's parameters do not match {type(model).__name__}'s: "
+                           f"missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+def _files(directory: str) -> dict[str, str]:
+    """Tensor name -> safetensors file, from the index of a sharded save or from the files themselves."""
+    from safetensors import safe_open
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return {k: os.path.join(directory, v) for k, v in json.load(f)["weight_map"].items()}
+    where = {}
+    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            where.update({k: path for k in f.keys()})
+    if not where:
+        raise FileNotFoundError(f"{directory} holds no *.safetensors files (a save_pretrained directory)")
+    return where
+
+
+@torch.no_grad()
+def load_pretrained(engine, directory) -> None:
+    """Read ``directory`` (a ``save_pretrained`` directory) into this engine's parameters (see the module docstring)."""
+    from safetensors import safe_open
+    directory = os.fspath(directory)
+    where = _files(directory)
+    space = local_space(engine)
+    table, convs = space.table, _conv_paths(engine)
+    absent = [n for n in table.names if n not in where]
+    if absent:
+        raise KeyError(f"{directory} has no tensors {absent[:5]}{'...' if len(absent) > 5 else ''}: it holds another model")
+    for name in table.names:
+        dpos, lpos = space.held(name)
+        if not dpos.numel():
+            continue
+        shape = table.shapes[name]
+        with safe_open(where[name], framework="pt") as f:
+            sl = f.get_slice(name)
+            got = tuple(sl.get_shape())
+            conv = _is_conv(name, convs)
+            if got != (tuple(reversed(shape)) if conv else tuple(shape)):
+                raise ValueError(f"{name} is {list(got)} in {directory}, this engine's model has {list(shape)}")
+            if conv or len(shape) < 2:
+                values = sl[:].t().reshape(-1) if conv else sl[:].reshape(-1)
+                positions = dpos.to(torch.int64)
+            else:  # only the rows this rank's elements come from
+                row = int(torch.tensor(shape[1:]).prod())
+                rows = dpos.to(torch.int64) // row
+                lo, hi = int(rows.min()), int(rows.max()) + 1
+                values = sl[lo:hi].reshape(-1)
+                positions = dpos.to(torch.int64) - lo * row
+        space.write(space.tensors, lpos, values[positions].to(torch.float32))
+    masters = getattr(engine.grads, "masters", None)
+    if masters is not None:
+        masters.copy_to_model()
+    if engine.config.zero in (1, 2):
+        engine.grads.gather_params()
+    dist.barrier()

@@ -1,0 +1,119 @@
+"""Policies for Hugging Face ``transformers`` models, handed to ``ck.boost`` as they are.
+
+``GPT2LMHeadModel`` and ``LlamaForCausalLM``, built from a config (random weights, no download),
+the same on every rank (same seed)::
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=4, n_head=4,
+                                         n_positions=32, vocab_size=128, resid_pdrop=0, embd_pdrop=0,
+                                         attn_pdrop=0))
+    engine = ck.boost(model, opt, ck.ParallelConfig(dp=2, tp=2))
+    engine.train_step((input_ids, targets))   # mean token CE of model(input_ids).logits
+
+GPT-2. Its ``Conv1D`` layers (``x @ W + b``, ``W [in, out]``) become ``nn.Linear``s first
+(``prepare``: the same map, the weight transposed), so every tensor mode lowers them as any
+Linear; ``save_pretrained`` transposes them back. ``c_attn`` is ``[q | k | v]`` (all heads of q,
+then of k, then of v), which the model's forward splits in three: the policy marks it ``fused``
+in 3 parts, so each rank holds ``[q_i | k_i | v_i]`` of whole heads and the attention's
+``split_size`` is divided like its heads. The LM head is tied to ``wte``.
+
+Worked example, tp=2 (1d), n_embd=32, 4 heads of 8: rank 0's ``c_attn`` holds output features
+0..15 (q of heads 0-1), 32..47 (their k), 64..79 (their v); ``split_size`` 16; ``c_proj`` input
+features 0..15. Rank 1 holds heads 2-3 likewise.
+
+Llama. ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj`` and ``up_proj`` are column Linears,
+``o_proj`` and ``down_proj`` row Linears (grouped-query attention: the key/value heads must divide
+by the head split too), the RMSNorms ``rmsnorm`` (whole in 1d, statistics over the grid row in
+2d), ``rotary_emb`` the rotary role: every pipeline stage keeps it (the policy's ``context`` makes
+each block's ``position_embeddings`` from it), and sequence parallelism hands it the global
+positions of this rank's tokens. The attention modules reshape with ``-1`` heads, so nothing in
+them is divided.
+
+Both call ``transformers``' attention-function registry, so sequence parallelism (ring, Ulysses)
+registers its own function there (``Attention(hf=True)``). Decisions: 3d is refused for both
+(Llama's RMSNorm, GPT-2's fused and tied head have no 3D layers here); dropout > 0 under tp is
+refused as for every model (build the config with ``*_pdrop=0`` / ``attention_dropout=0``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from . import Attention, Policy
+
+__all__ = ["gpt2_policy", "llama_policy", "conv1d_to_linear", "CONV1D_ATTR"]
+
+CONV1D_ATTR = "_ck_conv1d"
+"""On a prepared GPT-2: the paths of the modules that were ``Conv1D`` (``save_pretrained`` reverts them)."""
+
+
+def conv1d_to_linear(model: nn.Module) -> list[str]:
+    """Replace every ``transformers`` ``Conv1D`` under ``model`` by the equivalent ``nn.Linear`` (same
+    device, the weight transposed); returns their paths (also kept on the model). Idempotent."""
+    from transformers.pytorch_utils import Conv1D
+
+    done = list(getattr(model, CONV1D_ATTR, []))
+    for path, mod in list(model.named_modules()):
+        if not isinstance(mod, Conv1D):
+            continue
+        w = mod.weight  # [in, out]
+        lin = nn.Linear(w.shape[0], w.shape[1], bias=mod.bias is not None, device="meta")
+        lin.weight = nn.Parameter(w.detach().t().contiguous() if not w.is_meta else
+                                  torch.empty(w.shape[1], w.shape[0], dtype=w.dtype, device="meta"),
+                                  requires_grad=w.requires_grad)
+        if mod.bias is not None:
+            lin.bias = mod.bias
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent), name, lin)
+        done.append(path)
+    setattr(model, CONV1D_ATTR, done)
+    return done
+
+
+def gpt2_policy(model) -> Policy:
+    h = "transformer.h"
+    tied = model.lm_head.weight is model.transformer.wte.weight
+    return Policy(
+        name="hf-gpt2", blocks=h,
+        layers={"transformer.wte": "vocab", "transformer.wpe": "positions",
+                f"{h}.*.ln_1": "norm", f"{h}.*.attn.c_attn": "column", f"{h}.*.attn.c_proj": "row",
+                f"{h}.*.ln_2": "norm", f"{h}.*.mlp.c_fc": "column", f"{h}.*.mlp.c_proj": "row",
+                "transformer.ln_f": "norm", "lm_head": "head"},
+        attention={f"{h}.*.attn": Attention(heads=("num_heads",), widths=("split_size",), hf=True)},
+        fused={f"{h}.*.attn.c_attn": 3},
+        tied=(("transformer.wte", "lm_head"),) if tied else (),
+        prepare=conv1d_to_linear, output=lambda out: out.logits,
+        embed=_gpt2_embed, finish=lambda m, x: m.lm_head(m.transformer.ln_f(x)),
+        tail=("transformer.ln_f", "lm_head"), loss="tokens")
+
+
+def _gpt2_embed(m, ids):
+    t = m.transformer
+    pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    return t.drop(t.wte(ids) + t.wpe(pos))
+
+
+def llama_policy(model) -> Policy:
+    cfg, L = model.config, "model.layers"
+    return Policy(
+        name="hf-llama", blocks=L,
+        layers={"model.embed_tokens": "vocab", "model.rotary_emb": "rotary",
+                f"{L}.*.input_layernorm": "rmsnorm", f"{L}.*.self_attn.q_proj": "column",
+                f"{L}.*.self_attn.k_proj": "column", f"{L}.*.self_attn.v_proj": "column",
+                f"{L}.*.self_attn.o_proj": "row", f"{L}.*.post_attention_layernorm": "rmsnorm",
+                f"{L}.*.mlp.gate_proj": "column", f"{L}.*.mlp.up_proj": "column", f"{L}.*.mlp.down_proj": "row",
+                "model.norm": "rmsnorm", "lm_head": "head"},
+        attention={f"{L}.*.self_attn": Attention(n_heads=cfg.num_attention_heads,
+                                                 n_kv_heads=cfg.num_key_value_heads, hf=True)},
+        tied=(("model.embed_tokens", "lm_head"),) if model.lm_head.weight is model.model.embed_tokens.weight else (),
+        output=lambda out: out.logits, embed=lambda m, ids: m.model.embed_tokens(ids),
+        finish=lambda m, x: m.lm_head(m.model.norm(x)), context=_llama_context,
+        tail=("model.norm", "lm_head"), everywhere=("model.rotary_emb",), loss="tokens")
+
+
+def _llama_context(m, ids):
+    """What each decoder layer gets beside its input: the rotary ``position_embeddings`` of the positions
+    (and the ids of those positions), made on every stage from its microbatch's ids."""
+    pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    like = torch.empty(0, dtype=next(m.parameters()).dtype, device=ids.device)
+    return {"position_embeddings": m.model.rotary_emb(like, pos), "position_ids": pos}
