@@ -1,9 +1,10 @@
 """Any model through its policy: BERT, ViT, GPT and a user's own model (attributes named unlike GPT's,
 sharded through a ``Policy`` written here) each train five steps to the losses and parameters of the
 same model trained in one process with plain PyTorch (``F.cross_entropy``, its ``ignore_index``), with
-AdamW and with SGD + momentum, under tp 1d and 2d, pp 1f1b and zb-h1 (and zb-v, where BERT's tied
-head and token table live on one rank), ZeRO-3, and dp x tp x pp; ViT also under 2.5d and 3d, on
-scikit-learn's digits. BERT's batches predict a different number of tokens in every shard, so the
+AdamW and with SGD + momentum, under tp 1d and 2d, pp 1f1b, zb-h1 and zb-v (BERT's tied head and
+token table on two pipeline ranks, or on one under zb-v), ZeRO-3, and dp x tp x pp; ViT also under
+2.5d and 3d, on scikit-learn's digits; BERT (bidirectional, padding masked) and the user's model under
+sp ring and Ulysses. BERT's batches predict a different number of tokens in every shard, so the
 global masked-LM mean is checked, not a mean of means. One spawn per world size, configs looped inside.
 
 What is refused, in the kernel before any process: a model without a policy under tp/pp/sp, a policy
@@ -183,8 +184,10 @@ CASES = {
         if not (m == "bert" and "pp" in kw)]
        + [("bert", dict(pp=2, microbatches=2, schedule=s), tie) for s in ("1f1b", "zb-h1") for tie in (True, False)]
        + [("bert", dict(pp=2, microbatches=2, schedule="zb-v", chunks=2), True),
-          ("gpt", dict(tp=2, recompute=True), True), ("vit", dict(dp=2, recompute=True), True)],
-    4: [(m, dict(tp=4, tp_mode="2d"), True) for m in ("bert", "vit", "net")],
+          ("gpt", dict(tp=2, recompute=True), True), ("vit", dict(dp=2, recompute=True), True)]
+       + [(m, dict(sp=2, sp_mode=mode), True) for m in ("bert", "net") for mode in ("ring", "ulysses")],
+    4: [(m, dict(tp=4, tp_mode="2d"), True) for m in ("bert", "vit", "net")]
+       + [("bert", dict(dp=2, sp=2, sp_mode="ring"), True), ("bert", dict(tp=2, sp=2, sp_mode="ulysses"), True)],
     8: [(m, dict(dp=2, tp=2, pp=2, microbatches=2), True) for m in ("bert", "vit", "net")]
        + [("vit", dict(tp=8, tp_mode="2.5d", tp_depth=2), True), ("vit", dict(tp=8, tp_mode="3d"), True)],
 }
@@ -302,7 +305,7 @@ def test_modes_a_model_cannot_take_yet_say_so():
         ck.boost(BERT(BERT_CFG), _opt, ck.ParallelConfig(tp=8, tp_mode="3d"))
     with pytest.raises(ck.ConfigError, match=r"mlm.decoder shares its weight with tok.*ZeRO's flat pieces .*zero=0"):
         ck.boost(BERT(BERT_CFG), _opt, ck.ParallelConfig(dp=2, pp=2, schedule="1f1b", zero=1))
-    with pytest.raises(ck.ConfigError, match=r"bidirectional attention .* sequence parallelism does not run"):
+    with pytest.raises(ck.ConfigError, match=r"inputs have no token dimension \(ViT's are images"):
         ck.boost(ViT(VIT_CFG), _opt, ck.ParallelConfig(sp=2))
     with pytest.raises(ck.ConfigError, match=r"split_gather' splits the sequence of models .* also has input \(patch\), table \(cls\)"):
         ck.boost(ViT(VIT_CFG), _opt, ck.ParallelConfig(tp=2, sp_mode="split_gather"))

@@ -149,6 +149,8 @@ class Policy:
     """Maps what ``model(inputs)`` returns to the logits (a Hugging Face output's ``.logits``), or None."""
     everywhere: tuple[str, ...] = ()
     """Parameterless modules every pipeline stage keeps (Llama's rotary embedding)."""
+    sequence: bool = True
+    """Whether the inputs are token sequences (dim 1), which sequence parallelism splits (ViT's images: no)."""
     name: str = ""
 
     def __post_init__(self):

@@ -49,7 +49,7 @@ def vit_policy(model: ViT) -> Policy:
                           "head": "head"},
                   attention=_attention(causal=False),
                   embed=lambda m, images: m.embed(images), finish=lambda m, x: m.classify(x),
-                  tail=("ln_f", "head"), loss="classes")
+                  tail=("ln_f", "head"), loss="classes", sequence=False)
 
 
 register(GPT, gpt_policy)

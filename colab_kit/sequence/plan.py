@@ -29,6 +29,7 @@ the multiple to use (``check_length``, ``check_heads``).
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -111,10 +112,13 @@ class SequencePlan:
             raise ConfigError(f"sequence parallelism replaces each attention's attend(q, k, v); policy "
                               f"{policy.name!r} names none for some attention module: give Attention(attend="
                               f"'<method name>') in the policy, or use sp=1")
-        if any(not a.causal for _, _, a in atts):
-            raise ConfigError(f"sp_mode={config.sp_mode!r} runs causal attention; policy {policy.name!r} has "
-                              f"bidirectional attention (BERT, ViT), which sequence parallelism does not run "
-                              f"yet: use sp=1 for this model")
+        if not policy.sequence:
+            raise ConfigError(f"sequence parallelism splits the inputs' tokens (dim 1); policy {policy.name!r} says "
+                              f"its inputs have no token dimension (ViT's are images, its tokens made inside the "
+                              f"model): use sp=1 for this model, and tp or pp to split it")
+        if any(a.hf and not a.causal for _, _, a in atts):
+            raise ConfigError(f"sequence parallelism runs transformers' attention functions causally; policy "
+                              f"{policy.name!r} has a bidirectional one: use sp=1 for this model")
 
     def check_length(self, t: int) -> None:
         """A sequence of ``t`` tokens must split into this mode's pieces (before any collective)."""
@@ -133,8 +137,8 @@ class SequencePlan:
         for _, module, a in policy.attentions(model):
             if a.hf:  # transformers' registry: this plan's function, under a name of its own
                 module.config._attn_implementation = self.hf_attention()
-            else:
-                setattr(module, a.attend, self.attend)
+            else:  # an instance attribute: the model's code is not touched
+                setattr(module, a.attend, functools.partial(self.attend, causal=a.causal))
         for _, _, rot in policy.modules(model, "rotary"):
             rot.__class__ = _global_positions_class(type(rot))
             rot._sp_rank, rot._sp_size, rot._sp_layout = self.rank, self.size, self.layout
@@ -150,10 +154,14 @@ class SequencePlan:
                 p._ck_grad_sum_axes = axes + (self.axis,)
         return model
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
+               causal: bool = True) -> torch.Tensor:
+        """Attention of this rank's tokens over the whole sequence: causal or not, keys masked where this
+        rank's ``mask [b, t_local]`` (BERT's padding) is False."""
         if self.mode == "ring":
-            return ring_attention(q, k, v, self.mesh, self.axis, layout=self.layout, recorder=self.recorder)
-        return ulysses_attention(q, k, v, self.mesh, self.axis, layout=self.layout)
+            return ring_attention(q, k, v, self.mesh, self.axis, layout=self.layout, recorder=self.recorder,
+                                  causal=causal, mask=mask)
+        return ulysses_attention(q, k, v, self.mesh, self.axis, layout=self.layout, causal=causal, mask=mask)
 
     def hf_attention(self) -> str:
         """Register this plan's attention in ``transformers``' registry (once) and return its name: the

@@ -46,7 +46,7 @@ import torch
 from .. import comm
 from .zigzag import LAYOUTS, chunk_ids
 
-__all__ = ["RingAttention", "RingRecorder", "ring_attention", "merge_lse"]
+__all__ = ["RingAttention", "RingRecorder", "ring_attention", "merge_lse", "gather_keys"]
 
 
 @dataclass
@@ -95,29 +95,36 @@ def merge_lse(o, lse, o_b, lse_b):
     return torch.exp(lse - new).unsqueeze(-1) * o + torch.exp(lse_b - new).unsqueeze(-1) * o_b, new
 
 
-def _relation(q_chunk: int, k_chunk: int) -> str:
-    """How a query chunk sees a key chunk under the causal mask (chunks are runs of positions)."""
+def _relation(q_chunk: int, k_chunk: int, causal: bool = True) -> str:
+    """How a query chunk sees a key chunk under the causal mask (chunks are runs of positions);
+    without one, every block is whole."""
+    if not causal:
+        return "full"
     return "skip" if k_chunk > q_chunk else "diag" if k_chunk == q_chunk else "full"
 
 
-def _scores(q, k, scale, diag: bool):
-    """The one ``c x c`` score block per head; the upper triangle at ``-inf`` on the diagonal."""
+def _scores(q, k, scale, diag: bool, keys=None):
+    """The one ``c x c`` score block per head; the upper triangle at ``-inf`` on the diagonal; keys where
+    ``keys [b, c]`` is False (padding) at the dtype's lowest finite value, so a block with no real key
+    merges to nothing instead of to NaN."""
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
     if diag:
         c = s.shape[-1]
         s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if keys is not None:
+        s = s.masked_fill(~keys[:, None, None, :], torch.finfo(s.dtype).min)
     return s
 
 
-def _block_forward(q, k, v, scale, diag):
-    s = _scores(q, k, scale, diag)
+def _block_forward(q, k, v, scale, diag, keys=None):
+    s = _scores(q, k, scale, diag, keys)
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
 
 
-def _block_backward(q, k, v, do, lse, delta, scale, diag):
+def _block_backward(q, k, v, do, lse, delta, scale, diag, keys=None):
     """Flash-attention's backward of one block, from the row's final LSE and ``delta = rowsum(dO * O)``."""
-    p = torch.exp(_scores(q, k, scale, diag) - lse.unsqueeze(-1))     # this block's share of the softmax
+    p = torch.exp(_scores(q, k, scale, diag, keys) - lse.unsqueeze(-1))  # this block's share of the softmax
     dv = torch.matmul(p.transpose(-2, -1), do)
     ds = p * (torch.matmul(do, v.transpose(-2, -1)) - delta.unsqueeze(-1))
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
@@ -138,15 +145,17 @@ def _wait(pending) -> float:
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal ring self-attention over ``axis``; ``apply(q, k, v, mesh, axis, layout, recorder)``.
+    """Ring self-attention over ``axis``; ``apply(q, k, v, mesh, axis, layout, recorder, causal, keys)``.
 
     ``q, k, v``: this rank's tokens, ``[b, heads, t_local, d]`` in ``layout``; returns the
     attention output of those tokens, same shape. Saves q, k, v, the output and the LSE
-    (``[b, heads, t_local]``) only. Computes in at least fp32.
+    (``[b, heads, t_local]``) only. Computes in at least fp32. ``causal=False``: bidirectional
+    (BERT's); ``keys``: every rank's key-padding mask ``[sp, b, t_local]`` (True: a real token),
+    indexed by the rank whose K/V a rotation holds, or None.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh, axis, layout, recorder):
+    def forward(ctx, q, k, v, mesh, axis, layout, recorder, causal=True, keys=None):
         n, r = mesh.size(axis), mesh.rank(axis)
         acc = torch.promote_types(q.dtype, torch.float32)
         c, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
@@ -162,10 +171,11 @@ class RingAttention(torch.autograd.Function):
             k_ids = chunk_ids(src, n, layout)
             for a, qa in enumerate(qs):
                 for b, kb in enumerate(k_ids):
-                    rel = _relation(q_ids[a], kb)
+                    rel = _relation(q_ids[a], kb, causal)
                     if rel != "skip":
                         ks = slice(b * c, (b + 1) * c)
-                        o_b, l_b = _block_forward(qa, kv[0, :, :, ks], kv[1, :, :, ks], scale, rel == "diag")
+                        km = keys[src][:, ks] if keys is not None else None
+                        o_b, l_b = _block_forward(qa, kv[0, :, :, ks], kv[1, :, :, ks], scale, rel == "diag", km)
                         state[a] = merge_lse(*state[a], o_b, l_b)
             end = recorder.now() if recorder is not None else 0.0
             waited = _wait(pending)
@@ -177,12 +187,14 @@ class RingAttention(torch.autograd.Function):
         lse = torch.cat([state[0][1], state[1][1]], dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mesh, ctx.axis, ctx.layout, ctx.recorder = mesh, axis, layout, recorder
+        ctx.causal, ctx.keys = causal, keys
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         mesh, axis, layout, recorder = ctx.mesh, ctx.axis, ctx.layout, ctx.recorder
+        causal, keys = ctx.causal, ctx.keys
         n, r = mesh.size(axis), mesh.rank(axis)
         acc = out.dtype
         c, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
@@ -203,11 +215,12 @@ class RingAttention(torch.autograd.Function):
             dkv = torch.zeros_like(kv)                 # this rank's share of src's dK/dV
             for a in range(2):
                 for b, kb in enumerate(k_ids):
-                    rel = _relation(q_ids[a], kb)
+                    rel = _relation(q_ids[a], kb, causal)
                     if rel != "skip":
                         ks, qsl = slice(b * c, (b + 1) * c), slice(a * c, (a + 1) * c)
+                        km = keys[src][:, ks] if keys is not None else None
                         dq_b, dk_b, dv_b = _block_backward(qs[a], kv[0, :, :, ks], kv[1, :, :, ks], dos[a],
-                                                           lses[a], deltas[a], scale, rel == "diag")
+                                                           lses[a], deltas[a], scale, rel == "diag", km)
                         dq[:, :, qsl] += dq_b
                         dkv[0, :, :, ks] += dk_b
                         dkv[1, :, :, ks] += dv_b
@@ -225,12 +238,21 @@ class RingAttention(torch.autograd.Function):
         if n > 1:                                      # the last hop brought this rank's own dK/dV
             _wait(acc_pending)
             dkv = acc_in
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+
+
+def gather_keys(mask: torch.Tensor, mesh, axis: str) -> torch.Tensor:
+    """Every rank's key-padding mask ``[b, t_local]`` (True: a real token) -> ``[sp, b, t_local]``, in rank
+    order (one small all-gather of bytes; no gradient)."""
+    every = comm.all_gather(mask.to(torch.uint8).unsqueeze(0).contiguous(), mesh, axis, 0, tag="key mask")
+    return every.bool()
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis: str = "sp", *,
-                   layout: str = "zigzag", recorder: RingRecorder | None = None) -> torch.Tensor:
-    """Causal self-attention of the sequence split over ``axis``, by ring self-attention.
+                   layout: str = "zigzag", recorder: RingRecorder | None = None, causal: bool = True,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Self-attention of the sequence split over ``axis``, by ring self-attention; causal, or bidirectional
+    with ``causal=False``, keys masked out where ``mask [b, t_local]`` (this rank's tokens) is False.
 
     ``q, k, v``: ``[b, heads, t_local, d]``, this rank's ``t_local = t / sp`` tokens in
     ``layout`` (``split_sequence(x, mesh.rank(axis), sp, dim=2)``); returns this rank's
@@ -246,4 +268,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis
         n = mesh.size(axis)
         raise ValueError(f"ring_attention needs this rank's tokens to be two equal chunks, got t_local="
                          f"{q.shape[2]}: the sequence must be a multiple of 2*sp = {2 * n}")
-    return RingAttention.apply(q, k, v, mesh, axis, layout, recorder)
+    keys = gather_keys(mask, mesh, axis) if mask is not None else None
+    return RingAttention.apply(q, k, v, mesh, axis, layout, recorder, causal, keys)

@@ -60,8 +60,10 @@ def check_heads(heads: int, sp: int) -> None:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis: str = "sp", *,
-                      layout: str = "contiguous") -> torch.Tensor:
-    """Causal self-attention of the sequence split over ``axis``, by the Ulysses all-to-all.
+                      layout: str = "contiguous", causal: bool = True, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Self-attention of the sequence split over ``axis``, by the Ulysses all-to-all: causal, or bidirectional
+    with ``causal=False``; keys masked out where ``mask [b, t_local]`` (this rank's tokens) is False (every
+    rank's mask is all-gathered, a few bytes per token, so each rank sees the whole sequence's).
 
     ``q, k, v``: ``[b, heads, t_local, d]``, this rank's ``t / sp`` tokens in ``layout``;
     returns this rank's rows of the causal attention, same shape and layout. Records two
@@ -74,8 +76,21 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, a
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     n = mesh.size(axis)
     check_heads(q.shape[1], n)
+
+    def attend(q, k, v, keys):
+        if keys is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        allowed = keys[:, None, None, :]
+        if causal:
+            allowed = allowed & torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
     if n == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return attend(q, k, v, mask)
+    keys = None
+    if mask is not None:  # [sp, b, t_local] in rank order -> [b, t] in the gathered order
+        from .ring import gather_keys
+        keys = gather_keys(mask, mesh, axis).transpose(0, 1).reshape(mask.shape[0], -1)
     if layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(f"the zigzag layout holds two equal chunks per rank, got t_local={q.shape[2]}: "
                          f"the sequence must be a multiple of 2*sp = {2 * n}")
@@ -84,7 +99,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, a
     if layout == "zigzag":
         order = gathered_order(n, n * q.shape[2], layout, device=q.device)
         qkv = qkv.index_select(3, order.argsort())                           # natural token order
-    out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+        keys = keys.index_select(1, order.argsort()) if keys is not None else None
+    out = attend(qkv[0], qkv[1], qkv[2], keys)
     if order is not None:
         out = out.index_select(2, order)                                     # back to rank order
     return UlyssesAllToAll.apply(out, mesh, axis, 2, 1)                      # [b, heads, t/sp, d]
