@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SyntheticTokens"]
+__all__ = ["SyntheticTokens", "ByteText"]
 
 
 class SyntheticTokens:
@@ -40,3 +40,43 @@ class SyntheticTokens:
 
     def __iter__(self):
         raise TypeError("SyntheticTokens is indexed by step: use data.batch(step, batch_size)")
+
+
+class ByteText:
+    """Real text as bytes (vocabulary 256): windows of ``seq_len + 1`` bytes of ``text``, by step.
+
+    ``text``: a string, or a module whose source to read (``ByteText(json.decoder, 32)``: the standard
+    library ships with Python, so no download). ``batch(step, b)`` is ``(inputs, next bytes)`` for a causal
+    LM; ``masked(step, b, rate, mask_id)`` is a masked-LM batch: about ``rate`` of the bytes replaced by
+    ``mask_id`` in the inputs and predicted (targets -100 elsewhere). Both depend only on (seed, step, b).
+
+    >>> data = ByteText("abcdefghij" * 10, seq_len=4)
+    >>> x, y = data.batch(0, 2)
+    >>> bytes(x[0].tolist()).decode(), bytes(y[0].tolist()).decode()
+    ('efgh', 'fghi')
+    """
+
+    def __init__(self, text, seq_len: int = 32, seed: int = 0):
+        if not isinstance(text, str):
+            import inspect
+            text = inspect.getsource(text)
+        self.data = torch.tensor(list(text.encode()), dtype=torch.long)
+        if self.data.numel() <= seq_len + 1:
+            raise ValueError(f"{self.data.numel()} bytes of text are too few for windows of {seq_len + 1}")
+        self.seq_len, self.seed, self.vocab_size = seq_len, seed, 256
+
+    def _windows(self, step: int, batch_size: int, g: torch.Generator) -> torch.Tensor:
+        starts = torch.randint(0, self.data.numel() - self.seq_len - 1, (batch_size, 1), generator=g)
+        return self.data[starts + torch.arange(self.seq_len + 1)]
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        w = self._windows(step, batch_size, g)
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+    def masked(self, step: int, batch_size: int, rate: float = 0.15, mask_id: int = 1):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        ids = self._windows(step, batch_size, g)[:, :-1].contiguous()
+        picked = torch.rand(ids.shape, generator=g) < rate
+        picked[:, 0] |= ~picked.any(dim=1)  # at least one target per row
+        return torch.where(picked, mask_id, ids), torch.where(picked, ids, -100)

@@ -104,6 +104,13 @@ class EngineRecords:
         from .checkpoint import load
         return load(self, path)
 
+    def dense_state_dict(self, dst: int = 0) -> dict | None:
+        """The dense model's parameters (fp32, the dense model's names) on rank ``dst``, None on the other
+        ranks; every rank calls it (``checkpoint.pretrained.dense_state_dict``). Load it into the model built
+        in one process: ``GPT(cfg).load_state_dict(sd)`` (tied weights appear once)."""
+        from .checkpoint.pretrained import dense_state_dict
+        return dense_state_dict(self, dst)
+
     def save_pretrained(self, directory) -> None:
         """Write a Hugging Face model's ``save_pretrained`` directory (safetensors) that ``transformers``
         loads back unchanged, from every rank's shards (every rank calls it; ``checkpoint.pretrained``)."""

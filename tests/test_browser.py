@@ -94,6 +94,12 @@ SHOWS = {  # notebook -> [(marker in a cell's source, "widget" | "plot" it must 
         ("viz.plan_vs_measured_figure", "plot"),
         ("viz.loss_figure", "plot"),
     ],
+    "07_bring_your_own_model.ipynb": [
+        ("viz.accuracy_figure", "plot"),
+        ('viz.loss_figure({"dp=2 sp=4 (ring)"', "plot"),
+        ("viz.loss_figure({WORDS: gpt2}", "plot"),
+        ('viz.loss_figure({"dp=2 tp=2 pp=2": net}', "plot"),
+    ],
 }
 
 # A widget or a figure shown as its Python repr: what a frontend without widget support prints.

@@ -96,6 +96,17 @@ EXPECT = {  # notebook -> [(marker in the cell source, text its output must cont
         ("largest relative difference", "vs one process: "),
         ("%colossal stop", "cluster stopped"),
     ],
+    "07_bring_your_own_model.ipynb": [
+        ("policy = policy_for(ViT(VIT))", "patch                  input"),
+        ("%colossal start -n 8", "started 8 ranks"),
+        ("vit = {words: cluster.run", "tp=8 tp_mode=3d        loss 2.30"),
+        ("x, y, order = digit_data()", "steps 1-20 within"),
+        ("bert, rotations = cluster.run", "BERT, dp=2 sp=4 ring (4 rotations of K/V per pass)"),
+        ("gpt2 = cluster.run", "GPT-2, dp=2 tp=2 pp=2 schedule=zb-v chunks=2 microbatches=2 zero=1: largest relative"),
+        ("class Mixer", "without a policy: tp=2 needs a sharding policy for Net"),
+        ("net = cluster.run", "Net with its own policy, dp=2 tp=2 pp=2: largest relative difference"),
+        ("%colossal stop", "cluster stopped"),
+    ],
 }
 
 

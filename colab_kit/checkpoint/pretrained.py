@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .layout import local_space
 
-__all__ = ["save_pretrained", "load_pretrained"]
+__all__ = ["save_pretrained", "load_pretrained", "dense_state_dict"]
 
 
 def _conv_paths(engine) -> set[str]:
@@ -45,12 +45,16 @@ def _is_conv(name: str, convs: set[str]) -> bool:
     return name.endswith(".weight") and name[: -len(".weight")] in convs
 
 
-def save_pretrained(engine, directory) -> None:
-    """Write ``directory`` in the Hugging Face format of the engine's model (see the module docstring)."""
-    twin = engine._twin
-    if not hasattr(twin, "save_pretrained") or not hasattr(twin, "config"):
-        raise TypeError(f"save_pretrained writes transformers models; this engine trains a {type(twin).__name__}: "
-                        f"use engine.save(path) for colab_kit's own sharded checkpoints")
+def dense_state_dict(engine, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """The dense model's parameters, by the dense model's names, assembled on rank ``dst`` (None elsewhere;
+    every rank calls it): one tensor at a time, each rank hands ``dst`` the values it holds with their dense
+    positions (an object gather), fp32 (the masters under mixed precision). An element no rank holds is an
+    error. ``dst`` holds the dense model once, at the end. A tied weight appears under each of its names
+    (BERT's ``tok.weight`` and ``mlm.decoder.weight``), so ``model.load_state_dict(sd)`` takes it as it is.
+
+    Worked example, ``ParallelConfig(tp=2)``: rank 0 sends rows 0-47 of ``blocks.0.attn.qkv.weight`` with
+    positions 0..1535, rank 1 rows 48-95; rank 0 returns the whole ``[96, 32]``; rank 1 returns None.
+    """
     space = local_space(engine)
     table = space.table
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -58,9 +62,9 @@ def save_pretrained(engine, directory) -> None:
     for name in table.names:
         dpos, lpos = space.held(name)
         mine = (dpos.to(torch.int64), space.read(space.tensors, lpos) if dpos.numel() else torch.zeros(0))
-        parts = [None] * world if rank == 0 else None
-        dist.gather_object(mine, parts, dst=0)
-        if rank != 0:
+        parts = [None] * world if rank == dst else None
+        dist.gather_object(mine, parts, dst=dst)
+        if rank != dst:
             continue
         n = table.numel[name]
         flat, seen = torch.empty(n, dtype=torch.float32), torch.zeros(n, dtype=torch.bool)
@@ -68,9 +72,25 @@ def save_pretrained(engine, directory) -> None:
             flat[pos] = values.to(torch.float32)
             seen[pos] = True
         if not bool(seen.all()):
-            raise RuntimeError(f"save_pretrained: {int((~seen).sum())} elements of {name} are held by no rank")
+            raise RuntimeError(f"dense_state_dict: {int((~seen).sum())} elements of {name} are held by no rank")
         dense[name] = flat.view(table.shapes[name])
-    if rank == 0:
+    if rank != dst:
+        return None
+    canonical = {id(p): n for n, p in engine._twin.named_parameters()}
+    for n, p in engine._twin.named_parameters(remove_duplicate=False):  # tied weights under each of their names
+        if n not in dense and canonical.get(id(p)) in dense:
+            dense[n] = dense[canonical[id(p)]]
+    return dense
+
+
+def save_pretrained(engine, directory) -> None:
+    """Write ``directory`` in the Hugging Face format of the engine's model (see the module docstring)."""
+    twin = engine._twin
+    if not hasattr(twin, "save_pretrained") or not hasattr(twin, "config"):
+        raise TypeError(f"save_pretrained writes transformers models; this engine trains a {type(twin).__name__}: "
+                        f"use engine.save(path) for colab_kit's own sharded checkpoints")
+    dense = dense_state_dict(engine)
+    if dense is not None:
         _write(twin, dense, _conv_paths(engine), os.fspath(directory))
     dist.barrier()
 

@@ -30,7 +30,7 @@ import time
 from ..config import ParallelConfig
 from ..errors import RankError
 from ..net import LOOPBACK
-from ..tracebacks import source_map
+from ..tracebacks import pack, source_map
 from . import remote
 from .gather import RESTART_ADVICE, ClusterError, Waiting
 from .results import RankOutput, RankTable, check_ranks, rank_output, split, unwrap_call, unwrap_execute
@@ -240,7 +240,9 @@ class Cluster(Startup, Waiting):
         for 2 s (``running on 4 ranks for 7 s; rank 0: step 10 loss 3.0``), nothing elsewhere.
         """
         targets = self._targets(ranks)
-        ars = self._apply(targets, remote.call, fn, args, {}, source_map(fn, args))
+        # pickled here with cloudpickle (tracebacks.pack), not ipyparallel's canning: a class defined in the
+        # notebook (a user's nn.Module, whose methods' super() cell refers back to it) travels by value
+        ars = self._apply(targets, remote.call_packed, pack((fn, args)), source_map(fn, args))
         line = _notebook_progress(len(targets)) if progress == "auto" else progress
         tick = None if line is None else (lambda t: line(t, {r: ar.stdout or "" for r, ar in ars.items()}))
         try:

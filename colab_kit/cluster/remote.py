@@ -31,8 +31,9 @@ import traceback
 from datetime import timedelta
 
 from ..tracebacks import install as install_sources  # the kernel side is tracebacks.source_map
+from ..tracebacks import unpack
 
-__all__ = ["probe", "open_store", "init_rank", "set_config", "call", "health", "namespace"]
+__all__ = ["probe", "open_store", "init_rank", "set_config", "call", "call_packed", "health", "namespace"]
 
 _STORE = "__colab_kit_store__"
 
@@ -150,6 +151,16 @@ def call(fn, args: tuple, kwargs: dict, sources: dict | None = None):
         return ("ok", fn(*args, **kwargs))
     except BaseException:  # KeyboardInterrupt from an interrupt is a failure of this rank too
         return ("error", traceback.format_exc())
+
+
+def call_packed(data: bytes, sources: dict | None = None):
+    """``call`` for ``(fn, args)`` pickled in the kernel by ``tracebacks.pack``; unpickling failures are this
+    rank's error too."""
+    try:
+        fn, args = unpack(data)
+    except BaseException:
+        return ("error", traceback.format_exc())
+    return call(fn, args, {}, sources)
 
 
 def health(seconds: float) -> str:

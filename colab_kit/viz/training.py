@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 
 from .memory import memory_by_rank_figure
 
-__all__ = ["loss_figure", "memory_figure", "timeline_figure"]
+__all__ = ["loss_figure", "memory_figure", "timeline_figure", "accuracy_figure"]
 
 _KIND_COLOURS = {"compute": "#4c78a8", "comm": "#f58518", "idle": "#d3d3d3"}
 
@@ -32,6 +32,25 @@ def loss_figure(losses, title: str = "Training loss (measured)", reference=None)
                         name="single process", line={"dash": "dash"})
     fig.update_layout(title=title, xaxis_title="step", yaxis_title="mean token cross-entropy",
                       template="plotly_white", height=360)
+    return fig
+
+
+def accuracy_figure(curves: dict, title: str = "Held-out accuracy (measured)", chance: float | None = None) -> go.Figure:
+    """Accuracy against the step for several runs: ``curves`` maps a name to ``[(step, accuracy), ...]``;
+    ``chance`` (optional) is drawn as a dotted line.
+
+    >>> [t.name for t in accuracy_figure({"2d": [(10, 0.2), (20, 0.4)]}, chance=0.1).data]
+    ['2d', 'chance']
+    """
+    fig = go.Figure()
+    for name, points in curves.items():
+        fig.add_scatter(x=[s for s, _ in points], y=[a for _, a in points], mode="lines+markers", name=str(name))
+    if chance is not None and curves:
+        steps = [s for points in curves.values() for s, _ in points]
+        fig.add_scatter(x=[min(steps), max(steps)], y=[chance, chance], mode="lines", name="chance",
+                        line={"dash": "dot", "color": "grey"})
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title="accuracy", yaxis_range=[0, 1],
+                      template="plotly_white")
     return fig
 
 
