@@ -1,0 +1,128 @@
+"""A Hugging Face Llama under tp=2: colab_kit's policy against DTensor ``parallelize_module``, same model, same plan.
+
+Side by side in one run on 2 ranks, alternating in rounds: the same ``transformers.LlamaForCausalLM``
+(built from a config, random weights), once handed to ``ck.boost`` (its policy: q/k/v, gate and up
+column-parallel, o and down row-parallel, the token table and the LM head split by vocabulary, the
+vocab-parallel cross-entropy), once sharded by PyTorch's tensor-parallel API with the plan torchtitan
+uses for Llama (``ColwiseParallel`` / ``RowwiseParallel``, the embedding ``RowwiseParallel`` over the
+vocabulary, the head ``ColwiseParallel`` with logits left sharded and ``loss_parallel``). Both train
+with SGD on the same batches; each step is the whole step (forward, loss, backward, optimizer). Prints
+median step times and their ratio (goal <= 1.00), and the largest loss difference between the two.
+Writes ``bench/results/models.json``.
+
+Layout-invariant dropout (the issue's second half) is not built yet: nothing to measure for it here.
+
+    python bench/models.py
+    python bench/models.py --rounds 3 --hidden 128
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import colab_kit as ck
+
+
+def _llama(args):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=args["hidden"], intermediate_size=args["hidden"] * 8 // 3 // 8 * 8,
+                                   num_hidden_layers=args["layers"], num_attention_heads=8, num_key_value_heads=4,
+                                   vocab_size=args["vocab"], max_position_embeddings=args["seq"], bos_token_id=0,
+                                   eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _dtensor(model, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}"
+        plan.update({f"{p}.self_attn.q_proj": ColwiseParallel(), f"{p}.self_attn.k_proj": ColwiseParallel(),
+                     f"{p}.self_attn.v_proj": ColwiseParallel(), f"{p}.self_attn.o_proj": RowwiseParallel(),
+                     f"{p}.mlp.gate_proj": ColwiseParallel(), f"{p}.mlp.up_proj": ColwiseParallel(),
+                     f"{p}.mlp.down_proj": RowwiseParallel()})
+    return parallelize_module(model, mesh, plan)
+
+
+def _compare(args):
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    torch.set_num_threads(1)
+    world = torch.distributed.get_world_size()
+    opt = lambda ps: torch.optim.SGD(ps, lr=args["lr"])  # noqa: E731
+    engine = ck.boost(_llama(args), opt, ck.ParallelConfig(tp=world))
+    theirs = _dtensor(_llama(args), world)
+    their_opt = opt(theirs.parameters())
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(args["steps"]):
+        seq = torch.randint(1, args["vocab"], (args["batch"], args["seq"] + 1), generator=g)
+        batches.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+
+    def dtensor_step(x, y):
+        their_opt.zero_grad()
+        logits = theirs(x).logits
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
+        their_opt.step()
+        return loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
+
+    steps = {"colab_kit": lambda x, y: engine.train_step((x, y)), "dtensor": dtensor_step}
+    times, losses = {k: [] for k in steps}, {k: [] for k in steps}
+    for r in range(args["rounds"] + 1):  # round 0 warms up
+        for name in (("colab_kit", "dtensor") if r % 2 == 0 else ("dtensor", "colab_kit")):
+            torch.distributed.barrier()
+            for x, y in batches:
+                t0 = time.perf_counter()
+                value = steps[name](x, y)
+                if r:
+                    times[name].append(time.perf_counter() - t0)
+                if r == 0:
+                    losses[name].append(value)
+    return {"times": times, "losses": losses}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--lr", type=float, default=0.05)
+    args = vars(ap.parse_args(argv))
+    res = ck.launch(_compare, 2, args)[0]
+    med = {k: statistics.median(v) * 1e3 for k, v in res["times"].items()}
+    worst = max(abs(a - b) / abs(b) for a, b in zip(res["losses"]["colab_kit"], res["losses"]["dtensor"]))
+    ratio = med["colab_kit"] / med["dtensor"]
+    print(f"HF Llama {args}, tp=2 on 2 CPU ranks, {args['rounds']} rounds x {args['steps']} steps")
+    print(f"median step time   colab_kit {med['colab_kit']:.1f} ms   DTensor parallelize_module {med['dtensor']:.1f} ms"
+          f"   ratio {ratio:.3f} (goal <= 1.00)")
+    print(f"largest relative loss difference between the two (first round): {worst:.1e}; losses "
+          + "  ".join(f"{k} " + " ".join(f"{v:.4f}" for v in vs) for k, vs in res["losses"].items()))
+    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
+    out = os.path.join(os.path.dirname(__file__), "results", "models.json")
+    with open(out, "w") as f:
+        json.dump({"benchmark": "bench/models.py", "args": args, "median_ms": med, "ratio": ratio,
+                   "max_loss_rel_diff": worst, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
