@@ -37,7 +37,6 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from . import comm
 from .config import ConfigError, ParallelConfig
@@ -46,52 +45,11 @@ from .memory import ActivationMeter
 from .engine_records import EngineRecords
 from .mesh import ProcessMesh
 from .precision import LossScaler, MasterWeights, loss_in_fp32, master_step, to_compute_dtype
-from .tensor import check_model, plan_for, sync_grads
+from .loss import TokenLoss, lm_loss, token_losses
+from .policy.fit import check_policy
+from .tensor import plan_for, sync_grads
 
-__all__ = ["boost", "Engine", "lm_loss", "unsupported"]
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, the loss of the correctness contract: over every target that is not
-    -100 (``F.cross_entropy``'s ``ignore_index``); logits ``[b, t, V]`` with targets ``[b, t]``, or
-    ``[b, C]`` with ``[b]`` (a classifier)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-class TokenLoss:
-    """The engine's own ``lm_loss``, exact however the batch is split.
-
-    Each piece of the global batch (a dp rank's microbatch, the rows of a tensor plan's batch axes,
-    an sp rank's tokens) holds its own number of counted targets (not -100: a masked-LM batch predicts
-    15% of its tokens, unevenly). A mean of the pieces' means would weigh them alike; instead each
-    piece returns ``sum of its token losses * pieces / counted targets of the global batch``, which the
-    engine's mean over pieces turns into the global batch's mean. The count is read off the global
-    targets, which every rank has (no collective).
-
-    Worked example, dp=2, 8 counted targets in the global batch: rank 0's rows hold 6, rank 1's 2;
-    rank 0 returns ``sum_0 * 2 / 8``, rank 1 ``sum_1 * 2 / 8``; their mean is ``(sum_0 + sum_1) / 8``.
-    """
-
-    def __init__(self, per_token):
-        self.per_token = per_token
-        """``per_token(logits, targets)``: the cross-entropy of every token (vocab-parallel under tp)."""
-        self.scale = None
-
-    def count(self, targets: torch.Tensor, pieces: int) -> None:
-        """Set this step's scale from the global batch's ``targets`` split into ``pieces``."""
-        self.scale = pieces / max(int((targets != -100).sum()), 1)
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        counted = targets != -100
-        losses = torch.where(counted, self.per_token(logits, targets), 0.0)
-        if self.scale is None:  # no global batch given: this piece's own mean
-            return losses.sum() / counted.sum().clamp(min=1)
-        return losses.sum() * self.scale
-
-
-def _token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).clamp(min=0),
-                           reduction="none").view(targets.shape)
+__all__ = ["boost", "Engine", "lm_loss", "unsupported", "check_policy", "TokenLoss"]
 
 
 def unsupported(config: ParallelConfig) -> str | None:
@@ -170,47 +128,6 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
     return engine
 
 
-def check_policy(model: nn.Module, config: ParallelConfig, policy=None):
-    """The policy ``boost`` will lower for ``model`` (given, or the built-in one of its class), checked
-    against ``config`` in the kernel, before any process is touched: a missing policy where tp, pp, sp or
-    recompute needs one, paths the model lacks, sizes that do not divide, blocks that do not split."""
-    from .policy import missing_policy_message, policy_for
-    policy = policy_for(model, policy)
-    if policy is not None and policy.prepare is not None:  # e.g. a Hugging Face GPT-2's Conv1D -> nn.Linear
-        policy.prepare(model)
-    needs = [f"{k}={getattr(config, k)}" for k in ("tp", "pp", "sp") if getattr(config, k) > 1]
-    needs += ["recompute=True"] if config.recompute else []
-    if policy is None:
-        if needs:
-            raise ConfigError(missing_policy_message(model, " and ".join(needs)))
-        return None
-    if not needs:
-        return policy
-    policy.check(model)
-    if config.tp > 1:
-        check_model(model, config, policy)
-    if config.sp > 1:  # ulysses: heads per tensor rank must divide by sp
-        from .sequence.plan import SequencePlan
-        from .tensor import model_sizes
-        SequencePlan.check(model_sizes(model, policy), config)
-        SequencePlan.check_policy(model, policy, config)
-    if config.pp > 1:
-        from .pipeline.schedules import SCHEDULE_PLACEMENT, Plan
-        from .pipeline.stage import check_stages
-        check_stages(len(policy.block_list(model)), config)
-        n = config.pp * config.chunks
-        where = Plan(config.pp, config.microbatches, config.chunks, config.schedule,
-                     placement=SCHEDULE_PLACEMENT[config.schedule])
-        if policy.tied and where.rank_of(0) != where.rank_of(n - 1) and config.zero:
-            a, b = policy.tied[0]
-            raise ConfigError(f"{b} shares its weight with {a}, and pp={config.pp} with schedule="
-                              f"{config.schedule!r} puts the first and the last stage on different ranks, whose "
-                              f"copies' gradients are summed before the step; ZeRO's flat pieces (zero="
-                              f"{config.zero}) place them differently on the two ranks, which this version does "
-                              f"not sum yet: use zero=0, schedule='zb-v' (both stages on one rank), or untie them")
-    return policy
-
-
 class Engine(EngineRecords):
     """One rank's share of a training job: model, optimizer, communication, records."""
 
@@ -228,7 +145,7 @@ class Engine(EngineRecords):
         defer(model, config, mesh.rank("pp"), policy)
         self._token_loss = None
         if loss_fn is lm_loss:  # the contract's loss, exact on uneven counts of predicted tokens (TokenLoss)
-            self._token_loss = self.loss_fn = TokenLoss(_token_losses)
+            self._token_loss = self.loss_fn = TokenLoss(token_losses)
         if config.tp > 1:
             self.tp_plan = plan_for(mesh)
             model = self.tp_plan.parallelize(model, policy)

@@ -158,9 +158,30 @@ def call_packed(data: bytes, sources: dict | None = None):
     rank's error too."""
     try:
         fn, args = unpack(data)
+        fn = _in_namespace(fn)
     except BaseException:
         return ("error", traceback.format_exc())
     return call(fn, args, {}, sources)
+
+
+def _in_namespace(fn):
+    """A function of the notebook (``__main__``) runs with this engine's namespace as its globals, as
+    ipyparallel's own ``apply`` runs it: ``cluster.run(lambda: losses)`` reads the ``losses`` a
+    ``%%colossal`` cell made on the rank. What the kernel sent along and the engine lacks (a model class
+    the function names) is added to the namespace; what the engine has wins."""
+    import types
+
+    if not isinstance(fn, types.FunctionType) or fn.__module__ != "__main__":
+        return fn
+    ns = namespace()
+    if fn.__globals__ is ns:
+        return fn
+    for name, value in fn.__globals__.items():
+        if not name.startswith("__"):
+            ns.setdefault(name, value)
+    out = types.FunctionType(fn.__code__, ns, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__, out.__dict__, out.__qualname__ = fn.__kwdefaults__, dict(fn.__dict__), fn.__qualname__
+    return out
 
 
 def health(seconds: float) -> str:

@@ -192,33 +192,27 @@ class Policy:
             n = len(self.block_list(model))
         except (AttributeError, ConfigError) as e:
             raise ConfigError(f"policy {self.name or '?'} does not fit {type(model).__name__}: {e}") from None
-        for pattern, role in self.layers.items():
+        def found(pattern: str, what: str):
             for path in expand(pattern, self.blocks, n):
                 try:
-                    mod = get_module(model, path)
+                    yield path, get_module(model, path)
                 except AttributeError:
-                    problems.append(f"{path} ({role}) is missing")
-                    continue
+                    problems.append(f"{what.format(path=path)} is missing")
+
+        for pattern, role in self.layers.items():
+            for path, mod in found(pattern, f"{{path}} ({role})"):
                 if kinds and not isinstance(mod, ROLES[role]):
                     problems.append(f"{path} is {type(mod).__name__}, where role {role!r} needs nn.{ROLES[role].__name__}")
                 elif kinds and role == "rmsnorm" and not (hasattr(mod, "weight") and
                                                           (hasattr(mod, "eps") or hasattr(mod, "variance_epsilon"))):
                     problems.append(f"{path} (rmsnorm) has no weight and eps (or variance_epsilon)")
         for pattern, att in self.attention.items():
-            for path in expand(pattern, self.blocks, n):
-                try:
-                    mod = get_module(model, path)
-                except AttributeError:
-                    problems.append(f"attention {path} is missing")
-                    continue
+            for path, mod in found(pattern, "attention {path}"):
                 for a in (*att.heads, *att.kv_heads, *att.widths, *((att.attend,) if att.attend else ())):
                     if not hasattr(mod, a):
                         problems.append(f"attention {path} has no attribute {a!r}")
         for path in self.tail:
-            try:
-                get_module(model, path)
-            except AttributeError:
-                problems.append(f"tail module {path} is missing")
+            list(found(path, "tail module {path}"))
         if problems:
             raise ConfigError(f"policy {self.name or '?'} does not fit {type(model).__name__}: " + "; ".join(problems))
 

@@ -1,0 +1,55 @@
+"""``check_policy``: the policy ``boost`` will lower for a model, checked against a config in the kernel.
+
+Before any process is touched: a missing policy where tp, pp, sp or recompute needs one, paths the
+model lacks or of the wrong kind, sizes that do not divide (``tensor.check_model``), blocks that do not
+split over the pipeline's stages, and what a mode cannot take yet (each with the rule and what works).
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from ..config import ConfigError, ParallelConfig
+
+__all__ = ["check_policy"]
+
+
+def check_policy(model: nn.Module, config: ParallelConfig, policy=None):
+    """The policy ``boost`` will lower for ``model`` (given, or the built-in one of its class), checked
+    against ``config`` in the kernel, before any process is touched: a missing policy where tp, pp, sp or
+    recompute needs one, paths the model lacks, sizes that do not divide, blocks that do not split."""
+    from . import missing_policy_message, policy_for
+    from ..tensor import check_model
+    policy = policy_for(model, policy)
+    if policy is not None and policy.prepare is not None:  # e.g. a Hugging Face GPT-2's Conv1D -> nn.Linear
+        policy.prepare(model)
+    needs = [f"{k}={getattr(config, k)}" for k in ("tp", "pp", "sp") if getattr(config, k) > 1]
+    needs += ["recompute=True"] if config.recompute else []
+    if policy is None:
+        if needs:
+            raise ConfigError(missing_policy_message(model, " and ".join(needs)))
+        return None
+    if not needs:
+        return policy
+    policy.check(model)
+    if config.tp > 1:
+        check_model(model, config, policy)
+    if config.sp > 1:  # ulysses: heads per tensor rank must divide by sp
+        from ..sequence.plan import SequencePlan
+        from ..tensor import model_sizes
+        SequencePlan.check(model_sizes(model, policy), config)
+        SequencePlan.check_policy(model, policy, config)
+    if config.pp > 1:
+        from ..pipeline.schedules import SCHEDULE_PLACEMENT, Plan
+        from ..pipeline.stage import check_stages
+        check_stages(len(policy.block_list(model)), config)
+        n = config.pp * config.chunks
+        where = Plan(config.pp, config.microbatches, config.chunks, config.schedule,
+                     placement=SCHEDULE_PLACEMENT[config.schedule])
+        if policy.tied and where.rank_of(0) != where.rank_of(n - 1) and config.zero:
+            a, b = policy.tied[0]
+            raise ConfigError(f"{b} shares its weight with {a}, and pp={config.pp} with schedule="
+                              f"{config.schedule!r} puts the first and the last stage on different ranks, whose "
+                              f"copies' gradients are summed before the step; ZeRO's flat pieces (zero="
+                              f"{config.zero}) place them differently on the two ranks, which this version does "
+                              f"not sum yet: use zero=0, schedule='zb-v' (both stages on one rank), or untie them")
+    return policy
