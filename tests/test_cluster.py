@@ -300,3 +300,36 @@ def test_results_are_matched_to_ranks_by_the_engine_that_ran_them():
     check_ranks({0: Done(5), 1: Done(7)}, [5, 7])
     with pytest.raises(RuntimeError, match="rank 0 came from engine 7, not from its engine 5"):
         check_ranks({0: Done(7), 1: Done(5)}, [5, 7])
+
+
+_NOTEBOOK_CODE = """
+import torch.nn as nn
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 3)
+
+def build(make=Tiny):
+    return sum(p.numel() for p in make().parameters())
+
+def mark(value):
+    from colab_kit.cluster.remote import namespace
+    namespace()["marker"] = value * 10
+
+def read():
+    return marker
+"""
+
+
+def test_run_sends_a_notebook_class_and_reads_the_ranks_globals(cluster):
+    """Functions and classes of a notebook (``__main__``) travel by value, an nn.Module subclass included
+    (its ``super()`` cell once sent ipyparallel's canning into a recursion), and a notebook function reads
+    the names a ``%%colossal`` cell made on the rank, as ipyparallel's own ``apply`` does."""
+    ns = {"__name__": "__main__"}
+    exec(_NOTEBOOK_CODE, ns)
+    n = cluster.world_size
+    assert cluster.run(ns["build"]) == [9] * n
+    cluster.run(ns["mark"], 4)
+    ns["marker"] = "the kernel's, not the rank's"
+    assert cluster.run(ns["read"]) == [40] * n

@@ -185,7 +185,9 @@ CASES = {
        + [("bert", dict(pp=2, microbatches=2, schedule=s), tie) for s in ("1f1b", "zb-h1") for tie in (True, False)]
        + [("bert", dict(pp=2, microbatches=2, schedule="zb-v", chunks=2), True),
           ("gpt", dict(tp=2, recompute=True), True), ("vit", dict(dp=2, recompute=True), True)]
-       + [(m, dict(sp=2, sp_mode=mode), True) for m in ("bert", "net") for mode in ("ring", "ulysses")],
+       + [(m, dict(sp=2, sp_mode=mode), True) for m in ("bert", "net") for mode in ("ring", "ulysses")]
+       + [(m, dict(pp=2, microbatches=4, schedule="interleaved", chunks=2), m != "bert") for m in ("bert", "vit", "net")]
+       + [("net", dict(tp=2, sp_mode="split_gather"), True), ("vit", dict(pp=2, microbatches=2, schedule="gpipe"), True)],
     4: [(m, dict(tp=4, tp_mode="2d"), True) for m in ("bert", "vit", "net")]
        + [("bert", dict(dp=2, sp=2, sp_mode="ring"), True), ("bert", dict(tp=2, sp=2, sp_mode="ulysses"), True)],
     8: [(m, dict(dp=2, tp=2, pp=2, microbatches=2), True) for m in ("bert", "vit", "net")]
