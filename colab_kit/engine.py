@@ -162,15 +162,15 @@ class Engine(EngineRecords):
             recompute_blocks(model, policy)  # before the split: the stages hold these same blocks
         stages = None
         self._tied = []
-        """With pp, tied weights whose first and last stage are on different pipeline ranks: ``(shape, dtype,
-        the parameter here or None)`` per pair; their gradients are summed over pp before each step."""
+        """With pp, tied weights whose first and last stage are on different pipeline ranks: ``(shape, the
+        parameter here or None)`` per pair; their gradients are summed over pp before each step."""
         if config.pp > 1:  # after the tensor plan: each stage holds this rank's tensor shards
             from .pipeline.stage import split_model, tied_across_ranks
             tied = tied_across_ranks(model, config, policy)
             stages = split_model(model, config, mesh.rank("pp"), policy)
             model = nn.ModuleList(stages)
             mine = {id(p) for p in model.parameters()}
-            self._tied = [(tuple(t.shape), t.dtype, t if id(t) in mine else None) for t in tied]
+            self._tied = [(tuple(t.shape), t if id(t) in mine else None) for t in tied]
         self.module = materialize(model).to(mesh.device)  # what is still meta: whole copies (see colab_kit.init)
         self._n_local = sum(p.numel() for p in self.module.parameters() if p.requires_grad)  # before ZeRO
         self._rows = None  # rows of the last step's microbatch on this rank (for the activation estimate)
@@ -314,7 +314,7 @@ class Engine(EngineRecords):
         """A weight the first and the last pipeline stage share (a head tied to the token table) has a
         copy on each of their ranks, each with the gradient of its own use: sum them over pp (the ranks
         between contribute zeros), so both copies take the same step and stay equal (Megatron's way)."""
-        for shape, dtype, p in self._tied:
+        for shape, p in self._tied:
             if p is None:  # the gradient's dtype: the fp32 masters', else the model's (16-bit after to_compute_dtype)
                 dtype = torch.float32 if masters is not None else {"fp32": torch.float32, "bf16": torch.bfloat16,
                                                                    "fp16": torch.float16}[self.config.precision]

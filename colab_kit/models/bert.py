@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import Block, init_by_name
+from .layers import Block, check_config, init_by_name
 
 __all__ = ["BERTConfig", "BERT", "MaskedLMHead"]
 
@@ -61,15 +61,9 @@ class BERTConfig:
     """Seed of the parameter initialisation."""
 
     def __post_init__(self):
-        for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"BERTConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        check_config(self, ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers"))
         if not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"pad_id={self.pad_id} must be a token id below vocab_size={self.vocab_size}")
-        if self.d_ff is None:
-            self.d_ff = 4 * self.d_model
 
 
 class MaskedLMHead(nn.Module):

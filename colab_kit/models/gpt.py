@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .layers import MLP, Attention, Block, init_by_name
+from .layers import MLP, Attention, Block, check_config, init_by_name
 
 __all__ = ["GPTConfig", "GPT", "Block", "Attention", "MLP"]
 
@@ -58,14 +58,7 @@ class GPTConfig:
     """Seed of the parameter initialisation."""
 
     def __post_init__(self):
-        for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}: "
-                             f"try d_model={self.n_heads * max(1, round(self.d_model / self.n_heads))}")
-        if self.d_ff is None:
-            self.d_ff = 4 * self.d_model
+        check_config(self, ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers"))
 
     @property
     def head_dim(self) -> int:

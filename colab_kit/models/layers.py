@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Attention", "MLP", "Block", "seeded_normal_", "init_by_name"]
+__all__ = ["Attention", "MLP", "Block", "seeded_normal_", "init_by_name", "check_config"]
 
 
 class Attention(nn.Module):
@@ -101,3 +101,18 @@ def init_by_name(name: str, tensor: torch.Tensor, seed: int, std: float, residua
     if tensor.dim() == 1:
         return tensor.zero_() if name.endswith("bias") else tensor.fill_(1.0)
     return seeded_normal_(tensor, seed, name, residual_std if name.endswith(("proj.weight", "fc2.weight")) else std)
+
+
+def check_config(cfg, positive: tuple[str, ...]) -> None:
+    """The rules every built-in model's config shares, checked in its ``__post_init__``: the fields in
+    ``positive`` are at least 1, ``n_heads`` divides ``d_model`` (with a size that would), and ``d_ff``
+    defaults to ``4 * d_model``."""
+    name = type(cfg).__name__
+    for field in positive:
+        if getattr(cfg, field) < 1:
+            raise ValueError(f"{name}.{field} must be positive, got {getattr(cfg, field)}")
+    if cfg.d_model % cfg.n_heads:
+        raise ValueError(f"d_model={cfg.d_model} must be divisible by n_heads={cfg.n_heads}: "
+                         f"try d_model={cfg.n_heads * max(1, round(cfg.d_model / cfg.n_heads))}")
+    if cfg.d_ff is None:
+        cfg.d_ff = 4 * cfg.d_model

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .layers import Block, init_by_name
+from .layers import Block, check_config, init_by_name
 
 __all__ = ["ViTConfig", "ViT"]
 
@@ -52,15 +52,9 @@ class ViTConfig:
     """Seed of the parameter initialisation."""
 
     def __post_init__(self):
-        for name in ("image_size", "patch_size", "channels", "num_classes", "d_model", "n_heads", "n_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ViTConfig.{name} must be positive, got {getattr(self, name)}")
+        check_config(self, ("image_size", "patch_size", "channels", "num_classes", "d_model", "n_heads", "n_layers"))
         if self.image_size % self.patch_size:
             raise ValueError(f"patch_size={self.patch_size} must divide image_size={self.image_size}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
-        if self.d_ff is None:
-            self.d_ff = 4 * self.d_model
 
     @property
     def n_patches(self) -> int:

@@ -58,9 +58,7 @@ def conv1d_to_linear(model: nn.Module) -> list[str]:
             continue
         w = mod.weight  # [in, out]
         lin = nn.Linear(w.shape[0], w.shape[1], bias=mod.bias is not None, device="meta")
-        lin.weight = nn.Parameter(w.detach().t().contiguous() if not w.is_meta else
-                                  torch.empty(w.shape[1], w.shape[0], dtype=w.dtype, device="meta"),
-                                  requires_grad=w.requires_grad)
+        lin.weight = nn.Parameter(w.detach().t().contiguous(), requires_grad=w.requires_grad)
         if mod.bias is not None:
             lin.bias = mod.bias
         parent, _, name = path.rpartition(".")
