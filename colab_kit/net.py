@@ -17,7 +17,7 @@ Worked example, ``ck.launch(fn, 2)`` on a host whose name resolves to 10.0.0.5::
 
 A multi-host cluster (``engines="mpi" | "ssh" | "slurm"``) names its address explicitly
 (``ck.Cluster(..., ip="10.0.0.5")``); then the store and the controller listen on that
-address and gloo on the interface the host picked for its hostname (README: "Network").
+address and gloo on the interface the host picked for its hostname (docs/network.md).
 """
 from __future__ import annotations
 

@@ -358,7 +358,7 @@ def _scheduled(root: str) -> dict:
 
 
 def test_an_lr_scheduler_travels_in_extra(tmp_path):
-    """The README's recipe: a scheduler is the user's object, its state_dict goes in ``extra`` (torch.save,
+    """The recipe of docs/checkpoints.md: a scheduler is the user's object, its state_dict goes in ``extra`` (torch.save,
     read back with weights_only), the optimizer's lr comes back with the checkpoint, and 3 + 2
     scheduled steps equal 5 (with the lr left at the factory's 3e-3, the fifth loss was 0.27% off)."""
     (got,) = ck.launch(_scheduled, 1, str(tmp_path))
