@@ -345,3 +345,15 @@ def test_checkpoints_reshard_between_configs(tmp_path):
     for i, (name, a, b, tie) in enumerate(RESHARD):
         want = reference(name, "sgd", tie)[0]
         assert len(got[i]) == STEPS and _close(got[i], want), (a, b, got[i], want)
+
+
+def _key_mask_gathers(layers):
+    cfg = BERTConfig(**{**BERT_CFG.__dict__, "n_layers": layers})
+    engine = ck.boost(BERT(cfg), OPTIMIZERS["sgd"], ck.ParallelConfig(sp=2, microbatches=2))
+    engine.train_step(mlm_batch(0))
+    return sum(r["tag"] == "key mask" for r in engine.comm(last_step=True))
+
+
+def test_the_padding_mask_is_gathered_once_per_microbatch_not_per_layer():
+    """Every layer attends with the same key-padding mask: each microbatch all-gathers it over sp once."""
+    assert ck.launch(_key_mask_gathers, 2, 4)[0] == 2

@@ -158,10 +158,20 @@ class SequencePlan:
                causal: bool = True) -> torch.Tensor:
         """Attention of this rank's tokens over the whole sequence: causal or not, keys masked where this
         rank's ``mask [b, t_local]`` (BERT's padding) is False."""
+        keys = None
+        if mask is not None and self.size > 1:  # every layer gets the same mask: gathered once per forward
+            if mask is not self._mask:
+                from .ring import gather_keys
+                self._mask, self._keys = mask, gather_keys(mask, self.mesh, self.axis)
+            keys = self._keys
         if self.mode == "ring":
             return ring_attention(q, k, v, self.mesh, self.axis, layout=self.layout, recorder=self.recorder,
-                                  causal=causal, mask=mask)
-        return ulysses_attention(q, k, v, self.mesh, self.axis, layout=self.layout, causal=causal, mask=mask)
+                                  causal=causal, mask=mask, keys=keys)
+        return ulysses_attention(q, k, v, self.mesh, self.axis, layout=self.layout, causal=causal, mask=mask,
+                                 keys=keys)
+
+    _mask = None  # the last key-padding mask seen, and every rank's copy of it (``gather_keys``)
+    _keys = None
 
     def hf_attention(self) -> str:
         """Register this plan's attention in ``transformers``' registry (once) and return its name: the

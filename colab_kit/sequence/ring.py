@@ -250,7 +250,7 @@ def gather_keys(mask: torch.Tensor, mesh, axis: str) -> torch.Tensor:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis: str = "sp", *,
                    layout: str = "zigzag", recorder: RingRecorder | None = None, causal: bool = True,
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
+                   mask: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
     """Self-attention of the sequence split over ``axis``, by ring self-attention; causal, or bidirectional
     with ``causal=False``, keys masked out where ``mask [b, t_local]`` (this rank's tokens) is False.
 
@@ -268,5 +268,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis
         n = mesh.size(axis)
         raise ValueError(f"ring_attention needs this rank's tokens to be two equal chunks, got t_local="
                          f"{q.shape[2]}: the sequence must be a multiple of 2*sp = {2 * n}")
-    keys = gather_keys(mask, mesh, axis) if mask is not None else None
+    if keys is None and mask is not None:  # ``keys``: ``gather_keys(mask)`` made once for every layer
+        keys = gather_keys(mask, mesh, axis)
     return RingAttention.apply(q, k, v, mesh, axis, layout, recorder, causal, keys)

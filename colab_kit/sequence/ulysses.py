@@ -60,7 +60,8 @@ def check_heads(heads: int, sp: int) -> None:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis: str = "sp", *,
-                      layout: str = "contiguous", causal: bool = True, mask: torch.Tensor | None = None) -> torch.Tensor:
+                      layout: str = "contiguous", causal: bool = True, mask: torch.Tensor | None = None,
+                      keys: torch.Tensor | None = None) -> torch.Tensor:
     """Self-attention of the sequence split over ``axis``, by the Ulysses all-to-all: causal, or bidirectional
     with ``causal=False``; keys masked out where ``mask [b, t_local]`` (this rank's tokens) is False (every
     rank's mask is all-gathered, a few bytes per token, so each rank sees the whole sequence's).
@@ -87,10 +88,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, a
 
     if n == 1:
         return attend(q, k, v, mask)
-    keys = None
     if mask is not None:  # [sp, b, t_local] in rank order -> [b, t] in the gathered order
-        from .ring import gather_keys
-        keys = gather_keys(mask, mesh, axis).transpose(0, 1).reshape(mask.shape[0], -1)
+        if keys is None:  # ``keys``: ``gather_keys(mask)`` made once for every layer
+            from .ring import gather_keys
+            keys = gather_keys(mask, mesh, axis)
+        keys = keys.transpose(0, 1).reshape(mask.shape[0], -1)
     if layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(f"the zigzag layout holds two equal chunks per rank, got t_local={q.shape[2]}: "
                          f"the sequence must be a multiple of 2*sp = {2 * n}")
