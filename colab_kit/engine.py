@@ -32,7 +32,7 @@ back to another mode.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
@@ -143,6 +143,13 @@ class Engine(EngineRecords):
         self._twin = meta_twin(model)  # shapes only: the checkpoint's index replay rebuilds the sharding on it
         self.tp_plan = None
         defer(model, config, mesh.rank("pp"), policy)
+        hf = getattr(model, "config", None)
+        if getattr(hf, "use_cache", False):  # a training step reads no KV cache; a recomputed forward would
+            hf.use_cache = False            # append its keys to it a second time
+        from .models.dropout import DropoutLayout, has_dropout, layout_invariant
+        dropout = has_dropout(model)
+        if dropout:  # masks from global coordinates: every split draws what one process draws
+            layout_invariant(model, policy=policy)
         self._token_loss = None
         if loss_fn is lm_loss:  # the contract's loss, exact on uneven counts of predicted tokens (TokenLoss)
             self._token_loss = self.loss_fn = TokenLoss(token_losses)
@@ -157,6 +164,8 @@ class Engine(EngineRecords):
             from .sequence.plan import SequencePlan
             self.sp_plan = SequencePlan(mesh)
             model = self.sp_plan.parallelize(model, policy)
+        self._dropout = DropoutLayout(mesh, self.tp_plan, self.sp_plan) if dropout else None
+        """With dropout in the model: where this rank's tensors sit, set around each microbatch."""
         if config.recompute:  # each block keeps its input only, runs its forward again in backward
             from .recompute import recompute_blocks
             recompute_blocks(model, policy)  # before the split: the stages hold these same blocks
@@ -223,6 +232,7 @@ class Engine(EngineRecords):
         cfg, mesh = self.config, self.mesh
         m = cfg.microbatches
         self.count_targets(targets, m)
+        self.begin_dropout(inputs.shape[0], m)
         rows = inputs.shape[0]
         if rows % (cfg.dp * m):
             raise ValueError(f"a global batch of {rows} rows does not split over dp={cfg.dp} x microbatches={m}: "
@@ -243,9 +253,10 @@ class Engine(EngineRecords):
         for i in range(m):
             self.grads.arm(sync=(i == m - 1), t0=t0)
             x, y = split_batch(inputs, m, i, "microbatches"), split_batch(targets, m, i, "microbatches")
-            with self._timed(f"forward {i}", "compute", t0), self._acts.measure((x.shape, x.dtype, y.shape)):
+            with self._timed(f"forward {i}", "compute", t0), self._acts.measure((x.shape, x.dtype, y.shape)), \
+                    self.dropout_at(i):
                 loss = self.loss_fn(self._logits(self.module(x)), y) / m
-            with self._timed(f"backward {i}", "compute", t0):
+            with self._timed(f"backward {i}", "compute", t0), self.dropout_at(i):
                 (self.scale_loss(loss) / shards).backward()
             local += loss.detach()
         return self._update(local, t0)
@@ -255,6 +266,18 @@ class Engine(EngineRecords):
         an evaluation that splits it into ``dp * microbatches * loss_shards`` pieces."""
         if self._token_loss is not None:
             self._token_loss.count(targets, self.config.dp * microbatches * self.loss_shards)
+
+    def begin_dropout(self, rows: int, microbatches: int) -> None:
+        """A step on a global batch of ``rows`` in ``microbatches``: where each microbatch's rows sit, for
+        the layout-invariant dropout (``colab_kit.models.dropout``); nothing without dropout."""
+        if self._dropout is not None:
+            self._dropout.begin(rows, microbatches)
+
+    def dropout_at(self, microbatch: int):
+        """The context microbatch ``microbatch``'s forward and backward run in (its dropout coordinates)."""
+        if self._dropout is None:
+            return nullcontext()
+        return self._dropout.at(self.step_count, microbatch)
 
     def _hold_activations(self, rows: int) -> None:
         """With a device account (offload): reserve the step's activations on it before the step,

@@ -164,17 +164,6 @@ def test_1d_sizes_that_do_not_divide_are_refused_without_processes():
     check_model(GPTConfig(vocab_size=64, d_model=32, n_heads=4), cfg)  # divides: no error
 
 
-@pytest.mark.parametrize("mode", ["1d", "2d", "3d"])
-def test_dropout_under_tensor_parallelism_is_refused_not_silently_wrong(mode):
-    """Masks would differ between ranks that hold copies of one activation: refused, with the
-    rule and what works, until an RNG tracker exists. dp alone keeps dropout."""
-    tp = {"1d": 2, "2d": 4, "3d": 8}[mode]
-    cfg = ck.ParallelConfig(tp=tp, tp_mode=mode)
-    with pytest.raises(ck.ConfigError, match=r"dropout=0.1 with tensor parallelism .* use dropout=0.0 with tp > 1"):
-        ck.boost(GPT(GPTConfig(vocab_size=64, d_model=32, n_heads=4, dropout=0.1)), OPTIMIZERS["sgd"], cfg)
-    check_model(GPTConfig(vocab_size=64, d_model=32, n_heads=4, dropout=0.1), ck.ParallelConfig(dp=2))
-
-
 def test_an_unknown_tensor_mode_has_no_plan():
     from colab_kit.tensor import plan_class
 

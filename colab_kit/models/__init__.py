@@ -1,7 +1,9 @@
 """Models built so that the engine can shard them; no parallel code lives here (their policies:
 ``colab_kit.policy.builtin``)."""
 from .bert import BERT, BERTConfig
+from .dropout import Dropout, layout_invariant
 from .gpt import GPT, Attention, Block, GPTConfig, MLP
 from .vit import ViT, ViTConfig
 
-__all__ = ["GPT", "GPTConfig", "BERT", "BERTConfig", "ViT", "ViTConfig", "Block", "Attention", "MLP"]
+__all__ = ["GPT", "GPTConfig", "BERT", "BERTConfig", "ViT", "ViTConfig", "Block", "Attention", "MLP", "Dropout",
+           "layout_invariant"]

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .dropout import layout_invariant
 from .layers import Block, check_config, init_by_name
 
 __all__ = ["BERTConfig", "BERT", "MaskedLMHead"]
@@ -97,6 +98,7 @@ class BERT(nn.Module):
         for name, p in self.named_parameters():
             if not p.is_meta:
                 self.init_parameter(name, p)
+        layout_invariant(self, seed=cfg.seed)  # each dropout numbered: masks that do not depend on the split
 
     @torch.no_grad()
     def init_parameter(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

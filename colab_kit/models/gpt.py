@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .dropout import layout_invariant
 from .layers import MLP, Attention, Block, check_config, init_by_name
 
 __all__ = ["GPTConfig", "GPT", "Block", "Attention", "MLP"]
@@ -85,6 +86,7 @@ class GPT(nn.Module):
             self.ln_f = nn.LayerNorm(cfg.d_model)
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._init_weights()
+        layout_invariant(self, seed=cfg.seed)  # each dropout numbered: masks that do not depend on the split
 
     def _init_weights(self) -> None:
         for name, p in self.named_parameters():

@@ -10,6 +10,8 @@ times. The head count the forward uses is ``n_heads``, which a plan that splits 
 ``Block(cfg, causal=True, pre_norm=True)`` is GPT's (``x + attn(ln1(x))``); BERT's is post-LN
 (``ln1(x + attn(x))``) and bidirectional; ViT's is pre-LN and bidirectional. A key-padding mask
 ``[b, t]`` (True where a token is real) may be passed to a block: ``block(x, mask=mask)``.
+Dropout is ``colab_kit.models.dropout.Dropout``: its masks do not depend on how a tensor is split, so a
+model with dropout trains under every config to the losses of one process.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import hashlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .dropout import Dropout
 
 __all__ = ["Attention", "MLP", "Block", "seeded_normal_", "init_by_name", "check_config"]
 
@@ -30,7 +34,7 @@ class Attention(nn.Module):
         self.n_heads, self.head_dim, self.causal = n_heads, d_model // n_heads, causal
         self.qkv = nn.Linear(d_model, 3 * d_model)  # head by head: [q k v] of h0, then h1, ...
         self.proj = nn.Linear(d_model, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -57,7 +61,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.fc2(F.gelu(self.fc1(x))))

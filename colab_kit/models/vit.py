@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .dropout import layout_invariant
 from .layers import Block, check_config, init_by_name
 
 __all__ = ["ViTConfig", "ViT"]
@@ -82,6 +83,7 @@ class ViT(nn.Module):
         for name, p in self.named_parameters():
             if not p.is_meta:
                 self.init_parameter(name, p)
+        layout_invariant(self, seed=cfg.seed)  # each dropout numbered: masks that do not depend on the split
 
     @torch.no_grad()
     def init_parameter(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

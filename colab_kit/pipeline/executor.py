@@ -179,6 +179,7 @@ class PipelineExecutor(ComputeActions, CommActions):
             raise ValueError(f"a global batch of {rows} rows does not split over dp={dp} x microbatches={m}: "
                              f"use a multiple of {dp * m} rows")
         eng.count_targets(targets, m)
+        eng.begin_dropout(rows, m)
         x, y = eng._local_rows(inputs), eng._local_rows(targets)
         self._x = [split_batch(x, m, i, "microbatches") for i in range(m)]
         self._y = [split_batch(y, m, i, "microbatches") for i in range(m)]
@@ -304,7 +305,11 @@ class PipelineExecutor(ComputeActions, CommActions):
         if j == self._sync_at:
             self.engine.grads.arm(sync=True)
         start = time.perf_counter() - self.t0
-        getattr(self, "_do_" + a.kind)(a, a.stage, a.microbatch)
+        if a.is_comm:
+            getattr(self, "_do_" + a.kind)(a, a.stage, a.microbatch)
+        else:  # a recomputed forward in B or I draws the same dropout masks as F did
+            with self.engine.dropout_at(a.microbatch):
+                getattr(self, "_do_" + a.kind)(a, a.stage, a.microbatch)
         self._event(str(a), "comm" if a.is_comm else "compute", start, time.perf_counter() - self.t0, a,
                     self.timesteps[self.me][self._index[j]])
 

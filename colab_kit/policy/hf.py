@@ -31,8 +31,10 @@ them is divided.
 
 Both call ``transformers``' attention-function registry, so sequence parallelism (ring, Ulysses)
 registers its own function there (``Attention(hf=True)``). Decisions: 3d is refused for both
-(Llama's RMSNorm, GPT-2's fused and tied head have no 3D layers here); dropout > 0 under tp is
-refused as for every model (build the config with ``*_pdrop=0`` / ``attention_dropout=0``).
+(Llama's RMSNorm, GPT-2's fused and tied head have no 3D layers here). Dropout (``*_pdrop``, ``attention_dropout``)
+trains under every mode through ``colab_kit.models.dropout`` (its attention-probability dropout runs in
+transformers' eager attention, registered as ``colab_kit_dropout``; sp refuses that one): to compare with
+one process, pass the reference through ``ck.models.layout_invariant`` too.
 """
 from __future__ import annotations
 

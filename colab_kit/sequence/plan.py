@@ -116,6 +116,12 @@ class SequencePlan:
             raise ConfigError(f"sequence parallelism splits the inputs' tokens (dim 1); policy {policy.name!r} says "
                               f"its inputs have no token dimension (ViT's are images, its tokens made inside the "
                               f"model): use sp=1 for this model, and tp or pp to split it")
+        from ..models.dropout import attention_prob_dropout
+        if attention_prob_dropout(model) > 0 and any(a.hf for _, _, a in atts):
+            raise ConfigError(f"sequence parallelism splits each attention's probabilities over sp, and colab_kit's "
+                              f"layout-invariant dropout of them needs whole rows; this model's config asks for "
+                              f"attention dropout {attention_prob_dropout(model)}: build it with attn_pdrop=0 "
+                              f"(attention_dropout=0; its other dropouts are fine), or use sp=1")
         if any(a.hf and not a.causal for _, _, a in atts):
             raise ConfigError(f"sequence parallelism runs transformers' attention functions causally; policy "
                               f"{policy.name!r} has a bidirectional one: use sp=1 for this model")

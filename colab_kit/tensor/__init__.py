@@ -108,6 +108,17 @@ class TensorPlan:
     """Axes over which the attention heads are split (their sizes divide each head count)."""
     vocab_axis = "tp"
     """The axis the logits' vocabulary (or classes) is split over, for the vocab-parallel loss."""
+    hidden_axes: tuple[str, ...] = ()
+    """Axes over which the residual stream's features (its last dim) are split, slowest first."""
+    token_axes: tuple[str, ...] = ()
+    """Axes over which the residual stream's tokens (dim 1) are split (split_gather's tp)."""
+
+    def dropout_rows(self, dp_rows: torch.Tensor, microbatches: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global row ids of microbatch ``i``'s residual stream and of its attention inputs on this rank,
+        given this dp rank's ``dp_rows`` (``colab_kit.models.dropout``): the engine splits the batch over
+        ``batch_axes`` and then into microbatches, and both tensors have the token rows."""
+        rows = self.shard_batch(dp_rows).chunk(microbatches)[i]
+        return rows, rows
 
     def layer(self, role: str, path: str, dense: nn.Module) -> nn.Module | None:
         """This mode's layer for a dense module of ``role`` (None: keep it whole on every rank)."""
@@ -277,12 +288,6 @@ def check_model(model_cfg, config, policy=None) -> None:
         from ..mesh import MeshLayout
 
         sizes = model_sizes(model_cfg, policy)
-        if getattr(sizes, "dropout", 0.0):
-            raise ConfigError(
-                f"dropout={sizes.dropout} with tensor parallelism (tp={config.tp}) needs the same dropout "
-                "masks on ranks whose activations are copies and different ones where they are split (a "
-                "Megatron-style RNG tracker), which colab_kit does not have yet: use dropout=0.0 with tp > 1, "
-                "or dropout with dp / pp only")
         plan_class(config.tp_mode, config.sp_mode).check(sizes, MeshLayout(config))
 
 

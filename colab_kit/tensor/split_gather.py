@@ -200,6 +200,7 @@ class SplitGather1D(Plan1D):
 
     mode = "1d+split_gather"
     batch_axes = ()
+    token_axes = ("tp",)  # the LayerNorm/dropout regions hold t/tp tokens
 
     @classmethod
     def check(cls, cfg, layout) -> None:

@@ -93,6 +93,7 @@ class Plan2D(TensorPlan):
     mode = "2d"  # "2.5d" on a 2.5d mesh (set per instance)
     head_axes = ("tp_col",)
     vocab_axis = "tp_col"  # logits: rows by grid row, vocabulary by grid column
+    hidden_axes = ("tp_col",)
 
     def __init__(self, mesh):
         super().__init__(mesh)

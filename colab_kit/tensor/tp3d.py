@@ -58,6 +58,8 @@ Worked example, tp=8 (q=2), batch 8, d_model 32, 4 heads, vocab 64::
 """
 from __future__ import annotations
 
+import torch
+
 from ..config import ConfigError
 from . import TensorPlan, require_divisible
 from .tp3d_layers import (WT, Embedding3D, InputLinear3D, LayerNorm3D, Linear3D, VocabEmbedding3D, local_block,
@@ -113,6 +115,18 @@ class Plan3D(TensorPlan):
     batch_axes = BATCH_AXES
     head_axes = (INNER[1],)  # q/k/v outputs: heads over tp_in
     vocab_axis = INNER[1]
+    hidden_axes = (RESIDUAL[1],)  # the residual stream's features over tp_out
+
+    def dropout_rows(self, dp_rows, microbatches, i):
+        """Microbatch ``i``'s rows in the cube: the token rows of every (tp_wt, tp_out) pair in that order
+        (what the embedding's all-gathers put together), then chunked over tp_wt and tp_out (inner layout,
+        attention's) or tp_wt and tp_in (the residual stream's).
+
+        q=2, 8 dp rows, 1 microbatch: rank (in 1, wt 0, out 0) has tokens rows 0-1, residual rows 2-3."""
+        q, mesh = self.mesh.size(WT), self.mesh
+        every = torch.cat([r.chunk(microbatches)[i] for w in dp_rows.chunk(q) for r in w.chunk(q)])
+        mine = every.chunk(q)[mesh.rank(WT)]
+        return mine.chunk(q)[mesh.rank(RESIDUAL[0][1])], mine.chunk(q)[mesh.rank(INNER[0][1])]
 
     @classmethod
     def check(cls, cfg, layout) -> None:
