@@ -10,9 +10,15 @@ with SGD on the same batches; each step is the whole step (forward, loss, backwa
 median step times and their ratio (goal <= 1.00), and the largest loss difference between the two.
 Writes ``bench/results/models.json``.
 
-Layout-invariant dropout (the issue's second half) is not built yet: nothing to measure for it here.
+Second part, what layout-invariant dropout costs (``colab_kit.models.dropout``), in one process: a
+training step (forward, backward, SGD) of the built-in GPT and of a Hugging Face GPT-2 with every dropout
+at 0.1, once as their users run them (``nn.Dropout`` from torch's RNG; GPT-2 with its default SDPA
+attention) and once with colab_kit's masks (GPT-2 then runs transformers' eager attention with them), in
+alternating rounds; and the dropout alone, forward and backward of one ``[batch, seq, hidden]`` tensor.
+Prints each median and the ratio (colab_kit / torch).
 
-    python bench/models.py
+    python bench/models.py                  # both parts
+    python bench/models.py --only dropout   # one part; the other's figures in the JSON are kept
     python bench/models.py --rounds 3 --hidden 128
 """
 from __future__ import annotations
@@ -96,6 +102,71 @@ def _compare(args):
     return {"times": times, "losses": losses}
 
 
+def _drop_models(args):
+    import transformers
+    from colab_kit.models import GPT, GPTConfig
+    from colab_kit.models.dropout import layout_invariant
+    transformers.logging.set_verbosity_error()
+    h, n, t, v = args["hidden"], args["layers"], args["seq"], args["vocab"]
+
+    def gpt(ours):
+        m = GPT(GPTConfig(vocab_size=v, seq_len=t, d_model=h, n_heads=8, n_layers=n, dropout=0.1))
+        if not ours:  # what a user of plain PyTorch has: torch's nn.Dropout
+            for d in m.modules():
+                if isinstance(d, torch.nn.Dropout):
+                    d.__class__ = torch.nn.Dropout
+        return m, lambda x: m(x)
+
+    def gpt2(ours):
+        torch.manual_seed(0)
+        m = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=v, n_positions=t, n_embd=h, n_layer=n, n_head=8, bos_token_id=0, eos_token_id=0))
+        return (layout_invariant(m) if ours else m), lambda x: m(x).logits
+
+    return {"GPT": gpt, "HF GPT-2": gpt2}
+
+
+def _dropout_cost(args):
+    """Median seconds of a training step with torch's and colab_kit's dropout, and of the dropout alone."""
+    from colab_kit.models.dropout import Dropout
+    torch.set_num_threads(args["threads"])
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(1, args["vocab"], (args["batch"], args["seq"] + 1), generator=g)
+    x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    out = {}
+    for name, build in _drop_models(args).items():
+        steps = {}
+        for which in ("torch", "colab_kit"):
+            model, fwd = build(which == "colab_kit")
+            model.train()
+            opt = torch.optim.SGD(model.parameters(), lr=args["lr"])
+
+            def step(model=model, fwd=fwd, opt=opt):
+                loss = F.cross_entropy(fwd(x).flatten(0, 1), y.flatten())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            steps[which] = step
+        out[name] = _alternate(steps, args)
+    act = torch.randn(args["batch"], args["seq"], args["hidden"], requires_grad=True)
+    mods = {"torch": torch.nn.Dropout(0.1), "colab_kit": Dropout(0.1)}
+    out["dropout alone"] = _alternate({k: (lambda m=m: m(act).sum().backward()) for k, m in mods.items()},
+                                      {**args, "steps": 20})
+    return out
+
+
+def _alternate(steps, args):
+    times = {k: [] for k in steps}
+    for r in range(args["rounds"] + 1):  # round 0 warms up
+        for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            for _ in range(args["steps"]):
+                t0 = time.perf_counter()
+                steps[name]()
+                if r:
+                    times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=6)
@@ -106,7 +177,30 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the dropout part")
+    ap.add_argument("--only", choices=("tp", "dropout"), default=None)
     args = vars(ap.parse_args(argv))
+    out = os.path.join(os.path.dirname(__file__), "results", "models.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    old = json.load(open(out)) if os.path.exists(out) else {}
+    result = dict(old, benchmark="bench/models.py", when=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    if args["only"] != "dropout":
+        result.update(_tp_part(args))
+    if args["only"] != "tp":
+        drop = _dropout_cost(args)
+        print(f"dropout 0.1, one process, {args['threads']} thread(s), batch {args['batch']} x seq {args['seq']} x "
+              f"hidden {args['hidden']}, {args['layers']} layers; median ms, colab_kit's masks / torch's nn.Dropout")
+        for name, med in drop.items():
+            print(f"  {name:14s} torch {med['torch']:8.2f}   colab_kit {med['colab_kit']:8.2f}   "
+                  f"ratio {med['colab_kit'] / med['torch']:.3f}")
+        result["dropout"] = {"args": args, "median_ms": drop,
+                             "ratio": {k: v["colab_kit"] / v["torch"] for k, v in drop.items()}}
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+
+
+def _tp_part(args):
     res = ck.launch(_compare, 2, args)[0]
     med = {k: statistics.median(v) * 1e3 for k, v in res["times"].items()}
     worst = max(abs(a - b) / abs(b) for a, b in zip(res["losses"]["colab_kit"], res["losses"]["dtensor"]))
@@ -116,13 +210,8 @@ def main(argv=None):
           f"   ratio {ratio:.3f} (goal <= 1.00)")
     print(f"largest relative loss difference between the two (first round): {worst:.1e}; losses "
           + "  ".join(f"{k} " + " ".join(f"{v:.4f}" for v in vs) for k, vs in res["losses"].items()))
-    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-    out = os.path.join(os.path.dirname(__file__), "results", "models.json")
-    with open(out, "w") as f:
-        json.dump({"benchmark": "bench/models.py", "args": args, "median_ms": med, "ratio": ratio,
-                   "max_loss_rel_diff": worst, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=1)
-    print(f"wrote {out}")
-
+    return {"args": {k: v for k, v in args.items() if k not in ("only", "threads")}, "median_ms": med,
+            "ratio": ratio, "max_loss_rel_diff": worst}
 
 if __name__ == "__main__":
     main()

@@ -52,7 +52,8 @@ values while the replay cuts them (twice the dense tensor) or the dense tensor w
 
 RNG states: restored when the world size is the one that saved (rank r gets rank r's); with
 another world size they are left as they are (the ranks see other rows and tokens anyway; the
-training itself does not draw from them unless the model has dropout, which tp refuses).
+training itself does not draw from them: colab_kit's dropout masks come from the step and global
+coordinates, see ``colab_kit.models.dropout``).
 The optimizer's class must be the one that saved. Its numeric hyperparameters per param group
 (lr, betas, eps, weight decay, momentum, and the ``initial_lr`` an LR scheduler adds) are saved
 and restored, as ``torch.optim.Optimizer.load_state_dict`` does, so a scheduler resumed with
