@@ -88,8 +88,12 @@ class GradBuckets:
     of the fp32 ``masters`` (the optimizer is built over them: ``build_optimizer``) until ``zero()``.
     """
 
-    def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None):
+    def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
+                 placements=None):
+        from .placement import PlacementTable
         self.mesh, self.axis = mesh, axis
+        self.placements = placements if placements is not None else PlacementTable()
+        """The engine's ``PlacementTable``: which gradients are ``Partial()`` over a tensor or sequence axis."""
         self.size = mesh.size(axis)
         self.events = events if events is not None else []
         params = [p for p in params if p.requires_grad]
@@ -124,7 +128,7 @@ class GradBuckets:
 
     def _build_masters(self, params):
         low = self.flat.dtype in (torch.bfloat16, torch.float16)
-        return MasterWeights(params) if low else None
+        return MasterWeights(params, table=self.placements) if low else None
 
     @property
     def nbytes(self) -> int:
@@ -197,7 +201,7 @@ class GradBuckets:
     def sync_replicated(self) -> None:
         """Mixed precision with a tensor plan: its gradient sums, on the masters' fp32 gradients."""
         from .tensor import sync_grads
-        sync_grads(torch.nn.ParameterList(self.masters.params), self.mesh)
+        sync_grads(None, self.mesh, self.masters.table)
 
     def build_optimizer(self, optimizer_factory) -> torch.optim.Optimizer:
         """``optimizer_factory`` over the fp32 masters (mixed precision) or the parameters."""

@@ -182,6 +182,10 @@ class Engine(EngineRecords):
             self._tied = [(tuple(t.shape), t if id(t) in mine else None) for t in tied]
         self.module = materialize(model).to(mesh.device)  # what is still meta: whole copies (see colab_kit.init)
         self._n_local = sum(p.numel() for p in self.module.parameters() if p.requires_grad)  # before ZeRO
+        from .placement import PlacementTable
+        self.placement_table = PlacementTable(self.module)
+        """Each parameter's placement on the mesh in DTensor's terms, as its layer declared it
+        (``colab_kit.placement``): the gradient sums, ZeRO and the fp32 masters read it."""
         self._rows = None  # rows of the last step's microbatch on this rank (for the activation estimate)
         self._events: list[dict] = []
         with torch.no_grad():  # one starting point even if a rank's seed differed
@@ -198,16 +202,18 @@ class Engine(EngineRecords):
             from .zero.stage3 import ZeroParams
             self.grads = ZeroParams(self.module, mesh, "dp", self._events, offload=config.offload,
                                     device_budget=device_budget,
-                                    blocks=policy.block_list(self.module) if policy is not None else None)
+                                    blocks=policy.block_list(self.module) if policy is not None else None,
+                                    placements=self.placement_table)
             self.optimizer = self.grads.build_optimizer(optimizer_factory)
         elif config.zero:  # parameters move into one flat buffer; the optimizer steps this rank's pieces
             from .zero import ZeroBuckets, ZeroStage2  # stage 2 frees each bucket after its reduce-scatter
             part = ZeroStage2 if config.zero == 2 else ZeroBuckets
             self.grads = part(self.module.parameters(), mesh, "dp", bucket_bytes, self._events, config.zero,
-                              offload=config.offload)
+                              offload=config.offload, placements=self.placement_table)
             self.optimizer = self.grads.build_optimizer(optimizer_factory)
         else:
-            self.grads = GradBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events)
+            self.grads = GradBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events,
+                                     placements=self.placement_table)
             self.optimizer = self.grads.build_optimizer(optimizer_factory)  # the parameters, or their fp32 masters
         self._acts = ActivationMeter(exclude=list(self.module.parameters()), live=getattr(self.grads, "live", None))
         self.step_count = 0
@@ -309,7 +315,7 @@ class Engine(EngineRecords):
         if sums and (zero or masters is not None):
             self.grads.sync_replicated()
         elif sums:
-            sync_grads(self.module, self.mesh)
+            sync_grads(self.module, self.mesh, self.placement_table)
         done = {"skipped": False, "loss_scale": None, "note": ""}
         with self._timed("optimizer step", "compute", t0):
             if masters is None:

@@ -83,6 +83,15 @@ class EngineRecords:
         est = estimate(self._n_local, name, dp=cfg.dp, zero=cfg.zero, precision=cfg.precision, offload=cfg.offload)
         return placed(est, cfg.zero, cfg.offload, share)
 
+    def placements(self) -> list[dict]:
+        """This rank's parameters and how each lies on the mesh, in DTensor's terms (``colab_kit.placement``)::
+
+            {"name": "blocks.0.mlp.fc1.weight", "shape": (16, 32),
+             "placements": "tp: Shard(0), dp: Replicate()"}            # tp=2, dp=2, tp_mode '1d'
+        """
+        axes = [a for a in self.mesh.layout.fine_names if self.mesh.size(a) > 1 and a != "pp"]
+        return [{"name": n, "shape": s, "placements": d} for n, s, d in self.placement_table.rows(axes)]
+
     def comm(self, last_step: bool = False) -> list[dict]:
         """This rank's recorded collectives (all, or those of the last step)."""
         log = self.mesh.log

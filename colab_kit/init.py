@@ -130,7 +130,7 @@ def _made(t: torch.Tensor, where: str) -> torch.Tensor:
     if not isinstance(t, nn.Parameter):
         return value
     p = nn.Parameter(value, requires_grad=t.requires_grad)
-    p.__dict__.update({k: v for k, v in t.__dict__.items() if k != _RECIPE})  # e.g. _ck_grad_sum_axes
+    p.__dict__.update({k: v for k, v in t.__dict__.items() if k != _RECIPE})
     return p
 
 

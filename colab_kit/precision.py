@@ -120,15 +120,19 @@ class MasterWeights:
     hence the optimizer's states and its update, on the host (``colab_kit.zero``).
 
     ``tensors``: the model's parameters (zero=0, one process) or this rank's flat pieces
-    (ZeRO). A tensor plan's gradient-sum marks (``_ck_grad_sum_axes``) are copied onto the masters.
+    (ZeRO). ``table``: the engine's ``PlacementTable``; ``self.table`` then places each master as its
+    parameter (what the tensor plan's gradient sums read).
     """
 
-    def __init__(self, tensors, device=None):
+    def __init__(self, tensors, device=None, table=None):
+        from .placement import PlacementTable
         self.model = list(tensors)
         self.params = [nn.Parameter(t.detach().to(device=device, dtype=torch.float32, copy=True)) for t in self.model]
+        self.table = PlacementTable()
         for m, t in zip(self.params, self.model):
-            if hasattr(t, "_ck_grad_sum_axes"):
-                m._ck_grad_sum_axes = t._ck_grad_sum_axes
+            if table is not None:
+                if t in table:
+                    self.table._add(m, table.names[id(t)], table[t])
 
     @property
     def grads(self) -> list:

@@ -11,7 +11,7 @@ on the local tokens unchanged.
 The loss and the gradients. Each rank's loss is the mean over its own tokens; as every rank of
 an sp group holds the same number of tokens, the global mean is the mean over sp of the local
 means (the engine all-reduces it over sp as over dp). The parameters are replicated over sp,
-so their gradients are summed over sp after backward (``mark_grad_sum(p, "sp")``, the same
+so their gradients are summed over sp after backward (``Partial()`` over sp in the placement table, the same
 route as tensor parallelism's replicated parameters: after the dp reduction, on ZeRO's pieces
 too), with the backward started from ``loss / sp``, as ``dp`` divides by dp.
 
@@ -154,10 +154,10 @@ class SequencePlan:
                                   f"got {type(pos).__name__} (tp_mode={self.mesh.config.tp_mode!r}): use tp_mode='1d'")
             pos.__class__ = SequencePositions
             pos._sp_rank, pos._sp_size, pos._sp_layout = self.rank, self.size, self.layout
-        for p in model.parameters():  # replicated over sp: summed over it after backward
-            axes = tuple(getattr(p, "_ck_grad_sum_axes", ()))
-            if self.axis not in axes:
-                p._ck_grad_sum_axes = axes + (self.axis,)
+        from ..placement import add_partial
+        for module in model.modules():  # replicated over sp, each rank's tokens: Partial() over it after backward
+            for name, _ in module.named_parameters(recurse=False):
+                add_partial(module, name, self.axis)
         return model
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,

@@ -10,9 +10,10 @@ mode. Every mode keeps the same contract so that the engine treats them alike:
   modes that split the batch inside the tensor block do it over ``plan.batch_axes``.
 - ``plan.loss(local_logits, local_targets)`` is the vocab-parallel cross-entropy: the
   mean over this rank's tokens, computed without ever gathering full logits.
-- After backward, a parameter whose gradient is only partial on this rank (the same
-  weight slice used by several batch shards) carries ``param._ck_grad_sum_axes``;
-  ``sync_grads(module, mesh)`` sums those gradients over the named axes.
+- Each parallel layer declares how its parameters lie on the mesh in DTensor's terms
+  (``colab_kit.placement.declare``: ``Shard(dim)`` per axis, and the axes over which a gradient
+  is ``Partial()``, the same weight slice used by several batch shards); ``sync_grads(module,
+  mesh, table)`` sums those gradients over their axes, reading the engine's ``PlacementTable``.
 
 The loss each rank backpropagates is ``plan.loss(...) / plan.batch_shards``, so the
 weight gradients that the parallel layers sum over batch shards come out as the
@@ -41,25 +42,23 @@ from ..config import ConfigError
 from ..policy import expand, get_module, set_module
 from .cross_entropy import vocab_parallel_cross_entropy
 
-__all__ = ["block_collectives", "TensorPlan", "plan_for", "plan_class", "check_model", "model_sizes", "linear_comm_bytes", "mark_grad_sum",
+__all__ = ["block_collectives", "TensorPlan", "plan_for", "plan_class", "check_model", "model_sizes", "linear_comm_bytes",
            "sync_grads"]
 
 
-def mark_grad_sum(param: nn.Parameter, *axes: str) -> nn.Parameter:
-    """Record that ``param``'s gradient must be summed over ``axes`` after backward."""
-    param._ck_grad_sum_axes = tuple(axes)
-    return param
+def sync_grads(module, mesh, table=None) -> None:
+    """Sum every gradient that is ``Partial()`` on an axis over that axis (``colab_kit.placement``).
 
-
-def sync_grads(module: nn.Module, mesh) -> None:
-    """Sum every marked parameter's gradient over its axes (see ``mark_grad_sum``).
-
-    One flat all-reduce per axis: the marked gradients are packed, summed, unpacked.
-    A parameter marked with two axes is summed over the first, then the second.
+    ``table``: the engine's ``PlacementTable`` (its parameters are what is summed: the model's, or
+    their fp32 masters); None reads the declarations of ``module``'s layers. One flat all-reduce per
+    axis: the partial gradients are packed, summed, unpacked; one partial over two axes is summed
+    over the first, then the second.
     """
+    from ..placement import PlacementTable
+    table = table if table is not None else PlacementTable(module)
     by_axis: dict[str, list[torch.Tensor]] = {}
-    for p in module.parameters():
-        for axis in getattr(p, "_ck_grad_sum_axes", ()):
+    for p in table.params:
+        for axis in table.partial(p):
             if p.grad is not None and mesh.size(axis) > 1:
                 by_axis.setdefault(axis, []).append(p.grad)
     for axis, grads in by_axis.items():
@@ -142,6 +141,9 @@ class TensorPlan:
                 dense = regrouped(dense, fused[path], split)
             new = self.layer(role, path, dense)
             if new is not None:
+                if path in fused:
+                    from ..placement import mark_parts
+                    mark_parts(new, fused[path])
                 set_module(model, path, new)
         for _, att, what in policy.attentions(model):
             for name in (*what.heads, *what.kv_heads, *what.widths):

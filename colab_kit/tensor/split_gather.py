@@ -33,7 +33,7 @@ Worked example, tp=2, a batch of b=1 sequence of t=4 tokens, d_model=h::
 
 Gradients. The parameters that stay whole on every rank and now see only this rank's tokens
 (LayerNorm weights and biases, the row-parallel Linears' biases, the position table) get
-partial gradients: each is summed over tp after backward (``mark_grad_sum(p, "tp")``, added to
+partial gradients: each is summed over tp after backward (``placement.add_partial(module, name, "tp")``, added to
 any axes already marked; one flat all-reduce per step, ``sync_grads``). The split weights'
 gradients are complete, as in 1D: a column Linear's input is the whole sequence (after g), and
 g-bar's backward all-gathers the whole sequence's gradient for the row Linear.
@@ -58,7 +58,8 @@ from .. import comm
 from ..config import ConfigError
 from ..classes import derived_class
 from ..pipeline.zero_bubble import split_linear
-from . import mark_grad_sum, require_divisible
+from ..placement import add_partial
+from . import require_divisible
 from .tp1d import ColumnLinear, Plan1D, RowLinear, VocabEmbedding
 
 __all__ = ["gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel", "gathered_class",
@@ -115,11 +116,6 @@ def reduce_scatter_to_sequence_parallel(x, mesh, axis: str = "tp", dim: int = SE
     return ReduceScatterToSequenceParallel.apply(x, mesh, axis, dim % x.dim()) if mesh.size(axis) > 1 else x
 
 
-def sum_over(param: nn.Parameter, axis: str) -> nn.Parameter:
-    """``mark_grad_sum`` adding ``axis`` to what ``param`` already carries (never twice)."""
-    axes = tuple(getattr(param, "_ck_grad_sum_axes", ()))
-    return mark_grad_sum(param, *axes, *(() if axis in axes else (axis,)))
-
 
 def gathered_class(cls: type) -> type:
     """The subclass of ``cls`` whose forward runs g on its input first (one per class, made once).
@@ -166,7 +162,7 @@ class SequenceRowLinear(RowLinear):
     def __init__(self, weight, bias, mesh, axis: str = "tp"):
         super().__init__(weight, bias, mesh, axis)
         if self.bias is not None:
-            sum_over(self.bias, axis)
+            add_partial(self, "bias", axis)
 
     def forward(self, x):
         y = reduce_scatter_to_sequence_parallel(split_linear(x, self.weight), self.mesh, self.axis)
@@ -244,11 +240,11 @@ class SplitGather1D(Plan1D):
         if role == "positions":
             dense.__class__ = SequencePositions1D
             dense._tp_rank, dense._tp_size = mesh.rank(axis), mesh.size(axis)
-            sum_over(dense.weight, axis)
+            add_partial(dense, "weight", axis)
             return None
         if role == "norm":
-            for p in dense.parameters():
-                sum_over(p, axis)
+            for name, _ in dense.named_parameters(recurse=False):
+                add_partial(dense, name, axis)
             return None
         if role == "row":
             return SequenceRowLinear.from_dense(dense, mesh, axis)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from .. import comm
 from ..pipeline.zero_bubble import split_linear
 from ..init import dense_value
+from ..placement import declare
 from ..policy import get_module
 from . import TensorPlan, require_divisible
 
@@ -49,6 +50,8 @@ class _SplitLinear(nn.Module):
         self.mesh, self.axis = mesh, axis
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
+        declare(self, "weight", {self.split_dim: axis})
+        declare(self, "bias", {0: axis} if self.split_dim == 0 else {})
 
     @classmethod
     def from_dense(cls, dense: nn.Linear, mesh, axis: str = "tp"):
@@ -109,6 +112,7 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.mesh, self.axis, self.vocab_start = mesh, axis, vocab_start
         self.weight = nn.Parameter(weight)
+        declare(self, "weight", {0: axis})
         self.padding_idx = padding_idx
         """The dense table's ``padding_idx`` (its row gets no gradient), or None."""
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..init import dense_value
-from . import mark_grad_sum
+from ..placement import declare
 
 __all__ = ["summa_ab", "summa_abt", "summa_atb", "SUMMA_AB", "SUMMA_ABT", "SUMMA_ATB",
            "Linear2D", "LayerNorm2D", "Embedding2D", "VocabEmbedding2D", "batch_axes_of", "depth_axes_of"]
@@ -187,8 +187,10 @@ class Linear2D(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mesh):
         super().__init__()
         self.mesh = mesh
-        self.weight = mark_grad_sum(nn.Parameter(weight), *depth_axes_of(mesh))
-        self.bias = mark_grad_sum(nn.Parameter(bias), *batch_axes_of(mesh)) if bias is not None else None
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        declare(self, "weight", {1: "tp_row", 0: "tp_col"}, depth_axes_of(mesh), transposed=True)
+        declare(self, "bias", {0: "tp_col"}, batch_axes_of(mesh))
 
     @classmethod
     def from_dense(cls, dense: nn.Linear, mesh) -> "Linear2D":
@@ -223,8 +225,9 @@ class LayerNorm2D(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, eps: float, mesh):
         super().__init__()
         self.mesh, self.eps = mesh, eps
-        self.weight = mark_grad_sum(nn.Parameter(weight), *batch_axes_of(mesh))
-        self.bias = mark_grad_sum(nn.Parameter(bias), *batch_axes_of(mesh))
+        self.weight, self.bias = nn.Parameter(weight), nn.Parameter(bias)
+        declare(self, "weight", {0: "tp_col"}, batch_axes_of(mesh))
+        declare(self, "bias", {0: "tp_col"}, batch_axes_of(mesh))
 
     @classmethod
     def from_dense(cls, dense: nn.LayerNorm, mesh) -> "LayerNorm2D":
@@ -266,7 +269,8 @@ class Embedding2D(nn.Module):
     def __init__(self, weight: torch.Tensor, mesh):
         super().__init__()
         self.mesh = mesh
-        self.weight = mark_grad_sum(nn.Parameter(weight), *batch_axes_of(mesh))
+        self.weight = nn.Parameter(weight)
+        declare(self, "weight", {1: "tp_col"}, batch_axes_of(mesh))
 
     @classmethod
     def from_dense(cls, dense: nn.Embedding, mesh) -> "Embedding2D":
@@ -303,7 +307,8 @@ class VocabEmbedding2D(nn.Module):
     def __init__(self, weight: torch.Tensor, vocab_start: int, mesh, padding_idx: int | None = None):
         super().__init__()
         self.mesh, self.vocab_start, self.padding_idx = mesh, vocab_start, padding_idx
-        self.weight = mark_grad_sum(nn.Parameter(weight), *depth_axes_of(mesh))
+        self.weight = nn.Parameter(weight)
+        declare(self, "weight", {0: "tp_row", 1: "tp_col"}, depth_axes_of(mesh))
 
     @classmethod
     def from_dense(cls, dense: nn.Embedding, mesh) -> "VocabEmbedding2D":
@@ -357,7 +362,9 @@ class TiedHead2D(nn.Module):
         self.mesh = mesh
         self.weight = table.weight  # the table's own parameter, registered here too (a pipeline's last stage)
         q, j = mesh.size("tp_col"), mesh.rank("tp_col")
-        self.bias = mark_grad_sum(nn.Parameter(_block(bias, q, j)), *batch_axes_of(mesh)) if bias is not None else None
+        self.bias = nn.Parameter(_block(bias, q, j)) if bias is not None else None
+        declare(self, "weight", {0: "tp_row", 1: "tp_col"}, depth_axes_of(mesh))  # the table's, as it declared
+        declare(self, "bias", {0: "tp_col"}, batch_axes_of(mesh))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = SUMMA_ABT.apply(x.reshape(-1, x.shape[-1]), self.weight, self.mesh)
@@ -374,7 +381,8 @@ class RMSNorm2D(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float, mesh):
         super().__init__()
         self.mesh, self.eps = mesh, eps
-        self.weight = mark_grad_sum(nn.Parameter(weight), *batch_axes_of(mesh))
+        self.weight = nn.Parameter(weight)
+        declare(self, "weight", {0: "tp_col"}, batch_axes_of(mesh))
 
     @classmethod
     def from_dense(cls, dense: nn.Module, mesh) -> "RMSNorm2D":

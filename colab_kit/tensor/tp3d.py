@@ -24,7 +24,7 @@ Parameters: a Linear's weight is split q**3 ways (see ``Linear3D``); the token t
 q**3 ways too, vocabulary over (tp_in, tp_wt) and features over tp_out (the paper's
 V/q^2 x h/q, ``VocabEmbedding3D``); Linear biases, LayerNorm
 weights and biases and the position table q ways, over features. Copies held by
-several row blocks sum their gradients after backward (``mark_grad_sum``).
+several row blocks sum their gradients after backward (``Partial()`` in ``colab_kit.placement``).
 
 Why this one: the residual add ``x + attn(ln1(x))`` needs attention to give back
 x's layout, and attention needs whole sequences and whole heads, so batch rows (not

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..init import dense_value
-from . import mark_grad_sum
+from ..placement import declare
 
 __all__ = ["WT", "other_axis", "local_block", "Matmul3D", "AllReduce3D", "ReduceScatter3D",
            "Linear3D", "LayerNorm3D", "VocabEmbedding3D", "Embedding3D"]
@@ -125,7 +125,7 @@ class Linear3D(nn.Module):
     Takes rows over (tp_wt, ``in_axis``) and features over ``out_axis``; gives rows over
     (tp_wt, ``out_axis``) and features over ``in_axis``. The bias ``[out_f/q]`` (block
     ``in_axis``) is shared by the q*q row blocks of (tp_wt, ``out_axis``), so its gradient
-    is summed over those axes (``mark_grad_sum``); the weight's is complete after backward.
+    is summed over those axes (``Partial()`` there, ``colab_kit.placement``); the weight's is complete after backward.
 
     tp=8 (q=2), ``Linear(32, 128)`` with in_axis=tp_in, out_axis=tp_out; rank 6 is
     (in 1, wt 1, out 0)::
@@ -139,7 +139,9 @@ class Linear3D(nn.Module):
         super().__init__()
         self.mesh, self.in_axis, self.out_axis = mesh, in_axis, out_axis
         self.weight = nn.Parameter(weight)
-        self.bias = mark_grad_sum(nn.Parameter(bias), WT, out_axis) if bias is not None else None
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        declare(self, "weight", {0: in_axis, 1: (out_axis, WT)})
+        declare(self, "bias", {0: in_axis}, (WT, out_axis))
 
     @classmethod
     def from_dense(cls, dense: nn.Linear, mesh, in_axis: str = "tp_in", out_axis: str = "tp_out") -> "Linear3D":
@@ -179,8 +181,9 @@ class LayerNorm3D(nn.Module):
     def __init__(self, weight, bias, eps: float, hidden: int, mesh, axis: str = "tp_out"):
         super().__init__()
         self.mesh, self.axis, self.eps, self.hidden = mesh, axis, eps, hidden
-        self.weight = mark_grad_sum(nn.Parameter(weight), WT, other_axis(axis))
-        self.bias = mark_grad_sum(nn.Parameter(bias), WT, other_axis(axis))
+        self.weight, self.bias = nn.Parameter(weight), nn.Parameter(bias)
+        declare(self, "weight", {0: axis}, (WT, other_axis(axis)))
+        declare(self, "bias", {0: axis}, (WT, other_axis(axis)))
 
     @classmethod
     def from_dense(cls, dense: nn.LayerNorm, mesh, axis: str = "tp_out") -> "LayerNorm3D":
@@ -228,6 +231,7 @@ class VocabEmbedding3D(nn.Module):
         self.mesh, self.vocab_axis, self.hidden_axis = mesh, vocab_axis, other_axis(vocab_axis)
         self.vocab_start, self.padding_idx = vocab_start, padding_idx
         self.weight = nn.Parameter(weight)
+        declare(self, "weight", {0: (vocab_axis, WT), 1: self.hidden_axis})
 
     @classmethod
     def from_dense(cls, dense: nn.Embedding, mesh, vocab_axis: str = "tp_in") -> "VocabEmbedding3D":
@@ -265,7 +269,8 @@ class Embedding3D(nn.Module):
     def __init__(self, weight, mesh, axis: str = "tp_out"):
         super().__init__()
         self.mesh, self.axis = mesh, axis
-        self.weight = mark_grad_sum(nn.Parameter(weight), WT, other_axis(axis))
+        self.weight = nn.Parameter(weight)
+        declare(self, "weight", {1: axis}, (WT, other_axis(axis)))
 
     @classmethod
     def from_dense(cls, dense: nn.Embedding, mesh, axis: str = "tp_out") -> "Embedding3D":

@@ -62,7 +62,7 @@ reduced piece in 16 bits (2P/n). After the step the masters are copied into the 
 
 Composition. With tensor parallelism the parameters are this rank's tp shards, sharded
 again over the dp group of this tp coordinate. A parameter whose gradient the tensor plan
-sums over a replicated axis (``mark_grad_sum``) is summed on this rank's piece, after the
+sums over a replicated axis (``Partial()`` in the placement table) is summed on this rank's piece, after the
 dp reduction: sums over different groups commute, and every rank of one tp group holds the
 same layout and the same dp coordinate, hence the same pieces (checked once at start). With
 pipeline parallelism each pp rank shards its own stages' parameters over its dp group; the
@@ -146,11 +146,11 @@ class ZeroBuckets(GradBuckets):
     """
 
     def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
-                 stage: int = 1, offload: str = "none"):
+                 stage: int = 1, offload: str = "none", placements=None):
         if stage not in (1, 2):
             raise ConfigError(f"ZeroBuckets runs ZeRO stage 1 or 2, got {stage}")
         params = [p for p in params if p.requires_grad]
-        super().__init__(params, mesh, axis, bucket_bytes, events)  # the buckets, their order and hooks
+        super().__init__(params, mesh, axis, bucket_bytes, events, placements)  # the buckets, their order, hooks
         if len({(p.dtype, p.device) for p in params}) > 1:
             raise ConfigError("ZeRO keeps parameters in one flat buffer: they must share one dtype and device")
         self.stage, self.rank = stage, mesh.rank(axis)
@@ -296,7 +296,7 @@ class ZeroBuckets(GradBuckets):
         """Per axis, the (piece, lo, hi) slices of this rank's pieces that belong to marked parameters."""
         sums: dict[str, list[tuple[int, int, int]]] = {}
         for p in params:
-            axes = [a for a in getattr(p, "_ck_grad_sum_axes", ()) if self.mesh.size(a) > 1]
+            axes = [a for a in self.placements.partial(p) if self.mesh.size(a) > 1]
             if not axes:
                 continue
             i, start = self._offset[id(p)]
@@ -305,7 +305,7 @@ class ZeroBuckets(GradBuckets):
             for axis in axes:
                 if lo < hi:
                     sums.setdefault(axis, []).append((i, lo - a, hi - a))
-        if any(getattr(p, "_ck_grad_sum_axes", ()) for p in params) and self.mesh.size("tp") > 1:
+        if any(self.placements.partial(p) for p in params) and self.mesh.size("tp") > 1:
             self._check_same_layout(params)
         return sums
 

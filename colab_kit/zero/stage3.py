@@ -96,8 +96,11 @@ class ZeroParams:
     chunks whole right now, which the activation meter does not count)."""
 
     def __init__(self, module: nn.Module, mesh, axis: str = "dp", events=None, prefetch: bool = True,
-                 offload: str = "none", device_budget: int | None = None, blocks: nn.ModuleList | None = None):
+                 offload: str = "none", device_budget: int | None = None, blocks: nn.ModuleList | None = None,
+                 placements=None):
+        from ..placement import PlacementTable
         self.module, self.mesh, self.axis = module, mesh, axis
+        self.placements = placements if placements is not None else PlacementTable(module)
         self.events = events if events is not None else []
         self.prefetch = prefetch
         units = units_of(module, blocks)
@@ -327,7 +330,7 @@ class ZeroParams:
             for p in c.params:
                 start = c.offsets[id(p)]
                 lo, hi = max(start, a), min(start + p.numel(), b)
-                for axis in getattr(p, "_ck_grad_sum_axes", ()):
+                for axis in self.placements.partial(p):
                     if self.mesh.size(axis) > 1 and lo < hi:
                         sums.setdefault(axis, []).append((c.index, lo - a, hi - a))
         return sums
