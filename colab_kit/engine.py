@@ -140,7 +140,7 @@ class Engine(EngineRecords):
         """The ``colab_kit.policy.Policy`` the parallel parts lowered (None: a model under dp / ZeRO only)."""
         self._logits = policy.output if policy is not None and policy.output is not None else (lambda out: out)
         from .init import defer, materialize, meta_twin  # a meta-device model: only this rank's shards are made
-        self._twin = meta_twin(model)  # shapes only: the checkpoint's index replay rebuilds the sharding on it
+        self._twin = meta_twin(model)  # shapes and names only: the dense model the checkpoint maps elements to
         self.tp_plan = None
         defer(model, config, mesh.rank("pp"), policy)
         hf = getattr(model, "config", None)

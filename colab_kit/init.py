@@ -136,8 +136,8 @@ def _made(t: torch.Tensor, where: str) -> torch.Tensor:
 
 def meta_twin(model: nn.Module) -> nn.Module:
     """A copy of ``model`` on the meta device (shapes, no storage; tied parameters stay tied), made before
-    the engine shards it: the checkpoint's index replay (``checkpoint.layout``) runs the same sharding on
-    copies of it, whatever the model."""
+    the engine shards it: the dense names and shapes the checkpoint maps elements to (``checkpoint.layout``),
+    whatever the model."""
     memo = {}
     for t in (*model.parameters(), *model.buffers()):
         twin = torch.empty(t.shape, dtype=t.dtype, device="meta")

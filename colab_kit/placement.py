@@ -25,6 +25,7 @@ the axes the tensor and sequence parts add.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -68,6 +69,28 @@ class Placed:
             for a in axes:
                 t = t.chunk(mesh.size(a), dim)[mesh.rank(a)]
         return t.t() if self.transposed else t
+
+    def local_index(self, shape, mesh) -> torch.Tensor:
+        """The dense flat position (int64) of every element this rank stores of a parameter of dense
+        ``shape``: ``local(arange(numel).view(shape))`` made from one index vector per dim, without the
+        dense tensor (what the checkpoint maps elements with)."""
+        shape = tuple(shape)
+        if not shape:
+            return torch.zeros((), dtype=torch.int64)
+        per_dim = [torch.arange(n) for n in shape]
+        for dim, axes in self.shards:
+            whole = shape[dim] // (self.parts if dim == 0 else 1)
+            v = torch.arange(whole)
+            for a in axes:
+                v = v.chunk(mesh.size(a))[mesh.rank(a)]
+            per_dim[dim] = torch.cat([b * whole + v for b in range(self.parts)]) if dim == 0 else v
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        idx = torch.zeros((), dtype=torch.int64)
+        for d, v in enumerate(per_dim):
+            view = [1] * len(shape)
+            view[d] = -1
+            idx = idx + v.view(view) * strides[d]
+        return idx.t() if self.transposed else idx
 
     def describe(self, axes) -> str:
         """``"tp_row: Shard(1), tp_col: Shard(0); grad tp_dep: Partial()"`` over ``axes``."""

@@ -340,7 +340,7 @@ RESHARD = [("bert", dict(tp=2), dict(pp=2, microbatches=2, schedule="zb-h1"), Tr
 
 def test_checkpoints_reshard_between_configs(tmp_path):
     """3 steps under one config + 2 under another equal 5 in one process: the checkpoint finds where every
-    element lives by replaying the engine's own sharding on a meta twin of the model (any model)."""
+    element lives from the engine's placement table (any model)."""
     got = ck.launch(_save_then_load, 2, RESHARD, str(tmp_path))[0]
     for i, (name, a, b, tie) in enumerate(RESHARD):
         want = reference(name, "sgd", tie)[0]

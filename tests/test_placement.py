@@ -45,7 +45,9 @@ def _check(cases):
         bad, forgot, partial = [], [], {}
         for n, p in engine.module.named_parameters():
             placed = table[p]
-            if not torch.equal(placed.local(dense[n].detach(), mesh), p.detach()):
+            index = torch.arange(dense[n].numel()).view(dense[n].shape)
+            if not torch.equal(placed.local(dense[n].detach(), mesh), p.detach()) or not torch.equal(
+                    placed.local_index(dense[n].shape, mesh), placed.local(index, mesh)):
                 bad.append(n)
             if (placed.transposed or placed.parts > 1) and dense[n].unique().numel() > 1:  # without them: no fit
                 wrong = Placed(placed.shards, placed.partial)

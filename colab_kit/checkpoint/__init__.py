@@ -16,8 +16,8 @@ A checkpoint holds every parameter in its *dense* coordinates (the name and shap
   ``weights_only=True``, so tensors, numbers, strings, lists and dicts), returned by ``load``.
 
 Saving. Each rank finds where its elements live in the dense model (``layout.local_space``:
-the engine's own sharding replayed on a model of dense indices, through the tensor plan, the
-pipeline split, and ZeRO's pieces), cuts what it holds of each tensor into rectangles, and all
+each parameter's placement in the engine's placement table, then ZeRO's pieces, through the
+pipeline split), cuts what it holds of each tensor into rectangles, and all
 ranks exchange those lists once (an object all-gather); a region held by several ranks is
 written by the lowest of them. Each rank then hands ``torch.distributed.checkpoint.save`` its
 rectangles as a ``ShardedTensor`` (local shards + the global list of every rank's shards, built
@@ -45,8 +45,7 @@ one answer everywhere). Then, one dense tensor at a time, it reads the whole ten
 (``dcp.load`` into a plain tensor, which assembles it from the saved chunks, ``no_dist``: no
 collective), keeps its own elements through the same index map, and drops it. Beyond this rank's
 model states (filled in place), a load holds its index map (a dense and a local position per
-element it holds: 8 bytes with int32) and, one tensor at a time, that tensor's float64 index
-values while the replay cuts them (twice the dense tensor) or the dense tensor while it is read
+element it holds: 8 bytes with int32) and, one tensor at a time, the dense tensor while it is read
 (``tests/test_checkpoint.py`` bounds it so). Then the 16-bit model is made from the masters, ZeRO
 1-2 all-gather the updated parameters, and the step count, history, loss scale and RNG states are set.
 

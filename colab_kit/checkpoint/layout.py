@@ -1,15 +1,13 @@
 """Where each element a rank holds lives in the dense model: index maps, rectangles, owners.
 
-``local_space(engine)`` replays the engine's sharding on an *index model*: ``GPT(cfg)`` on the
-meta device in float64 whose every parameter is made (``colab_kit.init``'s recipes) holding
-its own global dense indices, ``offset(name) + arange(numel)`` (exact below 2**53). The same
-tensor plan (``plan.parallelize``, a fresh one on the engine's mesh: its ``from_dense``
-constructors slice, transpose and copy, never compute) and the same pipeline split turn it
-into this rank's parameters, so each local element carries the dense index it came from,
-whatever the mode: 1D row/column blocks, 2D's transposed ``[in, out]`` blocks, 3D's pieces.
-The grads object's ``optimizer_layout()`` then says which parameter elements each optimizer
-tensor holds (the parameter itself, a ZeRO piece of a bucket or chunk, or its fp32 master),
-and the index map follows them. Sequence parallelism and recomputation change no parameter.
+``local_space(engine)`` reads the engine's placement table (``colab_kit.placement``): each
+parameter's declared placement (its ``Shard`` axes per dense dim, 2D's transposed ``[in, out]``
+blocks, 3D's pieces, fused q/k/v parts) gives the dense index of every element the rank holds
+(``Placed.local_index``, from one index vector per dim), whatever the mode. The grads object's
+``optimizer_layout()`` then says which parameter elements each optimizer tensor holds (the
+parameter itself, a ZeRO piece of a bucket or chunk, or its fp32 master), and the index map
+follows them. Sequence parallelism and recomputation change no parameter. The placements are
+tested against every rank's real shards (``tests/test_placement.py``).
 
 A dense tensor is stored 2-D (``store_shape``: 1-D as ``[1, n]`` in the rectangles here, and
 ``[d0, d1 * ...]`` above 2-D); what a rank holds of it is cut into rectangles (``rectangles``):
@@ -24,7 +22,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 
 __all__ = ["DenseTable", "LocalSpace", "local_space", "rectangles", "owners", "store_shape"]
 
@@ -109,104 +106,53 @@ class LocalSpace:
             yield kk, sel, pos[sel] - self.starts[kk]
 
 
-def _sharded(config) -> bool:
-    return config.tp > 1 or config.pp > 1
-
-
-def _units(names: list[str], blocks: str = "blocks") -> list[list[str]]:
-    """The replay's units: each block's parameters together (``blocks``: the policy's path of the
-    blocks list), every other parameter alone."""
-    units: dict[str, list[str]] = {}
-    depth = blocks.count(".") + 2
-    for n in names:
-        parts = n.split(".")
-        inside = n.startswith(blocks + ".") and len(parts) > depth
-        key = ".".join(parts[:depth]) if inside else n
-        units.setdefault(key, []).append(n)
-    return list(units.values())
-
-
-def _replay(engine, table: DenseTable, unit: set[str]):
-    """This rank's parameters (in the engine's order) rebuilt from a float64 twin of the model whose
-    parameters in ``unit`` hold their global dense indices; the others stay meta (nothing is made for
-    them). The twin goes through the engine's own policy: the same tensor plan, the same pipeline split."""
-    from ..init import _RECIPE, defer, meta_twin
-    config, mesh, policy = engine.config, engine.mesh, engine.policy
-    model = meta_twin(engine._twin).to(torch.float64)
-    model.init_parameter = lambda name, out: out.copy_(_arange(table, name).view(out.shape))
-    defer(model, config, mesh.rank("pp"), policy)
-    for name, t in model.named_parameters():
-        if name not in unit and hasattr(t, _RECIPE):
-            delattr(t, _RECIPE)
-    if config.tp > 1:
-        from ..tensor import plan_for
-        model = plan_for(mesh).parallelize(model, policy)
-    if config.pp > 1:
-        from ..pipeline.stage import split_model
-        model = nn.ModuleList(split_model(model, config, mesh.rank("pp"), policy))
-    out = []
-    for p in model.parameters():  # cut by the plan: real; left whole: its name (the indices are an arange)
-        recipe = getattr(p, _RECIPE, None) if p.is_meta else None
-        out.append(p if recipe is None else recipe[1])
-    return out
-
-
-def _arange(table: DenseTable, name: str) -> torch.Tensor:
-    off = table.offset[name]
-    return torch.arange(off, off + table.numel[name], dtype=torch.float64).view(table.shapes[name])
+def _dense_names(engine) -> dict[int, str]:
+    """id(parameter) -> its name in the dense model: a pipeline stage's ``source_names``, else the module's."""
+    if engine.pipeline is not None:
+        return {id(p): n for st in engine.module for p, n in zip(st.parameters(), st.source_names)}
+    return {id(p): n for n, p in engine.module.named_parameters()}
 
 
 def local_space(engine) -> LocalSpace:
     """This rank's optimizer tensors and the dense index of each of their elements (module docstring).
 
-    The index model is replayed one unit at a time (a block, or one other parameter), so this costs
-    one unit's local parameters in float64 at a time (and, inside the tensor plan, the dense float64
-    tensor it cuts), plus the result: a dense and a local position per element (int32)."""
+    Each parameter's elements come from its placement (``engine.placement_table``,
+    ``Placed.local_index``: one index vector per dim, no dense tensor is made), then the grads object's
+    ``optimizer_layout()`` says where in the optimizer's tensors each run of them lies. Costs a dense and
+    a local position per element this rank holds (int32 below 2**31 elements)."""
     mine = [p for p in engine.module.parameters() if p.requires_grad]
     layout = engine.grads.optimizer_layout()
-    runs_of: dict[int, list] = {}
-    for k, (t, runs) in enumerate(layout):
-        for p, start, length, at in runs:
-            runs_of.setdefault(id(p), []).append((k, start, length, at))
-    if engine.policy is None or not _sharded(engine.config):  # the local model is dense (dp / ZeRO only)
+    names = _dense_names(engine)
+    if engine.policy is None:  # dp / ZeRO only: the local model is the dense one
         table = DenseTable([(n, tuple(p.shape)) for n, p in engine.module.named_parameters() if p.requires_grad])
-        units, replay = [table.names], lambda unit: list(table.names)
     else:
         table = DenseTable([(n, tuple(p.shape)) for n, p in engine._twin.named_parameters()])
-        units = _units(table.names, engine.policy.blocks)
-        replay = lambda unit: _replay(engine, table, set(unit))  # noqa: E731
     dtype = torch.int32 if table.total < 2 ** 31 - 1 else torch.int64
     starts = [0]
     for t, _ in layout:
         starts.append(starts[-1] + t.numel())
+    runs_of: dict[int, list] = {}
+    for k, (t, runs) in enumerate(layout):
+        for p, start, length, at in runs:
+            runs_of.setdefault(id(p), []).append((k, start, length, at))
     parts: dict[int, list] = {}  # dense parameter -> [(dense positions, local positions)]
-    for unit in units:
-        idx = replay(unit)
-        shapes = [table.shapes[a] if isinstance(a, str) else tuple(a.shape) for a in idx]
-        if len(idx) != len(mine) or any(a != tuple(b.shape) for a, b in zip(shapes, mine)):
-            raise RuntimeError("colab_kit.checkpoint: the index model's parameters do not match this engine's "
-                               f"({len(idx)} against {len(mine)}); the engine's sharding changed without this module")
-        for p, values in zip(mine, idx):
-            if not isinstance(values, str) and values.is_meta:
-                continue
-            flat = None if isinstance(values, str) else values.detach().reshape(-1)
-            for k, start, length, at in runs_of.get(id(p), ()):
-                local = torch.arange(starts[k] + at, starts[k] + at + length, dtype=dtype)
-                if flat is None:  # a whole dense tensor: its positions are known without making them
-                    parts.setdefault(table.index[values], []).append(
-                        (torch.arange(start, start + length, dtype=dtype), local))
-                    continue
-                seg = flat[start:start + length]
-                j = int(torch.searchsorted(table.starts, int(seg.min()), right=True)) - 1
-                if int(seg.max()) < int(table.starts[j + 1]):  # one dense tensor (every plan cuts so)
-                    parts.setdefault(j, []).append(((seg - float(table.starts[j])).to(dtype), local))
-                    continue
-                g = seg.to(torch.int64)
-                owner = torch.searchsorted(table.starts, g, right=True) - 1
-                for j in torch.unique(owner).tolist():
-                    sel = owner == j
-                    parts.setdefault(j, []).append(((g[sel] - table.starts[j]).to(dtype), local[sel]))
-        del idx
+    for p in mine:  # one parameter's index at a time, and only where it is split
+        name = names.get(id(p))
+        if name not in table.index:
+            raise RuntimeError(f"colab_kit.checkpoint: this rank's parameter {name} is not one of the dense "
+                               "model's; the engine's sharding changed without this module")
+        placed, j = engine.placement_table[p], table.index[name]
+        flat = None
+        if placed.shards or placed.transposed:
+            flat = placed.local_index(table.shapes[name], engine.mesh).reshape(-1).to(dtype)
+            if flat.numel() != p.numel():
+                raise RuntimeError(f"colab_kit.checkpoint: the placement of {name} gives {flat.numel()} elements, "
+                                   f"the rank holds {p.numel()}: its layer declared a wrong placement")
+        for k, start, length, at in runs_of.get(id(p), ()):
+            local = torch.arange(starts[k] + at, starts[k] + at + length, dtype=dtype)
+            dense = torch.arange(start, start + length, dtype=dtype) if flat is None else flat[start:start + length]
+            parts.setdefault(j, []).append((dense, local))
+        del flat
     held = {}
     for j, chunks in sorted(parts.items()):
         held[table.names[j]] = (torch.cat([d for d, _ in chunks]), torch.cat([lp for _, lp in chunks]))
