@@ -238,7 +238,7 @@ class Engine(EngineRecords):
         cfg, mesh = self.config, self.mesh
         m = cfg.microbatches
         self.count_targets(targets, m)
-        self.begin_dropout(inputs.shape[0], m)
+        self.begin_batch(inputs, m)
         rows = inputs.shape[0]
         if rows % (cfg.dp * m):
             raise ValueError(f"a global batch of {rows} rows does not split over dp={cfg.dp} x microbatches={m}: "
@@ -273,11 +273,13 @@ class Engine(EngineRecords):
         if self._token_loss is not None:
             self._token_loss.count(targets, self.config.dp * microbatches * self.loss_shards)
 
-    def begin_dropout(self, rows: int, microbatches: int) -> None:
-        """A step on a global batch of ``rows`` in ``microbatches``: where each microbatch's rows sit, for
-        the layout-invariant dropout (``colab_kit.models.dropout``); nothing without dropout."""
+    def begin_batch(self, inputs: torch.Tensor, microbatches: int) -> None:
+        """A step on the global ``inputs`` in ``microbatches``: where each microbatch's rows sit, for the
+        layout-invariant dropout (``colab_kit.models.dropout``), and the input's shape for the activation
+        estimate of any model (``memory_estimate``)."""
+        self._input = (tuple(inputs.shape), inputs.dtype)
         if self._dropout is not None:
-            self._dropout.begin(rows, microbatches)
+            self._dropout.begin(inputs.shape[0], microbatches)
 
     def dropout_at(self, microbatch: int):
         """The context microbatch ``microbatch``'s forward and backward run in (its dropout coordinates)."""

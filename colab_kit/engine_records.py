@@ -53,7 +53,9 @@ class EngineRecords:
         ranks candidates by: the ZeRO paper's formulas for the model states of this rank's
         parameters (counted per tensor mode and pipeline stage), and the GPT activation count in this
         config's layout for the last step's batch (0 before a step). Another model: the model states
-        of its measured parameter count. Same keys as ``memory()``, "device" and "host" included."""
+        of its measured parameter count and, with a policy, the activations of its dense forward traced on the
+        meta device, scaled by this layout's share (``estimate.model_activations``). Same keys as
+        ``memory()``, "device" and "host" included."""
         from .memory import estimate, optimizer_states, placed
         try:
             states = optimizer_states(self.optimizer)
@@ -81,6 +83,12 @@ class EngineRecords:
                              cfg.zero, cfg.offload, share)
             return est
         est = estimate(self._n_local, name, dp=cfg.dp, zero=cfg.zero, precision=cfg.precision, offload=cfg.offload)
+        est["activations"] = 0
+        shape = getattr(self, "_input", None)  # (the last step's global input shape, its dtype)
+        if self.policy is not None and shape is not None:
+            from .estimate import model_activations
+            est["activations"] = model_activations(self._twin, self.policy, cfg, *shape,
+                                                   pp_rank=self.mesh.rank("pp"))
         return placed(est, cfg.zero, cfg.offload, share)
 
     def placements(self) -> list[dict]:

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from .memory import PRECISION_BYTES, activation_bytes, model_state_bytes, placed
 
-__all__ = ["part_params", "stage_params", "rank_params", "layout_activations", "pipeline_peak", "config_estimate"]
+__all__ = ["part_params", "stage_params", "rank_params", "layout_activations", "pipeline_peak", "config_estimate",
+           "traced_activations", "gpt_like", "model_activations"]
 
 
 def part_params(model, config) -> dict:
@@ -200,3 +201,73 @@ def config_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | 
     totals = [sum(s.values()) + a for s, a in zip(states, acts)]
     r = max(range(config.pp), key=totals.__getitem__) if pp_rank is None else pp_rank
     return placed({**states[r], "activations": acts[r]}, config.zero, config.offload, host_share)
+
+
+def traced_activations(model, shape, dtype=None, precision: str = "fp32") -> int:
+    """Bytes ``model``'s forward saves for backward on an input of ``shape`` (``dtype``: int64 ids when
+    None), measured with fake CPU tensors (``FakeTensorMode``: shapes and dtypes, no storage, no compute,
+    the CPU kernels' choices, e.g. SDPA's): the dense model in one process. The meter's rule
+    (``memory.ActivationMeter``): each storage once, parameters never. Equal to the measurement of the
+    real model for GPT, ViT, Llama and a user's model here."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    from .init import meta_twin
+    from .precision import compute_dtype
+    twin = meta_twin(model)
+    twin.train()
+    low = compute_dtype(precision)
+    mode = FakeTensorMode()
+    with mode:
+        params = {n: torch.empty(p.shape, dtype=low if p.is_floating_point() else p.dtype,
+                                 requires_grad=p.requires_grad) for n, p in twin.named_parameters()}
+        bufs = {n: torch.zeros(b.shape, dtype=low if b.is_floating_point() else b.dtype)
+                for n, b in twin.named_buffers()}
+        x = torch.zeros(shape, dtype=dtype or torch.int64)
+        if x.is_floating_point():
+            x = x.to(low)
+    seen = {p.untyped_storage()._cdata for p in params.values()}
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        s = t.untyped_storage()
+        if s._cdata not in seen:
+            seen.add(s._cdata)
+            total += s.nbytes()
+        return t
+
+    with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        functional_call(twin, {**params, **bufs}, (x,), strict=False)
+    return total
+
+
+def gpt_like(model, policy):
+    """The GPTConfig of the same widths as ``model`` (its policy's sizes): what the layout formulas scale by."""
+    from .models import GPTConfig
+    from .tensor import model_sizes
+    sizes = model_sizes(model, policy)
+    heads = sizes.n_heads or 1
+    vocab = next(iter(sizes.outputs.values()), sizes.d_model)
+    return GPTConfig(vocab_size=vocab, seq_len=max(sizes.seq_len, 1), d_model=sizes.d_model, n_heads=heads,
+                     n_layers=len(policy.block_list(model)), d_ff=sizes.d_ff)
+
+
+def model_activations(model, policy, config, shape, dtype=None, pp_rank=None) -> int:
+    """Activations per rank for any model with a policy: its dense forward traced on the meta device for
+    the global batch ``shape`` (``traced_activations``), times the share of a GPT of the same widths that
+    ``config``'s layout keeps on the rank (``config_estimate``'s layout formulas: dp and microbatch rows,
+    the tensor mode's split, sp's tokens, the pipeline's peak). Within 25% of what the engine measures
+    for BERT, ViT, GPT-2, Llama and a user's model (``tests/test_models_memory.py``)."""
+    from .config import ParallelConfig
+    gpt = gpt_like(model, policy)
+    tokens = policy.sequence and len(shape) > 1
+    seq = shape[1] if tokens else gpt.seq_len
+    if seq > gpt.seq_len:
+        import dataclasses
+        gpt = dataclasses.replace(gpt, seq_len=seq)
+    batch = shape[0]
+    one = config_estimate(gpt, ParallelConfig(precision=config.precision), batch, seq=seq)["activations"]
+    here = config_estimate(gpt, config, batch, seq=seq, pp_rank=pp_rank)["activations"]
+    return round(traced_activations(model, shape, dtype, config.precision) * here / max(one, 1))

@@ -179,7 +179,7 @@ class PipelineExecutor(ComputeActions, CommActions):
             raise ValueError(f"a global batch of {rows} rows does not split over dp={dp} x microbatches={m}: "
                              f"use a multiple of {dp * m} rows")
         eng.count_targets(targets, m)
-        eng.begin_dropout(rows, m)
+        eng.begin_batch(inputs, m)
         x, y = eng._local_rows(inputs), eng._local_rows(targets)
         self._x = [split_batch(x, m, i, "microbatches") for i in range(m)]
         self._y = [split_batch(y, m, i, "microbatches") for i in range(m)]
