@@ -86,9 +86,13 @@ class EngineRecords:
         est["activations"] = 0
         shape = getattr(self, "_input", None)  # (the last step's global input shape, its dtype)
         if self.policy is not None and shape is not None:
-            from .estimate import model_activations
+            from .estimate import model_activations, traced_activations
+            cache = self.__dict__.setdefault("_traced", {})  # the dense trace, once per input shape
+            if shape not in cache:
+                cache.clear()
+                cache[shape] = traced_activations(self._twin, *shape, cfg.precision)
             est["activations"] = model_activations(self._twin, self.policy, cfg, *shape,
-                                                   pp_rank=self.mesh.rank("pp"))
+                                                   pp_rank=self.mesh.rank("pp"), traced=cache[shape])
         return placed(est, cfg.zero, cfg.offload, share)
 
     def placements(self) -> list[dict]:

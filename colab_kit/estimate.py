@@ -254,7 +254,7 @@ def gpt_like(model, policy):
                      n_layers=len(policy.block_list(model)), d_ff=sizes.d_ff)
 
 
-def model_activations(model, policy, config, shape, dtype=None, pp_rank=None) -> int:
+def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, traced: int | None = None) -> int:
     """Activations per rank for any model with a policy: its dense forward traced on the meta device for
     the global batch ``shape`` (``traced_activations``), times the share of a GPT of the same widths that
     ``config``'s layout keeps on the rank (``config_estimate``'s layout formulas: dp and microbatch rows,
@@ -270,4 +270,6 @@ def model_activations(model, policy, config, shape, dtype=None, pp_rank=None) ->
     batch = shape[0]
     one = config_estimate(gpt, ParallelConfig(precision=config.precision), batch, seq=seq)["activations"]
     here = config_estimate(gpt, config, batch, seq=seq, pp_rank=pp_rank)["activations"]
-    return round(traced_activations(model, shape, dtype, config.precision) * here / max(one, 1))
+    if traced is None:  # ``traced``: the dense trace, when the caller already has it (the planner, per precision)
+        traced = traced_activations(model, shape, dtype, config.precision)
+    return round(traced * here / max(one, 1))

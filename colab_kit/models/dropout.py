@@ -177,7 +177,7 @@ def hidden_dropout(x, p, seed, step, layer, c=None, where="dropout"):
     nf = f * nblk
     t = math.prod(x.shape[1:-1])
     pos, seq = c.positions(t, dev) if c is not None else (torch.arange(t, device=dev), t)
-    batch = c.batch if c is not None and c.batch else int(rows.max()) + 1
+    batch = b if c is None else c.batch or int(rows.max()) + 1  # global rows: the index's range
     dt = _index_dtype(batch * seq * nf)
     feats = torch.arange(blk * f, (blk + 1) * f, device=dev, dtype=dt)
     if x.dim() == 2:
@@ -205,7 +205,7 @@ def attention_dropout(probs: torch.Tensor, p: float, layer: int, seed: int = 0, 
     b, h, tq, tk = probs.shape
     rows = _rows(c, b, True, dev, f"attention dropout {layer}")
     blk, nblk = c.heads if c is not None else (0, 1)
-    batch = c.batch if c is not None and c.batch else int(rows.max()) + 1
+    batch = b if c is None else c.batch or int(rows.max()) + 1  # global rows: the index's range
     dt = _index_dtype(batch * h * nblk * tq * tk)
     heads = torch.arange(blk * h, (blk + 1) * h, device=dev, dtype=dt)
     index = (((rows.to(dt)[:, None, None, None] * (h * nblk) + heads[None, :, None, None]) * tq

@@ -146,8 +146,10 @@ def _pipelines(pp: int):
         yield "zb-v", 2, m
 
 
-def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32", with_auto: bool = False):
-    """Every config boost runs for this model and batch on ``world_size`` ranks (see the module docstring)."""
+def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32", with_auto: bool = False,
+                      accept=None):
+    """Every config boost runs for this model and batch on ``world_size`` ranks (see the module docstring).
+    ``accept(cfg)``: a further check that raises ConfigError (another model's ``check_policy``)."""
     from ..engine import unsupported
     from ..pipeline.stage import check_stages
     from ..sequence.plan import LAYOUT, SequencePlan, check_length
@@ -176,6 +178,8 @@ def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32
                         check_length(model.seq_len, sp, LAYOUT[sp_mode])
                     if pp > 1:
                         check_stages(model.n_layers, cfg)
+                    if accept is not None:
+                        accept(cfg)
                 except ConfigError:
                     continue
                 shards = {"1d": 1, "2d": cfg.tp_q, "2.5d": depth * cfg.tp_q, "3d": cfg.tp_q ** 2}[mode]
@@ -186,10 +190,18 @@ def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32
 
 def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision: str = "fp32",
          optimizer: str = "adamw", *, seq: int | None = None, constants: dict | None = None,
-         limit: int | None = None) -> Candidates:
-    """Candidates for training ``model_cfg`` (a ``ck.models.GPTConfig``) on ``world_size`` ranks with
+         limit: int | None = None, policy=None, input_shape: tuple | None = None) -> Candidates:
+    """Candidates for training ``model_cfg`` (a ``ck.models.GPTConfig``, or any model with a policy:
+    BERT, ViT, a Hugging Face or a user's ``nn.Module``, see ``_other_model``) on ``world_size`` ranks with
     a global ``batch`` of rows per step, best first: those that fit ``memory_per_rank`` bytes
     (device bytes per rank), then by estimated seconds per step. ``limit`` keeps the first N."""
+    import torch.nn as nn
+    if isinstance(model_cfg, nn.Module) or not hasattr(model_cfg, "vocab_size") or not hasattr(model_cfg, "d_ff"):
+        if not isinstance(model_cfg, nn.Module):
+            raise ConfigError(f"ck.plan takes a GPTConfig or a model (an nn.Module with a policy), got "
+                              f"{type(model_cfg).__name__}: pass the model itself, e.g. ck.plan(ViT(cfg), 4, 16)")
+        return _other_model(model_cfg, world_size, batch, memory_per_rank, precision, optimizer, seq=seq,
+                            constants=constants, limit=limit, policy=policy, input_shape=input_shape)
     from ..estimate import config_estimate
     from ..memory import optimizer_states
     from .cost import step_seconds
@@ -255,3 +267,72 @@ def _prune(cands: list) -> list:
                        and ((o.device_bytes, o.step_seconds) != mine or j < i) for j, o in enumerate(group) if j != i):
                 kept.append(c)
     return kept
+
+
+def _other_model(model, world_size, batch, memory_per_rank, precision, optimizer, *, seq, constants, limit,
+                 policy, input_shape) -> Candidates:
+    """``plan`` for any model with a policy, on a meta copy of it (nothing is made, the model is not touched).
+
+    Each candidate passes the checks ``boost`` runs (``check_policy``: a ViT gets no sp, a BERT no 3D). Its
+    model states are a GPT's of the same widths (``estimate.gpt_like``) scaled to the model's parameter
+    count, its activations the dense forward traced with fake tensors and scaled by the layout
+    (``estimate.model_activations``), its time the GPT cost model's. ``input_shape``: one global batch's
+    input shape (default ``(batch, seq)`` of token ids, or the images ``(batch, channels, size, size)`` of a
+    config with ``image_size``)::
+
+        ck.plan(ck.models.ViT(ck.models.ViTConfig(num_classes=8, ...)), 4, 16)[0].config
+    """
+    import dataclasses
+
+    import torch
+    from ..estimate import config_estimate, gpt_like, model_activations, part_params, traced_activations
+    from ..init import meta_twin
+    from ..memory import placed
+    from ..policy import missing_policy_message, policy_for
+    from ..policy.fit import check_policy
+    from .cost import step_seconds
+
+    policy = policy_for(model, policy)
+    if policy is None:
+        raise ConfigError(missing_policy_message(model, "ck.plan"))
+    twin = meta_twin(model)
+    if policy.prepare is not None:
+        policy.prepare(twin)
+    gpt = gpt_like(twin, policy)
+    cfg_m = getattr(model, "cfg", None)
+    if input_shape is None:
+        if policy.sequence:
+            input_shape, dtype = (batch, seq or gpt.seq_len), torch.int64
+        elif hasattr(cfg_m, "image_size"):
+            input_shape, dtype = (batch, cfg_m.channels, cfg_m.image_size, cfg_m.image_size), torch.float32
+        else:
+            raise ConfigError(f"ck.plan needs the input's shape for {type(model).__name__} (its inputs have no token "
+                              f"dimension): pass input_shape=(batch, ...)")
+    else:
+        dtype = torch.int64 if policy.sequence else torch.float32
+    if policy.sequence and input_shape[1] > gpt.seq_len:
+        gpt = dataclasses.replace(gpt, seq_len=input_shape[1])
+    parts = part_params(gpt, ParallelConfig())
+    scale = sum(p.numel() for p in twin.parameters()) / (parts["embed"] + gpt.n_layers * parts["block"] + parts["tail"])
+    consts = constants if constants is not None else globals()["constants"](ranks=world_size)
+    traced = traced_activations(twin, input_shape, dtype, precision)  # the dense forward, once
+    out = Candidates()
+    for cfg in enumerate_configs(gpt, world_size, batch, precision, with_auto=memory_per_rank is not None,
+                                 accept=lambda c: check_policy(twin, c, policy)):
+        if cfg.offload == "auto":
+            continue  # its placement needs the measured step; the planner ranks the others
+        mem = config_estimate(gpt, cfg, batch, optimizer)
+        states = {k: round(mem[k] * scale) for k in ("params", "grads", "optimizer")}
+        acts = model_activations(twin, policy, cfg, input_shape, dtype, traced=traced)
+        mem = placed({**states, "activations": acts}, cfg.zero, cfg.offload, None)
+        seconds, cost_parts, counts = step_seconds(gpt, cfg, batch, consts, mem)
+        fits = memory_per_rank is None or sum(mem["device"].values()) <= memory_per_rank
+        out.append(Candidate(cfg, mem, seconds, fits, cost_parts, counts, {}))
+    if not out:
+        raise ConfigError(f"no configuration of {world_size} ranks runs {type(model).__name__} with a global batch of "
+                          f"{batch} rows: try a batch that is a multiple of {world_size}")
+    kept = _prune(out)
+    kept.sort(key=lambda c: (not c.fits, c.step_seconds))
+    result = Candidates(kept[:limit] if limit else kept)
+    result.constants, result.memory_per_rank = consts, memory_per_rank
+    return result
