@@ -138,11 +138,12 @@ class EngineRecords:
         from .checkpoint.pretrained import save_pretrained
         save_pretrained(self, directory)
 
-    def load_pretrained(self, directory) -> None:
+    def load_pretrained(self, directory) -> int:
         """Read a local ``save_pretrained`` directory into this engine's shards, each rank reading only the
-        rows it holds; the optimizer's states are left as they are (``checkpoint.pretrained``)."""
+        rectangle of each matrix its elements lie in; the optimizer's states are left as they are
+        (``checkpoint.pretrained``). Returns how many elements this rank read."""
         from .checkpoint.pretrained import load_pretrained
-        load_pretrained(self, directory)
+        return load_pretrained(self, directory)
 
     def state_vector(self) -> torch.Tensor:
         """All parameters flattened into one CPU vector (for checking ranks agree)."""

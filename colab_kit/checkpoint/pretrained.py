@@ -123,9 +123,24 @@ def _files(directory: str) -> dict[str, str]:
     return where
 
 
+def _box(dpos: torch.Tensor, shape: tuple, conv: bool):
+    """The rectangle of the stored tensor that holds the dense flat positions ``dpos`` of a 2-D ``shape``
+    (``[out, in]``; a Conv1D stores its transpose): ``(row slice, column slice)`` in the stored layout, and
+    each position's place in that rectangle read back in dense order."""
+    rows, cols = shape
+    r, c = dpos // cols, dpos % cols
+    r0, r1, c0, c1 = int(r.min()), int(r.max()) + 1, int(c.min()), int(c.max()) + 1
+    if conv:  # stored [in, out]: dense (r, c) is stored (c, r); read [c0:c1, r0:r1], transposed back
+        return (slice(c0, c1), slice(r0, r1)), True, (r - r0) * (c1 - c0) + (c - c0)
+    return (slice(r0, r1), slice(c0, c1)), False, (r - r0) * (c1 - c0) + (c - c0)
+
+
 @torch.no_grad()
-def load_pretrained(engine, directory) -> None:
-    """Read ``directory`` (a ``save_pretrained`` directory) into this engine's parameters (see the module docstring)."""
+def load_pretrained(engine, directory) -> int:
+    """Read ``directory`` (a ``save_pretrained`` directory) into this engine's parameters (see the module
+    docstring); returns how many elements this rank read from the files. Of a matrix a rank reads the
+    rectangle its elements lie in (a 1D column block its rows, a row block its columns, a 2D tile its
+    tile); of a vector or a table above 2-D, the rows."""
     from safetensors import safe_open
     directory = os.fspath(directory)
     where = _files(directory)
@@ -134,26 +149,32 @@ def load_pretrained(engine, directory) -> None:
     absent = [n for n in table.names if n not in where]
     if absent:
         raise KeyError(f"{directory} has no tensors {absent[:5]}{'...' if len(absent) > 5 else ''}: it holds another model")
+    read = 0
     for name in table.names:
         dpos, lpos = space.held(name)
         if not dpos.numel():
             continue
         shape = table.shapes[name]
+        dpos = dpos.to(torch.int64)
         with safe_open(where[name], framework="pt") as f:
             sl = f.get_slice(name)
             got = tuple(sl.get_shape())
             conv = _is_conv(name, convs)
             if got != (tuple(reversed(shape)) if conv else tuple(shape)):
                 raise ValueError(f"{name} is {list(got)} in {directory}, this engine's model has {list(shape)}")
-            if conv or len(shape) < 2:
-                values = sl[:].t().reshape(-1) if conv else sl[:].reshape(-1)
-                positions = dpos.to(torch.int64)
+            if len(shape) == 2:  # only the rectangle this rank's elements lie in
+                box, transposed, positions = _box(dpos, shape, conv)
+                block = sl[box[0], box[1]]
+                values = (block.t() if transposed else block).reshape(-1)
+            elif len(shape) < 2:
+                values, positions = sl[:].reshape(-1), dpos
             else:  # only the rows this rank's elements come from
                 row = int(torch.tensor(shape[1:]).prod())
-                rows = dpos.to(torch.int64) // row
+                rows = dpos // row
                 lo, hi = int(rows.min()), int(rows.max()) + 1
                 values = sl[lo:hi].reshape(-1)
-                positions = dpos.to(torch.int64) - lo * row
+                positions = dpos - lo * row
+        read += values.numel()
         space.write(space.tensors, lpos, values[positions].to(torch.float32))
     masters = getattr(engine.grads, "masters", None)
     if masters is not None:
@@ -161,3 +182,4 @@ def load_pretrained(engine, directory) -> None:
     if engine.config.zero in (1, 2):
         engine.grads.gather_params()
     dist.barrier()
+    return read
