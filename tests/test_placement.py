@@ -64,7 +64,8 @@ CASES = {
     2: [(m, dict(tp=2)) for m in ("gpt", "bert", "vit", "gpt2", "llama")]
        + [("gpt", dict(tp=2, sp_mode="split_gather")), ("gpt", dict(sp=2))],
     4: [(m, dict(tp=4, tp_mode="2d")) for m in ("gpt", "bert", "vit", "gpt2", "llama")],
-    8: [("vit", dict(tp=8, tp_mode="3d")), ("gpt", dict(tp=8, tp_mode="3d")),
+    8: [("vit", dict(tp=8, tp_mode="3d")), ("gpt", dict(tp=8, tp_mode="3d")), ("bert", dict(tp=8, tp_mode="3d")),
+        ("gpt2", dict(tp=8, tp_mode="3d")), ("llama", dict(tp=8, tp_mode="3d")),
         ("gpt", dict(tp=8, tp_mode="2.5d", tp_depth=2))],
 }
 

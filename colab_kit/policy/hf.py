@@ -30,8 +30,8 @@ positions of this rank's tokens. The attention modules reshape with ``-1`` heads
 them is divided.
 
 Both call ``transformers``' attention-function registry, so sequence parallelism (ring, Ulysses)
-registers its own function there (``Attention(hf=True)``). Decisions: 3d is refused for both
-(Llama's RMSNorm, GPT-2's fused and tied head have no 3D layers here). Dropout (``*_pdrop``, ``attention_dropout``)
+registers its own function there (``Attention(hf=True)``). 3d runs both too (GPT-2's tied head is
+``TiedHead3D``, Llama's RMSNorm ``RMSNorm3D``). Dropout (``*_pdrop``, ``attention_dropout``)
 trains under every mode through ``colab_kit.models.dropout`` (its attention-probability dropout runs in
 transformers' eager attention, registered as ``colab_kit_dropout``; sp refuses that one): to compare with
 one process, pass the reference through ``ck.models.layout_invariant`` too.

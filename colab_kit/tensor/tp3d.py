@@ -62,8 +62,9 @@ import torch
 
 from ..config import ConfigError
 from . import TensorPlan, require_divisible
-from .tp3d_layers import (WT, Embedding3D, InputLinear3D, LayerNorm3D, Linear3D, VocabEmbedding3D, local_block,
-                          other_axis)
+from ..policy import set_module
+from .tp3d_layers import (WT, DenseLinear3D, Embedding3D, InputLinear3D, LayerNorm3D, Linear3D, RMSNorm3D,
+                          TiedHead3D, VocabEmbedding3D, local_block, other_axis)
 
 __all__ = ["Plan3D", "linear_comm_bytes", "Linear3D", "LayerNorm3D", "VocabEmbedding3D", "Embedding3D",
            "local_block", "other_axis", "RESIDUAL", "INNER", "BATCH_AXES"]
@@ -132,17 +133,6 @@ class Plan3D(TensorPlan):
     def check(cls, cfg, layout) -> None:
         q = layout.size(WT)
         where = f"tp_mode='3d' with tp={q ** 3} (q={q})"
-        if "dense" in getattr(cfg, "roles", {}):
-            raise ConfigError(f"tp_mode='3d' has no layer for {cfg.roles['dense']} (a width-keeping Linear on the "
-                              f"residual would need its input and output in one layout): use tp_mode '1d' or "
-                              f"'2d' for this model")
-        if "rmsnorm" in getattr(cfg, "roles", {}):
-            raise ConfigError(f"tp_mode='3d' has no RMSNorm layer yet ({cfg.roles['rmsnorm']}): use tp_mode '1d' "
-                              f"or '2d' for this model")
-        if getattr(cfg, "tied", ()):
-            a, b = cfg.tied[0]
-            raise ConfigError(f"tp_mode='3d' cannot shard {b} tied to {a} yet: untie them (e.g. "
-                              f"BERTConfig(tie_embeddings=False)) or use tp_mode '1d' or '2d'")
         require_divisible({"d_model": cfg.d_model, "d_ff": cfg.d_ff}, q * q,
                           f"{where} splits each Linear's input features over q*q={q * q} ranks "
                           f"(tp_wt and one of tp_in/tp_out): choose multiples of {q * q}")
@@ -167,6 +157,8 @@ class Plan3D(TensorPlan):
             return Embedding3D.from_dense(dense, mesh, axis=res_h)
         if role == "norm":
             return LayerNorm3D.from_dense(dense, mesh, axis=res_h)
+        if role == "rmsnorm":
+            return RMSNorm3D.from_dense(dense, mesh, axis=res_h)
         if role in ("column", "head"):
             return Linear3D.from_dense(dense, mesh, **first)  # q/k/v fused: the input gathered once
         if role == "row":
@@ -175,6 +167,11 @@ class Plan3D(TensorPlan):
             return None
         if role == "input":  # rows arrive as the batch's (the inner layout): this rank's features, then inner -> residual
             return InputLinear3D.from_dense(dense, mesh, **second)
-        raise ConfigError(f"tp_mode='3d' has no layer for {path} (role {role!r}: a width-keeping Linear on the "
-                          f"residual would need its input and output in one layout): use tp_mode '1d' or '2d' "
+        if role == "dense":  # width-keeping, on the residual: residual -> inner, then swapped back
+            return DenseLinear3D.from_dense(dense, mesh, **first)
+        raise ConfigError(f"tp_mode='3d' has no layer for {path} (role {role!r}): use tp_mode '1d' or '2d' "
                           f"for this model")
+
+    def tie(self, model, table, head, table_path, head_path):
+        """The head's logits from the token table's own piece (``TiedHead3D``): one parameter, two uses."""
+        set_module(model, head_path, TiedHead3D(table, head.bias, self.mesh))

@@ -21,8 +21,8 @@ from .. import comm
 from ..init import dense_value
 from ..placement import declare
 
-__all__ = ["WT", "other_axis", "local_block", "Matmul3D", "AllReduce3D", "ReduceScatter3D",
-           "Linear3D", "LayerNorm3D", "VocabEmbedding3D", "Embedding3D"]
+__all__ = ["WT", "other_axis", "local_block", "Matmul3D", "AllReduce3D", "ReduceScatter3D", "SwapInOut3D",
+           "Linear3D", "DenseLinear3D", "TiedHead3D", "LayerNorm3D", "RMSNorm3D", "VocabEmbedding3D", "Embedding3D"]
 
 WT = "tp_wt"  # the weight axis: it never changes role
 
@@ -69,10 +69,12 @@ class Matmul3D(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, mesh, in_axis, out_axis):
-        ctx.mesh, ctx.in_axis, ctx.out_axis = mesh, in_axis, out_axis
+    def forward(ctx, x, weight, mesh, in_axis, out_axis, weight_dim=1):
+        """``weight_dim``: the dim of ``weight`` split over tp_wt (1: a Linear's input features; 0: the
+        token table's vocabulary, for a head tied to it, ``TiedHead3D``)."""
+        ctx.mesh, ctx.in_axis, ctx.out_axis, ctx.weight_dim = mesh, in_axis, out_axis, weight_dim
         x_hat = comm.all_gather(x, mesh, in_axis, 0, tag="3d input")
-        w_hat = comm.all_gather(weight, mesh, WT, 1, tag="3d weight")
+        w_hat = comm.all_gather(weight, mesh, WT, weight_dim, tag="3d weight")
         ctx.save_for_backward(x_hat, w_hat)
         return comm.reduce_scatter(F.linear(x_hat, w_hat), mesh, out_axis, 0, tag="3d output")
 
@@ -86,8 +88,8 @@ class Matmul3D(torch.autograd.Function):
             dx = comm.reduce_scatter(g_hat @ w_hat, mesh, ctx.in_axis, 0, tag="3d input grad")
         if ctx.needs_input_grad[1]:
             dw_hat = g_hat.reshape(-1, g_hat.shape[-1]).t() @ x_hat.reshape(-1, x_hat.shape[-1])
-            dw = comm.reduce_scatter(dw_hat, mesh, WT, 1, tag="3d weight grad")
-        return dx, dw, None, None, None
+            dw = comm.reduce_scatter(dw_hat, mesh, WT, ctx.weight_dim, tag="3d weight grad")
+        return dx, dw, None, None, None, None
 
 
 class AllReduce3D(torch.autograd.Function):
@@ -299,3 +301,87 @@ class InputLinear3D(Linear3D):
     def forward(self, x):
         q = self.mesh.size(WT)
         return super().forward(x.chunk(q, dim=-1)[self.mesh.rank(self.out_axis)].contiguous())
+
+
+class SwapInOut3D(torch.autograd.Function):
+    """The inner layout back to the residual one: rank (in a, wt w, out c) holds ``X[rows (w, c), features
+    a]`` and returns ``X[rows (w, a), features c]`` (rank (c, w, a)'s block). Done the simple way: all-gather
+    the features over tp_in and the rows over tp_out, keep the block; backward the two reduce-scatters of
+    the gradient placed in a zero tensor. q^2 blocks on the wire each way, for a layer a BERT has one of.
+
+    tp=8 (q=2), rank (1, 0, 0) of x [b=8 rows, h=32]: holds rows 0-1, features 16-31 -> returns rows 2-3,
+    features 0-15."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        whole = comm.all_gather(x.contiguous(), mesh, "tp_in", x.dim() - 1, tag="3d swap")
+        whole = comm.all_gather(whole, mesh, "tp_out", 0, tag="3d swap")
+        ctx.shape = whole.shape
+        q = mesh.size(WT)
+        return whole.chunk(q, 0)[mesh.rank("tp_in")].chunk(q, -1)[mesh.rank("tp_out")].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        mesh, q = ctx.mesh, ctx.mesh.size(WT)
+        full = grad.new_zeros(ctx.shape)
+        r, c = mesh.rank("tp_in"), mesh.rank("tp_out")
+        rows, cols = ctx.shape[0] // q, ctx.shape[-1] // q
+        full[r * rows:(r + 1) * rows, ..., c * cols:(c + 1) * cols] = grad
+        g = comm.reduce_scatter(full, mesh, "tp_out", 0, tag="3d swap grad")
+        return comm.reduce_scatter(g, mesh, "tp_in", g.dim() - 1, tag="3d swap grad"), None
+
+
+class DenseLinear3D(Linear3D):
+    """A width-keeping Linear on the residual stream (BERT's MLM ``dense``): ``Linear3D`` from the residual
+    layout to the inner one, then ``SwapInOut3D`` back, so the LayerNorm after it reads the residual layout."""
+
+    def forward(self, x):
+        return SwapInOut3D.apply(super().forward(x), self.mesh)
+
+
+class TiedHead3D(nn.Module):
+    """The LM head whose weight is the token table (``VocabEmbedding3D``'s ``[V/q^2, h/q]`` piece: vocabulary
+    over (tp_in, tp_wt), features over tp_out): ``Matmul3D`` gathering the table's vocabulary over tp_wt.
+    Takes the residual layout, gives the logits' (rows over (tp_wt, tp_out), vocabulary over tp_in), as the
+    untied head does. The bias ``[V/q]`` (block tp_in) is shared by those row blocks: Partial over them."""
+
+    def __init__(self, table: nn.Module, bias, mesh):
+        super().__init__()
+        self.mesh = mesh
+        self.weight = table.weight  # the table's own parameter, registered here too (a pipeline's last stage)
+        declare(self, "weight", {0: (table.vocab_axis, WT), 1: table.hidden_axis})
+        self.bias = None
+        if bias is not None:
+            self.bias = nn.Parameter(_chunk(dense_value(bias).detach(), mesh, table.vocab_axis, 0).clone())
+            declare(self, "bias", {0: table.vocab_axis}, (WT, table.hidden_axis))
+        self.in_axis, self.out_axis = table.vocab_axis, table.hidden_axis
+
+    def forward(self, x):
+        y = Matmul3D.apply(x, self.weight, self.mesh, self.in_axis, self.out_axis, 0)
+        return y + self.bias if self.bias is not None else y
+
+
+class RMSNorm3D(nn.Module):
+    """RMSNorm (Llama's, statistics in fp32) over hidden features split over ``axis``: the mean square is one
+    all-reduce over ``axis``. The weight ``[h/q]`` is shared by the row blocks of (tp_wt, the other axis):
+    Partial over them. tp=8 (q=2), h=32, axis=tp_out: rank 6 (out 0) holds weight[0:16]."""
+
+    def __init__(self, weight, eps: float, hidden: int, mesh, axis: str = "tp_out"):
+        super().__init__()
+        self.mesh, self.axis, self.eps, self.hidden = mesh, axis, eps, hidden
+        self.weight = nn.Parameter(weight)
+        declare(self, "weight", {0: axis}, (WT, other_axis(axis)))
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, mesh, axis: str = "tp_out") -> "RMSNorm3D":
+        eps = getattr(dense, "variance_epsilon", None)
+        eps = getattr(dense, "eps", None) if eps is None else eps
+        w = _chunk(dense_value(dense.weight).detach(), mesh, axis, 0).clone()
+        return cls(w, 1e-6 if eps is None else eps, dense.weight.shape[0], mesh, axis)
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        mean_sq = AllReduce3D.apply(x.pow(2).sum(-1, keepdim=True), self.mesh, self.axis) / self.hidden
+        return self.weight * (x * torch.rsqrt(mean_sq + self.eps)).to(dtype)
