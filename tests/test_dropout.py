@@ -7,8 +7,8 @@ mask; the kept share is 1 - p; steps and layers draw different masks; the gradie
 With processes: GPT, BERT, ViT, a user's model (its own ``nn.Dropout``) and a Hugging Face GPT-2 with
 every dropout at 0.1 (resid, embedding and attention probabilities) train to the losses of the same
 model in one process (plain PyTorch, one forward per step) within 1e-5 under dp with microbatches,
-tp 1d, split_gather, 2d, 2.5d, 3d, pp (1f1b, zb-h1 with recompute), sp ring and Ulysses, and
-dp x tp x pp; the one-process losses with dropout differ from those without, so a run that dropped
+tp 1d, split_gather, 2d, 2.5d, 3d, pp (1f1b, zb-h1 with recompute), sp ring and Ulysses (GPT-2's
+attention dropout under Ulysses too; the ring refuses it), and dp x tp x pp; the one-process losses with dropout differ from those without, so a run that dropped
 nothing, or drew its own masks per rank, would fail.
 """
 from __future__ import annotations
@@ -195,10 +195,12 @@ CASES = {
        + [(m, dict(tp=2), BOTH) for m in ("gpt", "bert", "net", "gpt2")]
        + [(m, PP, ADAM) for m in ("gpt", "vit", "gpt2")] + [(m, ZB, ADAM) for m in ("bert", "net", "gpt2")]
        + [("gpt", dict(tp=2, sp_mode="split_gather"), ADAM), ("net", dict(sp=2, sp_mode="ring"), ADAM),
-          ("bert", dict(sp=2, sp_mode="ring"), ADAM), ("gpt", dict(sp=2, sp_mode="ulysses"), ADAM)],
+          ("bert", dict(sp=2, sp_mode="ring"), ADAM), ("gpt", dict(sp=2, sp_mode="ulysses"), ADAM),
+          ("gpt2", dict(sp=2, sp_mode="ulysses"), ADAM)],
     4: [(m, dict(tp=4, tp_mode="2d", microbatches=2), ADAM) for m in ("gpt", "vit", "gpt2")],
     8: [("vit", dict(tp=8, tp_mode="3d"), ADAM), ("vit", dict(tp=8, tp_mode="2.5d", tp_depth=2), ADAM),
-        ("gpt2", dict(dp=2, tp=2, pp=2, microbatches=2), ADAM), ("gpt", dict(dp=2, tp=2, sp=2), ADAM)],
+        ("gpt2", dict(dp=2, tp=2, pp=2, microbatches=2), ADAM), ("gpt", dict(dp=2, tp=2, sp=2), ADAM),
+        ("gpt2", dict(dp=2, tp=2, sp=2, sp_mode="ulysses"), ADAM)],
 }
 
 
@@ -222,6 +224,7 @@ def test_dropout_trains_like_one_process(runs, case):
             assert max(abs(a - b) / abs(b) for a, b in zip(want, without)) > 10 * RTOL, (want, without)
 
 
-def test_attention_dropout_under_sequence_parallelism_is_refused():
-    with pytest.raises(ck.ConfigError, match=r"attention dropout 0.1: build it with attn_pdrop=0"):
+def test_attention_dropout_under_the_ring_is_refused():
+    """The ring splits each row of probabilities into blocks; Ulysses (above) holds whole rows."""
+    with pytest.raises(ck.ConfigError, match=r"attention dropout 0.1: build it with attn_pdrop=0.*sp_mode='ulysses'"):
         ck.boost(_gpt2(), OPTIMIZERS["sgd"], ck.ParallelConfig(sp=2))

@@ -84,6 +84,20 @@ def _global_positions_class(cls: type) -> type:
                          _ck_positions_from=cls)
 
 
+def _eager_dropout(q, k, v, keys, *, module, p, scale):
+    """Causal eager attention of whole sequences with layout-invariant dropout of the probabilities (a Hugging
+    Face attention under Ulysses): the coordinates' heads are this rank's after the all-to-all."""
+    from ..models.dropout import attention_dropout
+    t = q.shape[2]
+    scores = (q @ k.transpose(-1, -2)) * scale
+    allowed = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    if keys is not None:
+        allowed = allowed & keys[:, None, None, :]
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).float(), dim=-1).to(q.dtype)
+    probs = attention_dropout(probs, p, module._ck_drop_layer, getattr(module, "_ck_drop_seed", 0), calls_from=module)
+    return probs @ v
+
+
 class SequencePlan:
     """Split the sequence over ``sp`` for ``mesh.config.sp_mode`` ("ring" or "ulysses")."""
 
@@ -117,11 +131,12 @@ class SequencePlan:
                               f"its inputs have no token dimension (ViT's are images, its tokens made inside the "
                               f"model): use sp=1 for this model, and tp or pp to split it")
         from ..models.dropout import attention_prob_dropout
-        if attention_prob_dropout(model) > 0 and any(a.hf for _, _, a in atts):
-            raise ConfigError(f"sequence parallelism splits each attention's probabilities over sp, and colab_kit's "
+        if config.sp_mode == "ring" and attention_prob_dropout(model) > 0 and any(a.hf for _, _, a in atts):
+            raise ConfigError(f"sp_mode='ring' splits each attention's probabilities into blocks, and colab_kit's "
                               f"layout-invariant dropout of them needs whole rows; this model's config asks for "
                               f"attention dropout {attention_prob_dropout(model)}: build it with attn_pdrop=0 "
-                              f"(attention_dropout=0; its other dropouts are fine), or use sp=1")
+                              f"(attention_dropout=0; its other dropouts are fine), use sp_mode='ulysses' (whole "
+                              f"rows of its heads on each rank), or sp=1")
         if any(a.hf and not a.causal for _, _, a in atts):
             raise ConfigError(f"sequence parallelism runs transformers' attention functions causally; policy "
                               f"{policy.name!r} has a bidirectional one: use sp=1 for this model")
@@ -161,7 +176,7 @@ class SequencePlan:
         return model
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
-               causal: bool = True) -> torch.Tensor:
+               causal: bool = True, local=None) -> torch.Tensor:
         """Attention of this rank's tokens over the whole sequence: causal or not, keys masked where this
         rank's ``mask [b, t_local]`` (BERT's padding) is False."""
         keys = None
@@ -174,7 +189,7 @@ class SequencePlan:
             return ring_attention(q, k, v, self.mesh, self.axis, layout=self.layout, recorder=self.recorder,
                                   causal=causal, mask=mask, keys=keys)
         return ulysses_attention(q, k, v, self.mesh, self.axis, layout=self.layout, causal=causal, mask=mask,
-                                 keys=keys)
+                                 keys=keys, local=local)
 
     _mask = None  # the last key-padding mask seen, and every rank's copy of it (``gather_keys``)
     _keys = None
@@ -193,13 +208,16 @@ class SequencePlan:
             if scaling is not None and abs(scaling - d ** -0.5) > 1e-12:
                 raise ConfigError(f"sequence parallelism scales attention by 1/sqrt(head_dim); this model asks "
                                   f"for {scaling}: use sp=1 for it")
-            if dropout:
-                raise ConfigError("attention dropout under sequence parallelism is not supported: set the "
-                                  "model's attention dropout to 0, or sp=1")
+            local = None
+            if dropout and module.training:  # Ulysses: each rank holds whole rows of its heads' probabilities
+                if self.mode == "ring":
+                    raise ConfigError("attention dropout under sp_mode='ring' is not supported: set the model's "
+                                      "attention dropout to 0, or use sp_mode='ulysses'")
+                local = functools.partial(_eager_dropout, module=module, p=dropout, scale=d ** -0.5)
             groups = query.shape[1] // key.shape[1]
             if groups > 1:
                 key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-            return self.attend(query, key, value).transpose(1, 2).contiguous(), None
+            return self.attend(query, key, value, local=local).transpose(1, 2).contiguous(), None
 
         AttentionInterface.register(name, attention)
         AttentionMaskInterface.register(name, lambda *args, **kwargs: None)  # the ring masks by global position

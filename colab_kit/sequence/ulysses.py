@@ -61,14 +61,16 @@ def check_heads(heads: int, sp: int) -> None:
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis: str = "sp", *,
                       layout: str = "contiguous", causal: bool = True, mask: torch.Tensor | None = None,
-                      keys: torch.Tensor | None = None) -> torch.Tensor:
+                      keys: torch.Tensor | None = None, local=None) -> torch.Tensor:
     """Self-attention of the sequence split over ``axis``, by the Ulysses all-to-all: causal, or bidirectional
     with ``causal=False``; keys masked out where ``mask [b, t_local]`` (this rank's tokens) is False (every
     rank's mask is all-gathered, a few bytes per token, so each rank sees the whole sequence's).
 
     ``q, k, v``: ``[b, heads, t_local, d]``, this rank's ``t / sp`` tokens in ``layout``;
     returns this rank's rows of the causal attention, same shape and layout. Records two
-    ``all_to_all@sp`` in the forward and two in the backward.
+    ``all_to_all@sp`` in the forward and two in the backward. ``local(q, k, v, keys)``: the attention of
+    the whole sequence on this rank's heads, in natural token order (default SDPA; a Hugging Face model
+    with attention dropout passes eager attention with ``colab_kit.models.dropout``'s masks).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sequence layout {layout!r}: use one of {', '.join(LAYOUTS)}")
@@ -79,6 +81,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, a
     check_heads(q.shape[1], n)
 
     def attend(q, k, v, keys):
+        if local is not None:
+            return local(q, k, v, keys)
         if keys is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         allowed = keys[:, None, None, :]
