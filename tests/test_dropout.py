@@ -8,7 +8,7 @@ With processes: GPT, BERT, ViT, a user's model (its own ``nn.Dropout``) and a Hu
 every dropout at 0.1 (resid, embedding and attention probabilities) train to the losses of the same
 model in one process (plain PyTorch, one forward per step) within 1e-5 under dp with microbatches,
 tp 1d, split_gather, 2d, 2.5d, 3d, pp (1f1b, zb-h1 with recompute), sp ring and Ulysses (GPT-2's
-attention dropout under Ulysses too; the ring refuses it), and dp x tp x pp; the one-process losses with dropout differ from those without, so a run that dropped
+attention dropout too: Ulysses on whole rows, the ring block by block), and dp x tp x pp; the one-process losses with dropout differ from those without, so a run that dropped
 nothing, or drew its own masks per rank, would fail.
 """
 from __future__ import annotations
@@ -196,7 +196,7 @@ CASES = {
        + [(m, PP, ADAM) for m in ("gpt", "vit", "gpt2")] + [(m, ZB, ADAM) for m in ("bert", "net", "gpt2")]
        + [("gpt", dict(tp=2, sp_mode="split_gather"), ADAM), ("net", dict(sp=2, sp_mode="ring"), ADAM),
           ("bert", dict(sp=2, sp_mode="ring"), ADAM), ("gpt", dict(sp=2, sp_mode="ulysses"), ADAM),
-          ("gpt2", dict(sp=2, sp_mode="ulysses"), ADAM)],
+          ("gpt2", dict(sp=2, sp_mode="ulysses"), ADAM), ("gpt2", dict(sp=2, sp_mode="ring"), BOTH)],
     4: [(m, dict(tp=4, tp_mode="2d", microbatches=2), ADAM) for m in ("gpt", "vit", "gpt2")],
     8: [("vit", dict(tp=8, tp_mode="3d"), ADAM), ("vit", dict(tp=8, tp_mode="2.5d", tp_depth=2), ADAM),
         ("gpt2", dict(dp=2, tp=2, pp=2, microbatches=2), ADAM), ("gpt", dict(dp=2, tp=2, sp=2), ADAM),
@@ -224,7 +224,10 @@ def test_dropout_trains_like_one_process(runs, case):
             assert max(abs(a - b) / abs(b) for a, b in zip(want, without)) > 10 * RTOL, (want, without)
 
 
-def test_attention_dropout_under_the_ring_is_refused():
-    """The ring splits each row of probabilities into blocks; Ulysses (above) holds whole rows."""
-    with pytest.raises(ck.ConfigError, match=r"attention dropout 0.1: build it with attn_pdrop=0.*sp_mode='ulysses'"):
-        ck.boost(_gpt2(), OPTIMIZERS["sgd"], ck.ParallelConfig(sp=2))
+def test_ring_blocks_draw_the_whole_sequence_mask():
+    """Pure: the ring's blocks of (query chunk, key chunk) are the blocks of the whole mask."""
+    from colab_kit.models.dropout import attention_keep
+    c = Coordinates(3, torch.arange(2, 4), heads=(1, 2), batch=4)
+    whole = attention_keep(c, 3, 0.5, 2, 0, 2, 2, torch.arange(8), torch.arange(8), 8, "cpu")
+    block = attention_keep(c, 3, 0.5, 2, 0, 2, 2, torch.arange(2, 4), torch.arange(6, 8), 8, "cpu")
+    assert torch.equal(block, whole[:, :, 2:4, 6:8]) and not torch.equal(block, whole[:, :, 0:2, 6:8])

@@ -136,7 +136,3 @@ def test_refused_in_the_kernel():
         ck.boost(make("llama"), OPTIMIZERS["sgd"], ck.ParallelConfig(tp=8))
     with pytest.raises(ck.ConfigError, match=r"n_kv_heads=2 not divisible by 4: tp_mode=.1d."):
         ck.boost(make("llama"), OPTIMIZERS["sgd"], ck.ParallelConfig(tp=4))
-    dropout = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=16,
-                                                                   vocab_size=64, bos_token_id=0, eos_token_id=0))
-    with pytest.raises(ck.ConfigError, match=r"sp_mode='ring' splits each attention's probabilities"):
-        ck.boost(dropout, OPTIMIZERS["sgd"], ck.ParallelConfig(sp=2))

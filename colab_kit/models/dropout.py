@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["Dropout", "layout_invariant", "keep_mask", "attention_dropout", "Coordinates", "DropoutLayout",
-           "current", "HF_ATTENTION", "has_dropout", "attention_prob_dropout", "hidden_dropout"]
+           "current", "HF_ATTENTION", "has_dropout", "attention_prob_dropout", "hidden_dropout", "attention_keep"]
 
 _M32 = 0xFFFFFFFF
 
@@ -189,9 +189,9 @@ def hidden_dropout(x, p, seed, step, layer, c=None, where="dropout"):
 
 
 def attention_dropout(probs: torch.Tensor, p: float, layer: int, seed: int = 0, calls_from=None) -> torch.Tensor:
-    """Layout-invariant dropout of attention probabilities ``[batch, heads, seq, seq]`` (whole sequences:
-    sp's ring, which splits them, refuses it). ``calls_from``: the module whose ``calls`` counts the step
-    in one process."""
+    """Layout-invariant dropout of attention probabilities ``[batch, heads, seq, seq]`` of whole sequences
+    (sp's ring draws its blocks with ``attention_keep``). ``calls_from``: the module whose ``calls`` counts
+    the step in one process."""
     if p == 0.0:
         return probs
     c = current()
@@ -201,16 +201,25 @@ def attention_dropout(probs: torch.Tensor, p: float, layer: int, seed: int = 0, 
             calls_from._ck_drop_calls = step + 1
     else:
         step = c.step
-    dev = probs.device
     b, h, tq, tk = probs.shape
-    rows = _rows(c, b, True, dev, f"attention dropout {layer}")
+    dev = probs.device
+    keep = attention_keep(c, step, p, layer, seed, b, h, torch.arange(tq, device=dev), torch.arange(tk, device=dev),
+                          tk, dev)
+    return _Scale.apply(probs, keep, 1.0 / (1.0 - p))
+
+
+def attention_keep(c, step, p, layer, seed, b, h, q_pos, k_pos, seq, device) -> torch.Tensor:
+    """The keep mask ``[b, h, len(q_pos), len(k_pos)]`` of attention probabilities at global query positions
+    ``q_pos`` and key positions ``k_pos`` of a ``seq``-token sequence: one block of the whole-sequence mask
+    (the ring's blocks draw exactly the mask eager attention of the whole sequence draws)."""
+    rows = _rows(c, b, True, device, f"attention dropout {layer}")
     blk, nblk = c.heads if c is not None else (0, 1)
     batch = b if c is None else c.batch or int(rows.max()) + 1  # global rows: the index's range
-    dt = _index_dtype(batch * h * nblk * tq * tk)
-    heads = torch.arange(blk * h, (blk + 1) * h, device=dev, dtype=dt)
-    index = (((rows.to(dt)[:, None, None, None] * (h * nblk) + heads[None, :, None, None]) * tq
-              + torch.arange(tq, device=dev, dtype=dt)[:, None]) * tk + torch.arange(tk, device=dev, dtype=dt))
-    return _Scale.apply(probs, keep_mask(index, p, seed, step, layer), 1.0 / (1.0 - p))
+    dt = _index_dtype(batch * h * nblk * seq * seq)
+    heads = torch.arange(blk * h, (blk + 1) * h, device=device, dtype=dt)
+    index = (((rows.to(dt)[:, None, None, None] * (h * nblk) + heads[None, :, None, None]) * seq
+              + q_pos.to(device, dt)[:, None]) * seq + k_pos.to(device, dt))
+    return keep_mask(index, p, seed, step, layer)
 
 
 HF_ATTENTION = "colab_kit_dropout"

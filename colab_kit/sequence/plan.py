@@ -84,6 +84,26 @@ def _global_positions_class(cls: type) -> type:
                          _ck_positions_from=cls)
 
 
+def _ring_dropout(module, p, shape, n):
+    """The ring's ``drop(q_chunk, k_chunk)``: the block of the whole-sequence dropout mask at those chunks'
+    global positions (chunk ``u`` holds positions ``u c .. u c + c - 1``), drawn with the coordinates of the
+    microbatch running now (kept for backward)."""
+    from ..models.dropout import attention_keep, current
+    coords, layer, seed = current(), module._ck_drop_layer, getattr(module, "_ck_drop_seed", 0)
+    if coords is None:
+        raise RuntimeError("ring attention dropout runs inside the engine's step (its coordinates are not set)")
+    b, h, t_local, _ = shape
+    c, dev = t_local // 2, None
+    scale = 1.0 / (1.0 - p)
+
+    def drop(q_chunk: int, k_chunk: int):
+        pos = torch.arange(c)
+        keep = attention_keep(coords, coords.step, p, layer, seed, b, h, q_chunk * c + pos, k_chunk * c + pos,
+                              2 * n * c, coords.token_rows.device if dev is None else dev)
+        return keep, scale
+    return drop
+
+
 def _eager_dropout(q, k, v, keys, *, module, p, scale):
     """Causal eager attention of whole sequences with layout-invariant dropout of the probabilities (a Hugging
     Face attention under Ulysses): the coordinates' heads are this rank's after the all-to-all."""
@@ -130,13 +150,6 @@ class SequencePlan:
             raise ConfigError(f"sequence parallelism splits the inputs' tokens (dim 1); policy {policy.name!r} says "
                               f"its inputs have no token dimension (ViT's are images, its tokens made inside the "
                               f"model): use sp=1 for this model, and tp or pp to split it")
-        from ..models.dropout import attention_prob_dropout
-        if config.sp_mode == "ring" and attention_prob_dropout(model) > 0 and any(a.hf for _, _, a in atts):
-            raise ConfigError(f"sp_mode='ring' splits each attention's probabilities into blocks, and colab_kit's "
-                              f"layout-invariant dropout of them needs whole rows; this model's config asks for "
-                              f"attention dropout {attention_prob_dropout(model)}: build it with attn_pdrop=0 "
-                              f"(attention_dropout=0; its other dropouts are fine), use sp_mode='ulysses' (whole "
-                              f"rows of its heads on each rank), or sp=1")
         if any(a.hf and not a.causal for _, _, a in atts):
             raise ConfigError(f"sequence parallelism runs transformers' attention functions causally; policy "
                               f"{policy.name!r} has a bidirectional one: use sp=1 for this model")
@@ -176,7 +189,7 @@ class SequencePlan:
         return model
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
-               causal: bool = True, local=None) -> torch.Tensor:
+               causal: bool = True, local=None, drop=None) -> torch.Tensor:
         """Attention of this rank's tokens over the whole sequence: causal or not, keys masked where this
         rank's ``mask [b, t_local]`` (BERT's padding) is False."""
         keys = None
@@ -187,7 +200,7 @@ class SequencePlan:
             keys = self._keys
         if self.mode == "ring":
             return ring_attention(q, k, v, self.mesh, self.axis, layout=self.layout, recorder=self.recorder,
-                                  causal=causal, mask=mask, keys=keys)
+                                  causal=causal, mask=mask, keys=keys, drop=drop)
         return ulysses_attention(q, k, v, self.mesh, self.axis, layout=self.layout, causal=causal, mask=mask,
                                  keys=keys, local=local)
 
@@ -208,16 +221,15 @@ class SequencePlan:
             if scaling is not None and abs(scaling - d ** -0.5) > 1e-12:
                 raise ConfigError(f"sequence parallelism scales attention by 1/sqrt(head_dim); this model asks "
                                   f"for {scaling}: use sp=1 for it")
-            local = None
-            if dropout and module.training:  # Ulysses: each rank holds whole rows of its heads' probabilities
-                if self.mode == "ring":
-                    raise ConfigError("attention dropout under sp_mode='ring' is not supported: set the model's "
-                                      "attention dropout to 0, or use sp_mode='ulysses'")
+            local = drop = None
+            if dropout and module.training and self.mode == "ulysses":  # whole rows of this rank's heads
                 local = functools.partial(_eager_dropout, module=module, p=dropout, scale=d ** -0.5)
+            elif dropout and module.training:  # the ring: each block draws its part of the whole mask
+                drop = _ring_dropout(module, dropout, query.shape, self.size)
             groups = query.shape[1] // key.shape[1]
             if groups > 1:
                 key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-            return self.attend(query, key, value, local=local).transpose(1, 2).contiguous(), None
+            return self.attend(query, key, value, local=local, drop=drop).transpose(1, 2).contiguous(), None
 
         AttentionInterface.register(name, attention)
         AttentionMaskInterface.register(name, lambda *args, **kwargs: None)  # the ring masks by global position

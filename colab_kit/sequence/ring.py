@@ -116,17 +116,28 @@ def _scores(q, k, scale, diag: bool, keys=None):
     return s
 
 
-def _block_forward(q, k, v, scale, diag, keys=None):
+def _block_forward(q, k, v, scale, diag, keys=None, keep=None):
+    """One block's output and LSE; ``keep``: ``(mask, 1/(1-p))`` of attention dropout on its probabilities
+    (the normaliser stays the undropped one, so the merge of blocks is unchanged: flash attention's way)."""
     s = _scores(q, k, scale, diag, keys)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+    p = torch.exp(s - lse.unsqueeze(-1))
+    if keep is not None:
+        p = p * keep[0] * keep[1]
+    return torch.matmul(p, v), lse
 
 
-def _block_backward(q, k, v, do, lse, delta, scale, diag, keys=None):
-    """Flash-attention's backward of one block, from the row's final LSE and ``delta = rowsum(dO * O)``."""
+def _block_backward(q, k, v, do, lse, delta, scale, diag, keys=None, keep=None):
+    """Flash-attention's backward of one block, from the row's final LSE and ``delta = rowsum(dO * O)``
+    (with dropout, ``O`` is the dropped output and ``dP`` is masked like ``P`` was)."""
     p = torch.exp(_scores(q, k, scale, diag, keys) - lse.unsqueeze(-1))  # this block's share of the softmax
-    dv = torch.matmul(p.transpose(-2, -1), do)
-    ds = p * (torch.matmul(do, v.transpose(-2, -1)) - delta.unsqueeze(-1))
+    dp = torch.matmul(do, v.transpose(-2, -1))
+    if keep is not None:
+        drop = keep[0] * keep[1]
+        dv, dp = torch.matmul((p * drop).transpose(-2, -1), do), dp * drop
+    else:
+        dv = torch.matmul(p.transpose(-2, -1), do)
+    ds = p * (dp - delta.unsqueeze(-1))
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
 
 
@@ -151,11 +162,12 @@ class RingAttention(torch.autograd.Function):
     attention output of those tokens, same shape. Saves q, k, v, the output and the LSE
     (``[b, heads, t_local]``) only. Computes in at least fp32. ``causal=False``: bidirectional
     (BERT's); ``keys``: every rank's key-padding mask ``[sp, b, t_local]`` (True: a real token),
-    indexed by the rank whose K/V a rotation holds, or None.
+    indexed by the rank whose K/V a rotation holds, or None. ``drop(q_chunk, k_chunk)``: attention
+    dropout's ``(keep mask, 1/(1-p))`` of the block of those global chunk ids, or None.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh, axis, layout, recorder, causal=True, keys=None):
+    def forward(ctx, q, k, v, mesh, axis, layout, recorder, causal=True, keys=None, drop=None):
         n, r = mesh.size(axis), mesh.rank(axis)
         acc = torch.promote_types(q.dtype, torch.float32)
         c, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
@@ -175,7 +187,9 @@ class RingAttention(torch.autograd.Function):
                     if rel != "skip":
                         ks = slice(b * c, (b + 1) * c)
                         km = keys[src][:, ks] if keys is not None else None
-                        o_b, l_b = _block_forward(qa, kv[0, :, :, ks], kv[1, :, :, ks], scale, rel == "diag", km)
+                        keep = drop(q_ids[a], kb) if drop is not None else None
+                        o_b, l_b = _block_forward(qa, kv[0, :, :, ks], kv[1, :, :, ks], scale, rel == "diag", km,
+                                                  keep)
                         state[a] = merge_lse(*state[a], o_b, l_b)
             end = recorder.now() if recorder is not None else 0.0
             waited = _wait(pending)
@@ -187,14 +201,14 @@ class RingAttention(torch.autograd.Function):
         lse = torch.cat([state[0][1], state[1][1]], dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mesh, ctx.axis, ctx.layout, ctx.recorder = mesh, axis, layout, recorder
-        ctx.causal, ctx.keys = causal, keys
+        ctx.causal, ctx.keys, ctx.drop = causal, keys, drop
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         mesh, axis, layout, recorder = ctx.mesh, ctx.axis, ctx.layout, ctx.recorder
-        causal, keys = ctx.causal, ctx.keys
+        causal, keys, drop = ctx.causal, ctx.keys, ctx.drop
         n, r = mesh.size(axis), mesh.rank(axis)
         acc = out.dtype
         c, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
@@ -219,8 +233,9 @@ class RingAttention(torch.autograd.Function):
                     if rel != "skip":
                         ks, qsl = slice(b * c, (b + 1) * c), slice(a * c, (a + 1) * c)
                         km = keys[src][:, ks] if keys is not None else None
+                        keep = drop(q_ids[a], kb) if drop is not None else None
                         dq_b, dk_b, dv_b = _block_backward(qs[a], kv[0, :, :, ks], kv[1, :, :, ks], dos[a],
-                                                           lses[a], deltas[a], scale, rel == "diag", km)
+                                                           lses[a], deltas[a], scale, rel == "diag", km, keep)
                         dq[:, :, qsl] += dq_b
                         dkv[0, :, :, ks] += dk_b
                         dkv[1, :, :, ks] += dv_b
@@ -238,7 +253,7 @@ class RingAttention(torch.autograd.Function):
         if n > 1:                                      # the last hop brought this rank's own dK/dV
             _wait(acc_pending)
             dkv = acc_in
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
 
 
 def gather_keys(mask: torch.Tensor, mesh, axis: str) -> torch.Tensor:
@@ -250,7 +265,7 @@ def gather_keys(mask: torch.Tensor, mesh, axis: str) -> torch.Tensor:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis: str = "sp", *,
                    layout: str = "zigzag", recorder: RingRecorder | None = None, causal: bool = True,
-                   mask: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
+                   mask: torch.Tensor | None = None, keys: torch.Tensor | None = None, drop=None) -> torch.Tensor:
     """Self-attention of the sequence split over ``axis``, by ring self-attention; causal, or bidirectional
     with ``causal=False``, keys masked out where ``mask [b, t_local]`` (this rank's tokens) is False.
 
@@ -270,4 +285,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis
                          f"{q.shape[2]}: the sequence must be a multiple of 2*sp = {2 * n}")
     if keys is None and mask is not None:  # ``keys``: ``gather_keys(mask)`` made once for every layer
         keys = gather_keys(mask, mesh, axis)
-    return RingAttention.apply(q, k, v, mesh, axis, layout, recorder, causal, keys)
+    return RingAttention.apply(q, k, v, mesh, axis, layout, recorder, causal, keys, drop)
