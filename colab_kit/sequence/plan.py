@@ -93,13 +93,13 @@ def _ring_dropout(module, p, shape, n):
     if coords is None:
         raise RuntimeError("ring attention dropout runs inside the engine's step (its coordinates are not set)")
     b, h, t_local, _ = shape
-    c, dev = t_local // 2, None
+    c, dev = t_local // 2, coords.token_rows.device
     scale = 1.0 / (1.0 - p)
 
     def drop(q_chunk: int, k_chunk: int):
         pos = torch.arange(c)
         keep = attention_keep(coords, coords.step, p, layer, seed, b, h, q_chunk * c + pos, k_chunk * c + pos,
-                              2 * n * c, coords.token_rows.device if dev is None else dev)
+                              2 * n * c, dev)
         return keep, scale
     return drop
 
