@@ -84,7 +84,7 @@ def unsupported(config: ParallelConfig) -> str | None:
 
 def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig, *, policy=None,
           mesh: ProcessMesh | None = None, loss_fn: Callable = lm_loss, bucket_bytes: int | None = None,
-          device_budget: int | None = None) -> "Engine":
+          device_budget: int | None = None, max_grad_norm: float | None = None) -> "Engine":
     """Shard ``model`` for ``config`` on this rank and return its ``Engine``.
 
     ``optimizer_factory(params)`` builds the optimizer over this rank's parameters. ``policy``
@@ -94,7 +94,9 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
     ``mesh`` defaults to ``ProcessMesh.shared(config)``: one mesh per config, reused by every
     engine of that config until the last of them is closed (``engine.close()``).
     ``bucket_bytes`` sets the size of the gradient all-reduce buckets (default: about a
-    quarter of the gradients, 64 KiB to 25 MB).
+    quarter of the gradients, 64 KiB to 25 MB). ``max_grad_norm``: clip every step's gradient to this global
+    norm, over every shard, as ``torch.nn.utils.clip_grad_norm_`` in one process (``colab_kit.clipping``);
+    each step's norm is in ``engine.records`` (``"grad_norm"``).
     """
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"config must be a ck.ParallelConfig, got {type(config).__name__}")
@@ -110,6 +112,8 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
     why = unsupported(config)
     if why is not None:
         raise ConfigError(why)
+    from .clipping import check_max_norm
+    check_max_norm(max_grad_norm)
     policy = check_policy(model, config, policy)  # sizes that do not divide: refused before any collective
     owned = mesh is None
     mesh = mesh or ProcessMesh.shared(config)
@@ -122,6 +126,7 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
         if owned:
             mesh.release()
         raise
+    engine.max_grad_norm = max_grad_norm
     if owned:  # given back by close(); for an engine dropped without it, by the next boost (ProcessMesh.prune)
         mesh.track(engine)
         engine._owns_mesh = True
@@ -219,7 +224,8 @@ class Engine(EngineRecords):
         self.step_count = 0
         self.history: list[float] = []
         self.records: list[dict] = []
-        """One dict per train_step: {"step" (1, 2, ...), "loss", "skipped", "loss_scale" (fp16), "note"}."""
+        """One dict per train_step: {"step" (1, 2, ...), "loss", "skipped", "loss_scale" (fp16), "note"}, and
+        "grad_norm" (the global norm before clipping) with ``max_grad_norm``."""
         self.pipeline = None
         """With pp > 1, the ``PipelineExecutor`` of this rank: ``begin``/``advance``/``finish``/``state``."""
         if stages is not None:
@@ -319,11 +325,17 @@ class Engine(EngineRecords):
         elif sums:
             sync_grads(self.module, self.mesh, self.placement_table)
         done = {"skipped": False, "loss_scale": None, "note": ""}
+        clip = None
+        if self.max_grad_norm is not None:  # the global norm over every shard (colab_kit.clipping)
+            from .clipping import clip_
+            clip = lambda: clip_(self, self.max_grad_norm)  # noqa: E731
         with self._timed("optimizer step", "compute", t0):
             if masters is None:
+                if clip is not None:
+                    done["grad_norm"] = clip()
                 self.optimizer.step()
-            else:  # unscale and check (fp16), step the masters, copy them into the 16-bit parameters
-                done = master_step(self.optimizer, masters, self.scaler, self.mesh)
+            else:  # unscale and check (fp16), clip, step the masters, copy them into the 16-bit parameters
+                done = master_step(self.optimizer, masters, self.scaler, self.mesh, before_step=clip)
             self.grads.zero()
         if done["note"]:  # on the timeline, not the console
             now = time.perf_counter() - t0
@@ -412,6 +424,8 @@ class Engine(EngineRecords):
         return self._global_mean(self.loss_fn(logits, self._local_rows(targets)))
 
     # ------------------------------------------------------------------ lifetime
+    max_grad_norm = None
+    """The global gradient norm each step is clipped to (``boost(..., max_grad_norm=)``), or None."""
     _owns_mesh = False
     closed = False
 

@@ -219,18 +219,27 @@ class LossScaler:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
 
-def master_step(optimizer, masters: MasterWeights, scaler: LossScaler | None = None, mesh=None) -> dict:
+def master_step(optimizer, masters: MasterWeights, scaler: LossScaler | None = None, mesh=None,
+                before_step=None) -> dict:
     """Step the fp32 masters (their ``.grad`` set), copy them into the 16-bit tensors, drop the grads.
 
     With a ``scaler`` the gradients are unscaled and checked first; an overflow on any rank
     skips the step on every rank (masters and model unchanged) and backs the scale off.
-    Returns ``{"skipped": bool, "loss_scale": scale used or None, "note": str}``.
+    ``before_step()``: runs on the unscaled gradients of a step that is not skipped (gradient clipping);
+    what it returns is ``"grad_norm"``. Returns ``{"skipped": bool, "loss_scale": scale used or None,
+    "note": str}`` (and ``"grad_norm"``).
     """
     used = None if scaler is None else scaler.scale
     overflow = scaler is not None and scaler.unscale_and_check(masters.grads, mesh)
+    norm = None
     if not overflow:
+        if before_step is not None:
+            norm = before_step()
         optimizer.step()
         masters.copy_to_model()
     masters.drop_grads()
     note = scaler.update(overflow) if scaler is not None else ""
-    return {"skipped": overflow, "loss_scale": used, "note": note}
+    out = {"skipped": overflow, "loss_scale": used, "note": note}
+    if before_step is not None:
+        out["grad_norm"] = norm
+    return out
