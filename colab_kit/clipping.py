@@ -76,8 +76,11 @@ def global_norm(engine, layout) -> float:
 
 
 def clip_(engine, max_norm: float) -> float:
-    """Clip every gradient the optimizer steps to the global ``max_norm``; returns the norm before clipping."""
-    layout = weights(engine)
+    """Clip every gradient the optimizer steps to the global ``max_norm``; returns the norm before clipping.
+    The weights are worked out at the first step and kept (the optimizer's tensors do not change)."""
+    layout = engine.__dict__.get("_clip_weights")
+    if layout is None:
+        layout = engine._clip_weights = weights(engine)
     norm = global_norm(engine, layout)
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:

@@ -26,7 +26,7 @@ the axes the tensor and sequence parts add.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -61,14 +61,7 @@ class Placed:
 
     def local(self, dense: torch.Tensor, mesh) -> torch.Tensor:
         """This rank's block of ``dense`` (any tensor shaped like the dense parameter), as the layer stores it."""
-        t = dense
-        if self.parts > 1:  # each fused block split alike, this rank's share of each concatenated
-            one = replace(self, parts=1)
-            return torch.cat([one.local(b, mesh) for b in t.chunk(self.parts, 0)], 1 if self.transposed else 0)
-        for dim, axes in self.shards:
-            for a in axes:
-                t = t.chunk(mesh.size(a), dim)[mesh.rank(a)]
-        return t.t() if self.transposed else t
+        return dense.reshape(-1)[self.local_index(dense.shape, mesh)]
 
     def local_index(self, shape, mesh) -> torch.Tensor:
         """The dense flat position (int64) of every element this rank stores of a parameter of dense
@@ -136,21 +129,18 @@ def mark_parts(module: nn.Module, parts: int) -> None:
             module._ck_placements[n] = replace(p, parts=parts)
 
 
-@dataclass
 class PlacementTable:
     """Every parameter of a module with its ``Placed``, read once from the declarations of its modules.
 
     ``table[param]`` -> ``Placed``; ``table.partial(param)`` -> the axes its gradient is summed over;
-    ``table.alias(copy, param)`` lets a copy (an fp32 master) answer as its parameter. A parameter two
-    modules hold (a tied head) is one entry, the partial axes of both.
+    ``table.alias(copy, param, source)`` lets a copy (an fp32 master) answer as ``param`` does in
+    ``source``. A parameter two modules hold (a tied head) is one entry, the partial axes of both.
     """
 
-    names: dict = field(default_factory=dict)  # id -> first name
-    entries: dict = field(default_factory=dict)  # id -> Placed
-    params: list = field(default_factory=list)
-
     def __init__(self, module: nn.Module | None = None):
-        self.names, self.entries, self.params = {}, {}, []
+        self.names: dict = {}     # id -> first name
+        self.entries: dict = {}   # id -> Placed
+        self.params: list = []
         if module is not None:
             for mname, mod in module.named_modules(remove_duplicate=False):
                 for pname, p in mod.named_parameters(recurse=False):
@@ -176,9 +166,11 @@ class PlacementTable:
     def partial(self, p) -> tuple[str, ...]:
         return self[p].partial
 
-    def alias(self, copy, of) -> None:
-        if id(of) in self.entries:
-            self._add(copy, self.names[id(of)], self.entries[id(of)])
+    def alias(self, copy, of, source: "PlacementTable | None" = None) -> None:
+        """Enter ``copy`` as ``of`` stands in ``source`` (default: this table); nothing if it is not there."""
+        source = self if source is None else source
+        if id(of) in source.entries:
+            self._add(copy, source.names[id(of)], source.entries[id(of)])
 
     def rows(self, axes) -> list[tuple[str, tuple, str]]:
         """``(name, local shape, placements over axes)`` per parameter: what ``engine.placements()`` prints."""

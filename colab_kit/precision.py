@@ -142,10 +142,9 @@ class MasterWeights:
         self.model = list(tensors)
         self.params = [nn.Parameter(t.detach().to(device=device, dtype=torch.float32, copy=True)) for t in self.model]
         self.table = PlacementTable()
-        for m, t in zip(self.params, self.model):
-            if table is not None:
-                if t in table:
-                    self.table._add(m, table.names[id(t)], table[t])
+        if table is not None:
+            for m, t in zip(self.params, self.model):
+                self.table.alias(m, t, table)
 
     @property
     def grads(self) -> list:

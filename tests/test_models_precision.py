@@ -121,3 +121,4 @@ def test_mixed_precision_trains_like_the_one_process_recipe(runs, case):
         err = sum(((got[n].float() - ref_params[n].float()) ** 2).sum() for n in got) ** 0.5
         moved = sum(((start[n].float() - ref_params[n].float()) ** 2).sum() for n in got) ** 0.5
         assert err < 0.1 * moved, (opt, float(err), float(moved))
+        print(f"{name} {kw} {opt}: parameter error / update {float(err / moved):.3f}")  # pytest -s: the figures

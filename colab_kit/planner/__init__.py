@@ -235,6 +235,11 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
                           f"dp), tensor and sequence parallelism need the model's heads, sizes and sequence length "
                           f"to divide over them, a pipeline needs n_layers to split over its stages: try a batch "
                           f"that is a multiple of {world_size} (e.g. {world_size * max(1, round(batch / world_size))})")
+    return _ranked(out, limit, consts, memory_per_rank)
+
+
+def _ranked(out: list, limit, consts, memory_per_rank) -> Candidates:
+    """The candidates no other of their layout beats, those that fit first, then by estimated step time."""
     kept = _prune(out)
     kept.sort(key=lambda c: (not c.fits, c.step_seconds))
     result = Candidates(kept[:limit] if limit else kept)
@@ -331,8 +336,4 @@ def _other_model(model, world_size, batch, memory_per_rank, precision, optimizer
     if not out:
         raise ConfigError(f"no configuration of {world_size} ranks runs {type(model).__name__} with a global batch of "
                           f"{batch} rows: try a batch that is a multiple of {world_size}")
-    kept = _prune(out)
-    kept.sort(key=lambda c: (not c.fits, c.step_seconds))
-    result = Candidates(kept[:limit] if limit else kept)
-    result.constants, result.memory_per_rank = consts, memory_per_rank
-    return result
+    return _ranked(out, limit, consts, memory_per_rank)
