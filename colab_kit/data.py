@@ -89,7 +89,7 @@ class GradBuckets:
     """
 
     def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
-                 placements=None):
+                 placements=None, group_of=None):
         from .placement import PlacementTable
         self.mesh, self.axis = mesh, axis
         self.placements = placements if placements is not None else PlacementTable()
@@ -109,6 +109,8 @@ class GradBuckets:
                 group, nbytes = [], 0
         if group:
             groups.append(group)
+        if group_of is not None:  # the user's param groups: each bucket ordered by group (colab_kit.optimizer)
+            groups = [sorted(g, key=group_of) for g in groups]
         # one contiguous buffer for every gradient (bucket after bucket), so zeroing is one call
         # and each bucket's all-reduce runs on a contiguous slice of it (DDP's gradient_as_bucket_view)
         sizes = [sum(p.numel() for p in g) for g in groups]
@@ -207,6 +209,10 @@ class GradBuckets:
         """``optimizer_factory`` over the fp32 masters (mixed precision) or the parameters."""
         params = self.masters.params if self.masters is not None else list(self._params)
         return optimizer_factory(params)
+
+    def set_optimizer(self, optimizer, keys=None) -> None:
+        """Told the optimizer built over ``optimizer_layout()`` (``keys[i]``: the tensors it steps for entry
+        i); the buckets keep nothing of it (ZeRO-3's placement does)."""
 
     def zero(self) -> None:
         self.flat.zero_()

@@ -82,12 +82,16 @@ def unsupported(config: ParallelConfig) -> str | None:
             f"sequence parallelism, ZeRO stages 1 to 3, offload and mixed precision are what run today): set {fixes}")
 
 
-def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig, *, policy=None,
+def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
           mesh: ProcessMesh | None = None, loss_fn: Callable = lm_loss, bucket_bytes: int | None = None,
-          device_budget: int | None = None, max_grad_norm: float | None = None) -> "Engine":
+          device_budget: int | None = None, max_grad_norm: float | None = None, lr_scheduler=None) -> "Engine":
     """Shard ``model`` for ``config`` on this rank and return its ``Engine``.
 
-    ``optimizer_factory(params)`` builds the optimizer over this rank's parameters. ``policy``
+    ``optimizer``: a ``torch.optim.Optimizer`` built over the dense ``model``'s parameters, with any param
+    groups and per-group settings, rebuilt over this rank's shards (``colab_kit.optimizer``); or a factory
+    ``params -> optimizer`` called with the tensors this rank steps. ``lr_scheduler``: a torch scheduler
+    built over that optimizer (or a function ``optimizer -> scheduler``); ``train_step`` steps it once per
+    step, after the optimizer, and ``engine.save``/``load`` carry it. ``policy``
     (``colab_kit.policy.Policy``) says what each part of ``model`` is; the built-in models (GPT,
     BERT, ViT) have theirs. Tensor, pipeline and sequence parallelism and recomputation need one;
     data parallelism and ZeRO take any module.
@@ -114,6 +118,19 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
         raise ConfigError(why)
     from .clipping import check_max_norm
     check_max_norm(max_grad_norm)
+    from .optimizer import OptimizerSpec, check_elementwise, check_scheduler
+    if isinstance(optimizer, torch.optim.Optimizer):  # read before the model is sharded: names, groups, settings
+        spec = OptimizerSpec.capture(optimizer, model)
+    elif callable(optimizer):
+        spec = None
+    else:
+        raise ConfigError(f"boost takes a torch.optim.Optimizer over the model's parameters, or a factory "
+                          f"params -> optimizer; got {type(optimizer).__name__}")
+    check_scheduler(lr_scheduler, optimizer if spec is not None else None)
+    if spec is not None and config.zero:
+        check_elementwise(spec.kind, "ZeRO steps flat pieces of several parameters")
+    if spec is not None and config.tp > 1:
+        check_elementwise(spec.kind, f"tensor parallelism ({config.tp_mode}) gives each rank a block of each matrix")
     policy = check_policy(model, config, policy)  # sizes that do not divide: refused before any collective
     owned = mesh is None
     mesh = mesh or ProcessMesh.shared(config)
@@ -121,7 +138,11 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
         raise ConfigError(f"the mesh was built for {mesh.config.describe()} but boost was given "
                           f"{config.describe()}: pass the same config to both")
     try:
-        engine = Engine(model, optimizer_factory, config, mesh, loss_fn, bucket_bytes, device_budget, policy)
+        engine = Engine(model, spec if spec is not None else optimizer, config, mesh, loss_fn, bucket_bytes,
+                        device_budget, policy)
+        from .optimizer import attach_scheduler
+        engine.lr_scheduler = attach_scheduler(lr_scheduler, optimizer if spec is not None else None,
+                                               engine.optimizer)
     except BaseException:
         if owned:
             mesh.release()
@@ -136,7 +157,7 @@ def boost(model: nn.Module, optimizer_factory: Callable, config: ParallelConfig,
 class Engine(EngineRecords):
     """One rank's share of a training job: model, optimizer, communication, records."""
 
-    def __init__(self, model, optimizer_factory, config, mesh, loss_fn=lm_loss, bucket_bytes=None,
+    def __init__(self, model, optimizer, config, mesh, loss_fn=lm_loss, bucket_bytes=None,
                  device_budget=None, policy=None):
         self.config, self.mesh, self.loss_fn = config, mesh, loss_fn
         self.model_cfg = getattr(model, "cfg", None)
@@ -203,28 +224,31 @@ class Engine(EngineRecords):
         """offload='auto': the bytes each rank's device may hold (``colab_kit.zero.offload``); else None."""
         self.scaler = LossScaler() if config.precision == "fp16" else None
         """fp16: the dynamic loss scale (``colab_kit.precision.LossScaler``); None otherwise."""
+        from .optimizer import OptimizerSpec, local_names
+        spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
+        names = local_names(self.module)
+        group_of = (lambda p: spec.group_of(names[id(p)])) if spec is not None and len(spec.hypers) > 1 else None
         if config.zero == 3:  # parameters sharded too: each block gathered before it runs, freed after
             from .zero.stage3 import ZeroParams
             self.grads = ZeroParams(self.module, mesh, "dp", self._events, offload=config.offload,
                                     device_budget=device_budget,
                                     blocks=policy.block_list(self.module) if policy is not None else None,
-                                    placements=self.placement_table)
-            self.optimizer = self.grads.build_optimizer(optimizer_factory)
+                                    placements=self.placement_table, group_of=group_of)
         elif config.zero:  # parameters move into one flat buffer; the optimizer steps this rank's pieces
             from .zero import ZeroBuckets, ZeroStage2  # stage 2 frees each bucket after its reduce-scatter
             part = ZeroStage2 if config.zero == 2 else ZeroBuckets
             self.grads = part(self.module.parameters(), mesh, "dp", bucket_bytes, self._events, config.zero,
-                              offload=config.offload, placements=self.placement_table)
-            self.optimizer = self.grads.build_optimizer(optimizer_factory)
+                              offload=config.offload, placements=self.placement_table, group_of=group_of)
         else:
             self.grads = GradBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events,
                                      placements=self.placement_table)
-            self.optimizer = self.grads.build_optimizer(optimizer_factory)  # the parameters, or their fp32 masters
+        self._build_optimizer(spec or optimizer, names)
         self._acts = ActivationMeter(exclude=list(self.module.parameters()), live=getattr(self.grads, "live", None))
         self.step_count = 0
         self.history: list[float] = []
         self.records: list[dict] = []
-        """One dict per train_step: {"step" (1, 2, ...), "loss", "skipped", "loss_scale" (fp16), "note"}, and
+        """One dict per train_step: {"step" (1, 2, ...), "loss", "skipped", "loss_scale" (fp16), "note",
+        "seconds" (the step's wall time on this rank), "input_shape" (the global batch's inputs)}, and
         "grad_norm" (the global norm before clipping) with ``max_grad_norm``."""
         self.pipeline = None
         """With pp > 1, the ``PipelineExecutor`` of this rank: ``begin``/``advance``/``finish``/``state``."""
@@ -232,24 +256,48 @@ class Engine(EngineRecords):
             from .pipeline.executor import PipelineExecutor
             self.pipeline = PipelineExecutor(self, stages)
 
+    def _build_optimizer(self, optimizer, names) -> None:
+        """The optimizer over what this rank steps (``grads.optimizer_layout()``): a factory called with
+        those tensors, or the user's optimizer rebuilt over them group by group (``colab_kit.optimizer``);
+        refused where parameters are cut (ZeRO, tp) unless it is elementwise."""
+        from .optimizer import OptimizerSpec, check_elementwise, rebuild
+        self._views, self._opt_layout = None, None
+        if isinstance(optimizer, OptimizerSpec):
+            self.optimizer, self._views, keys, self._opt_layout = rebuild(optimizer, self.grads.optimizer_layout(),
+                                                                          names)
+            self.grads.set_optimizer(self.optimizer, keys)
+        else:  # the parameters, ZeRO's pieces, or their fp32 masters (ZeRO's build checks them)
+            self.optimizer = self.grads.build_optimizer(optimizer)
+        if self.config.tp > 1:  # (ZeRO's build checks its own; a user's optimizer was checked by boost)
+            check_elementwise(self.optimizer, f"tensor parallelism ({self.config.tp_mode}) gives each rank a block "
+                                              f"of each matrix")
+
+    def optimizer_layout(self) -> list[tuple[torch.Tensor, list[tuple]]]:
+        """``(tensor, runs)`` per tensor the optimizer steps, as ``grads.optimizer_layout()`` (a run
+        ``(param, start, length, at)``), with a piece that spans two param groups as its views
+        (``colab_kit.optimizer``): what the checkpoint maps the optimizer's states with."""
+        if self._views:
+            self._views.bind()
+            return self._opt_layout
+        return self.grads.optimizer_layout()
+
     # ------------------------------------------------------------------ training
-    def train_step(self, batch) -> float:
-        """One optimizer step on the global batch ``(inputs, targets)``; returns the global mean loss."""
+    def train_step(self, batch, *, local: bool | None = None) -> float:
+        """One optimizer step on ``batch`` ``(inputs, targets)``; returns the global mean loss.
+
+        ``batch`` is the global batch (the same on every rank), or with ``local=True`` this rank's dp share
+        of it (rows ``r*B/dp .. (r+1)*B/dp`` on dp rank r, the same on the ranks of one dp coordinate): what
+        ``engine.loader(...)`` yields (a ``LocalBatch``, recognised without ``local=``) or a ``DataLoader``
+        with a ``DistributedSampler`` over the dp size and rank. The loss is the global batch's either way."""
         if self.closed:
             raise RuntimeError("this engine was closed (engine.close()): boost a new one to train again")
+        local = getattr(batch, "global_rows", None) is not None if local is None else bool(local)
         if self.pipeline is not None:
-            self.pipeline.begin(batch)
+            self.pipeline.begin(batch, local=local)
             return self.pipeline.finish()
-        inputs, targets = batch
         cfg, mesh = self.config, self.mesh
         m = cfg.microbatches
-        self.count_targets(targets, m)
-        self.begin_batch(inputs, m)
-        rows = inputs.shape[0]
-        if rows % (cfg.dp * m):
-            raise ValueError(f"a global batch of {rows} rows does not split over dp={cfg.dp} x microbatches={m}: "
-                             f"use a multiple of {cfg.dp * m} rows")
-        inputs, targets = self._local_rows(inputs), self._local_rows(targets)
+        inputs, targets = self.prepare_batch(batch, m, local)
         self._rows, self._seq = inputs.shape[0] // m, inputs.shape[1]
         self._hold_activations(self._rows)
         shards = self.loss_shards
@@ -273,19 +321,44 @@ class Engine(EngineRecords):
             local += loss.detach()
         return self._update(local, t0)
 
-    def count_targets(self, targets: torch.Tensor, microbatches: int) -> None:
-        """Tell the engine's loss how many targets the global batch counts (``TokenLoss``), before a step or
-        an evaluation that splits it into ``dp * microbatches * loss_shards`` pieces."""
-        if self._token_loss is not None:
-            self._token_loss.count(targets, self.config.dp * microbatches * self.loss_shards)
+    def prepare_batch(self, batch, microbatches: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``(inputs, targets)`` of a step's ``batch`` (global, or this rank's dp rows with
+        ``local``) in ``microbatches``, after telling the loss and the dropout where they sit
+        (``count_targets``, ``begin_batch``); a batch that does not split is refused before any collective."""
+        inputs, targets = batch
+        dp, rows = self.config.dp, inputs.shape[0]
+        need, what = (microbatches, "this rank's batch") if local else (dp * microbatches, "a global batch")
+        if rows % need:
+            raise ValueError(f"{what} of {rows} rows does not split over "
+                             f"{'' if local else f'dp={dp} x '}microbatches={microbatches}: use a multiple of "
+                             f"{need} rows")
+        self.count_targets(targets, microbatches, local)
+        self.begin_batch(inputs, microbatches, rows * dp if local else rows)
+        return self._local_rows(inputs, local), self._local_rows(targets, local)
 
-    def begin_batch(self, inputs: torch.Tensor, microbatches: int) -> None:
-        """A step on the global ``inputs`` in ``microbatches``: where each microbatch's rows sit, for the
-        layout-invariant dropout (``colab_kit.models.dropout``), and the input's shape for the activation
-        estimate of any model (``memory_estimate``)."""
-        self._input = (tuple(inputs.shape), inputs.dtype)
+    def count_targets(self, targets: torch.Tensor, microbatches: int, local: bool = False) -> None:
+        """Tell the engine's loss how many targets the global batch counts (``TokenLoss``), before a step or
+        an evaluation that splits it into ``dp * microbatches * loss_shards`` pieces; with ``local``,
+        ``targets`` are this rank's dp rows and the count is summed over dp (one all-reduce of a number)."""
+        if self._token_loss is None:
+            return
+        pieces = self.config.dp * microbatches * self.loss_shards
+        if not local:
+            self._token_loss.count(targets, pieces)
+            return
+        n = (targets != -100).sum().reshape(1).to(self.mesh.device)
+        comm.all_reduce(n, self.mesh, "dp", tag="target count")
+        self._token_loss.scale = pieces / max(int(n.item()), 1)
+
+    def begin_batch(self, inputs: torch.Tensor, microbatches: int, rows: int | None = None) -> None:
+        """A step on the global ``inputs`` (or a piece of a global batch of ``rows`` rows) in
+        ``microbatches``: where each microbatch's rows sit, for the layout-invariant dropout
+        (``colab_kit.models.dropout``), and the input's shape for the activation estimate of any model
+        (``memory_estimate``) and the throughput (``records``)."""
+        rows = inputs.shape[0] if rows is None else rows
+        self._input = ((rows, *inputs.shape[1:]), inputs.dtype)
         if self._dropout is not None:
-            self._dropout.begin(inputs.shape[0], microbatches)
+            self._dropout.begin(rows, microbatches)
 
     def dropout_at(self, microbatch: int):
         """The context microbatch ``microbatch``'s forward and backward run in (its dropout coordinates)."""
@@ -325,6 +398,8 @@ class Engine(EngineRecords):
         elif sums:
             sync_grads(self.module, self.mesh, self.placement_table)
         done = {"skipped": False, "loss_scale": None, "note": ""}
+        if self._views:  # pieces that span param groups: their views see this step's storage and gradients
+            self._views.bind()
         clip = None
         if self.max_grad_norm is not None:  # the global norm over every shard (colab_kit.clipping)
             from .clipping import clip_
@@ -337,6 +412,8 @@ class Engine(EngineRecords):
             else:  # unscale and check (fp16), clip, step the masters, copy them into the 16-bit parameters
                 done = master_step(self.optimizer, masters, self.scaler, self.mesh, before_step=clip)
             self.grads.zero()
+        if self.lr_scheduler is not None:  # once per step, after the optimizer (a skipped fp16 step too)
+            self.lr_scheduler.step()
         if done["note"]:  # on the timeline, not the console
             now = time.perf_counter() - t0
             self._events.append({"name": done["note"], "kind": "compute", "start": now, "end": now})
@@ -350,7 +427,8 @@ class Engine(EngineRecords):
         place = getattr(self.grads, "placement", None)
         if place is not None:  # offload='auto': the first step measured, the chunks are placed now
             place.after_step()
-        self.records.append({"step": self.step_count, "loss": value, **done})
+        self.records.append({"step": self.step_count, "loss": value, **done, "seconds": time.perf_counter() - t0,
+                             "input_shape": self._input[0]})
         return value
 
     def _sum_tied(self, masters) -> None:
@@ -386,10 +464,12 @@ class Engine(EngineRecords):
         buckets' 1/dp and the sums over tp and sp, the gradients are the global mean's."""
         return (self.tp_plan.batch_shards if self.tp_plan else 1) * self.config.sp
 
-    def _local_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of the global batch: its dp share, then its share inside tp, then its
-        tokens of each row over sp (a length that does not split is refused here, before any collective)."""
-        rows = split_batch(rows, self.config.dp, self.mesh.rank("dp"))
+    def _local_rows(self, rows: torch.Tensor, local: bool = False) -> torch.Tensor:
+        """This rank's rows of the global batch: its dp share (given already with ``local``), then its share
+        inside tp, then its tokens of each row over sp (a length that does not split is refused here,
+        before any collective)."""
+        if not local:
+            rows = split_batch(rows, self.config.dp, self.mesh.rank("dp"))
         if self.tp_plan is not None:
             rows = self.tp_plan.shard_batch(rows)
         if self.sp_plan is not None:
@@ -413,17 +493,56 @@ class Engine(EngineRecords):
         self._events.append({"name": name, "kind": kind, "start": start, "end": time.perf_counter() - t0})
 
     @torch.no_grad()
-    def evaluate(self, batch) -> float:
-        """Global mean loss of ``batch`` without training."""
+    def evaluate(self, batch, *, local: bool | None = None) -> float:
+        """Global mean loss of ``batch`` without training (global, or this rank's dp rows: ``train_step``)."""
+        local = getattr(batch, "global_rows", None) is not None if local is None else bool(local)
         if self.pipeline is not None:
-            return self.pipeline.evaluate(batch)
+            return self.pipeline.evaluate(batch, local=local)
         inputs, targets = batch
         self.module.eval()
-        self.count_targets(targets, 1)
-        logits = self._logits(self.module(self._local_rows(inputs)))
-        return self._global_mean(self.loss_fn(logits, self._local_rows(targets)))
+        self.count_targets(targets, 1, local)
+        logits = self._logits(self.module(self._local_rows(inputs, local)))
+        return self._global_mean(self.loss_fn(logits, self._local_rows(targets, local)))
+
+    # ------------------------------------------------------------------ data
+    def loader(self, dataset, batch_size: int, **kw):
+        """A ``colab_kit.datasets.ShardedLoader`` over ``dataset`` for this engine: global batches of
+        ``batch_size`` rows, this rank reading only its dp rows of each; ``engine.save``/``load`` carry its
+        position, so a resumed run sees the same batches. ``kw``: ``shuffle``, ``seed``, ``drop_last``."""
+        from .datasets import ShardedLoader
+        self._loader = ShardedLoader.for_engine(self, dataset, batch_size, **kw)
+        return self._loader
+
+    def loader_state(self) -> dict | None:
+        """The position of the loader made by ``engine.loader`` (None without one): what a checkpoint keeps."""
+        return self._loader.state_dict() if self._loader is not None else None
+
+    def load_loader_state(self, state: dict | None) -> None:
+        """Put the engine's loader where ``state`` says (nothing without a loader or a saved state)."""
+        if self._loader is not None and state is not None:
+            self._loader.load_state_dict(state)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 seed: int = 0) -> torch.Tensor:
+        """Continue ``prompt_ids`` ``[b, t]`` (the same on every rank) by ``max_new_tokens`` tokens of this
+        causal LM: greedy at ``temperature=0``, else sampled with a generator seeded by ``seed`` (the same
+        draw on every rank). Returns ``[b, t + max_new_tokens]`` on every rank, equal token for token to
+        the dense model generating in one process (``colab_kit.generate``)."""
+        from .generate import generate
+        return generate(self, prompt_ids, max_new_tokens, temperature=temperature, seed=seed)
+
+    def throughput(self, last: int | None = None) -> dict:
+        """Tokens per second, FLOPs per step, achieved FLOP/s and MFU over the recorded steps (the last
+        ``last`` of them; the first step, which builds caches, is left out when there are more):
+        see ``colab_kit.throughput``."""
+        from .throughput import engine_throughput
+        return engine_throughput(self, last=last)
 
     # ------------------------------------------------------------------ lifetime
+    _loader = None
+    lr_scheduler = None
+    """The LR scheduler ``train_step`` steps after the optimizer (``boost(..., lr_scheduler=)``), or None."""
     max_grad_norm = None
     """The global gradient norm each step is clipped to (``boost(..., max_grad_norm=)``), or None."""
     _owns_mesh = False

@@ -287,8 +287,14 @@ def test_stage_3_with_pp_and_whole_parameter_optimizers_are_refused():
         def __init__(self, params):
             super().__init__(params, {})
 
-    with pytest.warns(UserWarning, match="Lamb is not known to be elementwise.*LAMB, LARS"):
+    with pytest.raises(ck.ConfigError, match="Lamb is not known to be elementwise.*LAMB, LARS.*elementwise\\(Lamb\\)"):
         check_optimizer(Lamb(t))
+    from colab_kit.optimizer import ELEMENTWISE, elementwise
+    try:  # declared elementwise by its author, it is taken
+        elementwise(Lamb)
+        check_optimizer(Lamb(t))
+    finally:
+        ELEMENTWISE.discard(Lamb)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for make in OPTIMIZERS.values():

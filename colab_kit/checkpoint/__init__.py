@@ -12,7 +12,7 @@ A checkpoint holds every parameter in its *dense* coordinates (the name and shap
 - ``manifest.json``: format, parallel config, model config (``GPTConfig``), world size, the
   engine's step count (also the data position: ``SyntheticTokens.batch(step, ...)`` continues
   from it), history and records, the fp16 loss scale, the optimizer's class, per-file bytes and
-  sha256; ``extra.pt``: the ``extra`` dict given to ``save`` (``torch.save``; read back with
+  sha256, the LR scheduler's state and the data loader's position (``engine.loader``); ``extra.pt``: the ``extra`` dict given to ``save`` (``torch.save``; read back with
   ``weights_only=True``, so tensors, numbers, strings, lists and dicts), returned by ``load``.
 
 Saving. Each rank finds where its elements live in the dense model (``layout.local_space``:
@@ -225,7 +225,23 @@ def _manifest(engine, tensors: dict, extra: bool, cuda_rng: bool) -> dict:
             "step": engine.step_count, "history": list(engine.history), "records": list(engine.records),
             "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
             "optimizer": type(engine.optimizer).__name__, "tensors": tensors, "extra": extra,
-            "param_groups": [_hyper(g) for g in engine.optimizer.param_groups], "rng": {"cuda": cuda_rng}}
+            "param_groups": [_hyper(g) for g in engine.optimizer.param_groups], "rng": {"cuda": cuda_rng},
+            "lr_scheduler": _plain(engine.lr_scheduler.state_dict()) if engine.lr_scheduler is not None else None,
+            "loader": engine.loader_state()}
+
+
+def _plain(v):
+    """``v`` (a scheduler's state) with tensors as numbers and tuples as lists: what JSON holds."""
+    if torch.is_tensor(v):
+        return v.tolist()
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise CheckpointError(f"the LR scheduler's state holds a {type(v).__name__}, which a checkpoint's manifest "
+                          f"cannot hold: use a torch scheduler whose state is numbers (LambdaLR over functions, ...)")
 
 
 def _number(v):
@@ -327,6 +343,9 @@ def load(engine, path) -> dict:
     if engine.config.zero in (1, 2):
         engine.grads.gather_params()
     _restore_hyper(opt, manifest.get("param_groups"), path)
+    if engine.lr_scheduler is not None and manifest.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])  # after the groups' lr: its last value
+    engine.load_loader_state(manifest.get("loader"))
     engine.step_count = manifest["step"]
     engine.history[:] = manifest["history"]
     engine.records[:] = manifest["records"]

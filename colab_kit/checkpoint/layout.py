@@ -107,10 +107,9 @@ class LocalSpace:
 
 
 def _dense_names(engine) -> dict[int, str]:
-    """id(parameter) -> its name in the dense model: a pipeline stage's ``source_names``, else the module's."""
-    if engine.pipeline is not None:
-        return {id(p): n for st in engine.module for p, n in zip(st.parameters(), st.source_names)}
-    return {id(p): n for n, p in engine.module.named_parameters()}
+    """id(parameter) -> its name in the dense model (``colab_kit.optimizer.local_names``)."""
+    from ..optimizer import local_names
+    return local_names(engine.module)
 
 
 def local_space(engine) -> LocalSpace:
@@ -121,7 +120,7 @@ def local_space(engine) -> LocalSpace:
     ``optimizer_layout()`` says where in the optimizer's tensors each run of them lies. Costs a dense and
     a local position per element this rank holds (int32 below 2**31 elements)."""
     mine = [p for p in engine.module.parameters() if p.requires_grad]
-    layout = engine.grads.optimizer_layout()
+    layout = engine.optimizer_layout()
     names = _dense_names(engine)
     if engine.policy is None:  # dp / ZeRO only: the local model is the dense one
         table = DenseTable([(n, tuple(p.shape)) for n, p in engine.module.named_parameters() if p.requires_grad])

@@ -159,8 +159,9 @@ class PipelineExecutor(ComputeActions, CommActions):
         return costs
 
     # ------------------------------------------------------------------ stepping
-    def begin(self, batch, *, forward_only: bool = False) -> None:
-        """Start a step on the global batch ``(inputs, targets)`` (same on every rank); nothing runs yet."""
+    def begin(self, batch, *, forward_only: bool = False, local: bool = False) -> None:
+        """Start a step on the global batch ``(inputs, targets)`` (same on every rank; with ``local`` this
+        rank's dp rows of it, see ``Engine.train_step``); nothing runs yet."""
         if self.running:
             raise RuntimeError("a pipeline step is already running: advance() or finish() it first")
         if self.broken is not None:
@@ -172,15 +173,9 @@ class PipelineExecutor(ComputeActions, CommActions):
         if self.monitor._closed.is_set():
             raise RuntimeError("this engine was closed (engine.close()): boost a new one to train again")
         eng, plan = self.engine, self.plan
-        inputs, targets = batch
+        inputs = batch[0]
         self.m = m = plan.microbatches
-        rows, dp = inputs.shape[0], self.config.dp
-        if rows % (dp * m):
-            raise ValueError(f"a global batch of {rows} rows does not split over dp={dp} x microbatches={m}: "
-                             f"use a multiple of {dp * m} rows")
-        eng.count_targets(targets, m)
-        eng.begin_batch(inputs, m)
-        x, y = eng._local_rows(inputs), eng._local_rows(targets)
+        x, y = eng.prepare_batch(batch, m, local)
         self._x = [split_batch(x, m, i, "microbatches") for i in range(m)]
         self._y = [split_batch(y, m, i, "microbatches") for i in range(m)]
         self._key = (tuple(inputs.shape), m)  # names the activation shapes
@@ -269,10 +264,10 @@ class PipelineExecutor(ComputeActions, CommActions):
             self._end()
 
     @torch.no_grad()
-    def evaluate(self, batch) -> float:
+    def evaluate(self, batch, local: bool = False) -> float:
         """Global mean loss of ``batch``: the plan's forwards only, no gradients."""
         self.engine.module.eval()
-        self.begin(batch, forward_only=True)
+        self.begin(batch, forward_only=True, local=local)
         return self.finish()
 
     def microbatch_shape(self) -> tuple[int, int] | None:

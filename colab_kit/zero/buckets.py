@@ -44,8 +44,9 @@ update on a flat piece as on each parameter. One that looks at a whole parameter
 LAMB and LARS scale each parameter's update by the ratio of its norms, Adafactor factors a
 matrix's second moment by rows and columns; on a flat piece those are norms of a piece of
 several parameters. ``check_optimizer`` refuses the ones torch ships (LBFGS, SparseAdam,
-Adafactor) and warns for any optimizer it does not know to be elementwise. Parameter groups
-built by name cannot be expressed over flat pieces either.
+Adafactor, Muon) and any optimizer not known to be elementwise (``colab_kit.optimizer``). A user's
+optimizer with param groups (``boost(model, optimizer, cfg)``) keeps them: each bucket is ordered by
+group, and a piece that spans two groups is stepped as one view per group (``colab_kit.optimizer``).
 
 Memory (fp32, P parameters, dp = n), what ``nbytes`` and ``engine.memory()`` report:
 
@@ -71,7 +72,6 @@ executor drives ``arm``/``finish`` as for ``GradBuckets``.
 from __future__ import annotations
 
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -81,29 +81,16 @@ from .. import comm
 from ..config import ConfigError
 from ..data import GradBuckets
 from ..memory import tensor_bytes
+from ..optimizer import ELEMENTWISE, check_elementwise
 from ..precision import MasterWeights
 
 __all__ = ["ZeroBuckets", "check_optimizer", "ELEMENTWISE"]
 
-ELEMENTWISE = tuple(getattr(torch.optim, name) for name in
-                    ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop",
-                     "Rprop", "ASGD") if hasattr(torch.optim, name))
-"""torch optimizers whose update of an element depends on that element's history only."""
-
-_WHOLE_PARAMETER = tuple(getattr(torch.optim, name) for name in ("LBFGS", "SparseAdam", "Adafactor")
-                         if hasattr(torch.optim, name))
-
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer that cannot step flat pieces; warn for one not known to be elementwise."""
-    kind = type(optimizer).__name__
-    if isinstance(optimizer, _WHOLE_PARAMETER):
-        raise ConfigError(f"ZeRO steps flat pieces of several parameters, and {kind} needs whole parameters "
-                          f"(shapes, norms or a closure): use an elementwise optimizer such as AdamW or SGD, or zero=0")
-    if not isinstance(optimizer, ELEMENTWISE):
-        warnings.warn(f"ZeRO steps flat pieces of several parameters; {kind} is not known to be elementwise. An "
-                      f"optimizer that uses per-parameter norms or shapes (LAMB, LARS, Adafactor) would compute "
-                      f"them over pieces and give different updates than zero=0", stacklevel=3)
+    """Refuse an optimizer that cannot step flat pieces: one that needs whole parameters, or one not known
+    to be elementwise (``colab_kit.optimizer.elementwise`` declares a user's class)."""
+    check_elementwise(optimizer, "ZeRO steps flat pieces of several parameters")
 
 
 def build_over(tensors, optimizer_factory) -> torch.optim.Optimizer:
@@ -146,11 +133,11 @@ class ZeroBuckets(GradBuckets):
     """
 
     def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
-                 stage: int = 1, offload: str = "none", placements=None):
+                 stage: int = 1, offload: str = "none", placements=None, group_of=None):
         if stage not in (1, 2):
             raise ConfigError(f"ZeroBuckets runs ZeRO stage 1 or 2, got {stage}")
         params = [p for p in params if p.requires_grad]
-        super().__init__(params, mesh, axis, bucket_bytes, events, placements)  # the buckets, their order, hooks
+        super().__init__(params, mesh, axis, bucket_bytes, events, placements, group_of)  # buckets, order, hooks
         if len({(p.dtype, p.device) for p in params}) > 1:
             raise ConfigError("ZeRO keeps parameters in one flat buffer: they must share one dtype and device")
         self.stage, self.rank = stage, mesh.rank(axis)

@@ -104,6 +104,7 @@ class ChunkPlacement:
         self.log: list[dict] = []
         self.optimizer = None
         self.keys = None  # per chunk, the tensor the optimizer steps (set by ZeroParams)
+        self.state_keys = None  # per chunk, the tensors whose optimizer states go with it (views per param group)
         self.step = 0
         if mode in ("cpu", "auto"):  # "auto" starts on the host and measures its first step
             for c in chunks:
@@ -119,7 +120,8 @@ class ChunkPlacement:
         if key is not c.shard:
             out.append(key)
         if self.optimizer is not None:
-            out += [v for v in self.optimizer.state.get(key, {}).values() if isinstance(v, torch.Tensor)]
+            for k in (self.state_keys[i] if self.state_keys is not None else [key]):
+                out += [v for v in self.optimizer.state.get(k, {}).values() if isinstance(v, torch.Tensor)]
         return out
 
     def state_bytes(self, i: int) -> int:

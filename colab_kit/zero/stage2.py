@@ -90,11 +90,11 @@ class ZeroStage2(ZeroBuckets):
     """``ZeroBuckets`` at stage 2 with each bucket's full storage freed after its reduce-scatter."""
 
     def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
-                 stage: int = 2, offload: str = "none", placements=None):
+                 stage: int = 2, offload: str = "none", placements=None, group_of=None):
         params = [p for p in params if p.requires_grad]
         if bucket_bytes is None:
             bucket_bytes = stage2_bucket_bytes(params, mesh.size(axis))
-        super().__init__(params, mesh, axis, bucket_bytes, events, 2, offload, placements)
+        super().__init__(params, mesh, axis, bucket_bytes, events, 2, offload, placements, group_of)
         self.every_microbatch = mesh.size("pp") == 1
         """True: every microbatch is reduced (the engine's loop); False: the pipeline's, once per step."""
         for b in self.buckets:

@@ -97,13 +97,15 @@ class ZeroParams:
 
     def __init__(self, module: nn.Module, mesh, axis: str = "dp", events=None, prefetch: bool = True,
                  offload: str = "none", device_budget: int | None = None, blocks: nn.ModuleList | None = None,
-                 placements=None):
+                 placements=None, group_of=None):
         from ..placement import PlacementTable
         self.module, self.mesh, self.axis = module, mesh, axis
         self.placements = placements if placements is not None else PlacementTable(module)
         self.events = events if events is not None else []
         self.prefetch = prefetch
         units = units_of(module, blocks)
+        if group_of is not None:  # the user's param groups: each chunk ordered by group (colab_kit.optimizer)
+            units = [(name, block, sorted(ps, key=group_of)) for name, block, ps in units]
         if len({(p.dtype, p.device) for _, _, ps in units for p in ps}) > 1:
             raise ConfigError("ZeRO keeps parameters in flat chunks: they must share one dtype and device")
         self.chunks = [Chunk(i, name, params, mesh, axis) for i, (name, _, params) in enumerate(units)]
@@ -291,9 +293,14 @@ class ZeroParams:
     def build_optimizer(self, optimizer_factory) -> torch.optim.Optimizer:
         """``optimizer_factory(self.shards)``, checked to step exactly these tensors, elementwise."""
         optimizer = build_over(self.masters.params if self.masters is not None else self.shards, optimizer_factory)
-        if self.placement is not None:
-            self.placement.optimizer = optimizer
+        self.set_optimizer(optimizer)
         return optimizer
+
+    def set_optimizer(self, optimizer, keys=None) -> None:
+        """The optimizer whose states the placement moves with each chunk; ``keys[i]``: the tensors it steps
+        for chunk i (its piece, or one view per param group the piece spans: ``colab_kit.optimizer``)."""
+        if self.placement is not None:
+            self.placement.optimizer, self.placement.state_keys = optimizer, keys
 
     def optimizer_layout(self) -> list[tuple[torch.Tensor, list[tuple]]]:
         """``(tensor, runs)`` per tensor the optimizer steps (this rank's piece of each chunk, or its
