@@ -173,3 +173,90 @@ def test_bad_optimizers_and_schedulers_are_refused_before_any_process():
     stepped.step()
     with pytest.raises(ConfigError, match="fresh optimizer"):
         ck.boost(model, stepped, cfg)
+
+
+# ---------------------------------------------------------------------- sharded data through the engine
+def _dataset(n=48):
+    x, y = SyntheticTokens(64, 16, seed=3).batch(0, n)
+    return [(x[i], y[i]) for i in range(n)]
+
+
+def _global(ds, idx):
+    return torch.stack([ds[i][0] for i in idx]), torch.stack([ds[i][1] for i in idx])
+
+
+def _loader_run(configs, tmp):
+    """Per config: losses from ``engine.loader`` (local rows) against the same global batches handed whole;
+    a run saved after 4 steps (mid-epoch) and resumed in a fresh engine against the uninterrupted one;
+    a DataLoader + DistributedSampler with ``local=True`` against its global batches."""
+    import shutil
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
+    ds, out = _dataset(), {}
+    for kw in configs:
+        cfg = ck.ParallelConfig(**kw)
+        sgd = lambda ps: torch.optim.SGD(ps, lr=0.3, momentum=0.9)  # noqa: E731
+        engine = ck.boost(GPT(GPT_CFG), sgd, cfg)
+        loader = engine.loader(ds, BATCH, seed=5)
+        local, rows = [], []
+        for s in range(8):  # 48 samples, 8 a batch: one epoch and two batches of the next
+            b = next(loader)
+            rows.append(sorted(int(t) for t in b[1][:, 0]))
+            local.append(engine.train_step(b))
+        engine.close()
+        engine = ck.boost(GPT(GPT_CFG), sgd, cfg)
+        ref = ck.datasets.ShardedLoader(ds, BATCH, dp_size=1, dp_rank=0, seed=5)
+        whole = [engine.train_step(_global(ds, ref.global_indices(*divmod(s, ref.steps_per_epoch))))
+                 for s in range(8)]
+        engine.close()
+        engine = ck.boost(GPT(GPT_CFG), sgd, cfg)
+        loader = engine.loader(ds, BATCH, seed=5)
+        first = [engine.train_step(next(loader)) for _ in range(4)]
+        engine.save(f"{tmp}/ck")
+        engine.close()
+        engine = ck.boost(GPT(GPT_CFG), sgd, cfg)
+        loader = engine.loader(ds, BATCH, seed=5)
+        engine.load(f"{tmp}/ck")
+        resumed = first + [engine.train_step(next(loader)) for _ in range(4)]
+        engine.close()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(f"{tmp}/ck", ignore_errors=True)
+        dist.barrier()
+        engine = ck.boost(GPT(GPT_CFG), sgd, cfg)
+        sampler = DistributedSampler(ds, num_replicas=cfg.dp, rank=engine.mesh.rank("dp"), shuffle=True, seed=5,
+                                     drop_last=True)
+        dl = DataLoader(ds, batch_size=BATCH // cfg.dp, sampler=sampler, drop_last=True)
+        sampled = [engine.train_step(b, local=True) for b in dl]
+        engine.close()
+        out[tuple(sorted(kw.items()))] = local, whole, resumed, sampled, rows
+    return out
+
+
+LOADER_CASES = {2: [dict(dp=2), dict(dp=2, microbatches=2, zero=2)],
+                4: [dict(dp=2, tp=2), dict(dp=2, pp=2, microbatches=2)]}
+
+
+def test_loader_rows_resume_and_distributed_sampler(tmp_path):
+    ds = _dataset()
+    for world, cases in LOADER_CASES.items():
+        results = ck.launch(_loader_run, world, cases, str(tmp_path))
+        for kw in cases:
+            key = tuple(sorted(kw.items()))
+            local, whole, resumed, sampled, _ = results[0][key]
+            assert local == pytest.approx(whole, rel=RTOL), kw  # local rows: the global batch's loss
+            assert resumed == pytest.approx(local, rel=RTOL), kw  # the same batches after a save and load
+            assert local[1:] != pytest.approx(local[:-1], rel=1e-3)  # (the batches differ from step to step)
+            # DistributedSampler: its global batch b is the same samples in another row order -> the same loss
+            sampler = torch.utils.data.DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=5)
+            order = list(sampler)
+            assert len(sampled) == len(ds) // BATCH
+            assert sampled[0] == pytest.approx(local[0], rel=RTOL)
+            # dp ranks read disjoint rows, together each global batch once
+            dp = kw["dp"]
+            ranks = [r for r in range(world) if ck.MeshLayout(ck.ParallelConfig(**kw)).coords(r)["tp"] == 0
+                     and ck.MeshLayout(ck.ParallelConfig(**kw)).coords(r)["pp"] == 0]
+            for s in range(len(ds) // BATCH):
+                seen = sum((results[r][key][4][s] for r in ranks), [])
+                assert sorted(seen) == sorted(int(ds[i][1][0]) for i in order[s * BATCH:(s + 1) * BATCH]), (kw, s)
+                assert len(ranks) == dp
