@@ -248,7 +248,8 @@ class Engine(EngineRecords):
         self.history: list[float] = []
         self.records: list[dict] = []
         """One dict per train_step: {"step" (1, 2, ...), "loss", "skipped", "loss_scale" (fp16), "note",
-        "seconds" (the step's wall time on this rank), "input_shape" (the global batch's inputs)}, and
+        "seconds" (the step's wall time on this rank), "input_shape" (the global batch's inputs), "lr" (the
+        first param group's learning rate this step took)}, and
         "grad_norm" (the global norm before clipping) with ``max_grad_norm``."""
         self.pipeline = None
         """With pp > 1, the ``PipelineExecutor`` of this rank: ``begin``/``advance``/``finish``/``state``."""
@@ -412,6 +413,7 @@ class Engine(EngineRecords):
             else:  # unscale and check (fp16), clip, step the masters, copy them into the 16-bit parameters
                 done = master_step(self.optimizer, masters, self.scaler, self.mesh, before_step=clip)
             self.grads.zero()
+        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else None  # what this step took
         if self.lr_scheduler is not None:  # once per step, after the optimizer (a skipped fp16 step too)
             self.lr_scheduler.step()
         if done["note"]:  # on the timeline, not the console
@@ -428,7 +430,7 @@ class Engine(EngineRecords):
         if place is not None:  # offload='auto': the first step measured, the chunks are placed now
             place.after_step()
         self.records.append({"step": self.step_count, "loss": value, **done, "seconds": time.perf_counter() - t0,
-                             "input_shape": self._input[0]})
+                             "input_shape": self._input[0], "lr": float(lr) if lr is not None else None})
         return value
 
     def _sum_tied(self, masters) -> None:

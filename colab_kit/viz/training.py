@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 
 from .memory import memory_by_rank_figure
 
-__all__ = ["loss_figure", "memory_figure", "timeline_figure", "accuracy_figure"]
+__all__ = ["loss_figure", "memory_figure", "timeline_figure", "accuracy_figure", "recipe_figure"]
 
 _KIND_COLOURS = {"compute": "#4c78a8", "comm": "#f58518", "idle": "#d3d3d3"}
 
@@ -32,6 +32,30 @@ def loss_figure(losses, title: str = "Training loss (measured)", reference=None)
                         name="single process", line={"dash": "dash"})
     fig.update_layout(title=title, xaxis_title="step", yaxis_title="mean token cross-entropy",
                       template="plotly_white", height=360)
+    return fig
+
+
+def recipe_figure(records, max_grad_norm: float | None = None, lrs=None,
+                  title: str = "Gradient norm and learning rate (measured)") -> go.Figure:
+    """What the recipe did each step, from ``engine.records``: the global gradient norm before clipping
+    (``"grad_norm"``), the clipping threshold ``max_grad_norm`` dotted (norms above it were scaled down to
+    it), and ``lrs`` (the learning rate of each step) on a second axis.
+
+    >>> fig = recipe_figure([{"step": 1, "grad_norm": 3.0}, {"step": 2, "grad_norm": 0.5}], 1.0, [1e-3, 2e-3])
+    >>> [t.name for t in fig.data]
+    ['gradient norm (before clipping)', 'max_grad_norm', 'learning rate']
+    """
+    steps = [r["step"] for r in records]
+    fig = go.Figure()
+    fig.add_scatter(x=steps, y=[r.get("grad_norm") for r in records], mode="lines+markers",
+                    name="gradient norm (before clipping)")
+    if max_grad_norm is not None and steps:
+        fig.add_scatter(x=[steps[0], steps[-1]], y=[max_grad_norm] * 2, mode="lines", name="max_grad_norm",
+                        line={"dash": "dot", "color": "grey"})
+    if lrs is not None:
+        fig.add_scatter(x=steps, y=list(lrs), mode="lines", name="learning rate", yaxis="y2")
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title="global gradient norm", template="plotly_white",
+                      height=360, yaxis2={"title": "learning rate", "overlaying": "y", "side": "right"})
     return fig
 
 

@@ -1,0 +1,91 @@
+"""The training recipe of the paper's experiments, as plain torch objects ``boost`` takes.
+
+AdamW with weight decay on the matrices and none on biases and norms (``decay_groups``), a linear
+warmup then a cosine decay of the learning rate (``WarmupCosine``, for ``LambdaLR``), and clipping of
+the global gradient norm (``boost(..., max_grad_norm=1.0)``)::
+
+    model = ck.models.GPT(cfg)
+    opt = torch.optim.AdamW(ck.recipe.decay_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, ck.recipe.WarmupCosine(warmup=10, total=100))
+    engine = ck.boost(model, opt, ck.ParallelConfig(dp=4), lr_scheduler=sched, max_grad_norm=1.0)
+
+``one_process`` trains the same recipe in this process with nothing but torch (``clip_grad_norm_``,
+``opt.step()``, ``sched.step()``): the yardstick the demo and the tests hold the engine to.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["decay_groups", "WarmupCosine", "adamw", "one_process"]
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two param groups of ``model``: its matrices (dim >= 2: linears, embeddings) with ``weight_decay``,
+    and the rest (biases, norm weights) with none, as GPT-2 and the paper's runs do.
+
+    >>> from colab_kit.models import GPT, GPTConfig
+    >>> groups = decay_groups(GPT(GPTConfig(vocab_size=16, seq_len=4, d_model=8, n_heads=2, n_layers=1)), 0.1)
+    >>> [(g["weight_decay"], len(g["params"])) for g in groups]
+    [(0.1, 7), (0.0, 10)]
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+class WarmupCosine:
+    """The learning-rate factor of step ``s``: ``(s + 1) / warmup`` for the first ``warmup`` steps, then a
+    cosine from 1 down to ``floor`` at step ``total`` (and ``floor`` after). A class rather than a
+    lambda, so a checkpoint keeps it (``LambdaLR.state_dict`` saves a callable object's attributes).
+
+    >>> f = WarmupCosine(warmup=2, total=6, floor=0.1)
+    >>> [round(f(s), 3) for s in range(7)]
+    [0.5, 1.0, 1.0, 0.868, 0.55, 0.232, 0.1]
+    """
+
+    def __init__(self, warmup: int, total: int, floor: float = 0.1):
+        if warmup < 0 or total <= warmup:
+            raise ValueError(f"WarmupCosine needs 0 <= warmup < total, got warmup={warmup}, total={total}")
+        self.warmup, self.total, self.floor = warmup, total, floor
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        t = min(1.0, (step - self.warmup) / (self.total - self.warmup))
+        return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def adamw(model: nn.Module, lr: float, weight_decay: float = 0.1, warmup: int = 10, total: int = 100,
+          betas=(0.9, 0.95), floor: float = 0.1, **kw):
+    """The recipe's ``(optimizer, scheduler)`` over the dense ``model``: AdamW over ``decay_groups`` and
+    a ``LambdaLR`` of ``WarmupCosine``; give both to ``boost``. ``kw``: more AdamW settings (``foreach``)."""
+    opt = torch.optim.AdamW(decay_groups(model, weight_decay), lr=lr, betas=betas, **kw)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(warmup, total, floor))
+
+
+def one_process(model: nn.Module, optimizer, scheduler, batches: Callable[[int], tuple], steps: int,
+                max_grad_norm: float | None = None, loss_fn: Callable | None = None) -> dict:
+    """Train ``model`` in this process, plain torch: for each step ``batches(step)`` -> ``(inputs,
+    targets)``, the mean token cross-entropy, ``clip_grad_norm_`` (with ``max_grad_norm``),
+    ``optimizer.step()``, ``scheduler.step()``. Returns ``{"losses", "grad_norms", "lrs"}`` per step."""
+    loss_fn = loss_fn or (lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
+    out = {"losses": [], "grad_norms": [], "lrs": []}
+    model.train()
+    for step in range(steps):
+        x, y = batches(step)
+        loss = loss_fn(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        if max_grad_norm is not None:
+            out["grad_norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
+        out["lrs"].append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        out["losses"].append(loss.item())
+    return out
