@@ -2,8 +2,10 @@
 lr per group), a warmup + cosine ``LambdaLR`` and global-norm clipping, against one process running plain
 torch (``clip_grad_norm_``, ``opt.step()``, ``sched.step()``): six steps equal within 1e-5 under dp,
 ZeRO 1, 2 and 3, dp x tp x ZeRO, pp x dp x ZeRO-2, pp x tp with a zero-bubble schedule, 2d, 3d, ring sp
-with ZeRO-2 and ZeRO-2 with CPU offload; the scheduler and the groups' learning rates survive a save and
-a load mid-run. The groups matter: one group for everything trains measurably differently, so a rebuild
+with ZeRO-2, ZeRO-2 and ZeRO-3 with CPU offload; the scheduler and the groups' learning rates survive a
+save and a load mid-run. In bf16 and fp16 (fp32 masters, an overflowed fp16 step skipped and not clipped,
+the schedule still moving) against the same recipe written here in plain torch, within the precision's
+tolerance. The groups matter: one group for everything trains measurably differently, so a rebuild
 that lost them would fail. Bad input (a scheduler over another optimizer, an optimizer over tensors that
 are not the model's, an optimizer that is not elementwise under ZeRO) is refused before any process.
 """
@@ -104,7 +106,8 @@ def _train(cases, tmp):
 
 
 CASES = {
-    2: [dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3), dict(dp=2, zero=2, offload="cpu")],
+    2: [dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3), dict(dp=2, zero=2, offload="cpu"),
+        dict(dp=2, zero=3, offload="cpu")],
     4: [dict(dp=2, tp=2, zero=1), dict(pp=2, dp=2, zero=2, microbatches=2),
         dict(pp=2, tp=2, microbatches=2, schedule="zb-h1"), dict(tp=4, tp_mode="2d"), dict(dp=2, sp=2, zero=2)],
     8: [dict(tp=8, tp_mode="3d")],
@@ -260,3 +263,81 @@ def test_loader_rows_resume_and_distributed_sampler(tmp_path):
                 seen = sum((results[r][key][4][s] for r in ranks), [])
                 assert sorted(seen) == sorted(int(ds[i][1][0]) for i in order[s * BATCH:(s + 1) * BATCH]), (kw, s)
                 assert len(ranks) == dp
+
+
+# ---------------------------------------------------------------------- mixed precision
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SKIP = 2  # the fp16 runs overflow at this step (an infinite loss scale): skipped, not clipped, lr still moves
+
+
+def mixed_reference(precision):
+    """The recipe in one process, plain torch, 16-bit model and fp32 masters: the masters' gradients
+    unscaled, checked, clipped with ``clip_grad_norm_``, stepped; the scheduler stepped every step."""
+    model = GPT(GPT_CFG).to(LOW[precision])
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    opt = torch.optim.AdamW([{"params": [m for m in masters if m.dim() >= 2], "weight_decay": 0.5},
+                             {"params": [m for m in masters if m.dim() < 2], "weight_decay": 0.0, "lr": 1e-2}],
+                            lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    losses, norms, skipped = [], [], []
+    for s in range(STEPS):
+        scale = float("inf") if precision == "fp16" and s == SKIP else (2.0 ** 16 if precision == "fp16" else 1.0)
+        x, y = batch(s)
+        logits = model(x).float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        (loss * scale).backward()
+        for m, p in zip(masters, params):
+            m.grad = p.grad.float() / scale
+            p.grad = None
+        finite = all(torch.isfinite(m.grad).all() for m in masters)
+        skipped.append(not finite)
+        if finite:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(masters, MAX_NORM)))
+            opt.step()
+            with torch.no_grad():
+                for m, p in zip(masters, params):
+                    p.copy_(m)
+        else:
+            norms.append(None)
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    return losses, norms, skipped
+
+
+def _train_mixed(cases):
+    out = {}
+    for kw in cases:
+        model = GPT(GPT_CFG)
+        opt, sched = recipe(model)
+        engine = ck.boost(model, opt, ck.ParallelConfig(**kw), lr_scheduler=sched, max_grad_norm=MAX_NORM)
+        losses = []
+        for s in range(STEPS):
+            if engine.scaler is not None:
+                engine.scaler.scale = float("inf") if s == SKIP else 2.0 ** 16
+            losses.append(engine.train_step(batch(s)))
+        out[tuple(sorted(kw.items()))] = (losses, [r["grad_norm"] for r in engine.records],
+                                          [r["skipped"] for r in engine.records])
+        engine.close()
+    return out
+
+
+MIXED = [dict(dp=2, zero=1, precision="fp16"), dict(dp=2, zero=2, precision="bf16"),
+         dict(tp=2, precision="bf16"), dict(dp=2, zero=3, precision="fp16")]
+
+
+def test_mixed_precision_recipe_matches_one_process():
+    from colab_kit.precision import UNIT_ROUNDOFF, tolerance
+    got = ck.launch(_train_mixed, 2, MIXED)[0]
+    for kw in MIXED:
+        p = kw["precision"]
+        want_losses, want_norms, want_skipped = mixed_reference(p)
+        losses, norms, skipped = got[tuple(sorted(kw.items()))]
+        assert skipped == want_skipped and (p == "bf16" or skipped[SKIP]), kw
+        tol = tolerance(p, BATCH * GPT_CFG.seq_len)
+        assert losses == pytest.approx(want_losses, rel=tol), kw
+        assert [n is None for n in norms] == [n is None for n in want_norms], kw
+        # the norm sums 16-bit gradients, each rounded to half an ulp (u) in its own order of ops: within 2u
+        assert [n for n in norms if n is not None] == pytest.approx([n for n in want_norms if n is not None],
+                                                                    rel=2 * UNIT_ROUNDOFF[p]), kw
