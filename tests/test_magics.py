@@ -295,6 +295,9 @@ def test_timeline_gathers_the_last_step_of_every_rank(run, ip, state, shared):
     error, out, _ = run("%%colossal\nfrom colab_kit.datasets import SyntheticTokens\n"
                         "loss = tl_engine.train_step(SyntheticTokens(32, 8).batch(0, 8))")
     assert error is None, out
+    assert "tl_engine: step 1 · loss " in out and "tokens/s" in out and "MFU" in out, out  # what the cell trained
+    error, out, _ = run("%%colossal\nx = 1")
+    assert error is None and "tl_engine:" not in out, out  # a cell that trained nothing says nothing
     error, out, _ = run("fig = %colossal timeline --var tl_engine")
     assert error is None, out
     assert "last step of 'tl_engine' on 4 ranks (measured" in out and "rank 3: compute" in out
@@ -304,6 +307,21 @@ def test_timeline_gathers_the_last_step_of_every_rank(run, ip, state, shared):
     assert {"0F0", "3B3", "1RF2", "optimizer step"} <= labels
     assert {"rank 0", "rank 3"} <= set(fig.layout.yaxis.categoryarray) and "measured" in fig.layout.title.text
     assert {t.name for t in fig.data} >= {"F forward", "B backward", "idle"}
+
+
+def test_a_cell_that_trains_shows_loss_norm_lr_and_speed(run, state, shared):
+    """The recipe through %%colossal: the user's optimizer and scheduler, clipping; the line after the cell
+    shows the steps it ran, the loss, the last norm (clipped), the lr and the throughput."""
+    run("%colossal config dp=4")
+    error, out, _ = run("%%colossal\nimport torch, colab_kit as ck\nfrom colab_kit.models import GPT, GPTConfig\n"
+                        "from colab_kit.datasets import SyntheticTokens\n"
+                        "model = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2))\n"
+                        "opt, sched = ck.recipe.adamw(model, 3e-3, warmup=2, total=10)\n"
+                        "rc_engine = ck.boost(model, opt, config, mesh=mesh, lr_scheduler=sched, max_grad_norm=0.01)\n"
+                        "for s in range(3):\n    loss = rc_engine.train_step(SyntheticTokens(32, 8).batch(s, 8))")
+    assert error is None, out
+    line = next(t for t in out.splitlines() if t.startswith("rc_engine:"))
+    assert "steps 1-3 · loss " in line and "(clipped at 0.01)" in line and "lr " in line and "tokens/s" in line, line
 
 
 def test_loading_twice_keeps_the_state_and_unloading_removes_everything(ip, state):

@@ -265,6 +265,10 @@ class ColossalMagics(Magics):
             if progress is not None:
                 progress.close()
         show_outputs(self.state.last)
+        if args.ranks is None or 0 in args.ranks:  # what the cell trained: loss, norm, lr, tokens/s, MFU
+            from .training import summary_lines
+            for text in summary_lines(cluster):
+                print(text)
 
 
 def _has_widgets() -> bool:
