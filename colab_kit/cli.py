@@ -116,9 +116,9 @@ def _single_process(steps: int, batch: int, lr: float, total: int, text: str | N
 
     _, train, _ = _corpus(text)
     model = GPT(GPTConfig(**MODEL))
-    opt, sched = _recipe(model, lr, total)
     loader = ck.datasets.ShardedLoader(train, batch, dp_size=1, dp_rank=0, seed=0)
-    return ck.recipe.one_process(model, opt, sched, lambda s: next(loader), steps, MAX_GRAD_NORM)["losses"]
+    return ck.recipe.one_process(model, lambda m: _recipe(m, lr, total), lambda s: next(loader), steps,
+                                 MAX_GRAD_NORM)["losses"]
 
 
 def write_report(path: str, cfg, results: list[dict], reference: list[float] | None) -> None:

@@ -68,24 +68,63 @@ def adamw(model: nn.Module, lr: float, weight_decay: float = 0.1, warmup: int = 
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(warmup, total, floor))
 
 
-def one_process(model: nn.Module, optimizer, scheduler, batches: Callable[[int], tuple], steps: int,
-                max_grad_norm: float | None = None, loss_fn: Callable | None = None) -> dict:
-    """Train ``model`` in this process, plain torch: for each step ``batches(step)`` -> ``(inputs,
-    targets)``, the mean token cross-entropy, ``clip_grad_norm_`` (with ``max_grad_norm``),
-    ``optimizer.step()``, ``scheduler.step()``. Returns ``{"losses", "grad_norms", "lrs"}`` per step."""
+def one_process(model: nn.Module, recipe: Callable, batches: Callable[[int], tuple], steps: int,
+                max_grad_norm: float | None = None, loss_fn: Callable | None = None,
+                precision: str = "fp32") -> dict:
+    """Train ``model`` in this process with nothing but torch: ``recipe(model)`` -> ``(optimizer, scheduler)``
+    (``scheduler`` may be None), then per step ``batches(step)`` -> ``(inputs, targets)``, the mean token
+    cross-entropy, ``clip_grad_norm_`` (with ``max_grad_norm``), ``optimizer.step()``, ``scheduler.step()``.
+
+    ``precision="bf16"`` or ``"fp16"``: the mixed-precision recipe written out: ``model`` in 16 bits for
+    the forward and backward, an fp32 copy of it (made from the 16-bit weights) whose parameters the recipe's
+    optimizer steps (its groups are made over the copy, so they are the same groups), the loss in fp32, the 16-bit gradients cast to
+    fp32 before clipping; fp16 scales the loss (2^16 at first, halved on an overflow, which skips the step
+    without clipping it, doubled after 2000 good steps). Returns ``{"losses", "grad_norms", "lrs",
+    "skipped"}`` per step (a skipped step's norm is None) and ``"model"``: the fp32 model trained.
+    """
+    import copy
     loss_fn = loss_fn or (lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
-    out = {"losses": [], "grad_norms": [], "lrs": []}
+    low = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    master = model
+    if low is not None:
+        master, model = model, copy.deepcopy(model).to(low)
+    pairs = list(zip(master.parameters(), model.parameters()))
+    if low is not None:  # the fp32 copy starts from the 16-bit weights, as the engine's masters do
+        with torch.no_grad():
+            for m, p in pairs:
+                m.copy_(p.float())
+    optimizer, scheduler = recipe(master)
+    scale, good = (2.0 ** 16 if precision == "fp16" else 1.0), 0
+    out = {"losses": [], "grad_norms": [], "lrs": [], "skipped": [], "model": master}
     model.train()
     for step in range(steps):
         x, y = batches(step)
-        loss = loss_fn(model(x), y)
+        logits = model(x)
+        loss = loss_fn(logits.float() if low is not None else logits, y)
         optimizer.zero_grad()
-        loss.backward()
-        if max_grad_norm is not None:
-            out["grad_norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
+        (loss * scale if scale != 1.0 else loss).backward()
+        finite = True
+        if low is not None:  # the fp32 copy's gradient: the 16-bit one cast, unscaled
+            for m, p in pairs:
+                m.grad = None if p.grad is None else p.grad.float() / scale
+                p.grad = None
+            finite = all(torch.isfinite(m.grad).all() for m, _ in pairs if m.grad is not None)
         out["lrs"].append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
+        norm = None
+        if finite:
+            if max_grad_norm is not None:
+                norm = float(torch.nn.utils.clip_grad_norm_(master.parameters(), max_grad_norm))
+            optimizer.step()
+            if low is not None:
+                with torch.no_grad():
+                    for m, p in pairs:
+                        p.copy_(m)
+        if precision == "fp16":
+            good = 0 if not finite else good + 1
+            scale = scale * 0.5 if not finite else (scale * 2.0 if good % 2000 == 0 else scale)
         if scheduler is not None:
             scheduler.step()
+        out["grad_norms"].append(norm)
+        out["skipped"].append(not finite)
         out["losses"].append(loss.item())
     return out

@@ -341,3 +341,14 @@ def test_mixed_precision_recipe_matches_one_process():
         # the norm sums 16-bit gradients, each rounded to half an ulp (u) in its own order of ops: within 2u
         assert [n for n in norms if n is not None] == pytest.approx([n for n in want_norms if n is not None],
                                                                     rel=2 * UNIT_ROUNDOFF[p]), kw
+
+
+def test_the_one_process_yardstick_is_this_recipe(ref):
+    """``ck.recipe.one_process`` (what the demo and notebooks compare with) is the recipe written out here:
+    fp32 and bf16 to the same losses and norms."""
+    got = ck.recipe.one_process(GPT(GPT_CFG), recipe, batch, STEPS, MAX_NORM)
+    assert got["losses"] == pytest.approx(ref[0], rel=1e-6) and got["grad_norms"] == pytest.approx(ref[1], rel=1e-6)
+    want_losses, want_norms, _ = mixed_reference("bf16")
+    got = ck.recipe.one_process(GPT(GPT_CFG), recipe, batch, STEPS, MAX_NORM, precision="bf16")
+    assert got["losses"] == pytest.approx(want_losses, rel=1e-6) and got["grad_norms"] == pytest.approx(want_norms, rel=1e-6)
+    assert all(p.dtype == torch.float32 for p in got["model"].parameters())  # the fp32 copy the optimizer stepped
