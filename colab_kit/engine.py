@@ -425,6 +425,7 @@ class Engine(EngineRecords):
         with self._timed("loss all_reduce", "comm", t0):
             value = self._pipeline_loss(local) if self.pipeline is not None else self._global_mean(local)
         self.step_count += 1
+        self.steps_run += 1
         self.history.append(value)
         place = getattr(self.grads, "placement", None)
         if place is not None:  # offload='auto': the first step measured, the chunks are placed now
@@ -543,6 +544,8 @@ class Engine(EngineRecords):
 
     # ------------------------------------------------------------------ lifetime
     _loader = None
+    steps_run = 0
+    """Steps this engine ran itself (``step_count`` also counts the ones a loaded checkpoint had run)."""
     lr_scheduler = None
     """The LR scheduler ``train_step`` steps after the optimizer (``boost(..., lr_scheduler=)``), or None."""
     max_grad_norm = None

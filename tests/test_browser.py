@@ -60,6 +60,7 @@ SHOWS = {  # notebook -> [(marker in a cell's source, "widget" | "plot" it must 
         ("ck.widgets.ConfigPicker()", "widget"),
         ("ck.widgets.ConfigPicker()", "plot"),
         ("viz.memory_figure(memory).show()", "plot"),
+        ("viz.recipe_figure", "plot"),
     ],
     "02_tensor_parallel.ipynb": [
         ("%colossal mesh --axis tp_col", "plot"),
@@ -79,6 +80,7 @@ SHOWS = {  # notebook -> [(marker in a cell's source, "widget" | "plot" it must 
         ('by="place", title=', "plot"),
         ("%colossal memory --by place", "widget"),
         ("viz.loss_figure", "plot"),
+        ("viz.recipe_figure", "plot"),
     ],
     "05_sequence_parallel.ipynb": [
         ("viz.zigzag_figure", "plot"),

@@ -321,7 +321,7 @@ def test_a_cell_that_trains_shows_loss_norm_lr_and_speed(run, state, shared):
                         "for s in range(3):\n    loss = rc_engine.train_step(SyntheticTokens(32, 8).batch(s, 8))")
     assert error is None, out
     line = next(t for t in out.splitlines() if t.startswith("rc_engine:"))
-    assert "steps 1-3 · loss " in line and "(clipped at 0.01)" in line and "lr " in line and "tokens/s" in line, line
+    assert "steps 1-3 · loss " in line and "(clipped to 0.01)" in line and "lr " in line and "tokens/s" in line, line
 
 
 def test_loading_twice_keeps_the_state_and_unloading_removes_everything(ip, state):

@@ -3,7 +3,7 @@
 After a cell, the magic asks rank 0 (one round trip) for every ``Engine`` in its namespace that took
 steps since the last time it was asked, and prints, beside the loss, the recipe and the speed::
 
-    engine: steps 11-30 · loss 3.104 -> 2.447 · grad norm 0.713 (clipped at 1.0) · lr 2.30e-03
+    engine: steps 11-30 · loss 3.104 -> 2.447 · grad norm 0.713 (under the clip at 1) · lr 2.30e-03
             · 70,521 tokens/s · 1.64 GFLOP/step · MFU 6.7% of 212 GFLOP/s measured peak
 
 The grad norm is the last step's global norm before clipping (``engine.records``), the lr the first
@@ -25,12 +25,11 @@ def rank_training() -> list[dict]:
         if not isinstance(eng, Engine) or name.startswith("_") or eng.closed:
             continue
         seen = eng.__dict__.get("_ck_summarized", 0)
-        now = eng.step_count
-        if now <= seen or not eng.records:
-            eng._ck_summarized = now
-            continue
+        now = eng.steps_run  # steps run here, not the ones a loaded checkpoint brought
         eng._ck_summarized = now
-        recs = eng.records[-(now - seen):]
+        if now <= seen or not eng.records:
+            continue
+        recs = eng.records[-min(now - seen, len(eng.records)):]
         speed = None
         try:
             speed = eng.throughput(last=len(recs))
@@ -52,8 +51,8 @@ def format_summary(s: dict) -> str:
     parts = [f"{s['name']}: {steps}", f"loss {s['loss_first']:.4g} -> {s['loss_last']:.4g}"
              if s["first"] != s["last"] else f"loss {s['loss_last']:.4g}"]
     if s["grad_norm"] is not None:
-        clipped = f" (clipped at {s['max_grad_norm']:g})" if s["grad_norm"] > s["max_grad_norm"] else \
-            f" (clip at {s['max_grad_norm']:g})"
+        clipped = f" (clipped to {s['max_grad_norm']:g})" if s["grad_norm"] > s["max_grad_norm"] else \
+            f" (under the clip at {s['max_grad_norm']:g})"
         parts.append(f"grad norm {s['grad_norm']:.3g}{clipped}")
     if s["lr"] is not None:
         parts.append(f"lr {s['lr']:.2e}")
