@@ -19,11 +19,12 @@ from .mesh import MeshLayout, ProcessMesh
 
 __version__ = "0.1.0"
 
-__all__ = ["ParallelConfig", "ConfigError", "MeshLayout", "ProcessMesh", "launch", "Cluster", "boost",
+__all__ = ["ParallelConfig", "ConfigError", "MeshLayout", "ProcessMesh", "launch", "init", "export", "Cluster", "boost",
            "Engine", "RankError", "RankTimeout", "models", "datasets", "recipe", "viz", "widgets", "comm", "tensor", "pipeline",
            "reference", "plan", "planner"]
 
 _LAZY = {"Cluster": ("cluster", "Cluster"), "boost": ("engine", "boost"), "Engine": ("engine", "Engine"),
+         "init": ("join", "init"), "export": ("magics.export", "export"),
          "plan": ("planner", "plan")}
 _SUBMODULES = {"models", "datasets", "recipe", "optimizer", "viz", "widgets", "comm", "magics", "cluster", "engine", "data", "memory",
                "tensor", "pipeline", "reference", "planner", "checkpoint"}

@@ -516,6 +516,13 @@ class Engine(EngineRecords):
         self._loader = ShardedLoader.for_engine(self, dataset, batch_size, **kw)
         return self._loader
 
+    def fit(self, loader, steps: int, *, checkpoint=None, every: int | None = None, on_step=None) -> list[float]:
+        """Train on ``loader`` until ``step_count == steps``, saving to ``checkpoint`` every ``every`` steps;
+        started again after a rank died it continues from the last complete checkpoint there, to the
+        losses of an uninterrupted run (``colab_kit.fit``)."""
+        from .fit import fit
+        return fit(self, loader, steps, checkpoint=checkpoint, every=every, on_step=on_step)
+
     def loader_state(self) -> dict | None:
         """The position of the loader made by ``engine.loader`` (None without one): what a checkpoint keeps."""
         return self._loader.state_dict() if self._loader is not None else None

@@ -24,7 +24,7 @@ def ip():
 @pytest.fixture
 def state(ip):
     s = ck.magics.state(ip)
-    s.cluster, s.config, s.last = None, None, None
+    s.cluster, s.config, s.last, s.recorded = None, None, None, []
     yield s
     if s.cluster is not None and s.cluster.running and not getattr(s.cluster, "_shared", False):
         s.cluster.stop()  # a cluster this test started (and left behind when it failed)
@@ -322,6 +322,79 @@ def test_a_cell_that_trains_shows_loss_norm_lr_and_speed(run, state, shared):
     assert error is None, out
     line = next(t for t in out.splitlines() if t.startswith("rc_engine:"))
     assert "steps 1-3 · loss " in line and "(clipped to 0.01)" in line and "lr " in line and "tokens/s" in line, line
+
+
+def test_export_writes_a_script_that_trains_like_the_notebook_under_torchrun(run, state, shared, tmp_path):
+    """%colossal export: the configs and the cells that ran, as a script; run under torchrun it prints the
+    losses the notebook's cell printed; with the wrong number of ranks it says so before connecting."""
+    import json
+    import subprocess
+    import sys
+    run("%colossal config dp=2 tp=2")
+    error, out, _ = run("%%colossal\nimport json, torch, colab_kit as ck\nfrom colab_kit.models import GPT, GPTConfig\n"
+                        "from colab_kit.datasets import SyntheticTokens\ntorch.set_num_threads(1)\n"
+                        "ex_engine = ck.boost(GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)), "
+                        "lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), config, mesh=mesh)\n"
+                        "ex_losses = [ex_engine.train_step(SyntheticTokens(32, 8, seed=1).batch(s, 8)) for s in range(3)]\n"
+                        "if rank == 0:\n    print('LOSSES', json.dumps(ex_losses))")
+    assert error is None, out
+    notebook = json.loads(out.split("LOSSES ")[1].splitlines()[0])
+    error, out, _ = run("%%colossal --ranks 0\n%time y = 2\nprint('only rank 0')")
+    assert error is None, out
+    _usage(run, "%colossal export", "the following arguments are required: PATH")
+    error, out, _ = run(f"%colossal export {tmp_path}/train.py")
+    assert error is None, out
+    assert "torchrun --nproc-per-node 4 train.py" in out and "sbatch train.sbatch" in out
+    assert "IPython lines left as comments" in out and "%time y = 2" in out
+    script = (tmp_path / "train.py").read_text()
+    assert "ck.init(config)" in script and "if rank in (0,):" in script
+    assert "srun python train.py" in (tmp_path / "train.sbatch").read_text()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    ran = subprocess.run(torchrun + ["--nproc-per-node=4", "train.py"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
+    exported = json.loads(ran.stdout.split("LOSSES ")[1].splitlines()[0])
+    assert exported == pytest.approx(notebook, rel=1e-5)
+    assert ran.stdout.count("only rank 0") == 1
+    wrong = subprocess.run(torchrun + ["--nproc-per-node=2", "train.py"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+    assert wrong.returncode != 0
+    assert "= 4 ranks, and this job has WORLD_SIZE=2 from torchrun" in wrong.stderr + wrong.stdout
+
+
+FIT_CELL = """%%colossal --timeout 90
+import os, torch, colab_kit as ck
+from colab_kit.models import GPT, GPTConfig
+fit_engine = ck.boost(GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)),
+                      lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), config, mesh=mesh)
+x, y = ck.datasets.SyntheticTokens(32, 8, seed=2).batch(0, 32)
+loader = fit_engine.loader([(x[i], y[i]) for i in range(32)], 8, seed=0)
+def die(eng, loss):
+    if {die} and rank == 1 and eng.step_count == {die}:
+        os._exit(3)
+fit_engine.fit(loader, 6, checkpoint={path!r}, every=2, on_step=die)
+if rank == 0:
+    print('HISTORY', fit_engine.history)
+fit_engine.close()
+"""
+
+
+def test_fit_continues_after_a_dead_engine_and_a_restart(run, state, shared, tmp_path):
+    """An engine process killed mid-run (rank 1 at step 3): the cell fails naming it; after %colossal
+    restart the same cell continues from the checkpoint of step 2 to the uninterrupted run's losses."""
+    import ast
+    run("%colossal config dp=4")
+    error, out, _ = run(FIT_CELL.format(die=0, path=str(tmp_path / "whole")))
+    assert error is None, out
+    whole = ast.literal_eval(out.split("HISTORY ")[1].splitlines()[0])
+    error, out, err = run(FIT_CELL.format(die=3, path=str(tmp_path / "ck")))
+    assert error is not None and "rank 1" in out + err, out + err
+    error, out, _ = run("%colossal restart")
+    assert error is None, out
+    assert ck.checkpoint.check(str(tmp_path / "ck"))["step"] == 2
+    error, out, _ = run(FIT_CELL.format(die=0, path=str(tmp_path / "ck")))
+    assert error is None, out
+    assert ast.literal_eval(out.split("HISTORY ")[1].splitlines()[0]) == pytest.approx(whole, rel=1e-5)
 
 
 def test_loading_twice_keeps_the_state_and_unloading_removes_everything(ip, state):

@@ -37,6 +37,7 @@ torch.distributed ready). The magics act on one explicit ``ColossalState``
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 import time
 
@@ -221,6 +222,19 @@ class ColossalMagics(Magics):
         if self.state.config is not None and (cluster is None or not cluster.running):
             print(f"kept config: {self.state.config.describe()}")
 
+    def _do_export(self, args, words):
+        """Write what the cluster ran as a script for torchrun / srun (``colab_kit.magics.export``)."""
+        from .export import write_export
+        try:
+            out = write_export(self.state.recorded, args.path)
+        except ValueError as exc:  # ConfigError: nothing to export yet
+            raise UsageError(f"%colossal export: {exc}") from None
+        print(f"wrote {out['script']} and {out['sbatch']}: run it with\n  {out['torchrun']}\n  sbatch "
+              f"{os.path.basename(out['sbatch'])}")
+        if out["skipped"]:
+            print(f"IPython lines left as comments (a script cannot run them): {'; '.join(out['skipped'])}")
+        return None
+
     def _do_stop(self, args, words):
         self.state.stop()
         print("cluster stopped")
@@ -265,6 +279,7 @@ class ColossalMagics(Magics):
             if progress is not None:
                 progress.close()
         show_outputs(self.state.last)
+        self.state.record_cell(cell, args.ranks)
         if args.ranks is None or 0 in args.ranks:  # what the cell trained: loss, norm, lr, tokens/s, MFU
             from .training import summary_lines
             for text in summary_lines(cluster):

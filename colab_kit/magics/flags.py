@@ -88,6 +88,7 @@ FLAGS = {
     "memory": (("--memory",), dict(type=_bytes, default=None, metavar="64MiB",
                                    help="memory per rank (B, KiB, MiB, GiB); candidates over it are marked")),
     "top": (("--top",), dict(type=_positive_int, default=10, metavar="K", help="show the best K candidates")),
+    "path": (("path",), dict(metavar="PATH", help="the script to write (.py), with a Slurm batch file beside it")),
 }
 COMMANDS = {  # name: (flags, takes config words, help)
     "start": (("n", "engines", "timeout"), False, "start engines and torch.distributed; show the ranks"),
@@ -99,6 +100,7 @@ COMMANDS = {  # name: (flags, takes config words, help)
     "memory": (("var", "by"), False, "memory per rank, measured beside the estimate, refreshed after each step"),
     "plan": (("model", "batch", "world", "memory", "top"), False,
              "plan a model's configs: estimated memory and step time; Apply one"),
+    "export": (("path",), False, "write the configs and cells the cluster ran as a script for torchrun or srun"),
     "status": ((), False, "show the cluster, its ranks and config"),
     "stop": ((), False, "stop the cluster"),
     "restart": ((), False, "fresh engines with the same config (after a failure)"),
@@ -124,7 +126,10 @@ def parser(prog: str, flags, help: str = "", words: bool = False) -> _Parser:
     p.add_argument(*HELP, action="store_true", dest="help", help=argparse.SUPPRESS)
     for name in flags:
         names, kwargs = FLAGS[name]
-        p.add_argument(*names, dest=name, **kwargs)
+        if names[0].startswith("-"):
+            p.add_argument(*names, dest=name, **kwargs)
+        else:  # a positional argument (argparse names it itself)
+            p.add_argument(name, **kwargs)
     if words:
         p.usage = f"{p.usage_line()} {CONFIG_WORDS}".replace("%", "%%")  # argparse %-formats usage
     return p

@@ -26,6 +26,9 @@ class ColossalState:
         self.cluster: Cluster | None = None
         self.config: ParallelConfig | None = None   # also kept while no cluster runs (for mesh, next start)
         self.last: dict[int, RankOutput] | None = None  # outputs of the last %%colossal cell
+        self.recorded: list[tuple] = []
+        """What this cluster ran, in order, for ``%colossal export``: ``("config", dict)``, ``("cell", source,
+        ranks)`` (cells that ran without an error), ``("restart",)``."""
 
     def require_cluster(self) -> Cluster:
         if self.cluster is None or not self.cluster.running:
@@ -40,12 +43,20 @@ class ColossalState:
                                "%colossal stop it first, or %colossal restart it")
         cluster = with_progress(Cluster(n, engines, timeout=timeout or 60).start, progress)
         self.cluster = cluster
+        self.recorded = []  # a new cluster: what it runs from here
         if self.config is not None and self.config.world_size == cluster.world_size:
             cluster.set_config(self.config)
+            self.recorded.append(("config", self.config.to_dict()))
         return cluster
 
     def restart(self, progress=None) -> Cluster:
-        return with_progress(self.require_cluster().restart, progress)
+        cluster = with_progress(self.require_cluster().restart, progress)
+        self.recorded.append(("restart",))
+        return cluster
+
+    def record_cell(self, source: str, ranks) -> None:
+        """A ``%%colossal`` cell that ran without an error (for ``%colossal export``)."""
+        self.recorded.append(("cell", source, list(ranks) if ranks is not None else None))
 
     def apply_config(self, config: ParallelConfig) -> str:
         """The one path a config takes to the ranks (``%colossal config`` and ConfigPicker's Apply)."""
@@ -55,6 +66,7 @@ class ColossalState:
         config.check_world_size(self.cluster.world_size)  # before any engine is touched
         self.cluster.set_config(config)
         self.config = config
+        self.recorded.append(("config", config.to_dict()))
         return f"config set on {self.cluster.world_size} ranks: {config.describe()}"
 
     def mesh_config(self, words: list[str]) -> ParallelConfig:

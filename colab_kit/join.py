@@ -1,0 +1,218 @@
+"""``ck.init()``: join the process group a launcher started (torchrun, Slurm's srun, Open MPI, MPICH).
+
+One call at the top of a script makes it run under any of them, as it runs in a notebook cluster::
+
+    import colab_kit as ck
+    ck.init()                                   # reads the launcher's environment, picks the device
+    engine = ck.boost(model, opt, ck.ParallelConfig(dp=2, tp=2))
+    ...
+
+    $ torchrun --nproc-per-node 4 train.py                      # one host
+    $ torchrun --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 --nproc-per-node 4 train.py
+    $ srun --ntasks 8 --ntasks-per-node 4 python train.py        # in an sbatch script
+    $ mpirun -n 4 -x MASTER_ADDR=$(hostname) python train.py
+
+What it reads (``detect``), first match wins:
+
+    launcher   rank            world size        local rank              rendezvous address
+    torchrun   RANK            WORLD_SIZE        LOCAL_RANK              MASTER_ADDR, MASTER_PORT
+    Slurm      SLURM_PROCID    SLURM_NTASKS      SLURM_LOCALID           MASTER_ADDR, else the first host of
+                                                                         SLURM_JOB_NODELIST; MASTER_PORT, else
+                                                                         20000 + SLURM_JOB_ID % 20000
+    Open MPI   OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK                MASTER_ADDR (loopback when every rank
+    MPICH      PMI_RANK        PMI_SIZE          MPI_LOCALRANKID         is on this host), MASTER_PORT (29500)
+
+Then the device: ``cuda:<local rank>`` with NCCL where this host has a GPU for every local rank, else the
+CPU with gloo. For gloo, the interface: when every rank is on this host (the launcher says so:
+``LOCAL_WORLD_SIZE == WORLD_SIZE``) or the address is loopback, gloo's sockets stay on loopback (``colab_kit.net``'s rule); otherwise the interface whose address routes
+to the rendezvous address (``interface_for``), so no ``GLOO_SOCKET_IFNAME`` needs setting by hand (one
+the user set is kept). A missing or inconsistent variable is a ``ConfigError`` naming it; an address that
+cannot be reached is a ``ConnectionError`` within ``timeout``, naming the address and where it came from.
+
+Worked example, two hosts under torchrun (``--nnodes 2 --nproc-per-node 2 --master-addr 10.200.0.1``),
+host B's interface ``veth-b`` holding 10.200.0.2::
+
+    host A  rank 0  LOCAL_RANK 0  -> cpu, gloo on the interface holding 10.200.0.1 (it routes to itself)
+    host A  rank 1  LOCAL_RANK 1  -> the same
+    host B  rank 2  LOCAL_RANK 0  -> cpu, gloo on veth-b (10.200.0.2 routes to 10.200.0.1)
+    host B  rank 3  LOCAL_RANK 1  -> the same
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+from .config import ConfigError
+from .net import is_loopback, loopback_interface
+
+__all__ = ["JobEnv", "detect", "init", "interface_for", "first_host"]
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """What a launcher said about this process: ``launcher`` ("torchrun", "slurm", "openmpi", "mpich")."""
+
+    launcher: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int | None
+    master_addr: str
+    master_port: int
+    source: str  # where the address came from, for error messages ("MASTER_ADDR", "SLURM_JOB_NODELIST")
+
+    @property
+    def single_host(self) -> bool:
+        return self.local_world_size == self.world_size
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``"node[03-05,9],gpu1"`` -> ``"node03"``.
+
+    >>> first_host("node[03-05,9],gpu1"), first_host("a1,a2"), first_host("gpu-[7]")
+    ('node03', 'a1', 'gpu-7')
+    """
+    head = re.match(r"([^,\[]*)(\[([^\]]*)\])?", nodelist.strip())
+    if head is None or not head.group(0):
+        raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r} names no host: set MASTER_ADDR to rank 0's host")
+    prefix, inner = head.group(1), head.group(3)
+    if inner is None:
+        return prefix
+    return prefix + inner.split(",")[0].split("-")[0]
+
+
+def _int(env, name: str, launcher: str) -> int:
+    if name not in env:
+        raise ConfigError(f"{launcher} sets {name}, and it is missing here: start the script with {launcher}, or "
+                          f"set {name} yourself")
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ConfigError(f"{name}={env[name]!r} (from {launcher}) is not a whole number") from None
+
+
+def detect(env=None) -> JobEnv | None:
+    """The launcher's view of this process from ``env`` (default ``os.environ``); None when no launcher
+    started it (a plain ``python train.py``: one rank)."""
+    env = os.environ if env is None else env
+    if "RANK" in env or "WORLD_SIZE" in env or "LOCAL_RANK" in env:
+        launcher, keys = "torchrun", ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    elif "SLURM_PROCID" in env:
+        launcher, keys = "slurm", ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None)
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        launcher, keys = "openmpi", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                     "OMPI_COMM_WORLD_LOCAL_SIZE")
+    elif "PMI_RANK" in env:
+        launcher, keys = "mpich", ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+    else:
+        return None
+    rank, world = _int(env, keys[0], launcher), _int(env, keys[1], launcher)
+    local = _int(env, keys[2], launcher) if launcher != "torchrun" or keys[2] in env else rank
+    local_world = int(env[keys[3]]) if keys[3] and keys[3] in env else None
+    if launcher == "slurm" and "SLURM_NTASKS_PER_NODE" in env and env["SLURM_NTASKS_PER_NODE"].isdigit():
+        local_world = int(env["SLURM_NTASKS_PER_NODE"])
+    if not 0 <= rank < world:
+        raise ConfigError(f"{keys[0]}={rank} is outside 0..{world - 1} ({keys[1]}={world}, from {launcher})")
+    if local < 0 or local > rank:
+        raise ConfigError(f"{keys[2]}={local} is inconsistent with {keys[0]}={rank} (a local rank is at most the "
+                          f"global one), from {launcher}")
+    if "MASTER_ADDR" in env:
+        addr, source = env["MASTER_ADDR"], "MASTER_ADDR"
+    elif launcher == "slurm" and "SLURM_JOB_NODELIST" in env:
+        addr, source = first_host(env["SLURM_JOB_NODELIST"]), "SLURM_JOB_NODELIST"
+    elif launcher in ("openmpi", "mpich") and local_world == world:
+        addr, source = "127.0.0.1", "every rank on this host"
+    else:
+        raise ConfigError(f"MASTER_ADDR is not set: under {launcher} across hosts it must name rank 0's host "
+                          f"(e.g. mpirun -x MASTER_ADDR=$(hostname))")
+    if "MASTER_PORT" in env:
+        port = _int(env, "MASTER_PORT", launcher)
+    elif launcher == "slurm" and "SLURM_JOB_ID" in env:
+        port = 20000 + int(env["SLURM_JOB_ID"]) % 20000
+    elif launcher == "torchrun":
+        raise ConfigError("MASTER_PORT is missing (torchrun sets it): start the script with torchrun, or set it")
+    else:
+        port = 29500
+    return JobEnv(launcher, rank, world, local, local_world, addr, port, source)
+
+
+def interface_for(addr: str) -> str | None:
+    """The name of this host's interface whose address routes to ``addr`` (the rendezvous address), or
+    None where it cannot be told (not Linux, no route)."""
+    try:
+        target = socket.gethostbyname(addr)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))  # UDP: nothing is sent, the kernel only picks the route
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    if is_loopback(local):
+        return loopback_interface()
+    try:
+        import fcntl
+        import struct
+    except ImportError:
+        return None
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == local:
+            return name
+    return None
+
+
+def _reachable(addr: str, port: int, timeout: float) -> bool:
+    import time
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=min(2.0, timeout)):
+                return True
+        except OSError:
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.2)
+
+
+def init(config=None, *, backend: str | None = None, timeout: float = 300.0) -> JobEnv | None:
+    """Join the launcher's process group (see the module docstring); a no-op returning None where a
+    process group exists already or no launcher started this process. ``config``: a ``ParallelConfig``
+    whose world size must be the launcher's, checked before anything connects."""
+    import torch
+    import torch.distributed as dist
+
+    job = detect()
+    if config is not None:
+        world = job.world_size if job is not None else (dist.get_world_size() if dist.is_initialized() else 1)
+        if config.world_size != world:
+            where = f"WORLD_SIZE={world} from {job.launcher}" if job is not None else f"{world} rank(s)"
+            raise ConfigError(f"the config is {config.describe()}, and this job has {where}: start "
+                              f"{config.world_size} ranks (torchrun --nproc-per-node {config.world_size}), or pick "
+                              f"degrees whose product is {world}")
+    if dist.is_initialized() or job is None:
+        return None
+    gpus = torch.cuda.is_available() and torch.cuda.device_count() > job.local_rank
+    backend = backend or ("nccl" if gpus else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(job.local_rank)
+    elif "GLOO_SOCKET_IFNAME" not in os.environ:  # the user's choice stands
+        local = is_loopback(job.master_addr) or job.single_host  # every rank here: gloo stays on loopback
+        name = loopback_interface() if local else interface_for(job.master_addr)
+        if name is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+    os.environ.setdefault("MASTER_ADDR", job.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(job.master_port))
+    if job.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        if not _reachable(job.master_addr, job.master_port, timeout):
+            raise ConnectionError(f"rank {job.rank} could not reach the rendezvous at {job.master_addr}:"
+                                  f"{job.master_port} (from {job.source}, {job.launcher}) within {timeout:g} s: check "
+                                  f"that it is rank 0's host, reachable from this one, and the port open")
+    dist.init_process_group(backend, init_method="env://", rank=job.rank, world_size=job.world_size,
+                            timeout=timedelta(seconds=timeout))
+    return job

@@ -1,0 +1,120 @@
+"""``%colossal export PATH`` (and ``ck.export``): what the cluster ran, as a script for torchrun or srun.
+
+The magics record, in order, every config set on the ranks and every ``%%colossal`` cell that ran
+without an error (``ColossalState.recorded``). ``export`` writes them as one Python script that starts
+with ``ck.init(config)`` and defines what the magic predefines on every rank (``rank``, ``config``,
+``mesh``), a Slurm batch file beside it, and returns the torchrun command. A cell run with
+``--ranks 0,2`` runs under ``if rank in (0, 2):``; a config set later rebuilds ``config`` and ``mesh``
+where it was set; a restart is a comment (the script's ranks never died). Lines that are IPython syntax
+(``%time``, ``!ls``) cannot run in a plain script: they are written as comments, and said so.
+
+Worked example, after ``%colossal config dp=2 tp=2`` and one cell ``engine = ck.boost(...)``::
+
+    config = ck.ParallelConfig(dp=2, tp=2)                     # %colossal config dp=2 tp=2
+    ck.init(config)                                            # torchrun / srun / mpirun
+    rank = torch.distributed.get_rank()
+    mesh = ck.ProcessMesh.shared(config)
+    # ---- %%colossal cell 1
+    engine = ck.boost(...)
+
+    $ torchrun --nproc-per-node 4 train.py        (or: sbatch train.sbatch)
+"""
+from __future__ import annotations
+
+import os
+import time
+
+__all__ = ["export", "export_script", "write_export"]
+
+_HEADER = '''"""Exported by colab_kit's %colossal export on {when}: the configs and the %%colossal cells the notebook's
+cluster ran, in order, as one script.
+
+    {torchrun}
+    sbatch {sbatch}
+"""
+import torch
+import torch.distributed
+
+import colab_kit as ck
+
+'''
+
+
+def _is_ipython(line: str) -> bool:
+    s = line.lstrip()
+    return s.startswith(("%", "!")) or (s.endswith("?") and not s.startswith("#"))
+
+
+def _config_lines(cfg: dict, first: bool) -> list[str]:
+    from ..config import ParallelConfig
+    defaults = ParallelConfig().to_dict()
+    args = ", ".join(f"{k}={v!r}" for k, v in cfg.items() if defaults.get(k, object()) != v)
+    lines = [f"config = ck.ParallelConfig({args})"]
+    if first:
+        lines += ["ck.init(config)                     # torchrun / srun / mpirun: joins their process group",
+                  "rank = torch.distributed.get_rank()",
+                  "mesh = ck.ProcessMesh.shared(config)"]
+    else:
+        lines += ["mesh.release()", "mesh = ck.ProcessMesh.shared(config)"]
+    return lines
+
+
+def export_script(recorded: list[tuple]) -> tuple[str, int, list[str]]:
+    """The script's body from ``recorded`` (``("config", dict)``, ``("cell", source, ranks)``,
+    ``("restart",)``), its world size, and the IPython lines it had to comment out."""
+    from ..config import ConfigError, ParallelConfig
+
+    configs = [r[1] for r in recorded if r[0] == "config"]
+    if not configs:
+        raise ConfigError("nothing to export yet: set a config (%colossal config dp=4) and run %%colossal cells first")
+    world = ParallelConfig(**configs[0]).world_size
+    out, skipped, cells, first = [], [], 0, True
+    for entry in recorded:
+        if entry[0] == "config":
+            out += ["", f"# ---- config: {ParallelConfig(**entry[1]).describe()}", *_config_lines(entry[1], first)]
+            first = False
+        elif entry[0] == "restart":
+            out += ["", "# ---- %colossal restart (here the ranks never stopped: what the cells before defined stays)"]
+        elif entry[0] == "cell" and not first:
+            cells += 1
+            source, ranks = entry[1], entry[2]
+            body = []
+            for line in source.splitlines():
+                if _is_ipython(line):
+                    skipped.append(line.strip())
+                    body.append(f"# (IPython syntax, not run by the script) {line.strip()}")
+                else:
+                    body.append(line)
+            if ranks is not None:
+                body = [f"if rank in {tuple(ranks)}:"] + ["    " + b if b.strip() else b for b in body] + ["    pass"]
+            out += ["", f"# ---- %%colossal cell {cells}" + (f" --ranks {','.join(map(str, ranks))}" if ranks else ""),
+                    *body]
+    return "\n".join(out) + "\n", world, skipped
+
+
+def write_export(recorded: list[tuple], path) -> dict:
+    """Write ``path`` (the script) and ``<path without .py>.sbatch``; return ``{"script", "sbatch",
+    "torchrun", "world_size", "skipped"}``."""
+    path = os.path.abspath(os.fspath(path))
+    if not path.endswith(".py"):
+        path += ".py"
+    body, world, skipped = export_script(recorded)
+    sbatch = path[:-3] + ".sbatch"
+    torchrun = f"torchrun --nproc-per-node {world} {os.path.basename(path)}"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(_HEADER.format(when=time.strftime("%Y-%m-%d %H:%M"), torchrun=torchrun,
+                               sbatch=os.path.basename(sbatch)) + body.lstrip("\n"))
+    with open(sbatch, "w", encoding="utf-8") as f:
+        f.write(f"#!/bin/bash\n#SBATCH --job-name={os.path.basename(path)[:-3]}\n#SBATCH --ntasks={world}\n"
+                f"#SBATCH --time=01:00:00\n# one task per GPU where there are GPUs: add --gpus-per-task=1\n"
+                f"# ck.init() reads SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and the first host of the node list\n"
+                f"srun python {os.path.basename(path)}\n")
+    return {"script": path, "sbatch": sbatch, "torchrun": torchrun, "world_size": world, "skipped": skipped}
+
+
+def export(path, state=None) -> dict:
+    """``ck.export(PATH)``: what ``%colossal export PATH`` writes, from the magics' state (or ``state``)."""
+    if state is None:
+        from .core import state as current
+        state = current()
+    return write_export(state.recorded, path)

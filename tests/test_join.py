@@ -1,0 +1,168 @@
+"""``ck.init()`` (``colab_kit.join``): the launchers' environments read into one view, with clear errors;
+a script with ``ck.init()`` trained under torchrun on this host to one process's losses; and across two
+hosts for real: two network namespaces joined by a veth pair, torchrun ``--nnodes 2`` in each, gloo
+finding the interface by itself, dp x pp and dp x tp equal to one process (root only: skipped with the
+reason where namespaces cannot be made). An unreachable rendezvous is a clear error within the timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import colab_kit as ck
+from colab_kit.config import ConfigError
+from colab_kit.join import detect, first_host
+from colab_kit.models import GPTConfig
+from colab_kit.datasets import SyntheticTokens
+from colab_kit.reference import single_process_losses
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "torchrun_train.py"
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+STEPS = 4
+
+
+def reference():
+    return single_process_losses(CFG, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), SyntheticTokens(64, 16, seed=1),
+                                 STEPS, 8)[0]
+
+
+# ---------------------------------------------------------------------- the environments, no processes
+def test_each_launcher_is_read_into_one_view():
+    tr = detect({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                 "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+    assert (tr.launcher, tr.rank, tr.world_size, tr.local_rank, tr.master_addr, tr.master_port, tr.single_host) == \
+        ("torchrun", 3, 4, 1, "10.0.0.1", 29500, False)
+    sl = detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]",
+                 "SLURM_JOB_ID": "123456", "SLURM_NTASKS_PER_NODE": "4"})
+    assert (sl.launcher, sl.rank, sl.world_size, sl.local_rank, sl.master_addr, sl.master_port, sl.source) == \
+        ("slurm", 5, 8, 1, "gpu07", 20000 + 123456 % 20000, "SLURM_JOB_NODELIST")
+    om = detect({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    assert (om.launcher, om.master_addr, om.master_port, om.single_host) == ("openmpi", "127.0.0.1", 29500, True)
+    mp = detect({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MASTER_ADDR": "h0", "MASTER_PORT": "7"})
+    assert (mp.launcher, mp.master_addr, mp.master_port) == ("mpich", "h0", 7)
+    assert detect({}) is None  # a plain `python train.py`
+    assert first_host("n[1-4]") == "n1" and first_host("login") == "login"
+
+
+@pytest.mark.parametrize("env, rule", [
+    ({"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "torchrun sets WORLD_SIZE, and it is missing"),
+    ({"RANK": "4", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "RANK=4 is outside 0..3"),
+    ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "LOCAL_RANK=2 is inconsistent"),
+    ({"RANK": "1", "WORLD_SIZE": "two", "LOCAL_RANK": "0"}, "WORLD_SIZE='two' .* is not a whole number"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "1"}, "MASTER_ADDR is not set"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "a"}, "MASTER_PORT is missing"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, "mpirun -x MASTER_ADDR"),
+])
+def test_missing_or_inconsistent_variables_are_named(env, rule):
+    with pytest.raises(ConfigError, match=rule):
+        detect(env)
+
+
+def test_a_world_size_that_disagrees_with_the_config_is_refused_before_connecting(monkeypatch):
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match=r"the config is dp=2 x tp=2 \(1d\) = 4 ranks, and this job has WORLD_SIZE=2 from "
+                                          r"torchrun: start 4 ranks \(torchrun --nproc-per-node 4\)"):
+        ck.init(ck.ParallelConfig(dp=2, tp=2))
+
+
+def test_an_unreachable_rendezvous_is_a_clear_error_within_the_timeout():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               CK_TEST_TIMEOUT="3")
+    run = subprocess.run([sys.executable, str(SCRIPT), "dp=2", "1"], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0
+    assert f"rank 1 could not reach the rendezvous at 127.0.0.1:{port} (from MASTER_ADDR, torchrun) within 3 s" \
+        in run.stderr, run.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------- torchrun on this host
+def _torchrun(args, env=None, prefix=()):
+    return [*prefix, sys.executable, "-m", "torch.distributed.run", *args, str(SCRIPT)]
+
+
+def test_a_script_with_init_trains_under_torchrun_like_one_process():
+    want = reference()
+    for words, n in (("dp=2 tp=2", 4),):
+        run = subprocess.run(_torchrun(["--standalone", f"--nproc-per-node={n}"]) + [words, str(STEPS)],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        assert got["world_size"] == n and got["backend"] == "gloo" and got["launcher"] == "torchrun"
+        assert set(got["ifnames"]) == {"lo"}  # every rank on this host: gloo stays on loopback
+        assert got["losses"] == pytest.approx(want, rel=1e-5)
+
+
+# ---------------------------------------------------------------------- two hosts: network namespaces
+def _ip(*args, check=True):
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """Namespaces A and B joined by a veth pair, 10.231.<n>.1 and .2, removed afterwards."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("two hosts need network namespaces: root and iproute2's `ip` (CI runs as root)")
+    tag = f"{os.getpid() % 100000}"
+    a, b, va, vb = f"ckA{tag}", f"ckB{tag}", f"ckva{tag}", f"ckvb{tag}"
+    net = f"10.231.{os.getpid() % 250}"
+    try:
+        _ip("netns", "add", a)
+        _ip("netns", "add", b)
+        _ip("link", "add", va, "type", "veth", "peer", "name", vb)
+        _ip("link", "set", va, "netns", a)
+        _ip("link", "set", vb, "netns", b)
+        _ip("-n", a, "addr", "add", f"{net}.1/24", "dev", va)
+        _ip("-n", b, "addr", "add", f"{net}.2/24", "dev", vb)
+        for ns, dev in ((a, va), (b, vb)):
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", dev, "up")
+    except (subprocess.CalledProcessError, OSError) as e:
+        for ns in (a, b):
+            _ip("netns", "del", ns, check=False)
+        pytest.skip(f"network namespaces cannot be made here: {getattr(e, 'stderr', e)}")
+    yield {"A": a, "B": b, "addr_a": f"{net}.1", "addr_b": f"{net}.2", "dev_a": va, "dev_b": vb}
+    for ns in (a, b):
+        _ip("netns", "del", ns, check=False)
+    assert not {a, b} & set(_ip("netns", "list").stdout.split())
+
+
+def test_torchrun_across_two_hosts_trains_like_one_process(two_hosts):
+    """torchrun --nnodes 2 in two namespaces: 2 ranks on each host, the rendezvous on host A's address;
+    gloo's interface on each host found by ck.init() (nothing set by hand)."""
+    want = reference()
+    h = two_hosts
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    for i, words in enumerate(("dp=2 pp=2", "dp=2 tp=2")):
+        port = str(29600 + i)
+        common = ["--nnodes=2", "--nproc-per-node=2", f"--master-addr={h['addr_a']}", f"--master-port={port}"]
+        procs = [subprocess.Popen(_torchrun(common + [f"--node-rank={r}"], prefix=("ip", "netns", "exec", h[ns]))
+                                  + [words, str(STEPS)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for r, ns in ((0, "A"), (1, "B"))]
+        outs = []
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=180))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, out[-2000:] + err[-4000:]
+        got = json.loads(outs[0][0].strip().splitlines()[-1])
+        assert got["world_size"] == 4
+        assert got["ifnames"] == [h["dev_a"], h["dev_a"], h["dev_b"], h["dev_b"]], got["ifnames"]
+        assert got["losses"] == pytest.approx(want, rel=1e-5), words
