@@ -13,7 +13,7 @@ Inside each rank of ``ParallelConfig(dp=4)``, with a global batch of 16 rows::
 
 The model may also be built on the meta device (``GPT(cfg, device="meta")``): then each
 rank makes only its own shards, with the values the dense model would hold
-(``colab_kit.init``), so no rank ever holds the whole model. ``engine.close()`` releases
+(``colab_kit.sharded_init``), so no rank ever holds the whole model. ``engine.close()`` releases
 the engine's hold on its mesh (shared by every engine of one config) and its threads.
 
 What runs now: data parallelism (any dp) with gradient accumulation over
@@ -165,7 +165,7 @@ class Engine(EngineRecords):
         self.policy = policy
         """The ``colab_kit.policy.Policy`` the parallel parts lowered (None: a model under dp / ZeRO only)."""
         self._logits = policy.output if policy is not None and policy.output is not None else (lambda out: out)
-        from .init import defer, materialize, meta_twin  # a meta-device model: only this rank's shards are made
+        from .sharded_init import defer, materialize, meta_twin  # a meta-device model: only this rank's shards are made
         self._twin = meta_twin(model)  # shapes and names only: the dense model the checkpoint maps elements to
         self.tp_plan = None
         defer(model, config, mesh.rank("pp"), policy)
@@ -206,7 +206,7 @@ class Engine(EngineRecords):
             model = nn.ModuleList(stages)
             mine = {id(p) for p in model.parameters()}
             self._tied = [(tuple(t.shape), t if id(t) in mine else None) for t in tied]
-        self.module = materialize(model).to(mesh.device)  # what is still meta: whole copies (see colab_kit.init)
+        self.module = materialize(model).to(mesh.device)  # what is still meta: whole copies (see colab_kit.sharded_init)
         self._n_local = sum(p.numel() for p in self.module.parameters() if p.requires_grad)  # before ZeRO
         from .placement import PlacementTable
         self.placement_table = PlacementTable(self.module)
@@ -298,11 +298,11 @@ class Engine(EngineRecords):
             return self.pipeline.finish()
         cfg, mesh = self.config, self.mesh
         m = cfg.microbatches
+        mesh.log.begin_step()  # before prepare_batch: a local batch's target count is this step's first collective
         inputs, targets = self.prepare_batch(batch, m, local)
         self._rows, self._seq = inputs.shape[0] // m, inputs.shape[1]
         self._hold_activations(self._rows)
         shards = self.loss_shards
-        mesh.log.begin_step()
         self._events.clear()
         if self.sp_plan is not None:
             self.sp_plan.begin_step()
@@ -328,6 +328,10 @@ class Engine(EngineRecords):
         (``count_targets``, ``begin_batch``); a batch that does not split is refused before any collective."""
         inputs, targets = batch
         dp, rows = self.config.dp, inputs.shape[0]
+        said = getattr(batch, "global_rows", None)
+        if local and said is not None and said != rows * dp:
+            raise ValueError(f"this LocalBatch holds {rows} rows of a global batch of {said}, and dp={dp} ranks make "
+                             f"{rows * dp}: build the loader for this engine (engine.loader(dataset, {said}))")
         need, what = (microbatches, "this rank's batch") if local else (dp * microbatches, "a global batch")
         if rows % need:
             raise ValueError(f"{what} of {rows} rows does not split over "
@@ -430,6 +434,8 @@ class Engine(EngineRecords):
         place = getattr(self.grads, "placement", None)
         if place is not None:  # offload='auto': the first step measured, the chunks are placed now
             place.after_step()
+        if self._views:  # no view keeps a dropped gradient (or a moved chunk's old copy) alive
+            self._views.release()
         self.records.append({"step": self.step_count, "loss": value, **done, "seconds": time.perf_counter() - t0,
                              "input_shape": self._input[0], "lr": float(lr) if lr is not None else None})
         return value
@@ -522,6 +528,10 @@ class Engine(EngineRecords):
         losses of an uninterrupted run (``colab_kit.fit``)."""
         from .fit import fit
         return fit(self, loader, steps, checkpoint=checkpoint, every=every, on_step=on_step)
+
+    def use_loader(self, loader) -> None:
+        """Make ``loader`` (a ``ShardedLoader``) the one whose position checkpoints keep (``engine.fit`` does)."""
+        self._loader = loader
 
     def loader_state(self) -> dict | None:
         """The position of the loader made by ``engine.loader`` (None without one): what a checkpoint keeps."""

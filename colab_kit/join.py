@@ -48,7 +48,7 @@ from datetime import timedelta
 from .config import ConfigError
 from .net import is_loopback, loopback_interface
 
-__all__ = ["JobEnv", "detect", "init", "interface_for", "first_host"]
+__all__ = ["JobEnv", "detect", "init", "interface_for", "gloo_interface", "first_host"]
 
 
 @dataclass(frozen=True)
@@ -70,18 +70,23 @@ class JobEnv:
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list: ``"node[03-05,9],gpu1"`` -> ``"node03"``.
+    """The first host of a Slurm node list: ``"node[03-05,9],gpu1"`` -> ``"node03"``; each bracket of the
+    first entry gives its first value (``"rack[1-2]-node[01-04]"`` -> ``"rack1-node01"``).
 
-    >>> first_host("node[03-05,9],gpu1"), first_host("a1,a2"), first_host("gpu-[7]")
-    ('node03', 'a1', 'gpu-7')
+    >>> first_host("node[03-05,9],gpu1"), first_host("a1,a2"), first_host("gpu-[7]"), first_host("rack[1-2]-node[01-04]")
+    ('node03', 'a1', 'gpu-7', 'rack1-node01')
     """
-    head = re.match(r"([^,\[]*)(\[([^\]]*)\])?", nodelist.strip())
-    if head is None or not head.group(0):
+    text, depth, end = nodelist.strip(), 0, None
+    for i, ch in enumerate(text):  # the first entry: up to the first comma outside brackets
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            end = i
+            break
+    entry = text[:end]
+    host = re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], entry)
+    if not host or "[" in host or "]" in host:
         raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r} names no host: set MASTER_ADDR to rank 0's host")
-    prefix, inner = head.group(1), head.group(3)
-    if inner is None:
-        return prefix
-    return prefix + inner.split(",")[0].split("-")[0]
+    return host
 
 
 def _int(env, name: str, launcher: str) -> int:
@@ -98,15 +103,16 @@ def detect(env=None) -> JobEnv | None:
     """The launcher's view of this process from ``env`` (default ``os.environ``); None when no launcher
     started it (a plain ``python train.py``: one rank)."""
     env = os.environ if env is None else env
+    # the innermost launcher first: mpirun inside an sbatch job inherits the batch step's SLURM_PROCID
     if "RANK" in env or "WORLD_SIZE" in env or "LOCAL_RANK" in env:
         launcher, keys = "torchrun", ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    elif "SLURM_PROCID" in env:
-        launcher, keys = "slurm", ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None)
     elif "OMPI_COMM_WORLD_RANK" in env:
         launcher, keys = "openmpi", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
                                      "OMPI_COMM_WORLD_LOCAL_SIZE")
     elif "PMI_RANK" in env:
         launcher, keys = "mpich", ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+    elif "SLURM_PROCID" in env:
+        launcher, keys = "slurm", ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None)
     else:
         return None
     rank, world = _int(env, keys[0], launcher), _int(env, keys[1], launcher)
@@ -167,6 +173,23 @@ def interface_for(addr: str) -> str | None:
     return None
 
 
+def gloo_interface(job: JobEnv) -> str:
+    """The interface gloo's sockets use for ``job``: loopback when every rank is on this host (or the address
+    is loopback); else the one that routes to the rendezvous address. Where that route is loopback although
+    ranks are on other hosts (a hostname that resolves to 127.0.1.1 here), the default route's interface, or
+    a ``ConfigError`` asking for ``GLOO_SOCKET_IFNAME``."""
+    if is_loopback(job.master_addr) or job.single_host:
+        return loopback_interface()
+    name = interface_for(job.master_addr)
+    if name is not None and name == loopback_interface():
+        name = interface_for("192.0.2.1")  # TEST-NET-1: only the default route's choice, nothing is sent
+        name = None if name == loopback_interface() else name
+    if name is None:
+        raise ConfigError(f"cannot tell which network interface reaches the other hosts from {job.master_addr} "
+                          f"(from {job.source}): set GLOO_SOCKET_IFNAME to it (e.g. eth0)")
+    return name
+
+
 def _reachable(addr: str, port: int, timeout: float) -> bool:
     import time
     end = time.monotonic() + timeout
@@ -197,22 +220,32 @@ def init(config=None, *, backend: str | None = None, timeout: float = 300.0) -> 
                               f"degrees whose product is {world}")
     if dist.is_initialized() or job is None:
         return None
-    gpus = torch.cuda.is_available() and torch.cuda.device_count() > job.local_rank
-    backend = backend or ("nccl" if gpus else "gloo")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = backend or ("nccl" if count else "gloo")  # the same answer on every rank of a host
     if backend == "nccl":
-        torch.cuda.set_device(job.local_rank)
+        if count == 1:  # one GPU visible to this rank (Slurm's --gpus-per-task=1, CUDA_VISIBLE_DEVICES)
+            torch.cuda.set_device(0)
+        elif job.local_rank < count and (job.local_world_size or 0) <= count:
+            torch.cuda.set_device(job.local_rank)
+        else:
+            raise ConfigError(f"{job.local_world_size or job.local_rank + 1} ranks on this host and {count} GPUs: NCCL "
+                              f"needs one GPU per rank; start one rank per GPU (torchrun --nproc-per-node {count})")
     elif "GLOO_SOCKET_IFNAME" not in os.environ:  # the user's choice stands
-        local = is_loopback(job.master_addr) or job.single_host  # every rank here: gloo stays on loopback
-        name = loopback_interface() if local else interface_for(job.master_addr)
-        if name is not None:
-            os.environ["GLOO_SOCKET_IFNAME"] = name
+        os.environ["GLOO_SOCKET_IFNAME"] = gloo_interface(job)
     os.environ.setdefault("MASTER_ADDR", job.master_addr)
     os.environ.setdefault("MASTER_PORT", str(job.master_port))
-    if job.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts the store
+    if job.rank != 0 or agent:
         if not _reachable(job.master_addr, job.master_port, timeout):
             raise ConnectionError(f"rank {job.rank} could not reach the rendezvous at {job.master_addr}:"
                                   f"{job.master_port} (from {job.source}, {job.launcher}) within {timeout:g} s: check "
                                   f"that it is rank 0's host, reachable from this one, and the port open")
-    dist.init_process_group(backend, init_method="env://", rank=job.rank, world_size=job.world_size,
-                            timeout=timedelta(seconds=timeout))
+    wait = timedelta(seconds=timeout)
+    if agent:  # one key space per restart: after --max-restarts a rank must never read a dead rank's address
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        base = dist.TCPStore(job.master_addr, job.master_port, job.world_size, is_master=False, timeout=wait)
+        store = dist.PrefixStore(f"colab_kit/attempt_{attempt}", base)
+        dist.init_process_group(backend, store=store, rank=job.rank, world_size=job.world_size, timeout=wait)
+    else:
+        dist.init_process_group(backend, init_method="env://", rank=job.rank, world_size=job.world_size, timeout=wait)
     return job

@@ -117,7 +117,7 @@ class OptimizerSpec:
                                       f"model.parameters() (or groups of them) of that same model")
                 for n in names[id(p)]:
                     group[n] = g
-            hypers.append({k: v for k, v in pg.items() if k != "params"})
+            hypers.append({k: v for k, v in pg.items() if k not in ("params", "param_names")})  # names: dense ones
         left = sorted(n for n, p in model.named_parameters() if p.requires_grad and n not in group)
         if left:
             raise ConfigError(f"the optimizer leaves out trainable parameters ({', '.join(left[:4])}"
@@ -149,6 +149,13 @@ class GroupViews:
             v.data = base.data.reshape(-1)[lo:hi]
             g = base.grad
             v.grad = None if g is None else g.reshape(-1)[lo:hi]
+
+    def release(self) -> None:
+        """After a step: drop the views' gradients (slices that would keep a dropped fp32 gradient alive) and
+        point them at their pieces' storage now (a chunk offload moved keeps no old copy alive)."""
+        for v, base, lo, hi in self.views:
+            v.grad = None
+            v.data = base.data.reshape(-1)[lo:hi]
 
     def __len__(self) -> int:
         return len(self.views)
@@ -250,6 +257,9 @@ def check_scheduler(lr_scheduler, user_optimizer) -> None:
             raise ConfigError("lr_scheduler was built over an optimizer, but boost was given an optimizer factory: "
                               "pass the optimizer itself, or lr_scheduler=lambda opt: LambdaLR(opt, f)")
         for s in _schedulers(lr_scheduler):
+            if getattr(s, "_ck_boosted", False):
+                raise ConfigError(f"this lr_scheduler ({type(s).__name__}) was given to a boost already and drives that "
+                                  f"engine's optimizer now: build a new optimizer and scheduler for another engine")
             if s.optimizer is not user_optimizer:
                 raise ConfigError(f"lr_scheduler ({type(s).__name__}) was built over another optimizer than the one "
                                   f"given to boost: build it over that optimizer")
@@ -270,6 +280,7 @@ def attach_scheduler(lr_scheduler, user_optimizer, optimizer):
     if isinstance(lr_scheduler, LRScheduler):
         for s in _schedulers(lr_scheduler):
             s.optimizer = optimizer
+            s._ck_boosted = True
         _track_steps(optimizer)
         return lr_scheduler
     sched = lr_scheduler(optimizer)

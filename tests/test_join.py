@@ -166,3 +166,37 @@ def test_torchrun_across_two_hosts_trains_like_one_process(two_hosts):
         assert got["world_size"] == 4
         assert got["ifnames"] == [h["dev_a"], h["dev_a"], h["dev_b"], h["dev_b"]], got["ifnames"]
         assert got["losses"] == pytest.approx(want, rel=1e-5), words
+
+
+def test_the_innermost_launcher_wins_and_gloo_never_takes_loopback_across_hosts(monkeypatch):
+    """mpirun inside an sbatch job: Open MPI's variables, not the batch step's SLURM_PROCID; a rendezvous
+    hostname that resolves to loopback here, on a multi-host job: the default route's interface, never lo."""
+    import colab_kit.join as join
+    both = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "OMPI_COMM_WORLD_RANK": "3",
+            "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "MASTER_ADDR": "h0"}
+    assert detect(both).launcher == "openmpi" and detect(both).rank == 3
+    job = detect({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                  "MASTER_ADDR": "hostA", "MASTER_PORT": "1"})
+    monkeypatch.setattr(join, "interface_for", lambda addr: "lo" if addr == "hostA" else "eth7")
+    assert join.gloo_interface(job) == "eth7"
+    monkeypatch.setattr(join, "interface_for", lambda addr: "lo")
+    with pytest.raises(ConfigError, match="set GLOO_SOCKET_IFNAME"):
+        join.gloo_interface(job)
+    single = detect({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                     "MASTER_ADDR": "hostA", "MASTER_PORT": "1"})
+    assert join.gloo_interface(single) == "lo"  # every rank here: loopback, whatever the name resolves to
+
+
+def test_exported_scripts_keep_cells_byte_for_byte_and_parse():
+    import ast
+    from colab_kit.magics.export import export_script
+    cell = 'x = 1\nfor i in range(2):\n    %time y = 2\nt = """\n!keep\n   text?\n"""\nz = (x\n     % 2)\nw = 1  # kept?'
+    body, world, skipped = export_script([("cell", "a = 1", None), ("config", ck.ParallelConfig(dp=2, tp=2).to_dict()),
+                                          ("cell", cell, None), ("cell", 's = """a\nb"""', [0, 2])], world_size=4)
+    ast.parse(body)
+    assert world == 4 and len(skipped) == 1 and "run_line_magic('time', 'y = 2')" in skipped[0]
+    assert 't = """\n!keep\n   text?\n"""' in body and "z = (x\n     % 2)" in body and "w = 1  # kept?" in body
+    assert "    pass  # (IPython syntax" in body  # the loop keeps a body
+    assert "ck.init()" in body and "if rank in (0, 2):\n    exec(compile('s = \"\"\"a\\nb\"\"\"'" in body
+    with pytest.raises(ConfigError, match="nothing to export yet"):
+        export_script([("config", ck.ParallelConfig(dp=2).to_dict())])

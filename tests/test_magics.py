@@ -347,7 +347,7 @@ def test_export_writes_a_script_that_trains_like_the_notebook_under_torchrun(run
     assert "torchrun --nproc-per-node 4 train.py" in out and "sbatch train.sbatch" in out
     assert "IPython lines left as comments" in out and "%time y = 2" in out
     script = (tmp_path / "train.py").read_text()
-    assert "ck.init(config)" in script and "if rank in (0,):" in script
+    assert "ck.init(config)" in script and "if rank in (0,):" in script and "exec(compile(" in script
     assert "srun python train.py" in (tmp_path / "train.sbatch").read_text()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     ran = subprocess.run(torchrun + ["--nproc-per-node=4", "train.py"], cwd=tmp_path, capture_output=True, text=True,

@@ -81,6 +81,8 @@ def _train(cases, tmp):
             losses.append(engine.train_step(batch(s)))
             lrs.append([g["lr"] for g in engine.optimizer.param_groups])
         norms = [r["grad_norm"] for r in engine.records]
+        views = engine._views.views if engine._views else []  # pieces spanning two groups (ZeRO)
+        assert all(v.grad is None for v, *_ in views)  # released after each step: no fp32 gradient kept alive
         # resume: three steps, save, a fresh engine with a fresh optimizer and scheduler, load, three more
         engine.close()
         model = GPT(GPT_CFG)
@@ -231,6 +233,13 @@ def _loader_run(configs, tmp):
                                      drop_last=True)
         dl = DataLoader(ds, batch_size=BATCH // cfg.dp, sampler=sampler, drop_last=True)
         sampled = [engine.train_step(b, local=True) for b in dl]
+        try:  # a LocalBatch of a loader built for another dp size
+            x, y = next(iter(dl))
+            engine.train_step(ck.datasets.LocalBatch(x, y, global_rows=BATCH * 2))
+            wrong = None
+        except ValueError as e:
+            wrong = str(e)
+        assert wrong is not None and "build the loader for this engine" in wrong, wrong
         engine.close()
         out[tuple(sorted(kw.items()))] = local, whole, resumed, sampled, rows
     return out
@@ -352,3 +361,47 @@ def test_the_one_process_yardstick_is_this_recipe(ref):
     got = ck.recipe.one_process(GPT(GPT_CFG), recipe, batch, STEPS, MAX_NORM, precision="bf16")
     assert got["losses"] == pytest.approx(want_losses, rel=1e-6) and got["grad_norms"] == pytest.approx(want_norms, rel=1e-6)
     assert all(p.dtype == torch.float32 for p in got["model"].parameters())  # the fp32 copy the optimizer stepped
+
+
+def test_scheduler_states_survive_the_manifest():
+    """A checkpoint keeps a scheduler's state in JSON: MultiStepLR's milestones (a Counter of int keys) and
+    SequentialLR's nested states come back as they were, so the resumed schedule is the uninterrupted one."""
+    import json
+    from colab_kit.checkpoint import _plain, _unplain
+    S = torch.optim.lr_scheduler
+
+    def make(kind):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+        if kind == "multistep":
+            return opt, S.MultiStepLR(opt, milestones=[2, 4], gamma=0.1)
+        return opt, S.SequentialLR(opt, [S.LinearLR(opt, 0.1, total_iters=2), S.ExponentialLR(opt, 0.5)],
+                                   milestones=[2])
+    for kind in ("multistep", "sequential"):
+        opt, sched = make(kind)
+        want = []
+        for _ in range(6):
+            opt.step()
+            sched.step()
+            want.append(opt.param_groups[0]["lr"])
+        opt, sched = make(kind)
+        for _ in range(3):
+            opt.step()
+            sched.step()
+        state = json.loads(json.dumps(_plain(sched.state_dict())))
+        lr = opt.param_groups[0]["lr"]
+        opt, sched = make(kind)
+        sched.load_state_dict(_unplain(state))
+        opt.param_groups[0]["lr"] = lr  # what the checkpoint's param-group settings restore
+        got = want[:3]
+        for _ in range(3):
+            opt.step()
+            sched.step()
+            got.append(opt.param_groups[0]["lr"])
+        assert got == pytest.approx(want), kind
+
+
+def test_named_parameters_optimizer_keeps_no_stale_names():
+    from colab_kit.optimizer import OptimizerSpec
+    model = GPT(GPT_CFG)
+    spec = OptimizerSpec.capture(torch.optim.AdamW(model.named_parameters(), lr=1e-3), model)
+    assert all("param_names" not in h for h in spec.hypers)

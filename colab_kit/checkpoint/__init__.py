@@ -231,17 +231,38 @@ def _manifest(engine, tensors: dict, extra: bool, cuda_rng: bool) -> dict:
 
 
 def _plain(v):
-    """``v`` (a scheduler's state) with tensors as numbers and tuples as lists: what JSON holds."""
+    """``v`` (a scheduler's state) as JSON holds it: tensors and numpy numbers as numbers, tuples as lists, a
+    dict whose keys are not all strings (``MultiStepLR``'s milestones, a ``Counter``) as ``{"__items__":
+    [[key, value], ...]}`` so that ``_unplain`` gives the same keys back."""
+    import collections
     if torch.is_tensor(v):
         return v.tolist()
+    if hasattr(v, "item") and hasattr(v, "dtype") and not isinstance(v, (list, tuple, dict)):  # a numpy number
+        return v.item()
     if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
+        if all(isinstance(k, str) for k in v) and not isinstance(v, collections.Counter):
+            return {k: _plain(x) for k, x in v.items()}
+        return {"__items__": [[_plain(k), _plain(x)] for k, x in v.items()],
+                "__counter__": isinstance(v, collections.Counter)}
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     raise CheckpointError(f"the LR scheduler's state holds a {type(v).__name__}, which a checkpoint's manifest "
                           f"cannot hold: use a torch scheduler whose state is numbers (LambdaLR over functions, ...)")
+
+
+def _unplain(v):
+    """The inverse of ``_plain`` for what it tags."""
+    import collections
+    if isinstance(v, dict):
+        if "__items__" in v:
+            d = {(tuple(k) if isinstance(k, list) else k): _unplain(x) for k, x in v["__items__"]}
+            return collections.Counter(d) if v.get("__counter__") else d
+        return {k: _unplain(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_unplain(x) for x in v]
+    return v
 
 
 def _number(v):
@@ -343,8 +364,13 @@ def load(engine, path) -> dict:
     if engine.config.zero in (1, 2):
         engine.grads.gather_params()
     _restore_hyper(opt, manifest.get("param_groups"), path)
-    if engine.lr_scheduler is not None and manifest.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])  # after the groups' lr: its last value
+    saved_sched = manifest.get("lr_scheduler")
+    if engine.lr_scheduler is not None and saved_sched is not None:
+        engine.lr_scheduler.load_state_dict(_unplain(saved_sched))  # after the groups' lr: its last value
+    elif (engine.lr_scheduler is None) != (saved_sched is None) and dist.get_rank() == 0:
+        warnings.warn(f"{path} was saved {'without' if saved_sched is None else 'with'} an LR scheduler and this "
+                      f"engine has {'one' if saved_sched is None else 'none'}: "
+                      + ("its schedule starts at step 0" if saved_sched is None else "the saved schedule is not used"))
     engine.load_loader_state(manifest.get("loader"))
     engine.step_count = manifest["step"]
     engine.history[:] = manifest["history"]

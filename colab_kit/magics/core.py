@@ -226,7 +226,9 @@ class ColossalMagics(Magics):
         """Write what the cluster ran as a script for torchrun / srun (``colab_kit.magics.export``)."""
         from .export import write_export
         try:
-            out = write_export(self.state.recorded, args.path)
+            cluster = self.state.cluster
+            out = write_export(self.state.recorded, args.path,
+                               cluster.world_size if cluster is not None and cluster.running else None)
         except ValueError as exc:  # ConfigError: nothing to export yet
             raise UsageError(f"%colossal export: {exc}") from None
         print(f"wrote {out['script']} and {out['sbatch']}: run it with\n  {out['torchrun']}\n  sbatch "

@@ -12,6 +12,8 @@ is measured on rank 0 once and cached). A cell that trained nothing prints nothi
 """
 from __future__ import annotations
 
+import math
+
 __all__ = ["rank_training", "summary_lines"]
 
 
@@ -50,10 +52,15 @@ def format_summary(s: dict) -> str:
     steps = f"step {s['last']}" if s["first"] == s["last"] else f"steps {s['first']}-{s['last']}"
     parts = [f"{s['name']}: {steps}", f"loss {s['loss_first']:.4g} -> {s['loss_last']:.4g}"
              if s["first"] != s["last"] else f"loss {s['loss_last']:.4g}"]
-    if s["grad_norm"] is not None:
-        clipped = f" (clipped to {s['max_grad_norm']:g})" if s["grad_norm"] > s["max_grad_norm"] else \
-            f" (under the clip at {s['max_grad_norm']:g})"
-        parts.append(f"grad norm {s['grad_norm']:.3g}{clipped}")
+    norm, clip = s["grad_norm"], s["max_grad_norm"]
+    if norm is not None:
+        if not math.isfinite(norm):
+            note = " (not finite)"
+        elif clip is None:
+            note = ""
+        else:
+            note = f" (clipped to {clip:g})" if norm > clip else f" (under the clip at {clip:g})"
+        parts.append(f"grad norm {norm:.3g}{note}")
     if s["lr"] is not None:
         parts.append(f"lr {s['lr']:.2e}")
     if s["skipped"]:
@@ -69,5 +76,5 @@ def summary_lines(cluster) -> list[str]:
         got = cluster.run(rank_training, ranks=[0], timeout=60, progress=None)
     except Exception:  # noqa: BLE001 - a summary never turns a cell that ran into a failure
         return []
-    got = got[0] if isinstance(got, dict) else got[0]
+    got = got[0]  # rank 0's answer (a dict by rank for ranks=[0])
     return [format_summary(s) for s in got or []]

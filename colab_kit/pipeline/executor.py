@@ -175,6 +175,8 @@ class PipelineExecutor(ComputeActions, CommActions):
         eng, plan = self.engine, self.plan
         inputs = batch[0]
         self.m = m = plan.microbatches
+        if not forward_only:  # before prepare_batch: a local batch's target count is this step's first collective
+            eng.mesh.log.begin_step()
         x, y = eng.prepare_batch(batch, m, local)
         self._x = [split_batch(x, m, i, "microbatches") for i in range(m)]
         self._y = [split_batch(y, m, i, "microbatches") for i in range(m)]
@@ -194,7 +196,6 @@ class PipelineExecutor(ComputeActions, CommActions):
         self._bytes, self._held, self.peak_bytes, self._sends, self._posted = {}, 0, 0, [], {}
         self.loss = torch.zeros((), device=self.mesh.device)
         if not forward_only:
-            eng.mesh.log.begin_step()
             eng._events.clear()
             if eng.sp_plan is not None:
                 eng.sp_plan.begin_step()
