@@ -51,11 +51,14 @@ def _plain_python(source: str) -> tuple[str, list[str]]:
     if "get_ipython()" not in code:
         return source, []
     out, skipped = [], []
-    for line in code.splitlines():
+    lines, original = code.splitlines(), source.splitlines()
+    same = len(lines) == len(original)  # line for line (line magics, shell escapes): quote what was typed
+    for i, line in enumerate(lines):
         if "get_ipython()" in line:
             indent = line[:len(line) - len(line.lstrip())]
-            skipped.append(line.strip())
-            out.append(f"{indent}pass  # (IPython syntax, not run by the script) {line.strip()}")
+            said = original[i].strip() if same else line.strip()
+            skipped.append(said)
+            out.append(f"{indent}pass  # (IPython syntax, not run by the script) {said}")
         else:
             out.append(line)
     return "\n".join(out) + "\n", skipped
