@@ -44,9 +44,15 @@ def _run(words, path, die=None):
     return out
 
 
-def test_fit_survives_a_dead_rank_on_the_same_and_another_number_of_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted():
     whole, ran = ck.launch(_run, 2, "dp=2", None)[0]
     assert ran == STEPS and len(whole) == STEPS
+    return whole
+
+
+def test_fit_survives_a_dead_rank_on_the_same_and_another_number_of_ranks(tmp_path, uninterrupted):
+    whole = uninterrupted
     for words, world in (("dp=2", 2), ("dp=4", 4)):
         path = str(tmp_path / words.replace("=", ""))
         die = random.randrange(2, STEPS)  # a random step; a failure names it
@@ -75,8 +81,8 @@ def test_fit_refuses_bad_arguments_before_training():
         fit(engine, [1, 2], 4)
 
 
-def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
-    whole, _ = ck.launch(_run, 2, "dp=2", None)[0]
+def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path, uninterrupted):
+    whole = uninterrupted
     die = random.randrange(3, STEPS)
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                           "--max-restarts=1", str(SCRIPT), str(tmp_path / "ck"), "dp=2", str(STEPS), str(EVERY),

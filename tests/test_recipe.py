@@ -3,7 +3,7 @@ lr per group), a warmup + cosine ``LambdaLR`` and global-norm clipping, against 
 torch (``clip_grad_norm_``, ``opt.step()``, ``sched.step()``): six steps equal within 1e-5 under dp,
 ZeRO 1, 2 and 3, dp x tp x ZeRO, pp x dp x ZeRO-2, pp x tp with a zero-bubble schedule, 2d, 3d, ring sp
 with ZeRO-2, ZeRO-2 and ZeRO-3 with CPU offload; the scheduler and the groups' learning rates survive a
-save and a load mid-run. In bf16 and fp16 (fp32 masters, an overflowed fp16 step skipped and not clipped,
+save and a load mid-run (under ZeRO-1, ZeRO-3 with offload, pp x dp x ZeRO-2 and 3d). In bf16 and fp16 (fp32 masters, an overflowed fp16 step skipped and not clipped,
 the schedule still moving) against the same recipe written here in plain torch, within the precision's
 tolerance. The groups matter: one group for everything trains measurably differently, so a rebuild
 that lost them would fail. Bad input (a scheduler over another optimizer, an optimizer over tensors that
@@ -83,8 +83,11 @@ def _train(cases, tmp):
         norms = [r["grad_norm"] for r in engine.records]
         views = engine._views.views if engine._views else []  # pieces spanning two groups (ZeRO)
         assert all(v.grad is None for v, *_ in views)  # released after each step: no fp32 gradient kept alive
-        # resume: three steps, save, a fresh engine with a fresh optimizer and scheduler, load, three more
         engine.close()
+        if tuple(sorted(kw.items())) not in RESUMED:
+            out[tuple(sorted(kw.items()))] = losses, norms, lrs, None
+            continue
+        # resume: three steps, save, a fresh engine with a fresh optimizer and scheduler, load, three more
         model = GPT(GPT_CFG)
         opt, sched = recipe(model)
         engine = ck.boost(model, opt, ck.ParallelConfig(**kw), lr_scheduler=sched, max_grad_norm=MAX_NORM)
@@ -107,6 +110,9 @@ def _train(cases, tmp):
     return out
 
 
+RESUMED = {tuple(sorted(kw.items())) for kw in (  # also saved after 3 steps and resumed (the others: 6 steps)
+    dict(dp=2, zero=1), dict(dp=2, zero=3, offload="cpu"), dict(pp=2, dp=2, zero=2, microbatches=2),
+    dict(tp=8, tp_mode="3d"))}
 CASES = {
     2: [dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3), dict(dp=2, zero=2, offload="cpu"),
         dict(dp=2, zero=3, offload="cpu")],
@@ -137,7 +143,8 @@ def test_recipe_matches_one_process(kw, runs, ref):
     assert norms == pytest.approx(want_norms, rel=RTOL)
     assert all(n > MAX_NORM for n in want_norms)  # every step clipped
     assert sum(lrs, []) == pytest.approx(sum(want_lrs, []), rel=1e-12)
-    assert resumed == pytest.approx(want_losses, rel=RTOL)
+    if resumed is not None:
+        assert resumed == pytest.approx(want_losses, rel=RTOL)
 
 
 def test_the_groups_matter(ref):
@@ -245,7 +252,7 @@ def _loader_run(configs, tmp):
     return out
 
 
-LOADER_CASES = {2: [dict(dp=2), dict(dp=2, microbatches=2, zero=2)],
+LOADER_CASES = {2: [dict(dp=2, microbatches=2, zero=2)],
                 4: [dict(dp=2, tp=2), dict(dp=2, pp=2, microbatches=2)]}
 
 
