@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from .config import ConfigError
-from .net import is_loopback, loopback_interface
+from .net import interface_for, is_loopback, loopback_interface
 
 __all__ = ["JobEnv", "detect", "init", "interface_for", "gloo_interface", "first_host"]
 
@@ -143,34 +143,6 @@ def detect(env=None) -> JobEnv | None:
     else:
         port = 29500
     return JobEnv(launcher, rank, world, local, local_world, addr, port, source)
-
-
-def interface_for(addr: str) -> str | None:
-    """The name of this host's interface whose address routes to ``addr`` (the rendezvous address), or
-    None where it cannot be told (not Linux, no route)."""
-    try:
-        target = socket.gethostbyname(addr)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((target, 9))  # UDP: nothing is sent, the kernel only picks the route
-            local = s.getsockname()[0]
-    except OSError:
-        return None
-    if is_loopback(local):
-        return loopback_interface()
-    try:
-        import fcntl
-        import struct
-    except ImportError:
-        return None
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
-            except OSError:
-                continue
-        if socket.inet_ntoa(packed[20:24]) == local:
-            return name
-    return None
 
 
 def gloo_interface(job: JobEnv) -> str:

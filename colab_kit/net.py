@@ -24,7 +24,7 @@ from __future__ import annotations
 import socket
 from datetime import timedelta
 
-__all__ = ["LOOPBACK", "is_loopback", "loopback_interface", "listening_store", "gloo_env"]
+__all__ = ["LOOPBACK", "is_loopback", "loopback_interface", "interface_for", "listening_store", "gloo_env"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -43,9 +43,45 @@ def loopback_interface() -> str:
 
 
 def gloo_env(addr: str) -> dict[str, str]:
-    """Environment that keeps gloo's listening sockets on loopback when ``addr`` is a loopback
-    address (gloo otherwise binds to whatever the hostname resolves to); nothing otherwise."""
-    return {"GLOO_SOCKET_IFNAME": loopback_interface()} if is_loopback(addr) else {}
+    """Environment that puts gloo's listening sockets where the peers reach them (gloo otherwise binds to
+    whatever the hostname resolves to, often 127.0.1.1): loopback when ``addr`` (the rendezvous) is a
+    loopback address, else the interface of this host that routes to ``addr`` (``interface_for``); nothing
+    where it cannot be told, or where the user set ``GLOO_SOCKET_IFNAME``."""
+    import os
+    if "GLOO_SOCKET_IFNAME" in os.environ and not is_loopback(addr):
+        return {}
+    if is_loopback(addr):
+        return {"GLOO_SOCKET_IFNAME": loopback_interface()}
+    name = interface_for(addr)
+    return {"GLOO_SOCKET_IFNAME": name} if name is not None and name != loopback_interface() else {}
+
+
+def interface_for(addr: str) -> str | None:
+    """The name of this host's interface whose address routes to ``addr`` (the rendezvous address), or
+    None where it cannot be told (not Linux, no route)."""
+    try:
+        target = socket.gethostbyname(addr)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))  # UDP: nothing is sent, the kernel only picks the route
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    if is_loopback(local):
+        return loopback_interface()
+    try:
+        import fcntl
+        import struct
+    except ImportError:
+        return None
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == local:
+            return name
+    return None
 
 
 def listening_store(addr: str, world_size: int, timeout: float):
