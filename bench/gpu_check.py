@@ -1,100 +1,405 @@
-"""GPU check of heterogeneous memory and ZeRO (run where a GPU is lent; CI never needs it).
+"""Checks of colab_kit on a GPU machine (CUDA, NCCL); run by hand where a GPU is lent, never by CI.
 
-On a machine without a GPU the "device" of ``offload`` is an account over host memory
-(``colab_kit.zero.offload``). Here, with CUDA, the chunks really move: this script checks,
-on one rank per GPU (NCCL):
+Five checks, in this order, each a function below (``check_*``); one that raises is a FAIL with its
+message and the others still run. Each prints one ``PASS``/``FAIL`` line with its seconds:
 
-1. zero=3 and zero=3 + offload="cpu" train to the single-process losses (fp32, 1e-5), and
-   with "cpu" every chunk's shard, gradient and optimizer states are on the CPU;
-2. offload="auto" under a ``device_budget`` below the model states: the chunks the placement
-   put on the host are CPU tensors, those on the device CUDA tensors, the losses match, and
-   ``torch.cuda.max_memory_allocated()`` during steps 2-5 stays within the budget plus what the
-   account does not see (CUDA's allocator rounding and the CUDA context's workspace: printed);
-3. precision="bf16" trains (losses printed beside the fp32 ones).
+1. NCCL through both entry points. ``launch``: ``ck.launch(fn, gpus)`` runs one rank per GPU on NCCL;
+   each rank must sit on ``cuda:LOCAL_RANK`` and an all_reduce of ``rank + 1`` give ``w (w + 1) / 2``.
+   ``torchrun``: this script starts itself under ``python -m torch.distributed.run --standalone
+   --nproc-per-node=<gpus>`` (hidden flag ``--torchrun-child``), where ``ck.init()`` must pick NCCL and
+   ``cuda:LOCAL_RANK`` and the all_reduce be right; rank 0 prints every rank's report as one JSON line.
+2. ``gpt``: a GPT of 125,164,032 parameters (vocab 25,600, 1,024 tokens, d_model 768, 12 heads, 12
+   layers: GPTConfig's head is untied, so GPT-2's 50,257 words would make 163M) trained 30 steps with
+   ``precision="bf16"`` through ``ck.boost``; the loss must be finite and fall; tokens/s and MFU come from
+   ``engine.throughput()`` (``colab_kit.throughput``: ``model_flops`` over the bf16 matmul peak that
+   ``peak_matmul`` measures on this GPU, never a datasheet figure), and MFU must lie in (0, 1].
+3. ``zero3_budget``: ZeRO-3, fp32, ``offload="auto"`` under ``boost(..., device_budget=B)``. A probe engine
+   with every chunk on the host measures what a step needs on the device beside the states (what "auto"
+   measures in its first step); B is that plus half the states, so some chunks must stay on the host.
+   Then chunks on the host hold only CPU tensors (shard, gradient, optimizer states), chunks on the device
+   only CUDA ones; the engine's account stays within B; and ``torch.cuda.max_memory_allocated()`` in each
+   step after the first stays within B plus an allowance (384 MiB, printed beside it) for what the account
+   does not see: allocator rounding, cuBLAS/cuBLASLt workspaces, and backward's transient activation
+   gradients (the activation meter counts saved tensors). The allowance must be below the states kept on
+   the host, so an engine that ignored the budget would fail.
+4. ``parity``: the CPU suite's parity configs (``tests/test_dp.py``, ``test_zero.py``, ``test_zero3.py``)
+   and their one-rank forms, each whose world size fits on the GPUs, train the suite's GPT 5 steps with
+   AdamW and with SGD + momentum to the losses of ``colab_kit.reference.train_single_process`` (one CPU
+   process) within 1e-5 relative; the configs that need more GPUs are listed by name as skipped. TF32 is
+   off in these ranks (``torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 =
+   False``; with it fp32 matmuls keep 10-bit mantissas and parity is lost). Beside the verdict, plain
+   torch on the same device against the CPU reference: the device's own rounding, for diagnosis.
 
-    python bench/gpu_check.py            # exits 1 if a check fails, 0 if all pass, 2 without CUDA
+All figures go to ``bench/results/gpu_check.json`` (device, torch, each check's status, seconds, figures).
+Exit 0 when all pass, 1 when one fails, 2 without CUDA (and without ``--cpu-smoke``).
+
+``--cpu-smoke``: the same checks and code paths on CPU ranks with gloo, in well under 20 s: 2 ranks for
+``launch`` and ``torchrun``, a GPT of 5,616 parameters in fp32, the budget held against the engine's
+account only (there is no CUDA allocator), parity as on one GPU. Its JSON goes to ``--out`` (default: a
+temp file), never over the GPU figures::
+
+    python bench/gpu_check.py
+    python bench/gpu_check.py --cpu-smoke --out /tmp/gpu_check_smoke.json
 """
 from __future__ import annotations
 
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import subprocess
 import sys
+import tempfile
+import time
+import traceback
 
-import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `python bench/gpu_check.py` from a checkout without an installed colab_kit
+    sys.path.insert(0, ROOT)
 
-import colab_kit as ck
-from colab_kit.datasets import SyntheticTokens
-from colab_kit.models import GPT, GPTConfig
-from colab_kit.reference import train_single_process
+import torch  # noqa: E402
 
-CFG = dict(vocab_size=256, seq_len=64, d_model=256, n_heads=8, n_layers=6)
-STEPS, BATCH = 5, 8
+import colab_kit as ck  # noqa: E402
+from colab_kit.datasets import SyntheticTokens  # noqa: E402
+from colab_kit.models import GPT, GPTConfig  # noqa: E402
+from colab_kit.reference import max_relative_difference, train_single_process  # noqa: E402
+
+RTOL = 1e-5  # fp32 parity, as the CPU suite
+MARK = "gpu_check torchrun report: "
+MIB = 1 << 20
+SIZES = {  # per mode: the GPT of check 2 and the ZeRO-3 model of check 3
+    "cuda": dict(gpt=dict(vocab_size=25600, seq_len=1024, d_model=768, n_heads=12, n_layers=12), gpt_batch=16,
+                 gpt_steps=30, lr=6e-4, precision="bf16", allowance=384 * MIB, zero_batch=8, zero_steps=5,
+                 zero=dict(vocab_size=4096, seq_len=256, d_model=1024, n_heads=16, n_layers=8)),  # 109M
+    "cpu": dict(gpt=dict(vocab_size=64, seq_len=16, d_model=16, n_heads=2, n_layers=1), gpt_batch=8,
+                gpt_steps=8, lr=1e-2, precision="fp32", allowance=0, zero_batch=8, zero_steps=4,
+                zero=dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)),
+}
+PARITY_MODEL = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)  # tests/test_dp.py's GPT_CFG
+PARITY_STEPS, PARITY_BATCH = 5, 8
+OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+              "sgd": lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)}
+PARITY_CONFIGS = [  # one-rank forms first, then the suite's multi-rank configs
+    dict(dp=1), dict(dp=1, zero=1), dict(dp=1, zero=2), dict(dp=1, zero=3), dict(dp=1, zero=1, offload="cpu"),
+    dict(dp=1, zero=2, offload="cpu"), dict(dp=1, zero=3, offload="cpu"), dict(dp=1, zero=3, offload="auto"),
+    dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3), dict(dp=2, zero=1, offload="cpu"),
+    dict(dp=2, zero=3, offload="cpu"), dict(dp=2, zero=3, offload="auto"), dict(dp=4, zero=3),
+    dict(dp=2, tp=2, zero=2), dict(dp=2, tp=2, zero=3), dict(dp=2, pp=2, zero=2, microbatches=2, schedule="1f1b"),
+    dict(dp=2, tp=4, tp_mode="2d", zero=3)]
 
 
+# ------------------------------------------------------------------ helpers (also used by the tests)
+def parity(got, want, rtol: float = RTOL) -> dict:
+    """PASS when ``got`` has as many losses as ``want``, all finite, each within ``rtol`` relative."""
+    if len(got) != len(want) or not all(math.isfinite(x) for x in got):
+        return {"status": "FAIL", "max_rel": None, "why": f"{len(got)} losses for {len(want)}, or not finite"}
+    worst = max_relative_difference(got, want)
+    return {"status": "PASS" if worst <= rtol else "FAIL", "max_rel": worst}
+
+
+def run_checks(checks, ctx) -> dict:
+    """Run ``(name, fn)`` in order; ``fn(ctx) -> (ok, figures, detail)``. One that raises is a FAIL."""
+    out = {}
+    for name, fn in checks:
+        t0 = time.perf_counter()
+        try:
+            ok, figures, detail = fn(ctx)
+        except Exception as exc:  # a broken check is a result, not the end of the run
+            text = exc.summary() if isinstance(exc, ck.RankError) else str(exc)  # a rank's: "rank 0 failed ..: why"
+            lines = text.strip().splitlines() or [""]
+            ok, detail = False, f"raised {type(exc).__name__}: {lines[0] if isinstance(exc, ck.RankError) else lines[-1]}"
+            figures = {"error": str(exc), "traceback": traceback.format_exc()}
+        secs = time.perf_counter() - t0
+        out[name] = {"status": "PASS" if ok else "FAIL", "seconds": round(secs, 2), "detail": detail, "figures": figures}
+        print(f"{'PASS' if ok else 'FAIL'}  {name:<13} {secs:6.1f} s  {detail}", flush=True)
+    return out
+
+
+def _fp32_exact() -> None:
+    """No TF32 in this process: fp32 matmuls and convolutions at full precision (parity needs it). The
+    modules are looked up by name: cloudpickle (ck.launch ships this script's functions by value) cannot
+    pickle ``torch.backends.cudnn``, a module subclass, that a plain attribute chain here would make it carry."""
+    import importlib
+    importlib.import_module("torch.backends.cuda").matmul.allow_tf32 = False  # torch.backends.cuda.matmul
+    importlib.import_module("torch.backends.cudnn").allow_tf32 = False  # torch.backends.cudnn
+
+
+def _nccl_version() -> str:
+    v = torch.cuda.nccl.version()
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def _launch(ctx, fn, world, *args):
+    return ck.launch(fn, world, *args, backend=ctx["backend"], timeout=ctx["timeout"], threads=ctx["threads"])
+
+
+def _where_am_i() -> dict:
+    """This rank's backend and device, and an all_reduce of rank + 1 over the world."""
+    import torch.distributed as dist
+    cuda = dist.get_backend() == "nccl"
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    t = torch.tensor([float(dist.get_rank() + 1)], device=dev)
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "local_rank": int(os.environ["LOCAL_RANK"]), "backend": dist.get_backend(),
+            "device": str(t.device), "sum": t.item(), "world": dist.get_world_size(),
+            "name": torch.cuda.get_device_name(dev) if cuda else "cpu"}
+
+
+def _ranks_ok(ctx, ranks) -> bool:
+    w = len(ranks)
+    want = "cuda:{}" if ctx["cuda"] else "cpu"
+    return w == ctx["world"] and all(r["backend"] == ctx["backend"] and r["sum"] == w * (w + 1) / 2
+                                     and r["device"] == want.format(r["local_rank"]) for r in ranks)
+
+
+# ------------------------------------------------------------------ 1. NCCL through ck.launch and ck.init
+def check_launch(ctx):
+    """``ck.launch(fn, gpus)``: NCCL, each rank on cuda:LOCAL_RANK, the all_reduce's sum right."""
+    ranks = _launch(ctx, _where_am_i, ctx["world"])
+    return _ranks_ok(ctx, ranks), {"ranks": ranks}, f"{len(ranks)} ranks: " + ", ".join(
+        f"{r['backend']} {r['device']} sum {r['sum']:g}" for r in ranks)
+
+
+def _torchrun_child(smoke: bool) -> int:
+    import torch.distributed as dist
+    job = ck.init(backend="gloo" if smoke else None)
+    mine = {**_where_am_i(), "launcher": job.launcher if job is not None else None}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() == 0:
+        print(MARK + json.dumps(every), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def check_torchrun(ctx):
+    """This script under torchrun: ``ck.init()`` picks NCCL and cuda:LOCAL_RANK on every rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ctx['world']}",
+           os.path.abspath(__file__), "--torchrun-child"] + (["--cpu-smoke"] if not ctx["cuda"] else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ctx["timeout"], env=env)
+    lines = [ln[ln.index(MARK) + len(MARK):] for ln in proc.stdout.splitlines() if MARK in ln]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"torchrun exited {proc.returncode} without a report: {proc.stderr[-2000:]}")
+    ranks = json.loads(lines[-1])
+    ok = _ranks_ok(ctx, ranks) and all(r["launcher"] == "torchrun" for r in ranks)
+    return ok, {"ranks": ranks, "command": " ".join(cmd[1:])}, f"{len(ranks)} ranks: " + ", ".join(
+        f"{r['backend']} {r['device']} (LOCAL_RANK {r['local_rank']})" for r in ranks)
+
+
+# ------------------------------------------------------------------ 2. a GPT of 125M in bf16: tokens/s, MFU
+def _rank_gpt(sizes):
+    from colab_kit.throughput import format_throughput
+    cfg = GPTConfig(**sizes["gpt"])
+    model = GPT(cfg)
+    n = model.num_parameters()
+    engine = ck.boost(model, lambda ps: torch.optim.AdamW(ps, lr=sizes["lr"]),
+                      ck.ParallelConfig(precision=sizes["precision"]))
+    data = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=2)
+    losses = [engine.train_step(data.batch(s, sizes["gpt_batch"])) for s in range(sizes["gpt_steps"])]
+    tput = engine.throughput()  # the steps after the first, against this device's measured peak
+    cuda = engine.mesh.device.type == "cuda"
+    engine.close()
+    return {"parameters": n, "model": sizes["gpt"], "batch": [sizes["gpt_batch"], cfg.seq_len],
+            "precision": sizes["precision"], "losses": losses, "throughput": tput, "line": format_throughput(tput),
+            "max_memory_allocated": torch.cuda.max_memory_allocated() if cuda else None}
+
+
+def check_gpt(ctx):
+    """GPT (125M on CUDA) through ck.boost in bf16: finite, falling loss; tokens/s and MFU measured."""
+    r = _launch(ctx, _rank_gpt, 1, ctx["sizes"])[0]
+    losses, tp = r["losses"], r["throughput"]
+    ok = (all(math.isfinite(x) for x in losses) and sum(losses[-3:]) / 3 < losses[0]
+          and tp["tokens_per_s"] > 0 and 0 < tp["mfu"] <= 1)
+    return ok, r, (f"{r['parameters']:,} params {r['precision']}: loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
+                   f"{r['line']}")
+
+
+# ------------------------------------------------------------------ 3. ZeRO-3 offload="auto" under a budget
 def _adamw(ps):
     return torch.optim.AdamW(ps, lr=1e-3)
 
 
-def _run(kw: dict, budget: int | None = None):
-    data = SyntheticTokens(CFG["vocab_size"], CFG["seq_len"], seed=1)
-    engine = ck.boost(GPT(GPTConfig(**CFG)), _adamw, ck.ParallelConfig(**kw), device_budget=budget)
-    losses, peaks = [], []
-    for s in range(STEPS):
-        torch.cuda.reset_peak_memory_stats()
-        losses.append(engine.train_step(data.batch(s, BATCH)))
-        peaks.append(torch.cuda.max_memory_allocated())
-    out = {"losses": losses, "peaks": peaks, "memory": engine.memory()}
-    place = getattr(engine.grads, "placement", None)
-    if place is not None:
-        out["where"] = list(place.where)
-        out["devices"] = [sorted({t.device.type for t in place.state_tensors(i)}) for i in range(len(place.chunks))]
-        out["account_peak"] = place.account.peak
+def _probe_budget(cfg, factory, batch, config_kw) -> tuple[int, int]:
+    """(what one step holds on the device with every chunk on the host, the chunks' state bytes)."""
+    probe = ck.boost(GPT(cfg), factory, ck.ParallelConfig(**{**config_kw, "offload": "cpu"}))
+    probe.train_step(SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=1).batch(0, batch))
+    place = probe.grads.placement
+    out = place.account.peak, sum(place.state_bytes(i) for i in range(len(place.chunks)))
+    probe.close()
+    del probe, place
+    gc.collect()  # nothing of the probe left on the device before the engine under test is measured
+    return out
+
+
+def _rank_budget(sizes):
+    _fp32_exact()
+    cfg, batch = GPTConfig(**sizes["zero"]), sizes["zero_batch"]
+    measured, states = _probe_budget(cfg, _adamw, batch, dict(zero=3))
+    cuda = torch.distributed.get_backend() == "nccl"
+    if cuda:
+        torch.cuda.empty_cache()
+    budget = measured + states // 2
+    engine = ck.boost(GPT(cfg), _adamw, ck.ParallelConfig(zero=3, offload="auto"), device_budget=budget)
+    data, losses, peaks = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=1), [], []
+    for s in range(sizes["zero_steps"]):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        losses.append(engine.train_step(data.batch(s, batch)))
+        if cuda:
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())
+    place = engine.grads.placement
+    kinds = [sorted({t.device.type for t in place.state_tensors(i) if t is not None}) for i in range(len(place.chunks))]
+    host = sum(place.state_bytes(i) for i, w in enumerate(place.where) if w == "host")
+    out = {"model": sizes["zero"], "batch": batch, "budget": budget, "step_need_measured": measured,
+           "state_bytes": states, "host_state_bytes": host, "where": list(place.where), "tensor_devices": kinds,
+           "account_peak": place.account.peak, "cuda_peaks": peaks, "losses": losses,
+           "device_type": engine.mesh.device.type}
     engine.close()
     return out
 
 
-def _rank(world: int):
-    n = world
-    results = {"zero3": _run(dict(dp=n, zero=3)), "cpu": _run(dict(dp=n, zero=3, offload="cpu"))}
-    states = sum(results["zero3"]["memory"][k] for k in ("params", "grads", "optimizer"))
-    budget = int(0.8 * states + results["cpu"]["peaks"][-1])
-    results["auto"] = _run(dict(dp=n, zero=3, offload="auto"), budget)
-    results["auto"]["budget"] = budget
-    try:
-        results["bf16"] = _run(dict(dp=n, zero=2, precision="bf16"))
-    except ck.ConfigError as exc:
-        results["bf16"] = {"refused": str(exc)}
-    return results
+def check_zero3_budget(ctx):
+    """ZeRO-3 offload='auto': tensors where placed, account and CUDA peak (steps 2+) within the budget."""
+    r = _launch(ctx, _rank_budget, 1, ctx["sizes"])[0]
+    allow, dev = ctx["sizes"]["allowance"], r["device_type"]
+    placed = all(k == ([dev] if w == "device" else ["cpu"]) for k, w in zip(r["tensor_devices"], r["where"]))
+    sides = {"device", "host"} <= set(r["where"])
+    ok = placed and sides and r["account_peak"] <= r["budget"] and all(map(math.isfinite, r["losses"]))
+    detail = (f"{r['where'].count('host')}/{len(r['where'])} chunks on the host, tensors where placed: {placed}; "
+              f"budget {r['budget']:,} B, account peak {r['account_peak']:,} B")
+    if ctx["cuda"]:
+        cuda_peak = max(r["cuda_peaks"][1:])
+        r.update(cuda_peak_after_first=cuda_peak, allowance=allow, beyond_budget=cuda_peak - r["budget"])
+        ok = ok and cuda_peak <= r["budget"] + allow and allow < r["host_state_bytes"]
+        detail += (f"; CUDA max_memory_allocated steps 2-{len(r['cuda_peaks'])} {cuda_peak:,} B "
+                   f"({cuda_peak - r['budget']:+,} B vs the budget; allowance {allow:,} B for allocator rounding, "
+                   f"cuBLAS workspaces, backward's transient gradients)")
+    else:
+        detail += " (CPU: the engine's account is the device; no CUDA allocator to read)"
+    return ok, r, detail
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check here (the CPU account is tested in tests/test_zero3.py)")
+# ------------------------------------------------------------------ 4. the suite's parity configs that fit
+def _name(kw: dict) -> str:
+    """A config by its fields: ``dp=2 zero=3 offload=cpu``."""
+    return " ".join(f"{k}={v}" for k, v in kw.items())
+
+
+def _rel(x) -> str:
+    return "n/a" if x is None else f"{x:.2e}"
+
+
+def _plain_torch(cfg, factory, data, device) -> list[float]:
+    """One process with nothing but torch on this rank's device: how far its fp32 is from the CPU's."""
+    from colab_kit.engine import lm_loss
+    model, out = GPT(cfg).to(device), []
+    opt = factory(model.parameters())
+    for s in range(PARITY_STEPS):
+        x, y = (t.to(device) for t in data.batch(s, PARITY_BATCH))
+        opt.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def _rank_parity(configs, plain: bool):
+    _fp32_exact()
+    cfg, rows = GPTConfig(**PARITY_MODEL), []
+    data = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=1)
+    if plain:  # a diagnosis beside the verdict: the device's own rounding against the CPU reference
+        import torch.distributed as dist
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        rows += [{"config": "plain torch", "optimizer": opt, "losses": _plain_torch(cfg, f, data, dev),
+                  "device": str(dev)} for opt, f in OPTIMIZERS.items()]
+    for kw in configs:
+        for opt, factory in OPTIMIZERS.items():
+            budget = None
+            if kw.get("offload") == "auto":
+                measured, states = _probe_budget(cfg, factory, PARITY_BATCH, {k: v for k, v in kw.items()
+                                                                              if k != "offload"})
+                budget = measured + states // 2
+            engine = ck.boost(GPT(cfg), factory, ck.ParallelConfig(**kw), device_budget=budget)
+            losses = [engine.train_step(data.batch(s, PARITY_BATCH)) for s in range(PARITY_STEPS)]
+            rows.append({"config": _name(kw), "optimizer": opt, "losses": losses,
+                         "device": str(engine.mesh.device)})
+            engine.close()
+    return rows
+
+
+def check_parity(ctx):
+    """The suite's configs that fit on the devices = one process's losses (fp32, 1e-5, TF32 off)."""
+    fits = [kw for kw in PARITY_CONFIGS if ck.ParallelConfig(**kw).world_size <= ctx["devices"]]
+    skipped = [_name(kw) for kw in PARITY_CONFIGS if kw not in fits]
+    cfg, data = GPTConfig(**PARITY_MODEL), SyntheticTokens(PARITY_MODEL["vocab_size"], PARITY_MODEL["seq_len"], seed=1)
+    refs = {opt: train_single_process(cfg, f, data, PARITY_STEPS, PARITY_BATCH)[0] for opt, f in OPTIMIZERS.items()}
+    rows = []
+    for world in sorted({ck.ParallelConfig(**kw).world_size for kw in fits}):
+        group = [kw for kw in fits if ck.ParallelConfig(**kw).world_size == world]
+        rows += _launch(ctx, _rank_parity, world, group, not rows)[0]
+    for row in rows:
+        row.update(parity(row["losses"], refs[row["optimizer"]]))
+    plain, rows = [r for r in rows if r["config"] == "plain torch"], [r for r in rows if r["config"] != "plain torch"]
+    bad = [f"{r['config']} {r['optimizer']} ({_rel(r['max_rel'])})" for r in rows if r["status"] != "PASS"]
+    worst = max((r["max_rel"] for r in rows if r["max_rel"] is not None), default=float("nan"))
+    ok = bool(rows) and not bad
+    mine = ", ".join(f"{r['optimizer']} {_rel(r['max_rel'])}" for r in plain)
+    detail = (f"{len(rows)} runs ({len(fits)} configs x {len(OPTIMIZERS)} optimizers), worst rel {_rel(worst)} "
+              f"(<= {RTOL:g}, TF32 off){'; FAILED: ' + '; '.join(bad) if bad else ''}; plain torch on "
+              f"{plain[0]['device'] if plain else '?'} vs the CPU reference: {mine}; skipped, need more than "
+              f"{ctx['devices']} device(s): {'; '.join(skipped) or 'none'}")
+    return ok, {"rows": rows, "plain_torch": plain, "reference": refs, "skipped": skipped, "rtol": RTOL,
+                "tf32": False}, detail
+
+
+CHECKS = [("launch", check_launch), ("torchrun", check_torchrun), ("gpt", check_gpt),
+          ("zero3_budget", check_zero3_budget), ("parity", check_parity)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu-smoke", action="store_true", help="the same checks, tiny, on CPU ranks with gloo")
+    ap.add_argument("--out", help="where to write the JSON (default: bench/results/gpu_check.json on CUDA, "
+                                  "a temp file with --cpu-smoke)")
+    ap.add_argument("--torchrun-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.torchrun_child:
+        return _torchrun_child(args.cpu_smoke)
+    cuda = torch.cuda.is_available() and not args.cpu_smoke
+    if not cuda and not args.cpu_smoke:
+        print("gpu_check: no CUDA device here, so nothing to check. Run it on a GPU machine, or run "
+              "`python bench/gpu_check.py --cpu-smoke --out FILE` to exercise the same checks on CPU ranks.",
+              file=sys.stderr)
         return 2
-    world = torch.cuda.device_count()
-    res = ck.launch(_rank, world, world)[0]
-    ref, _ = train_single_process(GPTConfig(**CFG), _adamw, SyntheticTokens(CFG["vocab_size"], CFG["seq_len"], seed=1),
-                                  STEPS, BATCH)
-    ok = True
-
-    def check(name, cond, detail=""):
-        nonlocal ok
-        ok &= bool(cond)
-        print(f"{'PASS' if cond else 'FAIL'}  {name}  {detail}")
-
-    for key in ("zero3", "cpu", "auto"):
-        worst = max(abs(a - b) / abs(b) for a, b in zip(res[key]["losses"], ref))
-        check(f"{key} losses = one process", worst <= 1e-5, f"max rel {worst:.2e}")
-    check("cpu: every chunk's states on the CPU", all(d == ["cpu"] for d in res["cpu"]["devices"]), res["cpu"]["devices"])
-    auto = res["auto"]
-    placed = all(d == (["cuda"] if w == "device" else ["cpu"]) for d, w in zip(auto["devices"], auto["where"]))
-    check("auto: tensors where the placement says", placed, list(zip(auto["where"], auto["devices"])))
-    check("auto: some chunks on each side", {"device", "host"} <= set(auto["where"]), auto["where"])
-    over = max(auto["peaks"][1:]) - auto["budget"]
-    print(f"      auto: budget {auto['budget']:,} B, account peak {auto['account_peak']:,} B, CUDA peak after "
-          f"step 1 {max(auto['peaks'][1:]):,} B ({over:+,} B beyond the budget: allocator rounding, workspaces)")
-    check("auto: account within the budget", auto["account_peak"] <= auto["budget"])
-    print("      bf16:", res["bf16"].get("refused") or [f"{x:.4f}" for x in res["bf16"]["losses"]],
-          "fp32:", [f"{x:.4f}" for x in ref])
-    return 0 if ok else 1
+    gpus = torch.cuda.device_count() if cuda else 0
+    ctx = {"cuda": cuda, "world": gpus if cuda else 2, "devices": gpus if cuda else 1,
+           "backend": "nccl" if cuda else "gloo", "sizes": SIZES["cuda" if cuda else "cpu"],
+           "timeout": 300.0 if cuda else 120.0, "threads": None if cuda else 1}
+    out = args.out or os.path.join(ROOT, "bench", "results", "gpu_check.json")
+    if not cuda and not args.out:  # a smoke run never writes over the GPU figures
+        fd, out = tempfile.mkstemp(prefix="gpu_check_smoke_", suffix=".json")
+        os.close(fd)
+    print(f"gpu_check: {f'CUDA, {gpus} GPU(s)' if cuda else 'CPU smoke (gloo)'}, torch {torch.__version__}, "
+          f"{ctx['world']} rank(s) for launch/torchrun", flush=True)
+    t0 = time.perf_counter()
+    results = run_checks(CHECKS, ctx)  # the ranks first: this process makes no CUDA context before them
+    device = torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+    passed = all(r["status"] == "PASS" for r in results.values())
+    report = {"mode": "cuda" if cuda else "cpu-smoke", "device": device, "devices": gpus, "torch": torch.__version__,
+              "cuda": torch.version.cuda, "nccl": _nccl_version() if cuda else None,
+              "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "seconds": round(time.perf_counter() - t0, 2), "passed": passed, "checks": results}
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1, default=str)
+    print(f"{'ALL PASS' if passed else 'SOME FAILED'} in {report['seconds']:.1f} s on {device}; figures in {out}")
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

@@ -27,3 +27,21 @@ def cluster(session_cluster):
     if c.config is not None:
         c.set_config(None)
     return c
+
+
+@pytest.fixture(scope="session")
+def ipython_shell():
+    """The session's one IPython shell. IPython's test shell is a singleton and ``start_ipython`` returns it
+    only to its first caller: every test module that drives magics asks for it here."""
+    from IPython.testing import globalipapp
+
+    return globalipapp.start_ipython() or globalipapp.get_ipython()
+
+
+@pytest.fixture(scope="session")
+def binder_env(tmp_path_factory):
+    """binder/'s environment built in a fresh venv, once per session (tests/binder_env.py): the browser
+    tier's JupyterLab runs from it, and tests/test_colab_binder.py checks it."""
+    from tests.binder_env import build
+
+    return build(tmp_path_factory.mktemp("binder") / "venv")

@@ -137,8 +137,9 @@ def _free_port() -> int:
 class Lab:
     """A JupyterLab process on 127.0.0.1 in its own process group, and its REST API."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, python: str = sys.executable, env: dict | None = None):
         self.dir = workdir / "notebooks"
+        self.python = python
         shutil.copytree(ROOT / "notebooks", self.dir, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
         settings = workdir / "settings"
         for plugin, values in {
@@ -156,10 +157,10 @@ class Lab:
         self.log = (workdir / "jupyterlab.log").open("w")
         # its own runtime and IPython dirs: the kernels' connection and cluster files stay in workdir,
         # apart from any other cluster running on this machine
-        env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(workdir / "runtime"), IPYTHONDIR=str(workdir / "ipython"),
-                   JUPYTER_PLATFORM_DIRS="1")
+        env = dict(env or os.environ, JUPYTER_RUNTIME_DIR=str(workdir / "runtime"),
+                   IPYTHONDIR=str(workdir / "ipython"), JUPYTER_PLATFORM_DIRS="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyterlab", "--no-browser",
+            [python, "-m", "jupyterlab", "--no-browser",
              "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
              f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.dir}",
              f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={workdir / 'workspaces'}",
@@ -263,9 +264,24 @@ class Lab:
             self.log.close()
 
 
+def _cmdline(proc) -> list[str]:
+    try:
+        return proc.cmdline()
+    except Exception:  # noqa: BLE001 - a process that just ended
+        return []
+
+
+def _python_of(proc) -> str:
+    """The interpreter a kernel runs: its venv's ``bin/python`` as the kernelspec names it (``sys.executable``
+    of the server's environment), not the file that symlink resolves to."""
+    cmd = _cmdline(proc)
+    return cmd[0] if cmd else ""
+
+
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    server = Lab(tmp_path_factory.mktemp("browser"))
+def lab(tmp_path_factory, binder_env):
+    """JupyterLab from binder/'s environment (tests/binder_env.py): the notebooks run in what Binder builds."""
+    server = Lab(tmp_path_factory.mktemp("browser"), binder_env.python, binder_env.env())
     yield server
     server.close()
 
@@ -523,6 +539,8 @@ def test_notebook_renders_in_a_browser(path: Path, lab: Lab, browser):
         _run_all(page, lab, cells_json, name)
         snap = _settle(page)
         print(f"{name}: ran in {time.monotonic() - t0:.0f} s")
+        pythons = {_python_of(p) for p in lab._descendants() if "ipykernel" in " ".join(_cmdline(p))}
+        assert pythons == {lab.python}, f"{name}'s kernel ran {pythons}, not binder/'s environment {lab.python}"
         saved = _save(page, lab.dir / name, problems)
         problems += _check(name, cells_json, saved, snap, may_fail, page.viewport_size["width"])
         if saved:  # the outputs tests/test_notebooks.py expects, from this run (nbclient skips where this runs)

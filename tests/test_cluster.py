@@ -4,6 +4,7 @@ from __future__ import annotations
 import _thread
 import os
 import shutil
+import socket
 import threading
 import time
 
@@ -185,6 +186,7 @@ def test_a_rank_whose_engine_dies_is_reported_and_needs_a_restart(cluster):
     with pytest.raises(ck.RankError) as info:
         cluster.run(_exit_on_rank_2, timeout=60)
     assert info.value.rank == 2 and "engine process died" in info.value.failures[2]
+    assert f"(on host {socket.gethostname()!r}, pid " in info.value.failures[2]  # where to look
     assert cluster.needs_restart and "%colossal restart" in str(info.value)
     with pytest.raises(ClusterError, match="needs a restart"):
         cluster.run(_rank_times_ten)  # the fixture restarts it for the next test
@@ -215,6 +217,24 @@ def test_bad_sizes_are_clear_errors():
         Cluster(n=0)
     with pytest.raises(ClusterError, match="backend must be 'gloo', 'nccl'"):
         Cluster(n=2, backend="mpi")
+
+
+def test_ssh_hosts_are_checked_before_anything_starts(monkeypatch):
+    import colab_kit.cluster.startup as startup
+    monkeypatch.setattr(startup, "_default_profile_configures_launchers", lambda: False)
+    with pytest.raises(ClusterError, match=r"engines='ssh' needs the hosts .*--hosts 10.0.0.1:2,10.0.0.2:2"):
+        Cluster(engines="ssh", ip="10.0.0.1")
+    with pytest.raises(ClusterError, match=r"hosts= says where .* not engines='mpi'"):
+        Cluster(engines="mpi", ip="10.0.0.1", hosts={"10.0.0.2": 2})
+    with pytest.raises(ClusterError, match=r"n=3 engines, but hosts= names 4"):
+        Cluster(n=3, engines="ssh", ip="10.0.0.1", hosts={"a": 2, "b": 2})
+    for bad in ({}, {"a": 0}, {"a": True}, ["a", "b"], {"": 2}):
+        with pytest.raises(ClusterError, match="hosts must map each host to its number of engines"):
+            Cluster(engines="ssh", ip="10.0.0.1", hosts=bad)
+    cluster = Cluster(engines="ssh", ip="10.0.0.1", hosts={"a": 2, "b": 1})
+    assert cluster.n == 3 and cluster.hosts == {"a": 2, "b": 1} and not cluster.running
+    Cluster(engines="ssh", ip="10.0.0.1", profile="ssh")  # the profile's ipcluster_config.py may name them
+    assert startup.host_order(["b", "a", "b", "a", "c"]) == [0, 2, 1, 3, 4]
 
 
 def test_engines_that_do_not_register_in_time_give_a_clear_error():

@@ -1,6 +1,7 @@
 """%colossal / %%colossal through a real IPython shell (tier 3)."""
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -10,11 +11,10 @@ from colab_kit.cluster import Cluster
 
 
 @pytest.fixture(scope="module")
-def ip():
+def ip(ipython_shell):
     import plotly.io as pio
-    from IPython.testing.globalipapp import start_ipython
 
-    shell = start_ipython()
+    shell = ipython_shell
     old_renderer, pio.renderers.default = pio.renderers.default, "json"  # no browser to open here
     shell.run_line_magic("load_ext", "colab_kit")
     yield shell
@@ -130,6 +130,8 @@ def test_cell_runs_on_every_rank_with_output_grouped(run, state, shared):
     ("%%colossal --timeout 0\nprint(rank)", "argument --timeout: must be a number of seconds > 0, got '0'"),
     ("%%colossal --timeout soon\nprint(rank)", "argument --timeout: invalid float value: 'soon'"),
     ("%colossal start -n 0", "argument -n: must be a positive whole number, got '0'"),
+    ("%colossal start --engines ssh --hosts a:2,b:x", "argument --hosts: expected host:engines pairs like "
+                                                      "10.0.0.1:2,10.0.0.2:2 (each host once"),
     ("%colossal config dp=2 dp=4", "config key 'dp' given twice, as dp=2 and as dp=4: give it once"),
     ("%colossal config dp=4 --dp 4", "config key 'dp' given twice, as dp=4 and as --dp 4: give it once"),
 ])
@@ -166,7 +168,8 @@ def test_dash_h_shows_one_subcommand_and_does_nothing_else(run, state, shared):
                 continue
             assert error is None and out.startswith(f"usage: %colossal {name}") and text in out, (name, out)
     error, out, _ = run("%colossal start -n 2 -h")  # not started: the cluster is still the shared one
-    assert error is None and "--engines ENGINES  ipyparallel launcher" in out
+    assert error is None and re.search(r"--engines ENGINES +ipyparallel launcher", out), out
+    assert re.search(r"--hosts A:2,B:2 +engines per host for --engines ssh", out), out
     error, out, _ = run("%colossal config dp=4 -h")
     assert error is None and "config words: key=value or --key value, keys: dp, tp" in out
     assert run("%colossal stop -h")[0] is None and state.cluster is shared and shared.running
@@ -450,7 +453,7 @@ class FakeCluster:
     """Cluster.start / restart with the progress keyword: says how far it got, starts nothing."""
     calls: list = []
 
-    def __init__(self, n=None, engines="local", *, timeout=60):
+    def __init__(self, n=None, engines="local", *, timeout=60, ip=None, hosts=None):
         self.world_size, self.engines, self.config, self.running = n, engines, None, True
 
     def _go(self, what, progress):

@@ -154,14 +154,10 @@ def test_no_engine_or_no_cluster_is_a_clear_error():
 
 
 @pytest.fixture(scope="module")
-def ip():
+def ip(ipython_shell):
     import plotly.io as pio
-    from IPython.testing import globalipapp
 
-    first = not hasattr(globalipapp.start_ipython, "already_called")
-    shell = globalipapp.start_ipython() or globalipapp.get_ipython()  # the one test shell of the session
-    if first:  # test_magics' fixture calls start_ipython too, which returns the shell only the first time
-        del globalipapp.start_ipython.already_called  # (a second call re-applies its tweaks to the same shell)
+    shell = ipython_shell
     old_renderer, pio.renderers.default = pio.renderers.default, "json"
     shell.run_line_magic("load_ext", "colab_kit")
     yield shell

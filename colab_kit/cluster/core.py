@@ -34,7 +34,7 @@ from ..tracebacks import pack, source_map
 from . import remote
 from .gather import RESTART_ADVICE, ClusterError, Waiting
 from .results import RankOutput, RankTable, check_ranks, rank_output, split, unwrap_call, unwrap_execute
-from .startup import Startup, launcher_names, preload_torch
+from .startup import Startup, check_hosts, launcher_names, preload_torch
 from .watchdog import Watchdog, cluster_processes, descendant_pids, end_processes, with_descendants
 
 __all__ = ["Cluster", "ClusterError", "RankOutput", "RankTable", "RESTART_ADVICE"]
@@ -51,12 +51,20 @@ class Cluster(Startup, Waiting):
         use 127.0.0.1 (nothing listens beyond loopback); a launcher that can start
         engines on other hosts needs it named (``ip="10.0.0.5"``, or ``ip="127.0.0.1"``
         when every engine is on this host), since that opens the cluster to the network.
+    hosts: for ``engines="ssh"``, the engines to start on each host, in rank order:
+        ``{"10.0.0.1": 2, "10.0.0.2": 2}`` (ipyparallel's ``SSHEngineSetLauncher.engines``);
+        ``n`` defaults to their sum. ssh itself reads ``~/.ssh/config`` (keys, user), or the
+        profile's ``ipcluster_config.py`` (``c.SSHLauncher.ssh_args``, ``profile=`` or
+        ``profile_dir=`` below).
     timeout: seconds to wait for engines to register and for the rendezvous.
     backend: "gloo" or "nccl"; None picks nccl when every engine has its own GPU.
     grace: seconds the other ranks get to finish after one failed.
     collective_timeout: the process group's timeout, so a rank left waiting in a
         collective gives up by itself instead of blocking its engine forever.
-    ipp_kwargs: passed to ``ipyparallel.Cluster`` (profile, ...).
+    ipp_kwargs: passed to ``ipyparallel.Cluster`` (profile, profile_dir, config, ...).
+
+    Ranks are contiguous per host (each host's engines in engine-id order, the hosts in the order
+    their first engine registered), so tp groups, the fastest-varying axis, stay inside a host.
 
     POSIX only (Linux, macOS): engines are signalled and watched as POSIX processes.
     The engines and the controller die with the process that started them, however it
@@ -64,11 +72,14 @@ class Cluster(Startup, Waiting):
     """
 
     def __init__(self, n: int | None = None, engines: str = "local", *, ip: str | None = None,
-                 timeout: float = 60, backend: str | None = None, grace: float = 3.0,
+                 hosts: dict[str, int] | None = None, timeout: float = 60, backend: str | None = None, grace: float = 3.0,
                  collective_timeout: float = 120, **ipp_kwargs):
         if os.name != "posix":
             raise ClusterError(f"colab_kit's cluster runs on POSIX systems (Linux, macOS), not {sys.platform}: "
                                "on Windows use WSL, or ck.launch for local ranks")
+        hosts = check_hosts(hosts, engines, n, ipp_kwargs)
+        if n is None and hosts:
+            n = sum(hosts.values())
         if n is None:
             import torch
 
@@ -88,6 +99,7 @@ class Cluster(Startup, Waiting):
                 "address to listen on with ip='10.0.0.5' (an address of this host that they can reach), or "
                 "ip='127.0.0.1' when every engine runs on this host. Local engines need no ip (loopback only)")
         self.n, self.engines, self.ip, self.timeout, self.backend = n, engines, ip or LOOPBACK, timeout, backend
+        self.hosts = hosts
         self.grace, self.collective_timeout, self.ipp_kwargs = grace, collective_timeout, ipp_kwargs
         self.config: ParallelConfig | None = None
         self._ipp = self._client = self._watchdog = None
@@ -120,6 +132,8 @@ class Cluster(Startup, Waiting):
                                "stop() it first, or restart() it")
         kwargs = {"log_level": logging.ERROR, **self.ipp_kwargs}  # SIGKILLed engines are no news
         kwargs["config"] = preload_torch(kwargs.get("config"))
+        if self.hosts:
+            kwargs["config"].SSHEngineSetLauncher.engines = dict(self.hosts)
         try:
             self._watchdog = Watchdog()
             before = descendant_pids()

@@ -53,6 +53,11 @@ class Waiting:
                 return True
         return False
 
+    def _whereabouts(self, rank: int) -> str:
+        """`` (on host "b", pid 41)`` for a rank of the ranks table; nothing before the table exists."""
+        row = next((row for row in self._table if row["rank"] == rank), None)
+        return f" (on host {row['host']!r}, pid {row['pid']})" if row else ""
+
     def _dead_ranks(self, ranks) -> list[int]:
         """Ranks whose engine has unregistered (the engine's nanny tells the controller at once)."""
         alive = set(self._client.ids)
@@ -131,6 +136,8 @@ class Waiting:
                            "memory) while running the call")
             pending.pop(r)
             died.append(r)
+        for r in died:  # where it was: across hosts, the first thing to look at
+            failures[r] += self._whereabouts(r)
         ordered = {r: failures[r] for r in died} | {r: t for r, t in failures.items() if r not in died}
         advice = ""
         if pending or died:

@@ -20,7 +20,7 @@ from . import remote
 from .gather import ClusterError
 from .results import RankTable
 
-__all__ = ["Startup", "preload_torch", "launcher_names"]
+__all__ = ["Startup", "check_hosts", "host_order", "preload_torch", "launcher_names"]
 
 
 def preload_torch(config=None):
@@ -38,6 +38,46 @@ def launcher_names() -> list[str]:
     from importlib.metadata import entry_points
 
     return sorted(e.name for e in entry_points(group="ipyparallel.engine_launchers"))
+
+
+def check_hosts(hosts, engines, n, ipp_kwargs) -> dict[str, int] | None:
+    """``hosts=`` of a ``Cluster``, checked before anything starts; an ssh cluster must be told where to go."""
+    if hosts is None:
+        told = any(k in ipp_kwargs for k in ("config", "profile", "profile_dir"))
+        if engines == "ssh" and not told and not _default_profile_configures_launchers():
+            raise ClusterError("engines='ssh' needs the hosts to start engines on: hosts={'10.0.0.1': 2, "
+                               "'10.0.0.2': 2} (%colossal start --hosts 10.0.0.1:2,10.0.0.2:2), or "
+                               "c.SSHEngineSetLauncher.engines in a profile's ipcluster_config.py (profile=...)")
+        return None
+    if engines != "ssh":
+        raise ClusterError(f"hosts= says where ipyparallel's SSH launcher starts engines (engines='ssh'), not "
+                           f"engines={engines!r}: the MPI launcher takes a hostfile (c.MPILauncher.mpi_args), and "
+                           "Slurm places engines itself")
+    good = isinstance(hosts, dict) and hosts and all(
+        isinstance(h, str) and h and isinstance(k, int) and not isinstance(k, bool) and k >= 1
+        for h, k in hosts.items())
+    if not good:
+        raise ClusterError(f"hosts must map each host to its number of engines, like {{'10.0.0.1': 2, "
+                           f"'10.0.0.2': 2}}, got {hosts!r}")
+    if n is not None and n != sum(hosts.values()):
+        raise ClusterError(f"n={n} engines, but hosts= names {sum(hosts.values())} ({hosts}): leave n out, "
+                           "or make the counts add up to it")
+    return dict(hosts)
+
+
+def _default_profile_configures_launchers() -> bool:
+    from IPython.paths import get_ipython_dir
+
+    return os.path.isfile(os.path.join(get_ipython_dir(), "profile_default", "ipcluster_config.py"))
+
+
+def host_order(hosts: list[str]) -> list[int]:
+    """Old rank of each new rank: ranks made contiguous per host, hosts in first-seen order.
+
+    >>> host_order(["a", "b", "a", "b"])   # engines registered alternately from two hosts
+    [0, 2, 1, 3]
+    """
+    return sorted(range(len(hosts)), key=lambda r: hosts.index(hosts[r]))
 
 
 class Startup:
@@ -81,6 +121,9 @@ class Startup:
         ranks = list(range(self.n))
         info = self._gather(self._apply(ranks, remote.probe, self.ip, list(sys.path), os.getcwd()), self.timeout,
                             "start (probe)")
+        order = host_order([info[r]["host"] for r in range(self.n)])
+        self._ids = [self._ids[r] for r in order]
+        info = {new: info[old] for new, old in enumerate(order)}
         hosts = [info[r]["host"] for r in range(self.n)]
         local = [hosts[:r].count(h) for r, h in enumerate(hosts)]
         per_host = [hosts.count(h) for h in hosts]

@@ -110,7 +110,8 @@ class ColossalMagics(Magics):
         t0 = time.perf_counter()
         progress = self._live("starting the cluster")
         try:
-            cluster = self.state.start(args.n, args.engines, args.timeout, progress=progress)
+            cluster = self.state.start(args.n, args.engines, args.timeout, progress=progress, ip=args.ip,
+                                       hosts=args.hosts, profile=args.profile)
         finally:
             if progress is not None:
                 progress.close()

@@ -46,6 +46,20 @@ def _rank_list(text: str) -> list[int]:
     return ranks
 
 
+def _host_list(text: str) -> dict[str, int]:
+    """``10.0.0.1:2,10.0.0.2:2`` -> {"10.0.0.1": 2, "10.0.0.2": 2} (engines per host, in that order)."""
+    hosts: dict[str, int] = {}
+    for word in (w.strip() for w in text.split(",") if w.strip()):
+        host, _, count = word.rpartition(":")
+        if not host or not count.isdigit() or int(count) < 1 or host in hosts:
+            raise argparse.ArgumentTypeError(f"expected host:engines pairs like 10.0.0.1:2,10.0.0.2:2 (each host "
+                                             f"once, at least one engine), got {text!r}")
+        hosts[host] = int(count)
+    if not hosts:
+        raise argparse.ArgumentTypeError(f"expected host:engines pairs like 10.0.0.1:2,10.0.0.2:2, got {text!r}")
+    return hosts
+
+
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
@@ -63,12 +77,19 @@ def _bytes(text: str) -> int:
 
 
 # argparse names the type in its message
-_positive_int.__name__, _seconds.__name__, _bytes.__name__ = "int", "float", "bytes"
+_positive_int.__name__, _seconds.__name__, _bytes.__name__, _host_list.__name__ = "int", "float", "bytes", "hosts"
 
 FLAGS = {
     "n": (("-n",), dict(type=_positive_int, default=None, metavar="N",
                         help="engines (ranks); default: one per GPU, else 4")),
     "engines": (("--engines",), dict(default="local", help="ipyparallel launcher: local, mpi, slurm, ssh, ...")),
+    "ip": (("--ip",), dict(default=None, metavar="ADDR",
+                           help="address the controller listens on, reachable from every host (not for local)")),
+    "hosts": (("--hosts",), dict(type=_host_list, default=None, metavar="A:2,B:2",
+                                 help="engines per host for --engines ssh; -n defaults to their sum")),
+    "profile": (("--profile",), dict(default=None, metavar="NAME|DIR",
+                                     help="ipyparallel profile (a name, or a directory) whose ipcluster_config.py "
+                                          "configures the launcher: ssh options, Slurm account, ...")),
     "timeout": (("--timeout",), dict(type=_seconds, default=None, metavar="S", help="seconds before giving up")),
     "axis": (("--axis",), dict(default="tp", help="colour the ranks by their group on this axis")),
     "ranks": (("--ranks",), dict(type=_rank_list, default=None, metavar="0,2", help="only these ranks")),
@@ -91,7 +112,8 @@ FLAGS = {
     "path": (("path",), dict(metavar="PATH", help="the script to write (.py), with a Slurm batch file beside it")),
 }
 COMMANDS = {  # name: (flags, takes config words, help)
-    "start": (("n", "engines", "timeout"), False, "start engines and torch.distributed; show the ranks"),
+    "start": (("n", "engines", "ip", "hosts", "profile", "timeout"), False,
+              "start engines and torch.distributed; show the ranks"),
     "config": ((), True, "check a config (dp=2 tp=2 or --dp 2 --tp 2) and set it on every rank"),
     "mesh": (("axis",), True, "draw the device mesh of the config (or of config words given here)"),
     "schedule": (("pp", "microbatches", "schedule", "chunks"), False,

@@ -9,6 +9,7 @@ Usable without IPython::
 from __future__ import annotations
 
 import inspect
+import os
 
 from ..cluster import Cluster, ClusterError, RankOutput
 from ..config import ConfigError, ParallelConfig
@@ -36,12 +37,22 @@ class ColossalState:
         return self.cluster
 
     def start(self, n: int | None = None, engines: str = "local", timeout: float | None = None,
-              progress=None) -> Cluster:
-        """Start a cluster (``progress(stage, done, total)`` is told how far it got) and apply the kept config."""
+              progress=None, *, ip: str | None = None, hosts: dict | None = None,
+              profile: str | None = None) -> Cluster:
+        """Start a cluster (``progress(stage, done, total)`` is told how far it got) and apply the kept config.
+
+        ``ip``, ``hosts`` and ``profile`` are ``Cluster``'s: the controller's address, the engines per host
+        for ``engines="ssh"``, and the ipyparallel profile (a name, or a directory) whose
+        ``ipcluster_config.py`` configures the launcher."""
         if self.cluster is not None and self.cluster.running:
             raise ClusterError(f"a cluster of {self.cluster.world_size} ranks is already running: "
                                "%colossal stop it first, or %colossal restart it")
-        cluster = with_progress(Cluster(n, engines, timeout=timeout or 60).start, progress)
+        extra = {}
+        if profile:
+            is_dir = os.sep in profile or profile.startswith(("~", "."))
+            extra["profile_dir" if is_dir else "profile"] = os.path.expanduser(profile) if is_dir else profile
+        cluster = with_progress(Cluster(n, engines, ip=ip, hosts=hosts, timeout=timeout or 60, **extra).start,
+                                progress)
         self.cluster = cluster
         self.recorded = []  # a new cluster: what it runs from here
         if self.config is not None and self.config.world_size == cluster.world_size:
