@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 
 from .config import ConfigError, ParallelConfig
+from .dry_run import dry_run  # eager: the module has the function's name, which a lazy attribute would lose
 from .errors import RankError, RankTimeout
 from .launch import launch
 from .mesh import MeshLayout, ProcessMesh
@@ -21,7 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = ["ParallelConfig", "ConfigError", "MeshLayout", "ProcessMesh", "launch", "init", "export", "Cluster", "boost",
            "Engine", "RankError", "RankTimeout", "models", "datasets", "recipe", "viz", "widgets", "comm", "tensor", "pipeline",
-           "reference", "plan", "planner"]
+           "reference", "plan", "planner", "dry_run"]
 
 _LAZY = {"Cluster": ("cluster", "Cluster"), "boost": ("engine", "boost"), "Engine": ("engine", "Engine"),
          "init": ("join", "init"), "export": ("magics.export", "export"),

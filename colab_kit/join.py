@@ -195,7 +195,8 @@ def init(config=None, *, backend: str | None = None, timeout: float = 300.0) -> 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = backend or ("nccl" if count else "gloo")  # the same answer on every rank of a host
     if backend == "nccl":
-        if count == 1:  # one GPU visible to this rank (Slurm's --gpus-per-task=1, CUDA_VISIBLE_DEVICES)
+        per_rank = job.launcher != "torchrun" or (job.local_world_size or 1) == 1  # torchrun never binds GPUs
+        if count == 1 and per_rank:  # one GPU visible to this rank (Slurm's --gpus-per-task=1, CUDA_VISIBLE_DEVICES)
             torch.cuda.set_device(0)
         elif job.local_rank < count and (job.local_world_size or 0) <= count:
             torch.cuda.set_device(job.local_rank)

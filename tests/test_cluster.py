@@ -274,6 +274,18 @@ def _print_then_sleep():
     return dist.get_rank()
 
 
+def test_progress_takes_true_and_false_like_tqdms_disable(cluster, capsys):
+    assert cluster.run(_rank_times_ten, progress=False) == [0, 10, 20, 30]
+    assert cluster.run(_rank_times_ten, progress=True) == [0, 10, 20, 30]
+    assert cluster.execute("rank", progress=False)[3].result == "3"
+    for bad in (3, "loud"):
+        with pytest.raises(TypeError, match=r"progress=.*: give True or False \(on or off\)"):
+            cluster.run(_rank_times_ten, progress=bad)
+        with pytest.raises(TypeError, match=r"progress=.*: give True or False"):
+            Cluster(n=2).start(progress=bad)  # refused before anything starts
+    assert cluster.run(_rank_times_ten) == [0, 10, 20, 30]  # nothing was left running
+
+
 def test_long_run_calls_report_progress_with_what_the_ranks_printed(cluster, monkeypatch):
     seen = []
     assert cluster.run(_print_then_sleep, progress=lambda t, out: seen.append((t, dict(out)))) == [0, 1, 2, 3]

@@ -74,6 +74,20 @@ def test_a_world_size_that_disagrees_with_the_config_is_refused_before_connectin
         ck.init(ck.ParallelConfig(dp=2, tp=2))
 
 
+def test_torchrun_with_more_ranks_than_gpus_is_refused_before_connecting(monkeypatch):
+    """Two ranks on a host with one GPU under torchrun (which binds no GPU per rank): both would take
+    cuda:0, and NCCL would fail later with "duplicate GPU"; refused here, saying what to start instead."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail(f"set_device({d}) on a refused job"))
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "x"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match=r"2 ranks on this host and 1 GPUs: NCCL needs one GPU per rank; start one "
+                                          r"rank per GPU \(torchrun --nproc-per-node 1\)"):
+        ck.init()
+
+
 def test_an_unreachable_rendezvous_is_a_clear_error_within_the_timeout():
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

@@ -122,11 +122,13 @@ class Cluster(Startup, Waiting):
     def start(self, progress=None) -> "Cluster":
         """Start the controller and ``n`` engines, wait for them, initialise torch.distributed.
 
-        ``progress(stage, done, total)``, if given, is called while this runs: with
+        ``progress(stage, done, total)``, if given, is called while this runs (True prints each stage
+        on stderr, False or None nothing): with
         "engines registered" as engines come up, then "torch.distributed ready".
         """
         import ipyparallel as ipp
 
+        progress = _stage_progress(progress)
         if self.running:
             raise ClusterError(f"this cluster of {self.world_size} ranks is already running: "
                                "stop() it first, or restart() it")
@@ -158,6 +160,7 @@ class Cluster(Startup, Waiting):
 
     def restart(self, progress=None) -> "Cluster":
         """Kill the engines, start fresh ones, re-initialise torch.distributed, re-apply the config."""
+        progress = _stage_progress(progress)
         if self._ipp is None:
             raise ClusterError("no cluster to restart: start one first (cluster.start() or %colossal start)")
         try:
@@ -250,19 +253,21 @@ class Cluster(Startup, Waiting):
         """``fn(*args)`` on every rank (or ``ranks``): a list by rank, or a dict rank -> result.
 
         ``progress(seconds, {rank: stdout so far})`` is called about once a second while
-        waiting; the default ("auto") shows a live line in a notebook once a call has run
-        for 2 s (``running on 4 ranks for 7 s; rank 0: step 10 loss 3.0``), nothing elsewhere.
+        waiting; the default ("auto", or True) shows a live line in a notebook once a call has run
+        for 2 s (``running on 4 ranks for 7 s; rank 0: step 10 loss 3.0``), nothing elsewhere;
+        False or None shows nothing.
         """
+        mode = _call_progress(progress)  # a bad value is refused before anything is sent
         targets = self._targets(ranks)
         # pickled here with cloudpickle (tracebacks.pack), not ipyparallel's canning: a class defined in the
         # notebook (a user's nn.Module, whose methods' super() cell refers back to it) travels by value
         ars = self._apply(targets, remote.call_packed, pack((fn, args)), source_map(fn, args))
-        line = _notebook_progress(len(targets)) if progress == "auto" else progress
+        line = _notebook_progress(len(targets)) if mode == "auto" else mode
         tick = None if line is None else (lambda t: line(t, {r: ar.stdout or "" for r, ar in ars.items()}))
         try:
             out = self._gather(ars, timeout, getattr(fn, "__name__", "run"), unwrap=unwrap_call, tick=tick)
         finally:
-            if progress == "auto" and line is not None:
+            if mode == "auto" and line is not None:
                 line.close()
         check_ranks(ars, self._ids)
         return [out[r] for r in targets] if ranks is None else {r: out[r] for r in targets}
@@ -277,6 +282,7 @@ class Cluster(Startup, Waiting):
         passed the health check that follows an interrupt).
         ``progress(seconds, {rank: stdout so far})`` is called about once a second while waiting.
         """
+        progress = _call_progress(progress, auto=None)
         targets = self._targets(ranks)
         ars = split(self._view(targets).execute(code, silent=False, block=False), targets)
         tick = None if progress is None else (lambda t: progress(t, {r: ar.stdout or "" for r, ar in ars.items()}))
@@ -308,6 +314,32 @@ class Cluster(Startup, Waiting):
 
     def __repr__(self) -> str:
         return f"Cluster(n={self.n}, engines={self.engines!r}: {self.status()})"
+
+
+def _call_progress(progress, auto="auto"):
+    """``progress`` of ``run``/``execute``: a callable ``(seconds, {rank: stdout})``; True or "auto" (shown where
+    it can be: a live line in a notebook), False or None (off), as tqdm's ``disable`` reads a bool."""
+    if progress is None or progress is False:
+        return None
+    if progress is True or progress == "auto":
+        return auto
+    if callable(progress):
+        return progress
+    raise TypeError(f"progress={progress!r}: give True or False (on or off), 'auto', or a callable "
+                    "progress(seconds, {rank: stdout so far})")
+
+
+def _stage_progress(progress):
+    """``progress`` of ``start``/``restart``: a callable ``(stage, done, total)``; True prints each stage on
+    stderr; False or None, nothing."""
+    if progress is None or progress is False:
+        return None
+    if progress is True:
+        return lambda stage, done, total: print(f"{stage}: {done}/{total}", file=sys.stderr, flush=True)
+    if callable(progress):
+        return progress
+    raise TypeError(f"progress={progress!r}: give True or False (on or off), or a callable "
+                    "progress(stage, done, total)")
 
 
 def _notebook_progress(n: int):

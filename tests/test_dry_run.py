@@ -1,0 +1,171 @@
+"""ck.dry_run: one rank of a config built under the fake process group, in a fresh process.
+
+1. Configs that also run here (dp x tp, dp x pp, ZeRO-3, ZeRO-2 with tp in bf16, ZeRO-2 with pp): each dry run
+   reports the params / grads / optimizer bytes that the real run's ``engine.memory()`` reports on that
+   rank after one real step (to the byte, device and host), and the activations that the real engine's
+   ``memory_estimate()`` gives for that batch; another rank's, another config's and the dense model's
+   bytes fail the same comparison.
+2. Two ranks of a 512-rank config (dp=8 x tp=8 x pp=8) of a 406M GPT, in seconds, against
+   ``estimate.rank_params`` and the per-block formula; the presets are labelled as assumptions.
+3. Bad input is a ConfigError before any process starts; a failing or slow dry run names its rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import colab_kit as ck
+from colab_kit.dry_run import HARDWARE, DryRunTimeout, dry_run, dry_run_many
+from colab_kit.estimate import rank_params
+from colab_kit.models import GPT, GPTConfig
+
+SMALL = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
+BATCH = 8
+CONFIGS = [dict(dp=2, tp=2), dict(dp=2, pp=2, microbatches=2), dict(dp=4, zero=3),
+           dict(dp=2, tp=2, zero=2, precision="bf16"), dict(dp=2, pp=2, microbatches=2, zero=2, schedule="gpipe")]
+STATES = ("params", "grads", "optimizer")
+
+
+def _real(configs):
+    """On each rank: one real train_step per config; memory() and the activation estimate after it."""
+    torch.manual_seed(0)
+    x = torch.randint(0, SMALL.vocab_size, (BATCH, SMALL.seq_len))
+    out = []
+    for kw in configs:
+        engine = ck.boost(GPT(SMALL), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(**kw))
+        engine.train_step((x, x.roll(-1, 1)))
+        mem = engine.memory()
+        out.append({**{k: mem[k] for k in STATES}, "device": {k: mem["device"][k] for k in STATES},
+                    "host": {k: mem["host"][k] for k in STATES},
+                    "activations": engine.memory_estimate()["activations"]})
+        engine.close()
+    return out
+
+
+def _mismatch(report, real) -> list[str]:
+    """What differs between a dry run's report and a real rank's memory (empty: the same to the byte)."""
+    mem = report.memory
+    bad = [k for k in STATES if mem[k] != real[k]]
+    bad += [f"{side}.{k}" for side in ("device", "host") for k in STATES if mem[side][k] != real[side][k]]
+    return bad + (["activations"] if mem["activations"] != real["activations"] else [])
+
+
+@pytest.fixture(scope="module")
+def small_runs():
+    t0 = time.perf_counter()
+    dry = dry_run_many([dict(model=GPT(SMALL, device="meta"), config=ck.ParallelConfig(**kw), rank="all",
+                             batch=BATCH) for kw in CONFIGS], hardware=["8xA100-80GB"])
+    t1 = time.perf_counter()
+    real = ck.launch(_real, 4, CONFIGS)
+    print(f"dry runs of {len(dry)} ranks: {t1 - t0:.1f} s; real runs: {time.perf_counter() - t1:.1f} s")
+    assert [(r.config, r.rank) for r in dry] == [(ck.ParallelConfig(**kw), r) for kw in CONFIGS for r in range(4)]
+    return {(i // 4, r.rank): r for i, r in enumerate(dry)}, real
+
+
+def test_dry_run_equals_real_run_to_the_byte(small_runs):
+    dry, real = small_runs
+    assert len(dry) == 4 * len(CONFIGS)
+    assert not dist.is_initialized()  # the caller's process joined no process group
+    for (i, rank), report in dry.items():
+        assert _mismatch(report, real[rank][i]) == [], (CONFIGS[i], rank, report.memory, real[rank][i])
+        assert report.coords == ck.MeshLayout(report.config).coords(rank)
+        assert all(rank in g for g in report.groups.values())
+    zero3 = dry[(2, 1)].memory
+    assert zero3["params"] < 4 * sum(p.numel() for p in GPT(SMALL).parameters()) // 3  # sharded: about a quarter
+
+
+def test_the_comparison_rejects_wrong_answers(small_runs):
+    dry, real = small_runs
+    pp = CONFIGS.index(dict(dp=2, pp=2, microbatches=2))
+    assert _mismatch(dry[(pp, 0)], real[2][pp])  # pipeline rank 0 (embeddings) against rank 2 (the head)
+    assert _mismatch(dry[(0, 0)], real[0][pp])  # dp x tp's rank 0 against dp x pp's
+    assert _mismatch(dry[(2, 0)], real[0][3])  # ZeRO-3 against ZeRO-2 bf16
+    dense = sum(p.numel() for p in GPT(SMALL).parameters())
+    whole = {"params": 4 * dense, "grads": 4 * dense, "optimizer": 8 * dense, "activations": 0,
+             "device": {"params": 4 * dense, "grads": 4 * dense, "optimizer": 8 * dense},
+             "host": dict.fromkeys(STATES, 0)}
+    assert set(_mismatch(dry[(0, 0)], whole)) >= {"params", "grads", "optimizer"}  # the dense model's bytes
+
+
+BIG = GPTConfig(vocab_size=50304, seq_len=1024, d_model=1024, n_heads=16, n_layers=24)  # 406M parameters
+
+
+def test_512_ranks_from_this_machine(tmp_path, monkeypatch):
+    from colab_kit.planner import EXAMPLE_CONSTANTS
+    from colab_kit.planner.constants import cache_path
+    monkeypatch.setenv("COLAB_KIT_CACHE", str(tmp_path))  # "this machine": constants from a cache, not measured
+    os.makedirs(os.path.dirname(cache_path()), exist_ok=True)
+    with open(cache_path(), "w") as fh:
+        json.dump({"4": EXAMPLE_CONSTANTS}, fh)
+    cfg = ck.ParallelConfig(dp=8, tp=8, pp=8, microbatches=8)
+    t0 = time.perf_counter()
+    first, middle = dry_run(GPT(BIG, device="meta"), cfg, rank=[37, 200], batch=64,
+                            hardware=["8xA100-80GB", "8xH100-SXM", "this machine"])
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 30 and first.seconds < 10 and middle.seconds < 10, elapsed
+    assert first.coords == {"pp": 0, "dp": 4, "sp": 0, "tp": 5} and middle.coords["pp"] == 3
+    assert {a: len(g) for a, g in first.groups.items()} == {"pp": 8, "dp": 8, "sp": 1, "tp": 8}
+    assert first.groups["tp"] == list(range(32, 40)) and first.groups["pp"] == [37 + 64 * i for i in range(8)]
+    for rep in (first, middle):
+        n = rank_params(BIG, cfg, rep.coords["pp"])
+        tensors = 36 + 2 * (rep.coords["pp"] == 0)  # 3 blocks of 12 tensors; the first stage's two tables
+        assert rep.n_params == n
+        assert rep.memory["params"] == rep.memory["grads"] == 4 * n
+        assert rep.memory["optimizer"] == 8 * n + 4 * tensors  # AdamW's two fp32 moments, a 4-byte step each
+        assert rep.memory["activations"] == rep.estimate["activations"] > 0
+    h, blocks = BIG.d_model, 24 * 12 * BIG.d_model ** 2 + 24 * 13 * BIG.d_model
+    block = blocks // 24  # a middle stage: 3 blocks cut over tp=8, their LayerNorms and two biases (6h) whole
+    assert middle.n_params == 3 * ((block - 6 * h) // 8 + 6 * h)
+    assert abs(middle.n_params - blocks / (8 * 8)) < 0.01 * blocks / 64  # about total / (tp * pp)
+    text = str(first)
+    assert "rank 37 of 512" in text and "tp 8 [32..39]" in text
+    for name in ("8xA100-80GB", "8xH100-SXM"):
+        assert 0 < first.step_seconds[name] < 10 and first.fits[name]
+        assert "assumed" in text and HARDWARE[name].source in text and "datasheet" in HARDWARE[name].source
+    assert first.step_seconds["8xH100-SXM"] < first.step_seconds["8xA100-80GB"]
+    assert first.step_seconds["this machine"] > 0 and "measured on this machine" in first.hardware["this machine"]
+    assert "<pre>" in first._repr_html_()
+    assert not dist.is_initialized()
+    print(f"512-rank dry run of ranks 37 and 200: {elapsed:.1f} s ({first.seconds:.2f} s, {middle.seconds:.2f} s)")
+
+
+def test_bad_input_is_refused_before_any_process(monkeypatch):
+    def no_process(*a, **k):
+        raise AssertionError("a process was started for bad input")
+    monkeypatch.setattr(subprocess, "run", no_process)
+    model = GPT(SMALL, device="meta")
+    cases = [(dict(config=ck.ParallelConfig(dp=2, tp=2), rank=4), "0..3"),
+             (dict(config=ck.ParallelConfig(dp=2, tp=2), rank=-1), "0..3"),
+             (dict(config=ck.ParallelConfig(dp=2, tp=2), rank=[0, 9]), "0..3"),
+             (dict(config=ck.ParallelConfig(tp=3)), "tp"),  # 4 heads do not split over 3
+             (dict(config=ck.ParallelConfig(dp=2), batch=3), "multiple of 2"),
+             (dict(config=ck.ParallelConfig(pp=3)), "3"),  # 4 layers over 3 stages
+             (dict(config=ck.ParallelConfig(dp=2, zero=3, offload="auto")), "offload='cpu'"),
+             (dict(config=ck.ParallelConfig(dp=2), optimizer="lion"), "adamw"),
+             (dict(config=ck.ParallelConfig(dp=2), hardware=["TPU"]), "8xH100-SXM"),
+             (dict(config={"dp": 2}), "ParallelConfig")]
+    for kw, says in cases:
+        with pytest.raises(ck.ConfigError, match=None) as err:
+            dry_run(model, **kw)
+        assert says in str(err.value), (kw, str(err.value))
+    with pytest.raises(ck.ConfigError) as err:
+        dry_run(model, ck.ParallelConfig(tp=3))
+    assert "n_heads=4" in str(err.value) or "heads" in str(err.value)
+
+
+def test_a_failing_or_slow_dry_run_names_its_rank():
+    model = GPT(SMALL, device="meta")
+    with pytest.raises(ck.RankError) as err:  # the optimizer factory raises inside the dry-run process
+        dry_run(model, ck.ParallelConfig(dp=2, tp=2), rank=3, optimizer=int, hardware=[])
+    text = str(err.value)
+    assert "rank 3 failed" in text and "TypeError" in text and "dp=2 x tp=2" in text
+    with pytest.raises(DryRunTimeout) as err:
+        dry_run(model, ck.ParallelConfig(dp=2, tp=2), rank=1, hardware=[], timeout=0.5)
+    assert "rank 1" in str(err.value) and "0.5 s" in str(err.value)
+    assert not dist.is_initialized()
