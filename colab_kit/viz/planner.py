@@ -133,3 +133,27 @@ def plan_vs_measured_figure(rows: list[dict], title: str | None = None) -> go.Fi
     fig.update_layout(barmode="group", template="plotly_white", height=420,
                       title=title or "Planned (estimated) beside measured, per config")
     return fig
+
+
+def tp_scaling_figure(model, rows: int, ranks=(4, 8, 16, 27, 32, 64, 128, 216, 256, 512), depth: int = 2,
+                      title: str | None = None) -> go.Figure:
+    """Planned, not run: MiB one rank sends for one block of ``model`` under each tensor mode, by group size.
+
+    One line per mode over the ``ranks`` it can use exactly (2D squares, 2.5D ``depth`` x squares, 3D cubes),
+    from ``planner.scaling.block_wire_bytes`` (the count ``tests/test_tp_scaling.py`` checks against the
+    engine's records on 4 and 8 ranks). Log-log axes: 1D flattens out, 2D falls as p^-1/2, 3D as p^-2/3.
+    """
+    from ..planner.scaling import block_wire_bytes, mode_sizes
+
+    fig = go.Figure()
+    for mode, dash in (("1d", "solid"), ("2d", "dash"), ("2.5d", "dashdot"), ("3d", "dot")):
+        ps = [p for p in ranks if mode_sizes(mode, p, depth)]
+        fig.add_scatter(x=ps, y=[block_wire_bytes(model, mode, p, rows, depth=depth) / MIB for p in ps],
+                        mode="lines+markers", name=mode + (f" (depth {depth})" if mode == "2.5d" else ""),
+                        line={"dash": dash}, hovertemplate=f"{mode}, %{{x}} ranks: %{{y:.1f}} MiB<extra></extra>")
+    fig.update_layout(title=title or f"Planned (the cost model, not run): bytes one rank sends per block, "
+                                     f"d_model {model.d_model}, {rows:,} token rows",
+                      xaxis={"title": "tensor-parallel ranks", "type": "log"},
+                      yaxis={"title": "MiB sent per rank per block (forward + backward)", "type": "log"},
+                      template="plotly_white", height=420)
+    return fig
