@@ -31,9 +31,11 @@ differently (or not at all) are replaced by the kernel's, i.e. those of the code
 from __future__ import annotations
 
 import functools
+import importlib
 import io
 import linecache
 import pickle
+import sys
 import types
 from collections import ChainMap
 from itertools import islice
@@ -60,6 +62,14 @@ class _Pickler(cloudpickle.Pickler):
         if _CODE_REDUCE is not None:  # read by pickle.Pickler.__init__, so set before it
             self.dispatch_table = ChainMap({types.CodeType: self._reduce_code}, cloudpickle.Pickler.dispatch_table)
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def reducer_override(self, obj):
+        """A module of a ModuleType subclass (``torch.backends.cudnn`` is a ``CudnnModule``, whose settings are
+        properties) by reference, as cloudpickle sends plain modules: it would try to pickle it by value."""
+        if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
+                and sys.modules.get(obj.__name__) is obj):
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
 
     def _reduce_code(self, code):
         self.files.add(code.co_filename)

@@ -161,3 +161,13 @@ def test_install_adds_missing_lines_and_leaves_readable_files_alone():
     assert linecache.getline(name, 1) == "x = 1\n"
     assert linecache.cache[HERE][1] is not None  # still the file's own entry (with its mtime)
     del linecache.cache[name]
+
+
+def test_a_module_of_a_module_subclass_travels_by_reference():
+    """``torch.backends.cudnn`` is a ``CudnnModule``: a rank function that sets ``cudnn.allow_tf32`` used to be
+    refused by ck.launch ("cannot pickle 'CudnnModule' object"); it goes by name, as plain modules do."""
+    import torch.backends
+    import torch.backends.cudnn as cudnn
+
+    from colab_kit.tracebacks import pack, unpack
+    assert unpack(pack((cudnn, torch.backends))) == (cudnn, torch.backends)
