@@ -559,6 +559,11 @@ class Engine(EngineRecords):
         from .throughput import engine_throughput
         return engine_throughput(self, last=last)
 
+    def profile(self, batches, steps: int = 1, **kw):
+        """``steps`` train_steps on ``batches`` under ``torch.profiler``: this rank's ``colab_kit.profile.Profile``."""
+        from .profile import profile
+        return profile(self, batches, steps, **kw)
+
     # ------------------------------------------------------------------ lifetime
     _loader = None
     steps_run = 0

@@ -6,6 +6,7 @@
     %colossal mesh --axis tp          # plotly figure of the device mesh (no cluster needed)
     %colossal schedule --pp 4 --microbatches 8 --schedule zb-h1   # planned grid, bubble (no cluster)
     %colossal timeline --var engine   # the last step of `engine` on every rank (measured)
+    %colossal profile --data batch    # one step of `engine` on `batch` under torch.profiler, every rank
     %colossal memory --by place       # memory per rank, measured beside the estimate (MemoryView)
     %colossal plan --model MODEL --batch 16 --memory 64MiB   # candidates, estimated (PlannerView)
     %colossal status | stop | restart
@@ -155,6 +156,16 @@ class ColossalMagics(Magics):
             text, fig = timeline_view(self.state.require_cluster(), args.var)
         except NoTimeline as exc:
             raise UsageError(f"%colossal timeline: {exc}") from None
+        print(text)
+        return fig
+
+    def _do_profile(self, args, words):
+        from .pipeline_views import NoTimeline, profile_view
+
+        try:
+            text, fig = profile_view(self.state.require_cluster(), args.var, args.data)
+        except NoTimeline as exc:
+            raise UsageError(f"%colossal profile: {exc}") from None
         print(text)
         return fig
 

@@ -10,10 +10,12 @@
 
 ``timeline_view(cluster, "engine")`` gathers ``engine.timeline()`` from every rank: the
 measured events of its last step, drawn with the idle gaps between them.
+``profile_view(cluster, "engine", "batch")`` runs one profiled step of it on every rank
+(``engine.profile(batch)``) and draws each rank's intervals on one lane.
 """
 from __future__ import annotations
 
-__all__ = ["schedule_view", "timeline_view", "NoTimeline"]
+__all__ = ["schedule_view", "timeline_view", "profile_view", "NoTimeline"]
 
 DEFAULTS = {"pp": 4, "microbatches": 8, "schedule": "1f1b", "chunks": 1}
 
@@ -97,3 +99,33 @@ def timeline_view(cluster, var: str = "engine"):
     if any(e.get("action") for events in got for e in events):
         lines.append(f"  pipeline bubble (measured): {measured_bubble(got):.1%} of rank time")
     return "\n".join(lines), schedule_figure(got)
+
+
+def _rank_profile(var: str, data: str, run: bool):
+    """On a rank: what is missing for a profiled step of ``var`` on ``data`` (or, with ``run``, its Profile)."""
+    from colab_kit.cluster.remote import namespace
+
+    ns = namespace()
+    eng, batch = ns.get(var), ns.get(data)
+    if eng is None or not hasattr(eng, "profile"):
+        return f"no engine in a variable {var!r}"
+    if batch is None:
+        return f"no batch in a variable {data!r}"
+    return eng.profile(batch) if run else None
+
+
+def profile_view(cluster, var: str = "engine", data: str = "batch"):
+    """(summary text, one lane per rank figure) of one step of ``var`` on ``data`` profiled on every rank
+    (``colab_kit.profile``); ``NoTimeline`` saying what to define where a rank lacks either (checked on
+    every rank before any of them steps)."""
+    from ..profile import profile_figure
+
+    missing = {r: why for r, why in enumerate(cluster.run(_rank_profile, var, data, False)) if why}
+    if missing:
+        raise NoTimeline(f"ranks {sorted(missing)}: {next(iter(missing.values()))}: define {var} = ck.boost(...) "
+                         f"and {data} = (inputs, targets) (or a function step -> batch) on every rank, "
+                         f"or name them with --var and --data")
+    got = cluster.run(_rank_profile, var, data, True)
+    lines = [f"one profiled step of {var!r} on {len(got)} ranks (measured with torch.profiler):"]
+    lines += [f"  {p.summary()}" for p in got]
+    return "\n".join(lines), profile_figure(got)

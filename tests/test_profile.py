@@ -1,0 +1,141 @@
+"""``engine.profile``: each rank's step cut into compute / comm / copy / idle intervals, checked with
+``colab_kit.profile.check_profile`` (back to back from 0 to the wall, no gap or overlap, summing to the
+wall and to the profiler's own measure of it within 5%, one comm interval per comm record, same axes);
+the merged Chrome trace; made-up profiles that the same check rejects.
+
+One spawn of 2 ranks profiles every config in turn (dp, tp, pp, ZeRO-2).
+"""
+import json
+
+import pytest
+import torch
+
+import colab_kit as ck
+from colab_kit.comm import CommRecord
+from colab_kit.datasets import SyntheticTokens
+from colab_kit.models import GPT, GPTConfig
+from colab_kit.profile import Interval, Profile, ProfileError, check_profile, merge_traces, profile_figure
+
+GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+CONFIGS = {"dp": dict(dp=2), "tp": dict(tp=2), "pp": dict(pp=2, microbatches=2), "zero2": dict(dp=2, zero=2)}
+
+
+def profile_configs():
+    """On each rank: one warm-up step, then one profiled step of every config."""
+    data, out = SyntheticTokens(64, 16, seed=1), {}
+    for name, kw in CONFIGS.items():
+        torch.manual_seed(0)
+        engine = ck.boost(GPT(GPT_CFG), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), ck.ParallelConfig(**kw))
+        engine.train_step(data.batch(0, 8))
+        p = engine.profile(lambda step: data.batch(1 + step, 8))
+        out[name] = {"profile": p, "comm": engine.comm(last_step=True), "record": engine.records[-1]}
+        engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    return ck.launch(profile_configs, 2)
+
+
+AXES = {"dp": {"dp"}, "tp": {"tp"}, "pp": {"pp"}, "zero2": {"dp"}}
+
+
+def test_intervals_cover_each_step_and_match_the_comm_records(profiled):
+    for rank, res in enumerate(profiled):
+        for name in CONFIGS:
+            p, got = res[name]["profile"], res[name]
+            check_profile(p)  # covers 0..wall once, sums to it (and to the profiler's wall) within 5%, 1:1 records
+            assert p.rank == rank and p.losses == [got["record"]["loss"]]
+            assert [(r.op, r.axis, r.tag, r.bytes) for r in p.records] == \
+                [(d["op"], d["axis"], d["tag"], d["bytes"]) for d in got["comm"]], (name, rank)
+            comm = [iv for iv in p.intervals if iv.kind == "comm"]
+            assert len(comm) == len(got["comm"]) > 0 and [iv.axis for iv in comm] == [d["axis"] for d in got["comm"]]
+            assert AXES[name] <= {iv.axis for iv in comm}, (name, {iv.axis for iv in comm})
+            assert got["record"]["seconds"] <= p.wall  # the engine's own step time, inside the profiled call
+            totals = p.totals()
+            assert totals["compute"] > 0 and sum(totals.values()) == pytest.approx(p.wall, rel=1e-6)
+            assert 0.0 <= p.overlap <= 1.0 and len(p.hidden) == len(p.spans) == len(p.records)
+            for (a, b), h, rec in zip(p.spans, p.hidden, p.records):
+                assert 0.0 <= h <= b - a + 1e-9
+                if rec.tag == "loss":  # a blocking collective: the training thread waits in it, nothing hidden
+                    assert h == 0.0
+            assert p.matched >= 1, (name, rank, p.matched)  # the profiler saw the backend run them
+        names = {iv.name.split(" (")[0] for iv in res["zero2"]["profile"].intervals if iv.kind == "comm"}
+        assert {"ZeRO reduce_scatter", "ZeRO all_gather", "all_reduce@dp"} <= names, names
+        assert set(res["zero2"]["profile"].by_axis()) >= {"ZeRO reduce_scatter", "ZeRO all_gather", "dp"}
+        dp = res["dp"]["profile"]
+        assert {iv.name for iv in dp.intervals if iv.kind == "compute"} >= {"forward 0", "backward 0"}
+
+
+def test_merged_chrome_trace_has_one_lane_per_rank(profiled, tmp_path):
+    profiles = [res["pp"]["profile"] for res in profiled]
+    path = tmp_path / "trace.json"
+    merge_traces(profiles, path)
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(names) == [0, 1] and all(v.startswith(f"rank {k} ") for k, v in names.items())
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1} and all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    for p in profiles:
+        lane = [e for e in spans if e["pid"] == p.rank and e["tid"] == 0]
+        assert len(lane) == len(p.intervals) and sum(e["dur"] for e in lane) == pytest.approx(p.wall * 1e6, rel=1e-3)
+    one = profiles[1].chrome_trace()
+    assert {e["pid"] for e in one["traceEvents"]} == {1}
+    fig = profile_figure(profiles)
+    assert {y for t in fig.data for y in t.y} == {"rank 0", "rank 1"}
+
+
+def _made_up(**change) -> Profile:
+    """A rank's step of 1 s: compute, a dp all-reduce, idle; ``change`` replaces fields."""
+    ivs = [Interval(0.0, 0.4, "compute", "forward 0"), Interval(0.4, 0.6, "comm", "all_reduce@dp", "dp", 0),
+           Interval(0.6, 1.0, "idle", "idle")]
+    fields = dict(rank=0, config="dp=2", start=0.0, wall=1.0, intervals=ivs,
+                  records=[CommRecord("all_reduce", "dp", 4096, 0.2)], spans=[(0.4, 0.6)], hidden=[0.0],
+                  profiler_wall=1.0)
+    fields.update(change)
+    return Profile(**fields)
+
+
+def test_the_check_rejects_gaps_overlaps_sums_and_unmatched_records():
+    check_profile(_made_up())
+    comp, comm, idle = _made_up().intervals
+    bad = {"gap": [Interval(0.0, 0.35, "compute", "f"), comm, idle],
+           "overlap": [Interval(0.0, 0.45, "compute", "f"), comm, idle],
+           "span": [comp, comm, Interval(0.6, 0.9, "idle", "idle")]}
+    for what, ivs in bad.items():
+        with pytest.raises(ProfileError, match=what):
+            check_profile(_made_up(intervals=ivs))
+    with pytest.raises(ProfileError, match="the profiler's wall"):
+        check_profile(_made_up(profiler_wall=1.2))
+    with pytest.raises(ProfileError, match="not the records"):  # the record's axis differs
+        check_profile(_made_up(records=[CommRecord("all_reduce", "tp", 4096, 0.2)]))
+    with pytest.raises(ProfileError, match="not the records"):  # two records, one comm interval
+        check_profile(_made_up(records=[CommRecord("all_reduce", "dp", 4096, 0.2)] * 2))
+    with pytest.raises(ProfileError, match="bad interval"):
+        check_profile(_made_up(intervals=[comp, Interval(0.4, 0.6, "network", "x"), idle]))
+
+
+class _Cluster:
+    """Stands in for a ``ck.Cluster``: ``run(fn, *args)`` answers for every rank with ``answer(args)``."""
+
+    def __init__(self, answer):
+        self.answer, self.calls = answer, []
+
+    def run(self, fn, *args):
+        self.calls.append(args)
+        return self.answer(args)
+
+
+def test_profile_view_draws_every_rank_and_refuses_a_missing_engine_before_any_step(profiled):
+    from colab_kit.magics.pipeline_views import NoTimeline, profile_view
+
+    profiles = [res["tp"]["profile"] for res in profiled]
+    text, fig = profile_view(_Cluster(lambda args: profiles if args[2] else [None, None]), "engine", "batch")
+    assert [line.split(":")[0] for line in text.splitlines()[1:]] == ["  rank 0", "  rank 1"] and "hidden" in text
+    assert {y for t in fig.data for y in t.y} == {"rank 0", "rank 1"}
+    missing = _Cluster(lambda args: [None, "no batch in a variable 'batch'"])
+    with pytest.raises(NoTimeline, match=r"ranks \[1\]: no batch in a variable 'batch'"):
+        profile_view(missing)
+    assert missing.calls == [("engine", "batch", False)]  # checked only: no rank stepped
