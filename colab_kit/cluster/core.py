@@ -280,7 +280,8 @@ class Cluster(Startup, Waiting):
         stuck ones with what they printed so far), so a caller can still show them; so
         does the KeyboardInterrupt of a Ctrl-C (and ``cluster_status``: whether the ranks
         passed the health check that follows an interrupt).
-        ``progress(seconds, {rank: stdout so far})`` is called about once a second while waiting.
+        ``progress(seconds, {rank: stdout so far})`` is called about once a second while waiting;
+        execute draws no line of its own, so True and "auto" show nothing here (the magic passes its own).
         """
         progress = _call_progress(progress, auto=None)
         targets = self._targets(ranks)
