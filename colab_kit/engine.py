@@ -293,6 +293,14 @@ class Engine(EngineRecords):
         if self.closed:
             raise RuntimeError("this engine was closed (engine.close()): boost a new one to train again")
         local = getattr(batch, "global_rows", None) is not None if local is None else bool(local)
+        if self.mesh.device.type != "cuda":
+            return self._train_step(batch, local)
+        torch.cuda.reset_peak_memory_stats(self.mesh.device)  # engine.memory()["step_peak"]: the allocator's
+        value = self._train_step(batch, local)
+        self._step_peak = torch.cuda.max_memory_allocated(self.mesh.device)
+        return value
+
+    def _train_step(self, batch, local: bool) -> float:
         if self.pipeline is not None:
             self.pipeline.begin(batch, local=local)
             return self.pipeline.finish()
@@ -559,6 +567,12 @@ class Engine(EngineRecords):
         from .throughput import engine_throughput
         return engine_throughput(self, last=last)
 
+    def memory_timeline(self, batch, *, local: bool | None = None):
+        """One train_step on ``batch`` with this rank's bytes by category after every op, the peak marked and
+        what was alive at it: a ``colab_kit.memory_timeline.MemoryTimeline`` (every rank calls it)."""
+        from .memory_timeline import memory_timeline
+        return memory_timeline(self, batch, local=local)
+
     def profile(self, batches, steps: int = 1, **kw):
         """``steps`` train_steps on ``batches`` under ``torch.profiler``: this rank's ``colab_kit.profile.Profile``."""
         from .profile import profile
@@ -566,6 +580,7 @@ class Engine(EngineRecords):
 
     # ------------------------------------------------------------------ lifetime
     _loader = None
+    _step_peak = None  # engine.memory()["step_peak"]
     steps_run = 0
     """Steps this engine ran itself (``step_count`` also counts the ones a loaded checkpoint had run)."""
     lr_scheduler = None

@@ -32,7 +32,12 @@ class EngineRecords:
 
             {"params": 441344, "grads": 441344, "optimizer": 882836, "activations": 2328836,
              "device": {"params": 441344, ..., "activations": 2328836},
-             "host": {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}}
+             "host": {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}, "step_peak": None}
+
+        ``step_peak``: the most bytes held at once inside a step. On a GPU the allocator's peak over the
+        last step (``torch.cuda.max_memory_allocated``, reset as each step begins: every step, free). On
+        CPU no allocator counts: the peak of the last ``memory_timeline`` (``colab_kit.memory_timeline``),
+        None before one ran.
         """
         masters = getattr(self.grads, "master_bytes", None)  # mixed precision: fp32 masters are optimizer state
         totals = {"params": self._param_bytes(), "grads": self.grads.nbytes,
@@ -42,7 +47,7 @@ class EngineRecords:
         host = dict.fromkeys(totals, 0)
         if host_of is not None:
             host.update(host_of(self.optimizer))
-        return {**totals, "device": {k: totals[k] - host[k] for k in totals}, "host": host}
+        return {**totals, "device": {k: totals[k] - host[k] for k in totals}, "host": host, "step_peak": self._step_peak}
 
     def _param_bytes(self) -> int:
         held = getattr(self.grads, "param_bytes", None)  # ZeRO-3: this rank's shards (and what is gathered now)

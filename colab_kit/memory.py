@@ -74,6 +74,10 @@ class ActivationMeter:
     not overlap in one process) and each is counted once per block.
     """
 
+    listener = None
+    """A function every tensor this meter's hooks see is passed to, whose result autograd keeps (a
+    ``SavedRef``; ``memory_timeline``'s, since these hooks are the innermost while the meter measures)."""
+
     def __init__(self, exclude=(), live: set | None = None):
         self._exclude = frozenset(p.untyped_storage().data_ptr() for p in exclude)
         self._live = live if live is not None else set()  # parameter storages that come and go (ZeRO-3's chunks)
@@ -88,6 +92,8 @@ class ActivationMeter:
         self.last = 0
         add, live = seen.add, self._live
 
+        listener = self.listener
+
         def pack(t: torch.Tensor):
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
@@ -96,7 +102,7 @@ class ActivationMeter:
                 self.last += storage.nbytes()
                 if self.last > self.peak:
                     self.peak = self.last
-            return t
+            return t if listener is None else listener(t)
 
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
         return hooks if key is None else self._remember(key, hooks)
@@ -122,8 +128,18 @@ class ActivationMeter:
         self.peak = 0
 
 
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
+class SavedRef:
+    """What a listener's pack returns: the saved tensor, held by autograd's graph until it lets go (the
+    timeline sees that moment by a finalizer on this object)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+def _unpack(t):
+    return t.tensor if type(t) is SavedRef else t
 
 
 # ---------------------------------------------------------------------------- the estimate

@@ -256,3 +256,15 @@ def test_memory_magic_and_view_show_every_ranks_engine_memory(ip, capsys, magics
     assert shown.steps == [2] * 4 and shown.measured == [m for m, _, _ in cluster.run(_truth, "mem_engine")]
     _cell(ip, capsys, "view2 = %colossal memory --var mem_engine")
     assert ip.user_ns["view2"].watching and not shown.watching  # one watcher per %colossal memory
+
+    result = ip.run_cell("%colossal memory --timeline --var mem_engine --data no_batch")
+    assert "no batch in a variable 'no_batch'" in str(result.error_in_exec)
+    assert [s for _, _, s in cluster.run(_truth, "mem_engine")] == [2] * 4  # refused before any rank stepped
+    _cell(ip, capsys, "%%colossal\nmem_batch = SyntheticTokens(32, 8).batch(5, 8)")
+    out = _cell(ip, capsys, "tfig = %colossal memory --timeline --var mem_engine --data mem_batch")
+    peaks = [m["step_peak"] for m, _, _ in cluster.run(_truth, "mem_engine")]
+    assert all(p and p > 0 for p in peaks) and out.count(": peak ") == 4, out
+    for r, p in enumerate(peaks):
+        assert f"rank {r}: peak {p / 1e6:.2f} MB" in out
+    marks = [t for t in ip.user_ns["tfig"].data if t.text == ("peak",)]
+    assert [m.y[0] for m in marks] == [p / 1e6 for p in peaks]

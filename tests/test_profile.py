@@ -1,9 +1,13 @@
-"""``engine.profile``: each rank's step cut into compute / comm / copy / idle intervals, checked with
+"""``engine.profile`` and ``engine.memory_timeline``: each rank's step cut into compute / comm / copy / idle intervals, checked with
 ``colab_kit.profile.check_profile`` (back to back from 0 to the wall, no gap or overlap, summing to the
 wall and to the profiler's own measure of it within 5%, one comm interval per comm record, same axes);
 the merged Chrome trace; made-up profiles that the same check rejects.
 
-One spawn of 2 ranks profiles every config in turn (dp, tp, pp, ZeRO-2).
+The memory timeline of a step begins and ends with what ``engine.memory()`` says the rank holds, its
+activations reach the engine's own meter of the step, its model states peak where ``StatePeak`` (the
+benchmarks' instrument) puts the next step's, and its peak is ``engine.memory()["step_peak"]``.
+
+One spawn of 2 ranks profiles every config in turn (dp, tp, pp, ZeRO-2, ZeRO-3).
 """
 import json
 
@@ -13,11 +17,14 @@ import torch
 import colab_kit as ck
 from colab_kit.comm import CommRecord
 from colab_kit.datasets import SyntheticTokens
+from colab_kit.memory_peak import StatePeak
+from colab_kit.memory_timeline import CATEGORIES, MemoryTimeline, timeline_figure
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.profile import Interval, Profile, ProfileError, check_profile, merge_traces, profile_figure
 
 GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
-CONFIGS = {"dp": dict(dp=2), "tp": dict(tp=2), "pp": dict(pp=2, microbatches=2), "zero2": dict(dp=2, zero=2)}
+CONFIGS = {"dp": dict(dp=2), "tp": dict(tp=2), "pp": dict(pp=2, microbatches=2), "zero2": dict(dp=2, zero=2),
+           "zero3": dict(dp=2, zero=3)}
 
 
 def profile_configs():
@@ -29,6 +36,12 @@ def profile_configs():
         engine.train_step(data.batch(0, 8))
         p = engine.profile(lambda step: data.batch(1 + step, 8))
         out[name] = {"profile": p, "comm": engine.comm(last_step=True), "record": engine.records[-1]}
+        before = engine.memory()
+        tl = engine.memory_timeline(data.batch(2, 8))
+        after = engine.memory()
+        with StatePeak(engine.module, engine.optimizer, engine.grads) as states:
+            engine.train_step(data.batch(3, 8))
+        out[name].update(timeline=tl, before=before, after=after, states_peak=states.peak)
         engine.close()
     return out
 
@@ -38,7 +51,7 @@ def profiled():
     return ck.launch(profile_configs, 2)
 
 
-AXES = {"dp": {"dp"}, "tp": {"tp"}, "pp": {"pp"}, "zero2": {"dp"}}
+AXES = {"dp": {"dp"}, "tp": {"tp"}, "pp": {"pp"}, "zero2": {"dp"}, "zero3": {"dp"}}
 
 
 def test_intervals_cover_each_step_and_match_the_comm_records(profiled):
@@ -138,4 +151,43 @@ def test_profile_view_draws_every_rank_and_refuses_a_missing_engine_before_any_s
     missing = _Cluster(lambda args: [None, "no batch in a variable 'batch'"])
     with pytest.raises(NoTimeline, match=r"ranks \[1\]: no batch in a variable 'batch'"):
         profile_view(missing)
-    assert missing.calls == [("engine", "batch", False)]  # checked only: no rank stepped
+    assert missing.calls == [("engine", "batch", False, "profile")]  # checked only: no rank stepped
+
+
+STATES = ("params", "grads", "optimizer")
+
+
+def test_memory_timeline_meets_the_engines_own_instruments(profiled):
+    for rank, res in enumerate(profiled):
+        for name in CONFIGS:
+            got = res[name]
+            tl, before, after = got["timeline"], got["before"], got["after"]
+            assert tl.rank == rank and len(tl.times) == len(tl.ops) > 100 and tl.times == sorted(tl.times)
+            assert tl.held(0) == {**{k: before[k] for k in STATES}, "activations": 0, "in_flight": 0,
+                                  "temporaries": 0}, (name, rank)
+            assert {k: tl.held(-1)[k] for k in STATES} == {k: after[k] for k in STATES}, (name, rank)
+            assert tl.held(-1)["activations"] == 0  # backward let go of everything it saved
+            acts = max(tl.series["activations"])
+            if name == "pp":  # the executor's count: each microbatch's saved bytes, held until its backward
+                assert after["activations"] * 0.95 <= acts <= after["activations"] * 1.05, (name, acts, after)
+            else:  # the engine's meter of the same step's forward, to the byte
+                assert acts == after["activations"], (name, rank, acts, after["activations"])
+            states = [sum(tl.series[c][i] for c in STATES + ("in_flight",)) for i in range(len(tl.times))]
+            assert max(states) == got["states_peak"], (name, rank, max(states), got["states_peak"])
+            assert after["step_peak"] == tl.peak == sum(tl.at_peak.values())
+            assert tl.peak > sum(tl.held(0).values()) + acts // 2  # a step holds more than it begins with
+            assert tl.alive_at_peak and sum(r["nbytes"] for r in tl.alive_at_peak) <= tl.peak
+            assert tl.phase_at(tl.peak_index) != "between phases", tl.summary()
+        assert res["zero2"]["timeline"].held(0)["grads"] * 2 == res["dp"]["timeline"].held(0)["grads"]
+
+
+def test_memory_timeline_figure_and_a_wrong_timeline_is_not_its_peak(profiled):
+    tls = [res["zero3"]["timeline"] for res in profiled]
+    fig = timeline_figure(tls)
+    stacked = [t for t in fig.data if t.stackgroup]
+    assert len(stacked) == len(CATEGORIES) * 2 and {t.name for t in stacked} == set(CATEGORIES)
+    marks = [t for t in fig.data if t.text == ("peak",)]
+    assert [m.y[0] for m in marks] == [tl.peak / 1e6 for tl in tls]
+    one = MemoryTimeline(0, "x", [0.0, 1.0], ["(start)", "(end)"],
+                         {c: [1, 5] if c == "params" else [0, 0] for c in CATEGORIES})
+    assert one.peak == 5 and one.peak_index == 1 and one.at_peak["params"] == 5 and one.phase_at(1) == "between phases"

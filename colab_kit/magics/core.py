@@ -8,6 +8,7 @@
     %colossal timeline --var engine   # the last step of `engine` on every rank (measured)
     %colossal profile --data batch    # one step of `engine` on `batch` under torch.profiler, every rank
     %colossal memory --by place       # memory per rank, measured beside the estimate (MemoryView)
+    %colossal memory --timeline       # one step of `engine` on `batch`: bytes by category after every op
     %colossal plan --model MODEL --batch 16 --memory 64MiB   # candidates, estimated (PlannerView)
     %colossal status | stop | restart
 
@@ -174,7 +175,15 @@ class ColossalMagics(Magics):
         elsewhere its text table, and the figure as the result."""
         from ..widgets.memory_view import MemoryView, NoMemory
 
-        self.state.require_cluster()
+        cluster = self.state.require_cluster()
+        if args.timeline:
+            from .pipeline_views import NoTimeline, memory_timeline_view
+            try:
+                text, fig = memory_timeline_view(cluster, args.var, args.data)
+            except NoTimeline as exc:
+                raise UsageError(f"%colossal memory --timeline: {exc}") from None
+            print(text)
+            return fig
         try:
             view = MemoryView(self.state, args.var, by=args.by)
         except NoMemory as exc:

@@ -101,17 +101,30 @@ def timeline_view(cluster, var: str = "engine"):
     return "\n".join(lines), schedule_figure(got)
 
 
-def _rank_profile(var: str, data: str, run: bool):
-    """On a rank: what is missing for a profiled step of ``var`` on ``data`` (or, with ``run``, its Profile)."""
+def _rank_profile(var: str, data: str, run: bool, method: str = "profile"):
+    """On a rank: what is missing for a profiled step of ``var`` on ``data`` (or, with ``run``, the result of
+    ``var.<method>(batch)``: its Profile, or its MemoryTimeline)."""
     from colab_kit.cluster.remote import namespace
 
     ns = namespace()
     eng, batch = ns.get(var), ns.get(data)
-    if eng is None or not hasattr(eng, "profile"):
+    if eng is None or not hasattr(eng, method):
         return f"no engine in a variable {var!r}"
     if batch is None:
         return f"no batch in a variable {data!r}"
-    return eng.profile(batch) if run else None
+    if run and method == "memory_timeline" and callable(batch):
+        batch = batch(eng.step_count)
+    return getattr(eng, method)(batch) if run else None
+
+
+def _checked(cluster, var: str, data: str, method: str) -> list:
+    """Every rank's ``var.<method>(data)``, once every rank is known to have both (``NoTimeline`` if not)."""
+    missing = {r: why for r, why in enumerate(cluster.run(_rank_profile, var, data, False, method)) if why}
+    if missing:
+        raise NoTimeline(f"ranks {sorted(missing)}: {next(iter(missing.values()))}: define {var} = ck.boost(...) "
+                         f"and {data} = (inputs, targets) (or a function step -> batch) on every rank, "
+                         f"or name them with --var and --data")
+    return cluster.run(_rank_profile, var, data, True, method)
 
 
 def profile_view(cluster, var: str = "engine", data: str = "batch"):
@@ -120,12 +133,22 @@ def profile_view(cluster, var: str = "engine", data: str = "batch"):
     every rank before any of them steps)."""
     from ..profile import profile_figure
 
-    missing = {r: why for r, why in enumerate(cluster.run(_rank_profile, var, data, False)) if why}
-    if missing:
-        raise NoTimeline(f"ranks {sorted(missing)}: {next(iter(missing.values()))}: define {var} = ck.boost(...) "
-                         f"and {data} = (inputs, targets) (or a function step -> batch) on every rank, "
-                         f"or name them with --var and --data")
-    got = cluster.run(_rank_profile, var, data, True)
+    got = _checked(cluster, var, data, "profile")
     lines = [f"one profiled step of {var!r} on {len(got)} ranks (measured with torch.profiler):"]
     lines += [f"  {p.summary()}" for p in got]
     return "\n".join(lines), profile_figure(got)
+
+
+def memory_timeline_view(cluster, var: str = "engine", data: str = "batch"):
+    """(text, figure) of one step of ``var`` on ``data`` with every rank's memory sampled after each op
+    (``colab_kit.memory_timeline``): per rank its peak, the categories there and its largest storages."""
+    from ..memory_timeline import timeline_figure
+
+    got = _checked(cluster, var, data, "memory_timeline")
+    lines = [f"memory over one step of {var!r} on {len(got)} ranks (measured after every op):"]
+    for tl in got:
+        lines.append(f"  {tl.summary()}")
+        for row in tl.alive_at_peak[:3]:
+            what = row["name"] or f"{row['op']} {row['shape']}"
+            lines.append(f"      {row['nbytes'] / 1e6:8.3f} MB  {row['category']:<12} {what}")
+    return "\n".join(lines), timeline_figure(got)
