@@ -41,7 +41,9 @@ def profile_configs():
         after = engine.memory()
         with StatePeak(engine.module, engine.optimizer, engine.grads) as states:
             engine.train_step(data.batch(3, 8))
-        out[name].update(timeline=tl, before=before, after=after, states_peak=states.peak)
+        out[name].update(timeline=tl, before=before, after=after, states_peak=states.peak,
+                         roofs={k: engine.roofline(c, peak=1e11) for k, c in ROOF_CONSTANTS.items()},
+                         last=engine.comm(last_step=True), throughput=engine.throughput())
         engine.close()
     return out
 
@@ -49,6 +51,14 @@ def profile_configs():
 @pytest.fixture(scope="module")
 def profiled():
     return ck.launch(profile_configs, 2)
+
+
+def _consts(alpha: float, beta: float) -> dict:
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "sendrecv")
+    return {"comm": {"2": {op: {"alpha": alpha * (2 if op == "all_reduce" else 1), "beta": beta} for op in ops}}}
+
+
+ROOF_CONSTANTS = {"slow": _consts(1e-3, 1e8), "fast": _consts(1e-9, 1e15)}
 
 
 AXES = {"dp": {"dp"}, "tp": {"tp"}, "pp": {"pp"}, "zero2": {"dp"}, "zero3": {"dp"}}
@@ -191,3 +201,28 @@ def test_memory_timeline_figure_and_a_wrong_timeline_is_not_its_peak(profiled):
     one = MemoryTimeline(0, "x", [0.0, 1.0], ["(start)", "(end)"],
                          {c: [1, 5] if c == "params" else [0, 0] for c in CATEGORIES})
     assert one.peak == 5 and one.peak_index == 1 and one.at_peak["params"] == 5 and one.phase_at(1) == "between phases"
+
+
+def test_roofline_places_each_step_by_its_records_and_the_constants(profiled):
+    from colab_kit.roofline import roofline_figure
+
+    for rank, res in enumerate(profiled):
+        for name in CONFIGS:
+            got = res[name]
+            slow, fast = got["roofs"]["slow"], got["roofs"]["fast"]
+            records = [r for r in got["last"] if r["axis"] in ("dp", "tp", "pp")]
+            assert slow.wire_bytes == sum(r["wire"] for r in got["last"]) > 0, name
+            alpha = lambda r: 2e-3 if r["op"] == "all_reduce" else 1e-3  # noqa: E731
+            assert slow.comm_s == pytest.approx(sum(alpha(r) + r["wire"] / 1e8 for r in records), rel=1e-9)
+            assert slow.latency_s == pytest.approx(sum(alpha(r) for r in records), rel=1e-9)
+            assert slow.collectives == len(records) == sum(v[0] for v in slow.by_op.values())
+            tp = got["throughput"]
+            assert slow.flops == tp["flops_per_step"] / 2 and slow.compute_s == slow.flops / 1e11
+            assert slow.measured_s == tp["step_seconds"] and slow.mfu == pytest.approx(slow.achieved / 1e11)
+            assert slow.bound == "communication" and "latency" in slow.why()  # 1-2 ms a collective, tiny steps
+            assert fast.bound == "compute" and fast.roof == 1e11 and slow.roof < 1e11
+            assert slow.intensity == slow.flops / slow.wire_bytes and slow.ridge > slow.intensity
+            assert fast.ridge < fast.intensity
+    fig = roofline_figure([res[n]["roofs"]["slow"] for res in profiled[:1] for n in CONFIGS])
+    markers = [t for t in fig.data if t.mode == "markers"]
+    assert len(markers) == len(CONFIGS) and all(t.y[0] > 0 for t in markers)
