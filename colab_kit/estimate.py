@@ -63,11 +63,21 @@ def part_params(model, config) -> dict:
     return {"embed": (v // (q * q)) * (h // q) + t * (h // q), "block": block, "tail": 2 * h // q + h * v // q ** 3}
 
 
+_PLANS: dict = {}  # (schedule, pp, microbatches, chunks, model) -> Plan: ck.plan asks for each a few hundred times
+
+
 def _stages(config, model=None):
-    """The plan the engine runs for ``config`` and ``model`` (``build_plan_for``), and ``stage_layers``."""
+    """The plan the engine runs for ``config`` and ``model`` (``build_plan_for``; read, never changed here:
+    one per schedule shape and model, kept), and ``stage_layers``."""
     from .pipeline.schedules import build_plan_for
     from .pipeline.stage import stage_layers
-    return build_plan_for(config, model), stage_layers
+    key = (config.schedule, config.pp, config.microbatches, config.chunks,
+           repr(model) if config.schedule == "zb-v" else None)  # only zb-v's plan reads the model (its FLOPs)
+    if key not in _PLANS:
+        if len(_PLANS) > 512:
+            _PLANS.clear()
+        _PLANS[key] = build_plan_for(config, model)
+    return _PLANS[key], stage_layers
 
 
 def stage_params(model, config) -> list[int]:

@@ -169,3 +169,30 @@ def test_a_failing_or_slow_dry_run_names_its_rank():
         dry_run(model, ck.ParallelConfig(dp=2, tp=2), rank=1, hardware=[], timeout=0.5)
     assert "rank 1" in str(err.value) and "0.5 s" in str(err.value)
     assert not dist.is_initialized()
+
+
+def test_plan_at_scale_ranks_by_dry_runs():
+    """ck.plan for 512 ranks on a preset: the first candidates' model states replaced by their dry runs'
+    exact bytes (the fullest pipeline stage), marked in the table; refused without constants."""
+    cfg = GPTConfig(vocab_size=512, seq_len=64, d_model=128, n_heads=8, n_layers=8)
+    with pytest.raises(ck.ConfigError, match="512 local processes: pass hardware="):
+        ck.plan(cfg, 512, 512)
+    with pytest.raises(ck.ConfigError, match="unknown hardware 'H100'"):
+        ck.plan(cfg, 512, 512, hardware="H100")
+    t0 = time.perf_counter()
+    cands = ck.plan(cfg, 512, 512, hardware="8xH100-SXM", exact=2, limit=6)
+    seconds = time.perf_counter() - t0
+    assert cands.memory_per_rank == HARDWARE["8xH100-SXM"].device_bytes and seconds < 60, seconds
+    exact = [c for c in cands if c.exact]
+    assert len(exact) == 2 and "* model states exact" in cands.table()
+    from colab_kit.estimate import config_estimate
+    for c in exact:
+        cfg_ = c.config
+        ranks = [s * (cfg_.world_size // cfg_.pp) for s in range(cfg_.pp)]
+        assert [r.rank for r in c.dry_runs] == ranks and all(r.config == cfg_ for r in c.dry_runs)
+        fullest = max(c.dry_runs, key=lambda r: sum(r.memory[k] for k in STATES))
+        assert {k: c.memory[k] for k in STATES} == {k: fullest.memory[k] for k in STATES}  # the rank's, to the byte
+        est = config_estimate(cfg, cfg_, 512, "adamw")
+        assert c.memory["activations"] == est["activations"]
+        assert c.memory["optimizer"] > est["optimizer"]  # the estimate leaves out AdamW's step counters
+        assert c.device_bytes == sum(c.memory["device"].values())

@@ -54,6 +54,13 @@ class Candidate:
     breakdown: dict
     collectives: dict = field(default_factory=dict)
     boost_kwargs: dict = field(default_factory=dict)
+    dry_runs: list = field(default_factory=list)
+    """``plan(..., exact=k)``: the ``DryRunReport`` of each pipeline stage's first rank; then ``memory``'s
+    params, grads and optimizer are the fullest of them, exact to the byte (the activations stay estimated)."""
+
+    @property
+    def exact(self) -> bool:
+        return bool(self.dry_runs)
 
     @property
     def device_bytes(self) -> int:
@@ -102,11 +109,13 @@ class Candidates(list):
         lines = [head]
         for i, c in enumerate(rows):
             states = c.memory["params"] + c.memory["grads"] + c.memory["optimizer"]
-            lines.append(f"{i:>3}  {c.describe()[:44]:44} {'yes' if c.fits else 'no':4} {c.device_bytes / 2**20:9.2f} "
+            mark = "*" if c.exact else " "
+            lines.append(f"{i:>3}{mark} {c.describe()[:44]:44} {'yes' if c.fits else 'no':4} {c.device_bytes / 2**20:9.2f} "
                          f"{states / 2**20:9.2f} {c.memory['activations'] / 2**20:9.2f} {1e3 * c.step_seconds:8.1f}  "
                          f"{c.why}")
         budget = "no memory limit" if self.memory_per_rank is None else f"memory_per_rank {self.memory_per_rank:,} B"
-        lines.append(f"{len(rows)} of {len(self)} candidates; {budget}; estimates (MiB on the device per rank)")
+        exact = " (* model states exact, from a dry run of the rank)" if any(c.exact for c in rows) else ""
+        lines.append(f"{len(rows)} of {len(self)} candidates; {budget}; estimates (MiB on the device per rank){exact}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -190,11 +199,78 @@ def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32
 
 def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision: str = "fp32",
          optimizer: str = "adamw", *, seq: int | None = None, constants: dict | None = None,
-         limit: int | None = None, policy=None, input_shape: tuple | None = None) -> Candidates:
+         limit: int | None = None, policy=None, input_shape: tuple | None = None, hardware: str | None = None,
+         exact: int = 0) -> Candidates:
     """Candidates for training ``model_cfg`` (a ``ck.models.GPTConfig``, or any model with a policy:
     BERT, ViT, a Hugging Face or a user's ``nn.Module``, see ``_other_model``) on ``world_size`` ranks with
     a global ``batch`` of rows per step, best first: those that fit ``memory_per_rank`` bytes
-    (device bytes per rank), then by estimated seconds per step. ``limit`` keeps the first N."""
+    (device bytes per rank), then by estimated seconds per step. ``limit`` keeps the first N.
+
+    At scale, from a laptop: ``hardware`` names a node preset (``colab_kit.dry_run.HARDWARE``, datasheet
+    figures: assumptions) whose constants price the steps and whose GPU memory is ``memory_per_rank`` unless
+    given; ``exact=k`` dry-runs the first k candidates that fit (``ck.dry_run``: each pipeline stage's first
+    rank built under torch's fake process group, a few seconds for all of them) and replaces their model
+    states by the exact bytes of their fullest rank, then ranks again (a candidate that no longer fits
+    drops behind)::
+
+        ck.plan(GPTConfig(...406M...), 512, batch=512, hardware="8xH100-SXM", exact=3, limit=10)
+
+    Without ``constants`` or ``hardware`` the constants are measured here with ``world_size`` local
+    processes, which is refused above 16 ranks (before anything starts).
+    """
+    import torch.nn as nn
+
+    if hardware is not None:
+        from ..dry_run import HARDWARE, hardware_constants
+        if hardware not in HARDWARE:
+            raise ConfigError(f"unknown hardware {hardware!r}: choose from {', '.join(HARDWARE)}, or pass constants=")
+        if constants is not None:
+            raise ConfigError("give hardware= or constants=, not both: hardware names a preset's constants")
+        constants = hardware_constants(hardware, precision if precision in ("fp32", "bf16", "fp16") else "fp32")
+        memory_per_rank = HARDWARE[hardware].device_bytes if memory_per_rank is None else memory_per_rank
+    if constants is None and isinstance(world_size, int) and world_size > 16:
+        raise ConfigError(f"ck.plan for {world_size} ranks without constants would measure them with {world_size} "
+                          f"local processes: pass hardware= (one of the presets: "
+                          f"{', '.join(__import__('colab_kit.dry_run', fromlist=['HARDWARE']).HARDWARE)}) or "
+                          f"constants= (colab_kit.dry_run.hardware_constants(name), or your own)")
+    if isinstance(exact, bool) or not isinstance(exact, int) or exact < 0:
+        raise ConfigError(f"exact must be a whole number of candidates to dry-run, got {exact!r}: try 3")
+    cands = _plan(model_cfg, world_size, batch, memory_per_rank, precision, optimizer, seq=seq, constants=constants,
+                  limit=None if exact else limit, policy=policy, input_shape=input_shape)
+    if exact:
+        cands = _exact(cands, model_cfg, batch, seq, optimizer, policy, exact, memory_per_rank, limit)
+    return cands
+
+
+def _exact(cands, model, batch, seq, optimizer, policy, k, memory_per_rank, limit) -> Candidates:
+    """The first ``k`` candidates that fit, their model states replaced by the dry runs' exact bytes."""
+    from ..dry_run import dry_run_many
+
+    chosen = [c for c in cands if c.fits and c.config.offload != "auto"][:k]
+    calls = []
+    for c in chosen:
+        cfg = c.config
+        stage = cfg.world_size // cfg.pp  # ranks per pipeline stage: stage s begins at s * stage
+        ranks = sorted({s * stage for s in range(cfg.pp)})
+        calls.append({"model": model, "config": cfg, "rank": ranks, "batch": batch, "seq": seq,
+                      "optimizer": optimizer, "policy": policy})
+    reports = dry_run_many(calls, hardware=()) if calls else []
+    at = 0
+    for c, call in zip(chosen, calls):
+        mine, at = reports[at:at + len(call["rank"])], at + len(call["rank"])
+        full = max(mine, key=lambda r: sum(r.memory[k] for k in ("params", "grads", "optimizer")))
+        keys, acts = ("params", "grads", "optimizer"), c.memory["activations"]
+        c.memory = {**{k: full.memory[k] for k in keys}, "activations": acts,  # where each lies, as the rank said
+                    "device": {**{k: full.memory["device"][k] for k in keys}, "activations": acts},
+                    "host": {**{k: full.memory["host"][k] for k in keys}, "activations": 0}}
+        c.dry_runs = mine
+        c.fits = memory_per_rank is None or c.device_bytes <= memory_per_rank
+    return _ranked(list(cands), limit, cands.constants, memory_per_rank)
+
+
+def _plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision: str = "fp32",
+          optimizer: str = "adamw", *, seq: int | None = None, constants: dict | None = None,
+          limit: int | None = None, policy=None, input_shape: tuple | None = None) -> Candidates:
     import torch.nn as nn
     if isinstance(model_cfg, nn.Module) or not hasattr(model_cfg, "vocab_size") or not hasattr(model_cfg, "d_ff"):
         if not isinstance(model_cfg, nn.Module):
