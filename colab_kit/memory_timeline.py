@@ -53,6 +53,8 @@ __all__ = ["MemoryTimeline", "memory_timeline", "record_timeline", "timeline_fig
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "in_flight", "temporaries")
 _TOP = 8  # storages listed in alive_at_peak
+_HOLDER = {"params": "a parameter storage (flat, or a ZeRO chunk)", "grads": "gradient storage (a bucket)",
+           "optimizer": "optimizer state", "other": "a buffer of the parallel machinery"}
 
 
 @dataclass
@@ -173,7 +175,7 @@ class _Recorder(TorchDispatchMode):
 
     def _largest(self, found: dict, extra: list) -> list:
         rows = [{"category": "in_flight" if cat == "other" else cat, "nbytes": n,
-                 "name": self.names.get(key, ""), "op": "", "shape": None, "dtype": None}
+                 "name": self.names.get(key) or _HOLDER[cat], "op": "", "shape": None, "dtype": None}
                 for key, (n, cat) in found.items()]
         rows += [{"category": cat, "nbytes": n, "name": "", "op": op, "shape": shape, "dtype": dtype}
                  for n, cat, op, shape, dtype in extra]

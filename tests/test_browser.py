@@ -102,6 +102,13 @@ SHOWS = {  # notebook -> [(marker in a cell's source, "widget" | "plot" it must 
         ("viz.loss_figure({WORDS: gpt2}", "plot"),
         ('viz.loss_figure({"dp=2 tp=2 pp=2": net}', "plot"),
     ],
+    "08_where_the_time_goes.ipynb": [
+        ('runs["pp=4 1f1b m=4"]], title=', "plot"),
+        ('runs["dp=2 tp=2"]], title=', "plot"),
+        ("%colossal profile", "plot"),
+        ("%colossal memory --timeline", "plot"),
+        ("roofline_figure(roofs.values())", "plot"),
+    ],
 }
 
 # A widget or a figure shown as its Python repr: what a frontend without widget support prints.

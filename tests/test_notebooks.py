@@ -113,6 +113,23 @@ EXPECT = {  # notebook -> [(marker in the cell source, text its output must cont
         ("net = cluster.run", "Net with its own policy, dp=2 tp=2 pp=2: largest relative difference"),
         ("%colossal stop", "cluster stopped"),
     ],
+    "08_where_the_time_goes.ipynb": [
+        ("%colossal start -n 4", "started 4 ranks"),
+        ("runs = {name: cluster.run(profiled", "dp=4 zero=3"),
+        ("runs = {name: cluster.run(profiled", "ZeRO all_gather"),
+        ("reference.append(loss.item())", "pp=4 1f1b m=4    losses"),
+        ("reference.append(loss.item())", "largest relative difference vs one process"),
+        ("%colossal profile", "one profiled step of 'engine' on 4 ranks (measured with torch.profiler)"),
+        ("overlap_row(f\"dp=4, buckets", "dp=4, buckets of 4,096 B"),
+        ("overlap_row(f\"dp=4, buckets", "dp=4 zero=3, prefetch=False"),
+        ("%colossal memory --timeline", "memory over one step of 'engine' on 4 ranks (measured after every op)"),
+        ("%colossal memory --timeline", "gradient storage (a bucket)"),
+        ("(the timeline's peak)", "rank 3: engine.memory() step_peak"),
+        ("roofs = {name", "communication-bound"),
+        ("report = dry_run(", "dry run: rank 37 of 512"),
+        ("cands = ck.plan(BIG", "(* model states exact, from a dry run of the rank)"),
+        ("%colossal stop", "cluster stopped"),
+    ],
 }
 
 
