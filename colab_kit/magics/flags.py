@@ -127,7 +127,7 @@ COMMANDS = {  # name: (flags, takes config words, help)
     "profile": (("var", "data"), False,
                 "profile one step on every rank: compute, communication by axis, idle, overlap"),
     "memory": (("var", "by", "timeline", "data"), False,
-               "memory per rank, measured beside the estimate, refreshed after each step (--timeline: over one step)"),
+               "memory per rank beside the estimate; --timeline: over one step, op by op"),
     "plan": (("model", "batch", "world", "memory", "top"), False,
              "plan a model's configs: estimated memory and step time; Apply one"),
     "export": (("path",), False, "write the configs and cells the cluster ran as a script for torchrun or srun"),
