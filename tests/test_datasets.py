@@ -167,10 +167,32 @@ def test_digits_shapes_labels_and_size():
     assert len(train) + len(val) == 1797 and int(val[0][1]) == int(ds[len(train)][1])
 
 
+def test_digits_are_scikit_learns_read_without_importing_it():
+    pytest.importorskip("sklearn")
+    import subprocess
+    from sklearn.datasets import load_digits as sk_load
+    from colab_kit.datasets.images import load_digits
+    images, labels = load_digits()
+    d = sk_load()
+    assert torch.equal(images, torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0)
+    assert torch.equal(labels, torch.tensor(d.target)) and labels.dtype == torch.int64
+    code = ("import sys, colab_kit.datasets as d; d.Digits(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out  # no rank pays scikit-learn's import
+
+
 def test_digits_without_sklearn_says_how_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # import of it now fails
-    with pytest.raises(ImportError, match="pip install scikit-learn"):
-        Digits()
+    import importlib.util
+    from colab_kit.datasets import images
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else find(name, *a))
+    images._load_digits.cache_clear()
+    try:
+        with pytest.raises(ImportError, match="pip install scikit-learn"):
+            Digits()
+    finally:
+        images._load_digits.cache_clear()
 
 
 # --- the sharded loader ------------------------------------------------------------------------------------

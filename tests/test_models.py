@@ -117,11 +117,9 @@ def mlm_batch(step: int, rows: int = BATCH):
     return torch.where(picked, 1, ids), targets
 
 
-@functools.lru_cache(maxsize=1)
 def digits():
-    from sklearn.datasets import load_digits
-    d = load_digits()
-    return torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0, torch.tensor(d.target)
+    from colab_kit.datasets.images import load_digits  # scikit-learn's digits, without importing it on every rank
+    return load_digits()
 
 
 def batch(name: str, step: int):
