@@ -22,8 +22,8 @@ is saved (Ctrl+S) so the page can be checked against what the kernel sent:
 - the outputs ``tests/test_notebooks.py`` expects (its ``EXPECT``) are in what the kernel sent:
   where this tier runs, that file does not run the notebooks a second time with nbclient.
 
-A screenshot of the whole notebook goes to ``tests/screenshots/<notebook stem>.png``
-(also when the test fails). Skipped, with the reason, only where ``/usr/bin/chromium`` or
+A screenshot of the whole notebook goes to ``tests/screenshots/<notebook stem>.png`` when the
+test fails, and for every notebook with ``CK_SCREENSHOTS=1`` (each costs about 4 s). Skipped, with the reason, only where ``/usr/bin/chromium`` or
 ``playwright`` is missing (``apt-get install chromium``; ``pip install playwright``);
 ``pytest --ignore tests/test_browser.py`` leaves it out.
 """
@@ -554,9 +554,11 @@ def test_notebook_renders_in_a_browser(path: Path, lab: Lab, browser):
             from tests.test_notebooks import expected_problems
             problems += expected_problems(name, saved)
         assert not problems, f"{name} in JupyterLab:\n" + "\n\n".join(dict.fromkeys(problems))
+        passed = True
     finally:
-        try:  # also when it failed: the picture shows where
-            _screenshot(page, SCREENSHOTS / f"{path.stem}.png")
+        try:  # when it failed, the picture shows where; a passing run takes one with CK_SCREENSHOTS=1 (~4 s each)
+            if not locals().get("passed") or os.environ.get("CK_SCREENSHOTS") == "1":
+                _screenshot(page, SCREENSHOTS / f"{path.stem}.png")
         except Exception as exc:  # noqa: BLE001 - a failed screenshot must not hide the test's own failure
             print(f"{name}: no screenshot: {exc}")
         page.close()
