@@ -573,11 +573,11 @@ class Engine(EngineRecords):
         from .memory_timeline import memory_timeline
         return memory_timeline(self, batch, local=local)
 
-    def roofline(self, constants: dict | None = None, peak: float | None = None):
+    def roofline(self, constants: dict | None = None, peak: float | None = None, last: int | None = None):
         """Where the last step sits against the measured matmul peak and collective costs: compute- or
         communication-bound, and why (``colab_kit.roofline.Roofline``)."""
         from .roofline import roofline
-        return roofline(self, constants, peak)
+        return roofline(self, constants, peak, last)
 
     def profile(self, batches, steps: int = 1, **kw):
         """``steps`` train_steps on ``batches`` under ``torch.profiler``: this rank's ``colab_kit.profile.Profile``."""

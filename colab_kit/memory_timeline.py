@@ -258,7 +258,6 @@ _COLOURS = {"params": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b", "ac
 
 def timeline_figure(timelines, title: str = "Memory over one step per rank (measured)"):
     """Stacked areas of the categories over the step (MB against ms), one row per rank, the peak marked."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     timelines = list(timelines)

@@ -96,18 +96,19 @@ class Roofline:
                 f"roof {self.roof / 1e9:.2f} GFLOP/s; {self.why()}")
 
 
-def roofline(engine, constants: dict | None = None, peak: float | None = None) -> Roofline:
+def roofline(engine, constants: dict | None = None, peak: float | None = None, last: int | None = None) -> Roofline:
     """This rank's ``Roofline`` for the engine's last step (``engine.roofline()``). ``constants``: the planner's
     (``colab_kit.planner.constants.constants(ranks=N)``, measured in the notebook; default: the cached ones
     for this world size, an error naming that call if there are none); ``peak``: FLOP/s (default: the
-    measured matmul peak of this rank's device and threads)."""
+    measured matmul peak of this rank's device and threads); ``last``: the recorded steps whose median time is
+    the measured one (``engine.throughput``'s; default all but the first)."""
     from .planner.cost import _op
     from .throughput import engine_throughput
 
     if not engine.records:
         raise ValueError("engine.roofline() needs a step to place: run engine.train_step(batch) first")
     consts = constants if constants is not None else _cached(engine.config.world_size)
-    tp = engine_throughput(engine)
+    tp = engine_throughput(engine, last=last)
     peak = float(peak) if peak is not None else tp["peak_flops"]
     mesh, by_op = engine.mesh, {}
     comm_s = latency = 0.0

@@ -218,8 +218,6 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
     Without ``constants`` or ``hardware`` the constants are measured here with ``world_size`` local
     processes, which is refused above 16 ranks (before anything starts).
     """
-    import torch.nn as nn
-
     if hardware is not None:
         from ..dry_run import HARDWARE, hardware_constants
         if hardware not in HARDWARE:
@@ -238,34 +236,10 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
     cands = _plan(model_cfg, world_size, batch, memory_per_rank, precision, optimizer, seq=seq, constants=constants,
                   limit=None if exact else limit, policy=policy, input_shape=input_shape)
     if exact:
-        cands = _exact(cands, model_cfg, batch, seq, optimizer, policy, exact, memory_per_rank, limit)
+        from .exact import exact_states
+        cands = _ranked(exact_states(cands, model_cfg, batch, seq, optimizer, policy, exact, memory_per_rank),
+                        limit, cands.constants, memory_per_rank)
     return cands
-
-
-def _exact(cands, model, batch, seq, optimizer, policy, k, memory_per_rank, limit) -> Candidates:
-    """The first ``k`` candidates that fit, their model states replaced by the dry runs' exact bytes."""
-    from ..dry_run import dry_run_many
-
-    chosen = [c for c in cands if c.fits and c.config.offload != "auto"][:k]
-    calls = []
-    for c in chosen:
-        cfg = c.config
-        stage = cfg.world_size // cfg.pp  # ranks per pipeline stage: stage s begins at s * stage
-        ranks = sorted({s * stage for s in range(cfg.pp)})
-        calls.append({"model": model, "config": cfg, "rank": ranks, "batch": batch, "seq": seq,
-                      "optimizer": optimizer, "policy": policy})
-    reports = dry_run_many(calls, hardware=()) if calls else []
-    at = 0
-    for c, call in zip(chosen, calls):
-        mine, at = reports[at:at + len(call["rank"])], at + len(call["rank"])
-        full = max(mine, key=lambda r: sum(r.memory[k] for k in ("params", "grads", "optimizer")))
-        keys, acts = ("params", "grads", "optimizer"), c.memory["activations"]
-        c.memory = {**{k: full.memory[k] for k in keys}, "activations": acts,  # where each lies, as the rank said
-                    "device": {**{k: full.memory["device"][k] for k in keys}, "activations": acts},
-                    "host": {**{k: full.memory["host"][k] for k in keys}, "activations": 0}}
-        c.dry_runs = mine
-        c.fits = memory_per_rank is None or c.device_bytes <= memory_per_rank
-    return _ranked(list(cands), limit, cands.constants, memory_per_rank)
 
 
 def _plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision: str = "fp32",
@@ -302,7 +276,7 @@ def _plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precisio
         if cfg.offload == "auto":  # the placement puts on the host what does not fit
             kwargs = {"device_budget": memory_per_rank}
             mem = _auto_placed(mem, memory_per_rank)
-        seconds, parts, counts = step_seconds(model_cfg, cfg, batch, consts, mem)
+        seconds, parts, counts = step_seconds(model_cfg, cfg, batch, consts, mem, optimizer)
         fits = memory_per_rank is None or sum(mem["device"].values()) <= memory_per_rank
         out.append(Candidate(cfg, mem, seconds, fits, parts, counts, kwargs))
     if not out:
@@ -406,7 +380,7 @@ def _other_model(model, world_size, batch, memory_per_rank, precision, optimizer
         states = {k: round(mem[k] * scale) for k in ("params", "grads", "optimizer")}
         acts = model_activations(twin, policy, cfg, input_shape, dtype, traced=traced)
         mem = placed({**states, "activations": acts}, cfg.zero, cfg.offload, None)
-        seconds, cost_parts, counts = step_seconds(gpt, cfg, batch, consts, mem)
+        seconds, cost_parts, counts = step_seconds(gpt, cfg, batch, consts, mem, optimizer)
         fits = memory_per_rank is None or sum(mem["device"].values()) <= memory_per_rank
         out.append(Candidate(cfg, mem, seconds, fits, cost_parts, counts, {}))
     if not out:

@@ -11,6 +11,8 @@ measures, all ranks at the same time (so that they share the cores the way a rea
   is in the numbers; the medians, of the slowest rank. Sampled between the collectives, compute
   and communication are measured at the same moments of a shared machine's load;
 - ``memory``: ``a.add_(b)`` over 4 MiB, bytes read and written per second (the optimizer step);
+- ``optimizer``: seconds per op of an AdamW step over 32 small tensors (``op_seconds``), every rank
+  stepping at once: a small model's step costs its optimizer's ops, about 10 per tensor, not its bytes;
 - ``comm``: for every group size ``n`` that divides ``ranks`` (the ranks split into ``ranks / n``
   groups, every group busy at once: the "tp" axis of a ``ProcessMesh``) and each of all_reduce,
   all_gather, reduce_scatter, broadcast, all_to_all, send (a ping-pong of ``comm.isend`` /
@@ -129,6 +131,31 @@ def _time(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
+def _optimizer_step():
+    """(ops dispatched by one step, the step) of AdamW over 32 tensors of 64 elements: what a small
+    model's optimizer costs is its ops (about 10 per tensor on CPU, where torch loops over the tensors),
+    not its bytes."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    params = [torch.zeros(64, requires_grad=True) for _ in range(32)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt.step()  # its states exist, as from the second step on
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        opt.step()
+    return max(1, Count.ops), opt.step
+
+
 def _measure_rank(ranks: int) -> dict:
     import warnings
 
@@ -150,6 +177,9 @@ def _measure_rank(ranks: int) -> dict:
     big, other = torch.randn(1 << 20), torch.randn(1 << 20)  # on the rank's device
     dist.barrier()
     mem = _time(lambda: big.add_(other), 5)
+    opt_ops, opt_step = _optimizer_step()
+    dist.barrier()
+    opt_seconds = _time(opt_step, 5) / opt_ops
     points = {}
     for n in [k for k in range(2, ranks + 1) if ranks % k == 0]:
         # the ranks in groups of n (every group busy at once), through colab_kit.comm on a mesh:
@@ -166,6 +196,7 @@ def _measure_rank(ranks: int) -> dict:
             "matmul": {"flops_per_s": statistics.median(burst.flops_per_s)},
             "dispatch": {"op_seconds": statistics.median(burst.op_seconds)},
             "memory": {"bytes_per_s": 3 * big.numel() * 4 / mem},
+            "optimizer": {"op_seconds": opt_seconds},
             "points": points, "backend": dist.get_backend(), "torch": torch.__version__}
 
 
