@@ -67,11 +67,26 @@ def preloaded() -> list[str]:
 
 
 def _context():
+    """The forkserver context, its server importing ``preloaded()``. When that list has grown since the
+    server started (the caller imported ``transformers`` after its first launch: every rank would import
+    the HF models itself, ~3 s each), the server is stopped between launches and restarts with it."""
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(preloaded())
+    wanted = preloaded()
+    server = getattr(_forkserver_module(), "_forkserver", None)
+    running = getattr(server, "_preload_modules", None)
+    if running != wanted:
+        if running is not None and set(running) < set(wanted) and getattr(server, "_forkserver_pid", None) \
+                and hasattr(server, "_stop"):
+            server._stop()  # no rank of ours is alive between launches; the next one starts it afresh
+        _CTX.set_forkserver_preload(wanted)
     return _CTX
+
+
+def _forkserver_module():
+    import multiprocessing.forkserver
+    return multiprocessing.forkserver
 
 
 def default_backend(world_size: int) -> str:

@@ -349,3 +349,18 @@ def test_ranks_keep_freed_memory_so_a_step_does_not_fault_its_pages_in_again():
     (launched,) = ck.launch(_faults_per_round, 1)
     assert plain > 4000, plain  # the pattern does fault under glibc's starting setting
     assert launched * 4 < plain, (launched, plain)
+
+
+def _has_module(name: str) -> bool:
+    import sys
+    return name in sys.modules
+
+
+def test_the_forkserver_restarts_when_what_it_preloads_grows(monkeypatch):
+    """A module added to the preload list after the forkserver started (the caller imported transformers
+    after its first launch) is in the next launch's ranks from the start, not imported by each of them."""
+    assert ck.launch(_has_module, 1, "json.tool") == [False]  # the server runs, without it
+    monkeypatch.setattr(launch_mod, "_ENGINE", launch_mod._ENGINE + ("json.tool",))
+    assert ck.launch(_has_module, 1, "json.tool") == [True]
+    monkeypatch.undo()
+    assert ck.launch(_has_module, 1, "json.tool") == [True]  # a shorter list keeps the running server
