@@ -128,19 +128,13 @@ def roofline(engine, constants: dict | None = None, peak: float | None = None, l
 
 
 def _cached(world: int) -> dict:
-    import json
-    import os
-
-    from .planner.constants import cache_path
-    path = cache_path()
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            cached = json.load(fh)
-        if str(world) in cached:
-            return cached[str(world)]
-    raise ValueError(f"no measured collective constants for {world} ranks in {path}: measure them once in the "
-                     f"notebook with colab_kit.planner.constants.constants(ranks={world}) (a few seconds) and "
-                     f"pass them as engine.roofline(constants=...), or call it again after")
+    from .planner.constants import cache_path, cached
+    got = cached(world)
+    if got is None:
+        raise ValueError(f"no measured collective constants for {world} ranks in {cache_path()}: measure them once "
+                         f"in the notebook with colab_kit.planner.constants.constants(ranks={world}) (a few seconds) "
+                         f"and pass them as engine.roofline(constants=...), or call it again after")
+    return got
 
 
 def roofline_figure(points, title: str = "Roofline: each config's step against this machine (measured)"):

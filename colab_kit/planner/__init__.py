@@ -227,9 +227,9 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
         constants = hardware_constants(hardware, precision if precision in ("fp32", "bf16", "fp16") else "fp32")
         memory_per_rank = HARDWARE[hardware].device_bytes if memory_per_rank is None else memory_per_rank
     if constants is None and isinstance(world_size, int) and world_size > 16:
+        from ..dry_run import HARDWARE
         raise ConfigError(f"ck.plan for {world_size} ranks without constants would measure them with {world_size} "
-                          f"local processes: pass hardware= (one of the presets: "
-                          f"{', '.join(__import__('colab_kit.dry_run', fromlist=['HARDWARE']).HARDWARE)}) or "
+                          f"local processes: pass hardware= (one of the presets: {', '.join(HARDWARE)}) or "
                           f"constants= (colab_kit.dry_run.hardware_constants(name), or your own)")
     if isinstance(exact, bool) or not isinstance(exact, int) or exact < 0:
         raise ConfigError(f"exact must be a whole number of candidates to dry-run, got {exact!r}: try 3")

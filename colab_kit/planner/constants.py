@@ -47,7 +47,7 @@ import platform
 import statistics
 import time
 
-__all__ = ["constants", "measure", "cache_path", "count_ops", "OPS"]
+__all__ = ["constants", "cached", "measure", "cache_path", "count_ops", "OPS"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "sendrecv")
 _SIZES = (1 << 10, 1 << 14, 1 << 18)  # fp32 elements per rank's payload: 4 KiB, 64 KiB, 1 MiB
@@ -59,25 +59,34 @@ def cache_path() -> str:
     return os.path.join(root, f"constants-{platform.node() or 'host'}-{torch.__version__.split('+')[0]}.json")
 
 
-def constants(refresh: bool = False, ranks: int = 4) -> dict:
-    """The constants measured with ``ranks`` local ranks (cached; ``refresh`` measures again)."""
-    path = cache_path()
-    cached = {}
+def _read_cache(path: str) -> dict:
     if os.path.exists(path):
         try:
             with open(path, encoding="utf-8") as fh:
-                cached = json.load(fh)
+                return json.load(fh)
         except (OSError, ValueError):
-            cached = {}
+            pass
+    return {}
+
+
+def cached(ranks: int = 4) -> dict | None:
+    """The constants cached for ``ranks`` local ranks, or None: nothing is measured."""
+    return _read_cache(cache_path()).get(str(ranks))
+
+
+def constants(refresh: bool = False, ranks: int = 4) -> dict:
+    """The constants measured with ``ranks`` local ranks (cached; ``refresh`` measures again)."""
+    path = cache_path()
+    table = _read_cache(path)
     key = str(ranks)
-    if refresh or key not in cached:
-        cached[key] = measure(ranks)
+    if refresh or key not in table:
+        table[key] = measure(ranks)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = path + f".{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(cached, fh, indent=1, sort_keys=True)
+            json.dump(table, fh, indent=1, sort_keys=True)
         os.replace(tmp, path)
-    return cached[key]
+    return table[key]
 
 
 def measure(ranks: int = 4) -> dict:
