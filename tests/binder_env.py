@@ -11,6 +11,10 @@ the browser tier cannot run).
 file took 58 s against 26 s without it, and the import writes the bytecode the kernel and the engines read
 (about 6 s). ``PYTHONDONTWRITEBYTECODE`` is dropped in this environment, as Binder does not set it: with it,
 every engine would compile torch from source at each start. Nothing else differs from Binder's build.
+
+``env()`` also sets ``MEM_LIMIT`` to mybinder.org's 2 GiB, as JupyterHub's KubeSpawner does in every Binder
+session: the notebooks that ask for 8 engines with ``--fit`` start the 4 that memory holds there
+(``colab_kit.cluster.room``), so the browser tier runs what a Binder user runs.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+BINDER_MEM_LIMIT = 2 * 2**30  # bytes: mybinder.org's memory limit per session
 WARM = ("import torch, torch.distributed, ipyparallel, ipyparallel.engine, ipykernel.kernelapp, ipywidgets, anywidget, "
         "plotly.graph_objects, sklearn.datasets, transformers, colab_kit, colab_kit.magics, colab_kit.viz")
 
@@ -42,7 +47,7 @@ class BinderEnv:
         """Environment variables under which this venv's ``python``/``jupyter`` come first, as in Binder."""
         env = dict(os.environ if base is None else base)
         env.update(PATH=f"{self.bin}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(self.venv),
-                   PIP_DISABLE_PIP_VERSION_CHECK="1")
+                   PIP_DISABLE_PIP_VERSION_CHECK="1", MEM_LIMIT=str(BINDER_MEM_LIMIT))
         for name in ("PYTHONPATH", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE"):
             env.pop(name, None)
         return env

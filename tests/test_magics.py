@@ -63,7 +63,7 @@ def _usage(run, src: str, *needles: str) -> str:
 def test_bad_input_without_a_cluster(run, state):
     _usage(run, "%colossal strat", "unknown subcommand 'strat'", "did you mean 'start'?", "stop, restart")
     _usage(run, "%colossal start --bogus 3", "%colossal start: unrecognized arguments: --bogus 3",
-           "[-n N] [--engines ENGINES]")
+           "[-n N] [--fit] [--engines ENGINES]")
     _usage(run, "%colossal start -n four", "argument -n: invalid int value: 'four'")
     _usage(run, "%colossal start -n 0", "argument -n: must be a positive whole number, got '0'")
     _usage(run, "%colossal start --timeout 0", "argument --timeout: must be a number of seconds > 0, got '0'")
@@ -453,8 +453,9 @@ class FakeCluster:
     """Cluster.start / restart with the progress keyword: says how far it got, starts nothing."""
     calls: list = []
 
-    def __init__(self, n=None, engines="local", *, timeout=60, ip=None, hosts=None):
+    def __init__(self, n=None, engines="local", *, timeout=60, ip=None, hosts=None, fit=False):
         self.world_size, self.engines, self.config, self.running = n, engines, None, True
+        self.fit_note = ""
 
     def _go(self, what, progress):
         FakeCluster.calls.append((what, progress))

@@ -1,6 +1,6 @@
 """Mixed precision and offload for the models beyond GPT: BERT, ViT and Hugging Face GPT-2 in bf16 (and
 fp16) under dp, ZeRO 1-3 with offload="cpu", tp 1d and 2d, and pp, against one process running the
-recipe written here in plain PyTorch (a 16-bit model, fp32 master copies that the optimizer steps, the
+recipe in plain PyTorch (``tests/helpers.plain_mixed_precision``: a 16-bit model, fp32 master copies that the optimizer steps, the
 loss in fp32, the gradients cast to fp32): losses within ``precision.tolerance(precision, terms)``
 (``sqrt(2) u / sqrt(terms)`` for a mean of ``terms`` token or image losses: ViT's 8 images get a wider
 band than GPT-2's 128 tokens); the 16-bit parameters of the dp runs off the reference's by under a tenth
@@ -11,17 +11,15 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 import colab_kit as ck
 from colab_kit.precision import tolerance
 
+from tests.helpers import LOW, plain_mixed_precision, trained_like, update_error
 from tests.test_dp import OPTIMIZERS
 from tests.test_models import batch as builtin_batch, make as builtin_make
 
 STEPS = 4
-LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def make(name):
@@ -43,29 +41,9 @@ def _logits(name, out):
 
 @functools.lru_cache(maxsize=None)
 def reference(name, opt, precision):
-    """The mixed-precision recipe in one process, in plain PyTorch."""
-    model = make(name).to(LOW[precision])
-    params = list(model.parameters())
-    masters = [p.detach().float().clone().requires_grad_() for p in params]
-    optimizer = OPTIMIZERS[opt](masters)
-    scale = 2.0 ** 16 if precision == "fp16" else 1.0  # the engine's initial fp16 scale; no overflow here
-    losses = []
-    for s in range(STEPS):
-        x, y = batch(name, s)
-        x = x.to(LOW[precision]) if x.is_floating_point() else x
-        logits = _logits(name, model(x)).float()
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        (loss * scale).backward()
-        for m, p in zip(masters, params):
-            m.grad = p.grad.float() / scale
-            p.grad = None
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(masters, params):
-                p.copy_(m)
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    """The mixed-precision recipe in one process, in plain PyTorch (tests/helpers.py)."""
+    return plain_mixed_precision(make(name), OPTIMIZERS[opt], lambda s: batch(name, s), STEPS, precision,
+                                 logits=lambda out: _logits(name, out))
 
 
 def _train(cases):
@@ -111,14 +89,12 @@ def test_mixed_precision_trains_like_the_one_process_recipe(runs, case):
     tol = tolerance(kw["precision"], min(int((batch(name, s)[1] != -100).sum()) for s in range(STEPS)))
     for opt in OPTIMIZERS:
         losses, params = runs[name, tuple(sorted(kw.items())), opt]
-        want, ref_params = reference(name, opt, kw["precision"])
+        want, ref_params, start = reference(name, opt, kw["precision"])
         assert all(abs(a - b) <= tol * abs(b) for a, b in zip(losses, want, strict=True)), (opt, losses, want)
         if not params:
             continue
-        start = dict(make(name).to(LOW[kw["precision"]]).named_parameters())
         conv = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")  # GPT-2's Conv1D: the engine holds W.T
         got = {n: p.t() if name == "gpt2" and n.endswith(conv) else p for n, p in params.items()}
-        err = sum(((got[n].float() - ref_params[n].float()) ** 2).sum() for n in got) ** 0.5
-        moved = sum(((start[n].float() - ref_params[n].float()) ** 2).sum() for n in got) ** 0.5
-        assert err < 0.1 * moved, (opt, float(err), float(moved))
-        print(f"{name} {kw} {opt}: parameter error / update {float(err / moved):.3f}")  # pytest -s: the figures
+        assert trained_like(got, ref_params, start), (opt, update_error(got, ref_params, start))
+        assert not trained_like({n: start[n] for n in got}, ref_params, start)  # the check rejects untrained weights
+        print(f"{name} {kw} {opt}: parameter error / update {update_error(got, ref_params, start):.3f}")  # pytest -s

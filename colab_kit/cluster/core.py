@@ -34,6 +34,7 @@ from ..tracebacks import pack, source_map
 from . import remote
 from .gather import RESTART_ADVICE, ClusterError, Waiting
 from .results import RankOutput, RankTable, check_ranks, rank_output, split, unwrap_call, unwrap_execute
+from .room import fitting
 from .startup import Startup, check_hosts, launcher_names, preload_torch
 from .watchdog import Watchdog, cluster_processes, descendant_pids, end_processes, with_descendants
 
@@ -61,6 +62,9 @@ class Cluster(Startup, Waiting):
     grace: seconds the other ranks get to finish after one failed.
     collective_timeout: the process group's timeout, so a rank left waiting in a
         collective gives up by itself instead of blocking its engine forever.
+    fit: start fewer than ``n`` engines where this host's memory would not hold n: the largest of
+        n, n/2, n/4, ... that fits (``colab_kit.cluster.room``: Binder's 2 GiB holds about 4);
+        ``fit_note`` says why, and is empty when n started. Local engines only.
     ipp_kwargs: passed to ``ipyparallel.Cluster`` (profile, profile_dir, config, ...).
 
     Ranks are contiguous per host (each host's engines in engine-id order, the hosts in the order
@@ -73,7 +77,7 @@ class Cluster(Startup, Waiting):
 
     def __init__(self, n: int | None = None, engines: str = "local", *, ip: str | None = None,
                  hosts: dict[str, int] | None = None, timeout: float = 60, backend: str | None = None, grace: float = 3.0,
-                 collective_timeout: float = 120, **ipp_kwargs):
+                 collective_timeout: float = 120, fit: bool = False, **ipp_kwargs):
         if os.name != "posix":
             raise ClusterError(f"colab_kit's cluster runs on POSIX systems (Linux, macOS), not {sys.platform}: "
                                "on Windows use WSL, or ck.launch for local ranks")
@@ -86,6 +90,15 @@ class Cluster(Startup, Waiting):
             n = torch.cuda.device_count() if torch.cuda.is_available() else 4
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ClusterError(f"n must be a positive whole number of engines, got {n!r}: try n=4")
+        self.fit_note = ""  # why fewer than n started (fit=True), else empty
+        if fit:
+            if engines not in LOCAL_LAUNCHERS:
+                raise ClusterError(f"fit=True counts this host's memory, and engines={engines!r} may start engines "
+                                   "elsewhere: give n for that launcher, or use engines='local'")
+            try:
+                n, self.fit_note = fitting(n)
+            except (MemoryError, ValueError) as exc:
+                raise ClusterError(str(exc)) from None
         if isinstance(engines, str) and "." not in engines and engines not in launcher_names():
             raise ClusterError(f"unknown engine launcher engines={engines!r}: ipyparallel knows "
                                f"{', '.join(launcher_names())} (or give a launcher class path)")

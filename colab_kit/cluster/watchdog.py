@@ -19,6 +19,7 @@ the rest of the cluster layer.
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -34,7 +35,9 @@ class Watchdog:
     """The kernel's side: start the watchdog, tell it what to watch, say goodbye on a clean stop."""
 
     def __init__(self):
-        self._proc = subprocess.Popen([sys.executable, "-m", "colab_kit.cluster.watchdog"],
+        # run as a file, not ``-m colab_kit.cluster.watchdog``: the package's __init__ would import torch
+        # (145 MiB and about a second of CPU per cluster, for a process that needs psutil alone)
+        self._proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
                                       stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True, text=True)
         self.pid = self._proc.pid

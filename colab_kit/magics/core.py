@@ -113,11 +113,13 @@ class ColossalMagics(Magics):
         progress = self._live("starting the cluster")
         try:
             cluster = self.state.start(args.n, args.engines, args.timeout, progress=progress, ip=args.ip,
-                                       hosts=args.hosts, profile=args.profile)
+                                       hosts=args.hosts, profile=args.profile, fit=args.fit)
         finally:
             if progress is not None:
                 progress.close()
         backend = cluster.ranks()[0]["backend"]
+        if cluster.fit_note:
+            print(cluster.fit_note)
         print(f"started {cluster.world_size} ranks ({args.engines} engines, {backend}) "
               f"in {time.perf_counter() - t0:.1f} s")
         display(cluster.ranks())

@@ -82,6 +82,9 @@ _positive_int.__name__, _seconds.__name__, _bytes.__name__, _host_list.__name__ 
 FLAGS = {
     "n": (("-n",), dict(type=_positive_int, default=None, metavar="N",
                         help="engines (ranks); default: one per GPU, else 4")),
+    "fit": (("--fit",), dict(action="store_true",
+                             help="start fewer than -n where memory is short (Binder's 2 GiB): the largest of "
+                                  "n, n/2, ... that fits, saying why")),
     "engines": (("--engines",), dict(default="local", help="ipyparallel launcher: local, mpi, slurm, ssh, ...")),
     "ip": (("--ip",), dict(default=None, metavar="ADDR",
                            help="address the controller listens on, reachable from every host (not for local)")),
@@ -117,7 +120,7 @@ FLAGS = {
     "path": (("path",), dict(metavar="PATH", help="the script to write (.py), with a Slurm batch file beside it")),
 }
 COMMANDS = {  # name: (flags, takes config words, help)
-    "start": (("n", "engines", "ip", "hosts", "profile", "timeout"), False,
+    "start": (("n", "fit", "engines", "ip", "hosts", "profile", "timeout"), False,
               "start engines and torch.distributed; show the ranks"),
     "config": ((), True, "check a config (dp=2 tp=2 or --dp 2 --tp 2) and set it on every rank"),
     "mesh": (("axis",), True, "draw the device mesh of the config (or of config words given here)"),

@@ -38,12 +38,13 @@ class ColossalState:
 
     def start(self, n: int | None = None, engines: str = "local", timeout: float | None = None,
               progress=None, *, ip: str | None = None, hosts: dict | None = None,
-              profile: str | None = None) -> Cluster:
+              profile: str | None = None, fit: bool = False) -> Cluster:
         """Start a cluster (``progress(stage, done, total)`` is told how far it got) and apply the kept config.
 
         ``ip``, ``hosts`` and ``profile`` are ``Cluster``'s: the controller's address, the engines per host
         for ``engines="ssh"``, and the ipyparallel profile (a name, or a directory) whose
-        ``ipcluster_config.py`` configures the launcher."""
+        ``ipcluster_config.py`` configures the launcher; ``fit`` starts fewer than ``n`` engines where this
+        host's memory would not hold n (``Cluster``'s)."""
         if self.cluster is not None and self.cluster.running:
             raise ClusterError(f"a cluster of {self.cluster.world_size} ranks is already running: "
                                "%colossal stop it first, or %colossal restart it")
@@ -51,7 +52,7 @@ class ColossalState:
         if profile:
             is_dir = os.sep in profile or profile.startswith(("~", "."))
             extra["profile_dir" if is_dir else "profile"] = os.path.expanduser(profile) if is_dir else profile
-        cluster = with_progress(Cluster(n, engines, ip=ip, hosts=hosts, timeout=timeout or 60, **extra).start,
+        cluster = with_progress(Cluster(n, engines, ip=ip, hosts=hosts, timeout=timeout or 60, fit=fit, **extra).start,
                                 progress)
         self.cluster = cluster
         self.recorded = []  # a new cluster: what it runs from here

@@ -1,0 +1,63 @@
+"""What several test files share, written in plain torch so that it checks the engine rather than repeating it.
+
+``plain_mixed_precision``: the mixed-precision recipe in one process, nothing from ``colab_kit.precision``: the
+model cast to 16 bits, fp32 copies made from the 16-bit weights that the optimizer steps, the loss taken in
+fp32 from the 16-bit logits, the 16-bit gradients cast to fp32 and unscaled (fp16 scales the loss by 2^16,
+the engine's first scale, as ``torch.amp.GradScaler`` does), the stepped copies cast back.
+
+``trained_like``: parameters count as trained like the reference when they are off its by under a tenth of
+what training moved the reference from where it started, over the whole model. The untrained weights are off
+by the whole update (ratio 1.0), so the check rejects them: each test that uses it asserts that too.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def plain_mixed_precision(model: torch.nn.Module, optimizer_factory: Callable, batches: Callable[[int], tuple],
+                          steps: int, precision: str, logits: Callable = lambda out: out):
+    """Train a 16-bit copy of ``model`` for ``steps`` steps; return ``(losses, trained, start)``, the last two
+    ``{name: 16-bit tensor}`` after training and before it. ``batches(step)`` -> ``(inputs, targets)``;
+    ``logits(model(inputs))`` -> the logits (``out.logits`` for a Hugging Face model)."""
+    low = copy.deepcopy(model).to(LOW[precision])
+    start = {n: p.detach().clone() for n, p in low.named_parameters()}
+    params = list(low.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    optimizer = optimizer_factory(masters)
+    scale = 2.0 ** 16 if precision == "fp16" else 1.0
+    losses = []
+    for step in range(steps):
+        x, y = batches(step)
+        x = x.to(LOW[precision]) if x.is_floating_point() else x
+        out = logits(low(x)).float()
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        (loss * scale).backward()
+        for m, p in zip(masters, params):
+            m.grad = None if p.grad is None else p.grad.float() / scale
+            p.grad = None
+        assert all(torch.isfinite(m.grad).all() for m in masters if m.grad is not None), "an overflow in the reference"
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(masters, params):
+                p.copy_(m)
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in low.named_parameters()}, start
+
+
+def update_error(got: dict, ref: dict, start: dict) -> float:
+    """||got - ref|| / ||ref - start|| over the tensors of ``got``: 0 is the reference's weights, 1 the start's."""
+    err = sum(((got[n].float() - ref[n].float()) ** 2).sum() for n in got) ** 0.5
+    moved = sum(((start[n].float() - ref[n].float()) ** 2).sum() for n in got) ** 0.5
+    assert moved > 0, "the reference did not move: nothing to compare against"
+    return float(err / moved)
+
+
+def trained_like(got: dict, ref: dict, start: dict, within: float = 0.1) -> bool:
+    return update_error(got, ref, start) < within
