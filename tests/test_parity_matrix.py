@@ -1,0 +1,114 @@
+"""The compositions the README names, each against one plain PyTorch process (fp32, 1e-5 relative).
+
+The per-mode files test each mode alone and with its usual partners; this matrix covers the compositions
+they leave out, so that "every configuration that runs trains to one process's losses" is measured, not
+assumed: Ulysses with dp, pp, ZeRO and recomputation; ring with pp and recomputation; ZeRO 1-2 under every
+pipeline schedule (GPipe, interleaved, ZB-H1, ZB-V) and ZeRO-2 offload under a pipeline; recomputation with
+2D, 2.5D, 3D, split_gather and ZB-V; 2D with pp and with dp x ZeRO-2; Ulysses inside dp x tp; split_gather
+with pp and ZeRO; tp with the interleaved and ZB-V schedules.
+
+One spawn per world size (4 and 8 ranks), every config looped inside it; AdamW and SGD with momentum, 4 steps
+of a 4-block GPT. The reference trains the same torch optimizer on the same batches in this process
+(``colab_kit.reference.train_single_process``: ``GPT``, ``F.cross_entropy``, ``backward``, ``step``, nothing of
+the engine's); a run whose updates were wrong would differ from step 2 on, and the check below shows that
+the reference's own steps 2-4 move the loss by far more than the tolerance.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import colab_kit as ck
+from colab_kit.datasets import SyntheticTokens
+from colab_kit.models import GPT, GPTConfig
+from colab_kit.reference import max_relative_difference, train_single_process
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
+STEPS, BATCH, RTOL = 4, 8, 1e-5
+PP = dict(pp=2, microbatches=4)
+
+MATRIX = {
+    4: {
+        "ulysses x dp": dict(dp=2, sp=2, sp_mode="ulysses"),
+        "ulysses x pp": dict(sp=2, sp_mode="ulysses", **PP, schedule="1f1b"),
+        "ulysses x dp x zero=2": dict(dp=2, sp=2, sp_mode="ulysses", zero=2),
+        "ulysses x dp x zero=3": dict(dp=2, sp=2, sp_mode="ulysses", zero=3),
+        "ulysses x tp recompute": dict(tp=2, sp=2, sp_mode="ulysses", recompute=True),
+        "ring x pp": dict(sp=2, **PP, schedule="1f1b"),
+        "ring x dp recompute": dict(dp=2, sp=2, recompute=True),
+        "zero=1 x gpipe": dict(dp=2, **PP, schedule="gpipe", zero=1),
+        "zero=2 x interleaved": dict(dp=2, **PP, schedule="interleaved", chunks=2, zero=2),
+        "zero=1 x zb-h1": dict(dp=2, **PP, schedule="zb-h1", zero=1),
+        "zero=2 x zb-v": dict(dp=2, **PP, schedule="zb-v", chunks=2, zero=2),
+        "zero=2 offload x 1f1b": dict(dp=2, **PP, schedule="1f1b", zero=2, offload="cpu"),
+        "2d recompute": dict(tp=4, tp_mode="2d", recompute=True),
+        "split_gather recompute": dict(dp=2, tp=2, sp_mode="split_gather", recompute=True),
+        "zb-v recompute x dp": dict(dp=2, **PP, schedule="zb-v", chunks=2, recompute=True),
+        "gpipe x tp recompute": dict(tp=2, **PP, schedule="gpipe", recompute=True),
+        "interleaved x tp": dict(tp=2, **PP, schedule="interleaved", chunks=2),
+        "zb-v x tp": dict(tp=2, **PP, schedule="zb-v", chunks=2),
+        "split_gather x pp": dict(tp=2, sp_mode="split_gather", **PP, schedule="1f1b"),
+        "split_gather x dp x zero=2": dict(dp=2, tp=2, sp_mode="split_gather", zero=2),
+        "ulysses x dp x zero=3 offload": dict(dp=2, sp=2, sp_mode="ulysses", zero=3, offload="cpu"),
+    },
+    8: {
+        "3d recompute": dict(tp=8, tp_mode="3d", recompute=True),
+        "2.5d recompute": dict(tp=8, tp_mode="2.5d", tp_depth=2, recompute=True),
+        "2d x pp": dict(tp=4, tp_mode="2d", **PP, schedule="1f1b"),
+        "2d x dp x zero=2": dict(dp=2, tp=4, tp_mode="2d", zero=2),
+        "ulysses x dp x tp": dict(dp=2, tp=2, sp=2, sp_mode="ulysses"),
+        "ring x dp x pp x zero=1": dict(dp=2, sp=2, **PP, schedule="1f1b", zero=1),
+        "ulysses x dp x pp recompute": dict(dp=2, sp=2, sp_mode="ulysses", **PP, schedule="zb-h1", recompute=True),
+    },
+}
+
+
+OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+              "sgd": lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)}
+
+
+def _data():
+    return SyntheticTokens(CFG.vocab_size, CFG.seq_len, seed=3)
+
+
+def _run(configs: dict) -> dict:
+    """On each rank: every config of this world size, one after the other."""
+    out = {}
+    for name, kw in configs.items():
+        for opt, factory in OPTIMIZERS.items():
+            engine = ck.boost(GPT(CFG), factory, ck.ParallelConfig(**kw))
+            data = _data()
+            out[name, opt] = [engine.train_step(data.batch(s, BATCH)) for s in range(STEPS)]
+            engine.close()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def reference(opt: str, frozen: bool = False) -> list[float]:
+    factory = (lambda ps: OPTIMIZERS[opt](ps) if not frozen else torch.optim.SGD(ps, lr=0.0))
+    return train_single_process(CFG, factory, _data(), STEPS, BATCH)[0]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {world: ck.launch(_run, world, configs, timeout=600) for world, configs in MATRIX.items()}
+
+
+def test_the_reference_moves_by_far_more_than_the_tolerance():
+    """A run that computed no update (or a wrong one) differs from the reference from step 2 on."""
+    frozen = reference("sgd", frozen=True)
+    for opt in OPTIMIZERS:
+        assert frozen[0] == pytest.approx(reference(opt)[0], rel=1e-7)       # step 1: the same untrained model
+        assert max_relative_difference(reference(opt)[1:], frozen[1:]) > 100 * RTOL
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for w, cs in MATRIX.items() for n in cs],
+                         ids=[f"{w}-{n.replace(' ', '')}" for w, cs in MATRIX.items() for n in cs])
+def test_composition_trains_like_one_process(runs, world, name):
+    for opt in OPTIMIZERS:
+        want = reference(opt)
+        for rank, got in enumerate(runs[world]):
+            diff = max_relative_difference(got[name, opt], want)
+            assert diff <= RTOL, (name, opt, MATRIX[world][name], rank, diff, got[name, opt], want)
