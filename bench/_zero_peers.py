@@ -30,8 +30,11 @@ __all__ = ["local_bytes", "model_state", "fsdp2", "zero_redundancy", "PEERS"]
 ADAMW_LR = 1e-3
 
 
-def adamw(params):
-    return torch.optim.AdamW(params, lr=ADAMW_LR)
+def adamw(params, foreach: bool | None = True):
+    """AdamW as both sides run it: ``foreach=True`` (one fused call per op over every tensor it steps); None is
+    torch's default, which on CPU steps each tensor in turn (FSDP2's ~50 DTensors against colab_kit's few flat
+    pieces: a per-tensor loop would charge the peer for dispatch, not for sharding)."""
+    return torch.optim.AdamW(params, lr=ADAMW_LR, foreach=foreach)
 
 
 def local_bytes(tensors) -> int:
@@ -76,7 +79,7 @@ def _lm_loss_fp32(logits, targets):
     return lm_loss(logits.float(), targets)
 
 
-def fsdp2(gcfg, *, reshard: bool, offload: bool = False, bf16: bool = False) -> Peer:
+def fsdp2(gcfg, *, reshard: bool, offload: bool = False, bf16: bool = False, foreach: bool | None = True) -> Peer:
     """FSDP2 over all ranks: per block, then the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -91,34 +94,34 @@ def fsdp2(gcfg, *, reshard: bool, offload: bool = False, bf16: bool = False) -> 
     for block in model.blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
-    opt = adamw(model.parameters())
+    opt = adamw(model.parameters(), foreach)
     return Peer(model, opt, lambda: model_state(model.parameters(), opt), _lm_loss_fp32 if bf16 else lm_loss)
 
 
-def zero_redundancy(gcfg) -> Peer:
+def zero_redundancy(gcfg, foreach: bool | None = True) -> Peer:
     """DDP + ZeroRedundancyOptimizer (AdamW): the optimizer states of whole parameters split over ranks."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = DDP(GPT(gcfg), gradient_as_bucket_view=True)
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=ADAMW_LR)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=ADAMW_LR, foreach=foreach)
     return Peer(model, opt, lambda: model_state(model.parameters(), opt.optim))
 
 
-# name -> (colab_kit ParallelConfig fields, peer label, peer builder, loss threshold key)
+# name -> (colab_kit ParallelConfig fields, peer label, peer builder (gcfg, foreach), loss threshold key)
 PEERS = {
     "zero3": ({"zero": 3}, "FSDP2 fully_shard (reshard_after_forward=True)",
-              lambda g: fsdp2(g, reshard=True), "fp32"),
+              lambda g, f=True: fsdp2(g, reshard=True, foreach=f), "fp32"),
     "zero2": ({"zero": 2}, "FSDP2 fully_shard(reshard_after_forward=False)",
-              lambda g: fsdp2(g, reshard=False), "fp32"),
+              lambda g, f=True: fsdp2(g, reshard=False, foreach=f), "fp32"),
     "zero1": ({"zero": 1}, "DDP + ZeroRedundancyOptimizer",
-              zero_redundancy, "fp32"),
+              lambda g, f=True: zero_redundancy(g, foreach=f), "fp32"),
     "zero3-offload": ({"zero": 3, "offload": "cpu"}, "FSDP2 + CPUOffloadPolicy(pin_memory=False)",
-                      lambda g: fsdp2(g, reshard=True, offload=True), "fp32"),
+                      lambda g, f=True: fsdp2(g, reshard=True, offload=True, foreach=f), "fp32"),
     "bf16-zero2": ({"zero": 2, "precision": "bf16"}, "FSDP2 (reshard_after_forward=False) + "
                    "MixedPrecisionPolicy(bf16, reduce fp32)",
-                   lambda g: fsdp2(g, reshard=False, bf16=True), "bf16"),
+                   lambda g, f=True: fsdp2(g, reshard=False, bf16=True, foreach=f), "bf16"),
     "bf16-zero3": ({"zero": 3, "precision": "bf16"}, "FSDP2 (reshard_after_forward=True) + "
                    "MixedPrecisionPolicy(bf16, reduce fp32)",
-                   lambda g: fsdp2(g, reshard=True, bf16=True), "bf16"),
+                   lambda g, f=True: fsdp2(g, reshard=True, bf16=True, foreach=f), "bf16"),
 }

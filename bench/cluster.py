@@ -19,6 +19,11 @@ import socket
 import statistics
 import time
 
+try:
+    from _results import row, write
+except ImportError:  # run as a module (python -m bench.cluster)
+    from bench._results import row, write
+
 
 def _init_by_hand(rank: int, world: int, port: int) -> int:
     import os
@@ -90,7 +95,8 @@ def main(argv=None) -> None:
         holder["c"][1].close()
         holder["c"][0].stop_cluster_sync()
         print(f"  start {i + 1}: %colossal {ours[-1]:.2f} s, raw ipyparallel + dist init {raw[-1]:.2f} s")
-    _report("start", ours, raw)
+    rows = [_report(f"%colossal start -n {args.n} (engines + torch.distributed)", ours, raw)]
+    figures = {"start_s": {"colab_kit": ours, "raw": raw}}
 
     magic(shell, f"start -n {args.n}")
     cluster = ck.magics.state(shell).cluster
@@ -103,15 +109,19 @@ def main(argv=None) -> None:
     for _ in range(args.noops):
         ours.append(timed(lambda: magic(shell, "", "pass")))
         raw.append(timed(lambda: view.execute("pass")))
-    _report("no-op cell", ours, raw, unit=1e3, label="ms")
+    rows.append(_report(f"no-op %%colossal cell on {args.n} ranks", ours, raw, unit=1e3, label="ms"))
+    figures["noop_s"] = {"colab_kit": ours, "raw": raw}
     magic(shell, "stop")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    write("cluster", rows, figures, vars(args), argv)
 
 
-def _report(what: str, ours: list[float], raw: list[float], unit: float = 1.0, label: str = "s") -> None:
+def _report(what: str, ours: list[float], raw: list[float], unit: float = 1.0, label: str = "s") -> dict:
     a, b = statistics.median(ours) * unit, statistics.median(raw) * unit
     print(f"{what}: %colossal median {a:.2f} {label}, raw median {b:.2f} {label}, ratio {a / b:.2f}x "
           f"({len(ours)} runs each, alternating)")
+    return row(what, f"%colossal {a:.2f} {label}", f"ipyparallel by hand {b:.2f} {label}", a / b,
+               f"medians of {len(ours)} runs each, alternating")
 
 
 if __name__ == "__main__":

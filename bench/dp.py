@@ -34,6 +34,11 @@ from colab_kit.datasets import SyntheticTokens
 from colab_kit.engine import lm_loss
 from colab_kit.models import GPT, GPTConfig
 
+try:
+    from _results import row, write
+except ImportError:  # run as a module (python -m bench.dp)
+    from bench._results import row, write
+
 
 def _ddp_bucket_bytes(ddp) -> tuple[int, int] | None:
     """(bytes, buckets) DDP's reducer all-reduces per step, from its logging data (None if unavailable)."""
@@ -146,8 +151,17 @@ def main(argv=None):
         print(f"; DDP {res['ddp_bytes'][0]:,} in {res['ddp_bytes'][1]} buckets (+4 B loss)", end="")
     print(f"; parameter bytes {res['param_bytes']:,}")
     print(f"same work: losses differ by at most {worst:.2e} (relative), final parameters by {res['param_diff']:.2e}")
-    if min(gb) != res["param_bytes"] or (res["ddp_bytes"] and res["ddp_bytes"][0] != res["param_bytes"]):
+    same_work = min(gb) == res["param_bytes"] and not (res["ddp_bytes"] and res["ddp_bytes"][0] != res["param_bytes"])
+    if not same_work:
         print("WARNING: a side did not all-reduce every gradient byte on every step: the ratio is not comparable")
+    what = (f"data parallel, dp={args.ranks}, GPT d={args.d_model} x {args.layers} layers, batch {args.batch}"
+            + (", DDP gradient_as_bucket_view" if args.ddp_bucket_view else ""))
+    write("dp", [row(what, f"{med['colab_kit']:.2f} ms/step", f"DDP {med['ddp']:.2f} ms/step", paired,
+                     f"median of adjacent-round ratios (goal <= 1.00); both all-reduce {min(gb):,} gradient bytes a "
+                     f"step; losses within {worst:.1e}")],
+          {"median_ms": med, "thread_cpu_ms": cpu, "paired_ratio": paired, "grad_bytes": [min(gb), max(gb)],
+           "ddp_bytes": res["ddp_bytes"], "param_bytes": res["param_bytes"], "max_loss_rel_diff": worst,
+           "param_diff": res["param_diff"], "same_work": same_work}, vars(args), argv)
 
 
 if __name__ == "__main__":

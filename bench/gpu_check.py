@@ -66,6 +66,11 @@ from colab_kit.datasets import SyntheticTokens  # noqa: E402
 from colab_kit.models import GPT, GPTConfig  # noqa: E402
 from colab_kit.reference import max_relative_difference, train_single_process  # noqa: E402
 
+try:
+    from _results import machine, row  # noqa: E402
+except ImportError:  # run as a module (python -m bench.gpu_check)
+    from bench._results import machine, row  # noqa: E402
+
 RTOL = 1e-5  # fp32 parity, as the CPU suite
 MARK = "gpu_check torchrun report: "
 MIB = 1 << 20
@@ -394,7 +399,11 @@ def main(argv=None) -> int:
     report = {"mode": "cuda" if cuda else "cpu-smoke", "device": device, "devices": gpus, "torch": torch.__version__,
               "cuda": torch.version.cuda, "nccl": _nccl_version() if cuda else None,
               "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "seconds": round(time.perf_counter() - t0, 2), "passed": passed, "checks": results}
+              "seconds": round(time.perf_counter() - t0, 2), "passed": passed, "checks": results,
+              # the keys every result file has, for bench/report.py (docs/benchmarks.md)
+              "benchmark": "gpu_check", "command": " ".join(["python", "bench/gpu_check.py", *(argv or sys.argv[1:])]),
+              "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(),
+              "rows": [row(f"GPU check: {name}", r["status"], None, None, r["detail"]) for name, r in results.items()]}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w", encoding="utf-8") as fh:
         json.dump(report, fh, indent=1, default=str)

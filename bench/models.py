@@ -18,14 +18,12 @@ alternating rounds; and the dropout alone, forward and backward of one ``[batch,
 Prints each median and the ratio (colab_kit / torch).
 
     python bench/models.py                  # both parts
-    python bench/models.py --only dropout   # one part; the other's figures in the JSON are kept
+    python bench/models.py --only dropout   # one part (the JSON then holds that part alone)
     python bench/models.py --rounds 3 --hidden 128
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
@@ -33,6 +31,11 @@ import torch
 import torch.nn.functional as F
 
 import colab_kit as ck
+
+try:
+    from _results import row, write
+except ImportError:  # run as a module (python -m bench.models)
+    from bench._results import row, write
 
 
 def _llama(args):
@@ -180,10 +183,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the dropout part")
     ap.add_argument("--only", choices=("tp", "dropout"), default=None)
     args = vars(ap.parse_args(argv))
-    out = os.path.join(os.path.dirname(__file__), "results", "models.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    old = json.load(open(out)) if os.path.exists(out) else {}
-    result = dict(old, benchmark="bench/models.py", when=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    result = {}
     if args["only"] != "dropout":
         result.update(_tp_part(args))
     if args["only"] != "tp":
@@ -195,9 +195,19 @@ def main(argv=None):
                   f"ratio {med['colab_kit'] / med['torch']:.3f}")
         result["dropout"] = {"args": args, "median_ms": drop,
                              "ratio": {k: v["colab_kit"] / v["torch"] for k, v in drop.items()}}
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    rows = []
+    if "median_ms" in result:
+        a = result["args"]
+        rows.append(row(f"Hugging Face Llama (d={a['hidden']} x {a['layers']}), tp=2, whole model, batch {a['batch']}",
+                        f"ck.boost tp=2 {result['median_ms']['colab_kit']:.1f} ms/step",
+                        f"DTensor parallelize_module {result['median_ms']['dtensor']:.1f} ms/step", result["ratio"],
+                        f"ratio of medians (goal <= 1.00); losses within {result['max_loss_rel_diff']:.1e}"))
+    for name, r in result.get("dropout", {}).get("ratio", {}).items():
+        med = result["dropout"]["median_ms"][name]
+        rows.append(row(f"dropout 0.1 whose masks do not depend on the split, {name}, one process",
+                        f"{med['colab_kit']:.2f} ms/step", f"torch nn.Dropout {med['torch']:.2f} ms/step", r,
+                        "ratio of medians"))
+    write("models", rows, result, args, argv)
 
 
 def _tp_part(args):

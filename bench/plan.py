@@ -17,6 +17,11 @@ from __future__ import annotations
 import argparse
 import time
 
+try:
+    from _results import row, write
+except ImportError:  # run as a module (python -m bench.plan)
+    from bench._results import row, write
+
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
@@ -48,6 +53,18 @@ def main(argv=None) -> None:
           f"{args.ranks} ranks, batch {args.batch}, {args.steps} timed rounds "
           f"({time.perf_counter() - t0:.1f} s; load average after: {os.getloadavg()[0]:.1f})")
     print(format_rows(result))
+    rows = result["rows"]
+    err = max(abs(r["est_seconds"] - r["seconds"]) / r["seconds"] for r in rows)
+    fastest = min(r["seconds"] for r in rows)
+    regret = rows[0]["seconds"] / fastest - 1  # the planner's first choice against the fastest measured
+    print(f"largest step-time error {err:.1%}; the first choice's regret {regret:.1%}")
+    write("plan", [row(f"planner, GPT d={model.d_model} x {model.n_layers}, {args.ranks} ranks, batch {args.batch}, "
+                       f"best of the first {args.top} layouts", f"estimates within {err:.1%} of measured step times; "
+                       f"first choice {regret:.1%} slower than the fastest", None, None,
+                       f"Spearman {result['spearman']:.2f}; model states within "
+                       f"{max(abs(r['est_states'] - r['states']) / r['states'] for r in rows):.1%}")],
+          {"rows": rows, "spearman": result["spearman"], "max_step_error": err, "regret": regret,
+           "constants_seconds": consts["seconds_to_measure"]}, vars(args), argv)
 
 
 if __name__ == "__main__":

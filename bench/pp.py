@@ -44,6 +44,11 @@ from colab_kit.datasets import SyntheticTokens
 from colab_kit.engine import lm_loss
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.pipeline import build_plan, build_plan_for, lower, simulate
+
+try:
+    from _results import row, write
+except ImportError:  # run as a module (python -m bench.pp)
+    from bench._results import row, write
 from colab_kit.pipeline.actions import parse
 from colab_kit.pipeline.costs import measured_costs, shorter_plan
 from colab_kit.pipeline.simulate import theory_bubble
@@ -162,6 +167,7 @@ def main(argv=None):
           f"steps timed per schedule")
     print(f"{'schedule':12} {'step ms':>8} {'vs 1f1b':>8} {'measured bubble':>16} {'planned (simulated)':>20} "
           f"{'its textbook formula':>21}")
+    rows, figures = [], {"median_ms": med, "schedules": {}}
     flops = build_plan_for(ck.ParallelConfig(pp=p, microbatches=m, schedule="zb-v", chunks=2),
                            GPTConfig(**gpt))  # the engine's first V, on the stages' FLOPs
     fitted = build_plan("zb-v", p, m, 2, costs=costs)
@@ -173,6 +179,13 @@ def main(argv=None):
         got = statistics.median(measured_bubble([rank[1][schedule][i] for rank in results]) for i in range(n))
         print(f"{schedule:12} {med[schedule]:>8.2f} {med[schedule] / med['1f1b']:>8.3f} {got:>16.3f} "
               f"{planned:>20.3f} {theory_bubble(schedule.split()[0], p, m, chunks):>21.3f}")
+        figures["schedules"][schedule] = {"ms": med[schedule], "vs_1f1b": med[schedule] / med["1f1b"],
+                                          "bubble_measured": got, "bubble_planned": planned}
+        if schedule != "1f1b":
+            rows.append(row(f"pipeline {schedule}, pp={p}, {m} microbatches, GPT d={args.d_model} x {layers}, "
+                            f"batch {args.batch}", f"{med[schedule]:.2f} ms/step",
+                            f"colab_kit 1F1B {med['1f1b']:.2f} ms/step", med[schedule] / med["1f1b"],
+                            f"ratio of medians; measured bubble {got:.3f}, planned {planned:.3f}"))
     unit = build_plan("zb-v", p, m, 2)
     print("zb-v fitted: costs measured in warm-up steps 2-4 (ms, the slowest rank): " + ", ".join(
         f"{s}{k} {v * 1e3:.2f}" for (s, k), v in costs.items()) + f"; with these costs and free messages the "
@@ -207,6 +220,7 @@ def main(argv=None):
           f"(the split's cost: I + W against B)")
     gpt2 = dict(gpt, n_layers=args.layers or 8)  # the side-by-side runs on 2 ranks
     pairs = ck.launch(_versus_torch, 2, gpt2, args.batch, m, args.rounds, args.steps)
+    versus = []
     for schedule, torch_name in (("1f1b", "Schedule1F1B"), ("zb-h1", "_PipelineScheduleRuntime, same actions")):
         times, losses = pairs[0][schedule][0], pairs[-1][schedule][1]  # torch reports its loss on the last stage
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
@@ -215,6 +229,12 @@ def main(argv=None):
               f"{med['colab_kit']:.2f} ms   torch ({torch_name}) {med['torch']:.2f} ms   ratio "
               f"{med['colab_kit'] / med['torch']:.3f} (target <= 1.10); max relative loss difference over "
               f"{len(losses['torch'])} steps: {worst:.2e}")
+        versus.append(row(
+            f"pipeline {schedule}, pp=2, {m} microbatches, GPT d={args.d_model} x {gpt2['n_layers']}, batch {args.batch}",
+            f"{med['colab_kit']:.2f} ms/step", f"torch.distributed.pipelining {torch_name} {med['torch']:.2f} ms/step",
+            med["colab_kit"] / med["torch"], f"ratio of medians (goal <= 1.10); losses within {worst:.1e}"))
+        figures[f"versus_torch_{schedule}"] = {"median_ms": med, "max_loss_rel_diff": worst}
+    write("pp", versus + rows, figures, vars(args), argv)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,6 @@ measured on this machine. Writes ``bench/results/recipe.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
@@ -33,6 +31,11 @@ import torch.distributed as dist
 
 import colab_kit as ck
 from colab_kit.models import GPT, GPTConfig
+
+try:
+    from _results import row, write
+except ImportError:  # run as a module (python -m bench.recipe)
+    from bench._results import row, write
 
 
 def _recipe(model, lr, total):
@@ -144,13 +147,15 @@ def main(argv=None):
     from colab_kit.throughput import format_throughput
     from colab_kit.cli import MODEL
     print(f"the demo's GPT {MODEL} under dp=4: {format_throughput(demo)}")
-    out = os.path.join(os.path.dirname(__file__), "results", "recipe.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"benchmark": "bench/recipe.py", "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "args": args,
-                   "median_s": med, "ratio": ratio, "max_loss_difference_first_8": early, "max_loss_difference": worst, "rounds_s": got["times"],
-                   "demo_throughput": demo}, f, indent=1)
-    print(f"wrote {out}")
+    write("recipe", [
+        row(f"the full recipe (AdamW foreach, 2 param groups, warmup + cosine, clipping), ZeRO-3, dp={args['ranks']}, "
+            f"GPT d={args['d_model']} x {args['layers']}, batch {args['batch']}", f"{1e3 * med['colab_kit']:.2f} ms/step",
+            f"FSDP2 fully_shard + clip_grad_norm_ {1e3 * med['fsdp2']:.2f} ms/step", ratio,
+            f"ratio of medians, the same AdamW (foreach) and schedule; losses within {early:.1e} over the first 8 steps"),
+        row(f"the demo's GPT under dp=4 ({args['demo_steps']} steps)", format_throughput(demo), None, None,
+            "MFU against the matmul peak measured on this machine")],
+        {"median_s": med, "ratio": ratio, "max_loss_difference_first_8": early, "max_loss_difference": worst,
+         "rounds_s": got["times"], "demo_throughput": demo}, args, argv)
 
 
 if __name__ == "__main__":

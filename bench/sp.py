@@ -3,17 +3,19 @@
 Part 1 (the paper's claim: ring self-attention reaches 3.0x the sequence length of tensor
 parallelism on the same devices). For ring sp=4, ulysses sp=4, split_gather tp=4, tp=4 (1d)
 and one process, a GPT (d=64, 4 heads, 2 layers, batch 2) trains one step at t = 128, 256, ...
-(steps of --step) up to --max-t. What a rank holds at its peak is measured by the engine:
-model states (params + grads + optimizer) + the activations saved for backward. The longest
-t whose peak stays under --budget (bytes per rank) is printed per mode, with its ratio to tp=4.
+(steps of --step) up to --max-t. What a rank holds at its peak is measured by the dispatch-level
+meter (``engine.memory_timeline``: every live storage after every op of the step, model states,
+saved activations, temporaries such as the attention's scores, and the collectives' buffers). The
+longest t whose peak stays under --budget (bytes per rank) is printed per mode, with its ratio to tp=4.
 
 Part 2: tokens per second at one length (--t, default 512), each mode in rounds that
 alternate, median step time over rounds. The 4-rank modes run 4 processes: on a machine with
 fewer cores than ranks they share cores (the output says so), the one-process row does not.
 
-Part 3, peers: DeepSpeed's ``DistributedAttention`` (Ulysses) where deepspeed is installed;
-PyTorch's ring attention is reached through ``context_parallel``, which does not run on CPU
-tensors in torch 2.13, so it is reported as not run on a machine without a GPU.
+Part 3, peers: none is run. The comparison is colab_kit's sequence modes against colab_kit's tp=4
+(1d) and one process, and the results say so. DeepSpeed's ``DistributedAttention`` (Ulysses) is not
+compared (deepspeed is not a dependency); PyTorch's ring attention is reached through
+``context_parallel``, which does not run on CPU tensors in torch 2.13. Writes ``bench/results/sp.json``.
 
     python bench/sp.py                          # budget 8 MiB per rank, t up to 3072 in steps of 128
     python bench/sp.py --budget 8388608 --max-t 4096 --t 1024 --rounds 5
@@ -30,6 +32,11 @@ import torch
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.models import GPT, GPTConfig
+
+try:
+    from _results import row, write
+except ImportError:  # run as a module (python -m bench.sp)
+    from bench._results import row, write
 
 MODES = {  # name -> (ranks, config)
     "ring sp=4": (4, dict(sp=4)),
@@ -52,10 +59,11 @@ def _peaks(kw: dict, lengths: list[int], batch: int, budget: int):
             engine = ck.boost(GPT(_model(t)), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(**kw))
         except ck.ConfigError as exc:
             return {"refused": str(exc)}
-        engine.train_step(SyntheticTokens(128, t, seed=0).batch(0, batch))
-        m = engine.memory()
+        # every storage alive after every op of the step (the dispatch-level meter): model states, what autograd
+        # saved, the attention's temporaries and the collectives' buffers, not the saved tensors alone
+        timeline = engine.memory_timeline(SyntheticTokens(128, t, seed=0).batch(0, batch))
         engine.close()
-        peak = torch.tensor([m["params"] + m["grads"] + m["optimizer"] + m["activations"]])
+        peak = torch.tensor([timeline.peak])
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)  # the fullest rank
         out[t] = int(peak)
@@ -142,6 +150,22 @@ def main(argv=None) -> int:
     print("\npart 3: peers")
     for line in _peers():
         print("  " + line)
+    rows = []
+    if base:
+        rows.append(row(f"sequence parallelism: longest sequence under {args.budget / 2**20:g} MiB per rank (the "
+                        f"dispatch-level peak), GPT d=64 x 2, batch {args.batch}, 4 ranks",
+                        ", ".join(f"{n}: {t}" for n, t in longest.items() if n not in ("tp=4 (1d)", "one process")),
+                        f"colab_kit tp=4 (1d): {base}; one process: {longest.get('one process')} (no external peer "
+                        f"run)", longest.get("ring sp=4", 0) / base,
+                        "ratio: ring's length over tp=4's (the paper reports 3.0x on its models)"))
+    med = {n: statistics.median(ts) for n, ts in times.items() if ts}
+    if ref:
+        rows.append(row(f"sequence parallelism: tokens/s at t={args.t}, same model, 4 ranks on {cores} cores",
+                        ", ".join(f"{n} {args.batch * args.t / m:,.0f}" for n, m in med.items() if n != "tp=4 (1d)"),
+                        f"colab_kit tp=4 (1d) {args.batch * args.t / ref:,.0f} (no external peer run)",
+                        med["ring sp=4"] / ref if "ring sp=4" in med else None,
+                        "ratio: ring's step time over tp=4's"))
+    write("sp", rows, {"longest": longest, "median_s": med, "peers": _peers()}, vars(args), argv)
     return 0
 
 
