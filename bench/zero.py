@@ -255,7 +255,12 @@ def _result_row(dp: int, name: str, s: dict, args) -> dict:
                s["paired"], f"median of adjacent-round ratios, same AdamW (foreach) on both sides; against the "
                             f"peer with torch's default AdamW ({s['med']['peer_default']:.2f} ms/step) "
                             f"{s['paired_default']:.3f}; held {ck_b / peer_b:.3f}x, peak {ck_p / peer_p:.3f}x; "
-                            f"losses within {s['worst']:.1e}")
+                            f"losses within {s['worst']:.1e}" + _oversubscribed(dp))
+
+
+def _oversubscribed(dp: int) -> str:
+    cores = os.cpu_count() or 1
+    return f"; OVERSUBSCRIBED: {dp} ranks on {cores} cores, the times measure contention too" if dp > cores else ""
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ by the whole update (ratio 1.0), so the check rejects them: each test that uses 
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,18 +20,26 @@ import torch.nn.functional as F
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class Mixed(NamedTuple):
+    losses: list[float]
+    trained: dict      # {name: 16-bit tensor} after training
+    start: dict        # ... and before it
+    norms: list[float]  # the global gradient norm before clipping, each step (with max_grad_norm)
+
+
 def plain_mixed_precision(model: torch.nn.Module, optimizer_factory: Callable, batches: Callable[[int], tuple],
-                          steps: int, precision: str, logits: Callable = lambda out: out):
-    """Train a 16-bit copy of ``model`` for ``steps`` steps; return ``(losses, trained, start)``, the last two
-    ``{name: 16-bit tensor}`` after training and before it. ``batches(step)`` -> ``(inputs, targets)``;
-    ``logits(model(inputs))`` -> the logits (``out.logits`` for a Hugging Face model)."""
+                          steps: int, precision: str, logits: Callable = lambda out: out,
+                          max_grad_norm: float | None = None) -> Mixed:
+    """Train a 16-bit copy of ``model`` for ``steps`` steps. ``batches(step)`` -> ``(inputs, targets)``;
+    ``logits(model(inputs))`` -> the logits (``out.logits`` for a Hugging Face model); ``max_grad_norm`` clips
+    the fp32 gradients after unscaling (``clip_grad_norm_``)."""
     low = copy.deepcopy(model).to(LOW[precision])
     start = {n: p.detach().clone() for n, p in low.named_parameters()}
     params = list(low.parameters())
     masters = [p.detach().float().clone().requires_grad_() for p in params]
     optimizer = optimizer_factory(masters)
     scale = 2.0 ** 16 if precision == "fp16" else 1.0
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         x, y = batches(step)
         x = x.to(LOW[precision]) if x.is_floating_point() else x
@@ -42,13 +50,15 @@ def plain_mixed_precision(model: torch.nn.Module, optimizer_factory: Callable, b
             m.grad = None if p.grad is None else p.grad.float() / scale
             p.grad = None
         assert all(torch.isfinite(m.grad).all() for m in masters if m.grad is not None), "an overflow in the reference"
+        if max_grad_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(masters, max_grad_norm)))
         optimizer.step()
         optimizer.zero_grad()
         with torch.no_grad():
             for m, p in zip(masters, params):
                 p.copy_(m)
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in low.named_parameters()}, start
+    return Mixed(losses, {n: p.detach().clone() for n, p in low.named_parameters()}, start, norms)
 
 
 def update_error(got: dict, ref: dict, start: dict) -> float:

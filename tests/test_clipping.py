@@ -18,6 +18,7 @@ import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.models import GPT
 
+from tests.helpers import plain_mixed_precision
 from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS
 from tests.test_models import make as make_model, mlm_batch
 
@@ -100,28 +101,10 @@ def test_a_max_norm_that_is_not_positive_is_refused():
 
 @functools.lru_cache(maxsize=None)
 def mixed_reference(precision):
-    """The mixed-precision recipe in plain PyTorch, clipped after unscaling: fp32 masters of a 16-bit GPT."""
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    model = GPT(GPT_CFG).to(low)
-    params = list(model.parameters())
-    masters = [p.detach().float().clone().requires_grad_() for p in params]
-    optimizer = OPTIMIZERS["sgd"](masters)
-    scale = 2.0 ** 16 if precision == "fp16" else 1.0
-    losses, norms = [], []
-    for s in range(STEPS):
-        x, y = batch("gpt", s)
-        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-        (loss * scale).backward()
-        for m, p in zip(masters, params):
-            m.grad, p.grad = p.grad.float() / scale, None
-        norms.append(float(torch.nn.utils.clip_grad_norm_(masters, MAX_NORM)))
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(masters, params):
-                p.copy_(m)
-        losses.append(loss.item())
-    return losses, norms
+    """The mixed-precision recipe in plain PyTorch (tests/helpers.py), clipped after unscaling."""
+    got = plain_mixed_precision(GPT(GPT_CFG), OPTIMIZERS["sgd"], lambda s: batch("gpt", s), STEPS, precision,
+                                max_grad_norm=MAX_NORM)
+    return got.losses, got.norms
 
 
 def _mixed(precisions):

@@ -88,7 +88,7 @@ def _check_parity(results, cfgs):
     for kw in cfgs:
         key, precision = tuple(sorted(kw.items())), kw["precision"]
         for opt in OPTIMIZERS:
-            ref_losses, ref_params, start = reference(opt, precision)
+            ref_losses, ref_params, start, _ = reference(opt, precision)
             worst = max(max_relative_difference(res[key, opt]["losses"], ref_losses) for res in results)
             print(f"parity {precision} {dict(kw)} {opt}: max relative loss difference {worst:.1e}")  # -s shows it
             for rank, res in enumerate(results):
