@@ -150,9 +150,9 @@ def test_top_candidates_run_and_the_estimates_hold_on_4_ranks(tmp_path, monkeypa
 
     A timing test on shared cores: the top three layouts run within about 10% of each other, so
     one swap among them is noise, not a planner error. It gets up to ``TRIES`` tries, each after
-    measuring the constants again; on a quiet 2-core machine single tries read 0.79-0.98
-    (`python bench/plan.py`, 2026-12-01, docs/planner.md), so three failing in a row would mean
-    the model is wrong, not unlucky."""
+    measuring the constants again (single tries read both sides of 0.8 on a 2-core machine: the latest
+    `python bench/plan.py` is in docs/planner.md), so three failing in a row would mean the model is
+    wrong, not unlucky."""
     import math
     import os
 
