@@ -213,7 +213,7 @@ class Engine(EngineRecords):
         """Each parameter's placement on the mesh in DTensor's terms, as its layer declared it
         (``colab_kit.placement``): the gradient sums, ZeRO and the fp32 masters read it."""
         self._rows = None  # rows of the last step's microbatch on this rank (for the activation estimate)
-        self._events: list[dict] = []
+        self.events: list[dict] = []
         with torch.no_grad():  # one starting point even if a rank's seed differed
             for p in self.module.parameters():
                 comm.broadcast(p.data, mesh, "dp", tag="init params")
@@ -230,20 +230,21 @@ class Engine(EngineRecords):
         group_of = (lambda p: spec.group_of(names[id(p)])) if spec is not None and len(spec.hypers) > 1 else None
         if config.zero == 3:  # parameters sharded too: each block gathered before it runs, freed after
             from .zero.stage3 import ZeroParams
-            self.grads = ZeroParams(self.module, mesh, "dp", self._events, offload=config.offload,
+            self.grads = ZeroParams(self.module, mesh, "dp", self.events, offload=config.offload,
                                     device_budget=device_budget,
                                     blocks=policy.block_list(self.module) if policy is not None else None,
                                     placements=self.placement_table, group_of=group_of)
         elif config.zero:  # parameters move into one flat buffer; the optimizer steps this rank's pieces
             from .zero import ZeroBuckets, ZeroStage2  # stage 2 frees each bucket after its reduce-scatter
             part = ZeroStage2 if config.zero == 2 else ZeroBuckets
-            self.grads = part(self.module.parameters(), mesh, "dp", bucket_bytes, self._events, config.zero,
+            self.grads = part(self.module.parameters(), mesh, "dp", bucket_bytes, self.events, config.zero,
                               offload=config.offload, placements=self.placement_table, group_of=group_of)
         else:
-            self.grads = GradBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self._events,
+            self.grads = GradBuckets(self.module.parameters(), mesh, "dp", bucket_bytes, self.events,
                                      placements=self.placement_table)
         self._build_optimizer(spec or optimizer, names)
-        self._acts = ActivationMeter(exclude=list(self.module.parameters()), live=getattr(self.grads, "live", None))
+        self.activation_meter = ActivationMeter(exclude=list(self.module.parameters()),
+                                                live=getattr(self.grads, "live", None))
         self.step_count = 0
         self.history: list[float] = []
         self.records: list[dict] = []
@@ -311,10 +312,10 @@ class Engine(EngineRecords):
         self._rows, self._seq = inputs.shape[0] // m, inputs.shape[1]
         self._hold_activations(self._rows)
         shards = self.loss_shards
-        self._events.clear()
+        self.events.clear()
         if self.sp_plan is not None:
             self.sp_plan.begin_step()
-        self._acts.reset()
+        self.activation_meter.reset()
         t0 = time.perf_counter()
         if not self.module.training:  # module.train() walks every submodule: ~0.15 ms a step for 4 layers
             self.module.train()
@@ -322,13 +323,13 @@ class Engine(EngineRecords):
         for i in range(m):
             self.grads.arm(sync=(i == m - 1), t0=t0)
             x, y = split_batch(inputs, m, i, "microbatches"), split_batch(targets, m, i, "microbatches")
-            with self._timed(f"forward {i}", "compute", t0), self._acts.measure((x.shape, x.dtype, y.shape)), \
-                    self.dropout_at(i):
+            meter = self.activation_meter.measure((x.shape, x.dtype, y.shape))
+            with self._timed(f"forward {i}", "compute", t0), meter, self.dropout_at(i):
                 loss = self.loss_fn(self._logits(self.module(x)), y) / m
             with self._timed(f"backward {i}", "compute", t0), self.dropout_at(i):
                 (self.scale_loss(loss) / shards).backward()
             local += loss.detach()
-        return self._update(local, t0)
+        return self.finish_step(local, t0)
 
     def prepare_batch(self, batch, microbatches: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(inputs, targets)`` of a step's ``batch`` (global, or this rank's dp rows with
@@ -387,12 +388,12 @@ class Engine(EngineRecords):
         if place is None:
             return
         est = self.memory_estimate()["activations"] if self.model_cfg is not None else 0
-        acts = max(self._acts.peak, est)
+        acts = max(self.activation_meter.peak, est)
         if place.budget is not None and self.step_count == 0:
             place.check_step(self.grads.chunks, acts)
         place.hold("activations", acts)
 
-    def _update(self, local: torch.Tensor, t0: float) -> float:
+    def finish_step(self, local: torch.Tensor, t0: float) -> float:
         """After the last backward: reduce gradients, step the optimizer, return the global mean loss.
 
         The tensor plan's sums over replicated axes come after the dp reduction and before the
@@ -430,12 +431,12 @@ class Engine(EngineRecords):
             self.lr_scheduler.step()
         if done["note"]:  # on the timeline, not the console
             now = time.perf_counter() - t0
-            self._events.append({"name": done["note"], "kind": "compute", "start": now, "end": now})
+            self.events.append({"name": done["note"], "kind": "compute", "start": now, "end": now})
         if zero and not done["skipped"]:
             with self._timed("all_gather params", "comm", t0):
                 self.grads.gather_params()
         with self._timed("loss all_reduce", "comm", t0):
-            value = self._pipeline_loss(local) if self.pipeline is not None else self._global_mean(local)
+            value = self.pipeline_loss(local) if self.pipeline is not None else self._global_mean(local)
         self.step_count += 1
         self.steps_run += 1
         self.history.append(value)
@@ -468,7 +469,7 @@ class Engine(EngineRecords):
         """The loss that backward starts from: times the fp16 loss scale, else itself."""
         return loss if self.scaler is None else self.scaler.scale_loss(loss)
 
-    def _pipeline_loss(self, local: torch.Tensor) -> float:
+    def pipeline_loss(self, local: torch.Tensor) -> float:
         """The last stage holds the loss, the other stages zero: sum over pp, then mean over dp and tp."""
         local = local.reshape(1).clone()
         comm.all_reduce(local, self.mesh, "pp", tag="loss")
@@ -507,7 +508,7 @@ class Engine(EngineRecords):
         """Record the enclosed work as one event of this step's timeline."""
         start = time.perf_counter() - t0
         yield
-        self._events.append({"name": name, "kind": kind, "start": start, "end": time.perf_counter() - t0})
+        self.events.append({"name": name, "kind": kind, "start": start, "end": time.perf_counter() - t0})
 
     @torch.no_grad()
     def evaluate(self, batch, *, local: bool | None = None) -> float:

@@ -42,7 +42,7 @@ class EngineRecords:
         masters = getattr(self.grads, "master_bytes", None)  # mixed precision: fp32 masters are optimizer state
         totals = {"params": self._param_bytes(), "grads": self.grads.nbytes,
                   "optimizer": optimizer_bytes(self.optimizer) + (masters() if masters else 0),
-                  "activations": self._acts.peak}
+                  "activations": self.activation_meter.peak}
         host_of = getattr(self.grads, "host_bytes", None)
         host = dict.fromkeys(totals, 0)
         if host_of is not None:
@@ -116,7 +116,7 @@ class EngineRecords:
 
     def timeline(self) -> list[dict]:
         """This rank's events of the last step: name, kind (compute/comm), start and end in seconds."""
-        return sorted(self._events, key=lambda e: e["start"])
+        return sorted(self.events, key=lambda e: e["start"])
 
     def save(self, path, extra: dict | None = None) -> None:
         """A sharded checkpoint of this engine at ``path`` (every rank calls it), written atomically;

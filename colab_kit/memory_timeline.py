@@ -242,7 +242,7 @@ def memory_timeline(engine, batch, *, local: bool | None = None) -> MemoryTimeli
     if cuda:
         torch.cuda.synchronize()
     loss, rec = record_timeline(lambda: engine.train_step(batch, local=local), *roots, names=names,
-                                meter=engine._acts, device=engine.mesh.device.type)
+                                meter=engine.activation_meter, device=engine.mesh.device.type)
     from .profile import _phases
     tl = MemoryTimeline(engine.mesh.global_rank, engine.config.describe(), rec.tl_times, rec.tl_ops, rec.series,
                         phases=_phases(engine, rec.t0), alive_at_peak=rec.alive_at_peak,

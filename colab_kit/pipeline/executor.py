@@ -76,6 +76,7 @@ from .. import comm
 from ..data import split_batch
 from .check import steps
 from .hang import HangMonitor, PipelineHang, hang_message
+from .host import PipelineHost
 from .lowering import lower
 from .p2p import CommActions, _last, receives_ahead
 from .passes import ComputeActions
@@ -90,7 +91,7 @@ class PipelineExecutor(ComputeActions, CommActions):
     timeout: float = 60.0
     """Seconds a receive (or a send's completion) may wait before ``PipelineHang``."""
 
-    def __init__(self, engine, stages):
+    def __init__(self, engine: PipelineHost, stages):
         self.engine, self.mesh, self.config = engine, engine.mesh, engine.config
         self.stages = {st.index: st for st in stages}
         self.params = {s: [p for p in st.parameters() if p.requires_grad] for s, st in self.stages.items()}
@@ -152,7 +153,7 @@ class PipelineExecutor(ComputeActions, CommActions):
         if costs is None:
             if self.running:
                 raise RuntimeError("a step is running: finish() it before replan()")
-            costs = measured_costs(self.engine._events, range(self.plan.n_stages), self.mesh.device)
+            costs = measured_costs(self.engine.events, range(self.plan.n_stages), self.mesh.device)
         fitted = build_plan("zb-v", self.pp, self.config.microbatches, 2, costs=costs)
         default = build_plan_for(self.config, self.engine.model_cfg)  # on the FLOPs (or unit steps)
         self.plan = shorter_plan(fitted, default, costs)  # the same costs on every rank: the same choice
@@ -196,10 +197,10 @@ class PipelineExecutor(ComputeActions, CommActions):
         self._bytes, self._held, self.peak_bytes, self._sends, self._posted = {}, 0, 0, [], {}
         self.loss = torch.zeros((), device=self.mesh.device)
         if not forward_only:
-            eng._events.clear()
+            eng.events.clear()
             if eng.sp_plan is not None:
                 eng.sp_plan.begin_step()
-            eng._acts.reset()
+            eng.activation_meter.reset()
             eng.module.train()
             eng.grads.arm(sync=False, t0=self.t0)
         self.running, self.timestep, self.pos = True, 0, 0
@@ -252,11 +253,11 @@ class PipelineExecutor(ComputeActions, CommActions):
         self._set("done", "in the gradient all-reduce, optimizer step or loss all-reduce")
         try:
             if self.forward_only:
-                return self.engine._pipeline_loss(self.loss)
-            self.engine._acts.peak = self.peak_bytes
+                return self.engine.pipeline_loss(self.loss)
+            self.engine.activation_meter.peak = self.peak_bytes
             if self._sync_at is None:
                 self.engine.grads.arm(sync=True)
-            return self.engine._update(self.loss, self.t0)
+            return self.engine.finish_step(self.loss, self.t0)
         except comm.Aborted:
             first = self.monitor.first()
             raise self._hang(f"rank {self.mesh.global_rank} (pp {self.me}) stopped in its gradient or loss "
@@ -316,7 +317,7 @@ class PipelineExecutor(ComputeActions, CommActions):
               "pp_rank": self.me}
         if a is not None:
             ev.update(action=name, stage=a.stage, microbatch=a.microbatch, timestep=timestep)  # name is str(a)
-        self.engine._events.append(ev)
+        self.engine.events.append(ev)
 
     def _set(self, state: str, note: str = "") -> None:
         """What this rank is doing now (read by the hang monitor's thread)."""

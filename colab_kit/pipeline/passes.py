@@ -43,7 +43,8 @@ class ComputeActions:
     def _do_F(self, a, s, m):
         st = self.stages[s]
         x = self._x[m] if st.first else self._take(self._act, a, "its input activation").requires_grad_()
-        with self.engine._acts.measure((s, tuple(x.shape), x.dtype, torch.is_grad_enabled())):  # hooks once per shape
+        key = (s, tuple(x.shape), x.dtype, torch.is_grad_enabled())
+        with self.engine.activation_meter.measure(key):  # hooks once per shape
             y = st(x, self._x[m])
             if st.last:
                 loss = self.engine.loss_fn(y, self._y[m]) / self.m
@@ -51,7 +52,7 @@ class ComputeActions:
                 y = self.engine.scale_loss(loss) / self.engine.loss_shards
         if not self.forward_only:
             self._saved[s, m] = (x, y)
-            self._bytes[s, m] = self.engine._acts.last
+            self._bytes[s, m] = self.engine.activation_meter.last
             self._held += self._bytes[s, m]
             self.peak_bytes = max(self.peak_bytes, self._held)
         if not st.last and self.plan.rank_of(s + 1) == self.me:  # local handoff (two stages on one rank)
