@@ -30,14 +30,16 @@ from __future__ import annotations
 
 import time
 import weakref
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
+from typing import Protocol
 
 import torch
 
 from . import comm
 from .precision import MasterWeights
 
-__all__ = ["GradBuckets", "split_batch", "default_bucket_bytes"]
+__all__ = ["GradBuckets", "GradientPart", "split_batch", "default_bucket_bytes"]
 
 
 def default_bucket_bytes(total: int) -> int:
@@ -227,6 +229,67 @@ class GradBuckets:
         steps = self.masters.params if self.masters is not None else self._params
         return [(t, [(p, 0, p.numel(), 0)]) for t, p in zip(steps, self._params)]
 
+    # what the ZeRO parts add, declared here so the engine never probes for it (GradientPart)
+    live = None
+    """Storages the activation meter must not count (ZeRO-3's gathered chunks): none here."""
+    placement = None
+    """Where each ZeRO-3 chunk lives under offload (``colab_kit.zero.offload.ChunkPlacement``): none here."""
+
+    def host_bytes(self, optimizer) -> dict:
+        """Bytes by category kept on the host (ZeRO offload): none here."""
+        return {}
+
+    def param_bytes(self) -> int | None:
+        """Parameter bytes this rank holds when the part owns them (ZeRO-3's shards); None: the module's own."""
+        return None
+
+    def host_share(self) -> float | None:
+        """The share of optimizer states a ZeRO-3 placement put on the host; None: no placement by chunk."""
+        return None
+
+    def gathered(self):
+        """A context in which every parameter is whole: they always are here."""
+        return nullcontext()
+
+    def gather_params(self) -> None:
+        """After a step or a load, make the parameters whole again from the pieces: they are whole here."""
+
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
+
+
+class GradientPart(Protocol):
+    """What the engine asks of ``engine.grads``: ``GradBuckets`` (plain dp), and ZeRO's ``ZeroBuckets``
+    (stage 1), ``ZeroStage2`` and ``ZeroParams`` (stage 3), which provide all of it. One training step on a
+    rank, whatever the stage::
+
+        grads.arm(sync=False, t0=t0)   # microbatches before the last: accumulate, reduce nothing
+        grads.arm(sync=True, t0=t0)    # the last backward: reduce (all-reduce, or reduce-scatter) as it goes
+        grads.finish()                 # wait for the reductions; the masters' fp32 gradients are set
+        grads.sync_replicated()        # tensor-parallel sums over replicated axes (mixed precision)
+        optimizer.step()               # built by grads.build_optimizer over what this rank steps
+        grads.gather_params()          # ZeRO: the updated pieces back into whole parameters
+        grads.zero()
+    """
+    masters: object | None   # fp32 master weights under mixed precision, else None
+    t0: float                # when the current step began (perf_counter)
+    live: object | None      # storages the activation meter must not count, or None
+    placement: object | None  # ZeRO-3's chunk placement under offload, or None
+
+    def arm(self, sync: bool, t0: float | None = None) -> None: ...
+    def finish(self) -> None: ...
+    def zero(self) -> None: ...
+    def remove(self) -> None: ...
+    @property
+    def nbytes(self) -> int: ...
+    def master_bytes(self) -> int: ...
+    def build_optimizer(self, optimizer_factory) -> torch.optim.Optimizer: ...
+    def set_optimizer(self, optimizer, keys=None) -> None: ...
+    def optimizer_layout(self) -> list: ...
+    def sync_replicated(self) -> None: ...
+    def gather_params(self) -> None: ...
+    def host_bytes(self, optimizer) -> dict: ...
+    def param_bytes(self) -> int | None: ...
+    def host_share(self) -> float | None: ...
+    def gathered(self) -> AbstractContextManager: ...

@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from . import comm
 from .config import ConfigError, ParallelConfig
-from .data import GradBuckets, split_batch
+from .data import GradBuckets, GradientPart, split_batch
 from .memory import ActivationMeter
 from .engine_records import EngineRecords
 from .mesh import ProcessMesh
@@ -228,6 +228,7 @@ class Engine(EngineRecords):
         spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
         names = local_names(self.module)
         group_of = (lambda p: spec.group_of(names[id(p)])) if spec is not None and len(spec.hypers) > 1 else None
+        self.grads: GradientPart  # plain dp, or ZeRO stage 1, 2 or 3: one declared interface (colab_kit.data)
         if config.zero == 3:  # parameters sharded too: each block gathered before it runs, freed after
             from .zero.stage3 import ZeroParams
             self.grads = ZeroParams(self.module, mesh, "dp", self.events, offload=config.offload,
@@ -244,7 +245,7 @@ class Engine(EngineRecords):
                                      placements=self.placement_table)
         self._build_optimizer(spec or optimizer, names)
         self.activation_meter = ActivationMeter(exclude=list(self.module.parameters()),
-                                                live=getattr(self.grads, "live", None))
+                                                live=self.grads.live)
         self.step_count = 0
         self.history: list[float] = []
         self.records: list[dict] = []
@@ -384,7 +385,7 @@ class Engine(EngineRecords):
         """With a device account (offload): reserve the step's activations on it before the step,
         the larger of the last step's measurement and the estimate, and refuse a budget that
         cannot hold one step before any of it runs."""
-        place = getattr(self.grads, "placement", None)
+        place = self.grads.placement
         if place is None:
             return
         est = self.memory_estimate()["activations"] if self.model_cfg is not None else 0
@@ -402,7 +403,7 @@ class Engine(EngineRecords):
         """
         self.grads.finish()
         zero = self.config.zero > 0
-        masters = getattr(self.grads, "masters", None)  # mixed precision: fp32 masters, grads set by finish()
+        masters = self.grads.masters  # mixed precision: fp32 masters, grads set by finish()
         masters = masters if isinstance(masters, MasterWeights) else None
         if self._tied:
             self._sum_tied(masters)
@@ -440,7 +441,7 @@ class Engine(EngineRecords):
         self.step_count += 1
         self.steps_run += 1
         self.history.append(value)
-        place = getattr(self.grads, "placement", None)
+        place = self.grads.placement
         if place is not None:  # offload='auto': the first step measured, the chunks are placed now
             place.after_step()
         if self._views:  # no view keeps a dropped gradient (or a moved chunk's old copy) alive

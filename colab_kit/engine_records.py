@@ -6,8 +6,6 @@ parts through their named methods (``grads.nbytes``, ``grads.host_bytes``, ``gra
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 
 from .memory import optimizer_bytes, tensor_bytes
@@ -39,19 +37,16 @@ class EngineRecords:
         CPU no allocator counts: the peak of the last ``memory_timeline`` (``colab_kit.memory_timeline``),
         None before one ran.
         """
-        masters = getattr(self.grads, "master_bytes", None)  # mixed precision: fp32 masters are optimizer state
-        totals = {"params": self._param_bytes(), "grads": self.grads.nbytes,
-                  "optimizer": optimizer_bytes(self.optimizer) + (masters() if masters else 0),
+        totals = {"params": self._param_bytes(), "grads": self.grads.nbytes,  # fp32 masters are optimizer state
+                  "optimizer": optimizer_bytes(self.optimizer) + self.grads.master_bytes(),
                   "activations": self.activation_meter.peak}
-        host_of = getattr(self.grads, "host_bytes", None)
         host = dict.fromkeys(totals, 0)
-        if host_of is not None:
-            host.update(host_of(self.optimizer))
+        host.update(self.grads.host_bytes(self.optimizer))
         return {**totals, "device": {k: totals[k] - host[k] for k in totals}, "host": host, "step_peak": self._step_peak}
 
     def _param_bytes(self) -> int:
-        held = getattr(self.grads, "param_bytes", None)  # ZeRO-3: this rank's shards (and what is gathered now)
-        return held() if held is not None else tensor_bytes(self.module.parameters())
+        held = self.grads.param_bytes()  # ZeRO-3: this rank's shards (and what is gathered now)
+        return held if held is not None else tensor_bytes(self.module.parameters())
 
     def memory_estimate(self) -> dict:
         """The estimate of ``memory()`` from ``colab_kit.estimate.config_estimate``, the one ``ck.plan``
@@ -68,8 +63,7 @@ class EngineRecords:
             states = "adamw"
         cfg = self.config
         name = states if isinstance(states, str) else _STATE_NAMES[states]
-        share = getattr(self.grads, "host_share", None)
-        share = share() if share is not None else None
+        share = self.grads.host_share()
         rows, seq = self._rows or 0, getattr(self, "_seq", None)
         micro = self.pipeline.microbatch_shape() if self.pipeline is not None else None
         if micro:  # with pp: the executor's microbatches of the last step
@@ -158,6 +152,5 @@ class EngineRecords:
     def gathered(self):
         """A context in which every parameter of ``self.module`` is whole (ZeRO stage 3 gathers
         them, and frees them after); with other configs nothing to do."""
-        whole = getattr(self.grads, "gathered", None)
-        return whole() if whole is not None else nullcontext()
+        return self.grads.gathered()
 

@@ -69,3 +69,27 @@ def test_the_engine_provides_every_name_of_the_protocol():
     missing = [name for name in HOST_NAMES if not hasattr(Engine, name) and name not in instance]
     assert not missing, f"Engine lacks {missing} of PipelineHost"
     assert {"finish_step", "pipeline_loss", "events", "activation_meter", "loss_shards"} <= HOST_NAMES
+
+
+def test_every_gradient_part_provides_the_declared_interface_and_nothing_probes_for_it():
+    """``engine.grads`` is plain dp's ``GradBuckets`` or ZeRO stage 1, 2 or 3's part; each provides every name of
+    ``colab_kit.data.GradientPart`` (so the engine calls them plainly), and no module probes ``grads`` with
+    ``getattr`` / ``hasattr`` any more."""
+    import re
+
+    from colab_kit.data import GradBuckets, GradientPart
+    from colab_kit.zero import ZeroBuckets, ZeroStage2
+    from colab_kit.zero.stage3 import ZeroParams
+
+    names = set(GradientPart.__annotations__) | {n for n in vars(GradientPart) if not n.startswith("_")}
+    assert {"arm", "finish", "masters", "host_bytes", "gathered", "placement"} <= names
+    zero3 = _assigned_on_self(Path(colab_kit.engine.__file__).parent / "zero" / "stage3.py")
+    for part in (GradBuckets, ZeroBuckets, ZeroStage2, ZeroParams):
+        instance = _assigned_on_self(Path(__import__(part.__module__, fromlist=["x"]).__file__)) | (
+            _assigned_on_self(Path(colab_kit.engine.__file__).parent / "data.py") if part is not ZeroParams else zero3)
+        missing = [n for n in names if not hasattr(part, n) and n not in instance]
+        assert not missing, f"{part.__name__} lacks {missing} of GradientPart"
+    probes = [f"{path.relative_to(PIPELINE.parent)}:{i}"
+              for path in PIPELINE.parent.rglob("*.py") for i, line in enumerate(path.read_text().splitlines(), 1)
+              if re.search(r"(getattr|hasattr)\(\s*(self|engine|eng)\.grads\b", line)]
+    assert not probes, f"probes of engine.grads: {probes}"

@@ -358,7 +358,7 @@ def load(engine, path) -> dict:
                     value = v["value"] if v["dtype"] is None else torch.tensor(
                         v["value"], dtype=_dtype(v["dtype"]), device="cpu" if v["cpu"] else t.device)
                     opt.state[t][s] = value
-    masters = getattr(engine.grads, "masters", None)
+    masters = engine.grads.masters
     if masters is not None:
         masters.copy_to_model()
     if engine.config.zero in (1, 2):

@@ -176,7 +176,7 @@ def load_pretrained(engine, directory) -> int:
                 positions = dpos - lo * row
         read += values.numel()
         space.write(space.tensors, lpos, values[positions].to(torch.float32))
-    masters = getattr(engine.grads, "masters", None)
+    masters = engine.grads.masters
     if masters is not None:
         masters.copy_to_model()
     if engine.config.zero in (1, 2):
