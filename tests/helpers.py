@@ -17,7 +17,17 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from colab_kit.models import GPTConfig
+
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# the small GPT and the two optimizers most parity tests train (the contract names AdamW and SGD + momentum)
+GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+STEPS, BATCH = 5, 8
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9),
+}
 
 
 class Mixed(NamedTuple):

@@ -568,8 +568,7 @@ def test_notebook_renders_in_a_browser(path: Path, lab: Lab, browser):
         saved = _save(page, lab.dir / name, problems)
         problems += _check(name, cells_json, saved, snap, may_fail, page.viewport_size["width"])
         if saved:  # the outputs tests/test_notebooks.py expects, from this run (nbclient skips where this runs)
-            from tests.test_notebooks import expected_problems
-            from tests.test_notebooks import started_ranks
+            from tests.test_notebooks import expected_problems, started_ranks
             problems += expected_problems(name, saved, started_ranks(saved))
         assert not problems, f"{name} in JupyterLab:\n" + "\n\n".join(dict.fromkeys(problems))
         passed = True

@@ -10,12 +10,8 @@ from colab_kit.datasets import SyntheticTokens
 from colab_kit.reference import single_process_losses
 from colab_kit.models import GPT, GPTConfig
 
-GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
-STEPS, BATCH = 5, 8
-OPTIMIZERS = {
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9),
-}
+from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS
+
 CASES = [(opt, mb) for opt in OPTIMIZERS for mb in (1, 2)]
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 
-from tests.test_dp import OPTIMIZERS
+from tests.helpers import OPTIMIZERS
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -24,7 +24,7 @@ from colab_kit.datasets import SyntheticTokens
 from colab_kit.models import BERT, GPT, BERTConfig, GPTConfig, ViT, ViTConfig
 from colab_kit.policy import Attention, Policy
 
-from tests.test_dp import OPTIMIZERS
+from tests.helpers import OPTIMIZERS
 
 STEPS, BATCH = 5, 8
 RTOL = 1e-5

@@ -15,8 +15,7 @@ import pytest
 import colab_kit as ck
 from colab_kit.precision import tolerance
 
-from tests.helpers import LOW, plain_mixed_precision, trained_like, update_error
-from tests.test_dp import OPTIMIZERS
+from tests.helpers import LOW, OPTIMIZERS, plain_mixed_precision, trained_like, update_error
 from tests.test_models import batch as builtin_batch, make as builtin_make
 
 STEPS = 4

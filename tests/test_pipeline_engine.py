@@ -22,7 +22,7 @@ from colab_kit.pipeline.costs import shorter_plan
 from colab_kit.pipeline.hang import PipelineHang
 from colab_kit.pipeline.stage import check_stages, split_model, stage_layers
 
-from tests.test_dp import OPTIMIZERS
+from tests.helpers import OPTIMIZERS
 
 GPT4 = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
 STEPS, BATCH, M = 5, 8, 4

@@ -24,8 +24,7 @@ from colab_kit.models import GPT
 from colab_kit.precision import TOLERANCE, LossScaler, MasterWeights, master_step
 from colab_kit.reference import max_relative_difference
 
-from tests.helpers import plain_mixed_precision, trained_like, update_error
-from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS, STEPS
+from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS, plain_mixed_precision, trained_like, update_error
 from tests.test_zero import _named
 
 WORLD2 = [dict(dp=2, precision="bf16"), dict(dp=2, zero=1, precision="bf16"), dict(dp=2, zero=2, precision="bf16"),

@@ -22,7 +22,7 @@ from colab_kit.config import ConfigError
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.models import GPT
 
-from tests.test_dp import BATCH, GPT_CFG
+from tests.helpers import BATCH, GPT_CFG
 
 STEPS, WARMUP, MAX_NORM, RTOL = 6, 2, 0.05, 1e-5
 

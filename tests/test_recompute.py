@@ -20,7 +20,7 @@ from colab_kit.models import GPT, GPTConfig
 from colab_kit.recompute import is_recomputed, recompute_blocks
 from colab_kit.reference import train_single_process
 
-from tests.test_dp import OPTIMIZERS
+from tests.helpers import OPTIMIZERS
 
 GPT4 = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
 STEPS, BATCH = 5, 8

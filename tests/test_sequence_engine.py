@@ -18,7 +18,7 @@ from colab_kit.datasets import SyntheticTokens
 from colab_kit.memory import ActivationMeter
 from colab_kit.models import GPT, GPTConfig
 
-from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS, STEPS
+from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS
 from tests.test_zero import _named, reference
 
 WORLD2 = [dict(sp=2), dict(sp=2, sp_mode="ulysses")]

@@ -13,7 +13,7 @@ from colab_kit.tensor import block_collectives, check_model, plan_class
 from colab_kit.tensor.split_gather import SplitGather1D
 from colab_kit.tensor.tp1d import Plan1D
 
-from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS, STEPS
+from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS
 from tests.test_tp1d import assert_params_match, references  # noqa: F401 (a fixture)
 
 SG = dict(tp_mode="1d", sp_mode="split_gather")

@@ -11,7 +11,7 @@ from colab_kit.models import GPT, GPTConfig
 from colab_kit.tensor import check_model
 from colab_kit.tensor.tp1d import ColumnLinear, RowLinear, VocabEmbedding, linear_comm_bytes, Plan1D
 
-from tests.test_dp import GPT_CFG, OPTIMIZERS, STEPS, BATCH
+from tests.helpers import GPT_CFG, OPTIMIZERS, STEPS, BATCH
 
 ROWS, D_IN, D_OUT, VOCAB = 6, 8, 12, 16
 

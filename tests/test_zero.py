@@ -27,7 +27,7 @@ from colab_kit.models import GPT
 from colab_kit.reference import train_single_process
 from colab_kit.zero import check_optimizer
 
-from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS, STEPS
+from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS
 
 STATES = {"adamw": 2, "sgd": 1}  # fp32 state tensors per parameter element
 WORLD2 = [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=1, offload="cpu"), dict(dp=2, zero=2, microbatches=4),

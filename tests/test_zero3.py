@@ -21,7 +21,7 @@ from colab_kit.memory import model_state_bytes
 from colab_kit.memory_peak import StatePeak, state_bytes
 from colab_kit.models import GPT
 
-from tests.test_dp import BATCH, GPT_CFG, OPTIMIZERS, STEPS
+from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS
 from tests.test_zero import _named, _same_over_dp, _with_unused, reference
 
 WORLD2 = [dict(dp=2, zero=3), dict(dp=2, zero=3, recompute=True), dict(dp=2, zero=3, offload="cpu")]
