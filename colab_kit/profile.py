@@ -42,13 +42,11 @@ from __future__ import annotations
 import bisect
 import json
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import comm
 
 __all__ = ["Interval", "Profile", "ProfileError", "profile", "check_profile", "merge_traces", "profile_figure",
            "KINDS"]
@@ -127,7 +125,7 @@ def profile(engine, batches, steps: int = 1, *, local: bool | None = None, min_i
     log, cuda = engine.mesh.log, engine.mesh.device.type == "cuda"
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     first, losses, bounds = len(log.records), [], []
-    with _stamped(log) as (ends, waits), torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts) as prof:
         with torch.profiler.record_function(_MARK):
             t0 = time.perf_counter()
             for i in range(steps):
@@ -140,8 +138,8 @@ def profile(engine, batches, steps: int = 1, *, local: bool | None = None, min_i
     records = log.records[first:]
     p = Profile(engine.mesh.global_rank, engine.config.describe(), t0, wall, records=list(records),
                 steps=bounds, losses=losses)
-    times = [(ends[id(r)] - t0 - r.seconds, ends[id(r)] - t0, waits[id(r)] - t0 if id(r) in waits else None)
-             for r in records]  # (launch, ready, wait called) of each record, since t0
+    times = [(r.end - t0 - r.seconds, r.end - t0, r.waited - t0 if r.waited is not None else None)
+             for r in records]  # (launch, ready, wait called) of each record, since t0 (the records' own stamps)
     _build(p, engine, prof.events(), times, min_idle)
     return p
 
@@ -152,36 +150,6 @@ def _batch_source(batches):
     if isinstance(batches, (tuple, list)) and batches and isinstance(batches[0], torch.Tensor):
         return lambda step: batches
     return lambda step, it=iter(batches): next(it)
-
-
-@contextmanager
-def _stamped(log):
-    """While profiling: when each record was added (``ends``) and when its ``wait()`` was called (``waits``),
-    by ``id(record)``; this log's ``add`` and the waits of ``Pending`` and ``P2PPending`` are wrapped."""
-    ends, waits, olds = {}, {}, {cls: cls.__dict__["wait"] for cls in (comm.Pending, comm.P2PPending)}
-
-    def add(*a, _add=log.add, **kw):
-        rec = _add(*a, **kw)
-        ends[id(rec)] = time.perf_counter()
-        return rec
-
-    def waiting(orig):
-        def wait(self, *a, **kw):
-            t, rec = time.perf_counter(), orig(self, *a, **kw)
-            if rec is not None:  # None: a size-1 axis, nothing ran
-                waits.setdefault(id(rec), t)
-            return rec
-        return wait
-
-    log.add = add  # an instance attribute over the method: this log only
-    for cls, orig in olds.items():
-        cls.wait = waiting(orig)
-    try:
-        yield ends, waits
-    finally:
-        log.__dict__.pop("add", None)
-        for cls, orig in olds.items():
-            cls.wait = orig
 
 
 def _family(name: str) -> str | None:

@@ -8,6 +8,7 @@ and in 2D tp_col [[0,1],[2,3]], tp_row [[0,2],[1,3]].
 from __future__ import annotations
 
 import sys
+import time
 
 import cloudpickle
 import pytest
@@ -24,8 +25,10 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 # --------------------------------------------------------------------------- tier 1: CommLog
 def test_comm_log_records_summary_and_steps():
     log = CommLog()
+    before = time.perf_counter()
     r = log.add("all_reduce", "dp", 4096, 0.5, tag="grads")
     assert r == CommRecord("all_reduce", "dp", 4096, 0.5, "grads")
+    assert before <= r.end <= time.perf_counter() and r.waited is None  # stamped when recorded (for profiles)
     log.add("all_reduce", "dp", 1000, 0.25)
     log.begin_step()
     log.add("all_gather", "tp", 64.0, 1)  # numbers are normalised: int bytes, float seconds
@@ -94,9 +97,12 @@ def comm_checks():
     pending = comm.all_reduce(t, mesh, "dp", async_op=True, tag="async")
     out["async_is_pending"] = isinstance(pending, Pending)
     out["async_recorded_before_wait"] = len(mesh.log.records) - n
+    called = time.perf_counter()
     rec = pending.wait()
     out["async_value"] = t.tolist()
     out["async_rec_is_last"] = rec is mesh.log.records[-1]
+    # the stamps a profile reads: wait() called, then completed, launched `seconds` before completing
+    out["async_stamps"] = called <= rec.waited <= rec.end and rec.end - rec.seconds <= rec.waited
 
     out["records"] = _rows(mesh.log)
     out["wire_rows"] = [((r.op, r.bytes), r.wire) for r in mesh.log.records
@@ -177,6 +183,7 @@ def test_async_all_reduce(results):
     assert by_rank(results, "async_recorded_before_wait") == [0] * 4
     assert by_rank(results, "async_value") == [[2.0] * 8, [4.0] * 8, [2.0] * 8, [4.0] * 8]
     assert by_rank(results, "async_rec_is_last") == [True] * 4
+    assert by_rank(results, "async_stamps") == [True] * 4
 
 
 def test_every_call_is_recorded_with_op_axis_bytes(results):

@@ -25,8 +25,10 @@ class P2PPending(Pending):
     armed = None
 
     def wait(self, timeout: float | None = None) -> CommRecord:
+        called = time.perf_counter()
         finish(self.work, self.flag, f"{self.op} over {self.axis} ({self.tag})", timeout, self.armed)
         rec = self.log.add(self.op, self.axis, self.nbytes, time.perf_counter() - self.t0, self.tag)
+        rec.waited = called
         if self.then is not None:
             self.then()
         return rec

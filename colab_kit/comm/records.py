@@ -3,6 +3,7 @@ bytes, seconds), ``CommLog`` (a mesh's records) and ``wire_bytes`` (the ring / c
 each op). Part of ``colab_kit.comm``; its docstring gives both byte counts with a worked example."""
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 
 __all__ = ["wire_bytes", "CommRecord", "CommLog"]
@@ -29,6 +30,11 @@ class CommRecord:
     seconds: float
     tag: str = ""
     wire: int = 0       # bytes this rank sent under the ring / chain model (``wire_bytes``)
+    # when it happened (perf_counter), for profiles: ``end`` when it completed and was recorded (it was
+    # launched ``seconds`` before), ``waited`` when this rank's thread began waiting for it (``wait()`` of an
+    # async collective or message; None for a blocking call). Not compared, not shown.
+    end: float = field(default=0.0, compare=False, repr=False)
+    waited: float | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -40,7 +46,8 @@ class CommLog:
 
     def add(self, op: str, axis: str, nbytes: int, seconds: float, tag: str = "", n: int = 1) -> CommRecord:
         """Record one call; ``n`` is the group's size (for the wire bytes)."""
-        rec = CommRecord(op, axis, int(nbytes), float(seconds), tag, wire_bytes(op, int(nbytes), n))
+        rec = CommRecord(op, axis, int(nbytes), float(seconds), tag, wire_bytes(op, int(nbytes), n),
+                         end=time.perf_counter())
         self.records.append(rec)
         return rec
 
@@ -62,4 +69,7 @@ class CommLog:
         return out
 
     def as_dicts(self, records=None) -> list[dict]:
-        return [asdict(r) for r in (self.records if records is None else records)]
+        """Each record as a dict of what it says (op, axis, bytes, seconds, tag, wire), without the timestamps:
+        they are this process's clock."""
+        return [{k: v for k, v in asdict(r).items() if k not in ("end", "waited")}
+                for r in (self.records if records is None else records)]
