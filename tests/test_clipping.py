@@ -18,8 +18,7 @@ import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.models import GPT
 
-from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, plain_mixed_precision
-from tests.test_models import make as make_model, mlm_batch
+from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, make as make_model, mlm_batch, plain_mixed_precision
 
 STEPS, MAX_NORM, RTOL = 5, 0.05, 1e-5
 

@@ -26,7 +26,7 @@ from colab_kit.models import BERT, GPT, BERTConfig, GPTConfig, ViT, ViTConfig
 from colab_kit.models.dropout import Coordinates, Dropout, _hash32, hidden_dropout, keep_mask, layout_invariant
 from colab_kit.sequence.zigzag import sequence_positions
 
-from tests.test_models import NET_POLICY, Net, digits, mlm_batch
+from tests.helpers import NET_POLICY, Net, digits, mlm_batch
 
 P, STEPS, BATCH, RTOL = 0.1, 4, 8, 1e-5
 OPTIMIZERS = {  # AdamW at 1e-2 moves every model far enough in 4 steps that dropout changes the losses by > 1e-4

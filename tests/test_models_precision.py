@@ -15,8 +15,8 @@ import pytest
 import colab_kit as ck
 from colab_kit.precision import tolerance
 
-from tests.helpers import LOW, OPTIMIZERS, plain_mixed_precision, trained_like, update_error
-from tests.test_models import batch as builtin_batch, make as builtin_make
+from tests.helpers import (LOW, OPTIMIZERS, batch as builtin_batch, make as builtin_make, plain_mixed_precision,
+                           trained_like, update_error)
 
 STEPS = 4
 

@@ -16,7 +16,7 @@ import colab_kit as ck
 from colab_kit.placement import Placed, PlacementTable, declare
 from colab_kit.policy import policy_for
 
-from tests.test_models import make as make_builtin
+from tests.helpers import make as make_builtin
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
 
