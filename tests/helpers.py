@@ -15,13 +15,16 @@ by the whole update (ratio 1.0), so the check rejects them: each test that uses 
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from colab_kit import comm
 from colab_kit.datasets import SyntheticTokens
+from colab_kit.reference import train_single_process
 from colab_kit.models import BERT, GPT, BERTConfig, GPTConfig, ViT, ViTConfig
 from colab_kit.policy import Attention, Policy
 
@@ -87,6 +90,44 @@ def update_error(got: dict, ref: dict, start: dict) -> float:
 
 def trained_like(got: dict, ref: dict, start: dict, within: float = 0.1) -> bool:
     return update_error(got, ref, start) < within
+
+
+# =========================================================================== the small GPT, trained and read back
+@functools.lru_cache(maxsize=None)
+def gpt_reference(opt: str):
+    """The small GPT trained in one process with plain torch: (losses, {name: trained parameter})."""
+    losses, model = train_single_process(GPT_CFG, OPTIMIZERS[opt], SyntheticTokens(64, 16, seed=1), STEPS, BATCH)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def named_params(engine, kw) -> dict:
+    """The trained parameters by their dense names (gathered over tp; this rank's stages with pp)."""
+    with engine.gathered():  # ZeRO-3: the chunks whole while they are read
+        return _dense_named(engine, kw)
+
+
+def _dense_named(engine, kw) -> dict:
+    if kw.get("pp", 1) > 1:
+        return {n: p.detach().clone() for st in engine.module for n, p in zip(st.source_names, st.parameters())}
+    if kw.get("tp", 1) > 1:
+        from colab_kit.tensor.inspect import dense_state
+        return dense_state(engine.module)
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def with_unused(seed: int = 5) -> nn.Module:
+    """The small GPT with a Linear its forward never calls (no gradient, ever)."""
+    model = GPT(GPT_CFG)
+    torch.manual_seed(seed)
+    model.unused = nn.Linear(4, 4)  # never called by GPT.forward: no gradient, ever
+    return model
+
+
+def same_over_dp(engine) -> bool:
+    """Every dp rank holds exactly the same parameters (the all-gather put them back whole)."""
+    v = engine.state_vector()
+    got = comm.all_gather(v, engine.mesh, "dp").view(engine.config.dp, -1)
+    return all(torch.equal(row, v) for row in got)
 
 
 # =========================================================================== models beyond GPT (test_models.py

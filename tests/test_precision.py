@@ -24,8 +24,8 @@ from colab_kit.models import GPT
 from colab_kit.precision import TOLERANCE, LossScaler, MasterWeights, master_step
 from colab_kit.reference import max_relative_difference
 
-from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS, plain_mixed_precision, trained_like, update_error
-from tests.test_zero import _named
+from tests.helpers import (BATCH, GPT_CFG, OPTIMIZERS, STEPS, named_params as _named, plain_mixed_precision,
+                           trained_like, update_error)
 
 WORLD2 = [dict(dp=2, precision="bf16"), dict(dp=2, zero=1, precision="bf16"), dict(dp=2, zero=2, precision="bf16"),
           dict(dp=2, zero=2, precision="fp16"), dict(dp=2, microbatches=2, precision="bf16"),

@@ -18,8 +18,7 @@ from colab_kit.datasets import SyntheticTokens
 from colab_kit.memory import ActivationMeter
 from colab_kit.models import GPT, GPTConfig
 
-from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS
-from tests.test_zero import _named, reference
+from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS, gpt_reference as reference, named_params as _named
 
 WORLD2 = [dict(sp=2), dict(sp=2, sp_mode="ulysses")]
 WORLD4 = [dict(sp=4), dict(sp=4, sp_mode="ulysses"), dict(sp=2, dp=2), dict(sp=2, tp=2),

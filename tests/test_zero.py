@@ -10,24 +10,21 @@ rank's gradients stay under its pieces plus two buckets (measured with StatePeak
 One spawn per world size, configurations looped inside."""
 from __future__ import annotations
 
-import functools
 import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 
 import colab_kit as ck
-from colab_kit import comm
 from colab_kit.comm import wire_bytes
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.memory import model_state_bytes
 from colab_kit.memory_peak import StatePeak, state_bytes
 from colab_kit.models import GPT
-from colab_kit.reference import train_single_process
 from colab_kit.zero import check_optimizer
 
-from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS
+from tests.helpers import (BATCH, GPT_CFG, OPTIMIZERS, STEPS, gpt_reference as reference, named_params as _named,
+                           same_over_dp as _same_over_dp, with_unused as _with_unused)
 
 STATES = {"adamw": 2, "sgd": 1}  # fp32 state tensors per parameter element
 WORLD2 = [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=1, offload="cpu"), dict(dp=2, zero=2, microbatches=4),
@@ -35,34 +32,6 @@ WORLD2 = [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=1, offload="cp
 WORLD4 = [dict(dp=4, zero=2, microbatches=2), dict(dp=2, tp=2, zero=2),
           dict(dp=2, pp=2, zero=2, microbatches=2, schedule="1f1b"), dict(dp=2, pp=2, zero=1, microbatches=2)]
 WORLD8 = [dict(dp=2, tp=4, tp_mode="2d", zero=2)]  # zero=3 with 2d: tests/test_zero3.py
-
-
-@functools.lru_cache(maxsize=None)
-def reference(opt: str):
-    losses, model = train_single_process(GPT_CFG, OPTIMIZERS[opt], SyntheticTokens(64, 16, seed=1), STEPS, BATCH)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _named(engine, kw) -> dict:
-    """The trained parameters by their dense names (gathered over tp; this rank's stages with pp)."""
-    with engine.gathered():  # ZeRO-3: the chunks whole while they are read
-        return _named_whole(engine, kw)
-
-
-def _named_whole(engine, kw) -> dict:
-    if kw.get("pp", 1) > 1:
-        return {n: p.detach().clone() for st in engine.module for n, p in zip(st.source_names, st.parameters())}
-    if kw.get("tp", 1) > 1:
-        from colab_kit.tensor.inspect import dense_state
-        return dense_state(engine.module)
-    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-
-
-def _with_unused(seed: int = 5) -> nn.Module:
-    model = GPT(GPT_CFG)
-    torch.manual_seed(seed)
-    model.unused = nn.Linear(4, 4)  # never called by GPT.forward: no gradient, ever
-    return model
 
 
 # --------------------------------------------------------------------------- on each rank
@@ -85,13 +54,6 @@ def _train(cfgs, extras: bool = False):
         out["refused"] = _refused()
         out["peak"] = _peak(data)
     return out
-
-
-def _same_over_dp(engine) -> bool:
-    """Every dp rank holds exactly the same parameters (the all-gather put them back whole)."""
-    v = engine.state_vector()
-    got = comm.all_gather(v, engine.mesh, "dp").view(engine.config.dp, -1)
-    return all(torch.equal(row, v) for row in got)
 
 
 def _unused(data):

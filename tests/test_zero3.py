@@ -21,8 +21,8 @@ from colab_kit.memory import model_state_bytes
 from colab_kit.memory_peak import StatePeak, state_bytes
 from colab_kit.models import GPT
 
-from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS
-from tests.test_zero import _named, _same_over_dp, _with_unused, reference
+from tests.helpers import (BATCH, GPT_CFG, OPTIMIZERS, STEPS, gpt_reference as reference, named_params as _named,
+                           same_over_dp as _same_over_dp, with_unused as _with_unused)
 
 WORLD2 = [dict(dp=2, zero=3), dict(dp=2, zero=3, recompute=True), dict(dp=2, zero=3, offload="cpu")]
 WORLD4 = [dict(dp=4, zero=3), dict(dp=4, zero=3, microbatches=2), dict(dp=2, tp=2, zero=3),
