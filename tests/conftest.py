@@ -1,4 +1,5 @@
-"""Shared fixtures of the notebook tier: one 4-engine cluster for the whole session.
+"""Shared fixtures: one 4-engine cluster for the whole session (the notebook tier), and the small GPT's
+one-process references (``gpt_references``).
 
 Starting engines costs ~7 s each time on a 2-core machine, so every test that
 only needs a working cluster shares this one; tests that must start, stop or
@@ -45,3 +46,11 @@ def binder_env(tmp_path_factory):
     from tests.binder_env import build
 
     return build(tmp_path_factory.mktemp("binder") / "venv")
+
+
+@pytest.fixture(scope="session")
+def gpt_references():
+    """{optimizer: (losses, {name: trained parameter})} of tests/helpers' small GPT trained in one process."""
+    from tests.helpers import OPTIMIZERS, gpt_reference
+
+    return {opt: gpt_reference(opt) for opt in OPTIMIZERS}

@@ -241,3 +241,30 @@ class Plain(nn.Module):
 
     def forward(self, x):
         return self.b(self.a(x))
+
+
+def make_hf(name: str):
+    """A small Hugging Face GPT-2 or Llama, built from a config (no download), the same weights on every rank."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if name == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=32, n_layer=4, n_head=4, n_positions=16, vocab_size=64, resid_pdrop=0, embd_pdrop=0,
+            attn_pdrop=0, bos_token_id=0, eos_token_id=0))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def assert_params_match(got: dict, want: dict, opt: str, where) -> None:
+    """Final parameters equal the single process's, every one of them. AdamW divides each gradient
+    by its own running size, so an element whose gradient is at rounding noise can move by a small
+    fraction of lr either way: its atol is looser; SGD (which sees the gradient's scale) stays tight.
+    Both are far below what five steps move a weight (about 5 lr = 1.5e-2 for AdamW), so the untrained
+    weights fail."""
+    assert sorted(got) == sorted(want), where
+    atol = 2e-4 if opt == "adamw" else 5e-5
+    for name, p in got.items():
+        torch.testing.assert_close(p, want[name], rtol=1e-5, atol=atol, msg=lambda m: f"{where} {name}: {m}")

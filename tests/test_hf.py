@@ -17,24 +17,13 @@ import torch.nn.functional as F
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 
-from tests.helpers import OPTIMIZERS
+from tests.helpers import OPTIMIZERS, make_hf as make
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 STEPS, BATCH = 5, 8
 DATA = SyntheticTokens(64, 16, seed=1)
-
-
-def make(name: str):
-    torch.manual_seed(0)  # the same weights on every rank
-    if name == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_embd=32, n_layer=4, n_head=4, n_positions=16, vocab_size=64, resid_pdrop=0, embd_pdrop=0,
-            attn_pdrop=0, bos_token_id=0, eos_token_id=0))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
 def plain_loss(model, x, y):

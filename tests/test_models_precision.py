@@ -15,16 +15,15 @@ import pytest
 import colab_kit as ck
 from colab_kit.precision import tolerance
 
-from tests.helpers import (LOW, OPTIMIZERS, batch as builtin_batch, make as builtin_make, plain_mixed_precision,
-                           trained_like, update_error)
+from tests.helpers import (LOW, OPTIMIZERS, batch as builtin_batch, make as builtin_make, make_hf,
+                           plain_mixed_precision, trained_like, update_error)
 
 STEPS = 4
 
 
 def make(name):
     if name == "gpt2":
-        from tests.test_hf import make as hf_make
-        return hf_make("gpt2")
+        return make_hf("gpt2")
     return builtin_make(name)
 
 

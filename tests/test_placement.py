@@ -16,14 +16,13 @@ import colab_kit as ck
 from colab_kit.placement import Placed, PlacementTable, declare
 from colab_kit.policy import policy_for
 
-from tests.helpers import make as make_builtin
+from tests.helpers import make as make_builtin, make_hf
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
 
 
 def make(name):
     if name in ("gpt2", "llama"):
-        from tests.test_hf import make as make_hf
         return make_hf(name)
     return make_builtin(name)
 

@@ -13,8 +13,7 @@ from colab_kit.tensor import block_collectives, check_model, plan_class
 from colab_kit.tensor.split_gather import SplitGather1D
 from colab_kit.tensor.tp1d import Plan1D
 
-from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS
-from tests.test_tp1d import assert_params_match, references  # noqa: F401 (a fixture)
+from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS, assert_params_match
 
 SG = dict(tp_mode="1d", sp_mode="split_gather")
 TRAIN = {2: [dict(tp=2)], 4: [dict(tp=4), dict(dp=2, tp=2)]}
@@ -70,13 +69,13 @@ def spawned():
     return {world: ck.launch(_spawn, world, world, timeout=300) for world in (2, 4)}
 
 
-def test_split_gather_trains_like_one_process(spawned, references):
+def test_split_gather_trains_like_one_process(spawned, gpt_references):
     for world, results in spawned.items():
         for rank, (trained, _, _) in enumerate(results):
             assert len(trained) == 2 * len(TRAIN[world])
             for (cfg, opt), (losses, params) in trained.items():
-                assert losses == pytest.approx(references[opt][0], rel=1e-5), (world, rank, cfg, opt)
-                assert_params_match(params, references[opt][1], opt, (world, rank, cfg, opt))
+                assert losses == pytest.approx(gpt_references[opt][0], rel=1e-5), (world, rank, cfg, opt)
+                assert_params_match(params, gpt_references[opt][1], opt, (world, rank, cfg, opt))
 
 
 def test_collectives_per_block_are_gather_and_reduce_scatter_with_1d_wire_bytes(spawned):

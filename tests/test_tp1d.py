@@ -11,7 +11,7 @@ from colab_kit.models import GPT, GPTConfig
 from colab_kit.tensor import check_model
 from colab_kit.tensor.tp1d import ColumnLinear, RowLinear, VocabEmbedding, linear_comm_bytes, Plan1D
 
-from tests.helpers import GPT_CFG, OPTIMIZERS, STEPS, BATCH
+from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS, assert_params_match
 
 ROWS, D_IN, D_OUT, VOCAB = 6, 8, 12, 16
 
@@ -118,41 +118,19 @@ def _layers_and_training(layer_cfgs, train_cfgs):
     return [_check_layers(kw) for kw in layer_cfgs], _train(train_cfgs)
 
 
-@pytest.fixture(scope="module")
-def references():
-    """Losses and final parameters (by name) of the dense GPT trained in one process."""
-    from colab_kit.reference import train_single_process
-
-    out = {}
-    for opt in OPTIMIZERS:
-        losses, model = train_single_process(GPT_CFG, OPTIMIZERS[opt], SyntheticTokens(64, 16, seed=1), STEPS, BATCH)
-        out[opt] = losses, {n: p.detach() for n, p in model.named_parameters()}
-    return out
-
-
-def assert_params_match(got: dict, want: dict, opt: str, where) -> None:
-    """Final parameters equal the single process's, every one of them. AdamW divides each gradient
-    by its own running size, so an element whose gradient is at rounding noise can move by a small
-    fraction of lr either way: its atol is looser; SGD (which sees the gradient's scale) stays tight."""
-    assert sorted(got) == sorted(want), where
-    atol = 2e-4 if opt == "adamw" else 5e-5
-    for name, p in got.items():
-        torch.testing.assert_close(p, want[name], rtol=1e-5, atol=atol, msg=lambda m: f"{where} {name}: {m}")
-
-
 @pytest.mark.parametrize("world, layer_cfgs, train_cfgs", [
     (2, [dict(tp=2)], [dict(tp=2)]),
     (4, [dict(tp=4), dict(dp=2, tp=2)], [dict(tp=4), dict(dp=2, tp=2), dict(dp=2, tp=2, microbatches=2)]),
 ])
-def test_1d_layers_and_training(world, layer_cfgs, train_cfgs, references):
+def test_1d_layers_and_training(world, layer_cfgs, train_cfgs, gpt_references):
     results = ck.launch(_layers_and_training, world, layer_cfgs, train_cfgs)
     for rank, (layer_failures, losses) in enumerate(results):
         for cfg, failures in zip(layer_cfgs, layer_failures):
             assert failures == {}, (rank, cfg, failures)
         assert len(losses) == 2 * len(train_cfgs)
         for (cfg, opt), (got, params) in losses.items():
-            assert got == pytest.approx(references[opt][0], rel=1e-5), (rank, cfg, opt)
-            assert_params_match(params, references[opt][1], opt, (rank, cfg, opt))
+            assert got == pytest.approx(gpt_references[opt][0], rel=1e-5), (rank, cfg, opt)
+            assert_params_match(params, gpt_references[opt][1], opt, (rank, cfg, opt))
 
 
 def test_1d_sizes_that_do_not_divide_are_refused_without_processes():

@@ -15,8 +15,7 @@ from colab_kit.models import GPT, GPTConfig
 from colab_kit.tensor import check_model, sync_grads
 from colab_kit.tensor.tp2d import Embedding2D, LayerNorm2D, Linear2D, Plan2D, VocabEmbedding2D, linear_comm_bytes
 
-from tests.helpers import BATCH, OPTIMIZERS, STEPS
-from tests.test_tp1d import assert_params_match
+from tests.helpers import BATCH, OPTIMIZERS, STEPS, assert_params_match
 
 # one block and short sequences: 8 ranks share 2 cores, and a step runs hundreds of collectives
 GPT_CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=1)
