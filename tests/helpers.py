@@ -196,6 +196,9 @@ ZOO_GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_laye
 
 
 def make(name: str, tie: bool = True) -> nn.Module:
+    """gpt, bert (its head tied to the token table, or not), vit, gpt2 / llama (Hugging Face's) or net (Net)."""
+    if name in ("gpt2", "llama"):
+        return make_hf(name)
     if name == "gpt":
         return GPT(ZOO_GPT_CFG)
     if name == "bert":

@@ -14,8 +14,7 @@ import colab_kit as ck
 from colab_kit.estimate import traced_activations
 from colab_kit.memory import ActivationMeter
 
-from tests.helpers import NET_POLICY, batch as builtin_batch
-from tests.test_placement import make
+from tests.helpers import BERT_CFG, NET_POLICY, VIT_CFG, Plain, batch as builtin_batch, make
 
 MODELS = ("bert", "vit", "net", "gpt2", "llama")
 
@@ -81,8 +80,6 @@ def test_the_planner_takes_any_model_with_its_rules():
     """ck.plan on a model: only configs boost accepts for it (no sp for ViT; BERT gets sp and 3D),
     its activations scaled from its own traced forward (dp=4 holds a quarter of one process's)."""
     from colab_kit.models import BERT, ViT
-    from tests.helpers import BERT_CFG
-    from tests.test_dropout import VIT_CFG
     vit = ck.plan(ViT(VIT_CFG), 4, 16)
     assert vit and not any(c.config.sp > 1 for c in vit)
     x, _ = batch("vit", 0)
@@ -92,5 +89,4 @@ def test_the_planner_takes_any_model_with_its_rules():
     bert = ck.plan(BERT(BERT_CFG), 8, 16)
     assert any(c.config.tp_mode == "3d" for c in bert) and any(c.config.sp > 1 for c in bert)
     with pytest.raises(ck.ConfigError, match="ck.plan needs a sharding policy for Plain"):
-        from tests.helpers import Plain
         ck.plan(Plain(), 2, 4)

@@ -16,15 +16,9 @@ import colab_kit as ck
 from colab_kit.placement import Placed, PlacementTable, declare
 from colab_kit.policy import policy_for
 
-from tests.helpers import make as make_builtin, make_hf
+from tests.helpers import make
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
-
-
-def make(name):
-    if name in ("gpt2", "llama"):
-        return make_hf(name)
-    return make_builtin(name)
 
 
 def _dense(name):
