@@ -141,7 +141,7 @@ def _load_memory(root: str) -> dict:
 
     The tracker counts an existing storage from the first op that writes it: the optimizer's tensors
     and states are touched first (``add_(0)``), so ``peak - start`` is what the load itself adds."""
-    from tests.test_sharded_init import BIG, LiveBytes
+    from tests.helpers import BIG, LiveBytes
     data, path = SyntheticTokens(BIG.vocab_size, BIG.seq_len, seed=1), os.path.join(root, "big")
     engine = ck.boost(GPT(BIG, device="meta"), OPTIMIZERS["adamw"], ck.ParallelConfig(dp=2, tp=2))
     engine.train_step(data.batch(0, BATCH))
@@ -304,7 +304,7 @@ def test_load_memory_is_own_index_plus_one_parameter(runs):
     (dense and local positions, int32) and, one tensor at a time, the dense tensor it reads with DCP's
     buffers of its chunks. Measured: 9,502,976 bytes on rank 0 (659,200 elements held: 5,273,600 of
     index), against a bound of 8 x held + 3 x largest = 11,564,928 (+ 64 KiB)."""
-    from tests.test_sharded_init import BIG, _sizes
+    from tests.helpers import BIG, dense_sizes as _sizes
     _, four, _ = runs
     _, largest = _sizes(BIG)
     for rank, res in enumerate(four):

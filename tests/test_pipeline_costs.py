@@ -14,7 +14,7 @@ import pytest
 
 from colab_kit.pipeline import build_plan, lower, simulate, steps
 from colab_kit.pipeline.costs import measured_costs, stage_costs, zb_v_timed
-from tests.test_pipeline_plans import assert_f_i_w_in_order, assert_one_f_i_w_each
+from tests.helpers import assert_f_i_w_in_order, assert_one_f_i_w_each
 
 ZBV = [(pp, m) for pp in range(1, 5) for m in range(1, 3 * pp + 1)]
 MEASURED = {"F": 2.1, "I": 2.7, "W": 1.6, (0, "I"): 0.0, (0, "W"): 4.0}  # the costs module's example

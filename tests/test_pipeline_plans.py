@@ -17,6 +17,8 @@ from colab_kit.pipeline import (Action, Plan, PlanError, build_plan, build_plan_
 from colab_kit.pipeline.schedules import SCHEDULE_PLACEMENT
 from colab_kit.pipeline.simulate import theory_bubble
 
+from tests.helpers import assert_f_i_w_in_order, assert_one_f_i_w_each
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 
@@ -162,27 +164,6 @@ def test_check_names_the_placement_of_a_misplaced_action():
     text = str(build_plan("zb-v", 2, 1, 2)).replace("3F0", "2F0", 1)  # 2F0 moved onto rank 0
     with pytest.raises(PlanError, match=r"2F0 belongs on rank 1 \('v' placement\)"):
         check(Plan.parse(text, "zb-v"))
-
-
-def assert_one_f_i_w_each(plan, pp: int, m: int) -> None:
-    """ZB-V's count rule: exactly one F, one I and one W per stage and microbatch."""
-    acts = [a for row in plan.actions for a in row]
-    every = sorted(itertools.product(range(2 * pp), range(m)))
-    for kind in "FIW":
-        assert sorted((a.stage, a.microbatch) for a in acts if a.kind == kind) == every, (pp, m, kind)
-    assert len(acts) == 3 * len(every)
-
-
-def assert_f_i_w_in_order(plan, pp: int, m: int) -> None:
-    """ZB-V's order rule on each rank: F before I before W of a microbatch; microbatches in order."""
-    for row in plan.actions:
-        at = {a: i for i, a in enumerate(row)}
-        for a in row:
-            if a.kind == "F":
-                assert at[a] < at[Action(a.stage, "I", a.microbatch)] < at[Action(a.stage, "W", a.microbatch)]
-        for s in {a.stage for a in row}:
-            for kind in "FIW":
-                assert [a.microbatch for a in row if (a.stage, a.kind) == (s, kind)] == list(range(m)), (pp, m)
 
 
 def test_zb_v_has_exactly_one_f_i_and_w_per_stage_and_microbatch():

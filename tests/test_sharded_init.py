@@ -7,65 +7,23 @@ ops create while it is on, each storage once, until that storage is freed. Each 
 over its configurations inside the ranks; the plans' cuts on every rank of an 8-rank mesh
 are checked in this process, from each rank's coordinates.
 """
-import weakref
 from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.sharded_init import defer, materialize
 from colab_kit.models import GPT, GPTConfig
 
+from tests.helpers import BIG, LiveBytes, dense_sizes as _sizes
+
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)  # noqa: E731
 TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=1)  # colab_kit.sharded_init's example
 PARITY = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=2)
-# ~10.6 MB dense; the largest parameters are the token table and the head (2 MiB each)
-BIG = GPTConfig(vocab_size=2048, seq_len=32, d_model=256, n_heads=8, n_layers=2)
 STEPS, BATCH = 2, 8
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of tensor storage alive (``live``) and their maximum (``peak``) while the mode is on.
-
-    Every op's output storage is counted once, when it first appears, and subtracted when the
-    storage is freed (``weakref.finalize`` on it: torch keeps one Python object per storage
-    for as long as the storage lives). Views share their base's storage, so a slice costs
-    nothing and a clone costs its bytes. ``mark(name)`` keeps the peak so far under ``name``.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.marks: dict[str, int] = {}
-        self._alive: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not t.is_meta:
-                self._count(t.untyped_storage())
-        return out
-
-    def _count(self, storage) -> None:
-        key, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0 or key in self._alive:
-            return
-        self._alive.add(key)
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, key, nbytes)
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self._alive.discard(key)
-        self.live -= nbytes
-
-    def mark(self, name: str) -> None:
-        self.marks[name] = self.peak
 
 
 @contextmanager
@@ -85,12 +43,6 @@ def mark_before_grad_buckets(tracker: LiveBytes):
         yield
     finally:
         engine_module.GradBuckets = real
-
-
-def _sizes(cfg: GPTConfig) -> tuple[int, int]:
-    """Bytes of the dense model and of its largest parameter (from shapes: a meta model)."""
-    sizes = [p.numel() * p.element_size() for p in GPT(cfg, device="meta").parameters()]
-    return sum(sizes), max(sizes)
 
 
 # --------------------------------------------------------------------------- one process
