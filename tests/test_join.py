@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,18 +16,9 @@ import torch
 import colab_kit as ck
 from colab_kit.config import ConfigError
 from colab_kit.join import detect, first_host
-from colab_kit.models import GPTConfig
-from colab_kit.datasets import SyntheticTokens
-from colab_kit.reference import single_process_losses
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "torchrun_train.py"
-CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
-STEPS = 4
-
-
-def reference():
-    return single_process_losses(CFG, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), SyntheticTokens(64, 16, seed=1),
-                                 STEPS, 8)[0]
+from tests.helpers import (TORCHRUN_SCRIPT as SCRIPT, TORCHRUN_STEPS as STEPS, torchrun as _torchrun,
+                           torchrun_reference as reference)
 
 
 # ---------------------------------------------------------------------- the environments, no processes
@@ -101,10 +91,6 @@ def test_an_unreachable_rendezvous_is_a_clear_error_within_the_timeout():
 
 
 # ---------------------------------------------------------------------- torchrun on this host
-def _torchrun(args, env=None, prefix=()):
-    return [*prefix, sys.executable, "-m", "torch.distributed.run", *args, str(SCRIPT)]
-
-
 def test_a_script_with_init_trains_under_torchrun_like_one_process():
     want = reference()
     for words, n in (("dp=2 tp=2", 4),):

@@ -7,7 +7,7 @@ import pytest
 
 import colab_kit as ck
 from colab_kit.widgets import PlannerView
-from tests.test_viz_planner import CANDS, MIB
+from tests.helpers import CANDS, MIB
 
 
 class _State:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_join import STEPS, _torchrun, reference
+from tests.helpers import TORCHRUN_STEPS as STEPS, torchrun as _torchrun, torchrun_reference as reference
 
 SSH_DRIVER = Path(__file__).resolve().parent / "scripts" / "ssh_cluster.py"
 

@@ -1,29 +1,13 @@
 """viz.planner: the planner's candidates drawn as estimated memory against estimated step time (tier 1)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 
 from colab_kit.config import ParallelConfig
 from colab_kit.viz.planner import config_words, device_bytes, plan_figure, plan_vs_measured_figure
 
-MIB = 2**20
-
-
-def _cand(cfg, device_mib, ms, fits, why="compute", host_mib=0):
-    dev = {"params": device_mib * MIB, "grads": 0, "optimizer": 0, "activations": 0}
-    host = {"params": 0, "grads": 0, "optimizer": host_mib * MIB, "activations": 0}
-    return SimpleNamespace(config=cfg, memory={"params": device_mib * MIB, "grads": 0, "optimizer": host_mib * MIB,
-                                               "activations": 0, "device": dev, "host": host},
-                           step_seconds=ms / 1e3, fits=fits, why=why)
-
-
-CANDS = [_cand(ParallelConfig(dp=4), 3, 20, True, "compute 80%"),
-         _cand(ParallelConfig(dp=4, zero=3, offload="cpu"), 1, 40, True, "host copies", host_mib=6),
-         _cand(ParallelConfig(tp=4), 9, 30, False, "tp all-reduce"),
-         _cand(ParallelConfig(pp=4, microbatches=4), 10, 50, False, "bubble 43%")]
-
+from tests.helpers import CANDS, MIB
 
 def test_one_marker_per_candidate_split_by_fit_with_its_index():
     fig = plan_figure(CANDS)
