@@ -92,3 +92,38 @@ def test_cluster_fit_picks_fewer_engines_before_starting_any(monkeypatch):
     with pytest.raises(ClusterError, match="fit=True counts this host's memory"):
         Cluster(8, engines="ssh", ip="127.0.0.1", hosts={"127.0.0.1": 8}, fit=True)
     assert os.environ.get("MEM_LIMIT") is None
+
+
+def test_what_an_engine_and_the_controller_hold_is_within_the_constants():
+    """The figures ``fitting`` counts with, measured: a fresh 2-engine cluster trains three dp steps of a small
+    GPT; each engine with its nanny holds at most ``ENGINE_BYTES`` of pages of its own (psutil's USS, what a
+    memory cgroup charges one more process) and not less than half of it (the constant is not a guess ten times
+    too high); the controller's processes and the watchdog together at most ``CONTROLLER_BYTES``."""
+    def train():
+        import torch
+        import colab_kit as ck
+        from colab_kit.datasets import SyntheticTokens
+        from colab_kit.models import GPT, GPTConfig
+        engine = ck.boost(GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=64, n_heads=8, n_layers=2)),
+                          lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(dp=2))
+        for step in range(3):
+            engine.train_step(SyntheticTokens(64, 16).batch(step, 8))
+        engine.close()
+
+    def uss(p) -> int:
+        try:
+            return p.memory_full_info().uss
+        except psutil.Error:
+            return 0
+
+    with Cluster(2) as cluster:
+        cluster.run(train)
+        engines = [p for p in cluster._engine_procs if "ipyparallel.engine" in " ".join(p.cmdline())]
+        per_engine = [sum(uss(p) for p in group) for group in
+                      ([e for e in engines if "nanny" not in " ".join(e.cmdline())],
+                       [e for e in engines if "nanny" in " ".join(e.cmdline())])]
+        controller = sum(uss(p) for p in cluster._controller_procs) + uss(psutil.Process(cluster._watchdog.pid))
+    engine_and_nanny = per_engine[0] / 2 + per_engine[1] / 2
+    print(f"engine + nanny {engine_and_nanny / MiB:.0f} MiB, controller + watchdog {controller / MiB:.0f} MiB")  # -s
+    assert ENGINE_BYTES / 2 <= engine_and_nanny <= ENGINE_BYTES, engine_and_nanny / MiB
+    assert 0 < controller <= CONTROLLER_BYTES, controller / MiB
