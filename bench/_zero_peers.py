@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from colab_kit.engine import lm_loss
+from colab_kit.engine.core import lm_loss
 from colab_kit.models import GPT
 
 __all__ = ["local_bytes", "model_state", "fsdp2", "zero_redundancy", "PEERS"]

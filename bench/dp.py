@@ -31,7 +31,7 @@ import torch
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
-from colab_kit.engine import lm_loss
+from colab_kit.engine.core import lm_loss
 from colab_kit.models import GPT, GPTConfig
 
 try:

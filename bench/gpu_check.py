@@ -11,7 +11,7 @@ message and the others still run. Each prints one ``PASS``/``FAIL`` line with it
 2. ``gpt``: a GPT of 125,164,032 parameters (vocab 25,600, 1,024 tokens, d_model 768, 12 heads, 12
    layers: GPTConfig's head is untied, so GPT-2's 50,257 words would make 163M) trained 30 steps with
    ``precision="bf16"`` through ``ck.boost``; the loss must be finite and fall; tokens/s and MFU come from
-   ``engine.throughput()`` (``colab_kit.throughput``: ``model_flops`` over the bf16 matmul peak that
+   ``engine.throughput()`` (``colab_kit.observe.throughput``: ``model_flops`` over the bf16 matmul peak that
    ``peak_matmul`` measures on this GPU, never a datasheet figure), and MFU must lie in (0, 1].
 3. ``zero3_budget``: ZeRO-3, fp32, ``offload="auto"`` under ``boost(..., device_budget=B)``. A probe engine
    with every chunk on the host measures what a step needs on the device beside the states (what "auto"
@@ -24,7 +24,7 @@ message and the others still run. Each prints one ``PASS``/``FAIL`` line with it
    the host, so an engine that ignored the budget would fail.
 4. ``parity``: the CPU suite's parity configs (``tests/test_dp.py``, ``test_zero.py``, ``test_zero3.py``)
    and their one-rank forms, each whose world size fits on the GPUs, train the suite's GPT 5 steps with
-   AdamW and with SGD + momentum to the losses of ``colab_kit.reference.train_single_process`` (one CPU
+   AdamW and with SGD + momentum to the losses of ``colab_kit.engine.reference.train_single_process`` (one CPU
    process) within 1e-5 relative; the configs that need more GPUs are listed by name as skipped. TF32 is
    off in these ranks (``torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 =
    False``; with it fp32 matmuls keep 10-bit mantissas and parity is lost). Beside the verdict, plain
@@ -64,7 +64,7 @@ import torch  # noqa: E402
 import colab_kit as ck  # noqa: E402
 from colab_kit.datasets import SyntheticTokens  # noqa: E402
 from colab_kit.models import GPT, GPTConfig  # noqa: E402
-from colab_kit.reference import max_relative_difference, train_single_process  # noqa: E402
+from colab_kit.engine.reference import max_relative_difference, train_single_process  # noqa: E402
 
 try:
     from _results import machine, row  # noqa: E402
@@ -196,7 +196,7 @@ def check_torchrun(ctx):
 
 # ------------------------------------------------------------------ 2. a GPT of 125M in bf16: tokens/s, MFU
 def _rank_gpt(sizes):
-    from colab_kit.throughput import format_throughput
+    from colab_kit.observe.throughput import format_throughput
     cfg = GPTConfig(**sizes["gpt"])
     model = GPT(cfg)
     n = model.num_parameters()
@@ -301,7 +301,7 @@ def _rel(x) -> str:
 
 def _plain_torch(cfg, factory, data, device) -> list[float]:
     """One process with nothing but torch on this rank's device: how far its fp32 is from the CPU's."""
-    from colab_kit.engine import lm_loss
+    from colab_kit.engine.core import lm_loss
     model, out = GPT(cfg).to(device), []
     opt = factory(model.parameters())
     for s in range(PARITY_STEPS):

@@ -144,7 +144,7 @@ def main(argv=None):
     print(f"  ratio colab_kit / FSDP2 = {ratio:.3f}; relative loss difference over the first 8 steps {early:.2e}, "
           f"over all {len(diffs)} {worst:.2e} (float rounding differences grow as training goes on)")
     demo = ck.launch(_demo_mfu, 4, args["demo_steps"])[0]
-    from colab_kit.throughput import format_throughput
+    from colab_kit.observe.throughput import format_throughput
     from colab_kit.cli import MODEL
     print(f"the demo's GPT {MODEL} under dp=4: {format_throughput(demo)}")
     write("recipe", [

@@ -30,7 +30,7 @@ Bytes, two figures per side, for the rank that has the most (goal: colab_kit at 
   rounds; colab_kit from ``engine.memory()`` (host and device together), the peer from its local
   tensors (DTensor ``to_local()``) and its optimizer states;
 - peak: the most model-state bytes held at once inside one more step (not timed), measured on
-  both sides by the same instrument, ``colab_kit.memory_peak.StatePeak`` (after every dispatched
+  both sides by the same instrument, ``colab_kit.memory.peak.StatePeak`` (after every dispatched
   op: the storages reachable from the model, the optimizer and the parallel part, and the live
   storages the parallel machinery allocated: colab_kit's buckets and chunks, FSDP2's unsharded
   parameters, all-gather and reduce-scatter buffers; each storage once, at its size then).
@@ -59,7 +59,7 @@ import torch
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
-from colab_kit.memory_peak import StatePeak
+from colab_kit.memory.peak import StatePeak
 from colab_kit.models import GPT, GPTConfig
 
 try:
@@ -231,7 +231,7 @@ def main(argv=None):
     print("ratio: median over rounds of colab_kit / peer of adjacent rounds (goal <= 1.00), both sides with AdamW "
           "foreach=True; dflt: the peer with torch's default AdamW (a per-tensor loop on CPU); held: params + "
           "grads + optimizer held after a step, most over rounds; peak: the most model-state bytes at once inside "
-          "one step, the same meter on both sides (colab_kit.memory_peak.StatePeak); bytes of the rank with the most "
+          "one step, the same meter on both sides (colab_kit.memory.peak.StatePeak); bytes of the rank with the most "
           "(goal ck/peer <= 1.00)")
     over = [dp for dp in args.ranks if dp > cores]
     if over:

@@ -12,48 +12,55 @@ from __future__ import annotations
 
 import importlib
 
+from . import _moved
 from .config import ConfigError, ParallelConfig
-from .dry_run import dry_run  # eager: the module has the function's name, which a lazy attribute would lose
 from .errors import RankError, RankTimeout
 from .launch import launch
 from .mesh import MeshLayout, ProcessMesh
 
-__version__ = "0.1.0"
+_moved.install()  # 0.1's module paths (colab_kit.cluster, colab_kit.engine_records, ...) for one more version
+
+__version__ = "0.2.0"
 
 __all__ = ["ParallelConfig", "ConfigError", "MeshLayout", "ProcessMesh", "launch", "init", "export", "Cluster", "boost",
            "Engine", "RankError", "RankTimeout", "models", "datasets", "recipe", "viz", "widgets", "comm", "tensor", "pipeline",
            "reference", "plan", "planner", "dry_run"]
 
-_LAZY = {"Cluster": ("cluster", "Cluster"), "boost": ("engine", "boost"), "Engine": ("engine", "Engine"),
-         "init": ("join", "init"), "export": ("magics.export", "export"),
-         "plan": ("planner", "plan")}
-_SUBMODULES = {"models", "datasets", "recipe", "optimizer", "viz", "widgets", "comm", "magics", "cluster", "engine", "data", "memory",
-               "tensor", "pipeline", "reference", "planner", "checkpoint"}
+# heavy or optional parts (ipyparallel, plotly, ipywidgets) load on first use: name -> (module, attribute)
+_LAZY = {"Cluster": ("notebook.cluster", "Cluster"), "boost": ("engine.core", "boost"),
+         "Engine": ("engine.core", "Engine"), "init": ("join", "init"), "export": ("notebook.magics.export", "export"),
+         "plan": ("planner", "plan"), "dry_run": ("planner.at_scale", "dry_run")}
+# ck.<name> -> the module it names (the notebook layer's three live in colab_kit.notebook)
+_SUBMODULES = {"models": "models", "datasets": "datasets", "recipe": "models.recipe", "optimizer": "engine.optimizer",
+               "viz": "viz", "widgets": "notebook.widgets", "comm": "comm", "magics": "notebook.magics",
+               "cluster": "notebook.cluster", "engine": "engine", "data": "zero.stage0", "memory": "memory",
+               "tensor": "tensor", "pipeline": "pipeline", "reference": "engine.reference", "planner": "planner",
+               "checkpoint": "checkpoint", "notebook": "notebook", "observe": "observe", "zero": "zero",
+               "sequence": "sequence", "policy": "policy"}
 
 
 def __getattr__(name):
-    # heavy or optional parts (ipyparallel, plotly, ipywidgets) load on first use
     if name in _LAZY:
         mod, attr = _LAZY[name]
         return getattr(importlib.import_module(f".{mod}", __name__), attr)
     if name in _SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)
+        return importlib.import_module(f".{_SUBMODULES[name]}", __name__)
     raise AttributeError(f"module 'colab_kit' has no attribute {name!r}")
 
 
 def __dir__():
     # what is loaded on first use, too: tab completion and dir(ck) show the whole API
-    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
 
 
 def load_ipython_extension(ipython):
     """``%load_ext colab_kit``: register the ``%colossal`` line and cell magics."""
-    from .magics import load_ipython_extension as _load
+    from .notebook.magics import load_ipython_extension as _load
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython):
-    from .magics import unload_ipython_extension as _unload
+    from .notebook.magics import unload_ipython_extension as _unload
 
     _unload(ipython)

@@ -147,7 +147,7 @@ def _mesh_axis(cfg) -> str:
 
 def tolerance(cfg) -> float:
     """The contract's relative loss tolerance: 1e-5 in fp32, ``precision.TOLERANCE`` for bf16/fp16."""
-    from colab_kit.precision import TOLERANCE
+    from colab_kit.engine.precision import TOLERANCE
     return 1e-5 if cfg.precision == "fp32" else TOLERANCE[cfg.precision]
 
 
@@ -162,7 +162,7 @@ def demo(ranks: int | None = None, steps: int = 200, batch: int = 32, lr: float 
     out = out or sys.stdout
     import colab_kit as ck
     from colab_kit.launch import default_backend
-    from colab_kit.reference import max_relative_difference
+    from colab_kit.engine.reference import max_relative_difference
 
     if config is not None:
         cfg = ck.ParallelConfig.parse(config)
@@ -190,7 +190,7 @@ def demo(ranks: int | None = None, steps: int = 200, batch: int = 32, lr: float 
           f"start); loss {first['losses'][start]:.4f} -> {first['losses'][-1]:.4f}, held out "
           f"{first['held_out']:.4f}; the text's unigram entropy is {first['unigram']:.4f} nats per byte "
           f"({'below it' if first['losses'][-1] < first['unigram'] else 'not below it yet: train longer'})", file=out)
-    from colab_kit.throughput import format_throughput
+    from colab_kit.observe.throughput import format_throughput
     print(f"throughput: {format_throughput(first['throughput'])}", file=out)
     print(f"bytes sent to collectives per step by rank 0: {first['comm_bytes_per_step']:,}", file=out)
     if first["sample"] is not None:
@@ -295,7 +295,7 @@ def main(argv=None) -> int:
         print(f"colab-kit demo: {exc}", file=sys.stderr)
         return 2
     if result["reference"] is not None:
-        from colab_kit.reference import max_relative_difference
+        from colab_kit.engine.reference import max_relative_difference
 
         worst = max_relative_difference(result["results"][0]["losses"], result["reference"])
         return 0 if worst <= tolerance(result["config"]) else 1

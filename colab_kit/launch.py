@@ -29,7 +29,7 @@ import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 
-from . import tracebacks
+from .errors import tracebacks
 from .errors import RankError, RankTimeout
 from .net import LOOPBACK, gloo_env, listening_store
 
@@ -53,7 +53,7 @@ _HF_MODELS = ("transformers.models.gpt2.modeling_gpt2", "transformers.models.lla
 # What nearly every rank imports on its first boost: torch's optimizers import torch._dynamo when the
 # first one is built (0.66 s a rank here), the placements DTensor (0.7 s), then the engine's own parts.
 # Imported once in the forkserver, a rank forked from it starts with them (8 ranks on 2 cores: ~5 s a spawn).
-_ENGINE = ("torch._dynamo", "torch.distributed.tensor", "colab_kit.engine", "colab_kit.placement",
+_ENGINE = ("torch._dynamo", "torch.distributed.tensor", "colab_kit.engine.core", "colab_kit.placement",
            "colab_kit.tensor.tp1d", "colab_kit.pipeline.executor", "colab_kit.zero.stage3", "colab_kit.policy.fit")
 
 

@@ -14,7 +14,7 @@ every engine would compile torch from source at each start. Nothing else differs
 
 ``env()`` also sets ``MEM_LIMIT`` to mybinder.org's 2 GiB, as JupyterHub's KubeSpawner does in every Binder
 session: the notebooks that ask for 8 engines with ``--fit`` start the 4 that memory holds there
-(``colab_kit.cluster.room``), so the browser tier runs what a Binder user runs.
+(``colab_kit.notebook.cluster.room``), so the browser tier runs what a Binder user runs.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BINDER_MEM_LIMIT = 2 * 2**30  # bytes: mybinder.org's memory limit per session
 WARM = ("import torch, torch.distributed, ipyparallel, ipyparallel.engine, ipykernel.kernelapp, ipywidgets, anywidget, "
-        "plotly.graph_objects, sklearn.datasets, transformers, colab_kit, colab_kit.magics, colab_kit.viz")
+        "plotly.graph_objects, sklearn.datasets, transformers, colab_kit, colab_kit.notebook.magics, colab_kit.viz")
 
 
 @dataclass

@@ -12,7 +12,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def session_cluster():
-    from colab_kit.cluster import Cluster
+    from colab_kit.notebook.cluster import Cluster
 
     cluster = Cluster(n=4, timeout=180).start()
     yield cluster

@@ -3,7 +3,7 @@ models beyond GPT (BERT, ViT, a user's ``Net`` with its ``NET_POLICY``, their ba
 in plain torch so that they check the engine rather than repeat it. Test files import from here, not from
 each other.
 
-``plain_mixed_precision``: the mixed-precision recipe in one process, nothing from ``colab_kit.precision``: the
+``plain_mixed_precision``: the mixed-precision recipe in one process, nothing from ``colab_kit.engine.precision``: the
 model cast to 16 bits, fp32 copies made from the 16-bit weights that the optimizer steps, the loss taken in
 fp32 from the 16-bit logits, the 16-bit gradients cast to fp32 and unscaled (fp16 scales the loss by 2^16,
 the engine's first scale, as ``torch.amp.GradScaler`` does), the stepped copies cast back.
@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 from colab_kit import comm
 from colab_kit.config import ParallelConfig
 from colab_kit.datasets import SyntheticTokens
-from colab_kit.reference import train_single_process
+from colab_kit.engine.reference import train_single_process
 from colab_kit.models import BERT, GPT, BERTConfig, GPTConfig, ViT, ViTConfig
 from colab_kit.pipeline import Action
 from colab_kit.policy import Attention, Policy
@@ -361,7 +361,7 @@ TORCHRUN_STEPS = 4
 
 def torchrun_reference():
     """The losses tests/scripts/torchrun_train.py must print: GPT_CFG with SGD + momentum in one process."""
-    from colab_kit.reference import single_process_losses
+    from colab_kit.engine.reference import single_process_losses
     return single_process_losses(GPT_CFG, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
                                  SyntheticTokens(64, 16, seed=1), TORCHRUN_STEPS, 8)[0]
 

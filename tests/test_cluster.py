@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import colab_kit as ck
-from colab_kit.cluster import Cluster, ClusterError
+from colab_kit.notebook.cluster import Cluster, ClusterError
 
 
 def _rank_times_ten():
@@ -220,7 +220,7 @@ def test_bad_sizes_are_clear_errors():
 
 
 def test_ssh_hosts_are_checked_before_anything_starts(monkeypatch):
-    import colab_kit.cluster.startup as startup
+    import colab_kit.notebook.cluster.startup as startup
     monkeypatch.setattr(startup, "_default_profile_configures_launchers", lambda: False)
     with pytest.raises(ClusterError, match=r"engines='ssh' needs the hosts .*--hosts 10.0.0.1:2,10.0.0.2:2"):
         Cluster(engines="ssh", ip="10.0.0.1")
@@ -291,9 +291,9 @@ def test_long_run_calls_report_progress_with_what_the_ranks_printed(cluster, mon
     assert cluster.run(_print_then_sleep, progress=lambda t, out: seen.append((t, dict(out)))) == [0, 1, 2, 3]
     assert seen and seen[-1][0] >= 1.0
     assert any(out.get(3) == "rank 3 working\n" for _, out in seen)
-    # in a notebook kernel the default is a live line (magics.output.Progress), closed at the end
-    import colab_kit.cluster.core as core
-    from colab_kit.magics.output import Progress
+    # in a notebook kernel the default is a live line (colab_kit.notebook.progress.Progress), closed at the end
+    import colab_kit.notebook.cluster.core as core
+    from colab_kit.notebook.progress import Progress
 
     lines = []
 
@@ -304,7 +304,7 @@ def test_long_run_calls_report_progress_with_what_the_ranks_printed(cluster, mon
         def close(self):
             lines.append("closed")
 
-    monkeypatch.setattr(core, "_notebook_progress", lambda n: Recorder(n))
+    monkeypatch.setattr(core, "notebook_progress", lambda n: Recorder(n))
     cluster.run(_print_then_sleep)
     assert any(t.startswith("running on 4 ranks for 2 s; rank 0: rank 0 working") for t in lines), lines
     assert lines[-1] == "closed"
@@ -320,7 +320,7 @@ def _is_engine(p) -> bool:
 def test_results_are_matched_to_ranks_by_the_engine_that_ran_them():
     """The one assumption about ipyparallel's internals (a multi-engine result splits in target
     order) is checked on every call from public metadata; a reordering is an error, not a mix-up."""
-    from colab_kit.cluster.results import check_ranks
+    from colab_kit.notebook.cluster.results import check_ranks
 
     class Done:
         def __init__(self, engine_id):
@@ -346,7 +346,7 @@ def build(make=Tiny):
     return sum(p.numel() for p in make().parameters())
 
 def mark(value):
-    from colab_kit.cluster.remote import namespace
+    from colab_kit.notebook.cluster.remote import namespace
     namespace()["marker"] = value * 10
 
 def read():

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 import colab_kit as ck
-from colab_kit.cluster import Cluster, ClusterError
+from colab_kit.notebook.cluster import Cluster, ClusterError
 
 
 def _listening(pids) -> list[tuple[int, str]]:
@@ -77,7 +77,7 @@ def test_multi_host_launchers_need_an_address_and_windows_is_refused(monkeypatch
 
 _ORPHAN_SCRIPT = textwrap.dedent("""
     import json, sys, time, psutil
-    from colab_kit.cluster import Cluster
+    from colab_kit.notebook.cluster import Cluster
     cluster = Cluster(n=2, timeout=180).start()
     kids = [p.pid for p in psutil.Process().children(recursive=True)]
     print(json.dumps(kids), flush=True)

@@ -11,9 +11,9 @@ import os
 import psutil
 import pytest
 
-from colab_kit.cluster import Cluster, ClusterError
-from colab_kit.cluster import room
-from colab_kit.cluster.room import CONTROLLER_BYTES, ENGINE_BYTES, Room, fitting
+from colab_kit.notebook.cluster import Cluster, ClusterError
+from colab_kit.notebook.cluster import room
+from colab_kit.notebook.cluster.room import CONTROLLER_BYTES, ENGINE_BYTES, Room, fitting
 
 GiB, MiB = 2**30, 2**20
 

@@ -7,7 +7,7 @@ import torch
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
-from colab_kit.reference import single_process_losses
+from colab_kit.engine.reference import single_process_losses
 from colab_kit.models import GPT, GPTConfig
 
 from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 import colab_kit as ck
-from colab_kit.dry_run import HARDWARE, DryRunTimeout, dry_run, dry_run_many
-from colab_kit.estimate import rank_params
+from colab_kit.planner.at_scale import HARDWARE, DryRunTimeout, dry_run, dry_run_many
+from colab_kit.memory.estimator import rank_params
 from colab_kit.models import GPT, GPTConfig
 
 SMALL = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
@@ -185,7 +185,7 @@ def test_plan_at_scale_ranks_by_dry_runs():
     assert cands.memory_per_rank == HARDWARE["8xH100-SXM"].device_bytes and seconds < 60, seconds
     exact = [c for c in cands if c.exact]
     assert len(exact) == 2 and "* model states exact" in cands.table()
-    from colab_kit.estimate import config_estimate
+    from colab_kit.memory.estimator import config_estimate
     for c in exact:
         cfg_ = c.config
         ranks = [s * (cfg_.world_size // cfg_.pp) for s in range(cfg_.pp)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pickle
 
 import colab_kit as ck
-from colab_kit.cluster import RankOutput
+from colab_kit.notebook.cluster import RankOutput
 from colab_kit.errors import MessageOnly
 
 TB = "Traceback (most recent call last):\n  File \"cell\", line 4, in <module>\nValueError: rank one is unhappy\n"

@@ -73,7 +73,7 @@ def test_fit_survives_a_dead_rank_on_the_same_and_another_number_of_ranks(tmp_pa
 
 
 def test_fit_refuses_bad_arguments_before_training():
-    from colab_kit.fit import fit
+    from colab_kit.engine.fit import fit
     engine = object.__new__(ck.Engine)
     with pytest.raises(ValueError, match="steps is the step count to reach"):
         fit(engine, None, -1)

@@ -54,7 +54,7 @@ def test_cpu_smoke_passes_every_check_with_plausible_figures(tmp_path):
 def test_parity_reports_fail_for_an_untrained_run_and_for_shifted_losses(gpu_check):
     from colab_kit.datasets import SyntheticTokens
     from colab_kit.models import GPTConfig
-    from colab_kit.reference import train_single_process
+    from colab_kit.engine.reference import train_single_process
 
     cfg = GPTConfig(**gpu_check.PARITY_MODEL)
     data = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=1)

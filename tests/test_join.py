@@ -124,7 +124,7 @@ def test_the_innermost_launcher_wins_and_gloo_never_takes_loopback_across_hosts(
 
 def test_exported_scripts_keep_cells_byte_for_byte_and_parse():
     import ast
-    from colab_kit.magics.export import export_script
+    from colab_kit.notebook.magics.export import export_script
     cell = 'x = 1\nfor i in range(2):\n    %time y = 2\nt = """\n!keep\n   text?\n"""\nz = (x\n     % 2)\nw = 1  # kept?'
     body, world, skipped = export_script([("cell", "a = 1", None), ("config", ck.ParallelConfig(dp=2, tp=2).to_dict()),
                                           ("cell", cell, None), ("cell", 's = """a\nb"""', [0, 2])], world_size=4)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import colab_kit as ck
-from colab_kit.cluster import Cluster
+from colab_kit.notebook.cluster import Cluster
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_bad_flags_are_usage_errors_that_leave_the_cluster_usable(run, state, sh
 
 
 def test_help_documents_every_subcommand_and_flag(run, ip, state):
-    from colab_kit.magics.flags import CELL_FLAGS, COMMANDS, FLAGS, help_text
+    from colab_kit.notebook.magics.flags import CELL_FLAGS, COMMANDS, FLAGS, help_text
 
     doc = ip.find_line_magic("colossal").__doc__
     assert doc == ip.find_cell_magic("colossal").__doc__ == help_text()
@@ -158,7 +158,7 @@ def test_help_documents_every_subcommand_and_flag(run, ip, state):
 
 
 def test_dash_h_shows_one_subcommand_and_does_nothing_else(run, state, shared):
-    from colab_kit.magics.flags import COMMANDS, help_text
+    from colab_kit.notebook.magics.flags import COMMANDS, help_text
 
     for name, (_, _, text) in COMMANDS.items():
         for flag in ("-h", "--help"):
@@ -424,8 +424,8 @@ def test_progress_line_of_a_long_cell(monkeypatch):
         shown.append(("display", repr(obj), obj._repr_html_()))
         return Handle()
 
-    monkeypatch.setattr(ck.magics.output, "display", fake_display)
-    progress = ck.magics.output.Progress(4)
+    monkeypatch.setattr(ck.notebook.progress, "display", fake_display)
+    progress = ck.notebook.progress.Progress(4)
     progress(1.0, {0: "step 0\n"})  # quick cells show nothing
     assert shown == []
     progress(2.4, {0: "", 1: ""})
@@ -483,7 +483,7 @@ def fake_cluster(monkeypatch):
     import sys
 
     FakeCluster.calls = []
-    monkeypatch.setattr(sys.modules["colab_kit.magics.state"], "Cluster", FakeCluster)
+    monkeypatch.setattr(sys.modules["colab_kit.notebook.session"], "Cluster", FakeCluster)
     return FakeCluster
 
 
@@ -499,7 +499,7 @@ def test_start_and_restart_show_progress_in_a_notebook(run, ip, state, fake_clus
         shown.append(repr(obj))
         return Handle()
 
-    monkeypatch.setattr(ck.magics.output, "display", fake_display)
+    monkeypatch.setattr(ck.notebook.progress, "display", fake_display)
     monkeypatch.setattr(ip, "kernel", object(), raising=False)  # as in a notebook
     error, out, _ = run("%colossal start -n 2")
     assert error is None and "started 2 ranks (local engines, gloo)" in out
@@ -520,7 +520,7 @@ def test_start_shows_no_progress_in_a_terminal(run, state, fake_cluster):
 
 
 def test_progress_goes_only_to_a_method_that_takes_it():
-    from colab_kit.magics.state import with_progress
+    from colab_kit.notebook.session import with_progress
 
     told = []
     assert with_progress(lambda: "old", told.append) == "old"  # a Cluster without the keyword still starts
@@ -550,7 +550,7 @@ def test_plan_refuses_bad_input_before_planning(run, ip, state):
 def test_plan_shows_the_candidates_and_apply_sets_what_config_sets(run, ip, state, shared, monkeypatch):
     from colab_kit import planner
     from colab_kit.viz.planner import config_words
-    from colab_kit.widgets import PlannerView
+    from colab_kit.notebook.widgets import PlannerView
 
     monkeypatch.setattr(planner, "constants", lambda ranks=4, refresh=False: planner.EXAMPLE_CONSTANTS)  # no measuring
     ip.user_ns["MODEL"] = ck.models.GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 import colab_kit as ck
-from colab_kit.magics.core import ColossalMagics
+from colab_kit.notebook.magics.core import ColossalMagics
 from colab_kit.viz import memory_by_rank_figure, memory_figure
-from colab_kit.widgets import MemoryView
-from colab_kit.widgets.memory_view import NoMemory, fmt
+from colab_kit.notebook.widgets import MemoryView
+from colab_kit.notebook.widgets.memory_view import NoMemory, fmt
 
 MIB = 2**20
 
@@ -200,7 +200,7 @@ def magics(ip, cluster):
 
 
 def _truth(var: str):
-    from colab_kit.cluster.remote import namespace
+    from colab_kit.notebook.cluster.remote import namespace
 
     eng = namespace()[var]
     return eng.memory(), eng.memory_estimate(), eng.step_count

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import colab_kit as ck
-from colab_kit.estimate import traced_activations
+from colab_kit.memory.estimator import traced_activations
 from colab_kit.memory import ActivationMeter
 
 from tests.helpers import BERT_CFG, NET_POLICY, VIT_CFG, Plain, batch as builtin_batch, make

@@ -9,7 +9,7 @@ with pp and ZeRO; tp with the interleaved and ZB-V schedules.
 
 One spawn per world size (4 and 8 ranks), every config looped inside it; AdamW and SGD with momentum, 4 steps
 of a 4-block GPT. The reference trains the same torch optimizer on the same batches in this process
-(``colab_kit.reference.train_single_process``: ``GPT``, ``F.cross_entropy``, ``backward``, ``step``, nothing of
+(``colab_kit.engine.reference.train_single_process``: ``GPT``, ``F.cross_entropy``, ``backward``, ``step``, nothing of
 the engine's); a run whose updates were wrong would differ from step 2 on, and the check below shows that
 the reference's own steps 2-4 move the loss by far more than the tolerance.
 """
@@ -23,7 +23,7 @@ import torch
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.models import GPT, GPTConfig
-from colab_kit.reference import max_relative_difference, train_single_process
+from colab_kit.engine.reference import max_relative_difference, train_single_process
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
 STEPS, BATCH, RTOL = 4, 8, 1e-5

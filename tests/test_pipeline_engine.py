@@ -14,10 +14,10 @@ import torch
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
-from colab_kit.engine import lm_loss
-from colab_kit.reference import train_single_process
+from colab_kit.engine.core import lm_loss
+from colab_kit.engine.reference import train_single_process
 from colab_kit.models import GPT, GPTConfig
-from colab_kit.pipeline import Plan, build_plan, build_plan_for, lower, simulate
+from colab_kit.pipeline import PipelinePlan, build_plan, build_plan_for, lower, simulate
 from colab_kit.pipeline.costs import shorter_plan
 from colab_kit.pipeline.hang import PipelineHang
 from colab_kit.pipeline.stage import check_stages, split_model, stage_layers
@@ -198,7 +198,7 @@ def _stuck(fault: str, timeout: float):
     pipe = engine.pipeline
     pipe.timeout = timeout
     engine.train_step(data.batch(0, BATCH))  # a good step first
-    broken = Plan.parse("rank 0: 0F0 0SF0 0F1 0RB0 0B0 0RB1 0B1\n"
+    broken = PipelinePlan.parse("rank 0: 0F0 0SF0 0F1 0RB0 0B0 0RB1 0B1\n"
                         "rank 1: 1RF0 1F0 1RF1 1F1 1B0 1SB0 1B1 1SB1", "gpipe")
     try:
         pipe.plan = broken

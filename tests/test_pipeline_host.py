@@ -9,11 +9,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import colab_kit.engine
-from colab_kit.engine import Engine
+import colab_kit.engine.core
+from colab_kit.engine.core import Engine
 from colab_kit.pipeline.host import HOST_NAMES
 
-PIPELINE = Path(colab_kit.engine.__file__).parent / "pipeline"
+PIPELINE = Path(colab_kit.__file__).parent / "pipeline"
 
 
 def _engine_attributes(path: Path) -> set[str]:
@@ -37,7 +37,7 @@ def _engine_attributes(path: Path) -> set[str]:
 
 
 def test_the_executor_uses_only_the_declared_interface():
-    used = _engine_attributes(PIPELINE / "executor.py") | _engine_attributes(PIPELINE / "passes.py")
+    used = _engine_attributes(PIPELINE / "executor.py") | _engine_attributes(PIPELINE / "compute.py")
     assert used, "found no engine access at all: the reader is broken"
     assert used <= HOST_NAMES, f"the executor reaches {sorted(used - HOST_NAMES)} of the engine outside PipelineHost"
     assert not [n for n in used if n.startswith("_")]
@@ -65,28 +65,26 @@ def _assigned_on_self(path: Path) -> set[str]:
 
 
 def test_the_engine_provides_every_name_of_the_protocol():
-    instance = _assigned_on_self(Path(colab_kit.engine.__file__))
+    instance = _assigned_on_self(Path(colab_kit.engine.core.__file__))
     missing = [name for name in HOST_NAMES if not hasattr(Engine, name) and name not in instance]
     assert not missing, f"Engine lacks {missing} of PipelineHost"
     assert {"finish_step", "pipeline_loss", "events", "activation_meter", "loss_shards"} <= HOST_NAMES
 
 
 def test_every_gradient_part_provides_the_declared_interface_and_nothing_probes_for_it():
-    """``engine.grads`` is plain dp's ``GradBuckets`` or ZeRO stage 1, 2 or 3's part; each provides every name of
-    ``colab_kit.data.GradientPart`` (so the engine calls them plainly), and no module probes ``grads`` with
+    """``engine.grads`` is plain dp's ``ZeroStage0`` or ZeRO stage 1, 2 or 3's part; each provides every name of
+    ``colab_kit.zero.stage0.GradientPart`` (so the engine calls them plainly), and no module probes ``grads`` with
     ``getattr`` / ``hasattr`` any more."""
     import re
 
-    from colab_kit.data import GradBuckets, GradientPart
-    from colab_kit.zero import ZeroBuckets, ZeroStage2
-    from colab_kit.zero.stage3 import ZeroParams
+    from colab_kit.zero import GradientPart, ZeroStage0, ZeroStage1, ZeroStage2, ZeroStage3
 
     names = set(GradientPart.__annotations__) | {n for n in vars(GradientPart) if not n.startswith("_")}
     assert {"arm", "finish", "masters", "host_bytes", "gathered", "placement"} <= names
-    zero3 = _assigned_on_self(Path(colab_kit.engine.__file__).parent / "zero" / "stage3.py")
-    for part in (GradBuckets, ZeroBuckets, ZeroStage2, ZeroParams):
+    zero3 = _assigned_on_self(PIPELINE.parent / "zero" / "stage3.py")
+    for part in (ZeroStage0, ZeroStage1, ZeroStage2, ZeroStage3):
         instance = _assigned_on_self(Path(__import__(part.__module__, fromlist=["x"]).__file__)) | (
-            _assigned_on_self(Path(colab_kit.engine.__file__).parent / "data.py") if part is not ZeroParams else zero3)
+            _assigned_on_self(PIPELINE.parent / "zero" / "stage0.py") if part is not ZeroStage3 else zero3)
         missing = [n for n in names if not hasattr(part, n) and n not in instance]
         assert not missing, f"{part.__name__} lacks {missing} of GradientPart"
     probes = [f"{path.relative_to(PIPELINE.parent)}:{i}"

@@ -12,7 +12,7 @@ import pytest
 
 from colab_kit.config import SCHEDULES as CONFIG_SCHEDULES
 from colab_kit.config import ConfigError, ParallelConfig
-from colab_kit.pipeline import (Action, Plan, PlanError, build_plan, build_plan_for, check, lower,
+from colab_kit.pipeline import (Action, PipelinePlan, PlanError, build_plan, build_plan_for, check, lower,
                                 message_tag, parse, peer, simulate, steps)
 from colab_kit.pipeline.schedules import SCHEDULE_PLACEMENT
 from colab_kit.pipeline.simulate import theory_bubble
@@ -54,7 +54,7 @@ def test_every_schedule_checks_lowers_and_simulates_over_the_grid():
         assert [lowered.compute(r) for r in range(plan.pp)] == plan.actions, shape
         # with free communication the lowered plan runs exactly like the compute plan
         assert compute_events(simulate(lowered)) == simulate(plan).events, shape
-        assert Plan.parse(str(lowered), plan.schedule, lowered=True) == lowered, shape
+        assert PipelinePlan.parse(str(lowered), plan.schedule, lowered=True) == lowered, shape
 
 
 def test_order_rules_hold_at_every_timestep_of_the_lockstep_run():
@@ -153,17 +153,17 @@ def test_zb_v_puts_two_chunks_per_rank_in_a_v():
     assert {a.kind for a in low.actions[0] if a.is_comm} == {"SF", "RF", "SB", "RB"}
     assert {(a.stage, a.kind) for a in low.actions[0] if a.is_comm} == {(0, "SF"), (0, "RB"), (7, "RF"), (7, "SB")}
     # printed and read back: the schedule's name, or the actions alone, give the placement
-    assert Plan.parse(str(plan), "zb-v") == plan
-    assert Plan.parse(str(plan)).placement == "v"
-    assert Plan.parse("rank 0: 0F0 2F0\nrank 1: 1F0 3F0").placement == "loop"
+    assert PipelinePlan.parse(str(plan), "zb-v") == plan
+    assert PipelinePlan.parse(str(plan)).placement == "v"
+    assert PipelinePlan.parse("rank 0: 0F0 2F0\nrank 1: 1F0 3F0").placement == "loop"
     with pytest.raises(ValueError, match="unknown placement 'w'"):
-        Plan(2, 1, 2, "custom", placement="w")
+        PipelinePlan(2, 1, 2, "custom", placement="w")
 
 
 def test_check_names_the_placement_of_a_misplaced_action():
     text = str(build_plan("zb-v", 2, 1, 2)).replace("3F0", "2F0", 1)  # 2F0 moved onto rank 0
     with pytest.raises(PlanError, match=r"2F0 belongs on rank 1 \('v' placement\)"):
-        check(Plan.parse(text, "zb-v"))
+        check(PipelinePlan.parse(text, "zb-v"))
 
 
 def test_zb_v_has_exactly_one_f_i_and_w_per_stage_and_microbatch():
@@ -242,13 +242,13 @@ def test_build_plan_for_a_config():
 # --------------------------------------------------------------------------- parse, lowering helpers
 def test_plan_parse_round_trip_and_inference():
     plan = build_plan("zb-h1", 3, 5)
-    back = Plan.parse(str(plan), "zb-h1")
+    back = PipelinePlan.parse(str(plan), "zb-h1")
     assert back == plan and back.chunks == 1 and back.microbatches == 5 and not back.lowered
-    bare = Plan.parse("0F0 1F0 1B0 0B0\n")  # no rank prefix; two stages on one rank
+    bare = PipelinePlan.parse("0F0 1F0 1B0 0B0\n")  # no rank prefix; two stages on one rank
     assert (bare.pp, bare.chunks, bare.n_stages, bare.schedule) == (1, 2, 2, "custom")
-    assert "Plan('zb-h1', pp=3" in repr(plan)
+    assert "PipelinePlan('zb-h1', pp=3" in repr(plan)
     with pytest.raises(ValueError, match="rank 1 .* rank 0 was expected"):
-        Plan.parse("rank 1: 1F0")
+        PipelinePlan.parse("rank 1: 1F0")
 
 
 def test_lowering_helpers_pair_the_two_ends():
@@ -270,7 +270,7 @@ def test_steps_runs_in_lockstep():
 # --------------------------------------------------------------------------- broken plans are caught
 def refused(text: str, rule: str, rank: int, position: int | None) -> str:
     with pytest.raises(PlanError) as info:
-        check(Plan.parse(text))
+        check(PipelinePlan.parse(text))
     e = info.value
     assert (e.rule, e.rank, e.position) == (rule, rank, position), str(e)
     assert isinstance(e, ValueError) and f"rank {rank}" in str(e)
@@ -386,9 +386,9 @@ def test_timeline_grid_and_records():
 
 def test_simulate_refuses_a_broken_plan():
     with pytest.raises(PlanError, match="deadlock"):
-        simulate(Plan.parse("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0"))
+        simulate(PipelinePlan.parse("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0"))
     with pytest.raises(PlanError):
-        check(Plan(2, 1, 1, "custom", [[Action(0, "F", 0), Action(0, "B", 0)]]))  # one rank list for pp=2
+        check(PipelinePlan(2, 1, 1, "custom", [[Action(0, "F", 0), Action(0, "B", 0)]]))  # one rank list for pp=2
 
 
 def test_docstring_examples_are_true():

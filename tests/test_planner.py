@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import colab_kit as ck
-from colab_kit.engine import unsupported
-from colab_kit.estimate import config_estimate, part_params, stage_params
+from colab_kit.engine.core import unsupported
+from colab_kit.memory.estimator import config_estimate, part_params, stage_params
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.planner import EXAMPLE_CONSTANTS, enumerate_configs
 from colab_kit.planner.validate import spearman

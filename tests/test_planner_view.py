@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 import colab_kit as ck
-from colab_kit.widgets import PlannerView
+from colab_kit.notebook.widgets import PlannerView
 from tests.helpers import CANDS, MIB
 
 

@@ -1,5 +1,5 @@
 """``engine.profile`` and ``engine.memory_timeline``: each rank's step cut into compute / comm / copy / idle intervals, checked with
-``colab_kit.profile.check_profile`` (back to back from 0 to the wall, no gap or overlap, summing to the
+``colab_kit.observe.profile.check_profile`` (back to back from 0 to the wall, no gap or overlap, summing to the
 wall and to the profiler's own measure of it within 5%, one comm interval per comm record, same axes);
 the merged Chrome trace; made-up profiles that the same check rejects.
 
@@ -17,10 +17,10 @@ import torch
 import colab_kit as ck
 from colab_kit.comm import CommRecord
 from colab_kit.datasets import SyntheticTokens
-from colab_kit.memory_peak import StatePeak
-from colab_kit.memory_timeline import CATEGORIES, MemoryTimeline, timeline_figure
+from colab_kit.memory.peak import StatePeak
+from colab_kit.memory.timeline import CATEGORIES, MemoryTimeline, timeline_figure
 from colab_kit.models import GPT, GPTConfig
-from colab_kit.profile import Interval, Profile, ProfileError, check_profile, merge_traces, profile_figure
+from colab_kit.observe.profile import Interval, Profile, ProfileError, check_profile, merge_traces, profile_figure
 
 GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 CONFIGS = {"dp": dict(dp=2), "tp": dict(tp=2), "pp": dict(pp=2, microbatches=2), "zero2": dict(dp=2, zero=2),
@@ -152,7 +152,7 @@ class _Cluster:
 
 
 def test_profile_view_draws_every_rank_and_refuses_a_missing_engine_before_any_step(profiled):
-    from colab_kit.magics.pipeline_views import NoTimeline, profile_view
+    from colab_kit.notebook.magics.pipeline_views import NoTimeline, profile_view
 
     profiles = [res["tp"]["profile"] for res in profiled]
     text, fig = profile_view(_Cluster(lambda args: profiles if args[2] else [None, None]), "engine", "batch")
@@ -204,7 +204,7 @@ def test_memory_timeline_figure_and_a_wrong_timeline_is_not_its_peak(profiled):
 
 
 def test_roofline_places_each_step_by_its_records_and_the_constants(profiled):
-    from colab_kit.roofline import roofline_figure
+    from colab_kit.observe.roofline import roofline_figure
 
     for rank, res in enumerate(profiled):
         for name in CONFIGS:

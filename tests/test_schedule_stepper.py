@@ -10,8 +10,8 @@ import pytest
 import colab_kit as ck
 from colab_kit.pipeline import build_plan, lower, steps
 from colab_kit.viz.schedule_data import held_series
-from colab_kit.widgets import ScheduleStepper, display
-from colab_kit.widgets.schedule_stepper import StepperError
+from colab_kit.notebook.widgets import ScheduleStepper, display
+from colab_kit.notebook.widgets.schedule_stepper import StepperError
 
 
 def _prefix(plan, t):
@@ -226,7 +226,7 @@ def test_in_a_real_kernel_a_cell_runs_while_it_plays():
             "method": "custom", "content": {"event": "click"}}}))
 
     try:
-        cell("import time; from colab_kit.pipeline import build_plan; from colab_kit.widgets import ScheduleStepper\n"
+        cell("import time; from colab_kit.pipeline import build_plan; from colab_kit.notebook.widgets import ScheduleStepper\n"
              "s = ScheduleStepper(build_plan('1f1b', 2, 8)); s.widget(); step = s.step\n"
              "s.step = lambda *a, **k: (time.sleep(0.2), step(*a, **k))[1]  # a call to the ranks takes a while")
         click("Play")
@@ -252,7 +252,7 @@ def _build(name, words, layers):
 
     import colab_kit as ck
     from colab_kit.models import GPT, GPTConfig
-    from colab_kit.cluster.remote import namespace
+    from colab_kit.notebook.cluster.remote import namespace
 
     cfg = ck.ParallelConfig.parse(words)
     torch.manual_seed(0)
@@ -262,13 +262,13 @@ def _build(name, words, layers):
 
 
 def _train_step(name, batch):
-    from colab_kit.cluster.remote import namespace
+    from colab_kit.notebook.cluster.remote import namespace
 
     return namespace()[name].train_step(batch)
 
 
 def _timeline(name):
-    from colab_kit.cluster.remote import namespace
+    from colab_kit.notebook.cluster.remote import namespace
 
     return namespace()[name].timeline()
 

@@ -7,7 +7,7 @@ import pytest
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
-from colab_kit.engine import unsupported
+from colab_kit.engine.core import unsupported
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.tensor import block_collectives, check_model, plan_class
 from colab_kit.tensor.split_gather import SplitGather1D

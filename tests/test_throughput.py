@@ -1,4 +1,4 @@
-"""``colab_kit.throughput``: the FLOPs formula against ``FlopCounterMode`` measuring a real forward and
+"""``colab_kit.observe.throughput``: the FLOPs formula against ``FlopCounterMode`` measuring a real forward and
 backward (GPT at several shapes, BERT with padding, ViT, a Hugging Face GPT-2, a user's MLP), the cached
 peak matmul measurement, and ``engine.throughput()`` on a real dp=2 engine.
 
@@ -22,9 +22,9 @@ import torch.nn as nn
 from torch.utils import flop_counter as fc
 
 import colab_kit as ck
-from colab_kit import throughput
+from colab_kit.observe import throughput
 from colab_kit.models import BERT, GPT, BERTConfig, GPTConfig, ViT, ViTConfig
-from colab_kit.throughput import (
+from colab_kit.observe.throughput import (
     engine_throughput,
     format_throughput,
     model_flops,

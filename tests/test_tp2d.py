@@ -169,7 +169,7 @@ def _layers_and_training(cfgs):
 @pytest.fixture(scope="module")
 def references():
     """Losses and final parameters (by name) of the dense GPT trained in one process."""
-    from colab_kit.reference import train_single_process
+    from colab_kit.engine.reference import train_single_process
 
     out = {}
     for opt in OPTIMIZERS:

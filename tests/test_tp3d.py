@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
-from colab_kit.reference import single_process_losses
+from colab_kit.engine.reference import single_process_losses
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.tensor import check_model, sync_grads
 from colab_kit.tensor.tp3d import (BATCH_AXES, INNER, RESIDUAL, Embedding3D, LayerNorm3D, Linear3D, Plan3D,

@@ -5,7 +5,7 @@ cell's "file" (``/tmp/ipykernel_<pid>/<hash>.py``) exists only in the kernel's
 ``linecache``; either way a rank's traceback lost the lines the user wrote. The cases:
 a function of this module (pickled by value), a closure, a lambda, and a simulated
 notebook cell (nested code, closure and lambda), through ``ck.launch`` and through a
-cluster's ``run``. The in-process tests check ``colab_kit.tracebacks`` itself.
+cluster's ``run``. The in-process tests check ``colab_kit.errors.tracebacks`` itself.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pytest
 import torch.distributed as dist
 
 import colab_kit as ck
-from colab_kit import tracebacks
+from colab_kit.errors import tracebacks
 from colab_kit.errors import RankError
 
 # rank functions travel by value (as a notebook's do): the ranks need not import this module
@@ -169,5 +169,5 @@ def test_a_module_of_a_module_subclass_travels_by_reference():
     import torch.backends
     import torch.backends.cudnn as cudnn
 
-    from colab_kit.tracebacks import pack, unpack
+    from colab_kit.errors.tracebacks import pack, unpack
     assert unpack(pack((cudnn, torch.backends))) == (cudnn, torch.backends)

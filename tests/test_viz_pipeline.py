@@ -85,7 +85,7 @@ def test_marks_need_the_plan_for_pairs_and_must_parse():
         action_set({(0, 1)})
     with pytest.raises(ValueError, match="cannot read pipeline action"):
         action_set({"forward 0"})
-    with pytest.raises(TypeError, match="a Plan, a Timeline"):
+    with pytest.raises(TypeError, match="a PipelinePlan, a Timeline"):
         cells("1f1b")
 
 
@@ -170,6 +170,6 @@ def test_docstring_examples_are_true():
     import doctest
     import importlib
 
-    for name in ("colab_kit.viz.pipeline", "colab_kit.viz.schedule_data", "colab_kit.magics.pipeline_views"):
+    for name in ("colab_kit.viz.pipeline", "colab_kit.viz.schedule_data", "colab_kit.notebook.magics.pipeline_views"):
         result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, name

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 
 import colab_kit as ck
-from colab_kit.widgets import ConfigPicker
-from colab_kit.cluster import ClusterError
-from colab_kit.engine import unsupported
-from colab_kit.widgets import display
-from colab_kit.widgets.config_picker import FIELDS
+from colab_kit.notebook.widgets import ConfigPicker
+from colab_kit.notebook.cluster import ClusterError
+from colab_kit.engine.core import unsupported
+from colab_kit.notebook.widgets import display
+from colab_kit.notebook.widgets.config_picker import FIELDS
 
 
 def test_status_follows_every_change():
@@ -181,7 +181,7 @@ def test_a_figure_view_opens_with_its_traces_and_sends_nothing_unchanged(monkeyp
     import comm
     import plotly.graph_objects as go
 
-    from colab_kit.widgets.figure_view import figure_view, redraw
+    from colab_kit.notebook.widgets.figure_view import figure_view, redraw
 
     opened, sent = [], []
     real = comm.create_comm

@@ -18,7 +18,7 @@ import torch
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.memory import model_state_bytes
-from colab_kit.memory_peak import StatePeak, state_bytes
+from colab_kit.memory.peak import StatePeak, state_bytes
 from colab_kit.models import GPT
 
 from tests.helpers import (BATCH, GPT_CFG, OPTIMIZERS, STEPS, gpt_reference as reference, named_params as _named,
@@ -232,7 +232,7 @@ def _offload(_):
 
 def test_zero3_offload_cpu_and_auto_under_a_budget(world2):
     from colab_kit.models import GPTConfig
-    from colab_kit.reference import train_single_process
+    from colab_kit.engine.reference import train_single_process
     results = ck.launch(_offload, 2, None)
     ref, _ = train_single_process(GPTConfig(**BIG), _adamw, SyntheticTokens(64, 16, seed=1), STEPS, 4)
     for rank, res in enumerate(results):

@@ -15,7 +15,7 @@ in a compact form that parses back::
 
 Compute actions (F, B, I, W) come from the schedule generators; the lowering pass
 adds the communication actions (SF, RF, SB, RB). Stage ``s`` of ``pp * chunks``
-stages is chunk ``s // pp`` of the pipeline rank ``Plan.rank_of(s)`` names: rank
+stages is chunk ``s // pp`` of the pipeline rank ``PipelinePlan.rank_of(s)`` names: rank
 ``s % pp`` under the round-robin 'loop' placement (so with one chunk stage and
 pipeline rank coincide), the V of ``zb-v`` sends the second chunk back up the ranks.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["Action", "COMPUTE", "COMM", "parse", "format_actions", "stage_rank"]
+__all__ = ["Action", "COMPUTE", "COMM", "parse", "format_actions"]
 
 COMPUTE = ("F", "B", "I", "W")
 COMM = ("SF", "RF", "SB", "RB")
@@ -65,10 +65,3 @@ def parse(text: str) -> Action | list[Action]:
 
 def format_actions(actions) -> str:
     return " ".join(str(a) for a in actions)
-
-
-def stage_rank(stage: int, pp: int, placement: str = "loop") -> int:
-    """The pipeline rank that runs ``stage``, for code without a plan at hand (``Plan.rank_of`` decides)."""
-    from .schedules import Plan
-
-    return Plan(pp, 1, 1, "custom", placement=placement).rank_of(stage)

@@ -20,8 +20,8 @@ depends on its matching send, not on the remote compute). If the ranks get stuck
 error shows the last timesteps as a timestep x rank grid and what each rank waits for.
 Rank 1 below starts with microbatch 1 while rank 0 wants microbatch 0 back first::
 
-    >>> from colab_kit.pipeline import Plan, check
-    >>> check(Plan.parse("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0"))  # doctest: +ELLIPSIS
+    >>> from colab_kit.pipeline import PipelinePlan, check
+    >>> check(PipelinePlan.parse("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0"))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     colab_kit.pipeline.check.PlanError: rank 0 position 1: plan deadlocks at timestep 1: no rank can run its next action (rule: ...)

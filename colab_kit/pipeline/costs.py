@@ -83,7 +83,7 @@ def zb_v_timed(pp: int, m: int, costs: dict, reserve: bool = False) -> list[list
     docstring); None if the rules get stuck (``reserve``: keep the chunk-1 slot, which cannot)."""
     n, limit = 2 * pp, 2 * pp
     cost = stage_costs(costs, n)
-    mine = [[r, n - 1 - r] for r in range(pp)]  # the V: Plan(..., placement="v").stages_of(r)
+    mine = [[r, n - 1 - r] for r in range(pp)]  # the V: PipelinePlan(..., placement="v").stages_of(r)
     ended: dict[tuple[str, int, int], float] = {}
     next_f, next_i = [0] * n, [0] * n
     held, owed = [0] * pp, [deque() for _ in range(pp)]
@@ -133,14 +133,14 @@ def zb_v_timed(pp: int, m: int, costs: dict, reserve: bool = False) -> list[list
 def zb_v_plan(pp: int, m: int, costs: dict, unit: list[list[Action]]) -> list[list[Action]]:
     """The actions ``build_plan("zb-v", pp, m, 2, costs=costs)`` returns: the timed list schedule,
     or ``unit`` (the unit-step plan) where that simulates no longer under ``costs``."""
-    from .schedules import Plan
+    from .plan import PipelinePlan
     from .simulate import simulate
 
     timed = zb_v_timed(pp, m, costs) or zb_v_timed(pp, m, costs, reserve=True)
     cost = stage_costs(costs, 2 * pp)
 
     def makespan(actions):
-        return simulate(Plan(pp, m, 2, "zb-v", actions, placement="v"), cost).makespan
+        return simulate(PipelinePlan(pp, m, 2, "zb-v", actions, placement="v"), cost).makespan
 
     return timed if timed is not None and makespan(timed) < makespan(unit) else unit
 

@@ -57,7 +57,7 @@ not on equal unit steps; ``replan()`` (on every rank, between steps) measures ea
 actions in the last step's timeline, all-reduces them and installs ``build_plan("zb-v", ...,
 costs=...)``: the same actions, in an order fitted to what they cost.
 
-Data parallelism: the dp gradient buckets (``data.GradBuckets``) hold this rank's stage
+Data parallelism: the dp gradient buckets (``data.ZeroStage0``) hold this rank's stage
 parameters; they accumulate over the microbatches, and with one stage per rank the
 all-reduce starts during the last B (or W) of the plan, else after it (so does a bucket
 holding a parameter whose gradient comes in I, like a LayerNorm's). The sends and
@@ -73,13 +73,13 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..data import split_batch
+from ..zero.stage0 import split_batch
 from .check import steps
 from .hang import HangMonitor, PipelineHang, hang_message
 from .host import PipelineHost
 from .lowering import lower
-from .p2p import CommActions, _last, receives_ahead
-from .passes import ComputeActions
+from .messages import CommActions, _last, receives_ahead
+from .compute import ComputeActions
 from .zero_bubble import use_split_backward
 
 __all__ = ["PipelineExecutor", "PipelineHang"]

@@ -2,7 +2,7 @@
 
 ``PipelineExecutor`` (``executor.py``) and ``ComputeActions`` (``passes.py``) reach the engine through these
 names and no others (``tests/test_pipeline_host.py`` reads their source to hold them to it, and checks that
-``colab_kit.engine.Engine`` provides every one). The executor runs the actions; the engine owns what every
+``colab_kit.engine.core.Engine`` provides every one). The executor runs the actions; the engine owns what every
 parallel mode shares: the batch split, the loss, the gradient part, the optimizer step.
 
 For ``ParallelConfig(pp=2, microbatches=2)`` on pipeline rank 1 (the last stage), one step uses them so::

@@ -49,7 +49,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from .actions import Action, stage_rank
+from .actions import Action
+from .plan import stage_rank
 
 __all__ = ["lower", "match", "peer", "message_tag", "inputs_of", "outputs_of"]
 
@@ -98,7 +99,7 @@ def message_tag(action: Action, microbatches: int) -> int:
 
 def lower(plan):
     """A copy of ``plan`` with SF/RF/SB/RB actions added (a lowered plan is returned as it is)."""
-    from .schedules import Plan
+    from .plan import PipelinePlan
 
     if plan.lowered:
         return plan
@@ -131,5 +132,5 @@ def lower(plan):
                     out.append(recv)
             out.append(a)
         actions.append(out)
-    return Plan(plan.pp, plan.microbatches, plan.chunks, plan.schedule, actions, lowered=True,
+    return PipelinePlan(plan.pp, plan.microbatches, plan.chunks, plan.schedule, actions, lowered=True,
                 placement=plan.placement)

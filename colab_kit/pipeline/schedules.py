@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: a ``Plan`` holds, for each pipeline rank, its actions in order.
+"""Pipeline schedules as data: a ``PipelinePlan`` holds, for each pipeline rank, its actions in order.
 
 ``build_plan(schedule, pp, microbatches, chunks)`` writes the compute actions (F, B, I, W)
 of one training step; ``lower(plan)`` (lowering.py) adds the sends and receives;
@@ -30,7 +30,7 @@ With unit costs (F = I = W = 1) the step takes 3m + p - 1 time units instead of 
 
 ZB-V (the same paper; ``build_plan("zb-v", pp, m, chunks=2)``) cuts the model into
 2p stages placed in a V: stages 0..p-1 go down ranks 0..p-1 and stages p..2p-1 come back up
-from rank p-1 to rank 0 (``Plan.rank_of``, placement 'v'). Rank 0 holds the embeddings and the
+from rank p-1 to rank 0 (``PipelinePlan.rank_of``, placement 'v'). Rank 0 holds the embeddings and the
 head, and the hop from stage p-1 to stage p stays in rank p-1's memory. The order comes from a
 greedy list scheduler (``_zb_v``: ready I first, then a forward while the rank holds fewer than
 2p chunk-microbatches, then the oldest W). ``print(build_plan("zb-v", 4, 8, 2))``, each rank's
@@ -60,120 +60,14 @@ between F and W, the 4 whole microbatches 1F1B's first rank holds, the same on e
 """
 from __future__ import annotations
 
-import re
 from collections import deque
-from dataclasses import dataclass, field
 
-from .actions import Action, format_actions, parse
+from .actions import Action
+from .plan import SCHEDULE_PLACEMENT, PipelinePlan
 
-__all__ = ["Plan", "build_plan", "build_plan_for", "PLACEMENTS", "SCHEDULE_PLACEMENT"]
+Plan = PipelinePlan  # the 0.1 name, kept for one version
 
-PLACEMENTS = ("loop", "v")
-"""How stages are dealt to pipeline ranks (``Plan.rank_of``)."""
-SCHEDULE_PLACEMENT = {"gpipe": "loop", "1f1b": "loop", "interleaved": "loop", "zb-h1": "loop", "zb-v": "v"}
-"""The placement each generator writes its plan for."""
-
-
-@dataclass
-class Plan:
-    """One training step of a pipeline schedule: ``actions[r]`` is what pipeline rank r runs, in order."""
-
-    pp: int
-    """Pipeline ranks (one list of actions each)."""
-    microbatches: int
-    """Microbatches per step."""
-    chunks: int
-    """Model chunks (virtual stages) per rank; stage s is chunk s // pp, on rank ``rank_of(s)``."""
-    schedule: str
-    """Name of the generator ('gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-v') or 'custom'."""
-    actions: list[list[Action]] = field(default_factory=list)
-    """Per pipeline rank, the actions in execution order."""
-    lowered: bool = False
-    """True once ``lower`` added the send and receive actions."""
-    placement: str = "loop"
-    """How stages are dealt to ranks: 'loop' (round-robin) or 'v' (zig-zag); see ``rank_of``."""
-
-    def __post_init__(self):
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"unknown placement {self.placement!r}: one of {', '.join(map(repr, PLACEMENTS))}")
-
-    @property
-    def n_stages(self) -> int:
-        return self.pp * self.chunks
-
-    def rank_of(self, stage: int) -> int:
-        """The pipeline rank that runs ``stage``: the one place that decides it.
-
-        Chunk ``c = stage // pp`` walks the ranks upwards under 'loop' placement; under 'v'
-        the odd chunks walk back down, so stage pp-1 and stage pp share the last rank and the
-        first and last stages share rank 0. With pp=3, chunks=2::
-
-            stage   0 1 2 | 3 4 5
-            'loop'  0 1 2 | 0 1 2
-            'v'     0 1 2 | 2 1 0
-        """
-        chunk, i = divmod(stage, self.pp)
-        return self.pp - 1 - i if self.placement == "v" and chunk % 2 else i
-
-    def stages_of(self, rank: int) -> list[int]:
-        """The stages pipeline rank ``rank`` runs, in chunk order (``[0, 5]`` for rank 0 above, under 'v')."""
-        return [s for s in range(self.n_stages) if self.rank_of(s) == rank]
-
-    def __str__(self) -> str:
-        return "\n".join(f"rank {r}: {format_actions(a)}" for r, a in enumerate(self.actions))
-
-    def __repr__(self) -> str:
-        n = sum(len(a) for a in self.actions)
-        where = f", placement={self.placement!r}" if self.placement != "loop" else ""
-        return (f"Plan({self.schedule!r}, pp={self.pp}, microbatches={self.microbatches}, "
-                f"chunks={self.chunks}{where}, lowered={self.lowered}, {n} actions)")
-
-    def compute(self, rank: int) -> list[Action]:
-        """The compute actions (F, B, I, W) of one rank, communication left out."""
-        return [a for a in self.actions[rank] if not a.is_comm]
-
-    @classmethod
-    def parse(cls, text: str, schedule: str = "custom", *, pp: int | None = None,
-              microbatches: int | None = None, chunks: int | None = None,
-              lowered: bool | None = None, placement: str | None = None) -> "Plan":
-        """Read the printed form back: one line per rank, an optional ``rank r:`` prefix.
-
-        Blank lines and ``#`` comments are skipped. ``pp`` is the number of lines, the
-        other sizes are inferred from the largest stage and microbatch unless given,
-        ``lowered`` from the presence of communication actions, and ``placement`` from
-        the schedule's name, else as the first of 'loop', 'v' that puts every action on
-        the rank that lists it::
-
-            >>> Plan.parse("rank 0: 0F0 1F0 1B0 0B0").chunks   # pp=1, two stages on rank 0
-            2
-            >>> Plan.parse("rank 0: 0F0 3F0\\nrank 1: 1F0 2F0").placement   # stage 3 back on rank 0
-            'v'
-        """
-        rows: list[list[Action]] = []
-        for line in text.splitlines():
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            m = re.match(r"^rank\s+(\d+)\s*:(.*)$", line)
-            if m:
-                if int(m.group(1)) != len(rows):
-                    raise ValueError(f"plan text lists rank {m.group(1)} where rank {len(rows)} was expected")
-                line = m.group(2)
-            words = line.split()
-            rows.append([parse(w) for w in words])
-        pp = pp or len(rows)
-        rows += [[] for _ in range(pp - len(rows))]
-        everything = [a for row in rows for a in row]
-        n_stages = max((a.stage for a in everything), default=0) + 1
-        chunks = chunks or max(1, -(-n_stages // pp))
-        microbatches = microbatches or max((a.microbatch for a in everything), default=0) + 1
-        lowered = any(a.is_comm for a in everything) if lowered is None else lowered
-        if placement is None:
-            placement = SCHEDULE_PLACEMENT.get(schedule) or next(
-                (p for p in PLACEMENTS if all(cls(pp, 1, 1, schedule, placement=p).rank_of(a.stage) == r
-                                              for r, row in enumerate(rows) for a in row)), "loop")
-        return cls(pp, microbatches, chunks, schedule, rows, lowered, placement)
-
+__all__ = ["build_plan", "build_plan_for"]
 
 # ------------------------------------------------------------------------ generators
 def _gpipe(pp: int, m: int) -> list[list[Action]]:
@@ -264,7 +158,7 @@ def _zb_v(pp: int, m: int) -> list[list[Action]]:
     stage in order.
     """
     n, limit = 2 * pp, 2 * pp
-    mine = [Plan(pp, m, 2, "zb-v", placement="v").stages_of(r) for r in range(pp)]  # [r, 2pp-1-r]
+    mine = [PipelinePlan(pp, m, 2, "zb-v", placement="v").stages_of(r) for r in range(pp)]  # [r, 2pp-1-r]
     ended: dict[tuple[str, int, int], int] = {}  # (kind, stage, microbatch) -> step it ran in
     next_f, next_i = [0] * n, [0] * n
     held, owed = [0] * pp, [deque() for _ in range(pp)]  # F done, W not yet; I done, W not yet
@@ -306,7 +200,7 @@ def _zb_v(pp: int, m: int) -> list[list[Action]]:
     return plan
 
 
-def build_plan(schedule: str, pp: int, microbatches: int, chunks: int = 1, costs: dict | None = None) -> Plan:
+def build_plan(schedule: str, pp: int, microbatches: int, chunks: int = 1, costs: dict | None = None) -> PipelinePlan:
     """The compute actions of one step of ``schedule`` on ``pp`` ranks (see the module docstring).
 
     ``costs`` (zb-v only): ``{(stage, kind): time}`` for F, I and W, or kind defaults; the V is
@@ -340,10 +234,10 @@ def build_plan(schedule: str, pp: int, microbatches: int, chunks: int = 1, costs
         actions = _zb_v(pp, microbatches)
     else:
         actions = _interleaved(pp, microbatches, chunks)
-    return Plan(pp, microbatches, chunks, schedule, actions, placement=SCHEDULE_PLACEMENT[schedule])
+    return PipelinePlan(pp, microbatches, chunks, schedule, actions, placement=SCHEDULE_PLACEMENT[schedule])
 
 
-def build_plan_for(config, model_cfg=None) -> Plan:
+def build_plan_for(config, model_cfg=None) -> PipelinePlan:
     """``build_plan`` with the pipeline fields of a ``ParallelConfig``: the plan the engine runs.
 
     For zb-v with the model's config (a ``GPTConfig``: what ``boost`` knows) the V is

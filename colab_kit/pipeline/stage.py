@@ -3,7 +3,7 @@
 The ``n_layers`` blocks are dealt evenly over ``S = pp * chunks`` stages, in order;
 the embeddings go with the first stage, the final LayerNorm and the LM head (and so
 the loss) with the last. Stage ``s`` is chunk ``s // pp`` of the pipeline rank
-``Plan.rank_of(s)`` names (the schedule's placement). Worked example, ``n_layers=4``, ``pp=2``::
+``PipelinePlan.rank_of(s)`` names (the schedule's placement). Worked example, ``n_layers=4``, ``pp=2``::
 
     chunks=1 (gpipe, 1f1b, zb-h1)   rank 0: stage 0 = tok, pos, blocks 0-1
                                     rank 1: stage 1 = blocks 2-3, ln_f, head
@@ -144,10 +144,10 @@ def tied_across_ranks(model: nn.Module, config, policy) -> list[torch.Tensor]:
     """The weights of ``policy.tied`` (before the split, after the tensor plan: this rank's shard shape,
     meta where another rank builds it) whose first and last stage live on different pipeline ranks."""
     from ..policy import get_module
-    from .schedules import SCHEDULE_PLACEMENT, Plan
+    from .plan import SCHEDULE_PLACEMENT, PipelinePlan
 
     n = config.pp * config.chunks
-    where = Plan(config.pp, config.microbatches, config.chunks, config.schedule,
+    where = PipelinePlan(config.pp, config.microbatches, config.chunks, config.schedule,
                  placement=SCHEDULE_PLACEMENT[config.schedule])
     if not policy.tied or where.rank_of(0) == where.rank_of(n - 1):
         return []
@@ -155,7 +155,7 @@ def tied_across_ranks(model: nn.Module, config, policy) -> list[torch.Tensor]:
 
 
 def split_model(model: nn.Module, config, pp_rank: int, policy=None) -> list[Stage]:
-    """The stages of pipeline rank ``pp_rank``, in chunk order: ``Plan.stages_of`` under the schedule's
+    """The stages of pipeline rank ``pp_rank``, in chunk order: ``PipelinePlan.stages_of`` under the schedule's
     placement (``[pp_rank, pp_rank + pp]`` for interleaved, ``[pp_rank, 2*pp - 1 - pp_rank]`` for zb-v)."""
     from ..policy import missing_policy_message, policy_for
     policy = policy_for(model, policy)
@@ -164,11 +164,11 @@ def split_model(model: nn.Module, config, pp_rank: int, policy=None) -> list[Sta
     policy.check(model, kinds=False)  # after the tensor plan
     n_layers = len(policy.block_list(model))
     check_stages(n_layers, config)
-    from .schedules import SCHEDULE_PLACEMENT, Plan
+    from .plan import SCHEDULE_PLACEMENT, PipelinePlan
 
     n = config.pp * config.chunks
     names = {id(p): name for name, p in model.named_parameters()}
     layers = stage_layers(n_layers, n)
-    where = Plan(config.pp, config.microbatches, config.chunks, config.schedule,
+    where = PipelinePlan(config.pp, config.microbatches, config.chunks, config.schedule,
                  placement=SCHEDULE_PLACEMENT[config.schedule])
     return [Stage(model, policy, s, n, layers[s], names) for s in where.stages_of(pp_rank)]

@@ -15,7 +15,7 @@ Every config that ``ParallelConfig`` accepts for ``world_size`` ranks, that ``bo
 tensor plan's batch shards) is a candidate: dp, tp in four modes, pp with every schedule and a
 few microbatch counts, ring / Ulysses / split_gather, ZeRO 0-3, offload none / cpu (and 'auto'
 when ``memory_per_rank`` is given: ``cand.boost_kwargs == {"device_budget": memory_per_rank}``),
-recomputation on and off. For each: memory per rank from ``colab_kit.estimate.config_estimate``
+recomputation on and off. For each: memory per rank from ``colab_kit.memory.estimator.config_estimate``
 (the estimate ``engine.memory_estimate()`` reports) and seconds per step from ``cost`` with
 constants measured on this machine (``constants``). Within one parallel shape (the degrees,
 modes and schedule) a candidate that another one beats on both memory and time is dropped.
@@ -159,7 +159,7 @@ def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32
                       accept=None):
     """Every config boost runs for this model and batch on ``world_size`` ranks (see the module docstring).
     ``accept(cfg)``: a further check that raises ConfigError (another model's ``check_policy``)."""
-    from ..engine import unsupported
+    from ..engine.core import unsupported
     from ..pipeline.stage import check_stages
     from ..sequence.plan import LAYOUT, SequencePlan, check_length
     from ..tensor import check_model
@@ -206,7 +206,7 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
     a global ``batch`` of rows per step, best first: those that fit ``memory_per_rank`` bytes
     (device bytes per rank), then by estimated seconds per step. ``limit`` keeps the first N.
 
-    At scale, from a laptop: ``hardware`` names a node preset (``colab_kit.dry_run.HARDWARE``, datasheet
+    At scale, from a laptop: ``hardware`` names a node preset (``colab_kit.planner.at_scale.HARDWARE``, datasheet
     figures: assumptions) whose constants price the steps and whose GPU memory is ``memory_per_rank`` unless
     given; ``exact=k`` dry-runs the first k candidates that fit (``ck.dry_run``: each pipeline stage's first
     rank built under torch's fake process group, a few seconds for all of them) and replaces their model
@@ -219,7 +219,7 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
     processes, which is refused above 16 ranks (before anything starts).
     """
     if hardware is not None:
-        from ..dry_run import HARDWARE, hardware_constants
+        from .at_scale import HARDWARE, hardware_constants
         if hardware not in HARDWARE:
             raise ConfigError(f"unknown hardware {hardware!r}: choose from {', '.join(HARDWARE)}, or pass constants=")
         if constants is not None:
@@ -227,10 +227,10 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
         constants = hardware_constants(hardware, precision if precision in ("fp32", "bf16", "fp16") else "fp32")
         memory_per_rank = HARDWARE[hardware].device_bytes if memory_per_rank is None else memory_per_rank
     if constants is None and isinstance(world_size, int) and world_size > 16:
-        from ..dry_run import HARDWARE
+        from .at_scale import HARDWARE
         raise ConfigError(f"ck.plan for {world_size} ranks without constants would measure them with {world_size} "
                           f"local processes: pass hardware= (one of the presets: {', '.join(HARDWARE)}) or "
-                          f"constants= (colab_kit.dry_run.hardware_constants(name), or your own)")
+                          f"constants= (colab_kit.planner.at_scale.hardware_constants(name), or your own)")
     if isinstance(exact, bool) or not isinstance(exact, int) or exact < 0:
         raise ConfigError(f"exact must be a whole number of candidates to dry-run, got {exact!r}: try 3")
     cands = _plan(model_cfg, world_size, batch, memory_per_rank, precision, optimizer, seq=seq, constants=constants,
@@ -252,8 +252,8 @@ def _plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precisio
                               f"{type(model_cfg).__name__}: pass the model itself, e.g. ck.plan(ViT(cfg), 4, 16)")
         return _other_model(model_cfg, world_size, batch, memory_per_rank, precision, optimizer, seq=seq,
                             constants=constants, limit=limit, policy=policy, input_shape=input_shape)
-    from ..estimate import config_estimate
-    from ..memory import optimizer_states
+    from ..memory.estimator import config_estimate
+    from ..memory.formulas import optimizer_states
     from .cost import step_seconds
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -300,7 +300,7 @@ def _ranked(out: list, limit, consts, memory_per_rank) -> Candidates:
 def _auto_placed(mem: dict, budget: int) -> dict:
     """offload='auto' (ZeRO-3 chunks placed under the budget): the model states that do not fit
     beside the activations go to the host, in proportion."""
-    from ..memory import placed
+    from ..memory.formulas import placed
     states = mem["params"] + mem["grads"] + mem["optimizer"]
     room = max(0, budget - mem["activations"])
     share = 0.0 if states <= room else 1.0 - room / states
@@ -340,9 +340,9 @@ def _other_model(model, world_size, batch, memory_per_rank, precision, optimizer
     import dataclasses
 
     import torch
-    from ..estimate import config_estimate, gpt_like, model_activations, part_params, traced_activations
-    from ..sharded_init import meta_twin
-    from ..memory import placed
+    from ..memory.estimator import config_estimate, gpt_like, model_activations, part_params, traced_activations
+    from ..engine.sharded_init import meta_twin
+    from ..memory.formulas import placed
     from ..policy import missing_policy_message, policy_for
     from ..policy.fit import check_policy
     from .cost import step_seconds

@@ -43,9 +43,9 @@ import dataclasses
 import functools
 
 from ..comm import wire_bytes
-from ..data import default_bucket_bytes
-from ..estimate import part_params, stage_params
-from ..memory import PRECISION_BYTES
+from ..zero.stage0 import default_bucket_bytes
+from ..memory.estimator import part_params, stage_params
+from ..memory.formulas import PRECISION_BYTES
 from ..pipeline.costs import flops_per_token
 from ..tensor import block_collectives, linear_comm_bytes
 
@@ -219,7 +219,7 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict, optimizer: 
 def _dp_comm(model, cfg, consts, memory) -> tuple[float, int]:
     if cfg.dp == 1:
         return 0.0, 0
-    e = 4  # gradients are reduced in fp32 (colab_kit.precision)
+    e = 4  # gradients are reduced in fp32 (colab_kit.engine.precision)
     params = max(stage_params(model, cfg))
     total = params * e
     if cfg.zero == 3:

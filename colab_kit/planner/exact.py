@@ -12,7 +12,7 @@ __all__ = ["exact_states"]
 
 def exact_states(cands, model, batch, seq, optimizer, policy, count, memory_per_rank) -> list:
     """The first ``count`` candidates that fit, their model states replaced by the dry runs' exact bytes."""
-    from ..dry_run import dry_run_many
+    from .at_scale import dry_run_many
 
     chosen = [c for c in cands if c.fits and c.config.offload != "auto"][:count]
     calls = []

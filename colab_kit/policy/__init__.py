@@ -256,7 +256,10 @@ def set_module(model: nn.Module, path: str, new: nn.Module) -> None:
 
 # ---------------------------------------------------------------------- registry
 _REGISTRY: dict[type, Callable[[nn.Module], Policy]] = {}
-_LAZY: dict[str, str] = {  # "module:Class" of a model family -> "module:factory" (transformers, loaded on use)
+_LAZY: dict[str, str] = {  # "module:Class" of a model family -> "module:factory", loaded on first use
+    "colab_kit.models.gpt:GPT": "colab_kit.policy.builtin:gpt_policy",
+    "colab_kit.models.bert:BERT": "colab_kit.policy.builtin:bert_policy",
+    "colab_kit.models.vit:ViT": "colab_kit.policy.builtin:vit_policy",
     "transformers.models.gpt2.modeling_gpt2:GPT2LMHeadModel": "colab_kit.policy.hf:gpt2_policy",
     "transformers.models.llama.modeling_llama:LlamaForCausalLM": "colab_kit.policy.hf:llama_policy",
 }
@@ -273,7 +276,6 @@ def policy_for(model: nn.Module, policy: Policy | None = None) -> Policy | None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a colab_kit.policy.Policy, got {type(policy).__name__}")
         return policy
-    from . import builtin  # noqa: F401  (registers GPT, BERT, ViT and the transformers families)
     for cls in type(model).__mro__:
         if cls in _REGISTRY:
             return _REGISTRY[cls](model)

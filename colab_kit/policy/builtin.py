@@ -1,12 +1,17 @@
 """The policies of the models colab_kit ships: GPT, BERT and ViT (``colab_kit.models``).
 
-They use the public ``Policy`` API exactly as a user's policy does; importing this module
-registers them (``policy_for`` does it on first use).
+They use the public ``Policy`` API exactly as a user's policy does. ``policy_for`` finds them by the
+models' class paths (``policy._LAZY``) and imports this module on first use, so the models never import
+the policies and the policies import no model.
 """
 from __future__ import annotations
 
-from ..models import BERT, GPT, ViT
-from . import Attention, Policy, register
+from typing import TYPE_CHECKING
+
+from . import Attention, Policy
+
+if TYPE_CHECKING:
+    from ..models import BERT, GPT, ViT
 
 __all__ = ["gpt_policy", "bert_policy", "vit_policy"]
 
@@ -50,8 +55,3 @@ def vit_policy(model: ViT) -> Policy:
                   attention=_attention(causal=False),
                   embed=lambda m, images: m.embed(images), finish=lambda m, x: m.classify(x),
                   tail=("ln_f", "head"), loss="classes", sequence=False)
-
-
-register(GPT, gpt_policy)
-register(BERT, bert_policy)
-register(ViT, vit_policy)

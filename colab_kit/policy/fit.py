@@ -39,11 +39,11 @@ def check_policy(model: nn.Module, config: ParallelConfig, policy=None):
         SequencePlan.check(model_sizes(model, policy), config)
         SequencePlan.check_policy(model, policy, config)
     if config.pp > 1:
-        from ..pipeline.schedules import SCHEDULE_PLACEMENT, Plan
+        from ..pipeline.plan import SCHEDULE_PLACEMENT, PipelinePlan
         from ..pipeline.stage import check_stages
         check_stages(len(policy.block_list(model)), config)
         n = config.pp * config.chunks
-        where = Plan(config.pp, config.microbatches, config.chunks, config.schedule,
+        where = PipelinePlan(config.pp, config.microbatches, config.chunks, config.schedule,
                      placement=SCHEDULE_PLACEMENT[config.schedule])
         if policy.tied and where.rank_of(0) != where.rank_of(n - 1) and config.zero:
             a, b = policy.tied[0]

@@ -56,10 +56,10 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..config import ConfigError
-from ..classes import derived_class
+from ..engine.classes import derived_class
 from ..pipeline.zero_bubble import split_linear
 from ..placement import add_partial
-from . import require_divisible
+from .plan import require_divisible
 from .tp1d import ColumnLinear, Plan1D, RowLinear, VocabEmbedding
 
 __all__ = ["gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel", "gathered_class",

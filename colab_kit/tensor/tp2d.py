@@ -45,7 +45,7 @@ works on rows 4..5 and hidden cols 4..7.
 from __future__ import annotations
 
 from ..policy import set_module
-from . import TensorPlan, require_divisible
+from .plan import TensorPlan, require_divisible
 from .tp2d_layers import (SUMMA_AB, SUMMA_ABT, SUMMA_ATB, Embedding2D, InputLinear2D, LayerNorm2D, Linear2D,
                           RMSNorm2D,
                           TiedHead2D, VocabEmbedding2D, batch_axes_of, summa_ab, summa_abt, summa_atb)

@@ -61,7 +61,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ConfigError
-from . import TensorPlan, require_divisible
+from .plan import TensorPlan, require_divisible
 from ..policy import set_module
 from .tp3d_layers import (WT, DenseLinear3D, Embedding3D, InputLinear3D, LayerNorm3D, Linear3D, RMSNorm3D,
                           TiedHead3D, VocabEmbedding3D, local_block, other_axis)

@@ -60,7 +60,7 @@ def schedule_figure(source, executed=None, current=None, title: str | None = Non
                     row_name: str = "rank") -> go.Figure:
     """One box per action on its rank's row, labelled in compact form, coloured by kind.
 
-    ``source``: a Plan (timestep grid), a Timeline from ``simulate`` (time), or a list of
+    ``source``: a PipelinePlan (timestep grid), a Timeline from ``simulate`` (time), or a list of
     per-rank event lists from ``engine.timeline()`` (measured, ms). Microbatches are shaded
     lighter as they go. With ``executed`` (actions, compact forms or ``(rank, index)``
     pairs; see ``schedule_data.action_set``), the cells already run are solid and the rest
@@ -127,7 +127,7 @@ def activation_memory_figure(source, measured=None, frees: tuple[str, ...] = ("B
                              title: str | None = None) -> go.Figure:
     """Per rank, how many microbatch activations it holds over the step.
 
-    Planned lines come from ``held_series(source)`` (a Plan: x = timesteps done; a
+    Planned lines come from ``held_series(source)`` (a PipelinePlan: x = timesteps done; a
     Timeline: x = planned time). ``measured``: per rank, ``[(x, held), ...]`` as recorded
     by the engine (``ScheduleStepper`` samples ``engine.pipeline.state()["held"]``), a list
     by rank or a dict rank -> samples; drawn as markers only (nothing is known between samples).

@@ -3,7 +3,7 @@
 The figure builders of ``viz.pipeline`` draw *cells*: one box per action on its pipeline
 rank's row, from ``start`` to ``end``. Three sources give cells, each labelled for what it is:
 
-* a ``Plan`` (planned): the lockstep grid of ``check.steps``, one timestep per cell; for a
+* a ``PipelinePlan`` (planned): the lockstep grid of ``check.steps``, one timestep per cell; for a
   lowered plan these are exactly the timesteps ``engine.pipeline.advance`` walks;
 * a ``Timeline`` from ``simulate`` (planned): start and end in cost units (F=1, B=2, ...);
 * per-rank event lists from ``engine.timeline()`` (measured): seconds since that rank's
@@ -103,14 +103,14 @@ def event_cells(per_rank: list[list[dict]], unit: float = 1e3, idle: bool = True
 
 
 def cells(source) -> tuple[list[Cell], str]:
-    """(cells, what they are: "plan", "timeline" or "measured") of a Plan, Timeline or event lists."""
+    """(cells, what they are: "plan", "timeline" or "measured") of a PipelinePlan, Timeline or event lists."""
     if hasattr(source, "actions") and hasattr(source, "pp"):
         return plan_cells(source), "plan"
     if hasattr(source, "events") and hasattr(source, "plan"):
         return timeline_cells(source), "timeline"
     if isinstance(source, (list, tuple)) and all(isinstance(r, (list, tuple)) for r in source):
         return event_cells(list(source)), "measured"
-    raise TypeError(f"expected a Plan, a Timeline (from simulate) or per-rank event lists "
+    raise TypeError(f"expected a PipelinePlan, a Timeline (from simulate) or per-rank event lists "
                     f"(engine.timeline() of every rank), got {type(source).__name__}")
 
 
@@ -142,7 +142,7 @@ def held_series(source, frees: tuple[str, ...] = ("B", "W")) -> list[tuple[list[
 
     An activation is held from its F until the backward that frees it: ``frees=("B", "W")``
     is what the executor does (its W pass walks the saved graph again, so a zero-bubble I
-    keeps the activation); ``("B", "I")`` is the count the ZB-H1 paper uses. For a Plan, x
+    keeps the activation); ``("B", "I")`` is the count the ZB-H1 paper uses. For a PipelinePlan, x
     counts completed timesteps (``held`` after every action before timestep x, as
     ``engine.pipeline.state()`` reports after ``advance_to(x)``); for a Timeline, x is time.
     """

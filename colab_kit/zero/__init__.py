@@ -1,16 +1,27 @@
-"""ZeRO over the dp axis (Rajbhandari et al. 2020, arXiv 1910.02054) and heterogeneous memory.
+"""Data parallelism and ZeRO over the dp axis (Rajbhandari et al. 2020, arXiv 1910.02054), and heterogeneous
+memory. One class per stage, named for the ``config.zero`` it runs, all with one declared interface
+(``GradientPart``, which the engine and the pipeline executor drive):
 
-- ``buckets``: stages 1 and 2 (``ZeroBuckets``): optimizer states, then gradients, sharded;
-  parameters whole on every rank. ``stage2``: stage 2 (``ZeroStage2``, a ``ZeroBuckets``):
-  each gradient bucket exists only from its first gradient to the end of its reduce-scatter.
-- ``stage3``: stage 3 (``ZeroParams``): parameters sharded too, each block's gathered just
-  before it runs and freed after.
+- ``stage0``: ``ZeroStage0``, plain data parallelism (DeepSpeed's stage 0): whole gradients all-reduced
+  in buckets; also the batch split over dp.
+- ``stage1``: ``ZeroStage1``: optimizer states sharded; gradients reduce-scattered into the shard.
+- ``stage2``: ``ZeroStage2`` (a ``ZeroStage1``): gradients sharded too, each bucket alive only from its
+  first gradient to the end of its reduce-scatter.
+- ``stage3``: ``ZeroStage3``: parameters sharded too, each block's gathered just before it runs and
+  freed after.
+- ``chunks``, ``offload``: where ZeRO's pieces live (device, host, or placed under a device budget).
 
-``ck.boost`` picks the part from ``config.zero``; every part has the interface the engine
-and the pipeline executor drive (``arm``, ``finish``, ``zero``, ``remove``, ``nbytes``,
-``build_optimizer``, ``sync_replicated``, ``gather_params``).
+    >>> from colab_kit.zero import STAGES
+    >>> [STAGES[z].__name__ for z in range(4)]
+    ['ZeroStage0', 'ZeroStage1', 'ZeroStage2', 'ZeroStage3']
 """
-from .buckets import ELEMENTWISE, ZeroBuckets, check_optimizer
+from .stage0 import GradientPart, ZeroStage0
+from .stage1 import ELEMENTWISE, ZeroStage1, check_optimizer
 from .stage2 import ZeroStage2
+from .stage3 import ZeroStage3
 
-__all__ = ["ZeroBuckets", "ZeroStage2", "check_optimizer", "ELEMENTWISE"]
+STAGES = {0: ZeroStage0, 1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
+"""The gradient part of each ``config.zero``."""
+
+__all__ = ["GradientPart", "ZeroStage0", "ZeroStage1", "ZeroStage2", "ZeroStage3", "STAGES", "check_optimizer",
+           "ELEMENTWISE"]

@@ -2,8 +2,8 @@
 
 Two parts, one account:
 
-- ``offload="cpu"`` with zero=1 or 2 (Ren et al. 2021, ZeRO-Offload) is ``ZeroBuckets`` with
-  its fp32 masters (``colab_kit.precision.MasterWeights``) on the host, in fp32 as in mixed
+- ``offload="cpu"`` with zero=1 or 2 (Ren et al. 2021, ZeRO-Offload) is ``ZeroStage1`` with
+  its fp32 masters (``colab_kit.engine.precision.MasterWeights``) on the host, in fp32 as in mixed
   precision: the parameters stay on the device, whole, for compute; the optimizer steps the
   host copies of this rank's pieces, with its states there. Per step: the reduced gradient
   pieces go to the host, the host steps, the updated pieces come back and are all-gathered.
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from ..memory import tensor_bytes
+from ..memory.measure import tensor_bytes
 
 __all__ = ["Account", "DeviceBudgetExceeded", "ChunkPlacement", "host_device"]
 
@@ -103,7 +103,7 @@ class ChunkPlacement:
         self.where = ["device"] * len(chunks)
         self.log: list[dict] = []
         self.optimizer = None
-        self.keys = None  # per chunk, the tensor the optimizer steps (set by ZeroParams)
+        self.keys = None  # per chunk, the tensor the optimizer steps (set by ZeroStage3)
         self.state_keys = None  # per chunk, the tensors whose optimizer states go with it (views per param group)
         self.step = 0
         if mode in ("cpu", "auto"):  # "auto" starts on the host and measures its first step

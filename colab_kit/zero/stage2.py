@@ -63,7 +63,7 @@ Worked example, dp=2, microbatches=2, four buckets b3..b0 in backward order (siz
 
 ``peak_nbytes`` (this rank's figure, counted as the buffers come and go, an add and a compare
 per bucket): the pieces plus the most full-bucket bytes (buckets and their fp32 copies under
-mixed precision) held at once during the last step. ``colab_kit.memory_peak`` measures the
+mixed precision) held at once during the last step. ``colab_kit.memory.peak`` measures the
 same from outside, on any training code alike.
 """
 from __future__ import annotations
@@ -73,8 +73,8 @@ import time
 import torch
 
 from .. import comm
-from ..memory import tensor_bytes
-from .buckets import ZeroBuckets
+from ..memory.measure import tensor_bytes
+from .stage1 import ZeroStage1
 
 __all__ = ["ZeroStage2", "stage2_bucket_bytes"]
 
@@ -86,8 +86,8 @@ def stage2_bucket_bytes(params, n: int) -> int:
     return min(25 << 20, max(64 << 10, total // (2 * n)))
 
 
-class ZeroStage2(ZeroBuckets):
-    """``ZeroBuckets`` at stage 2 with each bucket's full storage freed after its reduce-scatter."""
+class ZeroStage2(ZeroStage1):
+    """``ZeroStage1`` at stage 2 with each bucket's full storage freed after its reduce-scatter."""
 
     def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
                  stage: int = 2, offload: str = "none", placements=None, group_of=None):

@@ -33,7 +33,7 @@ for before the next one starts, which costs no overlap: one process group runs i
 in order anyway) and autograd's gradients of R's head side. R's buffer is made only when its
 last gradient (the embeddings', at the very end of backward) has arrived: made at the end of
 forward, it would hold the embeddings' gradient bytes through the whole backward, where FSDP2
-holds them only from the embedding's backward on. Measured with ``colab_kit.memory_peak`` on a
+holds them only from the embedding's backward on. Measured with ``colab_kit.memory.peak`` on a
 GPT d=128 x 4 (bench/zero.py) that is FSDP2's in-step peak to the byte, less its per-parameter
 step counters (tests/test_zero3.py checks the bound above on three blocks).
 
@@ -48,7 +48,7 @@ paper's 2P/N is there again. The values are those of the 16-bit pieces: parity i
 Hooks: a forward pre-hook and a forward hook on each block (the policy's ``blocks``) and on the
 model, a tensor hook on each block's output (its backward is next), and a post-accumulate-grad
 hook on every parameter. A model without a policy is one chunk, gathered for the whole step.
-With recompute (``colab_kit.recompute``) a block's own hooks fire once, around the forward;
+With recompute (``colab_kit.engine.recompute``) a block's own hooks fire once, around the forward;
 its recomputation in backward runs after the output hook gathered it. Pipeline parallelism is
 refused with zero=3 (see ``engine.unsupported``).
 """
@@ -63,11 +63,11 @@ import torch
 import torch.nn as nn
 
 from ..config import ConfigError
-from ..precision import MasterWeights
-from .buckets import build_over, sum_slices
+from ..engine.precision import MasterWeights
+from .stage1 import build_over, sum_slices
 from .chunks import Chunk
 
-__all__ = ["ZeroParams", "units_of"]
+__all__ = ["ZeroStage3", "units_of"]
 
 
 def units_of(module: nn.Module, blocks: nn.ModuleList | None = None) -> list[tuple[str, nn.Module | None,
@@ -89,8 +89,8 @@ def _call(ref, method, *args):
         return getattr(owner, method)(*args)
 
 
-class ZeroParams:
-    """ZeRO stage 3 over ``axis`` for ``module``: the interface of ``ZeroBuckets`` (``arm``,
+class ZeroStage3:
+    """ZeRO stage 3 over ``axis`` for ``module``: the interface of ``ZeroStage1`` (``arm``,
     ``finish``, ``zero``, ``remove``, ``nbytes``, ``build_optimizer``, ``sync_replicated``,
     ``gather_params``), plus ``param_bytes()``, ``gathered()`` and ``live`` (the storages of the
     chunks whole right now, which the activation meter does not count)."""
@@ -104,7 +104,7 @@ class ZeroParams:
         self.events = events if events is not None else []
         self.prefetch = prefetch
         units = units_of(module, blocks)
-        if group_of is not None:  # the user's param groups: each chunk ordered by group (colab_kit.optimizer)
+        if group_of is not None:  # the user's param groups: each chunk ordered by group (colab_kit.engine.optimizer)
             units = [(name, block, sorted(ps, key=group_of)) for name, block, ps in units]
         if len({(p.dtype, p.device) for _, _, ps in units for p in ps}) > 1:
             raise ConfigError("ZeRO keeps parameters in flat chunks: they must share one dtype and device")
@@ -118,7 +118,7 @@ class ZeroParams:
         """This rank's pieces, one flat tensor per chunk: what the optimizer steps (in fp32)."""
         mixed = self.chunks[0].full.dtype in (torch.bfloat16, torch.float16)
         self.masters = MasterWeights(self.shards, device="cpu" if offload != "none" else None) if mixed else None
-        """Mixed precision: fp32 masters of the 16-bit shards, what the optimizer steps (``colab_kit.precision``)."""
+        """Mixed precision: fp32 masters of the 16-bit shards, what the optimizer steps (``colab_kit.engine.precision``)."""
         if self.placement is not None:
             self.placement.keys = self.masters.params if mixed else self.shards
         self.live: set[int] = set()
@@ -298,13 +298,13 @@ class ZeroParams:
 
     def set_optimizer(self, optimizer, keys=None) -> None:
         """The optimizer whose states the placement moves with each chunk; ``keys[i]``: the tensors it steps
-        for chunk i (its piece, or one view per param group the piece spans: ``colab_kit.optimizer``)."""
+        for chunk i (its piece, or one view per param group the piece spans: ``colab_kit.engine.optimizer``)."""
         if self.placement is not None:
             self.placement.optimizer, self.placement.state_keys = optimizer, keys
 
     def optimizer_layout(self) -> list[tuple[torch.Tensor, list[tuple]]]:
         """``(tensor, runs)`` per tensor the optimizer steps (this rank's piece of each chunk, or its
-        fp32 master), as ``GradBuckets.optimizer_layout``; a piece's padding is in no run."""
+        fp32 master), as ``ZeroStage0.optimizer_layout``; a piece's padding is in no run."""
         steps = self.masters.params if self.masters is not None else self.shards
         out = []
         for t, c in zip(steps, self.chunks):
@@ -346,3 +346,6 @@ class ZeroParams:
         """The tensor plan's gradient sums over replicated axes, on this rank's reduced pieces."""
         pieces = self.masters.grads if self.masters is not None else [c.shard.grad for c in self.chunks]
         sum_slices(pieces, self._sums, self.mesh)
+
+
+ZeroParams = ZeroStage3  # the 0.1 name, kept for one version

@@ -73,7 +73,7 @@ def listening() -> tuple[str, list[str]]:
 
 
 def losses() -> list[float]:
-    from colab_kit.cluster.remote import namespace
+    from colab_kit.notebook.cluster.remote import namespace
 
     return namespace()["losses"]
 

@@ -1,0 +1,331 @@
+"""``Cluster``: ipyparallel engines, one per rank, with torch.distributed initialised.
+
+    >>> with ck.Cluster(n=4) as cluster:            # 4 local engines, gloo on CPU  # doctest: +SKIP
+    ...     cluster.run(lambda x: torch.distributed.get_rank() * x, 10)
+    [0, 10, 20, 30]
+
+Rank = the engine's index in sorted engine-id order. Every engine's namespace has
+``rank``, ``config`` and ``mesh`` (see ``colab_kit.notebook.cluster.remote``), so code sent with
+``cluster.execute(code)`` or a ``%%colossal`` cell reads them directly::
+
+    cluster.set_config(ck.ParallelConfig(dp=2, tp=2))
+    cluster.execute("print(rank, mesh.ranks('tp'))")
+    # rank 0 prints "0 [0, 1]", rank 1 "1 [0, 1]", rank 2 "2 [2, 3]", rank 3 "3 [2, 3]"
+
+Failures: a rank that raises is reported with its rank and traceback (``RankError``).
+Ranks still running after a short grace period (typically waiting in a collective
+for the failed rank) are given up on: the call returns, the cluster is marked as
+needing ``restart()`` (its process group is unusable), and the error says so. A
+timeout with no failure raises ``RankTimeout``; its ranks keep running, and the
+next call is refused until they finish (or ``restart()`` stops them).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+
+from ...config import ParallelConfig
+from ...errors import RankError
+from ...net import LOOPBACK
+from ...errors.tracebacks import pack, source_map
+from . import remote
+from ..progress import call_progress, notebook_progress, stage_progress
+from .gather import RESTART_ADVICE, ClusterError, Waiting
+from .results import RankOutput, RankTable, check_ranks, rank_output, split, unwrap_call, unwrap_execute
+from .room import fitting
+from .startup import Startup, check_hosts, launcher_names, preload_torch
+from .watchdog import Watchdog, cluster_processes, descendant_pids, end_processes, with_descendants
+
+__all__ = ["Cluster", "ClusterError", "RankOutput", "RankTable", "RESTART_ADVICE"]
+
+LOCAL_LAUNCHERS = ("local",)  # launchers that only ever start engines on this host
+
+
+class Cluster(Startup, Waiting):
+    """ipyparallel engines with torch.distributed up on every one of them.
+
+    n: engines (ranks); None means one per GPU when CUDA is available, else 4.
+    engines: ipyparallel's engine launcher ("local", "mpi", "slurm", "ssh", ...).
+    ip: the address the controller and the rendezvous store listen on. Local engines
+        use 127.0.0.1 (nothing listens beyond loopback); a launcher that can start
+        engines on other hosts needs it named (``ip="10.0.0.5"``, or ``ip="127.0.0.1"``
+        when every engine is on this host), since that opens the cluster to the network.
+    hosts: for ``engines="ssh"``, the engines to start on each host, in rank order:
+        ``{"10.0.0.1": 2, "10.0.0.2": 2}`` (ipyparallel's ``SSHEngineSetLauncher.engines``);
+        ``n`` defaults to their sum. ssh itself reads ``~/.ssh/config`` (keys, user), or the
+        profile's ``ipcluster_config.py`` (``c.SSHLauncher.ssh_args``, ``profile=`` or
+        ``profile_dir=`` below).
+    timeout: seconds to wait for engines to register and for the rendezvous.
+    backend: "gloo" or "nccl"; None picks nccl when every engine has its own GPU.
+    grace: seconds the other ranks get to finish after one failed.
+    collective_timeout: the process group's timeout, so a rank left waiting in a
+        collective gives up by itself instead of blocking its engine forever.
+    fit: start fewer than ``n`` engines where this host's memory would not hold n: the largest of
+        n, n/2, n/4, ... that fits (``colab_kit.notebook.cluster.room``: Binder's 2 GiB holds about 4);
+        ``fit_note`` says why, and is empty when n started. Local engines only.
+    ipp_kwargs: passed to ``ipyparallel.Cluster`` (profile, profile_dir, config, ...).
+
+    Ranks are contiguous per host (each host's engines in engine-id order, the hosts in the order
+    their first engine registered), so tp groups, the fastest-varying axis, stay inside a host.
+
+    POSIX only (Linux, macOS): engines are signalled and watched as POSIX processes.
+    The engines and the controller die with the process that started them, however it
+    dies (``colab_kit.notebook.cluster.watchdog``).
+    """
+
+    def __init__(self, n: int | None = None, engines: str = "local", *, ip: str | None = None,
+                 hosts: dict[str, int] | None = None, timeout: float = 60, backend: str | None = None, grace: float = 3.0,
+                 collective_timeout: float = 120, fit: bool = False, **ipp_kwargs):
+        if os.name != "posix":
+            raise ClusterError(f"colab_kit's cluster runs on POSIX systems (Linux, macOS), not {sys.platform}: "
+                               "on Windows use WSL, or ck.launch for local ranks")
+        hosts = check_hosts(hosts, engines, n, ipp_kwargs)
+        if n is None and hosts:
+            n = sum(hosts.values())
+        if n is None:
+            import torch
+
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 4
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ClusterError(f"n must be a positive whole number of engines, got {n!r}: try n=4")
+        self.fit_note = ""  # why fewer than n started (fit=True), else empty
+        if fit:
+            if engines not in LOCAL_LAUNCHERS:
+                raise ClusterError(f"fit=True counts this host's memory, and engines={engines!r} may start engines "
+                                   "elsewhere: give n for that launcher, or use engines='local'")
+            try:
+                n, self.fit_note = fitting(n)
+            except (MemoryError, ValueError) as exc:
+                raise ClusterError(str(exc)) from None
+        if isinstance(engines, str) and "." not in engines and engines not in launcher_names():
+            raise ClusterError(f"unknown engine launcher engines={engines!r}: ipyparallel knows "
+                               f"{', '.join(launcher_names())} (or give a launcher class path)")
+        if backend not in (None, "gloo", "nccl"):
+            raise ClusterError(f"backend must be 'gloo', 'nccl' or None (pick by hardware), got {backend!r}")
+        if "controller_ip" in ipp_kwargs:
+            ip = ip or ipp_kwargs.pop("controller_ip")
+        if ip is None and engines not in LOCAL_LAUNCHERS:
+            raise ClusterError(
+                f"engines={engines!r} can start engines on other hosts, which must reach this one: name the "
+                "address to listen on with ip='10.0.0.5' (an address of this host that they can reach), or "
+                "ip='127.0.0.1' when every engine runs on this host. Local engines need no ip (loopback only)")
+        self.n, self.engines, self.ip, self.timeout, self.backend = n, engines, ip or LOOPBACK, timeout, backend
+        self.hosts = hosts
+        self.grace, self.collective_timeout, self.ipp_kwargs = grace, collective_timeout, ipp_kwargs
+        self.config: ParallelConfig | None = None
+        self._ipp = self._client = self._watchdog = None
+        self._engine_procs: list = []            # this host's engine processes (psutil), for the watchdog
+        self._controller_procs: list = []        # the controller's processes: a dead one is noticed
+        self._ids: list[int] = []                # engine id of each rank
+        self._table = RankTable()
+        self._broken: str | None = None          # why the cluster needs a restart
+        self._busy: dict[int, object] = {}       # rank -> unfinished AsyncResult of a timed-out call
+
+    # ------------------------------------------------------------ lifecycle
+    @property
+    def running(self) -> bool:
+        return self._client is not None
+
+    @property
+    def needs_restart(self) -> bool:
+        return self._broken is not None
+
+    def start(self, progress=None) -> "Cluster":
+        """Start the controller and ``n`` engines, wait for them, initialise torch.distributed.
+
+        ``progress(stage, done, total)``, if given, is called while this runs (True prints each stage
+        on stderr, False or None nothing): with
+        "engines registered" as engines come up, then "torch.distributed ready".
+        """
+        import ipyparallel as ipp
+
+        progress = stage_progress(progress)
+        if self.running:
+            raise ClusterError(f"this cluster of {self.world_size} ranks is already running: "
+                               "stop() it first, or restart() it")
+        kwargs = {"log_level": logging.ERROR, **self.ipp_kwargs}  # SIGKILLed engines are no news
+        kwargs["config"] = preload_torch(kwargs.get("config"))
+        if self.hosts:
+            kwargs["config"].SSHEngineSetLauncher.engines = dict(self.hosts)
+        try:
+            self._watchdog = Watchdog()
+            before = descendant_pids()
+            self._ipp = ipp.Cluster(n=self.n, engines=self.engines, controller_ip=self.ip, **kwargs)
+            self._ipp.start_controller_sync()
+            self._controller_procs = cluster_processes(before)  # the controller and its schedulers
+            self._watchdog.watch(self._controller_procs)
+            self._client = self._ipp.connect_client_sync()
+            self._start_engines(progress)
+        except BaseException as exc:
+            self._teardown()
+            if isinstance(exc, (ClusterError, KeyboardInterrupt)):
+                raise
+            raise ClusterError(f"could not start {self.n} engines with engines={self.engines!r}: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        return self
+
+    def stop(self) -> None:
+        """Stop the engines and the controller. Engines are killed outright, through their launcher
+        (a rank stuck in a collective ignores gentler signals)."""
+        self._teardown()
+
+    def restart(self, progress=None) -> "Cluster":
+        """Kill the engines, start fresh ones, re-initialise torch.distributed, re-apply the config."""
+        progress = stage_progress(progress)
+        if self._ipp is None:
+            raise ClusterError("no cluster to restart: start one first (cluster.start() or %colossal start)")
+        try:
+            self._stop_engines()
+            self._start_engines(progress)
+        except BaseException as exc:
+            self._teardown()
+            if isinstance(exc, (ClusterError, KeyboardInterrupt)):
+                raise
+            raise ClusterError(f"restart failed, the cluster is stopped: {type(exc).__name__}: {exc}") from exc
+        return self
+
+    def __enter__(self) -> "Cluster":
+        return self if self.running else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _start_engines(self, progress=None) -> None:
+        """Start an engine set, wait for ``n`` engines, then bring torch.distributed up."""
+        self._ids, self._table, self._broken, self._busy = [], RankTable(), None, {}
+        before = descendant_pids()
+        self._ipp.start_engines_sync(self.n)
+        self._engine_procs = cluster_processes(before)  # watched from the start: a failed start ends them too
+        self._watchdog.watch(self._engine_procs)
+        self._ids = self._wait_for_engines(progress)
+        self._engine_procs = with_descendants(self._engine_procs)  # and now their nannies
+        self._controller_procs = with_descendants(self._controller_procs)  # its schedulers are up by now
+        self._watchdog.watch(self._engine_procs + self._controller_procs)
+        self._init_dist()
+        if progress is not None:
+            progress("torch.distributed ready", self.n, self.n)
+        if self.config is not None:
+            self.set_config(self.config)
+
+    def _stop_engines(self) -> None:
+        """SIGKILL every engine through its launcher, and wait until the controller has seen them go."""
+        try:
+            self._ipp.signal_engines_sync(signal.SIGKILL)
+        except Exception:  # noqa: BLE001 - engines that are gone already
+            pass
+        self._ipp.stop_engines_sync()
+        deadline = time.monotonic() + self.timeout
+        while self._client.ids and time.monotonic() < deadline:  # their nannies report at once
+            time.sleep(0.05)
+        if self._client.ids:
+            raise ClusterError(f"engines {self._client.ids} were still registered {self.timeout:g} s after "
+                               "they were killed")
+        self._watchdog.forget(self._engine_procs)
+
+    def _teardown(self) -> None:
+        if self._ipp is not None:
+            try:
+                self._ipp.signal_engines_sync(signal.SIGKILL)
+            except Exception:  # noqa: BLE001 - best effort: the processes may be gone already
+                pass
+        if self._client is not None:
+            self._client.close()
+        if self._ipp is not None:
+            try:
+                self._ipp.stop_cluster_sync()
+            except Exception:  # noqa: BLE001 - best effort: the processes may be gone already
+                pass
+        end_processes(self._engine_procs + self._controller_procs)  # e.g. a dead controller's schedulers
+        if self._watchdog is not None:
+            self._watchdog.close()
+        self._ipp = self._client = self._watchdog = None
+        self._engine_procs, self._controller_procs = [], []
+        self._ids, self._table, self._broken, self._busy = [], RankTable(), None, {}
+
+    # ------------------------------------------------------------ use
+    def ranks(self) -> RankTable:
+        """One row per rank: rank, host, pid, device, backend."""
+        return RankTable(dict(r) for r in self._table)
+
+    @property
+    def world_size(self) -> int:
+        return len(self._ids)
+
+    def set_config(self, config: ParallelConfig | None) -> None:
+        """Check ``config`` against the world size, then set ``config`` and build ``mesh`` on every rank."""
+        self._check_usable()
+        if config is not None:
+            config.check_world_size(self.world_size)
+        self._gather(self._apply(list(range(self.world_size)), remote.set_config, config and config.to_dict()),
+                     self.timeout, "set_config")
+        self.config = config
+
+    def run(self, fn, *args, ranks: list[int] | None = None, timeout: float | None = None, progress="auto"):
+        """``fn(*args)`` on every rank (or ``ranks``): a list by rank, or a dict rank -> result.
+
+        ``progress(seconds, {rank: stdout so far})`` is called about once a second while
+        waiting; the default ("auto", or True) shows a live line in a notebook once a call has run
+        for 2 s (``running on 4 ranks for 7 s; rank 0: step 10 loss 3.0``), nothing elsewhere;
+        False or None shows nothing.
+        """
+        mode = call_progress(progress)  # a bad value is refused before anything is sent
+        targets = self._targets(ranks)
+        # pickled here with cloudpickle (tracebacks.pack), not ipyparallel's canning: a class defined in the
+        # notebook (a user's nn.Module, whose methods' super() cell refers back to it) travels by value
+        ars = self._apply(targets, remote.call_packed, pack((fn, args)), source_map(fn, args))
+        line = notebook_progress(len(targets)) if mode == "auto" else mode
+        tick = None if line is None else (lambda t: line(t, {r: ar.stdout or "" for r, ar in ars.items()}))
+        try:
+            out = self._gather(ars, timeout, getattr(fn, "__name__", "run"), unwrap=unwrap_call, tick=tick)
+        finally:
+            if mode == "auto" and line is not None:
+                line.close()
+        check_ranks(ars, self._ids)
+        return [out[r] for r in targets] if ranks is None else {r: out[r] for r in targets}
+
+    def execute(self, code: str, ranks: list[int] | None = None, timeout: float | None = None,
+                where: str = "execute", progress=None) -> dict[int, RankOutput]:
+        """Run ``code`` in every rank's namespace; rank -> RankOutput (stdout, stderr, result).
+
+        On failure the RankError carries ``outputs`` (every rank's RankOutput, the
+        stuck ones with what they printed so far), so a caller can still show them; so
+        does the KeyboardInterrupt of a Ctrl-C (and ``cluster_status``: whether the ranks
+        passed the health check that follows an interrupt).
+        ``progress(seconds, {rank: stdout so far})`` is called about once a second while waiting;
+        execute draws no line of its own, so True and "auto" show nothing here (the magic passes its own).
+        """
+        progress = call_progress(progress, auto=None)
+        targets = self._targets(ranks)
+        ars = split(self._view(targets).execute(code, silent=False, block=False), targets)
+        tick = None if progress is None else (lambda t: progress(t, {r: ar.stdout or "" for r, ar in ars.items()}))
+        try:
+            self._gather(ars, timeout, where, unwrap=unwrap_execute, tick=tick)
+            check_ranks(ars, self._ids)
+        except RankError as err:
+            err.outputs = {r: rank_output(r, ar, err) for r, ar in ars.items()}
+            raise
+        except KeyboardInterrupt as stop:  # the ranks were interrupted and checked: keep what they said
+            stop.outputs = {r: rank_output(r, ar, None, interrupted=True) for r, ar in ars.items()}
+            stop.cluster_status = self.status()
+            raise
+        return {r: rank_output(r, ar, None) for r, ar in ars.items()}
+
+    def status(self) -> str:
+        """One line: running or not, ranks, backend, config, and whether a restart is needed."""
+        if not self.running:
+            return "no cluster running"
+        backend = self._table[0]["backend"] if self._table else "?"
+        text = (f"{self.world_size} ranks ({self.engines} engines, {backend}); config: "
+                + (self.config.describe() if self.config else "none set"))
+        if self._broken:
+            text += f"; NEEDS RESTART ({self._broken})"
+        busy = [r for r, ar in self._busy.items() if not ar.ready()]
+        if busy:
+            text += f"; ranks {busy} still running a call that timed out"
+        return text
+
+    def __repr__(self) -> str:
+        return f"Cluster(n={self.n}, engines={self.engines!r}: {self.status()})"

@@ -1,0 +1,184 @@
+"""Sending to and waiting for the ranks of a ``Cluster``: failures, deaths, timeouts and Ctrl-C.
+
+One call to the cluster is one ipyparallel AsyncResult per rank. ``Waiting.gather``
+waits for them and decides what the caller is told::
+
+    all finished                           -> {rank: result}
+    rank 1 raised, ranks 0, 2, 3 waited    -> RankError, rank 1 first; after ``grace`` s the
+                                              waiting ranks are given up on and the cluster is
+                                              marked for restart (its process group is unusable)
+    rank 2's engine was killed             -> RankError that blames rank 2 first (its engine is
+                                              gone), never a peer that only saw its connection drop
+    nobody failed, ``timeout`` passed      -> RankTimeout; the ranks keep running (cluster busy)
+    Ctrl-C (KeyboardInterrupt)             -> SIGINT to the running ranks through ipyparallel,
+                                              then a short monitored barrier: a rank that does not
+                                              join it marks the cluster for restart
+    the controller process died            -> ClusterError at once, never a wait forever
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import signal
+import time
+
+from ...errors import MessageOnly, RankError, RankTimeout
+from . import remote
+from .results import split, unwrap_plain
+
+__all__ = ["Waiting", "RESTART_ADVICE", "ClusterError"]
+
+RESTART_ADVICE = ("the cluster's process group is now unusable: run %colossal restart (or cluster.restart()) "
+                  "to get fresh engines with the same config")
+HEALTH_SECONDS = 5.0
+
+
+class ClusterError(MessageOnly, RuntimeError):
+    """The cluster cannot do what was asked (not started, failed to start, needs a restart).
+    IPython shows its message only: the kernel-side frames say nothing the message does not."""
+
+
+class Waiting:
+    """The sending and waiting half of ``Cluster`` (needs ``_client``, ``_ids``, ``world_size``,
+    ``running``, ``_controller_procs``, ``grace``, ``timeout``, ``_broken``, ``_busy``)."""
+
+    def _controller_dead(self) -> bool:
+        """Whether a process of the controller (started by this kernel) has ended."""
+        import psutil
+
+        for proc in self._controller_procs:
+            try:
+                if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.Error:
+                return True
+        return False
+
+    def _whereabouts(self, rank: int) -> str:
+        """`` (on host "b", pid 41)`` for a rank of the ranks table; nothing before the table exists."""
+        row = next((row for row in self._table if row["rank"] == rank), None)
+        return f" (on host {row['host']!r}, pid {row['pid']})" if row else ""
+
+    def _dead_ranks(self, ranks) -> list[int]:
+        """Ranks whose engine has unregistered (the engine's nanny tells the controller at once)."""
+        alive = set(self._client.ids)
+        return [r for r in ranks if self._ids[r] not in alive]
+
+    def _signal(self, ranks, sig) -> None:
+        """``sig`` to the engines of ``ranks`` through ipyparallel (their nannies relay it, on any host)."""
+        ids = [self._ids[r] for r in ranks if self._ids[r] in self._client.ids]
+        if ids:
+            try:
+                self._client.send_signal(sig, targets=ids, block=False)
+            except Exception:  # noqa: BLE001 - an engine that is gone cannot be signalled
+                pass
+
+    def _interrupt(self, pending: dict) -> None:
+        """Pass a Ctrl-C on to the ranks still running; then check that every rank is in step."""
+        self._signal(list(pending), signal.SIGINT)
+        cf.wait(list(pending.values()), timeout=self.grace)
+        still = sorted(r for r, ar in pending.items() if not ar.ready())
+        self._busy = {}
+        if still:
+            self._broken = f"ranks {still} did not stop when interrupted (blocked in a collective?)"
+            return
+        self.health_check()
+
+    def health_check(self, seconds: float = HEALTH_SECONDS) -> bool:
+        """A monitored barrier on every rank; a rank that misses it marks the cluster for restart."""
+        ranks = list(range(len(self._ids)))
+        ars = self._apply(ranks, remote.health, seconds)
+        done, _ = cf.wait(list(ars.values()), timeout=seconds + self.grace)
+        bad = sorted(r for r, ar in ars.items() if ar not in done or not unwrap_plain(ar)[0])
+        if bad:
+            self._broken = f"ranks {bad} failed the health check after an interrupt (out of step)"
+        return not bad
+
+    def _gather(self, ars: dict, timeout: float | None, where: str, unwrap=None, tick=None) -> dict:
+        """Wait for one AsyncResult per rank; give up on the rest ``grace`` s after a failure."""
+        unwrap = unwrap or unwrap_plain
+        t0 = time.monotonic()
+        deadline = float("inf") if timeout is None else t0 + timeout
+        pending, results, failures = dict(ars), {}, {}
+        try:
+            while pending and time.monotonic() < deadline:
+                left = min(deadline - time.monotonic(), 1.0)
+                done, _ = cf.wait(list(pending.values()), timeout=max(left, 0), return_when=cf.FIRST_COMPLETED)
+                if not done and self._controller_dead():
+                    self._broken = "the ipyparallel controller process exited"
+                    raise ClusterError(f"{self._broken} while ranks {sorted(pending)} ran {where}: "
+                                       "stop the cluster and start a new one (%colossal stop, %colossal start)")
+                if tick is not None and not done:
+                    tick(time.monotonic() - t0)
+                for rank in [r for r, ar in pending.items() if ar in done]:
+                    ok, value = unwrap(pending.pop(rank))
+                    if ok:
+                        results[rank] = value
+                    else:
+                        failures[rank] = value
+                        deadline = min(deadline, time.monotonic() + self.grace)
+        except KeyboardInterrupt:  # Ctrl-C or the notebook's stop button
+            self._interrupt(pending)
+            raise
+        if failures:
+            self._raise_failures(failures, pending, where)
+        if pending:
+            self._busy = pending
+            raise RankTimeout(sorted(pending), timeout, where,
+                              "they are still running it: wait for them (%colossal status), or run "
+                              "%colossal restart (cluster.restart()) to stop them")
+        return results
+
+    def _raise_failures(self, failures: dict, pending: dict, where: str):
+        """RankError with the dead engines first: a peer's "connection closed" is their consequence."""
+        died = [r for r, text in failures.items() if text.startswith("EngineError")]
+        for r in self._dead_ranks(sorted(pending)):  # dead, but the controller has not said so yet
+            failures[r] = ("EngineError: this rank's engine process died (killed, crashed or out of "
+                           "memory) while running the call")
+            pending.pop(r)
+            died.append(r)
+        for r in died:  # where it was: across hosts, the first thing to look at
+            failures[r] += self._whereabouts(r)
+        ordered = {r: failures[r] for r in died} | {r: t for r, t in failures.items() if r not in died}
+        advice = ""
+        if pending or died:
+            self._broken = (f"the engines of ranks {sorted(died)} died in {where}" if died else
+                            f"rank {next(iter(ordered))} failed in {where} while ranks {sorted(pending)} waited")
+            advice = RESTART_ADVICE
+        raise RankError(ordered, sorted(pending), where, advice)
+
+    # ------------------------------------------------------------ sending
+    def _view(self, ranks: list[int]):
+        """One DirectView on the engines of ``ranks``: a call is serialised once for all of them."""
+        ids = [self._ids[r] for r in ranks]
+        gone = [r for r, i in zip(ranks, ids) if i not in self._client.ids]
+        if gone:
+            self._broken = f"the engines of ranks {gone} are gone (killed, or out of memory?)"
+            raise ClusterError(f"{self._broken}: run %colossal restart (or cluster.restart()) for fresh engines")
+        return self._client[ids[0] if len(ids) == 1 else ids]  # one engine: plain results, not lists
+
+    def _apply(self, ranks: list[int], fn, *args) -> dict:
+        """``fn(*args)`` on ``ranks``: rank -> AsyncResult."""
+        return split(self._view(ranks).apply_async(fn, *args), ranks)
+
+    def _targets(self, ranks: list[int] | None) -> list[int]:
+        self._check_usable()
+        if ranks is None:
+            return list(range(self.world_size))
+        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.world_size)]
+        if bad or not ranks:
+            raise ClusterError(f"ranks {bad or ranks} are not ranks of this cluster: "
+                               f"choose among 0..{self.world_size - 1}")
+        return sorted(set(ranks))
+
+    def _check_usable(self) -> None:
+        if not self.running:
+            raise ClusterError("no cluster is running: start one with %colossal start -n 4 "
+                               "(or ck.Cluster(n=4).start())")
+        if self._broken:
+            raise ClusterError(f"the cluster needs a restart: {self._broken}. Run %colossal restart "
+                               "(or cluster.restart()) first")
+        busy = sorted(r for r, ar in self._busy.items() if not ar.ready())
+        if busy:
+            raise ClusterError(f"ranks {busy} are still running a call that timed out, so new work would "
+                               "queue behind it: wait for them (%colossal status), or run %colossal restart")
+        self._busy = {}

@@ -1,0 +1,339 @@
+"""``%colossal`` and ``%%colossal``: drive a ``ck.Cluster`` from a notebook.
+
+    %load_ext colab_kit
+    %colossal start -n 4              # 4 engines, torch.distributed up; shows rank, host, pid, device
+    %colossal config dp=2 tp=2        # checked in the kernel first, then set on every rank (+ mesh)
+    %colossal mesh --axis tp          # plotly figure of the device mesh (no cluster needed)
+    %colossal schedule --pp 4 --microbatches 8 --schedule zb-h1   # planned grid, bubble (no cluster)
+    %colossal timeline --var engine   # the last step of `engine` on every rank (measured)
+    %colossal profile --data batch    # one step of `engine` on `batch` under torch.profiler, every rank
+    %colossal memory --by place       # memory per rank, measured beside the estimate (MemoryView)
+    %colossal memory --timeline       # one step of `engine` on `batch`: bytes by category after every op
+    %colossal plan --model MODEL --batch 16 --memory 64MiB   # candidates, estimated (PlannerView)
+    %colossal status | stop | restart
+
+    %%colossal --ranks 0,2 --timeout 30
+    print(rank, mesh.ranks("tp"))     # runs on ranks 0 and 2; rank, config, mesh are predefined
+
+With ``config dp=2 tp=2`` on 4 ranks the cell above prints, grouped per rank::
+
+    [rank 0]
+    0 [0, 1]
+    [rank 2]
+    2 [2, 3]
+
+Ranks whose output is identical are shown once (``[ranks 0, 1, 2, 3]``). In a notebook
+a cell that runs longer than 2 s shows a live line meanwhile (the last line a rank
+printed), replaced by the grouped output at the end. A rank that
+raises is shown with its traceback; the call returns after a short grace period even
+when the other ranks wait for it in a collective (then ``%colossal restart``); the
+``RankError`` then renders as its summary alone (``_render_traceback_``).
+Bad input (unknown subcommand or flag, invalid config, a config key given twice, bad
+``--ranks``, a timeout <= 0, world size mismatch, no cluster) is a ``UsageError``: one
+clear paragraph, not a traceback, and the cluster stays usable. ``%colossal?`` lists
+every subcommand and flag; ``-h`` after a subcommand (or on ``%%colossal``) shows its
+help. ``start`` and ``restart`` show a live line in a notebook (engines registered,
+torch.distributed ready). The magics act on one explicit ``ColossalState``
+(``colab_kit.notebook.session()`` returns the shell's).
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+import time
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.display import display
+
+from ..cluster import ClusterError
+from ...config import ConfigError, ParallelConfig
+from ...errors import RankError
+from .flags import COMMANDS, cell_parser, command_parser, help_text, split, wants_help
+from ..progress import Progress, StageProgress
+from .output import show_outputs
+from ..session import ColossalState, current
+
+__all__ = ["ColossalState", "ColossalMagics", "state", "show_outputs", "load_ipython_extension",
+           "unload_ipython_extension"]
+
+
+# ---------------------------------------------------------------- the magics
+@magics_class
+class ColossalMagics(Magics):
+    """``%colossal`` / ``%%colossal``, bound to one explicit ``ColossalState``."""
+
+    def __init__(self, shell, state: ColossalState):
+        super().__init__(shell)
+        self.state = state
+        self._memory_view = None  # the MemoryView %colossal memory showed last (it watches until replaced)
+
+    @line_cell_magic
+    def colossal(self, line: str, cell: str | None = None):
+        try:
+            return self._line(line) if cell is None else self._cell(line, cell)
+        except (ConfigError, ClusterError) as exc:  # bad input: one paragraph, no traceback
+            raise UsageError(str(exc)) from None
+
+    def _line(self, line: str):
+        argv = split(line, "%colossal")
+        if not argv or argv[0] in ("help", "-h", "--help"):
+            topic = argv[1] if argv[1:] and argv[1] in COMMANDS else None
+            print(command_parser(topic).format_help() if topic else help_text())
+            return None
+        name, rest = argv[0], argv[1:]
+        if name not in COMMANDS:
+            near = difflib.get_close_matches(name, COMMANDS, n=1)
+            raise UsageError(f"%colossal: unknown subcommand {name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+                             + f". Subcommands: {', '.join(COMMANDS)}")
+        p = command_parser(name)
+        if wants_help(rest):  # that subcommand's usage and help, and nothing else
+            print(p.format_help())
+            return None
+        if not COMMANDS[name][1]:
+            return getattr(self, f"_do_{name}")(p.parse_args(rest), [])
+        args, words = p.parse_known_args(rest)
+        try:
+            return getattr(self, f"_do_{name}")(args, words)
+        except ConfigError as exc:
+            if not str(exc).startswith(("unknown config key", "cannot read", "flag ")):
+                raise
+            raise UsageError(f"{exc}. Usage: {p.usage_line()}") from None  # a word it could not read
+
+    @property
+    def _notebook(self) -> bool:
+        """Live progress lines only where a kernel shows them; a plain terminal gets the result alone."""
+        return getattr(self.shell, "kernel", None) is not None
+
+    def _live(self, what: str) -> StageProgress | None:
+        return StageProgress(what) if self._notebook else None
+
+    def _do_start(self, args, words):
+        t0 = time.perf_counter()
+        progress = self._live("starting the cluster")
+        try:
+            cluster = self.state.start(args.n, args.engines, args.timeout, progress=progress, ip=args.ip,
+                                       hosts=args.hosts, profile=args.profile, fit=args.fit)
+        finally:
+            if progress is not None:
+                progress.close()
+        backend = cluster.ranks()[0]["backend"]
+        if cluster.fit_note:
+            print(cluster.fit_note)
+        print(f"started {cluster.world_size} ranks ({args.engines} engines, {backend}) "
+              f"in {time.perf_counter() - t0:.1f} s")
+        display(cluster.ranks())
+        if self.state.config is not None and cluster.config is None:
+            print(f"the kept config ({self.state.config.describe()}) does not fit {cluster.world_size} ranks: "
+                  "set one with %colossal config")
+
+    def _do_config(self, args, words):
+        if not words:
+            cfg = self.state.config
+            print(f"config: {cfg.describe()}\n{cfg}" if cfg else "no config set: try %colossal config dp=4")
+            return
+        config = ParallelConfig.parse(words)  # validated in the kernel, before any engine
+        print(self.state.apply_config(config))
+
+    def _do_mesh(self, args, words):
+        from ...viz.mesh import mesh_figure
+
+        config = self.state.mesh_config(words)
+        try:
+            return mesh_figure(config, axis=args.axis)
+        except ValueError as exc:
+            raise UsageError(f"%colossal mesh: {exc}") from None
+
+    def _do_schedule(self, args, words):
+        from .pipeline_views import schedule_view
+
+        text, fig = schedule_view(self.state.config, pp=args.pp, microbatches=args.microbatches,
+                                  schedule=args.schedule, chunks=args.chunks)
+        print(text)
+        return fig
+
+    def _do_timeline(self, args, words):
+        from .pipeline_views import NoTimeline, timeline_view
+
+        try:
+            text, fig = timeline_view(self.state.require_cluster(), args.var)
+        except NoTimeline as exc:
+            raise UsageError(f"%colossal timeline: {exc}") from None
+        print(text)
+        return fig
+
+    def _do_profile(self, args, words):
+        from .pipeline_views import NoTimeline, profile_view
+
+        try:
+            text, fig = profile_view(self.state.require_cluster(), args.var, args.data)
+        except NoTimeline as exc:
+            raise UsageError(f"%colossal profile: {exc}") from None
+        print(text)
+        return fig
+
+    def _do_memory(self, args, words):
+        """A ``MemoryView`` that watches (refreshed after each ``%%colossal`` cell) where widgets render;
+        elsewhere its text table, and the figure as the result."""
+        from ..widgets.memory_view import MemoryView, NoMemory
+
+        cluster = self.state.require_cluster()
+        if args.timeline:
+            from .pipeline_views import NoTimeline, memory_timeline_view
+            try:
+                text, fig = memory_timeline_view(cluster, args.var, args.data)
+            except NoTimeline as exc:
+                raise UsageError(f"%colossal memory --timeline: {exc}") from None
+            print(text)
+            return fig
+        try:
+            view = MemoryView(self.state, args.var, by=args.by)
+        except NoMemory as exc:
+            raise UsageError(f"%colossal memory: {exc}") from None
+        old, self._memory_view = self._memory_view, None
+        if old is not None:
+            old.unwatch()  # the view shown before stops refreshing: one watcher per %colossal memory
+        if self._notebook and _has_widgets():
+            self._memory_view = view.watch(self.shell)
+            return view
+        print(repr(view))
+        return view.figure()
+
+    def _do_plan(self, args, words):
+        """``ck.plan`` for the model in ``--model``: a ``PlannerView`` where widgets render (Apply sets the
+        chosen config as ``%colossal config`` does); elsewhere its text table, and the scatter as the result."""
+        model_cfg = self._model_config(args.model)
+        if args.world is not None:
+            ranks = args.world
+        elif self.state.cluster is not None and self.state.cluster.running:
+            ranks = self.state.cluster.world_size
+        else:
+            raise UsageError("%colossal plan: no cluster to take the number of ranks from: "
+                             "give --ranks N, or run %colossal start -n 4 first")
+        from ...planner import plan
+        from ..widgets.planner_view import PlannerView
+
+        try:
+            cands = plan(model_cfg, ranks, args.batch, memory_per_rank=args.memory)
+            view = PlannerView(cands, self.state, memory_per_rank=args.memory, top=args.top)
+        except ValueError as exc:  # ConfigError included: the rule the model, batch or ranks break
+            raise UsageError(f"%colossal plan: {exc}") from None
+        if self._notebook and _has_widgets():
+            return view
+        print(repr(view))
+        return view.figure()
+
+    def _model_config(self, var: str):
+        """The GPTConfig in the kernel variable ``var`` (or the ``.cfg`` of a GPT there)."""
+        from ...models import GPTConfig
+
+        if var not in self.shell.user_ns:
+            raise UsageError(f"%colossal plan: no variable {var!r} in the kernel: define the model's config first, "
+                             f"e.g. {var} = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4)")
+        value = self.shell.user_ns[var]
+        value = value if isinstance(value, GPTConfig) else getattr(value, "cfg", value)
+        if not isinstance(value, GPTConfig):
+            raise UsageError(f"%colossal plan: {var!r} is a {type(value).__name__}, not a GPTConfig or a GPT: "
+                             "--model names a variable holding the model's GPTConfig")
+        return value
+
+    def _do_status(self, args, words):
+        cluster = self.state.cluster
+        print(cluster.status() if cluster is not None else "no cluster running")
+        if cluster is not None and cluster.running:
+            display(cluster.ranks())
+        if self.state.config is not None and (cluster is None or not cluster.running):
+            print(f"kept config: {self.state.config.describe()}")
+
+    def _do_export(self, args, words):
+        """Write what the cluster ran as a script for torchrun / srun (``colab_kit.notebook.magics.export``)."""
+        from .export import write_export
+        try:
+            cluster = self.state.cluster
+            out = write_export(self.state.recorded, args.path,
+                               cluster.world_size if cluster is not None and cluster.running else None)
+        except ValueError as exc:  # ConfigError: nothing to export yet
+            raise UsageError(f"%colossal export: {exc}") from None
+        print(f"wrote {out['script']} and {out['sbatch']}: run it with\n  {out['torchrun']}\n  sbatch "
+              f"{os.path.basename(out['sbatch'])}")
+        if out["skipped"]:
+            print(f"IPython lines left as comments (a script cannot run them): {'; '.join(out['skipped'])}")
+        return None
+
+    def _do_stop(self, args, words):
+        self.state.stop()
+        print("cluster stopped")
+
+    def _do_restart(self, args, words):
+        t0 = time.perf_counter()
+        progress = self._live("restarting the cluster")
+        try:
+            cluster = self.state.restart(progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
+        print(f"restarted {cluster.world_size} ranks in {time.perf_counter() - t0:.1f} s"
+              + (f" with config {cluster.config.describe()}" if cluster.config else ""))
+        display(cluster.ranks())
+
+    def _cell(self, line: str, cell: str):
+        p, argv = cell_parser(), split(line, "%%colossal")
+        if wants_help(argv):  # the help, and the cell is not run
+            print(p.format_help())
+            return
+        args = p.parse_args(argv)
+        cluster = self.state.require_cluster()
+        progress = Progress(cluster.world_size if args.ranks is None else len(args.ranks)) if self._notebook else None
+        try:
+            self.state.last = cluster.execute(cell, ranks=args.ranks, timeout=args.timeout, where="%%colossal",
+                                              progress=progress)
+        except RankError as err:
+            self.state.last = getattr(err, "outputs", None)
+            if self.state.last:
+                show_outputs(self.state.last)
+                err.shown = True
+            raise err from None
+        except KeyboardInterrupt as stop:  # Ctrl-C / the stop button: what every rank said so far, then
+            self.state.last = getattr(stop, "outputs", None)  # whether the ranks are still in step
+            if self.state.last:
+                show_outputs(self.state.last)
+            if getattr(stop, "cluster_status", None):
+                print(f"interrupted; cluster: {stop.cluster_status}", file=sys.stderr)
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        show_outputs(self.state.last)
+        self.state.record_cell(cell, args.ranks)
+        if args.ranks is None or 0 in args.ranks:  # what the cell trained: loss, norm, lr, tokens/s, MFU
+            from .training import summary_lines
+            for text in summary_lines(cluster):
+                print(text)
+
+
+def _has_widgets() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ipywidgets") is not None
+
+
+ColossalMagics.colossal.__doc__ = help_text()  # what %colossal? shows: built from the one flags table
+
+
+state = current  # the session of the running IPython (colab_kit.notebook.session.current)
+
+
+def load_ipython_extension(ipython) -> None:
+    if "ColossalMagics" in ipython.magics_manager.registry:
+        return  # loaded twice: keep the existing state (and its cluster)
+    ipython.register_magics(ColossalMagics(ipython, ColossalState()))
+
+
+def unload_ipython_extension(ipython) -> None:
+    magics = ipython.magics_manager.registry.pop("ColossalMagics", None)
+    if magics is not None and magics.state.cluster is not None and magics.state.cluster.running:
+        magics.state.cluster.stop()
+    ipython.magics_manager.magics["line"].pop("colossal", None)
+    ipython.magics_manager.magics["cell"].pop("colossal", None)
+

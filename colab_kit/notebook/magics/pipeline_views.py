@@ -1,0 +1,154 @@
+"""What ``%colossal schedule`` and ``%colossal timeline`` show, as plain functions (no IPython).
+
+``schedule_view`` builds a plan in the kernel (no cluster) and simulates it::
+
+    >>> text, fig = schedule_view(pp=4, microbatches=8, schedule="1f1b")
+    >>> print(text)
+    1f1b, pp=4, microbatches=8 (planned: simulated with F=1, B=2, I=1, W=1 time units)
+      bubble 27.3% of rank time (textbook (p-1)/(m+p-1) = 27.3%), makespan 33 units
+      peak activations held per rank: 4, 3, 2, 1 microbatches
+
+``timeline_view(cluster, "engine")`` gathers ``engine.timeline()`` from every rank: the
+measured events of its last step, drawn with the idle gaps between them.
+``profile_view(cluster, "engine", "batch")`` runs one profiled step of it on every rank
+(``engine.profile(batch)``) and draws each rank's intervals on one lane.
+"""
+from __future__ import annotations
+
+__all__ = ["schedule_view", "timeline_view", "profile_view", "NoTimeline"]
+
+DEFAULTS = {"pp": 4, "microbatches": 8, "schedule": "1f1b", "chunks": 1}
+
+
+def schedule_view(config=None, *, pp=None, microbatches=None, schedule=None, chunks=None):
+    """(summary text, simulated timeline figure) of a schedule; unset values come from ``config``
+    (when it has pp > 1), else ``DEFAULTS`` (interleaved and zb-v default to chunks=2). Bad shapes raise
+    ``ConfigError`` with the rule."""
+    from ...pipeline import build_plan, simulate
+    from ...pipeline.simulate import theory_bubble
+    from ...viz.pipeline import schedule_figure
+
+    base = config if config is not None and config.pp > 1 else None
+    given = dict(pp=pp, microbatches=microbatches, schedule=schedule, chunks=chunks)
+    v = {k: given[k] if given[k] is not None else getattr(base, k) if base is not None else DEFAULTS[k]
+         for k in DEFAULTS}
+    if chunks is None and v["schedule"] in ("interleaved", "zb-v") and v["chunks"] == 1:
+        v["chunks"] = 2
+    if chunks is None and v["schedule"] not in ("interleaved", "zb-v"):
+        v["chunks"] = 1
+    plan = build_plan(v["schedule"], v["pp"], v["microbatches"], v["chunks"])
+    t = simulate(plan)
+    p, m = plan.pp, plan.microbatches
+    book = (p - 1) / (m + p - 1)
+    own = theory_bubble(plan.schedule, p, m, plan.chunks)
+    formula = {"interleaved": "(p-1)/(v*m+p-1)", "zb-h1": "(p-1)/(3m+p-1)",
+               "zb-v": "(p-1)/(6m+p-1)"}.get(plan.schedule)
+    lines = [f"{plan.schedule}, pp={p}, microbatches={m}" + (f", chunks={plan.chunks}" if plan.chunks > 1 else "")
+             + " (planned: simulated with F=1, B=2, I=1, W=1 time units)",
+             f"  bubble {t.bubble_fraction:.1%} of rank time (textbook (p-1)/(m+p-1) = {book:.1%}"
+             + (f"; this schedule's {formula} = {own:.1%}" if formula else "") + f"), makespan {t.makespan:g} units",
+             f"  peak activations held per rank: {', '.join(map(str, t.peak_activations))} microbatches"
+             + (f" of one chunk (a chunk is 1/{plan.chunks} of the rank's layers)" if plan.chunks > 1 else "")]
+    if t.peak_held != t.peak_activations:
+        lines.append(f"  (held until the W pass, as colab_kit's executor does: {', '.join(map(str, t.peak_held))})")
+    if plan.schedule == "zb-v":
+        lines.append("  (the unit-step V; an engine orders its V on its stages' FLOPs, "
+                     "ck.pipeline.build_plan_for(config, model_cfg), and engine.pipeline.replan() on measured costs)")
+    return "\n".join(lines), schedule_figure(t)
+
+
+class NoTimeline(LookupError):
+    """The ranks have no engine of that name, or it has not trained a step."""
+
+
+def _rank_timeline(var: str):
+    """On a rank: the events of ``var``'s last step, or None when there is no such engine."""
+    from colab_kit.notebook.cluster.remote import namespace
+
+    eng = namespace().get(var)
+    return eng.timeline() if eng is not None and hasattr(eng, "timeline") else None
+
+
+def timeline_view(cluster, var: str = "engine"):
+    """(summary text, measured Gantt figure) of the last step of ``var`` on every rank.
+
+    Raises ``NoTimeline`` saying what to do when a rank has no such engine or it has
+    not trained a step yet.
+    """
+    from ...viz.pipeline import schedule_figure
+    from ...viz.schedule_data import event_cells, measured_bubble
+
+    got = cluster.run(_rank_timeline, var)
+    missing = [r for r, events in enumerate(got) if events is None]
+    if missing:
+        raise NoTimeline(f"ranks {missing} have no engine in a variable {var!r}: build one and train a step "
+                         f"(in a %%colossal cell: {var} = ck.boost(model, optimizer_factory, config, mesh=mesh); "
+                         f"{var}.train_step(batch)), or name its variable with --var NAME")
+    if not any(got):
+        raise NoTimeline(f"the engine {var!r} on the ranks has not trained a step yet: "
+                         f"run {var}.train_step(batch) on every rank first")
+    totals = {}
+    for c in event_cells(got, idle=True):
+        if c.lane == 0:
+            kind = "idle" if c.kind == "idle" else "comm" if c.kind in ("SF", "RF", "SB", "RB", "comm") else "compute"
+            totals.setdefault(c.rank, {"compute": 0.0, "comm": 0.0, "idle": 0.0})[kind] += c.end - c.start
+    lines = [f"last step of {var!r} on {len(got)} ranks (measured; ms since each rank's step began):"]
+    lines += [f"  rank {r}: compute {t['compute']:.1f} ms, communication (sending, or waiting to receive) "
+              f"{t['comm']:.1f} ms, idle {t['idle']:.1f} ms"
+              for r, t in sorted(totals.items())]
+    if any(e.get("action") for events in got for e in events):
+        lines.append(f"  pipeline bubble (measured): {measured_bubble(got):.1%} of rank time")
+    return "\n".join(lines), schedule_figure(got)
+
+
+def _rank_profile(var: str, data: str, run: bool, method: str = "profile"):
+    """On a rank: what is missing for a profiled step of ``var`` on ``data`` (or, with ``run``, the result of
+    ``var.<method>(batch)``: its Profile, or its MemoryTimeline)."""
+    from colab_kit.notebook.cluster.remote import namespace
+
+    ns = namespace()
+    eng, batch = ns.get(var), ns.get(data)
+    if eng is None or not hasattr(eng, method):
+        return f"no engine in a variable {var!r}"
+    if batch is None:
+        return f"no batch in a variable {data!r}"
+    if run and method == "memory_timeline" and callable(batch):
+        batch = batch(eng.step_count)
+    return getattr(eng, method)(batch) if run else None
+
+
+def _checked(cluster, var: str, data: str, method: str) -> list:
+    """Every rank's ``var.<method>(data)``, once every rank is known to have both (``NoTimeline`` if not)."""
+    missing = {r: why for r, why in enumerate(cluster.run(_rank_profile, var, data, False, method)) if why}
+    if missing:
+        raise NoTimeline(f"ranks {sorted(missing)}: {next(iter(missing.values()))}: define {var} = ck.boost(...) "
+                         f"and {data} = (inputs, targets) (or a function step -> batch) on every rank, "
+                         f"or name them with --var and --data")
+    return cluster.run(_rank_profile, var, data, True, method)
+
+
+def profile_view(cluster, var: str = "engine", data: str = "batch"):
+    """(summary text, one lane per rank figure) of one step of ``var`` on ``data`` profiled on every rank
+    (``colab_kit.observe.profile``); ``NoTimeline`` saying what to define where a rank lacks either (checked on
+    every rank before any of them steps)."""
+    from ...observe.profile import profile_figure
+
+    got = _checked(cluster, var, data, "profile")
+    lines = [f"one profiled step of {var!r} on {len(got)} ranks (measured with torch.profiler):"]
+    lines += [f"  {p.summary()}" for p in got]
+    return "\n".join(lines), profile_figure(got)
+
+
+def memory_timeline_view(cluster, var: str = "engine", data: str = "batch"):
+    """(text, figure) of one step of ``var`` on ``data`` with every rank's memory sampled after each op
+    (``colab_kit.memory.timeline``): per rank its peak, the categories there and its largest storages."""
+    from ...memory.timeline import timeline_figure
+
+    got = _checked(cluster, var, data, "memory_timeline")
+    lines = [f"memory over one step of {var!r} on {len(got)} ranks (measured after every op):"]
+    for tl in got:
+        lines.append(f"  {tl.summary()}")
+        for row in tl.alive_at_peak[:3]:
+            what = row["name"] or f"{row['op']} {row['shape']}"
+            lines.append(f"      {row['nbytes'] / 1e6:8.3f} MB  {row['category']:<12} {what}")
+    return "\n".join(lines), timeline_figure(got)
