@@ -22,7 +22,7 @@ message and the others still run. Each prints one ``PASS``/``FAIL`` line with it
    does not see: allocator rounding, cuBLAS/cuBLASLt workspaces, and backward's transient activation
    gradients (the activation meter counts saved tensors). The allowance must be below the states kept on
    the host, so an engine that ignored the budget would fail.
-4. ``parity``: the CPU suite's parity configs (``tests/test_dp.py``, ``test_zero.py``, ``test_zero3.py``)
+4. ``parity``: the CPU suite's parity configs (``tests/ranks/test_dp.py``, ``test_zero.py``, ``test_zero3.py``)
    and their one-rank forms, each whose world size fits on the GPUs, train the suite's GPT 5 steps with
    AdamW and with SGD + momentum to the losses of ``colab_kit.engine.reference.train_single_process`` (one CPU
    process) within 1e-5 relative; the configs that need more GPUs are listed by name as skipped. TF32 is
@@ -82,7 +82,7 @@ SIZES = {  # per mode: the GPT of check 2 and the ZeRO-3 model of check 3
                 gpt_steps=8, lr=1e-2, precision="fp32", allowance=0, zero_batch=8, zero_steps=4,
                 zero=dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)),
 }
-PARITY_MODEL = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)  # tests/test_dp.py's GPT_CFG
+PARITY_MODEL = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)  # tests/ranks/test_dp.py's GPT_CFG
 PARITY_STEPS, PARITY_BATCH = 5, 8
 OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
               "sgd": lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)}

@@ -1,7 +1,7 @@
 """Render ``docs/benchmarks.md`` from ``bench/results/*.json`` (what ``bench/_results.write`` left there).
 
 The page holds no figure of its own: each section is one result file, its command, when and where it ran,
-and its rows as the benchmark wrote them. ``tests/test_bench_report.py`` checks that the committed page is
+and its rows as the benchmark wrote them. ``tests/unit/test_bench_report.py`` checks that the committed page is
 what this renders from the committed results, so a figure cannot reach the docs without a result file.
 
     python bench/report.py            # rewrite docs/benchmarks.md

@@ -18,7 +18,7 @@ and learning rate, memory per rank, step timeline).
     $ colab-kit plan --ranks 8 --memory 4MiB --top 10   # ck.plan's table (--constants: the measured ones)
 
 With bf16/fp16 the one-process check is skipped (its yardstick is fp32; mixed precision is held to
-its own one-process recipe by ``tests/test_models_precision.py``).
+its own one-process recipe by ``tests/ranks/test_models_precision.py``).
 """
 from __future__ import annotations
 
@@ -204,7 +204,7 @@ def demo(ranks: int | None = None, steps: int = 200, batch: int = 32, lr: float 
         print(f"{r:4d}  " + "  ".join(f"{res['memory'][k]:>12,}" for k in keys), file=out)
     reference = None
     if check and cfg.precision != "fp32":
-        print(f"\nthe one-process check is fp32's: skipped for {cfg.precision} (see tests/test_models_precision.py)",
+        print(f"\nthe one-process check is fp32's: skipped for {cfg.precision} (see tests/ranks/test_models_precision.py)",
               file=out)
     elif check:
         reference = _single_process(start + steps, batch, lr, first["total"], text)

@@ -2,9 +2,9 @@
 
 repo2docker, given a ``binder/`` folder, installs ``binder/requirements.txt`` with pip and then runs
 ``binder/postBuild`` from the repository root; it ignores ``pyproject.toml``. ``build(where)`` does the same
-in a new venv at ``where`` and returns a ``BinderEnv``. The browser tier (tests/test_browser.py) serves the
+in a new venv at ``where`` and returns a ``BinderEnv``. The browser tier (tests/notebooks/test_browser.py) serves the
 notebooks from that environment's own JupyterLab, so every notebook, 01 first, runs in what Binder builds;
-tests/test_colab_binder.py checks the environment itself (and runs notebook 01 in it with nbconvert where
+tests/notebooks/test_colab_binder.py checks the environment itself (and runs notebook 01 in it with nbconvert where
 the browser tier cannot run).
 
 ``pip --no-compile`` and then one import of what the notebooks use: pip's byte-compiling of every installed

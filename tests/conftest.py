@@ -42,7 +42,7 @@ def ipython_shell():
 @pytest.fixture(scope="session")
 def binder_env(tmp_path_factory):
     """binder/'s environment built in a fresh venv, once per session (tests/binder_env.py): the browser
-    tier's JupyterLab runs from it, and tests/test_colab_binder.py checks it."""
+    tier's JupyterLab runs from it, and tests/notebooks/test_colab_binder.py checks it."""
     from tests.binder_env import build
 
     return build(tmp_path_factory.mktemp("binder") / "venv")

@@ -37,7 +37,7 @@ n_heads=4. ``blocks.0.attn.qkv.weight`` is ``[96, 32]`` in the dense model (head
 chunk (0, 0) of (1, 32). ``optim/exp_avg/...`` and ``optim/exp_avg_sq/...`` follow the same
 chunks. With ZeRO each rank holds the optimizer's fp32 piece of a flat bucket (or chunk) instead:
 its rectangles are a few partial rows and row blocks of several tensors, all written (ZeRO's
-pieces overlap nowhere); ``tests/test_checkpoint.py`` reads both layouts back from DCP's metadata.
+pieces overlap nowhere); ``tests/ranks/test_checkpoint.py`` reads both layouts back from DCP's metadata.
 
 Loading. Every rank checks the checkpoint first (``files.check``: the manifest exists, the
 model config is this engine's, the files' sizes and hashes, split over ranks, verdicts gathered:
@@ -46,7 +46,7 @@ one answer everywhere). Then, one dense tensor at a time, it reads the whole ten
 collective), keeps its own elements through the same index map, and drops it. Beyond this rank's
 model states (filled in place), a load holds its index map (a dense and a local position per
 element it holds: 8 bytes with int32) and, one tensor at a time, the dense tensor while it is read
-(``tests/test_checkpoint.py`` bounds it so). Then the 16-bit model is made from the masters, ZeRO
+(``tests/ranks/test_checkpoint.py`` bounds it so). Then the 16-bit model is made from the masters, ZeRO
 1-2 all-gather the updated parameters, and the step count, history, loss scale and RNG states are set.
 
 RNG states: restored when the world size is the one that saved (rank r gets rank r's); with

@@ -7,7 +7,7 @@ blocks, 3D's pieces, fused q/k/v parts) gives the dense index of every element t
 ``optimizer_layout()`` then says which parameter elements each optimizer tensor holds (the
 parameter itself, a ZeRO piece of a bucket or chunk, or its fp32 master), and the index map
 follows them. Sequence parallelism and recomputation change no parameter. The placements are
-tested against every rank's real shards (``tests/test_placement.py``).
+tested against every rank's real shards (``tests/ranks/test_placement.py``).
 
 A dense tensor is stored 2-D (``store_shape``: 1-D as ``[1, n]`` in the rectangles here, and
 ``[d0, d1 * ...]`` above 2-D); what a rank holds of it is cut into rectangles (``rectangles``):

@@ -31,7 +31,7 @@ in backward the recomputation runs the attention's all-reduce again (it stops, a
 checkpoint does, once the last saved tensor, ``fc2``'s input, is rebuilt, so before
 ``fc2``'s all-reduce), then the backward's two all-reduces. The comm log of a step with
 recompute has one more tp all-reduce per block and microbatch than without (tested in
-``tests/test_recompute.py``). Every rank of a tp group recomputes the same ops in the same
+``tests/ranks/test_recompute.py``). Every rank of a tp group recomputes the same ops in the same
 order, so the extra collectives match up.
 
 Pipeline stages hold the same block modules, so a stage recomputes its blocks in its B (or

@@ -47,7 +47,7 @@ weight), each rank makes::
 
 Each rank ends with 9,072 parameters (36,288 bytes); its peak is while ``fc2.weight`` is
 being cut: 5,296 kept so far (fc2's bias, made just before its weight, included) + 4,096
-whole + 2,048 of shard = 11,440 floats (45,760 bytes, as ``tests/test_sharded_init.py``
+whole + 2,048 of shard = 11,440 floats (45,760 bytes, as ``tests/ranks/test_sharded_init.py``
 measures), against 69,504 for the dense model.
 """
 from __future__ import annotations

@@ -269,7 +269,7 @@ def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, tr
     the global batch ``shape`` (``traced_activations``), times the share of a GPT of the same widths that
     ``config``'s layout keeps on the rank (``config_estimate``'s layout formulas: dp and microbatch rows,
     the tensor mode's split, sp's tokens, the pipeline's peak). Within 25% of what the engine measures
-    for BERT, ViT, GPT-2, Llama and a user's model (``tests/test_models_memory.py``)."""
+    for BERT, ViT, GPT-2, Llama and a user's model (``tests/ranks/test_models_memory.py``)."""
     from ..config import ParallelConfig
     gpt = gpt_like(model, policy)
     tokens = policy.sequence and len(shape) > 1

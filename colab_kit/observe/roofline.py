@@ -20,7 +20,7 @@ wire bytes in ``k`` collectives (the engine's comm records of the last step). Th
 not explain (``achieved / roof``) is the rest of a step: the ops that are not matmuls, Python, idle.
 
 Worked example, measured here (2 cores, constants measured with 2 ranks): the GPT of
-``tests/test_profile.py`` (d=32, 2 layers) on a batch [8, 16], AdamW, 4 steps. Per rank ``F`` = 11.1 MFLOP,
+``tests/cluster/test_profile.py`` (d=32, 2 layers) on a batch [8, 16], AdamW, 4 steps. Per rank ``F`` = 11.1 MFLOP,
 0.05 ms at the 212 GFLOP/s peak. At tp=2 it sends 165,380 B in 13 all-reduces: intensity 67 FLOP/B, 18.8 ms
 by the constants, 99% of it alpha: communication-bound by latency, roof 0.59 GFLOP/s, achieved 0.40
 (the step measured 27.7 ms). At dp=2, 120,324 B in 3 all-reduces (two buckets and the loss): 4.4 ms, roof

@@ -44,7 +44,7 @@ Any other ``nn.Module`` (a Hugging Face GPT-2, a user's MLP) is traced instead: 
 backward with fake tensors (``FakeTensorMode``: shapes only, nothing computed) under
 ``flop_counter()``, the CPU kernels' choices included (GPT-2 training with attention dropout takes the
 unfused path: plain bmm's, backward 2x). Both paths equal ``FlopCounterMode`` measuring the real step
-for GPT, BERT, ViT, GPT-2 and an MLP (``tests/test_throughput.py`` asks for 2%).
+for GPT, BERT, ViT, GPT-2 and an MLP (``tests/ranks/test_throughput.py`` asks for 2%).
 
 This is torch's count of what runs, which differs a little from the "model FLOPs" of MFU papers
 (PaLM's ``6N + 12 L h t`` per token: every backward 2x): attention's recomputed scores add 1/7 of its

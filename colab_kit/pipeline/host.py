@@ -1,7 +1,7 @@
 """What the pipeline executor needs from the engine that owns it: ``PipelineHost``, a declared interface.
 
 ``PipelineExecutor`` (``executor.py``) and ``ComputeActions`` (``passes.py``) reach the engine through these
-names and no others (``tests/test_pipeline_host.py`` reads their source to hold them to it, and checks that
+names and no others (``tests/unit/test_pipeline_host.py`` reads their source to hold them to it, and checks that
 ``colab_kit.engine.core.Engine`` provides every one). The executor runs the actions; the engine owns what every
 parallel mode shares: the batch split, the loss, the gradient part, the optimizer step.
 

@@ -6,7 +6,7 @@ the model on the meta device, values left unset, and the optimizer steps once on
 its states exist as after a first step. No training step runs: under the fake group a pipeline receiver
 would read the activation's shape from a header that never came (``pipeline.p2p``). Reported: what
 ``engine.memory()`` says on that rank after one real step for params, grads and optimizer, exactly
-(tests/test_dry_run.py compares real runs to the byte); the activations the engine's estimate gives
+(tests/ranks/test_dry_run.py compares real runs to the byte); the activations the engine's estimate gives
 after a step of ``batch`` (``colab_kit.memory.estimator``); coordinates and groups; the planner's cost model
 (``planner.cost``) under each ``hardware``: node presets (``HARDWARE``: approximate datasheet figures,
 assumptions with their sources; NVLink inside a node, InfiniBand across) and this machine's measured

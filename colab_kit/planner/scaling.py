@@ -26,7 +26,7 @@ block: on 8 ranks 1D 448, 2.5D (q = 2, depth 2) 204, 3D (q = 2) 268; on 64 ranks
     >>> [block_wire_bytes(cfg, mode, 64, rows=16384) >> 20 for mode in ("1d", "2d", "3d")]
     [504, 162, 100]
 
-``tests/test_tp_scaling.py`` checks the counts against the engine's own records (``tensor.inspect.LayerTraffic``)
+``tests/ranks/test_tp_scaling.py`` checks the counts against the engine's own records (``tensor.inspect.LayerTraffic``)
 for every mode on 4 and 8 ranks; ``viz.planner.tp_scaling_figure`` draws them for growing p, labelled planned.
 """
 from __future__ import annotations

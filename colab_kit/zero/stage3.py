@@ -35,7 +35,7 @@ last gradient (the embeddings', at the very end of backward) has arrived: made a
 forward, it would hold the embeddings' gradient bytes through the whole backward, where FSDP2
 holds them only from the embedding's backward on. Measured with ``colab_kit.memory.peak`` on a
 GPT d=128 x 4 (bench/zero.py) that is FSDP2's in-step peak to the byte, less its per-parameter
-step counters (tests/test_zero3.py checks the bound above on three blocks).
+step counters (tests/ranks/test_zero3.py checks the bound above on three blocks).
 
 Mixed precision: a block's gradient is reduced as an fp32 copy; the reduced piece is copied
 straight into the (zeroed) 16-bit ``shard.grad`` on the step's first reduction (rounded first

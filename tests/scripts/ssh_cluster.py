@@ -1,6 +1,6 @@
 """A notebook session across two hosts, typed as a user types it, through a real IPython shell.
 
-Run by ``tests/test_two_hosts.py`` inside host A's network namespace (the controller's host), with an sshd
+Run by ``tests/cluster/test_two_hosts.py`` inside host A's network namespace (the controller's host), with an sshd
 on each host::
 
     python tests/scripts/ssh_cluster.py '{"addr_a": "10.231.7.1", "addr_b": "10.231.7.2", "profile": DIR}'

@@ -1,7 +1,7 @@
 """``engine.fit(loader, steps, checkpoint=PATH, every=N)``: a rank killed at a random step, then the same
 call started again continues from the last complete checkpoint to the losses of an uninterrupted run: with
 ``ck.launch`` on the same and on another number of ranks, and under torchrun ``--max-restarts``. (The
-notebook's path, a dead engine then ``%colossal restart``, is in ``tests/test_magics.py``.)
+notebook's path, a dead engine then ``%colossal restart``, is in ``tests/cluster/test_magics.py``.)
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from colab_kit.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 STEPS, EVERY = 8, 2
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "torchrun_fit.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "torchrun_fit.py"
 
 
 def _data():

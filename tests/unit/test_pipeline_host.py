@@ -2,7 +2,7 @@
 
 Read from the source (no process started): every attribute the executor and its compute actions take from
 the engine (``engine.X``, ``self.engine.X``, ``eng.X``) is a name of the protocol, none is private, and the
-engine provides every name of the protocol (``tests/test_pipeline_engine.py`` runs them).
+engine provides every name of the protocol (``tests/ranks/test_pipeline_engine.py`` runs them).
 """
 from __future__ import annotations
 

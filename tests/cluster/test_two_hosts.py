@@ -23,7 +23,7 @@ import pytest
 
 from tests.helpers import TORCHRUN_STEPS as STEPS, torchrun as _torchrun, torchrun_reference as reference
 
-SSH_DRIVER = Path(__file__).resolve().parent / "scripts" / "ssh_cluster.py"
+SSH_DRIVER = Path(__file__).resolve().parents[1] / "scripts" / "ssh_cluster.py"
 
 
 def _ip(*args, check=True):
@@ -167,7 +167,7 @@ def test_an_ssh_cluster_across_two_hosts_trains_survives_a_dead_engine_and_resta
     want = reference()
     args = json.dumps({"addr_a": h["addr_a"], "addr_b": h["addr_b"], "profile": h["profile"]})
     run = subprocess.run(["ip", "netns", "exec", h["A"], sys.executable, str(SSH_DRIVER), args],
-                         capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parents[1])
+                         capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parents[2])
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("{")]
     assert lines, run.stdout[-3000:] + run.stderr[-3000:]
     seen = json.loads(lines[-1])

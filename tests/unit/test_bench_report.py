@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("colab_kit_bench_report", ROOT / "bench" / "report.py")
 report = importlib.util.module_from_spec(_spec)  # bench/report.py, by path: bench/ is not a package
 _spec.loader.exec_module(report)

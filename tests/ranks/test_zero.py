@@ -31,7 +31,7 @@ WORLD2 = [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=1, offload="cp
           dict(dp=2, zero=2, offload="cpu", microbatches=2)]  # stage 2's fp32 masters path, reduced per microbatch
 WORLD4 = [dict(dp=4, zero=2, microbatches=2), dict(dp=2, tp=2, zero=2),
           dict(dp=2, pp=2, zero=2, microbatches=2, schedule="1f1b"), dict(dp=2, pp=2, zero=1, microbatches=2)]
-WORLD8 = [dict(dp=2, tp=4, tp_mode="2d", zero=2)]  # zero=3 with 2d: tests/test_zero3.py
+WORLD8 = [dict(dp=2, tp=4, tp_mode="2d", zero=2)]  # zero=3 with 2d: tests/ranks/test_zero3.py
 
 
 # --------------------------------------------------------------------------- on each rank

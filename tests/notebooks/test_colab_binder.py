@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
@@ -108,7 +108,7 @@ def test_binder_environment_builds_fresh_and_runs_notebook_01(binder_env, tmp_pa
     torch come from that venv. The browser tier serves every notebook from this environment's JupyterLab and
     checks that each kernel ran its python; where that tier cannot run, notebook 01 runs here instead, with
     this environment's own nbconvert (it comes with jupyterlab), its EXPECT outputs checked."""
-    from tests.test_notebooks import _browser_runs, expected_problems
+    from tests.helpers.notebooks import browser_runs as _browser_runs, expected_problems
 
     env = binder_env.env()
     where = subprocess.run([binder_env.python, "-c", "import colab_kit, torch, ipyparallel, sklearn, transformers; "
@@ -117,7 +117,7 @@ def test_binder_environment_builds_fresh_and_runs_notebook_01(binder_env, tmp_pa
     assert where.returncode == 0, where.stderr[-3000:]
     assert where.stdout.startswith(str(binder_env.venv)) and "+cpu" in where.stdout, where.stdout
     if _browser_runs():
-        return  # tests/test_browser.py runs notebook 01 (and the rest) in this environment, in JupyterLab
+        return  # tests/notebooks/test_browser.py runs notebook 01 (and the rest) in this environment, in JupyterLab
     out = tmp_path / "01_executed.ipynb"
     run = subprocess.run([str(binder_env.bin / "jupyter"), "nbconvert", "--to", "notebook", "--execute",
                           "--ExecutePreprocessor.timeout=600", "--output", str(out),

@@ -137,7 +137,7 @@ def _refusals(root: str, rng: torch.Tensor) -> dict:
 
 
 def _load_memory(root: str) -> dict:
-    """Live bytes of a load (tests/test_sharded_init.py's tracker) into dp=4 zero=3 of BIG, saved by dp=2 tp=2.
+    """Live bytes of a load (tests/ranks/test_sharded_init.py's tracker) into dp=4 zero=3 of BIG, saved by dp=2 tp=2.
 
     The tracker counts an existing storage from the first op that writes it: the optimizer's tensors
     and states are touched first (``add_(0)``), so ``peak - start`` is what the load itself adds."""
@@ -231,9 +231,9 @@ def test_three_plus_two_steps_equal_five(runs, i):
             assert got["scale"] == ref_scale, (got["scale"], ref_scale)
     final = os.path.join(root, f"final{i}")
     assert check(final, CFG)["step"] == STEPS
-    if precision != "fp32":  # bf16: parity is on the losses, as tests/test_precision.py's (16-bit noise in
+    if precision != "fp32":  # bf16: parity is on the losses, as tests/ranks/test_precision.py's (16-bit noise in
         return               # the parameters is amplified by Adam's normalisation of small gradients)
-    # the project's parameter tolerance (tests/test_zero.py): Adam turns float noise in a near-zero
+    # the project's parameter tolerance (tests/ranks/test_zero.py): Adam turns float noise in a near-zero
     # gradient into a step of up to lr either way, hence its atol; SGD stays tight
     atol = 2e-4 if opt == "adamw" else 5e-5
     for name, ref in ref_params.items():
@@ -299,7 +299,7 @@ def _save_again(root: str) -> None:
 
 
 def test_load_memory_is_own_index_plus_one_parameter(runs):
-    """dp=4 zero=3 loading BIG (tests/test_sharded_init.py: 10.5 MB dense, largest tensor 2 MiB), saved
+    """dp=4 zero=3 loading BIG (tests/ranks/test_sharded_init.py: 10.5 MB dense, largest tensor 2 MiB), saved
     by dp=2 tp=2: beyond the states it fills in place, a load holds 8 bytes per element of its own
     (dense and local positions, int32) and, one tensor at a time, the dense tensor it reads with DCP's
     buffers of its chunks. Measured: 9,502,976 bytes on rank 0 (659,200 elements held: 5,273,600 of

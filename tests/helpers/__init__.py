@@ -355,7 +355,7 @@ def assert_f_i_w_in_order(plan, pp: int, m: int) -> None:
 
 
 # =========================================================================== a script under torchrun (test_join, test_two_hosts)
-TORCHRUN_SCRIPT = Path(__file__).resolve().parent / "scripts" / "torchrun_train.py"
+TORCHRUN_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "torchrun_train.py"
 TORCHRUN_STEPS = 4
 
 

@@ -19,13 +19,13 @@ is saved (Ctrl+S) so the page can be checked against what the kernel sent:
   being one with its data drawn (a ``FigureWidget`` whose model lost its traces carries none);
 - no cell raised or shows a traceback unless it is tagged ``raises-exception``
   (JupyterLab then keeps running the cells after it);
-- the outputs ``tests/test_notebooks.py`` expects (its ``EXPECT``) are in what the kernel sent:
+- the outputs ``tests/notebooks/test_notebooks.py`` expects (its ``EXPECT``) are in what the kernel sent:
   where this tier runs, that file does not run the notebooks a second time with nbclient.
 
 A screenshot of the whole notebook goes to ``tests/screenshots/<notebook stem>.png`` when the
 test fails, and for every notebook with ``CK_SCREENSHOTS=1`` (each costs about 4 s). Skipped, with the reason, only where ``/usr/bin/chromium`` or
 ``playwright`` is missing (``apt-get install chromium``; ``pip install playwright``);
-``pytest --ignore tests/test_browser.py`` leaves it out.
+``pytest --ignore tests/notebooks/test_browser.py`` leaves it out.
 """
 from __future__ import annotations
 
@@ -45,10 +45,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-SCREENSHOTS = Path(__file__).resolve().parent / "screenshots"
-CHROMIUM = "/usr/bin/chromium"
+from tests.helpers.notebooks import CHROMIUM, NOTEBOOKS, ROOT, browser_missing
+
+SCREENSHOTS = ROOT / "tests" / "screenshots"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 RUN_TIMEOUT = 600      # seconds per notebook, from "Run All Cells" to the last execution count
@@ -130,14 +129,7 @@ PLOTLY = "application/vnd.plotly.v1+json"
 STDERR = "application/vnd.jupyter.stderr"
 
 
-def _missing() -> str | None:
-    if not Path(CHROMIUM).exists():
-        return f"{CHROMIUM} is missing (Debian: apt-get install chromium)"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "the playwright package is missing (pip install playwright)"
-    return None
+_missing = browser_missing
 
 
 pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
@@ -567,8 +559,8 @@ def test_notebook_renders_in_a_browser(path: Path, lab: Lab, browser):
         assert pythons == {lab.python}, f"{name}'s kernel ran {pythons}, not binder/'s environment {lab.python}"
         saved = _save(page, lab.dir / name, problems)
         problems += _check(name, cells_json, saved, snap, may_fail, page.viewport_size["width"])
-        if saved:  # the outputs tests/test_notebooks.py expects, from this run (nbclient skips where this runs)
-            from tests.test_notebooks import expected_problems, started_ranks
+        if saved:  # the outputs tests/notebooks/test_notebooks.py expects, from this run (nbclient skips where this runs)
+            from tests.helpers.notebooks import expected_problems, started_ranks
             problems += expected_problems(name, saved, started_ranks(saved))
         assert not problems, f"{name} in JupyterLab:\n" + "\n\n".join(dict.fromkeys(problems))
         passed = True

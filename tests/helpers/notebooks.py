@@ -1,18 +1,14 @@
-"""Every notebook in notebooks/ runs top to bottom in a real kernel (tier 3).
-
-Parametrized over the folder, so a new notebook is tested as soon as it is added.
-Cells tagged ``raises-exception`` may fail (nbclient's convention); any other
-error fails the test with the cell and its traceback. ``EXPECT`` adds, per
-notebook, outputs that must appear under the cell whose source contains a marker.
-"""
+"""What the notebook tier checks, shared by its three files (nbclient, the browser, Binder/Colab): the
+notebooks, the outputs each must show (``EXPECT``; ``ASKED`` per cluster size), and whether the browser
+tier can run here."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-import pytest
-
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+CHROMIUM = "/usr/bin/chromium"
 
 EXPECT = {  # notebook -> [(marker in the cell source, text its output must contain)]
     "01_quickstart.ipynb": [
@@ -207,37 +203,16 @@ def started_ranks(cells) -> int | None:
     return None
 
 
-def _browser_runs() -> bool:
-    from tests.test_browser import _missing
-    return _missing() is None
+def browser_missing() -> str | None:
+    """Why the browser tier (tests/notebooks/test_browser.py) cannot run here, or None when it runs."""
+    if not Path(CHROMIUM).exists():
+        return f"{CHROMIUM} is missing (Debian: apt-get install chromium)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright package is missing (pip install playwright)"
+    return None
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs_top_to_bottom(path: Path):
-    """nbclient runs the notebook where the browser tier cannot; where it can, tests/test_browser.py
-    runs it top to bottom in JupyterLab and checks these same outputs on what the kernel sent
-    (one run of each notebook per suite, not two), under Binder's memory: the notebooks in ``ASKED``
-    start fewer engines there, so this runs them here as well, with this machine's memory."""
-    if _browser_runs() and path.name not in ASKED:
-        pytest.skip("run top to bottom in JupyterLab by tests/test_browser.py, which checks the same EXPECT outputs")
-    import nbformat
-    from nbclient import NotebookClient
-
-    nb = nbformat.read(path, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert not cell.get("outputs"), f"{path.name} is committed with outputs: clear them"
-    client = NotebookClient(nb, kernel_name="python3", timeout=600, startup_timeout=120,
-                            resources={"metadata": {"path": str(path.parent)}})
-    client.execute()  # raises CellExecutionError naming the cell that failed
-    problems = expected_problems(path.name, nb.cells, started_ranks(nb.cells))
-    assert not problems, "\n".join(problems)
-
-
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebooks_are_committed_without_outputs(path: Path):
-    import nbformat
-
-    for cell in nbformat.read(path, as_version=4).cells:
-        if cell.cell_type == "code":
-            assert not cell.get("outputs"), f"{path.name} is committed with outputs: clear them"
+def browser_runs() -> bool:
+    return browser_missing() is None
