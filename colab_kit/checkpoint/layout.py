@@ -125,7 +125,7 @@ def local_space(engine) -> LocalSpace:
     if engine.policy is None:  # dp / ZeRO only: the local model is the dense one
         table = DenseTable([(n, tuple(p.shape)) for n, p in engine.module.named_parameters() if p.requires_grad])
     else:
-        table = DenseTable([(n, tuple(p.shape)) for n, p in engine._twin.named_parameters()])
+        table = DenseTable([(n, tuple(p.shape)) for n, p in engine.dense_twin.named_parameters()])
     dtype = torch.int32 if table.total < 2 ** 31 - 1 else torch.int64
     starts = [0]
     for t, _ in layout:

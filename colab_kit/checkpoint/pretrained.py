@@ -38,7 +38,7 @@ __all__ = ["save_pretrained", "load_pretrained", "dense_state_dict"]
 
 def _conv_paths(engine) -> set[str]:
     from ..policy.hf import CONV1D_ATTR
-    return set(getattr(engine._twin, CONV1D_ATTR, []))
+    return set(getattr(engine.dense_twin, CONV1D_ATTR, []))
 
 
 def _is_conv(name: str, convs: set[str]) -> bool:
@@ -76,8 +76,8 @@ def dense_state_dict(engine, dst: int = 0) -> dict[str, torch.Tensor] | None:
         dense[name] = flat.view(table.shapes[name])
     if rank != dst:
         return None
-    canonical = {id(p): n for n, p in engine._twin.named_parameters()}
-    for n, p in engine._twin.named_parameters(remove_duplicate=False):  # tied weights under each of their names
+    canonical = {id(p): n for n, p in engine.dense_twin.named_parameters()}
+    for n, p in engine.dense_twin.named_parameters(remove_duplicate=False):  # tied weights under each of their names
         if n not in dense and canonical.get(id(p)) in dense:
             dense[n] = dense[canonical[id(p)]]
     return dense
@@ -85,7 +85,7 @@ def dense_state_dict(engine, dst: int = 0) -> dict[str, torch.Tensor] | None:
 
 def save_pretrained(engine, directory) -> None:
     """Write ``directory`` in the Hugging Face format of the engine's model (see the module docstring)."""
-    twin = engine._twin
+    twin = engine.dense_twin
     if not hasattr(twin, "save_pretrained") or not hasattr(twin, "config"):
         raise TypeError(f"save_pretrained writes transformers models; this engine trains a {type(twin).__name__}: "
                         f"use engine.save(path) for colab_kit's own sharded checkpoints")

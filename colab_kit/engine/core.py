@@ -166,7 +166,7 @@ class Engine(EngineRecords):
         """The ``colab_kit.policy.Policy`` the parallel parts lowered (None: a model under dp / ZeRO only)."""
         self._logits = policy.output if policy is not None and policy.output is not None else (lambda out: out)
         from .sharded_init import defer, materialize, meta_twin  # a meta-device model: only this rank's shards are made
-        self._twin = meta_twin(model)  # shapes and names only: the dense model the checkpoint maps elements to
+        self.dense_twin = meta_twin(model)  # shapes and names only: the dense model the checkpoint maps elements to
         self.tp_plan = None
         defer(model, config, mesh.rank("pp"), policy)
         hf = getattr(model, "config", None)
@@ -299,7 +299,7 @@ class Engine(EngineRecords):
             return self._train_step(batch, local)
         torch.cuda.reset_peak_memory_stats(self.mesh.device)  # engine.memory()["step_peak"]: the allocator's
         value = self._train_step(batch, local)
-        self._step_peak = torch.cuda.max_memory_allocated(self.mesh.device)
+        self.step_peak = torch.cuda.max_memory_allocated(self.mesh.device)
         return value
 
     def _train_step(self, batch, local: bool) -> float:
@@ -588,7 +588,7 @@ class Engine(EngineRecords):
 
     # ------------------------------------------------------------------ lifetime
     _loader = None
-    _step_peak = None  # engine.memory()["step_peak"]
+    step_peak = None  # engine.memory()["step_peak"]
     steps_run = 0
     """Steps this engine ran itself (``step_count`` also counts the ones a loaded checkpoint had run)."""
     lr_scheduler = None

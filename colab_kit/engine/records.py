@@ -42,7 +42,7 @@ class EngineRecords:
                   "activations": self.activation_meter.peak}
         host = dict.fromkeys(totals, 0)
         host.update(self.grads.host_bytes(self.optimizer))
-        return {**totals, "device": {k: totals[k] - host[k] for k in totals}, "host": host, "step_peak": self._step_peak}
+        return {**totals, "device": {k: totals[k] - host[k] for k in totals}, "host": host, "step_peak": self.step_peak}
 
     def _param_bytes(self) -> int:
         held = self.grads.param_bytes()  # ZeRO-3: this rank's shards (and what is gathered now)
@@ -89,8 +89,8 @@ class EngineRecords:
             cache = self.__dict__.setdefault("_traced", {})  # the dense trace, once per input shape
             if shape not in cache:
                 cache.clear()
-                cache[shape] = traced_activations(self._twin, *shape, cfg.precision)
-            est["activations"] = model_activations(self._twin, self.policy, cfg, *shape,
+                cache[shape] = traced_activations(self.dense_twin, *shape, cfg.precision)
+            est["activations"] = model_activations(self.dense_twin, self.policy, cfg, *shape,
                                                    pp_rank=self.mesh.rank("pp"), traced=cache[shape])
         return placed(est, cfg.zero, cfg.offload, share)
 

@@ -248,7 +248,7 @@ def memory_timeline(engine, batch, *, local: bool | None = None) -> MemoryTimeli
                         phases=_phases(engine, rec.t0), alive_at_peak=rec.alive_at_peak,
                         allocator=rec.allocator if cuda else None, loss=loss)
     if not cuda:  # on a GPU the allocator's peak of the step stays (engine.memory())
-        engine._step_peak = tl.peak
+        engine.step_peak = tl.peak
     return tl
 
 

@@ -295,7 +295,7 @@ def engine_throughput(engine, last: int | None = None) -> dict:
         steps           records used             step_seconds    their median wall time on this rank
         input_shape     the global batch's       tokens_per_step b*t (tokens), b*patches (ViT), else None
         tokens_per_s    tokens / step_seconds    samples_per_s   b / step_seconds
-        flops_per_step  model_flops of the dense model (engine.model_cfg, else its meta copy engine._twin)
+        flops_per_step  model_flops of the dense model (engine.model_cfg, else its meta copy engine.dense_twin)
         achieved_flops  flops_per_step / step_seconds: the whole job's FLOP/s
         world_size      ranks                    flops_per_rank  achieved_flops / world_size
         peak_flops      peak_matmul_flops of one rank (its device, compute dtype and thread count)
@@ -327,7 +327,7 @@ def engine_throughput(engine, last: int | None = None) -> dict:
     for r in records:
         shape = tuple(r["input_shape"])
         if shape not in cache:
-            model = engine.model_cfg if _builtin_cfg(engine.model_cfg) is not None else engine._twin
+            model = engine.model_cfg if _builtin_cfg(engine.model_cfg) is not None else engine.dense_twin
             cache[shape] = model_flops(model, shape, dtype=dtype)
         flops.append(cache[shape])
         tokens.append(_tokens(engine.model_cfg, shape, dtype))

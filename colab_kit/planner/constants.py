@@ -74,19 +74,39 @@ def cached(ranks: int = 4) -> dict | None:
     return _read_cache(cache_path()).get(str(ranks))
 
 
-def constants(refresh: bool = False, ranks: int = 4) -> dict:
-    """The constants measured with ``ranks`` local ranks (cached; ``refresh`` measures again)."""
+def constants(refresh: bool = False, ranks: int = 4, repeats: int = 1) -> dict:
+    """The constants measured with ``ranks`` local ranks (cached; ``refresh`` measures again). ``repeats``:
+    when measuring, measure that many times and keep each figure's median (``median_of``): one
+    measurement on busy shared cores can be off by tens of percent in any one figure."""
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: give a whole number of measurements, 1 or more (3 takes a median)")
     path = cache_path()
     table = _read_cache(path)
     key = str(ranks)
     if refresh or key not in table:
-        table[key] = measure(ranks)
+        table[key] = median_of([measure(ranks) for _ in range(repeats)])
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = path + f".{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(table, fh, indent=1, sort_keys=True)
         os.replace(tmp, path)
     return table[key]
+
+
+def median_of(measurements: list[dict]) -> dict:
+    """Each number's median over ``measurements`` (dicts of the same shape, as ``measure`` returns);
+    other values are the first one's. With one measurement, that measurement::
+
+        >>> median_of([{"matmul": {"flops_per_s": 9.0}, "torch": "x"}, {"matmul": {"flops_per_s": 1.0}, "torch": "x"},
+        ...            {"matmul": {"flops_per_s": 2.0}, "torch": "x"}])
+        {'matmul': {'flops_per_s': 2.0}, 'torch': 'x'}
+    """
+    first = measurements[0]
+    if isinstance(first, dict):
+        return {k: median_of([m[k] for m in measurements]) for k in first}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return statistics.median(measurements)
+    return first
 
 
 def measure(ranks: int = 4) -> dict:

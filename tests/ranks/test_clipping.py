@@ -99,7 +99,7 @@ def test_a_max_norm_that_is_not_positive_is_refused():
 
 @functools.lru_cache(maxsize=None)
 def mixed_reference(precision):
-    """The mixed-precision recipe in plain PyTorch (tests/helpers.py), clipped after unscaling."""
+    """The mixed-precision recipe in plain PyTorch (tests/helpers/), clipped after unscaling."""
     got = plain_mixed_precision(GPT(GPT_CFG), OPTIMIZERS["sgd"], lambda s: batch("gpt", s), STEPS, precision,
                                 max_grad_norm=MAX_NORM)
     return got.losses, got.norms

@@ -39,7 +39,7 @@ def _logits(name, out):
 
 @functools.lru_cache(maxsize=None)
 def reference(name, opt, precision):
-    """The mixed-precision recipe in one process, in plain PyTorch (tests/helpers.py)."""
+    """The mixed-precision recipe in one process, in plain PyTorch (tests/helpers/)."""
     return plain_mixed_precision(make(name), OPTIMIZERS[opt], lambda s: batch(name, s), STEPS, precision,
                                  logits=lambda out: _logits(name, out))
 

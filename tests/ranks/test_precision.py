@@ -1,7 +1,7 @@
 """Mixed precision (bf16 / fp16, ``colab_kit.engine.precision``) against one process running the same recipe.
 
 Five GPT steps with AdamW and with SGD + momentum give the one-process recipe's losses within
-``precision.TOLERANCE`` (relative), the recipe written in plain torch (``tests/helpers.py``, not
+``precision.TOLERANCE`` (relative), the recipe written in plain torch (``tests/helpers/``, not
 ``colab_kit.engine.precision``), and 16-bit parameters off its by under a tenth of what training moved them
 (a check the untrained weights fail): bf16 at dp=2
 with zero 0, 1, 2, fp16 at dp=2 zero=2, bf16 with microbatches=2, bf16 with tp=2 (1d) and zero=2,
@@ -38,7 +38,7 @@ LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 @functools.lru_cache(maxsize=None)
 def reference(opt: str, precision: str):
-    """The recipe in plain torch (tests/helpers.py), not colab_kit.engine.precision's: losses, trained and start weights."""
+    """The recipe in plain torch (tests/helpers/), not colab_kit.engine.precision's: losses, trained and start weights."""
     data = SyntheticTokens(64, 16, seed=1)
     return plain_mixed_precision(GPT(GPT_CFG), OPTIMIZERS[opt], lambda s: data.batch(s, BATCH), STEPS, precision)
 

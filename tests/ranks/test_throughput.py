@@ -123,7 +123,7 @@ def test_hf_gpt2_traced_matches_flop_counter():
     x = torch.randint(0, 64, (2, 16))
     assert close(model_flops(model, (2, 16)), measured(model, x))  # dropout on: the math attention path
     assert close(model_flops(model, (2, 16), training=False), measured(model, x, training=False))
-    meta = transformers.GPT2LMHeadModel(cfg).to("meta")  # what an engine keeps: engine._twin
+    meta = transformers.GPT2LMHeadModel(cfg).to("meta")  # what an engine keeps: engine.dense_twin
     assert model_flops(meta, (2, 16)) == model_flops(model, (2, 16))
 
 
@@ -265,7 +265,7 @@ def test_engine_throughput_images_and_other_models(cache, monkeypatch):
     def stub(cfg, twin, shape, dtype, seconds=(0.5, 0.1, 0.3, 0.2)):
         recs = [{"step": i + 1, "loss": 1.0, "seconds": s, "input_shape": shape} for i, s in enumerate(seconds)]
         mesh = types.SimpleNamespace(device=torch.device("cpu"))
-        return types.SimpleNamespace(records=recs, model_cfg=cfg, _twin=twin, _input=(shape, dtype),
+        return types.SimpleNamespace(records=recs, model_cfg=cfg, dense_twin=twin, _input=(shape, dtype),
                                      config=ck.ParallelConfig(dp=2), mesh=mesh)
     vit = stub(VIT_CFG, ViT(VIT_CFG, device="meta"), (4, 3, 8, 8), torch.float32)
     d = engine_throughput(vit)
