@@ -27,6 +27,9 @@ __all__ = ["boost", "Engine"]
 
 
 def __getattr__(name):
-    if name in __all__:
-        return getattr(importlib.import_module(".core", __name__), name)
+    # boost, Engine, and every other name of 0.1's colab_kit/engine.py (lm_loss, unsupported, ...), from core
+    if not name.startswith("__"):
+        core = importlib.import_module(".core", __name__)
+        if hasattr(core, name):
+            return getattr(core, name)
     raise AttributeError(f"module 'colab_kit.engine' has no attribute {name!r}")
