@@ -7,7 +7,9 @@ ranks and a global batch of ``--batch`` rows, takes the best candidate of each o
 ``--top`` layouts, boosts them all in ONE spawn and trains them in turns for ``--steps``
 rounds (``colab_kit.planner.validate``), and prints per candidate the estimated and measured
 model-state bytes (params + grads + optimizer, the fullest rank), activations, and median step
-time (the slowest rank), with the Spearman rank correlation of the step times.
+time (the slowest rank), with the Spearman rank correlation of the step times, the largest error,
+the first choice's regret, and each estimate's parts beside what the measurement has beyond them.
+The constants are each the median of three measurements (``constants(..., repeats=3)``).
 
     python bench/plan.py                       # the demo GPT with 4 layers, 4 ranks, batch 16, 8 layouts
     python bench/plan.py --ranks 8 --batch 32 --top 10
@@ -40,7 +42,7 @@ def main(argv=None) -> None:
 
     model = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=args.layers)
     t0 = time.perf_counter()
-    consts = constants(refresh=True, ranks=args.ranks)
+    consts = constants(refresh=True, ranks=args.ranks, repeats=3)  # each figure the median of three
     print(f"constants measured on {args.ranks} ranks in {consts['seconds_to_measure']:.2f} s "
           f"(spawn included; {time.perf_counter() - t0:.2f} s with the cache write); "
           f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
@@ -58,6 +60,10 @@ def main(argv=None) -> None:
     fastest = min(r["seconds"] for r in rows)
     regret = rows[0]["seconds"] / fastest - 1  # the planner's first choice against the fastest measured
     print(f"largest step-time error {err:.1%}; the first choice's regret {regret:.1%}")
+    print("\nwhere each estimate's milliseconds go, and what the measurement has beyond them:")
+    for r in rows:
+        parts = " ".join(f"{k} {1e3 * v:.1f}" for k, v in r["est_parts"].items())
+        print(f"  {r['config'][:40]:40} {parts}; missed {1e3 * (r['seconds'] - r['est_seconds']):+.1f}")
     write("plan", [row(f"planner, GPT d={model.d_model} x {model.n_layers}, {args.ranks} ranks, batch {args.batch}, "
                        f"best of the first {args.top} layouts", f"estimates within {err:.1%} of measured step times; "
                        f"first choice {regret:.1%} slower than the fastest", None, None,

@@ -30,7 +30,8 @@ def _run(mesh, op: str, axis: str, tensor: torch.Tensor, launch, async_op: bool,
     work = launch(flag is not None)  # async while a flag is set, so that the wait can look at it
     if work is not None:
         finish(work, flag, f"{op} over {axis}")
-    mesh.log.add(op, axis, nbytes, time.perf_counter() - t0, tag, mesh.size(axis))
+    now = time.perf_counter()
+    mesh.log.add(op, axis, nbytes, now - t0, tag, mesh.size(axis), end=now)
     if then is not None:
         then()
     return tensor

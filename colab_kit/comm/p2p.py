@@ -27,7 +27,8 @@ class P2PPending(Pending):
     def wait(self, timeout: float | None = None) -> CommRecord:
         called = time.perf_counter()
         finish(self.work, self.flag, f"{self.op} over {self.axis} ({self.tag})", timeout, self.armed)
-        rec = self.log.add(self.op, self.axis, self.nbytes, time.perf_counter() - self.t0, self.tag)
+        now = time.perf_counter()
+        rec = self.log.add(self.op, self.axis, self.nbytes, now - self.t0, self.tag, end=now)
         rec.waited = called
         if self.then is not None:
             self.then()

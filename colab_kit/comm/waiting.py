@@ -128,8 +128,8 @@ class Pending:
         if self.work is not None:  # None: a no-op on a size-1 axis, nothing ran, nothing recorded
             called = time.perf_counter()
             finish(self.work, self.flag, f"{self.op} over {self.axis}")
-            self.record = self.log.add(self.op, self.axis, self.nbytes, time.perf_counter() - self.t0, self.tag,
-                                       self.n)
+            now = time.perf_counter()
+            self.record = self.log.add(self.op, self.axis, self.nbytes, now - self.t0, self.tag, self.n, end=now)
             self.record.waited = called
         self.done = True
         if self.then is not None:

@@ -195,8 +195,9 @@ class LossScaler:
             t0 = time.perf_counter()
             work = dist.all_reduce(bad, op=dist.ReduceOp.MAX, async_op=True)
             finish(work, getattr(mesh, "abort_flag", None), "the fp16 overflow check over the world")
-            mesh.log.add("all_reduce", "world", bad.numel() * bad.element_size(), time.perf_counter() - t0,
-                         "fp16 overflow check", dist.get_world_size())
+            now = time.perf_counter()
+            mesh.log.add("all_reduce", "world", bad.numel() * bad.element_size(), now - t0,
+                         "fp16 overflow check", dist.get_world_size(), end=now)
         return bool(bad.item())
 
     def update(self, overflow: bool) -> str:

@@ -99,7 +99,8 @@ def validate(model, ranks: int = 4, batch: int = 16, top: int = 6, steps: int = 
         rows.append({"config": c.describe(), "est_states": est_states,
                      "states": got["params"] + got["grads"] + got["optimizer"],
                      "est_activations": c.memory["activations"], "activations": got["activations"],
-                     "est_seconds": c.step_seconds, "seconds": max(r["seconds"] for r in per_rank),
+                     "est_seconds": c.step_seconds, "est_parts": dict(c.breakdown),
+                     "seconds": max(r["seconds"] for r in per_rank),
                      "losses": per_rank[0]["losses"]})
     rho = spearman([r["est_seconds"] for r in rows], [r["seconds"] for r in rows])
     return {"rows": rows, "spearman": rho}
