@@ -14,6 +14,23 @@ from colab_kit.datasets import SyntheticTokens
 from .references import GPT_CFG
 
 
+# =========================================================================== configs looped inside one spawn per world size
+def rank0_per_world(fn, cases_by_world: dict, *args) -> dict:
+    """Rank 0's dict from ``fn(cases, *args)`` in one ``ck.launch`` per world size, merged: the parity tests'
+    way of looping every config of a size inside one spawn."""
+    import colab_kit as ck
+
+    out = {}
+    for world, cases in cases_by_world.items():
+        out.update(ck.launch(fn, world, cases, *args)[0])
+    return out
+
+
+def case_id(case, name: int = 0) -> str:
+    """A parametrize id for ``(..., model name, {config fields}, ...)``: ``gpt-tp2-tp_mode2d``."""
+    return f"{case[name]}-{'-'.join(f'{k}{v}' for k, v in case[name + 1].items())}"
+
+
 # =========================================================================== a script under torchrun (test_join, test_two_hosts)
 TORCHRUN_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "torchrun_train.py"
 TORCHRUN_STEPS = 4

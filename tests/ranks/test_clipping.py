@@ -18,6 +18,7 @@ import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.models import GPT
 
+from tests.helpers import case_id, rank0_per_world
 from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, make as make_model, mlm_batch, plain_mixed_precision
 
 STEPS, MAX_NORM, RTOL = 5, 0.05, 1e-5
@@ -73,14 +74,11 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def runs():
-    out = {}
-    for world, cases in CASES.items():
-        out.update(ck.launch(_train, world, cases)[0])
-    return out
+    return rank0_per_world(_train, CASES)
 
 
 @pytest.mark.parametrize("case", [c for cs in CASES.values() for c in cs],
-                         ids=lambda c: f"{c[0]}-{'-'.join(f'{k}{v}' for k, v in c[1].items())}")
+                         ids=case_id)
 def test_clipping_equals_clip_grad_norm_in_one_process(runs, case):
     name, kw = case
     for opt in OPTIMIZERS:

@@ -26,6 +26,7 @@ from colab_kit.models import BERT, GPT, BERTConfig, GPTConfig, ViT, ViTConfig
 from colab_kit.models.dropout import Coordinates, Dropout, _hash32, hidden_dropout, keep_mask, layout_invariant
 from colab_kit.sequence.zigzag import sequence_positions
 
+from tests.helpers import case_id, rank0_per_world
 from tests.helpers import NET_POLICY, Net, digits, mlm_batch
 
 P, STEPS, BATCH, RTOL = 0.1, 4, 8, 1e-5
@@ -206,14 +207,11 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def runs():
-    out = {}
-    for world, cases in CASES.items():
-        out.update(ck.launch(_train, world, cases)[0])
-    return out
+    return rank0_per_world(_train, CASES)
 
 
 @pytest.mark.parametrize("case", [(w, *c) for w, cs in CASES.items() for c in cs],
-                         ids=lambda c: f"{c[1]}-{'-'.join(f'{k}{v}' for k, v in c[2].items())}")
+                         ids=lambda c: case_id(c, 1))
 def test_dropout_trains_like_one_process(runs, case):
     _, name, kw, opts = case
     for opt in opts:

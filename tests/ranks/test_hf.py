@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 
+from tests.helpers import case_id, rank0_per_world
 from tests.helpers import OPTIMIZERS, make_hf as make
 
 transformers = pytest.importorskip("transformers")
@@ -63,14 +64,11 @@ CASES = {2: [(m, kw) for m in ("gpt2", "llama") for kw in _TWO],
 
 @pytest.fixture(scope="module")
 def runs():
-    out = {}
-    for world, cases in CASES.items():
-        out.update(ck.launch(_train, world, cases)[0])
-    return out
+    return rank0_per_world(_train, CASES)
 
 
 @pytest.mark.parametrize("case", [c for cs in CASES.values() for c in cs],
-                         ids=lambda c: f"{c[0]}-{'-'.join(f'{k}{v}' for k, v in c[1].items())}")
+                         ids=case_id)
 def test_trains_like_one_process(runs, case):
     name, kw = case
     for opt in OPTIMIZERS:

@@ -22,6 +22,7 @@ import colab_kit as ck
 from colab_kit.models import BERT, BERTConfig, ViT, ViTConfig
 from colab_kit.policy import Policy
 
+from tests.helpers import case_id, rank0_per_world
 from tests.helpers import (BATCH, BERT_CFG, NET_POLICY, OPTIMIZERS, STEPS, VIT_CFG, Net, Plain, batch, digits, make,
                            mlm_batch)
 
@@ -92,10 +93,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def runs():
-    out = {}
-    for world, cases in CASES.items():
-        out.update(ck.launch(_train, world, cases)[0])
-    return out
+    return rank0_per_world(_train, CASES)
 
 
 def _close(a, b, rtol=RTOL):
@@ -103,7 +101,7 @@ def _close(a, b, rtol=RTOL):
 
 
 @pytest.mark.parametrize("case", [(w, *c) for w, cs in CASES.items() for c in cs],
-                         ids=lambda c: f"{c[1]}-{'-'.join(f'{k}{v}' for k, v in c[2].items())}")
+                         ids=lambda c: case_id(c, 1))
 def test_trains_like_one_process(runs, case):
     _, name, kw, tie = case
     for opt in OPTIMIZERS:

@@ -14,6 +14,7 @@ import colab_kit as ck
 from colab_kit.memory.estimator import traced_activations
 from colab_kit.memory import ActivationMeter
 
+from tests.helpers import case_id
 from tests.helpers import BERT_CFG, NET_POLICY, VIT_CFG, Plain, batch as builtin_batch, make
 
 MODELS = ("bert", "vit", "net", "gpt2", "llama")
@@ -53,7 +54,7 @@ def runs():
 
 
 @pytest.mark.parametrize("case", [c for cs in CASES.values() for c in cs],
-                         ids=lambda c: f"{c[0]}-{'-'.join(f'{k}{v}' for k, v in c[1].items())}")
+                         ids=case_id)
 def test_estimate_matches_the_measurement(runs, case):
     for rank, (got, est) in enumerate(runs[case[0], tuple(sorted(case[1].items()))]):
         for key in ("params", "grads", "optimizer"):

@@ -15,6 +15,7 @@ import pytest
 import colab_kit as ck
 from colab_kit.engine.precision import tolerance
 
+from tests.helpers import case_id, rank0_per_world
 from tests.helpers import (LOW, OPTIMIZERS, batch as builtin_batch, make as builtin_make, make_hf,
                            plain_mixed_precision, trained_like, update_error)
 
@@ -74,14 +75,11 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def runs():
-    out = {}
-    for world, cases in CASES.items():
-        out.update(ck.launch(_train, world, cases)[0])
-    return out
+    return rank0_per_world(_train, CASES)
 
 
 @pytest.mark.parametrize("case", [c for cs in CASES.values() for c in cs],
-                         ids=lambda c: f"{c[0]}-{'-'.join(f'{k}{v}' for k, v in c[1].items())}")
+                         ids=case_id)
 def test_mixed_precision_trains_like_the_one_process_recipe(runs, case):
     name, kw = case
     tol = tolerance(kw["precision"], min(int((batch(name, s)[1] != -100).sum()) for s in range(STEPS)))

@@ -16,6 +16,7 @@ import colab_kit as ck
 from colab_kit.placement import Placed, PlacementTable, declare
 from colab_kit.policy import policy_for
 
+from tests.helpers import case_id
 from tests.helpers import make
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
@@ -74,7 +75,7 @@ def runs():
 
 
 @pytest.mark.parametrize("case", [c for cs in CASES.values() for c in cs],
-                         ids=lambda c: f"{c[0]}-{'-'.join(f'{k}{v}' for k, v in c[1].items())}")
+                         ids=case_id)
 def test_declared_placements_reproduce_every_shard(runs, case):
     for rank, (bad, forgot, _, rows) in enumerate(runs[case[0], tuple(sorted(case[1].items()))]):
         assert not bad, (rank, bad)
