@@ -26,7 +26,10 @@ Then the device: ``cuda:<local rank>`` with NCCL where this host has a GPU for e
 CPU with gloo. For gloo, the interface: when every rank is on this host (the launcher says so:
 ``LOCAL_WORLD_SIZE == WORLD_SIZE``) or the address is loopback, gloo's sockets stay on loopback (``colab_kit.net``'s rule); otherwise the interface whose address routes
 to the rendezvous address (``interface_for``), so no ``GLOO_SOCKET_IFNAME`` needs setting by hand (one
-the user set is kept). A missing or inconsistent variable is a ``ConfigError`` naming it; an address that
+the user set is kept). At the interpreter's exit the group ``init`` made is destroyed while Python is still
+whole (an ``atexit`` hook; no barrier, so a rank that leaves on an error never waits for its peers): left to
+the interpreter's teardown, gloo's threads can be torn down in an order that aborts a rank that had finished
+("terminate called without an active exception", seen once under torchrun in CI). A missing or inconsistent variable is a ``ConfigError`` naming it; an address that
 cannot be reached is a ``ConnectionError`` within ``timeout``, naming the address and where it came from.
 
 Worked example, two hosts under torchrun (``--nnodes 2 --nproc-per-node 2 --master-addr 10.200.0.1``),
@@ -39,6 +42,7 @@ host B's interface ``veth-b`` holding 10.200.0.2::
 """
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import socket
@@ -221,4 +225,16 @@ def init(config=None, *, backend: str | None = None, timeout: float = 300.0) -> 
         dist.init_process_group(backend, store=store, rank=job.rank, world_size=job.world_size, timeout=wait)
     else:
         dist.init_process_group(backend, init_method="env://", rank=job.rank, world_size=job.world_size, timeout=wait)
+    atexit.register(_leave)
     return job
+
+
+def _leave() -> None:
+    """Destroy every process group this process still holds (``init``'s exit hook; a no-op where the script
+    destroyed them itself)."""
+    import torch.distributed as dist
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # exiting anyway: a peer already gone must not turn a finished run into a failure
+        pass

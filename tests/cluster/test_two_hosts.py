@@ -91,7 +91,8 @@ def test_torchrun_across_two_hosts_trains_like_one_process(two_hosts):
                 raise
         for p, (out, err) in zip(procs, outs):
             assert p.returncode == 0, out[-2000:] + err[-4000:]
-        got = json.loads(outs[0][0].strip().splitlines()[-1])
+        got = json.loads(next(line for line in outs[0][0].splitlines() if line.startswith("{")))
+        assert all(out.count("AT EXIT the process group is destroyed") == 2 for out, _ in outs), outs
         assert got["world_size"] == 4
         assert got["ifnames"] == [h["dev_a"], h["dev_a"], h["dev_b"], h["dev_b"]], got["ifnames"]
         assert got["losses"] == pytest.approx(want, rel=1e-5), words

@@ -2,8 +2,11 @@
 
     torchrun --nproc-per-node 4 tests/scripts/torchrun_train.py "dp=2 tp=2" 4
 
-Prints, on rank 0, one JSON line: {"losses": [...], "world_size", "backend", "gloo_ifname", "hosts"}.
+Prints, on rank 0, one JSON line: {"losses": [...], "world_size", "backend", "gloo_ifname", "hosts"}, and
+at the interpreter's exit (a hook registered before ``ck.init``'s, so it runs after it) whether any process
+group was left: the script, like an exported one, never destroys its group itself.
 """
+import atexit
 import json
 import os
 import socket
@@ -18,6 +21,8 @@ from colab_kit.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 
+atexit.register(lambda: os.write(1, f"\nAT EXIT the process group is {'left' if dist.is_initialized() else 'destroyed'}\n"
+                                   .encode()))  # one write: the ranks' lines never interleave
 config = ck.ParallelConfig.parse(sys.argv[1])
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 job = ck.init(config, timeout=float(os.environ.get("CK_TEST_TIMEOUT", "120")))
@@ -31,4 +36,3 @@ if dist.get_rank() == 0:
     print(json.dumps({"losses": losses, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
                       "launcher": job.launcher if job else None, "ifnames": [h[1] for h in hosts]}), flush=True)
 engine.close()
-dist.destroy_process_group()
