@@ -38,7 +38,7 @@ def main(argv=None) -> None:
 
     from colab_kit.models import GPTConfig
     from colab_kit.planner import constants
-    from colab_kit.planner.validate import format_rows, validate
+    from colab_kit.planner.validate import accuracy, format_rows, validate
 
     model = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=args.layers)
     t0 = time.perf_counter()
@@ -56,10 +56,10 @@ def main(argv=None) -> None:
           f"({time.perf_counter() - t0:.1f} s; load average after: {os.getloadavg()[0]:.1f})")
     print(format_rows(result))
     rows = result["rows"]
-    err = max(abs(r["est_seconds"] - r["seconds"]) / r["seconds"] for r in rows)
-    fastest = min(r["seconds"] for r in rows)
-    regret = rows[0]["seconds"] / fastest - 1  # the planner's first choice against the fastest measured
-    print(f"largest step-time error {err:.1%}; the first choice's regret {regret:.1%}")
+    acc = accuracy(rows)
+    err, regret = acc["error"], acc["regret"]  # regret: the planner's first choice against the fastest measured
+    print(f"largest step-time error {err:.1%}; the first choice's regret {regret:.1%}; measured / estimated "
+          f"{acc['scale']:.2f} at the median, every candidate within {acc['shape']:.1%} of that")
     print("\nwhere each estimate's milliseconds go, and what the measurement has beyond them:")
     for r in rows:
         parts = " ".join(f"{k} {1e3 * v:.1f}" for k, v in r["est_parts"].items())
@@ -67,9 +67,11 @@ def main(argv=None) -> None:
     write("plan", [row(f"planner, GPT d={model.d_model} x {model.n_layers}, {args.ranks} ranks, batch {args.batch}, "
                        f"best of the first {args.top} layouts", f"estimates within {err:.1%} of measured step times; "
                        f"first choice {regret:.1%} slower than the fastest", None, None,
-                       f"Spearman {result['spearman']:.2f}; model states within "
+                       f"Spearman {result['spearman']:.2f}; measured / estimated {acc['scale']:.2f} (median), "
+                       f"each within {acc['shape']:.1%} of it; model states within "
                        f"{max(abs(r['est_states'] - r['states']) / r['states'] for r in rows):.1%}")],
           {"rows": rows, "spearman": result["spearman"], "max_step_error": err, "regret": regret,
+           "scale": acc["scale"], "shape": acc["shape"],
            "constants_seconds": consts["seconds_to_measure"]}, vars(args), argv)
 
 

@@ -3,16 +3,18 @@
 ``constants(ranks=4)`` starts ``ranks`` local processes once (``ck.launch``, gloo on CPU) and
 measures, all ranks at the same time (so that they share the cores the way a real run does):
 
-- ``matmul`` and ``dispatch``: before each trial of a collective (below) every rank runs a burst of
-  compute, itself timed (``_Burst``): eight tiny Linear + GELU forwards and backwards (seconds
-  per autograd op of their graph, ``count_ops``: the overhead that dominates a small model on
-  CPU) and one fp32 ``[256, 256] @ [256, 256]`` matmul (FLOPs per second), with the threads
-  ``ck.launch`` gives a rank (cores / ranks) and every rank busy at once, so the sharing of cores
-  is in the numbers; the medians, of the slowest rank. Sampled between the collectives, compute
-  and communication are measured at the same moments of a shared machine's load;
+- ``matmul`` and ``dispatch``: every rank, starting together from a barrier, repeats one piece of
+  compute for the same 0.2 s window (``_rates``, three windows before the collectives and three after):
+  a forward and backward of a GPT with 8 features and two blocks (seconds per autograd op of its
+  graph, ``count_ops``: the overhead that dominates a small model on CPU), then one fp32
+  ``[256, 256] @ [256, 256]`` matmul (FLOPs per second); with the threads ``ck.launch`` gives a rank
+  (cores / ranks) and every rank busy from the start of a window to its end, so the sharing of cores is
+  in the numbers; the medians, of the slowest rank. (Measured on a graph of one Linear + GELU, as this
+  module first did, one backward call's own start-up was spread over 4 ops and read 2.5x a GPT's per-op
+  cost; timed as a burst per rank, the ranks that finished last ran on an emptier machine.)
 - ``memory``: ``a.add_(b)`` over 4 MiB, bytes read and written per second (the optimizer step);
 - ``optimizer``: seconds per op of an AdamW step over 32 small tensors (``op_seconds``), every rank
-  stepping at once: a small model's step costs its optimizer's ops, about 10 per tensor, not its bytes;
+  stepping at once for a window of 0.1 s (``_window``), the median of three: a small model's step costs its optimizer's ops, about 10 per tensor, not its bytes;
 - ``comm``: for every group size ``n`` that divides ``ranks`` (the ranks split into ``ranks / n``
   groups, every group busy at once: the "tp" axis of a ``ProcessMesh``) and each of all_reduce,
   all_gather, reduce_scatter, broadcast, all_to_all, send (a ping-pong of ``comm.isend`` /
@@ -47,7 +49,7 @@ import platform
 import statistics
 import time
 
-__all__ = ["constants", "cached", "measure", "cache_path", "count_ops", "OPS"]
+__all__ = ["constants", "cached", "measure", "measure_rank", "combine", "cache_path", "count_ops", "OPS"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "sendrecv")
 _SIZES = (1 << 10, 1 << 14, 1 << 18)  # fp32 elements per rank's payload: 4 KiB, 64 KiB, 1 MiB
@@ -110,15 +112,21 @@ def median_of(measurements: list[dict]) -> dict:
 
 
 def measure(ranks: int = 4) -> dict:
-    """Measure now (see the module docstring); about 4-6 s on 4 CPU ranks plus process start."""
+    """Measure now (see the module docstring); about 8-10 s on 4 CPU ranks plus process start."""
     from ..launch import launch
     t0 = time.perf_counter()
-    per_rank = launch(_measure_rank, ranks, ranks)
-    out = {k: v for k, v in per_rank[0].items() if k != "points"}
-    out["matmul"]["flops_per_s"] = min(r["matmul"]["flops_per_s"] for r in per_rank)  # the slowest rank
-    out["dispatch"]["op_seconds"] = max(r["dispatch"]["op_seconds"] for r in per_rank)
-    out["comm"] = _fit_points([r["points"] for r in per_rank])
+    out = combine(launch(measure_rank, ranks, ranks))
     out["seconds_to_measure"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def combine(per_rank: list[dict]) -> dict:
+    """The constants from every rank's ``measure_rank`` (rank order): compute rates of the slowest rank,
+    each collective fitted to the ranks' median (``_fit_points``)."""
+    out = {k: v for k, v in per_rank[0].items() if k != "points"}
+    out["matmul"] = {"flops_per_s": min(r["matmul"]["flops_per_s"] for r in per_rank)}  # the slowest rank
+    out["dispatch"] = {"op_seconds": max(r["dispatch"]["op_seconds"] for r in per_rank)}
+    out["comm"] = _fit_points([r["points"] for r in per_rank])
     return out
 
 
@@ -185,7 +193,9 @@ def _optimizer_step():
     return max(1, Count.ops), opt.step
 
 
-def _measure_rank(ranks: int) -> dict:
+def measure_rank(ranks: int) -> dict:
+    """This rank's measurements (inside a spawn of ``ranks`` ranks, all calling it); ``combine`` makes the
+    constants of every rank's."""
     import warnings
 
     import torch
@@ -203,12 +213,12 @@ def _measure_rank(ranks: int) -> dict:
     burst = _Burst()
     for _ in range(3):
         burst()
+    rates = [_rates(burst)]
     big, other = torch.randn(1 << 20), torch.randn(1 << 20)  # on the rank's device
     dist.barrier()
     mem = _time(lambda: big.add_(other), 5)
     opt_ops, opt_step = _optimizer_step()
-    dist.barrier()
-    opt_seconds = _time(opt_step, 5) / opt_ops
+    opt_seconds = statistics.median(_window(opt_step) / opt_ops for _ in range(3))
     points = {}
     for n in [k for k in range(2, ranks + 1) if ranks % k == 0]:
         # the ranks in groups of n (every group busy at once), through colab_kit.comm on a mesh:
@@ -221,12 +231,36 @@ def _measure_rank(ranks: int) -> dict:
                 wire = wire_bytes("send" if op == "sendrecv" else op, size * 4, n)  # each way: one message
                 pts.append((wire, _collective(op, t, mesh, n, burst)))
         mesh.release()
+    rates.append(_rates(burst))
     return {"ranks": ranks, "threads_per_rank": torch.get_num_threads(), "cores": os.cpu_count() or 1,
-            "matmul": {"flops_per_s": statistics.median(burst.flops_per_s)},
-            "dispatch": {"op_seconds": statistics.median(burst.op_seconds)},
+            "matmul": {"flops_per_s": statistics.median(f for r in rates for f in r[1])},
+            "dispatch": {"op_seconds": statistics.median(o for r in rates for o in r[0])},
             "memory": {"bytes_per_s": 3 * big.numel() * 4 / mem},
             "optimizer": {"op_seconds": opt_seconds},
             "points": points, "backend": dist.get_backend(), "torch": torch.__version__}
+
+
+def _window(fn, window: float = 0.1) -> float:
+    """Seconds per call of ``fn`` repeated by every rank at once for ``window`` seconds from a barrier."""
+    import torch.distributed as dist
+    dist.barrier()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < window:
+        fn()
+        n += 1
+    _SYNC[0]()
+    return (time.perf_counter() - t0) / n
+
+
+def _rates(burst, window: float = 0.2, trials: int = 3) -> tuple[list, list]:
+    """([seconds per autograd op], [matmul FLOPs per second]) of ``trials`` windows each (``_window``): every
+    rank starts together (a barrier) and repeats the burst's GPT forward and backward, then its matmul, for
+    ``window`` seconds of its clock. All ranks are busy from the start of a window to its end, so the cores are
+    shared alike all through it (a burst timed by itself ends at a different moment on each rank, and the
+    last ones to finish ran alone: their per-op reading spread by 30% between two measurements)."""
+    ops = [_window(burst._step, window) / burst.ops for _ in range(trials)]
+    flops = [2 * 256 ** 3 / _window(burst._matmul, window) for _ in range(trials)]
+    return ops, flops
 
 
 def count_ops(fn) -> int:
@@ -244,33 +278,38 @@ def count_ops(fn) -> int:
 
 
 class _Burst:
-    """The compute run before each trial of a collective, itself timed: ``tiny`` small Linear + GELU
-    forwards and backwards (per-op overhead) and one ``[256, 256] @ [256, 256]`` matmul (rate).
-    Sampled between the collectives' trials, compute and communication are measured at the same
-    moments of the machine's load; ``light`` is the compute inside a trial."""
+    """The compute: a GPT of two blocks with 8 features (``_step``, forward and backward: the op mix of
+    the model the planner prices, about 60 autograd ops to one ``backward()`` call as in a real step), a
+    ``[256, 256] @ [256, 256]`` matmul (``_matmul``), both timed in windows by ``_rates``; called, the
+    load run before each trial of a collective; ``light``, the compute inside a trial."""
 
-    def __init__(self, tiny: int = 8):
+    def __init__(self, tiny: int = 2):
         import torch
+        import torch.nn.functional as F
+
+        from ..models import GPT, GPTConfig
         self.lin, self.x = torch.nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True)
         self.a, self.b = torch.randn(256, 256), torch.randn(256, 256)
-        self.tiny, self.ops = tiny, count_ops(self._forward)
-        self.op_seconds, self.flops_per_s = [], []
+        g = GPTConfig(vocab_size=8, seq_len=4, d_model=8, n_heads=4, n_layers=2)
+        gpt, tokens = GPT(g), torch.zeros(1, 4, dtype=torch.long)
+        self._gpt = lambda: F.cross_entropy(gpt(tokens).flatten(0, 1), tokens.flatten())
+        self.tiny, self.ops = tiny, count_ops(self._gpt)
 
     def _forward(self):
         import torch
         return torch.nn.functional.gelu(self.lin(self.x)).sum()
 
-    def __call__(self):
-        t0 = time.perf_counter()
-        for _ in range(self.tiny):
-            self._forward().backward()
-        _SYNC[0]()
-        t1 = time.perf_counter()
+    def _step(self):
+        self._gpt().backward()
+
+    def _matmul(self):
         self.a @ self.b
+
+    def __call__(self):
+        for _ in range(self.tiny):
+            self._step()
+        self._matmul()
         _SYNC[0]()
-        t2 = time.perf_counter()
-        self.op_seconds.append((t1 - t0) / (self.tiny * self.ops))
-        self.flops_per_s.append(2 * 256 ** 3 / (t2 - t1))
 
     def light(self):
         """One tiny forward and backward: the compute between two collectives of a block."""

