@@ -14,7 +14,8 @@ measures, all ranks at the same time (so that they share the cores the way a rea
   cost; timed as a burst per rank, the ranks that finished last ran on an emptier machine.)
 - ``memory``: ``a.add_(b)`` over 4 MiB, bytes read and written per second (the optimizer step);
 - ``optimizer``: seconds per op of an AdamW step over 32 small tensors (``op_seconds``), every rank
-  stepping at once for a window of 0.1 s (``_window``), the median of three: a small model's step costs its optimizer's ops, about 10 per tensor, not its bytes;
+  stepping at once for a window of 0.1 s (``_window``), the median of three: a small model's step costs
+  its optimizer's ops, about 10 per tensor, not its bytes;
 - ``comm``: for every group size ``n`` that divides ``ranks`` (the ranks split into ``ranks / n``
   groups, every group busy at once: the "tp" axis of a ``ProcessMesh``) and each of all_reduce,
   all_gather, reduce_scatter, broadcast, all_to_all, send (a ping-pong of ``comm.isend`` /
@@ -258,8 +259,8 @@ def _rates(burst, window: float = 0.2, trials: int = 3) -> tuple[list, list]:
     ``window`` seconds of its clock. All ranks are busy from the start of a window to its end, so the cores are
     shared alike all through it (a burst timed by itself ends at a different moment on each rank, and the
     last ones to finish ran alone: their per-op reading spread by 30% between two measurements)."""
-    ops = [_window(burst._step, window) / burst.ops for _ in range(trials)]
-    flops = [2 * 256 ** 3 / _window(burst._matmul, window) for _ in range(trials)]
+    ops = [_window(burst.step, window) / burst.ops for _ in range(trials)]
+    flops = [2 * 256 ** 3 / _window(burst.matmul, window) for _ in range(trials)]
     return ops, flops
 
 
@@ -278,9 +279,9 @@ def count_ops(fn) -> int:
 
 
 class _Burst:
-    """The compute: a GPT of two blocks with 8 features (``_step``, forward and backward: the op mix of
+    """The compute: a GPT of two blocks with 8 features (``step``, forward and backward: the op mix of
     the model the planner prices, about 60 autograd ops to one ``backward()`` call as in a real step), a
-    ``[256, 256] @ [256, 256]`` matmul (``_matmul``), both timed in windows by ``_rates``; called, the
+    ``[256, 256] @ [256, 256]`` matmul (``matmul``), both timed in windows by ``_rates``; called, the
     load run before each trial of a collective; ``light``, the compute inside a trial."""
 
     def __init__(self, tiny: int = 2):
@@ -299,16 +300,16 @@ class _Burst:
         import torch
         return torch.nn.functional.gelu(self.lin(self.x)).sum()
 
-    def _step(self):
+    def step(self):
         self._gpt().backward()
 
-    def _matmul(self):
+    def matmul(self):
         self.a @ self.b
 
     def __call__(self):
         for _ in range(self.tiny):
-            self._step()
-        self._matmul()
+            self.step()
+        self.matmul()
         _SYNC[0]()
 
     def light(self):

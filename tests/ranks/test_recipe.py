@@ -412,3 +412,28 @@ def test_named_parameters_optimizer_keeps_no_stale_names():
     model = GPT(GPT_CFG)
     spec = OptimizerSpec.capture(torch.optim.AdamW(model.named_parameters(), lr=1e-3), model)
     assert all("param_names" not in h for h in spec.hypers)
+
+
+def test_one_process_pieces_is_gradient_accumulation_weighted_by_counted_targets():
+    """``one_process(pieces=2)`` trains the model of one piece (fp32 rounding apart), with the pieces holding
+    unequal numbers of counted targets (-100 on most of the first half's): each piece's mean loss weighted by
+    its share of the counted targets. The plain mean of the two pieces' means (the wrong weighting) is far
+    off on this data, so the check would see it."""
+    data = SyntheticTokens(GPT_CFG.vocab_size, GPT_CFG.seq_len, seed=3)
+
+    def masked(step):
+        x, y = data.batch(step, BATCH)
+        y = y.clone()
+        y[: BATCH // 2, : GPT_CFG.seq_len - 2] = -100  # the first piece counts 2 targets a row, the second all
+        return x, y
+
+    def run(pieces):
+        torch.manual_seed(0)
+        return ck.recipe.one_process(GPT(GPT_CFG), recipe, masked, STEPS, MAX_NORM, pieces=pieces)["losses"]
+    whole, split = run(1), run(2)
+    assert split == pytest.approx(whole, rel=1e-5)
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    x, y = masked(0)
+    halves = [F.cross_entropy(model(a).flatten(0, 1), b.flatten()).item() for a, b in zip(x.chunk(2), y.chunk(2))]
+    assert abs(sum(halves) / 2 - whole[0]) > 1e-3 * whole[0]
