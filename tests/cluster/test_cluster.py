@@ -311,8 +311,11 @@ def test_long_run_calls_report_progress_with_what_the_ranks_printed(cluster, mon
 
 
 def _is_engine(p) -> bool:
+    """An engine started as its own interpreter, a nanny, or an engine forked from the kernel's fork server."""
+    from colab_kit.notebook.cluster import forked
     try:
-        return "ipyparallel.engine" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE
+        return ("ipyparallel.engine" in " ".join(p.cmdline()) or p.ppid() == forked.server_pid()) \
+            and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 

@@ -13,7 +13,8 @@ import pytest
 
 from colab_kit.notebook.cluster import Cluster, ClusterError
 from colab_kit.notebook.cluster import room
-from colab_kit.notebook.cluster.room import CONTROLLER_BYTES, ENGINE_BYTES, Room, fitting
+from colab_kit.notebook.cluster import forked
+from colab_kit.notebook.cluster.room import CONTROLLER_BYTES, ENGINE_BYTES, FORK_SERVER_BYTES, Room, fitting
 
 GiB, MiB = 2**30, 2**20
 
@@ -22,7 +23,7 @@ def test_fitting_halves_until_the_engines_fit():
     assert fitting(8, Room(64 * GiB, "plenty")) == (8, "")
     count, why = fitting(8, Room(int(1.4 * GiB), "MEM_LIMIT=2.00 GiB, 0.60 GiB in use"))
     assert count == 4
-    assert "holds 4 engines" in why and "starting 4 of the 8 asked for" in why and "MEM_LIMIT=2.00 GiB" in why
+    assert "holds 6 engines" in why and "starting 4 of the 8 asked for" in why and "MEM_LIMIT=2.00 GiB" in why
     # exactly enough for n, and one byte less
     assert fitting(8, Room(CONTROLLER_BYTES + 8 * ENGINE_BYTES, "x"))[0] == 8
     assert fitting(8, Room(CONTROLLER_BYTES + 8 * ENGINE_BYTES - 1, "x"))[0] == 4
@@ -78,7 +79,8 @@ def test_the_smallest_room_wins():
 
 
 def test_cluster_fit_picks_fewer_engines_before_starting_any(monkeypatch):
-    monkeypatch.setenv("MEM_LIMIT", str(room._server_tree_rss() + CONTROLLER_BYTES + 5 * ENGINE_BYTES))
+    server = 0 if forked.server_pid() else FORK_SERVER_BYTES  # the fork server is counted until it runs
+    monkeypatch.setenv("MEM_LIMIT", str(room._server_tree_rss() + CONTROLLER_BYTES + server + 5 * ENGINE_BYTES))
     cluster = Cluster(8, fit=True)
     assert cluster.n == 4 and "starting 4 of the 8 asked for" in cluster.fit_note and not cluster.running
     assert Cluster(8).n == 8 and Cluster(8).fit_note == ""         # without fit, n is n
@@ -98,7 +100,8 @@ def test_what_an_engine_and_the_controller_hold_is_within_the_constants():
     """The figures ``fitting`` counts with, measured: a fresh 2-engine cluster trains three dp steps of a small
     GPT; each engine with its nanny holds at most ``ENGINE_BYTES`` of pages of its own (psutil's USS, what a
     memory cgroup charges one more process) and not less than half of it (the constant is not a guess ten times
-    too high); the controller's processes and the watchdog together at most ``CONTROLLER_BYTES``."""
+    too high); the controller's processes and the watchdog together at most ``CONTROLLER_BYTES``; the fork server
+    the engines were forked from, whose pages they share, at most ``FORK_SERVER_BYTES`` (its RSS)."""
     def train():
         import torch
         import colab_kit as ck
@@ -118,12 +121,15 @@ def test_what_an_engine_and_the_controller_hold_is_within_the_constants():
 
     with Cluster(2) as cluster:
         cluster.run(train)
-        engines = [p for p in cluster._engine_procs if "ipyparallel.engine" in " ".join(p.cmdline())]
-        per_engine = [sum(uss(p) for p in group) for group in
-                      ([e for e in engines if "nanny" not in " ".join(e.cmdline())],
-                       [e for e in engines if "nanny" in " ".join(e.cmdline())])]
+        ranks = [psutil.Process(row["pid"]) for row in cluster.ranks()]
+        nannies = [p for p in cluster._engine_procs if "ipyparallel.engine.nanny" in " ".join(p.cmdline())]
+        assert len(ranks) == len(nannies) == 2, (ranks, nannies)
+        per_engine = [sum(uss(p) for p in group) for group in (ranks, nannies)]
         controller = sum(uss(p) for p in cluster._controller_procs) + uss(psutil.Process(cluster._watchdog.pid))
+        server_rss = psutil.Process(forked.server_pid()).memory_info().rss  # the imports its engines share
     engine_and_nanny = per_engine[0] / 2 + per_engine[1] / 2
-    print(f"engine + nanny {engine_and_nanny / MiB:.0f} MiB, controller + watchdog {controller / MiB:.0f} MiB")  # -s
+    print(f"engine + nanny {engine_and_nanny / MiB:.0f} MiB, controller + watchdog {controller / MiB:.0f} MiB, "
+          f"fork server {server_rss / MiB:.0f} MiB")  # -s
     assert ENGINE_BYTES / 2 <= engine_and_nanny <= ENGINE_BYTES, engine_and_nanny / MiB
     assert 0 < controller <= CONTROLLER_BYTES, controller / MiB
+    assert 0 < server_rss <= FORK_SERVER_BYTES, server_rss / MiB

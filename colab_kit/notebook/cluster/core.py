@@ -31,12 +31,13 @@ from ...config import ParallelConfig
 from ...errors import RankError
 from ...net import LOOPBACK
 from ...errors.tracebacks import pack, source_map
-from . import remote
+from . import forked, remote
+from .forked import fork_server, forking
 from ..progress import call_progress, notebook_progress, stage_progress
 from .gather import RESTART_ADVICE, ClusterError, Waiting
 from .results import RankOutput, RankTable, check_ranks, rank_output, split, unwrap_call, unwrap_execute
-from .room import fitting
-from .startup import Startup, check_hosts, launcher_names, preload_torch
+from .room import CONTROLLER_BYTES, FORK_SERVER_BYTES, fitting
+from .startup import Startup, check_hosts, controller_args, launcher_names, preload_torch
 from .watchdog import Watchdog, cluster_processes, descendant_pids, end_processes, with_descendants
 
 __all__ = ["Cluster", "ClusterError", "RankOutput", "RankTable", "RESTART_ADVICE"]
@@ -97,7 +98,8 @@ class Cluster(Startup, Waiting):
                 raise ClusterError(f"fit=True counts this host's memory, and engines={engines!r} may start engines "
                                    "elsewhere: give n for that launcher, or use engines='local'")
             try:
-                n, self.fit_note = fitting(n)
+                server = FORK_SERVER_BYTES if forking(engines) and forked.server_pid() is None else 0
+                n, self.fit_note = fitting(n, beside=CONTROLLER_BYTES + server)
             except (MemoryError, ValueError) as exc:
                 raise ClusterError(str(exc)) from None
         if isinstance(engines, str) and "." not in engines and engines not in launcher_names():
@@ -148,12 +150,17 @@ class Cluster(Startup, Waiting):
                                "stop() it first, or restart() it")
         kwargs = {"log_level": logging.ERROR, **self.ipp_kwargs}  # SIGKILLed engines are no news
         kwargs["config"] = preload_torch(kwargs.get("config"))
+        kwargs["controller_args"] = controller_args(kwargs.get("controller_args"))
         if self.hosts:
             kwargs["config"].SSHEngineSetLauncher.engines = dict(self.hosts)
         try:
             self._watchdog = Watchdog()
+            engines = self.engines
+            if forking(engines):  # before ``before``: the fork server is the kernel's, not one cluster's
+                fork_server()
+                engines = forked.ForkedEngineSetLauncher
             before = descendant_pids()
-            self._ipp = ipp.Cluster(n=self.n, engines=self.engines, controller_ip=self.ip, **kwargs)
+            self._ipp = ipp.Cluster(n=self.n, engines=engines, controller_ip=self.ip, **kwargs)
             self._ipp.start_controller_sync()
             self._controller_procs = cluster_processes(before)  # the controller and its schedulers
             self._watchdog.watch(self._controller_procs)

@@ -1,12 +1,14 @@
 """How many engines the memory left on this host holds: ``Cluster(8, fit=True)``, ``%colossal start -n 8 --fit``.
 
 A notebook on Binder gets 2 GiB for everything (the Jupyter server, the kernel, the controller and every
-engine); an engine costs about 270 MiB once it has trained a small model (240 MiB for the engine, torch and
-IPython imported, and 27 MiB for its ipyparallel nanny: psutil's USS, the pages only that process holds,
-which is what a memory cgroup charges one more process; the shared libraries are charged once), the
-controller and the watchdog about 55 MiB together (measured on 4 engines after three dp x tp steps of a
-small GPT). Eight engines there, beside a server and a kernel, need about 2.6 GiB: the OOM killer would end
-the kernel half way through a notebook. ``fit=True`` asks for ``n`` and starts the largest of n, n/2, n/4, ... that the memory left
+engine). Local engines are forked from one fork server that has imported torch (``forked.py``), so the pages
+of those imports are held once, by the server (about 230 MiB), and each engine holds about 180 MiB of its
+own once it has trained a small model (150 MiB for the engine and 27 MiB for its ipyparallel nanny: psutil's
+USS, the pages only that process holds, which is what a memory cgroup charges one more process); the
+controller and the watchdog hold about 50 MiB together (measured on 4 engines after three dp steps of a small
+GPT: 943 MiB in all, against 1,153 MiB for engines started as their own interpreters). Eight engines there,
+beside a server and a kernel, need about 2.1 GiB: the OOM killer would end the kernel half way through a
+notebook. ``fit=True`` asks for ``n`` and starts the largest of n, n/2, n/4, ... that the memory left
 holds, so a config that divides ``n`` by powers of two (dp, tp, pp) still divides what starts; it says
 why when it starts fewer.
 
@@ -23,7 +25,7 @@ A worked example, Binder's 2 GiB with a server and a kernel that hold 0.6 GiB::
 
     >>> room = Room(free=int(1.4 * 2**30), source="MEM_LIMIT=2.00 GiB, 0.60 GiB in use")
     >>> fitting(8, room)
-    (4, 'memory left 1.40 GiB (MEM_LIMIT=2.00 GiB, 0.60 GiB in use) holds 4 engines of ~300 MiB beside a controller, not 8: starting 4 of the 8 asked for')
+    (4, 'memory left 1.40 GiB (MEM_LIMIT=2.00 GiB, 0.60 GiB in use) holds 6 engines of ~200 MiB beside a controller, not 8: starting 4 of the 8 asked for')
     >>> fitting(4, room)[0]
     4
 """
@@ -33,11 +35,12 @@ import dataclasses
 import os
 from pathlib import Path
 
-__all__ = ["ENGINE_BYTES", "CONTROLLER_BYTES", "Room", "memory_room", "fitting"]
+__all__ = ["ENGINE_BYTES", "CONTROLLER_BYTES", "FORK_SERVER_BYTES", "Room", "memory_room", "fitting"]
 
 GiB, MiB = 2**30, 2**20
-ENGINE_BYTES = 300 * MiB      # one engine and its nanny after a small training step: 267 MiB USS measured, a margin
-CONTROLLER_BYTES = 64 * MiB   # ipyparallel's controller (its hub and schedulers) and the watchdog: ~55 MiB USS
+ENGINE_BYTES = 200 * MiB      # one forked engine and its nanny after a small training step: 179 MiB USS measured, a margin
+CONTROLLER_BYTES = 64 * MiB   # ipyparallel's controller (its hub and schedulers) and the watchdog: ~50 MiB USS
+FORK_SERVER_BYTES = 256 * MiB  # the fork server, torch imported (233 MiB RSS): counted until it runs, then it is in use
 _UNLIMITED = 2**60            # cgroup v1 writes "no limit" as a huge number
 
 
@@ -119,11 +122,13 @@ def memory_room(env=os.environ) -> Room:
     return min(rooms, key=lambda r: r.free)
 
 
-def fitting(n: int, room: Room | None = None, per_engine: int = ENGINE_BYTES) -> tuple[int, str]:
-    """The largest of n, n/2, n/4, ... engines that ``room`` holds beside a controller, and a line saying why
-    when that is fewer than n (empty when n fits). A room too small for one engine is refused."""
+def fitting(n: int, room: Room | None = None, per_engine: int = ENGINE_BYTES,
+            beside: int = CONTROLLER_BYTES) -> tuple[int, str]:
+    """The largest of n, n/2, n/4, ... engines that ``room`` holds beside a controller (``beside`` bytes: the
+    controller and watchdog, and a fork server that is still to start), and a line saying why when that is
+    fewer than n (empty when n fits). A room too small for one engine is refused."""
     room = room if room is not None else memory_room()
-    holds = max((room.free - CONTROLLER_BYTES) // per_engine, 0)
+    holds = max((room.free - beside) // per_engine, 0)
     count = n
     while count > holds and count > 1:
         count //= 2

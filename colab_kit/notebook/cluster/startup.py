@@ -23,6 +23,21 @@ from .results import RankTable
 __all__ = ["Startup", "check_hosts", "host_order", "preload_torch", "launcher_names"]
 
 
+HEARTBEAT_MS, HEARTBEAT_MISSES = 500, 60
+
+
+def controller_args(given=None) -> list[str]:
+    """The controller's arguments: the user's, then a 0.5 s heartbeat unless they set one.
+
+    The hub takes a new engine on only at its next heartbeats, so ipyparallel's 3 s period made every start and
+    restart wait ~6 s whatever the engines did (registering 2 engines: 5.7 s, now 1.2 s). With 6x the misses
+    allowed, an engine that stops answering is still dropped after the same 30 s."""
+    args = list(given or [])
+    if not any("HeartMonitor.period" in a or a.startswith("--ping") for a in args):
+        args += [f"--HeartMonitor.period={HEARTBEAT_MS}", f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
+    return args
+
+
 def preload_torch(config=None):
     """ipyparallel config whose engines import torch while they start up: that overlaps the
     import with the engines' registration (about 2 s less for 4 engines on 2 cores)."""

@@ -1,0 +1,238 @@
+"""Local engines forked from one process that has imported torch already (a fork server).
+
+A local ipyparallel engine started the usual way is a fresh interpreter that imports torch, ipyparallel and
+colab_kit's remote part before it registers: about 4 s of CPU each on a 2-core machine, so 4 engines took
+13 s to start and 12 s to restart (8: 19 and 21 s). ``ForkedEngineSetLauncher`` is ipyparallel's local
+launcher with one change: each engine is forked from a server process that imported those modules once.
+The server is started by the first cluster of a kernel and serves every later start and restart.
+
+What each process is, for ``Cluster(4)`` in a notebook kernel::
+
+    kernel ── fork server (python -c '...forked import serve; serve()': torch imported, no thread started)
+           │      ├── engine 0   (forked: ipyparallel.engine's main, its own session, output to its log)
+           │      │      └── nanny (python -m ipyparallel.engine.nanny, started by the engine)
+           │      ├── engine 1 ...
+           ├── controller (python -m ipyparallel.controller)
+           └── watchdog
+
+An engine is the same program as before: ``ipyparallel.engine``'s ``main`` with the launcher's arguments,
+environment, working directory and log file. The launcher signals and waits on it by pid (psutil), as
+ipyparallel does for any process it started. The server reaps its children at once, so an engine that
+died is gone from the process table (no zombie for ``wait`` to mistake as alive). It exits when its
+standard input closes, which is when the kernel that started it exits, however it ended (a SIGKILLed kernel
+included); the watchdog (``watchdog.py``) ends the engines themselves.
+
+``Cluster(engines="local")`` (the default) uses it. Engines start the usual way with
+``COLAB_KIT_FORK_ENGINES=0`` in the environment, or with ipyparallel's class named:
+``Cluster(engines="ipyparallel.cluster.launcher.LocalEngineSetLauncher")``.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+__all__ = ["ForkServer", "fork_server", "forking", "server_pid", "WARM_MODULES"]  # and ForkedEngineSetLauncher
+
+WARM_MODULES = ("torch", "torch.distributed", "ipyparallel.engine.app", "ipyparallel.engine.nanny",
+                "colab_kit.notebook.cluster.remote")
+"""What the server imports before it forks: what an engine's start-up would import itself."""
+
+
+class ForkServer:
+    """The server process, seen from the kernel: ``fork(argv, env, cwd, log)`` returns the new engine's pid."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", "from colab_kit.notebook.cluster.forked import serve; serve()"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self._lock = threading.Lock()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def fork(self, argv: list[str], env: dict, cwd: str, log: str) -> int:
+        with self._lock:
+            self.proc.stdin.write(json.dumps(dict(argv=argv, env=env, cwd=cwd, log=log)) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"colab_kit's engine fork server (pid {self.pid}) exited with code "
+                               f"{self.proc.wait()} before it forked an engine")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"colab_kit's engine fork server could not fork an engine: {reply['error']}")
+        return int(reply["pid"])
+
+    def close(self) -> None:
+        """End the server (end of input); engines it forked keep running."""
+        if self.alive:
+            self.proc.stdin.close()  # the server exits on end of input
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def forking(engines) -> bool:
+    """Whether ``Cluster(engines=...)`` forks its engines: for ipyparallel's "local" on a system with ``fork``,
+    unless ``COLAB_KIT_FORK_ENGINES=0``."""
+    return engines == "local" and hasattr(os, "fork") and os.environ.get("COLAB_KIT_FORK_ENGINES", "1") != "0"
+
+
+_SERVER: ForkServer | None = None
+_SERVER_LOCK = threading.Lock()
+
+
+def fork_server() -> ForkServer:
+    """This kernel's fork server, started on first use (its imports run while the controller starts)."""
+    global _SERVER
+    with _SERVER_LOCK:
+        if _SERVER is None or not _SERVER.alive:
+            if _SERVER is None:
+                atexit.register(_close_server)
+            _SERVER = ForkServer()
+        return _SERVER
+
+
+def _close_server() -> None:
+    if _SERVER is not None:
+        _SERVER.close()
+
+
+def server_pid() -> int | None:
+    """The pid of this kernel's fork server while it runs (its children are the forked engines), else None."""
+    server = _SERVER
+    return server.pid if server is not None and server.alive else None
+
+
+def _launcher_classes():
+    from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher, ProcessStateError
+
+    class ForkedEngineLauncher(LocalEngineLauncher):
+        """One engine, forked from the fork server instead of started as a new interpreter."""
+
+        def start(self):
+            import psutil
+
+            if self.state != "before":
+                raise ProcessStateError(f"The process was already started and has state: {self.state}")
+            env = os.environ.copy()
+            env.update(self.get_env())
+            argv = list(self.args[len(self.engine_cmd):])  # the engine's own arguments, after ``-m ipyparallel.engine``
+            self.pid = fork_server().fork(argv, env, str(self.work_dir), self.output_file)
+            self.process = psutil.Process(self.pid)
+            self.notify_start(self.pid)
+            self._start_waiting()
+
+    class ForkedEngineSetLauncher(LocalEngineSetLauncher):
+        """ipyparallel's local engine set, each engine forked from colab_kit's fork server."""
+
+        launcher_class = ForkedEngineLauncher
+
+    ForkedEngineLauncher.__module__ = ForkedEngineSetLauncher.__module__ = __name__
+    return ForkedEngineLauncher, ForkedEngineSetLauncher
+
+
+def __getattr__(name):  # the launcher classes import ipyparallel: built when first asked for
+    if name in ("ForkedEngineLauncher", "ForkedEngineSetLauncher"):
+        classes = dict(zip(("ForkedEngineLauncher", "ForkedEngineSetLauncher"), _launcher_classes()))
+        globals().update(classes)
+        return classes[name]
+    raise AttributeError(name)
+
+
+# ----------------------------------------------------------------------------------------- the server itself
+def _reap(signum, frame) -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _become_engine(request: dict) -> None:
+    """In the forked child: become ``python -m ipyparallel.engine <argv>`` in ``cwd`` with ``env``; never returns."""
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # an engine's interrupt is KeyboardInterrupt
+        os.setsid()  # as ipyparallel's launcher does (start_new_session): the kernel's signals are not ours
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(devnull)
+        sys.stdin = open(0, closefd=False)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = ["ipyparallel.engine", *request["argv"]]
+        from ipyparallel.engine.app import main
+
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported in the engine's log, then the process ends
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def serve() -> None:
+    """Import ``WARM_MODULES``, then fork an engine for each request line on stdin until stdin closes."""
+    import importlib
+
+    for name in WARM_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - an engine imports what it needs itself
+            pass
+    signal.signal(signal.SIGCHLD, _reap)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the kernel's terminal is not for the server
+    requests, replies = sys.stdin, sys.stdout
+    while True:
+        line = requests.readline()
+        if not line:
+            break  # the kernel is gone, or closed us
+        try:
+            request = json.loads(line)
+            pid = os.fork()
+        except Exception as exc:  # noqa: BLE001 - answered, the server goes on
+            replies.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+            replies.flush()
+            continue
+        if pid == 0:
+            _become_engine(request)
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        replies.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,0 +1,69 @@
+"""Local engines forked from the kernel's fork server (colab_kit/notebook/cluster/forked.py), tier 3."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+
+from colab_kit.notebook.cluster import forked
+
+
+def _where_am_i():
+    import os
+    import signal
+    import sys
+
+    return dict(pid=os.getpid(), parent=os.getppid(), session=os.getsid(0), argv=sys.argv[:1],
+                sigint=signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                torch="torch" in sys.modules)
+
+
+def test_local_engines_are_forked_from_the_kernels_server(cluster):
+    """Each rank is a child of this process's fork server, in a session of its own (the kernel's signals are
+    not its own), with Python's own Ctrl-C handler (the server ignores SIGINT, its engines must not)."""
+    server = forked.server_pid()
+    assert server is not None and psutil.Process(server).ppid() == os.getpid()
+    seen = cluster.run(_where_am_i)
+    assert [s["pid"] for s in seen] == [row["pid"] for row in cluster.ranks()]
+    for s in seen:
+        assert s["parent"] == server and s["session"] == s["pid"], s
+        assert s["argv"] == ["ipyparallel.engine"] and s["sigint"] and s["torch"], s
+
+
+def test_forking_is_for_local_engines_and_can_be_turned_off(monkeypatch):
+    assert forking_for("local") and not forking_for("ssh") and not forking_for("mpi")
+    assert not forking_for("ipyparallel.cluster.launcher.LocalEngineSetLauncher")  # ipyparallel's, by name
+    monkeypatch.setenv("COLAB_KIT_FORK_ENGINES", "0")
+    assert not forking_for("local")
+
+
+def forking_for(engines) -> bool:
+    return forked.forking(engines)
+
+
+def test_a_dead_server_is_replaced_a_bad_request_answered_and_end_of_input_ends_it(tmp_path, monkeypatch):
+    """A server that died (killed by hand, out of memory) is started again on the next request; a fork that
+    cannot run its engine (a missing working directory) ends that child alone, reaped, with the reason in its
+    log; a server whose input closes (its kernel exited, however) exits. On spare servers: the kernel's own
+    keeps serving the session's cluster."""
+    spare = forked.ForkServer()
+    monkeypatch.setattr(forked, "_SERVER", spare)
+    assert forked.fork_server() is spare
+    os.kill(spare.pid, signal.SIGKILL)
+    spare.proc.wait()
+    assert not spare.alive and forked.server_pid() is None
+    fresh = forked.fork_server()
+    try:
+        assert fresh is not spare and fresh.alive and forked.server_pid() == fresh.pid
+        log = tmp_path / "engine.log"
+        pid = fresh.fork([], dict(os.environ), str(tmp_path / "missing"), str(log))
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not psutil.pid_exists(pid), "the server reaps a child that ended: no zombie is left"
+        assert "FileNotFoundError" in log.read_text() and fresh.alive
+    finally:
+        fresh.close()  # what the kernel's exit does: end of input
+    assert fresh.proc.returncode == 0
