@@ -1,8 +1,9 @@
 """Local engines forked from one process that has imported torch already (a fork server).
 
 A local ipyparallel engine started the usual way is a fresh interpreter that imports torch, ipyparallel and
-colab_kit's remote part before it registers: about 4 s of CPU each on a 2-core machine, so 4 engines took
-13 s to start and 12 s to restart (8: 19 and 21 s). ``ForkedEngineSetLauncher`` is ipyparallel's local
+colab_kit's remote part before it registers: about 4 s of CPU each, so on a 2-core machine 4 engines took 13 s
+to start and 12 s to restart, 8 engines 19 and 21 s; forked, 4 take 6 s and 3 s (``bench/cluster.py`` compares
+``%colossal start`` and ``restart`` with ipyparallel's own). ``ForkedEngineSetLauncher`` is ipyparallel's local
 launcher with one change: each engine is forked from a server process that imported those modules once.
 The server is started by the first cluster of a kernel and serves every later start and restart.
 
@@ -22,7 +23,10 @@ died is gone from the process table (no zombie for ``wait`` to mistake as alive)
 standard input closes, which is when the kernel that started it exits, however it ended (a SIGKILLed kernel
 included); the watchdog (``watchdog.py``) ends the engines themselves.
 
-``Cluster(engines="local")`` (the default) uses it. Engines start the usual way with
+``Cluster(engines="local")`` (the default) uses it, unless a profile gives the engines a command of its own
+(``EngineLauncher.engine_cmd``). The server's imports are those of when it started: a kernel whose colab_kit
+or torch was reinstalled or edited since should be restarted (or the server ended: ``forked.fork_server().close()``,
+and the next start makes a new one). Engines start the usual way with
 ``COLAB_KIT_FORK_ENGINES=0`` in the environment, or with ipyparallel's class named:
 ``Cluster(engines="ipyparallel.cluster.launcher.LocalEngineSetLauncher")``.
 """
@@ -126,6 +130,8 @@ def _launcher_classes():
         def start(self):
             import psutil
 
+            if list(self.engine_cmd) != [sys.executable, "-m", "ipyparallel.engine"]:
+                return super().start()  # a command of the user's (another interpreter, a wrapper): run as asked
             if self.state != "before":
                 raise ProcessStateError(f"The process was already started and has state: {self.state}")
             env = os.environ.copy()
