@@ -107,6 +107,7 @@ def _pss(engine_pids: list[int], server: bool) -> int:
     procs += [c for p in procs for c in p.children()]
     if server:
         from colab_kit.notebook.cluster import forked
+        assert forked.server_pid() is not None, "colab_kit's engines were not forked (COLAB_KIT_FORK_ENGINES=0?)"
         procs.append(psutil.Process(forked.server_pid()))
     return sum(p.memory_full_info().pss for p in procs)
 

@@ -126,6 +126,7 @@ def test_what_an_engine_and_the_controller_hold_is_within_the_constants():
         assert len(ranks) == len(nannies) == 2, (ranks, nannies)
         per_engine = [sum(uss(p) for p in group) for group in (ranks, nannies)]
         controller = sum(uss(p) for p in cluster._controller_procs) + uss(psutil.Process(cluster._watchdog.pid))
+        assert forked.server_pid() is not None, "local engines are forked from the kernel's fork server"
         server_rss = psutil.Process(forked.server_pid()).memory_info().rss  # the imports its engines share
     engine_and_nanny = per_engine[0] / 2 + per_engine[1] / 2
     print(f"engine + nanny {engine_and_nanny / MiB:.0f} MiB, controller + watchdog {controller / MiB:.0f} MiB, "

@@ -12,24 +12,40 @@ from colab_kit.notebook.cluster import forked
 
 def _where_am_i():
     import os
-    import signal
     import sys
 
-    return dict(pid=os.getpid(), parent=os.getppid(), session=os.getsid(0), argv=sys.argv[:1],
-                sigint=signal.getsignal(signal.SIGINT) is signal.default_int_handler,
-                torch="torch" in sys.modules)
+    return dict(pid=os.getpid(), parent=os.getppid(), session=os.getsid(0), argv=sys.argv[:1], cwd=os.getcwd())
 
 
 def test_local_engines_are_forked_from_the_kernels_server(cluster):
-    """Each rank is a child of this process's fork server, in a session of its own (the kernel's signals are
-    not its own), with Python's own Ctrl-C handler (the server ignores SIGINT, its engines must not)."""
+    """Each rank is a child of this process's fork server, in a session of its own (the kernel's signals are not
+    its own), running ipyparallel's engine program (an engine started as an interpreter has the path of
+    ``ipyparallel/engine/__main__.py`` as its ``argv[0]``); the controller beats every 0.5 s."""
     server = forked.server_pid()
     assert server is not None and psutil.Process(server).ppid() == os.getpid()
     seen = cluster.run(_where_am_i)
     assert [s["pid"] for s in seen] == [row["pid"] for row in cluster.ranks()]
     for s in seen:
-        assert s["parent"] == server and s["session"] == s["pid"], s
-        assert s["argv"] == ["ipyparallel.engine"] and s["sigint"] and s["torch"], s
+        assert s["parent"] == server and s["session"] == s["pid"] and s["argv"] == ["ipyparallel.engine"], s
+    controller = [" ".join(p.cmdline()) for p in cluster._controller_procs if "ipyparallel.controller" in " ".join(p.cmdline())]
+    assert controller and all("--HeartMonitor.period=500" in c for c in controller), controller
+
+
+def test_a_restart_forks_in_the_kernels_directory_now_from_a_live_server(cluster, tmp_path, monkeypatch):
+    """After a ``%cd`` the next engines start in the kernel's new directory (as ipyparallel's own launcher
+    starts them), not the server's; a server that died since the start (killed, out of memory) is replaced
+    before the engines are forked, and is the kernel's, not one of the cluster's processes (the cluster's stop
+    would end it)."""
+    old = forked.server_pid()
+    os.kill(old, signal.SIGKILL)
+    forked._SERVER.proc.wait()
+    monkeypatch.chdir(tmp_path)
+    cluster.restart()
+    new = forked.server_pid()
+    assert new is not None and new != old
+    assert new not in {p.pid for p in cluster._engine_procs}
+    for s in cluster.run(_where_am_i):
+        assert s["cwd"] == str(tmp_path) and s["parent"] == new, s
 
 
 def test_forking_is_for_local_engines_and_can_be_turned_off(monkeypatch):

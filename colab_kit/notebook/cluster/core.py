@@ -150,17 +150,18 @@ class Cluster(Startup, Waiting):
                                "stop() it first, or restart() it")
         kwargs = {"log_level": logging.ERROR, **self.ipp_kwargs}  # SIGKILLed engines are no news
         kwargs["config"] = preload_torch(kwargs.get("config"))
-        kwargs["controller_args"] = controller_args(kwargs.get("controller_args"))
         if self.hosts:
             kwargs["config"].SSHEngineSetLauncher.engines = dict(self.hosts)
         try:
             self._watchdog = Watchdog()
             engines = self.engines
-            if forking(engines):  # before ``before``: the fork server is the kernel's, not one cluster's
-                fork_server()
+            if forking(engines):
+                self._ensure_fork_server()  # its imports run while the controller starts
                 engines = forked.ForkedEngineSetLauncher
             before = descendant_pids()
             self._ipp = ipp.Cluster(n=self.n, engines=engines, controller_ip=self.ip, **kwargs)
+            # a 0.5 s heartbeat, after the profile's and config's own controller arguments (startup.controller_args)
+            self._ipp.controller_args = controller_args(self._ipp.controller_args)
             self._ipp.start_controller_sync()
             self._controller_procs = cluster_processes(before)  # the controller and its schedulers
             self._watchdog.watch(self._controller_procs)
@@ -200,12 +201,20 @@ class Cluster(Startup, Waiting):
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    @staticmethod
+    def _ensure_fork_server() -> None:
+        """The kernel's fork server, started now if it is not running: it belongs to the kernel, not to this
+        cluster, so it must exist before the cluster notes which processes are its own (``before``)."""
+        fork_server()
+
     def _start_engines(self, progress=None) -> None:
         """Start an engine set, wait for ``n`` engines, then bring torch.distributed up."""
         self._ids, self._table, self._broken, self._busy = [], RankTable(), None, {}
+        if forking(self.engines):
+            self._ensure_fork_server()  # a server that died since the start is replaced before ``before``
         before = descendant_pids()
         self._ipp.start_engines_sync(self.n)
-        self._engine_procs = cluster_processes(before)  # watched from the start: a failed start ends them too
+        self._engine_procs = [p for p in cluster_processes(before) if p.pid != forked.server_pid()]  # watched from the start: a failed start ends them too
         self._watchdog.watch(self._engine_procs)
         self._ids = self._wait_for_engines(progress)
         self._engine_procs = with_descendants(self._engine_procs)  # and now their nannies

@@ -1,9 +1,9 @@
 """Local engines forked from one process that has imported torch already (a fork server).
 
 A local ipyparallel engine started the usual way is a fresh interpreter that imports torch, ipyparallel and
-colab_kit's remote part before it registers: about 4 s of CPU each, so on a 2-core machine 4 engines took 13 s
-to start and 12 s to restart, 8 engines 19 and 21 s; forked, 4 take 6 s and 3 s (``bench/cluster.py`` compares
-``%colossal start`` and ``restart`` with ipyparallel's own). ``ForkedEngineSetLauncher`` is ipyparallel's local
+colab_kit's remote part before it registers: about 4 s of CPU each, so on a 2-core machine ipyparallel
+starts 4 engines in 15 s and restarts them in 20 s; forked, 3.8 s (6.1 s for the first start of a kernel,
+which starts the server) and 3.5 s (``python bench/cluster.py``; bench/results/cluster.json). ``ForkedEngineSetLauncher`` is ipyparallel's local
 launcher with one change: each engine is forked from a server process that imported those modules once.
 The server is started by the first cluster of a kernel and serves every later start and restart.
 
@@ -19,7 +19,8 @@ What each process is, for ``Cluster(4)`` in a notebook kernel::
 An engine is the same program as before: ``ipyparallel.engine``'s ``main`` with the launcher's arguments,
 environment, working directory and log file. The launcher signals and waits on it by pid (psutil), as
 ipyparallel does for any process it started. The server reaps its children at once, so an engine that
-died is gone from the process table (no zombie for ``wait`` to mistake as alive). It exits when its
+died is gone from the process table (no zombie for ``wait`` to mistake as alive); its exit code is then
+not known to the launcher (``None``), and what it printed is in its log file as before. It exits when its
 standard input closes, which is when the kernel that started it exits, however it ended (a SIGKILLed kernel
 included); the watchdog (``watchdog.py``) ends the engines themselves.
 
@@ -63,11 +64,25 @@ class ForkServer:
     def pid(self) -> int:
         return self.proc.pid
 
-    def fork(self, argv: list[str], env: dict, cwd: str, log: str) -> int:
+    def fork(self, argv: list[str], env: dict, cwd: str, log: str, timeout: float = 120.0) -> int:
+        """Ask for one engine; its pid. A server that does not answer within ``timeout`` (its imports hung), or a
+        request cut short (Ctrl-C), ends the server, so that no later request reads an earlier reply; the next
+        ``fork_server()`` starts a new one."""
+        import select
+
         with self._lock:
-            self.proc.stdin.write(json.dumps(dict(argv=argv, env=env, cwd=cwd, log=log)) + "\n")
-            self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
+            try:
+                self.proc.stdin.write(json.dumps(dict(argv=argv, env=env, cwd=cwd, log=log)) + "\n")
+                self.proc.stdin.flush()
+                ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+                if not ready:
+                    raise TimeoutError(f"colab_kit's engine fork server (pid {self.pid}) did not fork an engine "
+                                       f"within {timeout:g} s")
+                line = self.proc.stdout.readline()
+            except BaseException:
+                self.proc.kill()
+                self.proc.wait()
+                raise
         if not line:
             raise RuntimeError(f"colab_kit's engine fork server (pid {self.pid}) exited with code "
                                f"{self.proc.wait()} before it forked an engine")
@@ -137,8 +152,14 @@ def _launcher_classes():
             env = os.environ.copy()
             env.update(self.get_env())
             argv = list(self.args[len(self.engine_cmd):])  # the engine's own arguments, after ``-m ipyparallel.engine``
-            self.pid = fork_server().fork(argv, env, str(self.work_dir), self.output_file)
-            self.process = psutil.Process(self.pid)
+            cwd = os.path.abspath(self.work_dir)  # the kernel's directory now (after a %cd), not the server's
+            self.pid = fork_server().fork(argv, env, cwd, self.output_file)
+            try:
+                self.process = psutil.Process(self.pid)
+            except psutil.NoSuchProcess:  # it ended at once and the server reaped it: say so as a stop
+                self.notify_start(self.pid)
+                self.notify_stop(dict(exit_code=None, pid=self.pid, identifier=self.identifier))
+                return
             self.notify_start(self.pid)
             self._start_waiting()
 
@@ -174,9 +195,9 @@ def _become_engine(request: dict) -> None:
     """In the forked child: become ``python -m ipyparallel.engine <argv>`` in ``cwd`` with ``env``; never returns."""
     code = 1
     try:
+        os.setsid()  # first, as ipyparallel's launcher does (start_new_session): the kernel's signals are not ours
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # an engine's interrupt is KeyboardInterrupt
-        os.setsid()  # as ipyparallel's launcher does (start_new_session): the kernel's signals are not ours
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
@@ -202,6 +223,11 @@ def _become_engine(request: dict) -> None:
 
         traceback.print_exc()
     finally:
+        try:
+            import atexit
+            atexit._run_exitfuncs()  # what the engine registered, as an interpreter's exit would run them
+        except BaseException:  # noqa: BLE001
+            pass
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -219,6 +245,10 @@ def serve() -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - an engine imports what it needs itself
             pass
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the imports' objects out of the collector's reach: an engine's collections leave their pages shared
     signal.signal(signal.SIGCHLD, _reap)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the kernel's terminal is not for the server
     requests, replies = sys.stdin, sys.stdout

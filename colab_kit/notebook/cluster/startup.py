@@ -24,14 +24,16 @@ __all__ = ["Startup", "check_hosts", "host_order", "preload_torch", "launcher_na
 
 
 HEARTBEAT_MS, HEARTBEAT_MISSES = 500, 60
+ENGINE_HEARTBEAT_MISSES = 175  # an engine checks for the hub's pings every period + 0.5 s: 175 s, as with 3 s x 50
 
 
 def controller_args(given=None) -> list[str]:
     """The controller's arguments: the user's, then a 0.5 s heartbeat unless they set one.
 
     The hub takes a new engine on only at its next heartbeats, so ipyparallel's 3 s period made every start and
-    restart wait ~6 s whatever the engines did (registering 2 engines: 5.7 s, now 1.2 s). With 6x the misses
-    allowed, an engine that stops answering is still dropped after the same 30 s."""
+    restart wait two beats, ~6 s, whatever the engines did. With 6x the misses allowed, an engine that stops
+    answering is still dropped after the same 30 s; an engine that hears no ping still gives up after the same
+    175 s (``preload_torch`` raises its allowed misses to match)."""
     args = list(given or [])
     if not any("HeartMonitor.period" in a or a.startswith("--ping") for a in args):
         args += [f"--HeartMonitor.period={HEARTBEAT_MS}", f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
@@ -45,7 +47,8 @@ def preload_torch(config=None):
 
     config = Config(config or {})
     if "engine_args" not in config.EngineLauncher:
-        config.EngineLauncher.engine_args = ["--IPEngine.startup_command=import torch, torch.distributed"]
+        config.EngineLauncher.engine_args = ["--IPEngine.startup_command=import torch, torch.distributed",
+                                             f"--IPEngine.max_heartbeat_misses={ENGINE_HEARTBEAT_MISSES}"]
     return config
 
 
