@@ -14,19 +14,21 @@ def _where_am_i():
     import os
     import sys
 
-    return dict(pid=os.getpid(), parent=os.getppid(), session=os.getsid(0), argv=sys.argv[:1], cwd=os.getcwd())
+    return dict(pid=os.getpid(), parent=os.getppid(), session=os.getsid(0), argv=sys.argv, cwd=os.getcwd())
 
 
 def test_local_engines_are_forked_from_the_kernels_server(cluster):
     """Each rank is a child of this process's fork server, in a session of its own (the kernel's signals are not
     its own), running ipyparallel's engine program (an engine started as an interpreter has the path of
-    ``ipyparallel/engine/__main__.py`` as its ``argv[0]``); the controller beats every 0.5 s."""
+    ``ipyparallel/engine/__main__.py`` as its ``argv[0]``); the controller beats every 0.5 s, and the engines allow
+175 missed checks of it."""
     server = forked.server_pid()
     assert server is not None and psutil.Process(server).ppid() == os.getpid()
     seen = cluster.run(_where_am_i)
     assert [s["pid"] for s in seen] == [row["pid"] for row in cluster.ranks()]
     for s in seen:
-        assert s["parent"] == server and s["session"] == s["pid"] and s["argv"] == ["ipyparallel.engine"], s
+        assert s["parent"] == server and s["session"] == s["pid"] and s["argv"][0] == "ipyparallel.engine", s
+        assert "--IPEngine.max_heartbeat_misses=175" in s["argv"], s  # 175 x 1 s checks: the same 175 s as before
     controller = [" ".join(p.cmdline()) for p in cluster._controller_procs if "ipyparallel.controller" in " ".join(p.cmdline())]
     assert controller and all("--HeartMonitor.period=500" in c for c in controller), controller
 
@@ -49,14 +51,10 @@ def test_a_restart_forks_in_the_kernels_directory_now_from_a_live_server(cluster
 
 
 def test_forking_is_for_local_engines_and_can_be_turned_off(monkeypatch):
-    assert forking_for("local") and not forking_for("ssh") and not forking_for("mpi")
-    assert not forking_for("ipyparallel.cluster.launcher.LocalEngineSetLauncher")  # ipyparallel's, by name
+    assert forked.forking("local") and not forked.forking("ssh") and not forked.forking("mpi")
+    assert not forked.forking("ipyparallel.cluster.launcher.LocalEngineSetLauncher")  # ipyparallel's, by name
     monkeypatch.setenv("COLAB_KIT_FORK_ENGINES", "0")
-    assert not forking_for("local")
-
-
-def forking_for(engines) -> bool:
-    return forked.forking(engines)
+    assert not forked.forking("local")
 
 
 def test_a_dead_server_is_replaced_a_bad_request_answered_and_end_of_input_ends_it(tmp_path, monkeypatch):

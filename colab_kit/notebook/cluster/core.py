@@ -156,7 +156,7 @@ class Cluster(Startup, Waiting):
             self._watchdog = Watchdog()
             engines = self.engines
             if forking(engines):
-                self._ensure_fork_server()  # its imports run while the controller starts
+                fork_server()  # the kernel's, not this cluster's: before ``before``; its imports overlap the controller's start
                 engines = forked.ForkedEngineSetLauncher
             before = descendant_pids()
             self._ipp = ipp.Cluster(n=self.n, engines=engines, controller_ip=self.ip, **kwargs)
@@ -201,20 +201,15 @@ class Cluster(Startup, Waiting):
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    @staticmethod
-    def _ensure_fork_server() -> None:
-        """The kernel's fork server, started now if it is not running: it belongs to the kernel, not to this
-        cluster, so it must exist before the cluster notes which processes are its own (``before``)."""
-        fork_server()
-
     def _start_engines(self, progress=None) -> None:
         """Start an engine set, wait for ``n`` engines, then bring torch.distributed up."""
         self._ids, self._table, self._broken, self._busy = [], RankTable(), None, {}
         if forking(self.engines):
-            self._ensure_fork_server()  # a server that died since the start is replaced before ``before``
+            fork_server()  # a server that died since the start is replaced before ``before``
         before = descendant_pids()
         self._ipp.start_engines_sync(self.n)
-        self._engine_procs = [p for p in cluster_processes(before) if p.pid != forked.server_pid()]  # watched from the start: a failed start ends them too
+        # watched from the start (a failed start ends them too); never the kernel's fork server
+        self._engine_procs = [p for p in cluster_processes(before) if p.pid != forked.server_pid()]
         self._watchdog.watch(self._engine_procs)
         self._ids = self._wait_for_engines(progress)
         self._engine_procs = with_descendants(self._engine_procs)  # and now their nannies
