@@ -81,3 +81,35 @@ def test_a_dead_server_is_replaced_a_bad_request_answered_and_end_of_input_ends_
     finally:
         fresh.close()  # what the kernel's exit does: end of input
     assert fresh.proc.returncode == 0
+
+
+def test_a_kernel_with_a_cluster_shuts_down_cleanly_and_leaves_nothing():
+    """Jupyter shuts a kernel down by asking it to, and ipykernel first ends every child in its process group.
+    The fork server lives in a session of its own: with it in the kernel's group, the kernel waited on it as
+    a zombie until Jupyter sent SIGTERM (exit code -15 after 2.6 s, the kernel's atexit handlers skipped)."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        kernel = km.provisioner.process
+        seen = []
+        for code in ("%load_ext colab_kit", "%colossal start -n 2",
+                     "from colab_kit.notebook.cluster import forked; import os; "
+                     "print(forked.server_pid(), os.getsid(forked.server_pid()), os.getsid(0))"):
+            reply = kc.execute_interactive(code, timeout=120, output_hook=lambda m: seen.append(
+                m["content"].get("text", "")) if m["msg_type"] == "stream" else None)
+            assert reply["content"]["status"] == "ok", (code, seen)
+        server, server_session, kernel_session = map(int, seen[-1].split())
+        assert server_session != kernel_session
+        procs = [psutil.Process(server)] + psutil.Process(server).children(recursive=True)
+        assert len(procs) >= 3, procs  # the server and its two engines
+        t0 = time.monotonic()
+        km.shutdown_kernel(now=False)
+        took = time.monotonic() - t0
+        assert kernel.wait() == 0 and took < 2.0, (kernel.returncode, took)  # asked, not terminated
+        _, left = psutil.wait_procs(procs, timeout=30)
+        assert left == [], left
+    finally:
+        kc.stop_channels()
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)

@@ -1,11 +1,16 @@
 """Any model through its policy: BERT, ViT, GPT and a user's own model (attributes named unlike GPT's,
 sharded through a ``Policy`` written here) each train five steps to the losses and parameters of the
-same model trained in one process with plain PyTorch (``F.cross_entropy``, its ``ignore_index``), with
-AdamW and with SGD + momentum, under tp 1d and 2d, pp 1f1b, zb-h1 and zb-v (BERT's tied head and
+same model trained in one process with plain PyTorch (``F.cross_entropy``, its ``ignore_index``), under tp 1d and 2d, pp 1f1b, zb-h1 and zb-v (BERT's tied head and
 token table on two pipeline ranks, or on one under zb-v), ZeRO-3, and dp x tp x pp; ViT also under
 2.5d and 3d, BERT under 3d (its MLM dense and tied decoder), on scikit-learn's digits; BERT (bidirectional, padding masked) and the user's model under
 sp ring and Ulysses. BERT's batches predict a different number of tokens in every shard, so the
 global masked-LM mean is checked, not a mean of means. One spawn per world size, configs looped inside.
+
+Each config trains with one optimizer (``optimizer_of``): SGD + momentum where every parameter is compared
+(tp=1, ZeRO below 3: the dense names exist on the rank), AdamW where the parameters are sharded (tp, ZeRO-3),
+whose optimizer states then live in the shards too. Both optimizers are elementwise, so once SGD's parameters
+match, the gradients match and AdamW over them would too; what AdamW adds is its sharded states, which is
+where it runs. Every model trains with both (``test_every_model_trains_with_both_optimizers``).
 
 What is refused, in the kernel before any process: a model without a policy under tp/pp/sp, a policy
 whose paths the model lacks, sizes that do not divide, a mode a model's parts cannot take.
@@ -54,21 +59,32 @@ def _policy(name):
 
 
 # --------------------------------------------------------------------------- on each rank
+def _dense(kw) -> bool:
+    """Whether a rank holds its parameters under their dense names and shapes: tp=1 and ZeRO below 3."""
+    return kw.get("tp", 1) == 1 and kw.get("zero", 0) < 3
+
+
+def optimizer_of(kw) -> str:
+    """The optimizer a config trains with here: SGD + momentum where its parameters are compared, AdamW where
+    they are sharded (see the module docstring)."""
+    return "sgd" if _dense(kw) else "adamw"
+
+
 def _train(cases):
     out = {}
     for name, kw, tie in cases:
-        for opt in OPTIMIZERS:
-            engine = ck.boost(make(name, tie), OPTIMIZERS[opt], ck.ParallelConfig(**kw), policy=_policy(name))
-            losses = [engine.train_step(batch(name, s)) for s in range(STEPS)]
-            params = {}
-            if kw.get("tp", 1) == 1 and kw.get("zero", 0) < 3:
-                if engine.pipeline is not None:
-                    params = {n: p.detach().clone() for st in engine.module
-                              for n, p in zip(st.source_names, st.parameters())}
-                else:
-                    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-            out[name, tuple(sorted(kw.items())), tie, opt] = (losses, params)
-            engine.close()
+        opt = optimizer_of(kw)
+        engine = ck.boost(make(name, tie), OPTIMIZERS[opt], ck.ParallelConfig(**kw), policy=_policy(name))
+        losses = [engine.train_step(batch(name, s)) for s in range(STEPS)]
+        params = {}
+        if _dense(kw):
+            if engine.pipeline is not None:
+                params = {n: p.detach().clone() for st in engine.module
+                          for n, p in zip(st.source_names, st.parameters())}
+            else:
+                params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        out[name, tuple(sorted(kw.items())), tie] = (losses, params)
+        engine.close()
     return out
 
 
@@ -104,19 +120,23 @@ def _close(a, b, rtol=RTOL):
                          ids=lambda c: case_id(c, 1))
 def test_trains_like_one_process(runs, case):
     _, name, kw, tie = case
-    for opt in OPTIMIZERS:
-        losses, params = runs[name, tuple(sorted(kw.items())), tie, opt]
-        ref_losses, ref_params = reference(name, opt, tie)
-        assert _close(losses, ref_losses), (opt, losses, ref_losses)
-        assert abs(ref_losses[-1] - ref_losses[0]) > 100 * RTOL * abs(ref_losses[0])  # it did train
-        if opt == "adamw":  # Adam normalises float noise: a key bias, whose true gradient is 0 (softmax is
-            continue          # shift-invariant), moves by ~lr on noise whatever the split; losses are checked above
-        for n, p in params.items():
-            assert torch.allclose(p, ref_params[n], rtol=1e-4, atol=1e-5), (opt, n)
-            # the untrained weights would not pass: training moved this tensor further than the tolerance
-        moved = [n for n in params if not torch.allclose(make(name, tie).state_dict()[n], ref_params[n],
-                                                         rtol=1e-4, atol=1e-5)]
-        assert not params or moved
+    opt = optimizer_of(kw)
+    losses, params = runs[name, tuple(sorted(kw.items())), tie]
+    ref_losses, ref_params = reference(name, opt, tie)
+    assert _close(losses, ref_losses), (opt, losses, ref_losses)
+    assert abs(ref_losses[-1] - ref_losses[0]) > 100 * RTOL * abs(ref_losses[0])  # it did train
+    assert bool(params) == (opt == "sgd")  # (Adam normalises float noise: a key bias, whose true gradient is 0,
+    for n, p in params.items():            # moves by ~lr on noise whatever the split, so only SGD's are compared)
+        assert torch.allclose(p, ref_params[n], rtol=1e-4, atol=1e-5), (opt, n)
+    # the untrained weights would not pass: training moved some tensor further than the tolerance
+    moved = [n for n in params if not torch.allclose(make(name, tie).state_dict()[n], ref_params[n],
+                                                     rtol=1e-4, atol=1e-5)]
+    assert not params or moved
+
+
+def test_every_model_trains_with_both_optimizers():
+    used = {(c[0], optimizer_of(c[1])) for cs in CASES.values() for c in cs}
+    assert used == {(m, o) for m in ("bert", "vit", "net") for o in OPTIMIZERS} | {("gpt", "adamw")}, used
 
 
 def test_masked_lm_loss_is_the_global_mean_not_a_mean_of_means():

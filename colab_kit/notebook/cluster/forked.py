@@ -22,7 +22,9 @@ ipyparallel does for any process it started. The server reaps its children at on
 died is gone from the process table (no zombie for ``wait`` to mistake as alive); its exit code is then
 not known to the launcher (``None``), and what it printed is in its log file as before. It exits when its
 standard input closes, which is when the kernel that started it exits, however it ended (a SIGKILLed kernel
-included); the watchdog (``watchdog.py``) ends the engines themselves.
+included); the watchdog (``watchdog.py``) ends the engines themselves. It runs in a session of its own, so
+the signals ipykernel sends its process group (SIGINT on an interrupt, SIGTERM at shutdown) do not reach it,
+and a kernel shuts down in 0.4 s as without a cluster, not 2.6 s.
 
 ``Cluster(engines="local")`` (the default) uses it, unless a profile gives the engines a command of its own
 (``EngineLauncher.engine_cmd``). The server's imports are those of when it started: a kernel whose colab_kit
@@ -52,8 +54,13 @@ class ForkServer:
     """The server process, seen from the kernel: ``fork(argv, env, cwd, log)`` returns the new engine's pid."""
 
     def __init__(self):
+        # a session of its own: out of the kernel's process group, which ipykernel signals on an interrupt
+        # (SIGINT would end the server during its imports) and at shutdown, where it waits for every child in
+        # its group to be gone; this one, signalled but not reaped until the kernel's own exit, stayed listed
+        # as a zombie, and the kernel waited until Jupyter gave up on it and sent SIGTERM (2.5 s, atexit skipped)
         self.proc = subprocess.Popen([sys.executable, "-c", "from colab_kit.notebook.cluster.forked import serve; serve()"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                     start_new_session=True)
         self._lock = threading.Lock()
 
     @property
