@@ -34,6 +34,13 @@ def configs(**base) -> list[dict]:
             for s in SCHEDULES]
 
 
+def with_optimizers(cfgs: list[dict], alternate: bool = False) -> list[tuple[dict, str]]:
+    """(config, optimizer) pairs: each config with both optimizers, or (``alternate``) config i with optimizer
+    i % 2. Over ``configs()`` lists of five schedules laid end to end, that gives each schedule both in turn."""
+    names = list(OPTIMIZERS)
+    return [(kw, opt) for i, kw in enumerate(cfgs) for opt in ((names[i % 2],) if alternate else names)]
+
+
 def model_cfg(kw: dict) -> GPTConfig:
     """4 blocks, or one per stage where pp * chunks is larger (pp=4 interleaved or zb-v: 8 stages)."""
     return dataclasses.replace(GPT4, n_layers=max(4, kw["pp"] * kw["chunks"]))
@@ -50,29 +57,28 @@ def reference(n_layers: int, opt: str):
 
 
 # --------------------------------------------------------------------------- on each rank
-def _train(cfgs):
+def _train(pairs):
     data, out = SyntheticTokens(64, 16, seed=1), {}
-    for kw in cfgs:
-        for opt in OPTIMIZERS:
-            engine = ck.boost(GPT(model_cfg(kw)), OPTIMIZERS[opt], ck.ParallelConfig(**kw))
-            pipe, losses, fitted = engine.pipeline, [], None
-            for s in range(STEPS):
-                losses.append(engine.train_step(data.batch(s, BATCH)))
-                if s == 1 and kw["schedule"] == "zb-v":  # the rest of the steps run the V fitted to its costs
-                    fitted = pipe.replan()
-            mine = pipe.plan.actions[pipe.me]
-            params = {}
-            if kw.get("tp", 1) == 1:
-                params = {n: p.detach().clone() for st in engine.module
-                          for n, p in zip(st.source_names, st.parameters())}
-            out[tuple(sorted(kw.items())), opt] = dict(
-                losses=losses, params=params, plan=[str(a) for a in mine],
-                actions=[e["action"] for e in engine.timeline() if "action" in e],
-                kinds={e["kind"] for e in engine.timeline()},
-                p2p=[(r["op"], r["axis"], r["tag"], r["bytes"]) for r in engine.comm(last_step=True)
-                     if r["axis"] == "pp" and r["op"] in ("send", "recv")],
-                memory=engine.memory(), fitted=fitted)
-            out[tuple(sorted(kw.items())), opt]["losses"].append(engine.evaluate(data.batch(STEPS, BATCH)))
+    for kw, opt in pairs:
+        engine = ck.boost(GPT(model_cfg(kw)), OPTIMIZERS[opt], ck.ParallelConfig(**kw))
+        pipe, losses, fitted = engine.pipeline, [], None
+        for s in range(STEPS):
+            losses.append(engine.train_step(data.batch(s, BATCH)))
+            if s == 1 and kw["schedule"] == "zb-v":  # the rest of the steps run the V fitted to its costs
+                fitted = pipe.replan()
+        mine = pipe.plan.actions[pipe.me]
+        params = {}
+        if kw.get("tp", 1) == 1:
+            params = {n: p.detach().clone() for st in engine.module
+                      for n, p in zip(st.source_names, st.parameters())}
+        out[tuple(sorted(kw.items())), opt] = dict(
+            losses=losses, params=params, plan=[str(a) for a in mine],
+            actions=[e["action"] for e in engine.timeline() if "action" in e],
+            kinds={e["kind"] for e in engine.timeline()},
+            p2p=[(r["op"], r["axis"], r["tag"], r["bytes"]) for r in engine.comm(last_step=True)
+                 if r["axis"] == "pp" and r["op"] in ("send", "recv")],
+            memory=engine.memory(), fitted=fitted)
+        out[tuple(sorted(kw.items())), opt]["losses"].append(engine.evaluate(data.batch(STEPS, BATCH)))
     return out
 
 
@@ -109,42 +115,41 @@ def _train_and_step(train_cfgs, step_cfgs):
 
 
 # --------------------------------------------------------------------------- parity
-def _check_training(results, cfgs):
-    for kw in cfgs:
+def _check_training(results, pairs):
+    for kw, opt in pairs:
         key = tuple(sorted(kw.items()))
-        for opt in OPTIMIZERS:
-            ref_losses, ref_params = reference(model_cfg(kw).n_layers, opt)
-            owned = {}
-            for rank, res in enumerate(results):
-                got = res[key, opt]
-                assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (kw, opt, rank)
-                assert got["losses"] == results[0][key, opt]["losses"], (kw, opt, rank)  # equal on all ranks
-                # AdamW divides each gradient by its own running size, so an element whose gradient
-                # sits at fp32 rounding noise (summed per microbatch here, over the batch there) can
-                # move by a fraction of lr either way: a looser atol for it; SGD keeps the tight one
-                atol = 2e-4 if opt == "adamw" else 5e-5
-                for name, p in got["params"].items():
-                    torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=atol,
-                                               msg=lambda m: f"{kw} {opt} {name} {m}")
-                    owned[name] = p
-                # every action ran once, in plan order, and was timed
-                assert got["actions"] == got["plan"], (kw, opt, rank)
-                assert got["kinds"] <= {"compute", "comm", "idle"} and "comm" in got["kinds"]
-                # one recorded p2p per send/receive action after the first step (no shape header any more)
-                comm_actions = [a for a in got["plan"] if any(k in a for k in ("SF", "RF", "SB", "RB"))]
-                assert sorted(t for _, _, t, _ in got["p2p"]) == sorted(comm_actions)
-                rows = BATCH // kw.get("dp", 1) // M
-                assert {b for *_, b in got["p2p"]} == {rows * 16 * 32 * 4}
-                if kw["schedule"] == "zb-v":  # replan(): every stage's F, I, W measured, the same on every rank
-                    n = kw["pp"] * 2
-                    assert sorted(got["fitted"]) == sorted((s, k) for s in range(n) for k in "FIW")
-                    assert got["fitted"] == results[0][key, opt]["fitted"] and min(got["fitted"].values()) >= 0
-                    want = shorter_plan(build_plan("zb-v", kw["pp"], M, 2, costs=got["fitted"]),
-                                        build_plan_for(ck.ParallelConfig(**kw), model_cfg(kw)), got["fitted"])
-                    assert got["plan"] == [str(a) for a in lower(want)
-                                           .actions[rank // (kw.get("dp", 1) * kw.get("tp", 1))]]
-            if kw.get("tp", 1) == 1:  # the stages together hold the whole model
-                assert set(owned) == set(ref_params), (kw, opt)
+        ref_losses, ref_params = reference(model_cfg(kw).n_layers, opt)
+        owned = {}
+        for rank, res in enumerate(results):
+            got = res[key, opt]
+            assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (kw, opt, rank)
+            assert got["losses"] == results[0][key, opt]["losses"], (kw, opt, rank)  # equal on all ranks
+            # AdamW divides each gradient by its own running size, so an element whose gradient
+            # sits at fp32 rounding noise (summed per microbatch here, over the batch there) can
+            # move by a fraction of lr either way: a looser atol for it; SGD keeps the tight one
+            atol = 2e-4 if opt == "adamw" else 5e-5
+            for name, p in got["params"].items():
+                torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=atol,
+                                           msg=lambda m: f"{kw} {opt} {name} {m}")
+                owned[name] = p
+            # every action ran once, in plan order, and was timed
+            assert got["actions"] == got["plan"], (kw, opt, rank)
+            assert got["kinds"] <= {"compute", "comm", "idle"} and "comm" in got["kinds"]
+            # one recorded p2p per send/receive action after the first step (no shape header any more)
+            comm_actions = [a for a in got["plan"] if any(k in a for k in ("SF", "RF", "SB", "RB"))]
+            assert sorted(t for _, _, t, _ in got["p2p"]) == sorted(comm_actions)
+            rows = BATCH // kw.get("dp", 1) // M
+            assert {b for *_, b in got["p2p"]} == {rows * 16 * 32 * 4}
+            if kw["schedule"] == "zb-v":  # replan(): every stage's F, I, W measured, the same on every rank
+                n = kw["pp"] * 2
+                assert sorted(got["fitted"]) == sorted((s, k) for s in range(n) for k in "FIW")
+                assert got["fitted"] == results[0][key, opt]["fitted"] and min(got["fitted"].values()) >= 0
+                want = shorter_plan(build_plan("zb-v", kw["pp"], M, 2, costs=got["fitted"]),
+                                    build_plan_for(ck.ParallelConfig(**kw), model_cfg(kw)), got["fitted"])
+                assert got["plan"] == [str(a) for a in lower(want)
+                                       .actions[rank // (kw.get("dp", 1) * kw.get("tp", 1))]]
+        if kw.get("tp", 1) == 1:  # the stages together hold the whole model
+            assert set(owned) == set(ref_params), (kw, opt)
 
 
 def _check_stepping(stepped, cfgs):
@@ -165,9 +170,9 @@ def _check_stepping(stepped, cfgs):
 def test_pp2_every_schedule_matches_single_process_and_steps():
     cfgs = configs(pp=2)
     t = time.perf_counter()
-    results = ck.launch(_train_and_step, 2, cfgs, cfgs)
+    results = ck.launch(_train_and_step, 2, with_optimizers(cfgs), cfgs)
     took = time.perf_counter() - t
-    _check_training([r[0] for r in results], cfgs)
+    _check_training([r[0] for r in results], with_optimizers(cfgs))
     _check_stepping([r[1] for r in results], cfgs)
     # GPipe keeps every microbatch's activations on rank 0, 1F1B at most pp of them
     mem = {s: results[0][0][tuple(sorted(kw.items())), "sgd"]["memory"]["activations"]
@@ -177,7 +182,10 @@ def test_pp2_every_schedule_matches_single_process_and_steps():
 
 
 def test_pp4_and_pp2_with_dp_and_tp_match_single_process():
-    cfgs = configs(pp=4) + configs(pp=2, dp=2) + configs(pp=2, tp=2)
+    """Every schedule under each layout, with one optimizer each (both per schedule over the three layouts;
+    pp=2 above runs every schedule with both)."""
+    cfgs = with_optimizers(configs(pp=4) + configs(pp=2, dp=2) + configs(pp=2, tp=2), alternate=True)
+    assert all({o for kw, o in cfgs if kw["schedule"] == s} == set(OPTIMIZERS) for s in SCHEDULES)
     step = dict(zip(SCHEDULES, range(len(SCHEDULES))))
     step_cfgs = ([configs(pp=4)[step["interleaved"]], configs(pp=4)[step["zb-v"]],
                   configs(pp=2, dp=2)[step["zb-h1"]], configs(pp=2, tp=2)[step["1f1b"]]])
