@@ -311,10 +311,12 @@ def test_long_run_calls_report_progress_with_what_the_ranks_printed(cluster, mon
 
 
 def _is_engine(p) -> bool:
-    """An engine started as its own interpreter, a nanny, or an engine forked from the kernel's fork server."""
+    """An engine or a nanny started as its own interpreter, or one forked from the kernel's fork server (an engine
+    forked by the server, its nanny forked by that engine: both carry the server's command line)."""
     from colab_kit.notebook.cluster import forked
     try:
-        return ("ipyparallel.engine" in " ".join(p.cmdline()) or p.ppid() == forked.server_pid()) \
+        cmd = " ".join(p.cmdline())
+        return ("ipyparallel.engine" in cmd or ("cluster.forked import serve" in cmd and p.pid != forked.server_pid())) \
             and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False

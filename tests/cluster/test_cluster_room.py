@@ -122,8 +122,8 @@ def test_what_an_engine_and_the_controller_hold_is_within_the_constants():
     with Cluster(2) as cluster:
         cluster.run(train)
         ranks = [psutil.Process(row["pid"]) for row in cluster.ranks()]
-        nannies = [p for p in cluster._engine_procs if "ipyparallel.engine.nanny" in " ".join(p.cmdline())]
-        assert len(ranks) == len(nannies) == 2, (ranks, nannies)
+        nannies = [c for r in ranks for c in r.children()]  # each engine's one child (forked by it)
+        assert len(ranks) == len(nannies) == 2 and set(nannies) <= set(cluster._engine_procs), (ranks, nannies)
         per_engine = [sum(uss(p) for p in group) for group in (ranks, nannies)]
         controller = sum(uss(p) for p in cluster._controller_procs) + uss(psutil.Process(cluster._watchdog.pid))
         assert forked.server_pid() is not None, "local engines are forked from the kernel's fork server"

@@ -20,8 +20,8 @@ def _where_am_i():
 def test_local_engines_are_forked_from_the_kernels_server(cluster):
     """Each rank is a child of this process's fork server, in a session of its own (the kernel's signals are not
     its own), running ipyparallel's engine program (an engine started as an interpreter has the path of
-    ``ipyparallel/engine/__main__.py`` as its ``argv[0]``); the controller beats every 0.5 s, and the engines allow
-175 missed checks of it."""
+    ``ipyparallel/engine/__main__.py`` as its ``argv[0]``), with one child, its nanny, forked from it; the
+    controller beats every 0.5 s, and the engines allow 175 missed checks of it."""
     server = forked.server_pid()
     assert server is not None and psutil.Process(server).ppid() == os.getpid()
     seen = cluster.run(_where_am_i)
@@ -29,6 +29,9 @@ def test_local_engines_are_forked_from_the_kernels_server(cluster):
     for s in seen:
         assert s["parent"] == server and s["session"] == s["pid"] and s["argv"][0] == "ipyparallel.engine", s
         assert "--IPEngine.max_heartbeat_misses=175" in s["argv"], s  # 175 x 1 s checks: the same 175 s as before
+        # its nanny (which relays signals: test_interrupt_reaches_the_ranks) forked by it, not a new interpreter
+        nanny, = psutil.Process(s["pid"]).children()
+        assert nanny.cmdline() == psutil.Process(server).cmdline() and os.getsid(nanny.pid) == nanny.pid, nanny
     controller = [" ".join(p.cmdline()) for p in cluster._controller_procs if "ipyparallel.controller" in " ".join(p.cmdline())]
     assert controller and all("--HeartMonitor.period=500" in c for c in controller), controller
 

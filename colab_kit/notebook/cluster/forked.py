@@ -11,7 +11,7 @@ What each process is, for ``Cluster(4)`` in a notebook kernel::
 
     kernel ── fork server (python -c '...forked import serve; serve()': torch imported, no thread started)
            │      ├── engine 0   (forked: ipyparallel.engine's main, its own session, output to its log)
-           │      │      └── nanny (python -m ipyparallel.engine.nanny, started by the engine)
+           │      │      └── nanny (ipyparallel's KernelNanny: forked by the engine before its first thread)
            │      ├── engine 1 ...
            ├── controller (python -m ipyparallel.controller)
            └── watchdog
@@ -198,6 +198,63 @@ def _reap(signum, frame) -> None:
             return
 
 
+class _Nanny:
+    """What the engine keeps of its nanny (ipyparallel keeps the Popen): the pipe whose closing, when the engine
+    exits, tells the nanny so."""
+
+    def __init__(self, pid: int, pipe):
+        self.pid, self.pipe = pid, pipe
+
+
+def _prefork_nanny():
+    """Fork this engine's nanny now, while the process has no thread, and return the ``start_nanny`` that hands it
+    its arguments. ipyparallel starts the nanny as a new interpreter (``python -m ipyparallel.engine.nanny``, about
+    0.7 s of CPU for its imports); forked here it has them already. The protocol is ipyparallel's: the engine
+    writes the pickled arguments, the nanny answers the URL of its relay socket on a line and then watches that
+    pipe, whose closing means the engine has exited. A nanny whose engine never asks (``enable_nanny=False``)
+    reads end of input when the engine exits, and exits too."""
+    import pickle
+
+    args_r, args_w = os.pipe()
+    url_r, url_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the nanny
+        os.close(args_w)
+        os.close(url_r)
+        code = 0
+        try:
+            os.setsid()  # as ipyparallel's Popen(start_new_session=True): the engine's signals are not ours
+            with os.fdopen(args_r, "rb") as fh:
+                try:
+                    kwargs = pickle.load(fh)
+                except EOFError:
+                    os._exit(0)
+            from ipyparallel.engine.nanny import KernelNanny
+
+            KernelNanny.main(**kwargs, pipe=os.fdopen(url_w, "w", buffering=1))
+        except BaseException:  # noqa: BLE001 - in the engine's log, as a nanny's error would be
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(args_r)
+    os.close(url_w)
+
+    def start_nanny(**kwargs):
+        kwargs["pid"] = os.getpid()
+        with os.fdopen(args_w, "wb") as fh:
+            pickle.dump(kwargs, fh)
+        pipe = os.fdopen(url_r, "rb")
+        url = pipe.readline().decode("utf8").strip()
+        if not url:
+            raise RuntimeError("nanny failed")
+        return url, _Nanny(pid, pipe)
+
+    return start_nanny
+
+
 def _become_engine(request: dict) -> None:
     """In the forked child: become ``python -m ipyparallel.engine <argv>`` in ``cwd`` with ``env``; never returns."""
     code = 1
@@ -219,9 +276,10 @@ def _become_engine(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = ["ipyparallel.engine", *request["argv"]]
-        from ipyparallel.engine.app import main
+        import ipyparallel.engine.app as app
 
-        main()
+        app.start_nanny = _prefork_nanny()  # after the streams and environment are the engine's, before any thread
+        app.main()
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -2,12 +2,12 @@
 
 A notebook on Binder gets 2 GiB for everything (the Jupyter server, the kernel, the controller and every
 engine). Local engines are forked from one fork server that has imported torch (``forked.py``), so the pages
-of those imports are held once, by the server (about 230 MiB), and each engine holds about 180 MiB of its
-own once it has trained a small model (150 MiB for the engine and 27 MiB for its ipyparallel nanny: psutil's
-USS, the pages only that process holds, which is what a memory cgroup charges one more process); the
+of those imports are held once, by the server (about 230 MiB), and each engine holds about 140 MiB of its
+own once it has trained a small model (130 MiB for the engine and 9 MiB for the ipyparallel nanny it forks:
+psutil's USS, the pages only that process holds, which is what a memory cgroup charges one more process); the
 controller and the watchdog hold about 50 MiB together (measured on 4 engines after three dp steps of a small
 GPT; ``bench/cluster.py``: 942 MiB in all, against 1,119 MiB for engines started as their own interpreters). Eight engines there
-need about 1.7 GiB with their server and controller, 2.3 GiB with a Jupyter server and a kernel of 0.6 GiB:
+need about 1.4 GiB with their server and controller, 2.0 GiB with a Jupyter server and a kernel of 0.6 GiB:
 the OOM killer would end the kernel half way through a notebook. ``fit=True`` asks for ``n`` and starts the largest of n, n/2, n/4, ... that the memory left
 holds, so a config that divides ``n`` by powers of two (dp, tp, pp) still divides what starts; it says
 why when it starts fewer.
@@ -38,7 +38,7 @@ from pathlib import Path
 __all__ = ["ENGINE_BYTES", "CONTROLLER_BYTES", "FORK_SERVER_BYTES", "Room", "memory_room", "fitting"]
 
 GiB, MiB = 2**30, 2**20
-ENGINE_BYTES = 200 * MiB      # one forked engine and its nanny after a small training step: 179 MiB USS measured, a margin
+ENGINE_BYTES = 200 * MiB      # one forked engine and its nanny after a small training step: 141 MiB USS measured, a margin
 CONTROLLER_BYTES = 64 * MiB   # ipyparallel's controller (its hub and schedulers) and the watchdog: ~50 MiB USS
 FORK_SERVER_BYTES = 256 * MiB  # the fork server, torch imported (233 MiB RSS): counted until it runs, then it is in use
 _UNLIMITED = 2**60            # cgroup v1 writes "no limit" as a huge number
