@@ -26,10 +26,11 @@ Then the device: ``cuda:<local rank>`` with NCCL where this host has a GPU for e
 CPU with gloo. For gloo, the interface: when every rank is on this host (the launcher says so:
 ``LOCAL_WORLD_SIZE == WORLD_SIZE``) or the address is loopback, gloo's sockets stay on loopback (``colab_kit.net``'s rule); otherwise the interface whose address routes
 to the rendezvous address (``interface_for``), so no ``GLOO_SOCKET_IFNAME`` needs setting by hand (one
-the user set is kept). At the interpreter's exit the group ``init`` made is destroyed while Python is still
-whole (an ``atexit`` hook; no barrier, so a rank that leaves on an error never waits for its peers): left to
-the interpreter's teardown, gloo's threads can be torn down in an order that aborts a rank that had finished
-("terminate called without an active exception", seen once under torchrun in CI). A missing or inconsistent variable is a ``ConfigError`` naming it; an address that
+the user set is kept). At the interpreter's exit the groups are destroyed while Python is still
+whole (an ``atexit`` hook; no barrier, so a rank that leaves on an error never waits for its peers), and the
+hook waits, the GIL free, until gloo's worker threads have let go of their last collective (``_leave``): left
+to the interpreter's teardown, a worker that asks for the GIL then aborts a rank that had finished
+("terminate called without an active exception"). A missing or inconsistent variable is a ``ConfigError`` naming it; an address that
 cannot be reached is a ``ConnectionError`` within ``timeout``, naming the address and where it came from.
 
 Worked example, two hosts under torchrun (``--nnodes 2 --nproc-per-node 2 --master-addr 10.200.0.1``),
@@ -230,11 +231,58 @@ def init(config=None, *, backend: str | None = None, timeout: float = 300.0) -> 
 
 
 def _leave() -> None:
-    """Destroy every process group this process still holds (``init``'s exit hook; a no-op where the script
-    destroyed them itself)."""
+    """Destroy every process group this process still holds, then let gloo's worker threads finish
+    (``init``'s exit hook; a no-op where the script destroyed them itself).
+
+    Why the wait: a gloo worker thread marks a collective done and only then drops its own reference to the
+    work, whose tensors are Python objects; that last decref needs the GIL. When the main thread's
+    ``wait()`` returns and the script ends at once, the interpreter can be finalizing by the time the worker
+    asks for the GIL, and a thread that asks for it then is ended by ``pthread_exit`` inside a C++ destructor:
+    ``std::terminate``, "terminate called without an active exception", SIGABRT on a rank that had finished
+    (seen under torchrun with a dp x tp mesh, about 1 run in 10 on 2 loaded cores; a core dump showed the
+    worker in ``~AsyncAllreduceWork`` waiting for the GIL in ``Py_FinalizeEx``). Groups that nothing holds
+    are freed by ``gc.collect()`` (their destructors join their threads without the GIL); groups a mesh or an
+    engine still holds keep their threads, so the GIL is left free until no other thread of this process is
+    running (``_settle``)."""
+    import gc
+
     import torch.distributed as dist
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
     except Exception:  # exiting anyway: a peer already gone must not turn a finished run into a failure
         pass
+    gc.collect()
+    _settle()
+
+
+def _settle(limit: float = 0.5, step: float = 0.005) -> float:
+    """Sleep (the GIL free) until no thread of this process but the caller has been running at two looks in a
+    row, ``step`` seconds apart, or ``limit`` seconds have passed; returns the seconds waited. Threads blocked
+    on a lock, a condition or ``epoll`` are not running; one waiting for the CPU, or for the GIL this sleep
+    frees, is. Where ``/proc`` is missing, one ``step``.
+
+    >>> _settle() < 0.5       # nothing but this thread runs here
+    True
+    """
+    import threading
+    import time
+
+    start, quiet, me = time.monotonic(), 0, threading.get_native_id()
+    while quiet < 2 and time.monotonic() - start < limit:
+        time.sleep(step)
+        try:
+            running = [t for t in os.listdir("/proc/self/task") if int(t) != me and _state(t) == "R"]
+        except OSError:
+            return time.monotonic() - start
+        quiet = 0 if running else quiet + 1
+    return time.monotonic() - start
+
+
+def _state(tid: str) -> str:
+    """The scheduler state of thread ``tid`` of this process (R running or runnable, S sleeping, ...)."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

@@ -40,6 +40,24 @@ def test_each_launcher_is_read_into_one_view():
     assert first_host("n[1-4]") == "n1" and first_host("login") == "login"
 
 
+def test_the_exit_hook_waits_while_another_thread_runs_and_no_longer():
+    """``_leave``'s wait (``_settle``): with only this thread, two quiet looks (about 10 ms); while another
+    thread is running (here one that spins for 0.2 s, as a gloo worker finishing its last collective would
+    run), until it stops; and never past the limit."""
+    import threading
+    import time
+
+    from colab_kit.join import _settle
+    assert _settle() < 0.1
+    for spin, limit, low, high in ((0.2, 0.5, 0.2, 0.45), (2.0, 0.3, 0.3, 0.45)):
+        end = time.monotonic() + spin
+        t = threading.Thread(target=lambda: [None for _ in iter(lambda: time.monotonic() < end, False)])
+        t.start()
+        waited = _settle(limit=limit)
+        t.join()
+        assert low <= waited <= high, (spin, limit, waited)
+
+
 @pytest.mark.parametrize("env, rule", [
     ({"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "torchrun sets WORLD_SIZE, and it is missing"),
     ({"RANK": "4", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "RANK=4 is outside 0..3"),
