@@ -15,7 +15,7 @@ before any process starts.
 
 Worked example: GPT 406.4M (vocab 50304, seq 1024, d_model 1024, 16 heads, 24 layers, untied head),
 AdamW, ``ParallelConfig(dp=8, tp=8, pp=8, microbatches=8)`` = 512 ranks, batch 64. Rank 37 is
-((pp 0 * 8 + dp 4) * 1 + sp 0) * 8 + tp 5; about 3 s here, 1.1 s of it the rank itself::
+((pp 0 * 8 + dp 4) * 1 + sp 0) * 8 + tp 5; about 2 s here, 0.9 s of it the rank itself::
 
     >>> print(dry_run(GPT(cfg, device="meta"), config, rank=37, batch=64, hardware="8xH100-SXM"))  # doctest: +SKIP
     dry run: rank 37 of 512, dp=8 x pp=8 x tp=8 (1d) = 512 ranks, 1f1b x 8 microbatches; GPT 406.4M params, ...
@@ -298,6 +298,55 @@ def _no_values(name, tensor) -> None:
     """Each meta tensor's recipe in a dry run: leave its values unset (bytes do not depend on them)."""
 
 
+BIG = 1 << 20
+"""Elements from which a dry run gives a tensor its storage but writes no value into it (``_Unwritten``)."""
+
+
+def _unwritten():
+    """A dispatch mode under which tensors of ``BIG`` elements or more get their storage and no values: a
+    fill (``zeros``, ``full``, ``zero_``, ``fill_``) allocates or leaves the memory as it is, a ``copy_`` into
+    one is skipped. The bytes a rank holds are what a dry run reports, counted by storage; its values
+    are never read. Untouched pages are not resident, so a rank's shard is not paid for in this process's
+    memory or time: the 512-rank ZeRO-2 config of notebook 08 (a 406M GPT, ``ck.plan(..., exact=2)``)
+    took 11 s and 3.5 GB resident before, most of it zeroing and copying the full flat buffers of params
+    and grads (1.6 GB each). Smaller tensors (offsets, indices, counters) are written as usual.
+
+    Worked example: ``torch.zeros(1 << 20)`` under it is an uninitialised tensor of 4 MiB (no page touched),
+    ``torch.zeros(8)`` is eight zeros; ``big.copy_(src)`` returns ``big`` as it was."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    fresh = {aten.zeros.default, aten.ones.default, aten.full.default}
+    like = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default}
+    new = {aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
+    inplace = {aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.copy_.default}
+
+    def numel(size) -> int:
+        n = 1
+        for d in size:
+            n *= int(d)
+        return n
+
+    class Unwritten(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func in inplace and args[0].numel() >= BIG:
+                return args[0]
+            if func in fresh and numel(args[0]) >= BIG:
+                kwargs.pop("fill_value", None)
+                return aten.empty.memory_format(args[0], **kwargs)
+            if func in like and args[0].numel() >= BIG:
+                kwargs.pop("fill_value", None)
+                return aten.empty_like.default(args[0], **kwargs)
+            if func in new and numel(args[1]) >= BIG:
+                kwargs.pop("fill_value", None)
+                return aten.new_empty.default(args[0], args[1], **kwargs)
+            return func(*args, **kwargs)
+
+    return Unwritten()
+
+
 def _one(job: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -314,9 +363,11 @@ def _one(job: dict) -> dict:
         lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.0 if "no" in name else 0.9))
     dist.init_process_group("fake", store=FakeStore(), rank=job["rank"], world_size=cfg.world_size)
     try:
-        engine = boost(model, factory, cfg, policy=job["policy"])
+        with _unwritten():  # storage without values: the bytes are what is reported (``_unwritten``)
+            engine = boost(model, factory, cfg, policy=job["policy"])
         try:
-            _first_states(engine.optimizer)
+            with _unwritten():
+                _first_states(engine.optimizer)
             return _measure(engine, job, t0)
         finally:
             engine.close()

@@ -171,6 +171,34 @@ def test_a_failing_or_slow_dry_run_names_its_rank():
     assert not dist.is_initialized()
 
 
+def test_a_dry_run_gives_big_tensors_storage_and_writes_no_value():
+    """``_unwritten``: under it a fill or a copy into a tensor of ``BIG`` elements or more touches no page
+    (64 MiB of zeros and a copy into them leave this process's resident memory within 16 MiB), the storage
+    and its bytes are there; small tensors are written as usual. The same fill outside it is resident
+    (the check can fail)."""
+    import psutil
+
+    from colab_kit.planner.at_scale import BIG as big_numel, _unwritten
+    proc, n = psutil.Process(), 16 << 20  # 64 MiB of fp32
+    src = torch.ones(n)
+    with _unwritten():
+        torch.zeros(8)  # the first op under a dispatch mode imports its machinery (about 70 MiB, once)
+        before = proc.memory_info().rss
+        big = torch.zeros(n)
+        big.copy_(src)
+        twin = torch.zeros_like(src)
+        grown = proc.memory_info().rss - before
+        small, fill = torch.zeros(8), torch.full((4,), 3.0)
+        small.fill_(2.0)
+    assert big.numel() == twin.numel() == n and big.untyped_storage().nbytes() == 4 * n >= 4 * big_numel
+    assert grown < 16 << 20, grown
+    assert small.tolist() == [2.0] * 8 and fill.tolist() == [3.0] * 4
+    del big, twin
+    before = proc.memory_info().rss
+    real = torch.zeros(n)
+    assert proc.memory_info().rss - before > 48 << 20 and real.sum().item() == 0.0
+
+
 def test_plan_at_scale_ranks_by_dry_runs():
     """ck.plan for 512 ranks on a preset: the first candidates' model states replaced by their dry runs'
     exact bytes (the fullest pipeline stage), marked in the table; refused without constants."""
