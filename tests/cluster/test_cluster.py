@@ -186,6 +186,7 @@ def test_a_rank_whose_engine_dies_is_reported_and_needs_a_restart(cluster):
     with pytest.raises(ck.RankError) as info:
         cluster.run(_exit_on_rank_2, timeout=60)
     assert info.value.rank == 2 and "engine process died" in info.value.failures[2]
+    assert "exited with code 3 (os._exit" in info.value.failures[2]  # how it ended: the fork server reaped it
     assert f"(on host {socket.gethostname()!r}, pid " in info.value.failures[2]  # where to look
     assert cluster.needs_restart and "%colossal restart" in str(info.value)
     with pytest.raises(ClusterError, match="needs a restart"):

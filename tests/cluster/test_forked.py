@@ -63,7 +63,7 @@ def test_forking_is_for_local_engines_and_can_be_turned_off(monkeypatch):
 def test_a_dead_server_is_replaced_a_bad_request_answered_and_end_of_input_ends_it(tmp_path, monkeypatch):
     """A server that died (killed by hand, out of memory) is started again on the next request; a fork that
     cannot run its engine (a missing working directory) ends that child alone, reaped, with the reason in its
-    log; a server whose input closes (its kernel exited, however) exits. On spare servers: the kernel's own
+    log and its exit code (1) written down for the kernel; a server whose input closes (its kernel exited, however) exits. On spare servers: the kernel's own
     keeps serving the session's cluster."""
     spare = forked.ForkServer()
     monkeypatch.setattr(forked, "_SERVER", spare)
@@ -81,9 +81,11 @@ def test_a_dead_server_is_replaced_a_bad_request_answered_and_end_of_input_ends_
             time.sleep(0.05)
         assert not psutil.pid_exists(pid), "the server reaps a child that ended: no zombie is left"
         assert "FileNotFoundError" in log.read_text() and fresh.alive
+        assert fresh.exit_code(pid) == 1 and fresh.exit_code(os.getpid(), wait=0) is None  # its child, not another
+        exits = fresh.exits
     finally:
         fresh.close()  # what the kernel's exit does: end of input
-    assert fresh.proc.returncode == 0
+    assert fresh.proc.returncode == 0 and not os.path.exists(exits)  # the exit statuses' directory removed
 
 
 def test_a_kernel_with_a_cluster_shuts_down_cleanly_and_leaves_nothing():

@@ -20,7 +20,9 @@ An engine is the same program as before: ``ipyparallel.engine``'s ``main`` with 
 environment, working directory and log file. The launcher signals and waits on it by pid (psutil), as
 ipyparallel does for any process it started. The server reaps its children at once, so an engine that
 died is gone from the process table (no zombie for ``wait`` to mistake as alive); its exit code is then
-not known to the launcher (``None``), and what it printed is in its log file as before. It exits when its
+not known to the launcher (``None``), but the server writes it to a file the kernel reads (``exit_code``), so a
+rank whose engine died is reported with how it ended ("killed by SIGKILL", ``how_it_ended``); what it printed
+is in its log file as before. It exits when its
 standard input closes, which is when the kernel that started it exits, however it ended (a SIGKILLed kernel
 included); the watchdog (``watchdog.py``) ends the engines themselves. It runs in a session of its own, so
 the signals ipykernel sends its process group (SIGINT on an interrupt, SIGTERM at shutdown) do not reach it,
@@ -38,12 +40,14 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 
-__all__ = ["ForkServer", "fork_server", "forking", "server_pid", "WARM_MODULES"]  # and ForkedEngineSetLauncher
+__all__ = ["ForkServer", "fork_server", "forking", "server_pid", "exit_code", "how_it_ended", "WARM_MODULES"]  # and ForkedEngineSetLauncher
 
 WARM_MODULES = ("torch", "torch.distributed", "ipyparallel.engine.app", "ipyparallel.engine.nanny",
                 "colab_kit.notebook.cluster.remote")
@@ -58,8 +62,10 @@ class ForkServer:
         # (SIGINT would end the server during its imports) and at shutdown, where it waits for every child in
         # its group to be gone; this one, signalled but not reaped until the kernel's own exit, stayed listed
         # as a zombie, and the kernel waited until Jupyter gave up on it and sent SIGTERM (2.5 s, atexit skipped)
-        self.proc = subprocess.Popen([sys.executable, "-c", "from colab_kit.notebook.cluster.forked import serve; serve()"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        self.exits = tempfile.mkdtemp(prefix="colab_kit-exits-")  # the server writes each child's exit status here
+        self.forked: set[int] = set()
+        self.proc = subprocess.Popen([sys.executable, "-c", "from colab_kit.notebook.cluster.forked import serve; serve()",
+                                      self.exits], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                      start_new_session=True)
         self._lock = threading.Lock()
 
@@ -96,7 +102,25 @@ class ForkServer:
         reply = json.loads(line)
         if "error" in reply:
             raise RuntimeError(f"colab_kit's engine fork server could not fork an engine: {reply['error']}")
+        self.forked.add(int(reply["pid"]))
         return int(reply["pid"])
+
+    def exit_code(self, pid: int, wait: float = 2.0) -> int | None:
+        """How engine ``pid`` ended, as ``Popen.returncode`` says it (``-9``: killed by SIGKILL), once the server
+        has reaped it (waiting up to ``wait`` seconds); None for a pid it did not fork or one still running."""
+        import time
+
+        if pid not in self.forked:
+            return None
+        path, end = os.path.join(self.exits, str(pid)), time.monotonic() + wait
+        while True:
+            try:
+                with open(path, encoding="ascii") as fh:
+                    return int(fh.read())
+            except (OSError, ValueError):
+                if time.monotonic() >= end:
+                    return None
+                time.sleep(0.05)
 
     def close(self) -> None:
         """End the server (end of input); engines it forked keep running."""
@@ -109,6 +133,7 @@ class ForkServer:
                 self.proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+        shutil.rmtree(self.exits, ignore_errors=True)
 
 
 def forking(engines) -> bool:
@@ -135,6 +160,36 @@ def fork_server() -> ForkServer:
 def _close_server() -> None:
     if _SERVER is not None:
         _SERVER.close()
+
+
+def exit_code(pid: int, wait: float = 2.0) -> int | None:
+    """How an engine this kernel's fork server forked ended (``ForkServer.exit_code``); None for any other pid."""
+    server = _SERVER
+    return server.exit_code(pid, wait) if server is not None else None
+
+
+def how_it_ended(code: int | None) -> str:
+    """A phrase for an engine's exit code, to follow "died": what the code means and where to look.
+
+    >>> how_it_ended(-9)
+    'killed by SIGKILL (the out-of-memory killer sends it when memory runs out: `dmesg` says so; or a kill -9)'
+    >>> how_it_ended(3)
+    'exited with code 3 (os._exit or sys.exit in the code it ran, or the interpreter gave up)'
+    """
+    if code is None:
+        return "killed, crashed or out of memory"
+    if code >= 0:
+        return f"exited with code {code} (os._exit or sys.exit in the code it ran, or the interpreter gave up)"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"ended by signal {-code}"
+    why = {"SIGKILL": "the out-of-memory killer sends it when memory runs out: `dmesg` says so; or a kill -9",
+           "SIGSEGV": "a crash in native code: torch, a C extension, or memory corrupted",
+           "SIGBUS": "a crash in native code, or shared memory (/dev/shm) that ran out",
+           "SIGABRT": "native code gave up: a failed check or std::terminate; the engine's log has its last words",
+           "SIGTERM": "someone asked it to stop"}.get(name)
+    return f"killed by {name}" + (f" ({why})" if why else "")
 
 
 def server_pid() -> int | None:
@@ -188,14 +243,26 @@ def __getattr__(name):  # the launcher classes import ipyparallel: built when fi
 
 
 # ----------------------------------------------------------------------------------------- the server itself
+_EXITS: list[str] = []  # in the server: the directory its kernel reads exit statuses from
+
+
 def _reap(signum, frame) -> None:
+    """Reap every child that ended, writing its exit code (``Popen.returncode``'s convention) to ``<exits>/<pid>``."""
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
+        if _EXITS:
+            try:
+                path = os.path.join(_EXITS[0], str(pid))
+                with open(path + ".tmp", "w", encoding="ascii") as fh:
+                    fh.write(str(os.waitstatus_to_exitcode(status)))
+                os.replace(path + ".tmp", path)
+            except (OSError, ValueError):  # the kernel removed the directory, or an odd status: nobody asks
+                pass
 
 
 class _Nanny:
@@ -258,6 +325,7 @@ def _prefork_nanny():
 def _become_engine(request: dict) -> None:
     """In the forked child: become ``python -m ipyparallel.engine <argv>`` in ``cwd`` with ``env``; never returns."""
     code = 1
+    _EXITS.clear()  # the server's: an engine reaps nobody for the kernel
     try:
         os.setsid()  # first, as ipyparallel's launcher does (start_new_session): the kernel's signals are not ours
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -314,6 +382,7 @@ def serve() -> None:
 
     gc.collect()
     gc.freeze()  # the imports' objects out of the collector's reach: an engine's collections leave their pages shared
+    _EXITS[:] = sys.argv[1:2]
     signal.signal(signal.SIGCHLD, _reap)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the kernel's terminal is not for the server
     requests, replies = sys.stdin, sys.stdout

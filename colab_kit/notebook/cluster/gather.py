@@ -58,6 +58,14 @@ class Waiting:
         row = next((row for row in self._table if row["rank"] == rank), None)
         return f" (on host {row['host']!r}, pid {row['pid']})" if row else ""
 
+    def _how_it_ended(self, rank: int) -> str:
+        """"killed by SIGKILL (...)", "exited with code 3 (...)" for an engine this kernel's fork server forked
+        (``forked.exit_code``), else "killed, crashed or out of memory"."""
+        from . import forked
+
+        row = next((row for row in self._table if row["rank"] == rank), None)
+        return forked.how_it_ended(forked.exit_code(row["pid"]) if row else None)
+
     def _dead_ranks(self, ranks) -> list[int]:
         """Ranks whose engine has unregistered (the engine's nanny tells the controller at once)."""
         alive = set(self._client.ids)
@@ -132,12 +140,11 @@ class Waiting:
         """RankError with the dead engines first: a peer's "connection closed" is their consequence."""
         died = [r for r, text in failures.items() if text.startswith("EngineError")]
         for r in self._dead_ranks(sorted(pending)):  # dead, but the controller has not said so yet
-            failures[r] = ("EngineError: this rank's engine process died (killed, crashed or out of "
-                           "memory) while running the call")
+            failures[r] = "EngineError: this rank's engine process died while running the call"
             pending.pop(r)
             died.append(r)
-        for r in died:  # where it was: across hosts, the first thing to look at
-            failures[r] += self._whereabouts(r)
+        for r in died:  # how it ended (a local engine forked by this kernel), and where: the first things to look at
+            failures[r] += f" ({self._how_it_ended(r)})" + self._whereabouts(r)
         ordered = {r: failures[r] for r in died} | {r: t for r, t in failures.items() if r not in died}
         advice = ""
         if pending or died:

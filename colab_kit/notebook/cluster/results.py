@@ -60,7 +60,7 @@ class RankTable(list):
 
 def _remote_error_text(exc: BaseException) -> str:
     if "EngineError" in (type(exc).__name__, getattr(exc, "ename", None)):  # the process is gone
-        return f"EngineError: this rank's engine process died while running the call (killed, crashed or out of memory): {exc}"
+        return f"EngineError: this rank's engine process died while running the call: {exc}"
     tb = getattr(exc, "traceback", None)
     if isinstance(tb, list):
         tb = "\n".join(tb)
