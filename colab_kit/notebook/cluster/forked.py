@@ -1,9 +1,10 @@
 """Local engines forked from one process that has imported torch already (a fork server).
 
 A local ipyparallel engine started the usual way is a fresh interpreter that imports torch, ipyparallel and
-colab_kit's remote part before it registers: about 4 s of CPU each, so on a 2-core machine ipyparallel
-starts 4 engines in 15 s and restarts them in 20 s; forked, 3.8 s (6.1 s for the first start of a kernel,
-which starts the server) and 3.5 s (``python bench/cluster.py``; bench/results/cluster.json).
+colab_kit's remote part before it registers (and its nanny is one more): about 4 s of CPU each, so on a
+2-core Intel Xeon VM ipyparallel starts 4 engines in 8.4 s and restarts them in 9.0 s; forked, 1.6 s (2.2 s
+for the first start of a kernel, which starts the server) and 1.5 s (``python bench/cluster.py``;
+bench/results/cluster.json).
 ``ForkedEngineSetLauncher`` is ipyparallel's local launcher with one change: each engine is forked from a server process that imported those modules once.
 The server is started by the first cluster of a kernel and serves every later start and restart.
 
