@@ -28,7 +28,7 @@ CPU with gloo. For gloo, the interface: when every rank is on this host (the lau
 to the rendezvous address (``interface_for``), so no ``GLOO_SOCKET_IFNAME`` needs setting by hand (one
 the user set is kept). At the interpreter's exit the groups are destroyed while Python is still
 whole (an ``atexit`` hook; no barrier, so a rank that leaves on an error never waits for its peers), and the
-hook waits, the GIL free, until gloo's worker threads have let go of their last collective (``_leave``): left
+hook waits, the GIL free and at most 0.5 s, until gloo's worker threads have let go of their last collective (``_leave``): left
 to the interpreter's teardown, a worker that asks for the GIL then aborts a rank that had finished
 ("terminate called without an active exception"). A missing or inconsistent variable is a ``ConfigError`` naming it; an address that
 cannot be reached is a ``ConnectionError`` within ``timeout``, naming the address and where it came from.
@@ -243,7 +243,9 @@ def _leave() -> None:
     worker in ``~AsyncAllreduceWork`` waiting for the GIL in ``Py_FinalizeEx``). Groups that nothing holds
     are freed by ``gc.collect()`` (their destructors join their threads without the GIL); groups a mesh or an
     engine still holds keep their threads, so the GIL is left free until no other thread of this process is
-    running (``_settle``)."""
+    running (``_settle``). What this does not cover: a collective still in flight at exit (async work nobody
+    waited on) whose worker sleeps in the transport reads as idle and can still finish during the teardown;
+    wait on what you launch."""
     import gc
 
     import torch.distributed as dist

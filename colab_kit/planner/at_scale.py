@@ -299,17 +299,19 @@ def _no_values(name, tensor) -> None:
 
 
 BIG = 1 << 20
-"""Elements from which a dry run gives a tensor its storage but writes no value into it (``_Unwritten``)."""
+"""Elements from which a dry run's fills and copies give a tensor its storage and write nothing (``_unwritten``)."""
 
 
 def _unwritten():
     """A dispatch mode under which tensors of ``BIG`` elements or more get their storage and no values: a
     fill (``zeros``, ``full``, ``zero_``, ``fill_``) allocates or leaves the memory as it is, a ``copy_`` into
     one is skipped. The bytes a rank holds are what a dry run reports, counted by storage; its values
-    are never read. Untouched pages are not resident, so a rank's shard is not paid for in this process's
-    memory or time: the 512-rank ZeRO-2 config of notebook 08 (a 406M GPT, ``ck.plan(..., exact=2)``)
-    took 11 s and 3.5 GB resident before, most of it zeroing and copying the full flat buffers of params
-    and grads (1.6 GB each). Smaller tensors (offsets, indices, counters) are written as usual.
+    are never read. Untouched pages are not resident, so a rank's flat buffers are not paid for in this
+    process's memory or time: the 512-rank ZeRO-2 config of notebook 08 (a 406M GPT, ``ck.plan(...,
+    exact=2)``) took 11 s and 3.5 GB resident before, most of it zeroing and copying the full flat buffers
+    of params and grads (1.6 GB each). Other ops still write (the optimizer's first step into its states,
+    ``cat``, ``clone``, ``out=``), and so do fills of smaller tensors (offsets, indices, counters). A
+    ``torch.full`` without a dtype keeps the one its value implies (``5`` int64, ``True`` bool).
 
     Worked example: ``torch.zeros(1 << 20)`` under it is an uninitialised tensor of 4 MiB (no page touched),
     ``torch.zeros(8)`` is eight zeros; ``big.copy_(src)`` returns ``big`` as it was."""
@@ -334,7 +336,8 @@ def _unwritten():
             if func in inplace and args[0].numel() >= BIG:
                 return args[0]
             if func in fresh and numel(args[0]) >= BIG:
-                kwargs.pop("fill_value", None)
+                if func is aten.full.default and kwargs.get("dtype") is None:
+                    kwargs["dtype"] = torch.tensor(args[1]).dtype  # as full infers it: int64, bool, the default
                 return aten.empty.memory_format(args[0], **kwargs)
             if func in like and args[0].numel() >= BIG:
                 kwargs.pop("fill_value", None)

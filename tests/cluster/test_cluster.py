@@ -317,7 +317,7 @@ def _is_engine(p) -> bool:
     from colab_kit.notebook.cluster import forked
     try:
         cmd = " ".join(p.cmdline())
-        return ("ipyparallel.engine" in cmd or ("cluster.forked import serve" in cmd and p.pid != forked.server_pid())) \
+        return ("ipyparallel.engine" in cmd or ("cluster.forked_server import serve" in cmd and p.pid != forked.server_pid())) \
             and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False

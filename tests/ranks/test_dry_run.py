@@ -190,9 +190,11 @@ def test_a_dry_run_gives_big_tensors_storage_and_writes_no_value():
         grown = proc.memory_info().rss - before
         small, fill = torch.zeros(8), torch.full((4,), 3.0)
         small.fill_(2.0)
+        kinds = [torch.full((n,), v).dtype for v in (5, True, 0.5)]  # the dtype a fill value implies, kept
     assert big.numel() == twin.numel() == n and big.untyped_storage().nbytes() == 4 * n >= 4 * big_numel
     assert grown < 16 << 20, grown
     assert small.tolist() == [2.0] * 8 and fill.tolist() == [3.0] * 4
+    assert kinds == [torch.int64, torch.bool, torch.get_default_dtype()]
     del big, twin
     before = proc.memory_info().rss
     real = torch.zeros(n)

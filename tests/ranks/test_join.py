@@ -51,7 +51,10 @@ def test_the_exit_hook_waits_while_another_thread_runs_and_no_longer():
     assert _settle() < 0.1
     for spin, limit, low, high in ((0.2, 0.5, 0.2, 0.45), (2.0, 0.3, 0.3, 0.45)):
         end = time.monotonic() + spin
-        t = threading.Thread(target=lambda: [None for _ in iter(lambda: time.monotonic() < end, False)])
+        def spin(end=end):
+            while time.monotonic() < end:
+                pass
+        t = threading.Thread(target=spin)
         t.start()
         waited = _settle(limit=limit)
         t.join()

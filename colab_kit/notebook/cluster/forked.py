@@ -5,12 +5,13 @@ colab_kit's remote part before it registers (and its nanny is one more): about 4
 2-core Intel Xeon VM ipyparallel starts 4 engines in 8.4 s and restarts them in 9.0 s; forked, 1.6 s (2.2 s
 for the first start of a kernel, which starts the server) and 1.5 s (``python bench/cluster.py``;
 bench/results/cluster.json).
-``ForkedEngineSetLauncher`` is ipyparallel's local launcher with one change: each engine is forked from a server process that imported those modules once.
+``ForkedEngineSetLauncher`` is ipyparallel's local launcher with one change: each engine is forked from a server process that imported those modules once
+(the server's own code: ``forked_server.py``).
 The server is started by the first cluster of a kernel and serves every later start and restart.
 
 What each process is, for ``Cluster(4)`` in a notebook kernel::
 
-    kernel ── fork server (python -c '...forked import serve; serve()': torch imported, no thread started)
+    kernel ── fork server (python -c '...forked_server import serve; serve()': torch imported, no thread started)
            │      ├── engine 0   (forked: ipyparallel.engine's main, its own session, output to its log)
            │      │      └── nanny (ipyparallel's KernelNanny: forked by the engine before its first thread)
            │      ├── engine 1 ...
@@ -48,11 +49,9 @@ import sys
 import tempfile
 import threading
 
-__all__ = ["ForkServer", "fork_server", "forking", "server_pid", "exit_code", "how_it_ended", "WARM_MODULES"]  # and ForkedEngineSetLauncher
+from .forked_server import WARM_MODULES  # what the server imports (its own code is in forked_server.py)
 
-WARM_MODULES = ("torch", "torch.distributed", "ipyparallel.engine.app", "ipyparallel.engine.nanny",
-                "colab_kit.notebook.cluster.remote")
-"""What the server imports before it forks: what an engine's start-up would import itself."""
+__all__ = ["ForkServer", "fork_server", "forking", "server_pid", "exit_code", "how_it_ended", "WARM_MODULES"]  # and ForkedEngineSetLauncher
 
 
 class ForkServer:
@@ -65,7 +64,7 @@ class ForkServer:
         # as a zombie, and the kernel waited until Jupyter gave up on it and sent SIGTERM (2.5 s, atexit skipped)
         self.exits = tempfile.mkdtemp(prefix="colab_kit-exits-")  # the server writes each child's exit status here
         self.forked: set[int] = set()
-        self.proc = subprocess.Popen([sys.executable, "-c", "from colab_kit.notebook.cluster.forked import serve; serve()",
+        self.proc = subprocess.Popen([sys.executable, "-c", "from colab_kit.notebook.cluster.forked_server import serve; serve()",
                                       self.exits], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                      start_new_session=True)
         self._lock = threading.Lock()
@@ -111,6 +110,8 @@ class ForkServer:
         has reaped it (waiting up to ``wait`` seconds); None for a pid it did not fork or one still running."""
         import time
 
+        import psutil
+
         if pid not in self.forked:
             return None
         path, end = os.path.join(self.exits, str(pid)), time.monotonic() + wait
@@ -119,9 +120,15 @@ class ForkServer:
                 with open(path, encoding="ascii") as fh:
                     return int(fh.read())
             except (OSError, ValueError):
-                if time.monotonic() >= end:
+                pass
+            try:  # still running (the controller dropped a live engine): nothing to wait for
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
                     return None
-                time.sleep(0.05)
+            except psutil.Error:
+                pass
+            if time.monotonic() >= end:
+                return None
+            time.sleep(0.05)
 
     def close(self) -> None:
         """End the server (end of input); engines it forked keep running."""
@@ -154,6 +161,8 @@ def fork_server() -> ForkServer:
         if _SERVER is None or not _SERVER.alive:
             if _SERVER is None:
                 atexit.register(_close_server)
+            else:
+                _SERVER.close()  # the dead one's pipes and its directory of exit statuses
             _SERVER = ForkServer()
         return _SERVER
 
@@ -179,7 +188,9 @@ def how_it_ended(code: int | None) -> str:
     """
     if code is None:
         return "killed, crashed or out of memory"
-    if code >= 0:
+    if code == 0:  # ipyparallel's own SIGTERM handler ends the engine's loop: a clean exit
+        return "exited with code 0: told to stop (SIGTERM, ipyparallel's shutdown) or sys.exit(0) in the code it ran"
+    if code > 0:
         return f"exited with code {code} (os._exit or sys.exit in the code it ran, or the interpreter gave up)"
     try:
         name = signal.Signals(-code).name
@@ -241,169 +252,3 @@ def __getattr__(name):  # the launcher classes import ipyparallel: built when fi
         globals().update(classes)
         return classes[name]
     raise AttributeError(name)
-
-
-# ----------------------------------------------------------------------------------------- the server itself
-_EXITS: list[str] = []  # in the server: the directory its kernel reads exit statuses from
-
-
-def _reap(signum, frame) -> None:
-    """Reap every child that ended, writing its exit code (``Popen.returncode``'s convention) to ``<exits>/<pid>``."""
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        if _EXITS:
-            try:
-                path = os.path.join(_EXITS[0], str(pid))
-                with open(path + ".tmp", "w", encoding="ascii") as fh:
-                    fh.write(str(os.waitstatus_to_exitcode(status)))
-                os.replace(path + ".tmp", path)
-            except (OSError, ValueError):  # the kernel removed the directory, or an odd status: nobody asks
-                pass
-
-
-class _Nanny:
-    """What the engine keeps of its nanny (ipyparallel keeps the Popen): the pipe whose closing, when the engine
-    exits, tells the nanny so."""
-
-    def __init__(self, pid: int, pipe):
-        self.pid, self.pipe = pid, pipe
-
-
-def _prefork_nanny():
-    """Fork this engine's nanny now, while the process has no thread, and return the ``start_nanny`` that hands it
-    its arguments. ipyparallel starts the nanny as a new interpreter (``python -m ipyparallel.engine.nanny``, about
-    0.7 s of CPU for its imports); forked here it has them already. The protocol is ipyparallel's: the engine
-    writes the pickled arguments, the nanny answers the URL of its relay socket on a line and then watches that
-    pipe, whose closing means the engine has exited. A nanny whose engine never asks (``enable_nanny=False``)
-    reads end of input when the engine exits, and exits too."""
-    import pickle
-
-    args_r, args_w = os.pipe()
-    url_r, url_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the nanny
-        os.close(args_w)
-        os.close(url_r)
-        code = 0
-        try:
-            os.setsid()  # as ipyparallel's Popen(start_new_session=True): the engine's signals are not ours
-            with os.fdopen(args_r, "rb") as fh:
-                try:
-                    kwargs = pickle.load(fh)
-                except EOFError:
-                    os._exit(0)
-            from ipyparallel.engine.nanny import KernelNanny
-
-            KernelNanny.main(**kwargs, pipe=os.fdopen(url_w, "w", buffering=1))
-        except BaseException:  # noqa: BLE001 - in the engine's log, as a nanny's error would be
-            import traceback
-
-            traceback.print_exc()
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(args_r)
-    os.close(url_w)
-
-    def start_nanny(**kwargs):
-        kwargs["pid"] = os.getpid()
-        with os.fdopen(args_w, "wb") as fh:
-            pickle.dump(kwargs, fh)
-        pipe = os.fdopen(url_r, "rb")
-        url = pipe.readline().decode("utf8").strip()
-        if not url:
-            raise RuntimeError("nanny failed")
-        return url, _Nanny(pid, pipe)
-
-    return start_nanny
-
-
-def _become_engine(request: dict) -> None:
-    """In the forked child: become ``python -m ipyparallel.engine <argv>`` in ``cwd`` with ``env``; never returns."""
-    code = 1
-    _EXITS.clear()  # the server's: an engine reaps nobody for the kernel
-    try:
-        os.setsid()  # first, as ipyparallel's launcher does (start_new_session): the kernel's signals are not ours
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # an engine's interrupt is KeyboardInterrupt
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        os.close(devnull)
-        sys.stdin = open(0, closefd=False)
-        sys.stdout = open(1, "w", buffering=1, closefd=False)
-        sys.stderr = open(2, "w", buffering=1, closefd=False)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        sys.argv = ["ipyparallel.engine", *request["argv"]]
-        import ipyparallel.engine.app as app
-
-        app.start_nanny = _prefork_nanny()  # after the streams and environment are the engine's, before any thread
-        app.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported in the engine's log, then the process ends
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        try:
-            import atexit
-            atexit._run_exitfuncs()  # what the engine registered, as an interpreter's exit would run them
-        except BaseException:  # noqa: BLE001
-            pass
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
-        os._exit(code)
-
-
-def serve() -> None:
-    """Import ``WARM_MODULES``, then fork an engine for each request line on stdin until stdin closes."""
-    import importlib
-
-    for name in WARM_MODULES:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - an engine imports what it needs itself
-            pass
-    import gc
-
-    gc.collect()
-    gc.freeze()  # the imports' objects out of the collector's reach: an engine's collections leave their pages shared
-    _EXITS[:] = sys.argv[1:2]
-    signal.signal(signal.SIGCHLD, _reap)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the kernel's terminal is not for the server
-    requests, replies = sys.stdin, sys.stdout
-    while True:
-        line = requests.readline()
-        if not line:
-            break  # the kernel is gone, or closed us
-        try:
-            request = json.loads(line)
-            pid = os.fork()
-        except Exception as exc:  # noqa: BLE001 - answered, the server goes on
-            replies.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
-            replies.flush()
-            continue
-        if pid == 0:
-            _become_engine(request)
-        replies.write(json.dumps({"pid": pid}) + "\n")
-        replies.flush()
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    serve()

@@ -61,10 +61,13 @@ class Waiting:
     def _how_it_ended(self, rank: int) -> str:
         """"killed by SIGKILL (...)", "exited with code 3 (...)" for an engine this kernel's fork server forked
         (``forked.exit_code``), else "killed, crashed or out of memory"."""
+        import socket
+
         from . import forked
 
         row = next((row for row in self._table if row["rank"] == rank), None)
-        return forked.how_it_ended(forked.exit_code(row["pid"]) if row else None)
+        here = row is not None and row["host"] == socket.gethostname()  # a pid on another host is another process
+        return forked.how_it_ended(forked.exit_code(row["pid"]) if here else None)
 
     def _dead_ranks(self, ranks) -> list[int]:
         """Ranks whose engine has unregistered (the engine's nanny tells the controller at once)."""

@@ -1,0 +1,207 @@
+"""The fork server's own code: what runs in the server process and in the engines it forks (``forked.py`` is
+the kernel's side: it starts this with ``python -c "from colab_kit.notebook.cluster.forked_server import serve;
+serve()" <exits directory>`` and writes one JSON request a line).
+
+Per request ``{"argv", "env", "cwd", "log"}`` the server forks; the child becomes ``python -m ipyparallel.engine
+<argv>`` (``_become_engine``: its own session, the log as stdout and stderr, the environment and directory of
+the request) after forking its own nanny (``_prefork_nanny``); the server answers ``{"pid": ...}``. Each child
+that ends is reaped at once (``_reap``) and its exit code written to ``<exits>/<pid>`` for the kernel
+(``forked.exit_code``). Worked example, ``Cluster(2)``::
+
+    kernel -> {"argv": [...], "env": {...}, "cwd": "/home/me/nb", "log": ".../engine-0.log"}   <- {"pid": 4101}
+    kernel -> {... "engine-1.log"}                                                             <- {"pid": 4102}
+    rank 1 is SIGKILLed by the OOM killer: the server writes "-9" to <exits>/4102
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+__all__ = ["serve", "WARM_MODULES"]
+
+WARM_MODULES = ("torch", "torch.distributed", "ipyparallel.engine.app", "ipyparallel.engine.nanny",
+                "colab_kit.notebook.cluster.remote")
+"""What the server imports before it forks: what an engine's start-up would import itself."""
+
+_EXITS: list[str] = []  # in the server: the directory its kernel reads exit statuses from
+
+
+def _reap(signum, frame) -> None:
+    """Reap every child that ended, writing its exit code (``Popen.returncode``'s convention) to ``<exits>/<pid>``."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if _EXITS:
+            try:
+                path = os.path.join(_EXITS[0], str(pid))
+                with open(path + ".tmp", "w", encoding="ascii") as fh:
+                    fh.write(str(os.waitstatus_to_exitcode(status)))
+                os.replace(path + ".tmp", path)
+            except (OSError, ValueError):  # the kernel removed the directory, or an odd status: nobody asks
+                pass
+
+
+class _Nanny:
+    """What the engine keeps of its nanny (ipyparallel keeps the Popen): the pipe whose closing, when the engine
+    exits, tells the nanny so."""
+
+    def __init__(self, pid: int, pipe):
+        self.pid, self.pipe = pid, pipe
+
+
+def _prefork_nanny():
+    """Fork this engine's nanny now, while the process has no thread, and return the ``start_nanny`` that hands it
+    its arguments. ipyparallel starts the nanny as a new interpreter (``python -m ipyparallel.engine.nanny``, about
+    0.7 s of CPU for its imports); forked here it has them already. The protocol is ipyparallel's: the engine
+    writes the pickled arguments, the nanny answers the URL of its relay socket on a line and then watches that
+    pipe, whose closing means the engine has exited. A nanny whose engine never asks (``enable_nanny=False``)
+    reads end of input when the engine exits, and exits too."""
+    import pickle
+
+    args_r, args_w = os.pipe()
+    url_r, url_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the nanny
+        os.close(args_w)
+        os.close(url_r)
+        code = 0
+        try:
+            os.setsid()  # as ipyparallel's Popen(start_new_session=True): the engine's signals are not ours
+            with os.fdopen(args_r, "rb") as fh:
+                try:
+                    kwargs = pickle.load(fh)
+                except EOFError:
+                    os._exit(0)
+            from ipyparallel.engine.nanny import KernelNanny
+
+            KernelNanny.main(**kwargs, pipe=os.fdopen(url_w, "w", buffering=1))
+        except BaseException:  # noqa: BLE001 - in the engine's log, as a nanny's error would be
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(args_r)
+    os.close(url_w)
+    asked = []
+
+    def start_nanny(**kwargs):
+        if asked:  # its pipes are spent: one nanny an engine, as ipyparallel starts one
+            raise RuntimeError("this engine's nanny was started already")
+        asked.append(True)
+        kwargs["pid"] = os.getpid()
+        with os.fdopen(args_w, "wb") as fh:
+            pickle.dump(kwargs, fh)
+        pipe = os.fdopen(url_r, "rb")
+        url = pipe.readline().decode("utf8").strip()
+        if not url:
+            raise RuntimeError("nanny failed")
+        return url, _Nanny(pid, pipe)
+
+    return start_nanny
+
+
+def _become_engine(request: dict) -> None:
+    """In the forked child: become ``python -m ipyparallel.engine <argv>`` in ``cwd`` with ``env``; never returns."""
+    code = 1
+    _EXITS.clear()  # the server's: an engine reaps nobody for the kernel
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})  # held by the server around the fork
+    try:
+        os.setsid()  # first, as ipyparallel's launcher does (start_new_session): the kernel's signals are not ours
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # an engine's interrupt is KeyboardInterrupt
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(devnull)
+        sys.stdin = open(0, closefd=False)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = ["ipyparallel.engine", *request["argv"]]
+        import ipyparallel.engine.app as app
+
+        app.start_nanny = _prefork_nanny()  # after the streams and environment are the engine's, before any thread
+        app.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported in the engine's log, then the process ends
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            import atexit
+            atexit._run_exitfuncs()  # what the engine registered, as an interpreter's exit would run them
+        except BaseException:  # noqa: BLE001
+            pass
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def serve() -> None:
+    """Import ``WARM_MODULES``, then fork an engine for each request line on stdin until stdin closes."""
+    import importlib
+
+    for name in WARM_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - an engine imports what it needs itself
+            pass
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the imports' objects out of the collector's reach: an engine's collections leave their pages shared
+    _EXITS[:] = sys.argv[1:2]
+    signal.signal(signal.SIGCHLD, _reap)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the kernel's terminal is not for the server
+    requests, replies = sys.stdin, sys.stdout
+    while True:
+        line = requests.readline()
+        if not line:
+            break  # the kernel is gone, or closed us
+        try:
+            request = json.loads(line)
+            # SIGCHLD held until an earlier child's status under the same pid is gone: a reused pid never reads it
+            pid = -1
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+            try:
+                pid = os.fork()
+                if pid and _EXITS:
+                    try:
+                        os.unlink(os.path.join(_EXITS[0], str(pid)))
+                    except OSError:
+                        pass
+            finally:
+                if pid != 0:
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        except Exception as exc:  # noqa: BLE001 - answered, the server goes on
+            replies.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+            replies.flush()
+            continue
+        if pid == 0:
+            _become_engine(request)
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        replies.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    serve()
