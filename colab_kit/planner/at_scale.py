@@ -315,20 +315,19 @@ def _unwritten():
 
     Worked example: ``torch.zeros(1 << 20)`` under it is an uninitialised tensor of 4 MiB (no page touched),
     ``torch.zeros(8)`` is eight zeros; ``big.copy_(src)`` returns ``big`` as it was."""
+    import math
+
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    aten = torch.ops.aten
+    aten = torch.ops.aten  # a fill value is always positional here; kwargs hold dtype, device, layout, pin_memory
     fresh = {aten.zeros.default, aten.ones.default, aten.full.default}
     like = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default}
     new = {aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
     inplace = {aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.copy_.default}
 
     def numel(size) -> int:
-        n = 1
-        for d in size:
-            n *= int(d)
-        return n
+        return math.prod(int(d) for d in size)
 
     class Unwritten(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -340,10 +339,8 @@ def _unwritten():
                     kwargs["dtype"] = torch.tensor(args[1]).dtype  # as full infers it: int64, bool, the default
                 return aten.empty.memory_format(args[0], **kwargs)
             if func in like and args[0].numel() >= BIG:
-                kwargs.pop("fill_value", None)
                 return aten.empty_like.default(args[0], **kwargs)
             if func in new and numel(args[1]) >= BIG:
-                kwargs.pop("fill_value", None)
                 return aten.new_empty.default(args[0], args[1], **kwargs)
             return func(*args, **kwargs)
 
