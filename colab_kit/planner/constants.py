@@ -3,15 +3,26 @@
 ``constants(ranks=4)`` starts ``ranks`` local processes once (``ck.launch``, gloo on CPU) and
 measures, all ranks at the same time (so that they share the cores the way a real run does):
 
-- ``matmul`` and ``dispatch``: every rank, starting together from a barrier, repeats one piece of
-  compute for the same 0.2 s window (``_rates``, three windows before the collectives and three after):
-  a forward and backward of a GPT with 8 features and two blocks (seconds per autograd op of its
-  graph, ``count_ops``: the overhead that dominates a small model on CPU), then one fp32
-  ``[256, 256] @ [256, 256]`` matmul (FLOPs per second); with the threads ``ck.launch`` gives a rank
-  (cores / ranks) and every rank busy from the start of a window to its end, so the sharing of cores is
-  in the numbers; the medians, of the slowest rank. (Measured on a graph of one Linear + GELU, as this
-  module first did, one backward call's own start-up was spread over 4 ops and read 2.5x a GPT's per-op
-  cost; timed as a burst per rank, the ranks that finished last ran on an emptier machine.)
+- ``matmul``, ``dispatch`` and ``activation``: every rank, starting together from a barrier, repeats one
+  piece of compute for the same 0.2 s window (``_rates``, three windows before the collectives and three
+  after): a forward and backward of a GPT with 8 features and two blocks (its tensors a few numbers, so
+  its time is its ops': seconds per op, 3 ops per forward op of its graph, ``count_ops``), one fp32
+  ``[256, 256] @ [256, 256]`` matmul (FLOPs per second), and the same GPT at a model's size (d=64, 4 rows
+  of 32 tokens): what it takes beyond its ops and its matmul FLOPs, per byte its forward saves for
+  backward, is the elementwise work that FLOPs do not count. With the threads ``ck.launch`` gives a rank
+  (cores / ranks) and every rank busy from the start of a window to its end, the sharing of cores is in
+  the numbers; the medians, of the slowest rank. In one process these three price the 4-block test
+  GPT's forward and backward on 4 rows at 3.6 ms (measured 3.61); before ``activation`` the per-op figure
+  was a step's time over its forward ops, 3 times an op, which made up for the elementwise work at one
+  size and overcharged more microbatches. (Measured on a graph of one Linear + GELU, as this module first
+  did, one backward call's own start-up was spread over 4 ops and read 2.5x a GPT's per-op cost; timed as
+  a burst per rank, the ranks that finished last ran on an emptier machine.)
+- ``recompute``: seconds a step with its blocks recomputed (``engine.recompute``: torch's non-reentrant
+  checkpoint) adds per op of the blocks' forward, from windows of 0.15 s alternating the same GPT with and
+  without, three pairs, the median (the slowest rank's). On CPU this is 2-3 times a forward's own ops, not one
+  forward: the checkpoint's saved-tensor hooks run in the first forward and again when backward unpacks, around
+  the forward run again (one process, the 4-block test GPT, 4 rows: a step 3.9 ms, 8.0 ms recomputed, its
+  forward 1.5 ms);
 - ``memory``: ``a.add_(b)`` over 4 MiB, bytes read and written per second (the optimizer step);
 - ``optimizer``: seconds per op of an AdamW step over 32 small tensors (``op_seconds``), every rank
   stepping at once for a window of 0.1 s (``_window``), the median of three: a small model's step costs
@@ -24,6 +35,10 @@ measures, all ranks at the same time (so that they share the cores the way a rea
   ``colab_kit.comm`` as the engine calls them (records and all), the seconds one collective adds
   to a step at a few sizes, fitted to ``seconds = alpha + wire_bytes / beta`` where ``wire_bytes``
   is ``colab_kit.comm.wire_bytes``: the bytes the engine's comm records call wire bytes.
+
+  The collectives that carry gradients and parameters (all_reduce, reduce_scatter, all_gather) get a
+  fourth size, 4 MiB: dp's buckets and ZeRO's are megabytes, and a fit that stopped at 1 MiB priced a
+  4-rank all-reduce of a 1.6 MB gradient at 5.5 ms where a step spent 8.6-10.4.
 
   "Adds to a step" is measured in step, not alone: ``reps`` rounds of a small piece of compute
   (one tiny forward and backward, what a block does between two collectives) followed by the
@@ -38,7 +53,7 @@ measures, all ranks at the same time (so that they share the cores the way a rea
   groups of 2 adds 1.3-1.4 ms, on one group of 4 about 2.1 ms; an all_reduce 1.6-2.3 ms and
   5.0-5.4 ms; ``alpha`` is nearly all of it at these sizes.
 
-The result is cached as JSON in ``$COLAB_KIT_CACHE`` (default ``~/.cache/colab_kit``) under
+An entry cached by an older ``VERSION`` is measured again. The result is cached as JSON in ``$COLAB_KIT_CACHE`` (default ``~/.cache/colab_kit``) under
 ``constants-<host>-<torch version>.json``, one entry per rank count; ``refresh=True`` measures
 again. A test passes fixed numbers instead (``ck.plan(..., constants={...})``).
 """
@@ -54,6 +69,13 @@ __all__ = ["constants", "cached", "measure", "measure_rank", "combine", "cache_p
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "sendrecv")
 _SIZES = (1 << 10, 1 << 14, 1 << 18)  # fp32 elements per rank's payload: 4 KiB, 64 KiB, 1 MiB
+_LARGE = {"all_reduce": 1 << 20, "reduce_scatter": 1 << 20, "all_gather": 1 << 20}
+"""A fourth point, 4 MiB, for the collectives that carry gradients and parameters (dp's bucket all-reduce,
+ZeRO's reduce-scatters and gathers: megabytes): fitted on 1 MiB at most, a 4-rank all-reduce of a 1.6 MB
+gradient read 5.5 ms in the model and took 8.6-10.4 ms in a step (gloo, 4 ranks on 2 cores)."""
+VERSION = 2
+"""Bumped when a figure changes meaning or is added; a cached entry of another version is measured again
+(version 2: ``dispatch`` per op of a step, not per forward op; ``activation``, ``recompute``, the 4 MiB points)."""
 
 
 def cache_path() -> str:
@@ -74,7 +96,14 @@ def _read_cache(path: str) -> dict:
 
 def cached(ranks: int = 4) -> dict | None:
     """The constants cached for ``ranks`` local ranks, or None: nothing is measured."""
-    return _read_cache(cache_path()).get(str(ranks))
+    entry = _read_cache(cache_path()).get(str(ranks))
+    return entry if _current(entry) else None
+
+
+def _current(entry) -> bool:
+    """Whether a cached entry is of this ``VERSION`` (an older one counted a step's time per forward op,
+    3 times what ``dispatch`` means now, and lacked ``activation`` and ``recompute``)."""
+    return isinstance(entry, dict) and entry.get("version") == VERSION
 
 
 def constants(refresh: bool = False, ranks: int = 4, repeats: int = 1) -> dict:
@@ -86,7 +115,7 @@ def constants(refresh: bool = False, ranks: int = 4, repeats: int = 1) -> dict:
     path = cache_path()
     table = _read_cache(path)
     key = str(ranks)
-    if refresh or key not in table:
+    if refresh or not _current(table.get(key)):
         table[key] = median_of([measure(ranks) for _ in range(repeats)])
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = path + f".{os.getpid()}.tmp"
@@ -127,8 +156,12 @@ def combine(per_rank: list[dict]) -> dict:
     out = {k: v for k, v in per_rank[0].items() if k != "points"}
     out["matmul"] = {"flops_per_s": min(r["matmul"]["flops_per_s"] for r in per_rank)}  # the slowest rank
     out["dispatch"] = {"op_seconds": max(r["dispatch"]["op_seconds"] for r in per_rank)}
+    out["activation"] = {"seconds_per_byte": max(r["activation"]["seconds_per_byte"] for r in per_rank)}
+    if all("recompute" in r for r in per_rank):
+        out["recompute"] = {"op_seconds": max(r["recompute"]["op_seconds"] for r in per_rank)}
     out["comm"] = _fit_points([r["points"] for r in per_rank])
     return out
+
 
 
 def _fit_points(per_rank: list[dict]) -> dict:
@@ -212,9 +245,15 @@ def measure_rank(ranks: int) -> dict:
         _SYNC[0] = torch.cuda.synchronize
     dist.barrier()
     burst = _Burst()
-    for _ in range(3):
+    for _ in range(3):  # first calls are slow (allocations, the checkpoint's set-up)
         burst()
+        burst.step_sized()
+        burst.step_recomputed()
     rates = [_rates(burst)]
+    # recomputation: what a step with its blocks recomputed adds, per op of the blocks' forward (windows
+    # alternating with plain steps, every rank at once; its first calls are slow, set-up)
+    recompute = statistics.median((_window(burst.step_recomputed, 0.15) - _window(burst.step, 0.15)) / burst.block_ops
+                                  for _ in range(3))
     big, other = torch.randn(1 << 20), torch.randn(1 << 20)  # on the rank's device
     dist.barrier()
     mem = _time(lambda: big.add_(other), 5)
@@ -227,15 +266,17 @@ def measure_rank(ranks: int) -> dict:
         mesh = ProcessMesh.shared(ParallelConfig(dp=ranks // n, tp=n))
         for op in OPS:
             pts = points[f"{n}/{op}"] = []
-            for size in _SIZES:
+            for size in _SIZES + ((_LARGE[op],) if op in _LARGE else ()):
                 t = torch.ones(size, device=mesh.device)
                 wire = wire_bytes("send" if op == "sendrecv" else op, size * 4, n)  # each way: one message
                 pts.append((wire, _collective(op, t, mesh, n, burst)))
         mesh.release()
     rates.append(_rates(burst))
-    return {"ranks": ranks, "threads_per_rank": torch.get_num_threads(), "cores": os.cpu_count() or 1,
+    return {"version": VERSION, "ranks": ranks, "threads_per_rank": torch.get_num_threads(), "cores": os.cpu_count() or 1,
             "matmul": {"flops_per_s": statistics.median(f for r in rates for f in r[1])},
             "dispatch": {"op_seconds": statistics.median(o for r in rates for o in r[0])},
+            "activation": {"seconds_per_byte": statistics.median(a for r in rates for a in r[2])},
+            "recompute": {"op_seconds": max(0.0, recompute)},
             "memory": {"bytes_per_s": 3 * big.numel() * 4 / mem},
             "optimizer": {"op_seconds": opt_seconds},
             "points": points, "backend": dist.get_backend(), "torch": torch.__version__}
@@ -253,15 +294,29 @@ def _window(fn, window: float = 0.1) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def _rates(burst, window: float = 0.2, trials: int = 3) -> tuple[list, list]:
-    """([seconds per autograd op], [matmul FLOPs per second]) of ``trials`` windows each (``_window``): every
-    rank starts together (a barrier) and repeats the burst's GPT forward and backward, then its matmul, for
-    ``window`` seconds of its clock. All ranks are busy from the start of a window to its end, so the cores are
-    shared alike all through it (a burst timed by itself ends at a different moment on each rank, and the
-    last ones to finish ran alone: their per-op reading spread by 30% between two measurements)."""
-    ops = [_window(burst.step, window) / burst.ops for _ in range(trials)]
-    flops = [2 * 256 ** 3 / _window(burst.matmul, window) for _ in range(trials)]
-    return ops, flops
+def _rates(burst, window: float = 0.2, trials: int = 3) -> tuple[list, list, list]:
+    """([seconds per op], [matmul FLOPs per second], [seconds per activation byte]) of ``trials`` windows each
+    (``_window``): every rank starts together (a barrier) and repeats the burst's tiny GPT forward and
+    backward, then its matmul, then the same GPT at a model's size, for ``window`` seconds of its clock.
+    All ranks are busy from the start of a window to its end, so the cores are shared alike all through it
+    (a burst timed by itself ends at a different moment on each rank, and the last ones to finish ran alone:
+    their per-op reading spread by 30% between two measurements).
+
+    Per op: the tiny GPT's step over 3 ops per forward op (a backward runs about twice its forward's ops);
+    its tensors are a few numbers, so its time is the ops' own. Per activation byte: what the sized GPT's
+    step takes beyond its ops (at that rate) and its matmul FLOPs (forward and backward, at the matmul
+    rate), over the bytes its forward saves for backward (``memory.formulas.activation_bytes``): the
+    elementwise work (LayerNorm, GELU, softmax, dropout, adds and their gradients) that grows with the
+    activations and that FLOPs do not count."""
+    ops, flops, act = [], [], []
+    for _ in range(trials):
+        per_op = _window(burst.step, window) / (3 * burst.ops)
+        rate = 2 * 256 ** 3 / _window(burst.matmul, window)
+        rest = _window(burst.step_sized, window) - 3 * burst.sized_ops * per_op - 3 * burst.sized_flops / rate
+        ops.append(per_op)
+        flops.append(rate)
+        act.append(max(0.0, rest) / burst.sized_bytes)
+    return ops, flops, act
 
 
 def count_ops(fn) -> int:
@@ -295,6 +350,19 @@ class _Burst:
         gpt, tokens = GPT(g), torch.zeros(1, 4, dtype=torch.long)
         self._gpt = lambda: F.cross_entropy(gpt(tokens).flatten(0, 1), tokens.flatten())
         self.tiny, self.ops = tiny, count_ops(self._gpt)
+        from ..memory.formulas import activation_bytes
+        from ..pipeline.costs import flops_per_token
+        sized = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2)  # a model's size, 4 rows
+        big, rows = GPT(sized), torch.zeros(4, 32, dtype=torch.long)
+        self._sized = lambda: F.cross_entropy(big(rows).flatten(0, 1), rows.flatten())
+        lin, att, head = flops_per_token(sized)
+        self.sized_ops, self.sized_flops = count_ops(self._sized), rows.numel() * (2 * (lin + att) + head)
+        self.sized_bytes = activation_bytes(sized, 4)["held"]
+        from ..engine.recompute import recompute_blocks
+        rc = GPT(g)
+        recompute_blocks(rc)
+        self._gpt_rc = lambda: F.cross_entropy(rc(tokens).flatten(0, 1), tokens.flatten())
+        self.block_ops = g.n_layers * (count_ops(lambda: gpt.blocks[0](torch.zeros(1, 4, 8, requires_grad=True)).sum()) - 1)
 
     def _forward(self):
         import torch
@@ -302,6 +370,14 @@ class _Burst:
 
     def step(self):
         self._gpt().backward()
+
+    def step_sized(self):
+        """A forward and backward of a GPT of a model's size (d=64, 2 blocks, 4 rows of 32 tokens)."""
+        self._sized().backward()
+
+    def step_recomputed(self):
+        """The same step with every block recomputed (``engine.recompute``)."""
+        self._gpt_rc().backward()
 
     def matmul(self):
         self.a @ self.b

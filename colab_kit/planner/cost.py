@@ -2,98 +2,112 @@
 
 Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
 
-- compute: FLOPs from the model by the standard count, forward ``2 N`` per token for the N
-  matmul parameters (q/k/v, proj, fc1, fc2, head) plus ``4 t h`` per token for attention's two
-  products (the CPU kernel computes the whole ``t x t`` square: no causal halving), divided by
-  tp (every mode splits the matmuls evenly) and sp (tokens); backward twice the forward,
-  recomputation one more forward. Each autograd op of the forward (counted once on a tiny GPT of the same structure) the measured
-  dispatch overhead per op (``constants``'s "dispatch"), which is what a small model spends most on.
-  Seconds = FLOPs / the matmul rate measured with this many ranks running at once
-  (``constants``: it already includes ranks sharing the cores).
-- pipeline: the schedule's own timeline (``pipeline.simulate`` on the plan the engine runs, zb-v's
-  ordered on the stages' FLOPs; F = 1, B = 2, I = W = 1,
-  B = 3 and I = 2 with recomputation), scaled to the stage's forward seconds; what the
-  fullest rank is idle is the bubble. The measured rates are per rank with all ranks busy; with
-  R ranks on C < R cores a rank runs at C/R of its own speed, and a rank idle in the bubble frees
-  its core, so the step is max(makespan x C/R, busy) in those units: no bubble at all on a
-  machine with 4 ranks on 2 cores, the full bubble with a core per rank. A stage's tp and sp
-  collectives are part of each of its slots (fill and drain included) and are not sped up by
-  idle cores: with ``c`` their seconds per unit of the schedule, the bubble is
-  ``max(0, span (fwd C/R + c) - busy (fwd + c))``.
-- communication, ``alpha + wire / beta`` per collective with the group's measured constants:
-  dp gradients in the buckets of ``data.default_bucket_bytes``, all but the first (which runs
-  while backward goes on) exposed (ZeRO 1/2 reduce-scatter them
-  and all-gather the parameters; ZeRO 3 gathers each block's parameters in forward and again in
-  backward and reduce-scatters its gradients); tp: the counts of
-  ``tensor.block_collectives`` and the bytes of ``tensor.linear_comm_bytes`` for the four
-  Linears of every block and the head; sp: ring's K/V rotations (``sp - 1`` forward; ``sp - 1``
-  back and ``sp`` passes of the dK/dV sums) or Ulysses' two all-to-alls each way (q, k, v
-  together, then the output); pp: a send of the stage's output per microbatch
-  and one of its gradient back, whose bytes all count but whose latency only on the first
-  microbatch's way through the stages and back (receives are posted ahead, sends do not block). Wire bytes are ``comm.wire_bytes``, as the comm records count.
+- compute: a forward and its backward are 3 forwards of (``_forward``) matmul FLOPs by the standard
+  count (``2 N`` per token for the N matmul parameters plus ``4 t h`` for attention's two products; the
+  CPU kernel computes the whole ``t x t`` square), split over tp and sp, at the measured matmul rate;
+  the autograd ops of a block (counted once on a tiny GPT of the same structure, plus each mode's
+  extra ops, ``mode_ops``) at the measured seconds per op; and the elementwise work, the bytes the
+  forward saves for backward (``memory.formulas.activation_bytes``) at the measured seconds per byte.
+  In one process on this machine that prices the 4-block test GPT's step at 3.6 ms, measured 3.61.
+  Recomputation (``_recomputed``) adds the blocks' FLOPs and bytes again and their ops at the measured
+  cost of a recomputed op (``constants``'s "recompute": 2-3 times an op's own on CPU, the checkpoint's
+  hooks), and runs the forward's tp and sp collectives again (1D: half of them).
+- pipeline (``_span``): the schedule's own plan (``build_plan_for``) with each action's compute and
+  the stage's tp and sp collectives in it: F its forward, B its backward (and recomputation), a
+  zero-bubble I the backward less W, W the Linears' deferred weight gradients (``_weight_grads``:
+  their FLOPs and 4 ops a Linear, so where ops dominate W is small and fills little of the
+  bubble), the last stage's head and loss on top. With a core per rank ``pipeline.simulate``; with
+  fewer cores than ranks and one pipeline (dp = 1), ``shared.makespan``: a rank that waits leaves its
+  core to those that compute, and each message between stages takes the measured send latency; with
+  dp replicas of the pipeline, every action at the speed of all ranks busy (the replicas drift apart
+  and the step waits for the later one). The bubble is that span less the rank's own work.
+- communication, ``alpha + wire / beta`` per collective with the group's measured constants: dp
+  gradients in the engine's buckets (``_bucket_count``: ``data.default_bucket_bytes``, 2 dp at
+  ZeRO 2), all but the first exposed where a core per rank lets the first run while backward goes
+  on, all of them on shared cores; ZeRO 1/2 reduce-scatter them (stage 2 without a pipeline every
+  microbatch) and all-gather the parameters; ZeRO 3 (``_zero3``) gathers each block in forward and
+  again in backward and reduce-scatters its gradients, the prefetches hidden behind the blocks'
+  compute; tp: the counts of ``tensor.block_collectives`` and the bytes of
+  ``tensor.linear_comm_bytes`` for the four Linears of every block and the head; sp: ring's K/V
+  rotations (``sp - 1`` forward; ``sp - 1`` back and ``sp`` passes of the dK/dV sums) or Ulysses'
+  two all-to-alls each way; pp: every message, a send of the stage's output per microbatch and one
+  of its gradient back (on CPU ranks a message's latency is work both ends do). Wire bytes are
+  ``comm.wire_bytes``, as the comm records count.
 - optimizer: its bytes read and written once (params, grads, states of this rank's shard) at
   the measured memory rate; offload='cpu' adds copying the gradients out and parameters back; and
   its ops: ``OPS_PER_TENSOR`` for each tensor it steps (``stepped_tensors``) at the measured seconds
   per optimizer op (``constants``'s "optimizer"). Profiled on 4 CPU ranks, AdamW's step on a
   4-block GPT took 5-9 ms where its bytes alone gave 0.2.
+
+How each piece was found, with the runs that showed it: docs/planner.md#against-runs.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 
-from ..comm import wire_bytes
-from ..zero.stage0 import default_bucket_bytes
-from ..memory.estimator import part_params, stage_params
-from ..memory.formulas import PRECISION_BYTES
+from ..memory.estimator import stage_params
+from ..memory.formulas import PRECISION_BYTES, activation_bytes
 from ..pipeline.costs import flops_per_token
-from ..tensor import block_collectives, linear_comm_bytes
+from ..zero.stage0 import default_bucket_bytes
+from .comm_cost import _coll, _dp_comm, _forward_share, _op, _sp_comm, _tp_comm  # noqa: F401 (_op: observe.roofline)
+from .pipeline_cost import _span
 
 __all__ = ["step_seconds"]
 
-_MAIN_OP = {"1d": "all_reduce", "2d": "broadcast", "2.5d": "broadcast", "3d": "all_gather"}
-
-
-def _op(consts, op: str, n: int) -> tuple[float, float]:
-    """(alpha, beta) of ``op`` on a group of ``n`` ranks (the nearest group size measured)."""
-    comm = consts["comm"]
-    key = str(n) if str(n) in comm else min(comm, key=lambda k: abs(int(k) - n))
-    op = {"reduce": "broadcast", "recv": "send"}.get(op, op)
-    c = comm[key].get(op) or comm[key]["send"]  # constants measured before sendrecv had its own
-    return c["alpha"], c["beta"]
-
-
-def _coll(consts, op: str, payload: int, n: int, count: int = 1) -> float:
-    """Seconds of ``count`` collectives ``op`` of ``payload`` bytes each on ``n`` ranks."""
-    if n <= 1 or count == 0:
-        return 0.0
-    alpha, beta = _op(consts, op, n)
-    return count * (alpha + wire_bytes("send" if op == "sendrecv" else op, payload, n) / beta)
-
-
-@functools.lru_cache(maxsize=512)
-def _pipeline_units(schedule: str, pp: int, m: int, chunks: int, recompute: bool,
-                    model_key: tuple) -> tuple[float, float]:
-    """(makespan, busy time of the busiest rank) of the plan the engine runs (``build_plan_for``),
-    in units of one stage forward. ``model_key``: the model config's class and fields (hashable)."""
-    from ..config import ParallelConfig
-    from ..pipeline import build_plan_for, simulate
-    costs = {"F": 1, "B": 3, "I": 2, "W": 1} if recompute else {"F": 1, "B": 2, "I": 1, "W": 1}
-    cls, fields = model_key
-    plan = build_plan_for(ParallelConfig(pp=pp, microbatches=m, schedule=schedule, chunks=chunks), cls(**dict(fields)))
-    t = simulate(plan, costs)
-    return float(t.makespan), float(max(t.busy))
-
 
 def _forward(model, cfg, consts, tokens: int, layers: int, head: bool) -> float:
-    """Seconds of one forward on this rank: ``tokens`` per microbatch, ``layers`` blocks, the head."""
+    """Seconds of one forward on this rank: ``tokens`` per microbatch, ``layers`` blocks, the head (with the
+    embeddings and the loss). A third of what the forward and its backward take: their matmul FLOPs at
+    the measured rate, their ops at the measured seconds per op (3 per forward op: a backward runs about
+    twice its forward's), and the elementwise work at the measured seconds per byte the forward saves
+    for backward (``constants``'s "activation"; constants measured before it: none)."""
     lin, att, head_flops = flops_per_token(model)
     tok = tokens / cfg.sp  # this rank's tokens; attention reaches the whole sequence, split over sp too
     flops = layers * tok * (lin + att / cfg.sp) + (tok * head_flops if head else 0)
     block_ops, head_ops = _op_counts(model.n_heads)
     ops = layers * (block_ops + mode_ops(cfg)) + (head_ops if head else 0)
     overhead = ops * consts.get("dispatch", {}).get("op_seconds", 0.0)
-    return flops / cfg.tp / consts["matmul"]["flops_per_s"] + overhead
+    return flops / cfg.tp / consts["matmul"]["flops_per_s"] + overhead + _saved(model, cfg, consts, tokens, layers, head)
+
+
+def _saved(model, cfg, consts, tokens: int, layers: int, head: bool) -> float:
+    """A third of the elementwise seconds of a forward and backward: the bytes this rank's forward saves
+    (``activation_bytes``: its tokens, the tensor split) at the measured seconds per byte."""
+    per_byte = consts.get("activation", {}).get("seconds_per_byte", 0.0)
+    if not per_byte:
+        return 0.0
+    split = cfg.tp if cfg.tp_mode == "1d" else 1  # 2D / 2.5D / 3D split every activation over tp
+    a = activation_bytes(model, max(1, tokens // model.seq_len), seq=model.seq_len // cfg.sp, layers=layers,
+                         first=head, last=head, tp=split, sequence_split=cfg.tp if cfg.sp_mode == "split_gather" else 1)
+    held = a["held"] // (1 if cfg.tp_mode == "1d" else cfg.tp)
+    return held * per_byte / 3
+
+
+def _weight_grads(model, cfg, consts, tokens: int, layers: int) -> float:
+    """Seconds of a zero-bubble W on ``layers`` blocks (``pipeline.zero_bubble``): each Linear's deferred
+    ``dW = g^T x`` (its forward's FLOPs again), ``db = sum g`` and the two accumulations, 4 ops a Linear.
+    The rest of a backward is I. Where FLOPs dominate that is about a forward (the zero-bubble paper's
+    I = W = F); where the ops do, W is the small part and fills little of the bubble."""
+    lin, _, _ = flops_per_token(model)
+    flops = layers * tokens / cfg.sp * lin / cfg.tp
+    return flops / consts["matmul"]["flops_per_s"] + layers * 16 * consts.get("dispatch", {}).get("op_seconds", 0.0)
+
+
+def _recomputed(model, cfg, consts, tokens: int, layers: int) -> float:
+    """Seconds recomputation adds to one microbatch of ``layers`` blocks (0 without it): their forward's
+    FLOPs again, and per op of their forward the measured cost of recomputing it (``constants``'s
+    "recompute": the checkpoint's hooks both ways around the forward run again, 2-3 times an op's own
+    cost on CPU; constants measured before it: one forward's ops)."""
+    if not cfg.recompute:
+        return 0.0
+    lin, att, _ = flops_per_token(model)
+    tok = tokens / cfg.sp
+    flops = layers * tok * (lin + att / cfg.sp) / cfg.tp
+    per_op = consts.get("recompute", consts.get("dispatch", {})).get("op_seconds", 0.0)
+    block_ops, _ = _op_counts(model.n_heads)
+    return (flops / consts["matmul"]["flops_per_s"] + layers * (block_ops + mode_ops(cfg)) * per_op
+            + _saved(model, cfg, consts, tokens, layers, False))
 
 
 def mode_ops(cfg) -> int:
@@ -104,7 +118,10 @@ def mode_ops(cfg) -> int:
     its two all-to-alls with the stacking and reshapes around them (6); 1D one autograd collective per Linear (4),
     split_gather two (8); SUMMA (2D, 2.5D) q steps of two broadcasts, a matmul and an add per
     Linear (16 q) and LayerNorm2D's explicit statistics (about 9 ops each instead of one); 3D two
-    all-gathers and a reduce-scatter per Linear (12) and LayerNorm3D's statistics."""
+    all-gathers and a reduce-scatter per Linear (12) and LayerNorm3D's statistics. A zero-bubble
+    schedule (zb-h1, zb-v) runs each Linear as an autograd function that keeps its input for a later W
+    (``pipeline.zero_bubble``): measured in one process on 2 blocks, F + I + W took 0.9 forwards more
+    than F + B, about 12 ops a Linear over a step, so 16 a block here (a forward's ops count 3 times)."""
     extra = 0
     if cfg.sp > 1:
         extra += 17 * (2 * cfg.sp + 1) if cfg.sp_mode == "ring" else 6
@@ -115,6 +132,8 @@ def mode_ops(cfg) -> int:
             extra += 16 * cfg.tp_q + 16
         else:
             extra += 12 + 16
+    if cfg.pp > 1 and cfg.schedule in ("zb-h1", "zb-v"):
+        extra += 16
     return extra
 
 
@@ -134,38 +153,6 @@ def _op_counts(heads: int) -> tuple[int, int]:
     return block, whole - block
 
 
-def _tp_comm(model, cfg, consts, tokens: int, layers: int, head: bool, e: int) -> tuple[float, int]:
-    """Seconds and collectives of the tensor plan in one microbatch's forward and backward."""
-    if cfg.tp == 1:
-        return 0.0, 0
-    h, f, v = model.d_model, model.d_ff, model.vocab_size
-    n = cfg.tp if cfg.tp_mode == "1d" else cfg.tp_q
-    rows = tokens // cfg.sp
-    lin = [(h, 3 * h, "column"), (h, h, "row"), (h, f, "column"), (f, h, "row")]
-    payload = sum(sum(linear_comm_bytes(cfg, rows, i, o, k, e)[d] for d in ("forward", "backward")) for i, o, k in lin)
-    counts = block_collectives(cfg)
-    main = "all_gather" if cfg.sp_mode == "split_gather" else _MAIN_OP[cfg.tp_mode]
-    per_call = payload / max(1, sum(counts.values()))
-    seconds = layers * sum(_coll(consts, op, int(per_call), n, c) for op, c in counts.items())
-    count = layers * sum(counts.values())
-    if head:  # the head Linear, the loss's three small all-reduces (max, sum, target logit)
-        hb = linear_comm_bytes(cfg, rows, h, v, "column", e)
-        seconds += _coll(consts, main, hb["forward"] + hb["backward"], n) + _coll(consts, "all_reduce", 4 * rows, n, 3)
-        count += 4
-    return seconds, count
-
-
-def _sp_comm(model, cfg, consts, tokens: int, layers: int, e: int) -> tuple[float, int]:
-    if cfg.sp == 1:
-        return 0.0, 0
-    kv = 2 * tokens // cfg.sp * model.d_model // cfg.tp * e  # K and V of this rank's tokens, one message
-    if cfg.sp_mode == "ring":  # sp - 1 rotations forward; backward sp - 1 of K/V and sp of the dK/dV sums
-        count = 3 * cfg.sp - 2
-        return layers * _coll(consts, "sendrecv", kv, cfg.sp, count), layers * count
-    # Ulysses: q, k, v in one all-to-all and the output in another, each reversed in backward
-    return layers * _coll(consts, "all_to_all", kv, cfg.sp, 4), layers * 4
-
-
 def step_seconds(model, cfg, batch: int, consts: dict, memory: dict, optimizer: str = "adamw") -> tuple[float, dict, dict]:
     """(seconds, breakdown by part, collectives per step by part) of one train_step of ``cfg``."""
     e = PRECISION_BYTES[cfg.precision]
@@ -175,37 +162,53 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict, optimizer: 
     layers_stage = model.n_layers // n_stages
     layers_rank = layers_stage * cfg.chunks
     parts, counts = {}, {}
+    # recomputation (per microbatch): the blocks' forward again and the checkpoint's hooks, and the
+    # collectives of the forward it runs again (1D: the attention's, not fc2's, where it stops)
+    fwd_share = _forward_share(cfg)
+    again = (0.5 if cfg.tp_mode == "1d" else 1.0) * fwd_share[0], fwd_share[1]
     if cfg.pp == 1:
         fwd = _forward(model, cfg, consts, tokens, model.n_layers, True)
-        parts["compute"] = m * fwd * (4 if cfg.recompute else 3)
+        rc = _recomputed(model, cfg, consts, tokens, model.n_layers)
+        parts["compute"] = m * (3 * fwd + rc)
     else:
         fwd = _forward(model, cfg, consts, tokens, layers_stage, False)
+        rc = _recomputed(model, cfg, consts, tokens, layers_stage)
         model_key = (type(model), tuple(dataclasses.asdict(model).items()))
-        span, busy = _pipeline_units(cfg.schedule, cfg.pp, m, cfg.chunks, cfg.recompute, model_key)
-        head = _forward(model, cfg, consts, tokens, 0, True) * m * 3
-        parts["compute"] = busy * fwd + head
+        head = _forward(model, cfg, consts, tokens, 0, True)  # embeddings, ln_f, head and loss: one forward
+        slots = m * cfg.chunks  # each rank runs one F and one B (or I and W) per microbatch and chunk
+        parts["compute"] = slots * (3 * fwd + rc) + 3 * m * head
         # more ranks than cores: a rank waiting in the bubble gives its core to one that computes, so
         # the step is the longer of the schedule at one rank's own speed and the work shared out
         share = min(1.0, consts.get("cores", cfg.world_size) / cfg.world_size)
-        # a stage's tp and sp collectives lengthen every slot of the schedule, the fill and drain
-        # slots too, and waiting on a peer is not sped up by idle cores: per unit of the schedule
-        # (a forward is one, a backward two) the microbatch's in-stage communication over its units
+        # a stage's tp and sp collectives lengthen the slots that run them (F, and B or I; not W), the
+        # fill and drain slots too, and waiting on a peer is not sped up by idle cores
         tp1, _ = _tp_comm(model, cfg, consts, tokens, layers_stage, False, e)
         sp1, _ = _sp_comm(model, cfg, consts, tokens, layers_stage, e)
-        unit = (tp1 + sp1) / (busy / (m * cfg.chunks))
-        parts["bubble"] = max(0.0, span * (fwd * share + unit) - busy * (fwd + unit))
+        c_fwd = tp1 * fwd_share[0] + sp1 * fwd_share[1]
+        c_bwd = tp1 * (1 - fwd_share[0]) + sp1 * (1 - fwd_share[1])
+        c_rc = (tp1 * again[0] + sp1 * again[1]) if cfg.recompute else 0.0
         act = tokens // cfg.sp * model.d_model * e // (cfg.tp if cfg.tp_mode != "1d" else 1)
-        sends = 2 * m * cfg.chunks
         alpha, beta = _op(consts, "send", 2)
-        # receives are posted ahead and sends do not block: only the first microbatch's way down the
-        # pipeline and its gradient's way back wait for a message's latency; the bytes all pass
-        parts["comm:pp"] = 2 * (cfg.pp * cfg.chunks - 1) * alpha + sends * act / beta
+        span_s = _span(cfg, model_key, fwd * share, rc * share, c_fwd, c_bwd + c_rc, head * share,
+                       consts.get("cores", cfg.world_size), alpha + act / beta,
+                       _weight_grads(model, cfg, consts, tokens, layers_stage) * share)
+        parts["bubble"] = max(0.0, span_s - slots * (3 * fwd + rc + c_fwd + c_bwd + c_rc) - 3 * m * head)
+        sends = 2 * m * cfg.chunks
+        # every message: a send's own latency is work its rank does (on CPU ranks the send and the
+        # receive's wake-up cost as much as the half round trip the constants measure), and the first
+        # microbatch's way down the stages and back waits for each
+        parts["comm:pp"] = sends * (alpha + act / beta)
         counts["pp"] = sends
     tp_s, tp_n = _tp_comm(model, cfg, consts, tokens, layers_rank, True, e)  # the head's rank is the slowest
-    parts["comm:tp"], counts["tp"] = m * tp_s, m * tp_n
     sp_s, sp_n = _sp_comm(model, cfg, consts, tokens, layers_rank, e)
+    if cfg.recompute:  # the blocks' forward collectives again
+        tp_b, tp_bn = _tp_comm(model, cfg, consts, tokens, layers_rank, False, e)
+        tp_s, tp_n = tp_s + again[0] * tp_b, tp_n + round(again[0] * tp_bn)
+        sp_s, sp_n = sp_s * (1 + again[1]), sp_n + round(again[1] * sp_n)
+    parts["comm:tp"], counts["tp"] = m * tp_s, m * tp_n
     parts["comm:sp"], counts["sp"] = m * sp_s, m * sp_n
-    dp_s, dp_n = _dp_comm(model, cfg, consts, memory)
+    block_rc = rc / (layers_stage if cfg.pp > 1 else model.n_layers)
+    dp_s, dp_n = _dp_comm(model, cfg, consts, memory, _forward(model, cfg, consts, tokens, 1, False), block_rc)
     parts["comm:dp"], counts["dp"] = dp_s, dp_n
     if cfg.sp > 1:  # gradients of the parameters replicated over sp, one flat all-reduce
         parts["comm:sp"] += _coll(consts, "all_reduce", memory["grads"] * (cfg.dp if cfg.zero >= 2 else 1), cfg.sp)
@@ -214,26 +217,6 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict, optimizer: 
     parts["comm:loss"] = loss
     parts = {k: v for k, v in parts.items() if v > 0}
     return sum(parts.values()), parts, {k: v for k, v in counts.items() if v}
-
-
-def _dp_comm(model, cfg, consts, memory) -> tuple[float, int]:
-    if cfg.dp == 1:
-        return 0.0, 0
-    e = 4  # gradients are reduced in fp32 (colab_kit.engine.precision)
-    params = max(stage_params(model, cfg))
-    total = params * e
-    if cfg.zero == 3:
-        parts = part_params(model, cfg)
-        block = parts["block"] * e
-        n = model.n_layers + 2
-        gather = _coll(consts, "all_gather", block // cfg.dp, cfg.dp, 2 * n)
-        return gather + _coll(consts, "reduce_scatter", block, cfg.dp, n), 3 * n
-    bucket = default_bucket_bytes(total)
-    nb = -(-total // bucket)
-    if cfg.zero:
-        rs = _coll(consts, "reduce_scatter", bucket, cfg.dp, nb)
-        return rs + _coll(consts, "all_gather", bucket // cfg.dp, cfg.dp, nb), 2 * nb
-    return _coll(consts, "all_reduce", bucket, cfg.dp, max(1, nb - 1)), nb  # the first bucket overlaps backward
 
 
 OPS_PER_TENSOR = {"adamw": 10, "adam": 10, "sgd-momentum": 3, "sgd": 3, "sgd-nomomentum": 1}

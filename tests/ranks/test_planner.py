@@ -140,13 +140,12 @@ def test_engine_estimate_is_the_planners_and_near_the_meter_on_every_rank():
 
 # The bars the planner's step times hold here, on medians over alternating rounds, one try (see
 # planner.validate.accuracy and docs/planner.md#against-runs): the level (measured / estimated at the
-# median) within 0.7-1.45, every candidate within 30% of that level, the first choice within 25% of the
-# fastest measured. Issue 21 asks for 15% absolute and 5% regret: bench/plan.py has met both (12.9%,
-# 0.8%), but on this 2-core VM the same config's step moved 43-73 ms between runs minutes apart and
-# constants measured in the same spawn as the runs did not follow it, so the suite holds what every
-# run held (level 0.79-1.39, shape 0.07-0.24, regret 0.01-0.15 over the ten runs of these constants
-# that printed their figures: bench/plan.py, this test, validate with constants measured between rounds).
-LEVEL, SHAPE, REGRET = (0.7, 1.45), 0.30, 0.25
+# median) within 0.7-1.45, every candidate within 30% of that level, the first choice within 15% of the
+# fastest measured. Issue 21 asks for 15% absolute and 5% regret: with the cost model of
+# docs/planner.md#against-runs, four runs of bench/plan.py here gave a largest error of 13.2-15.9% and
+# regrets of 0-0.1% (level 0.98-1.09, shape 5-14%); the same config's step still moves by 10-20% between
+# runs minutes apart on this 2-core VM, so the suite keeps a margin above what every run held.
+LEVEL, SHAPE, REGRET = (0.7, 1.45), 0.30, 0.15
 BEFORE = ((18.7, 32.2), (20.6, 26.1), (25.3, 31.4), (40.6, 52.0), (41.7, 59.9), (48.9, 59.1), (53.4, 56.2), (56.7, 80.0))
 """(estimated, measured) ms of bench/plan.py at aaaa2d7, before the per-op cost was measured on a GPT's graph."""
 
@@ -168,6 +167,7 @@ def test_accuracy_rejects_an_estimate_that_misses_one_layouts_cost():
     assert not _holds([dict(r, est_seconds=r["est_seconds"] * (0.6 if i == 3 else 1)) for i, r in enumerate(right)])
     assert not _holds([dict(r, est_seconds=r["est_seconds"] / 2) for r in right])
     assert not _holds([dict(right[0], seconds=66.3), *right[1:]])
+    assert not _holds([dict(right[0], seconds=61.2), *right[1:]])  # 20% slower than the fastest (51)
 
 
 def test_top_candidates_run_and_the_estimates_hold_on_4_ranks(tmp_path, monkeypatch):

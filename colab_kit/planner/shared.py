@@ -1,0 +1,87 @@
+"""A pipeline schedule's makespan when its ranks share fewer cores than there are ranks.
+
+``pipeline.simulate`` gives every rank its own core. On a machine with ``cores`` < ranks (4 CPU
+ranks on 2 cores), a rank that waits (for its input, in the bubble, or in a collective) leaves its
+core to the ranks that compute, and a rank runs on one core at most (one thread). So the speed of a
+computing rank at any moment is ``min(1, cores / ranks computing)`` of its own, and the bubble is
+what a schedule loses beyond that. ``makespan`` runs the plan as events: each action is its compute
+(``work``: seconds at its rank's own speed, shared as above) then its waiting (``wait``: seconds
+in the stage's tp and sp collectives, at wall speed, holding no core), and starts when its rank is
+free and what it depends on has ended (``pipeline.check``'s dependencies).
+
+Each pipeline rank of the plan stands for ``group`` ranks (its dp, sp and tp peers, which run the
+same actions at the same time). Worked example, pp=2 GPipe, 2 microbatches, F = 1 s and B = 2 s of
+work, no waiting, ``group`` 2 (dp=2) on 2 cores: rank 0's F0 runs alone (2 ranks on 2 cores, full
+speed, ends at 1); F1 and rank 1's F0 share (4 ranks, half speed, end at 3); rank 1 runs F1 and B0
+alone (ends at 6), then B1 beside rank 0's B0 (half speed, both end at 10), rank 0's B1 alone::
+
+    >>> from colab_kit.pipeline import build_plan
+    >>> makespan(build_plan("gpipe", 2, 2), {"F": (1, 0), "B": (2, 0)}, group=2, cores=2)
+    12.0
+
+12 s: the 6 s of each rank's work at half speed, no bubble left. With a core per rank (``cores=4``) it
+is the schedule's own 9 s.
+"""
+from __future__ import annotations
+
+__all__ = ["makespan"]
+
+
+def makespan(plan, costs: dict, group: int = 1, cores: float = float("inf"), latency: float = 0.0) -> float:
+    """Seconds from the first action to the last; ``costs[kind]`` or ``costs[(stage, kind)]`` =
+    ``(work, wait)``; ``latency``: seconds from the end of an action to the start of one on another rank
+    that waits for it (the message between them)."""
+    from ..pipeline.check import _dependencies, _index, check
+    check(plan)
+    deps = _dependencies(plan, _index(plan))
+    rows = plan.actions
+    pos = [0] * len(rows)
+    phase = [None] * len(rows)   # None: between actions; "work"; "wait"
+    left = [0.0] * len(rows)
+    done: dict = {}  # (rank, position) -> when it ended
+    t = 0.0
+
+    def ready_at(r):
+        need = deps[(r, pos[r])]
+        if not all(d in done for d, _ in need):
+            return None
+        return max([t] + [done[d] + (latency if d[0] != r else 0.0) for d, _ in need])
+
+    while True:
+        later, started = [], True
+        while started:  # start what can start (an action of no cost ends at once: look again)
+            later, started = [], False
+            for r, row in enumerate(rows):
+                when = ready_at(r) if phase[r] is None and pos[r] < len(row) else None
+                if when is None:
+                    continue
+                if when > t + 1e-15:
+                    later.append(when)
+                    continue
+                a = row[pos[r]]
+                work, wait = costs.get((a.stage, a.kind), costs.get(a.kind, (0.0, 0.0)))
+                phase[r], left[r] = ("work", work) if work > 0 else ("wait", wait)
+                if phase[r] == "wait" and wait <= 0:
+                    phase[r], done[(r, pos[r])], started = None, t, True
+                    pos[r] += 1
+        running = [r for r in range(len(rows)) if phase[r] is not None]
+        if not running and not later:
+            if any(pos[r] < len(row) for r, row in enumerate(rows)):
+                raise RuntimeError("the plan stopped with actions left: pipeline.check should have refused it")
+            return t
+        busy = [r for r in running if phase[r] == "work"]
+        rate = min(1.0, cores / (len(busy) * group)) if busy else 1.0
+        step = min([left[r] / (rate if phase[r] == "work" else 1.0) for r in running] + [w - t for w in later])
+        t += step
+        for r in running:
+            left[r] -= step * (rate if phase[r] == "work" else 1.0)
+            if left[r] > 1e-12:
+                continue
+            a = rows[r][pos[r]]
+            wait = costs.get((a.stage, a.kind), costs.get(a.kind, (0.0, 0.0)))[1]
+            if phase[r] == "work" and wait > 0:
+                phase[r], left[r] = "wait", wait
+            else:
+                phase[r] = None
+                done[(r, pos[r])] = t
+                pos[r] += 1

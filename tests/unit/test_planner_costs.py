@@ -1,0 +1,101 @@
+"""Pieces of the planner's cost model (``colab_kit.planner.cost``) that need no processes: the pipeline's
+span on shared cores, the zero-bubble split of a backward, recomputation and the constants' version."""
+from __future__ import annotations
+
+import pytest
+
+import colab_kit as ck
+from colab_kit.memory.estimator import config_estimate
+from colab_kit.models import GPTConfig
+from colab_kit.pipeline import build_plan, simulate
+from colab_kit.planner import EXAMPLE_CONSTANTS
+from colab_kit.planner.cost import step_seconds
+from colab_kit.planner.shared import makespan
+
+SMALL = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=4)
+
+
+@pytest.mark.parametrize("schedule,pp,m", [("gpipe", 2, 3), ("1f1b", 4, 8), ("zb-h1", 3, 6), ("interleaved", 2, 4)])
+def test_a_core_per_rank_is_the_schedules_own_timeline(schedule, pp, m):
+    """With cores to spare, shared.makespan is pipeline.simulate's makespan for the same costs."""
+    plan = build_plan(schedule, pp, m, **({"chunks": 2} if schedule == "interleaved" else {}))
+    costs = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    want = simulate(plan, costs).makespan
+    assert makespan(plan, {k: (v, 0.0) for k, v in costs.items()}, group=1, cores=64) == pytest.approx(want)
+    # the same time split as work and waiting in collectives is the same span
+    assert makespan(plan, {k: (v / 2, v / 2) for k, v in costs.items()}, cores=64) == pytest.approx(want)
+
+
+def test_shared_cores_lie_between_the_two_bounds_and_waiting_holds_no_core():
+    """pp=4 GPipe on 2 cores: no shorter than the work over the cores (12 s of it on each of 4 ranks: 24 s)
+    or than the schedule with a core each (21 s), and shorter than every action at half speed (42 s); time
+    spent waiting in a collective holds no core, so it costs less than the same time computing."""
+    plan = build_plan("gpipe", 4, 4)
+    shared = makespan(plan, {"F": (1, 0), "B": (2, 0)}, cores=2)
+    assert 24 <= shared < 42 and shared >= simulate(plan).makespan
+    assert shared == 27.0  # the fill and drain leave cores idle that no rank can use
+    waiting = makespan(plan, {"F": (0.5, 0.5), "B": (1, 1)}, cores=2)
+    assert waiting < shared
+
+
+def test_a_message_latency_lies_on_the_path_from_stage_to_stage():
+    """One microbatch through 2 stages: F0, F1, B1, B0 one after another, plus a message each way."""
+    plan = build_plan("gpipe", 2, 1)
+    costs = {"F": (1.0, 0.0), "B": (2.0, 0.0)}
+    assert makespan(plan, costs, cores=64) == 6.0
+    assert makespan(plan, costs, cores=64, latency=0.25) == 6.5
+
+
+def _seconds(cfg: dict, consts=EXAMPLE_CONSTANTS, batch: int = 16):
+    c = ck.ParallelConfig(**cfg)
+    return step_seconds(SMALL, c, batch, consts, config_estimate(SMALL, c, batch, "adamw", host_share=None))
+
+
+def test_recomputation_costs_its_measured_ops_and_runs_the_forwards_collectives_again():
+    consts = dict(EXAMPLE_CONSTANTS, recompute={"op_seconds": 3 * EXAMPLE_CONSTANTS["dispatch"]["op_seconds"]})
+    plain, parts, _ = _seconds({"dp": 2, "tp": 2}, consts)
+    again, rparts, rcount = _seconds({"dp": 2, "tp": 2, "recompute": True}, consts)
+    cheap, _, _ = _seconds({"dp": 2, "tp": 2, "recompute": True})  # constants without it: one forward's ops
+    assert plain < cheap < again
+    _, _, count = _seconds({"dp": 2, "tp": 2})
+    assert rcount["tp"] - count["tp"] == SMALL.n_layers  # 1D: the attention's all-reduce again, not fc2's
+    assert rparts["comm:tp"] > parts["comm:tp"]
+
+
+def test_zero_bubble_w_is_the_weight_gradients_not_a_forward():
+    """Where ops dominate (EXAMPLE_CONSTANTS: a slow matmul-free op cost), W is small, so ZB-H1 fills less of
+    the bubble than F = I = W = 1 would say, and its Linears' extra ops are charged: not faster than 1F1B."""
+    slow_ops = dict(EXAMPLE_CONSTANTS, dispatch={"op_seconds": 1e-4}, cores=1)
+    zb, _, _ = _seconds({"pp": 4, "microbatches": 4, "schedule": "zb-h1"}, slow_ops)
+    f1b, _, _ = _seconds({"pp": 4, "microbatches": 4, "schedule": "1f1b"}, slow_ops)
+    assert zb >= f1b
+    fast_ops = dict(EXAMPLE_CONSTANTS, dispatch={"op_seconds": 1e-9})  # FLOPs dominate: zero bubble pays off
+    zb, zparts, _ = _seconds({"pp": 4, "microbatches": 4, "schedule": "zb-h1"}, fast_ops)
+    f1b, fparts, _ = _seconds({"pp": 4, "microbatches": 4, "schedule": "1f1b"}, fast_ops)
+    assert zb < f1b and zparts.get("bubble", 0) < fparts["bubble"]
+
+
+def test_shared_cores_price_the_bubble_of_one_pipeline_and_of_its_replicas():
+    """4 ranks on 2 cores: one pipeline (pp=4) hands an idle rank's core to the others, so its bubble is
+    less than with a core per rank at the same per-rank speed; dp replicas (dp=2 x pp=2) drift apart and
+    are priced at the speed of all ranks busy."""
+    two = dict(EXAMPLE_CONSTANTS, cores=2)
+    total, parts, _ = _seconds({"pp": 4, "microbatches": 4}, two)
+    assert parts.get("bubble", 0) > 0 and abs(sum(parts.values()) - total) < 1e-12
+    _, rparts, _ = _seconds({"dp": 2, "pp": 2, "microbatches": 2}, two)
+    assert rparts.get("bubble", 0) > 0
+
+
+def test_cached_constants_of_another_version_are_measured_again(tmp_path, monkeypatch):
+    import importlib
+    import json
+
+    mod = importlib.import_module("colab_kit.planner.constants")  # the module; ck.planner.constants is its function
+    monkeypatch.setenv("COLAB_KIT_CACHE", str(tmp_path))
+    path = mod.cache_path()
+    stale = {"4": {"matmul": {"flops_per_s": 1.0}, "dispatch": {"op_seconds": 1.0}, "comm": {}}}
+    tmp_path.joinpath(path.rsplit("/", 1)[1]).write_text(json.dumps(stale))
+    assert mod.cached(4) is None  # version 1: its dispatch meant 3 times what it means now
+    current = dict(stale["4"], version=mod.VERSION)
+    tmp_path.joinpath(path.rsplit("/", 1)[1]).write_text(json.dumps({"4": current}))
+    assert mod.cached(4) == current
