@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from .actions import Action
 from .check import _dependencies, _index, _step, check, format_grid
 
-__all__ = ["Timeline", "simulate", "DEFAULT_COSTS", "theory_bubble"]
+__all__ = ["Timeline", "simulate", "prepare", "DEFAULT_COSTS", "theory_bubble"]
 
 DEFAULT_COSTS = {"F": 1, "B": 2, "I": 1, "W": 1, "SF": 0, "RF": 0, "SB": 0, "RB": 0}
 
@@ -104,12 +104,20 @@ class Timeline:
         return self.grid()
 
 
-def simulate(plan, costs: dict | None = None) -> Timeline:
-    """The planned timeline of ``plan`` (checked first: a broken plan raises ``PlanError``)."""
-    cost = {**DEFAULT_COSTS, **(costs or {})}
+def prepare(plan) -> tuple:
+    """``plan`` checked (a broken plan raises ``PlanError``), with its dependencies and lockstep order:
+    what ``simulate`` needs beyond the costs, for a caller that times one plan under many costs."""
     check(plan)
     deps = _dependencies(plan, _index(plan))
     rows, _, _ = _step(plan, deps)  # lockstep order: a valid order to fix start times in
+    return deps, rows
+
+
+def simulate(plan, costs: dict | None = None, prepared: tuple | None = None) -> Timeline:
+    """The planned timeline of ``plan`` (checked first: a broken plan raises ``PlanError``);
+    ``prepared``: ``prepare(plan)``, when the caller has it."""
+    cost = {**DEFAULT_COSTS, **(costs or {})}
+    deps, rows = prepared if prepared is not None else prepare(plan)
     end: dict[tuple[int, int], float] = {}
     free = [0] * plan.pp
     events: list[list[tuple[float, float, Action]]] = [[] for _ in range(plan.pp)]

@@ -4,6 +4,19 @@ from __future__ import annotations
 
 import functools
 
+
+@functools.lru_cache(maxsize=512)
+def _plan(schedule: str, pp: int, m: int, chunks: int, model_key: tuple):
+    """The plan the engine runs (``build_plan_for``) with ``simulate.prepare``'s dependencies, built once
+    for all the costs it is timed under."""
+    from ..config import ParallelConfig
+    from ..pipeline import build_plan_for
+    from ..pipeline.simulate import prepare
+    cls, fields = model_key
+    plan = build_plan_for(ParallelConfig(pp=pp, microbatches=m, schedule=schedule, chunks=chunks), cls(**dict(fields)))
+    return plan, prepare(plan)
+
+
 @functools.lru_cache(maxsize=4096)
 def _pipeline_units(schedule: str, pp: int, m: int, chunks: int, recompute: bool,
                     model_key: tuple, costs: tuple = ()) -> tuple[float, float]:
@@ -11,16 +24,14 @@ def _pipeline_units(schedule: str, pp: int, m: int, chunks: int, recompute: bool
     in units of one stage forward. ``model_key``: the model config's class and fields (hashable);
     ``costs``: (F, B, I, W) of every stage, then those the last stage adds (the head and the loss), in
     those units; () for the defaults (F = 1, B = 2, I = W = 1; B = 3 and I = 2 with recomputation)."""
-    from ..config import ParallelConfig
-    from ..pipeline import build_plan_for, simulate
-    cls, fields = model_key
-    plan = build_plan_for(ParallelConfig(pp=pp, microbatches=m, schedule=schedule, chunks=chunks), cls(**dict(fields)))
+    from ..pipeline import simulate
+    plan, prepared = _plan(schedule, pp, m, chunks, model_key)
     if costs:
         table = dict(zip("FBIW", costs[:4]))
         table.update({(pp * chunks - 1, k): c + x for k, c, x in zip("FBIW", costs[:4], costs[4:])})
     else:
         table = {"F": 1, "B": 3, "I": 2, "W": 1} if recompute else {"F": 1, "B": 2, "I": 1, "W": 1}
-    t = simulate(plan, table)
+    t = simulate(plan, table, prepared)
     return float(t.makespan), float(max(t.busy))
 
 
@@ -63,11 +74,8 @@ def _span(cfg, model_key, f: float, rc: float, c_fwd: float, c_bwd: float, head:
 def _shared_units(schedule: str, pp: int, m: int, chunks: int, model_key: tuple, key: tuple, group: int,
                   cores: float, latency: float = 0.0) -> float:
     """``shared.makespan`` of the plan the engine runs, in the units of ``_span``'s key."""
-    from ..config import ParallelConfig
-    from ..pipeline import build_plan_for
     from .shared import makespan
-    cls, fields = model_key
-    plan = build_plan_for(ParallelConfig(pp=pp, microbatches=m, schedule=schedule, chunks=chunks), cls(**dict(fields)))
+    plan, _ = _plan(schedule, pp, m, chunks, model_key)
     costs = {k: (w, c) for k, (w, c, _) in zip("FBIW", key)}
     costs.update({(pp * chunks - 1, k): (w + x, c) for k, (w, c, x) in zip("FBIW", key)})
     return makespan(plan, costs, group, cores, latency)
