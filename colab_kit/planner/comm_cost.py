@@ -9,7 +9,8 @@ gathers and reduce-scatters with their prefetches for ZeRO 3.
 from __future__ import annotations
 
 from ..comm import wire_bytes
-from ..memory.estimator import part_params, stage_params
+from ..memory.estimator import _stages, part_params, stage_params
+from ..memory.formulas import PRECISION_BYTES
 from ..tensor import block_collectives, linear_comm_bytes
 from ..zero.stage0 import default_bucket_bytes
 
@@ -81,38 +82,59 @@ def _dp_comm(model, cfg, consts, memory, block_fwd: float = 0.0, block_rc: float
     block's forward and recomputation seconds on one microbatch (ZeRO 3 hides its prefetches behind them)."""
     if cfg.dp == 1:
         return 0.0, 0
-    e = 4  # gradients are reduced in fp32 (colab_kit.engine.precision)
-    params = max(stage_params(model, cfg))
-    total = params * e
     if cfg.zero == 3:
         return _zero3(model, cfg, consts, block_fwd, block_rc)
-    # the engine's buckets: about two (ZeroStage0), 2 dp at stage 2 (each a piece's size, zero.stage2)
-    bucket = min(25 << 20, max(64 << 10, total // (2 * cfg.dp))) if cfg.zero == 2 else default_bucket_bytes(total)
-    nb = _bucket_count(model, cfg, bucket, e)
+    bucket, nb = engine_buckets(model, cfg)
+    wire = bucket * 4 // PRECISION_BYTES[cfg.precision]  # gradients are reduced in fp32 (engine.precision)
     if cfg.zero:  # stage 2 without a pipeline reduce-scatters every microbatch's buckets (zero.stage2)
         rounds = cfg.microbatches if cfg.zero == 2 and cfg.pp == 1 else 1
-        rs = _coll(consts, "reduce_scatter", bucket, cfg.dp, rounds * nb)
+        rs = _coll(consts, "reduce_scatter", wire, cfg.dp, rounds * nb)
         return rs + _coll(consts, "all_gather", bucket // cfg.dp, cfg.dp, nb), (rounds + 1) * nb
-    # the first bucket's all-reduce runs while backward goes on, where a core is free to run it: with
-    # more ranks than cores every rank's core is busy with its backward, and it waits like the rest
+    # the first bucket's all-reduce runs while backward goes on, where a core is free to run it. With more
+    # ranks than cores it cannot finish before the slowest peer's backward does, and it waits like the
+    # rest: dp=4 on 4 ranks / 2 cores, GPTs of 2-8 blocks, every step 3-4 ms (a bucket) above the model
+    # that hid it. (ZeRO 3's prefetches, issued a block ahead with every rank at the same block, are
+    # half hidden there: ``_zero3``.)
     hidden = 1 if consts.get("cores", cfg.world_size) >= cfg.world_size and nb > 1 else 0
-    return _coll(consts, "all_reduce", bucket, cfg.dp, nb - hidden), nb
+    return _coll(consts, "all_reduce", wire, cfg.dp, nb - hidden), nb
+
+
+def engine_buckets(model, cfg) -> tuple[int, int]:
+    """(bytes a bucket holds, buckets) of the fullest rank's gradients as the engine makes them, in the
+    parameters' own bytes (16-bit under bf16/fp16): about two (``data.default_bucket_bytes``), 2 dp at
+    ZeRO stage 2 (``zero.stage2.stage2_bucket_bytes``)."""
+    e = PRECISION_BYTES[cfg.precision]
+    total = max(stage_params(model, cfg)) * e
+    bucket = min(25 << 20, max(64 << 10, total // (2 * cfg.dp))) if cfg.zero == 2 else default_bucket_bytes(total)
+    return bucket, _bucket_count(model, cfg, bucket, e)
 
 
 def _bucket_count(model, cfg, bucket: int, e: int) -> int:
     """Buckets the engine fills from the fullest rank's gradients: parameters in reverse order, a bucket
     closed once it holds ``bucket`` bytes or more (``ZeroStage0``), so a bucket runs over by up to a
     parameter and the count can fall short of ``total / bucket``. A GPT block's 12 parameters (1D
-    tensor splits; other modes' blocks scaled to their size), the embeddings and the tail."""
+    tensor splits; other modes' blocks scaled to their size), the embeddings on the rank that holds stage
+    0 and the tail on the one that holds the last (both on zb-v's rank 0)."""
     h, f, v, t = model.d_model, model.d_ff, model.vocab_size, model.seq_len
-    p = cfg.tp if cfg.tp_mode == "1d" else 1
-    dense = [h, h, 3 * h * h // p, 3 * h // p, h * h // p, h, h, h, f * h // p, f // p, h * f // p, h]
     parts = part_params(model, cfg)
-    scale = parts["block"] / sum(dense)
-    layers = model.n_layers // cfg.pp
-    sizes = [v * h // p, t * h] if cfg.pp == 1 or parts["embed"] >= parts["tail"] else []
-    sizes += [round(x * scale) for x in dense] * layers
-    sizes += [h, h, v * h // p] if cfg.pp == 1 or parts["tail"] > parts["embed"] else []
+    if cfg.tp == 1 or cfg.tp_mode == "1d":
+        p = cfg.tp
+        block = [h, h, 3 * h * h // p, 3 * h // p, h * h // p, h, h, h, f * h // p, f // p, h * f // p, h]
+        embed, tail = [v * h // p, t * h], [h, h, v * h // p]
+    else:  # 2D / 2.5D / 3D: the block's parameters in the same proportions, the tables and the tail whole
+        dense = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, f * h, f, h * f, h]
+        block = [round(x * parts["block"] / sum(dense)) for x in dense]
+        embed, tail = [parts["embed"]], [parts["tail"]]
+    n = cfg.pp * cfg.chunks
+    if cfg.pp == 1:
+        sizes = embed + block * model.n_layers + tail
+    else:
+        plan, stage_layers = _stages(cfg, model)
+        layers = stage_layers(model.n_layers, n)
+        fullest = max(range(cfg.pp), key=lambda r: stage_params(model, cfg)[r])
+        sizes = []
+        for s in sorted(plan.stages_of(fullest)):
+            sizes += (embed if s == 0 else []) + block * len(layers[s]) + (tail if s == n - 1 else [])
     count, held = 0, 0
     for x in reversed(sizes):
         held += x * e
@@ -128,8 +150,10 @@ def _zero3(model, cfg, consts, f: float, rc: float) -> tuple[float, int]:
     before computes (``f``), so ``max(0, g - f)`` shows; backward, the last block's gather is waited for,
     then each block's backward (``2 f`` and its recomputation) hides the prefetch of the one before and
     its own reduce-scatter, which share one process group and so run one after the other:
-    ``max(0, g + r - (2 f + rc))``; R's reduce-scatter at the end. On 4 CPU ranks a ZeRO 3 step of the
-    4-block test GPT measured 60 ms where every collective counted whole made 86."""
+    ``max(0, g + r - (2 f + rc))``; R's reduce-scatter at the end. With fewer cores than ranks a
+    collective in flight overlaps the compute only for the ``cores / ranks`` share of the time its peers
+    get a core: on 4 CPU ranks / 2 cores a ZeRO 3 step (dp=4, recompute, the 4-block test GPT) measured
+    60-68 ms, where every collective counted whole made 86 and every prefetch hidden 52-57."""
     parts = part_params(model, cfg)
     layers = model.n_layers // cfg.pp
     g = _coll(consts, "all_gather", parts["block"] * 4 // cfg.dp, cfg.dp)
@@ -137,7 +161,11 @@ def _zero3(model, cfg, consts, f: float, rc: float) -> tuple[float, int]:
     rest = (parts["embed"] + parts["tail"]) * 4
     g_rest = _coll(consts, "all_gather", rest // cfg.dp, cfg.dp)
     r_rest = _coll(consts, "reduce_scatter", rest, cfg.dp)
-    forward = g_rest + g + (layers - 1) * max(0.0, g - f)
-    backward = g + (layers - 1) * max(0.0, g + r - (2 * f + rc)) + max(0.0, r - (2 * f + rc)) + r_rest
+    share = min(1.0, consts.get("cores", cfg.world_size) / cfg.world_size)
+
+    def shown(x, behind):  # the part of ``x`` not hidden behind ``behind`` of compute: with fewer cores than
+        return x - share * min(x, behind)  # ranks only a ``cores / ranks`` share of it overlaps
+    forward = g_rest + g + (layers - 1) * shown(g, f)
+    backward = g + (layers - 1) * shown(g + r, 2 * f + rc) + shown(r, 2 * f + rc) + r_rest
     m = cfg.microbatches
     return m * (forward + backward), m * (2 * layers + 1 + layers + 1)

@@ -22,7 +22,7 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   dp replicas of the pipeline, every action at the speed of all ranks busy (the replicas drift apart
   and the step waits for the later one). The bubble is that span less the rank's own work.
 - communication, ``alpha + wire / beta`` per collective with the group's measured constants: dp
-  gradients in the engine's buckets (``_bucket_count``: ``data.default_bucket_bytes``, 2 dp at
+  gradients in the engine's buckets (``_bucket_count``: ``zero.stage0.default_bucket_bytes``, 2 dp at
   ZeRO 2), all but the first exposed where a core per rank lets the first run while backward goes
   on, all of them on shared cores; ZeRO 1/2 reduce-scatter them (stage 2 without a pipeline every
   microbatch) and all-gather the parameters; ZeRO 3 (``_zero3``) gathers each block in forward and
@@ -46,12 +46,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..memory.estimator import stage_params
 from ..memory.formulas import PRECISION_BYTES, activation_bytes
 from ..pipeline.costs import flops_per_token
-from ..zero.stage0 import default_bucket_bytes
-from .comm_cost import _coll, _dp_comm, _forward_share, _op, _sp_comm, _tp_comm  # noqa: F401 (_op: observe.roofline)
-from .pipeline_cost import _span
+from .comm_cost import _coll, _dp_comm, _forward_share, _op, _sp_comm, _tp_comm, engine_buckets  # noqa: F401 (_op: observe.roofline)
+from .pipeline_cost import bubble
 
 __all__ = ["step_seconds"]
 
@@ -177,11 +175,10 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict, optimizer: 
         head = _forward(model, cfg, consts, tokens, 0, True)  # embeddings, ln_f, head and loss: one forward
         slots = m * cfg.chunks  # each rank runs one F and one B (or I and W) per microbatch and chunk
         parts["compute"] = slots * (3 * fwd + rc) + 3 * m * head
-        # more ranks than cores: a rank waiting in the bubble gives its core to one that computes, so
-        # the step is the longer of the schedule at one rank's own speed and the work shared out
+        # the rates are measured with every rank busy; a rank's own speed is ``share`` of them faster where
+        # ranks share cores (pipeline_cost.bubble); a stage's tp and sp collectives lengthen the slots that
+        # run them (F, and B or I; not W), the fill and drain slots too
         share = min(1.0, consts.get("cores", cfg.world_size) / cfg.world_size)
-        # a stage's tp and sp collectives lengthen the slots that run them (F, and B or I; not W), the
-        # fill and drain slots too, and waiting on a peer is not sped up by idle cores
         tp1, _ = _tp_comm(model, cfg, consts, tokens, layers_stage, False, e)
         sp1, _ = _sp_comm(model, cfg, consts, tokens, layers_stage, e)
         c_fwd = tp1 * fwd_share[0] + sp1 * fwd_share[1]
@@ -189,14 +186,13 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict, optimizer: 
         c_rc = (tp1 * again[0] + sp1 * again[1]) if cfg.recompute else 0.0
         act = tokens // cfg.sp * model.d_model * e // (cfg.tp if cfg.tp_mode != "1d" else 1)
         alpha, beta = _op(consts, "send", 2)
-        span_s = _span(cfg, model_key, fwd * share, rc * share, c_fwd, c_bwd + c_rc, head * share,
-                       consts.get("cores", cfg.world_size), alpha + act / beta,
-                       _weight_grads(model, cfg, consts, tokens, layers_stage) * share)
-        parts["bubble"] = max(0.0, span_s - slots * (3 * fwd + rc + c_fwd + c_bwd + c_rc) - 3 * m * head)
+        parts["bubble"] = bubble(cfg, model_key, fwd * share, rc * share, c_fwd, c_bwd + c_rc, head * share,
+                                 consts.get("cores", cfg.world_size), alpha + act / beta,
+                                 _weight_grads(model, cfg, consts, tokens, layers_stage) * share)
         sends = 2 * m * cfg.chunks
-        # every message: a send's own latency is work its rank does (on CPU ranks the send and the
-        # receive's wake-up cost as much as the half round trip the constants measure), and the first
-        # microbatch's way down the stages and back waits for each
+        # every message's latency is work its rank does (on CPU ranks the send and the receive's wake-up
+        # cost as much as the half round trip the constants measure); on shared cores it also lies on the
+        # path from stage to stage (pipeline_cost.bubble)
         parts["comm:pp"] = sends * (alpha + act / beta)
         counts["pp"] = sends
     tp_s, tp_n = _tp_comm(model, cfg, consts, tokens, layers_rank, True, e)  # the head's rank is the slowest
@@ -230,8 +226,7 @@ def stepped_tensors(model, cfg) -> int:
     if cfg.zero == 3:
         return model.n_layers // cfg.pp + 2
     if cfg.zero in (1, 2):
-        total = max(stage_params(model, cfg)) * 4
-        return -(-total // default_bucket_bytes(total))
+        return engine_buckets(model, cfg)[1]
     layers = model.n_layers // cfg.pp
     return 12 * layers + (5 if cfg.pp == 1 else 3)  # tables (2) on the first stage, norm + head (3) on the last
 

@@ -18,56 +18,61 @@ def _plan(schedule: str, pp: int, m: int, chunks: int, model_key: tuple):
 
 
 @functools.lru_cache(maxsize=4096)
-def _pipeline_units(schedule: str, pp: int, m: int, chunks: int, recompute: bool,
-                    model_key: tuple, costs: tuple = ()) -> tuple[float, float]:
-    """(makespan, busy time of the busiest rank) of the plan the engine runs (``build_plan_for``),
-    in units of one stage forward. ``model_key``: the model config's class and fields (hashable);
-    ``costs``: (F, B, I, W) of every stage, then those the last stage adds (the head and the loss), in
-    those units; () for the defaults (F = 1, B = 2, I = W = 1; B = 3 and I = 2 with recomputation)."""
+def _pipeline_units(schedule: str, pp: int, m: int, chunks: int, model_key: tuple, costs: tuple) -> float:
+    """Makespan of the plan the engine runs (``build_plan_for``) with a core per rank, in the units of
+    ``costs``: (F, B, I, W) of every stage, then what the last stage adds to each (the head and the loss).
+    ``model_key``: the model config's class and fields (hashable)."""
     from ..pipeline import simulate
     plan, prepared = _plan(schedule, pp, m, chunks, model_key)
-    if costs:
-        table = dict(zip("FBIW", costs[:4]))
-        table.update({(pp * chunks - 1, k): c + x for k, c, x in zip("FBIW", costs[:4], costs[4:])})
-    else:
-        table = {"F": 1, "B": 3, "I": 2, "W": 1} if recompute else {"F": 1, "B": 2, "I": 1, "W": 1}
-    t = simulate(plan, table, prepared)
-    return float(t.makespan), float(max(t.busy))
+    table = dict(zip("FBIW", costs[:4]))
+    table.update({(pp * chunks - 1, k): c + x for k, c, x in zip("FBIW", costs[:4], costs[4:])})
+    return float(simulate(plan, table, prepared).makespan)
 
 
-def _span(cfg, model_key, f: float, rc: float, c_fwd: float, c_bwd: float, head: float, cores: float,
-          latency: float = 0.0, w: float | None = None) -> float:
-    """Seconds from the first forward to the last action of the schedule, each action its compute at one
-    rank's own speed (``f`` a forward, ``rc`` its recomputation) and the stage's tp and sp collectives it
-    runs: F ``c_fwd``, B and I ``c_bwd`` (I computes the input gradients, which is where the backward's
-    collectives are; W, the deferred weight gradients, has none); the recomputation runs in B or I; the
-    last stage's actions also run the head and the loss (``head`` a forward of them; its backward,
-    2 ``head``, split evenly between I and W). With a core per rank, ``pipeline.simulate``; with fewer
-    cores than ranks, ``shared.makespan`` (a rank that waits leaves its core to those that compute).
-    The ratios are rounded to 2 digits so that configs share a simulation (``ck.plan`` at scale
-    prices thousands)."""
+def bubble(cfg, model_key, f: float, rc: float, c_fwd: float, c_bwd: float, head: float, cores: float,
+           latency: float = 0.0, w: float | None = None) -> float:
+    """Seconds the fullest rank waits in the schedule beyond the work the cost model charges it. Each action
+    is its compute at one rank's own speed (``f`` a forward, ``rc`` its recomputation, ``w`` a zero-bubble
+    W: the Linears' weight gradients; I is the backward less W) and the stage's tp and sp collectives it
+    runs (F ``c_fwd``; B and I ``c_bwd``, where the backward's collectives are; W none); the last stage's
+    actions also run the head and the loss (``head`` a forward of them; its backward, 2 ``head``, split
+    evenly between I and W). Three cases:
+
+    - a core per rank: ``pipeline.simulate`` of the plan;
+    - fewer cores than ranks, one pipeline (dp = 1): ``shared.makespan``: a rank that waits leaves its core to
+      those that compute, a rank uses one core at most, ``latency`` on each message between stages;
+    - fewer cores, dp replicas of the pipeline: they meet only at the step's end and drift apart (engine
+      timelines, dp=2 x pp=2 on 4 ranks / 2 cores: 3-5 ms within a step), so a core one replica's bubble
+      frees goes as often to the other replica, off the critical path, and the step waits for the later
+      one: ``pipeline.simulate`` with every action at the speed of all ranks busy (``cores / ranks``).
+
+    The span less the rank's charged work (compute at the all-busy speed, as ``step_seconds`` charges it,
+    and its collectives), both from the same rounded costs: the ratios are rounded to 2 digits so that
+    configs share a simulation (``ck.plan`` at scale prices thousands)."""
     w = f if w is None else w
     work = {"F": f, "B": 2 * f + rc, "I": 2 * f + rc - w, "W": w}
     wait = {"F": c_fwd, "B": c_bwd, "I": c_bwd, "W": 0.0}
     extra = {"F": head, "B": 2 * head, "I": head, "W": head}
     unit = f + c_fwd
+    if unit <= 0:
+        return 0.0
     r2 = lambda x: float(f"{x / unit:.2g}")  # noqa: E731
     key = tuple((r2(work[k]), r2(wait[k]), r2(extra[k])) for k in "FBIW")
+    share = min(1.0, cores / cfg.world_size)
     if cores >= cfg.world_size:
-        span, _ = _pipeline_units(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks, cfg.recompute, model_key,
-                                  tuple(w + c for w, c, _ in key) + tuple(x for _, _, x in key))
+        span = _pipeline_units(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks, model_key,
+                               tuple(w + c for w, c, _ in key) + tuple(x for _, _, x in key))
     elif cfg.dp > 1:
-        # dp replicas of the pipeline meet only at the step's end; they drift apart (engine timelines,
-        # dp=2 x pp=2 on 4 ranks / 2 cores: 3-5 ms within a step), so a core one replica's bubble frees
-        # goes as often to the other replica, off the critical path, and the step waits for the later
-        # one: every action at the speed of all ranks busy (``cores / ranks`` of its own)
-        share = cores / cfg.world_size
-        span, _ = _pipeline_units(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks, cfg.recompute, model_key,
-                                  tuple(w / share + c for w, c, _ in key) + tuple(x / share for _, _, x in key))
+        span = _pipeline_units(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks, model_key,
+                               tuple(w / share + c for w, c, _ in key) + tuple(x / share for _, _, x in key))
     else:
         span = _shared_units(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks, model_key, key,
                              cfg.world_size // cfg.pp, float(f"{cores:.3g}"), r2(latency))
-    return span * unit
+    kinds = "FIW" if cfg.schedule in ("zb-h1", "zb-v") else "FB"
+    table = dict(zip("FBIW", key))
+    charged = sum(cfg.microbatches * cfg.chunks * (table[k][0] / share + table[k][1]) + cfg.microbatches * table[k][2] / share
+                  for k in kinds)
+    return max(0.0, span - charged) * unit
 
 
 @functools.lru_cache(maxsize=1024)

@@ -9,9 +9,10 @@ what a schedule loses beyond that. ``makespan`` runs the plan as events: each ac
 in the stage's tp and sp collectives, at wall speed, holding no core), and starts when its rank is
 free and what it depends on has ended (``pipeline.check``'s dependencies).
 
-Each pipeline rank of the plan stands for ``group`` ranks (its dp, sp and tp peers, which run the
-same actions at the same time). Worked example, pp=2 GPipe, 2 microbatches, F = 1 s and B = 2 s of
-work, no waiting, ``group`` 2 (dp=2) on 2 cores: rank 0's F0 runs alone (2 ranks on 2 cores, full
+Each pipeline rank of the plan stands for ``group`` ranks (its sp and tp peers, which run the same
+actions in step, meeting in their collectives; the planner prices dp replicas of a pipeline otherwise,
+``pipeline_cost.bubble``). Worked example, pp=2 GPipe, 2 microbatches, F = 1 s and B = 2 s of work, no
+waiting, ``group`` 2 (tp=2) on 2 cores: rank 0's F0 runs alone (2 ranks on 2 cores, full
 speed, ends at 1); F1 and rank 1's F0 share (4 ranks, half speed, end at 3); rank 1 runs F1 and B0
 alone (ends at 6), then B1 beside rank 0's B0 (half speed, both end at 10), rank 0's B1 alone::
 
@@ -31,6 +32,8 @@ def makespan(plan, costs: dict, group: int = 1, cores: float = float("inf"), lat
     """Seconds from the first action to the last; ``costs[kind]`` or ``costs[(stage, kind)]`` =
     ``(work, wait)``; ``latency``: seconds from the end of an action to the start of one on another rank
     that waits for it (the message between them)."""
+    if cores <= 0 or group < 1:
+        raise ValueError(f"cores={cores!r}, group={group!r}: give at least one core and one rank a pipeline rank")
     from ..pipeline.check import _dependencies, _index, check
     check(plan)
     deps = _dependencies(plan, _index(plan))

@@ -79,11 +79,19 @@ def test_shared_cores_price_the_bubble_of_one_pipeline_and_of_its_replicas():
     """4 ranks on 2 cores: one pipeline (pp=4) hands an idle rank's core to the others, so its bubble is
     less than with a core per rank at the same per-rank speed; dp replicas (dp=2 x pp=2) drift apart and
     are priced at the speed of all ranks busy."""
-    two = dict(EXAMPLE_CONSTANTS, cores=2)
-    total, parts, _ = _seconds({"pp": 4, "microbatches": 4}, two)
-    assert parts.get("bubble", 0) > 0 and abs(sum(parts.values()) - total) < 1e-12
+    two, many = dict(EXAMPLE_CONSTANTS, cores=2), dict(EXAMPLE_CONSTANTS, cores=1024)
+    _, parts, _ = _seconds({"pp": 4, "microbatches": 4}, two)
+    _, own, _ = _seconds({"pp": 4, "microbatches": 4}, many)
+    # the constants are what a rank does with every rank busy: the compute charged is the same
+    assert parts["compute"] == pytest.approx(own["compute"], rel=1e-12)
+    # a core per rank: the bubble is the schedule's, (p-1)/(m+p-1) = 3/7 of the span (a little less of the
+    # fullest rank's time, which also runs the head); on 2 cores the idle ranks' cores absorb most of it
+    assert 0.35 < own["bubble"] / (own["bubble"] + own["compute"]) <= 3 / 7
+    # (GPipe pp=4 m=4: with a core each the span is 21 forwards against 12 charged, 9 idle; on 2 cores a
+    # rank alone runs at twice the all-busy speed: 27 of those half forwards, 13.5, against 12 charged)
+    assert 0 < parts["bubble"] < own["bubble"] / 3
     _, rparts, _ = _seconds({"dp": 2, "pp": 2, "microbatches": 2}, two)
-    assert rparts.get("bubble", 0) > 0
+    assert rparts["bubble"] > 0  # replicas priced at the all-busy speed: the schedule's own bubble
 
 
 def test_cached_constants_of_another_version_are_measured_again(tmp_path, monkeypatch):
@@ -96,6 +104,9 @@ def test_cached_constants_of_another_version_are_measured_again(tmp_path, monkey
     stale = {"4": {"matmul": {"flops_per_s": 1.0}, "dispatch": {"op_seconds": 1.0}, "comm": {}}}
     tmp_path.joinpath(path.rsplit("/", 1)[1]).write_text(json.dumps(stale))
     assert mod.cached(4) is None  # version 1: its dispatch meant 3 times what it means now
+    calls = []
+    monkeypatch.setattr(mod, "measure", lambda ranks: calls.append(ranks) or dict(stale["4"], version=mod.VERSION))
+    assert mod.constants(ranks=4)["version"] == mod.VERSION and calls == [4]  # the stale entry measured again
+    assert mod.constants(ranks=4)["version"] == mod.VERSION and calls == [4]  # and then cached
     current = dict(stale["4"], version=mod.VERSION)
-    tmp_path.joinpath(path.rsplit("/", 1)[1]).write_text(json.dumps({"4": current}))
     assert mod.cached(4) == current
