@@ -12,7 +12,8 @@ from ..comm import wire_bytes
 from ..memory.estimator import _stages, part_params, stage_params
 from ..memory.formulas import PRECISION_BYTES
 from ..tensor import block_collectives, linear_comm_bytes
-from ..zero.stage0 import default_bucket_bytes
+from ..zero.stage0 import default_bucket_bytes, fill_buckets
+from ..zero.stage2 import stage2_bucket_size
 
 _MAIN_OP = {"1d": "all_reduce", "2d": "broadcast", "2.5d": "broadcast", "3d": "all_gather"}
 
@@ -101,18 +102,17 @@ def _dp_comm(model, cfg, consts, memory, block_fwd: float = 0.0, block_rc: float
 
 def engine_buckets(model, cfg) -> tuple[int, int]:
     """(bytes a bucket holds, buckets) of the fullest rank's gradients as the engine makes them, in the
-    parameters' own bytes (16-bit under bf16/fp16): about two (``data.default_bucket_bytes``), 2 dp at
-    ZeRO stage 2 (``zero.stage2.stage2_bucket_bytes``)."""
+    parameters' own bytes (16-bit under bf16/fp16): about two (``zero.stage0.default_bucket_bytes``), 2 dp at
+    ZeRO stage 2 (``zero.stage2.stage2_bucket_size``)."""
     e = PRECISION_BYTES[cfg.precision]
     total = max(stage_params(model, cfg)) * e
-    bucket = min(25 << 20, max(64 << 10, total // (2 * cfg.dp))) if cfg.zero == 2 else default_bucket_bytes(total)
+    bucket = stage2_bucket_size(total, cfg.dp) if cfg.zero == 2 else default_bucket_bytes(total)
     return bucket, _bucket_count(model, cfg, bucket, e)
 
 
 def _bucket_count(model, cfg, bucket: int, e: int) -> int:
-    """Buckets the engine fills from the fullest rank's gradients: parameters in reverse order, a bucket
-    closed once it holds ``bucket`` bytes or more (``ZeroStage0``), so a bucket runs over by up to a
-    parameter and the count can fall short of ``total / bucket``. A GPT block's 12 parameters (1D
+    """Buckets the engine fills from the fullest rank's gradients (``zero.stage0.fill_buckets``: a bucket
+    runs over by up to a parameter, so the count can fall short of ``total / bucket``). A GPT block's 12 parameters (1D
     tensor splits; other modes' blocks scaled to their size), the embeddings on the rank that holds stage
     0 and the tail on the one that holds the last (both on zb-v's rank 0)."""
     h, f, v, t = model.d_model, model.d_ff, model.vocab_size, model.seq_len
@@ -131,16 +131,12 @@ def _bucket_count(model, cfg, bucket: int, e: int) -> int:
     else:
         plan, stage_layers = _stages(cfg, model)
         layers = stage_layers(model.n_layers, n)
-        fullest = max(range(cfg.pp), key=lambda r: stage_params(model, cfg)[r])
+        per_rank = stage_params(model, cfg)
+        fullest = max(range(cfg.pp), key=per_rank.__getitem__)
         sizes = []
         for s in sorted(plan.stages_of(fullest)):
             sizes += (embed if s == 0 else []) + block * len(layers[s]) + (tail if s == n - 1 else [])
-    count, held = 0, 0
-    for x in reversed(sizes):
-        held += x * e
-        if held >= bucket:
-            count, held = count + 1, 0
-    return max(1, count + (held > 0))
+    return max(1, len(fill_buckets([x * e for x in sizes], bucket)))
 
 
 def _zero3(model, cfg, consts, f: float, rc: float) -> tuple[float, int]:

@@ -12,7 +12,7 @@ measures, all ranks at the same time (so that they share the cores the way a rea
   backward, is the elementwise work that FLOPs do not count. With the threads ``ck.launch`` gives a rank
   (cores / ranks) and every rank busy from the start of a window to its end, the sharing of cores is in
   the numbers; the medians, of the slowest rank. In one process these three price the 4-block test
-  GPT's forward and backward on 4 rows at 3.6 ms (measured 3.61); before ``activation`` the per-op figure
+  GPT's forward and backward on 4 rows at 3.6 ms (measured 3.61, by hand, once); before ``activation`` the per-op figure
   was a step's time over its forward ops, 3 times an op, which made up for the elementwise work at one
   size and overcharged more microbatches. (Measured on a graph of one Linear + GELU, as this module first
   did, one backward call's own start-up was spread over 4 ops and read 2.5x a GPT's per-op cost; timed as

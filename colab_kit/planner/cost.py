@@ -8,7 +8,7 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   the autograd ops of a block (counted once on a tiny GPT of the same structure, plus each mode's
   extra ops, ``mode_ops``) at the measured seconds per op; and the elementwise work, the bytes the
   forward saves for backward (``memory.formulas.activation_bytes``) at the measured seconds per byte.
-  In one process on this machine that prices the 4-block test GPT's step at 3.6 ms, measured 3.61.
+  In one process on this machine that prices the 4-block test GPT's step at 3.6 ms, measured 3.61 (by hand, once).
   Recomputation (``_recomputed``) adds the blocks' FLOPs and bytes again and their ops at the measured
   cost of a recomputed op (``constants``'s "recompute": 2-3 times an op's own on CPU, the checkpoint's
   hooks), and runs the forward's tp and sp collectives again (1D: half of them).
@@ -60,13 +60,20 @@ def _forward(model, cfg, consts, tokens: int, layers: int, head: bool) -> float:
     the measured rate, their ops at the measured seconds per op (3 per forward op: a backward runs about
     twice its forward's), and the elementwise work at the measured seconds per byte the forward saves
     for backward (``constants``'s "activation"; constants measured before it: none)."""
-    lin, att, head_flops = flops_per_token(model)
-    tok = tokens / cfg.sp  # this rank's tokens; attention reaches the whole sequence, split over sp too
-    flops = layers * tok * (lin + att / cfg.sp) + (tok * head_flops if head else 0)
     block_ops, head_ops = _op_counts(model.n_heads)
     ops = layers * (block_ops + mode_ops(cfg)) + (head_ops if head else 0)
     overhead = ops * consts.get("dispatch", {}).get("op_seconds", 0.0)
-    return flops / cfg.tp / consts["matmul"]["flops_per_s"] + overhead + _saved(model, cfg, consts, tokens, layers, head)
+    return _matmuls(model, cfg, consts, tokens, layers, head) + overhead + _saved(model, cfg, consts, tokens, layers, head)
+
+
+def _matmuls(model, cfg, consts, tokens: int, layers: int, head: bool, attention: bool = True) -> float:
+    """Seconds of a forward's matmul FLOPs on this rank: ``layers`` blocks (their attention products too
+    unless ``attention`` is False) and the head, this rank's tokens (attention reaches the whole sequence,
+    split over sp too), split over tp, at the measured rate."""
+    lin, att, head_flops = flops_per_token(model)
+    tok = tokens / cfg.sp
+    flops = layers * tok * (lin + (att / cfg.sp if attention else 0)) + (tok * head_flops if head else 0)
+    return flops / cfg.tp / consts["matmul"]["flops_per_s"]
 
 
 def _saved(model, cfg, consts, tokens: int, layers: int, head: bool) -> float:
@@ -87,9 +94,8 @@ def _weight_grads(model, cfg, consts, tokens: int, layers: int) -> float:
     ``dW = g^T x`` (its forward's FLOPs again), ``db = sum g`` and the two accumulations, 4 ops a Linear.
     The rest of a backward is I. Where FLOPs dominate that is about a forward (the zero-bubble paper's
     I = W = F); where the ops do, W is the small part and fills little of the bubble."""
-    lin, _, _ = flops_per_token(model)
-    flops = layers * tokens / cfg.sp * lin / cfg.tp
-    return flops / consts["matmul"]["flops_per_s"] + layers * 16 * consts.get("dispatch", {}).get("op_seconds", 0.0)
+    return (_matmuls(model, cfg, consts, tokens, layers, False, attention=False)
+            + layers * 16 * consts.get("dispatch", {}).get("op_seconds", 0.0))
 
 
 def _recomputed(model, cfg, consts, tokens: int, layers: int) -> float:
@@ -99,12 +105,9 @@ def _recomputed(model, cfg, consts, tokens: int, layers: int) -> float:
     cost on CPU; constants measured before it: one forward's ops)."""
     if not cfg.recompute:
         return 0.0
-    lin, att, _ = flops_per_token(model)
-    tok = tokens / cfg.sp
-    flops = layers * tok * (lin + att / cfg.sp) / cfg.tp
     per_op = consts.get("recompute", consts.get("dispatch", {})).get("op_seconds", 0.0)
     block_ops, _ = _op_counts(model.n_heads)
-    return (flops / consts["matmul"]["flops_per_s"] + layers * (block_ops + mode_ops(cfg)) * per_op
+    return (_matmuls(model, cfg, consts, tokens, layers, False) + layers * (block_ops + mode_ops(cfg)) * per_op
             + _saved(model, cfg, consts, tokens, layers, False))
 
 

@@ -61,10 +61,10 @@ def bubble(cfg, model_key, f: float, rc: float, c_fwd: float, c_bwd: float, head
     share = min(1.0, cores / cfg.world_size)
     if cores >= cfg.world_size:
         span = _pipeline_units(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks, model_key,
-                               tuple(w + c for w, c, _ in key) + tuple(x for _, _, x in key))
+                               tuple(a + c for a, c, _ in key) + tuple(x for _, _, x in key))
     elif cfg.dp > 1:
         span = _pipeline_units(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks, model_key,
-                               tuple(w / share + c for w, c, _ in key) + tuple(x / share for _, _, x in key))
+                               tuple(a / share + c for a, c, _ in key) + tuple(x / share for _, _, x in key))
     else:
         span = _shared_units(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks, model_key, key,
                              cfg.world_size // cfg.pp, float(f"{cores:.3g}"), r2(latency))
@@ -78,9 +78,9 @@ def bubble(cfg, model_key, f: float, rc: float, c_fwd: float, c_bwd: float, head
 @functools.lru_cache(maxsize=1024)
 def _shared_units(schedule: str, pp: int, m: int, chunks: int, model_key: tuple, key: tuple, group: int,
                   cores: float, latency: float = 0.0) -> float:
-    """``shared.makespan`` of the plan the engine runs, in the units of ``_span``'s key."""
+    """``shared.makespan`` of the plan the engine runs, in the units of ``bubble``'s key."""
     from .shared import makespan
     plan, _ = _plan(schedule, pp, m, chunks, model_key)
-    costs = {k: (w, c) for k, (w, c, _) in zip("FBIW", key)}
-    costs.update({(pp * chunks - 1, k): (w + x, c) for k, (w, c, x) in zip("FBIW", key)})
+    costs = {k: (a, c) for k, (a, c, _) in zip("FBIW", key)}
+    costs.update({(pp * chunks - 1, k): (a + x, c) for k, (a, c, x) in zip("FBIW", key)})
     return makespan(plan, costs, group, cores, latency)

@@ -39,13 +39,34 @@ import torch
 from .. import comm
 from ..engine.precision import MasterWeights
 
-__all__ = ["ZeroStage0", "GradientPart", "split_batch", "default_bucket_bytes"]
+__all__ = ["ZeroStage0", "GradientPart", "split_batch", "default_bucket_bytes", "fill_buckets"]
 
 
 def default_bucket_bytes(total: int) -> int:
     """Bucket size for ``total`` gradient bytes: about two buckets (the first overlaps backward),
     64 KiB to DDP's 25 MB cap. ``ck.plan`` counts the all-reduces per step from it."""
     return min(25 << 20, max(64 << 10, total // 2))
+
+
+def fill_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """The buckets, as indices into ``nbytes`` (each parameter's bytes, in the model's order): filled in
+    reverse order (the order backward produces gradients), a bucket closed once it holds ``bucket_bytes``
+    or more, so it runs over by up to a parameter; the rest is the last bucket. ``ZeroStage0`` buckets its
+    gradients so, and ``ck.plan`` counts the all-reduces with it::
+
+        >>> fill_buckets([4, 4, 8, 2], 6)
+        [[3, 2], [1, 0]]
+    """
+    groups, group, held = [], [], 0
+    for i in reversed(range(len(nbytes))):
+        group.append(i)
+        held += nbytes[i]
+        if held >= bucket_bytes:
+            groups.append(group)
+            group, held = [], 0
+    if group:
+        groups.append(group)
+    return groups
 
 
 def split_batch(batch: torch.Tensor, parts: int, index: int, what: str = "dp") -> torch.Tensor:
@@ -102,15 +123,8 @@ class ZeroStage0:
         self._params = params
         if bucket_bytes is None:
             bucket_bytes = default_bucket_bytes(sum(p.numel() * p.element_size() for p in params))
-        groups, group, nbytes = [], [], 0
-        for p in reversed(params):
-            group.append(p)
-            nbytes += p.numel() * p.element_size()
-            if nbytes >= bucket_bytes:
-                groups.append(group)
-                group, nbytes = [], 0
-        if group:
-            groups.append(group)
+        groups = [[params[i] for i in g] for g in fill_buckets([p.numel() * p.element_size() for p in params],
+                                                                bucket_bytes)]
         if group_of is not None:  # the user's param groups: each bucket ordered by group (colab_kit.engine.optimizer)
             groups = [sorted(g, key=group_of) for g in groups]
         # one contiguous buffer for every gradient (bucket after bucket), so zeroing is one call

@@ -82,7 +82,11 @@ __all__ = ["ZeroStage2", "stage2_bucket_bytes"]
 def stage2_bucket_bytes(params, n: int) -> int:
     """Stage 2's default bucket: 1/(2N) of the gradients (at least 64 KiB, at most DDP's 25 MB),
     so that the two full buckets a rank may hold at once weigh about its own piece (4 Psi / N)."""
-    total = sum(p.numel() * p.element_size() for p in params)
+    return stage2_bucket_size(sum(p.numel() * p.element_size() for p in params), n)
+
+
+def stage2_bucket_size(total: int, n: int) -> int:
+    """``stage2_bucket_bytes`` of ``total`` gradient bytes over ``n`` ranks (``ck.plan`` prices it so)."""
     return min(25 << 20, max(64 << 10, total // (2 * n)))
 
 

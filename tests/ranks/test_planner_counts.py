@@ -8,7 +8,7 @@ import colab_kit as ck
 from colab_kit.memory.estimator import config_estimate
 from colab_kit.models import GPTConfig
 from colab_kit.planner import EXAMPLE_CONSTANTS
-from colab_kit.planner.comm_cost import _bucket_count
+from colab_kit.planner.comm_cost import engine_buckets
 from colab_kit.planner.cost import step_seconds
 
 SMALL = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=4)
@@ -46,8 +46,4 @@ def test_dp_collectives_and_buckets_are_the_engines():
         records, buckets = got[fullest][i]
         assert counts.get("dp", 0) == records, (c, counts, records)
         if buckets is not None:
-            from colab_kit.memory.estimator import stage_params
-            from colab_kit.zero.stage0 import default_bucket_bytes
-            total = max(stage_params(SMALL, cfg)) * 4
-            size = min(25 << 20, max(64 << 10, total // (2 * cfg.dp))) if cfg.zero == 2 else default_bucket_bytes(total)
-            assert _bucket_count(SMALL, cfg, size, 4) == buckets, (c, buckets)
+            assert engine_buckets(SMALL, cfg)[1] == buckets, (c, buckets)
