@@ -73,9 +73,11 @@ _LARGE = {"all_reduce": 1 << 20, "reduce_scatter": 1 << 20, "all_gather": 1 << 2
 """A fourth point, 4 MiB, for the collectives that carry gradients and parameters (dp's bucket all-reduce,
 ZeRO's reduce-scatters and gathers: megabytes): fitted on 1 MiB at most, a 4-rank all-reduce of a 1.6 MB
 gradient read 5.5 ms in the model and took 8.6-10.4 ms in a step (gloo, 4 ranks on 2 cores)."""
-VERSION = 2
+VERSION = 3
 """Bumped when a figure changes meaning or is added; a cached entry of another version is measured again
-(version 2: ``dispatch`` per op of a step, not per forward op; ``activation``, ``recompute``, the 4 MiB points)."""
+(version 2: ``dispatch`` per op of a step, not per forward op; ``activation``, ``recompute``, the 4 MiB points;
+version 3: ranks bound to cores (``launch.bind_rank``, ``bound``), ``cores`` the ones the process may use,
+each point's trials in turns)."""
 
 
 def cache_path() -> str:
@@ -143,9 +145,14 @@ def median_of(measurements: list[dict]) -> dict:
 
 def measure(ranks: int = 4) -> dict:
     """Measure now (see the module docstring); about 8-10 s on 4 CPU ranks plus process start."""
-    from ..launch import launch
+    from ..launch import cores_for_rank, launch
     t0 = time.perf_counter()
-    out = combine(launch(measure_rank, ranks, ranks))
+    per_rank = launch(measure_rank, ranks, ranks)
+    out = combine(per_rank)
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    out["cores"] = len(allowed)
+    # bound: every rank ran on cores_for_rank's cores (the planner then shares each core among its own ranks)
+    out["bound"] = all(r.get("affinity") == cores_for_rank(i, ranks, allowed) for i, r in enumerate(per_rank))
     out["seconds_to_measure"] = round(time.perf_counter() - t0, 2)
     return out
 
@@ -153,7 +160,7 @@ def measure(ranks: int = 4) -> dict:
 def combine(per_rank: list[dict]) -> dict:
     """The constants from every rank's ``measure_rank`` (rank order): compute rates of the slowest rank,
     each collective fitted to the ranks' median (``_fit_points``)."""
-    out = {k: v for k, v in per_rank[0].items() if k != "points"}
+    out = {k: v for k, v in per_rank[0].items() if k not in ("points", "affinity")}
     out["matmul"] = {"flops_per_s": min(r["matmul"]["flops_per_s"] for r in per_rank)}  # the slowest rank
     out["dispatch"] = {"op_seconds": max(r["dispatch"]["op_seconds"] for r in per_rank)}
     out["activation"] = {"seconds_per_byte": max(r["activation"]["seconds_per_byte"] for r in per_rank)}
@@ -259,18 +266,29 @@ def measure_rank(ranks: int) -> dict:
     mem = _time(lambda: big.add_(other), 5)
     opt_ops, opt_step = _optimizer_step()
     opt_seconds = statistics.median(_window(opt_step) / opt_ops for _ in range(3))
-    points = {}
+    # every point's trials in turns (``_TRIALS`` passes over all of them): a slow spell of the machine
+    # (they last a tenth of a second or more on a shared VM) falls on many points a little, not on one
+    # point's every trial; measured back to back, one point's median moved by 30% between measurements
+    points, trials = {}, {}
     for n in [k for k in range(2, ranks + 1) if ranks % k == 0]:
         # the ranks in groups of n (every group busy at once), through colab_kit.comm on a mesh:
         # the collectives the engine calls, as it calls them (autograd-free, recorded)
         mesh = ProcessMesh.shared(ParallelConfig(dp=ranks // n, tp=n))
+        mine = {}
         for op in OPS:
-            pts = points[f"{n}/{op}"] = []
             for size in _SIZES + ((_LARGE[op],) if op in _LARGE else ()):
                 t = torch.ones(size, device=mesh.device)
                 wire = wire_bytes("send" if op == "sendrecv" else op, size * 4, n)  # each way: one message
-                pts.append((wire, _collective(op, t, mesh, n, burst)))
+                points.setdefault(f"{n}/{op}", []).append(wire)
+                mine[(f"{n}/{op}", wire)] = (_collective_fn(op, t, mesh, n), [])
+        for _ in range(_TRIALS):
+            for fn, got in mine.values():
+                got.append(_trial(fn, burst))
+        trials.update(mine)
+        mesh.log.records.clear()  # the records of a measurement are nobody's step
         mesh.release()
+    points = {key: [(wire, statistics.median(trials[(key, wire)][1]) / (2 if key.endswith("/send") else 1))
+                    for wire in wires] for key, wires in points.items()}
     rates.append(_rates(burst))
     return {"version": VERSION, "ranks": ranks, "threads_per_rank": torch.get_num_threads(), "cores": os.cpu_count() or 1,
             "matmul": {"flops_per_s": statistics.median(f for r in rates for f in r[1])},
@@ -279,7 +297,8 @@ def measure_rank(ranks: int) -> dict:
             "recompute": {"op_seconds": max(0.0, recompute)},
             "memory": {"bytes_per_s": 3 * big.numel() * 4 / mem},
             "optimizer": {"op_seconds": opt_seconds},
-            "points": points, "backend": dist.get_backend(), "torch": torch.__version__}
+            "points": points, "backend": dist.get_backend(), "torch": torch.__version__,
+            "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
 
 
 def _window(fn, window: float = 0.1) -> float:
@@ -393,60 +412,65 @@ class _Burst:
         self._forward().backward()
 
 
-def _collective(op: str, t, mesh, n: int, burst, reps: int = 6) -> float:
-    """Seconds one ``op`` of ``t`` over the mesh's "tp" groups adds to a running loop (the module
-    docstring's "in step"; send: half an isend/irecv round trip between pairs, sendrecv: a
-    ``comm.sendrecv`` exchange), the median of 3 trials, a ``burst`` of compute before each."""
+_TRIALS = 5
+"""Trials per (group size, collective, size) point; its figure is their median (``_trial``)."""
+
+
+def _collective_fn(op: str, t, mesh, n: int):
+    """One ``op`` of ``t`` over the mesh's "tp" groups, as a call (send: an isend/irecv round trip between
+    pairs, a pipeline's message twice; sendrecv: a ``comm.sendrecv`` exchange, a ring's step)."""
     import torch
-    import torch.distributed as dist
 
     from .. import comm
 
     me = mesh.rank("tp")
     if op == "all_reduce":
-        fn = lambda: comm.all_reduce(t, mesh, "tp", tag="planner constants")  # noqa: E731
-    elif op == "all_gather":
-        fn = lambda: comm.all_gather(t, mesh, "tp", tag="planner constants")  # noqa: E731
-    elif op == "reduce_scatter":
-        fn = lambda: comm.reduce_scatter(t, mesh, "tp", tag="planner constants")  # noqa: E731
-    elif op == "broadcast":
-        fn = lambda: comm.broadcast(t, mesh, "tp", tag="planner constants")  # noqa: E731
-    elif op == "all_to_all":
-        fn = lambda: comm.all_to_all(t, mesh, "tp", 0, 0, tag="planner constants")  # noqa: E731
-    else:  # pairs (0, 1), (2, 3), ... of each group: sendrecv exchanges a message each way at once
-        # (the ring's step); send is a ping-pong of isend / irecv (a pipeline's), half a round trip
-        peer = me ^ 1 if (me ^ 1) < n else None
-        buf = torch.empty_like(t)
+        return lambda: comm.all_reduce(t, mesh, "tp", tag="planner constants")
+    if op == "all_gather":
+        return lambda: comm.all_gather(t, mesh, "tp", tag="planner constants")
+    if op == "reduce_scatter":
+        return lambda: comm.reduce_scatter(t, mesh, "tp", tag="planner constants")
+    if op == "broadcast":
+        return lambda: comm.broadcast(t, mesh, "tp", tag="planner constants")
+    if op == "all_to_all":
+        return lambda: comm.all_to_all(t, mesh, "tp", 0, 0, tag="planner constants")
+    # pairs (0, 1), (2, 3), ... of each group: sendrecv exchanges a message each way at once
+    # (the ring's step); send is a ping-pong of isend / irecv (a pipeline's), a round trip
+    peer = me ^ 1 if (me ^ 1) < n else None
+    buf = torch.empty_like(t)
 
-        def fn():
-            if peer is None:
-                return
-            if op == "sendrecv":
-                for pending in comm.sendrecv(t, buf, mesh, "tp", to=peer, source=peer, tag="planner constants"):
-                    pending.wait()
-                return
-            first, then = (comm.isend, comm.irecv) if me % 2 == 0 else (comm.irecv, comm.isend)
-            first(t if first is comm.isend else buf, mesh, "tp", peer, tag="planner constants").wait()
-            then(t if then is comm.isend else buf, mesh, "tp", peer, tag="planner constants").wait()
-    # in step: each of ``reps`` rounds a small piece of compute (one tiny forward and backward, as
-    # between a block's collectives) then the collective; minus the same rounds without it, with
-    # every rank busy alike. Before each trial one full burst samples the compute rates.
-    trials = []
-    for _ in range(3):
-        burst()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            burst.light()
-            fn()
-        _SYNC[0]()
-        t1 = time.perf_counter()
-        dist.barrier()
-        t2 = time.perf_counter()
-        for _ in range(reps):
-            burst.light()
-        _SYNC[0]()
-        t3 = time.perf_counter()
-        trials.append(max(0.0, (t1 - t0) - (t3 - t2)) / reps)
-    mesh.log.records.clear()  # the records of a measurement are nobody's step
-    return statistics.median(trials) / (2 if op == "send" else 1)
+    def fn():
+        if peer is None:
+            return
+        if op == "sendrecv":
+            for pending in comm.sendrecv(t, buf, mesh, "tp", to=peer, source=peer, tag="planner constants"):
+                pending.wait()
+            return
+        first, then = (comm.isend, comm.irecv) if me % 2 == 0 else (comm.irecv, comm.isend)
+        first(t if first is comm.isend else buf, mesh, "tp", peer, tag="planner constants").wait()
+        then(t if then is comm.isend else buf, mesh, "tp", peer, tag="planner constants").wait()
+    return fn
+
+
+def _trial(fn, burst, reps: int = 6) -> float:
+    """Seconds one call of ``fn`` (a collective) adds to a running loop (the module docstring's "in step"):
+    ``reps`` rounds of a small piece of compute (one tiny forward and backward, as between a block's
+    collectives) then the collective, minus the same rounds without it, every rank busy alike; one full
+    ``burst`` of compute before, as a step's."""
+    import torch.distributed as dist
+
+    burst()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        burst.light()
+        fn()
+    _SYNC[0]()
+    t1 = time.perf_counter()
+    dist.barrier()
+    t2 = time.perf_counter()
+    for _ in range(reps):
+        burst.light()
+    _SYNC[0]()
+    t3 = time.perf_counter()
+    return max(0.0, (t1 - t0) - (t3 - t2)) / reps

@@ -191,7 +191,8 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict, optimizer: 
         alpha, beta = _op(consts, "send", 2)
         parts["bubble"] = bubble(cfg, model_key, fwd * share, rc * share, c_fwd, c_bwd + c_rc, head * share,
                                  consts.get("cores", cfg.world_size), alpha + act / beta,
-                                 _weight_grads(model, cfg, consts, tokens, layers_stage) * share)
+                                 _weight_grads(model, cfg, consts, tokens, layers_stage) * share,
+                                 bool(consts.get("bound")))
         sends = 2 * m * cfg.chunks
         # every message's latency is work its rank does (on CPU ranks the send and the receive's wake-up
         # cost as much as the half round trip the constants measure); on shared cores it also lies on the

@@ -29,8 +29,21 @@ def _pipeline_units(schedule: str, pp: int, m: int, chunks: int, model_key: tupl
     return float(simulate(plan, table, prepared).makespan)
 
 
+def placement(cfg, cores: int) -> tuple:
+    """The cores of the ranks each pipeline rank stands for (its dp replicas, sp and tp peers) when rank g
+    is bound to core ``g % cores`` (``launch.bind_rank``), in the rank order ``rank = ((pp_i * dp + dp_i) *
+    sp + sp_i) * tp + tp_i``. dp=2 x pp=2 on 2 cores: stage 0 is ranks 0, 1, stage 1 ranks 2, 3::
+
+        >>> from colab_kit.config import ParallelConfig
+        >>> placement(ParallelConfig(dp=2, pp=2), 2)
+        ((0, 1), (0, 1))
+    """
+    per = cfg.dp * cfg.sp * cfg.tp
+    return tuple(tuple(sorted((r * per + j) % cores for j in range(per))) for r in range(cfg.pp))
+
+
 def bubble(cfg, model_key, f: float, rc: float, c_fwd: float, c_bwd: float, head: float, cores: float,
-           latency: float = 0.0, w: float | None = None) -> float:
+           latency: float = 0.0, w: float | None = None, bound: bool = False) -> float:
     """Seconds the fullest rank waits in the schedule beyond the work the cost model charges it. Each action
     is its compute at one rank's own speed (``f`` a forward, ``rc`` its recomputation, ``w`` a zero-bubble
     W: the Linears' weight gradients; I is the backward less W) and the stage's tp and sp collectives it
@@ -39,12 +52,15 @@ def bubble(cfg, model_key, f: float, rc: float, c_fwd: float, c_bwd: float, head
     evenly between I and W). Three cases:
 
     - a core per rank: ``pipeline.simulate`` of the plan;
-    - fewer cores than ranks, one pipeline (dp = 1): ``shared.makespan``: a rank that waits leaves its core to
-      those that compute, a rank uses one core at most, ``latency`` on each message between stages;
-    - fewer cores, dp replicas of the pipeline: they meet only at the step's end and drift apart (engine
-      timelines, dp=2 x pp=2 on 4 ranks / 2 cores: 3-5 ms within a step), so a core one replica's bubble
-      frees goes as often to the other replica, off the critical path, and the step waits for the later
-      one: ``pipeline.simulate`` with every action at the speed of all ranks busy (``cores / ranks``).
+    - fewer cores than ranks, ``bound`` (``launch.bind_rank``, the constants say so): ``shared.makespan``
+      with each rank sharing only its own core (``placement``), ``latency`` on each message between stages;
+      dp=2 x pp=2 on 2 cores puts each replica on one core, where a stage's bubble is its other stage's turn;
+    - fewer cores, not bound, one pipeline (dp = 1): ``shared.makespan``: a rank that waits leaves its core
+      to those that compute, a rank uses one core at most;
+    - fewer cores, not bound, dp replicas of the pipeline: they meet only at the step's end and drift apart
+      (engine timelines, dp=2 x pp=2 on 4 ranks / 2 cores: 3-5 ms within a step), so a core one replica's
+      bubble frees goes as often to the other replica, off the critical path, and the step waits for the
+      later one: ``pipeline.simulate`` with every action at the speed of all ranks busy (``cores / ranks``).
 
     The span less the rank's charged work (compute at the all-busy speed, as ``step_seconds`` charges it,
     and its collectives), both from the same rounded costs: the ratios are rounded to 2 digits so that
@@ -62,6 +78,9 @@ def bubble(cfg, model_key, f: float, rc: float, c_fwd: float, c_bwd: float, head
     if cores >= cfg.world_size:
         span = _pipeline_units(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks, model_key,
                                tuple(a + c for a, c, _ in key) + tuple(x for _, _, x in key))
+    elif bound:
+        span = _shared_units(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks, model_key, key, 1, 1.0, r2(latency),
+                             placement(cfg, int(cores)))
     elif cfg.dp > 1:
         span = _pipeline_units(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks, model_key,
                                tuple(a / share + c for a, c, _ in key) + tuple(x / share for _, _, x in key))
@@ -77,10 +96,10 @@ def bubble(cfg, model_key, f: float, rc: float, c_fwd: float, c_bwd: float, head
 
 @functools.lru_cache(maxsize=1024)
 def _shared_units(schedule: str, pp: int, m: int, chunks: int, model_key: tuple, key: tuple, group: int,
-                  cores: float, latency: float = 0.0) -> float:
+                  cores: float, latency: float = 0.0, where: tuple | None = None) -> float:
     """``shared.makespan`` of the plan the engine runs, in the units of ``bubble``'s key."""
     from .shared import makespan
     plan, _ = _plan(schedule, pp, m, chunks, model_key)
     costs = {k: (a, c) for k, (a, c, _) in zip("FBIW", key)}
     costs.update({(pp * chunks - 1, k): (a + x, c) for k, (a, c, x) in zip("FBIW", key)})
-    return makespan(plan, costs, group, cores, latency)
+    return makespan(plan, costs, group, cores, latency, None if where is None else list(where))

@@ -22,18 +22,34 @@ alone (ends at 6), then B1 beside rank 0's B0 (half speed, both end at 10), rank
 
 12 s: the 6 s of each rank's work at half speed, no bubble left. With a core per rank (``cores=4``) it
 is the schedule's own 9 s.
+
+Ranks bound to cores (``launch.bind_rank``: rank g on core ``g % cores``) share only their own core:
+``placement[r]`` lists the cores of the ranks pipeline rank r stands for (its tp and sp peers, and its
+dp replicas, which run the same actions), and each runs at ``1 / (busy ranks on its core)``, the
+slowest of them setting the pace. dp=2 x pp=2 on 2 cores puts each replica's two stages on one core
+(ranks 0, 2 on core 0: replica 0's stages), so a stage's bubble is its other stage's time on the core::
+
+    >>> makespan(build_plan("gpipe", 2, 2), {"F": (1, 0), "B": (2, 0)}, placement=[(0, 1), (0, 1)])
+    12.0
+
+(here the same 12 s: every action of the one-core replica runs alone or beside its other stage).
 """
 from __future__ import annotations
 
 __all__ = ["makespan"]
 
 
-def makespan(plan, costs: dict, group: int = 1, cores: float = float("inf"), latency: float = 0.0) -> float:
+def makespan(plan, costs: dict, group: int = 1, cores: float = float("inf"), latency: float = 0.0,
+             placement: list | None = None) -> float:
     """Seconds from the first action to the last; ``costs[kind]`` or ``costs[(stage, kind)]`` =
     ``(work, wait)``; ``latency``: seconds from the end of an action to the start of one on another rank
-    that waits for it (the message between them)."""
+    that waits for it (the message between them); ``placement``: the bound cores of each pipeline rank's
+    ranks (then ``group`` and ``cores`` are not used)."""
     if cores <= 0 or group < 1:
         raise ValueError(f"cores={cores!r}, group={group!r}: give at least one core and one rank a pipeline rank")
+    if placement is not None and (len(placement) != len(plan.actions) or not all(placement)):
+        raise ValueError(f"placement lists {len(placement)} pipeline ranks' cores, the plan has {len(plan.actions)} "
+                         f"ranks: give each its ranks' cores (one or more)")
     from ..pipeline.check import _dependencies, _index, check
     check(plan)
     deps = _dependencies(plan, _index(plan))
@@ -73,11 +89,11 @@ def makespan(plan, costs: dict, group: int = 1, cores: float = float("inf"), lat
                 raise RuntimeError("the plan stopped with actions left: pipeline.check should have refused it")
             return t
         busy = [r for r in running if phase[r] == "work"]
-        rate = min(1.0, cores / (len(busy) * group)) if busy else 1.0
-        step = min([left[r] / (rate if phase[r] == "work" else 1.0) for r in running] + [w - t for w in later])
+        rate = _rates(busy, group, cores, placement)
+        step = min([left[r] / rate.get(r, 1.0) for r in running] + [w - t for w in later])
         t += step
         for r in running:
-            left[r] -= step * (rate if phase[r] == "work" else 1.0)
+            left[r] -= step * rate.get(r, 1.0)
             if left[r] > 1e-12:
                 continue
             a = rows[r][pos[r]]
@@ -88,3 +104,17 @@ def makespan(plan, costs: dict, group: int = 1, cores: float = float("inf"), lat
                 phase[r] = None
                 done[(r, pos[r])] = t
                 pos[r] += 1
+
+
+def _rates(busy: list, group: int, cores: float, placement) -> dict:
+    """Speed of each busy pipeline rank (1: a core of its own): the ``cores`` shared by every busy rank, or,
+    bound (``placement``), each rank's core shared by the busy ranks bound to it, the slowest of a pipeline
+    rank's ranks setting its pace."""
+    if placement is None:
+        rate = min(1.0, cores / (len(busy) * group)) if busy else 1.0
+        return {r: rate for r in busy}
+    load: dict = {}
+    for r in busy:
+        for c in placement[r]:
+            load[c] = load.get(c, 0) + 1
+    return {r: min(1.0 / load[c] for c in placement[r]) for r in busy}

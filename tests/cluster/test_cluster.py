@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 import colab_kit as ck
+from colab_kit.launch import cores_for_rank
 from colab_kit.notebook.cluster import Cluster, ClusterError
 
 
@@ -28,7 +29,8 @@ def _env():
 
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     return {**{k: os.environ[k] for k in keys}, "pid": os.getpid(), "threads": torch.get_num_threads(),
-            "expected_threads": threads_per_rank(4)}
+            "expected_threads": threads_per_rank(4),
+            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
 
 
 def _all_reduce(x):
@@ -68,6 +70,9 @@ def test_ranks_table_matches_the_engines(cluster):
     for rank, e in enumerate(envs):
         assert (e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"]) == (str(rank), "4", str(rank))
         assert e["threads"] == e["expected_threads"]
+    if envs[0]["cores"] is not None:  # each engine bound to its cores (launch.bind_rank), a thread per core
+        allowed = sorted(os.sched_getaffinity(0))  # the engines' launcher's, as this process's
+        assert [e["cores"] for e in envs] == [cores_for_rank(r, 4, allowed) for r in range(4)]
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
     assert "rank" in str(table) and str(table[0]["pid"]) in table._repr_html_()
 

@@ -34,6 +34,7 @@ def rank_info(x, y=None):
         "rank": dist.get_rank(), "world": dist.get_world_size(), "backend": dist.get_backend(),
         "env": (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]),
         "args": (x, y), "threads": torch.get_num_threads(),
+        "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
 
 
@@ -135,6 +136,29 @@ def test_threads_per_rank(monkeypatch):
     assert launch_mod.threads_per_rank(0) == 16
     monkeypatch.setattr(os, "cpu_count", lambda: None)
     assert launch_mod.threads_per_rank(4) == 1
+
+
+def test_cores_for_rank():
+    assert [launch_mod.cores_for_rank(r, 4, [0, 1]) for r in range(4)] == [[0], [1], [0], [1]]
+    assert [launch_mod.cores_for_rank(r, 3, list(range(16))) for r in range(3)] == [
+        [0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]]
+    assert launch_mod.cores_for_rank(0, 1, [2, 5]) == [2, 5]  # the cores the process may use, not 0..n
+    assert launch_mod.cores_for_rank(5, 8, [3, 4, 6]) == [6]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_ranks_bound_to_their_cores(monkeypatch):
+    """Each rank runs on ``cores_for_rank``'s cores with a thread per core; ``threads=`` given or
+    ``COLAB_KIT_BIND=0``: the OS places them (every core allowed)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    got = ck.launch(rank_info, 4, 0)
+    assert [o["cores"] for o in got] == [launch_mod.cores_for_rank(r, 4, allowed) for r in range(4)]
+    assert [o["threads"] for o in got] == [len(o["cores"]) for o in got]
+    if len(allowed) > 1:
+        assert len({tuple(o["cores"]) for o in got}) > 1  # not all on one core
+    assert all(o["cores"] == allowed for o in ck.launch(rank_info, 2, 0, threads=1))
+    monkeypatch.setenv("COLAB_KIT_BIND", "0")
+    assert all(o["cores"] == allowed for o in ck.launch(rank_info, 2, 0))
 
 
 def test_threads_set_in_each_rank():

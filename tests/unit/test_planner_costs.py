@@ -110,3 +110,31 @@ def test_cached_constants_of_another_version_are_measured_again(tmp_path, monkey
     assert mod.constants(ranks=4)["version"] == mod.VERSION and calls == [4]  # and then cached
     current = dict(stale["4"], version=mod.VERSION)
     assert mod.cached(4) == current
+
+
+def test_bound_ranks_share_only_their_own_core():
+    """Ranks bound to cores (``launch.bind_rank``; the constants' ``bound``): a busy rank shares its core with
+    the busy ranks bound to it, not with the whole machine. pp=4 GPipe on 2 cores puts stages 0 and 2 on one
+    core: F of stages 0 and 2 at once run at half speed though stage 1's core may be idle (30 half-forwards
+    against 27 shared freely); dp=2 x pp=2 puts each replica's two stages on one core, so a stage's bubble is
+    its other stage's turn and the replica takes its two stages' work, nothing more."""
+    from colab_kit.planner.pipeline_cost import placement
+    plan4 = build_plan("gpipe", 4, 4)
+    costs = {"F": (1, 0), "B": (2, 0)}
+    assert placement(ck.ParallelConfig(pp=4), 2) == ((0,), (1,), (0,), (1,))
+    assert makespan(plan4, costs, cores=2) == pytest.approx(27.0)
+    assert makespan(plan4, costs, placement=[(0,), (1,), (0,), (1,)]) == pytest.approx(30.0)
+    # a core per rank, bound or not: the schedule's own timeline
+    assert makespan(plan4, costs, placement=[(0,), (1,), (2,), (3,)]) == pytest.approx(simulate(plan4).makespan)
+    # dp=2 x pp=2: replica d on core d; 2 microbatches x (F + B) = 6 s of work per stage, 12 per core
+    where = placement(ck.ParallelConfig(dp=2, pp=2), 2)
+    assert where == ((0, 1), (0, 1))
+    assert makespan(build_plan("gpipe", 2, 2), costs, placement=list(where)) == pytest.approx(12.0)
+    with pytest.raises(ValueError, match="placement lists 1 pipeline ranks' cores, the plan has 2"):
+        makespan(build_plan("gpipe", 2, 2), costs, placement=[(0,)])
+    # in the step's price: bound, the replica's bubble is gone; not bound, it is the schedule's own
+    two = dict(EXAMPLE_CONSTANTS, cores=2)
+    _, free, _ = _seconds({"dp": 2, "pp": 2, "microbatches": 2}, two)
+    _, bound, _ = _seconds({"dp": 2, "pp": 2, "microbatches": 2}, dict(two, bound=True))
+    assert free["bubble"] > 0 and bound.get("bubble", 0.0) < free["bubble"] / 4
+    assert bound["compute"] == pytest.approx(free["compute"], rel=1e-12)
