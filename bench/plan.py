@@ -5,7 +5,7 @@ per-op overhead, memory rate, every collective's alpha and beta on each group si
 spawn of ``--ranks`` processes; the time it took is printed), plans a GPT for ``--ranks``
 ranks and a global batch of ``--batch`` rows, takes the best candidate of each of the first
 ``--top`` layouts, boosts them all in ONE spawn and trains them in turns for ``--steps``
-rounds (``colab_kit.planner.validate``), and prints per candidate the estimated and measured
+rounds, 2 warm-up and 2 timed steps of a candidate at a time (``colab_kit.planner.validate``), and prints per candidate the estimated and measured
 model-state bytes (params + grads + optimizer, the fullest rank), activations, and median step
 time (the slowest rank), with the Spearman rank correlation of the step times, the largest error,
 the first choice's regret, and each estimate's parts beside what the measurement has beyond them.
@@ -72,7 +72,8 @@ def main(argv=None) -> None:
                        f"{max(abs(r['est_states'] - r['states']) / r['states'] for r in rows):.1%}")],
           {"rows": rows, "spearman": result["spearman"], "max_step_error": err, "regret": regret,
            "scale": acc["scale"], "shape": acc["shape"],
-           "constants_seconds": consts["seconds_to_measure"]}, vars(args), argv)
+           "constants_seconds": consts["seconds_to_measure"],
+           "constants": consts}, vars(args), argv)  # what the estimates were priced with: re-price them offline
 
 
 if __name__ == "__main__":

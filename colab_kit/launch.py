@@ -38,7 +38,7 @@ try:
 except ImportError:  # pragma: no cover
     _pickler = pickle
 
-__all__ = ["launch", "default_backend", "threads_per_rank", "cores_for_rank", "bind_rank"]
+__all__ = ["launch", "default_backend", "threads_per_rank", "cores_for_rank", "bind_rank", "ranks_share_cores"]
 
 _CTX = None
 _RELEASE = "colab_kit/launch/release"  # set by the parent once every rank has reported
@@ -125,16 +125,28 @@ def cores_for_rank(local_rank: int, local_world: int, cores: list[int] | None = 
     return cores[local_rank * per:(local_rank + 1) * per]
 
 
+def ranks_share_cores() -> bool:
+    """Whether this host runs more ranks than it has cores: ``LOCAL_WORLD_SIZE`` (set by ``ck.launch``, the
+    notebook cluster's engines and torchrun) above ``os.cpu_count()``. False outside a launcher. The engine
+    then fills one gradient bucket instead of two (``zero.stage0.default_bucket_bytes``)."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        return False
+    return local > (os.cpu_count() or 1)
+
+
 def bind_rank(local_rank: int, local_world: int) -> list[int] | None:
     """Bind this process (and the threads it starts afterwards) to ``cores_for_rank``'s cores; the cores,
     or None where it is not done: an OS without ``sched_setaffinity`` (macOS), or ``COLAB_KIT_BIND=0`` in
     the environment (the OS then places the ranks, as before: for comparing).
 
     Why: with more ranks than cores the OS moves ranks between cores and, at times, puts the two ends of
-    a collective on one core. Measured on 4 ranks / 2 cores (gloo, ``python bench/plan.py``, 8 layouts of a
-    4-layer GPT): bound, the steps were 5-25% faster (a dp=2 x sp=2 Ulysses step 34-40 ms, 44-52 unbound)
-    and a 2-rank all-reduce's cost in a step moved by 10% between measurements instead of 50%, so the
-    planner's constants describe the runs they price.
+    a collective on one core. On 4 ranks / 2 cores (gloo; ``python bench/bind.py``, one config per mode
+    trained bound and OS-placed in alternating spawns) the bound steps took 0.73-0.92 of the time (ZeRO 3
+    0.73, dp=4 0.82, dp=2 x tp=2 0.89, pp=4 0.92), and the cost of a collective in a step holds still between
+    measurements (``planner.constants``: a 2-rank all-reduce 1.4-1.8 ms bound, 1.1-2.1 placed by the OS),
+    so the planner's constants describe the runs they price.
     """
     if os.environ.get("COLAB_KIT_BIND", "1") == "0" or not hasattr(os, "sched_setaffinity"):
         return None
@@ -188,7 +200,7 @@ def _worker(rank, world_size, port, payload, results, backend, threads, timeout,
         fn, args = tracebacks.unpack(payload)  # the caller's code keeps its file names and lines
         os.environ.update(gloo_env(LOOPBACK))  # gloo listens on loopback too
         os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank),
-                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
         if threads is None:  # the default split: this rank's own cores, a thread each
             threads = len((bind_rank(rank, world_size) if bind else None) or []) or threads_per_rank(world_size)
         torch.set_num_threads(threads)

@@ -85,7 +85,7 @@ def _dp_comm(model, cfg, consts, memory, block_fwd: float = 0.0, block_rc: float
         return 0.0, 0
     if cfg.zero == 3:
         return _zero3(model, cfg, consts, block_fwd, block_rc)
-    bucket, nb = engine_buckets(model, cfg)
+    bucket, nb = engine_buckets(model, cfg, shares_cores(consts, cfg))
     wire = bucket * 4 // PRECISION_BYTES[cfg.precision]  # gradients are reduced in fp32 (engine.precision)
     if cfg.zero:  # stage 2 without a pipeline reduce-scatters every microbatch's buckets (zero.stage2)
         rounds = cfg.microbatches if cfg.zero == 2 and cfg.pp == 1 else 1
@@ -100,13 +100,20 @@ def _dp_comm(model, cfg, consts, memory, block_fwd: float = 0.0, block_rc: float
     return _coll(consts, "all_reduce", wire, cfg.dp, nb - hidden), nb
 
 
-def engine_buckets(model, cfg) -> tuple[int, int]:
+def shares_cores(consts, cfg) -> bool:
+    """Whether ``cfg``'s ranks share the cores the constants were measured on (more ranks than ``cores``):
+    the engine then fills one gradient bucket (``launch.ranks_share_cores``)."""
+    return consts.get("cores", cfg.world_size) < cfg.world_size
+
+
+def engine_buckets(model, cfg, shared_cores: bool = False) -> tuple[int, int]:
     """(bytes a bucket holds, buckets) of the fullest rank's gradients as the engine makes them, in the
-    parameters' own bytes (16-bit under bf16/fp16): about two (``zero.stage0.default_bucket_bytes``), 2 dp at
-    ZeRO stage 2 (``zero.stage2.stage2_bucket_size``)."""
+    parameters' own bytes (16-bit under bf16/fp16): about two (``zero.stage0.default_bucket_bytes``; one
+    where the ranks share the host's cores, ``shared_cores``), 2 dp at ZeRO stage 2
+    (``zero.stage2.stage2_bucket_size``)."""
     e = PRECISION_BYTES[cfg.precision]
     total = max(stage_params(model, cfg)) * e
-    bucket = stage2_bucket_size(total, cfg.dp) if cfg.zero == 2 else default_bucket_bytes(total)
+    bucket = stage2_bucket_size(total, cfg.dp) if cfg.zero == 2 else default_bucket_bytes(total, shared_cores)
     return bucket, _bucket_count(model, cfg, bucket, e)
 
 

@@ -42,16 +42,21 @@ measures, all ranks at the same time (so that they share the cores the way a rea
 
   "Adds to a step" is measured in step, not alone: ``reps`` rounds of a small piece of compute
   (one tiny forward and backward, what a block does between two collectives) followed by the
-  collective, minus the same rounds without it, every rank busy alike; the median of 3 such
+  collective, minus the same rounds without it, every rank busy alike; the median of 5 such
   trials per rank, then the median over ranks (each rank sees a collective differently: the one
-  that came first waited longest). With more ranks than cores most of a small collective's cost
+  that came first waited longest). The trials go in turns over all the points of a group size
+  (a slow spell of the machine falls on many points a little), and the ranks are bound to their
+  cores as ``ck.launch`` binds them (``launch.bind_rank``; ``bound`` in the result says so, and the
+  planner then shares a core among its own ranks only): left to the OS, a 2-rank all-reduce's
+  cost moved between 1.1 and 2.1 ms from one measurement to the next, as the OS put the pair on one
+  core or on two. With more ranks than cores most of a small collective's cost
   is waiting for a peer's turn on a core, and only a measurement inside a running loop sees that
   as a step does. (Timed alone after a burst of compute, as this module first did, the ranks
   arrived milliseconds apart and a Ulysses all-to-all read 1.5-2.4x what it adds to a step.)
 
-  Worked example, 4 ranks on 2 cores (gloo, 2026-12-01): an all_to_all of 4 KiB per rank on
-  groups of 2 adds 1.3-1.4 ms, on one group of 4 about 2.1 ms; an all_reduce 1.6-2.3 ms and
-  5.0-5.4 ms; ``alpha`` is nearly all of it at these sizes.
+  Worked example, 4 ranks bound on 2 cores (gloo): an all_to_all of 4 KiB per rank on groups of
+  2 adds 0.9-1.2 ms, on one group of 4 1.7-2.3 ms; an all_reduce 1.4-1.8 ms and 2.0-2.6 ms (the
+  OS placing the ranks: 1.1-2.1 and 3.3-5.0); ``alpha`` is nearly all of it at these sizes.
 
 An entry cached by an older ``VERSION`` is measured again. The result is cached as JSON in ``$COLAB_KIT_CACHE`` (default ``~/.cache/colab_kit``) under
 ``constants-<host>-<torch version>.json``, one entry per rank count; ``refresh=True`` measures
@@ -266,9 +271,9 @@ def measure_rank(ranks: int) -> dict:
     mem = _time(lambda: big.add_(other), 5)
     opt_ops, opt_step = _optimizer_step()
     opt_seconds = statistics.median(_window(opt_step) / opt_ops for _ in range(3))
-    # every point's trials in turns (``_TRIALS`` passes over all of them): a slow spell of the machine
-    # (they last a tenth of a second or more on a shared VM) falls on many points a little, not on one
-    # point's every trial; measured back to back, one point's median moved by 30% between measurements
+    # every point's trials in turns (``_TRIALS`` passes over a group size's points): a slow spell of the
+    # machine (a tenth of a second or more on a shared VM) falls on many points a little, not on one
+    # point's every trial
     points, trials = {}, {}
     for n in [k for k in range(2, ranks + 1) if ranks % k == 0]:
         # the ranks in groups of n (every group busy at once), through colab_kit.comm on a mesh:

@@ -22,7 +22,7 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   dp replicas of the pipeline, every action at the speed of all ranks busy (the replicas drift apart
   and the step waits for the later one). The bubble is that span less the rank's own work.
 - communication, ``alpha + wire / beta`` per collective with the group's measured constants: dp
-  gradients in the engine's buckets (``_bucket_count``: ``zero.stage0.default_bucket_bytes``, 2 dp at
+  gradients in the engine's buckets (``_bucket_count``: ``zero.stage0.default_bucket_bytes``, one where ranks share cores, 2 dp at
   ZeRO 2), all but the first exposed where a core per rank lets the first run while backward goes
   on, all of them on shared cores; ZeRO 1/2 reduce-scatter them (stage 2 without a pipeline every
   microbatch) and all-gather the parameters; ZeRO 3 (``_zero3``) gathers each block in forward and
@@ -48,7 +48,7 @@ import functools
 
 from ..memory.formulas import PRECISION_BYTES, activation_bytes
 from ..pipeline.costs import flops_per_token
-from .comm_cost import _coll, _dp_comm, _forward_share, _op, _sp_comm, _tp_comm, engine_buckets  # noqa: F401 (_op: observe.roofline)
+from .comm_cost import _coll, _dp_comm, _forward_share, _op, _sp_comm, _tp_comm, engine_buckets, shares_cores  # noqa: F401 (_op: observe.roofline)
 from .pipeline_cost import bubble
 
 __all__ = ["step_seconds"]
@@ -223,14 +223,14 @@ OPS_PER_TENSOR = {"adamw": 10, "adam": 10, "sgd-momentum": 3, "sgd": 3, "sgd-nom
 """Ops torch's optimizers dispatch per tensor they step (counted on CPU, torch 2.13: AdamW 532 for 53 tensors)."""
 
 
-def stepped_tensors(model, cfg) -> int:
+def stepped_tensors(model, cfg, shared_cores: bool = False) -> int:
     """Tensors the optimizer steps on the fullest rank: a GPT's own (12 a block, the token and position
     tables, the final norm and the head) without ZeRO; one flat piece per gradient bucket at stages 1-2;
     one per chunk at stage 3 (each block, the embeddings, the tail)."""
     if cfg.zero == 3:
         return model.n_layers // cfg.pp + 2
     if cfg.zero in (1, 2):
-        return engine_buckets(model, cfg)[1]
+        return engine_buckets(model, cfg, shared_cores)[1]
     layers = model.n_layers // cfg.pp
     return 12 * layers + (5 if cfg.pp == 1 else 3)  # tables (2) on the first stage, norm + head (3) on the last
 
@@ -242,5 +242,5 @@ def _optimizer(cfg, consts, memory, model=None, optimizer: str = "adamw") -> flo
         seconds += 2 * memory["grads"] / consts["memory"]["bytes_per_s"]
     per_op = consts.get("optimizer", {}).get("op_seconds", 0.0)  # constants measured before it: bytes only
     if model is not None and per_op:
-        seconds += stepped_tensors(model, cfg) * OPS_PER_TENSOR.get(optimizer, 10) * per_op
+        seconds += stepped_tensors(model, cfg, shares_cores(consts, cfg)) * OPS_PER_TENSOR.get(optimizer, 10) * per_op
     return seconds

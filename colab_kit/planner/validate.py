@@ -2,7 +2,8 @@
 
 ``validate(model, ranks, batch, top)`` plans, takes the best candidate of each of the first
 ``top`` layouts (``distinct_layouts``), then in ONE ``ck.launch`` of ``ranks`` processes boosts
-them all and trains them in turn, ``steps`` rounds on ``SyntheticTokens`` (the fullest rank's
+them all and trains them in turn, ``steps`` rounds on ``SyntheticTokens`` (``run_candidates``: each config
+2 warm-up and 2 timed steps a round; the fullest rank's
 memory, the slowest rank's time), and returns one row per candidate: estimated and measured model-state bytes (params + grads + optimizer), activations,
 and median step seconds (first step left out), plus the Spearman rank correlation of the times.
 """
@@ -60,10 +61,17 @@ def accuracy(rows: list[dict]) -> dict:
             "regret": rows[0]["seconds"] / min(r["seconds"] for r in rows) - 1}
 
 
-def run_candidates(model_kwargs: dict, configs: list[dict], kwargs: list[dict], batch: int, steps: int) -> list[dict]:
-    """On every rank: boost every config (all engines alive at once), then ``steps`` rounds of one
-    step of each in turn, so that a change in the machine's load falls on all of them alike; this
-    rank's memory and median step seconds per config (the first round is not timed)."""
+def run_candidates(model_kwargs: dict, configs: list[dict], kwargs: list[dict], batch: int, steps: int,
+                   warm: int = 2, timed: int = 2) -> list[dict]:
+    """On every rank: boost every config (all engines alive at once), then ``steps`` rounds in which each
+    config in turn runs ``warm`` steps and then ``timed`` timed ones, so that a change in the machine's load
+    falls on all of them alike while each timed step follows steps of its own config, as in training; this
+    rank's memory and median step seconds per config (the first round is not timed).
+
+    Why the untimed steps: a step right after another config's ran 20-30% slower than in training (dp=4 on
+    4 ranks / 2 cores, the 4-block test GPT: 16 ms alone, 21 ms alternating step by step with 6 other
+    configs, 17 ms as the third and fourth of four consecutive steps): the caches hold the other engine's
+    parameters, states and buffers, and the cheapest configs lose most."""
     import torch
 
     import colab_kit as ck
@@ -76,12 +84,14 @@ def run_candidates(model_kwargs: dict, configs: list[dict], kwargs: list[dict], 
                for c, kw in zip(configs, kwargs)]
     times = [[] for _ in engines]
     losses = [[] for _ in engines]
+    per_round = warm + timed
     for s in range(steps + 1):
         for i, engine in enumerate(engines):
-            t = time.perf_counter()
-            losses[i].append(engine.train_step(data.batch(s, batch)))
-            if s:
-                times[i].append(time.perf_counter() - t)
+            for k in range(per_round):
+                t = time.perf_counter()
+                losses[i].append(engine.train_step(data.batch(s * per_round + k, batch)))
+                if s and k >= warm:
+                    times[i].append(time.perf_counter() - t)
     out = []
     for i, engine in enumerate(engines):
         mem = engine.memory()
