@@ -28,7 +28,7 @@ CONFIGS = [  # one config per mode the engine runs, sized for 4 ranks (ParallelC
     {"pp": 4, "microbatches": 4, "schedule": "1f1b"},
     {"dp": 2, "tp": 2},
     {"dp": 2, "sp": 2, "sp_mode": "ulysses"},
-    {"dp": 2, "sp": 2, "sp_mode": "ring"},
+    {"dp": 2, "sp": 2, "sp_mode": "ring"},  # describe() leaves out the default mode: named below
     {"dp": 4, "zero": 3},
 ]
 
@@ -61,7 +61,8 @@ def main(argv=None) -> None:
 
     model = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=args.layers)
     configs = [_scaled(c, args.ranks) for c in CONFIGS]
-    names = [ck.ParallelConfig(**c).describe() for c in configs]
+    names = [ck.ParallelConfig(**c).describe() + (f", {c['sp_mode']}" if c.get("sp_mode") == "ring" else "")
+             for c in configs]
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     before = os.environ.get("COLAB_KIT_BIND")
     times = {"bound": [], "os": []}

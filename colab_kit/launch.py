@@ -38,7 +38,8 @@ try:
 except ImportError:  # pragma: no cover
     _pickler = pickle
 
-__all__ = ["launch", "default_backend", "threads_per_rank", "cores_for_rank", "bind_rank", "ranks_share_cores"]
+__all__ = ["launch", "default_backend", "threads_per_rank", "cores_for_rank", "bind_rank", "ranks_share_cores",
+           "host_cores"]
 
 _CTX = None
 _RELEASE = "colab_kit/launch/release"  # set by the parent once every rank has reported
@@ -117,6 +118,8 @@ def cores_for_rank(local_rank: int, local_world: int, cores: list[int] | None = 
     """
     if cores is None:
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if not 0 <= local_rank < max(1, local_world):
+        raise ValueError(f"local rank {local_rank} of {local_world} ranks: give 0 <= local_rank < local_world")
     if not cores:
         return []
     if local_world >= len(cores):
@@ -125,32 +128,59 @@ def cores_for_rank(local_rank: int, local_world: int, cores: list[int] | None = 
     return cores[local_rank * per:(local_rank + 1) * per]
 
 
+HOST_CORES = "COLAB_KIT_HOST_CORES"
+"""Environment variable a bound rank keeps the number of cores its host's ranks share in (``bind_rank`` sets it
+before binding: afterwards ``os.sched_getaffinity`` shows the rank's own cores only)."""
+
+
+def host_cores() -> int:
+    """Cores this host's ranks may use: ``$COLAB_KIT_HOST_CORES`` where a launcher bound the rank, else the
+    cores this process may run on (``os.sched_getaffinity``: a container's or ``taskset``'s limit), else
+    ``os.cpu_count()``. The planner's constants record the same count (``planner.constants``, "cores")."""
+    try:
+        return max(1, int(os.environ[HOST_CORES]))
+    except (KeyError, ValueError):
+        pass
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def ranks_share_cores() -> bool:
     """Whether this host runs more ranks than it has cores: ``LOCAL_WORLD_SIZE`` (set by ``ck.launch``, the
-    notebook cluster's engines and torchrun) above ``os.cpu_count()``. False outside a launcher. The engine
-    then fills one gradient bucket instead of two (``zero.stage0.default_bucket_bytes``)."""
+    notebook cluster's engines and torchrun; 1 without one) above ``host_cores()``. The engine then fills one
+    gradient bucket instead of two on CPU ranks (``zero.stage0.default_bucket_bytes``); the planner applies the
+    same rule to its constants' cores and the config's world size (``planner.comm_cost.shares_cores``: it prices
+    one host)."""
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     except ValueError:
         return False
-    return local > (os.cpu_count() or 1)
+    return local > host_cores()
 
 
-def bind_rank(local_rank: int, local_world: int) -> list[int] | None:
+def bind_rank(local_rank: int, local_world: int, enabled: bool | None = None) -> list[int] | None:
     """Bind this process (and the threads it starts afterwards) to ``cores_for_rank``'s cores; the cores,
-    or None where it is not done: an OS without ``sched_setaffinity`` (macOS), or ``COLAB_KIT_BIND=0`` in
-    the environment (the OS then places the ranks, as before: for comparing).
+    or None where it is not done: an OS without ``sched_setaffinity`` (macOS), ``enabled=False``, or, with
+    ``enabled`` None, ``COLAB_KIT_BIND=0`` in the environment (the OS then places the ranks, as before: for
+    comparing). ``ck.launch`` passes the parent's reading of ``COLAB_KIT_BIND`` (its ranks fork from a server
+    that may have started with another environment). Subprocesses a bound rank starts (DataLoader workers)
+    inherit its cores.
 
     Why: with more ranks than cores the OS moves ranks between cores and, at times, puts the two ends of
     a collective on one core. On 4 ranks / 2 cores (gloo; ``python bench/bind.py``, one config per mode
-    trained bound and OS-placed in alternating spawns) the bound steps took 0.73-0.92 of the time (ZeRO 3
-    0.73, dp=4 0.82, dp=2 x tp=2 0.89, pp=4 0.92), and the cost of a collective in a step holds still between
-    measurements (``planner.constants``: a 2-rank all-reduce 1.4-1.8 ms bound, 1.1-2.1 placed by the OS),
-    so the planner's constants describe the runs they price.
+    trained bound and OS-placed in alternating spawns) the bound steps took 0.72-0.93 of the time (ZeRO 3
+    0.72, dp=4 0.86, dp=2 x tp=2 0.90, pp=4 0.93), and the cost of a collective in a step holds still between
+    measurements (``planner.constants``, six measurements each way by hand: a 2-rank all-reduce 1.4-1.8 ms
+    bound, 1.1-2.1 placed by the OS), so the planner's constants describe the runs they price.
     """
-    if os.environ.get("COLAB_KIT_BIND", "1") == "0" or not hasattr(os, "sched_setaffinity"):
+    if enabled is None:
+        enabled = os.environ.get("COLAB_KIT_BIND", "1") != "0"
+    if not enabled or not hasattr(os, "sched_setaffinity"):
         return None
-    cores = cores_for_rank(local_rank, local_world)
+    allowed = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault(HOST_CORES, str(len(allowed)))
+    cores = cores_for_rank(local_rank, local_world, allowed)
     try:  # every thread the process has (an ipyparallel engine's run before this call), then the caller's
         tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else []
         for tid in tids:
@@ -202,7 +232,7 @@ def _worker(rank, world_size, port, payload, results, backend, threads, timeout,
         os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
         if threads is None:  # the default split: this rank's own cores, a thread each
-            threads = len((bind_rank(rank, world_size) if bind else None) or []) or threads_per_rank(world_size)
+            threads = len(bind_rank(rank, world_size, bind) or []) or threads_per_rank(world_size)
         torch.set_num_threads(threads)
         keep_freed_memory()
         if backend == "nccl":
@@ -269,6 +299,7 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout: floa
     ctx = _context()
     results = ctx.Queue()
     bind = os.environ.get("COLAB_KIT_BIND", "1") != "0"  # read here: the ranks fork from a server started earlier
+    threads = threads or None  # 0: the default split, as before
     procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, payload, results, backend, threads,
                                                timeout, bind), daemon=True) for r in range(world_size)]
     with _main_not_reimported():

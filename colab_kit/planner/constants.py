@@ -48,13 +48,13 @@ measures, all ranks at the same time (so that they share the cores the way a rea
   (a slow spell of the machine falls on many points a little), and the ranks are bound to their
   cores as ``ck.launch`` binds them (``launch.bind_rank``; ``bound`` in the result says so, and the
   planner then shares a core among its own ranks only): left to the OS, a 2-rank all-reduce's
-  cost moved between 1.1 and 2.1 ms from one measurement to the next, as the OS put the pair on one
-  core or on two. With more ranks than cores most of a small collective's cost
+  cost moved between 1.1 and 2.1 ms from one measurement to the next (six measurements, by hand), as
+  the OS put the pair on one core or on two. With more ranks than cores most of a small collective's cost
   is waiting for a peer's turn on a core, and only a measurement inside a running loop sees that
   as a step does. (Timed alone after a burst of compute, as this module first did, the ranks
   arrived milliseconds apart and a Ulysses all-to-all read 1.5-2.4x what it adds to a step.)
 
-  Worked example, 4 ranks bound on 2 cores (gloo): an all_to_all of 4 KiB per rank on groups of
+  Worked example, 4 ranks bound on 2 cores (gloo; six measurements each way, by hand): an all_to_all of 4 KiB per rank on groups of
   2 adds 0.9-1.2 ms, on one group of 4 1.7-2.3 ms; an all_reduce 1.4-1.8 ms and 2.0-2.6 ms (the
   OS placing the ranks: 1.1-2.1 and 3.3-5.0); ``alpha`` is nearly all of it at these sizes.
 
@@ -150,12 +150,12 @@ def median_of(measurements: list[dict]) -> dict:
 
 def measure(ranks: int = 4) -> dict:
     """Measure now (see the module docstring); about 8-10 s on 4 CPU ranks plus process start."""
-    from ..launch import cores_for_rank, launch
+    from ..launch import cores_for_rank, host_cores, launch
     t0 = time.perf_counter()
     per_rank = launch(measure_rank, ranks, ranks)
     out = combine(per_rank)
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    out["cores"] = len(allowed)
+    out["cores"] = host_cores()  # the engine's rule for ranks sharing cores counts the same (launch.ranks_share_cores)
     # bound: every rank ran on cores_for_rank's cores (the planner then shares each core among its own ranks)
     out["bound"] = all(r.get("affinity") == cores_for_rank(i, ranks, allowed) for i, r in enumerate(per_rank))
     out["seconds_to_measure"] = round(time.perf_counter() - t0, 2)

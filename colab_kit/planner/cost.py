@@ -17,10 +17,11 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   zero-bubble I the backward less W, W the Linears' deferred weight gradients (``_weight_grads``:
   their FLOPs and 4 ops a Linear, so where ops dominate W is small and fills little of the
   bubble), the last stage's head and loss on top. With a core per rank ``pipeline.simulate``; with
-  fewer cores than ranks and one pipeline (dp = 1), ``shared.makespan``: a rank that waits leaves its
-  core to those that compute, and each message between stages takes the measured send latency; with
-  dp replicas of the pipeline, every action at the speed of all ranks busy (the replicas drift apart
-  and the step waits for the later one). The bubble is that span less the rank's own work.
+  fewer cores than ranks, ``shared.makespan``: a rank that waits leaves its core to those that compute
+  (with ranks bound to cores, ``constants``'s "bound", to the ranks bound to the same core: dp=2 x pp=2 on
+  2 cores runs each replica on one core), and each message between stages takes the measured send
+  latency; constants of ranks the OS placed price dp replicas of a pipeline at the speed of all ranks busy
+  (the replicas drift apart and the step waits for the later one). The bubble is that span less the rank's own work.
 - communication, ``alpha + wire / beta`` per collective with the group's measured constants: dp
   gradients in the engine's buckets (``_bucket_count``: ``zero.stage0.default_bucket_bytes``, one where ranks share cores, 2 dp at
   ZeRO 2), all but the first exposed where a core per rank lets the first run while backward goes

@@ -5,7 +5,7 @@
 them all and trains them in turn, ``steps`` rounds on ``SyntheticTokens`` (``run_candidates``: each config
 2 warm-up and 2 timed steps a round; the fullest rank's
 memory, the slowest rank's time), and returns one row per candidate: estimated and measured model-state bytes (params + grads + optimizer), activations,
-and median step seconds (first step left out), plus the Spearman rank correlation of the times.
+and median step seconds (the first round left out), plus the Spearman rank correlation of the times.
 """
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def run_candidates(model_kwargs: dict, configs: list[dict], kwargs: list[dict], 
     falls on all of them alike while each timed step follows steps of its own config, as in training; this
     rank's memory and median step seconds per config (the first round is not timed).
 
-    Why the untimed steps: a step right after another config's ran 20-30% slower than in training (dp=4 on
-    4 ranks / 2 cores, the 4-block test GPT: 16 ms alone, 21 ms alternating step by step with 6 other
+    Why the untimed steps: a step right after another config's ran 20-30% slower than in training (measured
+    by hand once, dp=4 on 4 ranks / 2 cores, the 4-block test GPT: 16 ms alone, 21 ms alternating step by step with 6 other
     configs, 17 ms as the third and fourth of four consecutive steps): the caches hold the other engine's
     parameters, states and buffers, and the cheapest configs lose most."""
     import torch

@@ -25,6 +25,9 @@ cold under backward's kernels), and on CPU ranks gloo's threads share the cores
 with backward, so overlap saves little there. Measured with 2 CPU ranks on 2
 cores, GPT d=128 x 4 layers (3.4 MB of gradients): 4 buckets 0-7% slower per
 step than 2, one bucket per tensor (53) 17% slower; DDP forms 2 for that model.
+Where a host runs more ranks than it has cores (``launch.ranks_share_cores``), CPU ranks
+fill one bucket: no core is free to run an all-reduce beside backward
+(``default_bucket_bytes``).
 """
 from __future__ import annotations
 
@@ -46,8 +49,8 @@ def default_bucket_bytes(total: int, shared_cores: bool = False) -> int:
     """Bucket size for ``total`` gradient bytes: about two buckets (the first overlaps backward), 64 KiB to
     DDP's 25 MB cap; one bucket (to the same cap) where the host's ranks share its cores
     (``shared_cores``, ``launch.ranks_share_cores``): no core is free to run an all-reduce beside backward,
-    so it only takes turns with it. Measured: dp=4 on 2 cores (the 4-block test GPT, 0.84 MB of gradients),
-    two buckets 19.1 ms a step, one 17.3. ``ck.plan`` counts the all-reduces per step from it::
+    so it only takes turns with it. Measured by hand once (engine timelines): dp=4 on 2 cores (the 4-block
+    test GPT, 0.84 MB of gradients), two buckets 19.1 ms a step, one 17.3. ``ck.plan`` counts the all-reduces per step from it::
 
         >>> default_bucket_bytes(840_000), default_bucket_bytes(840_000, shared_cores=True)
         (420000, 840000)
@@ -130,7 +133,8 @@ class ZeroStage0:
         self._params = params
         if bucket_bytes is None:
             from ..launch import ranks_share_cores
-            bucket_bytes = default_bucket_bytes(sum(p.numel() * p.element_size() for p in params), ranks_share_cores())
+            shared = mesh.device.type == "cpu" and ranks_share_cores()  # GPU ranks overlap on their devices
+            bucket_bytes = default_bucket_bytes(sum(p.numel() * p.element_size() for p in params), shared)
         groups = [[params[i] for i in g] for g in fill_buckets([p.numel() * p.element_size() for p in params],
                                                                 bucket_bytes)]
         if group_of is not None:  # the user's param groups: each bucket ordered by group (colab_kit.engine.optimizer)

@@ -144,6 +144,19 @@ def test_cores_for_rank():
         [0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]]
     assert launch_mod.cores_for_rank(0, 1, [2, 5]) == [2, 5]  # the cores the process may use, not 0..n
     assert launch_mod.cores_for_rank(5, 8, [3, 4, 6]) == [6]
+    with pytest.raises(ValueError, match="local rank 4 of 4 ranks"):
+        launch_mod.cores_for_rank(4, 4, [0, 1])
+
+
+def test_ranks_share_cores(monkeypatch):
+    """More local ranks than the host's cores (``$COLAB_KIT_HOST_CORES`` where a launcher bound the rank)."""
+    monkeypatch.setenv("COLAB_KIT_HOST_CORES", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert launch_mod.host_cores() == 2 and launch_mod.ranks_share_cores()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not launch_mod.ranks_share_cores()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert not launch_mod.ranks_share_cores()  # no launcher: one rank
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
@@ -157,6 +170,8 @@ def test_ranks_bound_to_their_cores(monkeypatch):
     if len(allowed) > 1:
         assert len({tuple(o["cores"]) for o in got}) > 1  # not all on one core
     assert all(o["cores"] == allowed for o in ck.launch(rank_info, 2, 0, threads=1))
+    assert [o["cores"] for o in ck.launch(rank_info, 2, 0, threads=0)] == [  # 0: the default, as before
+        launch_mod.cores_for_rank(r, 2, allowed) for r in range(2)]
     monkeypatch.setenv("COLAB_KIT_BIND", "0")
     assert all(o["cores"] == allowed for o in ck.launch(rank_info, 2, 0))
 

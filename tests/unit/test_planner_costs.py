@@ -137,4 +137,3 @@ def test_bound_ranks_share_only_their_own_core():
     _, free, _ = _seconds({"dp": 2, "pp": 2, "microbatches": 2}, two)
     _, bound, _ = _seconds({"dp": 2, "pp": 2, "microbatches": 2}, dict(two, bound=True))
     assert free["bubble"] > 0 and bound.get("bubble", 0.0) < free["bubble"] / 4
-    assert bound["compute"] == pytest.approx(free["compute"], rel=1e-12)
