@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover
     _pickler = pickle
 
 __all__ = ["launch", "default_backend", "threads_per_rank", "cores_for_rank", "bind_rank", "ranks_share_cores",
-           "host_cores"]
+           "host_cores", "allowed_cores", "place_rank"]
 
 _CTX = None
 _RELEASE = "colab_kit/launch/release"  # set by the parent once every rank has reported
@@ -104,6 +104,14 @@ def threads_per_rank(ranks_on_host: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, ranks_on_host))
 
 
+def allowed_cores() -> list[int]:
+    """The cores this process may run on (``os.sched_getaffinity``: a container's or ``taskset``'s limit; all
+    ``os.cpu_count()`` where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def cores_for_rank(local_rank: int, local_world: int, cores: list[int] | None = None) -> list[int]:
     """The cores local rank ``local_rank`` of ``local_world`` ranks on this host is bound to: with at least
     as many cores as ranks, a block of ``len(cores) // local_world`` of its own; with fewer, one core, rank
@@ -117,7 +125,7 @@ def cores_for_rank(local_rank: int, local_world: int, cores: list[int] | None = 
         ([[0], [1], [0], [1]], [0, 1])
     """
     if cores is None:
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cores = allowed_cores()
     if not 0 <= local_rank < max(1, local_world):
         raise ValueError(f"local rank {local_rank} of {local_world} ranks: give 0 <= local_rank < local_world")
     if not cores:
@@ -140,10 +148,7 @@ def host_cores() -> int:
     try:
         return max(1, int(os.environ[HOST_CORES]))
     except (KeyError, ValueError):
-        pass
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
+        return max(1, len(allowed_cores()))
 
 
 def ranks_share_cores() -> bool:
@@ -178,7 +183,7 @@ def bind_rank(local_rank: int, local_world: int, enabled: bool | None = None) ->
         enabled = os.environ.get("COLAB_KIT_BIND", "1") != "0"
     if not enabled or not hasattr(os, "sched_setaffinity"):
         return None
-    allowed = sorted(os.sched_getaffinity(0))
+    allowed = allowed_cores()
     os.environ.setdefault(HOST_CORES, str(len(allowed)))
     cores = cores_for_rank(local_rank, local_world, allowed)
     try:  # every thread the process has (an ipyparallel engine's run before this call), then the caller's
@@ -192,6 +197,15 @@ def bind_rank(local_rank: int, local_world: int, enabled: bool | None = None) ->
     except OSError:
         return None
     return cores
+
+
+def place_rank(local_rank: int, local_world: int, enabled: bool | None = None) -> int:
+    """Bind this rank (``bind_rank``) and give torch a thread per core it is bound to (``threads_per_rank``
+    where it is not bound); the threads. What ``ck.launch``'s ranks and the notebook cluster's engines do."""
+    import torch
+    threads = len(bind_rank(local_rank, local_world, enabled) or []) or threads_per_rank(local_world)
+    torch.set_num_threads(threads)
+    return threads
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
@@ -232,8 +246,9 @@ def _worker(rank, world_size, port, payload, results, backend, threads, timeout,
         os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
         if threads is None:  # the default split: this rank's own cores, a thread each
-            threads = len(bind_rank(rank, world_size, bind) or []) or threads_per_rank(world_size)
-        torch.set_num_threads(threads)
+            place_rank(rank, world_size, bind)
+        else:
+            torch.set_num_threads(threads)
         keep_freed_memory()
         if backend == "nccl":
             torch.cuda.set_device(rank)

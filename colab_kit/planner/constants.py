@@ -150,11 +150,11 @@ def median_of(measurements: list[dict]) -> dict:
 
 def measure(ranks: int = 4) -> dict:
     """Measure now (see the module docstring); about 8-10 s on 4 CPU ranks plus process start."""
-    from ..launch import cores_for_rank, host_cores, launch
+    from ..launch import allowed_cores, cores_for_rank, host_cores, launch
     t0 = time.perf_counter()
     per_rank = launch(measure_rank, ranks, ranks)
     out = combine(per_rank)
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    allowed = allowed_cores()
     out["cores"] = host_cores()  # the engine's rule for ranks sharing cores counts the same (launch.ranks_share_cores)
     # bound: every rank ran on cores_for_rank's cores (the planner then shares each core among its own ranks)
     out["bound"] = all(r.get("affinity") == cores_for_rank(i, ranks, allowed) for i, r in enumerate(per_rank))
@@ -249,6 +249,7 @@ def measure_rank(ranks: int) -> dict:
 
     from ..comm import wire_bytes
     from ..config import ParallelConfig
+    from ..launch import allowed_cores
     from ..mesh import ProcessMesh
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's renamed collectives
@@ -303,7 +304,7 @@ def measure_rank(ranks: int) -> dict:
             "memory": {"bytes_per_s": 3 * big.numel() * 4 / mem},
             "optimizer": {"op_seconds": opt_seconds},
             "points": points, "backend": dist.get_backend(), "torch": torch.__version__,
-            "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+            "affinity": allowed_cores()}
 
 
 def _window(fn, window: float = 0.1) -> float:

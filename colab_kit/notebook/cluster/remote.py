@@ -94,13 +94,13 @@ def init_rank(rank: int, world_size: int, local_rank: int, local_world: int, add
     import torch
     import torch.distributed as dist
 
-    from ...launch import bind_rank, keep_freed_memory, threads_per_rank
+    from ...launch import keep_freed_memory, place_rank
     from ...net import gloo_env
 
     os.environ.update(gloo_env(addr))  # a loopback rendezvous keeps gloo's sockets on loopback too
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world))
-    torch.set_num_threads(len(bind_rank(local_rank, local_world) or []) or threads_per_rank(local_world))
+    place_rank(local_rank, local_world)
     keep_freed_memory()
     device = "cpu"
     if backend == "nccl":
