@@ -1,6 +1,6 @@
 """Checks of colab_kit on a GPU machine (CUDA, NCCL); run by hand where a GPU is lent, never by CI.
 
-Five checks, in this order, each a function below (``check_*``); one that raises is a FAIL with its
+Six checks, in this order, each a function below (``check_*``); one that raises is a FAIL with its
 message and the others still run. Each prints one ``PASS``/``FAIL`` line with its seconds:
 
 1. NCCL through both entry points. ``launch``: ``ck.launch(fn, gpus)`` runs one rank per GPU on NCCL;
@@ -29,6 +29,11 @@ message and the others still run. Each prints one ``PASS``/``FAIL`` line with it
    off in these ranks (``torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 =
    False``; with it fp32 matmuls keep 10-bit mantissas and parity is lost). Beside the verdict, plain
    torch on the same device against the CPU reference: the device's own rounding, for diagnosis.
+5. ``memory_history``: ``engine.memory_timeline(batch)`` on one GPU reads CUDA's allocator log
+   (``colab_kit.memory.history``): its timeline must end at ``torch.cuda.memory_allocated()`` and peak at the
+   step's ``max_memory_allocated()`` to the byte, hold the engine's parameters within the allocator's
+   512-byte rounding, reach the dispatch meter's activations within 10%, and its snapshot pickle must load.
+   On CPU ranks ``method="history"`` must be refused with the way out.
 
 All figures go to ``bench/results/gpu_check.json`` (device, torch, each check's status, seconds, figures).
 Exit 0 when all pass, 1 when one fails, 2 without CUDA (and without ``--cpu-smoke``).
@@ -363,8 +368,57 @@ def check_parity(ctx):
                 "tf32": False}, detail
 
 
+# ------------------------------------------------------------------ 6. the memory timeline from CUDA's allocator log
+def _rank_memory_history(tmp: str):
+    import pickle
+    cfg = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4)
+    torch.manual_seed(0)
+    engine = ck.boost(GPT(cfg), _adamw, ck.ParallelConfig())
+    data = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=3)
+    engine.train_step(data.batch(0, 8))
+    if engine.mesh.device.type != "cuda":  # the CPU smoke: the log is refused with a way out
+        try:
+            engine.memory_timeline(data.batch(1, 8), method="history")
+        except ValueError as exc:
+            return {"refused": str(exc)}
+        return {"refused": None}
+    held = engine.memory()
+    path = os.path.join(tmp, "history-rank{rank}.pickle")
+    tl = engine.memory_timeline(data.batch(1, 8), snapshot=path)
+    end = torch.cuda.memory_allocated()
+    with open(path.format(rank=0), "rb") as fh:
+        snap = pickle.load(fh)
+    dispatch = engine.memory_timeline(data.batch(2, 8), method="dispatch")
+    out = {"source": tl.source, "samples": len(tl.times), "peak": tl.peak, "step_peak": engine.step_peak,
+           "end_total": tl.allocator[-1], "memory_allocated": end, "params_start": tl.held(0)["params"],
+           "params_engine": held["params"], "param_tensors": sum(1 for _ in engine.module.parameters()),
+           "activations": max(tl.series["activations"]), "activations_dispatch": max(dispatch.series["activations"]),
+           "engine_activations": engine.memory()["activations"], "summary": tl.summary(),
+           "snapshot_traces": len(snap.get("device_traces", [[]])[0]), "top": tl.alive_at_peak[:3]}
+    engine.close()
+    return out
+
+
+def check_memory_history(ctx):
+    """CUDA: the allocator log's timeline ends at memory_allocated() and peaks at the step's
+    max_memory_allocated(), to the byte; its params are the engine's within the allocator's rounding; its
+    activations within 10% of the dispatch meter's; the snapshot pickles. CPU: the log is refused."""
+    with tempfile.TemporaryDirectory() as tmp:
+        r = _launch(ctx, _rank_memory_history, 1, tmp)[0]
+    if not ctx["cuda"]:
+        ok = r["refused"] is not None and "allocator log" in r["refused"] and "dispatch" in r["refused"]
+        return ok, r, f"CPU: method='history' refused: {r['refused']}"
+    ok = (r["source"] == "cuda history" and r["end_total"] == r["memory_allocated"] and r["peak"] == r["step_peak"]
+          and r["params_engine"] <= r["params_start"] <= r["params_engine"] + 512 * r["param_tensors"]
+          and abs(r["activations"] - r["activations_dispatch"]) <= 0.1 * r["activations_dispatch"]
+          and r["snapshot_traces"] > 0)
+    return ok, r, (f"{r['samples']} samples; peak {r['peak']:,} B (step peak {r['step_peak']:,}); end {r['end_total']:,} "
+                   f"(memory_allocated {r['memory_allocated']:,}); activations {r['activations']:,} "
+                   f"(dispatch meter {r['activations_dispatch']:,})")
+
+
 CHECKS = [("launch", check_launch), ("torchrun", check_torchrun), ("gpt", check_gpt),
-          ("zero3_budget", check_zero3_budget), ("parity", check_parity)]
+          ("zero3_budget", check_zero3_budget), ("parity", check_parity), ("memory_history", check_memory_history)]
 
 
 def main(argv=None) -> int:

@@ -569,11 +569,12 @@ class Engine(EngineRecords):
         from ..observe.throughput import engine_throughput
         return engine_throughput(self, last=last)
 
-    def memory_timeline(self, batch, *, local: bool | None = None):
-        """One train_step on ``batch`` with this rank's bytes by category after every op, the peak marked and
-        what was alive at it: a ``colab_kit.memory.timeline.MemoryTimeline`` (every rank calls it)."""
+    def memory_timeline(self, batch, *, local: bool | None = None, **kw):
+        """One train_step on ``batch`` with this rank's bytes by category over the step, the peak marked and
+        what was alive at it: a ``colab_kit.memory.timeline.MemoryTimeline`` (every rank calls it). ``kw``:
+        ``method`` ("auto": CUDA's allocator log on a GPU, after every op elsewhere), ``snapshot``, ``max_entries``."""
         from ..memory.timeline import memory_timeline
-        return memory_timeline(self, batch, local=local)
+        return memory_timeline(self, batch, local=local, **kw)
 
     def roofline(self, constants: dict | None = None, peak: float | None = None, last: int | None = None):
         """Where the last step sits against the measured matmul peak and collective costs: compute- or

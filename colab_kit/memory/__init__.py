@@ -30,6 +30,7 @@ Where each part lives:
     estimator.py   one rank's estimate under any ParallelConfig (what engine.memory_estimate() reports)
     peak.py        the in-step peak of model-state bytes, measured from outside on any code
     timeline.py    engine.memory_timeline(): bytes held after every op of one step
+    history.py     the same timeline on a GPU from CUDA's allocator log
 """
 from __future__ import annotations
 

@@ -34,6 +34,10 @@ Each sample walks the roots: a profiled step runs tens of times slower than a pl
 the demo GPT). It is for looking, never on by default. On a GPU ``allocator`` has
 ``torch.cuda.memory_allocated()`` at every sample beside the categories (the allocator also counts
 its own rounding and the backend's buffers).
+
+On a CUDA rank the default (``method="auto"``) is CUDA's own allocator log instead, the same categories
+from the blocks the allocator hands out (``colab_kit.memory.history``): exact to the allocator's byte and
+about as fast as a plain step. ``method="dispatch"`` keeps this meter there too.
 """
 from __future__ import annotations
 
@@ -70,6 +74,7 @@ class MemoryTimeline:
     alive_at_peak: list = field(default_factory=list)
     allocator: list | None = None                 # CUDA: torch.cuda.memory_allocated() at each sample
     loss: float | None = None
+    source: str = "dispatch"                      # "dispatch" (after every op) or "cuda history" (the allocator's log)
 
     def totals(self) -> list:
         return [sum(self.series[c][i] for c in CATEGORIES) for i in range(len(self.times))]
@@ -234,16 +239,41 @@ def record_timeline(fn, *roots, names: dict | None = None, meter=None, device: s
     return out, rec
 
 
-def memory_timeline(engine, batch, *, local: bool | None = None) -> MemoryTimeline:
-    """One ``train_step`` of ``engine`` on ``batch`` with this rank's memory sampled after every op."""
-    names = {(p.device.type, p.untyped_storage().data_ptr()): n for n, p in engine.module.named_parameters()}
-    roots = (engine.module, engine.optimizer, engine.grads)
+def memory_timeline(engine, batch, *, local: bool | None = None, method: str = "auto",
+                    snapshot: str | None = None, max_entries: int | None = None) -> MemoryTimeline:
+    """One ``train_step`` of ``engine`` on ``batch`` with this rank's memory by category over the step.
+
+    ``method``: "dispatch" samples after every op (this module's docstring; any device); "history" reads
+    CUDA's allocator log (``colab_kit.memory.history``; a CUDA rank only); "auto" is "history" on a CUDA
+    rank, "dispatch" elsewhere. ``snapshot`` (history only): a path, ``{rank}`` filled in, where the
+    allocator's snapshot with the step's log is pickled for pytorch.org/memory_viz. ``max_entries``: the
+    log's length (``history.HISTORY_ENTRIES`` by default)."""
     cuda = engine.mesh.device.type == "cuda"
+    if method not in ("auto", "dispatch", "history"):
+        raise ValueError(f"method={method!r}: use 'auto', 'dispatch' (after every op, any device) or 'history' "
+                         "(CUDA's allocator log)")
+    if method == "history" and not cuda:
+        raise ValueError(f"method='history' reads CUDA's allocator log, and this engine computes on "
+                         f"{engine.mesh.device}: use method='dispatch' (or 'auto', which picks it here)")
+    if snapshot is not None and not (cuda and method != "dispatch"):
+        raise ValueError("snapshot= writes CUDA's allocator log: it needs a CUDA engine and method 'history' or 'auto'")
+    roots = (engine.module, engine.optimizer, engine.grads)
+    from ..observe.profile import _phases
+    if cuda and method != "dispatch":
+        from .history import HISTORY_ENTRIES, dump_snapshot, history_series, record_history
+        rec = record_history(lambda: engine.train_step(batch, local=local), roots, engine.mesh.device,
+                             max_entries or HISTORY_ENTRIES, engine.activation_meter)
+        got = history_series(rec)
+        if snapshot is not None:
+            dump_snapshot(rec, snapshot.format(rank=engine.mesh.global_rank))
+        return MemoryTimeline(engine.mesh.global_rank, engine.config.describe(), got["times"], got["ops"],
+                              got["series"], phases=_phases(engine, rec["t0"]), alive_at_peak=got["alive_at_peak"],
+                              allocator=got["totals"], loss=rec["result"], source="cuda history")
+    names = {(p.device.type, p.untyped_storage().data_ptr()): n for n, p in engine.module.named_parameters()}
     if cuda:
         torch.cuda.synchronize()
     loss, rec = record_timeline(lambda: engine.train_step(batch, local=local), *roots, names=names,
                                 meter=engine.activation_meter, device=engine.mesh.device.type)
-    from ..observe.profile import _phases
     tl = MemoryTimeline(engine.mesh.global_rank, engine.config.describe(), rec.tl_times, rec.tl_ops, rec.series,
                         phases=_phases(engine, rec.t0), alive_at_peak=rec.alive_at_peak,
                         allocator=rec.allocator if cuda else None, loss=loss)

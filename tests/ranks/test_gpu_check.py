@@ -31,7 +31,7 @@ def test_cpu_smoke_passes_every_check_with_plausible_figures(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     checks = report["checks"]
-    assert list(checks) == ["launch", "torchrun", "gpt", "zero3_budget", "parity"]
+    assert list(checks) == ["launch", "torchrun", "gpt", "zero3_budget", "parity", "memory_history"]
     assert {c["status"] for c in checks.values()} == {"PASS"}, proc.stdout
     assert report["mode"] == "cpu-smoke" and report["passed"] is True
     for name, c in checks.items():  # one line per check, with its seconds
@@ -49,6 +49,7 @@ def test_cpu_smoke_passes_every_check_with_plausible_figures(tmp_path):
     par = checks["parity"]["figures"]
     assert len(par["rows"]) == 16 and all(r["max_rel"] <= 1e-5 for r in par["rows"])
     assert "dp=2 zero=3" in par["skipped"] and "dp=1 zero=3 offload=auto" not in par["skipped"]
+    assert "method='dispatch'" in checks["memory_history"]["figures"]["refused"]  # CPU: the allocator log refused
 
 
 def test_parity_reports_fail_for_an_untrained_run_and_for_shifted_losses(gpu_check):
