@@ -13,8 +13,9 @@ the model states after every op.
 Each block takes the first category that holds it:
 
 params, grads, optimizer, in_flight
-             the block of a storage the model-state walk (``memory.peak``) finds before or after the step
-             (in_flight: the parallel machinery's buffers, "other" in the walk)
+             the block of a storage the model-state walk (``memory.peak``) finds before the step (a block
+             held at its start) or after it (a block the step allocated and kept); in_flight is the
+             walk's "other": the parallel machinery's buffers
 activations  a block that autograd saved a tensor of (``saved_tensors_hooks``; matched by the allocator's
              own count of allocations at the moment of saving, so a reused address is never confused)
 in_flight    a block allocated and freed within the step by the machinery's code (``peak.MACHINERY``,
@@ -129,7 +130,7 @@ def record_history(fn, roots, device, max_entries: int = HISTORY_ENTRIES, meter=
         meter.listener = note
     try:
         first = torch.cuda.memory._snapshot()
-        owners = _owners(roots, device)
+        owners0 = _owners(roots, device)
         count0, freed0, held0 = _allocated(device), _freed(device), torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         t0_ns, t0 = time.time_ns(), time.perf_counter()
@@ -137,7 +138,7 @@ def record_history(fn, roots, device, max_entries: int = HISTORY_ENTRIES, meter=
             result = fn()
         torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
-        owners.update(_owners(roots, device))
+        owners1 = _owners(roots, device)
         last = torch.cuda.memory._snapshot()
         peak, held1 = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
         count1, freed1 = _allocated(device), _freed(device)
@@ -147,7 +148,7 @@ def record_history(fn, roots, device, max_entries: int = HISTORY_ENTRIES, meter=
         torch.cuda.memory._record_memory_history(enabled=None)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return {"result": result, "snapshot": last, "start_blocks": _blocks(first, index),
-            "trace": last["device_traces"][index], "owners": owners, "saved": saved, "count0": count0,
+            "trace": last["device_traces"][index], "owners0": owners0, "owners1": owners1, "saved": saved, "count0": count0,
             "count1": count1, "freed0": freed0, "freed1": freed1, "max_entries": max_entries, "held0": held0,
             "held1": held1, "peak": peak, "t0_ns": t0_ns, "t0": t0, "wall": wall}
 
@@ -182,7 +183,17 @@ def history_series(rec: dict) -> dict:
                            f"(it was {rec.get('max_entries', HISTORY_ENTRIES):,})")
     allocs, frees = allocs[len(allocs) - made:], frees[len(frees) - freed:]
     step = {id(e) for e in allocs} | {id(e) for e in frees}
-    owners = rec["owners"]
+    alloc_index = {id(e): n for n, e in enumerate(allocs)}
+    # the model states the walk found: before the step (the start's blocks) and after it (the step's
+    # allocations that it did not free): an address a temporary used earlier in the step is not a state
+    at: dict = {}
+    for e in rec["trace"]:
+        if id(e) in step:
+            if e["action"] == "alloc":
+                at[e["addr"]] = alloc_index[id(e)]
+            else:
+                at.pop(e["addr"], None)
+    kept = {n for addr, n in at.items() if addr in rec["owners1"]}
     # activations: the allocation each saved tensor's storage came from (the latest at its address among
     # the allocations made before the save, counted by the allocator: an address reused is never confused)
     by_addr: dict = {}
@@ -194,12 +205,10 @@ def history_series(rec: dict) -> dict:
         k = bisect.bisect_right(ns, count - rec["count0"] - 1) - 1
         if k >= 0:
             activation.add(ns[k])
-    alloc_index = {id(e): n for n, e in enumerate(allocs)}
-
     live: dict = {}  # address -> (category, size, label)
     now = dict.fromkeys(_CATS, 0)
     for addr, size, frames in rec["start_blocks"]:
-        cat = owners.get(addr, "temporaries")
+        cat = rec["owners0"].get(addr, "temporaries")
         live[addr] = (cat, size, _top_frame(frames) or "(before the step)")
         now[cat] += size
     times, ops, series, totals = [0.0], ["(start)"], {c: [now[c]] for c in _CATS}, [sum(now.values())]
@@ -209,7 +218,7 @@ def history_series(rec: dict) -> dict:
             continue
         if e["action"] == "alloc":
             n = alloc_index[id(e)]
-            cat = ("activations" if n in activation else owners[e["addr"]] if e["addr"] in owners
+            cat = ("activations" if n in activation else rec["owners1"][e["addr"]] if n in kept
                    else "in_flight" if frames_machinery(e.get("frames")) else "temporaries")
             live[e["addr"]] = (cat, e["size"], _top_frame(e.get("frames")))
             now[cat] += e["size"]

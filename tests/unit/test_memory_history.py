@@ -27,7 +27,8 @@ def free(addr, size, t=None):
 def recording(clock=True):
     """A step's log: params, grads, optimizer states and the batch held before; then an activation (saved),
     a bucket (machinery), a temporary freed and its address reused by a saved tensor, an optimizer
-    temporary; entries from before the step lead the log (a free and an allocation of an earlier step)."""
+    temporary freed and its address reused by a gradient the step keeps (the walk finds it there after the
+    step: only the kept block is a gradient); entries from before the step lead the log."""
     t = (lambda us: 1_000_000 + us) if clock else (lambda us: None)
     before = [alloc(0x9000, 512, t=t(-50)), free(0x9000, 512, t=t(-40))]
     step = [alloc(0x5000, 4096, TORCH_NN + MODEL, t(10)),     # n0: saved for backward
@@ -40,27 +41,30 @@ def recording(clock=True):
             free(0x5000, 4096, t(70)),
             alloc(0x8000, 2048, ADAM, t(80)),                 # n4: torch.optim stops the search: temporary
             free(0x8000, 2048, t(90)),
-            free(0x6000, 8192, t(100))]
+            free(0x6000, 8192, t(100)),
+            alloc(0x8000, 2048, ADAM, t(110))]                 # n5: at the same address, a gradient kept
     start = [(0x1000, 1024, []), (0x2000, 1024, []), (0x3000, 2048, []), (0x4000, 512, MODEL)]
     return {"trace": before + step, "start_blocks": start,
-            "owners": {0x1000: "params", 0x2000: "grads", 0x3000: "optimizer"},
+            "owners0": {0x1000: "params", 0x2000: "grads", 0x3000: "optimizer"},
+            "owners1": {0x1000: "params", 0x2000: "grads", 0x3000: "optimizer", 0x8000: "grads"},
             "saved": [(101, 0x5000), (104, 0x7000), (104, 0x1000)],  # (allocations counted so far, address)
-            "count0": 100, "count1": 105, "freed0": 7, "freed1": 12, "held0": 4608, "held1": 5120,
+            "count0": 100, "count1": 106, "freed0": 7, "freed1": 12, "held0": 4608, "held1": 7168,
             "t0_ns": 1_000_000_000, "wall": 0.0002}
 
 
 def test_the_log_gives_each_block_its_category_and_the_allocators_totals():
     got = history_series(recording())
     s, totals = got["series"], got["totals"]
-    assert len(got["times"]) == len(got["ops"]) == len(totals) == 1 + 10  # the start, then the step's entries
+    assert len(got["times"]) == len(got["ops"]) == len(totals) == 1 + 11  # the start, then the step's entries
     assert {c: v[0] for c, v in s.items()} == {"params": 1024, "grads": 1024, "optimizer": 2048,
                                                "activations": 0, "in_flight": 0, "temporaries": 512}
     assert [s["activations"][i] for i in (1, 5, 8)] == [4096, 4096 + 1024, 1024]
     assert s["in_flight"][2] == 8192 and s["in_flight"][-1] == 0
     assert s["temporaries"][3] == 1024 and s["temporaries"][4] == 512  # the freed temporary, then its address reused
     assert s["temporaries"][8] == max(s["temporaries"]) == 2048  # the optimizer's temporary (after the batch went)
+    assert s["grads"][8] == 1024 and s["grads"][-1] == 1024 + 2048  # its address held a gradient at the end
     assert totals == [sum(v[i] for v in s.values()) for i in range(len(totals))]
-    assert totals[-1] == 4608 - 512 + 1024 == 5120                      # held1: what the step ends with
+    assert totals[-1] == 4608 - 512 + 1024 + 2048 == 7168               # held1: what the step ends with
     assert max(totals) == totals[got["peak_index"]] == 4608 + 4096 + 8192 + 1024 == 17920
     assert got["times"][1] == pytest.approx(10e-6) and got["times"] == sorted(got["times"])
     assert got["ops"][2].startswith("alloc 8,192 B stage0.py:190")
@@ -76,10 +80,10 @@ def test_a_wrong_reading_is_caught():
     assert s["activations"][3] == 512 and s["activations"][5] == 0  # so the second one is a temporary
     wrong = recording()
     wrong["count0"] = 99  # a count one off: the earlier step's allocation is read as this step's, never freed
-    assert history_series(wrong)["totals"][-1] == 5120 + 512 != wrong["held1"]  # what gpu_check compares
+    assert history_series(wrong)["totals"][-1] == 7168 + 512 != wrong["held1"]  # what gpu_check compares
     lost = recording()
     lost["trace"] = lost["trace"][3:]  # the log's ring lost the step's first allocation
-    with pytest.raises(HistoryError, match="4 of the step's 5 allocations"):
+    with pytest.raises(HistoryError, match="5 of the step's 6 allocations"):
         history_series(lost)
 
 
