@@ -38,12 +38,17 @@ def _reap(signum, frame) -> None:
         if pid == 0:
             return
         if _EXITS:
+            # a signal handler, run between any two bytecodes, also while the interpreter shuts down (codecs
+            # gone: open(..., encoding=) raised LookupError there): bytes through os calls, and nothing raises
             try:
                 path = os.path.join(_EXITS[0], str(pid))
-                with open(path + ".tmp", "w", encoding="ascii") as fh:
-                    fh.write(str(os.waitstatus_to_exitcode(status)))
+                fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    os.write(fd, b"%d" % os.waitstatus_to_exitcode(status))
+                finally:
+                    os.close(fd)
                 os.replace(path + ".tmp", path)
-            except (OSError, ValueError):  # the kernel removed the directory, or an odd status: nobody asks
+            except Exception:  # noqa: BLE001 - the kernel removed the directory, an odd status, a dying interpreter
                 pass
 
 

@@ -140,12 +140,15 @@ def profile_view(cluster, var: str = "engine", data: str = "batch"):
 
 
 def memory_timeline_view(cluster, var: str = "engine", data: str = "batch"):
-    """(text, figure) of one step of ``var`` on ``data`` with every rank's memory sampled after each op
-    (``colab_kit.memory.timeline``): per rank its peak, the categories there and its largest storages."""
+    """(text, figure) of one step of ``var`` on ``data`` with every rank's memory over the step (sampled after
+    each op on CPU, CUDA's allocator log on a GPU: ``colab_kit.memory.timeline``): per rank its peak, the
+    categories there and its largest storages."""
     from ...memory.timeline import timeline_figure
 
     got = _checked(cluster, var, data, "memory_timeline")
-    lines = [f"memory over one step of {var!r} on {len(got)} ranks (measured after every op):"]
+    how = ("from CUDA's allocator log" if all(tl.source == "cuda history" for tl in got)
+           else "measured after every op" if all(tl.source == "dispatch" for tl in got) else "measured")
+    lines = [f"memory over one step of {var!r} on {len(got)} ranks ({how}):"]
     for tl in got:
         lines.append(f"  {tl.summary()}")
         for row in tl.alive_at_peak[:3]:
