@@ -205,11 +205,19 @@ def test_cli_plan_prints_the_table(capsys, tmp_path, monkeypatch):
     import json
 
     from colab_kit import cli
-    from colab_kit.planner.constants import cache_path
+    import importlib
+
+    from colab_kit.planner.constants import VERSION, cache_path
+
+    module = importlib.import_module("colab_kit.planner.constants")  # the module (the package's name is the function)
 
     monkeypatch.setenv("COLAB_KIT_CACHE", str(tmp_path))
-    with open(cache_path(), "w") as fh:  # fixed constants for 8 ranks: nothing measured in this test
-        json.dump({"8": EXAMPLE_CONSTANTS}, fh)
+    with open(cache_path(), "w") as fh:  # fixed constants for 8 ranks, of this version: nothing measured here
+        json.dump({"8": {**EXAMPLE_CONSTANTS, "version": VERSION}}, fh)
+
+    def measure(ranks):
+        raise AssertionError(f"the CLI measured constants on {ranks} ranks where the cache had them")
+    monkeypatch.setattr(module, "measure", measure)
     assert cli.main(["plan", "--ranks", "8", "--memory", "4MiB", "--top", "5", "--constants"]) == 0
     out = capsys.readouterr().out
     assert "on 8 ranks, batch 32" in out and "memory_per_rank 4,194,304 B" in out and "5 of " in out
