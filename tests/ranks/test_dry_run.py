@@ -97,12 +97,18 @@ BIG = GPTConfig(vocab_size=50304, seq_len=1024, d_model=1024, n_heads=16, n_laye
 
 
 def test_512_ranks_from_this_machine(tmp_path, monkeypatch):
+    import importlib
+
     from colab_kit.planner import EXAMPLE_CONSTANTS
-    from colab_kit.planner.constants import cache_path
+    from colab_kit.planner.constants import VERSION, cache_path
     monkeypatch.setenv("COLAB_KIT_CACHE", str(tmp_path))  # "this machine": constants from a cache, not measured
     os.makedirs(os.path.dirname(cache_path()), exist_ok=True)
-    with open(cache_path(), "w") as fh:
-        json.dump({"4": EXAMPLE_CONSTANTS}, fh)
+    with open(cache_path(), "w") as fh:  # of this VERSION (an entry of another is measured again)
+        json.dump({"4": {**EXAMPLE_CONSTANTS, "version": VERSION}}, fh)
+
+    def measure(ranks):
+        raise AssertionError(f"constants measured on {ranks} ranks where the cache had them")
+    monkeypatch.setattr(importlib.import_module("colab_kit.planner.constants"), "measure", measure)
     cfg = ck.ParallelConfig(dp=8, tp=8, pp=8, microbatches=8)
     t0 = time.perf_counter()
     first, middle = dry_run(GPT(BIG, device="meta"), cfg, rank=[37, 200], batch=64,
