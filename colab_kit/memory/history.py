@@ -227,22 +227,35 @@ def history_series(rec: dict) -> dict:
             if got is None:  # a block the log never showed allocated: nothing the totals held
                 continue
             now[got[0]] -= got[1]
-        times.append((e["time_us"] * 1000 - rec["t0_ns"]) / 1e9 if "time_us" in e else None)
+        times.append(e["time_us"] if "time_us" in e else None)
         ops.append(f"{e['action']} {e['size']:,} B {_top_frame(e.get('frames'))}".strip())
         for c in _CATS:
             series[c].append(now[c])
         totals.append(sum(now.values()))
         if totals[-1] > best:
             best, at_best = totals[-1], dict(live)
-    if any(t is None for t in times[1:]):  # no clock in the log: spread the samples over the step
-        times = [rec["wall"] * i / max(1, len(times) - 1) for i in range(len(times))]
-    times = [min(max(t, 0.0), rec["wall"]) for t in times]
+    times = _seconds(times, rec["t0_ns"], rec["wall"])
     for i in range(1, len(times)):  # two clocks (the allocator's, this process's): keep the log's order
         times[i] = max(times[i], times[i - 1])
     rows = sorted(({"category": c, "nbytes": s, "name": label, "op": "alloc", "shape": None, "dtype": None}
                    for c, s, label in at_best.values()), key=lambda r: -r["nbytes"])[:_TOP]
     return {"times": times, "ops": ops, "series": series, "totals": totals, "alive_at_peak": rows,
             "peak_index": totals.index(max(totals))}
+
+
+def _seconds(stamps: list, t0_ns: int, wall: float) -> list:
+    """Seconds since the step began of each sample (the first is the start, 0): the log's ``time_us`` is the
+    allocator's clock turned into Unix time, read against this process's ``time.time_ns()`` at the start;
+    where that does not fall inside the step (another clock), the log's own spacing from its first entry;
+    where the log has no clock (an older torch), the samples evenly over the step."""
+    us = stamps[1:]
+    if not us or any(t is None for t in us):
+        return [wall * i / max(1, len(stamps) - 1) for i in range(len(stamps))]
+    since = [(t * 1000 - t0_ns) / 1e9 for t in us]
+    if not all(-0.01 <= x <= wall + 0.01 for x in since):
+        span = max(1, us[-1] - us[0]) / 1e6
+        since = [(t - us[0]) / 1e6 * min(1.0, wall / span) for t in us]
+    return [0.0] + [min(max(x, 0.0), wall) for x in since]
 
 
 def dump_snapshot(rec: dict, path: str) -> None:

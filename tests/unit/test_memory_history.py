@@ -24,12 +24,12 @@ def free(addr, size, t=None):
     return e if t is None else {**e, "time_us": t}
 
 
-def recording(clock=True):
+def recording(clock=True, base=1_000_000):
     """A step's log: params, grads, optimizer states and the batch held before; then an activation (saved),
     a bucket (machinery), a temporary freed and its address reused by a saved tensor, an optimizer
     temporary freed and its address reused by a gradient the step keeps (the walk finds it there after the
     step: only the kept block is a gradient); entries from before the step lead the log."""
-    t = (lambda us: 1_000_000 + us) if clock else (lambda us: None)
+    t = (lambda us: base + us) if clock else (lambda us: None)
     before = [alloc(0x9000, 512, t=t(-50)), free(0x9000, 512, t=t(-40))]
     step = [alloc(0x5000, 4096, TORCH_NN + MODEL, t(10)),     # n0: saved for backward
             alloc(0x6000, 8192, BUCKET, t(20)),               # n1: a bucket (colab_kit.zero)
@@ -91,6 +91,9 @@ def test_without_a_clock_the_samples_spread_over_the_step():
     got = history_series(recording(clock=False))
     assert got["times"][0] == 0.0 and got["times"][-1] == pytest.approx(0.0002)
     assert got["times"] == sorted(got["times"])
+    other = history_series(recording(base=5_000))  # a clock that is not Unix time: the log's own spacing
+    assert other["times"][1] == 0.0 and other["times"][-1] == pytest.approx(100e-6)  # its entries span 100 us
+    assert history_series(recording())["times"][-1] == pytest.approx(110e-6)  # Unix time: since the step began
 
 
 def test_machinery_is_judged_from_the_nearest_frame_outside_torch():
