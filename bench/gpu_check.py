@@ -30,9 +30,10 @@ message and the others still run. Each prints one ``PASS``/``FAIL`` line with it
    False``; with it fp32 matmuls keep 10-bit mantissas and parity is lost). Beside the verdict, plain
    torch on the same device against the CPU reference: the device's own rounding, for diagnosis.
 5. ``memory_history``: ``engine.memory_timeline(batch)`` on one GPU reads CUDA's allocator log
-   (``colab_kit.memory.history``): its timeline must end at ``torch.cuda.memory_allocated()`` and peak at the
-   step's ``max_memory_allocated()`` to the byte, hold the engine's parameters within the allocator's
-   512-byte rounding, reach the dispatch meter's activations within 10%, and its snapshot pickle must load.
+   (``colab_kit.memory.history``, in requested bytes): its timeline must end at the allocator's
+   ``requested_bytes.all.current`` and peak at that counter's peak over the step, to the byte, at most the
+   step's ``max_memory_allocated()``; hold the engine's parameter bytes exactly; reach the dispatch meter's
+   activations within 10%; and its snapshot pickle must load.
    On CPU ranks ``method="history"`` must be refused with the way out.
 
 All figures go to ``bench/results/gpu_check.json`` (device, torch, each check's status, seconds, figures).
@@ -368,7 +369,7 @@ def check_parity(ctx):
                 "tf32": False}, detail
 
 
-# ------------------------------------------------------------------ 6. the memory timeline from CUDA's allocator log
+# ------------------------------------------------------------------ 5. the memory timeline from CUDA's allocator log
 def _rank_memory_history(tmp: str):
     import pickle
     cfg = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4)
@@ -385,13 +386,14 @@ def _rank_memory_history(tmp: str):
     held = engine.memory()
     path = os.path.join(tmp, "history-rank{rank}.pickle")
     tl = engine.memory_timeline(data.batch(1, 8), snapshot=path)
-    end = torch.cuda.memory_allocated()
+    stats = torch.cuda.memory_stats()  # requested bytes: the log's unit (peak since the step's reset)
     with open(path.format(rank=0), "rb") as fh:
         snap = pickle.load(fh)
     dispatch = engine.memory_timeline(data.batch(2, 8), method="dispatch")
     out = {"source": tl.source, "samples": len(tl.times), "peak": tl.peak, "step_peak": engine.step_peak,
-           "end_total": tl.allocator[-1], "memory_allocated": end, "params_start": tl.held(0)["params"],
-           "params_engine": held["params"], "param_tensors": sum(1 for _ in engine.module.parameters()),
+           "requested_peak": stats["requested_bytes.all.peak"], "end_total": tl.allocator[-1],
+           "requested_now": stats["requested_bytes.all.current"], "params_start": tl.held(0)["params"],
+           "params_engine": held["params"],
            "activations": max(tl.series["activations"]), "activations_dispatch": max(dispatch.series["activations"]),
            "engine_activations": engine.memory()["activations"], "summary": tl.summary(),
            "snapshot_traces": len(snap.get("device_traces", [[]])[0]), "top": tl.alive_at_peak[:3]}
@@ -400,20 +402,22 @@ def _rank_memory_history(tmp: str):
 
 
 def check_memory_history(ctx):
-    """CUDA: the allocator log's timeline ends at memory_allocated() and peaks at the step's
-    max_memory_allocated(), to the byte; its params are the engine's within the allocator's rounding; its
-    activations within 10% of the dispatch meter's; the snapshot pickles. CPU: the log is refused."""
+    """CUDA: the allocator log's timeline (requested bytes) ends at the allocator's requested bytes held and peaks
+    at their peak over the step, to the byte, at most the step's max_memory_allocated() (blocks rounded up); its
+    params are the engine's to the byte; its activations within 10% of the dispatch meter's; the snapshot
+    pickles. CPU: the log is refused."""
     with tempfile.TemporaryDirectory() as tmp:
         r = _launch(ctx, _rank_memory_history, 1, tmp)[0]
     if not ctx["cuda"]:
         ok = r["refused"] is not None and "allocator log" in r["refused"] and "dispatch" in r["refused"]
         return ok, r, f"CPU: method='history' refused: {r['refused']}"
-    ok = (r["source"] == "cuda history" and r["end_total"] == r["memory_allocated"] and r["peak"] == r["step_peak"]
-          and r["params_engine"] <= r["params_start"] <= r["params_engine"] + 512 * r["param_tensors"]
+    ok = (r["source"] == "cuda history" and r["end_total"] == r["requested_now"] and r["peak"] == r["requested_peak"]
+          and r["peak"] <= r["step_peak"] and r["params_start"] == r["params_engine"]
           and abs(r["activations"] - r["activations_dispatch"]) <= 0.1 * r["activations_dispatch"]
           and r["snapshot_traces"] > 0)
-    return ok, r, (f"{r['samples']} samples; peak {r['peak']:,} B (step peak {r['step_peak']:,}); end {r['end_total']:,} "
-                   f"(memory_allocated {r['memory_allocated']:,}); activations {r['activations']:,} "
+    return ok, r, (f"{r['samples']} samples; peak {r['peak']:,} B requested (the allocator's {r['requested_peak']:,}; "
+                   f"blocks {r['step_peak']:,}); end {r['end_total']:,} (the allocator's {r['requested_now']:,}); "
+                   f"params {r['params_start']:,} (engine {r['params_engine']:,}); activations {r['activations']:,} "
                    f"(dispatch meter {r['activations_dispatch']:,})")
 
 

@@ -3,12 +3,16 @@
 On a CUDA rank ``memory_timeline`` (``method="auto"`` or ``"history"``) runs the step under
 ``torch.cuda.memory._record_memory_history``: the caching allocator itself logs every block it hands out
 and takes back, with the Python stack that asked for it. That log is the timeline: one sample per
-``alloc`` and per ``free_requested`` (the moment ``torch.cuda.memory_allocated()`` drops), bytes as the
-allocator counts them (blocks rounded up to 512 bytes), so the running total is ``memory_allocated()``
-at every sample and its largest value is the step's ``torch.cuda.max_memory_allocated()``, to the byte:
-``engine.memory()["step_peak"]``. It costs what the allocator's own bookkeeping costs (a step runs about as
-fast as without it), where the dispatch-level meter (``colab_kit.memory.timeline``, the CPU method) walks
-the model states after every op.
+``alloc`` and per ``free_requested``, in the bytes the program asked for (the log's unit: the allocator's
+``requested_bytes``), so the running total is ``torch.cuda.memory_stats()["requested_bytes.all.current"]``
+at every sample and its largest value that counter's peak over the step. ``memory_allocated()`` and
+``engine.memory()["step_peak"]`` (``max_memory_allocated()``) count the blocks, each rounded up (to 512
+bytes, a large one by up to 1 MiB where the rest of a free block was not worth splitting off), so they
+read at least as much. Unlike the dispatch-level meter (``colab_kit.memory.timeline``, the CPU method), which
+walks the model states after every op, the only work added to the step is the allocator's bookkeeping and
+one read of its counters for every tensor autograd saves.
+
+The recording is turned on for the step and off after it; a recording of the caller's own is cleared.
 
 Each block takes the first category that holds it:
 
@@ -21,7 +25,9 @@ activations  a block that autograd saved a tensor of (``saved_tensors_hooks``; m
 in_flight    a block allocated and freed within the step by the machinery's code (``peak.MACHINERY``,
              judged from the allocation's innermost frame outside torch): buckets, ZeRO-3's gathered
              blocks (the dispatch meter counts those as params while they live), reduce-scatter buffers
-temporaries  the rest: logits, the loss, autograd's gradients of activations, the batch
+temporaries  the rest: logits, the loss, autograd's gradients of activations, the batch, and with
+             ``recompute=True`` what ``torch.utils.checkpoint`` keeps (its own hooks see those tensors,
+             not the timeline's; the dispatch meter counts them the same way)
 
 Worked example, rank 0 of dp=2 on two GPUs, the demo GPT in fp32, its second step (what each call gives;
 no GPU has run this yet, so the relations below are the ones ``bench/gpu_check.py`` asserts, not a
@@ -29,9 +35,11 @@ recorded output)::
 
     tl = engine.memory_timeline(data.batch(1, 16))      # method "history" on CUDA
     tl.source                  # 'cuda history'
-    tl.allocator[-1] == torch.cuda.memory_allocated()   # True: the log's running total, to the byte
-    tl.peak == engine.memory()["step_peak"]             # True: the step's max_memory_allocated()
-    tl.held(0)["params"]       # the parameters' blocks: engine.memory()["params"] rounded up to 512 B a block
+    stats = torch.cuda.memory_stats()
+    tl.allocator[-1] == stats["requested_bytes.all.current"]   # True: the log's running total, to the byte
+    tl.peak == stats["requested_bytes.all.peak"]        # True: the step's peak of requested bytes
+    tl.peak <= engine.memory()["step_peak"]             # the allocator's blocks, rounded up
+    tl.held(0)["params"] == engine.memory()["params"]   # the parameters' storages, as requested
     tl.alive_at_peak[0]        # the largest block at the peak: {'category': ..., 'nbytes': ..., 'op': 'alloc',
                                #  'name': 'gpt.py:<line> forward' (the innermost frame outside torch), ...}
     engine.memory_timeline(data.batch(2, 16), snapshot="step-rank{rank}.pickle")  # for pytorch.org/memory_viz
@@ -65,14 +73,11 @@ class HistoryError(RuntimeError):
 
 
 def _module_path(filename: str) -> str:
-    """'.../site-packages/torch/optim/adam.py' -> 'torch.optim.adam' (the part from the package on)."""
-    path = filename.replace("\\", "/")
-    for root in ("colab_kit/", "torch/"):
-        i = path.rfind("/" + root)
-        if i >= 0 or path.startswith(root):
-            tail = path[i + 1:] if i >= 0 else path
-            return tail.rsplit(".py", 1)[0].replace("/", ".")
-    return path
+    """'.../site-packages/torch/optim/adam.py' -> 'torch.optim.adam': from the last "/colab_kit/" or "/torch/"
+    in the path on (a checkout named colab_kit can hold a virtual environment with torch inside it)."""
+    path = "/" + filename.replace("\\", "/").lstrip("/")
+    i = max(path.rfind("/colab_kit/"), path.rfind("/torch/"))
+    return path[i + 1:].rsplit(".py", 1)[0].replace("/", ".") if i >= 0 else path
 
 
 def frames_machinery(frames) -> bool:
@@ -96,13 +101,15 @@ def _top_frame(frames) -> str:
 
 
 def _allocated(device) -> int:
-    """The allocator's count of allocations so far (``allocation.all.allocated``)."""
+    """The allocator's count of allocations so far (``allocation.all.allocated``; one read of its counters)."""
     return torch.cuda.memory_stats_as_nested_dict(device)["allocation"]["all"]["allocated"]
 
 
-def _freed(device) -> int:
-    """The allocator's count of frees so far (``allocation.all.freed``: counted where it logs free_requested)."""
-    return torch.cuda.memory_stats_as_nested_dict(device)["allocation"]["all"]["freed"]
+def _counts(device) -> tuple[int, int]:
+    """(allocations, frees) the allocator counted so far: it counts them where it logs ``alloc`` and
+    ``free_requested``."""
+    got = torch.cuda.memory_stats_as_nested_dict(device)["allocation"]["all"]
+    return got["allocated"], got["freed"]
 
 
 def record_history(fn, roots, device, max_entries: int = HISTORY_ENTRIES, meter=None) -> dict:
@@ -129,28 +136,28 @@ def record_history(fn, roots, device, max_entries: int = HISTORY_ENTRIES, meter=
     if meter is not None:
         meter.listener = note
     try:
+        count0, freed0 = _counts(device)  # the log begins here (cleared): its entries from this count on
         first = torch.cuda.memory._snapshot()
         owners0 = _owners(roots, device)
-        count0, freed0, held0 = _allocated(device), _freed(device), torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         t0_ns, t0 = time.time_ns(), time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
             result = fn()
         torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
+        count1, freed1 = _counts(device)  # the step's: the log's first count1 - count0 allocations
         owners1 = _owners(roots, device)
+        count2, freed2 = _counts(device)  # what the log must hold, whole
         last = torch.cuda.memory._snapshot()
-        peak, held1 = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
-        count1, freed1 = _allocated(device), _freed(device)
     finally:
         if meter is not None:
             meter.listener = None
         torch.cuda.memory._record_memory_history(enabled=None)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return {"result": result, "snapshot": last, "start_blocks": _blocks(first, index),
-            "trace": last["device_traces"][index], "owners0": owners0, "owners1": owners1, "saved": saved, "count0": count0,
-            "count1": count1, "freed0": freed0, "freed1": freed1, "max_entries": max_entries, "held0": held0,
-            "held1": held1, "peak": peak, "t0_ns": t0_ns, "t0": t0, "wall": wall}
+            "trace": last["device_traces"][index], "owners0": owners0, "owners1": owners1, "saved": saved,
+            "count0": count0, "count1": count1, "count2": count2, "freed0": freed0, "freed1": freed1,
+            "freed2": freed2, "max_entries": max_entries, "t0_ns": t0_ns, "t0": t0, "wall": wall}
 
 
 def _owners(roots, device) -> dict:
@@ -159,40 +166,42 @@ def _owners(roots, device) -> dict:
 
 
 def _blocks(snapshot, index: int) -> list:
-    """[(address, size, frames)] of the blocks allocated on device ``index`` when ``snapshot`` was taken."""
+    """[(address, requested bytes, frames)] of the blocks allocated on device ``index`` when ``snapshot`` was
+    taken (the bytes asked for, the log's unit; the block itself is rounded up)."""
     out = []
     for seg in snapshot["segments"]:
         if seg.get("device", index) != index:
             continue
         for b in seg["blocks"]:
             if b["state"] == "active_allocated":
-                out.append((b["address"], b["size"], b.get("frames", [])))
+                out.append((b["address"], b.get("requested_size", b["size"]), b.get("frames", [])))
     return out
 
 
 def history_series(rec: dict) -> dict:
     """The timeline of what ``record_history`` returned (plain data; no CUDA call): {"times", "ops",
-    "series", "totals", "alive_at_peak", "peak_index"}. The step's entries are the last allocations and
-    frees of the log, as many as the allocator counted during the step; a log that lost some is refused."""
+    "series", "totals", "alive_at_peak", "peak_index"}, bytes as requested (the log's unit). The log begins
+    when the recording does (``clear_history``); the step's entries are its first allocations and frees, as
+    many as the allocator counted during the step; a log that does not hold every one the allocator counted
+    while it recorded (its ring dropped the oldest) is refused."""
     allocs = [e for e in rec["trace"] if e.get("action") == "alloc"]
     frees = [e for e in rec["trace"] if e.get("action") == "free_requested"]
-    made, freed = rec["count1"] - rec["count0"], rec["freed1"] - rec["freed0"]
-    if len(allocs) < made or len(frees) < freed:
-        raise HistoryError(f"the allocator's log kept {len(allocs)} of the step's {made} allocations and "
-                           f"{len(frees)} of its {freed} frees: record again with a larger max_entries "
-                           f"(it was {rec.get('max_entries', HISTORY_ENTRIES):,})")
-    allocs, frees = allocs[len(allocs) - made:], frees[len(frees) - freed:]
-    step = {id(e) for e in allocs} | {id(e) for e in frees}
+    logged, logged_frees = rec["count2"] - rec["count0"], rec["freed2"] - rec["freed0"]
+    if len(allocs) != logged or len(frees) != logged_frees:
+        raise HistoryError(f"the allocator's log kept {len(allocs)} of the {logged} allocations and {len(frees)} of "
+                           f"the {logged_frees} frees counted while it recorded: record again with a larger "
+                           f"max_entries (it was {rec.get('max_entries', HISTORY_ENTRIES):,})")
+    allocs, frees = allocs[:rec["count1"] - rec["count0"]], frees[:rec["freed1"] - rec["freed0"]]
+    step = [e for e in rec["trace"] if id(e) in {id(x) for x in allocs} | {id(x) for x in frees}]
     alloc_index = {id(e): n for n, e in enumerate(allocs)}
     # the model states the walk found: before the step (the start's blocks) and after it (the step's
     # allocations that it did not free): an address a temporary used earlier in the step is not a state
     at: dict = {}
-    for e in rec["trace"]:
-        if id(e) in step:
-            if e["action"] == "alloc":
-                at[e["addr"]] = alloc_index[id(e)]
-            else:
-                at.pop(e["addr"], None)
+    for e in step:
+        if e["action"] == "alloc":
+            at[e["addr"]] = alloc_index[id(e)]
+        else:
+            at.pop(e["addr"], None)
     kept = {n for addr, n in at.items() if addr in rec["owners1"]}
     # activations: the allocation each saved tensor's storage came from (the latest at its address among
     # the allocations made before the save, counted by the allocator: an address reused is never confused)
@@ -205,42 +214,56 @@ def history_series(rec: dict) -> dict:
         k = bisect.bisect_right(ns, count - rec["count0"] - 1) - 1
         if k >= 0:
             activation.add(ns[k])
-    live: dict = {}  # address -> (category, size, label)
-    now = dict.fromkeys(_CATS, 0)
-    for addr, size, frames in rec["start_blocks"]:
-        cat = rec["owners0"].get(addr, "temporaries")
-        live[addr] = (cat, size, _top_frame(frames) or "(before the step)")
-        now[cat] += size
-    times, ops, series, totals = [0.0], ["(start)"], {c: [now[c]] for c in _CATS}, [sum(now.values())]
-    best, at_best = totals[0], dict(live)
-    for e in rec["trace"]:
-        if id(e) not in step:
-            continue
+    start = {addr: (rec["owners0"].get(addr, "temporaries"), size, _top_frame(frames) or "(before the step)")
+             for addr, size, frames in rec["start_blocks"]}
+    label = {}  # alloc index -> (category, size, label)
+    for e in step:
         if e["action"] == "alloc":
             n = alloc_index[id(e)]
             cat = ("activations" if n in activation else rec["owners1"][e["addr"]] if n in kept
                    else "in_flight" if frames_machinery(e.get("frames")) else "temporaries")
-            live[e["addr"]] = (cat, e["size"], _top_frame(e.get("frames")))
-            now[cat] += e["size"]
+            label[n] = (cat, e["size"], _top_frame(e.get("frames")))
+
+    def replay(upto: int):
+        """The live blocks after the first ``upto`` of the step's entries: address -> (category, size, label)."""
+        live = dict(start)
+        for e in step[:upto]:
+            if e["action"] == "alloc":
+                live[e["addr"]] = label[alloc_index[id(e)]]
+            else:
+                live.pop(e["addr"], None)
+        return live
+
+    live = dict(start)
+    now = dict.fromkeys(_CATS, 0)
+    for cat, size, _ in start.values():
+        now[cat] += size
+    times, ops, series, totals = [0.0], ["(start)"], {c: [now[c]] for c in _CATS}, [sum(now.values())]
+    upto = [0]  # per sample: how many of the step's entries it follows
+    for i, e in enumerate(step, start=1):
+        if e["action"] == "alloc":
+            cat, size, _ = live[e["addr"]] = label[alloc_index[id(e)]]
+            now[cat] += size
         else:
             got = live.pop(e["addr"], None)
             if got is None:  # a block the log never showed allocated: nothing the totals held
                 continue
             now[got[0]] -= got[1]
+        upto.append(i)
         times.append(e["time_us"] if "time_us" in e else None)
         ops.append(f"{e['action']} {e['size']:,} B {_top_frame(e.get('frames'))}".strip())
         for c in _CATS:
             series[c].append(now[c])
         totals.append(sum(now.values()))
-        if totals[-1] > best:
-            best, at_best = totals[-1], dict(live)
+    peak = totals.index(max(totals))
+    at_peak = replay(upto[peak])  # rebuilt once, not copied at every new high
     times = _seconds(times, rec["t0_ns"], rec["wall"])
     for i in range(1, len(times)):  # two clocks (the allocator's, this process's): keep the log's order
         times[i] = max(times[i], times[i - 1])
-    rows = sorted(({"category": c, "nbytes": s, "name": label, "op": "alloc", "shape": None, "dtype": None}
-                   for c, s, label in at_best.values()), key=lambda r: -r["nbytes"])[:_TOP]
+    rows = sorted(({"category": c, "nbytes": n, "name": where, "op": "alloc", "shape": None, "dtype": None}
+                   for c, n, where in at_peak.values()), key=lambda r: -r["nbytes"])[:_TOP]
     return {"times": times, "ops": ops, "series": series, "totals": totals, "alive_at_peak": rows,
-            "peak_index": totals.index(max(totals))}
+            "peak_index": peak}
 
 
 def _seconds(stamps: list, t0_ns: int, wall: float) -> list:

@@ -36,8 +36,8 @@ the demo GPT). It is for looking, never on by default. On a GPU ``allocator`` ha
 its own rounding and the backend's buffers).
 
 On a CUDA rank the default (``method="auto"``) is CUDA's own allocator log instead, the same categories
-from the blocks the allocator hands out (``colab_kit.memory.history``): exact to the allocator's byte and
-about as fast as a plain step. ``method="dispatch"`` keeps this meter there too.
+from the blocks the allocator hands out, in the bytes requested (``colab_kit.memory.history``), without
+walking the model states after every op. ``method="dispatch"`` keeps this meter there too.
 """
 from __future__ import annotations
 
@@ -255,8 +255,9 @@ def memory_timeline(engine, batch, *, local: bool | None = None, method: str = "
     if method == "history" and not cuda:
         raise ValueError(f"method='history' reads CUDA's allocator log, and this engine computes on "
                          f"{engine.mesh.device}: use method='dispatch' (or 'auto', which picks it here)")
-    if snapshot is not None and not (cuda and method != "dispatch"):
-        raise ValueError("snapshot= writes CUDA's allocator log: it needs a CUDA engine and method 'history' or 'auto'")
+    if (snapshot is not None or max_entries is not None) and not (cuda and method != "dispatch"):
+        raise ValueError("snapshot= and max_entries= are about CUDA's allocator log: they need a CUDA engine and "
+                         "method 'history' or 'auto'")
     roots = (engine.module, engine.optimizer, engine.grads)
     from ..observe.profile import _phases
     if cuda and method != "dispatch":
