@@ -202,11 +202,10 @@ def test_top_candidates_run_and_the_estimates_hold_on_4_ranks(tmp_path, monkeypa
 
 
 def test_cli_plan_prints_the_table(capsys, tmp_path, monkeypatch):
+    import importlib
     import json
 
     from colab_kit import cli
-    import importlib
-
     from colab_kit.planner.constants import VERSION, cache_path
 
     module = importlib.import_module("colab_kit.planner.constants")  # the module (the package's name is the function)
