@@ -72,7 +72,8 @@ class MemoryTimeline:
     series: dict = field(default_factory=dict)    # category -> bytes at each sample
     phases: list = field(default_factory=list)    # (start, end, name) of the engine's compute events
     alive_at_peak: list = field(default_factory=list)
-    allocator: list | None = None                 # CUDA: torch.cuda.memory_allocated() at each sample
+    allocator: list | None = None                 # CUDA, at each sample: memory_allocated() (dispatch), the
+                                                  # requested bytes held (cuda history: the series' totals)
     loss: float | None = None
     source: str = "dispatch"                      # "dispatch" (after every op) or "cuda history" (the allocator's log)
 
