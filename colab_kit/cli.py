@@ -246,6 +246,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--constants", action="store_true", help="print the measured constants too")
     p.add_argument("--refresh", action="store_true", help="measure the constants again")
+    p.add_argument("--hardware", default=None,
+                   help="price on a node preset instead of this machine (datasheet figures, assumptions): "
+                        "8xA100-80GB, 8xH100-SXM or 8xH200-SXM; any number of ranks, nothing measured")
 
 
 def plan_command(args, out=None) -> int:
@@ -255,15 +258,25 @@ def plan_command(args, out=None) -> int:
     from colab_kit.models import GPTConfig
     from colab_kit.planner import constants
 
+    from colab_kit.planner.constants import cache_path, cached
+
     out = out or sys.stdout
     try:
-        consts = constants(refresh=args.refresh, ranks=args.ranks) if args.ranks >= 1 else None
+        # this machine's constants, measured with as many local processes as ranks: only where ck.plan would
+        # measure them itself (1-16 ranks, no preset); otherwise ck.plan says what to pass, before anything starts
+        here = args.hardware is None and 1 <= args.ranks <= 16
+        if here and (args.refresh or cached(args.ranks) is None):
+            print(f"colab-kit plan: measuring this machine's constants on {args.ranks} local processes "
+                  f"(about 15 s; cached in {cache_path()} for the next runs)", file=sys.stderr, flush=True)
+        consts = constants(refresh=args.refresh, ranks=args.ranks) if here else None
         cands = ck.plan(GPTConfig(**PLAN_MODELS[args.model]), args.ranks, args.batch, args.memory, args.precision,
-                        constants=consts)
+                        constants=consts, hardware=args.hardware)
     except ck.ConfigError as exc:
-        print(f"colab-kit plan: {exc}", file=sys.stderr)
+        hint = " (here: --hardware NAME)" if args.hardware is None and args.ranks > 16 else ""
+        print(f"colab-kit plan: {exc}{hint}", file=sys.stderr)
         return 2
-    print(f"colab_kit plan: GPT {PLAN_MODELS[args.model]} on {args.ranks} ranks, batch {args.batch}", file=out)
+    where = f" on {args.hardware} nodes (datasheet figures: assumptions)" if args.hardware else ""
+    print(f"colab_kit plan: GPT {PLAN_MODELS[args.model]} on {args.ranks} ranks{where}, batch {args.batch}", file=out)
     print(cands.table(args.top), file=out)
     if args.constants:
         print(json.dumps(cands.constants, indent=1, sort_keys=True), file=out)

@@ -223,3 +223,18 @@ def test_cli_plan_prints_the_table(capsys, tmp_path, monkeypatch):
     assert out.count(" yes ") + out.count(" no ") >= 5 and '"flops_per_s"' in out
     assert cli.main(["plan", "--ranks", "0"]) == 2
     assert "world_size must be a positive whole number" in capsys.readouterr().err
+    # more ranks than this machine measures with: refused with the way out, nothing started
+    assert cli.main(["plan", "--ranks", "64"]) == 2
+    assert "64 local processes" in (err := capsys.readouterr().err) and "--hardware NAME" in err
+    assert cli.main(["plan", "--ranks", "512", "--batch", "512", "--hardware", "8xH100-SXM", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "on 512 ranks on 8xH100-SXM nodes (datasheet figures: assumptions)" in out and "3 of " in out
+    assert cli.main(["plan", "--ranks", "8", "--hardware", "8xTPU"]) == 2
+    assert "unknown hardware '8xTPU'" in capsys.readouterr().err
+    # ranks the cache lacks: measured once (here a stand-in), said so beforehand, cached for the next run
+    calls = []
+    monkeypatch.setattr(module, "measure", lambda ranks: calls.append(ranks) or {**EXAMPLE_CONSTANTS, "version": VERSION})
+    assert cli.main(["plan", "--ranks", "4", "--batch", "16", "--top", "2"]) == 0
+    assert "measuring this machine's constants on 4 local processes" in capsys.readouterr().err and calls == [4]
+    assert cli.main(["plan", "--ranks", "4", "--batch", "16", "--top", "2"]) == 0
+    assert "measuring" not in capsys.readouterr().err and calls == [4]
