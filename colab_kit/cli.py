@@ -264,10 +264,13 @@ def plan_command(args, out=None) -> int:
     try:
         # this machine's constants, measured with as many local processes as ranks: only where ck.plan would
         # measure them itself (1-16 ranks, no preset); otherwise ck.plan says what to pass, before anything starts
+        if args.hardware is not None and args.refresh:
+            raise ck.ConfigError("--refresh measures this machine's constants and --hardware prices a node preset "
+                                 "instead: give one of them")
         here = args.hardware is None and 1 <= args.ranks <= 16
         if here and (args.refresh or cached(args.ranks) is None):
             print(f"colab-kit plan: measuring this machine's constants on {args.ranks} local processes "
-                  f"(about 15 s; cached in {cache_path()} for the next runs)", file=sys.stderr, flush=True)
+                  f"(seconds; cached in {cache_path()} for the next runs)", file=sys.stderr, flush=True)
         consts = constants(refresh=args.refresh, ranks=args.ranks) if here else None
         cands = ck.plan(GPTConfig(**PLAN_MODELS[args.model]), args.ranks, args.batch, args.memory, args.precision,
                         constants=consts, hardware=args.hardware)

@@ -5,12 +5,14 @@ On a CUDA rank ``memory_timeline`` (``method="auto"`` or ``"history"``) runs the
 and takes back, with the Python stack that asked for it. That log is the timeline: one sample per
 ``alloc`` and per ``free_requested``, in the bytes the program asked for (the log's unit: the allocator's
 ``requested_bytes``), so the running total is ``torch.cuda.memory_stats()["requested_bytes.all.current"]``
-at every sample and its largest value that counter's peak over the step. ``memory_allocated()`` and
-``engine.memory()["step_peak"]`` (``max_memory_allocated()``) count the blocks, each rounded up (to 512
-bytes, a large one by up to 1 MiB where the rest of a free block was not worth splitting off), so they
-read at least as much. Unlike the dispatch-level meter (``colab_kit.memory.timeline``, the CPU method), which
-walks the model states after every op, the only work added to the step is the allocator's bookkeeping and
-one read of its counters for every tensor autograd saves.
+at every sample and its largest value that counter's peak over the step, where no freed block waits for
+another stream (the counter drops when such a block's events complete, the log when it is freed).
+``memory_allocated()`` and ``engine.memory()["step_peak"]`` (``max_memory_allocated()``) count the blocks,
+each rounded up (to 512 bytes; a large one further where the rest of a free block was not worth splitting
+off, and by the allocator's settings, ``max_split_size_mb``, ``roundup_power2_divisions``), so they read at
+least as much. Unlike the dispatch-level meter (``colab_kit.memory.timeline``, the CPU method), which walks the
+model states after every op, the step pays the allocator's log (with the Python stack of every allocation)
+and one read of its counters for every tensor autograd saves.
 
 The recording is turned on for the step and off after it; a recording of the caller's own is cleared.
 
@@ -187,12 +189,17 @@ def history_series(rec: dict) -> dict:
     allocs = [e for e in rec["trace"] if e.get("action") == "alloc"]
     frees = [e for e in rec["trace"] if e.get("action") == "free_requested"]
     logged, logged_frees = rec["count2"] - rec["count0"], rec["freed2"] - rec["freed0"]
-    if len(allocs) != logged or len(frees) != logged_frees:
+    if len(allocs) < logged or len(frees) < logged_frees:
         raise HistoryError(f"the allocator's log kept {len(allocs)} of the {logged} allocations and {len(frees)} of "
                            f"the {logged_frees} frees counted while it recorded: record again with a larger "
                            f"max_entries (it was {rec.get('max_entries', HISTORY_ENTRIES):,})")
+    if len(allocs) > logged or len(frees) > logged_frees:
+        raise HistoryError(f"the allocator's log holds {len(allocs)} allocations and {len(frees)} frees where its "
+                           f"counters moved by {logged} and {logged_frees}: another thread used the allocator while "
+                           "the step was recorded; record again, or use method='dispatch'")
     allocs, frees = allocs[:rec["count1"] - rec["count0"]], frees[:rec["freed1"] - rec["freed0"]]
-    step = [e for e in rec["trace"] if id(e) in {id(x) for x in allocs} | {id(x) for x in frees}]
+    keep = {id(x) for x in allocs} | {id(x) for x in frees}
+    step = [e for e in rec["trace"] if id(e) in keep]
     alloc_index = {id(e): n for n, e in enumerate(allocs)}
     # the model states the walk found: before the step (the start's blocks) and after it (the step's
     # allocations that it did not free): an address a temporary used earlier in the step is not a state

@@ -231,6 +231,10 @@ def test_cli_plan_prints_the_table(capsys, tmp_path, monkeypatch):
     assert "on 512 ranks on 8xH100-SXM nodes (datasheet figures: assumptions)" in out and "3 of " in out
     assert cli.main(["plan", "--ranks", "8", "--hardware", "8xTPU"]) == 2
     assert "unknown hardware '8xTPU'" in capsys.readouterr().err
+    assert cli.main(["plan", "--ranks", "4", "--batch", "16", "--hardware", "8xA100-80GB", "--top", "2"]) == 0
+    assert "measuring" not in capsys.readouterr().err  # 4 ranks are not cached: a preset measures nothing
+    assert cli.main(["plan", "--ranks", "4", "--hardware", "8xA100-80GB", "--refresh"]) == 2
+    assert "give one of them" in capsys.readouterr().err
     # ranks the cache lacks: measured once (here a stand-in), said so beforehand, cached for the next run
     calls = []
     monkeypatch.setattr(module, "measure", lambda ranks: calls.append(ranks) or {**EXAMPLE_CONSTANTS, "version": VERSION})

@@ -85,6 +85,10 @@ def test_a_wrong_reading_is_caught():
     lost["trace"] = lost["trace"][1:]  # the log's ring lost its oldest entry, the step's first allocation
     with pytest.raises(HistoryError, match="kept 7 of the 8 allocations"):
         history_series(lost)
+    crowded = recording()
+    crowded["trace"] = crowded["trace"] + [alloc(0xD000, 512)]  # an allocation the counters never saw
+    with pytest.raises(HistoryError, match="another thread used the allocator"):
+        history_series(crowded)
 
 
 def test_without_a_clock_the_samples_spread_over_the_step():
