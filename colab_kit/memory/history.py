@@ -59,7 +59,7 @@ import time
 
 import torch
 
-from .peak import MACHINERY, _walk
+from .peak import _walk, machinery_module
 
 __all__ = ["HISTORY_ENTRIES", "record_history", "history_series", "frames_machinery", "HistoryError"]
 
@@ -83,15 +83,8 @@ def _module_path(filename: str) -> str:
 
 
 def frames_machinery(frames) -> bool:
-    """``peak._is_machinery`` over a trace entry's frames (innermost first): the nearest frame outside
-    torch's generic layers is machinery code (``torch.optim`` stops the search)."""
-    for frame in frames or ():
-        name = _module_path(str(frame.get("filename", "")))
-        if any(name == m or name.startswith(m + ".") for m in MACHINERY):
-            return True
-        if not name.startswith("torch.") or name.startswith("torch.optim"):
-            return False
-    return False
+    """``peak.machinery_module`` over a trace entry's frames (innermost first), named from their files."""
+    return machinery_module(_module_path(str(frame.get("filename", ""))) for frame in frames or ())
 
 
 def _top_frame(frames) -> str:
@@ -100,11 +93,6 @@ def _top_frame(frames) -> str:
         if "/torch/" not in name.replace("\\", "/"):
             return f"{name.rsplit('/', 1)[-1]}:{frame.get('line', '?')} {frame.get('name', '')}".strip()
     return ""
-
-
-def _allocated(device) -> int:
-    """The allocator's count of allocations so far (``allocation.all.allocated``; one read of its counters)."""
-    return torch.cuda.memory_stats_as_nested_dict(device)["allocation"]["all"]["allocated"]
 
 
 def _counts(device) -> tuple[int, int]:
@@ -130,7 +118,7 @@ def record_history(fn, roots, device, max_entries: int = HISTORY_ENTRIES, meter=
         if t.device.type == "cuda" and getattr(t, "_local_tensor", None) is None:
             ptr = t.untyped_storage().data_ptr()
             if ptr not in live:
-                saved.append((_allocated(device), ptr))
+                saved.append((_counts(device)[0], ptr))
         return t
 
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",

@@ -157,16 +157,27 @@ def _walk(roots) -> dict:
     return found
 
 
-def _is_machinery(frame) -> bool:
-    """The nearest frame outside torch's generic layers (dispatch, autograd, functional) is machinery."""
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
+def machinery_module(names) -> bool:
+    """Over the module names of a stack, innermost first: the nearest outside torch's generic layers
+    (dispatch, autograd, functional) is machinery code; ``torch.optim`` stops the search (the optimizer's
+    temporaries are not machinery)."""
+    for name in names:
         if _under(name, MACHINERY):
             return True
         if not name.startswith("torch.") or _under(name, ("torch.optim",)):
             return False
-        frame = frame.f_back
     return False
+
+
+def _frame_names(frame):
+    while frame is not None:
+        yield frame.f_globals.get("__name__", "")
+        frame = frame.f_back
+
+
+def _is_machinery(frame) -> bool:
+    """``machinery_module`` over the live stack from ``frame`` out."""
+    return machinery_module(_frame_names(frame))
 
 
 def _totals(found: dict) -> dict:
