@@ -26,7 +26,15 @@ measures, all ranks at the same time (so that they share the cores the way a rea
 - ``memory``: ``a.add_(b)`` over 4 MiB, bytes read and written per second (the optimizer step);
 - ``optimizer``: seconds per op of an AdamW step over 32 small tensors (``op_seconds``), every rank
   stepping at once for a window of 0.1 s (``_window``), the median of three: a small model's step costs
-  its optimizer's ops, about 10 per tensor, not its bytes;
+  its optimizer's ops, about 10 per tensor, not its bytes; and seconds per element (``element_seconds``)
+  of AdamW over the parameters of a GPT past the caches (d=256, two blocks: 1.6M elements in 29
+  tensors), what its step takes beyond those ops: torch's CPU AdamW makes about 10 passes over each
+  tensor (one per op), so a step costs its elements' passes, not one read and write of its bytes; and in
+  a training step forward and backward have streamed through the caches before it runs, so its states
+  come from memory. Per element on 4 ranks bound to 2 cores (by hand, once): 4.4 ns up to 110k
+  elements, 5.8-6.7 ns at 210k-810k, 10.8 ns at 1.6M; the 4-block test GPT's step (53 tensors, 210k
+  elements) took 4.5 ms alone and 5.1-5.4 ms between forward-backward passes, where the bytes at the
+  memory rate with the ops had priced it at 3.1 ms and these figures price it at 5.6;
 - ``comm``: for every group size ``n`` that divides ``ranks`` (the ranks split into ``ranks / n``
   groups, every group busy at once: the "tp" axis of a ``ProcessMesh``) and each of all_reduce,
   all_gather, reduce_scatter, broadcast, all_to_all, send (a ping-pong of ``comm.isend`` /
@@ -65,6 +73,7 @@ again. A test passes fixed numbers instead (``ck.plan(..., constants={...})``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -78,11 +87,11 @@ _LARGE = {"all_reduce": 1 << 20, "reduce_scatter": 1 << 20, "all_gather": 1 << 2
 """A fourth point, 4 MiB, for the collectives that carry gradients and parameters (dp's bucket all-reduce,
 ZeRO's reduce-scatters and gathers: megabytes): fitted on 1 MiB at most, a 4-rank all-reduce of a 1.6 MB
 gradient read 5.5 ms in the model and took 8.6-10.4 ms in a step (gloo, 4 ranks on 2 cores)."""
-VERSION = 3
+VERSION = 4
 """Bumped when a figure changes meaning or is added; a cached entry of another version is measured again
 (version 2: ``dispatch`` per op of a step, not per forward op; ``activation``, ``recompute``, the 4 MiB points;
 version 3: ranks bound to cores (``launch.bind_rank``, ``bound``), ``cores`` the ones the process may use,
-each point's trials in turns)."""
+each point's trials in turns; version 4: the optimizer's ``element_seconds``, the slowest rank's)."""
 
 
 def cache_path() -> str:
@@ -169,6 +178,7 @@ def combine(per_rank: list[dict]) -> dict:
     out["matmul"] = {"flops_per_s": min(r["matmul"]["flops_per_s"] for r in per_rank)}  # the slowest rank
     out["dispatch"] = {"op_seconds": max(r["dispatch"]["op_seconds"] for r in per_rank)}
     out["activation"] = {"seconds_per_byte": max(r["activation"]["seconds_per_byte"] for r in per_rank)}
+    out["optimizer"] = {k: max(r["optimizer"][k] for r in per_rank) for k in per_rank[0]["optimizer"]}
     if all("recompute" in r for r in per_rank):
         out["recompute"] = {"op_seconds": max(r["recompute"]["op_seconds"] for r in per_rank)}
     out["comm"] = _fit_points([r["points"] for r in per_rank])
@@ -214,14 +224,14 @@ def _time(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def _optimizer_step():
-    """(ops dispatched by one step, the step) of AdamW over 32 tensors of 64 elements: what a small
-    model's optimizer costs is its ops (about 10 per tensor on CPU, where torch loops over the tensors),
-    not its bytes."""
+def _optimizer_step(shapes=((64,),) * 32):
+    """(ops dispatched by one step, the step) of AdamW over tensors of ``shapes`` (default 32 of 64
+    elements: what a small model's optimizer costs is its ops, about 10 per tensor on CPU, where torch
+    loops over the tensors; ``measure_rank`` also steps a GPT's parameter shapes for the elements' cost)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    params = [torch.zeros(64, requires_grad=True) for _ in range(32)]
+    params = [torch.zeros(shape, requires_grad=True) for shape in shapes]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     opt = torch.optim.AdamW(params, lr=1e-3)
@@ -272,6 +282,11 @@ def measure_rank(ranks: int) -> dict:
     mem = _time(lambda: big.add_(other), 5)
     opt_ops, opt_step = _optimizer_step()
     opt_seconds = statistics.median(_window(opt_step) / opt_ops for _ in range(3))
+    # the elements' passes: AdamW over a GPT's parameters at a model's size, beyond its ops
+    sized_ops, sized_step = _optimizer_step(burst.optimizer_shapes)
+    elements = sum(math.prod(s) for s in burst.optimizer_shapes)
+    opt_elements = statistics.median(max(0.0, _window(sized_step) - sized_ops * opt_seconds) / elements
+                                     for _ in range(3))
     # every point's trials in turns (``_TRIALS`` passes over a group size's points): a slow spell of the
     # machine (a tenth of a second or more on a shared VM) falls on many points a little, not on one
     # point's every trial
@@ -302,7 +317,7 @@ def measure_rank(ranks: int) -> dict:
             "activation": {"seconds_per_byte": statistics.median(a for r in rates for a in r[2])},
             "recompute": {"op_seconds": max(0.0, recompute)},
             "memory": {"bytes_per_s": 3 * big.numel() * 4 / mem},
-            "optimizer": {"op_seconds": opt_seconds},
+            "optimizer": {"op_seconds": opt_seconds, "element_seconds": opt_elements},
             "points": points, "backend": dist.get_backend(), "torch": torch.__version__,
             "affinity": allowed_cores()}
 
@@ -379,6 +394,11 @@ class _Burst:
         from ..pipeline.costs import flops_per_token
         sized = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2)  # a model's size, 4 rows
         big, rows = GPT(sized), torch.zeros(4, 32, dtype=torch.long)
+        # the optimizer's elements: a GPT's parameters past the caches (d=256, two blocks: 1.6M elements,
+        # 26 MB with their gradients and AdamW's two states), as in a step, where forward and backward
+        # have streamed activations and gradients through the caches before the optimizer runs
+        wide = GPTConfig(vocab_size=64, seq_len=32, d_model=256, n_heads=4, n_layers=2)
+        self.optimizer_shapes = [tuple(p.shape) for p in GPT(wide).parameters()]
         self._sized = lambda: F.cross_entropy(big(rows).flatten(0, 1), rows.flatten())
         lin, att, head = flops_per_token(sized)
         self.sized_ops, self.sized_flops = count_ops(self._sized), rows.numel() * (2 * (lin + att) + head)

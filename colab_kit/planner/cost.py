@@ -34,11 +34,11 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   two all-to-alls each way; pp: every message, a send of the stage's output per microbatch and one
   of its gradient back (on CPU ranks a message's latency is work both ends do). Wire bytes are
   ``comm.wire_bytes``, as the comm records count.
-- optimizer: its bytes read and written once (params, grads, states of this rank's shard) at
-  the measured memory rate; offload='cpu' adds copying the gradients out and parameters back; and
-  its ops: ``OPS_PER_TENSOR`` for each tensor it steps (``stepped_tensors``) at the measured seconds
-  per optimizer op (``constants``'s "optimizer"). Profiled on 4 CPU ranks, AdamW's step on a
-  4-block GPT took 5-9 ms where its bytes alone gave 0.2.
+- optimizer (``_optimizer``): its ops, ``OPS_PER_TENSOR`` for each tensor it steps (``stepped_tensors``),
+  at the measured seconds per optimizer op, and the elements it steps (this rank's shard) at the
+  measured seconds per element of an AdamW step (``constants``'s "optimizer": torch's CPU AdamW makes
+  about 10 passes over each tensor); offload='cpu' adds copying the gradients out and parameters back.
+  Profiled on 4 CPU ranks, AdamW's step on a 4-block GPT took 5-9 ms where its bytes alone gave 0.2.
 
 How each piece was found, with the runs that showed it: docs/planner.md#against-runs.
 """
@@ -237,11 +237,27 @@ def stepped_tensors(model, cfg, shared_cores: bool = False) -> int:
 
 
 def _optimizer(cfg, consts, memory, model=None, optimizer: str = "adamw") -> float:
-    touched = memory["params"] // (cfg.dp if cfg.zero in (1, 2) else 1) + memory["grads"] + memory["optimizer"]
-    seconds = 2 * touched / consts["memory"]["bytes_per_s"]
+    """Seconds of the optimizer's step on this rank: its ops (``OPS_PER_TENSOR`` per stepped tensor) at the
+    measured seconds per optimizer op, and its elements (the parameters it steps: this rank's shard at
+    ZeRO 1/2; the fp32 masters of 16-bit parameters) at the measured seconds per element of AdamW's step
+    (``constants``'s "element_seconds": its ~10 passes over each tensor), in proportion for an optimizer of
+    fewer ops a tensor. Constants without that figure (older ones, a hardware preset, where the step is one
+    fused kernel) price the elements as one read and write of params, grads and states at the memory rate.
+    Worked example (the 4-block test GPT, 210,304 parameters in 53 tensors, AdamW, 4 ranks on 2 cores at
+    6.2 us an op and 10.8 ns an element): 53 x 10 x 6.2 us + 210,304 x 10.8 ns = 3.3 + 2.3 = 5.6 ms (it
+    took 5.1-5.4 ms between forward-backward passes, by hand, once)."""
+    shard = cfg.dp if cfg.zero in (1, 2) else 1
+    opt = consts.get("optimizer", {})
+    per_element = opt.get("element_seconds", 0.0)
+    if per_element:
+        elements = memory["params"] / PRECISION_BYTES[cfg.precision] / shard
+        seconds = elements * per_element * OPS_PER_TENSOR.get(optimizer, 10) / OPS_PER_TENSOR["adamw"]
+    else:
+        touched = memory["params"] // shard + memory["grads"] + memory["optimizer"]
+        seconds = 2 * touched / consts["memory"]["bytes_per_s"]
     if cfg.offload == "cpu":
         seconds += 2 * memory["grads"] / consts["memory"]["bytes_per_s"]
-    per_op = consts.get("optimizer", {}).get("op_seconds", 0.0)  # constants measured before it: bytes only
+    per_op = opt.get("op_seconds", 0.0)  # constants measured before it: bytes only
     if model is not None and per_op:
         seconds += stepped_tensors(model, cfg, shares_cores(consts, cfg)) * OPS_PER_TENSOR.get(optimizer, 10) * per_op
     return seconds

@@ -188,6 +188,7 @@ def test_top_candidates_run_and_the_estimates_hold_on_4_ranks(tmp_path, monkeypa
     steps = 8
     measured = constants(refresh=True, ranks=4, repeats=3)
     assert os.path.exists(cache_path()) and constants(ranks=4) == measured  # cached, not measured again
+    assert measured["optimizer"]["element_seconds"] > 0 and measured["optimizer"]["op_seconds"] > 0
     result = validate(SMALL, ranks=4, batch=16, top=8, steps=steps)
     rows = result["rows"]
     assert len(rows) == 8 and len({r["config"] for r in rows}) == 8

@@ -137,3 +137,26 @@ def test_bound_ranks_share_only_their_own_core():
     _, free, _ = _seconds({"dp": 2, "pp": 2, "microbatches": 2}, two)
     _, bound, _ = _seconds({"dp": 2, "pp": 2, "microbatches": 2}, dict(two, bound=True))
     assert free["bubble"] > 0 and bound.get("bubble", 0.0) < free["bubble"] / 4
+
+
+def test_the_optimizer_costs_its_ops_and_its_elements_passes():
+    """With ``element_seconds`` (constants version 4) the optimizer's step is its ops plus its elements at
+    that rate: the test GPT's 53 tensors x 10 ops and 210,304 elements, worked by hand; ZeRO 1 steps a
+    quarter of the elements (on dp=4) in one flat piece per gradient bucket; SGD with momentum 3 passes of AdamW's 10;
+    constants without the figure price one read and write of the bytes instead (the older model), which
+    is less: the test fails if the figure is dropped or double-counted."""
+    from colab_kit.planner.cost import _optimizer
+
+    consts = dict(EXAMPLE_CONSTANTS, optimizer={"op_seconds": 6e-6, "element_seconds": 1e-8})
+    cfg = ck.ParallelConfig(dp=4)
+    mem = config_estimate(SMALL, cfg, 16)
+    assert mem["params"] == 4 * 210_304
+    want = 53 * 10 * 6e-6 + 210_304 * 1e-8
+    assert _optimizer(cfg, consts, mem, SMALL) == pytest.approx(want)
+    z1 = ck.ParallelConfig(dp=4, zero=1)
+    got = _optimizer(z1, consts, config_estimate(SMALL, z1, 16), SMALL)
+    assert got == pytest.approx(2 * 10 * 6e-6 + 210_304 / 4 * 1e-8)  # two buckets: a core per rank here
+    assert _optimizer(cfg, consts, mem, SMALL, "sgd-momentum") == pytest.approx(53 * 3 * 6e-6 + 210_304 * 1e-8 * 3 / 10)
+    older = dict(consts, optimizer={"op_seconds": 6e-6})
+    bytes_only = 53 * 10 * 6e-6 + 2 * (mem["params"] + mem["grads"] + mem["optimizer"]) / 1e10
+    assert _optimizer(cfg, older, mem, SMALL) == pytest.approx(bytes_only) and bytes_only < want
