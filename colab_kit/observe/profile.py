@@ -30,8 +30,8 @@ idle     the rest: no op, no recorded collective (a pipeline rank between its ac
 
 Overlap: gloo runs each collective in a worker thread, and the profiler records that run
 (``gloo:all_reduce``, ...; ``nccl:*`` on a GPU); each record takes the first free one of its op that
-starts within its launch..ready span (gloo runs a reduce-scatter as an all-reduce; ``matched`` counts
-them). A record's communication time is that backend span (its own launch..ready where none matched;
+starts within its launch..ready span (gloo runs a reduce-scatter as an all-reduce, ``comm.all_reduce``
+a pair's small sum as an all-gather; ``matched`` counts them). A record's communication time is that backend span (its own launch..ready where none matched;
 a receive's runs from its post, so it holds the wait for the sender); the part of it while the
 training thread ran compute or copy is hidden. A blocking collective is hidden 0 (the thread waits in
 it); a bucket all-reduce that gloo ran while backward went on is hidden whole.
@@ -180,8 +180,9 @@ def _build(p: Profile, engine, events, times, min_idle: float) -> None:
                      if e.name.startswith(("gloo:", "nccl:")))
     used, p.spans = set(), [None] * len(times)
     for i in sorted(range(len(times)), key=lambda i: times[i][0]):  # in launch order: the backend's first
-        launch, ready, _ = times[i]  # run of this op (gloo runs a reduce-scatter as an all-reduce) after it
-        ops = (p.records[i].op, "all_reduce") if p.records[i].op == "reduce_scatter" else (p.records[i].op,)
+        launch, ready, _ = times[i]  # run of this op after it (gloo runs a reduce-scatter as an all-reduce;
+        op = p.records[i].op  # a pair's small all-reduce is an all-gather: comm.all_reduce's one-shot)
+        ops = {"reduce_scatter": ("reduce_scatter", "all_reduce"), "all_reduce": ("all_reduce", "all_gather")}.get(op, (op,))
         j = next((j for j, (a, b, f) in enumerate(backend) if j not in used and f in ops
                   and launch - 1e-3 <= a <= ready), None)
         used.add(j)  # (an async op's launch is taken after dist returned: gloo may have begun it already)

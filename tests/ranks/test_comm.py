@@ -142,7 +142,54 @@ def comm_checks():
     comm.broadcast(torch.ones(1024), mesh4, "dp")
     comm.reduce(torch.ones(1024), mesh4, "dp")
     out["wire4"] = [(r.op, r.bytes, r.wire) for r in mesh4.log.records]
+    out["one_shot"] = _one_shot_checks(mesh, mesh4, rank)
     return out
+
+
+def _one_shot_checks(mesh, mesh4, rank):
+    """comm.all_reduce's one-shot sum of a pair (``collectives.ONE_SHOT_BYTES``): per case, whether it went
+    through the all-gather, its bits against gloo's own all_reduce of the same tensor, and its record."""
+    from colab_kit.comm import collectives
+
+    gathers = []
+    real = collectives._all_gather_single
+
+    def counting(*args, **kwargs):
+        gathers.append(1)
+        return real(*args, **kwargs)
+    collectives._all_gather_single = counting
+    gen = torch.Generator().manual_seed(rank)
+    cases = {  # name: (tensor, mesh, axis, async)
+        "64 KiB fp32": (torch.randn(16384, generator=gen), mesh, "tp", False),
+        "64 KiB + 4 B": (torch.randn(16385, generator=gen), mesh, "tp", False),
+        "bf16": (torch.randn(300, generator=gen).bfloat16(), mesh, "tp", False),
+        "int64": (torch.randint(-1000, 1000, (7,), generator=gen), mesh, "dp", False),
+        "non-contiguous": (torch.randn(6, 4, generator=gen).t(), mesh, "dp", False),
+        "one element": (torch.randn(1, generator=gen), mesh, "tp", False),
+        "async": (torch.randn(64, generator=gen), mesh, "tp", True),
+        "group of 4": (torch.randn(64, generator=gen), mesh4, "dp", False),
+    }
+    got = {}
+    try:
+        for name, (t, m, axis, is_async) in cases.items():
+            want = t.clone().contiguous()
+            dist.all_reduce(want, group=m.group(axis))  # gloo's ring (or its one-element way)
+            before, n = len(gathers), len(m.log.records)
+            pending = comm.all_reduce(t, m, axis, async_op=is_async, tag=name)
+            if is_async:
+                pending.wait()
+            rec = m.log.records[n]
+            got[name] = (len(gathers) - before, torch.equal(t, want), (rec.op, rec.bytes, rec.wire),
+                         t.contiguous().view(torch.uint8).tolist() if name == "64 KiB fp32" else None)
+        collectives.ONE_SHOT_BYTES = 0  # off: the ring
+        t = torch.randn(64, generator=gen)
+        before = len(gathers)
+        comm.all_reduce(t, mesh, "tp")
+        got["switched off"] = (len(gathers) - before, None, None, None)
+    finally:
+        collectives._all_gather_single = real
+        collectives.ONE_SHOT_BYTES = 64 << 10
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +279,23 @@ def test_tensor_sub_axes(results):
         assert r["records2"] == [("all_reduce", "tp_row", 4, ""), ("all_reduce", "tp_col", 4, ""),
                                  ("all_gather", "tp_row", 8, ""), ("broadcast", "tp_col", 8, "")]
         assert r["mesh1_untouched"]  # each mesh has its own log
+
+
+def test_a_pairs_small_sum_is_one_exchange_with_the_rings_bits(results):
+    """comm.all_reduce on a pair of CPU ranks sums 2 B to 64 KiB one-shot (an all-gather and an add, one
+    round where gloo's ring takes two): the same bits as gloo's all_reduce of the same tensor, both ranks
+    of the pair alike, recorded as an all_reduce with the ring's payload and wire (S each way on 2
+    ranks); one byte more, one element, an async call, a group of 4 or ONE_SHOT_BYTES = 0 keep the ring."""
+    one_shot = {"64 KiB fp32": 65536, "bf16": 600, "int64": 56, "non-contiguous": 96}
+    ring = {"64 KiB + 4 B": 65540, "one element": 4, "async": 256}
+    for r in results:
+        got = r["one_shot"]
+        for name, nbytes in one_shot.items():
+            assert got[name][:3] == (1, True, ("all_reduce", nbytes, nbytes)), (name, got[name])
+        for name, nbytes in ring.items():
+            assert got[name][:3] == (0, True, ("all_reduce", nbytes, nbytes)), (name, got[name])
+        assert got["group of 4"][:3] == (0, True, ("all_reduce", 256, 384))
+        assert got["switched off"][0] == 0
+    pairs = [(0, 1), (2, 3)]  # tp groups: the same bits on both ranks of a pair, other bits on the other pair
+    bits = [r["one_shot"]["64 KiB fp32"][3] for r in results]
+    assert all(bits[a] == bits[b] for a, b in pairs) and bits[0] != bits[2]
