@@ -55,7 +55,15 @@ def _in_place(tensor: torch.Tensor, then):
 
 
 ONE_SHOT_BYTES = 64 << 10
-"""Largest sum of a pair of CPU ranks that ``all_reduce`` runs one-shot (0: never); see ``all_reduce``."""
+"""Largest sum (max, min) of a pair of CPU ranks that ``all_reduce`` runs one-shot (0: never); see ``all_reduce``."""
+
+_COMBINE = ((dist.ReduceOp.SUM, torch.add), (dist.ReduceOp.MAX, torch.maximum), (dist.ReduceOp.MIN, torch.minimum))
+
+
+def _combine_of(op):
+    """The local op that one-shot uses for ``op`` (a ``ReduceOp`` or its member; ``op == member`` holds for
+    both, the reverse not for the object), or None."""
+    return next((f for member, f in _COMBINE if op == member), None)
 
 
 def all_reduce(tensor: torch.Tensor, mesh, axis: str, op=dist.ReduceOp.SUM, *, async_op: bool = False,
@@ -66,15 +74,20 @@ def all_reduce(tensor: torch.Tensor, mesh, axis: str, op=dist.ReduceOp.SUM, *, a
     On a size-1 axis nothing runs and nothing is recorded; ``async_op=True`` still returns a
     ``Pending`` whose ``wait()`` returns None.
 
-    A blocking sum of 2 to ``ONE_SHOT_BYTES`` bytes over a pair of CPU ranks runs one-shot: one exchange
-    of the whole tensor (an all-gather) and a local add, where gloo's ring takes two rounds of half of
-    it; each rank sends the same bytes either way (``wire``), both ranks add the two pieces in rank order,
-    so they hold the same bits. The pairs of tp=2 (1D: an all-reduce of a block's activations, 64 KiB
-    for 8 rows of 32 tokens at d=64) and every loss of a pair of ranks take it. Raw gloo, 2 ranks on 2
-    cores (by hand, ``dist.all_reduce`` against ``all_gather`` + add, 100 calls, best of 3): 16 elements
-    490 against 289 us, 1,024 599 / 350, 16,384 749 / 363; 65,536 938 / 1,192 (the ring wins from
-    there); one element goes gloo's own short way (216 us) and stays there. On larger groups one-shot
-    would send ``n - 1`` times the tensor where the ring sends ``2 (n - 1) / n``, so they keep the ring::
+    A blocking sum, max or min of 2 or more elements and at most ``ONE_SHOT_BYTES`` bytes over a pair of CPU
+    ranks runs one-shot: one exchange of the whole tensor (an all-gather) and a local add (maximum,
+    minimum), where gloo's ring takes two rounds of half of it; each rank sends the same bytes either way
+    (``wire``), both ranks combine the two pieces in rank order, so they hold the same bits, the ring's
+    (a max or min with a NaN is NaN on both ranks; gloo's keeps whichever its comparison order keeps).
+    The pairs of tp=2 take it for 1D's all-reduces of a block's activations (64 KiB for 8 rows of 32
+    tokens at d=64) and the vocab-parallel cross-entropy's max and sums; a one-element tensor (the
+    engine's loss, a norm) goes gloo's own short way, and so do async calls (gradient buckets), groups
+    of 3 or more (one-shot would send ``n - 1`` times the tensor there, the ring ``2 (n - 1) / n``) and GPU
+    tensors (NCCL picks its own algorithm). The record's seconds end when the exchange does (the add,
+    microseconds, is the caller's compute). Measured: raw gloo on 2 ranks (by hand, ``dist.all_reduce``
+    against ``all_gather`` + add, 100 calls, best of 3) 16 elements 490 / 289 us, 1,024 599 / 350,
+    16,384 749 / 363, 65,536 938 / 1,192 (the ring wins there); in ``bench/comm.py`` a dp=2 x tp=2 step of
+    the 4-block test GPT at 0.88 of the ring's (the collective alone within that VM's noise)::
 
         rank 0: x0 = [1., 2.]    all_reduce(x0, mesh, "tp")  ->  both pieces [1., 2., 10., 20.]
         rank 1: x1 = [10., 20.]                                  x0 = x1 = [1. + 10., 2. + 20.]
@@ -86,16 +99,18 @@ def all_reduce(tensor: torch.Tensor, mesh, axis: str, op=dist.ReduceOp.SUM, *, a
     group = mesh.group(axis)
     buf, then = _in_place(tensor, then)
     if not async_op and _one_shot(buf, mesh.size(axis), op):
-        flat = buf.view(-1)
+        # outside autograd, as gloo's all_reduce is: a tensor that requires grad is written in place
+        flat, combine = buf.detach().view(-1), _combine_of(op)
         pieces = torch.empty(2 * flat.numel(), dtype=flat.dtype, device=flat.device)
         done = then
 
-        def add():  # after the exchange: rank 0's piece plus rank 1's, on both ranks
-            torch.add(pieces[:flat.numel()], pieces[flat.numel():], out=flat)
+        def combined():  # after the exchange: rank 0's piece with rank 1's, on both ranks
+            with torch.inference_mode() if flat.is_inference() else torch.no_grad():
+                combine(pieces[:flat.numel()], pieces[flat.numel():], out=flat)
             if done is not None:
                 done()
         _run(mesh, "all_reduce", axis, buf,
-             lambda a: _all_gather_single(pieces, flat, group=group, async_op=a), False, tag, add)
+             lambda a: _all_gather_single(pieces, flat, group=group, async_op=a), False, tag, combined)
         return tensor
     out = _run(mesh, "all_reduce", axis, buf,
                lambda a: dist.all_reduce(buf, op=op, group=group, async_op=a), async_op, tag, then)
@@ -103,9 +118,19 @@ def all_reduce(tensor: torch.Tensor, mesh, axis: str, op=dist.ReduceOp.SUM, *, a
 
 
 def _one_shot(buf: torch.Tensor, n: int, op) -> bool:
-    """Whether ``all_reduce`` sums ``buf`` one-shot: a pair of CPU ranks, a sum, 2 to ``ONE_SHOT_BYTES`` bytes."""
-    return (n == 2 and buf.device.type == "cpu" and op == dist.ReduceOp.SUM and buf.numel() > 1
-            and buf.numel() * buf.element_size() <= ONE_SHOT_BYTES)
+    """Whether ``all_reduce`` runs one-shot: a pair of CPU ranks, a sum (max, min: not of complex numbers),
+    2 or more elements, ``ONE_SHOT_BYTES`` or fewer bytes."""
+    return (n == 2 and buf.device.type == "cpu" and _combine_of(op) is not None and buf.numel() > 1
+            and buf.numel() * buf.element_size() <= ONE_SHOT_BYTES
+            and not (buf.is_complex() and _combine_of(op) is not torch.add))
+
+
+def one_shot_record(record) -> bool:
+    """Whether a blocking all-reduce ``record`` (``CommRecord``) may have run one-shot: 2 or more elements
+    of at most ``ONE_SHOT_BYTES`` on a pair (its wire bytes are its payload). ``observe.profile`` lets such a
+    record take the backend's all-gather."""
+    return (record.op == "all_reduce" and record.waited is None and record.wire == record.bytes > 1
+            and record.bytes <= ONE_SHOT_BYTES)
 
 
 def broadcast(tensor: torch.Tensor, mesh, axis: str, src: int = 0, *, tag: str = "") -> torch.Tensor:

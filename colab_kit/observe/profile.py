@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from ..comm.collectives import one_shot_record
+
 
 __all__ = ["Interval", "Profile", "ProfileError", "profile", "check_profile", "merge_traces", "profile_figure",
            "KINDS"]
@@ -181,8 +183,9 @@ def _build(p: Profile, engine, events, times, min_idle: float) -> None:
     used, p.spans = set(), [None] * len(times)
     for i in sorted(range(len(times)), key=lambda i: times[i][0]):  # in launch order: the backend's first
         launch, ready, _ = times[i]  # run of this op after it (gloo runs a reduce-scatter as an all-reduce;
-        op = p.records[i].op  # a pair's small all-reduce is an all-gather: comm.all_reduce's one-shot)
-        ops = {"reduce_scatter": ("reduce_scatter", "all_reduce"), "all_reduce": ("all_reduce", "all_gather")}.get(op, (op,))
+        rec = p.records[i]  # a pair's small blocking all-reduce may be an all-gather: comm.all_reduce's one-shot)
+        ops = ((rec.op, "all_reduce") if rec.op == "reduce_scatter"
+               else ("all_reduce", "all_gather") if one_shot_record(rec) else (rec.op,))
         j = next((j for j, (a, b, f) in enumerate(backend) if j not in used and f in ops
                   and launch - 1e-3 <= a <= ready), None)
         used.add(j)  # (an async op's launch is taken after dist returned: gloo may have begun it already)

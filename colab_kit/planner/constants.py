@@ -87,11 +87,13 @@ _LARGE = {"all_reduce": 1 << 20, "reduce_scatter": 1 << 20, "all_gather": 1 << 2
 """A fourth point, 4 MiB, for the collectives that carry gradients and parameters (dp's bucket all-reduce,
 ZeRO's reduce-scatters and gathers: megabytes): fitted on 1 MiB at most, a 4-rank all-reduce of a 1.6 MB
 gradient read 5.5 ms in the model and took 8.6-10.4 ms in a step (gloo, 4 ranks on 2 cores)."""
-VERSION = 4
+VERSION = 5
 """Bumped when a figure changes meaning or is added; a cached entry of another version is measured again
 (version 2: ``dispatch`` per op of a step, not per forward op; ``activation``, ``recompute``, the 4 MiB points;
 version 3: ranks bound to cores (``launch.bind_rank``, ``bound``), ``cores`` the ones the process may use,
-each point's trials in turns; version 4: the optimizer's ``element_seconds``, the slowest rank's)."""
+each point's trials in turns; version 4: the optimizer's ``element_seconds``, both optimizer figures the
+slowest rank's; version 5: a pair's all-reduce of 64 KiB or less measured one-shot, as ``comm.all_reduce``
+runs it now)."""
 
 
 def cache_path() -> str:

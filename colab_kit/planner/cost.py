@@ -248,8 +248,8 @@ def _optimizer(cfg, consts, memory, model=None, optimizer: str = "adamw") -> flo
     took 5.1-5.4 ms between forward-backward passes, by hand, once)."""
     shard = cfg.dp if cfg.zero in (1, 2) else 1
     opt = consts.get("optimizer", {})
-    per_element = opt.get("element_seconds", 0.0)
-    if per_element:
+    per_element = opt.get("element_seconds")
+    if per_element is not None:
         elements = memory["params"] / PRECISION_BYTES[cfg.precision] / shard
         seconds = elements * per_element * OPS_PER_TENSOR.get(optimizer, 10) / OPS_PER_TENSOR["adamw"]
     else:

@@ -159,28 +159,51 @@ def _one_shot_checks(mesh, mesh4, rank):
         return real(*args, **kwargs)
     collectives._all_gather_single = counting
     gen = torch.Generator().manual_seed(rank)
-    cases = {  # name: (tensor, mesh, axis, async)
-        "64 KiB fp32": (torch.randn(16384, generator=gen), mesh, "tp", False),
-        "64 KiB + 4 B": (torch.randn(16385, generator=gen), mesh, "tp", False),
-        "bf16": (torch.randn(300, generator=gen).bfloat16(), mesh, "tp", False),
-        "int64": (torch.randint(-1000, 1000, (7,), generator=gen), mesh, "dp", False),
-        "non-contiguous": (torch.randn(6, 4, generator=gen).t(), mesh, "dp", False),
-        "one element": (torch.randn(1, generator=gen), mesh, "tp", False),
-        "async": (torch.randn(64, generator=gen), mesh, "tp", True),
-        "group of 4": (torch.randn(64, generator=gen), mesh4, "dp", False),
+    SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
+    seen = []
+    cases = {  # name: (tensor, mesh, axis, op, async, then)
+        "64 KiB fp32": (torch.randn(16384, generator=gen), mesh, "tp", SUM, False, None),
+        "64 KiB + 4 B": (torch.randn(16385, generator=gen), mesh, "tp", SUM, False, None),
+        "bf16": (torch.randn(300, generator=gen).bfloat16(), mesh, "tp", SUM, False, None),
+        "fp16": (torch.randn(300, generator=gen).half(), mesh, "dp", SUM, False, None),
+        "int64": (torch.randint(-1000, 1000, (7,), generator=gen), mesh, "dp", SUM, False, None),
+        "bool": (torch.rand(9, generator=gen) < 0.5, mesh, "tp", SUM, False, None),
+        "non-contiguous": (torch.randn(6, 4, generator=gen).t(), mesh, "dp", SUM, False, None),
+        "max": (torch.randn(50, generator=gen), mesh, "tp", MAX, False, None),
+        "max as an object": (torch.randn(50, generator=gen), mesh, "tp", dist.ReduceOp(MAX), False, None),
+        "min": (torch.randint(-9, 9, (50,), generator=gen), mesh, "dp", MIN, False, None),
+        "requires grad": (torch.randn(40, generator=gen).requires_grad_().mul(1.0), mesh, "tp", SUM, False, None),
+        "then": (torch.randn(40, generator=gen), mesh, "tp", SUM, False, lambda: seen.append(1)),
+        "one element": (torch.randn(1, generator=gen), mesh, "tp", SUM, False, None),
+        "product": (torch.randn(8, generator=gen), mesh, "tp", dist.ReduceOp.PRODUCT, False, None),
+        "async": (torch.randn(64, generator=gen), mesh, "tp", SUM, True, None),
+        "group of 4": (torch.randn(64, generator=gen), mesh4, "dp", SUM, False, None),
     }
     got = {}
     try:
-        for name, (t, m, axis, is_async) in cases.items():
-            want = t.clone().contiguous()
-            dist.all_reduce(want, group=m.group(axis))  # gloo's ring (or its one-element way)
+        for name, (t, m, axis, op, is_async, then) in cases.items():
+            want = t.detach().clone().contiguous()
+            dist.all_reduce(want, op=op, group=m.group(axis))  # gloo's ring (or its one-element way)
             before, n = len(gathers), len(m.log.records)
-            pending = comm.all_reduce(t, m, axis, async_op=is_async, tag=name)
+            if then is not None:  # the caller's then runs once the result is in place
+                then = (lambda tensor: lambda: seen.append(torch.equal(tensor, want)))(t)
+            pending = comm.all_reduce(t, m, axis, op=op, async_op=is_async, tag=name, then=then)
             if is_async:
                 pending.wait()
             rec = m.log.records[n]
-            got[name] = (len(gathers) - before, torch.equal(t, want), (rec.op, rec.bytes, rec.wire),
+            got[name] = (len(gathers) - before, torch.equal(t.detach(), want), (rec.op, rec.bytes, rec.wire),
                          t.contiguous().view(torch.uint8).tolist() if name == "64 KiB fp32" else None)
+        got["then"] += (seen,)
+        # the pipeline's path: with the hang flag armed the exchange is waited on through comm.finish
+        import threading
+        mesh.abort_flag = threading.Event()
+        t = torch.randn(30, generator=gen)
+        want = t.clone()
+        dist.all_reduce(want, group=mesh.group("tp"))
+        before = len(gathers)
+        comm.all_reduce(t, mesh, "tp", tag="flag armed")
+        got["flag armed"] = (len(gathers) - before, torch.equal(t, want), None, None)
+        mesh.abort_flag = None
         collectives.ONE_SHOT_BYTES = 0  # off: the ring
         t = torch.randn(64, generator=gen)
         before = len(gathers)
@@ -189,6 +212,7 @@ def _one_shot_checks(mesh, mesh4, rank):
     finally:
         collectives._all_gather_single = real
         collectives.ONE_SHOT_BYTES = 64 << 10
+        mesh.abort_flag = None
     return got
 
 
@@ -282,12 +306,15 @@ def test_tensor_sub_axes(results):
 
 
 def test_a_pairs_small_sum_is_one_exchange_with_the_rings_bits(results):
-    """comm.all_reduce on a pair of CPU ranks sums 2 B to 64 KiB one-shot (an all-gather and an add, one
-    round where gloo's ring takes two): the same bits as gloo's all_reduce of the same tensor, both ranks
-    of the pair alike, recorded as an all_reduce with the ring's payload and wire (S each way on 2
-    ranks); one byte more, one element, an async call, a group of 4 or ONE_SHOT_BYTES = 0 keep the ring."""
-    one_shot = {"64 KiB fp32": 65536, "bf16": 600, "int64": 56, "non-contiguous": 96}
-    ring = {"64 KiB + 4 B": 65540, "one element": 4, "async": 256}
+    """comm.all_reduce on a pair of CPU ranks sums (maxes, mins) 2 or more elements up to 64 KiB one-shot (an
+    all-gather and an add, one round where gloo's ring takes two): the same bits as gloo's all_reduce of the
+    same tensor in every dtype here, both ranks of the pair alike, recorded as an all_reduce with the ring's
+    payload and wire (S each way on 2 ranks), a tensor that requires grad too, the caller's then after the
+    sum, the hang flag's wait path too; one byte more, one element, a product, an async call, a group of 4
+    or ONE_SHOT_BYTES = 0 keep the ring."""
+    one_shot = {"64 KiB fp32": 65536, "bf16": 600, "fp16": 600, "int64": 56, "bool": 9, "non-contiguous": 96,
+                "max": 200, "max as an object": 200, "min": 400, "requires grad": 160, "then": 160}
+    ring = {"64 KiB + 4 B": 65540, "one element": 4, "product": 32, "async": 256}
     for r in results:
         got = r["one_shot"]
         for name, nbytes in one_shot.items():
@@ -295,6 +322,8 @@ def test_a_pairs_small_sum_is_one_exchange_with_the_rings_bits(results):
         for name, nbytes in ring.items():
             assert got[name][:3] == (0, True, ("all_reduce", nbytes, nbytes)), (name, got[name])
         assert got["group of 4"][:3] == (0, True, ("all_reduce", 256, 384))
+        assert got["then"][4] == [True]  # the caller's then ran once, after the sum was in place
+        assert got["flag armed"][:2] == (1, True)
         assert got["switched off"][0] == 0
     pairs = [(0, 1), (2, 3)]  # tp groups: the same bits on both ranks of a pair, other bits on the other pair
     bits = [r["one_shot"]["64 KiB fp32"][3] for r in results]

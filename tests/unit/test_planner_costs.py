@@ -157,6 +157,8 @@ def test_the_optimizer_costs_its_ops_and_its_elements_passes():
     got = _optimizer(z1, consts, config_estimate(SMALL, z1, 16), SMALL)
     assert got == pytest.approx(2 * 10 * 6e-6 + 210_304 / 4 * 1e-8)  # two buckets: a core per rank here
     assert _optimizer(cfg, consts, mem, SMALL, "sgd-momentum") == pytest.approx(53 * 3 * 6e-6 + 210_304 * 1e-8 * 3 / 10)
+    bf16 = ck.ParallelConfig(dp=4, precision="bf16")  # 2-byte parameters, the same elements (the fp32 masters)
+    assert _optimizer(bf16, consts, config_estimate(SMALL, bf16, 16), SMALL) == pytest.approx(want)
     older = dict(consts, optimizer={"op_seconds": 6e-6})
     bytes_only = 53 * 10 * 6e-6 + 2 * (mem["params"] + mem["grads"] + mem["optimizer"]) / 1e10
     assert _optimizer(cfg, older, mem, SMALL) == pytest.approx(bytes_only) and bytes_only < want
