@@ -98,9 +98,10 @@ def all_reduce(tensor: torch.Tensor, mesh, axis: str, op=dist.ReduceOp.SUM, *, a
         return tensor
     group = mesh.group(axis)
     buf, then = _in_place(tensor, then)
-    if not async_op and _one_shot(buf, mesh.size(axis), op):
+    combine = None if async_op else _one_shot(buf, mesh.size(axis), op)
+    if combine is not None:
         # outside autograd, as gloo's all_reduce is: a tensor that requires grad is written in place
-        flat, combine = buf.detach().view(-1), _combine_of(op)
+        flat = buf.detach().view(-1)
         pieces = torch.empty(2 * flat.numel(), dtype=flat.dtype, device=flat.device)
         done = then
 
@@ -117,12 +118,13 @@ def all_reduce(tensor: torch.Tensor, mesh, axis: str, op=dist.ReduceOp.SUM, *, a
     return out if async_op else tensor
 
 
-def _one_shot(buf: torch.Tensor, n: int, op) -> bool:
-    """Whether ``all_reduce`` runs one-shot: a pair of CPU ranks, a sum (max, min: not of complex numbers),
-    2 or more elements, ``ONE_SHOT_BYTES`` or fewer bytes."""
-    return (n == 2 and buf.device.type == "cpu" and _combine_of(op) is not None and buf.numel() > 1
-            and buf.numel() * buf.element_size() <= ONE_SHOT_BYTES
-            and not (buf.is_complex() and _combine_of(op) is not torch.add))
+def _one_shot(buf: torch.Tensor, n: int, op):
+    """The local combine ``all_reduce`` runs one-shot with, or None where it keeps the backend's: a pair of
+    CPU ranks, a sum (max, min: not of complex numbers), 2 or more elements, ``ONE_SHOT_BYTES`` or fewer bytes."""
+    if n != 2 or buf.device.type != "cpu" or not 1 < buf.numel() <= ONE_SHOT_BYTES // buf.element_size():
+        return None
+    combine = _combine_of(op)
+    return None if buf.is_complex() and combine is not torch.add else combine
 
 
 def one_shot_record(record) -> bool:

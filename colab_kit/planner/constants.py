@@ -284,10 +284,10 @@ def measure_rank(ranks: int) -> dict:
     mem = _time(lambda: big.add_(other), 5)
     opt_ops, opt_step = _optimizer_step()
     opt_seconds = statistics.median(_window(opt_step) / opt_ops for _ in range(3))
-    # the elements' passes: AdamW over a GPT's parameters at a model's size, beyond its ops
-    sized_ops, sized_step = _optimizer_step(burst.optimizer_shapes)
+    # the elements' passes: AdamW over a GPT's parameters past the caches, beyond its ops
+    wide_ops, wide_step = _optimizer_step(burst.optimizer_shapes)
     elements = sum(math.prod(s) for s in burst.optimizer_shapes)
-    opt_elements = statistics.median(max(0.0, _window(sized_step) - sized_ops * opt_seconds) / elements
+    opt_elements = statistics.median(max(0.0, _window(wide_step) - wide_ops * opt_seconds) / elements
                                      for _ in range(3))
     # every point's trials in turns (``_TRIALS`` passes over a group size's points): a slow spell of the
     # machine (a tenth of a second or more on a shared VM) falls on many points a little, not on one

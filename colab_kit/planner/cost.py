@@ -246,12 +246,12 @@ def _optimizer(cfg, consts, memory, model=None, optimizer: str = "adamw") -> flo
     Worked example (the 4-block test GPT, 210,304 parameters in 53 tensors, AdamW, 4 ranks on 2 cores at
     6.2 us an op and 10.8 ns an element): 53 x 10 x 6.2 us + 210,304 x 10.8 ns = 3.3 + 2.3 = 5.6 ms (it
     took 5.1-5.4 ms between forward-backward passes, by hand, once)."""
-    shard = cfg.dp if cfg.zero in (1, 2) else 1
+    shard, ops = cfg.dp if cfg.zero in (1, 2) else 1, OPS_PER_TENSOR.get(optimizer, 10)
     opt = consts.get("optimizer", {})
     per_element = opt.get("element_seconds")
     if per_element is not None:
         elements = memory["params"] / PRECISION_BYTES[cfg.precision] / shard
-        seconds = elements * per_element * OPS_PER_TENSOR.get(optimizer, 10) / OPS_PER_TENSOR["adamw"]
+        seconds = elements * per_element * ops / OPS_PER_TENSOR["adamw"]
     else:
         touched = memory["params"] // shard + memory["grads"] + memory["optimizer"]
         seconds = 2 * touched / consts["memory"]["bytes_per_s"]
@@ -259,5 +259,5 @@ def _optimizer(cfg, consts, memory, model=None, optimizer: str = "adamw") -> flo
         seconds += 2 * memory["grads"] / consts["memory"]["bytes_per_s"]
     per_op = opt.get("op_seconds", 0.0)  # constants measured before it: bytes only
     if model is not None and per_op:
-        seconds += stepped_tensors(model, cfg, shares_cores(consts, cfg)) * OPS_PER_TENSOR.get(optimizer, 10) * per_op
+        seconds += stepped_tensors(model, cfg, shares_cores(consts, cfg)) * ops * per_op
     return seconds
