@@ -86,7 +86,7 @@ def all_reduce(tensor: torch.Tensor, mesh, axis: str, op=dist.ReduceOp.SUM, *, a
     tensors (NCCL picks its own algorithm). The record's seconds end when the exchange does (the add,
     microseconds, is the caller's compute). Measured: raw gloo on 2 ranks (by hand, ``dist.all_reduce``
     against ``all_gather`` + add, 100 calls, best of 3) 16 elements 490 / 289 us, 1,024 599 / 350,
-    16,384 749 / 363, 65,536 938 / 1,192 (the ring wins there); in ``bench/comm.py`` a dp=2 x tp=2 step of
+    16,384 749 / 363, 65,536 938 / 1,192 (the ring wins there); in ``bench/one_shot.py`` a dp=2 x tp=2 step of
     the 4-block test GPT at 0.88 of the ring's (the collective alone within that VM's noise)::
 
         rank 0: x0 = [1., 2.]    all_reduce(x0, mesh, "tp")  ->  both pieces [1., 2., 10., 20.]

@@ -26,6 +26,24 @@ def test_every_benchmark_writes_its_result_file():
             f"bench/{name}.py does not write bench/results/{name}.json through bench/_results.write")
 
 
+def _importable_elsewhere(names: list[str]) -> list[str]:
+    """The ``names`` that an interpreter started without bench/ on its path imports from somewhere: the stdlib,
+    site-packages (``-I``: neither the working directory nor the user's site)."""
+    code = "import importlib.util, sys; print([n for n in sys.argv[1:] if importlib.util.find_spec(n)])"
+    out = subprocess.run([sys.executable, "-I", "-c", code, *names], capture_output=True, text=True, check=True,
+                         cwd=ROOT / "bench")
+    return eval(out.stdout)  # noqa: S307 - a list of str that the line above printed
+
+
+def test_no_benchmark_hides_a_module_of_the_same_name():
+    """``python bench/x.py`` puts bench/ first on sys.path, so bench/comm.py was imported in place of Jupyter's
+    ``comm`` package and bench/cluster.py's IPython kernel failed (``'comm' is not a package``): no benchmark
+    (or helper module) is named after a module of the stdlib or of the installed packages."""
+    assert _importable_elsewhere(["comm", "json"]) == ["comm", "json"]  # the check sees a module that is there
+    names = sorted(p.stem for p in (ROOT / "bench").glob("*.py"))
+    assert not _importable_elsewhere(names), "rename these bench/ files: a module of that name is installed"
+
+
 def test_the_page_is_what_the_results_render():
     """docs/benchmarks.md equals what the committed results render (rerun bench/report.py after a benchmark)."""
     assert (ROOT / "docs" / "benchmarks.md").read_text() == report.render(), (

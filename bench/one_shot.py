@@ -14,8 +14,8 @@ all-reduces are 64 KiB, its losses' a number), one engine, the two ways alternat
 and 2 timed steps; the median over rounds of one-shot / ring step times (slowest rank), and the losses of
 both ways, which must be the same bits (the same sums in the same order on a pair).
 
-    python bench/comm.py
-    python bench/comm.py --rounds 20 --calls 200
+    python bench/one_shot.py
+    python bench/one_shot.py --rounds 20 --calls 200
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import time
 
 try:
     from _results import row, write
-except ImportError:  # run as a module (python -m bench.comm)
+except ImportError:  # run as a module (python -m bench.one_shot)
     from bench._results import row, write
 
 SIZES = (16, 4 << 10, 64 << 10, 256 << 10)  # bytes
@@ -137,7 +137,7 @@ def main(argv=None) -> None:
           f"losses the same bits: {same}")
     if not same:
         raise SystemExit("the one-shot and the ring trained different losses")
-    write("comm", rows, figures, vars(args), argv)
+    write("one_shot", rows, figures, vars(args), argv)
 
 
 if __name__ == "__main__":
