@@ -98,6 +98,29 @@ def test_execute_captures_output_per_rank_with_rank_config_mesh_predefined(clust
     assert cluster.execute("print(config, mesh)", ranks=[2])[2].stdout == "None None\n"
 
 
+def _read_x():
+    from colab_kit.notebook.cluster.remote import namespace
+    return namespace().get("x")
+
+
+def test_a_call_submitted_behind_a_cell_runs_after_it_on_its_rank(cluster):
+    """``execute(..., sent=)`` then ``submit``: the call reaches the engine behind the cell and runs after it
+    (an engine runs its requests in order: what the magic's line of what a cell trained relies on)."""
+    asked = []
+    cluster.execute("import time\ntime.sleep(0.2)\nx = rank + 100",
+                    sent=lambda: asked.append(cluster.submit(_read_x, rank=2)))
+    assert cluster.collect(asked[0], timeout=30) == 102  # it saw the cell's x: it ran after the cell
+    assert cluster.collect(cluster.submit(_read_x, rank=1), timeout=30) == 101
+    with pytest.raises(ck.RankError) as info:
+        cluster.collect(cluster.submit(_fail_everywhere, rank=3), timeout=30)
+    assert list(info.value.failures) == [3] and "missing on 3" in info.value.failures[3]
+    with pytest.raises(TimeoutError, match="rank 0 did not answer within 0.1 s"):
+        cluster.collect(cluster.submit(time.sleep, 1.0, rank=0), timeout=0.1)
+    assert cluster.run(_rank_times_ten) == [0, 10, 20, 30]  # the slow call finished first, in order
+    with pytest.raises(ClusterError, match="not ranks of this cluster"):
+        cluster.submit(_read_x, rank=4)
+
+
 def test_set_config_builds_the_mesh_on_every_rank(cluster):
     cfg = ck.ParallelConfig(dp=2, tp=2)
     cluster.set_config(cfg)

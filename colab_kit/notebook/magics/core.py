@@ -53,6 +53,7 @@ from ...errors import RankError
 from .flags import COMMANDS, cell_parser, command_parser, help_text, split, wants_help
 from ..progress import Progress, StageProgress
 from .output import show_outputs
+from .training import ask_training, summary_lines
 from ..session import ColossalState, current
 
 __all__ = ["ColossalState", "ColossalMagics", "state", "show_outputs", "load_ipython_extension",
@@ -285,9 +286,11 @@ class ColossalMagics(Magics):
         args = p.parse_args(argv)
         cluster = self.state.require_cluster()
         progress = Progress(cluster.world_size if args.ranks is None else len(args.ranks)) if self._notebook else None
+        asked = []  # rank 0's answer to what the cell trained, asked right behind the cell (training.py)
+        sent = (lambda: asked.append(ask_training(cluster))) if args.ranks is None or 0 in args.ranks else None
         try:
             self.state.last = cluster.execute(cell, ranks=args.ranks, timeout=args.timeout, where="%%colossal",
-                                              progress=progress)
+                                              progress=progress, sent=sent)
         except RankError as err:
             self.state.last = getattr(err, "outputs", None)
             if self.state.last:
@@ -306,10 +309,8 @@ class ColossalMagics(Magics):
                 progress.close()
         show_outputs(self.state.last)
         self.state.record_cell(cell, args.ranks)
-        if args.ranks is None or 0 in args.ranks:  # what the cell trained: loss, norm, lr, tokens/s, MFU
-            from .training import summary_lines
-            for text in summary_lines(cluster):
-                print(text)
+        for text in summary_lines(cluster, asked[0] if asked else None):  # loss, norm, lr, tokens/s, MFU
+            print(text)
 
 
 def _has_widgets() -> bool:
