@@ -75,13 +75,17 @@ def _train(config_dict: dict, steps: int, batch: int, lr: float, show_progress: 
 
         bar = tqdm(total=steps, desc=f"training ({cfg.describe()})", unit="step", file=sys.stdout,
                    mininterval=0.5)
+    every = max(1, steps // 10)  # about ten lines a run (200 steps: every 20th), the bar showing each step's loss
     t0 = time.perf_counter()
     for step in range(start, start + steps):
         loss = engine.train_step(next(loader))
         if bar is not None:
-            r = engine.records[-1]
-            bar.write(f"step {step + 1:3d}/{start + steps}  loss {loss:.4f}  grad norm {r['grad_norm']:.3f}"
-                      f"  lr {r['lr']:.2e}")
+            done = step + 1 - start
+            if done == 1 or done % every == 0 or done == steps:
+                r = engine.records[-1]
+                bar.write(f"step {step + 1:3d}/{start + steps}  loss {loss:.4f}  grad norm {r['grad_norm']:.3f}"
+                          f"  lr {r['lr']:.2e}")
+            bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             bar.update(1)
     seconds = time.perf_counter() - t0
     if bar is not None:
