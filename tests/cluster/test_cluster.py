@@ -360,15 +360,24 @@ def test_results_are_matched_to_ranks_by_the_engine_that_ran_them():
     from colab_kit.notebook.cluster.results import check_ranks
 
     class Done:
-        def __init__(self, engine_id):
-            self.metadata = {"engine_id": engine_id}
+        def __init__(self, engine_id, ok=True):
+            self.metadata, self.ok = {"engine_id": engine_id}, ok
 
         def ready(self):
             return True
 
+        def successful(self):
+            return self.ok
+
+        def get_dict(self, timeout):
+            return {self.metadata["engine_id"]: None}
+
     check_ranks({0: Done(5), 1: Done(7)}, [5, 7])
     with pytest.raises(RuntimeError, match="rank 0 came from engine 7, not from its engine 5"):
         check_ranks({0: Done(7), 1: Done(5)}, [5, 7])
+    check_ranks({0: Done(5, ok=False), 1: Done(7, ok=False)}, [5, 7])  # a failed result: its metadata says
+    with pytest.raises(RuntimeError, match="rank 0 came from engine 7, not from its engine 5"):
+        check_ranks({0: Done(7, ok=False), 1: Done(5)}, [5, 7])
 
 
 _NOTEBOOK_CODE = """

@@ -111,10 +111,21 @@ def split(ar, ranks: list[int]) -> dict:
     return dict(zip(ranks, ar.split()))
 
 
+def _engine_of(ar) -> int | None:
+    """The engine that ran a finished result: the key of ``get_dict()`` where it succeeded (``ar.metadata``
+    first parses the result's four timestamps with dateutil, on every call, for every rank), else
+    ``metadata["engine_id"]``; None while it runs."""
+    if not ar.ready():
+        return None
+    if ar.successful():
+        return next(iter(ar.get_dict(0)))
+    return ar.metadata.get("engine_id")
+
+
 def check_ranks(ars: dict, engine_ids: list[int]) -> None:
-    """Every finished result came from the engine of its rank (``metadata["engine_id"]``)."""
+    """Every finished result came from the engine of its rank (``_engine_of``)."""
     for rank, ar in ars.items():
-        got = ar.metadata.get("engine_id") if ar.ready() else None
+        got = _engine_of(ar)
         if got is not None and got != engine_ids[rank]:
             raise RuntimeError(f"the result for rank {rank} came from engine {got}, not from its engine "
                                f"{engine_ids[rank]}: ipyparallel's message order changed; please report this")
