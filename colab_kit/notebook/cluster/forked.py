@@ -2,8 +2,8 @@
 
 A local ipyparallel engine started the usual way is a fresh interpreter that imports torch, ipyparallel and
 colab_kit's remote part before it registers (and its nanny is one more): about 4 s of CPU each, so on a
-2-core Intel Xeon VM ipyparallel starts 4 engines in 9.0 s and restarts them in 8.8 s; forked, 2.1 s (the
-median of three starts, 2.8, 2.1 and 1.7 s; the first of a kernel also starts the server) and 1.5 s
+2-core Intel Xeon VM ipyparallel starts 4 engines in 8.6 s and restarts them in 9.1 s; forked, 1.6 s (the
+median of three starts, 2.3, 1.6 and 1.6 s; the first of a kernel also starts the server) and 1.5 s
 (``python bench/cluster.py``; bench/results/cluster.json).
 ``ForkedEngineSetLauncher`` is ipyparallel's local launcher with one change: each engine is forked from a server process that imported those modules once
 (the server's own code: ``forked_server.py``).
