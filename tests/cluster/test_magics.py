@@ -327,6 +327,28 @@ def test_a_cell_that_trains_shows_loss_norm_lr_and_speed(run, state, shared):
     assert "steps 1-3 · loss " in line and "(clipped to 0.01)" in line and "lr " in line and "tokens/s" in line, line
 
 
+def test_a_cell_on_ranks_without_0_asks_rank_0_nothing():
+    """The line of what a cell trained is rank 0's answer to a question sent behind the cell; a cell that did
+    not run on rank 0 sent none, and no round trip of its own goes out after it."""
+    from colab_kit.notebook.magics.training import summary_lines
+
+    class Stub:
+        asked = []
+
+        def collect(self, submitted, timeout=None):
+            self.asked.append(submitted)
+            return [{"name": "e", "first": 1, "last": 2, "loss_first": 3.0, "loss_last": 2.5, "grad_norm": None,
+                     "max_grad_norm": None, "lr": None, "skipped": 0, "throughput": None}]
+
+        def run(self, *args, **kwargs):  # a second round trip after the cell
+            self.asked.append("run")
+            return [self.collect(None)[:0]]
+
+    stub = Stub()
+    assert summary_lines(stub, None) == [] and stub.asked == []
+    assert summary_lines(stub, (0, "sent")) == ["e: steps 1-2 · loss 3 -> 2.5"] and stub.asked == [(0, "sent")]
+
+
 def test_export_writes_a_script_that_trains_like_the_notebook_under_torchrun(run, state, shared, tmp_path):
     """%colossal export: the configs and the cells that ran, as a script; run under torchrun it prints the
     losses the notebook's cell printed; with the wrong number of ranks it says so before connecting."""

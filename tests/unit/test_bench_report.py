@@ -29,10 +29,11 @@ def test_every_benchmark_writes_its_result_file():
 def _importable_elsewhere(names: list[str]) -> list[str]:
     """The ``names`` that an interpreter started without bench/ on its path imports from somewhere: the stdlib,
     site-packages (``-I``: neither the working directory nor the user's site)."""
-    code = "import importlib.util, sys; print([n for n in sys.argv[1:] if importlib.util.find_spec(n)])"
+    code = ("import importlib.util, json, sys; "
+            "print(json.dumps([n for n in sys.argv[1:] if importlib.util.find_spec(n)]))")
     out = subprocess.run([sys.executable, "-I", "-c", code, *names], capture_output=True, text=True, check=True,
                          cwd=ROOT / "bench")
-    return eval(out.stdout)  # noqa: S307 - a list of str that the line above printed
+    return json.loads(out.stdout)
 
 
 def test_no_benchmark_hides_a_module_of_the_same_name():

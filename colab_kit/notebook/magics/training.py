@@ -81,12 +81,13 @@ def ask_training(cluster):
         return None
 
 
-def summary_lines(cluster, asked=None) -> list[str]:
-    """What the last cell trained, one line per engine: rank 0's answer to ``asked`` (``ask_training``,
-    sent behind the cell), or to a question asked now; nothing when rank 0 cannot answer."""
+def summary_lines(cluster, asked) -> list[str]:
+    """What the last cell trained, one line per engine: rank 0's answer to ``asked`` (``ask_training``, sent
+    behind the cell); nothing where nothing was asked (a cell on ranks without 0) or rank 0 cannot answer."""
+    if asked is None:
+        return []
     try:
-        got = (cluster.collect(asked, timeout=60) if asked is not None
-               else cluster.run(rank_training, ranks=[0], timeout=60, progress=None)[0])
+        got = cluster.collect(asked, timeout=60)
     except Exception:  # noqa: BLE001 - a summary never turns a cell that ran into a failure
         return []
     return [format_summary(s) for s in got or []]
