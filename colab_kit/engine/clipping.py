@@ -38,19 +38,19 @@ def check_max_norm(max_grad_norm) -> None:
                           f"or None for no clipping; got {max_grad_norm!r}")
 
 
-def weights(engine) -> list[tuple[torch.Tensor, list[tuple[int, int, float]]]]:
-    """Per optimizer tensor, its runs ``(at, length, weight)``: where each parameter's elements lie in it and
-    how much each counts in the global sum of squares (see the module docstring)."""
-    mesh, table, cfg = engine.mesh, engine.placement_table, engine.config
+def weights(mesh, table, config, grads, tied) -> list[tuple[torch.Tensor, list[tuple[int, int, float]]]]:
+    """Per optimizer tensor of ``grads`` (the gradient part), its runs ``(at, length, weight)``: where each
+    parameter's elements lie in it and how much each counts in the global sum of squares (see the module
+    docstring). ``table``: the placement table; ``tied``: the pipeline's tied pairs ``(shape, param or None)``."""
     axes = [a for a in mesh.layout.fine_names if a not in ("pp", "dp") and mesh.size(a) > 1]
-    tied = {id(p) for _, p in getattr(engine, "_tied", []) if p is not None}
-    dp_copies = 1.0 / cfg.dp if cfg.zero == 0 else 1.0
+    tied_here = {id(p) for _, p in tied if p is not None}
+    dp_copies = 1.0 / config.dp if config.zero == 0 else 1.0
     out = []
-    for t, runs in engine.grads.optimizer_layout():
+    for t, runs in grads.optimizer_layout():
         mine = []
         for p, _start, length, at in runs:
             placed = table[p]
-            w = dp_copies * (0.5 if id(p) in tied else 1.0)
+            w = dp_copies * (0.5 if id(p) in tied_here else 1.0)
             for a in axes:
                 if not any(a in shard_axes for _, shard_axes in placed.shards):
                     w /= mesh.size(a)
@@ -59,9 +59,8 @@ def weights(engine) -> list[tuple[torch.Tensor, list[tuple[int, int, float]]]]:
     return out
 
 
-def global_norm(engine, layout) -> float:
+def global_norm(mesh, layout) -> float:
     """The global gradient norm from this rank's weighted sum of squares, summed over every mesh axis."""
-    mesh = engine.mesh
     total = torch.zeros(1, dtype=torch.float64, device=mesh.device)
     for t, runs in layout:
         if t.grad is None:
@@ -75,13 +74,10 @@ def global_norm(engine, layout) -> float:
     return float(total.sqrt().item())
 
 
-def clip_(engine, max_norm: float) -> float:
-    """Clip every gradient the optimizer steps to the global ``max_norm``; returns the norm before clipping.
-    The weights are worked out at the first step and kept (the optimizer's tensors do not change)."""
-    layout = engine.__dict__.get("_clip_weights")
-    if layout is None:
-        layout = engine._clip_weights = weights(engine)
-    norm = global_norm(engine, layout)
+def clip_(mesh, layout, max_norm: float) -> float:
+    """Clip every gradient of ``layout`` (``weights(...)``, worked out once: the optimizer's tensors do not
+    change) to the global ``max_norm``; returns the norm before clipping."""
+    norm = global_norm(mesh, layout)
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
         for t, _ in layout:

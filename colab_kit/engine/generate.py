@@ -221,7 +221,7 @@ def _last_logits(engine, ids: torch.Tensor, window: int, shapes: dict) -> torch.
     if sp is not None:
         x = sp.shard_tokens(x)
     x = x.to(engine.mesh.device)
-    out = engine._logits(engine.module(x)) if engine.pipeline is None else _pipeline_forward(engine, x, shapes)
+    out = engine.parts.logits(engine.module(x)) if engine.pipeline is None else _pipeline_forward(engine, x, shapes)
     if out is None:
         return None
     return _gather_logits(engine, out, t - 1, window)[:b].float().cpu()

@@ -18,6 +18,8 @@ _STATE_NAMES = {0: "sgd-nomomentum", 1: "sgd-momentum", 2: "adamw"}  # fp32 stat
 class EngineRecords:
     """Records of one rank's engine (see ``colab_kit.engine.core.Engine``)."""
 
+    _traced: dict  # the estimate's dense trace of the activations, per input shape (set by Engine)
+
     def memory(self) -> dict:
         """Measured bytes on this rank: params, grads, optimizer, activations (see colab_kit.memory),
         and where they live: ``"device"`` and ``"host"``, each a dict of the same four categories
@@ -64,7 +66,7 @@ class EngineRecords:
         cfg = self.config
         name = states if isinstance(states, str) else _STATE_NAMES[states]
         share = self.grads.host_share()
-        rows, seq = self._rows or 0, getattr(self, "_seq", None)
+        rows, seq = self.step.records.rows or 0, self.step.records.seq
         micro = self.pipeline.microbatch_shape() if self.pipeline is not None else None
         if micro:  # with pp: the executor's microbatches of the last step
             rows, seq = micro
@@ -81,12 +83,12 @@ class EngineRecords:
                 est = placed({**{k: est[k] for k in ("params", "grads", "optimizer")}, "activations": 0},
                              cfg.zero, cfg.offload, share)
             return est
-        est = estimate(self._n_local, name, dp=cfg.dp, zero=cfg.zero, precision=cfg.precision, offload=cfg.offload)
+        est = estimate(self.parts.n_local, name, dp=cfg.dp, zero=cfg.zero, precision=cfg.precision, offload=cfg.offload)
         est["activations"] = 0
-        shape = getattr(self, "_input", None)  # (the last step's global input shape, its dtype)
+        shape = self.step.records.input  # (the last step's global input shape, its dtype)
         if self.policy is not None and shape is not None:
             from ..memory.estimator import model_activations, traced_activations
-            cache = self.__dict__.setdefault("_traced", {})  # the dense trace, once per input shape
+            cache = self._traced  # the dense trace, once per input shape
             if shape not in cache:
                 cache.clear()
                 cache[shape] = traced_activations(self.dense_twin, *shape, cfg.precision)

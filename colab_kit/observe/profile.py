@@ -218,9 +218,7 @@ def _measure(union, a: float, b: float) -> float:
 def _phases(engine, offset: float):
     """The engine's compute events of its last step (forward 0, backward 0, 1F0, optimizer step, ...)
     as ``(start, end, name)`` in the profile's seconds; none where its step's start is not known."""
-    t0 = getattr(engine.pipeline, "t0", None) if engine.pipeline is not None else engine.grads.t0
-    if t0 is None:
-        return []
+    t0 = engine.step.t0
     return [(t0 - offset + e["start"], t0 - offset + e["end"], e["name"])
             for e in engine.timeline() if e["kind"] == "compute"]
 

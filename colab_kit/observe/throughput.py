@@ -61,12 +61,16 @@ import json
 import os
 import platform
 import statistics
+import weakref
 import time
 
 import torch
 
 __all__ = ["engine_throughput", "flop_counter", "format_throughput", "model_flops", "peak_matmul",
            "peak_matmul_flops"]
+
+_FLOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per engine, the FLOPs of a step per global input shape (a trace each: kept while the engine lives)."""
 
 
 # ------------------------------------------------------------------ FLOPs of a step
@@ -321,8 +325,8 @@ def engine_throughput(engine, last: int | None = None) -> dict:
     elif len(records) >= 2:
         records = records[1:]
     seconds = statistics.median(r["seconds"] for r in records)
-    cache = engine.__dict__.setdefault("_throughput_flops", {})  # shape -> FLOPs: one trace per shape
-    dtype = getattr(engine, "_input", (None, None))[1]
+    cache = _FLOPS.setdefault(engine, {})  # shape -> FLOPs: one trace per shape and engine
+    dtype = engine.step.records.input[1] if engine.step.records.input is not None else None
     flops, tokens, samples = [], [], []
     for r in records:
         shape = tuple(r["input_shape"])

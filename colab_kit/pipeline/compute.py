@@ -44,15 +44,15 @@ class ComputeActions:
         st = self.stages[s]
         x = self._x[m] if st.first else self._take(self._act, a, "its input activation").requires_grad_()
         key = (s, tuple(x.shape), x.dtype, torch.is_grad_enabled())
-        with self.engine.activation_meter.measure(key):  # hooks once per shape
+        with self.work.meter.measure(key):  # hooks once per shape
             y = st(x, self._x[m])
             if st.last:
-                loss = self.engine.loss_fn(y, self._y[m]) / self.m
+                loss = self.work.loss_fn(y, self._y[m]) / self.m
                 self.loss += loss.detach()
-                y = self.engine.scale_loss(loss) / self.engine.loss_shards
+                y = self.work.backward_loss(loss)
         if not self.forward_only:
             self._saved[s, m] = (x, y)
-            self._bytes[s, m] = self.engine.activation_meter.last
+            self._bytes[s, m] = self.work.meter.last
             self._held += self._bytes[s, m]
             self.peak_bytes = max(self.peak_bytes, self._held)
         if not st.last and self.plan.rank_of(s + 1) == self.me:  # local handoff (two stages on one rank)
@@ -94,7 +94,7 @@ class ComputeActions:
         if isinstance(store, _WholeBackward):
             torch.autograd.backward(store.y, store.grad)
         else:  # in place into .grad; the dp buckets are told each parameter's gradient is ready
-            store.run(ready=self.engine.grads.ready)
+            store.run(ready=self.work.grads.ready)
 
     def _input_leaves(self, s, x, y) -> list:
         """``input_pass_leaves(y)``, the graph walked once per stage and step (every microbatch of a

@@ -1,9 +1,11 @@
 """One executor for every schedule: run this rank's actions of a lowered plan, in order.
 
-``engine.pipeline`` is a ``PipelineExecutor``. ``engine.train_step(batch)`` is
-``begin(batch)`` then ``finish()``; in between, ``advance(k)`` runs the next k timesteps
-of the plan's lockstep grid (``check.steps``) on this rank, so a notebook can step all
-ranks together and look at ``state()``. What each action does on this rank:
+``engine.pipeline`` is a ``PipelineExecutor``. The training step (``colab_kit.engine.step``) hands it
+a step's microbatches (``begin(work)``, a ``MicrobatchWork``) and takes back the local loss
+(``finish()``); in between, ``advance(k)`` runs the next k timesteps of the plan's lockstep grid
+(``check.steps``) on this rank, so a notebook can step all ranks together and look at ``state()``.
+The executor runs actions and returns: the gradient sync, the optimizer and the global loss are the
+step's. What each action does on this rank:
 
 ====  =====================================================================================
 F     run the stage on its input (tokens on stage 0, else the received activation as a
@@ -37,12 +39,12 @@ Worked example, ``ParallelConfig(pp=2, microbatches=2, schedule="1f1b")``, 8 row
 
 Stepping, on every rank (``cluster.run`` or ``%colossal``), the same example::
 
-    pipe = engine.pipeline
-    pipe.begin(batch)             # timestep 0, nothing run
-    pipe.advance()                # timestep 0: rank 0 runs 0F0, rank 1 nothing yet
-    pipe.advance_to(3)            # timesteps 1, 2: rank 0 runs 0SF0 0F1, rank 1 runs 1RF0
-    pipe.state()["held"]          # rank 0: ['0F0', '0F1'] (kept for backward); rank 1: []
-    loss = pipe.finish()          # the rest, then gradients, optimizer step, global loss
+    step = engine.step
+    step.begin(batch)             # timestep 0, nothing run
+    step.advance()                # timestep 0: rank 0 runs 0F0, rank 1 nothing yet
+    step.advance_to(3)            # timesteps 1, 2: rank 0 runs 0SF0 0F1, rank 1 runs 1RF0
+    step.state()["held"]          # rank 0: ['0F0', '0F1'] (kept for backward); rank 1: []
+    loss = step.finish()          # the rest, then gradients, optimizer step, global loss
 
 Stepping cannot deadlock: in the grid (``check.steps``, one action per rank per timestep)
 a receive sits at a later timestep than its send, and a send never waits. So when every
@@ -68,15 +70,15 @@ from __future__ import annotations
 import random
 import time
 import weakref
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..zero.stage0 import split_batch
 from .check import steps
 from .hang import HangMonitor, PipelineHang, hang_message
-from .host import PipelineHost
+from .work import MicrobatchWork
 from .lowering import lower
 from .messages import CommActions, _last, receives_ahead
 from .compute import ComputeActions
@@ -91,8 +93,10 @@ class PipelineExecutor(ComputeActions, CommActions):
     timeout: float = 60.0
     """Seconds a receive (or a send's completion) may wait before ``PipelineHang``."""
 
-    def __init__(self, engine: PipelineHost, stages):
-        self.engine, self.mesh, self.config = engine, engine.mesh, engine.config
+    def __init__(self, stages, mesh, config, events: list, model_cfg=None):
+        """``stages``: this rank's ``Stage`` modules; ``events``: the step's timeline, where each action
+        is recorded (the engine's); ``model_cfg``: the dense model's config (the ZB-V plan reads its FLOPs)."""
+        self.mesh, self.config, self.events, self.model_cfg = mesh, config, events, model_cfg
         self.stages = {st.index: st for st in stages}
         self.params = {s: [p for p in st.parameters() if p.requires_grad] for s, st in self.stages.items()}
         self.pp, self.me = self.config.pp, self.mesh.rank("pp")
@@ -104,7 +108,9 @@ class PipelineExecutor(ComputeActions, CommActions):
         self.broken: str | None = None
         """Why this pipeline runs no more steps (a hang or a failed rank in an earlier step), or None."""
         self.step, self.running, self.timestep, self.pos = 0, False, 0, 0
+        self.t0 = time.perf_counter()
         self._actions, self._index = [], []
+        self._x: list = []
         self._set("paused")
 
     # ------------------------------------------------------------------ the plan
@@ -113,7 +119,7 @@ class PipelineExecutor(ComputeActions, CommActions):
         """The lowered plan this rank runs (built from the config on first use; assign to replace)."""
         if self._plan is None:
             from .schedules import build_plan_for
-            self.plan = build_plan_for(self.config, self.engine.model_cfg)  # zb-v: on the stages' FLOPs
+            self.plan = build_plan_for(self.config, self.model_cfg)  # zb-v: on the stages' FLOPs
         return self._plan
 
     @plan.setter
@@ -153,16 +159,15 @@ class PipelineExecutor(ComputeActions, CommActions):
         if costs is None:
             if self.running:
                 raise RuntimeError("a step is running: finish() it before replan()")
-            costs = measured_costs(self.engine.events, range(self.plan.n_stages), self.mesh.device)
+            costs = measured_costs(self.events, range(self.plan.n_stages), self.mesh.device)
         fitted = build_plan("zb-v", self.pp, self.config.microbatches, 2, costs=costs)
-        default = build_plan_for(self.config, self.engine.model_cfg)  # on the FLOPs (or unit steps)
+        default = build_plan_for(self.config, self.model_cfg)  # on the FLOPs (or unit steps)
         self.plan = shorter_plan(fitted, default, costs)  # the same costs on every rank: the same choice
         return costs
 
     # ------------------------------------------------------------------ stepping
-    def begin(self, batch, *, forward_only: bool = False, local: bool = False) -> None:
-        """Start a step on the global batch ``(inputs, targets)`` (same on every rank; with ``local`` this
-        rank's dp rows of it, see ``Engine.train_step``); nothing runs yet."""
+    def check_can_begin(self) -> None:
+        """Refuse a step while one runs, after a broken step, or after ``close()`` (before any collective)."""
         if self.running:
             raise RuntimeError("a pipeline step is already running: advance() or finish() it first")
         if self.broken is not None:
@@ -173,15 +178,15 @@ class PipelineExecutor(ComputeActions, CommActions):
                                rank=self.mesh.global_rank)
         if self.monitor._closed.is_set():
             raise RuntimeError("this engine was closed (engine.close()): boost a new one to train again")
-        eng, plan = self.engine, self.plan
-        inputs = batch[0]
-        self.m = m = plan.microbatches
-        if not forward_only:  # before prepare_batch: a local batch's target count is this step's first collective
-            eng.mesh.log.begin_step()
-        x, y = eng.prepare_batch(batch, m, local)
-        self._x = [split_batch(x, m, i, "microbatches") for i in range(m)]
-        self._y = [split_batch(y, m, i, "microbatches") for i in range(m)]
-        self._key = (tuple(inputs.shape), m)  # names the activation shapes
+
+    def begin(self, work: MicrobatchWork, *, forward_only: bool = False) -> None:
+        """Start a step on ``work``'s microbatches (this rank's rows, already split); nothing runs yet.
+        The step loop (``colab_kit.engine.step``) has reset the timeline and armed the gradient part."""
+        self.check_can_begin()
+        plan = self.plan
+        self.work, self.m = work, plan.microbatches
+        self._x, self._y = work.inputs, work.targets
+        self._key = (tuple(work.inputs[0].shape), self.m)  # names the activation shapes (equal on both peers)
         mine = self.plan.actions[self.me]
         if any(a.kind in ("I", "W") for a in mine):  # zero-bubble: linears can defer dW to W (idempotent);
             use_split_backward(*(st for s, st in self.stages.items() if s > 0))  # the first stage never splits
@@ -191,18 +196,11 @@ class PipelineExecutor(ComputeActions, CommActions):
         grads = [j for j, a in enumerate(self._actions) if a.kind in ("B", "W")]  # they complete gradients
         self._sync_at = grads[-1] if grads and len(self.stages) == 1 else None  # overlap dp with the last one
         self._leaves = {}  # stage -> the parameters its I passes give gradients to (this step: see _do_I)
-        self.forward_only, self.t0 = forward_only, time.perf_counter()
+        self.forward_only, self.t0 = forward_only, work.t0
         self.step += 1
         self._saved, self._act, self._out, self._gout, self._gin = {}, {}, {}, {}, {}
         self._bytes, self._held, self.peak_bytes, self._sends, self._posted = {}, 0, 0, [], {}
         self.loss = torch.zeros((), device=self.mesh.device)
-        if not forward_only:
-            eng.events.clear()
-            if eng.sp_plan is not None:
-                eng.sp_plan.begin_step()
-            eng.activation_meter.reset()
-            eng.module.train()
-            eng.grads.arm(sync=False, t0=self.t0)
         self.running, self.timestep, self.pos = True, 0, 0
         self._set("paused")
         self.monitor.start(self.step, self._report)
@@ -243,39 +241,36 @@ class PipelineExecutor(ComputeActions, CommActions):
         self._set("paused")
         return self.state()
 
-    def finish(self) -> float:
-        """Run what is left, wait for the sends, then (training) reduce gradients and step: the global loss."""
+    def finish(self) -> tuple[torch.Tensor, int]:
+        """Run what is left and wait for the sends: ``(the local loss, the most activation bytes held)``.
+        The step stays watched (a report from another rank still ends it) until ``watching`` ends it."""
         self.advance_to(self.n_timesteps)
         for a, pending in self._sends:
             self._set("waiting", f"{a} (its send) to be received")
             self._wait(pending, a, "the peer to receive it")
         self._sends = []
-        self._set("done", "in the gradient all-reduce, optimizer step or loss all-reduce")
+        if not self.forward_only and self._sync_at is None:
+            self.work.grads.arm(sync=True)
+        return self.loss, self.peak_bytes
+
+    @contextmanager
+    def watching(self, where: str):
+        """The end of a step that ``finish`` returned from (the step loop's reductions and optimizer step):
+        a collective blocked when another rank reports is a ``PipelineHang`` naming ``where``; the step ends."""
+        self._set("done", where)
         try:
-            if self.forward_only:
-                return self.engine.pipeline_loss(self.loss)
-            self.engine.activation_meter.peak = self.peak_bytes
-            if self._sync_at is None:
-                self.engine.grads.arm(sync=True)
-            return self.engine.finish_step(self.loss, self.t0)
+            yield
         except comm.Aborted:
             first = self.monitor.first()
-            raise self._hang(f"rank {self.mesh.global_rank} (pp {self.me}) stopped in its gradient or loss "
-                             f"reduction because rank {first.get('rank')} reported: {first.get('reason')}") from None
+            raise self._hang(f"rank {self.mesh.global_rank} (pp {self.me}) stopped {where} because rank "
+                             f"{first.get('rank')} reported: {first.get('reason')}") from None
         finally:
             self._end()
-
-    @torch.no_grad()
-    def evaluate(self, batch, local: bool = False) -> float:
-        """Global mean loss of ``batch``: the plan's forwards only, no gradients."""
-        self.engine.module.eval()
-        self.begin(batch, forward_only=True, local=local)
-        return self.finish()
 
     def microbatch_shape(self) -> tuple[int, int] | None:
         """(rows, tokens) of one microbatch of the last step on this rank, or None before a step
         (what the memory estimate counts activations for)."""
-        x = getattr(self, "_x", None)
+        x = self._x
         return (x[0].shape[0], x[0].shape[1]) if x else None
 
     def state(self) -> dict:
@@ -300,12 +295,12 @@ class PipelineExecutor(ComputeActions, CommActions):
             self._post_ahead(j)
         self._set("running")
         if j == self._sync_at:
-            self.engine.grads.arm(sync=True)
+            self.work.grads.arm(sync=True)
         start = time.perf_counter() - self.t0
         if a.is_comm:
             getattr(self, "_do_" + a.kind)(a, a.stage, a.microbatch)
         else:  # a recomputed forward in B or I draws the same dropout masks as F did
-            with self.engine.dropout_at(a.microbatch):
+            with self.work.dropout_at(a.microbatch):
                 getattr(self, "_do_" + a.kind)(a, a.stage, a.microbatch)
         self._event(str(a), "comm" if a.is_comm else "compute", start, time.perf_counter() - self.t0, a,
                     self.timesteps[self.me][self._index[j]])
@@ -317,7 +312,7 @@ class PipelineExecutor(ComputeActions, CommActions):
               "pp_rank": self.me}
         if a is not None:
             ev.update(action=name, stage=a.stage, microbatch=a.microbatch, timestep=timestep)  # name is str(a)
-        self.engine.events.append(ev)
+        self.events.append(ev)
 
     def _set(self, state: str, note: str = "") -> None:
         """What this rank is doing now (read by the hang monitor's thread)."""

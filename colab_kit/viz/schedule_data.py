@@ -4,7 +4,7 @@ The figure builders of ``viz.pipeline`` draw *cells*: one box per action on its 
 rank's row, from ``start`` to ``end``. Three sources give cells, each labelled for what it is:
 
 * a ``PipelinePlan`` (planned): the lockstep grid of ``check.steps``, one timestep per cell; for a
-  lowered plan these are exactly the timesteps ``engine.pipeline.advance`` walks;
+  lowered plan these are exactly the timesteps ``engine.step.advance`` walks;
 * a ``Timeline`` from ``simulate`` (planned): start and end in cost units (F=1, B=2, ...);
 * per-rank event lists from ``engine.timeline()`` (measured): seconds since that rank's
   step began, with the gaps between events filled in as ``idle``.

@@ -93,14 +93,14 @@ def _stepping(cfgs):
         for step in range(2):
             batch = data.batch(step, BATCH)
             losses.append((plain.train_step(batch), None))
-            pipe.begin(batch)
+            stepped.step.begin(batch)
             if step == 0:
                 while pipe.timestep < pipe.n_timesteps:
-                    states.append(pipe.advance(1))
+                    states.append(stepped.step.advance(1))
             else:  # jump halfway, then one at a time, then the rest
-                states.append(pipe.advance_to(pipe.n_timesteps // 2))
-                states.append(pipe.advance())
-            losses[-1] = (losses[-1][0], pipe.finish())
+                states.append(stepped.step.advance_to(pipe.n_timesteps // 2))
+                states.append(stepped.step.advance())
+            losses[-1] = (losses[-1][0], stepped.step.finish())
         out[tuple(sorted(kw.items()))] = dict(
             losses=losses, same_params=torch.equal(plain.state_vector(), stepped.state_vector()),
             executed=[len(s["executed"]) for s in states[:pipe.n_timesteps]],

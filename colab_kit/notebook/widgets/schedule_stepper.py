@@ -6,7 +6,7 @@
     stepper.step(10)   # the same from code: every rank runs its actions of timesteps 0..9
 
 Every rank's namespace must hold the engine (``engine = ck.boost(...)`` with pp > 1; another
-name with ``var=``). ``step(k)`` calls ``engine.pipeline.advance_to(t + k)`` on every rank
+name with ``var=``). ``step(k)`` calls ``engine.step.advance_to(t + k)`` on every rank
 through ``cluster.run``, so all ranks advance together (a receive waits for a send of an
 earlier timestep, which its peer runs in the same call), then reads ``state()`` back: what
 each rank executed, its next action, the activations it holds. The grid fills in with what

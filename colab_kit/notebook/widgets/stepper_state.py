@@ -4,8 +4,8 @@ The rank functions run inside each engine through ``cluster.run`` and find the e
 the rank's namespace by name (``engine`` unless told otherwise)::
 
     _rank_probe("engine")        -> (lowered plan, engine.pipeline.state())
-    _rank_begin("engine", batch) -> state after engine.pipeline.begin(batch)
-    _rank_advance("engine", t)   -> engine.pipeline.advance_to(t)
+    _rank_begin("engine", batch) -> state after engine.step.begin(batch)
+    _rank_advance("engine", t)   -> engine.step.advance_to(t)
     _rank_finish("engine")       -> (loss, state, peak activation bytes)
 """
 from __future__ import annotations
@@ -42,19 +42,17 @@ def _rank_probe(var: str):
 
 
 def _rank_begin(var: str, batch):
-    pipe = _rank_engine(var).pipeline
-    pipe.begin(batch)
-    return pipe.state()
+    return _rank_engine(var).step.begin(batch)
 
 
 def _rank_advance(var: str, timestep: int):
-    return _rank_engine(var).pipeline.advance_to(timestep)
+    return _rank_engine(var).step.advance_to(timestep)
 
 
 def _rank_finish(var: str):
-    pipe = _rank_engine(var).pipeline
-    loss = pipe.finish()
-    return loss, pipe.state(), _rank_engine(var).memory()["activations"]
+    eng = _rank_engine(var)
+    loss = eng.step.finish()
+    return loss, eng.step.state(), eng.memory()["activations"]
 
 
 # ------------------------------------------------------------------ state

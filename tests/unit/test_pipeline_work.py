@@ -1,54 +1,58 @@
-"""The pipeline executor reaches its engine only through ``colab_kit.pipeline.host.PipelineHost``.
+"""The pipeline executor is handed a step's work (``colab_kit.pipeline.work.MicrobatchWork``) and returns.
 
-Read from the source (no process started): every attribute the executor and its compute actions take from
-the engine (``engine.X``, ``self.engine.X``, ``eng.X``) is a name of the protocol, none is private, and the
-engine provides every name of the protocol (``tests/ranks/test_pipeline_engine.py`` runs them).
+Read from the source (no process started): the executor and its compute actions never name an engine, and every
+attribute they read off the step's work (``self.work.X``, or ``X`` of a local bound to ``self.work``) is a field
+of ``MicrobatchWork`` (``tests/ranks/test_pipeline_engine.py`` runs them).
 """
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
-import colab_kit.engine.core
-from colab_kit.engine.core import Engine
-from colab_kit.pipeline.host import HOST_NAMES
+import colab_kit
+from colab_kit.pipeline.work import MicrobatchWork
 
 PIPELINE = Path(colab_kit.__file__).parent / "pipeline"
+FIELDS = {f.name for f in dataclasses.fields(MicrobatchWork)}
 
 
-def _engine_attributes(path: Path) -> set[str]:
-    """Names read off the engine in ``path``: ``self.engine.X``, or ``X`` of a local bound to ``self.engine``."""
+def _reads_of(path: Path, owner_attr: str) -> set[str]:
+    """Names read off ``self.<owner_attr>`` in ``path``, directly or through a local bound to it."""
     tree = ast.parse(path.read_text())
-    aliases = {"engine"}
-    for node in ast.walk(tree):  # eng = self.engine
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) and node.value.attr == "engine":
+    aliases = set()
+    for node in ast.walk(tree):  # w = self.work
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) and node.value.attr == owner_attr:
             aliases |= {t.id for t in node.targets if isinstance(t, ast.Name)}
     used = set()
     for node in ast.walk(tree):
         if not isinstance(node, ast.Attribute):
             continue
         owner = node.value
-        if isinstance(owner, ast.Attribute) and owner.attr == "engine" and isinstance(owner.value, ast.Name) \
+        if isinstance(owner, ast.Attribute) and owner.attr == owner_attr and isinstance(owner.value, ast.Name) \
                 and owner.value.id == "self":
             used.add(node.attr)
-        elif isinstance(owner, ast.Name) and owner.id in aliases and owner.id != "self":
+        elif isinstance(owner, ast.Name) and owner.id in aliases:
             used.add(node.attr)
     return used
 
 
-def test_the_executor_uses_only_the_declared_interface():
-    used = _engine_attributes(PIPELINE / "executor.py") | _engine_attributes(PIPELINE / "compute.py")
-    assert used, "found no engine access at all: the reader is broken"
-    assert used <= HOST_NAMES, f"the executor reaches {sorted(used - HOST_NAMES)} of the engine outside PipelineHost"
-    assert not [n for n in used if n.startswith("_")]
+def test_the_executor_reads_only_the_declared_work_and_names_no_engine():
+    files = [PIPELINE / "executor.py", PIPELINE / "compute.py", PIPELINE / "messages.py"]
+    used = set().union(*(_reads_of(f, "work") for f in files))
+    assert used, "found no read of the step's work at all: the reader is broken"
+    assert used <= FIELDS, f"the executor reads {sorted(used - FIELDS)} of the work outside MicrobatchWork"
+    engine = set().union(*(_reads_of(f, "engine") for f in files))
+    assert not engine, f"the executor reaches into an engine: {sorted(engine)}"
 
 
-def test_the_reader_sees_a_private_reach(tmp_path):
-    """The check above can fail: a source that reaches ``engine._update`` is caught."""
+def test_the_reader_sees_an_undeclared_read(tmp_path):
+    """The check above can fail: a source that reads ``self.work._update`` or ``self.engine.mesh`` is caught."""
     bad = tmp_path / "bad.py"
-    bad.write_text("class X:\n    def f(self):\n        eng = self.engine\n        eng._update(1)\n"
+    bad.write_text("class X:\n    def f(self):\n        w = self.work\n        w._update(1)\n"
                    "        return self.engine.mesh\n")
-    assert _engine_attributes(bad) == {"_update", "mesh"}
+    assert _reads_of(bad, "work") == {"_update"}
+    assert _reads_of(bad, "engine") == {"mesh"}
 
 
 def _assigned_on_self(path: Path) -> set[str]:
@@ -62,13 +66,6 @@ def _assigned_on_self(path: Path) -> set[str]:
                 if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) and el.value.id == "self":
                     names.add(el.attr)
     return names
-
-
-def test_the_engine_provides_every_name_of_the_protocol():
-    instance = _assigned_on_self(Path(colab_kit.engine.core.__file__))
-    missing = [name for name in HOST_NAMES if not hasattr(Engine, name) and name not in instance]
-    assert not missing, f"Engine lacks {missing} of PipelineHost"
-    assert {"finish_step", "pipeline_loss", "events", "activation_meter", "loss_shards"} <= HOST_NAMES
 
 
 def test_every_gradient_part_provides_the_declared_interface_and_nothing_probes_for_it():

@@ -1,0 +1,156 @@
+"""``ck.parallelize(model, mesh, config)``: the ordered steps that turn a dense model into this rank's share.
+
+``boost`` is ``parallelize`` (what this rank holds) plus the optimizer over it plus the one training step
+(``colab_kit.engine.step``). The order of the steps is written once, here, in ``parallelize``; each step is
+an ``apply_<what>(model, mesh, config, ...)`` of its own part, whose docstring says what it needs before it
+and what it leaves after it. Adding a mode means adding one step.
+
+Worked example: ``ParallelConfig(dp=2, tp=2, pp=2)`` (8 ranks), a 4-block GPT built on every rank, on rank 5
+(coordinates pp 1, dp 0, tp 1)::
+
+    parts = ck.parallelize(GPT(cfg), mesh, config)
+    parts.steps      # ('defer_init', 'tensor', 'pipeline_split', 'materialize', 'placements', 'broadcast',
+                     #  'data_parallel')
+    parts.stages     # [stage 1]: blocks 2-3, ln_f and the head, each matrix cut in halves over tp (this half: 1)
+    parts.placement_table[parts.module.0.blocks...weight]   # tp: Shard(0) or Shard(1), dp: Replicate()
+    parts.grads      # ZeroStage0: the dp buckets over this rank's 1/2 x 1/2 of the model
+
+A step that the config does not ask for is left out of ``parts.steps`` (``plan_steps(config)`` lists them
+without a model; ``tests/unit/test_parallelize.py`` prints the list for every config of the parity matrix).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .. import comm
+from ..config import ParallelConfig
+from ..mesh import ProcessMesh
+from ..placement import PlacementTable
+from ..zero.stage0 import GradientPart
+from .loss import TokenLoss, lm_loss, token_losses
+from .parts import (apply_data_parallel, apply_dropout, apply_pipeline_split, apply_precision, apply_recompute,
+                    apply_sequence_parallel, apply_tensor_parallel)
+from .sharded_init import defer, materialize, meta_twin
+
+__all__ = ["parallelize", "Parallelized", "plan_steps", "STEPS"]
+
+STEPS = ("defer_init", "dropout", "tensor", "sequence", "recompute", "pipeline_split", "materialize",
+         "placements", "broadcast", "precision", "data_parallel")
+"""Every step ``parallelize`` may take, in the order it takes them."""
+
+
+def plan_steps(config: ParallelConfig, *, dropout: bool = False) -> tuple[str, ...]:
+    """The steps ``parallelize`` takes for ``config`` (``dropout``: the model has dropout), in order::
+
+        plan_steps(ParallelConfig(dp=2, tp=2, pp=2, recompute=True))
+        # ('defer_init', 'tensor', 'recompute', 'pipeline_split', 'materialize', 'placements',
+        #  'broadcast', 'data_parallel')
+    """
+    asks = {"dropout": dropout, "tensor": config.tp > 1, "sequence": config.sp > 1,
+            "recompute": bool(config.recompute), "pipeline_split": config.pp > 1,
+            "precision": config.precision != "fp32"}
+    return tuple(s for s in STEPS if asks.get(s, True))
+
+
+@dataclass
+class Parallelized:
+    """What ``parallelize`` leaves on this rank: the module it runs and the parts that transformed it."""
+
+    config: ParallelConfig
+    mesh: ProcessMesh
+    module: nn.Module
+    """This rank's model (with pp: an ``nn.ModuleList`` of this rank's stages), on the mesh's device."""
+    dense_twin: nn.Module
+    """The dense model on the meta device: names and shapes only (checkpoints map elements to it)."""
+    policy: Any
+    """The ``colab_kit.policy.Policy`` the parts lowered (None: a model under dp / ZeRO only)."""
+    loss_fn: Callable
+    """``(outputs, targets) -> loss`` of one microbatch's rows, as this layout computes it."""
+    grads: GradientPart
+    """Plain dp or ZeRO stage 1-3: gradient sync and what the optimizer steps (``colab_kit.zero``)."""
+    placement_table: PlacementTable
+    events: list[dict]
+    """The step's timeline, written by the gradient part and the step (``engine.timeline()``)."""
+    logits: Callable = staticmethod(lambda out: out)  # type: ignore[assignment]
+    token_loss: TokenLoss | None = None
+    tp_plan: Any = None
+    sp_plan: Any = None
+    dropout: Any = None
+    """With dropout in the model: the ``DropoutLayout`` (where this rank's tensors sit)."""
+    stages: list | None = None
+    tied: list[tuple[tuple, torch.Tensor | None]] = field(default_factory=list)
+    """With pp: per weight shared by the first and last stage, ``(shape, the parameter here or None)``."""
+    n_local: int = 0
+    """Elements this rank trains before ZeRO splits them (the estimate of another model reads it)."""
+    steps: tuple[str, ...] = ()
+    """The steps taken, in order (``plan_steps(config)``)."""
+
+    @property
+    def model_cfg(self) -> Any:
+        """The dense model's config (``GPTConfig``, ...), or None for a model without one."""
+        return getattr(self.dense_twin, "cfg", None)
+
+
+def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, policy=None, *,
+                loss_fn: Callable = lm_loss, bucket_bytes: int | None = None, device_budget: int | None = None,
+                group_of_name: Callable[[str], int] | None = None) -> Parallelized:
+    """This rank's share of ``model`` under ``config``: the steps below, in this order, each only where
+    the config asks for it. ``policy``: what each part of the model is (``check_policy`` has checked it
+    fits); ``group_of_name``: the optimizer's param group of a parameter by name (ZeRO keeps groups apart).
+    """
+    steps = plan_steps(config, dropout=_has_dropout(model))
+    twin = meta_twin(model)  # before anything changes the model
+    defer(model, config, mesh.rank("pp"), policy)  # 1. a meta-device model: each part makes its shards only
+    _no_kv_cache(model)
+    token_loss = TokenLoss(token_losses) if loss_fn is lm_loss else None
+    loss = token_loss if token_loss is not None else loss_fn
+    flagged = "dropout" in steps and apply_dropout(model, policy)     # 2. masks from global coordinates
+    tp_plan = sp_plan = None
+    if "tensor" in steps:                                              # 3. this rank's blocks of each matrix
+        model, tp_plan = apply_tensor_parallel(model, mesh, config, policy, token_loss)
+    if "sequence" in steps:                                            # 4. attention on this rank's tokens
+        model, sp_plan = apply_sequence_parallel(model, mesh, config, policy)
+    if "recompute" in steps:
+        apply_recompute(model, policy)                                 # 5. each block keeps its input only
+    stages, tied = None, []
+    if "pipeline_split" in steps:                                      # 6. this rank's stages
+        stages, tied = apply_pipeline_split(model, mesh, config, policy)
+        model = nn.ModuleList(stages)
+    module = materialize(model).to(mesh.device)                        # 7. what is still meta: whole copies
+    n_local = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    table = PlacementTable(module)                                     # 8. as each layer declared it
+    with torch.no_grad():                                              # 9. one start even if a seed differed
+        for p in module.parameters():
+            comm.broadcast(p.data, mesh, "dp", tag="init params")
+    if "precision" in steps:
+        loss = apply_precision(module, config, loss)                   # 10. a 16-bit model, fp32 loss
+    events: list[dict] = []
+    grads = apply_data_parallel(module, mesh, config, policy, table, events, bucket_bytes=bucket_bytes,
+                                device_budget=device_budget, group_of_name=group_of_name)  # 11.
+    dropout = _dropout_layout(mesh, tp_plan, sp_plan) if flagged else None
+    logits = policy.output if policy is not None and policy.output is not None else (lambda out: out)
+    return Parallelized(config=config, mesh=mesh, module=module, dense_twin=twin, policy=policy, loss_fn=loss,
+                        grads=grads, placement_table=table, events=events, logits=logits, token_loss=token_loss,
+                        tp_plan=tp_plan, sp_plan=sp_plan, dropout=dropout, stages=stages, tied=tied,
+                        n_local=n_local, steps=steps)
+
+
+def _has_dropout(model: nn.Module) -> bool:
+    from ..models.dropout import has_dropout
+    return has_dropout(model)
+
+
+def _dropout_layout(mesh, tp_plan, sp_plan):
+    from ..models.dropout import DropoutLayout
+    return DropoutLayout(mesh, tp_plan, sp_plan)
+
+
+def _no_kv_cache(model: nn.Module) -> None:
+    """A training step reads no KV cache; a recomputed forward would append its keys to it a second time."""
+    hf = getattr(model, "config", None)  # a Hugging Face model's config (PretrainedConfig), if any
+    if getattr(hf, "use_cache", False):
+        hf.use_cache = False
