@@ -103,40 +103,56 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
     fits); ``group_of_name``: the optimizer's param group of a parameter by name (ZeRO keeps groups apart).
     """
     steps = plan_steps(config, dropout=_has_dropout(model))
+    taken: list[str] = []
+    take = taken.append  # each step says it ran; the list must come out as ``steps``, in its order
     twin = meta_twin(model)  # before anything changes the model
-    defer(model, config, mesh.rank("pp"), policy)  # 1. a meta-device model: each part makes its shards only
+    defer(model, config, mesh.rank("pp"), policy)                      # 1. only this rank's shards are made
+    take("defer_init")
     _no_kv_cache(model)
     token_loss = TokenLoss(token_losses) if loss_fn is lm_loss else None
     loss = token_loss if token_loss is not None else loss_fn
-    flagged = "dropout" in steps and apply_dropout(model, policy)     # 2. masks from global coordinates
+    if "dropout" in steps:                                             # 2. masks from global coordinates
+        apply_dropout(model, policy)
+        take("dropout")
     tp_plan = sp_plan = None
     if "tensor" in steps:                                              # 3. this rank's blocks of each matrix
         model, tp_plan = apply_tensor_parallel(model, mesh, config, policy, token_loss)
+        take("tensor")
     if "sequence" in steps:                                            # 4. attention on this rank's tokens
         model, sp_plan = apply_sequence_parallel(model, mesh, config, policy)
-    if "recompute" in steps:
-        apply_recompute(model, policy)                                 # 5. each block keeps its input only
+        take("sequence")
+    if "recompute" in steps:                                           # 5. each block keeps its input only
+        apply_recompute(model, policy)
+        take("recompute")
     stages, tied = None, []
     if "pipeline_split" in steps:                                      # 6. this rank's stages
         stages, tied = apply_pipeline_split(model, mesh, config, policy)
         model = nn.ModuleList(stages)
+        take("pipeline_split")
     module = materialize(model).to(mesh.device)                        # 7. what is still meta: whole copies
+    take("materialize")
     n_local = sum(p.numel() for p in module.parameters() if p.requires_grad)
     table = PlacementTable(module)                                     # 8. as each layer declared it
+    take("placements")
     with torch.no_grad():                                              # 9. one start even if a seed differed
         for p in module.parameters():
             comm.broadcast(p.data, mesh, "dp", tag="init params")
-    if "precision" in steps:
-        loss = apply_precision(module, config, loss)                   # 10. a 16-bit model, fp32 loss
+    take("broadcast")
+    if "precision" in steps:                                           # 10. a 16-bit model, the loss in fp32
+        loss = apply_precision(module, config, loss)
+        take("precision")
     events: list[dict] = []
     grads = apply_data_parallel(module, mesh, config, policy, table, events, bucket_bytes=bucket_bytes,
-                                device_budget=device_budget, group_of_name=group_of_name)  # 11.
-    dropout = _dropout_layout(mesh, tp_plan, sp_plan) if flagged else None
+                                device_budget=device_budget, group_of_name=group_of_name)  # 11. dp / ZeRO
+    take("data_parallel")
+    if tuple(taken) != steps:
+        raise RuntimeError(f"parallelize took the steps {taken}, but {config.describe()} asks for {list(steps)}")
+    dropout = _dropout_layout(mesh, tp_plan, sp_plan) if "dropout" in steps else None
     logits = policy.output if policy is not None and policy.output is not None else (lambda out: out)
     return Parallelized(config=config, mesh=mesh, module=module, dense_twin=twin, policy=policy, loss_fn=loss,
                         grads=grads, placement_table=table, events=events, logits=logits, token_loss=token_loss,
                         tp_plan=tp_plan, sp_plan=sp_plan, dropout=dropout, stages=stages, tied=tied,
-                        n_local=n_local, steps=steps)
+                        n_local=n_local, steps=tuple(taken))
 
 
 def _has_dropout(model: nn.Module) -> bool:

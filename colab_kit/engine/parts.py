@@ -18,16 +18,15 @@ __all__ = ["apply_dropout", "apply_tensor_parallel", "apply_sequence_parallel", 
            "apply_pipeline_split", "apply_precision", "apply_data_parallel"]
 
 
-def apply_dropout(model: nn.Module, policy) -> bool:
+def apply_dropout(model: nn.Module, policy) -> None:
     """Layout-invariant dropout: every ``nn.Dropout`` draws its mask from the global coordinates of each
     element, so that any split draws what one process draws (``colab_kit.models.dropout``).
 
     Needs: the dense model (before any part cuts it: the layers are numbered in the dense order).
-    Leaves: the same modules, their dropout numbered; True (the step's ``DropoutLayout`` follows the
-    tensor and sequence plans, which say where this rank's elements sit)."""
+    Leaves: the same modules, their dropout numbered (the ``DropoutLayout`` that says where this rank's
+    elements sit is made after the tensor and sequence steps)."""
     from ..models.dropout import layout_invariant
     layout_invariant(model, policy=policy)
-    return True
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, policy, token_loss=None):

@@ -115,6 +115,7 @@ class TrainingStep:
         pipe = self._pipe()
         pipe.check_can_begin()
         inputs, targets = self._start(batch, local)
+        self.grads.arm(sync=False, t0=self.t0)  # the executor arms the sync before the last B or W
         pipe.begin(self._work(inputs, targets))
         return pipe.state()
 
@@ -171,7 +172,7 @@ class TrainingStep:
     # ------------------------------------------------------------------ the start
     def _start(self, batch, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything before the first forward: the comm log's step, this rank's rows, the activation
-        reserve (offload), the timeline and meters reset, the model in training mode, the dp buckets armed."""
+        reserve (offload), the timeline and meters reset, the model in training mode."""
         self.mesh.log.begin_step()  # before prepare: a local batch's target count is this step's first collective
         inputs, targets = self.prepare(batch, self.config.microbatches, local)
         self._hold_activations()
@@ -182,7 +183,6 @@ class TrainingStep:
         self.t0 = time.perf_counter()
         if not self.parts.module.training:  # module.train() walks every submodule: ~0.15 ms a step for 4 layers
             self.parts.module.train()
-        self.grads.arm(sync=False, t0=self.t0)
         return inputs, targets
 
     def prepare(self, batch, microbatches: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

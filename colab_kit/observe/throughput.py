@@ -325,7 +325,10 @@ def engine_throughput(engine, last: int | None = None) -> dict:
     elif len(records) >= 2:
         records = records[1:]
     seconds = statistics.median(r["seconds"] for r in records)
-    cache = _FLOPS.setdefault(engine, {})  # shape -> FLOPs: one trace per shape and engine
+    try:
+        cache = _FLOPS.setdefault(engine, {})  # shape -> FLOPs: one trace per shape and engine
+    except TypeError:  # an object that cannot be weakly referenced (a stand-in engine): no cache
+        cache = {}
     dtype = engine.step.records.input[1] if engine.step.records.input is not None else None
     flops, tokens, samples = [], [], []
     for r in records:

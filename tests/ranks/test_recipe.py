@@ -81,7 +81,7 @@ def _train(cases, tmp):
             losses.append(engine.train_step(batch(s)))
             lrs.append([g["lr"] for g in engine.optimizer.param_groups])
         norms = [r["grad_norm"] for r in engine.records]
-        views = engine._views.views if engine._views else []  # pieces spanning two groups (ZeRO)
+        views = engine.step.views.views if engine.step.views else []  # pieces spanning two groups (ZeRO)
         assert all(v.grad is None for v, *_ in views)  # released after each step: no fp32 gradient kept alive
         engine.close()
         if tuple(sorted(kw.items())) not in RESUMED:

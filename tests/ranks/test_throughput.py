@@ -215,7 +215,7 @@ def _train(cache_dir: str):
     again = engine.throughput()
     cheap = time.perf_counter() - t0
     out = {"d": d, "again": again, "cheap": cheap, "last1": engine.throughput(last=1), "records": engine.records,
-           "line": format_throughput(d), "cached": dict(engine.__dict__.get("_throughput_flops", {})),
+           "line": format_throughput(d), "cached": dict(throughput._FLOPS.get(engine, {})),
            "threads": torch.get_num_threads()}
     engine.close()
     return out
@@ -265,7 +265,8 @@ def test_engine_throughput_images_and_other_models(cache, monkeypatch):
     def stub(cfg, twin, shape, dtype, seconds=(0.5, 0.1, 0.3, 0.2)):
         recs = [{"step": i + 1, "loss": 1.0, "seconds": s, "input_shape": shape} for i, s in enumerate(seconds)]
         mesh = types.SimpleNamespace(device=torch.device("cpu"))
-        return types.SimpleNamespace(records=recs, model_cfg=cfg, dense_twin=twin, _input=(shape, dtype),
+        step = types.SimpleNamespace(records=types.SimpleNamespace(input=(shape, dtype)))
+        return types.SimpleNamespace(records=recs, model_cfg=cfg, dense_twin=twin, step=step,
                                      config=ck.ParallelConfig(dp=2), mesh=mesh)
     vit = stub(VIT_CFG, ViT(VIT_CFG, device="meta"), (4, 3, 8, 8), torch.float32)
     d = engine_throughput(vit)

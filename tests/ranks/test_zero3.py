@@ -43,7 +43,7 @@ def _train(cfgs, extras: bool = False):
             records = engine.comm(last_step=True)
             out[tuple(sorted(kw.items())), opt] = dict(
                 losses=losses, params=_named(engine, kw), memory=engine.memory(), comm=records,
-                local=engine._n_local, pieces=[c.piece for c in z.chunks], sizes=[c.size for c in z.chunks],
+                local=engine.parts.n_local, pieces=[c.piece for c in z.chunks], sizes=[c.size for c in z.chunks],
                 chunk_bytes=[c.nbytes for c in z.chunks], peak=peaks[0], state=[c.state for c in z.chunks],
                 same=_same_over_dp(engine))
             engine.close()

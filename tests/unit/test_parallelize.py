@@ -1,0 +1,55 @@
+"""``ck.parallelize``: the ordered list of steps, printed for every config the parity matrix runs.
+
+Run with ``-s`` to see each config's list. The order is ``STEPS``, written once in
+``colab_kit/engine/parallelize.py``; each step is there exactly when the config asks for it (the rank tests
+check that an engine took exactly these steps: ``test_every_composition_took_the_planned_steps_of_parallelize``).
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+
+import pytest
+
+import colab_kit as ck
+from colab_kit.engine import parallelize as par
+from colab_kit.engine.parallelize import STEPS, plan_steps
+from tests.helpers.matrix import MATRIX
+
+CONFIGS = [(f"{w}-{n}", kw) for w, cs in MATRIX.items() for n, kw in cs.items()] + [
+    ("1 rank", {}), ("dp=4", dict(dp=4)), ("dp=2 tp=2 bf16", dict(dp=2, tp=2, precision="bf16")),
+    ("dp=2 zero=3 offload auto", dict(dp=2, zero=3, offload="auto"))]
+
+
+@pytest.mark.parametrize("name,kw", CONFIGS, ids=[n.replace(" ", "") for n, _ in CONFIGS])
+def test_the_steps_of_each_config_in_order(name, kw):
+    cfg = ck.ParallelConfig(**kw)
+    steps = plan_steps(cfg)
+    print(f"{name:34s} {' -> '.join(steps)}")
+    assert list(steps) == sorted(steps, key=STEPS.index), "out of STEPS' order"
+    assert ("tensor" in steps) == (cfg.tp > 1) and ("sequence" in steps) == (cfg.sp > 1)
+    assert ("pipeline_split" in steps) == (cfg.pp > 1) and ("recompute" in steps) == bool(cfg.recompute)
+    assert ("precision" in steps) == (cfg.precision != "fp32")
+    assert {"defer_init", "materialize", "placements", "broadcast", "data_parallel"} <= set(steps)
+    assert "dropout" not in steps and "dropout" in plan_steps(cfg, dropout=True)
+
+
+def test_parallelize_is_written_in_the_order_of_steps():
+    """The body of ``parallelize`` takes its steps in ``STEPS``' order: the order is written once. A body that
+    took two steps the other way round is caught (the second half of the test)."""
+    def taken(src: str) -> list[str]:
+        calls = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Name) and n.func.id == "take"]
+        return [c.args[0].value for c in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]
+
+    src = inspect.getsource(par.parallelize)
+    assert taken(src) == list(STEPS)
+    swapped = src.replace('take("tensor")', 'take("@@")').replace('take("sequence")', 'take("tensor")') \
+        .replace('take("@@")', 'take("sequence")')
+    assert taken(swapped) != list(STEPS)
+
+
+def test_parallelize_fits_on_one_screen():
+    """One screen: the list of steps, not their insides (each is an ``apply_<what>`` of its part)."""
+    lines = inspect.getsource(par.parallelize).splitlines()
+    assert len(lines) <= 70, len(lines)
