@@ -184,7 +184,7 @@ class ProcessMesh:
     """A ``threading.Event`` while a pipeline step runs: blocked waits in ``comm`` give up once it is set."""
 
     @classmethod
-    def shared(cls, config: ParallelConfig, device_type: str | None = None) -> "ProcessMesh":
+    def shared(cls, config: ParallelConfig, device_type: str | None = None) -> ProcessMesh:
         """The mesh of ``config`` on this world, built on first use and then reused; each call holds it once.
 
         >>> a = ProcessMesh.shared(cfg); b = ProcessMesh.shared(cfg)   # inside a rank  # doctest: +SKIP

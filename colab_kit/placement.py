@@ -166,7 +166,7 @@ class PlacementTable:
     def partial(self, p) -> tuple[str, ...]:
         return self[p].partial
 
-    def alias(self, copy, of, source: "PlacementTable | None" = None) -> None:
+    def alias(self, copy, of, source: PlacementTable | None = None) -> None:
         """Enter ``copy`` as ``of`` stands in ``source`` (default: this table); nothing if it is not there."""
         source = self if source is None else source
         if id(of) in source.entries:

@@ -91,7 +91,8 @@ class RankTimeout(RankError):
     def summary(self) -> str:
         ranks = ", ".join(map(str, self.stuck))
         return (f"ranks {ranks} did not finish within {self.timeout:g} s" + (f" in {self.where}" if self.where else "")
-                + " (a collective that not every rank entered waits forever)" + (f"\n{self.advice}" if self.advice else ""))
+                + " (a collective that not every rank entered waits forever)"
+                + (f"\n{self.advice}" if self.advice else ""))
 
     def _message(self) -> str:
         return self.summary()

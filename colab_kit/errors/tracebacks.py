@@ -144,7 +144,7 @@ def _code_files(code: types.CodeType, files: set[str]) -> set[str]:
 
 def _filled(cell) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:  # an empty cell (a closure variable not assigned yet)
         return False
     return True
