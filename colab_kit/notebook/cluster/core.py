@@ -78,8 +78,8 @@ class Cluster(Startup, Waiting):
     """
 
     def __init__(self, n: int | None = None, engines: str = "local", *, ip: str | None = None,
-                 hosts: dict[str, int] | None = None, timeout: float = 60, backend: str | None = None, grace: float = 3.0,
-                 collective_timeout: float = 120, fit: bool = False, **ipp_kwargs):
+                 hosts: dict[str, int] | None = None, timeout: float = 60, backend: str | None = None,
+                 grace: float = 3.0, collective_timeout: float = 120, fit: bool = False, **ipp_kwargs):
         if os.name != "posix":
             raise ClusterError(f"colab_kit's cluster runs on POSIX systems (Linux, macOS), not {sys.platform}: "
                                "on Windows use WSL, or ck.launch for local ranks")
@@ -135,7 +135,7 @@ class Cluster(Startup, Waiting):
     def needs_restart(self) -> bool:
         return self._broken is not None
 
-    def start(self, progress=None) -> "Cluster":
+    def start(self, progress=None) -> Cluster:
         """Start the controller and ``n`` engines, wait for them, initialise torch.distributed.
 
         ``progress(stage, done, total)``, if given, is called while this runs (True prints each stage
@@ -156,7 +156,8 @@ class Cluster(Startup, Waiting):
             self._watchdog = Watchdog()
             engines = self.engines
             if forking(engines):
-                fork_server()  # the kernel's, not this cluster's: before ``before``; its imports overlap the controller's start
+                # the kernel's, not this cluster's: before ``before``; its imports overlap the controller's start
+                fork_server()
                 engines = forked.ForkedEngineSetLauncher
             before = descendant_pids()
             self._ipp = ipp.Cluster(n=self.n, engines=engines, controller_ip=self.ip, **kwargs)
@@ -180,7 +181,7 @@ class Cluster(Startup, Waiting):
         (a rank stuck in a collective ignores gentler signals)."""
         self._teardown()
 
-    def restart(self, progress=None) -> "Cluster":
+    def restart(self, progress=None) -> Cluster:
         """Kill the engines, start fresh ones, re-initialise torch.distributed, re-apply the config."""
         progress = stage_progress(progress)
         if self._ipp is None:
@@ -195,7 +196,7 @@ class Cluster(Startup, Waiting):
             raise ClusterError(f"restart failed, the cluster is stopped: {type(exc).__name__}: {exc}") from exc
         return self
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self if self.running else self.start()
 
     def __exit__(self, *exc) -> None:

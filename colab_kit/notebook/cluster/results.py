@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from ...errors import RankError
 
-__all__ = ["RankOutput", "RankTable", "split", "check_ranks", "unwrap_plain", "unwrap_call", "unwrap_execute", "rank_output"]
+__all__ = ["RankOutput", "RankTable", "split", "check_ranks", "unwrap_plain", "unwrap_call", "unwrap_execute",
+           "rank_output"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 

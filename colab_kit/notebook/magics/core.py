@@ -86,8 +86,8 @@ class ColossalMagics(Magics):
         name, rest = argv[0], argv[1:]
         if name not in COMMANDS:
             near = difflib.get_close_matches(name, COMMANDS, n=1)
-            raise UsageError(f"%colossal: unknown subcommand {name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
-                             + f". Subcommands: {', '.join(COMMANDS)}")
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise UsageError(f"%colossal: unknown subcommand {name!r}{hint}. Subcommands: {', '.join(COMMANDS)}")
         p = command_parser(name)
         if wants_help(rest):  # that subcommand's usage and help, and nothing else
             print(p.format_help())

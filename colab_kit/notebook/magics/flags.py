@@ -201,7 +201,7 @@ def _flag_lines(flags) -> list[str]:
 def help_text() -> str:
     """Every subcommand with its flags, then the cell magic (``%colossal?`` shows this too)."""
     lines = ["%colossal SUBCOMMAND [flags]   (-h after any subcommand: its help)", ""]
-    for name, (flags, words, text) in COMMANDS.items():
+    for name, (flags, _words, text) in COMMANDS.items():
         lines += [f"  {command_parser(name).usage_line()}", f"      {text}", *_flag_lines(flags)]
     lines += ["", cell_parser().usage_line(), f"      {CELL_HELP}",
               *_flag_lines(CELL_FLAGS)]

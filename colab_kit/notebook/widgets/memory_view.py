@@ -102,12 +102,12 @@ class MemoryView(KernelDisplay):
             raise NoMemory("no cluster to read: start one with %colossal start -n 4, or pass MemoryView(cluster)")
         return source
 
-    def refresh(self) -> "MemoryView":
+    def refresh(self) -> MemoryView:
         """Gather memory, estimate, budget and step from every rank, then redraw."""
         self._take(self._gather())
         return self
 
-    def set_by(self, by: str) -> "MemoryView":
+    def set_by(self, by: str) -> MemoryView:
         self.by = self._check_by(by)
         if self._ui is not None and self._ui["by"].value != by:
             self._ui["by"].value = by  # its observer calls set_by again, which redraws
@@ -149,7 +149,7 @@ class MemoryView(KernelDisplay):
         return self.table() + (f"\n  last refresh failed: {self.error}" if self.error else "")
 
     # ------------------------------------------------------------ refreshed after each step
-    def watch(self, shell=None, every_cell: bool = False) -> "MemoryView":
+    def watch(self, shell=None, every_cell: bool = False) -> MemoryView:
         """Refresh after each successful cell that ran ``%%colossal`` (or every cell); see the module doc."""
         from IPython import get_ipython
 

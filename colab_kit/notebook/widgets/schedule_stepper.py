@@ -203,7 +203,10 @@ class ScheduleStepper(KernelDisplay):
         import ipywidgets as w
 
         ui = {"status": w.HTML(), "loss": w.HTML(), "errors": w.Output()}  # errors: a failed click, whole
-        one = lambda: self.step(redraw=False)  # noqa: E731 - one step of self.k timesteps (the slider's)
+
+        def one():  # one step of self.k timesteps (the slider's)
+            return self.step(redraw=False)
+
         for name, tip, action in (
                 ("Step", "run the next timesteps on every rank", lambda: self._start(one)),
                 ("Play", "step until the training step has finished", lambda: self._start(one, repeat=True)),

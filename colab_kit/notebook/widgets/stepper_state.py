@@ -124,8 +124,9 @@ class StepperState:
         for r, s in sorted(self.ranks.items()):
             held = s.get("held", [])
             what = f"next {s['next']}" if s.get("next") and self.running else "ran its whole plan"
-            lines.append(f"pp rank {r} (rank {s.get('rank', r)}): ran {len(s.get('executed', []))} of {s.get('of', '?')}"
-                         f" actions, {what}, holds {len(held)} activation{'s' if len(held) != 1 else ''}"
+            lines.append(f"pp rank {r} (rank {s.get('rank', r)}): ran {len(s.get('executed', []))} of "
+                         f"{s.get('of', '?')} actions, {what}, "
+                         f"holds {len(held)} activation{'s' if len(held) != 1 else ''}"
                          + (f" ({s['held_bytes'] / 1024:.1f} KiB)" if s.get("held_bytes") else ""))
         if self.loss is not None:
             lines.append(f"loss of step {len(self.losses)}: {self.loss:.4f}")
