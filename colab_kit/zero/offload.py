@@ -201,7 +201,7 @@ class ChunkPlacement:
         them (forward order) while the budget leaves room beside ``measured`` (the first step's
         device peak with every chunk on the host); the rest stay on the host."""
         room = self.budget - measured
-        for i, c in enumerate(self.chunks):
+        for i in range(len(self.chunks)):
             need = self.state_bytes(i)
             if need <= room:
                 room -= need

@@ -50,7 +50,8 @@ def default_bucket_bytes(total: int, shared_cores: bool = False) -> int:
     DDP's 25 MB cap; one bucket (to the same cap) where the host's ranks share its cores
     (``shared_cores``, ``launch.ranks_share_cores``): no core is free to run an all-reduce beside backward,
     so it only takes turns with it. Measured by hand once (engine timelines): dp=4 on 2 cores (the 4-block
-    test GPT, 0.84 MB of gradients), two buckets 19.1 ms a step, one 17.3. ``ck.plan`` counts the all-reduces per step from it::
+    test GPT, 0.84 MB of gradients), two buckets 19.1 ms a step, one 17.3. ``ck.plan`` counts the all-reduces per step
+    from it::
 
         >>> default_bucket_bytes(840_000), default_bucket_bytes(840_000, shared_cores=True)
         (420000, 840000)

@@ -9,8 +9,8 @@ and the updated pieces are gathered back into every rank's full parameters.
 - stage 2 (P_os+g): gradients sharded too: after the reduction only this rank's piece is kept.
 
 Layout. Gradients fill buckets during backward exactly as in ``ZeroStage0`` (reverse
-parameter order, about two buckets; one where a host's CPU ranks share its cores). Each bucket is padded to a multiple of dp and is cut
-into dp equal pieces; rank r owns piece r of every bucket. Parameters are moved into one
+parameter order, about two buckets; one where a host's CPU ranks share its cores). Each bucket is padded to a multiple
+of dp and is cut into dp equal pieces; rank r owns piece r of every bucket. Parameters are moved into one
 flat buffer with the same layout as the gradients (each ``param.data`` a view into it), so
 a bucket of gradients and its bucket of parameters cover the same elements. In DTensor's
 words, per bucket over the dp axis: parameters Replicate; gradients Partial after backward,

@@ -118,7 +118,8 @@ class ZeroStage3:
         """This rank's pieces, one flat tensor per chunk: what the optimizer steps (in fp32)."""
         mixed = self.chunks[0].full.dtype in (torch.bfloat16, torch.float16)
         self.masters = MasterWeights(self.shards, device="cpu" if offload != "none" else None) if mixed else None
-        """Mixed precision: fp32 masters of the 16-bit shards, what the optimizer steps (``colab_kit.engine.precision``)."""
+        """Mixed precision: fp32 masters of the 16-bit shards, what the optimizer steps
+        (``colab_kit.engine.precision``)."""
         if self.placement is not None:
             self.placement.keys = self.masters.params if mixed else self.shards
         self.live: set[int] = set()
