@@ -84,15 +84,17 @@ class ForkServer:
         ``fork_server()`` starts a new one."""
         import select
 
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        assert stdin is not None and stdout is not None  # both pipes (subprocess.PIPE)
         with self._lock:
             try:
-                self.proc.stdin.write(json.dumps(dict(argv=argv, env=env, cwd=cwd, log=log)) + "\n")
-                self.proc.stdin.flush()
-                ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+                stdin.write(json.dumps(dict(argv=argv, env=env, cwd=cwd, log=log)) + "\n")
+                stdin.flush()
+                ready, _, _ = select.select([stdout], [], [], timeout)
                 if not ready:
                     raise TimeoutError(f"colab_kit's engine fork server (pid {self.pid}) did not fork an engine "
                                        f"within {timeout:g} s")
-                line = self.proc.stdout.readline()
+                line = stdout.readline()
             except BaseException:
                 self.proc.kill()
                 self.proc.wait()
@@ -134,6 +136,7 @@ class ForkServer:
     def close(self) -> None:
         """End the server (end of input); engines it forked keep running."""
         if self.alive:
+            assert self.proc.stdin is not None  # a pipe (subprocess.PIPE)
             self.proc.stdin.close()  # the server exits on end of input
             try:
                 self.proc.wait(timeout=10)

@@ -96,7 +96,7 @@ def _prefork_nanny():
             os._exit(code)
     os.close(args_r)
     os.close(url_w)
-    asked = []
+    asked: list[bool] = []
 
     def start_nanny(**kwargs):
         if asked:  # its pipes are spent: one nanny an engine, as ipyparallel starts one

@@ -8,6 +8,7 @@ import dataclasses
 import math
 import re
 import shlex
+from typing import Any
 
 from IPython.core.error import UsageError
 
@@ -79,7 +80,7 @@ def _bytes(text: str) -> int:
 # argparse names the type in its message
 _positive_int.__name__, _seconds.__name__, _bytes.__name__, _host_list.__name__ = "int", "float", "bytes", "hosts"
 
-FLAGS = {
+FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "n": (("-n",), dict(type=_positive_int, default=None, metavar="N",
                         help="engines (ranks); default: one per GPU, else 4")),
     "fit": (("--fit",), dict(action="store_true",

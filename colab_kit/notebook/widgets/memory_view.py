@@ -31,6 +31,7 @@ a refresh that fails shows its error in the widget and never in the cell. ``unwa
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from .display import KernelDisplay, html, keep_quiet, off_loop, running_loop
 from ..session import find
@@ -85,8 +86,12 @@ class MemoryView(KernelDisplay):
         self.estimated: list[dict | None] | None = None
         self.budget: int | None = None
         self.steps: list[int | None] = []
-        self.refreshes, self.error, self.busy = 0, None, False
-        self._ui, self._shell, self._every_cell, self._task = None, None, False, None
+        self.refreshes, self.busy = 0, False
+        self.error: str | None = None
+        self._ui: dict[str, Any] | None = None  # the widgets, once built
+        self._shell: Any = None
+        self._every_cell = False
+        self._task: asyncio.Task | None = None
         self.refresh()
 
     # ------------------------------------------------------------ logic (no widgets)
@@ -132,7 +137,8 @@ class MemoryView(KernelDisplay):
         """The text form: one row per rank, each cell ``measured / estimated`` in one unit."""
         from ...viz.memory import segments
 
-        cols = {**segments(self.measured), **segments(self.measured, "place")}
+        measured: list[dict | None] = list(self.measured)
+        cols = {**segments(measured), **segments(measured, "place")}
         ests = self.estimated or [None] * len(self.measured)
         est = {**segments(ests), **segments(ests, "place")} if self.estimated is not None else {}
         unit, scale = _unit([v for vs in (*cols.values(), *est.values()) for v in vs])

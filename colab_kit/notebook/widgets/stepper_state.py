@@ -11,6 +11,10 @@ the rank's namespace by name (``engine`` unless told otherwise)::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ...pipeline.plan import PipelinePlan
 
 __all__ = ["StepperState", "StepperError"]
 
@@ -62,7 +66,7 @@ def _rank_finish(var: str):
 class StepperState:
     """What the stepper shows: the plan, how far the ranks got, what each reported."""
 
-    plan: object
+    plan: PipelinePlan
     """The lowered plan the ranks run."""
     grid: list
     """Its lockstep grid (``check.steps``): per timestep, the action of each pipeline rank or None."""
