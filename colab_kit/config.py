@@ -120,7 +120,9 @@ class ParallelConfig:
         if self.tp_mode == "1d":
             return self.tp
         if self.tp_mode == "3d":
-            return _cube_root(self.tp)
+            q = _cube_root(self.tp)
+            assert q is not None  # a 3d config's tp is a cube (checked when it was built)
+            return q
         return math.isqrt(self.tp // self.tp_depth)
 
     def replace(self, **changes) -> ParallelConfig:
@@ -175,7 +177,9 @@ class ParallelConfig:
         """
         if isinstance(words, str):
             words = shlex.split(words)
-        values, given, i = {}, {}, 0
+        values: dict[str, str] = {}
+        given: dict[str, str] = {}
+        i = 0
         while i < len(words):
             word = words[i]
             if word.startswith("--"):

@@ -112,6 +112,7 @@ def detect(env=None) -> JobEnv | None:
     started it (a plain ``python train.py``: one rank)."""
     env = os.environ if env is None else env
     # the innermost launcher first: mpirun inside an sbatch job inherits the batch step's SLURM_PROCID
+    keys: tuple[str, str, str, str | None]  # rank, world size, local rank, local world size (Slurm has none)
     if "RANK" in env or "WORLD_SIZE" in env or "LOCAL_RANK" in env:
         launcher, keys = "torchrun", ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     elif "OMPI_COMM_WORLD_RANK" in env:

@@ -79,7 +79,7 @@ def _context():
     running = getattr(server, "_preload_modules", None)
     if running != wanted:
         if running is not None and set(running) < set(wanted) and getattr(server, "_forkserver_pid", None) \
-                and hasattr(server, "_stop"):
+                and server is not None and hasattr(server, "_stop"):
             server._stop()  # no rank of ours is alive between launches; the next one starts it afresh
         _CTX.set_forkserver_preload(wanted)
     return _CTX
@@ -283,7 +283,7 @@ def _main_not_reimported():
     FileNotFoundError. The ranks get ``fn`` by value (``tracebacks.pack``), so they need not."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    if path is None or os.path.isfile(path):
+    if main is None or path is None or os.path.isfile(path):
         yield
         return
     del main.__file__
