@@ -23,8 +23,8 @@ _moved.install()  # 0.1's module paths (colab_kit.cluster, colab_kit.engine_reco
 __version__ = "0.2.0"
 
 __all__ = ["ParallelConfig", "ConfigError", "MeshLayout", "ProcessMesh", "launch", "init", "export", "Cluster", "boost",
-           "Engine", "RankError", "RankTimeout", "models", "datasets", "recipe", "viz", "widgets", "comm", "tensor", "pipeline",
-           "reference", "plan", "planner", "dry_run"]
+           "Engine", "RankError", "RankTimeout", "models", "datasets", "recipe", "viz", "widgets", "comm", "tensor",
+           "pipeline", "reference", "plan", "planner", "dry_run"]
 
 # heavy or optional parts (ipyparallel, plotly, ipywidgets) load on first use: name -> (module, attribute)
 _LAZY = {"Cluster": ("notebook.cluster", "Cluster"), "boost": ("engine.core", "boost"),

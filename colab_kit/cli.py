@@ -210,8 +210,8 @@ def demo(ranks: int | None = None, steps: int = 200, batch: int = 32, lr: float 
         print(f"{r:4d}  " + "  ".join(f"{res['memory'][k]:>12,}" for k in keys), file=out)
     reference = None
     if check and cfg.precision != "fp32":
-        print(f"\nthe one-process check is fp32's: skipped for {cfg.precision} (see tests/ranks/test_models_precision.py)",
-              file=out)
+        print(f"\nthe one-process check is fp32's: skipped for {cfg.precision} "
+              "(see tests/ranks/test_models_precision.py)", file=out)
     elif check:
         reference = _single_process(start + steps, batch, lr, first["total"], text, cfg.dp * cfg.microbatches)
         worst = max_relative_difference(results[0]["losses"], reference)
@@ -219,7 +219,8 @@ def demo(ranks: int | None = None, steps: int = 200, batch: int = 32, lr: float 
         pieces = cfg.dp * cfg.microbatches
         summed = f", summing each batch's gradient over the same {pieces} row pieces" if pieces > 1 else ""
         print(f"\nagainst one process training the same model for all {start + steps} steps{summed}: max relative "
-              f"loss difference {worst:.2e} ({verdict}, contract {'1e-5' if cfg.precision == 'fp32' else f'{tolerance(cfg):.2g}'})",
+              f"loss difference {worst:.2e} ({verdict}, contract "
+              f"{'1e-5' if cfg.precision == 'fp32' else f'{tolerance(cfg):.2g}'})",
               file=out)
     if report:
         write_report(report, cfg, results, reference)

@@ -22,7 +22,7 @@ import math
 import operator
 import shlex
 from dataclasses import dataclass
-from typing import Iterable
+from collections.abc import Iterable
 
 from .errors import MessageOnly
 
@@ -120,10 +120,12 @@ class ParallelConfig:
         if self.tp_mode == "1d":
             return self.tp
         if self.tp_mode == "3d":
-            return _cube_root(self.tp)
+            q = _cube_root(self.tp)
+            assert q is not None  # a 3d config's tp is a cube (checked when it was built)
+            return q
         return math.isqrt(self.tp // self.tp_depth)
 
-    def replace(self, **changes) -> "ParallelConfig":
+    def replace(self, **changes) -> ParallelConfig:
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
@@ -166,7 +168,7 @@ class ParallelConfig:
 
     # ------------------------------------------------------------------ parsing
     @classmethod
-    def parse(cls, words: str | list[str], base: "ParallelConfig | None" = None) -> "ParallelConfig":
+    def parse(cls, words: str | list[str], base: ParallelConfig | None = None) -> ParallelConfig:
         """Build a config from ``"dp=2 tp=4 tp_mode=2d"`` or ``"--dp 2 --tp 4 --tp-mode 2d"``.
 
         Unknown keys and unparsable values raise ConfigError naming the nearest key, and so
@@ -175,7 +177,9 @@ class ParallelConfig:
         """
         if isinstance(words, str):
             words = shlex.split(words)
-        values, given, i = {}, {}, 0
+        values: dict[str, str] = {}
+        given: dict[str, str] = {}
+        i = 0
         while i < len(words):
             word = words[i]
             if word.startswith("--"):
@@ -201,7 +205,7 @@ class ParallelConfig:
         return cls.from_dict(values, base=base)
 
     @classmethod
-    def from_dict(cls, values: dict, base: "ParallelConfig | None" = None) -> "ParallelConfig":
+    def from_dict(cls, values: dict, base: ParallelConfig | None = None) -> ParallelConfig:
         """Build a config from a mapping of field names to values (strings are converted)."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kwargs = dict(base.to_dict()) if base is not None else {}
@@ -256,8 +260,8 @@ class ParallelConfig:
             raise ConfigError(f"offload={self.offload!r} moves ZeRO's sharded optimizer states to the host, "
                               "so it needs zero >= 1: try zero=1")
         if self.offload == "auto" and self.zero != 3:
-            raise ConfigError(f"offload='auto' places ZeRO-3's parameter chunks between device and host, so it "
-                              f"needs zero=3 (got zero={self.zero}): try zero=3, or offload='cpu' with zero={self.zero}")
+            raise ConfigError(f"offload='auto' places ZeRO-3's parameter chunks between device and host, so it needs "
+                              f"zero=3 (got zero={self.zero}): try zero=3, or offload='cpu' with zero={self.zero}")
 
     def _check_tensor(self) -> None:
         tp, mode, d = self.tp, self.tp_mode, self.tp_depth

@@ -24,14 +24,15 @@ What it reads (``detect``), first match wins:
 
 Then the device: ``cuda:<local rank>`` with NCCL where this host has a GPU for every local rank, else the
 CPU with gloo. For gloo, the interface: when every rank is on this host (the launcher says so:
-``LOCAL_WORLD_SIZE == WORLD_SIZE``) or the address is loopback, gloo's sockets stay on loopback (``colab_kit.net``'s rule); otherwise the interface whose address routes
-to the rendezvous address (``interface_for``), so no ``GLOO_SOCKET_IFNAME`` needs setting by hand (one
+``LOCAL_WORLD_SIZE == WORLD_SIZE``) or the address is loopback, gloo's sockets stay on loopback
+(``colab_kit.net``'s rule); otherwise the interface whose address routes to the rendezvous address
+(``interface_for``), so no ``GLOO_SOCKET_IFNAME`` needs setting by hand (one
 the user set is kept). At the interpreter's exit the groups are destroyed while Python is still
 whole (an ``atexit`` hook; no barrier, so a rank that leaves on an error never waits for its peers), and the
-hook waits, the GIL free and at most 0.5 s, until gloo's worker threads have let go of their last collective (``_leave``): left
-to the interpreter's teardown, a worker that asks for the GIL then aborts a rank that had finished
-("terminate called without an active exception"). A missing or inconsistent variable is a ``ConfigError`` naming it; an address that
-cannot be reached is a ``ConnectionError`` within ``timeout``, naming the address and where it came from.
+hook waits, the GIL free and at most 0.5 s, until gloo's worker threads have let go of their last collective
+(``_leave``): left to the interpreter's teardown, a worker that asks for the GIL then aborts a rank that had finished
+("terminate called without an active exception"). A missing or inconsistent variable is a ``ConfigError`` naming it; an
+address that cannot be reached is a ``ConnectionError`` within ``timeout``, naming the address and where it came from.
 
 Worked example, two hosts under torchrun (``--nnodes 2 --nproc-per-node 2 --master-addr 10.200.0.1``),
 host B's interface ``veth-b`` holding 10.200.0.2::
@@ -78,8 +79,10 @@ def first_host(nodelist: str) -> str:
     """The first host of a Slurm node list: ``"node[03-05,9],gpu1"`` -> ``"node03"``; each bracket of the
     first entry gives its first value (``"rack[1-2]-node[01-04]"`` -> ``"rack1-node01"``).
 
-    >>> first_host("node[03-05,9],gpu1"), first_host("a1,a2"), first_host("gpu-[7]"), first_host("rack[1-2]-node[01-04]")
-    ('node03', 'a1', 'gpu-7', 'rack1-node01')
+    >>> first_host("node[03-05,9],gpu1"), first_host("a1,a2")
+    ('node03', 'a1')
+    >>> first_host("gpu-[7]"), first_host("rack[1-2]-node[01-04]")
+    ('gpu-7', 'rack1-node01')
     """
     text, depth, end = nodelist.strip(), 0, None
     for i, ch in enumerate(text):  # the first entry: up to the first comma outside brackets
@@ -109,6 +112,7 @@ def detect(env=None) -> JobEnv | None:
     started it (a plain ``python train.py``: one rank)."""
     env = os.environ if env is None else env
     # the innermost launcher first: mpirun inside an sbatch job inherits the batch step's SLURM_PROCID
+    keys: tuple[str, str, str, str | None]  # rank, world size, local rank, local world size (Slurm has none)
     if "RANK" in env or "WORLD_SIZE" in env or "LOCAL_RANK" in env:
         launcher, keys = "torchrun", ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     elif "OMPI_COMM_WORLD_RANK" in env:
@@ -252,7 +256,7 @@ def _leave() -> None:
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
-    except Exception:  # exiting anyway: a peer already gone must not turn a finished run into a failure
+    except Exception:  # noqa: BLE001 - exiting anyway: a peer already gone must not turn a finished run into a failure
         pass
     gc.collect()
     _settle()

@@ -79,7 +79,7 @@ def _context():
     running = getattr(server, "_preload_modules", None)
     if running != wanted:
         if running is not None and set(running) < set(wanted) and getattr(server, "_forkserver_pid", None) \
-                and hasattr(server, "_stop"):
+                and server is not None and hasattr(server, "_stop"):
             server._stop()  # no rank of ours is alive between launches; the next one starts it afresh
         _CTX.set_forkserver_preload(wanted)
     return _CTX
@@ -262,7 +262,7 @@ def _worker(rank, world_size, port, payload, results, backend, threads, timeout,
             store.set(_ALL_JOINED, "1")
         store.wait([_ALL_JOINED], timedelta(seconds=timeout))
         value = _pickler.dumps(fn(*args))
-    except BaseException:  # report everything, including KeyboardInterrupt
+    except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
         status, value = "error", traceback.format_exc()
     results.put((rank, status, value))
     if status == "ok" and store is not None:
@@ -270,7 +270,7 @@ def _worker(rank, world_size, port, payload, results, backend, threads, timeout,
         # returns early and exits would break peers still connecting or finishing a collective
         try:
             store.wait([_RELEASE], timedelta(seconds=timeout + 60))  # the parent releases by its deadline
-        except Exception:  # the parent is gone (its store closed): nothing left to wait for
+        except Exception:  # noqa: BLE001 - the parent is gone (its store closed): nothing left to wait for
             pass
     if status == "ok" and dist.is_initialized():
         dist.destroy_process_group()
@@ -283,7 +283,7 @@ def _main_not_reimported():
     FileNotFoundError. The ranks get ``fn`` by value (``tracebacks.pack``), so they need not."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    if path is None or os.path.isfile(path):
+    if main is None or path is None or os.path.isfile(path):
         yield
         return
     del main.__file__

@@ -45,11 +45,15 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from .config import AXES, ParallelConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["MeshLayout", "ProcessMesh", "tp_sub_axes"]
 
@@ -179,12 +183,20 @@ class ProcessMesh:
     at the same point of the program on every rank, so every rank sees the same engines gone.
     """
 
+    # set in __init__; the meshes are None once release() destroyed the groups
+    device_mesh: DeviceMesh | None
+    tp_mesh: DeviceMesh | None
+    users: int
+    closed: bool
+    _key: tuple | None
+    _holders: list
+
     _shared: dict = {}
     abort_flag = None
     """A ``threading.Event`` while a pipeline step runs: blocked waits in ``comm`` give up once it is set."""
 
     @classmethod
-    def shared(cls, config: ParallelConfig, device_type: str | None = None) -> "ProcessMesh":
+    def shared(cls, config: ParallelConfig, device_type: str | None = None) -> ProcessMesh:
         """The mesh of ``config`` on this world, built on first use and then reused; each call holds it once.
 
         >>> a = ProcessMesh.shared(cfg); b = ProcessMesh.shared(cfg)   # inside a rank  # doctest: +SKIP
@@ -257,7 +269,7 @@ class ProcessMesh:
 
     def _all_groups(self) -> list:
         """Every process group this mesh built (its DeviceMesh dimensions, and the tensor sub-axes)."""
-        out = []
+        out: list = []
         for mesh in (self.device_mesh, self.tp_mesh):
             if mesh is not None:
                 out += [mesh.get_group(i) for i in range(mesh.ndim)]
@@ -286,7 +298,7 @@ class ProcessMesh:
             self.tp_mesh = self._tensor_sub_mesh(device_type)
         self.log = CommLog()
         self.users, self.closed, self._key = 0, False, None
-        self._holders: list = []  # weak references to the engines holding this mesh (``track``)
+        self._holders = []  # weak references to the engines holding this mesh (``track``)
         # looked up on every collective: computed once (slicing a DeviceMesh costs ~1 ms)
         self._coords = self.layout.all_coords(self.global_rank)
         self._groups: dict[str, dist.ProcessGroup] = {}
@@ -295,6 +307,7 @@ class ProcessMesh:
     def _tensor_sub_mesh(self, device_type: str):
         """The tp block unflattened into its sub-axes (a DeviceMesh over pp, dp, sp, *sub)."""
         sub = self.layout.sub
+        assert self.device_mesh is not None  # called from __init__, after it is built
         try:  # no new process groups for pp/dp/sp; private in torch 2.13, hence the fallback
             return self.device_mesh["tp"]._unflatten(0, tuple(sub.values()), tuple(sub))
         except AttributeError:
@@ -304,7 +317,9 @@ class ProcessMesh:
 
     def _mesh_for(self, axis: str):
         self.layout._check_axis(axis)
-        return self.device_mesh[axis] if axis in AXES else self.tp_mesh[axis]
+        mesh = self.device_mesh if axis in AXES else self.tp_mesh
+        assert mesh is not None, "a released mesh has no groups"  # group() refuses a closed mesh first
+        return mesh[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """The ProcessGroup of ``axis`` that contains this rank."""

@@ -126,7 +126,7 @@ def mark_parts(module: nn.Module, parts: int) -> None:
     """Every parameter ``module`` declared is ``parts`` fused blocks along dim 0 (a regrouped q/k/v)."""
     for n, p in list(module.__dict__.get("_ck_placements", {}).items()):
         if any(d == 0 for d, _ in p.shards):
-            module._ck_placements[n] = replace(p, parts=parts)
+            module.__dict__["_ck_placements"][n] = replace(p, parts=parts)
 
 
 class PlacementTable:
@@ -166,7 +166,7 @@ class PlacementTable:
     def partial(self, p) -> tuple[str, ...]:
         return self[p].partial
 
-    def alias(self, copy, of, source: "PlacementTable | None" = None) -> None:
+    def alias(self, copy, of, source: PlacementTable | None = None) -> None:
         """Enter ``copy`` as ``of`` stands in ``source`` (default: this table); nothing if it is not there."""
         source = self if source is None else source
         if id(of) in source.entries:

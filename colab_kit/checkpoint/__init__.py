@@ -12,8 +12,9 @@ A checkpoint holds every parameter in its *dense* coordinates (the name and shap
 - ``manifest.json``: format, parallel config, model config (``GPTConfig``), world size, the
   engine's step count (also the data position: ``SyntheticTokens.batch(step, ...)`` continues
   from it), history and records, the fp16 loss scale, the optimizer's class, per-file bytes and
-  sha256, the LR scheduler's state and the data loader's position (``engine.loader``); ``extra.pt``: the ``extra`` dict given to ``save`` (``torch.save``; read back with
-  ``weights_only=True``, so tensors, numbers, strings, lists and dicts), returned by ``load``.
+  sha256, the LR scheduler's state and the data loader's position (``engine.loader``); ``extra.pt``: the
+  ``extra`` dict given to ``save`` (``torch.save``; read back with ``weights_only=True``, so tensors, numbers,
+  strings, lists and dicts), returned by ``load``.
 
 Saving. Each rank finds where its elements live in the dense model (``layout.local_space``:
 each parameter's placement in the engine's placement table, then ZeRO's pieces, through the
@@ -293,7 +294,8 @@ def _restore_hyper(opt, saved: list[dict] | None, path: str) -> None:
         pairs = ((g, saved[0]) for g in groups)
     else:
         warnings.warn(f"{path} holds {len(saved)} optimizer param groups with different hyperparameters and this "
-                      f"engine {len(groups)}: the engine keeps its own (lr {[g.get('lr') for g in groups]})")
+                      f"engine {len(groups)}: the engine keeps its own (lr {[g.get('lr') for g in groups]})",
+                      stacklevel=4)  # the line that called engine.load (-> load -> _restore_hyper)
         return
     for group, values in pairs:
         for k, v in values.items():
@@ -370,7 +372,8 @@ def load(engine, path) -> dict:
     elif (engine.lr_scheduler is None) != (saved_sched is None) and dist.get_rank() == 0:
         warnings.warn(f"{path} was saved {'without' if saved_sched is None else 'with'} an LR scheduler and this "
                       f"engine has {'one' if saved_sched is None else 'none'}: "
-                      + ("its schedule starts at step 0" if saved_sched is None else "the saved schedule is not used"))
+                      + ("its schedule starts at step 0" if saved_sched is None else "the saved schedule is not used"),
+                      stacklevel=3)  # the line that called engine.load
     engine.load_loader_state(manifest.get("loader"))
     engine.step_count = manifest["step"]
     engine.history[:] = manifest["history"]

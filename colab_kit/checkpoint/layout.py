@@ -131,7 +131,7 @@ def local_space(engine) -> LocalSpace:
     for t, _ in layout:
         starts.append(starts[-1] + t.numel())
     runs_of: dict[int, list] = {}
-    for k, (t, runs) in enumerate(layout):
+    for k, (_, runs) in enumerate(layout):
         for p, start, length, at in runs:
             runs_of.setdefault(id(p), []).append((k, start, length, at))
     parts: dict[int, list] = {}  # dense parameter -> [(dense positions, local positions)]

@@ -148,7 +148,8 @@ def load_pretrained(engine, directory) -> int:
     table, convs = space.table, _conv_paths(engine)
     absent = [n for n in table.names if n not in where]
     if absent:
-        raise KeyError(f"{directory} has no tensors {absent[:5]}{'...' if len(absent) > 5 else ''}: it holds another model")
+        more = "..." if len(absent) > 5 else ""
+        raise KeyError(f"{directory} has no tensors {absent[:5]}{more}: it holds another model")
     read = 0
     for name in table.names:
         dpos, lpos = space.held(name)

@@ -76,7 +76,7 @@ class _Waiter:
     hang the pipeline runs no further steps).
     """
 
-    _idle: list["_Waiter"] = []
+    _idle: list[_Waiter] = []
     _lock = threading.Lock()
 
     def __init__(self):
@@ -101,7 +101,7 @@ class _Waiter:
             work, done, errors = self.queue.get()
             try:
                 work.wait()
-            except BaseException as exc:  # handed to the waiting thread
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, which raises it
                 errors.append(exc)
             done.set()
             if self.abandoned:

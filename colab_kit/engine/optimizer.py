@@ -49,7 +49,8 @@ __all__ = ["OptimizerSpec", "GroupViews", "rebuild", "local_names", "elementwise
            "check_scheduler", "attach_scheduler", "ELEMENTWISE", "WHOLE_PARAMETER"]
 
 ELEMENTWISE: set = {getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad",
-                                                      "Adadelta", "RMSprop", "Rprop", "ASGD") if hasattr(torch.optim, n)}
+                                                      "Adadelta", "RMSprop", "Rprop", "ASGD")
+                    if hasattr(torch.optim, n)}
 """Optimizer classes whose update of an element reads that element's gradient and history only."""
 
 WHOLE_PARAMETER: tuple = tuple(getattr(torch.optim, n) for n in ("LBFGS", "SparseAdam", "Adafactor", "Muon")
@@ -74,7 +75,8 @@ def check_elementwise(optimizer, why: str) -> None:
     kind = cls.__name__
     if issubclass(cls, WHOLE_PARAMETER):
         raise ConfigError(f"{why}, and {kind} needs whole parameters (their shapes, norms or a closure): use an "
-                          f"elementwise optimizer such as AdamW or SGD, or a config without ZeRO and tensor parallelism")
+                          "elementwise optimizer such as AdamW or SGD, or a config without ZeRO and tensor "
+                          "parallelism")
     if not issubclass(cls, tuple(ELEMENTWISE)):
         raise ConfigError(f"{why}, and {kind} is not known to be elementwise: one that reads per-parameter norms or "
                           f"shapes (LAMB, LARS, Adafactor) would compute them over pieces and step differently than "
@@ -99,7 +101,7 @@ class OptimizerSpec:
         self.kind, self.defaults, self.hypers, self.group = kind, defaults, hypers, group
 
     @classmethod
-    def capture(cls, optimizer: torch.optim.Optimizer, model: nn.Module) -> "OptimizerSpec":
+    def capture(cls, optimizer: torch.optim.Optimizer, model: nn.Module) -> OptimizerSpec:
         """Read ``optimizer`` (built over ``model``'s parameters); refuse one that has stepped, one over
         tensors that are not the model's parameters, or one that leaves a trainable parameter out."""
         if optimizer.state:
@@ -258,8 +260,8 @@ def check_scheduler(lr_scheduler, user_optimizer) -> None:
                               "pass the optimizer itself, or lr_scheduler=lambda opt: LambdaLR(opt, f)")
         for s in _schedulers(lr_scheduler):
             if getattr(s, "_ck_boosted", False):
-                raise ConfigError(f"this lr_scheduler ({type(s).__name__}) was given to a boost already and drives that "
-                                  f"engine's optimizer now: build a new optimizer and scheduler for another engine")
+                raise ConfigError(f"this lr_scheduler ({type(s).__name__}) was given to a boost already and drives "
+                                  "that engine's optimizer now: build a new optimizer and scheduler for another engine")
             if s.optimizer is not user_optimizer:
                 raise ConfigError(f"lr_scheduler ({type(s).__name__}) was built over another optimizer than the one "
                                   f"given to boost: build it over that optimizer")

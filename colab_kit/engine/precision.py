@@ -83,8 +83,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["COMPUTE_DTYPES", "TOLERANCE", "tolerance", "compute_dtype", "to_compute_dtype", "loss_in_fp32", "MasterWeights",
-           "LossScaler", "master_step"]
+__all__ = ["COMPUTE_DTYPES", "TOLERANCE", "tolerance", "compute_dtype", "to_compute_dtype", "loss_in_fp32",
+           "MasterWeights", "LossScaler", "master_step"]
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = {"fp32": 1e-5, "bf16": 2.0 ** -12, "fp16": 2.0 ** -15}

@@ -16,7 +16,7 @@ the optimizer and copied back, fp16's dynamic loss scale; the engine must then m
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -126,7 +126,8 @@ def _made(t: torch.Tensor, where: str) -> torch.Tensor:
     value = dense_value(t)
     if value.is_meta:
         raise ValueError(f"{where} is on the meta device and has no recipe to make it: "
-                         f"pass the model to ck.boost, which gives every meta tensor one (colab_kit.engine.sharded_init.defer)")
+                         "pass the model to ck.boost, which gives every meta tensor one "
+                         "(colab_kit.engine.sharded_init.defer)")
     if not isinstance(t, nn.Parameter):
         return value
     p = nn.Parameter(value, requires_grad=t.requires_grad)

@@ -31,6 +31,11 @@ class RankError(MessageOnly, RuntimeError):
     ``shown = True`` says every rank's traceback was printed already (the magic does
     that): IPython then shows only the summary, not the first traceback again."""
 
+    outputs: dict
+    """Every rank's ``RankOutput`` where ``Cluster.execute`` raised it (absent elsewhere)."""
+    shown: bool
+    """Set by the magic once it printed every rank's traceback (absent before)."""
+
     def __init__(self, failures: dict[int, str], stuck: list[int] | None = None, where: str = "",
                  advice: str = ""):
         self.failures = dict(failures)  # in the order the failures arrived: the first is the cause
@@ -47,8 +52,8 @@ class RankError(MessageOnly, RuntimeError):
         return self.failures, self.stuck, self.where, self.advice
 
     @property
-    def rank(self) -> int:
-        """The first failing rank (for a timeout, where none failed: the first stuck rank)."""
+    def rank(self) -> int | None:
+        """The first failing rank (for a timeout, where none failed: the first stuck rank; None without either)."""
         return next(iter(self.failures), self.stuck[0] if self.stuck else None)
 
     def summary(self) -> str:
@@ -91,7 +96,8 @@ class RankTimeout(RankError):
     def summary(self) -> str:
         ranks = ", ".join(map(str, self.stuck))
         return (f"ranks {ranks} did not finish within {self.timeout:g} s" + (f" in {self.where}" if self.where else "")
-                + " (a collective that not every rank entered waits forever)" + (f"\n{self.advice}" if self.advice else ""))
+                + " (a collective that not every rank entered waits forever)"
+                + (f"\n{self.advice}" if self.advice else ""))
 
     def _message(self) -> str:
         return self.summary()

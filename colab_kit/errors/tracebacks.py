@@ -39,6 +39,7 @@ import sys
 import types
 from collections import ChainMap
 from itertools import islice
+from typing import Any
 
 import cloudpickle
 
@@ -73,6 +74,7 @@ class _Pickler(cloudpickle.Pickler):
 
     def _reduce_code(self, code):
         self.files.add(code.co_filename)
+        assert _CODE_REDUCE is not None  # installed only where cloudpickle has one
         ctor, args = _CODE_REDUCE(code)  # nested code objects (in co_consts) come back through here
         return _code, (ctor, args, code.co_filename)
 
@@ -101,7 +103,7 @@ def source_map(*objs) -> dict[str, list[str]]:
     partials, classes defined with them, and containers of these."""
     files: set[str] = set()
     seen: set[int] = set()
-    todo = [(o, None) for o in objs]  # (object, module it was reached from, None = any)
+    todo: list[tuple[Any, str | None]] = [(o, None) for o in objs]  # (object, module it was reached from, None = any)
     while todo and len(seen) < _WALK_LIMIT:
         obj, module = todo.pop()
         if id(obj) in seen or (module is not None and getattr(obj, "__module__", module) != module):
@@ -124,7 +126,7 @@ def source_map(*objs) -> dict[str, list[str]]:
     return _lines(files)
 
 
-def install(sources: dict[str, list[str]]) -> None:
+def install(sources: dict[str, list[str]] | None) -> None:
     """Make ``linecache`` (hence tracebacks and ``inspect.getsource``) give these lines."""
     for filename, lines in (sources or {}).items():
         if lines and linecache.getlines(filename) != lines:
@@ -144,7 +146,7 @@ def _code_files(code: types.CodeType, files: set[str]) -> set[str]:
 
 def _filled(cell) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:  # an empty cell (a closure variable not assigned yet)
         return False
     return True

@@ -40,4 +40,5 @@ from .formulas import (OPTIMIZER_STATES, PRECISION_BYTES, activation_bytes, esti
 from .measure import ActivationMeter, SavedRef, optimizer_bytes, tensor_bytes
 
 __all__ = ["tensor_bytes", "optimizer_bytes", "ActivationMeter", "estimate", "model_state_bytes", "activation_bytes",
-           "optimizer_states", "placed", "PRECISION_BYTES", "OPTIMIZER_STATES", "config_estimate", "rank_params", "SavedRef"]
+           "optimizer_states", "placed", "PRECISION_BYTES", "OPTIMIZER_STATES", "config_estimate", "rank_params",
+           "SavedRef"]

@@ -63,7 +63,8 @@ def part_params(model, config) -> dict:
     return {"embed": (v // (q * q)) * (h // q) + t * (h // q), "block": block, "tail": 2 * h // q + h * v // q ** 3}
 
 
-_PLANS: dict = {}  # (schedule, pp, microbatches, chunks, model) -> PipelinePlan: ck.plan asks for each a few hundred times
+# (schedule, pp, microbatches, chunks, model) -> PipelinePlan: ck.plan asks for each a few hundred times
+_PLANS: dict = {}
 
 
 def _stages(config, model=None):

@@ -87,7 +87,9 @@ class BERT(nn.Module):
         super().__init__()
         self.cfg = cfg
         with torch.random.fork_rng(devices=[]), (torch.device(device) if device is not None else nullcontext()):
-            table = lambda n: nn.Embedding.from_pretrained(torch.empty(n, cfg.d_model), freeze=False)  # noqa: E731
+            def table(n):
+                return nn.Embedding.from_pretrained(torch.empty(n, cfg.d_model), freeze=False)
+
             self.tok, self.pos, self.typ = table(cfg.vocab_size), table(cfg.seq_len), table(cfg.type_vocab_size)
             self.ln_e = nn.LayerNorm(cfg.d_model, eps=cfg.eps)
             self.blocks = nn.ModuleList(Block(cfg, causal=False, pre_norm=False, eps=cfg.eps)
@@ -103,7 +105,8 @@ class BERT(nn.Module):
     @torch.no_grad()
     def init_parameter(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """BERT's recipe (N(0, 0.02) matrices, LayerNorm 1 and 0, zero biases), each tensor drawn from
-        ``(cfg.seed, name)`` alone, so a meta model's shards can be made one by one (``colab_kit.engine.sharded_init``)."""
+        ``(cfg.seed, name)`` alone, so a meta model's shards can be made one by one
+        (``colab_kit.engine.sharded_init``)."""
         return init_by_name(name, tensor, self.cfg.seed, 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers))
 
     def padding_mask(self, ids: torch.Tensor) -> torch.Tensor:

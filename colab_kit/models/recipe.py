@@ -15,7 +15,7 @@ the global gradient norm (``boost(..., max_grad_norm=1.0)``)::
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -77,9 +77,9 @@ def one_process(model: nn.Module, recipe: Callable, batches: Callable[[int], tup
 
     ``precision="bf16"`` or ``"fp16"``: the mixed-precision recipe written out: ``model`` in 16 bits for
     the forward and backward, an fp32 copy of it (made from the 16-bit weights) whose parameters the recipe's
-    optimizer steps (its groups are made over the copy, so they are the same groups), the loss in fp32, the 16-bit gradients cast to
-    fp32 before clipping; fp16 scales the loss (2^16 at first, halved on an overflow, which skips the step
-    without clipping it, doubled after 2000 good steps). Returns ``{"losses", "grad_norms", "lrs",
+    optimizer steps (its groups are made over the copy, so they are the same groups), the loss in fp32, the
+    16-bit gradients cast to fp32 before clipping; fp16 scales the loss (2^16 at first, halved on an overflow, which
+    skips the step without clipping it, doubled after 2000 good steps). Returns ``{"losses", "grad_norms", "lrs",
     "skipped"}`` per step (a skipped step's norm is None) and ``"model"``: the fp32 model trained.
 
     ``pieces``: each batch's rows in that many equal, consecutive pieces, each one's loss (weighted by its

@@ -75,7 +75,8 @@ class StageProgress(LiveLine):
     """
 
     def __init__(self, what: str):
-        self.what, self.t0, self.text = what, time.monotonic(), None
+        self.what, self.t0 = what, time.monotonic()
+        self.text: str | None = None
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         text = f"{self.what}: {stage} {done}/{total} ({time.monotonic() - self.t0:.0f} s)"

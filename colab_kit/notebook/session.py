@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from typing import Any
 
 from .cluster import Cluster, ClusterError, RankOutput
 from ..config import ConfigError, ParallelConfig
@@ -48,7 +49,7 @@ class ColossalState:
         if self.cluster is not None and self.cluster.running:
             raise ClusterError(f"a cluster of {self.cluster.world_size} ranks is already running: "
                                "%colossal stop it first, or %colossal restart it")
-        extra = {}
+        extra: dict[str, Any] = {}  # profile or profile_dir, for ipyparallel
         if profile:
             is_dir = os.sep in profile or profile.startswith(("~", "."))
             extra["profile_dir" if is_dir else "profile"] = os.path.expanduser(profile) if is_dir else profile

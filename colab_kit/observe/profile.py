@@ -31,10 +31,10 @@ idle     the rest: no op, no recorded collective (a pipeline rank between its ac
 Overlap: gloo runs each collective in a worker thread, and the profiler records that run
 (``gloo:all_reduce``, ...; ``nccl:*`` on a GPU); each record takes the first free one of its op that
 starts within its launch..ready span (gloo runs a reduce-scatter as an all-reduce, ``comm.all_reduce``
-a pair's small sum as an all-gather; ``matched`` counts them). A record's communication time is that backend span (its own launch..ready where none matched;
-a receive's runs from its post, so it holds the wait for the sender); the part of it while the
-training thread ran compute or copy is hidden. A blocking collective is hidden 0 (the thread waits in
-it); a bucket all-reduce that gloo ran while backward went on is hidden whole.
+a pair's small sum as an all-gather; ``matched`` counts them). A record's communication time is that
+backend span (its own launch..ready where none matched; a receive's runs from its post, so it holds the wait for
+the sender); the part of it while the training thread ran compute or copy is hidden. A blocking collective is hidden
+0 (the thread waits in it); a bucket all-reduce that gloo ran while backward went on is hidden whole.
 ``overlap`` = hidden / communication time over the records (0 without any).
 """
 from __future__ import annotations
@@ -154,7 +154,8 @@ def _batch_source(batches):
         return batches
     if isinstance(batches, (tuple, list)) and batches and isinstance(batches[0], torch.Tensor):
         return lambda step: batches
-    return lambda step, it=iter(batches): next(it)
+    it = iter(batches)
+    return lambda step: next(it)
 
 
 def _family(name: str) -> str | None:
@@ -168,7 +169,10 @@ def _build(p: Profile, engine, events, times, min_idle: float) -> None:
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     mark = next(e for e in cpu if e.name == _MARK)
     base, p.profiler_wall = mark.time_range.start, (mark.time_range.end - mark.time_range.start) * 1e-6
-    at = lambda us: (us - base) * 1e-6  # noqa: E731
+
+    def at(us):
+        return (us - base) * 1e-6
+
     tops = [e for e in cpu if e.cpu_parent is mark and e.thread == mark.thread]
     compute = _union([(at(e.time_range.start), at(e.time_range.end)) for e in tops])
     copies = _union([(at(e.time_range.start), at(e.time_range.end)) for e in tops  # aten::to to its own device:

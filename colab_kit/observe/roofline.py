@@ -80,7 +80,9 @@ class Roofline:
         return "communication" if self.comm_s > self.compute_s else "compute"
 
     def why(self) -> str:
-        ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
+        def ms(s):
+            return f"{s * 1e3:.2f} ms"
+
         if not self.collectives:
             return f"no collectives: compute-bound, {ms(self.compute_s)} of matmuls at the peak"
         top = max(self.by_op.items(), key=lambda kv: kv[1][2])

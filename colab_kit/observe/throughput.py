@@ -78,8 +78,13 @@ def flop_counter(**kwargs):
     """``FlopCounterMode(display=False, **kwargs)`` that also counts the CPU SDPA kernel (see the module)."""
     from torch.utils import flop_counter as fc
     aten = torch.ops.aten
-    fwd = lambda q, k, v, *a, out_shape=None, **kw: fc.sdpa_flop_count(q, k, v)
-    bwd = lambda g, q, k, v, *a, out_shape=None, **kw: fc.sdpa_backward_flop_count(g, q, k, v)
+
+    def fwd(q, k, v, *a, out_shape=None, **kw):
+        return fc.sdpa_flop_count(q, k, v)
+
+    def bwd(g, q, k, v, *a, out_shape=None, **kw):
+        return fc.sdpa_backward_flop_count(g, q, k, v)
+
     mapping = {aten._scaled_dot_product_flash_attention_for_cpu: fwd,
                aten._scaled_dot_product_flash_attention_for_cpu_backward: bwd, **kwargs.pop("custom_mapping", {})}
     kwargs.setdefault("display", False)
@@ -339,7 +344,10 @@ def engine_throughput(engine, last: int | None = None) -> dict:
         flops.append(cache[shape])
         tokens.append(_tokens(engine.model_cfg, shape, dtype))
         samples.append(shape[0])
-    mean = lambda xs: xs[0] if len(set(xs)) == 1 else statistics.fmean(xs)  # ints when every step's shape is the same
+
+    def mean(xs):  # ints when every step's shape is the same
+        return xs[0] if len(set(xs)) == 1 else statistics.fmean(xs)
+
     per_step = mean(flops)
     tok = None if None in tokens else mean(tokens)
     world = engine.config.world_size

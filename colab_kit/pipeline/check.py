@@ -21,15 +21,19 @@ error shows the last timesteps as a timestep x rank grid and what each rank wait
 Rank 1 below starts with microbatch 1 while rank 0 wants microbatch 0 back first::
 
     >>> from colab_kit.pipeline import PipelinePlan, check
-    >>> check(PipelinePlan.parse("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0"))  # doctest: +ELLIPSIS
+    >>> plan = PipelinePlan.parse("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0")
+    >>> check(plan)  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    colab_kit.pipeline.check.PlanError: rank 0 position 1: plan deadlocks at timestep 1: no rank can run its next action (rule: ...)
+    colab_kit.pipeline.check.PlanError: rank 0 position 1: plan deadlocks at timestep 1: no rank can run its next
+        action (rule: ...)
     step | rank 0    | rank 1
        0 | 0F0       | .
        1 | waits 0B0 | waits 1F1
-    rank 0 position 1: 0B0 waits for 1B0 (backward (B/I) of stage s after backward of stage s+1), at rank 1 position 3 behind 1F1
-    rank 1 position 0: 1F1 waits for 0F1 (stage s's forward before stage s+1's forward of the same microbatch), at rank 0 position 2 behind 0B0
+    rank 0 position 1: 0B0 waits for 1B0 (backward (B/I) of stage s after backward of stage s+1),
+        at rank 1 position 3 behind 1F1
+    rank 1 position 0: 1F1 waits for 0F1 (stage s's forward before stage s+1's forward of the same microbatch),
+        at rank 0 position 2 behind 0B0
 """
 from __future__ import annotations
 
@@ -178,9 +182,9 @@ def format_grid(rows: list[tuple[str, list[str]]], header: str = "step") -> str:
     """Text table: one row per timestep, one column per rank."""
     pp = max((len(c) for _, c in rows), default=0)
     width = max([8] + [len(x) for _, cells in rows for x in cells])
-    label = max([len(header)] + [len(l) for l, _ in rows])
+    label = max([len(header)] + [len(tag) for tag, _ in rows])
     lines = [f"{header:>{label}} | " + " | ".join(f"{'rank ' + str(r):<{width}}" for r in range(pp))]
-    lines += [f"{l:>{label}} | " + " | ".join(f"{x:<{width}}" for x in cells) for l, cells in rows]
+    lines += [f"{tag:>{label}} | " + " | ".join(f"{x:<{width}}" for x in cells) for tag, cells in rows]
     return "\n".join(line.rstrip() for line in lines)
 
 

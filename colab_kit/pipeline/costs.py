@@ -191,7 +191,7 @@ def flop_costs(model_cfg, n_stages: int) -> dict:
     """
     lin, att, head = flops_per_token(model_cfg)
     per = model_cfg.n_layers // n_stages
-    F, I, W = per * (lin + att), per * (lin + 2 * att), per * lin
+    F, I, W = per * (lin + att), per * (lin + 2 * att), per * lin  # noqa: E741 - named after the F/I/W actions
     last = n_stages - 1
     costs = {"F": F, "I": I, "W": W, (last, "F"): F + head, (last, "I"): I + head, (last, "W"): W + head}
     costs[0, "I"], costs[0, "W"] = 0, costs.get((0, "I"), I) + costs.get((0, "W"), W)

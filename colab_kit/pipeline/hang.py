@@ -139,7 +139,7 @@ def _store_client():
     if isinstance(base, dist.TCPStore):
         try:
             return dist.TCPStore(base.host, base.port, is_master=False, timeout=timedelta(seconds=30))
-        except Exception:  # pragma: no cover - fall back to the shared client
+        except Exception:  # noqa: BLE001 - fall back to the shared client  # pragma: no cover
             pass
     return base
 
@@ -175,7 +175,7 @@ class HangMonitor:
     def start(self, step: int, report) -> None:
         if self._closed.is_set():
             raise RuntimeError("this hang monitor was closed with its engine: boost a new engine")
-        self.store  # connect in the main thread
+        _ = self.store  # connect in the main thread
         self.flagged.clear()
         self._step, self._report = step, report
         self._active.set()
@@ -221,7 +221,7 @@ class HangMonitor:
                     self._publish(step, report())
                     answered = step
                 report = None  # hold no reference to the executor between looks
-            except Exception:  # the store went away (the job is ending): nothing left to watch
+            except Exception:  # noqa: BLE001 - the store went away (the job is ending): nothing left to watch
                 self._thread = None
                 return
             time.sleep(self.poll)

@@ -30,11 +30,18 @@ which the receiving stage holds already.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import comm
 from .lowering import message_tag
+
+if TYPE_CHECKING:
+    from ..mesh import ProcessMesh
+    from .hang import HangMonitor, PipelineHang
+    from .plan import PipelinePlan
 
 __all__ = ["CommActions"]
 
@@ -63,6 +70,30 @@ class CommActions:
 
     prefetch: int = 2
     """How many of the coming receives are posted ahead of the action that waits for them."""
+
+    # what this mixin reads and writes of the executor it is part of (``PipelineExecutor`` sets them)
+    mesh: ProcessMesh
+    plan: PipelinePlan
+    monitor: HangMonitor
+    me: int  # this rank's pipeline rank
+    m: int  # microbatches of the step
+    step: int
+    timeout: float
+    _key: tuple  # the step's batch shape and microbatch count: names the activation shapes
+    _ahead: list[tuple]
+    _posted: dict
+    _shapes: dict
+    _shapes_sent: set
+    _saved: dict
+    _act: dict
+    _out: dict
+    _gout: dict
+    _gin: dict
+    _sends: list
+    _since: float
+    _hang: Callable[[str], PipelineHang]
+    _set: Callable[..., None]
+    _take: Callable[[dict, object, str], torch.Tensor]
 
     def _tag(self, a, header: bool = False) -> int:
         return step_tag(a, self.m, self.step, header)
@@ -149,7 +180,8 @@ class CommActions:
 def receives_ahead(actions, n: int) -> list[tuple]:
     """For each position j of ``actions``, the first ``n`` receives at or after j: what
     ``_post_ahead(j)`` looks at (worked out once per step, not once per action)."""
-    out, coming = [()] * len(actions), []
+    out: list[tuple] = [()] * len(actions)
+    coming: list = []
     for j in range(len(actions) - 1, -1, -1):
         if actions[j].kind in ("RF", "RB"):
             coming = [actions[j]] + coming[:n - 1]
@@ -165,9 +197,9 @@ def _pack(t: torch.Tensor) -> torch.Tensor:
                         device=t.device)
 
 
-def _unpack(h: torch.Tensor):
-    h = h.tolist()
-    return tuple(h[2:2 + h[1]]), _DTYPES[h[0]]
+def _unpack(h: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    v = h.tolist()
+    return tuple(v[2:2 + v[1]]), _DTYPES[v[0]]
 
 
 def _last(exc: BaseException) -> str:

@@ -85,7 +85,7 @@ class PipelinePlan:
     @classmethod
     def parse(cls, text: str, schedule: str = "custom", *, pp: int | None = None,
               microbatches: int | None = None, chunks: int | None = None,
-              lowered: bool | None = None, placement: str | None = None) -> "PipelinePlan":
+              lowered: bool | None = None, placement: str | None = None) -> PipelinePlan:
         """Read the printed form back: one line per rank, an optional ``rank r:`` prefix.
 
         Blank lines and ``#`` comments are skipped. ``pp`` is the number of lines, the

@@ -96,26 +96,27 @@ def _zb_h1(pp: int, m: int) -> list[list[Action]]:
     whatever is still pending runs at the end, where rank r would otherwise wait
     for the last input gradients to come back up the pipeline.
     """
-    plan = []
-    for r in range(pp):
-        warm = min(pp - 1 - r, m)
-        acts = [Action(r, "F", i) for i in range(warm)]
-        pending: deque[int] = deque()
+    return [_zb_h1_rank(r, pp, m) for r in range(pp)]
 
-        def backward(i: int) -> None:
-            acts.append(Action(r, "I", i))
-            pending.append(i)
-            if len(pending) > r:
-                acts.append(Action(r, "W", pending.popleft()))
 
-        for i in range(m - warm):
-            acts.append(Action(r, "F", warm + i))
-            backward(i)
-        for i in range(m - warm, m):
-            backward(i)
-        acts += [Action(r, "W", i) for i in pending]
-        plan.append(acts)
-    return plan
+def _zb_h1_rank(r: int, pp: int, m: int) -> list[Action]:
+    """Rank ``r``'s actions in ZB-H1."""
+    warm = min(pp - 1 - r, m)
+    acts = [Action(r, "F", i) for i in range(warm)]
+    pending: deque[int] = deque()
+
+    def backward(i: int) -> None:
+        acts.append(Action(r, "I", i))
+        pending.append(i)
+        if len(pending) > r:
+            acts.append(Action(r, "W", pending.popleft()))
+
+    for i in range(m - warm):
+        acts.append(Action(r, "F", warm + i))
+        backward(i)
+    for i in range(m - warm, m):
+        backward(i)
+    return acts + [Action(r, "W", i) for i in pending]
 
 
 def _interleaved(pp: int, m: int, v: int) -> list[list[Action]]:
@@ -210,10 +211,11 @@ def build_plan(schedule: str, pp: int, microbatches: int, chunks: int = 1, costs
     Shapes a schedule cannot take raise ``ConfigError`` with the rule and a valid choice,
     the same rules ``ParallelConfig`` enforces::
 
-        >>> build_plan("interleaved", pp=2, microbatches=3, chunks=2)
+        >>> build_plan("interleaved", pp=2, microbatches=3, chunks=2)  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        colab_kit.config.ConfigError: schedule='interleaved' needs microbatches divisible by pp=2 (got microbatches=3): try microbatches=2 or 4
+        colab_kit.config.ConfigError: schedule='interleaved' needs microbatches divisible by pp=2
+            (got microbatches=3): try microbatches=2 or 4
     """
     from ..config import ParallelConfig  # validates pp, microbatches, chunks and schedule together
 

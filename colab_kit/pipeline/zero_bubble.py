@@ -54,7 +54,7 @@ from ..memory.measure import tensor_bytes
 __all__ = ["ZeroBubbleLinear", "split_linear", "WeightGradStore", "input_pass_leaves", "DeferredLinear",
            "use_split_backward"]
 
-_ACTIVE: list["WeightGradStore"] = []  # the store(s) of the I pass running now, innermost last
+_ACTIVE: list[WeightGradStore] = []  # the store(s) of the I pass running now, innermost last
 
 
 class WeightGradStore:
@@ -84,7 +84,7 @@ class WeightGradStore:
         self.entries: list[tuple] = []  # (weight or None, bias or None, x, g)
         self.state = "empty"            # -> "capturing" -> "captured" -> "done"
 
-    def __enter__(self) -> "WeightGradStore":
+    def __enter__(self) -> WeightGradStore:
         if self.state != "empty":
             raise RuntimeError(f"weight-gradient store {self.name!r} is {self.state}: one I pass fills a store once")
         self.state = "capturing"

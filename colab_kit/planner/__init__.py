@@ -11,8 +11,8 @@
 
 Every config that ``ParallelConfig`` accepts for ``world_size`` ranks, that ``boost`` runs
 (``engine.unsupported``) and that the model and batch admit (``tensor.check_model``,
-``SequencePlan.check`` and the sequence's split, ``pipeline.stage.check_stages``, the batch over dp x microbatches and the
-tensor plan's batch shards) is a candidate: dp, tp in four modes, pp with every schedule and a
+``SequencePlan.check`` and the sequence's split, ``pipeline.stage.check_stages``, the batch over dp x microbatches and
+the tensor plan's batch shards) is a candidate: dp, tp in four modes, pp with every schedule and a
 few microbatch counts, ring / Ulysses / split_gather, ZeRO 0-3, offload none / cpu (and 'auto'
 when ``memory_per_rank`` is given: ``cand.boost_kwargs == {"device_budget": memory_per_rank}``),
 recomputation on and off. For each: memory per rank from ``colab_kit.memory.estimator.config_estimate``
@@ -110,9 +110,9 @@ class Candidates(list):
         for i, c in enumerate(rows):
             states = c.memory["params"] + c.memory["grads"] + c.memory["optimizer"]
             mark = "*" if c.exact else " "
-            lines.append(f"{i:>3}{mark} {c.describe()[:44]:44} {'yes' if c.fits else 'no':4} {c.device_bytes / 2**20:9.2f} "
-                         f"{states / 2**20:9.2f} {c.memory['activations'] / 2**20:9.2f} {1e3 * c.step_seconds:8.1f}  "
-                         f"{c.why}")
+            lines.append(f"{i:>3}{mark} {c.describe()[:44]:44} {'yes' if c.fits else 'no':4} "
+                         f"{c.device_bytes / 2**20:9.2f} {states / 2**20:9.2f} {c.memory['activations'] / 2**20:9.2f} "
+                         f"{1e3 * c.step_seconds:8.1f}  {c.why}")
         budget = "no memory limit" if self.memory_per_rank is None else f"memory_per_rank {self.memory_per_rank:,} B"
         exact = " (* model states exact, from a dry run of the rank)" if any(c.exact for c in rows) else ""
         lines.append(f"{len(rows)} of {len(self)} candidates; {budget}; estimates (MiB on the device per rank){exact}")
@@ -259,7 +259,8 @@ def _plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precisio
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive whole number of ranks, got {world_size!r}: try 4")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ConfigError(f"batch must be a positive whole number of rows per step, got {batch!r}: try {world_size * 4}")
+        raise ConfigError(f"batch must be a positive whole number of rows per step, got {batch!r}: "
+                          f"try {world_size * 4}")
     optimizer_states(optimizer)  # an unknown name is refused here
     if memory_per_rank is not None and (not isinstance(memory_per_rank, int) or memory_per_rank <= 0):
         raise ConfigError(f"memory_per_rank must be a positive number of bytes, got {memory_per_rank!r}")
@@ -313,7 +314,8 @@ def _prune(cands: list) -> list:
     groups: dict = {}
     for c in cands:
         k = c.config
-        groups.setdefault((k.dp, k.tp, k.pp, k.sp, k.tp_mode, k.tp_depth, k.sp_mode, k.schedule, k.chunks), []).append(c)
+        layout = (k.dp, k.tp, k.pp, k.sp, k.tp_mode, k.tp_depth, k.sp_mode, k.schedule, k.chunks)
+        groups.setdefault(layout, []).append(c)
     kept = []
     for group in groups.values():
         for i, c in enumerate(group):

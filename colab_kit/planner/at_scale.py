@@ -249,7 +249,8 @@ def _spawn(jobs: list, timeout: float) -> list:
         with open(src, "wb") as fh:
             pickle.dump(sys.path, fh)
             cloudpickle.dump(jobs, fh)
-        cmd = [sys.executable, "-c", "import sys; from colab_kit.planner.at_scale import _child; _child(*sys.argv[1:])", src, dst]
+        child = "import sys; from colab_kit.planner.at_scale import _child; _child(*sys.argv[1:])"
+        cmd = [sys.executable, "-c", child, src, dst]
         try:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired as exc:
@@ -286,7 +287,7 @@ def _child(src: str, dst: str) -> None:
         print(f"colab_kit dry run: job {j}", file=sys.stderr, flush=True)
         try:
             out.append(_one(job))
-        except BaseException:  # reported with the rank that raised it
+        except BaseException:  # noqa: BLE001 - reported with the rank that raised it
             out.append({"error": traceback.format_exc()})
             break
     with open(dst + ".tmp", "wb") as fh:

@@ -62,13 +62,13 @@ measures, all ranks at the same time (so that they share the cores the way a rea
   as a step does. (Timed alone after a burst of compute, as this module first did, the ranks
   arrived milliseconds apart and a Ulysses all-to-all read 1.5-2.4x what it adds to a step.)
 
-  Worked example, 4 ranks bound on 2 cores (gloo; six measurements each way, by hand): an all_to_all of 4 KiB per rank on groups of
-  2 adds 0.9-1.2 ms, on one group of 4 1.7-2.3 ms; an all_reduce 1.4-1.8 ms and 2.0-2.6 ms (the
+  Worked example, 4 ranks bound on 2 cores (gloo; six measurements each way, by hand): an all_to_all of 4 KiB per rank
+  on groups of 2 adds 0.9-1.2 ms, on one group of 4 1.7-2.3 ms; an all_reduce 1.4-1.8 ms and 2.0-2.6 ms (the
   OS placing the ranks: 1.1-2.1 and 3.3-5.0); ``alpha`` is nearly all of it at these sizes.
 
-An entry cached by an older ``VERSION`` is measured again. The result is cached as JSON in ``$COLAB_KIT_CACHE`` (default ``~/.cache/colab_kit``) under
-``constants-<host>-<torch version>.json``, one entry per rank count; ``refresh=True`` measures
-again. A test passes fixed numbers instead (``ck.plan(..., constants={...})``).
+An entry cached by an older ``VERSION`` is measured again. The result is cached as JSON in ``$COLAB_KIT_CACHE``
+(default ``~/.cache/colab_kit``) under ``constants-<host>-<torch version>.json``, one entry per rank count;
+``refresh=True`` measures again. A test passes fixed numbers instead (``ck.plan(..., constants={...})``).
 """
 from __future__ import annotations
 
@@ -195,7 +195,8 @@ def _fit_points(per_rank: list[dict]) -> dict:
     comm = {}
     for key in per_rank[0]:
         n, op = key.split("/")
-        pts = [(wire, statistics.median(r[key][i][1] for r in per_rank)) for i, (wire, _) in enumerate(per_rank[0][key])]
+        pts = [(wire, statistics.median(r[key][i][1] for r in per_rank))
+               for i, (wire, _) in enumerate(per_rank[0][key])]
         a, inv = _fit([p[0] for p in pts], [p[1] for p in pts])
         comm.setdefault(n, {})[op] = {"alpha": a, "beta": 1.0 / inv}
     return comm
@@ -313,7 +314,8 @@ def measure_rank(ranks: int) -> dict:
     points = {key: [(wire, statistics.median(trials[(key, wire)][1]) / (2 if key.endswith("/send") else 1))
                     for wire in wires] for key, wires in points.items()}
     rates.append(_rates(burst))
-    return {"version": VERSION, "ranks": ranks, "threads_per_rank": torch.get_num_threads(), "cores": os.cpu_count() or 1,
+    return {"version": VERSION, "ranks": ranks, "threads_per_rank": torch.get_num_threads(),
+            "cores": os.cpu_count() or 1,
             "matmul": {"flops_per_s": statistics.median(f for r in rates for f in r[1])},
             "dispatch": {"op_seconds": statistics.median(o for r in rates for o in r[0])},
             "activation": {"seconds_per_byte": statistics.median(a for r in rates for a in r[2])},
@@ -409,7 +411,11 @@ class _Burst:
         rc = GPT(g)
         recompute_blocks(rc)
         self._gpt_rc = lambda: F.cross_entropy(rc(tokens).flatten(0, 1), tokens.flatten())
-        self.block_ops = g.n_layers * (count_ops(lambda: gpt.blocks[0](torch.zeros(1, 4, 8, requires_grad=True)).sum()) - 1)
+
+        def one_block():
+            return gpt.blocks[0](torch.zeros(1, 4, 8, requires_grad=True)).sum()
+
+        self.block_ops = g.n_layers * (count_ops(one_block) - 1)
 
     def _forward(self):
         import torch

@@ -23,8 +23,8 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   latency; constants of ranks the OS placed price dp replicas of a pipeline at the speed of all ranks busy
   (the replicas drift apart and the step waits for the later one). The bubble is that span less the rank's own work.
 - communication, ``alpha + wire / beta`` per collective with the group's measured constants: dp
-  gradients in the engine's buckets (``_bucket_count``: ``zero.stage0.default_bucket_bytes``, one where ranks share cores, 2 dp at
-  ZeRO 2), all but the first exposed where a core per rank lets the first run while backward goes
+  gradients in the engine's buckets (``_bucket_count``: ``zero.stage0.default_bucket_bytes``, one where ranks share
+  cores, 2 dp at ZeRO 2), all but the first exposed where a core per rank lets the first run while backward goes
   on, all of them on shared cores; ZeRO 1/2 reduce-scatter them (stage 2 without a pipeline every
   microbatch) and all-gather the parameters; ZeRO 3 (``_zero3``) gathers each block in forward and
   again in backward and reduce-scatters its gradients, the prefetches hidden behind the blocks'
@@ -49,7 +49,7 @@ import functools
 
 from ..memory.formulas import PRECISION_BYTES, activation_bytes
 from ..pipeline.costs import flops_per_token
-from .comm_cost import _coll, _dp_comm, _forward_share, _op, _sp_comm, _tp_comm, engine_buckets, shares_cores  # noqa: F401 (_op: observe.roofline)
+from .comm_cost import _coll, _dp_comm, _forward_share, _op, _sp_comm, _tp_comm, engine_buckets, shares_cores
 from .pipeline_cost import bubble
 
 __all__ = ["step_seconds"]
@@ -64,7 +64,8 @@ def _forward(model, cfg, consts, tokens: int, layers: int, head: bool) -> float:
     block_ops, head_ops = _op_counts(model.n_heads)
     ops = layers * (block_ops + mode_ops(cfg)) + (head_ops if head else 0)
     overhead = ops * consts.get("dispatch", {}).get("op_seconds", 0.0)
-    return _matmuls(model, cfg, consts, tokens, layers, head) + overhead + _saved(model, cfg, consts, tokens, layers, head)
+    return (_matmuls(model, cfg, consts, tokens, layers, head) + overhead
+            + _saved(model, cfg, consts, tokens, layers, head))
 
 
 def _matmuls(model, cfg, consts, tokens: int, layers: int, head: bool, attention: bool = True) -> float:
@@ -155,7 +156,8 @@ def _op_counts(heads: int) -> tuple[int, int]:
     return block, whole - block
 
 
-def step_seconds(model, cfg, batch: int, consts: dict, memory: dict, optimizer: str = "adamw") -> tuple[float, dict, dict]:
+def step_seconds(model, cfg, batch: int, consts: dict, memory: dict,
+                 optimizer: str = "adamw") -> tuple[float, dict, dict]:
     """(seconds, breakdown by part, collectives per step by part) of one train_step of ``cfg``."""
     e = PRECISION_BYTES[cfg.precision]
     m = cfg.microbatches

@@ -72,7 +72,10 @@ def bubble(cfg, model_key, f: float, rc: float, c_fwd: float, c_bwd: float, head
     unit = f + c_fwd
     if unit <= 0:
         return 0.0
-    r2 = lambda x: float(f"{x / unit:.2g}")  # noqa: E731
+
+    def r2(x):
+        return float(f"{x / unit:.2g}")
+
     key = tuple((r2(work[k]), r2(wait[k]), r2(extra[k])) for k in "FBIW")
     share = min(1.0, cores / cfg.world_size)
     if cores >= cfg.world_size:
@@ -89,8 +92,8 @@ def bubble(cfg, model_key, f: float, rc: float, c_fwd: float, c_bwd: float, head
                              cfg.world_size // cfg.pp, float(f"{cores:.3g}"), r2(latency))
     kinds = "FIW" if cfg.schedule in ("zb-h1", "zb-v") else "FB"
     table = dict(zip("FBIW", key))
-    charged = sum(cfg.microbatches * cfg.chunks * (table[k][0] / share + table[k][1]) + cfg.microbatches * table[k][2] / share
-                  for k in kinds)
+    charged = sum(cfg.microbatches * cfg.chunks * (table[k][0] / share + table[k][1])
+                  + cfg.microbatches * table[k][2] / share for k in kinds)
     return max(0.0, span - charged) * unit
 
 

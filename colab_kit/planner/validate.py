@@ -3,9 +3,9 @@
 ``validate(model, ranks, batch, top)`` plans, takes the best candidate of each of the first
 ``top`` layouts (``distinct_layouts``), then in ONE ``ck.launch`` of ``ranks`` processes boosts
 them all and trains them in turn, ``steps`` rounds on ``SyntheticTokens`` (``run_candidates``: each config
-2 warm-up and 2 timed steps a round; the fullest rank's
-memory, the slowest rank's time), and returns one row per candidate: estimated and measured model-state bytes (params + grads + optimizer), activations,
-and median step seconds (the first round left out), plus the Spearman rank correlation of the times.
+2 warm-up and 2 timed steps a round; the fullest rank's memory, the slowest rank's time), and returns one
+row per candidate: estimated and measured model-state bytes (params + grads + optimizer), activations, and
+median step seconds (the first round left out), plus the Spearman rank correlation of the times.
 """
 from __future__ import annotations
 
@@ -69,8 +69,8 @@ def run_candidates(model_kwargs: dict, configs: list[dict], kwargs: list[dict], 
     rank's memory and median step seconds per config (the first round is not timed).
 
     Why the untimed steps: a step right after another config's ran 20-30% slower than in training (measured
-    by hand once, dp=4 on 4 ranks / 2 cores, the 4-block test GPT: 16 ms alone, 21 ms alternating step by step with 6 other
-    configs, 17 ms as the third and fourth of four consecutive steps): the caches hold the other engine's
+    by hand once, dp=4 on 4 ranks / 2 cores, the 4-block test GPT: 16 ms alone, 21 ms alternating step by step with 6
+    other configs, 17 ms as the third and fourth of four consecutive steps): the caches hold the other engine's
     parameters, states and buffers, and the cheapest configs lose most."""
     import torch
 

@@ -71,7 +71,7 @@ policy under tp, pp or sp is refused with a message that shows how to write one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch.nn as nn
 
@@ -202,7 +202,8 @@ class Policy:
         for pattern, role in self.layers.items():
             for path, mod in found(pattern, f"{{path}} ({role})"):
                 if kinds and not isinstance(mod, ROLES[role]):
-                    problems.append(f"{path} is {type(mod).__name__}, where role {role!r} needs nn.{ROLES[role].__name__}")
+                    problems.append(f"{path} is {type(mod).__name__}, where role {role!r} needs "
+                                    f"nn.{ROLES[role].__name__}")
                 elif kinds and role == "rmsnorm" and not (hasattr(mod, "weight") and
                                                           (hasattr(mod, "eps") or hasattr(mod, "variance_epsilon"))):
                     problems.append(f"{path} (rmsnorm) has no weight and eps (or variance_epsilon)")

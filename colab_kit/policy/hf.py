@@ -33,8 +33,8 @@ Both call ``transformers``' attention-function registry, so sequence parallelism
 registers its own function there (``Attention(hf=True)``). 3d runs both too (GPT-2's tied head is
 ``TiedHead3D``, Llama's RMSNorm ``RMSNorm3D``). Dropout (``*_pdrop``, ``attention_dropout``)
 trains under every mode through ``colab_kit.models.dropout`` (its attention-probability dropout runs in
-transformers' eager attention, registered as ``colab_kit_dropout``; under sp, Ulysses on whole rows, the ring block by block): to compare with
-one process, pass the reference through ``ck.models.layout_invariant`` too.
+transformers' eager attention, registered as ``colab_kit_dropout``; under sp, Ulysses on whole rows, the ring block by
+block): to compare with one process, pass the reference through ``ck.models.layout_invariant`` too.
 """
 from __future__ import annotations
 

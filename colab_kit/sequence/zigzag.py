@@ -25,10 +25,11 @@ Worked example, ``t = 8`` tokens over ``sp = 2`` (4 chunks of 2 tokens)::
     tensor([[0, 1, 2, 3, 4, 5, 6, 7]])
     >>> sequence_positions(1, 2, 8)
     tensor([2, 3, 4, 5])
-    >>> split_sequence(torch.zeros(1, 10), 0, 2)  # doctest: +ELLIPSIS
+    >>> split_sequence(torch.zeros(1, 10), 0, 2)  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    colab_kit.config.ConfigError: a sequence of 10 tokens does not split over sp=2 ranks: ... use a multiple of 4 (8 or 12)
+    colab_kit.config.ConfigError: a sequence of 10 tokens does not split over sp=2 ranks:
+        ... use a multiple of 4 (8 or 12)
 
 A sequence length that does not split is refused here, before any collective runs.
 """

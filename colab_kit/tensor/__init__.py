@@ -40,8 +40,8 @@ from ..config import ConfigError
 from .cross_entropy import vocab_parallel_cross_entropy
 from .plan import TensorPlan, regrouped, require_divisible, sync_grads
 
-__all__ = ["block_collectives", "TensorPlan", "regrouped", "require_divisible", "vocab_parallel_cross_entropy", "plan_for", "plan_class", "check_model", "model_sizes", "linear_comm_bytes",
-           "sync_grads"]
+__all__ = ["block_collectives", "TensorPlan", "regrouped", "require_divisible", "vocab_parallel_cross_entropy",
+           "plan_for", "plan_class", "check_model", "model_sizes", "linear_comm_bytes", "sync_grads"]
 
 
 def plan_class(tp_mode: str, sp_mode: str | None = None) -> type[TensorPlan]:
@@ -163,14 +163,15 @@ def model_sizes(model, policy=None):
     counts = policy.head_count(model)
     heads = counts["heads"]
     head_name = "num_classes" if policy.loss == "classes" else "vocab_size"
+    head, vocab, inputs = (policy.modules(model, role) for role in ("head", "vocab", "input"))
     pos = policy.modules(model, "positions")
     drops = [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
     return SimpleNamespace(
         d_model=d_model, n_heads=heads, d_ff=math.gcd(*cols) if cols else d_model,
         seq_len=pos[0][2].num_embeddings if pos else 0,
-        outputs={head_name: m.out_features for _, _, m in policy.modules(model, "head")},
-        tables={"vocab_size": m.num_embeddings for _, _, m in policy.modules(model, "vocab")},
-        inputs={"input features": m.in_features for _, _, m in policy.modules(model, "input")},
+        outputs={head_name: head[-1][2].out_features} if head else {},  # the last, if a policy names several
+        tables={"vocab_size": vocab[-1][2].num_embeddings} if vocab else {},
+        inputs={"input features": inputs[-1][2].in_features} if inputs else {},
         kv={"n_kv_heads": counts["kv_heads"]} if counts["kv_heads"] != heads else {},
         dropout=max(drops, default=0.0), roles={r: p for p, r, _ in reversed(policy.modules(model))},
         tied=tuple(policy.tied))

@@ -35,7 +35,8 @@ __all__ = ["ColumnLinear", "RowLinear", "VocabEmbedding", "Plan1D", "local_looku
 
 
 def _slice(t: torch.Tensor, n: int, i: int, dim: int) -> torch.Tensor:
-    """Block ``i`` of ``n`` along ``dim`` of ``t``'s dense value (made here if ``t`` is meta: ``colab_kit.engine.sharded_init``)."""
+    """Block ``i`` of ``n`` along ``dim`` of ``t``'s dense value (made here if ``t`` is meta:
+    ``colab_kit.engine.sharded_init``)."""
     return dense_value(t).detach().chunk(n, dim=dim)[i].clone()
 
 
@@ -117,7 +118,7 @@ class VocabEmbedding(nn.Module):
         """The dense table's ``padding_idx`` (its row gets no gradient), or None."""
 
     @classmethod
-    def from_dense(cls, dense: nn.Embedding, mesh, axis: str = "tp") -> "VocabEmbedding":
+    def from_dense(cls, dense: nn.Embedding, mesh, axis: str = "tp") -> VocabEmbedding:
         n, i = mesh.size(axis), mesh.rank(axis)
         part = _slice(dense.weight, n, i, 0)
         return cls(part, i * part.shape[0], mesh, axis, dense.padding_idx)

@@ -22,8 +22,8 @@ Layout on the rank at depth ``dep``, grid row ``i`` (tp_row) and column ``j`` (t
 
 Where gradients are summed: SUMMA's backward sums dW over the grid column (the
 reduces of ``summa_atb``) and dA over the grid row; everything else is summed after
-backward by ``sync_grads`` from the layers' ``Partial()`` declarations (``colab_kit.placement``): a Linear's W over tp_dep, and every
-parameter that is the same on every grid row (biases, LayerNorm, embeddings) over the
+backward by ``sync_grads`` from the layers' ``Partial()`` declarations (``colab_kit.placement``): a Linear's W over
+tp_dep, and every parameter that is the same on every grid row (biases, LayerNorm, embeddings) over the
 batch axes (tp_dep, tp_row).
 
 Worked example, tp=4 (2D, q=2), batch of 4 rows, d_model=8, fc1 8 -> 32::

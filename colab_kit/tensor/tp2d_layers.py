@@ -193,7 +193,7 @@ class Linear2D(nn.Module):
         declare(self, "bias", {0: "tp_col"}, batch_axes_of(mesh))
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, mesh) -> "Linear2D":
+    def from_dense(cls, dense: nn.Linear, mesh) -> Linear2D:
         q, i, j = mesh.size("tp_col"), mesh.rank("tp_row"), mesh.rank("tp_col")
         bias = _block(dense.bias, q, j) if dense.bias is not None else None
         return cls(_block(dense_value(dense.weight).t(), q, i, j), bias, mesh)
@@ -230,7 +230,7 @@ class LayerNorm2D(nn.Module):
         declare(self, "bias", {0: "tp_col"}, batch_axes_of(mesh))
 
     @classmethod
-    def from_dense(cls, dense: nn.LayerNorm, mesh) -> "LayerNorm2D":
+    def from_dense(cls, dense: nn.LayerNorm, mesh) -> LayerNorm2D:
         if len(dense.normalized_shape) != 1 or dense.weight is None or dense.bias is None:
             raise ValueError("LayerNorm2D shards a LayerNorm over one dim with weight and bias")
         q, j = mesh.size("tp_col"), mesh.rank("tp_col")
@@ -273,7 +273,7 @@ class Embedding2D(nn.Module):
         declare(self, "weight", {1: "tp_col"}, batch_axes_of(mesh))
 
     @classmethod
-    def from_dense(cls, dense: nn.Embedding, mesh) -> "Embedding2D":
+    def from_dense(cls, dense: nn.Embedding, mesh) -> Embedding2D:
         q, j = mesh.size("tp_col"), mesh.rank("tp_col")
         return cls(_block(dense_value(dense.weight).t(), q, j).t().contiguous(), mesh)
 
@@ -311,7 +311,7 @@ class VocabEmbedding2D(nn.Module):
         declare(self, "weight", {0: "tp_row", 1: "tp_col"}, depth_axes_of(mesh))
 
     @classmethod
-    def from_dense(cls, dense: nn.Embedding, mesh) -> "VocabEmbedding2D":
+    def from_dense(cls, dense: nn.Embedding, mesh) -> VocabEmbedding2D:
         q, i, j = mesh.size("tp_col"), mesh.rank("tp_row"), mesh.rank("tp_col")
         block = _block(dense.weight, q, i, j)
         return cls(block, i * block.shape[0], mesh, dense.padding_idx)
@@ -385,7 +385,7 @@ class RMSNorm2D(nn.Module):
         declare(self, "weight", {0: "tp_col"}, batch_axes_of(mesh))
 
     @classmethod
-    def from_dense(cls, dense: nn.Module, mesh) -> "RMSNorm2D":
+    def from_dense(cls, dense: nn.Module, mesh) -> RMSNorm2D:
         eps = getattr(dense, "variance_epsilon", None)
         eps = getattr(dense, "eps", None) if eps is None else eps
         q, j = mesh.size("tp_col"), mesh.rank("tp_col")

@@ -165,7 +165,8 @@ class Plan3D(TensorPlan):
             return Linear3D.from_dense(dense, mesh, **second)
         if role == "rotary":  # no parameters: the same on every rank
             return None
-        if role == "input":  # rows arrive as the batch's (the inner layout): this rank's features, then inner -> residual
+        # an input's rows arrive as the batch's (the inner layout): this rank's features, then inner -> residual
+        if role == "input":
             return InputLinear3D.from_dense(dense, mesh, **second)
         if role == "dense":  # width-keeping, on the residual: residual -> inner, then swapped back
             return DenseLinear3D.from_dense(dense, mesh, **first)

@@ -146,9 +146,10 @@ class Linear3D(nn.Module):
         declare(self, "bias", {0: in_axis}, (WT, out_axis))
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, mesh, in_axis: str = "tp_in", out_axis: str = "tp_out") -> "Linear3D":
+    def from_dense(cls, dense: nn.Linear, mesh, in_axis: str = "tp_in", out_axis: str = "tp_out") -> Linear3D:
         q = mesh.size(WT)
-        w = dense_value(dense.weight).detach().chunk(q, 0)[mesh.rank(in_axis)]  # meta: made here (colab_kit.engine.sharded_init)
+        # a meta weight is made here (colab_kit.engine.sharded_init)
+        w = dense_value(dense.weight).detach().chunk(q, 0)[mesh.rank(in_axis)]
         w = w.chunk(q * q, 1)[mesh.rank(out_axis) * q + mesh.rank(WT)].clone()
         b = _chunk(dense_value(dense.bias).detach(), mesh, in_axis, 0).clone() if dense.bias is not None else None
         return cls(w, b, mesh, in_axis, out_axis)
@@ -188,10 +189,13 @@ class LayerNorm3D(nn.Module):
         declare(self, "bias", {0: axis}, (WT, other_axis(axis)))
 
     @classmethod
-    def from_dense(cls, dense: nn.LayerNorm, mesh, axis: str = "tp_out") -> "LayerNorm3D":
+    def from_dense(cls, dense: nn.LayerNorm, mesh, axis: str = "tp_out") -> LayerNorm3D:
         if dense.weight is None or dense.bias is None or len(dense.normalized_shape) != 1:
             raise ValueError("LayerNorm3D shards a LayerNorm over the last dim with weight and bias")
-        part = lambda t: _chunk(dense_value(t).detach(), mesh, axis, 0).clone()  # noqa: E731
+
+        def part(t):
+            return _chunk(dense_value(t).detach(), mesh, axis, 0).clone()
+
         return cls(part(dense.weight), part(dense.bias), dense.eps, dense.normalized_shape[0], mesh, axis)
 
     def forward(self, x):
@@ -236,7 +240,7 @@ class VocabEmbedding3D(nn.Module):
         declare(self, "weight", {0: (vocab_axis, WT), 1: self.hidden_axis})
 
     @classmethod
-    def from_dense(cls, dense: nn.Embedding, mesh, vocab_axis: str = "tp_in") -> "VocabEmbedding3D":
+    def from_dense(cls, dense: nn.Embedding, mesh, vocab_axis: str = "tp_in") -> VocabEmbedding3D:
         q = mesh.size(WT)
         slice_ = mesh.rank(vocab_axis) * q + mesh.rank(WT)
         part = dense_value(dense.weight).detach().chunk(q * q, 0)[slice_]
@@ -275,7 +279,7 @@ class Embedding3D(nn.Module):
         declare(self, "weight", {1: axis}, (WT, other_axis(axis)))
 
     @classmethod
-    def from_dense(cls, dense: nn.Embedding, mesh, axis: str = "tp_out") -> "Embedding3D":
+    def from_dense(cls, dense: nn.Embedding, mesh, axis: str = "tp_out") -> Embedding3D:
         return cls(_chunk(dense_value(dense.weight).detach(), mesh, axis, 1).clone(), mesh, axis)
 
     def forward(self, ids):
@@ -374,7 +378,7 @@ class RMSNorm3D(nn.Module):
         declare(self, "weight", {0: axis}, (WT, other_axis(axis)))
 
     @classmethod
-    def from_dense(cls, dense: nn.Module, mesh, axis: str = "tp_out") -> "RMSNorm3D":
+    def from_dense(cls, dense: nn.Module, mesh, axis: str = "tp_out") -> RMSNorm3D:
         eps = getattr(dense, "variance_epsilon", None)
         eps = getattr(dense, "eps", None) if eps is None else eps
         w = _chunk(dense_value(dense.weight).detach(), mesh, axis, 0).clone()

@@ -106,7 +106,8 @@ def mesh_figure(config_or_layout: ParallelConfig | MeshLayout, axis: str = "tp")
     width = max(x for x, _ in pos.values()) + 1
     height = max(y for _, y in pos.values()) + 1
     fig.update_layout(
-        shapes=shapes, title=f"{cfg.describe()}: coloured by {axis} group ({len(groups)} groups of {layout.size(axis)})",
+        shapes=shapes,
+        title=f"{cfg.describe()}: coloured by {axis} group ({len(groups)} groups of {layout.size(axis)})",
         xaxis=dict(visible=False, range=[-1.6 if cfg.dp > 1 else -0.8, width - 0.2]),
         yaxis=dict(visible=False, autorange="reversed", scaleanchor="x", range=[height - 0.2, -1.0]),
         plot_bgcolor="white", showlegend=len(groups) <= 16,

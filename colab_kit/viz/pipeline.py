@@ -113,7 +113,8 @@ def schedule_figure(source, executed=None, current=None, title: str | None = Non
         yaxis=dict(autorange="reversed", type="category",
                    categoryorder="array", categoryarray=sorted({f"{row_name} {c.rank}" + (" (async)" if c.lane else "")
                                                                 for c in items}, key=_row_key)),
-        height=150 + 45 * n_rows, width=min(1000, max(700, 24 * span if what == "plan" else 900)),  # fits JupyterLab's output area
+        height=150 + 45 * n_rows,
+        width=min(1000, max(700, 24 * span if what == "plan" else 900)),  # fits JupyterLab's output area
         legend=dict(orientation="h", y=-0.25), margin=dict(l=70, r=20, t=60, b=40))
     return fig
 

@@ -59,7 +59,8 @@ def recipe_figure(records, max_grad_norm: float | None = None, lrs=None,
     return fig
 
 
-def accuracy_figure(curves: dict, title: str = "Held-out accuracy (measured)", chance: float | None = None) -> go.Figure:
+def accuracy_figure(curves: dict, title: str = "Held-out accuracy (measured)",
+                    chance: float | None = None) -> go.Figure:
     """Accuracy against the step for several runs: ``curves`` maps a name to ``[(step, accuracy), ...]``;
     ``chance`` (optional) is drawn as a dotted line.
 

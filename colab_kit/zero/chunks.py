@@ -34,6 +34,8 @@ nothing; so a prefetch and a use in either order cost one all-gather.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -72,8 +74,10 @@ class Chunk:
         self.shard = nn.Parameter(self.full[r * self.piece:(r + 1) * self.piece].clone())
         self.shard.grad = torch.zeros_like(self.shard)
         self.grad_full: torch.Tensor | None = None
-        self.state, self.pending, self.ready = "full", None, 0
-        self._reducing = None  # (pending reduce-scatter, grad_full) until its piece is added
+        self.state, self.ready = "full", 0
+        self.pending: Any = None  # the all-gather in flight
+        # (pending reduce-scatter, grad_full) until its piece is added
+        self._reducing: tuple[Any, torch.Tensor] | None = None
         self.fresh = True  # shard.grad is zero (no reduction since the last step): the next is copied in
         self.free()
 
@@ -146,6 +150,7 @@ class Chunk:
         self.finish_reduce()
         if self.grad_full is None:  # autograd's own tensors (or none: a gradient of zeros everywhere)
             self.collect_grads()
+        assert self.grad_full is not None  # prepare_grads or collect_grads made it
         flat, r, k = self.grad_full.float(), self.rank, self.piece  # reduced in fp32 (a copy of 16-bit gradients)
         for p in self.params:
             p.grad = None
@@ -161,16 +166,23 @@ class Chunk:
             pending, flat = self._reducing
             pending.wait()
             piece = flat[self.rank * self.piece:(self.rank + 1) * self.piece]  # fp32; the shard's gradient may be
+            grad = self.shard_grad()
             if self.fresh:  # 16-bit, on the host. The step's first reduction: a converting copy (0 + x is x)
-                self.shard.grad.copy_(piece)
+                grad.copy_(piece)
             else:  # later microbatches: rounded first, then added, as one process accumulates 16-bit gradients
-                self.shard.grad.add_(piece.to(self.shard.grad.device, self.shard.grad.dtype))
+                grad.add_(piece.to(grad.device, grad.dtype))
             self._reducing, self.fresh = None, False
+
+    def shard_grad(self) -> torch.Tensor:
+        """The shard's gradient: made with the shard, never set to None (released as zero bytes instead)."""
+        grad = self.shard.grad
+        assert grad is not None
+        return grad
 
     def grad_bytes(self) -> int:
         """Gradient bytes held now: this rank's reduced piece (unless released for the step), plus the
         whole-chunk buffer while it exists, plus autograd's own gradients of a chunk that collects them."""
-        held = self.shard.grad.untyped_storage().nbytes()
+        held = self.shard_grad().untyped_storage().nbytes()
         for t in (self.grad_full, self._reducing[1] if self._reducing else None):
             if t is not None:
                 held += t.numel() * t.element_size()

@@ -103,7 +103,7 @@ class ChunkPlacement:
         self.where = ["device"] * len(chunks)
         self.log: list[dict] = []
         self.optimizer = None
-        self.keys = None  # per chunk, the tensor the optimizer steps (set by ZeroStage3)
+        self.keys: list | None = None  # per chunk, the tensor the optimizer steps (set by ZeroStage3)
         self.state_keys = None  # per chunk, the tensors whose optimizer states go with it (views per param group)
         self.step = 0
         if mode in ("cpu", "auto"):  # "auto" starts on the host and measures its first step
@@ -200,8 +200,9 @@ class ChunkPlacement:
         """Belady at the step boundary: keep chunks on the device in the order the next step uses
         them (forward order) while the budget leaves room beside ``measured`` (the first step's
         device peak with every chunk on the host); the rest stay on the host."""
+        assert self.budget is not None  # boost refuses offload="auto" without a device_budget
         room = self.budget - measured
-        for i, c in enumerate(self.chunks):
+        for i in range(len(self.chunks)):
             need = self.state_bytes(i)
             if need <= room:
                 room -= need

@@ -35,7 +35,7 @@ import time
 import weakref
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -50,7 +50,8 @@ def default_bucket_bytes(total: int, shared_cores: bool = False) -> int:
     DDP's 25 MB cap; one bucket (to the same cap) where the host's ranks share its cores
     (``shared_cores``, ``launch.ranks_share_cores``): no core is free to run an all-reduce beside backward,
     so it only takes turns with it. Measured by hand once (engine timelines): dp=4 on 2 cores (the 4-block
-    test GPT, 0.84 MB of gradients), two buckets 19.1 ms a step, one 17.3. ``ck.plan`` counts the all-reduces per step from it::
+    test GPT, 0.84 MB of gradients), two buckets 19.1 ms a step, one 17.3. ``ck.plan`` counts the all-reduces per step
+    from it::
 
         >>> default_bucket_bytes(840_000), default_bucket_bytes(840_000, shared_cores=True)
         (420000, 840000)
@@ -92,11 +93,18 @@ def split_batch(batch: torch.Tensor, parts: int, index: int, what: str = "dp") -
 class _Bucket:
     """``params`` whose gradients are views into ``buffer``, one slice of the flat gradient buffer."""
 
+    # ZeRO 2's bookkeeping of a bucket made at its first gradient (``ZeroStage2`` sets them)
+    slots: dict[int, tuple[int, int]]
+    used: int
+    written: set[int]
+    launched: bool
+
     def __init__(self, index: int, params: list[torch.nn.Parameter], buffer: torch.Tensor):
-        self.index, self.params, self.buffer = index, params, buffer
+        self.index, self.params = index, params
+        self.buffer: torch.Tensor | None = buffer  # ZeRO 2: None outside backward
         self.ready = 0
-        self.pending = None
-        self.staged = None  # mixed precision: the fp32 copy that is reduced (colab_kit.engine.precision)
+        self.pending: Any = None  # the bucket's collective in flight
+        self.staged: torch.Tensor | None = None  # mixed precision: the fp32 copy that is reduced (engine.precision)
         offset = 0
         for p in params:
             p.grad = buffer[offset:offset + p.numel()].view_as(p)
@@ -194,8 +202,9 @@ class ZeroStage0:
 
     def _launch(self, bucket: _Bucket) -> None:
         buffer = bucket.buffer
+        assert buffer is not None  # stages 0 and 1 keep every bucket's buffer
         if self.masters is not None:  # mixed precision: reduce an fp32 copy, the masters' gradient
-            buffer = bucket.staged = bucket.buffer.float()
+            buffer = bucket.staged = buffer.float()
         if self.size == 1:
             return
         buffer.div_(self.size)
@@ -226,6 +235,7 @@ class ZeroStage0:
         views = {}
         for b in self.buckets:
             off = 0
+            assert b.staged is not None  # made by _launch when there are masters
             for p in b.params:
                 views[id(p)] = b.staged[off:off + p.numel()]
                 off += p.numel()

@@ -9,8 +9,8 @@ and the updated pieces are gathered back into every rank's full parameters.
 - stage 2 (P_os+g): gradients sharded too: after the reduction only this rank's piece is kept.
 
 Layout. Gradients fill buckets during backward exactly as in ``ZeroStage0`` (reverse
-parameter order, about two buckets; one where a host's CPU ranks share its cores). Each bucket is padded to a multiple of dp and is cut
-into dp equal pieces; rank r owns piece r of every bucket. Parameters are moved into one
+parameter order, about two buckets; one where a host's CPU ranks share its cores). Each bucket is padded to a multiple
+of dp and is cut into dp equal pieces; rank r owns piece r of every bucket. Parameters are moved into one
 flat buffer with the same layout as the gradients (each ``param.data`` a view into it), so
 a bucket of gradients and its bucket of parameters cover the same elements. In DTensor's
 words, per bucket over the dp axis: parameters Replicate; gradients Partial after backward,
@@ -168,13 +168,15 @@ class ZeroStage1(ZeroStage0):
         """Mixed precision: fp32 masters of the pieces, what the optimizer steps (colab_kit.engine.precision).
         ``offload="cpu"`` (ZeRO-Offload): the masters live on the host, fp32 included, so the
         optimizer's states and its update are there too; the parameters stay on the device."""
-        self._reduced = [None] * len(self.shards)  # mixed precision: the fp32 reduced pieces of this step
-        self.flat = None
+        # mixed precision: the fp32 reduced pieces of this step
+        self._reduced: list[torch.Tensor | None] = [None] * len(self.shards)
+        del self.flat  # stage 0's buffer goes before the padded one is made
         self._attach()
         if stage == 1:  # reduced in place: this rank's piece of the full gradient buffer
             self._pieces = [self.flat[a:b] for a, b in self._ranges]
         else:
-            self._grad_shard = torch.zeros(sum(b - a for a, b in self._ranges), dtype=dtype, device=device)
+            self._grad_shard: torch.Tensor | None = torch.zeros(sum(b - a for a, b in self._ranges), dtype=dtype,
+                                                                device=device)
             self._pieces = list(self._grad_shard.split([b - a for a, b in self._ranges]))
         if self.masters is None:
             for shard, piece in zip(self.shards, self._pieces):
@@ -208,8 +210,9 @@ class ZeroStage1(ZeroStage0):
 
     def _launch(self, bucket) -> None:
         i, out, buffer = bucket.index, self._pieces[bucket.index], bucket.buffer
+        assert buffer is not None  # stage 1 keeps every bucket's buffer
         if self.masters is not None:  # mixed precision: reduce-scatter an fp32 copy into an fp32 piece
-            buffer = bucket.staged = bucket.buffer.float()
+            buffer = bucket.staged = buffer.float()
             out = self._reduced[i] = torch.empty(out.numel(), dtype=torch.float32, device=out.device)
         if self.size == 1:
             comm.reduce_scatter_into(out, buffer, self.mesh, self.axis)  # a copy (stage 2, mixed) or nothing
@@ -239,6 +242,7 @@ class ZeroStage1(ZeroStage0):
             b.staged = None
         if self.stage == 2:
             for piece, reduced in zip(self._pieces, self._reduced):
+                assert reduced is not None  # every bucket was reduced this step
                 piece.copy_(reduced)
             self.masters.set_grads(self._pieces)
         else:

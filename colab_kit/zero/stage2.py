@@ -69,6 +69,7 @@ same from outside, on any training code alike.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -107,7 +108,8 @@ class ZeroStage2(ZeroStage1):
                 b.slots[id(p)] = (off, p.numel())
                 off += p.numel()
             b.used, b.written, b.launched = off, set(), False
-        self._inflight = None  # (source, (target, block) or None, pending): the one reduce-scatter in flight
+        # (source, (target, block) or None, pending): the one reduce-scatter in flight
+        self._inflight: tuple[torch.Tensor, tuple | None, Any] | None = None
         self._first = [True] * len(self.buckets)  # no reduction of this bucket yet this step
         self._open = False  # a generation armed with reductions on, not yet flushed
         self._active = False  # between the first arm() of a step and finish()

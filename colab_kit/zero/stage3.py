@@ -77,8 +77,8 @@ def units_of(module: nn.Module, blocks: nn.ModuleList | None = None) -> list[tup
     without one the model is one unit."""
     inner = {id(p) for b in blocks for p in b.parameters()} if isinstance(blocks, nn.ModuleList) else set()
     rest = [p for p in module.parameters() if p.requires_grad and id(p) not in inner]
-    units = [("rest", None, rest)]
-    if inner:
+    units: list[tuple[str, nn.Module | None, list[nn.Parameter]]] = [("rest", None, rest)]
+    if inner and blocks is not None:  # (inner is empty without blocks)
         units += [(f"blocks.{i}", b, [p for p in b.parameters() if p.requires_grad]) for i, b in enumerate(blocks)]
     return units
 
@@ -118,9 +118,10 @@ class ZeroStage3:
         """This rank's pieces, one flat tensor per chunk: what the optimizer steps (in fp32)."""
         mixed = self.chunks[0].full.dtype in (torch.bfloat16, torch.float16)
         self.masters = MasterWeights(self.shards, device="cpu" if offload != "none" else None) if mixed else None
-        """Mixed precision: fp32 masters of the 16-bit shards, what the optimizer steps (``colab_kit.engine.precision``)."""
+        """Mixed precision: fp32 masters of the 16-bit shards, what the optimizer steps
+        (``colab_kit.engine.precision``)."""
         if self.placement is not None:
-            self.placement.keys = self.masters.params if mixed else self.shards
+            self.placement.keys = self.masters.params if self.masters is not None else self.shards
         self.live: set[int] = set()
         self._inflight: list[Chunk] = []  # chunks whose reduce-scatter may still run
         self.peak_gathered = 0
@@ -243,15 +244,16 @@ class ZeroStage3:
         self._inflight = []
         if self.masters is not None:  # the step's fp32 gradients, made from the 16-bit reduced pieces,
             for master, c in zip(self.masters.params, self.chunks, strict=True):  # each piece released once
-                master.grad = c.shard.grad.to(device=master.device, dtype=torch.float32).view_as(master)
-                c.shard.grad.untyped_storage().resize_(0)  # widened (its values are the fp32 ones); back at zero()
+                grad = c.shard_grad()
+                master.grad = grad.to(device=master.device, dtype=torch.float32).view_as(master)
+                grad.untyped_storage().resize_(0)  # widened (its values are the fp32 ones); back at zero()
 
     def master_bytes(self) -> int:
         return self.masters.nbytes if self.masters is not None else 0
 
     def zero(self) -> None:
         for c in self.chunks:
-            g = c.shard.grad
+            g = c.shard_grad()
             if g.untyped_storage().nbytes() < g.numel() * g.element_size():  # released at finish()
                 g.untyped_storage().resize_(g.numel() * g.element_size())
             g.zero_()
@@ -306,7 +308,7 @@ class ZeroStage3:
         """``(tensor, runs)`` per tensor the optimizer steps (this rank's piece of each chunk, or its
         fp32 master), as ``ZeroStage0.optimizer_layout``; a piece's padding is in no run."""
         steps = self.masters.params if self.masters is not None else self.shards
-        out = []
+        out: list[tuple[torch.Tensor, list[tuple]]] = []
         for t, c in zip(steps, self.chunks):
             a, b, runs = c.rank * c.piece, (c.rank + 1) * c.piece, []
             for p in c.params:

@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 from ...config import ParallelConfig
 from ...errors import RankError
@@ -78,8 +79,8 @@ class Cluster(Startup, Waiting):
     """
 
     def __init__(self, n: int | None = None, engines: str = "local", *, ip: str | None = None,
-                 hosts: dict[str, int] | None = None, timeout: float = 60, backend: str | None = None, grace: float = 3.0,
-                 collective_timeout: float = 120, fit: bool = False, **ipp_kwargs):
+                 hosts: dict[str, int] | None = None, timeout: float = 60, backend: str | None = None,
+                 grace: float = 3.0, collective_timeout: float = 120, fit: bool = False, **ipp_kwargs):
         if os.name != "posix":
             raise ClusterError(f"colab_kit's cluster runs on POSIX systems (Linux, macOS), not {sys.platform}: "
                                "on Windows use WSL, or ck.launch for local ranks")
@@ -118,13 +119,15 @@ class Cluster(Startup, Waiting):
         self.hosts = hosts
         self.grace, self.collective_timeout, self.ipp_kwargs = grace, collective_timeout, ipp_kwargs
         self.config: ParallelConfig | None = None
-        self._ipp = self._client = self._watchdog = None
+        self._ipp: Any = None                    # ipyparallel's Cluster and Client, once started
+        self._client: Any = None
+        self._watchdog: Watchdog | None = None
         self._engine_procs: list = []            # this host's engine processes (psutil), for the watchdog
         self._controller_procs: list = []        # the controller's processes: a dead one is noticed
         self._ids: list[int] = []                # engine id of each rank
         self._table = RankTable()
         self._broken: str | None = None          # why the cluster needs a restart
-        self._busy: dict[int, object] = {}       # rank -> unfinished AsyncResult of a timed-out call
+        self._busy: dict[int, Any] = {}       # rank -> unfinished AsyncResult of a timed-out call
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -135,7 +138,7 @@ class Cluster(Startup, Waiting):
     def needs_restart(self) -> bool:
         return self._broken is not None
 
-    def start(self, progress=None) -> "Cluster":
+    def start(self, progress=None) -> Cluster:
         """Start the controller and ``n`` engines, wait for them, initialise torch.distributed.
 
         ``progress(stage, done, total)``, if given, is called while this runs (True prints each stage
@@ -153,10 +156,11 @@ class Cluster(Startup, Waiting):
         if self.hosts:
             kwargs["config"].SSHEngineSetLauncher.engines = dict(self.hosts)
         try:
-            self._watchdog = Watchdog()
+            self._watchdog = watchdog = Watchdog()
             engines = self.engines
             if forking(engines):
-                fork_server()  # the kernel's, not this cluster's: before ``before``; its imports overlap the controller's start
+                # the kernel's, not this cluster's: before ``before``; its imports overlap the controller's start
+                fork_server()
                 engines = forked.ForkedEngineSetLauncher
             before = descendant_pids()
             self._ipp = ipp.Cluster(n=self.n, engines=engines, controller_ip=self.ip, **kwargs)
@@ -164,7 +168,7 @@ class Cluster(Startup, Waiting):
             self._ipp.controller_args = controller_args(self._ipp.controller_args)
             self._ipp.start_controller_sync()
             self._controller_procs = cluster_processes(before)  # the controller and its schedulers
-            self._watchdog.watch(self._controller_procs)
+            watchdog.watch(self._controller_procs)
             self._client = self._ipp.connect_client_sync()
             self._start_engines(progress)
         except BaseException as exc:
@@ -180,7 +184,7 @@ class Cluster(Startup, Waiting):
         (a rank stuck in a collective ignores gentler signals)."""
         self._teardown()
 
-    def restart(self, progress=None) -> "Cluster":
+    def restart(self, progress=None) -> Cluster:
         """Kill the engines, start fresh ones, re-initialise torch.distributed, re-apply the config."""
         progress = stage_progress(progress)
         if self._ipp is None:
@@ -195,7 +199,7 @@ class Cluster(Startup, Waiting):
             raise ClusterError(f"restart failed, the cluster is stopped: {type(exc).__name__}: {exc}") from exc
         return self
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self if self.running else self.start()
 
     def __exit__(self, *exc) -> None:
@@ -204,17 +208,19 @@ class Cluster(Startup, Waiting):
     def _start_engines(self, progress=None) -> None:
         """Start an engine set, wait for ``n`` engines, then bring torch.distributed up."""
         self._ids, self._table, self._broken, self._busy = [], RankTable(), None, {}
+        watchdog = self._watchdog
+        assert watchdog is not None, "start() makes the watchdog before any engine starts"
         if forking(self.engines):
             fork_server()  # a server that died since the start is replaced before ``before``
         before = descendant_pids()
         self._ipp.start_engines_sync(self.n)
         # watched from the start (a failed start ends them too); never the kernel's fork server
         self._engine_procs = [p for p in cluster_processes(before) if p.pid != forked.server_pid()]
-        self._watchdog.watch(self._engine_procs)
+        watchdog.watch(self._engine_procs)
         self._ids = self._wait_for_engines(progress)
         self._engine_procs = with_descendants(self._engine_procs)  # and now their nannies
         self._controller_procs = with_descendants(self._controller_procs)  # its schedulers are up by now
-        self._watchdog.watch(self._engine_procs + self._controller_procs)
+        watchdog.watch(self._engine_procs + self._controller_procs)
         self._init_dist()
         if progress is not None:
             progress("torch.distributed ready", self.n, self.n)
@@ -234,6 +240,7 @@ class Cluster(Startup, Waiting):
         if self._client.ids:
             raise ClusterError(f"engines {self._client.ids} were still registered {self.timeout:g} s after "
                                "they were killed")
+        assert self._watchdog is not None, "start() makes the watchdog before any engine starts"
         self._watchdog.forget(self._engine_procs)
 
     def _teardown(self) -> None:
@@ -317,7 +324,7 @@ class Cluster(Startup, Waiting):
             raise TimeoutError(f"rank {rank} did not answer within {timeout} s")
         ok, value = unwrap_call(ar)
         if not ok:
-            raise RankError({rank: value}, [], "submit")
+            raise RankError({rank: str(value)}, [], "submit")  # the rank's traceback text
         return value
 
     def execute(self, code: str, ranks: list[int] | None = None, timeout: float | None = None,
@@ -345,8 +352,11 @@ class Cluster(Startup, Waiting):
             err.outputs = {r: rank_output(r, ar, err) for r, ar in ars.items()}
             raise
         except KeyboardInterrupt as stop:  # the ranks were interrupted and checked: keep what they said
-            stop.outputs = {r: rank_output(r, ar, None, interrupted=True) for r, ar in ars.items()}
-            stop.cluster_status = self.status()
+            # on the interrupt itself, which the magic catches (another KeyboardInterrupt lacks them): two attributes
+            # of ours on a builtin exception, which mypy cannot know
+            outputs = {r: rank_output(r, ar, None, interrupted=True) for r, ar in ars.items()}
+            stop.outputs = outputs  # type: ignore[attr-defined]
+            stop.cluster_status = self.status()  # type: ignore[attr-defined]
             raise
         return {r: rank_output(r, ar, None) for r, ar in ars.items()}
 

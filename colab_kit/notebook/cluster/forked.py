@@ -5,8 +5,8 @@ colab_kit's remote part before it registers (and its nanny is one more): about 4
 2-core Intel Xeon VM ipyparallel starts 4 engines in 8.6 s and restarts them in 9.1 s; forked, 1.6 s (the
 median of three starts, 2.3, 1.6 and 1.6 s; the first of a kernel also starts the server) and 1.5 s
 (``python bench/cluster.py``; bench/results/cluster.json).
-``ForkedEngineSetLauncher`` is ipyparallel's local launcher with one change: each engine is forked from a server process that imported those modules once
-(the server's own code: ``forked_server.py``).
+``ForkedEngineSetLauncher`` is ipyparallel's local launcher with one change: each engine is forked from a server process
+that imported those modules once (the server's own code: ``forked_server.py``).
 The server is started by the first cluster of a kernel and serves every later start and restart.
 
 What each process is, for ``Cluster(4)`` in a notebook kernel::
@@ -51,7 +51,8 @@ import threading
 
 from .forked_server import WARM_MODULES  # what the server imports (its own code is in forked_server.py)
 
-__all__ = ["ForkServer", "fork_server", "forking", "server_pid", "exit_code", "how_it_ended", "WARM_MODULES"]  # and ForkedEngineSetLauncher
+# and ForkedEngineSetLauncher
+__all__ = ["ForkServer", "fork_server", "forking", "server_pid", "exit_code", "how_it_ended", "WARM_MODULES"]
 
 
 class ForkServer:
@@ -64,9 +65,9 @@ class ForkServer:
         # as a zombie, and the kernel waited until Jupyter gave up on it and sent SIGTERM (2.5 s, atexit skipped)
         self.exits = tempfile.mkdtemp(prefix="colab_kit-exits-")  # the server writes each child's exit status here
         self.forked: set[int] = set()
-        self.proc = subprocess.Popen([sys.executable, "-c", "from colab_kit.notebook.cluster.forked_server import serve; serve()",
-                                      self.exits], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                     start_new_session=True)
+        serve = "from colab_kit.notebook.cluster.forked_server import serve; serve()"
+        self.proc = subprocess.Popen([sys.executable, "-c", serve, self.exits], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
         self._lock = threading.Lock()
 
     @property
@@ -83,15 +84,17 @@ class ForkServer:
         ``fork_server()`` starts a new one."""
         import select
 
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        assert stdin is not None and stdout is not None  # both pipes (subprocess.PIPE)
         with self._lock:
             try:
-                self.proc.stdin.write(json.dumps(dict(argv=argv, env=env, cwd=cwd, log=log)) + "\n")
-                self.proc.stdin.flush()
-                ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+                stdin.write(json.dumps(dict(argv=argv, env=env, cwd=cwd, log=log)) + "\n")
+                stdin.flush()
+                ready, _, _ = select.select([stdout], [], [], timeout)
                 if not ready:
                     raise TimeoutError(f"colab_kit's engine fork server (pid {self.pid}) did not fork an engine "
                                        f"within {timeout:g} s")
-                line = self.proc.stdout.readline()
+                line = stdout.readline()
             except BaseException:
                 self.proc.kill()
                 self.proc.wait()
@@ -133,6 +136,7 @@ class ForkServer:
     def close(self) -> None:
         """End the server (end of input); engines it forked keep running."""
         if self.alive:
+            assert self.proc.stdin is not None  # a pipe (subprocess.PIPE)
             self.proc.stdin.close()  # the server exits on end of input
             try:
                 self.proc.wait(timeout=10)

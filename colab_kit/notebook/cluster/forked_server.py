@@ -64,10 +64,10 @@ def _prefork_nanny():
     """Fork this engine's nanny now, while the process has no thread, and return the ``start_nanny`` that hands it
     its arguments. ipyparallel starts the nanny as a new interpreter (``python -m ipyparallel.engine.nanny``: 0.2 s
     of CPU for its start and imports on a 2-core Intel Xeon VM, ``/usr/bin/time python -c "import
-    ipyparallel.engine.nanny"``, and 27 MiB of its own against 9 forked); forked here it has them already. The protocol is ipyparallel's: the engine
-    writes the pickled arguments, the nanny answers the URL of its relay socket on a line and then watches that
-    pipe, whose closing means the engine has exited. A nanny whose engine never asks (``enable_nanny=False``)
-    reads end of input when the engine exits, and exits too."""
+    ipyparallel.engine.nanny"``, and 27 MiB of its own against 9 forked); forked here it has them already. The
+    protocol is ipyparallel's: the engine writes the pickled arguments, the nanny answers the URL of its relay socket on
+    a line and then watches that pipe, whose closing means the engine has exited. A nanny whose engine never asks
+    (``enable_nanny=False``) reads end of input when the engine exits, and exits too."""
     import pickle
 
     args_r, args_w = os.pipe()
@@ -96,7 +96,7 @@ def _prefork_nanny():
             os._exit(code)
     os.close(args_r)
     os.close(url_w)
-    asked = []
+    asked: list[bool] = []
 
     def start_nanny(**kwargs):
         if asked:  # its pipes are spent: one nanny an engine, as ipyparallel starts one
@@ -152,12 +152,12 @@ def _become_engine(request: dict) -> None:
         try:
             import atexit
             atexit._run_exitfuncs()  # what the engine registered, as an interpreter's exit would run them
-        except BaseException:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001 - an exit hook's failure must not stop the os._exit below
             pass
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a closed stream: nothing left to flush
                 pass
         os._exit(code)
 

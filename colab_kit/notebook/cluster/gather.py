@@ -20,10 +20,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import signal
 import time
+from typing import TYPE_CHECKING, Any
 
 from ...errors import MessageOnly, RankError, RankTimeout
 from . import remote
-from .results import split, unwrap_plain
+from .results import RankTable, split, unwrap_plain
 
 __all__ = ["Waiting", "RESTART_ADVICE", "ClusterError"]
 
@@ -40,6 +41,23 @@ class ClusterError(MessageOnly, RuntimeError):
 class Waiting:
     """The sending and waiting half of ``Cluster`` (needs ``_client``, ``_ids``, ``world_size``,
     ``running``, ``_controller_procs``, ``grace``, ``timeout``, ``_broken``, ``_busy``)."""
+
+    # the fields of ``Cluster`` this half uses (``Cluster.__init__`` sets them)
+    _client: Any  # ipyparallel's Client, None until started
+    _ids: list[int]
+    _table: RankTable
+    _controller_procs: list
+    _broken: str | None
+    _busy: dict[int, Any]
+    grace: float
+    timeout: float
+
+    if TYPE_CHECKING:
+        @property
+        def running(self) -> bool: ...
+
+        @property
+        def world_size(self) -> int: ...
 
     def _controller_dead(self) -> bool:
         """Whether a process of the controller (started by this kernel) has ended."""
@@ -66,8 +84,9 @@ class Waiting:
         from . import forked
 
         row = next((row for row in self._table if row["rank"] == rank), None)
-        here = row is not None and row["host"] == socket.gethostname()  # a pid on another host is another process
-        return forked.how_it_ended(forked.exit_code(row["pid"]) if here else None)
+        if row is None or row["host"] != socket.gethostname():  # a pid on another host is another process
+            return forked.how_it_ended(None)
+        return forked.how_it_ended(forked.exit_code(row["pid"]))
 
     def _dead_ranks(self, ranks) -> list[int]:
         """Ranks whose engine has unregistered (the engine's nanny tells the controller at once)."""
@@ -133,6 +152,7 @@ class Waiting:
         if failures:
             self._raise_failures(failures, pending, where)
         if pending:
+            assert timeout is not None  # without one the loop above ends only when every rank has answered
             self._busy = pending
             raise RankTimeout(sorted(pending), timeout, where,
                               "they are still running it: wait for them (%colossal status), or run "

@@ -149,7 +149,7 @@ def call(fn, args: tuple, kwargs: dict, sources: dict | None = None):
     try:
         install_sources(sources)
         return ("ok", fn(*args, **kwargs))
-    except BaseException:  # KeyboardInterrupt from an interrupt is a failure of this rank too
+    except BaseException:  # noqa: BLE001 - KeyboardInterrupt from an interrupt is a failure of this rank too
         return ("error", traceback.format_exc())
 
 
@@ -159,7 +159,7 @@ def call_packed(data: bytes, sources: dict | None = None):
     try:
         fn, args = unpack(data)
         fn = _in_namespace(fn)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - answered as this rank's error, as call() does
         return ("error", traceback.format_exc())
     return call(fn, args, {}, sources)
 

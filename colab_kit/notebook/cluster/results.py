@@ -13,11 +13,13 @@ it had printed so far.
 from __future__ import annotations
 
 import re
+from typing import cast
 from dataclasses import dataclass, field
 
 from ...errors import RankError
 
-__all__ = ["RankOutput", "RankTable", "split", "check_ranks", "unwrap_plain", "unwrap_call", "unwrap_execute", "rank_output"]
+__all__ = ["RankOutput", "RankTable", "split", "check_ranks", "unwrap_plain", "unwrap_call", "unwrap_execute",
+           "rank_output"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -79,8 +81,8 @@ def unwrap_call(ar) -> tuple[bool, object]:
     ok, value = unwrap_plain(ar)
     if not ok:
         return False, value
-    status, value = value
-    return status == "ok", value
+    status, result = cast(tuple, value)  # remote.call's ("ok" or "error", value)
+    return status == "ok", result
 
 
 def unwrap_execute(ar) -> tuple[bool, object]:
@@ -101,7 +103,7 @@ def rank_output(rank: int, ar, err: RankError | None, interrupted: bool = False)
                 for o in (ar.outputs or []) if isinstance(o, dict)]
     return RankOutput(rank, ar.stdout or "", ar.stderr or "",
                       res["data"].get("text/plain") if res else None,
-                      err.failures.get(rank) if status == "error" else None, status, displays)
+                      err.failures.get(rank) if status == "error" and err is not None else None, status, displays)
 
 
 def split(ar, ranks: list[int]) -> dict:

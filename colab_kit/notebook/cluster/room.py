@@ -6,11 +6,11 @@ of those imports are held once, by the server (about 230 MiB), and each engine h
 own once it has trained a small model (130 MiB for the engine and 9 MiB for the ipyparallel nanny it forks:
 psutil's USS, the pages only that process holds, which is what a memory cgroup charges one more process); the
 controller and the watchdog hold about 50 MiB together (measured on 4 engines after three dp steps of a small
-GPT; ``bench/cluster.py``: 788 MiB in all, against 1,120 MiB for engines started as their own interpreters). Eight engines there
-need about 1.4 GiB with their server and controller, 2.0 GiB with a Jupyter server and a kernel of 0.6 GiB:
-the OOM killer would end the kernel half way through a notebook. ``fit=True`` asks for ``n`` and starts the largest of n, n/2, n/4, ... that the memory left
-holds, so a config that divides ``n`` by powers of two (dp, tp, pp) still divides what starts; it says
-why when it starts fewer.
+GPT; ``bench/cluster.py``: 788 MiB in all, against 1,120 MiB for engines started as their own interpreters).
+Eight engines there need about 1.4 GiB with their server and controller, 2.0 GiB with a Jupyter server and a
+kernel of 0.6 GiB: the OOM killer would end the kernel half way through a notebook. ``fit=True`` asks for ``n``
+and starts the largest of n, n/2, n/4, ... that the memory left holds, so a config that divides ``n`` by powers of two
+(dp, tp, pp) still divides what starts; it says why when it starts fewer.
 
 The limit is the smallest of what this host declares:
 
@@ -24,8 +24,12 @@ The limit is the smallest of what this host declares:
 A worked example, Binder's 2 GiB with a server and a kernel that hold 0.6 GiB::
 
     >>> room = Room(free=int(1.4 * 2**30), source="MEM_LIMIT=2.00 GiB, 0.60 GiB in use")
-    >>> fitting(8, room)
-    (4, 'memory left 1.40 GiB (MEM_LIMIT=2.00 GiB, 0.60 GiB in use) holds 6 engines of ~200 MiB beside a controller, not 8: starting 4 of the 8 asked for')
+    >>> n, why = fitting(8, room)
+    >>> n
+    4
+    >>> print(why)  # doctest: +NORMALIZE_WHITESPACE
+    memory left 1.40 GiB (MEM_LIMIT=2.00 GiB, 0.60 GiB in use) holds 6 engines of ~200 MiB beside a controller,
+    not 8: starting 4 of the 8 asked for
     >>> fitting(4, room)[0]
     4
 """
@@ -38,7 +42,7 @@ from pathlib import Path
 __all__ = ["ENGINE_BYTES", "CONTROLLER_BYTES", "FORK_SERVER_BYTES", "Room", "memory_room", "fitting"]
 
 GiB, MiB = 2**30, 2**20
-ENGINE_BYTES = 200 * MiB      # one forked engine and its nanny after a small training step: 141 MiB USS measured, a margin
+ENGINE_BYTES = 200 * MiB      # a forked engine and its nanny after a small training step: 141 MiB USS, a margin
 CONTROLLER_BYTES = 64 * MiB   # ipyparallel's controller (its hub and schedulers) and the watchdog: ~50 MiB USS
 FORK_SERVER_BYTES = 256 * MiB  # the fork server, torch imported (233 MiB RSS): counted until it runs, then it is in use
 _UNLIMITED = 2**60            # cgroup v1 writes "no limit" as a huge number

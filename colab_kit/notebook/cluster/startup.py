@@ -14,6 +14,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from ...net import LOOPBACK, is_loopback
 from . import remote
@@ -100,6 +102,20 @@ def host_order(hosts: list[str]) -> list[int]:
 
 class Startup:
     """The start-up half of ``Cluster`` (needs ``_client``, ``_ipp``, ``n``, ``ip``, ``timeout``)."""
+
+    # the fields and methods of ``Cluster`` this half uses (``Cluster`` sets and defines them)
+    _client: Any  # ipyparallel's Client and Cluster, None until started
+    _ipp: Any
+    _ids: list[int]
+    _table: RankTable
+    n: int
+    ip: str
+    engines: Any  # a launcher name or class
+    backend: str | None
+    timeout: float
+    collective_timeout: float
+    _gather: Callable[..., dict]
+    _apply: Callable[..., dict]
 
     def _wait_for_engines(self, progress=None) -> list[int]:
         """ipyparallel's public wait, reporting how many engines registered while it runs."""

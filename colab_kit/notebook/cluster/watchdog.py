@@ -44,9 +44,11 @@ class Watchdog:
         self.watched: set[tuple[int, float]] = set()
 
     def _say(self, line: str) -> None:
+        stdin = self._proc.stdin
+        assert stdin is not None  # a pipe (subprocess.PIPE)
         try:
-            self._proc.stdin.write(line + "\n")
-            self._proc.stdin.flush()
+            stdin.write(line + "\n")
+            stdin.flush()
         except (BrokenPipeError, ValueError, OSError):  # the watchdog is gone: nothing to tell
             pass
 
@@ -68,6 +70,7 @@ class Watchdog:
     def close(self) -> None:
         """A clean stop: the watchdog exits without killing anything."""
         self._say("bye")
+        assert self._proc.stdin is not None  # a pipe (subprocess.PIPE)
         try:
             self._proc.stdin.close()
         except OSError:

@@ -42,6 +42,7 @@ import difflib
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -56,6 +57,9 @@ from .output import show_outputs
 from .training import ask_training, summary_lines
 from ..session import ColossalState, current
 
+if TYPE_CHECKING:
+    from ..widgets.memory_view import MemoryView
+
 __all__ = ["ColossalState", "ColossalMagics", "state", "show_outputs", "load_ipython_extension",
            "unload_ipython_extension"]
 
@@ -68,7 +72,8 @@ class ColossalMagics(Magics):
     def __init__(self, shell, state: ColossalState):
         super().__init__(shell)
         self.state = state
-        self._memory_view = None  # the MemoryView %colossal memory showed last (it watches until replaced)
+        # the MemoryView %colossal memory showed last (it watches until replaced)
+        self._memory_view: MemoryView | None = None
 
     @line_cell_magic
     def colossal(self, line: str, cell: str | None = None):
@@ -86,8 +91,8 @@ class ColossalMagics(Magics):
         name, rest = argv[0], argv[1:]
         if name not in COMMANDS:
             near = difflib.get_close_matches(name, COMMANDS, n=1)
-            raise UsageError(f"%colossal: unknown subcommand {name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
-                             + f". Subcommands: {', '.join(COMMANDS)}")
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise UsageError(f"%colossal: unknown subcommand {name!r}{hint}. Subcommands: {', '.join(COMMANDS)}")
         p = command_parser(name)
         if wants_help(rest):  # that subcommand's usage and help, and nothing else
             print(p.format_help())
@@ -229,6 +234,7 @@ class ColossalMagics(Magics):
         """The GPTConfig in the kernel variable ``var`` (or the ``.cfg`` of a GPT there)."""
         from ...models import GPTConfig
 
+        assert self.shell is not None  # a magic runs in a shell
         if var not in self.shell.user_ns:
             raise UsageError(f"%colossal plan: no variable {var!r} in the kernel: define the model's config first, "
                              f"e.g. {var} = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4)")
@@ -301,8 +307,9 @@ class ColossalMagics(Magics):
             self.state.last = getattr(stop, "outputs", None)  # whether the ranks are still in step
             if self.state.last:
                 show_outputs(self.state.last)
-            if getattr(stop, "cluster_status", None):
-                print(f"interrupted; cluster: {stop.cluster_status}", file=sys.stderr)
+            status = getattr(stop, "cluster_status", None)  # set by Cluster.execute
+            if status:
+                print(f"interrupted; cluster: {status}", file=sys.stderr)
             raise
         finally:
             if progress is not None:

@@ -8,6 +8,7 @@ import dataclasses
 import math
 import re
 import shlex
+from typing import Any
 
 from IPython.core.error import UsageError
 
@@ -79,7 +80,7 @@ def _bytes(text: str) -> int:
 # argparse names the type in its message
 _positive_int.__name__, _seconds.__name__, _bytes.__name__, _host_list.__name__ = "int", "float", "bytes", "hosts"
 
-FLAGS = {
+FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "n": (("-n",), dict(type=_positive_int, default=None, metavar="N",
                         help="engines (ranks); default: one per GPU, else 4")),
     "fit": (("--fit",), dict(action="store_true",
@@ -201,7 +202,7 @@ def _flag_lines(flags) -> list[str]:
 def help_text() -> str:
     """Every subcommand with its flags, then the cell magic (``%colossal?`` shows this too)."""
     lines = ["%colossal SUBCOMMAND [flags]   (-h after any subcommand: its help)", ""]
-    for name, (flags, words, text) in COMMANDS.items():
+    for name, (flags, _words, text) in COMMANDS.items():
         lines += [f"  {command_parser(name).usage_line()}", f"      {text}", *_flag_lines(flags)]
     lines += ["", cell_parser().usage_line(), f"      {CELL_HELP}",
               *_flag_lines(CELL_FLAGS)]

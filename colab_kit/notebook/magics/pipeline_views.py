@@ -15,9 +15,11 @@ measured events of its last step, drawn with the idle gaps between them.
 """
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["schedule_view", "timeline_view", "profile_view", "NoTimeline"]
 
-DEFAULTS = {"pp": 4, "microbatches": 8, "schedule": "1f1b", "chunks": 1}
+DEFAULTS: dict[str, Any] = {"pp": 4, "microbatches": 8, "schedule": "1f1b", "chunks": 1}
 
 
 def schedule_view(config=None, *, pp=None, microbatches=None, schedule=None, chunks=None):
@@ -87,7 +89,7 @@ def timeline_view(cluster, var: str = "engine"):
     if not any(got):
         raise NoTimeline(f"the engine {var!r} on the ranks has not trained a step yet: "
                          f"run {var}.train_step(batch) on every rank first")
-    totals = {}
+    totals: dict = {}
     for c in event_cells(got, idle=True):
         if c.lane == 0:
             kind = "idle" if c.kind == "idle" else "comm" if c.kind in ("SF", "RF", "SB", "RB", "comm") else "compute"

@@ -29,7 +29,7 @@ def rank_training() -> list[dict]:
             continue
         seen = eng.__dict__.get("_ck_summarized", 0)
         now = eng.steps_run  # steps run here, not the ones a loaded checkpoint brought
-        eng._ck_summarized = now
+        eng._ck_summarized = now  # type: ignore[attr-defined]  # undeclared state on the engine (issue 40)
         if now <= seen or not eng.records:
             continue
         recs = eng.records[-min(now - seen, len(eng.records)):]

@@ -19,6 +19,8 @@ result or the error; in a kernel that call runs in a worker thread, so the kerne
 """
 from __future__ import annotations
 
+from typing import Any
+
 from ...config import SCHEDULES, SP_MODES, TP_MODES, ConfigError, ParallelConfig
 from ..session import find
 from .display import KernelDisplay, html, then
@@ -52,7 +54,7 @@ class ConfigPicker(KernelDisplay):
         self.error: str | None = None                # the rule it breaks when not
         self.unsupported: str | None = None          # why ck.boost refuses it although it is valid
         self.message = ""                            # result of the last Apply
-        self._ui = None
+        self._ui: dict[str, Any] | None = None  # the widgets, once built
         self._validate()
 
     # ------------------------------------------------------------ logic (no widgets)
@@ -100,6 +102,7 @@ class ConfigPicker(KernelDisplay):
             return f"not valid: {self.error}"
         if self.unsupported is not None:
             return f"valid, not runnable yet: {self.unsupported}"
+        assert self.config is not None  # _validate sets a config or an error
         n = self.world_size
         fits = f" fits the {n} ranks" if n is not None else " (no cluster: nothing to check the world size against)"
         return f"ok: {self.config.describe()}{fits}"
@@ -145,6 +148,7 @@ class ConfigPicker(KernelDisplay):
         """The Apply button: show that it is applying, set the config (off the kernel's loop when one runs),
         then show the result or the error. Returns the task, or None when it ran at once."""
         ui = self._ui
+        assert ui is not None  # a click: the widgets exist
         ui["apply"].disabled, ui["apply"].description = True, "Applying…"
         ui["message"].value = (f"applying {self.config.describe()}: building the mesh on every rank…"
                                if self.config else "applying…")
@@ -159,6 +163,7 @@ class ConfigPicker(KernelDisplay):
     def _applied(self, message: str) -> None:
         self.message = message
         ui = self._ui
+        assert ui is not None  # the end of a click: the widgets exist
         ui["message"].value = message
         ui["apply"].disabled, ui["apply"].description = False, "Apply"
 
@@ -197,6 +202,7 @@ class ConfigPicker(KernelDisplay):
 
     def _sync_ui(self, changes: dict) -> None:
         ui = self._ui
+        assert ui is not None  # called once they are built
         for key, value in changes.items():
             if ui[key].value != value:
                 ui[key].value = value  # observers call set() again with the same value: harmless

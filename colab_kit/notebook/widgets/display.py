@@ -19,6 +19,8 @@ the buttons then do their work at once, synchronously.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["KernelDisplay", "running_loop", "off_loop", "in_kernel", "html"]
 
@@ -71,6 +73,8 @@ def then(attempt, done):
 
 class KernelDisplay:
     """Shows ``self.widget()`` in a kernel with ``repr(self)`` as its text/plain; elsewhere prints ``repr``."""
+
+    widget: Callable[[], Any]  # each subclass builds its own ipywidgets view
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
         bundle = {"text/plain": repr(self)}

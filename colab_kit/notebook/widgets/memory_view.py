@@ -31,6 +31,7 @@ a refresh that fails shows its error in the widget and never in the cell. ``unwa
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from .display import KernelDisplay, html, keep_quiet, off_loop, running_loop
 from ..session import find
@@ -85,8 +86,12 @@ class MemoryView(KernelDisplay):
         self.estimated: list[dict | None] | None = None
         self.budget: int | None = None
         self.steps: list[int | None] = []
-        self.refreshes, self.error, self.busy = 0, None, False
-        self._ui, self._shell, self._every_cell, self._task = None, None, False, None
+        self.refreshes, self.busy = 0, False
+        self.error: str | None = None
+        self._ui: dict[str, Any] | None = None  # the widgets, once built
+        self._shell: Any = None
+        self._every_cell = False
+        self._task: asyncio.Task | None = None
         self.refresh()
 
     # ------------------------------------------------------------ logic (no widgets)
@@ -102,12 +107,12 @@ class MemoryView(KernelDisplay):
             raise NoMemory("no cluster to read: start one with %colossal start -n 4, or pass MemoryView(cluster)")
         return source
 
-    def refresh(self) -> "MemoryView":
+    def refresh(self) -> MemoryView:
         """Gather memory, estimate, budget and step from every rank, then redraw."""
         self._take(self._gather())
         return self
 
-    def set_by(self, by: str) -> "MemoryView":
+    def set_by(self, by: str) -> MemoryView:
         self.by = self._check_by(by)
         if self._ui is not None and self._ui["by"].value != by:
             self._ui["by"].value = by  # its observer calls set_by again, which redraws
@@ -132,7 +137,8 @@ class MemoryView(KernelDisplay):
         """The text form: one row per rank, each cell ``measured / estimated`` in one unit."""
         from ...viz.memory import segments
 
-        cols = {**segments(self.measured), **segments(self.measured, "place")}
+        measured: list[dict | None] = list(self.measured)
+        cols = {**segments(measured), **segments(measured, "place")}
         ests = self.estimated or [None] * len(self.measured)
         est = {**segments(ests), **segments(ests, "place")} if self.estimated is not None else {}
         unit, scale = _unit([v for vs in (*cols.values(), *est.values()) for v in vs])
@@ -149,7 +155,7 @@ class MemoryView(KernelDisplay):
         return self.table() + (f"\n  last refresh failed: {self.error}" if self.error else "")
 
     # ------------------------------------------------------------ refreshed after each step
-    def watch(self, shell=None, every_cell: bool = False) -> "MemoryView":
+    def watch(self, shell=None, every_cell: bool = False) -> MemoryView:
         """Refresh after each successful cell that ran ``%%colossal`` (or every cell); see the module doc."""
         from IPython import get_ipython
 

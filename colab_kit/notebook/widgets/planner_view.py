@@ -23,6 +23,8 @@ made-up pair of candidates on 4 ranks under 8 MiB per rank the text reads::
 """
 from __future__ import annotations
 
+from typing import Any
+
 from ...viz.memory import CATEGORIES, MIB
 from ..session import find
 from ...viz.planner import config_words, plan_figure
@@ -65,7 +67,7 @@ class PlannerView(KernelDisplay):
         self.state = state if state is not None else find()
         self.selected = next((i for i, c in enumerate(self.candidates) if c.fits), 0)
         self.message = ""
-        self._ui = None
+        self._ui: dict[str, Any] | None = None  # the widgets, once built
 
     # ------------------------------------------------------------ logic (no widgets)
     @property
@@ -181,14 +183,17 @@ class PlannerView(KernelDisplay):
         """The Apply button: disabled and "Applying…" while the ranks set the config (in a worker thread
         when the kernel's loop runs, so the kernel stays free); then the result. Returns the task, or None."""
         ui = self._ui
+        assert ui is not None  # a click: the widgets exist
         ui["apply"].disabled, ui["apply"].description = True, "Applying…"
         ui["message"].value = html(f"applying {config_words(self.chosen.config)}: building the mesh on every rank…")
         return then(self._attempt, self._applied)
 
     def _applied(self, message: str) -> None:
         self.message = message
-        self._ui["message"].value = html(message)
-        self._ui["apply"].disabled, self._ui["apply"].description = False, "Apply"
+        ui = self._ui
+        assert ui is not None  # the end of a click: the widgets exist
+        ui["message"].value = html(message)
+        ui["apply"].disabled, ui["apply"].description = False, "Apply"
 
     def _redraw(self, figure: bool = True) -> None:
         ui = self._ui
@@ -204,6 +209,7 @@ class PlannerView(KernelDisplay):
     def _move_ring(self) -> None:
         """Ring the chosen candidate: on a FigureWidget only the "chosen" trace moves (its markers keep their
         click handlers and nothing is deleted and re-added); an Output is drawn again."""
+        assert self._ui is not None  # called by _redraw once they are built
         view = self._ui["figure"]
         ring = next((t for t in getattr(view, "data", ()) if t.name == "chosen"), None)
         if ring is None:

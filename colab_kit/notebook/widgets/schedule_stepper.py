@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
+from typing import Any
 
 from .display import KernelDisplay, html, keep_quiet, off_loop, running_loop
 from ..session import find
@@ -62,8 +63,11 @@ class ScheduleStepper(KernelDisplay):
         from ...pipeline import lower, steps
 
         self.var, self.batch, self.k, self.delay = var, batch, max(1, int(k)), delay
-        self.cluster, self._ui = None, None
-        self.busy, self.error, self._task, self._pause = False, None, None, False
+        self.cluster: Any = None  # a Cluster (or what runs like one), None for a plan alone
+        self._ui: dict[str, Any] | None = None  # the widgets, once built
+        self.busy, self._pause = False, False
+        self.error: str | None = None
+        self._task: asyncio.Task | None = None
         if hasattr(source, "actions") and hasattr(source, "pp"):
             plan, what, states = lower(source), "plan only (no engine ran these actions)", None
         else:
@@ -203,7 +207,10 @@ class ScheduleStepper(KernelDisplay):
         import ipywidgets as w
 
         ui = {"status": w.HTML(), "loss": w.HTML(), "errors": w.Output()}  # errors: a failed click, whole
-        one = lambda: self.step(redraw=False)  # noqa: E731 - one step of self.k timesteps (the slider's)
+
+        def one():  # one step of self.k timesteps (the slider's)
+            return self.step(redraw=False)
+
         for name, tip, action in (
                 ("Step", "run the next timesteps on every rank", lambda: self._start(one)),
                 ("Play", "step until the training step has finished", lambda: self._start(one, repeat=True)),

@@ -11,6 +11,10 @@ the rank's namespace by name (``engine`` unless told otherwise)::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ...pipeline.plan import PipelinePlan
 
 __all__ = ["StepperState", "StepperError"]
 
@@ -60,7 +64,7 @@ def _rank_finish(var: str):
 class StepperState:
     """What the stepper shows: the plan, how far the ranks got, what each reported."""
 
-    plan: object
+    plan: PipelinePlan
     """The lowered plan the ranks run."""
     grid: list
     """Its lockstep grid (``check.steps``): per timestep, the action of each pipeline rank or None."""
@@ -122,8 +126,9 @@ class StepperState:
         for r, s in sorted(self.ranks.items()):
             held = s.get("held", [])
             what = f"next {s['next']}" if s.get("next") and self.running else "ran its whole plan"
-            lines.append(f"pp rank {r} (rank {s.get('rank', r)}): ran {len(s.get('executed', []))} of {s.get('of', '?')}"
-                         f" actions, {what}, holds {len(held)} activation{'s' if len(held) != 1 else ''}"
+            lines.append(f"pp rank {r} (rank {s.get('rank', r)}): ran {len(s.get('executed', []))} of "
+                         f"{s.get('of', '?')} actions, {what}, "
+                         f"holds {len(held)} activation{'s' if len(held) != 1 else ''}"
                          + (f" ({s['held_bytes'] / 1024:.1f} KiB)" if s.get("held_bytes") else ""))
         if self.loss is not None:
             lines.append(f"loss of step {len(self.losses)}: {self.loss:.4f}")
