@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import importlib
 
-from . import _moved
 from .config import ConfigError, ParallelConfig
 from .errors import RankError, RankTimeout
 from .launch import launch
 from .mesh import MeshLayout, ProcessMesh
-
-_moved.install()  # 0.1's module paths (colab_kit.cluster, colab_kit.engine_records, ...) for one more version
 
 __version__ = "0.2.0"
 

@@ -29,5 +29,3 @@ __all__ = ["Action", "parse", "format_actions", "stage_rank"]
 __all__ += ["PipelinePlan", "PLACEMENTS", "SCHEDULE_PLACEMENT", "build_plan", "build_plan_for", "lower", "peer", "message_tag", "check", "steps",
             "PlanError", "simulate", "Timeline"]
 __all__ += ["PipelineExecutor", "PipelineHang", "Stage", "split_model"]
-
-Plan = PipelinePlan  # the 0.1 name, kept for one version

@@ -311,5 +311,3 @@ class ZeroStage1(ZeroStage0):
         (mixed precision: on the masters' fp32 gradients)."""
         sum_slices(self.masters.grads if self.masters is not None else self._pieces, self._sums, self.mesh)
 
-
-ZeroBuckets = ZeroStage1  # the 0.1 name, kept for one version

@@ -347,5 +347,3 @@ class ZeroStage3:
         pieces = self.masters.grads if self.masters is not None else [c.shard.grad for c in self.chunks]
         sum_slices(pieces, self._sums, self.mesh)
 
-
-ZeroParams = ZeroStage3  # the 0.1 name, kept for one version
