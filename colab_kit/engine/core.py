@@ -165,7 +165,8 @@ class Engine(EngineRecords):
         self.policy = policy
         """The ``colab_kit.policy.Policy`` the parallel parts lowered (None: a model under dp / ZeRO only)."""
         self._logits = policy.output if policy is not None and policy.output is not None else (lambda out: out)
-        from .sharded_init import defer, materialize, meta_twin  # a meta-device model: only this rank's shards are made
+        from ..sharded_init import materialize, meta_twin  # a meta-device model: only this rank's shards are made
+        from ..pipeline.stage import defer_stages as defer
         self.dense_twin = meta_twin(model)  # shapes and names only: the dense model the checkpoint maps elements to
         self.tp_plan = None
         defer(model, config, mesh.rank("pp"), policy)

@@ -223,7 +223,7 @@ def traced_activations(model, shape, dtype=None, precision: str = "fp32") -> int
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
-    from ..engine.sharded_init import meta_twin
+    from ..sharded_init import meta_twin
     from ..engine.precision import compute_dtype
     twin = meta_twin(model)
     twin.train()

@@ -141,7 +141,7 @@ def _traced(model: torch.nn.Module, shape: tuple, training: bool, dtype) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
-    from ..engine.sharded_init import meta_twin
+    from ..sharded_init import meta_twin
     twin = meta_twin(model)  # a meta copy: the caller's model keeps its mode and storage
     twin.train(training)
     if dtype is None:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..pipeline.zero_bubble import split_linear
-from ..engine.sharded_init import dense_value
+from ..sharded_init import dense_value
 from ..placement import declare
 from ..policy import get_module
 from .plan import TensorPlan, require_divisible
@@ -35,7 +35,7 @@ __all__ = ["ColumnLinear", "RowLinear", "VocabEmbedding", "Plan1D", "local_looku
 
 
 def _slice(t: torch.Tensor, n: int, i: int, dim: int) -> torch.Tensor:
-    """Block ``i`` of ``n`` along ``dim`` of ``t``'s dense value (made here if ``t`` is meta: ``colab_kit.engine.sharded_init``)."""
+    """Block ``i`` of ``n`` along ``dim`` of ``t``'s dense value (made here if ``t`` is meta: ``colab_kit.sharded_init``)."""
     return dense_value(t).detach().chunk(n, dim=dim)[i].clone()
 
 
