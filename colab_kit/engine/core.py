@@ -41,7 +41,7 @@ import torch.nn as nn
 from .. import comm
 from ..config import ConfigError, ParallelConfig
 from ..zero.stage0 import ZeroStage0, GradientPart, split_batch
-from ..memory.measure import ActivationMeter
+from ..measure import ActivationMeter
 from .records import EngineRecords
 from ..mesh import ProcessMesh
 from .precision import LossScaler, MasterWeights, loss_in_fp32, master_step, to_compute_dtype

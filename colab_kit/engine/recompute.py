@@ -65,7 +65,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .classes import derived_class
+from ..policy.classes import derived_class
 from ..config import ConfigError
 
 __all__ = ["recompute_blocks", "is_recomputed", "recomputed_class"]

@@ -50,7 +50,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .measure import SavedRef, _unpack
+from ..measure import SavedRef, _unpack
 from .peak import _is_machinery, _walk
 
 __all__ = ["MemoryTimeline", "memory_timeline", "record_timeline", "timeline_figure", "CATEGORIES"]

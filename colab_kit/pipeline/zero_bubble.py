@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..memory.measure import tensor_bytes
+from ..measure import tensor_bytes
 
 __all__ = ["ZeroBubbleLinear", "split_linear", "WeightGradStore", "input_pass_leaves", "DeferredLinear",
            "use_split_backward"]

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from ..memory.measure import tensor_bytes
+from ..measure import tensor_bytes
 
 __all__ = ["Account", "DeviceBudgetExceeded", "ChunkPlacement", "host_device"]
 
