@@ -44,7 +44,7 @@ from ..zero.stage0 import ZeroStage0, GradientPart, split_batch
 from ..measure import ActivationMeter
 from .records import EngineRecords
 from ..mesh import ProcessMesh
-from .precision import LossScaler, MasterWeights, loss_in_fp32, master_step, to_compute_dtype
+from ..precision import LossScaler, MasterWeights, loss_in_fp32, master_step, to_compute_dtype
 from .loss import TokenLoss, lm_loss, token_losses
 from ..policy.fit import check_policy
 from ..tensor import plan_for, sync_grads
@@ -194,7 +194,7 @@ class Engine(EngineRecords):
         self._dropout = DropoutLayout(mesh, self.tp_plan, self.sp_plan) if dropout else None
         """With dropout in the model: where this rank's tensors sit, set around each microbatch."""
         if config.recompute:  # each block keeps its input only, runs its forward again in backward
-            from .recompute import recompute_blocks
+            from ..recompute import recompute_blocks
             recompute_blocks(model, policy)  # before the split: the stages hold these same blocks
         stages = None
         self._tied = []

@@ -20,7 +20,7 @@ stage by stage), the activations from a count of what each GPT op saves
 (``activation_bytes``). For the example above ``estimate(110_336, "adamw", model=cfg,
 rows=8)`` gives params 441,344, grads 441,344, optimizer 882,688 (no step counters) and
 activations 2,316,548 B: the meter counts 12,288 B more, the whole batch's token ids and
-targets that the rank's rows are slices of. With ``recompute=True`` (``colab_kit.engine.recompute``)
+targets that the rank's rows are slices of. With ``recompute=True`` (``colab_kit.recompute``)
 each block keeps only its input: 334,084 B estimated (the meter: the same 12,288 B more).
 
 Where each part lives:

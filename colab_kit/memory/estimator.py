@@ -224,7 +224,7 @@ def traced_activations(model, shape, dtype=None, precision: str = "fp32") -> int
     from torch.func import functional_call
 
     from ..sharded_init import meta_twin
-    from ..engine.precision import compute_dtype
+    from ..precision import compute_dtype
     twin = meta_twin(model)
     twin.train()
     low = compute_dtype(precision)

@@ -68,7 +68,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["StatePeak", "state_bytes", "MACHINERY", "WALK"]
 
-MACHINERY = ("colab_kit.zero", "colab_kit.zero.stage0", "colab_kit.engine.precision",
+MACHINERY = ("colab_kit.zero", "colab_kit.zero.stage0", "colab_kit.precision",
              "torch.distributed.fsdp", "torch.distributed._composable", "torch.distributed.optim")
 """Modules whose allocations are model-state machinery (buckets, gathered parameters, copies)."""
 WALK = MACHINERY + ("torch.optim", "torch.nn.parallel")

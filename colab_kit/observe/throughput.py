@@ -336,7 +336,7 @@ def engine_throughput(engine, last: int | None = None) -> dict:
     per_step = mean(flops)
     tok = None if None in tokens else mean(tokens)
     world = engine.config.world_size
-    from ..engine.precision import compute_dtype
+    from ..precision import compute_dtype
     peak = peak_matmul(engine.mesh.device, compute_dtype(engine.config.precision))
     achieved = per_step / seconds
     return {"steps": len(records), "step_seconds": seconds, "input_shape": tuple(records[-1]["input_shape"]),

@@ -40,7 +40,7 @@ from typing import Protocol
 import torch
 
 from .. import comm
-from ..engine.precision import MasterWeights
+from ..precision import MasterWeights
 
 __all__ = ["ZeroStage0", "GradientPart", "split_batch", "default_bucket_bytes", "fill_buckets"]
 
@@ -96,7 +96,7 @@ class _Bucket:
         self.index, self.params, self.buffer = index, params, buffer
         self.ready = 0
         self.pending = None
-        self.staged = None  # mixed precision: the fp32 copy that is reduced (colab_kit.engine.precision)
+        self.staged = None  # mixed precision: the fp32 copy that is reduced (colab_kit.precision)
         offset = 0
         for p in params:
             p.grad = buffer[offset:offset + p.numel()].view_as(p)
@@ -116,7 +116,7 @@ class ZeroStage0:
     of gradient accumulation) gradients only accumulate. ``finish()`` after the
     last backward waits for every bucket; ``zero()`` clears them for the next step.
 
-    With 16-bit parameters (mixed precision, ``colab_kit.engine.precision``) gradients still accumulate
+    With 16-bit parameters (mixed precision, ``colab_kit.precision``) gradients still accumulate
     in the 16-bit buckets, but each bucket is reduced as an fp32 copy that becomes the ``.grad``
     of the fp32 ``masters`` (the optimizer is built over them: ``build_optimizer``) until ``zero()``.
     """
@@ -157,7 +157,7 @@ class ZeroStage0:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}  # for ready()
         self.t0 = time.perf_counter()
         self.masters = self._build_masters(params)
-        """fp32 master weights when the parameters are 16-bit (colab_kit.engine.precision), else None."""
+        """fp32 master weights when the parameters are 16-bit (colab_kit.precision), else None."""
 
     def _build_masters(self, params):
         low = self.flat.dtype in (torch.bfloat16, torch.float16)

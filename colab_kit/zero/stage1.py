@@ -56,7 +56,7 @@ Memory (fp32, P parameters, dp = n), what ``nbytes`` and ``engine.memory()`` rep
   exists only from its first gradient to the end of its own reduce-scatter, and every microbatch
   is reduced (``colab_kit.zero.stage2.ZeroStage2``, the subclass ``ck.boost`` builds for zero=2).
 
-Mixed precision (``colab_kit.engine.precision``): the buffers above are 16-bit; each bucket is
+Mixed precision (``colab_kit.precision``): the buffers above are 16-bit; each bucket is
 reduce-scattered as an fp32 copy, the fp32 pieces are the ``.grad`` of this rank's fp32
 ``masters`` (the optimizer's tensors, 4P/n, counted as "optimizer"); stage 2 keeps its
 reduced piece in 16 bits (2P/n). After the step the masters are copied into the 16-bit pieces.
@@ -82,7 +82,7 @@ from ..config import ConfigError
 from .stage0 import ZeroStage0
 from ..measure import tensor_bytes
 from ..engine.optimizer import ELEMENTWISE, check_elementwise
-from ..engine.precision import MasterWeights
+from ..precision import MasterWeights
 
 __all__ = ["ZeroStage1", "check_optimizer", "ELEMENTWISE"]
 
@@ -165,7 +165,7 @@ class ZeroStage1(ZeroStage0):
         mixed = dtype in (torch.bfloat16, torch.float16)
         self.masters = (MasterWeights(self.shards, device="cpu" if offload == "cpu" else None)
                         if mixed or offload == "cpu" else None)
-        """Mixed precision: fp32 masters of the pieces, what the optimizer steps (colab_kit.engine.precision).
+        """Mixed precision: fp32 masters of the pieces, what the optimizer steps (colab_kit.precision).
         ``offload="cpu"`` (ZeRO-Offload): the masters live on the host, fp32 included, so the
         optimizer's states and its update are there too; the parameters stay on the device."""
         self._reduced = [None] * len(self.shards)  # mixed precision: the fp32 reduced pieces of this step
@@ -233,7 +233,7 @@ class ZeroStage1(ZeroStage0):
 
     def _masters_grads(self) -> None:
         """Mixed precision: the fp32 reduced pieces become the masters' gradients. Stage 2 keeps its
-        reduced piece in 16 bits (2 Psi / N, the paper's; see colab_kit.engine.precision), the master's
+        reduced piece in 16 bits (2 Psi / N, the paper's; see colab_kit.precision), the master's
         fp32 gradient made from it for this step."""
         for b in self.buckets:
             b.staged = None

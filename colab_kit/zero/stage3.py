@@ -48,7 +48,7 @@ paper's 2P/N is there again. The values are those of the 16-bit pieces: parity i
 Hooks: a forward pre-hook and a forward hook on each block (the policy's ``blocks``) and on the
 model, a tensor hook on each block's output (its backward is next), and a post-accumulate-grad
 hook on every parameter. A model without a policy is one chunk, gathered for the whole step.
-With recompute (``colab_kit.engine.recompute``) a block's own hooks fire once, around the forward;
+With recompute (``colab_kit.recompute``) a block's own hooks fire once, around the forward;
 its recomputation in backward runs after the output hook gathered it. Pipeline parallelism is
 refused with zero=3 (see ``engine.unsupported``).
 """
@@ -63,7 +63,7 @@ import torch
 import torch.nn as nn
 
 from ..config import ConfigError
-from ..engine.precision import MasterWeights
+from ..precision import MasterWeights
 from .stage1 import build_over, sum_slices
 from .chunks import Chunk
 
@@ -118,7 +118,7 @@ class ZeroStage3:
         """This rank's pieces, one flat tensor per chunk: what the optimizer steps (in fp32)."""
         mixed = self.chunks[0].full.dtype in (torch.bfloat16, torch.float16)
         self.masters = MasterWeights(self.shards, device="cpu" if offload != "none" else None) if mixed else None
-        """Mixed precision: fp32 masters of the 16-bit shards, what the optimizer steps (``colab_kit.engine.precision``)."""
+        """Mixed precision: fp32 masters of the 16-bit shards, what the optimizer steps (``colab_kit.precision``)."""
         if self.placement is not None:
             self.placement.keys = self.masters.params if mixed else self.shards
         self.live: set[int] = set()

@@ -344,7 +344,7 @@ MIXED = [dict(dp=2, zero=1, precision="fp16"), dict(dp=2, zero=2, precision="bf1
 
 
 def test_mixed_precision_recipe_matches_one_process():
-    from colab_kit.engine.precision import UNIT_ROUNDOFF, tolerance
+    from colab_kit.precision import UNIT_ROUNDOFF, tolerance
     got = ck.launch(_train_mixed, 2, MIXED)[0]
     for kw in MIXED:
         p = kw["precision"]

@@ -99,7 +99,7 @@ def recomputed_class(cls: type) -> type:
         return forward
 
     return derived_class(cls, "Recomputed", make_forward, __name__,
-                         f"``{cls.__name__}`` whose activations are recomputed in backward (colab_kit.engine.recompute).",
+                         f"``{cls.__name__}`` whose activations are recomputed in backward (colab_kit.recompute).",
                          _ck_recomputed_from=cls)
 
 
