@@ -28,7 +28,7 @@ _LAZY = {"Cluster": ("notebook.cluster", "Cluster"), "boost": ("engine.core", "b
          "Engine": ("engine.core", "Engine"), "init": ("join", "init"), "export": ("notebook.magics.export", "export"),
          "plan": ("planner", "plan"), "dry_run": ("planner.at_scale", "dry_run")}
 # ck.<name> -> the module it names (the notebook layer's three live in colab_kit.notebook)
-_SUBMODULES = {"models": "models", "datasets": "datasets", "recipe": "models.recipe", "optimizer": "engine.optimizer",
+_SUBMODULES = {"models": "models", "datasets": "datasets", "recipe": "models.recipe", "optimizer": "zero.optimizer",
                "viz": "viz", "widgets": "notebook.widgets", "comm": "comm", "magics": "notebook.magics",
                "cluster": "notebook.cluster", "engine": "engine", "data": "zero.stage0", "memory": "memory",
                "tensor": "tensor", "pipeline": "pipeline", "reference": "engine.reference", "planner": "planner",

@@ -118,7 +118,7 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
         raise ConfigError(why)
     from .clipping import check_max_norm
     check_max_norm(max_grad_norm)
-    from .optimizer import OptimizerSpec, check_elementwise, check_scheduler
+    from ..zero.optimizer import OptimizerSpec, check_elementwise, check_scheduler
     if isinstance(optimizer, torch.optim.Optimizer):  # read before the model is sharded: names, groups, settings
         spec = OptimizerSpec.capture(optimizer, model)
     elif callable(optimizer):
@@ -140,7 +140,7 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
     try:
         engine = Engine(model, spec if spec is not None else optimizer, config, mesh, loss_fn, bucket_bytes,
                         device_budget, policy)
-        from .optimizer import attach_scheduler
+        from ..zero.optimizer import attach_scheduler
         engine.lr_scheduler = attach_scheduler(lr_scheduler, optimizer if spec is not None else None,
                                                engine.optimizer)
     except BaseException:
@@ -225,7 +225,7 @@ class Engine(EngineRecords):
         """offload='auto': the bytes each rank's device may hold (``colab_kit.zero.offload``); else None."""
         self.scaler = LossScaler() if config.precision == "fp16" else None
         """fp16: the dynamic loss scale (``colab_kit.engine.precision.LossScaler``); None otherwise."""
-        from .optimizer import OptimizerSpec, local_names
+        from ..zero.optimizer import OptimizerSpec, local_names
         spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
         names = local_names(self.module)
         group_of = (lambda p: spec.group_of(names[id(p)])) if spec is not None and len(spec.hypers) > 1 else None
@@ -264,7 +264,7 @@ class Engine(EngineRecords):
         """The optimizer over what this rank steps (``grads.optimizer_layout()``): a factory called with
         those tensors, or the user's optimizer rebuilt over them group by group (``colab_kit.engine.optimizer``);
         refused where parameters are cut (ZeRO, tp) unless it is elementwise."""
-        from .optimizer import OptimizerSpec, check_elementwise, rebuild
+        from ..zero.optimizer import OptimizerSpec, check_elementwise, rebuild
         self._views, self._opt_layout = None, None
         if isinstance(optimizer, OptimizerSpec):
             self.optimizer, self._views, keys, self._opt_layout = rebuild(optimizer, self.grads.optimizer_layout(),

@@ -137,7 +137,7 @@ class ZeroStage0:
             bucket_bytes = default_bucket_bytes(sum(p.numel() * p.element_size() for p in params), shared)
         groups = [[params[i] for i in g] for g in fill_buckets([p.numel() * p.element_size() for p in params],
                                                                 bucket_bytes)]
-        if group_of is not None:  # the user's param groups: each bucket ordered by group (colab_kit.engine.optimizer)
+        if group_of is not None:  # the user's param groups: each bucket ordered by group (colab_kit.zero.optimizer)
             groups = [sorted(g, key=group_of) for g in groups]
         # one contiguous buffer for every gradient (bucket after bucket), so zeroing is one call
         # and each bucket's all-reduce runs on a contiguous slice of it (DDP's gradient_as_bucket_view)

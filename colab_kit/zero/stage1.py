@@ -44,9 +44,9 @@ update on a flat piece as on each parameter. One that looks at a whole parameter
 LAMB and LARS scale each parameter's update by the ratio of its norms, Adafactor factors a
 matrix's second moment by rows and columns; on a flat piece those are norms of a piece of
 several parameters. ``check_optimizer`` refuses the ones torch ships (LBFGS, SparseAdam,
-Adafactor, Muon) and any optimizer not known to be elementwise (``colab_kit.engine.optimizer``). A user's
+Adafactor, Muon) and any optimizer not known to be elementwise (``colab_kit.zero.optimizer``). A user's
 optimizer with param groups (``boost(model, optimizer, cfg)``) keeps them: each bucket is ordered by
-group, and a piece that spans two groups is stepped as one view per group (``colab_kit.engine.optimizer``).
+group, and a piece that spans two groups is stepped as one view per group (``colab_kit.zero.optimizer``).
 
 Memory (fp32, P parameters, dp = n), what ``nbytes`` and ``engine.memory()`` report:
 
@@ -81,7 +81,7 @@ from .. import comm
 from ..config import ConfigError
 from .stage0 import ZeroStage0
 from ..measure import tensor_bytes
-from ..engine.optimizer import ELEMENTWISE, check_elementwise
+from .optimizer import ELEMENTWISE, check_elementwise
 from ..precision import MasterWeights
 
 __all__ = ["ZeroStage1", "check_optimizer", "ELEMENTWISE"]
@@ -89,7 +89,7 @@ __all__ = ["ZeroStage1", "check_optimizer", "ELEMENTWISE"]
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Refuse an optimizer that cannot step flat pieces: one that needs whole parameters, or one not known
-    to be elementwise (``colab_kit.engine.optimizer.elementwise`` declares a user's class)."""
+    to be elementwise (``colab_kit.zero.optimizer.elementwise`` declares a user's class)."""
     check_elementwise(optimizer, "ZeRO steps flat pieces of several parameters")
 
 

@@ -104,7 +104,7 @@ class ZeroStage3:
         self.events = events if events is not None else []
         self.prefetch = prefetch
         units = units_of(module, blocks)
-        if group_of is not None:  # the user's param groups: each chunk ordered by group (colab_kit.engine.optimizer)
+        if group_of is not None:  # the user's param groups: each chunk ordered by group (colab_kit.zero.optimizer)
             units = [(name, block, sorted(ps, key=group_of)) for name, block, ps in units]
         if len({(p.dtype, p.device) for _, _, ps in units for p in ps}) > 1:
             raise ConfigError("ZeRO keeps parameters in flat chunks: they must share one dtype and device")
@@ -298,7 +298,7 @@ class ZeroStage3:
 
     def set_optimizer(self, optimizer, keys=None) -> None:
         """The optimizer whose states the placement moves with each chunk; ``keys[i]``: the tensors it steps
-        for chunk i (its piece, or one view per param group the piece spans: ``colab_kit.engine.optimizer``)."""
+        for chunk i (its piece, or one view per param group the piece spans: ``colab_kit.zero.optimizer``)."""
         if self.placement is not None:
             self.placement.optimizer, self.placement.state_keys = optimizer, keys
 

@@ -408,7 +408,7 @@ def test_scheduler_states_survive_the_manifest():
 
 
 def test_named_parameters_optimizer_keeps_no_stale_names():
-    from colab_kit.engine.optimizer import OptimizerSpec
+    from colab_kit.zero.optimizer import OptimizerSpec
     model = GPT(GPT_CFG)
     spec = OptimizerSpec.capture(torch.optim.AdamW(model.named_parameters(), lr=1e-3), model)
     assert all("param_names" not in h for h in spec.hypers)
