@@ -171,7 +171,7 @@ def pipeline_peak(model, config, rows: int, seq: int) -> list[int]:
 
 
 def _weight_store(model, config, rows: int, seq: int, layers: int, last: bool) -> int:
-    """What a zero-bubble I leaves for its W (``pipeline.zero_bubble.WeightGradStore``): each
+    """What a zero-bubble I leaves for its W (``tensor.zero_bubble.WeightGradStore``): each
     Linear's input, 1D layout (qkv h, proj h/tp, fc1 h, fc2 f/tp; the head h and its output
     gradient V/tp). The store also keeps the blocks' output gradients; counting them too
     overestimated what the meter measures (zb-h1, pp=2, m=2, recompute: 1,114,112 B estimated

@@ -80,7 +80,7 @@ from .host import PipelineHost
 from .lowering import lower
 from .messages import CommActions, _last, receives_ahead
 from .compute import ComputeActions
-from .zero_bubble import use_split_backward
+from ..tensor.zero_bubble import use_split_backward
 
 __all__ = ["PipelineExecutor", "PipelineHang"]
 

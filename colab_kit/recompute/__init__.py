@@ -35,7 +35,7 @@ recompute has one more tp all-reduce per block and microbatch than without (test
 order, so the extra collectives match up.
 
 Pipeline stages hold the same block modules, so a stage recomputes its blocks in its B (or
-I). Under the zero-bubble split (``pipeline.zero_bubble``) the recomputed forward runs inside
+I). Under the zero-bubble split (``tensor.zero_bubble``) the recomputed forward runs inside
 the I pass: each ``ZeroBubbleLinear`` gets its input back from the recomputation and pushes
 ``(x, g)`` on the ``WeightGradStore`` as before, so W still computes every deferred dW. That
 store is what W needs, recomputed or not, so on a rank that runs I and W apart the peak

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from .. import comm
 from ..config import ConfigError
 from ..policy.classes import derived_class
-from ..pipeline.zero_bubble import split_linear
+from .zero_bubble import split_linear
 from ..placement import add_partial
 from .plan import require_divisible
 from .tp1d import ColumnLinear, Plan1D, RowLinear, VocabEmbedding

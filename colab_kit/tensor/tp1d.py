@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
-from ..pipeline.zero_bubble import split_linear
+from .zero_bubble import split_linear
 from ..sharded_init import dense_value
 from ..placement import declare
 from ..policy import get_module

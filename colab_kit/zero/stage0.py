@@ -181,7 +181,7 @@ class ZeroStage0:
     def ready(self, param: torch.Tensor) -> None:
         """``param.grad`` is complete for this backward: what its post-accumulate-grad hook does, for
         code that adds into ``.grad`` itself rather than through autograd (the zero-bubble W's
-        ``addmm`` in place, ``pipeline.zero_bubble``). Call it once per parameter and backward."""
+        ``addmm`` in place, ``tensor.zero_bubble``). Call it once per parameter and backward."""
         bucket = self._bucket_of.get(id(param))
         if bucket is not None:
             self._on_grad(bucket, param)
