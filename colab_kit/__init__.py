@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import importlib
 
-from . import _moved
 from .config import ConfigError, ParallelConfig
 from .errors import RankError, RankTimeout
 from .launch import launch
 from .mesh import MeshLayout, ProcessMesh
-
-_moved.install()  # 0.1's module paths (colab_kit.cluster, colab_kit.engine_records, ...) for one more version
 
 __version__ = "0.2.0"
 
@@ -31,7 +28,7 @@ _LAZY = {"Cluster": ("notebook.cluster", "Cluster"), "boost": ("engine.core", "b
          "Engine": ("engine.core", "Engine"), "init": ("join", "init"), "export": ("notebook.magics.export", "export"),
          "plan": ("planner", "plan"), "dry_run": ("planner.at_scale", "dry_run")}
 # ck.<name> -> the module it names (the notebook layer's three live in colab_kit.notebook)
-_SUBMODULES = {"models": "models", "datasets": "datasets", "recipe": "models.recipe", "optimizer": "engine.optimizer",
+_SUBMODULES = {"models": "models", "datasets": "datasets", "recipe": "models.recipe", "optimizer": "zero.optimizer",
                "viz": "viz", "widgets": "notebook.widgets", "comm": "comm", "magics": "notebook.magics",
                "cluster": "notebook.cluster", "engine": "engine", "data": "zero.stage0", "memory": "memory",
                "tensor": "tensor", "pipeline": "pipeline", "reference": "engine.reference", "planner": "planner",

@@ -153,7 +153,7 @@ def _mesh_axis(cfg) -> str:
 
 def tolerance(cfg) -> float:
     """The contract's relative loss tolerance: 1e-5 in fp32, ``precision.TOLERANCE`` for bf16/fp16."""
-    from colab_kit.engine.precision import TOLERANCE
+    from colab_kit.precision import TOLERANCE
     return 1e-5 if cfg.precision == "fp32" else TOLERANCE[cfg.precision]
 
 

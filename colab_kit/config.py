@@ -98,7 +98,7 @@ class ParallelConfig:
     """'fp32', 'fp16' or 'bf16'."""
     recompute: bool = False
     """Recompute each transformer block's activations in backward instead of keeping them
-    (activation checkpointing, ``colab_kit.engine.recompute``): a block keeps only its input."""
+    (activation checkpointing, ``colab_kit.recompute``): a block keeps only its input."""
 
     def __post_init__(self):
         self._check()

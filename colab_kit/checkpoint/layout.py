@@ -107,8 +107,8 @@ class LocalSpace:
 
 
 def _dense_names(engine) -> dict[int, str]:
-    """id(parameter) -> its name in the dense model (``colab_kit.engine.optimizer.local_names``)."""
-    from ..engine.optimizer import local_names
+    """id(parameter) -> its name in the dense model (``colab_kit.zero.optimizer.local_names``)."""
+    from ..zero.optimizer import local_names
     return local_names(engine.module)
 
 

@@ -17,7 +17,7 @@ The parallel parts (tensor, pipeline, sequence, zero) use this package's buildin
 (``sharded_init.dense_value``, ``precision.MasterWeights``, ``classes.derived_class``) but never ``core``:
 the engine object reaches them, and they reach it only through small protocols
 (``colab_kit.pipeline.host.PipelineHost``, ``colab_kit.zero.GradientPart``). ``boost`` and ``Engine`` load
-on first use, so ``import colab_kit.engine.sharded_init`` does not import the whole engine.
+on first use, so ``import colab_kit.sharded_init`` does not import the whole engine.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ Inside each rank of ``ParallelConfig(dp=4)``, with a global batch of 16 rows::
 
 The model may also be built on the meta device (``GPT(cfg, device="meta")``): then each
 rank makes only its own shards, with the values the dense model would hold
-(``colab_kit.engine.sharded_init``), so no rank ever holds the whole model. ``engine.close()`` releases
+(``colab_kit.sharded_init``), so no rank ever holds the whole model. ``engine.close()`` releases
 the engine's hold on its mesh (shared by every engine of one config) and its threads.
 
 What runs now: data parallelism (any dp) with gradient accumulation over
@@ -23,7 +23,7 @@ stages, any schedule run by one executor, ``engine.pipeline`` to step it); ZeRO 
 (``colab_kit.zero``: stages 1 and 2 build the optimizer over this rank's flat pieces,
 reduce-scatter gradients and all-gather the updated pieces; stage 3 shards the parameters
 in per-block chunks gathered around each use); ``offload`` "cpu" and "auto" (with
-``device_budget``); mixed precision (``colab_kit.engine.precision``); recomputation; sequence
+``device_budget``); mixed precision (``colab_kit.precision``); recomputation; sequence
 parallelism (``colab_kit.sequence``: ring and Ulysses over the sp axis, split_gather inside the
 1D tensor group). Sequence parallelism with the 2D/2.5D/3D tensor modes and ZeRO-3 with a
 pipeline are refused with a ConfigError that says so (``unsupported``); the engine never falls
@@ -31,7 +31,7 @@ back to another mode.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -42,7 +42,7 @@ from ..mesh import ProcessMesh
 from ..policy.fit import check_policy
 from .clipping import check_max_norm
 from .loss import TokenLoss, lm_loss
-from .optimizer import (OptimizerSpec, attach_scheduler, check_elementwise, check_scheduler, local_names,
+from ..zero.optimizer import (OptimizerSpec, attach_scheduler, check_elementwise, check_scheduler, local_names,
                         rebuild)
 from .parallelize import parallelize
 from .records import EngineRecords
@@ -83,11 +83,11 @@ def unsupported(config: ParallelConfig) -> str | None:
 
 def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
           mesh: ProcessMesh | None = None, loss_fn: Callable = lm_loss, bucket_bytes: int | None = None,
-          device_budget: int | None = None, max_grad_norm: float | None = None, lr_scheduler=None) -> "Engine":
+          device_budget: int | None = None, max_grad_norm: float | None = None, lr_scheduler=None) -> Engine:
     """Shard ``model`` for ``config`` on this rank and return its ``Engine``.
 
     ``optimizer``: a ``torch.optim.Optimizer`` built over the dense ``model``'s parameters, with any param
-    groups and per-group settings, rebuilt over this rank's shards (``colab_kit.engine.optimizer``); or a factory
+    groups and per-group settings, rebuilt over this rank's shards (``colab_kit.zero.optimizer``); or a factory
     ``params -> optimizer`` called with the tensors this rank steps. ``lr_scheduler``: a torch scheduler
     built over that optimizer (or a function ``optimizer -> scheduler``); ``train_step`` steps it once per
     step, after the optimizer, and ``engine.save``/``load`` carry it. ``policy``
@@ -174,7 +174,7 @@ class Engine(EngineRecords):
 
     def _build_optimizer(self, optimizer):
         """The optimizer over what this rank steps (``grads.optimizer_layout()``): a factory called with those
-        tensors, or the user's optimizer rebuilt over them group by group (``colab_kit.engine.optimizer``);
+        tensors, or the user's optimizer rebuilt over them group by group (``colab_kit.zero.optimizer``);
         refused where parameters are cut (ZeRO, tp) unless it is elementwise. Returns it, its group views
         (a piece that spans param groups) and their layout."""
         grads = self.parts.grads
@@ -231,7 +231,7 @@ class Engine(EngineRecords):
     def optimizer_layout(self) -> list[tuple[torch.Tensor, list[tuple]]]:
         """``(tensor, runs)`` per tensor the optimizer steps, as ``grads.optimizer_layout()`` (a run
         ``(param, start, length, at)``), with a piece that spans two param groups as its views
-        (``colab_kit.engine.optimizer``): what the checkpoint maps the optimizer's states with."""
+        (``colab_kit.zero.optimizer``): what the checkpoint maps the optimizer's states with."""
         if self.step.views:
             self.step.views.bind()
             return self._opt_layout
@@ -319,7 +319,8 @@ class Engine(EngineRecords):
         return roofline(self, constants, peak, last)
 
     def profile(self, batches, steps: int = 1, **kw):
-        """``steps`` train_steps on ``batches`` under ``torch.profiler``: this rank's ``colab_kit.observe.profile.Profile``."""
+        """``steps`` train_steps on ``batches`` under ``torch.profiler``: this rank's
+        ``colab_kit.observe.profile.Profile``."""
         from ..observe.profile import profile
         return profile(self, batches, steps, **kw)
 
@@ -350,7 +351,7 @@ class Engine(EngineRecords):
             self.mesh.untrack(self)
             self.mesh.release()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -21,7 +21,8 @@ without a model; ``tests/unit/test_parallelize.py`` prints the list for every co
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -34,7 +35,8 @@ from ..zero.stage0 import GradientPart
 from .loss import TokenLoss, lm_loss, token_losses
 from .parts import (apply_data_parallel, apply_dropout, apply_pipeline_split, apply_precision, apply_recompute,
                     apply_sequence_parallel, apply_tensor_parallel)
-from .sharded_init import defer, materialize, meta_twin
+from ..pipeline.stage import defer_stages
+from ..sharded_init import materialize, meta_twin
 
 __all__ = ["parallelize", "Parallelized", "plan_steps", "STEPS"]
 
@@ -106,7 +108,7 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
     taken: list[str] = []
     take = taken.append  # each step says it ran; the list must come out as ``steps``, in its order
     twin = meta_twin(model)  # before anything changes the model
-    defer(model, config, mesh.rank("pp"), policy)                      # 1. only this rank's shards are made
+    defer_stages(model, config, mesh.rank("pp"), policy)               # 1. only this rank's shards are made
     take("defer_init")
     _no_kv_cache(model)
     token_loss = TokenLoss(token_losses) if loss_fn is lm_loss else None

@@ -5,7 +5,7 @@ part does (a swapped class, a replaced layer) and return what the next steps rea
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch.nn as nn
 
@@ -55,11 +55,11 @@ def apply_sequence_parallel(model: nn.Module, mesh: ProcessMesh, config: Paralle
 
 def apply_recompute(model: nn.Module, policy) -> int:
     """Activation recomputation: each block the policy names keeps its input only and runs its forward
-    again in backward (``colab_kit.engine.recompute``).
+    again in backward (``colab_kit.recompute``).
 
     Needs: the tensor and sequence steps (the blocks recompute what this rank runs). Must come before the
     pipeline split (the stages hold these same blocks). Leaves: the blocks recomputing; returns how many."""
-    from .recompute import recompute_blocks
+    from ..recompute import recompute_blocks
     return recompute_blocks(model, policy)
 
 
@@ -77,12 +77,12 @@ def apply_pipeline_split(model: nn.Module, mesh: ProcessMesh, config: ParallelCo
 
 
 def apply_precision(module: nn.Module, config: ParallelConfig, loss_fn: Callable) -> Callable:
-    """Mixed precision (``colab_kit.engine.precision``): the model in bf16 or fp16, the loss in fp32.
+    """Mixed precision (``colab_kit.precision``): the model in bf16 or fp16, the loss in fp32.
 
     Needs: the materialised module (its parameters real) and the broadcast (one starting point in fp32).
     Leaves: the module's floating tensors 16-bit; returns the loss computed in fp32. The fp32 master
     weights are the data-parallel step's (they follow its pieces)."""
-    from .precision import loss_in_fp32, to_compute_dtype
+    from ..precision import loss_in_fp32, to_compute_dtype
     to_compute_dtype(module, config.precision)
     return loss_in_fp32(loss_fn)
 
@@ -99,7 +99,7 @@ def apply_data_parallel(module: nn.Module, mesh: ProcessMesh, config: ParallelCo
     one flat buffer, with ZeRO 3 each block's parameters sharded and gathered around its use."""
     group_of = None
     if group_of_name is not None:
-        from .optimizer import local_names
+        from ..zero.optimizer import local_names
         names = local_names(module)
         group_of = lambda p: group_of_name(names[id(p)])  # noqa: E731
     if config.zero == 3:

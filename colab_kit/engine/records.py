@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..memory.measure import optimizer_bytes, tensor_bytes
+from ..measure import optimizer_bytes, tensor_bytes
 
 __all__ = ["EngineRecords"]
 

@@ -2,7 +2,7 @@
 
 Every parallel configuration must reproduce these losses (fp32, 1e-5 relative). With
 ``precision="bf16"`` or ``"fp16"`` the same process runs the mixed-precision recipe with the
-engine's own code (``colab_kit.engine.precision``): a 16-bit model, fp32 master weights stepped by
+engine's own code (``colab_kit.precision``): a 16-bit model, fp32 master weights stepped by
 the optimizer and copied back, fp16's dynamic loss scale; the engine must then match within
 ``precision.TOLERANCE``::
 
@@ -48,8 +48,8 @@ def train_single_process(model_cfg, optimizer_factory: Callable, data, steps: in
 
 
 def _train_mixed(model, optimizer_factory, data, steps, batch_size, loss_fn, precision):
-    """The mixed-precision recipe of ``colab_kit.engine.precision`` in one process."""
-    from .precision import LossScaler, MasterWeights, loss_in_fp32, master_step, to_compute_dtype
+    """The mixed-precision recipe of ``colab_kit.precision`` in one process."""
+    from ..precision import LossScaler, MasterWeights, loss_in_fp32, master_step, to_compute_dtype
 
     to_compute_dtype(model, precision)
     loss_fn = loss_in_fp32(loss_fn)

@@ -23,12 +23,12 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from .. import comm
-from ..memory.measure import ActivationMeter
+from ..measure import ActivationMeter
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.work import MicrobatchWork
 from ..tensor import sync_grads
@@ -36,7 +36,7 @@ from ..datasets.loader import LocalBatch
 from ..zero.stage0 import split_batch
 from .clipping import clip_, weights
 from .parallelize import Parallelized
-from .precision import LossScaler, MasterWeights, master_step
+from ..precision import LossScaler, MasterWeights, master_step
 
 __all__ = ["TrainingStep", "StepRecords"]
 

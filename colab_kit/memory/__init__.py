@@ -20,12 +20,13 @@ stage by stage), the activations from a count of what each GPT op saves
 (``activation_bytes``). For the example above ``estimate(110_336, "adamw", model=cfg,
 rows=8)`` gives params 441,344, grads 441,344, optimizer 882,688 (no step counters) and
 activations 2,316,548 B: the meter counts 12,288 B more, the whole batch's token ids and
-targets that the rank's rows are slices of. With ``recompute=True`` (``colab_kit.engine.recompute``)
+targets that the rank's rows are slices of. With ``recompute=True`` (``colab_kit.recompute``)
 each block keeps only its input: 334,084 B estimated (the meter: the same 12,288 B more).
 
 Where each part lives:
 
-    measure.py     what this rank holds, measured (tensor_bytes, optimizer_bytes, ActivationMeter)
+    (colab_kit/measure.py, below the parallel parts that count their buffers with it: what this rank
+    holds, measured: tensor_bytes, optimizer_bytes, ActivationMeter; re-exported here)
     formulas.py    the analytic model: ZeRO's model-state formulas, the activations each op saves
     estimator.py   one rank's estimate under any ParallelConfig (what engine.memory_estimate() reports)
     peak.py        the in-step peak of model-state bytes, measured from outside on any code
@@ -37,7 +38,7 @@ from __future__ import annotations
 from .estimator import config_estimate, rank_params
 from .formulas import (OPTIMIZER_STATES, PRECISION_BYTES, activation_bytes, estimate, model_state_bytes,
                        optimizer_states, placed)
-from .measure import ActivationMeter, SavedRef, optimizer_bytes, tensor_bytes
+from ..measure import ActivationMeter, SavedRef, optimizer_bytes, tensor_bytes
 
 __all__ = ["tensor_bytes", "optimizer_bytes", "ActivationMeter", "estimate", "model_state_bytes", "activation_bytes",
            "optimizer_states", "placed", "PRECISION_BYTES", "OPTIMIZER_STATES", "config_estimate", "rank_params",

@@ -172,7 +172,7 @@ def pipeline_peak(model, config, rows: int, seq: int) -> list[int]:
 
 
 def _weight_store(model, config, rows: int, seq: int, layers: int, last: bool) -> int:
-    """What a zero-bubble I leaves for its W (``pipeline.zero_bubble.WeightGradStore``): each
+    """What a zero-bubble I leaves for its W (``tensor.zero_bubble.WeightGradStore``): each
     Linear's input, 1D layout (qkv h, proj h/tp, fc1 h, fc2 f/tp; the head h and its output
     gradient V/tp). The store also keeps the blocks' output gradients; counting them too
     overestimated what the meter measures (zb-h1, pp=2, m=2, recompute: 1,114,112 B estimated
@@ -224,8 +224,8 @@ def traced_activations(model, shape, dtype=None, precision: str = "fp32") -> int
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
-    from ..engine.sharded_init import meta_twin
-    from ..engine.precision import compute_dtype
+    from ..sharded_init import meta_twin
+    from ..precision import compute_dtype
     twin = meta_twin(model)
     twin.train()
     low = compute_dtype(precision)

@@ -68,9 +68,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["StatePeak", "state_bytes", "MACHINERY", "WALK"]
 
-MACHINERY = ("colab_kit.zero", "colab_kit.zero.stage0", "colab_kit.engine.precision",
+MACHINERY = ("colab_kit.zero.stage0", "colab_kit.zero.stage1", "colab_kit.zero.stage2", "colab_kit.zero.stage3",
+             "colab_kit.zero.chunks", "colab_kit.zero.offload", "colab_kit.precision",
              "torch.distributed.fsdp", "torch.distributed._composable", "torch.distributed.optim")
-"""Modules whose allocations are model-state machinery (buckets, gathered parameters, copies)."""
+"""Modules whose allocations are model-state machinery (buckets, gathered parameters, copies); not
+``colab_kit.zero.optimizer``, which rebuilds the user's optimizer (its temporaries are the optimizer's)."""
 WALK = MACHINERY + ("torch.optim", "torch.nn.parallel")
 """Modules whose objects' attributes are walked."""
 CATEGORIES = ("params", "grads", "optimizer", "other")

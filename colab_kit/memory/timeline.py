@@ -10,12 +10,12 @@ params       registered by the model or stepped by the optimizer (ZeRO-3: the sh
 grads        a parameter's ``.grad`` and the gradient buckets or pieces
 optimizer    optimizer state (Adam's moments, step counters)
 activations  what autograd saved for backward in this step (``saved_tensors_hooks``), while alive
-in_flight    the rest of what the parallel machinery holds or allocated (``memory_peak.MACHINERY``):
+in_flight    the rest of what the parallel machinery holds or allocated (``peak.MACHINERY``):
              buckets on their way into a collective, all-gather and reduce-scatter buffers
 temporaries  any other storage an op of this step allocated that is still alive: the logits, the loss,
              autograd's gradients of activations between two backward ops
 
-The walk of the model states is ``memory_peak``'s (the instrument the ZeRO benchmarks use); storages
+The walk of the model states is ``peak``'s (the instrument the ZeRO benchmarks use); storages
 are tracked by weak reference from the op that made them, so a buffer held only by a local variable is
 seen. Not seen: what the backend allocates outside torch (gloo's copies), and the inputs that
 ``torch.utils.checkpoint`` keeps in its own holder (they count as temporaries).
@@ -50,7 +50,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .measure import SavedRef, _unpack
+from ..measure import SavedRef, _unpack
 from .peak import _is_machinery, _walk
 
 __all__ = ["MemoryTimeline", "memory_timeline", "record_timeline", "timeline_figure", "CATEGORIES"]

@@ -106,7 +106,7 @@ class BERT(nn.Module):
     def init_parameter(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """BERT's recipe (N(0, 0.02) matrices, LayerNorm 1 and 0, zero biases), each tensor drawn from
         ``(cfg.seed, name)`` alone, so a meta model's shards can be made one by one
-        (``colab_kit.engine.sharded_init``)."""
+        (``colab_kit.sharded_init``)."""
         return init_by_name(name, tensor, self.cfg.seed, 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers))
 
     def padding_mask(self, ids: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ was), so every rank that builds ``GPT(cfg)`` holds identical weights. Each
 parameter draws from its own generator, seeded with ``(cfg.seed, its name)``
 (``GPT.init_parameter``), so any one of them can be rebuilt alone, in any order:
 ``GPT(cfg, device="meta")`` holds shapes only, and ``ck.boost`` builds from it just
-this rank's shards, equal to the dense model's (``colab_kit.engine.sharded_init``)::
+this rank's shards, equal to the dense model's (``colab_kit.sharded_init``)::
 
     >>> cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2)
     >>> a, b = GPT(cfg), GPT(cfg)
@@ -90,7 +90,7 @@ class GPT(nn.Module):
 
     def _init_weights(self) -> None:
         for name, p in self.named_parameters():
-            if not p.is_meta:  # a meta parameter is built later, from its name (colab_kit.engine.sharded_init)
+            if not p.is_meta:  # a meta parameter is built later, from its name (colab_kit.sharded_init)
                 self.init_parameter(name, p)
 
     @torch.no_grad()

@@ -150,7 +150,7 @@ def _traced(model: torch.nn.Module, shape: tuple, training: bool, dtype) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
-    from ..engine.sharded_init import meta_twin
+    from ..sharded_init import meta_twin
     twin = meta_twin(model)  # a meta copy: the caller's model keeps its mode and storage
     twin.train(training)
     if dtype is None:
@@ -351,7 +351,7 @@ def engine_throughput(engine, last: int | None = None) -> dict:
     per_step = mean(flops)
     tok = None if None in tokens else mean(tokens)
     world = engine.config.world_size
-    from ..engine.precision import compute_dtype
+    from ..precision import compute_dtype
     peak = peak_matmul(engine.mesh.device, compute_dtype(engine.config.precision))
     achieved = per_step / seconds
     return {"steps": len(records), "step_seconds": seconds, "input_shape": tuple(records[-1]["input_shape"]),

@@ -12,7 +12,7 @@
     messages.py    what SF/RF/SB/RB do (point-to-point between stages)
     executor.py    PipelineExecutor: runs a plan on this rank
     host.py        PipelineHost: everything the executor may use of its engine
-    zero_bubble.py the I/W split of backward that ZB schedules use
+    (the I/W split of a linear's backward that ZB schedules use: colab_kit.tensor.zero_bubble)
     hang.py        PipelineHang: which rank waits on which message, when a step stalls
 """
 from .actions import Action, format_actions, parse
@@ -29,5 +29,3 @@ __all__ = ["Action", "parse", "format_actions", "stage_rank"]
 __all__ += ["PipelinePlan", "PLACEMENTS", "SCHEDULE_PLACEMENT", "build_plan", "build_plan_for", "lower", "peer",
             "message_tag", "check", "steps", "PlanError", "simulate", "Timeline"]
 __all__ += ["PipelineExecutor", "PipelineHang", "Stage", "split_model"]
-
-Plan = PipelinePlan  # the 0.1 name, kept for one version

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .zero_bubble import WeightGradStore, input_pass_leaves
+from ..tensor.zero_bubble import WeightGradStore, input_pass_leaves
 
 __all__ = ["ComputeActions"]
 

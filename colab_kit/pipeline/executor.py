@@ -82,7 +82,7 @@ from .work import MicrobatchWork
 from .lowering import lower
 from .messages import CommActions, _last, receives_ahead
 from .compute import ComputeActions
-from .zero_bubble import use_split_backward
+from ..tensor.zero_bubble import use_split_backward
 
 __all__ = ["PipelineExecutor", "PipelineHang"]
 

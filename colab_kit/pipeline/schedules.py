@@ -65,8 +65,6 @@ from collections import deque
 from .actions import Action
 from .plan import SCHEDULE_PLACEMENT, PipelinePlan
 
-Plan = PipelinePlan  # the 0.1 name, kept for one version
-
 __all__ = ["build_plan", "build_plan_for"]
 
 # ------------------------------------------------------------------------ generators

@@ -31,8 +31,9 @@ import torch
 import torch.nn as nn
 
 from ..config import ConfigError
+from ..sharded_init import defer
 
-__all__ = ["Stage", "stage_layers", "split_model", "check_stages", "tied_across_ranks", "Elsewhere"]
+__all__ = ["Stage", "stage_layers", "split_model", "check_stages", "tied_across_ranks", "Elsewhere", "defer_stages"]
 
 
 
@@ -172,3 +173,13 @@ def split_model(model: nn.Module, config, pp_rank: int, policy=None) -> list[Sta
     where = PipelinePlan(config.pp, config.microbatches, config.chunks, config.schedule,
                  placement=SCHEDULE_PLACEMENT[config.schedule])
     return [Stage(model, policy, s, n, layers[s], names) for s in where.stages_of(pp_rank)]
+
+
+def defer_stages(model: nn.Module, config=None, pp_rank: int = 0, policy=None) -> bool:
+    """``colab_kit.sharded_init.defer`` for pipeline rank ``pp_rank``: with ``config.pp > 1`` only the meta
+    tensors of its stages get a recipe (the same split the engine makes after the tensor plan), so no rank
+    makes a shard of another rank's stage; else every one does. Whether the model had meta tensors."""
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return False  # a dense model: nothing to defer, no split to make
+    keep = split_model(model, config, pp_rank, policy) if config is not None and config.pp > 1 else None
+    return defer(model, keep)

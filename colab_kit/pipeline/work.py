@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 import torch
 
@@ -33,7 +34,7 @@ class GradientSync(Protocol):
 
 
 class ActivationCounter(Protocol):
-    """What autograd holds, measured per forward (``colab_kit.memory.measure.ActivationMeter``)."""
+    """What autograd holds, measured per forward (``colab_kit.measure.ActivationMeter``)."""
 
     last: int
 

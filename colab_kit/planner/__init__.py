@@ -343,7 +343,7 @@ def _other_model(model, world_size, batch, memory_per_rank, precision, optimizer
 
     import torch
     from ..memory.estimator import config_estimate, gpt_like, model_activations, part_params, traced_activations
-    from ..engine.sharded_init import meta_twin
+    from ..sharded_init import meta_twin
     from ..memory.formulas import placed
     from ..policy import missing_policy_message, policy_for
     from ..policy.fit import check_policy

@@ -193,7 +193,7 @@ def _prepare(model, config, rank=0, batch=None, seq=None, optimizer="adamw", pol
     from ..memory.formulas import OPTIMIZER_STATES
     from ..models import GPT, GPTConfig
     from ..policy.fit import check_policy
-    from ..engine.sharded_init import meta_twin
+    from ..sharded_init import meta_twin
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"config must be a ck.ParallelConfig, got {type(config).__name__}")
     world = config.world_size
@@ -354,7 +354,7 @@ def _one(job: dict) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ..engine.core import boost
-    from ..engine.sharded_init import meta_twin
+    from ..sharded_init import meta_twin
     cfg, t0, name = job["config"], time.perf_counter(), job["optimizer"]
     model = meta_twin(job["model"])  # a fresh copy per rank: boost cuts the model it is given
     model.init_parameter = _no_values

@@ -86,7 +86,7 @@ def _dp_comm(model, cfg, consts, memory, block_fwd: float = 0.0, block_rc: float
     if cfg.zero == 3:
         return _zero3(model, cfg, consts, block_fwd, block_rc)
     bucket, nb = engine_buckets(model, cfg, shares_cores(consts, cfg))
-    wire = bucket * 4 // PRECISION_BYTES[cfg.precision]  # gradients are reduced in fp32 (engine.precision)
+    wire = bucket * 4 // PRECISION_BYTES[cfg.precision]  # gradients are reduced in fp32 (colab_kit.precision)
     if cfg.zero:  # stage 2 without a pipeline reduce-scatters every microbatch's buckets (zero.stage2)
         rounds = cfg.microbatches if cfg.zero == 2 and cfg.pp == 1 else 1
         rs = _coll(consts, "reduce_scatter", wire, cfg.dp, rounds * nb)

@@ -17,7 +17,7 @@ measures, all ranks at the same time (so that they share the cores the way a rea
   size and overcharged more microbatches. (Measured on a graph of one Linear + GELU, as this module first
   did, one backward call's own start-up was spread over 4 ops and read 2.5x a GPT's per-op cost; timed as
   a burst per rank, the ranks that finished last ran on an emptier machine.)
-- ``recompute``: seconds a step with its blocks recomputed (``engine.recompute``: torch's non-reentrant
+- ``recompute``: seconds a step with its blocks recomputed (``colab_kit.recompute``: torch's non-reentrant
   checkpoint) adds per op of the blocks' forward, from windows of 0.15 s alternating the same GPT with and
   without, three pairs, the median (the slowest rank's). On CPU this is 2-3 times a forward's own ops, not one
   forward: the checkpoint's saved-tensor hooks run in the first forward and again when backward unpacks, around
@@ -407,7 +407,7 @@ class _Burst:
         lin, att, head = flops_per_token(sized)
         self.sized_ops, self.sized_flops = count_ops(self._sized), rows.numel() * (2 * (lin + att) + head)
         self.sized_bytes = activation_bytes(sized, 4)["held"]
-        from ..engine.recompute import recompute_blocks
+        from ..recompute import recompute_blocks
         rc = GPT(g)
         recompute_blocks(rc)
         self._gpt_rc = lambda: F.cross_entropy(rc(tokens).flatten(0, 1), tokens.flatten())
@@ -429,7 +429,7 @@ class _Burst:
         self._sized().backward()
 
     def step_recomputed(self):
-        """The same step with every block recomputed (``engine.recompute``)."""
+        """The same step with every block recomputed (``colab_kit.recompute``)."""
         self._gpt_rc().backward()
 
     def matmul(self):

@@ -92,7 +92,7 @@ def _saved(model, cfg, consts, tokens: int, layers: int, head: bool) -> float:
 
 
 def _weight_grads(model, cfg, consts, tokens: int, layers: int) -> float:
-    """Seconds of a zero-bubble W on ``layers`` blocks (``pipeline.zero_bubble``): each Linear's deferred
+    """Seconds of a zero-bubble W on ``layers`` blocks (``tensor.zero_bubble``): each Linear's deferred
     ``dW = g^T x`` (its forward's FLOPs again), ``db = sum g`` and the two accumulations, 4 ops a Linear.
     The rest of a backward is I. Where FLOPs dominate that is about a forward (the zero-bubble paper's
     I = W = F); where the ops do, W is the small part and fills little of the bubble."""
@@ -123,7 +123,7 @@ def mode_ops(cfg) -> int:
     Linear (16 q) and LayerNorm2D's explicit statistics (about 9 ops each instead of one); 3D two
     all-gathers and a reduce-scatter per Linear (12) and LayerNorm3D's statistics. A zero-bubble
     schedule (zb-h1, zb-v) runs each Linear as an autograd function that keeps its input for a later W
-    (``pipeline.zero_bubble``): measured in one process on 2 blocks, F + I + W took 0.9 forwards more
+    (``tensor.zero_bubble``): measured in one process on 2 blocks, F + I + W took 0.9 forwards more
     than F + B, about 12 ops a Linear over a step, so 16 a block here (a forward's ops count 3 times)."""
     extra = 0
     if cfg.sp > 1:

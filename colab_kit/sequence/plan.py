@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..engine.classes import derived_class
+from ..policy.classes import derived_class
 from ..config import ConfigError
 from .ring import RingRecorder, ring_attention
 from .ulysses import check_heads, ulysses_attention

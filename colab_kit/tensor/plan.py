@@ -142,14 +142,14 @@ def regrouped(dense: nn.Linear, parts: int, n: int) -> nn.Linear:
     """``dense`` with its output features reordered from ``parts`` blocks (``[q | k | v]``) to ``n`` groups
     of every block's share (``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``), so that block ``i`` of a contiguous
     ``n``-way split of the output features is rank ``i``'s share of each part. A new Linear on the CPU
-    (from the dense value: ``colab_kit.engine.sharded_init``); the layer cut from it keeps only its slice.
+    (from the dense value: ``colab_kit.sharded_init``); the layer cut from it keeps only its slice.
 
     >>> lin = nn.Linear(1, 6, bias=False)
     >>> with torch.no_grad(): _ = lin.weight.copy_(torch.arange(6.).view(6, 1))   # q0 q1 | k0 k1 | v0 v1
     >>> regrouped(lin, 3, 2).weight.flatten().tolist()
     [0.0, 2.0, 4.0, 1.0, 3.0, 5.0]
     """
-    from ..engine.sharded_init import dense_value
+    from ..sharded_init import dense_value
     out = dense.out_features
     if out % (parts * n):
         raise ConfigError(f"{out} fused output features in {parts} parts do not split over {n} ranks: "

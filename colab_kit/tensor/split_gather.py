@@ -56,8 +56,8 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..config import ConfigError
-from ..engine.classes import derived_class
-from ..pipeline.zero_bubble import split_linear
+from ..policy.classes import derived_class
+from .zero_bubble import split_linear
 from ..placement import add_partial
 from .plan import require_divisible
 from .tp1d import ColumnLinear, Plan1D, RowLinear, VocabEmbedding

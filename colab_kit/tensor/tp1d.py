@@ -25,8 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
-from ..pipeline.zero_bubble import split_linear
-from ..engine.sharded_init import dense_value
+from .zero_bubble import split_linear
+from ..sharded_init import dense_value
 from ..placement import declare
 from ..policy import get_module
 from .plan import TensorPlan, require_divisible
@@ -36,7 +36,7 @@ __all__ = ["ColumnLinear", "RowLinear", "VocabEmbedding", "Plan1D", "local_looku
 
 def _slice(t: torch.Tensor, n: int, i: int, dim: int) -> torch.Tensor:
     """Block ``i`` of ``n`` along ``dim`` of ``t``'s dense value (made here if ``t`` is meta:
-    ``colab_kit.engine.sharded_init``)."""
+    ``colab_kit.sharded_init``)."""
     return dense_value(t).detach().chunk(n, dim=dim)[i].clone()
 
 

@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
-from ..engine.sharded_init import dense_value
+from ..sharded_init import dense_value
 from ..placement import declare
 
 __all__ = ["summa_ab", "summa_abt", "summa_atb", "SUMMA_AB", "SUMMA_ABT", "SUMMA_ATB",
@@ -160,7 +160,7 @@ class RowSum(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- layers
 def _block(t: torch.Tensor, q: int, i: int, j: int | None = None) -> torch.Tensor:
-    """Block i of dim 0 (and j of dim 1) of ``t``'s dense value (``colab_kit.engine.sharded_init``), as a fresh
+    """Block i of dim 0 (and j of dim 1) of ``t``'s dense value (``colab_kit.sharded_init``), as a fresh
     contiguous tensor; a transposed weight is made dense first: ``_block(dense_value(w).t(), ...)``."""
     t = dense_value(t).detach().chunk(q, 0)[i]
     return (t if j is None else t.chunk(q, 1)[j]).clone(memory_format=torch.contiguous_format)

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
-from ..engine.sharded_init import dense_value
+from ..sharded_init import dense_value
 from ..placement import declare
 
 __all__ = ["WT", "other_axis", "local_block", "Matmul3D", "AllReduce3D", "ReduceScatter3D", "SwapInOut3D",
@@ -148,7 +148,7 @@ class Linear3D(nn.Module):
     @classmethod
     def from_dense(cls, dense: nn.Linear, mesh, in_axis: str = "tp_in", out_axis: str = "tp_out") -> Linear3D:
         q = mesh.size(WT)
-        # a meta weight is made here (colab_kit.engine.sharded_init)
+        # a meta weight is made here (colab_kit.sharded_init)
         w = dense_value(dense.weight).detach().chunk(q, 0)[mesh.rank(in_axis)]
         w = w.chunk(q * q, 1)[mesh.rank(out_axis) * q + mesh.rank(WT)].clone()
         b = _chunk(dense_value(dense.bias).detach(), mesh, in_axis, 0).clone() if dense.bias is not None else None

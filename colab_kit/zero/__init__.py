@@ -10,6 +10,8 @@ memory. One class per stage, named for the ``config.zero`` it runs, all with one
 - ``stage3``: ``ZeroStage3``: parameters sharded too, each block's gathered just before it runs and
   freed after.
 - ``chunks``, ``offload``: where ZeRO's pieces live (device, host, or placed under a device budget).
+- ``optimizer``: the user's optimizer (and LR scheduler) rebuilt over what this rank steps, group by group;
+  which optimizers may step on pieces (``ELEMENTWISE``).
 
     >>> from colab_kit.zero import STAGES
     >>> [STAGES[z].__name__ for z in range(4)]

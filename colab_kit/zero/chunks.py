@@ -24,7 +24,7 @@ Worked example, dp=2, a chunk with a weight [3, 2] and a bias [3] (9 elements, p
     reduce_grads()    grad_full / 2, reduce-scatter in place -> rank r adds its 5 summed
                       elements into shard.grad; grad_full is dropped once that finished
 
-Mixed precision (``colab_kit.engine.precision``): ``full``, ``shard`` and ``shard.grad`` are 16-bit;
+Mixed precision (``colab_kit.precision``): ``full``, ``shard`` and ``shard.grad`` are 16-bit;
 the gradient is reduce-scattered in fp32 (a copy of ``grad_full``) and added into the 16-bit
 ``shard.grad``; the fp32 masters the optimizer steps belong to ``ZeroStage3``.
 

@@ -3,7 +3,7 @@
 Two parts, one account:
 
 - ``offload="cpu"`` with zero=1 or 2 (Ren et al. 2021, ZeRO-Offload) is ``ZeroStage1`` with
-  its fp32 masters (``colab_kit.engine.precision.MasterWeights``) on the host, in fp32 as in mixed
+  its fp32 masters (``colab_kit.precision.MasterWeights``) on the host, in fp32 as in mixed
   precision: the parameters stay on the device, whole, for compute; the optimizer steps the
   host copies of this rank's pieces, with its states there. Per step: the reduced gradient
   pieces go to the host, the host steps, the updated pieces come back and are all-gathered.
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from ..memory.measure import tensor_bytes
+from ..measure import tensor_bytes
 
 __all__ = ["Account", "DeviceBudgetExceeded", "ChunkPlacement", "host_device"]
 

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import torch
 
 from .. import comm
-from ..engine.precision import MasterWeights
+from ..precision import MasterWeights
 
 __all__ = ["ZeroStage0", "GradientPart", "split_batch", "default_bucket_bytes", "fill_buckets"]
 
@@ -104,7 +104,7 @@ class _Bucket:
         self.buffer: torch.Tensor | None = buffer  # ZeRO 2: None outside backward
         self.ready = 0
         self.pending: Any = None  # the bucket's collective in flight
-        self.staged: torch.Tensor | None = None  # mixed precision: the fp32 copy that is reduced (engine.precision)
+        self.staged: torch.Tensor | None = None  # mixed precision: the fp32 copy that is reduced (colab_kit.precision)
         offset = 0
         for p in params:
             p.grad = buffer[offset:offset + p.numel()].view_as(p)
@@ -124,7 +124,7 @@ class ZeroStage0:
     of gradient accumulation) gradients only accumulate. ``finish()`` after the
     last backward waits for every bucket; ``zero()`` clears them for the next step.
 
-    With 16-bit parameters (mixed precision, ``colab_kit.engine.precision``) gradients still accumulate
+    With 16-bit parameters (mixed precision, ``colab_kit.precision``) gradients still accumulate
     in the 16-bit buckets, but each bucket is reduced as an fp32 copy that becomes the ``.grad``
     of the fp32 ``masters`` (the optimizer is built over them: ``build_optimizer``) until ``zero()``.
     """
@@ -145,7 +145,7 @@ class ZeroStage0:
             bucket_bytes = default_bucket_bytes(sum(p.numel() * p.element_size() for p in params), shared)
         groups = [[params[i] for i in g] for g in fill_buckets([p.numel() * p.element_size() for p in params],
                                                                 bucket_bytes)]
-        if group_of is not None:  # the user's param groups: each bucket ordered by group (colab_kit.engine.optimizer)
+        if group_of is not None:  # the user's param groups: each bucket ordered by group (colab_kit.zero.optimizer)
             groups = [sorted(g, key=group_of) for g in groups]
         # one contiguous buffer for every gradient (bucket after bucket), so zeroing is one call
         # and each bucket's all-reduce runs on a contiguous slice of it (DDP's gradient_as_bucket_view)
@@ -165,7 +165,7 @@ class ZeroStage0:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}  # for ready()
         self.t0 = time.perf_counter()
         self.masters = self._build_masters(params)
-        """fp32 master weights when the parameters are 16-bit (colab_kit.engine.precision), else None."""
+        """fp32 master weights when the parameters are 16-bit (colab_kit.precision), else None."""
 
     def _build_masters(self, params):
         low = self.flat.dtype in (torch.bfloat16, torch.float16)
@@ -189,7 +189,7 @@ class ZeroStage0:
     def ready(self, param: torch.Tensor) -> None:
         """``param.grad`` is complete for this backward: what its post-accumulate-grad hook does, for
         code that adds into ``.grad`` itself rather than through autograd (the zero-bubble W's
-        ``addmm`` in place, ``pipeline.zero_bubble``). Call it once per parameter and backward."""
+        ``addmm`` in place, ``tensor.zero_bubble``). Call it once per parameter and backward."""
         bucket = self._bucket_of.get(id(param))
         if bucket is not None:
             self._on_grad(bucket, param)
@@ -333,5 +333,3 @@ class GradientPart(Protocol):
     def host_share(self) -> float | None: ...
     def gathered(self) -> AbstractContextManager: ...
 
-
-GradBuckets = ZeroStage0  # the 0.1 name, kept for one version

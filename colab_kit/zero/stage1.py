@@ -44,9 +44,9 @@ update on a flat piece as on each parameter. One that looks at a whole parameter
 LAMB and LARS scale each parameter's update by the ratio of its norms, Adafactor factors a
 matrix's second moment by rows and columns; on a flat piece those are norms of a piece of
 several parameters. ``check_optimizer`` refuses the ones torch ships (LBFGS, SparseAdam,
-Adafactor, Muon) and any optimizer not known to be elementwise (``colab_kit.engine.optimizer``). A user's
+Adafactor, Muon) and any optimizer not known to be elementwise (``colab_kit.zero.optimizer``). A user's
 optimizer with param groups (``boost(model, optimizer, cfg)``) keeps them: each bucket is ordered by
-group, and a piece that spans two groups is stepped as one view per group (``colab_kit.engine.optimizer``).
+group, and a piece that spans two groups is stepped as one view per group (``colab_kit.zero.optimizer``).
 
 Memory (fp32, P parameters, dp = n), what ``nbytes`` and ``engine.memory()`` report:
 
@@ -56,7 +56,7 @@ Memory (fp32, P parameters, dp = n), what ``nbytes`` and ``engine.memory()`` rep
   exists only from its first gradient to the end of its own reduce-scatter, and every microbatch
   is reduced (``colab_kit.zero.stage2.ZeroStage2``, the subclass ``ck.boost`` builds for zero=2).
 
-Mixed precision (``colab_kit.engine.precision``): the buffers above are 16-bit; each bucket is
+Mixed precision (``colab_kit.precision``): the buffers above are 16-bit; each bucket is
 reduce-scattered as an fp32 copy, the fp32 pieces are the ``.grad`` of this rank's fp32
 ``masters`` (the optimizer's tensors, 4P/n, counted as "optimizer"); stage 2 keeps its
 reduced piece in 16 bits (2P/n). After the step the masters are copied into the 16-bit pieces.
@@ -80,16 +80,16 @@ import torch.nn as nn
 from .. import comm
 from ..config import ConfigError
 from .stage0 import ZeroStage0
-from ..memory.measure import tensor_bytes
-from ..engine.optimizer import ELEMENTWISE, check_elementwise
-from ..engine.precision import MasterWeights
+from ..measure import tensor_bytes
+from .optimizer import ELEMENTWISE, check_elementwise
+from ..precision import MasterWeights
 
 __all__ = ["ZeroStage1", "check_optimizer", "ELEMENTWISE"]
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Refuse an optimizer that cannot step flat pieces: one that needs whole parameters, or one not known
-    to be elementwise (``colab_kit.engine.optimizer.elementwise`` declares a user's class)."""
+    to be elementwise (``colab_kit.zero.optimizer.elementwise`` declares a user's class)."""
     check_elementwise(optimizer, "ZeRO steps flat pieces of several parameters")
 
 
@@ -165,7 +165,7 @@ class ZeroStage1(ZeroStage0):
         mixed = dtype in (torch.bfloat16, torch.float16)
         self.masters = (MasterWeights(self.shards, device="cpu" if offload == "cpu" else None)
                         if mixed or offload == "cpu" else None)
-        """Mixed precision: fp32 masters of the pieces, what the optimizer steps (colab_kit.engine.precision).
+        """Mixed precision: fp32 masters of the pieces, what the optimizer steps (colab_kit.precision).
         ``offload="cpu"`` (ZeRO-Offload): the masters live on the host, fp32 included, so the
         optimizer's states and its update are there too; the parameters stay on the device."""
         # mixed precision: the fp32 reduced pieces of this step
@@ -187,7 +187,7 @@ class ZeroStage1(ZeroStage0):
         """offload='cpu': the optimizer's states and the masters it steps are on the host."""
         if self.offload != "cpu":
             return {}
-        from ..memory.measure import optimizer_bytes
+        from ..measure import optimizer_bytes
         return {"optimizer": optimizer_bytes(optimizer) + self.masters.nbytes}
 
     def _build_masters(self, params):
@@ -236,7 +236,7 @@ class ZeroStage1(ZeroStage0):
 
     def _masters_grads(self) -> None:
         """Mixed precision: the fp32 reduced pieces become the masters' gradients. Stage 2 keeps its
-        reduced piece in 16 bits (2 Psi / N, the paper's; see colab_kit.engine.precision), the master's
+        reduced piece in 16 bits (2 Psi / N, the paper's; see colab_kit.precision), the master's
         fp32 gradient made from it for this step."""
         for b in self.buckets:
             b.staged = None
@@ -315,5 +315,3 @@ class ZeroStage1(ZeroStage0):
         (mixed precision: on the masters' fp32 gradients)."""
         sum_slices(self.masters.grads if self.masters is not None else self._pieces, self._sums, self.mesh)
 
-
-ZeroBuckets = ZeroStage1  # the 0.1 name, kept for one version

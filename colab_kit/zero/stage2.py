@@ -74,7 +74,7 @@ from typing import Any
 import torch
 
 from .. import comm
-from ..memory.measure import tensor_bytes
+from ..measure import tensor_bytes
 from .stage1 import ZeroStage1
 
 __all__ = ["ZeroStage2", "stage2_bucket_bytes"]

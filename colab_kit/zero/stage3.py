@@ -48,7 +48,7 @@ paper's 2P/N is there again. The values are those of the 16-bit pieces: parity i
 Hooks: a forward pre-hook and a forward hook on each block (the policy's ``blocks``) and on the
 model, a tensor hook on each block's output (its backward is next), and a post-accumulate-grad
 hook on every parameter. A model without a policy is one chunk, gathered for the whole step.
-With recompute (``colab_kit.engine.recompute``) a block's own hooks fire once, around the forward;
+With recompute (``colab_kit.recompute``) a block's own hooks fire once, around the forward;
 its recomputation in backward runs after the output hook gathered it. Pipeline parallelism is
 refused with zero=3 (see ``engine.unsupported``).
 """
@@ -63,7 +63,7 @@ import torch
 import torch.nn as nn
 
 from ..config import ConfigError
-from ..engine.precision import MasterWeights
+from ..precision import MasterWeights
 from .stage1 import build_over, sum_slices
 from .chunks import Chunk
 
@@ -104,7 +104,7 @@ class ZeroStage3:
         self.events = events if events is not None else []
         self.prefetch = prefetch
         units = units_of(module, blocks)
-        if group_of is not None:  # the user's param groups: each chunk ordered by group (colab_kit.engine.optimizer)
+        if group_of is not None:  # the user's param groups: each chunk ordered by group (colab_kit.zero.optimizer)
             units = [(name, block, sorted(ps, key=group_of)) for name, block, ps in units]
         if len({(p.dtype, p.device) for _, _, ps in units for p in ps}) > 1:
             raise ConfigError("ZeRO keeps parameters in flat chunks: they must share one dtype and device")
@@ -119,7 +119,7 @@ class ZeroStage3:
         mixed = self.chunks[0].full.dtype in (torch.bfloat16, torch.float16)
         self.masters = MasterWeights(self.shards, device="cpu" if offload != "none" else None) if mixed else None
         """Mixed precision: fp32 masters of the 16-bit shards, what the optimizer steps
-        (``colab_kit.engine.precision``)."""
+        (``colab_kit.precision``)."""
         if self.placement is not None:
             self.placement.keys = self.masters.params if self.masters is not None else self.shards
         self.live: set[int] = set()
@@ -300,7 +300,7 @@ class ZeroStage3:
 
     def set_optimizer(self, optimizer, keys=None) -> None:
         """The optimizer whose states the placement moves with each chunk; ``keys[i]``: the tensors it steps
-        for chunk i (its piece, or one view per param group the piece spans: ``colab_kit.engine.optimizer``)."""
+        for chunk i (its piece, or one view per param group the piece spans: ``colab_kit.zero.optimizer``)."""
         if self.placement is not None:
             self.placement.optimizer, self.placement.state_keys = optimizer, keys
 
@@ -349,5 +349,3 @@ class ZeroStage3:
         pieces = self.masters.grads if self.masters is not None else [c.shard.grad for c in self.chunks]
         sum_slices(pieces, self._sums, self.mesh)
 
-
-ZeroParams = ZeroStage3  # the 0.1 name, kept for one version

@@ -3,7 +3,7 @@ models beyond GPT (BERT, ViT, a user's ``Net`` with its ``NET_POLICY``, their ba
 in plain torch so that they check the engine rather than repeat it. Test files import from here, not from
 each other.
 
-``plain_mixed_precision``: the mixed-precision recipe in one process, nothing from ``colab_kit.engine.precision``: the
+``plain_mixed_precision``: the mixed-precision recipe in one process, nothing from ``colab_kit.precision``: the
 model cast to 16 bits, fp32 copies made from the 16-bit weights that the optimizer steps, the loss taken in
 fp32 from the 16-bit logits, the 16-bit gradients cast to fp32 and unscaled (fp16 scales the loss by 2^16,
 the engine's first scale, as ``torch.amp.GradScaler`` does), the stepped copies cast back.

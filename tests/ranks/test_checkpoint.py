@@ -19,7 +19,7 @@ import colab_kit as ck
 from colab_kit.checkpoint import CheckpointError, check
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.models import GPT, GPTConfig
-from colab_kit.engine.precision import TOLERANCE
+from colab_kit.precision import TOLERANCE
 from colab_kit.engine.reference import train_single_process
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)  # 4 stages for the 2-chunk schedules

@@ -118,7 +118,7 @@ def test_mixed_precision_clips_after_unscaling():
     """bf16 and fp16 (its loss scale 2^16 divided out first) under dp=2, ZeRO-2 and ZeRO-3: the norms of the
     plain-PyTorch recipe within the unit roundoff u (each gradient element differs by about u), the losses
     within 4x the mixed-precision tolerance."""
-    from colab_kit.engine.precision import UNIT_ROUNDOFF, tolerance
+    from colab_kit.precision import UNIT_ROUNDOFF, tolerance
     cases = [("bf16", dict(dp=2)), ("fp16", dict(dp=2, zero=2)), ("bf16", dict(dp=2, zero=3))]
     got = ck.launch(_mixed, 2, cases)[0]
     for precision, kw in cases:

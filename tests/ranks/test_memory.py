@@ -51,7 +51,7 @@ from colab_kit.cli import MODEL  # noqa: E402
 from colab_kit.datasets import SyntheticTokens  # noqa: E402
 from colab_kit.engine.core import lm_loss  # noqa: E402
 from colab_kit.memory import activation_bytes, estimate, model_state_bytes, optimizer_states  # noqa: E402
-from colab_kit.engine.recompute import recompute_blocks  # noqa: E402
+from colab_kit.recompute import recompute_blocks  # noqa: E402
 
 PSI, N = 1_000_000, 4
 

@@ -13,7 +13,7 @@ import functools
 import pytest
 
 import colab_kit as ck
-from colab_kit.engine.precision import tolerance
+from colab_kit.precision import tolerance
 
 from tests.helpers import case_id, rank0_per_world
 from tests.helpers import (LOW, OPTIMIZERS, batch as builtin_batch, make as builtin_make, make_hf,

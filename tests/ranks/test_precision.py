@@ -1,8 +1,8 @@
-"""Mixed precision (bf16 / fp16, ``colab_kit.engine.precision``) against one process running the same recipe.
+"""Mixed precision (bf16 / fp16, ``colab_kit.precision``) against one process running the same recipe.
 
 Five GPT steps with AdamW and with SGD + momentum give the one-process recipe's losses within
 ``precision.TOLERANCE`` (relative), the recipe written in plain torch (``tests/helpers/``, not
-``colab_kit.engine.precision``), and 16-bit parameters off its by under a tenth of what training moved them
+``colab_kit.precision``), and 16-bit parameters off its by under a tenth of what training moved them
 (a check the untrained weights fail): bf16 at dp=2
 with zero 0, 1, 2, fp16 at dp=2 zero=2, bf16 with microbatches=2, bf16 with tp=2 (1d) and zero=2,
 bf16 with a 2D tensor mode, fp16 with pp=2 (1f1b) and zero=1, bf16 with zero=3 (and offload="cpu"). Model-state bytes per rank are the
@@ -21,7 +21,7 @@ import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.memory import model_state_bytes
 from colab_kit.models import GPT
-from colab_kit.engine.precision import TOLERANCE, LossScaler, MasterWeights, master_step
+from colab_kit.precision import TOLERANCE, LossScaler, MasterWeights, master_step
 from colab_kit.engine.reference import max_relative_difference
 
 from tests.helpers import (BATCH, GPT_CFG, OPTIMIZERS, STEPS, named_params as _named, plain_mixed_precision,
@@ -38,7 +38,7 @@ LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 @functools.lru_cache(maxsize=None)
 def reference(opt: str, precision: str):
-    """The recipe in plain torch (tests/helpers/), not colab_kit.engine.precision's: losses, trained and start weights."""
+    """The recipe in plain torch (tests/helpers/), not colab_kit.precision's: losses, trained and start weights."""
     data = SyntheticTokens(64, 16, seed=1)
     return plain_mixed_precision(GPT(GPT_CFG), OPTIMIZERS[opt], lambda s: data.batch(s, BATCH), STEPS, precision)
 

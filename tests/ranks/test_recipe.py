@@ -344,7 +344,7 @@ MIXED = [dict(dp=2, zero=1, precision="fp16"), dict(dp=2, zero=2, precision="bf1
 
 
 def test_mixed_precision_recipe_matches_one_process():
-    from colab_kit.engine.precision import UNIT_ROUNDOFF, tolerance
+    from colab_kit.precision import UNIT_ROUNDOFF, tolerance
     got = ck.launch(_train_mixed, 2, MIXED)[0]
     for kw in MIXED:
         p = kw["precision"]
@@ -408,7 +408,7 @@ def test_scheduler_states_survive_the_manifest():
 
 
 def test_named_parameters_optimizer_keeps_no_stale_names():
-    from colab_kit.engine.optimizer import OptimizerSpec
+    from colab_kit.zero.optimizer import OptimizerSpec
     model = GPT(GPT_CFG)
     spec = OptimizerSpec.capture(torch.optim.AdamW(model.named_parameters(), lr=1e-3), model)
     assert all("param_names" not in h for h in spec.hypers)

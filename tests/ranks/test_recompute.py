@@ -17,7 +17,7 @@ from colab_kit.datasets import SyntheticTokens
 from colab_kit.engine.core import lm_loss
 from colab_kit.memory import activation_bytes
 from colab_kit.models import GPT, GPTConfig
-from colab_kit.engine.recompute import is_recomputed, recompute_blocks
+from colab_kit.recompute import is_recomputed, recompute_blocks
 from colab_kit.engine.reference import train_single_process
 
 from tests.helpers import OPTIMIZERS

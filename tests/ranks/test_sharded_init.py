@@ -1,4 +1,4 @@
-"""Sharded initialisation (``colab_kit.engine.sharded_init``): a GPT built on the meta device, boosted, holds
+"""Sharded initialisation (``colab_kit.sharded_init``): a GPT built on the meta device, boosted, holds
 exactly the shards of the dense GPT boosted the same way, trains to the same losses, and no
 rank ever holds much more than its own shards plus one whole parameter.
 
@@ -15,13 +15,13 @@ import torch.nn as nn
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
-from colab_kit.engine.sharded_init import defer, materialize
+from colab_kit.sharded_init import defer, materialize
 from colab_kit.models import GPT, GPTConfig
 
 from tests.helpers import BIG, LiveBytes, dense_sizes as _sizes
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)  # noqa: E731
-TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=1)  # colab_kit.engine.sharded_init's example
+TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=1)  # colab_kit.sharded_init's example
 PARITY = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=2)
 STEPS, BATCH = 2, 8
 
@@ -168,7 +168,7 @@ def _peaks(cases):
 def test_each_rank_makes_its_shards_and_one_whole_parameter_at_a_time():
     results = ck.launch(_peaks, 4, MEMORY_CASES)
     for rank, res in enumerate(results):
-        # colab_kit.engine.sharded_init's worked example, exactly: 9,072 parameters kept, the peak while fc2.weight is cut
+        # colab_kit.sharded_init's worked example, exactly: 9,072 parameters kept, the peak while fc2.weight is cut
         ex = res["example"]
         assert ex["params"] == 9072 * 4 and ex["made"] == 11440 * 4, (rank, ex)
         dense, largest = _sizes(BIG)

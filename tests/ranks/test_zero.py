@@ -251,7 +251,7 @@ def test_stage_3_with_pp_and_whole_parameter_optimizers_are_refused():
 
     with pytest.raises(ck.ConfigError, match="Lamb is not known to be elementwise.*LAMB, LARS.*elementwise\\(Lamb\\)"):
         check_optimizer(Lamb(t))
-    from colab_kit.engine.optimizer import ELEMENTWISE, elementwise
+    from colab_kit.zero.optimizer import ELEMENTWISE, elementwise
     try:  # declared elementwise by its author, it is taken
         elementwise(Lamb)
         check_optimizer(Lamb(t))

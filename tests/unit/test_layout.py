@@ -1,6 +1,5 @@
 """The package's layout holds: no import cycle anywhere in ``colab_kit`` (module-level imports and the ones
-inside functions alike), about eight modules at the top, every ``ck.*`` name resolving, and the 0.1 module
-paths still importable for one version, as the very modules of their new homes."""
+inside functions alike), about eight modules at the top, every ``ck.*`` name resolving."""
 from __future__ import annotations
 
 import ast
@@ -110,7 +109,7 @@ def test_the_cycle_check_catches_one_inside_a_function(tmp_path):
 
 def test_the_top_level_holds_about_eight_modules():
     top = sorted(p.stem for p in ROOT.glob("*.py") if p.stem not in ("__init__", "__main__"))
-    assert top == ["_moved", "cli", "config", "join", "launch", "mesh", "net", "placement"], top
+    assert top == ["cli", "config", "join", "launch", "measure", "mesh", "net", "placement", "sharded_init"], top
     packages = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").exists())
     assert {"engine", "memory", "notebook", "observe", "tensor", "pipeline", "sequence", "zero"} <= set(packages)
 
@@ -123,40 +122,21 @@ def test_every_public_name_resolves():
     assert ck.cluster.__name__ == "colab_kit.notebook.cluster" and ck.recipe.__name__ == "colab_kit.models.recipe"
 
 
-def test_old_paths_are_the_new_modules_for_one_version():
-    """In a fresh interpreter (an old import rebinds ``colab_kit.dry_run``, which this session should not see)."""
+
+def test_import_installs_no_finder_and_old_paths_are_gone():
+    """0.1's module paths were served for one version by a ``sys.meta_path`` finder; that is over. In a fresh
+    interpreter: importing the package adds no finder, and an old path fails as any missing module does."""
     code = textwrap.dedent("""
-        import warnings
-        warnings.simplefilter("error")   # the first old import must warn
-        import colab_kit as ck
-        try:
-            import colab_kit.engine_records
-            raise SystemExit("no DeprecationWarning")
-        except DeprecationWarning as e:
-            assert "colab_kit.engine.records" in str(e), e
-        warnings.simplefilter("ignore")
-        import colab_kit.engine_records as old, colab_kit.engine.records as new
-        assert old is new
-        import colab_kit.cluster.remote as old_remote, colab_kit.notebook.cluster.remote as remote
-        assert old_remote is remote
-        from colab_kit.cluster import Cluster
-        assert Cluster is ck.Cluster
-        from colab_kit.widgets import ConfigPicker
-        from colab_kit.notebook.widgets import ConfigPicker as picker
-        assert ConfigPicker is picker
-        from colab_kit.data import GradBuckets
-        from colab_kit.zero import ZeroStage0, ZeroStage1, ZeroStage3
-        from colab_kit.zero.buckets import ZeroBuckets
-        from colab_kit.zero.stage3 import ZeroParams
-        assert (GradBuckets, ZeroBuckets, ZeroParams) == (ZeroStage0, ZeroStage1, ZeroStage3)
-        from colab_kit.pipeline import Plan, PipelinePlan
-        assert Plan is PipelinePlan
-        import colab_kit.dry_run
-        from colab_kit.dry_run import dry_run, HARDWARE
-        assert callable(ck.dry_run) and dry_run is colab_kit.planner.at_scale.dry_run
-        import colab_kit.magics.state
-        from colab_kit.magics.state import ColossalState
-        assert callable(ck.magics.state) and ColossalState is colab_kit.notebook.session.ColossalState
+        import sys
+        before = list(sys.meta_path)
+        import colab_kit
+        assert sys.meta_path == before, sys.meta_path
+        for old in ("colab_kit.engine_records", "colab_kit.cluster.remote", "colab_kit.data"):
+            try:
+                __import__(old)
+                raise SystemExit(old + " still imports")
+            except ModuleNotFoundError:
+                pass
         print("ok")
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""Zero-bubble backward split (``colab_kit.pipeline.zero_bubble``), in one process.
+"""Zero-bubble backward split (``colab_kit.tensor.zero_bubble``), in one process.
 
 On real pipeline stages of a GPT (dense, and 1D tensor-parallel on the fake backend): I + W
 costs one backward B in FLOPs (measured with FlopCounterMode) and gives B's gradients; W is
@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import colab_kit as ck
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.pipeline.stage import split_model
-from colab_kit.pipeline.zero_bubble import DeferredLinear, WeightGradStore, split_linear, use_split_backward
+from colab_kit.tensor.zero_bubble import DeferredLinear, WeightGradStore, split_linear, use_split_backward
 from colab_kit.tensor.tp1d import ColumnLinear, RowLinear
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)

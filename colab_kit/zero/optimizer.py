@@ -81,7 +81,7 @@ def check_elementwise(optimizer, why: str) -> None:
         raise ConfigError(f"{why}, and {kind} is not known to be elementwise: one that reads per-parameter norms or "
                           f"shapes (LAMB, LARS, Adafactor) would compute them over pieces and step differently than "
                           f"one process. If its update of each element depends on that element only, declare it: "
-                          f"colab_kit.engine.optimizer.elementwise({kind})")
+                          f"colab_kit.zero.optimizer.elementwise({kind})")
 
 
 def local_names(module: nn.Module) -> dict[int, str]:
@@ -129,7 +129,7 @@ class OptimizerSpec:
 
     def group_of(self, name: str) -> int:
         if name not in self.group:
-            raise RuntimeError(f"colab_kit.engine.optimizer: {name} is in no param group of the user's optimizer")
+            raise RuntimeError(f"colab_kit.zero.optimizer: {name} is in no param group of the user's optimizer")
         return self.group[name]
 
 

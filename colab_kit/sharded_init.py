@@ -9,11 +9,11 @@ on each rank exactly the values a dense ``GPT(cfg)`` would hold, one parameter a
 
 Three steps, all inside ``boost``:
 
-1. ``defer(model, config, pp_rank)`` gives each meta tensor its recipe: the model's
+1. ``defer(model)`` gives each meta tensor its recipe: the model's
    ``init_parameter`` and the tensor's name (``GPT.init_parameter`` draws from a generator
    seeded with ``(cfg.seed, name)``, so a parameter can be made alone). With pp > 1 only the
-   tensors of this rank's pipeline stages get one: the rest stay meta, cost nothing, and
-   the pipeline split drops them.
+   tensors of this rank's pipeline stages get one (``pipeline.stage.defer_stages``): the rest stay
+   meta, cost nothing, and the pipeline split drops them.
 2. The tensor plan's ``from_dense`` constructors read each dense weight through
    ``dense_value(p)``: a real tensor comes back as it is; a meta one with a recipe is made
    whole on the CPU, the layer clones its shard out of it, and the whole one is dropped
@@ -62,12 +62,13 @@ __all__ = ["defer", "dense_value", "materialize", "meta_twin"]
 _RECIPE = "_ck_init"  # on a meta tensor: (init_parameter, name), how to make its dense value
 
 
-def defer(model: nn.Module, config=None, pp_rank: int = 0, policy=None) -> bool:
+def defer(model: nn.Module, keep=None) -> bool:
     """Give each meta parameter and buffer of ``model`` its recipe, ``(model.init_parameter, name)``;
     return whether there were any (False: a dense model, nothing to do).
 
-    With ``config.pp > 1``, only the tensors of pipeline rank ``pp_rank``'s stages get one, so
-    the tensor plan makes no shard of another rank's stage (its layers are cut, still meta).
+    ``keep``: the modules whose tensors get one (a pipeline rank's stages, as
+    ``colab_kit.pipeline.stage.defer_stages`` passes them), so the tensor plan makes no shard of another
+    rank's stage (its layers are cut, still meta); None: every meta tensor.
     """
     names = dict(model.named_parameters())
     names.update(model.named_buffers())
@@ -79,12 +80,7 @@ def defer(model: nn.Module, config=None, pp_rank: int = 0, policy=None) -> bool:
         raise TypeError(f"{type(model).__name__} was built on the meta device but has no "
                         f"init_parameter(name, tensor) to make its values: build it on a real device, "
                         f"or give it one (see ck.models.GPT.init_parameter)")
-    mine = None
-    if config is not None and config.pp > 1:
-        from ..pipeline.stage import split_model  # the same split the engine makes after the plan
-
-        stages = split_model(model, config, pp_rank, policy)
-        mine = {id(t) for s in stages for t in (*s.parameters(), *s.buffers())}
+    mine = None if keep is None else {id(t) for s in keep for t in (*s.parameters(), *s.buffers())}
     for name, t in meta.items():
         if mine is None or id(t) in mine:
             setattr(t, _RECIPE, (init, name))
@@ -127,7 +123,7 @@ def _made(t: torch.Tensor, where: str) -> torch.Tensor:
     if value.is_meta:
         raise ValueError(f"{where} is on the meta device and has no recipe to make it: "
                          "pass the model to ck.boost, which gives every meta tensor one "
-                         "(colab_kit.engine.sharded_init.defer)")
+                         "(colab_kit.sharded_init.defer)")
     if not isinstance(t, nn.Parameter):
         return value
     p = nn.Parameter(value, requires_grad=t.requires_grad)

@@ -15,7 +15,7 @@ autograd function that makes the cut: its backward always computes ``dx``; then
   gradient and pushes ``(weight, bias, x, g)`` on the store instead; ``store.run()`` (W)
   later does the matmul (and the sum) per layer and accumulates them into ``.grad`` through
   autograd, so the parameters' post-accumulate-grad hooks fire then, once (the dp buckets
-  of ``data.ZeroStage0`` count on them). The pipeline executor runs
+  of ``zero.ZeroStage0`` count on them). The pipeline executor runs
   ``store.run(ready=engine.grads.ready)`` instead: each matmul adds in place into ``.grad``
   (``addmm``, as B's own accumulation would) and the buckets are told directly, once per
   parameter; that skips a temporary per weight and an autograd call per W, which on CPU ranks
@@ -42,6 +42,9 @@ layers have their own fused autograd functions and are not split: their weight g
 are computed in I as well, so I + W is still one backward, with less of it deferred.
 The store is process-wide (like a mode, not per thread) so that autograd's device threads
 see it on GPU; one backward runs at a time per rank.
+
+It lives with tensor parallelism because the 1D layers (``tp1d``, ``split_gather``) run their matmuls
+through ``split_linear``; the pipeline, above, drives the store in its I and W actions.
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..memory.measure import tensor_bytes
+from ..measure import tensor_bytes
 
 __all__ = ["ZeroBubbleLinear", "split_linear", "WeightGradStore", "input_pass_leaves", "DeferredLinear",
            "use_split_backward"]

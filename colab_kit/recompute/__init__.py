@@ -35,7 +35,7 @@ recompute has one more tp all-reduce per block and microbatch than without (test
 order, so the extra collectives match up.
 
 Pipeline stages hold the same block modules, so a stage recomputes its blocks in its B (or
-I). Under the zero-bubble split (``pipeline.zero_bubble``) the recomputed forward runs inside
+I). Under the zero-bubble split (``tensor.zero_bubble``) the recomputed forward runs inside
 the I pass: each ``ZeroBubbleLinear`` gets its input back from the recomputation and pushes
 ``(x, g)`` on the ``WeightGradStore`` as before, so W still computes every deferred dW. That
 store is what W needs, recomputed or not, so on a rank that runs I and W apart the peak
@@ -65,7 +65,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .classes import derived_class
+from ..policy.classes import derived_class
 from ..config import ConfigError
 
 __all__ = ["recompute_blocks", "is_recomputed", "recomputed_class"]
@@ -100,7 +100,7 @@ def recomputed_class(cls: type) -> type:
 
     return derived_class(cls, "Recomputed", make_forward, __name__,
                          f"``{cls.__name__}`` whose activations are recomputed in backward "
-                         "(colab_kit.engine.recompute).",
+                         "(colab_kit.recompute).",
                          _ck_recomputed_from=cls)
 
 
