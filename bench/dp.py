@@ -108,7 +108,7 @@ def _rounds(gpt_kwargs: dict, batch: int, rounds: int, steps: int, bucket_mb: fl
     return {"times": times, "cpu": cpu, "losses": losses, "per_round": per_round,
             "comm": engine.comm(last_step=True), "grad_bytes": grad_bytes,
             "ddp_bytes": _ddp_bucket_bytes(ddp),
-            "param_diff": (engine.state_vector() - ddp_params).abs().max().item(),
+            "param_diff": (ck.state_vector(engine) - ddp_params).abs().max().item(),
             "param_bytes": sum(p.numel() * p.element_size() for p in engine.module.parameters()),
             "buckets": len(engine.grads.buckets)}
 

@@ -11,7 +11,7 @@ message and the others still run. Each prints one ``PASS``/``FAIL`` line with it
 2. ``gpt``: a GPT of 125,164,032 parameters (vocab 25,600, 1,024 tokens, d_model 768, 12 heads, 12
    layers: GPTConfig's head is untied, so GPT-2's 50,257 words would make 163M) trained 30 steps with
    ``precision="bf16"`` through ``ck.boost``; the loss must be finite and fall; tokens/s and MFU come from
-   ``engine.throughput()`` (``colab_kit.observe.throughput``: ``model_flops`` over the bf16 matmul peak that
+   ``ck.throughput(engine)`` (``colab_kit.observe.throughput``: ``model_flops`` over the bf16 matmul peak that
    ``peak_matmul`` measures on this GPU, never a datasheet figure), and MFU must lie in (0, 1].
 3. ``zero3_budget``: ZeRO-3, fp32, ``offload="auto"`` under ``boost(..., device_budget=B)``. A probe engine
    with every chunk on the host measures what a step needs on the device beside the states (what "auto"
@@ -29,7 +29,7 @@ message and the others still run. Each prints one ``PASS``/``FAIL`` line with it
    off in these ranks (``torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 =
    False``; with it fp32 matmuls keep 10-bit mantissas and parity is lost). Beside the verdict, plain
    torch on the same device against the CPU reference: the device's own rounding, for diagnosis.
-5. ``memory_history``: ``engine.memory_timeline(batch)`` on one GPU reads CUDA's allocator log
+5. ``memory_history``: ``ck.memory_timeline(engine, batch)`` on one GPU reads CUDA's allocator log
    (``colab_kit.memory.history``, in requested bytes): its timeline must end at the allocator's
    ``requested_bytes.all.current`` and peak at that counter's peak over the step, to the byte, at most the
    step's ``max_memory_allocated()``; hold the engine's parameter bytes exactly; reach the dispatch meter's
@@ -210,7 +210,7 @@ def _rank_gpt(sizes):
                       ck.ParallelConfig(precision=sizes["precision"]))
     data = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=2)
     losses = [engine.train_step(data.batch(s, sizes["gpt_batch"])) for s in range(sizes["gpt_steps"])]
-    tput = engine.throughput()  # the steps after the first, against this device's measured peak
+    tput = ck.throughput(engine)  # the steps after the first, against this device's measured peak
     cuda = engine.mesh.device.type == "cuda"
     engine.close()
     return {"parameters": n, "model": sizes["gpt"], "batch": [sizes["gpt_batch"], cfg.seq_len],
@@ -379,17 +379,17 @@ def _rank_memory_history(tmp: str):
     engine.train_step(data.batch(0, 8))
     if engine.mesh.device.type != "cuda":  # the CPU smoke: the log is refused with a way out
         try:
-            engine.memory_timeline(data.batch(1, 8), method="history")
+            ck.memory_timeline(engine, data.batch(1, 8), method="history")
         except ValueError as exc:
             return {"refused": str(exc)}
         return {"refused": None}
     held = engine.memory()
     path = os.path.join(tmp, "history-rank{rank}.pickle")
-    tl = engine.memory_timeline(data.batch(1, 8), snapshot=path)
+    tl = ck.memory_timeline(engine, data.batch(1, 8), snapshot=path)
     stats = torch.cuda.memory_stats()  # requested bytes: the log's unit (peak since the step's reset)
     with open(path.format(rank=0), "rb") as fh:
         snap = pickle.load(fh)
-    dispatch = engine.memory_timeline(data.batch(2, 8), method="dispatch")
+    dispatch = ck.memory_timeline(engine, data.batch(2, 8), method="dispatch")
     out = {"source": tl.source, "samples": len(tl.times), "peak": tl.peak, "step_peak": engine.step_peak,
            "requested_peak": stats["requested_bytes.all.peak"], "end_total": tl.allocator[-1],
            "requested_now": stats["requested_bytes.all.current"], "params_start": tl.held(0)["params"],

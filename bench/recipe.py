@@ -14,7 +14,7 @@ side's users would write it:
 Rounds alternate between the sides (``--rounds`` x ``--steps`` a side, after a warm-up round); the
 figure is the median over rounds of each side's median step, and the ratio colab_kit / FSDP2 (below 1:
 colab_kit faster). The losses of the two sides are compared step by step. Then the MFU of the demo's GPT
-(``colab_kit.cli.MODEL``) under the demo's dp=4, from ``engine.throughput()`` against the matmul peak
+(``colab_kit.cli.MODEL``) under the demo's dp=4, from ``ck.throughput(engine)`` against the matmul peak
 measured on this machine. Writes ``bench/results/recipe.json``.
 
     python bench/recipe.py
@@ -113,7 +113,7 @@ def _demo_mfu(steps):
     for _ in range(steps):
         engine.train_step(next(loader))
     dist.barrier()
-    out = engine.throughput() if dist.get_rank() == 0 else None  # rank 0 measures the peak while the others wait
+    out = ck.throughput(engine) if dist.get_rank() == 0 else None  # rank 0 measures the peak while the others wait
     dist.barrier()
     engine.close()
     return out

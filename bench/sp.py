@@ -61,7 +61,7 @@ def _peaks(kw: dict, lengths: list[int], batch: int, budget: int):
             return {"refused": str(exc)}
         # every storage alive after every op of the step (the dispatch-level meter): model states, what autograd
         # saved, the attention's temporaries and the collectives' buffers, not the saved tensors alone
-        timeline = engine.memory_timeline(SyntheticTokens(128, t, seed=0).batch(0, batch))
+        timeline = ck.memory_timeline(engine, SyntheticTokens(128, t, seed=0).batch(0, batch))
         engine.close()
         peak = torch.tensor([timeline.peak])
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:

@@ -21,12 +21,21 @@ __version__ = "0.2.0"
 
 __all__ = ["ParallelConfig", "ConfigError", "MeshLayout", "ProcessMesh", "launch", "init", "export", "Cluster", "boost",
            "Engine", "RankError", "RankTimeout", "models", "datasets", "recipe", "viz", "widgets", "comm", "tensor",
-           "pipeline", "reference", "plan", "planner", "dry_run"]
+           "pipeline", "reference", "plan", "planner", "dry_run", "parallelize", "throughput", "roofline", "profile",
+           "memory_timeline", "placements", "state_vector", "dense_state_dict", "save_pretrained", "load_pretrained"]
 
 # heavy or optional parts (ipyparallel, plotly, ipywidgets) load on first use: name -> (module, attribute)
 _LAZY = {"Cluster": ("notebook.cluster", "Cluster"), "boost": ("engine.core", "boost"),
          "Engine": ("engine.core", "Engine"), "init": ("join", "init"), "export": ("notebook.magics.export", "export"),
-         "plan": ("planner", "plan"), "dry_run": ("planner.at_scale", "dry_run")}
+         "plan": ("planner", "plan"), "dry_run": ("planner.at_scale", "dry_run"),
+         "parallelize": ("engine.parallelize", "parallelize"),
+         # reports over an engine (each a function of it, not a method: colab_kit.engine.reports)
+         "throughput": ("observe.throughput", "engine_throughput"), "roofline": ("observe.roofline", "roofline"),
+         "profile": ("observe.profile", "profile"), "memory_timeline": ("memory.timeline", "memory_timeline"),
+         "placements": ("engine.reports", "placements"), "state_vector": ("engine.reports", "state_vector"),
+         "dense_state_dict": ("checkpoint.pretrained", "dense_state_dict"),
+         "save_pretrained": ("checkpoint.pretrained", "save_pretrained"),
+         "load_pretrained": ("checkpoint.pretrained", "load_pretrained")}
 # ck.<name> -> the module it names (the notebook layer's three live in colab_kit.notebook)
 _SUBMODULES = {"models": "models", "datasets": "datasets", "recipe": "models.recipe", "optimizer": "zero.optimizer",
                "viz": "viz", "widgets": "notebook.widgets", "comm": "comm", "magics": "notebook.magics",

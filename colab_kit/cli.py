@@ -96,7 +96,8 @@ def _train(config_dict: dict, steps: int, batch: int, lr: float, show_progress: 
         prompt = corpus.encode(PROMPT).unsqueeze(0)
         sample = corpus.decode(engine.generate(prompt, 48, temperature=0.8, seed=0)[0])
     dist.barrier()
-    speed = engine.throughput() if engine.mesh.global_rank == 0 else None  # one rank measures the peak, alone
+    from colab_kit.observe.throughput import engine_throughput
+    speed = engine_throughput(engine) if engine.mesh.global_rank == 0 else None  # one rank measures the peak, alone
     dist.barrier()
     if save:
         engine.save(save, extra={"demo": {"lr": lr, "batch": batch}})

@@ -9,7 +9,7 @@ tokens, so their gradients must be summed). ``transposed``: the rank stores the 
 (``[q | k | v]``), each split alike (DTensor's strided shard). The engine gathers every
 declaration into one table after the model is sharded (``PlacementTable(module)``); the gradient
 sums (``tensor.sync_grads``), ZeRO's pieces, the fp32 masters and the estimator read it, and
-``engine.placements()`` shows it.
+``ck.placements(engine)`` shows it.
 
 Worked example, GPT d_model=8 under ``ParallelConfig(dp=2, tp=4, tp_mode="2d")`` (q=2), rank
 (dp 0, tp_row 1, tp_col 0)::
@@ -173,5 +173,5 @@ class PlacementTable:
             self._add(copy, source.names[id(of)], source.entries[id(of)])
 
     def rows(self, axes) -> list[tuple[str, tuple, str]]:
-        """``(name, local shape, placements over axes)`` per parameter: what ``engine.placements()`` prints."""
+        """``(name, local shape, placements over axes)`` per parameter: what ``ck.placements(engine)`` prints."""
         return [(self.names[id(p)], tuple(p.shape), self.entries[id(p)].describe(axes)) for p in self.params]

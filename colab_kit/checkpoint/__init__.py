@@ -228,7 +228,7 @@ def _manifest(engine, tensors: dict, extra: bool, cuda_rng: bool) -> dict:
             "optimizer": type(engine.optimizer).__name__, "tensors": tensors, "extra": extra,
             "param_groups": [_hyper(g) for g in engine.optimizer.param_groups], "rng": {"cuda": cuda_rng},
             "lr_scheduler": _plain(engine.lr_scheduler.state_dict()) if engine.lr_scheduler is not None else None,
-            "loader": engine.loader_state()}
+            "loader": engine.current_loader.state_dict() if engine.current_loader is not None else None}
 
 
 def _plain(v):
@@ -374,7 +374,8 @@ def load(engine, path) -> dict:
                       f"engine has {'one' if saved_sched is None else 'none'}: "
                       + ("its schedule starts at step 0" if saved_sched is None else "the saved schedule is not used"),
                       stacklevel=3)  # the line that called engine.load
-    engine.load_loader_state(manifest.get("loader"))
+    if engine.current_loader is not None and manifest.get("loader") is not None:
+        engine.current_loader.load_state_dict(manifest["loader"])
     engine.step_count = manifest["step"]
     engine.history[:] = manifest["history"]
     engine.records[:] = manifest["records"]

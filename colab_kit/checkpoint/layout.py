@@ -120,7 +120,7 @@ def local_space(engine) -> LocalSpace:
     ``optimizer_layout()`` says where in the optimizer's tensors each run of them lies. Costs a dense and
     a local position per element this rank holds (int32 below 2**31 elements)."""
     mine = [p for p in engine.module.parameters() if p.requires_grad]
-    layout = engine.optimizer_layout()
+    layout = engine.step.optimizer_layout()
     names = _dense_names(engine)
     if engine.policy is None:  # dp / ZeRO only: the local model is the dense one
         table = DenseTable([(n, tuple(p.shape)) for n, p in engine.module.named_parameters() if p.requires_grad])

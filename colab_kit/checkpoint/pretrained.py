@@ -1,4 +1,4 @@
-"""The Hugging Face format: ``engine.save_pretrained(directory)`` and ``engine.load_pretrained(directory)``.
+"""The Hugging Face format: ``ck.save_pretrained(engine, directory)`` and ``ck.load_pretrained(engine, directory)``.
 
 Both go through the checkpoint's index map (``layout.local_space``: where each element this rank
 holds lives in the dense model), so they work under every config the engine runs (tensor modes,

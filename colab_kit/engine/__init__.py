@@ -1,23 +1,31 @@
-"""The engine: ``boost`` composes the parallel parts into one ``Engine`` on every rank.
+"""The engine: ``boost`` = ``parallelize`` (this rank's share of the model) + the optimizer + one training step.
 
-    core.py          boost() and Engine: train_step, eval, the hooks the parts call (pipeline.host's protocol)
-    records.py       what an engine reports: memory by category and place, comm, timeline
-    precision.py     fp32 master weights, fp32 reductions, fp16 loss scaling
-    recompute.py     activation recomputation per transformer block
-    sharded_init.py  each rank builds only its shards of a model made on the meta device
-    optimizer.py     the user's optimizer and LR scheduler rebuilt over this rank's shards
+    parallelize.py   ck.parallelize: the ordered steps (STEPS), each an apply_<what> of its part (parts.py)
+    parts.py         apply_dropout, apply_tensor_parallel, ..., apply_data_parallel: one per parallel part
+    step.py          TrainingStep: the one training step every config runs (batch split, F/B work or the
+                     pipeline executor's actions, gradient sync, clipping, fp16 scaling, optimizer, records)
+    core.py          boost() and Engine: train_step, evaluate, generate, fit, save, load, close and the records
+    reports.py       EngineView and the reports over it: memory (measured and estimated), comm, timeline, ...
     clipping.py      global gradient-norm clipping over every shard
     loss.py          the contract's loss, exact however the batch is split
-    classes.py       forward-only subclasses made at run time
     fit.py           engine.fit: a run that checkpoints and survives a dead rank
     generate.py      engine.generate for causal LMs
     reference.py     the yardstick: plain PyTorch training in one process
 
-The parallel parts (tensor, pipeline, sequence, zero) use this package's building blocks as plain modules
-(``sharded_init.dense_value``, ``precision.MasterWeights``, ``classes.derived_class``) but never ``core``:
-the engine object reaches them, and they reach it only through small protocols
-(``colab_kit.pipeline.host.PipelineHost``, ``colab_kit.zero.GradientPart``). ``boost`` and ``Engine`` load
-on first use, so ``import colab_kit.sharded_init`` does not import the whole engine.
+The data flow of one engine, from ``boost`` to the records::
+
+    boost(model, optimizer, config)
+      -> check_policy (refusals before any collective) -> ProcessMesh.shared(config)
+      -> parallelize: defer_init, dropout, tensor, sequence, recompute, pipeline_split, materialize,
+                      placements, broadcast, precision, data_parallel  -> Parallelized (engine.parts)
+      -> the optimizer over what grads.optimizer_layout() says this rank steps
+      -> TrainingStep (engine.step): per step, the batch split, F/B (or the executor's actions), grads.finish,
+         clipping, optimizer.step, scheduler.step -> StepRecords (engine.records, history) and parts.events
+      -> reports (engine.memory(), comm(), timeline(); ck.throughput(engine), ck.profile(engine, ...)) read them
+
+The parallel parts never import the engine: the pipeline executor is handed a ``MicrobatchWork`` per step
+(``colab_kit.pipeline.work``) and returns; the gradient part is reached through ``colab_kit.zero.GradientPart``.
+``boost`` and ``Engine`` load on first use.
 """
 from __future__ import annotations
 
@@ -27,7 +35,7 @@ __all__ = ["boost", "Engine"]
 
 
 def __getattr__(name):
-    # boost, Engine, and every other name of 0.1's colab_kit/engine.py (lm_loss, unsupported, ...), from core
+    # boost, Engine and core's other names (lm_loss, unsupported, ...), loaded on first use
     if not name.startswith("__"):
         core = importlib.import_module(".core", __name__)
         if hasattr(core, name):

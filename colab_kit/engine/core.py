@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from ..config import ConfigError, ParallelConfig
+from ..datasets import ShardedLoader
 from ..datasets.loader import LocalBatch
 from ..mesh import ProcessMesh
 from ..policy.fit import check_policy
@@ -45,7 +46,9 @@ from .loss import TokenLoss, lm_loss
 from ..zero.optimizer import (OptimizerSpec, attach_scheduler, check_elementwise, check_scheduler, local_names,
                         rebuild)
 from .parallelize import parallelize
-from .records import EngineRecords
+from . import reports
+from .fit import fit as _fit
+from .generate import generate as _generate
 from .step import TrainingStep
 
 __all__ = ["boost", "Engine", "lm_loss", "unsupported", "check_policy", "TokenLoss"]
@@ -148,7 +151,7 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
     return engine
 
 
-class Engine(EngineRecords):
+class Engine:
     """One rank's share of a training job: ``parallelize``'s parts, the optimizer over them, the one step.
 
     ``engine.parts`` is what ``parallelize`` left (``colab_kit.engine.parallelize.Parallelized``),
@@ -159,17 +162,20 @@ class Engine(EngineRecords):
     def __init__(self, model, optimizer, config, mesh, *, policy=None, loss_fn=lm_loss, bucket_bytes=None,
                  device_budget=None, max_grad_norm=None, lr_scheduler=None, user_optimizer=None):
         self.config, self.mesh, self.device_budget = config, mesh, device_budget
-        self._traced: dict = {}
+        self.traced: dict = {}
+        """The memory estimate's dense trace of the activations, per global input shape (``reports``)."""
+        self.current_loader = None
+        """The ``ShardedLoader`` whose position checkpoints keep (``engine.loader`` / ``engine.fit`` set it)."""
         """``device_budget``: offload='auto', the bytes each rank's device may hold; else None."""
         spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
         group_of_name = spec.group_of if spec is not None and len(spec.hypers) > 1 else None
         self.parts = parallelize(model, mesh, config, policy, loss_fn=loss_fn, bucket_bytes=bucket_bytes,
                                  device_budget=device_budget, group_of_name=group_of_name)
-        self.optimizer, views, self._opt_layout = self._build_optimizer(optimizer)
+        self.optimizer, views, views_layout = self._build_optimizer(optimizer)
         scheduler = attach_scheduler(lr_scheduler, user_optimizer, self.optimizer)
         estimate = (lambda: self.memory_estimate()["activations"]) if self.model_cfg is not None else None
         self.step = TrainingStep(self.parts, self.optimizer, lr_scheduler=scheduler, max_grad_norm=max_grad_norm,
-                                 views=views, estimate_activations=estimate)
+                                 views=views, views_layout=views_layout, estimate_activations=estimate)
         """The training step: ``engine.step(batch)``; with pp, ``begin`` / ``advance`` / ``finish`` too."""
 
     def _build_optimizer(self, optimizer):
@@ -228,15 +234,6 @@ class Engine(EngineRecords):
     def step_peak(self, value: int | None) -> None:
         self.step.records.peak = value
 
-    def optimizer_layout(self) -> list[tuple[torch.Tensor, list[tuple]]]:
-        """``(tensor, runs)`` per tensor the optimizer steps, as ``grads.optimizer_layout()`` (a run
-        ``(param, start, length, at)``), with a piece that spans two param groups as its views
-        (``colab_kit.zero.optimizer``): what the checkpoint maps the optimizer's states with."""
-        if self.step.views:
-            self.step.views.bind()
-            return self._opt_layout
-        return self.grads.optimizer_layout()
-
     # ------------------------------------------------------------------ training
     def train_step(self, batch, *, local: bool | None = None) -> float:
         """One optimizer step on ``batch`` ``(inputs, targets)``; returns the global mean loss.
@@ -259,35 +256,6 @@ class Engine(EngineRecords):
         """Global mean loss of ``batch`` without training (global, or this rank's dp rows: ``train_step``)."""
         return self.step.evaluate(batch, isinstance(batch, LocalBatch) if local is None else bool(local))
 
-    # ------------------------------------------------------------------ data
-    def loader(self, dataset, batch_size: int, **kw):
-        """A ``colab_kit.datasets.ShardedLoader`` over ``dataset`` for this engine: global batches of
-        ``batch_size`` rows, this rank reading only its dp rows of each; ``engine.save``/``load`` carry its
-        position, so a resumed run sees the same batches. ``kw``: ``shuffle``, ``seed``, ``drop_last``."""
-        from ..datasets import ShardedLoader
-        self._loader = ShardedLoader.for_engine(self, dataset, batch_size, **kw)
-        return self._loader
-
-    def fit(self, loader, steps: int, *, checkpoint=None, every: int | None = None, on_step=None) -> list[float]:
-        """Train on ``loader`` until ``step_count == steps``, saving to ``checkpoint`` every ``every`` steps;
-        started again after a rank died it continues from the last complete checkpoint there, to the
-        losses of an uninterrupted run (``colab_kit.engine.fit``)."""
-        from .fit import fit
-        return fit(self, loader, steps, checkpoint=checkpoint, every=every, on_step=on_step)
-
-    def use_loader(self, loader) -> None:
-        """Make ``loader`` (a ``ShardedLoader``) the one whose position checkpoints keep (``engine.fit`` does)."""
-        self._loader = loader
-
-    def loader_state(self) -> dict | None:
-        """The position of the loader made by ``engine.loader`` (None without one): what a checkpoint keeps."""
-        return self._loader.state_dict() if self._loader is not None else None
-
-    def load_loader_state(self, state: dict | None) -> None:
-        """Put the engine's loader where ``state`` says (nothing without a loader or a saved state)."""
-        if self._loader is not None and state is not None:
-            self._loader.load_state_dict(state)
-
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  seed: int = 0) -> torch.Tensor:
@@ -295,37 +263,53 @@ class Engine(EngineRecords):
         causal LM: greedy at ``temperature=0``, else sampled with a generator seeded by ``seed`` (the same
         draw on every rank). Returns ``[b, t + max_new_tokens]`` on every rank, equal token for token to
         the dense model generating in one process (``colab_kit.engine.generate``)."""
-        from .generate import generate
-        return generate(self, prompt_ids, max_new_tokens, temperature=temperature, seed=seed)
+        return _generate(self, prompt_ids, max_new_tokens, temperature=temperature, seed=seed)
 
-    def throughput(self, last: int | None = None) -> dict:
-        """Tokens per second, FLOPs per step, achieved FLOP/s and MFU over the recorded steps (the last
-        ``last`` of them; the first step, which builds caches, is left out when there are more):
-        see ``colab_kit.observe.throughput``."""
-        from ..observe.throughput import engine_throughput
-        return engine_throughput(self, last=last)
+    # ------------------------------------------------------------------ data
+    def loader(self, dataset, batch_size: int, **kw):
+        """A ``colab_kit.datasets.ShardedLoader`` over ``dataset`` for this engine: global batches of
+        ``batch_size`` rows, this rank reading only its dp rows of each; ``engine.save``/``load`` carry its
+        position, so a resumed run sees the same batches. ``kw``: ``shuffle``, ``seed``, ``drop_last``."""
+        self.current_loader = ShardedLoader.for_engine(self, dataset, batch_size, **kw)
+        return self.current_loader
 
-    def memory_timeline(self, batch, *, local: bool | None = None, **kw):
-        """One train_step on ``batch`` with this rank's bytes by category over the step, the peak marked and
-        what was alive at it: a ``colab_kit.memory.timeline.MemoryTimeline`` (every rank calls it). ``kw``:
-        ``method`` ("auto": CUDA's allocator log on a GPU, after every op elsewhere), ``snapshot``, ``max_entries``."""
-        from ..memory.timeline import memory_timeline
-        return memory_timeline(self, batch, local=local, **kw)
+    def fit(self, loader, steps: int, *, checkpoint=None, every: int | None = None, on_step=None) -> list[float]:
+        """Train on ``loader`` until ``step_count == steps``, saving to ``checkpoint`` every ``every`` steps;
+        started again after a rank died it continues from the last complete checkpoint there, to the
+        losses of an uninterrupted run (``colab_kit.engine.fit``)."""
+        return _fit(self, loader, steps, checkpoint=checkpoint, every=every, on_step=on_step)
 
-    def roofline(self, constants: dict | None = None, peak: float | None = None, last: int | None = None):
-        """Where the last step sits against the measured matmul peak and collective costs: compute- or
-        communication-bound, and why (``colab_kit.observe.roofline.Roofline``)."""
-        from ..observe.roofline import roofline
-        return roofline(self, constants, peak, last)
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path, extra: dict | None = None) -> None:
+        """A sharded checkpoint of this engine at ``path`` (every rank calls it), written atomically;
+        ``extra``: a dict saved with it and returned by ``load`` (see ``colab_kit.checkpoint``)."""
+        from ..checkpoint import save
+        save(self, path, extra)
 
-    def profile(self, batches, steps: int = 1, **kw):
-        """``steps`` train_steps on ``batches`` under ``torch.profiler``: this rank's
-        ``colab_kit.observe.profile.Profile``."""
-        from ..observe.profile import profile
-        return profile(self, batches, steps, **kw)
+    def load(self, path) -> dict:
+        """Load a checkpoint saved by an engine of any config (same model) and continue from its
+        step; returns the ``extra`` dict given to ``save`` (see ``colab_kit.checkpoint``)."""
+        from ..checkpoint import load
+        return load(self, path)
+
+    # ------------------------------------------------------------------ records
+    def memory(self) -> dict:
+        """Measured bytes on this rank by category and place (``colab_kit.engine.reports.memory``)."""
+        return reports.memory(self)
+
+    def memory_estimate(self) -> dict:
+        """The estimate of ``memory()`` beside it, the one ``ck.plan`` ranks by (``reports.memory_estimate``)."""
+        return reports.memory_estimate(self)
+
+    def comm(self, last_step: bool = False) -> list[dict]:
+        """This rank's recorded collectives (all, or those of the last step)."""
+        return reports.comm(self, last_step)
+
+    def timeline(self) -> list[dict]:
+        """This rank's events of the last step: name, kind (compute/comm), start and end in seconds."""
+        return reports.timeline(self)
 
     # ------------------------------------------------------------------ lifetime
-    _loader = None
     _owns_mesh = False
     closed = False
 

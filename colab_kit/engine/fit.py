@@ -52,7 +52,7 @@ def fit(engine, loader, steps: int, *, checkpoint=None, every: int | None = None
     if not callable(getattr(loader, "state_dict", None)) or not callable(getattr(loader, "next_batch", None)):
         raise TypeError(f"fit needs a loader whose position a checkpoint can keep (engine.loader(dataset, "
                         f"batch_size), a colab_kit.datasets.ShardedLoader), got {type(loader).__name__}")
-    engine.use_loader(loader)  # its position goes into every checkpoint
+    engine.current_loader = loader  # its position goes into every checkpoint
     if checkpoint is not None and _agreed(engine, complete(checkpoint)):
         engine.load(checkpoint)
     losses = []

@@ -75,9 +75,9 @@ class TrainingStep:
     """This rank's training step over ``parts`` (what ``parallelize`` left) and ``optimizer``."""
 
     def __init__(self, parts: Parallelized, optimizer: torch.optim.Optimizer, *, lr_scheduler=None,
-                 max_grad_norm: float | None = None, views=None,
+                 max_grad_norm: float | None = None, views=None, views_layout=None,
                  estimate_activations: Callable[[], int] | None = None):
-        self.parts, self.optimizer, self.views = parts, optimizer, views
+        self.parts, self.optimizer, self.views, self.views_layout = parts, optimizer, views, views_layout
         self.config, self.mesh, self.grads = parts.config, parts.mesh, parts.grads
         self.lr_scheduler, self.max_grad_norm = lr_scheduler, max_grad_norm
         self.scaler = LossScaler() if parts.config.precision == "fp16" else None
@@ -168,6 +168,15 @@ class TrainingStep:
                               targets=[split_batch(targets, m, i, "microbatches") for i in range(m)],
                               loss_fn=self.parts.loss_fn, backward_loss=self._backward_loss, meter=self.meter,
                               dropout_at=self.dropout_at, grads=self.grads, t0=self.t0)
+
+    def optimizer_layout(self) -> list[tuple[torch.Tensor, list[tuple]]]:
+        """``(tensor, runs)`` per tensor the optimizer steps, as ``grads.optimizer_layout()`` (a run
+        ``(param, start, length, at)``), with a piece that spans two param groups as its views
+        (``colab_kit.zero.optimizer``): what the checkpoint maps the optimizer's states with."""
+        if self.views:
+            self.views.bind()
+            return self.views_layout
+        return self.grads.optimizer_layout()
 
     # ------------------------------------------------------------------ the start
     def _start(self, batch, local: bool) -> tuple[torch.Tensor, torch.Tensor]:

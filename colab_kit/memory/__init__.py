@@ -30,7 +30,7 @@ Where each part lives:
     formulas.py    the analytic model: ZeRO's model-state formulas, the activations each op saves
     estimator.py   one rank's estimate under any ParallelConfig (what engine.memory_estimate() reports)
     peak.py        the in-step peak of model-state bytes, measured from outside on any code
-    timeline.py    engine.memory_timeline(): bytes held after every op of one step
+    timeline.py    ck.memory_timeline(engine): bytes held after every op of one step
     history.py     the same timeline on a GPU from CUDA's allocator log
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""torch's CUDA memory history as a step's memory timeline: ``engine.memory_timeline(batch)`` on a GPU.
+"""torch's CUDA memory history as a step's memory timeline: ``ck.memory_timeline(engine, batch)`` on a GPU.
 
 On a CUDA rank ``memory_timeline`` (``method="auto"`` or ``"history"``) runs the step under
 ``torch.cuda.memory._record_memory_history``: the caching allocator itself logs every block it hands out
@@ -35,7 +35,7 @@ Worked example, rank 0 of dp=2 on two GPUs, the demo GPT in fp32, its second ste
 no GPU has run this yet, so the relations below are the ones ``bench/gpu_check.py`` asserts, not a
 recorded output)::
 
-    tl = engine.memory_timeline(data.batch(1, 16))      # method "history" on CUDA
+    tl = ck.memory_timeline(engine, data.batch(1, 16))      # method "history" on CUDA
     tl.source                  # 'cuda history'
     stats = torch.cuda.memory_stats()
     tl.allocator[-1] == stats["requested_bytes.all.current"]   # True: the log's running total, to the byte
@@ -44,7 +44,7 @@ recorded output)::
     tl.held(0)["params"] == engine.memory()["params"]   # the parameters' storages, as requested
     tl.alive_at_peak[0]        # the largest block at the peak: {'category': ..., 'nbytes': ..., 'op': 'alloc',
                                #  'name': 'gpt.py:<line> forward' (the innermost frame outside torch), ...}
-    engine.memory_timeline(data.batch(2, 16), snapshot="step-rank{rank}.pickle")  # for pytorch.org/memory_viz
+    ck.memory_timeline(engine, data.batch(2, 16), snapshot="step-rank{rank}.pickle")  # for pytorch.org/memory_viz
 
 Where the trace has no ``time_us`` (an older torch), samples are spread evenly over the step's wall time.
 ``HISTORY_ENTRIES`` bounds the log; a step that allocates more is refused with the number to pass.

@@ -1,4 +1,4 @@
-"""``engine.memory_timeline(batch)``: one training step with the bytes this rank holds after every op,
+"""``ck.memory_timeline(engine, batch)``: one training step with the bytes this rank holds after every op,
 by category, the peak marked and what was alive at it.
 
 Every rank calls it, as it calls ``train_step``; it is a real step (the optimizer steps). After every op
@@ -22,7 +22,7 @@ seen. Not seen: what the backend allocates outside torch (gloo's copies), and th
 
 Rank 0 of dp=2, the demo GPT (110,336 fp32 parameters), AdamW, 8 rows a rank, its second step::
 
-    tl = engine.memory_timeline(data.batch(1, 16))
+    tl = ck.memory_timeline(engine, data.batch(1, 16))
     tl.summary()   # 'rank 0: peak 6.62 MB at op 412 of 1,087 (backward 0, aten::mm): params 0.44, grads
                    #  0.44, optimizer 0.88, activations 2.01, in_flight 0.00, temporaries 2.85 MB'
     tl.held()      # the first sample: what the step began with, = engine.memory()'s params, grads and

@@ -1,7 +1,7 @@
 """Where a step's time goes, measured on every rank (memory has its own package, ``colab_kit.memory``).
 
-    profile.py     engine.profile(): torch.profiler on every rank, each interval classed as compute,
+    profile.py     ck.profile(engine): torch.profiler on every rank, each interval classed as compute,
                    communication by axis, copy or idle; the share of communication hidden behind compute
     throughput.py  tokens per second, FLOPs per step, achieved FLOP/s and MFU; the measured matmul peak
-    roofline.py    engine.roofline(): where a step sits against this machine's compute and network roofs
+    roofline.py    ck.roofline(engine): where a step sits against this machine's compute and network roofs
 """

@@ -1,4 +1,4 @@
-"""``engine.profile(batches, steps=1)``: this rank's training steps under ``torch.profiler``, cut into
+"""``ck.profile(engine, batches, steps=1)``: this rank's training steps under ``torch.profiler``, cut into
 compute, communication (by mesh axis), copy and idle, with the share of communication hidden behind
 compute, and a Chrome / Perfetto trace of one rank or of every rank (``merge_traces``).
 
@@ -6,7 +6,7 @@ Every rank calls it, as it calls ``train_step``. ``batches``: one batch ``(input
 step, a function ``step -> batch`` (0, 1, ...) or an iterable of batches; ``local`` goes to
 ``train_step``. Rank 0 of dp=2 x tp=2 (4 CPU ranks with gloo on 2 cores)::
 
-    p = engine.profile(data.batch(1, 8))     # one step; p.losses == [its loss]
+    p = ck.profile(engine, data.batch(1, 8))     # one step; p.losses == [its loss]
     p.intervals[4:6]  # seconds since the profile began, back to back from 0 to p.wall
     # [Interval(start=0.00037, end=0.00057, kind='compute', name='forward 0', axis=None, record=None),
     #  Interval(start=0.00057, end=0.00123, kind='comm', name='all_reduce@tp (g forward)', axis='tp', record=0)]

@@ -1,4 +1,4 @@
-"""``engine.roofline()``: where a config's training step sits against this machine's two roofs, the
+"""``ck.roofline(engine)``: where a config's training step sits against this machine's two roofs, the
 measured matmul peak and the measured cost of its collectives, and so whether it is compute- or
 communication-bound, and why.
 
@@ -99,7 +99,7 @@ class Roofline:
 
 
 def roofline(engine, constants: dict | None = None, peak: float | None = None, last: int | None = None) -> Roofline:
-    """This rank's ``Roofline`` for the engine's last step (``engine.roofline()``). ``constants``: the planner's
+    """This rank's ``Roofline`` for the engine's last step (``ck.roofline(engine)``). ``constants``: the planner's
     (``colab_kit.planner.constants.constants(ranks=N)``, measured in the notebook; default: the cached ones
     for this world size, an error naming that call if there are none); ``peak``: FLOP/s (default: the
     measured matmul peak of this rank's device and threads); ``last``: the recorded steps whose median time is
@@ -108,7 +108,7 @@ def roofline(engine, constants: dict | None = None, peak: float | None = None, l
     from .throughput import engine_throughput
 
     if not engine.records:
-        raise ValueError("engine.roofline() needs a step to place: run engine.train_step(batch) first")
+        raise ValueError("ck.roofline(engine) needs a step to place: run engine.train_step(batch) first")
     consts = constants if constants is not None else _cached(engine.config.world_size)
     tp = engine_throughput(engine, last=last)
     peak = float(peak) if peak is not None else tp["peak_flops"]
@@ -135,7 +135,7 @@ def _cached(world: int) -> dict:
     if got is None:
         raise ValueError(f"no measured collective constants for {world} ranks in {cache_path()}: measure them once "
                          f"in the notebook with colab_kit.planner.constants.constants(ranks={world}) (a few seconds) "
-                         f"and pass them as engine.roofline(constants=...), or call it again after")
+                         f"and pass them as ck.roofline(engine, constants=...), or call it again after")
     return got
 
 

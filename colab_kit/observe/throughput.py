@@ -6,7 +6,7 @@ Three pieces, each usable alone:
   model on a global batch of that shape (``training=False``: the forward alone);
 - ``peak_matmul_flops()``: the best matmul rate this machine reaches, measured once (MAMF-style) and
   cached as JSON beside the planner's constants (``$COLAB_KIT_CACHE``);
-- ``engine_throughput(engine)`` (also ``engine.throughput()``): the two above applied to the steps
+- ``engine_throughput(engine)`` (also ``ck.throughput(engine)``): the two above applied to the steps
   the engine recorded, and ``format_throughput(d)``, its one-line summary.
 
 **The formula.** Only matrix products are counted (what ``torch.utils.flop_counter.FlopCounterMode``
@@ -296,7 +296,7 @@ def _measure(device: torch.device, dtype: torch.dtype) -> dict:
 
 # ------------------------------------------------------------------ an engine's steps
 def engine_throughput(engine, last: int | None = None) -> dict:
-    """Throughput of ``engine``'s recorded steps on this rank (``engine.throughput()``).
+    """Throughput of ``engine``'s recorded steps on this rank (``ck.throughput(engine)``).
 
     The steps: the last ``last`` records, or all but the first when there are two or more (the first
     step builds caches and buckets). Returns::
@@ -318,7 +318,7 @@ def engine_throughput(engine, last: int | None = None) -> dict:
     """
     records = list(engine.records)
     if not records:
-        raise ValueError("engine.throughput() has no steps to measure yet: run engine.train_step(batch) first")
+        raise ValueError("ck.throughput(engine) has no steps to measure yet: run engine.train_step(batch) first")
     lacking = [r.get("step", i + 1) for i, r in enumerate(records) if "seconds" not in r or "input_shape" not in r]
     if lacking:
         raise ValueError(f"engine.records of steps {lacking[:5]} have no 'seconds' or 'input_shape' (an engine "

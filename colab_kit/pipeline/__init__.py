@@ -11,7 +11,7 @@
     compute.py     what F, B, I and W do on a stage (the executor's compute)
     messages.py    what SF/RF/SB/RB do (point-to-point between stages)
     executor.py    PipelineExecutor: runs a plan on this rank
-    host.py        PipelineHost: everything the executor may use of its engine
+    work.py        MicrobatchWork: what the step loop hands the executor for one step
     (the I/W split of a linear's backward that ZB schedules use: colab_kit.tensor.zero_bubble)
     hang.py        PipelineHang: which rank waits on which message, when a step stalls
 """

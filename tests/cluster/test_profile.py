@@ -35,16 +35,16 @@ def profile_configs():
         torch.manual_seed(0)
         engine = ck.boost(GPT(GPT_CFG), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), ck.ParallelConfig(**kw))
         engine.train_step(data.batch(0, 8))
-        p = engine.profile(lambda step: data.batch(1 + step, 8))
+        p = ck.profile(engine, lambda step: data.batch(1 + step, 8))
         out[name] = {"profile": p, "comm": engine.comm(last_step=True), "record": engine.records[-1]}
         before = engine.memory()
-        tl = engine.memory_timeline(data.batch(2, 8))
+        tl = ck.memory_timeline(engine, data.batch(2, 8))
         after = engine.memory()
         with StatePeak(engine.module, engine.optimizer, engine.grads) as states:
             engine.train_step(data.batch(3, 8))
         out[name].update(timeline=tl, before=before, after=after, states_peak=states.peak,
-                         roofs={k: engine.roofline(c, peak=1e11) for k, c in ROOF_CONSTANTS.items()},
-                         last=engine.comm(last_step=True), throughput=engine.throughput())
+                         roofs={k: ck.roofline(engine, c, peak=1e11) for k, c in ROOF_CONSTANTS.items()},
+                         last=engine.comm(last_step=True), throughput=ck.throughput(engine))
         engine.close()
     return out
 

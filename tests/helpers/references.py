@@ -7,6 +7,8 @@ import functools
 from typing import Callable, NamedTuple
 
 import torch
+
+import colab_kit as ck
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -91,7 +93,7 @@ def gpt_reference(opt: str):
 
 def named_params(engine, kw) -> dict:
     """The trained parameters by their dense names (gathered over tp; this rank's stages with pp)."""
-    with engine.gathered():  # ZeRO-3: the chunks whole while they are read
+    with engine.grads.gathered():  # ZeRO-3: the chunks whole while they are read
         return _dense_named(engine, kw)
 
 
@@ -114,6 +116,6 @@ def with_unused(seed: int = 5) -> nn.Module:
 
 def same_over_dp(engine) -> bool:
     """Every dp rank holds exactly the same parameters (the all-gather put them back whole)."""
-    v = engine.state_vector()
+    v = ck.state_vector(engine)
     got = comm.all_gather(v, engine.mesh, "dp").view(engine.config.dp, -1)
     return all(torch.equal(row, v) for row in got)

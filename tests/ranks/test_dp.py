@@ -27,7 +27,7 @@ def train_cases(dp: int):
         cfg = ck.ParallelConfig(dp=dp, microbatches=mb)
         engine = ck.boost(GPT(GPT_CFG), OPTIMIZERS[opt], cfg)
         losses = [engine.train_step(data.batch(step, BATCH)) for step in range(STEPS)]
-        out[opt, mb] = {"losses": losses, "params": engine.state_vector(), "memory": engine.memory(),
+        out[opt, mb] = {"losses": losses, "params": ck.state_vector(engine), "memory": engine.memory(),
                         "comm": engine.comm(last_step=True), "timeline": engine.timeline()}
     return out
 

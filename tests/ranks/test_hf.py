@@ -96,10 +96,10 @@ def _round_trip(kw, src, dst):
     engine = ck.boost(make("gpt2"), OPTIMIZERS["sgd"], ck.ParallelConfig(**kw))
     for s in range(2):
         engine.train_step(DATA.batch(s, BATCH))
-    engine.save_pretrained(dst)
+    ck.save_pretrained(engine, dst)
     fresh = ck.boost(make("gpt2"), OPTIMIZERS["sgd"], ck.ParallelConfig(**kw))
     before = fresh.evaluate(DATA.batch(5, BATCH))
-    read = fresh.load_pretrained(src)
+    read = ck.load_pretrained(fresh, src)
     return engine.evaluate(DATA.batch(5, BATCH)), before, fresh.evaluate(DATA.batch(5, BATCH)), read
 
 

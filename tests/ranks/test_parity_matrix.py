@@ -23,7 +23,7 @@ import torch
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
-from colab_kit.models import GPT, GPTConfig
+from colab_kit.models import GPT
 from colab_kit.engine.reference import max_relative_difference, train_single_process
 
 from colab_kit.engine.parallelize import plan_steps

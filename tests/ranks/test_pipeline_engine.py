@@ -102,7 +102,7 @@ def _stepping(cfgs):
                 states.append(stepped.step.advance())
             losses[-1] = (losses[-1][0], stepped.step.finish())
         out[tuple(sorted(kw.items()))] = dict(
-            losses=losses, same_params=torch.equal(plain.state_vector(), stepped.state_vector()),
+            losses=losses, same_params=torch.equal(ck.state_vector(plain), ck.state_vector(stepped)),
             executed=[len(s["executed"]) for s in states[:pipe.n_timesteps]],
             expected=[sum(t < k + 1 for t in pipe.timesteps[pipe.me]) for k in range(pipe.n_timesteps)],
             held=max(len(s["held"]) for s in states[:pipe.n_timesteps]), last=states[pipe.n_timesteps - 1],

@@ -48,7 +48,7 @@ def _check(cases):
                 local = wrong.local(dense[n].detach(), mesh)
                 forgot.append(local.shape == p.shape and torch.equal(local, p.detach()))
             partial[n] = placed.partial
-        rows = engine.placements()
+        rows = ck.placements(engine)
         out[name, tuple(sorted(kw.items()))] = bad, forgot, partial, rows
         engine.close()
     return out

@@ -66,10 +66,10 @@ def _overflow(data, zero: int):
     if engine.mesh.rank("dp") == 0:
         engine.module.head.weight.register_hook(
             lambda g: torch.full_like(g, float("inf")) if engine.step_count == 2 else None)
-    states, losses, names = [engine.state_vector()], [], []
+    states, losses, names = [ck.state_vector(engine)], [], []
     for s in range(STEPS):
         losses.append(engine.train_step(data.batch(s, BATCH)))
-        states.append(engine.state_vector())
+        states.append(ck.state_vector(engine))
         names.append([e["name"] for e in engine.timeline()])
     adam_steps = {float(st["step"]) for st in engine.optimizer.state.values()}
     engine.close()

@@ -1,6 +1,6 @@
 """``colab_kit.observe.throughput``: the FLOPs formula against ``FlopCounterMode`` measuring a real forward and
 backward (GPT at several shapes, BERT with padding, ViT, a Hugging Face GPT-2, a user's MLP), the cached
-peak matmul measurement, and ``engine.throughput()`` on a real dp=2 engine.
+peak matmul measurement, and ``ck.throughput(engine)`` on a real dp=2 engine.
 
 The reference counter is torch's ``FlopCounterMode`` with the CPU attention kernel given torch's own SDPA
 formulas (``sdpa_flop_count`` / ``sdpa_backward_flop_count``, written out here apart from the module's
@@ -210,11 +210,11 @@ def _train(cache_dir: str):
     for _ in range(3):
         x = torch.randint(0, 64, (8, 32), generator=g)
         engine.train_step((x, torch.roll(x, -1, 1)))
-    d = engine.throughput()
+    d = ck.throughput(engine)
     t0 = time.perf_counter()
-    again = engine.throughput()
+    again = ck.throughput(engine)
     cheap = time.perf_counter() - t0
-    out = {"d": d, "again": again, "cheap": cheap, "last1": engine.throughput(last=1), "records": engine.records,
+    out = {"d": d, "again": again, "cheap": cheap, "last1": ck.throughput(engine, last=1), "records": engine.records,
            "line": format_throughput(d), "cached": dict(throughput._FLOPS.get(engine, {})),
            "threads": torch.get_num_threads()}
     engine.close()

@@ -93,7 +93,7 @@ def _unused(data):
     for opt in OPTIMIZERS:
         engine = ck.boost(_with_unused(), OPTIMIZERS[opt], ck.ParallelConfig(dp=2, zero=3, microbatches=2))
         losses = [engine.train_step(data.batch(s, BATCH)) for s in range(STEPS)]
-        with engine.gathered():
+        with engine.grads.gathered():
             params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         out[opt] = dict(losses=losses, params=params)
         engine.close()

@@ -11,7 +11,7 @@
 ``timeline_view(cluster, "engine")`` gathers ``engine.timeline()`` from every rank: the
 measured events of its last step, drawn with the idle gaps between them.
 ``profile_view(cluster, "engine", "batch")`` runs one profiled step of it on every rank
-(``engine.profile(batch)``) and draws each rank's intervals on one lane.
+(``ck.profile(engine, batch)``) and draws each rank's intervals on one lane.
 """
 from __future__ import annotations
 
@@ -106,17 +106,20 @@ def timeline_view(cluster, var: str = "engine"):
 def _rank_profile(var: str, data: str, run: bool, method: str = "profile"):
     """On a rank: what is missing for a profiled step of ``var`` on ``data`` (or, with ``run``, the result of
     ``var.<method>(batch)``: its Profile, or its MemoryTimeline)."""
+    from colab_kit.memory.timeline import memory_timeline
     from colab_kit.notebook.cluster.remote import namespace
+    from colab_kit.observe.profile import profile
 
     ns = namespace()
     eng, batch = ns.get(var), ns.get(data)
-    if eng is None or not hasattr(eng, method):
+    if eng is None or not hasattr(eng, "train_step"):
         return f"no engine in a variable {var!r}"
     if batch is None:
         return f"no batch in a variable {data!r}"
     if run and method == "memory_timeline" and callable(batch):
         batch = batch(eng.step_count)
-    return getattr(eng, method)(batch) if run else None
+    report = profile if method == "profile" else memory_timeline
+    return report(eng, batch) if run else None
 
 
 def _checked(cluster, var: str, data: str, method: str) -> list:

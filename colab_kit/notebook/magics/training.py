@@ -22,6 +22,7 @@ def rank_training() -> list[dict]:
     """On a rank: per engine in the namespace that stepped since last asked, what the line shows."""
     from colab_kit.notebook.cluster.remote import namespace
     from colab_kit.engine.core import Engine
+    from colab_kit.observe.throughput import engine_throughput
 
     out = []
     for name, eng in list(namespace().items()):
@@ -35,7 +36,7 @@ def rank_training() -> list[dict]:
         recs = eng.records[-min(now - seen, len(eng.records)):]
         speed = None
         try:
-            speed = eng.throughput(last=len(recs))
+            speed = engine_throughput(eng, last=len(recs))
         except (ValueError, KeyError, TypeError):  # records without timings (a loaded run's first steps)
             pass
         out.append({"name": name, "first": recs[0]["step"], "last": recs[-1]["step"],
