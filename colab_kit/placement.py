@@ -26,6 +26,7 @@ the axes the tensor and sequence parts add.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -94,6 +95,11 @@ class Placed:
             (f" ({self.parts} fused parts)" if self.parts > 1 else "")
 
 
+_DECLARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per module, what each parallel layer declared of its parameters (``declare``): ``{name: Placed}``. Kept
+here, keyed by the module, not as an attribute of it; ``PlacementTable`` reads it once."""
+
+
 def _name(p) -> str:
     return f"Shard({p.dim})" if isinstance(p, Shard) else type(p).__name__ + "()"
 
@@ -106,27 +112,27 @@ def declare(module: nn.Module, name: str, shards: dict | None = None, partial=()
         declare(self, "weight", {1: "tp_row", 0: "tp_col"}, partial=("tp_dep",), transposed=True)
     """
     items = tuple((d, (a,) if isinstance(a, str) else tuple(a)) for d, a in (shards or {}).items())
-    decl = module.__dict__.setdefault("_ck_placements", {})
-    decl[name] = Placed(items, tuple(partial), transposed, parts)
+    _DECLARED.setdefault(module, {})[name] = Placed(items, tuple(partial), transposed, parts)
 
 
 def add_partial(module: nn.Module, name: str, axis: str) -> None:
     """Add ``axis`` to the axes ``module.<name>``'s gradient is summed over (never twice)."""
     p = declared(module, name)
     if axis not in p.partial:
-        module.__dict__.setdefault("_ck_placements", {})[name] = replace(p, partial=p.partial + (axis,))
+        _DECLARED.setdefault(module, {})[name] = replace(p, partial=p.partial + (axis,))
 
 
 def declared(module: nn.Module, name: str) -> Placed:
     """What ``module`` declared for its parameter ``name`` (replicated everywhere if nothing)."""
-    return module.__dict__.get("_ck_placements", {}).get(name, Placed())
+    return _DECLARED.get(module, {}).get(name, Placed())
 
 
 def mark_parts(module: nn.Module, parts: int) -> None:
     """Every parameter ``module`` declared is ``parts`` fused blocks along dim 0 (a regrouped q/k/v)."""
-    for n, p in list(module.__dict__.get("_ck_placements", {}).items()):
+    decl = _DECLARED.get(module, {})
+    for n, p in list(decl.items()):
         if any(d == 0 for d, _ in p.shards):
-            module.__dict__["_ck_placements"][n] = replace(p, parts=parts)
+            decl[n] = replace(p, parts=parts)
 
 
 class PlacementTable:

@@ -56,10 +56,12 @@ import copy
 
 import torch
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["defer", "dense_value", "materialize", "meta_twin"]
 
-_RECIPE = "_ck_init"  # on a meta tensor: (init_parameter, name), how to make its dense value
+_RECIPES = WeakIdKeyDictionary()
+"""Per meta tensor, ``(init_parameter, name)``: how to make its dense value (kept here, not on the tensor)."""
 
 
 def defer(model: nn.Module, keep=None) -> bool:
@@ -83,7 +85,7 @@ def defer(model: nn.Module, keep=None) -> bool:
     mine = None if keep is None else {id(t) for s in keep for t in (*s.parameters(), *s.buffers())}
     for name, t in meta.items():
         if mine is None or id(t) in mine:
-            setattr(t, _RECIPE, (init, name))
+            _RECIPES[t] = (init, name)
     return True
 
 
@@ -91,7 +93,7 @@ def dense_value(t: torch.Tensor) -> torch.Tensor:
     """The dense value a parallel layer cuts its shard from: ``t`` itself when it is real (or meta
     with no recipe: another pipeline rank's, whose cut stays meta), else a fresh CPU tensor made
     by ``t``'s recipe. The caller keeps only its slice, so one whole tensor is alive at a time."""
-    recipe = getattr(t, _RECIPE, None) if t.is_meta else None
+    recipe = _RECIPES.get(t) if t.is_meta else None
     if recipe is None:
         return t
     init, name = recipe
@@ -127,7 +129,7 @@ def _made(t: torch.Tensor, where: str) -> torch.Tensor:
     if not isinstance(t, nn.Parameter):
         return value
     p = nn.Parameter(value, requires_grad=t.requires_grad)
-    p.__dict__.update({k: v for k, v in t.__dict__.items() if k != _RECIPE})
+    p.__dict__.update(t.__dict__)
     return p
 
 

@@ -65,7 +65,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from ..policy.classes import derived_class
+from ..policy.classes import derived_class, derived_from
 from ..config import ConfigError
 
 __all__ = ["recompute_blocks", "is_recomputed", "recomputed_class"]
@@ -88,7 +88,7 @@ class _Hold(torch.autograd.Function):
 
 def recomputed_class(cls: type) -> type:
     """The subclass of ``cls`` whose forward recomputes in backward (one per class, made once)."""
-    if getattr(cls, "_ck_recomputed_from", None) is not None:
+    if derived_from(cls, "Recomputed") is not None:
         return cls
 
     def make_forward(cls):
@@ -100,13 +100,12 @@ def recomputed_class(cls: type) -> type:
 
     return derived_class(cls, "Recomputed", make_forward, __name__,
                          f"``{cls.__name__}`` whose activations are recomputed in backward "
-                         "(colab_kit.recompute).",
-                         _ck_recomputed_from=cls)
+                         "(colab_kit.recompute).")
 
 
 def is_recomputed(module: nn.Module) -> bool:
     """Whether ``module``'s forward recomputes its activations in backward."""
-    return getattr(type(module), "_ck_recomputed_from", None) is not None
+    return derived_from(type(module), "Recomputed") is not None
 
 
 def recompute_blocks(model: nn.Module, policy=None) -> int:

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..policy.classes import derived_class
+from ..policy.classes import derived_class, derived_from
 from ..config import ConfigError
 from .ring import RingRecorder, ring_attention
 from .ulysses import check_heads, ulysses_attention
@@ -69,7 +69,7 @@ class SequencePositions(nn.Embedding):
 def _global_positions_class(cls: type) -> type:
     """The subclass of a rotary-embedding module ``cls`` (called as ``(x, position_ids)``) that looks up
     the global positions of this rank's tokens: with sp=2 ring, rank 1's ``arange(4)`` becomes [2 3 4 5]."""
-    if getattr(cls, "_ck_positions_from", None) is not None:
+    if derived_from(cls, "GlobalPositions") is not None:
         return cls
 
     def make_forward(cls):
@@ -80,8 +80,7 @@ def _global_positions_class(cls: type) -> type:
         return forward
 
     return derived_class(cls, "GlobalPositions", make_forward, __name__,
-                         f"``{cls.__name__}`` at this rank's global positions (colab_kit.sequence.plan).",
-                         _ck_positions_from=cls)
+                         f"``{cls.__name__}`` at this rank's global positions (colab_kit.sequence.plan).")
 
 
 def _ring_dropout(module, p, shape, n):

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..config import ConfigError
-from ..policy.classes import derived_class
+from ..policy.classes import derived_class, derived_from
 from .zero_bubble import split_linear
 from ..placement import add_partial
 from .plan import require_divisible
@@ -124,7 +124,7 @@ def gathered_class(cls: type) -> type:
     forward then sees the whole sequence ``[b, t, h]``, as under 1D (the GPT's attention reads
     ``t`` from its input), and the region ends in a ``SequenceRowLinear`` (g-bar) or the loss.
     """
-    if getattr(cls, "_ck_gathered_from", None) is not None:
+    if derived_from(cls, "Gathered") is not None:
         return cls
 
     def make_forward(cls):
@@ -133,8 +133,7 @@ def gathered_class(cls: type) -> type:
         return forward
 
     return derived_class(cls, "Gathered", make_forward, __name__, f"``{cls.__name__}`` entered through g: its "
-                         "input all-gathered along the sequence (colab_kit.tensor.split_gather).",
-                         _ck_gathered_from=cls)
+                         "input all-gathered along the sequence (colab_kit.tensor.split_gather).")
 
 
 def gather_at_entry(module: nn.Module, mesh, axis: str = "tp") -> nn.Module:

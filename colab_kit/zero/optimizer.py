@@ -40,6 +40,8 @@ optimizer runs.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 
@@ -245,6 +247,10 @@ def _track_steps(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = wrapper
 
 
+_BOOSTED: weakref.WeakSet = weakref.WeakSet()
+"""The LR schedulers given to a ``boost`` already (each drives that engine's optimizer from then on)."""
+
+
 def check_scheduler(lr_scheduler, user_optimizer) -> None:
     """Refuse, before any process is touched, a scheduler ``boost`` cannot step: one over another optimizer
     than ``user_optimizer`` (None: boost was given a factory), one that steps on a metric, or not a scheduler."""
@@ -259,7 +265,7 @@ def check_scheduler(lr_scheduler, user_optimizer) -> None:
             raise ConfigError("lr_scheduler was built over an optimizer, but boost was given an optimizer factory: "
                               "pass the optimizer itself, or lr_scheduler=lambda opt: LambdaLR(opt, f)")
         for s in _schedulers(lr_scheduler):
-            if getattr(s, "_ck_boosted", False):
+            if s in _BOOSTED:
                 raise ConfigError(f"this lr_scheduler ({type(s).__name__}) was given to a boost already and drives "
                                   "that engine's optimizer now: build a new optimizer and scheduler for another engine")
             if s.optimizer is not user_optimizer:
@@ -282,7 +288,7 @@ def attach_scheduler(lr_scheduler, user_optimizer, optimizer):
     if isinstance(lr_scheduler, LRScheduler):
         for s in _schedulers(lr_scheduler):
             s.optimizer = optimizer
-            s._ck_boosted = True
+            _BOOSTED.add(s)
         _track_steps(optimizer)
         return lr_scheduler
     sched = lr_scheduler(optimizer)

@@ -14,8 +14,13 @@ is measured on rank 0 once and cached). A cell that trained nothing prints nothi
 from __future__ import annotations
 
 import math
+import weakref
 
 __all__ = ["ask_training", "rank_training", "summary_lines"]
+
+
+SUMMARIZED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""On a rank: per engine, how many of its steps the cell line has shown already."""
 
 
 def rank_training() -> list[dict]:
@@ -28,9 +33,9 @@ def rank_training() -> list[dict]:
     for name, eng in list(namespace().items()):
         if not isinstance(eng, Engine) or name.startswith("_") or eng.closed:
             continue
-        seen = eng.__dict__.get("_ck_summarized", 0)
+        seen = SUMMARIZED.get(eng, 0)
         now = eng.steps_run  # steps run here, not the ones a loaded checkpoint brought
-        eng._ck_summarized = now  # type: ignore[attr-defined]  # undeclared state on the engine (issue 40)
+        SUMMARIZED[eng] = now
         if now <= seen or not eng.records:
             continue
         recs = eng.records[-min(now - seen, len(eng.records)):]

@@ -40,13 +40,13 @@ def _figure_class():
             """A FigureWidget whose comm_open carries its traces and layout (see the module docstring)."""
 
             def __init__(self, *args, **kwargs):
-                object.__setattr__(self, "_ck_opening", False)
+                object.__setattr__(self, "_view_opening", False)
                 super().__init__(*args, **kwargs)
-                object.__setattr__(self, "_ck_opening", True)
+                object.__setattr__(self, "_view_opening", True)
                 self.open()
 
             def open(self):
-                if getattr(self, "_ck_opening", True):  # not while plotly's __init__ runs
+                if getattr(self, "_view_opening", True):  # not while plotly's __init__ runs
                     super().open()
 
         _FIGURE_CLASS = FigureView
