@@ -173,7 +173,8 @@ class Engine(EngineRecords):
         hf = getattr(model, "config", None)
         if getattr(hf, "use_cache", False):  # a training step reads no KV cache; a recomputed forward would
             hf.use_cache = False            # append its keys to it a second time
-        from ..models.dropout import DropoutLayout, has_dropout, layout_invariant
+        from ..models.dropout import has_dropout, layout_invariant
+        from ..dropout import DropoutLayout
         dropout = has_dropout(model)
         if dropout:  # masks from global coordinates: every split draws what one process draws
             layout_invariant(model, policy=policy)
