@@ -46,7 +46,7 @@ from .records import EngineRecords
 from ..mesh import ProcessMesh
 from ..precision import LossScaler, MasterWeights, loss_in_fp32, master_step, to_compute_dtype
 from .loss import TokenLoss, lm_loss, token_losses
-from ..policy.fit import check_policy
+from .checks import check_policy
 from ..tensor import plan_for, sync_grads
 
 __all__ = ["boost", "Engine", "lm_loss", "unsupported", "check_policy", "TokenLoss"]
