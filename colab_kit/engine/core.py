@@ -40,7 +40,8 @@ import torch.nn as nn
 
 from .. import comm
 from ..config import ConfigError, ParallelConfig
-from ..zero.stage0 import ZeroStage0, GradientPart, split_batch
+from ..zero.stage0 import ZeroStage0, GradientPart
+from ..datasets.loader import split_batch
 from ..measure import ActivationMeter
 from .records import EngineRecords
 from ..mesh import ProcessMesh

@@ -73,7 +73,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..zero.stage0 import split_batch
+from ..datasets.loader import split_batch
 from .check import steps
 from .hang import HangMonitor, PipelineHang, hang_message
 from .host import PipelineHost
