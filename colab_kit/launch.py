@@ -55,7 +55,7 @@ _HF_MODELS = ("transformers.models.gpt2.modeling_gpt2", "transformers.models.lla
 # first one is built (0.66 s a rank here), the placements DTensor (0.7 s), then the engine's own parts.
 # Imported once in the forkserver, a rank forked from it starts with them (8 ranks on 2 cores: ~5 s a spawn).
 _ENGINE = ("torch._dynamo", "torch.distributed.tensor", "colab_kit.engine.core", "colab_kit.placement",
-           "colab_kit.tensor.tp1d", "colab_kit.pipeline.executor", "colab_kit.zero.stage3", "colab_kit.policy.fit")
+           "colab_kit.tensor.tp1d", "colab_kit.pipeline.executor", "colab_kit.zero.stage3", "colab_kit.engine.checks")
 
 
 def preloaded() -> list[str]:

@@ -7,7 +7,8 @@
 - ``TokenFile``: a flat binary file of token ids (nanoGPT's ``.bin``), memory-mapped.
 - ``Digits``: scikit-learn's 8x8 digits (shipped with it), for the ViT.
 - ``ShardedLoader``: global batches of a map-style dataset, each dp rank yielding only its rows,
-  epoch-seeded, resumable (``state_dict``); ``LocalBatch`` marks those rows.
+  epoch-seeded, resumable (``state_dict``); ``LocalBatch`` marks those rows; ``split_batch``: the rule
+  that gives a dp rank its rows, and a microbatch its rows, everywhere in the engine.
 
 Feeding the engine, two ways. ``ShardedLoader`` gives dp rank ``r`` the contiguous block
 ``r*B/dp .. (r+1)*B/dp`` of each global batch, the rows the engine itself would take::

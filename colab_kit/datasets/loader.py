@@ -35,7 +35,22 @@ import torch
 
 from ..config import ConfigError
 
-__all__ = ["ShardedLoader", "LocalBatch", "seeded"]
+__all__ = ["ShardedLoader", "LocalBatch", "seeded", "split_batch"]
+
+
+def split_batch(batch: torch.Tensor, parts: int, index: int, what: str = "dp") -> torch.Tensor:
+    """Rows ``index*B/parts .. (index+1)*B/parts`` of ``batch`` (dim 0): a dp rank's rows of the global batch
+    (the block ``ShardedLoader`` yields), or microbatch ``index`` of ``parts``.
+
+    >>> split_batch(torch.arange(8), 2, 1).tolist(), split_batch(torch.arange(8), 4, 0, "microbatches").tolist()
+    ([4, 5, 6, 7], [0, 1])
+    """
+    rows = batch.shape[0]
+    if rows % parts:
+        raise ValueError(f"a global batch of {rows} rows does not split evenly over {what}={parts}: "
+                         f"use a batch size that is a multiple of {parts} (e.g. {parts * max(1, rows // parts)})")
+    size = rows // parts
+    return batch[index * size:(index + 1) * size]
 
 
 def seeded(seed: int, epoch: int) -> torch.Generator:

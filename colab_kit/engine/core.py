@@ -40,7 +40,7 @@ from ..config import ConfigError, ParallelConfig
 from ..datasets import ShardedLoader
 from ..datasets.loader import LocalBatch
 from ..mesh import ProcessMesh
-from ..policy.fit import check_policy
+from .checks import check_policy
 from .clipping import check_max_norm
 from .loss import TokenLoss, lm_loss
 from ..zero.optimizer import (OptimizerSpec, attach_scheduler, check_elementwise, check_scheduler, local_names,

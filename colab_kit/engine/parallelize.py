@@ -163,7 +163,7 @@ def _has_dropout(model: nn.Module) -> bool:
 
 
 def _dropout_layout(mesh, tp_plan, sp_plan):
-    from ..models.dropout import DropoutLayout
+    from ..dropout import DropoutLayout
     return DropoutLayout(mesh, tp_plan, sp_plan)
 
 

@@ -32,8 +32,7 @@ from ..measure import ActivationMeter
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.work import MicrobatchWork
 from ..tensor import sync_grads
-from ..datasets.loader import LocalBatch
-from ..zero.stage0 import split_batch
+from ..datasets.loader import LocalBatch, split_batch
 from .clipping import clip_, weights
 from .parallelize import Parallelized
 from ..precision import LossScaler, MasterWeights, master_step

@@ -51,6 +51,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..measure import SavedRef, _unpack
+from ..observe.profile import engine_phases
 from .peak import _is_machinery, _walk
 
 __all__ = ["MemoryTimeline", "memory_timeline", "record_timeline", "timeline_figure", "CATEGORIES"]
@@ -260,7 +261,6 @@ def memory_timeline(engine, batch, *, local: bool | None = None, method: str = "
         raise ValueError("snapshot= and max_entries= are about CUDA's allocator log: they need a CUDA engine and "
                          "method 'history' or 'auto'")
     roots = (engine.module, engine.optimizer, engine.grads)
-    from ..observe.profile import _phases
     if cuda and method != "dispatch":
         from .history import HISTORY_ENTRIES, dump_snapshot, history_series, record_history
         rec = record_history(lambda: engine.train_step(batch, local=local), roots, engine.mesh.device,
@@ -269,7 +269,8 @@ def memory_timeline(engine, batch, *, local: bool | None = None, method: str = "
         if snapshot is not None:
             dump_snapshot(rec, snapshot.format(rank=engine.mesh.global_rank))
         return MemoryTimeline(engine.mesh.global_rank, engine.config.describe(), got["times"], got["ops"],
-                              got["series"], phases=_phases(engine, rec["t0"]), alive_at_peak=got["alive_at_peak"],
+                              got["series"], phases=engine_phases(engine, rec["t0"]),
+                              alive_at_peak=got["alive_at_peak"],
                               allocator=got["totals"], loss=rec["result"], source="cuda history")
     names = {(p.device.type, p.untyped_storage().data_ptr()): n for n, p in engine.module.named_parameters()}
     if cuda:
@@ -277,7 +278,7 @@ def memory_timeline(engine, batch, *, local: bool | None = None, method: str = "
     loss, rec = record_timeline(lambda: engine.train_step(batch, local=local), *roots, names=names,
                                 meter=engine.activation_meter, device=engine.mesh.device.type)
     tl = MemoryTimeline(engine.mesh.global_rank, engine.config.describe(), rec.tl_times, rec.tl_ops, rec.series,
-                        phases=_phases(engine, rec.t0), alive_at_peak=rec.alive_at_peak,
+                        phases=engine_phases(engine, rec.t0), alive_at_peak=rec.alive_at_peak,
                         allocator=rec.allocator if cuda else None, loss=loss)
     if not cuda:  # on a GPU the allocator's peak of the step stays (engine.memory())
         engine.step_peak = tl.peak

@@ -17,9 +17,11 @@ elements are scaled by ``1 / (1 - p)``, as ``nn.Dropout`` does.
 Who says where a local tensor sits: in one process nobody (``rows = arange(b)``, the whole
 sequence and features; ``step`` counts this layer's training forwards, one per step); inside
 the engine the ``Coordinates`` it sets around each microbatch's forward and backward
-(``DropoutLayout.at``), from the dp rank, the microbatch, the tensor plan's split of the
-residual stream (``hidden_axes``, ``token_axes``, ``dropout_rows``) and its head split
-(``head_axes``, and sp under Ulysses), and sp's global positions.
+(``colab_kit.dropout.DropoutLayout.at``), from the dp rank, the microbatch, the tensor plan's split
+of the residual stream (``hidden_axes``, ``token_axes``, ``dropout_rows``) and its head split
+(``head_axes``, and sp under Ulysses), and sp's global positions. They are held in a
+``contextvars.ContextVar`` (``at``, ``current``), not a module global: two engines in two threads
+each see their own, and a recomputed block runs again under the coordinates of its first forward.
 
 Worked example: GPT, d_model=8, a global batch of 4 rows, block 0's MLP dropout (layer 1)::
 
@@ -38,12 +40,15 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn as nn
 
-__all__ = ["Dropout", "layout_invariant", "keep_mask", "attention_dropout", "Coordinates", "DropoutLayout",
-           "current", "HF_ATTENTION", "has_dropout", "attention_prob_dropout", "hidden_dropout", "attention_keep"]
+from ..policy import policy_for
+
+__all__ = ["Dropout", "layout_invariant", "keep_mask", "attention_dropout", "Coordinates", "at", "current",
+           "HF_ATTENTION", "has_dropout", "attention_prob_dropout", "hidden_dropout", "attention_keep"]
 
 _M32 = 0xFFFFFFFF
 
@@ -129,12 +134,24 @@ class Coordinates:
         return self._positions(t)
 
 
-_STACK: list[Coordinates] = []
+_COORDINATES: ContextVar[Coordinates | None] = ContextVar("colab_kit_dropout_coordinates", default=None)
+"""The coordinates of the microbatch running now, in this thread's context (``at`` sets them)."""
 
 
 def current() -> Coordinates | None:
     """The coordinates the engine set for the microbatch running now (None: one process)."""
-    return _STACK[-1] if _STACK else None
+    return _COORDINATES.get()
+
+
+@contextmanager
+def at(coordinates: Coordinates | None):
+    """Run the block under ``coordinates`` (None: one process), then give back what was set before, so
+    the engine's ``DropoutLayout.at`` and a recomputation's (``colab_kit.recompute``) nest."""
+    token = _COORDINATES.set(coordinates)
+    try:
+        yield
+    finally:
+        _COORDINATES.reset(token)
 
 
 def _rows(c: Coordinates | None, b: int, token: bool, device, where: str) -> torch.Tensor:
@@ -278,7 +295,6 @@ def layout_invariant(model: nn.Module, seed: int | None = None, policy=None) -> 
                 n += 1
     cfg = getattr(model, "config", None)
     if attention_prob_dropout(model) > 0:
-        from ..policy import policy_for
         policy = policy_for(model, policy)
         if policy is None:  # a model without a policy (dp / ZeRO only): its attentions are not known
             return model
@@ -304,65 +320,3 @@ def has_dropout(model: nn.Module) -> bool:
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
         return True
     return attention_prob_dropout(model) > 0
-
-
-def _block(mesh, axes) -> tuple[int, int]:
-    index, count = 0, 1
-    for a in axes:
-        index, count = index * mesh.size(a) + mesh.rank(a), count * mesh.size(a)
-    return index, count
-
-
-class DropoutLayout:
-    """One rank's ``Coordinates`` per microbatch, from the engine's mesh and plans.
-
-    ``begin(batch_rows, microbatches)`` at each step's start; ``at(step, i)`` around microbatch ``i``'s
-    forward and backward (recomputation's second forward then draws the same masks).
-    """
-
-    def __init__(self, mesh, tp_plan=None, sp_plan=None):
-        self.mesh, self.tp, self.sp = mesh, tp_plan, sp_plan
-        self.features = _block(mesh, tp_plan.hidden_axes) if tp_plan is not None else (0, 1)
-        heads = tuple(tp_plan.head_axes) if tp_plan is not None else ()
-        if sp_plan is not None and sp_plan.mode == "ulysses":
-            heads += (sp_plan.axis,)
-        self.heads = _block(mesh, heads)
-        self._seq = _block(mesh, tp_plan.token_axes) if tp_plan is not None else (0, 1)
-        self._cache: dict = {}
-        self._key = None
-
-    def begin(self, batch_rows: int, microbatches: int) -> None:
-        key = (batch_rows, microbatches)
-        if key != self._key:
-            self._key, self._cache = key, {}
-
-    def _positions(self, t: int):
-        dev = self.mesh.device
-        if self.sp is not None:
-            from ..sequence.zigzag import sequence_positions
-            seq = t * self.sp.size
-            return sequence_positions(self.sp.rank, self.sp.size, seq, self.sp.layout, device=dev), seq
-        blk, n = self._seq
-        return torch.arange(t, device=dev) + blk * t, t * n
-
-    def coordinates(self, step: int, i: int) -> Coordinates:
-        if i not in self._cache:
-            b, m = self._key
-            cfg = self.mesh.config
-            dp_rows = torch.arange(b).chunk(cfg.dp)[self.mesh.rank("dp")]
-            if self.tp is not None:
-                hidden, token = self.tp.dropout_rows(dp_rows, m, i)
-            else:
-                hidden = token = dp_rows.chunk(m)[i]
-            dev = self.mesh.device
-            self._cache[i] = (hidden.to(dev), token.to(dev))
-        hidden, token = self._cache[i]
-        return Coordinates(step, hidden, token, self._positions, self.features, self.heads, self._key[0])
-
-    @contextmanager
-    def at(self, step: int, i: int):
-        _STACK.append(self.coordinates(step, i))
-        try:
-            yield
-        finally:
-            _STACK.pop()

@@ -4,4 +4,5 @@
                    communication by axis, copy or idle; the share of communication hidden behind compute
     throughput.py  tokens per second, FLOPs per step, achieved FLOP/s and MFU; the measured matmul peak
     roofline.py    ck.roofline(engine): where a step sits against this machine's compute and network roofs
+    measured.py    this machine's measured constants as the planner caches them (read here, measured there)
 """

@@ -51,7 +51,7 @@ from ..comm.collectives import one_shot_record
 
 
 __all__ = ["Interval", "Profile", "ProfileError", "profile", "check_profile", "merge_traces", "profile_figure",
-           "KINDS"]
+           "KINDS", "engine_phases"]
 
 KINDS = ("compute", "comm", "copy", "idle")
 COPY_OPS = ("aten::copy_", "aten::to", "aten::_to_copy", "aten::pin_memory")
@@ -219,7 +219,7 @@ def _measure(union, a: float, b: float) -> float:
     return sum(max(0.0, min(b, y) - max(a, x)) for x, y in union)
 
 
-def _phases(engine, offset: float):
+def engine_phases(engine, offset: float):
     """The engine's compute events of its last step (forward 0, backward 0, 1F0, optimizer step, ...)
     as ``(start, end, name)`` in the profile's seconds; none where its step's start is not known."""
     t0 = engine.step.t0
@@ -240,7 +240,7 @@ def _merge(ivs: list) -> list:
 def _paint(p: Profile, engine, compute, copies, blocked, min_idle: float) -> list:
     """The intervals: each record's blocked span as its comm interval (in order, 0 s long where it never
     blocked), the time between them cut where an op, a copy or an engine phase begins or ends."""
-    phases = _phases(engine, p.start)
+    phases = engine_phases(engine, p.start)
     cuts = sorted({t for u in (compute, copies) for s in u for t in s} | {t for a, b, _ in phases for t in (a, b)})
     copy_at, compute_at, out, pos = [a for a, _ in copies], [a for a, _ in compute], [], 0.0
     for i, (a, b) in enumerate([*blocked, (p.wall, p.wall)]):

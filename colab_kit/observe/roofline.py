@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .measured import alpha_beta, cache_path, cached
+
 __all__ = ["Roofline", "roofline", "roofline_figure"]
 
 
@@ -104,7 +106,6 @@ def roofline(engine, constants: dict | None = None, peak: float | None = None, l
     for this world size, an error naming that call if there are none); ``peak``: FLOP/s (default: the
     measured matmul peak of this rank's device and threads); ``last``: the recorded steps whose median time is
     the measured one (``engine.throughput``'s; default all but the first)."""
-    from ..planner.cost import _op
     from .throughput import engine_throughput
 
     if not engine.records:
@@ -119,7 +120,7 @@ def roofline(engine, constants: dict | None = None, peak: float | None = None, l
         n = 2 if r.op in ("send", "recv", "sendrecv") else mesh.size(r.axis)
         if n <= 1:
             continue
-        alpha, beta = _op(consts, r.op, n)
+        alpha, beta = alpha_beta(consts, r.op, n)
         s = alpha + r.wire / beta
         comm_s, latency = comm_s + s, latency + alpha
         row = by_op.setdefault(f"{r.op}@{r.axis}", [0, 0, 0.0])
@@ -130,7 +131,6 @@ def roofline(engine, constants: dict | None = None, peak: float | None = None, l
 
 
 def _cached(world: int) -> dict:
-    from ..planner.constants import cache_path, cached
     got = cached(world)
     if got is None:
         raise ValueError(f"no measured collective constants for {world} ranks in {cache_path()}: measure them once "

@@ -66,6 +66,8 @@ import time
 
 import torch
 
+from .measured import cache_path
+
 __all__ = ["engine_throughput", "flop_counter", "format_throughput", "model_flops", "peak_matmul",
            "peak_matmul_flops"]
 
@@ -200,7 +202,6 @@ _MEMO: dict = {}  # (cache file, key) -> the entry: no JSON read per call
 
 
 def _peak_path() -> str:
-    from ..planner.constants import cache_path
     root = os.path.dirname(cache_path())
     return os.path.join(root, f"matmul-peak-{platform.node() or 'host'}-{torch.__version__.split('+')[0]}.json")
 

@@ -346,7 +346,7 @@ def _other_model(model, world_size, batch, memory_per_rank, precision, optimizer
     from ..sharded_init import meta_twin
     from ..memory.formulas import placed
     from ..policy import missing_policy_message, policy_for
-    from ..policy.fit import check_policy
+    from ..engine.checks import check_policy
     from .cost import step_seconds
 
     policy = policy_for(model, policy)

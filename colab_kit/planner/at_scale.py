@@ -192,7 +192,7 @@ def _prepare(model, config, rank=0, batch=None, seq=None, optimizer="adamw", pol
     from ..memory.estimator import gpt_like
     from ..memory.formulas import OPTIMIZER_STATES
     from ..models import GPT, GPTConfig
-    from ..policy.fit import check_policy
+    from ..engine.checks import check_policy
     from ..sharded_init import meta_twin
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"config must be a ck.ParallelConfig, got {type(config).__name__}")

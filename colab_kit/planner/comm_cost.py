@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..comm import wire_bytes
 from ..memory.estimator import _stages, part_params, stage_params
 from ..memory.formulas import PRECISION_BYTES
+from ..observe.measured import alpha_beta
 from ..tensor import block_collectives, linear_comm_bytes
 from ..zero.stage0 import default_bucket_bytes, fill_buckets
 from ..zero.stage2 import stage2_bucket_size
@@ -18,20 +19,11 @@ from ..zero.stage2 import stage2_bucket_size
 _MAIN_OP = {"1d": "all_reduce", "2d": "broadcast", "2.5d": "broadcast", "3d": "all_gather"}
 
 
-def _op(consts, op: str, n: int) -> tuple[float, float]:
-    """(alpha, beta) of ``op`` on a group of ``n`` ranks (the nearest group size measured)."""
-    comm = consts["comm"]
-    key = str(n) if str(n) in comm else min(comm, key=lambda k: abs(int(k) - n))
-    op = {"reduce": "broadcast", "recv": "send"}.get(op, op)
-    c = comm[key].get(op) or comm[key]["send"]  # constants measured before sendrecv had its own
-    return c["alpha"], c["beta"]
-
-
 def _coll(consts, op: str, payload: int, n: int, count: int = 1) -> float:
     """Seconds of ``count`` collectives ``op`` of ``payload`` bytes each on ``n`` ranks."""
     if n <= 1 or count == 0:
         return 0.0
-    alpha, beta = _op(consts, op, n)
+    alpha, beta = alpha_beta(consts, op, n)
     return count * (alpha + wire_bytes("send" if op == "sendrecv" else op, payload, n) / beta)
 
 

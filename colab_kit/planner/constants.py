@@ -75,9 +75,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import statistics
 import time
+
+from ..observe.measured import VERSION, _current, _read_cache, cache_path, cached
 
 __all__ = ["constants", "cached", "measure", "measure_rank", "combine", "cache_path", "count_ops", "OPS"]
 
@@ -87,43 +88,6 @@ _LARGE = {"all_reduce": 1 << 20, "reduce_scatter": 1 << 20, "all_gather": 1 << 2
 """A fourth point, 4 MiB, for the collectives that carry gradients and parameters (dp's bucket all-reduce,
 ZeRO's reduce-scatters and gathers: megabytes): fitted on 1 MiB at most, a 4-rank all-reduce of a 1.6 MB
 gradient read 5.5 ms in the model and took 8.6-10.4 ms in a step (gloo, 4 ranks on 2 cores)."""
-VERSION = 5
-"""Bumped when a figure changes meaning or is added; a cached entry of another version is measured again
-(version 2: ``dispatch`` per op of a step, not per forward op; ``activation``, ``recompute``, the 4 MiB points;
-version 3: ranks bound to cores (``launch.bind_rank``, ``bound``), ``cores`` the ones the process may use,
-each point's trials in turns; version 4: the optimizer's ``element_seconds``, both optimizer figures the
-slowest rank's; version 5: a pair's all-reduce of 64 KiB or less measured one-shot, as ``comm.all_reduce``
-runs it now)."""
-
-
-def cache_path() -> str:
-    import torch
-    root = os.environ.get("COLAB_KIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "colab_kit")
-    return os.path.join(root, f"constants-{platform.node() or 'host'}-{torch.__version__.split('+')[0]}.json")
-
-
-def _read_cache(path: str) -> dict:
-    if os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as fh:
-                return json.load(fh)
-        except (OSError, ValueError):
-            pass
-    return {}
-
-
-def cached(ranks: int = 4) -> dict | None:
-    """The constants cached for ``ranks`` local ranks, or None: nothing is measured."""
-    entry = _read_cache(cache_path()).get(str(ranks))
-    return entry if _current(entry) else None
-
-
-def _current(entry) -> bool:
-    """Whether a cached entry is of this ``VERSION`` (an older one counted a step's time per forward op,
-    3 times what ``dispatch`` means now, and lacked ``activation`` and ``recompute``)."""
-    return isinstance(entry, dict) and entry.get("version") == VERSION
-
-
 def constants(refresh: bool = False, ranks: int = 4, repeats: int = 1) -> dict:
     """The constants measured with ``ranks`` local ranks (cached; ``refresh`` measures again). ``repeats``:
     when measuring, measure that many times and keep each figure's median (``median_of``): one

@@ -49,7 +49,8 @@ import functools
 
 from ..memory.formulas import PRECISION_BYTES, activation_bytes
 from ..pipeline.costs import flops_per_token
-from .comm_cost import _coll, _dp_comm, _forward_share, _op, _sp_comm, _tp_comm, engine_buckets, shares_cores
+from ..observe.measured import alpha_beta
+from .comm_cost import _coll, _dp_comm, _forward_share, _sp_comm, _tp_comm, engine_buckets, shares_cores
 from .pipeline_cost import bubble
 
 __all__ = ["step_seconds"]
@@ -191,7 +192,7 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict,
         c_bwd = tp1 * (1 - fwd_share[0]) + sp1 * (1 - fwd_share[1])
         c_rc = (tp1 * again[0] + sp1 * again[1]) if cfg.recompute else 0.0
         act = tokens // cfg.sp * model.d_model * e // (cfg.tp if cfg.tp_mode != "1d" else 1)
-        alpha, beta = _op(consts, "send", 2)
+        alpha, beta = alpha_beta(consts, "send", 2)
         parts["bubble"] = bubble(cfg, model_key, fwd * share, rc * share, c_fwd, c_bwd + c_rc, head * share,
                                  consts.get("cores", cfg.world_size), alpha + act / beta,
                                  _weight_grads(model, cfg, consts, tokens, layers_stage) * share,

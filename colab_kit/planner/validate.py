@@ -74,13 +74,14 @@ def run_candidates(model_kwargs: dict, configs: list[dict], kwargs: list[dict], 
     parameters, states and buffers, and the cheapest configs lose most."""
     import torch
 
-    import colab_kit as ck
-    from colab_kit.datasets import SyntheticTokens
-    from colab_kit.models import GPT, GPTConfig
+    from ..config import ParallelConfig
+    from ..datasets import SyntheticTokens
+    from ..engine.core import boost
+    from ..models import GPT, GPTConfig
 
     g = GPTConfig(**model_kwargs)
     data = SyntheticTokens(g.vocab_size, g.seq_len, seed=0)
-    engines = [ck.boost(GPT(g), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(**c), **kw)
+    engines = [boost(GPT(g), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ParallelConfig(**c), **kw)
                for c, kw in zip(configs, kwargs)]
     times = [[] for _ in engines]
     losses = [[] for _ in engines]

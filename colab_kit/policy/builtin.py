@@ -1,17 +1,15 @@
 """The policies of the models colab_kit ships: GPT, BERT and ViT (``colab_kit.models``).
 
 They use the public ``Policy`` API exactly as a user's policy does. ``policy_for`` finds them by the
-models' class paths (``policy._LAZY``) and imports this module on first use, so the models never import
-the policies and the policies import no model.
+models' class paths (``policy._LAZY``) and imports this module on first use. The policies import no
+model, not even for type hints (a policy sits below the models in the layers, ``docs/layout.md``): each
+function takes the model as an ``nn.Module`` and reads it by the paths it names.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import torch.nn as nn
 
 from . import Attention, Policy
-
-if TYPE_CHECKING:
-    from ..models import BERT, GPT, ViT
 
 __all__ = ["gpt_policy", "bert_policy", "vit_policy"]
 
@@ -25,7 +23,7 @@ def _attention(causal: bool) -> dict[str, Attention]:
     return {"blocks.*.attn": Attention(heads=("n_heads",), attend="attend", causal=causal)}
 
 
-def gpt_policy(model: GPT) -> Policy:
+def gpt_policy(model: nn.Module) -> Policy:
     """GPT: token and position tables, the blocks, ``ln_f`` and an untied LM head."""
     return Policy(name="gpt", blocks="blocks",
                   layers={"tok": "vocab", "pos": "positions", **_BLOCK, "ln_f": "norm", "head": "head"},
@@ -34,7 +32,7 @@ def gpt_policy(model: GPT) -> Policy:
                   tail=("ln_f", "head"), loss="tokens")
 
 
-def bert_policy(model: BERT) -> Policy:
+def bert_policy(model: nn.Module) -> Policy:
     """BERT: token, position and token-type tables and their LayerNorm, bidirectional blocks, the masked-LM
     head (a width-keeping transform, its LayerNorm, and the decoder tied to the token table)."""
     return Policy(name="bert", blocks="blocks",
@@ -46,7 +44,7 @@ def bert_policy(model: BERT) -> Policy:
                   tied=(("tok", "mlm.decoder"),) if model.cfg.tie_embeddings else ())
 
 
-def vit_policy(model: ViT) -> Policy:
+def vit_policy(model: nn.Module) -> Policy:
     """ViT: the patch embedding (a Linear on flattened patches), class token and position tables,
     bidirectional blocks, the final LayerNorm and the classification head on the class token."""
     return Policy(name="vit", blocks="blocks",

@@ -52,6 +52,10 @@ checkpoint keeps the block's input in a closure, out of their sight, and its own
 the block's saved tensors (the innermost hooks win); ``_Hold`` saves the input through the
 hooks active outside the block, so the meter counts it, once, as it is really held.
 
+The recomputation runs under the dropout coordinates of the block's first forward
+(``colab_kit.models.dropout.at``, through the checkpoint's ``context_fn``), so it draws the same masks
+even where autograd runs backward on a thread of its own (a GPU's).
+
 The recomputation calls the block's original forward directly: hooks registered on the block
 itself fire once (around the forward), hooks on its submodules fire again in backward. A part
 that gathers parameters in module hooks (ZeRO stage 3) must gather them for the recomputation
@@ -61,9 +65,13 @@ to one process's losses with recompute on (largest relative difference 1.2e-7).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
+
+from ..models import dropout
 
 from ..policy.classes import derived_class, derived_from
 from ..config import ConfigError
@@ -95,7 +103,9 @@ def recomputed_class(cls: type) -> type:
         def forward(self, x, *args, **kwargs):
             if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
                 return cls.forward(self, x, *args, **kwargs)
-            return checkpoint(cls.forward, self, _Hold.apply(x), *args, use_reentrant=False, **kwargs)
+            coords = dropout.current()  # the recomputation draws the dropout masks of this forward
+            return checkpoint(cls.forward, self, _Hold.apply(x), *args, use_reentrant=False,
+                              context_fn=lambda: (nullcontext(), dropout.at(coords)), **kwargs)
         return forward
 
     return derived_class(cls, "Recomputed", make_forward, __name__,

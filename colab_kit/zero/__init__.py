@@ -3,7 +3,7 @@ memory. One class per stage, named for the ``config.zero`` it runs, all with one
 (``GradientPart``, which the engine and the pipeline executor drive):
 
 - ``stage0``: ``ZeroStage0``, plain data parallelism (DeepSpeed's stage 0): whole gradients all-reduced
-  in buckets; also the batch split over dp.
+  in buckets (the batch split over dp is ``datasets.loader.split_batch``, the rows ``ShardedLoader`` gives).
 - ``stage1``: ``ZeroStage1``: optimizer states sharded; gradients reduce-scattered into the shard.
 - ``stage2``: ``ZeroStage2`` (a ``ZeroStage1``): gradients sharded too, each bucket alive only from its
   first gradient to the end of its reduce-scatter.

@@ -42,7 +42,7 @@ import torch
 from .. import comm
 from ..precision import MasterWeights
 
-__all__ = ["ZeroStage0", "GradientPart", "split_batch", "default_bucket_bytes", "fill_buckets"]
+__all__ = ["ZeroStage0", "GradientPart", "default_bucket_bytes", "fill_buckets"]
 
 
 def default_bucket_bytes(total: int, shared_cores: bool = False) -> int:
@@ -78,16 +78,6 @@ def fill_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
     if group:
         groups.append(group)
     return groups
-
-
-def split_batch(batch: torch.Tensor, parts: int, index: int, what: str = "dp") -> torch.Tensor:
-    """Rows ``index*B/parts .. (index+1)*B/parts`` of ``batch`` (dim 0)."""
-    rows = batch.shape[0]
-    if rows % parts:
-        raise ValueError(f"a global batch of {rows} rows does not split evenly over {what}={parts}: "
-                         f"use a batch size that is a multiple of {parts} (e.g. {parts * max(1, rows // parts)})")
-    size = rows // parts
-    return batch[index * size:(index + 1) * size]
 
 
 class _Bucket:

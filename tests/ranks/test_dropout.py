@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.models import BERT, GPT, BERTConfig, GPTConfig, ViT, ViTConfig
-from colab_kit.models.dropout import Coordinates, Dropout, _hash32, hidden_dropout, keep_mask, layout_invariant
+from colab_kit.models.dropout import Coordinates, Dropout, _hash32, at, current, hidden_dropout, keep_mask, layout_invariant
 from colab_kit.sequence.zigzag import sequence_positions
 
 from tests.helpers import case_id, rank0_per_world
@@ -229,3 +229,22 @@ def test_ring_blocks_draw_the_whole_sequence_mask():
     whole = attention_keep(c, 3, 0.5, 2, 0, 2, 2, torch.arange(8), torch.arange(8), 8, "cpu")
     block = attention_keep(c, 3, 0.5, 2, 0, 2, 2, torch.arange(2, 4), torch.arange(6, 8), 8, "cpu")
     assert torch.equal(block, whole[:, :, 2:4, 6:8]) and not torch.equal(block, whole[:, :, 0:2, 6:8])
+
+
+def test_coordinates_are_held_per_context_and_nest():
+    """The coordinates live in a ContextVar: ``at`` nests and gives back what was set before, even when the
+    block raises; another thread starts with none of this one's."""
+    import threading
+
+    outer, inner, seen = Coordinates(1), Coordinates(2), []
+    assert current() is None
+    with at(outer):
+        with pytest.raises(RuntimeError):
+            with at(inner):
+                assert current() is inner
+                raise RuntimeError
+        assert current() is outer
+        thread = threading.Thread(target=lambda: seen.append(current()))
+        thread.start()
+        thread.join()
+    assert current() is None and seen == [None]

@@ -3,12 +3,19 @@
 Before any process is touched: a missing policy where tp, pp, sp or recompute needs one, paths the
 model lacks or of the wrong kind, sizes that do not divide (``tensor.check_model``), blocks that do not
 split over the pipeline's stages, and what a mode cannot take yet (each with the rule and what works).
+It asks each part (tensor, sequence, pipeline) whether the model fits it, so it lives above them, in the
+engine's package, beside ``boost`` which calls it.
 """
 from __future__ import annotations
 
 import torch.nn as nn
 
 from ..config import ConfigError, ParallelConfig
+from ..pipeline.plan import SCHEDULE_PLACEMENT, PipelinePlan
+from ..pipeline.stage import check_stages
+from ..policy import missing_policy_message, policy_for
+from ..sequence.plan import SequencePlan
+from ..tensor import check_model, model_sizes
 
 __all__ = ["check_policy"]
 
@@ -17,8 +24,6 @@ def check_policy(model: nn.Module, config: ParallelConfig, policy=None):
     """The policy ``boost`` will lower for ``model`` (given, or the built-in one of its class), checked
     against ``config`` in the kernel, before any process is touched: a missing policy where tp, pp, sp or
     recompute needs one, paths the model lacks, sizes that do not divide, blocks that do not split."""
-    from . import missing_policy_message, policy_for
-    from ..tensor import check_model
     policy = policy_for(model, policy)
     if policy is not None and policy.prepare is not None:  # e.g. a Hugging Face GPT-2's Conv1D -> nn.Linear
         policy.prepare(model)
@@ -34,13 +39,9 @@ def check_policy(model: nn.Module, config: ParallelConfig, policy=None):
     if config.tp > 1:
         check_model(model, config, policy)
     if config.sp > 1:  # ulysses: heads per tensor rank must divide by sp
-        from ..sequence.plan import SequencePlan
-        from ..tensor import model_sizes
         SequencePlan.check(model_sizes(model, policy), config)
         SequencePlan.check_policy(model, policy, config)
     if config.pp > 1:
-        from ..pipeline.plan import SCHEDULE_PLACEMENT, PipelinePlan
-        from ..pipeline.stage import check_stages
         check_stages(len(policy.block_list(model)), config)
         n = config.pp * config.chunks
         where = PipelinePlan(config.pp, config.microbatches, config.chunks, config.schedule,
