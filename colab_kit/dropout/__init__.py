@@ -48,7 +48,7 @@ class DropoutLayout:
         self.heads = _block(mesh, heads)
         self._seq = _block(mesh, tp_plan.token_axes) if tp_plan is not None else (0, 1)
         self._cache: dict = {}
-        self._key = None
+        self._key: tuple[int, int] | None = None  # (global batch rows, microbatches) of the step
 
     def begin(self, batch_rows: int, microbatches: int) -> None:
         key = (batch_rows, microbatches)
@@ -64,6 +64,8 @@ class DropoutLayout:
         return torch.arange(t, device=dev) + blk * t, t * n
 
     def coordinates(self, step: int, i: int) -> Coordinates:
+        if self._key is None:
+            raise RuntimeError("DropoutLayout.begin(rows, microbatches) comes before a step's coordinates")
         if i not in self._cache:
             b, m = self._key
             cfg = self.mesh.config

@@ -7,6 +7,8 @@ function takes the model as an ``nn.Module`` and reads it by the paths it names.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn as nn
 
 from . import Attention, Policy
@@ -17,6 +19,11 @@ _BLOCK = {"blocks.*.ln1": "norm", "blocks.*.ln2": "norm",
           "blocks.*.attn.qkv": "column", "blocks.*.attn.proj": "row",
           "blocks.*.mlp.fc1": "column", "blocks.*.mlp.fc2": "row"}
 """The pre-LN block every built-in model shares (``models.layers.Block``): fused q/k/v head by head."""
+
+
+def _cfg(model: nn.Module) -> Any:
+    """A built-in model's config (``GPTConfig``, ``BERTConfig``, ``ViTConfig``): its ``cfg`` field."""
+    return model.cfg
 
 
 def _attention(causal: bool) -> dict[str, Attention]:
@@ -41,7 +48,7 @@ def bert_policy(model: nn.Module) -> Policy:
                   attention=_attention(causal=False),
                   embed=lambda m, ids: m.embed(ids), finish=lambda m, x: m.mlm(x),
                   tail=("mlm",), loss="tokens", context=lambda m, ids: {"mask": m.padding_mask(ids)},
-                  tied=(("tok", "mlm.decoder"),) if model.cfg.tie_embeddings else ())
+                  tied=(("tok", "mlm.decoder"),) if _cfg(model).tie_embeddings else ())
 
 
 def vit_policy(model: nn.Module) -> Policy:
