@@ -1,7 +1,7 @@
 """The engine: ``boost`` = ``parallelize`` (this rank's share of the model) + the optimizer + one training step.
 
-    parallelize.py   ck.parallelize: the ordered steps (STEPS), each an apply_<what> of its part (parts.py)
-    parts.py         apply_dropout, apply_tensor_parallel, ..., apply_data_parallel: one per parallel part
+    parallelize.py   ck.parallelize: the ordered steps (STEPS), each an apply_<what> in its part's apply.py
+                     (dropout, tensor, sequence, recompute, pipeline, precision, zero)
     step.py          TrainingStep: the one training step every config runs (batch split, F/B work or the
                      pipeline executor's actions, gradient sync, clipping, fp16 scaling, optimizer, records)
     core.py          boost() and Engine: train_step, evaluate, generate, fit, save, load, close and the records

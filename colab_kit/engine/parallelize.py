@@ -2,8 +2,8 @@
 
 ``boost`` is ``parallelize`` (what this rank holds) plus the optimizer over it plus the one training step
 (``colab_kit.engine.step``). The order of the steps is written once, here, in ``parallelize``; each step is
-an ``apply_<what>(model, mesh, config, ...)`` of its own part, whose docstring says what it needs before it
-and what it leaves after it. Adding a mode means adding one step.
+an ``apply_<what>(model, mesh, config, ...)`` in its own part's package (``colab_kit/<part>/apply.py``), whose
+docstring says what it needs before it and what it leaves after it. Adding a mode means adding one step.
 
 Worked example: ``ParallelConfig(dp=2, tp=2, pp=2)`` (8 ranks), a 4-block GPT built on every rank, on rank 5
 (coordinates pp 1, dp 0, tp 1)::
@@ -33,8 +33,15 @@ from ..mesh import ProcessMesh
 from ..placement import PlacementTable
 from ..zero.stage0 import GradientPart
 from .loss import TokenLoss, lm_loss, token_losses
-from .parts import (apply_data_parallel, apply_dropout, apply_pipeline_split, apply_precision, apply_recompute,
-                    apply_sequence_parallel, apply_tensor_parallel)
+from ..dropout import DropoutLayout
+from ..dropout.apply import apply_dropout
+from ..models.dropout import has_dropout
+from ..pipeline.apply import apply_pipeline_split
+from ..precision.apply import apply_precision
+from ..recompute.apply import apply_recompute
+from ..sequence.apply import apply_sequence_parallel
+from ..tensor.apply import apply_tensor_parallel
+from ..zero.apply import apply_data_parallel
 from ..pipeline.stage import defer_stages
 from ..sharded_init import materialize, meta_twin
 
@@ -104,7 +111,7 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
     the config asks for it. ``policy``: what each part of the model is (``check_policy`` has checked it
     fits); ``group_of_name``: the optimizer's param group of a parameter by name (ZeRO keeps groups apart).
     """
-    steps = plan_steps(config, dropout=_has_dropout(model))
+    steps = plan_steps(config, dropout=has_dropout(model))
     taken: list[str] = []
     take = taken.append  # each step says it ran; the list must come out as ``steps``, in its order
     twin = meta_twin(model)  # before anything changes the model
@@ -149,22 +156,12 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
     take("data_parallel")
     if tuple(taken) != steps:
         raise RuntimeError(f"parallelize took the steps {taken}, but {config.describe()} asks for {list(steps)}")
-    dropout = _dropout_layout(mesh, tp_plan, sp_plan) if "dropout" in steps else None
+    dropout = DropoutLayout(mesh, tp_plan, sp_plan) if "dropout" in steps else None
     logits = policy.output if policy is not None and policy.output is not None else (lambda out: out)
     return Parallelized(config=config, mesh=mesh, module=module, dense_twin=twin, policy=policy, loss_fn=loss,
                         grads=grads, placement_table=table, events=events, logits=logits, token_loss=token_loss,
                         tp_plan=tp_plan, sp_plan=sp_plan, dropout=dropout, stages=stages, tied=tied,
                         n_local=n_local, steps=tuple(taken))
-
-
-def _has_dropout(model: nn.Module) -> bool:
-    from ..models.dropout import has_dropout
-    return has_dropout(model)
-
-
-def _dropout_layout(mesh, tp_plan, sp_plan):
-    from ..dropout import DropoutLayout
-    return DropoutLayout(mesh, tp_plan, sp_plan)
 
 
 def _no_kv_cache(model: nn.Module) -> None:
