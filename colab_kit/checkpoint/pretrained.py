@@ -37,8 +37,7 @@ __all__ = ["save_pretrained", "load_pretrained", "dense_state_dict"]
 
 
 def _conv_paths(engine) -> set[str]:
-    from ..policy.hf import CONV1D_ATTR
-    return set(getattr(engine.dense_twin, CONV1D_ATTR, []))
+    return set(engine.parts.conv1d)
 
 
 def _is_conv(name: str, convs: set[str]) -> bool:

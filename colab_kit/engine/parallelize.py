@@ -36,6 +36,7 @@ from .loss import TokenLoss, lm_loss, token_losses
 from ..dropout import DropoutLayout
 from ..dropout.apply import apply_dropout
 from ..models.dropout import has_dropout
+from ..policy.hf import converted_conv1d
 from ..pipeline.apply import apply_pipeline_split
 from ..precision.apply import apply_precision
 from ..recompute.apply import apply_recompute
@@ -97,6 +98,8 @@ class Parallelized:
     """Elements this rank trains before ZeRO splits them (the estimate of another model reads it)."""
     steps: tuple[str, ...] = ()
     """The steps taken, in order (``plan_steps(config)``)."""
+    conv1d: tuple[str, ...] = ()
+    """A Hugging Face GPT-2's modules that were ``Conv1D`` (its policy's ``prepare``): checkpoints turn them back."""
 
     @property
     def model_cfg(self) -> Any:
@@ -114,7 +117,7 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
     steps = plan_steps(config, dropout=has_dropout(model))
     taken: list[str] = []
     take = taken.append  # each step says it ran; the list must come out as ``steps``, in its order
-    twin = meta_twin(model)  # before anything changes the model
+    twin, twin_of = meta_twin(model), model  # before anything changes the model
     defer_stages(model, config, mesh.rank("pp"), policy)               # 1. only this rank's shards are made
     take("defer_init")
     _no_kv_cache(model)
@@ -161,7 +164,7 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
     return Parallelized(config=config, mesh=mesh, module=module, dense_twin=twin, policy=policy, loss_fn=loss,
                         grads=grads, placement_table=table, events=events, logits=logits, token_loss=token_loss,
                         tp_plan=tp_plan, sp_plan=sp_plan, dropout=dropout, stages=stages, tied=tied,
-                        n_local=n_local, steps=tuple(taken))
+                        n_local=n_local, steps=tuple(taken), conv1d=tuple(converted_conv1d(twin_of)))
 
 
 def _no_kv_cache(model: nn.Module) -> None:

@@ -39,7 +39,9 @@ process must be passed through it too to see the engine's masks. Its cost is mea
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import contextmanager
+from dataclasses import dataclass
 from contextvars import ContextVar
 
 import torch
@@ -205,6 +207,29 @@ def hidden_dropout(x, p, seed, step, layer, c=None, where="dropout"):
     return _Scale.apply(x, keep_mask(index, p, seed, step, layer), 1.0 / (1.0 - p))
 
 
+@dataclass
+class _Numbered:
+    """An attention module's place among the model's dropouts: its number, its masks' seed, and how many
+    times it dropped outside the engine's step (the step count of one process)."""
+
+    layer: int
+    seed: int = 0
+    calls: int = 0
+
+
+_ATTENTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per attention module numbered by ``layout_invariant``: its ``_Numbered`` (kept here, not on the module)."""
+
+
+def attention_number(module: nn.Module) -> tuple[int, int]:
+    """``(layer, seed)`` of an attention module ``layout_invariant`` numbered."""
+    n = _ATTENTIONS.get(module)
+    if n is None:
+        raise RuntimeError(f"this {type(module).__name__} has no layout-invariant dropout number: its model goes "
+                           "through ck.models.layout_invariant(model) (ck.boost does it) before it drops")
+    return n.layer, n.seed
+
+
 def attention_dropout(probs: torch.Tensor, p: float, layer: int, seed: int = 0, calls_from=None) -> torch.Tensor:
     """Layout-invariant dropout of attention probabilities ``[batch, heads, seq, seq]`` of whole sequences
     (sp's ring draws its blocks with ``attention_keep``). ``calls_from``: the module whose ``calls`` counts
@@ -213,9 +238,10 @@ def attention_dropout(probs: torch.Tensor, p: float, layer: int, seed: int = 0, 
         return probs
     c = current()
     if c is None:
-        step = getattr(calls_from, "_ck_drop_calls", 0)
-        if calls_from is not None:
-            calls_from._ck_drop_calls = step + 1
+        numbered = _ATTENTIONS.get(calls_from) if calls_from is not None else None
+        step = numbered.calls if numbered is not None else 0
+        if numbered is not None:
+            numbered.calls += 1
     else:
         step = c.step
     b, h, tq, tk = probs.shape
@@ -263,8 +289,7 @@ def _register_hf() -> str:
             scores = scores.masked_fill(~causal, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
         if module.training and dropout:
-            probs = attention_dropout(probs, dropout, module._ck_drop_layer, getattr(module, "_ck_drop_seed", 0),
-                                      calls_from=module)
+            probs = attention_dropout(probs, dropout, *attention_number(module), calls_from=module)
         return (probs @ value).transpose(1, 2).contiguous(), probs
 
     AttentionInterface.register(HF_ATTENTION, attention)
@@ -300,8 +325,9 @@ def layout_invariant(model: nn.Module, seed: int | None = None, policy=None) -> 
             return model
         for _, att, a in policy.attentions(model):
             if a.hf:
-                att._ck_drop_layer = n
-                att._ck_drop_seed = getattr(att, "_ck_drop_seed", 0) if seed is None else seed
+                old = _ATTENTIONS.get(att)
+                keep = old.seed if old is not None else 0
+                _ATTENTIONS[att] = _Numbered(n, keep if seed is None else seed, old.calls if old is not None else 0)
                 n += 1
         if any(a.hf for _, _, a in policy.attentions(model)):
             cfg._attn_implementation = _register_hf()

@@ -38,23 +38,31 @@ block): to compare with one process, pass the reference through ``ck.models.layo
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 
 from . import Attention, Policy
 
-__all__ = ["gpt2_policy", "llama_policy", "conv1d_to_linear", "CONV1D_ATTR"]
+__all__ = ["gpt2_policy", "llama_policy", "conv1d_to_linear", "converted_conv1d"]
 
-CONV1D_ATTR = "_ck_conv1d"
-"""On a prepared GPT-2: the paths of the modules that were ``Conv1D`` (``save_pretrained`` reverts them)."""
+_CONVERTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per prepared GPT-2: the paths of the modules that were ``Conv1D`` (kept here, not on the model)."""
+
+
+def converted_conv1d(model: nn.Module) -> list[str]:
+    """The paths of ``model``'s modules that ``conv1d_to_linear`` turned into ``nn.Linear`` (``save_pretrained``
+    turns their weights back), [] for a model it did not prepare."""
+    return list(_CONVERTED.get(model, []))
 
 
 def conv1d_to_linear(model: nn.Module) -> list[str]:
     """Replace every ``transformers`` ``Conv1D`` under ``model`` by the equivalent ``nn.Linear`` (same
-    device, the weight transposed); returns their paths (also kept on the model). Idempotent."""
+    device, the weight transposed); returns their paths (also kept: ``converted_conv1d``). Idempotent."""
     from transformers.pytorch_utils import Conv1D
 
-    done = list(getattr(model, CONV1D_ATTR, []))
+    done = converted_conv1d(model)
     for path, mod in list(model.named_modules()):
         if not isinstance(mod, Conv1D):
             continue
@@ -66,7 +74,7 @@ def conv1d_to_linear(model: nn.Module) -> list[str]:
         parent, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent), name, lin)
         done.append(path)
-    setattr(model, CONV1D_ATTR, done)
+    _CONVERTED[model] = done
     return done
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..models.dropout import attention_dropout, attention_keep, attention_number, current
 from ..policy.classes import derived_class, derived_from
 from ..config import ConfigError
 from .ring import RingRecorder, ring_attention
@@ -87,8 +88,7 @@ def _ring_dropout(module, p, shape, n):
     """The ring's ``drop(q_chunk, k_chunk)``: the block of the whole-sequence dropout mask at those chunks'
     global positions (chunk ``u`` holds positions ``u c .. u c + c - 1``), drawn with the coordinates of the
     microbatch running now (kept for backward)."""
-    from ..models.dropout import attention_keep, current
-    coords, layer, seed = current(), module._ck_drop_layer, getattr(module, "_ck_drop_seed", 0)
+    coords, (layer, seed) = current(), attention_number(module)
     if coords is None:
         raise RuntimeError("ring attention dropout runs inside the engine's step (its coordinates are not set)")
     b, h, t_local, _ = shape
@@ -106,14 +106,13 @@ def _ring_dropout(module, p, shape, n):
 def _eager_dropout(q, k, v, keys, *, module, p, scale):
     """Causal eager attention of whole sequences with layout-invariant dropout of the probabilities (a Hugging
     Face attention under Ulysses): the coordinates' heads are this rank's after the all-to-all."""
-    from ..models.dropout import attention_dropout
     t = q.shape[2]
     scores = (q @ k.transpose(-1, -2)) * scale
     allowed = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     if keys is not None:
         allowed = allowed & keys[:, None, None, :]
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).float(), dim=-1).to(q.dtype)
-    probs = attention_dropout(probs, p, module._ck_drop_layer, getattr(module, "_ck_drop_seed", 0), calls_from=module)
+    probs = attention_dropout(probs, p, *attention_number(module), calls_from=module)
     return probs @ v
 
 
