@@ -288,6 +288,7 @@ def layout_invariant(model: nn.Module, seed: int | None = None, policy=None) -> 
                 att._ck_drop_seed = getattr(att, "_ck_drop_seed", 0) if seed is None else seed
                 n += 1
         if any(a.hf for _, _, a in policy.attentions(model)):
+            assert cfg is not None  # a Hugging Face model carries its config
             cfg._attn_implementation = _register_hf()
     return model
 
@@ -329,7 +330,7 @@ class DropoutLayout:
         self.heads = _block(mesh, heads)
         self._seq = _block(mesh, tp_plan.token_axes) if tp_plan is not None else (0, 1)
         self._cache: dict = {}
-        self._key = None
+        self._key: tuple[int, int] | None = None  # (batch rows, microbatches) of the step begun
 
     def begin(self, batch_rows: int, microbatches: int) -> None:
         key = (batch_rows, microbatches)
@@ -346,6 +347,7 @@ class DropoutLayout:
         return torch.arange(t, device=dev) + blk * t, t * n
 
     def coordinates(self, step: int, i: int) -> Coordinates:
+        assert self._key is not None, "begin() the step first"
         if i not in self._cache:
             b, m = self._key
             cfg = self.mesh.config
