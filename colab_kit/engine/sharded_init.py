@@ -69,7 +69,7 @@ def defer(model: nn.Module, config=None, pp_rank: int = 0, policy=None) -> bool:
     With ``config.pp > 1``, only the tensors of pipeline rank ``pp_rank``'s stages get one, so
     the tensor plan makes no shard of another rank's stage (its layers are cut, still meta).
     """
-    names = dict(model.named_parameters())
+    names: dict[str, torch.Tensor] = dict(model.named_parameters())
     names.update(model.named_buffers())
     meta = {name: t for name, t in names.items() if t.is_meta}
     if not meta:
