@@ -43,6 +43,8 @@ its ``tp_col`` group (its grid row), that of B[k, j] over its ``tp_row`` group.
 """
 from __future__ import annotations
 
+import threading
+
 import gc
 import weakref
 from typing import TYPE_CHECKING
@@ -192,8 +194,9 @@ class ProcessMesh:
     _holders: list
 
     _shared: dict = {}
-    abort_flag = None
-    """A ``threading.Event`` while a pipeline step runs: blocked waits in ``comm`` give up once it is set."""
+    abort_flag: threading.Event | None = None
+    """The job's hang flag: a ``threading.Event`` while a pipeline step runs (its executor sets and clears it),
+    else None. Blocked waits in ``comm`` give up with ``comm.Aborted`` once it is set."""
 
     @classmethod
     def shared(cls, config: ParallelConfig, device_type: str | None = None) -> ProcessMesh:

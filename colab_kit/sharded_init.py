@@ -72,7 +72,7 @@ def defer(model: nn.Module, keep=None) -> bool:
     ``colab_kit.pipeline.stage.defer_stages`` passes them), so the tensor plan makes no shard of another
     rank's stage (its layers are cut, still meta); None: every meta tensor.
     """
-    names = dict(model.named_parameters())
+    names: dict[str, torch.Tensor] = dict(model.named_parameters())
     names.update(model.named_buffers())
     meta = {name: t for name, t in names.items() if t.is_meta}
     if not meta:

@@ -68,11 +68,12 @@ import dataclasses
 import os
 import uuid
 import warnings
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
-from .files import CheckpointError, check, data_files, file_digest, finish, start
+from .files import CheckpointError, config_instance, check, data_files, file_digest, finish, start
 from .layout import local_space, owners, rectangles, store_shape
 
 __all__ = ["CheckpointError", "save", "load", "check"]
@@ -104,7 +105,8 @@ def _agree(fn):
 
 def _states(optimizer, tensors, ks) -> tuple[list[str], dict]:
     """The per-element state names shared by tensors ``ks`` and their scalar states (from the first)."""
-    names, scalars = None, {}
+    names: set | None = None
+    scalars: dict[str, dict] = {}
     for k in ks:
         t, st = tensors[k], optimizer.state.get(tensors[k], {})
         per = {s for s, v in st.items() if torch.is_tensor(v) and v.shape == t.shape}
@@ -136,7 +138,8 @@ def _owned_shards(values, space, where, all_rects, shape2d):
                 vals = space.read(values, where[idx]).view(n, m)
                 dtype = vals.dtype
                 local.append(Shard(vals, md))
-    meta = ShardedTensorMetadata(mds, torch.Size(shape2d), TensorProperties(dtype=dtype))
+    # a rank that holds no rectangle of it has no dtype to give (None, as it always had)
+    meta = ShardedTensorMetadata(mds, torch.Size(shape2d), TensorProperties(dtype=dtype))  # type: ignore[arg-type]
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta), str(dtype)
 
 
@@ -221,7 +224,7 @@ def _state_dict(space, opt, everyone: list[dict]) -> tuple[dict, dict]:
 def _manifest(engine, tensors: dict, extra: bool, cuda_rng: bool) -> dict:
     cfg, mcfg = engine.config, engine.model_cfg
     return {"config": dataclasses.asdict(cfg), "describe": cfg.describe(), "world_size": dist.get_world_size(),
-            "model": dataclasses.asdict(mcfg) if dataclasses.is_dataclass(mcfg) else None,
+            "model": dataclasses.asdict(mcfg) if config_instance(mcfg) else None,
             "model_class": type(mcfg).__name__ if mcfg is not None else None,
             "step": engine.step_count, "history": list(engine.history), "records": list(engine.records),
             "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
@@ -288,6 +291,7 @@ def _restore_hyper(opt, saved: list[dict] | None, path: str) -> None:
     if not saved:  # a checkpoint from before they were saved
         return
     groups = opt.param_groups
+    pairs: Iterable[tuple[dict, dict]]
     if len(saved) == len(groups):
         pairs = zip(groups, saved)
     elif all(g == saved[0] for g in saved):
@@ -330,6 +334,7 @@ def load(engine, path) -> dict:
     errors = [e for e in _gather(err) if e is not None]
     if errors:
         raise CheckpointError(errors[0])
+    assert manifest is not None  # no rank failed: check() returned it here too
     space, opt = local_space(engine), engine.optimizer
     table = space.table
     saved = manifest["tensors"]

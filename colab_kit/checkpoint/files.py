@@ -34,8 +34,11 @@ class CheckpointError(ValueError):
 
 
 def file_digest(path: str) -> dict:
+    h = hashlib.sha256()  # read in blocks, as hashlib.file_digest does (3.11+ only; the package runs on 3.10)
     with open(path, "rb") as f:
-        return {"bytes": os.path.getsize(path), "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return {"bytes": os.path.getsize(path), "sha256": h.hexdigest()}
 
 
 def _write_json(path: str, obj) -> None:
@@ -114,9 +117,14 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
+def config_instance(cfg) -> bool:
+    """Whether ``cfg`` is a dataclass instance (a model config such as GPTConfig), not a class."""
+    return dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)
+
+
 def describe_difference(saved: dict | None, model_cfg) -> str | None:
     """Which model-config fields differ between the checkpoint and this engine, or None."""
-    mine = dataclasses.asdict(model_cfg) if dataclasses.is_dataclass(model_cfg) else None
+    mine = dataclasses.asdict(model_cfg) if config_instance(model_cfg) else None
     if saved == mine:
         return None
     if saved is None or mine is None:

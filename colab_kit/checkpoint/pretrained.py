@@ -61,10 +61,11 @@ def dense_state_dict(engine, dst: int = 0) -> dict[str, torch.Tensor] | None:
     for name in table.names:
         dpos, lpos = space.held(name)
         mine = (dpos.to(torch.int64), space.read(space.tensors, lpos) if dpos.numel() else torch.zeros(0))
-        parts = [None] * world if rank == dst else None
+        parts: list | None = [None] * world if rank == dst else None
         dist.gather_object(mine, parts, dst=dst)
         if rank != dst:
             continue
+        assert parts is not None  # made on dst
         n = table.numel[name]
         flat, seen = torch.empty(n, dtype=torch.float32), torch.zeros(n, dtype=torch.bool)
         for pos, values in parts:

@@ -22,7 +22,7 @@ class P2PPending(Pending):
     ``armed``: a waiter thread waits on it from the moment it was posted (``arm=True``).
     """
 
-    armed = None
+    armed: tuple | None = None
 
     def wait(self, timeout: float | None = None) -> CommRecord:
         called = time.perf_counter()

@@ -50,7 +50,7 @@ def finish(work, flag: threading.Event | None = None, what: str = "a collective"
         except RuntimeError:  # no future for this kind of work
             done, errors, waiter = _Waiter.watch(work)
     while not done.wait(ABORT_POLL if timeout is None else min(ABORT_POLL, timeout)):
-        stop = None
+        stop: RuntimeError | None = None
         if flag is not None and flag.is_set():
             stop = Aborted(f"gave up waiting for {what}: another rank raised the hang flag")
         elif timeout is not None and time.monotonic() - t0 > timeout:
@@ -82,14 +82,16 @@ class _Waiter:
     def __init__(self):
         import queue
 
-        self.queue, self.abandoned = queue.SimpleQueue(), False
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()  # (work, done event, errors) to wait on
+        self.abandoned = False
         threading.Thread(target=self._loop, daemon=True, name="colab_kit comm waiter").start()
 
     @classmethod
     def watch(cls, work) -> tuple:
         with cls._lock:
             waiter = cls._idle.pop() if cls._idle else cls()
-        done, errors = threading.Event(), []
+        done = threading.Event()
+        errors: list[BaseException] = []
         waiter.queue.put((work, done, errors))
         return done, errors, waiter
 
@@ -120,7 +122,8 @@ class Pending:
         self.n = n
         self.then = then
         self.t0 = time.perf_counter()
-        self.done, self.record = False, None
+        self.done = False
+        self.record: CommRecord | None = None
 
     def wait(self) -> CommRecord | None:
         if self.done:
@@ -129,8 +132,9 @@ class Pending:
             called = time.perf_counter()
             finish(self.work, self.flag, f"{self.op} over {self.axis}")
             now = time.perf_counter()
-            self.record = self.log.add(self.op, self.axis, self.nbytes, now - self.t0, self.tag, self.n, end=now)
-            self.record.waited = called
+            self.record = record = self.log.add(self.op, self.axis, self.nbytes, now - self.t0, self.tag, self.n,
+                                                end=now)
+            record.waited = called
         self.done = True
         if self.then is not None:
             self.then()

@@ -37,7 +37,8 @@ def _load_digits():
     import numpy as np
 
     spec = importlib.util.find_spec("sklearn")  # finds the package without running it
-    path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") if spec else None
+    path = (os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz")
+            if spec is not None and spec.origin is not None else None)
     if path is None or not os.path.exists(path):
         raise ImportError("Digits reads the 8x8 digits that ship with scikit-learn, which is not installed: "
                           "pip install scikit-learn")

@@ -64,6 +64,8 @@ class LocalBatch(tuple):
     A plain 2-tuple otherwise (``x, y = batch``); the engine reads ``global_rows`` to know that it was
     handed local rows, not the global batch."""
 
+    global_rows: int
+
     def __new__(cls, inputs, targets, global_rows: int):
         batch = super().__new__(cls, (inputs, targets))
         batch.global_rows = global_rows
@@ -128,7 +130,7 @@ class ShardedLoader:
         n = len(dataset)
         self.steps_per_epoch = n // batch_size if drop_last else -(-n // batch_size)
         self.epoch, self.batch_index = 0, 0  # the position: the next global batch to yield
-        self._order_of = (None, None)
+        self._order_of: tuple[int | None, torch.Tensor | None] = (None, None)  # (epoch, its sample order)
 
     @classmethod
     def for_engine(cls, engine, dataset, batch_size: int, **kw) -> ShardedLoader:
@@ -142,7 +144,9 @@ class ShardedLoader:
             n = len(self.dataset)
             self._order_of = (epoch, torch.randperm(n, generator=seeded(self.seed, epoch)) if self.shuffle
                               else torch.arange(n))
-        return self._order_of[1]
+        order = self._order_of[1]
+        assert order is not None  # made above for this epoch
+        return order
 
     def global_indices(self, epoch: int, batch: int) -> list[int]:
         """The samples of global batch ``batch`` of epoch ``epoch``, all dp ranks' rows in order."""

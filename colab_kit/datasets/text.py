@@ -128,7 +128,7 @@ class TokenFile(_Windows):
         size = self.path.stat().st_size
         if size % self.dtype.itemsize:
             raise ValueError(f"{path} has {size} bytes, not a whole number of {self.dtype} tokens: wrong dtype?")
-        self._memmap = None
+        self._memmap: np.memmap | None = None
         self._windows(size // self.dtype.itemsize, seq_len, vocab_size, str(path))
 
     @staticmethod

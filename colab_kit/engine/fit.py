@@ -30,7 +30,7 @@ def complete(path) -> bool:
 def _agreed(engine, value: bool) -> bool:
     """``value`` on every rank, or an error naming the ranks that see otherwise (a path not shared)."""
     import torch.distributed as dist
-    seen = [None] * dist.get_world_size()
+    seen: list[bool] = [False] * dist.get_world_size()  # filled by the gather
     dist.all_gather_object(seen, bool(value))
     if len(set(seen)) > 1:
         raise RuntimeError(f"ranks {[r for r, v in enumerate(seen) if v != seen[0]]} see the checkpoint directory "

@@ -85,7 +85,7 @@ class Parallelized:
     placement_table: PlacementTable
     events: list[dict]
     """The step's timeline, written by the gradient part and the step (``engine.timeline()``)."""
-    logits: Callable = staticmethod(lambda out: out)  # type: ignore[assignment]
+    logits: Callable = staticmethod(lambda out: out)
     token_loss: TokenLoss | None = None
     tp_plan: Any = None
     sp_plan: Any = None
@@ -170,5 +170,5 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
 def _no_kv_cache(model: nn.Module) -> None:
     """A training step reads no KV cache; a recomputed forward would append its keys to it a second time."""
     hf = getattr(model, "config", None)  # a Hugging Face model's config (PretrainedConfig), if any
-    if getattr(hf, "use_cache", False):
+    if hf is not None and getattr(hf, "use_cache", False):
         hf.use_cache = False

@@ -87,11 +87,10 @@ def memory_estimate(engine: EngineView) -> dict:
     ``memory()``, "device" and "host" included."""
     from ..memory.formulas import estimate, optimizer_states, placed
     try:
-        states = optimizer_states(engine.optimizer)
+        name = _STATE_NAMES[optimizer_states(engine.optimizer)]
     except ValueError:
-        states = "adamw"
+        name = "adamw"
     cfg = engine.config
-    name = states if isinstance(states, str) else _STATE_NAMES[states]
     share = engine.parts.grads.host_share()
     rows, seq = engine.step.records.rows or 0, engine.step.records.seq
     micro = engine.step.pipeline.microbatch_shape() if engine.step.pipeline is not None else None

@@ -56,7 +56,7 @@ class StepRecords:
     """Steps this engine ran itself."""
     peak: int | None = None
     """The most bytes held at once inside the last step, where something measured it (``step_peak``)."""
-    input: tuple | None = None
+    input: tuple[tuple[int, ...], torch.dtype] | None = None
     """``((rows, *shape), dtype)`` of the last step's global inputs (the estimates and throughput read it)."""
     rows: int | None = None
     """Rows of one microbatch on this rank in the last step."""
@@ -270,7 +270,7 @@ class TrainingStep:
             return
         acts = max(self.meter.peak, self._estimate() if self._estimate is not None else 0)
         if place.budget is not None and self.records.count == 0:
-            place.check_step(self.grads.chunks, acts)
+            place.check_step(place.chunks, acts)
         place.hold("activations", acts)
 
     # ------------------------------------------------------------------ the end
@@ -293,7 +293,8 @@ class TrainingStep:
         done: dict = {"skipped": False, "loss_scale": None, "note": ""}
         if self.views:  # pieces that span param groups: their views see this step's storage and gradients
             self.views.bind()
-        clip = self._clip_now if self.max_grad_norm is not None else None
+        max_norm = self.max_grad_norm
+        clip = (lambda: self._clip_now(max_norm)) if max_norm is not None else None
         with self._timed("optimizer step", "compute"):
             if masters is None:
                 if clip is not None:
@@ -322,10 +323,10 @@ class TrainingStep:
                           "lr": float(lr) if lr is not None else None})
         return value
 
-    def _clip_now(self) -> float:
+    def _clip_now(self, max_norm: float) -> float:
         if self._clip is None:  # the optimizer's tensors do not change: the weights once
             self._clip = weights(self.mesh, self.parts.placement_table, self.config, self.grads, self.parts.tied)
-        return clip_(self.mesh, self._clip, self.max_grad_norm)
+        return clip_(self.mesh, self._clip, max_norm)
 
     def _sum_tied(self, masters: MasterWeights | None) -> None:
         """A weight the first and the last pipeline stage share (a head tied to the token table) has a copy on
@@ -337,7 +338,10 @@ class TrainingStep:
                                                                    "fp16": torch.float16}[self.config.precision]
                 g = torch.zeros(shape, dtype=dtype, device=self.mesh.device)
             elif masters is not None:
-                g = masters.params[next(i for i, t in enumerate(masters.model) if t is p)].grad
+                master = masters.params[next(i for i, t in enumerate(masters.model) if t is p)]
+                if master.grad is None:
+                    raise RuntimeError("a tied weight's fp32 master has no gradient after grads.finish()")
+                g = master.grad
             else:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
                 p.grad = g

@@ -233,7 +233,8 @@ def history_series(rec: dict) -> dict:
     now = dict.fromkeys(_CATS, 0)
     for cat, size, _ in start.values():
         now[cat] += size
-    times, ops, series, totals = [0.0], ["(start)"], {c: [now[c]] for c in _CATS}, [sum(now.values())]
+    stamps: list[float | None] = [0.0]  # the log's time_us (None where it has none), made into seconds below
+    ops, series, totals = ["(start)"], {c: [now[c]] for c in _CATS}, [sum(now.values())]
     upto = [0]  # per sample: how many of the step's entries it follows
     for i, e in enumerate(step, start=1):
         if e["action"] == "alloc":
@@ -245,14 +246,14 @@ def history_series(rec: dict) -> dict:
                 continue
             now[got[0]] -= got[1]
         upto.append(i)
-        times.append(e["time_us"] if "time_us" in e else None)
+        stamps.append(e["time_us"] if "time_us" in e else None)
         ops.append(f"{e['action']} {e['size']:,} B {_top_frame(e.get('frames'))}".strip())
         for c in _CATS:
             series[c].append(now[c])
         totals.append(sum(now.values()))
     peak = totals.index(max(totals))
     at_peak = replay(upto[peak])  # rebuilt once, not copied at every new high
-    times = _seconds(times, rec["t0_ns"], rec["wall"])
+    times = _seconds(stamps, rec["t0_ns"], rec["wall"])
     for i in range(1, len(times)):  # two clocks (the allocator's, this process's): keep the log's order
         times[i] = max(times[i], times[i - 1])
     rows = sorted(({"category": c, "nbytes": n, "name": where, "op": "alloc", "shape": None, "dtype": None}
@@ -261,7 +262,7 @@ def history_series(rec: dict) -> dict:
             "peak_index": peak}
 
 
-def _seconds(stamps: list, t0_ns: int, wall: float) -> list:
+def _seconds(stamps: list, t0_ns: int, wall: float) -> list[float]:
     """Seconds since the step began of each sample (the first is the start, 0): the log's ``time_us`` is the
     allocator's clock turned into Unix time, read against this process's ``time.time_ns()`` at the start;
     where that does not fall inside the step (another clock), the log's own spacing from its first entry;

@@ -81,7 +81,7 @@ CATEGORIES = ("params", "grads", "optimizer", "other")
 try:
     from torch.distributed._composable_state import _get_module_state as _composable_state
 except ImportError:  # no composable APIs in this torch
-    def _composable_state(module):
+    def _composable_state(module: torch.nn.Module) -> None:  # type: ignore[misc]  # the same call, no state
         return None
 
 _CONTAINERS = (dict, list, tuple, set, frozenset, deque)

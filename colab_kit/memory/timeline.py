@@ -124,9 +124,12 @@ class _Recorder(TorchDispatchMode):
         self.made: dict = {}    # key -> (weak ref, op that made it, shape, dtype, by the machinery)
         self.saved: dict = {}   # key -> how many of autograd's saved tensors hold it now
         self.t0 = time.perf_counter()
-        self.tl_times, self.tl_ops, self.allocator = [], [], []
-        self.series = {c: [] for c in CATEGORIES}
-        self.best, self.alive_at_peak = -1, []
+        self.tl_times: list[float] = []
+        self.tl_ops: list[str] = []
+        self.allocator: list[int] = []
+        self.series: dict[str, list[int]] = {c: [] for c in CATEGORIES}
+        self.best = -1
+        self.alive_at_peak: list = []
 
     def saw_saved(self, t: torch.Tensor):
         """Called for every tensor autograd saves (by the timeline's hooks and the engine's meter); returns

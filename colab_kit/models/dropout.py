@@ -330,6 +330,7 @@ def layout_invariant(model: nn.Module, seed: int | None = None, policy=None) -> 
                 _ATTENTIONS[att] = _Numbered(n, keep if seed is None else seed, old.calls if old is not None else 0)
                 n += 1
         if any(a.hf for _, _, a in policy.attentions(model)):
+            assert cfg is not None  # a Hugging Face model carries its config
             cfg._attn_implementation = _register_hf()
     return model
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -106,14 +107,14 @@ def one_process(model: nn.Module, recipe: Callable, batches: Callable[[int], tup
                 m.copy_(p.float())
     optimizer, scheduler = recipe(master)
     scale, good = (2.0 ** 16 if precision == "fp16" else 1.0), 0
-    out = {"losses": [], "grad_norms": [], "lrs": [], "skipped": [], "model": master}
+    out: dict[str, Any] = {"losses": [], "grad_norms": [], "lrs": [], "skipped": [], "model": master}
     model.train()
     for step in range(steps):
         x, y = batches(step)
         optimizer.zero_grad()
         counted = y != -100
         total = max(int(counted.sum()), 1)
-        loss = 0.0
+        loss: float | torch.Tensor = 0.0
         for xs, ys, cs in zip(x.chunk(pieces), y.chunk(pieces), counted.chunk(pieces)):
             logits = model(xs)
             part = loss_fn(logits.float() if low is not None else logits, ys)

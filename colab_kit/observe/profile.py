@@ -201,7 +201,7 @@ def _build(p: Profile, engine, events, times, min_idle: float) -> None:
 
 
 def _union(spans):
-    out = []
+    out: list = []
     for a, b in sorted(spans):
         if out and a <= out[-1][1]:
             out[-1][1] = max(out[-1][1], b)

@@ -113,7 +113,8 @@ def roofline(engine, constants: dict | None = None, peak: float | None = None, l
     consts = constants if constants is not None else _cached(engine.config.world_size)
     tp = engine_throughput(engine, last=last)
     peak = float(peak) if peak is not None else tp["peak_flops"]
-    mesh, by_op = engine.mesh, {}
+    mesh = engine.mesh
+    by_op: dict[str, list] = {}
     comm_s = latency = 0.0
     records = engine.mesh.log.last_step()
     for r in records:

@@ -120,7 +120,7 @@ def _builtin_cfg(obj):
     cfg = obj if isinstance(obj, (GPTConfig, BERTConfig, ViTConfig)) else None
     if cfg is None and isinstance(obj, torch.nn.Module):
         from ..models import BERT, GPT, ViT
-        cfg = obj.cfg if type(obj) in (GPT, BERT, ViT) else None
+        cfg = obj.cfg if isinstance(obj, (GPT, BERT, ViT)) and type(obj) in (GPT, BERT, ViT) else None  # not a subclass
     return cfg
 
 
@@ -271,7 +271,8 @@ def _measure(device: torch.device, dtype: torch.dtype) -> dict:
         device.type) or (lambda: None)
     warmup, reps = _REPEATS[kind]
     t0 = time.perf_counter()
-    best, timed = (0.0, None), 0
+    best: tuple[float, list[int] | None] = (0.0, None)  # (FLOP/s, its shape)
+    timed = 0
     for m, n, k in _SHAPES[kind]:
         runs = warmup + reps
         if timed and time.perf_counter() - t0 + runs * 2 * m * n * k / best[0] > _BUDGET_S[kind]:

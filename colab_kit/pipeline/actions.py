@@ -56,8 +56,14 @@ def parse(text: str) -> Action | list[Action]:
     """``parse("2F0")`` -> Action; ``parse("0F0 0F1 0B0")`` -> list of Actions."""
     words = text.split()
     if len(words) != 1:
-        return [parse(w) for w in words]
-    m = _PATTERN.match(words[0])
+        return [parse_one(w) for w in words]
+    return parse_one(text)
+
+
+def parse_one(text: str) -> Action:
+    """``parse_one("2F0")`` -> Action; anything but one action is a ValueError."""
+    words = text.split()
+    m = _PATTERN.match(words[0]) if len(words) == 1 else None
     if not m:
         raise ValueError(f"cannot read pipeline action {text!r}: write stage, kind, microbatch, e.g. 2F0 or 1SB3")
     return Action(int(m.group(1)), m.group(2), int(m.group(3)))

@@ -123,6 +123,7 @@ def _producers(a: Action, n: int, where) -> list[tuple[Action, str]]:
 def _dependencies(plan, where) -> dict[tuple[int, int], list[tuple[tuple[int, int], str]]]:
     """For each (rank, position), the positions it waits for beyond its rank's order."""
     n = plan.n_stages
+    deps: dict[tuple[int, int], list[tuple[tuple[int, int], str]]]
     deps = {(r, i): [] for r, row in enumerate(plan.actions) for i in range(len(row))}
     for r, row in enumerate(plan.actions):  # compute actions first: a missing receive is named there
         for i, a in enumerate(row):

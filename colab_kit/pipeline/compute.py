@@ -22,8 +22,11 @@ tells the dp buckets.
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
 from ..tensor.zero_bubble import WeightGradStore, input_pass_leaves
+from .plan import PipelinePlan
+from .work import MicrobatchWork
 
 __all__ = ["ComputeActions"]
 
@@ -39,6 +42,27 @@ class _WholeBackward:
 
 class ComputeActions:
     """F, B, I and W of one stage and microbatch (mixed into ``PipelineExecutor``)."""
+
+    # what this mixin reads and writes of the executor it is part of (``PipelineExecutor`` sets them)
+    work: MicrobatchWork  # this step's microbatches and how to run one (handed over by the step loop)
+    plan: PipelinePlan
+    stages: dict[int, nn.Module]
+    params: dict[int, list[torch.Tensor]]
+    me: int  # this rank's pipeline rank
+    m: int  # microbatches of the step
+    forward_only: bool
+    loss: torch.Tensor
+    peak_bytes: int
+    _x: list[torch.Tensor]
+    _y: list[torch.Tensor]
+    _saved: dict
+    _bytes: dict[tuple[int, int], int]
+    _held: int
+    _act: dict
+    _out: dict
+    _gout: dict
+    _gin: dict
+    _leaves: dict
 
     def _do_F(self, a, s, m):
         st = self.stages[s]

@@ -46,7 +46,7 @@ import math
 import statistics
 from collections import deque
 
-from .actions import Action, parse
+from .actions import Action, parse_one
 
 __all__ = ["stage_costs", "zb_v_timed", "zb_v_plan", "measured_costs", "flop_costs", "flops_per_token", "shorter_plan"]
 
@@ -86,7 +86,8 @@ def zb_v_timed(pp: int, m: int, costs: dict, reserve: bool = False) -> list[list
     mine = [[r, n - 1 - r] for r in range(pp)]  # the V: PipelinePlan(..., placement="v").stages_of(r)
     ended: dict[tuple[str, int, int], float] = {}
     next_f, next_i = [0] * n, [0] * n
-    held, owed = [0] * pp, [deque() for _ in range(pp)]
+    held = [0] * pp
+    owed: list[deque] = [deque() for _ in range(pp)]
     plan: list[list[Action]] = [[] for _ in range(pp)]
     free = [0.0] * pp
 
@@ -155,7 +156,7 @@ def measured_costs(events: list[dict], stages, device="cpu") -> dict[tuple[int, 
     durations: dict[tuple[int, str], list[float]] = {}
     for ev in events:
         if ev.get("action") and ev.get("kind") == "compute":
-            a = parse(ev["action"])
+            a = parse_one(ev["action"])
             durations.setdefault((a.stage, a.kind), []).append(ev["end"] - ev["start"])
     keys = [(s, k) for s in stages for k in KINDS]
     us = torch.tensor([round(statistics.median(durations[k]) * 1e6) if k in durations else -1 for k in keys],

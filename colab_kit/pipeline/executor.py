@@ -78,6 +78,7 @@ import torch.distributed as dist
 from .. import comm
 from .check import steps
 from .hang import HangMonitor, PipelineHang, hang_message
+from .actions import Action
 from .work import MicrobatchWork
 from .lowering import lower
 from .messages import CommActions, _last, receives_ahead
@@ -109,7 +110,8 @@ class PipelineExecutor(ComputeActions, CommActions):
         """Why this pipeline runs no more steps (a hang or a failed rank in an earlier step), or None."""
         self.step, self.running, self.timestep, self.pos = 0, False, 0, 0
         self.t0 = time.perf_counter()
-        self._actions, self._index = [], []
+        self._actions: list[Action] = []
+        self._index: list[int] = []
         self._x: list = []
         self._set("paused")
 
@@ -195,11 +197,12 @@ class PipelineExecutor(ComputeActions, CommActions):
         self._ahead = receives_ahead(self._actions, self.prefetch)  # what _post_ahead(j) looks at
         grads = [j for j, a in enumerate(self._actions) if a.kind in ("B", "W")]  # they complete gradients
         self._sync_at = grads[-1] if grads and len(self.stages) == 1 else None  # overlap dp with the last one
-        self._leaves = {}  # stage -> the parameters its I passes give gradients to (this step: see _do_I)
+        self._leaves: dict = {}  # stage -> the parameters its I passes give gradients to (this step: see _do_I)
         self.forward_only, self.t0 = forward_only, work.t0
         self.step += 1
         self._saved, self._act, self._out, self._gout, self._gin = {}, {}, {}, {}, {}
-        self._bytes, self._held, self.peak_bytes, self._sends, self._posted = {}, 0, 0, [], {}
+        self._bytes: dict[tuple[int, int], int] = {}
+        self._held, self.peak_bytes, self._sends, self._posted = 0, 0, [], {}
         self.loss = torch.zeros((), device=self.mesh.device)
         self.running, self.timestep, self.pos = True, 0, 0
         self._set("paused")

@@ -159,7 +159,9 @@ class HangMonitor:
         self.prefix, self.world, self.rank = f"colab_kit/pipeline/{nonce}", world_size, rank
         self._store, self._lock = None, threading.Lock()
         self.flagged, self._active = threading.Event(), threading.Event()
-        self._step, self._thread, self._report = None, None, None
+        self._step: int | None = None  # the step being watched, None between steps
+        self._thread: threading.Thread | None = None
+        self._report = None
         self._closed = threading.Event()
         self.report_wait = 2.0
 
@@ -180,8 +182,9 @@ class HangMonitor:
         self._step, self._report = step, report
         self._active.set()
         if self._thread is None:  # one thread per monitor, idle between steps: starting a step costs nothing
-            self._thread = threading.Thread(target=self._watch, daemon=True, name="colab_kit pipeline hang monitor")
-            self._thread.start()
+            self._thread = thread = threading.Thread(target=self._watch, daemon=True,
+                                                     name="colab_kit pipeline hang monitor")
+            thread.start()
 
     def stop(self) -> None:
         self._step, self._report = None, None  # the thread keeps no reference to the executor between steps

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .actions import Action, format_actions, parse
+from .actions import Action, format_actions, parse_one
 
 __all__ = ["PipelinePlan", "PLACEMENTS", "SCHEDULE_PLACEMENT", "stage_rank"]
 
@@ -110,7 +110,7 @@ class PipelinePlan:
                     raise ValueError(f"plan text lists rank {m.group(1)} where rank {len(rows)} was expected")
                 line = m.group(2)
             words = line.split()
-            rows.append([parse(w) for w in words])
+            rows.append([parse_one(w) for w in words])
         pp = pp or len(rows)
         rows += [[] for _ in range(pp - len(rows))]
         everything = [a for row in rows for a in row]

@@ -160,7 +160,8 @@ def _zb_v(pp: int, m: int) -> list[list[Action]]:
     mine = [PipelinePlan(pp, m, 2, "zb-v", placement="v").stages_of(r) for r in range(pp)]  # [r, 2pp-1-r]
     ended: dict[tuple[str, int, int], int] = {}  # (kind, stage, microbatch) -> step it ran in
     next_f, next_i = [0] * n, [0] * n
-    held, owed = [0] * pp, [deque() for _ in range(pp)]  # F done, W not yet; I done, W not yet
+    held = [0] * pp  # F done, W not yet
+    owed: list[deque] = [deque() for _ in range(pp)]  # I done, W not yet
     plan: list[list[Action]] = [[] for _ in range(pp)]
     t = 0
 

@@ -81,6 +81,7 @@ def _shell(module: nn.Module, path: str, keep, blocks_path: str, blocks: nn.Modu
         elif keep(sub) == "all":
             shell._modules[name] = child
         elif keep(sub) == "part":
+            assert child is not None  # a part of the model kept in part is a module
             shell._modules[name] = _shell(child, sub, keep, blocks_path, blocks, first)
         else:
             shell._modules[name] = Elsewhere(sub) if child is not None else None
@@ -123,7 +124,9 @@ class Stage(nn.Module):
     def blocks(self) -> nn.ModuleList:
         """This stage's blocks (inside its shell of the model)."""
         from ..policy import get_module
-        return get_module(self.model, self.policy.blocks)
+        blocks = get_module(self.model, self.policy.blocks)
+        assert isinstance(blocks, nn.ModuleList)  # the policy's blocks path names one (Policy.block_list)
+        return blocks
 
     def forward(self, x: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
         if self.first:
@@ -152,7 +155,12 @@ def tied_across_ranks(model: nn.Module, config, policy) -> list[torch.Tensor]:
                  placement=SCHEDULE_PLACEMENT[config.schedule])
     if not policy.tied or where.rank_of(0) == where.rank_of(n - 1):
         return []
-    return [get_module(model, a).weight for a, _ in policy.tied]
+    weights = []
+    for a, _ in policy.tied:
+        w = get_module(model, a).weight
+        assert isinstance(w, torch.Tensor)  # a tied pair's weights are parameters
+        weights.append(w)
+    return weights
 
 
 def split_model(model: nn.Module, config, pp_rank: int, policy=None) -> list[Stage]:

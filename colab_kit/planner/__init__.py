@@ -275,6 +275,7 @@ def _plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precisio
         mem = config_estimate(model_cfg, cfg, batch, optimizer, host_share=None)
         kwargs = {}
         if cfg.offload == "auto":  # the placement puts on the host what does not fit
+            assert memory_per_rank is not None  # enumerate_configs offers "auto" only with a budget
             kwargs = {"device_budget": memory_per_rank}
             mem = _auto_placed(mem, memory_per_rank)
         seconds, parts, counts = step_seconds(model_cfg, cfg, batch, consts, mem, optimizer)
@@ -360,7 +361,7 @@ def _other_model(model, world_size, batch, memory_per_rank, precision, optimizer
     if input_shape is None:
         if policy.sequence:
             input_shape, dtype = (batch, seq or gpt.seq_len), torch.int64
-        elif hasattr(cfg_m, "image_size"):
+        elif cfg_m is not None and hasattr(cfg_m, "image_size"):
             input_shape, dtype = (batch, cfg_m.channels, cfg_m.image_size, cfg_m.image_size), torch.float32
         else:
             raise ConfigError(f"ck.plan needs the input's shape for {type(model).__name__} (its inputs have no token "

@@ -216,7 +216,8 @@ def _prepare(model, config, rank=0, batch=None, seq=None, optimizer="adamw", pol
                           f"a factory params -> optimizer (picklable)")
     twin = meta_twin(model)  # shapes only: checked and sent to the dry-run process; the caller's model untouched
     policy = check_policy(twin, config, policy)
-    gpt = model.cfg if isinstance(getattr(model, "cfg", None), GPTConfig) else None
+    cfg_attr = getattr(model, "cfg", None)
+    gpt = cfg_attr if isinstance(cfg_attr, GPTConfig) else None
     shards = {"1d": 1, "2d": config.tp_q, "2.5d": config.tp_depth * config.tp_q, "3d": config.tp_q ** 2}[config.tp_mode]
     need = config.dp * config.microbatches * shards  # rows: dp x microbatches x the tensor plan's row shards
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1 or batch % need):
@@ -357,7 +358,7 @@ def _one(job: dict) -> dict:
     from ..sharded_init import meta_twin
     cfg, t0, name = job["config"], time.perf_counter(), job["optimizer"]
     model = meta_twin(job["model"])  # a fresh copy per rank: boost cuts the model it is given
-    model.init_parameter = _no_values
+    model.init_parameter = _no_values  # type: ignore[assignment]  # the recipe replaced: a dry run makes no values
     torch.set_num_threads(1)
     kind = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}.get(str(name).lower())
     factory = name if callable(name) else kind if kind is not None else (
@@ -402,7 +403,7 @@ def _measure(engine, job: dict, t0: float) -> dict:
         gpt, acts, image = gpt_like(twin, policy) if policy is not None else None, 0, getattr(twin, "cfg", None)
         if policy is not None and policy.sequence:
             acts = model_activations(twin, policy, cfg, (batch, seq), torch.int64, pp_rank=pp_rank)
-        elif policy is not None and hasattr(image, "image_size"):
+        elif policy is not None and image is not None and hasattr(image, "image_size"):
             shape = (batch, image.channels, image.image_size, image.image_size)
             acts = model_activations(twin, policy, cfg, shape, torch.float32, pp_rank=pp_rank)
     mem, est = engine.memory(), engine.memory_estimate()  # (model states by the engine's estimator)

@@ -156,7 +156,7 @@ def _fit_points(per_rank: list[dict]) -> dict:
     """``{n: {op: {alpha, beta}}}`` fitted to the median over ranks of each (n, op, size)'s seconds:
     every rank's own view of a collective differs (the one that came first waited longest), their
     median is the collective's cost to a typical rank, and one rank's bad sample does not set it."""
-    comm = {}
+    comm: dict = {}
     for key in per_rank[0]:
         n, op = key.split("/")
         pts = [(wire, statistics.median(r[key][i][1] for r in per_rank))
@@ -257,12 +257,13 @@ def measure_rank(ranks: int) -> dict:
     # every point's trials in turns (``_TRIALS`` passes over a group size's points): a slow spell of the
     # machine (a tenth of a second or more on a shared VM) falls on many points a little, not on one
     # point's every trial
-    points, trials = {}, {}
+    points: dict = {}
+    trials: dict = {}
     for n in [k for k in range(2, ranks + 1) if ranks % k == 0]:
         # the ranks in groups of n (every group busy at once), through colab_kit.comm on a mesh:
         # the collectives the engine calls, as it calls them (autograd-free, recorded)
         mesh = ProcessMesh.shared(ParallelConfig(dp=ranks // n, tp=n))
-        mine = {}
+        mine: dict = {}
         for op in OPS:
             for size in _SIZES + ((_LARGE[op],) if op in _LARGE else ()):
                 t = torch.ones(size, device=mesh.device)

@@ -24,7 +24,7 @@ def _pipeline_units(schedule: str, pp: int, m: int, chunks: int, model_key: tupl
     ``model_key``: the model config's class and fields (hashable)."""
     from ..pipeline import simulate
     plan, prepared = _plan(schedule, pp, m, chunks, model_key)
-    table = dict(zip("FBIW", costs[:4]))
+    table: dict = dict(zip("FBIW", costs[:4]))  # per kind, and (last stage, kind) with the head
     table.update({(pp * chunks - 1, k): c + x for k, c, x in zip("FBIW", costs[:4], costs[4:])})
     return float(simulate(plan, table, prepared).makespan)
 
@@ -103,6 +103,6 @@ def _shared_units(schedule: str, pp: int, m: int, chunks: int, model_key: tuple,
     """``shared.makespan`` of the plan the engine runs, in the units of ``bubble``'s key."""
     from .shared import makespan
     plan, _ = _plan(schedule, pp, m, chunks, model_key)
-    costs = {k: (a, c) for k, (a, c, _) in zip("FBIW", key)}
+    costs: dict = {k: (a, c) for k, (a, c, _) in zip("FBIW", key)}  # per kind, and (last stage, kind)
     costs.update({(pp * chunks - 1, k): (a + x, c) for k, (a, c, x) in zip("FBIW", key)})
     return makespan(plan, costs, group, cores, latency, None if where is None else list(where))

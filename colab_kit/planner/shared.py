@@ -55,7 +55,7 @@ def makespan(plan, costs: dict, group: int = 1, cores: float = float("inf"), lat
     deps = _dependencies(plan, _index(plan))
     rows = plan.actions
     pos = [0] * len(rows)
-    phase = [None] * len(rows)   # None: between actions; "work"; "wait"
+    phase: list[str | None] = [None] * len(rows)   # None: between actions; "work"; "wait"
     left = [0.0] * len(rows)
     done: dict = {}  # (rank, position) -> when it ended
     t = 0.0
@@ -67,7 +67,8 @@ def makespan(plan, costs: dict, group: int = 1, cores: float = float("inf"), lat
         return max([t] + [done[d] + (latency if d[0] != r else 0.0) for d, _ in need])
 
     while True:
-        later, started = [], True
+        later: list[float] = []
+        started = True
         while started:  # start what can start (an action of no cost ends at once: look again)
             later, started = [], False
             for r, row in enumerate(rows):

@@ -83,8 +83,8 @@ def run_candidates(model_kwargs: dict, configs: list[dict], kwargs: list[dict], 
     data = SyntheticTokens(g.vocab_size, g.seq_len, seed=0)
     engines = [boost(GPT(g), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ParallelConfig(**c), **kw)
                for c, kw in zip(configs, kwargs)]
-    times = [[] for _ in engines]
-    losses = [[] for _ in engines]
+    times: list[list[float]] = [[] for _ in engines]
+    losses: list[list[float]] = [[] for _ in engines]
     per_round = warm + timed
     for s in range(steps + 1):
         for i, engine in enumerate(engines):

@@ -77,6 +77,7 @@ then calls ``master_step`` and ``engine.records`` gets its result. The scaler in
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -118,11 +119,11 @@ def to_compute_dtype(module: nn.Module, precision: str) -> nn.Module:
 
 def loss_in_fp32(loss_fn):
     """``loss_fn`` on fp32 copies of its floating arguments: the softmax and the loss in fp32."""
+    @functools.wraps(loss_fn, assigned=(), updated=())  # sets __wrapped__ only, as before
     def loss(logits, targets, *args, **kwargs):
         if logits.is_floating_point() and logits.dtype != torch.float32:
             logits = logits.float()
         return loss_fn(logits, targets, *args, **kwargs)
-    loss.__wrapped__ = loss_fn
     return loss
 
 

@@ -179,7 +179,8 @@ class SequencePlan:
                 raise ConfigError(f"sequence parallelism expects the position table {path} to be an nn.Embedding, "
                                   f"got {type(pos).__name__} (tp_mode={self.mesh.config.tp_mode!r}): use tp_mode='1d'")
             pos.__class__ = SequencePositions
-            pos._sp_rank, pos._sp_size, pos._sp_layout = self.rank, self.size, self.layout
+            # read by SequencePositions; nn.Module's typing knows only tensors and modules as attributes
+            pos._sp_rank, pos._sp_size, pos._sp_layout = self.rank, self.size, self.layout  # type: ignore[assignment]
         from ..placement import add_partial
         for module in model.modules():  # replicated over sp, each rank's tokens: Partial() over it after backward
             for name, _ in module.named_parameters(recurse=False):
@@ -202,8 +203,8 @@ class SequencePlan:
         return ulysses_attention(q, k, v, self.mesh, self.axis, layout=self.layout, causal=causal, mask=mask,
                                  keys=keys, local=local)
 
-    _mask = None  # the last key-padding mask seen, and every rank's copy of it (``gather_keys``)
-    _keys = None
+    _mask: torch.Tensor | None = None  # the last key-padding mask seen, and every rank's copy of it (``gather_keys``)
+    _keys: torch.Tensor | None = None
 
     def hf_attention(self) -> str:
         """Register this plan's attention in ``transformers``' registry (once) and return its name: the

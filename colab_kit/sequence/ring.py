@@ -197,8 +197,10 @@ class RingAttention(torch.autograd.Function):
                 recorder.add(phase="forward", rotation=i, rank=r, holds=list(k_ids), start=start, end=end,
                              posted=posted, waited=waited)
             kv = incoming if incoming is not None else kv
-        out = torch.cat([state[0][0], state[1][0]], dim=2)
-        lse = torch.cat([state[0][1], state[1][1]], dim=2)
+        (o0, l0), (o1, l1) = state
+        assert o0 is not None and l0 is not None and o1 is not None and l1 is not None  # each met its own keys
+        out = torch.cat([o0, o1], dim=2)
+        lse = torch.cat([l0, l1], dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mesh, ctx.axis, ctx.layout, ctx.recorder = mesh, axis, layout, recorder
         ctx.causal, ctx.keys, ctx.drop = causal, keys, drop
@@ -219,7 +221,8 @@ class RingAttention(torch.autograd.Function):
         lses, deltas = lse.split(c, dim=2), delta.split(c, dim=2)
         dq = torch.zeros_like(out)
         kv = torch.stack([k, v]).to(acc).contiguous()
-        acc_in, acc_pending = None, []                 # the dK/dV accumulator arriving from r - 1
+        acc_in: torch.Tensor | None = None             # the dK/dV accumulator arriving from r - 1
+        acc_pending: list = []
         for i in range(n):
             src = (r - i) % n
             incoming, pending = _pass_on(kv, mesh, axis, 2 * i, "ring kv backward") if i < n - 1 else (None, [])
@@ -252,6 +255,7 @@ class RingAttention(torch.autograd.Function):
             kv = incoming if incoming is not None else kv
         if n > 1:                                      # the last hop brought this rank's own dK/dV
             _wait(acc_pending)
+            assert acc_in is not None  # passed on at every rotation
             dkv = acc_in
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
 

@@ -78,12 +78,12 @@ def split_sequence(x: torch.Tensor, rank: int, sp: int, dim: int = 1, layout: st
 def unsplit_sequence(pieces: list[torch.Tensor], dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
     """The whole sequence from every rank's piece (in rank order): the inverse of ``split_sequence``."""
     sp = len(pieces)
-    chunks = [None] * (2 * sp)
+    chunks: dict[int, torch.Tensor] = {}  # chunk id -> its tokens; every rank holds two
     for r, piece in enumerate(pieces):
         first, second = piece.chunk(2, dim=dim)
         a, b = chunk_ids(r, sp, layout)
         chunks[a], chunks[b] = first, second
-    return torch.cat(chunks, dim=dim)
+    return torch.cat([chunks[i] for i in range(2 * sp)], dim=dim)
 
 
 def sequence_positions(rank: int, sp: int, t: int, layout: str = "zigzag", device=None) -> torch.Tensor:

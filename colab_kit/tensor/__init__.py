@@ -81,13 +81,13 @@ def linear_comm_bytes(config, rows: int, d_in: int, d_out: int, kind: str = "col
     """
     q = config.tp_q
     if config.tp_mode == "1d":
-        from .tp1d import linear_comm_bytes as f
-        return f(rows, d_in, d_out, kind, bytes_per_elem)
+        from .tp1d import linear_comm_bytes as comm_1d
+        return comm_1d(rows, d_in, d_out, kind, bytes_per_elem)
     if config.tp_mode in ("2d", "2.5d"):
-        from .tp2d import linear_comm_bytes as f
-        return f(rows, d_in, d_out, q, config.tp_depth, bytes_per_elem=bytes_per_elem)
-    from .tp3d import linear_comm_bytes as f
-    return f(rows, d_in, d_out, q, bytes_per_elem)
+        from .tp2d import linear_comm_bytes as comm_2d
+        return comm_2d(rows, d_in, d_out, q, config.tp_depth, bytes_per_elem=bytes_per_elem)
+    from .tp3d import linear_comm_bytes as comm_3d
+    return comm_3d(rows, d_in, d_out, q, bytes_per_elem)
 
 
 def block_collectives(config) -> dict[str, int]:

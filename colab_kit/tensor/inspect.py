@@ -28,12 +28,14 @@ __all__ = ["owner_map", "LayerTraffic", "dense_state"]
 @torch.no_grad()
 def owner_map(layer: nn.Module) -> torch.Tensor:
     """``[out, in]`` integer tensor: the global rank holding each weight entry (collective)."""
-    saved = layer.weight.detach().clone()
-    layer.weight.fill_(dist.get_rank())
+    weight, to_dense = layer.weight, layer.to_dense
+    assert isinstance(weight, torch.Tensor) and callable(to_dense)  # a tensor-parallel linear
+    saved = weight.detach().clone()
+    weight.fill_(dist.get_rank())
     try:
-        dense = layer.to_dense()
+        dense = to_dense()
     finally:
-        layer.weight.copy_(saved)
+        weight.copy_(saved)
     return dense.weight.detach().round().to(torch.int64)
 
 

@@ -139,7 +139,8 @@ def gathered_class(cls: type) -> type:
 def gather_at_entry(module: nn.Module, mesh, axis: str = "tp") -> nn.Module:
     """Make ``module`` (in place: same parameters and names, only the class changes) start with g."""
     module.__class__ = gathered_class(type(module))
-    module._sg_mesh, module._sg_axis = mesh, axis
+    # read by the gathered class's forward; nn.Module's typing knows only tensors and modules as attributes
+    module._sg_mesh, module._sg_axis = mesh, axis  # type: ignore[assignment]
     return module
 
 
@@ -200,7 +201,7 @@ class SplitGather1D(Plan1D):
     @classmethod
     def check(cls, cfg, layout) -> None:
         bad = sorted(set(getattr(cfg, "roles", {})) - {"vocab", "positions", "column", "row", "norm", "head"})
-        if bad or getattr(cfg, "tied", ()):
+        if bad or getattr(cfg, "tied", None):
             what = ", ".join(f"{r} ({cfg.roles[r]})" for r in bad) + (" and tied weights" if cfg.tied else "")
             raise ConfigError(f"sp_mode='split_gather' splits the sequence of models made of token and position "
                               f"tables, norms, column/row Linears and a head; this one also has {what}: use "

@@ -20,6 +20,8 @@ Worked example, tp=2, d_model=4, n_heads=2, MLP 4 -> 16 -> 4::
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -145,7 +147,8 @@ class Plan1D(TensorPlan):
 
     mode = "1d"
     batch_axes = ()
-    LAYERS = {"vocab": VocabEmbedding, "column": ColumnLinear, "row": RowLinear, "head": ColumnLinear}
+    # the layer class of each role, each with from_dense(dense, mesh)
+    LAYERS: dict[str, Any] = {"vocab": VocabEmbedding, "column": ColumnLinear, "row": RowLinear, "head": ColumnLinear}
 
     @classmethod
     def check(cls, cfg, layout) -> None:

@@ -66,6 +66,7 @@ def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh) -> torch.Tensor:
         a_k = _from(a, mesh, "tp_col", k, "SUMMA A")
         b_k = _from(b, mesh, "tp_row", k, "SUMMA B")
         c = a_k @ b_k if c is None else c.addmm_(a_k, b_k)
+    assert c is not None  # tp_col has at least one rank
     return c
 
 
@@ -78,6 +79,7 @@ def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh) -> torch.Tensor:
         comm.reduce(part, mesh, "tp_col", dst=k, tag="SUMMA C")
         if mesh.rank("tp_col") == k:
             c = part
+    assert c is not None  # this rank's tp_col coordinate is one of the k
     return c
 
 
@@ -90,6 +92,7 @@ def summa_atb(a: torch.Tensor, b: torch.Tensor, mesh) -> torch.Tensor:
         comm.reduce(part, mesh, "tp_row", dst=k, tag="SUMMA C")
         if mesh.rank("tp_row") == k:
             c = part
+    assert c is not None  # this rank's tp_row coordinate is one of the k
     return c
 
 
@@ -205,7 +208,7 @@ class Linear2D(nn.Module):
 
     def to_dense(self) -> nn.Linear:
         w = comm.all_gather(_gather_cols(self.weight, self.mesh), self.mesh, "tp_row", dim=0, tag="to_dense")
-        dense = nn.Linear(*w.shape, bias=self.bias is not None)
+        dense = nn.Linear(w.shape[0], w.shape[1], bias=self.bias is not None)
         with torch.no_grad():
             dense.weight.copy_(w.t())
             if self.bias is not None:
@@ -389,6 +392,7 @@ class RMSNorm2D(nn.Module):
         eps = getattr(dense, "variance_epsilon", None)
         eps = getattr(dense, "eps", None) if eps is None else eps
         q, j = mesh.size("tp_col"), mesh.rank("tp_col")
+        assert isinstance(dense.weight, torch.Tensor)  # an RMSNorm's weight
         return cls(_block(dense.weight, q, j), 1e-6 if eps is None else eps, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -350,7 +350,7 @@ class TiedHead3D(nn.Module):
     Takes the residual layout, gives the logits' (rows over (tp_wt, tp_out), vocabulary over tp_in), as the
     untied head does. The bias ``[V/q]`` (block tp_in) is shared by those row blocks: Partial over them."""
 
-    def __init__(self, table: nn.Module, bias, mesh):
+    def __init__(self, table: VocabEmbedding3D, bias, mesh):
         super().__init__()
         self.mesh = mesh
         self.weight = table.weight  # the table's own parameter, registered here too (a pipeline's last stage)
@@ -381,8 +381,10 @@ class RMSNorm3D(nn.Module):
     def from_dense(cls, dense: nn.Module, mesh, axis: str = "tp_out") -> RMSNorm3D:
         eps = getattr(dense, "variance_epsilon", None)
         eps = getattr(dense, "eps", None) if eps is None else eps
-        w = _chunk(dense_value(dense.weight).detach(), mesh, axis, 0).clone()
-        return cls(w, 1e-6 if eps is None else eps, dense.weight.shape[0], mesh, axis)
+        weight = dense.weight
+        assert isinstance(weight, torch.Tensor)  # an RMSNorm's weight
+        w = _chunk(dense_value(weight).detach(), mesh, axis, 0).clone()
+        return cls(w, 1e-6 if eps is None else eps, weight.shape[0], mesh, axis)
 
     def forward(self, x):
         dtype = x.dtype

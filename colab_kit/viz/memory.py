@@ -25,6 +25,8 @@ the stack is the total (device + host), and the line still marks the device budg
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import plotly.graph_objects as go
 
 __all__ = ["memory_by_rank_figure", "CATEGORIES", "PLACES", "segments"]
@@ -36,7 +38,7 @@ COLOURS = {"params": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b", "act
 MIB = 2**20
 
 
-def segments(per_rank: list[dict | None], by: str = "category") -> dict[str, list[int | None]]:
+def segments(per_rank: Sequence[dict | None], by: str = "category") -> dict[str, list[int | None]]:
     """Segment name -> bytes per rank (None where a rank has no dict), in stacking order.
 
     by="category": the four categories, then any other number the dicts hold (sorted);
@@ -52,7 +54,7 @@ def segments(per_rank: list[dict | None], by: str = "category") -> dict[str, lis
         lacking = [i for i, m in enumerate(per_rank) if m is not None and not all(p in m for p in PLACES)]
         if lacking:
             raise ValueError(f"by='place' needs 'device' and 'host' in every dict; rank {lacking[0]} has "
-                             f"only {sorted(per_rank[lacking[0]])}")
+                             f"only {sorted(per_rank[lacking[0]] or {})}")
         return {p: [None if m is None else int(sum(m[p].values())) for m in per_rank] for p in PLACES}
     names = [c for c in CATEGORIES if any(c in m for m in rows)]
     names += sorted({k for m in rows for k, v in m.items() if isinstance(v, (int, float))} - set(names))
@@ -78,11 +80,12 @@ def memory_by_rank_figure(measured: list[dict], estimated: list[dict | None] | N
     for kind, rows in kinds:
         est = kind == "estimated"
         for name, values in segments(rows, by).items():
-            ranks = [r for r, v in enumerate(values) if v is not None]
+            present = [(r, v) for r, v in enumerate(values) if v is not None]
+            ranks = [r for r, _ in present]
             names = [labels[r] if labels else f"rank {r}" for r in ranks]
             x = names if estimated is None else [names, [kind] * len(ranks)]
             label = f"{name} (estimated)" if est else name
-            fig.add_bar(x=x, y=[values[r] / MIB for r in ranks], customdata=[values[r] for r in ranks],
+            fig.add_bar(x=x, y=[v / MIB for _, v in present], customdata=[v for _, v in present],
                         name=label, legendgroup=kind, legendgrouptitle_text=kind,
                         marker={"color": COLOURS.get(name), "opacity": 0.5 if est else 1.0,
                                 "pattern": {"shape": "/" if est else ""}},

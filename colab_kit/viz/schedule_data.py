@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..pipeline.actions import COMPUTE, Action, parse
+from ..pipeline.actions import COMPUTE, Action, parse, parse_one
 
 __all__ = ["Cell", "cells", "plan_cells", "timeline_cells", "event_cells", "held_series", "measured_bubble",
            "action_set"]
@@ -49,7 +49,7 @@ class Cell:
     @property
     def action(self) -> Action | None:
         try:
-            return parse(self.label) if self.index is not None else None
+            return parse_one(self.label) if self.index is not None else None
         except ValueError:
             return None
 
@@ -93,7 +93,7 @@ def event_cells(per_rank: list[list[dict]], unit: float = 1e3, idle: bool = True
                     out.append(Cell(r, None, "idle", "idle", None, busy_until, s))
                 busy_until = max(busy_until, t)
             if e.get("action"):
-                out.append(Cell(r, pos, e["action"], parse(e["action"]).kind, e.get("microbatch"), s, t, lane))
+                out.append(Cell(r, pos, e["action"], parse_one(e["action"]).kind, e.get("microbatch"), s, t, lane))
                 pos += 1
             else:
                 out.append(Cell(r, None, e["name"], e["kind"], None, s, t, lane))
@@ -184,7 +184,7 @@ def measured_bubble(per_rank: list[list[dict]]) -> float:
     busy, end = 0.0, 0.0
     for events in per_rank:
         for e in events:
-            if e.get("action") and parse(e["action"]).kind in COMPUTE:
+            if e.get("action") and parse_one(e["action"]).kind in COMPUTE:
                 busy += e["end"] - e["start"]
                 end = max(end, e["end"])
     return 1.0 - busy / (len(per_rank) * end) if end > 0 else 0.0

@@ -131,7 +131,7 @@ def ring_figure(events: list[dict], phase: str = "forward", call: int = 0, title
     xs = list(range(width * len(rotations) - 1))
     q_ids = {r: chunk_ids(r, sp) for r in ranks}
 
-    def grid(only=None):
+    def grid(only=None) -> tuple[list, list, list]:
         z, text, hover = [], [], []
         for r in ranks:
             zr, tr, hr = [], [], []
@@ -140,13 +140,15 @@ def ring_figure(events: list[dict], phase: str = "forward", call: int = 0, title
                 for j in range(width if i != rotations[-1] else 2):
                     c = e["holds"][j] if e is not None and j < 2 else None
                     show = c is not None and (only is None or i == only)
-                    zr.append(c + 0.5 if show else None)
+                    zr.append(None if c is None or not show else c + 0.5)
                     tr.append(f"k{c}" if show else "")
-                    hr.append("" if c is None else
+                    hr.append("" if c is None or e is None else
                               f"rotation {i}, rank {r} holds K/V chunk {c} ({'early' if c < sp else 'late'}); "
                               f"compute {1e3 * (e['end'] - e['start']):.2f} ms, waited "
                               f"{1e3 * e.get('waited', 0.0):.2f} ms<br>{_relations(q_ids[r], c)}")
-            z.append(zr), text.append(tr), hover.append(hr)
+            z.append(zr)
+            text.append(tr)
+            hover.append(hr)
         return z, text, hover
 
     def heat(z, text, hover, opacity, name):

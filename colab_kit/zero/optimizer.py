@@ -88,7 +88,7 @@ def check_elementwise(optimizer, why: str) -> None:
 
 def local_names(module: nn.Module) -> dict[int, str]:
     """id(parameter) -> its name in the dense model: a pipeline stage's ``source_names``, else the module's."""
-    stages = list(module) if isinstance(module, nn.ModuleList) else []
+    stages: list = list(module) if isinstance(module, nn.ModuleList) else []  # pipeline stages, if these are
     if stages and all(hasattr(st, "source_names") for st in stages):
         return {id(p): n for st in stages for p, n in zip(st.parameters(), st.source_names)}
     return {id(p): n for n, p in module.named_parameters()}
@@ -171,14 +171,12 @@ def _segments(t: torch.Tensor, runs, spec: OptimizerSpec, names: dict[int, str])
     marks = sorted((at, spec.group_of(names[id(p)])) for p, _start, _length, at in runs)
     if not marks:
         return [(0, 0, t.numel())]
-    out = []
+    starts: list[tuple[int, int]] = []  # (group, where its run starts)
     for at, g in marks:
-        if out and out[-1][0] == g:
+        if starts and starts[-1][0] == g:
             continue
-        out.append([g, at if out else 0, None])
-    for i in range(len(out)):
-        out[i][2] = out[i + 1][1] if i + 1 < len(out) else t.numel()
-    return [tuple(s) for s in out]
+        starts.append((g, at if starts else 0))
+    return [(g, lo, starts[i + 1][1] if i + 1 < len(starts) else t.numel()) for i, (g, lo) in enumerate(starts)]
 
 
 def rebuild(spec: OptimizerSpec, layout, names: dict[int, str]):
@@ -186,7 +184,7 @@ def rebuild(spec: OptimizerSpec, layout, names: dict[int, str]):
     element in the group its parameter is in. Returns ``(optimizer, views, keys, view_layout)``: ``views``
     (``GroupViews``) to bind before each step, ``keys[i]`` the tensors stepped for ``layout[i]`` (the
     optimizer's state keys), ``view_layout`` the layout of the tensors the optimizer steps (for checkpoints)."""
-    groups = [[] for _ in spec.hypers]
+    groups: list[list[torch.Tensor]] = [[] for _ in spec.hypers]
     views, keys, view_layout = GroupViews(), [], []
     for t, runs in layout:
         segs = _segments(t, runs, spec, names)
@@ -210,7 +208,7 @@ def rebuild(spec: OptimizerSpec, layout, names: dict[int, str]):
     views.bind()
     params = [{"params": ps, **h} for ps, h in zip(groups, spec.hypers)]
     import inspect
-    sig = inspect.signature(spec.kind.__init__).parameters
+    sig = inspect.signature(spec.kind).parameters  # its __init__'s, less self
     takes_all = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in sig.values())
     kwargs = {k: v for k, v in spec.defaults.items() if takes_all or k in sig}  # (AdamW's defaults hold more)
     try:
@@ -239,12 +237,13 @@ def _track_steps(optimizer: torch.optim.Optimizer) -> None:
         return
     step = optimizer.step
 
+    # torch's own marks (torch.optim.lr_scheduler), which its types do not declare
     def wrapper(*args, **kwargs):
-        optimizer._opt_called = True
+        optimizer._opt_called = True  # type: ignore[attr-defined]
         return step(*args, **kwargs)
 
-    wrapper._wrapped_by_lr_sched = True
-    optimizer.step = wrapper
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
 
 
 _BOOSTED: weakref.WeakSet = weakref.WeakSet()

@@ -35,12 +35,15 @@ import time
 import weakref
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .. import comm
 from ..precision import MasterWeights
+
+if TYPE_CHECKING:
+    from .offload import ChunkPlacement
 
 __all__ = ["ZeroStage0", "GradientPart", "default_bucket_bytes", "fill_buckets"]
 
@@ -301,12 +304,17 @@ class GradientPart(Protocol):
         grads.gather_params()          # ZeRO: the updated pieces back into whole parameters
         grads.zero()
     """
-    masters: object | None   # fp32 master weights under mixed precision, else None
     t0: float                # when the current step began (perf_counter)
-    live: object | None      # storages the activation meter must not count, or None
-    placement: object | None  # ZeRO-3's chunk placement under offload, or None
+
+    @property
+    def masters(self) -> MasterWeights | None: ...  # fp32 master weights under mixed precision, else None
+    @property
+    def live(self) -> set[int] | None: ...  # storages the activation meter must not count, or None
+    @property
+    def placement(self) -> ChunkPlacement | None: ...  # ZeRO-3's chunk placement under offload, or None
 
     def arm(self, sync: bool, t0: float | None = None) -> None: ...
+    def ready(self, param: torch.Tensor) -> None: ...
     def finish(self) -> None: ...
     def zero(self) -> None: ...
     def remove(self) -> None: ...

@@ -251,6 +251,11 @@ class ZeroStage3:
     def master_bytes(self) -> int:
         return self.masters.nbytes if self.masters is not None else 0
 
+    def ready(self, param: torch.Tensor) -> None:
+        """Only a pipeline's zero-bubble W tells a gradient part a gradient is ready, and ZeRO-3 runs without
+        a pipeline (``boost`` refuses the pair): nothing calls it."""
+        raise RuntimeError("ZeRO-3 runs without a pipeline: no W action tells it a gradient is ready")
+
     def zero(self) -> None:
         for c in self.chunks:
             g = c.shard_grad()

@@ -137,8 +137,7 @@ class MemoryView(KernelDisplay):
         """The text form: one row per rank, each cell ``measured / estimated`` in one unit."""
         from ...viz.memory import segments
 
-        measured: list[dict | None] = list(self.measured)
-        cols = {**segments(measured), **segments(measured, "place")}
+        cols = {**segments(self.measured), **segments(self.measured, "place")}
         ests = self.estimated or [None] * len(self.measured)
         est = {**segments(ests), **segments(ests, "place")} if self.estimated is not None else {}
         unit, scale = _unit([v for vs in (*cols.values(), *est.values()) for v in vs])
