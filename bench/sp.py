@@ -4,7 +4,7 @@ Part 1 (the paper's claim: ring self-attention reaches 3.0x the sequence length 
 parallelism on the same devices). For ring sp=4, ulysses sp=4, split_gather tp=4, tp=4 (1d)
 and one process, a GPT (d=64, 4 heads, 2 layers, batch 2) trains one step at t = 128, 256, ...
 (steps of --step) up to --max-t. What a rank holds at its peak is measured by the dispatch-level
-meter (``engine.memory_timeline``: every live storage after every op of the step, model states,
+meter (``ck.memory_timeline(engine, batch)``: every live storage after every op of the step, model states,
 saved activations, temporaries such as the attention's scores, and the collectives' buffers). The
 longest t whose peak stays under --budget (bytes per rank) is printed per mode, with its ratio to tp=4.
 
