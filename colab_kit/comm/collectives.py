@@ -23,7 +23,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 def _run(mesh, op: str, axis: str, tensor: torch.Tensor, launch, async_op: bool, tag: str, then=None):
     nbytes = tensor.numel() * tensor.element_size()
-    flag = getattr(mesh, "abort_flag", None)  # set during a pipeline step (see pipeline.hang)
+    flag = mesh.abort_flag  # the hang flag, set during a pipeline step (see pipeline.hang)
     if async_op:
         return Pending(launch(True), mesh.log, op, axis, nbytes, tag, then, mesh.size(axis), flag)
     t0 = time.perf_counter()

@@ -44,7 +44,7 @@ def _p2p(op, tensor, mesh, axis, peer, msg_tag, tag, arm=False):
     kw = {"dst": other} if op == "send" else {"src": other}
     work = fn(tensor, group=mesh.group(axis), tag=msg_tag, **kw)
     pending = P2PPending(work, mesh.log, op, axis, tensor.numel() * tensor.element_size(), tag,
-                         flag=getattr(mesh, "abort_flag", None))
+                         flag=mesh.abort_flag)
     if arm:
         pending.armed = _Waiter.watch(work)
     return pending
@@ -90,7 +90,7 @@ def sendrecv(send: torch.Tensor, recv: torch.Tensor, mesh, axis: str, to: int, s
     ops = [dist.P2POp(dist.isend, send, ranks[to], group, msg_tag),
            dist.P2POp(dist.irecv, recv, ranks[source], group, msg_tag)]
     works = dist.batch_isend_irecv(ops)
-    flag = getattr(mesh, "abort_flag", None)
+    flag = mesh.abort_flag
     return [P2PPending(w, mesh.log, op, axis, t.numel() * t.element_size(), tag, flag=flag)
             for w, op, t in zip(works, ("send", "recv"), (send, recv))]
 

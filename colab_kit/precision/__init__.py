@@ -195,7 +195,7 @@ class LossScaler:
             from ..comm import finish
             t0 = time.perf_counter()
             work = dist.all_reduce(bad, op=dist.ReduceOp.MAX, async_op=True)
-            finish(work, getattr(mesh, "abort_flag", None), "the fp16 overflow check over the world")
+            finish(work, mesh.abort_flag, "the fp16 overflow check over the world")
             now = time.perf_counter()
             mesh.log.add("all_reduce", "world", bad.numel() * bad.element_size(), now - t0,
                          "fp16 overflow check", dist.get_world_size(), end=now)

@@ -28,9 +28,9 @@ STEPS, BATCH = 2, 8
 
 @contextmanager
 def mark_before_grad_buckets(tracker: LiveBytes):
-    """The engine allocates its gradient buckets (engine.memory()['grads']) once the parameters are
-    made: keep the tracker's peak at that moment as 'params made'."""
-    import colab_kit.engine.core as engine_module
+    """The data-parallel step of parallelize allocates the gradient buckets (engine.memory()['grads']) once the
+    parameters are made: keep the tracker's peak at that moment as 'params made'."""
+    import colab_kit.zero.apply as engine_module
 
     real = engine_module.ZeroStage0
 
