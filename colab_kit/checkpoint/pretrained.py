@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 
 from .layout import local_space
+from ..policy.hf import CONV1D_ATTR
 
 __all__ = ["save_pretrained", "load_pretrained", "dense_state_dict"]
 
 
 def _conv_paths(engine) -> set[str]:
-    from ..policy.hf import CONV1D_ATTR
     return set(getattr(engine.dense_twin, CONV1D_ATTR, []))
 
 

@@ -38,9 +38,12 @@ import torch.nn.functional as F
 
 from ..policy.classes import derived_class
 from ..config import ConfigError
-from .ring import RingRecorder, ring_attention
+from .ring import RingRecorder, gather_keys, ring_attention
 from .ulysses import check_heads, ulysses_attention
 from .zigzag import check_length, sequence_positions, split_sequence
+from ..models.dropout import attention_dropout, attention_keep, current
+from ..placement import add_partial
+from ..policy import policy_for
 
 __all__ = ["SequencePlan", "SequencePositions", "LAYOUT"]
 
@@ -88,7 +91,6 @@ def _ring_dropout(module, p, shape, n):
     """The ring's ``drop(q_chunk, k_chunk)``: the block of the whole-sequence dropout mask at those chunks'
     global positions (chunk ``u`` holds positions ``u c .. u c + c - 1``), drawn with the coordinates of the
     microbatch running now (kept for backward)."""
-    from ..models.dropout import attention_keep, current
     coords, layer, seed = current(), module._ck_drop_layer, getattr(module, "_ck_drop_seed", 0)
     if coords is None:
         raise RuntimeError("ring attention dropout runs inside the engine's step (its coordinates are not set)")
@@ -107,7 +109,6 @@ def _ring_dropout(module, p, shape, n):
 def _eager_dropout(q, k, v, keys, *, module, p, scale):
     """Causal eager attention of whole sequences with layout-invariant dropout of the probabilities (a Hugging
     Face attention under Ulysses): the coordinates' heads are this rank's after the all-to-all."""
-    from ..models.dropout import attention_dropout
     t = q.shape[2]
     scores = (q @ k.transpose(-1, -2)) * scale
     allowed = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
@@ -164,7 +165,6 @@ class SequencePlan:
 
         What changes comes from the policy: each attention module's ``attend`` method (an instance
         attribute: the model's code is not touched) and each ``positions`` table."""
-        from ..policy import policy_for
         policy = policy or policy_for(model)
         policy.check(model, kinds=False)  # after the tensor plan
         self.check_policy(model, policy, self.mesh.config)
@@ -182,7 +182,6 @@ class SequencePlan:
                                   f"got {type(pos).__name__} (tp_mode={self.mesh.config.tp_mode!r}): use tp_mode='1d'")
             pos.__class__ = SequencePositions
             pos._sp_rank, pos._sp_size, pos._sp_layout = self.rank, self.size, self.layout
-        from ..placement import add_partial
         for module in model.modules():  # replicated over sp, each rank's tokens: Partial() over it after backward
             for name, _ in module.named_parameters(recurse=False):
                 add_partial(module, name, self.axis)
@@ -195,7 +194,6 @@ class SequencePlan:
         keys = None
         if mask is not None and self.size > 1:  # every layer gets the same mask: gathered once per forward
             if mask is not self._mask:
-                from .ring import gather_keys
                 self._mask, self._keys = mask, gather_keys(mask, self.mesh, self.axis)
             keys = self._keys
         if self.mode == "ring":

@@ -22,7 +22,7 @@ import signal
 import time
 
 from ...errors import MessageOnly, RankError, RankTimeout
-from . import remote
+from . import forked, remote
 from .results import split, unwrap_plain
 
 __all__ = ["Waiting", "RESTART_ADVICE", "ClusterError"]
@@ -63,7 +63,6 @@ class Waiting:
         (``forked.exit_code``), else "killed, crashed or out of memory"."""
         import socket
 
-        from . import forked
 
         row = next((row for row in self._table if row["rank"] == rank), None)
         here = row is not None and row["host"] == socket.gethostname()  # a pid on another host is another process

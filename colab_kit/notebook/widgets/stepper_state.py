@@ -11,6 +11,8 @@ the rank's namespace by name (``engine`` unless told otherwise)::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from ...pipeline.hang import render_grid
+from colab_kit.notebook.cluster.remote import namespace
 
 __all__ = ["StepperState", "StepperError"]
 
@@ -21,7 +23,6 @@ class StepperError(RuntimeError):
 
 # ------------------------------------------------------------------ run on the ranks
 def _rank_engine(var: str):
-    from colab_kit.notebook.cluster.remote import namespace
 
     eng = namespace().get(var)
     if eng is None or getattr(eng, "pipeline", None) is None:
@@ -31,8 +32,6 @@ def _rank_engine(var: str):
 
 def _rank_probe(var: str):
     """(plan, state) of this rank's pipeline, or a string saying what is missing."""
-    from colab_kit.notebook.cluster.remote import namespace
-
     eng = namespace().get(var)
     if eng is None:
         return f"no variable {var!r}"
@@ -111,8 +110,6 @@ class StepperState:
         return out
 
     def __repr__(self) -> str:
-        from ...pipeline.hang import render_grid
-
         plan = self.plan
         where = ("finished" if self.finished else f"timestep {self.timestep} of {self.n_timesteps}" if self.running
                  else "not started")
