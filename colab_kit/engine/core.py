@@ -49,6 +49,25 @@ from ..precision import LossScaler, MasterWeights, loss_in_fp32, master_step, to
 from .loss import TokenLoss, lm_loss, token_losses
 from .checks import check_policy
 from ..tensor import plan_for, sync_grads
+from ..datasets import ShardedLoader
+from ..dropout import DropoutLayout
+from ..memory.timeline import memory_timeline
+from ..models.dropout import has_dropout, layout_invariant
+from ..observe.profile import profile
+from ..observe.roofline import roofline
+from ..observe.throughput import engine_throughput
+from ..pipeline.executor import PipelineExecutor
+from ..pipeline.stage import defer_stages as defer, split_model, tied_across_ranks
+from ..placement import PlacementTable
+from ..recompute import recompute_blocks
+from ..sequence.plan import SequencePlan
+from ..sharded_init import materialize, meta_twin
+from ..zero import ZeroStage1, ZeroStage2
+from ..zero.optimizer import OptimizerSpec, attach_scheduler, check_elementwise, check_scheduler, local_names, rebuild
+from ..zero.stage3 import ZeroStage3
+from .clipping import check_max_norm, clip_
+from .fit import fit
+from .generate import generate
 
 __all__ = ["boost", "Engine", "lm_loss", "unsupported", "check_policy", "TokenLoss"]
 
@@ -117,9 +136,7 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
     why = unsupported(config)
     if why is not None:
         raise ConfigError(why)
-    from .clipping import check_max_norm
     check_max_norm(max_grad_norm)
-    from ..zero.optimizer import OptimizerSpec, check_elementwise, check_scheduler
     if isinstance(optimizer, torch.optim.Optimizer):  # read before the model is sharded: names, groups, settings
         spec = OptimizerSpec.capture(optimizer, model)
     elif callable(optimizer):
@@ -141,7 +158,6 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
     try:
         engine = Engine(model, spec if spec is not None else optimizer, config, mesh, loss_fn, bucket_bytes,
                         device_budget, policy)
-        from ..zero.optimizer import attach_scheduler
         engine.lr_scheduler = attach_scheduler(lr_scheduler, optimizer if spec is not None else None,
                                                engine.optimizer)
     except BaseException:
@@ -166,16 +182,12 @@ class Engine(EngineRecords):
         self.policy = policy
         """The ``colab_kit.policy.Policy`` the parallel parts lowered (None: a model under dp / ZeRO only)."""
         self._logits = policy.output if policy is not None and policy.output is not None else (lambda out: out)
-        from ..sharded_init import materialize, meta_twin  # a meta-device model: only this rank's shards are made
-        from ..pipeline.stage import defer_stages as defer
         self.dense_twin = meta_twin(model)  # shapes and names only: the dense model the checkpoint maps elements to
         self.tp_plan = None
         defer(model, config, mesh.rank("pp"), policy)
         hf = getattr(model, "config", None)
         if getattr(hf, "use_cache", False):  # a training step reads no KV cache; a recomputed forward would
             hf.use_cache = False            # append its keys to it a second time
-        from ..models.dropout import has_dropout, layout_invariant
-        from ..dropout import DropoutLayout
         dropout = has_dropout(model)
         if dropout:  # masks from global coordinates: every split draws what one process draws
             layout_invariant(model, policy=policy)
@@ -190,20 +202,17 @@ class Engine(EngineRecords):
         self.sp_plan = None
         """With sp > 1 ("ring" or "ulysses"), the ``SequencePlan``: this rank's tokens, the ring's records."""
         if config.sp > 1:  # after the tensor plan: attention on this rank's heads and tokens
-            from ..sequence.plan import SequencePlan
             self.sp_plan = SequencePlan(mesh)
             model = self.sp_plan.parallelize(model, policy)
         self._dropout = DropoutLayout(mesh, self.tp_plan, self.sp_plan) if dropout else None
         """With dropout in the model: where this rank's tensors sit, set around each microbatch."""
         if config.recompute:  # each block keeps its input only, runs its forward again in backward
-            from ..recompute import recompute_blocks
             recompute_blocks(model, policy)  # before the split: the stages hold these same blocks
         stages = None
         self._tied = []
         """With pp, tied weights whose first and last stage are on different pipeline ranks: ``(shape, the
         parameter here or None)`` per pair; their gradients are summed over pp before each step."""
         if config.pp > 1:  # after the tensor plan: each stage holds this rank's tensor shards
-            from ..pipeline.stage import split_model, tied_across_ranks
             tied = tied_across_ranks(model, config, policy)
             stages = split_model(model, config, mesh.rank("pp"), policy)
             model = nn.ModuleList(stages)
@@ -211,7 +220,6 @@ class Engine(EngineRecords):
             self._tied = [(tuple(t.shape), t if id(t) in mine else None) for t in tied]
         self.module = materialize(model).to(mesh.device)  # what is still meta: whole copies (see colab_kit.engine.sharded_init)
         self._n_local = sum(p.numel() for p in self.module.parameters() if p.requires_grad)  # before ZeRO
-        from ..placement import PlacementTable
         self.placement_table = PlacementTable(self.module)
         """Each parameter's placement on the mesh in DTensor's terms, as its layer declared it
         (``colab_kit.placement``): the gradient sums, ZeRO and the fp32 masters read it."""
@@ -227,19 +235,16 @@ class Engine(EngineRecords):
         """offload='auto': the bytes each rank's device may hold (``colab_kit.zero.offload``); else None."""
         self.scaler = LossScaler() if config.precision == "fp16" else None
         """fp16: the dynamic loss scale (``colab_kit.engine.precision.LossScaler``); None otherwise."""
-        from ..zero.optimizer import OptimizerSpec, local_names
         spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
         names = local_names(self.module)
         group_of = (lambda p: spec.group_of(names[id(p)])) if spec is not None and len(spec.hypers) > 1 else None
         self.grads: GradientPart  # plain dp, or ZeRO stage 1, 2 or 3: one declared interface (colab_kit.zero.stage0)
         if config.zero == 3:  # parameters sharded too: each block gathered before it runs, freed after
-            from ..zero.stage3 import ZeroStage3
             self.grads = ZeroStage3(self.module, mesh, "dp", self.events, offload=config.offload,
                                     device_budget=device_budget,
                                     blocks=policy.block_list(self.module) if policy is not None else None,
                                     placements=self.placement_table, group_of=group_of)
         elif config.zero:  # parameters move into one flat buffer; the optimizer steps this rank's pieces
-            from ..zero import ZeroStage1, ZeroStage2  # stage 2 frees each bucket after its reduce-scatter
             part = ZeroStage2 if config.zero == 2 else ZeroStage1
             self.grads = part(self.module.parameters(), mesh, "dp", bucket_bytes, self.events, config.zero,
                               offload=config.offload, placements=self.placement_table, group_of=group_of)
@@ -259,14 +264,12 @@ class Engine(EngineRecords):
         self.pipeline = None
         """With pp > 1, the ``PipelineExecutor`` of this rank: ``begin``/``advance``/``finish``/``state``."""
         if stages is not None:
-            from ..pipeline.executor import PipelineExecutor
             self.pipeline = PipelineExecutor(self, stages)
 
     def _build_optimizer(self, optimizer, names) -> None:
         """The optimizer over what this rank steps (``grads.optimizer_layout()``): a factory called with
         those tensors, or the user's optimizer rebuilt over them group by group (``colab_kit.engine.optimizer``);
         refused where parameters are cut (ZeRO, tp) unless it is elementwise."""
-        from ..zero.optimizer import OptimizerSpec, check_elementwise, rebuild
         self._views, self._opt_layout = None, None
         if isinstance(optimizer, OptimizerSpec):
             self.optimizer, self._views, keys, self._opt_layout = rebuild(optimizer, self.grads.optimizer_layout(),
@@ -420,7 +423,6 @@ class Engine(EngineRecords):
             self._views.bind()
         clip = None
         if self.max_grad_norm is not None:  # the global norm over every shard (colab_kit.engine.clipping)
-            from .clipping import clip_
             clip = lambda: clip_(self, self.max_grad_norm)  # noqa: E731
         with self._timed("optimizer step", "compute", t0):
             if masters is None:
@@ -531,7 +533,6 @@ class Engine(EngineRecords):
         """A ``colab_kit.datasets.ShardedLoader`` over ``dataset`` for this engine: global batches of
         ``batch_size`` rows, this rank reading only its dp rows of each; ``engine.save``/``load`` carry its
         position, so a resumed run sees the same batches. ``kw``: ``shuffle``, ``seed``, ``drop_last``."""
-        from ..datasets import ShardedLoader
         self._loader = ShardedLoader.for_engine(self, dataset, batch_size, **kw)
         return self._loader
 
@@ -539,7 +540,6 @@ class Engine(EngineRecords):
         """Train on ``loader`` until ``step_count == steps``, saving to ``checkpoint`` every ``every`` steps;
         started again after a rank died it continues from the last complete checkpoint there, to the
         losses of an uninterrupted run (``colab_kit.engine.fit``)."""
-        from .fit import fit
         return fit(self, loader, steps, checkpoint=checkpoint, every=every, on_step=on_step)
 
     def use_loader(self, loader) -> None:
@@ -562,32 +562,27 @@ class Engine(EngineRecords):
         causal LM: greedy at ``temperature=0``, else sampled with a generator seeded by ``seed`` (the same
         draw on every rank). Returns ``[b, t + max_new_tokens]`` on every rank, equal token for token to
         the dense model generating in one process (``colab_kit.engine.generate``)."""
-        from .generate import generate
         return generate(self, prompt_ids, max_new_tokens, temperature=temperature, seed=seed)
 
     def throughput(self, last: int | None = None) -> dict:
         """Tokens per second, FLOPs per step, achieved FLOP/s and MFU over the recorded steps (the last
         ``last`` of them; the first step, which builds caches, is left out when there are more):
         see ``colab_kit.observe.throughput``."""
-        from ..observe.throughput import engine_throughput
         return engine_throughput(self, last=last)
 
     def memory_timeline(self, batch, *, local: bool | None = None, **kw):
         """One train_step on ``batch`` with this rank's bytes by category over the step, the peak marked and
         what was alive at it: a ``colab_kit.memory.timeline.MemoryTimeline`` (every rank calls it). ``kw``:
         ``method`` ("auto": CUDA's allocator log on a GPU, after every op elsewhere), ``snapshot``, ``max_entries``."""
-        from ..memory.timeline import memory_timeline
         return memory_timeline(self, batch, local=local, **kw)
 
     def roofline(self, constants: dict | None = None, peak: float | None = None, last: int | None = None):
         """Where the last step sits against the measured matmul peak and collective costs: compute- or
         communication-bound, and why (``colab_kit.observe.roofline.Roofline``)."""
-        from ..observe.roofline import roofline
         return roofline(self, constants, peak, last)
 
     def profile(self, batches, steps: int = 1, **kw):
         """``steps`` train_steps on ``batches`` under ``torch.profiler``: this rank's ``colab_kit.observe.profile.Profile``."""
-        from ..observe.profile import profile
         return profile(self, batches, steps, **kw)
 
     # ------------------------------------------------------------------ lifetime

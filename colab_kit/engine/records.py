@@ -9,6 +9,11 @@ from __future__ import annotations
 import torch
 
 from ..measure import optimizer_bytes, tensor_bytes
+from ..checkpoint import load, save
+from ..checkpoint.pretrained import dense_state_dict, load_pretrained, save_pretrained
+from ..memory.estimator import config_estimate, model_activations, traced_activations
+from ..memory.formulas import estimate, optimizer_states, placed
+from ..models import GPTConfig
 
 __all__ = ["EngineRecords"]
 
@@ -56,7 +61,6 @@ class EngineRecords:
         of its measured parameter count and, with a policy, the activations of its dense forward traced on the
         meta device, scaled by this layout's share (``estimate.model_activations``). Same keys as
         ``memory()``, "device" and "host" included."""
-        from ..memory.formulas import estimate, optimizer_states, placed
         try:
             states = optimizer_states(self.optimizer)
         except ValueError:
@@ -69,9 +73,7 @@ class EngineRecords:
         if micro:  # with pp: the executor's microbatches of the last step
             rows, seq = micro
         model = self.model_cfg  # the dense model's config, also with pp
-        from ..models import GPTConfig
         if isinstance(model, GPTConfig):  # a GPT: the planner's estimate
-            from ..memory.estimator import config_estimate
             shards = self.tp_plan.batch_shards if self.tp_plan is not None else 1
             seq = seq or model.seq_len
             seq = seq * cfg.sp if self.sp_plan is not None else seq  # the engine keeps this rank's tokens
@@ -85,7 +87,6 @@ class EngineRecords:
         est["activations"] = 0
         shape = getattr(self, "_input", None)  # (the last step's global input shape, its dtype)
         if self.policy is not None and shape is not None:
-            from ..memory.estimator import model_activations, traced_activations
             cache = self.__dict__.setdefault("_traced", {})  # the dense trace, once per input shape
             if shape not in cache:
                 cache.clear()
@@ -115,33 +116,28 @@ class EngineRecords:
     def save(self, path, extra: dict | None = None) -> None:
         """A sharded checkpoint of this engine at ``path`` (every rank calls it), written atomically;
         ``extra``: a dict saved with it and returned by ``load`` (see ``colab_kit.checkpoint``)."""
-        from ..checkpoint import save
         save(self, path, extra)
 
     def load(self, path) -> dict:
         """Load a checkpoint saved by an engine of any config (same model) and continue from its
         step; returns the ``extra`` dict given to ``save`` (see ``colab_kit.checkpoint``)."""
-        from ..checkpoint import load
         return load(self, path)
 
     def dense_state_dict(self, dst: int = 0) -> dict | None:
         """The dense model's parameters (fp32, the dense model's names) on rank ``dst``, None on the other
         ranks; every rank calls it (``checkpoint.pretrained.dense_state_dict``). Load it into the model built
         in one process: ``GPT(cfg).load_state_dict(sd)`` (tied weights appear once)."""
-        from ..checkpoint.pretrained import dense_state_dict
         return dense_state_dict(self, dst)
 
     def save_pretrained(self, directory) -> None:
         """Write a Hugging Face model's ``save_pretrained`` directory (safetensors) that ``transformers``
         loads back unchanged, from every rank's shards (every rank calls it; ``checkpoint.pretrained``)."""
-        from ..checkpoint.pretrained import save_pretrained
         save_pretrained(self, directory)
 
     def load_pretrained(self, directory) -> int:
         """Read a local ``save_pretrained`` directory into this engine's shards, each rank reading only the
         rectangle of each matrix its elements lie in; the optimizer's states are left as they are
         (``checkpoint.pretrained``). Returns how many elements this rank read."""
-        from ..checkpoint.pretrained import load_pretrained
         return load_pretrained(self, directory)
 
     def state_vector(self) -> torch.Tensor:
