@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from ..zero.optimizer import local_names
 
 __all__ = ["DenseTable", "LocalSpace", "local_space", "rectangles", "owners", "store_shape"]

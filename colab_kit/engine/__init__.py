@@ -2,22 +2,19 @@
 
     core.py          boost() and Engine: train_step, eval, the hooks the parts call (pipeline.host's protocol)
     records.py       what an engine reports: memory by category and place, comm, timeline
-    precision.py     fp32 master weights, fp32 reductions, fp16 loss scaling
-    recompute.py     activation recomputation per transformer block
-    sharded_init.py  each rank builds only its shards of a model made on the meta device
-    optimizer.py     the user's optimizer and LR scheduler rebuilt over this rank's shards
+    checks.py        check_policy: what boost refuses in the kernel, asking tensor, sequence and pipeline
     clipping.py      global gradient-norm clipping over every shard
     loss.py          the contract's loss, exact however the batch is split
-    classes.py       forward-only subclasses made at run time
     fit.py           engine.fit: a run that checkpoints and survives a dead rank
     generate.py      engine.generate for causal LMs
     reference.py     the yardstick: plain PyTorch training in one process
 
-The parallel parts (tensor, pipeline, sequence, zero) use this package's building blocks as plain modules
-(``sharded_init.dense_value``, ``precision.MasterWeights``, ``classes.derived_class``) but never ``core``:
-the engine object reaches them, and they reach it only through small protocols
-(``colab_kit.pipeline.host.PipelineHost``, ``colab_kit.zero.GradientPart``). ``boost`` and ``Engine`` load
-on first use, so ``import colab_kit.sharded_init`` does not import the whole engine.
+The engine sits above every part and below the planner (``docs/layout.md``): the building blocks the parts
+share live below them (``colab_kit.sharded_init``, ``colab_kit.measure``, ``colab_kit.policy.classes``), each
+part in its own package (``colab_kit.precision``, ``colab_kit.recompute``, ``colab_kit.zero.optimizer``, ...),
+and the parts reach the engine object only through small protocols (``colab_kit.pipeline.host.PipelineHost``,
+``colab_kit.zero.GradientPart``), never by importing it. ``boost`` and ``Engine`` load on first use, so
+``import colab_kit.engine.reference`` does not import the whole engine.
 """
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ Worked example, ``steps=8, every=3``, rank 1 killed during step 5::
 from __future__ import annotations
 
 import os
+
 from ..checkpoint.files import MANIFEST
 
 __all__ = ["fit", "complete"]

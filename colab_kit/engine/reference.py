@@ -19,9 +19,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
 from ..models import GPT
 from ..precision import LossScaler, MasterWeights, loss_in_fp32, master_step, to_compute_dtype
-from .core import lm_loss
+from .loss import lm_loss
 
 __all__ = ["train_single_process", "single_process_losses", "max_relative_difference"]
 

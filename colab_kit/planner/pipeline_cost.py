@@ -3,6 +3,7 @@ action's compute and collectives, on a core per rank or on shared cores (``share
 from __future__ import annotations
 
 import functools
+
 from ..config import ParallelConfig
 from ..pipeline import build_plan_for, simulate
 from ..pipeline.simulate import prepare

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+
 from . import plan
 from ..config import ParallelConfig
 from ..datasets import SyntheticTokens

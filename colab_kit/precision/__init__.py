@@ -82,6 +82,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
 from ..comm import finish
 from ..placement import PlacementTable
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+
 from ...config import ConfigError, ParallelConfig
 from ..session import current
 

@@ -14,6 +14,7 @@ is measured on rank 0 once and cached). A cell that trained nothing prints nothi
 from __future__ import annotations
 
 import math
+
 from ...observe.throughput import format_throughput
 from colab_kit.engine.core import Engine
 from colab_kit.notebook.cluster.remote import namespace

@@ -11,6 +11,7 @@ the rank's namespace by name (``engine`` unless told otherwise)::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from ...pipeline.hang import render_grid
 from colab_kit.notebook.cluster.remote import namespace
 
