@@ -25,6 +25,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from colab_kit.datasets import TextCorpus
+from colab_kit.engine.reference import max_relative_difference
+from colab_kit.launch import default_backend
+from colab_kit.models import GPT, GPTConfig
+from colab_kit.observe.throughput import format_throughput
+from colab_kit.planner import constants
+from colab_kit.planner.constants import cache_path, cached
+from colab_kit.precision import TOLERANCE
+import colab_kit as ck
 
 __all__ = ["main", "demo"]
 
@@ -35,13 +44,11 @@ WEIGHT_DECAY, MAX_GRAD_NORM, PROMPT = 0.1, 1.0, "def "
 
 def _corpus(text: str | None):
     """The demo's text, split into train and held-out windows."""
-    from colab_kit.datasets import TextCorpus
     corpus = TextCorpus.stdlib(MODEL["seq_len"]) if text is None else TextCorpus(text, MODEL["seq_len"])
     return corpus, *corpus.split(0.05)
 
 
 def _recipe(model, lr: float, total: int):
-    import colab_kit as ck
     return ck.recipe.adamw(model, lr, WEIGHT_DECAY, warmup=max(1, total // 10), total=total)
 
 
@@ -52,8 +59,6 @@ def _train(config_dict: dict, steps: int, batch: int, lr: float, show_progress: 
     the resumed run's first."""
     import torch.distributed as dist
 
-    import colab_kit as ck
-    from colab_kit.models import GPT, GPTConfig
 
     cfg = ck.ParallelConfig(**config_dict)
     corpus, train, val = _corpus(text)
@@ -118,9 +123,6 @@ def _single_process(steps: int, batch: int, lr: float, total: int, text: str | N
                     pieces: int = 1) -> list[float]:
     """The recipe in one process, plain torch, on the same global batches, accumulated over ``pieces``
     (dp x microbatches: the engine's order of summing the rows, ``recipe.one_process``)."""
-    import colab_kit as ck
-    from colab_kit.models import GPT, GPTConfig
-
     _, train, _ = _corpus(text)
     model = GPT(GPTConfig(**MODEL))
     loader = ck.datasets.ShardedLoader(train, batch, dp_size=1, dp_rank=0, seed=0)
@@ -154,7 +156,6 @@ def _mesh_axis(cfg) -> str:
 
 def tolerance(cfg) -> float:
     """The contract's relative loss tolerance: 1e-5 in fp32, ``precision.TOLERANCE`` for bf16/fp16."""
-    from colab_kit.precision import TOLERANCE
     return 1e-5 if cfg.precision == "fp32" else TOLERANCE[cfg.precision]
 
 
@@ -167,9 +168,6 @@ def demo(ranks: int | None = None, steps: int = 200, batch: int = 32, lr: float 
     import torch
 
     out = out or sys.stdout
-    import colab_kit as ck
-    from colab_kit.launch import default_backend
-    from colab_kit.engine.reference import max_relative_difference
 
     if config is not None:
         cfg = ck.ParallelConfig.parse(config)
@@ -197,7 +195,6 @@ def demo(ranks: int | None = None, steps: int = 200, batch: int = 32, lr: float 
           f"start); loss {first['losses'][start]:.4f} -> {first['losses'][-1]:.4f}, held out "
           f"{first['held_out']:.4f}; the text's unigram entropy is {first['unigram']:.4f} nats per byte "
           f"({'below it' if first['losses'][-1] < first['unigram'] else 'not below it yet: train longer'})", file=out)
-    from colab_kit.observe.throughput import format_throughput
     print(f"throughput: {format_throughput(first['throughput'])}", file=out)
     print(f"bytes sent to collectives per step by rank 0: {first['comm_bytes_per_step']:,}", file=out)
     if first["sample"] is not None:
@@ -260,11 +257,7 @@ def add_plan_parser(sub) -> None:
 def plan_command(args, out=None) -> int:
     import json
 
-    import colab_kit as ck
-    from colab_kit.models import GPTConfig
-    from colab_kit.planner import constants
 
-    from colab_kit.planner.constants import cache_path, cached
 
     out = out or sys.stdout
     try:
@@ -309,7 +302,6 @@ def main(argv=None) -> int:
     d.add_argument("--no-check", action="store_true", help="skip the single-process comparison")
     add_plan_parser(sub)
     args = parser.parse_args(argv)
-    import colab_kit as ck
 
     if args.command == "plan":
         return plan_command(args)
@@ -321,8 +313,6 @@ def main(argv=None) -> int:
         print(f"colab-kit demo: {exc}", file=sys.stderr)
         return 2
     if result["reference"] is not None:
-        from colab_kit.engine.reference import max_relative_difference
-
         worst = max_relative_difference(result["results"][0]["losses"], result["reference"])
         return 0 if worst <= tolerance(result["config"]) else 1
     return 0

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .config import AXES, ParallelConfig
+from .comm import CommLog
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -281,7 +282,6 @@ class ProcessMesh:
     def __init__(self, config: ParallelConfig, device_type: str | None = None):
         from torch.distributed.device_mesh import init_device_mesh
 
-        from .comm import CommLog
 
         if not dist.is_initialized():
             raise RuntimeError("ProcessMesh needs torch.distributed to be initialised: run inside "

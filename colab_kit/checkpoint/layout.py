@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from ..zero.optimizer import local_names
+
 __all__ = ["DenseTable", "LocalSpace", "local_space", "rectangles", "owners", "store_shape"]
 
 
@@ -108,7 +110,6 @@ class LocalSpace:
 
 def _dense_names(engine) -> dict[int, str]:
     """id(parameter) -> its name in the dense model (``colab_kit.zero.optimizer.local_names``)."""
-    from ..zero.optimizer import local_names
     return local_names(engine.module)
 
 

@@ -6,6 +6,7 @@
                      pipeline executor's actions, gradient sync, clipping, fp16 scaling, optimizer, records)
     core.py          boost() and Engine: train_step, evaluate, generate, fit, save, load, close and the records
     reports.py       EngineView and the reports over it: memory (measured and estimated), comm, timeline, ...
+    checks.py        check_policy: what boost refuses in the kernel, asking tensor, sequence and pipeline
     clipping.py      global gradient-norm clipping over every shard
     loss.py          the contract's loss, exact however the batch is split
     fit.py           engine.fit: a run that checkpoints and survives a dead rank
@@ -26,6 +27,9 @@ The data flow of one engine, from ``boost`` to the records::
 The parallel parts never import the engine: the pipeline executor is handed a ``MicrobatchWork`` per step
 (``colab_kit.pipeline.work``) and returns; the gradient part is reached through ``colab_kit.zero.GradientPart``.
 ``boost`` and ``Engine`` load on first use.
+
+The building blocks the parts share live below them (``colab_kit.sharded_init``, ``colab_kit.measure``,
+``colab_kit.policy.classes``), each part in its own package (``docs/layout.md``).
 """
 from __future__ import annotations
 

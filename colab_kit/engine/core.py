@@ -36,19 +36,20 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from .. import checkpoint
 from ..config import ConfigError, ParallelConfig
 from ..datasets import ShardedLoader
 from ..datasets.loader import LocalBatch
 from ..mesh import ProcessMesh
+from ..zero.optimizer import (OptimizerSpec, attach_scheduler, check_elementwise, check_scheduler, local_names,
+                              rebuild)
+from . import reports
 from .checks import check_policy
 from .clipping import check_max_norm
-from .loss import TokenLoss, lm_loss
-from ..zero.optimizer import (OptimizerSpec, attach_scheduler, check_elementwise, check_scheduler, local_names,
-                        rebuild)
-from .parallelize import parallelize
-from . import reports
 from .fit import fit as _fit
 from .generate import generate as _generate
+from .loss import TokenLoss, lm_loss
+from .parallelize import parallelize
 from .step import TrainingStep
 
 __all__ = ["boost", "Engine", "lm_loss", "unsupported", "check_policy", "TokenLoss"]
@@ -283,14 +284,12 @@ class Engine:
     def save(self, path, extra: dict | None = None) -> None:
         """A sharded checkpoint of this engine at ``path`` (every rank calls it), written atomically;
         ``extra``: a dict saved with it and returned by ``load`` (see ``colab_kit.checkpoint``)."""
-        from ..checkpoint import save
-        save(self, path, extra)
+        checkpoint.save(self, path, extra)
 
     def load(self, path) -> dict:
         """Load a checkpoint saved by an engine of any config (same model) and continue from its
         step; returns the ``extra`` dict given to ``save`` (see ``colab_kit.checkpoint``)."""
-        from ..checkpoint import load
-        return load(self, path)
+        return checkpoint.load(self, path)
 
     # ------------------------------------------------------------------ records
     def memory(self) -> dict:

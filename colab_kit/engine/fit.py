@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import os
 
+from ..checkpoint.files import MANIFEST
+
 __all__ = ["fit", "complete"]
 
 
 def complete(path) -> bool:
     """Whether ``path`` holds a complete checkpoint (its manifest is written last, by the atomic rename)."""
-    from ..checkpoint.files import MANIFEST
     return path is not None and os.path.isfile(os.path.join(os.fspath(path), MANIFEST))
 
 

@@ -65,6 +65,8 @@ import torch
 
 from .. import comm
 from ..config import ConfigError
+from ..models import BERTConfig, GPTConfig, ViTConfig
+from ..sequence.zigzag import sequence_positions
 
 __all__ = ["generate", "pick_tokens"]
 
@@ -148,7 +150,6 @@ def check(engine, prompt_ids, max_new_tokens, temperature, seed) -> tuple[torch.
 
 
 def _check_causal(engine) -> None:
-    from ..models import BERTConfig, GPTConfig, ViTConfig
     cfg, policy = engine.model_cfg, engine.policy
     if isinstance(cfg, GPTConfig):
         return
@@ -233,7 +234,6 @@ def _gather_logits(engine, logits: torch.Tensor, pos: int, window: int) -> torch
     if sp is None:
         row = logits[:, pos]
     else:  # the sp rank holding position pos gives its row, the others zeros: the sum is that row exactly
-        from ..sequence.zigzag import sequence_positions
         where = (sequence_positions(sp.rank, sp.size, window, sp.layout) == pos).nonzero().flatten().tolist()
         row = logits[:, where[0]].contiguous() if where else logits.new_zeros(logits[:, 0].shape)
         comm.all_reduce(row, mesh, sp.axis, tag="generate logits")

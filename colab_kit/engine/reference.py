@@ -20,6 +20,10 @@ from collections.abc import Callable
 
 import torch
 
+from ..models import GPT
+from ..precision import LossScaler, MasterWeights, loss_in_fp32, master_step, to_compute_dtype
+from .loss import lm_loss
+
 __all__ = ["train_single_process", "single_process_losses", "max_relative_difference"]
 
 
@@ -28,9 +32,6 @@ def train_single_process(model_cfg, optimizer_factory: Callable, data, steps: in
     """Train ``GPT(model_cfg)`` on ``data.batch(step, batch_size)`` for ``steps`` steps in this
     process; return the loss of every step and the trained model (16-bit for bf16/fp16; its
     fp32 masters are ``model.masters``, the loss scaler ``model.scaler``, the step results ``model.records``)."""
-    from .core import lm_loss
-    from ..models import GPT
-
     loss_fn = loss_fn or lm_loss
     model = GPT(model_cfg)
     if precision != "fp32":
@@ -49,8 +50,6 @@ def train_single_process(model_cfg, optimizer_factory: Callable, data, steps: in
 
 def _train_mixed(model, optimizer_factory, data, steps, batch_size, loss_fn, precision):
     """The mixed-precision recipe of ``colab_kit.precision`` in one process."""
-    from ..precision import LossScaler, MasterWeights, loss_in_fp32, master_step, to_compute_dtype
-
     to_compute_dtype(model, precision)
     loss_fn = loss_in_fp32(loss_fn)
     params = [p for p in model.parameters() if p.requires_grad]

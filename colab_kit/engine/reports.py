@@ -21,6 +21,9 @@ import torch
 
 from ..config import ParallelConfig
 from ..measure import optimizer_bytes, tensor_bytes
+from ..memory.estimator import config_estimate, model_activations, traced_activations
+from ..memory.formulas import estimate, optimizer_states, placed
+from ..models import GPTConfig
 from ..mesh import ProcessMesh
 from .parallelize import Parallelized
 from .step import TrainingStep
@@ -85,7 +88,6 @@ def memory_estimate(engine: EngineView) -> dict:
     of its measured parameter count and, with a policy, the activations of its dense forward traced on the
     meta device, scaled by this layout's share (``estimate.model_activations``). Same keys as
     ``memory()``, "device" and "host" included."""
-    from ..memory.formulas import estimate, optimizer_states, placed
     try:
         name = _STATE_NAMES[optimizer_states(engine.optimizer)]
     except ValueError:
@@ -97,9 +99,7 @@ def memory_estimate(engine: EngineView) -> dict:
     if micro:  # with pp: the executor's microbatches of the last step
         rows, seq = micro
     model = engine.parts.model_cfg  # the dense model's config, also with pp
-    from ..models import GPTConfig
     if isinstance(model, GPTConfig):  # a GPT: the planner's estimate
-        from ..memory.estimator import config_estimate
         shards = engine.parts.tp_plan.batch_shards if engine.parts.tp_plan is not None else 1
         seq = seq or model.seq_len
         seq = seq * cfg.sp if engine.parts.sp_plan is not None else seq  # the engine keeps this rank's tokens
@@ -113,7 +113,6 @@ def memory_estimate(engine: EngineView) -> dict:
     est["activations"] = 0
     shape = engine.step.records.input  # (the last step's global input shape, its dtype)
     if engine.parts.policy is not None and shape is not None:
-        from ..memory.estimator import model_activations, traced_activations
         cache = engine.traced  # the dense trace, once per input shape
         if shape not in cache:
             cache.clear()

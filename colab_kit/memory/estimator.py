@@ -32,6 +32,13 @@ Worked example, the demo GPT (vocab 64, seq 32, d_model 64, 4 heads, 4 layers) w
 from __future__ import annotations
 
 from .formulas import PRECISION_BYTES, activation_bytes, model_state_bytes, placed
+from ..config import ParallelConfig
+from ..models import GPTConfig
+from ..pipeline.schedules import build_plan_for
+from ..pipeline.stage import stage_layers
+from ..precision import compute_dtype
+from ..sharded_init import meta_twin
+from ..tensor import model_sizes
 
 __all__ = ["part_params", "stage_params", "rank_params", "layout_activations", "pipeline_peak", "config_estimate",
            "traced_activations", "gpt_like", "model_activations"]
@@ -70,8 +77,6 @@ _PLANS: dict = {}
 def _stages(config, model=None):
     """The plan the engine runs for ``config`` and ``model`` (``build_plan_for``; read, never changed here:
     one per schedule shape and model, kept), and ``stage_layers``."""
-    from ..pipeline.schedules import build_plan_for
-    from ..pipeline.stage import stage_layers
     key = (config.schedule, config.pp, config.microbatches, config.chunks,
            repr(model) if config.schedule == "zb-v" else None)  # only zb-v's plan reads the model (its FLOPs)
     if key not in _PLANS:
@@ -224,8 +229,6 @@ def traced_activations(model, shape, dtype=None, precision: str = "fp32") -> int
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
-    from ..sharded_init import meta_twin
-    from ..precision import compute_dtype
     twin = meta_twin(model)
     twin.train()
     low = compute_dtype(precision)
@@ -256,8 +259,6 @@ def traced_activations(model, shape, dtype=None, precision: str = "fp32") -> int
 
 def gpt_like(model, policy):
     """The GPTConfig of the same widths as ``model`` (its policy's sizes): what the layout formulas scale by."""
-    from ..models import GPTConfig
-    from ..tensor import model_sizes
     sizes = model_sizes(model, policy)
     heads = sizes.n_heads or 1
     vocab = next(iter(sizes.outputs.values()), sizes.d_model)
@@ -271,7 +272,6 @@ def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, tr
     ``config``'s layout keeps on the rank (``config_estimate``'s layout formulas: dp and microbatch rows,
     the tensor mode's split, sp's tokens, the pipeline's peak). Within 25% of what the engine measures
     for BERT, ViT, GPT-2, Llama and a user's model (``tests/ranks/test_models_memory.py``)."""
-    from ..config import ParallelConfig
     gpt = gpt_like(model, policy)
     tokens = policy.sequence and len(shape) > 1
     seq = shape[1] if tokens else gpt.seq_len

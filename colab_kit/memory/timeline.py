@@ -53,6 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..measure import SavedRef, _unpack
 from ..observe.profile import engine_phases
 from .peak import _is_machinery, _walk
+from .history import HISTORY_ENTRIES, dump_snapshot, history_series, record_history
 
 __all__ = ["MemoryTimeline", "memory_timeline", "record_timeline", "timeline_figure", "CATEGORIES"]
 
@@ -265,7 +266,6 @@ def memory_timeline(engine, batch, *, local: bool | None = None, method: str = "
                          "method 'history' or 'auto'")
     roots = (engine.module, engine.optimizer, engine.grads)
     if cuda and method != "dispatch":
-        from .history import HISTORY_ENTRIES, dump_snapshot, history_series, record_history
         rec = record_history(lambda: engine.train_step(batch, local=local), roots, engine.mesh.device,
                              max_entries or HISTORY_ENTRIES, engine.activation_meter)
         got = history_series(rec)

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .measured import alpha_beta, cache_path, cached
+from .throughput import engine_throughput
 
 __all__ = ["Roofline", "roofline", "roofline_figure"]
 
@@ -106,8 +107,6 @@ def roofline(engine, constants: dict | None = None, peak: float | None = None, l
     for this world size, an error naming that call if there are none); ``peak``: FLOP/s (default: the
     measured matmul peak of this rank's device and threads); ``last``: the recorded steps whose median time is
     the measured one (``engine.throughput``'s; default all but the first)."""
-    from .throughput import engine_throughput
-
     if not engine.records:
         raise ValueError("ck.roofline(engine) needs a step to place: run engine.train_step(batch) first")
     consts = constants if constants is not None else _cached(engine.config.world_size)

@@ -67,6 +67,9 @@ import time
 import torch
 
 from .measured import cache_path
+from ..models import BERT, BERTConfig, GPT, GPTConfig, ViT, ViTConfig
+from ..precision import compute_dtype
+from ..sharded_init import meta_twin
 
 __all__ = ["engine_throughput", "flop_counter", "format_throughput", "model_flops", "peak_matmul",
            "peak_matmul_flops"]
@@ -115,18 +118,17 @@ def model_flops(model_or_cfg, batch_shape, *, training: bool = True, dtype: torc
     return _traced(model_or_cfg, shape, training, dtype)
 
 
-def _builtin_cfg(obj):
-    from ..models import BERTConfig, GPTConfig, ViTConfig
-    cfg = obj if isinstance(obj, (GPTConfig, BERTConfig, ViTConfig)) else None
-    if cfg is None and isinstance(obj, torch.nn.Module):
-        from ..models import BERT, GPT, ViT
-        cfg = obj.cfg if isinstance(obj, (GPT, BERT, ViT)) and type(obj) in (GPT, BERT, ViT) else None  # not a subclass
-    return cfg
+def _builtin_cfg(obj) -> GPTConfig | BERTConfig | ViTConfig | None:
+    """The config of a built-in model (or the config itself); None for another model (a subclass included)."""
+    if isinstance(obj, (GPTConfig, BERTConfig, ViTConfig)):
+        return obj
+    if isinstance(obj, (GPT, BERT, ViT)) and type(obj) in (GPT, BERT, ViT):
+        return obj.cfg
+    return None
 
 
 def _terms(cfg, shape) -> tuple[int, int, int]:
     """Forward FLOPs of a built-in model: (the Linear on the raw input, the other Linears, attention)."""
-    from ..models import BERTConfig, ViTConfig
     h, layers, f = cfg.d_model, cfg.n_layers, cfg.d_ff
     block = 4 * h * h + 2 * h * f  # weights of qkv (3h^2), proj (h^2), fc1 and fc2 (h f each)
     if isinstance(cfg, ViTConfig):
@@ -152,7 +154,6 @@ def _traced(model: torch.nn.Module, shape: tuple, training: bool, dtype) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
-    from ..sharded_init import meta_twin
     twin = meta_twin(model)  # a meta copy: the caller's model keeps its mode and storage
     twin.train(training)
     if dtype is None:
@@ -353,7 +354,6 @@ def engine_throughput(engine, last: int | None = None) -> dict:
     per_step = mean(flops)
     tok = None if None in tokens else mean(tokens)
     world = engine.config.world_size
-    from ..precision import compute_dtype
     peak = peak_matmul(engine.mesh.device, compute_dtype(engine.config.precision))
     achieved = per_step / seconds
     return {"steps": len(records), "step_seconds": seconds, "input_shape": tuple(records[-1]["input_shape"]),
@@ -366,7 +366,6 @@ def engine_throughput(engine, last: int | None = None) -> dict:
 
 def _tokens(cfg, shape: tuple, dtype) -> int | None:
     """Tokens of one global batch: b*t for token ids, b*patches for a ViT's images, else None."""
-    from ..models import ViTConfig
     if isinstance(cfg, ViTConfig):
         return shape[0] * (shape[2] // cfg.patch_size) * (shape[3] // cfg.patch_size)
     if len(shape) == 2 and (dtype is None or not dtype.is_floating_point):

@@ -47,6 +47,8 @@ import statistics
 from collections import deque
 
 from .actions import Action, parse_one
+from .plan import PipelinePlan
+from .simulate import simulate
 
 __all__ = ["stage_costs", "zb_v_timed", "zb_v_plan", "measured_costs", "flop_costs", "flops_per_token", "shorter_plan"]
 
@@ -134,9 +136,6 @@ def zb_v_timed(pp: int, m: int, costs: dict, reserve: bool = False) -> list[list
 def zb_v_plan(pp: int, m: int, costs: dict, unit: list[list[Action]]) -> list[list[Action]]:
     """The actions ``build_plan("zb-v", pp, m, 2, costs=costs)`` returns: the timed list schedule,
     or ``unit`` (the unit-step plan) where that simulates no longer under ``costs``."""
-    from .plan import PipelinePlan
-    from .simulate import simulate
-
     timed = zb_v_timed(pp, m, costs) or zb_v_timed(pp, m, costs, reserve=True)
     cost = stage_costs(costs, 2 * pp)
 
@@ -212,6 +211,5 @@ def shorter_plan(first, second, costs: dict):
     """Whichever of two plans of the same zb-v step simulates shorter under ``costs`` (``first`` on
     a tie): what ``engine.pipeline.replan()`` installs, so that re-planning from measured costs
     never installs a plan those costs say is slower than the one the engine started with."""
-    from .simulate import simulate
     cost = stage_costs(costs, first.n_stages)
     return second if simulate(second, cost).makespan < simulate(first, cost).makespan else first

@@ -84,6 +84,8 @@ from .lowering import lower
 from .messages import CommActions, _last, receives_ahead
 from .compute import ComputeActions
 from ..tensor.zero_bubble import use_split_backward
+from .costs import measured_costs, shorter_plan
+from .schedules import build_plan, build_plan_for
 
 __all__ = ["PipelineExecutor", "PipelineHang"]
 
@@ -120,7 +122,6 @@ class PipelineExecutor(ComputeActions, CommActions):
     def plan(self):
         """The lowered plan this rank runs (built from the config on first use; assign to replace)."""
         if self._plan is None:
-            from .schedules import build_plan_for
             self.plan = build_plan_for(self.config, self.model_cfg)  # zb-v: on the stages' FLOPs
         return self._plan
 
@@ -155,8 +156,6 @@ class PipelineExecutor(ComputeActions, CommActions):
         if self.config.schedule != "zb-v":
             raise ValueError(f"replan() orders the zb-v schedule from measured costs; this engine runs "
                              f"{self.config.schedule!r}: build it with schedule='zb-v', chunks=2")
-        from .costs import measured_costs, shorter_plan
-        from .schedules import build_plan, build_plan_for
 
         if costs is None:
             if self.running:

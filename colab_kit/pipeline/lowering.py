@@ -50,7 +50,7 @@ from __future__ import annotations
 from collections import deque
 
 from .actions import Action
-from .plan import stage_rank
+from .plan import PipelinePlan, stage_rank
 
 __all__ = ["lower", "match", "peer", "message_tag", "inputs_of", "outputs_of"]
 
@@ -99,8 +99,6 @@ def message_tag(action: Action, microbatches: int) -> int:
 
 def lower(plan):
     """A copy of ``plan`` with SF/RF/SB/RB actions added (a lowered plan is returned as it is)."""
-    from .plan import PipelinePlan
-
     if plan.lowered:
         return plan
     n = plan.n_stages

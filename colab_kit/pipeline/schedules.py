@@ -64,6 +64,8 @@ from collections import deque
 
 from .actions import Action
 from .plan import SCHEDULE_PLACEMENT, PipelinePlan
+from ..config import ParallelConfig
+from .costs import flop_costs, zb_v_plan
 
 __all__ = ["build_plan", "build_plan_for"]
 
@@ -216,14 +218,11 @@ def build_plan(schedule: str, pp: int, microbatches: int, chunks: int = 1, costs
         colab_kit.config.ConfigError: schedule='interleaved' needs microbatches divisible by pp=2
             (got microbatches=3): try microbatches=2 or 4
     """
-    from ..config import ParallelConfig  # validates pp, microbatches, chunks and schedule together
-
     ParallelConfig(pp=pp, microbatches=microbatches, schedule=schedule, chunks=chunks)
     if costs is not None and schedule != "zb-v":
         raise ValueError(f"costs shape only the zb-v schedule (its list scheduler), not {schedule!r}: "
                          "leave costs=None, or use schedule='zb-v' with chunks=2")
     if costs is not None:
-        from .costs import zb_v_plan
         actions = zb_v_plan(pp, microbatches, costs, _zb_v(pp, microbatches))
     elif schedule == "gpipe":
         actions = _gpipe(pp, microbatches)
@@ -249,7 +248,6 @@ def build_plan_for(config, model_cfg=None) -> PipelinePlan:
     model here yet: unit steps.
     """
     if config.schedule == "zb-v" and all(hasattr(model_cfg, a) for a in ("vocab_size", "d_ff", "n_layers")):
-        from .costs import flop_costs
         return build_plan("zb-v", config.pp, config.microbatches, config.chunks,
                           costs=flop_costs(model_cfg, config.pp * config.chunks))
     return build_plan(config.schedule, config.pp, config.microbatches, config.chunks)

@@ -32,6 +32,8 @@ import torch.nn as nn
 
 from ..config import ConfigError
 from ..sharded_init import defer
+from ..policy import get_module, missing_policy_message, policy_for
+from .plan import PipelinePlan, SCHEDULE_PLACEMENT
 
 __all__ = ["Stage", "stage_layers", "split_model", "check_stages", "tied_across_ranks", "Elsewhere", "defer_stages"]
 
@@ -123,7 +125,6 @@ class Stage(nn.Module):
     @property
     def blocks(self) -> nn.ModuleList:
         """This stage's blocks (inside its shell of the model)."""
-        from ..policy import get_module
         blocks = get_module(self.model, self.policy.blocks)
         assert isinstance(blocks, nn.ModuleList)  # the policy's blocks path names one (Policy.block_list)
         return blocks
@@ -147,9 +148,6 @@ class Stage(nn.Module):
 def tied_across_ranks(model: nn.Module, config, policy) -> list[torch.Tensor]:
     """The weights of ``policy.tied`` (before the split, after the tensor plan: this rank's shard shape,
     meta where another rank builds it) whose first and last stage live on different pipeline ranks."""
-    from ..policy import get_module
-    from .plan import SCHEDULE_PLACEMENT, PipelinePlan
-
     n = config.pp * config.chunks
     where = PipelinePlan(config.pp, config.microbatches, config.chunks, config.schedule,
                  placement=SCHEDULE_PLACEMENT[config.schedule])
@@ -166,14 +164,12 @@ def tied_across_ranks(model: nn.Module, config, policy) -> list[torch.Tensor]:
 def split_model(model: nn.Module, config, pp_rank: int, policy=None) -> list[Stage]:
     """The stages of pipeline rank ``pp_rank``, in chunk order: ``PipelinePlan.stages_of`` under the schedule's
     placement (``[pp_rank, pp_rank + pp]`` for interleaved, ``[pp_rank, 2*pp - 1 - pp_rank]`` for zb-v)."""
-    from ..policy import missing_policy_message, policy_for
     policy = policy_for(model, policy)
     if policy is None:
         raise ConfigError(missing_policy_message(model, f"pipeline parallelism (pp={config.pp})"))
     policy.check(model, kinds=False)  # after the tensor plan
     n_layers = len(policy.block_list(model))
     check_stages(n_layers, config)
-    from .plan import SCHEDULE_PLACEMENT, PipelinePlan
 
     n = config.pp * config.chunks
     names = {id(p): name for name, p in model.named_parameters()}

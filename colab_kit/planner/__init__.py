@@ -32,6 +32,18 @@ from dataclasses import dataclass, field
 
 from ..config import ConfigError, ParallelConfig
 from .constants import constants
+from ..engine.checks import check_policy
+from ..engine.core import unsupported
+from ..memory.estimator import config_estimate, gpt_like, model_activations, part_params, traced_activations
+from ..memory.formulas import optimizer_states, placed
+from ..pipeline.stage import check_stages
+from ..policy import missing_policy_message, policy_for
+from ..sequence.plan import LAYOUT, SequencePlan, check_length
+from ..sharded_init import meta_twin
+from ..tensor import check_model
+from .at_scale import HARDWARE, hardware_constants
+from .cost import step_seconds
+from .exact import exact_states
 
 __all__ = ["plan", "Candidate", "Candidates", "constants", "enumerate_configs", "EXAMPLE_CONSTANTS"]
 
@@ -159,11 +171,6 @@ def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32
                       accept=None):
     """Every config boost runs for this model and batch on ``world_size`` ranks (see the module docstring).
     ``accept(cfg)``: a further check that raises ConfigError (another model's ``check_policy``)."""
-    from ..engine.core import unsupported
-    from ..pipeline.stage import check_stages
-    from ..sequence.plan import LAYOUT, SequencePlan, check_length
-    from ..tensor import check_model
-
     for tp, sp, pp in itertools.product(_divisors(world_size), repeat=3):
         if world_size % (tp * sp * pp):
             continue
@@ -219,7 +226,6 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
     processes, which is refused above 16 ranks (before anything starts).
     """
     if hardware is not None:
-        from .at_scale import HARDWARE, hardware_constants
         if hardware not in HARDWARE:
             raise ConfigError(f"unknown hardware {hardware!r}: choose from {', '.join(HARDWARE)}, or pass constants=")
         if constants is not None:
@@ -227,7 +233,6 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
         constants = hardware_constants(hardware, precision if precision in ("fp32", "bf16", "fp16") else "fp32")
         memory_per_rank = HARDWARE[hardware].device_bytes if memory_per_rank is None else memory_per_rank
     if constants is None and isinstance(world_size, int) and world_size > 16:
-        from .at_scale import HARDWARE
         raise ConfigError(f"ck.plan for {world_size} ranks without constants would measure them with {world_size} "
                           f"local processes: pass hardware= (one of the presets: {', '.join(HARDWARE)}) or "
                           f"constants= (colab_kit.planner.at_scale.hardware_constants(name), or your own)")
@@ -236,7 +241,6 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
     cands = _plan(model_cfg, world_size, batch, memory_per_rank, precision, optimizer, seq=seq, constants=constants,
                   limit=None if exact else limit, policy=policy, input_shape=input_shape)
     if exact:
-        from .exact import exact_states
         cands = _ranked(exact_states(cands, model_cfg, batch, seq, optimizer, policy, exact, memory_per_rank),
                         limit, cands.constants, memory_per_rank)
     return cands
@@ -252,9 +256,6 @@ def _plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precisio
                               f"{type(model_cfg).__name__}: pass the model itself, e.g. ck.plan(ViT(cfg), 4, 16)")
         return _other_model(model_cfg, world_size, batch, memory_per_rank, precision, optimizer, seq=seq,
                             constants=constants, limit=limit, policy=policy, input_shape=input_shape)
-    from ..memory.estimator import config_estimate
-    from ..memory.formulas import optimizer_states
-    from .cost import step_seconds
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive whole number of ranks, got {world_size!r}: try 4")
@@ -302,7 +303,6 @@ def _ranked(out: list, limit, consts, memory_per_rank) -> Candidates:
 def _auto_placed(mem: dict, budget: int) -> dict:
     """offload='auto' (ZeRO-3 chunks placed under the budget): the model states that do not fit
     beside the activations go to the host, in proportion."""
-    from ..memory.formulas import placed
     states = mem["params"] + mem["grads"] + mem["optimizer"]
     room = max(0, budget - mem["activations"])
     share = 0.0 if states <= room else 1.0 - room / states
@@ -343,12 +343,6 @@ def _other_model(model, world_size, batch, memory_per_rank, precision, optimizer
     import dataclasses
 
     import torch
-    from ..memory.estimator import config_estimate, gpt_like, model_activations, part_params, traced_activations
-    from ..sharded_init import meta_twin
-    from ..memory.formulas import placed
-    from ..policy import missing_policy_message, policy_for
-    from ..engine.checks import check_policy
-    from .cost import step_seconds
 
     policy = policy_for(model, policy)
     if policy is None:

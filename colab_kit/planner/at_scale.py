@@ -46,6 +46,15 @@ from dataclasses import dataclass, field
 
 from ..config import ConfigError, ParallelConfig
 from ..errors import RankError, RankTimeout
+from ..engine.checks import check_policy
+from ..engine.core import boost, unsupported
+from ..memory.estimator import config_estimate, gpt_like, model_activations
+from ..memory.formulas import OPTIMIZER_STATES, optimizer_states
+from ..models import GPT, GPTConfig
+from ..sequence.plan import LAYOUT, check_length
+from ..sharded_init import meta_twin
+from .constants import cache_path, constants
+from .cost import step_seconds
 
 __all__ = ["HARDWARE", "LOCAL", "DryRunReport", "DryRunTimeout", "Hardware", "dry_run", "dry_run_many",
            "hardware_constants"]
@@ -188,12 +197,6 @@ def _prepare(model, config, rank=0, batch=None, seq=None, optimizer="adamw", pol
     """The jobs of one call, every check made here, before any process starts (ConfigError)."""
     import torch.nn as nn
 
-    from ..engine.core import unsupported
-    from ..memory.estimator import gpt_like
-    from ..memory.formulas import OPTIMIZER_STATES
-    from ..models import GPT, GPTConfig
-    from ..engine.checks import check_policy
-    from ..sharded_init import meta_twin
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"config must be a ck.ParallelConfig, got {type(config).__name__}")
     world = config.world_size
@@ -230,7 +233,6 @@ def _prepare(model, config, rank=0, batch=None, seq=None, optimizer="adamw", pol
         if isinstance(seq, bool) or not isinstance(seq, int) or not 0 < seq <= longest:
             raise ConfigError(f"seq={seq!r} tokens per row: the model takes 1..{longest}")
         if config.sp > 1 and config.sp_mode != "split_gather":
-            from ..sequence.plan import LAYOUT, check_length
             check_length(seq, config.sp, LAYOUT[config.sp_mode])
     else:
         seq = None
@@ -354,8 +356,6 @@ def _one(job: dict) -> dict:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ..engine.core import boost
-    from ..sharded_init import meta_twin
     cfg, t0, name = job["config"], time.perf_counter(), job["optimizer"]
     model = meta_twin(job["model"])  # a fresh copy per rank: boost cuts the model it is given
     model.init_parameter = _no_values  # type: ignore[assignment]  # the recipe replaced: a dry run makes no values
@@ -392,8 +392,6 @@ def _first_states(optimizer) -> None:
 def _measure(engine, job: dict, t0: float) -> dict:
     import torch
 
-    from ..memory.estimator import config_estimate, gpt_like, model_activations
-    from ..memory.formulas import optimizer_states
     cfg, mesh, gpt, twin, policy = engine.config, engine.mesh, job["gpt"], job["model"], engine.policy
     pp_rank, batch, seq = mesh.rank("pp"), job["batch"], job["seq"]
     if gpt is not None:  # the activations memory_estimate() gives after a step of this batch
@@ -424,7 +422,6 @@ def _timed(raw: dict, hardware: list) -> DryRunReport:
     inside one node, InfiniBand for those across nodes; the bubble waits on tp's collectives)."""
     import dataclasses
 
-    from .cost import step_seconds
     gpt = raw.pop("gpt")
     rep = DryRunReport(**raw)
     cfg, mem = rep.config, rep.memory
@@ -436,7 +433,6 @@ def _timed(raw: dict, hardware: list) -> DryRunReport:
             name, parts = h.get("name", f"constants {i}"), step_seconds(gpt, cfg, rep.batch, h, mem)[1]
             rep.hardware[name] = h.get("source", "the constants given")
         elif h == LOCAL:
-            from .constants import cache_path, constants
             consts = {**constants(ranks=4), "cores": cfg.world_size}
             name, parts = LOCAL, step_seconds(gpt, cfg, rep.batch, consts, mem)[1]
             rep.hardware[name] = (f"each rank as fast as one of 4 CPU ranks measured on this machine (gloo; "

@@ -79,6 +79,15 @@ import statistics
 import time
 
 from ..observe.measured import VERSION, _current, _read_cache, cache_path, cached
+from .. import comm
+from ..comm import wire_bytes
+from ..config import ParallelConfig
+from ..launch import allowed_cores, cores_for_rank, host_cores, launch
+from ..memory.formulas import activation_bytes
+from ..mesh import ProcessMesh
+from ..models import GPT, GPTConfig
+from ..pipeline.costs import flops_per_token
+from ..recompute import recompute_blocks
 
 __all__ = ["constants", "cached", "measure", "measure_rank", "combine", "cache_path", "count_ops", "OPS"]
 
@@ -125,7 +134,6 @@ def median_of(measurements: list[dict]) -> dict:
 
 def measure(ranks: int = 4) -> dict:
     """Measure now (see the module docstring); about 8-10 s on 4 CPU ranks plus process start."""
-    from ..launch import allowed_cores, cores_for_rank, host_cores, launch
     t0 = time.perf_counter()
     per_rank = launch(measure_rank, ranks, ranks)
     out = combine(per_rank)
@@ -224,10 +232,6 @@ def measure_rank(ranks: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ..comm import wire_bytes
-    from ..config import ParallelConfig
-    from ..launch import allowed_cores
-    from ..mesh import ProcessMesh
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's renamed collectives
     if dist.get_backend() == "nccl":  # one GPU per rank: measure on it
@@ -352,15 +356,12 @@ class _Burst:
         import torch
         import torch.nn.functional as F
 
-        from ..models import GPT, GPTConfig
         self.lin, self.x = torch.nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True)
         self.a, self.b = torch.randn(256, 256), torch.randn(256, 256)
         g = GPTConfig(vocab_size=8, seq_len=4, d_model=8, n_heads=4, n_layers=2)
         gpt, tokens = GPT(g), torch.zeros(1, 4, dtype=torch.long)
         self._gpt = lambda: F.cross_entropy(gpt(tokens).flatten(0, 1), tokens.flatten())
         self.tiny, self.ops = tiny, count_ops(self._gpt)
-        from ..memory.formulas import activation_bytes
-        from ..pipeline.costs import flops_per_token
         sized = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2)  # a model's size, 4 rows
         big, rows = GPT(sized), torch.zeros(4, 32, dtype=torch.long)
         # the optimizer's elements: a GPT's parameters past the caches (d=256, two blocks: 1.6M elements,
@@ -372,7 +373,6 @@ class _Burst:
         lin, att, head = flops_per_token(sized)
         self.sized_ops, self.sized_flops = count_ops(self._sized), rows.numel() * (2 * (lin + att) + head)
         self.sized_bytes = activation_bytes(sized, 4)["held"]
-        from ..recompute import recompute_blocks
         rc = GPT(g)
         recompute_blocks(rc)
         self._gpt_rc = lambda: F.cross_entropy(rc(tokens).flatten(0, 1), tokens.flatten())
@@ -420,7 +420,6 @@ def _collective_fn(op: str, t, mesh, n: int):
     pairs, a pipeline's message twice; sendrecv: a ``comm.sendrecv`` exchange, a ring's step)."""
     import torch
 
-    from .. import comm
 
     me = mesh.rank("tp")
     if op == "all_reduce":

@@ -52,6 +52,8 @@ from ..pipeline.costs import flops_per_token
 from ..observe.measured import alpha_beta
 from .comm_cost import _coll, _dp_comm, _forward_share, _sp_comm, _tp_comm, engine_buckets, shares_cores
 from .pipeline_cost import bubble
+from ..models import GPT, GPTConfig
+from .constants import count_ops
 
 __all__ = ["step_seconds"]
 
@@ -148,8 +150,6 @@ def _op_counts(heads: int) -> tuple[int, int]:
     import torch
     import torch.nn.functional as F
 
-    from ..models import GPT, GPTConfig
-    from .constants import count_ops
     g = GPTConfig(vocab_size=8, seq_len=4, d_model=2 * heads, n_heads=heads, n_layers=1)
     model, x = GPT(g), torch.zeros(1, 4, dtype=torch.long)
     whole = count_ops(lambda: F.cross_entropy(model(x).flatten(0, 1), x.flatten()))

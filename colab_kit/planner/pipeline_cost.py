@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import functools
 
+from ..config import ParallelConfig
+from ..pipeline import build_plan_for, simulate
+from ..pipeline.simulate import prepare
+from .shared import makespan
+
 
 @functools.lru_cache(maxsize=512)
 def _plan(schedule: str, pp: int, m: int, chunks: int, model_key: tuple):
     """The plan the engine runs (``build_plan_for``) with ``simulate.prepare``'s dependencies, built once
     for all the costs it is timed under."""
-    from ..config import ParallelConfig
-    from ..pipeline import build_plan_for
-    from ..pipeline.simulate import prepare
     cls, fields = model_key
     plan = build_plan_for(ParallelConfig(pp=pp, microbatches=m, schedule=schedule, chunks=chunks), cls(**dict(fields)))
     return plan, prepare(plan)
@@ -22,7 +24,6 @@ def _pipeline_units(schedule: str, pp: int, m: int, chunks: int, model_key: tupl
     """Makespan of the plan the engine runs (``build_plan_for``) with a core per rank, in the units of
     ``costs``: (F, B, I, W) of every stage, then what the last stage adds to each (the head and the loss).
     ``model_key``: the model config's class and fields (hashable)."""
-    from ..pipeline import simulate
     plan, prepared = _plan(schedule, pp, m, chunks, model_key)
     table: dict = dict(zip("FBIW", costs[:4]))  # per kind, and (last stage, kind) with the head
     table.update({(pp * chunks - 1, k): c + x for k, c, x in zip("FBIW", costs[:4], costs[4:])})
@@ -101,7 +102,6 @@ def bubble(cfg, model_key, f: float, rc: float, c_fwd: float, c_bwd: float, head
 def _shared_units(schedule: str, pp: int, m: int, chunks: int, model_key: tuple, key: tuple, group: int,
                   cores: float, latency: float = 0.0, where: tuple | None = None) -> float:
     """``shared.makespan`` of the plan the engine runs, in the units of ``bubble``'s key."""
-    from .shared import makespan
     plan, _ = _plan(schedule, pp, m, chunks, model_key)
     costs: dict = {k: (a, c) for k, (a, c, _) in zip("FBIW", key)}  # per kind, and (last stage, kind)
     costs.update({(pp * chunks - 1, k): (a + x, c) for k, (a, c, x) in zip("FBIW", key)})

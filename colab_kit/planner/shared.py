@@ -35,6 +35,7 @@ slowest of them setting the pace. dp=2 x pp=2 on 2 cores puts each replica's two
 (here the same 12 s: every action of the one-core replica runs alone or beside its other stage).
 """
 from __future__ import annotations
+from ..pipeline.check import _dependencies, _index, check
 
 __all__ = ["makespan"]
 
@@ -50,7 +51,6 @@ def makespan(plan, costs: dict, group: int = 1, cores: float = float("inf"), lat
     if placement is not None and (len(placement) != len(plan.actions) or not all(placement)):
         raise ValueError(f"placement lists {len(placement)} pipeline ranks' cores, the plan has {len(plan.actions)} "
                          f"ranks: give each its ranks' cores (one or more)")
-    from ..pipeline.check import _dependencies, _index, check
     check(plan)
     deps = _dependencies(plan, _index(plan))
     rows = plan.actions

@@ -12,6 +12,13 @@ from __future__ import annotations
 import statistics
 import time
 
+from . import plan
+from ..config import ParallelConfig
+from ..datasets import SyntheticTokens
+from ..engine.core import boost
+from ..launch import launch
+from ..models import GPT, GPTConfig
+
 __all__ = ["validate", "spearman", "accuracy", "run_candidates", "distinct_layouts", "format_rows"]
 
 
@@ -74,10 +81,6 @@ def run_candidates(model_kwargs: dict, configs: list[dict], kwargs: list[dict], 
     parameters, states and buffers, and the cheapest configs lose most."""
     import torch
 
-    from ..config import ParallelConfig
-    from ..datasets import SyntheticTokens
-    from ..engine.core import boost
-    from ..models import GPT, GPTConfig
 
     g = GPTConfig(**model_kwargs)
     data = SyntheticTokens(g.vocab_size, g.seq_len, seed=0)
@@ -119,8 +122,6 @@ def validate(model, ranks: int = 4, batch: int = 16, top: int = 6, steps: int = 
     """Plan ``model`` (a GPTConfig) on ``ranks`` ranks, run the top ``top`` candidates; rows + Spearman."""
     import dataclasses
 
-    from ..launch import launch
-    from . import plan
 
     cands = distinct_layouts(plan(model, ranks, batch, constants=constants), top)
     res = launch(run_candidates, ranks, dataclasses.asdict(model), [c.config.to_dict() for c in cands],

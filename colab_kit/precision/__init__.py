@@ -84,6 +84,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..comm import finish
+from ..placement import PlacementTable
+
 __all__ = ["COMPUTE_DTYPES", "TOLERANCE", "tolerance", "compute_dtype", "to_compute_dtype", "loss_in_fp32",
            "MasterWeights", "LossScaler", "master_step"]
 
@@ -139,7 +142,6 @@ class MasterWeights:
     """
 
     def __init__(self, tensors, device=None, table=None):
-        from ..placement import PlacementTable
         self.model = list(tensors)
         self.params = [nn.Parameter(t.detach().to(device=device, dtype=torch.float32, copy=True)) for t in self.model]
         self.table = PlacementTable()
@@ -192,7 +194,6 @@ class LossScaler:
                 g.mul_(inv)
                 bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
         if mesh is not None and dist.is_initialized() and dist.get_world_size() > 1:
-            from ..comm import finish
             t0 = time.perf_counter()
             work = dist.all_reduce(bad, op=dist.ReduceOp.MAX, async_op=True)
             finish(work, mesh.abort_flag, "the fp16 overflow check over the world")

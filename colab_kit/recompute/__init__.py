@@ -75,6 +75,7 @@ from ..models import dropout
 
 from ..policy.classes import derived_class, derived_from
 from ..config import ConfigError
+from ..policy import missing_policy_message, policy_for
 
 __all__ = ["recompute_blocks", "is_recomputed", "recomputed_class"]
 
@@ -128,7 +129,6 @@ def recompute_blocks(model: nn.Module, policy=None) -> int:
     >>> recompute_blocks(model), type(model.blocks[0]).__name__, recompute_blocks(model)
     (2, 'RecomputedBlock', 0)
     """
-    from ..policy import missing_policy_message, policy_for
     policy = policy_for(model, policy)
     if policy is None:
         raise ConfigError(missing_policy_message(model, "recompute=True (which checkpoints each block)"))

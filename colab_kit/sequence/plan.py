@@ -39,9 +39,11 @@ import torch.nn.functional as F
 from ..models.dropout import attention_dropout, attention_keep, attention_number, current
 from ..policy.classes import derived_class, derived_from
 from ..config import ConfigError
-from .ring import RingRecorder, ring_attention
+from .ring import RingRecorder, gather_keys, ring_attention
 from .ulysses import check_heads, ulysses_attention
 from .zigzag import check_length, sequence_positions, split_sequence
+from ..placement import add_partial
+from ..policy import policy_for
 
 __all__ = ["SequencePlan", "SequencePositions", "LAYOUT"]
 
@@ -162,7 +164,6 @@ class SequencePlan:
 
         What changes comes from the policy: each attention module's ``attend`` method (an instance
         attribute: the model's code is not touched) and each ``positions`` table."""
-        from ..policy import policy_for
         policy = policy or policy_for(model)
         policy.check(model, kinds=False)  # after the tensor plan
         self.check_policy(model, policy, self.mesh.config)
@@ -181,7 +182,6 @@ class SequencePlan:
             pos.__class__ = SequencePositions
             # read by SequencePositions; nn.Module's typing knows only tensors and modules as attributes
             pos._sp_rank, pos._sp_size, pos._sp_layout = self.rank, self.size, self.layout  # type: ignore[assignment]
-        from ..placement import add_partial
         for module in model.modules():  # replicated over sp, each rank's tokens: Partial() over it after backward
             for name, _ in module.named_parameters(recurse=False):
                 add_partial(module, name, self.axis)
@@ -194,7 +194,6 @@ class SequencePlan:
         keys = None
         if mask is not None and self.size > 1:  # every layer gets the same mask: gathered once per forward
             if mask is not self._mask:
-                from .ring import gather_keys
                 self._mask, self._keys = mask, gather_keys(mask, self.mesh, self.axis)
             keys = self._keys
         if self.mode == "ring":

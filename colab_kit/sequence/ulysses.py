@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .. import comm
 from ..config import ConfigError
 from .zigzag import LAYOUTS, gathered_order
+from .ring import gather_keys
 
 __all__ = ["UlyssesAllToAll", "ulysses_attention", "check_heads"]
 
@@ -94,7 +95,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, a
         return attend(q, k, v, mask)
     if mask is not None:  # [sp, b, t_local] in rank order -> [b, t] in the gathered order
         if keys is None:  # ``keys``: ``gather_keys(mask)`` made once for every layer
-            from .ring import gather_keys
             keys = gather_keys(mask, mesh, axis)
         keys = keys.transpose(0, 1).reshape(mask.shape[0], -1)
     if layout == "zigzag" and q.shape[2] % 2:

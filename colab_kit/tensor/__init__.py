@@ -39,6 +39,12 @@ import torch.nn as nn
 from ..config import ConfigError
 from .cross_entropy import vocab_parallel_cross_entropy
 from .plan import TensorPlan, regrouped, require_divisible, sync_grads
+from ..mesh import MeshLayout
+from .split_gather import SplitGather1D
+from .tp1d import Plan1D
+from .tp2d import Plan2D
+from . import tp1d, tp2d, tp3d
+from .tp3d import Plan3D
 
 __all__ = ["block_collectives", "TensorPlan", "regrouped", "require_divisible", "vocab_parallel_cross_entropy",
            "plan_for", "plan_class", "check_model", "model_sizes", "linear_comm_bytes", "sync_grads"]
@@ -51,16 +57,12 @@ def plan_class(tp_mode: str, sp_mode: str | None = None) -> type[TensorPlan]:
         if tp_mode != "1d":
             raise ConfigError(f"sp_mode='split_gather' splits 1D's LayerNorm and dropout regions along the "
                               f"sequence; tp_mode={tp_mode!r} has no split_gather form: use tp_mode='1d'")
-        from .split_gather import SplitGather1D
         return SplitGather1D
     if tp_mode == "1d":
-        from .tp1d import Plan1D
         return Plan1D
     if tp_mode in ("2d", "2.5d"):
-        from .tp2d import Plan2D
         return Plan2D
     if tp_mode == "3d":
-        from .tp3d import Plan3D
         return Plan3D
     raise ConfigError(f"unknown tp_mode {tp_mode!r}: choose one of '1d', '2d', '2.5d' or '3d'")
 
@@ -81,13 +83,10 @@ def linear_comm_bytes(config, rows: int, d_in: int, d_out: int, kind: str = "col
     """
     q = config.tp_q
     if config.tp_mode == "1d":
-        from .tp1d import linear_comm_bytes as comm_1d
-        return comm_1d(rows, d_in, d_out, kind, bytes_per_elem)
+        return tp1d.linear_comm_bytes(rows, d_in, d_out, kind, bytes_per_elem)
     if config.tp_mode in ("2d", "2.5d"):
-        from .tp2d import linear_comm_bytes as comm_2d
-        return comm_2d(rows, d_in, d_out, q, config.tp_depth, bytes_per_elem=bytes_per_elem)
-    from .tp3d import linear_comm_bytes as comm_3d
-    return comm_3d(rows, d_in, d_out, q, bytes_per_elem)
+        return tp2d.linear_comm_bytes(rows, d_in, d_out, q, config.tp_depth, bytes_per_elem=bytes_per_elem)
+    return tp3d.linear_comm_bytes(rows, d_in, d_out, q, bytes_per_elem)
 
 
 def block_collectives(config) -> dict[str, int]:
@@ -131,8 +130,6 @@ def check_model(model_cfg, config, policy=None) -> None:
     ``policy`` (``colab_kit.policy``), whose sizes are read off its layers (``model_sizes``).
     """
     if config.tp > 1:
-        from ..mesh import MeshLayout
-
         sizes = model_sizes(model_cfg, policy)
         plan_class(config.tp_mode, config.sp_mode).check(sizes, MeshLayout(config))
 

@@ -10,8 +10,10 @@ import torch.nn as nn
 
 from .. import comm
 from ..config import ConfigError
-from ..policy import expand, get_module, set_module
+from ..policy import expand, get_module, policy_for, set_module
 from .cross_entropy import vocab_parallel_cross_entropy
+from ..placement import PlacementTable, mark_parts
+from ..sharded_init import dense_value
 
 __all__ = ["TensorPlan", "sync_grads", "regrouped", "require_divisible"]
 
@@ -24,7 +26,6 @@ def sync_grads(module, mesh, table=None) -> None:
     axis: the partial gradients are packed, summed, unpacked; one partial over two axes is summed
     over the first, then the second.
     """
-    from ..placement import PlacementTable
     table = table if table is not None else PlacementTable(module)
     by_axis: dict[str, list[torch.Tensor]] = {}
     for p in table.params:
@@ -98,7 +99,6 @@ class TensorPlan:
         meta model's shards are made one at a time), divide the attention head counts by the head split,
         and tie what the policy ties. The model's own forward code then runs on the local shards."""
         if policy is None:
-            from ..policy import policy_for
             policy = policy_for(model)
         policy.check(model)
         split = math.prod(self.mesh.size(a) for a in self.head_axes)
@@ -112,7 +112,6 @@ class TensorPlan:
             new = self.layer(role, path, dense)
             if new is not None:
                 if path in fused:
-                    from ..placement import mark_parts
                     mark_parts(new, fused[path])
                 set_module(model, path, new)
         for _, att, what in policy.attentions(model):
@@ -149,7 +148,6 @@ def regrouped(dense: nn.Linear, parts: int, n: int) -> nn.Linear:
     >>> regrouped(lin, 3, 2).weight.flatten().tolist()
     [0.0, 2.0, 4.0, 1.0, 3.0, 5.0]
     """
-    from ..sharded_init import dense_value
     out = dense.out_features
     if out % (parts * n):
         raise ConfigError(f"{out} fused output features in {parts} parts do not split over {n} ranks: "

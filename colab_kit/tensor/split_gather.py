@@ -61,6 +61,7 @@ from .zero_bubble import split_linear
 from ..placement import add_partial
 from .plan import require_divisible
 from .tp1d import ColumnLinear, Plan1D, RowLinear, VocabEmbedding
+from ..policy import policy_for
 
 __all__ = ["gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel", "gathered_class",
            "gather_at_entry", "RegionColumnLinear", "SequenceRowLinear", "SequenceVocabEmbedding",
@@ -225,7 +226,6 @@ class SplitGather1D(Plan1D):
         """1D's layers by role, with the regions split along the sequence: g at the entry of each
         attention module (it reads the whole sequence's length) and of each column Linear outside one
         (the MLP's up projections, the head), g-bar after each row Linear and the token table."""
-        from ..policy import policy_for
         policy = policy or policy_for(model)
         policy.check(model)
         self._attention_paths = tuple(p for p, _, _ in policy.attentions(model))

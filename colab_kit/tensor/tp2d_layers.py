@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from .. import comm
 from ..sharded_init import dense_value
 from ..placement import declare
+from .tp1d import local_lookup
+from .tp3d_layers import ReduceScatter3D
 
 __all__ = ["summa_ab", "summa_abt", "summa_atb", "SUMMA_AB", "SUMMA_ABT", "SUMMA_ATB",
            "Linear2D", "LayerNorm2D", "Embedding2D", "VocabEmbedding2D", "batch_axes_of", "depth_axes_of"]
@@ -320,9 +322,6 @@ class VocabEmbedding2D(nn.Module):
         return cls(block, i * block.shape[0], mesh, dense.padding_idx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from .tp3d_layers import ReduceScatter3D  # the generic reduce-scatter / all-gather pair
-
-        from .tp1d import local_lookup
 
         every = comm.all_gather(ids.contiguous(), self.mesh, "tp_row", dim=0, tag="2d token ids")
         partial = local_lookup(every, self.weight, self.vocab_start, self.padding_idx)

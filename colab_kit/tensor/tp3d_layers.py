@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from .. import comm
 from ..sharded_init import dense_value
 from ..placement import declare
+from .tp1d import local_lookup
 
 __all__ = ["WT", "other_axis", "local_block", "Matmul3D", "AllReduce3D", "ReduceScatter3D", "SwapInOut3D",
            "Linear3D", "DenseLinear3D", "TiedHead3D", "LayerNorm3D", "RMSNorm3D", "VocabEmbedding3D", "Embedding3D"]
@@ -250,7 +251,6 @@ class VocabEmbedding3D(nn.Module):
     def forward(self, tokens):
         tokens = comm.all_gather(tokens, self.mesh, self.hidden_axis, 0, tag="3d tokens")
         tokens = comm.all_gather(tokens, self.mesh, WT, 0, tag="3d tokens")
-        from .tp1d import local_lookup
         rows = local_lookup(tokens, self.weight, self.vocab_start, self.padding_idx)
         return ReduceScatter3D.apply(ReduceScatter3D.apply(rows, self.mesh, WT), self.mesh, self.vocab_axis)
 

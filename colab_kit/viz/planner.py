@@ -31,6 +31,7 @@ import dataclasses
 import plotly.graph_objects as go
 
 from .memory import CATEGORIES, MIB
+from ..planner.scaling import block_wire_bytes, mode_sizes
 
 __all__ = ["plan_figure", "plan_vs_measured_figure", "config_words", "device_bytes"]
 
@@ -143,8 +144,6 @@ def tp_scaling_figure(model, rows: int, ranks=(4, 8, 16, 27, 32, 64, 128, 216, 2
     from ``planner.scaling.block_wire_bytes`` (the count ``tests/ranks/test_tp_scaling.py`` checks against the
     engine's records on 4 and 8 ranks). Log-log axes: 1D flattens out, 2D falls as p^-1/2, 3D as p^-2/3.
     """
-    from ..planner.scaling import block_wire_bytes, mode_sizes
-
     fig = go.Figure()
     for mode, dash in (("1d", "solid"), ("2d", "dash"), ("2.5d", "dashdot"), ("3d", "dot")):
         ps = [p for p in ranks if mode_sizes(mode, p, depth)]

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..pipeline.actions import COMPUTE, Action, parse, parse_one
+from ..pipeline.check import steps
 
 __all__ = ["Cell", "cells", "plan_cells", "timeline_cells", "event_cells", "held_series", "measured_bubble",
            "action_set"]
@@ -56,8 +57,6 @@ class Cell:
 
 def plan_cells(plan) -> list[Cell]:
     """The lockstep grid of ``plan``: each action at its timestep (``check.steps``), one unit wide."""
-    from ..pipeline.check import steps
-
     pos, out = [0] * plan.pp, []
     for t, row in enumerate(steps(plan)):
         for r, a in enumerate(row):
@@ -158,7 +157,6 @@ def held_series(source, frees: tuple[str, ...] = ("B", "W")) -> list[tuple[list[
                 y.append(live)
             out.append((x, y))
         return out
-    from ..pipeline.check import steps
 
     rows = steps(source)
     out = []

@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 
 from ..measure import tensor_bytes
+from ..config import ConfigError
 
 __all__ = ["Account", "DeviceBudgetExceeded", "ChunkPlacement", "host_device"]
 
@@ -181,7 +182,6 @@ class ChunkPlacement:
         acts = activations
         need = 2 * rest.nbytes + 3 * big + piece + acts
         if need > self.budget:
-            from ..config import ConfigError
             raise ConfigError(
                 f"device_budget={self.budget:,} B is too small for one step of this model: the device holds at once "
                 f"the rest of the model and its gradient (2 x {rest.nbytes:,} B), two blocks and a block's gradient "

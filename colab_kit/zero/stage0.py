@@ -41,6 +41,9 @@ import torch
 
 from .. import comm
 from ..precision import MasterWeights
+from ..launch import ranks_share_cores
+from ..placement import PlacementTable
+from ..tensor import sync_grads
 
 if TYPE_CHECKING:
     from .offload import ChunkPlacement
@@ -124,7 +127,6 @@ class ZeroStage0:
 
     def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
                  placements=None, group_of=None):
-        from ..placement import PlacementTable
         self.mesh, self.axis = mesh, axis
         self.placements = placements if placements is not None else PlacementTable()
         """The engine's ``PlacementTable``: which gradients are ``Partial()`` over a tensor or sequence axis."""
@@ -133,7 +135,6 @@ class ZeroStage0:
         params = [p for p in params if p.requires_grad]
         self._params = params
         if bucket_bytes is None:
-            from ..launch import ranks_share_cores
             shared = mesh.device.type == "cpu" and ranks_share_cores()  # GPU ranks overlap on their devices
             bucket_bytes = default_bucket_bytes(sum(p.numel() * p.element_size() for p in params), shared)
         groups = [[params[i] for i in g] for g in fill_buckets([p.numel() * p.element_size() for p in params],
@@ -236,7 +237,6 @@ class ZeroStage0:
 
     def sync_replicated(self) -> None:
         """Mixed precision with a tensor plan: its gradient sums, on the masters' fp32 gradients."""
-        from ..tensor import sync_grads
         sync_grads(None, self.mesh, self.masters.table)
 
     def build_optimizer(self, optimizer_factory) -> torch.optim.Optimizer:

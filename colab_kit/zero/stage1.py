@@ -80,7 +80,7 @@ import torch.nn as nn
 from .. import comm
 from ..config import ConfigError
 from .stage0 import ZeroStage0
-from ..measure import tensor_bytes
+from ..measure import optimizer_bytes, tensor_bytes
 from .optimizer import ELEMENTWISE, check_elementwise
 from ..precision import MasterWeights
 
@@ -187,7 +187,6 @@ class ZeroStage1(ZeroStage0):
         """offload='cpu': the optimizer's states and the masters it steps are on the host."""
         if self.offload != "cpu":
             return {}
-        from ..measure import optimizer_bytes
         return {"optimizer": optimizer_bytes(optimizer) + self.masters.nbytes}
 
     def _build_masters(self, params):

@@ -66,6 +66,8 @@ from ..config import ConfigError
 from ..precision import MasterWeights
 from .stage1 import build_over, sum_slices
 from .chunks import Chunk
+from ..placement import PlacementTable
+from .offload import ChunkPlacement
 
 __all__ = ["ZeroStage3", "units_of"]
 
@@ -98,7 +100,6 @@ class ZeroStage3:
     def __init__(self, module: nn.Module, mesh, axis: str = "dp", events=None, prefetch: bool = True,
                  offload: str = "none", device_budget: int | None = None, blocks: nn.ModuleList | None = None,
                  placements=None, group_of=None):
-        from ..placement import PlacementTable
         self.module, self.mesh, self.axis = module, mesh, axis
         self.placements = placements if placements is not None else PlacementTable(module)
         self.events = events if events is not None else []
@@ -112,7 +113,6 @@ class ZeroStage3:
         self.placement = None
         """With ``offload`` 'cpu' or 'auto': where each chunk's states live, and the device account."""
         if offload != "none":
-            from .offload import ChunkPlacement
             self.placement = ChunkPlacement(self.chunks, offload, mesh.device, device_budget)
         self.shards = [c.shard for c in self.chunks]
         """This rank's pieces, one flat tensor per chunk: what the optimizer steps (in fp32)."""

@@ -1,5 +1,6 @@
-"""The package's layout holds: no import cycle anywhere in ``colab_kit`` (module-level imports and the ones
-inside functions alike), about eight modules at the top, every ``ck.*`` name resolving."""
+"""The package's layout holds: packages import one way, down the layers of ``LAYERS`` (function-local imports
+included, no exception); the few function-local imports of colab_kit modules are declared with their reason;
+about eight modules at the top; every ``ck.*`` name resolving; no import hook."""
 from __future__ import annotations
 
 import ast
@@ -8,9 +9,53 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import colab_kit
 
 ROOT = Path(colab_kit.__file__).resolve().parent
+
+LAYERS = (  # bottom to top: a package imports only from its own package and from packages of lower layers
+    ("errors", "net"),      # what ranks raise (which rank, why); where sockets listen
+    ("config", "launch"),   # ParallelConfig; launch: local ranks, process start-up on errors and net only
+    ("comm", "join"),       # collectives that record; join: ck.init() under torchrun / Slurm / MPI (config, net)
+    ("mesh",),              # MeshLayout, ProcessMesh (each mesh keeps its CommLog)
+    ("policy",),            # roles by module path; the built-in policies read a model by path, import none
+    ("models",),            # GPT, BERT, ViT, their layout-invariant dropout masks (a policy finds HF attentions)
+    ("placement", "sharded_init", "measure", "datasets"),  # what the parallel parts share
+    ("tensor",),            # the parallel parts, in order: each may import those before it
+    ("sequence",),
+    ("dropout",),           # DropoutLayout: the coordinates from the tensor and sequence plans
+    ("recompute",),
+    ("pipeline",),
+    ("precision",),
+    ("zero",),              # data parallelism and ZeRO; the optimizer rebuilt over the shards
+    ("checkpoint", "observe"),  # what an engine saves, what its steps cost: they read an engine, import none
+    ("memory",),            # estimates and timelines (a timeline marks observe's engine phases)
+    ("engine",),            # boost, Engine: composes every part, reports through the packages below
+    ("planner",),           # ck.plan, ck.dry_run: estimates, then runs engines
+    ("viz",),               # plotly figures
+    ("notebook",),          # magics, widgets, the ipyparallel cluster
+    ("colab_kit",),         # colab_kit/__init__.py: the ck.* names
+    ("cli",),               # colab-kit demo / plan
+)
+"""The package layers, also written in docs/layout.md. A top-level module (``config``, ``mesh``, ...) is a package
+of its own; ``colab_kit`` is the package's ``__init__``."""
+
+LOCAL_IMPORTS = {  # (importing module, imported module): why the import waits for a call
+    ("colab_kit", "colab_kit.notebook.magics"):
+        "%load_ext colab_kit: IPython and the magics load in a kernel only, not on every import colab_kit",
+    ("colab_kit.cli", "colab_kit.viz"): "plotly: the demo's HTML report only (--report '' skips it), not colab-kit plan",
+    ("colab_kit.notebook.magics.core", "colab_kit.viz.mesh"): "plotly: when %colossal mesh draws",
+    ("colab_kit.notebook.magics.core", "colab_kit.notebook.widgets.memory_view"):
+        "ipywidgets and plotly: %colossal memory's widget only (text elsewhere)",
+    ("colab_kit.notebook.magics.core", "colab_kit.notebook.widgets.planner_view"):
+        "ipywidgets and plotly: %colossal plan's widget only (text elsewhere)",
+    ("colab_kit.notebook.magics.pipeline_views", "colab_kit.viz.pipeline"): "plotly: when a schedule is drawn",
+    ("colab_kit.notebook.magics.pipeline_views", "colab_kit.viz.schedule_data"): "plotly (viz's package): idem",
+}
+"""Every function-local import of a colab_kit module, with its reason: each one loads a heavy or optional
+dependency (plotly, ipywidgets, IPython) that the importing module does not load itself."""
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -22,89 +67,114 @@ def _modules(root: Path) -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, known: dict) -> set[str]:
-    """The package's modules that ``name`` imports anywhere in its source (not under ``TYPE_CHECKING``).
-    ``from pkg import x`` counts as importing ``pkg.x`` where that is a module, else ``pkg``."""
-    base = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
+def _package(module: str) -> str:
+    """``pkg.tensor.tp1d`` -> ``tensor``; ``pkg.config`` -> ``config``; ``pkg`` -> ``pkg``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
 
-    def visit(node):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                for stmt in child.orelse:
-                    visit(stmt)
-                continue
-            if isinstance(child, ast.Import):
-                found.update(a.name for a in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                if child.level:
+
+def imports(root: Path) -> list[tuple[str, str, int, bool]]:
+    """Every import of a module under ``root`` by a module under ``root``, anywhere in the source (inside
+    functions and under ``TYPE_CHECKING`` too): ``(importer, imported module, line, inside a function)``.
+    ``from pkg import x`` imports the module ``pkg.x`` where there is one, else ``pkg``."""
+    known, out = _modules(root), []
+    for name, path in sorted(known.items()):
+        base = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        local = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:
                     anchor = base
-                    for _ in range(child.level - 1):
+                    for _ in range(node.level - 1):
                         anchor = anchor.rpartition(".")[0]
-                    module = anchor + ("." + child.module if child.module else "")
-                else:
-                    module = child.module or ""
-                found.update(f"{module}.{a.name}" if f"{module}.{a.name}" in known else module for a in child.names)
-            visit(child)
-
-    visit(ast.parse(path.read_text()))
-    edges = set()
-    for m in found:
-        while m and m not in known:
-            m = m.rpartition(".")[0]
-        if m and m != name:
-            edges.add(m)
-    return edges
+                    module = anchor + ("." + module if module else "")
+                found = [f"{module}.{a.name}" if f"{module}.{a.name}" in known else module for a in node.names]
+            else:
+                continue
+            for m in found:
+                while m and m not in known:
+                    m = m.rpartition(".")[0]
+                if m and m != name:
+                    out.append((name, m, node.lineno, id(node) in local))
+    return sorted(set(out))
 
 
-def import_cycles(root: Path) -> list[list[str]]:
-    """Every strongly connected group of more than one module in the import graph under ``root`` (Tarjan)."""
-    known = _modules(root)
-    graph = {m: sorted(_imports(m, p, known)) for m, p in known.items()}
-    index, low, stack, on, cycles = {}, {}, [], set(), []
-
-    def connect(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                connect(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            group = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                group.append(w)
-                if w == v:
-                    break
-            if len(group) > 1:
-                cycles.append(sorted(group))
-
-    for v in sorted(graph):
-        if v not in index:
-            connect(v)
-    return cycles
+def layering_errors(root: Path, layers=LAYERS) -> list[str]:
+    """Each import that points up or sideways in ``layers`` (or into a package no layer names)."""
+    level = {p: i for i, layer in enumerate(layers) for p in layer}
+    errors = []
+    for pkg in sorted({_package(m) for m in _modules(root)} - set(level)):
+        errors.append(f"package {pkg} is in no layer")
+    for a, b, line, _ in imports(root):
+        pa, pb = _package(a), _package(b)
+        if pa == pb or pa not in level or pb not in level:
+            continue
+        if level[pb] > level[pa]:
+            errors.append(f"{a}:{line} imports {b}: {pa} (layer {level[pa]}) points up to {pb} (layer {level[pb]})")
+        elif level[pb] == level[pa]:
+            errors.append(f"{a}:{line} imports {b}: {pa} and {pb} share layer {level[pa]}, sideways")
+    return errors
 
 
-def test_no_import_cycle_in_the_package():
+def local_import_errors(root: Path, declared=LOCAL_IMPORTS) -> list[str]:
+    """Function-local imports of the package's modules missing from ``declared``, and declared ones not found."""
+    found = {(a, b): line for a, b, line, local in imports(root) if local}
+    errors = [f"{a}:{line} imports {b} inside a function: import it at the top, or declare why in LOCAL_IMPORTS"
+              for (a, b), line in sorted(found.items()) if (a, b) not in declared]
+    errors += [f"LOCAL_IMPORTS lists {a} -> {b}, which no function imports any more" for a, b in sorted(declared)
+               if (a, b) not in found]
+    return errors
+
+
+def test_every_import_points_down_the_layers():
     assert len(_modules(ROOT)) > 100  # the whole package was read
-    assert import_cycles(ROOT) == []
+    assert layering_errors(ROOT) == []
 
 
-def test_the_cycle_check_catches_one_inside_a_function(tmp_path):
-    """It can fail: a lazy import inside a function that closes a loop (``a -> b -> a``) is a cycle."""
-    pkg = tmp_path / "pkg"
-    (pkg / "sub").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "sub" / "__init__.py").write_text("from .b import g\n")
-    (pkg / "a.py").write_text("from .sub import g\n")
-    (pkg / "sub" / "b.py").write_text("def g():\n    from ..a import g\n")
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import g\n")
-    assert import_cycles(pkg) == [["pkg.a", "pkg.sub", "pkg.sub.b"]]
+def test_every_function_local_import_is_declared_with_its_reason():
+    assert all(why for why in LOCAL_IMPORTS.values())
+    assert local_import_errors(ROOT) == []
+
+
+@pytest.fixture
+def toy(tmp_path):
+    """A package ``pkg`` with low ``a``, and ``b``, ``c`` side by side above it."""
+    for sub in ("a", "b", "c"):
+        (tmp_path / "pkg" / sub).mkdir(parents=True)
+        (tmp_path / "pkg" / sub / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "b" / "down.py").write_text("from ..a import x\nfrom . import up\n")
+    return tmp_path / "pkg", (("a",), ("b", "c"), ("pkg",))
+
+
+def test_the_layering_check_fails_on_an_import_up_or_sideways(toy):
+    """It can fail: ``a`` importing ``b`` inside a function points up; ``b`` importing ``c`` under TYPE_CHECKING
+    points sideways; a package in no layer is named."""
+    root, layers = toy
+    assert layering_errors(root, layers) == []
+    (root / "a" / "low.py").write_text("def f():\n    from ..b import down\n")
+    (root / "b" / "side.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.c\n")
+    (root / "d").mkdir()
+    (root / "d" / "__init__.py").write_text("")
+    assert layering_errors(root, layers) == [
+        "package d is in no layer",
+        "pkg.a.low:2 imports pkg.b.down: a (layer 0) points up to b (layer 1)",
+        "pkg.b.side:3 imports pkg.c: b and c share layer 1, sideways"]
+
+
+def test_the_local_import_check_fails_on_an_undeclared_or_stale_one(toy):
+    root, _ = toy
+    (root / "b" / "late.py").write_text("def f():\n    from ..a import x\n")
+    assert local_import_errors(root, {}) == [
+        "pkg.b.late:2 imports pkg.a inside a function: import it at the top, or declare why in LOCAL_IMPORTS"]
+    assert local_import_errors(root, {("pkg.b.late", "pkg.a"): "why"}) == []
+    assert local_import_errors(root, {("pkg.b.late", "pkg.a"): "why", ("pkg.c", "pkg.a"): "gone"}) == [
+        "LOCAL_IMPORTS lists pkg.c -> pkg.a, which no function imports any more"]
 
 
 def test_the_top_level_holds_about_eight_modules():
@@ -139,5 +209,5 @@ def test_import_installs_no_finder_and_old_paths_are_gone():
                 pass
         print("ok")
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]

@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ...errors import MessageOnly, RankError, RankTimeout
-from . import remote
+from . import forked, remote
 from .results import RankTable, split, unwrap_plain
 
 __all__ = ["Waiting", "RESTART_ADVICE", "ClusterError"]
@@ -81,7 +81,6 @@ class Waiting:
         (``forked.exit_code``), else "killed, crashed or out of memory"."""
         import socket
 
-        from . import forked
 
         row = next((row for row in self._table if row["rank"] == rank), None)
         if row is None or row["host"] != socket.gethostname():  # a pid on another host is another process

@@ -32,6 +32,10 @@ from datetime import timedelta
 
 from ...errors.tracebacks import install as install_sources  # the kernel side is tracebacks.source_map
 from ...errors.tracebacks import unpack
+from ...config import ParallelConfig
+from ...launch import keep_freed_memory, place_rank
+from ...mesh import ProcessMesh
+from ...net import gloo_env, listening_store
 
 __all__ = ["probe", "open_store", "init_rank", "set_config", "call", "call_packed", "health", "namespace"]
 
@@ -76,8 +80,6 @@ def probe(controller_host: str, sys_path: list[str], cwd: str) -> dict:
 def open_store(addr: str, world_size: int, timeout: float) -> tuple[str, int]:
     """Rank 0: open the rendezvous store on ``addr`` only, on a free port (the OS picks it, so no
     race; ``colab_kit.net.listening_store`` keeps it off the other interfaces)."""
-    from ...net import listening_store
-
     store = listening_store(addr, world_size, timeout)
     namespace()[_STORE] = store
     return addr, store.port
@@ -94,8 +96,6 @@ def init_rank(rank: int, world_size: int, local_rank: int, local_world: int, add
     import torch
     import torch.distributed as dist
 
-    from ...launch import keep_freed_memory, place_rank
-    from ...net import gloo_env
 
     os.environ.update(gloo_env(addr))  # a loopback rendezvous keeps gloo's sockets on loopback too
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -120,9 +120,6 @@ def init_rank(rank: int, world_size: int, local_rank: int, local_world: int, add
 
 def set_config(config: dict | None) -> str:
     """Set ``config`` (a ParallelConfig) and build ``mesh`` (a ProcessMesh; a collective)."""
-    from ...config import ParallelConfig
-    from ...mesh import ProcessMesh
-
     ns = namespace()
     old = ns.get("mesh")
     if config is None:

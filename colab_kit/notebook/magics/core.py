@@ -56,6 +56,10 @@ from ..progress import Progress, StageProgress
 from .output import show_outputs
 from .training import ask_training, summary_lines
 from ..session import ColossalState, current
+from ...models import GPTConfig
+from ...planner import plan
+from .export import write_export
+from .pipeline_views import NoTimeline, memory_timeline_view, profile_view, schedule_view, timeline_view
 
 if TYPE_CHECKING:
     from ..widgets.memory_view import MemoryView
@@ -152,16 +156,12 @@ class ColossalMagics(Magics):
             raise UsageError(f"%colossal mesh: {exc}") from None
 
     def _do_schedule(self, args, words):
-        from .pipeline_views import schedule_view
-
         text, fig = schedule_view(self.state.config, pp=args.pp, microbatches=args.microbatches,
                                   schedule=args.schedule, chunks=args.chunks)
         print(text)
         return fig
 
     def _do_timeline(self, args, words):
-        from .pipeline_views import NoTimeline, timeline_view
-
         try:
             text, fig = timeline_view(self.state.require_cluster(), args.var)
         except NoTimeline as exc:
@@ -170,8 +170,6 @@ class ColossalMagics(Magics):
         return fig
 
     def _do_profile(self, args, words):
-        from .pipeline_views import NoTimeline, profile_view
-
         try:
             text, fig = profile_view(self.state.require_cluster(), args.var, args.data)
         except NoTimeline as exc:
@@ -186,7 +184,6 @@ class ColossalMagics(Magics):
 
         cluster = self.state.require_cluster()
         if args.timeline:
-            from .pipeline_views import NoTimeline, memory_timeline_view
             try:
                 text, fig = memory_timeline_view(cluster, args.var, args.data)
             except NoTimeline as exc:
@@ -217,7 +214,6 @@ class ColossalMagics(Magics):
         else:
             raise UsageError("%colossal plan: no cluster to take the number of ranks from: "
                              "give --ranks N, or run %colossal start -n 4 first")
-        from ...planner import plan
         from ..widgets.planner_view import PlannerView
 
         try:
@@ -232,8 +228,6 @@ class ColossalMagics(Magics):
 
     def _model_config(self, var: str):
         """The GPTConfig in the kernel variable ``var`` (or the ``.cfg`` of a GPT there)."""
-        from ...models import GPTConfig
-
         assert self.shell is not None  # a magic runs in a shell
         if var not in self.shell.user_ns:
             raise UsageError(f"%colossal plan: no variable {var!r} in the kernel: define the model's config first, "
@@ -255,7 +249,6 @@ class ColossalMagics(Magics):
 
     def _do_export(self, args, words):
         """Write what the cluster ran as a script for torchrun / srun (``colab_kit.notebook.magics.export``)."""
-        from .export import write_export
         try:
             cluster = self.state.cluster
             out = write_export(self.state.recorded, args.path,

@@ -26,6 +26,9 @@ from __future__ import annotations
 import os
 import time
 
+from ...config import ConfigError, ParallelConfig
+from ..session import current
+
 __all__ = ["export", "export_script", "write_export"]
 
 _HEADER = '''"""Exported by colab_kit's %colossal export on {when}: the configs and the %%colossal cells the notebook's
@@ -65,7 +68,6 @@ def _plain_python(source: str) -> tuple[str, list[str]]:
 
 
 def _config_lines(cfg: dict, first: bool) -> list[str]:
-    from ...config import ParallelConfig
     defaults = ParallelConfig().to_dict()
     args = ", ".join(f"{k}={v!r}" for k, v in cfg.items() if defaults.get(k, object()) != v)
     lines = [f"config = ck.ParallelConfig({args})"]
@@ -84,7 +86,6 @@ def export_script(recorded: list[tuple], world_size: int | None = None) -> tuple
     config), and the IPython lines it had to leave out. The body is checked to parse."""
     import ast
 
-    from ...config import ConfigError, ParallelConfig
 
     configs = [r[1] for r in recorded if r[0] == "config"]
     if not any(r[0] == "cell" for r in recorded):
@@ -148,7 +149,6 @@ def write_export(recorded: list[tuple], path, world_size: int | None = None) -> 
 def export(path, state=None) -> dict:
     """``ck.export(PATH)``: what ``%colossal export PATH`` writes, from the magics' state (or ``state``)."""
     if state is None:
-        from ..session import current
         state = current()
     cluster = state.cluster
     return write_export(state.recorded, path, cluster.world_size if cluster is not None and cluster.running else None)

@@ -14,6 +14,11 @@ measured events of its last step, drawn with the idle gaps between them.
 (``ck.profile(engine, batch)``) and draws each rank's intervals on one lane.
 """
 from __future__ import annotations
+from ...memory.timeline import memory_timeline, timeline_figure
+from ...observe.profile import profile, profile_figure
+from ...pipeline import build_plan, simulate
+from ...pipeline.simulate import theory_bubble
+from colab_kit.notebook.cluster.remote import namespace
 
 from typing import Any
 
@@ -26,8 +31,6 @@ def schedule_view(config=None, *, pp=None, microbatches=None, schedule=None, chu
     """(summary text, simulated timeline figure) of a schedule; unset values come from ``config``
     (when it has pp > 1), else ``DEFAULTS`` (interleaved and zb-v default to chunks=2). Bad shapes raise
     ``ConfigError`` with the rule."""
-    from ...pipeline import build_plan, simulate
-    from ...pipeline.simulate import theory_bubble
     from ...viz.pipeline import schedule_figure
 
     base = config if config is not None and config.pp > 1 else None
@@ -65,8 +68,6 @@ class NoTimeline(LookupError):
 
 def _rank_timeline(var: str):
     """On a rank: the events of ``var``'s last step, or None when there is no such engine."""
-    from colab_kit.notebook.cluster.remote import namespace
-
     eng = namespace().get(var)
     return eng.timeline() if eng is not None and hasattr(eng, "timeline") else None
 
@@ -106,10 +107,6 @@ def timeline_view(cluster, var: str = "engine"):
 def _rank_profile(var: str, data: str, run: bool, method: str = "profile"):
     """On a rank: what is missing for a profiled step of ``var`` on ``data`` (or, with ``run``, the result of
     ``var.<method>(batch)``: its Profile, or its MemoryTimeline)."""
-    from colab_kit.memory.timeline import memory_timeline
-    from colab_kit.notebook.cluster.remote import namespace
-    from colab_kit.observe.profile import profile
-
     ns = namespace()
     eng, batch = ns.get(var), ns.get(data)
     if eng is None or not hasattr(eng, "train_step"):
@@ -136,8 +133,6 @@ def profile_view(cluster, var: str = "engine", data: str = "batch"):
     """(summary text, one lane per rank figure) of one step of ``var`` on ``data`` profiled on every rank
     (``colab_kit.observe.profile``); ``NoTimeline`` saying what to define where a rank lacks either (checked on
     every rank before any of them steps)."""
-    from ...observe.profile import profile_figure
-
     got = _checked(cluster, var, data, "profile")
     lines = [f"one profiled step of {var!r} on {len(got)} ranks (measured with torch.profiler):"]
     lines += [f"  {p.summary()}" for p in got]
@@ -148,8 +143,6 @@ def memory_timeline_view(cluster, var: str = "engine", data: str = "batch"):
     """(text, figure) of one step of ``var`` on ``data`` with every rank's memory over the step (sampled after
     each op on CPU, CUDA's allocator log on a GPU: ``colab_kit.memory.timeline``): per rank its peak, the
     categories there and its largest storages."""
-    from ...memory.timeline import timeline_figure
-
     got = _checked(cluster, var, data, "memory_timeline")
     how = ("from CUDA's allocator log" if all(tl.source == "cuda history" for tl in got)
            else "measured after every op" if all(tl.source == "dispatch" for tl in got) else "measured")

@@ -16,6 +16,10 @@ from __future__ import annotations
 import math
 import weakref
 
+from ...observe.throughput import engine_throughput, format_throughput
+from colab_kit.engine.core import Engine
+from colab_kit.notebook.cluster.remote import namespace
+
 __all__ = ["ask_training", "rank_training", "summary_lines"]
 
 
@@ -25,10 +29,6 @@ SUMMARIZED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def rank_training() -> list[dict]:
     """On a rank: per engine in the namespace that stepped since last asked, what the line shows."""
-    from colab_kit.notebook.cluster.remote import namespace
-    from colab_kit.engine.core import Engine
-    from colab_kit.observe.throughput import engine_throughput
-
     out = []
     for name, eng in list(namespace().items()):
         if not isinstance(eng, Engine) or name.startswith("_") or eng.closed:
@@ -54,8 +54,6 @@ def rank_training() -> list[dict]:
 
 def format_summary(s: dict) -> str:
     """The line of one engine (see the module docstring)."""
-    from ...observe.throughput import format_throughput
-
     steps = f"step {s['last']}" if s["first"] == s["last"] else f"steps {s['first']}-{s['last']}"
     parts = [f"{s['name']}: {steps}", f"loss {s['loss_first']:.4g} -> {s['loss_last']:.4g}"
              if s["first"] != s["last"] else f"loss {s['loss_last']:.4g}"]

@@ -25,6 +25,11 @@ from ...config import SCHEDULES, SP_MODES, TP_MODES, ConfigError, ParallelConfig
 from ..session import find
 from .display import KernelDisplay, html, then
 from .figure_view import figure_view, redraw
+from ...engine.core import unsupported
+from ...errors import RankError
+from ...mesh import MeshLayout
+from ...viz.mesh import mesh_figure
+from ..cluster import ClusterError
 
 __all__ = ["ConfigPicker", "FIELDS", "mesh_summary"]
 
@@ -84,8 +89,6 @@ class ConfigPicker(KernelDisplay):
         return self.status()
 
     def _validate(self) -> None:
-        from ...engine.core import unsupported
-
         try:
             cfg = ParallelConfig.from_dict(self.values)
             if self.world_size is not None:
@@ -111,7 +114,6 @@ class ConfigPicker(KernelDisplay):
         """The mesh figure of the current choice (an empty figure naming the problem when invalid)."""
         import plotly.graph_objects as go
 
-        from ...viz.mesh import mesh_figure
 
         if self.config is None:
             fig = go.Figure()
@@ -129,9 +131,6 @@ class ConfigPicker(KernelDisplay):
 
     def _apply(self) -> str:
         """What ``apply`` does, without touching the widgets (so a worker thread can run it)."""
-        from ..cluster import ClusterError
-        from ...errors import RankError
-
         if self.config is None:
             return f"not applied: {self.error}"
         if self.target is None or not self.target.running:
@@ -222,8 +221,6 @@ def mesh_summary(config: ParallelConfig, most: int = 4) -> str:
     >>> mesh_summary(ParallelConfig(dp=2, tp=2))
     'mesh: dp groups [0, 2] [1, 3]; tp groups [0, 1] [2, 3]'
     """
-    from ...mesh import MeshLayout
-
     lay = MeshLayout(config)
     parts = []
     for axis in lay.axes:

@@ -36,6 +36,9 @@ from typing import Any
 from .display import KernelDisplay, html, keep_quiet, off_loop, running_loop
 from ..session import find
 from .figure_view import figure_view, redraw
+from ...errors import RankError
+from ...viz.memory import memory_by_rank_figure, segments
+from colab_kit.notebook.cluster.remote import namespace
 
 __all__ = ["MemoryView", "NoMemory"]
 
@@ -48,8 +51,6 @@ class NoMemory(LookupError):
 
 def _rank_memory(var: str):
     """On a rank: what the view shows of the engine in ``var``, or None when there is none."""
-    from colab_kit.notebook.cluster.remote import namespace
-
     eng = namespace().get(var)
     if eng is None or not callable(getattr(eng, "memory", None)):
         return None
@@ -127,16 +128,12 @@ class MemoryView(KernelDisplay):
 
     def figure(self):
         """``viz.memory.memory_by_rank_figure`` of the last refresh (by ``self.by``)."""
-        from ...viz.memory import memory_by_rank_figure
-
         est = ", beside the estimate" if self.estimated is not None else ""
         title = f"Memory per rank{' by place' if self.by == 'place' else ''} after {self.step} (measured{est})"
         return memory_by_rank_figure(self.measured, self.estimated, self.budget, by=self.by, title=title)
 
     def table(self) -> str:
         """The text form: one row per rank, each cell ``measured / estimated`` in one unit."""
-        from ...viz.memory import segments
-
         cols = {**segments(self.measured), **segments(self.measured, "place")}
         ests = self.estimated or [None] * len(self.measured)
         est = {**segments(ests), **segments(ests, "place")} if self.estimated is not None else {}
@@ -197,8 +194,6 @@ class MemoryView(KernelDisplay):
 
     # ------------------------------------------------------------ the ranks
     def _gather(self) -> list:
-        from ...errors import RankError
-
         cluster = self.cluster
         try:
             got = cluster.run(_rank_memory, self.var, progress=None)

@@ -30,6 +30,9 @@ from ..session import find
 from ...viz.planner import config_words, plan_figure
 from .display import KernelDisplay, html, then
 from .figure_view import figure_view, redraw
+from ...config import ConfigError
+from ...errors import RankError
+from ..cluster import ClusterError
 
 __all__ = ["PlannerView"]
 
@@ -127,10 +130,6 @@ class PlannerView(KernelDisplay):
         return self.message
 
     def _apply(self) -> str:
-        from ..cluster import ClusterError
-        from ...config import ConfigError
-        from ...errors import RankError
-
         if self.state is None:
             return "not applied: no %colossal state (run %load_ext colab_kit, or pass PlannerView(cands, state))"
         try:

@@ -42,6 +42,9 @@ from .display import KernelDisplay, html, keep_quiet, off_loop, running_loop
 from ..session import find
 from .figure_view import figure_view, redraw
 from .stepper_state import StepperError, StepperState, _rank_advance, _rank_begin, _rank_finish, _rank_probe
+from ...errors import RankError
+from ...pipeline import lower, steps
+from ...viz.pipeline import activation_memory_figure, schedule_figure
 
 __all__ = ["ScheduleStepper", "StepperState", "StepperError"]
 
@@ -60,8 +63,6 @@ class ScheduleStepper(KernelDisplay):
     """
 
     def __init__(self, source=None, batch=None, *, var: str = "engine", k: int = 1, delay: float = 0.5):
-        from ...pipeline import lower, steps
-
         self.var, self.batch, self.k, self.delay = var, batch, max(1, int(k)), delay
         self.cluster: Any = None  # a Cluster (or what runs like one), None for a plan alone
         self._ui: dict[str, Any] | None = None  # the widgets, once built
@@ -125,8 +126,6 @@ class ScheduleStepper(KernelDisplay):
 
     def figure(self):
         """The plan's grid: executed actions solid, the rest pale, each rank's next action outlined."""
-        from ...viz.pipeline import schedule_figure
-
         st = self.state
         if not st.ranks:
             return schedule_figure(st.plan)
@@ -134,14 +133,10 @@ class ScheduleStepper(KernelDisplay):
 
     def memory_figure(self):
         """Activations each rank holds: planned lines, the ranks' reports as markers."""
-        from ...viz.pipeline import activation_memory_figure
-
         return activation_memory_figure(self.state.plan, measured=self.state.held or None)
 
     # ------------------------------------------------------------ driving the ranks (or walking the plan)
     def _probe(self):
-        from ...errors import RankError
-
         try:
             got = self.cluster.run(_rank_probe, self.var)
         except RankError as exc:

@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ...pipeline.plan import PipelinePlan
 
+from ...pipeline.hang import render_grid
+from colab_kit.notebook.cluster.remote import namespace
+
 __all__ = ["StepperState", "StepperError"]
 
 
@@ -25,7 +28,6 @@ class StepperError(RuntimeError):
 
 # ------------------------------------------------------------------ run on the ranks
 def _rank_engine(var: str):
-    from colab_kit.notebook.cluster.remote import namespace
 
     eng = namespace().get(var)
     if eng is None or getattr(eng, "pipeline", None) is None:
@@ -35,8 +37,6 @@ def _rank_engine(var: str):
 
 def _rank_probe(var: str):
     """(plan, state) of this rank's pipeline, or a string saying what is missing."""
-    from colab_kit.notebook.cluster.remote import namespace
-
     eng = namespace().get(var)
     if eng is None:
         return f"no variable {var!r}"
@@ -113,8 +113,6 @@ class StepperState:
         return out
 
     def __repr__(self) -> str:
-        from ...pipeline.hang import render_grid
-
         plan = self.plan
         where = ("finished" if self.finished else f"timestep {self.timestep} of {self.n_timesteps}" if self.running
                  else "not started")
