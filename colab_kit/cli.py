@@ -29,7 +29,7 @@ from colab_kit.datasets import TextCorpus
 from colab_kit.engine.reference import max_relative_difference
 from colab_kit.launch import default_backend
 from colab_kit.models import GPT, GPTConfig
-from colab_kit.observe.throughput import format_throughput
+from colab_kit.observe.throughput import engine_throughput, format_throughput
 from colab_kit.planner import constants
 from colab_kit.planner.constants import cache_path, cached
 from colab_kit.precision import TOLERANCE
@@ -101,7 +101,6 @@ def _train(config_dict: dict, steps: int, batch: int, lr: float, show_progress: 
         prompt = corpus.encode(PROMPT).unsqueeze(0)
         sample = corpus.decode(engine.generate(prompt, 48, temperature=0.8, seed=0)[0])
     dist.barrier()
-    from colab_kit.observe.throughput import engine_throughput
     speed = engine_throughput(engine) if engine.mesh.global_rank == 0 else None  # one rank measures the peak, alone
     dist.barrier()
     if save:
