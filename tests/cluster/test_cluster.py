@@ -145,17 +145,18 @@ def test_every_rank_failing_needs_no_restart(cluster):
 
 
 def test_timeout_without_failure_raises_rank_timeout_and_blocks_until_done(cluster):
+    """Raised at the timeout, while the ranks still sleep (the next call is refused: still running), not when
+    they are done; then the call runs to its end, not cut short, and the cluster takes calls again."""
     t0 = time.monotonic()
     with pytest.raises(ck.RankTimeout) as info:
-        cluster.run(time.sleep, 3.0, timeout=0.3)
-    assert time.monotonic() - t0 < 2.0  # raised at the timeout, not when the ranks were done
+        cluster.run(time.sleep, 5.0, timeout=0.3)
     assert info.value.stuck == [0, 1, 2, 3] and "restart" in str(info.value)
     with pytest.raises(ClusterError, match="still running a call that timed out"):
         cluster.run(_rank_times_ten)
     while "still running a call that timed out" in cluster.status():  # the ranks finish their sleep
-        assert time.monotonic() - t0 < 30, cluster.status()
+        assert time.monotonic() - t0 < 60, cluster.status()
         time.sleep(0.05)
-    assert time.monotonic() - t0 >= 3.0  # it ran to its end, not cut short
+    assert time.monotonic() - t0 >= 5.0  # it ran to its end, not cut short
     assert cluster.run(_rank_times_ten) == [0, 10, 20, 30]
 
 
@@ -167,7 +168,8 @@ def test_failing_rank_is_reported_while_others_wait_then_restart_works(cluster):
         cluster.run(_fail_on_rank_1_while_others_wait, timeout=60)
     elapsed = time.monotonic() - t0
     err = info.value
-    assert elapsed < cluster.grace + 5, f"the caller hung for {elapsed:.1f} s"
+    # the grace after the failure, not the 60 s timeout (the grace and a second or two on an idle machine)
+    assert elapsed < cluster.grace + 30, f"the caller hung for {elapsed:.1f} s"
     assert err.rank == 1 and list(err.failures) == [1] and err.stuck == [0, 2, 3]
     assert "rank 1 refuses" in err.failures[1] and "_fail_on_rank_1_while_others_wait" in err.failures[1]
     assert "%colossal restart" in err.advice and "cluster.restart()" in str(err)
@@ -199,7 +201,7 @@ def _exit_on_rank_2():
 def _slow_loop():
     import time
 
-    for _ in range(300):
+    for _ in range(1200):  # 120 s: far longer than an interrupt takes to stop it
         time.sleep(0.1)
     return "finished"
 
@@ -209,7 +211,7 @@ def test_interrupt_reaches_the_ranks(cluster):
     threading.Timer(0.5, _thread.interrupt_main).start()
     with pytest.raises(KeyboardInterrupt):
         cluster.run(_slow_loop)
-    assert time.monotonic() - t0 < cluster.grace + 3
+    assert time.monotonic() - t0 < 60  # stopped by the interrupt (at 0.5 s), not run to its end (120 s)
     assert not cluster.needs_restart and cluster.run(_rank_times_ten) == [0, 10, 20, 30]  # not still looping
 
 

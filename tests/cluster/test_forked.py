@@ -108,10 +108,8 @@ def test_a_kernel_with_a_cluster_shuts_down_cleanly_and_leaves_nothing():
         assert server_session != kernel_session
         procs = [psutil.Process(server)] + psutil.Process(server).children(recursive=True)
         assert len(procs) >= 3, procs  # the server and its two engines
-        t0 = time.monotonic()
         km.shutdown_kernel(now=False)
-        took = time.monotonic() - t0
-        assert kernel.wait() == 0 and took < 2.0, (kernel.returncode, took)  # asked, not terminated
+        assert kernel.wait() == 0, kernel.returncode  # asked, and it exited: not terminated (-15) nor killed (-9)
         _, left = psutil.wait_procs(procs, timeout=30)
         assert left == [], left
     finally:

@@ -183,12 +183,16 @@ def test_dash_h_shows_one_subcommand_and_does_nothing_else(run, state, shared):
 
 
 def test_cell_timeout_returns_and_reports_the_running_ranks(run, shared):
+    """The cell returns at its timeout while the ranks still sleep (the next cell is refused: still running),
+    and the cluster takes cells again once they are done."""
     t0 = time.monotonic()
-    error, out, err = run("%%colossal --timeout 0.3\nimport time\ntime.sleep(1.5)")
-    assert isinstance(error, ck.RankTimeout) and time.monotonic() - t0 < 1.2
+    error, out, err = run("%%colossal --timeout 0.3\nimport time\ntime.sleep(4)")
+    assert isinstance(error, ck.RankTimeout)
     assert "[ranks 0, 1, 2, 3] still running" in out and "did not finish within 0.3 s" in out + err
     _usage(run, "%%colossal\nprint(rank)", "still running a call that timed out")
-    time.sleep(1.6)
+    while "still running a call that timed out" in shared.status():
+        assert time.monotonic() - t0 < 60, shared.status()
+        time.sleep(0.05)
     error, out, _ = run("%%colossal --ranks 1\nprint(rank)")
     assert error is None and out == "[rank 1]\n1\n"
 
@@ -221,7 +225,7 @@ def test_lifecycle_start_fail_restart_stop_start_again(run, state):
             "if rank == 1:\n    raise ValueError('rank one is unhappy')\ndist.all_reduce(torch.ones(1))\n")
     t0 = time.monotonic()
     error, out, err = run(cell)
-    assert time.monotonic() - t0 < state.cluster.grace + 5
+    assert time.monotonic() - t0 < state.cluster.grace + 30  # the grace, not a hang in the all_reduce
     assert isinstance(error, ck.RankError) and error.rank == 1 and error.stuck == [0]
     text = out + err
     assert "[rank 0] still running" in text and "[rank 1] FAILED" in text and "before 1" in text

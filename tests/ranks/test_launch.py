@@ -196,8 +196,8 @@ def test_raising_rank_is_reported_while_others_wait_in_a_collective(kind):
         ck.launch(raise_on_2, 4, kind, timeout=120)
     elapsed = time.monotonic() - t0
     # the peers error out at once (gloo sees the closed connection) or are stopped after grace=5 s;
-    # either way far sooner than the timeout (bound generous for a loaded 2-core machine)
-    assert elapsed < 10, f"launch took {elapsed:.1f} s: it waited for the stuck ranks"
+    # either way far sooner than the 120 s timeout (about 5 s here with the spawn: the bound is generous)
+    assert elapsed < 60, f"launch took {elapsed:.1f} s: it waited for the stuck ranks"
     e = info.value
     assert type(e) is RankError
     assert e.rank == 2 and next(iter(e.failures)) == 2
@@ -215,7 +215,7 @@ def test_failed_rank_with_a_stuck_peer_stops_after_grace():
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
         ck.launch(raise_on_0_while_1_sleeps, 2, timeout=120, grace=1)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # after the grace, not the 120 s timeout (about 4 s with the spawn)
     e = info.value
     assert list(e.failures) == [0] and e.stuck == [1]
     assert "RuntimeError: first failure" in e.failures[0]
@@ -228,7 +228,7 @@ def test_hanging_rank_gives_rank_timeout():
     with pytest.raises(RankTimeout) as info:
         ck.launch(hang_on_1, 3, timeout=3)
     elapsed = time.monotonic() - t0
-    assert 3 <= elapsed < 12
+    assert 3 <= elapsed < 60  # the deadline starts after the spawn; the sleeping rank would take 1000 s
     e = info.value
     assert isinstance(e, RankError)
     assert e.stuck == [1] and e.failures == {} and e.timeout == 3
@@ -241,7 +241,7 @@ def test_rank_that_exits_without_a_word_is_blamed_first():
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
         ck.launch(exit_3_on_3, 4, True, timeout=120)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # not the 120 s timeout
     e = info.value
     # the peers' "connection closed" errors come after it: rank 3 is the cause
     assert e.rank == 3 and next(iter(e.failures)) == 3

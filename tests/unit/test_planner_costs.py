@@ -110,6 +110,12 @@ def test_cached_constants_of_another_version_are_measured_again(tmp_path, monkey
     assert mod.constants(ranks=4)["version"] == mod.VERSION and calls == [4]  # and then cached
     current = dict(stale["4"], version=mod.VERSION)
     assert mod.cached(4) == current
+    # repeats: measured that many times, each figure the median (tests/ranks/test_planner.py measures once)
+    rates = iter([9.0, 1.0, 2.0])
+    monkeypatch.setattr(mod, "measure", lambda ranks: calls.append(ranks) or dict(
+        current, matmul={"flops_per_s": next(rates)}))
+    assert mod.constants(refresh=True, ranks=4, repeats=3)["matmul"] == {"flops_per_s": 2.0} and calls == [4] * 4
+    assert mod.cached(4)["matmul"] == {"flops_per_s": 2.0}
 
 
 def test_bound_ranks_share_only_their_own_core():
