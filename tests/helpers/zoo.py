@@ -131,16 +131,17 @@ class Plain(nn.Module):
         return self.b(self.a(x))
 
 
-def make_hf(name: str):
-    """A small Hugging Face GPT-2 or Llama, built from a config (no download), the same weights on every rank."""
+def make_hf(name: str, dropout: float = 0.0):
+    """A small Hugging Face GPT-2 or Llama, built from a config (no download), the same weights on every rank;
+    ``dropout``: a GPT-2's residual, embedding and attention dropout."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     if name == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_embd=32, n_layer=4, n_head=4, n_positions=16, vocab_size=64, resid_pdrop=0, embd_pdrop=0,
-            attn_pdrop=0, bos_token_id=0, eos_token_id=0))
+            n_embd=32, n_layer=4, n_head=4, n_positions=16, vocab_size=64, resid_pdrop=dropout, embd_pdrop=dropout,
+            attn_pdrop=dropout, bos_token_id=0, eos_token_id=0))
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=64, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0))

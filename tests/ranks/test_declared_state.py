@@ -16,6 +16,7 @@ import torch.nn as nn
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.models import GPT, GPTConfig
+from tests.helpers.zoo import make_hf
 
 pytest.importorskip("transformers")
 
@@ -40,22 +41,9 @@ def _mlp():
     return nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 64))
 
 
-def _hf(name: str):
-    import transformers
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    if name == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_embd=32, n_layer=4, n_head=4, n_positions=16, vocab_size=64, resid_pdrop=0.1, embd_pdrop=0.1,
-            attn_pdrop=0.1, bos_token_id=0, eos_token_id=0))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0))
-
-
 def _run() -> dict:
     data, out = SyntheticTokens(64, 16, seed=1), {}
-    makers = {"gpt": lambda: GPT(GPT_DROP), "gpt2": lambda: _hf("gpt2"), "llama": lambda: _hf("llama")}
+    makers = {"gpt": lambda: GPT(GPT_DROP), "gpt2": lambda: make_hf("gpt2", dropout=0.1), "llama": lambda: make_hf("llama")}
     for name, kw in CONFIGS.items():
         for model_name, make in makers.items():
             model = make()
