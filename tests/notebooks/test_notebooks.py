@@ -22,8 +22,8 @@ def test_notebook_runs_top_to_bottom(path: Path):
     if browser_runs() and path.name not in ASKED:
         pytest.skip("run top to bottom in JupyterLab by tests/notebooks/test_browser.py, which checks the same EXPECT outputs")
     if path.name == BINDER_RUNS:
-        pytest.skip(f"run top to bottom in binder/'s environment by tests/notebooks/test_colab_binder.py, which checks "
-                    f"the same EXPECT outputs (once per suite, as where the browser tier runs it)")
+        pytest.skip("run top to bottom in binder/'s environment by tests/notebooks/test_colab_binder.py, which checks "
+                    "the same EXPECT outputs (once per suite, as where the browser tier runs it)")
     import nbformat
     from nbclient import NotebookClient
 
