@@ -1,5 +1,6 @@
-"""Shared fixtures: one 4-engine cluster for the whole session (the notebook tier), and the small GPT's
-one-process references (``gpt_references``).
+"""Shared fixtures: one 4-engine cluster for the whole session (the notebook tier), the small GPT's
+one-process references (``gpt_references``), and binder/'s environment, built in the background from the
+start of the session (``binder_env``); one torch thread in this process and its kernels (``pytest_configure``).
 
 Starting engines costs ~7 s each time on a 2-core machine, so every test that
 only needs a working cluster shares this one; tests that must start, stop or
@@ -8,6 +9,22 @@ restart a cluster of their own do it explicitly (and keep it small).
 from __future__ import annotations
 
 import pytest
+
+
+def pytest_configure(config):
+    """One torch thread in the pytest process and, through ``OMP_NUM_THREADS`` (unless set already), in the
+    processes it starts that do not choose their own (the notebooks' kernels): their own work (one-process
+    references, small models trained in place) is far too small to gain from a second thread, and on a
+    loaded 2-core machine two OpenMP threads that wait for each other at every op ran 25 times slower than
+    one (a ViT step: 257 ms against 10 ms; test_vit_learns_the_digits 115 s against 3 s; notebook 07 under
+    nbclient 96 s against 78 s). The ranks and engines set their own threads (``colab_kit.launch.place_rank``),
+    so what they run is unchanged."""
+    import os
+
+    import torch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -39,13 +56,78 @@ def ipython_shell():
     return globalipapp.start_ipython() or globalipapp.get_ipython()
 
 
-@pytest.fixture(scope="session")
-def binder_env(tmp_path_factory):
-    """binder/'s environment built in a fresh venv, once per session (tests/binder_env.py): the browser
-    tier's JupyterLab runs from it, and tests/notebooks/test_colab_binder.py checks it."""
-    from tests.binder_env import build
+_BINDER: dict = {}
+"""The build of binder/'s environment under way: {"dir": its folder (venv/, then result.json)}."""
 
-    return build(tmp_path_factory.mktemp("binder") / "venv")
+
+def _start_binder_build() -> None:
+    """``python -m tests.binder_env DIR``, niced, detached (started through a parent that exits at once): a
+    notebook-layer cluster takes this process's new descendants for its controller's, so a pip run under
+    this process while a cluster starts would be watched, and its end taken for the controller's death."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from tests.binder_env import ROOT
+
+    where = Path(tempfile.mkdtemp(prefix="colab-kit-binder-"))
+    _BINDER["dir"] = where
+    cmd = ["nice", "-n", "10", sys.executable, "-m", "tests.binder_env", str(where)]
+    detach = "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True, stdout=subprocess.DEVNULL)"
+    subprocess.run([sys.executable, "-c", detach, *cmd], cwd=ROOT, check=True)
+
+
+def _binder_result(timeout: float = 1800) -> dict:
+    import json
+    import time
+
+    result, deadline = _BINDER["dir"] / "result.json", time.monotonic() + timeout
+    while not result.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"binder/'s environment was not built within {timeout:.0f} s in {_BINDER['dir']}")
+        time.sleep(0.5)
+    return json.loads(result.read_text())
+
+
+def _runs(item) -> bool:
+    """Whether ``item`` will run: not under a ``skipif`` whose condition is already True (the browser tier
+    without Chromium)."""
+    return not any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+
+
+def pytest_collection_finish(session):
+    """Where a test that will run needs binder/'s environment, start building it now, in the background and
+    niced (pip unpacks 1.4 GB, about 70 s on 2 cores): the cluster tier runs meanwhile, and the notebook tier
+    finds it built instead of waiting for it (the browser tier's set-up took 105 s, nearly all this build)."""
+    if any("binder_env" in getattr(item, "fixturenames", ()) and _runs(item) for item in session.items):
+        _start_binder_build()
+
+
+def pytest_sessionfinish(session):
+    """The build waited for (a session cut short may end while it runs) and its folder removed: 1.4 GB each."""
+    if _BINDER:
+        import shutil
+
+        try:
+            _binder_result()
+        finally:
+            shutil.rmtree(_BINDER.pop("dir"), ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def binder_env():
+    """binder/'s environment built in a fresh venv, once per session (tests/binder_env.py), started when the
+    session's tests were collected (``pytest_collection_finish``): the browser tier's JupyterLab runs from it,
+    and tests/notebooks/test_colab_binder.py checks it."""
+    from tests.binder_env import BinderEnv
+
+    if not _BINDER:
+        _start_binder_build()
+    result = _binder_result()
+    if not result["ok"]:
+        raise RuntimeError(result["log"])
+    return BinderEnv(_BINDER["dir"] / "venv", result["log"])
 
 
 @pytest.fixture(scope="session")

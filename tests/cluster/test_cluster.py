@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import _thread
 import os
+import re
 import shutil
 import socket
 import threading
@@ -340,7 +341,8 @@ def test_long_run_calls_report_progress_with_what_the_ranks_printed(cluster, mon
 
     monkeypatch.setattr(core, "notebook_progress", lambda n: Recorder(n))
     cluster.run(_print_then_sleep)
-    assert any(t.startswith("running on 4 ranks for 2 s; rank 0: rank 0 working") for t in lines), lines
+    # a line while it runs with what rank 0 printed (the seconds it shows are the machine's: not asserted)
+    assert any(re.match(r"running on 4 ranks for \d+ s; rank 0: rank 0 working", t) for t in lines), lines
     assert lines[-1] == "closed"
 
 

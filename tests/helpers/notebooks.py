@@ -9,6 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CHROMIUM = "/usr/bin/chromium"
+BINDER_RUNS = "01_quickstart.ipynb"
+"""The notebook tests/notebooks/test_colab_binder.py runs in binder/'s environment where the browser tier cannot
+(where it can, the browser tier runs every notebook there): tests/notebooks/test_notebooks.py leaves it to them."""
 
 EXPECT = {  # notebook -> [(marker in the cell source, text its output must contain)]
     "01_quickstart.ipynb": [

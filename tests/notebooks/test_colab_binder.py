@@ -108,7 +108,7 @@ def test_binder_environment_builds_fresh_and_runs_notebook_01(binder_env, tmp_pa
     torch come from that venv. The browser tier serves every notebook from this environment's JupyterLab and
     checks that each kernel ran its python; where that tier cannot run, notebook 01 runs here instead, with
     this environment's own nbconvert (it comes with jupyterlab), its EXPECT outputs checked."""
-    from tests.helpers.notebooks import browser_runs as _browser_runs, expected_problems
+    from tests.helpers.notebooks import BINDER_RUNS, browser_runs as _browser_runs, expected_problems
 
     env = binder_env.env()
     where = subprocess.run([binder_env.python, "-c", "import colab_kit, torch, ipyparallel, sklearn, transformers; "
@@ -118,11 +118,11 @@ def test_binder_environment_builds_fresh_and_runs_notebook_01(binder_env, tmp_pa
     assert where.stdout.startswith(str(binder_env.venv)) and "+cpu" in where.stdout, where.stdout
     if _browser_runs():
         return  # tests/notebooks/test_browser.py runs notebook 01 (and the rest) in this environment, in JupyterLab
-    out = tmp_path / "01_executed.ipynb"
+    out = tmp_path / f"executed-{BINDER_RUNS}"
     run = subprocess.run([str(binder_env.bin / "jupyter"), "nbconvert", "--to", "notebook", "--execute",
                           "--ExecutePreprocessor.timeout=600", "--output", str(out),
-                          str(ROOT / "notebooks" / "01_quickstart.ipynb")],
+                          str(ROOT / "notebooks" / BINDER_RUNS)],
                          cwd=ROOT / "notebooks", env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    problems = expected_problems("01_quickstart.ipynb", json.loads(out.read_text())["cells"])
+    problems = expected_problems(BINDER_RUNS, json.loads(out.read_text())["cells"])
     assert not problems, "\n".join(problems)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.notebooks import ASKED, NOTEBOOKS, browser_runs, expected_problems, started_ranks
+from tests.helpers.notebooks import ASKED, BINDER_RUNS, NOTEBOOKS, browser_runs, expected_problems, started_ranks
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path: Path):
@@ -21,6 +21,9 @@ def test_notebook_runs_top_to_bottom(path: Path):
     start fewer engines there, so this runs them here as well, with this machine's memory."""
     if browser_runs() and path.name not in ASKED:
         pytest.skip("run top to bottom in JupyterLab by tests/notebooks/test_browser.py, which checks the same EXPECT outputs")
+    if path.name == BINDER_RUNS:
+        pytest.skip("run top to bottom in binder/'s environment by tests/notebooks/test_colab_binder.py, which checks "
+                    "the same EXPECT outputs (once per suite, as where the browser tier runs it)")
     import nbformat
     from nbclient import NotebookClient
 
