@@ -148,7 +148,7 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
         raise
     if owned:  # given back by close(); for an engine dropped without it, by the next boost (ProcessMesh.prune)
         mesh.track(engine)
-        engine._owns_mesh = True
+        engine.owns_mesh = True
     return engine
 
 
@@ -309,7 +309,8 @@ class Engine:
         return reports.timeline(self)
 
     # ------------------------------------------------------------------ lifetime
-    _owns_mesh = False
+    owns_mesh = False
+    """Whether this engine holds its mesh (``boost`` made it): ``close()`` gives the hold back."""
     closed = False
 
     def close(self) -> None:
@@ -330,7 +331,7 @@ class Engine:
             self.pipeline.close()
         self.grads.remove()  # the gradient hooks hold the buckets (and the mesh) from C++: gc cannot free them
         self.closed = True
-        if self._owns_mesh:
+        if self.owns_mesh:
             self.mesh.untrack(self)
             self.mesh.release()
 

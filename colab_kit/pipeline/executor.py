@@ -177,7 +177,7 @@ class PipelineExecutor(ComputeActions, CommActions):
                                "have closed connections between ranks, so a new step could read stale data or "
                                "hang: restart the ranks (cluster.restart() or %colossal restart) and boost again",
                                rank=self.mesh.global_rank)
-        if self.monitor._closed.is_set():
+        if self.monitor.closed:
             raise RuntimeError("this engine was closed (engine.close()): boost a new one to train again")
 
     def begin(self, work: MicrobatchWork, *, forward_only: bool = False) -> None:

@@ -190,6 +190,11 @@ class HangMonitor:
         self._step, self._report = None, None  # the thread keeps no reference to the executor between steps
         self._active.clear()
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` ended this monitor (its engine was closed)."""
+        return self._closed.is_set()
+
     def close(self) -> None:
         """End the watcher thread (within one poll) and drop the store connection; idempotent."""
         self.stop()

@@ -30,6 +30,7 @@ the multiple to use (``check_length``, ``check_heads``).
 from __future__ import annotations
 
 import functools
+import weakref
 import time
 
 import torch
@@ -59,14 +60,19 @@ class SequencePositions(nn.Embedding):
     Same parameter as the ``nn.Embedding`` it was (only the class changes).
     """
 
-    _sp_rank = 0
-    _sp_size = 1
-    _sp_layout = "zigzag"
-
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        t = positions.shape[-1] * self._sp_size
-        glob = sequence_positions(self._sp_rank, self._sp_size, t, self._sp_layout, device=positions.device)
-        return F.embedding(glob[positions], self.weight)
+        return F.embedding(_global_positions(self, positions), self.weight)
+
+
+_PLACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per position table or rotary module this plan changed: ``(sp rank, sp size, layout)`` (kept here, not on it)."""
+
+
+def _global_positions(module: nn.Module, positions: torch.Tensor) -> torch.Tensor:
+    """The global positions of this rank's tokens ``positions`` (local ``0 .. t_local - 1``) for ``module``."""
+    rank, size, layout = _PLACED.get(module, (0, 1, "zigzag"))
+    glob = sequence_positions(rank, size, positions.shape[-1] * size, layout, device=positions.device)
+    return glob[positions]
 
 
 def _global_positions_class(cls: type) -> type:
@@ -77,9 +83,7 @@ def _global_positions_class(cls: type) -> type:
 
     def make_forward(cls):
         def forward(self, x, position_ids, *args, **kwargs):
-            t = position_ids.shape[-1] * self._sp_size
-            glob = sequence_positions(self._sp_rank, self._sp_size, t, self._sp_layout, device=position_ids.device)
-            return cls.forward(self, x, glob[position_ids], *args, **kwargs)
+            return cls.forward(self, x, _global_positions(self, position_ids), *args, **kwargs)
         return forward
 
     return derived_class(cls, "GlobalPositions", make_forward, __name__,
@@ -174,14 +178,13 @@ class SequencePlan:
                 setattr(module, a.attend, functools.partial(self.attend, causal=a.causal))
         for _, _, rot in policy.modules(model, "rotary"):
             rot.__class__ = _global_positions_class(type(rot))
-            rot._sp_rank, rot._sp_size, rot._sp_layout = self.rank, self.size, self.layout
+            _PLACED[rot] = (self.rank, self.size, self.layout)
         for path, _, pos in policy.modules(model, "positions"):
             if type(pos) is not nn.Embedding:
                 raise ConfigError(f"sequence parallelism expects the position table {path} to be an nn.Embedding, "
                                   f"got {type(pos).__name__} (tp_mode={self.mesh.config.tp_mode!r}): use tp_mode='1d'")
             pos.__class__ = SequencePositions
-            # read by SequencePositions; nn.Module's typing knows only tensors and modules as attributes
-            pos._sp_rank, pos._sp_size, pos._sp_layout = self.rank, self.size, self.layout  # type: ignore[assignment]
+            _PLACED[pos] = (self.rank, self.size, self.layout)
         for module in model.modules():  # replicated over sp, each rank's tokens: Partial() over it after backward
             for name, _ in module.named_parameters(recurse=False):
                 add_partial(module, name, self.axis)

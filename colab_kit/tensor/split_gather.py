@@ -50,6 +50,8 @@ each step, the first included (``shard_batch``).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -130,7 +132,8 @@ def gathered_class(cls: type) -> type:
 
     def make_forward(cls):
         def forward(self, x, *args, **kwargs):
-            return cls.forward(self, gather_from_sequence_parallel(x, self._sg_mesh, self._sg_axis), *args, **kwargs)
+            mesh, axis = _GATHERED[self]
+            return cls.forward(self, gather_from_sequence_parallel(x, mesh, axis), *args, **kwargs)
         return forward
 
     return derived_class(cls, "Gathered", make_forward, __name__, f"``{cls.__name__}`` entered through g: its "
@@ -140,9 +143,14 @@ def gathered_class(cls: type) -> type:
 def gather_at_entry(module: nn.Module, mesh, axis: str = "tp") -> nn.Module:
     """Make ``module`` (in place: same parameters and names, only the class changes) start with g."""
     module.__class__ = gathered_class(type(module))
-    # read by the gathered class's forward; nn.Module's typing knows only tensors and modules as attributes
-    module._sg_mesh, module._sg_axis = mesh, axis  # type: ignore[assignment]
+    _GATHERED[module] = (mesh, axis)
     return module
+
+
+_GATHERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per module ``gather_at_entry`` changed: ``(mesh, axis)`` its g gathers over (kept here, not on the module)."""
+_SPLIT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per position table ``SequencePositions1D`` reads: ``(tp rank, tp size)``."""
 
 
 class RegionColumnLinear(ColumnLinear):
@@ -185,11 +193,9 @@ class SequencePositions1D(nn.Embedding):
     was (only the class changes), its gradient summed over the group (each rank fills its rows).
     """
 
-    _tp_rank = 0
-    _tp_size = 1
-
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return F.embedding(positions.chunk(self._tp_size, dim=-1)[self._tp_rank], self.weight)
+        rank, size = _SPLIT.get(self, (0, 1))
+        return F.embedding(positions.chunk(size, dim=-1)[rank], self.weight)
 
 
 class SplitGather1D(Plan1D):
@@ -203,7 +209,8 @@ class SplitGather1D(Plan1D):
     def check(cls, cfg, layout) -> None:
         bad = sorted(set(getattr(cfg, "roles", {})) - {"vocab", "positions", "column", "row", "norm", "head"})
         if bad or getattr(cfg, "tied", None):
-            what = ", ".join(f"{r} ({cfg.roles[r]})" for r in bad) + (" and tied weights" if cfg.tied else "")
+            what = " and ".join([", ".join(f"{r} ({cfg.roles[r]})" for r in bad)] * bool(bad)
+                                + ["tied weights"] * bool(cfg.tied))
             raise ConfigError(f"sp_mode='split_gather' splits the sequence of models made of token and position "
                               f"tables, norms, column/row Linears and a head; this one also has {what}: use "
                               f"plain tp_mode='1d' (sp_mode='ring' or 'ulysses' for causal models)")
@@ -239,7 +246,7 @@ class SplitGather1D(Plan1D):
             return SequenceVocabEmbedding.from_dense(dense, mesh, axis)
         if role == "positions":
             dense.__class__ = SequencePositions1D
-            dense._tp_rank, dense._tp_size = mesh.rank(axis), mesh.size(axis)
+            _SPLIT[dense] = (mesh.rank(axis), mesh.size(axis))
             add_partial(dense, "weight", axis)
             return None
         if role == "norm":
