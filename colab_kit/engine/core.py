@@ -163,11 +163,11 @@ class Engine:
     def __init__(self, model, optimizer, config, mesh, *, policy=None, loss_fn=lm_loss, bucket_bytes=None,
                  device_budget=None, max_grad_norm=None, lr_scheduler=None, user_optimizer=None):
         self.config, self.mesh, self.device_budget = config, mesh, device_budget
+        """``device_budget``: offload='auto', the bytes each rank's device may hold; else None."""
         self.traced: dict = {}
         """The memory estimate's dense trace of the activations, per global input shape (``reports``)."""
         self.current_loader = None
         """The ``ShardedLoader`` whose position checkpoints keep (``engine.loader`` / ``engine.fit`` set it)."""
-        """``device_budget``: offload='auto', the bytes each rank's device may hold; else None."""
         spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
         group_of_name = spec.group_of if spec is not None and len(spec.hypers) > 1 else None
         self.parts = parallelize(model, mesh, config, policy, loss_fn=loss_fn, bucket_bytes=bucket_bytes,

@@ -117,7 +117,7 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
     steps = plan_steps(config, dropout=has_dropout(model))
     taken: list[str] = []
     take = taken.append  # each step says it ran; the list must come out as ``steps``, in its order
-    twin, twin_of = meta_twin(model), model  # before anything changes the model
+    twin, conv1d = meta_twin(model), tuple(converted_conv1d(model))  # before anything changes the model
     defer_stages(model, config, mesh.rank("pp"), policy)               # 1. only this rank's shards are made
     take("defer_init")
     _no_kv_cache(model)
@@ -164,7 +164,7 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
     return Parallelized(config=config, mesh=mesh, module=module, dense_twin=twin, policy=policy, loss_fn=loss,
                         grads=grads, placement_table=table, events=events, logits=logits, token_loss=token_loss,
                         tp_plan=tp_plan, sp_plan=sp_plan, dropout=dropout, stages=stages, tied=tied,
-                        n_local=n_local, steps=tuple(taken), conv1d=tuple(converted_conv1d(twin_of)))
+                        n_local=n_local, steps=tuple(taken), conv1d=conv1d)
 
 
 def _no_kv_cache(model: nn.Module) -> None:
