@@ -1,0 +1,107 @@
+"""A decoder transformer in the at-scale cost model's terms: widths, counts and FLOPs, no tensors.
+
+``ModelShape`` is what ``ck.estimate`` and the at-scale ``ck.plan`` price. It is built from a ``GPTConfig``,
+a built-in model, or any model with a policy (a Hugging Face ``LlamaForCausalLM`` on the meta device: no
+weights allocated) by ``ModelShape.of(model)``, or written out by hand for a published run.
+
+Worked example, the GPT-3 175B of Megatron-LM's Table 1 (96 layers, hidden 12,288, 96 heads, vocab 51,200,
+sequence 2,048)::
+
+    >>> s = ModelShape(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
+    >>> round(s.params / 1e9, 1)                  # 12 l h^2 (1 + 13 / 12h) + (2V + s + 2) h, untied head
+    175.2
+    >>> round(s.flops_per_token() / 1e12, 4)      # 72 l h^2 (1 + s/6h + V/12lh): forward 1x, backward 2x
+    1.0764
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ModelShape"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Widths and counts of a decoder-only transformer (pre-norm blocks of attention and an MLP).
+
+    ``ffn`` is the MLP's inner width (``4 * hidden`` when 0); ``gated``: a SwiGLU MLP of three matrices
+    (gate, up, down) instead of two; ``kv_heads``: grouped-query attention's key/value heads (``heads`` when
+    0); ``tied``: the output head shares the token table; ``positions``: a learned position table of
+    ``seq`` rows (GPT) rather than rotary (Llama); ``norm_params``: parameters of one block's norms and
+    biases (the small vectors; 0: a GPT's ``13 h`` of LayerNorm weights and biases and Linear biases).
+    ``params_exact``: the true count where the model was read (0: the formula)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    ffn: int = 0
+    kv_heads: int = 0
+    gated: bool = False
+    tied: bool = False
+    positions: bool = True
+    name: str = "GPT"
+    params_exact: int = 0
+
+    def __post_init__(self):
+        for key in ("layers", "hidden", "heads", "vocab", "seq"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"ModelShape.{key} must be a positive integer, got {getattr(self, key)!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"ModelShape: heads ({self.heads}) must divide hidden ({self.hidden})")
+
+    # ------------------------------------------------------------------ widths
+    @property
+    def d_ff(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def n_kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def qkv_out(self) -> int:
+        """Output width of the fused q, k, v projection: ``h + 2 * kv_heads * head_dim``."""
+        return self.hidden + 2 * self.n_kv * self.head_dim
+
+    def block_matmul_params(self) -> int:
+        """Weights of one block's matrices (q, k, v, the attention's output, the MLP's two or three)."""
+        h = self.hidden
+        return h * self.qkv_out + h * h + (3 if self.gated else 2) * h * self.d_ff
+
+    def block_params(self) -> int:
+        """One block's parameters: its matrices and (formula) ``13 h`` of norms and biases for a GPT,
+        ``2 h`` of RMSNorm weights for a gated (Llama) block."""
+        if self.gated:
+            return self.block_matmul_params() + 2 * self.hidden
+        return self.block_matmul_params() + self.qkv_out + self.d_ff + 6 * self.hidden  # biases, 2 LayerNorms
+
+    @property
+    def params(self) -> int:
+        """All parameters: the true count where known, else the blocks, the token table (and position
+        table), the final norm and an untied head."""
+        if self.params_exact:
+            return self.params_exact
+        h = self.hidden
+        table = self.vocab * h + (self.seq * h if self.positions else 0)
+        return self.layers * self.block_params() + table + 2 * h + (0 if self.tied else self.vocab * h)
+
+    # ------------------------------------------------------------------ FLOPs
+    def forward_flops_per_token(self, seq: int | None = None) -> float:
+        """Forward FLOPs of one token: ``2`` per weight of every matrix it passes (the blocks' and the
+        head's), and attention's two products over the whole ``seq x seq`` square (``4 s h`` a layer;
+        Megatron-LM's Eq. 3 counts the square, not the causal half)."""
+        s = seq or self.seq
+        return 2 * (self.layers * self.block_matmul_params() + self.vocab * self.hidden) \
+            + 4 * self.layers * s * self.hidden
+
+    def flops_per_token(self, seq: int | None = None) -> float:
+        """Model FLOPs of one token trained: forward once, backward twice the forward; recomputation not
+        counted (MFU's numerator, PaLM's convention). For a GPT (``ffn = 4h``, untied or tied head alike)
+        this is Megatron-LM's Eq. 3 without its recomputed forward: ``72 l h^2 (1 + s/6h + V/12lh)``."""
+        return 3 * self.forward_flops_per_token(seq)
