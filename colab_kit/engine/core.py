@@ -317,6 +317,8 @@ class Engine:
         """Release what this engine holds: the pipeline's hang monitor (its thread and store
         connection) and its hold on the shared mesh, whose process groups are destroyed when
         no other engine of the same config holds it. Idempotent; a closed engine does not train.
+        The user's model gets back what tied it to this run (``Parallelized.restore``: the sequence plan's
+        attention and positions, the dropout numbering); its shards stay as the parts cut them.
         An engine dropped without ``close()`` ends its threads when collected and gives its hold
         back at the next ``boost`` (``ProcessMesh.prune``), at the same point on every rank::
 
@@ -330,6 +332,7 @@ class Engine:
         if self.pipeline is not None:
             self.pipeline.close()
         self.grads.remove()  # the gradient hooks hold the buckets (and the mesh) from C++: gc cannot free them
+        self.parts.restore()  # the user's attentions, positions and dropouts as they were
         self.closed = True
         if self.owns_mesh:
             self.mesh.untrack(self)

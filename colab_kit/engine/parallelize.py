@@ -100,6 +100,18 @@ class Parallelized:
     """The steps taken, in order (``plan_steps(config)``)."""
     conv1d: tuple[str, ...] = ()
     """A Hugging Face GPT-2's modules that were ``Conv1D`` (its policy's ``prepare``): checkpoints turn them back."""
+    undo: list[Callable[[], None]] = field(default_factory=list)
+    """Calls that put back what the steps changed on the user's modules and not for good (``restore``)."""
+
+    def restore(self) -> None:
+        """Undo the changes that tie the user's model to this run (``engine.close()`` calls it): the sequence
+        plan's attention and positions, the dropout numbering. What stays: the shards the tensor, pipeline and
+        ZeRO steps cut (``ck.dense_state_dict`` assembles the dense weights), blocks that recompute, GPT-2's
+        Linear where it had Conv1D. Idempotent."""
+        if self.sp_plan is not None:
+            self.sp_plan.restore()
+        while self.undo:
+            self.undo.pop()()
 
     @property
     def model_cfg(self) -> Any:
@@ -123,8 +135,9 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
     _no_kv_cache(model)
     token_loss = TokenLoss(token_losses) if loss_fn is lm_loss else None
     loss = token_loss if token_loss is not None else loss_fn
+    undo = []
     if "dropout" in steps:                                             # 2. masks from global coordinates
-        apply_dropout(model, policy)
+        undo = apply_dropout(model, policy)
         take("dropout")
     tp_plan = sp_plan = None
     if "tensor" in steps:                                              # 3. this rank's blocks of each matrix
@@ -164,7 +177,7 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
     return Parallelized(config=config, mesh=mesh, module=module, dense_twin=twin, policy=policy, loss_fn=loss,
                         grads=grads, placement_table=table, events=events, logits=logits, token_loss=token_loss,
                         tp_plan=tp_plan, sp_plan=sp_plan, dropout=dropout, stages=stages, tied=tied,
-                        n_local=n_local, steps=tuple(taken), conv1d=conv1d)
+                        n_local=n_local, steps=tuple(taken), conv1d=conv1d, undo=undo)
 
 
 def _no_kv_cache(model: nn.Module) -> None:

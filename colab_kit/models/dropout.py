@@ -38,6 +38,8 @@ process must be passed through it too to see the engine's masks. Its cost is mea
 """
 from __future__ import annotations
 
+import functools
+
 import math
 import weakref
 from contextlib import contextmanager
@@ -297,7 +299,7 @@ def _register_hf() -> str:
     return HF_ATTENTION
 
 
-def layout_invariant(model: nn.Module, seed: int | None = None, policy=None) -> nn.Module:
+def layout_invariant(model: nn.Module, seed: int | None = None, policy=None, undo: list | None = None) -> nn.Module:
     """Number every dropout of ``model`` in module order and make it layout-invariant, in place.
 
     ``nn.Dropout`` modules become ``Dropout`` (same ``p``); a Hugging Face model whose config has an
@@ -309,12 +311,17 @@ def layout_invariant(model: nn.Module, seed: int | None = None, policy=None) -> 
 
         ref = GPT2LMHeadModel(cfg); ck.models.layout_invariant(ref)   # one process, the engine's masks
         engine = ck.boost(GPT2LMHeadModel(cfg), opt, config)          # boost does the same on its copy
+
+    ``undo``: a list that receives, for each change made to a module of ``model`` or its config, a call that
+    puts it back (``engine.close()`` runs them: the user's ``nn.Dropout`` again, without our numbers).
     """
     n = 0
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             if type(m) is nn.Dropout:
                 m.__class__ = Dropout
+                if undo is not None:
+                    undo.append(functools.partial(_plain_dropout, m))
             if isinstance(m, Dropout):
                 m.layer, m.seed = n, m.seed if seed is None else seed
                 n += 1
@@ -331,8 +338,17 @@ def layout_invariant(model: nn.Module, seed: int | None = None, policy=None) -> 
                 n += 1
         if any(a.hf for _, _, a in policy.attentions(model)):
             assert cfg is not None  # a Hugging Face model carries its config
+            if undo is not None:
+                undo.append(functools.partial(setattr, cfg, "_attn_implementation", cfg._attn_implementation))
             cfg._attn_implementation = _register_hf()
     return model
+
+
+def _plain_dropout(m: nn.Module) -> None:
+    """``m`` a torch ``nn.Dropout`` again, without the numbers ``layout_invariant`` gave it."""
+    m.__class__ = nn.Dropout
+    for key in ("layer", "seed", "calls"):
+        m.__dict__.pop(key, None)
 
 
 def attention_prob_dropout(model: nn.Module) -> float:

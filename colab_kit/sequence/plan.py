@@ -134,6 +134,9 @@ class SequencePlan:
         self.layout = LAYOUT[self.mode]
         self.recorder = RingRecorder() if self.mode == "ring" else None
         """Ring: the rotations of the last forward and backward (which K/V chunk each rank held)."""
+        self.undo: list = []
+        """What ``parallelize`` changed on the user's modules, as calls that put each back (``restore``)."""
+        self._hf_name: str | None = None
 
     @staticmethod
     def check(model_cfg, config) -> None:
@@ -173,22 +176,41 @@ class SequencePlan:
         self.check_policy(model, policy, self.mesh.config)
         for _, module, a in policy.attentions(model):
             if a.hf:  # transformers' registry: this plan's function, under a name of its own
-                module.config._attn_implementation = self.hf_attention()
+                cfg, before = module.config, module.config._attn_implementation
+                cfg._attn_implementation = self.hf_attention()
+                self.undo.append(functools.partial(setattr, cfg, "_attn_implementation", before))
             else:  # an instance attribute: the model's code is not touched
                 setattr(module, a.attend, functools.partial(self.attend, causal=a.causal))
+                self.undo.append(functools.partial(delattr, module, a.attend))
         for _, _, rot in policy.modules(model, "rotary"):
+            self.undo.append(functools.partial(setattr, rot, "__class__", type(rot)))
             rot.__class__ = _global_positions_class(type(rot))
             _PLACED[rot] = (self.rank, self.size, self.layout)
         for path, _, pos in policy.modules(model, "positions"):
             if type(pos) is not nn.Embedding:
                 raise ConfigError(f"sequence parallelism expects the position table {path} to be an nn.Embedding, "
                                   f"got {type(pos).__name__} (tp_mode={self.mesh.config.tp_mode!r}): use tp_mode='1d'")
+            self.undo.append(functools.partial(setattr, pos, "__class__", nn.Embedding))
             pos.__class__ = SequencePositions
             _PLACED[pos] = (self.rank, self.size, self.layout)
         for module in model.modules():  # replicated over sp, each rank's tokens: Partial() over it after backward
             for name, _ in module.named_parameters(recurse=False):
                 add_partial(module, name, self.axis)
         return model
+
+    def restore(self) -> None:
+        """Put back what ``parallelize`` changed on the user's modules (``engine.close()`` calls it): each
+        attention's own ``attend`` and attention implementation, the position tables' and rotary modules'
+        classes; this plan's function leaves transformers' registry. The parameters were never split over
+        sp, so a model trained under ring or Ulysses (without tp, pp or ZeRO-3) is after ``close()`` the dense
+        model it was, trained: its forward in one process gives one process's logits. Idempotent."""
+        while self.undo:
+            self.undo.pop()()
+        if self._hf_name is not None:
+            from transformers import AttentionInterface, AttentionMaskInterface
+            for registry in (AttentionInterface, AttentionMaskInterface):
+                registry._global_mapping.pop(self._hf_name, None)
+            self._hf_name = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
                causal: bool = True, local=None, drop=None) -> torch.Tensor:
@@ -213,7 +235,7 @@ class SequencePlan:
         function a Hugging Face attention module calls, ``(module, q, k, v, mask, dropout, scaling)``,
         with grouped key/value heads repeated, run through the ring or the all-to-all."""
         name = f"colab_kit_sp_{id(self)}"
-        if getattr(self, "_hf_name", None) == name:
+        if self._hf_name == name:
             return name
         from transformers import AttentionInterface, AttentionMaskInterface
 
