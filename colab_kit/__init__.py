@@ -21,13 +21,14 @@ __version__ = "0.2.0"
 
 __all__ = ["ParallelConfig", "ConfigError", "MeshLayout", "ProcessMesh", "launch", "init", "export", "Cluster", "boost",
            "Engine", "RankError", "RankTimeout", "models", "datasets", "recipe", "viz", "widgets", "comm", "tensor",
-           "pipeline", "reference", "plan", "planner", "dry_run", "parallelize", "throughput", "roofline", "profile",
+           "pipeline", "reference", "plan", "estimate", "planner", "dry_run", "parallelize", "throughput", "roofline", "profile",
            "memory_timeline", "placements", "state_vector", "dense_state_dict", "save_pretrained", "load_pretrained"]
 
 # heavy or optional parts (ipyparallel, plotly, ipywidgets) load on first use: name -> (module, attribute)
 _LAZY = {"Cluster": ("notebook.cluster", "Cluster"), "boost": ("engine.core", "boost"),
          "Engine": ("engine.core", "Engine"), "init": ("join", "init"), "export": ("notebook.magics.export", "export"),
          "plan": ("planner", "plan"), "dry_run": ("planner.at_scale", "dry_run"),
+         "estimate": ("planner.estimate", "estimate"),
          "parallelize": ("engine.parallelize", "parallelize"),
          # reports over an engine (each a function of it, not a method: colab_kit.engine.reports)
          "throughput": ("observe.throughput", "engine_throughput"), "roofline": ("observe.roofline", "roofline"),

@@ -225,8 +225,11 @@ def demo(ranks: int | None = None, steps: int = 200, batch: int = 32, lr: float 
     return {"results": results, "reference": reference, "config": cfg}
 
 
-PLAN_MODELS = {"small": MODEL, "medium": dict(vocab_size=256, seq_len=64, d_model=128, n_heads=8, n_layers=8)}
-"""Models ``colab-kit plan --model`` knows: "small" is the demo's GPT."""
+PLAN_MODELS = {"small": MODEL, "medium": dict(vocab_size=256, seq_len=64, d_model=128, n_heads=8, n_layers=8),
+               "gpt3-175b": dict(vocab_size=51200, seq_len=2048, d_model=12288, n_heads=96, n_layers=96),
+               "megatron-1t": dict(vocab_size=51200, seq_len=2048, d_model=25600, n_heads=160, n_layers=128)}
+"""Models ``colab-kit plan --model`` knows: "small" is the demo's GPT; the last two are for ``--hardware``
+(``colab-kit plan --model gpt3-175b --ranks 1536 --batch 1536 --precision fp16 --hardware 8xA100-80GB``)."""
 
 
 def _bytes(text: str) -> int:
@@ -249,8 +252,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--constants", action="store_true", help="print the measured constants too")
     p.add_argument("--refresh", action="store_true", help="measure the constants again")
     p.add_argument("--hardware", default=None,
-                   help="price on a node preset instead of this machine (datasheet figures, assumptions): "
-                        "8xA100-80GB, 8xH100-SXM or 8xH200-SXM; any number of ranks, nothing measured")
+                   help="plan on a cluster preset instead of this machine (the at-scale cost model calibrated on "
+                        "Megatron-LM's Table 1, docs/estimate.md): 8xA100-80GB, 8xH100-SXM, 8xH100-96GB-500W, "
+                        "8xH200-SXM or 8xH800-SXM; any number of ranks, nothing measured")
 
 
 def plan_command(args, out=None) -> int:
@@ -276,7 +280,7 @@ def plan_command(args, out=None) -> int:
         hint = " (here: --hardware NAME)" if args.hardware is None and args.ranks > 16 else ""
         print(f"colab-kit plan: {exc}{hint}", file=sys.stderr)
         return 2
-    where = f" on {args.hardware} nodes (datasheet figures: assumptions)" if args.hardware else ""
+    where = f" on {args.hardware} nodes (planned: the at-scale cost model, docs/estimate.md)" if args.hardware else ""
     print(f"colab_kit plan: GPT {PLAN_MODELS[args.model]} on {args.ranks} ranks{where}, batch {args.batch}", file=out)
     print(cands.table(args.top), file=out)
     if args.constants:

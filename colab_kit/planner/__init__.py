@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+
 
 from ..config import ConfigError, ParallelConfig
 from .constants import constants
@@ -41,11 +41,16 @@ from ..policy import missing_policy_message, policy_for
 from ..sequence.plan import LAYOUT, SequencePlan, check_length
 from ..sharded_init import meta_twin
 from ..tensor import check_model
-from .at_scale import HARDWARE, hardware_constants
+from .at_scale import LOCAL
+from .estimate import hardware_of
+from .hardware import HARDWARE, Hardware
+from .search import plan_at_scale
+from .candidates import Candidate, Candidates
 from .cost import step_seconds
 from .exact import exact_states
 
 __all__ = ["plan", "Candidate", "Candidates", "constants", "enumerate_configs", "EXAMPLE_CONSTANTS"]
+# ck.estimate and the at-scale search: colab_kit.planner.estimate, .search, .scale, .hardware, .shape
 
 _OP = {"alpha": 1e-4, "beta": 1e9}
 EXAMPLE_CONSTANTS = {"ranks": 0, "cores": 1024, "matmul": {"flops_per_s": 1e10}, "dispatch": {"op_seconds": 2e-5},
@@ -53,91 +58,6 @@ EXAMPLE_CONSTANTS = {"ranks": 0, "cores": 1024, "matmul": {"flops_per_s": 1e10},
                      "comm": {"2": {op: dict(_OP) for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast",
                                                              "all_to_all", "send", "sendrecv")}}}
 """Round numbers (not measured) for examples and tests that must not depend on the machine."""
-
-
-@dataclass
-class Candidate:
-    """One configuration with its estimates (see the module docstring)."""
-
-    config: ParallelConfig
-    memory: dict
-    step_seconds: float
-    fits: bool
-    breakdown: dict
-    collectives: dict = field(default_factory=dict)
-    boost_kwargs: dict = field(default_factory=dict)
-    dry_runs: list = field(default_factory=list)
-    """``plan(..., exact=k)``: the ``DryRunReport`` of each pipeline stage's first rank; then ``memory``'s
-    params, grads and optimizer are the fullest of them, exact to the byte (the activations stay estimated)."""
-
-    @property
-    def exact(self) -> bool:
-        return bool(self.dry_runs)
-
-    @property
-    def device_bytes(self) -> int:
-        return sum(self.memory["device"].values())
-
-    @property
-    def why(self) -> str:
-        """What dominates the cost, e.g. ``compute 71%, comm:tp 22% (8 per step)``."""
-        total = self.step_seconds or 1.0
-        top = sorted(self.breakdown.items(), key=lambda kv: -kv[1])[:2]
-        words = []
-        for k, v in top:
-            n = self.collectives.get(k.split(":")[1]) if k.startswith("comm:") else None
-            words.append(f"{k} {100 * v / total:.0f}%" + (f" ({n} per step)" if n else ""))
-        return ", ".join(words)
-
-    def describe(self) -> str:
-        c = self.config
-        extra = [f"zero={c.zero}"] * bool(c.zero) + [f"offload={c.offload}"] * (c.offload != "none")
-        if c.pp > 1:
-            extra.append(f"{c.schedule} m={c.microbatches}" + (f" v={c.chunks}" if c.chunks > 1 else ""))
-        elif c.microbatches > 1:
-            extra.append(f"m={c.microbatches}")
-        if c.sp > 1 or c.sp_mode == "split_gather":
-            extra.append(c.sp_mode)
-        text = c.describe().split(" = ")[0].replace(", recompute", "")
-        return " ".join([text] + extra + ["recompute"] * c.recompute)
-
-
-class Candidates(list):
-    """The candidates, best first; ``table()`` as text, ``_repr_html_()`` in a notebook."""
-
-    constants: dict = {}
-    memory_per_rank: int | None = None
-
-    def __getitem__(self, i):
-        got = super().__getitem__(i)
-        if isinstance(i, slice):  # cands[:3] keeps table() and the constants
-            got = Candidates(got)
-            got.constants, got.memory_per_rank = self.constants, self.memory_per_rank
-        return got
-
-    def table(self, top: int | None = None) -> str:
-        rows = self[:top] if top else self
-        head = f"{'#':>3}  {'config':44} {'fits':4} {'MiB/rank':>9} {'states':>9} {'acts':>9} {'ms/step':>8}  why"
-        lines = [head]
-        for i, c in enumerate(rows):
-            states = c.memory["params"] + c.memory["grads"] + c.memory["optimizer"]
-            mark = "*" if c.exact else " "
-            lines.append(f"{i:>3}{mark} {c.describe()[:44]:44} {'yes' if c.fits else 'no':4} "
-                         f"{c.device_bytes / 2**20:9.2f} {states / 2**20:9.2f} {c.memory['activations'] / 2**20:9.2f} "
-                         f"{1e3 * c.step_seconds:8.1f}  {c.why}")
-        budget = "no memory limit" if self.memory_per_rank is None else f"memory_per_rank {self.memory_per_rank:,} B"
-        exact = " (* model states exact, from a dry run of the rank)" if any(c.exact for c in rows) else ""
-        lines.append(f"{len(rows)} of {len(self)} candidates; {budget}; estimates (MiB on the device per rank){exact}")
-        return "\n".join(lines)
-
-    def _repr_html_(self) -> str:
-        import html
-        rows = "".join(
-            f"<tr style='{'' if c.fits else 'color:#999'}'><td>{i}</td><td>{html.escape(c.describe())}</td>"
-            f"<td>{'yes' if c.fits else 'no'}</td><td>{c.device_bytes / 2**20:.2f}</td>"
-            f"<td>{1e3 * c.step_seconds:.1f}</td><td>{html.escape(c.why)}</td></tr>" for i, c in enumerate(self))
-        return ("<table><thead><tr><th>#</th><th>config</th><th>fits</th><th>MiB/rank (est.)</th>"
-                f"<th>ms/step (est.)</th><th>why</th></tr></thead><tbody>{rows}</tbody></table>")
 
 
 def _divisors(n: int) -> list[int]:
@@ -206,38 +126,49 @@ def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32
 
 def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision: str = "fp32",
          optimizer: str = "adamw", *, seq: int | None = None, constants: dict | None = None,
-         limit: int | None = None, policy=None, input_shape: tuple | None = None, hardware: str | None = None,
-         exact: int = 0) -> Candidates:
+         limit: int | None = None, policy=None, input_shape: tuple | None = None, hardware=None,
+         exact: int = 0, restrict: dict | None = None) -> Candidates:
     """Candidates for training ``model_cfg`` (a ``ck.models.GPTConfig``, or any model with a policy:
     BERT, ViT, a Hugging Face or a user's ``nn.Module``, see ``_other_model``) on ``world_size`` ranks with
     a global ``batch`` of rows per step, best first: those that fit ``memory_per_rank`` bytes
     (device bytes per rank), then by estimated seconds per step. ``limit`` keeps the first N.
 
-    At scale, from a laptop: ``hardware`` names a node preset (``colab_kit.planner.at_scale.HARDWARE``, datasheet
-    figures: assumptions) whose constants price the steps and whose GPU memory is ``memory_per_rank`` unless
-    given; ``exact=k`` dry-runs the first k candidates that fit (``ck.dry_run``: each pipeline stage's first
-    rank built under torch's fake process group, a few seconds for all of them) and replaces their model
-    states by the exact bytes of their fullest rank, then ranks again (a candidate that no longer fits
-    drops behind)::
+    At scale, from a laptop: ``hardware`` names a cluster preset (``planner.hardware.HARDWARE``) or is a
+    ``Hardware``; the candidates are then searched and priced by ``ck.estimate``'s at-scale model
+    (``planner.search``: what cannot fit or is dominated is pruned before pricing; only candidates that fit the
+    preset's usable memory, or ``memory_per_rank``, are listed; each carries its ``Estimate``). ``restrict``
+    fixes ParallelConfig fields to a value or a tuple of values (``{"recompute": "full", "tp": (4, 8)}``).
+    ``exact=k`` dry-runs the first k candidates that fit (``ck.dry_run``: each pipeline stage's first
+    rank built under torch's fake process group) and replaces their model states by the exact bytes of
+    their fullest rank, then ranks again (a candidate that no longer fits drops behind)::
 
-        ck.plan(GPTConfig(...406M...), 512, batch=512, hardware="8xH100-SXM", exact=3, limit=10)
+        ck.plan(GPTConfig(...175B...), 1536, batch=1536, precision="fp16", hardware="8xA100-80GB", limit=10)
 
     Without ``constants`` or ``hardware`` the constants are measured here with ``world_size`` local
     processes, which is refused above 16 ranks (before anything starts).
     """
+    if isinstance(exact, bool) or not isinstance(exact, int) or exact < 0:
+        raise ConfigError(f"exact must be a whole number of candidates to dry-run, got {exact!r}: try 3")
     if hardware is not None:
-        if hardware not in HARDWARE:
-            raise ConfigError(f"unknown hardware {hardware!r}: choose from {', '.join(HARDWARE)}, or pass constants=")
         if constants is not None:
             raise ConfigError("give hardware= or constants=, not both: hardware names a preset's constants")
-        constants = hardware_constants(hardware, precision if precision in ("fp32", "bf16", "fp16") else "fp32")
-        memory_per_rank = HARDWARE[hardware].device_bytes if memory_per_rank is None else memory_per_rank
+        hw = hardware_of(hardware)
+        if hw != LOCAL:
+            assert isinstance(hw, Hardware)
+            optimizer_states(optimizer)
+            cands = plan_at_scale(model_cfg, world_size, batch, hw, precision=precision, optimizer=optimizer,
+                                  seq=seq, memory_per_rank=memory_per_rank, limit=None if exact else limit,
+                                  policy=policy, restrict=restrict)
+            if exact:
+                cands = _ranked(exact_states(cands, model_cfg, batch, seq, optimizer, policy, exact,
+                                             cands.memory_per_rank), limit, cands.constants, cands.memory_per_rank)
+            return cands
+    if restrict:
+        raise ConfigError("restrict= narrows the at-scale search: give it with hardware=<preset>")
     if constants is None and isinstance(world_size, int) and world_size > 16:
         raise ConfigError(f"ck.plan for {world_size} ranks without constants would measure them with {world_size} "
                           f"local processes: pass hardware= (one of the presets: {', '.join(HARDWARE)}) or "
                           f"constants= (colab_kit.planner.at_scale.hardware_constants(name), or your own)")
-    if isinstance(exact, bool) or not isinstance(exact, int) or exact < 0:
-        raise ConfigError(f"exact must be a whole number of candidates to dry-run, got {exact!r}: try 3")
     cands = _plan(model_cfg, world_size, batch, memory_per_rank, precision, optimizer, seq=seq, constants=constants,
                   limit=None if exact else limit, policy=policy, input_shape=input_shape)
     if exact:

@@ -55,6 +55,8 @@ from ..sequence.plan import LAYOUT, check_length
 from ..sharded_init import meta_twin
 from .constants import cache_path, constants
 from .cost import step_seconds
+from .scale import price
+from .shape import ModelShape
 
 __all__ = ["HARDWARE", "LOCAL", "DryRunReport", "DryRunTimeout", "Hardware", "dry_run", "dry_run_many",
            "hardware_constants"]
@@ -418,8 +420,9 @@ def _measure(engine, job: dict, t0: float) -> dict:
 
 
 def _timed(raw: dict, hardware: list) -> DryRunReport:
-    """The report, with the cost model's step time under each hardware (a preset: NVLink for the groups
-    inside one node, InfiniBand for those across nodes; the bubble waits on tp's collectives)."""
+    """The report, with the step time under each hardware: on a preset ``ck.estimate``'s at-scale model
+    (``planner.scale.price``: NVLink inside a node, the node's NICs across nodes); on this machine, or with
+    constants given, the local cost model (``planner.cost``)."""
     import dataclasses
 
     gpt = raw.pop("gpt")
@@ -437,15 +440,10 @@ def _timed(raw: dict, hardware: list) -> DryRunReport:
             name, parts = LOCAL, step_seconds(gpt, cfg, rep.batch, consts, mem)[1]
             rep.hardware[name] = (f"each rank as fast as one of 4 CPU ranks measured on this machine (gloo; "
                                   f"colab_kit.planner.constants, cached in {cache_path()})")
-        else:
+        else:  # a preset: ck.estimate's at-scale model (planner.scale), the groups placed on nodes by rank
             name, hw = h, HARDWARE[h]
-            across = {a: len({r // hw.gpus_per_node for r in g}) > 1 for a, g in rep.groups.items()}
-            across["loss"] = cfg.world_size > hw.gpus_per_node
-            links = {k: step_seconds(gpt, cfg, rep.batch, hardware_constants(h, cfg.precision, k), mem)[1]
-                     for k in ("intra", "inter")}
-            parts = {k: links["inter" if across.get(k.split(":")[1] if ":" in k else "tp") else "intra"].get(k, 0.0)
-                     for k in links["intra"].keys() | links["inter"].keys()}
+            parts = dict(price(ModelShape.of(gpt), cfg, rep.batch, hw, seq=rep.seq or gpt.seq_len).breakdown)
             rep.hardware[name] = hw.source
-            rep.fits[name] = sum(mem["device"].values()) <= hw.device_bytes
+            rep.fits[name] = sum(mem["device"].values()) <= hw.usable_bytes
         rep.step_seconds[name], rep.breakdown[name] = sum(parts.values()), parts
     return rep

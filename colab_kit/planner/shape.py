@@ -15,7 +15,17 @@ sequence 2,048)::
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..config import ConfigError
+from ..models import GPT, GPTConfig
+from ..policy import missing_policy_message, policy_for
+from ..sharded_init import meta_twin
+from ..tensor import model_sizes
 
 __all__ = ["ModelShape"]
 
@@ -50,6 +60,31 @@ class ModelShape:
                 raise ValueError(f"ModelShape.{key} must be a positive integer, got {getattr(self, key)!r}")
         if self.hidden % self.heads:
             raise ValueError(f"ModelShape: heads ({self.heads}) must divide hidden ({self.hidden})")
+
+    # ------------------------------------------------------------------ from a model
+    @classmethod
+    def of(cls, model, policy=None, seq: int | None = None) -> ModelShape:
+        """The shape of ``model``: a ``ModelShape`` (as it is), a ``GPTConfig`` or ``GPT``, a Hugging Face
+        config (``LlamaConfig(...)``: the model is built from it on the meta device, no weights allocated), or
+        any ``nn.Module`` with a policy (read on a meta copy; a model already on the meta device costs nothing).
+        ``seq``: the training sequence length (default: the model's own).
+
+            >>> ModelShape.of(GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2)).params
+            110336
+        """
+        if isinstance(model, ModelShape):
+            return model if seq is None else dataclasses.replace(model, seq=seq)
+        if isinstance(model, GPT):
+            model = model.cfg
+        if isinstance(model, GPTConfig):
+            return cls(layers=model.n_layers, hidden=model.d_model, heads=model.n_heads, vocab=model.vocab_size,
+                       seq=seq or model.seq_len, ffn=model.d_ff or 4 * model.d_model, name="GPT")
+        if not isinstance(model, nn.Module) and hasattr(model, "model_type") and hasattr(model, "to_dict"):
+            model = _from_hf_config(model)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"ModelShape.of takes a GPTConfig, a model (an nn.Module with a policy) or a Hugging "
+                              f"Face config, got {type(model).__name__}: e.g. LlamaConfig(...) or GPTConfig(...)")
+        return _of_module(cls, model, policy, seq)
 
     # ------------------------------------------------------------------ widths
     @property
@@ -89,7 +124,8 @@ class ModelShape:
             return self.params_exact
         h = self.hidden
         table = self.vocab * h + (self.seq * h if self.positions else 0)
-        return self.layers * self.block_params() + table + 2 * h + (0 if self.tied else self.vocab * h)
+        norm = h if self.gated else 2 * h  # the final RMSNorm (Llama) or LayerNorm
+        return self.layers * self.block_params() + table + norm + (0 if self.tied else self.vocab * h)
 
     # ------------------------------------------------------------------ FLOPs
     def forward_flops_per_token(self, seq: int | None = None) -> float:
@@ -105,3 +141,40 @@ class ModelShape:
         counted (MFU's numerator, PaLM's convention). For a GPT (``ffn = 4h``, untied or tied head alike)
         this is Megatron-LM's Eq. 3 without its recomputed forward: ``72 l h^2 (1 + s/6h + V/12lh)``."""
         return 3 * self.forward_flops_per_token(seq)
+
+
+def _from_hf_config(config) -> nn.Module:
+    """The causal LM of a Hugging Face config, built on the meta device (shapes only)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _of_module(cls, model: nn.Module, policy, seq: int | None) -> ModelShape:
+    """A model with a policy, read on a meta copy: widths from ``tensor.model_sizes``, the MLP gated where a
+    block has two column Linears outside attention (gate and up), the parameter count exact."""
+    policy = policy_for(model, policy)
+    if policy is None:
+        raise ConfigError(missing_policy_message(model, "ck.estimate"))
+    twin = model if all(p.is_meta for p in model.parameters()) else meta_twin(model)
+    if policy.prepare is not None:
+        if twin is model:  # prepare changes a model in place: never the user's own
+            twin = meta_twin(model)
+        policy.prepare(twin)
+    sizes = model_sizes(twin, policy)
+    blocks = policy.block_list(twin)
+    inside = {p for p, _, _ in policy.attentions(twin)}
+    first = policy.blocks + ".0."
+    cols = [m.out_features for p, _, m in policy.modules(twin, "column")
+            if p.startswith(first) and not any(p.startswith(a + ".") for a in inside)]
+    vocab = sizes.outputs.get("vocab_size") or sizes.tables.get("vocab_size")
+    hf = getattr(model, "config", None)
+    max_seq = sizes.seq_len or int(getattr(hf, "max_position_embeddings", 0) or 0)
+    if not vocab or not (seq or max_seq):
+        raise ConfigError(f"ck.estimate prices decoder language models (a token table and a vocabulary head); "
+                          f"{type(model).__name__} has {'no vocabulary' if not vocab else 'no sequence length'}: "
+                          f"pass seq= or a causal LM")
+    return cls(layers=len(blocks), hidden=sizes.d_model, heads=sizes.n_heads, vocab=vocab, seq=seq or max_seq,
+               ffn=max(cols) if cols else sizes.d_ff, kv_heads=sizes.kv.get("n_kv_heads", 0), gated=len(cols) >= 2,
+               tied=bool(sizes.tied), positions=bool(sizes.seq_len), name=type(model).__name__,
+               params_exact=sum(p.numel() for p in twin.parameters()))

@@ -256,7 +256,7 @@ def test_cli_plan_prints_the_table(capsys, tmp_path, monkeypatch):
     assert "64 local processes" in (err := capsys.readouterr().err) and "--hardware NAME" in err
     assert cli.main(["plan", "--ranks", "512", "--batch", "512", "--hardware", "8xH100-SXM", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert "on 512 ranks on 8xH100-SXM nodes (datasheet figures: assumptions)" in out and "3 of " in out
+    assert "on 512 ranks on 8xH100-SXM nodes (planned: the at-scale cost model" in out and "3 of " in out
     assert cli.main(["plan", "--ranks", "8", "--hardware", "8xTPU"]) == 2
     assert "unknown hardware '8xTPU'" in capsys.readouterr().err
     assert cli.main(["plan", "--ranks", "4", "--batch", "16", "--hardware", "8xA100-80GB", "--top", "2"]) == 0

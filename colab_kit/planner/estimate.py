@@ -1,0 +1,252 @@
+"""``ck.estimate``: one config's step time, memory per rank and MFU, on this machine or a cluster preset.
+
+The function ``ck.plan`` ranks its candidates by, opened to any config the engine runs. On a preset
+(``hardware="dgx-a100-80gb"``, ..., ``planner.hardware.HARDWARE``) the step is priced by the at-scale model
+(``planner.scale.price``: GEMMs at the preset's achievable efficiency, collectives on the node hierarchy,
+overlap that hides at most the compute beside it, the schedule's own bubble; calibrated on Megatron-LM's
+Table 1, docs/estimate.md); on ``hardware="this machine"`` by the cost model measured here (``planner.cost``).
+The memory is the engine's own estimate (``memory.estimator.config_estimate``, what ``engine.memory_estimate()``
+reports) of a GPT of the model's widths, its model states scaled to the model's true parameter count.
+
+Worked example, GPT-3 175B as Megatron-LM trained it (Table 1's 145.6B row is its neighbour)::
+
+    >>> import colab_kit as ck
+    >>> from transformers import LlamaConfig
+    >>> est = ck.estimate(LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+    ...                   num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
+    ...                   ck.ParallelConfig(dp=8, tp=8, pp=4, microbatches=64, precision="bf16",
+    ...                   recompute="selective"), batch=512, seq=8192, hardware="dgx-h100")  # doctest: +SKIP
+    >>> print(est)                                                                          # doctest: +SKIP
+    LlamaForCausalLM 70.6B, dp=8 x pp=4 x tp=8 = 256 ranks, ... on dgx-h100: 12.3 s/step, 341k tokens/s, MFU 41%
+      memory per rank (fullest): params 4.4 GiB, grads 4.4 GiB, optimizer 26.5 GiB, activations 30.1 GiB; fits 80 GiB
+      breakdown: compute 9.8 s, bubble 1.2 s, comm:tp 0.8 s, comm:dp 0.3 s, ...
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+from ..config import ConfigError, ParallelConfig
+from ..memory.estimator import config_estimate
+from ..memory.formulas import optimizer_states
+from ..models import GPTConfig
+from .cost import step_seconds
+from .at_scale import LOCAL
+from .hardware import HARDWARE, Hardware
+from .scale import price
+from .shape import ModelShape
+
+__all__ = ["Estimate", "estimate", "memory_of", "hardware_of", "priced", "gpt_of"]
+
+_KEYS = ("params", "grads", "optimizer", "activations")
+
+
+@dataclass
+class Estimate:
+    """What ``ck.estimate`` says of one config (every figure per step, the memory per rank)."""
+
+    shape: ModelShape
+    config: ParallelConfig
+    batch: int
+    seq: int
+    hardware: str
+    step_seconds: float
+    memory: dict
+    """Bytes of the fullest rank, the keys of ``engine.memory()``: params, grads, optimizer, activations, and
+    "device" / "host" each of those four."""
+    overhead_bytes: int
+    """What the device holds beyond the tensors: the allocator's cached blocks, CUDA context, collective buffers."""
+    device_capacity: int
+    breakdown: dict
+    """Seconds by part: compute, bubble, exposed ``comm:<axis>``, optimizer."""
+    assumptions: list = field(default_factory=list)
+    """Every figure taken from the preset (or the measured constants), with its source."""
+    collectives: dict = field(default_factory=dict)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes on one device: the tensors and the overhead."""
+        return sum(self.memory["device"].values()) + self.overhead_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.device_bytes <= self.device_capacity
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.batch * self.seq / self.step_seconds
+
+    @property
+    def model_flops(self) -> float:
+        """FLOPs of one step by the model's count: 6N per token plus attention, recomputation not counted."""
+        return self.batch * self.seq * self.shape.flops_per_token(self.seq)
+
+    @property
+    def peak_flops(self) -> float:
+        """The device's datasheet dense peak at the config's precision (MFU's denominator)."""
+        return _hardware(self.hardware).peak(self.config.precision) if self.hardware != LOCAL else self._local_peak
+
+    _local_peak: float = 0.0
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: ``model_flops / (step_seconds * ranks * peak_flops)``."""
+        return self.model_flops / (self.step_seconds * self.config.world_size * self.peak_flops)
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Model TFLOP/s per device (recomputation not counted)."""
+        return self.model_flops / self.step_seconds / self.config.world_size / 1e12
+
+    def __str__(self) -> str:
+        gib = 2 ** 30
+        mem = ", ".join(f"{k} {self.memory[k] / gib:.1f} GiB" for k in _KEYS)
+        parts = ", ".join(f"{k} {_secs(v)}" for k, v in sorted(self.breakdown.items(), key=lambda kv: -kv[1]))
+        fits = "fits" if self.fits else "does NOT fit"
+        return (f"{self.shape.name} {self.shape.params / 1e9:.1f}B, {self.config.describe()} on {self.hardware}, "
+                f"batch {self.batch} x {self.seq}: {_secs(self.step_seconds)}/step, "
+                f"{self.tokens_per_second:,.0f} tokens/s, {self.tflops_per_gpu:.0f} TFLOP/s per GPU, "
+                f"MFU {100 * self.mfu:.1f}%\n"
+                f"  memory per rank (fullest): {mem}; with overhead {self.device_bytes / gib:.1f} GiB, "
+                f"{fits} in {self.device_capacity / gib:.0f} GiB\n"
+                f"  breakdown: {parts}")
+
+    def _repr_html_(self) -> str:
+        import html
+        return "<pre>" + html.escape(str(self)) + "</pre>"
+
+
+def _secs(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{1e3 * s:.3g} ms"
+
+
+def _hardware(name) -> Hardware:
+    return name if isinstance(name, Hardware) else HARDWARE[name]
+
+
+def hardware_of(hardware) -> Hardware | str:
+    """A preset by name (case and the old ``8xA100-80GB`` spellings accepted), a ``Hardware``, or ``LOCAL``;
+    an unknown name is refused with the presets."""
+    if isinstance(hardware, Hardware) or hardware == LOCAL:
+        return hardware
+    if isinstance(hardware, str) and hardware in HARDWARE:
+        return HARDWARE[hardware]
+    raise ConfigError(f"unknown hardware {hardware!r}: choose a preset ({', '.join(sorted(HARDWARE))}), "
+                      f"{LOCAL!r} (the constants measured here), or a planner.hardware.Hardware of your own")
+
+
+def gpt_of(shape: ModelShape) -> GPTConfig:
+    """The GPT of ``shape``'s widths that the engine's memory estimate counts (a gated MLP's three matrices
+    as a GPT MLP of 1.5 times its width)."""
+    d_ff = shape.d_ff * 3 // 2 if shape.gated else shape.d_ff
+    return GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq, d_model=shape.hidden, n_heads=shape.heads,
+                     n_layers=shape.layers, d_ff=d_ff)
+
+
+def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: str = "adamw", *,
+              gpt: GPTConfig | None = None) -> dict:
+    """The engine's estimate for the fullest rank of ``config`` (``config_estimate`` of ``gpt_of(shape)``),
+    its model states scaled to ``shape.params`` (grouped-query attention, no position table, a tied head).
+
+    A pipeline of more than ``2 pp`` microbatches holds at its peak what one of ``2 pp`` microbatches of the
+    same rows holds (every schedule but gpipe has reached its steady state by then;
+    tests/unit/test_estimate.py walks the plans to check it), so the schedule is walked for ``2 pp`` at most:
+    a 64-stage pipeline of 512 microbatches is priced in milliseconds, not minutes."""
+    gpt = gpt or gpt_of(shape)
+    m = config.microbatches
+    if config.pp > 1 and config.schedule != "gpipe" and m > 2 * config.pp:
+        rows = batch // (config.dp * m)
+        config, batch = config.replace(microbatches=2 * config.pp), config.dp * 2 * config.pp * rows
+    mem = _cached_estimate(gpt, config, batch, optimizer, shape.seq)
+    scale = shape.params / _gpt_params(gpt)
+    if abs(scale - 1) < 1e-12:
+        return {**mem, "device": dict(mem["device"]), "host": dict(mem["host"])}
+    device, host = mem["device"], mem["host"]
+    out = {k: round(mem[k] * scale) if k != "activations" else mem[k] for k in _KEYS}
+    share = {k: (host[k] / mem[k] if mem[k] else 0.0) for k in _KEYS}
+    out["host"] = {k: round(out[k] * share[k]) for k in _KEYS}
+    out["device"] = {k: out[k] - out["host"][k] for k in _KEYS}
+    del device
+    return out
+
+
+def _cached_estimate(gpt: GPTConfig, config: ParallelConfig, batch: int, optimizer: str, seq: int) -> dict:
+    return _estimate_of(dataclasses.astuple(gpt), config, batch, optimizer, seq)
+
+
+@functools.lru_cache(maxsize=4096)
+def _estimate_of(gpt: tuple, config: ParallelConfig, batch: int, optimizer: str, seq: int) -> dict:
+    return config_estimate(GPTConfig(*gpt), config, batch, optimizer, seq=seq)
+
+
+def _gpt_params(gpt: GPTConfig) -> int:
+    return ModelShape.of(gpt).params
+
+
+def _check(config, batch, seq, shape) -> None:
+    if not isinstance(config, ParallelConfig):
+        raise ConfigError(f"ck.estimate takes a ParallelConfig, got {type(config).__name__}: "
+                          f"e.g. ck.ParallelConfig(dp=8, tp=8, pp=4, microbatches=32)")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ConfigError(f"batch must be a positive whole number of sequences per step, got {batch!r}")
+    if batch % (config.dp * config.microbatches):
+        raise ConfigError(f"a global batch of {batch} sequences does not split over dp x microbatches = "
+                          f"{config.dp} x {config.microbatches}: use a batch that is a multiple of "
+                          f"{config.dp * config.microbatches}, or fewer microbatches")
+    if shape.heads % config.tp and config.tp_mode == "1d":
+        raise ConfigError(f"tp={config.tp} does not divide the model's {shape.heads} attention heads: "
+                          f"use a tp that divides {shape.heads}")
+    if config.pp > 1 and shape.layers % config.pp:
+        raise ConfigError(f"pp={config.pp} does not divide the model's {shape.layers} layers: use a pp that "
+                          f"divides {shape.layers}")
+    if seq % config.sp:
+        raise ConfigError(f"sp={config.sp} does not divide the sequence of {seq} tokens: use an sp that divides it")
+
+
+def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = None, hardware="8xA100-80GB",
+             precision: str | None = None, optimizer: str = "adamw", policy=None,
+             constants: dict | None = None) -> Estimate:
+    """Step time, memory per rank and MFU of ``config`` training ``model`` on a global ``batch`` of sequences.
+
+    ``model``: a ``GPTConfig``, a built-in model, a Hugging Face config or model (built on the meta device:
+    no weights), any model with a policy, or a ``ModelShape``. ``hardware``: a preset name
+    (``planner.hardware.HARDWARE``; default the DGX A100 80GB the calibration table ran on), a ``Hardware``,
+    or ``"this machine"`` (the constants measured here, ``constants=`` to give them). ``precision``
+    overrides the config's. Nothing runs: no process, no tensor."""
+    shape = ModelShape.of(model, policy, seq)
+    seq = shape.seq
+    if precision is not None:
+        config = config.replace(precision=precision)
+    _check(config, batch, seq, shape)
+    try:
+        optimizer_states(optimizer)
+    except ValueError as exc:  # an unknown optimizer, refused before anything is priced
+        raise ConfigError(str(exc)) from None
+    hw = hardware_of(hardware)
+    memory = memory_of(shape, config, batch, optimizer)
+    if hw == LOCAL:
+        from .constants import constants as measured
+        consts = constants if constants is not None else measured(ranks=config.world_size)
+        gpt = dataclasses.replace(gpt_of(shape), seq_len=seq)
+        seconds, parts, counts = step_seconds(gpt, config, batch, consts, memory, optimizer)
+        est = Estimate(shape, config, batch, seq, LOCAL, seconds, memory, 0, _local_capacity(), parts,
+                       ["constants measured on this machine (planner.constants)"], counts)
+        est._local_peak = consts["matmul"]["flops_per_s"]
+        return est
+    assert isinstance(hw, Hardware)
+    return priced(shape, config, batch, hw, memory, optimizer)
+
+
+def priced(shape: ModelShape, config: ParallelConfig, batch: int, hw: Hardware, memory: dict,
+           optimizer: str = "adamw") -> Estimate:
+    """The ``Estimate`` of ``config`` on a preset with ``memory`` (``memory_of``'s): ``ck.estimate`` and the
+    at-scale ``ck.plan`` both make theirs here, so the plan ranks by exactly what ``ck.estimate`` says."""
+    p = price(shape, config, batch, hw, seq=shape.seq, optimizer=optimizer)
+    return Estimate(shape, config, batch, shape.seq, hw.name, p.step_seconds, memory, hw.device_bytes - hw.usable_bytes,
+                    hw.device_bytes, dict(p.breakdown), list(p.assumptions), dict(p.collectives))
+
+
+def _local_capacity() -> int:
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,196 @@
+"""The at-scale search of ``ck.plan(..., hardware=<preset>)``: thousands of GPUs planned in seconds.
+
+Every config the engine runs for ``gpus`` ranks is a candidate; the search prices as few of them as it can
+(``price`` is the at-scale cost model, ``memory_of`` the engine's memory estimate) by pruning, in order:
+
+1. **shapes the model cannot take**: tp must divide the heads (and the hidden size), pp the layers
+   (interleaved: pp x chunks), sp the sequence (Ulysses: the heads per tp rank too), dp x microbatches
+   the batch; what ``boost`` refuses (``engine.core.unsupported``: ZeRO-3 with a pipeline, ...).
+2. **what cannot fit**: the model states of a (tp, pp, dp, zero) alone (params, grads and optimizer of the
+   fullest stage, ``memory.formulas.model_state_bytes``) above the device's usable bytes: none of its
+   microbatch sizes, schedules or recomputations is looked at.
+3. **what is dominated**: gpipe holds every microbatch where 1F1B holds pp of them at the same bubble, so
+   only 1F1B, interleaved and the zero-bubble schedules are priced; for one layout, schedule and
+   microbatch size, a more thorough recomputation (none < selective < full) only saves memory at a time
+   cost, so only the least one that fits is priced at each ZeRO stage; offload is left out (it moves the
+   optimizer over PCIe, slower than any layout that fits without it; plan with ``restrict={"offload":
+   ("cpu",)}`` to see it).
+
+Worked example (175B, 1,536 A100s, the Megatron-LM Table 1 setting)::
+
+    >>> import colab_kit as ck
+    >>> from colab_kit.models import GPTConfig
+    >>> gpt3 = GPTConfig(vocab_size=51200, seq_len=2048, d_model=12288, n_heads=96, n_layers=96)
+    >>> cands = ck.plan(gpt3, 1536, batch=1536, precision="fp16", hardware="8xA100-80GB")  # doctest: +SKIP
+    >>> print(cands.table(5))                                                             # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from ..config import ConfigError, ParallelConfig
+from ..engine.core import unsupported
+from ..memory.formulas import model_state_bytes
+from .candidates import Candidate, Candidates
+from .estimate import Estimate, gpt_of, memory_of, priced
+from .hardware import Hardware
+from .shape import ModelShape
+
+__all__ = ["search", "layouts", "plan_at_scale", "RECOMPUTE"]
+
+RECOMPUTE = ("none", "selective", "full")
+"""Least to most recomputation: what the search tries in turn until the activations fit."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _allowed(restrict: dict, key: str, value) -> bool:
+    """Whether ``restrict`` (ParallelConfig field -> a value or a tuple of values) lets ``key`` be ``value``."""
+    if key not in restrict:
+        return True
+    want = restrict[key]
+    return value in want if isinstance(want, (tuple, list, set, frozenset)) else value == want
+
+
+def _tensor_modes(tp: int) -> Iterator[tuple[str, int, str]]:
+    """(tp_mode, tp_depth, sp_mode) for a tensor-parallel degree: 1D with and without Megatron's sequence
+    parallelism (split_gather), and 2D / 2.5D / 3D where tp is a square or a cube."""
+    yield "1d", 1, "ring"
+    if tp == 1:
+        return
+    yield "1d", 1, "split_gather"
+    if math.isqrt(tp) ** 2 == tp:
+        yield "2d", 1, "ring"
+    for d in _divisors(tp)[1:]:
+        if tp // d > 1 and math.isqrt(tp // d) ** 2 == tp // d:
+            yield "2.5d", d, "ring"
+    q = round(tp ** (1 / 3))
+    if q ** 3 == tp:
+        yield "3d", 1, "ring"
+
+
+def _schedules(shape: ModelShape, pp: int, m: int) -> Iterator[tuple[str, int]]:
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    per_rank = shape.layers // pp
+    yield "1f1b", 1
+    yield "zb-h1", 1
+    for v in _divisors(per_rank)[1:]:
+        if v <= 8 and m % pp == 0:
+            yield "interleaved", v
+    if per_rank % 2 == 0:
+        yield "zb-v", 2
+
+
+def layouts(shape: ModelShape, gpus: int, restrict: dict | None = None) -> Iterator[tuple[int, int, int, int]]:
+    """(dp, tp, pp, sp) of ``gpus`` ranks the model can take (step 1 of the module docstring)."""
+    restrict = restrict or {}
+    for tp in _divisors(gpus):
+        if shape.heads % tp or shape.hidden % tp or not _allowed(restrict, "tp", tp):
+            continue
+        for pp in _divisors(gpus // tp):
+            if pp > shape.layers or shape.layers % pp or not _allowed(restrict, "pp", pp):
+                continue
+            for sp in _divisors(gpus // (tp * pp)):
+                if shape.seq % sp or sp > 64 or not _allowed(restrict, "sp", sp):
+                    continue
+                dp = gpus // (tp * pp * sp)
+                if _allowed(restrict, "dp", dp):
+                    yield dp, tp, pp, sp
+
+
+def _states_fit(shape: ModelShape, dp: int, tp: int, pp: int, zero: int, precision: str, optimizer: str,
+                usable: int) -> bool:
+    """Whether the fullest stage's model states alone fit (step 2): its blocks split over tp, the token
+    table (first stage) or the head (last) too."""
+    per_stage = shape.layers // pp * shape.block_params() + shape.vocab * shape.hidden * (1 if pp > 1 else 2)
+    states = model_state_bytes(math.ceil(per_stage / tp), optimizer, precision, dp, zero)
+    return sum(states.values()) <= usable
+
+
+def _configs(shape, dp, tp, pp, sp, batch, precision, restrict) -> Iterator[ParallelConfig]:
+    """Configs of one layout, recompute='none' (the search varies it), zero 0 (likewise)."""
+    if batch % dp:
+        return
+    rows = batch // dp
+    for mbs in _divisors(rows):
+        m = rows // mbs
+        if mbs > 32 or (pp > 1 and m < pp) or (pp == 1 and mbs < rows and mbs > 1 and m > 64):
+            continue
+        for (mode, depth, sp_mode) in _tensor_modes(tp):
+            for sched, chunks in _schedules(shape, pp, m):
+                modes = ("ring", "ulysses") if sp > 1 else (sp_mode,)
+                for spm in modes:
+                    if spm == "ulysses" and (shape.heads // tp) % sp:
+                        continue
+                    fields = dict(dp=dp, tp=tp, pp=pp, sp=sp, tp_mode=mode, tp_depth=depth, sp_mode=spm,
+                                  microbatches=m, schedule=sched, chunks=chunks, precision=precision)
+                    if not all(_allowed(restrict, k, v) for k, v in fields.items()):
+                        continue
+                    try:
+                        cfg = ParallelConfig(**fields)
+                    except ConfigError:
+                        continue
+                    if unsupported(cfg) is None:
+                        yield cfg
+
+
+def search(shape: ModelShape, gpus: int, batch: int, hw: Hardware, *, precision: str, optimizer: str = "adamw",
+           memory_per_rank: int | None = None, restrict: dict | None = None) -> list[Estimate]:
+    """Every candidate that fits, priced, fastest first (see the module docstring for what is pruned)."""
+    restrict = dict(restrict or {})
+    usable = memory_per_rank if memory_per_rank is not None else hw.usable_bytes
+    out: list[Estimate] = []
+    gpt = gpt_of(shape)
+    for dp, tp, pp, sp in layouts(shape, gpus, restrict):
+        zeros = [z for z in (0, 1, 2, 3) if (dp > 1 or z == 0) and _allowed(restrict, "zero", z)
+                 and _states_fit(shape, dp, tp, pp, z, precision, optimizer, usable)]
+        if not zeros:
+            continue
+        for cfg in _configs(shape, dp, tp, pp, sp, batch, precision, restrict):
+            for zero in zeros:
+                for rc in RECOMPUTE:
+                    if not _allowed(restrict, "recompute", rc):
+                        continue
+                    try:
+                        c = cfg.replace(zero=zero, recompute=rc)
+                    except ConfigError:
+                        continue
+                    if unsupported(c) is not None:
+                        break
+                    mem = memory_of(shape, c, batch, optimizer, gpt=gpt)
+                    if sum(mem["device"].values()) > usable:
+                        continue  # more recomputation may fit
+                    out.append(priced(shape, c, batch, hw, mem, optimizer))
+                    break  # more recomputation: only slower
+    out.sort(key=lambda e: e.step_seconds)
+    return out
+
+
+def plan_at_scale(model, gpus: int, batch: int, hw: Hardware, *, precision: str, optimizer: str = "adamw",
+                  seq: int | None = None, memory_per_rank: int | None = None, limit: int | None = None,
+                  policy=None, restrict: dict | None = None) -> Candidates:
+    """``ck.plan`` on a hardware preset: ``search``'s estimates as ``Candidates``, fastest first."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ConfigError(f"world_size must be a positive whole number of GPUs, got {gpus!r}: try 64")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ConfigError(f"batch must be a positive whole number of sequences per step, got {batch!r}")
+    shape = ModelShape.of(model, policy, seq)
+    found = search(shape, gpus, batch, hw, precision=precision, optimizer=optimizer, memory_per_rank=memory_per_rank,
+                   restrict=restrict)
+    if not found:
+        need = shape.params * 16 / (memory_per_rank or hw.usable_bytes)
+        raise ConfigError(f"no configuration of {gpus} GPUs of {hw.name} fits {shape.name} "
+                          f"({shape.params / 1e9:.1f}B parameters) with a global batch of {batch} x {shape.seq} "
+                          f"tokens{' under ' + repr(restrict) if restrict else ''}: its mixed-precision model states "
+                          f"alone need about {need:.0f} GPUs' memory; use more GPUs, a batch that divides over them, "
+                          f"or a preset with more memory per GPU")
+    usable = memory_per_rank if memory_per_rank is not None else hw.usable_bytes
+    out = Candidates(Candidate(e.config, e.memory, e.step_seconds, True, e.breakdown, e.collectives, estimate=e)
+                     for e in (found[:limit] if limit else found))
+    out.constants, out.memory_per_rank = {"hardware": hw.name, "source": hw.source}, usable
+    return out

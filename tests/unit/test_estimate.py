@@ -1,0 +1,90 @@
+"""``ck.estimate`` and the at-scale ``ck.plan``: the model's shape read from any model, the engine's memory
+estimate at scale, bad input refused before anything is priced, and the plan's search (pruning, the
+published layouts of Megatron-LM's Table 1 among its first three)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import colab_kit as ck
+from colab_kit.memory.estimator import config_estimate
+from colab_kit.models import GPT, GPTConfig
+from colab_kit.planner.estimate import gpt_of, memory_of
+from colab_kit.planner.shape import ModelShape
+
+SMALL = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=8)
+
+
+def test_the_shape_of_a_gpt_counts_its_parameters_exactly():
+    for cfg in (SMALL, GPTConfig(vocab_size=100, seq_len=16, d_model=48, n_heads=3, n_layers=3, d_ff=80)):
+        model = GPT(cfg)
+        shape = ModelShape.of(model)
+        assert shape.params == sum(p.numel() for p in model.parameters())
+        assert ModelShape.of(cfg) == shape and shape.flops_per_token() == 3 * shape.forward_flops_per_token()
+
+
+def test_megatron_eq3_is_the_flop_count_without_recomputation():
+    s = ModelShape(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
+    l, h, v, t = 96, 12288, 51200, 2048
+    assert s.flops_per_token() == pytest.approx(72 * l * h * h * (1 + t / (6 * h) + v / (12 * l * h)), rel=1e-12)
+    wrong = ModelShape(layers=96, hidden=12288, heads=96, vocab=51200, seq=1024)  # the check can fail
+    assert wrong.flops_per_token() != pytest.approx(s.flops_per_token(), rel=1e-3)
+
+
+def test_a_hugging_face_config_is_read_on_the_meta_device():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    shape = ModelShape.of(cfg)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in transformers.LlamaForCausalLM(cfg).parameters())
+    assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.ffn) == (4, 256, 8, 2, 688)
+    assert shape.gated and not shape.positions and shape.params == n
+    formula = ModelShape(**{**shape.__dict__, "params_exact": 0})  # grouped-query attention and SwiGLU counted
+    assert formula.params == n
+    gpt2 = ModelShape.of(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100))
+    assert gpt2.tied and not gpt2.gated and gpt2.positions
+
+
+def test_memory_at_scale_walks_at_most_two_pp_microbatches_and_is_exact():
+    """Every schedule but gpipe holds at its peak after 2 pp microbatches what it holds after more: the cap
+    changes no byte (walked here on plans of up to 6 pp microbatches)."""
+    cfg = GPTConfig(vocab_size=512, seq_len=64, d_model=64, n_heads=4, n_layers=48)
+    shape = ModelShape.of(cfg)
+    for pp, schedule, chunks in ((2, "1f1b", 1), (4, "interleaved", 2), (4, "interleaved", 3), (8, "zb-h1", 1),
+                                 (4, "zb-v", 2), (12, "1f1b", 1)):
+        for m in (3 * pp, 6 * pp):
+            c = ck.ParallelConfig(dp=2, pp=pp, microbatches=m, schedule=schedule, chunks=chunks, precision="bf16")
+            assert memory_of(shape, c, 2 * m * 3) == config_estimate(cfg, c, 2 * m * 3), (pp, schedule, m)
+    gpipe = ck.ParallelConfig(pp=2, microbatches=8, schedule="gpipe")  # its peak grows with m: never capped
+    assert memory_of(shape, gpipe, 16) == config_estimate(cfg, gpipe, 16)
+
+
+def test_model_states_follow_the_true_parameter_count():
+    llama_like = ModelShape(layers=8, hidden=64, heads=4, vocab=64, seq=32, ffn=172, kv_heads=2, gated=True,
+                            positions=False)
+    mem = memory_of(llama_like, ck.ParallelConfig(dp=2, zero=1, precision="bf16"), 8)
+    gpt = config_estimate(gpt_of(llama_like), ck.ParallelConfig(dp=2, zero=1, precision="bf16"), 8)
+    assert mem["params"] == pytest.approx(2 * llama_like.params, abs=2)  # bf16: 2 bytes each
+    assert mem["params"] != gpt["params"] and mem["activations"] == gpt["activations"]
+    assert sum(mem["device"].values()) + sum(mem["host"].values()) == sum(mem[k] for k in
+                                                                          ("params", "grads", "optimizer", "activations"))
+
+
+@pytest.mark.parametrize("kwargs, config, batch, match", [
+    ({}, ck.ParallelConfig(dp=4), 6, "does not split over dp x microbatches"),
+    ({}, ck.ParallelConfig(tp=3), 6, "does not divide the model's 4 attention heads"),
+    ({}, ck.ParallelConfig(pp=3), 6, "does not divide the model's 8 layers"),
+    ({"hardware": "TPU"}, ck.ParallelConfig(dp=2), 4, "unknown hardware 'TPU'"),
+    ({"optimizer": "lion"}, ck.ParallelConfig(dp=2), 4, "optimizer"),
+    ({}, "dp=2", 4, "takes a ParallelConfig"),
+])
+def test_bad_input_is_refused_with_the_rule(kwargs, config, batch, match):
+    with pytest.raises(ck.ConfigError, match=match):
+        ck.estimate(SMALL, config, batch, **kwargs)
+
+
+def test_a_model_without_a_vocabulary_is_refused():
+    vit = ck.models.ViT(ck.models.ViTConfig(num_classes=8))
+    with pytest.raises(ck.ConfigError, match="decoder language models"):
+        ModelShape.of(vit)
