@@ -35,11 +35,12 @@ CALIBRATED = {"e_max": 0.86, "knee": 64.0}
 """The matmul curve's two constants fitted on Megatron-LM's Table 1 (``bench/estimate.py --calibrate``)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Hardware:
     """A node of GPUs in the cost model's terms; ``sources`` says where each figure was read (see the
     module docstring). ``intra`` and ``inter`` are (latency s, bytes/s each way per GPU) on NVLink and on
-    this GPU's share of the node's NICs: the form the local cost model's ``hardware_constants`` reads."""
+    this GPU's share of the node's NICs: the form the local cost model's ``hardware_constants`` reads.
+    Compared and hashed by identity (``eq=False``): a preset is a key of ``price``'s cache."""
 
     name: str
     gpus_per_node: int
