@@ -27,7 +27,8 @@ Pricing (``seconds``), alpha-beta per algorithm, wire bytes per rank as ``comm.w
   1,536 A100s (a third of tensor + pipeline parallelism's throughput), which pooling would not explain;
 - the ring's latency is its hops (``n - nodes`` NVLink hops, ``nodes`` network hops, twice for an all-reduce);
   all-reduce across nodes may take NCCL's tree instead (``2 log2(nodes)`` network hops and a chain of ``k``
-  NVLink hops, the ring's bandwidth bound: NCCL's two trees reach about the ring's bus bandwidth) when faster, as NCCL's tuner picks; all-gather and reduce-scatter are rings.
+  NVLink hops, the ring's bandwidth bound: NCCL's two trees reach about the ring's bus bandwidth)
+  when faster, as NCCL's tuner picks; all-gather and reduce-scatter are rings.
 """
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def _splits(config, m: float, n: float, k: float) -> tuple[float, float, float, 
     """``(m, n, k, count)`` of the local products one (m, n, k) GEMM becomes under the tensor mode."""
     tp, q, mode = config.tp, config.tp_q, config.tp_mode
     if tp == 1:
-        return m, n, k, 1
+        return m, n, k, 1.0
     if mode == "2d":
         return m / q, n / q, k / q, q
     if mode == "2.5d":
@@ -84,7 +84,7 @@ def _gemm(hw: Hardware, p: str, config, m: float, n: float, k: float, column: bo
     column-parallel one splits n, a row-parallel one k."""
     if config.tp_mode == "1d":
         n, k = (n / config.tp, k) if column else (n, k / config.tp)
-        lm, ln, lk, c = m, n, k, 1
+        lm, ln, lk, c = m, n, k, 1.0
     else:
         lm, ln, lk, c = _splits(config, m, n, k)
     return (hw.gemm_seconds(lm, ln, lk, p, c), hw.gemm_seconds(lm, lk, ln, p, c), hw.gemm_seconds(lk, ln, lm, p, c))
