@@ -21,8 +21,9 @@ __version__ = "0.2.0"
 
 __all__ = ["ParallelConfig", "ConfigError", "MeshLayout", "ProcessMesh", "launch", "init", "export", "Cluster", "boost",
            "Engine", "RankError", "RankTimeout", "models", "datasets", "recipe", "viz", "widgets", "comm", "tensor",
-           "pipeline", "reference", "plan", "estimate", "planner", "dry_run", "parallelize", "throughput", "roofline", "profile",
-           "memory_timeline", "placements", "state_vector", "dense_state_dict", "save_pretrained", "load_pretrained"]
+           "pipeline", "reference", "plan", "estimate", "planner", "dry_run", "parallelize", "throughput", "roofline",
+           "profile", "memory_timeline", "placements", "state_vector", "dense_state_dict", "save_pretrained",
+           "load_pretrained"]
 
 # heavy or optional parts (ipyparallel, plotly, ipywidgets) load on first use: name -> (module, attribute)
 _LAZY = {"Cluster": ("notebook.cluster", "Cluster"), "boost": ("engine.core", "boost"),

@@ -55,6 +55,7 @@ from ..sequence.plan import LAYOUT, check_length
 from ..sharded_init import meta_twin
 from .constants import cache_path, constants
 from .cost import step_seconds
+from .hardware import HARDWARE, Hardware
 from .scale import price
 from .shape import ModelShape
 
@@ -62,35 +63,6 @@ __all__ = ["HARDWARE", "LOCAL", "DryRunReport", "DryRunTimeout", "Hardware", "dr
            "hardware_constants"]
 
 
-@dataclass(frozen=True)
-class Hardware:
-    """A node of GPUs in the cost model's terms; every figure an assumption (``source`` says whence)."""
-    name: str
-    gpus_per_node: int
-    flops: dict                # precision -> dense matmul FLOP/s of one GPU
-    memory_bytes_per_s: float  # HBM
-    device_bytes: int          # memory of one GPU
-    intra: tuple               # (latency s, bytes/s each way per GPU) inside a node (NVLink)
-    inter: tuple               # the same between nodes (InfiniBand, one NIC per GPU)
-    source: str
-    op_seconds: float = 5e-6   # host time per autograd op
-
-
-_LAT = "latencies (10 us NVLink, 20 us InfiniBand) and 5 us per op are assumptions, not datasheet figures"
-_H100 = {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12}
-HARDWARE = {h.name: h for h in (
-    Hardware("8xA100-80GB", 8, {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}, 2.039e12, 80 * 10 ** 9,
-             (10e-6, 300e9), (20e-6, 25e9), "approximate datasheet figures: NVIDIA A100 80GB SXM (FP32 19.5 "
-             "TFLOP/s without TF32, BF16/FP16 tensor cores 312 TFLOP/s dense, HBM2e 2,039 GB/s, NVLink 600 GB/s "
-             "both ways), DGX A100 (8 GPUs, one 200 Gb/s HDR InfiniBand NIC each); " + _LAT),
-    Hardware("8xH100-SXM", 8, _H100, 3.35e12, 80 * 10 ** 9, (10e-6, 450e9), (20e-6, 50e9),
-             "approximate datasheet figures: NVIDIA H100 SXM5 80GB (FP32 67 TFLOP/s, BF16/FP16 tensor cores 989 "
-             "TFLOP/s dense, 1,979 with sparsity, HBM3 3.35 TB/s, NVLink 900 GB/s both ways), DGX H100 (8 GPUs, "
-             "one 400 Gb/s NDR InfiniBand NIC each); " + _LAT),
-    Hardware("8xH200-SXM", 8, _H100, 4.8e12, 141 * 10 ** 9, (10e-6, 450e9), (20e-6, 50e9),
-             "approximate datasheet figures: NVIDIA H200 SXM 141GB (H100's compute, HBM3e 4.8 TB/s, NVLink 900 "
-             "GB/s both ways), HGX H200 (8 GPUs, one 400 Gb/s NDR InfiniBand NIC each); " + _LAT))}
-"""Node presets. The cost model at datasheet peaks: a lower bound on the step time, not a measurement."""
 LOCAL = "this machine"
 """The hardware name of the constants measured here (``planner.constants.constants(ranks=4)``, cached)."""
 _DEFAULT = ("8xA100-80GB", "8xH100-SXM", LOCAL)

@@ -1,0 +1,80 @@
+"""Published training runs as data: Megatron-LM's Table 1, the one table the at-scale cost model is fitted on.
+
+``megatron_table1.json`` holds the ten weak-scaling rows of Narayanan et al. 2021 (arXiv 2104.04473, Table 1:
+GPT 1.7B to 1T on up to 3,072 A100 80GB) with where each figure was read. ``table1()`` gives the rows with
+the iteration time their Eq. 3 implies; ``as_run(row)`` turns one into what ``planner.scale.price`` takes.
+
+Eq. 3 counts the recomputed forward (full recomputation: four forward passes' worth of matmuls)::
+
+    F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))       iteration time = F / (TFLOP/s per GPU x GPUs)
+
+Worked example, the 1.7B row (B = 512, s = 2048, l = 24, h = 2304, V = 51200, 137 TFLOP/s on 32 GPUs)::
+
+    >>> row = table1()[0]
+    >>> row["model"], round(row["iteration_seconds"], 2)
+    ('1.7B', 3.53)
+    >>> shape, config, batch = as_run(row)
+    >>> config.describe()
+    'dp=32 = 32 ranks, fp16, recompute'
+    >>> batch, shape.hidden, shape.seq
+    (512, 2304, 2048)
+
+The 1.7B row's 512 rows are one microbatch of 16 rows per replica: microbatches = GBS / (dp * MBS) = 1.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+from ...config import ParallelConfig
+from ..shape import ModelShape
+
+__all__ = ["TABLE1", "as_run", "eq3_flops", "table1"]
+
+TABLE1 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_table1.json")
+"""Path of Megatron-LM Table 1 as data (rows, sources)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> dict:
+    with open(TABLE1) as fh:
+        return json.load(fh)
+
+
+def eq3_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """Megatron-LM's Eq. 3: FLOPs of one iteration with full recomputation (forward counted twice)."""
+    b, s, ll, h, v = batch, seq, layers, hidden, vocab
+    return 96.0 * b * s * ll * h * h * (1 + s / (6 * h) + v / (16 * ll * h))
+
+
+def table1() -> list[dict]:
+    """The ten rows, each with ``iteration_seconds`` (Eq. 3's FLOPs over the published TFLOP/s x GPUs) and
+    ``seq``, ``vocab`` added; the sources are in ``sources()``."""
+    doc = _load()
+    out = []
+    for row in doc["rows"]:
+        flops = eq3_flops(row["global_batch"], doc["seq"], row["layers"], row["hidden"], doc["vocab"])
+        out.append({**row, "seq": doc["seq"], "vocab": doc["vocab"], "eq3_flops": flops,
+                    "iteration_seconds": flops / (row["tflops_per_gpu"] * 1e12 * row["gpus"])})
+    return out
+
+
+def sources() -> dict:
+    """Where each column was read (commit, file), and the paper."""
+    doc = _load()
+    return {"paper": doc["paper"], **doc["sources"]}
+
+
+def as_run(row: dict) -> tuple[ModelShape, ParallelConfig, int]:
+    """``(ModelShape, ParallelConfig, global batch)`` of a row: fp16, full recomputation, 1F1B, or the
+    interleaved schedule with ``chunks = layers / (pp * layers_per_virtual_stage)`` where the row interleaves;
+    ``microbatches = global_batch / (dp * microbatch)``."""
+    shape = ModelShape(layers=row["layers"], hidden=row["hidden"], heads=row["heads"], vocab=row.get("vocab", 51200),
+                       seq=row.get("seq", 2048), name=f"GPT {row['model']}")
+    lpv = row.get("layers_per_virtual_stage")
+    chunks = row["layers"] // (row["pp"] * lpv) if lpv else 1
+    m = row["global_batch"] // (row["dp"] * row["microbatch"])
+    config = ParallelConfig(dp=row["dp"], tp=row["tp"], pp=row["pp"], microbatches=m, precision="fp16",
+                            recompute=True, schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks)
+    return shape, config, row["global_batch"]

@@ -1,0 +1,200 @@
+"""``price``: one training step of a parallel config on a GPU cluster, from the model's shape and a node preset.
+
+The at-scale cost model (the local one, ``planner.cost``, is fitted on this machine's CPU ranks instead).
+For the fullest rank (the last pipeline stage, which also runs the head and the loss)::
+
+    step = compute + bubble + comm:tp + comm:sp + comm:pp + comm:dp (exposed) + optimizer
+
+- ``compute``: m microbatches x the rank's blocks (``scale_compute.block``: forward, backward, and what the
+  recompute mode repeats) + the head; at the preset's matmul curve and HBM bandwidth;
+- ``bubble``: the schedule's idle time, closed forms checked against the engine's own plan
+  (``pipeline.build_plan`` + ``simulate``, tests/unit/test_scale_cost.py) with each rank's per-microbatch
+  F, I (input gradient, with its recompute) and W (weight gradient), exposed communication included:
+  gpipe / 1f1b ``(p-1)(F+I+W)``; interleaved ``(p-1)(F+I+W)/v``; zb-h1 ``(p-1)(F+I-W)``; zb-v ``(p-1)(F+I-W)/2``;
+- ``comm:tp``: Megatron 1D, two all-reduces of (T, h) forward and two backward per block and microbatch, two
+  more replayed by full recomputation, none hidden; split_gather the same bytes as all-gathers and
+  reduce-scatters; 2D / 2.5D / 3D their broadcasts, all-gathers and reduce-scatters per GEMM
+  (``scale_parts.tensor_comm``);
+- ``comm:sp``: ring K/V rotations hidden behind the attention core they feed (exposed = what does not fit);
+  Ulysses' four all-to-alls forward and backward, exposed;
+- ``comm:pp``: an activation forward and a gradient back per microbatch and chunk, ``m v + p - 1`` of each;
+- ``comm:dp``: gradients reduced in fp32 over dp x sp (the engine's recipe): ZeRO 0 an all-reduce, hidden
+  behind the last microbatch's backward except its last bucket (a block's share); ZeRO 1-2 a reduce-scatter
+  so hidden and an all-gather of the parameters after the update; ZeRO-3 each block's parameters gathered
+  forward and backward and its gradients reduce-scattered, per microbatch, each hidden behind that block's
+  compute at most;
+- ``optimizer``: the update streamed through HBM (AdamW: about 30 bytes a parameter of the rank's shard);
+  offload="cpu": the shard's gradients down and parameters up over PCIe and the update on the host.
+
+Worked example, Table 1's 145B row (tp 8, pp 8, dp 24, interleaved x 2 chunks, 48 microbatches of 2,
+full recomputation, fp16) on DGX A100 nodes; published iteration 24.8 s::
+
+    >>> from colab_kit.planner.published import as_run, table1
+    >>> shape, config, batch = as_run(table1()[6])
+    >>> p = price(shape, config, batch, "8xA100-80GB")
+    >>> 0.85 < p.step_seconds / 24.82 < 1.15
+    True
+    >>> sorted(p.breakdown)
+    ['bubble', 'comm:dp', 'comm:pp', 'comm:sp', 'comm:tp', 'compute', 'optimizer']
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+from . import scale_comm
+from .hardware import Hardware, preset
+from .scale_compute import block, head, recompute_mode, with_recompute
+from .scale_parts import optimizer_seconds, params_on_rank, seq_comm, tensor_comm
+from .shape import ModelShape
+
+__all__ = ["Priced", "bubble", "price", "recompute_mode"]
+
+AXES = ("tp", "sp", "pp", "dp")
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One step of one config: ``step_seconds`` = the sum of ``breakdown`` (compute, exposed comm per axis,
+    bubble, optimizer); ``comm_total`` per axis before overlap; ``collectives`` per axis per step on one
+    rank; ``assumptions``: every figure taken from the preset, with its source, and the model's choices;
+    ``per_microbatch``: the rank's F, I, W seconds of one microbatch (exposed comm included)."""
+    step_seconds: float
+    breakdown: dict
+    comm_total: dict
+    collectives: dict
+    assumptions: tuple
+    per_microbatch: dict = field(default_factory=dict)
+
+
+def price(shape: ModelShape, config, batch: int, hw: Hardware | str, *, seq: int | None = None,
+          optimizer: str = "adamw") -> Priced:
+    """Seconds of one training step of ``config`` (any config ``ParallelConfig`` accepts) training ``shape`` on
+    ``batch`` global rows of ``seq`` tokens (the shape's when None) on nodes of preset ``hw`` (a name of
+    ``hardware.HARDWARE`` or a ``Hardware``). ``optimizer``: adamw, adam, sgd-momentum, sgd-nomomentum.
+    Results are cached: the planner prices thousands of configs."""
+    return _price(shape, config, int(batch), preset(hw), int(seq or shape.seq), str(optimizer).lower())
+
+
+def bubble(schedule: str, pp: int, m: int, chunks: int, f: float, i: float, w: float) -> float:
+    """Idle seconds of a pipeline rank in ``schedule`` beyond its own ``m`` microbatches of work, each
+    microbatch costing the whole rank ``f`` forward, ``i`` input-gradient and ``w`` weight-gradient seconds
+    (``m`` and ``chunks`` only shape the schedule: the closed forms of the module docstring)."""
+    if pp <= 1:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) * (f + i + w)
+    if schedule == "interleaved":
+        return (pp - 1) * (f + i + w) / chunks
+    if schedule == "zb-h1":
+        return (pp - 1) * max(f, f + i - w)
+    if schedule == "zb-v":
+        return (pp - 1) * max(f, f + i - w) / 2
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimizer: str) -> Priced:
+    m, p, v = config.microbatches, config.pp, config.chunks
+    rows = batch / (config.dp * m)
+    mode = recompute_mode(config)
+    blk = with_recompute(block(shape, config, rows, seq, hw), mode)
+    hd = head(shape, config, rows, seq, hw)
+    layers = math.ceil(shape.layers / (p * v)) * v  # the fullest rank's blocks
+    comm_total = dict.fromkeys(AXES, 0.0)
+    count = dict.fromkeys(AXES, 0)
+    # tensor and sequence parallel collectives of one block and microbatch: never hidden (tp), or behind
+    # the attention core they feed (sp ring)
+    tp_f, tp_b, tp_n = tensor_comm(shape, config, rows, seq, hw)
+    tp_rc = tp_f if mode == "full" else 0.0
+    sp_f, sp_b, sp_exp_f, sp_exp_b, sp_n = seq_comm(shape, config, rows, seq, hw, blk.attn)
+    sp_rc, sp_exp_rc = (sp_f, sp_exp_f) if mode == "full" else (0.0, 0.0)
+    # ZeRO-3: each block's parameters gathered forward and backward, gradients reduce-scattered (fp32)
+    z3_f = z3_b = z3_exp_f = z3_exp_b = 0.0
+    grads = scale_comm.placement(config, "dp+sp", hw.gpus_per_node)
+    size = 4 if config.precision == "fp32" else 2
+    block_params = shape.block_params() / _tp_param_split(config)
+    if config.zero == 3 and grads.size > 1:
+        gather = scale_comm.seconds("all_gather", block_params * size / grads.size, grads, hw)
+        scatter = scale_comm.seconds("reduce_scatter", block_params * 4, grads, hw)
+        z3_f, z3_b = gather, gather + scatter
+        z3_exp_f = max(0.0, z3_f - blk.f)
+        z3_exp_b = max(0.0, z3_b - (blk.i + blk.w + blk.rc))
+        count["dp"] += m * layers * 3
+    f_mb = layers * (blk.f + tp_f + sp_exp_f + z3_exp_f)
+    i_mb = layers * (blk.i + blk.rc + tp_b + tp_rc + sp_exp_b + sp_exp_rc + z3_exp_b)
+    w_mb = layers * blk.w
+    compute = m * (layers * (blk.f + blk.i + blk.w + blk.rc) + hd.f + hd.i + hd.w)
+    exposed_tp = m * layers * (tp_f + tp_b + tp_rc)
+    exposed_sp = m * layers * (sp_exp_f + sp_exp_b + sp_exp_rc)
+    comm_total["tp"] = exposed_tp
+    comm_total["sp"] = m * layers * (sp_f + sp_b + sp_rc)
+    replay = 2 if mode == "full" else 1
+    count["tp"] += m * layers * (tp_n[0] * replay + tp_n[1])
+    count["sp"] += m * layers * (sp_n[0] * replay + sp_n[1])
+    # pipeline: p2p of each microbatch and chunk, the schedule's bubble on the other stages' work
+    comm_pp = 0.0
+    if p > 1:
+        tokens = rows * seq / (config.sp if config.sp > 1 else 1)
+        act = tokens * shape.hidden * size / (config.tp if config.sp_mode == "split_gather" else 1)
+        send = scale_comm.seconds("send", act, scale_comm.placement(config, "pp", hw.gpus_per_node), hw)
+        comm_pp = 2 * send * (m * v + p - 1)
+        count["pp"] += 2 * (m * v + p - 1)
+    comm_total["pp"] = comm_pp
+    idle = bubble(config.schedule, p, m, v, f_mb, i_mb, w_mb)
+    # data parallel: gradients (fp32) over dp x sp, parameters gathered back under ZeRO 1-2
+    rank_params = params_on_rank(shape, config)
+    exposed_dp = m * layers * (z3_exp_f + z3_exp_b)
+    comm_dp = m * layers * (z3_f + z3_b)
+    if grads.size > 1 and config.zero < 3:
+        op = "all_reduce" if config.zero == 0 else "reduce_scatter"
+        reduce = scale_comm.seconds(op, rank_params * 4, grads, hw)
+        last = reduce / max(1, layers)
+        window = layers * (blk.i + blk.w + blk.rc)  # the last microbatch's backward
+        exposed_dp += max(last, reduce - window)
+        comm_dp += reduce
+        count["dp"] += 1 + layers
+        if config.zero in (1, 2):
+            regather = scale_comm.seconds("all_gather", rank_params * size / grads.size, grads, hw)
+            exposed_dp += regather
+            comm_dp += regather
+            count["dp"] += 1
+    comm_total["dp"] = comm_dp
+    opt = optimizer_seconds(rank_params, config, hw, optimizer, grads.size)
+    breakdown = {"compute": compute, "bubble": idle, "comm:tp": exposed_tp, "comm:sp": exposed_sp,
+                 "comm:pp": comm_pp, "comm:dp": exposed_dp, "optimizer": opt}
+    return Priced(step_seconds=sum(breakdown.values()), breakdown=breakdown, comm_total=comm_total,
+                  collectives=count, assumptions=_assumptions(hw, config.precision),
+                  per_microbatch={"F": f_mb, "I": i_mb, "W": w_mb})
+
+
+def _tp_param_split(config) -> int:
+    """How many ways the tensor mode cuts a weight: tp, except 2.5D (replicated over its depth: q^2)."""
+    return config.tp_q ** 2 if config.tp_mode == "2.5d" else config.tp
+
+
+@functools.lru_cache(maxsize=64)
+def _assumptions(hw: Hardware, precision: str) -> tuple:
+    """Every figure the model takes from ``hw`` with its source, then the model's own choices."""
+    out = [f"{hw.name}: {precision} matmul peak {hw.peak(precision) / 1e12:g} TFLOP/s ({hw.sources.get('flops')})",
+           f"achievable matmul: {hw.e_max:.3g} of peak x d/(d+{hw.knee:g}) per GEMM dimension "
+           f"({hw.sources.get('e_max, knee')})",
+           f"HBM {hw.memory_bytes_per_s / 1e12:g} TB/s ({hw.sources.get('memory_bytes_per_s')}), "
+           f"{hw.hbm_efficiency:g} of it reached ({hw.sources.get('hbm_efficiency')})",
+           f"memory {hw.device_bytes / 1e9:g} GB per GPU ({hw.sources.get('device_bytes')}); "
+           f"{hw.alloc_fixed_bytes / 2 ** 30:g} GiB fixed ({hw.sources.get('alloc_fixed_bytes')}) and "
+           f"{hw.alloc_fraction:g} lost ({hw.sources.get('alloc_fraction')})",
+           f"NVLink {hw.intra[1] / 1e9:g} GB/s each way per GPU ({hw.sources.get('nvlink')}), "
+           f"{hw.intra[0] * 1e6:g} us a hop ({hw.sources.get('latency')})",
+           f"{hw.nics_per_node} NICs of {hw.nic_bytes_per_s / 1e9:g} GB/s per node of {hw.gpus_per_node} GPUs "
+           f"({hw.sources.get('nics')}), {hw.inter[0] * 1e6:g} us a network hop",
+           f"NCCL bus bandwidth {hw.bus_efficiency[0]:g} of NVLink, {hw.bus_efficiency[1]:g} of the network "
+           f"({hw.sources.get('bus_efficiency')})",
+           f"PCIe {hw.pcie_bytes_per_s / 1e9:g} GB/s each way ({hw.sources.get('pcie')})",
+           f"{hw.kernel_seconds * 1e6:g} us per kernel ({hw.sources.get('kernel_seconds')})",
+           "fp32 matmuls without TF32 (PyTorch's default); gradients reduced in fp32 (the engine's recipe)",
+           "tp collectives not overlapped; dp gradient reduction hidden behind the last microbatch's backward "
+           "except its last bucket; ZeRO-3 gathers behind their block's compute; ring attention's rotations "
+           "behind the attention core"]
+    return tuple(out)
