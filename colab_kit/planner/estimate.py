@@ -102,7 +102,7 @@ class Estimate:
     def __str__(self) -> str:
         gib = 2 ** 30
         mem = ", ".join(f"{k} {self.memory[k] / gib:.1f} GiB" for k in _KEYS)
-        parts = ", ".join(f"{k} {_secs(v)}" for k, v in sorted(self.breakdown.items(), key=lambda kv: -kv[1]))
+        parts = ", ".join(f"{k} {_secs(v)}" for k, v in sorted(self.breakdown.items(), key=lambda kv: -kv[1]) if v > 0)
         fits = "fits" if self.fits else "does NOT fit"
         return (f"{self.shape.name} {self.shape.params / 1e9:.1f}B, {self.config.describe()} on {self.hardware}, "
                 f"batch {self.batch} x {self.seq}: {_secs(self.step_seconds)}/step, "
