@@ -98,8 +98,8 @@ class Candidate:
             extra.append(f"m={c.microbatches}")
         if c.sp > 1 or c.sp_mode == "split_gather":
             extra.append(c.sp_mode)
-        text = c.describe().split(" = ")[0].replace(", recompute", "")
-        return " ".join([text] + extra + ["recompute"] * c.recompute)
+        text = c.describe().split(" = ")[0].replace(", selective recompute", "").replace(", recompute", "")
+        return " ".join([text] + extra + {"full": ["recompute"], "selective": ["selective"]}.get(c.recompute, []))
 
 
 class Candidates(list):
@@ -167,6 +167,10 @@ def _pipelines(pp: int):
         yield "zb-v", 2, m
 
 
+_RECOMPUTES = (("none", "full"), ("none", "selective", "full"))
+"""Recompute candidates: selective where it recomputes something (the ring already recomputes its core)."""
+
+
 def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32", with_auto: bool = False,
                       accept=None):
     """Every config boost runs for this model and batch on ``world_size`` ranks (see the module docstring).
@@ -179,7 +183,7 @@ def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32
                 _tensor_modes(tp), ("ring", "ulysses") if sp > 1 else ("ring", "split_gather") if tp > 1 else ("ring",),
                 _pipelines(pp)):
             for zero, offload, recompute in itertools.product((0, 1, 2, 3) if dp > 1 else (0,),
-                                                              ("none", "cpu", "auto"), (False, True)):
+                                                              ("none", "cpu", "auto"), _RECOMPUTES[sp_mode != "ring" or sp == 1]):
                 if (offload == "auto" and not with_auto) or (offload != "none" and zero == 0):
                     continue
                 try:

@@ -76,23 +76,10 @@ from ..models import dropout
 from ..policy.classes import derived_class, derived_from
 from ..config import ConfigError
 from ..policy import missing_policy_message, policy_for
+from .hold import _Hold
 
 __all__ = ["recompute_blocks", "is_recomputed", "recomputed_class"]
 
-
-
-class _Hold(torch.autograd.Function):
-    """Identity that saves its input for backward (and never reads it): the saved-tensor
-    hooks outside a recomputed block see the one tensor the block keeps."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
 
 
 def recomputed_class(cls: type) -> type:
