@@ -214,8 +214,8 @@ class ParallelConfig:
                     key, value = key.split("=", 1)
                 elif key.replace("-", "_") in _BOOL_FIELDS:  # a switch: --recompute, --recompute off / selective
                     following = words[i + 1].lower() if i + 1 < len(words) else ""
-                    said = following in _WORDS_TRUE + _WORDS_FALSE + RECOMPUTES
-                    value, i = (words[i + 1], i + 1) if said else ("true", i)
+                    named = following in _WORDS_TRUE + _WORDS_FALSE + RECOMPUTES
+                    value, i = (words[i + 1], i + 1) if named else ("true", i)
                 elif i + 1 < len(words) and not words[i + 1].startswith("--"):
                     value, i = words[i + 1], i + 1
                 else:

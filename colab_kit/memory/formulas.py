@@ -84,7 +84,8 @@ def placed(est: dict, zero: int = 0, offload: str = "none", host_share: float | 
 
 
 def recompute_mode(recompute) -> str:
-    """``recompute`` as "none", "selective" or "full" (True / False: "full" / "none"), as ``ParallelConfig`` keeps it."""
+    """``recompute`` as "none", "selective" or "full" (True / False: "full" / "none"), as ``ParallelConfig``
+    keeps it."""
     if recompute is True or recompute is False:
         return "full" if recompute else "none"
     if recompute not in ("none", "selective", "full"):

@@ -38,7 +38,7 @@ and sequence steps, so it wraps what this rank runs):
 
 What is kept, measured, the 4-block test GPT (d 32, 4 heads, t 16), 8 rows on one rank, fp32, bytes::
 
-    none        1,133,700   (4 blocks of 264,192 B, the embeddings and the head)
+    none        1,133,700   (4 blocks of 266,240 B, the embeddings and the head)
     selective   1,125,508   (each block keeps 2,048 B less: its core's log-sum-exp, 4 N a, N = 128)
     full          134,276   (each block its input, 16,384 B)
 
