@@ -1,6 +1,10 @@
 """Recomputation: each transformer block keeps only its input, and runs its forward again in backward.
 
-``ParallelConfig(recompute=True)`` asks ``ck.boost`` for it (Chen et al. 2016, "Training Deep
+``ParallelConfig(recompute=...)`` is "none", "selective" or "full" (True / False read as "full" / "none");
+this module is "full". "selective" recomputes only attention's core (``colab_kit.recompute.selective``,
+Korthikanti et al. 2022); what each mode keeps, with the formula and a measurement: docs/training.md.
+
+``ParallelConfig(recompute=True)`` (or "full") asks ``ck.boost`` for it (Chen et al. 2016, "Training Deep
 Nets with Sublinear Memory Cost", arXiv 1604.06174; Colossal-AI calls it activation
 checkpointing). After the tensor plan and before the pipeline split, the engine calls
 ``recompute_blocks(model)``: every module of ``model.blocks`` then runs its own forward under
