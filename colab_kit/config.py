@@ -26,13 +26,15 @@ from collections.abc import Iterable
 
 from .errors import MessageOnly
 
-__all__ = ["ConfigError", "ParallelConfig", "TP_MODES", "SP_MODES", "SCHEDULES"]
+__all__ = ["ConfigError", "ParallelConfig", "TP_MODES", "SP_MODES", "SCHEDULES", "RECOMPUTES"]
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 SP_MODES = ("ring", "ulysses", "split_gather")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 OFFLOADS = ("none", "cpu", "auto")
 PRECISIONS = ("fp32", "fp16", "bf16")
+RECOMPUTES = ("none", "selective", "full")
+"""What ``recompute`` may be (``colab_kit.recompute``): True / False are read as "full" / "none"."""
 AXES = ("pp", "dp", "sp", "tp")  # slowest to fastest varying in the rank order
 _BOOL_FIELDS = ("recompute",)
 _WORDS_TRUE, _WORDS_FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -41,6 +43,26 @@ _WORDS_TRUE, _WORDS_FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "of
 class ConfigError(MessageOnly, ValueError):
     """An invalid parallel configuration; the message names the rule and a valid choice
     (IPython shows the message, not the kernel-side frames)."""
+
+
+def _recompute_mode(value) -> str:
+    """``recompute`` as one of ``RECOMPUTES``: True / 1 / "on" -> "full", False / 0 / "off" -> "none".
+
+    >>> _recompute_mode(True), _recompute_mode("off"), _recompute_mode("Selective")
+    ('full', 'none', 'selective')
+    """
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in RECOMPUTES:
+            return word
+        if word in _WORDS_TRUE + _WORDS_FALSE:
+            return "full" if word in _WORDS_TRUE else "none"
+    elif value is True or value is False or (not isinstance(value, float) and value in (0, 1)):
+        return "full" if value else "none"   # bool, numpy's bool_, 0 / 1
+    near = difflib.get_close_matches(str(value).lower(), RECOMPUTES, n=1)
+    hint = f"did you mean {near[0]!r}?" if near else "try recompute='selective'"
+    raise ConfigError(f"recompute must be 'none', 'selective' or 'full' (or True / False for 'full' / 'none'), "
+                      f"got {value!r}: {hint}")
 
 
 def _nearest(n: int, ok) -> list[int]:
@@ -96,11 +118,14 @@ class ParallelConfig:
     """Model chunks per pipeline rank (virtual stages): > 1 with schedule='interleaved', exactly 2 with 'zb-v'."""
     precision: str = "fp32"
     """'fp32', 'fp16' or 'bf16'."""
-    recompute: bool = False
-    """Recompute each transformer block's activations in backward instead of keeping them
-    (activation checkpointing, ``colab_kit.recompute``): a block keeps only its input."""
+    recompute: str = "none"
+    """Activation recomputation (``colab_kit.recompute``): "none" keeps every activation; "selective"
+    recomputes attention's core (scores, softmax, dropout, times V: Korthikanti et al. 2022) in backward;
+    "full" recomputes each transformer block, which keeps only its input. True / False (and the words
+    true / on / false / off) are stored as "full" / "none"."""
 
     def __post_init__(self):
+        object.__setattr__(self, "recompute", _recompute_mode(self.recompute))
         self._check()
 
     # ------------------------------------------------------------------ derived
@@ -153,7 +178,8 @@ class ParallelConfig:
         if self.chunks > 1:
             extra.append(f"{self.chunks} chunks")
         extra += [f"zero={self.zero}"] * (self.zero > 0) + [f"offload={self.offload}"] * (self.offload != "none")
-        extra += [self.precision] * (self.precision != "fp32") + ["recompute"] * self.recompute
+        extra += [self.precision] * (self.precision != "fp32")
+        extra += {"none": [], "full": ["recompute"], "selective": ["selective recompute"]}.get(self.recompute, [])
         return ", ".join([text, *extra])
 
     def check_world_size(self, n: int) -> None:
@@ -186,9 +212,10 @@ class ParallelConfig:
                 key = word[2:]
                 if "=" in key:
                     key, value = key.split("=", 1)
-                elif key.replace("-", "_") in _BOOL_FIELDS:  # a switch: --recompute, or --recompute off
+                elif key.replace("-", "_") in _BOOL_FIELDS:  # a switch: --recompute, --recompute off / selective
                     following = words[i + 1].lower() if i + 1 < len(words) else ""
-                    value, i = (words[i + 1], i + 1) if following in _WORDS_TRUE + _WORDS_FALSE else ("true", i)
+                    named = following in _WORDS_TRUE + _WORDS_FALSE + RECOMPUTES
+                    value, i = (words[i + 1], i + 1) if named else ("true", i)
                 elif i + 1 < len(words) and not words[i + 1].startswith("--"):
                     value, i = words[i + 1], i + 1
                 else:
@@ -224,6 +251,8 @@ class ParallelConfig:
                     value = operator.index(value)
                 except TypeError:
                     pass
+            elif key == "recompute":
+                value = _recompute_mode(value)
             elif fields[key].type == "str":
                 value = str(value).lower()
             elif fields[key].type == "bool" and isinstance(value, str):
@@ -249,8 +278,6 @@ class ParallelConfig:
                 near = difflib.get_close_matches(str(v).lower(), allowed, n=1)
                 hint = f"did you mean {near[0]!r}? " if near else ""
                 raise ConfigError(f"unknown {name} {v!r}: {hint}choose one of {_or(repr(a) for a in allowed)}")
-        if not isinstance(self.recompute, bool):
-            raise ConfigError(f"recompute must be True or False, got {self.recompute!r}")
         if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
         self._check_tensor()

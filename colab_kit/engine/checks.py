@@ -28,7 +28,7 @@ def check_policy(model: nn.Module, config: ParallelConfig, policy=None):
     if policy is not None and policy.prepare is not None:  # e.g. a Hugging Face GPT-2's Conv1D -> nn.Linear
         policy.prepare(model)
     needs = [f"{k}={getattr(config, k)}" for k in ("tp", "pp", "sp") if getattr(config, k) > 1]
-    needs += ["recompute=True"] if config.recompute else []
+    needs += {"full": ["recompute=True"], "selective": ["recompute='selective'"]}.get(config.recompute, [])
     if policy is None:
         if needs:
             raise ConfigError(missing_policy_message(model, " and ".join(needs)))

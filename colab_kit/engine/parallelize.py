@@ -61,7 +61,7 @@ def plan_steps(config: ParallelConfig, *, dropout: bool = False) -> tuple[str, .
         #  'broadcast', 'data_parallel')
     """
     asks = {"dropout": dropout, "tensor": config.tp > 1, "sequence": config.sp > 1,
-            "recompute": bool(config.recompute), "pipeline_split": config.pp > 1,
+            "recompute": config.recompute != "none", "pipeline_split": config.pp > 1,
             "precision": config.precision != "fp32"}
     return tuple(s for s in STEPS if asks.get(s, True))
 
@@ -146,8 +146,8 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
     if "sequence" in steps:                                            # 4. attention on this rank's tokens
         model, sp_plan = apply_sequence_parallel(model, mesh, config, policy)
         take("sequence")
-    if "recompute" in steps:                                           # 5. each block keeps its input only
-        apply_recompute(model, policy)
+    if "recompute" in steps:                                           # 5. blocks (or attention cores) recompute
+        apply_recompute(model, policy, config, sp_plan)
         take("recompute")
     stages, tied = None, []
     if "pipeline_split" in steps:                                      # 6. this rank's stages

@@ -125,10 +125,13 @@ def layout_activations(model, config, rows: int, seq: int, *, layers: int, first
     """
     e = PRECISION_BYTES[config.precision]
     seq = seq // config.sp if config.sp_mode != "split_gather" else seq
+    recompute = config.recompute
+    if recompute == "selective" and config.sp > 1 and config.sp_mode == "ring":
+        recompute = "none"  # the ring's backward already rebuilds its blocks: selective changes nothing there
     if config.tp == 1 or config.tp_mode == "1d":
         split = config.tp if config.sp_mode == "split_gather" and config.tp > 1 else 1
         return activation_bytes(model, rows, seq=seq, layers=layers, first=first, last=last, tp=config.tp,
-                                recompute=config.recompute, bytes_per_elem=e, sequence_split=split)["held"]
+                                recompute=recompute, bytes_per_elem=e, sequence_split=split)["held"]
     q, h, f, a, v = config.tp_q, model.d_model, model.d_ff, model.n_heads, model.vocab_size
     shards = config.tp_depth * q if config.tp_mode != "3d" else q * q
     n = rows // shards * seq
@@ -145,7 +148,7 @@ def layout_activations(model, config, rows: int, seq: int, *, layers: int, first
         block = 2 * ln + 2 * e * n * hl + attn + 2 * e * n * fl
         head = ln + e * n * hl + e * n * vl + 8 * n + 4
         embed = 8 * n * q + 8 * seq  # VocabEmbedding2D gathers the ids of the grid column
-    kept = e * n * hl if config.recompute else block
+    kept = {"full": e * n * hl, "selective": block - 4 * n * al, "none": block}[recompute]  # core: its lse
     return layers * kept + (embed if first else 0) + (head if last else 0)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["estimate", "model_state_bytes", "activation_bytes", "optimizer_states", "placed", "PRECISION_BYTES",
-           "OPTIMIZER_STATES"]
+           "OPTIMIZER_STATES", "recompute_mode"]
 
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -83,8 +83,18 @@ def placed(est: dict, zero: int = 0, offload: str = "none", host_share: float | 
     return {**est, "device": {k: est[k] - host[k] for k in est}, "host": host}
 
 
+def recompute_mode(recompute) -> str:
+    """``recompute`` as "none", "selective" or "full" (True / False: "full" / "none"), as ``ParallelConfig``
+    keeps it."""
+    if recompute is True or recompute is False:
+        return "full" if recompute else "none"
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full' (or True / False), got {recompute!r}")
+    return recompute
+
+
 def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | None = None, first: bool = True,
-                     last: bool = True, tp: int = 1, recompute: bool = False, bytes_per_elem: int = 4,
+                     last: bool = True, tp: int = 1, recompute: bool | str = False, bytes_per_elem: int = 4,
                      sequence_split: int = 1) -> dict:
     """Bytes autograd saves in one forward of ``rows`` sequences through a ``ck.models.GPT``
     (``model`` is its ``GPTConfig``) on one rank: what ``ActivationMeter`` measures.
@@ -105,8 +115,15 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
     gelu, fc2                     fc1's output, gelu's output         2 e N f / tp
     ============================  ==================================  ======================
 
-    With ``recompute`` a block saves only its input (e N h); in backward one block at a time
-    is rebuilt, so the peak in backward is ``held`` plus one block's worth (``peak``). The
+    With ``recompute`` True or "full" a block saves only its input (e N h); in backward one block at a
+    time is rebuilt, so the peak in backward is ``held`` plus one block's worth (``peak``). With
+    "selective" (``colab_kit.recompute.selective``) attention's core runs under a checkpoint: its inputs
+    q, k, v stay (the checkpoint holds them), its output stays (``proj`` saves it: the same storage),
+    and what the core alone kept goes, the log-sum-exp, ``4 N a / tp`` a block; in backward one core at a
+    time is rebuilt (``peak``). That is Korthikanti et al.'s ``5 a s / h`` term of ``s b h (34 + 5 a s / h)``
+    in this engine: their scores, softmax and dropout mask (``5 a s^2 b`` bytes in 16 bits) are never kept by
+    the fused kernel, whose only own tensor is the log-sum-exp; eager attention (a Hugging Face model
+    with attention dropout) keeps the scores, probabilities and mask, and selective drops those. The
     embeddings save the token ids (8 N) and positions (8 seq); the last stage saves ln_f's
     input and statistics, the head's input (e N (2h) + 8 N), the log-softmax (e N V / tp)
     and the targets (8 N) with the loss's weight (4). The meter counts a tensor's whole storage:
@@ -127,17 +144,20 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
     layers = model.n_layers if layers is None else layers
     n, e = rows * seq, bytes_per_elem
     ln = (e * n * h + 8 * n) // sequence_split  # one LayerNorm: its input, mean and 1/std
+    mode = recompute_mode(recompute)
     block = 2 * ln + 2 * e * n * h + (4 * e * n * h + 4 * n * heads + 2 * e * n * f) // tp
-    kept = e * n * h // sequence_split if recompute else block  # split_gather: the block input is split too
+    core = 4 * n * heads // tp  # what attention's core alone keeps: the log-sum-exp (fp32)
+    kept = {"full": e * n * h // sequence_split,  # split_gather: the block input is split too
+            "selective": block - core, "none": block}[mode]
     embed = 8 * n + 8 * seq if first else 0
     head = (ln + e * n * h + e * n * vocab // tp + 8 * n + 4) if last else 0
     held = layers * kept + embed + head
     return {"block": block, "blocks": layers * kept, "embedding": embed, "head": head, "held": held,
-            "peak": held + (block if recompute and layers else 0)}
+            "peak": held + ({"full": block, "selective": core, "none": 0}[mode] if layers else 0)}
 
 
 def estimate(n_params: int, optimizer="adamw", bytes_per_param: int | None = None, dp: int = 1, zero: int = 0,
-             *, precision: str | None = None, model=None, rows: int = 0, recompute: bool = False, tp: int = 1,
+             *, precision: str | None = None, model=None, rows: int = 0, recompute: bool | str = False, tp: int = 1,
              layers: int | None = None, first: bool = True, last: bool = True, offload: str = "none",
              seq: int | None = None, sequence_split: int = 1) -> dict:
     """Estimated bytes per rank in the categories ``engine.memory()`` measures.

@@ -87,6 +87,10 @@ def _pipelines(pp: int):
         yield "zb-v", 2, m
 
 
+_RECOMPUTES = (("none", "full"), ("none", "selective", "full"))
+"""Recompute candidates: selective where it recomputes something (the ring already recomputes its core)."""
+
+
 def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32", with_auto: bool = False,
                       accept=None):
     """Every config boost runs for this model and batch on ``world_size`` ranks (see the module docstring).
@@ -98,8 +102,9 @@ def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32
         for (mode, depth), sp_mode, (schedule, chunks, m) in itertools.product(
                 _tensor_modes(tp), ("ring", "ulysses") if sp > 1 else ("ring", "split_gather") if tp > 1 else ("ring",),
                 _pipelines(pp)):
+            recomputes = _RECOMPUTES[sp_mode != "ring" or sp == 1]
             for zero, offload, recompute in itertools.product((0, 1, 2, 3) if dp > 1 else (0,),
-                                                              ("none", "cpu", "auto"), (False, True)):
+                                                              ("none", "cpu", "auto"), recomputes):
                 if (offload == "auto" and not with_auto) or (offload != "none" and zero == 0):
                     continue
                 try:

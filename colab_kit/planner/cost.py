@@ -11,7 +11,8 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   In one process on this machine that prices the 4-block test GPT's step at 3.6 ms, measured 3.61 (by hand, once).
   Recomputation (``_recomputed``) adds the blocks' FLOPs and bytes again and their ops at the measured
   cost of a recomputed op (``constants``'s "recompute": 2-3 times an op's own on CPU, the checkpoint's
-  hooks), and runs the forward's tp and sp collectives again (1D: half of them).
+  hooks), and runs the forward's tp and sp collectives again (1D: half of them); selective recomputation
+  adds attention's core only (its products' FLOPs, its few ops, no collective).
 - pipeline (``_span``): the schedule's own plan (``build_plan_for``) with each action's compute and
   the stage's tp and sp collectives in it: F its forward, B its backward (and recomputation), a
   zero-bubble I the backward less W, W the Linears' deferred weight gradients (``_weight_grads``:
@@ -104,13 +105,25 @@ def _weight_grads(model, cfg, consts, tokens: int, layers: int) -> float:
 
 
 def _recomputed(model, cfg, consts, tokens: int, layers: int) -> float:
-    """Seconds recomputation adds to one microbatch of ``layers`` blocks (0 without it): their forward's
-    FLOPs again, and per op of their forward the measured cost of recomputing it (``constants``'s
-    "recompute": the checkpoint's hooks both ways around the forward run again, 2-3 times an op's own
-    cost on CPU; constants measured before it: one forward's ops)."""
-    if not cfg.recompute:
-        return 0.0
+    """Seconds recomputation adds to one microbatch of ``layers`` blocks (0 without it).
+
+    "full": their forward's FLOPs again, and per op of their forward the measured cost of recomputing it
+    (``constants``'s "recompute": the checkpoint's hooks both ways around the forward run again, 2-3 times an
+    op's own cost on CPU; constants measured before it: one forward's ops). "selective": attention's core
+    again (``colab_kit.recompute.selective``): its two products' FLOPs (``4 t h`` a token, over sp and tp) and
+    its bytes, the core's few ops (the fused kernel and the checkpoint's hold: 4 a block) at that cost, and
+    no collective (Ulysses recomputes between its all-to-alls; the ring recomputes nothing more)."""
     per_op = consts.get("recompute", consts.get("dispatch", {})).get("op_seconds", 0.0)
+    if cfg.recompute == "selective":
+        if cfg.sp > 1 and cfg.sp_mode == "ring":
+            return 0.0
+        core = _matmuls(model, cfg, consts, tokens, layers, False) - _matmuls(model, cfg, consts, tokens, layers,
+                                                                              False, attention=False)
+        per_byte = consts.get("activation", {}).get("seconds_per_byte", 0.0)
+        lse = 4 * tokens // cfg.sp * model.n_heads // cfg.tp  # what the core saved: its log-sum-exp
+        return core + layers * (4 * per_op + lse * per_byte / 3)
+    if cfg.recompute != "full":
+        return 0.0
     block_ops, _ = _op_counts(model.n_heads)
     return (_matmuls(model, cfg, consts, tokens, layers, False) + layers * (block_ops + mode_ops(cfg)) * per_op
             + _saved(model, cfg, consts, tokens, layers, False))
@@ -190,7 +203,7 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict,
         sp1, _ = _sp_comm(model, cfg, consts, tokens, layers_stage, e)
         c_fwd = tp1 * fwd_share[0] + sp1 * fwd_share[1]
         c_bwd = tp1 * (1 - fwd_share[0]) + sp1 * (1 - fwd_share[1])
-        c_rc = (tp1 * again[0] + sp1 * again[1]) if cfg.recompute else 0.0
+        c_rc = (tp1 * again[0] + sp1 * again[1]) if cfg.recompute == "full" else 0.0
         act = tokens // cfg.sp * model.d_model * e // (cfg.tp if cfg.tp_mode != "1d" else 1)
         alpha, beta = alpha_beta(consts, "send", 2)
         parts["bubble"] = bubble(cfg, model_key, fwd * share, rc * share, c_fwd, c_bwd + c_rc, head * share,
@@ -205,7 +218,7 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict,
         counts["pp"] = sends
     tp_s, tp_n = _tp_comm(model, cfg, consts, tokens, layers_rank, True, e)  # the head's rank is the slowest
     sp_s, sp_n = _sp_comm(model, cfg, consts, tokens, layers_rank, e)
-    if cfg.recompute:  # the blocks' forward collectives again
+    if cfg.recompute == "full":  # the blocks' forward collectives again (selective repeats none)
         tp_b, tp_bn = _tp_comm(model, cfg, consts, tokens, layers_rank, False, e)
         tp_s, tp_n = tp_s + again[0] * tp_b, tp_n + round(again[0] * tp_bn)
         sp_s, sp_n = sp_s * (1 + again[1]), sp_n + round(again[1] * sp_n)

@@ -1,6 +1,10 @@
 """Recomputation: each transformer block keeps only its input, and runs its forward again in backward.
 
-``ParallelConfig(recompute=True)`` asks ``ck.boost`` for it (Chen et al. 2016, "Training Deep
+``ParallelConfig(recompute=...)`` is "none", "selective" or "full" (True / False read as "full" / "none");
+this module is "full". "selective" recomputes only attention's core (``colab_kit.recompute.selective``,
+Korthikanti et al. 2022); what each mode keeps, with the formula and a measurement: docs/training.md.
+
+``ParallelConfig(recompute=True)`` (or "full") asks ``ck.boost`` for it (Chen et al. 2016, "Training Deep
 Nets with Sublinear Memory Cost", arXiv 1604.06174; Colossal-AI calls it activation
 checkpointing). After the tensor plan and before the pipeline split, the engine calls
 ``recompute_blocks(model)``: every module of ``model.blocks`` then runs its own forward under
@@ -76,23 +80,10 @@ from ..models import dropout
 from ..policy.classes import derived_class, derived_from
 from ..config import ConfigError
 from ..policy import missing_policy_message, policy_for
+from .hold import _Hold
 
 __all__ = ["recompute_blocks", "is_recomputed", "recomputed_class"]
 
-
-
-class _Hold(torch.autograd.Function):
-    """Identity that saves its input for backward (and never reads it): the saved-tensor
-    hooks outside a recomputed block see the one tensor the block keeps."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
 
 
 def recomputed_class(cls: type) -> type:

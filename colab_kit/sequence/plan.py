@@ -225,7 +225,20 @@ class SequencePlan:
             return ring_attention(q, k, v, self.mesh, self.axis, layout=self.layout, recorder=self.recorder,
                                   causal=causal, mask=mask, keys=keys, drop=drop)
         return ulysses_attention(q, k, v, self.mesh, self.axis, layout=self.layout, causal=causal, mask=mask,
-                                 keys=keys, local=local)
+                                 keys=keys, local=local, wrap=self._core)
+
+    _core = None  # what Ulysses runs its local attention in (``recompute_core``)
+
+    def recompute_core(self, wrap) -> int:
+        """Selective recomputation (``colab_kit.recompute.selective``): Ulysses runs its local attention, between
+        the all-to-alls, in ``wrap`` (a checkpoint), so backward recomputes it and no all-to-all is repeated.
+        The ring changes nothing: its backward already rebuilds every score block from q, k, v, the output
+        and the log-sum-exp, and a checkpoint around it would repeat its K/V rotations. Returns the number
+        of cores that now recompute (0 for the ring)."""
+        if self.mode != "ulysses":
+            return 0
+        self._core = wrap
+        return 1
 
     _mask: torch.Tensor | None = None  # the last key-padding mask seen, and every rank's copy of it (``gather_keys``)
     _keys: torch.Tensor | None = None

@@ -62,7 +62,7 @@ def check_heads(heads: int, sp: int) -> None:
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis: str = "sp", *,
                       layout: str = "contiguous", causal: bool = True, mask: torch.Tensor | None = None,
-                      keys: torch.Tensor | None = None, local=None) -> torch.Tensor:
+                      keys: torch.Tensor | None = None, local=None, wrap=None) -> torch.Tensor:
     """Self-attention of the sequence split over ``axis``, by the Ulysses all-to-all: causal, or bidirectional
     with ``causal=False``; keys masked out where ``mask [b, t_local]`` (this rank's tokens) is False (every
     rank's mask is all-gathered, a few bytes per token, so each rank sees the whole sequence's).
@@ -71,7 +71,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, a
     returns this rank's rows of the causal attention, same shape and layout. Records two
     ``all_to_all@sp`` in the forward and two in the backward. ``local(q, k, v, keys)``: the attention of
     the whole sequence on this rank's heads, in natural token order (default SDPA; a Hugging Face model
-    with attention dropout passes eager attention with ``colab_kit.models.dropout``'s masks).
+    with attention dropout passes eager attention with ``colab_kit.models.dropout``'s masks). ``wrap``: what the
+    local attention runs in (selective recomputation passes its checkpoint: only the core between the
+    all-to-alls runs again in backward, the all-to-alls do not).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sequence layout {layout!r}: use one of {', '.join(LAYOUTS)}")
@@ -81,7 +83,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, a
     n = mesh.size(axis)
     check_heads(q.shape[1], n)
 
-    def attend(q, k, v, keys):
+    def core(q, k, v, keys):
         if local is not None:
             return local(q, k, v, keys)
         if keys is None:
@@ -91,6 +93,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, a
             allowed = allowed & torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
 
+    attend = core if wrap is None else wrap(core)
     if n == 1:
         return attend(q, k, v, mask)
     if mask is not None:  # [sp, b, t_local] in rank order -> [b, t] in the gathered order

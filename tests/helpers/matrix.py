@@ -31,6 +31,8 @@ MATRIX = {
         "split_gather x pp": dict(tp=2, sp_mode="split_gather", **PP, schedule="1f1b"),
         "split_gather x dp x zero=2": dict(dp=2, tp=2, sp_mode="split_gather", zero=2),
         "ulysses x dp x zero=3 offload": dict(dp=2, sp=2, sp_mode="ulysses", zero=3, offload="cpu"),
+        "2d selective": dict(tp=4, tp_mode="2d", recompute="selective"),
+        "interleaved x tp selective": dict(tp=2, **PP, schedule="interleaved", chunks=2, recompute="selective"),
     },
     8: {
         "3d recompute": dict(tp=8, tp_mode="3d", recompute=True),
@@ -40,5 +42,7 @@ MATRIX = {
         "ulysses x dp x tp": dict(dp=2, tp=2, sp=2, sp_mode="ulysses"),
         "ring x dp x pp x zero=1": dict(dp=2, sp=2, **PP, schedule="1f1b", zero=1),
         "ulysses x dp x pp recompute": dict(dp=2, sp=2, sp_mode="ulysses", **PP, schedule="zb-h1", recompute=True),
+        "3d selective": dict(tp=8, tp_mode="3d", recompute="selective"),
+        "2.5d selective": dict(tp=8, tp_mode="2.5d", tp_depth=2, recompute="selective"),
     },
 }

@@ -39,7 +39,7 @@ def test_candidates_cover_every_mode_that_runs_on_8_ranks(eight):
     kept = set().union(*(_modes(c.config) for c in eight))
     want = {"dp", "tp-1d", "tp-2d", "tp-2.5d", "tp-3d", "pp-gpipe", "pp-1f1b", "pp-interleaved", "pp-zb-h1", "pp-zb-v",
             "sp-ring", "sp-ulysses", "sp-split_gather", "zero0", "zero1", "zero2", "zero3", "offload-none",
-            "offload-cpu", "recompute-True", "recompute-False"}
+            "offload-cpu", "recompute-full", "recompute-none", "recompute-selective"}
     assert want | {"offload-auto"} <= seen, want - seen
     assert want - {"zero1"} <= kept, want - kept
     assert len(eight) == len({c.config for c in eight})  # no config twice

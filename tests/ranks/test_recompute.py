@@ -143,18 +143,18 @@ def test_recompute_really_runs_the_blocks_forward_again():
 
 def test_recompute_config_field():
     P = ck.ParallelConfig
-    assert P().recompute is False and P(recompute=True).recompute is True
+    assert P().recompute == "none" and P(recompute=True).recompute == "full"  # stored as the mode's name
     assert P(dp=2, recompute=True).describe() == "dp=2 = 2 ranks, recompute"
     assert P(dp=2).describe() == "dp=2 = 2 ranks"
     c = P(dp=2, recompute=True)
     assert P.from_dict(c.to_dict()) == c and P(**c.to_dict()) == c
-    assert P.parse("dp=2 --recompute").recompute and P.parse("--recompute --dp 2").dp == 2
-    assert P.parse("recompute=on").recompute and not P.parse("--recompute off").recompute
-    assert P.parse("recompute=True dp=2").recompute and P.from_dict({"recompute": 1}).recompute
-    with pytest.raises(ck.ConfigError, match="recompute must be true or false, got 'maybe'"):
+    assert P.parse("dp=2 --recompute").recompute == "full" and P.parse("--recompute --dp 2").dp == 2
+    assert P.parse("recompute=on").recompute == "full" and P.parse("--recompute off").recompute == "none"
+    assert P.parse("recompute=True dp=2").recompute == P.from_dict({"recompute": 1}).recompute == "full"
+    with pytest.raises(ck.ConfigError, match="recompute must be 'none', 'selective' or 'full'.*got 'maybe'"):
         P.parse("recompute=maybe")
-    with pytest.raises(ck.ConfigError, match="recompute must be True or False, got 'yes'"):
-        P(recompute="yes")
+    with pytest.raises(ck.ConfigError, match="recompute must be 'none', 'selective' or 'full'"):
+        P(recompute="maybe")
 
 
 def test_recompute_refuses_a_model_without_blocks():

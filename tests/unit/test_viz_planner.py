@@ -48,7 +48,7 @@ def test_config_words_read_back_as_the_same_config():
     for cfg in (ParallelConfig(dp=2, pp=2, microbatches=4, schedule="gpipe", zero=1),
                 ParallelConfig(tp=4, tp_mode="2d", recompute=True), ParallelConfig(), ParallelConfig(dp=2, sp=2)):
         assert ParallelConfig.parse(config_words(cfg)) == cfg
-    assert config_words(ParallelConfig(tp=4, tp_mode="2d", recompute=True)) == "tp=4 tp_mode=2d recompute=true"
+    assert config_words(ParallelConfig(tp=4, tp_mode="2d", recompute=True)) == "tp=4 tp_mode=2d recompute=full"
 
 
 def test_device_bytes_reads_places_or_totals():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config import SCHEDULES, SP_MODES, TP_MODES, ConfigError, ParallelConfig
+from ...config import RECOMPUTES, SCHEDULES, SP_MODES, TP_MODES, ConfigError, ParallelConfig
 from ..session import find
 from .display import KernelDisplay, html, then
 from .figure_view import figure_view, redraw
@@ -35,7 +35,8 @@ __all__ = ["ConfigPicker", "FIELDS", "mesh_summary"]
 
 FIELDS = ("dp", "tp", "pp", "sp", "tp_mode", "tp_depth", "sp_mode", "schedule", "microbatches", "chunks", "zero",
           "recompute")
-_CHOICES = {"tp_mode": TP_MODES, "sp_mode": SP_MODES, "schedule": SCHEDULES, "zero": (0, 1, 2, 3)}
+_CHOICES = {"tp_mode": TP_MODES, "sp_mode": SP_MODES, "schedule": SCHEDULES, "zero": (0, 1, 2, 3),
+            "recompute": RECOMPUTES}
 
 
 class ConfigPicker(KernelDisplay):
@@ -178,9 +179,7 @@ class ConfigPicker(KernelDisplay):
 
         ui = {}
         for f in FIELDS:
-            if f == "recompute":
-                ui[f] = w.Checkbox(value=self.values[f], description=f)
-            elif f in _CHOICES:
+            if f in _CHOICES:
                 ui[f] = w.Dropdown(options=list(_CHOICES[f]), value=self.values[f], description=f)
             else:
                 ui[f] = w.BoundedIntText(value=self.values[f], min=1, max=1024, description=f)
