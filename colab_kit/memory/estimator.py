@@ -31,6 +31,8 @@ Worked example, the demo GPT (vocab 64, seq 32, d_model 64, 4 heads, 4 layers) w
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .formulas import PRECISION_BYTES, activation_bytes, model_state_bytes, placed
 from ..config import ParallelConfig
 from ..models import GPTConfig
@@ -97,7 +99,7 @@ def stage_params(model, config) -> list[int]:
     parts = part_params(model, config)
     if config.pp == 1:
         return [parts["embed"] + model.n_layers * parts["block"] + parts["tail"]]
-    plan, stage_layers = _stages(config, model)
+    plan, stage_layers = _stages(config)  # the stages each rank holds: the placement, whatever the plan's fit
     n = config.pp * config.chunks
     layers = stage_layers(model.n_layers, n)
 
@@ -152,31 +154,57 @@ def layout_activations(model, config, rows: int, seq: int, *, layers: int, first
     return layers * kept + (embed if first else 0) + (head if last else 0)
 
 
-def pipeline_peak(model, config, rows: int, seq: int) -> list[int]:
+def pipeline_peak(model, config, rows: int, seq: int, *, fitted: bool = True) -> list[int]:
     """Most activation bytes each pipeline rank holds at once in one step, ``rows`` dp-local
     sequences per microbatch: the rank's compute actions in order, F adding its stage's bytes
     (``layout_activations``), B or W (zero-bubble: after I the weight pass still reads them)
-    freeing them. GPipe holds every microbatch; 1F1B at most ``pp - rank``."""
-    plan, stage_layers = _stages(config, model)
+    freeing them. GPipe holds every microbatch; 1F1B at most ``pp - rank``. ``fitted=False`` walks zb-v's
+    plan at unit costs instead of the one fitted to the model's FLOPs (the planner's, for deep pipelines)."""
+    plan, stage_layers = _stages(config, model if fitted else None)
     n = config.pp * config.chunks
     layers = stage_layers(model.n_layers, n)
     per = [layout_activations(model, config, rows, seq, layers=len(layers[s]), first=s == 0, last=s == n - 1)
            for s in range(n)]
     store = [_weight_store(model, config, rows, seq, len(layers[s]), s == n - 1) for s in range(n)]
     peaks = []
-    for r in range(config.pp):
-        live = peak = 0
-        for act in plan.compute(r):
-            s = act.stage
-            if act.kind == "F":
-                live += per[s]
-            elif act.kind in ("B", "W"):
-                live -= store[s] if act.kind == "W" and s > 0 else per[s]
-            elif act.kind == "I" and s > 0:  # stage 0's I defers its whole backward to W
-                live += store[s] - per[s]
-            peak = max(peak, live)
-        peaks.append(peak)
+    for stages, counts in _walks(plan):
+        values = np.array([per[s] for s in stages] + [store[s] for s in stages], dtype=np.int64)
+        peaks.append(int((counts @ values).max()))
     return peaks
+
+
+_WALKS: dict = {}
+
+
+def _walks(plan) -> list[tuple[list[int], np.ndarray]]:
+    """Each rank's walk through its compute actions in order, as counts: row t says how many of each of
+    its stages' activations (``per``) and weight stores (``store``) are held after its t-th action (a first
+    row of zeros: the peak is at least 0). F adds its stage's activations; B, or W after I, frees them
+    (stage 0's I defers its whole backward to W; a later stage's I trades them for the store). The bytes
+    held at t are then ``counts[t] @ (per + store)`` for any model and layout: one walk per plan, kept."""
+    key = id(plan)
+    if key not in _WALKS or _WALKS[key][0] is not plan:
+        if len(_WALKS) > 512:
+            _WALKS.clear()
+        out = []
+        for r in range(plan.pp):
+            stages = plan.stages_of(r)
+            col = {s: j for j, s in enumerate(stages)}
+            k = len(stages)
+            rows, now = [[0] * (2 * k)], [0] * (2 * k)
+            for act in plan.compute(r):
+                j = col[act.stage]
+                if act.kind == "F":
+                    now[j] += 1
+                elif act.kind in ("B", "W"):
+                    now[k + j if act.kind == "W" and act.stage > 0 else j] -= 1
+                elif act.kind == "I" and act.stage > 0:
+                    now[k + j] += 1
+                    now[j] -= 1
+                rows.append(list(now))
+            out.append((stages, np.unique(np.array(rows, dtype=np.int64), axis=0)))
+        _WALKS[key] = (plan, out)
+    return _WALKS[key][1]
 
 
 def _weight_store(model, config, rows: int, seq: int, layers: int, last: bool) -> int:
@@ -195,12 +223,14 @@ def _weight_store(model, config, rows: int, seq: int, layers: int, last: bool) -
 
 
 def config_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | None = None,
-                    pp_rank: int | None = None, n_params: int | None = None, host_share: float | None = None) -> dict:
+                    pp_rank: int | None = None, n_params: int | None = None, host_share: float | None = None,
+                    fitted: bool = True) -> dict:
     """Estimated bytes on one rank of ``config`` training a GPT (``model``: its GPTConfig) on a
     global ``batch`` of rows per step: the keys of ``engine.memory()`` with "device" and "host".
 
     ``pp_rank`` picks the pipeline rank (None: the one with the most parameters plus activations);
-    ``n_params`` overrides the parameter count (another model); ``seq`` defaults to the model's.
+    ``n_params`` overrides the parameter count (another model); ``seq`` defaults to the model's; ``fitted``
+    (``pipeline_peak``): zb-v's plan fitted to the model's FLOPs, as the engine runs it, or at unit costs.
 
     >>> from colab_kit import ParallelConfig
     >>> from colab_kit.models import GPTConfig
@@ -213,7 +243,7 @@ def config_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | 
     rows = batch // (config.dp * config.microbatches)
     params = stage_params(model, config) if n_params is None else [n_params] * config.pp
     if config.pp > 1:
-        acts = pipeline_peak(model, config, rows, seq)
+        acts = pipeline_peak(model, config, rows, seq, fitted=fitted)
     else:
         acts = [layout_activations(model, config, rows, seq, layers=model.n_layers)]
     states = [model_state_bytes(p, optimizer, config.precision, config.dp, config.zero, config.offload) for p in params]

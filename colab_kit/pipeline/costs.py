@@ -113,8 +113,12 @@ def zb_v_timed(pp: int, m: int, costs: dict, reserve: bool = False) -> list[list
         now = [c for c in cands if c[0] <= t]
         return min(now, key=lambda c: c[1:4]) if now else min(cands, default=None)
 
+    # a rank's choice reads its own state, its stages' counters, and when the stages beside its own end their
+    # actions: after rank r runs stage s, only r and the owners of stages s - 1 and s + 1 can choose otherwise
+    owner = {s: r for r in range(pp) for s in mine[r]}
+    chosen = [choice(r) for r in range(pp)]
     for _ in range(3 * n * m):
-        picks = [(c, r) for r in range(pp) if (c := choice(r)) is not None]
+        picks = [(c, r) for r, c in enumerate(chosen) if c is not None]
         (start, _, a, b, kind), r = min(picks, key=lambda p: (p[0][0], p[1]))
         if math.isinf(start):
             return None
@@ -130,6 +134,8 @@ def zb_v_timed(pp: int, m: int, costs: dict, reserve: bool = False) -> list[list
         else:
             owed[r].popleft()
             held[r] -= 1
+        for d in {r, owner.get(s - 1, r), owner.get(s + 1, r)}:
+            chosen[d] = choice(d)
     return plan
 
 

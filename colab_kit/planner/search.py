@@ -34,6 +34,7 @@ from ..engine.core import unsupported
 from ..memory.formulas import model_state_bytes
 from .candidates import Candidate, Candidates
 from .estimate import Estimate, gpt_of, memory_of, priced
+from .scale import price
 from .hardware import Hardware
 from .shape import ModelShape
 
@@ -139,36 +140,71 @@ def _configs(shape, dp, tp, pp, sp, batch, precision, restrict) -> Iterator[Para
                         yield cfg
 
 
+def _bound(shape, cfg, batch, hw, optimizer) -> float:
+    """A lower bound on the step time of every (zero, recompute) variant of ``cfg`` (priced at zero 0 and its
+    least recomputation): less recomputation and a lower ZeRO stage are never slower in the cost model,
+    except the optimizer's step and the dp traffic, which ZeRO shards and reshapes, so those two are left out."""
+    p = price(shape, cfg, batch, hw, seq=shape.seq, optimizer=optimizer)
+    return p.step_seconds - p.breakdown.get("optimizer", 0.0) - p.breakdown.get("comm:dp", 0.0)
+
+
+def _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt) -> list[Estimate]:
+    """The (zero, recompute) variants of ``cfg`` that fit and that no faster one beats on memory: for each
+    ZeRO stage the least recomputation that fits (more is only slower), then the time-memory Pareto front."""
+    fitting = []
+    for zero in zeros:
+        for rc in recomputes:
+            try:
+                c = cfg.replace(zero=zero, recompute=rc)
+            except ConfigError:
+                break
+            if unsupported(c) is not None:
+                break
+            mem = memory_of(shape, c, batch, optimizer, gpt=gpt, fit=False)
+            if sum(mem["device"].values()) <= usable:
+                fitting.append(priced(shape, c, batch, hw, mem, optimizer))
+                break
+    fitting.sort(key=lambda e: (e.step_seconds, sum(e.memory["device"].values())))
+    front, least = [], None
+    for e in fitting:
+        used = sum(e.memory["device"].values())
+        if least is None or used < least:
+            front.append(e)
+            least = used
+    return front
+
+
 def search(shape: ModelShape, gpus: int, batch: int, hw: Hardware, *, precision: str, optimizer: str = "adamw",
-           memory_per_rank: int | None = None, restrict: dict | None = None) -> list[Estimate]:
-    """Every candidate that fits, priced, fastest first (see the module docstring for what is pruned)."""
+           memory_per_rank: int | None = None, restrict: dict | None = None, limit: int = 20) -> list[Estimate]:
+    """The ``limit`` fastest candidates that fit, best first (see the module docstring for what is pruned).
+
+    Branch and bound: every config of every layout is priced once at its fastest variant (``_bound``), then
+    taken in the order of that bound; its variants that fit are priced and kept; the search stops at the
+    first config whose bound is slower than the ``limit``-th candidate found, which nothing after it can beat."""
     restrict = dict(restrict or {})
     usable = memory_per_rank if memory_per_rank is not None else hw.usable_bytes
-    out: list[Estimate] = []
+    recomputes = [rc for rc in RECOMPUTE if _allowed(restrict, "recompute", rc)]
     gpt = gpt_of(shape)
+    queue: list[tuple[float, int, ParallelConfig, list[int]]] = []
     for dp, tp, pp, sp in layouts(shape, gpus, restrict):
         zeros = [z for z in (0, 1, 2, 3) if (dp > 1 or z == 0) and _allowed(restrict, "zero", z)
                  and _states_fit(shape, dp, tp, pp, z, precision, optimizer, usable)]
-        if not zeros:
+        if not zeros or not recomputes:
             continue
         for cfg in _configs(shape, dp, tp, pp, sp, batch, precision, restrict):
-            for zero in zeros:
-                for rc in RECOMPUTE:
-                    if not _allowed(restrict, "recompute", rc):
-                        continue
-                    try:
-                        c = cfg.replace(zero=zero, recompute=rc)
-                    except ConfigError:
-                        continue
-                    if unsupported(c) is not None:
-                        break
-                    mem = memory_of(shape, c, batch, optimizer, gpt=gpt)
-                    if sum(mem["device"].values()) > usable:
-                        continue  # more recomputation may fit
-                    out.append(priced(shape, c, batch, hw, mem, optimizer))
-                    break  # more recomputation: only slower
-    out.sort(key=lambda e: e.step_seconds)
-    return out
+            try:
+                first = cfg.replace(zero=zeros[0], recompute=recomputes[0])
+            except ConfigError:
+                continue
+            queue.append((_bound(shape, first, batch, hw, optimizer), len(queue), cfg, zeros))
+    queue.sort(key=lambda q: (q[0], q[1]))
+    out: list[Estimate] = []
+    for bound, _, cfg, zeros in queue:
+        if len(out) >= limit and bound > out[limit - 1].step_seconds:
+            break
+        out += _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt)
+        out.sort(key=lambda e: e.step_seconds)
+    return out[:limit]
 
 
 def plan_at_scale(model, gpus: int, batch: int, hw: Hardware, *, precision: str, optimizer: str = "adamw",
@@ -181,7 +217,7 @@ def plan_at_scale(model, gpus: int, batch: int, hw: Hardware, *, precision: str,
         raise ConfigError(f"batch must be a positive whole number of sequences per step, got {batch!r}")
     shape = ModelShape.of(model, policy, seq)
     found = search(shape, gpus, batch, hw, precision=precision, optimizer=optimizer, memory_per_rank=memory_per_rank,
-                   restrict=restrict)
+                   restrict=restrict, limit=limit or 20)
     if not found:
         need = shape.params * 16 / (memory_per_rank or hw.usable_bytes)
         raise ConfigError(f"no configuration of {gpus} GPUs of {hw.name} fits {shape.name} "
@@ -191,6 +227,6 @@ def plan_at_scale(model, gpus: int, batch: int, hw: Hardware, *, precision: str,
                           f"or a preset with more memory per GPU")
     usable = memory_per_rank if memory_per_rank is not None else hw.usable_bytes
     out = Candidates(Candidate(e.config, e.memory, e.step_seconds, True, e.breakdown, e.collectives, estimate=e)
-                     for e in (found[:limit] if limit else found))
+                     for e in found)
     out.constants, out.memory_per_rank = {"hardware": hw.name, "source": hw.source}, usable
     return out

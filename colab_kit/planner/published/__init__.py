@@ -30,10 +30,16 @@ import os
 from ...config import ParallelConfig
 from ..shape import ModelShape
 
-__all__ = ["TABLE1", "as_run", "eq3_flops", "table1"]
+__all__ = ["TABLE1", "PUBLISHED_SPACE", "as_run", "eq3_flops", "table1"]
 
 TABLE1 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_table1.json")
 """Path of Megatron-LM Table 1 as data (rows, sources)."""
+
+
+PUBLISHED_SPACE = {"recompute": "full", "zero": 0, "sp": 1, "tp_mode": "1d", "sp_mode": "ring",
+                   "schedule": ("1f1b", "interleaved"), "precision": "fp16"}
+"""What the Table 1 runs could choose among, as ``ck.plan``'s ``restrict``: Megatron-LM in 2021 (fp16, full
+recomputation, plain data parallelism, 1D tensor parallelism without sequence splits, 1F1B or interleaved)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -76,5 +82,5 @@ def as_run(row: dict) -> tuple[ModelShape, ParallelConfig, int]:
     chunks = row["layers"] // (row["pp"] * lpv) if lpv else 1
     m = row["global_batch"] // (row["dp"] * row["microbatch"])
     config = ParallelConfig(dp=row["dp"], tp=row["tp"], pp=row["pp"], microbatches=m, precision="fp16",
-                            recompute=True, schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks)
+                            recompute="full", schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks)
     return shape, config, row["global_batch"]
