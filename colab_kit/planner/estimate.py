@@ -31,6 +31,7 @@ from ..config import ConfigError, ParallelConfig
 from ..memory.estimator import config_estimate
 from ..memory.formulas import optimizer_states
 from ..models import GPTConfig
+from ..pipeline.stage import check_stages
 from .cost import step_seconds
 from .at_scale import LOCAL
 from .hardware import HARDWARE, Hardware
@@ -202,9 +203,8 @@ def _check(config, batch, seq, shape) -> None:
     if shape.heads % config.tp and config.tp_mode == "1d":
         raise ConfigError(f"tp={config.tp} does not divide the model's {shape.heads} attention heads: "
                           f"use a tp that divides {shape.heads}")
-    if config.pp > 1 and shape.layers % config.pp:
-        raise ConfigError(f"pp={config.pp} does not divide the model's {shape.layers} layers: use a pp that "
-                          f"divides {shape.layers}")
+    if config.pp > 1:
+        check_stages(shape.layers, config)  # the engine's rule: the blocks split evenly over pp x chunks
     if seq % config.sp:
         raise ConfigError(f"sp={config.sp} does not divide the sequence of {seq} tokens: use an sp that divides it")
 

@@ -74,7 +74,7 @@ def test_model_states_follow_the_true_parameter_count():
 @pytest.mark.parametrize("kwargs, config, batch, match", [
     ({}, ck.ParallelConfig(dp=4), 6, "does not split over dp x microbatches"),
     ({}, ck.ParallelConfig(tp=3), 6, "does not divide the model's 4 attention heads"),
-    ({}, ck.ParallelConfig(pp=3), 6, "does not divide the model's 8 layers"),
+    ({}, ck.ParallelConfig(pp=3), 6, "n_layers=8 does not split evenly over pp"),
     ({"hardware": "TPU"}, ck.ParallelConfig(dp=2), 4, "unknown hardware 'TPU'"),
     ({"optimizer": "lion"}, ck.ParallelConfig(dp=2), 4, "optimizer"),
     ({}, "dp=2", 4, "takes a ParallelConfig"),
@@ -122,3 +122,21 @@ def test_the_plan_prices_what_estimate_prices():
     for c in cands:
         again = ck.estimate(cfg, c.config, 256, hardware="8xH100-SXM")
         assert again.step_seconds == c.step_seconds and again.memory == c.memory and again.fits
+
+
+def test_a_405b_llama_is_estimated_without_allocating_its_weights():
+    """Llama 3.1 405B's widths from its config alone: built on the meta device, a few MB of host memory."""
+    transformers = pytest.importorskip("transformers")
+    psutil = pytest.importorskip("psutil")
+    cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                                   num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=8192)
+    before = psutil.Process().memory_info().rss
+    config = ck.ParallelConfig(dp=64, tp=8, pp=14, microbatches=16, precision="bf16", sp_mode="split_gather",
+                               recompute="selective")  # 126 layers: the engine's stages are even (pp=16 is refused)
+    est = ck.estimate(cfg, config, 1024, hardware="8xH100-SXM")
+    assert psutil.Process().memory_info().rss - before < 512 << 20  # its bf16 weights alone would be 810 GB
+    assert round(est.shape.params / 1e9) == 406 and est.shape.gated and est.shape.kv_heads == 8
+    assert 0 < est.mfu < 0.8 and est.model_flops == pytest.approx(1024 * 8192 * est.shape.flops_per_token())
+    assert est.tokens_per_second == pytest.approx(1024 * 8192 / est.step_seconds)
+    assert set(est.memory) >= {"params", "grads", "optimizer", "activations", "device", "host"}
+    assert any("NVIDIA H100" in a for a in est.assumptions), est.assumptions
