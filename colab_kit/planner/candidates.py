@@ -77,14 +77,15 @@ class Candidates(list):
         big = any(c.estimate is not None for c in rows)
         unit, scale, t_unit, t_scale = ("GiB", 2 ** 30, "s/step", 1.0) if big else ("MiB", 2 ** 20, "ms/step", 1e3)
         mfu = f" {'MFU':>5}" if big else ""
-        head = (f"{'#':>3}  {'config':44} {'fits':4} {unit + '/rank':>9} {'states':>9} {'acts':>9} {t_unit:>8}{mfu}"
+        w = 60 if big else 44  # at scale a config names more: every axis, the schedule, chunks, split_gather
+        head = (f"{'#':>3}  {'config':{w}} {'fits':4} {unit + '/rank':>9} {'states':>9} {'acts':>9} {t_unit:>8}{mfu}"
                 "  why")
         lines = [head]
         for i, c in enumerate(rows):
             states = c.memory["params"] + c.memory["grads"] + c.memory["optimizer"]
             mark = "*" if c.exact else " "
             extra = f" {100 * c.estimate.mfu:4.1f}%" if big and c.estimate is not None else ""
-            lines.append(f"{i:>3}{mark} {c.describe()[:44]:44} {'yes' if c.fits else 'no':4} "
+            lines.append(f"{i:>3}{mark} {c.describe()[:w]:{w}} {'yes' if c.fits else 'no':4} "
                          f"{c.device_bytes / scale:9.2f} {states / scale:9.2f} {c.memory['activations'] / scale:9.2f} "
                          f"{t_scale * c.step_seconds:8.{3 if big else 1}f}{extra}  {c.why}")
         budget = "no memory limit" if self.memory_per_rank is None else f"memory_per_rank {self.memory_per_rank:,} B"

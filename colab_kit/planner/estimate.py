@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass, field
 
 from ..config import ConfigError, ParallelConfig
@@ -32,6 +33,7 @@ from ..memory.estimator import config_estimate
 from ..memory.formulas import optimizer_states
 from ..models import GPTConfig
 from ..pipeline.stage import check_stages
+from .constants import constants as measured
 from .cost import step_seconds
 from .at_scale import LOCAL
 from .hardware import HARDWARE, Hardware
@@ -231,7 +233,6 @@ def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = Non
     hw = hardware_of(hardware)
     memory = memory_of(shape, config, batch, optimizer)
     if hw == LOCAL:
-        from .constants import constants as measured
         consts = constants if constants is not None else measured(ranks=config.world_size)
         gpt = dataclasses.replace(gpt_of(shape), seq_len=seq)
         seconds, parts, counts = step_seconds(gpt, config, batch, consts, memory, optimizer)
@@ -253,5 +254,4 @@ def priced(shape: ModelShape, config: ParallelConfig, batch: int, hw: Hardware, 
 
 
 def _local_capacity() -> int:
-    import os
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -113,8 +113,9 @@ def _states_fit(shape: ModelShape, dp: int, tp: int, pp: int, zero: int, precisi
     return sum(states.values()) <= usable
 
 
-def _configs(shape, dp, tp, pp, sp, batch, precision, restrict) -> Iterator[ParallelConfig]:
-    """Configs of one layout, recompute='none' (the search varies it), zero 0 (likewise)."""
+def _configs(shape, dp, tp, pp, sp, batch, precision, restrict, zero: int = 0,
+             recompute: str = "none") -> Iterator[ParallelConfig]:
+    """Configs of one layout at ``zero`` and ``recompute`` (the search varies those two afterwards)."""
     if batch % dp:
         return
     rows = batch // dp
@@ -132,6 +133,7 @@ def _configs(shape, dp, tp, pp, sp, batch, precision, restrict) -> Iterator[Para
                                   microbatches=m, schedule=sched, chunks=chunks, precision=precision)
                     if not all(_allowed(restrict, k, v) for k, v in fields.items()):
                         continue
+                    fields.update(zero=zero, recompute=recompute)
                     try:
                         cfg = ParallelConfig(**fields)
                     except ConfigError:
@@ -148,14 +150,15 @@ def _bound(shape, cfg, batch, hw, optimizer) -> float:
     return p.step_seconds - p.breakdown.get("optimizer", 0.0) - p.breakdown.get("comm:dp", 0.0)
 
 
-def _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt) -> list[Estimate]:
-    """The (zero, recompute) variants of ``cfg`` that fit and that no faster one beats on memory: for each
-    ZeRO stage the least recomputation that fits (more is only slower), then the time-memory Pareto front."""
+def _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, offloads) -> list[Estimate]:
+    """The (zero, offload, recompute) variants of ``cfg`` that fit and that no faster one beats on memory: for
+    each ZeRO stage and offload the least recomputation that fits (more is only slower), then the time-memory
+    Pareto front."""
     fitting = []
-    for zero in zeros:
+    for zero, offload in ((z, o) for z in zeros for o in offloads):
         for rc in recomputes:
             try:
-                c = cfg.replace(zero=zero, recompute=rc)
+                c = cfg.replace(zero=zero, recompute=rc, offload=offload)
             except ConfigError:
                 break
             if unsupported(c) is not None:
@@ -175,7 +178,7 @@ def _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt) 
 
 
 def search(shape: ModelShape, gpus: int, batch: int, hw: Hardware, *, precision: str, optimizer: str = "adamw",
-           memory_per_rank: int | None = None, restrict: dict | None = None, limit: int = 20) -> list[Estimate]:
+           memory_per_rank: int | None = None, restrict: dict | None = None, limit: int = 10) -> list[Estimate]:
     """The ``limit`` fastest candidates that fit, best first (see the module docstring for what is pruned).
 
     Branch and bound: every config of every layout is priced once at its fastest variant (``_bound``), then
@@ -184,6 +187,7 @@ def search(shape: ModelShape, gpus: int, batch: int, hw: Hardware, *, precision:
     restrict = dict(restrict or {})
     usable = memory_per_rank if memory_per_rank is not None else hw.usable_bytes
     recomputes = [rc for rc in RECOMPUTE if _allowed(restrict, "recompute", rc)]
+    offloads = [o for o in ("none", "cpu") if _allowed(restrict, "offload", o)] if "offload" in restrict else ["none"]
     gpt = gpt_of(shape)
     queue: list[tuple[float, int, ParallelConfig, list[int]]] = []
     for dp, tp, pp, sp in layouts(shape, gpus, restrict):
@@ -191,18 +195,14 @@ def search(shape: ModelShape, gpus: int, batch: int, hw: Hardware, *, precision:
                  and _states_fit(shape, dp, tp, pp, z, precision, optimizer, usable)]
         if not zeros or not recomputes:
             continue
-        for cfg in _configs(shape, dp, tp, pp, sp, batch, precision, restrict):
-            try:
-                first = cfg.replace(zero=zeros[0], recompute=recomputes[0])
-            except ConfigError:
-                continue
-            queue.append((_bound(shape, first, batch, hw, optimizer), len(queue), cfg, zeros))
+        for cfg in _configs(shape, dp, tp, pp, sp, batch, precision, restrict, zeros[0], recomputes[0]):
+            queue.append((_bound(shape, cfg, batch, hw, optimizer), len(queue), cfg, zeros))
     queue.sort(key=lambda q: (q[0], q[1]))
     out: list[Estimate] = []
     for bound, _, cfg, zeros in queue:
         if len(out) >= limit and bound > out[limit - 1].step_seconds:
             break
-        out += _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt)
+        out += _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, offloads)
         out.sort(key=lambda e: e.step_seconds)
     return out[:limit]
 
@@ -217,7 +217,7 @@ def plan_at_scale(model, gpus: int, batch: int, hw: Hardware, *, precision: str,
         raise ConfigError(f"batch must be a positive whole number of sequences per step, got {batch!r}")
     shape = ModelShape.of(model, policy, seq)
     found = search(shape, gpus, batch, hw, precision=precision, optimizer=optimizer, memory_per_rank=memory_per_rank,
-                   restrict=restrict, limit=limit or 20)
+                   restrict=restrict, limit=limit or 10)
     if not found:
         need = shape.params * 16 / (memory_per_rank or hw.usable_bytes)
         raise ConfigError(f"no configuration of {gpus} GPUs of {hw.name} fits {shape.name} "
