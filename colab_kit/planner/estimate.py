@@ -8,18 +8,26 @@ Table 1, docs/estimate.md); on ``hardware="this machine"`` by the cost model mea
 The memory is the engine's own estimate (``memory.estimator.config_estimate``, what ``engine.memory_estimate()``
 reports) of a GPT of the model's widths, its model states scaled to the model's true parameter count.
 
-Worked example, GPT-3 175B as Megatron-LM trained it (Table 1's 145.6B row is its neighbour)::
+Worked example, a Llama 3 70B-shaped model read from its Hugging Face config (built on the meta device: no
+weights), ZeRO-1, Megatron's sequence parallelism and selective recomputation on 32 DGX H100 nodes::
 
     >>> import colab_kit as ck
     >>> from transformers import LlamaConfig
     >>> est = ck.estimate(LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
     ...                   num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
-    ...                   ck.ParallelConfig(dp=8, tp=8, pp=4, microbatches=64, precision="bf16",
-    ...                   recompute="selective"), batch=512, seq=8192, hardware="dgx-h100")  # doctest: +SKIP
+    ...                   ck.ParallelConfig(dp=8, tp=8, pp=4, microbatches=64, zero=1, precision="bf16",
+    ...                   sp_mode="split_gather", recompute="selective"), batch=512, seq=8192,
+    ...                   hardware="8xH100-SXM")                                            # doctest: +SKIP
     >>> print(est)                                                                          # doctest: +SKIP
-    LlamaForCausalLM 70.6B, dp=8 x pp=4 x tp=8 = 256 ranks, ... on dgx-h100: 12.3 s/step, 341k tokens/s, MFU 41%
-      memory per rank (fullest): params 4.4 GiB, grads 4.4 GiB, optimizer 26.5 GiB, activations 30.1 GiB; fits 80 GiB
-      breakdown: compute 9.8 s, bubble 1.2 s, comm:tp 0.8 s, comm:dp 0.3 s, ...
+    LlamaForCausalLM 70.6B, dp=8 x pp=4 x tp=8 (1d) = 256 ranks, split_gather, 1f1b x 64 microbatches, zero=1,
+    bf16, selective recompute on 8xH100-SXM, batch 512 x 8192: 29.5 s/step, 142,210 tokens/s, 267 TFLOP/s per
+    GPU, MFU 27.0%
+      memory per rank (fullest): params 4.3 GiB, grads 4.3 GiB, optimizer 3.2 GiB, activations 40.6 GiB; with
+      overhead 59.2 GiB, fits in 75 GiB
+      breakdown: compute 24 s, comm:tp 4.03 s, bubble 1.29 s, comm:dp 97.2 ms, comm:pp 51.3 ms, optimizer 3.2 ms
+
+(The model prices attention unfused, its scores through HBM: at 8,192 tokens that is much of the 24 s; a
+FlashAttention run would be faster. docs/estimate.md lists what the model leaves out.)
 """
 from __future__ import annotations
 
