@@ -27,7 +27,8 @@ Worked example (175B, 1,536 A100s, the Megatron-LM Table 1 setting)::
       0  dp=24 x pp=16 x tp=4 (1d) zero=2 zb-v m=64 v=2 split_gather  yes      32.23      7.36     24.88   13.077
       1  dp=32 x pp=12 x tp=4 (1d) zero=2 zb-v m=48 v=2 split_gather  yes      33.88      9.00     24.88   13.091
       2  dp=32 x pp=8 x tp=6 (1d) zero=2 interleaved m=24 v=6 split_g yes      53.24      8.52     44.72   13.133
-    3 of 10 candidates; memory_per_rank 72,778,774,528 B; estimates (GiB on the device per rank) (the MFU and why columns left out here)
+    3 of 10 candidates; memory_per_rank 72,778,774,528 B; estimates (GiB on the device per rank)
+    (the MFU and why columns left out here)
 
 About 4 s on a 2-core machine (bench/plan_scale.py): 53,000 configs bounded, 2,700 of them priced in full.
 Within what Megatron-LM could choose in 2021 (``planner.published.PUBLISHED_SPACE``) the same call ranks
