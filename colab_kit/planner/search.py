@@ -30,9 +30,10 @@ Worked example (175B, 1,536 A100s, the Megatron-LM Table 1 setting)::
     3 of 10 candidates; memory_per_rank 72,778,774,528 B; estimates (GiB on the device per rank)
     (the MFU and why columns left out here)
 
-About 4 s on a 2-core machine (bench/plan_scale.py): 53,000 configs bounded, 2,700 of them priced in full.
-Within what Megatron-LM could choose in 2021 (``planner.published.PUBLISHED_SPACE``) the same call ranks
-tp=8 x pp=8 x dp=24 interleaved with full recomputation near the top (docs/planner.md, "Against Table 1").
+About 4 s on a 2-core machine (bench/plan_scale.py): 53,000 configs bounded, 2,462 of them priced in full.
+Within what Megatron-LM could choose in 2021 (``restrict=planner.published.PUBLISHED_SPACE``) the first
+choice is dp=32 x pp=12 x tp=4 interleaved with full recomputation at 18.7 s, and Megatron's tp=8 x pp=8 x
+dp=24 is estimated at 19.9 s (docs/planner.md, "Against Megatron-LM's Table 1").
 """
 from __future__ import annotations
 
