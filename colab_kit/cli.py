@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 from colab_kit.datasets import TextCorpus
 from colab_kit.engine.reference import max_relative_difference
 from colab_kit.launch import default_backend
@@ -37,7 +38,7 @@ import colab_kit as ck
 
 __all__ = ["main", "demo"]
 
-MODEL = dict(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=2)
+MODEL: dict[str, Any] = dict(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=2)
 """The demo's GPT: bytes in, bytes out."""
 WEIGHT_DECAY, MAX_GRAD_NORM, PROMPT = 0.1, 1.0, "def "
 
@@ -225,9 +226,10 @@ def demo(ranks: int | None = None, steps: int = 200, batch: int = 32, lr: float 
     return {"results": results, "reference": reference, "config": cfg}
 
 
-PLAN_MODELS = {"small": MODEL, "medium": dict(vocab_size=256, seq_len=64, d_model=128, n_heads=8, n_layers=8),
-               "gpt3-175b": dict(vocab_size=51200, seq_len=2048, d_model=12288, n_heads=96, n_layers=96),
-               "megatron-1t": dict(vocab_size=51200, seq_len=2048, d_model=25600, n_heads=160, n_layers=128)}
+PLAN_MODELS: dict[str, dict[str, Any]] = {
+    "small": MODEL, "medium": dict(vocab_size=256, seq_len=64, d_model=128, n_heads=8, n_layers=8),
+    "gpt3-175b": dict(vocab_size=51200, seq_len=2048, d_model=12288, n_heads=96, n_layers=96),
+    "megatron-1t": dict(vocab_size=51200, seq_len=2048, d_model=25600, n_heads=160, n_layers=128)}
 """Models ``colab-kit plan --model`` knows: "small" is the demo's GPT; the last two are for ``--hardware``
 (``colab-kit plan --model gpt3-175b --ranks 1536 --batch 1536 --precision fp16 --hardware 8xA100-80GB``)."""
 

@@ -41,6 +41,8 @@ from ..config import ConfigError, ParallelConfig
 from ..datasets import ShardedLoader
 from ..datasets.loader import LocalBatch
 from ..mesh import ProcessMesh
+from ..models.moe import has_experts
+from ..policy import policy_for
 from ..zero.optimizer import (OptimizerSpec, attach_scheduler, check_elementwise, check_scheduler, local_names,
                               rebuild)
 from . import reports
@@ -55,8 +57,9 @@ from .step import TrainingStep
 __all__ = ["boost", "Engine", "lm_loss", "unsupported", "check_policy", "TokenLoss"]
 
 
-def unsupported(config: ParallelConfig) -> str | None:
+def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str | None:
     """Why ``boost`` refuses a valid ``config`` today (the message of the ConfigError it raises), or None.
+    ``model``: the model it would train, where a refusal depends on it (mixture-of-experts layers).
 
     ConfigPicker shows the same text as "valid, not runnable yet"::
 
@@ -67,15 +70,28 @@ def unsupported(config: ParallelConfig) -> str | None:
     ZeRO stage 3 with a pipeline is refused on purpose: each stage would gather its parameters
     for every microbatch's forward and backward (2 x microbatches all-gathers per step), or keep
     them whole through the step, which is stage 2's memory at stage 3's traffic.
+
+    A model with mixture-of-experts layers (its policy's ``experts``) is refused under tp and sp: they split
+    the tokens an expert sees (split_gather and sp by position, 2D/3D by rows) or its matrices, and one
+    process's routing, capacity and balancing loss over those tokens need the expert-parallel dispatch
+    (issue 42, later part). dp, ZeRO 1-3, offload, pp and recomputation run it exactly (``docs/moe.md``)::
+
+        unsupported(ParallelConfig(tp=2), GPT(GPTConfig(n_experts=4)))   # "... mixture-of-experts layers with
+                                  # tensor parallelism (tp=2) ...: set tp=1 (dp=2 runs the same ranks) ..."
     """
     cfg = config
+    moe = model is not None and _has_experts(model)
     todo = [(cfg.sp > 1 and cfg.tp > 1 and cfg.tp_mode != "1d",
              f"sequence parallelism (sp={cfg.sp}) with tp_mode={cfg.tp_mode!r}", "tp_mode='1d' with sp, or sp=1"),
             (cfg.zero == 3 and cfg.pp > 1, "ZeRO stage 3 with pipeline parallelism",
              "zero=2 with pp (stage 3 would gather each stage's parameters for every microbatch's forward and "
              "backward), or zero=3 with pp=1"),
             (cfg.sp_mode == "split_gather" and cfg.tp_mode != "1d",  # its plan splits 1D's layers only
-             f"sp_mode='split_gather' with tp_mode={cfg.tp_mode!r}", "tp_mode='1d' with split_gather")]
+             f"sp_mode='split_gather' with tp_mode={cfg.tp_mode!r}", "tp_mode='1d' with split_gather"),
+            (moe and cfg.tp > 1, f"mixture-of-experts layers with tensor parallelism (tp={cfg.tp}, which splits "
+             "the tokens or matrices an expert sees)", f"tp=1 (dp={cfg.dp * cfg.tp} runs the same ranks)"),
+            (moe and cfg.sp > 1, f"mixture-of-experts layers with sequence parallelism (sp={cfg.sp}, which "
+             "splits the tokens a router counts)", f"sp=1 (dp={cfg.dp * cfg.sp} runs the same ranks)")]
     missing = [(what, fix) for cond, what, fix in todo if cond]
     if not missing:
         return None
@@ -83,6 +99,12 @@ def unsupported(config: ParallelConfig) -> str | None:
     fixes = " ".join(f for _, f in missing)
     return (f"this version of the engine does not run {whats} yet (data, tensor and pipeline parallelism, "
             f"sequence parallelism, ZeRO stages 1 to 3, offload and mixed precision are what run today): set {fixes}")
+
+
+def _has_experts(model: nn.Module) -> bool:
+    """Whether ``model`` has mixture-of-experts layers: its policy names some, or it holds ``models.moe.MoE``."""
+    policy = policy_for(model)
+    return bool(policy is not None and policy.experts) or has_experts(model)
 
 
 def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
@@ -116,7 +138,7 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
     if device_budget is not None and (isinstance(device_budget, bool) or not isinstance(device_budget, int)
                                       or device_budget <= 0):
         raise ConfigError(f"device_budget must be a positive number of bytes, got {device_budget!r}")
-    why = unsupported(config)
+    why = unsupported(config, model)
     if why is not None:
         raise ConfigError(why)
     check_max_norm(max_grad_norm)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..models import GPT
+from ..models import GPT, update_router_bias
 from ..precision import LossScaler, MasterWeights, loss_in_fp32, master_step, to_compute_dtype
 from .loss import lm_loss
 
@@ -42,8 +42,12 @@ def train_single_process(model_cfg, optimizer_factory: Callable, data, steps: in
         inputs, targets = data.batch(step, batch_size)
         optimizer.zero_grad()
         loss = loss_fn(model(inputs), targets)
+        if model_cfg.n_experts:  # the MoE layers' balancing and z losses (colab_kit.models.moe)
+            loss = loss + model.aux_loss()
         loss.backward()
         optimizer.step()
+        if model_cfg.n_experts:
+            update_router_bias(model)
         losses.append(loss.item())
     return losses, model
 

@@ -29,6 +29,8 @@ import torch
 
 from .. import comm
 from ..measure import ActivationMeter
+from ..models import moe_context
+from ..models.moe import has_experts, update_router_bias
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.work import MicrobatchWork
 from ..tensor import sync_grads
@@ -87,6 +89,9 @@ class TrainingStep:
                          if parts.stages is not None else None)
         self._estimate = estimate_activations
         self._clip: list | None = None  # the clipping weights, worked out at the first step
+        self.moe = has_experts(parts.module)
+        """Whether this rank runs mixture-of-experts layers (each microbatch then gets a ``MoEStep``)."""
+        self._moe_steps: dict[int, moe_context.MoEStep] = {}
         self.t0 = time.perf_counter()
 
     # ------------------------------------------------------------------ the step
@@ -142,6 +147,7 @@ class TrainingStep:
     def evaluate(self, batch, local: bool = False) -> float:
         """The global mean loss of ``batch`` without training."""
         self.parts.module.eval()
+        self._moe_steps = {}  # an evaluation counts its own batch (capacity) and keeps no auxiliary loss
         if self.pipeline is not None:
             pipe = self.pipeline
             pipe.check_can_begin()
@@ -152,7 +158,9 @@ class TrainingStep:
                 return self.pipeline_loss(local_loss)
         inputs, targets = batch
         self.count_targets(targets, 1, local)
-        logits = self.parts.logits(self.parts.module(self.local_rows(inputs, local)))
+        with self.moe_at(0):
+            logits = self.parts.logits(self.parts.module(self.local_rows(inputs, local)))
+        self._moe_steps = {}
         return self.global_mean(self.parts.loss_fn(logits, self.local_rows(targets, local)))
 
     def _pipe(self) -> PipelineExecutor:
@@ -188,6 +196,7 @@ class TrainingStep:
         if self.parts.sp_plan is not None:
             self.parts.sp_plan.begin_step()
         self.meter.reset()
+        self._moe_steps = {}
         self.t0 = time.perf_counter()
         if not self.parts.module.training:  # module.train() walks every submodule: ~0.15 ms a step for 4 layers
             self.parts.module.train()
@@ -251,11 +260,38 @@ class TrainingStep:
         tp = self.parts.tp_plan
         return (tp.batch_shards if tp is not None else 1) * self.config.sp
 
+    @contextmanager
     def dropout_at(self, microbatch: int):
-        """The context microbatch ``microbatch``'s forward and backward run in (its dropout coordinates)."""
-        if self.parts.dropout is None:
+        """The context microbatch ``microbatch``'s forward and backward run in: its dropout coordinates and,
+        with MoE layers, its ``MoEStep`` (``moe_at``)."""
+        drop = self.parts.dropout
+        with (drop.at(self.records.count, microbatch) if drop is not None else nullcontext()), \
+                self.moe_at(microbatch):
+            yield
+
+    def moe_at(self, microbatch: int):
+        """With MoE layers, the ``colab_kit.models.moe_context.MoEStep`` of ``microbatch`` (made at its forward,
+        the same at its backward and recomputation): its counts gathered over dp, its auxiliary losses
+        injected into backward at the scale of the loss (1 / microbatches, the fp16 scale, the shards)."""
+        if not self.moe:
             return nullcontext()
-        return self.parts.dropout.at(self.records.count, microbatch)
+        step = self._moe_steps.get(microbatch)
+        if step is None:
+            scale = (self.scaler.scale if self.scaler is not None else 1.0) / (self.config.microbatches
+                                                                                * self.loss_shards)
+            step = self._moe_steps[microbatch] = moe_context.MoEStep(
+                gather=self._gather_dp, piece=self.mesh.rank("dp"), pieces=self.config.dp, grad_scale=scale)
+        return moe_context.at(step)
+
+    def _gather_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` of every dp rank, ``[dp, *t.shape]`` in dp order (the batch's row order)."""
+        return comm.all_gather(t[None], self.mesh, "dp", tag="moe counts")
+
+    def aux_value(self) -> torch.Tensor | float:
+        """This rank's share of the step's auxiliary losses (each microbatch's over ``microbatches``): what the
+        reported loss adds to the token loss."""
+        m = self.config.microbatches
+        return sum((v for s in self._moe_steps.values() for v in s.values.values()), 0.0) / m
 
     def _backward_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """What backward starts from: the loss times the fp16 scale, over the ranks that share its terms."""
@@ -281,6 +317,8 @@ class TrainingStep:
         different groups commute); with ZeRO on this rank's reduced pieces, then the updated pieces are
         all-gathered back into the parameters."""
         t0, grads, cfg = self.t0, self.grads, self.config
+        if self.moe:  # each rank's share of the auxiliary losses: their mean over ranks is one process's
+            local = local + self.aux_value()
         grads.finish()
         masters = grads.masters if isinstance(grads.masters, MasterWeights) else None
         if self.parts.tied:
@@ -303,6 +341,8 @@ class TrainingStep:
             else:  # unscale and check (fp16), clip, step the masters, copy them into the 16-bit parameters
                 done = master_step(self.optimizer, masters, self.scaler, self.mesh, before_step=clip)
             grads.zero()
+        if self.moe:  # DeepSeek's bias, from the step's load (the same on every dp rank)
+            update_router_bias(self.parts.module)
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else None  # what this step took
         if self.lr_scheduler is not None:  # once per step, after the optimizer (a skipped fp16 step too)
             self.lr_scheduler.step()

@@ -34,7 +34,8 @@ import torch
 import torch.nn as nn
 
 from .dropout import layout_invariant
-from .layers import MLP, Attention, Block, check_config, init_by_name
+from .layers import MLP, Attention, Block, check_config, init_by_name, seeded_normal_
+from .moe import MoE, check_moe_config, moe_blocks, moe_loss
 
 __all__ = ["GPTConfig", "GPT", "Block", "Attention", "MLP"]
 
@@ -57,9 +58,32 @@ class GPTConfig:
     """Dropout on attention output and MLP output; 0.0 keeps training deterministic."""
     seed: int = 0
     """Seed of the parameter initialisation."""
+    n_experts: int = 0
+    """Experts of each MoE layer (``colab_kit.models.moe``); 0: every block has the dense MLP."""
+    top_k: int = 2
+    """Experts each token is routed to (1 to n_experts)."""
+    moe_every: int = 1
+    """Block i's MLP is an MoE layer when ``(i + 1) % moe_every == 0`` (1: every block)."""
+    d_expert: int | None = None
+    """Inner size of one expert (and of one shared expert); d_ff when None."""
+    shared_experts: int = 0
+    """Experts every token goes through (one dense MLP of ``shared_experts * d_expert``), beside the routed ones."""
+    router: str = "softmax"
+    """Router scores: "softmax" (over the experts) or "sigmoid" (each on its own, DeepSeek-V3's)."""
+    capacity_factor: float | None = None
+    """None: dropless; c: each expert takes at most ceil(c * top_k * tokens / n_experts) of the batch's assignments."""
+    aux_loss: float = 0.0
+    """Weight of the Switch/GShard load-balancing loss (mean over the MoE layers)."""
+    z_loss: float = 0.0
+    """Weight of the router z-loss (mean over the MoE layers)."""
+    router_bias_update: float = 0.0
+    """DeepSeek's aux-loss-free balancing: the per-expert selection bias moves by this much after each step."""
 
     def __post_init__(self):
         check_config(self, ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers"))
+        check_moe_config(self)
+        if self.n_experts and self.d_expert is None:
+            self.d_expert = self.d_ff
 
     @property
     def head_dim(self) -> int:
@@ -83,6 +107,8 @@ class GPT(nn.Module):
             self.tok = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.d_model), freeze=False)
             self.pos = nn.Embedding.from_pretrained(torch.empty(cfg.seq_len, cfg.d_model), freeze=False)
             self.blocks = nn.ModuleList(Block(cfg, causal=True) for _ in range(cfg.n_layers))
+            for j, i in enumerate(moe_blocks(cfg)):  # MoE layers where the config asks (none by default)
+                self.blocks[i].mlp = MoE(cfg, layer=j)
             self.ln_f = nn.LayerNorm(cfg.d_model)
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._init_weights()
@@ -103,7 +129,12 @@ class GPT(nn.Module):
         other parameters were made before, so ``init_parameter("blocks.1.mlp.fc1.weight", t)``
         gives the dense model's ``blocks[1].mlp.fc1.weight`` on its own.
         """
-        return init_by_name(name, tensor, self.cfg.seed, 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers))
+        residual = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        if ".experts." in name or name.endswith("score_bias"):  # stacked experts: biases 0, matrices as fc1 / fc2
+            if name.endswith(("b_in", "b_out", "score_bias")):
+                return tensor.zero_()
+            return seeded_normal_(tensor, self.cfg.seed, name, residual if name.endswith("w_out") else 0.02)
+        return init_by_name(name, tensor, self.cfg.seed, 0.02, residual)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
@@ -116,6 +147,11 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+    def aux_loss(self) -> torch.Tensor | float:
+        """The MoE layers' auxiliary losses of the last forward (``colab_kit.models.moe.moe_loss``): what one
+        process adds to the token loss, ``lm_loss(model(x), y) + model.aux_loss()``; 0.0 for a dense GPT."""
+        return moe_loss(self)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -151,6 +151,10 @@ class Policy:
     """Parameterless modules every pipeline stage keeps (Llama's rotary embedding)."""
     sequence: bool = True
     """Whether the inputs are token sequences (dim 1), which sequence parallelism splits (ViT's images: no)."""
+    experts: tuple[str, ...] = ()
+    """Paths of the mixture-of-experts layers: modules whose expert tensors are stacked with the expert as
+    dim 0 (``colab_kit.models.experts.Experts``). The engine refuses the modes that would split their
+    inputs (tp, sp) until expert parallelism dispatches them; an ep part will slice dim 0."""
     name: str = ""
 
     def __post_init__(self):
@@ -214,6 +218,8 @@ class Policy:
                         problems.append(f"attention {path} has no attribute {a!r}")
         for path in self.tail:
             list(found(path, "tail module {path}"))
+        for path in self.experts:
+            list(found(path, "experts {path}"))
         if problems:
             raise ConfigError(f"policy {self.name or '?'} does not fit {type(model).__name__}: " + "; ".join(problems))
 

@@ -31,12 +31,20 @@ def _attention(causal: bool) -> dict[str, Attention]:
 
 
 def gpt_policy(model: nn.Module) -> Policy:
-    """GPT: token and position tables, the blocks, ``ln_f`` and an untied LM head."""
+    """GPT: token and position tables, the blocks, ``ln_f`` and an untied LM head. With MoE blocks
+    (``GPTConfig(n_experts=...)``): the dense MLPs named block by block, the MoE layers in ``experts``."""
+    cfg = _cfg(model)
+    moe = [i for i in range(cfg.n_layers) if getattr(cfg, "n_experts", 0) and (i + 1) % cfg.moe_every == 0]
+    block = _BLOCK
+    if moe:
+        block = {p: r for p, r in _BLOCK.items() if ".mlp." not in p}
+        block.update({f"blocks.{i}.mlp.{fc}": r for i in range(cfg.n_layers) if i not in moe
+                      for fc, r in (("fc1", "column"), ("fc2", "row"))})
     return Policy(name="gpt", blocks="blocks",
-                  layers={"tok": "vocab", "pos": "positions", **_BLOCK, "ln_f": "norm", "head": "head"},
+                  layers={"tok": "vocab", "pos": "positions", **block, "ln_f": "norm", "head": "head"},
                   attention=_attention(causal=True),
                   embed=lambda m, tokens: m.embed(tokens), finish=lambda m, x: m.head(m.ln_f(x)),
-                  tail=("ln_f", "head"), loss="tokens")
+                  tail=("ln_f", "head"), loss="tokens", experts=tuple(f"blocks.{i}.mlp" for i in moe))
 
 
 def bert_policy(model: nn.Module) -> Policy:

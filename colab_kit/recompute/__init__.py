@@ -69,13 +69,13 @@ to one process's losses with recompute on (largest relative difference 1.2e-7).
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from ..models import dropout
+from ..models import dropout, moe_context
 
 from ..policy.classes import derived_class, derived_from
 from ..config import ConfigError
@@ -96,13 +96,21 @@ def recomputed_class(cls: type) -> type:
             if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
                 return cls.forward(self, x, *args, **kwargs)
             coords = dropout.current()  # the recomputation draws the dropout masks of this forward
+            moe = moe_context.current()  # ... and routes with its MoE counts (no collective in backward)
             return checkpoint(cls.forward, self, _Hold.apply(x), *args, use_reentrant=False,
-                              context_fn=lambda: (nullcontext(), dropout.at(coords)), **kwargs)
+                              context_fn=lambda: (nullcontext(), _as_first(coords, moe)), **kwargs)
         return forward
 
     return derived_class(cls, "Recomputed", make_forward, __name__,
                          f"``{cls.__name__}`` whose activations are recomputed in backward "
                          "(colab_kit.recompute).")
+
+
+@contextmanager
+def _as_first(coords, moe):
+    """The contexts a block's first forward ran in: its dropout coordinates and its MoE step."""
+    with dropout.at(coords), moe_context.at(moe):
+        yield
 
 
 def is_recomputed(module: nn.Module) -> bool:

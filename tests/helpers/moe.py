@@ -1,0 +1,57 @@
+"""The MoE GPTs the MoE tests train, and their one-process reference with gradient accumulation."""
+from __future__ import annotations
+
+import torch
+
+from colab_kit.datasets import SyntheticTokens
+from colab_kit.engine.loss import lm_loss
+from colab_kit.models import GPT, GPTConfig, update_router_bias
+
+BASE = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, d_expert=32)
+MODELS = {
+    # softmax, dropless top-2, a shared expert, both losses and the aux-loss-free bias
+    "softmax": GPTConfig(**BASE, n_layers=2, n_experts=4, top_k=2, shared_experts=1, aux_loss=0.1, z_loss=0.01,
+                         router_bias_update=0.01),
+    # sigmoid scores, a capacity that drops, MoE in every other block of four
+    "capacity": GPTConfig(**BASE, n_layers=4, n_experts=4, top_k=2, moe_every=2, router="sigmoid",
+                          capacity_factor=1.0, aux_loss=0.1),
+}
+OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+              "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+              "frozen": lambda ps: torch.optim.SGD(ps, lr=0.0)}
+STEPS, BATCH, RTOL = 4, 8, 1e-5
+
+
+def data() -> SyntheticTokens:
+    return SyntheticTokens(64, 16, seed=3)
+
+
+def microbatch_rows(rows: int, microbatches: int, dp: int) -> list[torch.Tensor]:
+    """The global rows of each of the engine's microbatches: microbatch j is the j-th part of every dp rank's
+    rows, in dp order (dp=2, m=2, 8 rows: [0 1 4 5], [2 3 6 7])."""
+    per_rank = torch.arange(rows).view(dp, microbatches, -1)
+    return [per_rank[:, j].reshape(-1) for j in range(microbatches)]
+
+
+def reference(model: str, opt: str, microbatches: int = 1, aux: bool = True, dp: int = 1) -> list[float]:
+    """Plain torch in one process: per step, each microbatch's ``(lm_loss + model.aux_loss()) / m`` backward
+    (gradients accumulate), the optimizer step, the router bias update; the step's loss is their sum. The
+    microbatches are the engine's under ``dp`` (``microbatch_rows``). ``aux=False``: the same without the
+    auxiliary losses (a run that dropped them is caught)."""
+    cfg = MODELS[model]
+    model_ = GPT(cfg)
+    optimizer = OPTIMIZERS[opt](model_.parameters())
+    losses, d = [], data()
+    for step in range(STEPS):
+        x, y = d.batch(step, BATCH)
+        optimizer.zero_grad()
+        total = 0.0
+        for rows in microbatch_rows(BATCH, microbatches, dp):
+            xm, ym = x[rows], y[rows]
+            loss = lm_loss(model_(xm), ym) + (model_.aux_loss() if aux else 0.0)
+            (loss / microbatches).backward()
+            total += loss.item() / microbatches
+        optimizer.step()
+        update_router_bias(model_)
+        losses.append(total)
+    return losses

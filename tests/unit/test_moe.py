@@ -1,0 +1,168 @@
+"""The MoE layer in one process: routing against a naive per-token reference, ties, renormalisation, the
+balancing and z losses against their formulas, capacity against a naive reference, the bias update, gradients,
+experts that receive no token, top_k equal to the experts, the three expert computes, the config's rules."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import colab_kit as ck
+from colab_kit.models import GPT, GPTConfig, update_router_bias
+from colab_kit.models.experts import expert_compute
+from colab_kit.models.moe import MoE, keep_within_capacity, route, top_k
+
+SMALL = dict(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, d_expert=16)
+
+
+def naive_moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: sort the scores (ties to the lower index), renormalise, run each expert's MLP."""
+    h = x.reshape(-1, x.shape[-1])
+    out = []
+    e = layer.experts
+    for t in h:
+        logits = layer.router.weight @ t
+        p = logits.softmax(-1) if layer.kind == "softmax" else logits.sigmoid()
+        sel = sorted(range(layer.n), key=lambda i: (-float(p[i].detach() + layer.score_bias[i]), i))[:layer.k]
+        w = p[sel] / p[sel].sum()
+        y = sum(w[j] * (F.gelu(t @ e.w_in[i] + e.b_in[i]) @ e.w_out[i] + e.b_out[i]) for j, i in enumerate(sel))
+        out.append(y + (layer.shared(t) if layer.shared is not None else 0))
+    return torch.stack(out).view(x.shape)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(router="sigmoid", shared_experts=1), dict(top_k=4), dict(top_k=1)])
+def test_layer_equals_the_naive_per_token_reference(kw):
+    cfg = GPTConfig(**SMALL, n_experts=4, **{"top_k": 2, **kw})
+    layer = GPT(cfg).blocks[0].mlp
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(layer(x), naive_moe(layer, x), rtol=1e-5, atol=1e-6)
+
+
+def test_ties_go_to_the_lower_expert_and_weights_renormalise():
+    scores = torch.tensor([[0.1, 0.3, 0.3, 0.3], [0.25, 0.25, 0.25, 0.25], [0.4, 0.1, 0.4, 0.1]])
+    assert top_k(scores, 2).tolist() == [[1, 2], [0, 1], [0, 2]]
+    assert top_k(scores.flip(0), 2).flip(0).tolist() == [[1, 2], [0, 1], [0, 2]]  # any row order
+    probs, chosen, w = route(torch.zeros(5, 4), 3)  # all equal: experts 0, 1, 2, weights 1/3
+    assert chosen.tolist() == [[0, 1, 2]] * 5 and torch.allclose(w, torch.full((5, 3), 1 / 3))
+    _, _, w = route(torch.randn(7, 6), 2, "sigmoid")
+    torch.testing.assert_close(w.sum(-1), torch.ones(7))
+
+
+def test_losses_equal_their_formulas_over_every_layer():
+    cfg = GPTConfig(**SMALL, n_experts=4, top_k=2, aux_loss=0.3, z_loss=0.05)
+    model = GPT(cfg)
+    x = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(2))
+    inputs = []
+    for b in model.blocks:
+        b.mlp.register_forward_pre_hook(lambda m, a: inputs.append(a[0].reshape(-1, 16)))
+    model(x)
+    want = 0.0
+    for b, h in zip(model.blocks, inputs):
+        logits = b.mlp.router(h)
+        p = logits.softmax(-1)
+        chosen = p.topk(2).indices
+        f = torch.stack([(chosen == i).sum() for i in range(4)]).float() / (h.shape[0] * 2)
+        want = want + (0.3 * 4 * (f * p.mean(0)).sum() + 0.05 * logits.logsumexp(-1).square().mean()) / 2
+    torch.testing.assert_close(model.aux_loss(), want)
+
+
+def test_uniform_router_balancing_loss_is_one():
+    cfg = GPTConfig(**{**SMALL, "n_layers": 1}, n_experts=4, top_k=4, aux_loss=1.0)
+    model = GPT(cfg)
+    with torch.no_grad():
+        model.blocks[0].mlp.router.weight.zero_()
+    model(torch.zeros(2, 8, dtype=torch.long))
+    assert float(model.aux_loss()) == pytest.approx(1.0)
+
+
+def naive_keep(chosen: torch.Tensor, n: int, cap: int) -> torch.Tensor:
+    """Slot by slot, token by token: each expert keeps assignments until it holds ``cap``."""
+    keep = torch.zeros_like(chosen, dtype=torch.bool)
+    held = [0] * n
+    for j in range(chosen.shape[1]):
+        for t in range(chosen.shape[0]):
+            e = int(chosen[t, j])
+            if held[e] < cap:
+                keep[t, j], held[e] = True, held[e] + 1
+    return keep
+
+
+def test_capacity_drops_what_the_naive_order_drops_whatever_the_split():
+    gen = torch.Generator().manual_seed(3)
+    chosen = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(40)])
+    chosen[:12] = torch.tensor([0, 1])  # crowd experts 0 and 1
+    want = naive_keep(chosen, 4, 15)
+    assert (~want).sum() > 0
+    assert torch.equal(keep_within_capacity(chosen, 4, 15), want)
+    # four pieces of ten rows, each told what the rows before it and the whole batch hold
+    per = torch.stack([F.one_hot(c, 4).sum(0) for c in chosen.split(10)])
+    got = [keep_within_capacity(c, 4, 15, per[:r].sum(0), per.sum(0)) for r, c in enumerate(chosen.split(10))]
+    assert torch.equal(torch.cat(got), want)
+
+
+def test_a_capacity_model_drops_and_reports_it():
+    cfg = GPTConfig(**SMALL, n_experts=4, top_k=2, capacity_factor=0.5)
+    model = GPT(cfg)
+    model(torch.randint(0, 32, (4, 8)))
+    layer = model.blocks[0].mlp
+    assert layer.last["dropped"] >= 4 * 8 * 2 - 4 * math.ceil(0.5 * 2 * 32 / 4)
+
+
+def test_bias_update_follows_the_load_and_selects_only():
+    cfg = GPTConfig(**{**SMALL, "n_layers": 1}, n_experts=4, top_k=1, router_bias_update=0.1)
+    model = GPT(cfg)
+    layer = model.blocks[0].mlp
+    layer.load = torch.tensor([10.0, 2.0, 2.0, 2.0])
+    update_router_bias(model)
+    assert layer.score_bias.tolist() == pytest.approx([-0.1, 0.1, 0.1, 0.1])
+    assert layer.load.sum() == 0
+    probs, chosen, w = route(torch.tensor([[1.0, 0.95, 0.0, 0.0]]), 1, bias=layer.score_bias)
+    assert chosen.tolist() == [[1]] and float(w) == 1.0  # selected by the bias, weighted by the score
+    model.train()
+    model(torch.zeros(1, 8, dtype=torch.long))
+    assert layer.load.sum() == 8  # every token counted once (top-1)
+
+
+def test_gradients_against_the_naive_reference_and_empty_experts():
+    cfg = GPTConfig(**SMALL, n_experts=6, top_k=2, shared_experts=1)
+    layer = GPT(cfg).blocks[0].mlp
+    with torch.no_grad():
+        layer.router.weight[4:] = -5.0  # experts 4 and 5 never chosen
+    x = torch.rand(2, 4, 16, generator=torch.Generator().manual_seed(4)) + 0.1  # positive: rows 4, 5 score low
+    grads = []
+    for fn in (layer, lambda x: naive_moe(layer, x)):
+        layer.zero_grad()
+        fn(x).square().sum().backward()
+        grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-6, msg=n)
+    assert grads[0]["experts.w_in"][4:].abs().sum() == 0  # a (zero) gradient, not None
+    assert grads[0]["router.weight"].abs().sum() > 0
+
+
+def test_the_three_expert_computes_agree():
+    gen = torch.Generator().manual_seed(5)
+    ws = [torch.randn(*s, generator=gen).requires_grad_() for s in ((4, 8, 12), (4, 12), (4, 12, 8), (4, 8))]
+    x = torch.randn(10, 8, generator=gen)
+    counts = torch.tensor([3, 0, 7, 0])
+    outs = {how: expert_compute(x, counts, *ws, how=how) for how in ("loop", "grouped_mm", "padded")}
+    for how in ("grouped_mm", "padded"):
+        torch.testing.assert_close(outs[how], outs["loop"], rtol=1e-5, atol=1e-5)
+
+
+def test_dense_gpt_is_unchanged_and_bad_configs_state_the_rule():
+    a, b = GPT(GPTConfig(**SMALL)), GPT(GPTConfig(**SMALL, top_k=9, router="x"))  # ignored without experts
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not any(isinstance(m, MoE) for m in a.modules()) and a.aux_loss() == 0.0
+    for kw, rule in ((dict(n_experts=4, top_k=5), "top_k=4"), (dict(n_experts=4, moe_every=3), "moe_every=1"),
+                     (dict(n_experts=4, router="relu"), "'softmax' or 'sigmoid'"),
+                     (dict(n_experts=4, capacity_factor=0.0), "1.25"), (dict(n_experts=-1), "0 (a dense MLP)")):
+        with pytest.raises(ck.ConfigError, match=rule.replace("(", r"\(").replace(")", r"\)")):
+            GPTConfig(**SMALL, **kw)
+    moe = GPT(GPTConfig(**SMALL, n_experts=4, moe_every=2))
+    assert isinstance(moe.blocks[1].mlp, MoE) and not isinstance(moe.blocks[0].mlp, MoE)
+    meta = GPT(GPTConfig(**SMALL, n_experts=4), device="meta")
+    for name, p in GPT(GPTConfig(**SMALL, n_experts=4)).named_parameters():  # rebuilt by name alone
+        assert torch.equal(meta.init_parameter(name, torch.empty(p.shape)), p), name
