@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import torch.nn as nn
 
 from ..config import ConfigError, ParallelConfig
 from .constants import constants
@@ -36,6 +37,7 @@ from ..engine.checks import check_policy
 from ..engine.core import unsupported
 from ..memory.estimator import config_estimate, gpt_like, model_activations, part_params, traced_activations
 from ..memory.formulas import optimizer_states, placed
+from ..models.moe import has_experts
 from ..pipeline.stage import check_stages
 from ..policy import missing_policy_message, policy_for
 from ..sequence.plan import LAYOUT, SequencePlan, check_length
@@ -154,6 +156,10 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
     """
     if isinstance(exact, bool) or not isinstance(exact, int) or exact < 0:
         raise ConfigError(f"exact must be a whole number of candidates to dry-run, got {exact!r}: try 3")
+    if getattr(model_cfg, "n_experts", 0) or isinstance(model_cfg, nn.Module) and has_experts(model_cfg):
+        raise ConfigError("ck.plan prices dense transformers; a mixture of experts (n_experts > 0) needs the "
+                          "expert-parallel dispatch it will price with it (issue 42, docs/moe.md): plan the dense "
+                          "model of the same widths, n_experts=0")
     if hardware is not None:
         if constants is not None:
             raise ConfigError("give hardware= or constants=, not both: hardware names a preset's constants")
@@ -185,7 +191,6 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
 def _plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision: str = "fp32",
           optimizer: str = "adamw", *, seq: int | None = None, constants: dict | None = None,
           limit: int | None = None, policy=None, input_shape: tuple | None = None) -> Candidates:
-    import torch.nn as nn
     if isinstance(model_cfg, nn.Module) or not hasattr(model_cfg, "vocab_size") or not hasattr(model_cfg, "d_ff"):
         if not isinstance(model_cfg, nn.Module):
             raise ConfigError(f"ck.plan takes a GPTConfig or a model (an nn.Module with a policy), got "

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from ..config import ConfigError
 from ..models import GPT, GPTConfig
+from ..models.moe import has_experts
 from ..policy import missing_policy_message, policy_for
 from ..sharded_init import meta_twin
 from ..tensor import model_sizes
@@ -76,6 +77,10 @@ class ModelShape:
             return model if seq is None else dataclasses.replace(model, seq=seq)
         if isinstance(model, GPT):
             model = model.cfg
+        if isinstance(model, GPTConfig) and model.n_experts or isinstance(model, nn.Module) and has_experts(model):
+            raise ConfigError("the planner prices dense transformers; a mixture of experts (n_experts > 0) needs the "
+                              "expert-parallel dispatch it will price with it (issue 42, docs/moe.md): plan the dense "
+                              "model of the same widths, n_experts=0, for its attention and layout")
         if isinstance(model, GPTConfig):
             return cls(layers=model.n_layers, hidden=model.d_model, heads=model.n_heads, vocab=model.vocab_size,
                        seq=seq or model.seq_len, ffn=model.d_ff or 4 * model.d_model, name="GPT")
