@@ -38,9 +38,9 @@ class ModelShape:
     ``ffn`` is the MLP's inner width (``4 * hidden`` when 0); ``gated``: a SwiGLU MLP of three matrices
     (gate, up, down) instead of two; ``kv_heads``: grouped-query attention's key/value heads (``heads`` when
     0); ``tied``: the output head shares the token table; ``positions``: a learned position table of
-    ``seq`` rows (GPT) rather than rotary (Llama); ``norm_params``: parameters of one block's norms and
-    biases (the small vectors; 0: a GPT's ``13 h`` of LayerNorm weights and biases and Linear biases).
-    ``params_exact``: the true count where the model was read (0: the formula)."""
+    ``seq`` rows (GPT) rather than rotary (Llama). A block's small vectors are a GPT's LayerNorms and
+    biases, or a gated (Llama) block's two RMSNorm weights (``block_params``). ``params_exact``: the true count
+    where the model was read (0: the formula)."""
 
     layers: int
     hidden: int
