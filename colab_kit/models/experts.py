@@ -33,7 +33,10 @@ run, one thread, torch 2.13 CPU, fp32, forward + backward, medians with the thre
 gradient, hence ``_Contiguous``) is kept: the fastest at the larger sizes, within about 10% of the padded
 form at the test GPT's sizes where all three take about a millisecond, and never the slowest; the padded form
 computes on padding (every expert padded to the busiest: 25% slower at 16 experts), the loop pays a matmul
-call per expert. On a GPU the same call is one grouped kernel. ``EXPERT_COMPUTE`` selects the form
+call per expert. On one H200 (torch 2.11, bf16, 64 experts x 2,048 x 1,408, 65,536 rows, ``python
+bench/gpu_moe_check.py speed``): grouped 6.98 ms (325 TFLOP/s of the six GEMMs), padded 11.8 ms, loop
+60.8 ms; the bias adds are ``GroupBias`` (the gather's bf16 scatter-add backward was wrong by 31% there and
+cost 3 ms). ``EXPERT_COMPUTE`` selects the form
 (``"grouped_mm"``, ``"loop"``, ``"padded"``) and ``tests/unit/test_moe.py`` checks all three agree.
 """
 from __future__ import annotations
@@ -44,7 +47,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Experts", "dispatch", "combine", "expert_compute", "EXPERT_COMPUTE", "bench_expert_compute"]
+__all__ = ["Experts", "dispatch", "combine", "expert_compute", "EXPERT_COMPUTE", "bench_expert_compute", "GroupBias"]
 
 EXPERT_COMPUTE = "grouped_mm"
 """The local expert compute ``Experts`` uses: "grouped_mm" (kept, see above), "loop" or "padded"."""
@@ -97,8 +100,8 @@ def expert_compute(rows, counts, w_in, b_in, w_out, b_out, how: str = "grouped_m
     expert_of = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts)
     if how == "grouped_mm":
         offs = counts.cumsum(0).to(torch.int32)
-        h = F.gelu(torch._grouped_mm(rows, w_in, offs=offs) + b_in[expert_of])
-        return _Contiguous.apply(torch._grouped_mm(h, w_out, offs=offs)) + b_out[expert_of]
+        h = F.gelu(GroupBias.apply(torch._grouped_mm(rows, w_in, offs=offs), b_in, expert_of, counts))
+        return GroupBias.apply(_Contiguous.apply(torch._grouped_mm(h, w_out, offs=offs)), b_out, expert_of, counts)
     if how == "padded":
         n, width = len(counts), int(counts.max()) if len(counts) else 0
         start = counts.cumsum(0) - counts
@@ -107,6 +110,27 @@ def expert_compute(rows, counts, w_in, b_in, w_out, b_out, how: str = "grouped_m
         h = F.gelu(torch.bmm(padded, w_in) + b_in[:, None])
         return (torch.bmm(h, w_out) + b_out[:, None])[expert_of, slot]
     raise ValueError(f"expert compute {how!r}: one of 'loop', 'grouped_mm', 'padded'")
+
+
+class GroupBias(torch.autograd.Function):
+    """``x + b[expert_of]`` for rows in expert-major order, whose bias gradient is each expert's sum of its run of
+    rows accumulated in fp32 (``segment_reduce``, one kernel, deterministic). The plain gather's backward
+    scatters with atomic adds in the gradient's dtype: in bf16 on an H200 it put 31% of the largest entry of
+    error into ``b_out``'s gradient over 4,096 rows (``bench/gpu_moe_check.py``, ``forms``).
+
+    Rows ``[r0 r1 | r2]``, counts ``[2, 0, 1]``: ``grad_b = [g0 + g1, 0, g2]`` (an expert with no row: zero)."""
+
+    @staticmethod
+    def forward(ctx, x, b, expert_of, counts):
+        ctx.save_for_backward(counts)
+        ctx.b_dtype = b.dtype
+        return x + b[expert_of]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (counts,) = ctx.saved_tensors
+        grad_b = torch.segment_reduce(grad.float(), "sum", lengths=counts, axis=0).to(ctx.b_dtype)
+        return grad, grad_b, None, None
 
 
 class _Contiguous(torch.autograd.Function):
