@@ -118,6 +118,11 @@ class ParallelConfig:
     """Model chunks per pipeline rank (virtual stages): > 1 with schedule='interleaved', exactly 2 with 'zb-v'."""
     precision: str = "fp32"
     """'fp32', 'fp16' or 'bf16'."""
+    ep: int = 1
+    """Expert-parallel degree: the experts of each mixture-of-experts layer split over ``ep`` ranks folded over
+    the ``dp x sp`` ranks (they add no rank: ``world_size`` stays ``dp * pp * sp * tp``); ``ep`` must divide
+    ``dp * sp``. Tokens go to their experts' ranks by all-to-all; an expert's gradients are summed over the
+    ``dp * sp / ep`` ranks that hold the same experts (the ``edp`` axis). ``colab_kit.expert``."""
     recompute: str = "none"
     """Activation recomputation (``colab_kit.recompute``): "none" keeps every activation; "selective"
     recomputes attention's core (scores, softmax, dropout, times V: Korthikanti et al. 2022) in backward;
@@ -177,6 +182,8 @@ class ParallelConfig:
             extra.append(f"{self.microbatches} microbatches")
         if self.chunks > 1:
             extra.append(f"{self.chunks} chunks")
+        if self.ep > 1:
+            extra.append(f"ep={self.ep}")
         extra += [f"zero={self.zero}"] * (self.zero > 0) + [f"offload={self.offload}"] * (self.offload != "none")
         extra += [self.precision] * (self.precision != "fp32")
         extra += {"none": [], "full": ["recompute"], "selective": ["selective recompute"]}.get(self.recompute, [])
@@ -267,7 +274,7 @@ class ParallelConfig:
 
     # ------------------------------------------------------------------ rules
     def _check(self) -> None:
-        for name in ("dp", "tp", "pp", "sp", "tp_depth", "microbatches", "chunks"):
+        for name in ("dp", "tp", "pp", "sp", "ep", "tp_depth", "microbatches", "chunks"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive whole number, got {v!r}: try {name}=1")
@@ -283,6 +290,7 @@ class ParallelConfig:
         self._check_tensor()
         self._check_sequence()
         self._check_pipeline()
+        self._check_experts()
         if self.offload != "none" and self.zero == 0:
             raise ConfigError(f"offload={self.offload!r} moves ZeRO's sharded optimizer states to the host, "
                               "so it needs zero >= 1: try zero=1")
@@ -315,6 +323,15 @@ class ParallelConfig:
                 raise ConfigError(f"sp_mode='split_gather' runs on the tp group and has no sp axis, so it "
                                   f"needs sp=1 (got sp={self.sp}): try sp=1 tp={self.tp * self.sp}, "
                                   "or sp_mode='ring'")
+
+    def _check_experts(self) -> None:
+        ep, fold = self.ep, self.dp * self.sp
+        if fold % ep:
+            ok = [k for k in range(1, fold + 1) if fold % k == 0]
+            grow = f"dp={next(d for d in range(self.dp, self.dp * ep + 1) if d * self.sp % ep == 0)}"
+            raise ConfigError(f"ep={ep} splits the experts over ranks that already split the batch (dp x sp = "
+                              f"{self.dp} x {self.sp} = {fold}), so it must divide dp x sp: try ep={_or(ok)}, "
+                              f"or {grow}, ep={ep}")
 
     def _check_pipeline(self) -> None:
         pp, m, v, s = self.pp, self.microbatches, self.chunks, self.schedule

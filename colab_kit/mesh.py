@@ -40,6 +40,17 @@ Worked example, 2D with tp=4 (q=2), ranks 0..3 of one tensor block::
 
 In SUMMA, rank (i, j) holds block A[i, j]; the broadcast of A[i, k] runs over
 its ``tp_col`` group (its grid row), that of B[k, j] over its ``tp_row`` group.
+
+Expert parallelism (``ep > 1``) adds two axes folded over the ``dp x sp`` ranks of each (pp, tp)
+position, numbered ``f = dp_i * sp + sp_i``: ``ep`` (fastest, ``ep_i = f % ep``) splits the experts,
+``edp`` (``edp_i = f // ep``) holds the same experts on other tokens. Worked example,
+``ParallelConfig(dp=4, ep=2)``::
+
+    rank  dp  edp ep      groups("ep")  = [[0,1],[2,3]]   (tokens exchanged by all-to-all)
+      0    0   0   0      groups("edp") = [[0,2],[1,3]]   (expert gradients summed)
+      1    1   0   1
+      2    2   1   0      rank 2 holds experts 0..E/2-1 of every MoE layer, as rank 0 does
+      3    3   1   1
 """
 from __future__ import annotations
 
@@ -91,6 +102,10 @@ class MeshLayout:
         self.grid = torch.arange(config.world_size).view(*shape)
         self.fine_names = ("pp", "dp", "sp") + (tuple(self.sub) or ("tp",))
         self.fine_grid = self.grid.view(*shape[:3], *(self.sub.values() or [config.tp]))
+        self.ep = getattr(config, "ep", 1)
+        if self.ep > 1:  # [pp, edp, ep, tp]: the dp x sp block folded, ep fastest
+            self.axes += ("edp", "ep")
+            self.expert_grid = self.grid.reshape(config.pp, config.dp * config.sp // self.ep, self.ep, config.tp)
 
     @property
     def world_size(self) -> int:
@@ -99,6 +114,8 @@ class MeshLayout:
     def size(self, axis: str) -> int:
         """Number of ranks in each group of ``axis``."""
         self._check_axis(axis)
+        if axis in ("ep", "edp"):
+            return self.ep if axis == "ep" else self.config.dp * self.config.sp // self.ep
         return self.config.shape[axis] if axis in AXES else self.sub[axis]
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -116,8 +133,12 @@ class MeshLayout:
         return dict(zip(self.sub, idx))
 
     def all_coords(self, rank: int) -> dict[str, int]:
-        """Main and tensor sub-axis coordinates together."""
-        return {**self.coords(rank), **self.sub_coords(rank)}
+        """Main and tensor sub-axis coordinates together (and ``edp``, ``ep`` with experts split)."""
+        out = {**self.coords(rank), **self.sub_coords(rank)}
+        if self.ep > 1:
+            folded = out["dp"] * self.config.sp + out["sp"]
+            out.update(edp=folded // self.ep, ep=folded % self.ep)
+        return out
 
     def rank_of(self, **coords: int) -> int:
         """Inverse of ``coords``: ``rank_of(pp=1, dp=0, sp=0, tp=1)``; missing axes count as 0."""
@@ -132,8 +153,11 @@ class MeshLayout:
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of ``axis``, as rank lists in ascending order of the axis coordinate."""
         self._check_axis(axis)
-        names = AXES if axis in AXES else self.fine_names
-        grid = self.grid if axis in AXES else self.fine_grid
+        if axis in ("ep", "edp"):
+            names, grid = ("pp", "edp", "ep", "tp"), self.expert_grid
+        else:
+            names = AXES if axis in AXES else self.fine_names
+            grid = self.grid if axis in AXES else self.fine_grid
         dim = names.index(axis)
         return grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
 
@@ -189,6 +213,7 @@ class ProcessMesh:
     # set in __init__; the meshes are None once release() destroyed the groups
     device_mesh: DeviceMesh | None
     tp_mesh: DeviceMesh | None
+    ep_mesh: DeviceMesh | None
     users: int
     closed: bool
     _key: tuple | None
@@ -269,12 +294,12 @@ class ProcessMesh:
                 except (ValueError, RuntimeError):  # already gone (the world was torn down)
                     pass
         self._groups.clear()
-        self.device_mesh = self.tp_mesh = None  # the groups' connections close when the last reference goes
+        self.device_mesh = self.tp_mesh = self.ep_mesh = None  # connections close with the last reference
 
     def _all_groups(self) -> list:
         """Every process group this mesh built (its DeviceMesh dimensions, and the tensor sub-axes)."""
-        out: list = []
-        for mesh in (self.device_mesh, self.tp_mesh):
+        out: list = list(getattr(self, "_extra_groups", []))
+        for mesh in (self.device_mesh, self.tp_mesh, self.ep_mesh):
             if mesh is not None:
                 out += [mesh.get_group(i) for i in range(mesh.ndim)]
         return out
@@ -296,9 +321,12 @@ class ProcessMesh:
             else torch.device("cpu")
         self.global_rank = dist.get_rank()
         self.device_mesh = init_device_mesh(device_type, tuple(config.shape.values()), mesh_dim_names=AXES)
-        self.tp_mesh = None
+        self.tp_mesh = self.ep_mesh = None
+        self._extra_groups: list = []  # groups a mesh made on the way (the flattened dp x sp)
         if self.layout.sub:
             self.tp_mesh = self._tensor_sub_mesh(device_type)
+        if self.layout.ep > 1:
+            self.ep_mesh = self._expert_mesh(device_type)
         self.log = CommLog()
         self.users, self.closed, self._key = 0, False, None
         self._holders = []  # weak references to the engines holding this mesh (``track``)
@@ -318,9 +346,22 @@ class ProcessMesh:
             shape = tuple(self.config.shape[a] for a in ("pp", "dp", "sp")) + tuple(sub.values())
             return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "sp") + tuple(sub))
 
+    def _expert_mesh(self, device_type: str):
+        """The dp x sp block folded into ``(edp, ep)`` (a DeviceMesh over those two axes)."""
+        assert self.device_mesh is not None
+        fold = (self.layout.size("edp"), self.layout.size("ep"))
+        try:  # private in torch 2.13, hence the fallback (which makes pp and tp groups again)
+            folded = self.device_mesh["dp", "sp"]._flatten("dp_sp")
+            self._extra_groups.append(folded.get_group())
+            return folded._unflatten(0, fold, ("edp", "ep"))
+        except AttributeError:
+            from torch.distributed.device_mesh import init_device_mesh
+            shape = (self.config.pp, *fold, self.config.tp)
+            return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "edp", "ep", "tp"))
+
     def _mesh_for(self, axis: str):
         self.layout._check_axis(axis)
-        mesh = self.device_mesh if axis in AXES else self.tp_mesh
+        mesh = self.device_mesh if axis in AXES else self.ep_mesh if axis in ("ep", "edp") else self.tp_mesh
         assert mesh is not None, "a released mesh has no groups"  # group() refuses a closed mesh first
         return mesh[axis]
 

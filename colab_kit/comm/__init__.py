@@ -42,8 +42,8 @@ autograd functions of a tensor-parallel group); every name is used as ``comm.<na
 """
 from __future__ import annotations
 
-from .collectives import (all_gather, all_gather_into, all_reduce, all_to_all, broadcast, reduce, reduce_scatter,
-                          reduce_scatter_into)
+from .collectives import (all_gather, all_gather_into, all_reduce, all_to_all, all_to_all_v, broadcast, reduce,
+                          reduce_scatter, reduce_scatter_into)
 from .groups import copy_to_group, gather_from_group, reduce_from_group, split_to_group
 from .p2p import P2PPending, irecv, isend, sendrecv
 from .records import CommLog, CommRecord, wire_bytes
@@ -52,4 +52,4 @@ from .waiting import ABORT_POLL, Aborted, Pending, WaitTimeout, finish
 __all__ = ["Aborted", "WaitTimeout", "ABORT_POLL", "CommRecord", "CommLog", "wire_bytes", "all_reduce", "broadcast",
            "all_gather", "reduce_scatter", "reduce", "Pending", "copy_to_group", "reduce_from_group",
            "gather_from_group", "split_to_group", "P2PPending", "isend", "irecv", "sendrecv", "reduce_scatter_into",
-           "all_gather_into", "all_to_all", "finish"]
+           "all_gather_into", "all_to_all", "all_to_all_v", "finish"]

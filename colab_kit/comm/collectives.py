@@ -11,7 +11,7 @@ import torch.distributed as dist
 from .waiting import Pending, finish
 
 __all__ = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "reduce_scatter_into",
-           "all_gather_into", "all_to_all"]
+           "all_gather_into", "all_to_all", "all_to_all_v"]
 
 
 # The fused, single-buffer forms (NCCL's native allgather / reduce-scatter): one contiguous
@@ -21,7 +21,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _run(mesh, op: str, axis: str, tensor: torch.Tensor, launch, async_op: bool, tag: str, then=None):
+def _run(mesh, op: str, axis: str, tensor: torch.Tensor, launch, async_op: bool, tag: str, then=None, wire=None):
     nbytes = tensor.numel() * tensor.element_size()
     flag = mesh.abort_flag  # the hang flag, set during a pipeline step (see pipeline.hang)
     if async_op:
@@ -31,7 +31,7 @@ def _run(mesh, op: str, axis: str, tensor: torch.Tensor, launch, async_op: bool,
     if work is not None:
         finish(work, flag, f"{op} over {axis}")
     now = time.perf_counter()
-    mesh.log.add(op, axis, nbytes, now - t0, tag, mesh.size(axis), end=now)
+    mesh.log.add(op, axis, nbytes, now - t0, tag, mesh.size(axis), end=now, wire=wire)
     if then is not None:
         then()
     return tensor
@@ -275,6 +275,30 @@ def all_to_all(tensor: torch.Tensor, mesh, axis: str, split_dim: int, cat_dim: i
     pieces = out.view((n, front.shape[0] // n) + tuple(front.shape[1:])).movedim(1, split_dim + 1)
     shape = tuple(pieces.shape[1:])                      # one piece, split_dim already 1/n
     return pieces.movedim(0, cat_dim).reshape(shape[:cat_dim] + (n * shape[cat_dim],) + shape[cat_dim + 1:])
+
+
+def all_to_all_v(tensor: torch.Tensor, send: list[int], recv: list[int], mesh, axis: str, *,
+                 tag: str = "") -> torch.Tensor:
+    """Uneven all-to-all of rows: the first ``send[0]`` rows of ``tensor`` go to ``axis`` coordinate 0, the next
+    ``send[1]`` to 1, ...; the result holds ``recv[j]`` rows from coordinate j, in coordinate order (``recv`` is
+    what the others send here: the caller exchanged the counts). Recorded as op ``all_to_all``: payload the
+    whole input, wire the rows sent to other ranks (this rank's own block stays). Size-1 axis: ``tensor``.
+
+    GShard's dispatch, ep=2, rank 0 sends 3 rows to itself and 1 to rank 1, rank 1 sends 2 and 2::
+
+        rank 0: all_to_all_v(x0, [3, 1], [3, 2], mesh, "ep")   # -> its own 3 rows, then rank 1's first 2
+        rank 1: all_to_all_v(x1, [2, 2], [1, 2], mesh, "ep")   # -> rank 0's last row, then its own last 2
+    """
+    if mesh.size(axis) == 1:
+        return tensor
+    src = tensor.contiguous()
+    out = src.new_empty((sum(recv),) + tuple(src.shape[1:]))
+    row = src[0].numel() * src.element_size() if src.dim() > 1 else src.element_size()
+    wire = (sum(send) - send[mesh.rank(axis)]) * row
+    _run(mesh, "all_to_all", axis, src, lambda a: dist.all_to_all_single(out, src, list(recv), list(send),
+                                                                         group=mesh.group(axis), async_op=a),
+         False, tag, wire=wire)
+    return out
 
 
 # --------------------------------------------------------------------------- point-to-point

@@ -45,11 +45,13 @@ class CommLog:
     step_start: int = 0
 
     def add(self, op: str, axis: str, nbytes: int, seconds: float, tag: str = "", n: int = 1,
-            end: float | None = None) -> CommRecord:
+            end: float | None = None, wire: int | None = None) -> CommRecord:
         """Record one call; ``n`` is the group's size (for the wire bytes). ``end``: the clock reading
         (``time.perf_counter()``) that ``seconds`` was measured to, so that ``end - seconds`` is when the call
-        began even when this process is descheduled before it records; now if not given."""
-        rec = CommRecord(op, axis, int(nbytes), float(seconds), tag, wire_bytes(op, int(nbytes), n),
+        began even when this process is descheduled before it records; now if not given. ``wire``: the bytes
+        this rank sent, where the op's model does not give them (an uneven all-to-all)."""
+        rec = CommRecord(op, axis, int(nbytes), float(seconds), tag,
+                         wire_bytes(op, int(nbytes), n) if wire is None else int(wire),
                          end=time.perf_counter() if end is None else end)
         self.records.append(rec)
         return rec

@@ -5,7 +5,8 @@ Every rank sums the squares of the gradient elements its optimizer steps (``grad
 whole parameters, ZeRO's pieces, or their fp32 masters), each weighted so that an element held by several
 ranks counts once: ``1 / size(axis)`` for every tensor or sequence axis the parameter is ``Replicate()`` on
 (``engine.placement_table``), ``1 / dp`` when the gradients are copies over dp (no ZeRO), ``1 / 2`` for
-each copy of a weight tied across two pipeline ranks. One all-reduce of that number per mesh axis gives
+each copy of a weight tied across two pipeline ranks; an expert split over ep (``Shard(0)`` on ep) has copies
+on its edp group only: ``1 / edp`` without ZeRO. One all-reduce of that number per mesh axis gives
 the global sum; then, as torch does, every gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))``.
 With fp16 this runs after unscaling, and an overflowed (skipped) step is not clipped.
 
@@ -50,7 +51,10 @@ def weights(mesh, table, config, grads, tied) -> list[tuple[torch.Tensor, list[t
         mine = []
         for p, _start, length, at in runs:
             placed = table[p]
-            w = dp_copies * (0.5 if id(p) in tied_here else 1.0)
+            copies = dp_copies
+            if getattr(config, "ep", 1) > 1 and any("ep" in axes for _, axes in placed.shards):
+                copies = 1.0 / mesh.size("edp") if config.zero == 0 else 1.0  # experts: copies over edp only
+            w = copies * (0.5 if id(p) in tied_here else 1.0)
             for a in axes:
                 if not any(a in shard_axes for _, shard_axes in placed.shards):
                     w /= mesh.size(a)

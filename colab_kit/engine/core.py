@@ -41,6 +41,7 @@ from ..config import ConfigError, ParallelConfig
 from ..datasets import ShardedLoader
 from ..datasets.loader import LocalBatch
 from ..mesh import ProcessMesh
+from ..models.experts import Experts
 from ..models.moe import has_experts
 from ..policy import policy_for
 from ..zero.optimizer import (OptimizerSpec, attach_scheduler, check_elementwise, check_scheduler, local_names,
@@ -91,7 +92,13 @@ def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str |
             (moe and cfg.tp > 1, f"mixture-of-experts layers with tensor parallelism (tp={cfg.tp}, which splits "
              "the tokens or matrices an expert sees)", f"tp=1 (dp={cfg.dp * cfg.tp} runs the same ranks)"),
             (moe and cfg.sp > 1, f"mixture-of-experts layers with sequence parallelism (sp={cfg.sp}, which "
-             "splits the tokens a router counts)", f"sp=1 (dp={cfg.dp * cfg.sp} runs the same ranks)")]
+             "splits the tokens a router counts)", f"sp=1 (dp={cfg.dp * cfg.sp} runs the same ranks)"),
+            (cfg.ep > 1 and cfg.zero == 3, f"expert parallelism (ep={cfg.ep}) with ZeRO stage 3",
+             "zero=1 or 2 with ep (the expert states are sharded over the expert-data-parallel ranks)"),
+            (cfg.ep > 1 and cfg.offload != "none", f"expert parallelism (ep={cfg.ep}) with offload={cfg.offload!r}",
+             "offload='none' with ep"),
+            (cfg.ep > 1 and cfg.precision != "fp32", f"expert parallelism (ep={cfg.ep}) in {cfg.precision}",
+             "precision='fp32' with ep")]
     missing = [(what, fix) for cond, what, fix in todo if cond]
     if not missing:
         return None
@@ -99,6 +106,36 @@ def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str |
     fixes = " ".join(f for _, f in missing)
     return (f"this version of the engine does not run {whats} yet (data, tensor and pipeline parallelism, "
             f"sequence parallelism, ZeRO stages 1 to 3, offload and mixed precision are what run today): set {fixes}")
+
+
+def check_experts(config: ParallelConfig, model: nn.Module) -> None:
+    """``ep > 1`` needs a model whose MoE layers' experts it can split evenly: a ConfigError with the rule
+    and a value that works otherwise::
+
+        check_experts(ParallelConfig(dp=4, ep=4), GPT(GPTConfig(n_experts=6, ...)))
+        # ConfigError: ep=4 splits each mixture-of-experts layer's 6 experts over 4 ranks, so it must divide
+        # the number of experts: try ep=2 (it must also divide dp x sp = 4)
+    """
+    if config.ep == 1:
+        return
+    counts = sorted({m.n for m in model.modules() if isinstance(m, Experts)})
+    if not counts:
+        raise ConfigError(f"ep={config.ep} splits the experts of mixture-of-experts layers, and this model "
+                          f"({type(model).__name__}) has none its policy can find (stacked expert tensors, "
+                          "colab_kit.models.experts.Experts): set ep=1, or give the model MoE layers "
+                          "(GPTConfig(n_experts=8))")
+    fold = config.dp * config.sp
+    bad = [n for n in counts if n % config.ep]
+    if bad:
+        ok = [k for k in range(1, fold + 1) if fold % k == 0 and all(n % k == 0 for n in counts)]
+        raise ConfigError(f"ep={config.ep} splits each mixture-of-experts layer's {bad[0]} experts over "
+                          f"{config.ep} ranks, so it must divide the number of experts: try ep={_or_words(ok)} "
+                          f"(it must also divide dp x sp = {fold})")
+
+
+def _or_words(values) -> str:
+    values = [str(v) for v in values]
+    return " or ".join(values) if len(values) < 3 else ", ".join(values[:-1]) + " or " + values[-1]
 
 
 def _has_experts(model: nn.Module) -> bool:
@@ -141,6 +178,7 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
     why = unsupported(config, model)
     if why is not None:
         raise ConfigError(why)
+    check_experts(config, model)
     check_max_norm(max_grad_norm)
     if isinstance(optimizer, torch.optim.Optimizer):  # read before the model is sharded: names, groups, settings
         spec = OptimizerSpec.capture(optimizer, model)

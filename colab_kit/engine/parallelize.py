@@ -30,11 +30,12 @@ import torch.nn as nn
 from .. import comm
 from ..config import ParallelConfig
 from ..mesh import ProcessMesh
-from ..placement import PlacementTable
+from ..placement import PlacementTable, Replicate
 from ..zero.stage0 import GradientPart
 from .loss import TokenLoss, lm_loss, token_losses
 from ..dropout import DropoutLayout
 from ..dropout.apply import apply_dropout
+from ..expert.apply import apply_expert_parallel
 from ..models.dropout import has_dropout
 from ..policy.hf import converted_conv1d
 from ..pipeline.apply import apply_pipeline_split
@@ -48,7 +49,7 @@ from ..sharded_init import materialize, meta_twin
 
 __all__ = ["parallelize", "Parallelized", "plan_steps", "STEPS"]
 
-STEPS = ("defer_init", "dropout", "tensor", "sequence", "recompute", "pipeline_split", "materialize",
+STEPS = ("defer_init", "dropout", "tensor", "sequence", "expert", "recompute", "pipeline_split", "materialize",
          "placements", "broadcast", "precision", "data_parallel")
 """Every step ``parallelize`` may take, in the order it takes them."""
 
@@ -60,7 +61,7 @@ def plan_steps(config: ParallelConfig, *, dropout: bool = False) -> tuple[str, .
         # ('defer_init', 'tensor', 'recompute', 'pipeline_split', 'materialize', 'placements',
         #  'broadcast', 'data_parallel')
     """
-    asks = {"dropout": dropout, "tensor": config.tp > 1, "sequence": config.sp > 1,
+    asks = {"dropout": dropout, "tensor": config.tp > 1, "sequence": config.sp > 1, "expert": config.ep > 1,
             "recompute": config.recompute != "none", "pipeline_split": config.pp > 1,
             "precision": config.precision != "fp32"}
     return tuple(s for s in STEPS if asks.get(s, True))
@@ -146,29 +147,33 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
     if "sequence" in steps:                                            # 4. attention on this rank's tokens
         model, sp_plan = apply_sequence_parallel(model, mesh, config, policy)
         take("sequence")
-    if "recompute" in steps:                                           # 5. blocks (or attention cores) recompute
+    if "expert" in steps:                                              # 5. this rank's experts, tokens to them
+        apply_expert_parallel(model, mesh, config, policy)
+        take("expert")
+    if "recompute" in steps:                                           # 6. blocks (or attention cores) recompute
         apply_recompute(model, policy, config, sp_plan)
         take("recompute")
     stages, tied = None, []
-    if "pipeline_split" in steps:                                      # 6. this rank's stages
+    if "pipeline_split" in steps:                                      # 7. this rank's stages
         stages, tied = apply_pipeline_split(model, mesh, config, policy)
         model = nn.ModuleList(stages)
         take("pipeline_split")
-    module = materialize(model).to(mesh.device)                        # 7. what is still meta: whole copies
+    module = materialize(model).to(mesh.device)                        # 8. what is still meta: whole copies
     take("materialize")
     n_local = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    table = PlacementTable(module)                                     # 8. as each layer declared it
+    table = PlacementTable(module)                                     # 9. as each layer declared it
     take("placements")
-    with torch.no_grad():                                              # 9. one start even if a seed differed
-        for p in module.parameters():
-            comm.broadcast(p.data, mesh, "dp", tag="init params")
+    with torch.no_grad():                                              # 10. one start even if a seed differed
+        for p in module.parameters():  # experts: over the ranks holding the same ones
+            axis = "edp" if config.ep > 1 and table[p].on("ep") != Replicate() else "dp"
+            comm.broadcast(p.data, mesh, axis, tag="init params")
     take("broadcast")
-    if "precision" in steps:                                           # 10. a 16-bit model, the loss in fp32
+    if "precision" in steps:                                           # 11. a 16-bit model, the loss in fp32
         loss = apply_precision(module, config, loss)
         take("precision")
     events: list[dict] = []
     grads = apply_data_parallel(module, mesh, config, policy, table, events, bucket_bytes=bucket_bytes,
-                                device_budget=device_budget, group_of_name=group_of_name)  # 11. dp / ZeRO
+                                device_budget=device_budget, group_of_name=group_of_name)  # 12. dp / ZeRO
     take("data_parallel")
     if tuple(taken) != steps:
         raise RuntimeError(f"parallelize took the steps {taken}, but {config.describe()} asks for {list(steps)}")

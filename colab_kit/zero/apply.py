@@ -13,6 +13,7 @@ from .stage0 import GradientPart, ZeroStage0
 from .stage1 import ZeroStage1
 from .stage2 import ZeroStage2
 from .stage3 import ZeroStage3
+from .split import ExpertSplit, split_experts
 
 __all__ = ["apply_data_parallel"]
 
@@ -35,8 +36,18 @@ def apply_data_parallel(module: nn.Module, mesh: ProcessMesh, config: ParallelCo
         return ZeroStage3(module, mesh, "dp", events, offload=config.offload, device_budget=device_budget,
                           blocks=policy.block_list(module) if policy is not None else None,
                           placements=table, group_of=group_of)
+    if config.ep > 1:  # the experts over edp, the rest over dp (colab_kit.zero.split)
+        dense, experts = split_experts(module.parameters(), table)
+        parts = [_part(ps, mesh, axis, config, bucket_bytes, events, table, group_of)
+                 for ps, axis in ((dense, "dp"), (experts, "edp"))]
+        parts[1].divisor = mesh.size("dp")  # the mean over dp (sp's shares are summed, as for dense weights)
+        return ExpertSplit(parts[0], parts[1], config.zero)
+    return _part(module.parameters(), mesh, "dp", config, bucket_bytes, events, table, group_of)
+
+
+def _part(params, mesh, axis, config, bucket_bytes, events, table, group_of):
     if config.zero:
         part = ZeroStage2 if config.zero == 2 else ZeroStage1
-        return part(module.parameters(), mesh, "dp", bucket_bytes, events, config.zero, offload=config.offload,
+        return part(params, mesh, axis, bucket_bytes, events, config.zero, offload=config.offload,
                     placements=table, group_of=group_of)
-    return ZeroStage0(module.parameters(), mesh, "dp", bucket_bytes, events, placements=table)
+    return ZeroStage0(params, mesh, axis, bucket_bytes, events, placements=table)

@@ -131,6 +131,9 @@ class ZeroStage0:
         self.placements = placements if placements is not None else PlacementTable()
         """The engine's ``PlacementTable``: which gradients are ``Partial()`` over a tensor or sequence axis."""
         self.size = mesh.size(axis)
+        self.divisor = self.size
+        """What each reduced gradient is divided by: the axis's size (dp), or dp for experts reduced over edp
+        (their gradients already hold the tokens of the whole ep group: ``colab_kit.zero.split``)."""
         self.events = events if events is not None else []
         params = [p for p in params if p.requires_grad]
         self._params = params
@@ -199,9 +202,10 @@ class ZeroStage0:
         assert buffer is not None  # stages 0 and 1 keep every bucket's buffer
         if self.masters is not None:  # mixed precision: reduce an fp32 copy, the masters' gradient
             buffer = bucket.staged = buffer.float()
+        if self.divisor != 1:
+            buffer.div_(self.divisor)
         if self.size == 1:
             return
-        buffer.div_(self.size)
         start = time.perf_counter() - self.t0
         index = bucket.index
 

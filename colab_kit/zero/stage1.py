@@ -213,10 +213,11 @@ class ZeroStage1(ZeroStage0):
         if self.masters is not None:  # mixed precision: reduce-scatter an fp32 copy into an fp32 piece
             buffer = bucket.staged = buffer.float()
             out = self._reduced[i] = torch.empty(out.numel(), dtype=torch.float32, device=out.device)
+        if self.divisor != 1:
+            buffer.div_(self.divisor)
         if self.size == 1:
             comm.reduce_scatter_into(out, buffer, self.mesh, self.axis)  # a copy (stage 2, mixed) or nothing
             return
-        buffer.div_(self.size)
         start = time.perf_counter() - self.t0
 
         def record():

@@ -207,8 +207,8 @@ class ZeroStage2(ZeroStage1):
                 self._full -= tensor_bytes([buf])
             del buf
         n, r = self.size, self.rank
-        if n > 1:
-            src.div_(n)
+        if self.divisor != 1:
+            src.div_(self.divisor)
         k = src.numel() // n
         piece = self._pieces[i]
         if self._first[i] and self.masters is None:  # straight into the piece

@@ -1,0 +1,40 @@
+"""The expert step of ``ck.parallelize`` (``colab_kit.engine.parallelize``): experts split over ep."""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from ..config import ParallelConfig
+from ..mesh import ProcessMesh
+from ..models.experts import Experts
+from .layer import ExpertParallel
+
+__all__ = ["apply_expert_parallel", "expert_modules"]
+
+
+def expert_modules(model: nn.Module, policy) -> list[tuple[nn.Module, str, Experts]]:
+    """``(parent, child name, Experts)`` of every mixture-of-experts layer the policy names (``policy.experts``:
+    the layers' paths; the stacked expert tensors are the ``Experts`` module inside each)."""
+    out = []
+    for path in getattr(policy, "experts", ()) if policy is not None else ():
+        layer = model.get_submodule(path)
+        for parent in layer.modules():
+            for name, child in parent.named_children():
+                if isinstance(child, Experts):
+                    out.append((parent, name, child))
+    return out
+
+
+def apply_expert_parallel(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, policy) -> list[ExpertParallel]:
+    """Each MoE layer's experts cut to this rank's ``E / ep`` (``Shard(0)`` on ep) with the all-to-all dispatch
+    around them (``colab_kit.expert.layer``).
+
+    Needs: the tensor and sequence steps first (none applies to an MoE model today) and the layers still in
+    the whole model (before the pipeline split: another stage's experts are cut too, still meta, and dropped
+    with the stage). Leaves: the ``ExpertParallel`` modules in place of the ``Experts``, declared ``Shard(0)``
+    on ep; the data-parallel step sums their gradients over edp (``colab_kit.zero.apply``)."""
+    made = []
+    for parent, name, experts in expert_modules(model, policy):
+        layer = ExpertParallel(experts, mesh, "ep")
+        setattr(parent, name, layer)
+        made.append(layer)
+    return made

@@ -1,0 +1,109 @@
+"""Expert parallelism: each rank holds ``E / ep`` experts of a layer, and tokens travel to them by all-to-all.
+
+``ExpertParallel`` takes the place of a layer's ``Experts`` (``colab_kit.models.experts``) and keeps its
+interface: ``forward(rows, counts)`` with ``rows`` in expert-major order over all ``E`` experts and ``counts``
+rows per expert, returning the experts' outputs in the same order. So the router, capacity, losses and
+combine of the MoE layer run unchanged on this rank's tokens; only the expert compute moves (GShard's
+dispatch and combine, Lepikhin et al. 2020, as torchtitan's and Megatron-Core's all-to-all dispatchers).
+
+One forward on ep rank ``r`` of ``ep`` (experts ``r E/ep .. (r+1) E/ep - 1`` here)::
+
+    1. counts [E] -> [ep, E/ep]: rows for each rank's experts; all_to_all of the counts: got [ep, E/ep],
+       the rows each source sends for each of this rank's experts
+    2. dispatch: all_to_all_v of the rows (rank j's block is contiguous: expert-major order)
+    3. the received rows are source-major; a stable sort by local expert makes them expert-major
+       (inside an expert: source order, then each source's order), the local experts run on them
+    4. back to source-major, combine: all_to_all_v with the sizes swapped; the rows come back in the
+       order they left
+
+Worked example, E=4, ep=2, rank 0 routes counts [2 0 1 1], rank 1 counts [0 3 0 2]::
+
+    rank 0 sends [2 0] rows to itself, [1 1] to rank 1; rank 1 sends [0 3] to rank 0, [0 2] to itself
+    rank 0 receives [[2 0], [0 3]]: 2 rows of rank 0 for expert 0, 3 of rank 1 for expert 1
+             expert-major: expert 0 <- rank 0's 2 rows; expert 1 <- rank 1's 3 rows (counts [2 3])
+    rank 1 receives [[1 1], [0 2]]: expert 2 <- rank 0's 1 row; expert 3 <- rank 0's 1, rank 1's 2
+
+Every row is computed by the same expert weights as in one process, and the backward runs the same
+exchanges in reverse (``AllToAll``): the expert weights' gradients hold the contributions of the tokens of
+every rank of the ep group; the expert-data-parallel group (``edp``) sums them (``colab_kit.zero``).
+A rank or an expert that receives no row computes on zero rows: its weights get a zero gradient.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .. import comm
+from ..models.experts import Experts, expert_compute, EXPERT_COMPUTE
+from ..placement import declare
+from ..sharded_init import dense_value
+
+__all__ = ["AllToAll", "ExpertParallel", "expert_major"]
+
+WEIGHTS = ("w_in", "b_in", "w_out", "b_out")
+
+
+class AllToAll(torch.autograd.Function):
+    """``AllToAll.apply(rows, send, recv, mesh, axis, tag)``: ``comm.all_to_all_v`` forward; backward the
+    same exchange with ``send`` and ``recv`` swapped (GShard's dispatch and combine are each other's
+    transpose)."""
+
+    @staticmethod
+    def forward(ctx, rows, send, recv, mesh, axis, tag):
+        ctx.args = (send, recv, mesh, axis, tag)
+        return comm.all_to_all_v(rows, send, recv, mesh, axis, tag=tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, recv, mesh, axis, tag = ctx.args
+        return comm.all_to_all_v(grad, recv, send, mesh, axis, tag=tag + " backward"), None, None, None, None, None
+
+
+def expert_major(got: torch.Tensor) -> torch.Tensor:
+    """The order that takes rows received source-major (``got [sources, experts]`` rows per block) to
+    expert-major (inside an expert: source order, then arrival order): a stable sort by expert.
+
+        >>> expert_major(torch.tensor([[1, 2], [1, 0]]))   # rows: s0e0 | s0e1 s0e1 | s1e0
+        tensor([0, 3, 1, 2])
+    """
+    sources, experts = got.shape
+    block = torch.repeat_interleave(torch.arange(sources * experts, device=got.device), got.reshape(-1))
+    return torch.sort(block % experts, stable=True).indices
+
+
+class ExpertParallel(nn.Module):
+    """This rank's ``E / ep`` experts of a layer (its slice of the stacked tensors, ``Shard(0)`` on ``ep``) and
+    the all-to-all around them; a drop-in for ``Experts`` (see the module docstring)."""
+
+    def __init__(self, experts: Experts, mesh, axis: str = "ep"):
+        super().__init__()
+        ep, r = mesh.size(axis), mesh.rank(axis)
+        self.mesh, self.axis, self.n, self.d, self.f = mesh, axis, experts.n, experts.d, experts.f
+        self.local = experts.n // ep
+        self.first = r * self.local
+        for name in WEIGHTS:
+            dense = dense_value(getattr(experts, name))  # a meta tensor without a recipe stays meta
+            with torch.no_grad():
+                mine = dense[self.first:self.first + self.local].clone()
+            self.register_parameter(name, nn.Parameter(mine, requires_grad=getattr(experts, name).requires_grad))
+            declare(self, name, {0: axis})
+        self.last: dict = {}
+        """The last forward's rows: ``send`` / ``recv`` per ep rank, and ``local`` rows per local expert."""
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, how: str | None = None) -> torch.Tensor:
+        ep = self.mesh.size(self.axis)
+        per_rank = counts.view(ep, self.local)
+        got = comm.all_to_all(per_rank.contiguous(), self.mesh, self.axis, split_dim=0, cat_dim=0,
+                              tag="expert counts")  # [sources, local experts]
+        send, recv = per_rank.sum(1).tolist(), got.sum(1).tolist()
+        arrived = AllToAll.apply(rows, send, recv, self.mesh, self.axis, "expert dispatch")
+        order = expert_major(got)
+        out = expert_compute(arrived[order], got.sum(0), self.w_in, self.b_in, self.w_out, self.b_out,
+                             how or EXPERT_COMPUTE)
+        back = out[torch.argsort(order)]  # source-major again
+        self.last = {"send": send, "recv": recv, "local": got.sum(0).tolist()}
+        return AllToAll.apply(back, recv, send, self.mesh, self.axis, "expert combine")
+
+    def extra_repr(self) -> str:
+        return (f"experts {self.first}..{self.first + self.local - 1} of {self.n} (d {self.d}, f {self.f}) "
+                f"over {self.axis}={self.mesh.size(self.axis)}")

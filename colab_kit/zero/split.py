@@ -1,0 +1,113 @@
+"""Two gradient parts under one interface: the dense parameters over dp, the experts over edp (``ep > 1``).
+
+With expert parallelism the ranks of a dp group hold different experts, so one flat buffer reduced over dp
+cannot carry both. ``ExpertSplit`` keeps two parts of the same ZeRO stage (``ZeroStage0``, 1 or 2): one
+over ``dp`` for every parameter replicated there, one over ``edp`` for the expert tensors (``Shard(0)`` on
+``ep`` in the placement table). Both divide by dp: an expert's gradient on a rank already holds the tokens
+of every rank of its ep group (the all-to-all's backward brought them), and the sum over edp adds the other
+groups', so the sum over edp divided by dp is the gradient of the mean loss, as for the dense weights.
+
+Worked example, ``ParallelConfig(dp=4, ep=2, zero=1)``, rank 2 (edp 1, ep 0): the dense buckets are
+reduce-scattered over dp ``[0 1 2 3]`` (a quarter of the optimizer states each); experts 0..E/2-1 over edp
+``[0 2]`` (a half of those experts' states each). One optimizer steps both parts' pieces.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+
+import torch
+
+from ..config import ConfigError
+
+__all__ = ["ExpertSplit", "split_experts"]
+
+
+def split_experts(params, table) -> tuple[list, list]:
+    """``(dense, experts)``: the parameters whose placement shards them over ``ep``, and the others."""
+    params = list(params)
+    experts = [p for p in params if any("ep" in axes for _, axes in table[p].shards)]
+    ids = {id(p) for p in experts}
+    return [p for p in params if id(p) not in ids], experts
+
+
+class ExpertSplit:
+    """A ``GradientPart`` (``colab_kit.zero.stage0``) made of ``dense`` (over dp) and ``experts`` (over edp):
+    every call goes to both, the optimizer steps the pieces of both (see the module docstring)."""
+
+    def __init__(self, dense, experts, zero: int):
+        self.dense, self.experts, self.stage = dense, experts, zero
+        self.parts = (dense, experts)
+        self._owner = {id(p): part for part in self.parts for p in part._params}
+        if dense.masters is not None or experts.masters is not None:
+            raise ConfigError("expert parallelism runs in fp32 in this version: set precision='fp32' with ep > 1 "
+                              "(or ep=1 with bf16/fp16)")
+
+    t0 = property(lambda self: self.dense.t0)
+    masters = None  # fp32 only (checked when built)
+    live = None
+    placement = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def master_bytes(self) -> int:
+        return 0
+
+    def arm(self, sync: bool, t0: float | None = None) -> None:
+        for p in self.parts:
+            p.arm(sync, t0)
+
+    def ready(self, param: torch.Tensor) -> None:
+        owner = self._owner.get(id(param))
+        if owner is not None:
+            owner.ready(param)
+
+    def finish(self) -> None:
+        for p in self.parts:
+            p.finish()
+
+    def zero(self) -> None:
+        for p in self.parts:
+            p.zero()
+
+    def remove(self) -> None:
+        for p in self.parts:
+            p.remove()
+
+    def optimizer_layout(self) -> list:
+        return [entry for p in self.parts for entry in p.optimizer_layout()]
+
+    def build_optimizer(self, optimizer_factory) -> torch.optim.Optimizer:
+        """One optimizer over both parts' tensors (ZeRO: checked to step exactly them, elementwise)."""
+        from .stage1 import build_over
+        tensors = [t for t, _ in self.optimizer_layout()]
+        return build_over(tensors, optimizer_factory) if self.stage else optimizer_factory(tensors)
+
+    def set_optimizer(self, optimizer, keys=None) -> None:
+        for p in self.parts:
+            p.set_optimizer(optimizer, None)
+
+    def sync_replicated(self) -> None:
+        for p in self.parts:
+            p.sync_replicated()
+
+    def gather_params(self) -> None:
+        for p in self.parts:
+            p.gather_params()
+
+    def host_bytes(self, optimizer) -> dict:
+        return {}
+
+    def param_bytes(self) -> int | None:
+        return None
+
+    def host_share(self) -> float | None:
+        return None
+
+    @contextmanager
+    def gathered(self):
+        with ExitStack() as stack:
+            for p in self.parts:
+                stack.enter_context(p.gathered())
+            yield
