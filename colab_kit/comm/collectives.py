@@ -3,6 +3,7 @@ reduce_scatter (and their fused single-buffer ``*_into`` forms), all_to_all. Par
 ``colab_kit.comm``; see its docstring."""
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -293,7 +294,7 @@ def all_to_all_v(tensor: torch.Tensor, send: list[int], recv: list[int], mesh, a
         return tensor
     src = tensor.contiguous()
     out = src.new_empty((sum(recv),) + tuple(src.shape[1:]))
-    row = src[0].numel() * src.element_size() if src.dim() > 1 else src.element_size()
+    row = math.prod(src.shape[1:]) * src.element_size()  # a rank may send no row
     wire = (sum(send) - send[mesh.rank(axis)]) * row
     _run(mesh, "all_to_all", axis, src, lambda a: dist.all_to_all_single(out, src, list(recv), list(send),
                                                                          group=mesh.group(axis), async_op=a),

@@ -15,11 +15,26 @@ MODELS = {
     # sigmoid scores, a capacity that drops, MoE in every other block of four
     "capacity": GPTConfig(**BASE, n_layers=4, n_experts=4, top_k=2, moe_every=2, router="sigmoid",
                           capacity_factor=1.0, aux_loss=0.1),
+    # every token to expert 0 (a selection bias of 100, ``build``): the other ep ranks receive no row
+    "one_expert": GPTConfig(**BASE, n_layers=2, n_experts=4, top_k=1, aux_loss=0.1, router_bias_update=1e-6),
+    # top_k equal to the number of experts: every expert on every token
+    "all_experts": GPTConfig(**BASE, n_layers=2, n_experts=4, top_k=4, z_loss=0.01),
 }
 OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
               "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
               "frozen": lambda ps: torch.optim.SGD(ps, lr=0.0)}
 STEPS, BATCH, RTOL = 4, 8, 1e-5
+
+
+def build(name: str) -> GPT:
+    """The MoE GPT ``name`` of ``MODELS``, as every rank and the reference build it."""
+    model = GPT(MODELS[name])
+    if name == "one_expert":
+        with torch.no_grad():
+            for m in model.modules():
+                if hasattr(m, "score_bias"):
+                    m.score_bias[0] = 100.0
+    return model
 
 
 def data() -> SyntheticTokens:
@@ -33,13 +48,14 @@ def microbatch_rows(rows: int, microbatches: int, dp: int) -> list[torch.Tensor]
     return [per_rank[:, j].reshape(-1) for j in range(microbatches)]
 
 
-def reference(model: str, opt: str, microbatches: int = 1, aux: bool = True, dp: int = 1) -> list[float]:
+def reference(model: str, opt: str, microbatches: int = 1, aux: bool = True, dp: int = 1,
+              clip: float | None = None) -> list[float]:
     """Plain torch in one process: per step, each microbatch's ``(lm_loss + model.aux_loss()) / m`` backward
     (gradients accumulate), the optimizer step, the router bias update; the step's loss is their sum. The
     microbatches are the engine's under ``dp`` (``microbatch_rows``). ``aux=False``: the same without the
-    auxiliary losses (a run that dropped them is caught)."""
-    cfg = MODELS[model]
-    model_ = GPT(cfg)
+    auxiliary losses (a run that dropped them is caught); ``clip``: the gradient norm clipped to before each
+    step."""
+    model_ = build(model)
     optimizer = OPTIMIZERS[opt](model_.parameters())
     losses, d = [], data()
     for step in range(STEPS):
@@ -51,6 +67,8 @@ def reference(model: str, opt: str, microbatches: int = 1, aux: bool = True, dp:
             loss = lm_loss(model_(xm), ym) + (model_.aux_loss() if aux else 0.0)
             (loss / microbatches).backward()
             total += loss.item() / microbatches
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model_.parameters(), clip)
         optimizer.step()
         update_router_bias(model_)
         losses.append(total)

@@ -1,0 +1,155 @@
+"""Expert parallelism (``ParallelConfig(ep=)``): the MoE GPT trains to one process's losses within 1e-5 (fp32)
+with its experts split over ep ranks folded over dp, tokens dispatched and combined by all-to-all: dp=2 ep=2,
+dp=4 ep=4, dp=4 ep=2, ep x pp (1F1B), ep x ZeRO 1/2, a capacity that drops, microbatches, recomputation,
+clipping, every token routed to one expert (the other ep ranks receive no row) and top_k equal to the number
+of experts. Each rank holds E/ep experts; the dispatch bytes equal the formula of ``docs/moe.md``. Bad input is
+a ConfigError before any process starts. One spawn per world size, the configs looped inside it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import colab_kit as ck
+from colab_kit.engine.reference import max_relative_difference
+from colab_kit.expert import ExpertParallel, expert_major
+from colab_kit.models import GPT, GPTConfig
+from tests.helpers.moe import BATCH, MODELS, OPTIMIZERS, RTOL, STEPS, build, data, reference
+
+PP = dict(pp=2, schedule="1f1b", microbatches=2)
+CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs, boost kwargs)
+    "dp=2 ep=2": (2, "softmax", "sgd", dict(dp=2, ep=2), {}),
+    "dp=2 ep=2 adamw capacity": (2, "capacity", "adamw", dict(dp=2, ep=2), {}),
+    "dp=4 ep=4": (4, "softmax", "adamw", dict(dp=4, ep=4), {}),
+    "dp=4 ep=4 sgd": (4, "softmax", "sgd", dict(dp=4, ep=4), {}),
+    "dp=4 ep=2": (4, "softmax", "sgd", dict(dp=4, ep=2), {}),
+    "dp=4 ep=2 capacity": (4, "capacity", "adamw", dict(dp=4, ep=2), {}),
+    "dp=2 ep=2 pp=2": (4, "softmax", "sgd", dict(dp=2, ep=2, **PP), {}),
+    "dp=2 ep=2 pp=2 capacity": (4, "capacity", "adamw", dict(dp=2, ep=2, **PP), {}),
+    "dp=4 ep=2 zero=1": (4, "softmax", "adamw", dict(dp=4, ep=2, zero=1), {}),
+    "dp=4 ep=4 zero=2 mb=2": (4, "capacity", "sgd", dict(dp=4, ep=4, zero=2, microbatches=2), {}),
+    "dp=4 ep=4 one expert": (4, "one_expert", "sgd", dict(dp=4, ep=4), {}),
+    "dp=4 ep=2 top_k=E": (4, "all_experts", "sgd", dict(dp=4, ep=2), {}),
+    "dp=4 ep=2 recompute": (4, "softmax", "sgd", dict(dp=4, ep=2, recompute="full"), {}),
+    "dp=4 ep=4 clip": (4, "softmax", "sgd", dict(dp=4, ep=4), dict(max_grad_norm=0.5)),
+}
+BYTES = "dp=4 ep=2"  # the config whose dispatch records are checked against the formula
+
+
+def _run(names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        _, model, opt, kw, boost_kw = CONFIGS[name]
+        engine = ck.boost(build(model), OPTIMIZERS[opt], ck.ParallelConfig(**kw), **boost_kw)
+        d = data()
+        losses = [engine.train_step(d.batch(s, BATCH)) for s in range(STEPS)]
+        layers = [m for m in engine.module.modules() if isinstance(m, ExpertParallel)]
+        out[name] = {"losses": losses, "experts": [tuple(m.w_in.shape) for m in layers],
+                     "first": [m.first for m in layers], "sent": [m.last["send"] for m in layers],
+                     "received": [m.last["recv"] for m in layers],
+                     "records": [r for r in ck.engine.reports.comm(engine, True) if "expert" in r["tag"]]}
+        engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    got = {}
+    for world in sorted({c[0] for c in CONFIGS.values()}):
+        names = [n for n, c in CONFIGS.items() if c[0] == world]
+        for rank, res in enumerate(ck.launch(_run, world, names, timeout=600)):
+            for name, r in res.items():
+                got[name, rank] = r
+    return got
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_ep_trains_like_one_process(runs, name):
+    world, model, opt, kw, boost_kw = CONFIGS[name]
+    want = reference(model, opt, kw.get("microbatches", 1), dp=kw["dp"], clip=boost_kw.get("max_grad_norm"))
+    for rank in range(world):
+        diff = max_relative_difference(runs[name, rank]["losses"], want)
+        assert diff <= RTOL, (name, rank, diff, runs[name, rank]["losses"], want)
+    untrained = [want[0]] * len(want)  # the test can fail: a run that never stepped is far off
+    assert max_relative_difference(runs[name, 0]["losses"], untrained) > 100 * RTOL
+
+
+@pytest.mark.parametrize("name", ["dp=4 ep=4", "dp=4 ep=2", "dp=2 ep=2 pp=2"])
+def test_each_rank_holds_its_experts(runs, name):
+    world, model, _, kw, _ = CONFIGS[name]
+    n, ep = MODELS[model].n_experts, kw["ep"]
+    for rank in range(world):
+        r = runs[name, rank]
+        assert r["experts"] and all(shape[0] == n // ep for shape in r["experts"])
+        ep_rank = ck.MeshLayout(ck.ParallelConfig(**kw)).all_coords(rank)["ep"]
+        assert set(r["first"]) == {ep_rank * n // ep}
+
+
+def test_the_rank_without_tokens_sent_and_received_none(runs):
+    """Every token goes to expert 0 (on ep rank 0): the ranks send all their rows there and none elsewhere."""
+    for rank in range(4):
+        for sent in runs["dp=4 ep=4 one expert", rank]["sent"]:
+            assert sent[1:] == [0, 0, 0] and sent[0] == BATCH // 4 * 16  # top-1: one row per token
+
+
+def test_dispatch_bytes_equal_the_formula(runs):
+    """Per MoE layer and microbatch a rank hands ``N k d`` fp32 values to the dispatch and to the combine's
+    transpose in backward (N its tokens, dropless), and the ``R d`` values it received (R rows, the others'
+    choices of its experts; over an ep group the R add up to the group's N k) to the combine and the dispatch's
+    transpose; the wire bytes are the rows that leave the rank; the counts' all-to-all carries ``E`` int64."""
+    _, model, _, kw, _ = CONFIGS[BYTES]
+    cfg, d = MODELS[model], MODELS[model].d_model
+    tokens = BATCH // kw["dp"] * cfg.seq_len
+    me_of = ck.MeshLayout(ck.ParallelConfig(**kw)).all_coords
+    received = {}
+    for rank in range(4):
+        r, me = runs[BYTES, rank], me_of(rank)["ep"]
+        by_tag = {}
+        for rec in r["records"]:
+            assert rec["op"] == "all_to_all" and rec["axis"] == "ep"
+            by_tag.setdefault(rec["tag"], []).append(rec)
+        layers = len(r["experts"])
+        assert {t: len(v) for t, v in by_tag.items()} == {t: layers for t in (
+            "expert counts", "expert dispatch", "expert combine", "expert dispatch backward", "expert combine backward")}
+        assert all(rec["bytes"] == cfg.n_experts * 8 for rec in by_tag["expert counts"])
+        for tag in ("expert dispatch", "expert combine backward"):
+            assert all(rec["bytes"] == tokens * cfg.top_k * d * 4 for rec in by_tag[tag])
+        got = sorted(sum(x) * d * 4 for x in r["received"])
+        for tag in ("expert combine", "expert dispatch backward"):
+            assert sorted(rec["bytes"] for rec in by_tag[tag]) == got
+        assert sorted(rec["wire"] for rec in by_tag["expert dispatch"]) == sorted(
+            (sum(s) - s[me]) * d * 4 for s in r["sent"])
+        received[rank] = [sum(x) for x in r["received"]]
+    for group in ck.MeshLayout(ck.ParallelConfig(**kw)).groups("ep"):  # what a group receives is what it sent
+        assert [sum(received[g][i] for g in group) for i in range(len(received[0]))] == \
+            [len(group) * tokens * cfg.top_k] * len(received[0])
+
+
+def test_expert_major_order():
+    got = torch.tensor([[2, 0, 1], [1, 3, 0]])  # rows: s0e0 s0e0 | s0e2 | s1e0 | s1e1 x3
+    order = expert_major(got)
+    assert order.tolist() == [0, 1, 3, 4, 5, 6, 2]
+    assert order.tolist() != list(range(7))
+
+
+def test_bad_ep_is_refused_before_any_process():
+    opt = OPTIMIZERS["sgd"]
+    with pytest.raises(ck.ConfigError, match=r"must divide dp x sp.*dp=2, ep=2"):
+        ck.ParallelConfig(ep=2)
+    six = GPTConfig(**{**MODELS["softmax"].__dict__, "n_experts": 6})
+    with pytest.raises(ck.ConfigError, match="must divide the number of experts: try ep=1 or 2"):
+        ck.boost(GPT(six), opt, ck.ParallelConfig(dp=4, ep=4))
+    dense = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
+    with pytest.raises(ck.ConfigError, match="has none its policy can find.*set ep=1"):
+        ck.boost(GPT(dense), opt, ck.ParallelConfig(dp=2, ep=2))
+    for kw, rule in ((dict(zero=3), "ZeRO stage 3"), (dict(precision="bf16"), "in bf16"),
+                     (dict(zero=1, offload="cpu"), "offload='cpu'")):
+        with pytest.raises(ck.ConfigError, match=rule):
+            ck.boost(build("softmax"), opt, ck.ParallelConfig(dp=2, ep=2, **kw))
+
+
+def test_mesh_folds_ep_over_dp_and_sp():
+    lay = ck.MeshLayout(ck.ParallelConfig(dp=2, sp=2, ep=2, pp=2))
+    assert lay.groups("ep") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.groups("edp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lay.all_coords(3) == {"pp": 0, "dp": 1, "sp": 1, "tp": 0, "edp": 1, "ep": 1}
+    assert lay.size("edp") == 2 and "ep" not in ck.MeshLayout(ck.ParallelConfig(dp=2)).axes
