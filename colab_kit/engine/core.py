@@ -72,13 +72,14 @@ def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str |
     for every microbatch's forward and backward (2 x microbatches all-gathers per step), or keep
     them whole through the step, which is stage 2's memory at stage 3's traffic.
 
-    A model with mixture-of-experts layers (its policy's ``experts``) is refused under tp and sp: they split
-    the tokens an expert sees (split_gather and sp by position, 2D/3D by rows) or its matrices, and one
-    process's routing, capacity and balancing loss over those tokens need the expert-parallel dispatch
-    (issue 42, later part). dp, ZeRO 1-3, offload, pp and recomputation run it exactly (``docs/moe.md``)::
+    A model with mixture-of-experts layers (its policy's ``experts``) is refused under sp, 2D/2.5D/3D tp and
+    split_gather: they split the tokens a router sees (by position or by rows) over ranks the MoE step does not
+    gather counts over. Under 1D tp every tp rank routes the same tokens, so the MoE layers run whole on each
+    (tp does not split their work: ``docs/moe.md``). dp, ep, ZeRO 1-3, offload, pp and recomputation run them
+    exactly; ep is refused with ZeRO 3, offload and 16-bit precision for now::
 
-        unsupported(ParallelConfig(tp=2), GPT(GPTConfig(n_experts=4)))   # "... mixture-of-experts layers with
-                                  # tensor parallelism (tp=2) ...: set tp=1 (dp=2 runs the same ranks) ..."
+        unsupported(ParallelConfig(sp=2), GPT(GPTConfig(n_experts=4)))   # "... mixture-of-experts layers with
+                                  # sequence parallelism (sp=2) ...: set sp=1 (dp=2 runs the same ranks) ..."
     """
     cfg = config
     moe = model is not None and _has_experts(model)
@@ -89,8 +90,12 @@ def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str |
              "backward), or zero=3 with pp=1"),
             (cfg.sp_mode == "split_gather" and cfg.tp_mode != "1d",  # its plan splits 1D's layers only
              f"sp_mode='split_gather' with tp_mode={cfg.tp_mode!r}", "tp_mode='1d' with split_gather"),
-            (moe and cfg.tp > 1, f"mixture-of-experts layers with tensor parallelism (tp={cfg.tp}, which splits "
-             "the tokens or matrices an expert sees)", f"tp=1 (dp={cfg.dp * cfg.tp} runs the same ranks)"),
+            (moe and cfg.tp > 1 and (cfg.tp_mode != "1d" or cfg.sp_mode == "split_gather"),
+             f"mixture-of-experts layers with tp_mode={cfg.tp_mode!r}" + (" and split_gather" if cfg.sp_mode ==
+                                                                          "split_gather" else "")
+             + " (which split the tokens a router sees over the tp ranks)",
+             "tp_mode='1d' without split_gather (each tp rank routes the same tokens: the MoE layers run whole "
+             "on every tp rank)"),
             (moe and cfg.sp > 1, f"mixture-of-experts layers with sequence parallelism (sp={cfg.sp}, which "
              "splits the tokens a router counts)", f"sp=1 (dp={cfg.dp * cfg.sp} runs the same ranks)"),
             (cfg.ep > 1 and cfg.zero == 3, f"expert parallelism (ep={cfg.ep}) with ZeRO stage 3",

@@ -1,6 +1,6 @@
 """Expert parallelism (``ParallelConfig(ep=)``): the MoE GPT trains to one process's losses within 1e-5 (fp32)
 with its experts split over ep ranks folded over dp, tokens dispatched and combined by all-to-all: dp=2 ep=2,
-dp=4 ep=4, dp=4 ep=2, ep x pp (1F1B), ep x ZeRO 1/2, a capacity that drops, microbatches, recomputation,
+dp=4 ep=4, dp=4 ep=2, ep x tp (1D: the MoE layers whole on each tp rank), ep x pp (1F1B), ep x ZeRO 1/2, a capacity that drops, microbatches, recomputation,
 clipping, every token routed to one expert (the other ep ranks receive no row) and top_k equal to the number
 of experts. Each rank holds E/ep experts; the dispatch bytes equal the formula of ``docs/moe.md``. Bad input is
 a ConfigError before any process starts. One spawn per world size, the configs looped inside it."""
@@ -31,6 +31,8 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs, boost kwar
     "dp=4 ep=2 top_k=E": (4, "all_experts", "sgd", dict(dp=4, ep=2), {}),
     "dp=4 ep=2 recompute": (4, "softmax", "sgd", dict(dp=4, ep=2, recompute="full"), {}),
     "dp=4 ep=4 clip": (4, "softmax", "sgd", dict(dp=4, ep=4), dict(max_grad_norm=0.5)),
+    "dp=2 tp=2 ep=2": (4, "softmax", "sgd", dict(dp=2, tp=2, ep=2), {}),
+    "dp=2 tp=2 ep=2 zero=1 capacity": (4, "capacity", "adamw", dict(dp=2, tp=2, ep=2, zero=1), dict(max_grad_norm=0.5)),
 }
 BYTES = "dp=4 ep=2"  # the config whose dispatch records are checked against the formula
 

@@ -2,7 +2,8 @@
 pipelines and recomputation train to one process's losses within 1e-5 (fp32), the balancing loss, the
 z-loss, a capacity's drops and the router bias computed over the whole batch of each microbatch
 (``docs/moe.md``). One spawn per world size, every config looped inside it; AdamW and SGD + momentum by turns.
-tp and sp are refused with the rule before any process starts."""
+sp, 2D/3D tp and split_gather are refused with the rule before any process starts
+(1D tp runs: tests/ranks/test_ep.py)."""
 from __future__ import annotations
 
 import pytest
@@ -72,12 +73,13 @@ def test_the_check_can_fail():
             assert min(diffs) > 10 * RTOL, (model, opt, diffs)
 
 
-def test_tp_and_sp_are_refused_with_the_rule():
+def test_sp_and_token_splitting_tp_are_refused_with_the_rule():
     model = GPT(MODELS["softmax"])
-    for kw, fix in ((dict(tp=2), "tp=1 (dp=2"), (dict(dp=2, sp=2), "sp=1 (dp=4"),
-                    (dict(tp=2, sp_mode="split_gather"), "tp=1")):
+    for kw, fix in ((dict(tp=4, tp_mode="2d"), "tp_mode='1d' without split_gather"), (dict(dp=2, sp=2), "sp=1 (dp=4"),
+                    (dict(tp=2, sp_mode="split_gather"), "tp_mode='1d' without split_gather")):
         why = unsupported(ck.ParallelConfig(**kw), model)
         assert why is not None and "mixture-of-experts" in why and fix in why, why
         with pytest.raises(ck.ConfigError, match="mixture-of-experts"):
             ck.boost(model, OPTIMIZERS["sgd"], ck.ParallelConfig(**kw))
     assert unsupported(ck.ParallelConfig(tp=2), GPT(ck.models.GPTConfig())) is None  # the dense GPT runs tp
+    assert unsupported(ck.ParallelConfig(tp=2), model) is None  # 1D: the MoE layers whole on each tp rank
