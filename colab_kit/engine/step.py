@@ -341,8 +341,8 @@ class TrainingStep:
             else:  # unscale and check (fp16), clip, step the masters, copy them into the 16-bit parameters
                 done = master_step(self.optimizer, masters, self.scaler, self.mesh, before_step=clip)
             grads.zero()
-        if self.moe:  # DeepSeek's bias, from the step's load (the same on every dp rank)
-            update_router_bias(self.parts.module)
+        if self.moe:  # DeepSeek's bias, from the step's load (the same on every dp rank); kept on a skipped step
+            update_router_bias(self.parts.module, skip=done["skipped"])
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else None  # what this step took
         if self.lr_scheduler is not None:  # once per step, after the optimizer (a skipped fp16 step too)
             self.lr_scheduler.step()

@@ -184,13 +184,14 @@ def moe_loss(model: nn.Module) -> torch.Tensor | float:
 
 
 @torch.no_grad()
-def update_router_bias(model: nn.Module) -> None:
+def update_router_bias(model: nn.Module, skip: bool = False) -> None:
     """After an optimizer step: ``bias_i += rate * sign(mean(load) - load_i)`` on every MoE layer with a
-    ``router_bias_update`` rate, from the load counted since the last call; the load starts again at zero."""
+    ``router_bias_update`` rate, from the load counted since the last call; the load starts again at zero.
+    ``skip``: the step was skipped (an fp16 overflow): the bias stays as the weights do, the load is dropped."""
     for m in model.modules():
         if isinstance(m, MoE):
             bias: torch.Tensor = m.score_bias  # type: ignore[assignment]  # a buffer
-            if m.bias_rate and bool(m.load.sum() > 0):
+            if m.bias_rate and not skip and bool(m.load.sum() > 0):
                 load = m.load.to(bias.device, bias.dtype)
                 bias += m.bias_rate * torch.sign(load.mean() - load)
             m.load = torch.zeros_like(m.load)

@@ -17,9 +17,10 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from ..config import ConfigError
+from ..placement import PlacementTable
+from ..precision import MasterWeights
 
-__all__ = ["ExpertSplit", "split_experts"]
+__all__ = ["ExpertSplit", "split_experts", "JoinedMasters"]
 
 
 def split_experts(params, table) -> tuple[list, list]:
@@ -38,12 +39,11 @@ class ExpertSplit:
         self.dense, self.experts, self.stage = dense, experts, zero
         self.parts = (dense, experts)
         self._owner = {id(p): part for part in self.parts for p in part._params}
-        if dense.masters is not None or experts.masters is not None:
-            raise ConfigError("expert parallelism runs in fp32 in this version: set precision='fp32' with ep > 1 "
-                              "(or ep=1 with bf16/fp16)")
+        low = [p.masters for p in self.parts if p.masters is not None]
+        self.masters = JoinedMasters(low) if low else None
+        """Mixed precision: both parts' fp32 masters as one (what the optimizer and ``master_step`` see)."""
 
     t0 = property(lambda self: self.dense.t0)
-    masters = None  # fp32 only (checked when built)
     live = None
     placement = None
 
@@ -52,7 +52,7 @@ class ExpertSplit:
         return sum(p.nbytes for p in self.parts)
 
     def master_bytes(self) -> int:
-        return 0
+        return sum(p.master_bytes() for p in self.parts)
 
     def arm(self, sync: bool, t0: float | None = None) -> None:
         for p in self.parts:
@@ -111,3 +111,23 @@ class ExpertSplit:
             for p in self.parts:
                 stack.enter_context(p.gathered())
             yield
+
+
+class JoinedMasters(MasterWeights):
+    """The fp32 masters of several gradient parts as one ``MasterWeights`` (their order: part after part); each
+    part keeps setting its own masters' gradients, so ``set_grads`` splits its list the same way."""
+
+    def __init__(self, parts: list[MasterWeights]):  # no super().__init__: the copies exist already
+        self.parts = parts
+        self.model = [t for p in parts for t in p.model]
+        self.params = [m for p in parts for m in p.params]
+        self.table = PlacementTable()
+        for p in parts:
+            for m in p.params:
+                self.table.alias(m, m, p.table)
+
+    def set_grads(self, grads) -> None:
+        grads, at = list(grads), 0
+        for p in self.parts:
+            p.set_grads(grads[at:at + len(p.params)])
+            at += len(p.params)

@@ -73,3 +73,37 @@ def reference(model: str, opt: str, microbatches: int = 1, aux: bool = True, dp:
         update_router_bias(model_)
         losses.append(total)
     return losses
+
+
+def reference_mixed(model: str, opt: str, precision: str = "bf16", microbatches: int = 1, dp: int = 1) -> list[float]:
+    """``reference`` in the mixed-precision recipe of ``colab_kit.precision``: a 16-bit model (its buffers too),
+    fp32 masters stepped by the optimizer and copied back, the loss (token loss + auxiliary losses) in fp32,
+    16-bit gradients accumulated over microbatches. fp16: the loss times a dynamic scale (2^16, halved on an
+    overflow, whose step is skipped whole: no update, the router bias kept), as ``torch.amp.GradScaler``."""
+    low = build(model).to({"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
+    params = list(low.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    optimizer = OPTIMIZERS[opt](masters)
+    losses, d, scale = [], data(), 2.0 ** 16 if precision == "fp16" else 1.0
+    for step in range(STEPS):
+        x, y = d.batch(step, BATCH)
+        total = 0.0
+        for rows in microbatch_rows(BATCH, microbatches, dp):
+            loss = lm_loss(low(x[rows]).float(), y[rows]) + low.aux_loss().float()
+            (loss * scale / microbatches).backward()
+            total += loss.item() / microbatches
+        for m, p in zip(masters, params):
+            m.grad = None if p.grad is None else p.grad.float() / scale
+            p.grad = None
+        losses.append(total)
+        if not all(torch.isfinite(m.grad).all() for m in masters if m.grad is not None):
+            scale /= 2  # an overflow: the step is skipped
+            update_router_bias(low, skip=True)
+            continue
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(masters, params):
+                p.copy_(m)
+        update_router_bias(low)
+    return losses
