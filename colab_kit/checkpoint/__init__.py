@@ -9,6 +9,8 @@ A checkpoint holds every parameter in its *dense* coordinates (the name and shap
   ``exp_avg_sq``, SGD's ``momentum_buffer``), in the same coordinates; its scalar states
   (AdamW's ``step``) are in the manifest, per parameter;
 - ``rng/cpu/<rank>`` (and ``rng/cuda/<rank>``): each rank's torch RNG state;
+- in the manifest, ``router_bias``: each MoE layer's selection bias (DeepSeek's aux-loss-free balancing, a
+  buffer the optimizer does not step), by the layer's MoE number, whichever rank or stage holds it;
 - ``manifest.json``: format, parallel config, model config (``GPTConfig``), world size, the
   engine's step count (also the data position: ``SyntheticTokens.batch(step, ...)`` continues
   from it), history and records, the fp16 loss scale, the optimizer's class, per-file bytes and
@@ -179,7 +181,18 @@ def save(engine, path, extra: dict | None = None) -> None:
         for n, kv in d.items():  # the dtypes, known where a rank writes
             tensors[n].update(kv)
     manifest = _manifest(engine, tensors, extra is not None, any(k.startswith("rng/cuda/") for k in sd))
+    manifest["router_bias"] = {k: v for d in _gather(_router_bias(engine)) for k, v in d.items()}
     _agree(lambda: finish(tmp, path, manifest, digests))
+
+
+def _moe_layers(engine) -> list:
+    from ..models.moe import MoE
+    return [m for m in engine.module.modules() if isinstance(m, MoE)]
+
+
+def _router_bias(engine) -> dict:
+    """``{MoE layer number (str): its selection bias}`` of the layers on this rank (a pipeline stage's)."""
+    return {str(m.layer): m.score_bias.float().tolist() for m in _moe_layers(engine)}
 
 
 def _held(space, opt) -> dict:
@@ -381,6 +394,11 @@ def load(engine, path) -> dict:
                       stacklevel=3)  # the line that called engine.load
     if engine.current_loader is not None and manifest.get("loader") is not None:
         engine.current_loader.load_state_dict(manifest["loader"])
+    biases = manifest.get("router_bias") or {}
+    with torch.no_grad():
+        for m in _moe_layers(engine):
+            if str(m.layer) in biases:
+                m.score_bias.copy_(torch.tensor(biases[str(m.layer)]))
     engine.step_count = manifest["step"]
     engine.history[:] = manifest["history"]
     engine.records[:] = manifest["records"]

@@ -41,8 +41,10 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs, boost kwar
 BYTES = "dp=4 ep=2"  # the config whose dispatch records are checked against the formula
 
 
-def _run(names: list[str]) -> dict:
+def _run(names: list[str], extra=()) -> dict:
     out = {}
+    for fn, *args in extra:  # other checks that need the same ranks
+        out["extra"] = fn(*args)
     for name in names:
         _, model, opt, kw, boost_kw = CONFIGS[name]
         engine = ck.boost(build(model), OPTIMIZERS[opt], ck.ParallelConfig(**kw), **boost_kw)
@@ -57,15 +59,50 @@ def _run(names: list[str]) -> dict:
     return out
 
 
+SAVED = dict(dp=4, ep=4, zero=1)  # the checkpoint's config; loaded at ep=2, with pp, and in one process
+LOADS = {"dp=4 ep=2": dict(dp=4, ep=2), "dp=2 ep=2 pp=2": dict(dp=2, ep=2, pp=2), "one process": dict()}
+
+
+def _save_and_load(path: str, loads: dict) -> dict:
+    """Two steps at ``SAVED``, saved; each of ``loads`` loads it and trains steps 3-4; the dense weights."""
+    d = data()
+    engine = ck.boost(build("softmax"), OPTIMIZERS["sgd"], ck.ParallelConfig(**SAVED))
+    for s in range(2):
+        engine.train_step(d.batch(s, BATCH))
+    engine.save(path)
+    engine.close()
+    out = {}
+    for name, kw in loads.items():
+        engine = ck.boost(build("softmax"), OPTIMIZERS["sgd"], ck.ParallelConfig(**kw))
+        engine.load(path)
+        out[name] = [engine.train_step(d.batch(s, BATCH)) for s in range(2, STEPS)]
+        out[name + " weights"] = ck.dense_state_dict(engine)
+        engine.close()
+    return out
+
+
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     got = {}
+    path = str(tmp_path_factory.mktemp("ep") / "ckpt")
     for world in sorted({c[0] for c in CONFIGS.values()}):
         names = [n for n, c in CONFIGS.items() if c[0] == world]
-        for rank, res in enumerate(ck.launch(_run, world, names, timeout=600)):
+        extra = [(_save_and_load, path, {k: v for k, v in LOADS.items() if v})] if world == 4 else []
+        for rank, res in enumerate(ck.launch(_run, world, names, extra, timeout=600)):
             for name, r in res.items():
                 got[name, rank] = r
+    got["one process", 0] = ck.launch(_save_and_load_one, 1, path, timeout=300)[0]
     return got
+
+
+def _save_and_load_one(path: str) -> dict:
+    """A one-rank engine loads the checkpoint the four ranks wrote (``SAVED``) and trains steps 3-4."""
+    d = data()
+    engine = ck.boost(build("softmax"), OPTIMIZERS["sgd"], ck.ParallelConfig())
+    engine.load(path)
+    out = {"one process": [engine.train_step(d.batch(s, BATCH)) for s in range(2, STEPS)]}
+    engine.close()
+    return out
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -137,6 +174,22 @@ def test_dispatch_bytes_equal_the_formula(runs):
     for group in ck.MeshLayout(ck.ParallelConfig(**kw)).groups("ep"):  # what a group receives is what it sent
         assert [sum(received[g][i] for g in group) for i in range(len(received[0]))] == \
             [len(group) * tokens * cfg.top_k] * len(received[0])
+
+
+def test_a_checkpoint_saved_at_ep4_trains_on_at_ep2_with_pp_and_in_one_process(runs):
+    """Saved after two steps at dp=4 ep=4 ZeRO-1 (router biases included), loaded at dp=4 ep=2, dp=2 ep=2 pp=2
+    and by one rank: steps 3-4 are one process's; the dense weights of every rank equal the ep=2 run's."""
+    want = reference("softmax", "sgd", dp=4)[2:]
+    for name in LOADS:
+        for rank in range(1 if name == "one process" else 4):
+            got = runs["one process", 0]["one process"] if name == "one process" else runs["extra", rank][name]
+            assert max_relative_difference(got, want) <= RTOL, (name, rank, got, want)
+    weights = runs["extra", 0]["dp=4 ep=2 weights"]
+    experts = [n for n in weights if "experts.w_in" in n]
+    assert experts and all(weights[n].shape[0] == MODELS["softmax"].n_experts for n in experts)
+    other = runs["extra", 0]["dp=2 ep=2 pp=2 weights"]
+    assert set(other) == set(weights) and all(torch.allclose(other[n], weights[n], rtol=1e-5, atol=1e-7)
+                                               for n in weights)
 
 
 def test_expert_major_order():
