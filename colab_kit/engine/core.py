@@ -76,7 +76,7 @@ def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str |
     split_gather: they split the tokens a router sees (by position or by rows) over ranks the MoE step does not
     gather counts over. Under 1D tp every tp rank routes the same tokens, so the MoE layers run whole on each
     (tp does not split their work: ``docs/moe.md``). dp, ep, ZeRO 1-3, offload, pp and recomputation run them
-    exactly; ep is refused with ZeRO 3 and offload for now::
+    exactly; ep is refused with ZeRO 3 for now::
 
         unsupported(ParallelConfig(sp=2), GPT(GPTConfig(n_experts=4)))   # "... mixture-of-experts layers with
                                   # sequence parallelism (sp=2) ...: set sp=1 (dp=2 runs the same ranks) ..."
@@ -99,9 +99,7 @@ def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str |
             (moe and cfg.sp > 1, f"mixture-of-experts layers with sequence parallelism (sp={cfg.sp}, which "
              "splits the tokens a router counts)", f"sp=1 (dp={cfg.dp * cfg.sp} runs the same ranks)"),
             (cfg.ep > 1 and cfg.zero == 3, f"expert parallelism (ep={cfg.ep}) with ZeRO stage 3",
-             "zero=1 or 2 with ep (the expert states are sharded over the expert-data-parallel ranks)"),
-            (cfg.ep > 1 and cfg.offload != "none", f"expert parallelism (ep={cfg.ep}) with offload={cfg.offload!r}",
-             "offload='none' with ep")]
+             "zero=1 or 2 with ep (the expert states are sharded over the expert-data-parallel ranks)")]
     missing = [(what, fix) for cond, what, fix in todo if cond]
     if not missing:
         return None

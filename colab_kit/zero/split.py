@@ -97,7 +97,11 @@ class ExpertSplit:
             p.gather_params()
 
     def host_bytes(self, optimizer) -> dict:
-        return {}
+        """offload='cpu': the one optimizer's states and both parts' masters are on the host."""
+        if getattr(self.dense, "offload", "none") != "cpu":
+            return {}
+        from ..measure import optimizer_bytes
+        return {"optimizer": optimizer_bytes(optimizer) + self.master_bytes()}
 
     def param_bytes(self) -> int | None:
         return None
