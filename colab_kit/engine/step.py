@@ -30,7 +30,8 @@ import torch
 from .. import comm
 from ..measure import ActivationMeter
 from ..models import moe_context
-from ..models.moe import has_experts, update_router_bias
+from ..models.moe import MoE, has_experts, update_router_bias
+from . import moe_records
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.work import MicrobatchWork
 from ..tensor import sync_grads
@@ -92,6 +93,8 @@ class TrainingStep:
         self.moe = has_experts(parts.module)
         """Whether this rank runs mixture-of-experts layers (each microbatch then gets a ``MoEStep``)."""
         self._moe_steps: dict[int, moe_context.MoEStep] = {}
+        self.n_moe = sum(isinstance(m, MoE) for m in parts.dense_twin.modules())
+        """MoE layers in the whole model (every stage): the length of the records the loss all-reduce carries."""
         self.t0 = time.perf_counter()
 
     # ------------------------------------------------------------------ the step
@@ -352,8 +355,13 @@ class TrainingStep:
         if cfg.zero and not done["skipped"]:
             with self._timed("all_gather params", "comm"):
                 grads.gather_params()
-        with self._timed("loss all_reduce", "comm"):
-            value = self.pipeline_loss(local) if self.pipeline is not None else self.global_mean(local)
+        layers = moe_records.step_layers(self._moe_steps.values()) if self.n_moe else {}
+        with self._timed("loss all_reduce", "comm"):  # with MoE layers, their losses ride along (moe_records)
+            vec = moe_records.loss_vector(local.detach(), layers, self.n_moe) if self.n_moe else local
+            reduced = self._mean(vec, pp=self.pipeline is not None)
+            value = reduced[0]
+        if self.n_moe:
+            done["moe"] = moe_records.with_losses(layers, reduced, self.n_moe)
         if grads.placement is not None:  # offload='auto': the first step measured, the chunks are placed now
             grads.placement.after_step()
         if self.views:  # no view keeps a dropped gradient (or a moved chunk's old copy) alive
@@ -389,17 +397,19 @@ class TrainingStep:
 
     def pipeline_loss(self, local: torch.Tensor) -> float:
         """The last stage holds the loss, the other stages zero: sum over pp, then mean over dp, sp and tp."""
-        local = local.reshape(1).clone()
-        comm.all_reduce(local, self.mesh, "pp", tag="loss")
-        return self.global_mean(local)
+        return self._mean(local, pp=True)[0]
 
     def global_mean(self, local: torch.Tensor) -> float:
         """Mean over dp, sp and tp of each rank's mean loss (tp ranks that share rows agree; sp ranks hold equal
         numbers of tokens, so the mean of their means is the mean over the whole sequence)."""
-        local = local.reshape(1)
-        for axis in ("dp", "sp", "tp"):
+        return self._mean(local)[0]
+
+    def _mean(self, local: torch.Tensor, pp: bool = False) -> list[float]:
+        """``local`` (a loss, or a vector of them) summed over pp when ``pp``, then averaged over dp, sp and tp."""
+        local = local.reshape(-1).clone()
+        for axis in ("pp",) * pp + ("dp", "sp", "tp"):
             comm.all_reduce(local, self.mesh, axis, tag="loss")
-        return local.item() / (self.config.dp * self.config.sp * self.config.tp)
+        return (local.double() / (self.config.dp * self.config.sp * self.config.tp)).tolist()
 
     @contextmanager
     def _timed(self, name: str, kind: str):

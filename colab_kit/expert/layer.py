@@ -89,6 +89,9 @@ class ExpertParallel(nn.Module):
             declare(self, name, {0: axis})
         self.last: dict = {}
         """The last forward's rows: ``send`` / ``recv`` per ep rank, and ``local`` rows per local expert."""
+        self.traffic: dict = {}
+        """The last forward's dispatch bytes: ``sent`` to / ``received`` from each ep rank (the MoE layer's
+        records read it: ``colab_kit.engine.moe_records``)."""
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, how: str | None = None) -> torch.Tensor:
         ep = self.mesh.size(self.axis)
@@ -102,6 +105,8 @@ class ExpertParallel(nn.Module):
                              how or EXPERT_COMPUTE)
         back = out[torch.argsort(order)]  # source-major again
         self.last = {"send": send, "recv": recv, "local": got.sum(0).tolist()}
+        row = self.d * rows.element_size()
+        self.traffic = {"sent": [n * row for n in send], "received": [n * row for n in recv]}
         return AllToAll.apply(back, recv, send, self.mesh, self.axis, "expert combine")
 
     def extra_repr(self) -> str:

@@ -129,21 +129,20 @@ class MoE(nn.Module):
         cached = step.cache.get(self.layer) if step.inject else None
         first = cached is None
         if cached is None:  # per slot and expert counts and the token count, of every piece of the batch
-            local = F.one_hot(chosen, self.n).sum(0).to(h.dtype)
-            mine = torch.cat([local.reshape(-1), h.new_tensor([h.shape[0]])])
-            stats = step.gather(mine.detach())
+            local = F.one_hot(chosen, self.n).sum(0)  # int64: exact at any count (bf16 is not past 256)
+            mine = torch.cat([local.reshape(-1), local.new_tensor([h.shape[0]])])
+            stats = step.gather(mine)
             if step.inject:
                 step.cache[self.layer] = stats
         else:
             stats = cached
         per_slot = stats[:, :-1].view(stats.shape[0], self.k, self.n)
-        total, tokens = per_slot.sum(0), stats[:, -1].sum()
-        counts = total.sum(0)
+        total, tokens = per_slot.sum(0), int(stats[:, -1].sum())
+        counts = total.sum(0).float()
         keep = None
         if self.capacity_factor is not None:
-            cap = math.ceil(self.capacity_factor * self.k * int(tokens) / self.n)
-            before = per_slot[:step.piece].sum(0).long()
-            keep = keep_within_capacity(chosen, self.n, cap, before, total.long())
+            cap = math.ceil(self.capacity_factor * self.k * tokens / self.n)
+            keep = keep_within_capacity(chosen, self.n, cap, per_slot[:step.piece].sum(0), total)
         order, got = dispatch(chosen, keep, self.n)
         y = combine(self.experts(h[order // self.k], got), order, weights)
         if self.shared is not None:
@@ -152,6 +151,9 @@ class MoE(nn.Module):
             self.load = self.load.to(counts.device) + counts.detach()
         self.last = {"counts": counts.detach(), "dropped": 0 if keep is None else int((~keep).sum())}
         aux = self._aux(logits, probs, counts, tokens, step.pieces)
+        if step.inject and first:  # what the engine records of this layer and microbatch
+            step.seen.setdefault(self.layer, {}).update(self._seen(logits, probs, counts, tokens, step.pieces, chosen,
+                                                                   total, keep))
         y = y.view(shape)
         if aux is None or not torch.is_grad_enabled():
             self.aux = aux
@@ -162,6 +164,20 @@ class MoE(nn.Module):
             return AuxLoss.apply(y, aux, step.grad_scale)
         self.aux = aux
         return y
+
+    @torch.no_grad()
+    def _seen(self, logits, probs, counts, tokens, pieces, chosen, total, keep) -> dict:
+        """This layer's routing of the microbatch, for the engine's records (``MoEStep.seen``)."""
+        dropped = 0
+        if keep is not None:  # the batch's drops: every assignment past an expert's capacity
+            cap = math.ceil(self.capacity_factor * self.k * tokens / self.n)
+            dropped = int((total.sum(0) - cap).clamp_min(0).sum())
+        out = {"counts": [int(c) for c in counts.tolist()],
+               "mine": torch.bincount(chosen.reshape(-1), minlength=self.n).tolist(),
+               "dropped": dropped, "balance": float(balance_loss(probs, counts, tokens, self.k, self.kind)) * pieces,
+               "z": float(z_loss(logits, tokens)) * pieces}
+        out.update(getattr(self.experts, "traffic", None) or {})  # an expert-parallel layer's bytes per ep rank
+        return out
 
     def _aux(self, logits, probs, counts, tokens, pieces: int = 1):
         """This piece's share of ``(aux_loss * balance + z_loss * z) / L`` times ``pieces`` (the engine reports

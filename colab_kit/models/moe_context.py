@@ -61,6 +61,11 @@ class MoEStep:
     """Per MoE layer number, this rank's share of its auxiliary losses (detached)."""
     cache: dict[int, torch.Tensor] = field(default_factory=dict)
     """Per MoE layer number, the gathered counts of its first forward (reused when it is recomputed)."""
+    seen: dict[int, dict] = field(default_factory=dict)
+    """Per MoE layer number, what its first forward routed (the engine's records, ``colab_kit.engine.moe_records``):
+    ``counts`` (the batch's assignments per expert), ``mine`` (this rank's), ``dropped`` (the batch's, by a
+    capacity), ``balance`` and ``z`` (this rank's shares, times ``pieces``, before the coefficients); an expert-
+    parallel layer adds ``sent`` / ``received`` (bytes to and from each ep rank)."""
 
 
 ONE_PROCESS = MoEStep(inject=False)

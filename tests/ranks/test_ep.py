@@ -35,7 +35,7 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs, boost kwar
     "dp=4 ep=4 clip": (4, "softmax", "sgd", dict(dp=4, ep=4), dict(max_grad_norm=0.5)),
     "dp=2 tp=2 ep=2": (4, "softmax", "sgd", dict(dp=2, tp=2, ep=2), {}),
     "dp=2 tp=2 ep=2 zero=1 capacity": (4, "capacity", "adamw", dict(dp=2, tp=2, ep=2, zero=1), dict(max_grad_norm=0.5)),
-    "dp=4 ep=2 bf16": (4, "softmax", "adamw", dict(dp=4, ep=2, precision="bf16"), {}),
+    "dp=4 ep=2 bf16": (4, "capacity", "sgd", dict(dp=4, ep=2, precision="bf16"), {}),
     "dp=4 ep=4 bf16 zero=2 sgd": (4, "softmax", "sgd", dict(dp=4, ep=4, zero=2, precision="bf16"), {}),
     "dp=2 ep=2 fp16 zero=1": (2, "capacity", "sgd", dict(dp=2, ep=2, zero=1, precision="fp16"), {}),
 }
@@ -55,7 +55,8 @@ def _run(names: list[str], extra=()) -> dict:
         out[name] = {"losses": losses, "experts": [tuple(m.w_in.shape) for m in layers],
                      "first": [m.first for m in layers], "sent": [m.last["send"] for m in layers],
                      "received": [m.last["recv"] for m in layers],
-                     "records": [r for r in ck.engine.reports.comm(engine, True) if "expert" in r["tag"]]}
+                     "records": [r for r in ck.engine.reports.comm(engine, True) if "expert" in r["tag"]],
+                     "moe": [rec["moe"] for rec in engine.records]}
         engine.close()
     return out
 
@@ -191,6 +192,65 @@ def test_a_checkpoint_saved_at_ep4_trains_on_at_ep2_with_pp_and_in_one_process(r
     other = runs["extra", 0]["dp=2 ep=2 pp=2 weights"]
     assert set(other) == set(weights) and all(torch.allclose(other[n], weights[n], rtol=1e-5, atol=1e-7)
                                                for n in weights)
+
+
+def _one_process_records(model: str, opt: str, microbatches: int, dp: int) -> list[dict]:
+    """Per step, per MoE layer number, what one process routed (counts, drops, the losses), recorded by the
+    same model code under a one-process ``MoEStep`` (its auxiliary losses enter backward as the engine's do)."""
+    from colab_kit.engine import moe_records
+    from colab_kit.engine.loss import lm_loss
+    from colab_kit.models import update_router_bias
+    from colab_kit.models.moe_context import MoEStep, at
+    from tests.helpers.moe import microbatch_rows
+    net = build(model)
+    optimizer, d, out = OPTIMIZERS[opt](net.parameters()), data(), []
+    for step in range(STEPS):
+        x, y = d.batch(step, BATCH)
+        optimizer.zero_grad()
+        steps = []
+        for rows in microbatch_rows(BATCH, microbatches, dp):
+            steps.append(MoEStep(grad_scale=1.0 / microbatches))
+            with at(steps[-1]):
+                (lm_loss(net(x[rows]), y[rows]) / microbatches).backward()
+        optimizer.step()
+        update_router_bias(net)
+        out.append(moe_records.step_layers(steps))
+    return out
+
+
+@pytest.mark.parametrize("name", ["dp=2 ep=2 adamw capacity", "dp=2 ep=2 pp=2 capacity", "dp=4 ep=4 one expert"])
+def test_records_hold_one_process_routing(runs, name):
+    """Each step's ``records["moe"]``: the batch's counts and drops exactly one process's, the balancing and
+    z losses within 1e-5, and the ranks' own counts adding up to the batch's (over dp; every stage's layers)."""
+    world, model, opt, kw, _ = CONFIGS[name]
+    want = _one_process_records(model, opt, kw.get("microbatches", 1), kw["dp"])
+    for step, layers in enumerate(want):
+        seen: dict = {}
+        for rank in range(world):
+            for rec in runs[name, rank]["moe"][step]:
+                w = layers[rec["layer"]]
+                assert rec["counts"] == w["counts"] and rec["dropped"] == w["dropped"], (name, step, rec, w)
+                for key in ("balance", "z"):
+                    assert abs(rec[key] - w[key]) <= 1e-5 * abs(w[key]), (name, step, key, rec[key], w[key])
+                mine = seen.setdefault(rec["layer"], [0] * len(rec["mine"]))
+                seen[rec["layer"]] = [a + b for a, b in zip(mine, rec["mine"])]
+        assert sorted(seen) == sorted(layers)  # every layer recorded on some stage
+        assert all(v == layers[i]["counts"] for i, v in seen.items()), (name, step)  # its dp ranks' own add up
+
+
+def test_traffic_matrix_is_what_the_dispatch_sent(runs):
+    """``moe_records.traffic``: rank i's row holds the bytes it sent each rank of its ep group, nothing outside
+    it; over every layer a row adds up to the rank's N k d x 4 bytes per layer (dropless)."""
+    from colab_kit.engine.moe_records import traffic
+    _, model, _, kw, _ = CONFIGS[BYTES]
+    cfg = MODELS[model]
+    lay = ck.MeshLayout(ck.ParallelConfig(**kw))
+    matrix = traffic({rank: runs[BYTES, rank]["moe"][-1] for rank in range(4)}, lay)
+    per_rank = BATCH // kw["dp"] * cfg.seq_len * cfg.top_k * cfg.d_model * 4 * len(runs[BYTES, 0]["experts"])
+    for i, row in enumerate(matrix):
+        group = lay.group_of(i, "ep")
+        assert sum(row) == per_rank and all(row[j] == 0 for j in range(4) if j not in group)
+    assert traffic({r: runs[BYTES, r]["moe"][-1] for r in range(4)}, lay, layer=99) == [[0] * 4] * 4
 
 
 def test_expert_major_order():

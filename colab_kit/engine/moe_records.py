@@ -1,0 +1,81 @@
+"""What the engine records of its mixture-of-experts layers at each step: ``engine.records[i]["moe"]``.
+
+Each MoE layer's first forward of each microbatch writes what it routed into the microbatch's ``MoEStep``
+(``colab_kit.models.moe_context``: ``seen``). At the end of the step the engine sums them over microbatches
+and averages the losses, and the step's loss all-reduce carries the layers' balancing and z losses beside the
+loss (one vector instead of one number: no collective of its own), so every rank records the whole batch's
+values. Per layer on this rank (with pp, the layers of its stages), in the record of the step::
+
+    {"layer": 1,                   # the MoE layer's number in the model (0, 1, ...)
+     "counts": [40, 22, 31, 35],   # assignments per expert over the whole batch (every rank, every microbatch)
+     "mine": [11, 4, 9, 8],        # this rank's tokens' assignments
+     "dropped": 3,                 # assignments a capacity dropped, whole batch
+     "balance": 1.04,              # the Switch balancing loss E sum_i f_i P_i (1.0: uniform), before its
+     "z": 4.21,                    #   coefficient, and the router z-loss, whole batch, mean over microbatches
+     "sent": [512, 1536],          # with ep: bytes of rows this rank sent to each ep rank (dispatch, forward)
+     "received": [768, 1280]}      #   and received from each
+
+``traffic(records, layout)`` (in the kernel, from every rank's record of a step) makes the rank x rank matrix of
+dispatch bytes; ``tests/ranks/test_moe_records.py`` checks the counts against one process's routing, the
+losses against one process's, and the matrix against the comm records.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["step_layers", "loss_vector", "with_losses", "traffic"]
+
+SUMMED = ("counts", "mine", "sent", "received")
+
+
+def step_layers(steps) -> dict[int, dict]:
+    """Per MoE layer number, its records over the step's microbatches (``MoEStep``s): counts, drops and bytes
+    summed; the rank's loss shares averaged."""
+    out: dict[int, dict] = {}
+    m = max(len(steps), 1)
+    for step in steps:
+        for layer, seen in step.seen.items():
+            rec = out.setdefault(layer, {"layer": layer, "dropped": 0, "balance": 0.0, "z": 0.0})
+            for key in SUMMED:
+                if key in seen:
+                    rec[key] = [a + b for a, b in zip(rec.get(key, [0] * len(seen[key])), seen[key])]
+            rec["dropped"] += seen["dropped"]
+            rec["balance"] += seen["balance"] / m
+            rec["z"] += seen["z"] / m
+    return out
+
+
+def loss_vector(local: torch.Tensor, layers: dict[int, dict], n_layers: int) -> torch.Tensor:
+    """``[loss, balance of MoE layer 0 .. n-1, z of layer 0 .. n-1]``: this rank's shares (zero for a layer on
+    another pipeline stage), to be summed over pp and averaged over dp, sp and tp as the loss is."""
+    out = torch.zeros(1 + 2 * n_layers, dtype=local.dtype, device=local.device)
+    out[0] = local.reshape(())
+    for layer, rec in layers.items():
+        out[1 + layer], out[1 + n_layers + layer] = rec["balance"], rec["z"]
+    return out
+
+
+def with_losses(layers: dict[int, dict], reduced: list[float], n_layers: int) -> list[dict]:
+    """The records of this rank's layers with the whole batch's losses read from the reduced vector."""
+    out = []
+    for layer in sorted(layers):
+        rec = dict(layers[layer])
+        rec["balance"], rec["z"] = reduced[1 + layer], reduced[1 + n_layers + layer]
+        out.append(rec)
+    return out
+
+
+def traffic(records: dict[int, list[dict]], layout, layer: int | None = None) -> list[list[int]]:
+    """The ``world x world`` matrix of dispatch bytes of one step: ``[i][j]`` = bytes rank i sent to rank j in
+    the forward dispatch of ``layer`` (None: every layer). ``records[rank]``: that rank's ``"moe"`` list of the
+    step; ``layout``: the run's ``MeshLayout`` (its ep groups say who rank i's ep rank k is)."""
+    world = layout.world_size
+    out = [[0] * world for _ in range(world)]
+    for rank, layers in records.items():
+        group = layout.group_of(rank, "ep") if "ep" in layout.axes else [rank]
+        for rec in layers:
+            if layer is not None and rec["layer"] != layer:
+                continue
+            for k, nbytes in enumerate(rec.get("sent", [])):
+                out[rank][group[k]] += nbytes
+    return out
