@@ -31,6 +31,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..models.moe import MoE
+
 from .layout import local_space
 
 __all__ = ["save_pretrained", "load_pretrained", "dense_state_dict"]
@@ -45,7 +47,8 @@ def _is_conv(name: str, convs: set[str]) -> bool:
 
 
 def dense_state_dict(engine, dst: int = 0) -> dict[str, torch.Tensor] | None:
-    """The dense model's parameters, by the dense model's names, assembled on rank ``dst`` (None elsewhere;
+    """The dense model's parameters (and an MoE layer's router bias, the buffer training changes), by the dense
+    model's names, assembled on rank ``dst`` (None elsewhere;
     every rank calls it): one tensor at a time, each rank hands ``dst`` the values it holds with their dense
     positions (an object gather), fp32 (the masters under mixed precision). An element no rank holds is an
     error. ``dst`` holds the dense model once, at the end. A tied weight appears under each of its names
@@ -74,8 +77,16 @@ def dense_state_dict(engine, dst: int = 0) -> dict[str, torch.Tensor] | None:
         if not bool(seen.all()):
             raise RuntimeError(f"dense_state_dict: {int((~seen).sum())} elements of {name} are held by no rank")
         dense[name] = flat.view(table.shapes[name])
+    biases: list | None = [None] * world if rank == dst else None  # MoE router biases: training state too
+    dist.gather_object({str(m.layer): m.score_bias.detach().float().cpu() for m in engine.module.modules()
+                        if isinstance(m, MoE)}, biases, dst=dst)
     if rank != dst:
         return None
+    assert biases is not None
+    layer_bias = {k: v for d in biases for k, v in d.items()}
+    for path, m in engine.dense_twin.named_modules():
+        if isinstance(m, MoE) and str(m.layer) in layer_bias:
+            dense[f"{path}.score_bias"] = layer_bias[str(m.layer)]
     canonical = {id(p): n for n, p in engine.dense_twin.named_parameters()}
     for n, p in engine.dense_twin.named_parameters(remove_duplicate=False):  # tied weights under each of their names
         if n not in dense and canonical.get(id(p)) in dense:

@@ -51,8 +51,10 @@ the tokens over pp.
 
 The model runs in eval mode (dropout off) without gradients, and every module's training flag is
 put back afterwards. ZeRO-3 gathers each block's parameters in its forward hooks as in evaluation.
-Refused before any collective (``ConfigError`` / ``ValueError``): a model that is not a causal LM
-(BERT, ViT, a policy with bidirectional attention or a class loss), a prompt that is not a 2-D
+Mixture-of-experts models generate as they train, with expert parallelism too (every rank runs the same
+rows: its all-to-all sends them to the experts' ranks). Refused before any collective (``ConfigError`` /
+``ValueError``): a model that is not a causal LM (BERT, ViT, a policy with bidirectional attention or a class
+loss), an MoE model with a capacity factor (the window's padding would take capacity), a prompt that is not a 2-D
 integer tensor with ids in the vocabulary, longer than the model's window, a ``max_new_tokens`` that
 is negative or makes the last forward longer than the window, a negative temperature, a pipeline
 step in progress or broken.
@@ -152,6 +154,12 @@ def check(engine, prompt_ids, max_new_tokens, temperature, seed) -> tuple[torch.
 def _check_causal(engine) -> None:
     cfg, policy = engine.model_cfg, engine.policy
     if isinstance(cfg, GPTConfig):
+        if getattr(cfg, "n_experts", 0) and cfg.capacity_factor is not None:
+            raise ConfigError(f"generate() pads each window to a fixed length, and capacity_factor="
+                              f"{cfg.capacity_factor} would count the padding among the tokens an expert takes "
+                              "(dropping real ones one process keeps): generate with the same weights in a model "
+                              "built with capacity_factor=None (dropless; ck.dense_state_dict(engine) gives them), "
+                              "or in one process")
         return
     known = ("colab_kit.models.GPT, transformers' GPT2LMHeadModel or LlamaForCausalLM, or a model whose policy "
              "has causal attention and loss='tokens'")

@@ -45,7 +45,7 @@ BYTES = "dp=4 ep=2"  # the config whose dispatch records are checked against the
 def _run(names: list[str], extra=()) -> dict:
     out = {}
     for fn, *args in extra:  # other checks that need the same ranks
-        out["extra"] = fn(*args)
+        out.setdefault("extra", {}).update(fn(*args))
     for name in names:
         _, model, opt, kw, boost_kw = CONFIGS[name]
         engine = ck.boost(build(model), OPTIMIZERS[opt], ck.ParallelConfig(**kw), **boost_kw)
@@ -89,12 +89,33 @@ def runs(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ep") / "ckpt")
     for world in sorted({c[0] for c in CONFIGS.values()}):
         names = [n for n, c in CONFIGS.items() if c[0] == world]
-        extra = [(_save_and_load, path, {k: v for k, v in LOADS.items() if v})] if world == 4 else []
+        extra = [(_save_and_load, path, {k: v for k, v in LOADS.items() if v}), (_generate,)] if world == 4 else []
         for rank, res in enumerate(ck.launch(_run, world, names, extra, timeout=600)):
             for name, r in res.items():
                 got[name, rank] = r
     got["one process", 0] = ck.launch(_save_and_load_one, 1, path, timeout=300)[0]
     return got
+
+
+GENERATE = {"dp=4 ep=2": dict(dp=4, ep=2), "dp=2 ep=2 pp=2": dict(dp=2, ep=2, pp=2)}
+
+
+def _generate() -> dict:
+    """One step, then 6 greedy tokens after 3 prompts of 5 (every rank the same), with the dense weights; a
+    capacity model's generate is refused with the rule."""
+    d, out = data(), {}
+    for name, kw in GENERATE.items():
+        engine = ck.boost(build("softmax"), OPTIMIZERS["sgd"], ck.ParallelConfig(**kw))
+        engine.train_step(d.batch(0, BATCH))
+        out["generate " + name] = (engine.generate(d.batch(1, 3)[0][:, :5], 6), ck.dense_state_dict(engine))
+        engine.close()
+    engine = ck.boost(build("capacity"), OPTIMIZERS["sgd"], ck.ParallelConfig(dp=4, ep=2))
+    try:
+        engine.generate(d.batch(1, 3)[0][:, :5], 2)
+    except ck.ConfigError as e:
+        out["generate capacity"] = str(e)
+    engine.close()
+    return out
 
 
 def _save_and_load_one(path: str) -> dict:
@@ -251,6 +272,24 @@ def test_traffic_matrix_is_what_the_dispatch_sent(runs):
         group = lay.group_of(i, "ep")
         assert sum(row) == per_rank and all(row[j] == 0 for j in range(4) if j not in group)
     assert traffic({r: runs[BYTES, r]["moe"][-1] for r in range(4)}, lay, layer=99) == [[0] * 4] * 4
+
+
+def test_generation_under_ep_equals_one_process(runs):
+    """Greedy tokens under dp=4 ep=2 and dp=2 ep=2 pp=2 equal the dense model's (its weights and router biases
+    from ``ck.dense_state_dict``) generating in one process, on every rank; a capacity model is refused."""
+    prompt = data().batch(1, 3)[0][:, :5]
+    for name in GENERATE:
+        weights = runs["extra", 0]["generate " + name][1]
+        model = build("softmax")
+        model.load_state_dict(weights)  # strict: the biases are there
+        model.eval()
+        ids = prompt
+        with torch.no_grad():
+            for _ in range(6):
+                ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        for rank in range(4):
+            assert torch.equal(runs["extra", rank]["generate " + name][0], ids), (name, rank)
+    assert "capacity_factor=1.0" in runs["extra", 0]["generate capacity"]
 
 
 def test_expert_major_order():
