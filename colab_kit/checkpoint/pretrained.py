@@ -78,8 +78,8 @@ def dense_state_dict(engine, dst: int = 0) -> dict[str, torch.Tensor] | None:
             raise RuntimeError(f"dense_state_dict: {int((~seen).sum())} elements of {name} are held by no rank")
         dense[name] = flat.view(table.shapes[name])
     biases: list | None = [None] * world if rank == dst else None  # MoE router biases: training state too
-    dist.gather_object({str(m.layer): m.score_bias.detach().float().cpu() for m in engine.module.modules()
-                        if isinstance(m, MoE)}, biases, dst=dst)
+    dist.gather_object({str(m.layer): _bias(m) for m in engine.module.modules() if isinstance(m, MoE)}, biases,
+                       dst=dst)
     if rank != dst:
         return None
     assert biases is not None
@@ -92,6 +92,11 @@ def dense_state_dict(engine, dst: int = 0) -> dict[str, torch.Tensor] | None:
         if n not in dense and canonical.get(id(p)) in dense:
             dense[n] = dense[canonical[id(p)]]
     return dense
+
+
+def _bias(layer: MoE) -> torch.Tensor:
+    bias: torch.Tensor = layer.score_bias  # type: ignore[assignment]  # a buffer
+    return bias.detach().float().cpu()
 
 
 def save_pretrained(engine, directory) -> None:
