@@ -72,14 +72,15 @@ def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str |
     for every microbatch's forward and backward (2 x microbatches all-gathers per step), or keep
     them whole through the step, which is stage 2's memory at stage 3's traffic.
 
-    A model with mixture-of-experts layers (its policy's ``experts``) is refused under sp, 2D/2.5D/3D tp and
-    split_gather: they split the tokens a router sees (by position or by rows) over ranks the MoE step does not
-    gather counts over. Under 1D tp every tp rank routes the same tokens, so the MoE layers run whole on each
-    (tp does not split their work: ``docs/moe.md``). dp, ep, ZeRO 1-3, offload, pp and recomputation run them
-    exactly; ep is refused with ZeRO 3 for now::
+    A model with mixture-of-experts layers (its policy's ``experts``) is refused under 2D/2.5D/3D tp and
+    split_gather (they split a router's tokens over tp ranks the MoE step does not gather counts over), and with
+    a capacity factor under sp (a rank's tokens are no run of the batch's order, which sets the capacity's
+    priority); dropless layers run under sp (counts gathered over dp x sp). Under 1D tp every tp rank routes
+    the same tokens, so the MoE layers run whole on each (tp does not split their work: ``docs/moe.md``). dp,
+    ep, ZeRO 1-3, offload, pp and recomputation run them exactly; ep is refused with ZeRO 3 for now::
 
-        unsupported(ParallelConfig(sp=2), GPT(GPTConfig(n_experts=4)))   # "... mixture-of-experts layers with
-                                  # sequence parallelism (sp=2) ...: set sp=1 (dp=2 runs the same ranks) ..."
+        unsupported(ParallelConfig(sp=2), GPT(GPTConfig(n_experts=4, capacity_factor=1.0)))   # "... with a
+                                  # capacity factor under sequence parallelism ...: set sp=1 (dp=2 ...) ..."
     """
     cfg = config
     moe = model is not None and _has_experts(model)
@@ -96,8 +97,10 @@ def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str |
              + " (which split the tokens a router sees over the tp ranks)",
              "tp_mode='1d' without split_gather (each tp rank routes the same tokens: the MoE layers run whole "
              "on every tp rank)"),
-            (moe and cfg.sp > 1, f"mixture-of-experts layers with sequence parallelism (sp={cfg.sp}, which "
-             "splits the tokens a router counts)", f"sp=1 (dp={cfg.dp * cfg.sp} runs the same ranks)"),
+            (moe and cfg.sp > 1 and _drops(model), f"mixture-of-experts layers with a capacity factor under sequence "
+             f"parallelism (sp={cfg.sp}: a rank's tokens are not one run of the batch's order, which sets the "
+             "capacity's priority)", f"sp=1 (dp={cfg.dp * cfg.sp} runs the same ranks), or capacity_factor=None "
+             "(dropless)"),
             (cfg.ep > 1 and cfg.zero == 3, f"expert parallelism (ep={cfg.ep}) with ZeRO stage 3",
              "zero=1 or 2 with ep (the expert states are sharded over the expert-data-parallel ranks)")]
     missing = [(what, fix) for cond, what, fix in todo if cond]
@@ -137,6 +140,12 @@ def check_experts(config: ParallelConfig, model: nn.Module) -> None:
 def _or_words(values) -> str:
     values = [str(v) for v in values]
     return " or ".join(values) if len(values) < 3 else ", ".join(values[:-1]) + " or " + values[-1]
+
+
+def _drops(model: nn.Module | None) -> bool:
+    """Whether ``model``'s MoE layers have a capacity (they drop assignments)."""
+    return model is not None and any(getattr(m, "capacity_factor", None) is not None for m in model.modules()
+                                     if type(m).__name__ == "MoE")
 
 
 def _has_experts(model: nn.Module) -> bool:

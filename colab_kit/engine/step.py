@@ -274,7 +274,7 @@ class TrainingStep:
 
     def moe_at(self, microbatch: int):
         """With MoE layers, the ``colab_kit.models.moe_context.MoEStep`` of ``microbatch`` (made at its forward,
-        the same at its backward and recomputation): its counts gathered over dp, its auxiliary losses
+        the same at its backward and recomputation): its counts gathered over dp and sp, its auxiliary losses
         injected into backward at the scale of the loss (1 / microbatches, the fp16 scale, the shards)."""
         if not self.moe:
             return nullcontext()
@@ -282,13 +282,17 @@ class TrainingStep:
         if step is None:
             scale = (self.scaler.scale if self.scaler is not None else 1.0) / (self.config.microbatches
                                                                                 * self.loss_shards)
+            sp = self.config.sp
             step = self._moe_steps[microbatch] = moe_context.MoEStep(
-                gather=self._gather_dp, piece=self.mesh.rank("dp"), pieces=self.config.dp, grad_scale=scale)
+                gather=self._gather_pieces, piece=self.mesh.rank("dp") * sp + self.mesh.rank("sp"),
+                pieces=self.config.dp * sp, grad_scale=scale)
         return moe_context.at(step)
 
-    def _gather_dp(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` of every dp rank, ``[dp, *t.shape]`` in dp order (the batch's row order)."""
-        return comm.all_gather(t[None], self.mesh, "dp", tag="moe counts")
+    def _gather_pieces(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` of every rank holding tokens of the microbatch, ``[dp * sp, *t.shape]`` in (dp, sp) order: over
+        sp (a row's tokens), then over dp (the rows)."""
+        t = comm.all_gather(t[None], self.mesh, "sp", tag="moe counts") if self.config.sp > 1 else t[None]
+        return comm.all_gather(t[None], self.mesh, "dp", tag="moe counts").flatten(0, 1)
 
     def aux_value(self) -> torch.Tensor | float:
         """This rank's share of the step's auxiliary losses (each microbatch's over ``microbatches``): what the

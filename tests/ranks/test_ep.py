@@ -1,6 +1,7 @@
 """Expert parallelism (``ParallelConfig(ep=)``): the MoE GPT trains to one process's losses within 1e-5 (fp32)
 with its experts split over ep ranks folded over dp, tokens dispatched and combined by all-to-all: dp=2 ep=2,
-dp=4 ep=4, dp=4 ep=2, ep x tp (1D: the MoE layers whole on each tp rank), ep x pp (1F1B), ep x ZeRO 1/2, a capacity that drops, microbatches, recomputation,
+dp=4 ep=4, dp=4 ep=2, ep x tp (1D: the MoE layers whole on each tp rank), ep x sp (ring, Ulysses; ep folded over
+dp x sp), ep x pp (1F1B), ep x ZeRO 1/2, offload, a capacity that drops, microbatches, recomputation,
 clipping, every token routed to one expert (the other ep ranks receive no row) and top_k equal to the number
 of experts. Each rank holds E/ep experts; the dispatch bytes equal the formula of ``docs/moe.md``. Bad input is
 a ConfigError before any process starts. One spawn per world size, the configs looped inside it."""
@@ -35,6 +36,10 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs, boost kwar
     "dp=4 ep=4 clip": (4, "softmax", "sgd", dict(dp=4, ep=4), dict(max_grad_norm=0.5)),
     "dp=2 tp=2 ep=2": (4, "softmax", "sgd", dict(dp=2, tp=2, ep=2), {}),
     "dp=2 tp=2 ep=2 zero=1 capacity": (4, "capacity", "adamw", dict(dp=2, tp=2, ep=2, zero=1), dict(max_grad_norm=0.5)),
+    "dp=2 sp=2 ep=4 ring": (4, "softmax", "sgd", dict(dp=2, sp=2, ep=4), {}),
+    "dp=2 sp=2 ep=2 ulysses": (4, "softmax", "adamw", dict(dp=2, sp=2, ep=2, sp_mode="ulysses"), {}),
+    "sp=2 tp=2 ep=2": (4, "softmax", "sgd", dict(sp=2, tp=2, ep=2), {}),
+    "sp=4 ep=2 top_k=E": (4, "all_experts", "sgd", dict(sp=4, ep=2), {}),
     "dp=4 ep=2 bf16": (4, "capacity", "sgd", dict(dp=4, ep=2, precision="bf16"), {}),
     "dp=4 ep=4 bf16 zero=2 sgd": (4, "softmax", "sgd", dict(dp=4, ep=4, zero=2, precision="bf16"), {}),
     "dp=2 ep=2 fp16 zero=1": (2, "capacity", "sgd", dict(dp=2, ep=2, zero=1, precision="fp16"), {}),
@@ -135,10 +140,10 @@ def test_ep_trains_like_one_process(runs, name):
     world, model, opt, kw, boost_kw = CONFIGS[name]
     low = kw.get("precision", "fp32")
     if low == "fp32":
-        want, tol = reference(model, opt, kw.get("microbatches", 1), dp=kw["dp"],
+        want, tol = reference(model, opt, kw.get("microbatches", 1), dp=kw.get("dp", 1),
                               clip=boost_kw.get("max_grad_norm")), RTOL
     else:
-        want, tol = reference_mixed(model, opt, low, kw.get("microbatches", 1), dp=kw["dp"]), TOLERANCE[low]
+        want, tol = reference_mixed(model, opt, low, kw.get("microbatches", 1), dp=kw.get("dp", 1)), TOLERANCE[low]
     worst = max(max_relative_difference(runs[name, rank]["losses"], want) for rank in range(world))
     print(f"{name}: {worst:.1e} (tolerance {tol:.1e})")  # pytest -s shows the measured differences
     for rank in range(world):
@@ -312,6 +317,8 @@ def test_bad_ep_is_refused_before_any_process():
     for kw, rule in ((dict(zero=3), "ZeRO stage 3"),):
         with pytest.raises(ck.ConfigError, match=rule):
             ck.boost(build("softmax"), opt, ck.ParallelConfig(dp=2, ep=2, **kw))
+    with pytest.raises(ck.ConfigError, match="capacity factor under sequence parallelism.*capacity_factor=None"):
+        ck.boost(build("capacity"), opt, ck.ParallelConfig(sp=2, ep=2))
 
 
 def test_mesh_folds_ep_over_dp_and_sp():

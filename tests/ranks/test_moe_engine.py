@@ -2,7 +2,7 @@
 pipelines and recomputation train to one process's losses within 1e-5 (fp32), the balancing loss, the
 z-loss, a capacity's drops and the router bias computed over the whole batch of each microbatch
 (``docs/moe.md``). One spawn per world size, every config looped inside it; AdamW and SGD + momentum by turns.
-sp, 2D/3D tp and split_gather are refused with the rule before any process starts
+2D/3D tp, split_gather and a capacity under sp are refused with the rule before any process starts
 (1D tp runs: tests/ranks/test_ep.py)."""
 from __future__ import annotations
 
@@ -73,8 +73,8 @@ def test_the_check_can_fail():
             assert min(diffs) > 10 * RTOL, (model, opt, diffs)
 
 
-def test_sp_and_token_splitting_tp_are_refused_with_the_rule():
-    model = GPT(MODELS["softmax"])
+def test_capacity_under_sp_and_token_splitting_tp_are_refused_with_the_rule():
+    model = GPT(MODELS["capacity"])
     for kw, fix in ((dict(tp=4, tp_mode="2d"), "tp_mode='1d' without split_gather"), (dict(dp=2, sp=2), "sp=1 (dp=4"),
                     (dict(tp=2, sp_mode="split_gather"), "tp_mode='1d' without split_gather")):
         why = unsupported(ck.ParallelConfig(**kw), model)
@@ -83,3 +83,4 @@ def test_sp_and_token_splitting_tp_are_refused_with_the_rule():
             ck.boost(model, OPTIMIZERS["sgd"], ck.ParallelConfig(**kw))
     assert unsupported(ck.ParallelConfig(tp=2), GPT(ck.models.GPTConfig())) is None  # the dense GPT runs tp
     assert unsupported(ck.ParallelConfig(tp=2), model) is None  # 1D: the MoE layers whole on each tp rank
+    assert unsupported(ck.ParallelConfig(sp=2), GPT(MODELS["softmax"])) is None  # dropless under sp runs
