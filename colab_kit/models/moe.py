@@ -146,7 +146,7 @@ class MoE(nn.Module):
         order, got = dispatch(chosen, keep, self.n)
         y = combine(self.experts(h[order // self.k], got), order, weights)
         if self.shared is not None:
-            y = y + self.shared(h)
+            y = y + self.shared(x).reshape(h.shape)  # [batch, seq, d]: its dropout knows the layout
         if self.training and first:
             self.load = self.load.to(counts.device) + counts.detach()
         self.last = {"counts": counts.detach(), "dropped": 0 if keep is None else int((~keep).sum())}

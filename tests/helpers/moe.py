@@ -6,6 +6,7 @@ import torch
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.engine.loss import lm_loss
 from colab_kit.models import GPT, GPTConfig, update_router_bias
+from colab_kit.models.dropout import layout_invariant
 
 BASE = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, d_expert=32)
 MODELS = {
@@ -19,6 +20,9 @@ MODELS = {
     "one_expert": GPTConfig(**BASE, n_layers=2, n_experts=4, top_k=1, aux_loss=0.1, router_bias_update=1e-6),
     # top_k equal to the number of experts: every expert on every token
     "all_experts": GPTConfig(**BASE, n_layers=2, n_experts=4, top_k=4, z_loss=0.01),
+    # dropout (attention, residual, the shared expert's MLP): masks from global coordinates in every layout (the
+    # reference numbers rows per forward, so it matches the engine with one microbatch only)
+    "dropout": GPTConfig(**BASE, n_layers=2, n_experts=4, top_k=2, shared_experts=1, aux_loss=0.1, dropout=0.1),
 }
 OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
               "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
@@ -56,6 +60,8 @@ def reference(model: str, opt: str, microbatches: int = 1, aux: bool = True, dp:
     auxiliary losses (a run that dropped them is caught); ``clip``: the gradient norm clipped to before each
     step."""
     model_ = build(model)
+    if MODELS[model].dropout:  # the engine's dropout masks, from global coordinates (colab_kit.models.dropout)
+        model_ = layout_invariant(model_)
     optimizer = OPTIMIZERS[opt](model_.parameters())
     losses, d = [], data()
     for step in range(STEPS):

@@ -40,6 +40,8 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs, boost kwar
     "dp=2 sp=2 ep=2 ulysses": (4, "softmax", "adamw", dict(dp=2, sp=2, ep=2, sp_mode="ulysses"), {}),
     "sp=2 tp=2 ep=2": (4, "softmax", "sgd", dict(sp=2, tp=2, ep=2), {}),
     "sp=4 ep=2 top_k=E": (4, "all_experts", "sgd", dict(sp=4, ep=2), {}),
+    "dp=4 ep=2 dropout": (4, "dropout", "sgd", dict(dp=4, ep=2), {}),
+    "dp=2 sp=2 ep=2 dropout": (4, "dropout", "adamw", dict(dp=2, sp=2, ep=2), {}),
     "dp=4 ep=2 bf16": (4, "capacity", "sgd", dict(dp=4, ep=2, precision="bf16"), {}),
     "dp=4 ep=4 bf16 zero=2 sgd": (4, "softmax", "sgd", dict(dp=4, ep=4, zero=2, precision="bf16"), {}),
     "dp=2 ep=2 fp16 zero=1": (2, "capacity", "sgd", dict(dp=2, ep=2, zero=1, precision="fp16"), {}),
