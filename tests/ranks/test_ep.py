@@ -1,7 +1,7 @@
 """Expert parallelism (``ParallelConfig(ep=)``): the MoE GPT trains to one process's losses within 1e-5 (fp32)
 with its experts split over ep ranks folded over dp, tokens dispatched and combined by all-to-all: dp=2 ep=2,
 dp=4 ep=4, dp=4 ep=2, ep x tp (1D: the MoE layers whole on each tp rank), ep x sp (ring, Ulysses; ep folded over
-dp x sp), ep x pp (1F1B), ep x ZeRO 1/2, offload, a capacity that drops, microbatches, recomputation,
+dp x sp), ep x pp (1F1B, zb-h1, zb-v), ep x ZeRO 1/2, offload, a capacity that drops, microbatches, recomputation,
 clipping, every token routed to one expert (the other ep ranks receive no row) and top_k equal to the number
 of experts. Each rank holds E/ep experts; the dispatch bytes equal the formula of ``docs/moe.md``. Bad input is
 a ConfigError before any process starts. One spawn per world size, the configs looped inside it."""
@@ -27,6 +27,9 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs, boost kwar
     "dp=4 ep=2 capacity": (4, "capacity", "adamw", dict(dp=4, ep=2), {}),
     "dp=2 ep=2 pp=2": (4, "softmax", "sgd", dict(dp=2, ep=2, **PP), {}),
     "dp=2 ep=2 pp=2 capacity": (4, "capacity", "adamw", dict(dp=2, ep=2, **PP), {}),
+    "dp=2 ep=2 pp=2 zb-h1": (4, "capacity", "sgd", dict(dp=2, ep=2, pp=2, schedule="zb-h1", microbatches=2), {}),
+    "dp=2 ep=2 pp=2 zb-v": (4, "softmax", "adamw", dict(dp=2, ep=2, pp=2, schedule="zb-v", chunks=2,
+                                                         microbatches=2), {}),
     "dp=4 ep=2 zero=1": (4, "softmax", "adamw", dict(dp=4, ep=2, zero=1), {}),
     "dp=4 ep=2 zero=2 offload": (4, "capacity", "sgd", dict(dp=4, ep=2, zero=2, offload="cpu"), {}),
     "dp=4 ep=4 zero=2 mb=2": (4, "capacity", "sgd", dict(dp=4, ep=4, zero=2, microbatches=2), {}),
