@@ -28,7 +28,7 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs, boost kwar
     "dp=2 ep=2 pp=2": (4, "softmax", "sgd", dict(dp=2, ep=2, **PP), {}),
     "dp=2 ep=2 pp=2 capacity": (4, "capacity", "adamw", dict(dp=2, ep=2, **PP), {}),
     "dp=2 ep=2 pp=2 zb-h1": (4, "capacity", "sgd", dict(dp=2, ep=2, pp=2, schedule="zb-h1", microbatches=2), {}),
-    "dp=2 ep=2 pp=2 zb-v": (4, "softmax", "adamw", dict(dp=2, ep=2, pp=2, schedule="zb-v", chunks=2,
+    "dp=2 ep=2 pp=2 zb-v": (4, "capacity", "adamw", dict(dp=2, ep=2, pp=2, schedule="zb-v", chunks=2,
                                                          microbatches=2), {}),
     "dp=4 ep=2 zero=1": (4, "softmax", "adamw", dict(dp=4, ep=2, zero=1), {}),
     "dp=4 ep=2 zero=2 offload": (4, "capacity", "sgd", dict(dp=4, ep=2, zero=2, offload="cpu"), {}),
