@@ -71,6 +71,25 @@ def plain_mixed_precision(model: torch.nn.Module, optimizer_factory: Callable, b
     return Mixed(losses, {n: p.detach().clone() for n, p in low.named_parameters()}, start, norms)
 
 
+def plain_training(model: nn.Module, optimizer_factory: Callable, batches: Callable[[int], tuple], steps: int,
+                   logits: Callable = lambda out: getattr(out, "logits", out)) -> list[float]:
+    """Plain torch in one process, in train mode: ``steps`` steps of mean token (or class) cross-entropy on
+    ``batches(step) -> (inputs, targets)``; the losses. Make the model's dropouts layout-invariant first
+    (``colab_kit.models.dropout.layout_invariant``) to compare with an engine that runs dropout."""
+    model.train()
+    optimizer = optimizer_factory(model.parameters())
+    losses = []
+    for s in range(steps):
+        x, y = batches(s)
+        out = logits(model(x))
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def update_error(got: dict, ref: dict, start: dict) -> float:
     """||got - ref|| / ||ref - start|| over the tensors of ``got``: 0 is the reference's weights, 1 the start's."""
     err = sum(((got[n].float() - ref[n].float()) ** 2).sum() for n in got) ** 0.5

@@ -18,7 +18,6 @@ import functools
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
@@ -28,6 +27,7 @@ from colab_kit.sequence.zigzag import sequence_positions
 
 from tests.helpers import case_id, rank0_per_world
 from tests.helpers import NET_POLICY, Net, digits, mlm_batch
+from tests.helpers.references import plain_training
 
 P, STEPS, BATCH, RTOL = 0.1, 4, 8, 1e-5
 OPTIMIZERS = {  # AdamW at 1e-2 moves every model far enough in 4 steps that dropout changes the losses by > 1e-4
@@ -163,19 +163,8 @@ def _logits(name, out):
 @functools.lru_cache(maxsize=None)
 def reference(name, opt, p=P):
     """Plain PyTorch in one process; the user's and Hugging Face's nn.Dropout made layout-invariant."""
-    model = layout_invariant(make(name, p))
-    model.train()
-    optimizer = OPTIMIZERS[opt](model.parameters())
-    losses = []
-    for s in range(STEPS):
-        x, y = batch(name, s)
-        logits = _logits(name, model(x))
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return plain_training(layout_invariant(make(name, p)), OPTIMIZERS[opt], lambda s: batch(name, s), STEPS,
+                          lambda out: _logits(name, out))
 
 
 def _train(cases):

@@ -29,6 +29,7 @@ from colab_kit.models.dropout import layout_invariant
 from colab_kit.recompute.selective import SelectiveCore, is_selective, recompute_attention
 
 from tests.helpers import make_hf
+from tests.helpers.references import plain_training
 
 G = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
 P, STEPS, BATCH, RTOL = 0.1, 3, 8, 1e-5
@@ -74,19 +75,7 @@ def _logits(out):
 @functools.lru_cache(maxsize=None)
 def reference(name: str, opt: str, p: float = P) -> list[float]:
     """Plain PyTorch in one process, no recomputation (the dropouts layout-invariant, as the engine's)."""
-    model = layout_invariant(make(name, p))
-    model.train()
-    optimizer = OPTIMIZERS[opt](model.parameters())
-    losses = []
-    for s in range(STEPS):
-        x, y = _batch(s)
-        logits = _logits(model(x))
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return plain_training(layout_invariant(make(name, p)), OPTIMIZERS[opt], _batch, STEPS)
 
 
 def _counts(engine) -> dict:
