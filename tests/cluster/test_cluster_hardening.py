@@ -178,3 +178,26 @@ def _is_controller(p) -> bool:
         return "ipyparallel.controller" in " ".join(p.cmdline())
     except psutil.Error:  # another test's process that has just exited
         return False
+
+
+def test_a_process_the_kernel_starts_meanwhile_is_not_taken_for_the_clusters():
+    """``cluster_processes(before, roots)`` keeps what the launcher started (a root and its children) and
+    leaves another new child of the kernel alone (it would otherwise be watched and killed with the cluster);
+    without roots every new child is taken, which is the rule the roots fix."""
+    from colab_kit.notebook.cluster.watchdog import cluster_processes, descendant_pids
+    before = descendant_pids()
+    root = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
+    stray = subprocess.Popen(["sleep", "30"])
+    try:
+        deadline = time.time() + 10
+        while not psutil.Process(root.pid).children() and time.time() < deadline:
+            time.sleep(0.05)
+        kept = {p.pid for p in cluster_processes(before, {root.pid})}
+        child = {c.pid for c in psutil.Process(root.pid).children()}
+        assert root.pid in kept and child and child <= kept and stray.pid not in kept
+        assert stray.pid in {p.pid for p in cluster_processes(before)}
+    finally:
+        for p in psutil.Process(root.pid).children() + [psutil.Process(root.pid), psutil.Process(stray.pid)]:
+            p.kill()
+        root.wait()
+        stray.wait()

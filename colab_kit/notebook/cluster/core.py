@@ -39,7 +39,7 @@ from .gather import RESTART_ADVICE, ClusterError, Waiting
 from .results import RankOutput, RankTable, check_ranks, rank_output, split, unwrap_call, unwrap_execute
 from .room import CONTROLLER_BYTES, FORK_SERVER_BYTES, fitting
 from .startup import Startup, check_hosts, controller_args, launcher_names, preload_torch
-from .watchdog import Watchdog, cluster_processes, descendant_pids, end_processes, with_descendants
+from .watchdog import Watchdog, cluster_processes, descendant_pids, end_processes, launcher_pids, with_descendants
 
 __all__ = ["Cluster", "ClusterError", "RankOutput", "RankTable", "RESTART_ADVICE"]
 
@@ -167,7 +167,8 @@ class Cluster(Startup, Waiting):
             # a 0.5 s heartbeat, after the profile's and config's own controller arguments (startup.controller_args)
             self._ipp.controller_args = controller_args(self._ipp.controller_args)
             self._ipp.start_controller_sync()
-            self._controller_procs = cluster_processes(before)  # the controller and its schedulers
+            # the controller and its schedulers: what its launcher started, not any other new child of the kernel
+            self._controller_procs = cluster_processes(before, launcher_pids(self._ipp.controller))
             watchdog.watch(self._controller_procs)
             self._client = self._ipp.connect_client_sync()
             self._start_engines(progress)
@@ -215,7 +216,8 @@ class Cluster(Startup, Waiting):
         before = descendant_pids()
         self._ipp.start_engines_sync(self.n)
         # watched from the start (a failed start ends them too); never the kernel's fork server
-        self._engine_procs = [p for p in cluster_processes(before) if p.pid != forked.server_pid()]
+        launched = set().union(*(launcher_pids(s) for s in (self._ipp.engines or {}).values()))
+        self._engine_procs = [p for p in cluster_processes(before, launched) if p.pid != forked.server_pid()]
         watchdog.watch(self._engine_procs)
         self._ids = self._wait_for_engines(progress)
         self._engine_procs = with_descendants(self._engine_procs)  # and now their nannies

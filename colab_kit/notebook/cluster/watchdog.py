@@ -26,7 +26,7 @@ import sys
 
 import psutil
 
-__all__ = ["Watchdog", "cluster_processes", "descendant_pids", "with_descendants", "end_processes"]
+__all__ = ["Watchdog", "cluster_processes", "launcher_pids", "descendant_pids", "with_descendants", "end_processes"]
 
 KILL_AFTER = 3.0
 
@@ -81,11 +81,40 @@ class Watchdog:
             self._proc.kill()
 
 
-def cluster_processes(before: set[int]) -> list[psutil.Process]:
-    """This kernel's descendants that were not there in ``before`` (pids): the processes a
-    cluster start has just created (controller, its schedulers, engines, their nannies)."""
-    me = psutil.Process()
-    return [p for p in me.children(recursive=True) if p.pid not in before]
+def cluster_processes(before: set[int], roots: set[int] | None = None) -> list[psutil.Process]:
+    """This kernel's descendants that were not there in ``before`` (pids): the processes a cluster start has
+    just created (controller, its schedulers, engines, their nannies). ``roots``: the pids its launcher
+    started (``launcher_pids``); then only those and their descendants, so a process the kernel started
+    meanwhile for something else (another cluster, a subprocess of the user's) is never taken for one of
+    the cluster's, nor killed with it. None or empty (a launcher that does not say): every new descendant.
+
+        cluster_processes(before, {4242})   # 4242 (the controller) and what it started, nothing else new
+    """
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    if not roots:
+        return new
+    out = []
+    for p in new:
+        try:
+            if p.pid in roots or any(a.pid in roots for a in p.parents()):
+                out.append(p)
+        except psutil.Error:  # gone meanwhile
+            pass
+    return out
+
+
+def launcher_pids(launcher) -> set[int]:
+    """The pids an ipyparallel launcher started: its own process and those of the launchers it holds (an
+    engine set's one per engine); empty where it keeps none (its processes are then found by ancestry)."""
+    pids = set()
+    for one in [launcher, *getattr(launcher, "launchers", {}).values()]:
+        try:
+            pid = getattr(one, "pid", None)
+        except Exception:  # noqa: BLE001 - a launcher whose pid cannot be read says nothing
+            pid = None
+        if isinstance(pid, int) and pid > 0:
+            pids.add(pid)
+    return pids
 
 
 def descendant_pids() -> set[int]:
