@@ -127,9 +127,17 @@ def placements(engine: EngineView) -> list[dict]:
 
         {"name": "blocks.0.mlp.fc1.weight", "shape": (16, 32),
          "placements": "tp: Shard(0), dp: Replicate()"}            # tp=2, dp=2, tp_mode '1d'
+        {"name": "blocks.1.mlp.experts.w_in", "shape": (2, 32, 32),
+         "placements": "ep: Shard(0), edp: Replicate()"}           # dp=4, ep=2: experts over ep x edp
     """
     axes = [a for a in engine.mesh.layout.fine_names if engine.mesh.size(a) > 1 and a != "pp"]
-    return [{"name": n, "shape": s, "placements": d} for n, s, d in engine.parts.placement_table.rows(axes)]
+    table = engine.parts.placement_table
+    rows = table.rows(axes)
+    if "ep" in engine.mesh.layout.axes:  # experts lie on ep and edp, which fold dp x sp
+        folded = [a for a in axes if a not in ("dp", "sp")] + ["ep"] + ["edp"] * (engine.mesh.size("edp") > 1)
+        on_ep = [any("ep" in ax for _, ax in table[p].shards) for p in table.params]
+        rows = [b if e else a for a, b, e in zip(rows, table.rows(folded), on_ep)]
+    return [{"name": n, "shape": s, "placements": d} for n, s, d in rows]
 
 
 def comm(engine: EngineView, last_step: bool = False) -> list[dict]:

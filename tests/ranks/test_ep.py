@@ -66,7 +66,8 @@ def _run(names: list[str], extra=()) -> dict:
                      "first": [m.first for m in layers], "sent": [m.last["send"] for m in layers],
                      "received": [m.last["recv"] for m in layers],
                      "records": [r for r in ck.engine.reports.comm(engine, True) if "expert" in r["tag"]],
-                     "moe": [rec["moe"] for rec in engine.records]}
+                     "moe": [rec["moe"] for rec in engine.records],
+                     "placements": {r["name"]: r["placements"] for r in ck.placements(engine)}}
         engine.close()
     return out
 
@@ -167,6 +168,15 @@ def test_each_rank_holds_its_experts(runs, name):
         assert r["experts"] and all(shape[0] == n // ep for shape in r["experts"])
         ep_rank = ck.MeshLayout(ck.ParallelConfig(**kw)).all_coords(rank)["ep"]
         assert set(r["first"]) == {ep_rank * n // ep}
+
+
+def test_placements_say_experts_lie_on_ep(runs):
+    """``ck.placements``: the stacked experts ``Shard(0)`` on ep and whole over edp; the router over dp."""
+    for rank in range(4):
+        got = runs["dp=4 ep=2", rank]["placements"]
+        assert got["blocks.0.mlp.experts.w_in"] == "ep: Shard(0), edp: Replicate()"
+        assert got["blocks.0.mlp.router.weight"] == "dp: Replicate()"
+        assert runs["dp=2 tp=2 ep=2", rank]["placements"]["blocks.0.mlp.experts.b_out"] == "tp: Replicate(), ep: Shard(0)"
 
 
 def test_the_rank_without_tokens_sent_and_received_none(runs):
