@@ -41,7 +41,9 @@ from ..config import ConfigError, ParallelConfig
 from ..datasets import ShardedLoader
 from ..datasets.loader import LocalBatch
 from ..mesh import ProcessMesh
+from ..expert.apply import expert_count, expert_modules
 from ..models.experts import Experts
+from ..models.hf_moe import check_router_loss
 from ..models.moe import has_experts
 from ..policy import policy_for
 from ..zero.optimizer import (OptimizerSpec, attach_scheduler, check_elementwise, check_scheduler, local_names,
@@ -113,16 +115,19 @@ def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str |
 
 
 def check_experts(config: ParallelConfig, model: nn.Module) -> None:
-    """``ep > 1`` needs a model whose MoE layers' experts it can split evenly: a ConfigError with the rule
-    and a value that works otherwise::
+    """``ep > 1`` needs a model whose MoE layers' experts it can split evenly (the built-in ``Experts``, or the
+    fused experts of a Hugging Face MoE model its policy names), and a Hugging Face load-balancing loss needs
+    pp=1 (``models.hf_moe.check_router_loss``): a ConfigError with the rule and a value that works otherwise::
 
         check_experts(ParallelConfig(dp=4, ep=4), GPT(GPTConfig(n_experts=6, ...)))
         # ConfigError: ep=4 splits each mixture-of-experts layer's 6 experts over 4 ranks, so it must divide
         # the number of experts: try ep=2 (it must also divide dp x sp = 4)
     """
+    check_router_loss(config, model, policy_for(model))
     if config.ep == 1:
         return
-    counts = sorted({m.n for m in model.modules() if isinstance(m, Experts)})
+    counts = sorted({m.n for m in model.modules() if isinstance(m, Experts)}
+                    | {expert_count(e) for _, _, e in expert_modules(model, policy_for(model))})
     if not counts:
         raise ConfigError(f"ep={config.ep} splits the experts of mixture-of-experts layers, and this model "
                           f"({type(model).__name__}) has none its policy can find (stacked expert tensors, "

@@ -214,8 +214,11 @@ def update_router_bias(model: nn.Module, skip: bool = False) -> None:
 
 
 def has_experts(model: nn.Module) -> bool:
-    """Whether ``model`` holds an MoE layer."""
-    return any(isinstance(m, MoE) for m in model.modules())
+    """Whether ``model`` holds an MoE layer, or a Hugging Face router counting its load-balancing loss
+    (``colab_kit.models.hf_moe``)."""
+    from .hf_moe import RouterLoss
+
+    return any(isinstance(m, (MoE, RouterLoss)) for m in model.modules())
 
 
 def check_moe_config(cfg) -> None:

@@ -153,8 +153,8 @@ class Policy:
     """Whether the inputs are token sequences (dim 1), which sequence parallelism splits (ViT's images: no)."""
     experts: tuple[str, ...] = ()
     """Paths of the mixture-of-experts layers: modules whose expert tensors are stacked with the expert as
-    dim 0 (``colab_kit.models.experts.Experts``). The engine refuses the modes that would split their
-    inputs (tp, sp) until expert parallelism dispatches them; an ep part will slice dim 0."""
+    dim 0 (``colab_kit.models.experts.Experts``, or ``transformers``' fused ``gate_up_proj`` / ``down_proj``). The
+    engine refuses the modes that would split their inputs (tp, sp); expert parallelism slices dim 0."""
     name: str = ""
 
     def __post_init__(self):
@@ -269,6 +269,12 @@ _LAZY: dict[str, str] = {  # "module:Class" of a model family -> "module:factory
     "colab_kit.models.vit:ViT": "colab_kit.policy.builtin:vit_policy",
     "transformers.models.gpt2.modeling_gpt2:GPT2LMHeadModel": "colab_kit.policy.hf:gpt2_policy",
     "transformers.models.llama.modeling_llama:LlamaForCausalLM": "colab_kit.policy.hf:llama_policy",
+    **{k: "colab_kit.policy.hf_moe:hf_moe_policy" for k in (  # mixtures of experts (colab_kit.policy.hf_moe)
+        "transformers.models.mixtral.modeling_mixtral:MixtralForCausalLM",
+        "transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeForCausalLM",
+        "transformers.models.qwen2_moe.modeling_qwen2_moe:Qwen2MoeForCausalLM",
+        "transformers.models.olmoe.modeling_olmoe:OlmoeForCausalLM",
+        "transformers.models.deepseek_v3.modeling_deepseek_v3:DeepseekV3ForCausalLM")},
 }
 
 

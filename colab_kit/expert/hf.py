@@ -1,0 +1,115 @@
+"""Expert parallelism for ``transformers``' fused experts (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, ...).
+
+A Hugging Face MoE layer keeps its experts as two 3D tensors and calls them with the router's choice::
+
+    gate_up_proj [E, 2I, H]   down_proj [E, H, I]
+    experts(hidden [N, H], top_k_index [N, k], top_k_weights [N, k]) -> [N, H]
+    expert e on row x: down_proj[e] @ (act(g) * u),  [g | u] = gate_up_proj[e] @ x
+    out_t = sum_j top_k_weights[t, j] * expert_{top_k_index[t, j]}(hidden_t)
+
+``HFExpertParallel`` takes its place with the same call. It holds this rank's ``E / ep`` experts (its slice of
+both tensors, ``Shard(0)`` on ``ep``, cut from ``sharded_init.dense_value``: one dense tensor alive at a time)
+and runs the same math on the same rows, moved there by the all-to-all of ``colab_kit.expert.layer``:
+
+    1. the N x k (token, slot) assignments in expert-major order (``models.experts.dispatch``: a stable sort
+       by expert), the token rows gathered in that order
+    2. counts per expert -> all_to_all of the counts, all_to_all_v of the rows (``AllToAll``) to the ep
+       rank holding each expert; received source-major, made expert-major (``expert_major``)
+    3. each local expert on its run of rows: HF's SiLU-gated MLP with HF's weights and activation
+    4. back to source-major, all_to_all_v back, each output put at its (token, slot) and summed over slots
+       with the router's weights (``models.experts.combine``)
+
+Worked example, E=4, ep=2, top-2, rank 1 (experts 2-3) with 3 tokens routed ``[[2, 0], [3, 2], [0, 1]]``:
+expert-major order of the 6 assignments ``(0,1) (2,0) (2,1) (0,0) (1,1) (1,0)``: counts ``[2 1 2 1]``; rank
+1 sends 3 rows to rank 0 (experts 0-1) and keeps 3 (experts 2-3), receives rank 0's rows for experts 2-3,
+computes, and sends them back; its 3 tokens' outputs are then the one process's for these tokens.
+The gradients of the local experts hold every ep rank's tokens (the backward of the all-to-all); the
+expert-data-parallel group (``edp``) sums them (``colab_kit.zero.split``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import comm
+from ..models.experts import combine, dispatch
+from ..placement import declare
+from ..sharded_init import dense_value
+from .layer import AllToAll, expert_major
+
+__all__ = ["HFExpertParallel", "is_fused_experts", "fused_experts", "hf_expert_compute"]
+
+WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds ``transformers``' fused experts: ``gate_up_proj [E, 2I, H]`` and ``down_proj
+    [E, H, I]`` parameters without biases and an ``act_fn``, called as ``(hidden, top_k_index, top_k_weights)``."""
+    ps = module._parameters
+    gu, down = ps.get("gate_up_proj"), ps.get("down_proj")
+    return (gu is not None and down is not None and gu.dim() == 3 and down.dim() == 3 and hasattr(module, "act_fn")
+            and gu.shape[0] == down.shape[0] and gu.shape[1] == 2 * down.shape[2] and gu.shape[2] == down.shape[1]
+            and not any(k.endswith("bias") for k in ps))
+
+
+def fused_experts(layer: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """``(parent, child name, experts)`` of the fused experts under ``layer`` (an MoE layer's path)."""
+    return [(parent, name, child) for parent in layer.modules() for name, child in parent.named_children()
+            if is_fused_experts(child)]
+
+
+def hf_expert_compute(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor,
+                      act) -> torch.Tensor:
+    """Expert ``e`` (HF's math) on its run of ``counts[e]`` rows of ``rows`` (expert-major): ``[M, H]``. An
+    expert with no row runs on zero rows, so its slice of the weights still joins the graph."""
+    outs = []
+    for e, part in enumerate(rows.split(counts)):
+        gate, up = F.linear(part, gate_up[e]).chunk(2, dim=-1)
+        outs.append(F.linear(act(gate) * up, down[e]))
+    return torch.cat(outs) if outs else rows[:0]
+
+
+class HFExpertParallel(nn.Module):
+    """This rank's ``E / ep`` fused experts of one Hugging Face MoE layer and the all-to-all around them (see
+    the module docstring); same call, same parameter names (``gate_up_proj``, ``down_proj``) as the HF module."""
+
+    def __init__(self, experts: nn.Module, mesh, axis: str = "ep"):
+        super().__init__()
+        ep, r = mesh.size(axis), mesh.rank(axis)
+        self.mesh, self.axis = mesh, axis
+        self.n = int(experts.get_parameter("gate_up_proj").shape[0])
+        self.local = self.n // ep
+        self.first = r * self.local
+        self.act_fn = experts.act_fn
+        for name in WEIGHTS:
+            dense = dense_value(getattr(experts, name))  # a meta tensor without a recipe stays meta
+            with torch.no_grad():
+                mine = dense[self.first:self.first + self.local].clone()
+            self.register_parameter(name, nn.Parameter(mine, requires_grad=getattr(experts, name).requires_grad))
+            declare(self, name, {0: axis})
+        self.last: dict = {}
+        """The last forward's rows: ``send`` / ``recv`` per ep rank, and ``local`` rows per local expert."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        k = top_k_index.shape[-1]
+        order, counts = dispatch(top_k_index, None, self.n)
+        rows = hidden_states[order // k]
+        per_rank = counts.view(-1, self.local)
+        got = comm.all_to_all(per_rank.contiguous(), self.mesh, self.axis, split_dim=0, cat_dim=0,
+                              tag="expert counts")  # [sources, local experts]
+        send, recv = per_rank.sum(1).tolist(), got.sum(1).tolist()
+        arrived = AllToAll.apply(rows, send, recv, self.mesh, self.axis, "expert dispatch")
+        mine = expert_major(got)
+        local = got.sum(0).tolist()
+        out = hf_expert_compute(arrived[mine], local, self.get_parameter("gate_up_proj"),
+                                self.get_parameter("down_proj"), self.act_fn)
+        back = AllToAll.apply(out[torch.argsort(mine)], recv, send, self.mesh, self.axis, "expert combine")
+        self.last = {"send": send, "recv": recv, "local": local}
+        return combine(back, order, top_k_weights.to(back.dtype)).to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        shape = tuple(self.get_parameter("gate_up_proj").shape)
+        return (f"experts {self.first}..{self.first + self.local - 1} of {self.n} (gate_up_proj {shape}) "
+                f"over {self.axis}={self.mesh.size(self.axis)}")

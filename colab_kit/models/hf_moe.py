@@ -1,0 +1,142 @@
+"""The load-balancing loss of a Hugging Face mixture-of-experts model, over the whole batch inside the engine.
+
+``transformers``' MoE causal LMs (Mixtral, Qwen3-MoE, OLMoE, ...) with ``output_router_logits=True`` report
+``loss = CE + router_aux_loss_coef * aux``, where ``load_balancing_loss_func`` concatenates the router logits
+of all ``L`` MoE layers over the ``N`` tokens of the batch::
+
+    p_t     = softmax(logits_t)                 per token and layer, [E]
+    C_e     = top-k assignments to expert e     over every layer and token (sum_e C_e = N L k)
+    P_e     = sum of p_te                       over every layer and token
+    aux     = E * sum_e (C_e / (N L)) * (P_e / (N L))
+
+Unlike the built-in MoE (a loss per layer), the counts of all layers multiply each layer's probabilities.
+Inside the engine a rank sees its rows only, so ``router_loss`` makes each router a subclass that, under
+the engine's ``MoEStep`` (``moe_context``), gathers its layer's counts and token count over dp (once per
+layer and microbatch, cached for a recomputed forward) and puts ``RouterAux`` on the router's top-k weights.
+The counts are not differentiable and the loss is linear in ``P`` given them, so the gradient a rank's own
+``P^r`` needs is ``coef * E * C / (N L)^2``, which ``RouterAux`` injects in backward: by then every layer's
+forward has run, so ``C`` (summed over the layers' gathered counts) is known. Each rank reports
+``dp * coef * E * (C . P^r_l) / (N L)^2`` per layer (``MoEStep.values``); the engine's mean over ranks is the
+one process's ``coef * aux``.
+
+Worked example, dp=2, 2 MoE layers, 4 experts, top-2, 8 tokens per rank: rank 0's layer 0 counts
+``[5 3 4 4]`` of 8 tokens; the gather gives both ranks' ``[[5 3 4 4 | 8], [2 6 4 4 | 8]]``; after the forward
+``C`` sums both layers over both ranks (``N = 16``, ``N L k = 64``) and rank 0's layer 0 receives the
+gradient ``coef * 4 * C / 32^2`` on its own probability sums.
+
+A pipeline would put layers on stages whose backward runs before the later stages' counts are known: the
+engine refuses pp with the loss on (``check_router_loss``). Outside the engine (no ``MoEStep``) the routers
+are the model's own: one process still computes HF's loss itself.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..config import ConfigError
+from .moe_context import MoEStep, current
+
+__all__ = ["router_loss", "RouterLoss", "RouterAux", "aux_coef", "routers", "check_router_loss"]
+
+
+class RouterLoss:
+    """Base of the router subclasses ``router_loss`` makes: its layer number ``layer`` of ``layers``, the
+    experts ``n`` and ``k`` of HF's loss and its ``coef`` (``models.moe.has_experts`` recognises it)."""
+
+    layer: int = 0
+    layers: int = 1
+    n: int = 1
+    k: int = 1
+    coef: float = 0.0
+
+
+def aux_coef(model: nn.Module) -> float:
+    """The coefficient HF's forward adds the load-balancing loss with: ``router_aux_loss_coef`` when the
+    config asks for router logits (``output_router_logits``) and the causal LM adds the loss, else 0."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not getattr(cfg, "output_router_logits", False) or not hasattr(model, "router_aux_loss_coef"):
+        return 0.0
+    coef: float = model.router_aux_loss_coef  # type: ignore[assignment]  # a float, not a submodule
+    return float(coef)
+
+
+def routers(model: nn.Module, paths) -> list[nn.Module]:
+    """The router (``gate``) of each MoE layer at ``paths`` (the policy's ``experts``), in layer order."""
+    return [model.get_submodule(f"{p}.gate") for p in paths]
+
+
+def router_loss(model: nn.Module, paths, n_experts: int, top_k: int) -> None:
+    """Make each router of the MoE layers at ``paths`` a ``RouterLoss`` subclass of its own class (in place:
+    same parameters and state-dict keys), counting HF's load-balancing loss over the whole batch. Idempotent;
+    nothing to do when the model does not add the loss (``aux_coef`` 0)."""
+    coef = aux_coef(model)
+    if not coef:
+        return
+    found = routers(model, paths)
+    for i, r in enumerate(found):
+        if not isinstance(r, RouterLoss):
+            r.__class__ = _derived(type(r))
+        vars(r).update(layer=i, layers=len(found), n=n_experts, k=top_k, coef=coef)  # plain attributes
+
+
+_MADE: dict[type, type] = {}
+
+
+def _derived(cls: type) -> type:
+    if cls not in _MADE:
+        _MADE[cls] = type("Counted" + cls.__name__, (RouterLoss, cls),
+                          {"forward": _counted_forward, "__module__": __name__, "__doc__": RouterLoss.__doc__})
+        globals().setdefault(_MADE[cls].__name__, _MADE[cls])  # pickle finds it by reference
+    return _MADE[cls]
+
+
+def _counted_forward(self, hidden_states):
+    logits, scores, index = super(RouterLoss, self).forward(hidden_states)
+    step = current()
+    if step is None or not step.inject or not torch.is_grad_enabled():
+        return logits, scores, index
+    probs = logits.softmax(-1)  # as load_balancing_loss_func: softmax of the logits, top-k of those
+    cached = step.cache.get(self.layer)
+    if cached is None:
+        chosen = torch.topk(probs.detach(), self.k, dim=-1).indices
+        local = torch.bincount(chosen.reshape(-1), minlength=self.n).to(probs.dtype)
+        cached = step.cache[self.layer] = step.gather(torch.cat([local, probs.new_tensor([probs.shape[0]])]))
+    return logits, RouterAux.apply(scores, probs.sum(0), step, self), index
+
+
+class RouterAux(torch.autograd.Function):
+    """``RouterAux.apply(scores, psum, step, router)`` returns ``scores``; in backward ``psum`` (this rank's
+    probability sums of the router's layer, ``[E]``) receives ``grad_scale * dp * coef * E * C / (N L)^2``,
+    ``C`` the whole batch's counts over every layer (``step.cache``), and the layer's share of the loss is
+    written to ``step.values`` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, scores, psum, step: MoEStep, router: RouterLoss):
+        ctx.save_for_backward(psum)
+        ctx.step, ctx.router = step, router
+        return scores.view_as(scores)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (psum,) = ctx.saved_tensors
+        step, r = ctx.step, ctx.router
+        if len(step.cache) != r.layers:
+            raise RuntimeError(f"the load-balancing loss needs the counts of all {r.layers} MoE layers at backward, "
+                               f"and {len(step.cache)} ran: a pipeline splits them (refused by check_router_loss)")
+        stats = torch.stack([step.cache[i] for i in range(r.layers)])  # [L, pieces, E + 1]
+        counts, tokens = stats[..., :-1].sum((0, 1)), stats[0, :, -1].sum()
+        per_p = step.pieces * r.coef * r.n * counts / (tokens * r.layers) ** 2
+        step.values[r.layer] = (per_p * psum.detach()).sum()
+        return grad, (step.grad_scale * per_p).to(psum.dtype), None, None
+
+
+def check_router_loss(config, model: nn.Module, policy) -> None:
+    """HF's load-balancing loss (the policy names MoE layers, the model adds the loss) under a pipeline: a
+    ConfigError with the rule and what works."""
+    coef = aux_coef(model)
+    if config.pp > 1 and coef and policy is not None and policy.experts:
+        raise ConfigError(f"pp={config.pp} with {type(model).__name__}'s load-balancing loss "
+                          f"(output_router_logits=True, router_aux_loss_coef={coef}): the loss multiplies every "
+                          "layer's probabilities by the counts of all layers, which a pipeline stage's backward "
+                          "runs before the later stages have counted: set pp=1 (dp and ep run it exactly), or "
+                          "config.output_router_logits=False to train on the cross-entropy alone")

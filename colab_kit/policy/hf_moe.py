@@ -1,0 +1,86 @@
+"""Policies for Hugging Face ``transformers`` mixture-of-experts causal LMs: Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3.
+
+They share Llama's frame (``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``, a rotary
+embedding every pipeline stage keeps); each MoE layer's ``mlp`` holds a router module (``gate``) and the
+experts as fused 3D tensors (``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), with a shared
+expert beside them in DeepSeek-V3 (and Qwen2-MoE). The policy names the MoE layers in ``experts`` (DeepSeek-V3's
+first ``first_k_dense_replace`` layers and Qwen3-MoE's ``mlp_only_layers`` are dense and left out); the expert
+step of ``ck.parallelize`` cuts each one's fused tensors over ep (``colab_kit.expert.hf``), and ``prepare``
+makes the routers count HF's load-balancing loss over the whole batch (``colab_kit.models.hf_moe``).
+
+Worked example, ``MixtralForCausalLM`` with 4 layers of 4 experts under ``ParallelConfig(dp=4, ep=2)``: rank 1
+(ep 1) holds experts 2-3 of every layer (``gate_up_proj [2, 2I, H]``); its tokens routed to experts 0-1 go to
+ep rank 0 by all-to-all and come back; attention, norms, routers and embeddings are whole on every rank,
+averaged over dp; the experts' gradients over the ranks holding the same experts (edp ``[1, 3]``).
+
+What runs: dp, ep, ZeRO 1-2, and pp where the load-balancing loss is off (DeepSeek-V3 has none;
+``output_router_logits=False``). Tensor and sequence parallelism are refused for every MoE model
+(``engine.core.unsupported``); DeepSeek-V3's multi-head latent attention has no tensor plan either.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from . import Attention, Policy
+
+__all__ = ["hf_moe_policy", "moe_layer_paths", "MOE_CLASSES"]
+
+MOE_CLASSES = {  # transformers' module:class -> the policy's name
+    "transformers.models.mixtral.modeling_mixtral:MixtralForCausalLM": "hf-mixtral",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeForCausalLM": "hf-qwen3-moe",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe:Qwen2MoeForCausalLM": "hf-qwen2-moe",
+    "transformers.models.olmoe.modeling_olmoe:OlmoeForCausalLM": "hf-olmoe",
+    "transformers.models.deepseek_v3.modeling_deepseek_v3:DeepseekV3ForCausalLM": "hf-deepseek-v3",
+}
+
+
+def moe_layer_paths(model: nn.Module, blocks: str = "model.layers") -> list[str]:
+    """Paths of the ``mlp`` of every decoder layer whose MLP is a mixture of experts: a router (``gate``) and
+    fused experts (``experts``) inside."""
+    out = []
+    layers: nn.Module = model.get_submodule(blocks)
+    for i, layer in enumerate(layers.children()):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and hasattr(mlp, "gate") and hasattr(mlp, "experts"):
+            out.append(f"{blocks}.{i}.mlp")
+    return out
+
+
+def _n_experts(model) -> tuple[int, int]:
+    """``(experts per layer, top_k)`` as the causal LM's load-balancing loss reads them."""
+    cfg = model.config
+    n = getattr(model, "num_experts", None) or getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    return int(n), int(getattr(model, "num_experts_per_tok", None) or cfg.num_experts_per_tok)
+
+
+def _prepare(model: nn.Module) -> list[str]:
+    from ..models.hf_moe import router_loss
+
+    n, k = _n_experts(model)
+    router_loss(model, moe_layer_paths(model), n, k)
+    return []
+
+
+def hf_moe_policy(model) -> Policy:
+    """The policy of a ``transformers`` MoE causal LM of ``MOE_CLASSES`` (see the module docstring)."""
+    from .hf import _llama_context
+
+    cfg, L = model.config, "model.layers"
+    key = f"{type(model).__module__}:{type(model).__qualname__}"
+    name = next((v for k, v in MOE_CLASSES.items() if k == key), "hf-moe")
+    layers = {"model.embed_tokens": "vocab", "model.rotary_emb": "rotary", f"{L}.*.input_layernorm": "rmsnorm",
+              f"{L}.*.post_attention_layernorm": "rmsnorm", "model.norm": "rmsnorm", "lm_head": "head"}
+    attention = {}
+    if name != "hf-deepseek-v3":  # multi-head latent attention: no tensor plan (tp is refused for MoE anyway)
+        layers.update({f"{L}.*.self_attn.{p}_proj": r for p, r in
+                       (("q", "column"), ("k", "column"), ("v", "column"), ("o", "row"))})
+        attention = {f"{L}.*.self_attn": Attention(n_heads=cfg.num_attention_heads,
+                                                   n_kv_heads=cfg.num_key_value_heads, hf=True)}
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    return Policy(
+        name=name, blocks=L, layers=layers, attention=attention,
+        tied=(("model.embed_tokens", "lm_head"),) if tied else (),
+        output=lambda out: out.logits, embed=lambda m, ids: m.model.embed_tokens(ids),
+        finish=lambda m, x: m.lm_head(m.model.norm(x)), context=_llama_context,
+        tail=("model.norm", "lm_head"), everywhere=("model.rotary_emb",), loss="tokens",
+        experts=tuple(moe_layer_paths(model)), prepare=_prepare)
