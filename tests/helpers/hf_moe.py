@@ -1,0 +1,60 @@
+"""The Hugging Face mixture-of-experts models the HF MoE tests train (4 experts each, hidden 32, vocab 64), and
+their one-process reference: plain torch on the HF model, HF's own load-balancing loss."""
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+from colab_kit.engine.loss import lm_loss
+from tests.helpers.moe import BATCH, OPTIMIZERS, STEPS, data, microbatch_rows
+
+__all__ = ["MODELS", "build", "reference"]
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+              num_experts_per_tok=2, max_position_embeddings=16, eos_token_id=None, pad_token_id=None,
+              bos_token_id=None, tie_word_embeddings=False)
+LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.1)
+MODELS = {  # name: (model class, config), 4 experts each
+    "mixtral": (tf.MixtralForCausalLM, lambda: tf.MixtralConfig(**COMMON, **LOSS, num_hidden_layers=2,
+                                                                 num_local_experts=4)),
+    # a dense first layer (mlp_only_layers), top-k weights not renormalised
+    "qwen3": (tf.Qwen3MoeForCausalLM, lambda: tf.Qwen3MoeConfig(**COMMON, **LOSS, num_hidden_layers=3, num_experts=4,
+                                                                 moe_intermediate_size=32, mlp_only_layers=[0])),
+    # a gated shared expert beside the routed ones
+    "qwen2": (tf.Qwen2MoeForCausalLM, lambda: tf.Qwen2MoeConfig(**COMMON, **LOSS, num_hidden_layers=2, num_experts=4,
+                                                                 moe_intermediate_size=32,
+                                                                 shared_expert_intermediate_size=32)),
+    "olmoe": (tf.OlmoeForCausalLM, lambda: tf.OlmoeConfig(**COMMON, **LOSS, num_hidden_layers=2, num_experts=4)),
+    # a dense first layer, shared experts, group-limited sigmoid routing, MLA attention; no load-balancing loss
+    "deepseek": (tf.DeepseekV3ForCausalLM, lambda: tf.DeepseekV3Config(
+        **COMMON, num_hidden_layers=4, n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1,
+        n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
+        v_head_dim=8)),
+}
+
+def build(name: str) -> torch.nn.Module:
+    """Model ``name`` with the weights of seed 0, as every rank and the reference build it."""
+    cls, cfg = MODELS[name]
+    torch.manual_seed(0)
+    return cls(cfg())
+
+
+def reference(name: str, opt: str, microbatches: int = 1, dp: int = 1, aux: bool = True):
+    """Plain torch in one process: per microbatch ``(CE + coef * HF's aux_loss) / m`` backward, then the
+    step; returns the losses and the trained state dict. ``aux=False``: without the aux loss."""
+    model = build(name)
+    optimizer = OPTIMIZERS[opt](model.parameters())
+    coef = getattr(model, "router_aux_loss_coef", 0.0) if aux else 0.0
+    losses, d = [], data()
+    for step in range(STEPS):
+        x, y = d.batch(step, BATCH)
+        optimizer.zero_grad()
+        total = 0.0
+        for rows in microbatch_rows(BATCH, microbatches, dp):
+            out = model(x[rows], output_router_logits=bool(coef))
+            loss = lm_loss(out.logits, y[rows]) + (coef * out.aux_loss if coef else 0.0)
+            (loss / microbatches).backward()
+            total += loss.item() / microbatches
+        optimizer.step()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,65 @@
+"""The Hugging Face MoE policies in one process, no ranks: they find the MoE layers (and leave the dense ones
+out), a prepared model still computes what HF computes outside the engine, and bad input is a ConfigError
+that states the rule and a value that works, raised by ``ck.boost`` before any process group exists."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import colab_kit as ck
+from colab_kit.expert import expert_modules
+from colab_kit.models.hf_moe import RouterLoss
+from colab_kit.policy import policy_for
+from tests.helpers.hf_moe import MODELS, build
+
+SGD = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+
+
+@pytest.mark.parametrize("name, layers", [("mixtral", [0, 1]), ("qwen3", [1, 2]), ("qwen2", [0, 1]),
+                                          ("olmoe", [0, 1]), ("deepseek", [1, 2, 3])])
+def test_the_policy_finds_the_experts(name, layers):
+    model = build(name)
+    policy = policy_for(model)
+    assert policy is not None and policy.experts == tuple(f"model.layers.{i}.mlp" for i in layers)
+    found = expert_modules(model, policy)
+    assert [e.gate_up_proj.shape[0] for _, _, e in found] == [4] * len(layers)
+    policy.check(model)
+
+
+def test_a_prepared_model_computes_what_hf_computes():
+    plain, prepared = build("mixtral"), build("mixtral")
+    policy_for(prepared).prepare(prepared)
+    assert sum(isinstance(m, RouterLoss) for m in prepared.modules()) == 2
+    x = torch.randint(0, 64, (2, 16))
+    a, b = plain(x, output_router_logits=True), prepared(x, output_router_logits=True)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.aux_loss, b.aux_loss)  # no MoEStep: HF's own
+
+
+@pytest.mark.parametrize("name, kw, rule", [
+    ("mixtral", dict(dp=6, ep=3), "must divide the number of experts: try ep=1 or 2"),
+    ("mixtral", dict(dp=2, pp=2), "set pp=1 (dp and ep run it exactly), or config.output_router_logits=False"),
+    ("deepseek", dict(tp=2), "mixture-of-experts layers with tensor parallelism (tp=2"),
+    ("qwen3", dict(sp=2), "set sp=1 (dp=2 runs the same ranks)"),
+])
+def test_bad_input_is_refused_before_any_process(name, kw, rule):
+    with pytest.raises(ck.ConfigError, match=rule.replace("(", r"\(").replace(")", r"\)")):
+        ck.boost(build(name), SGD, ck.ParallelConfig(**kw))
+
+
+def test_pp_runs_when_the_loss_is_off():
+    from colab_kit.engine.core import check_experts
+
+    model = build("mixtral")
+    model.config.output_router_logits = False
+    check_experts(ck.ParallelConfig(dp=2, pp=2), model)  # no ConfigError: nothing couples the stages
+
+
+def test_ep_on_a_dense_model_is_refused():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ck.ConfigError, match="has none its policy can find"):
+        ck.boost(llama, SGD, ck.ParallelConfig(dp=2, ep=2))
+    assert set(MODELS) == {"mixtral", "qwen3", "qwen2", "olmoe", "deepseek"}
