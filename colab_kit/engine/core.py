@@ -44,6 +44,7 @@ from ..mesh import ProcessMesh
 from ..expert.apply import expert_count, expert_modules
 from ..models.experts import Experts
 from ..models.hf_moe import check_router_loss
+from ..policy.hf_moe import check_hf_moe
 from ..models.moe import has_experts
 from ..policy import policy_for
 from ..zero.optimizer import (OptimizerSpec, attach_scheduler, check_elementwise, check_scheduler, local_names,
@@ -124,6 +125,7 @@ def check_experts(config: ParallelConfig, model: nn.Module) -> None:
         # the number of experts: try ep=2 (it must also divide dp x sp = 4)
     """
     check_router_loss(config, model, policy_for(model))
+    check_hf_moe(config, model)
     if config.ep == 1:
         return
     counts = sorted({m.n for m in model.modules() if isinstance(m, Experts)}

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from ..config import ConfigError
 from . import Attention, Policy
 
-__all__ = ["hf_moe_policy", "moe_layer_paths", "MOE_CLASSES"]
+__all__ = ["hf_moe_policy", "moe_layer_paths", "check_hf_moe", "MOE_CLASSES"]
 
 MOE_CLASSES = {  # transformers' module:class -> the policy's name
     "transformers.models.mixtral.modeling_mixtral:MixtralForCausalLM": "hf-mixtral",
@@ -70,8 +71,9 @@ def hf_moe_policy(model) -> Policy:
     name = next((v for k, v in MOE_CLASSES.items() if k == key), "hf-moe")
     layers = {"model.embed_tokens": "vocab", "model.rotary_emb": "rotary", f"{L}.*.input_layernorm": "rmsnorm",
               f"{L}.*.post_attention_layernorm": "rmsnorm", "model.norm": "rmsnorm", "lm_head": "head"}
-    attention = {}
-    if name != "hf-deepseek-v3":  # multi-head latent attention: no tensor plan (tp is refused for MoE anyway)
+    attention = {f"{L}.*.self_attn": Attention(n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_attention_heads,
+                                               hf=True)}
+    if not _latent(model):  # multi-head latent attention: no tensor plan (``check_hf_moe``)
         layers.update({f"{L}.*.self_attn.{p}_proj": r for p, r in
                        (("q", "column"), ("k", "column"), ("v", "column"), ("o", "row"))})
         attention = {f"{L}.*.self_attn": Attention(n_heads=cfg.num_attention_heads,
@@ -84,3 +86,32 @@ def hf_moe_policy(model) -> Policy:
         finish=lambda m, x: m.lm_head(m.model.norm(x)), context=_llama_context,
         tail=("model.norm", "lm_head"), everywhere=("model.rotary_emb",), loss="tokens",
         experts=tuple(moe_layer_paths(model)), prepare=_prepare)
+
+
+def _latent(model) -> bool:
+    """Whether the attention is DeepSeek's multi-head latent attention (a low-rank latent of keys and values)."""
+    return getattr(model.config, "kv_lora_rank", None) is not None
+
+
+def _whole_qk_norm(model) -> bool:
+    """Whether the attention normalises q (and k) over all heads' features at once (OLMoE's ``q_norm``), rather
+    than head by head (Qwen3's): a split of the heads cannot compute those statistics locally."""
+    attn = model.get_submodule("model.layers.0.self_attn")
+    norm = getattr(attn, "q_norm", None)
+    head_dim = getattr(attn, "head_dim", None)
+    return norm is not None and head_dim is not None and norm.weight.numel() != head_dim
+
+
+def check_hf_moe(config, model: nn.Module) -> None:
+    """What a ``MOE_CLASSES`` model cannot run under ``config`` (tensor parallelism splits the attention's heads):
+    a ConfigError with the rule and what works; nothing for any other model."""
+    key = f"{type(model).__module__}:{type(model).__qualname__}"
+    if key not in MOE_CLASSES or config.tp == 1:
+        return
+    why = ("its multi-head latent attention (queries and keys-values through low-rank latents shared by every head, "
+           "q_a_proj / kv_a_proj_with_mqa) has no tensor plan in this version" if _latent(model) else
+           "it normalises q and k over all heads' features at once (q_norm / k_norm over num_heads x head_dim), "
+           "which a split of the heads cannot compute locally" if _whole_qk_norm(model) else None)
+    if why is not None:
+        raise ConfigError(f"tp={config.tp} with {type(model).__name__}: {why}: set tp=1 (dp={config.dp * config.tp} "
+                          "runs the same ranks; ep splits the experts, sp the sequence)")

@@ -1,7 +1,7 @@
 """Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3) under the engine:
 4 steps with AdamW and with SGD(momentum=0.9) equal one process within 1e-5 (fp32) under dp=2, dp=2 ep=2,
-dp=4 ep=4, dp=4 ep=2, ep x ZeRO 1/2 (with microbatches) and ep x pp (1F1B, DeepSeek-V3: no load-balancing
-loss). The reference is plain torch on the HF model: ``lm_loss(out.logits, y) + router_aux_loss_coef *
+dp=4 ep=4, dp=4 ep=2, ep x ZeRO 1/2 (with microbatches), ep x pp (1F1B, DeepSeek-V3: no load-balancing
+loss), 1D tp (alone and with ep) and sp (ring, Ulysses; ep folded over dp x sp). The reference is plain torch on the HF model: ``lm_loss(out.logits, y) + router_aux_loss_coef *
 out.aux_loss`` of ``model(x, output_router_logits=True)``, HF's own aux loss. Each rank holds E/ep experts;
 ``engine.save`` at ep=2 loads into dp=2 (ep=1) and the dense state dict at ep=2 equals the trained reference.
 Bad input is a ConfigError before any process starts. One spawn per world size, the configs looped inside."""
@@ -27,10 +27,15 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs)
     "qwen2 dp=2 ep=2": (2, "qwen2", "adamw", dict(dp=2, ep=2)),
     "olmoe dp=2 ep=2": (2, "olmoe", "sgd", dict(dp=2, ep=2)),
     "deepseek dp=2 ep=2": (2, "deepseek", "sgd", dict(dp=2, ep=2)),
+    "mixtral tp=2": (2, "mixtral", "sgd", dict(tp=2)),  # 1D: every tp rank routes the same tokens
+    "qwen3 sp=2 ring": (2, "qwen3", "adamw", dict(sp=2)),
+    "deepseek sp=2 ulysses": (2, "deepseek", "sgd", dict(sp=2, sp_mode="ulysses")),
     "mixtral dp=4 ep=4": (4, "mixtral", "sgd", dict(dp=4, ep=4)),
     "olmoe dp=4 ep=2 zero=1": (4, "olmoe", "adamw", dict(dp=4, ep=2, zero=1)),
     "qwen3 dp=4 ep=4 zero=2 mb=2": (4, "qwen3", "sgd", dict(dp=4, ep=4, zero=2, microbatches=2)),
     "deepseek dp=2 ep=2 pp=2": (4, "deepseek", "sgd", dict(dp=2, ep=2, **PP)),
+    "qwen2 dp=2 ep=2 tp=2": (4, "qwen2", "sgd", dict(dp=2, ep=2, tp=2)),
+    "mixtral dp=2 sp=2 ep=4": (4, "mixtral", "adamw", dict(dp=2, sp=2, ep=4)),
 }
 SAVED = "mixtral dp=2 ep=2 sgd"  # saved at ep=2, loaded at dp=2; its dense weights against the reference's
 
@@ -71,14 +76,14 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_hf_moe_trains_like_one_process(runs, name):
     world, model, opt, kw = CONFIGS[name]
-    want, _ = reference(model, opt, kw.get("microbatches", 1), dp=kw["dp"])
+    want, _ = reference(model, opt, kw.get("microbatches", 1), dp=kw.get("dp", 1))
     for rank in range(world):
         diff = max_relative_difference(runs[name, rank]["losses"], want)
         assert diff <= RTOL, (name, rank, diff, runs[name, rank]["losses"], want)
     untrained = [want[0]] * len(want)  # the test can fail: a run that never stepped is far off
     assert max_relative_difference(runs[name, 0]["losses"], untrained) > 1e-3
     if model != "deepseek":  # and a run that dropped the load-balancing loss
-        no_aux, _ = reference(model, opt, kw.get("microbatches", 1), dp=kw["dp"], aux=False)
+        no_aux, _ = reference(model, opt, kw.get("microbatches", 1), dp=kw.get("dp", 1), aux=False)
         assert max_relative_difference(runs[name, 0]["losses"], no_aux) > 1e-3
 
 

@@ -38,8 +38,11 @@ def test_a_prepared_model_computes_what_hf_computes():
 @pytest.mark.parametrize("name, kw, rule", [
     ("mixtral", dict(dp=6, ep=3), "must divide the number of experts: try ep=1 or 2"),
     ("mixtral", dict(dp=2, pp=2), "set pp=1 (dp and ep run it exactly), or config.output_router_logits=False"),
-    ("deepseek", dict(tp=2), "mixture-of-experts layers with tensor parallelism (tp=2"),
-    ("qwen3", dict(sp=2), "set sp=1 (dp=2 runs the same ranks)"),
+    ("deepseek", dict(tp=2), "multi-head latent attention (queries and keys-values through low-rank latents "
+                             "shared by every head, q_a_proj / kv_a_proj_with_mqa) has no tensor plan in this "
+                             "version: set tp=1 (dp=2 runs the same ranks"),
+    ("olmoe", dict(dp=2, tp=2), "normalises q and k over all heads' features at once"),
+    ("qwen3", dict(tp=4, tp_mode="2d"), "mixture-of-experts layers with tp_mode='2d'"),
 ])
 def test_bad_input_is_refused_before_any_process(name, kw, rule):
     with pytest.raises(ck.ConfigError, match=rule.replace("(", r"\(").replace(")", r"\)")):
