@@ -9,15 +9,15 @@ of all ``L`` MoE layers over the ``N`` tokens of the batch::
     P_e     = sum of p_te                       over every layer and token
     aux     = E * sum_e (C_e / (N L)) * (P_e / (N L))
 
-Unlike the built-in MoE (a loss per layer), the counts of all layers multiply each layer's probabilities.
-Inside the engine a rank sees its rows only, so ``router_loss`` makes each router a subclass that, under
-the engine's ``MoEStep`` (``moe_context``), gathers its layer's counts and token count over dp (once per
-layer and microbatch, cached for a recomputed forward) and puts ``RouterAux`` on the router's top-k weights.
-The counts are not differentiable and the loss is linear in ``P`` given them, so the gradient a rank's own
-``P^r`` needs is ``coef * E * C / (N L)^2``, which ``RouterAux`` injects in backward: by then every layer's
-forward has run, so ``C`` (summed over the layers' gathered counts) is known. Each rank reports
-``dp * coef * E * (C . P^r_l) / (N L)^2`` per layer (``MoEStep.values``); the engine's mean over ranks is the
-one process's ``coef * aux``.
+Unlike the built-in MoE (a loss per layer), the counts of all layers multiply each layer's probabilities. Inside
+the engine a rank sees its rows only, so ``router_loss`` makes each router a subclass that, under the engine's
+``MoEStep`` (``moe_context``), gathers its layer's counts and token count over the ranks holding the
+microbatch's tokens (dp x sp; once per layer and microbatch, cached for a recomputed forward) and puts
+``RouterAux`` on the router's top-k weights. The counts are not differentiable and the loss is linear in ``P``
+given them, so the gradient a rank's own ``P^r`` needs is ``coef * E * C / (N L)^2``, which ``RouterAux``
+injects in backward: by then every layer's forward has run, so ``C`` (summed over the layers' gathered counts)
+is known. Each rank reports ``pieces * coef * E * (C . P^r_l) / (N L)^2`` per layer (``MoEStep.values``); the
+engine's mean over ranks is the one process's ``coef * aux``.
 
 Worked example, dp=2, 2 MoE layers, 4 experts, top-2, 8 tokens per rank: rank 0's layer 0 counts
 ``[5 3 4 4]`` of 8 tokens; the gather gives both ranks' ``[[5 3 4 4 | 8], [2 6 4 4 | 8]]``; after the forward
@@ -106,7 +106,7 @@ def _counted_forward(self, hidden_states):
 
 class RouterAux(torch.autograd.Function):
     """``RouterAux.apply(scores, psum, step, router)`` returns ``scores``; in backward ``psum`` (this rank's
-    probability sums of the router's layer, ``[E]``) receives ``grad_scale * dp * coef * E * C / (N L)^2``,
+    probability sums of the router's layer, ``[E]``) receives ``grad_scale * pieces * coef * E * C / (N L)^2``,
     ``C`` the whole batch's counts over every layer (``step.cache``), and the layer's share of the loss is
     written to ``step.values`` (see the module docstring)."""
 

@@ -303,7 +303,8 @@ def policy_for(model: nn.Module, policy: Policy | None = None) -> Policy | None:
 def missing_policy_message(model: nn.Module, needs: str) -> str:
     name = type(model).__name__
     return (f"{needs} needs a sharding policy for {name}, and colab_kit has none built in (it has GPT, BERT, "
-            f"ViT, and transformers' GPT2LMHeadModel and LlamaForCausalLM): pass ck.boost(model, opt, config, "
+            f"ViT, and transformers' GPT2LMHeadModel, LlamaForCausalLM and the MoE causal LMs of "
+            f"colab_kit.policy.hf_moe): pass ck.boost(model, opt, config, "
             f"policy=Policy(blocks='<path of the nn.ModuleList of blocks>', layers={{'<path>': '<role>', "
             f"'<blocks>.*.<attention q/k/v>': 'column', '<blocks>.*.<attention out>': 'row', ...}}, "
             f"attention={{'<blocks>.*.<attention>': Attention(heads=('<head-count attribute>',))}}, "

@@ -13,9 +13,11 @@ Worked example, ``MixtralForCausalLM`` with 4 layers of 4 experts under ``Parall
 ep rank 0 by all-to-all and come back; attention, norms, routers and embeddings are whole on every rank,
 averaged over dp; the experts' gradients over the ranks holding the same experts (edp ``[1, 3]``).
 
-What runs: dp, ep, ZeRO 1-2, and pp where the load-balancing loss is off (DeepSeek-V3 has none;
-``output_router_logits=False``). Tensor and sequence parallelism are refused for every MoE model
-(``engine.core.unsupported``); DeepSeek-V3's multi-head latent attention has no tensor plan either.
+What runs (``tests/ranks/test_hf_moe.py``): dp, ep, ZeRO 1-3 (ep with 1-2), recomputation, 1D tp (every tp
+rank routes the same tokens: the MoE layers run whole on each), sp ring and Ulysses, and pp where the
+load-balancing loss is off (DeepSeek-V3 has none; ``output_router_logits=False``). Refused under tp with the
+rule (``check_hf_moe``): DeepSeek-V3's multi-head latent attention (no tensor plan) and OLMoE (q/k norms over
+all heads); 2D/2.5D/3D tp and split_gather for every MoE model (``engine.core.unsupported``).
 """
 from __future__ import annotations
 

@@ -27,6 +27,8 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs)
     "qwen2 dp=2 ep=2": (2, "qwen2", "adamw", dict(dp=2, ep=2)),
     "olmoe dp=2 ep=2": (2, "olmoe", "sgd", dict(dp=2, ep=2)),
     "deepseek dp=2 ep=2": (2, "deepseek", "sgd", dict(dp=2, ep=2)),
+    "mixtral dp=2 zero=3": (2, "mixtral", "adamw", dict(dp=2, zero=3)),
+    "olmoe dp=2 ep=2 recompute": (2, "olmoe", "sgd", dict(dp=2, ep=2, recompute="full")),
     "mixtral tp=2": (2, "mixtral", "sgd", dict(tp=2)),  # 1D: every tp rank routes the same tokens
     "qwen3 sp=2 ring": (2, "qwen3", "adamw", dict(sp=2)),
     "deepseek sp=2 ulysses": (2, "deepseek", "sgd", dict(sp=2, sp_mode="ulysses")),
