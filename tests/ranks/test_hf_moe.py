@@ -1,10 +1,12 @@
-"""Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3) under the engine:
-4 steps with AdamW and with SGD(momentum=0.9) equal one process within 1e-5 (fp32) under dp=2, dp=2 ep=2,
-dp=4 ep=4, dp=4 ep=2, ep x ZeRO 1/2 (with microbatches), ep x pp (1F1B, DeepSeek-V3: no load-balancing
-loss), 1D tp (alone and with ep) and sp (ring, Ulysses; ep folded over dp x sp). The reference is plain torch on the HF model: ``lm_loss(out.logits, y) + router_aux_loss_coef *
-out.aux_loss`` of ``model(x, output_router_logits=True)``, HF's own aux loss. Each rank holds E/ep experts;
-``engine.save`` at ep=2 loads into dp=2 (ep=1) and the dense state dict at ep=2 equals the trained reference.
-Bad input is a ConfigError before any process starts. One spawn per world size, the configs looped inside."""
+"""Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3) under the engine: 4 steps
+with AdamW and with SGD(momentum=0.9) equal one process within 1e-5 (fp32) under dp=2, dp=2 ep=2, dp=4 ep=4, dp=4
+ep=2, ep x ZeRO 1/2 (with microbatches), ep x pp (1F1B, DeepSeek-V3: no load-balancing loss), 1D tp (alone and with
+ep) and sp (ring, Ulysses; ep folded over dp x sp). The reference is plain torch on the HF model:
+``lm_loss(out.logits, y) + router_aux_loss_coef * out.aux_loss`` of ``model(x, output_router_logits=True)``, HF's
+own aux loss. Each rank holds E/ep experts; ``engine.save`` at ep=2 loads into dp=2 (ep=1); the dense state dict and
+``save_pretrained`` at ep=2 equal the trained reference, and ``engine.generate`` at ep=2 equals the saved model
+generating in one process. Bad input is a ConfigError before any process starts. One spawn per world size, the
+configs looped inside."""
 from __future__ import annotations
 
 import pytest
@@ -40,6 +42,7 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs)
     "mixtral dp=2 sp=2 ep=4": (4, "mixtral", "adamw", dict(dp=2, sp=2, ep=4)),
 }
 SAVED = "mixtral dp=2 ep=2 sgd"  # saved at ep=2, loaded at dp=2; its dense weights against the reference's
+PROMPT = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
 
 
 def _run(names: list[str], path: str) -> dict:
@@ -53,6 +56,8 @@ def _run(names: list[str], path: str) -> dict:
         out[name] = {"losses": losses, "experts": [(m.first, tuple(m.gate_up_proj.shape)) for m in layers]}
         if name == SAVED:
             out[name]["dense"] = dense_state_dict(engine)
+            out[name]["generated"] = engine.generate(PROMPT, 6)
+            ck.save_pretrained(engine, path + "-hf")
             engine.save(path)
             other = ck.boost(build(model), OPTIMIZERS[opt], ck.ParallelConfig(dp=2))
             other.load(path)
@@ -64,9 +69,14 @@ def _run(names: list[str], path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def saved(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hf_moe") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def runs(saved):
     got = {}
-    path = str(tmp_path_factory.mktemp("hf_moe") / "ckpt")
+    path = saved
     for world in sorted({c[0] for c in CONFIGS.values()}):
         names = [n for n, c in CONFIGS.items() if c[0] == world]
         for rank, res in enumerate(ck.launch(_run, world, names, path, timeout=600)):
@@ -109,3 +119,15 @@ def test_checkpoint_round_trip(runs):
         assert torch.allclose(v, trained[k], rtol=1e-4, atol=1e-6), k
         assert torch.equal(v, r["loaded"][k]), k
     assert abs(r["next"][0] - r["next"][1]) <= 1e-5 * abs(r["next"][1]), r["next"]
+
+
+def test_save_pretrained_and_generate_at_ep(runs, saved):
+    """``ck.save_pretrained`` at ep=2 writes what ``from_pretrained`` reads as the trained model, and
+    ``engine.generate`` at ep=2 continues a prompt token for token as that model does in one process."""
+    _, model, opt, _ = CONFIGS[SAVED]
+    _, trained = reference(model, opt)
+    loaded = type(build(model)).from_pretrained(saved + "-hf").eval()
+    for k, v in loaded.state_dict().items():
+        assert torch.allclose(v, trained[k], rtol=1e-4, atol=1e-6), k
+    want = loaded.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert torch.equal(runs[SAVED, 0]["generated"], want) and torch.equal(runs[SAVED, 1]["generated"], want)
