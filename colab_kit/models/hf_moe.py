@@ -131,9 +131,14 @@ class RouterAux(torch.autograd.Function):
 
 
 def check_router_loss(config, model: nn.Module, policy) -> None:
-    """HF's load-balancing loss (the policy names MoE layers, the model adds the loss) under a pipeline: a
-    ConfigError with the rule and what works."""
+    """HF's load-balancing loss (the model adds it): a ConfigError with the rule and what works where the policy
+    names no MoE layer to count it on (the engine would train on the cross-entropy alone), or under a pipeline."""
     coef = aux_coef(model)
+    if coef and (policy is None or not policy.experts):
+        raise ConfigError(f"{type(model).__name__} adds a load-balancing loss (output_router_logits=True, "
+                          f"router_aux_loss_coef={coef}) that colab_kit does not count for this model (its policy "
+                          "names no MoE layers; built in: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3): set "
+                          "config.output_router_logits=False to train on the cross-entropy alone")
     if config.pp > 1 and coef and policy is not None and policy.experts:
         raise ConfigError(f"pp={config.pp} with {type(model).__name__}'s load-balancing loss "
                           f"(output_router_logits=True, router_aux_loss_coef={coef}): the loss multiplies every "

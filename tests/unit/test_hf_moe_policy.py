@@ -66,3 +66,16 @@ def test_ep_on_a_dense_model_is_refused():
     with pytest.raises(ck.ConfigError, match="has none its policy can find"):
         ck.boost(llama, SGD, ck.ParallelConfig(dp=2, ep=2))
     assert set(MODELS) == {"mixtral", "qwen3", "qwen2", "olmoe", "deepseek"}
+
+
+def test_a_load_balancing_loss_the_engine_cannot_count_is_refused():
+    """GPT-OSS has no policy here (its experts carry biases and an interleaved, clamped gate): its aux loss would
+    be dropped silently, so it is refused; with the loss off it trains on the cross-entropy under dp."""
+    import transformers as tf
+
+    cfg = tf.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                          head_dim=8, output_router_logits=True, eos_token_id=None, pad_token_id=None,
+                          bos_token_id=None)
+    with pytest.raises(ck.ConfigError, match="set config.output_router_logits=False to train on the cross-entropy"):
+        ck.boost(tf.GptOssForCausalLM(cfg), SGD, ck.ParallelConfig(dp=2))
