@@ -1,6 +1,7 @@
-"""Expert parallelism for ``transformers``' fused experts (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, ...).
+"""Expert parallelism for ``transformers``' fused experts (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, ...).
 
-A Hugging Face MoE layer keeps its experts as two 3D tensors and calls them with the router's choice::
+A Hugging Face MoE layer keeps its experts as 3D tensors (GPT-OSS: transposed, with biases, gate and up
+interleaved, its own clamped activation: ``LAYOUTS``) and calls them with the router's choice::
 
     gate_up_proj [E, 2I, H]   down_proj [E, H, I]
     experts(hidden [N, H], top_k_index [N, k], top_k_weights [N, k]) -> [N, H]
@@ -28,6 +29,8 @@ expert-data-parallel group (``edp``) sums them (``colab_kit.zero.split``).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -38,19 +41,34 @@ from ..placement import declare
 from ..sharded_init import dense_value
 from .layer import AllToAll, expert_major
 
-__all__ = ["HFExpertParallel", "is_fused_experts", "fused_experts", "hf_expert_compute"]
+__all__ = ["HFExpertParallel", "is_fused_experts", "fused_layout", "fused_experts", "hf_expert_compute"]
 
-WEIGHTS = ("gate_up_proj", "down_proj")
+LAYOUTS = {"halves": ("gate_up_proj", "down_proj"),
+           "interleaved": ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+"""The fused forms: ``halves`` (Mixtral, Qwen, OLMoE, DeepSeek-V3: ``gate_up_proj [E, 2I, H]`` as ``x W^T``, gate
+then up, ``act_fn(gate) * up``); ``interleaved`` (GPT-OSS: ``gate_up_proj [E, H, 2I]`` as ``x W + b``, gate and up
+interleaved, the module's own ``_apply_gate``, ``down_proj [E, I, H]`` with a bias)."""
+
+
+def fused_layout(module: nn.Module) -> str | None:
+    """Which of ``LAYOUTS`` ``module`` holds (experts as dim 0 of each tensor, called as ``(hidden, top_k_index,
+    top_k_weights)``), or None."""
+    ps = module._parameters
+    gu, down = ps.get("gate_up_proj"), ps.get("down_proj")
+    if gu is None or down is None or gu.dim() != 3 or down.dim() != 3 or gu.shape[0] != down.shape[0]:
+        return None
+    if set(ps) == set(LAYOUTS["halves"]) and hasattr(module, "act_fn") and gu.shape[1:] == (
+            2 * down.shape[2], down.shape[1]):
+        return "halves"
+    if set(ps) == set(LAYOUTS["interleaved"]) and hasattr(module, "_apply_gate") and gu.shape[1:] == (
+            down.shape[2], 2 * down.shape[1]):
+        return "interleaved"
+    return None
 
 
 def is_fused_experts(module: nn.Module) -> bool:
-    """Whether ``module`` holds ``transformers``' fused experts: ``gate_up_proj [E, 2I, H]`` and ``down_proj
-    [E, H, I]`` parameters without biases and an ``act_fn``, called as ``(hidden, top_k_index, top_k_weights)``."""
-    ps = module._parameters
-    gu, down = ps.get("gate_up_proj"), ps.get("down_proj")
-    return (gu is not None and down is not None and gu.dim() == 3 and down.dim() == 3 and hasattr(module, "act_fn")
-            and gu.shape[0] == down.shape[0] and gu.shape[1] == 2 * down.shape[2] and gu.shape[2] == down.shape[1]
-            and not any(k.endswith("bias") for k in ps))
+    """Whether ``module`` holds ``transformers``' fused experts in one of ``LAYOUTS``."""
+    return fused_layout(module) is not None
 
 
 def fused_experts(layer: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -59,15 +77,31 @@ def fused_experts(layer: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
             if is_fused_experts(child)]
 
 
-def hf_expert_compute(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor,
+def hf_expert_compute(rows: torch.Tensor, counts: list[int], ws: Sequence[torch.Tensor], layout: str,
                       act) -> torch.Tensor:
-    """Expert ``e`` (HF's math) on its run of ``counts[e]`` rows of ``rows`` (expert-major): ``[M, H]``. An
-    expert with no row runs on zero rows, so its slice of the weights still joins the graph."""
+    """Expert ``e`` (HF's math in ``layout``, weights ``ws`` in ``LAYOUTS`` order) on its run of ``counts[e]``
+    rows of ``rows`` (expert-major): ``[M, H]``. An expert with no row runs on zero rows, so its slice of the
+    weights still joins the graph."""
     outs = []
     for e, part in enumerate(rows.split(counts)):
-        gate, up = F.linear(part, gate_up[e]).chunk(2, dim=-1)
-        outs.append(F.linear(act(gate) * up, down[e]))
+        if layout == "halves":
+            gate, up = F.linear(part, ws[0][e]).chunk(2, dim=-1)
+            outs.append(F.linear(act(gate) * up, ws[1][e]))
+        else:
+            outs.append(act(part @ ws[0][e] + ws[1][e]) @ ws[2][e] + ws[3][e])
     return torch.cat(outs) if outs else rows[:0]
+
+
+class _OwnGate:
+    """An interleaved experts module's own activation (GPT-OSS's clamped SwiGLU, ``_apply_gate``), called on a
+    copy of its plain settings (``alpha``, ``limit``): no reference to the dense module and its tensors."""
+
+    def __init__(self, experts: nn.Module):
+        self.__dict__.update({k: v for k, v in vars(experts).items() if isinstance(v, (bool, int, float, str))})
+        self.fn = getattr(type(experts), "_apply_gate")  # noqa: B009  # the class's function, called on this copy
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self, x)
 
 
 class HFExpertParallel(nn.Module):
@@ -78,11 +112,12 @@ class HFExpertParallel(nn.Module):
         super().__init__()
         ep, r = mesh.size(axis), mesh.rank(axis)
         self.mesh, self.axis = mesh, axis
+        self.layout = fused_layout(experts) or "halves"
         self.n = int(experts.get_parameter("gate_up_proj").shape[0])
         self.local = self.n // ep
         self.first = r * self.local
-        self.act_fn = experts.act_fn
-        for name in WEIGHTS:
+        self.act = experts.act_fn if self.layout == "halves" else _OwnGate(experts)
+        for name in LAYOUTS[self.layout]:
             dense = dense_value(getattr(experts, name))  # a meta tensor without a recipe stays meta
             with torch.no_grad():
                 mine = dense[self.first:self.first + self.local].clone()
@@ -103,8 +138,8 @@ class HFExpertParallel(nn.Module):
         arrived = AllToAll.apply(rows, send, recv, self.mesh, self.axis, "expert dispatch")
         mine = expert_major(got)
         local = got.sum(0).tolist()
-        out = hf_expert_compute(arrived[mine], local, self.get_parameter("gate_up_proj"),
-                                self.get_parameter("down_proj"), self.act_fn)
+        ws = [self.get_parameter(name) for name in LAYOUTS[self.layout]]
+        out = hf_expert_compute(arrived[mine], local, ws, self.layout, self.act)
         back = AllToAll.apply(out[torch.argsort(mine)], recv, send, self.mesh, self.axis, "expert combine")
         self.last = {"send": send, "recv": recv, "local": local}
         return combine(back, order, top_k_weights.to(back.dtype)).to(hidden_states.dtype)

@@ -61,8 +61,10 @@ def aux_coef(model: nn.Module) -> float:
 
 
 def routers(model: nn.Module, paths) -> list[nn.Module]:
-    """The router (``gate``) of each MoE layer at ``paths`` (the policy's ``experts``), in layer order."""
-    return [model.get_submodule(f"{p}.gate") for p in paths]
+    """The router (``gate``, GPT-OSS's ``router``) of each MoE layer at ``paths`` (the policy's ``experts``), in
+    layer order."""
+    mlps = [model.get_submodule(p) for p in paths]
+    return [m.get_submodule("gate" if "gate" in m._modules else "router") for m in mlps]
 
 
 def router_loss(model: nn.Module, paths, n_experts: int, top_k: int) -> None:
@@ -137,8 +139,8 @@ def check_router_loss(config, model: nn.Module, policy) -> None:
     if coef and (policy is None or not policy.experts):
         raise ConfigError(f"{type(model).__name__} adds a load-balancing loss (output_router_logits=True, "
                           f"router_aux_loss_coef={coef}) that colab_kit does not count for this model (its policy "
-                          "names no MoE layers; built in: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3): set "
-                          "config.output_router_logits=False to train on the cross-entropy alone")
+                          "names no MoE layers; built in: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3, "
+                          "GPT-OSS): set config.output_router_logits=False to train on the cross-entropy alone")
     if config.pp > 1 and coef and policy is not None and policy.experts:
         raise ConfigError(f"pp={config.pp} with {type(model).__name__}'s load-balancing loss "
                           f"(output_router_logits=True, router_aux_loss_coef={coef}): the loss multiplies every "

@@ -274,7 +274,8 @@ _LAZY: dict[str, str] = {  # "module:Class" of a model family -> "module:factory
         "transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeForCausalLM",
         "transformers.models.qwen2_moe.modeling_qwen2_moe:Qwen2MoeForCausalLM",
         "transformers.models.olmoe.modeling_olmoe:OlmoeForCausalLM",
-        "transformers.models.deepseek_v3.modeling_deepseek_v3:DeepseekV3ForCausalLM")},
+        "transformers.models.deepseek_v3.modeling_deepseek_v3:DeepseekV3ForCausalLM",
+        "transformers.models.gpt_oss.modeling_gpt_oss:GptOssForCausalLM")},
 }
 
 

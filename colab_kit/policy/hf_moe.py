@@ -1,9 +1,11 @@
-"""Policies for Hugging Face ``transformers`` mixture-of-experts causal LMs: Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3.
+"""Policies for Hugging Face ``transformers`` mixture-of-experts causal LMs: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE,
+DeepSeek-V3, GPT-OSS.
 
 They share Llama's frame (``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``, a rotary
 embedding every pipeline stage keeps); each MoE layer's ``mlp`` holds a router module (``gate``) and the
 experts as fused 3D tensors (``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), with a shared
-expert beside them in DeepSeek-V3 (and Qwen2-MoE). The policy names the MoE layers in ``experts`` (DeepSeek-V3's
+expert beside them in DeepSeek-V3 (and Qwen2-MoE); GPT-OSS names its router ``router`` and lays its experts
+out otherwise (``colab_kit.expert.hf.LAYOUTS``). The policy names the MoE layers in ``experts`` (DeepSeek-V3's
 first ``first_k_dense_replace`` layers and Qwen3-MoE's ``mlp_only_layers`` are dense and left out); the expert
 step of ``ck.parallelize`` cuts each one's fused tensors over ep (``colab_kit.expert.hf``), and ``prepare``
 makes the routers count HF's load-balancing loss over the whole batch (``colab_kit.models.hf_moe``).
@@ -17,7 +19,8 @@ What runs (``tests/ranks/test_hf_moe.py``): dp, ep, ZeRO 1-3 (ep with 1-2), reco
 rank routes the same tokens: the MoE layers run whole on each), sp ring and Ulysses, and pp where the
 load-balancing loss is off (DeepSeek-V3 has none; ``output_router_logits=False``). Refused under tp with the
 rule (``check_hf_moe``): DeepSeek-V3's multi-head latent attention (no tensor plan) and OLMoE (q/k norms over
-all heads); 2D/2.5D/3D tp and split_gather for every MoE model (``engine.core.unsupported``).
+all heads); tp, sp and pp with GPT-OSS (attention sinks, sliding windows: dp, ep and ZeRO run it); 2D/2.5D/3D tp
+and split_gather for every MoE model (``engine.core.unsupported``).
 """
 from __future__ import annotations
 
@@ -34,17 +37,18 @@ MOE_CLASSES = {  # transformers' module:class -> the policy's name
     "transformers.models.qwen2_moe.modeling_qwen2_moe:Qwen2MoeForCausalLM": "hf-qwen2-moe",
     "transformers.models.olmoe.modeling_olmoe:OlmoeForCausalLM": "hf-olmoe",
     "transformers.models.deepseek_v3.modeling_deepseek_v3:DeepseekV3ForCausalLM": "hf-deepseek-v3",
+    "transformers.models.gpt_oss.modeling_gpt_oss:GptOssForCausalLM": "hf-gpt-oss",
 }
 
 
 def moe_layer_paths(model: nn.Module, blocks: str = "model.layers") -> list[str]:
-    """Paths of the ``mlp`` of every decoder layer whose MLP is a mixture of experts: a router (``gate``) and
-    fused experts (``experts``) inside."""
+    """Paths of the ``mlp`` of every decoder layer whose MLP is a mixture of experts: a router (``gate``, GPT-OSS's
+    ``router``) and fused experts (``experts``) inside."""
     out = []
     layers: nn.Module = model.get_submodule(blocks)
     for i, layer in enumerate(layers.children()):
         mlp = getattr(layer, "mlp", None)
-        if mlp is not None and hasattr(mlp, "gate") and hasattr(mlp, "experts"):
+        if mlp is not None and (hasattr(mlp, "gate") or hasattr(mlp, "router")) and hasattr(mlp, "experts"):
             out.append(f"{blocks}.{i}.mlp")
     return out
 
@@ -75,7 +79,9 @@ def hf_moe_policy(model) -> Policy:
               f"{L}.*.post_attention_layernorm": "rmsnorm", "model.norm": "rmsnorm", "lm_head": "head"}
     attention = {f"{L}.*.self_attn": Attention(n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_attention_heads,
                                                hf=True)}
-    if not _latent(model):  # multi-head latent attention: no tensor plan (``check_hf_moe``)
+    if _sinks(model):  # attention sinks, sliding windows: dp and ep only (``check_hf_moe``)
+        attention = {}
+    elif not _latent(model):  # multi-head latent attention: no tensor plan (``check_hf_moe``)
         layers.update({f"{L}.*.self_attn.{p}_proj": r for p, r in
                        (("q", "column"), ("k", "column"), ("v", "column"), ("o", "row"))})
         attention = {f"{L}.*.self_attn": Attention(n_heads=cfg.num_attention_heads,
@@ -104,11 +110,25 @@ def _whole_qk_norm(model) -> bool:
     return norm is not None and head_dim is not None and norm.weight.numel() != head_dim
 
 
+def _sinks(model) -> bool:
+    """Whether the attention has learned sinks per head (GPT-OSS), with sliding-window layers among full ones."""
+    return hasattr(model.get_submodule("model.layers.0.self_attn"), "sinks")
+
+
 def check_hf_moe(config, model: nn.Module) -> None:
-    """What a ``MOE_CLASSES`` model cannot run under ``config`` (tensor parallelism splits the attention's heads):
-    a ConfigError with the rule and what works; nothing for any other model."""
+    """What a ``MOE_CLASSES`` model cannot run under ``config`` (tensor parallelism splits the attention's heads;
+    GPT-OSS's attention runs whole rows only): a ConfigError with the rule and what works; nothing for any other
+    model."""
     key = f"{type(model).__module__}:{type(model).__qualname__}"
-    if key not in MOE_CLASSES or config.tp == 1:
+    if key not in MOE_CLASSES:
+        return
+    split = [f"{a}={getattr(config, a)}" for a in ("tp", "sp", "pp") if getattr(config, a) > 1]
+    if _sinks(model) and split:
+        raise ConfigError(f"{' and '.join(split)} with {type(model).__name__}: its attention (a learned sink per "
+                          "head, sliding-window layers among full ones, masks the model's own forward makes) has no "
+                          "tensor, sequence or pipeline plan in this version: set tp=1, sp=1 and pp=1 (dp, ep and "
+                          "ZeRO run it)")
+    if config.tp == 1:
         return
     why = ("its multi-head latent attention (queries and keys-values through low-rank latents shared by every head, "
            "q_a_proj / kv_a_proj_with_mqa) has no tensor plan in this version" if _latent(model) else

@@ -30,6 +30,9 @@ MODELS = {  # name: (model class, config), 4 experts each
         **COMMON, num_hidden_layers=4, n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1,
         n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
         v_head_dim=8)),
+    # transposed experts with biases, gate and up interleaved, a clamped SwiGLU; attention sinks, sliding windows
+    "gptoss": (tf.GptOssForCausalLM, lambda: tf.GptOssConfig(**COMMON, **LOSS, num_hidden_layers=2, num_local_experts=4,
+                                                             head_dim=8, sliding_window=8)),
 }
 
 def build(name: str) -> torch.nn.Module:

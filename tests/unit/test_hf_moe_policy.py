@@ -16,7 +16,7 @@ SGD = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
 
 
 @pytest.mark.parametrize("name, layers", [("mixtral", [0, 1]), ("qwen3", [1, 2]), ("qwen2", [0, 1]),
-                                          ("olmoe", [0, 1]), ("deepseek", [1, 2, 3])])
+                                          ("olmoe", [0, 1]), ("deepseek", [1, 2, 3]), ("gptoss", [0, 1])])
 def test_the_policy_finds_the_experts(name, layers):
     model = build(name)
     policy = policy_for(model)
@@ -42,6 +42,8 @@ def test_a_prepared_model_computes_what_hf_computes():
                              "shared by every head, q_a_proj / kv_a_proj_with_mqa) has no tensor plan in this "
                              "version: set tp=1 (dp=2 runs the same ranks"),
     ("olmoe", dict(dp=2, tp=2), "normalises q and k over all heads' features at once"),
+    ("gptoss", dict(dp=2, sp=2), "sp=2 with GptOssForCausalLM: its attention (a learned sink per head"),
+    ("gptoss", dict(tp=2), "set tp=1, sp=1 and pp=1 (dp, ep and ZeRO run it)"),
     ("qwen3", dict(tp=4, tp_mode="2d"), "mixture-of-experts layers with tp_mode='2d'"),
 ])
 def test_bad_input_is_refused_before_any_process(name, kw, rule):
@@ -65,17 +67,15 @@ def test_ep_on_a_dense_model_is_refused():
                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(ck.ConfigError, match="has none its policy can find"):
         ck.boost(llama, SGD, ck.ParallelConfig(dp=2, ep=2))
-    assert set(MODELS) == {"mixtral", "qwen3", "qwen2", "olmoe", "deepseek"}
+    assert set(MODELS) == {"mixtral", "qwen3", "qwen2", "olmoe", "deepseek", "gptoss"}
 
 
 def test_a_load_balancing_loss_the_engine_cannot_count_is_refused():
-    """GPT-OSS has no policy here (its experts carry biases and an interleaved, clamped gate): its aux loss would
-    be dropped silently, so it is refused; with the loss off it trains on the cross-entropy under dp."""
+    """Phi-MoE has no policy here: its aux loss would be dropped silently, so it is refused."""
     import transformers as tf
 
-    cfg = tf.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+    cfg = tf.PhimoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                          head_dim=8, output_router_logits=True, eos_token_id=None, pad_token_id=None,
-                          bos_token_id=None)
+                          output_router_logits=True, eos_token_id=None, pad_token_id=None, bos_token_id=None)
     with pytest.raises(ck.ConfigError, match="set config.output_router_logits=False to train on the cross-entropy"):
-        ck.boost(tf.GptOssForCausalLM(cfg), SGD, ck.ParallelConfig(dp=2))
+        ck.boost(tf.PhimoeForCausalLM(cfg), SGD, ck.ParallelConfig(dp=2))
