@@ -30,6 +30,7 @@ import torch
 from .. import comm
 from ..measure import ActivationMeter
 from ..models import moe_context
+from ..models.hf_moe import RouterLoss
 from ..models.moe import MoE, has_experts, update_router_bias
 from . import moe_records
 from ..pipeline.executor import PipelineExecutor
@@ -93,7 +94,7 @@ class TrainingStep:
         self.moe = has_experts(parts.module)
         """Whether this rank runs mixture-of-experts layers (each microbatch then gets a ``MoEStep``)."""
         self._moe_steps: dict[int, moe_context.MoEStep] = {}
-        self.n_moe = sum(isinstance(m, MoE) for m in parts.dense_twin.modules())
+        self.n_moe = sum(isinstance(m, (MoE, RouterLoss)) for m in parts.dense_twin.modules())
         """MoE layers in the whole model (every stage): the length of the records the loss all-reduce carries."""
         self.t0 = time.perf_counter()
 

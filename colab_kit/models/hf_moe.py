@@ -98,12 +98,25 @@ def _counted_forward(self, hidden_states):
     if step is None or not step.inject or not torch.is_grad_enabled():
         return logits, scores, index
     probs = logits.softmax(-1)  # as load_balancing_loss_func: softmax of the logits, top-k of those
-    cached = step.cache.get(self.layer)
-    if cached is None:
+    if self.layer not in step.cache:
         chosen = torch.topk(probs.detach(), self.k, dim=-1).indices
         local = torch.bincount(chosen.reshape(-1), minlength=self.n).to(probs.dtype)
-        cached = step.cache[self.layer] = step.gather(torch.cat([local, probs.new_tensor([probs.shape[0]])]))
+        stats = step.cache[self.layer] = step.gather(torch.cat([local, probs.new_tensor([probs.shape[0]])]))
+        step.seen[self.layer] = _seen(self, logits.detach(), probs.detach(), local, stats, step.pieces)
     return logits, RouterAux.apply(scores, probs.sum(0), step, self), index
+
+
+def _seen(router: RouterLoss, logits, probs, local, stats, pieces: int) -> dict:
+    """This layer's routing of the microbatch for the engine's records (``engine.moe_records``), as the built-in
+    MoE writes it: whole-batch ``counts``, this rank's ``mine``, and this rank's shares (times ``pieces``) of the
+    layer's Switch balance ``E sum_i f_i P_i`` (1.0 uniform; HF's own loss is the all-layer form above) and
+    z-loss."""
+    from .moe import balance_loss, z_loss
+
+    counts, tokens = stats[:, :-1].sum(0), stats[:, -1].sum()
+    return {"counts": [int(c) for c in counts.tolist()], "mine": [int(c) for c in local.tolist()], "dropped": 0,
+            "balance": float(balance_loss(probs, counts, tokens, router.k)) * pieces,
+            "z": float(z_loss(logits.float(), tokens)) * pieces}
 
 
 class RouterAux(torch.autograd.Function):

@@ -55,7 +55,8 @@ def _run(names: list[str], path: str) -> dict:
         d = data()
         losses = [engine.train_step(d.batch(s, BATCH)) for s in range(STEPS)]
         layers = [m for m in engine.module.modules() if isinstance(m, HFExpertParallel)]
-        out[name] = {"losses": losses, "experts": [(m.first, tuple(m.gate_up_proj.shape)) for m in layers]}
+        out[name] = {"losses": losses, "experts": [(m.first, tuple(m.gate_up_proj.shape)) for m in layers],
+                     "records": engine.records[0].get("moe")}
         if name == SAVED:
             out[name]["dense"] = dense_state_dict(engine)
             out[name]["generated"] = engine.generate(PROMPT, 6)
@@ -133,3 +134,22 @@ def test_save_pretrained_and_generate_at_ep(runs, saved):
         assert torch.allclose(v, trained[k], rtol=1e-4, atol=1e-6), k
     want = loaded.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert torch.equal(runs[SAVED, 0]["generated"], want) and torch.equal(runs[SAVED, 1]["generated"], want)
+
+
+def test_routing_records_equal_one_process(runs):
+    """``engine.records[i]["moe"]`` of an HF MoE model: per layer the whole batch's top-k counts (as HF's loss
+    takes them), this rank's, and the layer's Switch balance, equal to one process's routing of the first step."""
+    _, model, _, kw = CONFIGS[SAVED]
+    x, _ = data().batch(0, BATCH)
+    with torch.no_grad():
+        logits = build(model)(x, output_router_logits=True).router_logits
+    for layer, lg in enumerate(logits):
+        probs = lg.softmax(-1)
+        chosen = torch.topk(probs, 2, dim=-1).indices.view(BATCH, -1, 2)
+        counts = torch.bincount(chosen.reshape(-1), minlength=4)
+        balance = 4 * (counts / (counts.sum()) * probs.mean(0)).sum()
+        for rank in range(kw["dp"]):
+            rec = runs[SAVED, rank]["records"][layer]
+            mine = torch.bincount(chosen.view(kw["dp"], -1)[rank], minlength=4)
+            assert rec["layer"] == layer and rec["counts"] == counts.tolist() and rec["mine"] == mine.tolist(), rec
+            assert abs(rec["balance"] - float(balance)) <= 1e-5 * float(balance), (rec, float(balance))
