@@ -40,9 +40,9 @@ def apply_expert_parallel(model: nn.Module, mesh: ProcessMesh, config: ParallelC
     with the stage). Leaves: the ``ExpertParallel`` modules in place of the ``Experts``, declared ``Shard(0)``
     on ep; the data-parallel step sums their gradients over edp (``colab_kit.zero.apply``)."""
     made: list[nn.Module] = []
-    for parent, name, experts in expert_modules(model, policy):
+    for i, (parent, name, experts) in enumerate(expert_modules(model, policy)):
         layer = ExpertParallel(experts, mesh, "ep") if isinstance(experts, Experts) else HFExpertParallel(
-            experts, mesh, "ep")
+            experts, mesh, "ep", layer=i)
         setattr(parent, name, layer)
         made.append(layer)
     return made

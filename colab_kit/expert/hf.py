@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..models.experts import combine, dispatch
+from ..models.moe_context import current
 from ..placement import declare
 from ..sharded_init import dense_value
 from .layer import AllToAll, expert_major
@@ -108,10 +109,10 @@ class HFExpertParallel(nn.Module):
     """This rank's ``E / ep`` fused experts of one Hugging Face MoE layer and the all-to-all around them (see
     the module docstring); same call, same parameter names (``gate_up_proj``, ``down_proj``) as the HF module."""
 
-    def __init__(self, experts: nn.Module, mesh, axis: str = "ep"):
+    def __init__(self, experts: nn.Module, mesh, axis: str = "ep", layer: int = 0):
         super().__init__()
         ep, r = mesh.size(axis), mesh.rank(axis)
-        self.mesh, self.axis = mesh, axis
+        self.mesh, self.axis, self.layer = mesh, axis, layer
         self.layout = fused_layout(experts) or "halves"
         self.n = int(experts.get_parameter("gate_up_proj").shape[0])
         self.local = self.n // ep
@@ -125,6 +126,9 @@ class HFExpertParallel(nn.Module):
             declare(self, name, {0: axis})
         self.last: dict = {}
         """The last forward's rows: ``send`` / ``recv`` per ep rank, and ``local`` rows per local expert."""
+        self.traffic: dict = {}
+        """The last forward's dispatch bytes: ``sent`` to / ``received`` from each ep rank; added to the records
+        of MoE layer ``layer`` where its router wrote them (``colab_kit.models.hf_moe``, ``engine.moe_records``)."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -142,6 +146,12 @@ class HFExpertParallel(nn.Module):
         out = hf_expert_compute(arrived[mine], local, ws, self.layout, self.act)
         back = AllToAll.apply(out[torch.argsort(mine)], recv, send, self.mesh, self.axis, "expert combine")
         self.last = {"send": send, "recv": recv, "local": local}
+        row = hidden_states.shape[-1] * rows.element_size()
+        self.traffic = {"sent": [n * row for n in send], "received": [n * row for n in recv]}
+        step = current()
+        seen = step.seen.get(self.layer) if step is not None else None
+        if seen is not None and "sent" not in seen:  # a recomputed forward: recorded already
+            seen.update(self.traffic)
         return combine(back, order, top_k_weights.to(back.dtype)).to(hidden_states.dtype)
 
     def extra_repr(self) -> str:

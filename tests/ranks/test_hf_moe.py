@@ -138,7 +138,8 @@ def test_save_pretrained_and_generate_at_ep(runs, saved):
 
 def test_routing_records_equal_one_process(runs):
     """``engine.records[i]["moe"]`` of an HF MoE model: per layer the whole batch's top-k counts (as HF's loss
-    takes them), this rank's, and the layer's Switch balance, equal to one process's routing of the first step."""
+    takes them), this rank's, the layer's Switch balance and the bytes sent to each ep rank, equal to one
+    process's routing of the first step (Mixtral routes with the same top-k of the same softmax)."""
     _, model, _, kw = CONFIGS[SAVED]
     x, _ = data().batch(0, BATCH)
     with torch.no_grad():
@@ -153,3 +154,5 @@ def test_routing_records_equal_one_process(runs):
             mine = torch.bincount(chosen.view(kw["dp"], -1)[rank], minlength=4)
             assert rec["layer"] == layer and rec["counts"] == counts.tolist() and rec["mine"] == mine.tolist(), rec
             assert abs(rec["balance"] - float(balance)) <= 1e-5 * float(balance), (rec, float(balance))
+            row = 32 * 4  # hidden 32, fp32: each (token, slot) assignment's row to its expert's ep rank (2 each)
+            assert rec["sent"] == [int(mine[:2].sum()) * row, int(mine[2:].sum()) * row], rec
