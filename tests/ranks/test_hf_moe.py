@@ -14,6 +14,7 @@ import torch
 
 import colab_kit as ck
 from colab_kit.checkpoint.pretrained import dense_state_dict
+from colab_kit.engine.loss import lm_loss
 from colab_kit.engine.reference import max_relative_difference
 from colab_kit.expert import HFExpertParallel
 from colab_kit.policy import policy_for
@@ -59,6 +60,7 @@ def _run(names: list[str], path: str) -> dict:
                      "records": engine.records[0].get("moe")}
         if name == SAVED:
             out[name]["dense"] = dense_state_dict(engine)
+            out[name]["evaluated"] = engine.evaluate(d.batch(STEPS, BATCH))
             out[name]["generated"] = engine.generate(PROMPT, 6)
             ck.save_pretrained(engine, path + "-hf")
             engine.save(path)
@@ -125,13 +127,17 @@ def test_checkpoint_round_trip(runs):
 
 
 def test_save_pretrained_and_generate_at_ep(runs, saved):
-    """``ck.save_pretrained`` at ep=2 writes what ``from_pretrained`` reads as the trained model, and
-    ``engine.generate`` at ep=2 continues a prompt token for token as that model does in one process."""
+    """``ck.save_pretrained`` at ep=2 writes what ``from_pretrained`` reads as the trained model; ``engine.evaluate``
+    and ``engine.generate`` at ep=2 give its cross-entropy and continue a prompt token for token as it does."""
     _, model, opt, _ = CONFIGS[SAVED]
     _, trained = reference(model, opt)
     loaded = type(build(model)).from_pretrained(saved + "-hf").eval()
     for k, v in loaded.state_dict().items():
         assert torch.allclose(v, trained[k], rtol=1e-4, atol=1e-6), k
+    x, y = data().batch(STEPS, BATCH)
+    with torch.no_grad():  # evaluate: the token loss only, as for the built-in MoE
+        ce = float(lm_loss(loaded(x).logits, y))
+    assert abs(runs[SAVED, 0]["evaluated"] - ce) <= 1e-5 * ce, (runs[SAVED, 0]["evaluated"], ce)
     want = loaded.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert torch.equal(runs[SAVED, 0]["generated"], want) and torch.equal(runs[SAVED, 1]["generated"], want)
 
