@@ -37,7 +37,6 @@ from ..engine.checks import check_policy
 from ..engine.core import unsupported
 from ..memory.estimator import config_estimate, gpt_like, model_activations, part_params, traced_activations
 from ..memory.formulas import optimizer_states, placed
-from ..models.moe import has_experts
 from ..pipeline.stage import check_stages
 from ..policy import missing_policy_message, policy_for
 from ..sequence.plan import LAYOUT, SequencePlan, check_length
@@ -50,6 +49,7 @@ from .search import plan_at_scale
 from .candidates import Candidate, Candidates
 from .cost import step_seconds
 from .exact import exact_states
+from .shape import is_moe
 
 __all__ = ["plan", "Candidate", "Candidates", "constants", "enumerate_configs", "EXAMPLE_CONSTANTS"]
 # ck.estimate and the at-scale search: colab_kit.planner.estimate, .search, .scale, .hardware, .shape
@@ -156,7 +156,7 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
     """
     if isinstance(exact, bool) or not isinstance(exact, int) or exact < 0:
         raise ConfigError(f"exact must be a whole number of candidates to dry-run, got {exact!r}: try 3")
-    if getattr(model_cfg, "n_experts", 0) or isinstance(model_cfg, nn.Module) and has_experts(model_cfg):
+    if is_moe(model_cfg):
         raise ConfigError("ck.plan prices dense transformers; a mixture of experts (n_experts > 0) needs the "
                           "expert-parallel dispatch it will price with it (issue 42, docs/moe.md): plan the dense "
                           "model of the same widths, n_experts=0")

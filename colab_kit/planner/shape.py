@@ -28,7 +28,21 @@ from ..policy import missing_policy_message, policy_for
 from ..sharded_init import meta_twin
 from ..tensor import model_sizes
 
-__all__ = ["ModelShape"]
+__all__ = ["ModelShape", "is_moe"]
+
+
+def is_moe(model) -> bool:
+    """Whether ``model`` (a ``GPTConfig``, a model, or a Hugging Face config) is a mixture of experts: ``n_experts``,
+    MoE layers inside, a policy naming some (``Policy.experts``: Mixtral, DeepSeek-V3, ...), or a Hugging Face
+    config with routed experts (``num_local_experts``, ``num_experts``, ``n_routed_experts``)."""
+    if isinstance(model, GPT):
+        model = model.cfg
+    if isinstance(model, GPTConfig):
+        return bool(model.n_experts)
+    if isinstance(model, nn.Module):
+        policy = policy_for(model)
+        return has_experts(model) or bool(policy is not None and policy.experts)
+    return any(getattr(model, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
 
 
 @dataclass(frozen=True)
@@ -77,7 +91,7 @@ class ModelShape:
             return model if seq is None else dataclasses.replace(model, seq=seq)
         if isinstance(model, GPT):
             model = model.cfg
-        if isinstance(model, GPTConfig) and model.n_experts or isinstance(model, nn.Module) and has_experts(model):
+        if is_moe(model):
             raise ConfigError("the planner prices dense transformers; a mixture of experts (n_experts > 0) needs the "
                               "expert-parallel dispatch it will price with it (issue 42, docs/moe.md): plan the dense "
                               "model of the same widths, n_experts=0, for its attention and layout")

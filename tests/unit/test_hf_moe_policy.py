@@ -79,3 +79,12 @@ def test_a_load_balancing_loss_the_engine_cannot_count_is_refused():
                           output_router_logits=True, eos_token_id=None, pad_token_id=None, bos_token_id=None)
     with pytest.raises(ck.ConfigError, match="set config.output_router_logits=False to train on the cross-entropy"):
         ck.boost(tf.PhimoeForCausalLM(cfg), SGD, ck.ParallelConfig(dp=2))
+
+
+@pytest.mark.parametrize("what", ["model", "config"])
+def test_the_estimator_refuses_an_hf_mixture_of_experts(what):
+    """ck.estimate prices dense transformers: an HF MoE model (its policy names experts) or config (routed experts)
+    is refused with the rule, as the built-in MoE GPT is, rather than priced as a dense model."""
+    model = build("deepseek")
+    with pytest.raises(ck.ConfigError, match="a mixture of experts"):
+        ck.estimate(model if what == "model" else model.config, ck.ParallelConfig(dp=2), batch=8, seq=16)
