@@ -100,8 +100,8 @@ def _counted_forward(self, hidden_states):
     probs = logits.softmax(-1)  # as load_balancing_loss_func: softmax of the logits, top-k of those
     if self.layer not in step.cache:
         chosen = torch.topk(probs.detach(), self.k, dim=-1).indices
-        local = torch.bincount(chosen.reshape(-1), minlength=self.n).to(probs.dtype)
-        stats = step.cache[self.layer] = step.gather(torch.cat([local, probs.new_tensor([probs.shape[0]])]))
+        local = torch.bincount(chosen.reshape(-1), minlength=self.n).float()  # fp32: exact counts up to 2^24
+        stats = step.cache[self.layer] = step.gather(torch.cat([local, local.new_tensor([probs.shape[0]])]))
         step.seen[self.layer] = _seen(self, logits.detach(), probs.detach(), local, stats, step.pieces)
     return logits, RouterAux.apply(scores, probs.sum(0), step, self), index
 
@@ -115,7 +115,7 @@ def _seen(router: RouterLoss, logits, probs, local, stats, pieces: int) -> dict:
 
     counts, tokens = stats[:, :-1].sum(0), stats[:, -1].sum()
     return {"counts": [int(c) for c in counts.tolist()], "mine": [int(c) for c in local.tolist()], "dropped": 0,
-            "balance": float(balance_loss(probs, counts, tokens, router.k)) * pieces,
+            "balance": float(balance_loss(probs.float(), counts, tokens, router.k)) * pieces,
             "z": float(z_loss(logits.float(), tokens)) * pieces}
 
 
@@ -141,7 +141,7 @@ class RouterAux(torch.autograd.Function):
         stats = torch.stack([step.cache[i] for i in range(r.layers)])  # [L, pieces, E + 1]
         counts, tokens = stats[..., :-1].sum((0, 1)), stats[0, :, -1].sum()
         per_p = step.pieces * r.coef * r.n * counts / (tokens * r.layers) ** 2
-        step.values[r.layer] = (per_p * psum.detach()).sum()
+        step.values[r.layer] = (per_p * psum.detach().float()).sum()
         return grad, (step.grad_scale * per_p).to(psum.dtype), None, None
 
 
