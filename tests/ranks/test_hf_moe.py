@@ -35,7 +35,7 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs)
     "olmoe dp=2 ep=2 recompute": (2, "olmoe", "sgd", dict(dp=2, ep=2, recompute="full")),
     "mixtral tp=2": (2, "mixtral", "sgd", dict(tp=2)),  # 1D: every tp rank routes the same tokens
     "qwen3 sp=2 ring": (2, "qwen3", "adamw", dict(sp=2)),
-    "deepseek sp=2 ulysses": (2, "deepseek", "sgd", dict(sp=2, sp_mode="ulysses")),
+    "deepseek sp=2 ulysses": (2, "deepseek", "adamw", dict(sp=2, sp_mode="ulysses")),
     "mixtral dp=4 ep=4": (4, "mixtral", "sgd", dict(dp=4, ep=4)),
     "olmoe dp=4 ep=2 zero=1": (4, "olmoe", "adamw", dict(dp=4, ep=2, zero=1)),
     "qwen3 dp=4 ep=4 zero=2 mb=2": (4, "qwen3", "sgd", dict(dp=4, ep=4, zero=2, microbatches=2)),
