@@ -16,7 +16,7 @@ values. Per layer on this rank (with pp, the layers of its stages), in the recor
      "received": [768, 1280]}      #   and received from each
 
 ``traffic(records, layout)`` (in the kernel, from every rank's record of a step) makes the rank x rank matrix of
-dispatch bytes; ``tests/ranks/test_moe_records.py`` checks the counts against one process's routing, the
+dispatch bytes; tests check the counts against one process's routing, the
 losses against one process's, and the matrix against the comm records.
 """
 from __future__ import annotations
