@@ -80,7 +80,8 @@ def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str |
     a capacity factor under sp (a rank's tokens are no run of the batch's order, which sets the capacity's
     priority); dropless layers run under sp (counts gathered over dp x sp). Under 1D tp every tp rank routes
     the same tokens, so the MoE layers run whole on each (tp does not split their work: ``docs/moe.md``). dp,
-    ep, ZeRO 1-3, offload, pp and recomputation run them exactly; ep is refused with ZeRO 3 for now::
+    ep, ZeRO 1-3, offload, pp and recomputation run them exactly (with ep and ZeRO 3, a block's experts are
+    a second chunk over edp: ``colab_kit.zero.stage3``)::
 
         unsupported(ParallelConfig(sp=2), GPT(GPTConfig(n_experts=4, capacity_factor=1.0)))   # "... with a
                                   # capacity factor under sequence parallelism ...: set sp=1 (dp=2 ...) ..."
@@ -103,9 +104,7 @@ def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str |
             (moe and cfg.sp > 1 and _drops(model), f"mixture-of-experts layers with a capacity factor under sequence "
              f"parallelism (sp={cfg.sp}: a rank's tokens are not one run of the batch's order, which sets the "
              "capacity's priority)", f"sp=1 (dp={cfg.dp * cfg.sp} runs the same ranks), or capacity_factor=None "
-             "(dropless)"),
-            (cfg.ep > 1 and cfg.zero == 3, f"expert parallelism (ep={cfg.ep}) with ZeRO stage 3",
-             "zero=1 or 2 with ep (the expert states are sharded over the expert-data-parallel ranks)")]
+             "(dropless)")]
     missing = [(what, fix) for cond, what, fix in todo if cond]
     if not missing:
         return None

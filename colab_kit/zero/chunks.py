@@ -56,6 +56,9 @@ class Chunk:
         self.index, self.name, self.params, self.mesh, self.axis = index, name, params, mesh, axis
         n, r = mesh.size(axis), mesh.rank(axis)
         self.n, self.rank = n, r
+        self.divisor = n
+        """What the summed gradient is divided by: the axis size (the mean over dp), or dp for an expert chunk
+        over edp (``colab_kit.zero.split``: its sum over edp already holds every dp rank's tokens)."""
         self.numel = sum(p.numel() for p in params)
         self.size = padded(max(self.numel, 1), n)
         self.piece = self.size // n
@@ -155,8 +158,8 @@ class Chunk:
         for p in self.params:
             p.grad = None
         self.grad_full = None
-        if self.n > 1:
-            flat.div_(self.n)
+        if self.divisor != 1:
+            flat.div_(self.divisor)
         pending = comm.reduce_scatter_into(flat[r * k:(r + 1) * k], flat, self.mesh, self.axis, async_op=True,
                                            tag=f"zero3 grads {self.name}")
         self._reducing = (pending, flat)

@@ -10,6 +10,10 @@ groups', so the sum over edp divided by dp is the gradient of the mean loss, as 
 Worked example, ``ParallelConfig(dp=4, ep=2, zero=1)``, rank 2 (edp 1, ep 0): the dense buckets are
 reduce-scattered over dp ``[0 1 2 3]`` (a quarter of the optimizer states each); experts 0..E/2-1 over edp
 ``[0 2]`` (a half of those experts' states each). One optimizer steps both parts' pieces.
+
+ZeRO-3 (``ZeroStage3``) splits the same way inside each unit it gathers (``chunk_units``): a block with expert
+tensors becomes two chunks, its dense parameters over dp and its experts over edp (divisor dp), gathered,
+freed and reduced together by the block's hooks.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import torch
 from ..placement import PlacementTable
 from ..precision import MasterWeights
 
-__all__ = ["ExpertSplit", "split_experts", "JoinedMasters"]
+__all__ = ["ExpertSplit", "split_experts", "JoinedMasters", "chunk_units"]
 
 
 def split_experts(params, table) -> tuple[list, list]:
@@ -29,6 +33,32 @@ def split_experts(params, table) -> tuple[list, list]:
     experts = [p for p in params if any("ep" in axes for _, axes in table[p].shards)]
     ids = {id(p) for p in experts}
     return [p for p in params if id(p) not in ids], experts
+
+
+def chunk_units(units, mesh, axis: str, table, experts: bool) -> tuple[list, list[list[int]]]:
+    """ZeRO-3's chunks of ``units`` (``stage3.units_of``: ``(name, block, params)``, forward order) and, per
+    unit, the indices of its chunks. ``experts`` (``ep > 1``): a unit's expert tensors (``split_experts``) go
+    into a second chunk ``"<name>.experts"`` over ``edp``, divided by the size of ``axis`` (dp) as
+    ``ExpertSplit`` does; without any, or without ``experts``, a unit is one chunk over ``axis``.
+
+    Worked example, a GPT of 2 MoE blocks, ``ParallelConfig(dp=4, ep=2, zero=3)``::
+
+        chunks  0 rest (over dp)  1 blocks.0 (dp)  2 blocks.0.experts (edp)  3 blocks.1 (dp)  4 blocks.1.experts
+        units   [[0], [1, 2], [3, 4]]
+    """
+    from .chunks import Chunk
+    chunks: list = []
+    of_unit: list[list[int]] = []
+    for name, _, params in units:
+        dense, mine = split_experts(params, table) if experts else (params, [])
+        parts = [(name, dense, axis)] + ([(f"{name}.experts", mine, "edp")] if mine else [])
+        of_unit.append([])
+        for label, ps, over in parts:
+            c = Chunk(len(chunks), label, ps, mesh, over)
+            c.divisor = mesh.size(axis)
+            of_unit[-1].append(c.index)
+            chunks.append(c)
+    return chunks, of_unit
 
 
 class ExpertSplit:

@@ -28,7 +28,7 @@ microbatch is reduced at ``finish()`` (with zeros for what got none), on every r
 Between steps a rank holds 4P/N parameter bytes, 4P/N gradient bytes and K P/N optimizer
 bytes (fp32, P parameters on this rank before ZeRO, N = dp): the ZeRO paper's 16P/N with Adam.
 Inside a step, beyond that, at most: R and two blocks whole (one used, one prefetched), one
-block's gradient buffer, one reduce-scatter in flight (the previous block's buffer; it is waited
+block's gradient buffer, one block's reduce-scatter in flight (the previous block's buffer; it is waited
 for before the next one starts, which costs no overlap: one process group runs its collectives
 in order anyway) and autograd's gradients of R's head side. R's buffer is made only when its
 last gradient (the embeddings', at the very end of backward) has arrived: made at the end of
@@ -44,6 +44,25 @@ master gradient is made from its 16-bit piece and the piece's storage is release
 values live on, widened, in the fp32 gradient); ``zero()`` gives it back, zeroed. So the step
 holds 4P/N of gradients (FSDP2's fp32 sharded gradients), not 6P/N, and between steps the
 paper's 2P/N is there again. The values are those of the 16-bit pieces: parity is unchanged.
+
+Expert parallelism (``ep > 1``): the ranks of a dp group hold different experts, so a block's expert tensors
+(``Shard(0)`` on ep) cannot share its dense chunk. Each unit (the rest, a block) is one chunk, or two when it
+has expert tensors: its dense parameters over dp and its experts over edp, whose summed gradient is divided by
+dp as ``ExpertSplit`` does (``colab_kit.zero.split.chunk_units``). The unit's hooks gather (and prefetch) and
+free both; each chunk is reduce-scattered when its own gradients are complete, a unit's two at once.
+Worked example, ``ParallelConfig(dp=4, ep=2, zero=3)``, a GPT of 2 blocks with 4 experts each, rank 2
+(dp 2, edp 1, ep 0: ``colab_kit.mesh``)::
+
+    chunk                 its parameters                    over (group of rank 2)   rank 2 keeps
+    0 rest                embeddings, ln_f, head            dp  [0 1 2 3]            piece 2 of 4
+    1 blocks.0            attention, LNs, router, shared    dp  [0 1 2 3]            piece 2 of 4
+    2 blocks.0.experts    experts 0, 1 (w_in, b_in, ...)    edp [0 2]                piece 1 of 2
+    3, 4                  the same for blocks.1
+    block 0 runs          gather 1 and 2 -> the block whole with experts 0, 1 (ranks 1, 3 gather 2, 3)
+    its backward          grads of 1 reduce-scattered over dp / 4; of 2 over edp [0 2] / 4
+
+Clipping counts each element once (a piece is held by one rank), checkpoints map the expert pieces through
+their ``Shard(0)`` placement (``colab_kit.checkpoint.layout``), offload places each chunk on its own.
 
 Hooks: a forward pre-hook and a forward hook on each block (the policy's ``blocks``) and on the
 model, a tensor hook on each block's output (its backward is next), and a post-accumulate-grad
@@ -66,6 +85,7 @@ from ..config import ConfigError
 from ..precision import MasterWeights
 from .stage1 import build_over, sum_slices
 from .chunks import Chunk
+from .split import chunk_units
 from ..placement import PlacementTable
 from .offload import ChunkPlacement
 
@@ -99,7 +119,7 @@ class ZeroStage3:
 
     def __init__(self, module: nn.Module, mesh, axis: str = "dp", events=None, prefetch: bool = True,
                  offload: str = "none", device_budget: int | None = None, blocks: nn.ModuleList | None = None,
-                 placements=None, group_of=None):
+                 placements=None, group_of=None, experts: bool = False):
         self.module, self.mesh, self.axis = module, mesh, axis
         self.placements = placements if placements is not None else PlacementTable(module)
         self.events = events if events is not None else []
@@ -109,11 +129,15 @@ class ZeroStage3:
             units = [(name, block, sorted(ps, key=group_of)) for name, block, ps in units]
         if len({(p.dtype, p.device) for _, _, ps in units for p in ps}) > 1:
             raise ConfigError("ZeRO keeps parameters in flat chunks: they must share one dtype and device")
-        self.chunks = [Chunk(i, name, params, mesh, axis) for i, (name, _, params) in enumerate(units)]
+        self.chunks, self.units = chunk_units(units, mesh, axis, self.placements, experts)
+        """``chunks``: every chunk in forward order; ``units[u]``: the indices of unit u's chunks (the rest of the
+        model is unit 0, block i unit i + 1): one chunk, or with ``experts`` a block's dense chunk over ``axis``
+        and its expert chunk over edp (``colab_kit.zero.split.chunk_units``)."""
+        self.unit_of = [u for u, idx in enumerate(self.units) for _ in idx]
         self.placement = None
         """With ``offload`` 'cpu' or 'auto': where each chunk's states live, and the device account."""
         if offload != "none":
-            self.placement = ChunkPlacement(self.chunks, offload, mesh.device, device_budget)
+            self.placement = ChunkPlacement(self.chunks, offload, mesh.device, device_budget, self.units)
         self.shards = [c.shard for c in self.chunks]
         """This rank's pieces, one flat tensor per chunk: what the optimizer steps (in fp32)."""
         mixed = self.chunks[0].full.dtype in (torch.bfloat16, torch.float16)
@@ -131,10 +155,11 @@ class ZeroStage3:
         ref = weakref.ref(self)
         self._hooks = [module.register_forward_pre_hook(partial(_call, ref, "_pre_forward", 0)),
                        module.register_forward_hook(partial(_call, ref, "_post_forward", 0))]
-        for c, (_, block, _) in zip(self.chunks, units):
+        for u, (_, block, _) in enumerate(units):
             if block is not None:
-                self._hooks += [block.register_forward_pre_hook(partial(_call, ref, "_pre_forward", c.index)),
-                                block.register_forward_hook(partial(_call, ref, "_post_forward", c.index))]
+                self._hooks += [block.register_forward_pre_hook(partial(_call, ref, "_pre_forward", u)),
+                                block.register_forward_hook(partial(_call, ref, "_post_forward", u))]
+        for c in self.chunks:
             for p in c.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(partial(_call, ref, "_on_grad", c.index)))
         self._sums = self._replicated_slices()
@@ -169,32 +194,43 @@ class ZeroStage3:
             self.placement.hold(f"gradient of {c.name}", c.nbytes + wide)
         c.prepare_grads()
 
-    def _pre_forward(self, i: int, _module, _args) -> None:
-        self._gather(i)
-        nxt = 1 if i == 0 else i + 1
-        if self.prefetch and nxt < len(self.chunks):
-            self._gather(nxt, async_op=True)
+    def _pre_forward(self, u: int, _module, _args) -> None:
+        """Unit u (0: the model, i + 1: block i) is about to run: gather its chunks, prefetch the next unit's."""
+        nxt = 1 if u == 0 else u + 1
+        for i in self.units[u]:
+            self._gather(i, async_op=True)
+        for i in self.units[u]:
+            self._gather(i)
+        if self.prefetch and nxt < len(self.units):
+            for i in self.units[nxt]:
+                self._gather(i, async_op=True)
 
-    def _post_forward(self, i: int, _module, _args, out) -> None:
+    def _post_forward(self, u: int, _module, _args, out) -> None:
         training = torch.is_grad_enabled()
-        if i == 0:  # the model: R stays whole through backward (head and embeddings), freed when reduced
-            if training and self.placement is not None:  # autograd's gradients of R, at most the chunk
-                self.placement.hold(f"gradient of {self.chunks[0].name}", self.chunks[0].nbytes)
-            if not training:
-                self._free(0)
+        if u == 0:  # the model: R stays whole through backward (head and embeddings), freed when reduced
+            for i in self.units[0]:
+                if training and self.placement is not None:  # autograd's gradients of R, at most the chunk
+                    self.placement.hold(f"gradient of {self.chunks[i].name}", self.chunks[i].nbytes)
+                if not training:
+                    self._free(i)
             return
-        self._free(i)
+        for i in self.units[u]:
+            self._free(i)
         if training:
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(partial(_call, weakref.ref(self), "_pre_backward", i))
+                    t.register_hook(partial(_call, weakref.ref(self), "_pre_backward", u))
                     break
 
-    def _pre_backward(self, i: int, _grad) -> None:
-        self._gather(i)
-        self._prepare_grads(i)
-        if self.prefetch and i > 1:
-            self._gather(i - 1, async_op=True)
+    def _pre_backward(self, u: int, _grad) -> None:
+        for i in self.units[u]:
+            self._gather(i, async_op=True)
+        for i in self.units[u]:
+            self._gather(i)
+            self._prepare_grads(i)
+        if self.prefetch and u > 1:
+            for i in self.units[u - 1]:
+                self._gather(i, async_op=True)
 
     def _on_grad(self, i: int, _param) -> None:
         c = self.chunks[i]
@@ -203,8 +239,11 @@ class ZeroStage3:
             self._reduce(c)
 
     def _reduce(self, c: Chunk) -> None:
-        while self._inflight:  # at most one reduce-scatter in flight: the previous one's buffer goes first
-            self._settle(self._inflight.pop(0))
+        keep = [k for k in self._inflight if k is not c and self.unit_of[k.index] == self.unit_of[c.index]]
+        for k in self._inflight:  # one unit's reduce-scatters in flight: the previous unit's buffers go first
+            if not any(k is j for j in keep):
+                self._settle(k)
+        self._inflight = keep
         if c.grad_full is None and self.placement is not None:  # R: its flat buffer beside autograd's tensors
             wide = 0 if c.full.dtype == torch.float32 else 4 * c.size
             self.placement.hold(f"gradient of {c.name}", 2 * c.nbytes + wide)

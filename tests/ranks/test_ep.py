@@ -1,9 +1,11 @@
 """Expert parallelism (``ParallelConfig(ep=)``): the MoE GPT trains to one process's losses within 1e-5 (fp32)
 with its experts split over ep ranks folded over dp, tokens dispatched and combined by all-to-all: dp=2 ep=2,
 dp=4 ep=4, dp=4 ep=2, ep x tp (1D: the MoE layers whole on each tp rank), ep x sp (ring, Ulysses; ep folded over
-dp x sp), ep x pp (1F1B, zb-h1, zb-v), ep x ZeRO 1/2, offload, a capacity that drops, microbatches, recomputation,
-clipping, every token routed to one expert (the other ep ranks receive no row) and top_k equal to the number
-of experts. Each rank holds E/ep experts; the dispatch bytes equal the formula of ``docs/moe.md``. Bad input is
+dp x sp), ep x pp (1F1B, zb-h1, zb-v), ep x ZeRO 1/2/3 (ZeRO-3: a block's experts a second chunk over edp; with
+offload 'cpu' and 'auto', microbatches, recompute, bf16, clipping, tp 1D, sp), offload, a capacity that drops,
+microbatches, recomputation, clipping, every token routed to one expert (the other ep ranks receive no row) and
+top_k equal to the number of experts. Checkpoints saved at ep=4 (ZeRO 1 and 3) train on at ep=2 and in one
+process; ZeRO-3's memory is each rank's pieces. Each rank holds E/ep experts; the dispatch bytes equal the formula of ``docs/moe.md``. Bad input is
 a ConfigError before any process starts. One spawn per world size, the configs looped inside it."""
 from __future__ import annotations
 
@@ -48,6 +50,15 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs, boost kwar
     "dp=4 ep=2 bf16": (4, "capacity", "sgd", dict(dp=4, ep=2, precision="bf16"), {}),
     "dp=4 ep=4 bf16 zero=2 sgd": (4, "softmax", "sgd", dict(dp=4, ep=4, zero=2, precision="bf16"), {}),
     "dp=2 ep=2 fp16 zero=1": (2, "capacity", "sgd", dict(dp=2, ep=2, zero=1, precision="fp16"), {}),
+    # ZeRO-3: each MoE block's dense chunk over dp, its experts' chunk over edp (colab_kit.zero.split.chunk_units)
+    "dp=4 ep=2 zero=3": (4, "softmax", "sgd", dict(dp=4, ep=2, zero=3), {}),
+    "dp=4 ep=4 zero=3 mb=2 recompute": (4, "capacity", "sgd", dict(dp=4, ep=4, zero=3, microbatches=2,
+                                                                   recompute="full"), {}),
+    "dp=4 ep=2 zero=3 bf16": (4, "softmax", "sgd", dict(dp=4, ep=2, zero=3, precision="bf16"), {}),
+    "dp=4 ep=2 zero=3 offload": (4, "capacity", "adamw", dict(dp=4, ep=2, zero=3, offload="cpu"), {}),
+    "dp=4 ep=4 zero=3 clip": (4, "softmax", "sgd", dict(dp=4, ep=4, zero=3), dict(max_grad_norm=0.5)),
+    "dp=2 tp=2 ep=2 zero=3 capacity": (4, "capacity", "adamw", dict(dp=2, tp=2, ep=2, zero=3), dict(max_grad_norm=0.5)),
+    "dp=2 sp=2 ep=4 zero=3": (4, "softmax", "sgd", dict(dp=2, sp=2, ep=4, zero=3), {}),
 }
 BYTES = "dp=4 ep=2"  # the config whose dispatch records are checked against the formula
 
@@ -66,7 +77,7 @@ def _run(names: list[str], extra=()) -> dict:
                      "first": [m.first for m in layers], "sent": [m.last["send"] for m in layers],
                      "received": [m.last["recv"] for m in layers],
                      "records": [r for r in ck.engine.reports.comm(engine, True) if "expert" in r["tag"]],
-                     "moe": [rec["moe"] for rec in engine.records],
+                     "moe": [rec["moe"] for rec in engine.records], "memory": engine.memory(),
                      "placements": {r["name"]: r["placements"] for r in ck.placements(engine)}}
         engine.close()
     return out
@@ -74,12 +85,15 @@ def _run(names: list[str], extra=()) -> dict:
 
 SAVED = dict(dp=4, ep=4, zero=1)  # the checkpoint's config; loaded at ep=2, with pp, and in one process
 LOADS = {"dp=4 ep=2": dict(dp=4, ep=2), "dp=2 ep=2 pp=2": dict(dp=2, ep=2, pp=2), "one process": dict()}
+SAVED3 = dict(dp=4, ep=4, zero=3)  # ZeRO-3's chunks: loaded at ep=2 with ZeRO-3 and ZeRO-1, and in one process
+LOADS3 = {"dp=4 ep=2 zero=3": dict(dp=4, ep=2, zero=3), "dp=4 ep=2 zero=1": dict(dp=4, ep=2, zero=1),
+          "one process": dict()}
 
 
-def _save_and_load(path: str, loads: dict) -> dict:
-    """Two steps at ``SAVED``, saved; each of ``loads`` loads it and trains steps 3-4; the dense weights."""
+def _save_and_load(path: str, loads: dict, saved: dict = SAVED) -> dict:
+    """Two steps at ``saved``, saved; each of ``loads`` loads it and trains steps 3-4; the dense weights."""
     d = data()
-    engine = ck.boost(build("softmax"), OPTIMIZERS["sgd"], ck.ParallelConfig(**SAVED))
+    engine = ck.boost(build("softmax"), OPTIMIZERS["sgd"], ck.ParallelConfig(**saved))
     for s in range(2):
         engine.train_step(d.batch(s, BATCH))
     engine.save(path)
@@ -98,14 +112,42 @@ def _save_and_load(path: str, loads: dict) -> dict:
 def runs(tmp_path_factory):
     got = {}
     path = str(tmp_path_factory.mktemp("ep") / "ckpt")
+    path3 = str(tmp_path_factory.mktemp("ep3") / "ckpt")
     for world in sorted({c[0] for c in CONFIGS.values()}):
         names = [n for n, c in CONFIGS.items() if c[0] == world]
-        extra = [(_save_and_load, path, {k: v for k, v in LOADS.items() if v}), (_generate,)] if world == 4 else []
+        extra = [(_save_and_load, path, {k: v for k, v in LOADS.items() if v}), (_generate,),
+                 (_save_and_load_zero3, path3)] if world == 4 else [(_auto,)]
         for rank, res in enumerate(ck.launch(_run, world, names, extra, timeout=600)):
             for name, r in res.items():
                 got[name, rank] = r
-    got["one process", 0] = ck.launch(_save_and_load_one, 1, path, timeout=300)[0]
+    got["one process", 0] = ck.launch(_save_and_load_one, 1, path, path3, timeout=300)[0]
     return got
+
+
+def _save_and_load_zero3(path: str) -> dict:
+    """``_save_and_load`` from ``SAVED3`` (ZeRO-3) into ``LOADS3``, its keys prefixed with "zero3 "."""
+    got = _save_and_load(path, {k: v for k, v in LOADS3.items() if v}, SAVED3)
+    return {f"zero3 {k}": v for k, v in got.items()}
+
+
+def _auto() -> dict:
+    """offload='auto' at dp=2 ep=2 ZeRO-3 (recompute: activations the first step's estimate gets right) under a
+    budget with room for 60% of the chunks' states beside what the first step (every chunk on the host) held at
+    most: a probe with room for everything measures both."""
+    cfg, d = ck.ParallelConfig(dp=2, ep=2, zero=3, offload="auto", recompute="full"), data()
+    probe = ck.boost(build("softmax"), OPTIMIZERS["sgd"], cfg, device_budget=1 << 40)
+    probe.train_step(d.batch(0, BATCH))
+    place = probe.grads.placement
+    measured, states = place.account.peak, sum(place.state_bytes(i) for i in range(len(place.chunks)))
+    probe.close()
+    budget = measured + int(0.6 * states)
+    engine = ck.boost(build("softmax"), OPTIMIZERS["sgd"], cfg, device_budget=budget)
+    losses = [engine.train_step(d.batch(s, BATCH)) for s in range(STEPS)]
+    place = engine.grads.placement
+    out = dict(losses=losses, budget=budget, peak=place.account.peak, where=list(place.where),
+               names=[c.name for c in place.chunks])
+    engine.close()
+    return {"auto": out}
 
 
 GENERATE = {"dp=4 ep=2": dict(dp=4, ep=2), "dp=2 ep=2 pp=2": dict(dp=2, ep=2, pp=2)}
@@ -129,13 +171,14 @@ def _generate() -> dict:
     return out
 
 
-def _save_and_load_one(path: str) -> dict:
-    """A one-rank engine loads the checkpoint the four ranks wrote (``SAVED``) and trains steps 3-4."""
-    d = data()
-    engine = ck.boost(build("softmax"), OPTIMIZERS["sgd"], ck.ParallelConfig())
-    engine.load(path)
-    out = {"one process": [engine.train_step(d.batch(s, BATCH)) for s in range(2, STEPS)]}
-    engine.close()
+def _save_and_load_one(path: str, path3: str) -> dict:
+    """A one-rank engine loads each checkpoint the four ranks wrote (``SAVED``, ``SAVED3``), trains steps 3-4."""
+    d, out = data(), {}
+    for key, where in (("one process", path), ("zero3 one process", path3)):
+        engine = ck.boost(build("softmax"), OPTIMIZERS["sgd"], ck.ParallelConfig())
+        engine.load(where)
+        out[key] = [engine.train_step(d.batch(s, BATCH)) for s in range(2, STEPS)]
+        engine.close()
     return out
 
 
@@ -235,6 +278,64 @@ def test_a_checkpoint_saved_at_ep4_trains_on_at_ep2_with_pp_and_in_one_process(r
                                                for n in weights)
 
 
+def test_a_zero3_checkpoint_saved_at_ep4_trains_on_at_ep2_and_in_one_process(runs):
+    """Saved after two steps at dp=4 ep=4 ZeRO-3 (each rank's pieces of the dense and the expert chunks), loaded
+    at dp=4 ep=2 with ZeRO-3 and ZeRO-1 and by one rank: steps 3-4 are one process's; the dense weights rank 0
+    assembles equal those of the ZeRO-1 checkpoint's run at ep=2 (the same four steps)."""
+    want = reference("softmax", "sgd", dp=4)[2:]
+    for name in LOADS3:
+        for rank in range(1 if name == "one process" else 4):
+            got = runs["one process", 0]["zero3 one process"] if name == "one process" else \
+                runs["extra", rank]["zero3 " + name]
+            assert max_relative_difference(got, want) <= RTOL, (name, rank, got, want)
+    before = runs["extra", 0]["dp=4 ep=2 weights"]
+    for name in ("dp=4 ep=2 zero=3", "dp=4 ep=2 zero=1"):  # assembled on rank 0 (ck.dense_state_dict)
+        weights = runs["extra", 0][f"zero3 {name} weights"]
+        assert set(weights) == set(before) and all(
+            torch.allclose(weights[n], before[n], rtol=1e-5, atol=1e-7) for n in before), name
+
+
+def _chunk_bytes(model: str, dp: int, ep: int) -> int:
+    """ZeRO-3 bytes of one rank's pieces (fp32): per block its dense parameters padded over dp and its E/ep
+    experts padded over edp = dp / ep; the rest of the model (embeddings, ln_f, head) over dp."""
+    def piece(n: int, k: int) -> int:
+        return -(-n // k)
+    gpt, total = build(model), 0
+    blocks = {id(p) for b in gpt.blocks for p in b.parameters()}
+    total += piece(sum(p.numel() for p in gpt.parameters() if id(p) not in blocks), dp)
+    for b in gpt.blocks:
+        experts = sum(p.numel() for n, p in b.named_parameters() if ".experts." in f".{n}")  # mlp.experts.w_in ...
+        total += piece(sum(p.numel() for p in b.parameters()) - experts, dp)
+        total += piece(experts // ep, dp // ep) if experts else 0
+    return 4 * total
+
+
+@pytest.mark.parametrize("name", ["dp=4 ep=2 zero=3", "dp=4 ep=4 zero=3 clip", "dp=4 ep=2 zero=3 offload"])
+def test_zero3_memory_counts_each_rank_its_pieces(runs, name):
+    """After a step a rank holds its piece of every chunk (no chunk stays gathered) and its gradient; the expert
+    pieces are E/ep experts over edp, the dense ones over dp; with offload='cpu' all of it on the host."""
+    _, model, _, kw, _ = CONFIGS[name]
+    want = _chunk_bytes(model, kw["dp"], kw["ep"])
+    where, other = ("host", "device") if kw.get("offload") == "cpu" else ("device", "host")
+    for rank in range(4):
+        mem = runs[name, rank]["memory"]
+        assert (mem["params"], mem["grads"]) == (want, want), (name, rank, mem)
+        assert (mem[where]["params"], mem[where]["grads"], mem[other]["params"]) == (want, want, 0), (name, mem)
+
+
+def test_zero3_auto_places_expert_chunks_under_the_budget(runs):
+    """offload='auto', dp=2 ep=2 ZeRO-3: one process's losses; after the first step some chunks are on the device
+    and some on the host, expert chunks among both; the device account never passed the budget."""
+    want = reference("softmax", "sgd", dp=2)
+    for rank in range(2):
+        r = runs["extra", rank]["auto"]
+        assert max_relative_difference(r["losses"], want) <= RTOL, (rank, r["losses"], want)
+        assert {"device", "host"} == set(r["where"])
+        on = {w for n, w in zip(r["names"], r["where"]) if n.endswith(".experts")}
+        assert on == {"device", "host"}, r  # the first MoE block's experts fit, the second's stay on the host
+        assert r["peak"] <= r["budget"]
+
+
 def _one_process_records(model: str, opt: str, microbatches: int, dp: int) -> list[dict]:
     """Per step, per MoE layer number, what one process routed (counts, drops, the losses), recorded by the
     same model code under a one-process ``MoEStep`` (its auxiliary losses enter backward as the engine's do)."""
@@ -329,9 +430,6 @@ def test_bad_ep_is_refused_before_any_process():
     dense = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
     with pytest.raises(ck.ConfigError, match="has none its policy can find.*set ep=1"):
         ck.boost(GPT(dense), opt, ck.ParallelConfig(dp=2, ep=2))
-    for kw, rule in ((dict(zero=3), "ZeRO stage 3"),):
-        with pytest.raises(ck.ConfigError, match=rule):
-            ck.boost(build("softmax"), opt, ck.ParallelConfig(dp=2, ep=2, **kw))
     with pytest.raises(ck.ConfigError, match="capacity factor under sequence parallelism.*capacity_factor=None"):
         ck.boost(build("capacity"), opt, ck.ParallelConfig(sp=2, ep=2))
 
