@@ -1,6 +1,6 @@
 """Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3, GPT-OSS) under the
 engine: 4 steps with AdamW and with SGD(momentum=0.9) equal one process within 1e-5 (fp32) under dp=2, dp=2 ep=2,
-dp=4 ep=4, dp=4 ep=2, ep x ZeRO 1/2 (with microbatches), ep x pp (1F1B, DeepSeek-V3: no load-balancing loss), 1D tp
+dp=4 ep=4, dp=4 ep=2, ep x ZeRO 1/2 (with microbatches) and 3, ep x pp (1F1B, DeepSeek-V3: no load-balancing loss), 1D tp
 (alone and with ep) and sp (ring, Ulysses; ep folded over dp x sp). The reference is plain torch on the HF model:
 ``lm_loss(out.logits, y) + router_aux_loss_coef * out.aux_loss`` of ``model(x, output_router_logits=True)``, HF's
 own aux loss. Each rank holds E/ep experts; ``engine.save`` at ep=2 loads into dp=2 (ep=1); the dense state dict and
@@ -32,6 +32,7 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs)
     "deepseek dp=2 ep=2": (2, "deepseek", "sgd", dict(dp=2, ep=2)),
     "gptoss dp=2 ep=2": (2, "gptoss", "sgd", dict(dp=2, ep=2)),
     "mixtral dp=2 zero=3": (2, "mixtral", "adamw", dict(dp=2, zero=3)),
+    "qwen3 dp=2 ep=2 zero=3": (2, "qwen3", "sgd", dict(dp=2, ep=2, zero=3)),  # the experts a chunk over edp
     "olmoe dp=2 ep=2 recompute": (2, "olmoe", "sgd", dict(dp=2, ep=2, recompute="full")),
     "mixtral tp=2": (2, "mixtral", "sgd", dict(tp=2)),  # 1D: every tp rank routes the same tokens
     "qwen3 sp=2 ring": (2, "qwen3", "adamw", dict(sp=2)),
