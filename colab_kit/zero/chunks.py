@@ -12,7 +12,8 @@ buffer of ``size`` elements whose storage exists only while the chunk is gathere
 resizes the storage to zero bytes, ``gather()`` allocates it again and all-gathers every
 rank's piece into it. The parameters stay the same ``nn.Parameter`` objects throughout (autograd
 saved them in forward; their data is there again when the chunk is gathered for backward).
-In DTensor's words, per chunk over dp: ``shard`` Shard(0); ``full`` Replicate while gathered.
+In DTensor's words, per chunk over dp: ``shard`` Shard(0); ``full`` Replicate while gathered. With expert
+parallelism a block's expert tensors are a chunk of their own over edp (``colab_kit.zero.split.chunk_units``).
 
 Worked example, dp=2, a chunk with a weight [3, 2] and a bias [3] (9 elements, padded to 10)::
 

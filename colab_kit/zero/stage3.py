@@ -58,7 +58,7 @@ Worked example, ``ParallelConfig(dp=4, ep=2, zero=3)``, a GPT of 2 blocks with 4
     1 blocks.0            attention, LNs, router, shared    dp  [0 1 2 3]            piece 2 of 4
     2 blocks.0.experts    experts 0, 1 (w_in, b_in, ...)    edp [0 2]                piece 1 of 2
     3, 4                  the same for blocks.1
-    block 0 runs          gather 1 and 2 -> the block whole with experts 0, 1 (ranks 1, 3 gather 2, 3)
+    block 0 runs          gather 1 and 2 -> the block whole with experts 0, 1 (on ranks 1, 3: experts 2, 3)
     its backward          grads of 1 reduce-scattered over dp / 4; of 2 over edp [0 2] / 4
 
 Clipping counts each element once (a piece is held by one rank), checkpoints map the expert pieces through
