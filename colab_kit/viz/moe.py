@@ -54,11 +54,13 @@ def expert_load_figure(loads: dict, layer: int | None = None, *, title: str | No
     layers = _check_loads(loads, layer)
     steps = sorted({s for n in layers for s in loads[n]["steps"]})
     col = {s: i for i, s in enumerate(steps)}
-    ys, z, counts = [], [], []
+    ys: list[str] = []
+    z: list[list[float | None]] = []
+    counts: list[list[int | None]] = []
     for n in layers:
         row = loads[n]
         experts = len(row["counts"][0])
-        rel = [[None] * len(steps) for _ in range(experts)]
+        rel: list[list[float | None]] = [[None] * len(steps) for _ in range(experts)]
         raw: list[list[int | None]] = [[None] * len(steps) for _ in range(experts)]
         for s, c in zip(row["steps"], row["counts"]):
             for e, (r, k) in enumerate(zip(_relative(c), c)):

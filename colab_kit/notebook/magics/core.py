@@ -9,6 +9,7 @@
     %colossal profile --data batch    # one step of `engine` on `batch` under torch.profiler, every rank
     %colossal memory --by place       # memory per rank, measured beside the estimate (MemoryView)
     %colossal memory --timeline       # one step of `engine` on `batch`: bytes by category after every op
+    %colossal moe --layer 1           # MoE: each expert's load per step, the all-to-all traffic (MoEView)
     %colossal plan --model MODEL --batch 16 --memory 64MiB   # candidates, estimated (PlannerView)
     %colossal status | stop | restart
 
@@ -63,6 +64,7 @@ from .pipeline_views import NoTimeline, memory_timeline_view, profile_view, sche
 
 if TYPE_CHECKING:
     from ..widgets.memory_view import MemoryView
+    from ..widgets.moe_view import MoEView
 
 __all__ = ["ColossalState", "ColossalMagics", "state", "show_outputs", "load_ipython_extension",
            "unload_ipython_extension"]
@@ -78,6 +80,7 @@ class ColossalMagics(Magics):
         self.state = state
         # the MemoryView %colossal memory showed last (it watches until replaced)
         self._memory_view: MemoryView | None = None
+        self._moe_view: MoEView | None = None  # the same for %colossal moe
 
     @line_cell_magic
     def colossal(self, line: str, cell: str | None = None):
@@ -202,6 +205,24 @@ class ColossalMagics(Magics):
             return view
         print(repr(view))
         return view.figure()
+
+    def _do_moe(self, args, words):
+        """A ``MoEView`` that watches where widgets render; elsewhere its text, and the load figure as the result."""
+        from ..widgets.moe_view import MoEView, NoMoE
+
+        self.state.require_cluster()
+        try:
+            view = MoEView(self.state, args.var, layer=args.layer)
+        except (NoMoE, ConfigError) as exc:
+            raise UsageError(f"%colossal moe: {exc}") from None
+        old, self._moe_view = self._moe_view, None
+        if old is not None:
+            old.unwatch()
+        if self._notebook and _has_widgets():
+            self._moe_view = view.watch(self.shell)
+            return view
+        print(repr(view))
+        return view.load_figure()
 
     def _do_plan(self, args, words):
         """``ck.plan`` for the model in ``--model``: a ``PlannerView`` where widgets render (Apply sets the

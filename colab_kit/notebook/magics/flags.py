@@ -110,6 +110,8 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "timeline": (("--timeline",), dict(action="store_true",
                                        help="one step of --var on --data sampled after every op: bytes by category "
                                             "over the step, the peak and what was alive at it")),
+    "layer": (("--layer",), dict(type=int, default=None, metavar="L",
+                                 help="the MoE layer whose load to show (default: every MoE layer stacked)")),
     "model": (("--model",), dict(required=True, metavar="VAR", help="a GPTConfig (or GPT) in a kernel variable")),
     "batch": (("--batch",), dict(type=_positive_int, required=True, metavar="N",
                                  help="global batch (sequences per step)")),
@@ -132,6 +134,8 @@ COMMANDS = {  # name: (flags, takes config words, help)
                 "profile one step on every rank: compute, communication by axis, idle, overlap"),
     "memory": (("var", "by", "timeline", "data"), False,
                "memory per rank beside the estimate; --timeline: over one step, op by op"),
+    "moe": (("var", "layer"), False,
+            "mixture of experts: each expert's load per step and the all-to-all traffic, as recorded (MoEView)"),
     "plan": (("model", "batch", "world", "memory", "top"), False,
              "plan a model's configs: estimated memory and step time; Apply one"),
     "export": (("path",), False, "write the configs and cells the cluster ran as a script for torchrun or srun"),

@@ -88,10 +88,15 @@ def _size(nbytes: float) -> str:
 def format_moe(m: dict) -> str:
     """The MoE line of one engine (see the module docstring).
 
-    >>> print(format_moe({"layers": 2, "busiest_first": 1.52, "busiest_last": 1.18, "dropped": 240,
-    ...                   "assigned": 7680, "balance_first": 1.012, "balance_last": 1.001, "z_first": 1.97,
-    ...                   "z_last": 1.91, "sent": 7168, "sent_off": 5222.4}))
-    moe (2 layers): busiest expert 1.52x -> 1.18x the mean · dropped 3.1% of 7,680 assignments · balance 1.012 -> 1.001 · z 1.97 -> 1.91 · rank 0 dispatched 7.0 KiB/step, 5.1 KiB to other ranks
+    >>> line = format_moe({"layers": 2, "busiest_first": 1.52, "busiest_last": 1.18, "dropped": 240,
+    ...                    "assigned": 7680, "balance_first": 1.012, "balance_last": 1.001, "z_first": 1.97,
+    ...                    "z_last": 1.91, "sent": 7168, "sent_off": 5222.4})
+    >>> print(line.replace(" · ", "\n"))
+    moe (2 layers): busiest expert 1.52x -> 1.18x the mean
+    dropped 3.1% of 7,680 assignments
+    balance 1.012 -> 1.001
+    z 1.97 -> 1.91
+    rank 0 dispatched 7.0 KiB/step, 5.1 KiB to other ranks
     """
     def moved(key: str, fmt: str, suffix: str = "") -> str:
         a, b = m[f"{key}_first"], m[f"{key}_last"]
