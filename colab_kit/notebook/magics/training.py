@@ -91,7 +91,7 @@ def format_moe(m: dict) -> str:
     >>> line = format_moe({"layers": 2, "busiest_first": 1.52, "busiest_last": 1.18, "dropped": 240,
     ...                    "assigned": 7680, "balance_first": 1.012, "balance_last": 1.001, "z_first": 1.97,
     ...                    "z_last": 1.91, "sent": 7168, "sent_off": 5222.4})
-    >>> print(line.replace(" · ", "\n"))
+    >>> print(*line.split(" · "), sep=chr(10))
     moe (2 layers): busiest expert 1.52x -> 1.18x the mean
     dropped 3.1% of 7,680 assignments
     balance 1.012 -> 1.001
