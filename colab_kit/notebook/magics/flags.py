@@ -135,7 +135,7 @@ COMMANDS = {  # name: (flags, takes config words, help)
     "memory": (("var", "by", "timeline", "data"), False,
                "memory per rank beside the estimate; --timeline: over one step, op by op"),
     "moe": (("var", "layer"), False,
-            "mixture of experts: each expert's load per step and the all-to-all traffic, as recorded (MoEView)"),
+            "experts: load per step and all-to-all traffic (recorded)"),
     "plan": (("model", "batch", "world", "memory", "top"), False,
              "plan a model's configs: estimated memory and step time; Apply one"),
     "export": (("path",), False, "write the configs and cells the cluster ran as a script for torchrun or srun"),
