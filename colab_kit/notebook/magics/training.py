@@ -14,8 +14,10 @@ is measured on rank 0 once and cached). A cell that trained nothing prints nothi
 An engine with mixture-of-experts layers adds a second line, from the MoE records of the same steps on rank 0
 (``colab_kit.observe.moe.moe_summary``: no collective of its own)::
 
-            moe (2 layers): busiest expert 1.52x -> 1.18x the mean · dropped 3.1% of 7,680 assignments
-            · balance 1.012 -> 1.001 · z 1.97 -> 1.91 · rank 0 dispatched 7.0 KiB/step, 5.1 KiB to other ranks
+            moe (2 layers): busiest expert 1.16x -> 1.33x the mean · dropped 17.8% of 40,960 assignments
+            · balance 1.002 -> 1.045 · z 2 -> 2.11 · rank 0 dispatched 120.6 KiB/step, 91.7 KiB to other ranks
+
+(notebook 09's MoE GPT, 20 steps at dp=4 ep=4 with the router bias on; printed as one line)
 
 "busiest expert" is the largest load over the mean load of any layer at the first and the last step
 (1.00x: balanced); "dropped" counts the assignments a capacity dropped over the cell's steps; balance and z

@@ -10,7 +10,7 @@
 ``expert_load_figure`` (experts x steps, load over the mean; the counts are the whole batch's, so one rank's
 records suffice per layer, and with pp each layer is read from a rank of its stage) and, with ``ep > 1``,
 ``moe_traffic_figure`` of the last step (``moe_records.traffic``: rank i's bytes to rank j). Outside a
-kernel the view is this text (MoE GPT of notebook 09, dp=4 ep=4, after 3 steps)::
+kernel the view is this text (the MoE GPT of tests/cluster/test_moe_view.py, dp=4 ep=4, after 3 steps)::
 
     MoEView('engine' on 4 ranks, steps 1-3; recorded)
       layer 0  experts 4  step 3: loads 71 60 61 64  busiest 1.11x the mean  dropped 7
