@@ -14,6 +14,7 @@ sent to rank ``j`` (``colab_kit.engine.moe_records.traffic``); the diagonal is w
 
     fig = moe_traffic_figure([[2816, 1792], [1920, 1664]], step=3)
     # Heatmap, y "from rank 0", "from rank 1"; x "to rank 0", "to rank 1"; text "2.8 KiB", ...
+    # title "Dispatch bytes, rank to rank (step 3, all MoE layers; recorded)"
 
 Both titles say the data was recorded. Empty or malformed data is a ``ConfigError`` saying what to pass:
 a figure never invents a load.
@@ -109,7 +110,7 @@ def moe_traffic_figure(matrix, *, step: int | None = None, layer: int | None = N
     what = f"step {step}" if step is not None else "one step"
     which = f"layer {layer}" if layer is not None else "all MoE layers"
     fig.update_layout(
-        title=title or f"All-to-all dispatch bytes, rank to rank ({what}, {which}; recorded)",
-        yaxis=dict(autorange="reversed"), height=int(min(800, 160 + 45 * n)), width=int(min(900, 260 + 70 * n)),
+        title=title or f"Dispatch bytes, rank to rank ({what}, {which}; recorded)",
+        yaxis=dict(autorange="reversed"), height=int(min(800, 160 + 45 * n)), width=int(min(900, 380 + 70 * n)),
         margin=dict(l=100, r=40, t=60, b=50))
     return fig

@@ -134,6 +134,16 @@ def test_the_view_refreshes_after_each_colossal_cell_and_names_a_dense_engine(ip
     run("%%colossal\ndense.close()")
 
 
+def test_the_mesh_magic_draws_the_expert_groups_beside_the_dense_ones(ip, run):
+    error, out, _ = run("fig = %colossal mesh --axis experts dp=4 ep=2")
+    assert error is None, out
+    names = [t.name for t in ip.user_ns["fig"].data]
+    assert names == ["dp group 0: ranks 0, 1, 2, 3", "ep group 0: ranks 0, 1", "ep group 1: ranks 2, 3",
+                     "edp group 0: ranks 0, 2", "edp group 1: ranks 1, 3"]
+    _bad(run, "%colossal mesh --axis experts dp=4", "does not split the experts (ep=1)")
+    _bad(run, "%colossal mesh --axis ep dp=4", "unknown axis 'ep'")
+
+
 def _bad(run, src, needle):
     error, out, err = run(src)
     assert type(error).__name__ == "UsageError", (src, error, out, err)

@@ -79,7 +79,7 @@ def test_the_traffic_heatmap_is_the_matrix_given():
     (hm,) = fig.data
     assert [list(r) for r in hm.z] == matrix and list(hm.y) == ["from rank 0", "from rank 1"]
     assert [list(r) for r in hm.text] == [["2.8 KiB", "1.8 KiB"], ["1.9 KiB", ""]]
-    assert fig.layout.title.text == "All-to-all dispatch bytes, rank to rank (step 3, layer 1; recorded)"
+    assert fig.layout.title.text == "Dispatch bytes, rank to rank (step 3, layer 1; recorded)"
     with pytest.raises(ck.ConfigError, match="must be square"):
         moe_traffic_figure([[1, 2]])
     with pytest.raises(ck.ConfigError, match="recorded with expert parallelism"):

@@ -4,6 +4,7 @@
     %colossal start -n 4              # 4 engines, torch.distributed up; shows rank, host, pid, device
     %colossal config dp=2 tp=2        # checked in the kernel first, then set on every rank (+ mesh)
     %colossal mesh --axis tp          # plotly figure of the device mesh (no cluster needed)
+    %colossal mesh --axis experts dp=4 ep=2   # dense groups beside the expert groups (ep, edp)
     %colossal schedule --pp 4 --microbatches 8 --schedule zb-h1   # planned grid, bubble (no cluster)
     %colossal timeline --var engine   # the last step of `engine` on every rank (measured)
     %colossal profile --data batch    # one step of `engine` on `batch` under torch.profiler, every rank
@@ -150,10 +151,12 @@ class ColossalMagics(Magics):
         print(self.state.apply_config(config))
 
     def _do_mesh(self, args, words):
-        from ...viz.mesh import mesh_figure
+        from ...viz.mesh import expert_mesh_figure, mesh_figure
 
         config = self.state.mesh_config(words)
         try:
+            if args.axis == "experts":
+                return expert_mesh_figure(config, dense="tp" if config.tp > 1 else "dp")
             return mesh_figure(config, axis=args.axis)
         except ValueError as exc:
             raise UsageError(f"%colossal mesh: {exc}") from None

@@ -95,7 +95,8 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                                      help="ipyparallel profile (a name, or a directory) whose ipcluster_config.py "
                                           "configures the launcher: ssh options, Slurm account, ...")),
     "timeout": (("--timeout",), dict(type=_seconds, default=None, metavar="S", help="seconds before giving up")),
-    "axis": (("--axis",), dict(default="tp", help="colour the ranks by their group on this axis")),
+    "axis": (("--axis",), dict(default="tp", help="colour the ranks by their group on this axis (experts: the "
+                                                  "dense, ep and edp groups side by side)")),
     "ranks": (("--ranks",), dict(type=_rank_list, default=None, metavar="0,2", help="only these ranks")),
     "pp": (("--pp",), dict(type=int, default=None, metavar="P", help="pipeline ranks")),
     "microbatches": (("-m", "--microbatches"), dict(type=int, default=None, metavar="M", help="microbatches per step")),
