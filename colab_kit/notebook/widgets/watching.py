@@ -9,7 +9,7 @@ A mixin for views with ``refresh()``, a ``cluster`` property (raising a ``Lookup
 
 ``watch()`` registers a ``post_run_cell`` callback with the IPython shell. A failed cell, a cluster that
 needs a restart or is not running is skipped; a refresh that fails shows its error in the widget (``_report``),
-never in the cell. ``MoEView`` uses it; ``MemoryView`` has the same behaviour written out.
+never in the cell. ``MemoryView`` and ``MoEView`` use it.
 """
 from __future__ import annotations
 
