@@ -119,6 +119,11 @@ def test_the_view_refreshes_after_each_colossal_cell_and_names_a_dense_engine(ip
             {r: recs[r][-1]["moe"] for r in range(4)}, layout, layer=1)
         run("x = 1")  # not a %%colossal cell: no refresh
         assert view.refreshes == 2
+        assert view._click_refresh() is None and view.refreshes == 3 and not ui["refresh"].disabled  # the button
+        view._source = object()  # no cluster there: the button shows why, in the widget
+        view._click_refresh()
+        assert "NoMoE: no cluster to read" in view.error and "no cluster to read" in str(ui["errors"].outputs)
+        view._source = shared
     finally:
         view.unwatch()
     run("%%colossal\nmoe_engine.close()")
@@ -132,6 +137,23 @@ def test_the_view_refreshes_after_each_colossal_cell_and_names_a_dense_engine(ip
     assert "dense: step 1" in out and "moe (" not in out  # a dense engine has no MoE line
     _bad(run, "%colossal moe --var dense", "'dense' has no MoE records: its model has no MoE layer")
     run("%%colossal\ndense.close()")
+
+
+def test_under_pp_the_line_says_rank_0s_stage_and_the_view_reads_each_stage(run, shared):
+    error, out, _ = run("%colossal config pp=2 dp=2 ep=2")
+    assert error is None, out
+    error, out, _ = run(TRAIN)
+    assert error is None, out
+    line = next(t for t in out.splitlines() if t.lstrip().startswith("moe ("))
+    assert line.startswith("        moe (1 layer on rank 0's stage): busiest expert "), line
+    recs = _records(shared)
+    assert [[m["layer"] for m in r["moe"]] for r in (recs[0][-1], recs[2][-1])] == [[0], [1]]  # one per stage
+    view = MoEView(shared, "moe_engine")
+    assert view.loads == {**loads_by_layer(recs[0]), **loads_by_layer(recs[2])} and list(view.loads) == [0, 1]
+    layout = ck.MeshLayout(ck.ParallelConfig(pp=2, dp=2, ep=2))
+    assert view.traffic() == traffic({r: recs[r][-1]["moe"] for r in range(4)}, layout)
+    assert view.traffic()[0][2] == view.traffic()[2][0] == 0  # stages never exchange tokens
+    run("%%colossal\nmoe_engine.close()")
 
 
 def test_the_mesh_magic_draws_the_expert_groups_beside_the_dense_ones(ip, run):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .display import KernelDisplay, html
+from .display import KernelDisplay, html, then
 from .figure_view import figure_view, redraw
 from .watching import CellWatcher
 from ..session import find
@@ -153,9 +153,10 @@ class MoEView(CellWatcher, KernelDisplay):
         for g in got:  # with pp each rank records its stage's layers: the first rank with a layer gives it
             for n, row in loads_by_layer(g["records"]).items():
                 loads.setdefault(n, row)
-        common = set.intersection(*({r["step"] for r in g["records"]} for g in got))
+        # the last step every rank with MoE layers recorded (with pp, a stage without one records none)
+        common = set.intersection(*({r["step"] for r in g["records"]} for g in got if g["records"]))
         self.step = max(common) if common else None
-        self.last = {rank: next(r["moe"] for r in g["records"] if r["step"] == self.step)
+        self.last = {rank: next((r["moe"] for r in g["records"] if r["step"] == self.step), [])
                      for rank, g in enumerate(got)} if common else {}
         self.config, self.loads = got[0]["config"], dict(sorted(loads.items()))
         if self.layer is not None and self.layer not in self.loads:  # a new engine without that layer
@@ -182,11 +183,35 @@ class MoEView(CellWatcher, KernelDisplay):
             self._redraw()
         return self._ui["box"]
 
-    def _click_refresh(self) -> None:
-        try:
-            self.refresh()
-        except Exception as exc:  # noqa: BLE001 - a button has nowhere else to report
-            self._report(exc)
+    def _click_refresh(self):
+        """The Refresh button: the ranks are read in a worker thread when the kernel's loop runs (the kernel
+        stays free), at once in plain Python; an error goes to the widget. Returns the task, or None."""
+        if self.busy:
+            return None
+        self._busy(True)
+
+        def attempt():
+            try:
+                return self._gather(), None
+            except Exception as exc:  # noqa: BLE001 - a button has nowhere else to report
+                return None, exc
+
+        def done(result) -> None:
+            got, exc = result
+            self._busy(False)
+            if exc is not None:
+                self._report(exc)
+            else:
+                self._take(got)
+
+        return then(attempt, done)
+
+    def _busy(self, busy: bool) -> None:
+        self.busy = busy
+        if self._ui is not None:
+            self._ui["refresh"].disabled = busy
+            if busy:
+                self._ui["errors"].outputs = ()
 
     def _report(self, exc: BaseException) -> None:
         self.error = f"{type(exc).__name__}: {exc}"
