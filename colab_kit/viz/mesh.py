@@ -20,16 +20,17 @@ Worked example, ``ParallelConfig(dp=2, tp=2)`` coloured by ``tp``::
     dp 1:  [2][3]      trace "tp group 1: ranks 2, 3"  (colour B)
 
 With ``axis="dp"`` the same squares are coloured by columns instead:
-groups [0, 2] and [1, 3].
+groups [0, 2] and [1, 3]. ``expert_mesh_figure(config)`` draws a config with ``ep > 1`` three times side
+by side: by its dense groups (dp), by its ``ep`` groups and by its ``edp`` groups.
 """
 from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from ..config import ParallelConfig
+from ..config import ConfigError, ParallelConfig
 from ..mesh import MeshLayout
 
-__all__ = ["mesh_figure", "cell_positions", "PALETTE"]
+__all__ = ["mesh_figure", "expert_mesh_figure", "cell_positions", "PALETTE"]
 
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6",
            "#9D755D", "#BAB0AC", "#2F6B9A", "#C2571A", "#3D7A35", "#A8323E", "#4E8F8A", "#B89B1E")
@@ -82,26 +83,35 @@ def _label(layout: MeshLayout, rank: int, small: bool) -> tuple[str, str]:
     return text, hover
 
 
+def _panel(fig: go.Figure, layout: MeshLayout, axis: str, pos: dict, dx: float = 0.0) -> list[dict]:
+    """The squares of one mesh drawing coloured by ``axis`` groups, shifted right by ``dx``: adds one trace per
+    group to ``fig`` and returns the squares' shapes."""
+    groups = layout.groups(axis)  # raises ValueError naming the axes this mesh has
+    small = layout.world_size <= 32
+    shapes = []
+    for i, ranks in enumerate(groups):
+        colour = PALETTE[i % len(PALETTE)]
+        labels = [_label(layout, r, small) for r in ranks]
+        fig.add_trace(go.Scatter(
+            x=[pos[r][0] + dx for r in ranks], y=[pos[r][1] for r in ranks], mode="markers+text",
+            marker=dict(symbol="square", size=38, color=colour, opacity=0.0),
+            text=[t for t, _ in labels], hovertext=[h for _, h in labels], hoverinfo="text",
+            textfont=dict(color="white", size=13), customdata=ranks,
+            name=f"{axis} group {i}: ranks {', '.join(map(str, ranks))}", legendgroup=f"{axis}{i}"))
+        shapes += [dict(type="rect", x0=pos[r][0] + dx - 0.45, x1=pos[r][0] + dx + 0.45, y0=pos[r][1] - 0.45,
+                        y1=pos[r][1] + 0.45, fillcolor=colour, line=dict(color="white", width=1), layer="below",
+                        name=f"rank {r}") for r in ranks]
+    return shapes
+
+
 def mesh_figure(config_or_layout: ParallelConfig | MeshLayout, axis: str = "tp") -> go.Figure:
     """The device mesh, one square per rank, coloured by its group on ``axis``."""
     layout = config_or_layout if isinstance(config_or_layout, MeshLayout) else MeshLayout(config_or_layout)
     cfg = layout.config
     groups = layout.groups(axis)  # raises ValueError naming the axes this mesh has
     pos = cell_positions(layout)
-    small = layout.world_size <= 32
-    fig, shapes = go.Figure(), []
-    for i, ranks in enumerate(groups):
-        colour = PALETTE[i % len(PALETTE)]
-        labels = [_label(layout, r, small) for r in ranks]
-        fig.add_trace(go.Scatter(
-            x=[pos[r][0] for r in ranks], y=[pos[r][1] for r in ranks], mode="markers+text",
-            marker=dict(symbol="square", size=38, color=colour, opacity=0.0),
-            text=[t for t, _ in labels], hovertext=[h for _, h in labels], hoverinfo="text",
-            textfont=dict(color="white", size=13), customdata=ranks,
-            name=f"{axis} group {i}: ranks {', '.join(map(str, ranks))}", legendgroup=f"g{i}"))
-        shapes += [dict(type="rect", x0=pos[r][0] - 0.45, x1=pos[r][0] + 0.45, y0=pos[r][1] - 0.45,
-                        y1=pos[r][1] + 0.45, fillcolor=colour, line=dict(color="white", width=1), layer="below",
-                        name=f"rank {r}") for r in ranks]
+    fig = go.Figure()
+    shapes = _panel(fig, layout, axis, pos)
     _block_titles(fig, layout, pos)
     width = max(x for x, _ in pos.values()) + 1
     height = max(y for _, y in pos.values()) + 1
@@ -113,6 +123,44 @@ def mesh_figure(config_or_layout: ParallelConfig | MeshLayout, axis: str = "tp")
         plot_bgcolor="white", showlegend=len(groups) <= 16,
         width=int(min(1100, 160 + 70 * width + (260 if len(groups) <= 16 else 0))),
         height=int(min(900, 140 + 70 * (height + 1))), margin=dict(l=60, r=20, t=60, b=20))
+    return fig
+
+
+def expert_mesh_figure(config_or_layout: ParallelConfig | MeshLayout, dense: str = "dp") -> go.Figure:
+    """The same mesh drawn three times side by side: coloured by the ``dense`` axis's groups, by the ``ep``
+    groups (ranks that exchange tokens by all-to-all, each holding ``n_experts / ep`` experts) and by the
+    ``edp`` groups (ranks holding the same experts, whose gradients are summed).
+
+    Worked example, ``ParallelConfig(dp=4, ep=2)``::
+
+        dp groups        ep groups           edp groups
+        [0][1][2][3]     [0][1] [2][3]       [0][2] [1][3]
+        (one group)      (colours A, B)      (colours A, B)
+
+    A config without experts split (``ep=1``) is a ``ConfigError``: ``mesh_figure`` draws it.
+    """
+    layout = config_or_layout if isinstance(config_or_layout, MeshLayout) else MeshLayout(config_or_layout)
+    cfg = layout.config
+    if layout.ep <= 1:
+        raise ConfigError(f"{cfg.describe()} does not split the experts (ep=1), so it has no ep or edp groups: "
+                          "draw it with mesh_figure(config, axis), or set ep (a divisor of dp x sp) above 1")
+    pos = cell_positions(layout)
+    width = max(x for x, _ in pos.values()) + 1
+    height = max(y for _, y in pos.values()) + 1
+    fig, shapes = go.Figure(), []
+    for i, axis in enumerate((dense, "ep", "edp")):
+        dx = i * (width + 1.2)
+        shapes += _panel(fig, layout, axis, pos, dx)
+        what = {"ep": "experts split (all-to-all)", "edp": "same experts (grads summed)"}.get(axis, "dense")
+        fig.add_annotation(x=dx + (width - 1) / 2, y=-0.8, text=f"<b>{axis}</b> groups: {what}", showarrow=False)
+    total = 3 * width + 2.4
+    fig.update_layout(
+        shapes=shapes, title=f"{cfg.describe()}: {dense} groups beside the expert groups (ep, edp)",
+        xaxis=dict(visible=False, range=[-0.8, total - 0.2]),
+        yaxis=dict(visible=False, autorange="reversed", scaleanchor="x", range=[height - 0.2, -1.2]),
+        plot_bgcolor="white", showlegend=len(fig.data) <= 16,
+        width=int(min(1100, 120 + 55 * total + (260 if len(fig.data) <= 16 else 0))),
+        height=int(min(900, 140 + 70 * (height + 1))), margin=dict(l=20, r=20, t=60, b=20))
     return fig
 
 

@@ -127,6 +127,28 @@ EXPECT = {  # notebook -> [(marker in the cell source, text its output must cont
         ("cands = ck.plan(BIG", "(* model states exact, from a dry run of the rank)"),
         ("%colossal stop", "cluster stopped"),
     ],
+    "09_mixture_of_experts.ipynb": [
+        ("model(x)", "MoE layer 1: assignments per expert"),
+        ("%colossal start -n 4", "started 4 ranks"),
+        ("for step in range(40)", "engine: steps 1-40 · loss "),
+        ("for step in range(40)", "        moe (2 layers): busiest expert "),
+        ("for step in range(40)", " -> 2.00x the mean · dropped "),
+        ("%colossal moe", "MoEView('engine' on 4 ranks, steps 1-40; recorded)"),
+        ("%colossal moe", "no dispatch traffic: the experts are not split (ep=1)"),
+        ("runs = {name: cluster.run(balanced", "no balancing                 2.00x"),
+        ("runs = {name: cluster.run(balanced", "router bias 0.02"),
+        ("print(picker.set(ep=3))", "so it must divide dp x sp: try ep=1, 2 or 4"),
+        ("print(picker.set(ep=3))", "ok: dp=4 = 4 ranks, ep=4 fits the 4 ranks"),
+        ("%colossal config dp=4 ep=4", "config set on 4 ranks: dp=4 = 4 ranks, ep=4"),
+        ("GPTConfig(**MOE, router_bias_update=0.02)", "engine: steps 1-20 · loss "),
+        ("GPTConfig(**MOE, router_bias_update=0.02)", "KiB to other ranks"),
+        ("from colab_kit.engine.moe_records import traffic", "B stayed home)"),
+        ("bytes across tp pairs", "bytes across tp pairs (0-1, 2-3): 0"),
+        ("single_process_losses(PARITY", "dp=2 tp=2 ep=2     losses"),
+        ("single_process_losses(PARITY", "dp=4 ep=2 zero=1   losses"),
+        ("single_process_losses(PARITY", "largest relative difference vs one process"),
+        ("%colossal stop", "cluster stopped"),
+    ],
 }
 
 ASKED = {  # notebooks that start `-n 8 --fit`: what they show on 8 ranks, and on 4 where memory is short (Binder)

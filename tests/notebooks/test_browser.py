@@ -119,6 +119,16 @@ SHOWS = {  # notebook -> [(marker in a cell's source, "widget" | "plot" it must 
         ("%colossal memory --timeline", "plot"),
         ("roofline_figure(roofs.values())", "plot"),
     ],
+    "09_mixture_of_experts.ipynb": [
+        ("%colossal moe", "widget"),
+        ("%colossal moe", "plot"),
+        ("viz.expert_load_figure", "plot"),
+        ("picker = ck.widgets.ConfigPicker()", "widget"),
+        ("picker = ck.widgets.ConfigPicker()", "plot"),
+        ("from colab_kit.engine.moe_records import traffic", "plot"),
+        ("bytes across tp pairs", "plot"),
+        ("viz.expert_mesh_figure", "plot"),
+    ],
 }
 
 # A widget or a figure shown as its Python repr: what a frontend without widget support prints.

@@ -4,11 +4,13 @@
     %colossal start -n 4              # 4 engines, torch.distributed up; shows rank, host, pid, device
     %colossal config dp=2 tp=2        # checked in the kernel first, then set on every rank (+ mesh)
     %colossal mesh --axis tp          # plotly figure of the device mesh (no cluster needed)
+    %colossal mesh --axis experts dp=4 ep=2   # dense groups beside the expert groups (ep, edp)
     %colossal schedule --pp 4 --microbatches 8 --schedule zb-h1   # planned grid, bubble (no cluster)
     %colossal timeline --var engine   # the last step of `engine` on every rank (measured)
     %colossal profile --data batch    # one step of `engine` on `batch` under torch.profiler, every rank
     %colossal memory --by place       # memory per rank, measured beside the estimate (MemoryView)
     %colossal memory --timeline       # one step of `engine` on `batch`: bytes by category after every op
+    %colossal moe --layer 1           # MoE: each expert's load per step, the all-to-all traffic (MoEView)
     %colossal plan --model MODEL --batch 16 --memory 64MiB   # candidates, estimated (PlannerView)
     %colossal status | stop | restart
 
@@ -63,6 +65,7 @@ from .pipeline_views import NoTimeline, memory_timeline_view, profile_view, sche
 
 if TYPE_CHECKING:
     from ..widgets.memory_view import MemoryView
+    from ..widgets.moe_view import MoEView
 
 __all__ = ["ColossalState", "ColossalMagics", "state", "show_outputs", "load_ipython_extension",
            "unload_ipython_extension"]
@@ -78,6 +81,7 @@ class ColossalMagics(Magics):
         self.state = state
         # the MemoryView %colossal memory showed last (it watches until replaced)
         self._memory_view: MemoryView | None = None
+        self._moe_view: MoEView | None = None  # the same for %colossal moe
 
     @line_cell_magic
     def colossal(self, line: str, cell: str | None = None):
@@ -147,10 +151,12 @@ class ColossalMagics(Magics):
         print(self.state.apply_config(config))
 
     def _do_mesh(self, args, words):
-        from ...viz.mesh import mesh_figure
+        from ...viz.mesh import expert_mesh_figure, mesh_figure
 
         config = self.state.mesh_config(words)
         try:
+            if args.axis == "experts":
+                return expert_mesh_figure(config, dense="tp" if config.tp > 1 else "dp")
             return mesh_figure(config, axis=args.axis)
         except ValueError as exc:
             raise UsageError(f"%colossal mesh: {exc}") from None
@@ -202,6 +208,24 @@ class ColossalMagics(Magics):
             return view
         print(repr(view))
         return view.figure()
+
+    def _do_moe(self, args, words):
+        """A ``MoEView`` that watches where widgets render; elsewhere its text, and the load figure as the result."""
+        from ..widgets.moe_view import MoEView, NoMoE
+
+        self.state.require_cluster()
+        try:
+            view = MoEView(self.state, args.var, layer=args.layer)
+        except (NoMoE, ConfigError) as exc:
+            raise UsageError(f"%colossal moe: {exc}") from None
+        old, self._moe_view = self._moe_view, None
+        if old is not None:
+            old.unwatch()
+        if self._notebook and _has_widgets():
+            self._moe_view = view.watch(self.shell)
+            return view
+        print(repr(view))
+        return view.load_figure()
 
     def _do_plan(self, args, words):
         """``ck.plan`` for the model in ``--model``: a ``PlannerView`` where widgets render (Apply sets the

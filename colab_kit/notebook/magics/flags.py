@@ -95,7 +95,8 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                                      help="ipyparallel profile (a name, or a directory) whose ipcluster_config.py "
                                           "configures the launcher: ssh options, Slurm account, ...")),
     "timeout": (("--timeout",), dict(type=_seconds, default=None, metavar="S", help="seconds before giving up")),
-    "axis": (("--axis",), dict(default="tp", help="colour the ranks by their group on this axis")),
+    "axis": (("--axis",), dict(default="tp", help="colour the ranks by their group on this axis (experts: the "
+                                                  "dense, ep and edp groups side by side)")),
     "ranks": (("--ranks",), dict(type=_rank_list, default=None, metavar="0,2", help="only these ranks")),
     "pp": (("--pp",), dict(type=int, default=None, metavar="P", help="pipeline ranks")),
     "microbatches": (("-m", "--microbatches"), dict(type=int, default=None, metavar="M", help="microbatches per step")),
@@ -110,6 +111,8 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "timeline": (("--timeline",), dict(action="store_true",
                                        help="one step of --var on --data sampled after every op: bytes by category "
                                             "over the step, the peak and what was alive at it")),
+    "layer": (("--layer",), dict(type=int, default=None, metavar="L",
+                                 help="the MoE layer whose load to show (default: every MoE layer stacked)")),
     "model": (("--model",), dict(required=True, metavar="VAR", help="a GPTConfig (or GPT) in a kernel variable")),
     "batch": (("--batch",), dict(type=_positive_int, required=True, metavar="N",
                                  help="global batch (sequences per step)")),
@@ -132,6 +135,8 @@ COMMANDS = {  # name: (flags, takes config words, help)
                 "profile one step on every rank: compute, communication by axis, idle, overlap"),
     "memory": (("var", "by", "timeline", "data"), False,
                "memory per rank beside the estimate; --timeline: over one step, op by op"),
+    "moe": (("var", "layer"), False,
+            "experts: load per step and all-to-all traffic (recorded)"),
     "plan": (("model", "batch", "world", "memory", "top"), False,
              "plan a model's configs: estimated memory and step time; Apply one"),
     "export": (("path",), False, "write the configs and cells the cluster ran as a script for torchrun or srun"),

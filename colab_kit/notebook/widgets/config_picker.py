@@ -8,6 +8,9 @@ and the status line says whether it fits (or shows the ConfigError's message)::
 
     picker.set(dp=2, tp=2)   # on a 4-rank cluster -> "ok: dp=2 x tp=2 (1d) = 4 ranks fits the 4 ranks"
     picker.set(tp=3)         # -> "not valid: this config needs dp*pp*sp*tp = 2*1*1*3 = 6 ranks, but there are 4: ..."
+    picker.set(dp=4, tp=1, ep=3)  # -> "not valid: ep=3 splits the experts over ranks that already split the
+                             #     batch (dp x sp = 4 x 1 = 4), so it must divide dp x sp: try ep=..."
+    picker.ep_choices()      # [1, 2, 4]: the divisors of dp x sp, shown beside the ep box
     picker.set(dp=1, pp=2, zero=3)  # -> "valid, not runnable yet: this version of the engine does not run
                                     #     ZeRO stage 3 with pipeline parallelism yet (...)": ck.boost would refuse it
     picker.apply()           # the same path as %colossal config: config and mesh set on every rank
@@ -28,19 +31,19 @@ from .figure_view import figure_view, redraw
 from ...engine.core import unsupported
 from ...errors import RankError
 from ...mesh import MeshLayout
-from ...viz.mesh import mesh_figure
+from ...viz.mesh import expert_mesh_figure, mesh_figure
 from ..cluster import ClusterError
 
 __all__ = ["ConfigPicker", "FIELDS", "mesh_summary"]
 
-FIELDS = ("dp", "tp", "pp", "sp", "tp_mode", "tp_depth", "sp_mode", "schedule", "microbatches", "chunks", "zero",
+FIELDS = ("dp", "tp", "pp", "sp", "ep", "tp_mode", "tp_depth", "sp_mode", "schedule", "microbatches", "chunks", "zero",
           "recompute")
 _CHOICES = {"tp_mode": TP_MODES, "sp_mode": SP_MODES, "schedule": SCHEDULES, "zero": (0, 1, 2, 3),
             "recompute": RECOMPUTES}
 
 
 class ConfigPicker(KernelDisplay):
-    """Widgets for dp, tp, pp, sp, tp_mode, tp_depth, sp_mode, schedule, microbatches, chunks, zero, recompute.
+    """Widgets for dp, tp, pp, sp, ep, tp_mode, tp_depth, sp_mode, schedule, microbatches, chunks, zero, recompute.
 
     cluster: where Apply sends the config; None means the %colossal cluster (if any).
     world_size: the size the choice must fit; None means the cluster's size (or no check).
@@ -111,8 +114,18 @@ class ConfigPicker(KernelDisplay):
         fits = f" fits the {n} ranks" if n is not None else " (no cluster: nothing to check the world size against)"
         return f"ok: {self.config.describe()}{fits}"
 
+    def ep_choices(self) -> list[int]:
+        """The ep degrees the current dp and sp allow: the divisors of dp x sp (ep folds over those ranks).
+
+        >>> ConfigPicker(world_size=8, config=ParallelConfig(dp=4, tp=2)).ep_choices()
+        [1, 2, 4]
+        """
+        fold = max(1, int(self.values["dp"] or 1) * int(self.values["sp"] or 1))
+        return [d for d in range(1, fold + 1) if fold % d == 0]
+
     def figure(self):
-        """The mesh figure of the current choice (an empty figure naming the problem when invalid)."""
+        """The mesh figure of the current choice (an empty figure naming the problem when invalid); with
+        ep > 1 the dense groups beside the expert groups (``viz.mesh.expert_mesh_figure``)."""
         import plotly.graph_objects as go
 
 
@@ -121,6 +134,8 @@ class ConfigPicker(KernelDisplay):
             fig.update_layout(title="no valid config", xaxis=dict(visible=False), yaxis=dict(visible=False),
                               height=200, plot_bgcolor="white")
             return fig
+        if self.config.ep > 1:
+            return expert_mesh_figure(self.config, dense="tp" if self.config.tp > 1 else "dp")
         return mesh_figure(self.config, axis="tp" if self.config.tp > 1 else "dp")
 
     def apply(self) -> str:
@@ -185,12 +200,12 @@ class ConfigPicker(KernelDisplay):
                 ui[f] = w.BoundedIntText(value=self.values[f], min=1, max=1024, description=f)
             ui[f].layout.width = "180px"
             ui[f].observe(lambda change, f=f: self.set(**{f: change["new"]}), names="value")
-        ui["status"] = w.HTML()
+        ui["status"], ui["ep_hint"] = w.HTML(), w.HTML()
         ui["message"] = w.Label(value=self.message)
         ui["apply"] = w.Button(description="Apply", button_style="primary", tooltip="set this config on every rank")
         ui["apply"].on_click(lambda _: self._click_apply())
         ui["fig"] = figure_view(self.figure())
-        degrees = w.HBox([ui[f] for f in ("dp", "tp", "pp", "sp")])
+        degrees = w.HBox([ui[f] for f in ("dp", "tp", "pp", "sp", "ep")] + [ui["ep_hint"]])
         modes = w.HBox([ui[f] for f in ("tp_mode", "tp_depth", "sp_mode")])
         sched = w.HBox([ui[f] for f in ("schedule", "microbatches", "chunks", "zero", "recompute")])
         ui["box"] = w.VBox([degrees, modes, sched, ui["status"], w.HBox([ui["apply"], ui["message"]]), ui["fig"]])
@@ -206,6 +221,7 @@ class ConfigPicker(KernelDisplay):
                 ui[key].value = value  # observers call set() again with the same value: harmless
         colour = "#b00020" if self.error else "#b36b00" if self.unsupported else "green"
         ui["status"].value = f"<span style='color:{colour}'>{html(self.status())}</span>"
+        ui["ep_hint"].value = html(f"ep (experts split) divides dp x sp: {', '.join(map(str, self.ep_choices()))}")
         redraw(ui["fig"], self.figure())
 
     def __repr__(self) -> str:

@@ -36,6 +36,7 @@ from typing import Any
 from .display import KernelDisplay, html, keep_quiet, off_loop, running_loop
 from ..session import find
 from .figure_view import figure_view, redraw
+from .watching import CellWatcher
 from ...errors import RankError
 from ...viz.memory import memory_by_rank_figure, segments
 from colab_kit.notebook.cluster.remote import namespace
@@ -69,7 +70,7 @@ def fmt(value: int | None, scale: int) -> str:
     return "-" if value is None else f"{value:.0f}" if scale == 1 else f"{value / scale:.2f}"
 
 
-class MemoryView(KernelDisplay):
+class MemoryView(CellWatcher, KernelDisplay):
     """Memory per rank (``engine.memory()``) beside its estimate, with the device budget.
 
     cluster: a ``Cluster``, a ``ColossalState`` (its cluster is looked up at each refresh, so
@@ -90,8 +91,7 @@ class MemoryView(KernelDisplay):
         self.refreshes, self.busy = 0, False
         self.error: str | None = None
         self._ui: dict[str, Any] | None = None  # the widgets, once built
-        self._shell: Any = None
-        self._every_cell = False
+        self._init_watch()
         self._task: asyncio.Task | None = None
         self.refresh()
 
@@ -150,48 +150,7 @@ class MemoryView(KernelDisplay):
     def __repr__(self) -> str:
         return self.table() + (f"\n  last refresh failed: {self.error}" if self.error else "")
 
-    # ------------------------------------------------------------ refreshed after each step
-    def watch(self, shell=None, every_cell: bool = False) -> MemoryView:
-        """Refresh after each successful cell that ran ``%%colossal`` (or every cell); see the module doc."""
-        from IPython import get_ipython
-
-        self.unwatch()
-        self._shell, self._every_cell = shell or get_ipython(), every_cell
-        if self._shell is None:
-            raise RuntimeError("watch() needs IPython (a notebook or an IPython shell): call refresh() instead")
-        self._shell.events.register("post_run_cell", self._after_cell)
-        self._redraw()
-        return self
-
-    def unwatch(self) -> None:
-        if self._shell is not None:
-            try:
-                self._shell.events.unregister("post_run_cell", self._after_cell)
-            except ValueError:
-                pass
-            self._shell = None
-            self._redraw()
-
-    @property
-    def watching(self) -> bool:
-        return self._shell is not None
-
-    def _after_cell(self, result) -> None:
-        info = getattr(result, "info", None)
-        cell = (getattr(info, "raw_cell", None) or "").lstrip()
-        if not result.success or not (self._every_cell or cell.startswith("%%colossal")) or self.busy:
-            return
-        try:
-            cluster = self.cluster
-        except NoMemory:  # no cluster running now: nothing to read
-            return
-        if getattr(cluster, "needs_restart", False):
-            return
-        try:
-            self.refresh()
-        except Exception as exc:  # noqa: BLE001 - a callback must not break the cell it follows
-            self._report(exc)
-
+    # ------------------------------------------------------------ refreshed after each step: watching.CellWatcher
     # ------------------------------------------------------------ the ranks
     def _gather(self) -> list:
         cluster = self.cluster

@@ -1,0 +1,241 @@
+"""``MoEView``: how the experts of a mixture-of-experts model were loaded, and what the all-to-all moved.
+
+    view = ck.widgets.MoEView()        # the %colossal cluster; the engine is `engine` on every rank
+    view                               # layer picker, Refresh, the load heatmap and the traffic heatmap
+    view.watch()                       # from now on refreshed after every %%colossal cell that ran
+    %colossal moe --layer 1            # the same view, watching (it replaces the one shown before)
+
+``refresh()`` reads, in one ``cluster.run``, every rank's ``engine.config`` and the ``"moe"`` part of its
+``engine.records`` (``colab_kit.engine.moe_records``), then redraws two figures of ``colab_kit.viz.moe``:
+``expert_load_figure`` (experts x steps, load over the mean; the counts are the whole batch's, so one rank's
+records suffice per layer, and with pp each layer is read from a rank of its stage) and, with ``ep > 1``,
+``moe_traffic_figure`` of the last step (``moe_records.traffic``: rank i's bytes to rank j). Outside a
+kernel the view is this text (the MoE GPT of tests/cluster/test_moe_view.py, dp=4 ep=4, after 3 steps)::
+
+    MoEView('engine' on 4 ranks, steps 1-3; recorded)
+      layer 0  experts 4  step 3: loads 71 60 61 64  busiest 1.11x the mean  dropped 7
+      layer 1  experts 4  step 3: loads 52 58 57 89  busiest 1.39x the mean  dropped 25
+      dispatch bytes of step 3, all MoE layers (row: from rank, column: to rank)
+                  0        1        2        3
+        0      4,224    3,584    4,224    4,352
+      ...
+
+Refreshing follows ``MemoryView`` (``watching.CellWatcher``: a ``post_run_cell`` callback, skipped after a
+failed cell or with the cluster down; an error shows in the widget, never in the cell).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .display import KernelDisplay, html, then
+from .figure_view import figure_view, redraw
+from .watching import CellWatcher
+from ..session import find
+from ...config import ConfigError
+from ...errors import RankError
+from ...mesh import MeshLayout
+from ...observe.moe import busiest, loads_by_layer
+from ...engine.moe_records import traffic
+from ...viz.moe import expert_load_figure, moe_traffic_figure
+from colab_kit.notebook.cluster.remote import namespace
+
+__all__ = ["MoEView", "NoMoE"]
+
+
+class NoMoE(LookupError):
+    """No cluster, no engine in that variable, or an engine without MoE records."""
+
+
+def _rank_moe(var: str):
+    """On a rank: its engine's config and the MoE part of its records, or None without an engine."""
+    eng = namespace().get(var)
+    if eng is None or not hasattr(eng, "records") or not hasattr(eng, "config"):
+        return None
+    return {"config": eng.config, "records": [{"step": r["step"], "moe": r["moe"]} for r in eng.records
+                                              if r.get("moe")]}
+
+
+class MoEView(CellWatcher, KernelDisplay):
+    """The expert load per step and the last step's dispatch traffic of the engine in ``var`` on every rank.
+
+    cluster: a ``Cluster``, a ``ColossalState`` (its cluster looked up at each refresh), or None: the
+        ``%colossal`` state's. layer: the MoE layer the load figure shows (None: every layer stacked).
+    """
+
+    def __init__(self, cluster=None, var: str = "engine", *, layer: int | None = None):
+        self._source, self.var = cluster, var
+        self.layer: int | None = None
+        self.config = None
+        self.loads: dict[int, dict] = {}
+        self.last: dict[int, list[dict]] = {}   # rank -> its "moe" list of the last common step
+        self.step: int | None = None
+        self.refreshes, self.busy = 0, False
+        self.error: str | None = None
+        self._ui: dict[str, Any] | None = None
+        self._init_watch()
+        self.refresh()
+        if layer is not None:
+            self.set_layer(layer)  # a layer without records: ConfigError naming the recorded ones
+
+    @property
+    def cluster(self):
+        source: Any = self._source if self._source is not None else find()
+        if hasattr(source, "require_cluster"):
+            source = source.cluster
+        if source is None or not getattr(source, "running", False):
+            raise NoMoE("no cluster to read: start one with %colossal start -n 4, or pass MoEView(cluster)")
+        return source
+
+    def refresh(self) -> MoEView:
+        """Read every rank's MoE records again, then redraw."""
+        self._take(self._gather())
+        return self
+
+    def set_layer(self, layer: int | None) -> MoEView:
+        if layer is not None and layer not in self.loads:
+            raise ConfigError(f"layer={layer} has no MoE records: the recorded MoE layers are "
+                              f"{', '.join(map(str, self.loads))} (or None for all of them)")
+        self.layer = layer
+        self._redraw()
+        return self
+
+    def load_figure(self):
+        return expert_load_figure(self.loads, self.layer)
+
+    def traffic(self) -> list[list[int]] | None:
+        """The last step's rank x rank dispatch bytes (``moe_records.traffic``), None without ep."""
+        if self.config is None or getattr(self.config, "ep", 1) <= 1 or not self.last:
+            return None
+        return traffic(self.last, MeshLayout(self.config), self.layer)
+
+    def traffic_figure(self):
+        matrix = self.traffic()
+        return None if matrix is None else moe_traffic_figure(matrix, step=self.step, layer=self.layer)
+
+    def table(self) -> str:
+        steps = sorted({s for row in self.loads.values() for s in row["steps"]})
+        span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+        lines = [f"MoEView({self.var!r} on {len(self.last)} ranks, {span}; recorded)"]
+        for n, row in self.loads.items():
+            c = row["counts"][-1]
+            lines.append(f"  layer {n}  experts {len(c)}  step {row['steps'][-1]}: loads {' '.join(map(str, c))}  "
+                         f"busiest {busiest(c):.2f}x the mean  dropped {row['dropped'][-1]}")
+        matrix = self.traffic()
+        if matrix is None:
+            lines.append("  no dispatch traffic: the experts are not split (ep=1)")
+        else:
+            which = f"layer {self.layer}" if self.layer is not None else "all MoE layers"
+            lines.append(f"  dispatch bytes of step {self.step}, {which} (row: from rank, column: to rank)")
+            lines.append("        " + "".join(f"{j:>9}" for j in range(len(matrix))))
+            lines += [f"    {i:<4}" + "".join(f"{b:>9,}" for b in row) for i, row in enumerate(matrix)]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.table() + (f"\n  last refresh failed: {self.error}" if self.error else "")
+
+    # ------------------------------------------------------------ the ranks
+    def _gather(self) -> list:
+        try:
+            got = self.cluster.run(_rank_moe, self.var, progress=None)
+        except RankError as exc:
+            raise NoMoE(f"could not read the MoE records on the ranks: {str(exc).splitlines()[0]}") from None
+        missing = [r for r, g in enumerate(got) if g is None]
+        if missing:
+            raise NoMoE(f"ranks {missing} have no engine in a variable {self.var!r}: build one on every rank, or "
+                        f"name its variable with --var NAME / MoEView(var=NAME)")
+        if not any(g["records"] for g in got):
+            raise NoMoE(f"{self.var!r} has no MoE records: its model has no MoE layer (GPTConfig(n_experts=4, ...)) "
+                        f"or it has not trained a step yet ({self.var}.train_step(batch) in a %%colossal cell)")
+        return got
+
+    def _take(self, got: list) -> None:
+        loads: dict[int, dict] = {}
+        for g in got:  # with pp each rank records its stage's layers: the first rank with a layer gives it
+            for n, row in loads_by_layer(g["records"]).items():
+                loads.setdefault(n, row)
+        # the last step every rank with MoE layers recorded (with pp, a stage without one records none)
+        common = set.intersection(*({r["step"] for r in g["records"]} for g in got if g["records"]))
+        self.step = max(common) if common else None
+        self.last = {rank: next((r["moe"] for r in g["records"] if r["step"] == self.step), [])
+                     for rank, g in enumerate(got)} if common else {}
+        self.config, self.loads = got[0]["config"], dict(sorted(loads.items()))
+        if self.layer is not None and self.layer not in self.loads:  # a new engine without that layer
+            self.layer = None
+        self.refreshes, self.error = self.refreshes + 1, None
+        self._redraw()
+
+    # ------------------------------------------------------------ widgets (lazy)
+    def widget(self):
+        """A layer picker, Refresh, a status line, errors, the load heatmap and the traffic heatmap."""
+        if self._ui is None:
+            import ipywidgets as w
+
+            options = [("all layers", None)] + [(f"layer {n}", n) for n in self.loads]
+            ui = {"layer": w.Dropdown(options=options, value=self.layer, description="load of"),
+                  "refresh": w.Button(description="Refresh", tooltip="read the MoE records again"),
+                  "status": w.HTML(), "errors": w.Output(), "load": figure_view(self.load_figure())}
+            ui["traffic"] = figure_view(self._traffic_or_note())
+            ui["layer"].observe(lambda change: self.set_layer(change["new"]), names="value")
+            ui["refresh"].on_click(lambda _: self._click_refresh())
+            ui["box"] = w.VBox([w.HBox([ui["layer"], ui["refresh"]]), ui["status"], ui["errors"], ui["load"],
+                                ui["traffic"]])
+            self._ui = ui
+            self._redraw()
+        return self._ui["box"]
+
+    def _click_refresh(self):
+        """The Refresh button: the ranks are read in a worker thread when the kernel's loop runs (the kernel
+        stays free), at once in plain Python; an error goes to the widget. Returns the task, or None."""
+        if self.busy:
+            return None
+        self._busy(True)
+
+        def attempt():
+            try:
+                return self._gather(), None
+            except Exception as exc:  # noqa: BLE001 - a button has nowhere else to report
+                return None, exc
+
+        def done(result) -> None:
+            got, exc = result
+            self._busy(False)
+            if exc is not None:
+                self._report(exc)
+            else:
+                self._take(got)
+
+        return then(attempt, done)
+
+    def _busy(self, busy: bool) -> None:
+        self.busy = busy
+        if self._ui is not None:
+            self._ui["refresh"].disabled = busy
+            if busy:
+                self._ui["errors"].outputs = ()
+
+    def _report(self, exc: BaseException) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"
+        if self._ui is not None:
+            self._ui["errors"].append_stderr(self.error + "\n")
+
+    def _redraw(self) -> None:
+        ui = self._ui
+        if ui is None:
+            return
+        how = "refreshed after each %%colossal cell" if self.watching else "Refresh to read again"
+        ep = getattr(self.config, "ep", 1)
+        ui["status"].value = html(f"{self.var!r}: {len(self.loads)} MoE layers, last step {self.step}, "
+                                  f"ep={ep} (recorded); {how}")
+        redraw(ui["load"], self.load_figure())
+        redraw(ui["traffic"], self._traffic_or_note())
+
+    def _traffic_or_note(self):
+        """The traffic figure, or (ep=1) an empty figure whose title says there is no traffic to draw."""
+        fig = self.traffic_figure()
+        if fig is None:
+            import plotly.graph_objects as go
+
+            fig = go.Figure()
+            fig.update_layout(title="no all-to-all traffic: the experts are not split (ep=1)", height=120,
+                              xaxis=dict(visible=False), yaxis=dict(visible=False), plot_bgcolor="white")
+        return fig
