@@ -37,6 +37,11 @@ from colab_kit.datasets import SyntheticTokens  # noqa: E402
 from colab_kit.models import GPT, GPTConfig  # noqa: E402
 from colab_kit.models.experts import expert_compute  # noqa: E402
 
+try:
+    from _results import machine, row  # noqa: E402
+except ImportError:  # python -m bench.gpu_moe_check
+    from bench._results import machine, row  # noqa: E402
+
 FORMS = ("grouped_mm", "loop", "padded")
 
 
@@ -174,9 +179,12 @@ def main() -> int:
                          "figures": figures}
         print(f"{'PASS' if ok else 'FAIL'}  {name:<8} {secs:6.1f} s  {detail}", flush=True)
     out = os.path.join(ROOT, "bench", "results", "gpu_moe_check.json")
-    with open(out, "w", encoding="utf-8") as fh:
+    with open(out, "w", encoding="utf-8") as fh:  # the keys every result file has (bench/report.py)
         json.dump({"benchmark": "gpu_moe_check", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                   "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "checks": results}, fh, indent=1, default=str)
+                   "command": " ".join(["python", "bench/gpu_moe_check.py", *sys.argv[1:]]),
+                   "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), "checks": results,
+                   "rows": [row(f"GPU MoE check: {name}", r["status"], None, None, r["detail"])
+                            for name, r in results.items()]}, fh, indent=1, default=str)
     return 0 if all(r["status"] == "PASS" for r in results.values()) else 1
 
 
