@@ -75,6 +75,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from ..models.moe import MoE
 from .files import CheckpointError, config_instance, check, data_files, file_digest, finish, start
 from .layout import local_space, owners, rectangles, store_shape
 
@@ -186,7 +187,6 @@ def save(engine, path, extra: dict | None = None) -> None:
 
 
 def _moe_layers(engine) -> list:
-    from ..models.moe import MoE
     return [m for m in engine.module.modules() if isinstance(m, MoE)]
 
 

@@ -13,11 +13,20 @@ import torch.nn as nn
 from ..config import ConfigError, ParallelConfig
 from ..pipeline.plan import SCHEDULE_PLACEMENT, PipelinePlan
 from ..pipeline.stage import check_stages
+from ..models.hf_moe import router_loss
 from ..policy import missing_policy_message, policy_for
+from ..policy.hf_moe import hf_moe_sizes
 from ..sequence.plan import SequencePlan
 from ..tensor import check_model, model_sizes
 
-__all__ = ["check_policy"]
+__all__ = ["check_policy", "count_router_loss"]
+
+
+def count_router_loss(model: nn.Module, policy) -> None:
+    """A Hugging Face MoE model (its policy from ``policy.hf_moe``): make its routers count HF's load-balancing
+    loss over the whole batch (``models.hf_moe.router_loss``; idempotent, nothing when the loss is off)."""
+    if policy is not None and policy.experts and policy.name.startswith("hf-"):
+        router_loss(model, policy.experts, *hf_moe_sizes(model))
 
 
 def check_policy(model: nn.Module, config: ParallelConfig, policy=None):
@@ -27,6 +36,7 @@ def check_policy(model: nn.Module, config: ParallelConfig, policy=None):
     policy = policy_for(model, policy)
     if policy is not None and policy.prepare is not None:  # e.g. a Hugging Face GPT-2's Conv1D -> nn.Linear
         policy.prepare(model)
+    count_router_loss(model, policy)
     needs = [f"{k}={getattr(config, k)}" for k in ("tp", "pp", "sp") if getattr(config, k) > 1]
     needs += {"full": ["recompute=True"], "selective": ["recompute='selective'"]}.get(config.recompute, [])
     if policy is None:

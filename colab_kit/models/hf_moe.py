@@ -34,12 +34,13 @@ import torch
 import torch.nn as nn
 
 from ..config import ConfigError
-from .moe_context import MoEStep, current
+from .moe import balance_loss, z_loss
+from .moe_context import CountedRouter, MoEStep, current
 
 __all__ = ["router_loss", "RouterLoss", "RouterAux", "aux_coef", "routers", "check_router_loss"]
 
 
-class RouterLoss:
+class RouterLoss(CountedRouter):
     """Base of the router subclasses ``router_loss`` makes: its layer number ``layer`` of ``layers``, the
     experts ``n`` and ``k`` of HF's loss and its ``coef`` (``models.moe.has_experts`` recognises it)."""
 
@@ -111,8 +112,6 @@ def _seen(router: RouterLoss, logits, probs, local, stats, pieces: int) -> dict:
     MoE writes it: whole-batch ``counts``, this rank's ``mine``, and this rank's shares (times ``pieces``) of the
     layer's Switch balance ``E sum_i f_i P_i`` (1.0 uniform; HF's own loss is the all-layer form above) and
     z-loss."""
-    from .moe import balance_loss, z_loss
-
     counts, tokens = stats[:, :-1].sum(0), stats[:, -1].sum()
     return {"counts": [int(c) for c in counts.tolist()], "mine": [int(c) for c in local.tolist()], "dropped": 0,
             "balance": float(balance_loss(probs.float(), counts, tokens, router.k)) * pieces,

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from ..config import ConfigError
 from .experts import Experts, combine, dispatch
 from .layers import MLP
-from .moe_context import ONE_PROCESS, AuxLoss, current
+from .moe_context import ONE_PROCESS, AuxLoss, CountedRouter, current
 
 __all__ = ["MoE", "route", "top_k", "balance_loss", "z_loss", "keep_within_capacity", "moe_blocks",
            "moe_loss", "update_router_bias", "has_experts", "check_moe_config"]
@@ -216,9 +216,7 @@ def update_router_bias(model: nn.Module, skip: bool = False) -> None:
 def has_experts(model: nn.Module) -> bool:
     """Whether ``model`` holds an MoE layer, or a Hugging Face router counting its load-balancing loss
     (``colab_kit.models.hf_moe``)."""
-    from .hf_moe import RouterLoss
-
-    return any(isinstance(m, (MoE, RouterLoss)) for m in model.modules())
+    return any(isinstance(m, (MoE, CountedRouter)) for m in model.modules())
 
 
 def check_moe_config(cfg) -> None:

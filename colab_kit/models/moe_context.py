@@ -35,7 +35,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["MoEStep", "AuxLoss", "at", "current", "ONE_PROCESS"]
+__all__ = ["MoEStep", "AuxLoss", "at", "current", "ONE_PROCESS", "CountedRouter"]
+
+
+class CountedRouter:
+    """Marker of a router that counts its model's load-balancing loss under the engine's ``MoEStep``
+    (``colab_kit.models.hf_moe.RouterLoss``): ``models.moe.has_experts`` knows it without importing it."""
 
 
 def _alone(t: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ experts as fused 3D tensors (``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_pro
 expert beside them in DeepSeek-V3 (and Qwen2-MoE); GPT-OSS names its router ``router`` and lays its experts
 out otherwise (``colab_kit.expert.hf.LAYOUTS``). The policy names the MoE layers in ``experts`` (DeepSeek-V3's
 first ``first_k_dense_replace`` layers and Qwen3-MoE's ``mlp_only_layers`` are dense and left out); the expert
-step of ``ck.parallelize`` cuts each one's fused tensors over ep (``colab_kit.expert.hf``), and ``prepare``
-makes the routers count HF's load-balancing loss over the whole batch (``colab_kit.models.hf_moe``).
+step of ``ck.parallelize`` cuts each one's fused tensors over ep (``colab_kit.expert.hf``), and ``boost``'s
+policy check makes the routers count HF's load-balancing loss over the whole batch (``colab_kit.models.hf_moe``,
+``engine.checks.count_router_loss``: the policy layer sits below the models and imports none).
 
 Worked example, ``MixtralForCausalLM`` with 4 layers of 4 experts under ``ParallelConfig(dp=4, ep=2)``: rank 1
 (ep 1) holds experts 2-3 of every layer (``gate_up_proj [2, 2I, H]``); its tokens routed to experts 0-1 go to
@@ -28,6 +29,7 @@ import torch.nn as nn
 
 from ..config import ConfigError
 from . import Attention, Policy
+from .hf import _llama_context
 
 __all__ = ["hf_moe_policy", "moe_layer_paths", "check_hf_moe", "MOE_CLASSES"]
 
@@ -53,25 +55,15 @@ def moe_layer_paths(model: nn.Module, blocks: str = "model.layers") -> list[str]
     return out
 
 
-def _n_experts(model) -> tuple[int, int]:
+def hf_moe_sizes(model) -> tuple[int, int]:
     """``(experts per layer, top_k)`` as the causal LM's load-balancing loss reads them."""
     cfg = model.config
     n = getattr(model, "num_experts", None) or getattr(cfg, "num_local_experts", None) or cfg.num_experts
     return int(n), int(getattr(model, "num_experts_per_tok", None) or cfg.num_experts_per_tok)
 
 
-def _prepare(model: nn.Module) -> list[str]:
-    from ..models.hf_moe import router_loss
-
-    n, k = _n_experts(model)
-    router_loss(model, moe_layer_paths(model), n, k)
-    return []
-
-
 def hf_moe_policy(model) -> Policy:
     """The policy of a ``transformers`` MoE causal LM of ``MOE_CLASSES`` (see the module docstring)."""
-    from .hf import _llama_context
-
     cfg, L = model.config, "model.layers"
     key = f"{type(model).__module__}:{type(model).__qualname__}"
     name = next((v for k, v in MOE_CLASSES.items() if k == key), "hf-moe")
@@ -93,7 +85,7 @@ def hf_moe_policy(model) -> Policy:
         output=lambda out: out.logits, embed=lambda m, ids: m.model.embed_tokens(ids),
         finish=lambda m, x: m.lm_head(m.model.norm(x)), context=_llama_context,
         tail=("model.norm", "lm_head"), everywhere=("model.rotary_emb",), loss="tokens",
-        experts=tuple(moe_layer_paths(model)), prepare=_prepare)
+        experts=tuple(moe_layer_paths(model)))
 
 
 def _latent(model) -> bool:

@@ -21,8 +21,11 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
+from ..measure import optimizer_bytes
 from ..placement import PlacementTable
 from ..precision import MasterWeights
+from .chunks import Chunk
+from .stage1 import build_over
 
 __all__ = ["ExpertSplit", "split_experts", "JoinedMasters", "chunk_units"]
 
@@ -46,7 +49,6 @@ def chunk_units(units, mesh, axis: str, table, experts: bool) -> tuple[list, lis
         chunks  0 rest (over dp)  1 blocks.0 (dp)  2 blocks.0.experts (edp)  3 blocks.1 (dp)  4 blocks.1.experts
         units   [[0], [1, 2], [3, 4]]
     """
-    from .chunks import Chunk
     chunks: list = []
     of_unit: list[list[int]] = []
     for name, _, params in units:
@@ -110,7 +112,6 @@ class ExpertSplit:
 
     def build_optimizer(self, optimizer_factory) -> torch.optim.Optimizer:
         """One optimizer over both parts' tensors (ZeRO: checked to step exactly them, elementwise)."""
-        from .stage1 import build_over
         tensors = [t for t, _ in self.optimizer_layout()]
         return build_over(tensors, optimizer_factory) if self.stage else optimizer_factory(tensors)
 
@@ -130,7 +131,6 @@ class ExpertSplit:
         """offload='cpu': the one optimizer's states and both parts' masters are on the host."""
         if getattr(self.dense, "offload", "none") != "cpu":
             return {}
-        from ..measure import optimizer_bytes
         return {"optimizer": optimizer_bytes(optimizer) + self.master_bytes()}
 
     def param_bytes(self) -> int | None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import colab_kit as ck
+from colab_kit.engine.checks import count_router_loss
 from colab_kit.expert import expert_modules
 from colab_kit.models.hf_moe import RouterLoss
 from colab_kit.policy import policy_for
@@ -28,7 +29,7 @@ def test_the_policy_finds_the_experts(name, layers):
 
 def test_a_prepared_model_computes_what_hf_computes():
     plain, prepared = build("mixtral"), build("mixtral")
-    policy_for(prepared).prepare(prepared)
+    count_router_loss(prepared, policy_for(prepared))
     assert sum(isinstance(m, RouterLoss) for m in prepared.modules()) == 2
     x = torch.randint(0, 64, (2, 16))
     a, b = plain(x, output_router_logits=True), prepared(x, output_router_logits=True)

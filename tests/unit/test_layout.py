@@ -25,6 +25,7 @@ LAYERS = (  # bottom to top: a package imports only from its own package and fro
     ("placement", "sharded_init", "measure", "datasets"),  # what the parallel parts share
     ("tensor",),            # the parallel parts, in order: each may import those before it
     ("sequence",),
+    ("expert",),            # expert parallelism: the experts over ep, tokens by all-to-all
     ("dropout",),           # DropoutLayout: the coordinates from the tensor and sequence plans
     ("recompute",),
     ("pipeline",),
@@ -51,6 +52,8 @@ LOCAL_IMPORTS = {  # (importing module, imported module): why the import waits f
         "ipywidgets and plotly: %colossal memory's widget only (text elsewhere)",
     ("colab_kit.notebook.magics.core", "colab_kit.notebook.widgets.planner_view"):
         "ipywidgets and plotly: %colossal plan's widget only (text elsewhere)",
+    ("colab_kit.notebook.magics.core", "colab_kit.notebook.widgets.moe_view"):
+        "ipywidgets and plotly: %colossal moe's widget only (text elsewhere)",
     ("colab_kit.notebook.magics.pipeline_views", "colab_kit.viz.pipeline"): "plotly: when a schedule is drawn",
     ("colab_kit.notebook.magics.pipeline_views", "colab_kit.viz.schedule_data"): "plotly (viz's package): idem",
 }

@@ -118,8 +118,9 @@ def test_the_picker_has_an_ep_control_checked_by_parallel_config():
     assert [t.name.split()[0] for t in p.figure().data] == ["dp", "ep", "ep", "edp", "edp"]
     assert "ep groups [0, 1] [2, 3]" in repr(p) and "edp groups [0, 2] [1, 3]" in repr(p)
     assert p.set(dp=2, tp=2).startswith("ok: dp=2 x tp=2 (1d) = 4 ranks, ep=2") and p.ep_choices() == [1, 2]
-    assert p.set(zero=3).startswith("valid, not runnable yet: ") and "ZeRO stage 3" in p.status()
-    p.set(zero=0)
+    assert p.set(zero=3).startswith("ok: dp=2 x tp=2 (1d) = 4 ranks, ep=2, zero=3")  # ZeRO-3 with ep runs
+    assert p.set(tp=1, pp=2, zero=3).startswith("valid, not runnable yet: ") and "ZeRO stage 3" in p.status()
+    p.set(tp=2, pp=1, zero=0)
     p.widget()
     ui = p._ui
     assert "ep" in ui and "1, 2" in ui["ep_hint"].value
