@@ -1,0 +1,59 @@
+"""The memory estimate of a mixture of experts under expert parallelism against ``engine.memory()`` (tier 2):
+the MoE GPT of ``tests/helpers/moe.py`` on dp=4 with ep=2 and ep=4 and ZeRO 0, 1 and 2, one spawn of 4 ranks.
+On every rank the estimate (``memory.experts.moe_estimate``, what ``engine.memory_estimate()`` and ``ck.plan``
+report) gives the parameters exactly (dense + E/ep experts per MoE layer), the gradients and optimizer states
+within 1% (ZeRO shards the dense states over dp, the experts' over edp = dp/ep), and the activations within
+25% (the dispatch buffers follow each rank's routing; the estimate assumes balanced routing), as the dense
+estimator is held to (tests/ranks/test_planner.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import colab_kit as ck
+from colab_kit.memory.estimator import config_estimate
+from colab_kit.memory.experts import expert_params
+from colab_kit.models.moe import moe_blocks
+from tests.helpers.moe import BATCH, MODELS, build, data
+
+CONFIGS = [dict(dp=4, ep=2), dict(dp=4, ep=4, zero=1), dict(dp=4, ep=2, zero=2), dict(dp=4, ep=4, zero=2),
+           dict(dp=4, ep=2, zero=1, recompute="full")]
+KEYS = ("params", "grads", "optimizer", "activations")
+
+
+def _measure(configs: list[dict]) -> list[tuple[dict, dict]]:
+    out = []
+    for kw in configs:
+        engine = ck.boost(build("softmax"), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(**kw))
+        engine.train_step(data().batch(0, BATCH))
+        m, e = engine.memory(), engine.memory_estimate()
+        out.append(({k: m[k] for k in KEYS}, {k: e[k] for k in KEYS}))
+        engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return ck.launch(_measure, 4, CONFIGS, timeout=600)
+
+
+@pytest.mark.parametrize("i", range(len(CONFIGS)))
+def test_the_estimate_is_the_measurement_on_every_rank(measured, i):
+    kw = CONFIGS[i]
+    for rank, per in enumerate(measured):
+        got, est = per[i]
+        assert est["params"] == got["params"], (kw, rank, got, est)
+        assert est["grads"] == pytest.approx(got["grads"], rel=0.01), (kw, rank, got, est)
+        assert est["optimizer"] == pytest.approx(got["optimizer"], rel=0.01), (kw, rank, got, est)
+        assert est["activations"] == pytest.approx(got["activations"], rel=0.25), (kw, rank, got, est)
+
+
+def test_the_experts_are_counted_split_over_ep():
+    """The check can fail: without the experts (the dense count of the same widths) or with every expert on
+    every rank, the parameters are off by at least a rank's experts."""
+    moe = MODELS["softmax"]
+    for ep in (2, 4):
+        est = config_estimate(moe, ck.ParallelConfig(dp=4, ep=ep), BATCH)
+        whole = config_estimate(moe, ck.ParallelConfig(dp=4, ep=1), BATCH)
+        experts = len(moe_blocks(moe)) * moe.n_experts * expert_params(moe)
+        assert whole["params"] - est["params"] == 4 * experts * (ep - 1) // ep
