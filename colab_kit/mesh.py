@@ -153,6 +153,7 @@ class MeshLayout:
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of ``axis``, as rank lists in ascending order of the axis coordinate."""
         self._check_axis(axis)
+        names: tuple[str, ...]
         if axis in ("ep", "edp"):
             names, grid = ("pp", "edp", "ep", "tp"), self.expert_grid
         else:

@@ -29,10 +29,10 @@ parameters, their optimizer states over ``edp = 2`` ranks::
     >>> g = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4, top_k=2,
     ...               d_expert=32, shared_experts=1)
     >>> moe_stage_params(g, ParallelConfig(dp=4, ep=2, zero=1))
-    [(35584, 8448)]
+    [(17856, 8448)]
     >>> e = moe_estimate(g, ParallelConfig(dp=4, ep=2, zero=1), 8)
-    >>> e["params"], e["optimizer"]    # 4 x (35,584 + 8,448); 8 x (35,584 / 4 + 8,448 / 2)
-    (176128, 104960)
+    >>> e["params"], e["optimizer"]    # 4 x (17,856 + 8,448); 8 x (17,856 / 4 + 8,448 / 2)
+    (105216, 69504)
 """
 from __future__ import annotations
 
