@@ -102,29 +102,33 @@ def moe_block_extra(model, tokens: int, e: int, recompute="none") -> int:
             + 24 * n * k + 2 * e * n * k + e * n - 2 * e * n * f)
 
 
-def _stage_activations(model, config, rows: int, seq: int, layers, first: bool, last: bool) -> int:
-    moe_blocks, _ = _moe_layers()
+def _stage_activations(model, config, rows: int, seq: int, layers, first: bool, last: bool, moe: set) -> int:
     e = PRECISION_BYTES[config.precision]
     dense = activation_bytes(model, rows, seq=seq, layers=len(layers), first=first, last=last,
                              recompute=config.recompute, bytes_per_elem=e)["held"]
-    moe = sum(i in set(moe_blocks(model)) for i in layers)
-    return dense + moe * moe_block_extra(model, rows * seq, e, config.recompute)
+    return dense + sum(i in moe for i in layers) * moe_block_extra(model, rows * seq, e, config.recompute)
 
 
 def moe_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | None = None,
-                 pp_rank: int | None = None, host_share: float | None = None) -> dict:
+                 pp_rank: int | None = None, host_share: float | None = None, moe=None, split=None,
+                 params=None) -> dict:
     """``config_estimate`` for an MoE GPT (``model.n_experts > 0``): the keys of ``engine.memory()`` with
-    "device" and "host" for pipeline rank ``pp_rank`` (None: the fullest). See the module docstring."""
+    "device" and "host" for pipeline rank ``pp_rank`` (None: the fullest). See the module docstring.
+
+    The planner prices other models through the same walk: ``moe`` the MoE block indices (default
+    ``moe_blocks(model)``), ``split`` each stage's block range (default ``stage_layers``), ``params`` each pipeline
+    rank's ``(dense, experts)`` parameters (default ``moe_stage_params``)."""
     import numpy as np
 
     from .estimator import _stages, _walks
-    _, stage_layers = _moe_layers()
+    moe_blocks, stage_layers = _moe_layers()
     seq = model.seq_len if seq is None else seq
     rows = batch // (config.dp * config.microbatches)
     edp = config.dp * config.sp // config.ep
     n = config.pp * config.chunks
-    layers = stage_layers(model.n_layers, n)
-    per = [_stage_activations(model, config, rows, seq, layers[s], s == 0, s == n - 1) for s in range(n)]
+    layers = split or stage_layers(model.n_layers, n)
+    moe = set(moe_blocks(model) if moe is None else moe)
+    per = [_stage_activations(model, config, rows, seq, layers[s], s == 0, s == n - 1, moe) for s in range(n)]
     if config.pp > 1:
         plan, _ = _stages(config)
         acts = []
@@ -134,7 +138,7 @@ def moe_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | Non
     else:
         acts = [per[0]]
     states = []
-    for dense, experts in moe_stage_params(model, config):
+    for dense, experts in (params or moe_stage_params(model, config)):
         d = model_state_bytes(dense, optimizer, config.precision, config.dp, config.zero, config.offload)
         x = model_state_bytes(experts, optimizer, config.precision, edp, config.zero, config.offload)
         states.append({k: d[k] + x[k] for k in d})
