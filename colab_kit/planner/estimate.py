@@ -39,14 +39,15 @@ from dataclasses import dataclass, field
 from ..config import ConfigError, ParallelConfig
 from ..memory.estimator import config_estimate
 from ..memory.formulas import optimizer_states
-from ..models import GPTConfig
+from ..models import GPT, GPTConfig
 from ..pipeline.stage import check_stages
 from .constants import constants as measured
 from .cost import step_seconds
 from .at_scale import LOCAL
 from .hardware import HARDWARE, Hardware
 from .scale import price
-from .moe_shape import moe_memory
+from .moe_local import moe_step_seconds
+from .moe_shape import gpt_moe_of, moe_memory
 from .shape import ModelShape
 
 __all__ = ["Estimate", "estimate", "memory_of", "hardware_of", "priced", "gpt_of"]
@@ -249,7 +250,8 @@ def check_experts(shape: ModelShape, config: ParallelConfig, local: bool = True)
                           f"also divide dp x sp = {fold})")
     if config.ep > 1 and (config.zero == 3 or config.offload != "none"):
         raise ConfigError(f"expert parallelism (ep={config.ep}) runs with ZeRO 0-2 and offload='none' in this "
-                          f"engine, got zero={config.zero}, offload={config.offload!r}: set zero=1 or 2, offload='none'")
+                          f"engine, got zero={config.zero}, offload={config.offload!r}: set zero=1 or 2, "
+                          f"offload='none'")
     if config.ep > 1 and config.precision != "fp32" and local:
         raise ConfigError(f"expert parallelism (ep={config.ep}) runs in fp32 in this engine, got "
                           f"{config.precision}: set precision='fp32' (or price the layout on a cluster preset, "
@@ -284,8 +286,13 @@ def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = Non
     memory = memory_of(shape, config, batch, optimizer)
     if hw == LOCAL:
         consts = constants if constants is not None else measured(ranks=config.world_size)
-        gpt = dataclasses.replace(gpt_of(shape), seq_len=seq)
-        seconds, parts, counts = step_seconds(gpt, config, batch, consts, memory, optimizer)
+        if shape.experts:  # the MoE GPT of its widths (planner.moe_local)
+            gpt = model.cfg if isinstance(model, GPT) else model if isinstance(model, GPTConfig) else gpt_moe_of(shape)
+            seconds, parts, counts = moe_step_seconds(dataclasses.replace(gpt, seq_len=seq), config, batch, consts,
+                                                      memory, optimizer)
+        else:
+            gpt = dataclasses.replace(gpt_of(shape), seq_len=seq)
+            seconds, parts, counts = step_seconds(gpt, config, batch, consts, memory, optimizer)
         est = Estimate(shape, config, batch, seq, LOCAL, seconds, memory, 0, _local_capacity(), parts,
                        ["constants measured on this machine (planner.constants)"], counts)
         est._local_peak = consts["matmul"]["flops_per_s"]

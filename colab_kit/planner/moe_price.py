@@ -64,11 +64,11 @@ def moe_block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware, de
     fc2 = _gemm(hw, p, config, t, h, shape.d_ff, False)
     per = t * shape.top_k * ep / shape.experts  # rows of one local expert
     local = shape.experts / ep
-    up = tuple(hw.gemm_seconds(*mnk, p, local) for mnk in ((per, shape.d_expert * width, h),
-                                                           (per, h, shape.d_expert * width),
-                                                           (shape.d_expert * width, h, per)))
-    down = tuple(hw.gemm_seconds(*mnk, p, local) for mnk in ((per, h, shape.d_expert),
-                                                             (per, shape.d_expert, h), (h, shape.d_expert, per)))
+    fw, f1 = shape.d_expert * width, shape.d_expert
+    up = (hw.gemm_seconds(per, fw, h, p, local), hw.gemm_seconds(per, h, fw, p, local),
+          hw.gemm_seconds(h, fw, per, p, local))     # forward, dX, dW of the (gate and) up projection
+    down = (hw.gemm_seconds(per, h, f1, p, local), hw.gemm_seconds(per, f1, h, p, local),
+            hw.gemm_seconds(f1, h, per, p, local))
     router = _gemm(hw, p, config, t, shape.experts, h, True)
     shared = ((_gemm(hw, p, config, t, shape.shared_ffn * width, h, True),
                _gemm(hw, p, config, t, h, shape.shared_ffn, False)) if shape.shared_ffn else ())

@@ -102,6 +102,16 @@ def stage_split(layers: int, stages: int) -> list[range]:
     return [range(a, a + k) for a, k in zip(starts, sizes)]
 
 
+def gpt_moe_of(shape):
+    """The built-in MoE GPT of ``shape``'s widths (a gated MLP as a GELU one 1.5 times as wide; every block MoE:
+    ``shape.moe_blocks`` says which are, where it matters)."""
+    from ..models import GPTConfig
+    g = 3 / 2 if shape.gated else 1
+    return GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq, d_model=shape.hidden, n_heads=shape.heads,
+                     n_layers=shape.layers, d_ff=round(shape.d_ff * g), n_experts=shape.experts, top_k=shape.top_k,
+                     d_expert=round(shape.d_expert * g), shared_experts=round(shape.shared_ffn / shape.d_expert))
+
+
 def moe_memory(shape, config, batch: int, optimizer: str = "adamw") -> dict:
     """The fullest rank's bytes of a mixture of experts ``shape`` under ``config`` (``memory.experts``'s walk):
     model states from the shape's own per-block counts (dense over dp, ``E / ep`` experts per MoE block over
@@ -109,12 +119,7 @@ def moe_memory(shape, config, batch: int, optimizer: str = "adamw") -> dict:
     block's router, dispatch buffers and expert hidden states."""
     from ..memory.estimator import _stages
     from ..memory.experts import moe_estimate
-    from ..models import GPTConfig
-    g = 3 / 2 if shape.gated else 1
-    fe = round(shape.d_expert * g)
-    gpt = GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq, d_model=shape.hidden, n_heads=shape.heads,
-                    n_layers=shape.layers, d_ff=round(shape.d_ff * g), n_experts=shape.experts, top_k=shape.top_k,
-                    d_expert=fe, shared_experts=round(shape.shared_ffn / shape.d_expert))
+    gpt = gpt_moe_of(shape)
     n = config.pp * config.chunks
     split = stage_split(shape.layers, n)
     h = shape.hidden
