@@ -19,6 +19,8 @@ active, of which the multi-token-prediction module's 14B are not in transformers
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn as nn
 
 __all__ = ["gpt_moe_shape", "hf_experts", "hf_moe_shape"]
@@ -62,11 +64,11 @@ def _matrices(module: nn.Module | None) -> int:
 def hf_moe_shape(cls, model: nn.Module, seq: int | None):
     """The ``ModelShape`` of a Hugging Face MoE causal LM (on the meta device: nothing allocated)."""
     from ..config import ConfigError
-    cfg = model.config
+    cfg: Any = model.config
     blocks = _blocks(model)
     moe = [i for i, b in enumerate(blocks) if _moe_mlp(b) is not None]
     h = int(cfg.hidden_size)
-    mlp = _moe_mlp(blocks[moe[0]])
+    mlp: Any = _moe_mlp(blocks[moe[0]])
     stacked = [p for p in mlp.experts.parameters(recurse=False) if p.dim() == 3]
     n = int(stacked[0].shape[0])
     d_expert = sum(p.numel() for p in stacked) // (n * 3 * h)
