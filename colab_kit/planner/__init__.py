@@ -260,7 +260,7 @@ def _prune(cands: list) -> list:
     groups: dict = {}
     for c in cands:
         k = c.config
-        layout = (k.dp, k.tp, k.pp, k.sp, k.tp_mode, k.tp_depth, k.sp_mode, k.schedule, k.chunks)
+        layout = (k.dp, k.tp, k.pp, k.sp, k.ep, k.tp_mode, k.tp_depth, k.sp_mode, k.schedule, k.chunks)
         groups.setdefault(layout, []).append(c)
     kept = []
     for group in groups.values():
