@@ -9,13 +9,13 @@ MoE layer, forward and backward (4 per layer and microbatch, full recomputation 
 at the measured all-to-all constants of ``ep`` ranks. The memory is the engine's estimate
 (``memory.experts``).
 
-Worked example, the MoE GPT of 4 experts on 4 ranks: ``moe_configs`` keeps dp=4 with ep 1, 2 and 4, dp=2 x pp=2
-with ep 1 and 2, and drops every tp or sp layout::
+Worked example, the MoE GPT of 4 experts and 2 blocks on 4 ranks: ``moe_configs`` keeps dp=4 with ep 1, 2 and 4,
+dp=2 x pp=2 with ep 1 and 2 (pp=4 would need 4 blocks), and drops every tp or sp layout::
 
     >>> from colab_kit.models import GPTConfig
     >>> g = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4)
     >>> sorted({(c.dp, c.pp, c.ep) for c in moe_configs(g, 4, 16)})
-    [(1, 4, 1), (2, 2, 1), (2, 2, 2), (4, 1, 1), (4, 1, 2), (4, 1, 4)]
+    [(2, 2, 1), (2, 2, 2), (4, 1, 1), (4, 1, 2), (4, 1, 4)]
 """
 from __future__ import annotations
 
