@@ -47,7 +47,7 @@ from .at_scale import LOCAL
 from .hardware import HARDWARE, Hardware
 from .scale import price
 from .moe_local import moe_step_seconds
-from .moe_shape import gpt_moe_of, moe_memory
+from .moe_shape import check_experts, gpt_moe_of, moe_memory
 from .shape import ModelShape
 
 __all__ = ["Estimate", "estimate", "memory_of", "hardware_of", "priced", "gpt_of"]
@@ -224,38 +224,6 @@ def _check(config, batch, seq, shape, uneven: bool = False, local: bool = True) 
     if seq % config.sp:
         raise ConfigError(f"sp={config.sp} does not divide the sequence of {seq} tokens: use an sp that divides it")
     check_experts(shape, config, local)
-
-
-def check_experts(shape: ModelShape, config: ParallelConfig, local: bool = True) -> None:
-    """The engine's rules for a mixture of experts (``engine.core.unsupported`` and ``check_experts``), a
-    ConfigError with the rule and a value that works: no tp or sp with MoE layers; ep divides the experts (and
-    dp x sp, ``ParallelConfig``'s rule); ep with ZeRO 0-2 and no offload; ep in fp32, except on a cluster
-    preset (``local=False``), where a bf16 layout such as DeepSeek-V3's is priced and its assumptions say that
-    the engine does not run it yet."""
-    fold = config.dp * config.sp
-    if not shape.experts:
-        if config.ep > 1:
-            raise ConfigError(f"ep={config.ep} splits the experts of mixture-of-experts layers and {shape.name} has "
-                              f"none: set ep=1 (or price a model with experts, GPTConfig(n_experts=8))")
-        return
-    if config.tp > 1 or config.sp > 1:
-        which = f"tp={config.tp}" if config.tp > 1 else f"sp={config.sp}"
-        raise ConfigError(f"the engine does not run mixture-of-experts layers with {which} (it splits the tokens or "
-                          f"matrices an expert sees): set tp=1 and sp=1 (dp={fold * config.tp} runs the same ranks), "
-                          f"with ep to split the experts")
-    if shape.experts % config.ep:
-        ok = [k for k in range(1, fold + 1) if fold % k == 0 and shape.experts % k == 0]
-        raise ConfigError(f"ep={config.ep} splits each mixture-of-experts layer's {shape.experts} experts over "
-                          f"{config.ep} ranks, so it must divide the number of experts: try ep={ok[-1]} (it must "
-                          f"also divide dp x sp = {fold})")
-    if config.ep > 1 and (config.zero == 3 or config.offload != "none"):
-        raise ConfigError(f"expert parallelism (ep={config.ep}) runs with ZeRO 0-2 and offload='none' in this "
-                          f"engine, got zero={config.zero}, offload={config.offload!r}: set zero=1 or 2, "
-                          f"offload='none'")
-    if config.ep > 1 and config.precision != "fp32" and local:
-        raise ConfigError(f"expert parallelism (ep={config.ep}) runs in fp32 in this engine, got "
-                          f"{config.precision}: set precision='fp32' (or price the layout on a cluster preset, "
-                          f"hardware='8xH800-SXM', where its assumptions say so)")
 
 
 def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = None, hardware="8xA100-80GB",

@@ -57,3 +57,22 @@ def test_the_experts_are_counted_split_over_ep():
         whole = config_estimate(moe, ck.ParallelConfig(dp=4, ep=1), BATCH)
         experts = len(moe_blocks(moe)) * moe.n_experts * expert_params(moe)
         assert whole["params"] - est["params"] == 4 * experts * (ep - 1) // ep
+
+
+def test_dry_run_of_ep_at_scale_gives_the_estimates_model_states():
+    """``ck.dry_run`` of a rank of 128 (a fresh process in torch's fake group: boost builds that rank's shards,
+    the optimizer's states made): dp=64 x pp=2, ep=16 (edp 4), ZeRO-1, an MoE GPT with dense and MoE blocks. Its
+    exact params and grads equal the estimate's; its optimizer differs only by AdamW's 4-byte step counters."""
+    from colab_kit.models import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=1024, seq_len=256, d_model=256, n_heads=8, n_layers=8, n_experts=16, top_k=2,
+                    d_expert=256, shared_experts=1, moe_every=2)
+    config = ck.ParallelConfig(dp=64, pp=2, ep=16, zero=1, microbatches=2)
+    reports = ck.planner.at_scale.dry_run_many(
+        [{"model": GPT(cfg, device="meta"), "config": config, "rank": r, "batch": 256} for r in (5, 77)], hardware=())
+    for report in reports:
+        pp = ck.MeshLayout(config).coords(report.rank)["pp"]
+        est = config_estimate(cfg, config, 256, pp_rank=pp)
+        assert report.memory["params"] == est["params"] and report.memory["grads"] == est["grads"], report
+        tensors = len([n for n, _ in GPT(cfg, device="meta").named_parameters()])
+        assert 0 <= report.memory["optimizer"] - est["optimizer"] <= 4 * tensors, report
+    assert reports[0].memory["params"] != reports[1].memory["params"]  # the stages hold different blocks
