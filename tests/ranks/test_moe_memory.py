@@ -76,3 +76,17 @@ def test_dry_run_of_ep_at_scale_gives_the_estimates_model_states():
         tensors = len([n for n, _ in GPT(cfg, device="meta").named_parameters()])
         assert 0 <= report.memory["optimizer"] - est["optimizer"] <= 4 * tensors, report
     assert reports[0].memory["params"] != reports[1].memory["params"]  # the stages hold different blocks
+
+
+def test_plan_exact_dry_runs_what_the_engine_runs_and_keeps_the_estimate_of_the_rest():
+    """``ck.plan(..., exact=2)`` of an MoE GPT on 16 H100s: in fp32 the first two candidates are dry-run and their
+    exact parameters are the estimate's; in bf16 the ep layouts (priced, not runnable) are not dry-run."""
+    from colab_kit.models import GPTConfig
+    cfg = GPTConfig(vocab_size=1024, seq_len=256, d_model=256, n_heads=8, n_layers=8, n_experts=16, top_k=2,
+                    d_expert=256, shared_experts=1, moe_every=2)
+    fp32 = ck.plan(cfg, 16, 64, precision="fp32", hardware="8xH100-SXM", exact=2, limit=4)
+    exact = [c for c in fp32 if c.dry_runs]
+    assert len(exact) == 2 and any(c.config.ep > 1 for c in exact)
+    assert all(c.memory["params"] == c.estimate.memory["params"] for c in exact)
+    bf16 = ck.plan(cfg, 16, 64, precision="bf16", hardware="8xH100-SXM", exact=1, limit=3)
+    assert all(not c.dry_runs for c in bf16 if c.config.ep > 1)
