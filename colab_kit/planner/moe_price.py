@@ -41,7 +41,7 @@ from .hardware import Hardware
 from .scale_compute import BlockCost, _gemm
 from .shape import ModelShape
 
-__all__ = ["layers_on_rank", "moe_block", "dispatch_seconds", "params_split", "expert_sync"]
+__all__ = ["layers_on_rank", "moe_block", "expert_gemms", "dispatch_seconds", "params_split", "expert_sync"]
 
 
 def layers_on_rank(shape: ModelShape, config, layers: int) -> int:
@@ -58,18 +58,12 @@ def _tokens(config, rows: float, seq: int) -> float:
 
 def moe_block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware, dense: BlockCost) -> BlockCost:
     """``dense`` (a dense block's ``BlockCost``) with its MLP replaced by the MoE layer's compute."""
-    p, h, ep = config.precision, shape.hidden, config.ep
+    p, h = config.precision, shape.hidden
     t = _tokens(config, rows, seq)
     width = 2 if shape.gated else 1
     fc1 = _gemm(hw, p, config, t, shape.d_ff * width, h, True)
     fc2 = _gemm(hw, p, config, t, h, shape.d_ff, False)
-    per = t * shape.top_k * ep / shape.experts  # rows of one local expert
-    local = shape.experts / ep
-    fw, f1 = shape.d_expert * width, shape.d_expert
-    up = (hw.gemm_seconds(per, fw, h, p, local), hw.gemm_seconds(per, h, fw, p, local),
-          hw.gemm_seconds(h, fw, per, p, local))     # forward, dX, dW of the (gate and) up projection
-    down = (hw.gemm_seconds(per, h, f1, p, local), hw.gemm_seconds(per, f1, h, p, local),
-            hw.gemm_seconds(f1, h, per, p, local))
+    up, down = expert_gemms(shape, config, t, hw)
     router = _gemm(hw, p, config, t, shape.experts, h, True)
     shared = ((_gemm(hw, p, config, t, shape.shared_ffn * width, h, True),
                _gemm(hw, p, config, t, h, shape.shared_ffn, False)) if shape.shared_ffn else ())
@@ -81,6 +75,19 @@ def moe_block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware, de
     w = dense.w - fc1[2] - fc2[2] + sum(g[2] for g in gemms)
     rc = {0.0: 0.0, dense.f: f}.get(dense.rc, dense.rc)  # full recomputation repeats the MoE forward
     return BlockCost(f=f, i=i, w=w, attn=dense.attn, rc=rc)
+
+
+def expert_gemms(shape: ModelShape, config, tokens: float, hw: Hardware) -> tuple[tuple, tuple]:
+    """``(up, down)``: (forward, dX, dW) seconds of the rank's ``E / ep`` experts' (gate and) up and down
+    projections, each expert on ``tokens k ep / E`` rows (balanced routing), as grouped GEMMs of that size."""
+    p, h, local = config.precision, shape.hidden, shape.experts / config.ep
+    per = tokens * shape.top_k * config.ep / shape.experts  # rows of one local expert
+    fw, f1 = shape.d_expert * (2 if shape.gated else 1), shape.d_expert
+    up = (hw.gemm_seconds(per, fw, h, p, local), hw.gemm_seconds(per, h, fw, p, local),
+          hw.gemm_seconds(h, fw, per, p, local))
+    down = (hw.gemm_seconds(per, h, f1, p, local), hw.gemm_seconds(per, f1, h, p, local),
+            hw.gemm_seconds(f1, h, per, p, local))
+    return up, down
 
 
 def dispatch_seconds(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> tuple[float, float, tuple]:
