@@ -97,7 +97,11 @@ def hf_moe_shape(cls, model: nn.Module, seq: int | None):
 def stage_split(layers: int, stages: int) -> list[range]:
     """Each stage's blocks: the engine's even split, or where ``stages`` does not divide ``layers`` (a layout
     priced, not run: DeepSeek-V3's 61 blocks over 16 stages) ``layers // stages`` each and one more on each of
-    the last ``layers % stages`` stages (the fullest stage then also holds the head)."""
+    the last ``layers % stages`` stages (the fullest stage then also holds the head).
+
+        >>> [len(r) for r in stage_split(61, 16)]
+        [3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4]
+    """
     base, extra = divmod(layers, stages)
     sizes = [base + (s >= stages - extra) for s in range(stages)]
     starts = [sum(sizes[:s]) for s in range(stages)]
