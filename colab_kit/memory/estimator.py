@@ -239,6 +239,9 @@ def config_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | 
     >>> e["params"], e["activations"]
     (215808, 2514180)
     """
+    if getattr(model, "n_experts", 0) and n_params is None:  # a mixture of experts: its own count
+        from .experts import moe_estimate
+        return moe_estimate(model, config, batch, optimizer, seq=seq, pp_rank=pp_rank, host_share=host_share)
     seq = model.seq_len if seq is None else seq
     rows = batch // (config.dp * config.microbatches)
     params = stage_params(model, config) if n_params is None else [n_params] * config.pp

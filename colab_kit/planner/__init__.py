@@ -37,6 +37,8 @@ from ..engine.checks import check_policy
 from ..engine.core import unsupported
 from ..memory.estimator import config_estimate, gpt_like, model_activations, part_params, traced_activations
 from ..memory.formulas import optimizer_states, placed
+from ..models import GPTConfig
+from ..models.moe import has_experts
 from ..pipeline.stage import check_stages
 from ..policy import missing_policy_message, policy_for
 from ..sequence.plan import LAYOUT, SequencePlan, check_length
@@ -50,6 +52,7 @@ from .candidates import Candidate, Candidates
 from .cost import step_seconds
 from .exact import exact_states
 from .shape import is_moe
+from .moe_local import moe_configs, moe_step_seconds
 
 __all__ = ["plan", "Candidate", "Candidates", "constants", "enumerate_configs", "EXAMPLE_CONSTANTS"]
 # ck.estimate and the at-scale search: colab_kit.planner.estimate, .search, .scale, .hardware, .shape
@@ -156,10 +159,9 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
     """
     if isinstance(exact, bool) or not isinstance(exact, int) or exact < 0:
         raise ConfigError(f"exact must be a whole number of candidates to dry-run, got {exact!r}: try 3")
-    if is_moe(model_cfg):
-        raise ConfigError("ck.plan prices dense transformers; a mixture of experts (n_experts > 0) needs the "
-                          "expert-parallel dispatch it will price with it (issue 42, docs/moe.md): plan the dense "
-                          "model of the same widths, n_experts=0")
+    if isinstance(model_cfg, nn.Module) and has_experts(model_cfg) and isinstance(getattr(model_cfg, "cfg", None),
+                                                                                   GPTConfig):
+        model_cfg = model_cfg.cfg  # the built-in MoE GPT: planned from its config (planner.moe_local)
     if hardware is not None:
         if constants is not None:
             raise ConfigError("give hardware= or constants=, not both: hardware names a preset's constants")
@@ -176,6 +178,10 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
             return cands
     if restrict:
         raise ConfigError("restrict= narrows the at-scale search: give it with hardware=<preset>")
+    if is_moe(model_cfg) and not isinstance(model_cfg, GPTConfig):
+        raise ConfigError("ck.plan on this machine prices the built-in MoE GPT (give its GPTConfig); a Hugging Face "
+                          "mixture of experts is priced at scale: ck.plan(model, world_size, batch, "
+                          "hardware='8xH100-SXM'), or ck.estimate(model, config, batch)")
     if constants is None and isinstance(world_size, int) and world_size > 16:
         raise ConfigError(f"ck.plan for {world_size} ranks without constants would measure them with {world_size} "
                           f"local processes: pass hardware= (one of the presets: {', '.join(HARDWARE)}) or "
@@ -213,14 +219,17 @@ def _plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precisio
     consts = constants if constants is not None else globals()["constants"](ranks=world_size)
     out = Candidates()
     out.constants, out.memory_per_rank = consts, memory_per_rank
-    for cfg in enumerate_configs(model_cfg, world_size, batch, precision, with_auto=memory_per_rank is not None):
+    moe = bool(getattr(model_cfg, "n_experts", 0))
+    configs = moe_configs if moe else enumerate_configs
+    timed = moe_step_seconds if moe else step_seconds
+    for cfg in configs(model_cfg, world_size, batch, precision, with_auto=memory_per_rank is not None):
         mem = config_estimate(model_cfg, cfg, batch, optimizer, host_share=None)
         kwargs = {}
         if cfg.offload == "auto":  # the placement puts on the host what does not fit
             assert memory_per_rank is not None  # enumerate_configs offers "auto" only with a budget
             kwargs = {"device_budget": memory_per_rank}
             mem = _auto_placed(mem, memory_per_rank)
-        seconds, parts, counts = step_seconds(model_cfg, cfg, batch, consts, mem, optimizer)
+        seconds, parts, counts = timed(model_cfg, cfg, batch, consts, mem, optimizer)
         fits = memory_per_rank is None or sum(mem["device"].values()) <= memory_per_rank
         out.append(Candidate(cfg, mem, seconds, fits, parts, counts, kwargs))
     if not out:
@@ -256,7 +265,7 @@ def _prune(cands: list) -> list:
     groups: dict = {}
     for c in cands:
         k = c.config
-        layout = (k.dp, k.tp, k.pp, k.sp, k.tp_mode, k.tp_depth, k.sp_mode, k.schedule, k.chunks)
+        layout = (k.dp, k.tp, k.pp, k.sp, k.ep, k.tp_mode, k.tp_depth, k.sp_mode, k.schedule, k.chunks)
         groups.setdefault(layout, []).append(c)
     kept = []
     for group in groups.values():

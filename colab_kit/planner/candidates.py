@@ -47,7 +47,8 @@ class Candidate:
 
     def describe(self) -> str:
         c = self.config
-        extra = [f"zero={c.zero}"] * bool(c.zero) + [f"offload={c.offload}"] * (c.offload != "none")
+        extra = [f"ep={c.ep}"] * (c.ep > 1) + [f"zero={c.zero}"] * bool(c.zero)
+        extra += [f"offload={c.offload}"] * (c.offload != "none")
         if c.pp > 1:
             extra.append(f"{c.schedule} m={c.microbatches}" + (f" v={c.chunks}" if c.chunks > 1 else ""))
         elif c.microbatches > 1:

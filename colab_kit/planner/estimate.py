@@ -39,13 +39,15 @@ from dataclasses import dataclass, field
 from ..config import ConfigError, ParallelConfig
 from ..memory.estimator import config_estimate
 from ..memory.formulas import optimizer_states
-from ..models import GPTConfig
+from ..models import GPT, GPTConfig
 from ..pipeline.stage import check_stages
 from .constants import constants as measured
 from .cost import step_seconds
 from .at_scale import LOCAL
 from .hardware import HARDWARE, Hardware
 from .scale import price
+from .moe_local import moe_step_seconds
+from .moe_shape import check_experts, gpt_moe_of, moe_memory
 from .shape import ModelShape
 
 __all__ = ["Estimate", "estimate", "memory_of", "hardware_of", "priced", "gpt_of"]
@@ -115,7 +117,9 @@ class Estimate:
         mem = ", ".join(f"{k} {self.memory[k] / gib:.1f} GiB" for k in _KEYS)
         parts = ", ".join(f"{k} {_secs(v)}" for k, v in sorted(self.breakdown.items(), key=lambda kv: -kv[1]) if v > 0)
         fits = "fits" if self.fits else "does NOT fit"
-        return (f"{self.shape.name} {self.shape.params / 1e9:.1f}B, {self.config.describe()} on {self.hardware}, "
+        active = f" ({self.shape.active_params / 1e9:.1f}B active)" if self.shape.experts else ""
+        return (f"{self.shape.name} {self.shape.params / 1e9:.1f}B{active}, {self.config.describe()} on "
+                f"{self.hardware}, "
                 f"batch {self.batch} x {self.seq}: {_secs(self.step_seconds)}/step, "
                 f"{self.tokens_per_second:,.0f} tokens/s, {self.tflops_per_gpu:.0f} TFLOP/s per GPU, "
                 f"MFU {100 * self.mfu:.1f}%\n"
@@ -167,11 +171,13 @@ def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: 
     fitted to the model's FLOPs, as the engine runs it, below ``2 pp`` microbatches and with ``fit``; at unit
     costs otherwise: from ``2 pp`` microbatches the same bytes (tested), below it up to 10% more (measured at
     pp 4 and 8: on the safe side). The at-scale search passes ``fit=False``: fitting a deep V takes seconds."""
-    gpt = gpt or gpt_of(shape)
     m = config.microbatches
     if config.pp > 1 and config.schedule != "gpipe" and m > 2 * config.pp:
         rows = batch // (config.dp * m)
         config, batch = config.replace(microbatches=2 * config.pp), config.dp * 2 * config.pp * rows
+    if shape.experts:  # a mixture of experts: its own walk (planner.moe_shape.moe_memory)
+        return moe_memory(shape, config, batch, optimizer)
+    gpt = gpt or gpt_of(shape)
     fitted = config.schedule != "zb-v" or (fit and config.microbatches < 2 * config.pp)
     mem = _cached_estimate(gpt, config, batch, optimizer, shape.seq, fitted)
     scale = shape.params / _gpt_params(gpt)
@@ -200,7 +206,7 @@ def _gpt_params(gpt: GPTConfig) -> int:
     return ModelShape.of(gpt).params
 
 
-def _check(config, batch, seq, shape) -> None:
+def _check(config, batch, seq, shape, uneven: bool = False, local: bool = True) -> None:
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"ck.estimate takes a ParallelConfig, got {type(config).__name__}: "
                           f"e.g. ck.ParallelConfig(dp=8, tp=8, pp=4, microbatches=32)")
@@ -213,43 +219,58 @@ def _check(config, batch, seq, shape) -> None:
     if shape.heads % config.tp and config.tp_mode == "1d":
         raise ConfigError(f"tp={config.tp} does not divide the model's {shape.heads} attention heads: "
                           f"use a tp that divides {shape.heads}")
-    if config.pp > 1:
+    if config.pp > 1 and not uneven:
         check_stages(shape.layers, config)  # the engine's rule: the blocks split evenly over pp x chunks
     if seq % config.sp:
         raise ConfigError(f"sp={config.sp} does not divide the sequence of {seq} tokens: use an sp that divides it")
+    check_experts(shape, config, local)
 
 
 def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = None, hardware="8xA100-80GB",
              precision: str | None = None, optimizer: str = "adamw", policy=None,
-             constants: dict | None = None) -> Estimate:
+             constants: dict | None = None, uneven_stages: bool = False) -> Estimate:
     """Step time, memory per rank and MFU of ``config`` training ``model`` on a global ``batch`` of sequences.
 
     ``model``: a ``GPTConfig``, a built-in model, a Hugging Face config or model (built on the meta device:
     no weights), any model with a policy, or a ``ModelShape``. ``hardware``: a preset name
     (``planner.hardware.HARDWARE``; default the DGX A100 80GB the calibration table ran on), a ``Hardware``,
     or ``"this machine"`` (the constants measured here, ``constants=`` to give them). ``precision``
-    overrides the config's. Nothing runs: no process, no tensor."""
+    overrides the config's. ``uneven_stages`` (a preset only): price a pipeline whose blocks do not split
+    evenly over its stages (DeepSeek-V3's 61 over 16), the last ``layers % stages`` stages one block more; the
+    engine splits them evenly, so such a layout is priced, not runnable. Nothing runs: no process, no tensor."""
     shape = ModelShape.of(model, policy, seq)
     seq = shape.seq
     if precision is not None:
         config = config.replace(precision=precision)
-    _check(config, batch, seq, shape)
+    hw = hardware_of(hardware)
+    if uneven_stages and hw == LOCAL:
+        raise ConfigError("uneven_stages prices a layout the engine cannot run: give a cluster preset, e.g. "
+                          "hardware='8xH800-SXM', or stages that split the blocks evenly")
+    _check(config, batch, seq, shape, uneven_stages, hw == LOCAL)
     try:
         optimizer_states(optimizer)
     except ValueError as exc:  # an unknown optimizer, refused before anything is priced
         raise ConfigError(str(exc)) from None
-    hw = hardware_of(hardware)
     memory = memory_of(shape, config, batch, optimizer)
     if hw == LOCAL:
         consts = constants if constants is not None else measured(ranks=config.world_size)
-        gpt = dataclasses.replace(gpt_of(shape), seq_len=seq)
-        seconds, parts, counts = step_seconds(gpt, config, batch, consts, memory, optimizer)
+        if shape.experts:  # the MoE GPT of its widths (planner.moe_local)
+            gpt = model.cfg if isinstance(model, GPT) else model if isinstance(model, GPTConfig) else gpt_moe_of(shape)
+            seconds, parts, counts = moe_step_seconds(dataclasses.replace(gpt, seq_len=seq), config, batch, consts,
+                                                      memory, optimizer)
+        else:
+            gpt = dataclasses.replace(gpt_of(shape), seq_len=seq)
+            seconds, parts, counts = step_seconds(gpt, config, batch, consts, memory, optimizer)
         est = Estimate(shape, config, batch, seq, LOCAL, seconds, memory, 0, _local_capacity(), parts,
                        ["constants measured on this machine (planner.constants)"], counts)
         est._local_peak = consts["matmul"]["flops_per_s"]
         return est
     assert isinstance(hw, Hardware)
-    return priced(shape, config, batch, hw, memory, optimizer)
+    est = priced(shape, config, batch, hw, memory, optimizer)
+    if uneven_stages and shape.layers % (config.pp * config.chunks):
+        est.assumptions.append(f"{shape.layers} blocks over {config.pp * config.chunks} stages: the fullest "
+                               f"{-(-shape.layers // (config.pp * config.chunks))} (the engine needs an even split)")
+    return est
 
 
 def priced(shape: ModelShape, config: ParallelConfig, batch: int, hw: Hardware, memory: dict,

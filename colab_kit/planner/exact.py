@@ -6,14 +6,16 @@ the host, become those of its fullest rank, exact to the byte; the activations s
 takes no step), and ``fits`` is decided again. ``plan`` then ranks the list again.
 """
 from __future__ import annotations
+from ..engine.core import unsupported
 from .at_scale import dry_run_many
 
 __all__ = ["exact_states"]
 
 
 def exact_states(cands, model, batch, seq, optimizer, policy, count, memory_per_rank) -> list:
-    """The first ``count`` candidates that fit, their model states replaced by the dry runs' exact bytes."""
-    chosen = [c for c in cands if c.fits and c.config.offload != "auto"][:count]
+    """The first ``count`` candidates that fit, their model states replaced by the dry runs' exact bytes; a
+    candidate the engine does not run (a bf16 expert-parallel layout priced at a preset) keeps its estimate."""
+    chosen = [c for c in cands if c.fits and c.config.offload != "auto" and unsupported(c.config) is None][:count]
     calls = []
     for c in chosen:
         cfg = c.config

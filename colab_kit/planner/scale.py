@@ -43,9 +43,9 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from . import scale_comm
+from . import moe_price, scale_comm
 from .hardware import Hardware, preset
-from .scale_compute import block, head, recompute_mode, with_recompute
+from .scale_compute import BlockCost, block, head, recompute_mode, with_recompute
 from .scale_parts import optimizer_seconds, params_on_rank, seq_comm, tensor_comm
 from .shape import ModelShape
 
@@ -104,6 +104,14 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     layers = math.ceil(shape.layers / (p * v)) * v  # the fullest rank's blocks
     comm_total = dict.fromkeys(AXES, 0.0)
     count = dict.fromkeys(AXES, 0)
+    ep_f = ep_b = ep_rc = 0.0  # a mixture of experts: its blocks, the all-to-alls (planner.moe_price)
+    n_moe = moe_price.layers_on_rank(shape, config, layers) if shape.experts else 0
+    if n_moe:
+        blk = _mix(blk, moe_price.moe_block(shape, config, rows, seq, hw, blk), n_moe / layers)
+        a_f, a_b, ep_n = moe_price.dispatch_seconds(shape, config, rows, seq, hw)
+        ep_f, ep_b = a_f * n_moe / layers, a_b * n_moe / layers
+        ep_rc = ep_f if mode == "full" else 0.0
+        count["ep"] = m * n_moe * (ep_n[0] * (2 if mode == "full" else 1) + ep_n[1])
     # tensor and sequence parallel collectives of one block and microbatch: never hidden (tp), or behind
     # the attention core they feed (sp ring)
     tp_f, tp_b, tp_n = tensor_comm(shape, config, rows, seq, hw)
@@ -114,7 +122,8 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     z3_f = z3_b = z3_exp_f = z3_exp_b = 0.0
     grads = scale_comm.placement(config, "dp+sp", hw.gpus_per_node)
     size = 4 if config.precision == "fp32" else 2
-    block_params = shape.block_params() / _tp_param_split(config)
+    block_params = (shape.block_params() if not n_moe else sum(map(sum, map(shape.layer_params, range(
+        shape.layers)))) / shape.layers) / _tp_param_split(config)
     if config.zero == 3 and grads.size > 1:
         gather = scale_comm.seconds("all_gather", block_params * size / grads.size, grads, hw)
         scatter = scale_comm.seconds("reduce_scatter", block_params * 4, grads, hw)
@@ -122,8 +131,8 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         z3_exp_f = max(0.0, z3_f - blk.f)
         z3_exp_b = max(0.0, z3_b - (blk.i + blk.w + blk.rc))
         count["dp"] += m * layers * 3
-    f_mb = layers * (blk.f + tp_f + sp_exp_f + z3_exp_f)
-    i_mb = layers * (blk.i + blk.rc + tp_b + tp_rc + sp_exp_b + sp_exp_rc + z3_exp_b)
+    f_mb = layers * (blk.f + tp_f + sp_exp_f + z3_exp_f + ep_f)
+    i_mb = layers * (blk.i + blk.rc + tp_b + tp_rc + sp_exp_b + sp_exp_rc + z3_exp_b + ep_b + ep_rc)
     w_mb = layers * blk.w
     compute = m * (layers * (blk.f + blk.i + blk.w + blk.rc) + hd.f + hd.i + hd.w)
     exposed_tp = m * layers * (tp_f + tp_b + tp_rc)
@@ -145,6 +154,9 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     idle = bubble(config.schedule, p, m, v, f_mb, i_mb, w_mb)
     # data parallel: gradients (fp32) over dp x sp, parameters gathered back under ZeRO 1-2
     rank_params = params_on_rank(shape, config)
+    experts = 0.0
+    if n_moe:
+        rank_params, experts = moe_price.params_split(shape, config, layers)
     exposed_dp = m * layers * (z3_exp_f + z3_exp_b)
     comm_dp = m * layers * (z3_f + z3_b)
     if grads.size > 1 and config.zero < 3:
@@ -160,13 +172,42 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
             exposed_dp += regather
             comm_dp += regather
             count["dp"] += 1
-    comm_total["dp"] = comm_dp
     opt = optimizer_seconds(rank_params, config, hw, optimizer, grads.size)
+    notes = _assumptions(hw, config.precision)
+    if n_moe:
+        edp = config.dp * config.sp // config.ep
+        e_exp, e_tot, e_n = moe_price.expert_sync(shape, config, hw, experts, layers * (blk.i + blk.w + blk.rc),
+                                                  layers)
+        exposed_dp, comm_dp, count["dp"] = exposed_dp + e_exp, comm_dp + e_tot, count["dp"] + e_n
+        opt += optimizer_seconds(experts, config, hw, optimizer, edp)
+        comm_total["ep"] = m * layers * (ep_f + ep_b + ep_rc)
+        notes = notes + _moe_notes(config)
+    comm_total["dp"] = comm_dp
     breakdown = {"compute": compute, "bubble": idle, "comm:tp": exposed_tp, "comm:sp": exposed_sp,
                  "comm:pp": comm_pp, "comm:dp": exposed_dp, "optimizer": opt}
+    if n_moe:
+        breakdown["comm:ep"] = comm_total["ep"]
     return Priced(step_seconds=sum(breakdown.values()), breakdown=breakdown, comm_total=comm_total,
-                  collectives=count, assumptions=_assumptions(hw, config.precision),
+                  collectives=count, assumptions=notes,
                   per_microbatch={"F": f_mb, "I": i_mb, "W": w_mb})
+
+
+def _mix(dense: BlockCost, moe: BlockCost, share: float) -> BlockCost:
+    """The mean block of a rank whose ``share`` of blocks are MoE blocks (costs add up linearly)."""
+    def mean(a, b):
+        return (1 - share) * a + share * b
+    return BlockCost(mean(dense.f, moe.f), mean(dense.i, moe.i), mean(dense.w, moe.w), dense.attn,
+                     mean(dense.rc, moe.rc))
+
+
+def _moe_notes(config) -> tuple:
+    out = ["mixture of experts: routing balanced (each of a rank's E/ep experts gets T k ep / E rows of a "
+           "microbatch, its GEMMs at that size); dispatch and combine all-to-alls exposed (not overlapped with "
+           "compute, as DeepSeek-V3's DualPipe does); no token dropped"]
+    if config.ep > 1 and config.precision != "fp32":
+        out.append(f"the engine runs expert parallelism in fp32 today (engine.core.unsupported): this "
+                   f"{config.precision} layout with ep={config.ep} is priced, not runnable yet")
+    return tuple(out)
 
 
 def _tp_param_split(config) -> int:

@@ -51,11 +51,14 @@ class Group:
 
 def stride(config, axis: str) -> tuple[int, int]:
     """``(size, stride)`` of a group of ``axis``: a mesh axis, "dp+sp" (gradients: dp and sp together, the
-    ranks that hold the same parameters) or a tensor sub-axis (``mesh``'s names)."""
+    ranks that hold the same parameters), "ep" / "edp" (the dp x sp block folded as ``[edp, ep]``, ep
+    fastest: an ep group is ``ep`` neighbours of that block, an edp group ``ep`` of them apart) or a tensor
+    sub-axis (``mesh``'s names)."""
     tp, sp, dp = config.tp, config.sp, config.dp
     q = config.tp_q
     table = {"tp": (tp, 1), "sp": (sp, tp), "dp": (dp, tp * sp), "pp": (config.pp, tp * sp * dp),
-             "dp+sp": (dp * sp, tp), "tp_col": (q, 1), "tp_row": (q, q), "tp_dep": (config.tp_depth, q * q),
+             "dp+sp": (dp * sp, tp), "ep": (config.ep, tp), "edp": (dp * sp // config.ep, tp * config.ep),
+             "tp_col": (q, 1), "tp_row": (q, q), "tp_dep": (config.tp_depth, q * q),
              "tp_out": (q, 1), "tp_wt": (q, q), "tp_in": (q, q * q)}
     return table[axis]
 

@@ -45,6 +45,7 @@ from ..engine.core import unsupported
 from ..memory.formulas import model_state_bytes
 from .candidates import Candidate, Candidates
 from .estimate import Estimate, gpt_of, memory_of, priced
+from . import moe_price
 from .scale import price
 from .hardware import Hardware
 from .shape import ModelShape
@@ -102,13 +103,13 @@ def layouts(shape: ModelShape, gpus: int, restrict: dict | None = None) -> Itera
     """(dp, tp, pp, sp) of ``gpus`` ranks the model can take (step 1 of the module docstring)."""
     restrict = restrict or {}
     for tp in _divisors(gpus):
-        if shape.heads % tp or shape.hidden % tp or not _allowed(restrict, "tp", tp):
+        if shape.heads % tp or shape.hidden % tp or not _allowed(restrict, "tp", tp) or (shape.experts and tp > 1):
             continue
         for pp in _divisors(gpus // tp):
             if pp > shape.layers or shape.layers % pp or not _allowed(restrict, "pp", pp):
                 continue
             for sp in _divisors(gpus // (tp * pp)):
-                if shape.seq % sp or sp > 64 or not _allowed(restrict, "sp", sp):
+                if shape.seq % sp or sp > 64 or not _allowed(restrict, "sp", sp) or (shape.experts and sp > 1):
                     continue
                 dp = gpus // (tp * pp * sp)
                 if _allowed(restrict, "dp", dp):
@@ -120,8 +121,27 @@ def _states_fit(shape: ModelShape, dp: int, tp: int, pp: int, zero: int, precisi
     """Whether the fullest stage's model states alone fit (step 2): its blocks split over tp, the token
     table (first stage) or the head (last) too."""
     per_stage = shape.layers // pp * shape.block_params() + shape.vocab * shape.hidden * (1 if pp > 1 else 2)
+    if shape.experts:  # the dense part of its blocks; the experts as few as the largest ep leaves, over edp
+        ep = max(_eps(shape, dp))
+        dense, experts = moe_price.params_split(shape, ParallelConfig(dp=dp, pp=pp, ep=ep), shape.layers // pp)
+        both = [model_state_bytes(math.ceil(dense), optimizer, precision, dp, zero),
+                model_state_bytes(math.ceil(experts), optimizer, precision, dp // ep, zero)]
+        return sum(sum(s.values()) for s in both) <= usable
     states = model_state_bytes(math.ceil(per_stage / tp), optimizer, precision, dp, zero)
     return sum(states.values()) <= usable
+
+
+def _eps(shape: ModelShape, fold: int, restrict: dict | None = None) -> list[int]:
+    """Expert-parallel degrees of a mixture of experts: divisors of dp x sp that divide its experts."""
+    if not shape.experts:
+        return [1]
+    return [e for e in _divisors(fold) if shape.experts % e == 0 and _allowed(restrict or {}, "ep", e)] or [1]
+
+
+def _refused(cfg: ParallelConfig) -> bool:
+    """What ``boost`` refuses (``engine.core.unsupported``), except expert parallelism in bf16 / fp16, which is
+    priced at scale with an assumption saying so (``scale._moe_notes``)."""
+    return unsupported(cfg.replace(precision="fp32") if cfg.ep > 1 else cfg) is not None
 
 
 def _configs(shape, dp, tp, pp, sp, batch, precision, restrict, zero: int = 0,
@@ -145,12 +165,13 @@ def _configs(shape, dp, tp, pp, sp, batch, precision, restrict, zero: int = 0,
                     if not all(_allowed(restrict, k, v) for k, v in fields.items()):
                         continue
                     fields.update(zero=zero, recompute=recompute)
-                    try:
-                        cfg = ParallelConfig(**fields)
-                    except ConfigError:
-                        continue
-                    if unsupported(cfg) is None:
-                        yield cfg
+                    for ep in _eps(shape, dp * sp, restrict):
+                        try:
+                            cfg = ParallelConfig(**fields, ep=ep)
+                        except ConfigError:
+                            continue
+                        if not _refused(cfg):
+                            yield cfg
 
 
 def _bound(shape, cfg, batch, hw, optimizer) -> float:
@@ -172,7 +193,7 @@ def _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, 
                 c = cfg.replace(zero=zero, recompute=rc, offload=offload)
             except ConfigError:
                 break
-            if unsupported(c) is not None:
+            if _refused(c):
                 break
             mem = memory_of(shape, c, batch, optimizer, gpt=gpt, fit=False)
             if sum(mem["device"].values()) <= usable:

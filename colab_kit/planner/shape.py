@@ -27,6 +27,7 @@ from ..models.moe import has_experts
 from ..policy import missing_policy_message, policy_for
 from ..sharded_init import meta_twin
 from ..tensor import model_sizes
+from .moe_shape import gpt_moe_shape, hf_experts, hf_moe_shape
 
 __all__ = ["ModelShape", "is_moe"]
 
@@ -68,6 +69,21 @@ class ModelShape:
     positions: bool = True
     name: str = "GPT"
     params_exact: int = 0
+    experts: int = 0
+    """Routed experts of each MoE layer (0: a dense model); ``planner.moe_shape`` reads them from a model."""
+    top_k: int = 0
+    d_expert: int = 0
+    """One routed expert's inner width (its MLP is gated like the dense one's, ``gated``)."""
+    shared_ffn: int = 0
+    """The shared experts' inner width, all of them together (an MLP every token passes)."""
+    moe_blocks: tuple = ()
+    """Indices of the blocks whose MLP is an MoE layer (the others have the dense MLP of width ``ffn``)."""
+    attn_params: int = 0
+    """Weights of one block's attention matrices where read from a model (multi-head latent attention,
+    a q width other than ``hidden``); 0: the formula ``h * qkv_out + h * h``."""
+    core_width: int = 0
+    """Width of attention's core per token, the mean of the q.k and the v widths over the heads (DeepSeek-V3's
+    MLA: (128 x 192 + 128 x 128) / 2); 0: ``hidden``."""
 
     def __post_init__(self):
         for key in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -75,6 +91,10 @@ class ModelShape:
                 raise ValueError(f"ModelShape.{key} must be a positive integer, got {getattr(self, key)!r}")
         if self.hidden % self.heads:
             raise ValueError(f"ModelShape: heads ({self.heads}) must divide hidden ({self.hidden})")
+        if self.experts and not (1 <= self.top_k <= self.experts and self.d_expert > 0 and self.moe_blocks):
+            raise ValueError(f"ModelShape: experts={self.experts} needs 1 <= top_k <= experts, d_expert > 0 and the "
+                             f"MoE blocks, got top_k={self.top_k}, d_expert={self.d_expert}, moe_blocks="
+                             f"{self.moe_blocks!r}")
 
     # ------------------------------------------------------------------ from a model
     @classmethod
@@ -91,15 +111,17 @@ class ModelShape:
             return model if seq is None else dataclasses.replace(model, seq=seq)
         if isinstance(model, GPT):
             model = model.cfg
-        if is_moe(model):
-            raise ConfigError("the planner prices dense transformers; a mixture of experts (n_experts > 0) needs the "
-                              "expert-parallel dispatch it will price with it (issue 42, docs/moe.md): plan the dense "
-                              "model of the same widths, n_experts=0, for its attention and layout")
+        if isinstance(model, GPTConfig) and model.n_experts:
+            return gpt_moe_shape(cls, model, seq)
+        if isinstance(model, nn.Module) and has_experts(model) and isinstance(getattr(model, "cfg", None), GPTConfig):
+            return gpt_moe_shape(cls, model.cfg, seq)
         if isinstance(model, GPTConfig):
             return cls(layers=model.n_layers, hidden=model.d_model, heads=model.n_heads, vocab=model.vocab_size,
                        seq=seq or model.seq_len, ffn=model.d_ff or 4 * model.d_model, name="GPT")
         if not isinstance(model, nn.Module) and hasattr(model, "model_type") and hasattr(model, "to_dict"):
             model = _from_hf_config(model)
+        if isinstance(model, nn.Module) and hf_experts(model):
+            return hf_moe_shape(cls, model, seq)
         if not isinstance(model, nn.Module):
             raise ConfigError(f"ModelShape.of takes a GPTConfig, a model (an nn.Module with a policy) or a Hugging "
                               f"Face config, got {type(model).__name__}: e.g. LlamaConfig(...) or GPTConfig(...)")
@@ -123,17 +145,47 @@ class ModelShape:
         """Output width of the fused q, k, v projection: ``h + 2 * kv_heads * head_dim``."""
         return self.hidden + 2 * self.n_kv * self.head_dim
 
-    def block_matmul_params(self) -> int:
-        """Weights of one block's matrices (q, k, v, the attention's output, the MLP's two or three)."""
+    def attention_params(self) -> int:
+        """Weights of one block's attention matrices (q, k, v and the output): read, or the formula."""
+        return self.attn_params or self.hidden * self.qkv_out + self.hidden * self.hidden
+
+    def mlp_params(self, width: int) -> int:
+        """One MLP of inner ``width``: two or three (gated) matrices, and a GPT's two biases."""
         h = self.hidden
-        return h * self.qkv_out + h * h + (3 if self.gated else 2) * h * self.d_ff
+        return (3 * h * width) if self.gated else (2 * h * width + width + h)
+
+    def block_matmul_params(self) -> int:
+        """Weights of one dense block's matrices (q, k, v, the attention's output, the MLP's two or three)."""
+        return self.attention_params() + (3 if self.gated else 2) * self.hidden * self.d_ff
 
     def block_params(self) -> int:
-        """One block's parameters: its matrices and (formula) ``13 h`` of norms and biases for a GPT,
+        """One dense block's parameters: its matrices and (formula) ``13 h`` of norms and biases for a GPT,
         ``2 h`` of RMSNorm weights for a gated (Llama) block."""
         if self.gated:
             return self.block_matmul_params() + 2 * self.hidden
         return self.block_matmul_params() + self.qkv_out + self.d_ff + 6 * self.hidden  # biases, 2 LayerNorms
+
+    # ------------------------------------------------------------------ mixtures of experts
+    @property
+    def expert_params(self) -> int:
+        """One routed expert's parameters."""
+        return self.mlp_params(self.d_expert) if self.experts else 0
+
+    def moe_dense_params(self) -> int:
+        """One MoE block without its routed experts: attention, norms, the router (``E x h``), shared experts."""
+        shared = self.mlp_params(self.shared_ffn) if self.shared_ffn else 0
+        return self.block_params() - self.mlp_params(self.d_ff) + self.experts * self.hidden + shared
+
+    def layer_params(self, i: int) -> tuple[int, int]:
+        """``(dense, routed experts)`` parameters of block ``i``."""
+        if i in self.moe_blocks:
+            return self.moe_dense_params(), self.experts * self.expert_params
+        return self.block_params(), 0
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: all of them less the routed experts it is not sent to."""
+        return self.params - len(self.moe_blocks) * (self.experts - self.top_k) * self.expert_params
 
     @property
     def params(self) -> int:
@@ -144,7 +196,8 @@ class ModelShape:
         h = self.hidden
         table = self.vocab * h + (self.seq * h if self.positions else 0)
         norm = h if self.gated else 2 * h  # the final RMSNorm (Llama) or LayerNorm
-        return self.layers * self.block_params() + table + norm + (0 if self.tied else self.vocab * h)
+        blocks = sum(sum(self.layer_params(i)) for i in range(self.layers))
+        return blocks + table + norm + (0 if self.tied else self.vocab * h)
 
     # ------------------------------------------------------------------ FLOPs
     def forward_flops_per_token(self, seq: int | None = None) -> float:
@@ -152,8 +205,11 @@ class ModelShape:
         head's), and attention's two products over the whole ``seq x seq`` square (``4 s h`` a layer;
         Megatron-LM's Eq. 3 counts the square, not the causal half)."""
         s = seq or self.seq
-        return 2 * (self.layers * self.block_matmul_params() + self.vocab * self.hidden) \
-            + 4 * self.layers * s * self.hidden
+        moe = len(self.moe_blocks)
+        mm = 3 if self.gated else 2  # matrices of an MLP
+        per_token = self.hidden * (self.experts + mm * (self.shared_ffn + self.top_k * self.d_expert - self.d_ff))
+        return 2 * (self.layers * self.block_matmul_params() + moe * per_token + self.vocab * self.hidden) \
+            + 4 * self.layers * s * (self.core_width or self.hidden)
 
     def flops_per_token(self, seq: int | None = None) -> float:
         """Model FLOPs of one token trained: forward once, backward twice the forward; recomputation not

@@ -140,12 +140,3 @@ def test_a_405b_llama_is_estimated_without_allocating_its_weights():
     assert est.tokens_per_second == pytest.approx(1024 * 8192 / est.step_seconds)
     assert set(est.memory) >= {"params", "grads", "optimizer", "activations", "device", "host"}
     assert any("NVIDIA H100" in a for a in est.assumptions), est.assumptions
-
-
-def test_a_mixture_of_experts_is_refused_by_the_planner_with_the_rule():
-    moe = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2, n_experts=4)
-    for call in (lambda: ck.estimate(moe, ck.ParallelConfig(dp=2), 4),
-                 lambda: ck.plan(moe, 64, 64, hardware="8xA100-80GB"),
-                 lambda: ck.plan(GPT(moe), 4, 16, constants=ck.planner.EXAMPLE_CONSTANTS)):
-        with pytest.raises(ck.ConfigError, match="dense model of the same widths, n_experts=0"):
-            call()

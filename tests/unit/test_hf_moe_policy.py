@@ -83,9 +83,12 @@ def test_a_load_balancing_loss_the_engine_cannot_count_is_refused():
 
 
 @pytest.mark.parametrize("what", ["model", "config"])
-def test_the_estimator_refuses_an_hf_mixture_of_experts(what):
-    """ck.estimate prices dense transformers: an HF MoE model (its policy names experts) or config (routed experts)
-    is refused with the rule, as the built-in MoE GPT is, rather than priced as a dense model."""
+def test_the_estimator_prices_an_hf_mixture_of_experts_as_one(what):
+    """ck.estimate reads an HF MoE model (its policy names experts) or config (routed experts) as a mixture of
+    experts (``planner.moe_shape``), never as a dense model of the same widths: the same price either way, and
+    its assumptions say how the experts were priced."""
     model = build("deepseek")
-    with pytest.raises(ck.ConfigError, match="a mixture of experts"):
-        ck.estimate(model if what == "model" else model.config, ck.ParallelConfig(dp=2), batch=8, seq=16)
+    a = ck.estimate(model, ck.ParallelConfig(dp=2), batch=8, seq=16)
+    b = ck.estimate(model.config, ck.ParallelConfig(dp=2), batch=8, seq=16)
+    assert a.model_flops == b.model_flops > 0
+    assert any("mixture of experts" in x for x in (a if what == "model" else b).assumptions)

@@ -1,0 +1,146 @@
+"""Memory per rank of a mixture-of-experts GPT under expert parallelism: the estimate ``config_estimate`` gives
+for a ``GPTConfig(n_experts=E, ...)`` (so ``engine.memory_estimate()`` and ``ck.plan`` count the experts).
+
+A rank of ``ParallelConfig(dp, pp, ep, zero)`` (MoE runs with tp = sp = 1, ``engine.core.unsupported``) holds:
+
+- **dense** parameters (embeddings, attention, LayerNorms, the dense MLPs, each MoE layer's router and shared
+  experts): the pipeline stage's, ZeRO-sharded over ``dp`` as a dense model's (``model_state_bytes``);
+- **expert** parameters: ``E / ep`` experts of each MoE layer of the stage, ZeRO-sharded over the
+  expert-data-parallel group, ``edp = dp / ep`` ranks (``colab_kit.zero.split``): stage 1 the optimizer
+  states, stage 2 the gradients too;
+- **activations**: the dense GPT's count (``activation_bytes``) with each MoE block's MLP terms replaced by
+  what the MoE layer saves for backward, N tokens of the microbatch, e bytes a value, k = top_k, f = d_expert,
+  S = the shared experts' width, the rows received ``R = N k`` (balanced routing)::
+
+      router probabilities              e N E
+      dispatch buffers (held)           e R h (the rows an expert receives: its GEMM's input)
+                                        + 2 e N k h (the rows combined back, and put in their slots)
+      expert hidden (GELU in, out)      2 e R f
+      shared experts (GELU in, out)     2 e N S
+      routing indices and weights       24 N k + 2 e N k + e N
+      (the dense MLP's 2 e N f is gone; the MLP input e N h is the router's)
+
+Worked example, 4 experts of width 32 (d_model 32, 2 blocks, both MoE, one shared expert), ``dp=4 ep=2
+zero=1``, AdamW, fp32: a rank holds 2 of the 4 experts of each layer, ``2 x 2 x 2,112 = 8,448`` expert
+parameters, their optimizer states over ``edp = 2`` ranks::
+
+    >>> from colab_kit import ParallelConfig
+    >>> from colab_kit.models import GPTConfig
+    >>> g = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4, top_k=2,
+    ...               d_expert=32, shared_experts=1)
+    >>> moe_stage_params(g, ParallelConfig(dp=4, ep=2, zero=1))
+    [(17856, 8448)]
+    >>> e = moe_estimate(g, ParallelConfig(dp=4, ep=2, zero=1), 8)
+    >>> e["params"], e["optimizer"]    # 4 x (17,856 + 8,448); 8 x (17,856 / 4 + 8,448 / 2)
+    (105216, 69504)
+"""
+from __future__ import annotations
+
+from ..models.moe import moe_blocks
+from ..pipeline.stage import stage_layers
+from .estimator import _stages, _walks, part_params
+from .formulas import PRECISION_BYTES, activation_bytes, model_state_bytes, placed, recompute_mode
+
+__all__ = ["expert_params", "moe_block_params", "moe_stage_params", "moe_block_extra", "moe_estimate"]
+
+
+def expert_params(model) -> int:
+    """One expert's parameters: ``w_in [d, f]``, ``b_in [f]``, ``w_out [f, d]``, ``b_out [d]``."""
+    h, f = model.d_model, model.d_expert or model.d_ff or 4 * model.d_model
+    return 2 * h * f + f + h
+
+
+def moe_block_params(model) -> int:
+    """Dense parameters of one MoE block (no routed expert): attention, LayerNorms, router ``E x h`` and the
+    shared experts' MLP (``2 h S + S + h``, S = ``shared_experts * d_expert``)."""
+    h, f = model.d_model, model.d_ff or 4 * model.d_model
+    dense_block = 4 * h + 3 * h * h + 3 * h + h * h + h + 2 * h * f + f + h
+    s = model.shared_experts * (model.d_expert or f)
+    return dense_block - (2 * h * f + f + h) + model.n_experts * h + ((2 * h * s + s + h) if s else 0)
+
+
+def _moe_layers() -> tuple:
+    return moe_blocks, stage_layers
+
+
+def moe_stage_params(model, config) -> list[tuple[int, int]]:
+    """``(dense, experts)`` parameters each pipeline rank holds (before ZeRO): the stage's blocks (dense or
+    MoE), the embeddings on the first stage, ``ln_f`` and the head on the last; ``E / ep`` experts per MoE
+    layer."""
+    moe_blocks, stage_layers = _moe_layers()
+    parts = part_params(model, config)
+    moe = set(moe_blocks(model))
+    local = model.n_experts // config.ep * expert_params(model)
+    n = config.pp * config.chunks
+    layers = stage_layers(model.n_layers, n)
+
+    def stage(s):
+        dense = sum(moe_block_params(model) if i in moe else parts["block"] for i in layers[s])
+        dense += parts["embed"] * (s == 0) + parts["tail"] * (s == n - 1)
+        return dense, local * sum(i in moe for i in layers[s])
+    if config.pp == 1:
+        return [stage(0)]
+    plan, _ = _stages(config)
+    out = []
+    for r in range(config.pp):
+        held = [stage(s) for s in plan.stages_of(r)]
+        out.append((sum(d for d, _ in held), sum(x for _, x in held)))
+    return out
+
+
+def moe_block_extra(model, tokens: int, e: int, recompute="none") -> int:
+    """Bytes one MoE block saves beyond (or below) a dense block of the same widths for ``tokens`` tokens on
+    the rank (the module docstring's table); 0 under full recomputation (a block keeps its input only)."""
+    if recompute_mode(recompute) == "full":
+        return 0
+    n, h, k = tokens, model.d_model, model.top_k
+    f, fe = model.d_ff or 4 * h, model.d_expert or model.d_ff or 4 * h
+    s = model.shared_experts * fe
+    rows = n * k  # received by this rank's experts on average (balanced routing)
+    dispatch = e * rows * h + 2 * e * n * k * h
+    return (e * n * model.n_experts + dispatch + 2 * e * rows * fe + 2 * e * n * s
+            + 24 * n * k + 2 * e * n * k + e * n - 2 * e * n * f)
+
+
+def _stage_activations(model, config, rows: int, seq: int, layers, first: bool, last: bool, moe: set) -> int:
+    e = PRECISION_BYTES[config.precision]
+    dense = activation_bytes(model, rows, seq=seq, layers=len(layers), first=first, last=last,
+                             recompute=config.recompute, bytes_per_elem=e)["held"]
+    return dense + sum(i in moe for i in layers) * moe_block_extra(model, rows * seq, e, config.recompute)
+
+
+def moe_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | None = None,
+                 pp_rank: int | None = None, host_share: float | None = None, moe=None, split=None,
+                 params=None) -> dict:
+    """``config_estimate`` for an MoE GPT (``model.n_experts > 0``): the keys of ``engine.memory()`` with
+    "device" and "host" for pipeline rank ``pp_rank`` (None: the fullest). See the module docstring.
+
+    The planner prices other models through the same walk: ``moe`` the MoE block indices (default
+    ``moe_blocks(model)``), ``split`` each stage's block range (default ``stage_layers``), ``params`` each pipeline
+    rank's ``(dense, experts)`` parameters (default ``moe_stage_params``)."""
+    import numpy as np
+
+    moe_blocks, stage_layers = _moe_layers()
+    seq = model.seq_len if seq is None else seq
+    rows = batch // (config.dp * config.microbatches)
+    edp = config.dp * config.sp // config.ep
+    n = config.pp * config.chunks
+    layers = split or stage_layers(model.n_layers, n)
+    moe = set(moe_blocks(model) if moe is None else moe)
+    per = [_stage_activations(model, config, rows, seq, layers[s], s == 0, s == n - 1, moe) for s in range(n)]
+    if config.pp > 1:
+        plan, _ = _stages(config)
+        acts = []
+        for stages, counts in _walks(plan):  # the weight stores of zero-bubble schedules: not counted here
+            values = np.array([per[s] for s in stages] + [0 for _ in stages], dtype=np.int64)
+            acts.append(int((counts @ values).max()))
+    else:
+        acts = [per[0]]
+    states = []
+    for dense, experts in (params or moe_stage_params(model, config)):
+        d = model_state_bytes(dense, optimizer, config.precision, config.dp, config.zero, config.offload)
+        x = model_state_bytes(experts, optimizer, config.precision, edp, config.zero, config.offload)
+        states.append({k: d[k] + x[k] for k in d})
+    totals = [sum(s.values()) + a for s, a in zip(states, acts)]
+    r = max(range(config.pp), key=totals.__getitem__) if pp_rank is None else pp_rank
+    return placed({**states[r], "activations": acts[r]}, config.zero, config.offload, host_share)

@@ -1,0 +1,178 @@
+"""``ModelShape`` of a mixture of experts: the built-in MoE GPT from its config, a Hugging Face MoE model read on
+the meta device (Mixtral, Qwen3-MoE, DeepSeek-V3, ...: any causal LM whose blocks' MLP holds stacked expert
+tensors ``mlp.experts.*`` of first dim E, the layout transformers 5 gives them).
+
+What is read: the blocks whose MLP has experts (the others are dense), E from the stacked tensors, top-k from
+the config (``num_experts_per_tok``), one expert's width from its parameters (gated: ``3 h f``), the shared
+experts' width (``mlp.shared_experts`` / ``mlp.shared_expert``), the attention's matrices as they are (DeepSeek's
+multi-head latent attention, Qwen3's head_dim), and the exact parameter count. Total and active parameters
+then follow (``ModelShape.params``, ``ModelShape.active_params``).
+
+Worked example, DeepSeek-V3 as its technical report gives it (arXiv 2412.19437, Sec. 4.2: 61 layers, the first
+3 dense, 256 routed experts of width 2,048 and 1 shared, top-8, hidden 7,168, 128 heads, MLA; 671B total, 37B
+active, of which the multi-token-prediction module's 14B are not in transformers' model)::
+
+    >>> from transformers import DeepseekV3Config                                  # doctest: +SKIP
+    >>> s = ModelShape.of(DeepseekV3Config(...published sizes...))                 # doctest: +SKIP
+    >>> round(s.params / 1e9, 1), round(s.active_params / 1e9, 1), len(s.moe_blocks)  # doctest: +SKIP
+    (671.0, 37.5, 58)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from ..config import ConfigError
+from ..memory.estimator import _stages
+from ..memory.experts import moe_estimate
+from ..models import GPTConfig
+from ..models.moe import moe_blocks
+
+__all__ = ["check_experts", "gpt_moe_of", "gpt_moe_shape", "hf_experts", "hf_moe_shape", "moe_memory", "stage_split"]
+
+
+def gpt_moe_shape(cls, cfg, seq: int | None):
+    """The ``ModelShape`` of a built-in ``GPTConfig(n_experts=E, ...)`` (GELU experts with biases)."""
+    f = cfg.d_ff or 4 * cfg.d_model
+    return cls(layers=cfg.n_layers, hidden=cfg.d_model, heads=cfg.n_heads, vocab=cfg.vocab_size,
+               seq=seq or cfg.seq_len, ffn=f, name="GPT-MoE", experts=cfg.n_experts, top_k=cfg.top_k,
+               d_expert=cfg.d_expert or f, shared_ffn=cfg.shared_experts * (cfg.d_expert or f),
+               moe_blocks=tuple(moe_blocks(cfg)))
+
+
+def _blocks(model: nn.Module) -> list:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+
+def _moe_mlp(block: nn.Module):
+    """The block's MLP when it holds stacked experts (parameters of 3 dims), else None."""
+    for name in ("mlp", "block_sparse_moe"):
+        mlp = getattr(block, name, None)
+        experts = getattr(mlp, "experts", None)
+        if isinstance(experts, nn.Module) and any(p.dim() == 3 for p in experts.parameters(recurse=False)):
+            return mlp
+    return None
+
+
+def hf_experts(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face causal LM with MoE blocks this module reads."""
+    return any(_moe_mlp(b) is not None for b in _blocks(model))
+
+
+def _matrices(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters() if p.dim() >= 2)
+
+
+def hf_moe_shape(cls, model: nn.Module, seq: int | None):
+    """The ``ModelShape`` of a Hugging Face MoE causal LM (on the meta device: nothing allocated)."""
+    cfg: Any = model.config
+    blocks = _blocks(model)
+    moe = [i for i, b in enumerate(blocks) if _moe_mlp(b) is not None]
+    h = int(cfg.hidden_size)
+    mlp: Any = _moe_mlp(blocks[moe[0]])
+    stacked = [p for p in mlp.experts.parameters(recurse=False) if p.dim() == 3]
+    n = int(stacked[0].shape[0])
+    d_expert = sum(p.numel() for p in stacked) // (n * 3 * h)
+    shared = next((getattr(mlp, a) for a in ("shared_experts", "shared_expert") if hasattr(mlp, a)), None)
+    dense = next((b.mlp for b in blocks if _moe_mlp(b) is None and hasattr(b, "mlp")), None)
+    heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or h // heads)
+    qk = int(getattr(cfg, "qk_head_dim", None) or head_dim)
+    v = int(getattr(cfg, "v_head_dim", None) or head_dim)
+    top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+    max_seq = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+    if not top_k or not (seq or max_seq):
+        raise ConfigError(f"ck.estimate reads a mixture of experts' top-k from config.num_experts_per_tok and its "
+                          f"sequence from max_position_embeddings; {type(model).__name__} has top-k {top_k!r}, "
+                          f"sequence {max_seq!r}: pass seq= and a config with num_experts_per_tok (e.g. 8)")
+    core = heads * (qk + v) // 2
+    return cls(layers=len(blocks), hidden=h, heads=heads, vocab=int(cfg.vocab_size), seq=seq or max_seq,
+               ffn=(_matrices(dense) // (3 * h)) if dense is not None else d_expert,
+               kv_heads=int(getattr(cfg, "num_key_value_heads", 0) or 0), gated=True,
+               tied=bool(getattr(cfg, "tie_word_embeddings", False)), positions=False, name=type(model).__name__,
+               params_exact=sum(p.numel() for p in model.parameters()), experts=n, top_k=top_k,
+               d_expert=d_expert, shared_ffn=_matrices(shared) // (3 * h), moe_blocks=tuple(moe),
+               attn_params=_matrices(getattr(blocks[0], "self_attn", None)), core_width=0 if core == h else core)
+
+
+def stage_split(layers: int, stages: int) -> list[range]:
+    """Each stage's blocks: the engine's even split, or where ``stages`` does not divide ``layers`` (a layout
+    priced, not run: DeepSeek-V3's 61 blocks over 16 stages) ``layers // stages`` each and one more on each of
+    the last ``layers % stages`` stages (the fullest stage then also holds the head).
+
+        >>> [len(r) for r in stage_split(61, 16)]
+        [3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4]
+    """
+    base, extra = divmod(layers, stages)
+    sizes = [base + (s >= stages - extra) for s in range(stages)]
+    starts = [sum(sizes[:s]) for s in range(stages)]
+    return [range(a, a + k) for a, k in zip(starts, sizes)]
+
+
+def gpt_moe_of(shape):
+    """The built-in MoE GPT of ``shape``'s widths (a gated MLP as a GELU one 1.5 times as wide; every block MoE:
+    ``shape.moe_blocks`` says which are, where it matters)."""
+    g = 3 / 2 if shape.gated else 1
+    return GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq, d_model=shape.hidden, n_heads=shape.heads,
+                     n_layers=shape.layers, d_ff=round(shape.d_ff * g), n_experts=shape.experts, top_k=shape.top_k,
+                     d_expert=round(shape.d_expert * g), shared_experts=round(shape.shared_ffn / shape.d_expert))
+
+
+def moe_memory(shape, config, batch: int, optimizer: str = "adamw") -> dict:
+    """The fullest rank's bytes of a mixture of experts ``shape`` under ``config`` (``memory.experts``'s walk):
+    model states from the shape's own per-block counts (dense over dp, ``E / ep`` experts per MoE block over
+    edp), activations of a GPT of its widths (a gated MLP as a GELU one 1.5 times as wide) with each MoE
+    block's router, dispatch buffers and expert hidden states."""
+    gpt = gpt_moe_of(shape)
+    n = config.pp * config.chunks
+    split = stage_split(shape.layers, n)
+    h = shape.hidden
+    embed = shape.vocab * h + (shape.seq * h if shape.positions else 0)
+    tail = (h if shape.gated else 2 * h) + (0 if shape.tied and n == 1 else shape.vocab * h)
+
+    def stage(s):
+        parts = [shape.layer_params(i) for i in split[s]]
+        dense = sum(d for d, _ in parts) + embed * (s == 0) + tail * (s == n - 1)
+        return dense, sum(x for _, x in parts) // config.ep
+    if n == 1:
+        params = [stage(0)]
+    else:
+        plan, _ = _stages(config)
+        params = [tuple(map(sum, zip(*[stage(s) for s in plan.stages_of(r)]))) for r in range(config.pp)]
+    return moe_estimate(gpt, config, batch, optimizer, seq=shape.seq, moe=shape.moe_blocks, split=split,
+                        params=params)
+
+
+def check_experts(shape, config, local: bool = True) -> None:
+    """The engine's rules for a mixture of experts (``engine.core.unsupported`` and ``check_experts``), a
+    ConfigError with the rule and a value that works: no tp or sp with MoE layers; ep divides the experts (and
+    dp x sp, ``ParallelConfig``'s rule); ep with ZeRO 0-2 and no offload; ep in fp32, except on a cluster
+    preset (``local=False``), where a bf16 layout such as DeepSeek-V3's is priced and its assumptions say that
+    the engine does not run it yet."""
+    fold = config.dp * config.sp
+    if not shape.experts:
+        if config.ep > 1:
+            raise ConfigError(f"ep={config.ep} splits the experts of mixture-of-experts layers and {shape.name} has "
+                              f"none: set ep=1 (or price a model with experts, GPTConfig(n_experts=8))")
+        return
+    if config.tp > 1 or config.sp > 1:
+        which = f"tp={config.tp}" if config.tp > 1 else f"sp={config.sp}"
+        raise ConfigError(f"the engine does not run mixture-of-experts layers with {which} (it splits the tokens or "
+                          f"matrices an expert sees): set tp=1 and sp=1 (dp={fold * config.tp} runs the same ranks), "
+                          f"with ep to split the experts")
+    if shape.experts % config.ep:
+        ok = [k for k in range(1, fold + 1) if fold % k == 0 and shape.experts % k == 0]
+        raise ConfigError(f"ep={config.ep} splits each mixture-of-experts layer's {shape.experts} experts over "
+                          f"{config.ep} ranks, so it must divide the number of experts: try ep={ok[-1]} (it must "
+                          f"also divide dp x sp = {fold})")
+    if config.ep > 1 and (config.zero == 3 or config.offload != "none"):
+        raise ConfigError(f"expert parallelism (ep={config.ep}) runs with ZeRO 0-2 and offload='none' in this "
+                          f"engine, got zero={config.zero}, offload={config.offload!r}: set zero=1 or 2, "
+                          f"offload='none'")
+    if config.ep > 1 and config.precision != "fp32" and local:
+        raise ConfigError(f"expert parallelism (ep={config.ep}) runs in fp32 in this engine, got "
+                          f"{config.precision}: set precision='fp32' (or price the layout on a cluster preset, "
+                          f"hardware='8xH800-SXM', where its assumptions say so)")

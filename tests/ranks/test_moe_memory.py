@@ -1,0 +1,92 @@
+"""The memory estimate of a mixture of experts under expert parallelism against ``engine.memory()`` (tier 2):
+the MoE GPT of ``tests/helpers/moe.py`` on dp=4 with ep=2 and ep=4 and ZeRO 0, 1 and 2, one spawn of 4 ranks.
+On every rank the estimate (``memory.experts.moe_estimate``, what ``engine.memory_estimate()`` and ``ck.plan``
+report) gives the parameters exactly (dense + E/ep experts per MoE layer), the gradients and optimizer states
+within 1% (ZeRO shards the dense states over dp, the experts' over edp = dp/ep), and the activations within
+25% (the dispatch buffers follow each rank's routing; the estimate assumes balanced routing), as the dense
+estimator is held to (tests/ranks/test_planner.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import colab_kit as ck
+from colab_kit.memory.estimator import config_estimate
+from colab_kit.memory.experts import expert_params
+from colab_kit.models.moe import moe_blocks
+from tests.helpers.moe import BATCH, MODELS, build, data
+
+CONFIGS = [dict(dp=4, ep=2), dict(dp=4, ep=4, zero=1), dict(dp=4, ep=2, zero=2), dict(dp=4, ep=4, zero=2),
+           dict(dp=4, ep=2, zero=1, recompute="full")]
+KEYS = ("params", "grads", "optimizer", "activations")
+
+
+def _measure(configs: list[dict]) -> list[tuple[dict, dict]]:
+    out = []
+    for kw in configs:
+        engine = ck.boost(build("softmax"), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(**kw))
+        engine.train_step(data().batch(0, BATCH))
+        m, e = engine.memory(), engine.memory_estimate()
+        out.append(({k: m[k] for k in KEYS}, {k: e[k] for k in KEYS}))
+        engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return ck.launch(_measure, 4, CONFIGS, timeout=600)
+
+
+@pytest.mark.parametrize("i", range(len(CONFIGS)))
+def test_the_estimate_is_the_measurement_on_every_rank(measured, i):
+    kw = CONFIGS[i]
+    for rank, per in enumerate(measured):
+        got, est = per[i]
+        assert est["params"] == got["params"], (kw, rank, got, est)
+        assert est["grads"] == pytest.approx(got["grads"], rel=0.01), (kw, rank, got, est)
+        assert est["optimizer"] == pytest.approx(got["optimizer"], rel=0.01), (kw, rank, got, est)
+        assert est["activations"] == pytest.approx(got["activations"], rel=0.25), (kw, rank, got, est)
+
+
+def test_the_experts_are_counted_split_over_ep():
+    """The check can fail: without the experts (the dense count of the same widths) or with every expert on
+    every rank, the parameters are off by at least a rank's experts."""
+    moe = MODELS["softmax"]
+    for ep in (2, 4):
+        est = config_estimate(moe, ck.ParallelConfig(dp=4, ep=ep), BATCH)
+        whole = config_estimate(moe, ck.ParallelConfig(dp=4, ep=1), BATCH)
+        experts = len(moe_blocks(moe)) * moe.n_experts * expert_params(moe)
+        assert whole["params"] - est["params"] == 4 * experts * (ep - 1) // ep
+
+
+def test_dry_run_of_ep_at_scale_gives_the_estimates_model_states():
+    """``ck.dry_run`` of a rank of 128 (a fresh process in torch's fake group: boost builds that rank's shards,
+    the optimizer's states made): dp=64 x pp=2, ep=16 (edp 4), ZeRO-1, an MoE GPT with dense and MoE blocks. Its
+    exact params and grads equal the estimate's; its optimizer differs only by AdamW's 4-byte step counters."""
+    from colab_kit.models import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=1024, seq_len=256, d_model=256, n_heads=8, n_layers=8, n_experts=16, top_k=2,
+                    d_expert=256, shared_experts=1, moe_every=2)
+    config = ck.ParallelConfig(dp=64, pp=2, ep=16, zero=1, microbatches=2)
+    reports = ck.planner.at_scale.dry_run_many(
+        [{"model": GPT(cfg, device="meta"), "config": config, "rank": r, "batch": 256} for r in (5, 77)], hardware=())
+    for report in reports:
+        pp = ck.MeshLayout(config).coords(report.rank)["pp"]
+        est = config_estimate(cfg, config, 256, pp_rank=pp)
+        assert report.memory["params"] == est["params"] and report.memory["grads"] == est["grads"], report
+        tensors = len([n for n, _ in GPT(cfg, device="meta").named_parameters()])
+        assert 0 <= report.memory["optimizer"] - est["optimizer"] <= 4 * tensors, report
+    assert reports[0].memory["params"] != reports[1].memory["params"]  # the stages hold different blocks
+
+
+def test_plan_exact_dry_runs_what_the_engine_runs_and_keeps_the_estimate_of_the_rest():
+    """``ck.plan(..., exact=2)`` of an MoE GPT on 16 H100s: in fp32 the first two candidates are dry-run and their
+    exact parameters are the estimate's; in bf16 the ep layouts (priced, not runnable) are not dry-run."""
+    from colab_kit.models import GPTConfig
+    cfg = GPTConfig(vocab_size=1024, seq_len=256, d_model=256, n_heads=8, n_layers=8, n_experts=16, top_k=2,
+                    d_expert=256, shared_experts=1, moe_every=2)
+    fp32 = ck.plan(cfg, 16, 64, precision="fp32", hardware="8xH100-SXM", exact=2, limit=4)
+    exact = [c for c in fp32 if c.dry_runs]
+    assert len(exact) == 2 and any(c.config.ep > 1 for c in exact)
+    assert all(c.memory["params"] == c.estimate.memory["params"] for c in exact)
+    bf16 = ck.plan(cfg, 16, 64, precision="bf16", hardware="8xH100-SXM", exact=1, limit=3)
+    assert all(not c.dry_runs for c in bf16 if c.config.ep > 1)
