@@ -1,8 +1,9 @@
 """``ck.plan`` and ``ck.estimate`` of a mixture of experts on this machine (the measured constants).
 
-The configs: what ``enumerate_configs`` gives with tp = sp = 1 (the engine runs MoE layers with neither), each
-again with every ``ep > 1`` that divides both dp and the experts, in fp32, ZeRO 0-2 and no offload
-(``engine.core.unsupported``: what ``boost`` refuses is never proposed). The seconds: the local cost model
+The configs: what ``enumerate_configs`` gives with tp = sp = 1 (the engine runs MoE layers under 1D tp and
+dropless under sp, which this cost model does not price yet), each again with every ``ep > 1`` that divides
+both dp and the experts and that ``engine.core.unsupported`` lets through (what ``boost`` refuses is never
+proposed). The seconds: the local cost model
 (``planner.cost.step_seconds``) of the dense GPT a token sees, its MLP as wide as the experts it is routed to
 and the shared ones (``top_k * d_expert + shared * d_expert``), plus the dispatch and combine all-to-alls of each
 MoE layer, forward and backward (4 per layer and microbatch, full recomputation 2 more), of ``T k h`` values

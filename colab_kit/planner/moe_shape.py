@@ -148,10 +148,10 @@ def moe_memory(shape, config, batch: int, optimizer: str = "adamw") -> dict:
 
 def check_experts(shape, config, local: bool = True) -> None:
     """The engine's rules for a mixture of experts (``engine.core.unsupported`` and ``check_experts``), a
-    ConfigError with the rule and a value that works: no tp or sp with MoE layers; ep divides the experts (and
-    dp x sp, ``ParallelConfig``'s rule); ep with ZeRO 0-2 and no offload; ep in fp32, except on a cluster
-    preset (``local=False``), where a bf16 layout such as DeepSeek-V3's is priced and its assumptions say that
-    the engine does not run it yet."""
+    ConfigError with the rule and a value that works: ep divides the experts (and dp x sp, ``ParallelConfig``'s
+    rule); and what the planner does not price yet although the engine runs it: MoE layers with tp or sp (the
+    engine runs them whole on every tp rank, dropless under sp), ep with offload. ``local``: kept for the
+    callers (the rules are the same on this machine and at a preset)."""
     fold = config.dp * config.sp
     if not shape.experts:
         if config.ep > 1:
@@ -160,19 +160,15 @@ def check_experts(shape, config, local: bool = True) -> None:
         return
     if config.tp > 1 or config.sp > 1:
         which = f"tp={config.tp}" if config.tp > 1 else f"sp={config.sp}"
-        raise ConfigError(f"the engine does not run mixture-of-experts layers with {which} (it splits the tokens or "
-                          f"matrices an expert sees): set tp=1 and sp=1 (dp={fold * config.tp} runs the same ranks), "
-                          f"with ep to split the experts")
+        raise ConfigError(f"the planner prices mixture-of-experts layers without tp or sp (the engine runs them, "
+                          f"but their price under {which} is not modelled yet): set tp=1 and sp=1 (dp="
+                          f"{fold * config.tp} runs the same ranks), with ep to split the experts")
     if shape.experts % config.ep:
         ok = [k for k in range(1, fold + 1) if fold % k == 0 and shape.experts % k == 0]
         raise ConfigError(f"ep={config.ep} splits each mixture-of-experts layer's {shape.experts} experts over "
                           f"{config.ep} ranks, so it must divide the number of experts: try ep={ok[-1]} (it must "
                           f"also divide dp x sp = {fold})")
-    if config.ep > 1 and (config.zero == 3 or config.offload != "none"):
-        raise ConfigError(f"expert parallelism (ep={config.ep}) runs with ZeRO 0-2 and offload='none' in this "
-                          f"engine, got zero={config.zero}, offload={config.offload!r}: set zero=1 or 2, "
+    if config.ep > 1 and config.offload != "none":
+        raise ConfigError(f"the planner prices expert parallelism (ep={config.ep}) without offload (the engine runs "
+                          f"it, its host states are not priced yet), got offload={config.offload!r}: set "
                           f"offload='none'")
-    if config.ep > 1 and config.precision != "fp32" and local:
-        raise ConfigError(f"expert parallelism (ep={config.ep}) runs in fp32 in this engine, got "
-                          f"{config.precision}: set precision='fp32' (or price the layout on a cluster preset, "
-                          f"hardware='8xH800-SXM', where its assumptions say so)")

@@ -204,9 +204,6 @@ def _moe_notes(config) -> tuple:
     out = ["mixture of experts: routing balanced (each of a rank's E/ep experts gets T k ep / E rows of a "
            "microbatch, its GEMMs at that size); dispatch and combine all-to-alls exposed (not overlapped with "
            "compute, as DeepSeek-V3's DualPipe does); no token dropped"]
-    if config.ep > 1 and config.precision != "fp32":
-        out.append(f"the engine runs expert parallelism in fp32 today (engine.core.unsupported): this "
-                   f"{config.precision} layout with ep={config.ep} is priced, not runnable yet")
     return tuple(out)
 
 
