@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.notebooks import ASKED, BINDER_RUNS, NOTEBOOKS, browser_runs, expected_problems, started_ranks
+from tests.helpers.notebooks import (ASKED, BINDER_RUNS, EIGHT_ELSEWHERE, NOTEBOOKS, browser_runs, expected_problems,
+                                     started_ranks)
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path: Path):
@@ -21,6 +22,8 @@ def test_notebook_runs_top_to_bottom(path: Path):
     start fewer engines there, so this runs them here as well, with this machine's memory."""
     if browser_runs() and path.name not in ASKED:
         pytest.skip("run top to bottom in JupyterLab by tests/notebooks/test_browser.py, which checks the same EXPECT outputs")
+    if browser_runs() and path.name in EIGHT_ELSEWHERE:
+        pytest.skip(f"run on 4 ranks by tests/notebooks/test_browser.py; {EIGHT_ELSEWHERE[path.name]}")
     if path.name == BINDER_RUNS:
         pytest.skip("run top to bottom in binder/'s environment by tests/notebooks/test_colab_binder.py, which checks "
                     "the same EXPECT outputs (once per suite, as where the browser tier runs it)")
