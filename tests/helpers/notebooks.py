@@ -194,8 +194,8 @@ EIGHT_ELSEWHERE = {
     "07_bring_your_own_model.ipynb":
         "its 8-rank run (72 s of a 21-minute suite) is left out: the browser tier runs it top to bottom on 4 ranks, "
         "and its modes (ViT 3d tp, BERT sp ring, GPT-2 zb-v, the user's Net over dp x tp x pp) are each trained "
-        "against one process in tests/ranks (test_models, test_hf), on 2 to 8 ranks; run it by hand with "
-        "`pytest tests/notebooks/test_notebooks.py -k 07 -p no:cacheprovider` where the browser tier is off",
+        "against one process in tests/ranks (test_models, test_hf), on 2 to 8 ranks; where the browser tier cannot "
+        "run, test_notebooks.py still runs it with nbclient on this machine's memory",
 }
 """ASKED notebooks whose 8-rank run the suite leaves out where the browser tier runs the 4-rank one, and why."""
 
