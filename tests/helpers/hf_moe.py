@@ -61,3 +61,30 @@ def reference(name: str, opt: str, microbatches: int = 1, dp: int = 1, aux: bool
         optimizer.step()
         losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference_mixed(name: str, opt: str, precision: str = "bf16", dp: int = 1) -> list[float]:
+    """``reference`` in the mixed-precision recipe of ``colab_kit.precision``: a 16-bit model, fp32 masters
+    stepped and copied back, the loss (CE on fp32 logits + coef * HF's aux loss) in fp32; one microbatch, bf16
+    (no loss scale)."""
+    low = build(name).to({"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
+    params = list(low.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    optimizer = OPTIMIZERS[opt](masters)
+    coef = getattr(low, "router_aux_loss_coef", 0.0)
+    losses, d = [], data()
+    for step in range(STEPS):
+        x, y = d.batch(step, BATCH)
+        out = low(x, output_router_logits=bool(coef))
+        loss = lm_loss(out.logits.float(), y) + (coef * out.aux_loss.float() if coef else 0.0)
+        loss.backward()
+        for m, p in zip(masters, params):
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(masters, params):
+                p.copy_(m)
+        losses.append(loss.item())
+    return losses
