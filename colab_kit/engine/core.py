@@ -117,7 +117,8 @@ def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str |
 def check_experts(config: ParallelConfig, model: nn.Module) -> None:
     """``ep > 1`` needs a model whose MoE layers' experts it can split evenly (the built-in ``Experts``, or the
     fused experts of a Hugging Face MoE model its policy names), and a Hugging Face load-balancing loss needs
-    pp=1 (``models.hf_moe.check_router_loss``): a ConfigError with the rule and a value that works otherwise::
+    a policy that names the MoE layers (``models.hf_moe.check_router_loss``): a ConfigError with the rule and a
+    value that works otherwise::
 
         check_experts(ParallelConfig(dp=4, ep=4), GPT(GPTConfig(n_experts=6, ...)))
         # ConfigError: ep=4 splits each mixture-of-experts layer's 6 experts over 4 ranks, so it must divide

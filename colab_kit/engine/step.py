@@ -30,7 +30,7 @@ import torch
 from .. import comm
 from ..measure import ActivationMeter
 from ..models import moe_context
-from ..models.hf_moe import RouterLoss
+from ..models.hf_moe import CountsRelay, RouterLoss
 from ..models.moe import MoE, has_experts, update_router_bias
 from . import moe_records
 from ..pipeline.executor import PipelineExecutor
@@ -96,6 +96,10 @@ class TrainingStep:
         self._moe_steps: dict[int, moe_context.MoEStep] = {}
         self.n_moe = sum(isinstance(m, (MoE, RouterLoss)) for m in parts.dense_twin.modules())
         """MoE layers in the whole model (every stage): the length of the records the loss all-reduce carries."""
+        self._relay = CountsRelay.of(parts.dense_twin, self.moe_step, parts.mesh.device) \
+            if self.pipeline is not None else None
+        """A Hugging Face MoE model's load-balancing loss under a pipeline: each layer's counts ride the pipeline's
+        messages (``models.hf_moe.CountsRelay``); None otherwise."""
         self.t0 = time.perf_counter()
 
     # ------------------------------------------------------------------ the step
@@ -178,7 +182,7 @@ class TrainingStep:
         return MicrobatchWork(inputs=[split_batch(inputs, m, i, "microbatches") for i in range(m)],
                               targets=[split_batch(targets, m, i, "microbatches") for i in range(m)],
                               loss_fn=self.parts.loss_fn, backward_loss=self._backward_loss, meter=self.meter,
-                              dropout_at=self.dropout_at, grads=self.grads, t0=self.t0)
+                              dropout_at=self.dropout_at, grads=self.grads, t0=self.t0, side=self._relay)
 
     def optimizer_layout(self) -> list[tuple[torch.Tensor, list[tuple]]]:
         """``(tensor, runs)`` per tensor the optimizer steps, as ``grads.optimizer_layout()`` (a run
@@ -274,11 +278,14 @@ class TrainingStep:
             yield
 
     def moe_at(self, microbatch: int):
-        """With MoE layers, the ``colab_kit.models.moe_context.MoEStep`` of ``microbatch`` (made at its forward,
-        the same at its backward and recomputation): its counts gathered over dp and sp, its auxiliary losses
-        injected into backward at the scale of the loss (1 / microbatches, the fp16 scale, the shards)."""
-        if not self.moe:
-            return nullcontext()
+        """With MoE layers, the context of ``microbatch``'s ``MoEStep`` (``moe_step``); else nothing."""
+        return moe_context.at(self.moe_step(microbatch)) if self.moe else nullcontext()
+
+    def moe_step(self, microbatch: int) -> moe_context.MoEStep:
+        """The ``colab_kit.models.moe_context.MoEStep`` of ``microbatch`` (made at its forward, or when a
+        pipeline message brings its counts; the same at its backward and recomputation): its counts gathered
+        over dp and sp, its auxiliary losses injected into backward at the scale of the loss (1 / microbatches,
+        the fp16 scale, the shards)."""
         step = self._moe_steps.get(microbatch)
         if step is None:
             scale = (self.scaler.scale if self.scaler is not None else 1.0) / (self.config.microbatches
@@ -287,7 +294,7 @@ class TrainingStep:
             step = self._moe_steps[microbatch] = moe_context.MoEStep(
                 gather=self._gather_pieces, piece=self.mesh.rank("dp") * sp + self.mesh.rank("sp"),
                 pieces=self.config.dp * sp, grad_scale=scale)
-        return moe_context.at(step)
+        return step
 
     def _gather_pieces(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` of every rank holding tokens of the microbatch, ``[dp * sp, *t.shape]`` in (dp, sp) order: over

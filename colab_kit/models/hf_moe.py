@@ -24,9 +24,14 @@ Worked example, dp=2, 2 MoE layers, 4 experts, top-2, 8 tokens per rank: rank 0'
 ``C`` sums both layers over both ranks (``N = 16``, ``N L k = 64``) and rank 0's layer 0 receives the
 gradient ``coef * 4 * C / 32^2`` on its own probability sums.
 
-A pipeline would put layers on stages whose backward runs before the later stages' counts are known: the
-engine refuses pp with the loss on (``check_router_loss``). Outside the engine (no ``MoEStep``) the routers
-are the model's own: one process still computes HF's loss itself.
+Under a pipeline a stage's backward needs the counts of layers on other stages: ``CountsRelay`` (the
+pipeline's ``Sideband``) sends each microbatch's known counts with every activation to the next stage and
+with every input gradient back, one ``[L, E + 2]`` message beside each. A stage's backward of a microbatch
+waits for the gradient of the stage after it, which has seen the whole forward, so every layer's counts
+have arrived by then. Worked example, pp=2, 2 MoE layers, one per stage: stage 0 sends its layer 0 counts
+with the activation (row 0 known); stage 1 adds its layer 1 and sends both rows back with the gradient; stage
+0's backward then sums both layers, as one process does. Outside the engine (no ``MoEStep``) the routers are
+the model's own: one process still computes HF's loss itself.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ from ..config import ConfigError
 from .moe import balance_loss, z_loss
 from .moe_context import CountedRouter, MoEStep, current
 
-__all__ = ["router_loss", "RouterLoss", "RouterAux", "aux_coef", "routers", "check_router_loss"]
+__all__ = ["router_loss", "RouterLoss", "RouterAux", "aux_coef", "routers", "check_router_loss", "CountsRelay"]
 
 
 class RouterLoss(CountedRouter):
@@ -136,9 +141,10 @@ class RouterAux(torch.autograd.Function):
         step, r = ctx.step, ctx.router
         if len(step.cache) != r.layers:
             raise RuntimeError(f"the load-balancing loss needs the counts of all {r.layers} MoE layers at backward, "
-                               f"and {len(step.cache)} ran: a pipeline splits them (refused by check_router_loss)")
-        stats = torch.stack([step.cache[i] for i in range(r.layers)])  # [L, pieces, E + 1]
-        counts, tokens = stats[..., :-1].sum((0, 1)), stats[0, :, -1].sum()
+                               f"and {len(step.cache)} are known here: a pipeline's messages bring the others "
+                               "(CountsRelay as the step's sideband)")
+        stats = torch.stack([step.cache[i].sum(0) for i in range(r.layers)])  # [L, E + 1]: summed over the pieces
+        counts, tokens = stats[:, :-1].sum(0), stats[0, -1]
         per_p = step.pieces * r.coef * r.n * counts / (tokens * r.layers) ** 2
         step.values[r.layer] = (per_p * psum.detach().float()).sum()
         return grad, (step.grad_scale * per_p).to(psum.dtype), None, None
@@ -146,16 +152,45 @@ class RouterAux(torch.autograd.Function):
 
 def check_router_loss(config, model: nn.Module, policy) -> None:
     """HF's load-balancing loss (the model adds it): a ConfigError with the rule and what works where the policy
-    names no MoE layer to count it on (the engine would train on the cross-entropy alone), or under a pipeline."""
+    names no MoE layer to count it on (the engine would train on the cross-entropy alone)."""
     coef = aux_coef(model)
     if coef and (policy is None or not policy.experts):
         raise ConfigError(f"{type(model).__name__} adds a load-balancing loss (output_router_logits=True, "
                           f"router_aux_loss_coef={coef}) that colab_kit does not count for this model (its policy "
                           "names no MoE layers; built in: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3, "
                           "GPT-OSS): set config.output_router_logits=False to train on the cross-entropy alone")
-    if config.pp > 1 and coef and policy is not None and policy.experts:
-        raise ConfigError(f"pp={config.pp} with {type(model).__name__}'s load-balancing loss "
-                          f"(output_router_logits=True, router_aux_loss_coef={coef}): the loss multiplies every "
-                          "layer's probabilities by the counts of all layers, which a pipeline stage's backward "
-                          "runs before the later stages have counted: set pp=1 (dp and ep run it exactly), or "
-                          "config.output_router_logits=False to train on the cross-entropy alone")
+
+
+class CountsRelay:
+    """The pipeline ``Sideband`` of HF's load-balancing loss: a microbatch's per-layer counts as one message.
+
+    ``outgoing(m)`` is ``[L, E + 2]`` float32: row ``l`` holds layer ``l``'s counts summed over the ranks that
+    share the microbatch, its token count, and 1 where this rank knows them (0: not yet). ``incoming(m, t)``
+    adds the rows it lacks to microbatch ``m``'s ``MoEStep.cache`` (``step_of(m)`` makes it if its forward has
+    not run yet), as ``[1, E + 1]``. Counts are exact in float32 up to 2^24 assignments a layer.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __init__(self, layers: int, experts: int, step_of, device):
+        self.layers, self.experts, self.step_of, self.device = layers, experts, step_of, device
+        self.shape, self.dtype = (layers, experts + 2), torch.float32
+
+    @classmethod
+    def of(cls, model: nn.Module, step_of, device) -> CountsRelay | None:
+        """The relay of ``model``'s counted routers (``router_loss``), or None where it has none."""
+        found = [m for m in model.modules() if isinstance(m, RouterLoss)]
+        return cls(found[0].layers, found[0].n, step_of, device) if found else None
+
+    def outgoing(self, microbatch: int) -> torch.Tensor:
+        t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        for layer, stats in self.step_of(microbatch).cache.items():
+            t[layer, :-1] = stats.sum(0)
+            t[layer, -1] = 1
+        return t
+
+    def incoming(self, microbatch: int, t: torch.Tensor) -> None:
+        cache = self.step_of(microbatch).cache
+        for layer in torch.nonzero(t[:, -1]).flatten().tolist():  # one host read of the known rows
+            cache.setdefault(layer, t[layer, :-1][None])

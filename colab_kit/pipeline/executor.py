@@ -202,6 +202,7 @@ class PipelineExecutor(ComputeActions, CommActions):
         self._saved, self._act, self._out, self._gout, self._gin = {}, {}, {}, {}, {}
         self._bytes: dict[tuple[int, int], int] = {}
         self._held, self.peak_bytes, self._sends, self._posted = 0, 0, [], {}
+        self._side, self._side_posted = (work.side if not forward_only else None), {}
         self.loss = torch.zeros((), device=self.mesh.device)
         self.running, self.timestep, self.pos = True, 0, 0
         self._set("paused")

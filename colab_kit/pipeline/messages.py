@@ -26,6 +26,10 @@ The receiver learns the activation's shape and dtype from a small header (8 int6
 before the first activation over each stage boundary (per batch shape and microbatch
 count); later transfers reuse it. A gradient has the shape of the output it belongs to,
 which the receiving stage holds already.
+
+With a ``work.side`` (``pipeline.work.Sideband``) each cross-rank activation and gradient is followed by
+its microbatch's side message (fixed shape, its own tag bit), posted with the main receive and handed to
+``side.incoming`` when the receive action completes; none rides a forward-only pass.
 """
 from __future__ import annotations
 
@@ -42,14 +46,16 @@ if TYPE_CHECKING:
     from ..mesh import ProcessMesh
     from .hang import HangMonitor, PipelineHang
     from .plan import PipelinePlan
+    from .work import Sideband
 
 __all__ = ["CommActions"]
 
-_STEP_SHIFT, _HEADER_BIT, _STEPS = 23, 1 << 22, 256  # tag = step % 256 << 23 | header << 22 | message_tag
+_STEP_SHIFT, _STEPS = 23, 256  # tag = step % 256 << 23 | kind << 21 | message_tag (kind: 0 data, 1 header, 2 side)
+_HEADER_BIT, _SIDE_BIT = 1 << 21, 1 << 22
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
-def step_tag(a, microbatches: int, step: int, header: bool = False) -> int:
+def step_tag(a, microbatches: int, step: int, header: bool = False, side: bool = False) -> int:
     """The backend tag of action ``a``'s message in ``step`` (equal at both ends)::
 
         >>> from colab_kit.pipeline.actions import parse
@@ -57,12 +63,15 @@ def step_tag(a, microbatches: int, step: int, header: bool = False) -> int:
         True
         >>> step_tag(parse("0SF1"), 2, step=5) != step_tag(parse("0SF1"), 2, step=6)
         True
+        >>> len({step_tag(parse("0SF1"), 2, 5), step_tag(parse("0SF1"), 2, 5, header=True),
+        ...      step_tag(parse("0SF1"), 2, 5, side=True)})
+        3
     """
     base = message_tag(a, microbatches)
     if base >= _HEADER_BIT:
-        raise ValueError(f"{a}: message number {base} does not fit the 22 bits of a pipeline tag; use fewer "
+        raise ValueError(f"{a}: message number {base} does not fit the 21 bits of a pipeline tag; use fewer "
                          "stages x microbatches per step")
-    return ((step % _STEPS) << _STEP_SHIFT) | (_HEADER_BIT if header else 0) | base
+    return ((step % _STEPS) << _STEP_SHIFT) | (_HEADER_BIT if header else 0) | (_SIDE_BIT if side else 0) | base
 
 
 class CommActions:
@@ -82,6 +91,8 @@ class CommActions:
     _key: tuple  # the step's batch shape and microbatch count: names the activation shapes
     _ahead: list[tuple]
     _posted: dict
+    _side_posted: dict
+    _side: Sideband | None  # the step's, or None (none set, or a forward-only pass)
     _shapes: dict
     _shapes_sent: set
     _saved: dict
@@ -95,8 +106,8 @@ class CommActions:
     _set: Callable[..., None]
     _take: Callable[[dict, object, str], torch.Tensor]
 
-    def _tag(self, a, header: bool = False) -> int:
-        return step_tag(a, self.m, self.step, header)
+    def _tag(self, a, header: bool = False, side: bool = False) -> int:
+        return step_tag(a, self.m, self.step, header, side)
 
     def _post_ahead(self, j: int) -> None:
         """Post the irecv of the next ``prefetch`` receives after position ``j`` that can be shaped now."""
@@ -117,6 +128,7 @@ class CommActions:
     def _post(self, a, buf):
         peer = self.plan.rank_of(a.stage - 1 if a.kind == "RF" else a.stage + 1)
         try:
+            self._post_side(a, peer)
             return comm.irecv(buf, self.mesh, "pp", peer, msg_tag=self._tag(a), tag=str(a), arm=True), buf
         except RuntimeError as exc:
             raise self._hang(f"rank {self.mesh.global_rank} could not receive {a}: {_last(exc)}") from exc
@@ -128,10 +140,23 @@ class CommActions:
             self._shapes_sent.add(key)
             self._send(a, _pack(t), self.plan.rank_of(s + 1), self._tag(a, header=True), f"{a} shape")
         self._send(a, t, self.plan.rank_of(s + 1), self._tag(a), str(a))
+        self._send_side(a, m, self.plan.rank_of(s + 1))
 
     def _do_SB(self, a, s, m):
         self._send(a, self._take(self._gin, a, "the input gradient to send"), self.plan.rank_of(s - 1),
                    self._tag(a), str(a))
+        self._send_side(a, m, self.plan.rank_of(s - 1))
+
+    def _send_side(self, a, m, peer):
+        if self._side is not None:
+            self._send(a, self._side.outgoing(m), peer, self._tag(a, side=True), f"{a} side")
+
+    def _post_side(self, a, peer):
+        """With a sideband, post receive ``a``'s side message beside it (once)."""
+        if self._side is not None and a not in self._side_posted:
+            buf = torch.empty(self._side.shape, dtype=self._side.dtype, device=self.mesh.device)
+            self._side_posted[a] = (comm.irecv(buf, self.mesh, "pp", peer, msg_tag=self._tag(a, side=True),
+                                               tag=f"{a} side", arm=True), buf)
 
     def _do_RF(self, a, s, m):
         key = (s - 1, self._key)
@@ -141,9 +166,20 @@ class CommActions:
                                       msg_tag=self._tag(a, header=True), tag=f"{a} shape"), header))
             self._shapes[key] = _unpack(header)
         self._act[s, m] = self._recv(a)
+        self._recv_side(a, m)
 
     def _do_RB(self, a, s, m):
         self._gout[s, m] = self._recv(a)
+        self._recv_side(a, m)
+
+    def _recv_side(self, a, m):
+        """Wait for receive ``a``'s side message (posted with it) and hand it to the step's sideband."""
+        if self._side is None:
+            return
+        self._post_side(a, self.plan.rank_of(a.stage - 1 if a.kind == "RF" else a.stage + 1))
+        pending, buf = self._side_posted.pop(a)
+        self._wait(pending, a, f"its side message (microbatch {m})")
+        self._side.incoming(m, buf)
 
     # ------------------------------------------------------------------ posting and waiting
     def _send(self, a, t, peer, msg_tag, label):

@@ -12,6 +12,13 @@ For ``ParallelConfig(pp=2, microbatches=2)`` on pipeline rank 1 (the last stage)
     backward from work.backward_loss(loss)              # times the fp16 scale, over the ranks sharing it
     work.grads.arm(sync=True)                           # before the last B: the dp buckets reduce as they fill
     work.grads.ready(param)                             # W: a deferred weight gradient is complete
+
+A model whose stages must tell each other something small about a microbatch besides the activation and its
+gradient sets ``work.side`` (a ``Sideband``): every activation and every input gradient that crosses to
+another rank is followed by one fixed-shape message, ``side.outgoing(m)`` at the sender, handed to
+``side.incoming(m, t)`` at the receiver. A Hugging Face MoE model's load-balancing loss uses it to carry each
+layer's expert counts of the microbatch up the pipeline with the activations and back down with the
+gradients (``colab_kit.models.hf_moe.CountsRelay``).
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["MicrobatchWork", "GradientSync", "ActivationCounter"]
+__all__ = ["MicrobatchWork", "GradientSync", "ActivationCounter", "Sideband"]
 
 
 class GradientSync(Protocol):
@@ -39,6 +46,18 @@ class ActivationCounter(Protocol):
     last: int
 
     def measure(self, key=None) -> AbstractContextManager: ...
+
+
+class Sideband(Protocol):
+    """A fixed-shape message per microbatch that rides each cross-rank activation and input-gradient
+    message (equal shape and dtype on every pipeline rank: the receiver shapes its buffer from them)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def outgoing(self, microbatch: int) -> torch.Tensor: ...
+
+    def incoming(self, microbatch: int, t: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -59,3 +78,5 @@ class MicrobatchWork:
     grads: GradientSync
     t0: float
     """When the step began (``time.perf_counter``): the timeline's zero."""
+    side: Sideband | None = None
+    """What rides each message besides the tensor (None: nothing; not sent in a forward-only pass)."""

@@ -17,6 +17,9 @@ LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.1)
 MODELS = {  # name: (model class, config), 4 experts each
     "mixtral": (tf.MixtralForCausalLM, lambda: tf.MixtralConfig(**COMMON, **LOSS, num_hidden_layers=2,
                                                                  num_local_experts=4)),
+    # four layers: one per stage of a zb-v pipeline (pp=2, chunks=2)
+    "mixtral4": (tf.MixtralForCausalLM, lambda: tf.MixtralConfig(**COMMON, **LOSS, num_hidden_layers=4,
+                                                                  num_local_experts=4)),
     # a dense first layer (mlp_only_layers), top-k weights not renormalised
     "qwen3": (tf.Qwen3MoeForCausalLM, lambda: tf.Qwen3MoeConfig(**COMMON, **LOSS, num_hidden_layers=3, num_experts=4,
                                                                  moe_intermediate_size=32, mlp_only_layers=[0])),

@@ -1,6 +1,7 @@
 """Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3, GPT-OSS) under the
 engine: 4 steps with AdamW and with SGD(momentum=0.9) equal one process within 1e-5 (fp32) under dp=2, dp=2 ep=2,
-dp=4 ep=4, dp=4 ep=2, ep x ZeRO 1/2 (with microbatches) and 3, ep x pp (1F1B, DeepSeek-V3: no load-balancing loss), 1D tp
+dp=4 ep=4, dp=4 ep=2, ep x ZeRO 1/2 (with microbatches) and 3, pp with HF's load-balancing loss over every stage's layers (1F1B with ep, zb-h1 with recomputation, zb-v with a
+stage pair per rank; its counts ride the pipeline's messages, whose bytes are checked), 1D tp
 (alone and with ep) and sp (ring, Ulysses; ep folded over dp x sp). The reference is plain torch on the HF model:
 ``lm_loss(out.logits, y) + router_aux_loss_coef * out.aux_loss`` of ``model(x, output_router_logits=True)``, HF's
 own aux loss. Each rank holds E/ep experts; ``engine.save`` at ep=2 loads into dp=2 (ep=1); the dense state dict and
@@ -41,6 +42,9 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs)
     "olmoe dp=4 ep=2 zero=1": (4, "olmoe", "adamw", dict(dp=4, ep=2, zero=1)),
     "qwen3 dp=4 ep=4 zero=2 mb=2": (4, "qwen3", "sgd", dict(dp=4, ep=4, zero=2, microbatches=2)),
     "deepseek dp=2 ep=2 pp=2": (4, "deepseek", "sgd", dict(dp=2, ep=2, **PP)),
+    "mixtral dp=2 ep=2 pp=2": (4, "mixtral", "adamw", dict(dp=2, ep=2, **PP)),
+    "olmoe pp=2 zb-h1 recompute": (2, "olmoe", "sgd", dict(pp=2, schedule="zb-h1", microbatches=2, recompute="full")),
+    "mixtral4 dp=2 pp=2 zb-v": (4, "mixtral4", "sgd", dict(dp=2, pp=2, schedule="zb-v", chunks=2, microbatches=2)),
     "gptoss dp=4 ep=2 zero=1": (4, "gptoss", "adamw", dict(dp=4, ep=2, zero=1)),
     "qwen2 dp=2 ep=2 tp=2": (4, "qwen2", "sgd", dict(dp=2, ep=2, tp=2)),
     "mixtral dp=2 sp=2 ep=4": (4, "mixtral", "adamw", dict(dp=2, sp=2, ep=4)),
@@ -59,7 +63,8 @@ def _run(names: list[str], path: str) -> dict:
         losses = [engine.train_step(d.batch(s, BATCH)) for s in range(STEPS)]
         layers = [m for m in engine.module.modules() if isinstance(m, HFExpertParallel)]
         out[name] = {"losses": losses, "experts": [(m.first, tuple(m.gate_up_proj.shape)) for m in layers],
-                     "records": engine.records[0].get("moe")}
+                     "records": engine.records[0].get("moe"),
+                     "pp": [(r["op"], r["tag"], r["bytes"]) for r in engine.comm(last_step=True) if r["axis"] == "pp"]}
         if name == SAVED:
             out[name]["dense"] = dense_state_dict(engine)
             out[name]["evaluated"] = engine.evaluate(d.batch(STEPS, BATCH))
@@ -171,3 +176,20 @@ def test_routing_records_equal_one_process(runs):
             assert abs(rec["balance"] - float(balance)) <= 1e-5 * float(balance), (rec, float(balance))
             row = 32 * 4  # hidden 32, fp32: each (token, slot) assignment's row to its expert's ep rank (2 each)
             assert rec["sent"] == [int(mine[:2].sum()) * row, int(mine[2:].sum()) * row], rec
+
+
+@pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if c[3].get("pp", 1) > 1])
+def test_counts_ride_the_pipeline_messages(runs, name):
+    """With HF's load-balancing loss under pp, every activation or gradient that crosses ranks is followed by one
+    side message of its microbatch's per-layer counts, ``[L, E + 2]`` float32 (docs/moe.md), and nothing else is
+    added; a model without the loss (DeepSeek-V3 here) sends none."""
+    world, model, _, _ = CONFIGS[name]
+    n_layers = len(policy_for(build(model)).experts)
+    loss_on = model != "deepseek"
+    for rank in range(world):
+        p2p = [(op, tag, b) for op, tag, b in runs[name, rank]["pp"] if op in ("send", "recv")]
+        main = sorted((op, tag) for op, tag, _ in p2p if not tag.endswith((" side", " shape")))
+        side = [(op, tag[:-len(" side")], b) for op, tag, b in p2p if tag.endswith(" side")]
+        assert main, p2p
+        assert sorted((op, tag) for op, tag, _ in side) == (main if loss_on else []), (rank, p2p)
+        assert all(b == n_layers * (4 + 2) * 4 for *_, b in side), side
