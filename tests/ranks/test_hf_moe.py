@@ -1,6 +1,6 @@
 """Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3, GPT-OSS) under the
 engine: 4 steps with AdamW and with SGD(momentum=0.9) equal one process within 1e-5 (fp32) under dp=2, dp=2 ep=2,
-dp=4 ep=4, dp=4 ep=2, ep x ZeRO 1/2 (with microbatches) and 3, pp with HF's load-balancing loss over every stage's layers (1F1B with ep, zb-h1 with recomputation, zb-v with a
+dp=4 ep=4, dp=4 ep=2, ep x ZeRO 1/2 (with microbatches) and 3, pp with HF's load-balancing loss over every stage's layers (1F1B with ep, and with ep x tp; zb-h1 with recomputation, zb-v with a
 stage pair per rank; its counts ride the pipeline's messages, whose bytes are checked), 1D tp
 (alone and with ep) and sp (ring, Ulysses; ep folded over dp x sp). The reference is plain torch on the HF model:
 ``lm_loss(out.logits, y) + router_aux_loss_coef * out.aux_loss`` of ``model(x, output_router_logits=True)``, HF's
@@ -45,6 +45,7 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs)
     "mixtral dp=2 ep=2 pp=2": (4, "mixtral", "adamw", dict(dp=2, ep=2, **PP)),
     "olmoe pp=2 zb-h1 recompute": (2, "olmoe", "sgd", dict(pp=2, schedule="zb-h1", microbatches=2, recompute="full")),
     "mixtral4 dp=2 pp=2 zb-v": (4, "mixtral4", "sgd", dict(dp=2, pp=2, schedule="zb-v", chunks=2, microbatches=2)),
+    "mixtral dp=2 tp=2 pp=2 ep=2": (8, "mixtral", "adamw", dict(dp=2, tp=2, ep=2, **PP)),  # ep x tp x pp at once
     "gptoss dp=4 ep=2 zero=1": (4, "gptoss", "adamw", dict(dp=4, ep=2, zero=1)),
     "qwen2 dp=2 ep=2 tp=2": (4, "qwen2", "sgd", dict(dp=2, ep=2, tp=2)),
     "mixtral dp=2 sp=2 ep=4": (4, "mixtral", "adamw", dict(dp=2, sp=2, ep=4)),
