@@ -7,6 +7,7 @@ import transformers as tf
 
 from colab_kit.engine.loss import lm_loss
 from tests.helpers.moe import BATCH, OPTIMIZERS, STEPS, data, microbatch_rows
+from tests.helpers.references import one_process
 
 __all__ = ["MODELS", "build", "reference"]
 
@@ -46,23 +47,12 @@ def build(name: str) -> torch.nn.Module:
 
 
 def reference(name: str, opt: str, microbatches: int = 1, dp: int = 1, aux: bool = True):
-    """Plain torch in one process: per microbatch ``(CE + coef * HF's aux_loss) / m`` backward, then the
-    step; returns the losses and the trained state dict. ``aux=False``: without the aux loss."""
+    """Plain torch in one process (``references.one_process``): per microbatch ``(CE + coef * HF's aux_loss) / m``
+    backward, then the step; returns the losses and the trained state dict. ``aux=False``: without the aux loss."""
     model = build(name)
-    optimizer = OPTIMIZERS[opt](model.parameters())
     coef = getattr(model, "router_aux_loss_coef", 0.0) if aux else 0.0
-    losses, d = [], data()
-    for step in range(STEPS):
-        x, y = d.batch(step, BATCH)
-        optimizer.zero_grad()
-        total = 0.0
-        for rows in microbatch_rows(BATCH, microbatches, dp):
-            out = model(x[rows], output_router_logits=bool(coef))
-            loss = lm_loss(out.logits, y[rows]) + (coef * out.aux_loss if coef else 0.0)
-            (loss / microbatches).backward()
-            total += loss.item() / microbatches
-        optimizer.step()
-        losses.append(total)
+    losses = one_process(model, OPTIMIZERS[opt], lambda step: data().batch(step, BATCH), STEPS, _loss(coef),
+                         rows=microbatch_rows(BATCH, microbatches, dp)).losses
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -70,24 +60,13 @@ def reference_mixed(name: str, opt: str, precision: str = "bf16", dp: int = 1) -
     """``reference`` in the mixed-precision recipe of ``colab_kit.precision``: a 16-bit model, fp32 masters
     stepped and copied back, the loss (CE on fp32 logits + coef * HF's aux loss) in fp32; one microbatch, bf16
     (no loss scale)."""
-    low = build(name).to({"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
-    params = list(low.parameters())
-    masters = [p.detach().float().clone().requires_grad_() for p in params]
-    optimizer = OPTIMIZERS[opt](masters)
-    coef = getattr(low, "router_aux_loss_coef", 0.0)
-    losses, d = [], data()
-    for step in range(STEPS):
-        x, y = d.batch(step, BATCH)
-        out = low(x, output_router_logits=bool(coef))
-        loss = lm_loss(out.logits.float(), y) + (coef * out.aux_loss.float() if coef else 0.0)
-        loss.backward()
-        for m, p in zip(masters, params):
-            m.grad = None if p.grad is None else p.grad.float()
-            p.grad = None
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(masters, params):
-                p.copy_(m)
-        losses.append(loss.item())
-    return losses
+    model = build(name)
+    return one_process(model, OPTIMIZERS[opt], lambda step: data().batch(step, BATCH), STEPS,
+                       _loss(getattr(model, "router_aux_loss_coef", 0.0)), precision=precision).losses
+
+
+def _loss(coef: float):
+    def loss(model, x, y):
+        out = model(x, output_router_logits=bool(coef))
+        return lm_loss(out.logits.float(), y) + (coef * out.aux_loss.float() if coef else 0.0)
+    return loss

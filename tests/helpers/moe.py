@@ -7,6 +7,7 @@ from colab_kit.datasets import SyntheticTokens
 from colab_kit.engine.loss import lm_loss
 from colab_kit.models import GPT, GPTConfig, update_router_bias
 from colab_kit.models.dropout import layout_invariant
+from tests.helpers.references import one_process
 
 BASE = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, d_expert=32)
 MODELS = {
@@ -54,62 +55,31 @@ def microbatch_rows(rows: int, microbatches: int, dp: int) -> list[torch.Tensor]
 
 def reference(model: str, opt: str, microbatches: int = 1, aux: bool = True, dp: int = 1,
               clip: float | None = None) -> list[float]:
-    """Plain torch in one process: per step, each microbatch's ``(lm_loss + model.aux_loss()) / m`` backward
-    (gradients accumulate), the optimizer step, the router bias update; the step's loss is their sum. The
-    microbatches are the engine's under ``dp`` (``microbatch_rows``). ``aux=False``: the same without the
-    auxiliary losses (a run that dropped them is caught); ``clip``: the gradient norm clipped to before each
-    step."""
+    """Plain torch in one process (``references.one_process``): per step, each microbatch's ``(lm_loss +
+    model.aux_loss()) / m`` backward (gradients accumulate), the optimizer step, the router bias update; the
+    step's loss is their sum. The microbatches are the engine's under ``dp`` (``microbatch_rows``). ``aux=False``:
+    the same without the auxiliary losses (a run that dropped them is caught); ``clip``: the gradient norm
+    clipped to before each step."""
     model_ = build(model)
     if MODELS[model].dropout:  # the engine's dropout masks, from global coordinates (colab_kit.models.dropout)
         model_ = layout_invariant(model_)
-    optimizer = OPTIMIZERS[opt](model_.parameters())
-    losses, d = [], data()
-    for step in range(STEPS):
-        x, y = d.batch(step, BATCH)
-        optimizer.zero_grad()
-        total = 0.0
-        for rows in microbatch_rows(BATCH, microbatches, dp):
-            xm, ym = x[rows], y[rows]
-            loss = lm_loss(model_(xm), ym) + (model_.aux_loss() if aux else 0.0)
-            (loss / microbatches).backward()
-            total += loss.item() / microbatches
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model_.parameters(), clip)
-        optimizer.step()
-        update_router_bias(model_)
-        losses.append(total)
-    return losses
+    loss = (lambda m, x, y: lm_loss(m(x), y) + m.aux_loss()) if aux else (lambda m, x, y: lm_loss(m(x), y))
+    return one_process(model_, OPTIMIZERS[opt], lambda step: data().batch(step, BATCH), STEPS, loss,
+                       rows=microbatch_rows(BATCH, microbatches, dp), max_grad_norm=clip,
+                       after_step=_bias).losses
 
 
 def reference_mixed(model: str, opt: str, precision: str = "bf16", microbatches: int = 1, dp: int = 1) -> list[float]:
-    """``reference`` in the mixed-precision recipe of ``colab_kit.precision``: a 16-bit model (its buffers too),
-    fp32 masters stepped by the optimizer and copied back, the loss (token loss + auxiliary losses) in fp32,
-    16-bit gradients accumulated over microbatches. fp16: the loss times a dynamic scale (2^16, halved on an
-    overflow, whose step is skipped whole: no update, the router bias kept), as ``torch.amp.GradScaler``."""
-    low = build(model).to({"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
-    params = list(low.parameters())
-    masters = [p.detach().float().clone().requires_grad_() for p in params]
-    optimizer = OPTIMIZERS[opt](masters)
-    losses, d, scale = [], data(), 2.0 ** 16 if precision == "fp16" else 1.0
-    for step in range(STEPS):
-        x, y = d.batch(step, BATCH)
-        total = 0.0
-        for rows in microbatch_rows(BATCH, microbatches, dp):
-            loss = lm_loss(low(x[rows]).float(), y[rows]) + low.aux_loss().float()
-            (loss * scale / microbatches).backward()
-            total += loss.item() / microbatches
-        for m, p in zip(masters, params):
-            m.grad = None if p.grad is None else p.grad.float() / scale
-            p.grad = None
-        losses.append(total)
-        if not all(torch.isfinite(m.grad).all() for m in masters if m.grad is not None):
-            scale /= 2  # an overflow: the step is skipped
-            update_router_bias(low, skip=True)
-            continue
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(masters, params):
-                p.copy_(m)
-        update_router_bias(low)
-    return losses
+    """``reference`` in the mixed-precision recipe of ``colab_kit.precision`` (``references.one_process``): a
+    16-bit model (its buffers too), fp32 masters stepped by the optimizer and copied back, the loss (token loss +
+    auxiliary losses) in fp32, 16-bit gradients accumulated over microbatches. fp16: the loss times a dynamic
+    scale (2^16, halved on an overflow, whose step is skipped whole: no update, the router bias kept), as
+    ``torch.amp.GradScaler``."""
+    return one_process(build(model), OPTIMIZERS[opt], lambda step: data().batch(step, BATCH), STEPS,
+                       lambda m, x, y: lm_loss(m(x).float(), y) + m.aux_loss().float(),
+                       rows=microbatch_rows(BATCH, microbatches, dp), precision=precision, after_step=_bias,
+                       overflow="skip").losses
+
+
+def _bias(model, skipped: bool) -> None:
+    update_router_bias(model, skip=skipped)

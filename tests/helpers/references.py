@@ -32,43 +32,83 @@ OPTIMIZERS = {
 
 class Mixed(NamedTuple):
     losses: list[float]
-    trained: dict      # {name: 16-bit tensor} after training
+    trained: dict      # {name: tensor} after training (16-bit in a mixed recipe)
     start: dict        # ... and before it
     norms: list[float]  # the global gradient norm before clipping, each step (with max_grad_norm)
+
+
+def one_process(model: nn.Module, optimizer_factory: Callable, batches: Callable[[int], tuple], steps: int,
+                loss: Callable, *, rows: list | None = None, precision: str = "fp32",
+                max_grad_norm: float | None = None, after_step: Callable | None = None,
+                overflow: str = "raise") -> Mixed:
+    """The one training loop every one-process reference runs, in plain torch.
+
+    Per step: ``batches(step) -> (inputs, targets)``; for each microbatch's ``rows`` (index tensors of the
+    batch, ``None``: the whole batch) ``loss(model, x, y)`` (an fp32 scalar) divided by their number, backward
+    (gradients accumulate); clipping to ``max_grad_norm``, the optimizer step, ``after_step(model, skipped)``
+    (e.g. the router bias). The step's loss is the mean of its microbatches'. ``precision`` "bf16"/"fp16" is the
+    mixed recipe of ``colab_kit.precision``: a 16-bit copy of ``model`` (inputs cast where they are floating
+    point), fp32 masters stepped and copied back, fp16's loss times a dynamic scale (2^16); an overflow either
+    fails (``overflow="raise"``) or skips the step whole and halves the scale (``"skip"``, as GradScaler).
+    """
+    mixed = precision != "fp32"
+    net = copy.deepcopy(model).to(LOW[precision]) if mixed else model
+    start = {n: p.detach().clone() for n, p in net.named_parameters()}
+    params = list(net.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in params] if mixed else params
+    optimizer = optimizer_factory(masters)
+    scale = 2.0 ** 16 if precision == "fp16" else 1.0
+    parts = rows if rows is not None else [None]
+    losses, norms = [], []
+    for step in range(steps):
+        x, y = batches(step)
+        if mixed and x.is_floating_point():
+            x = x.to(LOW[precision])
+        optimizer.zero_grad()
+        total = 0.0
+        for r in parts:
+            value = loss(net, x if r is None else x[r], y if r is None else y[r])
+            (value * scale / len(parts)).backward()
+            total += value.item() / len(parts)
+        losses.append(total)
+        if mixed:
+            for m, p in zip(masters, params):
+                m.grad = None if p.grad is None else p.grad.float() / scale
+                p.grad = None
+            if not all(torch.isfinite(m.grad).all() for m in masters if m.grad is not None):
+                assert overflow == "skip", "an overflow in the reference"
+                scale /= 2
+                if after_step is not None:
+                    after_step(net, True)
+                continue
+        if max_grad_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(masters, max_grad_norm)))
+        optimizer.step()
+        if mixed:
+            with torch.no_grad():
+                for m, p in zip(masters, params):
+                    p.copy_(m)
+        if after_step is not None:
+            after_step(net, False)
+    return Mixed(losses, {n: p.detach().clone() for n, p in net.named_parameters()}, start, norms)
+
+
+def token_loss(logits: Callable = lambda out: getattr(out, "logits", out)) -> Callable:
+    """``loss`` for ``one_process``: the mean token (or class) cross-entropy of ``logits(model(x))`` in fp32."""
+    def loss(model, x, y):
+        out = logits(model(x)).float()
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return loss
 
 
 def plain_mixed_precision(model: torch.nn.Module, optimizer_factory: Callable, batches: Callable[[int], tuple],
                           steps: int, precision: str, logits: Callable = lambda out: out,
                           max_grad_norm: float | None = None) -> Mixed:
-    """Train a 16-bit copy of ``model`` for ``steps`` steps. ``batches(step)`` -> ``(inputs, targets)``;
+    """Train a 16-bit copy of ``model`` for ``steps`` steps (``one_process``'s mixed recipe; an overflow fails).
     ``logits(model(inputs))`` -> the logits (``out.logits`` for a Hugging Face model); ``max_grad_norm`` clips
     the fp32 gradients after unscaling (``clip_grad_norm_``)."""
-    low = copy.deepcopy(model).to(LOW[precision])
-    start = {n: p.detach().clone() for n, p in low.named_parameters()}
-    params = list(low.parameters())
-    masters = [p.detach().float().clone().requires_grad_() for p in params]
-    optimizer = optimizer_factory(masters)
-    scale = 2.0 ** 16 if precision == "fp16" else 1.0
-    losses, norms = [], []
-    for step in range(steps):
-        x, y = batches(step)
-        x = x.to(LOW[precision]) if x.is_floating_point() else x
-        out = logits(low(x)).float()
-        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-        (loss * scale).backward()
-        for m, p in zip(masters, params):
-            m.grad = None if p.grad is None else p.grad.float() / scale
-            p.grad = None
-        assert all(torch.isfinite(m.grad).all() for m in masters if m.grad is not None), "an overflow in the reference"
-        if max_grad_norm is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(masters, max_grad_norm)))
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(masters, params):
-                p.copy_(m)
-        losses.append(loss.item())
-    return Mixed(losses, {n: p.detach().clone() for n, p in low.named_parameters()}, start, norms)
+    return one_process(model, optimizer_factory, batches, steps, token_loss(logits), precision=precision,
+                       max_grad_norm=max_grad_norm)
 
 
 def plain_training(model: nn.Module, optimizer_factory: Callable, batches: Callable[[int], tuple], steps: int,
@@ -77,17 +117,7 @@ def plain_training(model: nn.Module, optimizer_factory: Callable, batches: Calla
     ``batches(step) -> (inputs, targets)``; the losses. Make the model's dropouts layout-invariant first
     (``colab_kit.models.dropout.layout_invariant``) to compare with an engine that runs dropout."""
     model.train()
-    optimizer = optimizer_factory(model.parameters())
-    losses = []
-    for s in range(steps):
-        x, y = batches(s)
-        out = logits(model(x))
-        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return one_process(model, optimizer_factory, batches, steps, token_loss(logits)).losses
 
 
 def update_error(got: dict, ref: dict, start: dict) -> float:
