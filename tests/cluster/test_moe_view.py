@@ -119,9 +119,9 @@ def test_the_view_refreshes_after_each_colossal_cell_and_names_a_dense_engine(ip
             {r: recs[r][-1]["moe"] for r in range(4)}, layout, layer=1)
         run("x = 1")  # not a %%colossal cell: no refresh
         assert view.refreshes == 2
-        assert view._click_refresh() is None and view.refreshes == 3 and not ui["refresh"].disabled  # the button
+        assert view.click_refresh() is None and view.refreshes == 3 and not ui["refresh"].disabled  # the button
         view._source = object()  # no cluster there: the button shows why, in the widget
-        view._click_refresh()
+        view.click_refresh()
         assert "NoMoE: no cluster to read" in view.error and "no cluster to read" in str(ui["errors"].outputs)
         view._source = shared
     finally:

@@ -30,13 +30,11 @@ a refresh that fails shows its error in the widget and never in the cell. ``unwa
 """
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-from .display import KernelDisplay, html, keep_quiet, off_loop, running_loop
-from ..session import find
+from .display import KernelDisplay, html
 from .figure_view import figure_view, redraw
-from .watching import CellWatcher
+from .watching import RankView, find_cluster
 from ...errors import RankError
 from ...viz.memory import memory_by_rank_figure, segments
 from colab_kit.notebook.cluster.remote import namespace
@@ -70,7 +68,7 @@ def fmt(value: int | None, scale: int) -> str:
     return "-" if value is None else f"{value:.0f}" if scale == 1 else f"{value / scale:.2f}"
 
 
-class MemoryView(CellWatcher, KernelDisplay):
+class MemoryView(RankView, KernelDisplay):
     """Memory per rank (``engine.memory()``) beside its estimate, with the device budget.
 
     cluster: a ``Cluster``, a ``ColossalState`` (its cluster is looked up at each refresh, so
@@ -92,21 +90,12 @@ class MemoryView(CellWatcher, KernelDisplay):
         self.error: str | None = None
         self._ui: dict[str, Any] | None = None  # the widgets, once built
         self._init_watch()
-        self._task: asyncio.Task | None = None
         self.refresh()
 
     # ------------------------------------------------------------ logic (no widgets)
     @property
     def cluster(self):
-        source = self._source
-        if source is None:
-
-            source = find()
-        if hasattr(source, "require_cluster"):
-            source = source.cluster
-        if source is None or not getattr(source, "running", False):
-            raise NoMemory("no cluster to read: start one with %colossal start -n 4, or pass MemoryView(cluster)")
-        return source
+        return find_cluster(self._source, NoMemory, "MemoryView")
 
     def refresh(self) -> MemoryView:
         """Gather memory, estimate, budget and step from every rank, then redraw."""
@@ -195,46 +184,6 @@ class MemoryView(CellWatcher, KernelDisplay):
             self._ui = ui
             self._redraw()
         return self._ui["box"]
-
-    def click_refresh(self):
-        """The Refresh button: under a running event loop a task (returned) that gathers in a worker
-        thread, so the kernel stays free; else a refresh now (returns None). Errors go to the widget."""
-        if self.busy:
-            return self._task
-        self._busy(True)
-        if running_loop() is None:
-            try:
-                self.refresh()
-            except Exception as exc:  # noqa: BLE001 - a button has nowhere else to report
-                self._report(exc)
-            finally:
-                self._busy(False)
-            return None
-
-        async def work():
-            try:
-                self._take(await off_loop(self._gather))
-            except Exception as exc:
-                self._report(exc)
-                raise
-            finally:
-                self._busy(False)
-
-        self._task = keep_quiet(asyncio.get_running_loop().create_task(work()))
-        return self._task
-
-    def _busy(self, busy: bool) -> None:
-        self.busy = busy
-        if self._ui is not None:
-            self._ui["refresh"].disabled = busy
-            if busy:
-                self._ui["errors"].outputs = ()
-
-    def _report(self, exc: BaseException) -> None:
-        self.error = f"{type(exc).__name__}: {exc}"
-        if self._ui is not None:
-            self._ui["errors"].append_stderr(self.error + "\n")
-            self._redraw()
 
     def _redraw(self) -> None:
         ui = self._ui

@@ -20,17 +20,17 @@ kernel the view is this text (the MoE GPT of tests/cluster/test_moe_view.py, dp=
         0      4,224    3,584    4,224    4,352
       ...
 
-Refreshing follows ``MemoryView`` (``watching.CellWatcher``: a ``post_run_cell`` callback, skipped after a
-failed cell or with the cluster down; an error shows in the widget, never in the cell).
+Refreshing follows ``MemoryView`` (``watching.RankView``: a ``post_run_cell`` callback, skipped after a
+failed cell or with the cluster down; the Refresh button reads the ranks off the kernel's loop; an error shows
+in the widget, never in the cell).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from .display import KernelDisplay, html, then
+from .display import KernelDisplay, html
 from .figure_view import figure_view, redraw
-from .watching import CellWatcher
-from ..session import find
+from .watching import RankView, find_cluster
 from ...config import ConfigError
 from ...errors import RankError
 from ...mesh import MeshLayout
@@ -55,7 +55,7 @@ def _rank_moe(var: str):
                                               if r.get("moe")]}
 
 
-class MoEView(CellWatcher, KernelDisplay):
+class MoEView(RankView, KernelDisplay):
     """The expert load per step and the last step's dispatch traffic of the engine in ``var`` on every rank.
 
     cluster: a ``Cluster``, a ``ColossalState`` (its cluster looked up at each refresh), or None: the
@@ -79,12 +79,7 @@ class MoEView(CellWatcher, KernelDisplay):
 
     @property
     def cluster(self):
-        source: Any = self._source if self._source is not None else find()
-        if hasattr(source, "require_cluster"):
-            source = source.cluster
-        if source is None or not getattr(source, "running", False):
-            raise NoMoE("no cluster to read: start one with %colossal start -n 4, or pass MoEView(cluster)")
-        return source
+        return find_cluster(self._source, NoMoE, "MoEView")
 
     def refresh(self) -> MoEView:
         """Read every rank's MoE records again, then redraw."""
@@ -176,47 +171,12 @@ class MoEView(CellWatcher, KernelDisplay):
                   "status": w.HTML(), "errors": w.Output(), "load": figure_view(self.load_figure())}
             ui["traffic"] = figure_view(self._traffic_or_note())
             ui["layer"].observe(lambda change: self.set_layer(change["new"]), names="value")
-            ui["refresh"].on_click(lambda _: self._click_refresh())
+            ui["refresh"].on_click(lambda _: self.click_refresh())
             ui["box"] = w.VBox([w.HBox([ui["layer"], ui["refresh"]]), ui["status"], ui["errors"], ui["load"],
                                 ui["traffic"]])
             self._ui = ui
             self._redraw()
         return self._ui["box"]
-
-    def _click_refresh(self):
-        """The Refresh button: the ranks are read in a worker thread when the kernel's loop runs (the kernel
-        stays free), at once in plain Python; an error goes to the widget. Returns the task, or None."""
-        if self.busy:
-            return None
-        self._busy(True)
-
-        def attempt():
-            try:
-                return self._gather(), None
-            except Exception as exc:  # noqa: BLE001 - a button has nowhere else to report
-                return None, exc
-
-        def done(result) -> None:
-            got, exc = result
-            self._busy(False)
-            if exc is not None:
-                self._report(exc)
-            else:
-                self._take(got)
-
-        return then(attempt, done)
-
-    def _busy(self, busy: bool) -> None:
-        self.busy = busy
-        if self._ui is not None:
-            self._ui["refresh"].disabled = busy
-            if busy:
-                self._ui["errors"].outputs = ()
-
-    def _report(self, exc: BaseException) -> None:
-        self.error = f"{type(exc).__name__}: {exc}"
-        if self._ui is not None:
-            self._ui["errors"].append_stderr(self.error + "\n")
 
     def _redraw(self) -> None:
         ui = self._ui

@@ -10,12 +10,31 @@ A mixin for views with ``refresh()``, a ``cluster`` property (raising a ``Lookup
 ``watch()`` registers a ``post_run_cell`` callback with the IPython shell. A failed cell, a cluster that
 needs a restart or is not running is skipped; a refresh that fails shows its error in the widget (``_report``),
 never in the cell. ``MemoryView`` and ``MoEView`` use it.
+
+``RankView`` adds what both views share besides: the cluster they read (``find_cluster``), the Refresh
+button's work (``click_refresh``: ``_gather`` in a worker thread while the kernel's loop runs, then ``_take``),
+the busy state and the error area (``_busy``, ``_report``). A view defines ``_gather()`` (read the ranks),
+``_take(got)`` (keep it and redraw) and a ``_ui`` dict with a ``"refresh"`` button and an ``"errors"`` output.
 """
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CellWatcher"]
+from .display import then
+from ..session import find
+
+__all__ = ["CellWatcher", "RankView", "find_cluster"]
+
+
+def find_cluster(source, missing: type[LookupError], view: str):
+    """The running cluster of ``source`` (a ``Cluster``, a ``ColossalState``, or None: the ``%colossal``
+    state's), looked up now; ``missing`` (the view's error) saying how to start one otherwise."""
+    source = source if source is not None else find()
+    if hasattr(source, "require_cluster"):
+        source = source.cluster
+    if source is None or not getattr(source, "running", False):
+        raise missing(f"no cluster to read: start one with %colossal start -n 4, or pass {view}(cluster)")
+    return source
 
 
 class CellWatcher:
@@ -69,3 +88,48 @@ class CellWatcher:
 
     def _redraw(self) -> None:  # each view draws itself
         raise NotImplementedError
+
+
+class RankView(CellWatcher):
+    """A view of what every rank recorded, read again by ``refresh()`` or its Refresh button (module docstring)."""
+
+    _ui: dict[str, Any] | None
+    error: str | None
+    _task: Any = None
+
+    def click_refresh(self):
+        """The Refresh button: under a running event loop a task (returned) that reads the ranks in a worker
+        thread, so the kernel stays free; else a refresh now (returns None). Errors go to the widget."""
+        if self.busy:
+            return self._task
+        self._busy(True)
+
+        def attempt():
+            try:
+                return self._gather(), None  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 - a button has nowhere else to report
+                return None, exc
+
+        def done(result) -> None:
+            got, exc = result
+            self._busy(False)
+            if exc is not None:
+                self._report(exc)
+            else:
+                self._take(got)  # type: ignore[attr-defined]
+
+        self._task = then(attempt, done)
+        return self._task
+
+    def _busy(self, busy: bool) -> None:
+        self.busy = busy
+        if self._ui is not None:
+            self._ui["refresh"].disabled = busy
+            if busy:
+                self._ui["errors"].outputs = ()
+
+    def _report(self, exc: BaseException) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"
+        if self._ui is not None:
+            self._ui["errors"].append_stderr(self.error + "\n")
+            self._redraw()
