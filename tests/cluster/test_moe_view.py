@@ -8,6 +8,7 @@ import colab_kit as ck
 from colab_kit.engine.moe_records import traffic
 from colab_kit.notebook.magics.training import format_moe
 from colab_kit.notebook.widgets import MoEView
+from colab_kit.notebook.widgets.moe_view import _rank_moe
 from colab_kit.observe.moe import loads_by_layer, moe_summary
 
 TRAIN = ("%%colossal\nimport torch, colab_kit as ck\nfrom colab_kit.models import GPT, GPTConfig\n"
@@ -108,6 +109,11 @@ def test_the_view_refreshes_after_each_colossal_cell_and_names_a_dense_engine(ip
         assert error is None, out
         recs = _records(shared)
         assert view.step == 4 and view.refreshes == 2 and view.loads == loads_by_layer(recs[0])
+        # that refresh read step 4 alone: each rank's engine was read before (by its token), the rest was held
+        again = view.cluster.run(_rank_moe, "moe_engine", {h["engine"]: 3 for h in view._held}, progress=None)
+        assert [[r["step"] for r in g["records"]] for g in again] == [[4]] * 4 and {g["since"] for g in again} == {3}
+        assert [[r["step"] for r in h["records"]] for h in view._held] == [[1, 2, 3, 4]] * 4
+        assert view.cluster.run(_rank_moe, "moe_engine", {"an engine gone": 3}, progress=None)[0]["since"] is None
         layout = ck.MeshLayout(ck.ParallelConfig(dp=2, tp=2, ep=2))
         assert view.traffic() == traffic({r: recs[r][-1]["moe"] for r in range(4)}, layout)
         assert all(view.traffic()[r][r ^ 1] == 0 for r in range(4))  # tp partners are in different ep groups

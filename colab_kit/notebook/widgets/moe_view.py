@@ -46,13 +46,21 @@ class NoMoE(LookupError):
     """No cluster, no engine in that variable, or an engine without MoE records."""
 
 
-def _rank_moe(var: str):
-    """On a rank: its engine's config and the MoE part of its records, or None without an engine."""
+def _rank_moe(var: str, known: dict | None = None):
+    """On a rank: its engine's config and the MoE part of its records, or None without an engine. ``known``
+    (engine token -> the last step the view holds of it): only the records after that step when this rank's
+    engine is one of those (``"since"`` says so), else all of them. The token is a random id the first read
+    leaves on the engine, so a new engine in the same variable is read whole."""
+    import uuid
+
     eng = namespace().get(var)
     if eng is None or not hasattr(eng, "records") or not hasattr(eng, "config"):
         return None
-    return {"config": eng.config, "records": [{"step": r["step"], "moe": r["moe"]} for r in eng.records
-                                              if r.get("moe")]}
+    token = vars(eng).setdefault("_moe_view_token", uuid.uuid4().hex)
+    since = (known or {}).get(token)
+    return {"config": eng.config, "engine": token, "since": since,
+            "records": [{"step": r["step"], "moe": r["moe"]} for r in eng.records
+                        if r.get("moe") and (since is None or r["step"] > since)]}
 
 
 class MoEView(RankView, KernelDisplay):
@@ -72,6 +80,7 @@ class MoEView(RankView, KernelDisplay):
         self.refreshes, self.busy = 0, False
         self.error: str | None = None
         self._ui: dict[str, Any] | None = None
+        self._held: list[dict] = []  # per rank: its engine's id, its MoE records, the last step among them
         self._init_watch()
         self.refresh()
         if layer is not None:
@@ -130,20 +139,27 @@ class MoEView(RankView, KernelDisplay):
 
     # ------------------------------------------------------------ the ranks
     def _gather(self) -> list:
+        """Every rank's config and MoE records: the steps after those held already where its engine is the
+        same one (a long run is not read again whole at each refresh), all of them for a new engine."""
+        known = {h["engine"]: h["last"] for h in self._held}
         try:
-            got = self.cluster.run(_rank_moe, self.var, progress=None)
+            got = self.cluster.run(_rank_moe, self.var, known, progress=None)
         except RankError as exc:
             raise NoMoE(f"could not read the MoE records on the ranks: {str(exc).splitlines()[0]}") from None
         missing = [r for r, g in enumerate(got) if g is None]
         if missing:
             raise NoMoE(f"ranks {missing} have no engine in a variable {self.var!r}: build one on every rank, or "
                         f"name its variable with --var NAME / MoEView(var=NAME)")
+        held = {h["engine"]: h["records"] for h in self._held}  # an engine read before: new records after these
+        got = [{**g, "records": held[g["engine"]] + g["records"]} if g["since"] is not None else g for g in got]
         if not any(g["records"] for g in got):
             raise NoMoE(f"{self.var!r} has no MoE records: its model has no MoE layer (GPTConfig(n_experts=4, ...)) "
                         f"or it has not trained a step yet ({self.var}.train_step(batch) in a %%colossal cell)")
         return got
 
     def _take(self, got: list) -> None:
+        self._held = [{"engine": g["engine"], "records": g["records"],
+                       "last": max((r["step"] for r in g["records"]), default=0)} for g in got]
         loads: dict[int, dict] = {}
         for g in got:  # with pp each rank records its stage's layers: the first rank with a layer gives it
             for n, row in loads_by_layer(g["records"]).items():
