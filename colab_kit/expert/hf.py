@@ -9,8 +9,9 @@ interleaved, its own clamped activation: ``LAYOUTS``) and calls them with the ro
     out_t = sum_j top_k_weights[t, j] * expert_{top_k_index[t, j]}(hidden_t)
 
 ``HFExpertParallel`` takes its place with the same call. It holds this rank's ``E / ep`` experts (its slice of
-both tensors, ``Shard(0)`` on ``ep``, cut from ``sharded_init.dense_value``: one dense tensor alive at a time)
-and runs the same math on the same rows, moved there by the all-to-all of ``colab_kit.expert.layer``:
+both tensors, ``Shard(0)`` on ``ep``, cut by ``layer.slice_experts`` from ``sharded_init.dense_value``: one dense
+tensor alive at a time) and runs the same math on the same rows, moved there by the all-to-all of
+``colab_kit.expert.layer`` (``dispatch_combine``, steps 2-4 around step 3's math):
 
     1. the N x k (token, slot) assignments in expert-major order (``models.experts.dispatch``: a stable sort
        by expert), the token rows gathered in that order
@@ -35,13 +36,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import comm
 from ..models import experts as _experts
 from ..models.experts import _Contiguous, combine, dispatch
 from ..models.moe_context import current
-from ..placement import declare
-from ..sharded_init import dense_value
-from .layer import AllToAll, expert_major
+from .layer import dispatch_combine, slice_experts
 
 __all__ = ["HFExpertParallel", "is_fused_experts", "fused_layout", "fused_experts", "hf_expert_compute"]
 
@@ -118,19 +116,11 @@ class HFExpertParallel(nn.Module):
 
     def __init__(self, experts: nn.Module, mesh, axis: str = "ep", layer: int = 0):
         super().__init__()
-        ep, r = mesh.size(axis), mesh.rank(axis)
         self.mesh, self.axis, self.layer = mesh, axis, layer
         self.layout = fused_layout(experts) or "halves"
         self.n = int(experts.get_parameter("gate_up_proj").shape[0])
-        self.local = self.n // ep
-        self.first = r * self.local
         self.act = experts.act_fn if self.layout == "halves" else _OwnGate(experts)
-        for name in LAYOUTS[self.layout]:
-            dense = dense_value(getattr(experts, name))  # a meta tensor without a recipe stays meta
-            with torch.no_grad():
-                mine = dense[self.first:self.first + self.local].clone()
-            self.register_parameter(name, nn.Parameter(mine, requires_grad=getattr(experts, name).requires_grad))
-            declare(self, name, {0: axis})
+        self.first, self.local = slice_experts(self, experts, LAYOUTS[self.layout], mesh, axis)
         self.last: dict = {}
         """The last forward's rows: ``send`` / ``recv`` per ep rank, and ``local`` rows per local expert."""
         self.traffic: dict = {}
@@ -141,20 +131,13 @@ class HFExpertParallel(nn.Module):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         k = top_k_index.shape[-1]
         order, counts = dispatch(top_k_index, None, self.n)
-        rows = hidden_states[order // k]
-        per_rank = counts.view(-1, self.local)
-        got = comm.all_to_all(per_rank.contiguous(), self.mesh, self.axis, split_dim=0, cat_dim=0,
-                              tag="expert counts")  # [sources, local experts]
-        send, recv = per_rank.sum(1).tolist(), got.sum(1).tolist()
-        arrived = AllToAll.apply(rows, send, recv, self.mesh, self.axis, "expert dispatch")
-        mine = expert_major(got)
-        local = got.sum(0).tolist()
         ws = [self.get_parameter(name) for name in LAYOUTS[self.layout]]
-        out = hf_expert_compute(arrived[mine], local, ws, self.layout, self.act)
-        back = AllToAll.apply(out[torch.argsort(mine)], recv, send, self.mesh, self.axis, "expert combine")
-        self.last = {"send": send, "recv": recv, "local": local}
-        row = hidden_states.shape[-1] * rows.element_size()
-        self.traffic = {"sent": [n * row for n in send], "received": [n * row for n in recv]}
+
+        def compute(rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+            return hf_expert_compute(rows, local.tolist(), ws, self.layout, self.act)
+
+        back, self.last, self.traffic = dispatch_combine(hidden_states[order // k], counts, compute, self.mesh,
+                                                         self.axis)
         step = current()
         seen = step.seen.get(self.layer) if step is not None else None
         if seen is not None and "sent" not in seen:  # a recomputed forward: recorded already

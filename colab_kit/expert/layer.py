@@ -23,12 +23,19 @@ Worked example, E=4, ep=2, rank 0 routes counts [2 0 1 1], rank 1 counts [0 3 0 
              expert-major: expert 0 <- rank 0's 2 rows; expert 1 <- rank 1's 3 rows (counts [2 3])
     rank 1 receives [[1 1], [0 2]]: expert 2 <- rank 0's 1 row; expert 3 <- rank 0's 1, rank 1's 2
 
+Both expert-parallel layers (this one and ``colab_kit.expert.hf``'s ``HFExpertParallel``) are built of the
+two helpers here: ``slice_experts`` (the cut: this rank's slice of each stacked tensor, ``Shard(0)`` on ep) and
+``dispatch_combine`` (steps 1-4 around the local experts' math, which each layer hands in).
+
 Every row is computed by the same expert weights as in one process, and the backward runs the same
 exchanges in reverse (``AllToAll``): the expert weights' gradients hold the contributions of the tokens of
 every rank of the ep group; the expert-data-parallel group (``edp``) sums them (``colab_kit.zero``).
 A rank or an expert that receives no row computes on zero rows: its weights get a zero gradient.
 """
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -38,7 +45,7 @@ from ..models.experts import Experts, expert_compute, EXPERT_COMPUTE
 from ..placement import declare
 from ..sharded_init import dense_value
 
-__all__ = ["AllToAll", "ExpertParallel", "expert_major"]
+__all__ = ["AllToAll", "ExpertParallel", "expert_major", "slice_experts", "dispatch_combine", "Exchanged"]
 
 WEIGHTS = ("w_in", "b_in", "w_out", "b_out")
 
@@ -71,22 +78,70 @@ def expert_major(got: torch.Tensor) -> torch.Tensor:
     return torch.sort(block % experts, stable=True).indices
 
 
+def slice_experts(into: nn.Module, experts: nn.Module, names: Sequence[str], mesh, axis: str) -> tuple[int, int]:
+    """Register on ``into`` this rank's ``E / ep`` experts of each stacked tensor ``names`` of ``experts`` (dim 0
+    the expert; same names, same ``requires_grad``), each declared ``Shard(0)`` on ``axis``; cut from
+    ``sharded_init.dense_value``, one dense tensor alive at a time (a meta tensor without a recipe stays meta).
+    Returns ``(first, local)``: this rank's first expert and how many it holds.
+
+    E=8, ep=4, rank 2: ``w_in [8, d, f]`` -> ``into.w_in [2, d, f]`` (experts 4 and 5), returns ``(4, 2)``."""
+    local = getattr(experts, names[0]).shape[0] // mesh.size(axis)
+    first = mesh.rank(axis) * local
+    for name in names:
+        dense = dense_value(getattr(experts, name))  # a meta tensor without a recipe stays meta
+        with torch.no_grad():
+            mine = dense[first:first + local].clone()
+        into.register_parameter(name, nn.Parameter(mine, requires_grad=getattr(experts, name).requires_grad))
+        declare(into, name, {0: axis})
+    return first, local
+
+
+class Exchanged(NamedTuple):
+    """What ``dispatch_combine`` returns."""
+
+    out: torch.Tensor
+    """The experts' outputs of the rows, back on this rank in the order the rows left: ``[M, d]``."""
+    last: dict
+    """Rows: ``send`` to / ``recv`` from each ep rank, ``local`` per local expert."""
+    traffic: dict
+    """Bytes of the dispatch: ``sent`` to / ``received`` from each ep rank (a layer's ``sent`` / ``received``
+    records, ``colab_kit.engine.moe_records``)."""
+
+
+def dispatch_combine(rows: torch.Tensor, counts: torch.Tensor,
+                     compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], mesh, axis: str) -> Exchanged:
+    """GShard's dispatch and combine around this rank's experts (steps 1-4 of the module docstring): ``rows
+    [M, d]`` in expert-major order over all ``E`` experts, ``counts [E]`` rows per expert, travel to the ep ranks
+    holding their experts (the counts by ``comm.all_to_all``, "expert counts"; the rows by ``AllToAll``, "expert
+    dispatch"), are made expert-major (``expert_major``) and run through ``compute(rows, local)`` (the local
+    experts' math, ``local [E / ep]`` rows per local expert), and their outputs go back source-major and home
+    ("expert combine"). Same call on every rank of the ep group.
+
+    Rank 0 of the module docstring's example, ``d`` = 4 in fp32 (16 bytes a row): ``last`` ``{"send": [2, 2],
+    "recv": [2, 3], "local": [2, 3]}``, ``traffic`` ``{"sent": [32, 32], "received": [32, 48]}``."""
+    per_rank = counts.view(mesh.size(axis), -1)
+    got = comm.all_to_all(per_rank.contiguous(), mesh, axis, split_dim=0, cat_dim=0,
+                          tag="expert counts")  # [sources, local experts]
+    send, recv = per_rank.sum(1).tolist(), got.sum(1).tolist()
+    arrived = AllToAll.apply(rows, send, recv, mesh, axis, "expert dispatch")
+    order = expert_major(got)
+    local = got.sum(0)
+    out = compute(arrived[order], local)
+    back = out[torch.argsort(order)]  # source-major again
+    row = rows.shape[-1] * rows.element_size()
+    return Exchanged(AllToAll.apply(back, recv, send, mesh, axis, "expert combine"),
+                     {"send": send, "recv": recv, "local": local.tolist()},
+                     {"sent": [n * row for n in send], "received": [n * row for n in recv]})
+
+
 class ExpertParallel(nn.Module):
     """This rank's ``E / ep`` experts of a layer (its slice of the stacked tensors, ``Shard(0)`` on ``ep``) and
     the all-to-all around them; a drop-in for ``Experts`` (see the module docstring)."""
 
     def __init__(self, experts: Experts, mesh, axis: str = "ep"):
         super().__init__()
-        ep, r = mesh.size(axis), mesh.rank(axis)
         self.mesh, self.axis, self.n, self.d, self.f = mesh, axis, experts.n, experts.d, experts.f
-        self.local = experts.n // ep
-        self.first = r * self.local
-        for name in WEIGHTS:
-            dense = dense_value(getattr(experts, name))  # a meta tensor without a recipe stays meta
-            with torch.no_grad():
-                mine = dense[self.first:self.first + self.local].clone()
-            self.register_parameter(name, nn.Parameter(mine, requires_grad=getattr(experts, name).requires_grad))
-            declare(self, name, {0: axis})
+        self.first, self.local = slice_experts(self, experts, WEIGHTS, mesh, axis)
         self.last: dict = {}
         """The last forward's rows: ``send`` / ``recv`` per ep rank, and ``local`` rows per local expert."""
         self.traffic: dict = {}
@@ -94,20 +149,11 @@ class ExpertParallel(nn.Module):
         records read it: ``colab_kit.engine.moe_records``)."""
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, how: str | None = None) -> torch.Tensor:
-        ep = self.mesh.size(self.axis)
-        per_rank = counts.view(ep, self.local)
-        got = comm.all_to_all(per_rank.contiguous(), self.mesh, self.axis, split_dim=0, cat_dim=0,
-                              tag="expert counts")  # [sources, local experts]
-        send, recv = per_rank.sum(1).tolist(), got.sum(1).tolist()
-        arrived = AllToAll.apply(rows, send, recv, self.mesh, self.axis, "expert dispatch")
-        order = expert_major(got)
-        out = expert_compute(arrived[order], got.sum(0), self.w_in, self.b_in, self.w_out, self.b_out,
-                             how or EXPERT_COMPUTE)
-        back = out[torch.argsort(order)]  # source-major again
-        self.last = {"send": send, "recv": recv, "local": got.sum(0).tolist()}
-        row = self.d * rows.element_size()
-        self.traffic = {"sent": [n * row for n in send], "received": [n * row for n in recv]}
-        return AllToAll.apply(back, recv, send, self.mesh, self.axis, "expert combine")
+        def compute(got: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+            return expert_compute(got, local, self.w_in, self.b_in, self.w_out, self.b_out, how or EXPERT_COMPUTE)
+
+        out, self.last, self.traffic = dispatch_combine(rows, counts, compute, self.mesh, self.axis)
+        return out
 
     def extra_repr(self) -> str:
         return (f"experts {self.first}..{self.first + self.local - 1} of {self.n} (d {self.d}, f {self.f}) "
