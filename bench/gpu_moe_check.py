@@ -1,6 +1,6 @@
 """The mixture of experts on a GPU: run by hand where a GPU is lent, never by CI (``bench/gpu_check.py``'s twin).
 
-Four checks, each one ``PASS``/``FAIL`` line; figures to ``bench/results/gpu_moe_check.json``:
+Five checks, each one ``PASS``/``FAIL`` line; figures to ``bench/results/gpu_moe_check.json``:
 
 1. ``forms``: ``colab_kit.models.experts.expert_compute`` in each of its three forms ("grouped_mm", "loop",
    "padded") on CUDA, fp32 (TF32 off) and bf16, forward and backward, against the loop in fp64 on the same
@@ -14,6 +14,11 @@ Four checks, each one ``PASS``/``FAIL`` line; figures to ``bench/results/gpu_moe
    against the one-process CPU reference of the same helper: within 1e-5 relative.
 4. ``bf16``: a 12-layer MoE GPT (8 experts, top-2) through ``ck.boost(precision="bf16")``, 20 steps: the loss
    finite and falling; tokens/s measured.
+5. ``etp_widths``: what expert tensor parallelism would leave each rank to compute: the grouped experts
+   ("grouped_mm", bf16, forward + backward) at ``speed``'s sizes with the full width f 1,408 against f/2 (704,
+   each rank's half at tp=2) and f/4 (352, tp=4), in ms and TFLOP/s, and ``time(f/2) / time(f)``: ETP at tp=2
+   pays at least that on each rank, plus an all-reduce of the [rows, d] output (``docs/moe.md``). 0.50 would be
+   a perfect split; PASS when each width ran.
 
     python bench/gpu_moe_check.py
 """
@@ -117,6 +122,38 @@ def check_speed():
     return ok, figures, detail
 
 
+def _time_grouped(leaves, counts, repeat=10, warmup=3):
+    """Median ms of forward + backward of the grouped form after ``warmup`` runs."""
+    times = []
+    for i in range(warmup + repeat):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _run("grouped_mm", leaves, counts)
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def check_etp_widths():
+    n, d, f, rows = 64, 2048, 1408, 65536
+    figures = {"experts": n, "d": d, "rows": rows, "dtype": "bf16", "form": "grouped_mm"}
+    for name, width in (("f", f), ("f/2", f // 2), ("f/4", f // 4)):
+        leaves, counts = _inputs(n, d, width, rows, torch.bfloat16, "cuda", seed=1)
+        ms = _time_grouped(leaves, counts)
+        flops = 3 * 2 * (2 * rows * d * width)  # as speed: two GEMMs, forward + two in backward each
+        figures[name] = {"f": width, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
+        del leaves
+        torch.cuda.empty_cache()
+    figures["half_over_full"] = round(figures["f/2"]["ms"] / figures["f"]["ms"], 3)
+    figures["quarter_over_full"] = round(figures["f/4"]["ms"] / figures["f"]["ms"], 3)
+    detail = ", ".join(f"{k} ({v['f']}) {v['ms']} ms ({v['tflops']} TFLOP/s)" for k, v in figures.items()
+                       if isinstance(v, dict))
+    detail += (f"; time(f/2)/time(f) {figures['half_over_full']}, time(f/4)/time(f) {figures['quarter_over_full']}"
+               " (0.50 / 0.25: a perfect split)")
+    return True, figures, detail
+
+
 def _rank_parity(opt):
     _tf32_off()
     sys.path.insert(0, ROOT)
@@ -166,7 +203,8 @@ def main() -> int:
         print("gpu_moe_check: no CUDA device here", file=sys.stderr)
         return 2
     results, only = {}, sys.argv[1:]  # check names to run, all by default
-    for name, fn in (("parity", check_parity), ("bf16", check_bf16), ("forms", check_forms), ("speed", check_speed)):
+    for name, fn in (("parity", check_parity), ("bf16", check_bf16), ("forms", check_forms), ("speed", check_speed),
+                     ("etp_widths", check_etp_widths)):
         if only and name not in only:
             continue
         t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Mixture of experts: colab_kit's expert parallelism against transformers' own, side by side in one run.
 
-Three comparisons, each a row of ``bench/results/moe.json``:
+Four comparisons, each a row (the fourth: four rows) of ``bench/results/moe.json``:
 
 1. **The ep step.** The same Hugging Face Mixtral in miniature (random weights from a config, saved once to a
    temporary directory so both sides load the same bytes), two CPU ranks on gloo, one thread each, the same
@@ -18,9 +18,13 @@ Three comparisons, each a row of ``bench/results/moe.json``:
 3. **Dispatch bytes against the formula**: the engine's comm records of one step (tags ``expert dispatch``,
    ``expert combine`` and their backward) against ``4 N k d x 4`` bytes per MoE layer summed over the ep group
    (``docs/moe.md``).
+4. **Expert tensor parallelism** (``bench/_moe_etp.py``): one expert layer forward + backward at two CPU ranks,
+   each expert split over its width with an all-reduce (ETP) against the experts replicated under tp (the
+   engine today) and against the pair folded into ep, per token, at a Mixtral-like and a DeepSeek-like width
+   (``--etp-rounds`` rounds, ``--steps`` layers per form in each).
 
-    python bench/moe.py                      # defaults: 12 rounds of 3 steps
-    python bench/moe.py --rounds 4 --steps 2
+    python bench/moe.py                      # defaults: 12 rounds of 3 steps, ETP 30 rounds
+    python bench/moe.py --rounds 4 --steps 2 --etp-rounds 8
 """
 from __future__ import annotations
 
@@ -35,8 +39,10 @@ import colab_kit as ck
 from colab_kit.models.experts import bench_expert_compute
 
 try:
+    from _moe_etp import etp_rank, etp_rows
     from _results import row, write
 except ImportError:  # python -m bench.moe
+    from bench._moe_etp import etp_rank, etp_rows
     from bench._results import row, write
 
 MIXTRAL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -110,6 +116,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--etp-rounds", type=int, default=30, help="rounds of the expert tensor parallelism comparison")
     ap.add_argument("--zero", type=int, default=None, help="colab_kit's ZeRO stage (default: 3 if ep runs it, else 2)")
     args = ap.parse_args(argv)
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -148,6 +155,10 @@ def main(argv=None) -> int:
     figures["dispatch_records"] = res[0]["records"]
     rows.append(row("dispatch bytes of one step, rank 0 (dispatch + the combine's backward)", f"{got:,} B",
                     f"formula 2 N k d x 4 x layers = {want:,} B", got / want, "must be 1.00"))
+    # 4. expert tensor parallelism against the experts replicated under tp and against folding the pair into ep
+    etp = ck.launch(etp_rank, 2, args.etp_rounds, args.steps, threads=1, timeout=1800)
+    etp_table, figures["etp"] = etp_rows(etp[0], row)
+    rows.extend(etp_table)
     path = write("moe", rows, figures, vars(args), argv)
     for r in rows:
         print(f"{r['what']}: {r['colab_kit']} vs {r['peer']} -> ratio {r['ratio']}  ({r['note']})")
