@@ -34,8 +34,8 @@ gradient, hence ``_Contiguous``) is kept: the fastest at the larger sizes, withi
 form at the test GPT's sizes where all three take about a millisecond, and never the slowest; the padded form
 computes on padding (every expert padded to the busiest: 25% slower at 16 experts), the loop pays a matmul
 call per expert. On one H200 (torch 2.11, bf16, 64 experts x 2,048 x 1,408, 65,536 rows, ``python
-bench/gpu_moe_check.py speed``): grouped 7.16 ms (317 TFLOP/s of the six GEMMs), padded 12.0 ms, loop
-65.5 ms; the bias adds are ``GroupBias`` (the gather's bf16 scatter-add backward was wrong by 31% there and
+bench/gpu_moe_check.py speed``): grouped 7.05 ms (322 TFLOP/s of the six GEMMs), padded 11.9 ms, loop
+63.3 ms; the bias adds are ``GroupBias`` (the gather's bf16 scatter-add backward was wrong by 31% there and
 cost 3 ms). ``EXPERT_COMPUTE`` selects the form
 (``"grouped_mm"``, ``"loop"``, ``"padded"``) and ``tests/unit/test_moe.py`` checks all three agree.
 """
