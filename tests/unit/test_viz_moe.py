@@ -55,6 +55,18 @@ def test_the_moe_line_says_what_the_summary_holds():
     assert "dispatched" not in one
 
 
+def test_a_first_stage_without_moe_layers_says_so():
+    """Under pp rank 0's records can hold no MoE layer (its stage has none): the line says where they are
+    rather than print nothing; a dense engine (no "moe" in its records) still prints no MoE line."""
+    from types import SimpleNamespace
+
+    from colab_kit.notebook.magics.training import _moe
+    eng = SimpleNamespace(config=ck.ParallelConfig(dp=2, pp=2, ep=2))
+    assert _moe(eng, [{"step": 1, "loss": 2.0, "moe": []}]) == {"elsewhere": 2}
+    assert format_moe({"elsewhere": 2}).startswith("moe: no MoE layer on rank 0's stage (pp=2)")
+    assert _moe(SimpleNamespace(config=ck.ParallelConfig(dp=2)), [{"step": 1, "loss": 2.0}]) is None
+
+
 def test_the_load_heatmap_carries_the_recorded_counts():
     loads = loads_by_layer(RECORDS)
     fig = expert_load_figure(loads)

@@ -23,7 +23,7 @@ An engine with mixture-of-experts layers adds a second line, from the MoE record
 (1.00x: balanced); "dropped" counts the assignments a capacity dropped over the cell's steps; balance and z
 are the layers' mean balancing and z losses before their coefficients (the balance of a uniform router is
 1); the dispatch part (with ``ep``) is rank 0's bytes sent per step, all layers. With pp, rank 0 records the
-MoE layers of its own stage only, and the line says "on rank 0's stage".
+MoE layers of its own stage only, and the line says "on rank 0's stage" (or that rank 0's stage has none).
 """
 from __future__ import annotations
 
@@ -70,9 +70,9 @@ def rank_training() -> list[dict]:
 
 def _moe(eng, recs) -> dict | None:
     """The MoE part of the line, from this rank's records of the cell's steps (None: no MoE layer)."""
-    if not any(r.get("moe") for r in recs):
-        return None
     cfg = eng.config
+    if not any(r.get("moe") for r in recs):  # no MoE layer, or (pp) none on this rank's stages
+        return {"elsewhere": cfg.pp} if cfg.pp > 1 and any("moe" in r for r in recs) else None
     ep_rank = MeshLayout(cfg).all_coords(eng.mesh.global_rank).get("ep") if getattr(cfg, "ep", 1) > 1 else None
     out = moe_summary(recs, ep_rank)
     if out is not None:
@@ -99,7 +99,11 @@ def format_moe(m: dict) -> str:
     balance 1.012 -> 1.001
     z 1.97 -> 1.91
     rank 0 dispatched 7.0 KiB/step, 5.1 KiB to other ranks
+    >>> print(format_moe({"elsewhere": 2}))
+    moe: no MoE layer on rank 0's stage (pp=2): %colossal moe reads every stage's
     """
+    if "elsewhere" in m:
+        return f"moe: no MoE layer on rank 0's stage (pp={m['elsewhere']}): %colossal moe reads every stage's"
     def moved(key: str, fmt: str, suffix: str = "") -> str:
         a, b = m[f"{key}_first"], m[f"{key}_last"]
         return f"{a:{fmt}}{suffix}" if a == b else f"{a:{fmt}}{suffix} -> {b:{fmt}}{suffix}"
