@@ -145,10 +145,10 @@ class HFExpertParallel(nn.Module):
         per_rank = counts.view(-1, self.local)
         got = comm.all_to_all(per_rank.contiguous(), self.mesh, self.axis, split_dim=0, cat_dim=0,
                               tag="expert counts")  # [sources, local experts]
-        send, recv = per_rank.sum(1).tolist(), got.sum(1).tolist()
+        held = got.tolist()  # the split sizes all_to_all_v takes on the host: read once, beside the local counts
+        send, recv, local = per_rank.sum(1).tolist(), [sum(r) for r in held], [sum(c) for c in zip(*held)]
         arrived = AllToAll.apply(rows, send, recv, self.mesh, self.axis, "expert dispatch")
         mine = expert_major(got)
-        local = got.sum(0).tolist()
         ws = [self.get_parameter(name) for name in LAYOUTS[self.layout]]
         out = hf_expert_compute(arrived[mine], local, ws, self.layout, self.act)
         back = AllToAll.apply(out[torch.argsort(mine)], recv, send, self.mesh, self.axis, "expert combine")

@@ -98,13 +98,14 @@ class ExpertParallel(nn.Module):
         per_rank = counts.view(ep, self.local)
         got = comm.all_to_all(per_rank.contiguous(), self.mesh, self.axis, split_dim=0, cat_dim=0,
                               tag="expert counts")  # [sources, local experts]
-        send, recv = per_rank.sum(1).tolist(), got.sum(1).tolist()
+        held = got.tolist()  # the split sizes all_to_all_v takes on the host: read once, beside the local counts
+        send, recv, local = per_rank.sum(1).tolist(), [sum(r) for r in held], [sum(c) for c in zip(*held)]
         arrived = AllToAll.apply(rows, send, recv, self.mesh, self.axis, "expert dispatch")
         order = expert_major(got)
         out = expert_compute(arrived[order], got.sum(0), self.w_in, self.b_in, self.w_out, self.b_out,
                              how or EXPERT_COMPUTE)
         back = out[torch.argsort(order)]  # source-major again
-        self.last = {"send": send, "recv": recv, "local": got.sum(0).tolist()}
+        self.last = {"send": send, "recv": recv, "local": local}  # no host read after the experts' compute
         row = self.d * rows.element_size()
         self.traffic = {"sent": [n * row for n in send], "received": [n * row for n in recv]}
         return AllToAll.apply(back, recv, send, self.mesh, self.axis, "expert combine")

@@ -108,19 +108,18 @@ def _counted_forward(self, hidden_states):
         chosen = torch.topk(probs.detach(), self.k, dim=-1).indices
         local = torch.bincount(chosen.reshape(-1), minlength=self.n).float()  # fp32: exact counts up to 2^24
         stats = step.cache[self.layer] = step.gather(torch.cat([local, local.new_tensor([probs.shape[0]])]))
-        step.seen[self.layer] = _seen(self, logits.detach(), probs.detach(), local, stats, step.pieces)
+        step.seen[self.layer] = _seen(self, logits.detach(), probs.detach(), local, stats)
     return logits, RouterAux.apply(scores, probs.sum(0), step, self), index
 
 
-def _seen(router: RouterLoss, logits, probs, local, stats, pieces: int) -> dict:
+def _seen(router: RouterLoss, logits, probs, local, stats) -> dict:
     """This layer's routing of the microbatch for the engine's records (``engine.moe_records``), as the built-in
-    MoE writes it: whole-batch ``counts``, this rank's ``mine``, and this rank's shares (times ``pieces``) of the
-    layer's Switch balance ``E sum_i f_i P_i`` (1.0 uniform; HF's own loss is the all-layer form above) and
-    z-loss."""
+    MoE writes it: whole-batch ``counts``, this rank's ``mine``, and this rank's shares of the layer's Switch
+    balance ``E sum_i f_i P_i`` (1.0 uniform; HF's own loss is the all-layer form above) and z-loss; detached
+    tensors, read on the host once per step (``step_layers``, which also multiplies the shares by ``pieces``)."""
     counts, tokens = stats[:, :-1].sum(0), stats[:, -1].sum()
-    return {"counts": [int(c) for c in counts.tolist()], "mine": [int(c) for c in local.tolist()], "dropped": 0,
-            "balance": float(balance_loss(probs.float(), counts, tokens, router.k)) * pieces,
-            "z": float(z_loss(logits.float(), tokens)) * pieces}
+    return {"counts": counts, "mine": local, "dropped": 0,
+            "balance": balance_loss(probs.float(), counts, tokens, router.k), "z": z_loss(logits.float(), tokens)}
 
 
 class RouterAux(torch.autograd.Function):

@@ -36,6 +36,30 @@ def test_a_prepared_model_computes_what_hf_computes():
     assert torch.equal(a.logits, b.logits) and torch.equal(a.aux_loss, b.aux_loss)  # no MoEStep: HF's own
 
 
+def test_a_counted_router_keeps_its_records_on_the_device():
+    """Under the engine's ``MoEStep`` a counted router writes its layer's routing as tensors (no host read in the
+    forward); ``step_layers`` reads them at the step's end into the ints and floats of the per-value reads."""
+    from colab_kit.engine import moe_records
+    from colab_kit.models.moe_context import MoEStep, at
+    from tests.helpers.moe import old_records
+
+    model = build("mixtral")
+    count_router_loss(model, policy_for(model))
+    steps = [MoEStep(pieces=2, grad_scale=0.5) for _ in range(2)]
+    for i, step in enumerate(steps):
+        with at(step):
+            model(torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i))).logits.sum().backward()
+    for step in steps:
+        assert sorted(step.seen) == [0, 1]
+        for seen in step.seen.values():
+            assert all(isinstance(seen[k], torch.Tensor) and not seen[k].requires_grad
+                       for k in ("counts", "mine", "balance", "z")), seen
+    got = moe_records.step_layers(steps)
+    assert got == old_records(steps)
+    assert all(type(c) is int for c in got[0]["counts"] + got[0]["mine"]) and type(got[0]["balance"]) is float
+    assert sum(got[0]["counts"]) == 2 * 2 * 16 * 2 and got[0]["counts"] == got[0]["mine"]
+
+
 @pytest.mark.parametrize("name, kw, rule", [
     ("mixtral", dict(dp=6, ep=3), "must divide the number of experts: try ep=1 or 2"),
     ("deepseek", dict(tp=2), "multi-head latent attention (queries and keys-values through low-rank latents "
