@@ -31,7 +31,8 @@ waits for the gradient of the stage after it, which has seen the whole forward, 
 have arrived by then. Worked example, pp=2, 2 MoE layers, one per stage: stage 0 sends its layer 0 counts
 with the activation (row 0 known); stage 1 adds its layer 1 and sends both rows back with the gradient; stage
 0's backward then sums both layers, as one process does. Outside the engine (no ``MoEStep``) the routers are
-the model's own: one process still computes HF's loss itself.
+the model's own: one process still computes HF's loss itself. Inside, the model's forward runs with
+``output_router_logits=False`` (``engine_call``): HF's loss over one rank's rows would go unused.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ from ..config import ConfigError
 from .moe import balance_loss, z_loss
 from .moe_context import CountedRouter, MoEStep, current
 
-__all__ = ["router_loss", "RouterLoss", "RouterAux", "aux_coef", "routers", "check_router_loss", "CountsRelay"]
+__all__ = ["router_loss", "RouterLoss", "RouterAux", "aux_coef", "routers", "check_router_loss", "CountsRelay",
+           "engine_call"]
 
 
 class RouterLoss(CountedRouter):
@@ -85,6 +87,19 @@ def router_loss(model: nn.Module, paths, n_experts: int, top_k: int) -> None:
         if not isinstance(r, RouterLoss):
             r.__class__ = _derived(type(r))
         vars(r).update(layer=i, layers=len(found), n=n_experts, k=top_k, coef=coef)  # plain attributes
+    if engine_call not in model._forward_pre_hooks.values():
+        model.register_forward_pre_hook(engine_call, with_kwargs=True)
+
+
+def engine_call(model: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a counted model (``router_loss``): under the engine's ``MoEStep`` its forward runs with
+    ``output_router_logits=False`` (unless the call says otherwise). HF's forward would else record every
+    layer's router logits and compute ``load_balancing_loss_func`` over this rank's rows alone, a value the
+    engine never reads (the routers count the loss over the whole batch). The config is left as it is
+    (``aux_coef`` reads it), and outside the engine (no ``MoEStep``) the model computes HF's loss as before."""
+    if current() is None:
+        return None
+    return args, {"output_router_logits": False, **kwargs}
 
 
 _MADE: dict[type, type] = {}
