@@ -15,6 +15,15 @@ values. Per layer on this rank (with pp, the layers of its stages), in the recor
      "sent": [512, 1536],          # with ep: bytes of rows this rank sent to each ep rank (dispatch, forward)
      "received": [768, 1280]}      #   and received from each
 
+The layers keep what they routed as detached tensors; ``step_layers`` reads them all at the step's end, in
+one transfer (``on_host``): one device->host sync per step for the records, not one per layer and microbatch
+in the middle of the forward. The host reads a layer's forward still makes are the ones its compute needs:
+the built-in MoE's token count (an ``int``: a capacity's size and the losses' scale), ``models.experts``'
+``dispatch`` (a CUDA ``bincount`` sizes its output on the host; with a capacity ``nonzero`` does, and
+``MoE.last["dropped"]`` is read), the grouped expert compute's run lengths (``repeat_interleave``), expert
+parallelism's split sizes (``all_to_all_v`` takes host ints: ``sent`` / ``received`` come from them, host
+ints at no cost), a Hugging Face router's ``bincount`` of its choices, and whatever HF's own MoE block reads.
+
 ``traffic(records, layout)`` (in the kernel, from every rank's record of a step) makes the rank x rank matrix of
 dispatch bytes; tests check the counts against one process's routing, the
 losses against one process's, and the matrix against the comm records.
@@ -23,25 +32,60 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["step_layers", "loss_vector", "with_losses", "traffic"]
+__all__ = ["step_layers", "on_host", "loss_vector", "with_losses", "traffic"]
 
 SUMMED = ("counts", "mine", "sent", "received")
+INTS = ("counts", "mine", "dropped", "sent", "received")
+"""The records' integer fields; ``balance`` and ``z`` are floats."""
+
+
+def on_host(steps) -> list[dict[int, dict]]:
+    """Each ``MoEStep``'s ``seen`` with its tensors as Python numbers (lists for vectors), read in one transfer:
+    every tensor of every layer and microbatch flattened into one float64 vector, one ``.tolist()`` (float64
+    holds the counts exactly up to 2^53, and a float32 or bf16 loss exactly, as ``float()`` of it would).
+
+        >>> from colab_kit.models.moe_context import MoEStep
+        >>> s = MoEStep(seen={0: {"counts": torch.tensor([3, 1]), "dropped": 0, "z": torch.tensor(0.5)}})
+        >>> on_host([s])
+        [{0: {'counts': [3, 1], 'dropped': 0, 'z': 0.5}}]
+    """
+    tensors = [v for step in steps for seen in step.seen.values() for v in seen.values() if isinstance(v, torch.Tensor)]
+    flat: list[float] = []
+    if tensors:
+        device = tensors[0].device
+        flat = torch.cat([t.detach().reshape(-1).to(device, torch.float64) for t in tensors]).tolist()
+    out, at = [], 0
+    for step in steps:
+        layers = {}
+        for layer, seen in step.seen.items():
+            rec = {}
+            for key, v in seen.items():
+                if isinstance(v, torch.Tensor):
+                    n, at = v.numel(), at + v.numel()
+                    got = [int(x) for x in flat[at - n:at]] if key in INTS else flat[at - n:at]
+                    v = got if v.dim() else got[0]
+                rec[key] = v
+            layers[layer] = rec
+        out.append(layers)
+    return out
 
 
 def step_layers(steps) -> dict[int, dict]:
     """Per MoE layer number, its records over the step's microbatches (``MoEStep``s): counts, drops and bytes
-    summed; the rank's loss shares averaged."""
+    summed; the rank's loss shares, times each step's ``pieces``, averaged. The layers' tensors are read on the
+    host here, all at once (``on_host``): the step's one host read for the records."""
+    steps = list(steps)
     out: dict[int, dict] = {}
     m = max(len(steps), 1)
-    for step in steps:
-        for layer, seen in step.seen.items():
+    for step, host in zip(steps, on_host(steps)):
+        for layer, seen in host.items():
             rec = out.setdefault(layer, {"layer": layer, "dropped": 0, "balance": 0.0, "z": 0.0})
             for key in SUMMED:
                 if key in seen:
                     rec[key] = [a + b for a, b in zip(rec.get(key, [0] * len(seen[key])), seen[key])]
             rec["dropped"] += seen["dropped"]
-            rec["balance"] += seen["balance"] / m
-            rec["z"] += seen["z"] / m
+            rec["balance"] += seen["balance"] * step.pieces / m
+            rec["z"] += seen["z"] * step.pieces / m
     return out
 
 

@@ -122,15 +122,15 @@ def dispatch_combine(rows: torch.Tensor, counts: torch.Tensor,
     per_rank = counts.view(mesh.size(axis), -1)
     got = comm.all_to_all(per_rank.contiguous(), mesh, axis, split_dim=0, cat_dim=0,
                           tag="expert counts")  # [sources, local experts]
-    send, recv = per_rank.sum(1).tolist(), got.sum(1).tolist()
+    held = got.tolist()  # the split sizes all_to_all_v takes on the host: read once, beside the local counts
+    send, recv, per_expert = per_rank.sum(1).tolist(), [sum(r) for r in held], [sum(c) for c in zip(*held)]
     arrived = AllToAll.apply(rows, send, recv, mesh, axis, "expert dispatch")
     order = expert_major(got)
-    local = got.sum(0)
-    out = compute(arrived[order], local)
+    out = compute(arrived[order], got.sum(0))
     back = out[torch.argsort(order)]  # source-major again
     row = rows.shape[-1] * rows.element_size()
-    return Exchanged(AllToAll.apply(back, recv, send, mesh, axis, "expert combine"),
-                     {"send": send, "recv": recv, "local": local.tolist()},
+    return Exchanged(AllToAll.apply(back, recv, send, mesh, axis, "expert combine"),  # no host read after compute
+                     {"send": send, "recv": recv, "local": per_expert},
                      {"sent": [n * row for n in send], "received": [n * row for n in recv]})
 
 

@@ -31,7 +31,8 @@ waits for the gradient of the stage after it, which has seen the whole forward, 
 have arrived by then. Worked example, pp=2, 2 MoE layers, one per stage: stage 0 sends its layer 0 counts
 with the activation (row 0 known); stage 1 adds its layer 1 and sends both rows back with the gradient; stage
 0's backward then sums both layers, as one process does. Outside the engine (no ``MoEStep``) the routers are
-the model's own: one process still computes HF's loss itself.
+the model's own: one process still computes HF's loss itself. Inside, the model's forward runs with
+``output_router_logits=False`` (``engine_call``): HF's loss over one rank's rows would go unused.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ from ..config import ConfigError
 from .moe import balance_loss, z_loss
 from .moe_context import CountedRouter, MoEStep, current
 
-__all__ = ["router_loss", "RouterLoss", "RouterAux", "aux_coef", "routers", "check_router_loss", "CountsRelay"]
+__all__ = ["router_loss", "RouterLoss", "RouterAux", "aux_coef", "routers", "check_router_loss", "CountsRelay",
+           "engine_call"]
 
 
 class RouterLoss(CountedRouter):
@@ -85,6 +87,19 @@ def router_loss(model: nn.Module, paths, n_experts: int, top_k: int) -> None:
         if not isinstance(r, RouterLoss):
             r.__class__ = _derived(type(r))
         vars(r).update(layer=i, layers=len(found), n=n_experts, k=top_k, coef=coef)  # plain attributes
+    if engine_call not in model._forward_pre_hooks.values():
+        model.register_forward_pre_hook(engine_call, with_kwargs=True)
+
+
+def engine_call(model: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a counted model (``router_loss``): under the engine's ``MoEStep`` its forward runs with
+    ``output_router_logits=False`` (unless the call says otherwise). HF's forward would else record every
+    layer's router logits and compute ``load_balancing_loss_func`` over this rank's rows alone, a value the
+    engine never reads (the routers count the loss over the whole batch). The config is left as it is
+    (``aux_coef`` reads it), and outside the engine (no ``MoEStep``) the model computes HF's loss as before."""
+    if current() is None:
+        return None
+    return args, {"output_router_logits": False, **kwargs}
 
 
 _MADE: dict[type, type] = {}
@@ -108,19 +123,18 @@ def _counted_forward(self, hidden_states):
         chosen = torch.topk(probs.detach(), self.k, dim=-1).indices
         local = torch.bincount(chosen.reshape(-1), minlength=self.n).float()  # fp32: exact counts up to 2^24
         stats = step.cache[self.layer] = step.gather(torch.cat([local, local.new_tensor([probs.shape[0]])]))
-        step.seen[self.layer] = _seen(self, logits.detach(), probs.detach(), local, stats, step.pieces)
+        step.seen[self.layer] = _seen(self, logits.detach(), probs.detach(), local, stats)
     return logits, RouterAux.apply(scores, probs.sum(0), step, self), index
 
 
-def _seen(router: RouterLoss, logits, probs, local, stats, pieces: int) -> dict:
+def _seen(router: RouterLoss, logits, probs, local, stats) -> dict:
     """This layer's routing of the microbatch for the engine's records (``engine.moe_records``), as the built-in
-    MoE writes it: whole-batch ``counts``, this rank's ``mine``, and this rank's shares (times ``pieces``) of the
-    layer's Switch balance ``E sum_i f_i P_i`` (1.0 uniform; HF's own loss is the all-layer form above) and
-    z-loss."""
+    MoE writes it: whole-batch ``counts``, this rank's ``mine``, and this rank's shares of the layer's Switch
+    balance ``E sum_i f_i P_i`` (1.0 uniform; HF's own loss is the all-layer form above) and z-loss; detached
+    tensors, read on the host once per step (``step_layers``, which also multiplies the shares by ``pieces``)."""
     counts, tokens = stats[:, :-1].sum(0), stats[:, -1].sum()
-    return {"counts": [int(c) for c in counts.tolist()], "mine": [int(c) for c in local.tolist()], "dropped": 0,
-            "balance": float(balance_loss(probs.float(), counts, tokens, router.k)) * pieces,
-            "z": float(z_loss(logits.float(), tokens)) * pieces}
+    return {"counts": counts, "mine": local, "dropped": 0,
+            "balance": balance_loss(probs.float(), counts, tokens, router.k), "z": z_loss(logits.float(), tokens)}
 
 
 class RouterAux(torch.autograd.Function):

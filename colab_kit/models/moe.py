@@ -151,9 +151,8 @@ class MoE(nn.Module):
             self.load = self.load.to(counts.device) + counts.detach()
         self.last = {"counts": counts.detach(), "dropped": 0 if keep is None else int((~keep).sum())}
         aux = self._aux(logits, probs, counts, tokens, step.pieces)
-        if step.inject and first:  # what the engine records of this layer and microbatch
-            step.seen.setdefault(self.layer, {}).update(self._seen(logits, probs, counts, tokens, step.pieces, chosen,
-                                                                   total, keep))
+        if step.inject and first:  # what the engine records of this layer and microbatch (tensors: no host read)
+            step.seen.setdefault(self.layer, {}).update(self._seen(logits, probs, counts, tokens, local, total, keep))
         y = y.view(shape)
         if aux is None or not torch.is_grad_enabled():
             self.aux = aux
@@ -166,16 +165,16 @@ class MoE(nn.Module):
         return y
 
     @torch.no_grad()
-    def _seen(self, logits, probs, counts, tokens, pieces, chosen, total, keep) -> dict:
-        """This layer's routing of the microbatch, for the engine's records (``MoEStep.seen``)."""
-        dropped = 0
+    def _seen(self, logits, probs, counts, tokens, local, total, keep) -> dict:
+        """This layer's routing of the microbatch, for the engine's records (``MoEStep.seen``): detached tensors,
+        read on the host once per step with every layer's (``engine.moe_records.step_layers``). ``local [k, E]``:
+        this rank's assignments per slot and expert; ``tokens`` is a host int already (the capacity needs it)."""
+        dropped: torch.Tensor | int = 0
         if keep is not None:  # the batch's drops: every assignment past an expert's capacity
             cap = math.ceil(self.capacity_factor * self.k * tokens / self.n)
-            dropped = int((total.sum(0) - cap).clamp_min(0).sum())
-        out = {"counts": [int(c) for c in counts.tolist()],
-               "mine": torch.bincount(chosen.reshape(-1), minlength=self.n).tolist(),
-               "dropped": dropped, "balance": float(balance_loss(probs, counts, tokens, self.k, self.kind)) * pieces,
-               "z": float(z_loss(logits, tokens)) * pieces}
+            dropped = (total.sum(0) - cap).clamp_min(0).sum()
+        out = {"counts": total.sum(0), "mine": local.sum(0), "dropped": dropped,
+               "balance": balance_loss(probs, counts, tokens, self.k, self.kind), "z": z_loss(logits, tokens)}
         out.update(getattr(self.experts, "traffic", None) or {})  # an expert-parallel layer's bytes per ep rank
         return out
 

@@ -69,8 +69,10 @@ class MoEStep:
     seen: dict[int, dict] = field(default_factory=dict)
     """Per MoE layer number, what its first forward routed (the engine's records, ``colab_kit.engine.moe_records``):
     ``counts`` (the batch's assignments per expert), ``mine`` (this rank's), ``dropped`` (the batch's, by a
-    capacity), ``balance`` and ``z`` (this rank's shares, times ``pieces``, before the coefficients); an expert-
-    parallel layer adds ``sent`` / ``received`` (bytes to and from each ep rank)."""
+    capacity), ``balance`` and ``z`` (this rank's shares, before ``pieces`` and the coefficients), as detached
+    tensors (``dropped`` 0 without a capacity): no host read in the forward, the step's end reads them all at
+    once (``step_layers``); an expert-parallel layer adds ``sent`` / ``received`` (bytes to and from each ep
+    rank, host ints: its all-to-all's split sizes are read on the host anyway)."""
 
 
 ONE_PROCESS = MoEStep(inject=False)

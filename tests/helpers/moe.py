@@ -83,3 +83,19 @@ def reference_mixed(model: str, opt: str, precision: str = "bf16", microbatches:
 
 def _bias(model, skipped: bool) -> None:
     update_router_bias(model, skip=skipped)
+
+
+def old_records(steps) -> dict:
+    """``moe_records.step_layers`` as it was when the layers read each value on the host in the forward (one read
+    per value, layer and microbatch): ``int()`` / ``float()`` of each of ``MoEStep.seen``'s tensors, then summed."""
+    out: dict = {}
+    for step in steps:
+        for layer, seen in step.seen.items():
+            rec = out.setdefault(layer, {"layer": layer, "dropped": 0, "balance": 0.0, "z": 0.0})
+            for key in ("counts", "mine"):
+                rec[key] = [a + b for a, b in zip(rec.get(key, [0] * len(seen[key])),
+                                                  [int(c) for c in seen[key].float().tolist()])]
+            rec["dropped"] += int(seen["dropped"])
+            rec["balance"] += float(seen["balance"]) * step.pieces / len(steps)
+            rec["z"] += float(seen["z"]) * step.pieces / len(steps)
+    return out

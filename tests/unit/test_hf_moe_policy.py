@@ -36,6 +36,57 @@ def test_a_prepared_model_computes_what_hf_computes():
     assert torch.equal(a.logits, b.logits) and torch.equal(a.aux_loss, b.aux_loss)  # no MoEStep: HF's own
 
 
+def test_inside_the_engine_hf_computes_no_loss_of_its_own(monkeypatch):
+    """Under the engine's ``MoEStep`` a counted model's forward skips HF's ``load_balancing_loss_func`` (over one
+    rank's rows; the routers count the whole batch's): same logits, no ``aux_loss``; the config still asks for
+    the loss (``aux_coef``), and outside the engine HF computes it as before."""
+    import transformers.models.mixtral.modeling_mixtral as mixtral
+
+    from colab_kit.models.hf_moe import aux_coef
+    from colab_kit.models.moe_context import MoEStep, at
+
+    calls = []
+    own = mixtral.load_balancing_loss_func
+    monkeypatch.setattr(mixtral, "load_balancing_loss_func", lambda *a, **k: calls.append(1) or own(*a, **k))
+    plain, prepared = build("mixtral"), build("mixtral")
+    count_router_loss(prepared, policy_for(prepared))
+    count_router_loss(prepared, policy_for(prepared))  # idempotent: one hook
+    x = torch.randint(0, 64, (2, 16))
+    with at(MoEStep()):
+        inside = prepared(x)
+    assert calls == [] and inside.aux_loss is None and torch.equal(inside.logits, plain(x).logits)
+    assert prepared.config.output_router_logits and aux_coef(prepared) == aux_coef(plain) == 0.1
+    assert len(prepared._forward_pre_hooks) == 1
+    with at(MoEStep()):  # a caller that asks for HF's loss still gets it
+        assert torch.equal(prepared(x, output_router_logits=True).aux_loss, plain(x).aux_loss)
+    calls.clear()
+    assert torch.equal(prepared(x).aux_loss, plain(x).aux_loss) and len(calls) == 2  # one process: HF's own
+
+
+def test_a_counted_router_keeps_its_records_on_the_device():
+    """Under the engine's ``MoEStep`` a counted router writes its layer's routing as tensors (no host read in the
+    forward); ``step_layers`` reads them at the step's end into the ints and floats of the per-value reads."""
+    from colab_kit.engine import moe_records
+    from colab_kit.models.moe_context import MoEStep, at
+    from tests.helpers.moe import old_records
+
+    model = build("mixtral")
+    count_router_loss(model, policy_for(model))
+    steps = [MoEStep(pieces=2, grad_scale=0.5) for _ in range(2)]
+    for i, step in enumerate(steps):
+        with at(step):
+            model(torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i))).logits.sum().backward()
+    for step in steps:
+        assert sorted(step.seen) == [0, 1]
+        for seen in step.seen.values():
+            assert all(isinstance(seen[k], torch.Tensor) and not seen[k].requires_grad
+                       for k in ("counts", "mine", "balance", "z")), seen
+    got = moe_records.step_layers(steps)
+    assert got == old_records(steps)
+    assert all(type(c) is int for c in got[0]["counts"] + got[0]["mine"]) and type(got[0]["balance"]) is float
+    assert sum(got[0]["counts"]) == 2 * 2 * 16 * 2 and got[0]["counts"] == got[0]["mine"]
+
+
 @pytest.mark.parametrize("name, kw, rule", [
     ("mixtral", dict(dp=6, ep=3), "must divide the number of experts: try ep=1 or 2"),
     ("deepseek", dict(tp=2), "multi-head latent attention (queries and keys-values through low-rank latents "

@@ -110,6 +110,39 @@ def test_a_capacity_model_drops_and_reports_it():
     assert layer.last["dropped"] >= 4 * 8 * 2 - 4 * math.ceil(0.5 * 2 * 32 / 4)
 
 
+@pytest.mark.parametrize("kw", [dict(capacity_factor=0.5), dict(router="sigmoid")])
+def test_the_records_stay_on_the_device_until_the_steps_end(kw):
+    """Under the engine's ``MoEStep`` a layer keeps what it routed as tensors (no host read per layer and
+    microbatch); ``step_layers`` reads them once and gives the numbers, ints and floats, the per-value reads
+    gave: counts and mine the router's own choices, drops and losses of the layer."""
+    from colab_kit.engine import moe_records
+    from colab_kit.models.moe_context import MoEStep, at
+    from tests.helpers.moe import old_records
+
+    cfg = GPTConfig(**{**SMALL, "n_layers": 3}, n_experts=4, top_k=2, aux_loss=0.01, z_loss=0.001, **kw)
+    model = GPT(cfg)
+    gen = torch.Generator().manual_seed(6)
+    steps, chosen = [MoEStep(pieces=2, grad_scale=0.5) for _ in range(2)], []
+    model.blocks[0].mlp.router.register_forward_hook(lambda m, a, out: chosen.append(
+        route(out, 2, cfg.router)[1]))
+    for step in steps:
+        with at(step):
+            (model(torch.randint(0, 32, (4, 8), generator=gen)).sum() / 2).backward()
+    for step in steps:
+        assert sorted(step.seen) == [0, 1, 2]
+        for seen in step.seen.values():
+            for key in ("counts", "mine", "balance", "z") + (("dropped",) if "capacity_factor" in kw else ()):
+                assert isinstance(seen[key], torch.Tensor) and not seen[key].requires_grad, (key, seen[key])
+    got, want = moe_records.step_layers(steps), old_records(steps)
+    assert got == want
+    rec = got[0]
+    assert all(type(c) is int for c in rec["counts"] + rec["mine"]) and type(rec["dropped"]) is int
+    assert type(rec["balance"]) is float and type(rec["z"]) is float
+    routed = sum(torch.bincount(c.reshape(-1), minlength=4) for c in chosen).tolist()
+    assert rec["counts"] == rec["mine"] == routed and sum(routed) == 2 * 4 * 8 * 2
+    assert (rec["dropped"] > 0) == ("capacity_factor" in kw) and rec["balance"] > 0 and rec["z"] > 0
+
+
 def test_bias_update_follows_the_load_and_selects_only():
     cfg = GPTConfig(**{**SMALL, "n_layers": 1}, n_experts=4, top_k=1, router_bias_update=0.1)
     model = GPT(cfg)
