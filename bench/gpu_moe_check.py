@@ -1,6 +1,6 @@
 """The mixture of experts on a GPU: run by hand where a GPU is lent, never by CI (``bench/gpu_check.py``'s twin).
 
-Five checks, each one ``PASS``/``FAIL`` line; figures to ``bench/results/gpu_moe_check.json``:
+Six checks, each one ``PASS``/``FAIL`` line; figures to ``bench/results/gpu_moe_check.json``:
 
 1. ``forms``: ``colab_kit.models.experts.expert_compute`` in each of its three forms ("grouped_mm", "loop",
    "padded") on CUDA, fp32 (TF32 off) and bf16, forward and backward, against the loop in fp64 on the same
@@ -21,6 +21,9 @@ Five checks, each one ``PASS``/``FAIL`` line; figures to ``bench/results/gpu_moe
    each rank's half at tp=2) and f/4 (352, tp=4), in ms and TFLOP/s, and ``time(f/2) / time(f)``: ETP at tp=2
    pays at least that on each rank, plus an all-reduce of the [rows, d] output (``docs/moe.md``). 0.50 would be
    a perfect split; PASS when each width ran.
+6. ``syncs``: one training step of the MoE GPT and of a Hugging Face Mixtral under
+   ``torch.cuda.set_sync_debug_mode("warn")``: every device->host sync by the line that made it; none inside a
+   layer's records (``_seen``), at most one for the step's records (``engine.moe_records.on_host``).
 
     python bench/gpu_moe_check.py
 """
@@ -156,6 +159,58 @@ def check_etp_widths():
     return True, figures, detail
 
 
+def _rank_syncs(model: str):
+    """One training step of ``model`` (the built-in MoE GPT "softmax" or the HF "mixtral" of the tests) on the
+    GPU under ``torch.cuda.set_sync_debug_mode("warn")``, after a warm-up step: each host sync it made, by the
+    Python line that made it."""
+    import collections
+    import warnings
+    sys.path.insert(0, ROOT)
+    from tests.helpers.moe import BATCH, OPTIMIZERS, data
+    if model == "mixtral":
+        from tests.helpers.hf_moe import build
+    else:
+        from tests.helpers.moe import build
+    engine = ck.boost(build(model), OPTIMIZERS["sgd"], ck.ParallelConfig())
+    d = data()
+    engine.train_step(d.batch(0, BATCH))
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.train_step(d.batch(1, BATCH))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    sites = collections.Counter(f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message))
+    engine.close()
+    return {"syncs": sum(sites.values()), "sites": dict(sites.most_common())}
+
+
+def check_syncs():
+    """The MoE records cost one host read per step (``engine.moe_records.on_host``), none inside a layer's
+    ``_seen``: every sync of one step, by line, for the built-in MoE GPT and a Hugging Face Mixtral."""
+    import inspect
+    from colab_kit.models import moe as moe_module
+    from colab_kit.models import hf_moe
+    lines = {}
+    for fn in (moe_module.MoE._seen, hf_moe._seen):
+        src, first = inspect.getsourcelines(fn)
+        lines[os.path.relpath(inspect.getsourcefile(fn), ROOT)] = range(first, first + len(src))
+    figures, ok = {}, True
+    for model in ("softmax", "mixtral"):
+        r = ck.launch(_rank_syncs, 1, model, backend="nccl", timeout=300)[0]
+        in_seen = {k: n for k, n in r["sites"].items() if k.rsplit(":", 1)[0] in lines
+                   and int(k.rsplit(":", 1)[1]) in lines[k.rsplit(":", 1)[0]]}
+        records = sum(n for k, n in r["sites"].items() if k.startswith("colab_kit/engine/moe_records.py"))
+        figures[model] = {**r, "in_seen": in_seen, "records": records}
+        ok = ok and not in_seen and records <= 1
+    detail = "; ".join(f"{m}: {f['syncs']} syncs a step, {f['records']} for the records, "
+                       f"{sum(f['in_seen'].values())} in _seen" for m, f in figures.items())
+    return ok, figures, detail
+
+
 def _rank_parity(opt):
     _tf32_off()
     sys.path.insert(0, ROOT)
@@ -209,7 +264,7 @@ def main() -> int:
         return 2
     results, only = {}, sys.argv[1:]  # check names to run, all by default
     for name, fn in (("parity", check_parity), ("bf16", check_bf16), ("forms", check_forms), ("speed", check_speed),
-                     ("etp_widths", check_etp_widths)):
+                     ("etp_widths", check_etp_widths), ("syncs", check_syncs)):
         if only and name not in only:
             continue
         t0 = time.perf_counter()

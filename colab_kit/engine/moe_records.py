@@ -89,13 +89,26 @@ def step_layers(steps) -> dict[int, dict]:
     return out
 
 
-def loss_vector(local: torch.Tensor, layers: dict[int, dict], n_layers: int) -> torch.Tensor:
-    """``[loss, balance of MoE layer 0 .. n-1, z of layer 0 .. n-1]``: this rank's shares (zero for a layer on
-    another pipeline stage), to be summed over pp and averaged over dp, sp and tp as the loss is."""
+def loss_vector(local: torch.Tensor, steps, n_layers: int) -> torch.Tensor:
+    """``[loss, balance of MoE layer 0 .. n-1, z of layer 0 .. n-1]``: this rank's shares (each microbatch's
+    ``MoEStep`` value times its ``pieces``, averaged over the microbatches; zero for a layer on another pipeline
+    stage), to be summed over pp and averaged over dp, sp and tp as the loss is. Built on the device from the
+    layers' tensors: no value goes to the host and back (``bench/gpu_moe_check.py syncs`` counts it).
+
+        >>> from colab_kit.models.moe_context import MoEStep
+        >>> s = MoEStep(pieces=2, seen={1: {"balance": torch.tensor(0.5), "z": torch.tensor(2.0)}})
+        >>> loss_vector(torch.tensor(3.0), [s], n_layers=2).tolist()
+        [3.0, 0.0, 1.0, 0.0, 4.0]
+    """
+    steps = list(steps)
+    m = max(len(steps), 1)
     out = torch.zeros(1 + 2 * n_layers, dtype=local.dtype, device=local.device)
     out[0] = local.reshape(())
-    for layer, rec in layers.items():
-        out[1 + layer], out[1 + n_layers + layer] = rec["balance"], rec["z"]
+    for step in steps:
+        for layer, seen in step.seen.items():
+            for at, key in ((1 + layer, "balance"), (1 + n_layers + layer, "z")):
+                v = seen[key]
+                out[at] += (v.to(out.device, out.dtype) if isinstance(v, torch.Tensor) else v) * (step.pieces / m)
     return out
 
 

@@ -369,7 +369,7 @@ class TrainingStep:
                 grads.gather_params()
         layers = moe_records.step_layers(self._moe_steps.values()) if self.n_moe else {}
         with self._timed("loss all_reduce", "comm"):  # with MoE layers, their losses ride along (moe_records)
-            vec = moe_records.loss_vector(local.detach(), layers, self.n_moe) if self.n_moe else local
+            vec = moe_records.loss_vector(local.detach(), self._moe_steps.values(), self.n_moe) if self.n_moe else local
             reduced = self._mean(vec, pp=self.pipeline is not None)
             value = reduced[0]
         if self.n_moe:

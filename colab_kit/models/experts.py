@@ -79,7 +79,8 @@ def dispatch(chosen: torch.Tensor, keep: torch.Tensor | None, n_experts: int) ->
     else:
         kept = keep.reshape(-1).nonzero().squeeze(1)
         order = kept[torch.sort(experts[kept], stable=True).indices]
-    return order, torch.bincount(experts[order], minlength=n_experts)
+    ones = torch.ones(order.shape, dtype=torch.int64, device=order.device)  # a CUDA bincount syncs for its size
+    return order, torch.zeros(n_experts, dtype=torch.int64, device=order.device).index_add_(0, experts[order], ones)
 
 
 def combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -97,7 +98,8 @@ def expert_compute(rows, counts, w_in, b_in, w_out, b_out, how: str = "grouped_m
         for e, part in enumerate(rows.split(counts.tolist())):  # an empty run still links w_in[e] to the graph
             outs.append(F.gelu(part @ w_in[e] + b_in[e]) @ w_out[e] + b_out[e])
         return torch.cat(outs)
-    expert_of = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts)
+    expert_of = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts,
+                                        output_size=rows.shape[0])  # sized here: no host read of the counts
     if how == "grouped_mm":
         offs = counts.cumsum(0).to(torch.int32)
         h = F.gelu(GroupBias.apply(torch._grouped_mm(rows, w_in, offs=offs), b_in, expert_of, counts))

@@ -121,8 +121,11 @@ def _counted_forward(self, hidden_states):
     probs = logits.softmax(-1)  # as load_balancing_loss_func: softmax of the logits, top-k of those
     if self.layer not in step.cache:
         chosen = torch.topk(probs.detach(), self.k, dim=-1).indices
-        local = torch.bincount(chosen.reshape(-1), minlength=self.n).float()  # fp32: exact counts up to 2^24
-        stats = step.cache[self.layer] = step.gather(torch.cat([local, local.new_tensor([probs.shape[0]])]))
+        flat = chosen.reshape(-1)  # counted by index_add (a CUDA bincount reads its size on the host)
+        local = torch.zeros(self.n, dtype=torch.float32, device=flat.device).index_add_(
+            0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
+        n = torch.full((1,), probs.shape[0], dtype=local.dtype, device=local.device)  # fp32: exact up to 2^24
+        stats = step.cache[self.layer] = step.gather(torch.cat([local, n]))
         step.seen[self.layer] = _seen(self, logits.detach(), probs.detach(), local, stats)
     return logits, RouterAux.apply(scores, probs.sum(0), step, self), index
 

@@ -130,7 +130,7 @@ class MoE(nn.Module):
         first = cached is None
         if cached is None:  # per slot and expert counts and the token count, of every piece of the batch
             local = F.one_hot(chosen, self.n).sum(0)  # int64: exact at any count (bf16 is not past 256)
-            mine = torch.cat([local.reshape(-1), local.new_tensor([h.shape[0]])])
+            mine = torch.cat([local.reshape(-1), torch.full((1,), h.shape[0], dtype=local.dtype, device=local.device)])
             stats = step.gather(mine)
             if step.inject:
                 step.cache[self.layer] = stats
@@ -206,7 +206,7 @@ def update_router_bias(model: nn.Module, skip: bool = False) -> None:
     for m in model.modules():
         if isinstance(m, MoE):
             bias: torch.Tensor = m.score_bias  # type: ignore[assignment]  # a buffer
-            if m.bias_rate and not skip and bool(m.load.sum() > 0):
+            if m.bias_rate and not skip:  # no load counted: every sign is 0 (no host read to ask)
                 load = m.load.to(bias.device, bias.dtype)
                 bias += m.bias_rate * torch.sign(load.mean() - load)
             m.load = torch.zeros_like(m.load)
