@@ -1,16 +1,22 @@
 """Memory per rank of a mixture-of-experts GPT under expert parallelism: the estimate ``config_estimate`` gives
 for a ``GPTConfig(n_experts=E, ...)`` (so ``engine.memory_estimate()`` and ``ck.plan`` count the experts).
 
-A rank of ``ParallelConfig(dp, pp, ep, zero)`` (MoE runs with tp = sp = 1, ``engine.core.unsupported``) holds:
+A rank of ``ParallelConfig(dp, tp, pp, sp, ep, zero)`` (tp 1D only, dropless layers only under sp:
+``engine.core.unsupported``) holds:
 
 - **dense** parameters (embeddings, attention, LayerNorms, the dense MLPs, each MoE layer's router and shared
-  experts): the pipeline stage's, ZeRO-sharded over ``dp`` as a dense model's (``model_state_bytes``);
-- **expert** parameters: ``E / ep`` experts of each MoE layer of the stage, ZeRO-sharded over the
-  expert-data-parallel group, ``edp = dp / ep`` ranks (``colab_kit.zero.split``): stage 1 the optimizer
-  states, stage 2 the gradients too;
-- **activations**: the dense GPT's count (``activation_bytes``) with each MoE block's MLP terms replaced by
-  what the MoE layer saves for backward, N tokens of the microbatch, e bytes a value, k = top_k, f = d_expert,
-  S = the shared experts' width, the rows received ``R = N k`` (balanced routing)::
+  experts): the pipeline stage's, ZeRO-sharded over ``dp`` as a dense model's (``model_state_bytes``). Under
+  1D tp the attention and the dense MLPs are split as a dense model's (``part_params``); an MoE layer's router
+  and shared experts are not: the MoE layer runs whole on every tp rank;
+- **expert** parameters: ``E / ep`` experts of each MoE layer of the stage, whole on every tp rank (tp does not
+  divide them), ZeRO-sharded over the expert-data-parallel group, ``edp = dp sp / ep`` ranks
+  (``colab_kit.zero.split``): stage 1 the optimizer states, stage 2 the gradients too;
+- **activations**: the dense GPT's count in the config's layout (``layout_activations``: 1D tp splits
+  attention and the MLP's inner activations, sp keeps ``seq / sp`` tokens of each row) with each MoE block's
+  MLP terms replaced by what the MoE layer saves for backward. N is the rank's tokens of the microbatch: under
+  tp all of its (dp, sp) shard's (every tp rank routes the same tokens), under sp ``rows x seq / sp``;
+  e bytes a value, k = top_k, f = d_expert, S = the shared experts' width, the rows received ``R = N k``
+  (balanced routing)::
 
       router probabilities              e N E
       dispatch buffers (held)           e R h (the rows an expert receives: its GEMM's input)
@@ -18,7 +24,7 @@ A rank of ``ParallelConfig(dp, pp, ep, zero)`` (MoE runs with tp = sp = 1, ``eng
       expert hidden (GELU in, out)      2 e R f
       shared experts (GELU in, out)     2 e N S
       routing indices and weights       24 N k + 2 e N k + e N
-      (the dense MLP's 2 e N f is gone; the MLP input e N h is the router's)
+      (the dense MLP's 2 e N f / tp is gone; the MLP input e N h is the router's)
 
 Worked example, 4 experts of width 32 (d_model 32, 2 blocks, both MoE, one shared expert), ``dp=4 ep=2
 zero=1``, AdamW, fp32: a rank holds 2 of the 4 experts of each layer, ``2 x 2 x 2,112 = 8,448`` expert
@@ -33,13 +39,20 @@ parameters, their optimizer states over ``edp = 2`` ranks::
     >>> e = moe_estimate(g, ParallelConfig(dp=4, ep=2, zero=1), 8)
     >>> e["params"], e["optimizer"]    # 4 x (17,856 + 8,448); 8 x (17,856 / 4 + 8,448 / 2)
     (105216, 69504)
+
+The same model at ``dp=2 tp=2 ep=2``: attention, embeddings and head halved (17,856 -> 11,616 dense parameters:
+``3 h h + 3 h`` and ``h h`` of each block and the ``V h`` of the token table and head split, the router, the
+shared expert and the LayerNorms whole), the 2 of 4 experts of each layer whole, ``2 x 2 x 2,112`` again::
+
+    >>> moe_stage_params(g, ParallelConfig(dp=2, tp=2, ep=2))
+    [(11616, 8448)]
 """
 from __future__ import annotations
 
 from ..models.moe import moe_blocks
 from ..pipeline.stage import stage_layers
-from .estimator import _stages, _walks, part_params
-from .formulas import PRECISION_BYTES, activation_bytes, model_state_bytes, placed, recompute_mode
+from .estimator import _stages, _walks, layout_activations, part_params
+from .formulas import PRECISION_BYTES, model_state_bytes, placed, recompute_mode
 
 __all__ = ["expert_params", "moe_block_params", "moe_stage_params", "moe_block_extra", "moe_estimate"]
 
@@ -50,13 +63,14 @@ def expert_params(model) -> int:
     return 2 * h * f + f + h
 
 
-def moe_block_params(model) -> int:
-    """Dense parameters of one MoE block (no routed expert): attention, LayerNorms, router ``E x h`` and the
-    shared experts' MLP (``2 h S + S + h``, S = ``shared_experts * d_expert``)."""
+def moe_block_params(model, tp: int = 1) -> int:
+    """Dense parameters of one MoE block (no routed expert) on a rank of 1D tp degree ``tp``: attention (split
+    over tp as ``part_params`` splits it), LayerNorms, router ``E x h`` and the shared experts' MLP
+    (``2 h S + S + h``, S = ``shared_experts * d_expert``), these last whole on every tp rank."""
     h, f = model.d_model, model.d_ff or 4 * model.d_model
-    dense_block = 4 * h + 3 * h * h + 3 * h + h * h + h + 2 * h * f + f + h
+    attention = 4 * h + (3 * h * h + 3 * h) // tp + (h * h) // tp + h  # LayerNorms, qkv, proj (bias whole)
     s = model.shared_experts * (model.d_expert or f)
-    return dense_block - (2 * h * f + f + h) + model.n_experts * h + ((2 * h * s + s + h) if s else 0)
+    return attention + model.n_experts * h + ((2 * h * s + s + h) if s else 0)
 
 
 def _moe_layers() -> tuple:
@@ -65,8 +79,9 @@ def _moe_layers() -> tuple:
 
 def moe_stage_params(model, config) -> list[tuple[int, int]]:
     """``(dense, experts)`` parameters each pipeline rank holds (before ZeRO): the stage's blocks (dense or
-    MoE), the embeddings on the first stage, ``ln_f`` and the head on the last; ``E / ep`` experts per MoE
-    layer."""
+    MoE), the embeddings on the first stage, ``ln_f`` and the head on the last, split by 1D tp as a dense
+    model's but for the MoE layers' router and shared experts; ``E / ep`` experts per MoE layer, whole on every
+    tp rank."""
     moe_blocks, stage_layers = _moe_layers()
     parts = part_params(model, config)
     moe = set(moe_blocks(model))
@@ -75,7 +90,7 @@ def moe_stage_params(model, config) -> list[tuple[int, int]]:
     layers = stage_layers(model.n_layers, n)
 
     def stage(s):
-        dense = sum(moe_block_params(model) if i in moe else parts["block"] for i in layers[s])
+        dense = sum(moe_block_params(model, config.tp) if i in moe else parts["block"] for i in layers[s])
         dense += parts["embed"] * (s == 0) + parts["tail"] * (s == n - 1)
         return dense, local * sum(i in moe for i in layers[s])
     if config.pp == 1:
@@ -88,9 +103,10 @@ def moe_stage_params(model, config) -> list[tuple[int, int]]:
     return out
 
 
-def moe_block_extra(model, tokens: int, e: int, recompute="none") -> int:
+def moe_block_extra(model, tokens: int, e: int, recompute="none", tp: int = 1) -> int:
     """Bytes one MoE block saves beyond (or below) a dense block of the same widths for ``tokens`` tokens on
-    the rank (the module docstring's table); 0 under full recomputation (a block keeps its input only)."""
+    the rank (the module docstring's table: under 1D tp the MoE layer's terms whole, the dense MLP's
+    ``2 e N f / tp`` it replaces split); 0 under full recomputation (a block keeps its input only)."""
     if recompute_mode(recompute) == "full":
         return 0
     n, h, k = tokens, model.d_model, model.top_k
@@ -99,14 +115,16 @@ def moe_block_extra(model, tokens: int, e: int, recompute="none") -> int:
     rows = n * k  # received by this rank's experts on average (balanced routing)
     dispatch = e * rows * h + 2 * e * n * k * h
     return (e * n * model.n_experts + dispatch + 2 * e * rows * fe + 2 * e * n * s
-            + 24 * n * k + 2 * e * n * k + e * n - 2 * e * n * f)
+            + 24 * n * k + 2 * e * n * k + e * n - 2 * e * n * f // tp)
 
 
 def _stage_activations(model, config, rows: int, seq: int, layers, first: bool, last: bool, moe: set) -> int:
+    """One microbatch's saved bytes on a stage: the dense GPT's in the config's layout (1D tp, sp's
+    ``seq / sp`` tokens) and each MoE block's difference for the rank's ``rows x seq / sp`` tokens."""
     e = PRECISION_BYTES[config.precision]
-    dense = activation_bytes(model, rows, seq=seq, layers=len(layers), first=first, last=last,
-                             recompute=config.recompute, bytes_per_elem=e)["held"]
-    return dense + sum(i in moe for i in layers) * moe_block_extra(model, rows * seq, e, config.recompute)
+    dense = layout_activations(model, config, rows, seq, layers=len(layers), first=first, last=last)
+    tokens = rows * (seq // config.sp)
+    return dense + sum(i in moe for i in layers) * moe_block_extra(model, tokens, e, config.recompute, config.tp)
 
 
 def moe_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | None = None,

@@ -1,19 +1,29 @@
 """What a mixture of experts adds to ``planner.scale.price``: the expert GEMMs, the all-to-all, the edp reduction.
 
 For the fullest rank's ``n_moe`` MoE blocks of ``layers`` (``layers_on_rank``), T tokens of a microbatch on the
-rank, hidden h, top-k k, E experts over ``ep`` ranks, expert width f (x2 gated), shared width S:
+rank, hidden h, top-k k, E experts over ``ep`` ranks, expert width f (x2 gated), shared width S. T is the rank's
+share of the microbatch's ``rows x seq`` tokens as the engine routes them: under sp (ring, Ulysses; dropless)
+each sp rank routes its own ``seq / sp`` tokens of each row, ``T = rows seq / sp``; under 1D tp every tp rank of a
+(dp, sp) position routes the same tokens and runs the MoE layer whole (router, shared and routed experts
+replicated over tp, no collective of their own), so T is the whole (dp, sp) shard's and the MoE layer's FLOPs
+and bytes are *repeated* on each of the tp ranks, not divided by tp (attention and the dense MLPs are split
+by tp as for a dense model):
 
-- **compute**: the dense MLP's two GEMMs give way to the router ``(T, E, h)``, the shared experts' MLP and the
-  routed experts at their grouped sizes: each of the rank's ``E / ep`` experts gets ``T k ep / E`` rows (balanced
-  routing: the ep group's ``T k ep`` rows spread over its ``E`` experts), ``E / ep`` GEMMs
-  ``(T k ep / E, f, h)`` and ``(T k ep / E, h, f)`` forward, their dX and dW backward; the dispatch's permutes
-  (2 passes over ``T k h``) at HBM speed;
-- **comm:ep**: the dispatch and combine all-to-alls of ``T k h`` values forward, the two transposes backward,
-  full recomputation replaying the forward two (``colab_kit.expert.layer``), on the ep group as the rank
-  order places it (``scale_comm.placement(config, "ep")``: ep is the fastest part of the folded dp x sp block,
-  so an ep group of at most ``G / tp`` ranks sits inside a node, NVLink; a larger one crosses nodes, each rank's
-  bytes for other nodes on its NIC): nothing hidden (DeepSeek-V3's DualPipe overlaps them; this engine does
-  not);
+- **compute**: the dense MLP's two GEMMs (split over tp) give way to the router ``(T, E, h)``, the shared
+  experts' MLP (both whole on every tp rank) and the routed experts at their grouped sizes: each of the rank's
+  ``E / ep`` experts gets ``T k ep / E`` rows (balanced routing: the ep group's ``T k ep`` rows spread over its
+  ``E`` experts), ``E / ep`` GEMMs ``(T k ep / E, f, h)`` and ``(T k ep / E, h, f)`` forward, their dX and dW
+  backward; the dispatch's permutes (2 passes over ``T k h``) at HBM speed. Forward FLOPs of the routed
+  experts per rank and MoE block (``expert_flops``): ``2 T k h f (2 or 3)``, whatever tp is;
+- **comm:ep**: the dispatch and combine all-to-alls of ``T k h`` values per rank forward (``dispatch_bytes``:
+  ``T k h e`` bytes, under sp ``rows seq k h e / sp``), the two transposes backward, full recomputation
+  replaying the forward two (``colab_kit.expert.layer``), on the ep group (ep folded over the dp x sp ranks of
+  a tp position, each tp rank in its own group) as the rank order places it
+  (``scale_comm.placement(config, "ep")``: ep is the fastest part of the folded dp x sp block, so an ep group
+  of at most ``G / tp`` ranks sits inside a node, NVLink; a larger one crosses nodes, each rank's bytes for
+  other nodes on its NIC): nothing hidden (DeepSeek-V3's DualPipe overlaps them; this engine does not);
+- **comm:tp** (``tp_share``): an MoE block has attention's tp all-reduces (one forward, one backward in 1D),
+  not the dense MLP's two;
 - **comm:dp**: dense gradients over dp as for a dense model; the rank's experts' gradients (fp32) over
   ``edp = dp sp / ep`` ranks (``placement(config, "edp")``: ``ep`` ranks apart), hidden behind the last
   microbatch's backward but its last bucket, and their parameters gathered back under ZeRO 1-2.
@@ -31,6 +41,15 @@ other GPUs over NVLink (450 GB/s each way at 0.7 of it: 1.1 ms), and forward add
     >>> f, b, n = dispatch_seconds(s, ParallelConfig(dp=8, ep=8, precision="bf16"), 4, 4096, HARDWARE["8xH100-SXM"])
     >>> round(f * 1e3, 1), n                     # counts, dispatch, combine forward; two transposes backward
     (2.3, (3, 2))
+
+The same 4 rows under sp=2 (8 rows a dp rank, half of each on a rank): the same 16,384 tokens a rank, the same
+bytes; under tp=2 each tp rank dispatches them all and runs the experts' FLOPs for all of them::
+
+    >>> c = ParallelConfig(dp=8, ep=8, precision="bf16")
+    >>> dispatch_bytes(s, c, 4, 4096) == dispatch_bytes(s, c.replace(dp=4, sp=2), 8, 4096) == 16384 * 6 * 2048 * 2
+    True
+    >>> expert_flops(s, c.replace(tp=2), 4, 4096) == expert_flops(s, c, 4, 4096) == 2 * 16384 * 6 * 3 * 2048 * 1408
+    True
 """
 from __future__ import annotations
 
@@ -42,7 +61,8 @@ from .scale_compute import BlockCost, _gemm
 from .scale_parts import params_on_rank
 from .shape import ModelShape
 
-__all__ = ["layers_on_rank", "moe_block", "expert_gemms", "dispatch_seconds", "params_split", "expert_sync"]
+__all__ = ["layers_on_rank", "moe_block", "expert_gemms", "dispatch_seconds", "params_split", "expert_sync",
+           "tokens_on_rank", "expert_flops", "dispatch_bytes", "tp_share"]
 
 
 def layers_on_rank(shape: ModelShape, config, layers: int) -> int:
@@ -53,21 +73,55 @@ def layers_on_rank(shape: ModelShape, config, layers: int) -> int:
     return max(sum(i in shape.moe_blocks for i in last), math.ceil(layers * len(shape.moe_blocks) / shape.layers))
 
 
-def _tokens(config, rows: float, seq: int) -> float:
-    return rows * seq / (config.sp if config.sp > 1 else 1)
+def tokens_on_rank(config, rows: float, seq: int) -> float:
+    """T, the tokens a rank routes through an MoE layer in one microbatch of ``rows`` rows: ``rows seq / sp``
+    (each sp rank its own part of each row); tp does not divide them (every tp rank routes the same tokens)."""
+    return rows * seq / config.sp
+
+
+_tokens = tokens_on_rank
+
+
+def expert_flops(shape: ModelShape, config, rows: float, seq: int) -> float:
+    """Forward FLOPs of one MoE block's routed experts on one rank for one microbatch: ``2 T k h f (2 or 3)``
+    (``E / ep`` experts, ``T k ep / E`` rows each); under 1D tp every tp rank does all of them (repeated tp times
+    over the tp group, not split)."""
+    matrices = (3 if shape.gated else 2) * shape.hidden * shape.d_expert  # one expert's weights, no bias
+    return 2 * tokens_on_rank(config, rows, seq) * shape.top_k * matrices
+
+
+def dispatch_bytes(shape: ModelShape, config, rows: float, seq: int) -> float:
+    """Bytes one rank sends into one dispatch (or combine) all-to-all of one MoE block and microbatch: its
+    ``T k`` assignments of ``h`` values each (0 without ep)."""
+    if config.ep <= 1:
+        return 0.0
+    size = 4 if config.precision == "fp32" else 2
+    return tokens_on_rank(config, rows, seq) * shape.top_k * shape.hidden * size
+
+
+def tp_share(config, n_moe: int, layers: int) -> float:
+    """The share of a dense block's 1D tp collectives the rank's mean block has when ``n_moe`` of its ``layers``
+    are MoE blocks: those keep attention's (half of them), not the MLP's."""
+    return 1.0 - 0.5 * n_moe / layers if config.tp > 1 and layers else 1.0
+
+
+def _whole(hw: Hardware, p: str, m: float, n: float, k: float) -> tuple[float, float, float]:
+    """(forward, dX, dW) seconds of a GEMM run whole on the rank (not split by tp)."""
+    return hw.gemm_seconds(m, n, k, p), hw.gemm_seconds(m, k, n, p), hw.gemm_seconds(k, n, m, p)
 
 
 def moe_block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware, dense: BlockCost) -> BlockCost:
-    """``dense`` (a dense block's ``BlockCost``) with its MLP replaced by the MoE layer's compute."""
+    """``dense`` (a dense block's ``BlockCost``) with its MLP (split by tp) replaced by the MoE layer's compute
+    (whole on every tp rank: the router, the shared experts, the routed experts on ``T`` tokens)."""
     p, h = config.precision, shape.hidden
     t = _tokens(config, rows, seq)
     width = 2 if shape.gated else 1
     fc1 = _gemm(hw, p, config, t, shape.d_ff * width, h, True)
     fc2 = _gemm(hw, p, config, t, h, shape.d_ff, False)
     up, down = expert_gemms(shape, config, t, hw)
-    router = _gemm(hw, p, config, t, shape.experts, h, True)
-    shared = ((_gemm(hw, p, config, t, shape.shared_ffn * width, h, True),
-               _gemm(hw, p, config, t, h, shape.shared_ffn, False)) if shape.shared_ffn else ())
+    router = _whole(hw, p, t, shape.experts, h)
+    shared = ((_whole(hw, p, t, shape.shared_ffn * width, h), _whole(hw, p, t, h, shape.shared_ffn))
+              if shape.shared_ffn else ())
     size = 4 if p == "fp32" else 2
     permute = hw.stream_seconds(4 * t * shape.top_k * h * size, 4)  # gather, scatter: read + write each
     gemms = (up, down, router) + shared
@@ -96,8 +150,7 @@ def dispatch_seconds(shape: ModelShape, config, rows: float, seq: int, hw: Hardw
     one rank for one microbatch (``T k h`` values each), and their transposes backward."""
     if config.ep <= 1:
         return 0.0, 0.0, (0, 0)
-    size = 4 if config.precision == "fp32" else 2
-    payload = _tokens(config, rows, seq) * shape.top_k * shape.hidden * size
+    payload = dispatch_bytes(shape, config, rows, seq)
     one = scale_comm.seconds("all_to_all", payload, scale_comm.placement(config, "ep", hw.gpus_per_node), hw)
     counts = scale_comm.seconds("all_to_all", 8 * shape.experts, scale_comm.placement(config, "ep",
                                                                                       hw.gpus_per_node), hw)
@@ -106,10 +159,16 @@ def dispatch_seconds(shape: ModelShape, config, rows: float, seq: int, hw: Hardw
 
 def params_split(shape: ModelShape, config, layers: int) -> tuple[float, float]:
     """``(dense, experts)`` parameters the fullest rank holds before ZeRO: its blocks (MoE blocks without
-    their routed experts), the head and embeddings as ``scale_parts.params_on_rank`` counts them, and
-    ``E / ep`` experts of each of its MoE blocks."""
+    their routed experts), the head and embeddings as ``scale_parts.params_on_rank`` counts them (split by
+    tp), the MoE blocks' router and shared experts whole on every tp rank, and ``E / ep`` experts of each of
+    its MoE blocks (whole on every tp rank)."""
     n_moe = layers_on_rank(shape, config, layers)
-    dense = params_on_rank(shape, config) - n_moe * (shape.block_params() - shape.moe_dense_params())
+    tp = config.tp
+    whole = shape.experts * shape.hidden + (shape.mlp_params(shape.shared_ffn) if shape.shared_ffn else 0)
+    # params_on_rank counts every block as a dense one over tp: an MoE block's attention and norms stay
+    # (split), its dense MLP goes, its router and shared experts come whole
+    dense = (params_on_rank(shape, config) - n_moe * (shape.block_params() - shape.moe_dense_params() + whole) / tp
+             + n_moe * whole)
     return dense, n_moe * shape.experts / config.ep * shape.expert_params
 
 

@@ -29,7 +29,8 @@ from ..memory.experts import moe_estimate
 from ..models import GPTConfig
 from ..models.moe import moe_blocks
 
-__all__ = ["check_experts", "gpt_moe_of", "gpt_moe_shape", "hf_experts", "hf_moe_shape", "moe_memory", "stage_split"]
+__all__ = ["check_experts", "gpt_moe_of", "gpt_moe_shape", "hf_experts", "hf_moe_shape", "moe_memory", "moe_refusal",
+           "stage_split", "tp_layer_params"]
 
 
 def gpt_moe_shape(cls, cfg, seq: int | None):
@@ -38,7 +39,7 @@ def gpt_moe_shape(cls, cfg, seq: int | None):
     return cls(layers=cfg.n_layers, hidden=cfg.d_model, heads=cfg.n_heads, vocab=cfg.vocab_size,
                seq=seq or cfg.seq_len, ffn=f, name="GPT-MoE", experts=cfg.n_experts, top_k=cfg.top_k,
                d_expert=cfg.d_expert or f, shared_ffn=cfg.shared_experts * (cfg.d_expert or f),
-               moe_blocks=tuple(moe_blocks(cfg)))
+               moe_blocks=tuple(moe_blocks(cfg)), drops=cfg.capacity_factor is not None)
 
 
 def _blocks(model: nn.Module) -> list:
@@ -121,20 +122,48 @@ def gpt_moe_of(shape):
                      d_expert=round(shape.d_expert * g), shared_experts=round(shape.shared_ffn / shape.d_expert))
 
 
+def tp_layer_params(shape, i: int, tp: int) -> tuple[int, int]:
+    """``(dense, routed experts)`` parameters of block ``i`` on a rank of 1D tp degree ``tp``: attention's
+    matrices (and a GPT's q, k, v biases) split, as are a dense block's MLP (its matrices, a GPT's ``fc1`` bias);
+    the norms, a GPT's row-parallel biases and an MoE layer (router, shared experts, routed experts) whole: the
+    MoE layer runs whole on every tp rank. ``tp=1``: ``shape.layer_params(i)``.
+
+        >>> from colab_kit.models import GPTConfig
+        >>> from colab_kit.planner.shape import ModelShape
+        >>> s = ModelShape.of(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4,
+        ...                             top_k=2, d_expert=32, shared_experts=1))
+        >>> s.layer_params(0), tp_layer_params(s, 0, 2)  # 3h^2 + 3h + h^2 = 4,192 of the 6,592 halved
+        ((6592, 8448), (4496, 8448))
+    """
+    dense, experts = shape.layer_params(i)
+    if tp == 1:
+        return dense, experts
+    h, gpt = shape.hidden, not shape.gated
+    attention = shape.attention_params() + (shape.qkv_out if gpt else 0)
+    if i in shape.moe_blocks:
+        return dense - attention + attention // tp, experts
+    mlp = shape.mlp_params(shape.d_ff) - (h if gpt else 0)  # fc2's bias stays whole (row-parallel)
+    split = attention + mlp
+    return dense - split + split // tp, experts
+
+
 def moe_memory(shape, config, batch: int, optimizer: str = "adamw") -> dict:
     """The fullest rank's bytes of a mixture of experts ``shape`` under ``config`` (``memory.experts``'s walk):
-    model states from the shape's own per-block counts (dense over dp, ``E / ep`` experts per MoE block over
-    edp), activations of a GPT of its widths (a gated MLP as a GELU one 1.5 times as wide) with each MoE
-    block's router, dispatch buffers and expert hidden states."""
+    model states from the shape's own per-block counts (dense over dp, split by 1D tp as ``part_params``
+    splits a GPT but for the MoE layers, which run whole on every tp rank; ``E / ep`` experts per MoE block over
+    edp, whole on every tp rank: ``tp_layer_params``), activations of a GPT of its widths (a gated MLP as a
+    GELU one 1.5 times as wide) in the config's layout with each MoE block's router, dispatch buffers and
+    expert hidden states for the rank's tokens (all of its (dp, sp) shard's under tp, ``seq / sp`` of a row
+    under sp)."""
     gpt = gpt_moe_of(shape)
     n = config.pp * config.chunks
     split = stage_split(shape.layers, n)
-    h = shape.hidden
-    embed = shape.vocab * h + (shape.seq * h if shape.positions else 0)
-    tail = (h if shape.gated else 2 * h) + (0 if shape.tied and n == 1 else shape.vocab * h)
+    h, tp = shape.hidden, config.tp
+    embed = shape.vocab // tp * h + (shape.seq * h if shape.positions else 0)
+    tail = (h if shape.gated else 2 * h) + (0 if shape.tied and n == 1 else shape.vocab // tp * h)
 
     def stage(s):
-        parts = [shape.layer_params(i) for i in split[s]]
+        parts = [tp_layer_params(shape, i, tp) for i in split[s]]
         dense = sum(d for d, _ in parts) + embed * (s == 0) + tail * (s == n - 1)
         return dense, sum(x for _, x in parts) // config.ep
     if n == 1:
@@ -146,23 +175,53 @@ def moe_memory(shape, config, batch: int, optimizer: str = "adamw") -> dict:
                         params=params)
 
 
+def moe_refusal(shape, config) -> str | None:
+    """What ``boost`` refuses of a mixture of experts under ``config`` (``engine.core.unsupported``'s MoE rules,
+    in its words), or None: 2D/2.5D/3D tp and split_gather (they split the tokens a router sees over the tp
+    ranks), a capacity factor under sp (a rank's tokens are no run of the batch's order).
+
+        >>> from colab_kit import ParallelConfig
+        >>> from colab_kit.models import GPTConfig
+        >>> from colab_kit.planner.shape import ModelShape
+        >>> s = ModelShape.of(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4))
+        >>> moe_refusal(s, ParallelConfig(dp=2, tp=2)) is None, moe_refusal(s, ParallelConfig(dp=2, sp=2)) is None
+        (True, True)
+        >>> moe_refusal(s, ParallelConfig(tp=4, tp_mode="2d"))[:61]
+        'this version of the engine does not run mixture-of-experts la'
+    """
+    if not shape.experts:
+        return None
+    c = config
+    if c.tp > 1 and (c.tp_mode != "1d" or c.sp_mode == "split_gather"):
+        what = f"tp_mode={c.tp_mode!r}" + (" and split_gather" if c.sp_mode == "split_gather" else "")
+        return (f"this version of the engine does not run mixture-of-experts layers with {what} (which split the "
+                f"tokens a router sees over the tp ranks) yet: set tp_mode='1d' without split_gather (each tp rank "
+                f"routes the same tokens: the MoE layers run whole on every tp rank)")
+    if c.sp > 1 and shape.drops:
+        return (f"this version of the engine does not run mixture-of-experts layers with a capacity factor under "
+                f"sequence parallelism (sp={c.sp}: a rank's tokens are not one run of the batch's order, which sets "
+                f"the capacity's priority) yet: set sp=1 (dp={c.dp * c.sp} runs the same ranks), or "
+                f"capacity_factor=None (dropless)")
+    return None
+
+
 def check_experts(shape, config, local: bool = True) -> None:
     """The engine's rules for a mixture of experts (``engine.core.unsupported`` and ``check_experts``), a
     ConfigError with the rule and a value that works: ep divides the experts (and dp x sp, ``ParallelConfig``'s
-    rule); and what the planner does not price yet although the engine runs it: MoE layers with tp or sp (the
-    engine runs them whole on every tp rank, dropless under sp), ep with offload. ``local``: kept for the
-    callers (the rules are the same on this machine and at a preset)."""
+    rule); tp 1D only, without split_gather, and dropless layers only under sp (``moe_refusal``); and what the
+    planner does not price yet although the engine runs it: ep with offload. MoE layers under 1D tp (whole on
+    every tp rank) and under sp (``seq / sp`` tokens a rank, ep over dp x sp) are priced (``moe_price``,
+    ``memory.experts``). ``local``: kept for the callers (the rules are the same on this machine and at a
+    preset)."""
     fold = config.dp * config.sp
     if not shape.experts:
         if config.ep > 1:
             raise ConfigError(f"ep={config.ep} splits the experts of mixture-of-experts layers and {shape.name} has "
                               f"none: set ep=1 (or price a model with experts, GPTConfig(n_experts=8))")
         return
-    if config.tp > 1 or config.sp > 1:
-        which = f"tp={config.tp}" if config.tp > 1 else f"sp={config.sp}"
-        raise ConfigError(f"the planner prices mixture-of-experts layers without tp or sp (the engine runs them, "
-                          f"but their price under {which} is not modelled yet): set tp=1 and sp=1 (dp="
-                          f"{fold * config.tp} runs the same ranks), with ep to split the experts")
+    why = moe_refusal(shape, config)
+    if why is not None:
+        raise ConfigError(why)
     if shape.experts % config.ep:
         ok = [k for k in range(1, fold + 1) if fold % k == 0 and shape.experts % k == 0]
         raise ConfigError(f"ep={config.ep} splits each mixture-of-experts layer's {shape.experts} experts over "

@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass, field
 
 from . import moe_price, scale_comm
+from .moe_shape import tp_layer_params
 from .hardware import Hardware, preset
 from .scale_compute import BlockCost, block, head, recompute_mode, with_recompute
 from .scale_parts import optimizer_seconds, params_on_rank, seq_comm, tensor_comm
@@ -115,6 +116,9 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     # tensor and sequence parallel collectives of one block and microbatch: never hidden (tp), or behind
     # the attention core they feed (sp ring)
     tp_f, tp_b, tp_n = tensor_comm(shape, config, rows, seq, hw)
+    if n_moe:  # an MoE block runs whole on every tp rank: attention's all-reduces only (moe_price.tp_share)
+        share = moe_price.tp_share(config, n_moe, layers)
+        tp_f, tp_b = tp_f * share, tp_b * share
     tp_rc = tp_f if mode == "full" else 0.0
     sp_f, sp_b, sp_exp_f, sp_exp_b, sp_n = seq_comm(shape, config, rows, seq, hw, blk.attn)
     sp_rc, sp_exp_rc = (sp_f, sp_exp_f) if mode == "full" else (0.0, 0.0)
@@ -122,8 +126,8 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     z3_f = z3_b = z3_exp_f = z3_exp_b = 0.0
     grads = scale_comm.placement(config, "dp+sp", hw.gpus_per_node)
     size = 4 if config.precision == "fp32" else 2
-    block_params = (shape.block_params() if not n_moe else sum(map(sum, map(shape.layer_params, range(
-        shape.layers)))) / shape.layers) / _tp_param_split(config)
+    block_params = (shape.block_params() / _tp_param_split(config) if not n_moe else sum(
+        sum(tp_layer_params(shape, i, config.tp)) for i in range(shape.layers)) / shape.layers)
     if config.zero == 3 and grads.size > 1:
         gather = scale_comm.seconds("all_gather", block_params * size / grads.size, grads, hw)
         scatter = scale_comm.seconds("reduce_scatter", block_params * 4, grads, hw)
@@ -141,6 +145,8 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     comm_total["sp"] = m * layers * (sp_f + sp_b + sp_rc)
     replay = 2 if mode == "full" else 1
     count["tp"] += m * layers * (tp_n[0] * replay + tp_n[1])
+    if n_moe and config.tp > 1:  # an MoE block: half of a 1D block's all-reduces (attention's)
+        count["tp"] -= m * n_moe * (tp_n[0] * replay + tp_n[1]) // 2
     count["sp"] += m * layers * (sp_n[0] * replay + sp_n[1])
     # pipeline: p2p of each microbatch and chunk, the schedule's bubble on the other stages' work
     comm_pp = 0.0
@@ -204,6 +210,11 @@ def _moe_notes(config) -> tuple:
     out = ["mixture of experts: routing balanced (each of a rank's E/ep experts gets T k ep / E rows of a "
            "microbatch, its GEMMs at that size); dispatch and combine all-to-alls exposed (not overlapped with "
            "compute, as DeepSeek-V3's DualPipe does); no token dropped"]
+    if config.tp > 1:
+        out.append(f"1D tp={config.tp}: the MoE layers run whole on every tp rank (their router, experts and FLOPs "
+                   f"repeated {config.tp} times, not split; attention and the dense MLPs split)")
+    if config.sp > 1:
+        out.append(f"sp={config.sp}: each sp rank routes its own seq / {config.sp} tokens of a row; ep over dp x sp")
     return tuple(out)
 
 

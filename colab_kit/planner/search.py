@@ -46,6 +46,7 @@ from ..memory.formulas import model_state_bytes
 from .candidates import Candidate, Candidates
 from .estimate import Estimate, gpt_of, memory_of, priced
 from . import moe_price
+from .moe_shape import moe_refusal
 from .scale import price
 from .hardware import Hardware
 from .shape import ModelShape
@@ -103,13 +104,13 @@ def layouts(shape: ModelShape, gpus: int, restrict: dict | None = None) -> Itera
     """(dp, tp, pp, sp) of ``gpus`` ranks the model can take (step 1 of the module docstring)."""
     restrict = restrict or {}
     for tp in _divisors(gpus):
-        if shape.heads % tp or shape.hidden % tp or not _allowed(restrict, "tp", tp) or (shape.experts and tp > 1):
+        if shape.heads % tp or shape.hidden % tp or not _allowed(restrict, "tp", tp):
             continue
         for pp in _divisors(gpus // tp):
             if pp > shape.layers or shape.layers % pp or not _allowed(restrict, "pp", pp):
                 continue
             for sp in _divisors(gpus // (tp * pp)):
-                if shape.seq % sp or sp > 64 or not _allowed(restrict, "sp", sp) or (shape.experts and sp > 1):
+                if shape.seq % sp or sp > 64 or not _allowed(restrict, "sp", sp):
                     continue
                 dp = gpus // (tp * pp * sp)
                 if _allowed(restrict, "dp", dp):
@@ -117,15 +118,17 @@ def layouts(shape: ModelShape, gpus: int, restrict: dict | None = None) -> Itera
 
 
 def _states_fit(shape: ModelShape, dp: int, tp: int, pp: int, zero: int, precision: str, optimizer: str,
-                usable: int) -> bool:
+                usable: int, sp: int = 1) -> bool:
     """Whether the fullest stage's model states alone fit (step 2): its blocks split over tp, the token
-    table (first stage) or the head (last) too."""
+    table (first stage) or the head (last) too; a mixture of experts' MoE layers whole on every tp rank, its
+    experts over the largest ep of dp x sp and their states over edp."""
     per_stage = shape.layers // pp * shape.block_params() + shape.vocab * shape.hidden * (1 if pp > 1 else 2)
     if shape.experts:  # the dense part of its blocks; the experts as few as the largest ep leaves, over edp
-        ep = max(_eps(shape, dp))
-        dense, experts = moe_price.params_split(shape, ParallelConfig(dp=dp, pp=pp, ep=ep), shape.layers // pp)
+        ep = max(_eps(shape, dp * sp))
+        dense, experts = moe_price.params_split(shape, ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep),
+                                                shape.layers // pp)
         both = [model_state_bytes(math.ceil(dense), optimizer, precision, dp, zero),
-                model_state_bytes(math.ceil(experts), optimizer, precision, dp // ep, zero)]
+                model_state_bytes(math.ceil(experts), optimizer, precision, dp * sp // ep, zero)]
         return sum(sum(s.values()) for s in both) <= usable
     states = model_state_bytes(math.ceil(per_stage / tp), optimizer, precision, dp, zero)
     return sum(states.values()) <= usable
@@ -138,9 +141,12 @@ def _eps(shape: ModelShape, fold: int, restrict: dict | None = None) -> list[int
     return [e for e in _divisors(fold) if shape.experts % e == 0 and _allowed(restrict or {}, "ep", e)] or [1]
 
 
-def _refused(cfg: ParallelConfig) -> bool:
-    """What ``boost`` refuses (``engine.core.unsupported``), except expert parallelism in bf16 / fp16, which is
-    priced at scale with an assumption saying so (``scale._moe_notes``)."""
+def _refused(cfg: ParallelConfig, shape: ModelShape | None = None) -> bool:
+    """What ``boost`` refuses (``engine.core.unsupported``; for a mixture of experts its MoE rules too,
+    ``moe_shape.moe_refusal``: tp 1D only, without split_gather, dropless under sp), except expert parallelism
+    in bf16 / fp16, which is priced at scale with an assumption saying so (``scale._moe_notes``)."""
+    if shape is not None and moe_refusal(shape, cfg) is not None:
+        return True
     return unsupported(cfg.replace(precision="fp32") if cfg.ep > 1 else cfg) is not None
 
 
@@ -170,7 +176,7 @@ def _configs(shape, dp, tp, pp, sp, batch, precision, restrict, zero: int = 0,
                             cfg = ParallelConfig(**fields, ep=ep)
                         except ConfigError:
                             continue
-                        if not _refused(cfg):
+                        if not _refused(cfg, shape):
                             yield cfg
 
 
@@ -193,7 +199,7 @@ def _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, 
                 c = cfg.replace(zero=zero, recompute=rc, offload=offload)
             except ConfigError:
                 break
-            if _refused(c):
+            if _refused(c, shape):
                 break
             mem = memory_of(shape, c, batch, optimizer, gpt=gpt, fit=False)
             if sum(mem["device"].values()) <= usable:
@@ -224,7 +230,7 @@ def search(shape: ModelShape, gpus: int, batch: int, hw: Hardware, *, precision:
     queue: list[tuple[float, int, ParallelConfig, list[int]]] = []
     for dp, tp, pp, sp in layouts(shape, gpus, restrict):
         zeros = [z for z in (0, 1, 2, 3) if (dp > 1 or z == 0) and _allowed(restrict, "zero", z)
-                 and _states_fit(shape, dp, tp, pp, z, precision, optimizer, usable)]
+                 and _states_fit(shape, dp, tp, pp, z, precision, optimizer, usable, sp)]
         if not zeros or not recomputes:
             continue
         for cfg in _configs(shape, dp, tp, pp, sp, batch, precision, restrict, zeros[0], recomputes[0]):

@@ -84,6 +84,8 @@ class ModelShape:
     core_width: int = 0
     """Width of attention's core per token, the mean of the q.k and the v widths over the heads (DeepSeek-V3's
     MLA: (128 x 192 + 128 x 128) / 2); 0: ``hidden``."""
+    drops: bool = False
+    """Whether the MoE layers have a capacity (they drop assignments; the engine refuses them under sp)."""
 
     def __post_init__(self):
         for key in ("layers", "hidden", "heads", "vocab", "seq"):

@@ -1,10 +1,16 @@
 """The memory estimate of a mixture of experts under expert parallelism against ``engine.memory()`` (tier 2):
-the MoE GPT of ``tests/helpers/moe.py`` on dp=4 with ep=2 and ep=4 and ZeRO 0, 1 and 2, one spawn of 4 ranks.
+the MoE GPT of ``tests/helpers/moe.py`` on dp=4 with ep=2 and ep=4 and ZeRO 0 to 3, and under 1D tp and sp (ring,
+Ulysses) with ep folded over dp x sp, one spawn of 4 ranks.
 On every rank the estimate (``memory.experts.moe_estimate``, what ``engine.memory_estimate()`` and ``ck.plan``
 report) gives the parameters exactly (dense + E/ep experts per MoE layer), the gradients and optimizer states
 within 1% (ZeRO shards the dense states over dp, the experts' over edp = dp/ep), and the activations within
 25% (the dispatch buffers follow each rank's routing; the estimate assumes balanced routing), as the dense
-estimator is held to (tests/ranks/test_planner.py)."""
+estimator is held to (tests/ranks/test_planner.py). Under 1D tp the MoE layers run whole on every tp rank: their
+router, shared and routed experts are not divided by tp (attention, embeddings and head are), and their
+activations are those of all of the (dp, sp) shard's tokens; under sp a rank routes ``seq / sp`` tokens of a row.
+Measured (fp32, bytes per rank): dp=2 tp=2 ep=2 params 80,256 estimated 80,256, activations 331,560 to 356,360
+estimated 334,980; dp=2 sp=2 ep=4 activations 196,724 to 215,524 against 188,484 (not splitting the
+tokens over sp would estimate 376,964; dividing the experts by tp, params 76,032)."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +23,11 @@ from colab_kit.models.moe import moe_blocks
 from tests.helpers.moe import BATCH, MODELS, build, data
 
 CONFIGS = [dict(dp=4, ep=2), dict(dp=4, ep=4, zero=1), dict(dp=4, ep=2, zero=2), dict(dp=4, ep=4, zero=2),
-           dict(dp=4, ep=2, zero=1, recompute="full"), dict(dp=4, ep=2, zero=3)]
+           dict(dp=4, ep=2, zero=1, recompute="full"), dict(dp=4, ep=2, zero=3),
+           # 1D tp: the MoE layers whole on every tp rank; sp (ring, Ulysses): T / sp tokens a rank, ep over dp x sp
+           dict(dp=2, tp=2, ep=2), dict(dp=2, tp=2, ep=2, zero=2), dict(tp=2, sp=2, ep=2, zero=1),
+           dict(dp=2, sp=2, ep=4), dict(dp=2, sp=2, sp_mode="ulysses", ep=2, zero=1),
+           dict(dp=2, sp=2, ep=2, recompute="full")]
 KEYS = ("params", "grads", "optimizer", "activations")
 
 
@@ -57,6 +67,20 @@ def test_the_experts_are_counted_split_over_ep():
         whole = config_estimate(moe, ck.ParallelConfig(dp=4, ep=1), BATCH)
         experts = len(moe_blocks(moe)) * moe.n_experts * expert_params(moe)
         assert whole["params"] - est["params"] == 4 * experts * (ep - 1) // ep
+
+
+def test_experts_are_whole_on_every_tp_rank_and_tokens_split_over_sp():
+    """The check can fail: under dp=2 tp=2 ep=2 a rank holds the dense parameters split by tp but for the MoE
+    layers' router and shared expert, and 2 of 4 experts of each MoE layer whole; under sp=2 its activations are
+    those of half of a row's tokens (dp=4's, within the attention's difference), not of whole rows (dp=2's)."""
+    from colab_kit.memory.experts import moe_stage_params
+    moe = MODELS["softmax"]
+    [(dense, experts)] = moe_stage_params(moe, ck.ParallelConfig(dp=2, tp=2, ep=2))
+    assert experts == len(moe_blocks(moe)) * moe.n_experts // 2 * expert_params(moe)  # not divided by tp
+    assert config_estimate(moe, ck.ParallelConfig(dp=2, tp=2, ep=2), BATCH)["params"] == 4 * (dense + experts)
+    sp, dp4, whole = (config_estimate(moe, ck.ParallelConfig(**kw), BATCH)["activations"]
+                      for kw in (dict(dp=2, sp=2, ep=2), dict(dp=4, ep=2), dict(dp=2, ep=2)))
+    assert sp == pytest.approx(dp4, rel=0.01) and whole > 1.9 * sp
 
 
 def test_dry_run_of_ep_at_scale_gives_the_estimates_model_states():
