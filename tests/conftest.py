@@ -99,13 +99,64 @@ def _runs(item) -> bool:
 def pytest_collection_finish(session):
     """Where a test that will run needs binder/'s environment, start building it now, in the background and
     niced (pip unpacks 1.4 GB, about 70 s on 2 cores): the cluster tier runs meanwhile, and the notebook tier
-    finds it built instead of waiting for it (the browser tier's set-up took 105 s, nearly all this build)."""
+    finds it built instead of waiting for it (the browser tier's set-up took 105 s, nearly all this build).
+    Likewise the type check (``mypy colab_kit``, 35 s cold on 2 cores) where ``test_mypy_is_clean`` will run:
+    at the lowest priority, on the CPU time the other tiers leave idle; the test reads its result."""
     if any("binder_env" in getattr(item, "fixturenames", ()) and _runs(item) for item in session.items):
         _start_binder_build()
+    if any(item.nodeid.endswith("test_lint.py::test_mypy_is_clean") for item in session.items):
+        _start_mypy()
+
+
+_MYPY: dict = {}
+"""The type check under way: {"dir": where it writes out.txt, then rc.txt}."""
+
+
+def _start_mypy() -> None:
+    """``python -m mypy colab_kit`` from the repository root at nice 19, detached as the binder build is (so a
+    cluster starting meanwhile never takes it for one of its own processes); nothing without mypy installed."""
+    import importlib.util
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from tests.binder_env import ROOT
+
+    if importlib.util.find_spec("mypy") is None:
+        return
+    where = Path(tempfile.mkdtemp(prefix="colab-kit-mypy-"))
+    _MYPY["dir"] = where
+    run = (f"nice -n 19 {sys.executable} -m mypy colab_kit > {where / 'out.txt'} 2>&1; "
+           f"echo $? > {where / 'rc.tmp'} && mv {where / 'rc.tmp'} {where / 'rc.txt'}")
+    detach = ("import subprocess, sys; subprocess.Popen(['sh', '-c', sys.argv[1]], start_new_session=True, "
+              "stdout=subprocess.DEVNULL)")
+    subprocess.run([sys.executable, "-c", detach, run], cwd=ROOT, check=True,
+                   env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+
+
+def mypy_result(timeout: float = 600) -> tuple[int, str] | None:
+    """``(return code, output)`` of the type check started at collection, waited for; None if none was started
+    (the test then runs it itself)."""
+    import time
+
+    if not _MYPY:
+        return None
+    where, deadline = _MYPY["dir"], time.monotonic() + timeout
+    while not (where / "rc.txt").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"mypy did not finish within {timeout:.0f} s in {where}")
+        time.sleep(0.2)
+    return int((where / "rc.txt").read_text()), (where / "out.txt").read_text()
 
 
 def pytest_sessionfinish(session):
-    """The build waited for (a session cut short may end while it runs) and its folder removed: 1.4 GB each."""
+    """The build waited for (a session cut short may end while it runs) and its folder removed: 1.4 GB each; the
+    type check's folder removed."""
+    if _MYPY:
+        import shutil
+
+        shutil.rmtree(_MYPY.pop("dir"), ignore_errors=True)
     if _BINDER:
         import shutil
 
