@@ -174,9 +174,11 @@ def params_split(shape: ModelShape, config, layers: int) -> tuple[float, float]:
 
 def expert_sync(shape: ModelShape, config, hw: Hardware, experts: float, window: float, layers: int) -> tuple:
     """``(exposed, total, collectives)`` seconds of the experts' gradient reduction over edp (fp32; ZeRO 1-2 a
-    reduce-scatter and the parameters gathered back), hidden behind ``window`` but its last bucket."""
+    reduce-scatter and the parameters gathered back), hidden behind ``window`` but its last bucket. Under ZeRO-3
+    nothing here: each block's expert chunk is gathered and reduce-scattered over edp with the block
+    (``scale.price``), as the engine does (``zero/split.py``)."""
     group = scale_comm.placement(config, "edp", hw.gpus_per_node)
-    if group.size <= 1 or experts <= 0:
+    if group.size <= 1 or experts <= 0 or config.zero == 3:  # ZeRO-3: reduced with each block's chunks (scale)
         return 0.0, 0.0, 0
     op = "all_reduce" if config.zero == 0 else "reduce_scatter"
     reduce = scale_comm.seconds(op, experts * 4, group, hw)

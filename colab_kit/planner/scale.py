@@ -126,15 +126,21 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     z3_f = z3_b = z3_exp_f = z3_exp_b = 0.0
     grads = scale_comm.placement(config, "dp+sp", hw.gpus_per_node)
     size = 4 if config.precision == "fp32" else 2
-    block_params = (shape.block_params() / _tp_param_split(config) if not n_moe else sum(
-        sum(tp_layer_params(shape, i, config.tp)) for i in range(shape.layers)) / shape.layers)
+    block_params, block_experts = shape.block_params() / _tp_param_split(config), 0.0
+    if n_moe:  # a block's dense parameters over dp x sp; its E / ep routed experts a second chunk over edp
+        parts = [tp_layer_params(shape, i, config.tp) for i in range(shape.layers)]
+        block_params = sum(d for d, _ in parts) / shape.layers
+        block_experts = sum(e for _, e in parts) / shape.layers / config.ep
     if config.zero == 3 and grads.size > 1:
-        gather = scale_comm.seconds("all_gather", block_params * size / grads.size, grads, hw)
-        scatter = scale_comm.seconds("reduce_scatter", block_params * 4, grads, hw)
+        edp = scale_comm.placement(config, "edp", hw.gpus_per_node) if n_moe else grads
+        gather = (scale_comm.seconds("all_gather", block_params * size / grads.size, grads, hw)
+                  + scale_comm.seconds("all_gather", block_experts * size / edp.size, edp, hw))
+        scatter = (scale_comm.seconds("reduce_scatter", block_params * 4, grads, hw)
+                   + scale_comm.seconds("reduce_scatter", block_experts * 4, edp, hw))
         z3_f, z3_b = gather, gather + scatter
         z3_exp_f = max(0.0, z3_f - blk.f)
         z3_exp_b = max(0.0, z3_b - (blk.i + blk.w + blk.rc))
-        count["dp"] += m * layers * 3
+        count["dp"] += m * layers * 3 + (m * n_moe * 3 if block_experts and edp.size > 1 else 0)
     f_mb = layers * (blk.f + tp_f + sp_exp_f + z3_exp_f + ep_f)
     i_mb = layers * (blk.i + blk.rc + tp_b + tp_rc + sp_exp_b + sp_exp_rc + z3_exp_b + ep_b + ep_rc)
     w_mb = layers * blk.w

@@ -128,6 +128,29 @@ def test_experts_split_over_ep_lower_the_edp_reduction_and_the_states():
     assert m8["params"] < m1["params"] / 3
 
 
+def test_zero3_gathers_a_blocks_dense_part_over_dp_and_its_experts_over_edp(monkeypatch):
+    """As the engine's ZeRO-3 chunks them (``zero/split.py``): per block the dense parameters gathered over dp
+    (16-bit) and reduce-scattered (fp32), the block's E / ep experts likewise over edp, and no second reduction of
+    the experts after the backward (it was counted twice, and every expert over dp, before)."""
+    from colab_kit.planner import scale
+    from colab_kit.planner.moe_shape import tp_layer_params
+    calls = []
+    real = scale_comm.seconds
+
+    def record(op, payload, group, hw):
+        calls.append((op, payload, group.size))
+        return real(op, payload, group, hw)
+
+    monkeypatch.setattr(scale.scale_comm, "seconds", record)
+    shape, config = ModelShape.of(MODELS["softmax"]), ck.ParallelConfig(dp=4, ep=2, zero=3, precision="bf16")
+    price(shape, config, 16, "8xH100-SXM")
+    parts = [tp_layer_params(shape, i, 1) for i in range(shape.layers)]
+    dense, experts = (sum(p[j] for p in parts) / shape.layers for j in (0, 1))
+    assert ("all_gather", dense * 2 / 4, 4) in calls and ("reduce_scatter", dense * 4, 4) in calls
+    assert ("all_gather", experts / 2 * 2 / 2, 2) in calls and ("reduce_scatter", experts / 2 * 4, 2) in calls
+    assert not [c for c in calls if c[0] in ("all_reduce", "reduce_scatter") and c[2] == 2 and c[1] != experts * 2]
+
+
 @pytest.mark.parametrize("name", ["softmax", "capacity"])
 def test_the_plan_proposes_only_what_the_engine_runs_here(name):
     """1D tp and (dropless) sp are proposed, with ep over dp x sp; 2D tp, split_gather and a capacity under sp
