@@ -319,10 +319,15 @@ class TrainingStep:
         place = self.grads.placement
         if place is None:
             return
-        acts = max(self.meter.peak, self._estimate() if self._estimate is not None else 0)
+        acts = self._activation_reserve()
         if place.budget is not None and self.records.count == 0:
             place.check_step(place.chunks, acts)
         place.hold("activations", acts)
+
+    def _activation_reserve(self) -> int:
+        """What a step reserves for activations on a device account: the larger of the last step's measurement
+        and the estimate."""
+        return max(self.meter.peak, self._estimate() if self._estimate is not None else 0)
 
     # ------------------------------------------------------------------ the end
     def _end(self, local: torch.Tensor) -> float:
@@ -375,7 +380,7 @@ class TrainingStep:
         if self.n_moe:
             done["moe"] = moe_records.with_losses(layers, reduced, self.n_moe)
         if grads.placement is not None:  # offload='auto': the first step measured, the chunks are placed now
-            grads.placement.after_step()
+            grads.placement.after_step(next_activations=self._activation_reserve())
         if self.views:  # no view keeps a dropped gradient (or a moved chunk's old copy) alive
             self.views.release()
         self.records.add({"loss": value, **done, "seconds": time.perf_counter() - t0,

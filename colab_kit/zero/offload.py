@@ -192,13 +192,19 @@ class ChunkPlacement:
                 f"(3 x {big:,} B), a staged shard ({piece:,} B) and the activations ({acts:,} B): at least "
                 f"{need:,} B. Raise device_budget, use a smaller batch or recompute=True, or more dp ranks")
 
-    def after_step(self) -> None:
-        """After each step: with "auto", after the first step, place the chunks (``plan``)."""
+    def after_step(self, next_activations: int | None = None) -> None:
+        """After each step: with "auto", after the first step, place the chunks (``plan``). ``next_activations``:
+        what the next step will reserve for activations (the larger of this step's measurement and the
+        estimate); where that is more than this step held (an estimate below what the routing of a mixture of
+        experts made, say), the plan leaves the difference free too.
+
+        First step reserved 376,964 B (the estimate), measured 398,732 B: the plan keeps 21,768 B more room."""
         self.step += 1
         measured = self.account.step_peak
         self.account.step_peak = 0
         if self.mode == "auto" and self.step == 1:
-            self.plan(measured)
+            grow = max(0, (next_activations or 0) - self.account.held.get("activations", 0))
+            self.plan(measured + grow)
 
     def plan(self, measured: int) -> None:
         """Belady at the step boundary: keep chunks on the device in the order the next step uses
