@@ -10,17 +10,6 @@ import colab_kit as ck
 from colab_kit.notebook.cluster import Cluster
 
 
-@pytest.fixture(scope="module")
-def ip(ipython_shell):
-    import plotly.io as pio
-
-    shell = ipython_shell
-    old_renderer, pio.renderers.default = pio.renderers.default, "json"  # no browser to open here
-    shell.run_line_magic("load_ext", "colab_kit")
-    yield shell
-    pio.renderers.default = old_renderer
-
-
 @pytest.fixture
 def state(ip):
     s = ck.magics.state(ip)
@@ -29,17 +18,6 @@ def state(ip):
     if s.cluster is not None and s.cluster.running and not getattr(s.cluster, "_shared", False):
         s.cluster.stop()  # a cluster this test started (and left behind when it failed)
     s.cluster, s.config = None, None
-
-
-@pytest.fixture
-def run(ip, capsys):
-    """run(src) -> (error or None, stdout, stderr) of one cell."""
-    def _run(src: str):
-        capsys.readouterr()
-        result = ip.run_cell(src)
-        out, err = capsys.readouterr()
-        return result.error_in_exec or result.error_before_exec, out, err
-    return _run
 
 
 @pytest.fixture

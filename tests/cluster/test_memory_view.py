@@ -153,17 +153,6 @@ def test_no_engine_or_no_cluster_is_a_clear_error():
         MemoryView(ck.magics.ColossalState())
 
 
-@pytest.fixture(scope="module")
-def ip(ipython_shell):
-    import plotly.io as pio
-
-    shell = ipython_shell
-    old_renderer, pio.renderers.default = pio.renderers.default, "json"
-    shell.run_line_magic("load_ext", "colab_kit")
-    yield shell
-    pio.renderers.default = old_renderer
-
-
 def test_watch_refreshes_after_colossal_cells_or_every_cell(ip):
     fake = FakeCluster()
     view = MemoryView(fake).watch(ip)

@@ -19,26 +19,6 @@ TRAIN = ("%%colossal\nimport torch, colab_kit as ck\nfrom colab_kit.models impor
          "for s in range(3):\n    moe_engine.train_step(SyntheticTokens(64, 16).batch(s, 8))")
 
 
-@pytest.fixture(scope="module")
-def ip(ipython_shell):
-    import plotly.io as pio
-
-    old, pio.renderers.default = pio.renderers.default, "json"  # no browser to open here
-    ipython_shell.run_line_magic("load_ext", "colab_kit")
-    yield ipython_shell
-    pio.renderers.default = old
-
-
-@pytest.fixture
-def run(ip, capsys):
-    def _run(src: str):
-        capsys.readouterr()
-        result = ip.run_cell(src)
-        out, err = capsys.readouterr()
-        return result.error_in_exec or result.error_before_exec, out, err
-    return _run
-
-
 @pytest.fixture
 def shared(ip, cluster):
     s = ck.magics.state(ip)

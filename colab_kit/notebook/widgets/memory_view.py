@@ -34,7 +34,7 @@ from typing import Any
 
 from .display import KernelDisplay, html
 from .figure_view import figure_view, redraw
-from .watching import RankView, find_cluster
+from .watching import RankView
 from ...errors import RankError
 from ...viz.memory import memory_by_rank_figure, segments
 from colab_kit.notebook.cluster.remote import namespace
@@ -79,6 +79,8 @@ class MemoryView(RankView, KernelDisplay):
     Gathers at once (``NoMemory`` says what to do when a rank has no engine there).
     """
 
+    missing = NoMemory
+
     def __init__(self, cluster=None, var: str = "engine", *, by: str = "category"):
         self._source, self.var = cluster, var
         self.by = self._check_by(by)
@@ -93,15 +95,6 @@ class MemoryView(RankView, KernelDisplay):
         self.refresh()
 
     # ------------------------------------------------------------ logic (no widgets)
-    @property
-    def cluster(self):
-        return find_cluster(self._source, NoMemory, "MemoryView")
-
-    def refresh(self) -> MemoryView:
-        """Gather memory, estimate, budget and step from every rank, then redraw."""
-        self._take(self._gather())
-        return self
-
     def set_by(self, by: str) -> MemoryView:
         self.by = self._check_by(by)
         if self._ui is not None and self._ui["by"].value != by:

@@ -30,7 +30,7 @@ from typing import Any
 
 from .display import KernelDisplay, html
 from .figure_view import figure_view, redraw
-from .watching import RankView, find_cluster
+from .watching import RankView
 from ...config import ConfigError
 from ...errors import RankError
 from ...mesh import MeshLayout
@@ -70,6 +70,8 @@ class MoEView(RankView, KernelDisplay):
         ``%colossal`` state's. layer: the MoE layer the load figure shows (None: every layer stacked).
     """
 
+    missing = NoMoE
+
     def __init__(self, cluster=None, var: str = "engine", *, layer: int | None = None):
         self._source, self.var = cluster, var
         self.layer: int | None = None
@@ -85,15 +87,6 @@ class MoEView(RankView, KernelDisplay):
         self.refresh()
         if layer is not None:
             self.set_layer(layer)  # a layer without records: ConfigError naming the recorded ones
-
-    @property
-    def cluster(self):
-        return find_cluster(self._source, NoMoE, "MoEView")
-
-    def refresh(self) -> MoEView:
-        """Read every rank's MoE records again, then redraw."""
-        self._take(self._gather())
-        return self
 
     def set_layer(self, layer: int | None) -> MoEView:
         if layer is not None and layer not in self.loads:

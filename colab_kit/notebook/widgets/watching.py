@@ -18,7 +18,7 @@ the busy state and the error area (``_busy``, ``_report``). A view defines ``_ga
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from .display import then
 from ..session import find
@@ -90,12 +90,28 @@ class CellWatcher:
         raise NotImplementedError
 
 
-class RankView(CellWatcher):
-    """A view of what every rank recorded, read again by ``refresh()`` or its Refresh button (module docstring)."""
+_View = TypeVar("_View", bound="RankView")
 
+
+class RankView(CellWatcher):
+    """A view of what every rank recorded, read again by ``refresh()`` or its Refresh button (module docstring).
+    A view sets ``missing`` (its LookupError) and ``_source`` (what ``find_cluster`` reads)."""
+
+    missing: type[LookupError] = LookupError
+    _source: Any
     _ui: dict[str, Any] | None
     error: str | None
     _task: Any = None
+
+    @property
+    def cluster(self):
+        """The running cluster this view reads, looked up now (``find_cluster``)."""
+        return find_cluster(self._source, self.missing, type(self).__name__)
+
+    def refresh(self: _View) -> _View:
+        """Read every rank again (``_gather``), then keep it and redraw (``_take``); returns the view."""
+        self._take(self._gather())  # type: ignore[attr-defined]
+        return self
 
     def click_refresh(self):
         """The Refresh button: under a running event loop a task (returned) that reads the ranks in a worker
