@@ -116,6 +116,7 @@ def _start_mypy() -> None:
     """``python -m mypy colab_kit`` from the repository root at nice 19, detached as the binder build is (so a
     cluster starting meanwhile never takes it for one of its own processes); nothing without mypy installed."""
     import importlib.util
+    import os
     import subprocess
     import sys
     import tempfile
@@ -132,7 +133,7 @@ def _start_mypy() -> None:
     detach = ("import subprocess, sys; subprocess.Popen(['sh', '-c', sys.argv[1]], start_new_session=True, "
               "stdout=subprocess.DEVNULL)")
     subprocess.run([sys.executable, "-c", detach, run], cwd=ROOT, check=True,
-                   env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def mypy_result(timeout: float = 600) -> tuple[int, str] | None:

@@ -109,6 +109,10 @@ class CommActions:
     def _tag(self, a, header: bool = False, side: bool = False) -> int:
         return step_tag(a, self.m, self.step, header, side)
 
+    def _peer(self, a) -> int:
+        """The pipeline rank receive ``a`` comes from: the stage before (RF) or after (RB)."""
+        return self.plan.rank_of(a.stage - 1 if a.kind == "RF" else a.stage + 1)
+
     def _post_ahead(self, j: int) -> None:
         """Post the irecv of the next ``prefetch`` receives after position ``j`` that can be shaped now."""
         for a in self._ahead[j]:
@@ -126,7 +130,7 @@ class CommActions:
         return None if saved is None else torch.empty_like(saved[1])
 
     def _post(self, a, buf):
-        peer = self.plan.rank_of(a.stage - 1 if a.kind == "RF" else a.stage + 1)
+        peer = self._peer(a)
         try:
             self._post_side(a, peer)
             return comm.irecv(buf, self.mesh, "pp", peer, msg_tag=self._tag(a), tag=str(a), arm=True), buf
@@ -176,7 +180,7 @@ class CommActions:
         """Wait for receive ``a``'s side message (posted with it) and hand it to the step's sideband."""
         if self._side is None:
             return
-        self._post_side(a, self.plan.rank_of(a.stage - 1 if a.kind == "RF" else a.stage + 1))
+        self._post_side(a, self._peer(a))
         pending, buf = self._side_posted.pop(a)
         self._wait(pending, a, f"its side message (microbatch {m})")
         self._side.incoming(m, buf)
@@ -192,7 +196,7 @@ class CommActions:
         """Wait for receive ``a`` (posted ahead, or now) and return its buffer."""
         posted = posted or self._posted.pop(a, None) or self._post(a, self._recv_buffer(a))
         pending, buf = posted
-        peer = self.plan.rank_of(a.stage - 1 if a.kind == "RF" else a.stage + 1)
+        peer = self._peer(a)
         self._set("waiting")
         what = (f"the activation of stage {a.stage - 1}" if a.kind == "RF" else
                 f"the input gradient of stage {a.stage + 1}") + f", microbatch {a.microbatch}"
