@@ -91,12 +91,14 @@ def _forkserver_module():
 
 
 def default_backend(world_size: int) -> str:
-    """'nccl' when every rank can have its own GPU, else 'gloo'."""
+    """'nccl' when every rank can have its own GPU, else 'nccl_rules': gloo under NCCL's rules
+    (``colab_kit.comm.rules``), so that a program that runs on CPU ranks runs on GPUs too.
+    Pass ``backend="gloo"`` for gloo's own, forgiving semantics."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         return "nccl"
-    return "gloo"
+    return os.environ.get("COLAB_KIT_CPU_BACKEND", "nccl_rules")
 
 
 def threads_per_rank(ranks_on_host: int) -> int:
@@ -252,6 +254,9 @@ def _worker(rank, world_size, port, payload, results, backend, threads, timeout,
         keep_freed_memory()
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        elif backend == "nccl_rules":
+            from .comm import rules
+            rules.register()
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,

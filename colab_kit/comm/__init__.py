@@ -47,6 +47,7 @@ from .collectives import (all_gather, all_gather_into, all_reduce, all_to_all, a
 from .groups import copy_to_group, gather_from_group, reduce_from_group, split_to_group
 from .p2p import P2PPending, irecv, isend, sendrecv
 from .records import CommLog, CommRecord, wire_bytes
+from . import rules  # registers the nccl_rules backend with torch.distributed
 from .waiting import ABORT_POLL, Aborted, Pending, WaitTimeout, finish
 
 __all__ = ["Aborted", "WaitTimeout", "ABORT_POLL", "CommRecord", "CommLog", "wire_bytes", "all_reduce", "broadcast",
