@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import rules
 from .records import CommRecord
 from .waiting import Pending, _Waiter, finish
 
@@ -89,7 +90,7 @@ def sendrecv(send: torch.Tensor, recv: torch.Tensor, mesh, axis: str, to: int, s
     send, group, ranks = send.contiguous(), mesh.group(axis), mesh.ranks(axis)
     ops = [dist.P2POp(dist.isend, send, ranks[to], group, msg_tag),
            dist.P2POp(dist.irecv, recv, ranks[source], group, msg_tag)]
-    works = dist.batch_isend_irecv(ops)
+    works = rules.batch_isend_irecv(ops)  # one group on NCCL and under its rules; torch's function elsewhere
     flag = mesh.abort_flag
     return [P2PPending(w, mesh.log, op, axis, t.numel() * t.element_size(), tag, flag=flag)
             for w, op, t in zip(works, ("send", "recv"), (send, recv))]

@@ -82,6 +82,7 @@ from .actions import Action
 from .work import MicrobatchWork
 from .lowering import lower
 from .messages import CommActions, _last, receives_ahead
+from .order import send_timesteps
 from .compute import ComputeActions
 from ..tensor.zero_bubble import use_split_backward
 from .costs import measured_costs, shorter_plan
@@ -140,6 +141,7 @@ class PipelineExecutor(ComputeActions, CommActions):
         rows = steps(plan)  # checks the plan: a broken one raises PlanError here, in every rank
         self.timesteps = [[t for t, row in enumerate(rows) if row[r] is not None] for r in range(plan.pp)]
         self.n_timesteps, self._plan = len(rows), plan
+        self._sent_at = send_timesteps(plan, self.timesteps)
 
     def replan(self, costs: dict | None = None) -> dict:
         """ZB-V re-scheduled from per-stage costs (``costs.zb_v_timed``); call it on every rank.
@@ -201,8 +203,9 @@ class PipelineExecutor(ComputeActions, CommActions):
         self.step += 1
         self._saved, self._act, self._out, self._gout, self._gin = {}, {}, {}, {}, {}
         self._bytes: dict[tuple[int, int], int] = {}
-        self._held, self.peak_bytes, self._sends, self._posted = 0, 0, [], {}
-        self._side, self._side_posted = (work.side if not forward_only else None), {}
+        self._held, self.peak_bytes, self._sends = 0, 0, []
+        self._side = work.side if not forward_only else None
+        self._plan_messages(self._sent_at)  # this step's messages in the order both ends derive
         self.loss = torch.zeros((), device=self.mesh.device)
         self.running, self.timestep, self.pos = True, 0, 0
         self._set("paused")

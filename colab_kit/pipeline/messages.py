@@ -2,24 +2,24 @@
 
 A mixin of ``PipelineExecutor``: each message goes between the same dp/sp/tp coordinates
 of two neighbouring pipeline ranks, over the mesh's ``pp`` group, recorded in ``mesh.log``
-as ``send@pp`` / ``recv@pp`` with the action as its tag. A message's backend tag is
-``lowering.message_tag`` (equal at both ends, so messages match whatever order they arrive
-in) with the step number (mod 256) and a header bit above it (``step_tag``): a message left
-over from a broken step can never be taken for one of the next.
+as ``send@pp`` / ``recv@pp`` with the action as its tag.
 
-Receives are posted early: before each action the executor posts the ``irecv`` of the next
-``prefetch`` receives of its list (2 by default) whose buffer it can already shape, so a
-message that arrives while the rank computes lands at once, and a send followed by a
-receive (``0SF3 0RB1`` in 1F1B's steady state) has both in flight before anything waits.
-Every posted send and receive is armed (``comm.isend(..., arm=True)``): a waiter thread
-waits on it from the moment it is posted, so the receive action finds a message that came
-in during compute already complete and goes on without handing its wait to a thread, and
-the end of the step finds its sends done. The receive action itself then only waits.
+Messages are issued in one order that both ends derive from the plan (``order.message_order``:
+by the lockstep timestep of the send, then the sending rank, then header, data, side), so they
+match by order as NCCL matches them, whatever the tags. A send is issued when its action runs,
+after every receive ordered before it has been posted; a receive is posted as soon as everything
+ordered before it was issued: before each action the executor posts, as far as the order allows
+without waiting, up to the next ``prefetch`` receives of its list (2 by default), so a message that
+arrives while the rank computes lands at once. Every posted send and receive is armed
+(``comm.isend(..., arm=True)``): a waiter thread waits on it from the moment it is posted, so a
+receive action finds a message that came in during compute already complete. The backend tag is
+still ``lowering.message_tag`` with the step (mod 256) and a header or side bit (``step_tag``), which
+gloo uses and NCCL (and ``comm.rules``) ignore.
 
 Worked example, pp=2, step 5, stage 0 on rank 0 sends microbatch 1's activation ``[2, 16, 32]``::
 
     rank 0  0SF1: isend(act, to pp 1, tag=step_tag(0SF1, step 5))   completed at the end of the step
-    rank 1  (while running 1F0) irecv(buffer [2, 16, 32], from pp 0, same tag) posted early
+    rank 1  (while running 1F0) irecv(buffer [2, 16, 32], from pp 0) posted early: ordered next
     rank 1  1RF1: wait for it (at most ``timeout`` s, waking on the hang flag)  -> input of 1F1
 
 The receiver learns the activation's shape and dtype from a small header (8 int64s) sent
@@ -28,8 +28,8 @@ count); later transfers reuse it. A gradient has the shape of the output it belo
 which the receiving stage holds already.
 
 With a ``work.side`` (``pipeline.work.Sideband``) each cross-rank activation and gradient is followed by
-its microbatch's side message (fixed shape, its own tag bit), posted with the main receive and handed to
-``side.incoming`` when the receive action completes; none rides a forward-only pass.
+its microbatch's side message (fixed shape), sent right after the data and posted right after its
+receive, and handed to ``side.incoming`` when the receive action completes; none rides a forward-only pass.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ import torch
 
 from .. import comm
 from .lowering import message_tag
+from .order import Message, message_order
 
 if TYPE_CHECKING:
     from ..mesh import ProcessMesh
@@ -90,8 +91,10 @@ class CommActions:
     timeout: float
     _key: tuple  # the step's batch shape and microbatch count: names the activation shapes
     _ahead: list[tuple]
-    _posted: dict
-    _side_posted: dict
+    _order: list[Message]  # this step's messages in issue order (``order.message_order``)
+    _last: dict  # action -> the index in _order of its last part
+    _next: int  # the first message of _order not issued yet
+    _posted: dict  # (action, part) -> (pending receive, buffer)
     _side: Sideband | None  # the step's, or None (none set, or a forward-only pass)
     _shapes: dict
     _shapes_sent: set
@@ -113,62 +116,91 @@ class CommActions:
         """The pipeline rank receive ``a`` comes from: the stage before (RF) or after (RB)."""
         return self.plan.rank_of(a.stage - 1 if a.kind == "RF" else a.stage + 1)
 
+    def _plan_messages(self, sent_at: dict) -> None:
+        """This step's issue order (``order.message_order``) over the actions the step runs."""
+        def header(a):
+            if a.kind == "SF":
+                return (a.stage, self._key) not in self._shapes_sent
+            return (a.stage - 1, self._key) not in self._shapes
+        self._order = message_order(self.plan, self.me, self._actions, sent_at, header, self._side is not None)
+        self._last = {msg.action: i for i, msg in enumerate(self._order)}
+        self._next, self._posted = 0, {}
+
     def _post_ahead(self, j: int) -> None:
-        """Post the irecv of the next ``prefetch`` receives after position ``j`` that can be shaped now."""
-        for a in self._ahead[j]:
-            if a not in self._posted:
-                buf = self._recv_buffer(a)
-                if buf is not None:
-                    self._posted[a] = self._post(a, buf)
+        """Post the receives ordered before the next ``prefetch`` receives after position ``j``, as far as
+        the order allows without waiting: up to this rank's next send, or a buffer not yet shapeable."""
+        if self._ahead[j]:
+            self._issue_to(self._last[self._ahead[j][-1]], block=False)
 
-    def _recv_buffer(self, a):
-        """An empty buffer of the right shape for receive ``a``, or None while its shape is unknown."""
-        if a.kind == "RF":
-            known = self._shapes.get((a.stage - 1, self._key))
-            return None if known is None else torch.empty(known[0], dtype=known[1], device=self.mesh.device)
-        saved = self._saved.get((a.stage, a.microbatch))
-        return None if saved is None else torch.empty_like(saved[1])
+    def _issue_to(self, i: int, block: bool, sending=None) -> None:
+        """Issue this step's messages up to index ``i`` of the order: post the receives, and the parts of
+        ``sending`` (``(action, tensor)``, the send being run). Without ``block`` it stops where it would
+        have to wait (this rank's next send, or a receive whose shape is not known yet)."""
+        while self._next <= i:
+            msg = self._order[self._next]
+            if msg.send:
+                if sending is None or msg.action != sending[0]:
+                    if block:
+                        raise RuntimeError(f"rank {self.mesh.global_rank}: {msg} is ordered before "
+                                           f"{self._order[i]} but has not run (the message order is broken)")
+                    return
+                self._send_part(msg, sending[1])
+            else:
+                buf = self._buffer(msg, block)
+                if buf is None:
+                    return
+                self._posted[msg.action, msg.part] = self._post(msg, buf)
+            self._next += 1
 
-    def _post(self, a, buf):
-        peer = self._peer(a)
+    def _buffer(self, msg, block: bool):
+        """An empty buffer for receive ``msg``, or None (without ``block``) while its shape is unknown."""
+        a = msg.action
+        if msg.part == "header":
+            return torch.zeros(8, dtype=torch.int64, device=self.mesh.device)
+        if msg.part == "side":
+            assert self._side is not None
+            return torch.empty(self._side.shape, dtype=self._side.dtype, device=self.mesh.device)
+        if a.kind == "RB":
+            saved = self._saved.get((a.stage, a.microbatch))
+            if saved is None and block:
+                raise RuntimeError(f"rank {self.mesh.global_rank}: {a} is due before its own forward ran")
+            return None if saved is None else torch.empty_like(saved[1])
+        key = (a.stage - 1, self._key)
+        if key not in self._shapes:
+            posted = self._posted.get((a, "header"))
+            if posted is None or not (block or posted[0].armed[0].is_set()):
+                return None
+            del self._posted[a, "header"]
+            self._wait(posted[0], a, f"its shape header, from pp {msg.peer}")
+            self._shapes[key] = _unpack(posted[1])
+        shape, dtype = self._shapes[key]
+        return torch.empty(shape, dtype=dtype, device=self.mesh.device)
+
+    def _post(self, msg, buf):
         try:
-            self._post_side(a, peer)
-            return comm.irecv(buf, self.mesh, "pp", peer, msg_tag=self._tag(a), tag=str(a), arm=True), buf
+            return comm.irecv(buf, self.mesh, "pp", msg.peer, msg_tag=self._tag(msg.action, msg.part == "header",
+                                                                               msg.part == "side"),
+                              tag=str(msg), arm=True), buf
         except RuntimeError as exc:
-            raise self._hang(f"rank {self.mesh.global_rank} could not receive {a}: {_last(exc)}") from exc
+            raise self._hang(f"rank {self.mesh.global_rank} could not receive {msg}: {_last(exc)}") from exc
+
+    def _send_part(self, msg, t) -> None:
+        a = msg.action
+        if msg.part == "header":
+            self._shapes_sent.add((a.stage, self._key))
+            t = _pack(t)
+        elif msg.part == "side":
+            assert self._side is not None
+            t = self._side.outgoing(a.microbatch)
+        self._send(a, t, msg.peer, self._tag(a, msg.part == "header", msg.part == "side"), str(msg))
 
     def _do_SF(self, a, s, m):
-        t = self._take(self._out, a, "the activation to send")
-        key = (s, self._key)
-        if key not in self._shapes_sent:
-            self._shapes_sent.add(key)
-            self._send(a, _pack(t), self.plan.rank_of(s + 1), self._tag(a, header=True), f"{a} shape")
-        self._send(a, t, self.plan.rank_of(s + 1), self._tag(a), str(a))
-        self._send_side(a, m, self.plan.rank_of(s + 1))
+        self._issue_to(self._last[a], True, (a, self._take(self._out, a, "the activation to send")))
 
     def _do_SB(self, a, s, m):
-        self._send(a, self._take(self._gin, a, "the input gradient to send"), self.plan.rank_of(s - 1),
-                   self._tag(a), str(a))
-        self._send_side(a, m, self.plan.rank_of(s - 1))
-
-    def _send_side(self, a, m, peer):
-        if self._side is not None:
-            self._send(a, self._side.outgoing(m), peer, self._tag(a, side=True), f"{a} side")
-
-    def _post_side(self, a, peer):
-        """With a sideband, post receive ``a``'s side message beside it (once)."""
-        if self._side is not None and a not in self._side_posted:
-            buf = torch.empty(self._side.shape, dtype=self._side.dtype, device=self.mesh.device)
-            self._side_posted[a] = (comm.irecv(buf, self.mesh, "pp", peer, msg_tag=self._tag(a, side=True),
-                                               tag=f"{a} side", arm=True), buf)
+        self._issue_to(self._last[a], True, (a, self._take(self._gin, a, "the input gradient to send")))
 
     def _do_RF(self, a, s, m):
-        key = (s - 1, self._key)
-        if key not in self._shapes and a not in self._posted:
-            header = torch.zeros(8, dtype=torch.int64, device=self.mesh.device)
-            self._recv(a, (comm.irecv(header, self.mesh, "pp", self.plan.rank_of(s - 1),
-                                      msg_tag=self._tag(a, header=True), tag=f"{a} shape"), header))
-            self._shapes[key] = _unpack(header)
         self._act[s, m] = self._recv(a)
         self._recv_side(a, m)
 
@@ -180,8 +212,7 @@ class CommActions:
         """Wait for receive ``a``'s side message (posted with it) and hand it to the step's sideband."""
         if self._side is None:
             return
-        self._post_side(a, self._peer(a))
-        pending, buf = self._side_posted.pop(a)
+        pending, buf = self._posted.pop((a, "side"))
         self._wait(pending, a, f"its side message (microbatch {m})")
         self._side.incoming(m, buf)
 
@@ -192,10 +223,10 @@ class CommActions:
         except RuntimeError as exc:
             raise self._hang(f"rank {self.mesh.global_rank} could not send {a}: {_last(exc)}") from exc
 
-    def _recv(self, a, posted=None):
-        """Wait for receive ``a`` (posted ahead, or now) and return its buffer."""
-        posted = posted or self._posted.pop(a, None) or self._post(a, self._recv_buffer(a))
-        pending, buf = posted
+    def _recv(self, a):
+        """Issue everything up to receive ``a`` (and its side part), wait for it and return its buffer."""
+        self._issue_to(self._last[a], block=True)
+        pending, buf = self._posted.pop((a, "data"))
         peer = self._peer(a)
         self._set("waiting")
         what = (f"the activation of stage {a.stage - 1}" if a.kind == "RF" else

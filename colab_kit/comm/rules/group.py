@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch._C._distributed_c10d as c10d
 
+from .board import Board, same_host
 from .pairs import Batch, Channel, Op, RuleBroken, describe_tensor
 
 __all__ = ["RulesGroup", "LIVE"]
@@ -47,6 +48,10 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
            torch.uint8, torch.bool, torch.int16, torch.complex64, torch.complex128]
 _REDUCE = ["sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum"]
 _WIDTH = 12  # fingerprint: op, dtype, extra, ndim, 8 dims
+_OP_CODE = {op: i for i, op in enumerate(_OPS)}
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+STALL = 0.5
+"""Seconds a collective may run before the watchdog compares it with the other ranks' (see ``board``)."""
 
 
 def _reduce_code(op) -> int:
@@ -77,9 +82,11 @@ class RulesGroup(dist.ProcessGroup):
         self.device_type, self.label = device_type, name
         self._seq = 0
         self._channels: dict[int, Channel] = {}
-        self._inflight: dict[int, tuple[str, float]] = {}
+        self._inflight: dict[int, tuple] = {}  # seq -> (what, since, fingerprint, future) of running collectives
+        self._settle = threading.Lock()  # one of a call's completion and the watchdog settles its future
         self._lock = threading.Lock()
         self._waiter: queue.SimpleQueue | None = None
+        self._board = Board(store, rank, size, _WIDTH) if size > 1 and same_host(store, rank, size) else None
         LIVE.add(self)
 
     # ------------------------------------------------------------------ identity
@@ -99,6 +106,9 @@ class RulesGroup(dist.ProcessGroup):
         if self._waiter is not None:
             self._waiter.put(None)
         self._inner.shutdown()
+        if self._board is not None:
+            self._board.close()
+            self._board = None
 
     def abort(self) -> None:
         self.shutdown()
@@ -113,11 +123,10 @@ class RulesGroup(dist.ProcessGroup):
                     f"tensors on the device): move it there first (tensor.to(mesh.device))")
 
     # ------------------------------------------------------------------ rule 3: one collective sequence
-    def _fingerprint(self, op: str, t: torch.Tensor | None, extra: int = 0, shape=None) -> torch.Tensor:
+    def _fingerprint(self, op: str, t: torch.Tensor | None, extra: int = 0, shape=None) -> list[int]:
         dims = list(shape if shape is not None else (t.shape if t is not None else ()))
-        dtype = _DTYPES.index(t.dtype) if t is not None and t.dtype in _DTYPES else -1
-        row = [_OPS.index(op), dtype, extra, len(dims)] + (dims + [0] * 8)[:8]
-        return torch.tensor(row, dtype=torch.int64)
+        dtype = _DTYPE_CODE.get(t.dtype, -1) if t is not None else -1
+        return [_OP_CODE[op], dtype, extra, len(dims)] + (dims + [0] * 8)[:8]
 
     def _describe(self, row: list[int]) -> str:
         op, dtype, extra, nd = row[:4]
@@ -134,15 +143,18 @@ class RulesGroup(dist.ProcessGroup):
         dims = ["*" if d < 0 else str(d) for d in row[4:4 + nd]]
         return f"{name} {kind}[{', '.join(dims)}]"
 
-    def _collective(self, op: str, tensors, fingerprint: torch.Tensor, launch, result):
+    def _collective(self, op: str, tensors, fingerprint: list[int], launch, result):
         """Check the device, all-gather the fingerprint, run ``launch()`` on gloo; one Work for both."""
         self._on_device(op, tensors)
         with self._lock:
             seq = self._seq
             self._seq += 1
+        if self._board is not None:
+            return self._on_board(seq, op, fingerprint, launch, result)
         gathered = torch.empty(self.size() * _WIDTH, dtype=torch.int64)
-        fp_work = self._inner._allgather_base(gathered, fingerprint, c10d.AllgatherOptions())
-        self._inflight[seq] = (self._describe(fingerprint.tolist()), time.monotonic())
+        fp_work = self._inner._allgather_base(gathered, torch.tensor(fingerprint, dtype=torch.int64),
+                                              c10d.AllgatherOptions())
+        self._inflight[seq] = (op, time.monotonic(), None, None)
         out: torch.futures.Future = torch.futures.Future()
         state = {"fp": None, "real": None}
         lock = threading.Lock()
@@ -164,11 +176,7 @@ class RulesGroup(dist.ProcessGroup):
                 fut.wait()
                 rows = gathered.view(self.size(), _WIDTH).tolist()
                 bad = [r for r in range(len(rows)) if rows[r] != rows[0]]
-                verdict = True if not bad else RuleBroken(
-                    f"nccl-rules: collective {seq} of the group of ranks {self._ranks} differs between ranks: "
-                    + "; ".join(f"rank {self._ranks[r]} called {self._describe(rows[r])}" for r in range(len(rows)))
-                    + ". Every rank of a group must call the same collectives in the same order with the same "
-                    "shapes and dtypes; NCCL would hang or mix up the data")
+                verdict = True if not bad else self._differs(seq, rows)
             except BaseException as exc:  # noqa: BLE001 - the group is broken: the call fails with it
                 verdict = exc
             with lock:
@@ -184,6 +192,56 @@ class RulesGroup(dist.ProcessGroup):
         fp_work.get_future().add_done_callback(on_fp)
         self._when_done(real, on_real)
         return c10d._create_work_from_future(out)
+
+    def _differs(self, seq: int, rows: list) -> RuleBroken:
+        return RuleBroken(
+            f"nccl-rules: collective {seq} of the group of ranks {self._ranks} differs between ranks: "
+            + "; ".join(f"rank {self._ranks[r]} " + ("has not called it yet" if row is None else
+                                                    f"called {self._describe(row)}") for r, row in enumerate(rows))
+            + ". Every rank of a group must call the same collectives in the same order with the same "
+            "shapes and dtypes; NCCL would hang or mix up the data")
+
+    def _on_board(self, seq: int, op: str, fingerprint: list[int], launch, result):
+        """Rule 3 on one host: the fingerprint on the shared board, compared when the call is waited (and by
+        the watchdog while it runs). The caller waits on gloo's own work: no thread hand-off."""
+        assert self._board is not None
+        self._board.write(seq, fingerprint)
+        mine = fingerprint
+        work = Checked(self, seq, mine, launch(), result)
+        self._inflight[seq] = (op, time.monotonic(), mine, work)
+        _start_watchdog()
+        return work
+
+    def compare(self, seq: int, mine: list[int]) -> RuleBroken | None:
+        """The rule broken if another rank's collective ``seq`` differs from ``mine`` (read twice, so that a
+        slot being written is never taken for a difference), else None."""
+        assert self._board is not None
+        for attempt in range(2):
+            rows = self._board.read(seq)
+            if all(row is None or row == mine for row in rows):
+                return None
+            if attempt == 0:
+                time.sleep(0.005)
+        rows[self.rank()] = mine
+        return self._differs(seq, rows)
+
+    def stalled(self, now: float) -> None:
+        """The watchdog's look at collectives older than ``STALL`` s: one that differs from another rank's
+        is failed (its gloo group aborted, so that a wait blocked in it returns); completed ones are let go."""
+        for seq, (_, t0, mine, work) in list(self._inflight.items()):
+            if not isinstance(work, Checked) or now - t0 < STALL:
+                continue
+            done = work.inner.is_completed()
+            verdict = work.verdict() if done else self.compare(seq, mine)
+            if done:
+                self._inflight.pop(seq, None)
+            elif verdict is not None:
+                work.broken = verdict
+                self._inflight.pop(seq, None)
+                try:
+                    self._inner.abort()
+                except RuntimeError:
+                    self._inner.shutdown()
 
     def _when_done(self, work, callback) -> None:
         """``callback(None or the error)`` once gloo's ``work`` completes: from its future, or (gloo's
@@ -347,10 +405,38 @@ class RulesGroup(dist.ProcessGroup):
     def pending(self) -> list[str]:
         """What this rank issued on this group and is not complete: collectives, then each pair's queue."""
         now = time.monotonic()
-        out = [f"collective {seq} {what} ({now - t:.1f} s)" for seq, (what, t) in sorted(self._inflight.items())]
+        out = [f"collective {seq} {what} ({now - t:.1f} s)" for seq, (what, t, _, _) in sorted(self._inflight.items())]
         for ch in self._channels.values():
             out += ch.describe()
         return out
+
+
+_WATCHDOG: list[threading.Thread] = []
+
+
+def _start_watchdog() -> None:
+    """One thread per process that looks at every rules group's running collectives (``RulesGroup.stalled``)."""
+    if _WATCHDOG:
+        return
+    with _WATCH_LOCK:
+        if not _WATCHDOG:
+            t = threading.Thread(target=_watch, daemon=True, name="colab_kit nccl-rules watchdog")
+            _WATCHDOG.append(t)
+            t.start()
+
+
+_WATCH_LOCK = threading.Lock()
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(STALL / 2)
+        now = time.monotonic()
+        for g in list(LIVE):
+            try:
+                g.stalled(now)
+            except Exception:  # noqa: BLE001 - a group shut down meanwhile: nothing left to watch there
+                pass
 
 
 def _wait_loop(q: queue.SimpleQueue) -> None:
@@ -365,6 +451,57 @@ def _wait_loop(q: queue.SimpleQueue) -> None:
             callback(exc)
             continue
         callback(None)
+
+
+class Checked(c10d.Work):
+    """gloo's work for collective ``seq``, compared with the other ranks' on the board when waited."""
+
+    def __init__(self, group: RulesGroup, seq: int, mine: list[int], inner, result):
+        super().__init__()
+        self.group, self.seq, self.mine, self.inner, self._result = group, seq, mine, inner, result
+        self.broken: RuleBroken | None = None  # set by the watchdog
+        self._verdict: list = []
+
+    def verdict(self) -> RuleBroken | None:
+        if not self._verdict:
+            self._verdict.append(self.group.compare(self.seq, self.mine))
+        return self._verdict[0]
+
+    def wait(self, timeout=None) -> bool:
+        try:
+            self.inner.wait()
+        except BaseException as exc:
+            bad = self.broken or self.verdict()
+            if bad is not None:
+                raise bad from exc
+            raise
+        self.group._inflight.pop(self.seq, None)
+        bad = self.broken or self.verdict()
+        if bad is not None:
+            raise bad
+        return True
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+    def result(self):
+        return self._result
+
+    def get_future(self):
+        def check(fut):  # on gloo's thread, as the work completes (its wait() would block here)
+            try:
+                fut.wait()
+            except BaseException as exc:
+                bad = self.broken or self.verdict()
+                if bad is not None:
+                    raise bad from exc
+                raise
+            self.group._inflight.pop(self.seq, None)
+            bad = self.broken or self.verdict()
+            if bad is not None:
+                raise bad
+            return self._result
+        return self.inner.get_future().then(check)
 
 
 def _last_of(works):
