@@ -331,7 +331,8 @@ class PipelineExecutor(ComputeActions, CommActions):
                     tp=self.coords["tp"], step=self.step, state=self._state, note=self._note,
                     action=str(acts[j]) if at else None, position=self._index[j] if at else None,
                     of=len(self.plan.actions[self.me]), since=time.perf_counter() - self._since,
-                    timestep=self.timesteps[self.me][self._index[j]] if at else None)
+                    timestep=self.timesteps[self.me][self._index[j]] if at else None,
+                    pending=comm.rules.pending())
 
     def _end(self, broken: str | None = None) -> None:
         """The step is over (done or failed): stop watching; a failure breaks the pipeline for good."""

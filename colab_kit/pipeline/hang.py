@@ -86,7 +86,10 @@ def describe(report: dict) -> str:
         what = "ran its whole plan" + (f"; now {report['note']}" if report.get("note") else "")
     else:
         what = f"paused before {action}" if action else "not in a step"
-    return f"{who}: {what}{where}"
+    wire = report.get("pending") or []  # under nccl_rules: what the rank issued and is not complete
+    more = "".join(f"\n    issued, not complete: {p}" for p in wire[:6]) + (
+        f"\n    ... and {len(wire) - 6} more" if len(wire) > 6 else "")
+    return f"{who}: {what}{where}{more}"
 
 
 def render_grid(plan, timesteps: list[list[int]], positions: dict[int, int], window: int = 3) -> str:

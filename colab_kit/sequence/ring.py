@@ -173,7 +173,8 @@ class RingAttention(torch.autograd.Function):
         c, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
         q_ids = chunk_ids(r, n, layout)
         qs = q.to(acc).split(c, dim=2)
-        kv = torch.stack([k, v]).to(acc).contiguous()  # one buffer, one message per rotation
+        dk = k.shape[-1]
+        kv = torch.cat([k, v], dim=-1).to(acc).contiguous()  # one buffer, one message per rotation (d_v may differ)
         state = [(None, None), (None, None)]           # (O, LSE) per query chunk
         for i in range(n):
             src = (r - i) % n                          # whose K/V this rank holds now
@@ -188,8 +189,8 @@ class RingAttention(torch.autograd.Function):
                         ks = slice(b * c, (b + 1) * c)
                         km = keys[src][:, ks] if keys is not None else None
                         keep = drop(q_ids[a], kb) if drop is not None else None
-                        o_b, l_b = _block_forward(qa, kv[0, :, :, ks], kv[1, :, :, ks], scale, rel == "diag", km,
-                                                  keep)
+                        o_b, l_b = _block_forward(qa, kv[:, :, ks, :dk], kv[:, :, ks, dk:], scale, rel == "diag",
+                                                  km, keep)
                         state[a] = merge_lse(*state[a], o_b, l_b)
             end = recorder.now() if recorder is not None else 0.0
             waited = _wait(pending)
@@ -219,8 +220,9 @@ class RingAttention(torch.autograd.Function):
         delta = (do * out).sum(-1)                     # rowsum(dO * O): [b, heads, t_local]
         qs, dos = q.to(acc).split(c, dim=2), do.split(c, dim=2)
         lses, deltas = lse.split(c, dim=2), delta.split(c, dim=2)
-        dq = torch.zeros_like(out)
-        kv = torch.stack([k, v]).to(acc).contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = k.shape[-1]
+        kv = torch.cat([k, v], dim=-1).to(acc).contiguous()
         acc_in: torch.Tensor | None = None             # the dK/dV accumulator arriving from r - 1
         acc_pending: list = []
         for i in range(n):
@@ -237,11 +239,11 @@ class RingAttention(torch.autograd.Function):
                         ks, qsl = slice(b * c, (b + 1) * c), slice(a * c, (a + 1) * c)
                         km = keys[src][:, ks] if keys is not None else None
                         keep = drop(q_ids[a], kb) if drop is not None else None
-                        dq_b, dk_b, dv_b = _block_backward(qs[a], kv[0, :, :, ks], kv[1, :, :, ks], dos[a],
+                        dq_b, dk_b, dv_b = _block_backward(qs[a], kv[:, :, ks, :dk], kv[:, :, ks, dk:], dos[a],
                                                            lses[a], deltas[a], scale, rel == "diag", km, keep)
                         dq[:, :, qsl] += dq_b
-                        dkv[0, :, :, ks] += dk_b
-                        dkv[1, :, :, ks] += dv_b
+                        dkv[:, :, ks, :dk] += dk_b
+                        dkv[:, :, ks, dk:] += dv_b
             end = recorder.now() if recorder is not None else 0.0
             waited = _wait(acc_pending)                # the accumulator for src, from r - 1's previous step
             if acc_in is not None:
@@ -257,7 +259,7 @@ class RingAttention(torch.autograd.Function):
             _wait(acc_pending)
             assert acc_in is not None  # passed on at every rotation
             dkv = acc_in
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None, None, None, None, None, None
 
 
 def gather_keys(mask: torch.Tensor, mesh, axis: str) -> torch.Tensor:
@@ -280,9 +282,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sequence layout {layout!r}: use one of {', '.join(LAYOUTS)}")
-    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"ring_attention needs q, k, v of one shape [b, heads, t_local, d], got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"ring_attention needs q, k of one shape [b, heads, t_local, d] and v of "
+                         f"[b, heads, t_local, d_v], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[2] % 2 or q.shape[2] == 0:
         n = mesh.size(axis)
         raise ValueError(f"ring_attention needs this rank's tokens to be two equal chunks, got t_local="

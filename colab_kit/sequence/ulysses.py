@@ -77,9 +77,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, a
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sequence layout {layout!r}: use one of {', '.join(LAYOUTS)}")
-    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"ulysses_attention needs q, k, v of one shape [b, heads, t_local, d], got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"ulysses_attention needs q, k of one shape [b, heads, t_local, d] and v of "
+                         f"[b, heads, t_local, d_v], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     n = mesh.size(axis)
     check_heads(q.shape[1], n)
 
@@ -103,13 +103,18 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, a
     if layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(f"the zigzag layout holds two equal chunks per rank, got t_local={q.shape[2]}: "
                          f"the sequence must be a multiple of 2*sp = {2 * n}")
-    qkv = UlyssesAllToAll.apply(torch.stack([q, k, v]), mesh, axis, 2, 3)   # [3, b, heads/sp, t, d]
+    if v.shape == q.shape:  # one all-to-all for the three
+        qkv = UlyssesAllToAll.apply(torch.stack([q, k, v]), mesh, axis, 2, 3)   # [3, b, heads/sp, t, d]
+        parts = [qkv[0], qkv[1], qkv[2]]
+    else:  # a value head of its own width (DeepSeek's MLA: d_qk 192, d_v 128): q and k in one, v in another
+        qk = UlyssesAllToAll.apply(torch.stack([q, k]), mesh, axis, 2, 3)
+        parts = [qk[0], qk[1], UlyssesAllToAll.apply(v.unsqueeze(0), mesh, axis, 2, 3)[0]]
     order = None
     if layout == "zigzag":
         order = gathered_order(n, n * q.shape[2], layout, device=q.device)
-        qkv = qkv.index_select(3, order.argsort())                           # natural token order
+        parts = [t.index_select(2, order.argsort()) for t in parts]             # natural token order
         keys = keys.index_select(1, order.argsort()) if keys is not None else None
-    out = attend(qkv[0], qkv[1], qkv[2], keys)
+    out = attend(*parts, keys)
     if order is not None:
         out = out.index_select(2, order)                                     # back to rank order
     return UlyssesAllToAll.apply(out, mesh, axis, 2, 1)                      # [b, heads, t/sp, d]

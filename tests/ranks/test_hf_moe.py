@@ -49,6 +49,7 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs)
     "gptoss dp=4 ep=2 zero=1": (4, "gptoss", "adamw", dict(dp=4, ep=2, zero=1)),
     "qwen2 dp=2 ep=2 tp=2": (4, "qwen2", "sgd", dict(dp=2, ep=2, tp=2)),
     "mixtral dp=2 sp=2 ep=4": (4, "mixtral", "adamw", dict(dp=2, sp=2, ep=4)),
+    "deepseek dp=2 sp=2 ep=2 ring": (4, "deepseek", "sgd", dict(dp=2, sp=2, ep=2)),  # MLA: d_qk 12, d_v 8
     "mixtral dp=4 ep=2 bf16": (4, "mixtral", "sgd", dict(dp=4, ep=2, precision="bf16")),
 }
 SAVED = "mixtral dp=2 ep=2 sgd"  # saved at ep=2, loaded at dp=2; its dense weights against the reference's

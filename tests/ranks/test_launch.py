@@ -86,7 +86,7 @@ def test_results_by_rank_and_args_passed():
     assert [o["rank"] for o in out] == [0, 1, 2]
     for r, o in enumerate(out):
         assert o["world"] == 3
-        assert o["backend"] == "gloo"
+        assert o["backend"] == "nccl_rules"  # gloo under NCCL's rules: ck.launch's default on CPU
         assert o["env"] == (str(r), "3", str(r))
         assert o["args"] == (5, {"k": [1, 2]})
 
@@ -183,8 +183,10 @@ def test_threads_set_in_each_rank():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only expectation")
-def test_default_backend_on_cpu():
-    assert launch_mod.default_backend(1) == "gloo"
+def test_default_backend_on_cpu(monkeypatch):
+    assert launch_mod.default_backend(1) == "nccl_rules"
+    assert launch_mod.default_backend(4) == "nccl_rules"
+    monkeypatch.setenv("COLAB_KIT_CPU_BACKEND", "gloo")  # plain gloo, for a test about gloo (or a comparison)
     assert launch_mod.default_backend(4) == "gloo"
 
 

@@ -39,10 +39,14 @@ WORLDS = {  # sp -> (mode, layout, dtype) cases, run inside one spawn
 }
 
 
-def _inputs(dtype=torch.float64):
-    """q, k, v and the upstream gradient of the whole sequence, the same on every rank."""
+def _inputs(dtype=torch.float64, dv=D):
+    """q, k, v and the upstream gradient of the whole sequence, the same on every rank (``dv``: the value
+    heads' width, DeepSeek's multi-head latent attention has its own)."""
     g = torch.Generator().manual_seed(7)
-    return [torch.randn(B, H, T, D, generator=g, dtype=torch.float64).to(dtype) for _ in range(4)]
+    return [torch.randn(B, H, T, d, generator=g, dtype=torch.float64).to(dtype) for d in (D, D, dv, dv)]
+
+
+DV = 5  # the value heads' width in the unequal-widths cases (sp=2), against D = 8 for queries and keys
 
 
 class OneRank:
@@ -143,9 +147,9 @@ def test_ring_and_ulysses_at_sp_1_are_dense_attention():
 
 
 # --------------------------------------------------------------------------- tier 2: on each rank
-def _one_case(mesh, mode, layout, dtype):
+def _one_case(mesh, mode, layout, dtype, dv=D):
     n, r = mesh.size("sp"), mesh.rank("sp")
-    q, k, v, do = _inputs(dtype)
+    q, k, v, do = _inputs(dtype, dv)
     leaves = [split_sequence(x, r, n, dim=2, layout=layout).requires_grad_() for x in (q, k, v)]
     rec, probe, start = RingRecorder(), LargestOutput(), len(mesh.log.records)
     with FlopCounterMode(display=False) as flops, probe:
@@ -167,6 +171,9 @@ def _on_rank(n, cases):
         if mode not in meshes:  # ParallelConfig takes sp with either mode
             meshes[mode] = ck.ProcessMesh(ck.ParallelConfig(sp=n, sp_mode=mode))
         results[mode, layout, str(dtype)] = _one_case(meshes[mode], mode, layout, dtype)
+    if n == 2:  # value heads of another width than query and key heads (MLA), both modes
+        for mode, layout in (("ring", "zigzag"), ("ulysses", "contiguous")):
+            results["mla", mode] = _one_case(meshes[mode], mode, layout, torch.float64, dv=DV)
     mesh = next(iter(meshes.values()))
     if n == 3:  # 4 heads over sp=3: refused before any collective, on every rank
         q = torch.zeros(1, H, 4, D)
@@ -187,9 +194,9 @@ def dense():
     return {torch.float64: _dense()}
 
 
-def _dense():
+def _dense(dv=D):
     """Output and q, k, v gradients of causal SDPA on the whole sequence, in one process (float64)."""
-    q, k, v, do = _inputs()
+    q, k, v, do = _inputs(dv=dv)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = F.scaled_dot_product_attention(*leaves, is_causal=True)
     (out * do).sum().backward()
@@ -265,7 +272,15 @@ def _run_world(n, dense_ref):
 
 
 def test_sp2_ring_and_ulysses_equal_dense_attention(dense):
-    _run_world(2, dense)
+    results = _run_world(2, dense)
+    ref = _dense(dv=DV)  # value heads 5 wide, query and key heads 8 (MLA's shape: d_qk != d_v)
+    assert ref[0].shape[-1] == DV and ref[3].shape[-1] == DV
+    for mode, layout in (("ring", "zigzag"), ("ulysses", "contiguous")):
+        got = [res["mla", mode] for res in results]
+        whole = [unsplit_sequence([g["out"] for g in got], dim=2, layout=layout)]
+        whole += [unsplit_sequence([g["grads"][i] for g in got], dim=2, layout=layout) for i in range(3)]
+        for name, w, want in zip(("out", "dq", "dk", "dv"), whole, ref):
+            assert w.shape == want.shape and (w - want).abs().max().item() < TOL, (mode, name)
 
 
 def test_sp3_ring_equals_dense_attention_and_ulysses_refuses_4_heads(dense):

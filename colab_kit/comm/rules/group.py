@@ -100,6 +100,10 @@ class RulesGroup(dist.ProcessGroup):
     def group_name(self) -> str:  # what torch registered the group under (functional collectives look it up)
         return self.label
 
+    def _get_sequence_number_for_group(self) -> int:  # noqa: N802 - torch's name
+        """How many collectives this rank has issued on the group (the health check compares the ranks')."""
+        return self._seq
+
     def shutdown(self) -> None:
         for ch in self._channels.values():
             ch.close()

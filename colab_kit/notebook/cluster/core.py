@@ -1,6 +1,6 @@
 """``Cluster``: ipyparallel engines, one per rank, with torch.distributed initialised.
 
-    >>> with ck.Cluster(n=4) as cluster:            # 4 local engines, gloo on CPU  # doctest: +SKIP
+    >>> with ck.Cluster(n=4) as cluster:            # 4 local engines, nccl_rules on CPU  # doctest: +SKIP
     ...     cluster.run(lambda x: torch.distributed.get_rank() * x, 10)
     [0, 10, 20, 30]
 
@@ -61,7 +61,8 @@ class Cluster(Startup, Waiting):
         profile's ``ipcluster_config.py`` (``c.SSHLauncher.ssh_args``, ``profile=`` or
         ``profile_dir=`` below).
     timeout: seconds to wait for engines to register and for the rendezvous.
-    backend: "gloo" or "nccl"; None picks nccl when every engine has its own GPU.
+    backend: "nccl", "nccl_rules" (gloo on CPU under NCCL's rules: what runs here runs on GPUs) or "gloo"
+    (gloo's own, forgiving semantics); None picks nccl when every engine has a GPU of its own, else nccl_rules.
     grace: seconds the other ranks get to finish after one failed.
     collective_timeout: the process group's timeout, so a rank left waiting in a
         collective gives up by itself instead of blocking its engine forever.
@@ -106,8 +107,9 @@ class Cluster(Startup, Waiting):
         if isinstance(engines, str) and "." not in engines and engines not in launcher_names():
             raise ClusterError(f"unknown engine launcher engines={engines!r}: ipyparallel knows "
                                f"{', '.join(launcher_names())} (or give a launcher class path)")
-        if backend not in (None, "gloo", "nccl"):
-            raise ClusterError(f"backend must be 'gloo', 'nccl' or None (pick by hardware), got {backend!r}")
+        if backend not in (None, "gloo", "nccl", "nccl_rules"):
+            raise ClusterError(f"backend must be 'nccl', 'nccl_rules', 'gloo' or None (pick by hardware), got "
+                               f"{backend!r}")
         if "controller_ip" in ipp_kwargs:
             ip = ip or ipp_kwargs.pop("controller_ip")
         if ip is None and engines not in LOCAL_LAUNCHERS:

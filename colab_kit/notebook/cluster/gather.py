@@ -33,6 +33,25 @@ RESTART_ADVICE = ("the cluster's process group is now unusable: run %colossal re
 HEALTH_SECONDS = 5.0
 
 
+def out_of_step(reports: dict[int, dict]) -> str:
+    """Why ranks' ``remote.health`` reports show them at different collectives ('' when in step): a group whose
+    ranks issued different numbers of collectives, or operations issued and not complete.
+
+        >>> out_of_step({0: {"seq": {"0": 5, "1": 2}, "pending": []}, 1: {"seq": {"0": 5}, "pending": []}})
+        ''
+        >>> out_of_step({0: {"seq": {"0": 5}, "pending": []}, 1: {"seq": {"0": 4}, "pending": []}})
+        'group 0: rank 0 issued 5 collectives, rank 1 issued 4 collectives'
+    """
+    seen: dict[str, dict[int, int]] = {}
+    for r, rep in sorted(reports.items()):
+        for name, seq in (rep.get("seq") or {}).items():
+            seen.setdefault(name, {})[r] = seq
+    why = [f"group {name}: " + ", ".join(f"rank {r} issued {n} collectives" for r, n in by.items())
+           for name, by in seen.items() if len(set(by.values())) > 1]
+    why += [f"rank {r} has {p}" for r, rep in sorted(reports.items()) for p in (rep.get("pending") or [])[:3]]
+    return "; ".join(why)
+
+
 class ClusterError(MessageOnly, RuntimeError):
     """The cluster cannot do what was asked (not started, failed to start, needs a restart).
     IPython shows its message only: the kernel-side frames say nothing the message does not."""
@@ -113,14 +132,21 @@ class Waiting:
         self.health_check()
 
     def health_check(self, seconds: float = HEALTH_SECONDS) -> bool:
-        """A monitored barrier on every rank; a rank that misses it marks the cluster for restart."""
+        """Every rank says where its collectives stand (``remote.health``: no collective runs, so ranks stopped
+        at different ones cannot hang it); a rank that does not answer, or ranks out of step, mark the cluster
+        for restart."""
         ranks = list(range(len(self._ids)))
         ars = self._apply(ranks, remote.health, seconds)
         done, _ = cf.wait(list(ars.values()), timeout=seconds + self.grace)
-        bad = sorted(r for r, ar in ars.items() if ar not in done or not unwrap_plain(ar)[0])
+        answers = {r: unwrap_plain(ar) for r, ar in ars.items() if ar in done}
+        bad = sorted(r for r in ranks if r not in answers or not answers[r][0])
         if bad:
-            self._broken = f"ranks {bad} failed the health check after an interrupt (out of step)"
-        return not bad
+            self._broken = f"ranks {bad} failed the health check after an interrupt (no answer)"
+            return False
+        why = out_of_step({r: answers[r][1] for r in ranks})
+        if why:
+            self._broken = f"the ranks are out of step after an interrupt: {why}"
+        return not why
 
     def _gather(self, ars: dict, timeout: float | None, where: str, unwrap=None, tick=None) -> dict:
         """Wait for one AsyncResult per rank; give up on the rest ``grace`` s after a failure."""

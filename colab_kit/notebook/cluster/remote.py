@@ -73,8 +73,9 @@ def probe(controller_host: str, sys_path: list[str], cwd: str) -> dict:
     sys.path[:0] = missing
     if os.path.isdir(cwd) and os.path.abspath(os.getcwd()) != os.path.abspath(cwd) and cwd not in sys.path:
         sys.path.append(cwd)
-    return {"host": socket.gethostname(), "pid": os.getpid(), "ip": _route_ip(controller_host),
-            "cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {"host": socket.gethostname(), "pid": os.getpid(), "ip": _route_ip(controller_host), "cuda": count,
+            "gpus": [str(torch.cuda.get_device_properties(i).uuid) for i in range(count)]}
 
 
 def open_store(addr: str, world_size: int, timeout: float) -> tuple[str, int]:
@@ -103,9 +104,13 @@ def init_rank(rank: int, world_size: int, local_rank: int, local_world: int, add
     place_rank(local_rank, local_world)
     keep_freed_memory()
     device = "cpu"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = f"cuda:{local_rank}"
+    if backend == "nccl":  # its own GPU: the local_rank-th it sees, or the one it sees (--gpus-per-task=1)
+        index = local_rank if torch.cuda.device_count() > 1 else 0
+        torch.cuda.set_device(index)
+        device = f"cuda:{index}"
+    elif backend == "nccl_rules":
+        from ...comm import rules
+        rules.register()
     ns = namespace()
     store = ns.get(_STORE) if rank == 0 else None
     if store is None:
@@ -181,15 +186,21 @@ def _in_namespace(fn):
     return out
 
 
-def health(seconds: float) -> str:
-    """A barrier that every rank must reach within ``seconds`` (gloo: a monitored barrier, which
-    names the rank that missed it); run after an interrupt to check that the ranks are in step."""
-    from datetime import timedelta
-
+def health(seconds: float) -> dict:
+    """Where this rank's collectives stand, read without running one: every process group's sequence number
+    (how many collectives this rank has issued on it) by group name, and what it issued under the rules and has
+    not completed (``comm.rules.pending``). The kernel compares the ranks (``gather.out_of_step``): after an
+    interrupt that stopped ranks at different collectives, a barrier would hang there, and this cannot."""
     import torch.distributed as dist
 
-    if dist.get_backend() == "gloo":
-        dist.monitored_barrier(timeout=timedelta(seconds=seconds), wait_all_ranks=True)
-    else:
-        dist.barrier()
-    return "ok"
+    from ...comm import rules
+
+    seqs: dict[str, int] = {}
+    if dist.is_initialized():
+        world = dist.distributed_c10d._world
+        for group, name in list(world.pg_names.items()):
+            try:
+                seqs[name] = int(group._get_sequence_number_for_group())
+            except (RuntimeError, AttributeError):  # a backend without sequence numbers: nothing to compare
+                pass
+    return {"seq": seqs, "pending": rules.pending()}

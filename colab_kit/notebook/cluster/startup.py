@@ -6,7 +6,7 @@ Worked example, ``Cluster(n=4).start()`` on host "box" (2 cores, no GPU)::
     engines registered 0/4 ... 4/4      (client.wait_for_engines; progress("engines registered", k, 4))
     probe                                every engine: host "box", pid, GPUs 0, route to 127.0.0.1
     open_store                           rank 0: TCPStore on 127.0.0.1:<free port>, loopback only
-    init_rank                            rank r: LOCAL_RANK r, gloo, 1 thread each
+    init_rank                            rank r: LOCAL_RANK r, nccl_rules (gloo under NCCL's rules), 1 thread each
                                          progress("torch.distributed ready", 4, 4)
 """
 from __future__ import annotations
@@ -21,6 +21,26 @@ from ...net import LOOPBACK, is_loopback
 from . import remote
 from .gather import ClusterError
 from .results import RankTable
+
+
+def own_gpus(info: dict, hosts: list[str]) -> bool:
+    """Whether every engine can drive a GPU of its own: it sees at least as many GPUs as its host has engines
+    (rank r takes its host's ``local_rank``-th), or it sees exactly one, which no other engine of its host sees
+    (Slurm's ``--gpus-per-task=1``, one ``CUDA_VISIBLE_DEVICES`` per engine: it takes that one).
+
+        >>> info = {0: {"cuda": 1, "gpus": ["A"]}, 1: {"cuda": 1, "gpus": ["B"]}}
+        >>> own_gpus(info, ["h", "h"]), own_gpus({0: info[0], 1: {"cuda": 1, "gpus": ["A"]}}, ["h", "h"])
+        (True, False)
+    """
+    for r, host in enumerate(hosts):
+        mates = [q for q, h in enumerate(hosts) if h == host]
+        if info[r]["cuda"] >= len(mates):
+            continue
+        seen = info[r].get("gpus") or []
+        if info[r]["cuda"] != 1 or any(q != r and seen[0] in (info[q].get("gpus") or []) for q in mates):
+            return False
+    return True
+
 
 __all__ = ["Startup", "check_hosts", "host_order", "preload_torch", "launcher_names"]
 
@@ -161,12 +181,13 @@ class Startup:
         hosts = [info[r]["host"] for r in range(self.n)]
         local = [hosts[:r].count(h) for r, h in enumerate(hosts)]
         per_host = [hosts.count(h) for h in hosts]
-        gpus_ok = all(info[r]["cuda"] >= per_host[r] for r in range(self.n))
-        backend = self.backend or ("nccl" if gpus_ok else "gloo")
+        gpus_ok = own_gpus(info, hosts)
+        backend = self.backend or ("nccl" if gpus_ok else "nccl_rules")
         if backend == "nccl" and not gpus_ok:
             short = [r for r in range(self.n) if info[r]["cuda"] < per_host[r]]
-            raise ClusterError(f"backend='nccl' needs one GPU per engine, but ranks {short} see fewer GPUs "
-                               "than engines on their host: use backend='gloo' or fewer engines per host")
+            raise ClusterError(f"backend='nccl' needs a GPU of its own for every engine, but ranks {short} see fewer "
+                               "GPUs than engines on their host (and no GPU of their own alone): use "
+                               "backend='nccl_rules' (CPU ranks under NCCL's rules) or fewer engines per host")
         store_ip = LOOPBACK if is_loopback(self.ip) else info[0]["ip"]
         addr, port = self._gather(self._apply([0], remote.open_store, store_ip, self.n, self.timeout),
                                   self.timeout, "start")[0]

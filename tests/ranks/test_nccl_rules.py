@@ -1,0 +1,208 @@
+"""The nccl_rules backend catches each thing gloo forgives and NCCL does not, and each violating program
+completes on plain gloo: so the rule, not luck, is what catches it.
+
+One ``ck.launch`` of 2 ranks per backend runs every program in turn, each on a group of its own (a program that
+breaks its group leaves the next one a clean group); the gloo launch runs the same programs and shows that they
+complete there. The pipeline under the rules (every schedule, the compositions, HF MoE's side band) is tested
+where the pipeline is (tests/ranks/test_pipeline_engine.py, test_parity_matrix.py, test_hf_moe.py): this file is
+about the rules themselves.
+"""
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import pytest
+
+import colab_kit as ck
+from colab_kit.pipeline.order import message_order, send_timesteps
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _programs(backend: str) -> dict:
+    """On each of 2 ranks: every violating program, each on a fresh group of ``backend``; what each saw."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from colab_kit import comm
+    from colab_kit.comm import rules
+
+    me, other = dist.get_rank(), 1 - dist.get_rank()
+    out: dict = {"backend": dist.get_backend()}
+
+    def group(device=None):
+        if device:
+            os.environ["COLAB_KIT_RULES_DEVICE"] = device
+        try:
+            return dist.new_group([0, 1], backend=backend)
+        finally:
+            os.environ.pop("COLAB_KIT_RULES_DEVICE", None)
+
+    def attempt(name, fn):
+        try:
+            out[name] = ("ok", fn())
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test reads
+            out[name] = (type(exc).__name__, str(exc))
+
+    # 1. tags: rank 0 sends a (tag 1) then b (tag 2); rank 1 asks for tag 2 first. gloo matches by tag.
+    g = group()
+
+    def reorder():
+        a, b = torch.full((3,), 1.0), torch.full((3,), 2.0)
+        if me == 0:
+            for t, tag in ((a, 1), (b, 2)):
+                dist.send(t, 1, group=g, tag=tag)
+            return None
+        first, second = torch.empty(3), torch.empty(3)
+        dist.recv(first, 0, group=g, tag=2)
+        dist.recv(second, 0, group=g, tag=1)
+        return first.tolist(), second.tolist()
+    attempt("reorder", reorder)
+
+    # 1'. the same with two shapes: NCCL's n-th receive gets the n-th send, whatever its size
+    g = group()
+
+    def reorder_shapes():
+        if me == 0:
+            dist.send(torch.ones(4), 1, group=g, tag=1)
+            dist.send(torch.ones(2), 1, group=g, tag=2)
+            return None
+        small, big = torch.empty(2), torch.empty(4)
+        dist.recv(small, 0, group=g, tag=2)
+        dist.recv(big, 0, group=g, tag=1)
+        return small.tolist(), big.tolist()
+    attempt("reorder_shapes", reorder_shapes)
+
+    # 2. one pair, one stream: each rank posts its receive, then its send, to the other
+    g = group()
+
+    def recv_first():
+        got = torch.empty(2)
+        r = dist.irecv(got, other, group=g)
+        s = dist.isend(torch.full((2,), float(me)), other, group=g)
+        for w in (r, s):
+            comm.finish(w, timeout=3.0)
+        return got.tolist()
+    attempt("recv_first", recv_first)
+    out["pending"] = rules.pending() if backend == "nccl_rules" else []
+    if backend == "nccl_rules":
+        g.shutdown()  # NCCL would abort the communicator: its ops error out instead of staying blocked
+
+    # 2'. the same two messages as one batch (NCCL's group): fine under the rules too
+    g = group()
+
+    def batched():
+        got = torch.empty(2)
+        ops = [dist.P2POp(dist.irecv, got, other, g), dist.P2POp(dist.isend, torch.full((2,), float(me)), other, g)]
+        for w in rules.batch_isend_irecv(ops):
+            w.wait()
+        return got.tolist()
+    attempt("batched", batched)
+
+    # 3. collectives in different orders: the same bytes, so gloo adds them up without a word
+    g = group()
+
+    def crossed():
+        x, y = torch.ones(4), torch.ones(2, 2)
+        for t in ((x, y) if me == 0 else (y, x)):
+            dist.all_reduce(t, group=g)
+        return x.tolist()
+    attempt("crossed", crossed)
+
+    # 3'. two different collectives that gloo would hang on: the watchdog names them within a second or so
+    if backend == "nccl_rules":
+        g = group()
+
+        def different():
+            t = torch.ones(4)
+            if me == 0:
+                dist.all_reduce(t, group=g)
+            else:
+                dist.broadcast(t, 1, group=g)
+        attempt("different", different)
+        g.shutdown()
+
+    # 4. the device rule: a CPU tensor handed to a group whose job runs on the GPU
+    g = group(device="cuda") if backend == "nccl_rules" else group()
+    attempt("device", lambda: dist.all_reduce(torch.ones(2), group=g))
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return {b: ck.launch(_programs, 2, b, backend=b, timeout=120) for b in ("nccl_rules", "gloo")}
+
+
+def test_the_rules_are_the_default_on_cpu(outcomes):
+    assert ck.launch(lambda: __import__("torch.distributed").distributed.get_backend(), 2) == ["nccl_rules"] * 2
+    assert [o["backend"] for o in outcomes["gloo"]] == ["gloo"] * 2
+
+
+def test_tags_are_ignored(outcomes):
+    # gloo matches by tag: rank 1 gets b then a, as asked
+    assert outcomes["gloo"][1]["reorder"] == ("ok", ([2.0] * 3, [1.0] * 3))
+    # NCCL (and the rules) by order: the first receive gets a, whatever its tag said
+    assert outcomes["nccl_rules"][1]["reorder"] == ("ok", ([1.0] * 3, [2.0] * 3))
+    assert outcomes["gloo"][1]["reorder_shapes"] == ("ok", ([1.0] * 2, [1.0] * 4))
+    kind, text = outcomes["nccl_rules"][1]["reorder_shapes"]
+    assert kind != "ok", text  # 4 floats arriving into a buffer of 2
+
+
+def test_a_receive_posted_first_holds_back_the_send_after_it(outcomes):
+    for rank in range(2):
+        assert outcomes["gloo"][rank]["recv_first"] == ("ok", [float(1 - rank)] * 2)
+        kind, text = outcomes["nccl_rules"][rank]["recv_first"]
+        assert kind == "WaitTimeout", (kind, text)
+        pending = " ".join(outcomes["nccl_rules"][rank]["pending"])
+        # the report names both, the receive running and the send queued behind it
+        assert f"recv float32[2] from rank {1 - rank} (running" in pending, pending
+        assert f"send float32[2] to rank {1 - rank} (queued" in pending, pending
+        # posted together, as one group, the same two messages pass
+        assert outcomes["nccl_rules"][rank]["batched"] == ("ok", [float(1 - rank)] * 2)
+
+
+def test_collectives_must_match_on_every_rank(outcomes):
+    for rank in range(2):
+        assert outcomes["gloo"][rank]["crossed"] == ("ok", [2.0] * 4)
+        kind, text = outcomes["nccl_rules"][rank]["crossed"]
+        assert kind == "RuleBroken", (kind, text)
+        assert "rank 0 called all_reduce(sum) float32[4]" in text and "rank 1 called all_reduce(sum) float32[2, 2]" \
+            in text, text
+        kind, text = outcomes["nccl_rules"][rank]["different"]
+        assert kind == "RuleBroken" and "all_reduce(sum) float32[4]" in text and "broadcast(root 1)" in text, text
+
+
+def test_tensors_must_be_on_the_device(outcomes):
+    for rank in range(2):
+        assert outcomes["gloo"][rank]["device"][0] == "ok"
+        kind, text = outcomes["nccl_rules"][rank]["device"]
+        assert kind == "RuleBroken" and "cpu tensor float32[2]" in text and "run on cuda" in text, text
+
+
+# --------------------------------------------------------------------------- the pipeline's order, in one process
+@pytest.mark.parametrize("schedule,pp,m,chunks", [("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1),
+                                                  ("interleaved", 2, 4, 2), ("zb-h1", 4, 6, 1), ("zb-v", 2, 4, 2),
+                                                  ("zb-v", 4, 8, 2)])
+def test_both_ends_of_every_pair_issue_the_same_messages_in_the_same_order(schedule, pp, m, chunks):
+    """What ``message_order`` gives each rank, read per pair: rank a's messages with b are rank b's with a, one
+    for one, sends against receives; and each rank's sends keep the order of its action list."""
+    from colab_kit.pipeline import build_plan
+    from colab_kit.pipeline.check import steps
+    from colab_kit.pipeline.lowering import lower, match
+
+    plan = lower(build_plan(schedule, pp, m, chunks))
+    rows = steps(plan)
+    timesteps = [[t for t, row in enumerate(rows) if row[r] is not None] for r in range(pp)]
+    sent_at = send_timesteps(plan, timesteps)
+    orders = [message_order(plan, r, plan.actions[r], sent_at, header=lambda a: a.microbatch == 0, side=True)
+              for r in range(pp)]
+    for a in range(pp):
+        sends = [msg.action for msg in orders[a] if msg.send and msg.part == "data"]
+        assert sends == [x for x in plan.actions[a] if x.kind in ("SF", "SB")]
+        for b in range(pp):
+            mine = [(msg.action if msg.send else match(msg.action), msg.part) for msg in orders[a] if msg.peer == b]
+            theirs = [(msg.action if msg.send else match(msg.action), msg.part) for msg in orders[b] if msg.peer == a]
+            assert mine == theirs, (schedule, a, b)
