@@ -39,7 +39,7 @@ message and the others still run. Each prints one ``PASS``/``FAIL`` line with it
 All figures go to ``bench/results/gpu_check.json`` (device, torch, each check's status, seconds, figures).
 Exit 0 when all pass, 1 when one fails, 2 without CUDA (and without ``--cpu-smoke``).
 
-``--cpu-smoke``: the same checks and code paths on CPU ranks with gloo, in well under 20 s: 2 ranks for
+``--cpu-smoke``: the same checks and code paths on CPU ranks with gloo under NCCL's rules (``nccl_rules``), in well under 20 s: 2 ranks for
 ``launch`` and ``torchrun``, a GPT of 5,616 parameters in fp32, the budget held against the engine's
 account only (there is no CUDA allocator), parity as on one GPU. Its JSON goes to ``--out`` (default: a
 temp file), never over the GPU figures::
@@ -175,7 +175,7 @@ def check_launch(ctx):
 
 def _torchrun_child(smoke: bool) -> int:
     import torch.distributed as dist
-    job = ck.init(backend="gloo" if smoke else None)
+    job = ck.init(backend="nccl_rules" if smoke else None)
     mine = {**_where_am_i(), "launcher": job.launcher if job is not None else None}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
@@ -427,7 +427,7 @@ CHECKS = [("launch", check_launch), ("torchrun", check_torchrun), ("gpt", check_
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cpu-smoke", action="store_true", help="the same checks, tiny, on CPU ranks with gloo")
+    ap.add_argument("--cpu-smoke", action="store_true", help="the same checks, tiny, on CPU ranks (gloo under NCCL's rules)")
     ap.add_argument("--out", help="where to write the JSON (default: bench/results/gpu_check.json on CUDA, "
                                   "a temp file with --cpu-smoke)")
     ap.add_argument("--torchrun-child", action="store_true", help=argparse.SUPPRESS)
@@ -442,13 +442,13 @@ def main(argv=None) -> int:
         return 2
     gpus = torch.cuda.device_count() if cuda else 0
     ctx = {"cuda": cuda, "world": gpus if cuda else 2, "devices": gpus if cuda else 1,
-           "backend": "nccl" if cuda else "gloo", "sizes": SIZES["cuda" if cuda else "cpu"],
+           "backend": "nccl" if cuda else "nccl_rules", "sizes": SIZES["cuda" if cuda else "cpu"],
            "timeout": 300.0 if cuda else 120.0, "threads": None if cuda else 1}
     out = args.out or os.path.join(ROOT, "bench", "results", "gpu_check.json")
     if not cuda and not args.out:  # a smoke run never writes over the GPU figures
         fd, out = tempfile.mkstemp(prefix="gpu_check_smoke_", suffix=".json")
         os.close(fd)
-    print(f"gpu_check: {f'CUDA, {gpus} GPU(s)' if cuda else 'CPU smoke (gloo)'}, torch {torch.__version__}, "
+    print(f"gpu_check: {f'CUDA, {gpus} GPU(s)' if cuda else 'CPU smoke (nccl_rules)'}, torch {torch.__version__}, "
           f"{ctx['world']} rank(s) for launch/torchrun", flush=True)
     t0 = time.perf_counter()
     results = run_checks(CHECKS, ctx)  # the ranks first: this process makes no CUDA context before them

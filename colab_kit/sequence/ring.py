@@ -141,6 +141,16 @@ def _block_backward(q, k, v, do, lse, delta, scale, diag, keys=None, keep=None):
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
 
 
+def _pack_kv(k, v, dtype):
+    """K and V in one buffer (one message per rotation) and the function that views them back out of it (or out
+    of a gradient buffer of the same shape): stacked ``[2, b, h, t, d]`` when their widths agree, else side by
+    side ``[b, h, t, d_k + d_v]`` (DeepSeek's multi-head latent attention: d_k 192, d_v 128)."""
+    if v.shape == k.shape:
+        return torch.stack([k, v]).to(dtype).contiguous(), lambda buf: (buf[0], buf[1])
+    dk = k.shape[-1]
+    return torch.cat([k, v], dim=-1).to(dtype).contiguous(), lambda buf: (buf[..., :dk], buf[..., dk:])
+
+
 def _pass_on(buf, mesh, axis, msg_tag, tag):
     """Post the send of ``buf`` to the next rank and the receive of the previous rank's; -> (incoming, pending)."""
     n, r = mesh.size(axis), mesh.rank(axis)
@@ -173,8 +183,7 @@ class RingAttention(torch.autograd.Function):
         c, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
         q_ids = chunk_ids(r, n, layout)
         qs = q.to(acc).split(c, dim=2)
-        dk = k.shape[-1]
-        kv = torch.cat([k, v], dim=-1).to(acc).contiguous()  # one buffer, one message per rotation (d_v may differ)
+        kv, kv_of = _pack_kv(k, v, acc)                # one buffer, one message per rotation
         state = [(None, None), (None, None)]           # (O, LSE) per query chunk
         for i in range(n):
             src = (r - i) % n                          # whose K/V this rank holds now
@@ -189,8 +198,8 @@ class RingAttention(torch.autograd.Function):
                         ks = slice(b * c, (b + 1) * c)
                         km = keys[src][:, ks] if keys is not None else None
                         keep = drop(q_ids[a], kb) if drop is not None else None
-                        o_b, l_b = _block_forward(qa, kv[:, :, ks, :dk], kv[:, :, ks, dk:], scale, rel == "diag",
-                                                  km, keep)
+                        kb_, vb_ = kv_of(kv)
+                        o_b, l_b = _block_forward(qa, kb_[:, :, ks], vb_[:, :, ks], scale, rel == "diag", km, keep)
                         state[a] = merge_lse(*state[a], o_b, l_b)
             end = recorder.now() if recorder is not None else 0.0
             waited = _wait(pending)
@@ -221,8 +230,7 @@ class RingAttention(torch.autograd.Function):
         qs, dos = q.to(acc).split(c, dim=2), do.split(c, dim=2)
         lses, deltas = lse.split(c, dim=2), delta.split(c, dim=2)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = k.shape[-1]
-        kv = torch.cat([k, v], dim=-1).to(acc).contiguous()
+        kv, kv_of = _pack_kv(k, v, acc)
         acc_in: torch.Tensor | None = None             # the dK/dV accumulator arriving from r - 1
         acc_pending: list = []
         for i in range(n):
@@ -239,11 +247,13 @@ class RingAttention(torch.autograd.Function):
                         ks, qsl = slice(b * c, (b + 1) * c), slice(a * c, (a + 1) * c)
                         km = keys[src][:, ks] if keys is not None else None
                         keep = drop(q_ids[a], kb) if drop is not None else None
-                        dq_b, dk_b, dv_b = _block_backward(qs[a], kv[:, :, ks, :dk], kv[:, :, ks, dk:], dos[a],
+                        kb_, vb_ = kv_of(kv)
+                        dq_b, dk_b, dv_b = _block_backward(qs[a], kb_[:, :, ks], vb_[:, :, ks], dos[a],
                                                            lses[a], deltas[a], scale, rel == "diag", km, keep)
                         dq[:, :, qsl] += dq_b
-                        dkv[:, :, ks, :dk] += dk_b
-                        dkv[:, :, ks, dk:] += dv_b
+                        dk_acc, dv_acc = kv_of(dkv)
+                        dk_acc[:, :, ks] += dk_b
+                        dv_acc[:, :, ks] += dv_b
             end = recorder.now() if recorder is not None else 0.0
             waited = _wait(acc_pending)                # the accumulator for src, from r - 1's previous step
             if acc_in is not None:
@@ -259,7 +269,8 @@ class RingAttention(torch.autograd.Function):
             _wait(acc_pending)
             assert acc_in is not None  # passed on at every rotation
             dkv = acc_in
-        return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None, None, None, None, None, None
+        dk_all, dv_all = kv_of(dkv)
+        return dq.to(q.dtype), dk_all.to(k.dtype), dv_all.to(v.dtype), None, None, None, None, None, None, None
 
 
 def gather_keys(mask: torch.Tensor, mesh, axis: str) -> torch.Tensor:

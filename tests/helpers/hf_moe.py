@@ -30,9 +30,10 @@ MODELS = {  # name: (model class, config), 4 experts each
                                                                  shared_expert_intermediate_size=32)),
     "olmoe": (tf.OlmoeForCausalLM, lambda: tf.OlmoeConfig(**COMMON, **LOSS, num_hidden_layers=2, num_experts=4)),
     # a dense first layer, shared experts, group-limited sigmoid routing, MLA attention (query and key heads 12 wide,
-    # value heads 8: ring and Ulysses carry both widths); no load-balancing loss
+    # value heads 8: ring and Ulysses carry both widths; every head its own keys, as MLA has no grouped heads:
+    # transformers' DeepSeek-V3 fails on q/k widths other than 8 with 2 key-value heads); no load-balancing loss
     "deepseek": (tf.DeepseekV3ForCausalLM, lambda: tf.DeepseekV3Config(
-        **COMMON, num_hidden_layers=4, n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1,
+        **{**COMMON, "num_key_value_heads": 4}, num_hidden_layers=4, n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1,
         n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
         v_head_dim=8)),
     # transposed experts with biases, gate and up interleaved, a clamped SwiGLU; attention sinks, sliding windows

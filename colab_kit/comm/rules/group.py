@@ -28,6 +28,7 @@ import queue
 import threading
 import time
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,9 @@ from .board import Board, same_host
 from .pairs import Batch, Channel, Op, RuleBroken, describe_tensor
 
 __all__ = ["RulesGroup", "LIVE"]
+
+_STUCK: list = []
+"""gloo groups whose shutdown did not finish (a collective stuck on a mismatch): kept, never destroyed."""
 
 LIVE: weakref.WeakSet = weakref.WeakSet()
 """Every rules group of this process (``pending()`` reads their queues)."""
@@ -77,15 +81,17 @@ class RulesGroup(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout, ranks: list[int] | None, device_type: str,
                  name: str = ""):
         super().__init__(rank, size)
-        self._inner = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._inner: Any = dist.ProcessGroupGloo(store, rank, size, timeout)  # None after shutdown()
         self._ranks = list(ranks) if ranks else list(range(size))
         self.device_type, self.label = device_type, name
         self._seq = 0
         self._channels: dict[int, Channel] = {}
+        self._counts: dict = {}  # messages so far per (direction, peer): names one in a mismatch
         self._inflight: dict[int, tuple] = {}  # seq -> (what, since, fingerprint, future) of running collectives
         self._settle = threading.Lock()  # one of a call's completion and the watchdog settles its future
         self._lock = threading.Lock()
         self._waiter: queue.SimpleQueue | None = None
+        self._stuck = False  # a collective of this group differed and hangs in gloo (see ``stalled``)
         self._board = Board(store, rank, size, _WIDTH) if size > 1 and same_host(store, rank, size) else None
         LIVE.add(self)
 
@@ -105,14 +111,25 @@ class RulesGroup(dist.ProcessGroup):
         return self._seq
 
     def shutdown(self) -> None:
+        """Close gloo's connections and let go of everything that refers back to this group (channels, works in
+        flight), so that the group, and gloo's listening socket with it, goes when torch drops it."""
         for ch in self._channels.values():
             ch.close()
         if self._waiter is not None:
             self._waiter.put(None)
-        self._inner.shutdown()
+        if self._inner is not None:  # gloo's shutdown waits for a collective stuck on another rank's different
+            closing = threading.Thread(target=self._inner.shutdown, daemon=True,  # call: never past 2 s here
+                                       name="colab_kit nccl-rules shutdown")
+            closing.start()
+            closing.join(2.0)
+            running = [w for _, _, _, w in self._inflight.values() if isinstance(w, Checked)
+                       and not w.inner.is_completed()]
+            if closing.is_alive() or self._stuck or running:  # its destructor would wait for that collective too
+                _STUCK.append(self._inner)
         if self._board is not None:
             self._board.close()
-            self._board = None
+        self._channels, self._inflight, self._board, self._waiter = {}, {}, None, None
+        self._inner = None
 
     def abort(self) -> None:
         self.shutdown()
@@ -195,7 +212,7 @@ class RulesGroup(dist.ProcessGroup):
         real = launch()
         fp_work.get_future().add_done_callback(on_fp)
         self._when_done(real, on_real)
-        return c10d._create_work_from_future(out)
+        return FutureWork(out)
 
     def _differs(self, seq: int, rows: list) -> RuleBroken:
         return RuleBroken(
@@ -239,13 +256,12 @@ class RulesGroup(dist.ProcessGroup):
             verdict = work.verdict() if done else self.compare(seq, mine)
             if done:
                 self._inflight.pop(seq, None)
-            elif verdict is not None:
+            elif verdict is not None:  # wake the wait (gloo's own wait cannot be interrupted: its op stays stuck)
                 work.broken = verdict
+                self._stuck = True
                 self._inflight.pop(seq, None)
-                try:
-                    self._inner.abort()
-                except RuntimeError:
-                    self._inner.shutdown()
+                if work.woken is not None:
+                    work.woken.set()
 
     def _when_done(self, work, callback) -> None:
         """``callback(None or the error)`` once gloo's ``work`` completes: from its future, or (gloo's
@@ -373,6 +389,7 @@ class RulesGroup(dist.ProcessGroup):
         ch = self._channels.get(peer)
         if ch is None:
             ch = self._channels[peer] = Channel(self._inner, peer, self._ranks[peer])
+            ch.counts = self._counts
         return ch
 
     def _op(self, kind: str, tensors, peer: int) -> Op:
@@ -387,12 +404,12 @@ class RulesGroup(dist.ProcessGroup):
     def send(self, tensors, dst: int, tag: int = 0):
         op = self._op("send", tensors, dst)
         self._channel(dst).submit(op)
-        return c10d._create_work_from_future(op.future)
+        return FutureWork(op.future)
 
     def recv(self, tensors, src: int, tag: int = 0):
         op = self._op("recv", tensors, src)
         self._channel(src).submit(op)
-        return c10d._create_work_from_future(op.future)
+        return FutureWork(op.future)
 
     def recv_anysource(self, tensors, tag: int = 0):
         raise RuleBroken("nccl-rules: NCCL has no receive from any source: name the rank the message comes from")
@@ -402,9 +419,10 @@ class RulesGroup(dist.ProcessGroup):
         made = [self._op(kind, [t], peer) for kind, t, peer in ops]
         channels = [self._channel(p) for p in sorted({op.group_peer for op in made})]
         batch = Batch(made, channels)
+        batch.counts = self._counts
         for ch in channels:
             ch.submit(batch)
-        return [c10d._create_work_from_future(op.future) for op in made]
+        return [FutureWork(op.future) for op in made]
 
     def pending(self) -> list[str]:
         """What this rank issued on this group and is not complete: collectives, then each pair's queue."""
@@ -457,6 +475,25 @@ def _wait_loop(q: queue.SimpleQueue) -> None:
         callback(None)
 
 
+class FutureWork(c10d.Work):
+    """A Work that is done when its future is, and raises the future's error in ``wait()`` (torch's
+    ``_create_work_from_future`` returns a Work whose wait swallows the error)."""
+
+    def __init__(self, future: torch.futures.Future):
+        super().__init__()
+        self.future = future
+
+    def wait(self, timeout=None) -> bool:
+        self.future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.future.done()
+
+    def get_future(self):
+        return self.future
+
+
 class Checked(c10d.Work):
     """gloo's work for collective ``seq``, compared with the other ranks' on the board when waited."""
 
@@ -464,6 +501,7 @@ class Checked(c10d.Work):
         super().__init__()
         self.group, self.seq, self.mine, self.inner, self._result = group, seq, mine, inner, result
         self.broken: RuleBroken | None = None  # set by the watchdog
+        self.woken: threading.Event | None = None  # what a wait sleeps on, set by completion or the watchdog
         self._verdict: list = []
 
     def verdict(self) -> RuleBroken | None:
@@ -472,6 +510,17 @@ class Checked(c10d.Work):
         return self._verdict[0]
 
     def wait(self, timeout=None) -> bool:
+        if not self.inner.is_completed():
+            try:
+                fut = self.inner.get_future()
+            except RuntimeError:  # gloo's reduce-scatter has no future: its own (uninterruptible) wait
+                fut = None
+            if fut is not None:
+                self.woken = woken = threading.Event()
+                fut.add_done_callback(lambda _: woken.set())
+                woken.wait()
+                if self.broken is not None:
+                    raise self.broken
         try:
             self.inner.wait()
         except BaseException as exc:

@@ -36,11 +36,31 @@ def describe_tensor(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
+           torch.uint8, torch.bool, torch.int16, torch.complex64, torch.complex128]
+_ENVELOPE = 9  # nbytes, dtype, ndim, 6 dims
+
+
+def envelope(t: torch.Tensor) -> torch.Tensor:
+    """What a message says about itself before its payload: bytes, dtype and shape, 9 int64s. The receiver
+    checks it against its buffer, since gloo aborts the process on a message larger than the buffer."""
+    dims = list(t.shape)[:6]
+    code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
+    return torch.tensor([t.numel() * t.element_size(), code, t.dim()] + dims + [0] * (6 - len(dims)),
+                        dtype=torch.int64)
+
+
+def _unenvelope(e: list[int]) -> str:
+    kind = str(_DTYPES[e[1]]).removeprefix("torch.") if 0 <= e[1] < len(_DTYPES) else "?"
+    return f"{kind}{e[3:3 + min(e[2], 6)]} ({e[0]} bytes)"
+
+
 class Op:
     """One send or receive in a channel: its future completes when gloo has moved the data."""
 
     def __init__(self, kind: str, tensor: torch.Tensor, group_peer: int, peer: int, what: str = ""):
         self.kind, self.tensor, self.group_peer, self.peer, self.what = kind, tensor, group_peer, peer, what
+        self.index = -1  # this op's number among the pair's messages in its direction (set when it runs)
         self.future: torch.futures.Future = torch.futures.Future()
         self.issued, self.started = time.monotonic(), None
 
@@ -60,6 +80,8 @@ class Batch:
         self.done = threading.Event()
         self.issued, self.started = time.monotonic(), None
 
+    counts: dict = {}  # the group's message counts per (direction, peer), handed in by the group
+
     def reached(self, inner) -> None:
         """Called by each channel's thread when the batch is at its head; the last to arrive runs it."""
         with self._lock:
@@ -70,11 +92,9 @@ class Batch:
             return
         self.started = time.monotonic()
         try:
-            works = [(op, _post(inner, op)) for op in self.ops]
-            for op, work in works:
+            for op in self.ops:
                 op.started = self.started
-                work.wait()
-                op.future.set_result(None)
+            _run_ops(inner, self.ops, self.counts)
         except BaseException as exc:  # noqa: BLE001 - every op of the batch fails with it
             for op in self.ops:
                 if not op.future.done():
@@ -90,11 +110,44 @@ class Batch:
         return f"batch [{parts}] ({state})"
 
 
-def _post(inner, op: Op):
-    # tag 0 always: NCCL has no tags, so the n-th receive of a pair gets the n-th send
-    if op.kind == "send":
-        return inner.send([op.tensor], op.group_peer, 0)
+def _send(inner, op: Op) -> list:
+    """Post the envelope and the payload of send ``op`` (tag 0: NCCL has no tags, the n-th receive of a pair gets
+    the n-th send); their works."""
+    return [inner.send([envelope(op.tensor)], op.group_peer, 0), inner.send([op.tensor], op.group_peer, 0)]
+
+
+def _receive(inner, op: Op):
+    """Take receive ``op``'s envelope, check it against the buffer, post the payload's receive; its work. A
+    message that does not fit is taken into a scratch buffer (the pair stays in step) and raises ``RuleBroken``."""
+    env = torch.empty(_ENVELOPE, dtype=torch.int64)
+    inner.recv([env], op.group_peer, 0).wait()
+    got, want = env.tolist(), envelope(op.tensor).tolist()
+    if got[:2] != want[:2]:
+        inner.recv([torch.empty(got[0], dtype=torch.uint8)], op.group_peer, 0).wait()
+        raise RuleBroken(
+            f"nccl-rules: message {op.index} from rank {op.peer} is {_unenvelope(got)}, but the receive it met is "
+            f"{_unenvelope(want)}: NCCL matches a pair's messages by order alone (tags are ignored), so the n-th "
+            "receive must take the n-th send, of the same size and dtype")
     return inner.recv([op.tensor], op.group_peer, 0)
+
+
+def _run_ops(inner, ops: list[Op], counts: dict) -> None:
+    """Post ``ops`` together (sends first, then each peer's receives in order) and wait for all of them."""
+    works = []
+    for op in ops:
+        if op.kind == "send":
+            op.index = counts.setdefault(("send", op.group_peer), 0)
+            counts["send", op.group_peer] += 1
+            works += [(op, w) for w in _send(inner, op)]
+    for op in ops:
+        if op.kind == "recv":
+            op.index = counts.setdefault(("recv", op.group_peer), 0)
+            counts["recv", op.group_peer] += 1
+            works.append((op, _receive(inner, op)))
+    for op, w in works:
+        w.wait()
+    for op in ops:
+        op.future.set_result(None)
 
 
 class Channel:
@@ -106,6 +159,7 @@ class Channel:
         self.pending: deque = deque()  # what is issued and not completed, oldest first (for reports)
         self.broken: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self.counts: dict = {}  # messages so far per (direction, peer): names a message in a mismatch
 
     def submit(self, item) -> None:
         if self._thread is None:
@@ -135,10 +189,10 @@ class Channel:
                     item.reached(self.inner)
                 else:
                     item.started = time.monotonic()
-                    _post(self.inner, item).wait()
-                    item.future.set_result(None)
+                    _run_ops(self.inner, [item], self.counts)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the op
-                self.broken = self.broken or exc
+                if not isinstance(exc, RuleBroken):  # a message that did not fit was taken whole: still in step
+                    self.broken = self.broken or exc
                 ops = item.ops if isinstance(item, Batch) else [item]
                 for op in ops:
                     if not op.future.done():
