@@ -254,9 +254,7 @@ def _worker(rank, world_size, port, payload, results, backend, threads, timeout,
         keep_freed_memory()
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        elif backend == "nccl_rules":
-            from .comm import rules
-            rules.register()
+        # nccl_rules is registered by importing colab_kit (its comm package), as this module's package is
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,

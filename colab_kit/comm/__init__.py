@@ -53,4 +53,4 @@ from .waiting import ABORT_POLL, Aborted, Pending, WaitTimeout, finish
 __all__ = ["Aborted", "WaitTimeout", "ABORT_POLL", "CommRecord", "CommLog", "wire_bytes", "all_reduce", "broadcast",
            "all_gather", "reduce_scatter", "reduce", "Pending", "copy_to_group", "reduce_from_group",
            "gather_from_group", "split_to_group", "P2PPending", "isend", "irecv", "sendrecv", "reduce_scatter_into",
-           "all_gather_into", "all_to_all", "all_to_all_v", "finish"]
+           "all_gather_into", "all_to_all", "all_to_all_v", "finish", "rules"]

@@ -91,6 +91,7 @@ class CommActions:
     timeout: float
     _key: tuple  # the step's batch shape and microbatch count: names the activation shapes
     _ahead: list[tuple]
+    _actions: list  # the actions this step runs on this rank
     _order: list[Message]  # this step's messages in issue order (``order.message_order``)
     _last: dict  # action -> the index in _order of its last part
     _next: int  # the first message of _order not issued yet

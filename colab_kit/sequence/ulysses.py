@@ -114,7 +114,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, a
         order = gathered_order(n, n * q.shape[2], layout, device=q.device)
         parts = [t.index_select(2, order.argsort()) for t in parts]             # natural token order
         keys = keys.index_select(1, order.argsort()) if keys is not None else None
-    out = attend(*parts, keys)
+    out = attend(parts[0], parts[1], parts[2], keys)
     if order is not None:
         out = out.index_select(2, order)                                     # back to rank order
     return UlyssesAllToAll.apply(out, mesh, axis, 2, 1)                      # [b, heads, t/sp, d]

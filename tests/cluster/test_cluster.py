@@ -64,7 +64,7 @@ def _fail_everywhere():
 def test_ranks_table_matches_the_engines(cluster):
     table = cluster.ranks()
     assert [row["rank"] for row in table] == [0, 1, 2, 3]
-    assert {row["device"] for row in table} == {"cpu"} and {row["backend"] for row in table} == {"gloo"}
+    assert {row["device"] for row in table} == {"cpu"} and {row["backend"] for row in table} == {"nccl_rules"}
     envs = cluster.run(_env)
     assert [row["pid"] for row in table] == [e["pid"] for e in envs]
     assert len({e["pid"] for e in envs}) == 4

@@ -66,7 +66,7 @@ def batch_isend_irecv(ops: list) -> list:
     if not ops:
         return []
     group = ops[0].group or dist.distributed_c10d._get_default_group()
-    if not is_rules(group):
+    if not isinstance(group, RulesGroup):
         return dist.batch_isend_irecv(ops)
     items = []
     for op in ops:

@@ -80,7 +80,7 @@ class RulesGroup(dist.ProcessGroup):
 
     def __init__(self, store, rank: int, size: int, timeout, ranks: list[int] | None, device_type: str,
                  name: str = ""):
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # torch's stub names only the store overload
         self._inner: Any = dist.ProcessGroupGloo(store, rank, size, timeout)  # None after shutdown()
         self._ranks = list(ranks) if ranks else list(range(size))
         self.device_type, self.label = device_type, name
@@ -96,17 +96,17 @@ class RulesGroup(dist.ProcessGroup):
         LIVE.add(self)
 
     # ------------------------------------------------------------------ identity
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+    def getBackendName(self) -> str:
         return "nccl_rules"
 
     def size(self) -> int:
         return len(self._ranks)
 
     @property
-    def group_name(self) -> str:  # what torch registered the group under (functional collectives look it up)
+    def group_name(self) -> str:  # type: ignore[override]  # what torch registered the group under (functional collectives look it up)
         return self.label
 
-    def _get_sequence_number_for_group(self) -> int:  # noqa: N802 - torch's name
+    def _get_sequence_number_for_group(self) -> int:
         """How many collectives this rank has issued on the group (the health check compares the ranks')."""
         return self._seq
 
@@ -177,7 +177,7 @@ class RulesGroup(dist.ProcessGroup):
                                               c10d.AllgatherOptions())
         self._inflight[seq] = (op, time.monotonic(), None, None)
         out: torch.futures.Future = torch.futures.Future()
-        state = {"fp": None, "real": None}
+        state: dict[str, Any] = {"fp": None, "real": None}
         lock = threading.Lock()
 
         def settle():  # under lock: the two parts finish in either order, on gloo's threads
@@ -197,7 +197,7 @@ class RulesGroup(dist.ProcessGroup):
                 fut.wait()
                 rows = gathered.view(self.size(), _WIDTH).tolist()
                 bad = [r for r in range(len(rows)) if rows[r] != rows[0]]
-                verdict = True if not bad else self._differs(seq, rows)
+                verdict: bool | BaseException = True if not bad else self._differs(seq, rows)
             except BaseException as exc:  # noqa: BLE001 - the group is broken: the call fails with it
                 verdict = exc
             with lock:
@@ -286,7 +286,7 @@ class RulesGroup(dist.ProcessGroup):
         fut.add_done_callback(done)
 
     # ------------------------------------------------------------------ collectives (torch's signatures)
-    def allreduce(self, tensors, opts=None):
+    def allreduce(self, tensors, opts=None):  # type: ignore[override]
         opts = opts or c10d.AllreduceOptions()
         fp = self._fingerprint("all_reduce", tensors[0], _reduce_code(opts.reduceOp))
         return self._collective("all_reduce", tensors, fp, lambda: self._inner.allreduce(tensors, opts), tensors)
@@ -298,12 +298,12 @@ class RulesGroup(dist.ProcessGroup):
         return self._collective("all_reduce_coalesced", tensors, fp,
                                 lambda: self._inner.allreduce_coalesced(tensors, opts), tensors)
 
-    def broadcast(self, tensors, opts=None):
+    def broadcast(self, tensors, opts=None):  # type: ignore[override]
         opts = opts or c10d.BroadcastOptions()
         fp = self._fingerprint("broadcast", tensors[0], opts.rootRank)
         return self._collective("broadcast", tensors, fp, lambda: self._inner.broadcast(tensors, opts), tensors)
 
-    def reduce(self, tensors, opts=None):
+    def reduce(self, tensors, opts=None):  # type: ignore[override]
         opts = opts or c10d.ReduceOptions()
         fp = self._fingerprint("reduce", tensors[0], (opts.rootRank << 4) | _reduce_code(opts.reduceOp))
         return self._collective("reduce", tensors, fp, lambda: self._inner.reduce(tensors, opts), tensors)
@@ -321,7 +321,7 @@ class RulesGroup(dist.ProcessGroup):
         return self._collective("all_gather_coalesced", [outputs, inputs], fp,
                                 lambda: self._inner.allgather_coalesced(outputs, inputs, opts), outputs)
 
-    def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's names
+    def all_gather_single(self, output, input, opts=None):
         opts = opts or c10d.AllgatherOptions()
         fp = self._fingerprint("all_gather_single", input)
         return self._collective("all_gather_single", [output, input], fp,
@@ -333,13 +333,13 @@ class RulesGroup(dist.ProcessGroup):
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return _last_of(works)
 
-    def reduce_scatter(self, outputs, inputs, opts=None):
+    def reduce_scatter(self, outputs, inputs, opts=None):  # type: ignore[override]
         opts = opts or c10d.ReduceScatterOptions()
         fp = self._fingerprint("reduce_scatter", outputs[0], _reduce_code(opts.reduceOp))
         return self._collective("reduce_scatter", [outputs, inputs], fp,
                                 lambda: self._inner.reduce_scatter(outputs, inputs, opts), outputs)
 
-    def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002 - torch's names
+    def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
         fp = self._fingerprint("reduce_scatter_single", input, _reduce_code(opts.reduceOp))
         return self._collective("reduce_scatter_single", [output, input], fp,
@@ -351,7 +351,7 @@ class RulesGroup(dist.ProcessGroup):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return _last_of(works)
 
-    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):  # noqa: A002
+    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         opts = opts or c10d.AllToAllOptions()
         even = not output_splits and not input_splits
         fp = self._fingerprint("all_to_all_single", input, shape=None if even else [-1, *input.shape[1:]])
@@ -367,13 +367,13 @@ class RulesGroup(dist.ProcessGroup):
         return self._collective("all_to_all", [outputs, inputs], fp,
                                 lambda: self._inner.alltoall(outputs, inputs, opts), outputs)
 
-    def gather(self, outputs, inputs, opts=None):
+    def gather(self, outputs, inputs, opts=None):  # type: ignore[override]
         opts = opts or c10d.GatherOptions()
         fp = self._fingerprint("gather", inputs[0], opts.rootRank)
         return self._collective("gather", [outputs, inputs], fp,
                                 lambda: self._inner.gather(outputs, inputs, opts), outputs)
 
-    def scatter(self, outputs, inputs, opts=None):
+    def scatter(self, outputs, inputs, opts=None):  # type: ignore[override]
         opts = opts or c10d.ScatterOptions()
         fp = self._fingerprint("scatter", outputs[0], opts.rootRank)
         return self._collective("scatter", [outputs, inputs], fp,
@@ -504,13 +504,25 @@ class Checked(c10d.Work):
         self.woken: threading.Event | None = None  # what a wait sleeps on, set by completion or the watchdog
         self._verdict: list = []
 
+    def everyone_called_it(self) -> bool:
+        """Whether every rank has started this collective, and the same one: then gloo's own wait (no thread
+        hand-off) cannot hang on a difference. A difference raises here."""
+        board = self.group._board
+        rows = board.read(self.seq) if board is not None else [None]
+        if any(row is None for row in rows):
+            return False
+        bad = self.verdict()
+        if bad is not None:
+            raise bad
+        return True
+
     def verdict(self) -> RuleBroken | None:
         if not self._verdict:
             self._verdict.append(self.group.compare(self.seq, self.mine))
         return self._verdict[0]
 
     def wait(self, timeout=None) -> bool:
-        if not self.inner.is_completed():
+        if not self.inner.is_completed() and not self.everyone_called_it():
             try:
                 fut = self.inner.get_future()
             except RuntimeError:  # gloo's reduce-scatter has no future: its own (uninterruptible) wait

@@ -62,7 +62,7 @@ class Op:
         self.kind, self.tensor, self.group_peer, self.peer, self.what = kind, tensor, group_peer, peer, what
         self.index = -1  # this op's number among the pair's messages in its direction (set when it runs)
         self.future: torch.futures.Future = torch.futures.Future()
-        self.issued, self.started = time.monotonic(), None
+        self.issued, self.started = time.monotonic(), None  # type: float, float | None
 
     def label(self, now: float) -> str:
         to = "to" if self.kind == "send" else "from"
@@ -78,7 +78,7 @@ class Batch:
         self.ops, self.channels = ops, channels
         self._arrived, self._lock = 0, threading.Lock()
         self.done = threading.Event()
-        self.issued, self.started = time.monotonic(), None
+        self.issued, self.started = time.monotonic(), None  # type: float, float | None
 
     counts: dict = {}  # the group's message counts per (direction, peer), handed in by the group
 
@@ -144,7 +144,7 @@ def _run_ops(inner, ops: list[Op], counts: dict) -> None:
             op.index = counts.setdefault(("recv", op.group_peer), 0)
             counts["recv", op.group_peer] += 1
             works.append((op, _receive(inner, op)))
-    for op, w in works:
+    for _, w in works:
         w.wait()
     for op in ops:
         op.future.set_result(None)

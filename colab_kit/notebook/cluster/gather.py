@@ -143,7 +143,7 @@ class Waiting:
         if bad:
             self._broken = f"ranks {bad} failed the health check after an interrupt (no answer)"
             return False
-        why = out_of_step({r: answers[r][1] for r in ranks})
+        why = out_of_step({r: dict(answers[r][1]) for r in ranks})  # type: ignore[call-overload]
         if why:
             self._broken = f"the ranks are out of step after an interrupt: {why}"
         return not why

@@ -32,6 +32,7 @@ from datetime import timedelta
 
 from ...errors.tracebacks import install as install_sources  # the kernel side is tracebacks.source_map
 from ...errors.tracebacks import unpack
+from ...comm import rules
 from ...config import ParallelConfig
 from ...launch import keep_freed_memory, place_rank
 from ...mesh import ProcessMesh
@@ -109,7 +110,6 @@ def init_rank(rank: int, world_size: int, local_rank: int, local_world: int, add
         torch.cuda.set_device(index)
         device = f"cuda:{index}"
     elif backend == "nccl_rules":
-        from ...comm import rules
         rules.register()
     ns = namespace()
     store = ns.get(_STORE) if rank == 0 else None
@@ -193,14 +193,12 @@ def health(seconds: float) -> dict:
     interrupt that stopped ranks at different collectives, a barrier would hang there, and this cannot."""
     import torch.distributed as dist
 
-    from ...comm import rules
-
     seqs: dict[str, int] = {}
     if dist.is_initialized():
         world = dist.distributed_c10d._world
         for group, name in list(world.pg_names.items()):
             try:
-                seqs[name] = int(group._get_sequence_number_for_group())
+                seqs[name] = int(group._get_sequence_number_for_group())  # type: ignore[attr-defined]
             except (RuntimeError, AttributeError):  # a backend without sequence numbers: nothing to compare
                 pass
     return {"seq": seqs, "pending": rules.pending()}
