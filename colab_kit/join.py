@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from .config import ConfigError
+from .launch import nccl_device
 from .net import interface_for, is_loopback, loopback_interface
 
 __all__ = ["JobEnv", "detect", "init", "interface_for", "gloo_interface", "first_host"]
@@ -227,9 +228,11 @@ def init(config=None, *, backend: str | None = None, timeout: float = 300.0) -> 
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         base = dist.TCPStore(job.master_addr, job.master_port, job.world_size, is_master=False, timeout=wait)
         store = dist.PrefixStore(f"colab_kit/attempt_{attempt}", base)
-        dist.init_process_group(backend, store=store, rank=job.rank, world_size=job.world_size, timeout=wait)
+        dist.init_process_group(backend, store=store, rank=job.rank, world_size=job.world_size, timeout=wait,
+                                **nccl_device(backend))
     else:
-        dist.init_process_group(backend, init_method="env://", rank=job.rank, world_size=job.world_size, timeout=wait)
+        dist.init_process_group(backend, init_method="env://", rank=job.rank, world_size=job.world_size, timeout=wait,
+                                **nccl_device(backend))
     atexit.register(_leave)
     return job
 

@@ -38,8 +38,8 @@ try:
 except ImportError:  # pragma: no cover
     _pickler = pickle
 
-__all__ = ["launch", "default_backend", "threads_per_rank", "cores_for_rank", "bind_rank", "ranks_share_cores",
-           "host_cores", "allowed_cores", "place_rank"]
+__all__ = ["launch", "default_backend", "nccl_device", "threads_per_rank", "cores_for_rank", "bind_rank",
+           "ranks_share_cores", "host_cores", "allowed_cores", "place_rank"]
 
 _CTX = None
 _RELEASE = "colab_kit/launch/release"  # set by the parent once every rank has reported
@@ -99,6 +99,17 @@ def default_backend(world_size: int) -> str:
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         return "nccl"
     return os.environ.get("COLAB_KIT_CPU_BACKEND", "nccl_rules")
+
+
+def nccl_device(backend: str) -> dict:
+    """``init_process_group``'s ``device_id`` for NCCL (this rank's current GPU), else nothing: with it NCCL makes
+    its communicators at once instead of at the first collective, so a rank that cannot reach its peers fails at
+    start-up, and torch can split groups from the world's communicator."""
+    import torch
+
+    if backend != "nccl":
+        return {}
+    return {"device_id": torch.device("cuda", torch.cuda.current_device())}
 
 
 def threads_per_rank(ranks_on_host: int) -> int:
@@ -258,7 +269,8 @@ def _worker(rank, world_size, port, payload, results, backend, threads, timeout,
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+                                timeout=timedelta(seconds=timeout),
+                                **nccl_device(backend))
         # every rank's connections are up before any rank runs the caller's code: one that fails at
         # once (os._exit, a crash) then cannot break its peers' connecting, and is the only one blamed
         if store.add(_JOINED, 1) == world_size:

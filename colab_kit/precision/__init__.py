@@ -192,7 +192,9 @@ class LossScaler:
         for g in grads:
             if g is not None:
                 g.mul_(inv)
-                bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+                bad = torch.maximum(bad, (~torch.isfinite(g)).any().float().to(bad.device))
+        if mesh is not None:  # the flag travels on the mesh's device: with offload the masters (and the flag
+            bad = bad.to(mesh.device)  # made beside them) live on the host, and NCCL takes only device tensors
         if mesh is not None and dist.is_initialized() and dist.get_world_size() > 1:
             t0 = time.perf_counter()
             work = dist.all_reduce(bad, op=dist.ReduceOp.MAX, async_op=True)

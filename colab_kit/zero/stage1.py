@@ -111,7 +111,8 @@ def sum_slices(pieces, sums: dict, mesh) -> None:
     the ``(piece, lo, hi)`` slices that hold marked parameters; one flat all-reduce per axis."""
     for axis, slices in sums.items():
         grads = [pieces[i][lo:hi] for i, lo, hi in slices]
-        flat = torch.cat(grads)
+        # on the mesh's device whatever the pieces' (offloaded ones live on the host): one buffer, one all-reduce
+        flat = torch.cat([g.to(mesh.device) for g in grads])
         comm.all_reduce(flat, mesh, axis, tag="replicated grads")
         off = 0
         for g in grads:

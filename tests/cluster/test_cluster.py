@@ -250,7 +250,7 @@ def test_bad_launcher_name_is_a_clear_error():
 def test_bad_sizes_are_clear_errors():
     with pytest.raises(ClusterError, match="n must be a positive whole number"):
         Cluster(n=0)
-    with pytest.raises(ClusterError, match="backend must be 'gloo', 'nccl'"):
+    with pytest.raises(ClusterError, match="backend must be 'nccl', 'nccl_rules', 'gloo'"):
         Cluster(n=2, backend="mpi")
 
 

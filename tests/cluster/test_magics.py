@@ -81,7 +81,7 @@ def test_config_checks_the_world_size_before_touching_the_engines(run, state, sh
     assert [o.stdout for o in shared.execute("print(config.dp)").values()] == ["4\n"] * 4
     assert state.config == ck.ParallelConfig(dp=4)
     error, out, _ = run("%colossal status")
-    assert error is None and "4 ranks (local engines, gloo); config: dp=4 = 4 ranks" in out
+    assert error is None and "4 ranks (local engines, nccl_rules); config: dp=4 = 4 ranks" in out
 
 
 def test_cell_runs_on_every_rank_with_output_grouped(run, state, shared):
@@ -118,7 +118,7 @@ def test_bad_flags_are_usage_errors_that_leave_the_cluster_usable(run, state, sh
     assert state.cluster is shared and state.config is None and shared.config is None
     error, out, _ = run("%%colossal --ranks 0,3\nprint('still here', rank)")
     assert error is None and out == "[rank 0]\nstill here 0\n[rank 3]\nstill here 3\n"
-    assert shared.status() == "4 ranks (local engines, gloo); config: none set"
+    assert shared.status() == "4 ranks (local engines, nccl_rules); config: none set"
 
 
 def test_help_documents_every_subcommand_and_flag(run, ip, state):
@@ -192,7 +192,7 @@ def test_ctrl_c_in_a_cell_shows_every_ranks_output_and_the_health_check(run, sha
 def test_lifecycle_start_fail_restart_stop_start_again(run, state):
     error, out, _ = run("%colossal start -n 2")
     assert error is None, out
-    assert "started 2 ranks (local engines, gloo)" in out
+    assert "started 2 ranks (local engines, nccl_rules)" in out
     pids = [row["pid"] for row in state.cluster.ranks()]
     for pid in pids:
         assert str(pid) in out

@@ -177,7 +177,7 @@ def test_an_ssh_cluster_across_two_hosts_trains_survives_a_dead_engine_and_resta
 
     # ranks contiguous per host: rank 0, 1 on A and 2, 3 on B, so each tp pair is inside one host
     assert seen["hosts"] == ["ck-host-a"] * 2 + ["ck-host-b"] * 2, seen["start_output"]
-    assert "started 4 ranks (ssh engines, gloo)" in seen["start_output"]
+    assert "started 4 ranks (ssh engines, nccl_rules)" in seen["start_output"]
     for rank_losses in seen["losses"]:
         assert rank_losses == pytest.approx(want, rel=1e-5)
 

@@ -34,7 +34,7 @@ EXPECT = {  # notebook -> [(marker in the cell source, text its output must cont
         ("%colossal stop", "cluster stopped"),
     ],
     "02_tensor_parallel.ipynb": [
-        ("%colossal start -n 8 --fit", "ranks (local engines, gloo)"),
+        ("%colossal start -n 8 --fit", "ranks (local engines, nccl_rules)"),
         ('assert r["forward"] == f["forward"]', "| wire sent"),
         ("dense_bytes", "(2d) = "),
         ('explore("tp=6', "refused before any rank ran: tp=6 with tp_mode='2d' needs tp to be a square"),
@@ -90,7 +90,7 @@ EXPECT = {  # notebook -> [(marker in the cell source, text its output must cont
     ],
     "06_hybrid_and_planner.ipynb": [
         ("cands = ck.plan(MODEL, RANKS", "fit under 2 MiB per rank"),
-        ("%colossal start -n $RANKS", "ranks (local engines, gloo)"),
+        ("%colossal start -n $RANKS", "ranks (local engines, nccl_rules)"),
         ("%colossal plan --model MODEL", "best first (planned: estimated, not run); memory per rank 2.00 MiB"),
         ("measured = [cluster.run(trial", "planned (estimated) / measured on the"),
         ("before = cluster.run(first_part", "tp=2 pp=2 microbatches=2: losses"),
@@ -101,7 +101,7 @@ EXPECT = {  # notebook -> [(marker in the cell source, text its output must cont
     ],
     "07_bring_your_own_model.ipynb": [
         ("policy = policy_for(ViT(VIT))", "patch                  input"),
-        ("%colossal start -n 8 --fit", "ranks (local engines, gloo)"),
+        ("%colossal start -n 8 --fit", "ranks (local engines, nccl_rules)"),
         ("vit = {words: cluster.run", "tp=4 tp_mode=2d"),
         ("x, y, order = digit_data()", "steps 1-20 within"),
         ("bert, rotations = cluster.run", "sp=4 ring (4 rotations of K/V per pass)"),

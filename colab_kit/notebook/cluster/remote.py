@@ -34,7 +34,7 @@ from ...errors.tracebacks import install as install_sources  # the kernel side i
 from ...errors.tracebacks import unpack
 from ...comm import rules
 from ...config import ParallelConfig
-from ...launch import keep_freed_memory, place_rank
+from ...launch import keep_freed_memory, nccl_device, place_rank
 from ...mesh import ProcessMesh
 from ...net import gloo_env, listening_store
 
@@ -118,7 +118,8 @@ def init_rank(rank: int, world_size: int, local_rank: int, local_world: int, add
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout))
+                            timeout=timedelta(seconds=timeout),
+                                **nccl_device(backend))
     ns.update(rank=rank, config=None, mesh=None)
     return {"device": device, "backend": backend, "threads": torch.get_num_threads()}
 
