@@ -152,13 +152,16 @@ def test_ctrl_c_keeps_the_output_and_checks_the_ranks(cluster):
     outs = info.value.outputs
     assert sorted(outs) == [0, 1, 2, 3]
     assert all(o.stdout == f"step {r}\n" and o.status == "interrupted" for r, o in outs.items())
-    assert not cluster.needs_restart  # every rank stopped and passed the monitored barrier
+    assert not cluster.needs_restart  # every rank stopped, and the health check found them in step
     assert cluster.run(os.getpid) == [row["pid"] for row in cluster.ranks()]
-    # now rank 0 is blocked in a collective that the others never join: out of step
+    # now rank 0 is in a collective that the others never join: under nccl_rules its wait is interruptible, and
+    # the health check (each group's collective count, no collective run) finds the ranks out of step
     threading.Timer(2.0, _thread.interrupt_main).start()
     with pytest.raises(KeyboardInterrupt):
         cluster.run(_sleep_or_block)
-    assert cluster.needs_restart and "did not stop" in cluster.status()
+    status = cluster.status()
+    assert cluster.needs_restart and "out of step" in status, status
+    assert "rank 0 issued 1 collectives, rank 1 issued 0 collectives" in status, status
 
 
 def test_a_dead_controller_is_detected_not_waited_on():

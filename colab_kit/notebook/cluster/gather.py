@@ -11,8 +11,10 @@ waits for them and decides what the caller is told::
                                               gone), never a peer that only saw its connection drop
     nobody failed, ``timeout`` passed      -> RankTimeout; the ranks keep running (cluster busy)
     Ctrl-C (KeyboardInterrupt)             -> SIGINT to the running ranks through ipyparallel,
-                                              then a short monitored barrier: a rank that does not
-                                              join it marks the cluster for restart
+                                              then a health check that runs no collective: each
+                                              rank's collective count per group; a rank that does
+                                              not answer, or counts that differ, mark the cluster
+                                              for restart
     the controller process died            -> ClusterError at once, never a wait forever
 """
 from __future__ import annotations
