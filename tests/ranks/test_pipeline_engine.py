@@ -250,7 +250,7 @@ def test_stuck_rank_reports_every_rank_within_the_timeout(fault):
         assert "waited" in msg and "1RF1" in msg and "[1RF1]" in msg, msg
         assert "[0RB0]" in msg, msg  # rank 0 in its grid column: waiting for a gradient that never comes
         # under nccl_rules each rank's report lists what it issued and is not complete
-        assert "issued, not complete: recv float32" in msg, msg
+        assert "issued, not complete: group of ranks [0, 1]: recv float32[4, 16, 32] from rank 0 (running" in msg, msg
     elif fault == "sleep":
         assert "waited" in msg and "0RB0" in msg and "[0RB0]" in msg, msg
         assert "running 1F1" in msg and "[1F1]" in msg, msg  # the sleeping rank answered from its monitor
