@@ -27,7 +27,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import weakref
 from typing import Any
 
 import torch
@@ -35,34 +34,15 @@ import torch.distributed as dist
 import torch._C._distributed_c10d as c10d
 
 from .board import Board, same_host
+from .fingerprint import WIDTH, differs, fingerprint, reduce_code
 from .pairs import Batch, Channel, Op, RuleBroken, describe_tensor
+from .works import LIVE, STALL, Checked, FutureWork, last_of, start_watchdog, wait_loop
 
 __all__ = ["RulesGroup", "LIVE"]
 
 _STUCK: list = []
 """gloo groups whose shutdown did not finish (a collective stuck on a mismatch): kept, never destroyed."""
 
-LIVE: weakref.WeakSet = weakref.WeakSet()
-"""Every rules group of this process (``pending()`` reads their queues)."""
-
-_OPS = ["all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_coalesced",
-        "all_gather_single", "reduce_scatter", "reduce_scatter_single", "all_to_all_single", "all_to_all",
-        "gather", "scatter", "barrier"]
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
-           torch.uint8, torch.bool, torch.int16, torch.complex64, torch.complex128]
-_REDUCE = ["sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum"]
-_WIDTH = 12  # fingerprint: op, dtype, extra, ndim, 8 dims
-_OP_CODE = {op: i for i, op in enumerate(_OPS)}
-_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
-STALL = 0.5
-"""Seconds a collective may run before the watchdog compares it with the other ranks' (see ``board``)."""
-
-
-def _reduce_code(op) -> int:
-    for i, name in enumerate(_REDUCE):
-        if op == getattr(dist.ReduceOp, name.upper()):
-            return i
-    return len(_REDUCE)
 
 
 def _flat(args) -> list[torch.Tensor]:
@@ -92,7 +72,7 @@ class RulesGroup(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._waiter: queue.SimpleQueue | None = None
         self._stuck = False  # a collective of this group differed and hangs in gloo (see ``stalled``)
-        self._board = Board(store, rank, size, _WIDTH) if size > 1 and same_host(store, rank, size) else None
+        self._board = Board(store, rank, size, WIDTH) if size > 1 and same_host(store, rank, size) else None
         LIVE.add(self)
 
     # ------------------------------------------------------------------ identity
@@ -145,24 +125,7 @@ class RulesGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ rule 3: one collective sequence
     def _fingerprint(self, op: str, t: torch.Tensor | None, extra: int = 0, shape=None) -> list[int]:
-        dims = list(shape if shape is not None else (t.shape if t is not None else ()))
-        dtype = _DTYPE_CODE.get(t.dtype, -1) if t is not None else -1
-        return [_OP_CODE[op], dtype, extra, len(dims)] + (dims + [0] * 8)[:8]
-
-    def _describe(self, row: list[int]) -> str:
-        op, dtype, extra, nd = row[:4]
-        name = _OPS[op] if 0 <= op < len(_OPS) else f"op {op}"
-        if name in ("all_reduce", "all_reduce_coalesced", "reduce_scatter", "reduce_scatter_single"):
-            name += f"({_REDUCE[extra] if extra < len(_REDUCE) else extra})"
-        elif name in ("broadcast", "gather", "scatter"):
-            name += f"(root {extra})"
-        elif name == "reduce":
-            name += f"(root {extra >> 4}, {_REDUCE[extra & 15] if (extra & 15) < len(_REDUCE) else extra & 15})"
-        if name == "barrier":
-            return name
-        kind = str(_DTYPES[dtype]).removeprefix("torch.") if 0 <= dtype < len(_DTYPES) else "?"
-        dims = ["*" if d < 0 else str(d) for d in row[4:4 + nd]]
-        return f"{name} {kind}[{', '.join(dims)}]"
+        return fingerprint(op, t, extra, shape)
 
     def _collective(self, op: str, tensors, fingerprint: list[int], launch, result):
         """Check the device, all-gather the fingerprint, run ``launch()`` on gloo; one Work for both."""
@@ -172,7 +135,7 @@ class RulesGroup(dist.ProcessGroup):
             self._seq += 1
         if self._board is not None:
             return self._on_board(seq, op, fingerprint, launch, result)
-        gathered = torch.empty(self.size() * _WIDTH, dtype=torch.int64)
+        gathered = torch.empty(self.size() * WIDTH, dtype=torch.int64)
         fp_work = self._inner._allgather_base(gathered, torch.tensor(fingerprint, dtype=torch.int64),
                                               c10d.AllgatherOptions())
         self._inflight[seq] = (op, time.monotonic(), None, None)
@@ -195,7 +158,7 @@ class RulesGroup(dist.ProcessGroup):
         def on_fp(fut):
             try:
                 fut.wait()
-                rows = gathered.view(self.size(), _WIDTH).tolist()
+                rows = gathered.view(self.size(), WIDTH).tolist()
                 bad = [r for r in range(len(rows)) if rows[r] != rows[0]]
                 verdict: bool | BaseException = True if not bad else self._differs(seq, rows)
             except BaseException as exc:  # noqa: BLE001 - the group is broken: the call fails with it
@@ -215,12 +178,7 @@ class RulesGroup(dist.ProcessGroup):
         return FutureWork(out)
 
     def _differs(self, seq: int, rows: list) -> RuleBroken:
-        return RuleBroken(
-            f"nccl-rules: collective {seq} of the group of ranks {self._ranks} differs between ranks: "
-            + "; ".join(f"rank {self._ranks[r]} " + ("has not called it yet" if row is None else
-                                                    f"called {self._describe(row)}") for r, row in enumerate(rows))
-            + ". Every rank of a group must call the same collectives in the same order with the same "
-            "shapes and dtypes; NCCL would hang or mix up the data")
+        return differs(self._ranks, seq, rows)
 
     def _on_board(self, seq: int, op: str, fingerprint: list[int], launch, result):
         """Rule 3 on one host: the fingerprint on the shared board, compared when the call is waited (and by
@@ -230,7 +188,7 @@ class RulesGroup(dist.ProcessGroup):
         mine = fingerprint
         work = Checked(self, seq, mine, launch(), result)
         self._inflight[seq] = (op, time.monotonic(), mine, work)
-        _start_watchdog()
+        start_watchdog()
         return work
 
     def compare(self, seq: int, mine: list[int]) -> RuleBroken | None:
@@ -271,7 +229,7 @@ class RulesGroup(dist.ProcessGroup):
         except RuntimeError:
             if self._waiter is None:
                 self._waiter = queue.SimpleQueue()
-                threading.Thread(target=_wait_loop, args=(self._waiter,), daemon=True,
+                threading.Thread(target=wait_loop, args=(self._waiter,), daemon=True,
                                  name="colab_kit nccl-rules waiter").start()
             self._waiter.put((work, callback))
             return
@@ -288,12 +246,12 @@ class RulesGroup(dist.ProcessGroup):
     # ------------------------------------------------------------------ collectives (torch's signatures)
     def allreduce(self, tensors, opts=None):  # type: ignore[override]
         opts = opts or c10d.AllreduceOptions()
-        fp = self._fingerprint("all_reduce", tensors[0], _reduce_code(opts.reduceOp))
+        fp = self._fingerprint("all_reduce", tensors[0], reduce_code(opts.reduceOp))
         return self._collective("all_reduce", tensors, fp, lambda: self._inner.allreduce(tensors, opts), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or c10d.AllreduceCoalescedOptions()
-        fp = self._fingerprint("all_reduce_coalesced", tensors[0], _reduce_code(opts.reduceOp),
+        fp = self._fingerprint("all_reduce_coalesced", tensors[0], reduce_code(opts.reduceOp),
                                shape=[len(tensors), sum(t.numel() for t in tensors)])
         return self._collective("all_reduce_coalesced", tensors, fp,
                                 lambda: self._inner.allreduce_coalesced(tensors, opts), tensors)
@@ -305,7 +263,7 @@ class RulesGroup(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None):  # type: ignore[override]
         opts = opts or c10d.ReduceOptions()
-        fp = self._fingerprint("reduce", tensors[0], (opts.rootRank << 4) | _reduce_code(opts.reduceOp))
+        fp = self._fingerprint("reduce", tensors[0], (opts.rootRank << 4) | reduce_code(opts.reduceOp))
         return self._collective("reduce", tensors, fp, lambda: self._inner.reduce(tensors, opts), tensors)
 
     def allgather(self, outputs, inputs, opts=None):
@@ -331,17 +289,17 @@ class RulesGroup(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return _last_of(works)
+        return last_of(works)
 
     def reduce_scatter(self, outputs, inputs, opts=None):  # type: ignore[override]
         opts = opts or c10d.ReduceScatterOptions()
-        fp = self._fingerprint("reduce_scatter", outputs[0], _reduce_code(opts.reduceOp))
+        fp = self._fingerprint("reduce_scatter", outputs[0], reduce_code(opts.reduceOp))
         return self._collective("reduce_scatter", [outputs, inputs], fp,
                                 lambda: self._inner.reduce_scatter(outputs, inputs, opts), outputs)
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
-        fp = self._fingerprint("reduce_scatter_single", input, _reduce_code(opts.reduceOp))
+        fp = self._fingerprint("reduce_scatter_single", input, reduce_code(opts.reduceOp))
         return self._collective("reduce_scatter_single", [output, input], fp,
                                 lambda: self._inner._reduce_scatter_base(output, input, opts), [output])
 
@@ -349,7 +307,7 @@ class RulesGroup(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return _last_of(works)
+        return last_of(works)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         opts = opts or c10d.AllToAllOptions()
@@ -431,145 +389,3 @@ class RulesGroup(dist.ProcessGroup):
         for ch in self._channels.values():
             out += ch.describe()
         return out
-
-
-_WATCHDOG: list[threading.Thread] = []
-
-
-def _start_watchdog() -> None:
-    """One thread per process that looks at every rules group's running collectives (``RulesGroup.stalled``)."""
-    if _WATCHDOG:
-        return
-    with _WATCH_LOCK:
-        if not _WATCHDOG:
-            t = threading.Thread(target=_watch, daemon=True, name="colab_kit nccl-rules watchdog")
-            _WATCHDOG.append(t)
-            t.start()
-
-
-_WATCH_LOCK = threading.Lock()
-
-
-def _watch() -> None:
-    while True:
-        time.sleep(STALL / 2)
-        now = time.monotonic()
-        for g in list(LIVE):
-            try:
-                g.stalled(now)
-            except Exception:  # noqa: BLE001 - a group shut down meanwhile: nothing left to watch there
-                pass
-
-
-def _wait_loop(q: queue.SimpleQueue) -> None:
-    while True:
-        item = q.get()
-        if item is None:
-            return
-        work, callback = item
-        try:
-            work.wait()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's wait
-            callback(exc)
-            continue
-        callback(None)
-
-
-class FutureWork(c10d.Work):
-    """A Work that is done when its future is, and raises the future's error in ``wait()`` (torch's
-    ``_create_work_from_future`` returns a Work whose wait swallows the error)."""
-
-    def __init__(self, future: torch.futures.Future):
-        super().__init__()
-        self.future = future
-
-    def wait(self, timeout=None) -> bool:
-        self.future.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self.future.done()
-
-    def get_future(self):
-        return self.future
-
-
-class Checked(c10d.Work):
-    """gloo's work for collective ``seq``, compared with the other ranks' on the board when waited."""
-
-    def __init__(self, group: RulesGroup, seq: int, mine: list[int], inner, result):
-        super().__init__()
-        self.group, self.seq, self.mine, self.inner, self._result = group, seq, mine, inner, result
-        self.broken: RuleBroken | None = None  # set by the watchdog
-        self.woken: threading.Event | None = None  # what a wait sleeps on, set by completion or the watchdog
-        self._verdict: list = []
-
-    def everyone_called_it(self) -> bool:
-        """Whether every rank has started this collective, and the same one: then gloo's own wait (no thread
-        hand-off) cannot hang on a difference. A difference raises here."""
-        board = self.group._board
-        rows = board.read(self.seq) if board is not None else [None]
-        if any(row is None for row in rows):
-            return False
-        bad = self.verdict()
-        if bad is not None:
-            raise bad
-        return True
-
-    def verdict(self) -> RuleBroken | None:
-        if not self._verdict:
-            self._verdict.append(self.group.compare(self.seq, self.mine))
-        return self._verdict[0]
-
-    def wait(self, timeout=None) -> bool:
-        if not self.inner.is_completed() and not self.everyone_called_it():
-            try:
-                fut = self.inner.get_future()
-            except RuntimeError:  # gloo's reduce-scatter has no future: its own (uninterruptible) wait
-                fut = None
-            if fut is not None:
-                self.woken = woken = threading.Event()
-                fut.add_done_callback(lambda _: woken.set())
-                woken.wait()
-                if self.broken is not None:
-                    raise self.broken
-        try:
-            self.inner.wait()
-        except BaseException as exc:
-            bad = self.broken or self.verdict()
-            if bad is not None:
-                raise bad from exc
-            raise
-        self.group._inflight.pop(self.seq, None)
-        bad = self.broken or self.verdict()
-        if bad is not None:
-            raise bad
-        return True
-
-    def is_completed(self) -> bool:
-        return self.inner.is_completed()
-
-    def result(self):
-        return self._result
-
-    def get_future(self):
-        def check(fut):  # on gloo's thread, as the work completes (its wait() would block here)
-            try:
-                fut.wait()
-            except BaseException as exc:
-                bad = self.broken or self.verdict()
-                if bad is not None:
-                    raise bad from exc
-                raise
-            self.group._inflight.pop(self.seq, None)
-            bad = self.broken or self.verdict()
-            if bad is not None:
-                raise bad
-            return self._result
-        return self.inner.get_future().then(check)
-
-
-def _last_of(works):
-    for w in works[:-1]:
-        w.wait()
-    return works[-1]
