@@ -141,6 +141,37 @@ def _block_backward(q, k, v, do, lse, delta, scale, diag, keys=None, keep=None):
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
 
 
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _fused(q, v, keys, drop) -> bool:
+    """Whether each block runs through torch's fused flash-attention kernel, which returns the block's LSE and
+    never holds a score block (on CPU; equal q/k and v widths, no key mask, no attention dropout), in q's dtype;
+    else the explicit blocks below, in at least fp32."""
+    return (q.device.type == "cpu" and keys is None and drop is None and v.shape[-1] == q.shape[-1]
+            and q.dtype in _FUSED_DTYPES)
+
+
+def _lse_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _register_flops() -> None:
+    """FlopCounterMode counts the CPU flash kernel as it counts the CUDA ones (torch 2.13 has no formula for it)."""
+    from torch.utils import flop_counter as fc
+
+    if _FLASH in fc.flop_registry:
+        return
+    fc.register_flop_formula(_FLASH)(lambda q, k, v, *args, out_shape=None, **kw: fc.sdpa_flop_count(q, k, v))
+    fc.register_flop_formula(_FLASH_BACKWARD)(
+        lambda g, q, k, v, *args, out_shape=None, **kw: fc.sdpa_backward_flop_count(g, q, k, v))
+
+
+_register_flops()
+
+
 def _pack_kv(k, v, dtype):
     """K and V in one buffer (one message per rotation) and the function that views them back out of it (or out
     of a gradient buffer of the same shape): stacked ``[2, b, h, t, d]`` when their widths agree, else side by
@@ -170,7 +201,9 @@ class RingAttention(torch.autograd.Function):
 
     ``q, k, v``: this rank's tokens, ``[b, heads, t_local, d]`` in ``layout``; returns the
     attention output of those tokens, same shape. Saves q, k, v, the output and the LSE
-    (``[b, heads, t_local]``) only. Computes in at least fp32. ``causal=False``: bidirectional
+    (``[b, heads, t_local]``) only. On CPU, with equal q/k and v widths and no key mask or dropout, each block
+    runs through torch's fused flash-attention kernel in q's dtype (no score block is ever made; blocks merge
+    by their LSE in at least fp32); otherwise explicit blocks in at least fp32. ``causal=False``: bidirectional
     (BERT's); ``keys``: every rank's key-padding mask ``[sp, b, t_local]`` (True: a real token),
     indexed by the rank whose K/V a rotation holds, or None. ``drop(q_chunk, k_chunk)``: attention
     dropout's ``(keep mask, 1/(1-p))`` of the block of those global chunk ids, or None.
@@ -180,10 +213,12 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mesh, axis, layout, recorder, causal=True, keys=None, drop=None):
         n, r = mesh.size(axis), mesh.rank(axis)
         acc = torch.promote_types(q.dtype, torch.float32)
+        fused = _fused(q, v, keys, drop)               # a block through the fused kernel, in q's dtype
+        work = q.dtype if fused else acc
         c, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
         q_ids = chunk_ids(r, n, layout)
-        qs = q.to(acc).split(c, dim=2)
-        kv, kv_of = _pack_kv(k, v, acc)                # one buffer, one message per rotation
+        qs = q.to(work).split(c, dim=2)
+        kv, kv_of = _pack_kv(k, v, work)               # one buffer, one message per rotation
         state = [(None, None), (None, None)]           # (O, LSE) per query chunk
         for i in range(n):
             src = (r - i) % n                          # whose K/V this rank holds now
@@ -199,7 +234,12 @@ class RingAttention(torch.autograd.Function):
                         km = keys[src][:, ks] if keys is not None else None
                         keep = drop(q_ids[a], kb) if drop is not None else None
                         kb_, vb_ = kv_of(kv)
-                        o_b, l_b = _block_forward(qa, kb_[:, :, ks], vb_[:, :, ks], scale, rel == "diag", km, keep)
+                        if fused:  # the kernel's output and LSE; merged in acc
+                            o_b, l_b = _FLASH(qa, kb_[:, :, ks], vb_[:, :, ks], 0.0, rel == "diag", scale=scale)
+                            o_b, l_b = o_b.to(acc), l_b.to(acc)
+                        else:
+                            o_b, l_b = _block_forward(qa, kb_[:, :, ks], vb_[:, :, ks], scale, rel == "diag", km,
+                                                      keep)
                         state[a] = merge_lse(*state[a], o_b, l_b)
             end = recorder.now() if recorder is not None else 0.0
             waited = _wait(pending)
@@ -213,7 +253,7 @@ class RingAttention(torch.autograd.Function):
         lse = torch.cat([l0, l1], dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mesh, ctx.axis, ctx.layout, ctx.recorder = mesh, axis, layout, recorder
-        ctx.causal, ctx.keys, ctx.drop = causal, keys, drop
+        ctx.causal, ctx.keys, ctx.drop, ctx.fused = causal, keys, drop, fused
         return out.to(q.dtype)
 
     @staticmethod
@@ -222,15 +262,17 @@ class RingAttention(torch.autograd.Function):
         mesh, axis, layout, recorder = ctx.mesh, ctx.axis, ctx.layout, ctx.recorder
         causal, keys, drop = ctx.causal, ctx.keys, ctx.drop
         n, r = mesh.size(axis), mesh.rank(axis)
-        acc = out.dtype
+        acc, fused = out.dtype, ctx.fused
+        work = q.dtype if fused else acc
         c, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
         q_ids = chunk_ids(r, n, layout)
         do = dout.to(acc)
         delta = (do * out).sum(-1)                     # rowsum(dO * O): [b, heads, t_local]
-        qs, dos = q.to(acc).split(c, dim=2), do.split(c, dim=2)
+        qs, dos = q.to(work).split(c, dim=2), do.to(work).split(c, dim=2)
+        outs = out.to(work).split(c, dim=2)            # the fused backward takes the final O and LSE per block
         lses, deltas = lse.split(c, dim=2), delta.split(c, dim=2)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv, kv_of = _pack_kv(k, v, acc)
+        kv, kv_of = _pack_kv(k, v, work)
         acc_in: torch.Tensor | None = None             # the dK/dV accumulator arriving from r - 1
         acc_pending: list = []
         for i in range(n):
@@ -239,7 +281,7 @@ class RingAttention(torch.autograd.Function):
             posted = recorder.now() if recorder is not None and pending else None
             start = recorder.now() if recorder is not None else 0.0
             k_ids = chunk_ids(src, n, layout)
-            dkv = torch.zeros_like(kv)                 # this rank's share of src's dK/dV
+            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # this rank's share of src's dK/dV
             for a in range(2):
                 for b, kb in enumerate(k_ids):
                     rel = _relation(q_ids[a], kb, causal)
@@ -248,8 +290,13 @@ class RingAttention(torch.autograd.Function):
                         km = keys[src][:, ks] if keys is not None else None
                         keep = drop(q_ids[a], kb) if drop is not None else None
                         kb_, vb_ = kv_of(kv)
-                        dq_b, dk_b, dv_b = _block_backward(qs[a], kb_[:, :, ks], vb_[:, :, ks], dos[a],
-                                                           lses[a], deltas[a], scale, rel == "diag", km, keep)
+                        if fused:
+                            dq_b, dk_b, dv_b = _FLASH_BACKWARD(dos[a], qs[a], kb_[:, :, ks], vb_[:, :, ks], outs[a],
+                                                               lses[a].to(_lse_dtype(work)), 0.0, rel == "diag",
+                                                               scale=scale)
+                        else:
+                            dq_b, dk_b, dv_b = _block_backward(qs[a], kb_[:, :, ks], vb_[:, :, ks], dos[a], lses[a],
+                                                               deltas[a], scale, rel == "diag", km, keep)
                         dq[:, :, qsl] += dq_b
                         dk_acc, dv_acc = kv_of(dkv)
                         dk_acc[:, :, ks] += dk_b
