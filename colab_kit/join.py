@@ -203,7 +203,9 @@ def init(config=None, *, backend: str | None = None, timeout: float = 300.0) -> 
     if dist.is_initialized() or job is None:
         return None
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = backend or ("nccl" if count else "gloo")  # the same answer on every rank of a host
+    # the same answer on every rank of a host; on CPU gloo (a real CPU job wants no checks) unless
+    # COLAB_KIT_CPU_BACKEND says otherwise (the test suite asks for nccl_rules: NCCL's rules on gloo)
+    backend = backend or ("nccl" if count else os.environ.get("COLAB_KIT_CPU_BACKEND", "gloo"))
     if backend == "nccl":
         per_rank = job.launcher != "torchrun" or (job.local_world_size or 1) == 1  # torchrun never binds GPUs
         if count == 1 and per_rank:  # one GPU visible to this rank (Slurm's --gpus-per-task=1, CUDA_VISIBLE_DEVICES)

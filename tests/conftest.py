@@ -24,6 +24,9 @@ def pytest_configure(config):
     import torch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # every multi-rank test plays NCCL's rules: ck.launch's default already, and ck.init's (torchrun, Slurm, MPI
+    # scripts the tests start) through this (docs/nccl.md)
+    os.environ.setdefault("COLAB_KIT_CPU_BACKEND", "nccl_rules")
     torch.set_num_threads(1)
 
 

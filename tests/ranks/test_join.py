@@ -151,7 +151,7 @@ def test_a_script_with_init_trains_under_torchrun_like_one_process():
         lines = run.stdout.strip().splitlines()
         got = json.loads(next(line for line in lines if line.startswith("{")))
         assert run.stdout.count("AT EXIT the process group is destroyed") == n, run.stdout  # ck.init's exit hook ran
-        assert got["world_size"] == n and got["backend"] == "gloo" and got["launcher"] == "torchrun"
+        assert got["world_size"] == n and got["backend"] == "nccl_rules" and got["launcher"] == "torchrun"
         assert set(got["ifnames"]) == {"lo"}  # every rank on this host: gloo stays on loopback
         assert got["losses"] == pytest.approx(want, rel=1e-5)
 
