@@ -158,20 +158,6 @@ def _lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _register_flops() -> None:
-    """FlopCounterMode counts the CPU flash kernel as it counts the CUDA ones (torch 2.13 has no formula for it)."""
-    from torch.utils import flop_counter as fc
-
-    if _FLASH in fc.flop_registry:
-        return
-    fc.register_flop_formula(_FLASH)(lambda q, k, v, *args, out_shape=None, **kw: fc.sdpa_flop_count(q, k, v))
-    fc.register_flop_formula(_FLASH_BACKWARD)(
-        lambda g, q, k, v, *args, out_shape=None, **kw: fc.sdpa_backward_flop_count(g, q, k, v))
-
-
-_register_flops()
-
-
 def _pack_kv(k, v, dtype):
     """K and V in one buffer (one message per rotation) and the function that views them back out of it (or out
     of a gradient buffer of the same shape): stacked ``[2, b, h, t, d]`` when their widths agree, else side by
@@ -203,8 +189,9 @@ class RingAttention(torch.autograd.Function):
     attention output of those tokens, same shape. Saves q, k, v, the output and the LSE
     (``[b, heads, t_local]``) only. On CPU, with equal q/k and v widths and no key mask or dropout, each block
     runs through torch's fused flash-attention kernel in q's dtype (no score block is ever made; blocks merge
-    by their LSE in at least fp32); otherwise explicit blocks in at least fp32. ``causal=False``: bidirectional
-    (BERT's); ``keys``: every rank's key-padding mask ``[sp, b, t_local]`` (True: a real token),
+    by their LSE in at least fp32; ``colab_kit.observe.throughput.flop_counter()`` counts its FLOPs, a plain
+    ``FlopCounterMode`` does not in torch 2.13); otherwise explicit blocks in at least fp32.
+    ``causal=False``: bidirectional (BERT's); ``keys``: every rank's key-padding mask ``[sp, b, t_local]`` (True: a real token),
     indexed by the rank whose K/V a rotation holds, or None. ``drop(q_chunk, k_chunk)``: attention
     dropout's ``(keep mask, 1/(1-p))`` of the block of those global chunk ids, or None.
     """
