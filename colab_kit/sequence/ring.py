@@ -191,8 +191,8 @@ class RingAttention(torch.autograd.Function):
     runs through torch's fused flash-attention kernel in q's dtype (no score block is ever made; blocks merge
     by their LSE in at least fp32; ``colab_kit.observe.throughput.flop_counter()`` counts its FLOPs, a plain
     ``FlopCounterMode`` does not in torch 2.13); otherwise explicit blocks in at least fp32.
-    ``causal=False``: bidirectional (BERT's); ``keys``: every rank's key-padding mask ``[sp, b, t_local]`` (True: a real token),
-    indexed by the rank whose K/V a rotation holds, or None. ``drop(q_chunk, k_chunk)``: attention
+    ``causal=False``: bidirectional (BERT's); ``keys``: every rank's key-padding mask ``[sp, b, t_local]``
+    (True: a real token), indexed by the rank whose K/V a rotation holds, or None. ``drop(q_chunk, k_chunk)``: attention
     dropout's ``(keep mask, 1/(1-p))`` of the block of those global chunk ids, or None.
     """
 
