@@ -126,8 +126,13 @@ class Checked(c10d.Work):
                 woken.wait()
                 if self.broken is not None:
                     raise self.broken
+        self._settled(self.inner.wait)
+        return True
+
+    def _settled(self, wait) -> None:
+        """``wait()`` for gloo's part, then the verdict: a difference on the board wins over gloo's own error."""
         try:
-            self.inner.wait()
+            wait()
         except BaseException as exc:
             bad = self.broken or self.verdict()
             if bad is not None:
@@ -137,7 +142,6 @@ class Checked(c10d.Work):
         bad = self.broken or self.verdict()
         if bad is not None:
             raise bad
-        return True
 
     def is_completed(self) -> bool:
         return self.inner.is_completed()
@@ -147,17 +151,7 @@ class Checked(c10d.Work):
 
     def get_future(self):
         def check(fut):  # on gloo's thread, as the work completes (its wait() would block here)
-            try:
-                fut.wait()
-            except BaseException as exc:
-                bad = self.broken or self.verdict()
-                if bad is not None:
-                    raise bad from exc
-                raise
-            self.group._inflight.pop(self.seq, None)
-            bad = self.broken or self.verdict()
-            if bad is not None:
-                raise bad
+            self._settled(fut.wait)
             return self._result
         return self.inner.get_future().then(check)
 
