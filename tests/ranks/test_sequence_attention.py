@@ -174,6 +174,8 @@ def _on_rank(n, cases):
     if n == 2:  # value heads of another width than query and key heads (MLA), both modes
         for mode, layout in (("ring", "zigzag"), ("ulysses", "contiguous")):
             results["mla", mode] = _one_case(meshes[mode], mode, layout, torch.float64, dv=DV)
+        # bf16: the ring's blocks run in the compute dtype (the fused kernel), its K/V messages bf16 too
+        results["bf16"] = _one_case(meshes["ring"], "ring", "zigzag", torch.bfloat16)
     mesh = next(iter(meshes.values()))
     if n == 3:  # 4 heads over sp=3: refused before any collective, on every rank
         q = torch.zeros(1, H, 4, D)
@@ -273,6 +275,11 @@ def _run_world(n, dense_ref):
 
 def test_sp2_ring_and_ulysses_equal_dense_attention(dense):
     results = _run_world(2, dense)
+    # bf16 in, bf16 out, K/V rotating as bf16 (half fp32's bytes), within bf16's precision of the fp64 reference
+    got = [res["bf16"] for res in results]
+    out = unsplit_sequence([g["out"] for g in got], dim=2, layout="zigzag")
+    assert out.dtype == torch.bfloat16 and (out.double() - dense[torch.float64][0]).abs().max().item() < 3e-2
+    assert got[0]["fwd_comm"][0] == ("send", "ring kv", 2 * B * H * (T // 2) * D * 2)
     ref = _dense(dv=DV)  # value heads 5 wide, query and key heads 8 (MLA's shape: d_qk != d_v)
     assert ref[0].shape[-1] == DV and ref[3].shape[-1] == DV
     for mode, layout in (("ring", "zigzag"), ("ulysses", "contiguous")):
