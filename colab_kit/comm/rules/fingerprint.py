@@ -14,15 +14,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .pairs import RuleBroken
+from .pairs import DTYPES, RuleBroken
 
 __all__ = ["WIDTH", "fingerprint", "describe", "differs", "reduce_code"]
 
 _OPS = ["all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_coalesced",
         "all_gather_single", "reduce_scatter", "reduce_scatter_single", "all_to_all_single", "all_to_all",
         "gather", "scatter", "barrier"]
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
-           torch.uint8, torch.bool, torch.int16, torch.complex64, torch.complex128]
+_DTYPES = DTYPES  # the envelopes' table (``pairs``)
 _REDUCE = ["sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum"]
 WIDTH = 12  # fingerprint: op, dtype, extra, ndim, 8 dims
 _OP_CODE = {op: i for i, op in enumerate(_OPS)}

@@ -36,7 +36,7 @@ import torch._C._distributed_c10d as c10d
 from .board import Board, same_host
 from .fingerprint import WIDTH, differs, fingerprint, reduce_code
 from .pairs import Batch, Channel, Op, RuleBroken, describe_tensor
-from .works import LIVE, STALL, Checked, FutureWork, last_of, start_watchdog, wait_loop
+from .works import LIVE, STALL, Checked, FutureWork, last_of, report, start_watchdog, wait_loop
 
 __all__ = ["RulesGroup", "LIVE"]
 
@@ -124,9 +124,6 @@ class RulesGroup(dist.ProcessGroup):
                     f"tensors on the device): move it there first (tensor.to(mesh.device))")
 
     # ------------------------------------------------------------------ rule 3: one collective sequence
-    def _fingerprint(self, op: str, t: torch.Tensor | None, extra: int = 0, shape=None) -> list[int]:
-        return fingerprint(op, t, extra, shape)
-
     def _collective(self, op: str, tensors, fingerprint: list[int], launch, result):
         """Check the device, all-gather the fingerprint, run ``launch()`` on gloo; one Work for both."""
         self._on_device(op, tensors)
@@ -160,7 +157,7 @@ class RulesGroup(dist.ProcessGroup):
                 fut.wait()
                 rows = gathered.view(self.size(), WIDTH).tolist()
                 bad = [r for r in range(len(rows)) if rows[r] != rows[0]]
-                verdict: bool | BaseException = True if not bad else self._differs(seq, rows)
+                verdict: bool | BaseException = True if not bad else differs(self._ranks, seq, rows)
             except BaseException as exc:  # noqa: BLE001 - the group is broken: the call fails with it
                 verdict = exc
             with lock:
@@ -176,9 +173,6 @@ class RulesGroup(dist.ProcessGroup):
         fp_work.get_future().add_done_callback(on_fp)
         self._when_done(real, on_real)
         return FutureWork(out)
-
-    def _differs(self, seq: int, rows: list) -> RuleBroken:
-        return differs(self._ranks, seq, rows)
 
     def _on_board(self, seq: int, op: str, fingerprint: list[int], launch, result):
         """Rule 3 on one host: the fingerprint on the shared board, compared when the call is waited (and by
@@ -202,11 +196,12 @@ class RulesGroup(dist.ProcessGroup):
             if attempt == 0:
                 time.sleep(0.005)
         rows[self.rank()] = mine
-        return self._differs(seq, rows)
+        return differs(self._ranks, seq, rows)
 
     def stalled(self, now: float) -> None:
         """The watchdog's look at collectives older than ``STALL`` s: one that differs from another rank's
-        is failed (its gloo group aborted, so that a wait blocked in it returns); completed ones are let go."""
+        is failed (its wait woken; gloo's op stays stuck, so the group is kept, never destroyed); completed ones
+        are let go."""
         for seq, (_, t0, mine, work) in list(self._inflight.items()):
             if not isinstance(work, Checked) or now - t0 < STALL:
                 continue
@@ -234,54 +229,47 @@ class RulesGroup(dist.ProcessGroup):
             self._waiter.put((work, callback))
             return
 
-        def done(f):
-            try:
-                f.wait()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's wait
-                callback(exc)
-                return
-            callback(None)
-        fut.add_done_callback(done)
+        fut.add_done_callback(lambda f: report(f.wait, callback))
 
     # ------------------------------------------------------------------ collectives (torch's signatures)
     def allreduce(self, tensors, opts=None):  # type: ignore[override]
         opts = opts or c10d.AllreduceOptions()
-        fp = self._fingerprint("all_reduce", tensors[0], reduce_code(opts.reduceOp))
+        fp = fingerprint("all_reduce", tensors[0], reduce_code(opts.reduceOp))
         return self._collective("all_reduce", tensors, fp, lambda: self._inner.allreduce(tensors, opts), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or c10d.AllreduceCoalescedOptions()
-        fp = self._fingerprint("all_reduce_coalesced", tensors[0], reduce_code(opts.reduceOp),
+        fp = fingerprint("all_reduce_coalesced", tensors[0], reduce_code(opts.reduceOp),
                                shape=[len(tensors), sum(t.numel() for t in tensors)])
         return self._collective("all_reduce_coalesced", tensors, fp,
                                 lambda: self._inner.allreduce_coalesced(tensors, opts), tensors)
 
     def broadcast(self, tensors, opts=None):  # type: ignore[override]
         opts = opts or c10d.BroadcastOptions()
-        fp = self._fingerprint("broadcast", tensors[0], opts.rootRank)
+        fp = fingerprint("broadcast", tensors[0], opts.rootRank)
         return self._collective("broadcast", tensors, fp, lambda: self._inner.broadcast(tensors, opts), tensors)
 
     def reduce(self, tensors, opts=None):  # type: ignore[override]
         opts = opts or c10d.ReduceOptions()
-        fp = self._fingerprint("reduce", tensors[0], (opts.rootRank << 4) | reduce_code(opts.reduceOp))
+        fp = fingerprint("reduce", tensors[0], (opts.rootRank << 4) | reduce_code(opts.reduceOp))
         return self._collective("reduce", tensors, fp, lambda: self._inner.reduce(tensors, opts), tensors)
 
     def allgather(self, outputs, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
-        fp = self._fingerprint("all_gather", inputs[0])
+        fp = fingerprint("all_gather", inputs[0])
         return self._collective("all_gather", [outputs, inputs], fp,
                                 lambda: self._inner.allgather(outputs, inputs, opts), outputs)
 
     def allgather_coalesced(self, outputs, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
-        fp = self._fingerprint("all_gather_coalesced", inputs[0],
+        fp = fingerprint("all_gather_coalesced", inputs[0],
                                shape=[len(inputs), sum(t.numel() for t in inputs)])
         return self._collective("all_gather_coalesced", [outputs, inputs], fp,
                                 lambda: self._inner.allgather_coalesced(outputs, inputs, opts), outputs)
 
     def all_gather_single(self, output, input, opts=None):
         opts = opts or c10d.AllgatherOptions()
-        fp = self._fingerprint("all_gather_single", input)
+        fp = fingerprint("all_gather_single", input)
         return self._collective("all_gather_single", [output, input], fp,
                                 lambda: self._inner._allgather_base(output, input, opts), [output])
 
@@ -293,13 +281,13 @@ class RulesGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs, inputs, opts=None):  # type: ignore[override]
         opts = opts or c10d.ReduceScatterOptions()
-        fp = self._fingerprint("reduce_scatter", outputs[0], reduce_code(opts.reduceOp))
+        fp = fingerprint("reduce_scatter", outputs[0], reduce_code(opts.reduceOp))
         return self._collective("reduce_scatter", [outputs, inputs], fp,
                                 lambda: self._inner.reduce_scatter(outputs, inputs, opts), outputs)
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
-        fp = self._fingerprint("reduce_scatter_single", input, reduce_code(opts.reduceOp))
+        fp = fingerprint("reduce_scatter_single", input, reduce_code(opts.reduceOp))
         return self._collective("reduce_scatter_single", [output, input], fp,
                                 lambda: self._inner._reduce_scatter_base(output, input, opts), [output])
 
@@ -312,7 +300,7 @@ class RulesGroup(dist.ProcessGroup):
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         opts = opts or c10d.AllToAllOptions()
         even = not output_splits and not input_splits
-        fp = self._fingerprint("all_to_all_single", input, shape=None if even else [-1, *input.shape[1:]])
+        fp = fingerprint("all_to_all_single", input, shape=None if even else [-1, *input.shape[1:]])
         return self._collective("all_to_all_single", [output, input], fp,
                                 lambda: self._inner.alltoall_base(output, input, output_splits, input_splits, opts),
                                 [output])
@@ -321,25 +309,25 @@ class RulesGroup(dist.ProcessGroup):
 
     def alltoall(self, outputs, inputs, opts=None):
         opts = opts or c10d.AllToAllOptions()
-        fp = self._fingerprint("all_to_all", inputs[0], shape=[len(inputs)])
+        fp = fingerprint("all_to_all", inputs[0], shape=[len(inputs)])
         return self._collective("all_to_all", [outputs, inputs], fp,
                                 lambda: self._inner.alltoall(outputs, inputs, opts), outputs)
 
     def gather(self, outputs, inputs, opts=None):  # type: ignore[override]
         opts = opts or c10d.GatherOptions()
-        fp = self._fingerprint("gather", inputs[0], opts.rootRank)
+        fp = fingerprint("gather", inputs[0], opts.rootRank)
         return self._collective("gather", [outputs, inputs], fp,
                                 lambda: self._inner.gather(outputs, inputs, opts), outputs)
 
     def scatter(self, outputs, inputs, opts=None):  # type: ignore[override]
         opts = opts or c10d.ScatterOptions()
-        fp = self._fingerprint("scatter", outputs[0], opts.rootRank)
+        fp = fingerprint("scatter", outputs[0], opts.rootRank)
         return self._collective("scatter", [outputs, inputs], fp,
                                 lambda: self._inner.scatter(outputs, inputs, opts), outputs)
 
     def barrier(self, opts=None):
         opts = opts or c10d.BarrierOptions()
-        return self._collective("barrier", [], self._fingerprint("barrier", None),
+        return self._collective("barrier", [], fingerprint("barrier", None),
                                 lambda: self._inner.barrier(opts), [])
 
     # ------------------------------------------------------------------ rules 1 and 2: messages

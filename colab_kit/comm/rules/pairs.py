@@ -36,7 +36,7 @@ def describe_tensor(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
            torch.uint8, torch.bool, torch.int16, torch.complex64, torch.complex128]
 _ENVELOPE = 9  # nbytes, dtype, ndim, 6 dims
 
@@ -45,13 +45,13 @@ def envelope(t: torch.Tensor) -> torch.Tensor:
     """What a message says about itself before its payload: bytes, dtype and shape, 9 int64s. The receiver
     checks it against its buffer, since gloo aborts the process on a message larger than the buffer."""
     dims = list(t.shape)[:6]
-    code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
+    code = DTYPES.index(t.dtype) if t.dtype in DTYPES else -1
     return torch.tensor([t.numel() * t.element_size(), code, t.dim()] + dims + [0] * (6 - len(dims)),
                         dtype=torch.int64)
 
 
 def _unenvelope(e: list[int]) -> str:
-    kind = str(_DTYPES[e[1]]).removeprefix("torch.") if 0 <= e[1] < len(_DTYPES) else "?"
+    kind = str(DTYPES[e[1]]).removeprefix("torch.") if 0 <= e[1] < len(DTYPES) else "?"
     return f"{kind}{e[3:3 + min(e[2], 6)]} ({e[0]} bytes)"
 
 

@@ -18,7 +18,7 @@ import torch._C._distributed_c10d as c10d
 
 from .pairs import RuleBroken
 
-__all__ = ["LIVE", "STALL", "Checked", "FutureWork", "start_watchdog", "wait_loop", "last_of"]
+__all__ = ["LIVE", "STALL", "Checked", "FutureWork", "start_watchdog", "wait_loop", "report", "last_of"]
 
 LIVE: weakref.WeakSet = weakref.WeakSet()
 """Every rules group of this process (``pending()`` reads their queues, the watchdog their collectives)."""
@@ -60,12 +60,17 @@ def wait_loop(q: queue.SimpleQueue) -> None:
         if item is None:
             return
         work, callback = item
-        try:
-            work.wait()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's wait
-            callback(exc)
-            continue
-        callback(None)
+        report(work.wait, callback)
+
+
+def report(wait, callback) -> None:
+    """``callback(None)`` once ``wait()`` returns, ``callback(error)`` if it raises (the caller's wait raises it)."""
+    try:
+        wait()
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller's wait
+        callback(exc)
+        return
+    callback(None)
 
 
 class FutureWork(c10d.Work):
