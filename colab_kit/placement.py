@@ -64,20 +64,29 @@ class Placed:
         """This rank's block of ``dense`` (any tensor shaped like the dense parameter), as the layer stores it."""
         return dense.reshape(-1)[self.local_index(dense.shape, mesh)]
 
+    def local_ranges(self, shape, mesh) -> list[list[tuple[int, int]]]:
+        """Per dense dim, the runs ``(dense start, length)`` of indices this rank stores, in its local order:
+        the rank's block is their product (``dense.T``'s when ``transposed``). A handful of ints per
+        parameter, whatever its size (what the checkpoint maps elements with). A ``[96, 32]`` weight of
+        3 fused parts split over tp=2, tp rank 1: ``[[(16, 16), (48, 16), (80, 16)], [(0, 32)]]``."""
+        shape = tuple(shape)
+        out = [[(0, n)] for n in shape]
+        for dim, axes in self.shards:
+            whole = shape[dim] // (self.parts if dim == 0 else 1)
+            lo, n = 0, whole
+            for a in axes:  # torch.chunk's pieces: ceil(n / size) each, the last ones shorter
+                step = -(-n // mesh.size(a))
+                lo, n = lo + mesh.rank(a) * step, max(0, min(step, n - mesh.rank(a) * step))
+            out[dim] = [(b * whole + lo, n) for b in range(self.parts)] if dim == 0 else [(lo, n)]
+        return out
+
     def local_index(self, shape, mesh) -> torch.Tensor:
         """The dense flat position (int64) of every element this rank stores of a parameter of dense
-        ``shape``: ``local(arange(numel).view(shape))`` made from one index vector per dim, without the
-        dense tensor (what the checkpoint maps elements with)."""
+        ``shape``: ``local(arange(numel).view(shape))``, made from ``local_ranges`` without the dense tensor."""
         shape = tuple(shape)
         if not shape:
             return torch.zeros((), dtype=torch.int64)
-        per_dim = [torch.arange(n) for n in shape]
-        for dim, axes in self.shards:
-            whole = shape[dim] // (self.parts if dim == 0 else 1)
-            v = torch.arange(whole)
-            for a in axes:
-                v = v.chunk(mesh.size(a))[mesh.rank(a)]
-            per_dim[dim] = torch.cat([b * whole + v for b in range(self.parts)]) if dim == 0 else v
+        per_dim = [torch.cat([torch.arange(s, s + n) for s, n in runs]) for runs in self.local_ranges(shape, mesh)]
         strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
         idx = torch.zeros((), dtype=torch.int64)
         for d, v in enumerate(per_dim):
@@ -177,6 +186,12 @@ class PlacementTable:
         source = self if source is None else source
         if id(of) in source.entries:
             self._add(copy, source.names[id(of)], source.entries[id(of)])
+
+    def replace(self, old, new) -> None:
+        """``new`` takes ``old``'s entry, name and place in the order (ZeRO-3 making a meta parameter real)."""
+        if id(old) in self.entries:
+            self.names[id(new)], self.entries[id(new)] = self.names.pop(id(old)), self.entries.pop(id(old))
+            self.params = [new if p is old else p for p in self.params]
 
     def rows(self, axes) -> list[tuple[str, tuple, str]]:
         """``(name, local shape, placements over axes)`` per parameter: what ``ck.placements(engine)`` prints."""

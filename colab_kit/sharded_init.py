@@ -18,55 +18,91 @@ Three steps, all inside ``boost``:
    ``dense_value(p)``: a real tensor comes back as it is; a meta one with a recipe is made
    whole on the CPU, the layer clones its shard out of it, and the whole one is dropped
    before the next parameter is made.
+   A layer cuts through ``cut(t, fn)``: where ``t`` is meta with a recipe the shard stays meta too, with
+   a recipe of its own (make ``t``, keep ``fn`` of it), so nothing is made yet.
 3. ``materialize(module)``, after the plan and the pipeline split, makes in place whatever is
-   still meta: what the tensor plan leaves whole (1D's LayerNorms and position table), or
-   everything when tp = 1.
+   still meta, one tensor at a time: every shard the plan cut, what it leaves whole (1D's LayerNorms
+   and position table), or everything when tp = 1. Under ZeRO-3 the trainable tensors stay meta
+   here (``materialize(module, keep=...)``): ZeRO-3's chunks make only this rank's dp piece of each
+   (``colab_kit.zero.chunks``), so a rank never holds its whole tp/pp share either.
 
 So a rank's memory peaks at its own shards plus the largest single dense parameter (and
-that parameter's shard while it is being cut). The engine's dp broadcast of the initial
+that parameter's shard while it is being cut). A Hugging Face model has no ``init_parameter``:
+``defer`` gives it ``colab_kit.models.hf_init.recipe`` (transformers' own ``_init_weights`` per module,
+seeded by the tensor's name), and ``fill(model)`` gives a dense model the same values (the one-process
+reference of a run built on meta). The engine's dp broadcast of the initial
 parameters still runs afterwards: it is redundant here, since every rank makes the same
 values, but it keeps one starting point for a dense model built with the wrong seed.
 
 Worked example, ``ParallelConfig(tp=2)`` (1D) and
 ``GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=1)``, 17,376
-parameters (69,504 bytes) in the dense model. Layer by layer (a Linear's bias just before its
-weight), each rank makes::
+parameters (69,504 bytes) in the dense model. The tensor plan cuts every matrix (still meta),
+then ``materialize`` makes each tensor in the model's order (a module's weight before its bias)::
 
     tensor made whole          rank 0 keeps             rank 1 keeps
     tok.weight    [64, 32]     rows 0..31 (tokens)      rows 32..63
+    pos.weight    [16, 32]     all of it                all of it
+    ln1 (weight, bias)         all of it                all of it
     qkv.weight    [96, 32]     rows 0..47 (heads 0-1)   rows 48..95 (heads 2-3)
     qkv.bias      [96]         0..47                    48..95
     proj.weight   [32, 32]     columns 0..15            columns 16..31
     proj.bias     [32]         all of it                all of it
+    ln2 (weight, bias)         all of it                all of it
     fc1.weight    [128, 32]    rows 0..63               rows 64..127
     fc1.bias      [128]        0..63                    64..127
     fc2.weight    [32, 128]    columns 0..63            columns 64..127
     fc2.bias      [32]         all of it                all of it
+    ln_f (weight, bias)        all of it                all of it
     head.weight   [64, 32]     rows 0..31 (vocabulary)  rows 32..63
-    then materialize: pos.weight [16, 32], ln1, ln2, ln_f (weight and bias), whole on both
 
 Each rank ends with 9,072 parameters (36,288 bytes); its peak is while ``fc2.weight`` is
-being cut: 5,296 kept so far (fc2's bias, made just before its weight, included) + 4,096
-whole + 2,048 of shard = 11,440 floats (45,760 bytes, as ``tests/ranks/test_sharded_init.py``
-measures), against 69,504 for the dense model.
+being cut: 5,904 kept so far + 4,096 whole + 2,048 of shard = 12,048 floats (48,192 bytes, as
+``tests/ranks/test_sharded_init.py`` measures), against 69,504 for the dense model.
 """
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["defer", "dense_value", "materialize", "meta_twin"]
+__all__ = ["defer", "dense_value", "cut", "adopt", "materialize", "meta_twin", "placeholder", "unmade",
+           "has_recipe", "fill"]
 
 _RECIPES = WeakIdKeyDictionary()
-"""Per meta tensor, ``(init_parameter, name)``: how to make its dense value (kept here, not on the tensor)."""
+"""Per meta tensor, ``make() -> CPU tensor``: how to make its dense value (kept here, not on the tensor)."""
+_CUTS: dict[int, tuple[torch.Tensor, Callable]] = {}
+"""A meta shard ``cut`` made, by its storage (``nn.Parameter(shard)`` is a new object on the same storage):
+``(the shard, make)``, until ``adopt`` files it under the parameter that holds it."""
+
+
+def _init_recipe(init, name: str, shape, dtype) -> Callable[[], torch.Tensor]:
+    def make() -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype)
+        with torch.no_grad():
+            init(name, out)
+        return out
+    return make
+
+
+def _resolve_init(model: nn.Module):
+    init = getattr(model, "init_parameter", None)
+    if init is None and hasattr(model, "_init_weights") and hasattr(model, "config"):  # transformers' model
+        from .models.hf_init import recipe
+        init = recipe(model)
+    if init is None:
+        raise TypeError(f"{type(model).__name__} was built on the meta device but has no "
+                        f"init_parameter(name, tensor) to make its values: build it on a real device, "
+                        f"or give it one (see ck.models.GPT.init_parameter)")
+    return init
 
 
 def defer(model: nn.Module, keep=None) -> bool:
-    """Give each meta parameter and buffer of ``model`` its recipe, ``(model.init_parameter, name)``;
-    return whether there were any (False: a dense model, nothing to do).
+    """Give each meta parameter and buffer of ``model`` its recipe (``model.init_parameter(name, tensor)``,
+    made in the dtype it has now, so a later cast to 16 bits rounds the fp32 values as a dense model's
+    would); return whether there were any (False: a dense model, nothing to do).
 
     ``keep``: the modules whose tensors get one (a pipeline rank's stages, as
     ``colab_kit.pipeline.stage.defer_stages`` passes them), so the tensor plan makes no shard of another
@@ -77,42 +113,82 @@ def defer(model: nn.Module, keep=None) -> bool:
     meta = {name: t for name, t in names.items() if t.is_meta}
     if not meta:
         return False
-    init = getattr(model, "init_parameter", None)
-    if init is None:
-        raise TypeError(f"{type(model).__name__} was built on the meta device but has no "
-                        f"init_parameter(name, tensor) to make its values: build it on a real device, "
-                        f"or give it one (see ck.models.GPT.init_parameter)")
+    init = _resolve_init(model)
     mine = None if keep is None else {id(t) for s in keep for t in (*s.parameters(), *s.buffers())}
     for name, t in meta.items():
         if mine is None or id(t) in mine:
-            _RECIPES[t] = (init, name)
+            _RECIPES[t] = _init_recipe(init, name, t.shape, t.dtype)
     return True
+
+
+def _recipe(t: torch.Tensor) -> Callable | None:
+    recipe = _RECIPES.get(t)
+    if recipe is None and t.is_meta:
+        entry = _CUTS.get(t.untyped_storage()._cdata)
+        recipe = entry[1] if entry is not None and entry[0].shape == t.shape else None
+    return recipe
+
+
+def has_recipe(t: torch.Tensor) -> bool:
+    return _recipe(t) is not None
 
 
 def dense_value(t: torch.Tensor) -> torch.Tensor:
     """The dense value a parallel layer cuts its shard from: ``t`` itself when it is real (or meta
     with no recipe: another pipeline rank's, whose cut stays meta), else a fresh CPU tensor made
-    by ``t``'s recipe. The caller keeps only its slice, so one whole tensor is alive at a time."""
-    recipe = _RECIPES.get(t) if t.is_meta else None
+    by ``t``'s recipe, in ``t``'s dtype. The caller keeps only its slice, so one whole tensor is alive at a time."""
+    recipe = _recipe(t)
     if recipe is None:
         return t
-    init, name = recipe
-    out = torch.empty(t.shape, dtype=t.dtype)
-    with torch.no_grad():
-        init(name, out)
-    return out
+    out = recipe()
+    return out if out.dtype == t.dtype else out.to(t.dtype)
+
+
+def cut(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fn(dense value of t)`` as a fresh contiguous tensor: this rank's shard of ``t`` (``fn`` slices,
+    transposes, reorders). A real ``t``: made now. A meta ``t`` with a recipe: a meta shard whose recipe
+    makes ``t`` and keeps ``fn`` of it (``materialize`` or ZeRO-3's chunks make it later, alone). A meta
+    ``t`` without one (another pipeline rank's): a meta shard, nothing to make.
+
+    Worked example, tp=2 rank 1, ``t`` a meta ``[96, 32]`` with a recipe: ``cut(t, lambda w: w.chunk(2)[1])``
+    is a meta ``[48, 32]``; made later, it is rows 48..95 of the dense ``t``, and the whole ``[96, 32]`` lives
+    only while it is being cut.
+    """
+    recipe = _recipe(t)
+    shard = fn(t.detach()).clone(memory_format=torch.contiguous_format)
+    if recipe is not None and t.is_meta:
+        src_dtype = t.dtype
+        def make() -> torch.Tensor:
+            whole = recipe()
+            whole = whole if whole.dtype == src_dtype else whole.to(src_dtype)
+            return fn(whole).clone(memory_format=torch.contiguous_format)
+        _CUTS[shard.untyped_storage()._cdata] = (shard, make)
+    return shard
+
+
+def adopt(module: nn.Module) -> None:
+    """File every meta shard ``cut`` made under the tensor of ``module`` that holds it (its identity lasts
+    through a later cast to 16 bits; its storage would not), and forget the rest."""
+    for t in (*module.parameters(), *module.buffers()):
+        if t.is_meta and t not in _RECIPES:
+            recipe = _recipe(t)
+            if recipe is not None:
+                _RECIPES[t] = recipe
+    _CUTS.clear()
 
 
 @torch.no_grad()
-def materialize(module: nn.Module) -> nn.Module:
+def materialize(module: nn.Module, keep: Callable[[torch.Tensor], bool] | None = None) -> nn.Module:
     """Make every parameter and buffer of ``module`` still on the meta device, in place, from its
-    recipe; a tensor shared by several modules stays one tensor. A meta tensor without a recipe is
-    an error that names it (nothing says what its values are)."""
+    recipe (one at a time); a tensor shared by several modules stays one tensor. A meta tensor without a
+    recipe is an error that names it (nothing says what its values are). ``keep(t)``: leave ``t`` meta
+    (ZeRO-3 makes its trainable tensors piece by piece)."""
+    adopt(module)
     made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # keeps the meta one alive: ids stay unique
     for prefix, mod in module.named_modules():
         for table in (mod._parameters, mod._buffers):
             for name, t in table.items():
-                if t is None or not t.is_meta:
+                if t is None or not t.is_meta or (keep is not None and has_recipe(t) and keep(t)):
                     continue
                 if id(t) not in made:
                     made[id(t)] = (t, _made(t, f"{prefix}.{name}" if prefix else name))
@@ -131,6 +207,40 @@ def _made(t: torch.Tensor, where: str) -> torch.Tensor:
     p = nn.Parameter(value, requires_grad=t.requires_grad)
     p.__dict__.update(t.__dict__)
     return p
+
+
+def placeholder(t: nn.Parameter, device) -> nn.Parameter:
+    """A real parameter on ``device`` shaped like the meta ``t``, with no bytes yet and ``t``'s recipe:
+    what ZeRO-3 makes a chunk from (``unmade``), its values written piece by piece."""
+    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+    empty.untyped_storage().resize_(0)
+    p = nn.Parameter(empty, requires_grad=t.requires_grad)
+    p.__dict__.update(t.__dict__)
+    _RECIPES[p] = _recipe(t)
+    return p
+
+
+def unmade(t: torch.Tensor) -> bool:
+    """A placeholder: real, no bytes, a recipe (``placeholder``)."""
+    return not t.is_meta and t.untyped_storage().nbytes() == 0 and t.numel() > 0 and t in _RECIPES
+
+
+def forget(t: torch.Tensor) -> None:
+    _RECIPES.pop(t, None)
+
+
+@torch.no_grad()
+def fill(model: nn.Module, names=None) -> nn.Module:
+    """Write into a dense (real) ``model`` the values its meta twin gets from ``ck.boost``: each parameter
+    and buffer (``names``: only those) by the recipe ``defer`` would give it. The one-process reference of a
+    run built on meta, for a model whose own construction draws differently (a Hugging Face model)."""
+    init = _resolve_init(model)
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    for name, t in tensors.items():
+        if names is None or name in names:
+            t.copy_(_init_recipe(init, name, t.shape, t.dtype)())
+    return model
 
 
 def meta_twin(model: nn.Module) -> nn.Module:

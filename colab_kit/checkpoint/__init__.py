@@ -18,14 +18,15 @@ A checkpoint holds every parameter in its *dense* coordinates (the name and shap
   ``extra`` dict given to ``save`` (``torch.save``; read back with ``weights_only=True``, so tensors, numbers,
   strings, lists and dicts), returned by ``load``.
 
-Saving. Each rank finds where its elements live in the dense model (``layout.local_space``:
-each parameter's placement in the engine's placement table, then ZeRO's pieces, through the
-pipeline split), cuts what it holds of each tensor into rectangles, and all
-ranks exchange those lists once (an object all-gather); a region held by several ranks is
-written by the lowest of them. Each rank then hands ``torch.distributed.checkpoint.save`` its
-rectangles as a ``ShardedTensor`` (local shards + the global list of every rank's shards, built
-without further collectives): one DCP file per rank, ``.metadata`` from the coordinator. Every
-dense tensor is stored 2-D (1-D ``[n]`` as ``[1, n]``). Atomicity: see ``checkpoint.files``.
+Saving. Each rank finds where its elements live in the dense model (``layout.local_space``: each
+parameter's placement in the engine's placement table, then ZeRO's pieces, through the pipeline
+split) as tiles, rectangles of each dense tensor with where they lie in its optimizer tensors (a few
+ints per rectangle, none per element), and all ranks exchange the rectangles once (an object
+all-gather); a region held by several ranks is written by the lowest of them. Each rank then hands
+``torch.distributed.checkpoint.save`` its rectangles as a ``ShardedTensor`` (local shards + the
+global list of every rank's shards, built without further collectives): one DCP file per rank,
+``.metadata`` from the coordinator. Every dense tensor is stored 2-D (1-D ``[n]`` as ``[1, n]``).
+Atomicity: see ``checkpoint.files``.
 
 Worked example, ``ParallelConfig(dp=2, tp=2)`` (ranks ``2 * dp_i + tp_i``), GPT d_model=32,
 n_heads=4. ``blocks.0.attn.qkv.weight`` is ``[96, 32]`` in the dense model (heads 0-1 rows 0-47)::
@@ -46,11 +47,12 @@ Loading. Every rank checks the checkpoint first (``files.check``: the manifest e
 model config is this engine's, the files' sizes and hashes, split over ranks, verdicts gathered:
 one answer everywhere). Then, one dense tensor at a time, it reads the whole tensor
 (``dcp.load`` into a plain tensor, which assembles it from the saved chunks, ``no_dist``: no
-collective), keeps its own elements through the same index map, and drops it. Beyond this rank's
-model states (filled in place), a load holds its index map (a dense and a local position per
-element it holds: 8 bytes with int32) and, one tensor at a time, the dense tensor while it is read
-(``tests/ranks/test_checkpoint.py`` bounds it so). Then the 16-bit model is made from the masters, ZeRO
-1-2 all-gather the updated parameters, and the step count, history, loss scale and RNG states are set.
+collective), copies each of its tiles out of it (a slice into a strided view of the optimizer
+tensor), and drops it. Beyond this rank's model states (filled in place), a load holds its tiles
+(``LocalSpace.nbytes()``: 64 bytes each, a few per parameter) and, one tensor at a time, the dense
+tensor while it is read (``tests/ranks/test_checkpoint.py`` bounds it so). Then the 16-bit model is
+made from the masters, ZeRO 1-2 all-gather the updated parameters, and the step count, history, loss
+scale and RNG states are set.
 
 RNG states: restored when the world size is the one that saved (rank r gets rank r's); with
 another world size they are left as they are (the ranks see other rows and tokens anyway; the
@@ -77,7 +79,7 @@ import torch.distributed as dist
 
 from ..models.moe import MoE
 from .files import CheckpointError, config_instance, check, data_files, file_digest, finish, start
-from .layout import local_space, owners, rectangles, store_shape
+from .layout import local_space, owners, store_shape
 
 __all__ = ["CheckpointError", "save", "load", "check"]
 
@@ -124,12 +126,13 @@ def _states(optimizer, tensors, ks) -> tuple[list[str], dict]:
     return sorted(names or ()), scalars
 
 
-def _owned_shards(values, space, where, all_rects, shape2d):
-    """The ShardedTensor of ``key``: this rank's rectangles' values, every rank's rectangles' metadata."""
+def _owned_shards(values, space, name, all_rects, shape2d):
+    """The ShardedTensor of ``name``: this rank's rectangles' values (``space.read``: strided views of
+    ``values``, no index per element), every rank's rectangles' metadata."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-    cols, local, mds = shape2d[1], [], []
+    local, mds = [], []
     rank = dist.get_rank()
     dtype = None
     for r, rects in enumerate(all_rects):
@@ -137,8 +140,7 @@ def _owned_shards(values, space, where, all_rects, shape2d):
             md = ShardMetadata([a, b], [n, m], f"rank:{r}/cpu")
             mds.append(md)
             if r == rank:
-                idx = ((torch.arange(n) + a)[:, None] * cols + (torch.arange(m) + b)[None, :]).reshape(-1)
-                vals = space.read(values, where[idx]).view(n, m)
+                vals = space.read(values, name, (a, b, n, m))
                 dtype = vals.dtype
                 local.append(Shard(vals, md))
     # a rank that holds no rectangle of it has no dtype to give (None, as it always had)
@@ -199,10 +201,9 @@ def _held(space, opt) -> dict:
     """Per dense tensor this rank holds: its rectangles, per-element state names, scalar states."""
     held = {}
     for name in space.table.names:
-        dpos, lpos = space.held(name)
-        if dpos.numel():
-            ks = torch.unique(torch.searchsorted(space.starts, lpos, right=True) - 1).tolist()
-            held[name] = (rectangles(dpos, store_shape(space.table.shapes[name])), *_states(opt, space.tensors, ks))
+        tiles = space.tiles(name)
+        if tiles:
+            held[name] = ([t.rect for t in tiles], *_states(opt, space.tensors, space.tensor_ids(name)))
     return held
 
 
@@ -220,13 +221,10 @@ def _state_dict(space, opt, everyone: list[dict]) -> tuple[dict, dict]:
         own = owners([h[0] if h is not None else [] for h in holders], shape2d)
         entry = {"shape": list(table.shapes[name]), "store": list(shape2d), "states": states, "scalars": first[2]}
         if own[rank]:
-            dpos, lpos = space.held(name)
-            where = torch.full((table.numel[name],), -1, dtype=torch.int64)
-            where[dpos] = lpos.to(torch.int64)
-            sd[f"model/{name}"], entry["dtype"] = _owned_shards(space.tensors, space, where, own, shape2d)
+            sd[f"model/{name}"], entry["dtype"] = _owned_shards(space.tensors, space, name, own, shape2d)
             for s in states:
                 vals = [opt.state.get(t, {}).get(s) for t in space.tensors]
-                sd[f"optim/{s}/{name}"], entry[f"dtype/{s}"] = _owned_shards(vals, space, where, own, shape2d)
+                sd[f"optim/{s}/{name}"], entry[f"dtype/{s}"] = _owned_shards(vals, space, name, own, shape2d)
         tensors[name] = entry
     sd[f"rng/cpu/{rank}"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -356,21 +354,20 @@ def load(engine, path) -> dict:
                               f"{sorted(set(saved) ^ set(table.names)) or 'the same names with other shapes'}")
     with torch.no_grad():
         for name in table.names:
-            dpos, lpos = space.held(name)
-            if not dpos.numel():
+            ks = space.tensor_ids(name)
+            if not ks:
                 continue
             meta, store = saved[name], saved[name]["store"]
-            ks = torch.unique(torch.searchsorted(space.starts, lpos, right=True) - 1).tolist()
-            dense = _read(path, f"model/{name}", store, _dtype(meta["dtype"])).view(-1)
-            space.write(space.tensors, lpos, dense[dpos])
+            dense = _read(path, f"model/{name}", store, _dtype(meta["dtype"]))
+            space.write(space.tensors, name, dense)
             del dense
             for s in meta["states"]:
                 for k in ks:
                     st, t = opt.state[space.tensors[k]], space.tensors[k]
                     if s not in st:
                         st[s] = torch.zeros_like(t, dtype=_dtype(meta[f"dtype/{s}"]))
-                dense = _read(path, f"optim/{s}/{name}", store, _dtype(meta[f"dtype/{s}"])).view(-1)
-                space.write([opt.state.get(t, {}).get(s) for t in space.tensors], lpos, dense[dpos])
+                dense = _read(path, f"optim/{s}/{name}", store, _dtype(meta[f"dtype/{s}"]))
+                space.write([opt.state.get(t, {}).get(s) for t in space.tensors], name, dense)
                 del dense
             for s, v in meta["scalars"].items():
                 for k in ks:

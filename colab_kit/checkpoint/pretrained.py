@@ -1,19 +1,20 @@
 """The Hugging Face format: ``ck.save_pretrained(engine, directory)`` and ``ck.load_pretrained(engine, directory)``.
 
-Both go through the checkpoint's index map (``layout.local_space``: where each element this rank
-holds lives in the dense model), so they work under every config the engine runs (tensor modes,
-pipeline stages, ZeRO pieces, mixed precision: the fp32 masters are what is read and written).
+Both go through the checkpoint's tiles (``layout.local_space``: the rectangles of each dense tensor
+this rank holds and where they lie in its tensors, a few ints each), so they work under every config
+the engine runs (tensor modes, pipeline stages, ZeRO pieces, mixed precision: the fp32 masters are
+what is read and written).
 
 ``save_pretrained`` (every rank calls it): one tensor at a time, each rank hands rank 0 the values
-it holds with their dense positions (an object gather); rank 0 assembles the tensor, checks that
+of its tiles with their rectangles (an object gather); rank 0 assembles the tensor, checks that
 every element arrived, and finally writes a ``transformers`` model of the engine's class with
 ``save_pretrained`` (safetensors), so ``AutoModel.from_pretrained`` / ``GPT2LMHeadModel
 .from_pretrained`` read it unchanged. Layers that ``prepare`` turned from ``Conv1D`` into
 ``nn.Linear`` (GPT-2) are transposed back. Rank 0 holds the dense model once, at the end.
 
 ``load_pretrained``: every rank opens the safetensors files itself and, tensor by tensor, reads
-only the rows its elements come from (``safe_open(...).get_slice``), keeps its own elements
-through the index map, and writes them into its parameters (or their fp32 masters, then copied
+only the rectangle its tiles lie in (``safe_open(...).get_slice``), and copies each tile out of it
+(slices, no index per element) into its parameters into its parameters (or their fp32 masters, then copied
 into the 16-bit model; ZeRO 1-2 all-gather the updated pieces). The optimizer's states and the
 step count are left as they are: loading pretrained weights starts a fine-tuning run.
 
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 from ..models.moe import MoE
 
-from .layout import local_space
+from .layout import local_space, owners, store_shape
 
 __all__ = ["save_pretrained", "load_pretrained", "dense_state_dict"]
 
@@ -50,32 +51,34 @@ def dense_state_dict(engine, dst: int = 0) -> dict[str, torch.Tensor] | None:
     """The dense model's parameters (and an MoE layer's router bias, the buffer training changes), by the dense
     model's names, assembled on rank ``dst`` (None elsewhere;
     every rank calls it): one tensor at a time, each rank hands ``dst`` the values it holds with their dense
-    positions (an object gather), fp32 (the masters under mixed precision). An element no rank holds is an
+    rectangles (an object gather), fp32 (the masters under mixed precision). An element no rank holds is an
     error. ``dst`` holds the dense model once, at the end. A tied weight appears under each of its names
     (BERT's ``tok.weight`` and ``mlm.decoder.weight``), so ``model.load_state_dict(sd)`` takes it as it is.
 
     Worked example, ``ParallelConfig(tp=2)``: rank 0 sends rows 0-47 of ``blocks.0.attn.qkv.weight`` with
-    positions 0..1535, rank 1 rows 48-95; rank 0 returns the whole ``[96, 32]``; rank 1 returns None.
+    its rectangle ``(0, 0, 48, 32)``, rank 1 rows 48-95 with ``(48, 0, 48, 32)``; rank 0 returns the whole
+    ``[96, 32]``; rank 1 returns None.
     """
     space = local_space(engine)
     table = space.table
     rank, world = dist.get_rank(), dist.get_world_size()
     dense: dict[str, torch.Tensor] = {}
     for name in table.names:
-        dpos, lpos = space.held(name)
-        mine = (dpos.to(torch.int64), space.read(space.tensors, lpos) if dpos.numel() else torch.zeros(0))
+        mine = [(t.rect, space.read(space.tensors, name, t.rect)) for t in space.tiles(name)]
         parts: list | None = [None] * world if rank == dst else None
         dist.gather_object(mine, parts, dst=dst)
         if rank != dst:
             continue
         assert parts is not None  # made on dst
-        n = table.numel[name]
-        flat, seen = torch.empty(n, dtype=torch.float32), torch.zeros(n, dtype=torch.bool)
-        for pos, values in parts:
-            flat[pos] = values.to(torch.float32)
-            seen[pos] = True
-        if not bool(seen.all()):
-            raise RuntimeError(f"dense_state_dict: {int((~seen).sum())} elements of {name} are held by no rank")
+        shape2d = store_shape(table.shapes[name])
+        try:
+            owners([[rect for rect, _ in tiles] for tiles in parts], shape2d)  # raises if an element is missing
+        except RuntimeError as e:
+            raise RuntimeError(f"dense_state_dict: {name}: {e}") from None
+        flat = torch.empty(shape2d, dtype=torch.float32)
+        for tiles in parts:
+            for (r, c, n, m), values in tiles:
+                flat[r:r + n, c:c + m] = values.to(torch.float32)
         dense[name] = flat.view(table.shapes[name])
     biases: list | None = [None] * world if rank == dst else None  # MoE router biases: training state too
     dist.gather_object({str(m.layer): _bias(m) for m in engine.module.modules() if isinstance(m, MoE)}, biases,
@@ -139,18 +142,6 @@ def _files(directory: str) -> dict[str, str]:
     return where
 
 
-def _box(dpos: torch.Tensor, shape: tuple, conv: bool):
-    """The rectangle of the stored tensor that holds the dense flat positions ``dpos`` of a 2-D ``shape``
-    (``[out, in]``; a Conv1D stores its transpose): ``(row slice, column slice)`` in the stored layout, and
-    each position's place in that rectangle read back in dense order."""
-    rows, cols = shape
-    r, c = dpos // cols, dpos % cols
-    r0, r1, c0, c1 = int(r.min()), int(r.max()) + 1, int(c.min()), int(c.max()) + 1
-    if conv:  # stored [in, out]: dense (r, c) is stored (c, r); read [c0:c1, r0:r1], transposed back
-        return (slice(c0, c1), slice(r0, r1)), True, (r - r0) * (c1 - c0) + (c - c0)
-    return (slice(r0, r1), slice(c0, c1)), False, (r - r0) * (c1 - c0) + (c - c0)
-
-
 @torch.no_grad()
 def load_pretrained(engine, directory) -> int:
     """Read ``directory`` (a ``save_pretrained`` directory) into this engine's parameters (see the module
@@ -168,31 +159,26 @@ def load_pretrained(engine, directory) -> int:
         raise KeyError(f"{directory} has no tensors {absent[:5]}{more}: it holds another model")
     read = 0
     for name in table.names:
-        dpos, lpos = space.held(name)
-        if not dpos.numel():
+        tiles = space.tiles(name)
+        if not tiles:
             continue
         shape = table.shapes[name]
-        dpos = dpos.to(torch.int64)
+        r0, c0 = min(t.row for t in tiles), min(t.col for t in tiles)
+        r1, c1 = max(t.row + t.rows for t in tiles), max(t.col + t.cols for t in tiles)
         with safe_open(where[name], framework="pt") as f:
             sl = f.get_slice(name)
             got = tuple(sl.get_shape())
             conv = _is_conv(name, convs)
             if got != (tuple(reversed(shape)) if conv else tuple(shape)):
                 raise ValueError(f"{name} is {list(got)} in {directory}, this engine's model has {list(shape)}")
-            if len(shape) == 2:  # only the rectangle this rank's elements lie in
-                box, transposed, positions = _box(dpos, shape, conv)
-                block = sl[box[0], box[1]]
-                values = (block.t() if transposed else block).reshape(-1)
+            if len(shape) == 2:  # only the rectangle this rank's tiles lie in (a Conv1D stores [in, out])
+                block = sl[c0:c1, r0:r1].t() if conv else sl[r0:r1, c0:c1]
             elif len(shape) < 2:
-                values, positions = sl[:].reshape(-1), dpos
-            else:  # only the rows this rank's elements come from
-                row = int(torch.tensor(shape[1:]).prod())
-                rows = dpos // row
-                lo, hi = int(rows.min()), int(rows.max()) + 1
-                values = sl[lo:hi].reshape(-1)
-                positions = dpos - lo * row
-        read += values.numel()
-        space.write(space.tensors, lpos, values[positions].to(torch.float32))
+                block, r0, c0 = sl[:].reshape(1, -1), 0, 0
+            else:  # only the rows this rank's tiles come from
+                block, c0 = sl[r0:r1].reshape(r1 - r0, -1), 0
+        read += block.numel()
+        space.write(space.tensors, name, block.to(torch.float32), origin=(r0, c0))
     masters = engine.grads.masters
     if masters is not None:
         masters.copy_to_model()

@@ -106,6 +106,7 @@ class _Waiter:
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, which raises it
                 errors.append(exc)
             done.set()
+            work = None  # not kept while idle: a send's Work holds its tensor (NCCL's does)
             if self.abandoned:
                 return
             with _Waiter._lock:

@@ -131,7 +131,7 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
     taken: list[str] = []
     take = taken.append  # each step says it ran; the list must come out as ``steps``, in its order
     twin, conv1d = meta_twin(model), tuple(converted_conv1d(model))  # before anything changes the model
-    defer_stages(model, config, mesh.rank("pp"), policy)               # 1. only this rank's shards are made
+    deferred = defer_stages(model, config, mesh.rank("pp"), policy)    # 1. only this rank's shards are made
     take("defer_init")
     _no_kv_cache(model)
     token_loss = TokenLoss(token_losses) if loss_fn is lm_loss else None
@@ -158,13 +158,18 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
         stages, tied = apply_pipeline_split(model, mesh, config, policy)
         model = nn.ModuleList(stages)
         take("pipeline_split")
-    module = materialize(model).to(mesh.device)                        # 8. what is still meta: whole copies
+    # 8. what is still meta, one tensor at a time (under ZeRO-3 the trainable ones stay meta: its chunks make
+    # only this rank's piece of each)
+    keep = (lambda t: isinstance(t, nn.Parameter) and t.requires_grad) if config.zero == 3 and deferred else None
+    module = _to_device(materialize(model, keep), mesh.device)
     take("materialize")
     n_local = sum(p.numel() for p in module.parameters() if p.requires_grad)
     table = PlacementTable(module)                                     # 9. as each layer declared it
     take("placements")
     with torch.no_grad():                                              # 10. one start even if a seed differed
         for p in module.parameters():  # experts: over the ranks holding the same ones
+            if p.is_meta:  # made by ZeRO-3 from its recipe: the same values on every rank
+                continue
             axis = "edp" if config.ep > 1 and table[p].on("ep") != Replicate() else "dp"
             comm.broadcast(p.data, mesh, axis, tag="init params")
     take("broadcast")
@@ -183,6 +188,11 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
                         grads=grads, placement_table=table, events=events, logits=logits, token_loss=token_loss,
                         tp_plan=tp_plan, sp_plan=sp_plan, dropout=dropout, stages=stages, tied=tied,
                         n_local=n_local, steps=tuple(taken), conv1d=conv1d, undo=undo)
+
+
+def _to_device(module: nn.Module, device) -> nn.Module:
+    """``module.to(device)``, leaving meta tensors meta (ZeRO-3 makes them on the device)."""
+    return module._apply(lambda t: t if t.is_meta else t.to(device))
 
 
 def _no_kv_cache(model: nn.Module) -> None:

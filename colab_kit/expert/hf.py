@@ -9,7 +9,7 @@ interleaved, its own clamped activation: ``LAYOUTS``) and calls them with the ro
     out_t = sum_j top_k_weights[t, j] * expert_{top_k_index[t, j]}(hidden_t)
 
 ``HFExpertParallel`` takes its place with the same call. It holds this rank's ``E / ep`` experts (its slice of
-both tensors, ``Shard(0)`` on ``ep``, cut by ``layer.slice_experts`` from ``sharded_init.dense_value``: one dense
+both tensors, ``Shard(0)`` on ``ep``, cut by ``layer.slice_experts`` through ``sharded_init.cut``: one dense
 tensor alive at a time) and runs the same math on the same rows, moved there by the all-to-all of
 ``colab_kit.expert.layer`` (``dispatch_combine``, steps 2-4 around step 3's math):
 

@@ -43,7 +43,7 @@ import torch.nn as nn
 from .. import comm
 from ..models.experts import Experts, expert_compute, EXPERT_COMPUTE
 from ..placement import declare
-from ..sharded_init import dense_value
+from ..sharded_init import cut
 
 __all__ = ["AllToAll", "ExpertParallel", "expert_major", "slice_experts", "dispatch_combine", "Exchanged"]
 
@@ -81,16 +81,15 @@ def expert_major(got: torch.Tensor) -> torch.Tensor:
 def slice_experts(into: nn.Module, experts: nn.Module, names: Sequence[str], mesh, axis: str) -> tuple[int, int]:
     """Register on ``into`` this rank's ``E / ep`` experts of each stacked tensor ``names`` of ``experts`` (dim 0
     the expert; same names, same ``requires_grad``), each declared ``Shard(0)`` on ``axis``; cut from
-    ``sharded_init.dense_value``, one dense tensor alive at a time (a meta tensor without a recipe stays meta).
+    ``sharded_init.cut``: a meta tensor stays meta (with a recipe: made later, one dense tensor alive at a time).
     Returns ``(first, local)``: this rank's first expert and how many it holds.
 
     E=8, ep=4, rank 2: ``w_in [8, d, f]`` -> ``into.w_in [2, d, f]`` (experts 4 and 5), returns ``(4, 2)``."""
     local = getattr(experts, names[0]).shape[0] // mesh.size(axis)
     first = mesh.rank(axis) * local
     for name in names:
-        dense = dense_value(getattr(experts, name))  # a meta tensor without a recipe stays meta
-        with torch.no_grad():
-            mine = dense[first:first + local].clone()
+        with torch.no_grad():  # a meta tensor stays meta (made later, alone, if it has a recipe)
+            mine = cut(getattr(experts, name), lambda d: d[first:first + local])
         into.register_parameter(name, nn.Parameter(mine, requires_grad=getattr(experts, name).requires_grad))
         declare(into, name, {0: axis})
     return first, local

@@ -251,7 +251,7 @@ class PipelineExecutor(ComputeActions, CommActions):
         """Run what is left and wait for the sends: ``(the local loss, the most activation bytes held)``.
         The step stays watched (a report from another rank still ends it) until ``watching`` ends it."""
         self.advance_to(self.n_timesteps)
-        for a, pending in self._sends:
+        for a, _, pending in self._sends:
             self._set("waiting", f"{a} (its send) to be received")
             self._wait(pending, a, "the peer to receive it")
         self._sends = []
@@ -297,6 +297,8 @@ class PipelineExecutor(ComputeActions, CommActions):
             first = self.monitor.first()
             raise self._hang(f"rank {self.mesh.global_rank} (pp {self.me}) stopped before {a} because rank "
                              f"{first.get('rank')} reported: {first.get('reason')}")
+        if self._sends:
+            self._settle()  # drop the sends that completed during the last action, and their tensors
         if self.prefetch:
             self._post_ahead(j)
         self._set("running")

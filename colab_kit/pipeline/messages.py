@@ -219,10 +219,28 @@ class CommActions:
 
     # ------------------------------------------------------------------ posting and waiting
     def _send(self, a, t, peer, msg_tag, label):
+        self._settle(peer, a)  # the pair's earlier sends first: their tensors go as soon as they are received
         try:
-            self._sends.append((a, comm.isend(t, self.mesh, "pp", peer, msg_tag=msg_tag, tag=label, arm=True)))
+            self._sends.append((a, peer, comm.isend(t, self.mesh, "pp", peer, msg_tag=msg_tag, tag=label, arm=True)))
         except RuntimeError as exc:
             raise self._hang(f"rank {self.mesh.global_rank} could not send {a}: {_last(exc)}") from exc
+
+    def _settle(self, peer: int | None = None, a=None) -> None:
+        """Finish this rank's sends that are complete, and wait for those to ``peer`` of actions other than ``a``;
+        each finished send is dropped, and the tensor it sent with it (a Work keeps its tensor, NCCL's as well).
+        Before each action (no ``peer``) nothing blocks; before a send to ``peer``, the pair's earlier sends
+        (a message already issued, so waiting cannot deadlock: ``order``'s docstring)."""
+        keep = []
+        for sent, to, pending in self._sends:
+            if pending.armed[0].is_set():
+                self._wait(pending, sent, "the peer to receive it")  # done: records it, raises its error if any
+            elif to == peer and sent != a:
+                self._set("waiting", f"{sent} (its send) to be received, before {a}")
+                self._wait(pending, sent, "the peer to receive it")
+                self._set("running")
+            else:
+                keep.append((sent, to, pending))
+        self._sends = keep
 
     def _recv(self, a):
         """Issue everything up to receive ``a`` (and its side part), wait for it and return its buffer."""

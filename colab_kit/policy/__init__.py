@@ -172,6 +172,10 @@ class Policy:
                               "not the nn.ModuleList of blocks")
         return blocks
 
+    def tail_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The modules of ``tail`` (what ``finish`` uses), in the policy's order."""
+        return [get_module(model, path) for path in self.tail]
+
     def modules(self, model: nn.Module, role: str | None = None) -> list[tuple[str, str, nn.Module]]:
         """``(path, role, module)`` of every layer the policy names, blocks expanded, in the model's own
         module order (block by block: a meta model's shards are then made in the order it runs)."""

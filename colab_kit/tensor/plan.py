@@ -13,7 +13,7 @@ from ..config import ConfigError
 from ..policy import expand, get_module, policy_for, set_module
 from .cross_entropy import vocab_parallel_cross_entropy
 from ..placement import PlacementTable, mark_parts
-from ..sharded_init import dense_value
+from ..sharded_init import cut
 
 __all__ = ["TensorPlan", "sync_grads", "regrouped", "require_divisible"]
 
@@ -154,9 +154,9 @@ def regrouped(dense: nn.Linear, parts: int, n: int) -> nn.Linear:
                           f"each part's size must be a multiple of {n}")
     order = torch.arange(out).view(parts, n, out // (parts * n)).transpose(0, 1).reshape(-1)
     new = nn.Linear(dense.in_features, out, bias=dense.bias is not None, device="meta")
-    new.weight = nn.Parameter(dense_value(dense.weight).detach()[order].clone())
+    new.weight = nn.Parameter(cut(dense.weight, lambda d: d[order]))
     if dense.bias is not None:
-        new.bias = nn.Parameter(dense_value(dense.bias).detach()[order].clone())
+        new.bias = nn.Parameter(cut(dense.bias, lambda d: d[order]))
     return new
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from .zero_bubble import split_linear
-from ..sharded_init import dense_value
+from ..sharded_init import cut
 from ..placement import declare
 from ..policy import get_module
 from .plan import TensorPlan, require_divisible
@@ -39,7 +39,7 @@ __all__ = ["ColumnLinear", "RowLinear", "VocabEmbedding", "Plan1D", "local_looku
 def _slice(t: torch.Tensor, n: int, i: int, dim: int) -> torch.Tensor:
     """Block ``i`` of ``n`` along ``dim`` of ``t``'s dense value (made here if ``t`` is meta:
     ``colab_kit.sharded_init``)."""
-    return dense_value(t).detach().chunk(n, dim=dim)[i].clone()
+    return cut(t, lambda d: d.chunk(n, dim=dim)[i])
 
 
 class _SplitLinear(nn.Module):
@@ -61,7 +61,7 @@ class _SplitLinear(nn.Module):
         n, i = mesh.size(axis), mesh.rank(axis)
         bias = None
         if dense.bias is not None:
-            bias = _slice(dense.bias, n, i, 0) if cls.split_dim == 0 else dense_value(dense.bias).detach().clone()
+            bias = _slice(dense.bias, n, i, 0) if cls.split_dim == 0 else cut(dense.bias, lambda d: d)
         return cls(_slice(dense.weight, n, i, cls.split_dim), bias, mesh, axis)
 
     def to_dense(self) -> nn.Linear:

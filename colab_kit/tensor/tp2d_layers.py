@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
-from ..sharded_init import dense_value
+from ..sharded_init import cut
 from ..placement import declare
 from .tp1d import local_lookup
 from .tp3d_layers import ReduceScatter3D
@@ -164,11 +164,13 @@ class RowSum(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------- layers
-def _block(t: torch.Tensor, q: int, i: int, j: int | None = None) -> torch.Tensor:
+def _block(t: torch.Tensor, q: int, i: int, j: int | None = None, transposed: bool = False) -> torch.Tensor:
     """Block i of dim 0 (and j of dim 1) of ``t``'s dense value (``colab_kit.sharded_init``), as a fresh
-    contiguous tensor; a transposed weight is made dense first: ``_block(dense_value(w).t(), ...)``."""
-    t = dense_value(t).detach().chunk(q, 0)[i]
-    return (t if j is None else t.chunk(q, 1)[j]).clone(memory_format=torch.contiguous_format)
+    contiguous tensor (``sharded_init.cut``); ``transposed``: the blocks of ``t.T`` (a weight in ``[in, out]``)."""
+    def block(d):
+        d = (d.t() if transposed else d).chunk(q, 0)[i]
+        return d if j is None else d.chunk(q, 1)[j]
+    return cut(t, block)
 
 
 def _gather_cols(t: torch.Tensor, mesh) -> torch.Tensor:
@@ -201,7 +203,7 @@ class Linear2D(nn.Module):
     def from_dense(cls, dense: nn.Linear, mesh) -> Linear2D:
         q, i, j = mesh.size("tp_col"), mesh.rank("tp_row"), mesh.rank("tp_col")
         bias = _block(dense.bias, q, j) if dense.bias is not None else None
-        return cls(_block(dense_value(dense.weight).t(), q, i, j), bias, mesh)
+        return cls(_block(dense.weight, q, i, j, transposed=True), bias, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = SUMMA_AB.apply(x.reshape(-1, x.shape[-1]), self.weight, self.mesh)
@@ -280,7 +282,7 @@ class Embedding2D(nn.Module):
     @classmethod
     def from_dense(cls, dense: nn.Embedding, mesh) -> Embedding2D:
         q, j = mesh.size("tp_col"), mesh.rank("tp_col")
-        return cls(_block(dense_value(dense.weight).t(), q, j).t().contiguous(), mesh)
+        return cls(cut(dense.weight, lambda d: d.t().chunk(q, 0)[j].t()), mesh)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
-from ..sharded_init import dense_value
+from ..sharded_init import cut
 from ..placement import declare
 from .tp1d import local_lookup
 
@@ -150,9 +150,9 @@ class Linear3D(nn.Module):
     def from_dense(cls, dense: nn.Linear, mesh, in_axis: str = "tp_in", out_axis: str = "tp_out") -> Linear3D:
         q = mesh.size(WT)
         # a meta weight is made here (colab_kit.sharded_init)
-        w = dense_value(dense.weight).detach().chunk(q, 0)[mesh.rank(in_axis)]
-        w = w.chunk(q * q, 1)[mesh.rank(out_axis) * q + mesh.rank(WT)].clone()
-        b = _chunk(dense_value(dense.bias).detach(), mesh, in_axis, 0).clone() if dense.bias is not None else None
+        a, b_ = mesh.rank(in_axis), mesh.rank(out_axis) * q + mesh.rank(WT)
+        w = cut(dense.weight, lambda d: d.chunk(q, 0)[a].chunk(q * q, 1)[b_])
+        b = cut(dense.bias, lambda d: _chunk(d, mesh, in_axis, 0)) if dense.bias is not None else None
         return cls(w, b, mesh, in_axis, out_axis)
 
     def forward(self, x):
@@ -195,7 +195,7 @@ class LayerNorm3D(nn.Module):
             raise ValueError("LayerNorm3D shards a LayerNorm over the last dim with weight and bias")
 
         def part(t):
-            return _chunk(dense_value(t).detach(), mesh, axis, 0).clone()
+            return cut(t, lambda d: _chunk(d, mesh, axis, 0))
 
         return cls(part(dense.weight), part(dense.bias), dense.eps, dense.normalized_shape[0], mesh, axis)
 
@@ -244,8 +244,7 @@ class VocabEmbedding3D(nn.Module):
     def from_dense(cls, dense: nn.Embedding, mesh, vocab_axis: str = "tp_in") -> VocabEmbedding3D:
         q = mesh.size(WT)
         slice_ = mesh.rank(vocab_axis) * q + mesh.rank(WT)
-        part = dense_value(dense.weight).detach().chunk(q * q, 0)[slice_]
-        part = _chunk(part, mesh, other_axis(vocab_axis), 1).clone()
+        part = cut(dense.weight, lambda d: _chunk(d.chunk(q * q, 0)[slice_], mesh, other_axis(vocab_axis), 1))
         return cls(part, slice_ * part.shape[0], mesh, vocab_axis, dense.padding_idx)
 
     def forward(self, tokens):
@@ -280,7 +279,7 @@ class Embedding3D(nn.Module):
 
     @classmethod
     def from_dense(cls, dense: nn.Embedding, mesh, axis: str = "tp_out") -> Embedding3D:
-        return cls(_chunk(dense_value(dense.weight).detach(), mesh, axis, 1).clone(), mesh, axis)
+        return cls(cut(dense.weight, lambda d: _chunk(d, mesh, axis, 1)), mesh, axis)
 
     def forward(self, ids):
         return F.embedding(ids, self.weight)
@@ -357,7 +356,7 @@ class TiedHead3D(nn.Module):
         declare(self, "weight", {0: (table.vocab_axis, WT), 1: table.hidden_axis})
         self.bias = None
         if bias is not None:
-            self.bias = nn.Parameter(_chunk(dense_value(bias).detach(), mesh, table.vocab_axis, 0).clone())
+            self.bias = nn.Parameter(cut(bias, lambda d: _chunk(d, mesh, table.vocab_axis, 0)))
             declare(self, "bias", {0: table.vocab_axis}, (WT, table.hidden_axis))
         self.in_axis, self.out_axis = table.vocab_axis, table.hidden_axis
 
@@ -383,7 +382,7 @@ class RMSNorm3D(nn.Module):
         eps = getattr(dense, "eps", None) if eps is None else eps
         weight = dense.weight
         assert isinstance(weight, torch.Tensor)  # an RMSNorm's weight
-        w = _chunk(dense_value(weight).detach(), mesh, axis, 0).clone()
+        w = cut(weight, lambda d: _chunk(d, mesh, axis, 0))
         return cls(w, 1e-6 if eps is None else eps, weight.shape[0], mesh, axis)
 
     def forward(self, x):

@@ -35,6 +35,7 @@ def apply_data_parallel(module: nn.Module, mesh: ProcessMesh, config: ParallelCo
     if config.zero == 3:
         return ZeroStage3(module, mesh, "dp", events, offload=config.offload, device_budget=device_budget,
                           blocks=policy.block_list(module) if policy is not None else None,
+                          tail=policy.tail_modules(module) if policy is not None else (),
                           placements=table, group_of=group_of, experts=config.ep > 1)
     if config.ep > 1:  # the experts over edp, the rest over dp (colab_kit.zero.split)
         dense, experts = split_experts(module.parameters(), table)

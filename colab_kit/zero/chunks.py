@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
+from .. import sharded_init
 
 __all__ = ["Chunk", "padded"]
 
@@ -65,13 +66,20 @@ class Chunk:
         self.piece = self.size // n
         dtype = params[0].dtype if params else torch.float32
         device = params[0].device if params else mesh.device
-        self.full = torch.zeros(self.size, dtype=dtype, device=device)
+        self.full = torch.empty(self.size, dtype=dtype, device=device)  # written where it is read
         self.offsets: dict[int, int] = {}  # id(param) -> its offset in the flat space
-        off = 0
+        lo, hi, off = r * self.piece, (r + 1) * self.piece, 0
         with torch.no_grad():
+            self.full[self.numel:].zero_()  # the padding
             for p in params:
                 view = self.full[off:off + p.numel()]
-                view.copy_(p.detach().reshape(-1))
+                if sharded_init.unmade(p):  # a meta model's parameter: only this rank's piece of it is made
+                    a, b = max(off, lo), min(off + p.numel(), hi)
+                    if a < b:
+                        self.full[a:b].copy_(sharded_init.dense_value(p).reshape(-1)[a - off:b - off])
+                    sharded_init.forget(p)
+                else:
+                    view.copy_(p.detach().reshape(-1))
                 p.data = view.view_as(p)
                 self.offsets[id(p)] = off
                 off += p.numel()

@@ -98,11 +98,14 @@ def _move(t: torch.Tensor, device: torch.device) -> None:
 class ChunkPlacement:
     """Where each ZeRO-3 chunk's states live; ``"cpu"``: all on the host, ``"auto"``: under a budget."""
 
-    def __init__(self, chunks, mode: str, device: torch.device, budget: int | None = None, units=None):
+    def __init__(self, chunks, mode: str, device: torch.device, budget: int | None = None, units=None,
+                 outer=None):
         self.chunks, self.mode, self.device, self.budget = chunks, mode, torch.device(device), budget
         self.units: list[list[int]] = units if units is not None else [[c.index] for c in chunks]
-        """Per unit (the rest of the model, then each block), its chunks' indices: with ep a block's dense
-        chunk and its expert chunk, gathered together (``colab_kit.zero.split.chunk_units``)."""
+        """Per block, its chunks' indices: with ep a block's dense chunk and its expert chunk, gathered
+        together (``colab_kit.zero.split.chunk_units``)."""
+        self.outer: list[list[int]] = outer if outer is not None else []
+        """Per unit outside the blocks (embeddings, tail: ``colab_kit.zero.units``), the chunks it gathers."""
         self.account = Account(budget)
         self.where = ["device"] * len(chunks)
         self.log: list[dict] = []
@@ -176,19 +179,19 @@ class ChunkPlacement:
 
     def check_step(self, chunks, activations: int) -> None:
         """Refuse, before a step runs, a budget below what one step holds on the device at once
-        whatever the placement: the rest of the model whole with its gradient buffer, two blocks
+        whatever the placement: the embeddings or the tail whole with its gradient buffer, two blocks
         whole (one in use, one prefetched), a block's gradient buffer, a staged shard, and the
         activations held for this step."""
         whole = [sum(chunks[i].nbytes for i in unit) for unit in self.units]  # a unit's chunks, gathered together
-        rest, blocks = whole[0], whole[1:] or whole[:1]
-        big = max(blocks)
+        rest = max([sum(chunks[i].nbytes for i in unit) for unit in self.outer] or [0])
+        big = max(whole or [0])
         piece = max(c.shard.numel() * c.shard.element_size() for c in chunks)
         acts = activations
         need = 2 * rest + 3 * big + piece + acts
         if need > self.budget:
             raise ConfigError(
                 f"device_budget={self.budget:,} B is too small for one step of this model: the device holds at once "
-                f"the rest of the model and its gradient (2 x {rest:,} B), two blocks and a block's gradient "
+                f"the embeddings or the tail and its gradient (2 x {rest:,} B), two blocks and a block's gradient "
                 f"(3 x {big:,} B), a staged shard ({piece:,} B) and the activations ({acts:,} B): at least "
                 f"{need:,} B. Raise device_budget, use a smaller batch or recompute=True, or more dp ranks")
 

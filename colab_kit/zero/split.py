@@ -56,6 +56,8 @@ def chunk_units(units, mesh, axis: str, table, experts: bool) -> tuple[list, lis
         parts = [(name, dense, axis)] + ([(f"{name}.experts", mine, "edp")] if mine else [])
         of_unit.append([])
         for label, ps, over in parts:
+            if not ps and label == "tail":  # a tail whose only weight is tied to the embeddings': no chunk of its own
+                continue
             c = Chunk(len(chunks), label, ps, mesh, over)
             c.divisor = mesh.size(axis)
             of_unit[-1].append(c.index)

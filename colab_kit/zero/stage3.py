@@ -88,21 +88,10 @@ from .chunks import Chunk
 from .split import chunk_units
 from ..placement import PlacementTable
 from .offload import ChunkPlacement
+from .units import units_of, tied_to_embed
+from .. import sharded_init
 
-__all__ = ["ZeroStage3", "units_of"]
-
-
-def units_of(module: nn.Module, blocks: nn.ModuleList | None = None) -> list[tuple[str, nn.Module | None,
-                                                                                  list[nn.Parameter]]]:
-    """The chunks' units in forward order: ``("rest", None, params outside the blocks)`` first, then
-    ``("blocks.i", block, its params)``; ``blocks``: the policy's list of blocks (``colab_kit.policy``);
-    without one the model is one unit."""
-    inner = {id(p) for b in blocks for p in b.parameters()} if isinstance(blocks, nn.ModuleList) else set()
-    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in inner]
-    units: list[tuple[str, nn.Module | None, list[nn.Parameter]]] = [("rest", None, rest)]
-    if inner and blocks is not None:  # (inner is empty without blocks)
-        units += [(f"blocks.{i}", b, [p for p in b.parameters() if p.requires_grad]) for i, b in enumerate(blocks)]
-    return units
+__all__ = ["ZeroStage3", "units_of"]  # units_of: colab_kit.zero.units
 
 
 def _call(ref, method, *args):
@@ -119,25 +108,36 @@ class ZeroStage3:
 
     def __init__(self, module: nn.Module, mesh, axis: str = "dp", events=None, prefetch: bool = True,
                  offload: str = "none", device_budget: int | None = None, blocks: nn.ModuleList | None = None,
-                 placements=None, group_of=None, experts: bool = False):
+                 placements=None, group_of=None, experts: bool = False, tail=()):
         self.module, self.mesh, self.axis = module, mesh, axis
         self.placements = placements if placements is not None else PlacementTable(module)
         self.events = events if events is not None else []
         self.prefetch = prefetch
-        units = units_of(module, blocks)
+        _placeholders(module, mesh.device, self.placements)  # a meta model: each chunk makes only its piece
+        tail = list(tail)
+        units = units_of(module, blocks, tail)
         if group_of is not None:  # the user's param groups: each chunk ordered by group (colab_kit.zero.optimizer)
-            units = [(name, block, sorted(ps, key=group_of)) for name, block, ps in units]
-        if len({(p.dtype, p.device) for _, _, ps in units for p in ps}) > 1:
+            for unit in units:
+                unit.params = sorted(unit.params, key=group_of)
+        if len({(p.dtype, p.device) for unit in units for p in unit.params}) > 1:
             raise ConfigError("ZeRO keeps parameters in flat chunks: they must share one dtype and device")
-        self.chunks, self.units = chunk_units(units, mesh, axis, self.placements, experts)
-        """``chunks``: every chunk in forward order; ``units[u]``: the indices of unit u's chunks (the rest of the
-        model is unit 0, block i unit i + 1): one chunk, or with ``experts`` a block's dense chunk over ``axis``
-        and its expert chunk over edp (``colab_kit.zero.split.chunk_units``)."""
+        self.chunks, self.units = chunk_units([(u.name, u.block, u.params) for u in units], mesh, axis,
+                                              self.placements, experts)
+        """``chunks``: every chunk in forward order; ``units[u]``: the indices of unit u's own chunks (the
+        embeddings are unit 0, block i unit i + 1, the tail the last: ``colab_kit.zero.units``): one chunk, or with
+        ``experts`` a block's dense chunk over ``axis`` and its expert chunk over edp (``chunk_units``)."""
+        self.kinds = [u.kind for u in units]
+        self.needs = [list(idx) for idx in self.units]
+        """Per unit, the chunks gathered to run it: its own, and for a tail tied to the embeddings theirs too."""
+        if self.kinds[-1] == "tail" and tied_to_embed(units, tail):
+            self.needs[-1] += [i for i in self.units[0] if i not in self.needs[-1]]
         self.unit_of = [u for u, idx in enumerate(self.units) for _ in idx]
         self.placement = None
         """With ``offload`` 'cpu' or 'auto': where each chunk's states live, and the device account."""
         if offload != "none":
-            self.placement = ChunkPlacement(self.chunks, offload, mesh.device, device_budget, self.units)
+            outer = [n for n, k in zip(self.needs, self.kinds) if k != "block"]
+            blocks_ = [n for n, k in zip(self.units, self.kinds) if k == "block"]
+            self.placement = ChunkPlacement(self.chunks, offload, mesh.device, device_budget, blocks_, outer)
         self.shards = [c.shard for c in self.chunks]
         """This rank's pieces, one flat tensor per chunk: what the optimizer steps (in fp32)."""
         mixed = self.chunks[0].full.dtype in (torch.bfloat16, torch.float16)
@@ -155,10 +155,13 @@ class ZeroStage3:
         ref = weakref.ref(self)
         self._hooks = [module.register_forward_pre_hook(partial(_call, ref, "_pre_forward", 0)),
                        module.register_forward_hook(partial(_call, ref, "_post_forward", 0))]
-        for u, (_, block, _) in enumerate(units):
-            if block is not None:
-                self._hooks += [block.register_forward_pre_hook(partial(_call, ref, "_pre_forward", u)),
-                                block.register_forward_hook(partial(_call, ref, "_post_forward", u))]
+        for u, unit in enumerate(units):
+            if unit.block is not None:
+                self._hooks += [unit.block.register_forward_pre_hook(partial(_call, ref, "_block_starts", u),
+                                                                     with_kwargs=True),
+                                unit.block.register_forward_hook(partial(_call, ref, "_post_forward", u))]
+            if unit.kind == "tail":
+                self._hooks += [m.register_forward_pre_hook(partial(_call, ref, "_pre_forward", u)) for m in tail]
         for c in self.chunks:
             for p in c.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(partial(_call, ref, "_on_grad", c.index)))
@@ -195,24 +198,41 @@ class ZeroStage3:
         c.prepare_grads()
 
     def _pre_forward(self, u: int, _module, _args) -> None:
-        """Unit u (0: the model, i + 1: block i) is about to run: gather its chunks, prefetch the next unit's."""
-        nxt = 1 if u == 0 else u + 1
-        for i in self.units[u]:
+        """Unit u (0: the model, i + 1: block i, the last: the tail) is about to run: gather what it needs,
+        prefetch the next unit's."""
+        nxt = u + 1
+        if self.kinds[u] == "block" and self.kinds[u - 1] == "embed":  # the embeddings ran: free them
+            for i in self.needs[u - 1]:
+                self._free(i)
+        for i in self.needs[u]:
             self._gather(i, async_op=True)
-        for i in self.units[u]:
+        for i in self.needs[u]:
             self._gather(i)
         if self.prefetch and nxt < len(self.units):
-            for i in self.units[nxt]:
+            for i in self.needs[nxt]:
                 self._gather(i, async_op=True)
+
+    def _block_starts(self, u: int, module, args, kwargs) -> None:
+        """Block ``u - 1``'s forward pre-hook: ``_pre_forward``; on the first block in training, a hook on its
+        input hidden states, whose gradient arrives just before the embeddings' backward (gather them then)."""
+        self._pre_forward(u, module, args)
+        if self.kinds[u - 1] == "embed" and torch.is_grad_enabled():
+            for t in (*args, kwargs.get("hidden_states"), *kwargs.values()):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(partial(_call, weakref.ref(self), "_pre_backward", u - 1))
+                    break
 
     def _post_forward(self, u: int, _module, _args, out) -> None:
         training = torch.is_grad_enabled()
-        if u == 0:  # the model: R stays whole through backward (head and embeddings), freed when reduced
-            for i in self.units[0]:
-                if training and self.placement is not None:  # autograd's gradients of R, at most the chunk
-                    self.placement.hold(f"gradient of {self.chunks[i].name}", self.chunks[i].nbytes)
-                if not training:
-                    self._free(i)
+        if u == 0:  # the model's own hook: the embeddings and the tail (or, without blocks, everything)
+            for unit, kind in enumerate(self.kinds):
+                if kind == "block":
+                    continue
+                for i in self.units[unit]:
+                    if training and self.placement is not None:  # autograd's gradients, at most the chunk
+                        self.placement.hold(f"gradient of {self.chunks[i].name}", self.chunks[i].nbytes)
+                    if not training:
+                        self._free(i)
             return
         for i in self.units[u]:
             self._free(i)
@@ -223,13 +243,20 @@ class ZeroStage3:
                     break
 
     def _pre_backward(self, u: int, _grad) -> None:
-        for i in self.units[u]:
+        """Unit u's backward is next (its output's gradient has arrived): after the last block's, the tail's
+        backward is over (free what it needed); gather u, prefetch the unit before it."""
+        if u + 1 < len(self.kinds) and self.kinds[u + 1] == "tail":
+            for i in self.needs[u + 1]:
+                if self.chunks[i].state != "free":
+                    self._free(i)
+        for i in self.needs[u]:
             self._gather(i, async_op=True)
-        for i in self.units[u]:
+        for i in self.needs[u]:
             self._gather(i)
-            self._prepare_grads(i)
-        if self.prefetch and u > 1:
-            for i in self.units[u - 1]:
+            if self.kinds[u] == "block":
+                self._prepare_grads(i)
+        if self.prefetch and u >= 1 and self.kinds[u - 1] in ("block", "embed"):
+            for i in self.needs[u - 1]:
                 self._gather(i, async_op=True)
 
     def _on_grad(self, i: int, _param) -> None:
@@ -393,3 +420,18 @@ class ZeroStage3:
         pieces = self.masters.grads if self.masters is not None else [c.shard.grad for c in self.chunks]
         sum_slices(pieces, self._sums, self.mesh)
 
+
+
+def _placeholders(module: nn.Module, device, table: PlacementTable) -> None:
+    """Each trainable parameter still meta (a model built on meta: ``parallelize`` left it so) becomes a
+    placeholder on ``device`` (``sharded_init.placeholder``: no bytes, its recipe), in every module that
+    holds it and in ``table``; its chunk then writes only this rank's piece of it (``Chunk``)."""
+    made: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for name, p in mod._parameters.items():
+            if p is None or not p.is_meta or not p.requires_grad or not sharded_init.has_recipe(p):
+                continue
+            if id(p) not in made:
+                made[id(p)] = sharded_init.placeholder(p, device)
+                table.replace(p, made[id(p)])
+            mod._parameters[name] = made[id(p)]

@@ -350,12 +350,12 @@ class RulesGroup(dist.ProcessGroup):
     def send(self, tensors, dst: int, tag: int = 0):
         op = self._op("send", tensors, dst)
         self._channel(dst).submit(op)
-        return FutureWork(op.future)
+        return FutureWork(op.future, op.tensor)
 
     def recv(self, tensors, src: int, tag: int = 0):
         op = self._op("recv", tensors, src)
         self._channel(src).submit(op)
-        return FutureWork(op.future)
+        return FutureWork(op.future, op.tensor)
 
     def recv_anysource(self, tensors, tag: int = 0):
         raise RuleBroken("nccl-rules: NCCL has no receive from any source: name the rank the message comes from")
@@ -368,7 +368,7 @@ class RulesGroup(dist.ProcessGroup):
         batch.counts = self._counts
         for ch in channels:
             ch.submit(batch)
-        return [FutureWork(op.future) for op in made]
+        return [FutureWork(op.future, op.tensor) for op in made]
 
     def pending(self) -> list[str]:
         """What this rank issued on this group and is not complete: collectives, then each pair's queue."""

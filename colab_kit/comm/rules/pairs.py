@@ -202,3 +202,4 @@ class Channel:
             finally:
                 if self.pending:
                     self.pending.popleft()
+                item = None  # the op's tensor lives as long as its Work, not until the next op arrives

@@ -75,11 +75,16 @@ def report(wait, callback) -> None:
 
 class FutureWork(c10d.Work):
     """A Work that is done when its future is, and raises the future's error in ``wait()`` (torch's
-    ``_create_work_from_future`` returns a Work whose wait swallows the error)."""
+    ``_create_work_from_future`` returns a Work whose wait swallows the error).
 
-    def __init__(self, future: torch.futures.Future):
+    ``tensor``: a message's tensor, which the Work keeps for as long as it lives, as NCCL's Work does
+    (``outputs_``, and the allocator-safety stash): a sent activation stays alive until its sender drops
+    the Work, even after the message completed. A program that keeps every Work to the end of a step
+    keeps every tensor it sent, on a GPU as here."""
+
+    def __init__(self, future: torch.futures.Future, tensor: torch.Tensor | None = None):
         super().__init__()
-        self.future = future
+        self.future, self.tensor = future, tensor
 
     def wait(self, timeout=None) -> bool:
         self.future.wait()

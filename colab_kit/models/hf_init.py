@@ -1,0 +1,75 @@
+"""Values for a Hugging Face model built on the meta device: transformers' own init, one tensor at a time.
+
+``ck.boost`` makes a meta model's tensors from a recipe per tensor (``colab_kit.sharded_init``). The built-in
+models have one (``GPT.init_parameter``); a ``transformers`` model has ``_init_weights(module)``, which draws
+every tensor of a module from the global random generator in construction order, so no tensor could be
+made alone. ``recipe(model)`` makes one: to make tensor ``name``, it copies the module that owns it (that
+module alone, on the CPU, its children left meta), seeds the generator with ``(seed, name)``, runs the
+model's ``_init_weights`` on the copy and returns the tensor. So the values follow transformers' rules for
+each kind of module (N(0, initializer_range) matrices, norms at 1, rotary tables computed, a padding row
+at zero) and depend on nothing but the name: every rank, and a dense copy written by
+``colab_kit.sharded_init.fill``, get the same ones. A dense ``from_config`` model draws in another order,
+so its values differ: a run built on meta is compared with ``fill(dense)``, not with ``from_config``.
+
+The seed is 0 unless the model says otherwise (``model.colab_kit_seed = 3`` before ``boost``). A tensor that
+``_init_weights`` leaves unwritten (a custom ``nn.Parameter`` the model's class does not initialise) is an
+error naming it, not uninitialised memory.
+
+Worked example, Llama with ``initializer_range=0.02``: ``recipe(model)("model.layers.0.mlp.up_proj.weight",
+t)`` copies ``up_proj`` (an ``nn.Linear``), draws its weight from N(0, 0.02) under the seed of that name and
+writes it into ``t``; ``"model.norm.weight"`` is all ones; ``"model.rotary_emb.inv_freq"`` the rotary table.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+
+import torch
+import torch.nn as nn
+
+__all__ = ["recipe"]
+
+
+def _seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little")
+
+
+def recipe(model: nn.Module, seed: int | None = None):
+    """``init_parameter(name, tensor)`` for a ``transformers`` model (see the module docstring)."""
+    seed = getattr(model, "colab_kit_seed", 0) if seed is None else seed
+
+    @torch.no_grad()
+    def init_parameter(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        path, _, attr = name.rpartition(".")
+        owner = model.get_submodule(path)
+        twin = _alone(owner)
+        made = getattr(twin, attr)
+        if made.is_floating_point():
+            made.fill_(float("nan"))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_seed(seed, name))
+            model._init_weights(twin)
+        made = getattr(twin, attr)
+        if made.is_floating_point() and bool(torch.isnan(made).any()):
+            raise ValueError(f"{name}: {type(model).__name__}._init_weights does not initialise it "
+                             f"({type(owner).__name__}.{attr}), so it cannot be made on its own: build the model "
+                             "on a real device, or give it init_parameter(name, tensor)")
+        return tensor.copy_(made)
+
+    return init_parameter
+
+
+def _alone(owner: nn.Module) -> nn.Module:
+    """A copy of ``owner`` with its own tensors real and empty on the CPU (children stay as they are: meta)
+    and no transformers' "already initialised" marks."""
+    twin = copy.copy(owner)  # shallow: the children are shared, never written
+    twin._parameters = dict(twin._parameters)
+    twin._buffers = dict(twin._buffers)
+    for table in (twin._parameters, twin._buffers):
+        for key, t in table.items():
+            if t is None:
+                continue
+            fresh = torch.empty(t.shape, dtype=t.dtype)
+            table[key] = nn.Parameter(fresh, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fresh
+    twin.__dict__.pop("_is_hf_initialized", None)
+    return twin
