@@ -25,7 +25,8 @@ W     ``store.run(ready=engine.grads.ready)``: ``dW = g^T x`` and ``db = sum g``
       and its W runs the whole backward, B's one pass (same FLOPs; under ZB-H1 rank 0 runs
       them back to back, under ZB-V what the plan put between them runs sooner)
 SF/SB ``isend`` of the activation / input gradient to the neighbour pp rank (same dp and tp
-      coordinates); completed at the end of the step
+      coordinates), after waiting for the earlier sends to that rank; each send is dropped,
+      with its tensor, before the first action after it completed (``messages``)
 RF/RB blocking receive, at most ``timeout`` seconds (else ``PipelineHang``, see ``hang``)
 ====  =====================================================================================
 
@@ -47,11 +48,12 @@ Stepping, on every rank (``cluster.run`` or ``%colossal``), the same example::
     loss = step.finish()          # the rest, then gradients, optimizer step, global loss
 
 Stepping cannot deadlock: in the grid (``check.steps``, one action per rank per timestep)
-a receive sits at a later timestep than its send, and a send never waits. So when every
-rank runs all its actions before timestep T, each receive's message was posted by a peer
-that needed nothing at or after that timestep: by induction on the timestep every wait
-ends. A stepped step runs the same actions in the same order as ``train_step``, so its
-losses and parameters are the same bit for bit.
+a receive sits at a later timestep than its send, and a send waits only for messages its
+rank issued before it. So when every rank runs all its actions before timestep T, each
+receive's message was posted by a peer that needed nothing at or after that timestep: by
+induction on the timestep every wait ends (``order``'s docstring has the argument in full).
+A stepped step runs the same actions in the same order as ``train_step``, so its losses and
+parameters are the same bit for bit.
 
 The engine's first ZB-V plan is ordered on each stage's FLOPs (``build_plan_for(config,
 model_cfg)``, ``costs.flop_costs``: the first stage's whole backward in W, the head on the last),

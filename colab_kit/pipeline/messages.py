@@ -16,11 +16,22 @@ receive action finds a message that came in during compute already complete. The
 still ``lowering.message_tag`` with the step (mod 256) and a header or side bit (``step_tag``), which
 gloo uses and NCCL (and ``comm.rules``) ignore.
 
-Worked example, pp=2, step 5, stage 0 on rank 0 sends microbatch 1's activation ``[2, 16, 32]``::
+A send is let go as soon as it completes: its Work keeps the tensor alive (NCCL's Work does, and so do
+gloo's and ``comm.rules``'), so a Work kept to the end of the step would keep every activation and
+input gradient the rank sent, a 1F1B stage's memory growing with the microbatches. Before each action
+the executor finishes (records and drops) the sends that completed meanwhile, without blocking; before
+a send to a peer it waits for its earlier sends to that peer, as NCCL runs a pair's messages in issue
+order anyway. So beside what the schedule keeps for backward a rank holds at most the latest send
+action's messages per peer, whatever the number of microbatches. Waiting for a message this rank has
+issued cannot deadlock (``order``'s docstring).
 
-    rank 0  0SF1: isend(act, to pp 1, tag=step_tag(0SF1, step 5))   completed at the end of the step
+Worked example, 1F1B, pp=2, step 5, stage 0 on rank 0 sends microbatch 1's activation ``[2, 16, 32]``::
+
+    rank 0  0SF1: wait for 0SF0 (the pair's last send; received by now), drop it and its tensor;
+                  isend(act, to pp 1, tag=step_tag(0SF1, step 5))
     rank 1  (while running 1F0) irecv(buffer [2, 16, 32], from pp 0) posted early: ordered next
     rank 1  1RF1: wait for it (at most ``timeout`` s, waking on the hang flag)  -> input of 1F1
+    rank 0  before its first action after 1RF1 took the data: 0SF1 complete, dropped with the activation
 
 The receiver learns the activation's shape and dtype from a small header (8 int64s) sent
 before the first activation over each stage boundary (per batch shape and microbatch
@@ -104,7 +115,7 @@ class CommActions:
     _out: dict
     _gout: dict
     _gin: dict
-    _sends: list
+    _sends: list  # (action, peer, pending send): this rank's sends not finished yet (``_settle``)
     _since: float
     _hang: Callable[[str], PipelineHang]
     _set: Callable[..., None]
@@ -232,7 +243,7 @@ class CommActions:
         (a message already issued, so waiting cannot deadlock: ``order``'s docstring)."""
         keep = []
         for sent, to, pending in self._sends:
-            if pending.armed[0].is_set():
+            if pending.armed is not None and pending.armed[0].is_set():
                 self._wait(pending, sent, "the peer to receive it")  # done: records it, raises its error if any
             elif to == peer and sent != a:
                 self._set("waiting", f"{sent} (its send) to be received, before {a}")

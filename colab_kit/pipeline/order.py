@@ -16,6 +16,15 @@ timestep, every message whose send sits before timestep T completes, so every ra
 actions at T. That holds whether a rank's messages share one stream per pair (NCCL's unbatched
 sends and receives) or one stream per group, since the order is total on each rank.
 
+A rank may also wait for a message it has issued itself: the executor waits for its earlier sends to a
+peer before it sends there again, so that a sent tensor is let go when the send completes (``messages``).
+That adds no deadlock. Take the first message M of the order that never completes. Its sender reaches
+M's action: what it waits for before that are receives at earlier timesteps, whose sends come earlier in
+the order, and messages it issued before M; all come before M, so all complete. Its receiver posts M's
+receive: it issues in order, so it cannot wait for anything ordered after M without having posted M's
+receive first, and what it waits for before M completes. With both ends issued and everything before M
+on the pair complete, M completes: no such M.
+
 Worked example, 1F1B with pp=2 and 4 microbatches; the grid puts 0SF1 at timestep 3 and 1SB0 at 5::
 
     rank 0 issues: header+0SF0 (t1), 0SF1 (t3), 0RB0 (t5), 0SF2 (t9), 0RB1 (t9 from rank 1), ...

@@ -12,10 +12,11 @@ stay the same size as the step gets more of them. For each case a rank measures:
   every op, whatever holds it (a send's tensor held by its Work counts here, and nowhere else);
 - ``saved``: the most bytes autograd held saved at once in that step (the timeline's "activations").
 
-On pp rank 0 of 1F1B with 2 layers (one block per stage) a pair is about 67 KB, each message 4 KiB::
+On pp rank 0 of 1F1B with 2 layers (one block per stage) a pair is about 67 KB, each message 4 KiB
+(docs/pipeline.md has every case)::
 
-    m=4 : held 2, peak 305,796 B          old executor (every send kept to the step's end):
-    m=64: held 2, peak 321,156 B          m=64 peak 575,108 B on gloo, 60 x 4 KiB more
+    m=4 : held 2, peak 366,852 B       the executor that kept every send to the step's end:
+    m=64: held 2, peak 382,212 B       m=4 375,044 B, m=64 636,164 B (60 x 4 KiB more, and the ids)
 
 (the 15,360 B between m=4 and m=64 are the global batch's token ids, 128 rows instead of 8, which the
 embedding's saved input is a view of).
@@ -99,8 +100,7 @@ def check_peaks(results: list[dict], cases) -> dict:
             assert got["saved"] <= most * got["chunk"], (rank, schedule, m, got, most)
             peaks.setdefault((rank, schedule), {})[m] = got["peak"], got["chunk"]
     for (rank, schedule), by_m in peaks.items():
-        (low, _), (high, chunk) = by_m[min(by_m)], by_m[max(by_m)]
-        for m, (peak, _) in by_m.items():  # no m costs more than one pair over the fewest microbatches' peak
+        low, chunk = by_m[min(by_m)]  # one pair's bytes at the fewest microbatches (the meter's count of a
+        for m, (peak, _) in by_m.items():  # pair grows with the batch its token ids are a view of)
             assert peak - low <= chunk, (rank, schedule, m, peak, low, chunk, by_m)
-        assert high - low <= chunk, (rank, schedule, by_m)
     return {k: {m: p for m, (p, _) in v.items()} for k, v in peaks.items()}
