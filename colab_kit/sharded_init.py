@@ -115,8 +115,8 @@ def defer(model: nn.Module, keep=None) -> bool:
         return False
     init = _resolve_init(model)
     mine = None if keep is None else {id(t) for s in keep for t in (*s.parameters(), *s.buffers())}
-    for name, t in meta.items():
-        if mine is None or id(t) in mine:
+    for name, t in meta.items():  # (one given earlier stays: GPT-2's Conv1D weights, before they became Linear)
+        if (mine is None or id(t) in mine) and not has_recipe(t):
             _RECIPES[t] = _init_recipe(init, name, t.shape, t.dtype)
     return True
 

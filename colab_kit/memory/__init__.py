@@ -29,6 +29,7 @@ Where each part lives:
     holds, measured: tensor_bytes, optimizer_bytes, ActivationMeter; re-exported here)
     formulas.py    the analytic model: ZeRO's model-state formulas, the activations each op saves
     estimator.py   one rank's estimate under any ParallelConfig (what engine.memory_estimate() reports)
+    startup.py     what boost itself costs a rank at its peak (a meta model: its shards and one dense tensor)
     peak.py        the in-step peak of model-state bytes, measured from outside on any code
     timeline.py    ck.memory_timeline(engine): bytes held after every op of one step
     history.py     the same timeline on a GPU from CUDA's allocator log
@@ -36,10 +37,11 @@ Where each part lives:
 from __future__ import annotations
 
 from .estimator import config_estimate, rank_params
+from .startup import startup_bytes
 from .formulas import (OPTIMIZER_STATES, PRECISION_BYTES, activation_bytes, estimate, model_state_bytes,
                        optimizer_states, placed)
 from ..measure import ActivationMeter, SavedRef, optimizer_bytes, tensor_bytes
 
 __all__ = ["tensor_bytes", "optimizer_bytes", "ActivationMeter", "estimate", "model_state_bytes", "activation_bytes",
            "optimizer_states", "placed", "PRECISION_BYTES", "OPTIMIZER_STATES", "config_estimate", "rank_params",
-           "SavedRef"]
+           "SavedRef", "startup_bytes"]

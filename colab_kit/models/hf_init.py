@@ -5,7 +5,8 @@ models have one (``GPT.init_parameter``); a ``transformers`` model has ``_init_w
 every tensor of a module from the global random generator in construction order, so no tensor could be
 made alone. ``recipe(model)`` makes one: to make tensor ``name``, it copies the module that owns it (that
 module alone, on the CPU, its children left meta), seeds the generator with ``(seed, name)``, runs the
-model's ``_init_weights`` on the copy and returns the tensor. So the values follow transformers' rules for
+model's ``_init_weights`` on the copy and then on each ancestor (children first, as transformers' own pass:
+GPT-2's attention rescales its ``c_proj``), and returns the tensor. So the values follow transformers' rules for
 each kind of module (N(0, initializer_range) matrices, norms at 1, rotary tables computed, a padding row
 at zero) and depend on nothing but the name: every rank, and a dense copy written by
 ``colab_kit.sharded_init.fill``, get the same ones. A dense ``from_config`` model draws in another order,
@@ -37,11 +38,18 @@ def _seed(seed: int, name: str) -> int:
 def recipe(model: nn.Module, seed: int | None = None):
     """``init_parameter(name, tensor)`` for a ``transformers`` model (see the module docstring)."""
     seed = getattr(model, "colab_kit_seed", 0) if seed is None else seed
+    # a frozen meta copy: each tensor's owner and ancestors as they are now, whatever the engine later replaces
+    # or makes real in the model itself (a tensor plan's layers, ZeRO-3's placeholders, GPT-2's Conv1D)
+    from ..sharded_init import meta_twin
+    modules = dict(meta_twin(model).named_modules(remove_duplicate=False))
+    owners = {f"{path}.{attr}" if path else attr: path for path, mod in modules.items()
+              for attr in (*mod._parameters, *mod._buffers)}
+    chains = {name: _ancestors(modules, path) for name, path in owners.items()}
 
     @torch.no_grad()
     def init_parameter(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        path, _, attr = name.rpartition(".")
-        owner = model.get_submodule(path)
+        attr = name.rpartition(".")[2]
+        owner = modules[owners[name]]
         twin = _alone(owner)
         made = getattr(twin, attr)
         if made.is_floating_point():
@@ -49,6 +57,13 @@ def recipe(model: nn.Module, seed: int | None = None):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_seed(seed, name))
             model._init_weights(twin)
+            node = twin
+            for ancestor, child in chains[name]:  # children before parents, as transformers' own pass runs:
+                up = copy.copy(ancestor)           # a parent may redraw a child's tensor (GPT-2's scaled c_proj)
+                up._modules = {**ancestor._modules, child: node}
+                up.__dict__.pop("_is_hf_initialized", None)
+                model._init_weights(up)
+                node = up
         made = getattr(twin, attr)
         if made.is_floating_point() and bool(torch.isnan(made).any()):
             raise ValueError(f"{name}: {type(model).__name__}._init_weights does not initialise it "
@@ -57,6 +72,16 @@ def recipe(model: nn.Module, seed: int | None = None):
         return tensor.copy_(made)
 
     return init_parameter
+
+
+def _ancestors(modules: dict, path: str) -> list[tuple[nn.Module, str]]:
+    """``(ancestor, the child on the way down)`` from the module at ``path``'s parent up to the root."""
+    out = []
+    while path:
+        parent, _, child = path.rpartition(".")
+        out.append((modules[parent], child))
+        path = parent
+    return out
 
 
 def _alone(owner: nn.Module) -> nn.Module:

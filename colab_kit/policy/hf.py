@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 
 from . import Attention, Policy
+from ..sharded_init import cut, defer
 
 __all__ = ["gpt2_policy", "llama_policy", "conv1d_to_linear", "converted_conv1d"]
 
@@ -63,12 +64,14 @@ def conv1d_to_linear(model: nn.Module) -> list[str]:
     from transformers.pytorch_utils import Conv1D
 
     done = converted_conv1d(model)
+    if any(isinstance(m, Conv1D) for m in model.modules()):
+        defer(model)  # built on meta: recipes by the Conv1D names and layout, before they change
     for path, mod in list(model.named_modules()):
         if not isinstance(mod, Conv1D):
             continue
         w = mod.weight  # [in, out]
         lin = nn.Linear(w.shape[0], w.shape[1], bias=mod.bias is not None, device="meta")
-        lin.weight = nn.Parameter(w.detach().t().contiguous(), requires_grad=w.requires_grad)
+        lin.weight = nn.Parameter(cut(w, lambda d: d.t()), requires_grad=w.requires_grad)
         if mod.bias is not None:
             lin.bias = mod.bias
         parent, _, name = path.rpartition(".")

@@ -1,0 +1,147 @@
+"""ZeRO-3 from a model built on the meta device: no rank ever holds the whole model.
+
+Every model the engine supports (GPT, BERT with its head tied to the token table and without, ViT, Hugging
+Face GPT-2, Llama and Mixtral), built on meta and boosted under ``dp=4 zero=3`` (and ``dp=2 tp=2 zero=3``),
+trains to the losses of the same model trained in one process with plain PyTorch, its dense values written by
+``sharded_init.fill`` (a Hugging Face model's own ``from_config`` draws differ: that reference is refused, so
+the comparison can fail).
+
+Memory: a GPT of 92M parameters (370 MB in fp32) on each of 4 ranks, the growth of the process's peak resident
+memory (``VmHWM`` after ``/proc/self/clear_refs``) during ``boost``: at most the rank's shards (parameters and
+gradients, as ``engine.memory()`` reports them) plus one chunk in flight plus the largest dense tensor being
+cut, a bound read from the chunk sizes, and within 5% of ``ck.memory.startup_bytes``; the same model built dense passes the bound (the bound can fail), and
+the first two losses equal the dense build's (built once, for dp=4). One spawn of 4 ranks.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import gc
+
+import pytest
+import torch
+
+import colab_kit as ck
+from colab_kit.datasets import SyntheticTokens
+from colab_kit.models import GPT, GPTConfig
+from colab_kit.memory.startup import largest_tensor, startup_bytes
+from colab_kit.sharded_init import fill
+
+from tests.helpers import BATCH, OPTIMIZERS, batch, make, one_process
+from tests.helpers import hf_moe
+
+STEPS = 3
+PARITY = [(m, dict(dp=4, zero=3)) for m in ("gpt", "bert", "bert-untied", "vit", "gpt2", "llama", "mixtral")] + \
+         [(m, dict(dp=2, tp=2, zero=3)) for m in ("gpt", "bert", "llama")]
+BIG = GPTConfig(vocab_size=8192, seq_len=32, d_model=1024, n_heads=8, n_layers=6)
+
+
+def _build(name: str) -> torch.nn.Module:
+    if name == "mixtral":
+        return hf_moe.build(name)
+    return make(name.split("-")[0], tie=not name.endswith("untied"))
+
+
+def _data(name: str):
+    return lambda step: batch("gpt" if name == "mixtral" else name.split("-")[0], step)
+
+
+def _loss(model, x, y):
+    out = model(x)
+    logits = getattr(out, "logits", out)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+@functools.lru_cache(maxsize=None)
+def reference(name: str, filled: bool = True) -> list[float]:
+    model = _build(name)
+    if filled:
+        fill(model)
+    loss = hf_moe._loss(model.router_aux_loss_coef) if name == "mixtral" else _loss  # (its aux loss too)
+    return one_process(model, OPTIMIZERS["adamw"], _data(name), STEPS, loss).losses
+
+
+# --------------------------------------------------------------------------- on each rank
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def _growth(make_engine):
+    """``make_engine()``, and how far this process's peak resident memory rose above where it was before."""
+    gc.collect()  # what an earlier engine left in reference cycles goes first
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from the resident memory now
+    engine = make_engine()
+    return engine, _status("VmHWM") - before
+
+
+def _memory(_):
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: a large tensor's pages go back when freed
+    torch.manual_seed(0)
+    out, data = {}, SyntheticTokens(BIG.vocab_size, BIG.seq_len, seed=1)
+    for kw in (dict(dp=4, zero=3), dict(dp=2, tp=2, zero=3)):
+        cfg = ck.ParallelConfig(**kw)
+        engine, grew = _growth(lambda: ck.boost(GPT(BIG, device="meta"), OPTIMIZERS["adamw"], cfg))
+        z, mem = engine.grads, engine.memory()
+        largest = max(p.numel() for p in GPT(BIG, device="meta").parameters()) * 4
+        got = dict(grew=grew, params=mem["params"], grads=mem["grads"], chunk=max(c.nbytes for c in z.chunks),
+                   largest=largest, whole=sum(p.numel() for p in GPT(BIG, device="meta").parameters()) * 4,
+                   estimate=startup_bytes(BIG, cfg),
+                   losses=[engine.train_step(data.batch(s, 4)) for s in range(2)])
+        engine.close()
+        del engine, z
+        if not out:  # the control, once: the same model built dense grows past the bound, to the same losses
+            dense, got["dense_grew"] = _growth(lambda: ck.boost(GPT(BIG), OPTIMIZERS["adamw"], cfg))
+            got["dense_losses"] = [dense.train_step(data.batch(s, 4)) for s in range(2)]
+            dense.close()
+            del dense
+        out[tuple(sorted(kw.items()))] = got
+    return out
+
+
+def _parity(cases):
+    out = {}
+    for name, kw in cases:
+        with torch.device("meta"):
+            model = _build(name)
+        engine = ck.boost(model, OPTIMIZERS["adamw"], ck.ParallelConfig(**kw))
+        out[name, tuple(sorted(kw.items()))] = [engine.train_step(_data(name)(s)) for s in range(STEPS)]
+        engine.close()
+    return out
+
+
+def _both(cases):
+    return dict(memory=_memory(None), parity=_parity(cases))
+
+
+@pytest.fixture(scope="module")
+def results():
+    return ck.launch(_both, 4, PARITY, timeout=600)
+
+
+@pytest.mark.parametrize("case", PARITY, ids=lambda c: f"{c[0]}-{'-'.join(f'{k}{v}' for k, v in c[1].items())}")
+def test_a_meta_model_under_zero3_trains_like_one_process(results, case):
+    name, kw = case
+    ref = reference(name)
+    assert abs(ref[-1] - ref[0]) > 1e-3 * abs(ref[0])  # it did train
+    for rank, res in enumerate(results):
+        got = res["parity"][name, tuple(sorted(kw.items()))]
+        assert got == pytest.approx(ref, rel=1e-5), (rank, got, ref)
+    if name in ("gpt2", "llama", "mixtral"):  # transformers' own from_config values are another model
+        assert results[0]["parity"][name, tuple(sorted(kw.items()))] != pytest.approx(reference(name, False), rel=1e-5)
+
+
+def test_boost_of_a_meta_model_holds_its_shards_and_one_chunk(results):
+    for rank, res in enumerate(results):
+        dense = next(iter(res["memory"].values()))  # the dp=4 case carries the dense build's figures
+        for key, got in res["memory"].items():
+            bound = got["params"] + got["grads"] + got["chunk"] + got["largest"]
+            assert 0.5 * (got["params"] + got["grads"]) < got["grew"] <= bound, (rank, key, got)
+            # the estimate of start-up (ck.memory.startup_bytes) and engine.memory() agree with the measurement
+            assert abs(got["grew"] - got["estimate"]) <= 0.05 * got["estimate"], (rank, key, got)
+            assert abs(got["params"] + got["grads"] + 4 * largest_tensor(BIG) - got["estimate"]) <= 0.01 * got["estimate"]
+            assert dense["dense_grew"] > bound and dense["dense_grew"] > got["whole"], (rank, key, dense)  # can fail
+            assert got["losses"] == pytest.approx(dense["dense_losses"], rel=1e-5), (rank, key)
