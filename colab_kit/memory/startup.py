@@ -15,10 +15,11 @@ Worked example, a GPT of 92.4M parameters (vocab 8192, d_model 1024, 6 layers, s
 """
 from __future__ import annotations
 
-from .estimator import stage_params
-from .formulas import model_state_bytes
+from .estimator import part_params, stage_params
+from .formulas import PRECISION_BYTES, model_state_bytes
+from ..zero.chunks import padded
 
-__all__ = ["startup_bytes", "largest_tensor"]
+__all__ = ["startup_bytes", "largest_tensor", "gathered_bytes"]
 
 
 def largest_tensor(model) -> int:
@@ -38,3 +39,26 @@ def startup_bytes(model, config, *, meta: bool = True, pp_rank: int | None = Non
     kept = states["params"] + (states["grads"] if config.zero else 0)
     whole = sum(stage_params(model, type(config)()))  # the dense model, one rank
     return kept + 4 * (largest_tensor(model) if meta else whole)
+
+
+def gathered_bytes(model, config, tied: bool = False) -> int:
+    """The most bytes of whole ZeRO-3 chunks one rank holds at once inside a step (``ZeroStage3.peak_gathered``)
+    of a GPT-like ``model`` under ``config``: its units (``colab_kit.zero.units``) are the embeddings, each block
+    and the tail, each gathered around its use and prefetched one ahead, so the peak is the largest of
+
+        embeddings + block 0 (forward's start, backward's end)   two blocks   the last block + the tail
+
+    (the tail with the embeddings' chunk too when ``tied``); never the embeddings, the tail and a block together,
+    which a 128k vocabulary would make 2 x 1B parameters at d 8192. Chunks are padded to a multiple of dp.
+
+    >>> from colab_kit import ParallelConfig
+    >>> from colab_kit.models import GPTConfig
+    >>> g = GPTConfig(vocab_size=32768, seq_len=32, d_model=128, n_heads=4, n_layers=2)
+    >>> gathered_bytes(g, ParallelConfig(dp=4, zero=3))  # the embeddings (4.2M) + a block: not both vocab tables
+    17586688
+    """
+    parts = part_params(model, config)
+    width = PRECISION_BYTES[config.precision]
+    embed, block, tail = (width * padded(parts[k], config.dp) for k in ("embed", "block", "tail"))
+    tail = tail + embed if tied else tail
+    return max(embed + block, 2 * block, block + tail)

@@ -20,6 +20,7 @@ import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.memory import model_state_bytes
 from colab_kit.memory.peak import StatePeak, state_bytes
+from colab_kit.memory.startup import gathered_bytes
 from colab_kit.models import GPT
 
 from tests.helpers import (BATCH, GPT_CFG, OPTIMIZERS, STEPS, gpt_reference as reference, named_params as _named,
@@ -123,6 +124,7 @@ def _check(results, cfgs):
                 # prefetched); never the embeddings and the tail together with a block
                 edge, blocks = max(got["chunk_bytes"][0], got["chunk_bytes"][-1]), got["chunk_bytes"][1:-1]
                 assert 2 * max(blocks) <= got["peak"] <= edge + 2 * max(blocks), (kw, rank, got["peak"])
+                assert got["peak"] == gathered_bytes(GPT_CFG, ck.ParallelConfig(**kw)), (kw, rank, got["peak"])
                 _check_comm(got["comm"], got["sizes"], dp, m, kw)
 
 

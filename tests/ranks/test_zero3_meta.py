@@ -24,7 +24,7 @@ import torch
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.models import GPT, GPTConfig
-from colab_kit.memory.startup import largest_tensor, startup_bytes
+from colab_kit.memory.startup import gathered_bytes, largest_tensor, startup_bytes
 from colab_kit.sharded_init import fill
 
 from tests.helpers import BATCH, OPTIMIZERS, batch, make, one_process
@@ -34,6 +34,7 @@ STEPS = 3
 PARITY = [(m, dict(dp=4, zero=3)) for m in ("gpt", "bert", "bert-untied", "vit", "gpt2", "llama", "mixtral")] + \
          [(m, dict(dp=2, tp=2, zero=3)) for m in ("gpt", "bert", "llama")]
 BIG = GPTConfig(vocab_size=8192, seq_len=32, d_model=1024, n_heads=8, n_layers=6)
+VOCAB = GPTConfig(vocab_size=32768, seq_len=32, d_model=128, n_heads=4, n_layers=2)
 
 
 def _build(name: str) -> torch.nn.Module:
@@ -99,6 +100,15 @@ def _memory(_):
             dense.close()
             del dense
         out[tuple(sorted(kw.items()))] = got
+    # a vocabulary-heavy model: the embeddings and the head are each larger than a block
+    cfg = ck.ParallelConfig(dp=4, zero=3)
+    engine = ck.boost(GPT(VOCAB, device="meta"), OPTIMIZERS["adamw"], cfg)
+    engine.train_step(SyntheticTokens(VOCAB.vocab_size, VOCAB.seq_len, seed=1).batch(0, 4))
+    z = engine.grads
+    out["vocab"] = dict(peak=z.peak_gathered, estimate=gathered_bytes(VOCAB, cfg), chunks=[c.nbytes for c in z.chunks],
+                        records=[(r["op"], r["bytes"], r["tag"]) for r in engine.comm(last_step=True)
+                                 if r["op"] == "all_gather"])
+    engine.close()
     return out
 
 
@@ -136,8 +146,10 @@ def test_a_meta_model_under_zero3_trains_like_one_process(results, case):
 
 def test_boost_of_a_meta_model_holds_its_shards_and_one_chunk(results):
     for rank, res in enumerate(results):
-        dense = next(iter(res["memory"].values()))  # the dp=4 case carries the dense build's figures
-        for key, got in res["memory"].items():
+        memory = dict(res["memory"])
+        vocab = memory.pop("vocab")
+        dense = next(iter(memory.values()))  # the dp=4 case carries the dense build's figures
+        for key, got in memory.items():
             bound = got["params"] + got["grads"] + got["chunk"] + got["largest"]
             assert 0.5 * (got["params"] + got["grads"]) < got["grew"] <= bound, (rank, key, got)
             # the estimate of start-up (ck.memory.startup_bytes) and engine.memory() agree with the measurement
@@ -145,3 +157,19 @@ def test_boost_of_a_meta_model_holds_its_shards_and_one_chunk(results):
             assert abs(got["params"] + got["grads"] + 4 * largest_tensor(BIG) - got["estimate"]) <= 0.01 * got["estimate"]
             assert dense["dense_grew"] > bound and dense["dense_grew"] > got["whole"], (rank, key, dense)  # can fail
             assert got["losses"] == pytest.approx(dense["dense_losses"], rel=1e-5), (rank, key)
+
+
+def test_zero3_gathers_the_embeddings_and_the_head_apart(results):
+    """A vocabulary of 32,768 at d 128: the token table and the head (4.2M parameters each) are each larger than a
+    block (0.2M); the step never holds both whole (the estimate ``gathered_bytes``: the embeddings and a block);
+    per step the embeddings are gathered twice (forward, backward: freed between) and the tail once."""
+    for rank, res in enumerate(results):
+        got = res["memory"]["vocab"]
+        embed, blocks, tail = got["chunks"][0], got["chunks"][1:-1], got["chunks"][-1]
+        assert min(embed, tail) > max(blocks)
+        assert got["peak"] == got["estimate"] == embed + max(blocks), (rank, got["peak"], got["estimate"])
+        assert got["peak"] < embed + tail, rank  # what keeping the rest whole through the step held at least
+        gathered = {}
+        for _, nbytes, tag in got["records"]:
+            gathered[tag] = gathered.get(tag, 0) + 4 * nbytes  # dp=4: each rank sends a quarter
+        assert gathered["zero3 gather embed"] == 2 * embed and gathered["zero3 gather tail"] == tail, gathered
