@@ -14,8 +14,8 @@ every element arrived, and finally writes a ``transformers`` model of the engine
 
 ``load_pretrained``: every rank opens the safetensors files itself and, tensor by tensor, reads
 only the rectangle its tiles lie in (``safe_open(...).get_slice``), and copies each tile out of it
-(slices, no index per element) into its parameters into its parameters (or their fp32 masters, then copied
-into the 16-bit model; ZeRO 1-2 all-gather the updated pieces). The optimizer's states and the
+(slices, no index per element) into its parameters (or their fp32 masters, then copied into the
+16-bit model; ZeRO 1-2 all-gather the updated pieces). The optimizer's states and the
 step count are left as they are: loading pretrained weights starts a fine-tuning run.
 
 Worked example, ``ParallelConfig(tp=2)``, GPT-2 with n_embd=32: ``transformer.h.0.attn.c_attn
@@ -146,7 +146,7 @@ def _files(directory: str) -> dict[str, str]:
 def load_pretrained(engine, directory) -> int:
     """Read ``directory`` (a ``save_pretrained`` directory) into this engine's parameters (see the module
     docstring); returns how many elements this rank read from the files. Of a matrix a rank reads the
-    rectangle its elements lie in (a 1D column block its rows, a row block its columns, a 2D tile its
+    rectangle its tiles lie in (a 1D column block its rows, a row block its columns, a 2D tile its
     tile); of a vector or a table above 2-D, the rows."""
     from safetensors import safe_open
     directory = os.fspath(directory)

@@ -126,7 +126,8 @@ def flat_rects(start: int, length: int, cols: int) -> list[tuple[int, int, int, 
     >>> flat_rects(3, 10, 4)
     [(0, 3, 1, 1), (1, 0, 2, 4), (3, 0, 1, 1)]
     """
-    out, end = [], start + length
+    out: list[tuple[int, int, int, int]] = []
+    end = start + length
     if length <= 0 or cols <= 0:
         return out
     row, col = divmod(start, cols)

@@ -3,10 +3,13 @@ equal one process's five steps (losses and final parameters, 1e-5 relative in fp
 precision.TOLERANCE), with AdamW and SGD + momentum; the chunks DCP holds for dp=2 tp=2 are the
 module docstring's; an interrupted save (a rank raising, a rank killed) leaves the previous
 checkpoint loadable and its temporary directory refused; corrupted, truncated, another model's
-and missing checkpoints refused with what differs. Two spawns (4 ranks, then 2) hold every pair
-whose B has the same world size; one more (2 ranks) kills a rank mid-write."""
+and missing checkpoints refused with what differs; each rank's map of where its elements lie is tiles
+(``LocalSpace.nbytes()``: the same bytes as d_model doubles), and a load builds no map per element.
+Two spawns (4 ranks, then 2) hold every pair whose B has the same world size; one more (2 ranks) kills
+a rank mid-write."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import os
@@ -68,12 +71,26 @@ def _pairs(root: str, phase: str) -> dict:
         for s in range(start, STEPS):
             engine.train_step(data.batch(s, BATCH))
         engine.save(os.path.join(root, f"final{i}"))  # the parameters by dense name, read back below
-        out[i] = dict(losses=list(engine.history), start=start, extra=extra,
+        out[i] = dict(losses=list(engine.history), start=start, extra=extra, map=_map(engine),
                       scale=engine.scaler.state_dict() if engine.scaler is not None else None)
         engine.close()
     if phase == "A":
         out["refusals"] = _refusals(root, out["rng"])
+        out["maps"] = {}
+        for d_model in (32, 64, 128):  # the map of dp=2 tp=2 zero=1 as d_model doubles (no step needed)
+            engine = ck.boost(GPT(dataclasses.replace(CFG, d_model=d_model)), OPTIMIZERS["adamw"],
+                              ck.ParallelConfig(dp=2, tp=2, zero=1))
+            out["maps"][d_model] = _map(engine)
+            engine.close()
     return out
+
+
+def _map(engine) -> dict:
+    """The checkpoint's map on this rank (``layout.local_space``): its bytes, tiles, the elements it covers."""
+    from colab_kit.checkpoint.layout import local_space
+    space = local_space(engine)
+    return dict(nbytes=space.nbytes(), numel=space.numel(), tensors=len(space.table.names),
+                tiles=sum(len(space.tiles(n)) for n in space.table.names))
 
 
 def _refused(engine, path) -> str:
@@ -300,10 +317,11 @@ def _save_again(root: str) -> None:
 
 def test_load_memory_is_own_index_plus_one_parameter(runs):
     """dp=4 zero=3 loading BIG (tests/ranks/test_sharded_init.py: 10.5 MB dense, largest tensor 2 MiB), saved
-    by dp=2 tp=2: beyond the states it fills in place, a load holds 8 bytes per element of its own
+    by dp=2 tp=2: beyond the states it fills in place, a load held 8 bytes per element of its own
     (dense and local positions, int32) and, one tensor at a time, the dense tensor it reads with DCP's
-    buffers of its chunks. Measured: 9,502,976 bytes on rank 0 (659,200 elements held: 5,273,600 of
-    index), against a bound of 8 x held + 3 x largest = 11,564,928 (+ 64 KiB)."""
+    buffers of its chunks. Measured then: 9,502,976 bytes on rank 0 (659,200 elements held: 5,273,600 of
+    index), against a bound of 8 x held + 3 x largest = 11,564,928 (+ 64 KiB). With tiles instead of the
+    index, ``test_a_load_builds_no_per_element_map`` holds it to the tighter bound without 8 x held."""
     from tests.helpers import BIG, dense_sizes as _sizes
     _, four, _ = runs
     _, largest = _sizes(BIG)
@@ -311,6 +329,41 @@ def test_load_memory_is_own_index_plus_one_parameter(runs):
         m = res["refusals"]["memory"]
         bound = 8 * m["held"] + 3 * largest + (64 << 10)
         assert m["own"] <= bound, (rank, m, bound)
+
+
+def test_a_load_builds_no_per_element_map(runs):
+    """The same load without the 8 bytes per element held: one dense tensor at a time with DCP's buffers, and
+    the tiles. Measured: 4,194,560 bytes on rank 0 (the 2 MiB tensor and DCP's 2 MiB buffer; 9,502,976 with
+    the per-element map, which alone was 5,273,600), so a load that built that map again would pass
+    3 x largest + 64 KiB (6,356,992) and fail here."""
+    from tests.helpers import BIG, dense_sizes as _sizes
+    _, four, _ = runs
+    _, largest = _sizes(BIG)
+    for rank, res in enumerate(four):
+        m = res["refusals"]["memory"]
+        assert m["own"] <= 3 * largest + (64 << 10) < m["own"] + 8 * m["held"], (rank, m)
+
+
+def test_the_map_is_tiles_not_elements(runs):
+    """Every engine the pairs load into keeps a map of tiles (``LocalSpace.nbytes()``: 64 bytes each, at most
+    3 ZeRO row pieces x 3 fused parts per dense tensor), not of elements; under dp=2 tp=2 zero=1 it stays
+    the same size while d_model doubles twice and the elements grow 7.4-fold (measured: 1,856 bytes on
+    rank 0 for the 53 tensors at d_model 32, 64 and 128; the per-element map was 113,664 bytes, then
+    844,800).
+    The bound fails the per-element map (8 bytes per element held) already at d_model 32."""
+    _, four, two = runs
+    for results in (four, two):
+        for rank, res in enumerate(results):
+            for i in (k for k in res if isinstance(k, int)):
+                m = res[i]["map"]
+                assert 64 * m["tiles"] == m["nbytes"] <= 64 * 9 * m["tensors"], (PAIRS[i], rank, m)
+    for rank, res in enumerate(four):
+        maps = res["maps"]
+        small, big = maps[32], maps[128]
+        assert big["numel"] > 7 * small["numel"], maps  # elements: 7.4 times ...
+        assert small["nbytes"] <= 64 * 9 * small["tensors"] < 8 * small["numel"], maps  # (fails the old map)
+        assert max(m["nbytes"] for m in maps.values()) <= 1.25 * min(m["nbytes"] for m in maps.values()), maps
+        print(rank, {d: (m["nbytes"], 8 * m["numel"]) for d, m in maps.items()})
 
 
 def test_owners_write_each_region_once():
