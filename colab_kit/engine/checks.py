@@ -17,6 +17,7 @@ from ..models.hf_moe import router_loss
 from ..policy import missing_policy_message, policy_for
 from ..policy.hf_moe import hf_moe_sizes
 from ..sequence.plan import SequencePlan
+from ..sharded_init import defer
 from ..tensor import check_model, model_sizes
 
 __all__ = ["check_policy", "count_router_loss"]
@@ -35,6 +36,7 @@ def check_policy(model: nn.Module, config: ParallelConfig, policy=None):
     recompute needs one, paths the model lacks, sizes that do not divide, blocks that do not split."""
     policy = policy_for(model, policy)
     if policy is not None and policy.prepare is not None:  # e.g. a Hugging Face GPT-2's Conv1D -> nn.Linear
+        defer(model)  # built on meta: each tensor's recipe by the names and layout the model came with
         policy.prepare(model)
     count_router_loss(model, policy)
     needs = [f"{k}={getattr(config, k)}" for k in ("tp", "pp", "sp") if getattr(config, k) > 1]

@@ -9,8 +9,8 @@ their gradient pieces; the optimizer's states come with the first step), made pi
 Worked example, a GPT of 92.4M parameters (vocab 8192, d_model 1024, 6 layers, seq 32) under
 ``ParallelConfig(dp=4, zero=3)``, fp32::
 
-    startup_bytes(cfg, config)              # meta: 88.1 MiB params + 88.1 MiB grads + 32 MiB (the token table)
-    208.2 MiB                               # measured (VmHWM growth during boost, tests/ranks/test_zero3_meta.py): 210.3
+    startup_bytes(cfg, config)              # meta: 88.1 MiB params + 88.1 MiB grads + 32 MiB (the token table):
+    208.2 MiB                               # measured 210.3 (VmHWM's growth in boost: tests/ranks/test_zero3_meta.py)
     startup_bytes(cfg, config, meta=False)  # dense: the whole model (352 MiB) + the rank's 176 MiB
 """
 from __future__ import annotations

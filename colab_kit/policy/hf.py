@@ -44,7 +44,6 @@ import torch
 import torch.nn as nn
 
 from . import Attention, Policy
-from ..sharded_init import cut, defer
 
 __all__ = ["gpt2_policy", "llama_policy", "conv1d_to_linear", "converted_conv1d"]
 
@@ -64,14 +63,14 @@ def conv1d_to_linear(model: nn.Module) -> list[str]:
     from transformers.pytorch_utils import Conv1D
 
     done = converted_conv1d(model)
-    if any(isinstance(m, Conv1D) for m in model.modules()):
-        defer(model)  # built on meta: recipes by the Conv1D names and layout, before they change
     for path, mod in list(model.named_modules()):
         if not isinstance(mod, Conv1D):
             continue
         w = mod.weight  # [in, out]
         lin = nn.Linear(w.shape[0], w.shape[1], bias=mod.bias is not None, device="meta")
-        lin.weight = nn.Parameter(cut(w, lambda d: d.t()), requires_grad=w.requires_grad)
+        # built on meta: a view of the Conv1D weight, made from its recipe (colab_kit.sharded_init) when needed
+        t = w.detach().t() if w.is_meta else w.detach().t().contiguous()
+        lin.weight = nn.Parameter(t, requires_grad=w.requires_grad)
         if mod.bias is not None:
             lin.bias = mod.bias
         parent, _, name = path.rpartition(".")

@@ -27,7 +27,7 @@ from colab_kit.models import GPT, GPTConfig
 from colab_kit.memory.startup import gathered_bytes, largest_tensor, startup_bytes
 from colab_kit.sharded_init import fill
 
-from tests.helpers import BATCH, OPTIMIZERS, batch, make, one_process
+from tests.helpers import OPTIMIZERS, batch, make, one_process
 from tests.helpers import hf_moe
 
 STEPS = 3
@@ -147,7 +147,7 @@ def test_a_meta_model_under_zero3_trains_like_one_process(results, case):
 def test_boost_of_a_meta_model_holds_its_shards_and_one_chunk(results):
     for rank, res in enumerate(results):
         memory = dict(res["memory"])
-        vocab = memory.pop("vocab")
+        memory.pop("vocab")  # (its own test below)
         dense = next(iter(memory.values()))  # the dp=4 case carries the dense build's figures
         for key, got in memory.items():
             bound = got["params"] + got["grads"] + got["chunk"] + got["largest"]

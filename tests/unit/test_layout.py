@@ -186,7 +186,7 @@ def test_the_local_import_check_fails_on_an_undeclared_or_stale_one(toy):
 
 def test_the_top_level_holds_about_eight_modules():
     top = sorted(p.stem for p in ROOT.glob("*.py") if p.stem not in ("__init__", "__main__"))
-    assert top == ["cli", "config", "join", "launch", "measure", "mesh", "net", "placement", "sharded_init"], top
+    assert top == ["cli", "config", "join", "launch", "measure", "mesh", "net", "placement"], top
     packages = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").exists())
     assert {"engine", "memory", "notebook", "observe", "tensor", "pipeline", "sequence", "zero"} <= set(packages)
 

@@ -28,7 +28,7 @@ Three steps, all inside ``boost``:
 
 So a rank's memory peaks at its own shards plus the largest single dense parameter (and
 that parameter's shard while it is being cut). A Hugging Face model has no ``init_parameter``:
-``defer`` gives it ``colab_kit.models.hf_init.recipe`` (transformers' own ``_init_weights`` per module,
+``defer`` gives it ``colab_kit.sharded_init.hf.recipe`` (transformers' own ``_init_weights`` per module,
 seeded by the tensor's name), and ``fill(model)`` gives a dense model the same values (the one-process
 reference of a run built on meta). The engine's dp broadcast of the initial
 parameters still runs afterwards: it is redundant here, since every rank makes the same
@@ -68,11 +68,16 @@ import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .hf import recipe
+
 __all__ = ["defer", "dense_value", "cut", "adopt", "materialize", "meta_twin", "placeholder", "unmade",
            "has_recipe", "fill"]
 
 _RECIPES = WeakIdKeyDictionary()
 """Per meta tensor, ``make() -> CPU tensor``: how to make its dense value (kept here, not on the tensor)."""
+_BASES: dict[int, torch.Tensor] = {}
+"""Each tensor ``defer`` gave a recipe, by its storage, until ``adopt``: a view of it made later (GPT-2's Conv1D
+weight transposed into an ``nn.Linear``'s) is made from it (``_recipe``)."""
 _CUTS: dict[int, tuple[torch.Tensor, Callable]] = {}
 """A meta shard ``cut`` made, by its storage (``nn.Parameter(shard)`` is a new object on the same storage):
 ``(the shard, make)``, until ``adopt`` files it under the parameter that holds it."""
@@ -90,8 +95,7 @@ def _init_recipe(init, name: str, shape, dtype) -> Callable[[], torch.Tensor]:
 def _resolve_init(model: nn.Module):
     init = getattr(model, "init_parameter", None)
     if init is None and hasattr(model, "_init_weights") and hasattr(model, "config"):  # transformers' model
-        from .models.hf_init import recipe
-        init = recipe(model)
+        init = recipe(model, meta_twin(model))
     if init is None:
         raise TypeError(f"{type(model).__name__} was built on the meta device but has no "
                         f"init_parameter(name, tensor) to make its values: build it on a real device, "
@@ -118,15 +122,30 @@ def defer(model: nn.Module, keep=None) -> bool:
     for name, t in meta.items():  # (one given earlier stays: GPT-2's Conv1D weights, before they became Linear)
         if (mine is None or id(t) in mine) and not has_recipe(t):
             _RECIPES[t] = _init_recipe(init, name, t.shape, t.dtype)
+            if t.is_contiguous() and t.storage_offset() == 0:
+                _BASES[t.untyped_storage()._cdata] = t
     return True
 
 
 def _recipe(t: torch.Tensor) -> Callable | None:
     recipe = _RECIPES.get(t)
     if recipe is None and t.is_meta:
-        entry = _CUTS.get(t.untyped_storage()._cdata)
+        key = t.untyped_storage()._cdata
+        entry = _CUTS.get(key)
         recipe = entry[1] if entry is not None and entry[0].shape == t.shape else None
+        base = _BASES.get(key)
+        if recipe is None and base is not None and base is not t and _RECIPES.get(base) is not None:
+            recipe = _view_recipe(_RECIPES[base], t)
     return recipe
+
+
+def _view_recipe(make_base: Callable, view: torch.Tensor) -> Callable:
+    """A view of a tensor with a recipe (same storage, its own shape and strides): the base made, the view read."""
+    shape, stride, offset = tuple(view.shape), view.stride(), view.storage_offset()
+
+    def make() -> torch.Tensor:
+        return make_base().as_strided(shape, stride, offset).clone(memory_format=torch.contiguous_format)
+    return make
 
 
 def has_recipe(t: torch.Tensor) -> bool:
@@ -175,6 +194,7 @@ def adopt(module: nn.Module) -> None:
             if recipe is not None:
                 _RECIPES[t] = recipe
     _CUTS.clear()
+    _BASES.clear()
 
 
 @torch.no_grad()
@@ -235,7 +255,7 @@ def fill(model: nn.Module, names=None) -> nn.Module:
     and buffer (``names``: only those) by the recipe ``defer`` would give it. The one-process reference of a
     run built on meta, for a model whose own construction draws differently (a Hugging Face model)."""
     init = _resolve_init(model)
-    tensors = dict(model.named_parameters())
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
     tensors.update(model.named_buffers())
     for name, t in tensors.items():
         if names is None or name in names:

@@ -35,13 +35,13 @@ def _seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little")
 
 
-def recipe(model: nn.Module, seed: int | None = None):
-    """``init_parameter(name, tensor)`` for a ``transformers`` model (see the module docstring)."""
+def recipe(model: nn.Module, frozen: nn.Module, seed: int | None = None):
+    """``init_parameter(name, tensor)`` for a ``transformers`` model (see the module docstring); ``frozen``: a meta
+    copy of it as it is now (``sharded_init.meta_twin``), whatever the engine later replaces or makes real in the
+    model itself (a tensor plan's layers, ZeRO-3's placeholders, GPT-2's Conv1D)."""
     seed = getattr(model, "colab_kit_seed", 0) if seed is None else seed
-    # a frozen meta copy: each tensor's owner and ancestors as they are now, whatever the engine later replaces
-    # or makes real in the model itself (a tensor plan's layers, ZeRO-3's placeholders, GPT-2's Conv1D)
-    from ..sharded_init import meta_twin
-    modules = dict(meta_twin(model).named_modules(remove_duplicate=False))
+    modules = dict(frozen.named_modules(remove_duplicate=False))
+    init_weights = getattr(model, "_init_weights")  # noqa: B009 (nn.Module's typing says a tensor)
     owners = {f"{path}.{attr}" if path else attr: path for path, mod in modules.items()
               for attr in (*mod._parameters, *mod._buffers)}
     chains = {name: _ancestors(modules, path) for name, path in owners.items()}
@@ -56,13 +56,13 @@ def recipe(model: nn.Module, seed: int | None = None):
             made.fill_(float("nan"))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_seed(seed, name))
-            model._init_weights(twin)
+            init_weights(twin)
             node = twin
             for ancestor, child in chains[name]:  # children before parents, as transformers' own pass runs:
                 up = copy.copy(ancestor)           # a parent may redraw a child's tensor (GPT-2's scaled c_proj)
                 up._modules = {**ancestor._modules, child: node}
                 up.__dict__.pop("_is_hf_initialized", None)
-                model._init_weights(up)
+                init_weights(up)
                 node = up
         made = getattr(twin, attr)
         if made.is_floating_point() and bool(torch.isnan(made).any()):
@@ -90,7 +90,8 @@ def _alone(owner: nn.Module) -> nn.Module:
     twin = copy.copy(owner)  # shallow: the children are shared, never written
     twin._parameters = dict(twin._parameters)
     twin._buffers = dict(twin._buffers)
-    for table in (twin._parameters, twin._buffers):
+    tables: tuple[dict, dict] = (twin._parameters, twin._buffers)
+    for table in tables:
         for key, t in table.items():
             if t is None:
                 continue
