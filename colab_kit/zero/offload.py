@@ -113,6 +113,11 @@ class ChunkPlacement:
         self.keys: list | None = None  # per chunk, the tensor the optimizer steps (set by ZeroStage3)
         self.state_keys = None  # per chunk, the tensors whose optimizer states go with it (views per param group)
         self.step = 0
+        self.transfers = {"to_device": 0, "to_host": 0}
+        """Bytes copied between host and device in the step running now: staged shards (each gather of a chunk
+        on the host), reduced gradient pieces back to the host, states moved by ``place``."""
+        self.last_transfers = dict(self.transfers)
+        """The same for the last step finished (``after_step``)."""
         if mode in ("cpu", "auto"):  # "auto" starts on the host and measures its first step
             for c in chunks:
                 self.place(c.index, "host", "offload='cpu'" if mode == "cpu" else "first step measured on the host")
@@ -137,6 +142,8 @@ class ChunkPlacement:
     def place(self, i: int, where: str, reason: str) -> None:
         """Put chunk ``i``'s states on ``where`` ('device' or 'host'), recorded with ``reason``."""
         target = self.device if where == "device" else host_device()
+        if where != self.where[i]:
+            self.transfers["to_device" if where == "device" else "to_host"] += self.state_bytes(i)
         for t in self.state_tensors(i):
             _move(t, target)
         self.log.append({"step": self.step, "chunk": self.chunks[i].name, "to": where, "moved": where != self.where[i],
@@ -154,6 +161,7 @@ class ChunkPlacement:
         c = self.chunks[i]
         if self.where[i] == "host":
             self.account.set(f"staged shard {c.name}", c.shard.numel() * c.shard.element_size())
+            self.transfers["to_device"] += c.shard.numel() * c.shard.element_size()
             return c.shard.detach().to(self.device)
         return c.shard.detach()
 
@@ -208,6 +216,7 @@ class ChunkPlacement:
         if self.mode == "auto" and self.step == 1:
             grow = max(0, (next_activations or 0) - self.account.held.get("activations", 0))
             self.plan(measured + grow)
+        self.last_transfers, self.transfers = self.transfers, {"to_device": 0, "to_host": 0}
 
     def plan(self, measured: int) -> None:
         """Belady at the step boundary: keep chunks on the device in the order the next step uses

@@ -12,6 +12,7 @@ parameter that gets no gradient neither stalls nor corrupts a step. One spawn pe
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -201,6 +202,7 @@ def test_zero3_with_2d_tensor_parallelism_on_8_ranks():
 
 # --------------------------------------------------------------------------- heterogeneous memory
 BIG = dict(vocab_size=64, seq_len=16, d_model=64, n_heads=4, n_layers=4)  # model states well above activations
+LONG = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=16)  # states 4x a budget one step fits in
 
 
 def _adamw(ps):
@@ -225,6 +227,26 @@ def _offload(_):
     out["auto"] = dict(losses=losses, budget=budget, states=states, peak=place.account.peak, where=list(place.where),
                        memory=engine.memory(), log=place.log)
     engine.close()
+    # a model whose fp32 states are 4x the budget: sixteen blocks, recompute; every chunk's host copies counted
+    long, states = GPTConfig(**LONG), None
+    probe = ck.boost(GPT(long, device="meta"), _adamw, config, device_budget=1 << 40)
+    probe.train_step(data.batch(0, 4))
+    states = sum(probe.memory()[k] for k in ("params", "grads", "optimizer"))
+    probe.close()
+    engine = ck.boost(GPT(long, device="meta"), _adamw, config, device_budget=states // 4)
+    losses, times = [], []
+    for s in range(STEPS):
+        t0 = time.perf_counter()
+        losses.append(engine.train_step(data.batch(s, 4)))
+        times.append(time.perf_counter() - t0)
+    z, place = engine.grads, engine.grads.placement
+    gathers = {"embed": 2, "block": 2, "tail": 1}  # per step: forward and backward, the tail kept between
+    host = [i for i, w in enumerate(place.where) if w == "host"]
+    out["large"] = dict(losses=losses, budget=states // 4, states=states, peak=place.account.peak, times=times,
+                        transfers=place.last_transfers, host=len(host), chunks=len(z.chunks),
+                        expect={"to_device": sum(gathers[z.kinds[z.unit_of[i]]] * 4 * z.chunks[i].piece for i in host),
+                                "to_host": sum(4 * z.chunks[i].piece for i in host)})
+    engine.close()
     try:
         ck.boost(GPT(cfg), _adamw, config, device_budget=200_000).train_step(data.batch(0, 4))
     except ck.ConfigError as exc:
@@ -237,6 +259,7 @@ def test_zero3_offload_cpu_and_auto_under_a_budget(world2):
     from colab_kit.engine.reference import train_single_process
     results = ck.launch(_offload, 2, None)
     ref, _ = train_single_process(GPTConfig(**BIG), _adamw, SyntheticTokens(64, 16, seed=1), STEPS, 4)
+    long_ref, _ = train_single_process(GPTConfig(**LONG), _adamw, SyntheticTokens(64, 16, seed=1), STEPS, 4)
     for rank, res in enumerate(results):
         auto = res["auto"]
         assert auto["losses"] == pytest.approx(ref, rel=1e-5), rank
@@ -248,6 +271,10 @@ def test_zero3_offload_cpu_and_auto_under_a_budget(world2):
             assert mem["device"][part] + mem["host"][part] == mem[part] and mem["host"][part] > 0
         assert [e["step"] for e in auto["log"] if e["moved"] and e["step"] > 0], auto["log"]  # placed after step 1
         assert "too small for one step" in res["refused"] and "at least" in res["refused"], res["refused"]
+        large = res["large"]  # offload="auto", fp32 states 4x the budget: trains as one process does, within it
+        assert large["losses"] == pytest.approx(long_ref, rel=1e-5), rank
+        assert 4 * large["budget"] <= large["states"] and large["peak"] <= large["budget"], (rank, large)
+        assert 0 < large["host"] < large["chunks"] and large["transfers"] == large["expect"], (rank, large)
     # offload='cpu' (in world2): the states all on the host, the device holds none between steps
     for res in world2:
         for opt in OPTIMIZERS:
