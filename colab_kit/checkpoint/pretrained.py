@@ -7,10 +7,11 @@ what is read and written).
 
 ``save_pretrained`` (every rank calls it): one tensor at a time, each rank hands rank 0 the values
 of its tiles with their rectangles (an object gather); rank 0 assembles the tensor, checks that
-every element arrived, and finally writes a ``transformers`` model of the engine's class with
-``save_pretrained`` (safetensors), so ``AutoModel.from_pretrained`` / ``GPT2LMHeadModel
-.from_pretrained`` read it unchanged. Layers that ``prepare`` turned from ``Conv1D`` into
-``nn.Linear`` (GPT-2) are transposed back. Rank 0 holds the dense model once, at the end.
+every element arrived, and adds it to the safetensors file it is filling, written when it reaches
+``max_shard_bytes`` (2 GiB), as ``transformers`` shards a save (with ``model.safetensors.index.json``
+and ``config.json``), so ``AutoModel.from_pretrained`` / ``GPT2LMHeadModel.from_pretrained`` read it
+unchanged. Layers that ``prepare`` turned from ``Conv1D`` into ``nn.Linear`` (GPT-2) are transposed
+back. No rank holds more than one file's tensors: a ZeRO-3 run of a model no rank can hold saves too.
 
 ``load_pretrained``: every rank opens the safetensors files itself and, tensor by tensor, reads
 only the rectangle its tiles lie in (``safe_open(...).get_slice``), and copies each tile out of it
@@ -35,6 +36,8 @@ import torch.distributed as dist
 from ..models.moe import MoE
 
 from .layout import local_space, owners, store_shape
+from ..sharded_init import meta_twin
+from ..sharded_init.hf import recipe
 
 __all__ = ["save_pretrained", "load_pretrained", "dense_state_dict"]
 
@@ -64,22 +67,9 @@ def dense_state_dict(engine, dst: int = 0) -> dict[str, torch.Tensor] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     dense: dict[str, torch.Tensor] = {}
     for name in table.names:
-        mine = [(t.rect, space.read(space.tensors, name, t.rect)) for t in space.tiles(name)]
-        parts: list | None = [None] * world if rank == dst else None
-        dist.gather_object(mine, parts, dst=dst)
-        if rank != dst:
-            continue
-        assert parts is not None  # made on dst
-        shape2d = store_shape(table.shapes[name])
-        try:
-            owners([[rect for rect, _ in tiles] for tiles in parts], shape2d)  # raises if an element is missing
-        except RuntimeError as e:
-            raise RuntimeError(f"dense_state_dict: {name}: {e}") from None
-        flat = torch.empty(shape2d, dtype=torch.float32)
-        for tiles in parts:
-            for (r, c, n, m), values in tiles:
-                flat[r:r + n, c:c + m] = values.to(torch.float32)
-        dense[name] = flat.view(table.shapes[name])
+        whole = _assemble(space, name, dst)
+        if whole is not None:
+            dense[name] = whole
     biases: list | None = [None] * world if rank == dst else None  # MoE router biases: training state too
     dist.gather_object({str(m.layer): _bias(m) for m in engine.module.modules() if isinstance(m, MoE)}, biases,
                        dst=dst)
@@ -97,33 +87,97 @@ def dense_state_dict(engine, dst: int = 0) -> dict[str, torch.Tensor] | None:
     return dense
 
 
+def _assemble(space, name: str, dst: int) -> torch.Tensor | None:
+    """Dense tensor ``name``, whole on rank ``dst`` (None elsewhere), from every rank's tiles (an object gather);
+    fp32. An element no rank holds is an error."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = [(t.rect, space.read(space.tensors, name, t.rect)) for t in space.tiles(name)]
+    parts: list | None = [None] * world if rank == dst else None
+    dist.gather_object(mine, parts, dst=dst)
+    if rank != dst:
+        return None
+    assert parts is not None  # made on dst
+    shape = space.table.shapes[name]
+    try:
+        owners([[rect for rect, _ in tiles] for tiles in parts], store_shape(shape))  # raises if one is missing
+    except RuntimeError as e:
+        raise RuntimeError(f"dense_state_dict: {name}: {e}") from None
+    flat = torch.empty(store_shape(shape), dtype=torch.float32)
+    for tiles in parts:
+        for (r, c, n, m), values in tiles:
+            flat[r:r + n, c:c + m] = values.to(torch.float32)
+    return flat.view(shape)
+
+
 def _bias(layer: MoE) -> torch.Tensor:
     bias: torch.Tensor = layer.score_bias  # type: ignore[assignment]  # a buffer
     return bias.detach().float().cpu()
 
 
-def save_pretrained(engine, directory) -> None:
-    """Write ``directory`` in the Hugging Face format of the engine's model (see the module docstring)."""
+def save_pretrained(engine, directory, max_shard_bytes: int = 2 << 30) -> None:
+    """Write ``directory`` in the Hugging Face format of the engine's model (see the module docstring), one
+    tensor at a time: rank 0 assembles a tensor, adds it to the safetensors file being filled and writes the
+    file when it reaches ``max_shard_bytes`` (then ``model.safetensors.index.json`` names each tensor's file),
+    so no rank ever holds more than one file's tensors, not the whole model. Persistent buffers (a DeepSeek
+    router's correction bias) are written as the model's own init makes them; ``config.json`` beside."""
     twin = engine.dense_twin
     if not hasattr(twin, "save_pretrained") or not hasattr(twin, "config"):
         raise TypeError(f"save_pretrained writes transformers models; this engine trains a {type(twin).__name__}: "
                         f"use engine.save(path) for colab_kit's own sharded checkpoints")
-    dense = dense_state_dict(engine)
-    if dense is not None:
-        _write(twin, dense, _conv_paths(engine), os.fspath(directory))
+    space, convs, directory = local_space(engine), _conv_paths(engine), os.fspath(directory)
+    writer = _ShardWriter(directory, max_shard_bytes) if dist.get_rank() == 0 else None
+    for name in space.table.names:
+        whole = _assemble(space, name, 0)
+        if writer is not None and whole is not None:
+            writer.add(name, whole.t().contiguous() if _is_conv(name, convs) else whole)
+    if writer is not None:
+        params = {n for n, _ in twin.named_parameters(remove_duplicate=False)}
+        buffers = [n for n in twin.state_dict() if n not in params and n not in writer.where]
+        make = recipe(twin, meta_twin(twin))
+        for n in buffers:
+            t = twin.get_buffer(n)
+            writer.add(n, make(n, torch.empty(t.shape, dtype=t.dtype)))
+        writer.close()
+        twin.config.save_pretrained(directory)
     dist.barrier()
 
 
-def _write(twin, dense: dict, convs: set[str], directory: str) -> None:
-    with torch.random.fork_rng(devices=[]):  # the fresh model's own random init must not move the RNG
-        model = type(twin)(twin.config)
-    state = {name: (t.t().contiguous() if _is_conv(name, convs) else t) for name, t in dense.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    if unexpected or set(missing) - tied - {n for n, _ in model.named_buffers()}:
-        raise RuntimeError(f"save_pretrained: the engine's parameters do not match {type(model).__name__}'s: "
-                           f"missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
-    model.save_pretrained(directory, safe_serialization=True)
+class _ShardWriter:
+    """Tensors into safetensors files of at most ``limit`` bytes each (one tensor larger than that: a file of its
+    own), named as ``transformers`` names a sharded save."""
+
+    def __init__(self, directory: str, limit: int):
+        os.makedirs(directory, exist_ok=True)
+        self.directory, self.limit = directory, limit
+        self.files: list[dict[str, torch.Tensor]] = []
+        self.pending: dict[str, torch.Tensor] = {}
+        self.where: dict[str, int] = {}
+        self.size = self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.size + nbytes > self.limit:
+            self._flush()
+        self.pending[name], self.where[name] = tensor, len(self.files)
+        self.size, self.total = self.size + nbytes, self.total + nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+        save_file(self.pending, os.path.join(self.directory, f"part-{len(self.files)}.tmp"), metadata={"format": "pt"})
+        self.files.append({})  # written: only its index is kept
+        self.pending, self.size = {}, 0
+
+    def close(self) -> None:
+        if self.pending or not self.files:
+            self._flush()
+        n = len(self.files)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for i, final in enumerate(names):
+            os.replace(os.path.join(self.directory, f"part-{i}.tmp"), os.path.join(self.directory, final))
+        if n > 1:
+            index = {"metadata": {"total_size": self.total}, "weight_map": {k: names[i] for k, i in self.where.items()}}
+            with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
 
 
 def _files(directory: str) -> dict[str, str]:

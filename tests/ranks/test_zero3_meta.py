@@ -10,7 +10,9 @@ Memory: a GPT of 92M parameters (370 MB in fp32) on each of 4 ranks, the growth 
 memory (``VmHWM`` after ``/proc/self/clear_refs``) during ``boost``: at most the rank's shards (parameters and
 gradients, as ``engine.memory()`` reports them) plus one chunk in flight plus the largest dense tensor being
 cut, a bound read from the chunk sizes, and within 5% of ``ck.memory.startup_bytes``; the same model built dense passes the bound (the bound can fail), and
-the first two losses equal the dense build's (built once, for dp=4). One spawn of 4 ranks.
+the first two losses equal the dense build's (built once, for dp=4). A Llama of 111 MB loaded with
+``load_pretrained`` and saved with ``save_pretrained`` under ZeRO-3: neither holds the whole model either.
+One spawn of 4 ranks.
 """
 from __future__ import annotations
 
@@ -123,13 +125,50 @@ def _parity(cases):
     return out
 
 
-def _both(cases):
-    return dict(memory=_memory(None), parity=_parity(cases))
+def _hf_files(src: str, dst: str) -> dict:
+    """A Llama of 111 MB built on meta under dp=4 zero=3: the growth of the peak resident memory around
+    ``ck.load_pretrained`` of ``src`` and ``ck.save_pretrained`` into ``dst`` (files of at most 16 MiB), and the
+    loss after the load."""
+    engine = ck.boost(_llama(meta=True), OPTIMIZERS["adamw"], ck.ParallelConfig(dp=4, zero=3))
+    x, y = SyntheticTokens(LLAMA["vocab_size"], 16, seed=1).batch(0, 4)
+    _, load = _growth(lambda: ck.load_pretrained(engine, src))
+    loss = engine.evaluate((x, y))
+    _, save = _growth(lambda: ck.save_pretrained(engine, dst, max_shard_bytes=16 << 20))
+    engine.close()
+    return dict(load=load, save=save, loss=loss)
+
+
+def _both(cases, src, dst):
+    return dict(memory=_memory(None), files=_hf_files(src, dst), parity=_parity(cases))
+
+
+LLAMA = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def _llama(meta: bool = False):
+    import transformers
+    with torch.device("meta" if meta else "cpu"):
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
 
 
 @pytest.fixture(scope="module")
-def results():
-    return ck.launch(_both, 4, PARITY, timeout=600)
+def files(tmp_path_factory):
+    """A pretrained Llama written by transformers (111 MB), its loss on one batch, and where the ranks save."""
+    root = tmp_path_factory.mktemp("zero3-files")
+    model = fill(_llama())
+    model.save_pretrained(root / "src")
+    x, y = SyntheticTokens(LLAMA["vocab_size"], 16, seed=1).batch(0, 4)
+    with torch.no_grad():
+        loss = _loss(model, x, y).item()
+    return dict(src=str(root / "src"), dst=str(root / "dst"), loss=loss, x=x,
+                logits=model(x).logits.detach(), whole=sum(p.numel() * 4 for p in model.parameters()),
+                largest=max(p.numel() * 4 for p in model.parameters()))
+
+
+@pytest.fixture(scope="module")
+def results(files):
+    return ck.launch(_both, 4, PARITY, files["src"], files["dst"], timeout=600)
 
 
 @pytest.mark.parametrize("case", PARITY, ids=lambda c: f"{c[0]}-{'-'.join(f'{k}{v}' for k, v in c[1].items())}")
@@ -173,3 +212,19 @@ def test_zero3_gathers_the_embeddings_and_the_head_apart(results):
         for _, nbytes, tag in got["records"]:
             gathered[tag] = gathered.get(tag, 0) + 4 * nbytes  # dp=4: each rank sends a quarter
         assert gathered["zero3 gather embed"] == 2 * embed and gathered["zero3 gather tail"] == tail, gathered
+
+
+def test_load_and_save_pretrained_under_zero3_hold_no_whole_model(results, files):
+    """``load_pretrained`` reads each rank's rectangles (its ZeRO-3 pieces' rows); ``save_pretrained`` assembles one
+    tensor at a time on rank 0 into files of 16 MiB: neither grows a rank by more than a file and a few of the
+    largest tensor (8 MiB), against 111 MB for the model; the loaded engine's loss is the file's model's, and
+    transformers reads the saved directory back to the same logits."""
+    import transformers
+    for rank, res in enumerate(results):
+        got = res["files"]
+        assert got["loss"] == pytest.approx(files["loss"], rel=1e-5), rank
+        assert 0 < got["load"] <= 2 * files["largest"] + (1 << 20), (rank, got, files["largest"])
+        assert got["save"] <= (16 << 20) + 3 * files["largest"] < files["whole"], (rank, got, files["largest"])
+    back = transformers.LlamaForCausalLM.from_pretrained(files["dst"])
+    with torch.no_grad():
+        torch.testing.assert_close(back(files["x"]).logits, files["logits"], rtol=1e-5, atol=1e-5)
