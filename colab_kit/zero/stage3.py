@@ -1,41 +1,44 @@
 """ZeRO stage 3 (P_os+g+p): parameters, gradients and optimizer states all sharded over dp.
 
-Each rank keeps 1/dp of every parameter (``chunks.Chunk``: one chunk per transformer block,
-one for the rest of the model). A block's parameters are gathered just before it runs and
-freed after; the forward of block i prefetches block i+1 (its all-gather runs while block i
-computes), the backward of block i prefetches block i-1. Once every gradient of a block has
-arrived in backward, its gradient is reduce-scattered (async, overlapping the backward of the
-blocks before it) and its parameters are freed again. The optimizer steps this rank's shards;
-nothing is gathered after the step: the next forward gathers what it uses.
+Each rank keeps 1/dp of every parameter (``chunks.Chunk``): one chunk per unit (``colab_kit.zero.units``):
+the embeddings, each transformer block, the tail (final norm and head). A unit's parameters are gathered
+just before it runs and freed after; the forward of unit i prefetches unit i+1 (its all-gather runs while
+unit i computes), the backward of block i prefetches the unit before it. Once every gradient of a chunk has
+arrived in backward, it is reduce-scattered (async, overlapping the backward of the units before it) and
+its parameters are freed again. The optimizer steps this rank's shards; nothing is gathered after the step:
+the next forward gathers what it uses. A model built on the meta device is made piece by piece: each chunk
+writes only this rank's piece of each parameter from its recipe (``colab_kit.sharded_init``), so no rank
+ever holds the whole model, at start-up either (``colab_kit.memory.startup_bytes``).
 
-What one rank of dp=2 sees in a step of a GPT with blocks b0, b1 (R = the rest: embeddings,
-ln_f, head), one microbatch::
+What one rank of dp=2 sees in a step of a GPT with blocks b0, b1 (E = embeddings, T = tail: ln_f and
+head), one microbatch::
 
-    forward   gather R, gather b0 | prefetch b1 | b0 runs | free b0 | b1 runs | free b1 | head
-    backward  (head, ln_f grads: autograd's own tensors, no buffer of R's size yet)
+    forward   gather E, prefetch b0 | embeddings run | b0's pre-hook: free E | b0 runs, prefetch b1 |
+              free b0 | b1 runs, prefetch T | free b1 | T runs (kept whole into its backward)
+    backward  T's grads (autograd's own tensors) complete: reduce-scatter T, free T |
               b1's output gradient: gather b1, prefetch b0 | b1 backward | b1 grads complete:
-              reduce-scatter b1 (async), free b1 | b0: wait for b1's, then likewise |
-              embeddings: R complete: its grads copied into R's buffer, reduce-scatter R, free R
+              reduce-scatter b1 (async), free b1 | b0: likewise, prefetch E |
+              b0's input gradient: gather E | embeddings' grads complete: reduce-scatter E, free E
     step      optimizer over this rank's shards (one flat piece per chunk)
 
-Per step and microbatch: an all-gather per block in forward and another in backward, one for
-R, and one reduce-scatter per chunk: the paper's 1.5x the traffic of data parallelism (an
-all-reduce moves two chunk sizes per rank, stage 3 three). With ``microbatches > 1`` every
-microbatch reduce-scatters its gradients into the shards (accumulated there, fp32), so no
-rank ever holds a whole model's gradient; a chunk whose parameters got no gradient in a
+Per step and microbatch: an all-gather per block and for E in forward and another in backward, one for T,
+and one reduce-scatter per chunk: the paper's 1.5x the traffic of data parallelism (an all-reduce moves two
+chunk sizes per rank, stage 3 three; T is gathered once, as FSDP2 keeps the last unit for its backward).
+With ``microbatches > 1`` every microbatch reduce-scatters its gradients into the shards (accumulated
+there, fp32), so no rank ever holds a whole model's gradient; a chunk whose parameters got no gradient in a
 microbatch is reduced at ``finish()`` (with zeros for what got none), on every rank alike.
 
 Between steps a rank holds 4P/N parameter bytes, 4P/N gradient bytes and K P/N optimizer
 bytes (fp32, P parameters on this rank before ZeRO, N = dp): the ZeRO paper's 16P/N with Adam.
-Inside a step, beyond that, at most: R and two blocks whole (one used, one prefetched), one
-block's gradient buffer, one block's reduce-scatter in flight (the previous block's buffer; it is waited
-for before the next one starts, which costs no overlap: one process group runs its collectives
-in order anyway) and autograd's gradients of R's head side. R's buffer is made only when its
-last gradient (the embeddings', at the very end of backward) has arrived: made at the end of
-forward, it would hold the embeddings' gradient bytes through the whole backward, where FSDP2
-holds them only from the embedding's backward on. Measured with ``colab_kit.memory.peak`` on a
-GPT d=128 x 4 (bench/zero.py) that is FSDP2's in-step peak to the byte, less its per-parameter
-step counters (tests/ranks/test_zero3.py checks the bound above on three blocks).
+Inside a step, beyond that, at most: E or T and a block whole, or two blocks (one used, one prefetched:
+``colab_kit.memory.gathered_bytes``, equal to the measured ``peak_gathered``), one block's gradient buffer,
+one block's reduce-scatter in flight (the previous block's buffer; it is waited for before the next one
+starts, which costs no overlap: one process group runs its collectives in order anyway) and autograd's
+gradients of T. E's buffer is made only when its last gradient (at the very end of backward) has arrived.
+A 128k vocabulary at d 8192 would otherwise keep 2B parameters whole through the step (both tables); here
+the token table is whole only around the embeddings' forward and backward, the head around the tail's.
+A head tied to the token table lives in E's chunk, which T then needs too: gathered for T's forward and
+backward, freed in between. (tests/ranks/test_zero3.py and test_zero3_meta.py check the bounds.)
 
 Mixed precision: a block's gradient is reduced as an fp32 copy; the reduced piece is copied
 straight into the (zeroed) 16-bit ``shard.grad`` on the step's first reduction (rounded first
