@@ -140,27 +140,30 @@ def _bucket_count(model, cfg, bucket: int, e: int) -> int:
 
 def _zero3(model, cfg, consts, f: float, rc: float) -> tuple[float, int]:
     """ZeRO 3 (``zero.stage3``), per microbatch, L blocks on this rank, g one block's all-gather, r its
-    reduce-scatter, R the rest (embeddings and the tail, gathered once and reduce-scattered last):
-    forward, R's and block 0's gathers are waited for, each next block's is prefetched while the block
-    before computes (``f``), so ``max(0, g - f)`` shows; backward, the last block's gather is waited for,
-    then each block's backward (``2 f`` and its recomputation) hides the prefetch of the one before and
-    its own reduce-scatter, which share one process group and so run one after the other:
-    ``max(0, g + r - (2 f + rc))``; R's reduce-scatter at the end. With fewer cores than ranks a
-    collective in flight overlaps the compute only for the ``cores / ranks`` share of the time its peers
+    reduce-scatter, E the embeddings' and T the tail's (``zero.units``): forward, E's and block 0's gathers
+    are waited for, each next unit's (T's too) is prefetched while the block before computes (``f``), so
+    ``max(0, g - f)`` shows; backward, T's reduce-scatter and the last block's gather are waited for (one
+    process group runs them in order), then each block's backward (``2 f`` and its recomputation) hides the
+    prefetch of the unit before (block 0's: E's, gathered again for its backward) and its own reduce-scatter,
+    which run one after the other: ``max(0, g + r - (2 f + rc))``; E's reduce-scatter at the end. Per
+    microbatch ``2 L + 3`` all-gathers (E twice, T once) and ``L + 2`` reduce-scatters. With fewer cores than
+    ranks a collective in flight overlaps the compute only for the ``cores / ranks`` share of the time its peers
     get a core: on 4 CPU ranks / 2 cores a ZeRO 3 step (dp=4, recompute, the 4-block test GPT) measured
     60-68 ms, where every collective counted whole made 86 and every prefetch hidden 52-57."""
     parts = part_params(model, cfg)
     layers = model.n_layers // cfg.pp
     g = _coll(consts, "all_gather", parts["block"] * 4 // cfg.dp, cfg.dp)
     r = _coll(consts, "reduce_scatter", parts["block"] * 4, cfg.dp)
-    rest = (parts["embed"] + parts["tail"]) * 4
-    g_rest = _coll(consts, "all_gather", rest // cfg.dp, cfg.dp)
-    r_rest = _coll(consts, "reduce_scatter", rest, cfg.dp)
+    g_embed = _coll(consts, "all_gather", parts["embed"] * 4 // cfg.dp, cfg.dp)
+    r_embed = _coll(consts, "reduce_scatter", parts["embed"] * 4, cfg.dp)
+    g_tail = _coll(consts, "all_gather", parts["tail"] * 4 // cfg.dp, cfg.dp)
+    r_tail = _coll(consts, "reduce_scatter", parts["tail"] * 4, cfg.dp)
     share = min(1.0, consts.get("cores", cfg.world_size) / cfg.world_size)
 
     def shown(x, behind):  # the part of ``x`` not hidden behind ``behind`` of compute: with fewer cores than
         return x - share * min(x, behind)  # ranks only a ``cores / ranks`` share of it overlaps
-    forward = g_rest + g + (layers - 1) * shown(g, f)
-    backward = g + (layers - 1) * shown(g + r, 2 * f + rc) + shown(r, 2 * f + rc) + r_rest
+    forward = g_embed + g + (layers - 1) * shown(g, f) + shown(g_tail, f)
+    backward = (r_tail + g + (layers - 1) * shown(g + r, 2 * f + rc) + shown(r + g_embed, 2 * f + rc)
+                + r_embed)
     m = cfg.microbatches
-    return m * (forward + backward), m * (2 * layers + 1 + layers + 1)
+    return m * (forward + backward), m * (2 * layers + 3 + layers + 2)
