@@ -91,8 +91,11 @@ class Account:
 
 
 def _move(t: torch.Tensor, device: torch.device) -> None:
+    """Move ``t``'s data to ``device``; to the host from a GPU into pinned memory, so that the copies of its
+    shard back to the GPU at each gather (``staged``) run without the host waiting."""
     if t is not None and t.device != device:
-        t.data = t.data.to(device)
+        moved = t.data.to(device)
+        t.data = moved.pin_memory() if device.type == "cpu" and t.device.type == "cuda" else moved
 
 
 class ChunkPlacement:
@@ -162,7 +165,7 @@ class ChunkPlacement:
         if self.where[i] == "host":
             self.account.set(f"staged shard {c.name}", c.shard.numel() * c.shard.element_size())
             self.transfers["to_device"] += c.shard.numel() * c.shard.element_size()
-            return c.shard.detach().to(self.device)
+            return c.shard.detach().to(self.device, non_blocking=True)  # pinned (``_move``): queued, not waited
         return c.shard.detach()
 
     def unstage(self, i: int) -> None:
