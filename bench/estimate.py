@@ -1,4 +1,5 @@
-"""The at-scale cost model against published runs: Megatron-LM Table 1 (fitted on), then others (not fitted).
+"""The at-scale cost model against published runs: Megatron-LM Table 1 (fitted on), then others (not fitted),
+then attention by kernel (a Llama 3 8B step at seq 8192, attention unfused and FlashAttention).
 
     python bench/estimate.py              # each row: published iteration time, price()'s, ratio; writes
                                           # bench/results/estimate.json
@@ -6,7 +7,9 @@
                                           # the shipped values (colab_kit.planner.hardware.CALIBRATED)
 
 ``calibrate()`` minimises the squared log ratio estimate / published over Table 1's ten rows by a grid
-search refined twice; nothing else is fitted, and no other run is used.
+search refined twice; nothing else is fitted, and no other run is used. The runs of 2021-2022 (Table 1,
+MT-NLG, BLOOM) are priced with attention unfused, as they ran (``published.MEGATRON_2021``); Llama 3 with
+FlashAttention, the presets' default.
 """
 from __future__ import annotations
 
@@ -21,12 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _results import row, write  # noqa: E402
 
 from colab_kit.config import ParallelConfig  # noqa: E402
-from colab_kit.planner.hardware import CALIBRATED, HARDWARE  # noqa: E402
-from colab_kit.planner.published import as_run, eq3_flops, table1  # noqa: E402
+from colab_kit.planner.hardware import ATTENTION, CALIBRATED, HARDWARE, preset  # noqa: E402
+from colab_kit.planner.published import MEGATRON_2021, as_run, eq3_flops, table1  # noqa: E402
 from colab_kit.planner.scale import price  # noqa: E402
+from colab_kit.planner.scale_compute import core  # noqa: E402
 from colab_kit.planner.shape import ModelShape  # noqa: E402
 
-A100 = HARDWARE["8xA100-80GB"]
+A100 = MEGATRON_2021  # the DGX A100 preset with attention unfused, as Table 1 ran
 
 
 def table_ratios(hw=A100) -> list[tuple[dict, float]]:
@@ -73,15 +77,15 @@ OTHERS = [  # (what, shape, config, batch, hardware, published seconds, note); n
     ("MT-NLG 530B, 2240 A100 (tp 8, pp 35, dp 8), batch 1920",
      ModelShape(105, 20480, 128, 51200, 2048), ParallelConfig(dp=8, tp=8, pp=35, microbatches=240,
                                                               precision="bf16", recompute=True),
-     1920, "8xA100-80GB", 60.1, "Smith et al. 2022 (arXiv 2201.11990): 60.1 s per iteration, 126 TFLOP/s/GPU"),
+     1920, MEGATRON_2021, 60.1, "Smith et al. 2022 (arXiv 2201.11990): 60.1 s per iteration, 126 TFLOP/s/GPU"),
     ("MT-NLG 530B, 3360 A100 (tp 8, pp 35, dp 12), batch 1920",
      ModelShape(105, 20480, 128, 51200, 2048), ParallelConfig(dp=12, tp=8, pp=35, microbatches=160,
                                                               precision="bf16", recompute=True),
-     1920, "8xA100-80GB", 44.4, "Smith et al. 2022: 44.4 s per iteration, 113 TFLOP/s/GPU"),
+     1920, MEGATRON_2021, 44.4, "Smith et al. 2022: 44.4 s per iteration, 113 TFLOP/s/GPU"),
     ("BLOOM-176B, 384 A100 (tp 4, pp 12, dp 8, ZeRO-1), batch 2048",
      ModelShape(70, 14336, 112, 250880, 2048, tied=True, positions=False),
      ParallelConfig(dp=8, tp=4, pp=12, microbatches=128, zero=1, precision="bf16", recompute=True),
-     2048, "8xA100-80GB", _eq3_seconds(2048, 2048, 70, 14336, 250880, 150, 384),
+     2048, MEGATRON_2021, _eq3_seconds(2048, 2048, 70, 14336, 250880, 150, 384),
      "BigScience (arXiv 2211.05100): about 150 TFLOP/s/GPU counted as Eq. 3; Jean Zay nodes have 4 x 100 Gb/s "
      "Omni-Path, half the DGX preset's network"),
     ("Llama 3 405B, 16,384 H100 (tp 8, pp 16, dp 128), batch 2048 x 8192",
@@ -89,17 +93,40 @@ OTHERS = [  # (what, shape, config, batch, hardware, published seconds, note); n
      ParallelConfig(dp=128, tp=8, pp=16, microbatches=16, schedule="interleaved", chunks=4, precision="bf16"),
      2048, "8xH100-SXM", None, "Llama 3 (arXiv 2407.21783) Table 4: 400 TFLOP/s/GPU, 41% BF16 MFU; model FLOPs "
      "6N + attention; no recomputation and 4 interleaved chunks assumed (theirs: a tuned interleaved schedule); "
-     "attention priced unfused (theirs: FlashAttention)"),
+     "attention priced as FlashAttention-2 at 34% of the peak (theirs: FlashAttention)"),
 ]
+"""MT-NLG and BLOOM ran Megatron-DeepSpeed's unfused attention (priced on ``MEGATRON_2021``); Llama 3 on the H100
+preset, FlashAttention."""
+
+LLAMA3_8B = ModelShape(32, 4096, 32, 128256, 8192, ffn=14336, kv_heads=8, gated=True, positions=False,
+                       name="Llama 3 8B")
+FSDP = ParallelConfig(dp=64, zero=3, precision="bf16", recompute="selective")
+"""Llama 3 8B at seq 8192, FSDP (ZeRO-3 over 64 GPUs, one sequence each), selective recomputation, bf16."""
 
 
 def others() -> list[dict]:
     out = []
     for what, shape, config, batch, hw, published, note in OTHERS:
         if published is None:  # Llama 3: from MFU
-            published = _model_seconds(shape, batch, 0.41, HARDWARE[hw].peak("bf16"), config.world_size)
+            published = _model_seconds(shape, batch, 0.41, preset(hw).peak("bf16"), config.world_size)
         est = price(shape, config, batch, hw).step_seconds
         out.append({"what": what, "estimate": est, "published": published, "ratio": est / published, "note": note})
+    return out
+
+
+def attention_by_kernel(shape: ModelShape = LLAMA3_8B, config: ParallelConfig = FSDP, batch: int = 64) -> list[dict]:
+    """The step and attention's seconds in it (the core's forward, backward and selective's repeat, every block)
+    under each kernel, on the A100 and H100 presets."""
+    out = []
+    rows, m = batch / (config.dp * config.microbatches), config.microbatches
+    for name in ("8xA100-80GB", "8xH100-SXM"):
+        for kernel in ATTENTION:
+            hw = HARDWARE[name].with_attention(kernel)
+            f, b, repeat = core(shape, config, rows, shape.seq, hw)
+            attn = m * shape.layers * (f + b + repeat)
+            step = price(shape, config, batch, hw).step_seconds
+            out.append({"hardware": name, "attention": kernel, "step_seconds": step, "attention_seconds": attn,
+                        "share": attn / step})
     return out
 
 
@@ -127,6 +154,20 @@ def main() -> None:
         rows.append(row(o["what"], f"{o['estimate']:.2f} s/iteration", f"published {o['published']:.2f} s",
                         o["ratio"], "not fitted on; " + o["note"]))
         figures["others"].append(o)
+    print("\nattention by kernel: Llama 3 8B, seq 8192, dp=64 zero=3, selective, bf16, batch 64")
+    figures["attention"] = attention_by_kernel()
+    by = {(a["hardware"], a["attention"]): a for a in figures["attention"]}
+    for hw in ("8xA100-80GB", "8xH100-SXM"):
+        unfused, flash = by[hw, "unfused"], by[hw, "flash"]
+        for a in (unfused, flash):
+            print(f"  {hw} {a['attention']:>8}: step {a['step_seconds']:.2f} s, attention {a['attention_seconds']:.2f} s "
+                  f"({100 * a['share']:.0f}%)")
+        rows.append(row(f"Llama 3 8B, seq 8192, FSDP on 64 GPUs of {hw}: attention by FlashAttention-2 vs unfused",
+                        f"{flash['step_seconds']:.2f} s/step, attention {flash['attention_seconds']:.2f} s "
+                        f"({100 * flash['share']:.0f}%)",
+                        f"unfused {unfused['step_seconds']:.2f} s/step, attention {unfused['attention_seconds']:.2f} s "
+                        f"({100 * unfused['share']:.0f}%)", flash["step_seconds"] / unfused["step_seconds"],
+                        "estimates, not measured; attention's core priced by kernel (docs/estimate.md)"))
     shape, config, batch = as_run(table1()[6])
     t = time.perf_counter()
     for i in range(2000):

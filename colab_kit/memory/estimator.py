@@ -100,12 +100,29 @@ def stage_params(model, config) -> list[int]:
     if config.pp == 1:
         return [parts["embed"] + model.n_layers * parts["block"] + parts["tail"]]
     plan, stage_layers = _stages(config)  # the stages each rank holds: the placement, whatever the plan's fit
-    n = config.pp * config.chunks
-    layers = stage_layers(model.n_layers, n)
+    return [blocks * parts["block"] + parts["embed"] * first + parts["tail"] * last
+            for blocks, first, last in _rank_stages(plan, model.n_layers, stage_layers)]
 
-    def stage(s):
-        return len(layers[s]) * parts["block"] + parts["embed"] * (s == 0) + parts["tail"] * (s == n - 1)
-    return [sum(stage(s) for s in plan.stages_of(r)) for r in range(config.pp)]
+
+_RANK_STAGES: dict = {}
+
+
+def _rank_stages(plan, n_layers: int, stage_layers) -> list[tuple[int, int, int]]:
+    """For each pipeline rank of ``plan``: the blocks of its stages, and whether it holds the first stage (the
+    embeddings) and the last (ln_f and the head), what ``stage_params`` multiplies out. Kept per plan (by
+    identity, the plan held so that its id is not reused, as ``_walks``) and ``n_layers``: ``plan.stages_of``
+    scans every stage for each rank (9,216 ``rank_of`` calls for pp=96), and the planner asks for thousands
+    of estimates of a few hundred plans."""
+    key = (id(plan), n_layers)
+    if key not in _RANK_STAGES or _RANK_STAGES[key][0] is not plan:
+        if len(_RANK_STAGES) > 512:
+            _RANK_STAGES.clear()
+        n = plan.pp * plan.chunks
+        layers = stage_layers(n_layers, n)
+        per_rank = [plan.stages_of(r) for r in range(plan.pp)]
+        _RANK_STAGES[key] = (plan, [(sum(len(layers[s]) for s in stages), int(0 in stages), int(n - 1 in stages))
+                                    for stages in per_rank])
+    return _RANK_STAGES[key][1]
 
 
 def rank_params(model, config, pp_rank: int | None = None) -> int:
@@ -163,9 +180,16 @@ def pipeline_peak(model, config, rows: int, seq: int, *, fitted: bool = True) ->
     plan, stage_layers = _stages(config, model if fitted else None)
     n = config.pp * config.chunks
     layers = stage_layers(model.n_layers, n)
-    per = [layout_activations(model, config, rows, seq, layers=len(layers[s]), first=s == 0, last=s == n - 1)
-           for s in range(n)]
-    store = [_weight_store(model, config, rows, seq, len(layers[s]), s == n - 1) for s in range(n)]
+    # the stages' bytes differ only by their blocks, the first and the last: each asked once (n up to 192)
+    acts, stores = {}, {}
+    per, store = [], []
+    for s in range(n):
+        key = (len(layers[s]), s == 0, s == n - 1)
+        if key not in acts:
+            acts[key] = layout_activations(model, config, rows, seq, layers=key[0], first=key[1], last=key[2])
+            stores[key] = _weight_store(model, config, rows, seq, key[0], key[2])
+        per.append(acts[key])
+        store.append(stores[key])
     peaks = []
     for stages, counts in _walks(plan):
         values = np.array([per[s] for s in stages] + [store[s] for s in stages], dtype=np.int64)

@@ -20,14 +20,15 @@ weights), ZeRO-1, Megatron's sequence parallelism and selective recomputation on
     ...                   hardware="8xH100-SXM")                                            # doctest: +SKIP
     >>> print(est)                                                                          # doctest: +SKIP
     LlamaForCausalLM 70.6B, dp=8 x pp=4 x tp=8 (1d) = 256 ranks, split_gather, 1f1b x 64 microbatches, zero=1,
-    bf16, selective recompute on 8xH100-SXM, batch 512 x 8192: 29.5 s/step, 142,210 tokens/s, 267 TFLOP/s per
-    GPU, MFU 27.0%
+    bf16, selective recompute on 8xH100-SXM, batch 512 x 8192: 17.6 s/step, 237,903 tokens/s, 447 TFLOP/s per
+    GPU, MFU 45.2%
       memory per rank (fullest): params 4.3 GiB, grads 4.3 GiB, optimizer 3.2 GiB, activations 40.6 GiB; with
       overhead 59.2 GiB, fits in 75 GiB
-      breakdown: compute 24 s, comm:tp 4.03 s, bubble 1.29 s, comm:dp 97.2 ms, comm:pp 51.3 ms, optimizer 3.2 ms
+      breakdown: compute 12.7 s, comm:tp 4.03 s, bubble 754 ms, comm:dp 135 ms, comm:pp 51.3 ms, optimizer 3.2 ms
 
-(The model prices attention unfused, its scores through HBM: at 8,192 tokens that is much of the 24 s; a
-FlashAttention run would be faster. docs/estimate.md lists what the model leaves out.)
+(Attention is priced as FlashAttention-2, what the engine's ``F.scaled_dot_product_attention`` runs on an H100,
+at 34% of the peak; ``attention="unfused"``, Megatron-LM 2021's kernels with the scores through HBM, gives
+29.5 s and 24 s of compute. docs/estimate.md lists what the model leaves out.)
 """
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ from ..pipeline.stage import check_stages
 from .constants import constants as measured
 from .cost import step_seconds
 from .at_scale import LOCAL
-from .hardware import HARDWARE, Hardware
+from .hardware import ATTENTION, HARDWARE, Hardware
 from .scale import price
+from .scale_compute import attention_note
 from .moe_local import moe_step_seconds
 from .moe_shape import check_experts, gpt_moe_of, moe_memory
 from .shape import ModelShape
@@ -228,7 +230,7 @@ def _check(config, batch, seq, shape, uneven: bool = False, local: bool = True) 
 
 def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = None, hardware="8xA100-80GB",
              precision: str | None = None, optimizer: str = "adamw", policy=None,
-             constants: dict | None = None, uneven_stages: bool = False) -> Estimate:
+             constants: dict | None = None, uneven_stages: bool = False, attention: str | None = None) -> Estimate:
     """Step time, memory per rank and MFU of ``config`` training ``model`` on a global ``batch`` of sequences.
 
     ``model``: a ``GPTConfig``, a built-in model, a Hugging Face config or model (built on the meta device:
@@ -237,12 +239,17 @@ def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = Non
     or ``"this machine"`` (the constants measured here, ``constants=`` to give them). ``precision``
     overrides the config's. ``uneven_stages`` (a preset only): price a pipeline whose blocks do not split
     evenly over its stages (DeepSeek-V3's 61 over 16), the last ``layers % stages`` stages one block more; the
-    engine splits them evenly, so such a layout is priced, not runnable. Nothing runs: no process, no tensor."""
+    engine splits them evenly, so such a layout is priced, not runnable. ``attention`` (a preset only):
+    "flash" or "unfused", the kernel attention's core is priced as, over the preset's own (``Hardware.attention``:
+    "flash" on every preset, what the engine runs; "unfused" for Megatron-LM 2021's runs). Nothing runs: no
+    process, no tensor."""
     shape = ModelShape.of(model, policy, seq)
     seq = shape.seq
     if precision is not None:
         config = config.replace(precision=precision)
     hw = hardware_of(hardware)
+    if attention is not None:
+        hw = _with_attention(hw, attention)
     if uneven_stages and hw == LOCAL:
         raise ConfigError("uneven_stages prices a layout the engine cannot run: give a cluster preset, e.g. "
                           "hardware='8xH800-SXM', or stages that split the blocks evenly")
@@ -273,13 +280,26 @@ def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = Non
     return est
 
 
+def _with_attention(hw, attention: str) -> Hardware:
+    """``hw`` with attention priced as ``attention`` (``Hardware.with_attention``: one object per preset and
+    kernel, so ``price``'s cache keeps working); refused on this machine's measured constants."""
+    if attention not in ATTENTION:
+        raise ConfigError(f"attention={attention!r}: choose one of {', '.join(ATTENTION)} (flash: FlashAttention, what "
+                          f"the engine runs on GPUs; unfused: Megatron-LM 2021's kernels)")
+    if hw == LOCAL:
+        raise ConfigError("attention= picks the kernel a cluster preset is priced with; the constants measured on "
+                          "this machine price what ran here: give hardware='8xH100-SXM' (or another preset)")
+    return hw.with_attention(attention)
+
+
 def priced(shape: ModelShape, config: ParallelConfig, batch: int, hw: Hardware, memory: dict,
            optimizer: str = "adamw") -> Estimate:
     """The ``Estimate`` of ``config`` on a preset with ``memory`` (``memory_of``'s): ``ck.estimate`` and the
     at-scale ``ck.plan`` both make theirs here, so the plan ranks by exactly what ``ck.estimate`` says."""
     p = price(shape, config, batch, hw, seq=shape.seq, optimizer=optimizer)
+    notes = list(p.assumptions) + [attention_note(hw, config.precision)]
     return Estimate(shape, config, batch, shape.seq, hw.name, p.step_seconds, memory, hw.device_bytes - hw.usable_bytes,
-                    hw.device_bytes, dict(p.breakdown), list(p.assumptions), dict(p.collectives))
+                    hw.device_bytes, dict(p.breakdown), notes, dict(p.collectives))
 
 
 def _local_capacity() -> int:

@@ -11,7 +11,12 @@ cards to the other nodes. The cost model (``planner.scale``) reads:
 - collectives on NVLink inside a node and on the node's NICs across nodes (``planner.scale_comm``), at
   the bus bandwidth NCCL reaches (``bus_efficiency``), with a latency per ring hop;
 - ``kernel_seconds``: the GPU's idle gap per kernel launched; ``alloc_fraction`` / ``alloc_fixed_bytes``:
-  what the allocator, the CUDA context and NCCL's buffers take from ``device_bytes`` (``usable_bytes``).
+  what the allocator, the CUDA context and NCCL's buffers take from ``device_bytes`` (``usable_bytes``);
+- ``attention``: the kernel attention's core is priced as (``planner.scale_compute``): ``"flash"``, what the
+  engine's ``F.scaled_dot_product_attention`` runs on these GPUs in fp16/bf16 (FlashAttention-2), at
+  ``attention_efficiency`` (forward, backward) of the peak; or ``"unfused"``, Megatron-LM 2021's batched
+  products and softmax through HBM (the Table 1 runs: ``planner.published.MEGATRON_2021``).
+  ``with_attention(kernel)`` gives the preset with the other kernel, the same object every time.
 
 Worked example: the achievable rate of a 2048 x 2304 x 768 GEMM (18B's attention output under tp=8) on
 an A100 in fp16, against its 312 TFLOP/s peak::
@@ -21,6 +26,8 @@ an A100 in fp16, against its 312 TFLOP/s peak::
     236
     >>> hw.node_nic_bytes_per_s / 1e9                               # 8 HDR NICs of 200 Gb/s
     200.0
+    >>> hw.attention, hw.attention_efficiency, hw.with_attention("unfused") is hw.with_attention("unfused")
+    ('flash', (0.73, 0.63), True)
 
 fp32: the engine leaves ``torch.backends.cuda.matmul.allow_tf32`` at PyTorch's default (off since 1.12),
 so fp32 matmuls are priced at the GPU's plain FP32 rate (19.5 TFLOP/s on an A100), not TF32.
@@ -29,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-__all__ = ["CALIBRATED", "HARDWARE", "Hardware", "preset"]
+__all__ = ["ATTENTION", "CALIBRATED", "HARDWARE", "Hardware", "preset"]
 
 CALIBRATED = {"e_max": 0.785, "knee": 59.3}
 """The matmul curve's two constants fitted on Megatron-LM's Table 1 (``bench/estimate.py --calibrate``)."""
@@ -62,6 +69,15 @@ class Hardware:
     alloc_fraction: float = 0.05        # of device memory lost to the caching allocator's fragmentation
     alloc_fixed_bytes: int = 3 * 2 ** 30  # CUDA context, cuBLAS workspace, NCCL buffers
     sources: dict = field(default_factory=dict)  # figure -> where it was read
+    attention: str = "flash"            # attention's kernel: "flash" or "unfused" (module docstring)
+    attention_efficiency: tuple = (0.73, 0.63)  # "flash": fraction of the peak, (forward, backward)
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION:
+            raise ValueError(f"Hardware.attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
+        if len(self.attention_efficiency) != 2 or not all(0 < e <= 1 for e in self.attention_efficiency):
+            raise ValueError(f"Hardware.attention_efficiency is (forward, backward), each a fraction of the peak in "
+                             f"(0, 1], got {self.attention_efficiency!r}")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -104,6 +120,22 @@ class Hardware:
         """This preset with other matmul-curve constants (calibration)."""
         return replace(self, e_max=e_max, knee=knee)
 
+    def with_attention(self, kernel: str) -> Hardware:
+        """This preset with attention priced as ``kernel`` ("flash" or "unfused"): itself where it already is,
+        else the same variant object on every call (``price`` caches by identity), whose ``with_attention``
+        of the first kernel gives this object back."""
+        if kernel == self.attention:
+            return self
+        if (self, kernel) not in _VARIANTS:
+            other = replace(self, attention=kernel)
+            _VARIANTS[(self, kernel)], _VARIANTS[(other, self.attention)] = other, self
+        return _VARIANTS[(self, kernel)]
+
+
+ATTENTION = ("flash", "unfused")
+"""The kernels attention's core can be priced as (``Hardware.attention``)."""
+_VARIANTS: dict = {}  # (preset, kernel) -> the preset with that kernel (with_attention)
+
 
 _A100 = "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)"
 _H100 = "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"
@@ -116,15 +148,27 @@ _COMMON = {"e_max, knee": _FIT, "bus_efficiency": _NCCL, "latency": _LAT,
            "hbm_efficiency": "assumption: STREAM-like kernels reach about 80% of HBM bandwidth",
            "kernel_seconds": "assumption: a few microseconds of idle GPU between dependent kernels",
            "alloc_fixed_bytes": "assumption: CUDA context, cuBLAS workspace and NCCL buffers about 3 GiB",
-           "alloc_fraction": "assumption: caching-allocator fragmentation about 5%"}
+           "alloc_fraction": "assumption: caching-allocator fragmentation about 5%",
+           "attention": ("flash: the engine's attention is torch's F.scaled_dot_product_attention, whose flash backend "
+                         "is FlashAttention-2 (PyTorch 2.2 release notes) and is what it runs on A100/H100-class GPUs "
+                         "in fp16/bf16 (cuDNN attention opt-in since 2.5.1, pytorch/pytorch#138649); fp32 runs the "
+                         "memory-efficient kernel, priced at the fp32 peak times the same fractions (assumption)")}
+_FA2_A100 = (0.73, 0.63, "FlashAttention-2 (Dao 2023, arXiv 2307.08691, Sec. 1 and 4.1, A100 80GB SXM4): up to 73% "
+             "of the peak forward (230 TFLOP/s), up to 63% backward (head dim 128, long sequences)")
+_FA2_H100 = (0.34, 0.34, "FlashAttention-2 on H100 SXM5 (Dao 2023, Sec. 4.1, Fig. 7): up to 335 TFLOP/s forward + "
+             "backward, 34% of 989; FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608, Sec. 1): FlashAttention-2 "
+             "reaches 35% of H100's peak (FlashAttention-3 75% forward, not what torch's SDPA runs)")
 
 
 def _node(name: str, flops: dict, hbm: float, mem: int, nvlink: float, nics: int, nic: float, pcie: float,
-          sources: dict, source: str) -> Hardware:
-    """A preset from datasheet figures: ``nvlink`` bytes/s each way per GPU, ``nic`` bytes/s per NIC."""
+          sources: dict, source: str, flash: tuple = _FA2_A100) -> Hardware:
+    """A preset from datasheet figures: ``nvlink`` bytes/s each way per GPU, ``nic`` bytes/s per NIC;
+    ``flash``: (forward, backward) efficiency of FlashAttention-2 on the GPU and its source."""
     per_gpu = nics * nic / 8
     return Hardware(name, 8, flops, hbm, mem, (3e-6, nvlink), (10e-6, per_gpu), source, nics_per_node=nics,
-                    nic_bytes_per_s=nic, pcie_bytes_per_s=pcie, sources={**sources, **_COMMON})
+                    nic_bytes_per_s=nic, pcie_bytes_per_s=pcie,
+                    sources={**sources, **_COMMON, "attention_efficiency": flash[2]},
+                    attention_efficiency=flash[:2])
 
 
 _A100_FLOPS = {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}
@@ -148,7 +192,7 @@ HARDWARE = {h.name: h for h in (
     _node("8xH100-SXM", _H100_FLOPS, 3.35e12, 80 * 10 ** 9, 450e9, 8, 50e9, 50e9, _H100_SRC,
           "DGX H100: NVIDIA H100 SXM5 80GB (FP32 67 TFLOP/s, BF16/FP16 tensor cores 989 TFLOP/s dense, HBM3 3.35 TB/s, "
           "NVLink 900 GB/s both ways), 8 ConnectX-7 NDR 400 Gb/s NICs per node; approximate datasheet figures, the "
-          "matmul curve's fraction of peak assumed as fitted on the A100"),
+          "matmul curve's fraction of peak assumed as fitted on the A100", _FA2_H100),
     _node("8xH100-96GB-500W", _H100_FLOPS, 2.4e12, 96 * 10 ** 9, 450e9, 8, 50e9, 50e9,
           {**_H100_SRC, "device_bytes": "H100 with 96 GB of HBM2e (as the issue's cluster)",
            "memory_bytes_per_s": "assumption: HBM2e at about 2.4 TB/s (no datasheet figure found for this part)",
@@ -156,20 +200,20 @@ HARDWARE = {h.name: h for h in (
                     "(clocks under the cap not modelled)",
            "nics": "400 Gb/s per GPU, 8 per node (as the issue's cluster)"},
           "H100 HBM2e 96GB at 500 W: H100 compute (989 TFLOP/s BF16 dense), 96 GB HBM2e at about 2.4 TB/s "
-          "(assumed), NVLink 900 GB/s both ways, one 400 Gb/s NIC per GPU; approximate datasheet figures"),
+          "(assumed), NVLink 900 GB/s both ways, one 400 Gb/s NIC per GPU; approximate datasheet figures", _FA2_H100),
     _node("8xH200-SXM", _H100_FLOPS, 4.8e12, 141 * 10 ** 9, 450e9, 8, 50e9, 50e9,
           {**_H100_SRC, "memory_bytes_per_s": "NVIDIA H200 Tensor Core GPU datasheet: HBM3e 4.8 TB/s",
            "device_bytes": "NVIDIA H200 datasheet: 141 GB", "flops": "NVIDIA H200 datasheet: H100's tensor cores, "
            "989 TFLOP/s BF16 dense", "nics": "NVIDIA HGX H200 reference: 8 ConnectX-7 NDR 400 Gb/s, one per GPU"},
           "HGX H200: NVIDIA H200 SXM 141GB (H100's compute, HBM3e 4.8 TB/s, NVLink 900 GB/s both ways), 8 NDR 400 Gb/s "
-          "NICs per node; approximate datasheet figures"),
+          "NICs per node; approximate datasheet figures", _FA2_H100),
     _node("8xH800-SXM", _H100_FLOPS, 3.35e12, 80 * 10 ** 9, 200e9, 8, 50e9, 50e9,
           {**_H100_SRC, "nvlink": "NVIDIA H800 SXM5 (export variant of H100): NVLink 400 GB/s both ways (200 each "
                                   "way)", "nics": "DeepSeek-V3 technical report (arXiv 2412.19437): 8 GPUs per node, "
                                                   "400 Gb/s InfiniBand NIC per GPU",
            "flops": "NVIDIA H800 SXM5: H100 SXM5's tensor cores, 989 TFLOP/s BF16 dense"},
           "H800 SXM: H100 SXM5's compute and HBM3 3.35 TB/s with NVLink cut to 400 GB/s both ways, 8 NDR 400 Gb/s "
-          "NICs per node; approximate datasheet figures"))}
+          "NICs per node; approximate datasheet figures", _FA2_H100))}
 """Node presets by name. ``8xA100-80GB``, ``8xH100-SXM``, ``8xH200-SXM`` keep their earlier names."""
 
 

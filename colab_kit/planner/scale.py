@@ -46,11 +46,11 @@ from dataclasses import dataclass, field
 from . import moe_price, scale_comm
 from .moe_shape import tp_layer_params
 from .hardware import Hardware, preset
-from .scale_compute import BlockCost, block, head, recompute_mode, with_recompute
-from .scale_parts import optimizer_seconds, params_on_rank, seq_comm, tensor_comm
+from .scale_compute import BlockCost, recompute_mode, with_recompute
+from .scale_parts import optimizer_seconds, params_on_rank, per_block
 from .shape import ModelShape
 
-__all__ = ["Priced", "bubble", "price", "recompute_mode"]
+__all__ = ["Priced", "bubble", "compute_floor", "price", "recompute_mode"]
 
 AXES = ("tp", "sp", "pp", "dp")
 
@@ -100,8 +100,8 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     m, p, v = config.microbatches, config.pp, config.chunks
     rows = batch / (config.dp * m)
     mode = recompute_mode(config)
-    blk = with_recompute(block(shape, config, rows, seq, hw), mode)
-    hd = head(shape, config, rows, seq, hw)
+    dense, hd, (tp_f, tp_b, tp_n), (sp_f, sp_b, sp_exp_f, sp_exp_b, sp_n) = per_block(shape, config, rows, seq, hw)
+    blk = with_recompute(dense, mode)
     layers = math.ceil(shape.layers / (p * v)) * v  # the fullest rank's blocks
     comm_total = dict.fromkeys(AXES, 0.0)
     count = dict.fromkeys(AXES, 0)
@@ -115,12 +115,10 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         count["ep"] = m * n_moe * (ep_n[0] * (2 if mode == "full" else 1) + ep_n[1])
     # tensor and sequence parallel collectives of one block and microbatch: never hidden (tp), or behind
     # the attention core they feed (sp ring)
-    tp_f, tp_b, tp_n = tensor_comm(shape, config, rows, seq, hw)
     if n_moe:  # an MoE block runs whole on every tp rank: attention's all-reduces only (moe_price.tp_share)
         share = moe_price.tp_share(config, n_moe, layers)
         tp_f, tp_b = tp_f * share, tp_b * share
     tp_rc = tp_f if mode == "full" else 0.0
-    sp_f, sp_b, sp_exp_f, sp_exp_b, sp_n = seq_comm(shape, config, rows, seq, hw, blk.attn)
     sp_rc, sp_exp_rc = (sp_f, sp_exp_f) if mode == "full" else (0.0, 0.0)
     # ZeRO-3: each block's parameters gathered forward and backward, gradients reduce-scattered (fp32)
     z3_f = z3_b = z3_exp_f = z3_exp_b = 0.0
@@ -202,6 +200,37 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     return Priced(step_seconds=sum(breakdown.values()), breakdown=breakdown, comm_total=comm_total,
                   collectives=count, assumptions=notes,
                   per_microbatch={"F": f_mb, "I": i_mb, "W": w_mb})
+
+
+def compute_floor(shape: ModelShape, config, batch: int, dp: int, microbatches: int, pp: int, hw: Hardware | str,
+                  seq: int | None = None) -> float:
+    """A floor under what ``search`` orders configs by (``step_seconds`` less the optimizer and comm:dp) for every
+    config of a dense ``shape`` with ``config``'s ``scale_parts.BLOCK_FIELDS``, ``dp``, ``pp`` and
+    ``microbatches``, whatever its schedule, chunks, ZeRO stage or recomputation: ``_price``'s compute and exposed
+    tp and sp traffic at the fewest blocks a rank of ``pp`` stages holds, ``ceil(layers / pp)``, without
+    recomputation; the bubble and the pipeline's sends left out. The same floating-point sums as ``_price``'s,
+    each term no larger. A mixture of experts mixes cheaper blocks in: -inf. The example: 8 blocks a rank either
+    way, the floor leaving out what full recomputation repeats and the bubble::
+
+        >>> from colab_kit.config import ParallelConfig
+        >>> from colab_kit.planner.hardware import HARDWARE
+        >>> s, a100 = ModelShape(96, 12288, 96, 51200, 2048), HARDWARE["8xA100-80GB"]
+        >>> c = ParallelConfig(dp=32, tp=4, pp=12, microbatches=48, schedule="interleaved", chunks=2, zero=1,
+        ...                    recompute="full", sp_mode="split_gather", precision="fp16")
+        >>> floor = compute_floor(s, c, 1536, 32, 48, 12, a100)
+        >>> p = price(s, c, 1536, a100)
+        >>> floor <= p.step_seconds - p.breakdown["optimizer"] - p.breakdown["comm:dp"]
+        True
+        >>> floor < p.breakdown["compute"] + p.breakdown["comm:tp"]   # full recomputation's forward left out
+        True
+    """
+    if shape.experts:
+        return -math.inf
+    m, layers = microbatches, -(-shape.layers // pp)
+    dense, hd, (tp_f, tp_b, _), (_, _, sp_exp_f, sp_exp_b, _) = per_block(shape, config, int(batch) / (dp * m),
+                                                                          int(seq or shape.seq), preset(hw))
+    compute = m * (layers * (dense.f + dense.i + dense.w) + hd.f + hd.i + hd.w)
+    return compute + m * layers * (tp_f + tp_b) + m * layers * (sp_exp_f + sp_exp_b)
 
 
 def _mix(dense: BlockCost, moe: BlockCost, share: float) -> BlockCost:

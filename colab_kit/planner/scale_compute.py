@@ -2,9 +2,10 @@
 
 ``block(shape, config, rows, seq, hw)`` gives a ``BlockCost`` in seconds: ``f`` the forward, ``i`` the backward
 to the block's input, ``w`` the weights' gradients (zero-bubble's I and W: ``i + w`` is the whole backward),
-``attn`` the attention core's forward (what selective recomputation repeats: Korthikanti et al. 2022, scores,
-softmax, dropout and the product with V), ``rc`` the recomputation recompute mode ``"full"``,
-``"selective"`` or ``"none"`` adds; ``head(...)`` the same for the output head and the loss.
+``attn`` the attention core's forward (scores, softmax, dropout and the product with V: what Korthikanti et
+al. 2022's selective recomputation repeats; ``repeat`` where the kernel repeats otherwise), ``rc`` the
+recomputation recompute mode ``"full"``, ``"selective"`` or ``"none"`` adds; ``head(...)`` the same for the
+output head and the loss.
 
 What a block runs, for T tokens on the rank (``rows * seq``, over ``sp`` with ring or Ulysses), hidden h,
 inner width f (x2 gated), ``a`` heads of width d, ``tp`` ranks:
@@ -13,22 +14,37 @@ inner width f (x2 gated), ``a`` heads of width d, ``tp`` ranks:
   column then row shards ((T, 3h/tp, h), (T, h, h/tp), (T, f/tp, h), (T, h, f/tp)); 2D (SUMMA) q steps of
   (M/q, N/q, K/q); 2.5D q steps of (M/(d q), N/q, K/q); 3D one (M/q, N/q, K/q). Backward: dX (m, k, n) and
   dW (k, n, m) of each;
-- attention's two batched products per head, (s_q, s, d) and (s_q, d, s), at the same curve with HBM as the
-  bound (d = 64..160: memory bound on an A100), their backward twice them; ring: s_q = s / sp; Ulysses: all
-  of s, a / sp heads;
-- elementwise: softmax and dropout over the scores, 4.5 passes of 2 bytes (fp16) per score forward, twice
-  that backward; LayerNorms and bias-dropout-adds, 11 passes over (T, h), replicated across 1D tp ranks
-  unless split_gather splits them; bias/GELU and layout copies over the tp shards (6 passes).
+- attention's core, ``a`` heads on the rank (``a / tp``; Ulysses ``a / (tp sp)``) of ``s_q`` queries (ring:
+  ``s / sp``, else ``s``) over ``s`` keys, priced by the preset's kernel (``Hardware.attention``):
 
-Worked example, the 18B row of Table 1 (h 6144, 48 heads, tp 8, 8 rows of 2048 tokens) on an A100::
+  - ``"unfused"`` (Megatron-LM 2021, the Table 1 runs): two batched products per head, (s_q, s, d) and
+    (s_q, d, s), at the GEMM curve with HBM as the bound (d = 64..160: memory bound on an A100), their
+    backward twice them, and softmax and dropout over the whole score matrix through HBM (below); no causal
+    halving;
+  - ``"flash"`` (FlashAttention-2, what torch's ``F.scaled_dot_product_attention`` runs): FLOPs
+    ``4 rows a s_q s d`` forward (QK^T and PV), halved for a causal model (``ModelShape.causal``; ring's
+    zigzag layout keeps the halving even), backward 2.5 times that (Dao 2023, Sec. 4.1: 5 products against
+    the forward's 2, the scores recomputed), at ``attention_efficiency`` (forward, backward) of the peak, no
+    faster than HBM streams q, k, v, o (and backward dO, dq, dk, dv) once: no score touches HBM.
+    Selective recomputation repeats the forward kernel (the engine checkpoints SDPA) except under ring,
+    whose backward already rebuilds its blocks (nothing repeated);
+
+- elementwise: ("unfused") softmax and dropout over the scores, 4.5 passes of 2 bytes (fp16) per score
+  forward, twice that backward; LayerNorms and bias-dropout-adds, 11 passes over (T, h), replicated across
+  1D tp ranks unless split_gather splits them; bias/GELU and layout copies over the tp shards (6 passes).
+
+Worked example, the 18B row of Table 1 (h 6144, 48 heads, tp 8, 8 rows of 2048 tokens) on an A100, its
+attention core as Megatron-LM ran it (unfused) and as FlashAttention-2 would (6 heads x 8 rows x 2048^2 x
+128 x 4 / 2 = 51.5 GFLOP forward at 73% of 312 TFLOP/s: 0.23 ms)::
 
     >>> from colab_kit.config import ParallelConfig
     >>> from colab_kit.planner.shape import ModelShape
     >>> from colab_kit.planner.hardware import HARDWARE
-    >>> c = block(ModelShape(40, 6144, 48, 51200, 2048), ParallelConfig(tp=8, precision="fp16"), 8, 2048,
-    ...           HARDWARE["8xA100-80GB"])
-    >>> round(c.f * 1e3, 1), round((c.i + c.w) / c.f, 2)         # doctest: +SKIP
-    (23.1, 2.03)
+    >>> shape, cfg = ModelShape(40, 6144, 48, 51200, 2048), ParallelConfig(tp=8, precision="fp16")
+    >>> a100 = HARDWARE["8xA100-80GB"]
+    >>> old, new = (block(shape, cfg, 8, 2048, a100.with_attention(k)) for k in ("unfused", "flash"))
+    >>> round(old.f * 1e3, 2), round(old.attn * 1e3, 2), round(new.f * 1e3, 2), round(new.attn * 1e3, 2)
+    (11.58, 2.06, 9.76, 0.23)
 """
 from __future__ import annotations
 
@@ -37,7 +53,7 @@ from dataclasses import dataclass
 from .hardware import Hardware
 from .shape import ModelShape
 
-__all__ = ["BlockCost", "block", "head", "recompute_mode", "with_recompute"]
+__all__ = ["BlockCost", "attention_note", "block", "core", "flash", "head", "recompute_mode", "with_recompute"]
 
 _SCORE_PASSES = 4.5  # softmax read + write, dropout read + write + a 1-byte mask, per score element (fp16 units)
 _ROW_PASSES = 11.0   # 2 LayerNorms (read, write) + 2 bias-dropout-adds (x, residual, out, mask) over (T, h)
@@ -63,6 +79,8 @@ class BlockCost:
     w: float
     attn: float = 0.0
     rc: float = 0.0
+    repeat: float | None = None
+    """What selective recomputation repeats (None: ``attn``, the core's forward)."""
 
 
 def _splits(config, m: float, n: float, k: float) -> tuple[float, float, float, float]:
@@ -103,29 +121,89 @@ def block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> Blo
     f = sum(g[0] for g in gemms)
     dx = sum(g[1] for g in gemms)
     dw = sum(g[2] for g in gemms)
-    # attention's core: heads on this rank, queries per head
-    heads = shape.heads / tp / (sp if config.sp_mode == "ulysses" and sp > 1 else 1)
-    s_q = seq / sp if (config.sp_mode == "ring" and sp > 1) else seq
-    d = shape.head_dim
-    products = (hw.gemm_seconds(s_q, seq, d, p, rows * heads) + hw.gemm_seconds(s_q, d, seq, p, rows * heads))
-    scores = rows * heads * s_q * seq
-    softmax = hw.stream_seconds(_SCORE_PASSES * scores * size, 2)
-    attn = products + softmax
+    attn, attn_b, repeat = core(shape, config, rows, seq, hw)
     # elementwise over the rows: replicated over 1D tp ranks unless split_gather splits the sequence
     split_rows = tp if (config.tp_mode != "1d" or config.sp_mode == "split_gather") else 1
     row_bytes = _ROW_PASSES * tokens * h * size / split_rows
     shard_bytes = _SHARD_PASSES * tokens * (shape.d_ff + shape.qkv_out + h) * size / tp
     elem = hw.stream_seconds(row_bytes + shard_bytes, _KERNELS)
     forward = f + attn + elem
-    backward_input = dx + 2 * attn + 2 * elem
-    return BlockCost(f=forward, i=backward_input, w=dw, attn=attn, rc=0.0)
+    backward_input = dx + attn_b + 2 * elem
+    return BlockCost(f=forward, i=backward_input, w=dw, attn=attn, rc=0.0, repeat=repeat)
+
+
+def core(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> tuple[float, float, float]:
+    """``(forward, backward, repeated by selective)`` seconds of attention's core in one block on one rank, by
+    the preset's kernel: ``flash(...)``, or unfused (Megatron-LM 2021's kernels: the two batched products per
+    head at the GEMM curve, softmax and dropout over the scores through HBM; backward twice the forward). A
+    stand-in for ``Hardware`` without ``attention`` (a FLOP counter) is priced unfused, as before."""
+    if getattr(hw, "attention", "unfused") == "flash":
+        return flash(shape, config, rows, seq, hw)
+    p = config.precision
+    size = 4 if p == "fp32" else 2
+    heads, s_q = _core(shape, config, seq)
+    d = shape.head_dim
+    products = (hw.gemm_seconds(s_q, seq, d, p, rows * heads) + hw.gemm_seconds(s_q, d, seq, p, rows * heads))
+    scores = rows * heads * s_q * seq
+    softmax = hw.stream_seconds(_SCORE_PASSES * scores * size, 2)
+    attn = products + softmax
+    return attn, 2 * attn, attn
+
+
+def _core(shape: ModelShape, config, seq: int) -> tuple[float, float]:
+    """``(heads, s_q)`` of attention's core on one rank: heads over tp (and sp under Ulysses), the queries of
+    its ``seq / sp`` tokens under ring (each against all ``seq`` keys), else all of them."""
+    sp = config.sp
+    heads = shape.heads / config.tp / (sp if config.sp_mode == "ulysses" and sp > 1 else 1)
+    s_q = seq / sp if (config.sp_mode == "ring" and sp > 1) else seq
+    return heads, s_q
+
+
+def flash(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> tuple[float, float, float]:
+    """``(forward, backward, repeated by selective)`` seconds of FlashAttention's core for ``rows`` sequences
+    on one rank (module docstring): its FLOPs at ``hw.attention_efficiency`` of the precision's peak, or HBM
+    streaming q, k, v, o once where slower, plus one kernel's gap forward and two backward. The head width is
+    ``core_width / heads`` (MLA's mean of its q.k and v widths), ``head_dim`` otherwise.
+
+    >>> from colab_kit.config import ParallelConfig
+    >>> from colab_kit.planner.hardware import HARDWARE
+    >>> h100 = HARDWARE["8xH100-SXM"]
+    >>> f, b, r = flash(ModelShape(1, 4096, 32, 8, 8192), ParallelConfig(precision="bf16"), 1, 8192, h100)
+    >>> flops = 4 * 32 * 8192 * 8192 * 128 / 2                     # causal: half the square
+    >>> f == flops / (989e12 * 0.34) + 3e-6, b == 2.5 * flops / (989e12 * 0.34) + 6e-6, r == f
+    (True, True, True)
+    """
+    p = config.precision
+    heads, s_q = _core(shape, config, seq)
+    width = (shape.core_width or shape.hidden) / shape.heads
+    flops = 4.0 * rows * heads * s_q * seq * width * (0.5 if shape.causal else 1.0)
+    e_f, e_b = hw.attention_efficiency
+    size = 4 if p == "fp32" else 2
+    q = rows * heads * s_q * width * size             # q (and o, dO, dq: the same shape)
+    kv = rows * heads * shape.n_kv / shape.heads * seq * width * size  # k (and v, dk, dv)
+    bw = hw.memory_bytes_per_s * hw.hbm_efficiency
+    forward = max(flops / (hw.peak(p) * e_f), (2 * q + 2 * kv) / bw) + hw.kernel_seconds
+    backward = max(2.5 * flops / (hw.peak(p) * e_b), (4 * q + 4 * kv) / bw) + 2 * hw.kernel_seconds
+    ring = config.sp > 1 and config.sp_mode == "ring"  # sequence.ring rebuilds its blocks backward: no repeat
+    return forward, backward, 0.0 if ring else forward
+
+
+def attention_note(hw: Hardware, precision: str) -> str:
+    """One line of ``Estimate.assumptions``: the kernel attention's core is priced as, and its source."""
+    if hw.attention == "unfused":
+        return ("attention unfused (Megatron-LM 2021): batched products at the GEMM curve, softmax and dropout "
+                "over the scores through HBM, no causal halving")
+    e_f, e_b = hw.attention_efficiency
+    return (f"attention fused (FlashAttention): {e_f:g} of the {precision} peak forward, {e_b:g} backward "
+            f"({hw.sources.get('attention_efficiency', 'given')}); {hw.sources.get('attention', '')}")
 
 
 def with_recompute(cost: BlockCost, mode: str) -> BlockCost:
     """``cost`` with what ``mode`` recomputes in backward: the whole forward ("full"), attention's core
-    ("selective"), nothing ("none")."""
-    rc = {"full": cost.f, "selective": cost.attn}.get(mode, 0.0)
-    return BlockCost(cost.f, cost.i, cost.w, cost.attn, rc)
+    ("selective": ``cost.repeat``, the core's forward unless the kernel says otherwise), nothing ("none")."""
+    core = cost.attn if cost.repeat is None else cost.repeat
+    rc = {"full": cost.f, "selective": core}.get(mode, 0.0)
+    return BlockCost(cost.f, cost.i, cost.w, cost.attn, rc, cost.repeat)
 
 
 def head(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> BlockCost:

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 from . import scale_comm
 from .hardware import Hardware
+from .scale_compute import block, head
 from .shape import ModelShape
 
-__all__ = ["HOST_BYTES_PER_S", "optimizer_seconds", "params_on_rank", "seq_comm", "tensor_comm"]
+__all__ = ["BLOCK_FIELDS", "HOST_BYTES_PER_S", "optimizer_seconds", "params_on_rank", "per_block", "seq_comm",
+           "tensor_comm"]
 
 HOST_BYTES_PER_S = 10e9
 """Assumption: host memory bandwidth one GPU's share of the CPU cores streams through a CPU Adam (offload)."""
@@ -131,3 +133,40 @@ def optimizer_seconds(rank_params: float, config, hw: Hardware, optimizer: str, 
         size = 4 if config.precision == "fp32" else 2
         return shard * (4 + size) / hw.pcie_bytes_per_s + shard * per / HOST_BYTES_PER_S
     return hw.stream_seconds(shard * per, 8)
+
+
+BLOCK_FIELDS = ("precision", "tp", "tp_mode", "tp_depth", "sp", "sp_mode")
+"""The config fields that a block's and the head's compute (``scale_compute.block``, ``head``) and the block's
+tensor and sequence collectives (``tensor_comm``, ``seq_comm``: their groups lie inside a tp x sp block of the
+rank order) read. A field they start to read must be added here: it is ``per_block``'s key."""
+
+_BLOCKS: dict = {}
+
+
+def per_block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> tuple:
+    """``(block, head, tensor_comm, seq_comm)`` of one microbatch of ``rows`` sequences on one rank, computed once
+    per shape, preset, rows, seq and ``BLOCK_FIELDS``: the configs of every dp, pipeline depth, schedule, chunk
+    count, ZeRO stage and recomputation with the same microbatch share them (the 175B plan of 1,536 GPUs prices
+    12,000 configs that hold 1,700 different blocks). Emptied at 16,384 entries.
+
+        >>> from colab_kit.config import ParallelConfig
+        >>> from colab_kit.planner.hardware import HARDWARE
+        >>> s, a100 = ModelShape(40, 6144, 48, 51200, 2048), HARDWARE["8xA100-80GB"]
+        >>> one = ParallelConfig(dp=4, tp=8, pp=2, sp=2, microbatches=4, precision="fp16")
+        >>> other = one.replace(dp=2, pp=4, schedule="interleaved", chunks=2, zero=1, recompute="full")
+        >>> per_block(s, one, 4, 2048, a100) is per_block(s, other, 4, 2048, a100)
+        True
+        >>> b = block(s, other, 4, 2048, a100)
+        >>> per_block(s, one, 4, 2048, a100) == (b, head(s, other, 4, 2048, a100),
+        ...     tensor_comm(s, other, 4, 2048, a100), seq_comm(s, other, 4, 2048, a100, b.attn))
+        True
+    """
+    key = (shape, hw, rows, seq) + tuple(getattr(config, f) for f in BLOCK_FIELDS)
+    got = _BLOCKS.get(key)
+    if got is None:
+        if len(_BLOCKS) >= 1 << 14:
+            _BLOCKS.clear()
+        dense = block(shape, config, rows, seq, hw)
+        got = _BLOCKS[key] = (dense, head(shape, config, rows, seq, hw), tensor_comm(shape, config, rows, seq, hw),
+                              seq_comm(shape, config, rows, seq, hw, dense.attn))
+    return got

@@ -16,6 +16,11 @@ Every config the engine runs for ``gpus`` ranks is a candidate; the search price
    optimizer over PCIe, slower than any layout that fits without it; plan with ``restrict={"offload":
    ("cpu",)}`` to see it).
 
+Then branch and bound (``search``): the configs in the order of a lower bound on their step time, each priced
+in full until the ``limit``-th candidate found beats the next bound. A layout's configs are not even built
+until the search reaches the layout's floor (``scale.compute_floor``: its compute and tensor / sequence
+traffic), and most layouts never are.
+
 Worked example (175B, 1,536 A100s, the Megatron-LM Table 1 setting)::
 
     >>> import colab_kit as ck
@@ -30,15 +35,19 @@ Worked example (175B, 1,536 A100s, the Megatron-LM Table 1 setting)::
     3 of 10 candidates; memory_per_rank 72,778,774,528 B; estimates (GiB on the device per rank)
     (the MFU and why columns left out here)
 
-About 4 s on a 2-core machine (bench/plan_scale.py): 53,000 configs bounded, 2,462 of them priced in full.
+Planned in under 2 s on a 2-core machine: bench/plan_scale.py, whose docstring says where the time goes.
 Within what Megatron-LM could choose in 2021 (``restrict=planner.published.PUBLISHED_SPACE``) the first
 choice is dp=32 x pp=12 x tp=4 interleaved with full recomputation at 18.7 s, and Megatron's tp=8 x pp=8 x
 dp=24 is estimated at 19.9 s (docs/planner.md, "Against Megatron-LM's Table 1").
 """
 from __future__ import annotations
 
+import bisect
+import copy
+import heapq
 import math
 from collections.abc import Iterator
+from operator import attrgetter
 
 from ..config import ConfigError, ParallelConfig
 from ..engine.core import unsupported
@@ -47,7 +56,7 @@ from .candidates import Candidate, Candidates
 from .estimate import Estimate, gpt_of, memory_of, priced
 from . import moe_price
 from .moe_shape import moe_refusal
-from .scale import price
+from .scale import compute_floor, price
 from .hardware import Hardware
 from .shape import ModelShape
 
@@ -55,6 +64,9 @@ __all__ = ["search", "layouts", "plan_at_scale", "RECOMPUTE"]
 
 RECOMPUTE = ("none", "selective", "full")
 """Least to most recomputation: what the search tries in turn until the activations fit."""
+
+
+_seconds = attrgetter("step_seconds")
 
 
 def _divisors(n: int) -> list[int]:
@@ -150,34 +162,49 @@ def _refused(cfg: ParallelConfig, shape: ModelShape | None = None) -> bool:
     return unsupported(cfg.replace(precision="fp32") if cfg.ep > 1 else cfg) is not None
 
 
-def _configs(shape, dp, tp, pp, sp, batch, precision, restrict, zero: int = 0,
-             recompute: str = "none") -> Iterator[ParallelConfig]:
-    """Configs of one layout at ``zero`` and ``recompute`` (the search varies those two afterwards)."""
-    if batch % dp:
-        return
+def _modes(shape, dp, tp, pp, sp, batch) -> Iterator[tuple[int, str, int, tuple[str, ...]]]:
+    """(microbatches, tp_mode, tp_depth, sp_modes) of a layout's configs, each taken with every schedule
+    (``_configs``; ``_floor``, which needs no schedule). With sp > 1 both 1D entries of ``_tensor_modes`` give
+    ring and Ulysses: those configs come twice."""
     rows = batch // dp
     for mbs in _divisors(rows):
         m = rows // mbs
         if mbs > 32 or (pp > 1 and m < pp) or (pp == 1 and mbs < rows and mbs > 1 and m > 64):
             continue
         for (mode, depth, sp_mode) in _tensor_modes(tp):
-            for sched, chunks in _schedules(shape, pp, m):
-                modes = ("ring", "ulysses") if sp > 1 else (sp_mode,)
-                for spm in modes:
-                    if spm == "ulysses" and (shape.heads // tp) % sp:
+            modes = ("ring", "ulysses") if sp > 1 else (sp_mode,)
+            yield m, mode, depth, tuple(s for s in modes if s != "ulysses" or (shape.heads // tp) % sp == 0)
+
+
+def _configs(shape, dp, tp, pp, sp, batch, precision, restrict, zero: int = 0,
+             recompute: str = "none") -> Iterator[ParallelConfig]:
+    """Configs of one layout at ``zero`` and ``recompute`` (the search varies those two afterwards); one that
+    comes twice (``_modes``) is built once."""
+    if batch % dp:
+        return
+    eps = _eps(shape, dp * sp, restrict)
+    built: dict[tuple, list[ParallelConfig]] = {}
+    for m, mode, depth, sp_modes in _modes(shape, dp, tp, pp, sp, batch):
+        for sched, chunks in _schedules(shape, pp, m):
+            for spm in sp_modes:
+                key = (mode, depth, spm, m, sched, chunks)
+                if key in built:
+                    yield from built[key]
+                    continue
+                got = built[key] = []
+                fields = dict(dp=dp, tp=tp, pp=pp, sp=sp, tp_mode=mode, tp_depth=depth, sp_mode=spm,
+                              microbatches=m, schedule=sched, chunks=chunks, precision=precision)
+                if restrict and not all(_allowed(restrict, k, v) for k, v in fields.items()):
+                    continue
+                fields.update(zero=zero, recompute=recompute)
+                for ep in eps:
+                    try:
+                        cfg = ParallelConfig(**fields, ep=ep)
+                    except ConfigError:
                         continue
-                    fields = dict(dp=dp, tp=tp, pp=pp, sp=sp, tp_mode=mode, tp_depth=depth, sp_mode=spm,
-                                  microbatches=m, schedule=sched, chunks=chunks, precision=precision)
-                    if not all(_allowed(restrict, k, v) for k, v in fields.items()):
-                        continue
-                    fields.update(zero=zero, recompute=recompute)
-                    for ep in _eps(shape, dp * sp, restrict):
-                        try:
-                            cfg = ParallelConfig(**fields, ep=ep)
-                        except ConfigError:
-                            continue
-                        if not _refused(cfg, shape):
-                            yield cfg
+                    if not _refused(cfg, shape):
+                        got.append(cfg)
+                        yield cfg
 
 
 def _bound(shape, cfg, batch, hw, optimizer) -> float:
@@ -215,34 +242,85 @@ def _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, 
     return front
 
 
+def _floor(shape, dp, tp, pp, sp, batch, precision, hw, probes: dict) -> float:
+    """A floor under ``_bound`` of every config ``_configs`` gives this layout: the least ``scale.compute_floor``
+    of its microbatch counts and modes, less 1e-9 of it for rounding; -inf where there is none (a mixture of
+    experts; a mode ``ParallelConfig`` refuses). ``probes``: a config of each mode, kept by the caller."""
+    if shape.experts or batch % dp:
+        return -math.inf
+    best = math.inf
+    for m, mode, depth, sp_modes in _modes(shape, dp, tp, pp, sp, batch):
+        for spm in sp_modes:
+            key = (tp, sp, mode, depth, spm)
+            if key not in probes:
+                try:
+                    probes[key] = ParallelConfig(tp=tp, sp=sp, tp_mode=mode, tp_depth=depth, sp_mode=spm,
+                                                 precision=precision)
+                except ConfigError:
+                    probes[key] = None
+            floor = compute_floor(shape, probes[key], batch, dp, m, pp, hw) if probes[key] else -math.inf
+            if not floor >= 0:  # -inf, or NaN
+                return -math.inf
+            best = min(best, floor)
+    return best * (1 - 1e-9)
+
+
 def search(shape: ModelShape, gpus: int, batch: int, hw: Hardware, *, precision: str, optimizer: str = "adamw",
-           memory_per_rank: int | None = None, restrict: dict | None = None, limit: int = 10) -> list[Estimate]:
+           memory_per_rank: int | None = None, restrict: dict | None = None, limit: int = 10,
+           lazy: bool = True) -> list[Estimate]:
     """The ``limit`` fastest candidates that fit, best first (see the module docstring for what is pruned).
 
-    Branch and bound: every config of every layout is priced once at its fastest variant (``_bound``), then
-    taken in the order of that bound; its variants that fit are priced and kept; the search stops at the
-    first config whose bound is slower than the ``limit``-th candidate found, which nothing after it can beat."""
+    Branch and bound: every config is priced at its fastest variant (``_bound``) and taken in the order of that
+    bound (ties: in the order ``layouts`` and ``_configs`` give them); its variants that fit are priced and kept;
+    the search stops at the first config whose bound is slower than the ``limit``-th candidate found, which
+    nothing after it can beat. A layout's configs are built and bounded only when the search reaches the
+    layout's floor (``_floor``: none of them comes sooner), so most never are; ``lazy=False`` bounds every config
+    first, to the same answer. A bound below its layout's floor (a cost model that ``compute_floor`` no longer
+    follows) starts the search again without floors."""
     restrict = dict(restrict or {})
     usable = memory_per_rank if memory_per_rank is not None else hw.usable_bytes
     recomputes = [rc for rc in RECOMPUTE if _allowed(restrict, "recompute", rc)]
     offloads = [o for o in ("none", "cpu") if _allowed(restrict, "offload", o)] if "offload" in restrict else ["none"]
     gpt = gpt_of(shape)
-    queue: list[tuple[float, int, ParallelConfig, list[int]]] = []
-    for dp, tp, pp, sp in layouts(shape, gpus, restrict):
+    todo: list[tuple[float, int, tuple[int, int, int, int], list[int]]] = []  # (floor, place, layout, zeros)
+    probes: dict[tuple, ParallelConfig | None] = {}
+    for place, (dp, tp, pp, sp) in enumerate(layouts(shape, gpus, restrict)):
         zeros = [z for z in (0, 1, 2, 3) if (dp > 1 or z == 0) and _allowed(restrict, "zero", z)
                  and _states_fit(shape, dp, tp, pp, z, precision, optimizer, usable, sp)]
         if not zeros or not recomputes:
             continue
-        for cfg in _configs(shape, dp, tp, pp, sp, batch, precision, restrict, zeros[0], recomputes[0]):
-            queue.append((_bound(shape, cfg, batch, hw, optimizer), len(queue), cfg, zeros))
-    queue.sort(key=lambda q: (q[0], q[1]))
-    out: list[Estimate] = []
-    for bound, _, cfg, zeros in queue:
+        floor = _floor(shape, dp, tp, pp, sp, batch, precision, hw, probes) if lazy else -math.inf
+        todo.append((floor, place, (dp, tp, pp, sp), zeros))
+    todo.sort(key=lambda t: (t[0], t[1]))
+    queue: list[tuple[float, int, int, ParallelConfig, list[int]]] = []  # a heap: (bound, place, i, config, zeros)
+    out: list[Estimate] = []  # the ``limit`` fastest so far, in order (ties: first found first)
+    done: dict[tuple, list[Estimate]] = {}  # a config that comes twice (``_configs``) is priced once, copied
+    nxt = 0
+    while True:
+        while nxt < len(todo) and (not queue or todo[nxt][0] <= queue[0][0]):
+            floor, place, (dp, tp, pp, sp), zeros = todo[nxt]
+            nxt += 1
+            for i, cfg in enumerate(_configs(shape, dp, tp, pp, sp, batch, precision, restrict, zeros[0],
+                                             recomputes[0])):
+                bound = _bound(shape, cfg, batch, hw, optimizer)
+                if bound < floor:
+                    return search(shape, gpus, batch, hw, precision=precision, optimizer=optimizer,
+                                  memory_per_rank=memory_per_rank, restrict=restrict, limit=limit, lazy=False)
+                heapq.heappush(queue, (bound, place, i, cfg, zeros))
+        if not queue:
+            break
+        bound, _, _, cfg, zeros = heapq.heappop(queue)
         if len(out) >= limit and bound > out[limit - 1].step_seconds:
             break
-        out += _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, offloads)
-        out.sort(key=lambda e: e.step_seconds)
-    return out[:limit]
+        key = (cfg, tuple(zeros))
+        if key in done:
+            found = [copy.deepcopy(e, {id(e.shape): e.shape, id(e.config): e.config}) for e in done[key]]
+        else:
+            found = done[key] = _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, offloads)
+        for e in found:
+            bisect.insort_right(out, e, key=_seconds)
+        del out[limit:]
+    return out
 
 
 def plan_at_scale(model, gpus: int, batch: int, hw: Hardware, *, precision: str, optimizer: str = "adamw",

@@ -16,6 +16,7 @@ sequence 2,048)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,9 @@ class ModelShape:
     MLA: (128 x 192 + 128 x 128) / 2); 0: ``hidden``."""
     drops: bool = False
     """Whether the MoE layers have a capacity (they drop assignments; the engine refuses them under sp)."""
+    causal: bool = True
+    """Whether attention masks future tokens (decoder LMs; BERT and ViT do not): a FlashAttention-priced core
+    computes half of the square (``planner.scale_compute``); the policy's ``Attention.causal`` where read."""
 
     def __post_init__(self):
         for key in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -193,13 +197,7 @@ class ModelShape:
     def params(self) -> int:
         """All parameters: the true count where known, else the blocks, the token table (and position
         table), the final norm and an untied head."""
-        if self.params_exact:
-            return self.params_exact
-        h = self.hidden
-        table = self.vocab * h + (self.seq * h if self.positions else 0)
-        norm = h if self.gated else 2 * h  # the final RMSNorm (Llama) or LayerNorm
-        blocks = sum(sum(self.layer_params(i)) for i in range(self.layers))
-        return blocks + table + norm + (0 if self.tied else self.vocab * h)
+        return self.params_exact or _formula_params(self)
 
     # ------------------------------------------------------------------ FLOPs
     def forward_flops_per_token(self, seq: int | None = None) -> float:
@@ -218,6 +216,18 @@ class ModelShape:
         counted (MFU's numerator, PaLM's convention). For a GPT (``ffn = 4h``, untied or tied head alike)
         this is Megatron-LM's Eq. 3 without its recomputed forward: ``72 l h^2 (1 + s/6h + V/12lh)``."""
         return 3 * self.forward_flops_per_token(seq)
+
+
+@functools.lru_cache(maxsize=256)
+def _formula_params(shape: ModelShape) -> int:
+    """``ModelShape.params`` by the formula, once per shape: a sum over every block (a 128-layer shape: 128
+    ``layer_params``), which the at-scale plan asked for twice per memory estimate (16,000 times for 175B).
+    Keyed on the frozen shape (its every field), bounded: a notebook may price many models."""
+    h = shape.hidden
+    table = shape.vocab * h + (shape.seq * h if shape.positions else 0)
+    norm = h if shape.gated else 2 * h  # the final RMSNorm (Llama) or LayerNorm
+    blocks = sum(sum(shape.layer_params(i)) for i in range(shape.layers))
+    return blocks + table + norm + (0 if shape.tied else shape.vocab * h)
 
 
 def _from_hf_config(config) -> nn.Module:
@@ -254,4 +264,5 @@ def _of_module(cls, model: nn.Module, policy, seq: int | None) -> ModelShape:
     return cls(layers=len(blocks), hidden=sizes.d_model, heads=sizes.n_heads, vocab=vocab, seq=seq or max_seq,
                ffn=max(cols) if cols else sizes.d_ff, kv_heads=sizes.kv.get("n_kv_heads", 0), gated=len(cols) >= 2,
                tied=bool(sizes.tied), positions=bool(sizes.seq_len), name=type(model).__name__,
-               params_exact=sum(p.numel() for p in twin.parameters()))
+               params_exact=sum(p.numel() for p in twin.parameters()),
+               causal=all(a.causal for _, _, a in policy.attentions(twin)))

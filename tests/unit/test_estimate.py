@@ -102,11 +102,11 @@ def test_the_plan_lists_the_published_layout_or_one_as_fast_among_its_first_thre
     1F1B or interleaved), its first three hold the published layout or one estimated within 5% of it, and
     none is estimated more than 15% faster. Outside that space the plan finds faster layouts; docs/planner.md
     says which and why (bench/plan_scale.py prints them)."""
-    from colab_kit.planner.published import PUBLISHED_SPACE, as_run, table1
+    from colab_kit.planner.published import MEGATRON_2021, PUBLISHED_SPACE, as_run, table1
     shape, published, batch = as_run(table1()[row])
-    cands = ck.plan(shape, published.world_size, batch, precision="fp16", hardware="8xA100-80GB",
+    cands = ck.plan(shape, published.world_size, batch, precision="fp16", hardware=MEGATRON_2021,
                     restrict=PUBLISHED_SPACE, limit=3)
-    mine = ck.estimate(shape, published, batch, hardware="8xA100-80GB")
+    mine = ck.estimate(shape, published, batch, hardware=MEGATRON_2021)
     assert mine.fits
     top = cands[:3]
     assert any(_layout(c.config) == _layout(published) or c.step_seconds <= 1.05 * mine.step_seconds for c in top), \

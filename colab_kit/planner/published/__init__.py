@@ -20,6 +20,16 @@ Worked example, the 1.7B row (B = 512, s = 2048, l = 24, h = 2304, V = 51200, 13
     (512, 2304, 2048)
 
 The 1.7B row's 512 rows are one microbatch of 16 rows per replica: microbatches = GBS / (dp * MBS) = 1.
+
+The runs are priced on ``MEGATRON_2021``, the DGX A100 preset with attention unfused as Megatron-LM ran it
+then (its batched products and fused softmax, the scores through HBM): the presets price FlashAttention, what
+the engine runs today, which would put the 1.7B row 35% under its published time::
+
+    >>> from colab_kit.planner.scale import price
+    >>> round(price(shape, config, batch, MEGATRON_2021).step_seconds / row["iteration_seconds"], 3)
+    1.022
+    >>> MEGATRON_2021.name, MEGATRON_2021.attention
+    ('8xA100-80GB', 'unfused')
 """
 from __future__ import annotations
 
@@ -28,9 +38,14 @@ import json
 import os
 
 from ...config import ParallelConfig
+from ..hardware import HARDWARE
 from ..shape import ModelShape
 
-__all__ = ["TABLE1", "PUBLISHED_SPACE", "as_run", "eq3_flops", "table1"]
+__all__ = ["MEGATRON_2021", "TABLE1", "PUBLISHED_SPACE", "as_run", "eq3_flops", "table1"]
+
+MEGATRON_2021 = HARDWARE["8xA100-80GB"].with_attention("unfused")
+"""The hardware the 2021 runs are priced on (Table 1, the calibration; Korthikanti et al. 2022): the DGX A100
+preset with attention unfused, as Megatron-LM ran it before FlashAttention."""
 
 TABLE1 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_table1.json")
 """Path of Megatron-LM Table 1 as data (rows, sources)."""
