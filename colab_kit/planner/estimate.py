@@ -47,7 +47,6 @@ from .cost import step_seconds
 from .at_scale import LOCAL
 from .hardware import ATTENTION, HARDWARE, Hardware
 from .scale import price
-from .scale_compute import attention_note
 from .moe_local import moe_step_seconds
 from .moe_shape import check_experts, gpt_moe_of, moe_memory
 from .shape import ModelShape
@@ -297,7 +296,7 @@ def priced(shape: ModelShape, config: ParallelConfig, batch: int, hw: Hardware, 
     """The ``Estimate`` of ``config`` on a preset with ``memory`` (``memory_of``'s): ``ck.estimate`` and the
     at-scale ``ck.plan`` both make theirs here, so the plan ranks by exactly what ``ck.estimate`` says."""
     p = price(shape, config, batch, hw, seq=shape.seq, optimizer=optimizer)
-    notes = list(p.assumptions) + [attention_note(hw, config.precision)]
+    notes = list(p.assumptions)  # (the attention kernel's line among them)
     return Estimate(shape, config, batch, shape.seq, hw.name, p.step_seconds, memory, hw.device_bytes - hw.usable_bytes,
                     hw.device_bytes, dict(p.breakdown), notes, dict(p.collectives))
 

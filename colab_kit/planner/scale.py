@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from . import moe_price, scale_comm
 from .moe_shape import tp_layer_params
 from .hardware import Hardware, preset
-from .scale_compute import BlockCost, recompute_mode, with_recompute
+from .scale_compute import BlockCost, attention_note, recompute_mode, with_recompute
 from .scale_parts import optimizer_seconds, params_on_rank, per_block
 from .shape import ModelShape
 
@@ -280,5 +280,5 @@ def _assumptions(hw: Hardware, precision: str) -> tuple:
            "fp32 matmuls without TF32 (PyTorch's default); gradients reduced in fp32 (the engine's recipe)",
            "tp collectives not overlapped; dp gradient reduction hidden behind the last microbatch's backward "
            "except its last bucket; ZeRO-3 gathers behind their block's compute; ring attention's rotations "
-           "behind the attention core"]
+           "behind the attention core", attention_note(hw, precision)]
     return tuple(out)

@@ -164,14 +164,16 @@ def _refused(cfg: ParallelConfig, shape: ModelShape | None = None) -> bool:
 
 def _modes(shape, dp, tp, pp, sp, batch) -> Iterator[tuple[int, str, int, tuple[str, ...]]]:
     """(microbatches, tp_mode, tp_depth, sp_modes) of a layout's configs, each taken with every schedule
-    (``_configs``; ``_floor``, which needs no schedule). With sp > 1 both 1D entries of ``_tensor_modes`` give
-    ring and Ulysses: those configs come twice."""
+    (``_configs``; ``_floor``, which needs no schedule). With sp > 1 the sequence is split by ring or Ulysses,
+    so 1D's split_gather entry of ``_tensor_modes`` is skipped (it would give the same configs twice)."""
     rows = batch // dp
     for mbs in _divisors(rows):
         m = rows // mbs
         if mbs > 32 or (pp > 1 and m < pp) or (pp == 1 and mbs < rows and mbs > 1 and m > 64):
             continue
         for (mode, depth, sp_mode) in _tensor_modes(tp):
+            if sp > 1 and sp_mode == "split_gather":
+                continue
             modes = ("ring", "ulysses") if sp > 1 else (sp_mode,)
             yield m, mode, depth, tuple(s for s in modes if s != "ulysses" or (shape.heads // tp) % sp == 0)
 
