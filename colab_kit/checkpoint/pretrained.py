@@ -133,10 +133,11 @@ def save_pretrained(engine, directory, max_shard_bytes: int = 2 << 30) -> None:
     if writer is not None:
         params = {n for n, _ in twin.named_parameters(remove_duplicate=False)}
         buffers = [n for n in twin.state_dict() if n not in params and n not in writer.where]
-        make = recipe(twin, meta_twin(twin))
-        for n in buffers:
-            t = twin.get_buffer(n)
-            writer.add(n, make(n, torch.empty(t.shape, dtype=t.dtype)))
+        if buffers:
+            make = recipe(twin, meta_twin(twin))
+            for n in buffers:
+                t = twin.get_buffer(n)
+                writer.add(n, make(n, torch.empty(t.shape, dtype=t.dtype)))
         writer.close()
         twin.config.save_pretrained(directory)
     dist.barrier()
@@ -149,7 +150,7 @@ class _ShardWriter:
     def __init__(self, directory: str, limit: int):
         os.makedirs(directory, exist_ok=True)
         self.directory, self.limit = directory, limit
-        self.files: list[dict[str, torch.Tensor]] = []
+        self.written = 0  # files written so far
         self.pending: dict[str, torch.Tensor] = {}
         self.where: dict[str, int] = {}
         self.size = self.total = 0
@@ -158,19 +159,19 @@ class _ShardWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self.pending and self.size + nbytes > self.limit:
             self._flush()
-        self.pending[name], self.where[name] = tensor, len(self.files)
+        self.pending[name], self.where[name] = tensor, self.written
         self.size, self.total = self.size + nbytes, self.total + nbytes
 
     def _flush(self) -> None:
         from safetensors.torch import save_file
-        save_file(self.pending, os.path.join(self.directory, f"part-{len(self.files)}.tmp"), metadata={"format": "pt"})
-        self.files.append({})  # written: only its index is kept
+        save_file(self.pending, os.path.join(self.directory, f"part-{self.written}.tmp"), metadata={"format": "pt"})
+        self.written += 1
         self.pending, self.size = {}, 0
 
     def close(self) -> None:
-        if self.pending or not self.files:
+        if self.pending or not self.written:
             self._flush()
-        n = len(self.files)
+        n = self.written
         names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         for i, final in enumerate(names):
             os.replace(os.path.join(self.directory, f"part-{i}.tmp"), os.path.join(self.directory, final))

@@ -14,12 +14,9 @@ Three steps, all inside ``boost``:
    seeded with ``(cfg.seed, name)``, so a parameter can be made alone). With pp > 1 only the
    tensors of this rank's pipeline stages get one (``pipeline.stage.defer_stages``): the rest stay
    meta, cost nothing, and the pipeline split drops them.
-2. The tensor plan's ``from_dense`` constructors read each dense weight through
-   ``dense_value(p)``: a real tensor comes back as it is; a meta one with a recipe is made
-   whole on the CPU, the layer clones its shard out of it, and the whole one is dropped
-   before the next parameter is made.
-   A layer cuts through ``cut(t, fn)``: where ``t`` is meta with a recipe the shard stays meta too, with
-   a recipe of its own (make ``t``, keep ``fn`` of it), so nothing is made yet.
+2. The tensor plan's ``from_dense`` constructors cut each dense weight through ``cut(t, fn)``: a
+   real tensor's shard is made now; a meta one's stays meta, with a recipe of its own (make ``t``
+   whole on the CPU, keep ``fn`` of it, drop the whole), so nothing is made yet.
 3. ``materialize(module)``, after the plan and the pipeline split, makes in place whatever is
    still meta, one tensor at a time: every shard the plan cut, what it leaves whole (1D's LayerNorms
    and position table), or everything when tp = 1. Under ZeRO-3 the trainable tensors stay meta
@@ -157,10 +154,12 @@ def dense_value(t: torch.Tensor) -> torch.Tensor:
     with no recipe: another pipeline rank's, whose cut stays meta), else a fresh CPU tensor made
     by ``t``'s recipe, in ``t``'s dtype. The caller keeps only its slice, so one whole tensor is alive at a time."""
     recipe = _recipe(t)
-    if recipe is None:
-        return t
+    return t if recipe is None else _value(recipe, t.dtype)
+
+
+def _value(recipe: Callable, dtype: torch.dtype) -> torch.Tensor:
     out = recipe()
-    return out if out.dtype == t.dtype else out.to(t.dtype)
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def cut(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -177,10 +176,9 @@ def cut(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Te
     shard = fn(t.detach()).clone(memory_format=torch.contiguous_format)
     if recipe is not None and t.is_meta:
         src_dtype = t.dtype
+
         def make() -> torch.Tensor:
-            whole = recipe()
-            whole = whole if whole.dtype == src_dtype else whole.to(src_dtype)
-            return fn(whole).clone(memory_format=torch.contiguous_format)
+            return fn(_value(recipe, src_dtype)).clone(memory_format=torch.contiguous_format)
         _CUTS[shard.untyped_storage()._cdata] = (shard, make)
     return shard
 

@@ -129,6 +129,11 @@ class Chunk:
             self.full.untyped_storage().resize_(0)
             self.state = "free"
 
+    @property
+    def reducing(self) -> bool:
+        """A reduce-scatter of this chunk's gradient is in flight (``finish_reduce`` adds its piece)."""
+        return self._reducing is not None
+
     def storage_ptr(self) -> int:
         return self.full.untyped_storage().data_ptr()
 

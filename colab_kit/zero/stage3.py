@@ -290,7 +290,7 @@ class ZeroStage3:
 
     def _settle(self, c: Chunk) -> None:
         """Wait for ``c``'s reduce-scatter, add its piece into the shard's gradient, drop its buffer."""
-        if self.placement is not None and c._reducing is not None and self.placement.where[c.index] == "host":
+        if self.placement is not None and c.reducing and self.placement.where[c.index] == "host":
             self.placement.transfers["to_host"] += 4 * c.piece  # the reduced fp32 piece, added on the host
         c.finish_reduce()
         if self.placement is not None:

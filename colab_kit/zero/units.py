@@ -23,11 +23,11 @@ Worked example, a GPT of 2 blocks whose head is tied to ``tok`` (one rank of dp=
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch.nn as nn
 
-__all__ = ["Unit", "units_of"]
+__all__ = ["Unit", "units_of", "tied_to_embed"]
 
 
 @dataclass
@@ -38,10 +38,6 @@ class Unit:
     kind: str
     block: nn.Module | None
     params: list[nn.Parameter]
-    chunks: list[int] = field(default_factory=list)
-    """Its own chunks (one, or a block's dense chunk and its expert chunk)."""
-    needs: list[int] = field(default_factory=list)
-    """The chunks gathered to run it: its own, and for the tail a tied weight's chunk."""
 
 
 def _outside(module: nn.Module, stop: set[int]) -> set[int]:

@@ -89,9 +89,9 @@ def _memory(_):
         cfg = ck.ParallelConfig(**kw)
         engine, grew = _growth(lambda: ck.boost(GPT(BIG, device="meta"), OPTIMIZERS["adamw"], cfg))
         z, mem = engine.grads, engine.memory()
-        largest = max(p.numel() for p in GPT(BIG, device="meta").parameters()) * 4
+        sizes = [p.numel() * 4 for p in GPT(BIG, device="meta").parameters()]
         got = dict(grew=grew, params=mem["params"], grads=mem["grads"], chunk=max(c.nbytes for c in z.chunks),
-                   largest=largest, whole=sum(p.numel() for p in GPT(BIG, device="meta").parameters()) * 4,
+                   largest=max(sizes), whole=sum(sizes),
                    estimate=startup_bytes(BIG, cfg),
                    losses=[engine.train_step(data.batch(s, 4)) for s in range(2)])
         engine.close()
