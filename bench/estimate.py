@@ -25,7 +25,8 @@ from _results import row, write  # noqa: E402
 
 from colab_kit.config import ParallelConfig  # noqa: E402
 from colab_kit.planner.hardware import ATTENTION, CALIBRATED, HARDWARE, preset  # noqa: E402
-from colab_kit.planner.published import MEGATRON_2021, as_run, eq3_flops, table1  # noqa: E402
+from colab_kit.planner.published import DEEPSPEED_2021, MEGATRON_2021, as_run, eq3_flops, table1  # noqa: E402
+from colab_kit.planner.published.runs import runs  # noqa: E402
 from colab_kit.planner.scale import price  # noqa: E402
 from colab_kit.planner.scale_compute import core  # noqa: E402
 from colab_kit.planner.shape import ModelShape  # noqa: E402
@@ -90,13 +91,15 @@ OTHERS = [  # (what, shape, config, batch, hardware, published seconds, note); n
      "Omni-Path, half the DGX preset's network"),
     ("Llama 3 405B, 16,384 H100 (tp 8, pp 16, dp 128), batch 2048 x 8192",
      ModelShape(126, 16384, 128, 128256, 8192, ffn=53248, kv_heads=8, gated=True, positions=False),
-     ParallelConfig(dp=128, tp=8, pp=16, microbatches=16, schedule="interleaved", chunks=4, precision="bf16"),
-     2048, "8xH100-SXM", None, "Llama 3 (arXiv 2407.21783) Table 4: 400 TFLOP/s/GPU, 41% BF16 MFU; model FLOPs "
+     ParallelConfig(dp=128, tp=8, pp=16, microbatches=16, schedule="interleaved", chunks=4, precision="bf16",
+                    sp_mode="split_gather"),
+     2048, HARDWARE["8xH100-SXM"].with_stack("megatron-core"), None, "Llama 3 (arXiv 2407.21783) Table 4: 400 TFLOP/s/GPU, 41% BF16 MFU; model FLOPs "
      "6N + attention; no recomputation and 4 interleaved chunks assumed (theirs: a tuned interleaved schedule); "
-     "attention priced as FlashAttention-2 at 34% of the peak (theirs: FlashAttention)"),
+     "attention priced as FlashAttention-2 at 34% of the peak (theirs: FlashAttention); priced on the megatron-core "
+     "stack (fused kernels, overlapped dp and tp communication), the nearest named one to Meta's own"),
 ]
 """MT-NLG and BLOOM ran Megatron-DeepSpeed's unfused attention (priced on ``MEGATRON_2021``); Llama 3 on the H100
-preset, FlashAttention."""
+preset under the megatron-core stack."""
 
 LLAMA3_8B = ModelShape(32, 4096, 32, 128256, 8192, ffn=14336, kv_heads=8, gated=True, positions=False,
                        name="Llama 3 8B")
@@ -111,6 +114,38 @@ def others() -> list[dict]:
             published = _model_seconds(shape, batch, 0.41, preset(hw).peak("bf16"), config.world_size)
         est = price(shape, config, batch, hw).step_seconds
         out.append({"what": what, "estimate": est, "published": published, "ratio": est / published, "note": note})
+    return out
+
+
+def runs_2024() -> list[dict]:
+    """The published runs of today's stacks (``planner.published.runs``), each on its preset and stack; none
+    fitted on."""
+    out = []
+    for r in runs():
+        hw = HARDWARE[r["hardware"]].with_stack(r["stack"])
+        p = price(r["shape"], r["config"], r["batch"], hw)
+        out.append({"what": r["name"], "config": r["config"].describe(), "hardware": r["hardware"],
+                    "stack": r["stack"].name, "estimate": p.step_seconds, "published": r["published"],
+                    "ratio": p.step_seconds / r["published"], "confidence": r["confidence"],
+                    "breakdown": dict(p.breakdown)})
+    return out
+
+
+def zero3_of_2021() -> list[dict]:
+    """Megatron-LM's Table 2: DeepSpeed's ZeRO-3 of 2021 (no model parallelism) on A100s, priced on
+    ``DEEPSPEED_2021``; TFLOP/s a GPU by Eq. 3, published beside estimated."""
+    out = []
+    for what, shape, runs_ in (("GPT-175B", ModelShape(96, 12288, 96, 51200, 2048),
+                                ((384, 1536, 144), (768, 1536, 88), (1536, 1536, 44))),
+                               ("GPT-530B", ModelShape(105, 20480, 128, 51200, 2048),
+                                ((640, 2560, 138), (1120, 2240, 98), (2240, 2240, 48)))):
+        for gpus, batch, published in runs_:
+            cfg = ParallelConfig(dp=gpus, zero=3, precision="fp16", recompute="full")
+            p = price(shape, cfg, batch, DEEPSPEED_2021)
+            tflops = eq3_flops(batch, 2048, shape.layers, shape.hidden, 51200) / p.step_seconds / gpus / 1e12
+            out.append({"what": f"{what} ZeRO-3, {gpus} A100, batch {batch}", "published_tflops": published,
+                        "estimate_tflops": tflops, "ratio": published / tflops,
+                        "breakdown": dict(p.breakdown)})
     return out
 
 
@@ -154,6 +189,21 @@ def main() -> None:
         rows.append(row(o["what"], f"{o['estimate']:.2f} s/iteration", f"published {o['published']:.2f} s",
                         o["ratio"], "not fitted on; " + o["note"]))
         figures["others"].append(o)
+    print("\npublished runs of today's stacks (not fitted on): estimate / published step")
+    figures["runs_2024"] = runs_2024()
+    for o in figures["runs_2024"]:
+        print(f"  {o['what']}: {o['config']} on {o['hardware']} ({o['stack']}): published {o['published']:.2f} s, "
+              f"estimate {o['estimate']:.2f} s, ratio {o['ratio']:.3f}")
+        rows.append(row(o["what"], f"{o['estimate']:.2f} s/step", f"published {o['published']:.2f} s", o["ratio"],
+                        f"not fitted on; {o['config']} on {o['hardware']}, stack {o['stack']}; "
+                        f"confidence {o['confidence']}"))
+    print("\nDeepSpeed ZeRO-3 of 2021 (Megatron-LM Table 2, not fitted on): TFLOP/s a GPU, published / estimate")
+    figures["zero3_2021"] = zero3_of_2021()
+    for o in figures["zero3_2021"]:
+        print(f"  {o['what']}: published {o['published_tflops']:g}, estimate {o['estimate_tflops']:.0f}, "
+              f"ratio {o['ratio']:.2f}")
+        rows.append(row(o["what"], f"{o['estimate_tflops']:.0f} TFLOP/s/GPU", f"published {o['published_tflops']:g}",
+                        o["ratio"], "not fitted on; DEEPSPEED_2021: a synchronous all-gather per parameter tensor"))
     print("\nattention by kernel: Llama 3 8B, seq 8192, dp=64 zero=3, selective, bf16, batch 64")
     figures["attention"] = attention_by_kernel()
     by = {(a["hardware"], a["attention"]): a for a in figures["attention"]}

@@ -33,7 +33,7 @@ SP_MODES = ("ring", "ulysses", "split_gather")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 OFFLOADS = ("none", "cpu", "auto")
 PRECISIONS = ("fp32", "fp16", "bf16")
-RECOMPUTES = ("none", "selective", "full")
+RECOMPUTES = ("none", "selective", "op", "full")
 """What ``recompute`` may be (``colab_kit.recompute``): True / False are read as "full" / "none"."""
 AXES = ("pp", "dp", "sp", "tp")  # slowest to fastest varying in the rank order
 _BOOL_FIELDS = ("recompute",)
@@ -61,7 +61,7 @@ def _recompute_mode(value) -> str:
         return "full" if value else "none"   # bool, numpy's bool_, 0 / 1
     near = difflib.get_close_matches(str(value).lower(), RECOMPUTES, n=1)
     hint = f"did you mean {near[0]!r}?" if near else "try recompute='selective'"
-    raise ConfigError(f"recompute must be 'none', 'selective' or 'full' (or True / False for 'full' / 'none'), "
+    raise ConfigError(f"recompute must be 'none', 'selective', 'op' or 'full' (or True / False for 'full' / 'none'), "
                       f"got {value!r}: {hint}")
 
 
@@ -126,8 +126,11 @@ class ParallelConfig:
     recompute: str = "none"
     """Activation recomputation (``colab_kit.recompute``): "none" keeps every activation; "selective"
     recomputes attention's core (scores, softmax, dropout, times V: Korthikanti et al. 2022) in backward;
-    "full" recomputes each transformer block, which keeps only its input. True / False (and the words
-    true / on / false / off) are stored as "full" / "none"."""
+    "op" runs each block under per-op selective checkpointing (torchtitan's): it keeps its input, the
+    attention kernel's output and log-sum-exp and every second matmul's output (GPT: qkv's and fc1's), and
+    recomputes the rest (``colab_kit.recompute.op``; not with tp_mode '2d' / '2.5d'); "full" recomputes each
+    transformer block, which keeps only its input. True / False (and the words true / on / false / off) are
+    stored as "full" / "none"."""
 
     def __post_init__(self):
         object.__setattr__(self, "recompute", _recompute_mode(self.recompute))
@@ -186,7 +189,8 @@ class ParallelConfig:
             extra.append(f"ep={self.ep}")
         extra += [f"zero={self.zero}"] * (self.zero > 0) + [f"offload={self.offload}"] * (self.offload != "none")
         extra += [self.precision] * (self.precision != "fp32")
-        extra += {"none": [], "full": ["recompute"], "selective": ["selective recompute"]}.get(self.recompute, [])
+        extra += {"none": [], "full": ["recompute"], "selective": ["selective recompute"],
+                  "op": ["op recompute"]}.get(self.recompute, [])
         return ", ".join([text, *extra])
 
     def check_world_size(self, n: int) -> None:
@@ -288,6 +292,7 @@ class ParallelConfig:
         if isinstance(self.zero, bool) or not isinstance(self.zero, int) or self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
         self._check_tensor()
+        self._check_recompute()
         self._check_sequence()
         self._check_pipeline()
         self._check_experts()
@@ -313,6 +318,13 @@ class ParallelConfig:
         if mode == "3d" and _cube_root(tp) is None:
             raise ConfigError(f"tp={tp} with tp_mode='3d' needs tp to be a cube (q*q*q): "
                               f"try {_or(_nearest(tp, lambda n: _cube_root(n) is not None))}")
+
+    def _check_recompute(self) -> None:
+        if self.recompute == "op" and self.tp > 1 and self.tp_mode in ("2d", "2.5d"):
+            raise ConfigError(f"recompute='op' keeps every second matmul's output, and tp_mode={self.tp_mode!r} "
+                              f"(SUMMA) adds each step's product into the first one's in place, which would change a "
+                              f"kept output: use recompute='op' with tp_mode='1d' or '3d', or recompute='selective' or "
+                              f"'full' with tp_mode={self.tp_mode!r}")
 
     def _check_sequence(self) -> None:
         if self.sp_mode == "split_gather":

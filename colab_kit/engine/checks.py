@@ -40,7 +40,8 @@ def check_policy(model: nn.Module, config: ParallelConfig, policy=None):
         policy.prepare(model)
     count_router_loss(model, policy)
     needs = [f"{k}={getattr(config, k)}" for k in ("tp", "pp", "sp") if getattr(config, k) > 1]
-    needs += {"full": ["recompute=True"], "selective": ["recompute='selective'"]}.get(config.recompute, [])
+    needs += {"full": ["recompute=True"], "selective": ["recompute='selective'"],
+              "op": ["recompute='op'"]}.get(config.recompute, [])
     if policy is None:
         if needs:
             raise ConfigError(missing_policy_message(model, " and ".join(needs)))

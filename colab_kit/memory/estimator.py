@@ -147,10 +147,14 @@ def layout_activations(model, config, rows: int, seq: int, *, layers: int, first
     recompute = config.recompute
     if recompute == "selective" and config.sp > 1 and config.sp_mode == "ring":
         recompute = "none"  # the ring's backward already rebuilds its blocks: selective changes nothing there
+    ring = config.sp > 1 and config.sp_mode == "ring"
     if config.tp == 1 or config.tp_mode == "1d":
         split = config.tp if config.sp_mode == "split_gather" and config.tp > 1 else 1
-        return activation_bytes(model, rows, seq=seq, layers=layers, first=first, last=last, tp=config.tp,
+        held = activation_bytes(model, rows, seq=seq, layers=layers, first=first, last=last, tp=config.tp,
                                 recompute=recompute, bytes_per_elem=e, sequence_split=split)["held"]
+        if recompute == "op" and ring:  # the ring's kernels run in its autograd Function: its output is recomputed
+            held -= layers * (e * rows * seq * model.d_model + 4 * rows * seq * model.n_heads) // config.tp
+        return held
     q, h, f, a, v = config.tp_q, model.d_model, model.d_ff, model.n_heads, model.vocab_size
     shards = config.tp_depth * q if config.tp_mode != "3d" else q * q
     n = rows // shards * seq
@@ -167,7 +171,10 @@ def layout_activations(model, config, rows: int, seq: int, *, layers: int, first
         block = 2 * ln + 2 * e * n * hl + attn + 2 * e * n * fl
         head = ln + e * n * hl + e * n * vl + 8 * n + 4
         embed = 8 * n * q + 8 * seq  # VocabEmbedding2D gathers the ids of the grid column
-    kept = {"full": e * n * hl, "selective": block - 4 * n * al, "none": block}[recompute]  # core: its lse
+    kept = {"full": e * n * hl, "selective": block - 4 * n * al, "none": block}  # core: its lse
+    if config.tp_mode == "3d":  # "op" (1d, 3d only): input, qkv's and fc1's matmul outputs (q n rows), the kernel's
+        kept["op"] = e * n * hl + e * q * n * (3 * hl + fl) + (0 if ring else e * n * hl + 4 * n * al)
+    kept = kept[recompute]
     return layers * kept + (embed if first else 0) + (head if last else 0)
 
 

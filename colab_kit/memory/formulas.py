@@ -84,12 +84,12 @@ def placed(est: dict, zero: int = 0, offload: str = "none", host_share: float | 
 
 
 def recompute_mode(recompute) -> str:
-    """``recompute`` as "none", "selective" or "full" (True / False: "full" / "none"), as ``ParallelConfig``
-    keeps it."""
+    """``recompute`` as "none", "selective", "op" or "full" (True / False: "full" / "none"), as
+    ``ParallelConfig`` keeps it."""
     if recompute is True or recompute is False:
         return "full" if recompute else "none"
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be 'none', 'selective' or 'full' (or True / False), got {recompute!r}")
+    if recompute not in ("none", "selective", "op", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective', 'op' or 'full' (or True / False), got {recompute!r}")
     return recompute
 
 
@@ -123,7 +123,11 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
     time is rebuilt (``peak``). That is Korthikanti et al.'s ``5 a s / h`` term of ``s b h (34 + 5 a s / h)``
     in this engine: their scores, softmax and dropout mask (``5 a s^2 b`` bytes in 16 bits) are never kept by
     the fused kernel, whose only own tensor is the log-sum-exp; eager attention (a Hugging Face model
-    with attention dropout) keeps the scores, probabilities and mask, and selective drops those. The
+    with attention dropout) keeps the scores, probabilities and mask, and selective drops those. With "op"
+    (``colab_kit.recompute.op``: per-op selective checkpointing) a block keeps its input (e N h, split as
+    full's), the outputs of every second matmul (qkv's, 3 e N h / tp, and fc1's, e N f / tp) and of the
+    attention kernel (its output e N h / tp and log-sum-exp 4 N a / tp); in backward one block at a time
+    recomputes the rest (``peak``). The
     embeddings save the token ids (8 N) and positions (8 seq); the last stage saves ln_f's
     input and statistics, the head's input (e N (2h) + 8 N), the log-softmax (e N V / tp)
     and the targets (8 N) with the loss's weight (4). The meter counts a tensor's whole storage:
@@ -147,13 +151,14 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
     mode = recompute_mode(recompute)
     block = 2 * ln + 2 * e * n * h + (4 * e * n * h + 4 * n * heads + 2 * e * n * f) // tp
     core = 4 * n * heads // tp  # what attention's core alone keeps: the log-sum-exp (fp32)
-    kept = {"full": e * n * h // sequence_split,  # split_gather: the block input is split too
-            "selective": block - core, "none": block}[mode]
+    x = e * n * h // sequence_split  # the block's input (split_gather: split too)
+    op = x + (4 * e * n * h + 4 * n * heads + e * n * f) // tp  # + qkv, fc1 and the attention kernel's outputs
+    kept = {"full": x, "op": op, "selective": block - core, "none": block}[mode]
     embed = 8 * n + 8 * seq if first else 0
     head = (ln + e * n * h + e * n * vocab // tp + 8 * n + 4) if last else 0
     held = layers * kept + embed + head
     return {"block": block, "blocks": layers * kept, "embedding": embed, "head": head, "held": held,
-            "peak": held + ({"full": block, "selective": core, "none": 0}[mode] if layers else 0)}
+            "peak": held + ({"full": block, "op": block - op + x, "selective": core, "none": 0}[mode] if layers else 0)}
 
 
 def estimate(n_params: int, optimizer="adamw", bytes_per_param: int | None = None, dp: int = 1, zero: int = 0,

@@ -92,8 +92,9 @@ def _pipelines(pp: int):
         yield "zb-v", 2, m
 
 
-_RECOMPUTES = (("none", "full"), ("none", "selective", "full"))
-"""Recompute candidates: selective where it recomputes something (the ring already recomputes its core)."""
+_RECOMPUTES = (("none", "op", "full"), ("none", "selective", "op", "full"))
+"""Recompute candidates: selective where it recomputes something (the ring already recomputes its core);
+per-op ("op") everywhere the engine runs it (not 2D / 2.5D: ``ParallelConfig`` refuses those)."""
 
 
 def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32", with_auto: bool = False,

@@ -55,8 +55,10 @@ class Candidate:
             extra.append(f"m={c.microbatches}")
         if c.sp > 1 or c.sp_mode == "split_gather":
             extra.append(c.sp_mode)
-        text = c.describe().split(" = ")[0].replace(", selective recompute", "").replace(", recompute", "")
-        return " ".join([text] + extra + {"full": ["recompute"], "selective": ["selective"]}.get(c.recompute, []))
+        text = c.describe().split(" = ")[0].replace(", selective recompute", "").replace(", op recompute", "")
+        text = text.replace(", recompute", "")
+        return " ".join([text] + extra + {"full": ["recompute"], "selective": ["selective"],
+                                          "op": ["op-recompute"]}.get(c.recompute, []))
 
 
 class Candidates(list):

@@ -112,7 +112,10 @@ def _recomputed(model, cfg, consts, tokens: int, layers: int) -> float:
     op's own cost on CPU; constants measured before it: one forward's ops). "selective": attention's core
     again (``colab_kit.recompute.selective``): its two products' FLOPs (``4 t h`` a token, over sp and tp) and
     its bytes, the core's few ops (the fused kernel and the checkpoint's hold: 4 a block) at that cost, and
-    no collective (Ulysses recomputes between its all-to-alls; the ring recomputes nothing more)."""
+    no collective (Ulysses recomputes between its all-to-alls; the ring recomputes nothing more). "op"
+    (torchtitan's per-op selective, ``colab_kit.recompute.op``): every second matmul of the block's forward
+    (a GPT's proj and fc2: ``(h^2 + h f) / (4 h^2 + 2 h f)`` of its weight FLOPs, 5/12 at f = 4h) and every op
+    but the matmuls and the attention kernel, at the recompute cost per op."""
     per_op = consts.get("recompute", consts.get("dispatch", {})).get("op_seconds", 0.0)
     if cfg.recompute == "selective":
         if cfg.sp > 1 and cfg.sp_mode == "ring":
@@ -122,6 +125,12 @@ def _recomputed(model, cfg, consts, tokens: int, layers: int) -> float:
         per_byte = consts.get("activation", {}).get("seconds_per_byte", 0.0)
         lse = 4 * tokens // cfg.sp * model.n_heads // cfg.tp  # what the core saved: its log-sum-exp
         return core + layers * (4 * per_op + lse * per_byte / 3)
+    if cfg.recompute == "op":
+        h, f = model.d_model, model.d_ff or 4 * model.d_model
+        share = (h * h + h * f) / (4 * h * h + 2 * h * f)
+        block_ops, _ = _op_counts(model.n_heads)
+        return (share * _matmuls(model, cfg, consts, tokens, layers, False, attention=False)
+                + layers * max(0, block_ops - 5) * per_op)
     if cfg.recompute != "full":
         return 0.0
     block_ops, _ = _op_counts(model.n_heads)

@@ -20,15 +20,17 @@ weights), ZeRO-1, Megatron's sequence parallelism and selective recomputation on
     ...                   hardware="8xH100-SXM")                                            # doctest: +SKIP
     >>> print(est)                                                                          # doctest: +SKIP
     LlamaForCausalLM 70.6B, dp=8 x pp=4 x tp=8 (1d) = 256 ranks, split_gather, 1f1b x 64 microbatches, zero=1,
-    bf16, selective recompute on 8xH100-SXM, batch 512 x 8192: 17.6 s/step, 237,903 tokens/s, 447 TFLOP/s per
-    GPU, MFU 45.2%
+    bf16, selective recompute on 8xH100-SXM, batch 512 x 8192: 19.2 s/step, 218,577 tokens/s, 411 TFLOP/s per
+    GPU, MFU 41.6%
       memory per rank (fullest): params 4.3 GiB, grads 4.3 GiB, optimizer 3.2 GiB, activations 40.6 GiB; with
       overhead 59.2 GiB, fits in 75 GiB
-      breakdown: compute 12.7 s, comm:tp 4.03 s, bubble 754 ms, comm:dp 135 ms, comm:pp 51.3 ms, optimizer 3.2 ms
+      breakdown: compute 14.2 s, comm:tp 4.03 s, bubble 824 ms, comm:dp 120 ms, comm:pp 51.3 ms, optimizer 3.2 ms
 
-(Attention is priced as FlashAttention-2, what the engine's ``F.scaled_dot_product_attention`` runs on an H100,
-at 34% of the peak; ``attention="unfused"``, Megatron-LM 2021's kernels with the scores through HBM, gives
-29.5 s and 24 s of compute. docs/estimate.md lists what the model leaves out.)
+That prices what colab_kit's engine runs (``stack="colab_kit"``: torch's SDPA, eager PyTorch elsewhere, tp
+collectives exposed). ``stack="megatron-core"`` (fused kernels, tp communication under its GEMMs, the
+parameters' all-gather under the next forward) gives 13.9 s: compute 12.6 s, comm:tp 0.50 s.
+``attention="unfused"``, Megatron-LM 2021's kernels with the scores through HBM, gives 31.1 s and 25.5 s of
+compute. docs/estimate.md lists what the model leaves out.
 """
 from __future__ import annotations
 
@@ -229,7 +231,8 @@ def _check(config, batch, seq, shape, uneven: bool = False, local: bool = True) 
 
 def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = None, hardware="8xA100-80GB",
              precision: str | None = None, optimizer: str = "adamw", policy=None,
-             constants: dict | None = None, uneven_stages: bool = False, attention: str | None = None) -> Estimate:
+             constants: dict | None = None, uneven_stages: bool = False, attention: str | None = None,
+             stack=None) -> Estimate:
     """Step time, memory per rank and MFU of ``config`` training ``model`` on a global ``batch`` of sequences.
 
     ``model``: a ``GPTConfig``, a built-in model, a Hugging Face config or model (built on the meta device:
@@ -240,13 +243,17 @@ def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = Non
     evenly over its stages (DeepSeek-V3's 61 over 16), the last ``layers % stages`` stages one block more; the
     engine splits them evenly, so such a layout is priced, not runnable. ``attention`` (a preset only):
     "flash" or "unfused", the kernel attention's core is priced as, over the preset's own (``Hardware.attention``:
-    "flash" on every preset, what the engine runs; "unfused" for Megatron-LM 2021's runs). Nothing runs: no
-    process, no tensor."""
+    "flash" on every preset, what the engine runs; "unfused" for Megatron-LM 2021's runs). ``stack`` (a preset
+    only): the software priced on the node, a name of ``planner.stack.STACKS`` ("colab_kit", the engine, by
+    default; "megatron-core", "torchtitan", "megatron-lm-2021", "deepspeed-2021") or a ``Stack``; ``attention``
+    then overrides its kernel. Nothing runs: no process, no tensor."""
     shape = ModelShape.of(model, policy, seq)
     seq = shape.seq
     if precision is not None:
         config = config.replace(precision=precision)
     hw = hardware_of(hardware)
+    if stack is not None:
+        hw = _with_stack(hw, stack)
     if attention is not None:
         hw = _with_attention(hw, attention)
     if uneven_stages and hw == LOCAL:
@@ -289,6 +296,18 @@ def _with_attention(hw, attention: str) -> Hardware:
         raise ConfigError("attention= picks the kernel a cluster preset is priced with; the constants measured on "
                           "this machine price what ran here: give hardware='8xH100-SXM' (or another preset)")
     return hw.with_attention(attention)
+
+
+def _with_stack(hw, stack) -> Hardware:
+    """``hw`` under ``stack`` (``Hardware.with_stack``); refused on this machine's measured constants and for
+    a name that is no stack."""
+    if hw == LOCAL:
+        raise ConfigError("stack= picks the software a cluster preset is priced with; the constants measured on "
+                          "this machine price what ran here: give hardware='8xH100-SXM' (or another preset)")
+    try:
+        return hw.with_stack(stack)
+    except KeyError as exc:
+        raise ConfigError(str(exc).strip('"')) from None
 
 
 def priced(shape: ModelShape, config: ParallelConfig, batch: int, hw: Hardware, memory: dict,

@@ -12,11 +12,13 @@ cards to the other nodes. The cost model (``planner.scale``) reads:
   the bus bandwidth NCCL reaches (``bus_efficiency``), with a latency per ring hop;
 - ``kernel_seconds``: the GPU's idle gap per kernel launched; ``alloc_fraction`` / ``alloc_fixed_bytes``:
   what the allocator, the CUDA context and NCCL's buffers take from ``device_bytes`` (``usable_bytes``);
-- ``attention``: the kernel attention's core is priced as (``planner.scale_compute``): ``"flash"``, what the
-  engine's ``F.scaled_dot_product_attention`` runs on these GPUs in fp16/bf16 (FlashAttention-2), at
-  ``attention_efficiency`` (forward, backward) of the peak; or ``"unfused"``, Megatron-LM 2021's batched
-  products and softmax through HBM (the Table 1 runs: ``planner.published.MEGATRON_2021``).
-  ``with_attention(kernel)`` gives the preset with the other kernel, the same object every time.
+- ``stack``: the software the node runs (``planner.stack.Stack``: attention's kernel, fused or eager
+  elementwise kernels, what overlaps), ``colab_kit``'s own engine by default. ``attention`` is the stack's
+  kernel: ``"flash"``, what the engine's ``F.scaled_dot_product_attention`` runs on these GPUs in fp16/bf16
+  (FlashAttention-2), at ``attention_efficiency`` (forward, backward) of the peak, a property of the GPU; or
+  ``"unfused"``, Megatron-LM 2021's batched products and softmax through HBM (the Table 1 runs:
+  ``planner.published.MEGATRON_2021``). ``with_stack(...)`` / ``with_attention(kernel)`` give the same node
+  under another stack, the same object every time.
 
 Worked example: the achievable rate of a 2048 x 2304 x 768 GEMM (18B's attention output under tp=8) on
 an A100 in fp16, against its 312 TFLOP/s peak::
@@ -35,6 +37,8 @@ so fp32 matmuls are priced at the GPU's plain FP32 rate (19.5 TFLOP/s on an A100
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+
+from .stack import ATTENTION, Stack, stack as _stack
 
 __all__ = ["ATTENTION", "CALIBRATED", "HARDWARE", "Hardware", "preset"]
 
@@ -69,17 +73,22 @@ class Hardware:
     alloc_fraction: float = 0.05        # of device memory lost to the caching allocator's fragmentation
     alloc_fixed_bytes: int = 3 * 2 ** 30  # CUDA context, cuBLAS workspace, NCCL buffers
     sources: dict = field(default_factory=dict)  # figure -> where it was read
-    attention: str = "flash"            # attention's kernel: "flash" or "unfused" (module docstring)
     attention_efficiency: tuple = (0.73, 0.63)  # "flash": fraction of the peak, (forward, backward)
+    stack: Stack = Stack()              # the software the node runs (planner.stack)
 
     def __post_init__(self):
-        if self.attention not in ATTENTION:
-            raise ValueError(f"Hardware.attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
+        if not isinstance(self.stack, Stack):
+            raise ValueError(f"Hardware.stack must be a planner.stack.Stack, got {self.stack!r}")
         if len(self.attention_efficiency) != 2 or not all(0 < e <= 1 for e in self.attention_efficiency):
             raise ValueError(f"Hardware.attention_efficiency is (forward, backward), each a fraction of the peak in "
                              f"(0, 1], got {self.attention_efficiency!r}")
 
     # ------------------------------------------------------------------ derived
+    @property
+    def attention(self) -> str:
+        """The kernel attention's core is priced as: the stack's ("flash" or "unfused")."""
+        return self.stack.attention
+
     @property
     def node_nic_bytes_per_s(self) -> float:
         """All of a node's NICs together, one way."""
@@ -120,21 +129,29 @@ class Hardware:
         """This preset with other matmul-curve constants (calibration)."""
         return replace(self, e_max=e_max, knee=knee)
 
-    def with_attention(self, kernel: str) -> Hardware:
-        """This preset with attention priced as ``kernel`` ("flash" or "unfused"): itself where it already is,
-        else the same variant object on every call (``price`` caches by identity), whose ``with_attention``
-        of the first kernel gives this object back."""
-        if kernel == self.attention:
+    def with_stack(self, new=None, **changes) -> Hardware:
+        """This node under another stack: ``new`` (a ``Stack`` or a name of ``planner.stack.STACKS``; this
+        preset's own when None) with ``changes`` to its fields. Itself where nothing changes, else the same
+        variant object on every call (``price`` caches by identity)."""
+        target = _stack(new) if new is not None else self.stack
+        if changes:
+            target = replace(target, **changes)
+        if target == self.stack:
             return self
-        if (self, kernel) not in _VARIANTS:
-            other = replace(self, attention=kernel)
-            _VARIANTS[(self, kernel)], _VARIANTS[(other, self.attention)] = other, self
-        return _VARIANTS[(self, kernel)]
+        base = _BASES.get(self, self)
+        key = (base, target)
+        if key not in _VARIANTS:
+            _VARIANTS[key] = base if target == base.stack else replace(base, stack=target)
+            _BASES[_VARIANTS[key]] = base
+        return _VARIANTS[key]
+
+    def with_attention(self, kernel: str) -> Hardware:
+        """This preset with attention priced as ``kernel`` ("flash" or "unfused"): ``with_stack(attention=kernel)``."""
+        return self.with_stack(attention=kernel)
 
 
-ATTENTION = ("flash", "unfused")
-"""The kernels attention's core can be priced as (``Hardware.attention``)."""
-_VARIANTS: dict = {}  # (preset, kernel) -> the preset with that kernel (with_attention)
+_VARIANTS: dict = {}  # (preset, stack) -> the preset under that stack (with_stack)
+_BASES: dict = {}  # a variant -> the preset it was made from
 
 
 _A100 = "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)"

@@ -118,8 +118,12 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     if n_moe:  # an MoE block runs whole on every tp rank: attention's all-reduces only (moe_price.tp_share)
         share = moe_price.tp_share(config, n_moe, layers)
         tp_f, tp_b = tp_f * share, tp_b * share
-    tp_rc = tp_f if mode == "full" else 0.0
-    sp_rc, sp_exp_rc = (sp_f, sp_exp_f) if mode == "full" else (0.0, 0.0)
+    if hw.stack.tp_overlap and config.tp > 1 and config.tp_mode == "1d":  # chunks under the GEMMs they feed
+        tp_f, tp_b = _under(tp_f, dense.gemms[0], config.tp), _under(tp_b, dense.gemms[1], config.tp)
+    # full replays the forward's tp collectives; per-op ("op") the attention's (colab_kit's collectives are
+    # in-place ops, recomputed, not saved) and, as full, the sequence mode's
+    tp_rc = {"full": tp_f, "op": tp_f / 2}.get(mode, 0.0)
+    sp_rc, sp_exp_rc = (sp_f, sp_exp_f) if mode in ("full", "op") else (0.0, 0.0)
     # ZeRO-3: each block's parameters gathered forward and backward, gradients reduce-scattered (fp32)
     z3_f = z3_b = z3_exp_f = z3_exp_b = 0.0
     grads = scale_comm.placement(config, "dp+sp", hw.gpus_per_node)
@@ -135,10 +139,18 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
                   + scale_comm.seconds("all_gather", block_experts * size / edp.size, edp, hw))
         scatter = (scale_comm.seconds("reduce_scatter", block_params * 4, grads, hw)
                    + scale_comm.seconds("reduce_scatter", block_experts * 4, edp, hw))
+        pieces = 1
+        if hw.stack.zero3_gather == "tensor":  # DeepSpeed 2021: a collective per tensor, each after a device sync
+            pieces = block_tensors(shape)
+            gather += (pieces - 1) * scale_comm.latency("all_gather", grads, hw)
+            scatter += (pieces - 1) * scale_comm.latency("reduce_scatter", grads, hw)
         z3_f, z3_b = gather, gather + scatter
-        z3_exp_f = max(0.0, z3_f - blk.f)
-        z3_exp_b = max(0.0, z3_b - (blk.i + blk.w + blk.rc))
-        count["dp"] += m * layers * 3 + (m * n_moe * 3 if block_experts and edp.size > 1 else 0)
+        if hw.stack.zero3_gather == "tensor":  # synchronous: nothing hides behind compute
+            z3_exp_f, z3_exp_b = z3_f, z3_b
+        else:
+            z3_exp_f = max(0.0, z3_f - blk.f)
+            z3_exp_b = max(0.0, z3_b - (blk.i + blk.w + blk.rc))
+        count["dp"] += m * layers * 3 * pieces + (m * n_moe * 3 if block_experts and edp.size > 1 else 0)
     f_mb = layers * (blk.f + tp_f + sp_exp_f + z3_exp_f + ep_f)
     i_mb = layers * (blk.i + blk.rc + tp_b + tp_rc + sp_exp_b + sp_exp_rc + z3_exp_b + ep_b + ep_rc)
     w_mb = layers * blk.w
@@ -147,10 +159,11 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     exposed_sp = m * layers * (sp_exp_f + sp_exp_b + sp_exp_rc)
     comm_total["tp"] = exposed_tp
     comm_total["sp"] = m * layers * (sp_f + sp_b + sp_rc)
-    replay = 2 if mode == "full" else 1
-    count["tp"] += m * layers * (tp_n[0] * replay + tp_n[1])
+    replay = 2 if mode in ("full", "op") else 1  # the forward's sequence collectives again
+    forward_tp = tp_n[0] * replay if mode == "full" else tp_n[0] + tp_n[0] // 2 if mode == "op" else tp_n[0]
+    count["tp"] += m * layers * (forward_tp + tp_n[1])
     if n_moe and config.tp > 1:  # an MoE block: half of a 1D block's all-reduces (attention's)
-        count["tp"] -= m * n_moe * (tp_n[0] * replay + tp_n[1]) // 2
+        count["tp"] -= m * n_moe * (forward_tp + tp_n[1]) // 2
     count["sp"] += m * layers * (sp_n[0] * replay + sp_n[1])
     # pipeline: p2p of each microbatch and chunk, the schedule's bubble on the other stages' work
     comm_pp = 0.0
@@ -179,11 +192,14 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         count["dp"] += 1 + layers
         if config.zero in (1, 2):
             regather = scale_comm.seconds("all_gather", rank_params * size / grads.size, grads, hw)
-            exposed_dp += regather
+            if hw.stack.param_gather == "overlapped":  # bucket by bucket under the next step's first forward
+                exposed_dp += max(regather / max(1, layers), regather - layers * blk.f)
+            else:
+                exposed_dp += regather
             comm_dp += regather
             count["dp"] += 1
     opt = optimizer_seconds(rank_params, config, hw, optimizer, grads.size)
-    notes = _assumptions(hw, config.precision)
+    notes = _assumptions(hw, config.precision) + (hw.stack.note(),)
     if n_moe:
         edp = config.dp * config.sp // config.ep
         e_exp, e_tot, e_n = moe_price.expert_sync(shape, config, hw, experts, layers * (blk.i + blk.w + blk.rc),
@@ -233,6 +249,18 @@ def compute_floor(shape: ModelShape, config, batch: int, dp: int, microbatches: 
     return compute + m * layers * (tp_f + tp_b) + m * layers * (sp_exp_f + sp_exp_b)
 
 
+def _under(comm: float, gemms: float, chunks: int) -> float:
+    """Exposed seconds of tp communication cut into ``chunks`` pieces run under ``gemms`` seconds of the GEMMs
+    it feeds (``Stack.tp_overlap``): the first piece, or what the GEMMs cannot cover."""
+    return max(comm / chunks, comm - gemms)
+
+
+def block_tensors(shape: ModelShape) -> int:
+    """Parameter tensors of one block: a GPT's 12 (two LayerNorms, qkv, proj, fc1, fc2, each a weight and a
+    bias), a gated block's 9 (two norms, q, k, v, o, gate, up, down); what DeepSpeed 2021 gathers one by one."""
+    return 9 if shape.gated else 12
+
+
 def _mix(dense: BlockCost, moe: BlockCost, share: float) -> BlockCost:
     """The mean block of a rank whose ``share`` of blocks are MoE blocks (costs add up linearly)."""
     def mean(a, b):
@@ -278,7 +306,12 @@ def _assumptions(hw: Hardware, precision: str) -> tuple:
            f"PCIe {hw.pcie_bytes_per_s / 1e9:g} GB/s each way ({hw.sources.get('pcie')})",
            f"{hw.kernel_seconds * 1e6:g} us per kernel ({hw.sources.get('kernel_seconds')})",
            "fp32 matmuls without TF32 (PyTorch's default); gradients reduced in fp32 (the engine's recipe)",
-           "tp collectives not overlapped; dp gradient reduction hidden behind the last microbatch's backward "
-           "except its last bucket; ZeRO-3 gathers behind their block's compute; ring attention's rotations "
-           "behind the attention core", attention_note(hw, precision)]
+           ("tp collectives under their GEMMs (all but the first of tp chunks)" if hw.stack.tp_overlap else
+            "tp collectives not overlapped") + "; dp gradient reduction hidden behind the last microbatch's backward "
+           "except its last bucket; " + ("ZeRO 1-2's parameter all-gather under the next forward but one block's "
+                                         "bucket" if hw.stack.param_gather == "overlapped" else
+                                         "ZeRO 1-2's parameter all-gather after the update, exposed")
+           + "; ZeRO-3 gathers behind their block's compute" + (", one per parameter tensor" if
+                                                                hw.stack.zero3_gather == "tensor" else "")
+           + "; ring attention's rotations behind the attention core", attention_note(hw, precision)]
     return tuple(out)

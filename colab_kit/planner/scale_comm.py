@@ -19,12 +19,12 @@ Pricing (``seconds``), alpha-beta per algorithm, wire bytes per rank as ``comm.w
 
 - inside a node: NVLink each way at ``bus_efficiency[0]`` (nccl-tests' bus bandwidth), a latency per hop;
 - across nodes: every GPU of a node talks across nodes at once (every group of the axis runs the same
-  collective), so each rank's wire bytes ``W`` go at its own share of the node's NICs, its rail:
-  ``W / (node NICs x bus_efficiency[1] / G)`` (25 GB/s x 0.9 on DGX A100); NVLink bounds the steps inside
-  the node. This is the bound a group with one member per node meets; for a group with ``k > 1`` members per
-  node NCCL's rings can pool the node's NICs (nccl-tests#119 measures ~90% of the node's NICs for 8 ranks a
-  node), up to ``k`` times faster. The rail bound is kept: it is what Megatron-LM measured of ZeRO-3 across
-  1,536 A100s (a third of tensor + pipeline parallelism's throughput), which pooling would not explain;
+  collective), so the node's NICs are shared among its ``G / k`` groups: a ring collective's wire bytes ``W``
+  per rank go at ``k`` rails, ``W / (k x node NICs x bus_efficiency[1] / G)``, as NCCL spreads a group's
+  channels over the NICs next to its ``k`` GPUs (nccl-tests#119: 3 nodes of 8 A100 reach 85-96 GB/s bus
+  bandwidth of a node's 100), and no faster than NVLink; a dp group of one rank per node (tp = 8) meets one
+  rail (25 GB/s x 0.9 on DGX A100), a pure dp group of 8 per node all eight. An all-to-all's and a send's
+  off-node bytes go at the rank's own rail (every rank of the node sends its own);
 - the ring's latency is its hops (``n - nodes`` NVLink hops, ``nodes`` network hops, twice for an all-reduce);
   all-reduce across nodes may take NCCL's tree instead (``2 log2(nodes)`` network hops and a chain of ``k``
   NVLink hops, the ring's bandwidth bound: NCCL's two trees reach about the ring's bus bandwidth)
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from ..comm.records import wire_bytes
 from .hardware import Hardware
 
-__all__ = ["Group", "placement", "seconds", "stride"]
+__all__ = ["Group", "latency", "placement", "seconds", "stride"]
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,28 @@ def seconds(op: str, payload: float, group: Group, hw: Hardware) -> float:
         off = payload * (n - group.per_node) / n
         return lat_net + off / share + (wire - off) / nv
     passes = 2 if op == "all_reduce" else 1
-    bw = max(wire / share, wire / nv)
+    bw = max(wire / (share * group.per_node), wire / nv)  # the group's k rails, NVLink inside the node
     ring = passes * ((n - group.nodes) * lat_nv + group.nodes * lat_net) + bw
     if op != "all_reduce":
         return ring
     tree = 2 * (math.log2(group.nodes) * lat_net + group.per_node * lat_nv) + bw
     return min(ring, tree)
+
+
+def latency(op: str, group: Group, hw: Hardware) -> float:
+    """The latency part of one ring collective ``op`` over ``group`` (``seconds`` of a payload that costs no
+    bandwidth): what each further collective of a payload split into pieces adds (DeepSpeed 2021's
+    per-tensor gathers, ``planner.stack``). A ring of ``n`` ranks on ``nodes`` nodes waits ``n - nodes``
+    NVLink hops and ``nodes`` network hops, twice for an all-reduce; grows with the ranks.
+
+    >>> from colab_kit.planner.hardware import HARDWARE
+    >>> round(latency("all_gather", Group(1536, 8, 192), HARDWARE["8xA100-80GB"]) * 1e3, 2)  # ms
+    5.95
+    """
+    n = group.size
+    if n <= 1:
+        return 0.0
+    lat_nv, lat_net = hw.intra[0], hw.inter[0]
+    if group.nodes <= 1:
+        return (n - 1) * lat_nv * (2 if op == "all_reduce" else 1)
+    return (2 if op == "all_reduce" else 1) * ((n - group.nodes) * lat_nv + group.nodes * lat_net)

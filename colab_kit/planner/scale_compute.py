@@ -3,8 +3,10 @@
 ``block(shape, config, rows, seq, hw)`` gives a ``BlockCost`` in seconds: ``f`` the forward, ``i`` the backward
 to the block's input, ``w`` the weights' gradients (zero-bubble's I and W: ``i + w`` is the whole backward),
 ``attn`` the attention core's forward (scores, softmax, dropout and the product with V: what Korthikanti et
-al. 2022's selective recomputation repeats; ``repeat`` where the kernel repeats otherwise), ``rc`` the
-recomputation recompute mode ``"full"``, ``"selective"`` or ``"none"`` adds; ``head(...)`` the same for the
+al. 2022's selective recomputation repeats; ``repeat`` where the kernel repeats otherwise), ``op`` what
+per-op selective recomputation repeats (torchtitan's: every second matmul of the block's forward and every
+elementwise op, the attention kernel kept but under ring), ``rc`` the recomputation recompute mode ``"full"``,
+``"selective"``, ``"op"`` or ``"none"`` adds; ``head(...)`` the same for the
 output head and the loss.
 
 What a block runs, for T tokens on the rank (``rows * seq``, over ``sp`` with ring or Ulysses), hidden h,
@@ -29,9 +31,28 @@ inner width f (x2 gated), ``a`` heads of width d, ``tp`` ranks:
     Selective recomputation repeats the forward kernel (the engine checkpoints SDPA) except under ring,
     whose backward already rebuilds its blocks (nothing repeated);
 
-- elementwise: ("unfused") softmax and dropout over the scores, 4.5 passes of 2 bytes (fp16) per score
-  forward, twice that backward; LayerNorms and bias-dropout-adds, 11 passes over (T, h), replicated across
-  1D tp ranks unless split_gather splits them; bias/GELU and layout copies over the tp shards (6 passes).
+- elementwise (``elementwise``): ("unfused") softmax and dropout over the scores, 4.5 passes of 2 bytes (fp16)
+  per score forward, twice that backward; the rest by the block's family and the stack's
+  ``Stack.elementwise`` (``_PASSES``: values read or written per element of each width, forward; backward
+  twice), the (T, h) passes replicated across 1D tp ranks unless split_gather splits them:
+
+  ======================  =====  =====================  ======================  ========  ======  ======
+  family, kernels         (T,h)  q (T, a d / tp)        k, v (T, a_kv d / tp)   (T,f/tp)  out     kernels
+  ======================  =====  =====================  ======================  ========  ======  ======
+  GPT fused (Megatron)    11     2                      2 each                  2         2       12
+  GPT eager (PyTorch)     15     2                      2 each                  2         2       12
+  Llama fused (TE)        10     2 (RoPE)               2 (k's RoPE)            3         0       10
+  Llama eager (HF, PyTorch) 42   10 RoPE + 2 repeat_kv  10 (k's RoPE) + 2       5         2       33
+  ======================  =====  =====================  ======================  ========  ======  ======
+
+  A GPT's (T, h): two LayerNorms read and write (4), two bias-dropout-adds (x, residual, out, a 1-byte mask:
+  7) fused; eager adds a separate dropout (2.5 each) and residual add (3 each). A Llama block (gated and
+  rotary: Llama, Mistral, Qwen, Mixtral): eager RMSNorm as Hugging Face writes it, in 2-byte units: the
+  upcast to fp32 (3), its square (4), the mean (2), the product with rsqrt (4), the cast back (3), the weight
+  (2), 18 a norm; two residual adds (6). RoPE as ``q * cos + rotate_half(q) * sin``: the product, the
+  half-negation and concatenation, the second product and the sum, 10 over q and over k. SwiGLU: SiLU (2)
+  then the product (3). ``repeat_kv`` copies k and v to every query head (read 1 + write 1 each) where
+  grouped; the attention output's transpose back (2). Fused kernels read and write each once.
 
 Worked example, the 18B row of Table 1 (h 6144, 48 heads, tp 8, 8 rows of 2048 tokens) on an A100, its
 attention core as Megatron-LM ran it (unfused) and as FlashAttention-2 would (6 heads x 8 rows x 2048^2 x
@@ -41,7 +62,7 @@ attention core as Megatron-LM ran it (unfused) and as FlashAttention-2 would (6 
     >>> from colab_kit.planner.shape import ModelShape
     >>> from colab_kit.planner.hardware import HARDWARE
     >>> shape, cfg = ModelShape(40, 6144, 48, 51200, 2048), ParallelConfig(tp=8, precision="fp16")
-    >>> a100 = HARDWARE["8xA100-80GB"]
+    >>> a100 = HARDWARE["8xA100-80GB"].with_stack("megatron-lm-2021")     # its fused elementwise kernels
     >>> old, new = (block(shape, cfg, 8, 2048, a100.with_attention(k)) for k in ("unfused", "flash"))
     >>> round(old.f * 1e3, 2), round(old.attn * 1e3, 2), round(new.f * 1e3, 2), round(new.attn * 1e3, 2)
     (11.58, 2.06, 9.76, 0.23)
@@ -53,12 +74,17 @@ from dataclasses import dataclass
 from .hardware import Hardware
 from .shape import ModelShape
 
-__all__ = ["BlockCost", "attention_note", "block", "core", "flash", "head", "recompute_mode", "with_recompute"]
+__all__ = ["BlockCost", "attention_note", "block", "core", "elementwise", "family", "flash", "head", "recompute_mode",
+           "with_recompute"]
 
 _SCORE_PASSES = 4.5  # softmax read + write, dropout read + write + a 1-byte mask, per score element (fp16 units)
-_ROW_PASSES = 11.0   # 2 LayerNorms (read, write) + 2 bias-dropout-adds (x, residual, out, mask) over (T, h)
-_SHARD_PASSES = 2.0  # bias + GELU (read, write) over (T, f/tp); q/k/v and output layout copies likewise
-_KERNELS = 12        # elementwise kernels of a block's forward (twice that backward)
+_PASSES = {  # (family, stack.elementwise) -> passes over (T, h), q, k and v (each), (T, f), out; kernels
+    ("gpt", "fused"): (11.0, 2.0, 2.0, 2.0, 2.0, 12),
+    ("gpt", "eager"): (15.0, 2.0, 2.0, 2.0, 2.0, 12),
+    ("llama", "fused"): (10.0, 2.0, 2.0, 3.0, 0.0, 10),
+    ("llama", "eager"): (42.0, 10.0, 10.0, 5.0, 2.0, 33),
+}
+_REPEAT_KV = 2.0     # eager repeat_kv: k and v read once (kv width), written once per query head (q width)
 
 
 def recompute_mode(config) -> str:
@@ -81,6 +107,10 @@ class BlockCost:
     rc: float = 0.0
     repeat: float | None = None
     """What selective recomputation repeats (None: ``attn``, the core's forward)."""
+    op: float | None = None
+    """What per-op selective recomputation repeats (None: half the forward less the core, an MoE block)."""
+    gemms: tuple = (0.0, 0.0)
+    """Seconds of the block's weight GEMMs, (forward, backward): what tp communication can hide under."""
 
 
 def _splits(config, m: float, n: float, k: float) -> tuple[float, float, float, float]:
@@ -111,8 +141,7 @@ def _gemm(hw: Hardware, p: str, config, m: float, n: float, k: float, column: bo
 def block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> BlockCost:
     """One block's ``BlockCost`` for ``rows`` sequences of ``seq`` tokens on one rank (module docstring)."""
     p = config.precision
-    size = 4 if p == "fp32" else 2
-    h, tp, sp = shape.hidden, config.tp, config.sp
+    h, sp = shape.hidden, config.sp
     ring_or_ulysses = sp > 1 and config.sp_mode in ("ring", "ulysses")
     tokens = rows * seq / (sp if ring_or_ulysses else 1)
     ff = shape.d_ff * (2 if shape.gated else 1)
@@ -122,14 +151,56 @@ def block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> Blo
     dx = sum(g[1] for g in gemms)
     dw = sum(g[2] for g in gemms)
     attn, attn_b, repeat = core(shape, config, rows, seq, hw)
-    # elementwise over the rows: replicated over 1D tp ranks unless split_gather splits the sequence
-    split_rows = tp if (config.tp_mode != "1d" or config.sp_mode == "split_gather") else 1
-    row_bytes = _ROW_PASSES * tokens * h * size / split_rows
-    shard_bytes = _SHARD_PASSES * tokens * (shape.d_ff + shape.qkv_out + h) * size / tp
-    elem = hw.stream_seconds(row_bytes + shard_bytes, _KERNELS)
+    elem = elementwise(shape, config, tokens, hw)
     forward = f + attn + elem
     backward_input = dx + attn_b + 2 * elem
-    return BlockCost(f=forward, i=backward_input, w=dw, attn=attn, rc=0.0, repeat=repeat)
+    # per-op selective (torchtitan): every second matmul of the forward in issue order runs again, and every
+    # elementwise op; a gated block issues q, k, v, o, gate, up, down (k, o, up again), a GPT qkv, proj, fc1,
+    # fc2 (proj again; fc2's output is saved by nothing, and torch's checkpoint stops once the last saved tensor
+    # is rebuilt). Ring attention runs inside its own autograd function: its kernels run again too.
+    if shape.gated:
+        again = (_gemm(hw, p, config, tokens, shape.n_kv * shape.head_dim, h, True)[0] + gemms[1][0]
+                 + _gemm(hw, p, config, tokens, shape.d_ff, h, True)[0])
+    else:
+        again = gemms[1][0]
+    if ring_or_ulysses and config.sp_mode == "ring":
+        again += attn
+    return BlockCost(f=forward, i=backward_input, w=dw, attn=attn, rc=0.0, repeat=repeat, op=again + elem,
+                     gemms=(f, dx + dw))
+
+
+def family(shape: ModelShape) -> str:
+    """The block's elementwise family: "llama" (a gated MLP and rotary positions: Llama, Mistral, Qwen, Mixtral,
+    DeepSeek: RMSNorm, RoPE, SwiGLU), else "gpt" (LayerNorm, GELU, biases: GPT, BERT, ViT)."""
+    return "llama" if shape.gated and not shape.positions else "gpt"
+
+
+def elementwise(shape: ModelShape, config, tokens: float, hw: Hardware) -> float:
+    """Forward seconds of a block's elementwise kernels on one rank (module docstring's table) for ``tokens``,
+    by the block's ``family`` and the stack's ``elementwise`` ("eager" or "fused"). Backward is twice this.
+
+    >>> from colab_kit.config import ParallelConfig
+    >>> from colab_kit.planner.hardware import HARDWARE
+    >>> llama = ModelShape(32, 4096, 32, 128256, 8192, ffn=14336, kv_heads=8, gated=True, positions=False)
+    >>> h100, c = HARDWARE["8xH100-SXM"], ParallelConfig(precision="bf16")
+    >>> eager, fused = (elementwise(llama, c, 8192, h100.with_stack(elementwise=e)) for e in ("eager", "fused"))
+    >>> values = 8192 * (42 * 4096 + 12 * 4096 + 12 * 1024 + 5 * 14336 + 2 * 4096)   # read or written, eager
+    >>> eager == h100.stream_seconds(values * 2, 33), round(eager / fused, 1)
+    (True, 3.3)
+    """
+    size = 4 if config.precision == "fp32" else 2
+    tp = config.tp
+    rows_p, q_p, kv_p, ff_p, out_p, kernels = _PASSES[family(shape), hw.stack.elementwise]
+    q_w, kv_w = shape.heads * shape.head_dim, shape.n_kv * shape.head_dim
+    if hw.stack.elementwise == "eager" and shape.n_kv < shape.heads:  # repeat_kv copies k and v per query head
+        q_p, kv_p = q_p + _REPEAT_KV, kv_p + _REPEAT_KV
+    split_rows = tp if (config.tp_mode != "1d" or config.sp_mode == "split_gather") else 1
+    if family(shape) == "gpt":  # q, k and v each at their widths (k and v as one: qkv_out less q)
+        shards = q_p * q_w + kv_p * (shape.qkv_out - q_w) + ff_p * shape.d_ff + out_p * shape.hidden
+    else:
+        shards = q_p * q_w + kv_p * kv_w + ff_p * shape.d_ff + out_p * shape.hidden
+    values = rows_p * tokens * shape.hidden / split_rows + shards * tokens / tp
+    return hw.stream_seconds(values * size, kernels)
 
 
 def core(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> tuple[float, float, float]:
@@ -200,10 +271,12 @@ def attention_note(hw: Hardware, precision: str) -> str:
 
 def with_recompute(cost: BlockCost, mode: str) -> BlockCost:
     """``cost`` with what ``mode`` recomputes in backward: the whole forward ("full"), attention's core
-    ("selective": ``cost.repeat``, the core's forward unless the kernel says otherwise), nothing ("none")."""
+    ("selective": ``cost.repeat``, the core's forward unless the kernel says otherwise), every second matmul and
+    every elementwise op ("op": ``cost.op``), nothing ("none")."""
     core = cost.attn if cost.repeat is None else cost.repeat
-    rc = {"full": cost.f, "selective": core}.get(mode, 0.0)
-    return BlockCost(cost.f, cost.i, cost.w, cost.attn, rc, cost.repeat)
+    op = (cost.f - cost.attn) / 2 if cost.op is None else cost.op
+    rc = {"full": cost.f, "selective": core, "op": op}.get(mode, 0.0)
+    return BlockCost(cost.f, cost.i, cost.w, cost.attn, rc, cost.repeat, cost.op, cost.gemms)
 
 
 def head(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> BlockCost:

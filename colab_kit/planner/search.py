@@ -11,7 +11,7 @@ Every config the engine runs for ``gpus`` ranks is a candidate; the search price
    microbatch sizes, schedules or recomputations is looked at.
 3. **what is dominated**: gpipe holds every microbatch where 1F1B holds pp of them at the same bubble, so
    only 1F1B, interleaved and the zero-bubble schedules are priced; for one layout, schedule and
-   microbatch size, a more thorough recomputation (none < selective < full) only saves memory at a time
+   microbatch size, a more thorough recomputation (none < selective < op < full) only saves memory at a time
    cost, so only the least one that fits is priced at each ZeRO stage; offload is left out (it moves the
    optimizer over PCIe, slower than any layout that fits without it; plan with ``restrict={"offload":
    ("cpu",)}`` to see it).
@@ -29,16 +29,17 @@ Worked example (175B, 1,536 A100s, the Megatron-LM Table 1 setting)::
     >>> cands = ck.plan(gpt3, 1536, batch=1536, precision="fp16", hardware="8xA100-80GB")  # doctest: +SKIP
     >>> print(cands.table(3))                                                             # doctest: +SKIP
       #  config                                                       fits  GiB/rank    states      acts   s/step
-      0  dp=24 x pp=16 x tp=4 (1d) zero=2 zb-v m=64 v=2 split_gather  yes      32.23      7.36     24.88   13.077
-      1  dp=32 x pp=12 x tp=4 (1d) zero=2 zb-v m=48 v=2 split_gather  yes      33.88      9.00     24.88   13.091
-      2  dp=32 x pp=8 x tp=6 (1d) zero=2 interleaved m=24 v=6 split_g yes      53.24      8.52     44.72   13.133
+      0  dp=768 x tp=2 (1d) zero=3 split_gather op-recompute          yes      42.61      1.70     40.91    9.998
+      1  dp=1536 zero=3 op-recompute                                  yes      42.56      1.70     40.86   10.127
+      2  dp=768 x sp=2 zero=3 ring op-recompute                       yes      39.69      3.40     36.29   10.137
     3 of 10 candidates; memory_per_rank 72,778,774,528 B; estimates (GiB on the device per rank)
     (the MFU and why columns left out here)
 
 Planned in under 2 s on a 2-core machine: bench/plan_scale.py, whose docstring says where the time goes.
-Within what Megatron-LM could choose in 2021 (``restrict=planner.published.PUBLISHED_SPACE``) the first
-choice is dp=32 x pp=12 x tp=4 interleaved with full recomputation at 18.7 s, and Megatron's tp=8 x pp=8 x
-dp=24 is estimated at 19.9 s (docs/planner.md, "Against Megatron-LM's Table 1").
+Within what Megatron-LM could choose in 2021 (``restrict=planner.published.PUBLISHED_SPACE``,
+``hardware=planner.published.MEGATRON_2021``) the first choice is dp=32 x pp=12 x tp=4 interleaved with full
+recomputation at 18.0 s, and Megatron's tp=8 x pp=8 x dp=24 is estimated at 20.6 s (docs/planner.md,
+"Against Megatron-LM's Table 1").
 """
 from __future__ import annotations
 
@@ -62,8 +63,9 @@ from .shape import ModelShape
 
 __all__ = ["search", "layouts", "plan_at_scale", "RECOMPUTE"]
 
-RECOMPUTE = ("none", "selective", "full")
-"""Least to most recomputation: what the search tries in turn until the activations fit."""
+RECOMPUTE = ("none", "selective", "op", "full")
+"""Least to most recomputation: what the search tries in turn until the activations fit (per-op selective, "op",
+keeps about half of a block's activations at the cost of every second matmul: between selective and full)."""
 
 
 _seconds = attrgetter("step_seconds")

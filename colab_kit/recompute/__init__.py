@@ -1,8 +1,10 @@
 """Recomputation: each transformer block keeps only its input, and runs its forward again in backward.
 
-``ParallelConfig(recompute=...)`` is "none", "selective" or "full" (True / False read as "full" / "none");
-this module is "full". "selective" recomputes only attention's core (``colab_kit.recompute.selective``,
-Korthikanti et al. 2022); what each mode keeps, with the formula and a measurement: docs/training.md.
+``ParallelConfig(recompute=...)`` is "none", "selective", "op" or "full" (True / False read as "full" /
+"none"); this module is "full". "selective" recomputes only attention's core (``colab_kit.recompute.selective``,
+Korthikanti et al. 2022); "op" runs each block under per-op selective checkpointing, keeping the attention
+kernel's and every second matmul's outputs (``colab_kit.recompute.op``, torchtitan's); what each mode keeps,
+with the formula and a measurement: docs/training.md.
 
 ``ParallelConfig(recompute=True)`` (or "full") asks ``ck.boost`` for it (Chen et al. 2016, "Training Deep
 Nets with Sublinear Memory Cost", arXiv 1604.06174; Colossal-AI calls it activation

@@ -1,8 +1,9 @@
 """Recomputation (``recompute=True``): same losses as one process, fewer activations, more FLOPs.
 
 One spawn of 2 ranks runs dp=2, tp=2 (1d), pp=2 (1f1b) and pp=2 (zb-h1), each with recompute on
-(AdamW and SGD + momentum) and off (SGD), and reports losses, parameters, memory and comm.
-The config field and the FLOP count are checked in this process.
+(AdamW and SGD + momentum), with per-op selective checkpointing (``recompute="op"``, the same two) and off
+(SGD), and reports losses, parameters, memory and comm. The config field and the FLOP count are checked in
+this process.
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from torch.utils.flop_counter import FlopCounterMode
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.engine.core import lm_loss
-from colab_kit.memory import activation_bytes
+from colab_kit.memory import ActivationMeter, activation_bytes
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.recompute import is_recomputed, recompute_blocks
+from colab_kit.recompute.op import SAVED_OPS, is_op_recomputed, op_policy, recompute_ops
 from colab_kit.engine.reference import train_single_process
 
 from tests.helpers import OPTIMIZERS
@@ -51,13 +53,15 @@ def _params(engine) -> dict:
 def _train(configs):
     data, out = SyntheticTokens(64, 16, seed=1), {}
     for name, kw in configs.items():
-        for recompute, opt in ((True, "adamw"), (True, "sgd"), (False, "sgd")):
+        for recompute, opt in ((True, "adamw"), (True, "sgd"), ("op", "adamw"), ("op", "sgd"), (False, "sgd")):
             engine = ck.boost(GPT(GPT4), OPTIMIZERS[opt], ck.ParallelConfig(recompute=recompute, **kw))
             losses = [engine.train_step(data.batch(s, BATCH)) for s in range(STEPS)]
             blocks = [b for st in engine.module for b in st.blocks] if engine.pipeline else engine.module.blocks
             tp_all_reduces = sum(r["op"] == "all_reduce" and r["axis"] == "tp" for r in engine.comm(last_step=True))
+            wrapped = is_op_recomputed if recompute == "op" else is_recomputed
             out[name, recompute, opt] = dict(losses=losses, memory=engine.memory(), tp_all_reduces=tp_all_reduces,
-                                             recomputed=[is_recomputed(b) for b in blocks], params=_params(engine))
+                                             recomputed=[wrapped(b) for b in blocks], params=_params(engine),
+                                             estimate=engine.memory_estimate()["activations"])
             engine.close()
     return out
 
@@ -68,11 +72,12 @@ def results():
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_recompute_matches_single_process(results, name):
+@pytest.mark.parametrize("mode", [True, "op"], ids=["full", "op"])
+def test_recompute_matches_single_process(results, name, mode):
     for opt in OPTIMIZERS:
         ref_losses, ref_params = reference(opt)
         for rank, res in enumerate(results):
-            got = res[name, True, opt]
+            got = res[name, mode, opt]
             assert all(got["recomputed"]) and got["recomputed"], (name, rank)
             assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (name, opt, rank)
             atol = 2e-4 if opt == "adamw" else 5e-5  # see test_pipeline_engine: Adam on rounding-noise gradients
@@ -81,7 +86,7 @@ def test_recompute_matches_single_process(results, name):
                                            msg=lambda m: f"{name} {opt} {n} {m}")
         # the same with recompute off, bit for bit up to float reassociation
         for rank, res in enumerate(results):
-            assert res[name, True, "sgd"]["losses"] == pytest.approx(res[name, False, "sgd"]["losses"], rel=1e-6)
+            assert res[name, mode, "sgd"]["losses"] == pytest.approx(res[name, False, "sgd"]["losses"], rel=1e-6)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -113,11 +118,32 @@ def test_recompute_measured_activations_agree_with_the_estimate(results):
                 assert got == pytest.approx(bytes_, rel=0.1), (name, rank, rc, got, bytes_)
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_op_holds_between_none_and_full_as_estimated(results, name):
+    """"op" keeps each block's input, qkv's and fc1's outputs and the attention kernel's: strictly between
+    "none" and "full" on every rank, and ``engine.memory_estimate()`` is off from the meter by one offset
+    shared by the three modes (outside the blocks: the meter counts the token ids and targets of the rank's
+    slice as the whole batch's storage, under 2 KiB here) on the ranks where the
+    estimate places "none" and "full" to the byte (all but zb-h1's last stage, whose weight store the estimate
+    leaves out: ``memory.estimator._weight_store``)."""
+    for rank, res in enumerate(results):
+        got = {m: res[name, m, "sgd"] for m in (False, "op", True)}
+        held = {m: g["memory"]["activations"] for m, g in got.items()}
+        assert held[False] > held["op"] > held[True] > 0, (name, rank, held)
+        if name == "pp=2 zb-h1" and rank == 1:
+            continue
+        offset = {m: held[m] - g["estimate"] for m, g in got.items()}
+        whole_batch = 2 * 8 * BATCH * GPT4.seq_len  # int64 token ids and targets of the global batch
+        assert len(set(offset.values())) == 1 and 0 <= offset["op"] < whole_batch, (name, rank, offset)
+
+
 def test_recompute_runs_one_more_tp_all_reduce_per_block(results):
     """1D tp: the recomputation runs attn.proj's forward all-reduce again (it stops before fc2's)."""
     for res in results:
         on, off = res["tp=2", True, "sgd"]["tp_all_reduces"], res["tp=2", False, "sgd"]["tp_all_reduces"]
         assert on - off == GPT4.n_layers, (on, off)
+        # "op": colab_kit's all-reduce is c10d's in-place op, which a saved output cannot replay: it runs again too
+        assert res["tp=2", "op", "sgd"]["tp_all_reduces"] == on
 
 
 def _step_flops(model, x, y) -> int:
@@ -141,6 +167,48 @@ def test_recompute_really_runs_the_blocks_forward_again():
     assert extra == GPT4.n_layers * (block_forward - 2 * n * f * h)
 
 
+def test_op_repeats_every_second_matmul_and_keeps_the_attention_kernel():
+    """One step of the 4-block GPT, FlopCounterMode: "none" 39,321,600 FLOPs, "op" 40,370,176, "full" 47,710,208.
+    "op" repeats exactly ``proj``'s matmul a block (qkv's and fc1's outputs and the attention kernel's are kept;
+    fc2's, the other recomputed one, is past torch's early stop); the meter (``ActivationMeter``) sees exactly
+    ``activation_bytes(..., recompute="op")`` (666,756 B against 1,133,700 and 134,276), gradients are the plain
+    model's bit for bit. A policy that kept every matmul, none, or not the kernel would miss these counts."""
+    x, y = SyntheticTokens(64, 16, seed=1).batch(0, BATCH)
+    models = {"none": GPT(GPT4), "op": GPT(GPT4), "full": GPT(GPT4)}
+    assert recompute_ops(models["op"]) == recompute_blocks(models["full"]) == GPT4.n_layers
+    flops, held = {}, {}
+    for mode, model in models.items():
+        meter = ActivationMeter(exclude=list(model.parameters()))
+        with FlopCounterMode(display=False) as counter:
+            with meter.measure():
+                loss = lm_loss(model(x), y)
+            loss.backward()
+        flops[mode], held[mode] = counter.get_total_flops(), meter.last
+    n, h = BATCH * GPT4.seq_len, GPT4.d_model
+    assert flops["none"] < flops["op"] < flops["full"], flops
+    assert flops["op"] - flops["none"] == GPT4.n_layers * 2 * n * h * h, flops
+    assert held["none"] > held["op"] > held["full"], held
+    assert held == {m: activation_bytes(GPT4, BATCH, recompute=m)["held"] for m in held}, held
+    for (name, a), b in zip(models["none"].named_parameters(), models["op"].parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    assert recompute_ops(models["op"]) == 0 and is_op_recomputed(models["op"].blocks[0])
+
+
+def test_op_policy_keeps_every_second_matmul_and_the_kernels():
+    """The policy itself: matmuls 1, 3, 5 kept and 2, 4 recomputed (the count restarts with each block's
+    policy), the attention kernel and functional collectives kept, anything else recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+    aten = torch.ops.aten
+    ctx = SelectiveCheckpointContext(is_recompute=False)
+    p, kernel = op_policy(), aten._scaled_dot_product_flash_attention_for_cpu.default
+    ops = (aten.addmm.default, aten.mm.default, kernel, aten.addmm.default, aten.gelu.default, aten.mm.default,
+           aten.addmm.default)
+    got = [p(ctx, op) == CheckpointPolicy.MUST_SAVE for op in ops]
+    assert got == [True, False, True, True, False, False, True]
+    assert op_policy()(ctx, aten.mm.default) == CheckpointPolicy.MUST_SAVE
+    assert torch.ops._c10d_functional.all_reduce.default in SAVED_OPS
+
+
 def test_recompute_config_field():
     P = ck.ParallelConfig
     assert P().recompute == "none" and P(recompute=True).recompute == "full"  # stored as the mode's name
@@ -151,10 +219,19 @@ def test_recompute_config_field():
     assert P.parse("dp=2 --recompute").recompute == "full" and P.parse("--recompute --dp 2").dp == 2
     assert P.parse("recompute=on").recompute == "full" and P.parse("--recompute off").recompute == "none"
     assert P.parse("recompute=True dp=2").recompute == P.from_dict({"recompute": 1}).recompute == "full"
-    with pytest.raises(ck.ConfigError, match="recompute must be 'none', 'selective' or 'full'.*got 'maybe'"):
+    with pytest.raises(ck.ConfigError, match="recompute must be 'none', 'selective', 'op' or 'full'.*got 'maybe'"):
         P.parse("recompute=maybe")
-    with pytest.raises(ck.ConfigError, match="recompute must be 'none', 'selective' or 'full'"):
+    with pytest.raises(ck.ConfigError, match="recompute must be 'none', 'selective', 'op' or 'full'"):
         P(recompute="maybe")
+    c = P(dp=2, recompute="op")
+    assert c.describe() == "dp=2 = 2 ranks, op recompute" and P.parse("dp=2 --recompute op") == c == P.from_dict(
+        c.to_dict()) and "op" in ck.config.RECOMPUTES
+    with pytest.raises(ck.ConfigError, match=r"recompute='op' keeps every second matmul's output, and tp_mode='2d' "
+                                             r"\(SUMMA\).*use recompute='op' with tp_mode='1d' or '3d'"):
+        P(tp=4, tp_mode="2d", recompute="op")
+    with pytest.raises(ck.ConfigError, match=r"recompute='op' .* tp_mode='2.5d'"):
+        P(tp=8, tp_mode="2.5d", tp_depth=2, recompute="op")
+    assert P(tp=8, tp_mode="3d", recompute="op").recompute == "op"  # 3D adds no product into a kept one
 
 
 def test_recompute_refuses_a_model_without_blocks():

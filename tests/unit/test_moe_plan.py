@@ -172,11 +172,14 @@ def test_the_plan_at_scale_searches_ep_and_prices_what_estimate_prices():
                                        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
                                        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
                                        max_position_embeddings=4096, tie_word_embeddings=False)
-    cands = ck.plan(qwen, 64, 512, precision="bf16", hardware="8xH100-SXM", limit=3)
+    cands = ck.plan(qwen, 64, 512, precision="bf16", hardware="8xH100-SXM", limit=16)
     assert cands and all(c.config.tp_mode == "1d" and c.config.sp_mode != "split_gather" and 128 % c.config.ep == 0
                          for c in cands)
-    assert any(c.config.ep > 1 for c in cands)
-    for c in cands:
+    # FSDP's gathers hide behind compute on 8 NICs a node (the experts replicated: no all-to-all); ep trades
+    # larger expert GEMMs for exposed all-to-alls and comes a little behind
+    with_ep = [c for c in cands if c.config.ep > 1]
+    assert with_ep
+    for c in list(cands[:3]) + with_ep[:1]:
         again = ck.estimate(qwen, c.config, 512, hardware="8xH100-SXM")
         assert again.step_seconds == c.step_seconds and again.memory == c.memory
         assert not any("not runnable" in a for a in again.assumptions)  # the engine runs ep in bf16

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import colab_kit as ck
+from colab_kit.planner.stack import Stack
 from colab_kit.engine.core import unsupported
 from colab_kit.memory.estimator import config_estimate
 from colab_kit.models import GPT
@@ -33,6 +34,7 @@ class _FlopCounter:
     """A ``Hardware`` stand-in whose "seconds" are FLOPs: a GEMM ``(m x k) @ (k x n)`` counts ``2 m n k`` a
     product, elementwise passes 0; the cost model's per-rank compute then reads as FLOPs per rank."""
     gpus_per_node = 8
+    stack = Stack()
 
     def gemm_seconds(self, m, n, k, precision, count=1.0):
         return 2.0 * m * n * k * count if min(m, n, k, count) > 0 else 0.0

@@ -27,7 +27,7 @@ the engine runs today, which would put the 1.7B row 35% under its published time
 
     >>> from colab_kit.planner.scale import price
     >>> round(price(shape, config, batch, MEGATRON_2021).step_seconds / row["iteration_seconds"], 3)
-    1.022
+    1.016
     >>> MEGATRON_2021.name, MEGATRON_2021.attention
     ('8xA100-80GB', 'unfused')
 """
@@ -41,11 +41,16 @@ from ...config import ParallelConfig
 from ..hardware import HARDWARE
 from ..shape import ModelShape
 
-__all__ = ["MEGATRON_2021", "TABLE1", "PUBLISHED_SPACE", "as_run", "eq3_flops", "table1"]
+__all__ = ["DEEPSPEED_2021", "MEGATRON_2021", "TABLE1", "PUBLISHED_SPACE", "as_run", "eq3_flops", "table1"]
 
-MEGATRON_2021 = HARDWARE["8xA100-80GB"].with_attention("unfused")
+MEGATRON_2021 = HARDWARE["8xA100-80GB"].with_stack("megatron-lm-2021")
 """The hardware the 2021 runs are priced on (Table 1, the calibration; Korthikanti et al. 2022): the DGX A100
-preset with attention unfused, as Megatron-LM ran it before FlashAttention."""
+preset under Megatron-LM's stack of 2021 (``planner.stack``): attention unfused, as it ran before
+FlashAttention, and its fused LayerNorm, bias-GELU and bias-dropout-add kernels."""
+
+DEEPSPEED_2021 = HARDWARE["8xA100-80GB"].with_stack("deepspeed-2021")
+"""DeepSpeed's ZeRO-3 of 2021 on DGX A100 nodes (Megatron-LM's kernels, one all-gather per parameter tensor):
+what Megatron-LM's paper compared against (its Fig. 10)."""
 
 TABLE1 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_table1.json")
 """Path of Megatron-LM Table 1 as data (rows, sources)."""

@@ -1,0 +1,108 @@
+"""The software a cluster runs, in the at-scale cost model's terms: kernels, fusion and overlap, each a choice
+a real training stack makes.
+
+``Hardware`` is the node (what the GPUs compute and move); ``Stack`` is what runs on it. The same node prices
+differently under Megatron-LM of 2021 (attention unfused, its fused LayerNorm and bias kernels), DeepSpeed's
+ZeRO-3 of 2021 (one all-gather per parameter tensor), Megatron-Core of 2024 (FlashAttention, Transformer
+Engine's fused norms and RoPE, the distributed optimizer's all-gather under the next forward, tp collectives
+under their GEMMs) and colab_kit's own engine (torch's SDPA, eager PyTorch elsewhere, the parameters'
+all-gather after the update). A preset carries a stack (``Hardware.stack``; ``colab_kit`` by default:
+what ``ck.boost`` runs) and ``hw.with_stack(...)`` gives the same node under another, one object per
+combination, so ``price``'s cache keeps working.
+
+=================  ===========================================================================================
+field              what it prices (``planner.scale``, ``planner.scale_compute``)
+=================  ===========================================================================================
+attention          "flash": FlashAttention-2's FLOPs at ``Hardware.attention_efficiency``; "unfused": the
+                   scores through HBM (Megatron-LM 2021)
+elementwise        "eager": one kernel per PyTorch op (a Llama block's RMSNorm upcast to fp32, RoPE's slices
+                   and concatenation, SiLU and its product, ``repeat_kv``'s copies); "fused": one kernel per
+                   norm, rotary, activation and bias-dropout-add (Megatron's fused kernels, Transformer
+                   Engine, ``torch.compile``)
+param_gather       ZeRO 1-2's all-gather of the updated parameters: "exposed" after the step (colab_kit,
+                   DeepSpeed), or "overlapped" under the next step's first forward, bucket by bucket
+                   (Megatron-Core ``--overlap-param-gather``, FSDP's prefetch); at least one block's bucket
+                   stays exposed
+tp_overlap         1D tp collectives cut into chunks and run under the GEMMs they feed (Megatron-Core
+                   ``--tp-comm-overlap``, Transformer Engine's userbuffers): exposed ``max(comm / tp,
+                   comm - the block's GEMMs)``; off: all exposed
+zero3_gather       ZeRO-3's parameter gathers: "block", one flat all-gather per block (FSDP, colab_kit's
+                   chunks); "tensor", one per parameter tensor (DeepSpeed's stage 3 of 2021), each paying a
+                   ring's latency, which grows with the ranks
+=================  ===========================================================================================
+
+Contention: communication hidden behind compute is taken to slow that compute by nothing. NCCL's kernels
+occupy some of the GPU's SMs (one per channel) and stream their bytes through HBM while the GEMMs run, so
+this is optimistic, by an amount not measured here; it is stated in every estimate's assumptions.
+
+Worked example, the stacks of ``STACKS``::
+
+    >>> sorted(STACKS)
+    ['colab_kit', 'deepspeed-2021', 'megatron-core', 'megatron-lm-2021', 'torchtitan']
+    >>> STACKS["megatron-core"].param_gather, STACKS["colab_kit"].param_gather
+    ('overlapped', 'exposed')
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+__all__ = ["ATTENTION", "STACKS", "Stack", "stack"]
+
+ATTENTION = ("flash", "unfused")
+"""The kernels attention's core can be priced as (``Stack.attention``)."""
+_CHOICES = {"attention": ATTENTION, "elementwise": ("eager", "fused"), "param_gather": ("exposed", "overlapped"),
+            "tp_overlap": (False, True), "zero3_gather": ("block", "tensor")}
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What a training stack runs (module docstring); hashable and compared by value."""
+
+    name: str = "colab_kit"
+    attention: str = "flash"
+    elementwise: str = "eager"
+    param_gather: str = "exposed"
+    tp_overlap: bool = False
+    zero3_gather: str = "block"
+    source: str = ("colab_kit's engine: torch's F.scaled_dot_product_attention, eager PyTorch elsewhere, ZeRO 1-2 "
+                   "gather the parameters after the update, tp collectives not overlapped, ZeRO-3 one gather per block")
+
+    def __post_init__(self):
+        for f, allowed in _CHOICES.items():
+            if getattr(self, f) not in allowed:
+                raise ValueError(f"Stack.{f} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, f)!r}")
+
+    def note(self) -> str:
+        """One line of an estimate's assumptions: the stack's choices and where they were read."""
+        choices = ", ".join(f"{f.name} {getattr(self, f.name)}" for f in fields(self) if f.name in _CHOICES)
+        return (f"stack {self.name}: {choices} ({self.source}); communication hidden behind compute taken to slow "
+                f"it by nothing (NCCL's SMs and HBM traffic during overlap not priced)")
+
+
+STACKS = {s.name: s for s in (
+    Stack(),
+    Stack("megatron-lm-2021", attention="unfused", elementwise="fused",
+          source="Megatron-LM 2021 (Narayanan et al., arXiv 2104.04473; Korthikanti et al., arXiv 2205.05198): batched "
+                 "attention products and a fused scaled-masked softmax, fused bias-GELU and bias-dropout-add, apex "
+                 "LayerNorm; gradients all-reduced after backward"),
+    Stack("deepspeed-2021", attention="unfused", elementwise="fused", zero3_gather="tensor",
+          source="DeepSpeed ZeRO stage 3 of 2021 (Rajbhandari et al., arXiv 2104.07857) on Megatron-LM's kernels: "
+                 "each partitioned parameter gathered by an all-gather of its own (partition_parameters.py)"),
+    Stack("megatron-core", elementwise="fused", param_gather="overlapped", tp_overlap=True,
+          source="Megatron-Core with Transformer Engine (2024): flash attention, fused RMSNorm / RoPE / SwiGLU / "
+                 "bias-dropout-add, distributed optimizer with --overlap-grad-reduce --overlap-param-gather, "
+                 "--tp-comm-overlap"),
+    Stack("torchtitan", param_gather="overlapped",
+          source="torchtitan (Liang et al. 2024, arXiv 2410.06511) without torch.compile: FSDP2 prefetching each "
+                 "block's all-gather, SDPA flash attention, eager PyTorch elementwise (torch.compile: "
+                 "elementwise='fused')"))}
+"""Named stacks; ``Stack(...)`` or ``dataclasses.replace(STACKS[name], ...)`` makes others."""
+
+
+def stack(name_or_stack) -> Stack:
+    """A stack by name, or the ``Stack`` given; a ``KeyError`` naming the stacks otherwise."""
+    if isinstance(name_or_stack, Stack):
+        return name_or_stack
+    if name_or_stack not in STACKS:
+        raise KeyError(f"unknown stack {name_or_stack!r}: choose from {', '.join(STACKS)} or pass a Stack(...)")
+    return STACKS[name_or_stack]
