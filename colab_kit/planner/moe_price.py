@@ -129,6 +129,8 @@ def moe_block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware, de
     i = dense.i - fc1[1] - fc2[1] + sum(g[1] for g in gemms) + permute
     w = dense.w - fc1[2] - fc2[2] + sum(g[2] for g in gemms)
     rc = {0.0: 0.0, dense.f: f}.get(dense.rc, dense.rc)  # full recomputation repeats the MoE forward
+    if dense.op is not None and dense.rc == dense.op:  # per-op: every second matmul and the elementwise ops
+        rc = (f - dense.attn) / 2
     return BlockCost(f=f, i=i, w=w, attn=dense.attn, rc=rc)
 
 
