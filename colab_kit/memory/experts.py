@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from ..models.moe import moe_blocks
 from ..pipeline.stage import stage_layers
-from .estimator import _stages, _walks, layout_activations, part_params
+from .layout import layout_activations, part_params, stage_plan, walks
 from .formulas import PRECISION_BYTES, model_state_bytes, placed, recompute_mode
 
 __all__ = ["expert_params", "moe_block_params", "moe_stage_params", "moe_block_extra", "moe_estimate"]
@@ -95,7 +95,7 @@ def moe_stage_params(model, config) -> list[tuple[int, int]]:
         return dense, local * sum(i in moe for i in layers[s])
     if config.pp == 1:
         return [stage(0)]
-    plan, _ = _stages(config)
+    plan, _ = stage_plan(config)
     out = []
     for r in range(config.pp):
         held = [stage(s) for s in plan.stages_of(r)]
@@ -147,9 +147,9 @@ def moe_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | Non
     moe = set(moe_blocks(model) if moe is None else moe)
     per = [_stage_activations(model, config, rows, seq, layers[s], s == 0, s == n - 1, moe) for s in range(n)]
     if config.pp > 1:
-        plan, _ = _stages(config)
+        plan, _ = stage_plan(config)
         acts = []
-        for stages, counts in _walks(plan):  # the weight stores of zero-bubble schedules: not counted here
+        for stages, counts in walks(plan):  # the weight stores of zero-bubble schedules: not counted here
             values = np.array([per[s] for s in stages] + [0 for _ in stages], dtype=np.int64)
             acts.append(int((counts @ values).max()))
     else:

@@ -15,7 +15,7 @@ Worked example, a GPT of 92.4M parameters (vocab 8192, d_model 1024, 6 layers, s
 """
 from __future__ import annotations
 
-from .estimator import part_params, stage_params
+from .layout import part_params, stage_params
 from .formulas import PRECISION_BYTES, model_state_bytes
 from ..zero.chunks import padded
 

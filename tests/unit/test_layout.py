@@ -52,8 +52,6 @@ LOCAL_IMPORTS = {  # (importing module, imported module): why the import waits f
         "ipywidgets and plotly: %colossal memory's widget only (text elsewhere)",
     ("colab_kit.notebook.magics.core", "colab_kit.notebook.widgets.planner_view"):
         "ipywidgets and plotly: %colossal plan's widget only (text elsewhere)",
-    ("colab_kit.memory.estimator", "colab_kit.memory.experts"):
-        "a cycle: memory.experts builds on this module's walks; config_estimate hands it a mixture of experts",
     ("colab_kit.planner.moe_local", "colab_kit.planner"):
         "a cycle: enumerate_configs lives in planner/__init__, which imports this module",
     ("colab_kit.notebook.magics.core", "colab_kit.notebook.widgets.moe_view"):
