@@ -109,7 +109,7 @@ class ParallelConfig:
     offload: str = "none"
     """'none'; 'cpu': ZeRO's sharded optimizer states and the update in host memory (ZeRO-Offload);
     'auto' (zero=3): each chunk on the device or the host under ``boost(..., device_budget=BYTES)``,
-    placed from the first step's measured use (``colab_kit.zero.placement``)."""
+    placed from the first step's measured use (``colab_kit.zero.offload``)."""
     microbatches: int = 1
     """Microbatches per step (pipeline microbatches, or gradient accumulation when pp=1)."""
     schedule: str = "1f1b"
