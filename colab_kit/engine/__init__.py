@@ -6,7 +6,10 @@
                      pipeline executor's actions, gradient sync, clipping, fp16 scaling, optimizer, records)
     core.py          boost() and Engine: train_step, evaluate, generate, fit, save, load, close and the records
     reports.py       EngineView and the reports over it: memory (measured and estimated), comm, timeline, ...
-    checks.py        check_policy: what boost refuses in the kernel, asking tensor, sequence and pipeline
+    checks.py        check_policy: what boost refuses in the kernel (the policy's prepare, then the rules)
+    rules/           every part's refusals, a module per part, asked by boost and the planner alike
+                     (first_refusal over ModelFacts)
+    facts.py         ModelFacts: what the rules read of a model (a module, a GPTConfig or a planner shape)
     clipping.py      global gradient-norm clipping over every shard
     loss.py          the contract's loss, exact however the batch is split
     fit.py           engine.fit: a run that checkpoints and survives a dead rank
@@ -16,7 +19,7 @@
 The data flow of one engine, from ``boost`` to the records::
 
     boost(model, optimizer, config)
-      -> check_policy (refusals before any collective) -> ProcessMesh.shared(config)
+      -> first_refusal(config), check_policy (refusals before any collective) -> ProcessMesh.shared(config)
       -> parallelize: defer_init, dropout, tensor, sequence, recompute, pipeline_split, materialize,
                       placements, broadcast, precision, data_parallel  -> Parallelized (engine.parts)
       -> the optimizer over what grads.optimizer_layout() says this rank steps

@@ -26,8 +26,8 @@ in per-block chunks gathered around each use); ``offload`` "cpu" and "auto" (wit
 ``device_budget``); mixed precision (``colab_kit.precision``); recomputation; sequence
 parallelism (``colab_kit.sequence``: ring and Ulysses over the sp axis, split_gather inside the
 1D tensor group). Sequence parallelism with the 2D/2.5D/3D tensor modes and ZeRO-3 with a
-pipeline are refused with a ConfigError that says so (``unsupported``); the engine never falls
-back to another mode.
+pipeline are refused with a ConfigError that says so (``unsupported``; every refusal is a part's rule,
+``engine.rules``, which the planner asks too); the engine never falls back to another mode.
 """
 from __future__ import annotations
 
@@ -41,29 +41,26 @@ from ..config import ConfigError, ParallelConfig
 from ..datasets import ShardedLoader
 from ..datasets.loader import LocalBatch
 from ..mesh import ProcessMesh
-from ..expert.apply import expert_count, expert_modules
-from ..models.experts import Experts
-from ..models.hf_moe import check_router_loss
-from ..policy.hf_moe import check_hf_moe
-from ..models.moe import has_experts
-from ..policy import policy_for
 from ..zero.optimizer import (OptimizerSpec, attach_scheduler, check_elementwise, check_scheduler, local_names,
                               rebuild)
 from . import reports
 from .checks import check_policy
 from .clipping import check_max_norm
+from .facts import ModelFacts
 from .fit import fit as _fit
 from .generate import generate as _generate
 from .loss import TokenLoss, lm_loss
 from .parallelize import parallelize
+from .rules import first_refusal, not_yet, part
 from .step import TrainingStep
 
 __all__ = ["boost", "Engine", "lm_loss", "unsupported", "check_policy", "TokenLoss"]
 
 
 def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str | None:
-    """Why ``boost`` refuses a valid ``config`` today (the message of the ConfigError it raises), or None.
-    ``model``: the model it would train, where a refusal depends on it (mixture-of-experts layers).
+    """Why ``boost`` refuses a valid ``config`` today (the message of the ConfigError it raises), or None: what
+    this version of the engine does not run yet (``engine.rules``' ``NotYet`` rules, all of them in one
+    sentence). ``model``: the model it would train, where a refusal depends on it (mixture-of-experts layers).
 
     ConfigPicker shows the same text as "valid, not runnable yet"::
 
@@ -86,79 +83,22 @@ def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str |
         unsupported(ParallelConfig(sp=2), GPT(GPTConfig(n_experts=4, capacity_factor=1.0)))   # "... with a
                                   # capacity factor under sequence parallelism ...: set sp=1 (dp=2 ...) ..."
     """
-    cfg = config
-    moe = model is not None and _has_experts(model)
-    todo = [(cfg.sp > 1 and cfg.tp > 1 and cfg.tp_mode != "1d",
-             f"sequence parallelism (sp={cfg.sp}) with tp_mode={cfg.tp_mode!r}", "tp_mode='1d' with sp, or sp=1"),
-            (cfg.zero == 3 and cfg.pp > 1, "ZeRO stage 3 with pipeline parallelism",
-             "zero=2 with pp (stage 3 would gather each stage's parameters for every microbatch's forward and "
-             "backward), or zero=3 with pp=1"),
-            (cfg.sp_mode == "split_gather" and cfg.tp_mode != "1d",  # its plan splits 1D's layers only
-             f"sp_mode='split_gather' with tp_mode={cfg.tp_mode!r}", "tp_mode='1d' with split_gather"),
-            (moe and cfg.tp > 1 and (cfg.tp_mode != "1d" or cfg.sp_mode == "split_gather"),
-             f"mixture-of-experts layers with tp_mode={cfg.tp_mode!r}" + (" and split_gather" if cfg.sp_mode ==
-                                                                          "split_gather" else "")
-             + " (which split the tokens a router sees over the tp ranks)",
-             "tp_mode='1d' without split_gather (each tp rank routes the same tokens: the MoE layers run whole "
-             "on every tp rank)"),
-            (moe and cfg.sp > 1 and _drops(model), f"mixture-of-experts layers with a capacity factor under sequence "
-             f"parallelism (sp={cfg.sp}: a rank's tokens are not one run of the batch's order, which sets the "
-             "capacity's priority)", f"sp=1 (dp={cfg.dp * cfg.sp} runs the same ranks), or capacity_factor=None "
-             "(dropless)")]
-    missing = [(what, fix) for cond, what, fix in todo if cond]
-    if not missing:
-        return None
-    whats = "; ".join(w for w, _ in missing)
-    fixes = " ".join(f for _, f in missing)
-    return (f"this version of the engine does not run {whats} yet (data, tensor and pipeline parallelism, "
-            f"sequence parallelism, ZeRO stages 1 to 3, offload and mixed precision are what run today): set {fixes}")
+    return not_yet(config, ModelFacts.of(model) if model is not None else None)
 
 
 def check_experts(config: ParallelConfig, model: nn.Module) -> None:
-    """``ep > 1`` needs a model whose MoE layers' experts it can split evenly (the built-in ``Experts``, or the
-    fused experts of a Hugging Face MoE model its policy names), and a Hugging Face load-balancing loss needs
-    a policy that names the MoE layers (``models.hf_moe.check_router_loss``): a ConfigError with the rule and a
-    value that works otherwise::
+    """The expert part's rules (``engine.rules``): ``ep > 1`` needs a model whose MoE layers' experts it can split
+    evenly (the built-in ``Experts``, or the fused experts of a Hugging Face MoE model its policy names), a Hugging
+    Face load-balancing loss needs a policy that names the MoE layers, and MoE layers run under 1D tp without
+    split_gather, and under sp only dropless: a ConfigError with the rule and a value that works otherwise::
 
         check_experts(ParallelConfig(dp=4, ep=4), GPT(GPTConfig(n_experts=6, ...)))
         # ConfigError: ep=4 splits each mixture-of-experts layer's 6 experts over 4 ranks, so it must divide
-        # the number of experts: try ep=2 (it must also divide dp x sp = 4)
+        # the number of experts: try ep=1 or 2 (it must also divide dp x sp = 4; ...)
     """
-    check_router_loss(config, model, policy_for(model))
-    check_hf_moe(config, model)
-    if config.ep == 1:
-        return
-    counts = sorted({m.n for m in model.modules() if isinstance(m, Experts)}
-                    | {expert_count(e) for _, _, e in expert_modules(model, policy_for(model))})
-    if not counts:
-        raise ConfigError(f"ep={config.ep} splits the experts of mixture-of-experts layers, and this model "
-                          f"({type(model).__name__}) has none its policy can find (stacked expert tensors, "
-                          "colab_kit.models.experts.Experts): set ep=1, or give the model MoE layers "
-                          "(GPTConfig(n_experts=8))")
-    fold = config.dp * config.sp
-    bad = [n for n in counts if n % config.ep]
-    if bad:
-        ok = [k for k in range(1, fold + 1) if fold % k == 0 and all(n % k == 0 for n in counts)]
-        raise ConfigError(f"ep={config.ep} splits each mixture-of-experts layer's {bad[0]} experts over "
-                          f"{config.ep} ranks, so it must divide the number of experts: try ep={_or_words(ok)} "
-                          f"(it must also divide dp x sp = {fold})")
-
-
-def _or_words(values) -> str:
-    values = [str(v) for v in values]
-    return " or ".join(values) if len(values) < 3 else ", ".join(values[:-1]) + " or " + values[-1]
-
-
-def _drops(model: nn.Module | None) -> bool:
-    """Whether ``model``'s MoE layers have a capacity (they drop assignments)."""
-    return model is not None and any(getattr(m, "capacity_factor", None) is not None for m in model.modules()
-                                     if type(m).__name__ == "MoE")
-
-
-def _has_experts(model: nn.Module) -> bool:
-    """Whether ``model`` has mixture-of-experts layers: its policy names some, or it holds ``models.moe.MoE``."""
-    policy = policy_for(model)
-    return bool(policy is not None and policy.experts) or has_experts(model)
+    why = part("expert").refuses(config, ModelFacts.of(model))
+    if why is not None:
+        raise why
 
 
 def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
@@ -192,10 +132,9 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
     if device_budget is not None and (isinstance(device_budget, bool) or not isinstance(device_budget, int)
                                       or device_budget <= 0):
         raise ConfigError(f"device_budget must be a positive number of bytes, got {device_budget!r}")
-    why = unsupported(config, model)
+    why = first_refusal(config)  # what no model changes, before the model and the optimizer are read
     if why is not None:
-        raise ConfigError(why)
-    check_experts(config, model)
+        raise why
     check_max_norm(max_grad_norm)
     if isinstance(optimizer, torch.optim.Optimizer):  # read before the model is sharded: names, groups, settings
         spec = OptimizerSpec.capture(optimizer, model)
@@ -209,7 +148,7 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
         check_elementwise(spec.kind, "ZeRO steps flat pieces of several parameters")
     if spec is not None and config.tp > 1:
         check_elementwise(spec.kind, f"tensor parallelism ({config.tp_mode}) gives each rank a block of each matrix")
-    policy = check_policy(model, config, policy)  # sizes that do not divide: refused before any collective
+    policy = check_policy(model, config, policy)  # every part's rules for this model (engine.rules), in the kernel
     owned = mesh is None
     mesh = mesh or ProcessMesh.shared(config)
     if mesh.config != config:

@@ -39,11 +39,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..config import ConfigError
 from .moe import balance_loss, z_loss
 from .moe_context import CountedRouter, MoEStep, current
 
-__all__ = ["router_loss", "RouterLoss", "RouterAux", "aux_coef", "routers", "check_router_loss", "CountsRelay",
+__all__ = ["router_loss", "RouterLoss", "RouterAux", "aux_coef", "routers", "CountsRelay",
            "engine_call"]
 
 
@@ -165,17 +164,6 @@ class RouterAux(torch.autograd.Function):
         per_p = step.pieces * r.coef * r.n * counts / (tokens * r.layers) ** 2
         step.values[r.layer] = (per_p * psum.detach().float()).sum()
         return grad, (step.grad_scale * per_p).to(psum.dtype), None, None
-
-
-def check_router_loss(config, model: nn.Module, policy) -> None:
-    """HF's load-balancing loss (the model adds it): a ConfigError with the rule and what works where the policy
-    names no MoE layer to count it on (the engine would train on the cross-entropy alone)."""
-    coef = aux_coef(model)
-    if coef and (policy is None or not policy.experts):
-        raise ConfigError(f"{type(model).__name__} adds a load-balancing loss (output_router_logits=True, "
-                          f"router_aux_loss_coef={coef}) that colab_kit does not count for this model (its policy "
-                          "names no MoE layers; built in: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3, "
-                          "GPT-OSS): set config.output_router_logits=False to train on the cross-entropy alone")
 
 
 class CountsRelay:

@@ -9,11 +9,11 @@
     >>> sorted(cands[0].memory)[:4]
     ['activations', 'device', 'grads', 'host']
 
-Every config that ``ParallelConfig`` accepts for ``world_size`` ranks, that ``boost`` runs
-(``engine.unsupported``) and that the model and batch admit (``tensor.check_model``,
-``SequencePlan.check`` and the sequence's split, ``pipeline.stage.check_stages``, the batch over dp x microbatches and
-the tensor plan's batch shards) is a candidate: dp, tp in four modes, pp with every schedule and a
-few microbatch counts, ring / Ulysses / split_gather, ZeRO 0-3, offload none / cpu (and 'auto'
+Every config that ``ParallelConfig`` accepts for ``world_size`` ranks, that every part of ``boost`` takes for
+the model (``engine.rules.first_refusal`` over the model's facts, the question ``boost`` asks: what the engine runs,
+sizes a tensor mode splits, the heads Ulysses splits, the sequence's split, blocks over the stages) and whose batch
+splits (over dp x microbatches and the tensor plan's batch shards) is a candidate: dp, tp in four modes, pp with
+every schedule and a few microbatch counts, ring / Ulysses / split_gather, ZeRO 0-3, offload none / cpu (and 'auto'
 when ``memory_per_rank`` is given: ``cand.boost_kwargs == {"device_budget": memory_per_rank}``),
 recomputation on and off. For each: memory per rank from ``colab_kit.memory.estimator.config_estimate``
 (the estimate ``engine.memory_estimate()`` reports) and seconds per step from ``cost`` with
@@ -33,17 +33,14 @@ import torch.nn as nn
 
 from ..config import ConfigError, ParallelConfig
 from .constants import constants
-from ..engine.checks import check_policy
-from ..engine.core import unsupported
+from ..engine.facts import ModelFacts
+from ..engine.rules import first_refusal
 from ..memory.estimator import config_estimate, gpt_like, model_activations, part_params, traced_activations
 from ..memory.formulas import optimizer_states, placed
 from ..models import GPTConfig
 from ..models.moe import has_experts
-from ..pipeline.stage import check_stages
 from ..policy import missing_policy_message, policy_for
-from ..sequence.plan import LAYOUT, SequencePlan, check_length
 from ..sharded_init import meta_twin
-from ..tensor import check_model
 from .at_scale import LOCAL
 from .estimate import hardware_of
 from .hardware import HARDWARE, Hardware
@@ -98,9 +95,11 @@ per-op ("op") everywhere the engine runs it (not 2D / 2.5D: ``ParallelConfig`` r
 
 
 def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32", with_auto: bool = False,
-                      accept=None):
+                      accept=None, facts: ModelFacts | None = None):
     """Every config boost runs for this model and batch on ``world_size`` ranks (see the module docstring).
-    ``accept(cfg)``: a further check that raises ConfigError (another model's ``check_policy``)."""
+    ``facts``: what the rules judge each config by (default: the ``GPTConfig`` ``model``'s, at its ``seq_len``);
+    ``accept(cfg)``: a further check that raises ConfigError."""
+    facts = facts if facts is not None else ModelFacts.of(model, seq=model.seq_len)
     for tp, sp, pp in itertools.product(_divisors(world_size), repeat=3):
         if world_size % (tp * sp * pp):
             continue
@@ -117,14 +116,8 @@ def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32
                     cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, tp_mode=mode, tp_depth=depth, sp_mode=sp_mode,
                                          zero=zero, offload=offload, microbatches=m, schedule=schedule, chunks=chunks,
                                          precision=precision, recompute=recompute)
-                    if unsupported(cfg) is not None:
+                    if first_refusal(cfg, facts) is not None:
                         continue
-                    check_model(model, cfg)
-                    if sp > 1:
-                        SequencePlan.check(model, cfg)
-                        check_length(model.seq_len, sp, LAYOUT[sp_mode])
-                    if pp > 1:
-                        check_stages(model.n_layers, cfg)
                     if accept is not None:
                         accept(cfg)
                 except ConfigError:
@@ -223,7 +216,8 @@ def _plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precisio
     moe = bool(getattr(model_cfg, "n_experts", 0))
     configs = moe_configs if moe else enumerate_configs
     timed = moe_step_seconds if moe else step_seconds
-    for cfg in configs(model_cfg, world_size, batch, precision, with_auto=memory_per_rank is not None):
+    facts = ModelFacts.of(model_cfg, seq=model_cfg.seq_len)  # read once: every config judged by the engine's rules
+    for cfg in configs(model_cfg, world_size, batch, precision, with_auto=memory_per_rank is not None, facts=facts):
         mem = config_estimate(model_cfg, cfg, batch, optimizer, host_share=None)
         kwargs = {}
         if cfg.offload == "auto":  # the placement puts on the host what does not fit
@@ -282,7 +276,8 @@ def _other_model(model, world_size, batch, memory_per_rank, precision, optimizer
                  policy, input_shape) -> Candidates:
     """``plan`` for any model with a policy, on a meta copy of it (nothing is made, the model is not touched).
 
-    Each candidate passes the checks ``boost`` runs (``check_policy``: a ViT gets no sp, a BERT no 3D). Its
+    Each candidate passes the rules ``boost`` applies (``engine.rules`` over the model's facts, read once off the
+    meta copy: a ViT gets no sp, a Llama no split_gather). Its
     model states are a GPT's of the same widths (``estimate.gpt_like``) scaled to the model's parameter
     count, its activations the dense forward traced with fake tensors and scaled by the layout
     (``estimate.model_activations``), its time the GPT cost model's. ``input_shape``: one global batch's
@@ -320,8 +315,9 @@ def _other_model(model, world_size, batch, memory_per_rank, precision, optimizer
     consts = constants if constants is not None else globals()["constants"](ranks=world_size)
     traced = traced_activations(twin, input_shape, dtype, precision)  # the dense forward, once
     out = Candidates()
+    facts = ModelFacts.of(twin, policy, seq=gpt.seq_len if policy.sequence else None)
     for cfg in enumerate_configs(gpt, world_size, batch, precision, with_auto=memory_per_rank is not None,
-                                 accept=lambda c: check_policy(twin, c, policy)):
+                                 facts=facts):
         if cfg.offload == "auto":
             continue  # its placement needs the measured step; the planner ranks the others
         mem = config_estimate(gpt, cfg, batch, optimizer)

@@ -26,11 +26,12 @@ weights), ZeRO-1, Megatron's sequence parallelism and selective recomputation on
       overhead 59.2 GiB, fits in 75 GiB
       breakdown: compute 14.2 s, comm:tp 4.03 s, bubble 824 ms, comm:dp 120 ms, comm:pp 51.3 ms, optimizer 3.2 ms
 
-That prices what colab_kit's engine runs (``stack="colab_kit"``: torch's SDPA, eager PyTorch elsewhere, tp
-collectives exposed). ``stack="megatron-core"`` (fused kernels, tp communication under its GEMMs, the
-parameters' all-gather under the next forward) gives 13.9 s: compute 12.6 s, comm:tp 0.50 s.
-``attention="unfused"``, Megatron-LM 2021's kernels with the scores through HBM, gives 31.1 s and 25.5 s of
-compute. docs/estimate.md lists what the model leaves out.
+That prices colab_kit's engine (``stack="colab_kit"``: torch's SDPA, eager PyTorch elsewhere, tp collectives
+exposed), which would refuse this layout for a Llama (split_gather splits no RMSNorm or rotary embedding yet,
+``engine.rules``): priced as the widths read, and the assumptions say so. ``stack="megatron-core"`` (fused
+kernels, tp communication under its GEMMs, the parameters' all-gather under the next forward) gives 13.9 s:
+compute 12.6 s, comm:tp 0.50 s. ``attention="unfused"``, Megatron-LM 2021's kernels with the scores through HBM,
+gives 31.1 s and 25.5 s of compute. docs/estimate.md lists what the model leaves out.
 """
 from __future__ import annotations
 
@@ -43,15 +44,15 @@ from ..config import ConfigError, ParallelConfig
 from ..memory.estimator import config_estimate
 from ..memory.formulas import optimizer_states
 from ..models import GPT, GPTConfig
-from ..pipeline.stage import check_stages
 from .constants import constants as measured
 from .cost import step_seconds
 from .at_scale import LOCAL
 from .hardware import ATTENTION, HARDWARE, Hardware
 from .scale import price
 from .moe_local import moe_step_seconds
-from .moe_shape import check_experts, gpt_moe_of, moe_memory
-from .shape import ModelShape
+from .moe_shape import gpt_moe_of, moe_memory
+from .shape import ModelShape, shape_and_facts
+from ..engine.rules import refusals
 
 __all__ = ["Estimate", "estimate", "memory_of", "hardware_of", "priced", "gpt_of"]
 
@@ -209,7 +210,11 @@ def _gpt_params(gpt: GPTConfig) -> int:
     return ModelShape.of(gpt).params
 
 
-def _check(config, batch, seq, shape, uneven: bool = False, local: bool = True) -> None:
+def _check(config, batch, shape, facts, uneven: bool = False, local: bool = True) -> list[str]:
+    """Refuse what ``ck.estimate`` cannot price: a batch that does not split, and every rule of the engine's parts
+    (``engine.rules``, the rules ``boost`` and ``ck.plan`` follow) but the pipeline's even split with
+    ``uneven``, and, at a preset (not ``local``), the rules ``priced`` (a layout the engine cannot lower for this
+    model, priced as the shape reads): those come back as assumptions."""
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"ck.estimate takes a ParallelConfig, got {type(config).__name__}: "
                           f"e.g. ck.ParallelConfig(dp=8, tp=8, pp=4, microbatches=32)")
@@ -219,14 +224,20 @@ def _check(config, batch, seq, shape, uneven: bool = False, local: bool = True) 
         raise ConfigError(f"a global batch of {batch} sequences does not split over dp x microbatches = "
                           f"{config.dp} x {config.microbatches}: use a batch that is a multiple of "
                           f"{config.dp * config.microbatches}, or fewer microbatches")
-    if shape.heads % config.tp and config.tp_mode == "1d":
-        raise ConfigError(f"tp={config.tp} does not divide the model's {shape.heads} attention heads: "
-                          f"use a tp that divides {shape.heads}")
-    if config.pp > 1 and not uneven:
-        check_stages(shape.layers, config)  # the engine's rule: the blocks split evenly over pp x chunks
-    if seq % config.sp:
-        raise ConfigError(f"sp={config.sp} does not divide the sequence of {seq} tokens: use an sp that divides it")
-    check_experts(shape, config, local)
+    notes = []
+    for part, rule, why in refusals(config, facts):
+        if uneven and rule.name == "pipeline_stages":
+            continue  # priced with its fullest stage (estimate's assumptions say so)
+        if rule.priced and not local:
+            notes.append(f"not runnable by colab_kit's engine, priced as the model's widths read (the {part.name} "
+                         f"part's rule {rule.name}): {why}")
+            continue
+        raise ConfigError(why)
+    if shape.experts and config.ep > 1 and config.offload != "none":
+        raise ConfigError(f"the planner prices expert parallelism (ep={config.ep}) without offload (the engine runs "
+                          f"it, its host states are not priced yet), got offload={config.offload!r}: set "
+                          f"offload='none'")
+    return notes
 
 
 def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = None, hardware="8xA100-80GB",
@@ -247,7 +258,7 @@ def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = Non
     only): the software priced on the node, a name of ``planner.stack.STACKS`` ("colab_kit", the engine, by
     default; "megatron-core", "torchtitan", "megatron-lm-2021", "deepspeed-2021") or a ``Stack``; ``attention``
     then overrides its kernel. Nothing runs: no process, no tensor."""
-    shape = ModelShape.of(model, policy, seq)
+    shape, facts = shape_and_facts(model, policy, seq)
     seq = shape.seq
     if precision is not None:
         config = config.replace(precision=precision)
@@ -259,7 +270,7 @@ def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = Non
     if uneven_stages and hw == LOCAL:
         raise ConfigError("uneven_stages prices a layout the engine cannot run: give a cluster preset, e.g. "
                           "hardware='8xH800-SXM', or stages that split the blocks evenly")
-    _check(config, batch, seq, shape, uneven_stages, hw == LOCAL)
+    refused = _check(config, batch, shape, facts, uneven_stages, hw == LOCAL)
     try:
         optimizer_states(optimizer)
     except ValueError as exc:  # an unknown optimizer, refused before anything is priced
@@ -280,6 +291,7 @@ def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = Non
         return est
     assert isinstance(hw, Hardware)
     est = priced(shape, config, batch, hw, memory, optimizer)
+    est.assumptions.extend(refused)
     if uneven_stages and shape.layers % (config.pp * config.chunks):
         est.assumptions.append(f"{shape.layers} blocks over {config.pp * config.chunks} stages: the fullest "
                                f"{-(-shape.layers // (config.pp * config.chunks))} (the engine needs an even split)")

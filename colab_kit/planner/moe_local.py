@@ -1,8 +1,8 @@
 """``ck.plan`` and ``ck.estimate`` of a mixture of experts on this machine (the measured constants).
 
-The configs: what ``enumerate_configs`` gives that ``boost`` runs for the model (``engine.core.unsupported``:
-tp 1D only, without split_gather, and sp only with dropless layers), each again with every ``ep > 1`` that
-divides both dp x sp and the experts (what ``boost`` refuses is never proposed). The seconds: the local cost
+The configs: what ``enumerate_configs`` gives for the model's facts (``engine.rules``, the rules ``boost``
+applies: tp 1D only, without split_gather, and sp only with dropless layers), each again with every ``ep > 1``
+that divides both dp x sp and the experts (what ``boost`` refuses is never proposed). The seconds: the local cost
 model (``planner.cost.step_seconds``) of the dense GPT a token sees, its MLP as wide as the experts it is
 routed to and the shared ones (``top_k * d_expert + shared * d_expert``; under 1D tp ``tp`` times that, so
 that a rank's tp share of it is the whole MoE layer's work, which every tp rank repeats), plus the dispatch
@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..engine.core import unsupported
+from ..engine.facts import ModelFacts
+from ..engine.rules import first_refusal
 from ..memory.formulas import PRECISION_BYTES
-from ..models import GPT, GPTConfig
+from ..models import GPTConfig
 from ..models.moe import moe_blocks
 from .comm_cost import _coll
 from .cost import step_seconds
@@ -38,20 +39,20 @@ from .cost import step_seconds
 __all__ = ["moe_configs", "moe_step_seconds", "active_gpt"]
 
 
-def moe_configs(model: GPTConfig, world_size: int, batch: int, precision: str = "fp32", with_auto: bool = False):
-    """Every config ``boost`` runs for the MoE GPT ``model`` on ``world_size`` ranks (module docstring)."""
+def moe_configs(model: GPTConfig, world_size: int, batch: int, precision: str = "fp32", with_auto: bool = False,
+                facts: ModelFacts | None = None):
+    """Every config ``boost`` runs for the MoE GPT ``model`` on ``world_size`` ranks (module docstring); ``facts``:
+    the model's (``ModelFacts.of(model)`` by default)."""
     from . import enumerate_configs
-    meta = GPT(model, device="meta")  # what unsupported reads: its MoE layers and their capacity
-    for cfg in enumerate_configs(model, world_size, batch, precision, with_auto):
-        if unsupported(cfg, meta) is not None:
-            continue
+    facts = facts if facts is not None else ModelFacts.of(model, seq=model.seq_len)
+    for cfg in enumerate_configs(model, world_size, batch, precision, with_auto, facts=facts):
         yield cfg
         fold = cfg.dp * cfg.sp
         for ep in range(2, fold + 1):
             if fold % ep or model.n_experts % ep:
                 continue
             moe = cfg.replace(ep=ep)
-            if unsupported(moe, meta) is None:
+            if first_refusal(moe, facts) is None:
                 yield moe
 
 

@@ -29,8 +29,8 @@ from ..memory.experts import moe_estimate
 from ..models import GPTConfig
 from ..models.moe import moe_blocks
 
-__all__ = ["check_experts", "gpt_moe_of", "gpt_moe_shape", "hf_experts", "hf_moe_shape", "moe_memory", "moe_refusal",
-           "stage_split", "tp_layer_params"]
+__all__ = ["gpt_moe_of", "gpt_moe_shape", "hf_experts", "hf_moe_shape", "moe_memory", "stage_split",
+           "tp_layer_params"]
 
 
 def gpt_moe_shape(cls, cfg, seq: int | None):
@@ -173,61 +173,3 @@ def moe_memory(shape, config, batch: int, optimizer: str = "adamw") -> dict:
         params = [tuple(map(sum, zip(*[stage(s) for s in plan.stages_of(r)]))) for r in range(config.pp)]
     return moe_estimate(gpt, config, batch, optimizer, seq=shape.seq, moe=shape.moe_blocks, split=split,
                         params=params)
-
-
-def moe_refusal(shape, config) -> str | None:
-    """What ``boost`` refuses of a mixture of experts under ``config`` (``engine.core.unsupported``'s MoE rules,
-    in its words), or None: 2D/2.5D/3D tp and split_gather (they split the tokens a router sees over the tp
-    ranks), a capacity factor under sp (a rank's tokens are no run of the batch's order).
-
-        >>> from colab_kit import ParallelConfig
-        >>> from colab_kit.models import GPTConfig
-        >>> from colab_kit.planner.shape import ModelShape
-        >>> s = ModelShape.of(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4))
-        >>> moe_refusal(s, ParallelConfig(dp=2, tp=2)) is None, moe_refusal(s, ParallelConfig(dp=2, sp=2)) is None
-        (True, True)
-        >>> moe_refusal(s, ParallelConfig(tp=4, tp_mode="2d"))[:61]
-        'this version of the engine does not run mixture-of-experts la'
-    """
-    if not shape.experts:
-        return None
-    c = config
-    if c.tp > 1 and (c.tp_mode != "1d" or c.sp_mode == "split_gather"):
-        what = f"tp_mode={c.tp_mode!r}" + (" and split_gather" if c.sp_mode == "split_gather" else "")
-        return (f"this version of the engine does not run mixture-of-experts layers with {what} (which split the "
-                f"tokens a router sees over the tp ranks) yet: set tp_mode='1d' without split_gather (each tp rank "
-                f"routes the same tokens: the MoE layers run whole on every tp rank)")
-    if c.sp > 1 and shape.drops:
-        return (f"this version of the engine does not run mixture-of-experts layers with a capacity factor under "
-                f"sequence parallelism (sp={c.sp}: a rank's tokens are not one run of the batch's order, which sets "
-                f"the capacity's priority) yet: set sp=1 (dp={c.dp * c.sp} runs the same ranks), or "
-                f"capacity_factor=None (dropless)")
-    return None
-
-
-def check_experts(shape, config, local: bool = True) -> None:
-    """The engine's rules for a mixture of experts (``engine.core.unsupported`` and ``check_experts``), a
-    ConfigError with the rule and a value that works: ep divides the experts (and dp x sp, ``ParallelConfig``'s
-    rule); tp 1D only, without split_gather, and dropless layers only under sp (``moe_refusal``); and what the
-    planner does not price yet although the engine runs it: ep with offload. MoE layers under 1D tp (whole on
-    every tp rank) and under sp (``seq / sp`` tokens a rank, ep over dp x sp) are priced (``moe_price``,
-    ``memory.experts``). ``local``: kept for the callers (the rules are the same on this machine and at a
-    preset)."""
-    fold = config.dp * config.sp
-    if not shape.experts:
-        if config.ep > 1:
-            raise ConfigError(f"ep={config.ep} splits the experts of mixture-of-experts layers and {shape.name} has "
-                              f"none: set ep=1 (or price a model with experts, GPTConfig(n_experts=8))")
-        return
-    why = moe_refusal(shape, config)
-    if why is not None:
-        raise ConfigError(why)
-    if shape.experts % config.ep:
-        ok = [k for k in range(1, fold + 1) if fold % k == 0 and shape.experts % k == 0]
-        raise ConfigError(f"ep={config.ep} splits each mixture-of-experts layer's {shape.experts} experts over "
-                          f"{config.ep} ranks, so it must divide the number of experts: try ep={ok[-1]} (it must "
-                          f"also divide dp x sp = {fold})")
-    if config.ep > 1 and config.offload != "none":
-        raise ConfigError(f"the planner prices expert parallelism (ep={config.ep}) without offload (the engine runs "
-                          f"it, its host states are not priced yet), got offload={config.offload!r}: set "
-                          f"offload='none'")

@@ -5,7 +5,8 @@ Every config the engine runs for ``gpus`` ranks is a candidate; the search price
 
 1. **shapes the model cannot take**: tp must divide the heads (and the hidden size), pp the layers
    (interleaved: pp x chunks), sp the sequence (Ulysses: the heads per tp rank too), dp x microbatches
-   the batch; what ``boost`` refuses (``engine.core.unsupported``: ZeRO-3 with a pipeline, ...).
+   the batch; what ``boost`` refuses, every part's rule for the model's facts (``engine.rules.first_refusal``:
+   ZeRO-3 with a pipeline, sizes a tensor mode cannot split, a Llama under split_gather, ...).
 2. **what cannot fit**: the model states of a (tp, pp, dp, zero) alone (params, grads and optimizer of the
    fullest stage, ``memory.formulas.model_state_bytes``) above the device's usable bytes: none of its
    microbatch sizes, schedules or recomputations is looked at.
@@ -51,15 +52,15 @@ from collections.abc import Iterator
 from operator import attrgetter
 
 from ..config import ConfigError, ParallelConfig
-from ..engine.core import unsupported
+from ..engine.facts import ModelFacts
+from ..engine.rules import first_refusal
 from ..memory.formulas import model_state_bytes
 from .candidates import Candidate, Candidates
 from .estimate import Estimate, gpt_of, memory_of, priced
 from . import moe_price
-from .moe_shape import moe_refusal
 from .scale import compute_floor, price
 from .hardware import Hardware
-from .shape import ModelShape
+from .shape import ModelShape, shape_and_facts
 
 __all__ = ["search", "layouts", "plan_at_scale", "RECOMPUTE"]
 
@@ -155,15 +156,6 @@ def _eps(shape: ModelShape, fold: int, restrict: dict | None = None) -> list[int
     return [e for e in _divisors(fold) if shape.experts % e == 0 and _allowed(restrict or {}, "ep", e)] or [1]
 
 
-def _refused(cfg: ParallelConfig, shape: ModelShape | None = None) -> bool:
-    """What ``boost`` refuses (``engine.core.unsupported``; for a mixture of experts its MoE rules too,
-    ``moe_shape.moe_refusal``: tp 1D only, without split_gather, dropless under sp), except expert parallelism
-    in bf16 / fp16, which is priced at scale with an assumption saying so (``scale._moe_notes``)."""
-    if shape is not None and moe_refusal(shape, cfg) is not None:
-        return True
-    return unsupported(cfg.replace(precision="fp32") if cfg.ep > 1 else cfg) is not None
-
-
 def _modes(shape, dp, tp, pp, sp, batch) -> Iterator[tuple[int, str, int, tuple[str, ...]]]:
     """(microbatches, tp_mode, tp_depth, sp_modes) of a layout's configs, each taken with every schedule
     (``_configs``; ``_floor``, which needs no schedule). With sp > 1 the sequence is split by ring or Ulysses,
@@ -180,7 +172,7 @@ def _modes(shape, dp, tp, pp, sp, batch) -> Iterator[tuple[int, str, int, tuple[
             yield m, mode, depth, tuple(s for s in modes if s != "ulysses" or (shape.heads // tp) % sp == 0)
 
 
-def _configs(shape, dp, tp, pp, sp, batch, precision, restrict, zero: int = 0,
+def _configs(shape, dp, tp, pp, sp, batch, precision, restrict, facts: ModelFacts, zero: int = 0,
              recompute: str = "none") -> Iterator[ParallelConfig]:
     """Configs of one layout at ``zero`` and ``recompute`` (the search varies those two afterwards); one that
     comes twice (``_modes``) is built once."""
@@ -206,7 +198,7 @@ def _configs(shape, dp, tp, pp, sp, batch, precision, restrict, zero: int = 0,
                         cfg = ParallelConfig(**fields, ep=ep)
                     except ConfigError:
                         continue
-                    if not _refused(cfg, shape):
+                    if first_refusal(cfg, facts) is None:  # boost's own question (engine.rules)
                         got.append(cfg)
                         yield cfg
 
@@ -219,7 +211,8 @@ def _bound(shape, cfg, batch, hw, optimizer) -> float:
     return p.step_seconds - p.breakdown.get("optimizer", 0.0) - p.breakdown.get("comm:dp", 0.0)
 
 
-def _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, offloads) -> list[Estimate]:
+def _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, offloads,
+              facts: ModelFacts) -> list[Estimate]:
     """The (zero, offload, recompute) variants of ``cfg`` that fit and that no faster one beats on memory: for
     each ZeRO stage and offload the least recomputation that fits (more is only slower), then the time-memory
     Pareto front."""
@@ -230,7 +223,7 @@ def _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, 
                 c = cfg.replace(zero=zero, recompute=rc, offload=offload)
             except ConfigError:
                 break
-            if _refused(c, shape):
+            if first_refusal(c, facts) is not None:
                 break
             mem = memory_of(shape, c, batch, optimizer, gpt=gpt, fit=False)
             if sum(mem["device"].values()) <= usable:
@@ -271,7 +264,7 @@ def _floor(shape, dp, tp, pp, sp, batch, precision, hw, probes: dict) -> float:
 
 def search(shape: ModelShape, gpus: int, batch: int, hw: Hardware, *, precision: str, optimizer: str = "adamw",
            memory_per_rank: int | None = None, restrict: dict | None = None, limit: int = 10,
-           lazy: bool = True) -> list[Estimate]:
+           lazy: bool = True, facts: ModelFacts | None = None) -> list[Estimate]:
     """The ``limit`` fastest candidates that fit, best first (see the module docstring for what is pruned).
 
     Branch and bound: every config is priced at its fastest variant (``_bound``) and taken in the order of that
@@ -280,8 +273,10 @@ def search(shape: ModelShape, gpus: int, batch: int, hw: Hardware, *, precision:
     nothing after it can beat. A layout's configs are built and bounded only when the search reaches the
     layout's floor (``_floor``: none of them comes sooner), so most never are; ``lazy=False`` bounds every config
     first, to the same answer. A bound below its layout's floor (a cost model that ``compute_floor`` no longer
-    follows) starts the search again without floors."""
+    follows) starts the search again without floors. ``facts``: what the engine's rules judge each config by
+    (``engine.facts.ModelFacts``; default: the shape's own, ``ModelFacts.of(shape)``), read once per plan."""
     restrict = dict(restrict or {})
+    facts = facts if facts is not None else ModelFacts.of(shape)
     usable = memory_per_rank if memory_per_rank is not None else hw.usable_bytes
     recomputes = [rc for rc in RECOMPUTE if _allowed(restrict, "recompute", rc)]
     offloads = [o for o in ("none", "cpu") if _allowed(restrict, "offload", o)] if "offload" in restrict else ["none"]
@@ -304,12 +299,13 @@ def search(shape: ModelShape, gpus: int, batch: int, hw: Hardware, *, precision:
         while nxt < len(todo) and (not queue or todo[nxt][0] <= queue[0][0]):
             floor, place, (dp, tp, pp, sp), zeros = todo[nxt]
             nxt += 1
-            for i, cfg in enumerate(_configs(shape, dp, tp, pp, sp, batch, precision, restrict, zeros[0],
+            for i, cfg in enumerate(_configs(shape, dp, tp, pp, sp, batch, precision, restrict, facts, zeros[0],
                                              recomputes[0])):
                 bound = _bound(shape, cfg, batch, hw, optimizer)
                 if bound < floor:
                     return search(shape, gpus, batch, hw, precision=precision, optimizer=optimizer,
-                                  memory_per_rank=memory_per_rank, restrict=restrict, limit=limit, lazy=False)
+                                  memory_per_rank=memory_per_rank, restrict=restrict, limit=limit, lazy=False,
+                                  facts=facts)
                 heapq.heappush(queue, (bound, place, i, cfg, zeros))
         if not queue:
             break
@@ -320,7 +316,8 @@ def search(shape: ModelShape, gpus: int, batch: int, hw: Hardware, *, precision:
         if key in done:
             found = [copy.deepcopy(e, {id(e.shape): e.shape, id(e.config): e.config}) for e in done[key]]
         else:
-            found = done[key] = _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, offloads)
+            found = done[key] = _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, offloads,
+                                          facts)
         for e in found:
             bisect.insort_right(out, e, key=_seconds)
         del out[limit:]
@@ -335,9 +332,9 @@ def plan_at_scale(model, gpus: int, batch: int, hw: Hardware, *, precision: str,
         raise ConfigError(f"world_size must be a positive whole number of GPUs, got {gpus!r}: try 64")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ConfigError(f"batch must be a positive whole number of sequences per step, got {batch!r}")
-    shape = ModelShape.of(model, policy, seq)
+    shape, facts = shape_and_facts(model, policy, seq)  # read once: priced by the shape, judged by the facts
     found = search(shape, gpus, batch, hw, precision=precision, optimizer=optimizer, memory_per_rank=memory_per_rank,
-                   restrict=restrict, limit=limit or 10)
+                   restrict=restrict, limit=limit or 10, facts=facts)
     if not found:
         need = shape.params * 16 / (memory_per_rank or hw.usable_bytes)
         raise ConfigError(f"no configuration of {gpus} GPUs of {hw.name} fits {shape.name} "

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..config import ConfigError
+from ..engine.facts import ModelFacts
 from ..models import GPT, GPTConfig
 from ..models.moe import has_experts
 from ..policy import missing_policy_message, policy_for
@@ -30,7 +31,7 @@ from ..sharded_init import meta_twin
 from ..tensor import model_sizes
 from .moe_shape import gpt_moe_shape, hf_experts, hf_moe_shape
 
-__all__ = ["ModelShape", "is_moe"]
+__all__ = ["ModelShape", "is_moe", "shape_and_facts"]
 
 
 def is_moe(model) -> bool:
@@ -228,6 +229,35 @@ def _formula_params(shape: ModelShape) -> int:
     norm = h if shape.gated else 2 * h  # the final RMSNorm (Llama) or LayerNorm
     blocks = sum(sum(shape.layer_params(i)) for i in range(shape.layers))
     return blocks + table + norm + (0 if shape.tied else shape.vocab * h)
+
+
+def shape_and_facts(model, policy=None, seq: int | None = None) -> tuple[ModelShape, ModelFacts]:
+    """``model``'s ``ModelShape`` (what the cost models price) and its ``ModelFacts`` (what ``engine.rules`` judges
+    a config by, as ``boost`` would), read once: a Hugging Face config is built on the meta device once for both;
+    a module's facts are read off a meta copy its policy prepared (GPT-2's Conv1D -> nn.Linear: the caller's model
+    is never changed); a GPTConfig's from its fields; a ``ModelShape``'s from its widths. The facts carry the
+    training sequence (``shape.seq``).
+
+        >>> s, f = shape_and_facts(GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2))
+        >>> (s.heads, s.seq), (f.heads, f.seq, f.policy)
+        ((4, 32), (4, 32, 'gpt'))
+    """
+    if isinstance(model, GPT):
+        model = model.cfg
+    if not isinstance(model, nn.Module) and hasattr(model, "model_type") and hasattr(model, "to_dict"):
+        model = _from_hf_config(model)
+    if isinstance(model, nn.Module) and has_experts(model) and isinstance(getattr(model, "cfg", None), GPTConfig):
+        model = model.cfg  # the built-in MoE GPT, as ModelShape.of reads it
+    shape = ModelShape.of(model, policy, seq)
+    if isinstance(model, GPTConfig):
+        return shape, ModelFacts.of(model, seq=shape.seq)
+    if not isinstance(model, nn.Module):
+        return shape, ModelFacts.of(shape)
+    found = policy_for(model, policy)
+    if found is not None and found.prepare is not None:
+        model = meta_twin(model)
+        found.prepare(model)
+    return shape, ModelFacts.of(model, found, seq=shape.seq)
 
 
 def _from_hf_config(config) -> nn.Module:

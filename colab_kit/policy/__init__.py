@@ -305,8 +305,9 @@ def policy_for(model: nn.Module, policy: Policy | None = None) -> Policy | None:
     return None
 
 
-def missing_policy_message(model: nn.Module, needs: str) -> str:
-    name = type(model).__name__
+def missing_policy_message(model: nn.Module | str, needs: str) -> str:
+    """Why ``needs`` (e.g. "tp=2 and pp=2") cannot run ``model`` (or a model class of that name) without a policy."""
+    name = model if isinstance(model, str) else type(model).__name__
     return (f"{needs} needs a sharding policy for {name}, and colab_kit has none built in (it has GPT, BERT, "
             f"ViT, and transformers' GPT2LMHeadModel, LlamaForCausalLM and the MoE causal LMs of "
             f"colab_kit.policy.hf_moe): pass ck.boost(model, opt, config, "

@@ -19,19 +19,18 @@ averaged over dp; the experts' gradients over the ranks holding the same experts
 What runs (``tests/ranks/test_hf_moe.py``): dp, ep, ZeRO 1-3 (ep with 1-2), recomputation, 1D tp (every tp
 rank routes the same tokens: the MoE layers run whole on each), sp ring and Ulysses, and pp where the
 load-balancing loss is off (DeepSeek-V3 has none; ``output_router_logits=False``). Refused under tp with the
-rule (``check_hf_moe``): DeepSeek-V3's multi-head latent attention (no tensor plan) and OLMoE (q/k norms over
-all heads); tp, sp and pp with GPT-OSS (attention sinks, sliding windows: dp, ep and ZeRO run it); 2D/2.5D/3D tp
-and split_gather for every MoE model (``engine.core.unsupported``).
+rule (``engine.rules``, from ``attention_limits``): DeepSeek-V3's multi-head latent attention (no tensor plan) and
+OLMoE (q/k norms over all heads); tp, sp and pp with GPT-OSS (attention sinks, sliding windows: dp, ep and ZeRO
+run it); 2D/2.5D/3D tp and split_gather for every MoE model.
 """
 from __future__ import annotations
 
 import torch.nn as nn
 
-from ..config import ConfigError
 from . import Attention, Policy
 from .hf import _llama_context
 
-__all__ = ["hf_moe_policy", "moe_layer_paths", "check_hf_moe", "MOE_CLASSES"]
+__all__ = ["hf_moe_policy", "moe_layer_paths", "attention_limits", "MOE_CLASSES"]
 
 MOE_CLASSES = {  # transformers' module:class -> the policy's name
     "transformers.models.mixtral.modeling_mixtral:MixtralForCausalLM": "hf-mixtral",
@@ -71,9 +70,9 @@ def hf_moe_policy(model) -> Policy:
               f"{L}.*.post_attention_layernorm": "rmsnorm", "model.norm": "rmsnorm", "lm_head": "head"}
     attention = {f"{L}.*.self_attn": Attention(n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_attention_heads,
                                                hf=True)}
-    if _sinks(model):  # attention sinks, sliding windows: dp and ep only (``check_hf_moe``)
+    if _sinks(model):  # attention sinks, sliding windows: dp and ep only (``attention_limits``)
         attention = {}
-    elif not _latent(model):  # multi-head latent attention: no tensor plan (``check_hf_moe``)
+    elif not _latent(model):  # multi-head latent attention: no tensor plan (``attention_limits``)
         layers.update({f"{L}.*.self_attn.{p}_proj": r for p, r in
                        (("q", "column"), ("k", "column"), ("v", "column"), ("o", "row"))})
         attention = {f"{L}.*.self_attn": Attention(n_heads=cfg.num_attention_heads,
@@ -107,25 +106,12 @@ def _sinks(model) -> bool:
     return hasattr(model.get_submodule("model.layers.0.self_attn"), "sinks")
 
 
-def check_hf_moe(config, model: nn.Module) -> None:
-    """What a ``MOE_CLASSES`` model cannot run under ``config`` (tensor parallelism splits the attention's heads;
-    GPT-OSS's attention runs whole rows only): a ConfigError with the rule and what works; nothing for any other
-    model."""
+def attention_limits(model: nn.Module) -> dict[str, bool]:
+    """What a ``MOE_CLASSES`` model's attention keeps from the engine's plans, for ``engine.rules``: ``sinks``
+    (GPT-OSS: a learned sink per head, sliding windows; no tensor, sequence or pipeline plan), ``latent``
+    (DeepSeek-V3's multi-head latent attention: no tensor plan), ``qk_norm`` (OLMoE: q and k normalised over
+    all heads at once, which a split of the heads cannot compute locally); {} for any other model."""
     key = f"{type(model).__module__}:{type(model).__qualname__}"
     if key not in MOE_CLASSES:
-        return
-    split = [f"{a}={getattr(config, a)}" for a in ("tp", "sp", "pp") if getattr(config, a) > 1]
-    if _sinks(model) and split:
-        raise ConfigError(f"{' and '.join(split)} with {type(model).__name__}: its attention (a learned sink per "
-                          "head, sliding-window layers among full ones, masks the model's own forward makes) has no "
-                          "tensor, sequence or pipeline plan in this version: set tp=1, sp=1 and pp=1 (dp, ep and "
-                          "ZeRO run it)")
-    if config.tp == 1:
-        return
-    why = ("its multi-head latent attention (queries and keys-values through low-rank latents shared by every head, "
-           "q_a_proj / kv_a_proj_with_mqa) has no tensor plan in this version" if _latent(model) else
-           "it normalises q and k over all heads' features at once (q_norm / k_norm over num_heads x head_dim), "
-           "which a split of the heads cannot compute locally" if _whole_qk_norm(model) else None)
-    if why is not None:
-        raise ConfigError(f"tp={config.tp} with {type(model).__name__}: {why}: set tp=1 (dp={config.dp * config.tp} "
-                          "runs the same ranks; ep splits the experts, sp the sequence)")
+        return {}
+    return {"sinks": _sinks(model), "latent": _latent(model), "qk_norm": _whole_qk_norm(model)}

@@ -46,10 +46,37 @@ from .zigzag import check_length, sequence_positions, split_sequence
 from ..placement import add_partial
 from ..policy import policy_for
 
-__all__ = ["SequencePlan", "SequencePositions", "LAYOUT"]
+__all__ = ["SequencePlan", "SequencePositions", "LAYOUT", "attention_refusal", "scale_refusal"]
 
 LAYOUT = {"ring": "zigzag", "ulysses": "contiguous"}
 """The token layout over sp of each mode."""
+
+
+def attention_refusal(policy_name: str | None, attends: bool, sequence: bool, bidirectional_hf: bool) -> str | None:
+    """Why sequence parallelism cannot take a model's attention, or None: ``attends``, every attention names its
+    ``attend`` method or is transformers' (the plan replaces it); ``sequence``, the inputs have a token dim;
+    ``bidirectional_hf``, a transformers attention that is not causal (the plan runs those causally)."""
+    if not attends:
+        return (f"sequence parallelism replaces each attention's attend(q, k, v); policy {policy_name!r} names none "
+                f"for some attention module: give Attention(attend='<method name>') in the policy, or use sp=1")
+    if not sequence:
+        return (f"sequence parallelism splits the inputs' tokens (dim 1); policy {policy_name!r} says its inputs have "
+                f"no token dimension (ViT's are images, its tokens made inside the model): use sp=1 for this model, "
+                f"and tp or pp to split it")
+    if bidirectional_hf:
+        return (f"sequence parallelism runs transformers' attention functions causally; policy {policy_name!r} has "
+                f"a bidirectional one: use sp=1 for this model")
+    return None
+
+
+def scale_refusal(scaling: float | None, head_dim: int) -> str | None:
+    """Why sequence parallelism cannot run a transformers attention that scales ``q . k`` by ``scaling`` with
+    query heads ``head_dim`` wide, or None: ring and Ulysses scale by ``1 / sqrt(head_dim)`` (DeepSeek-V3's
+    published YaRN rope scales by ``mscale**2`` more)."""
+    if scaling is None or abs(scaling - head_dim ** -0.5) <= 1e-12:
+        return None
+    return (f"sequence parallelism scales attention by 1/sqrt(head_dim); this model asks for {scaling}: use sp=1 "
+            f"for it")
 
 
 class SequencePositions(nn.Embedding):
@@ -147,19 +174,13 @@ class SequencePlan:
 
     @staticmethod
     def check_policy(model, policy, config) -> None:
-        """What the policy must say for sequence parallelism: an ``attend`` on every attention, all causal."""
+        """What the policy must say for sequence parallelism: an ``attend`` on every attention, all causal
+        (``attention_refusal``, the rule ``engine.rules`` applies before any process)."""
         atts = policy.attentions(model)
-        if not atts or any(a.attend is None and not a.hf for _, _, a in atts):
-            raise ConfigError(f"sequence parallelism replaces each attention's attend(q, k, v); policy "
-                              f"{policy.name!r} names none for some attention module: give Attention(attend="
-                              f"'<method name>') in the policy, or use sp=1")
-        if not policy.sequence:
-            raise ConfigError(f"sequence parallelism splits the inputs' tokens (dim 1); policy {policy.name!r} says "
-                              f"its inputs have no token dimension (ViT's are images, its tokens made inside the "
-                              f"model): use sp=1 for this model, and tp or pp to split it")
-        if any(a.hf and not a.causal for _, _, a in atts):
-            raise ConfigError(f"sequence parallelism runs transformers' attention functions causally; policy "
-                              f"{policy.name!r} has a bidirectional one: use sp=1 for this model")
+        why = attention_refusal(policy.name, bool(atts) and all(a.attend is not None or a.hf for _, _, a in atts),
+                                policy.sequence, any(a.hf and not a.causal for _, _, a in atts))
+        if why is not None:
+            raise ConfigError(why)
 
     def check_length(self, t: int) -> None:
         """A sequence of ``t`` tokens must split into this mode's pieces (before any collective)."""
@@ -254,9 +275,9 @@ class SequencePlan:
 
         def attention(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, **kwargs):
             d = query.shape[-1]
-            if scaling is not None and abs(scaling - d ** -0.5) > 1e-12:
-                raise ConfigError(f"sequence parallelism scales attention by 1/sqrt(head_dim); this model asks "
-                                  f"for {scaling}: use sp=1 for it")
+            why = scale_refusal(scaling, d)  # refused before any process too (engine.rules)
+            if why is not None:
+                raise ConfigError(why)
             local = drop = None
             if dropout and module.training and self.mode == "ulysses":  # whole rows of this rank's heads
                 local = functools.partial(_eager_dropout, module=module, p=dropout, scale=d ** -0.5)

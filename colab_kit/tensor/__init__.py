@@ -131,7 +131,11 @@ def check_model(model_cfg, config, policy=None) -> None:
     """
     if config.tp > 1:
         sizes = model_sizes(model_cfg, policy)
-        plan_class(config.tp_mode, config.sp_mode).check(sizes, MeshLayout(config))
+        plan = plan_class(config.tp_mode, config.sp_mode)
+        why = plan.refused_layers(sizes)
+        if why is not None:
+            raise ConfigError(why)
+        plan.check(sizes, MeshLayout(config))
 
 
 def model_sizes(model, policy=None):

@@ -73,6 +73,12 @@ class TensorPlan:
         before any process is touched (``check_model``).
         """
 
+    @classmethod
+    def refused_layers(cls, model_cfg) -> str | None:
+        """Why this mode has no form for some of the model's layers (``model_sizes``' roles and tied pairs), or
+        None: every mode but split_gather takes what a policy names."""
+        return None
+
     # ------------------------------------------------------------------ lowering a policy
     head_axes: tuple[str, ...] = ("tp",)
     """Axes over which the attention heads are split (their sizes divide each head count)."""

@@ -57,7 +57,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
-from ..config import ConfigError
 from ..policy.classes import derived_class, derived_from
 from .zero_bubble import split_linear
 from ..placement import add_partial
@@ -206,14 +205,20 @@ class SplitGather1D(Plan1D):
     token_axes = ("tp",)  # the LayerNorm/dropout regions hold t/tp tokens
 
     @classmethod
-    def check(cls, cfg, layout) -> None:
+    def refused_layers(cls, cfg) -> str | None:
+        """Its regions split the sequence of token and position tables, norms, column/row Linears and a head
+        only: a model with other roles (a Llama's RMSNorms and rotary embedding) or tied weights is refused."""
         bad = sorted(set(getattr(cfg, "roles", {})) - {"vocab", "positions", "column", "row", "norm", "head"})
-        if bad or getattr(cfg, "tied", None):
-            what = " and ".join([", ".join(f"{r} ({cfg.roles[r]})" for r in bad)] * bool(bad)
-                                + ["tied weights"] * bool(cfg.tied))
-            raise ConfigError(f"sp_mode='split_gather' splits the sequence of models made of token and position "
-                              f"tables, norms, column/row Linears and a head; this one also has {what}: use "
-                              f"plain tp_mode='1d' (sp_mode='ring' or 'ulysses' for causal models)")
+        if not bad and not getattr(cfg, "tied", None):
+            return None
+        what = " and ".join([", ".join(f"{r} ({cfg.roles[r]})" for r in bad)] * bool(bad)
+                            + ["tied weights"] * bool(cfg.tied))
+        return (f"sp_mode='split_gather' splits the sequence of models made of token and position tables, norms, "
+                f"column/row Linears and a head; this one also has {what}: use plain tp_mode='1d' (sp_mode='ring' "
+                f"or 'ulysses' for causal models)")
+
+    @classmethod
+    def check(cls, cfg, layout) -> None:
         super().check(cfg, layout)
         p = layout.size("tp")
         require_divisible({"seq_len": cfg.seq_len}, p,

@@ -153,9 +153,11 @@ class Plan1D(TensorPlan):
     @classmethod
     def check(cls, cfg, layout) -> None:
         p = layout.size("tp")
+        heads = (f"; tp={p} does not divide the model's {cfg.n_heads} attention heads: use a tp that divides "
+                 f"{cfg.n_heads}") if cfg.n_heads % p else ""
         require_divisible({"n_heads": cfg.n_heads, **cfg.kv, "d_ff": cfg.d_ff, **cfg.outputs, **cfg.tables}, p,
                           f"tp_mode='1d' splits attention heads, the MLP's inner size and the vocabulary "
-                          f"over tp={p}: choose sizes that are multiples of {p}, or a tp that divides them")
+                          f"over tp={p}: choose sizes that are multiples of {p}, or a tp that divides them{heads}")
 
     def layer(self, role, path, dense):
         make = self.LAYERS.get(role)

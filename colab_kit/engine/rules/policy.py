@@ -1,0 +1,28 @@
+"""The policy part's rules: what every part lowers (a policy that exists and fits the model, an attention some
+plan takes)."""
+from __future__ import annotations
+
+from ...policy import missing_policy_message
+from .base import needs, rule
+
+
+@rule()
+def needs_policy(c, f):
+    if f.policy is None and (what := needs(c)):
+        return missing_policy_message(f.name, what)
+    return None
+
+
+@rule()
+def policy_fits(c, f):
+    return f.policy_error if f.policy_error is not None and needs(c) else None
+
+
+@rule(priced=True)
+def attention_sinks(c, f):
+    split = [f"{a}={getattr(c, a)}" for a in ("tp", "sp", "pp") if getattr(c, a) > 1]
+    if not (f.sinks and split):
+        return None
+    return (f"{' and '.join(split)} with {f.name}: its attention (a learned sink per head, sliding-window layers "
+            "among full ones, masks the model's own forward makes) has no tensor, sequence or pipeline plan in this "
+            "version: set tp=1, sp=1 and pp=1 (dp, ep and ZeRO run it)")
