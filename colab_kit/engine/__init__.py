@@ -1,14 +1,15 @@
 """The engine: ``boost`` = ``parallelize`` (this rank's share of the model) + the optimizer + one training step.
 
-    parallelize.py   ck.parallelize: the ordered steps (STEPS), each an apply_<what> in its part's apply.py
-                     (dropout, tensor, sequence, recompute, pipeline, precision, zero)
+    parts.py         PARTS: every parallel part in its one order (name, wants, rules, apply: the step, an
+                     apply_<what> in its part's apply.py); first_refusal, plan_steps
+    parallelize.py   ck.parallelize: a loop over PARTS, its result Parallelized
     step.py          TrainingStep: the one training step every config runs (batch split, F/B work or the
                      pipeline executor's actions, gradient sync, clipping, fp16 scaling, optimizer, records)
     core.py          boost() and Engine: train_step, evaluate, generate, fit, save, load, close and the records
     reports.py       EngineView and the reports over it: memory (measured and estimated), comm, timeline, ...
     checks.py        check_policy: what boost refuses in the kernel (the policy's prepare, then the rules)
-    rules/           every part's refusals, a module per part, asked by boost and the planner alike
-                     (first_refusal over ModelFacts)
+    rules/           every part's refusals, a module per part (RULES), asked by boost and the planner alike
+                     through engine.parts.first_refusal over ModelFacts
     facts.py         ModelFacts: what the rules read of a model (a module, a GPTConfig or a planner shape)
     clipping.py      global gradient-norm clipping over every shard
     loss.py          the contract's loss, exact however the batch is split

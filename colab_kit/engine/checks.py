@@ -17,7 +17,7 @@ from ..policy import policy_for
 from ..policy.hf_moe import hf_moe_sizes
 from ..sharded_init import defer
 from .facts import ModelFacts
-from .rules import first_refusal
+from .parts import first_refusal
 
 __all__ = ["check_policy", "count_router_loss"]
 

@@ -51,7 +51,7 @@ from .fit import fit as _fit
 from .generate import generate as _generate
 from .loss import TokenLoss, lm_loss
 from .parallelize import parallelize
-from .rules import first_refusal, not_yet, part
+from .parts import first_refusal, not_yet, part
 from .step import TrainingStep
 
 __all__ = ["boost", "Engine", "lm_loss", "unsupported", "check_policy", "TokenLoss"]

@@ -34,7 +34,7 @@ import torch.nn as nn
 from ..config import ConfigError, ParallelConfig
 from .constants import constants
 from ..engine.facts import ModelFacts
-from ..engine.rules import first_refusal
+from ..engine.parts import first_refusal
 from ..memory.estimator import config_estimate, gpt_like, model_activations, part_params, traced_activations
 from ..memory.formulas import optimizer_states, placed
 from ..models import GPTConfig

@@ -52,7 +52,7 @@ from .scale import price
 from .moe_local import moe_step_seconds
 from .moe_shape import gpt_moe_of, moe_memory
 from .shape import ModelShape, shape_and_facts
-from ..engine.rules import refusals
+from ..engine.parts import refusals
 
 __all__ = ["Estimate", "estimate", "memory_of", "hardware_of", "priced", "gpt_of"]
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..engine.facts import ModelFacts
-from ..engine.rules import first_refusal
+from ..engine.parts import first_refusal
 from ..memory.formulas import PRECISION_BYTES
 from ..models import GPTConfig
 from ..models.moe import moe_blocks

@@ -53,7 +53,7 @@ from operator import attrgetter
 
 from ..config import ConfigError, ParallelConfig
 from ..engine.facts import ModelFacts
-from ..engine.rules import first_refusal
+from ..engine.parts import first_refusal
 from ..memory.formulas import model_state_bytes
 from .candidates import Candidate, Candidates
 from .estimate import Estimate, gpt_of, memory_of, priced

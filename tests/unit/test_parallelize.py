@@ -1,12 +1,11 @@
 """``ck.parallelize``: the ordered list of steps, printed for every config the parity matrix runs.
 
-Run with ``-s`` to see each config's list. The order is ``STEPS``, written once in
-``colab_kit/engine/parallelize.py``; each step is there exactly when the config asks for it (the rank tests
+Run with ``-s`` to see each config's list. The order is ``engine.parts.PARTS``, written once (``STEPS``: the
+names of the parts with a step); each step is there exactly when the config asks for it (the rank tests
 check that an engine took exactly these steps: ``test_every_composition_took_the_planned_steps_of_parallelize``).
 """
 from __future__ import annotations
 
-import ast
 import inspect
 
 import pytest
@@ -34,19 +33,15 @@ def test_the_steps_of_each_config_in_order(name, kw):
     assert "dropout" not in steps and "dropout" in plan_steps(cfg, dropout=True)
 
 
-def test_parallelize_is_written_in_the_order_of_steps():
-    """The body of ``parallelize`` takes its steps in ``STEPS``' order: the order is written once. A body that
-    took two steps the other way round is caught (the second half of the test)."""
-    def taken(src: str) -> list[str]:
-        calls = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call)
-                 and isinstance(n.func, ast.Name) and n.func.id == "take"]
-        return [c.args[0].value for c in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]
-
+def test_the_order_is_written_once_in_the_parts():
+    """``parallelize`` is a loop over ``engine.parts.PARTS``: no step's name appears in its body, ``STEPS`` is the
+    parts' names with a step, and each part's ``wants`` is what ``plan_steps`` reads (a part that wanted
+    another config's field would be caught by the per-config checks above)."""
+    from colab_kit.engine.parts import PARTS
     src = inspect.getsource(par.parallelize)
-    assert taken(src) == list(STEPS)
-    swapped = src.replace('take("tensor")', 'take("@@")').replace('take("sequence")', 'take("tensor")') \
-        .replace('take("@@")', 'take("sequence")')
-    assert taken(swapped) != list(STEPS)
+    assert not [s for s in STEPS if f'"{s}"' in src and s != "dropout"], "a step named in parallelize's body"
+    assert list(STEPS) == [p.name for p in PARTS if p.apply is not None]
+    assert [p.name for p in PARTS][:2] == ["policy", "defer_init"] and PARTS[0].apply is None
 
 
 def test_parallelize_fits_on_one_screen():

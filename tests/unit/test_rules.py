@@ -18,7 +18,7 @@ import torch
 import colab_kit as ck
 from colab_kit.engine.checks import check_policy
 from colab_kit.engine.facts import ModelFacts
-from colab_kit.engine.rules import PARTS, first_refusal, part, refusals
+from colab_kit.engine.parts import PARTS, first_refusal, part, refusals
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.planner import EXAMPLE_CONSTANTS, enumerate_configs
 from colab_kit.planner.moe_local import moe_configs
@@ -186,8 +186,8 @@ def test_a_gpt_config_has_the_facts_of_its_model(cfg):
 
 def test_every_part_has_a_name_and_refuses():
     names = [p.name for p in PARTS]
-    assert names == ["policy", "dropout", "tensor", "sequence", "expert", "recompute", "pipeline_split", "precision",
-                     "data_parallel"]
+    assert names == ["policy", "defer_init", "dropout", "tensor", "sequence", "expert", "recompute", "pipeline_split",
+                     "materialize", "placements", "broadcast", "precision", "data_parallel"]
     facts = ModelFacts.of(GPT_CFG)
     assert part("tensor").refuses(P(tp=8), facts) is not None and part("sequence").refuses(P(tp=8), facts) is None
     assert all(p.refuses(P(dp=8), facts) is None for p in PARTS)

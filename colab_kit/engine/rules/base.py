@@ -1,4 +1,4 @@
-"""The shape of a rule and of a part (``engine.rules``), and the helpers the rules share."""
+"""The shape of a rule (``engine.rules``; the parts that hold the rules: ``engine.parts``), and their helpers."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -8,7 +8,7 @@ from typing import NamedTuple
 from ...config import ConfigError, ParallelConfig
 from ..facts import ModelFacts
 
-__all__ = ["NotYet", "Rule", "Part", "rule", "sentence", "raised", "needs", "memo", "or_words"]
+__all__ = ["NotYet", "Rule", "rule", "sentence", "raised", "needs", "memo", "or_words"]
 
 
 class NotYet(NamedTuple):
@@ -46,24 +46,6 @@ class Rule:
 def rule(*, model: bool = True, priced: bool = False, not_yet: bool = False):
     """Make a function ``(config, facts) -> message | NotYet | None`` a ``Rule``."""
     return lambda fn: Rule(fn, model, priced, not_yet)
-
-
-@dataclass(frozen=True)
-class Part:
-    """A parallel part as the rules see it: its ``name`` (its step of ``ck.parallelize``) and its rules."""
-
-    name: str
-    rules: tuple[Rule, ...] = ()
-
-    def refuses(self, config: ParallelConfig, facts: ModelFacts | None = None) -> ConfigError | None:
-        """The first of this part's rules that ``config`` breaks for the model of ``facts``, or None."""
-        for r in sorted(self.rules, key=lambda r: not r.not_yet):
-            if r.model and facts is None:
-                continue
-            why = r.check(config, facts)
-            if why is not None:
-                return ConfigError(sentence([why]) if isinstance(why, NotYet) else why)
-        return None
 
 
 def raised(fn, *args) -> str | None:

@@ -50,3 +50,7 @@ def ep_experts(c, f):
     most = f"; the most that divides both: try ep={ok[-1]}" if len(ok) > 1 else ""
     return (f"ep={c.ep} splits each mixture-of-experts layer's {bad[0]} experts over {c.ep} ranks, so it must divide "
             f"the number of experts: try ep={or_words(ok)} (it must also divide dp x sp = {fold}{most})")
+
+
+RULES = (moe_tokens, moe_capacity, router_loss, ep_experts)
+"""This part's rules, in the order they are asked."""

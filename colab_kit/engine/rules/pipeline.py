@@ -27,3 +27,7 @@ def tied_across_ranks(c, f):
             f"stage on different ranks, whose copies' gradients are summed before the step; ZeRO's flat pieces "
             f"(zero={c.zero}) place them differently on the two ranks, which this version does not sum yet: use "
             f"zero=0, schedule='zb-v' (both stages on one rank), or untie them")
+
+
+RULES = (pipeline_stages, tied_across_ranks)
+"""This part's rules, in the order they are asked."""

@@ -26,3 +26,7 @@ def attention_sinks(c, f):
     return (f"{' and '.join(split)} with {f.name}: its attention (a learned sink per head, sliding-window layers "
             "among full ones, masks the model's own forward makes) has no tensor, sequence or pipeline plan in this "
             "version: set tp=1, sp=1 and pp=1 (dp, ep and ZeRO run it)")
+
+
+RULES = (needs_policy, policy_fits, attention_sinks)
+"""This part's rules, in the order they are asked."""

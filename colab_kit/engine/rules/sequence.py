@@ -36,3 +36,7 @@ def sequence_length(c, f):  # the training sequence where the planner knows it; 
     if c.sp > 1 and f.seq:
         return raised(check_length, f.seq, c.sp, LAYOUT[c.sp_mode])
     return None
+
+
+RULES = (sequence_tensor_1d, ulysses_heads, sequence_attention, attention_scale, sequence_length)
+"""This part's rules, in the order they are asked."""

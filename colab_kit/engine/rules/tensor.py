@@ -40,3 +40,7 @@ def tensor_sizes(c, f):
         return None
     return memo(f, ("tensor_sizes", c.tp, c.tp_mode, c.tp_depth, c.sp_mode), lambda: raised(
         lambda: plan_class(c.tp_mode, c.sp_mode).check(f.sizes, MeshLayout(c))))
+
+
+RULES = (split_gather_1d, attention_heads, split_gather_layers, tensor_sizes)
+"""This part's rules, in the order they are asked."""

@@ -10,3 +10,7 @@ def zero3_pipeline(c, f):
         return NotYet("ZeRO stage 3 with pipeline parallelism", "zero=2 with pp (stage 3 would gather each stage's "
                       "parameters for every microbatch's forward and backward), or zero=3 with pp=1")
     return None
+
+
+RULES = (zero3_pipeline,)
+"""This part's rules, in the order they are asked."""
