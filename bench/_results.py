@@ -62,3 +62,19 @@ def write(name: str, rows: list[dict], figures: dict, args: dict | None = None, 
         f.write("\n")
     print(f"wrote {path}")
     return path
+
+
+def gpu_or_smoke(name: str, cpu_smoke: bool, out: str | None) -> tuple[bool, str | None]:
+    """Where a GPU-only benchmark runs and writes: ``(cuda, path)``. On CUDA (and not ``cpu_smoke``) the path is
+    ``out`` (None: the benchmark's own result file); with ``cpu_smoke`` ``out`` or a temp file, never the GPU's
+    results; without CUDA and without ``cpu_smoke`` it says why on stderr and gives ``path`` None (exit 2)."""
+    import tempfile
+    cuda = torch.cuda.is_available() and not cpu_smoke
+    if not cuda and not cpu_smoke:
+        print(f"{name}: no CUDA device here. Run it on a GPU machine, or `python bench/{name}.py --cpu-smoke --out "
+              f"FILE` to exercise the same code on the CPU.", file=sys.stderr)
+        return False, None
+    if not cuda and not out:
+        fd, out = tempfile.mkstemp(prefix=f"{name}_smoke_", suffix=".json")
+        os.close(fd)
+    return cuda, out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{name}.json")

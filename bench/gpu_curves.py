@@ -42,7 +42,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,9 +57,9 @@ from colab_kit.planner.measured import (BACKWARD, attention_falloff, attention_f
                                         measured_preset)
 
 try:
-    from _results import machine, row  # noqa: E402
+    from _results import gpu_or_smoke, machine, row  # noqa: E402
 except ImportError:  # python -m bench.gpu_curves
-    from bench._results import machine, row  # noqa: E402
+    from bench._results import gpu_or_smoke, machine, row  # noqa: E402
 
 GPTS = ((16384, 768), (16384, 1024), (16384, 2048))  # (tokens, d_model) of gpu_estimate_check's GPTs, batch 16
 VOCAB = 25600
@@ -267,15 +266,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="the JSON to write (default: bench/results/gpu_curves.json on CUDA, a temp "
                                   "file with --cpu-smoke)")
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.cpu_smoke
-    if not cuda and not args.cpu_smoke:
-        print("gpu_curves: no CUDA device here. Run it on a GPU machine, or `python bench/gpu_curves.py "
-              "--cpu-smoke --out FILE` to exercise the same code on the CPU.", file=sys.stderr)
+    cuda, out = gpu_or_smoke("gpu_curves", args.cpu_smoke, args.out)
+    if out is None:
         return 2
-    out = args.out or os.path.join(ROOT, "bench", "results", "gpu_curves.json")
-    if not cuda and not args.out:  # a smoke run never writes over the GPU's curves
-        fd, out = tempfile.mkstemp(prefix="gpu_curves_smoke_", suffix=".json")
-        os.close(fd)
     sizes, dev, dtype = SIZES["cuda" if cuda else "cpu"], torch.device("cuda" if cuda else "cpu"), torch.bfloat16
     timer, t0 = Timer(cuda, sizes["warmup"], sizes["reps"]), time.perf_counter()
     device = torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.machine()}, {os.cpu_count()} cores)"

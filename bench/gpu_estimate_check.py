@@ -179,15 +179,9 @@ def main(argv=None) -> int:
                                   "temp file with --cpu-smoke)")
     ap.add_argument("--curves", default=CURVES, help="gpu_curves.py's JSON for the measured preset")
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.cpu_smoke
-    if not cuda and not args.cpu_smoke:
-        print("gpu_estimate_check: no CUDA device here. Run it on a GPU machine, or `python "
-              "bench/gpu_estimate_check.py --cpu-smoke --out FILE` to exercise the same code on the CPU.", file=sys.stderr)
+    cuda, out = _results.gpu_or_smoke("gpu_estimate_check", args.cpu_smoke, args.out)
+    if out is None:
         return 2
-    out = args.out
-    if not cuda and not out:  # a smoke run never writes over the GPU's results
-        fd, out = tempfile.mkstemp(prefix="gpu_estimate_smoke_", suffix=".json")
-        os.close(fd)
     mode = MODES["cuda" if cuda else "cpu"]
     jobs = [{"name": name, "model": model, "batch": batch, "recompute": rc}
             for name, model, batch, modes in mode["models"] for rc in modes]
