@@ -4,7 +4,9 @@
                      apply_<what> in its part's apply.py); first_refusal, plan_steps
     parallelize.py   ck.parallelize: a loop over PARTS, its result Parallelized
     step.py          TrainingStep: the one training step every config runs (batch split, F/B work or the
-                     pipeline executor's actions, gradient sync, clipping, fp16 scaling, optimizer, records)
+                     pipeline executor's actions), then finish.py's end_step
+    finish.py        the end of a step as a list: the gradient sync, the parts' hooks (engine.parts), the
+                     optimizer, the loss, the records; describe(config) prints it
     core.py          boost() and Engine: train_step, evaluate, generate, fit, save, load, close and the records
     reports.py       EngineView and the reports over it: memory (measured and estimated), comm, timeline, ...
     checks.py        check_policy: what boost refuses in the kernel (the policy's prepare, then the rules)

@@ -35,6 +35,7 @@ from ..config import ConfigError, ParallelConfig
 from ..dropout.apply import apply_dropout
 from ..expert.apply import apply_expert_parallel
 from ..models import GPTConfig
+from ..models.moe import update_router_bias
 from ..pipeline.apply import apply_pipeline_split
 from ..pipeline.stage import defer_stages
 from ..placement import PlacementTable, Replicate
@@ -43,13 +44,14 @@ from ..precision.apply import apply_precision
 from ..recompute.apply import apply_recompute
 from ..sequence.apply import apply_sequence_parallel
 from ..sharded_init import materialize, meta_twin
+from ..tensor import sync_grads
 from ..tensor.apply import apply_tensor_parallel
 from ..zero.apply import apply_data_parallel
 from .facts import ModelFacts
 from .rules import expert, pipeline, policy, sequence, tensor, zero
 from .rules.base import NotYet, Rule, sentence
 
-__all__ = ["Build", "PARTS", "Part", "first_refusal", "not_yet", "part", "plan_steps", "refusals"]
+__all__ = ["Build", "HOOKS", "PARTS", "Part", "first_refusal", "hooks", "not_yet", "part", "plan_steps", "refusals"]
 
 _EXAMPLE = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=4)
 
@@ -68,7 +70,7 @@ class Build:
     bucket_bytes: int | None = None
     device_budget: int | None = None
     group_of_name: Callable[[str], int] | None = None
-    twin: nn.Module | None = None
+    twin: Any = None  # the dense model on meta (defer_init)
     conv1d: tuple = ()
     deferred: bool = False
     undo: list = field(default_factory=list)
@@ -76,15 +78,15 @@ class Build:
     sp_plan: Any = None
     stages: list | None = None
     tied: list = field(default_factory=list)
-    module: nn.Module | None = None
+    module: Any = None  # the nn.Module this rank runs (materialize on)
     n_local: int = 0
-    table: PlacementTable | None = None
+    table: Any = None  # the PlacementTable (placements on)
     events: list = field(default_factory=list)
     grads: Any = None
     steps: list = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Part:
     """One parallel part (module docstring)."""
 
@@ -92,6 +94,9 @@ class Part:
     wants: Callable[[ParallelConfig, bool], bool] = lambda config, dropout: True
     rules: tuple[Rule, ...] = ()
     apply: Callable[[Build], None] | None = None
+    hooks: dict = field(default_factory=dict)
+    """This part's work in the training step (``engine.step``), by stage: ``HOOKS``' names to a function of the
+    ``TrainingStep`` and the stage's value; each decides from the step whether it has work this time."""
 
     def refuses(self, config: ParallelConfig, facts: ModelFacts | None = None) -> ConfigError | None:
         """The first of this part's rules that ``config`` breaks for the model of ``facts``, or None."""
@@ -171,24 +176,94 @@ def _data_parallel(b: Build) -> None:  # dp or ZeRO 1-3: gradient sync and what 
                                   group_of_name=b.group_of_name)
 
 
+# ---------------------------------------------------------------------------------------------- the step's hooks
+def _aux_losses(step, local):  # this rank's share of the auxiliary losses: their mean over ranks is one process's
+    return local + step.aux_value() if step.moe else local
+
+
+def _sum_tied(step, masters) -> None:
+    """A weight the first and the last pipeline stage share (a head tied to the token table) has a copy on each
+    of their ranks, each with the gradient of its own use: sum them over pp (the ranks between contribute
+    zeros), so both copies take the same step and stay equal (Megatron's way)."""
+    for shape, p in step.parts.tied:
+        if p is None:  # the gradient's dtype: the fp32 masters', else the model's
+            dtype = torch.float32 if masters is not None else {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                                               "fp16": torch.float16}[step.config.precision]
+            g = torch.zeros(shape, dtype=dtype, device=step.mesh.device)
+        elif masters is not None:
+            master = masters.params[next(i for i, t in enumerate(masters.model) if t is p)]
+            if master.grad is None:
+                raise RuntimeError("a tied weight's fp32 master has no gradient after grads.finish()")
+            g = master.grad
+        else:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            p.grad = g
+        comm.all_reduce(g, step.mesh, "pp", tag="tied grads")
+
+
+def _sum_replicated(step, masters) -> None:
+    """Gradients of what the tensor or sequence plan keeps whole on each of its ranks, summed over those axes
+    (after the dp reduction: sums over different groups commute); with ZeRO or fp32 masters on this rank's
+    reduced pieces."""
+    if step.parts.tp_plan is None and step.parts.sp_plan is None:
+        return
+    if step.config.zero or masters is not None:
+        step.grads.sync_replicated()
+    else:
+        sync_grads(step.parts.module, step.mesh, step.parts.placement_table)
+
+
+def _router_bias(step, done) -> None:  # DeepSeek's bias, from the step's load (the same on every dp rank)
+    if step.moe:  # kept on a skipped step
+        update_router_bias(step.parts.module, skip=done["skipped"])
+
+
+def _gather_params(step, done) -> None:  # ZeRO: the updated pieces all-gathered back into the parameters
+    if step.config.zero and not done["skipped"]:
+        with step.timed("all_gather params", "comm"):
+            step.grads.gather_params()
+
+
+def _place_chunks(step, done) -> None:  # offload='auto': the first step measured, the chunks are placed now
+    if step.grads.placement is not None:
+        step.grads.placement.after_step(next_activations=step.activation_reserve())
+
+
+HOOKS = ("loss", "finish_grads", "after_optimizer", "after_step")
+"""The training step's stages where parts work (``engine.step.TrainingStep._end``), in the step's order: "loss"
+(``(step, local) -> local``: terms the reported loss adds), "finish_grads" (``(step, masters)``: after the
+gradient sync, before the optimizer), "after_optimizer" (``(step, done)``), "after_step" (``(step, done)``: after
+the loss is reduced)."""
+
+
 PARTS: tuple[Part, ...] = (
     Part("policy", rules=policy.RULES),
     Part("defer_init", apply=_defer_init),
     Part("dropout", lambda c, dropout: dropout, apply=_dropout),
     Part("tensor", lambda c, _: c.tp > 1, tensor.RULES, _tensor),
     Part("sequence", lambda c, _: c.sp > 1, sequence.RULES, _sequence),
-    Part("expert", lambda c, _: c.ep > 1, expert.RULES, _expert),
+    Part("expert", lambda c, _: c.ep > 1, expert.RULES, _expert,
+         {"loss": _aux_losses, "after_optimizer": _router_bias}),
     Part("recompute", lambda c, _: c.recompute != "none", apply=_recompute),
-    Part("pipeline_split", lambda c, _: c.pp > 1, pipeline.RULES, _pipeline_split),
+    Part("pipeline_split", lambda c, _: c.pp > 1, pipeline.RULES, _pipeline_split, {"finish_grads": _sum_tied}),
     Part("materialize", apply=_materialize),
-    Part("placements", apply=_placements),
+    Part("placements", apply=_placements, hooks={"finish_grads": _sum_replicated}),
     Part("broadcast", apply=_broadcast),
     Part("precision", lambda c, _: c.precision != "fp32", apply=_precision),
-    Part("data_parallel", rules=zero.RULES, apply=_data_parallel),
+    Part("data_parallel", rules=zero.RULES, apply=_data_parallel,
+         hooks={"after_optimizer": _gather_params, "after_step": _place_chunks}),
 )
 """Every part, in the order ``parallelize`` takes their steps (and ``first_refusal`` asks their rules)."""
 
 _ORDER = tuple((p, r) for first in (True, False) for p in PARTS for r in p.rules if r.not_yet == first)
+
+
+def hooks(stage: str) -> tuple[tuple[str, Callable], ...]:
+    """``(part, function)`` of every part's hook at ``stage`` (one of ``HOOKS``), in the parts' order."""
+    return _HOOKS[stage]
+
+
+_HOOKS = {h: tuple((p.name, p.hooks[h]) for p in PARTS if h in p.hooks) for h in HOOKS}
 
 
 def plan_steps(config: ParallelConfig, *, dropout: bool = False) -> tuple[str, ...]:

@@ -31,17 +31,16 @@ from .. import comm
 from ..measure import ActivationMeter
 from ..models import moe_context
 from ..models.hf_moe import CountsRelay, RouterLoss
-from ..models.moe import MoE, has_experts, update_router_bias
-from . import moe_records
+from ..models.moe import MoE, has_experts
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.work import MicrobatchWork
-from ..tensor import sync_grads
 from ..datasets.loader import LocalBatch, split_batch
 from .clipping import clip_, weights
 from .parallelize import Parallelized
-from ..precision import LossScaler, MasterWeights, master_step
+from .finish import describe, end_step
+from ..precision import LossScaler
 
-__all__ = ["TrainingStep", "StepRecords"]
+__all__ = ["TrainingStep", "StepRecords", "describe"]
 
 
 @dataclass
@@ -115,9 +114,9 @@ class TrainingStep:
             self.grads.arm(sync=(i == m - 1), t0=self.t0)
             x, y = split_batch(inputs, m, i, "microbatches"), split_batch(targets, m, i, "microbatches")
             meter = self.meter.measure((x.shape, x.dtype, y.shape))
-            with self._timed(f"forward {i}", "compute"), meter, self.dropout_at(i):
+            with self.timed(f"forward {i}", "compute"), meter, self.dropout_at(i):
                 loss = self.parts.loss_fn(self.parts.logits(self.parts.module(x)), y) / m
-            with self._timed(f"backward {i}", "compute"), self.dropout_at(i):
+            with self.timed(f"backward {i}", "compute"), self.dropout_at(i):
                 self._backward_loss(loss).backward()
             total += loss.detach()
         return self._end(total)
@@ -302,6 +301,11 @@ class TrainingStep:
         t = comm.all_gather(t[None], self.mesh, "sp", tag="moe counts") if self.config.sp > 1 else t[None]
         return comm.all_gather(t[None], self.mesh, "dp", tag="moe counts").flatten(0, 1)
 
+    @property
+    def moe_steps(self) -> list[moe_context.MoEStep]:
+        """This step's ``MoEStep`` of each microbatch so far (with MoE layers), in the order they were made."""
+        return list(self._moe_steps.values())
+
     def aux_value(self) -> torch.Tensor | float:
         """This rank's share of the step's auxiliary losses (each microbatch's over ``microbatches``): what the
         reported loss adds to the token loss."""
@@ -319,109 +323,38 @@ class TrainingStep:
         place = self.grads.placement
         if place is None:
             return
-        acts = self._activation_reserve()
+        acts = self.activation_reserve()
         if place.budget is not None and self.records.count == 0:
             place.check_step(place.chunks, acts)
         place.hold("activations", acts)
 
-    def _activation_reserve(self) -> int:
+    def activation_reserve(self) -> int:
         """What a step reserves for activations on a device account: the larger of the last step's measurement
         and the estimate."""
         return max(self.meter.peak, self._estimate() if self._estimate is not None else 0)
 
     # ------------------------------------------------------------------ the end
     def _end(self, local: torch.Tensor) -> float:
-        """After the last backward: reduce gradients, clip, step the optimizer and the scheduler, record.
+        """After the last backward: ``engine.finish.end_step`` (the list: gradient sync, each part's gradient
+        finishing, the optimizer, each part's after-optimizer work, the loss, the records)."""
+        return end_step(self, local)
 
-        The tensor plan's sums over replicated axes come after the dp reduction and before the step (sums over
-        different groups commute); with ZeRO on this rank's reduced pieces, then the updated pieces are
-        all-gathered back into the parameters."""
-        t0, grads, cfg = self.t0, self.grads, self.config
-        if self.moe:  # each rank's share of the auxiliary losses: their mean over ranks is one process's
-            local = local + self.aux_value()
-        grads.finish()
-        masters = grads.masters if isinstance(grads.masters, MasterWeights) else None
-        if self.parts.tied:
-            self._sum_tied(masters)
-        if self.parts.tp_plan is not None or self.parts.sp_plan is not None:  # replicated over tp or sp axes
-            if cfg.zero or masters is not None:
-                grads.sync_replicated()
-            else:
-                sync_grads(self.parts.module, self.mesh, self.parts.placement_table)
-        done: dict = {"skipped": False, "loss_scale": None, "note": ""}
-        if self.views:  # pieces that span param groups: their views see this step's storage and gradients
-            self.views.bind()
-        max_norm = self.max_grad_norm
-        clip = (lambda: self._clip_now(max_norm)) if max_norm is not None else None
-        with self._timed("optimizer step", "compute"):
-            if masters is None:
-                if clip is not None:
-                    done["grad_norm"] = clip()
-                self.optimizer.step()
-            else:  # unscale and check (fp16), clip, step the masters, copy them into the 16-bit parameters
-                done = master_step(self.optimizer, masters, self.scaler, self.mesh, before_step=clip)
-            grads.zero()
-        if self.moe:  # DeepSeek's bias, from the step's load (the same on every dp rank); kept on a skipped step
-            update_router_bias(self.parts.module, skip=done["skipped"])
-        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else None  # what this step took
-        if self.lr_scheduler is not None:  # once per step, after the optimizer (a skipped fp16 step too)
-            self.lr_scheduler.step()
-        if done["note"]:  # on the timeline, not the console
-            now = time.perf_counter() - t0
-            self.parts.events.append({"name": done["note"], "kind": "compute", "start": now, "end": now})
-        if cfg.zero and not done["skipped"]:
-            with self._timed("all_gather params", "comm"):
-                grads.gather_params()
-        layers = moe_records.step_layers(self._moe_steps.values()) if self.n_moe else {}
-        with self._timed("loss all_reduce", "comm"):  # with MoE layers, their losses ride along (moe_records)
-            vec = moe_records.loss_vector(local.detach(), self._moe_steps.values(), self.n_moe) if self.n_moe else local
-            reduced = self._mean(vec, pp=self.pipeline is not None)
-            value = reduced[0]
-        if self.n_moe:
-            done["moe"] = moe_records.with_losses(layers, reduced, self.n_moe)
-        if grads.placement is not None:  # offload='auto': the first step measured, the chunks are placed now
-            grads.placement.after_step(next_activations=self._activation_reserve())
-        if self.views:  # no view keeps a dropped gradient (or a moved chunk's old copy) alive
-            self.views.release()
-        self.records.add({"loss": value, **done, "seconds": time.perf_counter() - t0,
-                          "input_shape": self.records.input[0] if self.records.input else None,
-                          "lr": float(lr) if lr is not None else None})
-        return value
-
-    def _clip_now(self, max_norm: float) -> float:
+    def clip_now(self, max_norm: float) -> float:
+        """Clip every gradient shard to the global ``max_norm``; the norm before clipping."""
         if self._clip is None:  # the optimizer's tensors do not change: the weights once
             self._clip = weights(self.mesh, self.parts.placement_table, self.config, self.grads, self.parts.tied)
         return clip_(self.mesh, self._clip, max_norm)
 
-    def _sum_tied(self, masters: MasterWeights | None) -> None:
-        """A weight the first and the last pipeline stage share (a head tied to the token table) has a copy on
-        each of their ranks, each with the gradient of its own use: sum them over pp (the ranks between
-        contribute zeros), so both copies take the same step and stay equal (Megatron's way)."""
-        for shape, p in self.parts.tied:
-            if p is None:  # the gradient's dtype: the fp32 masters', else the model's
-                dtype = torch.float32 if masters is not None else {"fp32": torch.float32, "bf16": torch.bfloat16,
-                                                                   "fp16": torch.float16}[self.config.precision]
-                g = torch.zeros(shape, dtype=dtype, device=self.mesh.device)
-            elif masters is not None:
-                master = masters.params[next(i for i, t in enumerate(masters.model) if t is p)]
-                if master.grad is None:
-                    raise RuntimeError("a tied weight's fp32 master has no gradient after grads.finish()")
-                g = master.grad
-            else:
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                p.grad = g
-            comm.all_reduce(g, self.mesh, "pp", tag="tied grads")
-
     def pipeline_loss(self, local: torch.Tensor) -> float:
         """The last stage holds the loss, the other stages zero: sum over pp, then mean over dp, sp and tp."""
-        return self._mean(local, pp=True)[0]
+        return self.mean(local, pp=True)[0]
 
     def global_mean(self, local: torch.Tensor) -> float:
         """Mean over dp, sp and tp of each rank's mean loss (tp ranks that share rows agree; sp ranks hold equal
         numbers of tokens, so the mean of their means is the mean over the whole sequence)."""
-        return self._mean(local)[0]
+        return self.mean(local)[0]
 
-    def _mean(self, local: torch.Tensor, pp: bool = False) -> list[float]:
+    def mean(self, local: torch.Tensor, pp: bool = False) -> list[float]:
         """``local`` (a loss, or a vector of them) summed over pp when ``pp``, then averaged over dp, sp and tp."""
         local = local.reshape(-1).clone()
         for axis in ("pp",) * pp + ("dp", "sp", "tp"):
@@ -429,8 +362,9 @@ class TrainingStep:
         return (local.double() / (self.config.dp * self.config.sp * self.config.tp)).tolist()
 
     @contextmanager
-    def _timed(self, name: str, kind: str):
+    def timed(self, name: str, kind: str):
         """Record the enclosed work as one event of this step's timeline."""
         start = time.perf_counter() - self.t0
         yield
         self.parts.events.append({"name": name, "kind": kind, "start": start, "end": time.perf_counter() - self.t0})
+

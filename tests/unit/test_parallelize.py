@@ -48,3 +48,19 @@ def test_parallelize_fits_on_one_screen():
     """One screen: the list of steps, not their insides (each is an ``apply_<what>`` of its part)."""
     lines = inspect.getsource(par.parallelize).splitlines()
     assert len(lines) <= 70, len(lines)
+
+
+def test_the_end_of_the_step_is_a_list_of_the_parts_hooks():
+    """``engine.finish.end_step`` runs the parts' hooks stage by stage in the parts' order: tied sums (pipeline)
+    before the sums over what tp and sp replicate (placements), the router bias (expert) before ZeRO's
+    all-gather (data parallel); ``describe`` marks the hooks a config leaves idle."""
+    from colab_kit.engine.parts import HOOKS, hooks
+    from colab_kit.engine.step import describe
+    assert [n for n, _ in hooks("finish_grads")] == ["pipeline_split", "placements"]
+    assert [n for n, _ in hooks("after_optimizer")] == ["expert", "data_parallel"]
+    assert [n for n, _ in hooks("loss")] == ["expert"] and [n for n, _ in hooks("after_step")] == ["data_parallel"]
+    assert set(HOOKS) == {"loss", "finish_grads", "after_optimizer", "after_step"}
+    text = describe(ck.ParallelConfig(dp=2, tp=2, zero=3, offload="auto"))
+    assert "finish_grads: pipeline_split (idle), placements\n" in text
+    assert "after_step: data_parallel\n" in text and "loss: expert (idle)" in text
+    assert "loss: expert\n" in describe(ck.ParallelConfig(dp=2, ep=2), moe=True)
