@@ -44,61 +44,16 @@ from ..mesh import ProcessMesh
 from ..zero.optimizer import (OptimizerSpec, attach_scheduler, check_elementwise, check_scheduler, local_names,
                               rebuild)
 from . import reports
-from .checks import check_policy
+from .checks import check_experts, check_policy, unsupported
 from .clipping import check_max_norm
-from .facts import ModelFacts
 from .fit import fit as _fit
 from .generate import generate as _generate
 from .loss import TokenLoss, lm_loss
 from .parallelize import parallelize
-from .parts import first_refusal, not_yet, part
+from .parts import first_refusal
 from .step import TrainingStep
 
-__all__ = ["boost", "Engine", "lm_loss", "unsupported", "check_policy", "TokenLoss"]
-
-
-def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str | None:
-    """Why ``boost`` refuses a valid ``config`` today (the message of the ConfigError it raises), or None: what
-    this version of the engine does not run yet (``engine.rules``' ``NotYet`` rules, all of them in one
-    sentence). ``model``: the model it would train, where a refusal depends on it (mixture-of-experts layers).
-
-    ConfigPicker shows the same text as "valid, not runnable yet"::
-
-        unsupported(ParallelConfig(dp=2, tp=2))   # None: boost runs it
-        unsupported(ParallelConfig(dp=2, pp=2, zero=3))  # "this version of the engine does not run ZeRO
-                                  # stage 3 with pipeline parallelism yet (...): set zero=2 with pp (...)"
-
-    ZeRO stage 3 with a pipeline is refused on purpose: each stage would gather its parameters
-    for every microbatch's forward and backward (2 x microbatches all-gathers per step), or keep
-    them whole through the step, which is stage 2's memory at stage 3's traffic.
-
-    A model with mixture-of-experts layers (its policy's ``experts``) is refused under 2D/2.5D/3D tp and
-    split_gather (they split a router's tokens over tp ranks the MoE step does not gather counts over), and with
-    a capacity factor under sp (a rank's tokens are no run of the batch's order, which sets the capacity's
-    priority); dropless layers run under sp (counts gathered over dp x sp). Under 1D tp every tp rank routes
-    the same tokens, so the MoE layers run whole on each (tp does not split their work: ``docs/moe.md``). dp,
-    ep, ZeRO 1-3, offload, pp and recomputation run them exactly (with ep and ZeRO 3, a block's experts are
-    a second chunk over edp: ``colab_kit.zero.stage3``)::
-
-        unsupported(ParallelConfig(sp=2), GPT(GPTConfig(n_experts=4, capacity_factor=1.0)))   # "... with a
-                                  # capacity factor under sequence parallelism ...: set sp=1 (dp=2 ...) ..."
-    """
-    return not_yet(config, ModelFacts.of(model) if model is not None else None)
-
-
-def check_experts(config: ParallelConfig, model: nn.Module) -> None:
-    """The expert part's rules (``engine.rules``): ``ep > 1`` needs a model whose MoE layers' experts it can split
-    evenly (the built-in ``Experts``, or the fused experts of a Hugging Face MoE model its policy names), a Hugging
-    Face load-balancing loss needs a policy that names the MoE layers, and MoE layers run under 1D tp without
-    split_gather, and under sp only dropless: a ConfigError with the rule and a value that works otherwise::
-
-        check_experts(ParallelConfig(dp=4, ep=4), GPT(GPTConfig(n_experts=6, ...)))
-        # ConfigError: ep=4 splits each mixture-of-experts layer's 6 experts over 4 ranks, so it must divide
-        # the number of experts: try ep=1 or 2 (it must also divide dp x sp = 4; ...)
-    """
-    why = part("expert").refuses(config, ModelFacts.of(model))
-    if why is not None:
-        raise why
+__all__ = ["boost", "Engine", "lm_loss", "unsupported", "check_policy", "check_experts", "TokenLoss"]
 
 
 def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,

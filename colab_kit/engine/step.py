@@ -37,6 +37,7 @@ from ..pipeline.work import MicrobatchWork
 from ..datasets.loader import LocalBatch, split_batch
 from .clipping import clip_, weights
 from .parallelize import Parallelized
+from .experts import ExpertSteps
 from .finish import describe, end_step
 from ..precision import LossScaler
 
@@ -73,7 +74,7 @@ class StepRecords:
         self.steps.append({"step": self.count, **record})
 
 
-class TrainingStep:
+class TrainingStep(ExpertSteps):
     """This rank's training step over ``parts`` (what ``parallelize`` left) and ``optimizer``."""
 
     def __init__(self, parts: Parallelized, optimizer: torch.optim.Optimizer, *, lr_scheduler=None,
@@ -275,42 +276,6 @@ class TrainingStep:
         with (drop.at(self.records.count, microbatch) if drop is not None else nullcontext()), \
                 self.moe_at(microbatch):
             yield
-
-    def moe_at(self, microbatch: int):
-        """With MoE layers, the context of ``microbatch``'s ``MoEStep`` (``moe_step``); else nothing."""
-        return moe_context.at(self.moe_step(microbatch)) if self.moe else nullcontext()
-
-    def moe_step(self, microbatch: int) -> moe_context.MoEStep:
-        """The ``colab_kit.models.moe_context.MoEStep`` of ``microbatch`` (made at its forward, or when a
-        pipeline message brings its counts; the same at its backward and recomputation): its counts gathered
-        over dp and sp, its auxiliary losses injected into backward at the scale of the loss (1 / microbatches,
-        the fp16 scale, the shards)."""
-        step = self._moe_steps.get(microbatch)
-        if step is None:
-            scale = (self.scaler.scale if self.scaler is not None else 1.0) / (self.config.microbatches
-                                                                                * self.loss_shards)
-            sp = self.config.sp
-            step = self._moe_steps[microbatch] = moe_context.MoEStep(
-                gather=self._gather_pieces, piece=self.mesh.rank("dp") * sp + self.mesh.rank("sp"),
-                pieces=self.config.dp * sp, grad_scale=scale)
-        return step
-
-    def _gather_pieces(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` of every rank holding tokens of the microbatch, ``[dp * sp, *t.shape]`` in (dp, sp) order: over
-        sp (a row's tokens), then over dp (the rows)."""
-        t = comm.all_gather(t[None], self.mesh, "sp", tag="moe counts") if self.config.sp > 1 else t[None]
-        return comm.all_gather(t[None], self.mesh, "dp", tag="moe counts").flatten(0, 1)
-
-    @property
-    def moe_steps(self) -> list[moe_context.MoEStep]:
-        """This step's ``MoEStep`` of each microbatch so far (with MoE layers), in the order they were made."""
-        return list(self._moe_steps.values())
-
-    def aux_value(self) -> torch.Tensor | float:
-        """This rank's share of the step's auxiliary losses (each microbatch's over ``microbatches``): what the
-        reported loss adds to the token loss."""
-        m = self.config.microbatches
-        return sum((v for s in self._moe_steps.values() for v in s.values.values()), 0.0) / m
 
     def _backward_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """What backward starts from: the loss times the fp16 scale, over the ranks that share its terms."""
