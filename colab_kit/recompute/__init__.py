@@ -130,13 +130,19 @@ def recompute_blocks(model: nn.Module, policy=None) -> int:
     >>> recompute_blocks(model), type(model.blocks[0]).__name__, recompute_blocks(model)
     (2, 'RecomputedBlock', 0)
     """
+    return swap_blocks(model, policy, recomputed_class, "Recomputed", "recompute=True (which checkpoints each block)")
+
+
+def swap_blocks(model: nn.Module, policy, make_class, marker: str, what: str) -> int:
+    """Give every block the policy names the class ``make_class`` derives from its own (``marker``: the derived
+    classes' name, so a block already swapped is left); how many changed. ``what`` names the mode in the
+    refusal of a model without a policy."""
     policy = policy_for(model, policy)
     if policy is None:
-        raise ConfigError(missing_policy_message(model, "recompute=True (which checkpoints each block)"))
-    blocks = policy.block_list(model)
+        raise ConfigError(missing_policy_message(model, what))
     changed = 0
-    for block in blocks:
-        if not is_recomputed(block):
-            block.__class__ = recomputed_class(type(block))
+    for block in policy.block_list(model):
+        if derived_from(type(block), marker) is None:
+            block.__class__ = make_class(type(block))
             changed += 1
     return changed

@@ -8,7 +8,9 @@ forward of one block) keeps (``MUST_SAVE``):
   runs on CPU in torch 2.13, and the GPU kernels), where autograd records it: a kernel inside an autograd
   Function (the ring's steps, whose merged output the ring saves itself) runs again with the Function;
 - every second matmul (``aten.mm`` / ``aten.addmm``): the 1st, 3rd, ... A GPT block keeps qkv's and fc1's
-  outputs and recomputes proj and fc2; a Llama layer keeps q, v, gate and down;
+  outputs and recomputes proj (fc2's output is saved by nothing, and torch's checkpoint stops once the last
+  tensor backward needs is rebuilt, so fc2 does not run again: one proj matmul a block, measured in
+  tests/ranks/test_recompute.py); a Llama layer keeps q, v, gate and down;
 - functional collectives' outputs (``_c10d_functional``). colab_kit's collectives are c10d's in-place ops: a
   replayed output would leave the buffer the caller reads unwritten, so they run again, as under "full";
 
@@ -32,11 +34,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..config import ConfigError
 from ..models import dropout, moe_context
-from ..policy import missing_policy_message, policy_for
 from ..policy.classes import derived_class, derived_from
-from . import _as_first
+from . import _as_first, swap_blocks
 from .hold import _Hold
 
 __all__ = ["op_policy", "op_recomputed_class", "is_op_recomputed", "recompute_ops", "SAVED_OPS", "MATMULS",
@@ -161,12 +161,5 @@ def recompute_ops(model: nn.Module, policy=None) -> int:
     >>> recompute_ops(model), type(model.blocks[0]).__name__, recompute_ops(model)
     (2, 'OpRecomputedBlock', 0)
     """
-    policy = policy_for(model, policy)
-    if policy is None:
-        raise ConfigError(missing_policy_message(model, "recompute='op' (which checkpoints each block op by op)"))
-    changed = 0
-    for block in policy.block_list(model):
-        if not is_op_recomputed(block):
-            block.__class__ = op_recomputed_class(type(block))
-            changed += 1
-    return changed
+    return swap_blocks(model, policy, op_recomputed_class, "OpRecomputed",
+                       "recompute='op' (which checkpoints each block op by op)")

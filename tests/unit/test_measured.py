@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -163,12 +162,10 @@ def test_load_curves_refuses_another_file(tmp_path):
 
 
 # ------------------------------------------------------------------ the scripts, on the CPU
-def _run(script: str, *args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+def _run(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=env)
-    return proc, time.perf_counter() - t0
 
 
 @pytest.fixture(scope="module")
@@ -176,15 +173,14 @@ def smoke_curves(tmp_path_factory):
     out = tmp_path_factory.mktemp("curves") / "gpu_curves_smoke.json"
     gpu_file = ROOT / "bench" / "results" / "gpu_curves.json"
     before = gpu_file.stat().st_mtime if gpu_file.exists() else None
-    proc, secs = _run("gpu_curves.py", "--cpu-smoke", "--out", str(out))
+    proc = _run("gpu_curves.py", "--cpu-smoke", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (gpu_file.stat().st_mtime if gpu_file.exists() else None) == before  # never over the GPU's curves
-    return out, secs
+    return out
 
 
 def test_gpu_curves_cpu_smoke_writes_every_sweep(smoke_curves):
-    out, secs = smoke_curves
-    assert secs < 30
+    out = smoke_curves
     data = json.loads(out.read_text())
     assert data["mode"] == "cpu-smoke" and data["benchmark"] == "gpu_curves"
     assert {"device", "date", "torch", "cuda", "clocks", "gemm", "attention", "hbm", "grouped", "launch", "fit",
@@ -200,7 +196,7 @@ def test_gpu_curves_cpu_smoke_writes_every_sweep(smoke_curves):
 
 def test_gpu_estimate_check_cpu_smoke_prices_every_config_on_the_measured_preset(smoke_curves, tmp_path):
     out = tmp_path / "estimate.json"
-    proc, _ = _run("gpu_estimate_check.py", "--cpu-smoke", "--out", str(out), "--curves", str(smoke_curves[0]),
+    proc = _run("gpu_estimate_check.py", "--cpu-smoke", "--out", str(out), "--curves", str(smoke_curves),
                    timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
@@ -213,5 +209,5 @@ def test_gpu_estimate_check_cpu_smoke_prices_every_config_on_the_measured_preset
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("script", ["gpu_curves.py", "gpu_estimate_check.py"])
 def test_without_cuda_or_cpu_smoke_they_exit_2(script):
-    proc, _ = _run(script)
+    proc = _run(script)
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr and "--cpu-smoke" in proc.stderr
