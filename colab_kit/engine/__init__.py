@@ -1,7 +1,8 @@
 """The engine: ``boost`` = ``parallelize`` (this rank's share of the model) + the optimizer + one training step.
 
-    parts.py         PARTS: every parallel part in its one order (name, wants, rules, apply: the step, an
-                     apply_<what> in its part's apply.py); first_refusal, plan_steps
+    parts.py         PARTS: every parallel part in its one order (each a colab_kit.part.Part declared in its
+                     folder's part.py: name, wants, RULES, apply, hooks) and the engine's own steps;
+                     first_refusal (what boost and the planner ask), plan_steps, hooks
     parallelize.py   ck.parallelize: a loop over PARTS, its result Parallelized
     step.py          TrainingStep: the one training step every config runs (batch split, F/B work or the
                      pipeline executor's actions), then finish.py's end_step
@@ -11,8 +12,6 @@
     core.py          boost() and Engine: train_step, evaluate, generate, fit, save, load, close and the records
     reports.py       EngineView and the reports over it: memory (measured and estimated), comm, timeline, ...
     checks.py        check_policy: what boost refuses in the kernel (the policy's prepare, then the rules)
-    rules/           every part's refusals, a module per part (RULES), asked by boost and the planner alike
-                     through engine.parts.first_refusal over ModelFacts
     facts.py         ModelFacts: what the rules read of a model (a module, a GPTConfig or a planner shape)
     clipping.py      global gradient-norm clipping over every shard
     loss.py          the contract's loss, exact however the batch is split

@@ -3,7 +3,7 @@
 
 It prepares the model as the policy says (a Hugging Face GPT-2's Conv1D -> nn.Linear, its routers counting the
 load-balancing loss over the whole batch), reads the model's facts once (``engine.facts.ModelFacts``) and asks
-the rules of every part (``engine.rules.first_refusal``: a missing policy where tp, pp, sp or recompute needs
+the rules of every part (``engine.parts.first_refusal``: a missing policy where tp, pp, sp or recompute needs
 one, paths the model lacks, sizes that do not divide, blocks that do not split over the stages, what a mode
 cannot take yet), the very question the planner asks of its candidates. It lives in the engine's package,
 beside ``boost`` which calls it.
@@ -32,7 +32,7 @@ def count_router_loss(model: nn.Module, policy) -> None:
 
 def check_policy(model: nn.Module, config: ParallelConfig, policy=None):
     """The policy ``boost`` will lower for ``model`` (given, or the built-in one of its class; None where it has
-    none), after every rule of every part has taken ``config`` for this model (``engine.rules``): a ConfigError
+    none), after every rule of every part has taken ``config`` for this model (the parts' ``RULES``): a ConfigError
     with the rule and a value that works otherwise, before any process is touched."""
     policy = policy_for(model, policy)
     if policy is not None and policy.prepare is not None:  # e.g. a Hugging Face GPT-2's Conv1D -> nn.Linear
@@ -47,7 +47,7 @@ def check_policy(model: nn.Module, config: ParallelConfig, policy=None):
 
 def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str | None:
     """Why ``boost`` refuses a valid ``config`` today (the message of the ConfigError it raises), or None: what
-    this version of the engine does not run yet (``engine.rules``' ``NotYet`` rules, all of them in one
+    this version of the engine does not run yet (the parts' ``NotYet`` rules, all of them in one
     sentence). ``model``: the model it would train, where a refusal depends on it (mixture-of-experts layers).
 
     ConfigPicker shows the same text as "valid, not runnable yet"::
@@ -75,7 +75,7 @@ def unsupported(config: ParallelConfig, model: nn.Module | None = None) -> str |
 
 
 def check_experts(config: ParallelConfig, model: nn.Module) -> None:
-    """The expert part's rules (``engine.rules``): ``ep > 1`` needs a model whose MoE layers' experts it can split
+    """The expert part's rules (``expert.part``): ``ep > 1`` needs a model whose MoE layers' experts it can split
     evenly (the built-in ``Experts``, or the fused experts of a Hugging Face MoE model its policy names), a Hugging
     Face load-balancing loss needs a policy that names the MoE layers, and MoE layers run under 1D tp without
     split_gather, and under sp only dropless: a ConfigError with the rule and a value that works otherwise::

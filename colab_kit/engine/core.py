@@ -27,7 +27,7 @@ in per-block chunks gathered around each use); ``offload`` "cpu" and "auto" (wit
 parallelism (``colab_kit.sequence``: ring and Ulysses over the sp axis, split_gather inside the
 1D tensor group). Sequence parallelism with the 2D/2.5D/3D tensor modes and ZeRO-3 with a
 pipeline are refused with a ConfigError that says so (``unsupported``; every refusal is a part's rule,
-``engine.rules``, which the planner asks too); the engine never falls back to another mode.
+the parts' rules (``engine.parts``), which the planner asks too); the engine never falls back to another mode.
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
         check_elementwise(spec.kind, "ZeRO steps flat pieces of several parameters")
     if spec is not None and config.tp > 1:
         check_elementwise(spec.kind, f"tensor parallelism ({config.tp_mode}) gives each rank a block of each matrix")
-    policy = check_policy(model, config, policy)  # every part's rules for this model (engine.rules), in the kernel
+    policy = check_policy(model, config, policy)  # every part's rules for this model (engine.parts), in the kernel
     owned = mesh is None
     mesh = mesh or ProcessMesh.shared(config)
     if mesh.config != config:

@@ -1,4 +1,4 @@
-"""``ModelFacts``: what the rules (``engine.rules``) need to know of a model, read once.
+"""``ModelFacts``: what the rules (each part's ``RULES``) need to know of a model, read once.
 
 One description, built from whatever the caller holds, so that ``boost`` and ``ck.plan`` judge a config on
 the same facts:
@@ -96,7 +96,7 @@ class ModelFacts:
     sinks: bool = False
     """Attention sinks and sliding windows (GPT-OSS): no tensor, sequence or pipeline plan."""
     memo: dict = field(default_factory=dict, repr=False)
-    """What a rule computed for a config's fields (``engine.rules``), kept with the facts it read."""
+    """What a rule computed for a config's fields (a part's rule), kept with the facts it read."""
 
     @classmethod
     def of(cls, model, policy=None, *, seq: int | None = None) -> ModelFacts:

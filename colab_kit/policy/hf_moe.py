@@ -19,7 +19,7 @@ averaged over dp; the experts' gradients over the ranks holding the same experts
 What runs (``tests/ranks/test_hf_moe.py``): dp, ep, ZeRO 1-3 (ep with 1-2), recomputation, 1D tp (every tp
 rank routes the same tokens: the MoE layers run whole on each), sp ring and Ulysses, and pp where the
 load-balancing loss is off (DeepSeek-V3 has none; ``output_router_logits=False``). Refused under tp with the
-rule (``engine.rules``, from ``attention_limits``): DeepSeek-V3's multi-head latent attention (no tensor plan) and
+rule (``tensor.part``, from ``attention_limits``): DeepSeek-V3's multi-head latent attention (no tensor plan) and
 OLMoE (q/k norms over all heads); tp, sp and pp with GPT-OSS (attention sinks, sliding windows: dp, ep and ZeRO
 run it); 2D/2.5D/3D tp and split_gather for every MoE model.
 """
@@ -107,7 +107,7 @@ def _sinks(model) -> bool:
 
 
 def attention_limits(model: nn.Module) -> dict[str, bool]:
-    """What a ``MOE_CLASSES`` model's attention keeps from the engine's plans, for ``engine.rules``: ``sinks``
+    """What a ``MOE_CLASSES`` model's attention keeps from the engine's plans, for the parts' rules: ``sinks``
     (GPT-OSS: a learned sink per head, sliding windows; no tensor, sequence or pipeline plan), ``latent``
     (DeepSeek-V3's multi-head latent attention: no tensor plan), ``qk_norm`` (OLMoE: q and k normalised over
     all heads at once, which a split of the heads cannot compute locally); {} for any other model."""

@@ -175,7 +175,7 @@ class SequencePlan:
     @staticmethod
     def check_policy(model, policy, config) -> None:
         """What the policy must say for sequence parallelism: an ``attend`` on every attention, all causal
-        (``attention_refusal``, the rule ``engine.rules`` applies before any process)."""
+        (``attention_refusal``, the sequence part's rule applies before any process)."""
         atts = policy.attentions(model)
         why = attention_refusal(policy.name, bool(atts) and all(a.attend is not None or a.hf for _, _, a in atts),
                                 policy.sequence, any(a.hf and not a.causal for _, _, a in atts))
@@ -275,7 +275,7 @@ class SequencePlan:
 
         def attention(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, **kwargs):
             d = query.shape[-1]
-            why = scale_refusal(scaling, d)  # refused before any process too (engine.rules)
+            why = scale_refusal(scaling, d)  # refused before any process too (the parts' rules, engine.parts)
             if why is not None:
                 raise ConfigError(why)
             local = drop = None

@@ -18,6 +18,7 @@ ROOT = Path(colab_kit.__file__).resolve().parent
 LAYERS = (  # bottom to top: a package imports only from its own package and from packages of lower layers
     ("errors", "net"),      # what ranks raise (which rank, why); where sockets listen
     ("config", "launch"),   # ParallelConfig; launch: local ranks, process start-up on errors and net only
+    ("part",),              # the shape every parallel part declares in its folder (Part, Build, Rule)
     ("comm", "join"),       # collectives that record; join: ck.init() under torchrun / Slurm / MPI (config, net)
     ("mesh",),              # MeshLayout, ProcessMesh (each mesh keeps its CommLog)
     ("policy",),            # roles by module path; the built-in policies read a model by path, import none

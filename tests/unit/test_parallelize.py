@@ -64,3 +64,37 @@ def test_the_end_of_the_step_is_a_list_of_the_parts_hooks():
     assert "finish_grads: pipeline_split (idle), placements\n" in text
     assert "after_step: data_parallel\n" in text and "loss: expert (idle)" in text
     assert "loss: expert\n" in describe(ck.ParallelConfig(dp=2, ep=2), moe=True)
+
+
+ENGINE_STEPS = {"defer_init", "materialize", "placements", "broadcast"}
+"""The engine's own steps, declared in ``engine/parts.py``; every other part is declared in its folder."""
+
+
+def test_each_part_is_declared_in_its_own_folder():
+    """Adding a part touches its folder and one line of ``PARTS``: every parallel part is the ``PART`` of its
+    folder's ``part.py``, whose step, hooks and rules are functions of that folder (no part's code in the
+    engine), and every folder that declares a ``PART`` is in ``PARTS`` (a declared part left out is caught)."""
+    import importlib
+    import pkgutil
+
+    from colab_kit.engine.parts import PARTS
+    from colab_kit.part import Part
+    declared = {}
+    for info in pkgutil.iter_modules(ck.__path__):
+        try:
+            mod = importlib.import_module(f"colab_kit.{info.name}.part")
+        except ModuleNotFoundError as e:
+            if e.name != f"colab_kit.{info.name}.part":  # a part.py that fails to import fails here
+                raise
+            continue
+        declared[info.name] = mod.PART
+    assert len(declared) >= 9, sorted(declared)
+    for p in PARTS:
+        assert isinstance(p, Part)
+        if p.name in ENGINE_STEPS:
+            continue
+        folder = next(f for f, d in declared.items() if d is p)  # StopIteration: a part declared outside a folder
+        fns = [p.apply] * (p.apply is not None) + list(p.hooks.values()) + [r.check for r in p.rules]
+        assert fns and all(f.__module__.startswith(f"colab_kit.{folder}.") for f in fns), p.name
+    missing = [f for f, d in declared.items() if d not in PARTS]
+    assert not missing, f"{missing} declare a PART that PARTS does not list"

@@ -1,7 +1,11 @@
-"""The expert part's rules: where mixture-of-experts layers run, their load-balancing loss, ep over their experts."""
+"""The expert part: this rank's experts with tokens sent to them (``apply_expert_parallel``), the auxiliary losses
+the reported loss adds, DeepSeek's router bias after the optimizer; and its rules: where mixture-of-experts layers
+run, their load-balancing loss, ep over their experts."""
 from __future__ import annotations
 
-from .base import NotYet, or_words, rule
+from ..models.moe import update_router_bias
+from ..part import Build, NotYet, Part, or_words, rule
+from .apply import apply_expert_parallel
 
 
 @rule(not_yet=True)
@@ -54,3 +58,19 @@ def ep_experts(c, f):
 
 RULES = (moe_tokens, moe_capacity, router_loss, ep_experts)
 """This part's rules, in the order they are asked."""
+
+
+def apply(b: Build) -> None:  # this rank's experts, tokens sent to them
+    apply_expert_parallel(b.model, b.mesh, b.config, b.policy)
+
+
+def aux_losses(step, local):  # this rank's share of the auxiliary losses: their mean over ranks is one process's
+    return local + step.aux_value() if step.moe else local
+
+
+def router_bias(step, done) -> None:  # DeepSeek's bias, from the step's load (the same on every dp rank)
+    if step.moe:  # kept on a skipped step
+        update_router_bias(step.parts.module, skip=done["skipped"])
+
+
+PART = Part("expert", lambda c, _: c.ep > 1, RULES, apply, {"loss": aux_losses, "after_optimizer": router_bias})

@@ -1,12 +1,33 @@
-"""The shape of a rule (``engine.rules``; the parts that hold the rules: ``engine.parts``), and their helpers."""
+"""The shape of a rule (each part's ``RULES``, in its ``part.py``; asked in the parts' order by ``engine.parts``),
+and the helpers the rules share.
+
+A rule is a function ``(config, facts) -> message | NotYet | None`` made a ``Rule`` by ``@rule(...)``. ``facts``
+is a ``ModelFacts`` (``engine.facts``: built from a module through its policy, a ``GPTConfig`` or a planner
+``ModelShape``; read here by attribute only, so the parts below the engine need not import it), or None where the
+model is not known yet (the config picker, ``boost``'s first look): the rules that read the model are then passed
+over. ``NotYet``: what this version of the engine does not run yet (asked first, in every part). A config's own
+rules (a square tp for 2D, chunks for a schedule, ep dividing dp x sp, offload with ZeRO) are ``ParallelConfig``'s,
+checked when it is built: no config that breaks them exists to be asked about.
+
+Rules marked ``priced`` refuse what the engine cannot lower for a particular model (a Llama's RMSNorms under
+split_gather, DeepSeek-V3's latent attention under tp); ``ck.estimate`` at a cluster preset prices such a layout
+as the shape reads, saying so in its assumptions (the layouts of published runs), and ``ck.plan`` never proposes
+it. Worked example (the zero part's one rule, which reads no model)::
+
+    >>> from colab_kit import ParallelConfig
+    >>> from colab_kit.zero.part import zero3_pipeline
+    >>> zero3_pipeline.model, zero3_pipeline.not_yet, zero3_pipeline.check(ParallelConfig(dp=2), None)
+    (False, True, None)
+    >>> zero3_pipeline.check(ParallelConfig(dp=2, pp=2, zero=3, microbatches=2), None).what
+    'ZeRO stage 3 with pipeline parallelism'
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ...config import ConfigError, ParallelConfig
-from ..facts import ModelFacts
+from ..config import ConfigError, ParallelConfig
 
 __all__ = ["NotYet", "Rule", "rule", "sentence", "raised", "needs", "memo", "or_words"]
 
@@ -67,8 +88,9 @@ def needs(c: ParallelConfig) -> str:
     return " and ".join(what)
 
 
-def memo(f: ModelFacts, key: tuple, compute):
-    """``compute()``, kept with the facts under ``key`` (the config fields a rule reads): once per plan."""
+def memo(f, key: tuple, compute):
+    """``compute()``, kept with the facts ``f`` (a ``ModelFacts``) under ``key`` (the config fields a rule
+    reads): once per plan."""
     if key not in f.memo:
         f.memo[key] = compute()
     return f.memo[key]

@@ -1,10 +1,12 @@
-"""The sequence part's rules (ring and Ulysses): heads, the policy's attentions, their scale, the sequence's split."""
+"""The sequence part: attention on this rank's tokens (``apply_sequence_parallel``), and its rules (ring and
+Ulysses): heads, the policy's attentions, their scale, the sequence's split."""
 from __future__ import annotations
 
-from ...sequence.plan import LAYOUT, attention_refusal, scale_refusal
-from ...sequence.ulysses import check_heads
-from ...sequence.zigzag import check_length
-from .base import NotYet, raised, rule
+from ..part import Build, NotYet, Part, raised, rule
+from .apply import apply_sequence_parallel
+from .plan import LAYOUT, attention_refusal, scale_refusal
+from .ulysses import check_heads
+from .zigzag import check_length
 
 
 @rule(model=False, not_yet=True)
@@ -40,3 +42,10 @@ def sequence_length(c, f):  # the training sequence where the planner knows it; 
 
 RULES = (sequence_tensor_1d, ulysses_heads, sequence_attention, attention_scale, sequence_length)
 """This part's rules, in the order they are asked."""
+
+
+def apply(b: Build) -> None:  # attention on this rank's tokens
+    b.model, b.sp_plan = apply_sequence_parallel(b.model, b.mesh, b.config, b.policy)
+
+
+PART = Part("sequence", lambda c, _: c.sp > 1, RULES, apply)

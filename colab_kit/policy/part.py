@@ -1,9 +1,9 @@
-"""The policy part's rules: what every part lowers (a policy that exists and fits the model, an attention some
-plan takes)."""
+"""The policy part, rules only (``engine.checks.check_policy`` prepares the model before ``parallelize``): what
+every part lowers (a policy that exists and fits the model, an attention some plan takes)."""
 from __future__ import annotations
 
-from ...policy import missing_policy_message
-from .base import needs, rule
+from ..part import Part, needs, rule
+from . import missing_policy_message
 
 
 @rule()
@@ -30,3 +30,6 @@ def attention_sinks(c, f):
 
 RULES = (needs_policy, policy_fits, attention_sinks)
 """This part's rules, in the order they are asked."""
+
+
+PART = Part("policy", rules=RULES)

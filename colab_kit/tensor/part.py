@@ -1,11 +1,12 @@
-"""The tensor part's rules: the modes' own size checks (``tensor``), split_gather's layers, heads a split cannot
-take."""
+"""The tensor part: this rank's blocks of each matrix (``apply_tensor_parallel``), and its rules: the modes' own
+size checks, split_gather's layers, heads a split cannot take."""
 from __future__ import annotations
 
-from ...mesh import MeshLayout
-from ...tensor import plan_class
-from ...tensor.split_gather import SplitGather1D
-from .base import NotYet, memo, raised, rule
+from ..mesh import MeshLayout
+from ..part import Build, NotYet, Part, memo, raised, rule
+from . import plan_class
+from .apply import apply_tensor_parallel
+from .split_gather import SplitGather1D
 
 
 @rule(model=False, not_yet=True)
@@ -44,3 +45,10 @@ def tensor_sizes(c, f):
 
 RULES = (split_gather_1d, attention_heads, split_gather_layers, tensor_sizes)
 """This part's rules, in the order they are asked."""
+
+
+def apply(b: Build) -> None:  # this rank's blocks of each matrix
+    b.model, b.tp_plan = apply_tensor_parallel(b.model, b.mesh, b.config, b.policy, b.token_loss)
+
+
+PART = Part("tensor", lambda c, _: c.tp > 1, RULES, apply)
