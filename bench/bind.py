@@ -4,7 +4,7 @@
 otherwise); the alternative a user of ``torchrun`` or ``mp.spawn`` has is the OS's placement, which moves ranks
 between cores and at times puts both ends of a collective on one. This boosts the same configs (one per mode)
 in a bound spawn and in an unbound one (``COLAB_KIT_BIND=0``), ``--rounds`` times, alternating which goes
-first, each training ``--steps`` rounds of every config in turns (``planner.validate.run_candidates``: 2
+first, each training ``--steps`` rounds of every config in turns (``planner.local.validate.run_candidates``: 2
 warm-up and 2 timed steps of a config at a time; median step seconds of the slowest rank). Per config the ratio is the median over rounds of bound / unbound
 (below 1: binding is faster); the losses of both sides must agree (same work).
 
@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     import colab_kit as ck
     from colab_kit.launch import cores_for_rank
     from colab_kit.models import GPTConfig
-    from colab_kit.planner.validate import run_candidates
+    from colab_kit.planner.local.validate import run_candidates
 
     model = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=args.layers)
     configs = [_scaled(c, args.ranks) for c in CONFIGS]

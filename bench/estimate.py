@@ -4,7 +4,7 @@ then attention by kernel (a Llama 3 8B step at seq 8192, attention unfused and F
     python bench/estimate.py              # each row: published iteration time, price()'s, ratio; writes
                                           # bench/results/estimate.json
     python bench/estimate.py --calibrate  # refit the matmul curve (e_max, knee) on Table 1, print beside
-                                          # the shipped values (colab_kit.planner.hardware.CALIBRATED)
+                                          # the shipped values (colab_kit.planner.cluster.hardware.CALIBRATED)
 
 ``calibrate()`` minimises the squared log ratio estimate / published over Table 1's ten rows by a grid
 search refined twice; nothing else is fitted, and no other run is used. The runs of 2021-2022 (Table 1,
@@ -24,11 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _results import row, write  # noqa: E402
 
 from colab_kit.config import ParallelConfig  # noqa: E402
-from colab_kit.planner.hardware import ATTENTION, CALIBRATED, HARDWARE, preset  # noqa: E402
+from colab_kit.planner.cluster.hardware import ATTENTION, CALIBRATED, HARDWARE, preset  # noqa: E402
 from colab_kit.planner.published import DEEPSPEED_2021, MEGATRON_2021, as_run, eq3_flops, table1  # noqa: E402
 from colab_kit.planner.published.runs import runs  # noqa: E402
-from colab_kit.planner.scale import price  # noqa: E402
-from colab_kit.planner.scale_compute import core  # noqa: E402
+from colab_kit.planner.cluster.price import price  # noqa: E402
+from colab_kit.planner.cluster.compute import core  # noqa: E402
 from colab_kit.planner.shape import ModelShape  # noqa: E402
 
 A100 = MEGATRON_2021  # the DGX A100 preset with attention unfused, as Table 1 ran

@@ -9,7 +9,7 @@ the host's launches; before each GEMM run a 256 MiB buffer is zeroed, so no oper
    ``bench/gpu_estimate_check.py`` (forward, dX and dW of qkv, proj, fc1, fc2, and the head), 2 m n k FLOPs;
 2. ``attention``: ``F.scaled_dot_product_attention`` under ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``, causal,
    32 heads of dim 64 and 128, seq 1k-16k at 16k tokens a call (batch 16k / seq), forward and backward timed
-   apart; FlashAttention's FLOPs (``planner.measured.attention_flops``: ``4 b h s^2 d / 2``, backward 2.5x);
+   apart; FlashAttention's FLOPs (``planner.cluster.curve_fit.attention_flops``: ``4 b h s^2 d / 2``, backward 2.5x);
 3. ``hbm``: ``dst.copy_(src)`` (2 x bytes moved) and ``torch.add(a, b, out=c)`` (3 x) on 64 MiB-4 GiB tensors;
 4. ``grouped``: the experts' first GEMM as the engine runs it (``colab_kit.models.experts.expert_compute``:
    ``torch._grouped_mm(rows, w_in, offs=...)``), E experts of (rows x d_model) @ (d_model x d_expert), at the
@@ -23,7 +23,7 @@ A point, worked: ``{"m": 8192, "n": 8192, "k": 8192, "seconds": 1.395e-3, "tflop
 head dim 128 (batch 1, 32 heads) does 2.2e12 FLOPs forward, so 6.5 ms is 0.34 of the 989 TFLOP/s peak.
 
 ``bench/results/gpu_curves.json`` holds every point, the device, torch and CUDA versions, nvidia-smi's clocks
-before and after the GEMMs, the date, and the fit ``planner.measured.measured_preset`` makes of them (e_max,
+before and after the GEMMs, the date, and the fit ``planner.cluster.curve_fit.measured_preset`` makes of them (e_max,
 knee, attention's and HBM's efficiencies), which ``bench/gpu_estimate_check.py`` prices with. About a minute on
 an H200. Exit 2 without CUDA (and without ``--cpu-smoke``).
 
@@ -52,8 +52,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from colab_kit.planner.hardware import HARDWARE  # noqa: E402
-from colab_kit.planner.measured import (BACKWARD, attention_falloff, attention_flops, grouped_vs_curve,  # noqa: E402
+from colab_kit.planner.cluster.hardware import HARDWARE  # noqa: E402
+from colab_kit.planner.cluster.curve_fit import (BACKWARD, attention_falloff, attention_flops, grouped_vs_curve,  # noqa: E402
                                         measured_preset)
 
 try:
@@ -242,7 +242,7 @@ def summary(curves: dict) -> tuple[dict, list[dict]]:
     grouped = grouped_vs_curve(curves["grouped"], hw)
     fit = {"e_max": hw.e_max, "knee": hw.knee, "attention_efficiency": hw.attention_efficiency,
            "hbm_efficiency": hw.hbm_efficiency, "attention_falloff": attention_falloff(curves["attention"], peak * 1e12),
-           "grouped_vs_curve": grouped, "preset": "8xH200-SXM (planner.measured.measured_preset)"}
+           "grouped_vs_curve": grouped, "preset": "8xH200-SXM (planner.cluster.curve_fit.measured_preset)"}
     dims = [d for p in gemm for d in (p["m"], p["n"], p["k"])]
     rows = [row(f"bf16 GEMM, {len(gemm)} shapes of {min(dims)}-{max(dims)}", f"best {top['tflops']:g} TFLOP/s at "
                 f"{top['m']}x{top['n']}x{top['k']}; fit e_max {hw.e_max:.3f}, knee {hw.knee:.1f}",
@@ -256,7 +256,7 @@ def summary(curves: dict) -> tuple[dict, list[dict]]:
         worst = max(grouped, key=lambda g: g["ratio"])
         rows.append(row("grouped expert GEMM vs E dense GEMMs priced", f"measured / priced up to {worst['ratio']:g} "
                         f"({worst['experts']} x {worst['rows_per_expert']} rows x {worst['d_model']} x "
-                        f"{worst['d_expert']})", None, None, "the price: planner.moe_price's dense GEMMs"))
+                        f"{worst['d_expert']})", None, None, "the price: planner.moe.price's dense GEMMs"))
     return fit, rows
 
 

@@ -11,7 +11,7 @@ step synchronised):
   512, batch 16), recompute "none".
 
 Beside each: ``ck.estimate(model, config, batch, hardware=hw)`` on one GPU, ``hw`` the H200 preset with the
-efficiencies ``bench/gpu_curves.py`` measured (``planner.measured.measured_preset`` of
+efficiencies ``bench/gpu_curves.py`` measured (``planner.cluster.curve_fit.measured_preset`` of
 ``bench/results/gpu_curves.json``, or ``--curves``; the datasheet preset where there is none, said so), and on
 the datasheet preset too. A row per config: estimate / measured (the target is within 10%; a benchmark, not
 asserted). Rows and figures (steps, losses, peak memory beside the estimate's, the estimates' breakdowns) go to
@@ -52,8 +52,8 @@ import _results  # noqa: E402
 import colab_kit as ck  # noqa: E402
 from colab_kit.datasets import SyntheticTokens  # noqa: E402
 from colab_kit.models import GPT, GPTConfig  # noqa: E402
-from colab_kit.planner.hardware import HARDWARE  # noqa: E402
-from colab_kit.planner.measured import load_curves, measured_preset  # noqa: E402
+from colab_kit.planner.cluster.hardware import HARDWARE  # noqa: E402
+from colab_kit.planner.cluster.curve_fit import load_curves, measured_preset  # noqa: E402
 from gpu_check import SIZES as CHECK_SIZES  # noqa: E402
 
 CURVES = os.path.join(ROOT, "bench", "results", "gpu_curves.json")

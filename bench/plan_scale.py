@@ -29,8 +29,8 @@ Before: ``ModelShape.params`` summed its 96 or 128 blocks on each of 17,764 call
 all 49,111 configs of 175B were built and bounded by a full ``price``, and a block's compute and collectives
 were priced again for each of them; the candidates were sorted again after each config (3 million keys). After:
 ``params`` once per shape (``shape._formula_params``); a block's compute and collectives once per microbatch
-shape (``scale_parts.per_block``); a layout's configs built only once the search reaches its floor
-(``scale.compute_floor``: 17,285 of the 49,111 bounded); a config that comes twice priced once; the best
+shape (``planner.cluster.terms.per_block``); a layout's configs built only once the search reaches its floor
+(``planner.cluster.price.compute_floor``: 17,285 of the 49,111 bounded); a config that comes twice priced once; the best
 ``limit`` kept in order by insertion; a plan's ranks' stages and a stage's bytes once
 (``memory.estimator``). What is left is mostly building the pipeline plans (``pipeline.schedules``, once per
 schedule, depth, microbatch count and chunks) and ``memory_of``'s per-call copy of the GPT config.

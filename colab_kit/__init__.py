@@ -12,23 +12,23 @@ from __future__ import annotations
 
 import importlib
 
-from .config import ConfigError, ParallelConfig
+from .config import Axis, ConfigError, ParallelConfig
 from .errors import RankError, RankTimeout
 from .launch import launch
 from .mesh import MeshLayout, ProcessMesh
 
 __version__ = "0.2.0"
 
-__all__ = ["ParallelConfig", "ConfigError", "MeshLayout", "ProcessMesh", "launch", "init", "export", "Cluster", "boost",
-           "Engine", "RankError", "RankTimeout", "models", "datasets", "recipe", "viz", "widgets", "comm", "tensor",
-           "pipeline", "reference", "plan", "estimate", "planner", "dry_run", "parallelize", "throughput", "roofline",
-           "profile", "memory_timeline", "placements", "state_vector", "dense_state_dict", "save_pretrained",
-           "load_pretrained"]
+__all__ = ["ParallelConfig", "ConfigError", "Axis", "MeshLayout", "ProcessMesh", "launch", "init", "export", "Cluster",
+           "boost", "Engine", "RankError", "RankTimeout", "models", "datasets", "recipe", "viz", "widgets", "comm",
+           "tensor", "pipeline", "reference", "plan", "estimate", "planner", "dry_run", "parallelize", "throughput",
+           "roofline", "profile", "memory_timeline", "placements", "state_vector", "dense_state_dict",
+           "save_pretrained", "load_pretrained"]
 
 # heavy or optional parts (ipyparallel, plotly, ipywidgets) load on first use: name -> (module, attribute)
 _LAZY = {"Cluster": ("notebook.cluster", "Cluster"), "boost": ("engine.core", "boost"),
          "Engine": ("engine.core", "Engine"), "init": ("join", "init"), "export": ("notebook.magics.export", "export"),
-         "plan": ("planner", "plan"), "dry_run": ("planner.at_scale", "dry_run"),
+         "plan": ("planner", "plan"), "dry_run": ("planner.dry_runs.run", "dry_run"),
          "estimate": ("planner.estimate", "estimate"),
          "parallelize": ("engine.parallelize", "parallelize"),
          # reports over an engine (each a function of it, not a method: colab_kit.engine.reports)

@@ -26,13 +26,14 @@ import argparse
 import sys
 import time
 from typing import Any
+from colab_kit.config import Axis
 from colab_kit.datasets import TextCorpus
 from colab_kit.engine.reference import max_relative_difference
 from colab_kit.launch import default_backend
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.observe.throughput import engine_throughput, format_throughput
 from colab_kit.planner import constants
-from colab_kit.planner.constants import cache_path, cached
+from colab_kit.planner.local.constants import cache_path, cached
 from colab_kit.precision import TOLERANCE
 import colab_kit as ck
 
@@ -151,7 +152,7 @@ def write_report(path: str, cfg, results: list[dict], reference: list[float] | N
 
 def _mesh_axis(cfg) -> str:
     """The axis the report's mesh is coloured by: tp, else pp, else sp, else dp (the groups that talk most)."""
-    return next((a for a in ("tp", "pp", "sp") if getattr(cfg, a) > 1), "dp")
+    return next((a for a in (Axis.TP, Axis.PP, Axis.SP) if getattr(cfg, a) > 1), Axis.DP)
 
 
 def tolerance(cfg) -> float:

@@ -18,15 +18,62 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import math
 import operator
 import shlex
+import sys
 from dataclasses import dataclass
 from collections.abc import Iterable
 
 from .errors import MessageOnly
 
-__all__ = ["ConfigError", "ParallelConfig", "TP_MODES", "SP_MODES", "SCHEDULES", "RECOMPUTES"]
+__all__ = ["Axis", "ConfigError", "ParallelConfig", "TP_MODES", "SP_MODES", "SCHEDULES", "RECOMPUTES"]
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum as _StrEnum
+else:  # Python 3.10 has no StrEnum: the same behaviour, spelled out
+    class _StrEnum(str, enum.Enum):
+        def __str__(self) -> str:
+            return str.__str__(self)
+
+        def __format__(self, format_spec: str) -> str:
+            return str.__format__(self, format_spec)
+
+
+class Axis(_StrEnum):
+    """The names of the mesh axes, written once (``MeshLayout`` / ``ProcessMesh`` take them).
+
+    - ``PP``: pipeline stages (slowest varying in the rank order).
+    - ``DP``: data-parallel replicas, over which dense gradients are averaged.
+    - ``SP``: sequence-parallel ranks, each holding a slice of the tokens.
+    - ``TP``: the tensor-parallel block (fastest varying), split 1D or into the sub-axes below.
+    - ``EP``: expert-parallel ranks, each holding a share of the experts (tokens exchanged by all-to-all).
+    - ``EDP``: the data-parallel ranks that hold the same experts, over which expert gradients are summed
+      (``EP`` and ``EDP`` fold the ``DP`` x ``SP`` block).
+    - ``TP_ROW`` / ``TP_COL``: the 2D / 2.5D tensor grid's rows and columns; ``TP_DEP``: its depth in 2.5D.
+
+    Members are ``str`` (``Axis.DP == "dp"``, same hash, ``str`` and ``f"{}"`` give ``"dp"``, JSON writes
+    ``"dp"``) and their repr is the plain string's, so every function taking an axis name keeps taking a
+    plain string, and dicts, tuples and messages holding axes read as before::
+
+        >>> Axis.DP == "dp", f"{Axis.EDP}", {"tp": 2}[Axis.TP], Axis("tp_row")
+        (True, 'edp', 2, 'tp_row')
+    """
+
+    PP = "pp"
+    DP = "dp"
+    SP = "sp"
+    TP = "tp"
+    EP = "ep"
+    EDP = "edp"
+    TP_ROW = "tp_row"
+    TP_COL = "tp_col"
+    TP_DEP = "tp_dep"
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 SP_MODES = ("ring", "ulysses", "split_gather")
@@ -35,7 +82,7 @@ OFFLOADS = ("none", "cpu", "auto")
 PRECISIONS = ("fp32", "fp16", "bf16")
 RECOMPUTES = ("none", "selective", "op", "full")
 """What ``recompute`` may be (``colab_kit.recompute``): True / False are read as "full" / "none"."""
-AXES = ("pp", "dp", "sp", "tp")  # slowest to fastest varying in the rank order
+AXES = (Axis.PP, Axis.DP, Axis.SP, Axis.TP)  # slowest to fastest varying in the rank order
 _BOOL_FIELDS = ("recompute",)
 _WORDS_TRUE, _WORDS_FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 

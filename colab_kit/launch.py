@@ -157,7 +157,7 @@ before binding: afterwards ``os.sched_getaffinity`` shows the rank's own cores o
 def host_cores() -> int:
     """Cores this host's ranks may use: ``$COLAB_KIT_HOST_CORES`` where a launcher bound the rank, else the
     cores this process may run on (``os.sched_getaffinity``: a container's or ``taskset``'s limit), else
-    ``os.cpu_count()``. The planner's constants record the same count (``planner.constants``, "cores")."""
+    ``os.cpu_count()``. The planner's constants record the same count (``planner.local.constants``, "cores")."""
     try:
         return max(1, int(os.environ[HOST_CORES]))
     except (KeyError, ValueError):
@@ -168,7 +168,7 @@ def ranks_share_cores() -> bool:
     """Whether this host runs more ranks than it has cores: ``LOCAL_WORLD_SIZE`` (set by ``ck.launch``, the
     notebook cluster's engines and torchrun; 1 without one) above ``host_cores()``. The engine then fills one
     gradient bucket instead of two on CPU ranks (``zero.stage0.default_bucket_bytes``); the planner applies the
-    same rule to its constants' cores and the config's world size (``planner.comm_cost.shares_cores``: it prices
+    same rule to its constants' cores and the config's world size (``planner.local.comm.shares_cores``: it prices
     one host)."""
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -189,7 +189,7 @@ def bind_rank(local_rank: int, local_world: int, enabled: bool | None = None) ->
     a collective on one core. On 4 ranks / 2 cores (gloo; ``python bench/bind.py``, one config per mode
     trained bound and OS-placed in alternating spawns) the bound steps took 0.72-0.93 of the time (ZeRO 3
     0.72, dp=4 0.86, dp=2 x tp=2 0.90, pp=4 0.93), and the cost of a collective in a step holds still between
-    measurements (``planner.constants``, six measurements each way by hand: a 2-rank all-reduce 1.4-1.8 ms
+    measurements (``planner.local.constants``, six measurements each way by hand: a 2-rank all-reduce 1.4-1.8 ms
     bound, 1.1-2.1 placed by the OS), so the planner's constants describe the runs they price.
     """
     if enabled is None:

@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .config import AXES, ParallelConfig
+from .config import Axis, AXES, ParallelConfig
 from .comm import CommLog
 
 if TYPE_CHECKING:
@@ -72,13 +72,19 @@ if TYPE_CHECKING:
 __all__ = ["MeshLayout", "ProcessMesh", "tp_sub_axes"]
 
 
+def _names(*axes: str) -> tuple[str, ...]:
+    """Axis names as plain ``str`` for torch's DeviceMesh (``Axis`` members are ``str`` already; torch gets
+    exactly the type it documents)."""
+    return tuple(str(a) for a in axes)
+
+
 def tp_sub_axes(cfg: ParallelConfig) -> dict[str, int]:
     """Names and sizes of the tensor block's sub-axes, slowest first (see module docstring)."""
     q = cfg.tp_q
     if cfg.tp_mode == "2d":
-        return {"tp_row": q, "tp_col": q}
+        return {Axis.TP_ROW: q, Axis.TP_COL: q}
     if cfg.tp_mode == "2.5d":
-        return {"tp_dep": cfg.tp_depth, "tp_row": q, "tp_col": q}
+        return {Axis.TP_DEP: cfg.tp_depth, Axis.TP_ROW: q, Axis.TP_COL: q}
     if cfg.tp_mode == "3d":
         return {"tp_in": q, "tp_wt": q, "tp_out": q}
     return {}
@@ -100,11 +106,11 @@ class MeshLayout:
         self.axes = tuple(AXES) + tuple(self.sub)
         shape = [config.pp, config.dp, config.sp, config.tp]
         self.grid = torch.arange(config.world_size).view(*shape)
-        self.fine_names = ("pp", "dp", "sp") + (tuple(self.sub) or ("tp",))
+        self.fine_names = (Axis.PP, Axis.DP, Axis.SP) + (tuple(self.sub) or (Axis.TP,))
         self.fine_grid = self.grid.view(*shape[:3], *(self.sub.values() or [config.tp]))
         self.ep = getattr(config, "ep", 1)
         if self.ep > 1:  # [pp, edp, ep, tp]: the dp x sp block folded, ep fastest
-            self.axes += ("edp", "ep")
+            self.axes += (Axis.EDP, Axis.EP)
             self.expert_grid = self.grid.reshape(config.pp, config.dp * config.sp // self.ep, self.ep, config.tp)
 
     @property
@@ -114,8 +120,8 @@ class MeshLayout:
     def size(self, axis: str) -> int:
         """Number of ranks in each group of ``axis``."""
         self._check_axis(axis)
-        if axis in ("ep", "edp"):
-            return self.ep if axis == "ep" else self.config.dp * self.config.sp // self.ep
+        if axis in (Axis.EP, Axis.EDP):
+            return self.ep if axis == Axis.EP else self.config.dp * self.config.sp // self.ep
         return self.config.shape[axis] if axis in AXES else self.sub[axis]
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -136,8 +142,8 @@ class MeshLayout:
         """Main and tensor sub-axis coordinates together (and ``edp``, ``ep`` with experts split)."""
         out = {**self.coords(rank), **self.sub_coords(rank)}
         if self.ep > 1:
-            folded = out["dp"] * self.config.sp + out["sp"]
-            out.update(edp=folded // self.ep, ep=folded % self.ep)
+            folded = out[Axis.DP] * self.config.sp + out[Axis.SP]
+            out.update({Axis.EDP: folded // self.ep, Axis.EP: folded % self.ep})
         return out
 
     def rank_of(self, **coords: int) -> int:
@@ -154,8 +160,8 @@ class MeshLayout:
         """Every group of ``axis``, as rank lists in ascending order of the axis coordinate."""
         self._check_axis(axis)
         names: tuple[str, ...]
-        if axis in ("ep", "edp"):
-            names, grid = ("pp", "edp", "ep", "tp"), self.expert_grid
+        if axis in (Axis.EP, Axis.EDP):
+            names, grid = (Axis.PP, Axis.EDP, Axis.EP, Axis.TP), self.expert_grid
         else:
             names = AXES if axis in AXES else self.fine_names
             grid = self.grid if axis in AXES else self.fine_grid
@@ -321,7 +327,7 @@ class ProcessMesh:
         self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
             else torch.device("cpu")
         self.global_rank = dist.get_rank()
-        self.device_mesh = init_device_mesh(device_type, tuple(config.shape.values()), mesh_dim_names=AXES)
+        self.device_mesh = init_device_mesh(device_type, tuple(config.shape.values()), mesh_dim_names=_names(*AXES))
         self.tp_mesh = self.ep_mesh = None
         self._extra_groups: list = []  # groups a mesh made on the way (the flattened dp x sp)
         if self.layout.sub:
@@ -341,28 +347,28 @@ class ProcessMesh:
         sub = self.layout.sub
         assert self.device_mesh is not None  # called from __init__, after it is built
         try:  # no new process groups for pp/dp/sp; private in torch 2.13, hence the fallback
-            return self.device_mesh["tp"]._unflatten(0, tuple(sub.values()), tuple(sub))
+            return self.device_mesh[Axis.TP]._unflatten(0, tuple(sub.values()), _names(*sub))
         except AttributeError:
             from torch.distributed.device_mesh import init_device_mesh
-            shape = tuple(self.config.shape[a] for a in ("pp", "dp", "sp")) + tuple(sub.values())
-            return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "sp") + tuple(sub))
+            shape = tuple(self.config.shape[a] for a in (Axis.PP, Axis.DP, Axis.SP)) + tuple(sub.values())
+            return init_device_mesh(device_type, shape, mesh_dim_names=_names(Axis.PP, Axis.DP, Axis.SP, *sub))
 
     def _expert_mesh(self, device_type: str):
         """The dp x sp block folded into ``(edp, ep)`` (a DeviceMesh over those two axes)."""
         assert self.device_mesh is not None
-        fold = (self.layout.size("edp"), self.layout.size("ep"))
+        fold = (self.layout.size(Axis.EDP), self.layout.size(Axis.EP))
         try:  # private in torch 2.13, hence the fallback (which makes pp and tp groups again)
-            folded = self.device_mesh["dp", "sp"]._flatten("dp_sp")
+            folded = self.device_mesh[Axis.DP, Axis.SP]._flatten("dp_sp")
             self._extra_groups.append(folded.get_group())
-            return folded._unflatten(0, fold, ("edp", "ep"))
+            return folded._unflatten(0, fold, _names(Axis.EDP, Axis.EP))
         except AttributeError:
             from torch.distributed.device_mesh import init_device_mesh
             shape = (self.config.pp, *fold, self.config.tp)
-            return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "edp", "ep", "tp"))
+            return init_device_mesh(device_type, shape, mesh_dim_names=_names(Axis.PP, Axis.EDP, Axis.EP, Axis.TP))
 
     def _mesh_for(self, axis: str):
         self.layout._check_axis(axis)
-        mesh = self.device_mesh if axis in AXES else self.ep_mesh if axis in ("ep", "edp") else self.tp_mesh
+        mesh = self.device_mesh if axis in AXES else self.ep_mesh if axis in (Axis.EP, Axis.EDP) else self.tp_mesh
         assert mesh is not None, "a released mesh has no groups"  # group() refuses a closed mesh first
         return mesh[axis]
 

@@ -33,7 +33,7 @@ import operator
 
 import torch
 
-from ..config import ConfigError
+from ..config import Axis, ConfigError
 
 __all__ = ["ShardedLoader", "LocalBatch", "seeded", "split_batch"]
 
@@ -137,7 +137,7 @@ class ShardedLoader:
         """A loader for ``engine``'s dp rank: ``dp_size=engine.config.dp``, ``dp_rank=engine.mesh.rank("dp")``,
         ``microbatch_rows=engine.config.microbatches``; ``kw``: the other options (shuffle, seed, drop_last)."""
         kw.setdefault("microbatch_rows", engine.config.microbatches)
-        return cls(dataset, batch_size, dp_size=engine.config.dp, dp_rank=engine.mesh.rank("dp"), **kw)
+        return cls(dataset, batch_size, dp_size=engine.config.dp, dp_rank=engine.mesh.rank(Axis.DP), **kw)
 
     def _order(self, epoch: int) -> torch.Tensor:
         if self._order_of[0] != epoch:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import Axis
 from ..models.dropout import Coordinates, at
 from ..sequence.zigzag import sequence_positions
 
@@ -69,7 +70,7 @@ class DropoutLayout:
         if i not in self._cache:
             b, m = self._key
             cfg = self.mesh.config
-            dp_rows = torch.arange(b).chunk(cfg.dp)[self.mesh.rank("dp")]
+            dp_rows = torch.arange(b).chunk(cfg.dp)[self.mesh.rank(Axis.DP)]
             if self.tp is not None:
                 hidden, token = self.tp.dropout_rows(dp_rows, m, i)
             else:

@@ -24,7 +24,7 @@ import math
 import torch
 
 from .. import comm
-from ..config import ConfigError
+from ..config import Axis, ConfigError
 
 __all__ = ["check_max_norm", "weights", "global_norm", "clip_"]
 
@@ -43,7 +43,7 @@ def weights(mesh, table, config, grads, tied) -> list[tuple[torch.Tensor, list[t
     """Per optimizer tensor of ``grads`` (the gradient part), its runs ``(at, length, weight)``: where each
     parameter's elements lie in it and how much each counts in the global sum of squares (see the module
     docstring). ``table``: the placement table; ``tied``: the pipeline's tied pairs ``(shape, param or None)``."""
-    axes = [a for a in mesh.layout.fine_names if a not in ("pp", "dp") and mesh.size(a) > 1]
+    axes = [a for a in mesh.layout.fine_names if a not in (Axis.PP, Axis.DP) and mesh.size(a) > 1]
     tied_here = {id(p) for _, p in tied if p is not None}
     dp_copies = 1.0 / config.dp if config.zero == 0 else 1.0
     out = []
@@ -52,8 +52,8 @@ def weights(mesh, table, config, grads, tied) -> list[tuple[torch.Tensor, list[t
         for p, _start, length, at in runs:
             placed = table[p]
             copies = dp_copies
-            if getattr(config, "ep", 1) > 1 and any("ep" in axes for _, axes in placed.shards):
-                copies = 1.0 / mesh.size("edp") if config.zero == 0 else 1.0  # experts: copies over edp only
+            if getattr(config, "ep", 1) > 1 and any(Axis.EP in axes for _, axes in placed.shards):
+                copies = 1.0 / mesh.size(Axis.EDP) if config.zero == 0 else 1.0  # experts: copies over edp only
             w = copies * (0.5 if id(p) in tied_here else 1.0)
             for a in axes:
                 if not any(a in shard_axes for _, shard_axes in placed.shards):
@@ -72,7 +72,7 @@ def global_norm(mesh, layout) -> float:
         g = t.grad.detach().reshape(-1)
         for at, length, w in runs:
             total += w * g[at:at + length].double().pow(2).sum()
-    for axis in ("pp", "dp", "sp", "tp"):
+    for axis in (Axis.PP, Axis.DP, Axis.SP, Axis.TP):
         if mesh.size(axis) > 1:
             comm.all_reduce(total, mesh, axis, tag="grad norm")
     return float(total.sqrt().item())

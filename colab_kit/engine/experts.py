@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..config import Axis
 from .. import comm
 from ..models import moe_context
 
@@ -49,15 +50,15 @@ class ExpertSteps:
                                                                                 * self.loss_shards)
             sp = self.config.sp
             step = self._moe_steps[microbatch] = moe_context.MoEStep(
-                gather=self._gather_pieces, piece=self.mesh.rank("dp") * sp + self.mesh.rank("sp"),
+                gather=self._gather_pieces, piece=self.mesh.rank(Axis.DP) * sp + self.mesh.rank(Axis.SP),
                 pieces=self.config.dp * sp, grad_scale=scale)
         return step
 
     def _gather_pieces(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` of every rank holding tokens of the microbatch, ``[dp * sp, *t.shape]`` in (dp, sp) order: over
         sp (a row's tokens), then over dp (the rows)."""
-        t = comm.all_gather(t[None], self.mesh, "sp", tag="moe counts") if self.config.sp > 1 else t[None]
-        return comm.all_gather(t[None], self.mesh, "dp", tag="moe counts").flatten(0, 1)
+        t = comm.all_gather(t[None], self.mesh, Axis.SP, tag="moe counts") if self.config.sp > 1 else t[None]
+        return comm.all_gather(t[None], self.mesh, Axis.DP, tag="moe counts").flatten(0, 1)
 
     @property
     def moe_steps(self) -> list[moe_context.MoEStep]:

@@ -66,7 +66,7 @@ import math
 import torch
 
 from .. import comm
-from ..config import ConfigError
+from ..config import Axis, ConfigError
 from ..models import BERTConfig, GPTConfig, ViTConfig
 from ..sequence.zigzag import sequence_positions
 
@@ -258,8 +258,8 @@ def _share(engine, tok: torch.Tensor) -> torch.Tensor:
     t = tok.to(mesh.device)
     if engine.pipeline is not None:
         plan = engine.pipeline.plan
-        comm.broadcast(t, mesh, "pp", src=plan.rank_of(plan.n_stages - 1), tag="generate tokens")
-    comm.broadcast(t, mesh, "dp", src=0, tag="generate tokens")
+        comm.broadcast(t, mesh, Axis.PP, src=plan.rank_of(plan.n_stages - 1), tag="generate tokens")
+    comm.broadcast(t, mesh, Axis.DP, src=0, tag="generate tokens")
     return t.cpu()
 
 
@@ -284,8 +284,8 @@ def _pipeline_forward(engine, x: torch.Tensor, shapes: dict) -> torch.Tensor | N
                 shapes[s] = (tuple(h.shape), h.dtype)
                 header = torch.tensor([_DTYPES.index(h.dtype), h.dim(), *h.shape] + [0] * (6 - h.dim()),
                                       dtype=torch.int64, device=mesh.device)
-                sends.append(comm.isend(header, mesh, "pp", peer, msg_tag=_TAG | 1 << 20 | s, tag="generate shape"))
-            sends.append(comm.isend(h.contiguous(), mesh, "pp", peer, msg_tag=_TAG | s, tag="generate hidden"))
+                sends.append(comm.isend(header, mesh, Axis.PP, peer, msg_tag=_TAG | 1 << 20 | s, tag="generate shape"))
+            sends.append(comm.isend(h.contiguous(), mesh, Axis.PP, peer, msg_tag=_TAG | s, tag="generate hidden"))
     for pending in sends:
         pending.wait(pipe.timeout)
     return out
@@ -296,10 +296,10 @@ def _recv(engine, peer: int, s: int, shapes: dict, timeout: float) -> torch.Tens
     mesh = engine.mesh
     if s not in shapes:
         header = torch.zeros(8, dtype=torch.int64, device=mesh.device)
-        comm.irecv(header, mesh, "pp", peer, msg_tag=_TAG | 1 << 20 | s, tag="generate shape").wait(timeout)
+        comm.irecv(header, mesh, Axis.PP, peer, msg_tag=_TAG | 1 << 20 | s, tag="generate shape").wait(timeout)
         h = header.tolist()
         shapes[s] = (tuple(h[2:2 + h[1]]), _DTYPES[h[0]])
     shape, dtype = shapes[s]
     buf = torch.empty(shape, dtype=dtype, device=mesh.device)
-    comm.irecv(buf, mesh, "pp", peer, msg_tag=_TAG | s, tag="generate hidden").wait(timeout)
+    comm.irecv(buf, mesh, Axis.PP, peer, msg_tag=_TAG | s, tag="generate hidden").wait(timeout)
     return buf

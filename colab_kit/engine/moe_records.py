@@ -33,6 +33,7 @@ losses against one process's, and the matrix against the comm records.
 from __future__ import annotations
 
 import torch
+from ..config import Axis
 
 __all__ = ["step_layers", "on_host", "loss_vector", "with_losses", "traffic"]
 
@@ -131,7 +132,7 @@ def traffic(records: dict[int, list[dict]], layout, layer: int | None = None) ->
     world = layout.world_size
     out = [[0] * world for _ in range(world)]
     for rank, layers in records.items():
-        group = layout.group_of(rank, "ep") if "ep" in layout.axes else [rank]
+        group = layout.group_of(rank, Axis.EP) if Axis.EP in layout.axes else [rank]
         for rec in layers:
             if layer is not None and rec["layer"] != layer:
                 continue

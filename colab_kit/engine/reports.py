@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from ..config import ParallelConfig
+from ..config import Axis, ParallelConfig
 from ..measure import optimizer_bytes, tensor_bytes
 from ..memory.estimator import config_estimate, model_activations, traced_activations
 from ..memory.formulas import estimate, optimizer_states, placed
@@ -104,7 +104,7 @@ def memory_estimate(engine: EngineView) -> dict:
         seq = seq or model.seq_len
         seq = seq * cfg.sp if engine.parts.sp_plan is not None else seq  # the engine keeps this rank's tokens
         est = config_estimate(model, cfg, rows * shards * cfg.dp * cfg.microbatches, name, seq=seq,
-                              pp_rank=engine.mesh.rank("pp"), host_share=share)
+                              pp_rank=engine.mesh.rank(Axis.PP), host_share=share)
         if not rows:
             est = placed({**{k: est[k] for k in ("params", "grads", "optimizer")}, "activations": 0},
                          cfg.zero, cfg.offload, share)
@@ -118,7 +118,7 @@ def memory_estimate(engine: EngineView) -> dict:
             cache.clear()
             cache[shape] = traced_activations(engine.parts.dense_twin, *shape, cfg.precision)
         est["activations"] = model_activations(engine.parts.dense_twin, engine.parts.policy, cfg, *shape,
-                                               pp_rank=engine.mesh.rank("pp"), traced=cache[shape])
+                                               pp_rank=engine.mesh.rank(Axis.PP), traced=cache[shape])
     return placed(est, cfg.zero, cfg.offload, share)
 
 
@@ -130,12 +130,13 @@ def placements(engine: EngineView) -> list[dict]:
         {"name": "blocks.1.mlp.experts.w_in", "shape": (2, 32, 32),
          "placements": "ep: Shard(0), edp: Replicate()"}           # dp=4, ep=2: experts over ep x edp
     """
-    axes = [a for a in engine.mesh.layout.fine_names if engine.mesh.size(a) > 1 and a != "pp"]
+    axes = [a for a in engine.mesh.layout.fine_names if engine.mesh.size(a) > 1 and a != Axis.PP]
     table = engine.parts.placement_table
     rows = table.rows(axes)
-    if "ep" in engine.mesh.layout.axes:  # experts lie on ep and edp, which fold dp x sp
-        folded = [a for a in axes if a not in ("dp", "sp")] + ["ep"] + ["edp"] * (engine.mesh.size("edp") > 1)
-        on_ep = [any("ep" in ax for _, ax in table[p].shards) for p in table.params]
+    if Axis.EP in engine.mesh.layout.axes:  # experts lie on ep and edp, which fold dp x sp
+        folded = [a for a in axes if a not in (Axis.DP, Axis.SP)] + [Axis.EP]
+        folded += [Axis.EDP] * (engine.mesh.size(Axis.EDP) > 1)
+        on_ep = [any(Axis.EP in ax for _, ax in table[p].shards) for p in table.params]
         rows = [b if e else a for a, b, e in zip(rows, table.rows(folded), on_ep)]
     return [{"name": n, "shape": s, "placements": d} for n, s, d in rows]
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..config import Axis
 from .. import comm
 from ..measure import ActivationMeter
 from ..models import moe_context
@@ -246,14 +247,14 @@ class TrainingStep(ExpertSteps):
             token_loss.count(targets, pieces)
             return
         n = (targets != -100).sum().reshape(1).to(self.mesh.device)
-        comm.all_reduce(n, self.mesh, "dp", tag="target count")
+        comm.all_reduce(n, self.mesh, Axis.DP, tag="target count")
         token_loss.scale = pieces / max(int(n.item()), 1)
 
     def local_rows(self, rows: torch.Tensor, local: bool = False) -> torch.Tensor:
         """This rank's rows of the global batch: its dp share (given already with ``local``), then its share
         inside tp, then its tokens of each row over sp."""
         if not local:
-            rows = split_batch(rows, self.config.dp, self.mesh.rank("dp"))
+            rows = split_batch(rows, self.config.dp, self.mesh.rank(Axis.DP))
         if self.parts.tp_plan is not None:
             rows = self.parts.tp_plan.shard_batch(rows)
         if self.parts.sp_plan is not None:
@@ -322,7 +323,7 @@ class TrainingStep(ExpertSteps):
     def mean(self, local: torch.Tensor, pp: bool = False) -> list[float]:
         """``local`` (a loss, or a vector of them) summed over pp when ``pp``, then averaged over dp, sp and tp."""
         local = local.reshape(-1).clone()
-        for axis in ("pp",) * pp + ("dp", "sp", "tp"):
+        for axis in (Axis.PP,) * pp + (Axis.DP, Axis.SP, Axis.TP):
             comm.all_reduce(local, self.mesh, axis, tag="loss")
         return (local.double() / (self.config.dp * self.config.sp * self.config.tp)).tolist()
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..config import ParallelConfig
+from ..config import Axis, ParallelConfig
 from ..mesh import ProcessMesh
 from ..models.experts import Experts
 from .hf import HFExpertParallel, is_fused_experts
@@ -41,8 +41,8 @@ def apply_expert_parallel(model: nn.Module, mesh: ProcessMesh, config: ParallelC
     on ep; the data-parallel step sums their gradients over edp (``colab_kit.zero.apply``)."""
     made: list[nn.Module] = []
     for i, (parent, name, experts) in enumerate(expert_modules(model, policy)):
-        layer = ExpertParallel(experts, mesh, "ep") if isinstance(experts, Experts) else HFExpertParallel(
-            experts, mesh, "ep", layer=i)
+        layer = ExpertParallel(experts, mesh, Axis.EP) if isinstance(experts, Experts) else HFExpertParallel(
+            experts, mesh, Axis.EP, layer=i)
         setattr(parent, name, layer)
         made.append(layer)
     return made

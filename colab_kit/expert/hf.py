@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import Axis
 from ..models import experts as _experts
 from ..models.experts import _Contiguous, combine, dispatch
 from ..models.moe_context import current
@@ -114,7 +115,7 @@ class HFExpertParallel(nn.Module):
     """This rank's ``E / ep`` fused experts of one Hugging Face MoE layer and the all-to-all around them (see
     the module docstring); same call, same parameter names (``gate_up_proj``, ``down_proj``) as the HF module."""
 
-    def __init__(self, experts: nn.Module, mesh, axis: str = "ep", layer: int = 0):
+    def __init__(self, experts: nn.Module, mesh, axis: str = Axis.EP, layer: int = 0):
         super().__init__()
         self.mesh, self.axis, self.layer = mesh, axis, layer
         self.layout = fused_layout(experts) or "halves"

@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from ..config import Axis
 from .. import comm
 from ..models.experts import Experts, expert_compute, EXPERT_COMPUTE
 from ..placement import declare
@@ -137,7 +138,7 @@ class ExpertParallel(nn.Module):
     """This rank's ``E / ep`` experts of a layer (its slice of the stacked tensors, ``Shard(0)`` on ``ep``) and
     the all-to-all around them; a drop-in for ``Experts`` (see the module docstring)."""
 
-    def __init__(self, experts: Experts, mesh, axis: str = "ep"):
+    def __init__(self, experts: Experts, mesh, axis: str = Axis.EP):
         super().__init__()
         self.mesh, self.axis, self.n, self.d, self.f = mesh, axis, experts.n, experts.d, experts.f
         self.first, self.local = slice_experts(self, experts, WEIGHTS, mesh, axis)

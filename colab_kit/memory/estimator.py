@@ -34,7 +34,7 @@ from __future__ import annotations
 from .experts import moe_estimate
 from .formulas import model_state_bytes, placed
 from .layout import (layout_activations, part_params, pipeline_peak, rank_params, stage_params,  # noqa: F401
-                     stage_plan, walks)
+                     walks)
 from ..config import ParallelConfig
 from ..models import GPTConfig
 from ..precision import compute_dtype
@@ -43,8 +43,6 @@ from ..tensor import model_sizes
 
 __all__ = ["part_params", "stage_params", "rank_params", "layout_activations", "pipeline_peak", "config_estimate",
            "traced_activations", "gpt_like", "model_activations"]
-
-_stages = stage_plan  # the planner's older name (planner.moe_shape, planner.comm_cost)
 
 
 def config_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | None = None,

@@ -2,7 +2,7 @@
 entry for a number of local ranks (``cached``), and one collective's ``alpha`` and ``beta`` from them
 (``alpha_beta``).
 
-The measuring is the planner's (``colab_kit.planner.constants``, which runs ranks and fits the figures);
+The measuring is the planner's (``colab_kit.planner.local.constants``, which runs ranks and fits the figures);
 reading what it measured is here, below it, because the engine's own reports read it too:
 ``engine.roofline()`` prices each recorded collective with ``alpha + wire / beta``, and
 ``peak_matmul`` keeps its figure beside the constants' file.
@@ -19,7 +19,7 @@ import platform
 
 import torch
 
-__all__ = ["VERSION", "cache_path", "cached", "alpha_beta"]
+__all__ = ["VERSION", "cache_path", "cached", "read_cache", "is_current", "alpha_beta"]
 
 VERSION = 5
 """Bumped when a figure changes meaning or is added; a cached entry of another version is measured again
@@ -36,7 +36,7 @@ def cache_path() -> str:
     return os.path.join(root, f"constants-{platform.node() or 'host'}-{torch.__version__.split('+')[0]}.json")
 
 
-def _read_cache(path: str) -> dict:
+def read_cache(path: str) -> dict:
     if os.path.exists(path):
         try:
             with open(path, encoding="utf-8") as fh:
@@ -48,11 +48,11 @@ def _read_cache(path: str) -> dict:
 
 def cached(ranks: int = 4) -> dict | None:
     """The constants cached for ``ranks`` local ranks, or None: nothing is measured."""
-    entry = _read_cache(cache_path()).get(str(ranks))
-    return entry if _current(entry) else None
+    entry = read_cache(cache_path()).get(str(ranks))
+    return entry if is_current(entry) else None
 
 
-def _current(entry) -> bool:
+def is_current(entry) -> bool:
     """Whether a cached entry is of this ``VERSION`` (an older one counted a step's time per forward op,
     3 times what ``dispatch`` means now, and lacked ``activation`` and ``recompute``)."""
     return isinstance(entry, dict) and entry.get("version") == VERSION

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import Axis
 from ..comm.collectives import one_shot_record
 
 
@@ -257,7 +258,7 @@ def _paint(p: Profile, engine, compute, copies, blocked, min_idle: float) -> lis
                 out.append(Interval(x, y, "idle", "idle"))
         if i < len(blocked):
             rec = p.records[i]
-            zero = engine.config.zero and rec.axis == "dp" and rec.op in ("all_gather", "reduce_scatter")
+            zero = engine.config.zero and rec.axis == Axis.DP and rec.op in ("all_gather", "reduce_scatter")
             name = (f"ZeRO {rec.op}" if zero else f"{rec.op}@{rec.axis}") + (f" ({rec.tag})" if rec.tag else "")
             out.append(Interval(a, b, "comm", name, rec.axis, i))
         pos = b

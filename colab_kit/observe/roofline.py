@@ -5,7 +5,7 @@ communication-bound, and why.
 One rank's step does ``F`` FLOPs (the dense model's ``model_flops`` shared over the ranks) and sends ``W``
 wire bytes in ``k`` collectives (the engine's comm records of the last step). The machine runs matmuls at
 ``P`` FLOP/s (``throughput.peak_matmul``, measured) and a collective ``op`` on a group of ``n`` ranks costs
-``alpha + wire / beta`` (``planner.constants``, measured in a running loop). So::
+``alpha + wire / beta`` (``planner.local.constants``, measured in a running loop). So::
 
     compute_s    = F / P                          the step's matmuls at the peak
     comm_s       = sum(alpha + wire / beta)       its collectives at the measured costs
@@ -103,7 +103,7 @@ class Roofline:
 
 def roofline(engine, constants: dict | None = None, peak: float | None = None, last: int | None = None) -> Roofline:
     """This rank's ``Roofline`` for the engine's last step (``ck.roofline(engine)``). ``constants``: the planner's
-    (``colab_kit.planner.constants.constants(ranks=N)``, measured in the notebook; default: the cached ones
+    (``colab_kit.planner.constants(ranks=N)``, measured in the notebook; default: the cached ones
     for this world size, an error naming that call if there are none); ``peak``: FLOP/s (default: the
     measured matmul peak of this rank's device and threads); ``last``: the recorded steps whose median time is
     the measured one (``engine.throughput``'s; default all but the first)."""
@@ -134,7 +134,7 @@ def _cached(world: int) -> dict:
     got = cached(world)
     if got is None:
         raise ValueError(f"no measured collective constants for {world} ranks in {cache_path()}: measure them once "
-                         f"in the notebook with colab_kit.planner.constants.constants(ranks={world}) (a few seconds) "
+                         f"in the notebook with colab_kit.planner.constants(ranks={world}) (a few seconds) "
                          f"and pass them as ck.roofline(engine, constants=...), or call it again after")
     return got
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..config import ParallelConfig
+from ..config import Axis, ParallelConfig
 from ..mesh import ProcessMesh
 from .stage import split_model, tied_across_ranks
 
@@ -17,6 +17,6 @@ def apply_pipeline_split(model: nn.Module, mesh: ProcessMesh, config: ParallelCo
     shards. Leaves ``(stages, tied)``: the stages this rank runs, and per weight tied across the first and
     last stage (a head tied to the token table) ``(shape, the parameter here or None)``."""
     tied = tied_across_ranks(model, config, policy)
-    stages = split_model(model, config, mesh.rank("pp"), policy)
+    stages = split_model(model, config, mesh.rank(Axis.PP), policy)
     mine = {id(p) for st in stages for p in st.parameters()}
     return stages, [(tuple(t.shape), t if id(t) in mine else None) for t in tied]

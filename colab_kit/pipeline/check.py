@@ -40,7 +40,7 @@ from __future__ import annotations
 from .actions import Action
 from .lowering import inputs_of, match, outputs_of
 
-__all__ = ["PlanError", "check", "steps", "format_grid", "RULES"]
+__all__ = ["PlanError", "check", "steps", "format_grid", "RULES", "positions", "dependencies"]
 
 RULES = {
     "count": "every (stage, microbatch) has exactly one F and one B (or one I and one W)",
@@ -69,7 +69,7 @@ class PlanError(ValueError):
         self.rank, self.position, self.rule = rank, position, rule
 
 
-def _index(plan) -> dict[Action, tuple[int, int]]:
+def positions(plan) -> dict[Action, tuple[int, int]]:
     """Where each action sits; also the count and placement rules."""
     where: dict[Action, tuple[int, int]] = {}
     n, m = plan.n_stages, plan.microbatches
@@ -120,7 +120,7 @@ def _producers(a: Action, n: int, where) -> list[tuple[Action, str]]:
     return []
 
 
-def _dependencies(plan, where) -> dict[tuple[int, int], list[tuple[tuple[int, int], str]]]:
+def dependencies(plan, where) -> dict[tuple[int, int], list[tuple[tuple[int, int], str]]]:
     """For each (rank, position), the positions it waits for beyond its rank's order."""
     n = plan.n_stages
     deps: dict[tuple[int, int], list[tuple[tuple[int, int], str]]]
@@ -212,7 +212,7 @@ def steps(plan) -> list[list[Action | None]]:
     Raises ``PlanError`` where ``check`` would.
     """
     check(plan)
-    return _step(plan, _dependencies(plan, _index(plan)))[0]
+    return _step(plan, dependencies(plan, positions(plan)))[0]
 
 
 def _stuck(plan, deps, rows, pos, done) -> PlanError:
@@ -237,8 +237,8 @@ def _stuck(plan, deps, rows, pos, done) -> PlanError:
 
 def check(plan):
     """Raise ``PlanError`` unless ``plan`` is complete, well ordered and runs to the end; returns the plan."""
-    where = _index(plan)
-    deps = _dependencies(plan, where)
+    where = positions(plan)
+    deps = dependencies(plan, where)
     rows, pos, done = _step(plan, deps)
     if any(pos[r] < len(plan.actions[r]) for r in range(plan.pp)):
         raise _stuck(plan, deps, rows, pos, done)

@@ -208,7 +208,7 @@ def flops_per_token(model_cfg) -> tuple[int, int, int]:
     """Forward FLOPs per token of a GPT by the standard count: ``(lin, att, head)``, the four
     Linears of a block ``2 (4 h^2 + 2 h f)``, attention's two products over the whole sequence
     ``4 t h`` (the CPU kernel computes the whole square: no causal halving) and the head ``2 h v``.
-    ``flop_costs`` and the planner's cost model (``planner.cost``) both count with it."""
+    ``flop_costs`` and the planner's cost model (``planner.local.step``) both count with it."""
     h, f, t, v = model_cfg.d_model, model_cfg.d_ff, model_cfg.seq_len, model_cfg.vocab_size
     return 2 * (4 * h * h + 2 * h * f), 4 * t * h, 2 * h * v
 

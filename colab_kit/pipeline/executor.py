@@ -77,6 +77,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from ..config import Axis
 from .. import comm
 from .check import steps
 from .hang import HangMonitor, PipelineHang, hang_message
@@ -105,7 +106,7 @@ class PipelineExecutor(ComputeActions, CommActions):
         self.mesh, self.config, self.events, self.model_cfg = mesh, config, events, model_cfg
         self.stages = {st.index: st for st in stages}
         self.params = {s: [p for p in st.parameters() if p.requires_grad] for s, st in self.stages.items()}
-        self.pp, self.me = self.config.pp, self.mesh.rank("pp")
+        self.pp, self.me = self.config.pp, self.mesh.rank(Axis.PP)
         self.coords = self.mesh.coords()
         self._plan = None
         self._shapes, self._shapes_sent = {}, set()
@@ -331,8 +332,8 @@ class PipelineExecutor(ComputeActions, CommActions):
     def _report(self) -> dict:
         j, acts = self.pos, self._actions
         at = j < len(acts)  # False once every action ran (waiting for sends, gradients, optimizer)
-        return dict(rank=self.mesh.global_rank, pp=self.me, dp=self.coords["dp"], sp=self.coords["sp"],
-                    tp=self.coords["tp"], step=self.step, state=self._state, note=self._note,
+        return dict(rank=self.mesh.global_rank, pp=self.me, dp=self.coords[Axis.DP], sp=self.coords[Axis.SP],
+                    tp=self.coords[Axis.TP], step=self.step, state=self._state, note=self._note,
                     action=str(acts[j]) if at else None, position=self._index[j] if at else None,
                     of=len(self.plan.actions[self.me]), since=time.perf_counter() - self._since,
                     timestep=self.timesteps[self.me][self._index[j]] if at else None,

@@ -52,6 +52,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ..config import Axis
 from .check import format_grid
 
 __all__ = ["PipelineHang", "HangMonitor", "render_grid", "describe", "hang_message"]
@@ -120,7 +121,7 @@ def render_grid(plan, timesteps: list[list[int]], positions: dict[int, int], win
 def hang_message(reason: str, reports: dict[int, dict], plan, timesteps, coords: dict, world: int,
                  timeout: float, report_wait: float) -> str:
     """The reason, the grid of this rank's pipeline with every rank's position, one line per rank."""
-    mine = (coords["dp"], coords["sp"], coords["tp"])
+    mine = (coords[Axis.DP], coords[Axis.SP], coords[Axis.TP])
     same = {r["pp"]: r["position"] for r in reports.values()
             if (r["dp"], r["sp"], r["tp"]) == mine and r["position"] is not None}
     lines = [reason, "", f"plan of pipeline (dp {mine[0]}, sp {mine[1]}, tp {mine[2]}), "

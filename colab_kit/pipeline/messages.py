@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import Axis
 from .. import comm
 from .lowering import message_tag
 from .order import Message, message_order
@@ -190,7 +191,7 @@ class CommActions:
 
     def _post(self, msg, buf):
         try:
-            return comm.irecv(buf, self.mesh, "pp", msg.peer, msg_tag=self._tag(msg.action, msg.part == "header",
+            return comm.irecv(buf, self.mesh, Axis.PP, msg.peer, msg_tag=self._tag(msg.action, msg.part == "header",
                                                                                msg.part == "side"),
                               tag=str(msg), arm=True), buf
         except RuntimeError as exc:
@@ -232,7 +233,7 @@ class CommActions:
     def _send(self, a, t, peer, msg_tag, label):
         self._settle(peer, a)  # the pair's earlier sends first: their tensors go as soon as they are received
         try:
-            self._sends.append((a, peer, comm.isend(t, self.mesh, "pp", peer, msg_tag=msg_tag, tag=label, arm=True)))
+            self._sends.append((a, peer, comm.isend(t, self.mesh, Axis.PP, peer, msg_tag=msg_tag, tag=label, arm=True)))
         except RuntimeError as exc:
             raise self._hang(f"rank {self.mesh.global_rank} could not send {a}: {_last(exc)}") from exc
 
@@ -261,7 +262,7 @@ class CommActions:
         self._set("waiting")
         what = (f"the activation of stage {a.stage - 1}" if a.kind == "RF" else
                 f"the input gradient of stage {a.stage + 1}") + f", microbatch {a.microbatch}"
-        self._wait(pending, a, what + f", from rank {self.mesh.ranks('pp')[peer]} (pp {peer})")
+        self._wait(pending, a, what + f", from rank {self.mesh.ranks(Axis.PP)[peer]} (pp {peer})")
         return buf
 
     def _wait(self, pending, a, what: str) -> None:

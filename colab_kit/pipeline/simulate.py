@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from .actions import Action
-from .check import _dependencies, _index, _step, check, format_grid
+from .check import _step, check, dependencies, format_grid, positions
 
 __all__ = ["Timeline", "simulate", "prepare", "DEFAULT_COSTS", "theory_bubble"]
 
@@ -108,7 +108,7 @@ def prepare(plan) -> tuple:
     """``plan`` checked (a broken plan raises ``PlanError``), with its dependencies and lockstep order:
     what ``simulate`` needs beyond the costs, for a caller that times one plan under many costs."""
     check(plan)
-    deps = _dependencies(plan, _index(plan))
+    deps = dependencies(plan, positions(plan))
     rows, _, _ = _step(plan, deps)  # lockstep order: a valid order to fix start times in
     return deps, rows
 

@@ -16,7 +16,7 @@ splits (over dp x microbatches and the tensor plan's batch shards) is a candidat
 every schedule and a few microbatch counts, ring / Ulysses / split_gather, ZeRO 0-3, offload none / cpu (and 'auto'
 when ``memory_per_rank`` is given: ``cand.boost_kwargs == {"device_budget": memory_per_rank}``),
 recomputation on and off. For each: memory per rank from ``colab_kit.memory.estimator.config_estimate``
-(the estimate ``engine.memory_estimate()`` reports) and seconds per step from ``cost`` with
+(the estimate ``engine.memory_estimate()`` reports) and seconds per step from ``local.step`` with
 constants measured on this machine (``constants``). Within one parallel shape (the degrees,
 modes and schedule) a candidate that another one beats on both memory and time is dropped.
 
@@ -26,33 +26,30 @@ would become the attribute ``colab_kit.plan`` once imported, shadowing the funct
 """
 from __future__ import annotations
 
-import itertools
-import math
-
 import torch.nn as nn
 
 from ..config import ConfigError, ParallelConfig
-from .constants import constants
 from ..engine.facts import ModelFacts
-from ..engine.parts import first_refusal
 from ..memory.estimator import config_estimate, gpt_like, model_activations, part_params, traced_activations
 from ..memory.formulas import optimizer_states, placed
 from ..models import GPTConfig
 from ..models.moe import has_experts
 from ..policy import missing_policy_message, policy_for
 from ..sharded_init import meta_twin
-from .at_scale import LOCAL
-from .estimate import hardware_of
-from .hardware import HARDWARE, Hardware
-from .search import plan_at_scale
 from .candidates import Candidate, Candidates
-from .cost import step_seconds
-from .exact import exact_states
+from .cluster.hardware import HARDWARE, Hardware
+from .configs import enumerate_configs
+from .dry_runs.exact import exact_states
+from .estimate import hardware_of
+from .local.constants import LOCAL, constants
+from .local.step import step_seconds
+from .moe.local import moe_configs, moe_step_seconds
+from .search import plan_at_scale
 from .shape import is_moe
-from .moe_local import moe_configs, moe_step_seconds
 
 __all__ = ["plan", "Candidate", "Candidates", "constants", "enumerate_configs", "EXAMPLE_CONSTANTS"]
-# ck.estimate and the at-scale search: colab_kit.planner.estimate, .search, .scale, .hardware, .shape
+# ck.estimate and the at-scale search: colab_kit.planner.estimate, .search, .shape; the cost models in rooms:
+# .local (this machine), .cluster (a GPU cluster: .cluster.price, .cluster.hardware), .moe; ck.dry_run: .dry_runs
 
 _OP = {"alpha": 1e-4, "beta": 1e9}
 EXAMPLE_CONSTANTS = {"ranks": 0, "cores": 1024, "matmul": {"flops_per_s": 1e10}, "dispatch": {"op_seconds": 2e-5},
@@ -60,72 +57,6 @@ EXAMPLE_CONSTANTS = {"ranks": 0, "cores": 1024, "matmul": {"flops_per_s": 1e10},
                      "comm": {"2": {op: dict(_OP) for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast",
                                                              "all_to_all", "send", "sendrecv")}}}
 """Round numbers (not measured) for examples and tests that must not depend on the machine."""
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def _tensor_modes(tp: int):
-    yield "1d", 1
-    if tp > 1 and math.isqrt(tp) ** 2 == tp:
-        yield "2d", 1
-    for d in _divisors(tp)[1:]:
-        if tp // d > 1 and math.isqrt(tp // d) ** 2 == tp // d:
-            yield "2.5d", d
-    q = round(tp ** (1 / 3))
-    if tp > 1 and q ** 3 == tp:
-        yield "3d", 1
-
-
-def _pipelines(pp: int):
-    if pp == 1:
-        yield from (("1f1b", 1, m) for m in (1, 2))
-        return
-    for m in (pp, 2 * pp):
-        for s in ("gpipe", "1f1b", "zb-h1"):
-            yield s, 1, m
-        yield "interleaved", 2, m
-        yield "zb-v", 2, m
-
-
-_RECOMPUTES = (("none", "op", "full"), ("none", "selective", "op", "full"))
-"""Recompute candidates: selective where it recomputes something (the ring already recomputes its core);
-per-op ("op") everywhere the engine runs it (not 2D / 2.5D: ``ParallelConfig`` refuses those)."""
-
-
-def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32", with_auto: bool = False,
-                      accept=None, facts: ModelFacts | None = None):
-    """Every config boost runs for this model and batch on ``world_size`` ranks (see the module docstring).
-    ``facts``: what the rules judge each config by (default: the ``GPTConfig`` ``model``'s, at its ``seq_len``);
-    ``accept(cfg)``: a further check that raises ConfigError."""
-    facts = facts if facts is not None else ModelFacts.of(model, seq=model.seq_len)
-    for tp, sp, pp in itertools.product(_divisors(world_size), repeat=3):
-        if world_size % (tp * sp * pp):
-            continue
-        dp = world_size // (tp * sp * pp)
-        for (mode, depth), sp_mode, (schedule, chunks, m) in itertools.product(
-                _tensor_modes(tp), ("ring", "ulysses") if sp > 1 else ("ring", "split_gather") if tp > 1 else ("ring",),
-                _pipelines(pp)):
-            recomputes = _RECOMPUTES[sp_mode != "ring" or sp == 1]
-            for zero, offload, recompute in itertools.product((0, 1, 2, 3) if dp > 1 else (0,),
-                                                              ("none", "cpu", "auto"), recomputes):
-                if (offload == "auto" and not with_auto) or (offload != "none" and zero == 0):
-                    continue
-                try:
-                    cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, tp_mode=mode, tp_depth=depth, sp_mode=sp_mode,
-                                         zero=zero, offload=offload, microbatches=m, schedule=schedule, chunks=chunks,
-                                         precision=precision, recompute=recompute)
-                    if first_refusal(cfg, facts) is not None:
-                        continue
-                    if accept is not None:
-                        accept(cfg)
-                except ConfigError:
-                    continue
-                shards = {"1d": 1, "2d": cfg.tp_q, "2.5d": depth * cfg.tp_q, "3d": cfg.tp_q ** 2}[mode]
-                if batch % (dp * m) or (batch // (dp * m)) % shards:
-                    continue
-                yield cfg
 
 
 def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision: str = "fp32",
@@ -137,7 +68,7 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
     a global ``batch`` of rows per step, best first: those that fit ``memory_per_rank`` bytes
     (device bytes per rank), then by estimated seconds per step. ``limit`` keeps the first N.
 
-    At scale, from a laptop: ``hardware`` names a cluster preset (``planner.hardware.HARDWARE``) or is a
+    At scale, from a laptop: ``hardware`` names a cluster preset (``planner.cluster.hardware.HARDWARE``) or is a
     ``Hardware``; the candidates are then searched and priced by ``ck.estimate``'s at-scale model
     (``planner.search``: what cannot fit or is dominated is pruned before pricing; only candidates that fit the
     preset's usable memory, or ``memory_per_rank``, are listed; each carries its ``Estimate``). ``restrict``
@@ -155,7 +86,7 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
         raise ConfigError(f"exact must be a whole number of candidates to dry-run, got {exact!r}: try 3")
     if isinstance(model_cfg, nn.Module) and has_experts(model_cfg) and isinstance(getattr(model_cfg, "cfg", None),
                                                                                    GPTConfig):
-        model_cfg = model_cfg.cfg  # the built-in MoE GPT: planned from its config (planner.moe_local)
+        model_cfg = model_cfg.cfg  # the built-in MoE GPT: planned from its config (planner.moe.local)
     if hardware is not None:
         if constants is not None:
             raise ConfigError("give hardware= or constants=, not both: hardware names a preset's constants")
@@ -179,7 +110,7 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
     if constants is None and isinstance(world_size, int) and world_size > 16:
         raise ConfigError(f"ck.plan for {world_size} ranks without constants would measure them with {world_size} "
                           f"local processes: pass hardware= (one of the presets: {', '.join(HARDWARE)}) or "
-                          f"constants= (colab_kit.planner.at_scale.hardware_constants(name), or your own)")
+                          f"constants= (colab_kit.planner.cluster.hardware.hardware_constants(name), or your own)")
     cands = _plan(model_cfg, world_size, batch, memory_per_rank, precision, optimizer, seq=seq, constants=constants,
                   limit=None if exact else limit, policy=policy, input_shape=input_shape)
     if exact:

@@ -1,10 +1,10 @@
 """``ck.estimate``: one config's step time, memory per rank and MFU, on this machine or a cluster preset.
 
 The function ``ck.plan`` ranks its candidates by, opened to any config the engine runs. On a preset
-(``hardware="dgx-a100-80gb"``, ..., ``planner.hardware.HARDWARE``) the step is priced by the at-scale model
-(``planner.scale.price``: GEMMs at the preset's achievable efficiency, collectives on the node hierarchy,
+(``hardware="dgx-a100-80gb"``, ..., ``planner.cluster.hardware.HARDWARE``) the step is priced by the at-scale model
+(``planner.cluster.price.price``: GEMMs at the preset's achievable efficiency, collectives on the node hierarchy,
 overlap that hides at most the compute beside it, the schedule's own bubble; calibrated on Megatron-LM's
-Table 1, docs/estimate.md); on ``hardware="this machine"`` by the cost model measured here (``planner.cost``).
+Table 1, docs/estimate.md); on ``hardware="this machine"`` by the cost model measured here (``planner.local.step``).
 The memory is the engine's own estimate (``memory.estimator.config_estimate``, what ``engine.memory_estimate()``
 reports) of a GPT of the model's widths, its model states scaled to the model's true parameter count.
 
@@ -44,13 +44,12 @@ from ..config import ConfigError, ParallelConfig
 from ..memory.estimator import config_estimate
 from ..memory.formulas import optimizer_states
 from ..models import GPT, GPTConfig
-from .constants import constants as measured
-from .cost import step_seconds
-from .at_scale import LOCAL
-from .hardware import ATTENTION, HARDWARE, Hardware
-from .scale import price
-from .moe_local import moe_step_seconds
-from .moe_shape import gpt_moe_of, moe_memory
+from .cluster.hardware import ATTENTION, HARDWARE, Hardware
+from .cluster.price import price
+from .local.constants import LOCAL, constants as measured
+from .local.step import step_seconds
+from .moe.local import moe_step_seconds
+from .moe.shape import gpt_moe_of, moe_memory
 from .shape import ModelShape, shape_and_facts
 from ..engine.parts import refusals
 
@@ -152,7 +151,7 @@ def hardware_of(hardware) -> Hardware | str:
     if isinstance(hardware, str) and hardware in HARDWARE:
         return HARDWARE[hardware]
     raise ConfigError(f"unknown hardware {hardware!r}: choose a preset ({', '.join(sorted(HARDWARE))}), "
-                      f"{LOCAL!r} (the constants measured here), or a planner.hardware.Hardware of your own")
+                      f"{LOCAL!r} (the constants measured here), or a planner.cluster.hardware.Hardware of your own")
 
 
 def gpt_of(shape: ModelShape) -> GPTConfig:
@@ -179,7 +178,7 @@ def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: 
     if config.pp > 1 and config.schedule != "gpipe" and m > 2 * config.pp:
         rows = batch // (config.dp * m)
         config, batch = config.replace(microbatches=2 * config.pp), config.dp * 2 * config.pp * rows
-    if shape.experts:  # a mixture of experts: its own walk (planner.moe_shape.moe_memory)
+    if shape.experts:  # a mixture of experts: its own walk (planner.moe.shape.moe_memory)
         return moe_memory(shape, config, batch, optimizer)
     gpt = gpt or gpt_of(shape)
     fitted = config.schedule != "zb-v" or (fit and config.microbatches < 2 * config.pp)
@@ -248,14 +247,14 @@ def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = Non
 
     ``model``: a ``GPTConfig``, a built-in model, a Hugging Face config or model (built on the meta device:
     no weights), any model with a policy, or a ``ModelShape``. ``hardware``: a preset name
-    (``planner.hardware.HARDWARE``; default the DGX A100 80GB the calibration table ran on), a ``Hardware``,
+    (``planner.cluster.hardware.HARDWARE``; default the DGX A100 80GB the calibration table ran on), a ``Hardware``,
     or ``"this machine"`` (the constants measured here, ``constants=`` to give them). ``precision``
     overrides the config's. ``uneven_stages`` (a preset only): price a pipeline whose blocks do not split
     evenly over its stages (DeepSeek-V3's 61 over 16), the last ``layers % stages`` stages one block more; the
     engine splits them evenly, so such a layout is priced, not runnable. ``attention`` (a preset only):
     "flash" or "unfused", the kernel attention's core is priced as, over the preset's own (``Hardware.attention``:
     "flash" on every preset, what the engine runs; "unfused" for Megatron-LM 2021's runs). ``stack`` (a preset
-    only): the software priced on the node, a name of ``planner.stack.STACKS`` ("colab_kit", the engine, by
+    only): the software priced on the node, a name of ``planner.cluster.stack.STACKS`` ("colab_kit", the engine, by
     default; "megatron-core", "torchtitan", "megatron-lm-2021", "deepspeed-2021") or a ``Stack``; ``attention``
     then overrides its kernel. Nothing runs: no process, no tensor."""
     shape, facts = shape_and_facts(model, policy, seq)
@@ -278,7 +277,7 @@ def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = Non
     memory = memory_of(shape, config, batch, optimizer)
     if hw == LOCAL:
         consts = constants if constants is not None else measured(ranks=config.world_size)
-        if shape.experts:  # the MoE GPT of its widths (planner.moe_local)
+        if shape.experts:  # the MoE GPT of its widths (planner.moe.local)
             gpt = model.cfg if isinstance(model, GPT) else model if isinstance(model, GPTConfig) else gpt_moe_of(shape)
             seconds, parts, counts = moe_step_seconds(dataclasses.replace(gpt, seq_len=seq), config, batch, consts,
                                                       memory, optimizer)
@@ -286,7 +285,7 @@ def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = Non
             gpt = dataclasses.replace(gpt_of(shape), seq_len=seq)
             seconds, parts, counts = step_seconds(gpt, config, batch, consts, memory, optimizer)
         est = Estimate(shape, config, batch, seq, LOCAL, seconds, memory, 0, _local_capacity(), parts,
-                       ["constants measured on this machine (planner.constants)"], counts)
+                       ["constants measured on this machine (planner.local.constants)"], counts)
         est._local_peak = consts["matmul"]["flops_per_s"]
         return est
     assert isinstance(hw, Hardware)

@@ -19,7 +19,7 @@ Every config the engine runs for ``gpus`` ranks is a candidate; the search price
 
 Then branch and bound (``search``): the configs in the order of a lower bound on their step time, each priced
 in full until the ``limit``-th candidate found beats the next bound. A layout's configs are not even built
-until the search reaches the layout's floor (``scale.compute_floor``: its compute and tensor / sequence
+until the search reaches the layout's floor (``cluster.price.compute_floor``: its compute and tensor / sequence
 traffic), and most layouts never are.
 
 Worked example (175B, 1,536 A100s, the Megatron-LM Table 1 setting)::
@@ -57,9 +57,9 @@ from ..engine.parts import first_refusal
 from ..memory.formulas import model_state_bytes
 from .candidates import Candidate, Candidates
 from .estimate import Estimate, gpt_of, memory_of, priced
-from . import moe_price
-from .scale import compute_floor, price
-from .hardware import Hardware
+from .cluster.hardware import Hardware
+from .cluster.price import compute_floor, price
+from .moe import price as moe_price
 from .shape import ModelShape, shape_and_facts
 
 __all__ = ["search", "layouts", "plan_at_scale", "RECOMPUTE"]
@@ -240,9 +240,9 @@ def _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, 
 
 
 def _floor(shape, dp, tp, pp, sp, batch, precision, hw, probes: dict) -> float:
-    """A floor under ``_bound`` of every config ``_configs`` gives this layout: the least ``scale.compute_floor``
-    of its microbatch counts and modes, less 1e-9 of it for rounding; -inf where there is none (a mixture of
-    experts; a mode ``ParallelConfig`` refuses). ``probes``: a config of each mode, kept by the caller."""
+    """A floor under ``_bound`` of every config ``_configs`` gives this layout: the least ``compute_floor`` of its
+    microbatch counts and modes, less 1e-9 of it for rounding; -inf where there is none (a mixture of experts; a
+    mode ``ParallelConfig`` refuses). ``probes``: a config of each mode, kept by the caller."""
     if shape.experts or batch % dp:
         return -math.inf
     best = math.inf

@@ -29,7 +29,7 @@ from ..models.moe import has_experts
 from ..policy import missing_policy_message, policy_for
 from ..sharded_init import meta_twin
 from ..tensor import model_sizes
-from .moe_shape import gpt_moe_shape, hf_experts, hf_moe_shape
+from .moe.shape import gpt_moe_shape, hf_experts, hf_moe_shape
 
 __all__ = ["ModelShape", "is_moe", "shape_and_facts"]
 
@@ -72,7 +72,7 @@ class ModelShape:
     name: str = "GPT"
     params_exact: int = 0
     experts: int = 0
-    """Routed experts of each MoE layer (0: a dense model); ``planner.moe_shape`` reads them from a model."""
+    """Routed experts of each MoE layer (0: a dense model); ``planner.moe.shape`` reads them from a model."""
     top_k: int = 0
     d_expert: int = 0
     """One routed expert's inner width (its MLP is gated like the dense one's, ``gated``)."""
@@ -90,7 +90,7 @@ class ModelShape:
     """Whether the MoE layers have a capacity (they drop assignments; the engine refuses them under sp)."""
     causal: bool = True
     """Whether attention masks future tokens (decoder LMs; BERT and ViT do not): a FlashAttention-priced core
-    computes half of the square (``planner.scale_compute``); the policy's ``Attention.causal`` where read."""
+    computes half of the square (``planner.cluster.compute``); the policy's ``Attention.causal`` where read."""
 
     def __post_init__(self):
         for key in ("layers", "hidden", "heads", "vocab", "seq"):

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from ..models.dropout import attention_dropout, attention_keep, attention_number, current
 from ..policy.classes import derived_class, derived_from
-from ..config import ConfigError
+from ..config import Axis, ConfigError
 from .ring import RingRecorder, gather_keys, ring_attention
 from .ulysses import check_heads, ulysses_attention
 from .zigzag import check_length, sequence_positions, split_sequence
@@ -152,7 +152,7 @@ def _eager_dropout(q, k, v, keys, *, module, p, scale):
 class SequencePlan:
     """Split the sequence over ``sp`` for ``mesh.config.sp_mode`` ("ring" or "ulysses")."""
 
-    def __init__(self, mesh, axis: str = "sp"):
+    def __init__(self, mesh, axis: str = Axis.SP):
         self.mesh, self.axis = mesh, axis
         self.mode = mesh.config.sp_mode
         if self.mode not in LAYOUT:

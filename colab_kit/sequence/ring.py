@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import Axis
 from .. import comm
 from .zigzag import LAYOUTS, chunk_ids
 
@@ -314,7 +315,7 @@ def gather_keys(mask: torch.Tensor, mesh, axis: str) -> torch.Tensor:
     return every.bool()
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis: str = "sp", *,
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis: str = Axis.SP, *,
                    layout: str = "zigzag", recorder: RingRecorder | None = None, causal: bool = True,
                    mask: torch.Tensor | None = None, keys: torch.Tensor | None = None, drop=None) -> torch.Tensor:
     """Self-attention of the sequence split over ``axis``, by ring self-attention; causal, or bidirectional

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
-from ..config import ConfigError
+from ..config import Axis, ConfigError
 from .zigzag import LAYOUTS, gathered_order
 from .ring import gather_keys
 
@@ -60,7 +60,7 @@ def check_heads(heads: int, sp: int) -> None:
                           f"the {heads} heads (sp={sp} does not): use sp in {ok}, or sp_mode='ring'")
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis: str = "sp", *,
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh, axis: str = Axis.SP, *,
                       layout: str = "contiguous", causal: bool = True, mask: torch.Tensor | None = None,
                       keys: torch.Tensor | None = None, local=None, wrap=None) -> torch.Tensor:
     """Self-attention of the sequence split over ``axis``, by the Ulysses all-to-all: causal, or bidirectional

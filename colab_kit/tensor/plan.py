@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
-from ..config import ConfigError
+from ..config import Axis, ConfigError
 from ..policy import expand, get_module, policy_for, set_module
 from .cross_entropy import vocab_parallel_cross_entropy
 from ..placement import PlacementTable, mark_parts
@@ -80,9 +80,9 @@ class TensorPlan:
         return None
 
     # ------------------------------------------------------------------ lowering a policy
-    head_axes: tuple[str, ...] = ("tp",)
+    head_axes: tuple[str, ...] = (Axis.TP,)
     """Axes over which the attention heads are split (their sizes divide each head count)."""
-    vocab_axis = "tp"
+    vocab_axis: str = Axis.TP
     """The axis the logits' vocabulary (or classes) is split over, for the vocab-parallel loss."""
     hidden_axes: tuple[str, ...] = ()
     """Axes over which the residual stream's features (its last dim) are split, slowest first."""

@@ -56,6 +56,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import Axis
 from .. import comm
 from ..policy.classes import derived_class, derived_from
 from .zero_bubble import split_linear
@@ -108,12 +109,12 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
         return comm.all_gather(grad, ctx.mesh, ctx.axis, ctx.dim, tag="sp reduce-scatter backward"), None, None, None
 
 
-def gather_from_sequence_parallel(x, mesh, axis: str = "tp", dim: int = SEQ_DIM):
+def gather_from_sequence_parallel(x, mesh, axis: str = Axis.TP, dim: int = SEQ_DIM):
     """g: ``[b, t/n, h]`` -> ``[b, t, h]`` (backward: reduce-scatter); identity on a size-1 axis."""
     return GatherFromSequenceParallel.apply(x, mesh, axis, dim % x.dim()) if mesh.size(axis) > 1 else x
 
 
-def reduce_scatter_to_sequence_parallel(x, mesh, axis: str = "tp", dim: int = SEQ_DIM):
+def reduce_scatter_to_sequence_parallel(x, mesh, axis: str = Axis.TP, dim: int = SEQ_DIM):
     """g-bar: partial ``[b, t, h]`` -> summed ``[b, t/n, h]`` (backward: all-gather); identity on a size-1 axis."""
     return ReduceScatterToSequenceParallel.apply(x, mesh, axis, dim % x.dim()) if mesh.size(axis) > 1 else x
 
@@ -139,7 +140,7 @@ def gathered_class(cls: type) -> type:
                          "input all-gathered along the sequence (colab_kit.tensor.split_gather).")
 
 
-def gather_at_entry(module: nn.Module, mesh, axis: str = "tp") -> nn.Module:
+def gather_at_entry(module: nn.Module, mesh, axis: str = Axis.TP) -> nn.Module:
     """Make ``module`` (in place: same parameters and names, only the class changes) start with g."""
     module.__class__ = gathered_class(type(module))
     _GATHERED[module] = (mesh, axis)
@@ -167,7 +168,7 @@ class SequenceRowLinear(RowLinear):
     summed over the group.
     """
 
-    def __init__(self, weight, bias, mesh, axis: str = "tp"):
+    def __init__(self, weight, bias, mesh, axis: str = Axis.TP):
         super().__init__(weight, bias, mesh, axis)
         if self.bias is not None:
             add_partial(self, "bias", axis)
@@ -202,7 +203,7 @@ class SplitGather1D(Plan1D):
 
     mode = "1d+split_gather"
     batch_axes = ()
-    token_axes = ("tp",)  # the LayerNorm/dropout regions hold t/tp tokens
+    token_axes = (Axis.TP,)  # the LayerNorm/dropout regions hold t/tp tokens
 
     @classmethod
     def refused_layers(cls, cfg) -> str | None:
@@ -220,7 +221,7 @@ class SplitGather1D(Plan1D):
     @classmethod
     def check(cls, cfg, layout) -> None:
         super().check(cfg, layout)
-        p = layout.size("tp")
+        p = layout.size(Axis.TP)
         require_divisible({"seq_len": cfg.seq_len}, p,
                           f"sp_mode='split_gather' splits the sequence over tp={p}: use a seq_len that is a "
                           f"multiple of {p}")
@@ -228,7 +229,7 @@ class SplitGather1D(Plan1D):
     def shard_batch(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows stay whole (tokens are split inside the model); a length that does not split over tp
         is refused here, at the step's start, before any collective."""
-        n = self.mesh.size("tp")
+        n = self.mesh.size(Axis.TP)
         if rows.dim() > 1 and rows.shape[1] % n:
             raise ValueError(f"a sequence of {rows.shape[1]} tokens does not split over tp={n} with "
                              f"sp_mode='split_gather': use a sequence length that is a multiple of {n}")
@@ -242,11 +243,11 @@ class SplitGather1D(Plan1D):
         policy.check(model)
         self._attention_paths = tuple(p for p, _, _ in policy.attentions(model))
         for _, att, _ in policy.attentions(model):
-            gather_at_entry(att, self.mesh, "tp")
+            gather_at_entry(att, self.mesh, Axis.TP)
         return super().parallelize(model, policy)
 
     def layer(self, role, path, dense):
-        mesh, axis = self.mesh, "tp"
+        mesh, axis = self.mesh, Axis.TP
         if role == "vocab":
             return SequenceVocabEmbedding.from_dense(dense, mesh, axis)
         if role == "positions":

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import Axis
 from .. import comm
 from .zero_bubble import split_linear
 from ..sharded_init import cut
@@ -48,7 +49,7 @@ class _SplitLinear(nn.Module):
 
     split_dim = 0
 
-    def __init__(self, weight, bias, mesh, axis: str = "tp"):
+    def __init__(self, weight, bias, mesh, axis: str = Axis.TP):
         super().__init__()
         self.mesh, self.axis = mesh, axis
         self.weight = nn.Parameter(weight)
@@ -57,7 +58,7 @@ class _SplitLinear(nn.Module):
         declare(self, "bias", {0: axis} if self.split_dim == 0 else {})
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, mesh, axis: str = "tp"):
+    def from_dense(cls, dense: nn.Linear, mesh, axis: str = Axis.TP):
         n, i = mesh.size(axis), mesh.rank(axis)
         bias = None
         if dense.bias is not None:
@@ -111,7 +112,7 @@ def local_lookup(tokens: torch.Tensor, weight: torch.Tensor, vocab_start: int, p
 class VocabEmbedding(nn.Module):
     """Embedding table split over the vocabulary; the looked-up rows are summed with g."""
 
-    def __init__(self, weight, vocab_start: int, mesh, axis: str = "tp", padding_idx: int | None = None):
+    def __init__(self, weight, vocab_start: int, mesh, axis: str = Axis.TP, padding_idx: int | None = None):
         super().__init__()
         self.mesh, self.axis, self.vocab_start = mesh, axis, vocab_start
         self.weight = nn.Parameter(weight)
@@ -120,7 +121,7 @@ class VocabEmbedding(nn.Module):
         """The dense table's ``padding_idx`` (its row gets no gradient), or None."""
 
     @classmethod
-    def from_dense(cls, dense: nn.Embedding, mesh, axis: str = "tp") -> VocabEmbedding:
+    def from_dense(cls, dense: nn.Embedding, mesh, axis: str = Axis.TP) -> VocabEmbedding:
         n, i = mesh.size(axis), mesh.rank(axis)
         part = _slice(dense.weight, n, i, 0)
         return cls(part, i * part.shape[0], mesh, axis, dense.padding_idx)
@@ -152,7 +153,7 @@ class Plan1D(TensorPlan):
 
     @classmethod
     def check(cls, cfg, layout) -> None:
-        p = layout.size("tp")
+        p = layout.size(Axis.TP)
         heads = (f"; tp={p} does not divide the model's {cfg.n_heads} attention heads: use a tp that divides "
                  f"{cfg.n_heads}") if cfg.n_heads % p else ""
         require_divisible({"n_heads": cfg.n_heads, **cfg.kv, "d_ff": cfg.d_ff, **cfg.outputs, **cfg.tables}, p,

@@ -44,6 +44,7 @@ works on rows 4..5 and hidden cols 4..7.
 """
 from __future__ import annotations
 
+from ..config import Axis
 from ..policy import set_module
 from .plan import TensorPlan, require_divisible
 from .tp2d_layers import (SUMMA_AB, SUMMA_ABT, SUMMA_ATB, Embedding2D, InputLinear2D, LayerNorm2D, Linear2D,
@@ -91,9 +92,9 @@ class Plan2D(TensorPlan):
     """The plan of tp_mode '2d' and '2.5d' (see the module docstring)."""
 
     mode = "2d"  # "2.5d" on a 2.5d mesh (set per instance)
-    head_axes = ("tp_col",)
-    vocab_axis = "tp_col"  # logits: rows by grid row, vocabulary by grid column
-    hidden_axes = ("tp_col",)
+    head_axes = (Axis.TP_COL,)
+    vocab_axis = Axis.TP_COL  # logits: rows by grid row, vocabulary by grid column
+    hidden_axes = (Axis.TP_COL,)
 
     def __init__(self, mesh):
         super().__init__(mesh)
@@ -102,9 +103,9 @@ class Plan2D(TensorPlan):
 
     @classmethod
     def check(cls, cfg, layout) -> None:
-        q = layout.size("tp_col")
+        q = layout.size(Axis.TP_COL)
         mode = layout.config.tp_mode
-        grid = f"tp={layout.config.tp}" + (f" with depth {layout.size('tp_dep')}" if mode == "2.5d" else "")
+        grid = f"tp={layout.config.tp}" + (f" with depth {layout.size(Axis.TP_DEP)}" if mode == "2.5d" else "")
         require_divisible({"d_model": cfg.d_model, "n_heads": cfg.n_heads, **cfg.kv, "d_ff": cfg.d_ff,
                            **cfg.outputs, **cfg.tables, **cfg.inputs}, q,
                           f"tp_mode={mode!r} ({grid}, a {q} x {q} grid) splits the hidden size, the attention "

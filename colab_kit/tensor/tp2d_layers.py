@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import Axis
 from .. import comm
 from ..sharded_init import cut
 from ..placement import declare
@@ -45,12 +46,12 @@ __all__ = ["summa_ab", "summa_abt", "summa_atb", "SUMMA_AB", "SUMMA_ABT", "SUMMA
 
 def batch_axes_of(mesh) -> tuple[str, ...]:
     """Axes that split the batch: ("tp_dep", "tp_row") in 2.5D, ("tp_row",) in 2D."""
-    return ("tp_dep", "tp_row") if mesh.config.tp_mode == "2.5d" else ("tp_row",)
+    return (Axis.TP_DEP, Axis.TP_ROW) if mesh.config.tp_mode == "2.5d" else (Axis.TP_ROW,)
 
 
 def depth_axes_of(mesh) -> tuple[str, ...]:
     """Axes over which weights are replicated: ("tp_dep",) in 2.5D, none in 2D."""
-    return ("tp_dep",) if mesh.config.tp_mode == "2.5d" else ()
+    return (Axis.TP_DEP,) if mesh.config.tp_mode == "2.5d" else ()
 
 
 def _from(block: torch.Tensor, mesh, axis: str, src: int, tag: str) -> torch.Tensor:
@@ -64,9 +65,9 @@ def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh) -> torch.Tensor:
     """C = A B: A [m, n] and B [n, p] in blocks; returns this rank's block of C [m, p]."""
     a, b = a.detach().contiguous(), b.detach().contiguous()
     c = None
-    for k in range(mesh.size("tp_col")):
-        a_k = _from(a, mesh, "tp_col", k, "SUMMA A")
-        b_k = _from(b, mesh, "tp_row", k, "SUMMA B")
+    for k in range(mesh.size(Axis.TP_COL)):
+        a_k = _from(a, mesh, Axis.TP_COL, k, "SUMMA A")
+        b_k = _from(b, mesh, Axis.TP_ROW, k, "SUMMA B")
         c = a_k @ b_k if c is None else c.addmm_(a_k, b_k)
     assert c is not None  # tp_col has at least one rank
     return c
@@ -76,10 +77,10 @@ def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh) -> torch.Tensor:
     """C = A B^T: A [m, n] and B [p, n] in blocks; returns this rank's block of C [m, p]."""
     a, b = a.detach().contiguous(), b.detach().contiguous()
     c = None
-    for k in range(mesh.size("tp_row")):
-        part = a @ _from(b, mesh, "tp_row", k, "SUMMA B").t()
-        comm.reduce(part, mesh, "tp_col", dst=k, tag="SUMMA C")
-        if mesh.rank("tp_col") == k:
+    for k in range(mesh.size(Axis.TP_ROW)):
+        part = a @ _from(b, mesh, Axis.TP_ROW, k, "SUMMA B").t()
+        comm.reduce(part, mesh, Axis.TP_COL, dst=k, tag="SUMMA C")
+        if mesh.rank(Axis.TP_COL) == k:
             c = part
     assert c is not None  # this rank's tp_col coordinate is one of the k
     return c
@@ -89,10 +90,10 @@ def summa_atb(a: torch.Tensor, b: torch.Tensor, mesh) -> torch.Tensor:
     """C = A^T B: A [m, n] and B [m, p] in blocks; returns this rank's block of C [n, p]."""
     a, b = a.detach().contiguous(), b.detach().contiguous()
     c = None
-    for k in range(mesh.size("tp_col")):
-        part = _from(a, mesh, "tp_col", k, "SUMMA A").t() @ b
-        comm.reduce(part, mesh, "tp_row", dst=k, tag="SUMMA C")
-        if mesh.rank("tp_row") == k:
+    for k in range(mesh.size(Axis.TP_COL)):
+        part = _from(a, mesh, Axis.TP_COL, k, "SUMMA A").t() @ b
+        comm.reduce(part, mesh, Axis.TP_ROW, dst=k, tag="SUMMA C")
+        if mesh.rank(Axis.TP_ROW) == k:
             c = part
     assert c is not None  # this rank's tp_row coordinate is one of the k
     return c
@@ -156,11 +157,11 @@ class RowSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh):
         ctx.mesh = mesh
-        return comm.all_reduce(x.contiguous().clone(), mesh, "tp_col", tag="row sum forward")
+        return comm.all_reduce(x.contiguous().clone(), mesh, Axis.TP_COL, tag="row sum forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return comm.all_reduce(grad.contiguous().clone(), ctx.mesh, "tp_col", tag="row sum backward"), None
+        return comm.all_reduce(grad.contiguous().clone(), ctx.mesh, Axis.TP_COL, tag="row sum backward"), None
 
 
 # --------------------------------------------------------------------------- layers
@@ -174,7 +175,7 @@ def _block(t: torch.Tensor, q: int, i: int, j: int | None = None, transposed: bo
 
 
 def _gather_cols(t: torch.Tensor, mesh) -> torch.Tensor:
-    return comm.all_gather(t.detach(), mesh, "tp_col", dim=t.dim() - 1, tag="to_dense")
+    return comm.all_gather(t.detach(), mesh, Axis.TP_COL, dim=t.dim() - 1, tag="to_dense")
 
 
 class Linear2D(nn.Module):
@@ -196,12 +197,12 @@ class Linear2D(nn.Module):
         self.mesh = mesh
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
-        declare(self, "weight", {1: "tp_row", 0: "tp_col"}, depth_axes_of(mesh), transposed=True)
-        declare(self, "bias", {0: "tp_col"}, batch_axes_of(mesh))
+        declare(self, "weight", {1: Axis.TP_ROW, 0: Axis.TP_COL}, depth_axes_of(mesh), transposed=True)
+        declare(self, "bias", {0: Axis.TP_COL}, batch_axes_of(mesh))
 
     @classmethod
     def from_dense(cls, dense: nn.Linear, mesh) -> Linear2D:
-        q, i, j = mesh.size("tp_col"), mesh.rank("tp_row"), mesh.rank("tp_col")
+        q, i, j = mesh.size(Axis.TP_COL), mesh.rank(Axis.TP_ROW), mesh.rank(Axis.TP_COL)
         bias = _block(dense.bias, q, j) if dense.bias is not None else None
         return cls(_block(dense.weight, q, i, j, transposed=True), bias, mesh)
 
@@ -211,7 +212,7 @@ class Linear2D(nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def to_dense(self) -> nn.Linear:
-        w = comm.all_gather(_gather_cols(self.weight, self.mesh), self.mesh, "tp_row", dim=0, tag="to_dense")
+        w = comm.all_gather(_gather_cols(self.weight, self.mesh), self.mesh, Axis.TP_ROW, dim=0, tag="to_dense")
         dense = nn.Linear(w.shape[0], w.shape[1], bias=self.bias is not None)
         with torch.no_grad():
             dense.weight.copy_(w.t())
@@ -233,18 +234,18 @@ class LayerNorm2D(nn.Module):
         super().__init__()
         self.mesh, self.eps = mesh, eps
         self.weight, self.bias = nn.Parameter(weight), nn.Parameter(bias)
-        declare(self, "weight", {0: "tp_col"}, batch_axes_of(mesh))
-        declare(self, "bias", {0: "tp_col"}, batch_axes_of(mesh))
+        declare(self, "weight", {0: Axis.TP_COL}, batch_axes_of(mesh))
+        declare(self, "bias", {0: Axis.TP_COL}, batch_axes_of(mesh))
 
     @classmethod
     def from_dense(cls, dense: nn.LayerNorm, mesh) -> LayerNorm2D:
         if len(dense.normalized_shape) != 1 or dense.weight is None or dense.bias is None:
             raise ValueError("LayerNorm2D shards a LayerNorm over one dim with weight and bias")
-        q, j = mesh.size("tp_col"), mesh.rank("tp_col")
+        q, j = mesh.size(Axis.TP_COL), mesh.rank(Axis.TP_COL)
         return cls(_block(dense.weight, q, j), _block(dense.bias, q, j), dense.eps, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        width = x.shape[-1] * self.mesh.size("tp_col")
+        width = x.shape[-1] * self.mesh.size(Axis.TP_COL)
         mean = RowSum.apply(x.sum(-1, keepdim=True), self.mesh) / width
         centred = x - mean
         var = RowSum.apply((centred * centred).sum(-1, keepdim=True), self.mesh) / width
@@ -277,11 +278,11 @@ class Embedding2D(nn.Module):
         super().__init__()
         self.mesh = mesh
         self.weight = nn.Parameter(weight)
-        declare(self, "weight", {1: "tp_col"}, batch_axes_of(mesh))
+        declare(self, "weight", {1: Axis.TP_COL}, batch_axes_of(mesh))
 
     @classmethod
     def from_dense(cls, dense: nn.Embedding, mesh) -> Embedding2D:
-        q, j = mesh.size("tp_col"), mesh.rank("tp_col")
+        q, j = mesh.size(Axis.TP_COL), mesh.rank(Axis.TP_COL)
         return cls(cut(dense.weight, lambda d: d.t().chunk(q, 0)[j].t()), mesh)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -315,22 +316,22 @@ class VocabEmbedding2D(nn.Module):
         super().__init__()
         self.mesh, self.vocab_start, self.padding_idx = mesh, vocab_start, padding_idx
         self.weight = nn.Parameter(weight)
-        declare(self, "weight", {0: "tp_row", 1: "tp_col"}, depth_axes_of(mesh))
+        declare(self, "weight", {0: Axis.TP_ROW, 1: Axis.TP_COL}, depth_axes_of(mesh))
 
     @classmethod
     def from_dense(cls, dense: nn.Embedding, mesh) -> VocabEmbedding2D:
-        q, i, j = mesh.size("tp_col"), mesh.rank("tp_row"), mesh.rank("tp_col")
+        q, i, j = mesh.size(Axis.TP_COL), mesh.rank(Axis.TP_ROW), mesh.rank(Axis.TP_COL)
         block = _block(dense.weight, q, i, j)
         return cls(block, i * block.shape[0], mesh, dense.padding_idx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
 
-        every = comm.all_gather(ids.contiguous(), self.mesh, "tp_row", dim=0, tag="2d token ids")
+        every = comm.all_gather(ids.contiguous(), self.mesh, Axis.TP_ROW, dim=0, tag="2d token ids")
         partial = local_lookup(every, self.weight, self.vocab_start, self.padding_idx)
-        return ReduceScatter3D.apply(partial, self.mesh, "tp_row")
+        return ReduceScatter3D.apply(partial, self.mesh, Axis.TP_ROW)
 
     def to_dense(self) -> nn.Embedding:
-        w = comm.all_gather(_gather_cols(self.weight, self.mesh), self.mesh, "tp_row", dim=0, tag="to_dense")
+        w = comm.all_gather(_gather_cols(self.weight, self.mesh), self.mesh, Axis.TP_ROW, dim=0, tag="to_dense")
         dense = nn.Embedding(*w.shape)
         with torch.no_grad():
             dense.weight.copy_(w)
@@ -347,7 +348,7 @@ class InputLinear2D(Linear2D):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, j = self.mesh.size("tp_col"), self.mesh.rank("tp_col")
+        q, j = self.mesh.size(Axis.TP_COL), self.mesh.rank(Axis.TP_COL)
         return super().forward(x.chunk(q, dim=-1)[j])
 
 
@@ -365,10 +366,10 @@ class TiedHead2D(nn.Module):
         super().__init__()
         self.mesh = mesh
         self.weight = table.weight  # the table's own parameter, registered here too (a pipeline's last stage)
-        q, j = mesh.size("tp_col"), mesh.rank("tp_col")
+        q, j = mesh.size(Axis.TP_COL), mesh.rank(Axis.TP_COL)
         self.bias = nn.Parameter(_block(bias, q, j)) if bias is not None else None
-        declare(self, "weight", {0: "tp_row", 1: "tp_col"}, depth_axes_of(mesh))  # the table's, as it declared
-        declare(self, "bias", {0: "tp_col"}, batch_axes_of(mesh))
+        declare(self, "weight", {0: Axis.TP_ROW, 1: Axis.TP_COL}, depth_axes_of(mesh))  # the table's, as it declared
+        declare(self, "bias", {0: Axis.TP_COL}, batch_axes_of(mesh))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = SUMMA_ABT.apply(x.reshape(-1, x.shape[-1]), self.weight, self.mesh)
@@ -386,18 +387,18 @@ class RMSNorm2D(nn.Module):
         super().__init__()
         self.mesh, self.eps = mesh, eps
         self.weight = nn.Parameter(weight)
-        declare(self, "weight", {0: "tp_col"}, batch_axes_of(mesh))
+        declare(self, "weight", {0: Axis.TP_COL}, batch_axes_of(mesh))
 
     @classmethod
     def from_dense(cls, dense: nn.Module, mesh) -> RMSNorm2D:
         eps = getattr(dense, "variance_epsilon", None)
         eps = getattr(dense, "eps", None) if eps is None else eps
-        q, j = mesh.size("tp_col"), mesh.rank("tp_col")
+        q, j = mesh.size(Axis.TP_COL), mesh.rank(Axis.TP_COL)
         assert isinstance(dense.weight, torch.Tensor)  # an RMSNorm's weight
         return cls(_block(dense.weight, q, j), 1e-6 if eps is None else eps, mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype, width = x.dtype, x.shape[-1] * self.mesh.size("tp_col")
+        dtype, width = x.dtype, x.shape[-1] * self.mesh.size(Axis.TP_COL)
         x = x.to(torch.float32)
         mean_sq = RowSum.apply(x.pow(2).sum(-1, keepdim=True), self.mesh) / width
         return self.weight * (x * torch.rsqrt(mean_sq + self.eps)).to(dtype)

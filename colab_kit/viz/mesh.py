@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from ..config import ConfigError, ParallelConfig
+from ..config import Axis, ConfigError, ParallelConfig
 from ..mesh import MeshLayout
 
 __all__ = ["mesh_figure", "expert_mesh_figure", "cell_positions", "PALETTE"]
@@ -42,12 +42,12 @@ def _tp_grid(layout: MeshLayout) -> tuple[str, str, str | None]:
     """(row axis, column axis, layer axis) of the tensor block; layers lie side by side."""
     mode = layout.config.tp_mode
     if mode == "2d":
-        return "tp_row", "tp_col", None
+        return Axis.TP_ROW, Axis.TP_COL, None
     if mode == "2.5d":
-        return "tp_row", "tp_col", "tp_dep"
+        return Axis.TP_ROW, Axis.TP_COL, Axis.TP_DEP
     if mode == "3d":
         return "tp_wt", "tp_out", "tp_in"
-    return "", "tp", None
+    return "", Axis.TP, None
 
 
 def cell_positions(layout: MeshLayout) -> dict[int, tuple[float, float]]:
@@ -64,8 +64,8 @@ def cell_positions(layout: MeshLayout) -> dict[int, tuple[float, float]]:
     for rank in range(layout.world_size):
         c = layout.all_coords(rank)
         layer = c.get(layer_ax, 0) if layer_ax else 0
-        x = c["pp"] * (block_w + _GAP) + layer * (cols_t + _SUB_GAP) + c[col_ax]
-        y = c["dp"] * (block_h + _GAP) + c["sp"] * (rows_t + sp_gap) + (c[row_ax] if row_ax else 0)
+        x = c[Axis.PP] * (block_w + _GAP) + layer * (cols_t + _SUB_GAP) + c[col_ax]
+        y = c[Axis.DP] * (block_h + _GAP) + c[Axis.SP] * (rows_t + sp_gap) + (c[row_ax] if row_ax else 0)
         pos[rank] = (x, y)
     return pos
 
@@ -75,7 +75,7 @@ def _label(layout: MeshLayout, rank: int, small: bool) -> tuple[str, str]:
     coords = layout.all_coords(rank)
     shown = {a: v for a, v in coords.items() if layout.size(a) > 1}
     if any(a.startswith("tp_") for a in shown):  # the sub-axes say more than the flat tp index
-        shown.pop("tp", None)
+        shown.pop(Axis.TP, None)
     hover = f"rank {rank}<br>" + ", ".join(f"{a} {v}" for a, v in coords.items())
     text = f"<b>{rank}</b>"
     if small and shown:  # one coordinate per line, so that the text stays inside its square
@@ -104,7 +104,7 @@ def _panel(fig: go.Figure, layout: MeshLayout, axis: str, pos: dict, dx: float =
     return shapes
 
 
-def mesh_figure(config_or_layout: ParallelConfig | MeshLayout, axis: str = "tp") -> go.Figure:
+def mesh_figure(config_or_layout: ParallelConfig | MeshLayout, axis: str = Axis.TP) -> go.Figure:
     """The device mesh, one square per rank, coloured by its group on ``axis``."""
     layout = config_or_layout if isinstance(config_or_layout, MeshLayout) else MeshLayout(config_or_layout)
     cfg = layout.config
@@ -126,7 +126,7 @@ def mesh_figure(config_or_layout: ParallelConfig | MeshLayout, axis: str = "tp")
     return fig
 
 
-def expert_mesh_figure(config_or_layout: ParallelConfig | MeshLayout, dense: str = "dp") -> go.Figure:
+def expert_mesh_figure(config_or_layout: ParallelConfig | MeshLayout, dense: str = Axis.DP) -> go.Figure:
     """The same mesh drawn three times side by side: coloured by the ``dense`` axis's groups, by the ``ep``
     groups (ranks that exchange tokens by all-to-all, each holding ``n_experts / ep`` experts) and by the
     ``edp`` groups (ranks holding the same experts, whose gradients are summed).
@@ -148,10 +148,11 @@ def expert_mesh_figure(config_or_layout: ParallelConfig | MeshLayout, dense: str
     width = max(x for x, _ in pos.values()) + 1
     height = max(y for _, y in pos.values()) + 1
     fig, shapes = go.Figure(), []
-    for i, axis in enumerate((dense, "ep", "edp")):
+    roles: dict[str, str] = {Axis.EP: "experts split (all-to-all)", Axis.EDP: "same experts (grads summed)"}
+    for i, axis in enumerate((dense, Axis.EP, Axis.EDP)):
         dx = i * (width + 1.2)
         shapes += _panel(fig, layout, axis, pos, dx)
-        what = {"ep": "experts split (all-to-all)", "edp": "same experts (grads summed)"}.get(axis, "dense")
+        what = roles.get(axis, "dense")
         fig.add_annotation(x=dx + (width - 1) / 2, y=-0.8, text=f"<b>{axis}</b> groups: {what}", showarrow=False)
     total = 3 * width + 2.4
     fig.update_layout(
@@ -169,10 +170,10 @@ def _block_titles(fig: go.Figure, layout: MeshLayout, pos: dict) -> None:
     cfg = layout.config
     if cfg.pp > 1:
         for s in range(cfg.pp):
-            xs = [pos[r][0] for r in range(layout.world_size) if layout.coords(r)["pp"] == s]
+            xs = [pos[r][0] for r in range(layout.world_size) if layout.coords(r)[Axis.PP] == s]
             fig.add_annotation(x=(min(xs) + max(xs)) / 2, y=-0.75, text=f"pp stage {s}", showarrow=False)
     if cfg.dp > 1:
         for d in range(cfg.dp):
-            ys = [pos[r][1] for r in range(layout.world_size) if layout.coords(r)["dp"] == d]
+            ys = [pos[r][1] for r in range(layout.world_size) if layout.coords(r)[Axis.DP] == d]
             fig.add_annotation(x=-0.55, y=(min(ys) + max(ys)) / 2, text=f"dp {d}", showarrow=False,
                                xanchor="right")

@@ -31,7 +31,7 @@ import dataclasses
 import plotly.graph_objects as go
 
 from .memory import CATEGORIES, MIB
-from ..planner.scaling import block_wire_bytes, mode_sizes
+from ..planner.cluster.tp_traffic import block_wire_bytes, mode_sizes
 
 __all__ = ["plan_figure", "plan_vs_measured_figure", "config_words", "device_bytes"]
 
@@ -141,8 +141,8 @@ def tp_scaling_figure(model, rows: int, ranks=(4, 8, 16, 27, 32, 64, 128, 216, 2
     """Planned, not run: MiB one rank sends for one block of ``model`` under each tensor mode, by group size.
 
     One line per mode over the ``ranks`` it can use exactly (2D squares, 2.5D ``depth`` x squares, 3D cubes),
-    from ``planner.scaling.block_wire_bytes`` (the count ``tests/ranks/test_tp_scaling.py`` checks against the
-    engine's records on 4 and 8 ranks). Log-log axes: 1D flattens out, 2D falls as p^-1/2, 3D as p^-2/3.
+    from ``planner.cluster.tp_traffic.block_wire_bytes`` (the count ``tests/ranks/test_tp_scaling.py`` checks against
+    the engine's records on 4 and 8 ranks). Log-log axes: 1D flattens out, 2D falls as p^-1/2, 3D as p^-2/3.
     """
     fig = go.Figure()
     for mode, dash in (("1d", "solid"), ("2d", "dash"), ("2.5d", "dashdot"), ("3d", "dot")):

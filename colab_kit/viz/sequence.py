@@ -24,6 +24,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative, sample_colorscale
 from plotly.subplots import make_subplots
 
+from ..config import Axis
 from ..sequence.zigzag import LAYOUTS, chunk_ids
 
 __all__ = ["chunk_colours", "zigzag_figure", "ring_cells", "ring_figure", "ulysses_figure", "ulysses_bytes",
@@ -241,7 +242,7 @@ def ulysses_figure(sp: int, heads: int, t: int, records: list[dict] | None = Non
     fig.update_yaxes(tickvals=list(range(heads)), ticktext=[f"head {h}" for h in range(heads)], autorange="reversed")
     note = "grids: derived from the layout (sp, heads, t)"
     if records is not None:
-        a2a = [r for r in records if r["op"] == "all_to_all" and r["axis"] == "sp"]
+        a2a = [r for r in records if r["op"] == "all_to_all" and r["axis"] == Axis.SP]
         fwd = [r["bytes"] for r in a2a if "backward" not in r.get("tag", "")]
         bwd = [r["bytes"] for r in a2a if "backward" in r.get("tag", "")]
         note += (f"<br>recorded on this rank: {len(fwd)} all_to_all over sp in forward ({sum(fwd):,} B handed), "

@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
-from ..config import ParallelConfig
+from ..config import Axis, ParallelConfig
 from ..mesh import ProcessMesh
 from ..placement import PlacementTable
 from .optimizer import local_names
@@ -33,17 +33,17 @@ def apply_data_parallel(module: nn.Module, mesh: ProcessMesh, config: ParallelCo
         names = local_names(module)
         group_of = lambda p: group_of_name(names[id(p)])  # noqa: E731
     if config.zero == 3:
-        return ZeroStage3(module, mesh, "dp", events, offload=config.offload, device_budget=device_budget,
+        return ZeroStage3(module, mesh, Axis.DP, events, offload=config.offload, device_budget=device_budget,
                           blocks=policy.block_list(module) if policy is not None else None,
                           tail=policy.tail_modules(module) if policy is not None else (),
                           placements=table, group_of=group_of, experts=config.ep > 1)
     if config.ep > 1:  # the experts over edp, the rest over dp (colab_kit.zero.split)
         dense, experts = split_experts(module.parameters(), table)
         parts = [_part(ps, mesh, axis, config, bucket_bytes, events, table, group_of)
-                 for ps, axis in ((dense, "dp"), (experts, "edp"))]
-        parts[1].divisor = mesh.size("dp")  # the mean over dp (sp's shares are summed, as for dense weights)
+                 for ps, axis in ((dense, Axis.DP), (experts, Axis.EDP))]
+        parts[1].divisor = mesh.size(Axis.DP)  # the mean over dp (sp's shares are summed, as for dense weights)
         return ExpertSplit(parts[0], parts[1], config.zero)
-    return _part(module.parameters(), mesh, "dp", config, bucket_bytes, events, table, group_of)
+    return _part(module.parameters(), mesh, Axis.DP, config, bucket_bytes, events, table, group_of)
 
 
 def _part(params, mesh, axis, config, bucket_bytes, events, table, group_of):

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..config import Axis
 from .. import comm
 from .. import sharded_init
 
@@ -54,7 +55,7 @@ def padded(numel: int, n: int) -> int:
 class Chunk:
     """The parameters ``params`` of unit ``name`` in one flat buffer, sharded over ``axis``."""
 
-    def __init__(self, index: int, name: str, params: list[nn.Parameter], mesh, axis: str = "dp"):
+    def __init__(self, index: int, name: str, params: list[nn.Parameter], mesh, axis: str = Axis.DP):
         self.index, self.name, self.params, self.mesh, self.axis = index, name, params, mesh, axis
         n, r = mesh.size(axis), mesh.rank(axis)
         self.n, self.rank = n, r

@@ -21,6 +21,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
+from ..config import Axis
 from ..measure import optimizer_bytes
 from ..placement import PlacementTable
 from ..precision import MasterWeights
@@ -33,7 +34,7 @@ __all__ = ["ExpertSplit", "split_experts", "JoinedMasters", "chunk_units"]
 def split_experts(params, table) -> tuple[list, list]:
     """``(dense, experts)``: the parameters whose placement shards them over ``ep``, and the others."""
     params = list(params)
-    experts = [p for p in params if any("ep" in axes for _, axes in table[p].shards)]
+    experts = [p for p in params if any(Axis.EP in axes for _, axes in table[p].shards)]
     ids = {id(p) for p in experts}
     return [p for p in params if id(p) not in ids], experts
 
@@ -53,7 +54,7 @@ def chunk_units(units, mesh, axis: str, table, experts: bool) -> tuple[list, lis
     of_unit: list[list[int]] = []
     for name, _, params in units:
         dense, mine = split_experts(params, table) if experts else (params, [])
-        parts = [(name, dense, axis)] + ([(f"{name}.experts", mine, "edp")] if mine else [])
+        parts = [(name, dense, axis)] + ([(f"{name}.experts", mine, Axis.EDP)] if mine else [])
         of_unit.append([])
         for label, ps, over in parts:
             if not ps and label == "tail":  # a tail whose only weight is tied to the embeddings': no chunk of its own

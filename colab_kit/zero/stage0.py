@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..config import Axis
 from .. import comm
 from ..precision import MasterWeights
 from ..launch import ranks_share_cores
@@ -125,7 +126,7 @@ class ZeroStage0:
     of the fp32 ``masters`` (the optimizer is built over them: ``build_optimizer``) until ``zero()``.
     """
 
-    def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
+    def __init__(self, params, mesh, axis: str = Axis.DP, bucket_bytes: int | None = None, events=None,
                  placements=None, group_of=None):
         self.mesh, self.axis = mesh, axis
         self.placements = placements if placements is not None else PlacementTable()

@@ -78,7 +78,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from ..config import ConfigError
+from ..config import Axis, ConfigError
 from .stage0 import ZeroStage0
 from ..measure import optimizer_bytes, tensor_bytes
 from .optimizer import ELEMENTWISE, check_elementwise
@@ -133,7 +133,7 @@ class ZeroStage1(ZeroStage0):
     on the pieces) and ``gather_params`` (after the step).
     """
 
-    def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
+    def __init__(self, params, mesh, axis: str = Axis.DP, bucket_bytes: int | None = None, events=None,
                  stage: int = 1, offload: str = "none", placements=None, group_of=None):
         if stage not in (1, 2):
             raise ConfigError(f"ZeroStage1 runs ZeRO stage 1 or 2, got {stage}")
@@ -297,7 +297,7 @@ class ZeroStage1(ZeroStage0):
             for axis in axes:
                 if lo < hi:
                     sums.setdefault(axis, []).append((i, lo - a, hi - a))
-        if any(self.placements.partial(p) for p in params) and self.mesh.size("tp") > 1:
+        if any(self.placements.partial(p) for p in params) and self.mesh.size(Axis.TP) > 1:
             self._check_same_layout(params)
         return sums
 
@@ -306,7 +306,7 @@ class ZeroStage1(ZeroStage0):
         sig = torch.tensor([len(params), sum(self.sizes), sum((j + 1) * p.numel() for j, p in enumerate(params))],
                            dtype=torch.int64, device=self.param_flat.device)
         both = torch.cat([sig, -sig])
-        comm.all_reduce(both, self.mesh, "tp", op=dist.ReduceOp.MAX, tag="zero layout check")
+        comm.all_reduce(both, self.mesh, Axis.TP, op=dist.ReduceOp.MAX, tag="zero layout check")
         if not torch.equal(both[:3], -both[3:]):
             raise ConfigError("ZeRO with tensor parallelism needs the same parameter shapes on every tp rank; "
                               "this tensor plan gives different ones: use zero=0 with it")

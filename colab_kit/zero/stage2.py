@@ -73,6 +73,7 @@ from typing import Any
 
 import torch
 
+from ..config import Axis
 from .. import comm
 from ..measure import tensor_bytes
 from .stage1 import ZeroStage1
@@ -94,13 +95,13 @@ def stage2_bucket_size(total: int, n: int) -> int:
 class ZeroStage2(ZeroStage1):
     """``ZeroStage1`` at stage 2 with each bucket's full storage freed after its reduce-scatter."""
 
-    def __init__(self, params, mesh, axis: str = "dp", bucket_bytes: int | None = None, events=None,
+    def __init__(self, params, mesh, axis: str = Axis.DP, bucket_bytes: int | None = None, events=None,
                  stage: int = 2, offload: str = "none", placements=None, group_of=None):
         params = [p for p in params if p.requires_grad]
         if bucket_bytes is None:
             bucket_bytes = stage2_bucket_bytes(params, mesh.size(axis))
         super().__init__(params, mesh, axis, bucket_bytes, events, 2, offload, placements, group_of)
-        self.every_microbatch = mesh.size("pp") == 1
+        self.every_microbatch = mesh.size(Axis.PP) == 1
         """True: every microbatch is reduced (the engine's loop); False: the pipeline's, once per step."""
         for b in self.buckets:
             b.slots, off = {}, 0

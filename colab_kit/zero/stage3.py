@@ -85,7 +85,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from ..config import ConfigError
+from ..config import Axis, ConfigError
 from ..precision import MasterWeights
 from .stage1 import build_over, sum_slices
 from .chunks import Chunk
@@ -110,7 +110,7 @@ class ZeroStage3:
     ``gather_params``), plus ``param_bytes()``, ``gathered()`` and ``live`` (the storages of the
     chunks whole right now, which the activation meter does not count)."""
 
-    def __init__(self, module: nn.Module, mesh, axis: str = "dp", events=None, prefetch: bool = True,
+    def __init__(self, module: nn.Module, mesh, axis: str = Axis.DP, events=None, prefetch: bool = True,
                  offload: str = "none", device_budget: int | None = None, blocks: nn.ModuleList | None = None,
                  placements=None, group_of=None, experts: bool = False, tail=()):
         self.module, self.mesh, self.axis = module, mesh, axis

@@ -2,7 +2,7 @@
 
 A GPT shaped like Llama 3 70B (d_model 8192, 80 layers, vocab 128256: 66.6B parameters) under
 ``ParallelConfig(dp=8, tp=8, zero=3)``: ranks 0 and 63 of the 64 are built in a fresh process as ranks of
-torch's ``fake`` process group (``colab_kit.planner.at_scale``'s recipe: a meta model, storage without
+torch's ``fake`` process group (``colab_kit.planner.dry_runs.run``'s recipe: a meta model, storage without
 values, ``_unwritten``; here the copies of each piece's values are skipped too: written, the rank's 4 GB
 of ZeRO-3 pieces took 17 s and 4.9 GB resident, against 4 s and 350 MB), and ``layout.local_space(engine)``
 is the map a save or a load would build there.
@@ -37,7 +37,7 @@ def _build(jobs: list) -> list:
     import colab_kit as ck
     from colab_kit.checkpoint.layout import local_space
     from colab_kit.models import GPT, GPTConfig
-    from colab_kit.planner.at_scale import BIG, _no_values, _unwritten
+    from colab_kit.planner.dry_runs.child import BIG, _no_values, _unwritten
     from colab_kit.sharded_init import meta_twin
 
     class NoClones(TorchDispatchMode):

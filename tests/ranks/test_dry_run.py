@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 import colab_kit as ck
-from colab_kit.planner.at_scale import HARDWARE, DryRunTimeout, dry_run, dry_run_many
+from colab_kit.planner.cluster.hardware import HARDWARE
+from colab_kit.planner.dry_runs.run import DryRunTimeout, dry_run, dry_run_many
 from colab_kit.memory.estimator import rank_params
 from colab_kit.models import GPT, GPTConfig
 
@@ -100,7 +101,7 @@ def test_512_ranks_from_this_machine(tmp_path, monkeypatch):
     import importlib
 
     from colab_kit.planner import EXAMPLE_CONSTANTS
-    from colab_kit.planner.constants import VERSION, cache_path
+    from colab_kit.planner.local.constants import VERSION, cache_path
     monkeypatch.setenv("COLAB_KIT_CACHE", str(tmp_path))  # "this machine": constants from a cache, not measured
     os.makedirs(os.path.dirname(cache_path()), exist_ok=True)
     with open(cache_path(), "w") as fh:  # of this VERSION (an entry of another is measured again)
@@ -108,7 +109,7 @@ def test_512_ranks_from_this_machine(tmp_path, monkeypatch):
 
     def measure(ranks):
         raise AssertionError(f"constants measured on {ranks} ranks where the cache had them")
-    monkeypatch.setattr(importlib.import_module("colab_kit.planner.constants"), "measure", measure)
+    monkeypatch.setattr(importlib.import_module("colab_kit.planner.local.constants"), "measure", measure)
     cfg = ck.ParallelConfig(dp=8, tp=8, pp=8, microbatches=8)
     t0 = time.perf_counter()
     first, middle = dry_run(GPT(BIG, device="meta"), cfg, rank=[37, 200], batch=64,
@@ -184,7 +185,7 @@ def test_a_dry_run_gives_big_tensors_storage_and_writes_no_value():
     (the check can fail)."""
     import psutil
 
-    from colab_kit.planner.at_scale import BIG as big_numel, _unwritten
+    from colab_kit.planner.dry_runs.child import BIG as big_numel, _unwritten
     proc, n = psutil.Process(), 16 << 20  # 64 MiB of fp32
     src = torch.ones(n)
     with _unwritten():

@@ -91,7 +91,7 @@ def test_dry_run_of_ep_at_scale_gives_the_estimates_model_states():
     cfg = GPTConfig(vocab_size=1024, seq_len=256, d_model=256, n_heads=8, n_layers=8, n_experts=16, top_k=2,
                     d_expert=256, shared_experts=1, moe_every=2)
     config = ck.ParallelConfig(dp=64, pp=2, ep=16, zero=1, microbatches=2)
-    reports = ck.planner.at_scale.dry_run_many(
+    reports = ck.planner.dry_runs.run.dry_run_many(
         [{"model": GPT(cfg, device="meta"), "config": config, "rank": r, "batch": 256} for r in (5, 77)], hardware=())
     for report in reports:
         pp = ck.MeshLayout(config).coords(report.rank)["pp"]

@@ -12,7 +12,7 @@ from colab_kit.engine.core import unsupported
 from colab_kit.memory.estimator import config_estimate, part_params, stage_params
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.planner import EXAMPLE_CONSTANTS, enumerate_configs
-from colab_kit.planner.validate import spearman
+from colab_kit.planner.local.validate import spearman
 
 SMALL = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=4)
 
@@ -141,7 +141,7 @@ def test_engine_estimate_is_the_planners_and_near_the_meter_on_every_rank():
 
 def test_top_candidates_run_and_their_estimates_sit_beside_the_measurements(tmp_path, monkeypatch):
     """The constants measured now (a fresh cache) and cached; the best candidate of each of the first 8 layouts
-    of a small GPT on 4 ranks boosted in one spawn and trained in turns (``planner.validate``, one timed round):
+    of a small GPT on 4 ranks boosted in one spawn and trained in turns (``planner.local.validate``, one timed round):
     each trains, its losses the same on every rank and equal to one process's, model states within 10% of
     ``engine.memory()`` and activations within 25% (byte counts: the same on any machine), and each row carries
     the estimate beside the measurement. How close the estimated step times come to the measured ones depends
@@ -156,8 +156,8 @@ def test_top_candidates_run_and_their_estimates_sit_beside_the_measurements(tmp_
     from colab_kit.datasets import SyntheticTokens
     from colab_kit.engine.reference import max_relative_difference, train_single_process
     from colab_kit.planner import constants
-    from colab_kit.planner.constants import cache_path
-    from colab_kit.planner.validate import accuracy, format_rows, validate
+    from colab_kit.planner.local.constants import cache_path
+    from colab_kit.planner.local.validate import accuracy, format_rows, validate
 
     monkeypatch.setenv("COLAB_KIT_CACHE", str(tmp_path))
     steps, per_round = 1, 4  # one timed round after the untimed one; each round 2 warm-up and 2 timed steps
@@ -165,7 +165,7 @@ def test_top_candidates_run_and_their_estimates_sit_beside_the_measurements(tmp_
     assert os.path.exists(cache_path()) and constants(ranks=4) == measured  # cached, not measured again
     assert measured["optimizer"]["element_seconds"] > 0 and measured["optimizer"]["op_seconds"] > 0
 
-    launch_module = importlib.import_module("colab_kit.planner.validate")  # where validate finds launch
+    launch_module = importlib.import_module("colab_kit.planner.local.validate")  # where validate finds launch
     every_rank = []
 
     def launch(*args, **kwargs):  # validate's one spawn, kept: it returns rank 0's losses only
@@ -234,9 +234,9 @@ def test_cli_plan_prints_the_table(capsys, tmp_path, monkeypatch):
     import json
 
     from colab_kit import cli
-    from colab_kit.planner.constants import VERSION, cache_path
+    from colab_kit.planner.local.constants import VERSION, cache_path
 
-    module = importlib.import_module("colab_kit.planner.constants")  # the module (the package's name is the function)
+    module = importlib.import_module("colab_kit.planner.local.constants")  # the module (the package's name is the function)
 
     monkeypatch.setenv("COLAB_KIT_CACHE", str(tmp_path))
     with open(cache_path(), "w") as fh:  # fixed constants for 8 ranks, of this version: nothing measured here

@@ -8,8 +8,8 @@ import colab_kit as ck
 from colab_kit.memory.estimator import config_estimate
 from colab_kit.models import GPTConfig
 from colab_kit.planner import EXAMPLE_CONSTANTS
-from colab_kit.planner.comm_cost import engine_buckets
-from colab_kit.planner.cost import step_seconds
+from colab_kit.planner.local.comm import engine_buckets
+from colab_kit.planner.local.step import step_seconds
 
 SMALL = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=4)
 CONFIGS = [dict(dp=4), dict(dp=4, zero=1), dict(dp=4, zero=2), dict(dp=4, zero=2, microbatches=2),

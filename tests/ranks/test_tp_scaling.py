@@ -1,4 +1,4 @@
-"""``planner.scaling.block_wire_bytes``, the planned traffic of a block under each tensor mode, against what
+"""``planner.cluster.tp_traffic.block_wire_bytes``, the planned traffic of a block under each tensor mode, against what
 the engine's layers send (``tensor.inspect.LayerTraffic`` on the four Linears of block 0, one real step) in
 every mode on 4 and 8 ranks; and the paper's point it is drawn for: past a few ranks, 2D, 2.5D and 3D send
 less than 1D, and 3D least."""
@@ -8,7 +8,7 @@ import pytest
 
 import colab_kit as ck
 from colab_kit.models import GPTConfig
-from colab_kit.planner.scaling import block_wire_bytes, mode_sizes
+from colab_kit.planner.cluster.tp_traffic import block_wire_bytes, mode_sizes
 
 MODEL = GPTConfig(vocab_size=64, seq_len=16, d_model=64, n_heads=8, n_layers=2)
 BATCH = 16

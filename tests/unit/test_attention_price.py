@@ -1,4 +1,4 @@
-"""Attention priced by kernel (``Hardware.attention``, ``planner.scale_compute.core``): FlashAttention's core
+"""Attention priced by kernel (``Hardware.attention``, ``planner.cluster.compute.core``): FlashAttention's core
 against its hand formula, the unfused core exactly as before, Table 1 on the unfused kernel within 5%, and
 the Llama 3 8B step at seq 8192 whose attention share the flash kernel brings down.
 
@@ -12,10 +12,10 @@ import pytest
 
 import colab_kit as ck
 from colab_kit.config import ParallelConfig
-from colab_kit.planner.hardware import HARDWARE, Hardware
+from colab_kit.planner.cluster.hardware import HARDWARE, Hardware
 from colab_kit.planner.published import MEGATRON_2021, as_run, table1
-from colab_kit.planner.scale import price
-from colab_kit.planner.scale_compute import block, core, flash, with_recompute
+from colab_kit.planner.cluster.price import price
+from colab_kit.planner.cluster.compute import block, core, flash, with_recompute
 from colab_kit.planner.shape import ModelShape
 
 A100, H100 = HARDWARE["8xA100-80GB"], HARDWARE["8xH100-SXM"]

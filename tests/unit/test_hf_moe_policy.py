@@ -135,7 +135,7 @@ def test_a_load_balancing_loss_the_engine_cannot_count_is_refused():
 @pytest.mark.parametrize("what", ["model", "config"])
 def test_the_estimator_prices_an_hf_mixture_of_experts_as_one(what):
     """ck.estimate reads an HF MoE model (its policy names experts) or config (routed experts) as a mixture of
-    experts (``planner.moe_shape``), never as a dense model of the same widths: the same price either way, and
+    experts (``planner.moe.shape``), never as a dense model of the same widths: the same price either way, and
     its assumptions say how the experts were priced."""
     model = build("deepseek")
     a = ck.estimate(model, ck.ParallelConfig(dp=2), batch=8, seq=16)

@@ -53,8 +53,6 @@ LOCAL_IMPORTS = {  # (importing module, imported module): why the import waits f
         "ipywidgets and plotly: %colossal memory's widget only (text elsewhere)",
     ("colab_kit.notebook.magics.core", "colab_kit.notebook.widgets.planner_view"):
         "ipywidgets and plotly: %colossal plan's widget only (text elsewhere)",
-    ("colab_kit.planner.moe_local", "colab_kit.planner"):
-        "a cycle: enumerate_configs lives in planner/__init__, which imports this module",
     ("colab_kit.notebook.magics.core", "colab_kit.notebook.widgets.moe_view"):
         "ipywidgets and plotly: %colossal moe's widget only (text elsewhere)",
     ("colab_kit.notebook.magics.pipeline_views", "colab_kit.viz.pipeline"): "plotly: when a schedule is drawn",
@@ -142,6 +140,50 @@ def test_every_import_points_down_the_layers():
     assert layering_errors(ROOT) == []
 
 
+def import_cycles(root: Path) -> list[list[str]]:
+    """Each set of modules under ``root`` that import each other round a circle at module level (an import
+    inside a function runs later and closes no circle at import time), each sorted; a package's ``__init__``
+    that re-exports its own submodules is a module like any other."""
+    graph: dict[str, set[str]] = {}
+    for a, b, _, local in imports(root):
+        if not local:
+            graph.setdefault(a, set()).add(b)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                cycles.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_no_import_circle():
+    """No two modules import each other, directly or round a longer circle (the last one, the memory
+    estimator and its experts' estimate, was broken by ``memory.layout``)."""
+    assert import_cycles(ROOT) == []
+
+
 def test_every_function_local_import_is_declared_with_its_reason():
     assert all(why for why in LOCAL_IMPORTS.values())
     assert local_import_errors(ROOT) == []
@@ -181,6 +223,16 @@ def test_the_local_import_check_fails_on_an_undeclared_or_stale_one(toy):
     assert local_import_errors(root, {("pkg.b.late", "pkg.a"): "why"}) == []
     assert local_import_errors(root, {("pkg.b.late", "pkg.a"): "why", ("pkg.c", "pkg.a"): "gone"}) == [
         "LOCAL_IMPORTS lists pkg.c -> pkg.a, which no function imports any more"]
+
+
+def test_the_circle_check_finds_a_circle(toy):
+    """It can fail: ``b.down`` imports ``b.up``, which imports ``b.down`` back (at module level); the same
+    import inside a function closes no circle."""
+    root, _ = toy
+    (root / "b" / "up.py").write_text("def f():\n    from . import down\n")
+    assert import_cycles(root) == []
+    (root / "b" / "up.py").write_text("from . import down\n")
+    assert import_cycles(root) == [["pkg.b.down", "pkg.b.up"]]
 
 
 def test_the_top_level_holds_about_eight_modules():

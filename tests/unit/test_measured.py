@@ -1,4 +1,4 @@
-"""A preset from the GPU's own curves (``colab_kit.planner.measured``): the fits give back the constants of points
+"""A preset from the GPU's own curves (``colab_kit.planner.cluster.curve_fit``): the fits give back the constants of points
 made by the curve itself and not another curve's, the preset names where each replaced figure was measured, and
 ``bench/gpu_curves.py`` / ``bench/gpu_estimate_check.py`` run their code paths on the CPU (``--cpu-smoke``)."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 
 import colab_kit as ck
 from colab_kit.models import GPTConfig
-from colab_kit.planner.hardware import CALIBRATED, HARDWARE
-from colab_kit.planner.measured import (MEASURED, attention_falloff, attention_flops, carry_over, curve_seconds,
+from colab_kit.planner.cluster.hardware import CALIBRATED, HARDWARE
+from colab_kit.planner.cluster.curve_fit import (MEASURED, attention_falloff, attention_flops, carry_over, curve_seconds,
                                         fit_attention, fit_gemm, grouped_vs_curve, h100_from_h200, hbm_efficiency,
                                         load_curves, measured_preset)
 

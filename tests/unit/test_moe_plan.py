@@ -12,10 +12,10 @@ import colab_kit as ck
 from colab_kit.engine.core import check_experts, unsupported
 from colab_kit.memory.estimator import config_estimate
 from colab_kit.models import GPT
-from colab_kit.planner import scale_comm
+from colab_kit.planner.cluster import comm as cluster_comm
 from colab_kit.planner.estimate import memory_of
-from colab_kit.planner.moe_shape import stage_split
-from colab_kit.planner.scale import price
+from colab_kit.planner.moe.shape import stage_split
+from colab_kit.planner.cluster.price import price
 from colab_kit.planner.shape import ModelShape
 from tests.helpers.moe import MODELS
 
@@ -99,11 +99,11 @@ def test_the_planners_memory_is_the_engines_estimate(name, kw):
 def test_ep_groups_placed_by_the_rank_order():
     """ep is the fastest part of the folded dp x sp block: ep=8 of dp=64 on one node, ep=16 across two;
     edp 8 apart; the all-to-all across nodes is slower."""
-    hw = ck.planner.hardware.HARDWARE["8xH800-SXM"]
+    hw = ck.planner.cluster.hardware.HARDWARE["8xH800-SXM"]
     inside, across = ck.ParallelConfig(dp=64, ep=8), ck.ParallelConfig(dp=64, ep=16)
-    assert scale_comm.placement(inside, "ep", 8) == scale_comm.Group(8, 8, 1)
-    assert scale_comm.placement(across, "ep", 8) == scale_comm.Group(16, 8, 2)
-    assert scale_comm.placement(inside, "edp", 8) == scale_comm.Group(8, 1, 8)
+    assert cluster_comm.placement(inside, "ep", 8) == cluster_comm.Group(8, 8, 1)
+    assert cluster_comm.placement(across, "ep", 8) == cluster_comm.Group(16, 8, 2)
+    assert cluster_comm.placement(inside, "edp", 8) == cluster_comm.Group(8, 1, 8)
     assert ck.MeshLayout(inside).groups("ep")[0] == list(range(8))
     assert ck.MeshLayout(inside).groups("edp")[0] == list(range(0, 64, 8))
     shape = ModelShape(layers=4, hidden=4096, heads=32, vocab=32000, seq=4096, ffn=14336, gated=True,
@@ -132,16 +132,15 @@ def test_zero3_gathers_a_blocks_dense_part_over_dp_and_its_experts_over_edp(monk
     """As the engine's ZeRO-3 chunks them (``zero/split.py``): per block the dense parameters gathered over dp
     (16-bit) and reduce-scattered (fp32), the block's E / ep experts likewise over edp, and no second reduction of
     the experts after the backward (it was counted twice, and every expert over dp, before)."""
-    from colab_kit.planner import scale
-    from colab_kit.planner.moe_shape import tp_layer_params
+    from colab_kit.planner.moe.shape import tp_layer_params
     calls = []
-    real = scale_comm.seconds
+    real = cluster_comm.seconds
 
     def record(op, payload, group, hw):
         calls.append((op, payload, group.size))
         return real(op, payload, group, hw)
 
-    monkeypatch.setattr(scale.scale_comm, "seconds", record)
+    monkeypatch.setattr(cluster_comm, "seconds", record)
     shape, config = ModelShape.of(MODELS["softmax"]), ck.ParallelConfig(dp=4, ep=2, zero=3, precision="bf16")
     price(shape, config, 16, "8xH100-SXM")
     parts = [tp_layer_params(shape, i, 1) for i in range(shape.layers)]
@@ -232,14 +231,14 @@ def test_deepseek_v3_published_layout_priced_with_bytes_that_add_up():
 
 def test_expert_gemms_against_the_h200_measurement():
     """bench/gpu_moe_check.py measured the grouped experts' forward and backward on one H200 (64 experts, 2,048 x
-    1,408, 65,536 rows, bf16): 6.98 ms. The model's six grouped GEMMs at those sizes (``moe_price.expert_gemms``)
+    1,408, 65,536 rows, bf16): 6.98 ms. The model's six grouped GEMMs at those sizes (``moe.price.expert_gemms``)
     are within 2x of it (0.64 of it: the measurement also holds the biases and GELU, and the H-class presets
     keep the A100's fitted fraction of peak, docs/estimate.md)."""
     import json
     import os
 
-    from colab_kit.planner.hardware import HARDWARE
-    from colab_kit.planner.moe_price import expert_gemms
+    from colab_kit.planner.cluster.hardware import HARDWARE
+    from colab_kit.planner.moe.price import expert_gemms
     path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results", "gpu_moe_check.json")
     with open(path) as f:
         speed = json.load(f)["checks"]["speed"]["figures"]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 import colab_kit as ck
-from colab_kit.planner.stack import Stack
+from colab_kit.planner.cluster.stack import Stack
 from colab_kit.engine.core import unsupported
 from colab_kit.memory.estimator import config_estimate
 from colab_kit.models import GPT
-from colab_kit.planner import scale_comm
-from colab_kit.planner.scale import price
+from colab_kit.planner.cluster import comm as cluster_comm
+from colab_kit.planner.cluster.price import price
 from colab_kit.planner.shape import ModelShape
 from tests.helpers.moe import MODELS
 
@@ -47,10 +47,10 @@ ROWS, SEQ = 4, 16  # a microbatch of 4 rows of 16 tokens on each (dp) rank
 
 
 def _moe_minus_dense_flops(config) -> tuple[float, float]:
-    """Forward (and dX) FLOPs one rank adds to a block by making it an MoE block (``moe_price.moe_block`` less
-    ``scale_compute.block``) for the softmax MoE GPT (h 32, d_ff 128, 4 experts of 32, top-2, a shared expert)."""
-    from colab_kit.planner.moe_price import moe_block
-    from colab_kit.planner.scale_compute import block
+    """Forward (and dX) FLOPs one rank adds to a block by making it an MoE block (``moe.price.moe_block`` less
+    ``cluster.compute.block``) for the softmax MoE GPT (h 32, d_ff 128, 4 experts of 32, top-2, a shared expert)."""
+    from colab_kit.planner.moe.price import moe_block
+    from colab_kit.planner.cluster.compute import block
     shape, hw = ModelShape.of(MODELS["softmax"]), _FlopCounter()
     dense = block(shape, config, ROWS, SEQ, hw)
     moe = moe_block(shape, config, ROWS, SEQ, hw, dense)
@@ -77,7 +77,7 @@ def test_expert_flops_per_rank_under_tp_and_sp_are_the_hand_formula(kw):
     """Under 1D tp every tp rank does the whole MoE layer's FLOPs for its (dp, sp) shard's tokens (repeated tp
     times, not split); under sp a rank does those of its ``seq / sp`` tokens. A formula that split the MoE
     layer over tp, or did not split its tokens over sp, is caught (it is off by at least 25%)."""
-    from colab_kit.planner.moe_price import expert_flops
+    from colab_kit.planner.moe.price import expert_flops
     config = ck.ParallelConfig(**kw)
     tp, sp = config.tp, config.sp
     forward, backward_input = _moe_minus_dense_flops(config)
@@ -98,21 +98,21 @@ def test_all_to_all_bytes_per_rank_under_tp_and_sp_are_the_hand_formula(kw, grou
     """Each dispatch and combine all-to-all carries a rank's ``T k h`` values, 4 B each in fp32, T = rows x seq /
     sp (tp does not divide them: every tp rank dispatches the same tokens, in its own ep group), over the ep group
     the engine builds (ep folded over dp x sp, the ranks of one tp position: ``MeshLayout.groups("ep")``), as
-    ``scale_comm.placement`` places it. Counts: ``8 E`` bytes once forward. Not splitting the tokens over sp, or
+    ``cluster.comm.placement`` places it. Counts: ``8 E`` bytes once forward. Not splitting the tokens over sp, or
     dividing them by tp, is caught (2x off)."""
-    from colab_kit.planner import moe_price
+    from colab_kit.planner.moe import price as moe_price
     config = ck.ParallelConfig(**kw)
     shape = ModelShape.of(MODELS["softmax"])
     assert ck.MeshLayout(config).groups("ep")[0] == group
-    size, step = scale_comm.stride(config, "ep")
+    size, step = cluster_comm.stride(config, "ep")
     assert [step * i for i in range(size)] == group  # the priced group is the engine's
     seen = []
-    monkeypatch.setattr(scale_comm, "seconds", lambda op, payload, grp, hw: seen.append((op, payload, grp)) or 1.0)
-    forward, backward, counts = moe_price.dispatch_seconds(shape, config, ROWS, SEQ, ck.planner.hardware.HARDWARE[
-        "8xH100-SXM"])
+    monkeypatch.setattr(cluster_comm, "seconds", lambda op, payload, grp, hw: seen.append((op, payload, grp)) or 1.0)
+    forward, backward, counts = moe_price.dispatch_seconds(shape, config, ROWS, SEQ,
+                                                           ck.planner.cluster.hardware.HARDWARE["8xH100-SXM"])
     right = ROWS * SEQ / config.sp * shape.top_k * shape.hidden * 4
-    assert seen == [("all_to_all", right, scale_comm.placement(config, "ep", 8)),
-                    ("all_to_all", 8 * shape.experts, scale_comm.placement(config, "ep", 8))]
+    assert seen == [("all_to_all", right, cluster_comm.placement(config, "ep", 8)),
+                    ("all_to_all", 8 * shape.experts, cluster_comm.placement(config, "ep", 8))]
     assert (forward, backward, counts) == (3.0, 2.0, (3, 2))  # counts + dispatch + combine; two transposes back
     assert moe_price.dispatch_bytes(shape, config, ROWS, SEQ) == right
     if config.sp > 1:
@@ -134,13 +134,13 @@ def test_moe_blocks_keep_attentions_tp_collectives_only():
 def test_the_local_all_to_all_under_sp_carries_a_ranks_own_tokens():
     """``moe_step_seconds`` (this machine's constants): each MoE layer's 4 all-to-alls a microbatch carry the
     rank's ``rows x seq / sp`` tokens' ``k h`` values over ep ranks (the measured constants of that group)."""
-    from colab_kit.planner.comm_cost import _coll
-    from colab_kit.planner.moe_local import moe_step_seconds
+    from colab_kit.planner.local.comm import collective_seconds
+    from colab_kit.planner.moe.local import moe_step_seconds
     cfg, consts = MODELS["softmax"], ck.planner.EXAMPLE_CONSTANTS
     config = ck.ParallelConfig(dp=2, sp=2, ep=4)
     memory = config_estimate(cfg, config, 16)
     _, parts, counts = moe_step_seconds(cfg, config, 16, consts, memory)
     payload = 16 // 2 * cfg.seq_len // 2 * cfg.top_k * cfg.d_model * 4
     assert counts["comm:ep"] == 2 * 4
-    assert parts["comm:ep"] == pytest.approx(_coll(consts, "all_to_all", payload, 4, 8))
-    assert parts["comm:ep"] != pytest.approx(_coll(consts, "all_to_all", 2 * payload, 4, 8))  # tokens not / sp
+    assert parts["comm:ep"] == pytest.approx(collective_seconds(consts, "all_to_all", payload, 4, 8))
+    assert parts["comm:ep"] != pytest.approx(collective_seconds(consts, "all_to_all", 2 * payload, 4, 8))  # tokens not / sp

@@ -1,4 +1,4 @@
-"""Pieces of the planner's cost model (``colab_kit.planner.cost``) that need no processes: the pipeline's
+"""Pieces of the planner's cost model (``colab_kit.planner.local.step``) that need no processes: the pipeline's
 span on shared cores, the zero-bubble split of a backward, recomputation and the constants' version."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from colab_kit.memory.estimator import config_estimate
 from colab_kit.models import GPTConfig
 from colab_kit.pipeline import build_plan, simulate
 from colab_kit.planner import EXAMPLE_CONSTANTS
-from colab_kit.planner.cost import step_seconds
-from colab_kit.planner.shared import makespan
+from colab_kit.planner.local.step import step_seconds
+from colab_kit.planner.local.shared_cores import makespan
 
 SMALL = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=4)
 
@@ -98,7 +98,7 @@ def test_cached_constants_of_another_version_are_measured_again(tmp_path, monkey
     import importlib
     import json
 
-    mod = importlib.import_module("colab_kit.planner.constants")  # the module; ck.planner.constants is its function
+    mod = importlib.import_module("colab_kit.planner.local.constants")  # the module; ck.planner.constants is its function
     monkeypatch.setenv("COLAB_KIT_CACHE", str(tmp_path))
     path = mod.cache_path()
     stale = {"4": {"matmul": {"flops_per_s": 1.0}, "dispatch": {"op_seconds": 1.0}, "comm": {}}}
@@ -124,7 +124,7 @@ def test_bound_ranks_share_only_their_own_core():
     core: F of stages 0 and 2 at once run at half speed though stage 1's core may be idle (30 half-forwards
     against 27 shared freely); dp=2 x pp=2 puts each replica's two stages on one core, so a stage's bubble is
     its other stage's turn and the replica takes its two stages' work, nothing more."""
-    from colab_kit.planner.pipeline_cost import placement
+    from colab_kit.planner.local.bubble import placement
     plan4 = build_plan("gpipe", 4, 4)
     costs = {"F": (1, 0), "B": (2, 0)}
     assert placement(ck.ParallelConfig(pp=4), 2) == ((0,), (1,), (0,), (1,))
@@ -151,7 +151,7 @@ def test_the_optimizer_costs_its_ops_and_its_elements_passes():
     quarter of the elements (on dp=4) in one flat piece per gradient bucket; SGD with momentum 3 passes of AdamW's 10;
     constants without the figure price one read and write of the bytes instead (the older model), which
     is less: the test fails if the figure is dropped or double-counted."""
-    from colab_kit.planner.cost import _optimizer
+    from colab_kit.planner.local.step import _optimizer
 
     consts = dict(EXAMPLE_CONSTANTS, optimizer={"op_seconds": 6e-6, "element_seconds": 1e-8})
     cfg = ck.ParallelConfig(dp=4)

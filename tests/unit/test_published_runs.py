@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from colab_kit.planner.hardware import CALIBRATED, HARDWARE
+from colab_kit.planner.cluster.hardware import CALIBRATED, HARDWARE
 from colab_kit.planner.published.runs import RUNS_2024, runs, zero3_2021
-from colab_kit.planner.scale import price
+from colab_kit.planner.cluster.price import price
 
 
 def _ratio(r) -> float:

@@ -21,7 +21,7 @@ from colab_kit.engine.facts import ModelFacts
 from colab_kit.engine.parts import PARTS, first_refusal, part, refusals
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.planner import EXAMPLE_CONSTANTS, enumerate_configs
-from colab_kit.planner.moe_local import moe_configs
+from colab_kit.planner.moe.local import moe_configs
 from colab_kit.planner.shape import shape_and_facts
 from colab_kit.sequence.plan import scale_refusal
 

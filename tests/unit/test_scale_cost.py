@@ -1,4 +1,4 @@
-"""The at-scale cost model (``planner.scale.price``): Table 1 within 15%, collectives on the real hierarchy,
+"""The at-scale cost model (``planner.cluster.price.price``): Table 1 within 15%, collectives on the real hierarchy,
 overlap bounded, the bubble as the engine's plan has it, ZeRO-3 at 1,536 GPUs, sourced presets."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 
 from colab_kit.config import ParallelConfig
 from colab_kit.pipeline import build_plan, simulate
-from colab_kit.planner import scale_comm
-from colab_kit.planner.hardware import HARDWARE
+from colab_kit.planner.cluster import comm as cluster_comm
+from colab_kit.planner.cluster.hardware import HARDWARE
 from colab_kit.planner.published import MEGATRON_2021, as_run, table1
-from colab_kit.planner.scale import bubble, price
+from colab_kit.planner.cluster.price import bubble, price
 from colab_kit.planner.shape import ModelShape
 
 A100 = HARDWARE["8xA100-80GB"]
@@ -54,11 +54,11 @@ def test_datasheet_peak_would_miss_the_table():
 
 
 def test_tp_group_on_nvlink_inside_a_node_and_on_nics_across():
-    inside = scale_comm.placement(ParallelConfig(tp=8), "tp", 8)
-    across = scale_comm.placement(ParallelConfig(tp=16), "tp", 8)
+    inside = cluster_comm.placement(ParallelConfig(tp=8), "tp", 8)
+    across = cluster_comm.placement(ParallelConfig(tp=16), "tp", 8)
     assert (inside.nodes, inside.per_node) == (1, 8) and (across.nodes, across.per_node) == (2, 8)
     nbytes = 256e6
-    t8, t16 = (scale_comm.seconds("all_reduce", nbytes, g, A100) for g in (inside, across))
+    t8, t16 = (cluster_comm.seconds("all_reduce", nbytes, g, A100) for g in (inside, across))
     nv = A100.intra[1] * A100.bus_efficiency[0]
     rail = A100.node_nic_bytes_per_s * A100.bus_efficiency[1] / 8
     assert t8 == pytest.approx(2 * 7 / 8 * nbytes / nv, rel=0.02)       # NVLink
@@ -72,25 +72,25 @@ def test_a_group_with_k_ranks_a_node_crossing_nodes_uses_k_nics():
     nbytes, rail = 1e9, A100.node_nic_bytes_per_s * A100.bus_efficiency[1] / 8
     nv = A100.intra[1] * A100.bus_efficiency[0]
     for k in (1, 2, 4, 8):
-        g = scale_comm.Group(8 * 16 // k, k, 16)  # 16 nodes, k ranks of the group on each
+        g = cluster_comm.Group(8 * 16 // k, k, 16)  # 16 nodes, k ranks of the group on each
         n = g.size
-        t = scale_comm.seconds("all_gather", nbytes, g, A100)
+        t = cluster_comm.seconds("all_gather", nbytes, g, A100)
         hand = (n - 1) * nbytes / max(k * rail, 1e-9)
         lat = (n - 16) * A100.intra[0] + 16 * A100.inter[0]
         assert t == pytest.approx(max(hand, (n - 1) * nbytes / nv) + lat, rel=1e-9), k
-    one, eight = scale_comm.Group(16, 1, 16), scale_comm.Group(128, 8, 16)
-    assert scale_comm.seconds("all_gather", nbytes / 8, eight, A100) < scale_comm.seconds("all_gather", nbytes, one,
+    one, eight = cluster_comm.Group(16, 1, 16), cluster_comm.Group(128, 8, 16)
+    assert cluster_comm.seconds("all_gather", nbytes / 8, eight, A100) < cluster_comm.seconds("all_gather", nbytes, one,
                                                                                           A100) / 7
-    a2a = scale_comm.seconds("all_to_all", nbytes, eight, A100)
+    a2a = cluster_comm.seconds("all_to_all", nbytes, eight, A100)
     assert a2a == pytest.approx(A100.inter[0] + nbytes * 120 / 128 / rail + (127 / 128 * nbytes - nbytes * 120 / 128)
                                 / nv, rel=1e-9)
 
 
 def test_dp_group_on_one_node_vs_spread_over_eight():
-    one = scale_comm.placement(ParallelConfig(dp=8), "dp", 8)
-    spread = scale_comm.placement(ParallelConfig(dp=8, tp=8), "dp", 8)
+    one = cluster_comm.placement(ParallelConfig(dp=8), "dp", 8)
+    spread = cluster_comm.placement(ParallelConfig(dp=8, tp=8), "dp", 8)
     assert (one.nodes, spread.nodes, spread.per_node) == (1, 8, 1)
-    t1, t8 = (scale_comm.seconds("all_reduce", 1e9, g, A100) for g in (one, spread))
+    t1, t8 = (cluster_comm.seconds("all_reduce", 1e9, g, A100) for g in (one, spread))
     assert t8 > 5 * t1
 
 

@@ -1,4 +1,4 @@
-"""The software stack in the at-scale price (``planner.stack``): each new term against its hand formula.
+"""The software stack in the at-scale price (``planner.cluster.stack``): each new term against its hand formula.
 
 Elementwise passes by family and fusion, per-op selective recomputation, tp communication under its GEMMs,
 ZeRO 1-2's parameter all-gather under the next forward, DeepSpeed 2021's per-tensor ZeRO-3 gathers; the
@@ -11,12 +11,12 @@ import pytest
 
 import colab_kit as ck
 from colab_kit.config import ParallelConfig
-from colab_kit.planner import scale_comm
-from colab_kit.planner.hardware import HARDWARE
-from colab_kit.planner.scale import block_tensors, price
-from colab_kit.planner.scale_compute import _gemm, block, elementwise, family, with_recompute
+from colab_kit.planner.cluster import comm as cluster_comm
+from colab_kit.planner.cluster.hardware import HARDWARE
+from colab_kit.planner.cluster.price import block_tensors, price
+from colab_kit.planner.cluster.compute import gemm, block, elementwise, family, with_recompute
 from colab_kit.planner.shape import ModelShape
-from colab_kit.planner.stack import STACKS, Stack
+from colab_kit.planner.cluster.stack import STACKS, Stack
 
 A100, H100 = HARDWARE["8xA100-80GB"], HARDWARE["8xH100-SXM"]
 LLAMA = ModelShape(32, 4096, 32, 128256, 8192, ffn=14336, kv_heads=8, gated=True, positions=False)
@@ -52,7 +52,7 @@ def test_gpt_block_fused_as_megatron_2021_and_eager_adds_dropout_and_residual_ke
     shards = 2 * (3 * h + 4 * h + h)
     assert fused == pytest.approx(_stream(A100, t * (11 * h + shards), 12), rel=1e-12)
     assert eager == pytest.approx(_stream(A100, t * (15 * h + shards), 12), rel=1e-12)
-    from colab_kit.planner.scale_compute import core
+    from colab_kit.planner.cluster.compute import core
     one, (attn_f, attn_b, _) = block(GPT, BF16, 8, 2048, A100), core(GPT, BF16, 8, 2048, A100)
     assert one.f == pytest.approx(one.gemms[0] + attn_f + eager, rel=1e-12)      # backward: twice the passes
     assert one.i + one.w == pytest.approx(one.gemms[1] + attn_b + 2 * eager, rel=1e-12)
@@ -66,16 +66,16 @@ def test_op_recomputation_repeats_every_second_matmul_and_every_elementwise_op()
     cfg = ParallelConfig(tp=2, precision="bf16", recompute="op")
     t, h = 8192, 4096
     c = block(LLAMA, cfg, 1, 8192, H100)
-    again = (_gemm(H100, "bf16", cfg, t, 1024, h, True)[0] + _gemm(H100, "bf16", cfg, t, h, h, False)[0]
-             + _gemm(H100, "bf16", cfg, t, 14336, h, True)[0])
+    again = (gemm(H100, "bf16", cfg, t, 1024, h, True)[0] + gemm(H100, "bf16", cfg, t, h, h, False)[0]
+             + gemm(H100, "bf16", cfg, t, 14336, h, True)[0])
     assert c.op == pytest.approx(again + elementwise(LLAMA, cfg, t, H100), rel=1e-12)
     assert with_recompute(c, "op").rc == c.op
     g = block(GPT, cfg, 8, 2048, A100)
-    gpt_again = _gemm(A100, "bf16", cfg, 16384, 6144, 6144, False)[0]
+    gpt_again = gemm(A100, "bf16", cfg, 16384, 6144, 6144, False)[0]
     assert g.op == pytest.approx(gpt_again + elementwise(GPT, cfg, 16384, A100), rel=1e-12)
     ring = ParallelConfig(sp=2, precision="bf16", recompute="op")
     r = block(GPT, ring, 8, 2048, A100)
-    assert r.op == pytest.approx(_gemm(A100, "bf16", ring, 8192, 6144, 6144, False)[0]
+    assert r.op == pytest.approx(gemm(A100, "bf16", ring, 8192, 6144, 6144, False)[0]
                                  + elementwise(GPT, ring, 8192, A100) + r.attn, rel=1e-12)
     # the tp collectives: full replays the forward's two all-reduces, op attention's one
     counts = {m: price(GPT, ParallelConfig(tp=8, precision="bf16", recompute=m), 8, A100).collectives["tp"]
@@ -93,7 +93,7 @@ def test_tp_overlap_hides_all_but_a_chunk_under_the_gemms():
     plain = price(LLAMA, cfg, 8, H100)
     over = price(LLAMA, cfg, 8, H100.with_stack(tp_overlap=True))
     c = block(LLAMA, cfg, 8, 8192, H100)
-    from colab_kit.planner.scale_parts import tensor_comm
+    from colab_kit.planner.cluster.terms import tensor_comm
     f, b, _ = tensor_comm(LLAMA, cfg, 8, 8192, H100)
     hand = LLAMA.layers * (max(f / 8, f - c.gemms[0]) + max(b / 8, b - c.gemms[1]))
     assert over.breakdown["comm:tp"] == pytest.approx(hand, rel=1e-12)
@@ -104,9 +104,9 @@ def test_tp_overlap_hides_all_but_a_chunk_under_the_gemms():
 def test_param_gather_overlapped_leaves_one_blocks_bucket_or_what_the_forward_cannot_cover():
     cfg = ParallelConfig(dp=64, zero=1, precision="bf16")
     exposed, hidden = price(LLAMA, cfg, 64, H100), price(LLAMA, cfg, 64, H100.with_stack(param_gather="overlapped"))
-    from colab_kit.planner.scale_parts import params_on_rank
-    grads = scale_comm.placement(cfg, "dp+sp", 8)
-    regather = scale_comm.seconds("all_gather", params_on_rank(LLAMA, cfg) * 2 / 64, grads, H100)
+    from colab_kit.planner.cluster.terms import params_on_rank
+    grads = cluster_comm.placement(cfg, "dp+sp", 8)
+    regather = cluster_comm.seconds("all_gather", params_on_rank(LLAMA, cfg) * 2 / 64, grads, H100)
     f = block(LLAMA, cfg, 1, 8192, H100).f
     saved = regather - max(regather / 32, regather - 32 * f)
     assert exposed.breakdown["comm:dp"] - hidden.breakdown["comm:dp"] == pytest.approx(saved, rel=1e-9)
@@ -118,8 +118,8 @@ def test_deepspeed_2021_zero3_pays_a_rings_latency_per_tensor_and_hides_nothing(
     gpt175 = ModelShape(96, 12288, 96, 51200, 2048)
     flat = price(gpt175, cfg, 1536, HARDWARE["8xA100-80GB"].with_stack("megatron-lm-2021"))
     per = price(gpt175, cfg, 1536, HARDWARE["8xA100-80GB"].with_stack("deepspeed-2021"))
-    group = scale_comm.placement(cfg, "dp+sp", 8)
-    lat = scale_comm.latency("all_gather", group, A100)
+    group = cluster_comm.placement(cfg, "dp+sp", 8)
+    lat = cluster_comm.latency("all_gather", group, A100)
     assert lat == pytest.approx((1536 - 192) * 3e-6 + 192 * 10e-6, rel=1e-12)
     # 12 gathers forward, 12 backward, 12 reduce-scatters a block where FSDP issues one of each
     assert per.comm_total["dp"] - flat.comm_total["dp"] == pytest.approx(96 * 3 * 11 * lat, rel=1e-9)

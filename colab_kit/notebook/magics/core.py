@@ -51,7 +51,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
 from ..cluster import ClusterError
-from ...config import ConfigError, ParallelConfig
+from ...config import Axis, ConfigError, ParallelConfig
 from ...errors import RankError
 from .flags import COMMANDS, cell_parser, command_parser, help_text, split, wants_help
 from ..progress import Progress, StageProgress
@@ -156,7 +156,7 @@ class ColossalMagics(Magics):
         config = self.state.mesh_config(words)
         try:
             if args.axis == "experts":
-                return expert_mesh_figure(config, dense="tp" if config.tp > 1 else "dp")
+                return expert_mesh_figure(config, dense=Axis.TP if config.tp > 1 else Axis.DP)
             return mesh_figure(config, axis=args.axis)
         except ValueError as exc:
             raise UsageError(f"%colossal mesh: {exc}") from None

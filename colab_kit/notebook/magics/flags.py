@@ -12,7 +12,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from ...config import ParallelConfig
+from ...config import Axis, ParallelConfig
 
 __all__ = ["FLAGS", "COMMANDS", "CELL_FLAGS", "CELL_HELP", "CONFIG_WORDS", "parser", "command_parser", "cell_parser",
            "split", "wants_help", "help_text"]
@@ -95,7 +95,7 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                                      help="ipyparallel profile (a name, or a directory) whose ipcluster_config.py "
                                           "configures the launcher: ssh options, Slurm account, ...")),
     "timeout": (("--timeout",), dict(type=_seconds, default=None, metavar="S", help="seconds before giving up")),
-    "axis": (("--axis",), dict(default="tp", help="colour the ranks by their group on this axis (experts: the "
+    "axis": (("--axis",), dict(default=Axis.TP, help="colour the ranks by their group on this axis (experts: the "
                                                   "dense, ep and edp groups side by side)")),
     "ranks": (("--ranks",), dict(type=_rank_list, default=None, metavar="0,2", help="only these ranks")),
     "pp": (("--pp",), dict(type=int, default=None, metavar="P", help="pipeline ranks")),

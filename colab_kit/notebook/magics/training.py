@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import weakref
 
+from ...config import Axis
 from ...mesh import MeshLayout
 from ...observe.moe import moe_summary
 from ...observe.throughput import engine_throughput, format_throughput
@@ -73,7 +74,7 @@ def _moe(eng, recs) -> dict | None:
     cfg = eng.config
     if not any(r.get("moe") for r in recs):  # no MoE layer, or (pp) none on this rank's stages
         return {"elsewhere": cfg.pp} if cfg.pp > 1 and any("moe" in r for r in recs) else None
-    ep_rank = MeshLayout(cfg).all_coords(eng.mesh.global_rank).get("ep") if getattr(cfg, "ep", 1) > 1 else None
+    ep_rank = MeshLayout(cfg).all_coords(eng.mesh.global_rank).get(Axis.EP) if getattr(cfg, "ep", 1) > 1 else None
     out = moe_summary(recs, ep_rank)
     if out is not None:
         out["stage_only"] = cfg.pp > 1

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config import RECOMPUTES, SCHEDULES, SP_MODES, TP_MODES, ConfigError, ParallelConfig
+from ...config import Axis, RECOMPUTES, SCHEDULES, SP_MODES, TP_MODES, ConfigError, ParallelConfig
 from ..session import find
 from .display import KernelDisplay, html, then
 from .figure_view import figure_view, redraw
@@ -135,8 +135,8 @@ class ConfigPicker(KernelDisplay):
                               height=200, plot_bgcolor="white")
             return fig
         if self.config.ep > 1:
-            return expert_mesh_figure(self.config, dense="tp" if self.config.tp > 1 else "dp")
-        return mesh_figure(self.config, axis="tp" if self.config.tp > 1 else "dp")
+            return expert_mesh_figure(self.config, dense=Axis.TP if self.config.tp > 1 else Axis.DP)
+        return mesh_figure(self.config, axis=Axis.TP if self.config.tp > 1 else Axis.DP)
 
     def apply(self) -> str:
         """Send the current choice to the cluster, by the same path as ``%colossal config``."""

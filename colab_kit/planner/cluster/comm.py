@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..comm.records import wire_bytes
+from ...comm.records import wire_bytes
 from .hardware import Hardware
 
 __all__ = ["Group", "latency", "placement", "seconds", "stride"]
@@ -108,10 +108,10 @@ def seconds(op: str, payload: float, group: Group, hw: Hardware) -> float:
 def latency(op: str, group: Group, hw: Hardware) -> float:
     """The latency part of one ring collective ``op`` over ``group`` (``seconds`` of a payload that costs no
     bandwidth): what each further collective of a payload split into pieces adds (DeepSpeed 2021's
-    per-tensor gathers, ``planner.stack``). A ring of ``n`` ranks on ``nodes`` nodes waits ``n - nodes``
+    per-tensor gathers, ``planner.cluster.stack``). A ring of ``n`` ranks on ``nodes`` nodes waits ``n - nodes``
     NVLink hops and ``nodes`` network hops, twice for an all-reduce; grows with the ranks.
 
-    >>> from colab_kit.planner.hardware import HARDWARE
+    >>> from colab_kit.planner.cluster.hardware import HARDWARE
     >>> round(latency("all_gather", Group(1536, 8, 192), HARDWARE["8xA100-80GB"]) * 1e3, 2)  # ms
     5.95
     """

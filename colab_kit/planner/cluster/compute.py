@@ -60,7 +60,7 @@ attention core as Megatron-LM ran it (unfused) and as FlashAttention-2 would (6 
 
     >>> from colab_kit.config import ParallelConfig
     >>> from colab_kit.planner.shape import ModelShape
-    >>> from colab_kit.planner.hardware import HARDWARE
+    >>> from colab_kit.planner.cluster.hardware import HARDWARE
     >>> shape, cfg = ModelShape(40, 6144, 48, 51200, 2048), ParallelConfig(tp=8, precision="fp16")
     >>> a100 = HARDWARE["8xA100-80GB"].with_stack("megatron-lm-2021")     # its fused elementwise kernels
     >>> old, new = (block(shape, cfg, 8, 2048, a100.with_attention(k)) for k in ("unfused", "flash"))
@@ -72,10 +72,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hardware import Hardware
-from .shape import ModelShape
+from ..shape import ModelShape
 
-__all__ = ["BlockCost", "attention_note", "block", "core", "elementwise", "family", "flash", "head", "recompute_mode",
-           "with_recompute"]
+__all__ = ["BlockCost", "attention_note", "block", "core", "elementwise", "family", "flash", "gemm", "head",
+           "recompute_mode", "with_recompute"]
 
 _SCORE_PASSES = 4.5  # softmax read + write, dropout read + write + a 1-byte mask, per score element (fp16 units)
 _PASSES = {  # (family, stack.elementwise) -> passes over (T, h), q, k and v (each), (T, f), out; kernels
@@ -127,7 +127,7 @@ def _splits(config, m: float, n: float, k: float) -> tuple[float, float, float, 
     raise AssertionError(mode)
 
 
-def _gemm(hw: Hardware, p: str, config, m: float, n: float, k: float, column: bool) -> tuple[float, float, float]:
+def gemm(hw: Hardware, p: str, config, m: float, n: float, k: float, column: bool) -> tuple[float, float, float]:
     """(forward, dX, dW) seconds of one weight GEMM (m tokens, n outputs, k inputs) on this rank; in 1D a
     column-parallel one splits n, a row-parallel one k."""
     if config.tp_mode == "1d":
@@ -145,8 +145,8 @@ def block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> Blo
     ring_or_ulysses = sp > 1 and config.sp_mode in ("ring", "ulysses")
     tokens = rows * seq / (sp if ring_or_ulysses else 1)
     ff = shape.d_ff * (2 if shape.gated else 1)
-    gemms = [_gemm(hw, p, config, tokens, shape.qkv_out, h, True), _gemm(hw, p, config, tokens, h, h, False),
-             _gemm(hw, p, config, tokens, ff, h, True), _gemm(hw, p, config, tokens, h, shape.d_ff, False)]
+    gemms = [gemm(hw, p, config, tokens, shape.qkv_out, h, True), gemm(hw, p, config, tokens, h, h, False),
+             gemm(hw, p, config, tokens, ff, h, True), gemm(hw, p, config, tokens, h, shape.d_ff, False)]
     f = sum(g[0] for g in gemms)
     dx = sum(g[1] for g in gemms)
     dw = sum(g[2] for g in gemms)
@@ -159,8 +159,8 @@ def block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> Blo
     # fc2 (proj again; fc2's output is saved by nothing, and torch's checkpoint stops once the last saved tensor
     # is rebuilt). Ring attention runs inside its own autograd function: its kernels run again too.
     if shape.gated:
-        again = (_gemm(hw, p, config, tokens, shape.n_kv * shape.head_dim, h, True)[0] + gemms[1][0]
-                 + _gemm(hw, p, config, tokens, shape.d_ff, h, True)[0])
+        again = (gemm(hw, p, config, tokens, shape.n_kv * shape.head_dim, h, True)[0] + gemms[1][0]
+                 + gemm(hw, p, config, tokens, shape.d_ff, h, True)[0])
     else:
         again = gemms[1][0]
     if ring_or_ulysses and config.sp_mode == "ring":
@@ -180,7 +180,7 @@ def elementwise(shape: ModelShape, config, tokens: float, hw: Hardware) -> float
     by the block's ``family`` and the stack's ``elementwise`` ("eager" or "fused"). Backward is twice this.
 
     >>> from colab_kit.config import ParallelConfig
-    >>> from colab_kit.planner.hardware import HARDWARE
+    >>> from colab_kit.planner.cluster.hardware import HARDWARE
     >>> llama = ModelShape(32, 4096, 32, 128256, 8192, ffn=14336, kv_heads=8, gated=True, positions=False)
     >>> h100, c = HARDWARE["8xH100-SXM"], ParallelConfig(precision="bf16")
     >>> eager, fused = (elementwise(llama, c, 8192, h100.with_stack(elementwise=e)) for e in ("eager", "fused"))
@@ -237,7 +237,7 @@ def flash(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> tup
     ``core_width / heads`` (MLA's mean of its q.k and v widths), ``head_dim`` otherwise.
 
     >>> from colab_kit.config import ParallelConfig
-    >>> from colab_kit.planner.hardware import HARDWARE
+    >>> from colab_kit.planner.cluster.hardware import HARDWARE
     >>> h100 = HARDWARE["8xH100-SXM"]
     >>> f, b, r = flash(ModelShape(1, 4096, 32, 8, 8192), ParallelConfig(precision="bf16"), 1, 8192, h100)
     >>> flops = 4 * 32 * 8192 * 8192 * 128 / 2                     # causal: half the square
@@ -289,6 +289,6 @@ def head(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> Bloc
         f, dx, dw = (hw.gemm_seconds(tokens, v / config.tp, h, p), hw.gemm_seconds(tokens, h, v / config.tp, p),
                      hw.gemm_seconds(h, v / config.tp, tokens, p))
     else:
-        f, dx, dw = _gemm(hw, p, config, tokens, v, h, True)
+        f, dx, dw = gemm(hw, p, config, tokens, v, h, True)
     loss = hw.stream_seconds(5 * tokens * v / config.tp * 4, 4)  # fp32 logits: max, exp, sum, grad
     return BlockCost(f=f + 0.6 * loss, i=dx + 0.4 * loss, w=dw)

@@ -2,7 +2,7 @@
 
 ``bench/gpu_curves.py`` times, on one GPU, bf16 GEMMs of many shapes, torch's flash attention forward and
 backward, HBM streams and the experts' grouped GEMM, and writes ``bench/results/gpu_curves.json``. This module
-turns those curves into the figures ``planner.hardware.Hardware`` prices with:
+turns those curves into the figures ``planner.cluster.hardware.Hardware`` prices with:
 
 - ``fit_gemm``: the matmul curve's ``(e_max, knee)``, the curve of ``Hardware.gemm_rate`` (``peak * e_max * f(m)
   f(n) f(k)``, ``f(d) = d / (d + knee)``) bounded by HBM as ``Hardware.gemm_seconds`` bounds it, by least squares
@@ -48,7 +48,7 @@ MEASURED = ("e_max", "knee", "attention_efficiency", "hbm_efficiency")
 
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool = True) -> float:
     """FLOPs of one flash attention forward, FlashAttention's count: ``4 b h s^2 d`` (QK^T and PV), halved when
-    causal; the backward is ``BACKWARD`` times it (``planner.scale_compute.flash`` prices the same count)."""
+    causal; the backward is ``BACKWARD`` times it (``planner.cluster.compute.flash`` prices the same count)."""
     return 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
 
 
@@ -181,7 +181,7 @@ def hbm_efficiency(points, bytes_per_s: float, ops=("copy", "add")) -> float:
 
 def grouped_vs_curve(points, hw: Hardware, precision: str = "bf16") -> list[dict]:
     """Each grouped expert GEMM timed (E experts, ``rows_per_expert`` x d_model @ d_model x d_expert) against what
-    the cost model prices for it (``planner.moe_price``: ``hw.gemm_seconds(rows, d_expert, d_model, count=E)``,
+    the cost model prices for it (``planner.moe.price``: ``hw.gemm_seconds(rows, d_expert, d_model, count=E)``,
     E dense GEMMs with their kernel gaps): ``ratio`` measured / priced, above 1 where the price is optimistic."""
     out = []
     for p in points:
@@ -219,14 +219,14 @@ def measured_preset(base: Hardware, curves: dict) -> Hardware:
     rates = _rates(curves["gemm"])
     dims = [d for r in rates for d in r[:3]]
     gemm = (f"{where}: {len(rates)} bf16 GEMMs of {min(dims):g}-{max(dims):g} fitted by least squares on the log "
-            f"rate (planner.measured.fit_gemm): e_max {e_max:.3f}, knee {knee:.1f}, of the {peak / 1e12:g} TFLOP/s "
-            "datasheet peak, bounded by the measured HBM")
+            f"rate (planner.cluster.curve_fit.fit_gemm): e_max {e_max:.3f}, knee {knee:.1f}, of the "
+            f"{peak / 1e12:g} TFLOP/s datasheet peak, bounded by the measured HBM")
     sources = {**base.sources, "e_max, knee": gemm, "e_max": gemm, "knee": gemm,
                "attention_efficiency": (f"{where}: torch SDPA flash (FlashAttention-2), causal, bf16, seq "
                                         f"{best['seq']}, head dim {best['head_dim']}, {best['heads']} heads: "
                                         f"forward {fwd:.3f}, backward {bwd:.3f} of the peak by FlashAttention's "
                                         "FLOP count (less at short sequences and head dim 64: "
-                                        "planner.measured.attention_falloff)"),
+                                        "planner.cluster.curve_fit.attention_falloff)"),
                "hbm_efficiency": (f"{where}: a large copy and add reach {hbm:.3f} of the datasheet's "
                                   f"{base.memory_bytes_per_s / 1e12:g} TB/s (bytes read and written)")}
     return replace(base, e_max=e_max, knee=knee, attention_efficiency=(fwd, bwd), hbm_efficiency=hbm,

@@ -1,18 +1,18 @@
 """GPU nodes in the at-scale cost model's terms: what one GPU computes, moves and holds, each figure sourced.
 
 A ``Hardware`` preset is a node of ``gpus_per_node`` GPUs joined by NVLink, with ``nics_per_node`` network
-cards to the other nodes. The cost model (``planner.scale``) reads:
+cards to the other nodes. The cost model (``planner.cluster.price``) reads:
 
 - matmuls at an *achievable* rate, not the datasheet peak: a GEMM of shape (m, n, k) runs at
   ``peak * e_max * f(m) f(n) f(k)`` with ``f(d) = d / (d + knee)``, and no faster than HBM moves its operands
   (roofline). ``e_max`` and ``knee`` are the two constants fitted on Megatron-LM's Table 1
   (``bench/estimate.py --calibrate`` refits them); the same fraction of peak is assumed on the other GPUs;
 - elementwise work (norms, softmax, dropout, activations) at ``hbm_efficiency`` of the HBM bandwidth;
-- collectives on NVLink inside a node and on the node's NICs across nodes (``planner.scale_comm``), at
+- collectives on NVLink inside a node and on the node's NICs across nodes (``planner.cluster.comm``), at
   the bus bandwidth NCCL reaches (``bus_efficiency``), with a latency per ring hop;
 - ``kernel_seconds``: the GPU's idle gap per kernel launched; ``alloc_fraction`` / ``alloc_fixed_bytes``:
   what the allocator, the CUDA context and NCCL's buffers take from ``device_bytes`` (``usable_bytes``);
-- ``stack``: the software the node runs (``planner.stack.Stack``: attention's kernel, fused or eager
+- ``stack``: the software the node runs (``planner.cluster.stack.Stack``: attention's kernel, fused or eager
   elementwise kernels, what overlaps), ``colab_kit``'s own engine by default. ``attention`` is the stack's
   kernel: ``"flash"``, what the engine's ``F.scaled_dot_product_attention`` runs on these GPUs in fp16/bf16
   (FlashAttention-2), at ``attention_efficiency`` (forward, backward) of the peak, a property of the GPU; or
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 
 from .stack import ATTENTION, Stack, stack as _stack
 
-__all__ = ["ATTENTION", "CALIBRATED", "HARDWARE", "Hardware", "preset"]
+__all__ = ["ATTENTION", "CALIBRATED", "HARDWARE", "Hardware", "hardware_constants", "preset"]
 
 CALIBRATED = {"e_max": 0.785, "knee": 59.3}
 """The matmul curve's two constants fitted on Megatron-LM's Table 1 (``bench/estimate.py --calibrate``)."""
@@ -74,11 +74,11 @@ class Hardware:
     alloc_fixed_bytes: int = 3 * 2 ** 30  # CUDA context, cuBLAS workspace, NCCL buffers
     sources: dict = field(default_factory=dict)  # figure -> where it was read
     attention_efficiency: tuple = (0.73, 0.63)  # "flash": fraction of the peak, (forward, backward)
-    stack: Stack = Stack()              # the software the node runs (planner.stack)
+    stack: Stack = Stack()              # the software the node runs (planner.cluster.stack)
 
     def __post_init__(self):
         if not isinstance(self.stack, Stack):
-            raise ValueError(f"Hardware.stack must be a planner.stack.Stack, got {self.stack!r}")
+            raise ValueError(f"Hardware.stack must be a planner.cluster.stack.Stack, got {self.stack!r}")
         if len(self.attention_efficiency) != 2 or not all(0 < e <= 1 for e in self.attention_efficiency):
             raise ValueError(f"Hardware.attention_efficiency is (forward, backward), each a fraction of the peak in "
                              f"(0, 1], got {self.attention_efficiency!r}")
@@ -130,7 +130,7 @@ class Hardware:
         return replace(self, e_max=e_max, knee=knee)
 
     def with_stack(self, new=None, **changes) -> Hardware:
-        """This node under another stack: ``new`` (a ``Stack`` or a name of ``planner.stack.STACKS``; this
+        """This node under another stack: ``new`` (a ``Stack`` or a name of ``planner.cluster.stack.STACKS``; this
         preset's own when None) with ``changes`` to its fields. Itself where nothing changes, else the same
         variant object on every call (``price`` caches by identity)."""
         target = _stack(new) if new is not None else self.stack
@@ -241,3 +241,17 @@ def preset(name_or_hw) -> Hardware:
     if name_or_hw not in HARDWARE:
         raise KeyError(f"unknown hardware {name_or_hw!r}: choose from {', '.join(HARDWARE)}")
     return HARDWARE[name_or_hw]
+
+
+_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "sendrecv")
+
+
+def hardware_constants(name: str, precision: str = "fp32", link: str = "intra") -> dict:
+    """A preset as the local cost model's constants (``planner.local.constants``' keys), every collective over
+    ``link`` ("intra": NVLink, "inter": InfiniBand), one GPU per rank; ``ck.plan(...,
+    constants=hardware_constants("8xH100-SXM"))`` takes them."""
+    hw = HARDWARE[name]
+    alpha, beta = hw.intra if link == "intra" else hw.inter
+    return {"ranks": 0, "cores": 1 << 30, "matmul": {"flops_per_s": hw.flops[precision]},
+            "dispatch": {"op_seconds": hw.op_seconds}, "memory": {"bytes_per_s": hw.memory_bytes_per_s},
+            "comm": {"2": {op: {"alpha": alpha, "beta": beta} for op in _OPS}}, "source": hw.source}

@@ -1,11 +1,11 @@
 """``price``: one training step of a parallel config on a GPU cluster, from the model's shape and a node preset.
 
-The at-scale cost model (the local one, ``planner.cost``, is fitted on this machine's CPU ranks instead).
+The at-scale cost model (the local one, ``planner.local.step``, is fitted on this machine's CPU ranks instead).
 For the fullest rank (the last pipeline stage, which also runs the head and the loss)::
 
     step = compute + bubble + comm:tp + comm:sp + comm:pp + comm:dp (exposed) + optimizer
 
-- ``compute``: m microbatches x the rank's blocks (``scale_compute.block``: forward, backward, and what the
+- ``compute``: m microbatches x the rank's blocks (``compute.block``: forward, backward, and what the
   recompute mode repeats) + the head; at the preset's matmul curve and HBM bandwidth;
 - ``bubble``: the schedule's idle time, closed forms checked against the engine's own plan
   (``pipeline.build_plan`` + ``simulate``, tests/unit/test_scale_cost.py) with each rank's per-microbatch
@@ -14,7 +14,7 @@ For the fullest rank (the last pipeline stage, which also runs the head and the 
 - ``comm:tp``: Megatron 1D, two all-reduces of (T, h) forward and two backward per block and microbatch, two
   more replayed by full recomputation, none hidden; split_gather the same bytes as all-gathers and
   reduce-scatters; 2D / 2.5D / 3D their broadcasts, all-gathers and reduce-scatters per GEMM
-  (``scale_parts.tensor_comm``);
+  (``terms.tensor_comm``);
 - ``comm:sp``: ring K/V rotations hidden behind the attention core they feed (exposed = what does not fit);
   Ulysses' four all-to-alls forward and backward, exposed;
 - ``comm:pp``: an activation forward and a gradient back per microbatch and chunk, ``m v + p - 1`` of each;
@@ -43,12 +43,13 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from . import moe_price, scale_comm
-from .moe_shape import tp_layer_params
+from . import comm
+from ..moe import price as moe_price
+from ..moe.shape import tp_layer_params
 from .hardware import Hardware, preset
-from .scale_compute import BlockCost, attention_note, recompute_mode, with_recompute
-from .scale_parts import optimizer_seconds, params_on_rank, per_block
-from .shape import ModelShape
+from .compute import BlockCost, attention_note, recompute_mode, with_recompute
+from .terms import optimizer_seconds, params_on_rank, per_block
+from ..shape import ModelShape
 
 __all__ = ["Priced", "bubble", "compute_floor", "price", "recompute_mode"]
 
@@ -105,7 +106,7 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     layers = math.ceil(shape.layers / (p * v)) * v  # the fullest rank's blocks
     comm_total = dict.fromkeys(AXES, 0.0)
     count = dict.fromkeys(AXES, 0)
-    ep_f = ep_b = ep_rc = 0.0  # a mixture of experts: its blocks, the all-to-alls (planner.moe_price)
+    ep_f = ep_b = ep_rc = 0.0  # a mixture of experts: its blocks, the all-to-alls (planner.moe.price)
     n_moe = moe_price.layers_on_rank(shape, config, layers) if shape.experts else 0
     if n_moe:
         blk = _mix(blk, moe_price.moe_block(shape, config, rows, seq, hw, blk), n_moe / layers)
@@ -126,7 +127,7 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     sp_rc, sp_exp_rc = (sp_f, sp_exp_f) if mode in ("full", "op") else (0.0, 0.0)
     # ZeRO-3: each block's parameters gathered forward and backward, gradients reduce-scattered (fp32)
     z3_f = z3_b = z3_exp_f = z3_exp_b = 0.0
-    grads = scale_comm.placement(config, "dp+sp", hw.gpus_per_node)
+    grads = comm.placement(config, "dp+sp", hw.gpus_per_node)
     size = 4 if config.precision == "fp32" else 2
     block_params, block_experts = shape.block_params() / _tp_param_split(config), 0.0
     if n_moe:  # a block's dense parameters over dp x sp; its E / ep routed experts a second chunk over edp
@@ -134,16 +135,16 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         block_params = sum(d for d, _ in parts) / shape.layers
         block_experts = sum(e for _, e in parts) / shape.layers / config.ep
     if config.zero == 3 and grads.size > 1:
-        edp = scale_comm.placement(config, "edp", hw.gpus_per_node) if n_moe else grads
-        gather = (scale_comm.seconds("all_gather", block_params * size / grads.size, grads, hw)
-                  + scale_comm.seconds("all_gather", block_experts * size / edp.size, edp, hw))
-        scatter = (scale_comm.seconds("reduce_scatter", block_params * 4, grads, hw)
-                   + scale_comm.seconds("reduce_scatter", block_experts * 4, edp, hw))
+        edp = comm.placement(config, "edp", hw.gpus_per_node) if n_moe else grads
+        gather = (comm.seconds("all_gather", block_params * size / grads.size, grads, hw)
+                  + comm.seconds("all_gather", block_experts * size / edp.size, edp, hw))
+        scatter = (comm.seconds("reduce_scatter", block_params * 4, grads, hw)
+                   + comm.seconds("reduce_scatter", block_experts * 4, edp, hw))
         pieces = 1
         if hw.stack.zero3_gather == "tensor":  # DeepSpeed 2021: a collective per tensor, each after a device sync
             pieces = block_tensors(shape)
-            gather += (pieces - 1) * scale_comm.latency("all_gather", grads, hw)
-            scatter += (pieces - 1) * scale_comm.latency("reduce_scatter", grads, hw)
+            gather += (pieces - 1) * comm.latency("all_gather", grads, hw)
+            scatter += (pieces - 1) * comm.latency("reduce_scatter", grads, hw)
         z3_f, z3_b = gather, gather + scatter
         if hw.stack.zero3_gather == "tensor":  # synchronous: nothing hides behind compute
             z3_exp_f, z3_exp_b = z3_f, z3_b
@@ -170,7 +171,7 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     if p > 1:
         tokens = rows * seq / (config.sp if config.sp > 1 else 1)
         act = tokens * shape.hidden * size / (config.tp if config.sp_mode == "split_gather" else 1)
-        send = scale_comm.seconds("send", act, scale_comm.placement(config, "pp", hw.gpus_per_node), hw)
+        send = comm.seconds("send", act, comm.placement(config, "pp", hw.gpus_per_node), hw)
         comm_pp = 2 * send * (m * v + p - 1)
         count["pp"] += 2 * (m * v + p - 1)
     comm_total["pp"] = comm_pp
@@ -184,14 +185,14 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     comm_dp = m * layers * (z3_f + z3_b)
     if grads.size > 1 and config.zero < 3:
         op = "all_reduce" if config.zero == 0 else "reduce_scatter"
-        reduce = scale_comm.seconds(op, rank_params * 4, grads, hw)
+        reduce = comm.seconds(op, rank_params * 4, grads, hw)
         last = reduce / max(1, layers)
         window = layers * (blk.i + blk.w + blk.rc)  # the last microbatch's backward
         exposed_dp += max(last, reduce - window)
         comm_dp += reduce
         count["dp"] += 1 + layers
         if config.zero in (1, 2):
-            regather = scale_comm.seconds("all_gather", rank_params * size / grads.size, grads, hw)
+            regather = comm.seconds("all_gather", rank_params * size / grads.size, grads, hw)
             if hw.stack.param_gather == "overlapped":  # bucket by bucket under the next step's first forward
                 exposed_dp += max(regather / max(1, layers), regather - layers * blk.f)
             else:
@@ -221,7 +222,7 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
 def compute_floor(shape: ModelShape, config, batch: int, dp: int, microbatches: int, pp: int, hw: Hardware | str,
                   seq: int | None = None) -> float:
     """A floor under what ``search`` orders configs by (``step_seconds`` less the optimizer and comm:dp) for every
-    config of a dense ``shape`` with ``config``'s ``scale_parts.BLOCK_FIELDS``, ``dp``, ``pp`` and
+    config of a dense ``shape`` with ``config``'s ``terms.BLOCK_FIELDS``, ``dp``, ``pp`` and
     ``microbatches``, whatever its schedule, chunks, ZeRO stage or recomputation: ``_price``'s compute and exposed
     tp and sp traffic at the fewest blocks a rank of ``pp`` stages holds, ``ceil(layers / pp)``, without
     recomputation; the bubble and the pipeline's sends left out. The same floating-point sums as ``_price``'s,
@@ -229,7 +230,7 @@ def compute_floor(shape: ModelShape, config, batch: int, dp: int, microbatches: 
     way, the floor leaving out what full recomputation repeats and the bubble::
 
         >>> from colab_kit.config import ParallelConfig
-        >>> from colab_kit.planner.hardware import HARDWARE
+        >>> from colab_kit.planner.cluster.hardware import HARDWARE
         >>> s, a100 = ModelShape(96, 12288, 96, 51200, 2048), HARDWARE["8xA100-80GB"]
         >>> c = ParallelConfig(dp=32, tp=4, pp=12, microbatches=48, schedule="interleaved", chunks=2, zero=1,
         ...                    recompute="full", sp_mode="split_gather", precision="fp16")
@@ -249,10 +250,10 @@ def compute_floor(shape: ModelShape, config, batch: int, dp: int, microbatches: 
     return compute + m * layers * (tp_f + tp_b) + m * layers * (sp_exp_f + sp_exp_b)
 
 
-def _under(comm: float, gemms: float, chunks: int) -> float:
+def _under(seconds: float, gemms: float, chunks: int) -> float:
     """Exposed seconds of tp communication cut into ``chunks`` pieces run under ``gemms`` seconds of the GEMMs
     it feeds (``Stack.tp_overlap``): the first piece, or what the GEMMs cannot cover."""
-    return max(comm / chunks, comm - gemms)
+    return max(seconds / chunks, seconds - gemms)
 
 
 def block_tensors(shape: ModelShape) -> int:

@@ -11,7 +11,7 @@ what ``ck.boost`` runs) and ``hw.with_stack(...)`` gives the same node under ano
 combination, so ``price``'s cache keeps working.
 
 =================  ===========================================================================================
-field              what it prices (``planner.scale``, ``planner.scale_compute``)
+field              what it prices (``planner.cluster.price``, ``planner.cluster.compute``)
 =================  ===========================================================================================
 attention          "flash": FlashAttention-2's FLOPs at ``Hardware.attention_efficiency``; "unfused": the
                    scores through HBM (Megatron-LM 2021)

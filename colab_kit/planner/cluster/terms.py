@@ -1,4 +1,4 @@
-"""The per-axis pieces ``planner.scale.price`` adds up: tensor and sequence collectives of one block, the
+"""The per-axis pieces ``planner.cluster.price.price`` adds up: tensor and sequence collectives of one block, the
 parameters a rank holds, the optimizer's update.
 
 ``tensor_comm`` per block and microbatch, for T tokens, hidden h, ``size`` bytes a value (2 in fp16 / bf16):
@@ -19,7 +19,7 @@ Worked example: 1D tp=8 on one DGX A100 node, 8 rows x 2048 tokens x 6144 hidden
 
     >>> from colab_kit.config import ParallelConfig
     >>> from colab_kit.planner.shape import ModelShape
-    >>> from colab_kit.planner.hardware import HARDWARE
+    >>> from colab_kit.planner.cluster.hardware import HARDWARE
     >>> f, b, n = tensor_comm(ModelShape(40, 6144, 48, 51200, 2048), ParallelConfig(tp=8, precision="fp16"),
     ...                       8, 2048, HARDWARE["8xA100-80GB"])
     >>> round(f * 1e3, 1), n
@@ -27,10 +27,10 @@ Worked example: 1D tp=8 on one DGX A100 node, 8 rows x 2048 tokens x 6144 hidden
 """
 from __future__ import annotations
 
-from . import scale_comm
+from . import comm
 from .hardware import Hardware
-from .scale_compute import block, head
-from .shape import ModelShape
+from .compute import block, head
+from ..shape import ModelShape
 
 __all__ = ["BLOCK_FIELDS", "HOST_BYTES_PER_S", "optimizer_seconds", "params_on_rank", "per_block", "seq_comm",
            "tensor_comm"]
@@ -62,31 +62,31 @@ def tensor_comm(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) 
     tokens, g, q = _tokens(config, rows, seq), hw.gpus_per_node, config.tp_q
     x = tokens * shape.hidden * size
     if config.tp_mode == "1d":
-        group = scale_comm.placement(config, "tp", g)
+        group = comm.placement(config, "tp", g)
         if config.sp_mode == "split_gather":
-            one = (scale_comm.seconds("all_gather", x / config.tp, group, hw)
-                   + scale_comm.seconds("reduce_scatter", x, group, hw))
+            one = (comm.seconds("all_gather", x / config.tp, group, hw)
+                   + comm.seconds("reduce_scatter", x, group, hw))
             return 2 * one, 2 * one, (4, 4)
-        one = scale_comm.seconds("all_reduce", x, group, hw)
+        one = comm.seconds("all_reduce", x, group, hw)
         return 2 * one, 2 * one, (2, 2)
     if config.tp_mode in ("2d", "2.5d"):
-        row, col = scale_comm.placement(config, "tp_col", g), scale_comm.placement(config, "tp_row", g)
+        row, col = comm.placement(config, "tp_col", g), comm.placement(config, "tp_row", g)
         d = config.tp_depth if config.tp_mode == "2.5d" else 1
-        fwd = sum(q * (scale_comm.seconds("broadcast", m / (d * q) * k / q * size, row, hw)
-                       + scale_comm.seconds("broadcast", k / q * n / q * size, col, hw))
+        fwd = sum(q * (comm.seconds("broadcast", m / (d * q) * k / q * size, row, hw)
+                       + comm.seconds("broadcast", k / q * n / q * size, col, hw))
                   for m, n, k in _gemms(shape, tokens))
         n_f = 4 * 2 * q
         bwd, n_b = 2 * fwd, 2 * n_f
         if d > 1:
-            dep = scale_comm.placement(config, "tp_dep", g)
-            bwd += sum(scale_comm.seconds("all_reduce", k / q * n / q * size, dep, hw)
+            dep = comm.placement(config, "tp_dep", g)
+            bwd += sum(comm.seconds("all_reduce", k / q * n / q * size, dep, hw)
                        for m, n, k in _gemms(shape, tokens))
             n_b += 4
         return fwd, bwd, (n_f, n_b)
-    axes = [scale_comm.placement(config, a, g) for a in ("tp_in", "tp_wt", "tp_out")]
-    fwd = sum(scale_comm.seconds("all_gather", m * k / q ** 3 * size, axes[0], hw)
-              + scale_comm.seconds("all_gather", k * n / q ** 3 * size, axes[1], hw)
-              + scale_comm.seconds("reduce_scatter", m * n / q ** 2 * size, axes[2], hw)
+    axes = [comm.placement(config, a, g) for a in ("tp_in", "tp_wt", "tp_out")]
+    fwd = sum(comm.seconds("all_gather", m * k / q ** 3 * size, axes[0], hw)
+              + comm.seconds("all_gather", k * n / q ** 3 * size, axes[1], hw)
+              + comm.seconds("reduce_scatter", m * n / q ** 2 * size, axes[2], hw)
               for m, n, k in _gemms(shape, tokens))
     return fwd, 2 * fwd, (12, 24)
 
@@ -102,14 +102,14 @@ def seq_comm(shape: ModelShape, config, rows: float, seq: int, hw: Hardware, att
         return 0.0, 0.0, 0.0, 0.0, (0, 0)
     size = 4 if config.precision == "fp32" else 2
     tokens = _tokens(config, rows, seq)
-    group = scale_comm.placement(config, "sp", hw.gpus_per_node)
+    group = comm.placement(config, "sp", hw.gpus_per_node)
     kv = 2 * shape.n_kv * shape.head_dim / config.tp
     if config.sp_mode == "ring":
-        step = scale_comm.seconds("send", tokens * kv * size, group, hw)
+        step = comm.seconds("send", tokens * kv * size, group, hw)
         f, b = (sp - 1) * step, 2 * (sp - 1) * step
         return f, b, max(0.0, f - attn), max(0.0, b - 2 * attn), (sp - 1, 2 * (sp - 1))
     widths = (shape.hidden / config.tp, kv, shape.hidden / config.tp)  # q, k and v together, the output
-    f = sum(scale_comm.seconds("all_to_all", tokens * w * size, group, hw) for w in widths)
+    f = sum(comm.seconds("all_to_all", tokens * w * size, group, hw) for w in widths)
     return f, f, f, f, (4, 4)
 
 
@@ -136,7 +136,7 @@ def optimizer_seconds(rank_params: float, config, hw: Hardware, optimizer: str, 
 
 
 BLOCK_FIELDS = ("precision", "tp", "tp_mode", "tp_depth", "sp", "sp_mode")
-"""The config fields that a block's and the head's compute (``scale_compute.block``, ``head``) and the block's
+"""The config fields that a block's and the head's compute (``compute.block``, ``head``) and the block's
 tensor and sequence collectives (``tensor_comm``, ``seq_comm``: their groups lie inside a tp x sp block of the
 rank order) read. A field they start to read must be added here: it is ``per_block``'s key."""
 
@@ -150,7 +150,7 @@ def per_block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) ->
     12,000 configs that hold 1,700 different blocks). Emptied at 16,384 entries.
 
         >>> from colab_kit.config import ParallelConfig
-        >>> from colab_kit.planner.hardware import HARDWARE
+        >>> from colab_kit.planner.cluster.hardware import HARDWARE
         >>> s, a100 = ModelShape(40, 6144, 48, 51200, 2048), HARDWARE["8xA100-80GB"]
         >>> one = ParallelConfig(dp=4, tp=8, pp=2, sp=2, microbatches=4, precision="fp16")
         >>> other = one.replace(dp=2, pp=4, schedule="interleaved", chunks=2, zero=1, recompute="full")

@@ -6,8 +6,8 @@ the host, become those of its fullest rank, exact to the byte; the activations s
 takes no step), and ``fits`` is decided again. ``plan`` then ranks the list again.
 """
 from __future__ import annotations
-from ..engine.core import unsupported
-from .at_scale import dry_run_many
+from ...engine.core import unsupported
+from .run import dry_run_many
 
 __all__ = ["exact_states"]
 

@@ -1,13 +1,13 @@
-"""The pipeline's span in the cost model (``planner.cost``): the schedule's own plan, simulated with each
-action's compute and collectives, on a core per rank or on shared cores (``shared.makespan``)."""
+"""The pipeline's span in the cost model (``planner.local.step``): the schedule's own plan, simulated with each
+action's compute and collectives, on a core per rank or on shared cores (``shared_cores.makespan``)."""
 from __future__ import annotations
 
 import functools
 
-from ..config import ParallelConfig
-from ..pipeline import build_plan_for, simulate
-from ..pipeline.simulate import prepare
-from .shared import makespan
+from ...config import ParallelConfig
+from ...pipeline import build_plan_for, simulate
+from ...pipeline.simulate import prepare
+from .shared_cores import makespan
 
 
 @functools.lru_cache(maxsize=512)
@@ -53,10 +53,10 @@ def bubble(cfg, model_key, f: float, rc: float, c_fwd: float, c_bwd: float, head
     evenly between I and W). Three cases:
 
     - a core per rank: ``pipeline.simulate`` of the plan;
-    - fewer cores than ranks, ``bound`` (``launch.bind_rank``, the constants say so): ``shared.makespan``
+    - fewer cores than ranks, ``bound`` (``launch.bind_rank``, the constants say so): ``shared_cores.makespan``
       with each rank sharing only its own core (``placement``), ``latency`` on each message between stages;
       dp=2 x pp=2 on 2 cores puts each replica on one core, where a stage's bubble is its other stage's turn;
-    - fewer cores, not bound, one pipeline (dp = 1): ``shared.makespan``: a rank that waits leaves its core
+    - fewer cores, not bound, one pipeline (dp = 1): ``shared_cores.makespan``: a rank that waits leaves its core
       to those that compute, a rank uses one core at most;
     - fewer cores, not bound, dp replicas of the pipeline: they meet only at the step's end and drift apart
       (engine timelines, dp=2 x pp=2 on 4 ranks / 2 cores: 3-5 ms within a step), so a core one replica's
@@ -101,7 +101,7 @@ def bubble(cfg, model_key, f: float, rc: float, c_fwd: float, c_bwd: float, head
 @functools.lru_cache(maxsize=1024)
 def _shared_units(schedule: str, pp: int, m: int, chunks: int, model_key: tuple, key: tuple, group: int,
                   cores: float, latency: float = 0.0, where: tuple | None = None) -> float:
-    """``shared.makespan`` of the plan the engine runs, in the units of ``bubble``'s key."""
+    """``shared_cores.makespan`` of the plan the engine runs, in the units of ``bubble``'s key."""
     plan, _ = _plan(schedule, pp, m, chunks, model_key)
     costs: dict = {k: (a, c) for k, (a, c, _) in zip("FBIW", key)}  # per kind, and (last stage, kind)
     costs.update({(pp * chunks - 1, k): (a + x, c) for k, (a, c, x) in zip("FBIW", key)})

@@ -1,4 +1,4 @@
-"""The collectives of a step in the cost model (``planner.cost``): tp, sp and dp, ZeRO's buckets and gathers.
+"""The collectives of a step in the cost model (``planner.local.step``): tp, sp and dp, ZeRO's buckets and gathers.
 
 Each collective costs ``alpha + wire / beta`` with the measured constants of its op on a group of its
 size (``constants``), ``wire`` as ``comm.wire_bytes`` counts it. The counts follow the engine's own
@@ -8,18 +8,21 @@ gathers and reduce-scatters with their prefetches for ZeRO 3.
 """
 from __future__ import annotations
 
-from ..comm import wire_bytes
-from ..memory.estimator import _stages, part_params, stage_params
-from ..memory.formulas import PRECISION_BYTES
-from ..observe.measured import alpha_beta
-from ..tensor import block_collectives, linear_comm_bytes
-from ..zero.stage0 import default_bucket_bytes, fill_buckets
-from ..zero.stage2 import stage2_bucket_size
+from ...comm import wire_bytes
+from ...memory.estimator import part_params, stage_params
+from ...memory.layout import stage_plan
+from ...memory.formulas import PRECISION_BYTES
+from ...observe.measured import alpha_beta
+from ...tensor import block_collectives, linear_comm_bytes
+from ...zero.stage0 import default_bucket_bytes, fill_buckets
+from ...zero.stage2 import stage2_bucket_size
+
+__all__ = ["collective_seconds", "dp_comm", "engine_buckets", "forward_share", "shares_cores", "sp_comm", "tp_comm"]
 
 _MAIN_OP = {"1d": "all_reduce", "2d": "broadcast", "2.5d": "broadcast", "3d": "all_gather"}
 
 
-def _coll(consts, op: str, payload: int, n: int, count: int = 1) -> float:
+def collective_seconds(consts, op: str, payload: int, n: int, count: int = 1) -> float:
     """Seconds of ``count`` collectives ``op`` of ``payload`` bytes each on ``n`` ranks."""
     if n <= 1 or count == 0:
         return 0.0
@@ -27,7 +30,7 @@ def _coll(consts, op: str, payload: int, n: int, count: int = 1) -> float:
     return count * (alpha + wire_bytes("send" if op == "sendrecv" else op, payload, n) / beta)
 
 
-def _tp_comm(model, cfg, consts, tokens: int, layers: int, head: bool, e: int) -> tuple[float, int]:
+def tp_comm(model, cfg, consts, tokens: int, layers: int, head: bool, e: int) -> tuple[float, int]:
     """Seconds and collectives of the tensor plan in one microbatch's forward and backward."""
     if cfg.tp == 1:
         return 0.0, 0
@@ -39,16 +42,17 @@ def _tp_comm(model, cfg, consts, tokens: int, layers: int, head: bool, e: int) -
     counts = block_collectives(cfg)
     main = "all_gather" if cfg.sp_mode == "split_gather" else _MAIN_OP[cfg.tp_mode]
     per_call = payload / max(1, sum(counts.values()))
-    seconds = layers * sum(_coll(consts, op, int(per_call), n, c) for op, c in counts.items())
+    seconds = layers * sum(collective_seconds(consts, op, int(per_call), n, c) for op, c in counts.items())
     count = layers * sum(counts.values())
     if head:  # the head Linear, the loss's three small all-reduces (max, sum, target logit)
         hb = linear_comm_bytes(cfg, rows, h, v, "column", e)
-        seconds += _coll(consts, main, hb["forward"] + hb["backward"], n) + _coll(consts, "all_reduce", 4 * rows, n, 3)
+        seconds += (collective_seconds(consts, main, hb["forward"] + hb["backward"], n)
+                    + collective_seconds(consts, "all_reduce", 4 * rows, n, 3))
         count += 4
     return seconds, count
 
 
-def _forward_share(cfg) -> tuple[float, float]:
+def forward_share(cfg) -> tuple[float, float]:
     """The forward's share of a block's tp collectives and of its sp ones, by count (the latency of a
     small collective is most of its time): 1D and split_gather half each way; SUMMA 2 broadcasts a
     step for each Linear forward, a broadcast and a reduce for dX and for dW back, LayerNorm's sums half
@@ -59,18 +63,18 @@ def _forward_share(cfg) -> tuple[float, float]:
     return tp, sp
 
 
-def _sp_comm(model, cfg, consts, tokens: int, layers: int, e: int) -> tuple[float, int]:
+def sp_comm(model, cfg, consts, tokens: int, layers: int, e: int) -> tuple[float, int]:
     if cfg.sp == 1:
         return 0.0, 0
     kv = 2 * tokens // cfg.sp * model.d_model // cfg.tp * e  # K and V of this rank's tokens, one message
     if cfg.sp_mode == "ring":  # sp - 1 rotations forward; backward sp - 1 of K/V and sp of the dK/dV sums
         count = 3 * cfg.sp - 2
-        return layers * _coll(consts, "sendrecv", kv, cfg.sp, count), layers * count
+        return layers * collective_seconds(consts, "sendrecv", kv, cfg.sp, count), layers * count
     # Ulysses: q, k, v in one all-to-all and the output in another, each reversed in backward
-    return layers * _coll(consts, "all_to_all", kv, cfg.sp, 4), layers * 4
+    return layers * collective_seconds(consts, "all_to_all", kv, cfg.sp, 4), layers * 4
 
 
-def _dp_comm(model, cfg, consts, memory, block_fwd: float = 0.0, block_rc: float = 0.0) -> tuple[float, int]:
+def dp_comm(model, cfg, consts, memory, block_fwd: float = 0.0, block_rc: float = 0.0) -> tuple[float, int]:
     """Seconds of the dp collectives a step waits for, and their count. ``block_fwd``, ``block_rc``: one
     block's forward and recomputation seconds on one microbatch (ZeRO 3 hides its prefetches behind them)."""
     if cfg.dp == 1:
@@ -81,15 +85,15 @@ def _dp_comm(model, cfg, consts, memory, block_fwd: float = 0.0, block_rc: float
     wire = bucket * 4 // PRECISION_BYTES[cfg.precision]  # gradients are reduced in fp32 (colab_kit.precision)
     if cfg.zero:  # stage 2 without a pipeline reduce-scatters every microbatch's buckets (zero.stage2)
         rounds = cfg.microbatches if cfg.zero == 2 and cfg.pp == 1 else 1
-        rs = _coll(consts, "reduce_scatter", wire, cfg.dp, rounds * nb)
-        return rs + _coll(consts, "all_gather", bucket // cfg.dp, cfg.dp, nb), (rounds + 1) * nb
+        rs = collective_seconds(consts, "reduce_scatter", wire, cfg.dp, rounds * nb)
+        return rs + collective_seconds(consts, "all_gather", bucket // cfg.dp, cfg.dp, nb), (rounds + 1) * nb
     # the first bucket's all-reduce runs while backward goes on, where a core is free to run it. With more
     # ranks than cores it cannot finish before the slowest peer's backward does, and it waits like the
     # rest: dp=4 on 4 ranks / 2 cores, GPTs of 2-8 blocks, every step 3-4 ms (a bucket) above the model
     # that hid it. (ZeRO 3's prefetches, issued a block ahead with every rank at the same block, are
     # half hidden there: ``_zero3``.)
     hidden = 1 if consts.get("cores", cfg.world_size) >= cfg.world_size and nb > 1 else 0
-    return _coll(consts, "all_reduce", wire, cfg.dp, nb - hidden), nb
+    return collective_seconds(consts, "all_reduce", wire, cfg.dp, nb - hidden), nb
 
 
 def shares_cores(consts, cfg) -> bool:
@@ -128,7 +132,7 @@ def _bucket_count(model, cfg, bucket: int, e: int) -> int:
     if cfg.pp == 1:
         sizes = embed + block * model.n_layers + tail
     else:
-        plan, stage_layers = _stages(cfg, model)
+        plan, stage_layers = stage_plan(cfg, model)
         layers = stage_layers(model.n_layers, n)
         per_rank = stage_params(model, cfg)
         fullest = max(range(cfg.pp), key=per_rank.__getitem__)
@@ -152,12 +156,12 @@ def _zero3(model, cfg, consts, f: float, rc: float) -> tuple[float, int]:
     60-68 ms, where every collective counted whole made 86 and every prefetch hidden 52-57."""
     parts = part_params(model, cfg)
     layers = model.n_layers // cfg.pp
-    g = _coll(consts, "all_gather", parts["block"] * 4 // cfg.dp, cfg.dp)
-    r = _coll(consts, "reduce_scatter", parts["block"] * 4, cfg.dp)
-    g_embed = _coll(consts, "all_gather", parts["embed"] * 4 // cfg.dp, cfg.dp)
-    r_embed = _coll(consts, "reduce_scatter", parts["embed"] * 4, cfg.dp)
-    g_tail = _coll(consts, "all_gather", parts["tail"] * 4 // cfg.dp, cfg.dp)
-    r_tail = _coll(consts, "reduce_scatter", parts["tail"] * 4, cfg.dp)
+    g = collective_seconds(consts, "all_gather", parts["block"] * 4 // cfg.dp, cfg.dp)
+    r = collective_seconds(consts, "reduce_scatter", parts["block"] * 4, cfg.dp)
+    g_embed = collective_seconds(consts, "all_gather", parts["embed"] * 4 // cfg.dp, cfg.dp)
+    r_embed = collective_seconds(consts, "reduce_scatter", parts["embed"] * 4, cfg.dp)
+    g_tail = collective_seconds(consts, "all_gather", parts["tail"] * 4 // cfg.dp, cfg.dp)
+    r_tail = collective_seconds(consts, "reduce_scatter", parts["tail"] * 4, cfg.dp)
     share = min(1.0, consts.get("cores", cfg.world_size) / cfg.world_size)
 
     def shown(x, behind):  # the part of ``x`` not hidden behind ``behind`` of compute: with fewer cores than

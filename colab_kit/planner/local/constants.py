@@ -4,7 +4,7 @@
 measures, all ranks at the same time (so that they share the cores the way a real run does):
 
 - ``matmul``, ``dispatch`` and ``activation``: every rank, starting together from a barrier, repeats one
-  piece of compute for the same 0.2 s window (``_rates``, three windows before the collectives and three
+  piece of compute for the same 0.2 s window (``compute_rates``, three windows before the collectives and three
   after): a forward and backward of a GPT with 8 features and two blocks (its tensors a few numbers, so
   its time is its ops': seconds per op, 3 ops per forward op of its graph, ``count_ops``), one fp32
   ``[256, 256] @ [256, 256]`` matmul (FLOPs per second), and the same GPT at a model's size (d=64, 4 rows
@@ -25,7 +25,7 @@ measures, all ranks at the same time (so that they share the cores the way a rea
   forward 1.5 ms);
 - ``memory``: ``a.add_(b)`` over 4 MiB, bytes read and written per second (the optimizer step);
 - ``optimizer``: seconds per op of an AdamW step over 32 small tensors (``op_seconds``), every rank
-  stepping at once for a window of 0.1 s (``_window``), the median of three: a small model's step costs
+  stepping at once for a window of 0.1 s (``per_call``), the median of three: a small model's step costs
   its optimizer's ops, about 10 per tensor, not its bytes; and seconds per element (``element_seconds``)
   of AdamW over the parameters of a GPT past the caches (d=256, two blocks: 1.6M elements in 29
   tensors), what its step takes beyond those ops: torch's CPU AdamW makes about 10 passes over each
@@ -73,30 +73,22 @@ An entry cached by an older ``VERSION`` is measured again. The result is cached 
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import time
 
-from ..observe.measured import VERSION, _current, _read_cache, cache_path, cached
-from .. import comm
-from ..comm import wire_bytes
-from ..config import ParallelConfig
-from ..launch import allowed_cores, cores_for_rank, host_cores, launch
-from ..memory.formulas import activation_bytes
-from ..mesh import ProcessMesh
-from ..models import GPT, GPTConfig
-from ..pipeline.costs import flops_per_token
-from ..recompute import recompute_blocks
+from ...launch import allowed_cores, cores_for_rank, host_cores, launch
+from ...observe.measured import VERSION, cache_path, cached, is_current, read_cache
+from .measure_rank import OPS, measure_rank
 
-__all__ = ["constants", "cached", "measure", "measure_rank", "combine", "cache_path", "count_ops", "OPS"]
+__all__ = ["constants", "cached", "measure", "measure_rank", "combine", "cache_path", "median_of", "OPS", "LOCAL",
+           "VERSION"]
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "sendrecv")
-_SIZES = (1 << 10, 1 << 14, 1 << 18)  # fp32 elements per rank's payload: 4 KiB, 64 KiB, 1 MiB
-_LARGE = {"all_reduce": 1 << 20, "reduce_scatter": 1 << 20, "all_gather": 1 << 20}
-"""A fourth point, 4 MiB, for the collectives that carry gradients and parameters (dp's bucket all-reduce,
-ZeRO's reduce-scatters and gathers: megabytes): fitted on 1 MiB at most, a 4-rank all-reduce of a 1.6 MB
-gradient read 5.5 ms in the model and took 8.6-10.4 ms in a step (gloo, 4 ranks on 2 cores)."""
+LOCAL = "this machine"
+"""The hardware name of the constants measured here (``constants(ranks=4)``, cached): ``ck.estimate``'s and
+``ck.dry_run``'s ``hardware=LOCAL`` prices with them."""
+
+
 def constants(refresh: bool = False, ranks: int = 4, repeats: int = 1) -> dict:
     """The constants measured with ``ranks`` local ranks (cached; ``refresh`` measures again). ``repeats``:
     when measuring, measure that many times and keep each figure's median (``median_of``): one
@@ -104,9 +96,9 @@ def constants(refresh: bool = False, ranks: int = 4, repeats: int = 1) -> dict:
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r}: give a whole number of measurements, 1 or more (3 takes a median)")
     path = cache_path()
-    table = _read_cache(path)
+    table = read_cache(path)
     key = str(ranks)
-    if refresh or not _current(table.get(key)):
+    if refresh or not is_current(table.get(key)):
         table[key] = median_of([measure(ranks) for _ in range(repeats)])
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = path + f".{os.getpid()}.tmp"
@@ -182,293 +174,3 @@ def _fit(xs, ys) -> tuple[float, float]:
     b = max(b, 1e-15)
     a = max(my - b * mx, 0.0)
     return a, b
-
-
-_SYNC = [lambda: None]  # torch.cuda.synchronize on a GPU rank: a time is read after the work is done
-
-
-def _time(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        _SYNC[0]()
-        t = time.perf_counter()
-        fn()
-        _SYNC[0]()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
-def _optimizer_step(shapes=((64,),) * 32):
-    """(ops dispatched by one step, the step) of AdamW over tensors of ``shapes`` (default 32 of 64
-    elements: what a small model's optimizer costs is its ops, about 10 per tensor on CPU, where torch
-    loops over the tensors; ``measure_rank`` also steps a GPT's parameter shapes for the elements' cost)."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    params = [torch.zeros(shape, requires_grad=True) for shape in shapes]
-    for p in params:
-        p.grad = torch.full_like(p, 1e-3)
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    opt.step()  # its states exist, as from the second step on
-
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        opt.step()
-    return max(1, Count.ops), opt.step
-
-
-def measure_rank(ranks: int) -> dict:
-    """This rank's measurements (inside a spawn of ``ranks`` ranks, all calling it); ``combine`` makes the
-    constants of every rank's."""
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
-
-    warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's renamed collectives
-    if dist.get_backend() == "nccl":  # one GPU per rank: measure on it
-        torch.set_default_device(torch.device("cuda", torch.cuda.current_device()))
-        _SYNC[0] = torch.cuda.synchronize
-    dist.barrier()
-    burst = _Burst()
-    for _ in range(3):  # first calls are slow (allocations, the checkpoint's set-up)
-        burst()
-        burst.step_sized()
-        burst.step_recomputed()
-    rates = [_rates(burst)]
-    # recomputation: what a step with its blocks recomputed adds, per op of the blocks' forward (windows
-    # alternating with plain steps, every rank at once; its first calls are slow, set-up)
-    recompute = statistics.median((_window(burst.step_recomputed, 0.15) - _window(burst.step, 0.15)) / burst.block_ops
-                                  for _ in range(3))
-    big, other = torch.randn(1 << 20), torch.randn(1 << 20)  # on the rank's device
-    dist.barrier()
-    mem = _time(lambda: big.add_(other), 5)
-    opt_ops, opt_step = _optimizer_step()
-    opt_seconds = statistics.median(_window(opt_step) / opt_ops for _ in range(3))
-    # the elements' passes: AdamW over a GPT's parameters past the caches, beyond its ops
-    wide_ops, wide_step = _optimizer_step(burst.optimizer_shapes)
-    elements = sum(math.prod(s) for s in burst.optimizer_shapes)
-    opt_elements = statistics.median(max(0.0, _window(wide_step) - wide_ops * opt_seconds) / elements
-                                     for _ in range(3))
-    # every point's trials in turns (``_TRIALS`` passes over a group size's points): a slow spell of the
-    # machine (a tenth of a second or more on a shared VM) falls on many points a little, not on one
-    # point's every trial
-    points: dict = {}
-    trials: dict = {}
-    for n in [k for k in range(2, ranks + 1) if ranks % k == 0]:
-        # the ranks in groups of n (every group busy at once), through colab_kit.comm on a mesh:
-        # the collectives the engine calls, as it calls them (autograd-free, recorded)
-        mesh = ProcessMesh.shared(ParallelConfig(dp=ranks // n, tp=n))
-        mine: dict = {}
-        for op in OPS:
-            for size in _SIZES + ((_LARGE[op],) if op in _LARGE else ()):
-                t = torch.ones(size, device=mesh.device)
-                wire = wire_bytes("send" if op == "sendrecv" else op, size * 4, n)  # each way: one message
-                points.setdefault(f"{n}/{op}", []).append(wire)
-                mine[(f"{n}/{op}", wire)] = (_collective_fn(op, t, mesh, n), [])
-        for _ in range(_TRIALS):
-            for fn, got in mine.values():
-                got.append(_trial(fn, burst))
-        trials.update(mine)
-        mesh.log.records.clear()  # the records of a measurement are nobody's step
-        mesh.release()
-    points = {key: [(wire, statistics.median(trials[(key, wire)][1]) / (2 if key.endswith("/send") else 1))
-                    for wire in wires] for key, wires in points.items()}
-    rates.append(_rates(burst))
-    return {"version": VERSION, "ranks": ranks, "threads_per_rank": torch.get_num_threads(),
-            "cores": os.cpu_count() or 1,
-            "matmul": {"flops_per_s": statistics.median(f for r in rates for f in r[1])},
-            "dispatch": {"op_seconds": statistics.median(o for r in rates for o in r[0])},
-            "activation": {"seconds_per_byte": statistics.median(a for r in rates for a in r[2])},
-            "recompute": {"op_seconds": max(0.0, recompute)},
-            "memory": {"bytes_per_s": 3 * big.numel() * 4 / mem},
-            "optimizer": {"op_seconds": opt_seconds, "element_seconds": opt_elements},
-            "points": points, "backend": dist.get_backend(), "torch": torch.__version__,
-            "affinity": allowed_cores()}
-
-
-def _window(fn, window: float = 0.1) -> float:
-    """Seconds per call of ``fn`` repeated by every rank at once for ``window`` seconds from a barrier."""
-    import torch.distributed as dist
-    dist.barrier()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < window:
-        fn()
-        n += 1
-    _SYNC[0]()
-    return (time.perf_counter() - t0) / n
-
-
-def _rates(burst, window: float = 0.2, trials: int = 3) -> tuple[list, list, list]:
-    """([seconds per op], [matmul FLOPs per second], [seconds per activation byte]) of ``trials`` windows each
-    (``_window``): every rank starts together (a barrier) and repeats the burst's tiny GPT forward and
-    backward, then its matmul, then the same GPT at a model's size, for ``window`` seconds of its clock.
-    All ranks are busy from the start of a window to its end, so the cores are shared alike all through it
-    (a burst timed by itself ends at a different moment on each rank, and the last ones to finish ran alone:
-    their per-op reading spread by 30% between two measurements).
-
-    Per op: the tiny GPT's step over 3 ops per forward op (a backward runs about twice its forward's ops);
-    its tensors are a few numbers, so its time is the ops' own. Per activation byte: what the sized GPT's
-    step takes beyond its ops (at that rate) and its matmul FLOPs (forward and backward, at the matmul
-    rate), over the bytes its forward saves for backward (``memory.formulas.activation_bytes``): the
-    elementwise work (LayerNorm, GELU, softmax, dropout, adds and their gradients) that grows with the
-    activations and that FLOPs do not count."""
-    ops, flops, act = [], [], []
-    for _ in range(trials):
-        per_op = _window(burst.step, window) / (3 * burst.ops)
-        rate = 2 * 256 ** 3 / _window(burst.matmul, window)
-        rest = _window(burst.step_sized, window) - 3 * burst.sized_ops * per_op - 3 * burst.sized_flops / rate
-        ops.append(per_op)
-        flops.append(rate)
-        act.append(max(0.0, rest) / burst.sized_bytes)
-    return ops, flops, act
-
-
-def count_ops(fn) -> int:
-    """Autograd nodes of the graph ``fn()`` builds (its ops that have a backward): walked from the
-    output's ``grad_fn``, so nothing but the forward runs."""
-    out = fn()
-    seen, todo = set(), [out.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        todo.extend(n for n, _ in node.next_functions)
-    return max(1, sum(1 for n in seen if type(n).__name__ != "AccumulateGrad"))
-
-
-class _Burst:
-    """The compute: a GPT of two blocks with 8 features (``step``, forward and backward: the op mix of
-    the model the planner prices, about 60 autograd ops to one ``backward()`` call as in a real step), a
-    ``[256, 256] @ [256, 256]`` matmul (``matmul``), both timed in windows by ``_rates``; called, the
-    load run before each trial of a collective; ``light``, the compute inside a trial."""
-
-    def __init__(self, tiny: int = 2):
-        import torch
-        import torch.nn.functional as F
-
-        self.lin, self.x = torch.nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True)
-        self.a, self.b = torch.randn(256, 256), torch.randn(256, 256)
-        g = GPTConfig(vocab_size=8, seq_len=4, d_model=8, n_heads=4, n_layers=2)
-        gpt, tokens = GPT(g), torch.zeros(1, 4, dtype=torch.long)
-        self._gpt = lambda: F.cross_entropy(gpt(tokens).flatten(0, 1), tokens.flatten())
-        self.tiny, self.ops = tiny, count_ops(self._gpt)
-        sized = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2)  # a model's size, 4 rows
-        big, rows = GPT(sized), torch.zeros(4, 32, dtype=torch.long)
-        # the optimizer's elements: a GPT's parameters past the caches (d=256, two blocks: 1.6M elements,
-        # 26 MB with their gradients and AdamW's two states), as in a step, where forward and backward
-        # have streamed activations and gradients through the caches before the optimizer runs
-        wide = GPTConfig(vocab_size=64, seq_len=32, d_model=256, n_heads=4, n_layers=2)
-        self.optimizer_shapes = [tuple(p.shape) for p in GPT(wide).parameters()]
-        self._sized = lambda: F.cross_entropy(big(rows).flatten(0, 1), rows.flatten())
-        lin, att, head = flops_per_token(sized)
-        self.sized_ops, self.sized_flops = count_ops(self._sized), rows.numel() * (2 * (lin + att) + head)
-        self.sized_bytes = activation_bytes(sized, 4)["held"]
-        rc = GPT(g)
-        recompute_blocks(rc)
-        self._gpt_rc = lambda: F.cross_entropy(rc(tokens).flatten(0, 1), tokens.flatten())
-
-        def one_block():
-            return gpt.blocks[0](torch.zeros(1, 4, 8, requires_grad=True)).sum()
-
-        self.block_ops = g.n_layers * (count_ops(one_block) - 1)
-
-    def _forward(self):
-        import torch
-        return torch.nn.functional.gelu(self.lin(self.x)).sum()
-
-    def step(self):
-        self._gpt().backward()
-
-    def step_sized(self):
-        """A forward and backward of a GPT of a model's size (d=64, 2 blocks, 4 rows of 32 tokens)."""
-        self._sized().backward()
-
-    def step_recomputed(self):
-        """The same step with every block recomputed (``colab_kit.recompute``)."""
-        self._gpt_rc().backward()
-
-    def matmul(self):
-        self.a @ self.b
-
-    def __call__(self):
-        for _ in range(self.tiny):
-            self.step()
-        self.matmul()
-        _SYNC[0]()
-
-    def light(self):
-        """One tiny forward and backward: the compute between two collectives of a block."""
-        self._forward().backward()
-
-
-_TRIALS = 5
-"""Trials per (group size, collective, size) point; its figure is their median (``_trial``)."""
-
-
-def _collective_fn(op: str, t, mesh, n: int):
-    """One ``op`` of ``t`` over the mesh's "tp" groups, as a call (send: an isend/irecv round trip between
-    pairs, a pipeline's message twice; sendrecv: a ``comm.sendrecv`` exchange, a ring's step)."""
-    import torch
-
-
-    me = mesh.rank("tp")
-    if op == "all_reduce":
-        return lambda: comm.all_reduce(t, mesh, "tp", tag="planner constants")
-    if op == "all_gather":
-        return lambda: comm.all_gather(t, mesh, "tp", tag="planner constants")
-    if op == "reduce_scatter":
-        return lambda: comm.reduce_scatter(t, mesh, "tp", tag="planner constants")
-    if op == "broadcast":
-        return lambda: comm.broadcast(t, mesh, "tp", tag="planner constants")
-    if op == "all_to_all":
-        return lambda: comm.all_to_all(t, mesh, "tp", 0, 0, tag="planner constants")
-    # pairs (0, 1), (2, 3), ... of each group: sendrecv exchanges a message each way at once
-    # (the ring's step); send is a ping-pong of isend / irecv (a pipeline's), a round trip
-    peer = me ^ 1 if (me ^ 1) < n else None
-    buf = torch.empty_like(t)
-
-    def fn():
-        if peer is None:
-            return
-        if op == "sendrecv":
-            for pending in comm.sendrecv(t, buf, mesh, "tp", to=peer, source=peer, tag="planner constants"):
-                pending.wait()
-            return
-        first, then = (comm.isend, comm.irecv) if me % 2 == 0 else (comm.irecv, comm.isend)
-        first(t if first is comm.isend else buf, mesh, "tp", peer, tag="planner constants").wait()
-        then(t if then is comm.isend else buf, mesh, "tp", peer, tag="planner constants").wait()
-    return fn
-
-
-def _trial(fn, burst, reps: int = 6) -> float:
-    """Seconds one call of ``fn`` (a collective) adds to a running loop (the module docstring's "in step"):
-    ``reps`` rounds of a small piece of compute (one tiny forward and backward, as between a block's
-    collectives) then the collective, minus the same rounds without it, every rank busy alike; one full
-    ``burst`` of compute before, as a step's."""
-    import torch.distributed as dist
-
-    burst()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        burst.light()
-        fn()
-    _SYNC[0]()
-    t1 = time.perf_counter()
-    dist.barrier()
-    t2 = time.perf_counter()
-    for _ in range(reps):
-        burst.light()
-    _SYNC[0]()
-    t3 = time.perf_counter()
-    return max(0.0, (t1 - t0) - (t3 - t2)) / reps

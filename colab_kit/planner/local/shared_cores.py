@@ -11,7 +11,7 @@ free and what it depends on has ended (``pipeline.check``'s dependencies).
 
 Each pipeline rank of the plan stands for ``group`` ranks (its sp and tp peers, which run the same
 actions in step, meeting in their collectives; the planner prices dp replicas of a pipeline otherwise,
-``pipeline_cost.bubble``). Worked example, pp=2 GPipe, 2 microbatches, F = 1 s and B = 2 s of work, no
+``bubble.bubble``). Worked example, pp=2 GPipe, 2 microbatches, F = 1 s and B = 2 s of work, no
 waiting, ``group`` 2 (tp=2) on 2 cores: rank 0's F0 runs alone (2 ranks on 2 cores, full
 speed, ends at 1); F1 and rank 1's F0 share (4 ranks, half speed, end at 3); rank 1 runs F1 and B0
 alone (ends at 6), then B1 beside rank 0's B0 (half speed, both end at 10), rank 0's B1 alone::
@@ -35,7 +35,7 @@ slowest of them setting the pace. dp=2 x pp=2 on 2 cores puts each replica's two
 (here the same 12 s: every action of the one-core replica runs alone or beside its other stage).
 """
 from __future__ import annotations
-from ..pipeline.check import _dependencies, _index, check
+from ...pipeline.check import check, dependencies, positions
 
 __all__ = ["makespan"]
 
@@ -52,7 +52,7 @@ def makespan(plan, costs: dict, group: int = 1, cores: float = float("inf"), lat
         raise ValueError(f"placement lists {len(placement)} pipeline ranks' cores, the plan has {len(plan.actions)} "
                          f"ranks: give each its ranks' cores (one or more)")
     check(plan)
-    deps = _dependencies(plan, _index(plan))
+    deps = dependencies(plan, positions(plan))
     rows = plan.actions
     pos = [0] * len(rows)
     phase: list[str | None] = [None] * len(rows)   # None: between actions; "work"; "wait"

@@ -18,7 +18,7 @@ Per rank of the fullest pipeline stage, one step of ``m`` microbatches:
   zero-bubble I the backward less W, W the Linears' deferred weight gradients (``_weight_grads``:
   their FLOPs and 4 ops a Linear, so where ops dominate W is small and fills little of the
   bubble), the last stage's head and loss on top. With a core per rank ``pipeline.simulate``; with
-  fewer cores than ranks, ``shared.makespan``: a rank that waits leaves its core to those that compute
+  fewer cores than ranks, ``shared_cores.makespan``: a rank that waits leaves its core to those that compute
   (with ranks bound to cores, ``constants``'s "bound", to the ranks bound to the same core: dp=2 x pp=2 on
   2 cores runs each replica on one core), and each message between stages takes the measured send
   latency; constants of ranks the OS placed price dp replicas of a pipeline at the speed of all ranks busy
@@ -48,13 +48,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..memory.formulas import PRECISION_BYTES, activation_bytes
-from ..pipeline.costs import flops_per_token
-from ..observe.measured import alpha_beta
-from .comm_cost import _coll, _dp_comm, _forward_share, _sp_comm, _tp_comm, engine_buckets, shares_cores
-from .pipeline_cost import bubble
-from ..models import GPT, GPTConfig
-from .constants import count_ops
+from ...memory.formulas import PRECISION_BYTES, activation_bytes
+from ...pipeline.costs import flops_per_token
+from ...observe.measured import alpha_beta
+from .comm import collective_seconds, dp_comm, engine_buckets, forward_share, shares_cores, sp_comm, tp_comm
+from .bubble import bubble
+from ...models import GPT, GPTConfig
+from .measure_compute import count_ops
 
 __all__ = ["step_seconds"]
 
@@ -191,7 +191,7 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict,
     parts, counts = {}, {}
     # recomputation (per microbatch): the blocks' forward again and the checkpoint's hooks, and the
     # collectives of the forward it runs again (1D: the attention's, not fc2's, where it stops)
-    fwd_share = _forward_share(cfg)
+    fwd_share = forward_share(cfg)
     again = (0.5 if cfg.tp_mode == "1d" else 1.0) * fwd_share[0], fwd_share[1]
     if cfg.pp == 1:
         fwd = _forward(model, cfg, consts, tokens, model.n_layers, True)
@@ -208,8 +208,8 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict,
         # ranks share cores (pipeline_cost.bubble); a stage's tp and sp collectives lengthen the slots that
         # run them (F, and B or I; not W), the fill and drain slots too
         share = min(1.0, consts.get("cores", cfg.world_size) / cfg.world_size)
-        tp1, _ = _tp_comm(model, cfg, consts, tokens, layers_stage, False, e)
-        sp1, _ = _sp_comm(model, cfg, consts, tokens, layers_stage, e)
+        tp1, _ = tp_comm(model, cfg, consts, tokens, layers_stage, False, e)
+        sp1, _ = sp_comm(model, cfg, consts, tokens, layers_stage, e)
         c_fwd = tp1 * fwd_share[0] + sp1 * fwd_share[1]
         c_bwd = tp1 * (1 - fwd_share[0]) + sp1 * (1 - fwd_share[1])
         c_rc = (tp1 * again[0] + sp1 * again[1]) if cfg.recompute == "full" else 0.0
@@ -225,21 +225,22 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict,
         # path from stage to stage (pipeline_cost.bubble)
         parts["comm:pp"] = sends * (alpha + act / beta)
         counts["pp"] = sends
-    tp_s, tp_n = _tp_comm(model, cfg, consts, tokens, layers_rank, True, e)  # the head's rank is the slowest
-    sp_s, sp_n = _sp_comm(model, cfg, consts, tokens, layers_rank, e)
+    tp_s, tp_n = tp_comm(model, cfg, consts, tokens, layers_rank, True, e)  # the head's rank is the slowest
+    sp_s, sp_n = sp_comm(model, cfg, consts, tokens, layers_rank, e)
     if cfg.recompute == "full":  # the blocks' forward collectives again (selective repeats none)
-        tp_b, tp_bn = _tp_comm(model, cfg, consts, tokens, layers_rank, False, e)
+        tp_b, tp_bn = tp_comm(model, cfg, consts, tokens, layers_rank, False, e)
         tp_s, tp_n = tp_s + again[0] * tp_b, tp_n + round(again[0] * tp_bn)
         sp_s, sp_n = sp_s * (1 + again[1]), sp_n + round(again[1] * sp_n)
     parts["comm:tp"], counts["tp"] = m * tp_s, m * tp_n
     parts["comm:sp"], counts["sp"] = m * sp_s, m * sp_n
     block_rc = rc / (layers_stage if cfg.pp > 1 else model.n_layers)
-    dp_s, dp_n = _dp_comm(model, cfg, consts, memory, _forward(model, cfg, consts, tokens, 1, False), block_rc)
+    dp_s, dp_n = dp_comm(model, cfg, consts, memory, _forward(model, cfg, consts, tokens, 1, False), block_rc)
     parts["comm:dp"], counts["dp"] = dp_s, dp_n
     if cfg.sp > 1:  # gradients of the parameters replicated over sp, one flat all-reduce
-        parts["comm:sp"] += _coll(consts, "all_reduce", memory["grads"] * (cfg.dp if cfg.zero >= 2 else 1), cfg.sp)
+        grads = memory["grads"] * (cfg.dp if cfg.zero >= 2 else 1)
+        parts["comm:sp"] += collective_seconds(consts, "all_reduce", grads, cfg.sp)
     parts["optimizer"] = _optimizer(cfg, consts, memory, model, optimizer)
-    loss = sum(_coll(consts, "all_reduce", 4, n) for n in (cfg.dp, cfg.sp, cfg.tp, cfg.pp))
+    loss = sum(collective_seconds(consts, "all_reduce", 4, n) for n in (cfg.dp, cfg.sp, cfg.tp, cfg.pp))
     parts["comm:loss"] = loss
     parts = {k: v for k, v in parts.items() if v > 0}
     return sum(parts.values()), parts, {k: v for k, v in counts.items() if v}

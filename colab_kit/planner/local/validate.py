@@ -12,12 +12,12 @@ from __future__ import annotations
 import statistics
 import time
 
-from . import plan
-from ..config import ParallelConfig
-from ..datasets import SyntheticTokens
-from ..engine.core import boost
-from ..launch import launch
-from ..models import GPT, GPTConfig
+from .. import plan
+from ...config import ParallelConfig
+from ...datasets import SyntheticTokens
+from ...engine.core import boost
+from ...launch import launch
+from ...models import GPT, GPTConfig
 
 __all__ = ["validate", "spearman", "accuracy", "run_candidates", "distinct_layouts", "format_rows"]
 

@@ -3,7 +3,7 @@
 The configs: what ``enumerate_configs`` gives for the model's facts (``engine.rules``, the rules ``boost``
 applies: tp 1D only, without split_gather, and sp only with dropless layers), each again with every ``ep > 1``
 that divides both dp x sp and the experts (what ``boost`` refuses is never proposed). The seconds: the local cost
-model (``planner.cost.step_seconds``) of the dense GPT a token sees, its MLP as wide as the experts it is
+model (``planner.local.step.step_seconds``) of the dense GPT a token sees, its MLP as wide as the experts it is
 routed to and the shared ones (``top_k * d_expert + shared * d_expert``; under 1D tp ``tp`` times that, so
 that a rank's tp share of it is the whole MoE layer's work, which every tp rank repeats), plus the dispatch
 and combine all-to-alls of each MoE layer, forward and backward (4 per layer and microbatch, full
@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..engine.facts import ModelFacts
-from ..engine.parts import first_refusal
-from ..memory.formulas import PRECISION_BYTES
-from ..models import GPTConfig
-from ..models.moe import moe_blocks
-from .comm_cost import _coll
-from .cost import step_seconds
+from ...engine.facts import ModelFacts
+from ...engine.parts import first_refusal
+from ...memory.formulas import PRECISION_BYTES
+from ...models import GPTConfig
+from ...models.moe import moe_blocks
+from ..configs import enumerate_configs
+from ..local.comm import collective_seconds
+from ..local.step import step_seconds
 
 __all__ = ["moe_configs", "moe_step_seconds", "active_gpt"]
 
@@ -43,7 +44,6 @@ def moe_configs(model: GPTConfig, world_size: int, batch: int, precision: str = 
                 facts: ModelFacts | None = None):
     """Every config ``boost`` runs for the MoE GPT ``model`` on ``world_size`` ranks (module docstring); ``facts``:
     the model's (``ModelFacts.of(model)`` by default)."""
-    from . import enumerate_configs
     facts = facts if facts is not None else ModelFacts.of(model, seq=model.seq_len)
     for cfg in enumerate_configs(model, world_size, batch, precision, with_auto, facts=facts):
         yield cfg
@@ -80,5 +80,5 @@ def moe_step_seconds(model: GPTConfig, cfg, batch: int, consts: dict, memory: di
     payload = tokens * model.top_k * model.d_model * PRECISION_BYTES[cfg.precision]
     per = 4 + (2 if cfg.recompute in (True, "full") else 0)
     n = cfg.microbatches * layers * per
-    ep = _coll(consts, "all_to_all", payload, cfg.ep, n)
+    ep = collective_seconds(consts, "all_to_all", payload, cfg.ep, n)
     return seconds + ep, {**parts, "comm:ep": ep}, {**counts, "comm:ep": n}

@@ -1,4 +1,5 @@
-"""What a mixture of experts adds to ``planner.scale.price``: the expert GEMMs, the all-to-all, the edp reduction.
+"""What a mixture of experts adds to ``planner.cluster.price``'s ``price``: the expert GEMMs, the all-to-all, the edp
+reduction.
 
 For the fullest rank's ``n_moe`` MoE blocks of ``layers`` (``layers_on_rank``), T tokens of a microbatch on the
 rank, hidden h, top-k k, E experts over ``ep`` ranks, expert width f (x2 gated), shared width S. T is the rank's
@@ -19,7 +20,7 @@ by tp as for a dense model):
   ``T k h e`` bytes, under sp ``rows seq k h e / sp``), the two transposes backward, full recomputation
   replaying the forward two (``colab_kit.expert.layer``), on the ep group (ep folded over the dp x sp ranks of
   a tp position, each tp rank in its own group) as the rank order places it
-  (``scale_comm.placement(config, "ep")``: ep is the fastest part of the folded dp x sp block, so an ep group
+  (``comm.placement(config, "ep")``: ep is the fastest part of the folded dp x sp block, so an ep group
   of at most ``G / tp`` ranks sits inside a node, NVLink; a larger one crosses nodes, each rank's bytes for
   other nodes on its NIC): nothing hidden (DeepSeek-V3's DualPipe overlaps them; this engine does not);
 - **comm:tp** (``tp_share``): an MoE block has attention's tp all-reduces (one forward, one backward in 1D),
@@ -34,7 +35,7 @@ other GPUs over NVLink (450 GB/s each way at 0.7 of it: 1.1 ms), and forward add
 
     >>> from colab_kit.config import ParallelConfig
     >>> from colab_kit.planner.shape import ModelShape
-    >>> from colab_kit.planner.hardware import HARDWARE
+    >>> from colab_kit.planner.cluster.hardware import HARDWARE
     >>> s = ModelShape(layers=28, hidden=2048, heads=16, vocab=102400, seq=4096, ffn=10944, gated=True,
     ...                positions=False, experts=64, top_k=6, d_expert=1408, shared_ffn=2816,
     ...                moe_blocks=tuple(range(1, 28)))
@@ -55,11 +56,11 @@ from __future__ import annotations
 
 import math
 
-from . import scale_comm
-from .hardware import Hardware
-from .scale_compute import BlockCost, _gemm
-from .scale_parts import params_on_rank
-from .shape import ModelShape
+from ..cluster import comm
+from ..cluster.compute import BlockCost, gemm
+from ..cluster.hardware import Hardware
+from ..cluster.terms import params_on_rank
+from ..shape import ModelShape
 
 __all__ = ["layers_on_rank", "moe_block", "expert_gemms", "dispatch_seconds", "params_split", "expert_sync",
            "tokens_on_rank", "expert_flops", "dispatch_bytes", "tp_share"]
@@ -116,8 +117,8 @@ def moe_block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware, de
     p, h = config.precision, shape.hidden
     t = _tokens(config, rows, seq)
     width = 2 if shape.gated else 1
-    fc1 = _gemm(hw, p, config, t, shape.d_ff * width, h, True)
-    fc2 = _gemm(hw, p, config, t, h, shape.d_ff, False)
+    fc1 = gemm(hw, p, config, t, shape.d_ff * width, h, True)
+    fc2 = gemm(hw, p, config, t, h, shape.d_ff, False)
     up, down = expert_gemms(shape, config, t, hw)
     router = _whole(hw, p, t, shape.experts, h)
     shared = ((_whole(hw, p, t, shape.shared_ffn * width, h), _whole(hw, p, t, h, shape.shared_ffn))
@@ -153,15 +154,15 @@ def dispatch_seconds(shape: ModelShape, config, rows: float, seq: int, hw: Hardw
     if config.ep <= 1:
         return 0.0, 0.0, (0, 0)
     payload = dispatch_bytes(shape, config, rows, seq)
-    one = scale_comm.seconds("all_to_all", payload, scale_comm.placement(config, "ep", hw.gpus_per_node), hw)
-    counts = scale_comm.seconds("all_to_all", 8 * shape.experts, scale_comm.placement(config, "ep",
+    one = comm.seconds("all_to_all", payload, comm.placement(config, "ep", hw.gpus_per_node), hw)
+    counts = comm.seconds("all_to_all", 8 * shape.experts, comm.placement(config, "ep",
                                                                                       hw.gpus_per_node), hw)
     return 2 * one + counts, 2 * one, (3, 2)
 
 
 def params_split(shape: ModelShape, config, layers: int) -> tuple[float, float]:
     """``(dense, experts)`` parameters the fullest rank holds before ZeRO: its blocks (MoE blocks without
-    their routed experts), the head and embeddings as ``scale_parts.params_on_rank`` counts them (split by
+    their routed experts), the head and embeddings as ``cluster.terms.params_on_rank`` counts them (split by
     tp), the MoE blocks' router and shared experts whole on every tp rank, and ``E / ep`` experts of each of
     its MoE blocks (whole on every tp rank)."""
     n_moe = layers_on_rank(shape, config, layers)
@@ -178,15 +179,15 @@ def expert_sync(shape: ModelShape, config, hw: Hardware, experts: float, window:
     """``(exposed, total, collectives)`` seconds of the experts' gradient reduction over edp (fp32; ZeRO 1-2 a
     reduce-scatter and the parameters gathered back), hidden behind ``window`` but its last bucket. Under ZeRO-3
     nothing here: each block's expert chunk is gathered and reduce-scattered over edp with the block
-    (``scale.price``), as the engine does (``zero/split.py``)."""
-    group = scale_comm.placement(config, "edp", hw.gpus_per_node)
+    (``cluster.price.price``), as the engine does (``zero/split.py``)."""
+    group = comm.placement(config, "edp", hw.gpus_per_node)
     if group.size <= 1 or experts <= 0 or config.zero == 3:  # ZeRO-3: reduced with each block's chunks (scale)
         return 0.0, 0.0, 0
     op = "all_reduce" if config.zero == 0 else "reduce_scatter"
-    reduce = scale_comm.seconds(op, experts * 4, group, hw)
+    reduce = comm.seconds(op, experts * 4, group, hw)
     exposed, total, count = max(reduce / max(1, layers), reduce - window), reduce, 1
     if config.zero in (1, 2):
         size = 4 if config.precision == "fp32" else 2
-        gather = scale_comm.seconds("all_gather", experts * size / group.size, group, hw)
+        gather = comm.seconds("all_gather", experts * size / group.size, group, hw)
         exposed, total, count = exposed + gather, total + gather, 2
     return exposed, total, count

@@ -23,11 +23,11 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..config import ConfigError
-from ..memory.estimator import _stages
-from ..memory.experts import moe_estimate
-from ..models import GPTConfig
-from ..models.moe import moe_blocks
+from ...config import ConfigError
+from ...memory.experts import moe_estimate
+from ...memory.layout import stage_plan
+from ...models import GPTConfig
+from ...models.moe import moe_blocks
 
 __all__ = ["gpt_moe_of", "gpt_moe_shape", "hf_experts", "hf_moe_shape", "moe_memory", "stage_split",
            "tp_layer_params"]
@@ -169,7 +169,7 @@ def moe_memory(shape, config, batch: int, optimizer: str = "adamw") -> dict:
     if n == 1:
         params = [stage(0)]
     else:
-        plan, _ = _stages(config)
+        plan, _ = stage_plan(config)
         params = [tuple(map(sum, zip(*[stage(s) for s in plan.stages_of(r)]))) for r in range(config.pp)]
     return moe_estimate(gpt, config, batch, optimizer, seq=shape.seq, moe=shape.moe_blocks, split=split,
                         params=params)

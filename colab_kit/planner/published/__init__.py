@@ -2,7 +2,7 @@
 
 ``megatron_table1.json`` holds the ten weak-scaling rows of Narayanan et al. 2021 (arXiv 2104.04473, Table 1:
 GPT 1.7B to 1T on up to 3,072 A100 80GB) with where each figure was read. ``table1()`` gives the rows with
-the iteration time their Eq. 3 implies; ``as_run(row)`` turns one into what ``planner.scale.price`` takes.
+the iteration time their Eq. 3 implies; ``as_run(row)`` turns one into what ``planner.cluster.price.price`` takes.
 
 Eq. 3 counts the recomputed forward (full recomputation: four forward passes' worth of matmuls)::
 
@@ -25,7 +25,7 @@ The runs are priced on ``MEGATRON_2021``, the DGX A100 preset with attention unf
 then (its batched products and fused softmax, the scores through HBM): the presets price FlashAttention, what
 the engine runs today, which would put the 1.7B row 35% under its published time::
 
-    >>> from colab_kit.planner.scale import price
+    >>> from colab_kit.planner.cluster.price import price
     >>> round(price(shape, config, batch, MEGATRON_2021).step_seconds / row["iteration_seconds"], 3)
     1.016
     >>> MEGATRON_2021.name, MEGATRON_2021.attention
@@ -38,14 +38,14 @@ import json
 import os
 
 from ...config import ParallelConfig
-from ..hardware import HARDWARE
+from ..cluster.hardware import HARDWARE
 from ..shape import ModelShape
 
 __all__ = ["DEEPSPEED_2021", "MEGATRON_2021", "TABLE1", "PUBLISHED_SPACE", "as_run", "eq3_flops", "table1"]
 
 MEGATRON_2021 = HARDWARE["8xA100-80GB"].with_stack("megatron-lm-2021")
 """The hardware the 2021 runs are priced on (Table 1, the calibration; Korthikanti et al. 2022): the DGX A100
-preset under Megatron-LM's stack of 2021 (``planner.stack``): attention unfused, as it ran before
+preset under Megatron-LM's stack of 2021 (``planner.cluster.stack``): attention unfused, as it ran before
 FlashAttention, and its fused LayerNorm, bias-GELU and bias-dropout-add kernels."""
 
 DEEPSPEED_2021 = HARDWARE["8xA100-80GB"].with_stack("deepspeed-2021")

@@ -3,7 +3,7 @@
 ``runs_2024.json`` holds each run as its source printed it (model, layout, throughput, the arithmetic that
 turns the throughput into seconds a step, what the source leaves unstated) and, as notes, Megatron-LM's
 comparison with DeepSpeed's ZeRO-3 of 2021 (Table 2) with how DeepSpeed issued its collectives then.
-``runs()`` turns each run into what ``planner.scale.price`` takes, on the preset and stack it ran:
+``runs()`` turns each run into what ``planner.cluster.price.price`` takes, on the preset and stack it ran:
 
 - torchtitan (FSDP2, SDPA, per-op selective recomputation; its H100s are the 96 GB / 500 W part:
   the ``8xH100-96GB-500W`` preset), eager or under ``torch.compile`` (elementwise fused);
@@ -28,7 +28,7 @@ import os
 
 from ...config import ParallelConfig
 from ..shape import ModelShape
-from ..stack import STACKS
+from ..cluster.stack import STACKS
 
 __all__ = ["RUNS_2024", "runs", "zero3_2021"]
 
