@@ -110,7 +110,7 @@ def _rounds(gpt_kwargs: dict, batch: int, rounds: int, steps: int, bucket_mb: fl
             "ddp_bytes": _ddp_bucket_bytes(ddp),
             "param_diff": (ck.state_vector(engine) - ddp_params).abs().max().item(),
             "param_bytes": sum(p.numel() * p.element_size() for p in engine.module.parameters()),
-            "buckets": len(engine.grads.buckets)}
+            "buckets": len(engine.data_parallel.buckets)}
 
 
 def main(argv=None):

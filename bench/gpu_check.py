@@ -237,7 +237,7 @@ def _probe_budget(cfg, factory, batch, config_kw) -> tuple[int, int]:
     """(what one step holds on the device with every chunk on the host, the chunks' state bytes)."""
     probe = ck.boost(GPT(cfg), factory, ck.ParallelConfig(**{**config_kw, "offload": "cpu"}))
     probe.train_step(SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=1).batch(0, batch))
-    place = probe.grads.placement
+    place = probe.data_parallel.placement
     out = place.account.peak, sum(place.state_bytes(i) for i in range(len(place.chunks)))
     probe.close()
     del probe, place
@@ -263,7 +263,7 @@ def _rank_budget(sizes):
         if cuda:
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated())
-    place = engine.grads.placement
+    place = engine.data_parallel.placement
     kinds = [sorted({t.device.type for t in place.state_tensors(i) if t is not None}) for i in range(len(place.chunks))]
     host = sum(place.state_bytes(i) for i, w in enumerate(place.where) if w == "host")
     out = {"model": sizes["zero"], "batch": batch, "budget": budget, "step_need_measured": measured,

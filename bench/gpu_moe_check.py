@@ -23,7 +23,7 @@ Six checks, each one ``PASS``/``FAIL`` line; figures to ``bench/results/gpu_moe_
    a perfect split; PASS when each width ran.
 6. ``syncs``: one training step of the MoE GPT and of a Hugging Face Mixtral under
    ``torch.cuda.set_sync_debug_mode("warn")``: every device->host sync by the line that made it; none inside a
-   layer's records (``_seen``), at most one for the step's records (``engine.moe_records.on_host``).
+   layer's records (``_seen``), at most one for the step's records (``expert.records.on_host``).
 
     python bench/gpu_moe_check.py               # every check
     python bench/gpu_moe_check.py syncs         # some of them again: the others' last results are kept
@@ -190,7 +190,7 @@ def _rank_syncs(model: str):
 
 
 def check_syncs():
-    """The MoE records cost one host read per step (``engine.moe_records.on_host``), none inside a layer's
+    """The MoE records cost one host read per step (``expert.records.on_host``), none inside a layer's
     ``_seen``: every sync of one step, by line, for the built-in MoE GPT and a Hugging Face Mixtral."""
     import inspect
     from colab_kit.models import moe as moe_module
@@ -204,7 +204,7 @@ def check_syncs():
         r = ck.launch(_rank_syncs, 1, model, backend="nccl", timeout=300)[0]
         in_seen = {k: n for k, n in r["sites"].items() if k.rsplit(":", 1)[0] in lines
                    and int(k.rsplit(":", 1)[1]) in lines[k.rsplit(":", 1)[0]]}
-        records = sum(n for k, n in r["sites"].items() if k.startswith("colab_kit/engine/moe_records.py"))
+        records = sum(n for k, n in r["sites"].items() if k.startswith("colab_kit/expert/records.py"))
         figures[model] = {**r, "in_seen": in_seen, "records": records}
         ok = ok and not in_seen and records <= 1
     detail = "; ".join(f"{m}: {f['syncs']} syncs a step, {f['records']} for the records, "

@@ -123,7 +123,7 @@ def _pair(name: str, gcfg: GPTConfig, batch: int, rounds: int, steps: int) -> di
             if sum(now.values()) > sum(peak[side].values()):
                 peak[side] = now
     inside = {}
-    roots = {"colab_kit": (engine.module, engine.optimizer, engine.grads), "peer": (peer.model, peer.optimizer)}
+    roots = {"colab_kit": (engine.module, engine.optimizer, engine.data_parallel), "peer": (peer.model, peer.optimizer)}
     for side in names[:2]:  # one more step each (the same batch), under the meter, not timed
         dist.barrier()
         with StatePeak(*roots[side]) as meter:

@@ -18,7 +18,7 @@ rank: the start-up peak (how far the process's peak resident memory, ``VmHWM`` a
 measure; the process groups are made beforehand and not counted), two timed training steps, then one more step
 for the in-step peak: zero3 and fsdp2 under ``colab_kit.memory.peak.StatePeak`` (the model-state bytes at once
 inside the step, one instrument on both sides, activations not counted); zero3-auto the device side only, the
-placement account's peak over the three steps (``engine.grads.placement.account.peak``: it counts the
+placement account's peak over the three steps (``engine.data_parallel.placement.account.peak``: it counts the
 activations and staged shards too, so it is the stricter figure). Held: params + grads + optimizer after the
 steps (zero3-auto: device and host split as ``engine.memory()`` reports them).
 
@@ -159,7 +159,7 @@ def _measure(side: str, gcfg: GPTConfig, budget: int, batch: int, meshes: dict) 
     else:
         def step(s, engine=made):
             return engine.train_step(data.batch(s, batch))
-        roots = (made.module, made.optimizer, made.grads)
+        roots = (made.module, made.optimizer, made.data_parallel)
     losses, times = [], []
     try:
         for s in range(TIMED):
@@ -168,7 +168,7 @@ def _measure(side: str, gcfg: GPTConfig, budget: int, batch: int, meshes: dict) 
             times.append(time.perf_counter() - t0)
         if side == "zero3-auto":
             losses.append(step(TIMED))
-            out["in_step"] = made.grads.placement.account.peak
+            out["in_step"] = made.data_parallel.placement.account.peak
             out["where"] = {k: v for k, v in made.memory().items() if k in ("device", "host")}
         else:
             with StatePeak(*roots) as meter:

@@ -375,11 +375,11 @@ def load(engine, path) -> dict:
                     value = v["value"] if v["dtype"] is None else torch.tensor(
                         v["value"], dtype=_dtype(v["dtype"]), device="cpu" if v["cpu"] else t.device)
                     opt.state[t][s] = value
-    masters = engine.grads.masters
+    masters = engine.data_parallel.masters
     if masters is not None:
         masters.copy_to_model()
     if engine.config.zero in (1, 2):
-        engine.grads.gather_params()
+        engine.data_parallel.gather_params()
     _restore_hyper(opt, manifest.get("param_groups"), path)
     saved_sched = manifest.get("lr_scheduler")
     if engine.lr_scheduler is not None and saved_sched is not None:

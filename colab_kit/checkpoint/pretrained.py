@@ -234,10 +234,10 @@ def load_pretrained(engine, directory) -> int:
                 block, c0 = sl[r0:r1].reshape(r1 - r0, -1), 0
         read += block.numel()
         space.write(space.tensors, name, block.to(torch.float32), origin=(r0, c0))
-    masters = engine.grads.masters
+    masters = engine.data_parallel.masters
     if masters is not None:
         masters.copy_to_model()
     if engine.config.zero in (1, 2):
-        engine.grads.gather_params()
+        engine.data_parallel.gather_params()
     dist.barrier()
     return read

@@ -6,7 +6,6 @@
     parallelize.py   ck.parallelize: a loop over PARTS, its result Parallelized
     step.py          TrainingStep: the one training step every config runs (batch split, F/B work or the
                      pipeline executor's actions), then finish.py's end_step
-    experts.py       what a step does for MoE layers per microbatch (its MoEStep, counts, auxiliary losses)
     finish.py        the end of a step as a list: the gradient sync, the parts' hooks (engine.parts), the
                      optimizer, the loss, the records; describe(config) prints it
     core.py          boost() and Engine: train_step, evaluate, generate, fit, save, load, close and the records

@@ -32,6 +32,7 @@ the parts' rules (``engine.parts``), which the planner asks too); the engine nev
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -45,15 +46,15 @@ from ..zero.optimizer import (OptimizerSpec, attach_scheduler, check_elementwise
                               rebuild)
 from . import reports
 from .checks import check_experts, check_policy, unsupported
-from .clipping import check_max_norm
 from .fit import fit as _fit
 from .generate import generate as _generate
 from .loss import TokenLoss, lm_loss
+from .options import BoostOptions
 from .parallelize import parallelize
 from .parts import first_refusal
 from .step import TrainingStep
 
-__all__ = ["boost", "Engine", "lm_loss", "unsupported", "check_policy", "check_experts", "TokenLoss"]
+__all__ = ["boost", "BoostOptions", "Engine", "lm_loss", "unsupported", "check_policy", "check_experts", "TokenLoss"]
 
 
 def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
@@ -78,19 +79,11 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
     """
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"config must be a ck.ParallelConfig, got {type(config).__name__}")
-    if config.offload == "auto" and device_budget is None:
-        raise ConfigError("offload='auto' places chunks under a device budget: pass boost(..., device_budget=BYTES), "
-                          "e.g. device_budget=2**30 for 1 GiB per rank")
-    if device_budget is not None and config.offload != "auto":
-        raise ConfigError(f"device_budget applies to offload='auto' (got offload={config.offload!r}): "
-                          "set offload='auto' with zero=3, or drop device_budget")
-    if device_budget is not None and (isinstance(device_budget, bool) or not isinstance(device_budget, int)
-                                      or device_budget <= 0):
-        raise ConfigError(f"device_budget must be a positive number of bytes, got {device_budget!r}")
+    options = BoostOptions(policy, loss_fn, bucket_bytes, device_budget, max_grad_norm, lr_scheduler)
+    options.check(config)  # each keyword once, here; then passed along as one object
     why = first_refusal(config)  # what no model changes, before the model and the optimizer are read
     if why is not None:
         raise why
-    check_max_norm(max_grad_norm)
     if isinstance(optimizer, torch.optim.Optimizer):  # read before the model is sharded: names, groups, settings
         spec = OptimizerSpec.capture(optimizer, model)
     elif callable(optimizer):
@@ -103,16 +96,15 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
         check_elementwise(spec.kind, "ZeRO steps flat pieces of several parameters")
     if spec is not None and config.tp > 1:
         check_elementwise(spec.kind, f"tensor parallelism ({config.tp_mode}) gives each rank a block of each matrix")
-    policy = check_policy(model, config, policy)  # every part's rules for this model (engine.parts), in the kernel
+    options = replace(options, policy=check_policy(model, config, policy))  # every part's rules, in the kernel
     owned = mesh is None
     mesh = mesh or ProcessMesh.shared(config)
     if mesh.config != config:
         raise ConfigError(f"the mesh was built for {mesh.config.describe()} but boost was given "
                           f"{config.describe()}: pass the same config to both")
     try:
-        engine = Engine(model, spec if spec is not None else optimizer, config, mesh, policy=policy, loss_fn=loss_fn,
-                        bucket_bytes=bucket_bytes, device_budget=device_budget, max_grad_norm=max_grad_norm,
-                        lr_scheduler=lr_scheduler, user_optimizer=optimizer if spec is not None else None)
+        engine = Engine(model, spec if spec is not None else optimizer, config, mesh, options,
+                        user_optimizer=optimizer if spec is not None else None)
     except BaseException:
         if owned:
             mesh.release()
@@ -131,37 +123,39 @@ class Engine:
     ``engine.step(batch)``; with a pipeline ``engine.step.begin/advance/finish`` step it by timesteps.
     """
 
-    def __init__(self, model, optimizer, config, mesh, *, policy=None, loss_fn=lm_loss, bucket_bytes=None,
-                 device_budget=None, max_grad_norm=None, lr_scheduler=None, user_optimizer=None):
-        self.config, self.mesh, self.device_budget = config, mesh, device_budget
+    def __init__(self, model, optimizer, config, mesh, options: BoostOptions | None = None, *, user_optimizer=None):
+        options = options if options is not None else BoostOptions()
+        self.config, self.mesh, self.options = config, mesh, options
+        """``options``: boost's keywords (``BoostOptions``), as checked."""
+        self.device_budget = options.device_budget
         """``device_budget``: offload='auto', the bytes each rank's device may hold; else None."""
         self.traced: dict = {}
         """The memory estimate's dense trace of the activations, per global input shape (``reports``)."""
-        self.current_loader = None
+        self.current_loader: ShardedLoader | None = None
         """The ``ShardedLoader`` whose position checkpoints keep (``engine.loader`` / ``engine.fit`` set it)."""
         spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
         group_of_name = spec.group_of if spec is not None and len(spec.hypers) > 1 else None
-        self.parts = parallelize(model, mesh, config, policy, loss_fn=loss_fn, bucket_bytes=bucket_bytes,
-                                 device_budget=device_budget, group_of_name=group_of_name)
+        self.parts = parallelize(model, mesh, config, options, group_of_name=group_of_name)
         self.optimizer, views, views_layout = self._build_optimizer(optimizer)
-        scheduler = attach_scheduler(lr_scheduler, user_optimizer, self.optimizer)
+        scheduler = attach_scheduler(options.lr_scheduler, user_optimizer, self.optimizer)
         estimate = (lambda: self.memory_estimate()["activations"]) if self.model_cfg is not None else None
-        self.step = TrainingStep(self.parts, self.optimizer, lr_scheduler=scheduler, max_grad_norm=max_grad_norm,
-                                 views=views, views_layout=views_layout, estimate_activations=estimate)
+        self.step = TrainingStep(self.parts, self.optimizer, lr_scheduler=scheduler,
+                                 max_grad_norm=options.max_grad_norm, views=views, views_layout=views_layout,
+                                 estimate_activations=estimate)
         """The training step: ``engine.step(batch)``; with pp, ``begin`` / ``advance`` / ``finish`` too."""
 
     def _build_optimizer(self, optimizer):
-        """The optimizer over what this rank steps (``grads.optimizer_layout()``): a factory called with those
+        """The optimizer over what this rank steps (``data_parallel.optimizer_layout()``): a factory called with those
         tensors, or the user's optimizer rebuilt over them group by group (``colab_kit.zero.optimizer``);
         refused where parameters are cut (ZeRO, tp) unless it is elementwise. Returns it, its group views
         (a piece that spans param groups) and their layout."""
-        grads = self.parts.grads
+        dp = self.parts.data_parallel
         views, layout = None, None
         if isinstance(optimizer, OptimizerSpec):
-            opt, views, keys, layout = rebuild(optimizer, grads.optimizer_layout(), local_names(self.parts.module))
-            grads.set_optimizer(opt, keys)
+            opt, views, keys, layout = rebuild(optimizer, dp.optimizer_layout(), local_names(self.parts.module))
+            dp.set_optimizer(opt, keys)
         else:  # the parameters, ZeRO's pieces, or their fp32 masters (ZeRO's build checks them)
-            opt = grads.build_optimizer(optimizer)
+            opt = dp.build_optimizer(optimizer)
         if self.config.tp > 1:  # (ZeRO's build checks its own; a user's optimizer was checked by boost)
             check_elementwise(opt, f"tensor parallelism ({self.config.tp_mode}) gives each rank a block of each matrix")
         return opt, views, layout
@@ -173,7 +167,10 @@ class Engine:
     dense_twin = property(lambda self: self.parts.dense_twin, doc="The dense model on the meta device.")
     tp_plan = property(lambda self: self.parts.tp_plan, doc="The ``TensorPlan`` with tp > 1, else None.")
     sp_plan = property(lambda self: self.parts.sp_plan, doc="The ``SequencePlan`` with sp > 1, else None.")
-    grads = property(lambda self: self.parts.grads, doc="The gradient part: plain dp or ZeRO 1-3.")
+    data_parallel = property(lambda self: self.parts.data_parallel,
+                             doc="The data-parallel part: plain dp (``DataParallel``) or ZeRO 1-3.")
+    grads = property(lambda self: self.parts.data_parallel,
+                     doc="``engine.data_parallel`` under its earlier name (kept for code written against it).")
     placement_table = property(lambda self: self.parts.placement_table,
                                doc="Each parameter's placement on the mesh in DTensor's terms.")
     events = property(lambda self: self.parts.events, doc="The last step's timeline events.")
@@ -302,7 +299,7 @@ class Engine:
             return
         if self.pipeline is not None:
             self.pipeline.close()
-        self.grads.remove()  # the gradient hooks hold the buckets (and the mesh) from C++: gc cannot free them
+        self.data_parallel.remove()  # the gradient hooks hold the buckets (and the mesh) from C++: gc cannot free them
         self.parts.restore()  # the user's attentions, positions and dropouts as they were
         self.closed = True
         if self.owns_mesh:

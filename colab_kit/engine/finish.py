@@ -23,7 +23,7 @@ import time
 import torch
 
 from ..precision import MasterWeights, master_step
-from .moe_records import loss_vector, step_layers, with_losses
+from ..expert.records import loss_vector, step_layers, with_losses
 from .parts import hooks
 
 __all__ = ["describe", "end_step"]
@@ -34,7 +34,7 @@ def end_step(step, local: torch.Tensor) -> float:
     gradients is in the first three lines, as Megatron-Core's ``finalize_model_grads``)::
 
         the parts' "loss" hooks           expert: this rank's share of the auxiliary losses
-        grads.finish()                    the gradient sync: dp buckets waited, or ZeRO's reduce-scatter
+        data_parallel.finish()            the gradient sync: dp buckets waited, or ZeRO's reduce-scatter
         the parts' "finish_grads" hooks   pipeline: tied weights summed over pp; placements: what tp and
                                           sp keep whole summed over those axes
         the optimizer                     clipping, fp16 unscale and check, the step, gradients zeroed
@@ -45,8 +45,8 @@ def end_step(step, local: torch.Tensor) -> float:
     """
     for _, hook in hooks("loss"):
         local = hook(step, local)
-    step.grads.finish()
-    masters = step.grads.masters if isinstance(step.grads.masters, MasterWeights) else None
+    step.data_parallel.finish()
+    masters = step.data_parallel.masters if isinstance(step.data_parallel.masters, MasterWeights) else None
     for _, hook in hooks("finish_grads"):
         hook(step, masters)
     done = _optimizer_step(step, masters)
@@ -81,7 +81,7 @@ def _optimizer_step(step, masters: MasterWeights | None) -> dict:
             step.optimizer.step()
         else:
             done = master_step(step.optimizer, masters, step.scaler, step.mesh, before_step=clip)
-        step.grads.zero()
+        step.data_parallel.zero()
     if done["note"]:  # on the timeline, not the console
         now = time.perf_counter() - step.t0
         step.parts.events.append({"name": done["note"], "kind": "compute", "start": now, "end": now})
@@ -89,7 +89,7 @@ def _optimizer_step(step, masters: MasterWeights | None) -> dict:
 
 
 def _loss(step, local: torch.Tensor, done: dict) -> float:
-    """The step's global mean loss (with MoE layers, their losses ride along: ``moe_records``, into
+    """The step's global mean loss (with MoE layers, their losses ride along: ``expert.records``, into
     ``done["moe"]``)."""
     layers = step_layers(step.moe_steps) if step.n_moe else {}
     with step.timed("loss all_reduce", "comm"):

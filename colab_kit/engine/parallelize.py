@@ -14,7 +14,7 @@ Worked example: ``ParallelConfig(dp=2, tp=2, pp=2)`` (8 ranks), a 4-block GPT bu
                      #  'data_parallel')
     parts.stages     # [stage 1]: blocks 2-3, ln_f and the head, each matrix cut in halves over tp (this half: 1)
     parts.placement_table[parts.module.0.blocks...weight]   # tp: Shard(0) or Shard(1), dp: Replicate()
-    parts.grads      # ZeroStage0: the dp buckets over this rank's 1/2 x 1/2 of the model
+    parts.data_parallel      # DataParallel: the dp buckets over this rank's 1/2 x 1/2 of the model
 
 A step that the config does not ask for is left out of ``parts.steps`` (``plan_steps(config)`` lists them
 without a model; ``tests/unit/test_parallelize.py`` prints the list for every config of the parity matrix, and
@@ -34,6 +34,7 @@ from ..mesh import ProcessMesh
 from ..placement import PlacementTable
 from ..zero.stage0 import GradientPart
 from .loss import TokenLoss, lm_loss, token_losses
+from .options import BoostOptions
 from ..dropout import DropoutLayout
 from ..models.dropout import has_dropout
 from .parts import PARTS, Build, plan_steps
@@ -58,7 +59,7 @@ class Parallelized:
     """The ``colab_kit.policy.Policy`` the parts lowered (None: a model under dp / ZeRO only)."""
     loss_fn: Callable
     """``(outputs, targets) -> loss`` of one microbatch's rows, as this layout computes it."""
-    grads: GradientPart
+    data_parallel: GradientPart
     """Plain dp or ZeRO stage 1-3: gradient sync and what the optimizer steps (``colab_kit.zero``)."""
     placement_table: PlacementTable
     events: list[dict]
@@ -97,16 +98,17 @@ class Parallelized:
         return getattr(self.dense_twin, "cfg", None)
 
 
-def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, policy=None, *,
-                loss_fn: Callable = lm_loss, bucket_bytes: int | None = None, device_budget: int | None = None,
-                group_of_name: Callable[[str], int] | None = None) -> Parallelized:
+def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, options: BoostOptions | None = None,
+                *, group_of_name: Callable[[str], int] | None = None) -> Parallelized:
     """This rank's share of ``model`` under ``config``: each part's step (``engine.parts.PARTS``), in order, where
-    the config wants it. ``policy``: what each part of the model is (``check_policy`` has checked it fits and
-    every part's rules have taken the config); ``group_of_name``: the optimizer's param group of a parameter by
-    name (ZeRO keeps groups apart)."""
+    the config wants it. ``options``: boost's keywords (``BoostOptions``: the policy, which ``check_policy`` has
+    checked fits and whose parts' rules have taken the config, the loss, the bucket size, the device budget);
+    ``group_of_name``: the optimizer's param group of a parameter by name (ZeRO keeps groups apart)."""
+    options = options if options is not None else BoostOptions()
+    policy, loss_fn = options.policy, options.loss_fn
     token_loss = TokenLoss(token_losses) if loss_fn is lm_loss else None
-    b = Build(model, mesh, config, policy, token_loss if token_loss is not None else loss_fn, token_loss,
-              bucket_bytes, device_budget, group_of_name)
+    b = Build(model, mesh, config, policy, token_loss if token_loss is not None else loss_fn, token_loss, options,
+              group_of_name)
     dropout = has_dropout(model)
     for p in PARTS:
         if p.apply is not None and p.wants(config, dropout):
@@ -115,6 +117,6 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, pol
     layout = DropoutLayout(mesh, b.tp_plan, b.sp_plan) if "dropout" in b.steps else None
     logits = policy.output if policy is not None and policy.output is not None else (lambda out: out)
     return Parallelized(config=config, mesh=mesh, module=b.module, dense_twin=b.twin, policy=policy, loss_fn=b.loss,
-                        grads=b.grads, placement_table=b.table, events=b.events, logits=logits, token_loss=token_loss,
-                        tp_plan=b.tp_plan, sp_plan=b.sp_plan, dropout=layout, stages=b.stages, tied=b.tied,
-                        n_local=b.n_local, steps=tuple(b.steps), conv1d=b.conv1d, undo=b.undo)
+                        data_parallel=b.data_parallel, placement_table=b.table, events=b.events, logits=logits,
+                        token_loss=token_loss, tp_plan=b.tp_plan, sp_plan=b.sp_plan, dropout=layout, stages=b.stages,
+                        tied=b.tied, n_local=b.n_local, steps=tuple(b.steps), conv1d=b.conv1d, undo=b.undo)

@@ -94,7 +94,7 @@ def _sum_replicated(step, masters) -> None:
     if step.parts.tp_plan is None and step.parts.sp_plan is None:
         return
     if step.config.zero or masters is not None:
-        step.grads.sync_replicated()
+        step.data_parallel.sync_replicated()
     else:
         sync_grads(step.parts.module, step.mesh, step.parts.placement_table)
 

@@ -66,17 +66,18 @@ def memory(engine: EngineView) -> dict:
     CPU no allocator counts: the peak of the last ``memory_timeline`` (``colab_kit.memory.timeline``),
     None before one ran.
     """
-    totals = {"params": _param_bytes(engine), "grads": engine.parts.grads.nbytes,  # fp32 masters are optimizer state
-              "optimizer": optimizer_bytes(engine.optimizer) + engine.parts.grads.master_bytes(),
+    dp = engine.parts.data_parallel
+    totals = {"params": _param_bytes(engine), "grads": dp.nbytes,  # fp32 masters are optimizer state
+              "optimizer": optimizer_bytes(engine.optimizer) + dp.master_bytes(),
               "activations": engine.step.meter.peak}
     host = dict.fromkeys(totals, 0)
-    host.update(engine.parts.grads.host_bytes(engine.optimizer))
+    host.update(engine.parts.data_parallel.host_bytes(engine.optimizer))
     return {**totals, "device": {k: totals[k] - host[k] for k in totals}, "host": host,
             "step_peak": engine.step.records.peak}
 
 
 def _param_bytes(engine: EngineView) -> int:
-    held = engine.parts.grads.param_bytes()  # ZeRO-3: this rank's shards (and what is gathered now)
+    held = engine.parts.data_parallel.param_bytes()  # ZeRO-3: this rank's shards (and what is gathered now)
     return held if held is not None else tensor_bytes(engine.parts.module.parameters())
 
 
@@ -93,7 +94,7 @@ def memory_estimate(engine: EngineView) -> dict:
     except ValueError:
         name = "adamw"
     cfg = engine.config
-    share = engine.parts.grads.host_share()
+    share = engine.parts.data_parallel.host_share()
     rows, seq = engine.step.records.rows or 0, engine.step.records.seq
     micro = engine.step.pipeline.microbatch_shape() if engine.step.pipeline is not None else None
     if micro:  # with pp: the executor's microbatches of the last step
@@ -154,5 +155,5 @@ def timeline(engine: EngineView) -> list[dict]:
 
 def state_vector(engine: EngineView) -> torch.Tensor:
     """All parameters flattened into one CPU vector (for checking ranks agree)."""
-    with engine.parts.grads.gathered():
+    with engine.parts.data_parallel.gathered():
         return torch.cat([p.detach().reshape(-1).cpu() for p in engine.parts.module.parameters()])

@@ -38,7 +38,7 @@ from ..pipeline.work import MicrobatchWork
 from ..datasets.loader import LocalBatch, split_batch
 from .clipping import clip_, weights
 from .parallelize import Parallelized
-from .experts import ExpertSteps
+from ..expert.step import ExpertSteps
 from .finish import describe, end_step
 from ..precision import LossScaler
 
@@ -82,11 +82,11 @@ class TrainingStep(ExpertSteps):
                  max_grad_norm: float | None = None, views=None, views_layout=None,
                  estimate_activations: Callable[[], int] | None = None):
         self.parts, self.optimizer, self.views, self.views_layout = parts, optimizer, views, views_layout
-        self.config, self.mesh, self.grads = parts.config, parts.mesh, parts.grads
+        self.config, self.mesh, self.data_parallel = parts.config, parts.mesh, parts.data_parallel
         self.lr_scheduler, self.max_grad_norm = lr_scheduler, max_grad_norm
         self.scaler = LossScaler() if parts.config.precision == "fp16" else None
         """fp16: the dynamic loss scale; None otherwise."""
-        self.meter = ActivationMeter(exclude=list(parts.module.parameters()), live=parts.grads.live)
+        self.meter = ActivationMeter(exclude=list(parts.module.parameters()), live=parts.data_parallel.live)
         self.records = StepRecords()
         self.pipeline = (PipelineExecutor(parts.stages, parts.mesh, parts.config, parts.events, parts.model_cfg)
                          if parts.stages is not None else None)
@@ -113,7 +113,7 @@ class TrainingStep(ExpertSteps):
         inputs, targets = self._start(batch, local)
         total = torch.zeros((), device=self.mesh.device)
         for i in range(m):
-            self.grads.arm(sync=(i == m - 1), t0=self.t0)
+            self.data_parallel.arm(sync=(i == m - 1), t0=self.t0)
             x, y = split_batch(inputs, m, i, "microbatches"), split_batch(targets, m, i, "microbatches")
             meter = self.meter.measure((x.shape, x.dtype, y.shape))
             with self.timed(f"forward {i}", "compute"), meter, self.dropout_at(i):
@@ -128,7 +128,7 @@ class TrainingStep(ExpertSteps):
         pipe = self._pipe()
         pipe.check_can_begin()
         inputs, targets = self._start(batch, local)
-        self.grads.arm(sync=False, t0=self.t0)  # the executor arms the sync before the last B or W
+        self.data_parallel.arm(sync=False, t0=self.t0)  # the executor arms the sync before the last B or W
         pipe.begin(self._work(inputs, targets))
         return pipe.state()
 
@@ -183,16 +183,17 @@ class TrainingStep(ExpertSteps):
         return MicrobatchWork(inputs=[split_batch(inputs, m, i, "microbatches") for i in range(m)],
                               targets=[split_batch(targets, m, i, "microbatches") for i in range(m)],
                               loss_fn=self.parts.loss_fn, backward_loss=self._backward_loss, meter=self.meter,
-                              dropout_at=self.dropout_at, grads=self.grads, t0=self.t0, side=self._relay)
+                              dropout_at=self.dropout_at, data_parallel=self.data_parallel, t0=self.t0,
+                              side=self._relay)
 
     def optimizer_layout(self) -> list[tuple[torch.Tensor, list[tuple]]]:
-        """``(tensor, runs)`` per tensor the optimizer steps, as ``grads.optimizer_layout()`` (a run
+        """``(tensor, runs)`` per tensor the optimizer steps, as ``data_parallel.optimizer_layout()`` (a run
         ``(param, start, length, at)``), with a piece that spans two param groups as its views
         (``colab_kit.zero.optimizer``): what the checkpoint maps the optimizer's states with."""
         if self.views:
             self.views.bind()
             return self.views_layout
-        return self.grads.optimizer_layout()
+        return self.data_parallel.optimizer_layout()
 
     # ------------------------------------------------------------------ the start
     def _start(self, batch, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,7 +287,7 @@ class TrainingStep(ExpertSteps):
     def _hold_activations(self) -> None:
         """With a device account (offload): reserve the step's activations on it before the step, the larger of
         the last step's measurement and the estimate; refuse a budget that cannot hold one step before any runs."""
-        place = self.grads.placement
+        place = self.data_parallel.placement
         if place is None:
             return
         acts = self.activation_reserve()
@@ -308,7 +309,8 @@ class TrainingStep(ExpertSteps):
     def clip_now(self, max_norm: float) -> float:
         """Clip every gradient shard to the global ``max_norm``; the norm before clipping."""
         if self._clip is None:  # the optimizer's tensors do not change: the weights once
-            self._clip = weights(self.mesh, self.parts.placement_table, self.config, self.grads, self.parts.tied)
+            self._clip = weights(self.mesh, self.parts.placement_table, self.config, self.data_parallel,
+                                 self.parts.tied)
         return clip_(self.mesh, self._clip, max_norm)
 
     def pipeline_loss(self, local: torch.Tensor) -> float:

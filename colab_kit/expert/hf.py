@@ -126,7 +126,7 @@ class HFExpertParallel(nn.Module):
         """The last forward's rows: ``send`` / ``recv`` per ep rank, and ``local`` rows per local expert."""
         self.traffic: dict = {}
         """The last forward's dispatch bytes: ``sent`` to / ``received`` from each ep rank; added to the records
-        of MoE layer ``layer`` where its router wrote them (``colab_kit.models.hf_moe``, ``engine.moe_records``)."""
+        of MoE layer ``layer`` where its router wrote them (``colab_kit.models.hf_moe``, ``expert.records``)."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,7 @@ class Exchanged(NamedTuple):
     """Rows: ``send`` to / ``recv`` from each ep rank, ``local`` per local expert."""
     traffic: dict
     """Bytes of the dispatch: ``sent`` to / ``received`` from each ep rank (a layer's ``sent`` / ``received``
-    records, ``colab_kit.engine.moe_records``)."""
+    records, ``colab_kit.expert.records``)."""
 
 
 def dispatch_combine(rows: torch.Tensor, counts: torch.Tensor,
@@ -146,7 +146,7 @@ class ExpertParallel(nn.Module):
         """The last forward's rows: ``send`` / ``recv`` per ep rank, and ``local`` rows per local expert."""
         self.traffic: dict = {}
         """The last forward's dispatch bytes: ``sent`` to / ``received`` from each ep rank (the MoE layer's
-        records read it: ``colab_kit.engine.moe_records``)."""
+        records read it: ``colab_kit.expert.records``)."""
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, how: str | None = None) -> torch.Tensor:
         def compute(got: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ autograd graph is not walked and the model's code is not machinery. What neither
 
 Worked example, one rank of dp=2 ZeRO-2 on a model of Psi parameters (fp32, AdamW)::
 
-    with StatePeak(engine.module, engine.optimizer, engine.grads) as meter:
+    with StatePeak(engine.module, engine.optimizer, engine.data_parallel) as meter:
         engine.train_step(batch)
     meter.peak        # e.g. 4 Psi (params) + 4 Psi / 2 (pieces) + two buckets + 8 Psi / 2 (AdamW)
     meter.at_peak     # {"params": ..., "grads": ..., "optimizer": ..., "other": ...} at that moment

@@ -264,7 +264,7 @@ def memory_timeline(engine, batch, *, local: bool | None = None, method: str = "
     if (snapshot is not None or max_entries is not None) and not (cuda and method != "dispatch"):
         raise ValueError("snapshot= and max_entries= are about CUDA's allocator log: they need a CUDA engine and "
                          "method 'history' or 'auto'")
-    roots = (engine.module, engine.optimizer, engine.grads)
+    roots = (engine.module, engine.optimizer, engine.data_parallel)
     if cuda and method != "dispatch":
         rec = record_history(lambda: engine.train_step(batch, local=local), roots, engine.mesh.device,
                              max_entries or HISTORY_ENTRIES, engine.activation_meter)

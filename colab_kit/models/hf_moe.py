@@ -130,7 +130,7 @@ def _counted_forward(self, hidden_states):
 
 
 def _seen(router: RouterLoss, logits, probs, local, stats) -> dict:
-    """This layer's routing of the microbatch for the engine's records (``engine.moe_records``), as the built-in
+    """This layer's routing of the microbatch for the engine's records (``expert.records``), as the built-in
     MoE writes it: whole-batch ``counts``, this rank's ``mine``, and this rank's shares of the layer's Switch
     balance ``E sum_i f_i P_i`` (1.0 uniform; HF's own loss is the all-layer form above) and z-loss; detached
     tensors, read on the host once per step (``step_layers``, which also multiplies the shares by ``pieces``)."""

@@ -167,7 +167,7 @@ class MoE(nn.Module):
     @torch.no_grad()
     def _seen(self, logits, probs, counts, tokens, local, total, keep) -> dict:
         """This layer's routing of the microbatch, for the engine's records (``MoEStep.seen``): detached tensors,
-        read on the host once per step with every layer's (``engine.moe_records.step_layers``). ``local [k, E]``:
+        read on the host once per step with every layer's (``expert.records.step_layers``). ``local [k, E]``:
         this rank's assignments per slot and expert; ``tokens`` is a host int already (the capacity needs it)."""
         dropped: torch.Tensor | int = 0
         if keep is not None:  # the batch's drops: every assignment past an expert's capacity

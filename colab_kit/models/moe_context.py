@@ -67,7 +67,7 @@ class MoEStep:
     cache: dict[int, torch.Tensor] = field(default_factory=dict)
     """Per MoE layer number, the gathered counts of its first forward (reused when it is recomputed)."""
     seen: dict[int, dict] = field(default_factory=dict)
-    """Per MoE layer number, what its first forward routed (the engine's records, ``colab_kit.engine.moe_records``):
+    """Per MoE layer number, what its first forward routed (the engine's records, ``colab_kit.expert.records``):
     ``counts`` (the batch's assignments per expert), ``mine`` (this rank's), ``dropped`` (the batch's, by a
     capacity), ``balance`` and ``z`` (this rank's shares, before ``pieces`` and the coefficients), as detached
     tensors (``dropped`` 0 without a capacity): no host read in the forward, the step's end reads them all at

@@ -1,7 +1,7 @@
 """What the MoE records of an engine say over several steps: the load per expert and the cell's summary.
 
 Pure functions over ``engine.records`` (one rank's list of step dicts, each with ``"moe"``: one dict per MoE
-layer of the rank, ``colab_kit.engine.moe_records``); no processes, no plotly. ``loads_by_layer`` shapes the
+layer of the rank, ``colab_kit.expert.records``); no processes, no plotly. ``loads_by_layer`` shapes the
 records for the load heatmap (``colab_kit.viz.moe``), ``moe_summary`` for the line a ``%%colossal`` cell prints
 after it trained (``colab_kit.notebook.magics.training``). Worked example, two steps of one layer of 4 experts
 (top-2, 16 tokens: 32 assignments a step)::

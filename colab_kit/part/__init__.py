@@ -37,8 +37,7 @@ class Build:
     policy: Any
     loss: Callable
     token_loss: Any = None
-    bucket_bytes: int | None = None
-    device_budget: int | None = None
+    options: Any = None  # boost's keywords (engine.options.BoostOptions): bucket_bytes, device_budget, ...
     group_of_name: Callable[[str], int] | None = None
     twin: Any = None  # the dense model on meta (defer_init)
     conv1d: tuple = ()  # Hugging Face Conv1D modules made Linear (defer_init)
@@ -52,7 +51,7 @@ class Build:
     n_local: int = 0  # its trainable elements (materialize)
     table: Any = None  # the PlacementTable (placements)
     events: list = field(default_factory=list)
-    grads: Any = None  # the data-parallel object: gradient sync, what the optimizer steps (data_parallel)
+    data_parallel: Any = None  # the data-parallel object: gradient sync, what the optimizer steps (data_parallel)
     steps: list = field(default_factory=list)  # the names of the steps taken
 
 

@@ -118,7 +118,7 @@ class ComputeActions:
         if isinstance(store, _WholeBackward):
             torch.autograd.backward(store.y, store.grad)
         else:  # in place into .grad; the dp buckets are told each parameter's gradient is ready
-            store.run(ready=self.work.grads.ready)
+            store.run(ready=self.work.data_parallel.ready)
 
     def _input_leaves(self, s, x, y) -> list:
         """``input_pass_leaves(y)``, the graph walked once per stage and step (every microbatch of a

@@ -18,7 +18,7 @@ I     input gradient only, the zero-bubble split (``zero_bubble``, Qi et al. 202
       active: each linear computes ``dx = g W`` and keeps ``(x, g)``; LayerNorms, embeddings
       and the 2D/3D layers get their gradients now; the graph is freed, and until W the
       microbatch is held as the store's bytes (its linears' inputs and output gradients)
-W     ``store.run(ready=engine.grads.ready)``: ``dW = g^T x`` and ``db = sum g`` per linear,
+W     ``store.run(ready=engine.data_parallel.ready)``: ``dW = g^T x`` and ``db = sum g`` per linear,
       added in place into ``.grad`` (the dp buckets told each gradient is ready); I + W
       costs the FLOPs of one B. On the first stage nothing waits for I (it sends no input
       gradient), so the split buys nothing there: its I only keeps the received gradient
@@ -61,7 +61,7 @@ not on equal unit steps; ``replan()`` (on every rank, between steps) measures ea
 actions in the last step's timeline, all-reduces them and installs ``build_plan("zb-v", ...,
 costs=...)``: the same actions, in an order fitted to what they cost.
 
-Data parallelism: the dp gradient buckets (``data.ZeroStage0``) hold this rank's stage
+Data parallelism: the dp gradient buckets (``data.DataParallel``) hold this rank's stage
 parameters; they accumulate over the microbatches, and with one stage per rank the
 all-reduce starts during the last B (or W) of the plan, else after it (so does a bucket
 holding a parameter whose gradient comes in I, like a LayerNorm's). The sends and
@@ -259,7 +259,7 @@ class PipelineExecutor(ComputeActions, CommActions):
             self._wait(pending, a, "the peer to receive it")
         self._sends = []
         if not self.forward_only and self._sync_at is None:
-            self.work.grads.arm(sync=True)
+            self.work.data_parallel.arm(sync=True)
         return self.loss, self.peak_bytes
 
     @contextmanager
@@ -306,7 +306,7 @@ class PipelineExecutor(ComputeActions, CommActions):
             self._post_ahead(j)
         self._set("running")
         if j == self._sync_at:
-            self.work.grads.arm(sync=True)
+            self.work.data_parallel.arm(sync=True)
         start = time.perf_counter() - self.t0
         if a.is_comm:
             getattr(self, "_do_" + a.kind)(a, a.stage, a.microbatch)

@@ -10,8 +10,8 @@ For ``ParallelConfig(pp=2, microbatches=2)`` on pipeline rank 1 (the last stage)
     with work.dropout_at(m), work.meter.measure(key):   # F of microbatch m: its dropout coordinates,
         loss = work.loss_fn(stage(x), work.targets[m]) / 2   # the activations it keeps counted
     backward from work.backward_loss(loss)              # times the fp16 scale, over the ranks sharing it
-    work.grads.arm(sync=True)                           # before the last B: the dp buckets reduce as they fill
-    work.grads.ready(param)                             # W: a deferred weight gradient is complete
+    work.data_parallel.arm(sync=True)                           # before the last B: the dp buckets reduce as they fill
+    work.data_parallel.ready(param)                             # W: a deferred weight gradient is complete
 
 A model whose stages must tell each other something small about a microbatch besides the activation and its
 gradient sets ``work.side`` (a ``Sideband``): every activation and every input gradient that crosses to
@@ -75,7 +75,7 @@ class MicrobatchWork:
     meter: ActivationCounter
     dropout_at: Callable[[int], AbstractContextManager]
     """The context a microbatch's forward (and a recomputed forward in backward) runs in."""
-    grads: GradientSync
+    data_parallel: GradientSync
     t0: float
     """When the step began (``time.perf_counter``): the timeline's zero."""
     side: Sideband | None = None

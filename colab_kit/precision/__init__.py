@@ -52,7 +52,7 @@ and SGD+momentum; max over ranks and steps; ``pytest tests/ranks/test_precision.
 The losses alone do not tell the recipe from fp32 training (the one-process bf16 recipe is
 1.6e-4 from fp32's, inside the bf16 tolerance): the tests check the 16-bit dtypes besides.
 
-API (shared by ``ZeroStage0``, ``ZeroStage1``, the one-process reference and ZeRO-3)::
+API (shared by ``DataParallel``, ``ZeroStage1``, the one-process reference and ZeRO-3)::
 
     compute_dtype(precision) -> torch.dtype            # "fp32" / "bf16" / "fp16"
     to_compute_dtype(module, precision) -> module       # floating params and buffers, in place
@@ -63,7 +63,7 @@ API (shared by ``ZeroStage0``, ``ZeroStage1``, the one-process reference and ZeR
         .scale  .scale_loss(loss)  .unscale_and_check(grads, mesh=None) -> bool  .update(overflow) -> str
     master_step(optimizer, masters, scaler=None, mesh=None) -> {"skipped", "loss_scale", "note"}
 
-A grads object of the engine (``ZeroStage0``, ``ZeroStage1``, ZeRO-3's) that runs the recipe
+A data-parallel part of the engine (``DataParallel``, ``ZeroStage1``, ZeRO-3's) that runs the recipe
 has ``masters`` (a ``MasterWeights``, None in fp32), builds the optimizer over
 ``masters.params``, and leaves the masters' fp32 gradients set after ``finish()`` (with a tensor
 plan, ``sync_replicated()`` then sums them over the replicated axes, in fp32); the engine

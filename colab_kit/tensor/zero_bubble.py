@@ -15,8 +15,8 @@ autograd function that makes the cut: its backward always computes ``dx``; then
   gradient and pushes ``(weight, bias, x, g)`` on the store instead; ``store.run()`` (W)
   later does the matmul (and the sum) per layer and accumulates them into ``.grad`` through
   autograd, so the parameters' post-accumulate-grad hooks fire then, once (the dp buckets
-  of ``zero.ZeroStage0`` count on them). The pipeline executor runs
-  ``store.run(ready=engine.grads.ready)`` instead: each matmul adds in place into ``.grad``
+  of ``zero.DataParallel`` count on them). The pipeline executor runs
+  ``store.run(ready=engine.data_parallel.ready)`` instead: each matmul adds in place into ``.grad``
   (``addmm``, as B's own accumulation would) and the buckets are told directly, once per
   parameter; that skips a temporary per weight and an autograd call per W, which on CPU ranks
   made I + W take 1.3x B's time for the same FLOPs.
@@ -124,7 +124,7 @@ class WeightGradStore:
 
         ``ready=None``: the sums reach ``.grad`` through autograd (each parameter a root of one
         backward), so the parameters' post-accumulate-grad hooks fire, once each. With ``ready``
-        (a callable, e.g. ``data.ZeroStage0.ready``, what the pipeline executor passes) each matmul
+        (a callable, e.g. ``data.DataParallel.ready``, what the pipeline executor passes) each matmul
         adds straight into the existing ``.grad`` (``addmm_``: no temporary, no autograd call, so W
         costs what the same matmuls cost inside B) and ``ready(param)`` is called once per parameter,
         right after its last addition, in place of the hooks (a bucket's all-reduce can start while

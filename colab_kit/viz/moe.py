@@ -10,7 +10,7 @@ band of rows per layer). ``loads`` is ``colab_kit.observe.moe.loads_by_layer(eng
     # z [[1.75, 1.25], [0.75, 1.0], [0.75, 0.875], [0.75, 0.875]], customdata the counts
 
 ``moe_traffic_figure(matrix)``: rank x rank bytes of one step's dispatch, ``matrix[i][j]`` = bytes rank ``i``
-sent to rank ``j`` (``colab_kit.engine.moe_records.traffic``); the diagonal is what stayed on the rank::
+sent to rank ``j`` (``colab_kit.expert.records.traffic``); the diagonal is what stayed on the rank::
 
     fig = moe_traffic_figure([[2816, 1792], [1920, 1664]], step=3)
     # Heatmap, y "from rank 0", "from rank 1"; x "to rank 0", "to rank 1"; text "2.8 KiB", ...
@@ -97,7 +97,7 @@ def moe_traffic_figure(matrix, *, step: int | None = None, layer: int | None = N
     n = len(matrix)
     if n == 0 or any(len(row) != n for row in matrix):
         raise ConfigError(f"the traffic matrix must be square, world x world (got {n} rows of lengths "
-                          f"{sorted({len(r) for r in matrix})}): pass moe_records.traffic(records_by_rank, layout)")
+                          f"{sorted({len(r) for r in matrix})}): pass expert.records.traffic(records_by_rank, layout)")
     if not any(any(row) for row in matrix):
         raise ConfigError("the traffic matrix holds no byte: dispatch bytes are recorded with expert parallelism "
                           "(ParallelConfig(ep=2) or more) only")

@@ -2,7 +2,7 @@
 memory. One class per stage, named for the ``config.zero`` it runs, all with one declared interface
 (``GradientPart``, which the engine and the pipeline executor drive):
 
-- ``stage0``: ``ZeroStage0``, plain data parallelism (DeepSpeed's stage 0): whole gradients all-reduced
+- ``stage0``: ``DataParallel``, plain data parallelism (DeepSpeed's stage 0): whole gradients all-reduced
   in buckets (the batch split over dp is ``datasets.loader.split_batch``, the rows ``ShardedLoader`` gives).
 - ``stage1``: ``ZeroStage1``: optimizer states sharded; gradients reduce-scattered into the shard.
 - ``stage2``: ``ZeroStage2`` (a ``ZeroStage1``): gradients sharded too, each bucket alive only from its
@@ -15,15 +15,15 @@ memory. One class per stage, named for the ``config.zero`` it runs, all with one
 
     >>> from colab_kit.zero import STAGES
     >>> [STAGES[z].__name__ for z in range(4)]
-    ['ZeroStage0', 'ZeroStage1', 'ZeroStage2', 'ZeroStage3']
+    ['DataParallel', 'ZeroStage1', 'ZeroStage2', 'ZeroStage3']
 """
-from .stage0 import GradientPart, ZeroStage0
+from .stage0 import DataParallel, GradientPart
 from .stage1 import ELEMENTWISE, ZeroStage1, check_optimizer
 from .stage2 import ZeroStage2
 from .stage3 import ZeroStage3
 
-STAGES = {0: ZeroStage0, 1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
+STAGES = {0: DataParallel, 1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
 """The gradient part of each ``config.zero``."""
 
-__all__ = ["GradientPart", "ZeroStage0", "ZeroStage1", "ZeroStage2", "ZeroStage3", "STAGES", "check_optimizer",
+__all__ = ["GradientPart", "DataParallel", "ZeroStage1", "ZeroStage2", "ZeroStage3", "STAGES", "check_optimizer",
            "ELEMENTWISE"]

@@ -9,7 +9,7 @@ from ..config import Axis, ParallelConfig
 from ..mesh import ProcessMesh
 from ..placement import PlacementTable
 from .optimizer import local_names
-from .stage0 import GradientPart, ZeroStage0
+from .stage0 import GradientPart, DataParallel
 from .stage1 import ZeroStage1
 from .stage2 import ZeroStage2
 from .stage3 import ZeroStage3
@@ -51,4 +51,4 @@ def _part(params, mesh, axis, config, bucket_bytes, events, table, group_of):
         part = ZeroStage2 if config.zero == 2 else ZeroStage1
         return part(params, mesh, axis, bucket_bytes, events, config.zero, offload=config.offload,
                     placements=table, group_of=group_of)
-    return ZeroStage0(params, mesh, axis, bucket_bytes, events, placements=table)
+    return DataParallel(params, mesh, axis, bucket_bytes, events, placements=table)

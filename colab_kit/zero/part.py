@@ -20,20 +20,20 @@ RULES = (zero3_pipeline,)
 
 
 def apply(b: Build) -> None:  # dp or ZeRO 1-3: gradient sync and what the optimizer steps
-    b.grads = apply_data_parallel(b.module, b.mesh, b.config, b.policy, b.table, b.events,
-                                  bucket_bytes=b.bucket_bytes, device_budget=b.device_budget,
+    b.data_parallel = apply_data_parallel(b.module, b.mesh, b.config, b.policy, b.table, b.events,
+                                  bucket_bytes=b.options.bucket_bytes, device_budget=b.options.device_budget,
                                   group_of_name=b.group_of_name)
 
 
 def gather_params(step, done) -> None:  # ZeRO: the updated pieces all-gathered back into the parameters
     if step.config.zero and not done["skipped"]:
         with step.timed("all_gather params", "comm"):
-            step.grads.gather_params()
+            step.data_parallel.gather_params()
 
 
 def place_chunks(step, done) -> None:  # offload='auto': the first step measured, the chunks are placed now
-    if step.grads.placement is not None:
-        step.grads.placement.after_step(next_activations=step.activation_reserve())
+    if step.data_parallel.placement is not None:
+        step.data_parallel.placement.after_step(next_activations=step.activation_reserve())
 
 
 PART = Part("data_parallel", rules=RULES, apply=apply,

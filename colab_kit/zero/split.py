@@ -1,7 +1,7 @@
 """Two gradient parts under one interface: the dense parameters over dp, the experts over edp (``ep > 1``).
 
 With expert parallelism the ranks of a dp group hold different experts, so one flat buffer reduced over dp
-cannot carry both. ``ExpertSplit`` keeps two parts of the same ZeRO stage (``ZeroStage0``, 1 or 2): one
+cannot carry both. ``ExpertSplit`` keeps two parts of the same ZeRO stage (``DataParallel``, 1 or 2): one
 over ``dp`` for every parameter replicated there, one over ``edp`` for the expert tensors (``Shard(0)`` on
 ``ep`` in the placement table). Both divide by dp: an expert's gradient on a rank already holds the tokens
 of every rank of its ep group (the all-to-all's backward brought them), and the sum over edp adds the other

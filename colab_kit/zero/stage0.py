@@ -49,7 +49,7 @@ from ..tensor import sync_grads
 if TYPE_CHECKING:
     from .offload import ChunkPlacement
 
-__all__ = ["ZeroStage0", "GradientPart", "default_bucket_bytes", "fill_buckets"]
+__all__ = ["DataParallel", "GradientPart", "default_bucket_bytes", "fill_buckets"]
 
 
 def default_bucket_bytes(total: int, shared_cores: bool = False) -> int:
@@ -69,7 +69,7 @@ def default_bucket_bytes(total: int, shared_cores: bool = False) -> int:
 def fill_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
     """The buckets, as indices into ``nbytes`` (each parameter's bytes, in the model's order): filled in
     reverse order (the order backward produces gradients), a bucket closed once it holds ``bucket_bytes``
-    or more, so it runs over by up to a parameter; the rest is the last bucket. ``ZeroStage0`` buckets its
+    or more, so it runs over by up to a parameter; the rest is the last bucket. ``DataParallel`` buckets its
     gradients so, and ``ck.plan`` counts the all-reduces with it::
 
         >>> fill_buckets([4, 4, 8, 2], 6)
@@ -114,7 +114,7 @@ def _deliver(buckets_ref, bucket, param) -> None:
         buckets._on_grad(bucket, param)
 
 
-class ZeroStage0:
+class DataParallel:
     """Flat gradient buckets over ``axis`` with all-reduce overlapped with backward.
 
     ``arm(sync)`` before each backward: with ``sync=False`` (an earlier microbatch
@@ -297,17 +297,17 @@ class ZeroStage0:
 
 
 class GradientPart(Protocol):
-    """What the engine asks of ``engine.grads``: ``ZeroStage0`` (plain dp), and ZeRO's ``ZeroStage1``
+    """What the engine asks of ``engine.data_parallel``: ``DataParallel`` (plain dp), and ZeRO's ``ZeroStage1``
     (stage 1), ``ZeroStage2`` and ``ZeroStage3`` (stage 3), which provide all of it. One training step on a
     rank, whatever the stage::
 
-        grads.arm(sync=False, t0=t0)   # microbatches before the last: accumulate, reduce nothing
-        grads.arm(sync=True, t0=t0)    # the last backward: reduce (all-reduce, or reduce-scatter) as it goes
-        grads.finish()                 # wait for the reductions; the masters' fp32 gradients are set
-        grads.sync_replicated()        # tensor-parallel sums over replicated axes (mixed precision)
-        optimizer.step()               # built by grads.build_optimizer over what this rank steps
-        grads.gather_params()          # ZeRO: the updated pieces back into whole parameters
-        grads.zero()
+        dp.arm(sync=False, t0=t0)   # microbatches before the last: accumulate, reduce nothing
+        dp.arm(sync=True, t0=t0)    # the last backward: reduce (all-reduce, or reduce-scatter) as it goes
+        dp.finish()                 # wait for the reductions; the masters' fp32 gradients are set
+        dp.sync_replicated()        # tensor-parallel sums over replicated axes (mixed precision)
+        optimizer.step()            # built by dp.build_optimizer over what this rank steps
+        dp.gather_params()          # ZeRO: the updated pieces back into whole parameters
+        dp.zero()
     """
     t0: float                # when the current step began (perf_counter)
 

@@ -8,7 +8,7 @@ and the updated pieces are gathered back into every rank's full parameters.
 - stage 1 (P_os): optimizer states sharded; gradients are held whole.
 - stage 2 (P_os+g): gradients sharded too: after the reduction only this rank's piece is kept.
 
-Layout. Gradients fill buckets during backward exactly as in ``ZeroStage0`` (reverse
+Layout. Gradients fill buckets during backward exactly as in ``DataParallel`` (reverse
 parameter order, about two buckets; one where a host's CPU ranks share its cores). Each bucket is padded to a multiple
 of dp and is cut into dp equal pieces; rank r owns piece r of every bucket. Parameters are moved into one
 flat buffer with the same layout as the gradients (each ``param.data`` a view into it), so
@@ -67,7 +67,7 @@ sums over a replicated axis (``Partial()`` in the placement table) is summed on 
 dp reduction: sums over different groups commute, and every rank of one tp group holds the
 same layout and the same dp coordinate, hence the same pieces (checked once at start). With
 pipeline parallelism each pp rank shards its own stages' parameters over its dp group; the
-executor drives ``arm``/``finish`` as for ``ZeroStage0``.
+executor drives ``arm``/``finish`` as for ``DataParallel``.
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..config import Axis, ConfigError
-from .stage0 import ZeroStage0
+from .stage0 import DataParallel
 from ..measure import optimizer_bytes, tensor_bytes
 from .optimizer import ELEMENTWISE, check_elementwise
 from ..precision import MasterWeights
@@ -124,10 +124,10 @@ def _padded(numel: int, n: int) -> int:
     return -(-numel // n) * n
 
 
-class ZeroStage1(ZeroStage0):
-    """``ZeroStage0`` for ZeRO stage 1 or 2: reduce-scatter instead of all-reduce, pieces for the optimizer.
+class ZeroStage1(DataParallel):
+    """``DataParallel`` for ZeRO stage 1 or 2: reduce-scatter instead of all-reduce, pieces for the optimizer.
 
-    The same interface as ``ZeroStage0`` (``arm``, ``finish``, ``zero``, ``remove``, ``nbytes``),
+    The same interface as ``DataParallel`` (``arm``, ``finish``, ``zero``, ``remove``, ``nbytes``),
     so the engine and the pipeline executor drive it alike, plus ``shards`` (this rank's flat
     tensors, for the optimizer), ``build_optimizer``, ``sync_replicated`` (tensor-parallel sums
     on the pieces) and ``gather_params`` (after the step).
@@ -261,7 +261,7 @@ class ZeroStage1(ZeroStage0):
 
     def optimizer_layout(self) -> list[tuple[torch.Tensor, list[tuple]]]:
         """``(tensor, runs)`` per tensor the optimizer steps (this rank's piece of each bucket, or its
-        fp32 master): the parameters' elements inside the piece (``ZeroStage0.optimizer_layout``);
+        fp32 master): the parameters' elements inside the piece (``DataParallel.optimizer_layout``);
         a piece's padding is in no run."""
         steps = self.masters.params if self.masters is not None else self.shards
         out = []

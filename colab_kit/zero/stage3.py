@@ -349,7 +349,7 @@ class ZeroStage3:
     def gathered(self):
         """Every parameter whole inside the block (to read or save the model), freed after::
 
-            with engine.grads.gathered():
+            with engine.data_parallel.gathered():
                 state = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         """
         for c in self.chunks:
@@ -383,7 +383,7 @@ class ZeroStage3:
 
     def optimizer_layout(self) -> list[tuple[torch.Tensor, list[tuple]]]:
         """``(tensor, runs)`` per tensor the optimizer steps (this rank's piece of each chunk, or its
-        fp32 master), as ``ZeroStage0.optimizer_layout``; a piece's padding is in no run."""
+        fp32 master), as ``DataParallel.optimizer_layout``; a piece's padding is in no run."""
         steps = self.masters.params if self.masters is not None else self.shards
         out: list[tuple[torch.Tensor, list[tuple]]] = []
         for t, c in zip(steps, self.chunks):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import colab_kit as ck
-from colab_kit.engine.moe_records import traffic
+from colab_kit.expert.records import traffic
 from colab_kit.notebook.magics.training import format_moe
 from colab_kit.notebook.widgets import MoEView
 from colab_kit.notebook.widgets.moe_view import _rank_moe

@@ -40,7 +40,7 @@ def profile_configs():
         before = engine.memory()
         tl = ck.memory_timeline(engine, data.batch(2, 8))
         after = engine.memory()
-        with StatePeak(engine.module, engine.optimizer, engine.grads) as states:
+        with StatePeak(engine.module, engine.optimizer, engine.data_parallel) as states:
             engine.train_step(data.batch(3, 8))
         out[name].update(timeline=tl, before=before, after=after, states_peak=states.peak,
                          roofs={k: ck.roofline(engine, c, peak=1e11) for k, c in ROOF_CONSTANTS.items()},

@@ -142,7 +142,7 @@ def gpt_reference(opt: str):
 
 def named_params(engine, kw) -> dict:
     """The trained parameters by their dense names (gathered over tp; this rank's stages with pp)."""
-    with engine.grads.gathered():  # ZeRO-3: the chunks whole while they are read
+    with engine.data_parallel.gathered():  # ZeRO-3: the chunks whole while they are read
         return _dense_named(engine, kw)
 
 

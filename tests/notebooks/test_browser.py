@@ -125,7 +125,7 @@ SHOWS = {  # notebook -> [(marker in a cell's source, "widget" | "plot" it must 
         ("viz.expert_load_figure", "plot"),
         ("picker = ck.widgets.ConfigPicker()", "widget"),
         ("picker = ck.widgets.ConfigPicker()", "plot"),
-        ("from colab_kit.engine.moe_records import traffic", "plot"),
+        ("from colab_kit.expert.records import traffic", "plot"),
         ("bytes across tp pairs", "plot"),
         ("viz.expert_mesh_figure", "plot"),
     ],

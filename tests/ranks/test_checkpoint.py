@@ -167,13 +167,13 @@ def _load_memory(root: str) -> dict:
     engine = ck.boost(GPT(BIG, device="meta"), OPTIMIZERS["adamw"], ck.ParallelConfig(dp=4, zero=3))
     engine.train_step(data.batch(0, BATCH))  # the optimizer states exist: the load makes nothing it keeps
     with LiveBytes() as live, torch.no_grad():
-        for t, _ in engine.grads.optimizer_layout():
+        for t, _ in engine.data_parallel.optimizer_layout():
             for v in (t, *engine.optimizer.state[t].values()):
                 if torch.is_tensor(v) and v.dim():
                     v.add_(0)
         start = live.live
         engine.load(path)
-    held = sum(t.numel() for t, _ in engine.grads.optimizer_layout())
+    held = sum(t.numel() for t, _ in engine.data_parallel.optimizer_layout())
     engine.close()
     return dict(own=live.peak - start, held=held)
 

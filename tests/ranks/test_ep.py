@@ -141,13 +141,13 @@ def _auto() -> dict:
         cfg, d = ck.ParallelConfig(dp=2, ep=2, zero=3, offload="auto", recompute=recompute), data()
         probe = ck.boost(build("softmax"), OPTIMIZERS["sgd"], cfg, device_budget=1 << 40)
         probe.train_step(d.batch(0, BATCH))
-        place = probe.grads.placement
+        place = probe.data_parallel.placement
         measured, states = place.account.peak, sum(place.state_bytes(i) for i in range(len(place.chunks)))
         probe.close()
         budget = measured + int(share * states)
         engine = ck.boost(build("softmax"), OPTIMIZERS["sgd"], cfg, device_budget=budget)
         losses = [engine.train_step(d.batch(s, BATCH)) for s in range(STEPS)]
-        place = engine.grads.placement
+        place = engine.data_parallel.placement
         out[name] = dict(losses=losses, budget=budget, peak=place.account.peak, where=list(place.where),
                          names=[c.name for c in place.chunks])
         engine.close()
@@ -345,7 +345,7 @@ def test_zero3_auto_places_expert_chunks_under_the_budget(runs):
 def _one_process_records(model: str, opt: str, microbatches: int, dp: int) -> list[dict]:
     """Per step, per MoE layer number, what one process routed (counts, drops, the losses), recorded by the
     same model code under a one-process ``MoEStep`` (its auxiliary losses enter backward as the engine's do)."""
-    from colab_kit.engine import moe_records
+    from colab_kit.expert import records as moe_records
     from colab_kit.engine.loss import lm_loss
     from colab_kit.models import update_router_bias
     from colab_kit.models.moe_context import MoEStep, at
@@ -389,7 +389,7 @@ def test_records_hold_one_process_routing(runs, name):
 def test_traffic_matrix_is_what_the_dispatch_sent(runs):
     """``moe_records.traffic``: rank i's row holds the bytes it sent each rank of its ep group, nothing outside
     it; over every layer a row adds up to the rank's N k d x 4 bytes per layer (dropless)."""
-    from colab_kit.engine.moe_records import traffic
+    from colab_kit.expert.records import traffic
     _, model, _, kw, _ = CONFIGS[BYTES]
     cfg = MODELS[model]
     lay = ck.MeshLayout(ck.ParallelConfig(**kw))

@@ -1,4 +1,4 @@
-"""The planner's count of a step's dp collectives is what the engine sends: its buckets (``ZeroStage0``
+"""The planner's count of a step's dp collectives is what the engine sends: its buckets (``DataParallel``
 fills about two, one where the ranks share the cores, ZeRO 2 about 2 dp), one all-reduce each, ZeRO 1/2's reduce-scatters (stage 2 without a
 pipeline every microbatch) and gathers, ZeRO 3's gathers and reduce-scatters. Cost is tested like
 correctness: a wrong bucket size or a missing microbatch changes the count."""
@@ -29,7 +29,7 @@ def _engine_counts(model_kwargs, configs):
         engine.train_step(data.batch(0, 16))
         engine.train_step(data.batch(1, 16))
         dp = [r for r in engine.comm(last_step=True) if r["axis"] == "dp" and r["tag"] != "loss"]
-        buckets = len(getattr(engine.grads, "buckets", [])) if c.get("zero", 0) < 3 else None
+        buckets = len(getattr(engine.data_parallel, "buckets", [])) if c.get("zero", 0) < 3 else None
         out.append((len(dp), buckets))
         engine.close()
     return out

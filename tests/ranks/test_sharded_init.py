@@ -32,17 +32,17 @@ def mark_before_grad_buckets(tracker: LiveBytes):
     parameters are made: keep the tracker's peak at that moment as 'params made'."""
     import colab_kit.zero.apply as engine_module
 
-    real = engine_module.ZeroStage0
+    real = engine_module.DataParallel
 
     def marked(*args, **kwargs):
         tracker.mark("params made")
         return real(*args, **kwargs)
 
-    engine_module.ZeroStage0 = marked
+    engine_module.DataParallel = marked
     try:
         yield
     finally:
-        engine_module.ZeroStage0 = real
+        engine_module.DataParallel = real
 
 
 # --------------------------------------------------------------------------- one process

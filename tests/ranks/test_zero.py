@@ -41,7 +41,7 @@ def _train(cfgs, extras: bool = False):
         for opt in OPTIMIZERS:
             engine = ck.boost(GPT(GPT_CFG), OPTIMIZERS[opt], ck.ParallelConfig(**kw))
             losses = [engine.train_step(data.batch(s, BATCH)) for s in range(STEPS)]
-            z, records = engine.grads, engine.comm(last_step=True)  # before the checks' own collectives
+            z, records = engine.data_parallel, engine.comm(last_step=True)  # before the checks' own collectives
             out[tuple(sorted(kw.items())), opt] = dict(
                 losses=losses, params=_named(engine, kw), memory=engine.memory(),
                 comm=records, kinds={e["kind"] for e in engine.timeline()},
@@ -65,7 +65,7 @@ def _unused(data):
                               bucket_bytes=bucket_bytes)
             losses = [engine.train_step(data.batch(s, BATCH)) for s in range(STEPS)]
             params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-            out[zero, opt] = dict(losses=losses, params=params, buckets=len(engine.grads.buckets),
+            out[zero, opt] = dict(losses=losses, params=params, buckets=len(engine.data_parallel.buckets),
                                   grad_records=sum(r["tag"].startswith("grad") for r in engine.comm(last_step=True)))
             engine.close()
     return out
@@ -89,11 +89,11 @@ def _peak(data):
         engine = ck.boost(GPT(GPT_CFG), OPTIMIZERS["adamw"], ck.ParallelConfig(dp=2, zero=2, microbatches=m),
                           bucket_bytes=grads_total // 8)
         losses = [engine.train_step(data.batch(0, BATCH))]
-        roots = (engine.module, engine.optimizer, engine.grads)
+        roots = (engine.module, engine.optimizer, engine.data_parallel)
         before = state_bytes(*roots)
         with StatePeak(*roots) as meter:
             losses.append(engine.train_step(data.batch(1, BATCH)))
-        z = engine.grads
+        z = engine.data_parallel
         out[m] = dict(losses=losses, peak=meter.peak, at_peak=meter.at_peak, before=before, after=state_bytes(*roots),
                       memory=engine.memory(), own=getattr(z, "peak_nbytes", None),  # None before stage 2 counted it
                       pieces=4 * sum(s.numel() for s in z.shards), buckets=[4 * s for s in z.sizes],

@@ -38,7 +38,7 @@ def _train(cfgs, extras: bool = False):
     for kw in cfgs:
         for opt in OPTIMIZERS:
             engine = ck.boost(GPT(GPT_CFG), OPTIMIZERS[opt], ck.ParallelConfig(**kw))
-            z = engine.grads
+            z = engine.data_parallel
             losses, peaks = [], []
             for s in range(STEPS):
                 losses.append(engine.train_step(data.batch(s, BATCH)))
@@ -63,7 +63,7 @@ def _state_peaks(data):
     for zero, precision in ((3, "fp32"), (3, "bf16"), (2, "bf16")):
         engine = ck.boost(GPT(cfg), OPTIMIZERS["adamw"], ck.ParallelConfig(dp=2, zero=zero, precision=precision))
         engine.train_step(data.batch(0, BATCH))
-        z, roots, at_step = engine.grads, (engine.module, engine.optimizer, engine.grads), []
+        z, roots, at_step = engine.data_parallel, (engine.module, engine.optimizer, engine.data_parallel), []
         step = engine.optimizer.step
 
         def stepping(*args, **kwargs):
@@ -93,7 +93,7 @@ def _unused(data):
     for opt in OPTIMIZERS:
         engine = ck.boost(_with_unused(), OPTIMIZERS[opt], ck.ParallelConfig(dp=2, zero=3, microbatches=2))
         losses = [engine.train_step(data.batch(s, BATCH)) for s in range(STEPS)]
-        with engine.grads.gathered():
+        with engine.data_parallel.gathered():
             params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         out[opt] = dict(losses=losses, params=params)
         engine.close()
@@ -223,7 +223,7 @@ def _offload(_):
     budget = int(0.95 * states)
     engine = ck.boost(GPT(cfg), _adamw, config, device_budget=budget)
     losses = [engine.train_step(data.batch(s, 4)) for s in range(STEPS)]
-    place = engine.grads.placement
+    place = engine.data_parallel.placement
     out["auto"] = dict(losses=losses, budget=budget, states=states, peak=place.account.peak, where=list(place.where),
                        memory=engine.memory(), log=place.log)
     engine.close()
@@ -239,7 +239,7 @@ def _offload(_):
         t0 = time.perf_counter()
         losses.append(engine.train_step(data.batch(s, 4)))
         times.append(time.perf_counter() - t0)
-    z, place = engine.grads, engine.grads.placement
+    z, place = engine.data_parallel, engine.data_parallel.placement
     gathers = {"embed": 2, "block": 2, "tail": 1}  # per step: forward and backward, the tail kept between
     host = [i for i, w in enumerate(place.where) if w == "host"]
     out["large"] = dict(losses=losses, budget=states // 4, states=states, peak=place.account.peak, times=times,

@@ -89,7 +89,7 @@ def _memory(_):
     for kw in (dict(dp=4, zero=3), dict(dp=2, tp=2, zero=3)):
         cfg = ck.ParallelConfig(**kw)
         engine, grew = _growth(lambda: ck.boost(GPT(BIG, device="meta"), OPTIMIZERS["adamw"], cfg))
-        z, mem = engine.grads, engine.memory()
+        z, mem = engine.data_parallel, engine.memory()
         sizes = [p.numel() * 4 for p in GPT(BIG, device="meta").parameters()]
         got = dict(grew=grew, params=mem["params"], grads=mem["grads"], chunk=max(c.nbytes for c in z.chunks),
                    largest=max(sizes), whole=sum(sizes),
@@ -107,7 +107,7 @@ def _memory(_):
     cfg = ck.ParallelConfig(dp=4, zero=3)
     engine = ck.boost(GPT(VOCAB, device="meta"), OPTIMIZERS["adamw"], cfg)
     engine.train_step(SyntheticTokens(VOCAB.vocab_size, VOCAB.seq_len, seed=1).batch(0, 4))
-    z = engine.grads
+    z = engine.data_parallel
     out["vocab"] = dict(peak=z.peak_gathered, estimate=gathered_bytes(VOCAB, cfg), chunks=[c.nbytes for c in z.chunks],
                         records=[(r["op"], r["bytes"], r["tag"]) for r in engine.comm(last_step=True)
                                  if r["op"] == "all_gather"])

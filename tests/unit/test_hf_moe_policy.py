@@ -66,7 +66,7 @@ def test_inside_the_engine_hf_computes_no_loss_of_its_own(monkeypatch):
 def test_a_counted_router_keeps_its_records_on_the_device():
     """Under the engine's ``MoEStep`` a counted router writes its layer's routing as tensors (no host read in the
     forward); ``step_layers`` reads them at the step's end into the ints and floats of the per-value reads."""
-    from colab_kit.engine import moe_records
+    from colab_kit.expert import records as moe_records
     from colab_kit.models.moe_context import MoEStep, at
     from tests.helpers.moe import old_records
 

@@ -115,7 +115,7 @@ def test_the_records_stay_on_the_device_until_the_steps_end(kw):
     """Under the engine's ``MoEStep`` a layer keeps what it routed as tensors (no host read per layer and
     microbatch); ``step_layers`` reads them once and gives the numbers, ints and floats, the per-value reads
     gave: counts and mine the router's own choices, drops and losses of the layer."""
-    from colab_kit.engine import moe_records
+    from colab_kit.expert import records as moe_records
     from colab_kit.models.moe_context import MoEStep, at
     from tests.helpers.moe import old_records
 

@@ -69,22 +69,22 @@ def _assigned_on_self(path: Path) -> set[str]:
 
 
 def test_every_gradient_part_provides_the_declared_interface_and_nothing_probes_for_it():
-    """``engine.grads`` is plain dp's ``ZeroStage0`` or ZeRO stage 1, 2 or 3's part; each provides every name of
-    ``colab_kit.zero.stage0.GradientPart`` (so the engine calls them plainly), and no module probes ``grads`` with
+    """``engine.data_parallel`` is plain dp's ``DataParallel`` or ZeRO stage 1, 2 or 3's part; each provides every
+    name of ``colab_kit.zero.stage0.GradientPart`` (so the engine calls them plainly), and no module probes it with
     ``getattr`` / ``hasattr`` any more."""
     import re
 
-    from colab_kit.zero import GradientPart, ZeroStage0, ZeroStage1, ZeroStage2, ZeroStage3
+    from colab_kit.zero import DataParallel, GradientPart, ZeroStage1, ZeroStage2, ZeroStage3
 
     names = set(GradientPart.__annotations__) | {n for n in vars(GradientPart) if not n.startswith("_")}
     assert {"arm", "finish", "masters", "host_bytes", "gathered", "placement"} <= names
     zero3 = _assigned_on_self(PIPELINE.parent / "zero" / "stage3.py")
-    for part in (ZeroStage0, ZeroStage1, ZeroStage2, ZeroStage3):
+    for part in (DataParallel, ZeroStage1, ZeroStage2, ZeroStage3):
         instance = _assigned_on_self(Path(__import__(part.__module__, fromlist=["x"]).__file__)) | (
             _assigned_on_self(PIPELINE.parent / "zero" / "stage0.py") if part is not ZeroStage3 else zero3)
         missing = [n for n in names if not hasattr(part, n) and n not in instance]
         assert not missing, f"{part.__name__} lacks {missing} of GradientPart"
     probes = [f"{path.relative_to(PIPELINE.parent)}:{i}"
               for path in PIPELINE.parent.rglob("*.py") for i, line in enumerate(path.read_text().splitlines(), 1)
-              if re.search(r"(getattr|hasattr)\(\s*(self|engine|eng)\.grads\b", line)]
-    assert not probes, f"probes of engine.grads: {probes}"
+              if re.search(r"(getattr|hasattr)\(\s*(self|engine|eng|step|parts)\.(grads|data_parallel)\b", line)]
+    assert not probes, f"probes of engine.data_parallel: {probes}"

@@ -131,7 +131,7 @@ def test_graph_freed_after_i_and_store_keeps_only_linear_inputs_and_grads():
 def test_hooks_fire_on_w_and_gradients_accumulate_in_place():
     stage, x = _stage(1)
     params = list(stage.parameters())
-    flat = torch.zeros(sum(p.numel() for p in params))  # like data.ZeroStage0: .grad views a bucket
+    flat = torch.zeros(sum(p.numel() for p in params))  # like data.DataParallel: .grad views a bucket
     off = 0
     for p in params:
         p.grad = flat[off:off + p.numel()].view_as(p)
@@ -201,15 +201,15 @@ def test_w_with_ready_tells_a_shared_weight_once_after_its_last_part():
 
 
 def test_grad_buckets_ready_counts_like_the_hook():
-    """``ZeroStage0.ready(p)`` is what ``p``'s post-accumulate-grad hook does: a bucket launches its
+    """``DataParallel.ready(p)`` is what ``p``'s post-accumulate-grad hook does: a bucket launches its
     all-reduce when every parameter in it is ready, once per backward."""
     from types import SimpleNamespace
 
-    from colab_kit.zero.stage0 import ZeroStage0
+    from colab_kit.zero.stage0 import DataParallel
 
     params = [nn.Parameter(torch.randn(64, 64)) for _ in range(4)]
     mesh = SimpleNamespace(size=lambda axis: 1, device=torch.device("cpu"))
-    buckets = ZeroStage0(params, mesh, bucket_bytes=2 * 64 * 64 * 4)  # two buckets of two
+    buckets = DataParallel(params, mesh, bucket_bytes=2 * 64 * 64 * 4)  # two buckets of two
     launched = []
     buckets._launch = lambda b: launched.append(b.index)
     buckets.arm(sync=True)

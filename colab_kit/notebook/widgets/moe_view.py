@@ -6,10 +6,10 @@
     %colossal moe --layer 1            # the same view, watching (it replaces the one shown before)
 
 ``refresh()`` reads, in one ``cluster.run``, every rank's ``engine.config`` and the ``"moe"`` part of its
-``engine.records`` (``colab_kit.engine.moe_records``), then redraws two figures of ``colab_kit.viz.moe``:
+``engine.records`` (``colab_kit.expert.records``), then redraws two figures of ``colab_kit.viz.moe``:
 ``expert_load_figure`` (experts x steps, load over the mean; the counts are the whole batch's, so one rank's
 records suffice per layer, and with pp each layer is read from a rank of its stage) and, with ``ep > 1``,
-``moe_traffic_figure`` of the last step (``moe_records.traffic``: rank i's bytes to rank j). Outside a
+``moe_traffic_figure`` of the last step (``expert.records.traffic``: rank i's bytes to rank j). Outside a
 kernel the view is this text (the MoE GPT of tests/cluster/test_moe_view.py, dp=4 ep=4, after 3 steps)::
 
     MoEView('engine' on 4 ranks, steps 1-3; recorded)
@@ -35,7 +35,7 @@ from ...config import ConfigError
 from ...errors import RankError
 from ...mesh import MeshLayout
 from ...observe.moe import busiest, loads_by_layer
-from ...engine.moe_records import traffic
+from ...expert.records import traffic
 from ...viz.moe import expert_load_figure, moe_traffic_figure
 from colab_kit.notebook.cluster.remote import namespace
 
@@ -100,7 +100,7 @@ class MoEView(RankView, KernelDisplay):
         return expert_load_figure(self.loads, self.layer)
 
     def traffic(self) -> list[list[int]] | None:
-        """The last step's rank x rank dispatch bytes (``moe_records.traffic``), None without ep."""
+        """The last step's rank x rank dispatch bytes (``expert.records.traffic``), None without ep."""
         if self.config is None or getattr(self.config, "ep", 1) <= 1 or not self.last:
             return None
         return traffic(self.last, MeshLayout(self.config), self.layer)
