@@ -52,6 +52,9 @@ class Axis(_StrEnum):
     - ``EDP``: the data-parallel ranks that hold the same experts, over which expert gradients are summed
       (``EP`` and ``EDP`` fold the ``DP`` x ``SP`` block).
     - ``TP_ROW`` / ``TP_COL``: the 2D / 2.5D tensor grid's rows and columns; ``TP_DEP``: its depth in 2.5D.
+    - ``TP_IN``: the 3D tensor cube's input axis (a first Linear all-gathers its input over it).
+    - ``TP_WT``: the 3D cube's weight axis (weights all-gathered over it; it never changes role).
+    - ``TP_OUT``: the 3D cube's output axis (a first Linear reduce-scatters its product over it).
 
     Members are ``str`` (``Axis.DP == "dp"``, same hash, ``str`` and ``f"{}"`` give ``"dp"``, JSON writes
     ``"dp"``) and their repr is the plain string's, so every function taking an axis name keeps taking a
@@ -70,6 +73,9 @@ class Axis(_StrEnum):
     TP_ROW = "tp_row"
     TP_COL = "tp_col"
     TP_DEP = "tp_dep"
+    TP_IN = "tp_in"
+    TP_WT = "tp_wt"
+    TP_OUT = "tp_out"
 
     def __repr__(self) -> str:
         return repr(self.value)

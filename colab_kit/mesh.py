@@ -86,7 +86,7 @@ def tp_sub_axes(cfg: ParallelConfig) -> dict[str, int]:
     if cfg.tp_mode == "2.5d":
         return {Axis.TP_DEP: cfg.tp_depth, Axis.TP_ROW: q, Axis.TP_COL: q}
     if cfg.tp_mode == "3d":
-        return {"tp_in": q, "tp_wt": q, "tp_out": q}
+        return {Axis.TP_IN: q, Axis.TP_WT: q, Axis.TP_OUT: q}
     return {}
 
 

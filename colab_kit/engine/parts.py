@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
-from ..config import ConfigError, ParallelConfig
+from ..config import Axis, ConfigError, ParallelConfig
 from ..dropout.part import PART as DROPOUT
 from ..expert.part import PART as EXPERT
 from ..models import GPTConfig
@@ -57,7 +57,7 @@ _EXAMPLE = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=
 # ---------------------------------------------------------------------------------------------- the steps
 def _defer_init(b: Build) -> None:  # only this rank's shards are made, later
     b.twin, b.conv1d = meta_twin(b.model), tuple(converted_conv1d(b.model))  # before anything changes the model
-    b.deferred = defer_stages(b.model, b.config, b.mesh.rank("pp"), b.policy)
+    b.deferred = defer_stages(b.model, b.config, b.mesh.rank(Axis.PP), b.policy)
     hf = getattr(b.model, "config", None)  # a training step reads no KV cache; a recomputed forward would append
     if hf is not None and getattr(hf, "use_cache", False):  # its keys to it a second time
         hf.use_cache = False
@@ -82,7 +82,7 @@ def _broadcast(b: Build) -> None:  # one start even if a seed differed; experts 
         for p in b.module.parameters():
             if p.is_meta:  # made by ZeRO-3 from its recipe: the same values on every rank
                 continue
-            axis = "edp" if b.config.ep > 1 and b.table[p].on("ep") != Replicate() else "dp"
+            axis = Axis.EDP if b.config.ep > 1 and b.table[p].on(Axis.EP) != Replicate() else Axis.DP
             comm.broadcast(p.data, b.mesh, axis, tag="init params")
 
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
+from ..config import Axis
 from ..part import Build, Part, memo, raised, rule
 from .apply import apply_pipeline_split
 from .plan import SCHEDULE_PLACEMENT, PipelinePlan
@@ -61,7 +62,7 @@ def sum_tied(step, masters) -> None:
         else:
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             p.grad = g
-        comm.all_reduce(g, step.mesh, "pp", tag="tied grads")
+        comm.all_reduce(g, step.mesh, Axis.PP, tag="tied grads")
 
 
 PART = Part("pipeline_split", lambda c, _: c.pp > 1, RULES, apply, {"finish_grads": sum_tied})

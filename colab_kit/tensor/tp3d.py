@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ConfigError
+from ..config import Axis, ConfigError
 from .plan import TensorPlan, require_divisible
 from ..policy import set_module
 from .tp3d_layers import (WT, DenseLinear3D, Embedding3D, InputLinear3D, LayerNorm3D, Linear3D, RMSNorm3D,
@@ -69,9 +69,9 @@ from .tp3d_layers import (WT, DenseLinear3D, Embedding3D, InputLinear3D, LayerNo
 __all__ = ["Plan3D", "linear_comm_bytes", "Linear3D", "LayerNorm3D", "VocabEmbedding3D", "Embedding3D",
            "local_block", "other_axis", "RESIDUAL", "INNER", "BATCH_AXES"]
 
-BATCH_AXES = (WT, "tp_out")
-RESIDUAL = ((WT, "tp_in"), "tp_out")   # (row axes, feature axis) of the residual stream
-INNER = ((WT, "tp_out"), "tp_in")      # ... of q/k/v and fc1 outputs, and of the logits
+BATCH_AXES = (WT, Axis.TP_OUT)
+RESIDUAL = ((WT, Axis.TP_IN), Axis.TP_OUT)   # (row axes, feature axis) of the residual stream
+INNER = ((WT, Axis.TP_OUT), Axis.TP_IN)      # ... of q/k/v and fc1 outputs, and of the logits
 
 
 def linear_comm_bytes(rows: int, d_in: int, d_out: int, q: int, bytes_per_elem: int = 4) -> dict[str, int]:

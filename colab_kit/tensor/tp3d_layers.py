@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
+from ..config import Axis
 from ..sharded_init import cut
 from ..placement import declare
 from .tp1d import local_lookup
@@ -25,12 +26,13 @@ from .tp1d import local_lookup
 __all__ = ["WT", "other_axis", "local_block", "Matmul3D", "AllReduce3D", "ReduceScatter3D", "SwapInOut3D",
            "Linear3D", "DenseLinear3D", "TiedHead3D", "LayerNorm3D", "RMSNorm3D", "VocabEmbedding3D", "Embedding3D"]
 
-WT = "tp_wt"  # the weight axis: it never changes role
+WT = Axis.TP_WT  # the weight axis: it never changes role
 
 
 def other_axis(axis: str) -> str:
     """``tp_in`` <-> ``tp_out``: consecutive layers swap the two (Colossal-AI's swap of in/out groups)."""
-    return {"tp_in": "tp_out", "tp_out": "tp_in"}[axis]
+    swap: dict[str, str] = {Axis.TP_IN: Axis.TP_OUT, Axis.TP_OUT: Axis.TP_IN}
+    return swap[axis]
 
 
 def _chunk(t: torch.Tensor, mesh, axis: str, dim: int) -> torch.Tensor:
@@ -138,7 +140,7 @@ class Linear3D(nn.Module):
         x [2, t, 16] rows 6..7 of 8, features 0..15  ->  y [2, t, 64] rows 4..5, features 64..127
     """
 
-    def __init__(self, weight, bias, mesh, in_axis: str = "tp_in", out_axis: str = "tp_out"):
+    def __init__(self, weight, bias, mesh, in_axis: str = Axis.TP_IN, out_axis: str = Axis.TP_OUT):
         super().__init__()
         self.mesh, self.in_axis, self.out_axis = mesh, in_axis, out_axis
         self.weight = nn.Parameter(weight)
@@ -147,7 +149,7 @@ class Linear3D(nn.Module):
         declare(self, "bias", {0: in_axis}, (WT, out_axis))
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, mesh, in_axis: str = "tp_in", out_axis: str = "tp_out") -> Linear3D:
+    def from_dense(cls, dense: nn.Linear, mesh, in_axis: str = Axis.TP_IN, out_axis: str = Axis.TP_OUT) -> Linear3D:
         q = mesh.size(WT)
         # a meta weight is made here (colab_kit.sharded_init)
         a, b_ = mesh.rank(in_axis), mesh.rank(out_axis) * q + mesh.rank(WT)
@@ -182,7 +184,7 @@ class LayerNorm3D(nn.Module):
     its 16 features are all-reduced with rank 7's (out 1), then divided by 32.
     """
 
-    def __init__(self, weight, bias, eps: float, hidden: int, mesh, axis: str = "tp_out"):
+    def __init__(self, weight, bias, eps: float, hidden: int, mesh, axis: str = Axis.TP_OUT):
         super().__init__()
         self.mesh, self.axis, self.eps, self.hidden = mesh, axis, eps, hidden
         self.weight, self.bias = nn.Parameter(weight), nn.Parameter(bias)
@@ -190,7 +192,7 @@ class LayerNorm3D(nn.Module):
         declare(self, "bias", {0: axis}, (WT, other_axis(axis)))
 
     @classmethod
-    def from_dense(cls, dense: nn.LayerNorm, mesh, axis: str = "tp_out") -> LayerNorm3D:
+    def from_dense(cls, dense: nn.LayerNorm, mesh, axis: str = Axis.TP_OUT) -> LayerNorm3D:
         if dense.weight is None or dense.bias is None or len(dense.normalized_shape) != 1:
             raise ValueError("LayerNorm3D shards a LayerNorm over the last dim with weight and bias")
 
@@ -233,7 +235,7 @@ class VocabEmbedding3D(nn.Module):
         partial [8, t, 16] -> reduce-scatter over tp_wt: rows 4..7 -> over tp_in: rows 6..7
     """
 
-    def __init__(self, weight, vocab_start: int, mesh, vocab_axis: str = "tp_in", padding_idx: int | None = None):
+    def __init__(self, weight, vocab_start: int, mesh, vocab_axis: str = Axis.TP_IN, padding_idx: int | None = None):
         super().__init__()
         self.mesh, self.vocab_axis, self.hidden_axis = mesh, vocab_axis, other_axis(vocab_axis)
         self.vocab_start, self.padding_idx = vocab_start, padding_idx
@@ -241,7 +243,7 @@ class VocabEmbedding3D(nn.Module):
         declare(self, "weight", {0: (vocab_axis, WT), 1: self.hidden_axis})
 
     @classmethod
-    def from_dense(cls, dense: nn.Embedding, mesh, vocab_axis: str = "tp_in") -> VocabEmbedding3D:
+    def from_dense(cls, dense: nn.Embedding, mesh, vocab_axis: str = Axis.TP_IN) -> VocabEmbedding3D:
         q = mesh.size(WT)
         slice_ = mesh.rank(vocab_axis) * q + mesh.rank(WT)
         part = cut(dense.weight, lambda d: _chunk(d.chunk(q * q, 0)[slice_], mesh, other_axis(vocab_axis), 1))
@@ -271,14 +273,14 @@ class Embedding3D(nn.Module):
     tp=8 (q=2), seq 16, h=32, axis=tp_out: rank 6 (out 0) holds table[:, 0:16].
     """
 
-    def __init__(self, weight, mesh, axis: str = "tp_out"):
+    def __init__(self, weight, mesh, axis: str = Axis.TP_OUT):
         super().__init__()
         self.mesh, self.axis = mesh, axis
         self.weight = nn.Parameter(weight)
         declare(self, "weight", {1: axis}, (WT, other_axis(axis)))
 
     @classmethod
-    def from_dense(cls, dense: nn.Embedding, mesh, axis: str = "tp_out") -> Embedding3D:
+    def from_dense(cls, dense: nn.Embedding, mesh, axis: str = Axis.TP_OUT) -> Embedding3D:
         return cls(cut(dense.weight, lambda d: _chunk(d, mesh, axis, 1)), mesh, axis)
 
     def forward(self, ids):
@@ -318,21 +320,21 @@ class SwapInOut3D(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh):
         ctx.mesh = mesh
-        whole = comm.all_gather(x.contiguous(), mesh, "tp_in", x.dim() - 1, tag="3d swap")
-        whole = comm.all_gather(whole, mesh, "tp_out", 0, tag="3d swap")
+        whole = comm.all_gather(x.contiguous(), mesh, Axis.TP_IN, x.dim() - 1, tag="3d swap")
+        whole = comm.all_gather(whole, mesh, Axis.TP_OUT, 0, tag="3d swap")
         ctx.shape = whole.shape
         q = mesh.size(WT)
-        return whole.chunk(q, 0)[mesh.rank("tp_in")].chunk(q, -1)[mesh.rank("tp_out")].contiguous()
+        return whole.chunk(q, 0)[mesh.rank(Axis.TP_IN)].chunk(q, -1)[mesh.rank(Axis.TP_OUT)].contiguous()
 
     @staticmethod
     def backward(ctx, grad):
         mesh, q = ctx.mesh, ctx.mesh.size(WT)
         full = grad.new_zeros(ctx.shape)
-        r, c = mesh.rank("tp_in"), mesh.rank("tp_out")
+        r, c = mesh.rank(Axis.TP_IN), mesh.rank(Axis.TP_OUT)
         rows, cols = ctx.shape[0] // q, ctx.shape[-1] // q
         full[r * rows:(r + 1) * rows, ..., c * cols:(c + 1) * cols] = grad
-        g = comm.reduce_scatter(full, mesh, "tp_out", 0, tag="3d swap grad")
-        return comm.reduce_scatter(g, mesh, "tp_in", g.dim() - 1, tag="3d swap grad"), None
+        g = comm.reduce_scatter(full, mesh, Axis.TP_OUT, 0, tag="3d swap grad")
+        return comm.reduce_scatter(g, mesh, Axis.TP_IN, g.dim() - 1, tag="3d swap grad"), None
 
 
 class DenseLinear3D(Linear3D):
@@ -370,14 +372,14 @@ class RMSNorm3D(nn.Module):
     all-reduce over ``axis``. The weight ``[h/q]`` is shared by the row blocks of (tp_wt, the other axis):
     Partial over them. tp=8 (q=2), h=32, axis=tp_out: rank 6 (out 0) holds weight[0:16]."""
 
-    def __init__(self, weight, eps: float, hidden: int, mesh, axis: str = "tp_out"):
+    def __init__(self, weight, eps: float, hidden: int, mesh, axis: str = Axis.TP_OUT):
         super().__init__()
         self.mesh, self.axis, self.eps, self.hidden = mesh, axis, eps, hidden
         self.weight = nn.Parameter(weight)
         declare(self, "weight", {0: axis}, (WT, other_axis(axis)))
 
     @classmethod
-    def from_dense(cls, dense: nn.Module, mesh, axis: str = "tp_out") -> RMSNorm3D:
+    def from_dense(cls, dense: nn.Module, mesh, axis: str = Axis.TP_OUT) -> RMSNorm3D:
         eps = getattr(dense, "variance_epsilon", None)
         eps = getattr(dense, "eps", None) if eps is None else eps
         weight = dense.weight

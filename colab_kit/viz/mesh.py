@@ -46,7 +46,7 @@ def _tp_grid(layout: MeshLayout) -> tuple[str, str, str | None]:
     if mode == "2.5d":
         return Axis.TP_ROW, Axis.TP_COL, Axis.TP_DEP
     if mode == "3d":
-        return "tp_wt", "tp_out", "tp_in"
+        return Axis.TP_WT, Axis.TP_OUT, Axis.TP_IN
     return "", Axis.TP, None
 
 

@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 from ...comm.records import wire_bytes
+from ...config import Axis
 from .hardware import Hardware
 
 __all__ = ["Group", "latency", "placement", "seconds", "stride"]
@@ -56,10 +57,10 @@ def stride(config, axis: str) -> tuple[int, int]:
     sub-axis (``mesh``'s names)."""
     tp, sp, dp = config.tp, config.sp, config.dp
     q = config.tp_q
-    table = {"tp": (tp, 1), "sp": (sp, tp), "dp": (dp, tp * sp), "pp": (config.pp, tp * sp * dp),
-             "dp+sp": (dp * sp, tp), "ep": (config.ep, tp), "edp": (dp * sp // config.ep, tp * config.ep),
-             "tp_col": (q, 1), "tp_row": (q, q), "tp_dep": (config.tp_depth, q * q),
-             "tp_out": (q, 1), "tp_wt": (q, q), "tp_in": (q, q * q)}
+    table = {Axis.TP: (tp, 1), Axis.SP: (sp, tp), Axis.DP: (dp, tp * sp), Axis.PP: (config.pp, tp * sp * dp),
+             "dp+sp": (dp * sp, tp), Axis.EP: (config.ep, tp), Axis.EDP: (dp * sp // config.ep, tp * config.ep),
+             Axis.TP_COL: (q, 1), Axis.TP_ROW: (q, q), Axis.TP_DEP: (config.tp_depth, q * q),
+             Axis.TP_OUT: (q, 1), Axis.TP_WT: (q, q), Axis.TP_IN: (q, q * q)}
     return table[axis]
 
 

@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass, field
 
 from . import comm
+from ...config import Axis
 from ..moe import price as moe_price
 from ..moe.shape import tp_layer_params
 from .hardware import Hardware, preset
@@ -53,7 +54,7 @@ from ..shape import ModelShape
 
 __all__ = ["Priced", "bubble", "compute_floor", "price", "recompute_mode"]
 
-AXES = ("tp", "sp", "pp", "dp")
+AXES = (Axis.TP, Axis.SP, Axis.PP, Axis.DP)
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         a_f, a_b, ep_n = moe_price.dispatch_seconds(shape, config, rows, seq, hw)
         ep_f, ep_b = a_f * n_moe / layers, a_b * n_moe / layers
         ep_rc = ep_f if mode == "full" else 0.0
-        count["ep"] = m * n_moe * (ep_n[0] * (2 if mode == "full" else 1) + ep_n[1])
+        count[Axis.EP] = m * n_moe * (ep_n[0] * (2 if mode == "full" else 1) + ep_n[1])
     # tensor and sequence parallel collectives of one block and microbatch: never hidden (tp), or behind
     # the attention core they feed (sp ring)
     if n_moe:  # an MoE block runs whole on every tp rank: attention's all-reduces only (moe_price.tp_share)
@@ -135,7 +136,7 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         block_params = sum(d for d, _ in parts) / shape.layers
         block_experts = sum(e for _, e in parts) / shape.layers / config.ep
     if config.zero == 3 and grads.size > 1:
-        edp = comm.placement(config, "edp", hw.gpus_per_node) if n_moe else grads
+        edp = comm.placement(config, Axis.EDP, hw.gpus_per_node) if n_moe else grads
         gather = (comm.seconds("all_gather", block_params * size / grads.size, grads, hw)
                   + comm.seconds("all_gather", block_experts * size / edp.size, edp, hw))
         scatter = (comm.seconds("reduce_scatter", block_params * 4, grads, hw)
@@ -151,30 +152,30 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         else:
             z3_exp_f = max(0.0, z3_f - blk.f)
             z3_exp_b = max(0.0, z3_b - (blk.i + blk.w + blk.rc))
-        count["dp"] += m * layers * 3 * pieces + (m * n_moe * 3 if block_experts and edp.size > 1 else 0)
+        count[Axis.DP] += m * layers * 3 * pieces + (m * n_moe * 3 if block_experts and edp.size > 1 else 0)
     f_mb = layers * (blk.f + tp_f + sp_exp_f + z3_exp_f + ep_f)
     i_mb = layers * (blk.i + blk.rc + tp_b + tp_rc + sp_exp_b + sp_exp_rc + z3_exp_b + ep_b + ep_rc)
     w_mb = layers * blk.w
     compute = m * (layers * (blk.f + blk.i + blk.w + blk.rc) + hd.f + hd.i + hd.w)
     exposed_tp = m * layers * (tp_f + tp_b + tp_rc)
     exposed_sp = m * layers * (sp_exp_f + sp_exp_b + sp_exp_rc)
-    comm_total["tp"] = exposed_tp
-    comm_total["sp"] = m * layers * (sp_f + sp_b + sp_rc)
+    comm_total[Axis.TP] = exposed_tp
+    comm_total[Axis.SP] = m * layers * (sp_f + sp_b + sp_rc)
     replay = 2 if mode in ("full", "op") else 1  # the forward's sequence collectives again
     forward_tp = tp_n[0] * replay if mode == "full" else tp_n[0] + tp_n[0] // 2 if mode == "op" else tp_n[0]
-    count["tp"] += m * layers * (forward_tp + tp_n[1])
+    count[Axis.TP] += m * layers * (forward_tp + tp_n[1])
     if n_moe and config.tp > 1:  # an MoE block: half of a 1D block's all-reduces (attention's)
-        count["tp"] -= m * n_moe * (forward_tp + tp_n[1]) // 2
-    count["sp"] += m * layers * (sp_n[0] * replay + sp_n[1])
+        count[Axis.TP] -= m * n_moe * (forward_tp + tp_n[1]) // 2
+    count[Axis.SP] += m * layers * (sp_n[0] * replay + sp_n[1])
     # pipeline: p2p of each microbatch and chunk, the schedule's bubble on the other stages' work
     comm_pp = 0.0
     if p > 1:
         tokens = rows * seq / (config.sp if config.sp > 1 else 1)
         act = tokens * shape.hidden * size / (config.tp if config.sp_mode == "split_gather" else 1)
-        send = comm.seconds("send", act, comm.placement(config, "pp", hw.gpus_per_node), hw)
+        send = comm.seconds("send", act, comm.placement(config, Axis.PP, hw.gpus_per_node), hw)
         comm_pp = 2 * send * (m * v + p - 1)
-        count["pp"] += 2 * (m * v + p - 1)
-    comm_total["pp"] = comm_pp
+        count[Axis.PP] += 2 * (m * v + p - 1)
+    comm_total[Axis.PP] = comm_pp
     idle = bubble(config.schedule, p, m, v, f_mb, i_mb, w_mb)
     # data parallel: gradients (fp32) over dp x sp, parameters gathered back under ZeRO 1-2
     rank_params = params_on_rank(shape, config)
@@ -190,7 +191,7 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         window = layers * (blk.i + blk.w + blk.rc)  # the last microbatch's backward
         exposed_dp += max(last, reduce - window)
         comm_dp += reduce
-        count["dp"] += 1 + layers
+        count[Axis.DP] += 1 + layers
         if config.zero in (1, 2):
             regather = comm.seconds("all_gather", rank_params * size / grads.size, grads, hw)
             if hw.stack.param_gather == "overlapped":  # bucket by bucket under the next step's first forward
@@ -198,22 +199,22 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
             else:
                 exposed_dp += regather
             comm_dp += regather
-            count["dp"] += 1
+            count[Axis.DP] += 1
     opt = optimizer_seconds(rank_params, config, hw, optimizer, grads.size)
     notes = _assumptions(hw, config.precision) + (hw.stack.note(),)
     if n_moe:
         edp = config.dp * config.sp // config.ep
         e_exp, e_tot, e_n = moe_price.expert_sync(shape, config, hw, experts, layers * (blk.i + blk.w + blk.rc),
                                                   layers)
-        exposed_dp, comm_dp, count["dp"] = exposed_dp + e_exp, comm_dp + e_tot, count["dp"] + e_n
+        exposed_dp, comm_dp, count[Axis.DP] = exposed_dp + e_exp, comm_dp + e_tot, count[Axis.DP] + e_n
         opt += optimizer_seconds(experts, config, hw, optimizer, edp)
-        comm_total["ep"] = m * layers * (ep_f + ep_b + ep_rc)
+        comm_total[Axis.EP] = m * layers * (ep_f + ep_b + ep_rc)
         notes = notes + _moe_notes(config)
-    comm_total["dp"] = comm_dp
+    comm_total[Axis.DP] = comm_dp
     breakdown = {"compute": compute, "bubble": idle, "comm:tp": exposed_tp, "comm:sp": exposed_sp,
                  "comm:pp": comm_pp, "comm:dp": exposed_dp, "optimizer": opt}
     if n_moe:
-        breakdown["comm:ep"] = comm_total["ep"]
+        breakdown["comm:ep"] = comm_total[Axis.EP]
     return Priced(step_seconds=sum(breakdown.values()), breakdown=breakdown, comm_total=comm_total,
                   collectives=count, assumptions=notes,
                   per_microbatch={"F": f_mb, "I": i_mb, "W": w_mb})

@@ -28,6 +28,7 @@ Worked example: 1D tp=8 on one DGX A100 node, 8 rows x 2048 tokens x 6144 hidden
 from __future__ import annotations
 
 from . import comm
+from ...config import Axis
 from .hardware import Hardware
 from .compute import block, head
 from ..shape import ModelShape
@@ -62,7 +63,7 @@ def tensor_comm(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) 
     tokens, g, q = _tokens(config, rows, seq), hw.gpus_per_node, config.tp_q
     x = tokens * shape.hidden * size
     if config.tp_mode == "1d":
-        group = comm.placement(config, "tp", g)
+        group = comm.placement(config, Axis.TP, g)
         if config.sp_mode == "split_gather":
             one = (comm.seconds("all_gather", x / config.tp, group, hw)
                    + comm.seconds("reduce_scatter", x, group, hw))
@@ -70,7 +71,7 @@ def tensor_comm(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) 
         one = comm.seconds("all_reduce", x, group, hw)
         return 2 * one, 2 * one, (2, 2)
     if config.tp_mode in ("2d", "2.5d"):
-        row, col = comm.placement(config, "tp_col", g), comm.placement(config, "tp_row", g)
+        row, col = comm.placement(config, Axis.TP_COL, g), comm.placement(config, Axis.TP_ROW, g)
         d = config.tp_depth if config.tp_mode == "2.5d" else 1
         fwd = sum(q * (comm.seconds("broadcast", m / (d * q) * k / q * size, row, hw)
                        + comm.seconds("broadcast", k / q * n / q * size, col, hw))
@@ -78,12 +79,12 @@ def tensor_comm(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) 
         n_f = 4 * 2 * q
         bwd, n_b = 2 * fwd, 2 * n_f
         if d > 1:
-            dep = comm.placement(config, "tp_dep", g)
+            dep = comm.placement(config, Axis.TP_DEP, g)
             bwd += sum(comm.seconds("all_reduce", k / q * n / q * size, dep, hw)
                        for m, n, k in _gemms(shape, tokens))
             n_b += 4
         return fwd, bwd, (n_f, n_b)
-    axes = [comm.placement(config, a, g) for a in ("tp_in", "tp_wt", "tp_out")]
+    axes = [comm.placement(config, a, g) for a in (Axis.TP_IN, Axis.TP_WT, Axis.TP_OUT)]
     fwd = sum(comm.seconds("all_gather", m * k / q ** 3 * size, axes[0], hw)
               + comm.seconds("all_gather", k * n / q ** 3 * size, axes[1], hw)
               + comm.seconds("reduce_scatter", m * n / q ** 2 * size, axes[2], hw)
@@ -102,7 +103,7 @@ def seq_comm(shape: ModelShape, config, rows: float, seq: int, hw: Hardware, att
         return 0.0, 0.0, 0.0, 0.0, (0, 0)
     size = 4 if config.precision == "fp32" else 2
     tokens = _tokens(config, rows, seq)
-    group = comm.placement(config, "sp", hw.gpus_per_node)
+    group = comm.placement(config, Axis.SP, hw.gpus_per_node)
     kv = 2 * shape.n_kv * shape.head_dim / config.tp
     if config.sp_mode == "ring":
         step = comm.seconds("send", tokens * kv * size, group, hw)

@@ -9,6 +9,7 @@ import pickle
 import sys
 import time
 
+from ...config import Axis
 from ...engine.core import boost
 from ...memory.estimator import config_estimate, gpt_like, model_activations
 from ...memory.formulas import optimizer_states
@@ -132,7 +133,7 @@ def _measure(engine, job: dict, t0: float) -> dict:
     import torch
 
     cfg, mesh, gpt, twin, policy = engine.config, engine.mesh, job["gpt"], job["model"], engine.policy
-    pp_rank, batch, seq = mesh.rank("pp"), job["batch"], job["seq"]
+    pp_rank, batch, seq = mesh.rank(Axis.PP), job["batch"], job["seq"]
     if gpt is not None:  # the activations memory_estimate() gives after a step of this batch
         states = {0: "sgd-nomomentum", 1: "sgd-momentum", 2: "adamw"}[optimizer_states(engine.optimizer)]
         acts = config_estimate(gpt, cfg, batch, states, seq=seq, pp_rank=pp_rank)["activations"]

@@ -11,7 +11,7 @@ import time
 
 from ... import comm
 from ...comm import wire_bytes
-from ...config import ParallelConfig
+from ...config import Axis, ParallelConfig
 from ...launch import allowed_cores
 from ...mesh import ProcessMesh
 from ...observe.measured import VERSION
@@ -107,17 +107,17 @@ def _collective_fn(op: str, t, mesh, n: int):
     import torch
 
 
-    me = mesh.rank("tp")
+    me = mesh.rank(Axis.TP)
     if op == "all_reduce":
-        return lambda: comm.all_reduce(t, mesh, "tp", tag="planner constants")
+        return lambda: comm.all_reduce(t, mesh, Axis.TP, tag="planner constants")
     if op == "all_gather":
-        return lambda: comm.all_gather(t, mesh, "tp", tag="planner constants")
+        return lambda: comm.all_gather(t, mesh, Axis.TP, tag="planner constants")
     if op == "reduce_scatter":
-        return lambda: comm.reduce_scatter(t, mesh, "tp", tag="planner constants")
+        return lambda: comm.reduce_scatter(t, mesh, Axis.TP, tag="planner constants")
     if op == "broadcast":
-        return lambda: comm.broadcast(t, mesh, "tp", tag="planner constants")
+        return lambda: comm.broadcast(t, mesh, Axis.TP, tag="planner constants")
     if op == "all_to_all":
-        return lambda: comm.all_to_all(t, mesh, "tp", 0, 0, tag="planner constants")
+        return lambda: comm.all_to_all(t, mesh, Axis.TP, 0, 0, tag="planner constants")
     # pairs (0, 1), (2, 3), ... of each group: sendrecv exchanges a message each way at once
     # (the ring's step); send is a ping-pong of isend / irecv (a pipeline's), a round trip
     peer = me ^ 1 if (me ^ 1) < n else None
@@ -127,12 +127,12 @@ def _collective_fn(op: str, t, mesh, n: int):
         if peer is None:
             return
         if op == "sendrecv":
-            for pending in comm.sendrecv(t, buf, mesh, "tp", to=peer, source=peer, tag="planner constants"):
+            for pending in comm.sendrecv(t, buf, mesh, Axis.TP, to=peer, source=peer, tag="planner constants"):
                 pending.wait()
             return
         first, then = (comm.isend, comm.irecv) if me % 2 == 0 else (comm.irecv, comm.isend)
-        first(t if first is comm.isend else buf, mesh, "tp", peer, tag="planner constants").wait()
-        then(t if then is comm.isend else buf, mesh, "tp", peer, tag="planner constants").wait()
+        first(t if first is comm.isend else buf, mesh, Axis.TP, peer, tag="planner constants").wait()
+        then(t if then is comm.isend else buf, mesh, Axis.TP, peer, tag="planner constants").wait()
     return fn
 
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from ...config import Axis
 from ...memory.formulas import PRECISION_BYTES, activation_bytes
 from ...pipeline.costs import flops_per_token
 from ...observe.measured import alpha_beta
@@ -224,18 +225,18 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict,
         # cost as much as the half round trip the constants measure); on shared cores it also lies on the
         # path from stage to stage (pipeline_cost.bubble)
         parts["comm:pp"] = sends * (alpha + act / beta)
-        counts["pp"] = sends
+        counts[Axis.PP] = sends
     tp_s, tp_n = tp_comm(model, cfg, consts, tokens, layers_rank, True, e)  # the head's rank is the slowest
     sp_s, sp_n = sp_comm(model, cfg, consts, tokens, layers_rank, e)
     if cfg.recompute == "full":  # the blocks' forward collectives again (selective repeats none)
         tp_b, tp_bn = tp_comm(model, cfg, consts, tokens, layers_rank, False, e)
         tp_s, tp_n = tp_s + again[0] * tp_b, tp_n + round(again[0] * tp_bn)
         sp_s, sp_n = sp_s * (1 + again[1]), sp_n + round(again[1] * sp_n)
-    parts["comm:tp"], counts["tp"] = m * tp_s, m * tp_n
-    parts["comm:sp"], counts["sp"] = m * sp_s, m * sp_n
+    parts["comm:tp"], counts[Axis.TP] = m * tp_s, m * tp_n
+    parts["comm:sp"], counts[Axis.SP] = m * sp_s, m * sp_n
     block_rc = rc / (layers_stage if cfg.pp > 1 else model.n_layers)
     dp_s, dp_n = dp_comm(model, cfg, consts, memory, _forward(model, cfg, consts, tokens, 1, False), block_rc)
-    parts["comm:dp"], counts["dp"] = dp_s, dp_n
+    parts["comm:dp"], counts[Axis.DP] = dp_s, dp_n
     if cfg.sp > 1:  # gradients of the parameters replicated over sp, one flat all-reduce
         grads = memory["grads"] * (cfg.dp if cfg.zero >= 2 else 1)
         parts["comm:sp"] += collective_seconds(consts, "all_reduce", grads, cfg.sp)

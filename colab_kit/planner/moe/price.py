@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import math
 
+from ...config import Axis
 from ..cluster import comm
 from ..cluster.compute import BlockCost, gemm
 from ..cluster.hardware import Hardware
@@ -154,8 +155,8 @@ def dispatch_seconds(shape: ModelShape, config, rows: float, seq: int, hw: Hardw
     if config.ep <= 1:
         return 0.0, 0.0, (0, 0)
     payload = dispatch_bytes(shape, config, rows, seq)
-    one = comm.seconds("all_to_all", payload, comm.placement(config, "ep", hw.gpus_per_node), hw)
-    counts = comm.seconds("all_to_all", 8 * shape.experts, comm.placement(config, "ep",
+    one = comm.seconds("all_to_all", payload, comm.placement(config, Axis.EP, hw.gpus_per_node), hw)
+    counts = comm.seconds("all_to_all", 8 * shape.experts, comm.placement(config, Axis.EP,
                                                                                       hw.gpus_per_node), hw)
     return 2 * one + counts, 2 * one, (3, 2)
 
@@ -180,7 +181,7 @@ def expert_sync(shape: ModelShape, config, hw: Hardware, experts: float, window:
     reduce-scatter and the parameters gathered back), hidden behind ``window`` but its last bucket. Under ZeRO-3
     nothing here: each block's expert chunk is gathered and reduce-scattered over edp with the block
     (``cluster.price.price``), as the engine does (``zero/split.py``)."""
-    group = comm.placement(config, "edp", hw.gpus_per_node)
+    group = comm.placement(config, Axis.EDP, hw.gpus_per_node)
     if group.size <= 1 or experts <= 0 or config.zero == 3:  # ZeRO-3: reduced with each block's chunks (scale)
         return 0.0, 0.0, 0
     op = "all_reduce" if config.zero == 0 else "reduce_scatter"
