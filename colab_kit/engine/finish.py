@@ -7,6 +7,7 @@ prints the list for a config::
 
     >>> from colab_kit import ParallelConfig
     >>> print(describe(ParallelConfig(dp=2, tp=2, zero=3), moe=True))
+    microbatch: dropout (idle), expert
     loss: expert
     gradient sync: data_parallel (dp buckets or ZeRO's reduce-scatter)
     finish_grads: pipeline_split (idle), placements
@@ -100,12 +101,14 @@ def _loss(step, local: torch.Tensor, done: dict) -> float:
     return reduced[0]
 
 
-def describe(config=None, *, moe: bool = False) -> str:
-    """The end of a training step as a list: each stage with the parts that work there (``engine.parts``'
-    hooks); ``config`` and ``moe`` (the model has MoE layers) mark which of them have work for that run.
+def describe(config=None, *, moe: bool = False, dropout: bool = False) -> str:
+    """A training step's hooks as a list: the contexts each microbatch runs in, then the end of the step, each
+    stage with the parts that work there (``engine.parts``' hooks); ``config``, ``moe`` (the model has MoE
+    layers) and ``dropout`` (it has dropout) mark which of them have work for that run.
 
     >>> from colab_kit import ParallelConfig
     >>> print(describe(ParallelConfig(dp=2, pp=2, zero=1)))
+    microbatch: dropout (idle), expert (idle)
     loss: expert (idle)
     gradient sync: data_parallel (dp buckets or ZeRO's reduce-scatter)
     finish_grads: pipeline_split, placements (idle)
@@ -115,7 +118,8 @@ def describe(config=None, *, moe: bool = False) -> str:
     after_step: data_parallel (idle)
     records
     """
-    busy = {"expert": {"loss": moe, "after_optimizer": moe},
+    busy = {"expert": {"microbatch": moe, "loss": moe, "after_optimizer": moe},
+            "dropout": {"microbatch": dropout},
             "pipeline_split": {"finish_grads": config is None or config.pp > 1},
             "placements": {"finish_grads": config is None or config.tp > 1 or config.sp > 1},
             "data_parallel": {"after_optimizer": config is None or config.zero > 0,
@@ -124,6 +128,7 @@ def describe(config=None, *, moe: bool = False) -> str:
     def line(stage: str) -> str:
         names = [n + ("" if busy.get(n, {}).get(stage, True) else " (idle)") for n, _ in hooks(stage)]
         return f"{stage}: {', '.join(names)}"
-    return "\n".join([line("loss"), "gradient sync: data_parallel (dp buckets or ZeRO's reduce-scatter)",
-                      line("finish_grads"), "optimizer: clipping, fp16 scaling where asked, the step, gradients zeroed",
+    return "\n".join([line("microbatch"), line("loss"),
+                      "gradient sync: data_parallel (dp buckets or ZeRO's reduce-scatter)", line("finish_grads"),
+                      "optimizer: clipping, fp16 scaling where asked, the step, gradients zeroed",
                       line("after_optimizer"), "scheduler, loss all-reduce", line("after_step"), "records"])

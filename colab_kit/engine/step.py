@@ -21,7 +21,7 @@ With a pipeline a step can be stepped, on every rank (``ScheduleStepper`` does s
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
@@ -40,6 +40,7 @@ from .clipping import clip_, weights
 from .parallelize import Parallelized
 from ..expert.step import ExpertSteps
 from .finish import describe, end_step
+from .parts import hooks
 from ..precision import LossScaler
 
 __all__ = ["TrainingStep", "StepRecords", "describe"]
@@ -116,9 +117,9 @@ class TrainingStep(ExpertSteps):
             self.data_parallel.arm(sync=(i == m - 1), t0=self.t0)
             x, y = split_batch(inputs, m, i, "microbatches"), split_batch(targets, m, i, "microbatches")
             meter = self.meter.measure((x.shape, x.dtype, y.shape))
-            with self.timed(f"forward {i}", "compute"), meter, self.dropout_at(i):
+            with self.timed(f"forward {i}", "compute"), meter, self.microbatch_at(i):
                 loss = self.parts.loss_fn(self.parts.logits(self.parts.module(x)), y) / m
-            with self.timed(f"backward {i}", "compute"), self.dropout_at(i):
+            with self.timed(f"backward {i}", "compute"), self.microbatch_at(i):
                 self._backward_loss(loss).backward()
             total += loss.detach()
         return self._end(total)
@@ -183,7 +184,7 @@ class TrainingStep(ExpertSteps):
         return MicrobatchWork(inputs=[split_batch(inputs, m, i, "microbatches") for i in range(m)],
                               targets=[split_batch(targets, m, i, "microbatches") for i in range(m)],
                               loss_fn=self.parts.loss_fn, backward_loss=self._backward_loss, meter=self.meter,
-                              dropout_at=self.dropout_at, data_parallel=self.data_parallel, t0=self.t0,
+                              microbatch_at=self.microbatch_at, data_parallel=self.data_parallel, t0=self.t0,
                               side=self._relay)
 
     def optimizer_layout(self) -> list[tuple[torch.Tensor, list[tuple]]]:
@@ -271,12 +272,13 @@ class TrainingStep(ExpertSteps):
         return (tp.batch_shards if tp is not None else 1) * self.config.sp
 
     @contextmanager
-    def dropout_at(self, microbatch: int):
-        """The context microbatch ``microbatch``'s forward and backward run in: its dropout coordinates and,
-        with MoE layers, its ``MoEStep`` (``moe_at``)."""
-        drop = self.parts.dropout
-        with (drop.at(self.records.count, microbatch) if drop is not None else nullcontext()), \
-                self.moe_at(microbatch):
+    def microbatch_at(self, microbatch: int):
+        """The context microbatch ``microbatch``'s forward, backward and recomputation run in: each part's
+        "microbatch" hook (``engine.parts``: the dropout coordinates; with MoE layers, the ``MoEStep``), nested
+        in the parts' order."""
+        with ExitStack() as stack:
+            for _, enter in hooks("microbatch"):
+                stack.enter_context(enter(self, microbatch))
             yield
 
     def _backward_loss(self, loss: torch.Tensor) -> torch.Tensor:

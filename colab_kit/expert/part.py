@@ -64,6 +64,10 @@ def apply(b: Build) -> None:  # this rank's experts, tokens sent to them
     apply_expert_parallel(b.model, b.mesh, b.config, b.policy)
 
 
+def moe_step(step, microbatch: int):  # the microbatch's MoEStep: counts over its ranks, losses into backward
+    return step.moe_at(microbatch)
+
+
 def aux_losses(step, local):  # this rank's share of the auxiliary losses: their mean over ranks is one process's
     return local + step.aux_value() if step.moe else local
 
@@ -73,4 +77,5 @@ def router_bias(step, done) -> None:  # DeepSeek's bias, from the step's load (t
         update_router_bias(step.parts.module, skip=done["skipped"])
 
 
-PART = Part("expert", lambda c, _: c.ep > 1, RULES, apply, {"loss": aux_losses, "after_optimizer": router_bias})
+PART = Part("expert", lambda c, _: c.ep > 1, RULES, apply,
+            {"microbatch": moe_step, "loss": aux_losses, "after_optimizer": router_bias})

@@ -55,9 +55,11 @@ class Build:
     steps: list = field(default_factory=list)  # the names of the steps taken
 
 
-HOOKS = ("loss", "finish_grads", "after_optimizer", "after_step")
-"""The training step's stages where parts work (``engine.finish``), in the step's order: "loss" (``(step,
-local) -> local``: terms the reported loss adds), "finish_grads" (``(step, masters)``: after the gradient sync,
+HOOKS = ("microbatch", "loss", "finish_grads", "after_optimizer", "after_step")
+"""The training step's stages where parts work (``engine.step``, ``engine.finish``), in the step's order:
+"microbatch" (``(step, microbatch) -> context manager``: what each microbatch's forward, backward and
+recomputation run inside, the parts' contexts nested in the parts' order), "loss" (``(step, local) -> local``:
+terms the reported loss adds), "finish_grads" (``(step, masters)``: after the gradient sync,
 before the optimizer), "after_optimizer" (``(step, done)``), "after_step" (``(step, done)``: after the loss is
 reduced). ``step`` is the engine's ``TrainingStep``, read by attribute."""
 

@@ -311,7 +311,7 @@ class PipelineExecutor(ComputeActions, CommActions):
         if a.is_comm:
             getattr(self, "_do_" + a.kind)(a, a.stage, a.microbatch)
         else:  # a recomputed forward in B or I draws the same dropout masks as F did
-            with self.work.dropout_at(a.microbatch):
+            with self.work.microbatch_at(a.microbatch):
                 getattr(self, "_do_" + a.kind)(a, a.stage, a.microbatch)
         self._event(str(a), "comm" if a.is_comm else "compute", start, time.perf_counter() - self.t0, a,
                     self.timesteps[self.me][self._index[j]])

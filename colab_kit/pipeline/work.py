@@ -7,11 +7,11 @@ engine (``tests/unit/test_pipeline_work.py`` reads its source to hold it to that
 
 For ``ParallelConfig(pp=2, microbatches=2)`` on pipeline rank 1 (the last stage), the executor uses it so::
 
-    with work.dropout_at(m), work.meter.measure(key):   # F of microbatch m: its dropout coordinates,
-        loss = work.loss_fn(stage(x), work.targets[m]) / 2   # the activations it keeps counted
-    backward from work.backward_loss(loss)              # times the fp16 scale, over the ranks sharing it
-    work.data_parallel.arm(sync=True)                           # before the last B: the dp buckets reduce as they fill
-    work.data_parallel.ready(param)                             # W: a deferred weight gradient is complete
+    with work.microbatch_at(m), work.meter.measure(key):   # F of microbatch m: the parts' contexts (dropout
+        loss = work.loss_fn(stage(x), work.targets[m]) / 2   # coordinates, MoEStep), its activations counted
+    backward from work.backward_loss(loss)               # times the fp16 scale, over the ranks sharing it
+    work.data_parallel.arm(sync=True)                    # before the last B: the dp buckets reduce as they fill
+    work.data_parallel.ready(param)                      # W: a deferred weight gradient is complete
 
 A model whose stages must tell each other something small about a microbatch besides the activation and its
 gradient sets ``work.side`` (a ``Sideband``): every activation and every input gradient that crosses to
@@ -73,7 +73,7 @@ class MicrobatchWork:
     backward_loss: Callable[[torch.Tensor], torch.Tensor]
     """The loss backward starts from: times the fp16 scale, over the ranks that share its terms."""
     meter: ActivationCounter
-    dropout_at: Callable[[int], AbstractContextManager]
+    microbatch_at: Callable[[int], AbstractContextManager]
     """The context a microbatch's forward (and a recomputed forward in backward) runs in."""
     data_parallel: GradientSync
     t0: float

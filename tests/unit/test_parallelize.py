@@ -59,11 +59,13 @@ def test_the_end_of_the_step_is_a_list_of_the_parts_hooks():
     assert [n for n, _ in hooks("finish_grads")] == ["pipeline_split", "placements"]
     assert [n for n, _ in hooks("after_optimizer")] == ["expert", "data_parallel"]
     assert [n for n, _ in hooks("loss")] == ["expert"] and [n for n, _ in hooks("after_step")] == ["data_parallel"]
-    assert set(HOOKS) == {"loss", "finish_grads", "after_optimizer", "after_step"}
+    assert [n for n, _ in hooks("microbatch")] == ["dropout", "expert"]
+    assert HOOKS == ("microbatch", "loss", "finish_grads", "after_optimizer", "after_step")
     text = describe(ck.ParallelConfig(dp=2, tp=2, zero=3, offload="auto"))
     assert "finish_grads: pipeline_split (idle), placements\n" in text
     assert "after_step: data_parallel\n" in text and "loss: expert (idle)" in text
     assert "loss: expert\n" in describe(ck.ParallelConfig(dp=2, ep=2), moe=True)
+    assert describe(ck.ParallelConfig(dp=2), dropout=True).startswith("microbatch: dropout, expert (idle)\n")
 
 
 ENGINE_STEPS = {"defer_init", "materialize", "placements", "broadcast"}
