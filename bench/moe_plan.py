@@ -13,6 +13,7 @@ Then the plan (fastest first) for Mixtral 8x7B and Qwen3-30B-A3B on 64 H100s, bf
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -106,6 +107,7 @@ def plans() -> tuple[list[dict], dict]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # --help: say so, run nothing
     r1, f1 = deepseek()
     r2, f2 = dry_run()
     r3, f3 = plans()

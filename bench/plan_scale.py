@@ -37,6 +37,7 @@ schedule, depth, microbatch count and chunks) and ``memory_of``'s per-call copy 
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -121,6 +122,7 @@ def speed() -> tuple[list[dict], dict]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # --help: say so, run nothing
     rows, figures = [], {}
     for part in (speed, table1_rows, korthikanti_530b):
         r, f = part()
