@@ -127,8 +127,6 @@ class Engine:
         options = options if options is not None else BoostOptions()
         self.config, self.mesh, self.options = config, mesh, options
         """``options``: boost's keywords (``BoostOptions``), as checked."""
-        self.device_budget = options.device_budget
-        """``device_budget``: offload='auto', the bytes each rank's device may hold; else None."""
         self.traced: dict = {}
         """The memory estimate's dense trace of the activations, per global input shape (``reports``)."""
         self.current_loader: ShardedLoader | None = None
@@ -167,6 +165,8 @@ class Engine:
     dense_twin = property(lambda self: self.parts.dense_twin, doc="The dense model on the meta device.")
     tp_plan = property(lambda self: self.parts.tp_plan, doc="The ``TensorPlan`` with tp > 1, else None.")
     sp_plan = property(lambda self: self.parts.sp_plan, doc="The ``SequencePlan`` with sp > 1, else None.")
+    device_budget = property(lambda self: self.options.device_budget,
+                             doc="offload='auto': the bytes each rank's device may hold; else None.")
     data_parallel = property(lambda self: self.parts.data_parallel,
                              doc="The data-parallel part: plain dp (``DataParallel``) or ZeRO 1-3.")
     grads = property(lambda self: self.parts.data_parallel,

@@ -107,7 +107,7 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, opt
     options = options if options is not None else BoostOptions()
     policy, loss_fn = options.policy, options.loss_fn
     token_loss = TokenLoss(token_losses) if loss_fn is lm_loss else None
-    b = Build(model, mesh, config, policy, token_loss if token_loss is not None else loss_fn, token_loss, options,
+    b = Build(model, mesh, config, options, token_loss if token_loss is not None else loss_fn, token_loss,
               group_of_name)
     dropout = has_dropout(model)
     for p in PARTS:

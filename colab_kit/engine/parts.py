@@ -34,7 +34,7 @@ from ..config import Axis, ConfigError, ParallelConfig
 from ..dropout.part import PART as DROPOUT
 from ..expert.part import PART as EXPERT
 from ..models import GPTConfig
-from ..part import HOOKS, Build, NotYet, Part, Rule, sentence
+from ..part import HOOKS, Build, NotYet, Part, Rule, broken, sentence
 from ..pipeline.part import PART as PIPELINE_SPLIT
 from ..pipeline.stage import defer_stages
 from ..placement import PlacementTable, Replicate
@@ -117,6 +117,8 @@ PARTS: tuple[Part, ...] = (
 """Every part, in the order ``parallelize`` takes their steps (and ``first_refusal`` asks their rules)."""
 
 _ORDER = tuple((p, r) for first in (True, False) for p in PARTS for r in p.rules if r.not_yet == first)
+_RULES = tuple(r for _, r in _ORDER)
+_PART_OF = {r: p for p, r in _ORDER}
 
 
 def hooks(stage: str) -> tuple[tuple[str, Callable], ...]:
@@ -139,29 +141,20 @@ def part(name: str) -> Part:
 
 def refusals(config: ParallelConfig, facts: ModelFacts | None = None) -> Iterator[tuple[Part, Rule, str]]:
     """``(part, rule, message)`` of every rule ``config`` breaks, in ``first_refusal``'s order."""
-    for p, r in _ORDER:
-        if r.model and facts is None:
-            continue
-        why = r.check(config, facts)
-        if why is not None:
-            yield p, r, sentence([why]) if isinstance(why, NotYet) else why
+    for r, why in broken(_RULES, config, facts):
+        yield _PART_OF[r], r, sentence([why]) if isinstance(why, NotYet) else why
 
 
 def not_yet(config: ParallelConfig, facts: ModelFacts | None = None) -> str | None:
     """What this version of the engine does not run of ``config`` (for the model of ``facts``), in one sentence
     with what to set instead, or None (``engine.unsupported``)."""
-    items = [why for _, r in _ORDER if r.not_yet and not (r.model and facts is None)
-             for why in (r.check(config, facts),) if why is not None]
+    items = [why for r, why in broken(_RULES, config, facts) if r.not_yet]
     return sentence(items) if items else None
 
 
 def first_refusal(config: ParallelConfig, facts: ModelFacts | None = None) -> ConfigError | None:
     """The ConfigError ``boost`` raises for ``config`` and the model of ``facts`` before any process starts (the
     rule broken and a value that works), or None where every part takes it."""
-    for _, r in _ORDER:
-        if r.model and facts is None:
-            continue
-        why = r.check(config, facts)
-        if why is not None:
-            return ConfigError(not_yet(config, facts) if isinstance(why, NotYet) else why)
+    for _, why in broken(_RULES, config, facts):
+        return ConfigError(not_yet(config, facts) if isinstance(why, NotYet) else why)
     return None

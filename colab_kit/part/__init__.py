@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ConfigError, ParallelConfig
-from .rules import NotYet, Rule, memo, needs, or_words, raised, rule, sentence
+from .rules import NotYet, Rule, broken, memo, needs, or_words, raised, rule, sentence
 
-__all__ = ["Build", "HOOKS", "NotYet", "Part", "Rule", "memo", "needs", "or_words", "raised", "rule", "sentence"]
+__all__ = ["Build", "HOOKS", "NotYet", "Part", "Rule", "broken", "memo", "needs", "or_words", "raised", "rule",
+           "sentence"]
 
 
 @dataclass
@@ -34,10 +35,9 @@ class Build:
     model: Any  # nn.Module
     mesh: Any  # ProcessMesh
     config: ParallelConfig
-    policy: Any
-    loss: Callable
+    options: Any  # boost's keywords (engine.options.BoostOptions): policy, bucket_bytes, device_budget, ...
+    loss: Callable  # the microbatch's loss as this layout computes it (precision wraps it)
     token_loss: Any = None
-    options: Any = None  # boost's keywords (engine.options.BoostOptions): bucket_bytes, device_budget, ...
     group_of_name: Callable[[str], int] | None = None
     twin: Any = None  # the dense model on meta (defer_init)
     conv1d: tuple = ()  # Hugging Face Conv1D modules made Linear (defer_init)
@@ -53,6 +53,11 @@ class Build:
     events: list = field(default_factory=list)
     data_parallel: Any = None  # the data-parallel object: gradient sync, what the optimizer steps (data_parallel)
     steps: list = field(default_factory=list)  # the names of the steps taken
+
+    @property
+    def policy(self) -> Any:
+        """What each part of the model is (``options.policy``, as ``check_policy`` found it)."""
+        return self.options.policy
 
 
 HOOKS = ("microbatch", "loss", "finish_grads", "after_optimizer", "after_step")
@@ -85,10 +90,6 @@ class Part:
     def refuses(self, config: ParallelConfig, facts=None) -> ConfigError | None:
         """The first of this part's rules that ``config`` breaks for the model of ``facts`` (a ``ModelFacts``,
         or None: the rules that read the model are passed over), or None."""
-        for r in sorted(self.rules, key=lambda r: not r.not_yet):
-            if r.model and facts is None:
-                continue
-            why = r.check(config, facts)
-            if why is not None:
-                return ConfigError(sentence([why]) if isinstance(why, NotYet) else why)
+        for _, why in broken(sorted(self.rules, key=lambda r: not r.not_yet), config, facts):
+            return ConfigError(sentence([why]) if isinstance(why, NotYet) else why)
         return None

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from ..config import ConfigError, ParallelConfig
 
-__all__ = ["NotYet", "Rule", "rule", "sentence", "raised", "needs", "memo", "or_words"]
+__all__ = ["NotYet", "Rule", "broken", "rule", "sentence", "raised", "needs", "memo", "or_words"]
 
 
 class NotYet(NamedTuple):
@@ -67,6 +67,16 @@ class Rule:
 def rule(*, model: bool = True, priced: bool = False, not_yet: bool = False):
     """Make a function ``(config, facts) -> message | NotYet | None`` a ``Rule``."""
     return lambda fn: Rule(fn, model, priced, not_yet)
+
+
+def broken(rules, config: ParallelConfig, facts=None):
+    """``(rule, why)`` of each of ``rules`` that ``config`` breaks for the model of ``facts``, in the order given;
+    where ``facts`` is None the rules that read the model are passed over."""
+    for r in rules:
+        if not (r.model and facts is None):
+            why = r.check(config, facts)
+            if why is not None:
+                yield r, why
 
 
 def raised(fn, *args) -> str | None:
