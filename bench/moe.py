@@ -14,7 +14,7 @@ Four comparisons, each a row (the fourth: four rows) of ``bench/results/moe.json
    the ratio is the median over rounds of colab_kit / transformers of adjacent rounds (goal <= 1.00). ``Z``
    is 3 (FSDP's counterpart) where the engine runs ZeRO-3 with ep, else 2, named in the row.
 2. **Grouped GEMM against the loop** (``colab_kit.models.experts.bench_expert_compute``) at the Mixtral's
-   expert sizes and the rows one rank's experts receive.
+   expert sizes and the rows one rank's experts receive, then over ``SWEEP`` (the sizes docs/moe.md tables).
 3. **Dispatch bytes against the formula**: the engine's comm records of one step (tags ``expert dispatch``,
    ``expert combine`` and their backward) against ``4 N k d x 4`` bytes per MoE layer summed over the ep group
    (``docs/moe.md``).
@@ -49,6 +49,8 @@ MIXTRAL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidde
                num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
                router_aux_loss_coef=0.02, output_router_logits=True)
 SEQ, BATCH = 128, 8
+SWEEP = [(4, 32, 128, 128), (8, 32, 128, 256), (8, 64, 256, 1024), (16, 64, 256, 2048)]
+"""(experts, d, f, rows) of the expert-compute sweep: the test GPT's sizes up to twice the experts and rows."""
 
 
 def _batches(step: int) -> torch.Tensor:
@@ -147,6 +149,14 @@ def main(argv=None) -> int:
                     f"{rows_per_rank} rows, fwd+bwd, 1 thread", f"grouped_mm {ms['grouped_mm']:.2f} ms",
                     f"loop {ms['loop']:.2f} ms", ms["grouped_mm"] / ms["loop"], "padded bmm "
                     f"{ms['padded']:.2f} ms"))
+    # ... and over the sizes docs/moe.md tables (EXPERT_COMPUTE's choice rests on all of them)
+    figures["expert_compute_sweep"] = []
+    for n, dm, f, r in SWEEP:
+        ms = bench_expert_compute(n, dm, f, r)
+        figures["expert_compute_sweep"].append({"experts": n, "d": dm, "f": f, "rows": r, "ms": ms})
+        rows.append(row(f"expert compute, {n} x {dm} x {f}, {r} rows, fwd+bwd, 1 thread",
+                        f"grouped_mm {ms['grouped_mm']:.2f} ms", f"loop {ms['loop']:.2f} ms",
+                        ms["grouped_mm"] / ms["loop"], f"padded bmm {ms['padded']:.2f} ms"))
     # 3. dispatch bytes of one step against the formula
     d, k, layers = MIXTRAL["hidden_size"], MIXTRAL["num_experts_per_tok"], MIXTRAL["num_hidden_layers"]
     tokens = BATCH // 2 * SEQ

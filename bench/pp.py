@@ -219,9 +219,8 @@ def main(argv=None):
     print(f"last rank's compute per step: 1f1b B {b:.1f} ms; zb-h1 I {i:.1f} + W {w:.1f} ms = {(i + w) / b:.3f} of B "
           f"(the split's cost: I + W against B)")
     gpt2 = dict(gpt, n_layers=args.layers or 8)  # the side-by-side runs on 2 ranks
-    # on gloo itself: torch's schedules batch their sends and receives with torch.distributed.batch_isend_irecv,
-    # which a Python process group such as nccl_rules (ck.launch's default on CPU) runs as separate messages,
-    # so under NCCL's pair order torch's own 1F1B waits forever (docs/nccl.md); its users on CPU run gloo
+    # on gloo itself, as torch.distributed.pipelining's users on CPU run it (both sides on one backend); it also
+    # trains under nccl_rules, which takes torch's batch_isend_irecv as one NCCL group (docs/nccl.md)
     pairs = ck.launch(_versus_torch, 2, gpt2, args.batch, m, args.rounds, args.steps, backend="gloo")
     versus = []
     for schedule, torch_name in (("1f1b", "Schedule1F1B"), ("zb-h1", "_PipelineScheduleRuntime, same actions")):

@@ -138,6 +138,13 @@ def check_model(model_cfg, config, policy=None) -> None:
         plan.check(sizes, MeshLayout(config))
 
 
+def _width(norm) -> int:
+    """The features a norm normalises: torch's LayerNorm and RMSNorm say it (``normalized_shape``), a
+    model's own RMSNorm (Hugging Face's, which has no such field) by its weight."""
+    shape = getattr(norm, "normalized_shape", None)
+    return int(shape[-1]) if shape else int(norm.weight.shape[-1])
+
+
 def model_sizes(model, policy=None):
     """The sizes a tensor mode splits, as one namespace: ``d_model``, ``n_heads``, ``d_ff``, ``seq_len``,
     ``outputs`` (the head's: ``{"vocab_size": V}`` or ``{"num_classes": C}``), ``tables`` (the token
@@ -147,7 +154,8 @@ def model_sizes(model, policy=None):
 
     From a config (``GPTConfig``), its fields; from a model with its policy, its layers: ``d_ff`` is the
     gcd of the out features of the column Linears outside attention (a tp size divides all of them
-    exactly when it divides their gcd), ``d_model`` the first norm's width.
+    exactly when it divides their gcd), ``d_model`` the first norm's width (a LayerNorm's, else an RMSNorm's; the
+    first row Linear's out features where the policy names no norm).
     """
     from types import SimpleNamespace
     if not isinstance(model, nn.Module):
@@ -158,9 +166,9 @@ def model_sizes(model, policy=None):
     inside = {p for p, _, _ in policy.attentions(model)}
     cols = [m.out_features for p, _, m in policy.modules(model, "column")
             if not any(p.startswith(a + ".") for a in inside)]
-    norms = policy.modules(model, "norm")
+    norms = policy.modules(model, "norm") or policy.modules(model, "rmsnorm")
     rows = policy.modules(model, "row")
-    d_model = norms[0][2].normalized_shape[0] if norms else (rows[0][2].out_features if rows else 0)
+    d_model = _width(norms[0][2]) if norms else (rows[0][2].out_features if rows else 0)
     counts = policy.head_count(model)
     heads = counts["heads"]
     head_name = "num_classes" if policy.loss == "classes" else "vocab_size"

@@ -94,6 +94,41 @@ def test_the_comparison_rejects_wrong_answers(small_runs):
     assert set(_mismatch(dry[(0, 0)], whole)) >= {"params", "grads", "optimizer"}  # the dense model's bytes
 
 
+WIDE = GPTConfig(vocab_size=8192, seq_len=16, d_model=128, n_heads=4, n_layers=1)  # a table of 1 << 20 elements
+WIDE_RUNS = [(dict(dp=2), "adamw"), (dict(dp=2, zero=1), "sgd-momentum"), (dict(dp=2, zero=2), "adam")]
+OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3), "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+              "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)}
+
+
+def _wide_real():
+    torch.manual_seed(0)
+    x = torch.randint(0, WIDE.vocab_size, (4, WIDE.seq_len))
+    out = []
+    for kw, opt in WIDE_RUNS:
+        engine = ck.boost(GPT(WIDE), OPTIMIZERS[opt], ck.ParallelConfig(**kw))
+        engine.train_step((x, x.roll(-1, 1)))
+        mem = engine.memory()
+        out.append({**{k: mem[k] for k in STATES}, "device": {k: mem["device"][k] for k in STATES},
+                    "host": {k: mem["host"][k] for k in STATES}, "activations": engine.memory_estimate()["activations"]})
+        engine.close()
+    return out
+
+
+def test_the_first_step_on_tensors_it_does_not_compute_makes_the_real_states():
+    """Tensors of ``child.BIG`` elements or more (the token table, ZeRO's flat buffers) get their optimizer
+    states in a dry run without any value computed (``_unwritten(stepping=True)``): AdamW, Adam and SGD with
+    momentum, plain dp, ZeRO-1 and ZeRO-2, each to the byte of a real rank after one real step."""
+    from colab_kit.planner.dry_runs.child import BIG as UNWRITTEN_FROM
+
+    assert max(p.numel() for p in GPT(WIDE, device="meta").parameters()) >= UNWRITTEN_FROM  # the path is taken
+    dry = dry_run_many([dict(model=GPT(WIDE, device="meta"), config=ck.ParallelConfig(**kw), rank=1, batch=4,
+                             optimizer=opt) for kw, opt in WIDE_RUNS], hardware=[])
+    real = ck.launch(_wide_real, 2)[1]
+    for (kw, opt), report, mine in zip(WIDE_RUNS, dry, real):
+        assert _mismatch(report, mine) == [], (kw, opt, report.memory, mine)
+    assert _mismatch(dry[0], real[1]) and _mismatch(dry[1], real[2])  # and the comparison can fail
+
+
 BIG = GPTConfig(vocab_size=50304, seq_len=1024, d_model=1024, n_heads=16, n_layers=24)  # 406M parameters
 
 

@@ -109,6 +109,19 @@ def _programs(backend: str) -> dict:
         return got.tolist()
     attempt("batched", batched)
 
+    # 2''. the same batch through torch's own function, as libraries call it (torch's pipelining schedules):
+    # torch runs a Python group's batch as separate messages, which the pair order would hold back; register()
+    # routes it to the rules' batch, so it passes here as on NCCL
+    g = group()
+
+    def torch_batched():
+        got = torch.empty(2)
+        ops = [dist.P2POp(dist.irecv, got, other, g), dist.P2POp(dist.isend, torch.full((2,), float(me)), other, g)]
+        for w in dist.batch_isend_irecv(ops):
+            comm.finish(w, timeout=3.0)
+        return got.tolist()
+    attempt("torch_batched", torch_batched)
+
     # 3. collectives in different orders: the same bytes, so gloo adds them up without a word
     g = group()
 
@@ -168,8 +181,11 @@ def test_a_receive_posted_first_holds_back_the_send_after_it(outcomes):
         # the report names both, the receive running and the send queued behind it
         assert f"recv float32[2] from rank {1 - rank} (running" in pending, pending
         assert f"send float32[2] to rank {1 - rank} (queued" in pending, pending
-        # posted together, as one group, the same two messages pass
+        # posted together, as one group, the same two messages pass: through the rules' batch_isend_irecv and
+        # through torch's own, which register() routes to it
         assert outcomes["nccl_rules"][rank]["batched"] == ("ok", [float(1 - rank)] * 2)
+        assert outcomes["nccl_rules"][rank]["torch_batched"] == ("ok", [float(1 - rank)] * 2)
+        assert outcomes["gloo"][rank]["torch_batched"] == ("ok", [float(1 - rank)] * 2)
 
 
 def test_collectives_must_match_on_every_rank(outcomes):
@@ -188,6 +204,52 @@ def test_tensors_must_be_on_the_device(outcomes):
         assert outcomes["gloo"][rank]["device"][0] == "ok"
         kind, text = outcomes["nccl_rules"][rank]["device"]
         assert kind == "RuleBroken" and "cpu tensor float32[2]" in text and "run on cuda" in text, text
+
+
+def _torch_pipelining() -> dict:
+    """torch.distributed.pipelining's GPipe and 1F1B, 2 stages of two Linear layers each, 4 microbatches, on the
+    launch's backend (nccl_rules): rank 1's losses and each rank's gradients."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    me, out = dist.get_rank(), {}
+    x, y = (torch.randn(8, 6, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2))
+    for name, kind in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(6, 6) for _ in range(4)]
+        mine = torch.nn.Sequential(*layers[2 * me:2 * me + 2])
+        stage = PipelineStage(mine, me, 2, torch.device("cpu"))
+        schedule = kind(stage, n_microbatches=4, loss_fn=lambda out, target: ((out - target) ** 2).mean())
+        losses: list = []
+        if me == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=losses)
+        out[name] = ([float(v) for v in losses], [p.grad.clone() for p in mine.parameters()])
+    return out
+
+
+def test_torchs_own_pipelining_trains_under_the_rules():
+    """torch's schedules batch each exchange with torch.distributed.batch_isend_irecv; under the rules it is one
+    NCCL group (register() routes it), so GPipe and 1F1B finish and match one process."""
+    import torch
+
+    got = ck.launch(_torch_pipelining, 2, timeout=120)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, 6) for _ in range(4)]
+    model = torch.nn.Sequential(*layers)
+    x, y = (torch.randn(8, 6, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2))
+    losses = [((model(xm) - ym) ** 2).mean() for xm, ym in zip(x.chunk(4), y.chunk(4))]
+    (sum(losses) / 4).backward()
+    want = [p.grad for p in model.parameters()]
+    for name in ("gpipe", "1f1b"):
+        assert got[1][name][0] == pytest.approx([float(v.detach()) for v in losses], rel=1e-6)
+        grads = got[0][name][1] + got[1][name][1]
+        assert len(grads) == len(want)
+        for g, w in zip(grads, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+        assert not torch.allclose(grads[0], 2 * want[0])  # the check can fail: gradients summed, not averaged
 
 
 # --------------------------------------------------------------------------- the pipeline's order, in one process

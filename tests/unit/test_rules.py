@@ -192,3 +192,39 @@ def test_every_part_has_a_name_and_refuses():
     assert part("tensor").refuses(P(tp=8), facts) is not None and part("sequence").refuses(P(tp=8), facts) is None
     assert all(p.refuses(P(dp=8), facts) is None for p in PARTS)
     assert first_refusal(P(dp=2, pp=2, zero=3)) is not None  # the model unknown: what no model changes
+
+
+def test_a_models_own_rmsnorm_gives_its_width():
+    """A user's model whose only norms are its own RMSNorm (a weight, no ``normalized_shape``, as Hugging Face
+    writes theirs) and whose policy names no row Linear: the width the tensor rules and the planner's shape read
+    is the norm's, not 0 (which every tp size divides and every estimate multiplies by)."""
+    import torch.nn as nn
+
+    from colab_kit.policy import Policy
+    from colab_kit.tensor import model_sizes
+
+    class OwnRMSNorm(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.up = OwnRMSNorm(24), nn.Linear(24, 48)
+
+        def forward(self, x):
+            return x + self.up(self.norm(x)).view(*x.shape[:-1], 24, 2).sum(-1)
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList([Block(), Block()])
+    policy = Policy(name="own", blocks="blocks", layers={"blocks.*.norm": "rmsnorm", "blocks.*.up": "column"},
+                    embed=lambda m, x: x, finish=lambda m, h: h)
+    sizes = model_sizes(model, policy)
+    assert (sizes.d_model, sizes.d_ff) == (24, 48)
+    norm = nn.RMSNorm(16)  # torch's own says its width, weight or not
+    from colab_kit.tensor import _width
+    assert _width(norm) == 16 and _width(nn.LayerNorm(8, elementwise_affine=False)) == 8

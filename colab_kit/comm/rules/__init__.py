@@ -47,10 +47,27 @@ def _create(opts, backend_options=None):
 
 
 def register() -> str:
-    """Make ``nccl_rules`` known to ``torch.distributed`` (idempotent); returns the name."""
+    """Make ``nccl_rules`` known to ``torch.distributed`` (idempotent), and route torch's own
+    ``batch_isend_irecv`` on a rules group to this module's (``_route_torch_batches``); returns the name."""
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    _route_torch_batches()
     return BACKEND
+
+
+_TORCH_BATCH = dist.distributed_c10d.batch_isend_irecv
+"""torch's own ``batch_isend_irecv``, kept before ``_route_torch_batches`` puts ours in its place."""
+
+
+def _route_torch_batches() -> None:
+    """``torch.distributed.batch_isend_irecv`` (and ``distributed_c10d``'s, where torch's pipelining and other
+    libraries find it) becomes ``batch_isend_irecv`` below: a batch on a rules group is one NCCL group, as on
+    NCCL, instead of separate messages that rule 2 would hold back; any other group goes to torch's own,
+    unchanged. Without this a library that batches its exchanges, as ``torch.distributed.pipelining``'s
+    schedules do, waits forever on CPU ranks where NCCL would not (docs/nccl.md)."""
+    for module in (dist, dist.distributed_c10d):
+        if getattr(module, "batch_isend_irecv", None) is _TORCH_BATCH:
+            module.batch_isend_irecv = batch_isend_irecv  # type: ignore[attr-defined]  # torch.distributed re-exports it
 
 
 def is_rules(group) -> bool:
@@ -67,11 +84,13 @@ def batch_isend_irecv(ops: list) -> list:
         return []
     group = ops[0].group or dist.distributed_c10d._get_default_group()
     if not isinstance(group, RulesGroup):
-        return dist.batch_isend_irecv(ops)
+        return _TORCH_BATCH(ops)
+    dist.distributed_c10d._check_p2p_op_list(ops)  # torch's own check: P2POps, all on one group
     items = []
     for op in ops:
         kind = "send" if op.op in (dist.isend, dist.send) else "recv"
-        items.append((kind, op.tensor, dist.get_group_rank(group, op.peer)))
+        peer = getattr(op, "group_peer", None)
+        items.append((kind, op.tensor, peer if peer is not None else dist.get_group_rank(group, op.peer)))
     return group.batch(items)
 
 

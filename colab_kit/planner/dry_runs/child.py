@@ -46,7 +46,7 @@ BIG = 1 << 20
 """Elements from which a dry run's fills and copies give a tensor its storage and write nothing (``_unwritten``)."""
 
 
-def _unwritten():
+def _unwritten(stepping: bool = False):
     """A dispatch mode under which tensors of ``BIG`` elements or more get their storage and no values: a
     fill (``zeros``, ``full``, ``zero_``, ``fill_``) allocates or leaves the memory as it is, a ``copy_`` into
     one is skipped. The bytes a rank holds are what a dry run reports, counted by storage; its values
@@ -57,12 +57,20 @@ def _unwritten():
     ``cat``, ``clone``, ``out=``), and so do fills of smaller tensors (offsets, indices, counters). A
     ``torch.full`` without a dtype keeps the one its value implies (``5`` int64, ``True`` bool).
 
+    ``stepping`` (the optimizer's first step, ``_first_states``): no op computes on a tensor of ``BIG`` elements.
+    An in-place op on one leaves it as it is; an op that makes a new tensor from one gets storage of the shape,
+    stride and dtype the op would give (worked out on the meta device) and no values; a view is still made,
+    so a state that aliases a parameter stays an alias. The states' bytes are exact, their values never read:
+    the 406M GPT's AdamW step at dp=512 took 7 of the dry run's 8 s here before.
+
     Worked example: ``torch.zeros(1 << 20)`` under it is an uninitialised tensor of 4 MiB (no page touched),
-    ``torch.zeros(8)`` is eight zeros; ``big.copy_(src)`` returns ``big`` as it was."""
+    ``torch.zeros(8)`` is eight zeros; ``big.copy_(src)`` returns ``big`` as it was; stepping,
+    ``big.mul_(0.9)`` returns ``big`` as it was and ``big.sqrt()`` a new uninitialised tensor of ``big``'s shape."""
     import math
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves, tree_map
 
     aten = torch.ops.aten  # a fill value is always positional here; kwargs hold dtype, device, layout, pin_memory
     fresh = {aten.zeros.default, aten.ones.default, aten.full.default}
@@ -73,9 +81,30 @@ def _unwritten():
     def numel(size) -> int:
         return math.prod(int(d) for d in size)
 
+    def big(t) -> bool:
+        return isinstance(t, torch.Tensor) and t.numel() >= BIG
+
+    def no_compute(func, args, kwargs):
+        """``func`` on big tensors while stepping, without computing: NotImplemented where it must run."""
+        schema = func._schema
+        if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+            return NotImplemented  # a view: made for real, an alias of what it views
+        if schema.name.endswith("_") and not schema.name.endswith("__"):  # in-place: left as it is
+            return args[0] if schema.returns else None
+        if schema.is_mutable:
+            return NotImplemented  # out= and the like: rare, run as they are
+        metas = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        device = next(t.device for t in tree_leaves((args, kwargs)) if big(t))
+        return tree_map(lambda o: torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=device)
+                        if isinstance(o, torch.Tensor) else o, func(*metas[0], **metas[1]))
+
     class Unwritten(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = dict(kwargs or {})
+            if stepping and any(big(t) for t in tree_leaves((args, kwargs))):
+                out = no_compute(func, args, kwargs)
+                if out is not NotImplemented:
+                    return out
             if func in inplace and args[0].numel() >= BIG:
                 return args[0]
             if func in fresh and numel(args[0]) >= BIG:
@@ -108,7 +137,7 @@ def _one(job: dict) -> dict:
         with _unwritten():  # storage without values: the bytes are what is reported (``_unwritten``)
             engine = boost(model, factory, cfg, policy=job["policy"])
         try:
-            with _unwritten():
+            with _unwritten(stepping=True):
                 _first_states(engine.optimizer)
             return _measure(engine, job, t0)
         finally:
