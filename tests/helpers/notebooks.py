@@ -191,6 +191,12 @@ these start 4 engines there, and this file runs them with nbclient under this ma
 both sizes, each against its own expectations beside ``EXPECT``'s common ones. Except ``EIGHT_ELSEWHERE``."""
 
 EIGHT_ELSEWHERE = {
+    "06_hybrid_and_planner.ipynb":
+        "its 8-rank run (22 s of a 21-minute suite) is left out: the browser tier runs it top to bottom on 4 ranks "
+        "with the same cells (the plan, the top three measured, a checkpoint saved under one config and resumed under "
+        "the plan's pick), and its 8-rank modes are each trained against one process in tests/ranks (dp x tp x pp in "
+        "test_parity_matrix and test_pipeline_engine, checkpoints resharded between such layouts in test_checkpoint); "
+        "where the browser tier cannot run, test_notebooks.py still runs it with nbclient on this machine's memory",
     "07_bring_your_own_model.ipynb":
         "its 8-rank run (72 s of a 21-minute suite) is left out: the browser tier runs it top to bottom on 4 ranks, "
         "and its modes (ViT 3d tp, BERT sp ring, GPT-2 zb-v, the user's Net over dp x tp x pp) are each trained "

@@ -220,7 +220,8 @@ def _stuck(fault: str, timeout: float):
         pipe._send = lambda a, *args: None if str(a) == "0SF1" else send(a, *args)
     if fault == "sleep" and rank == 1:
         forward = pipe._do_F
-        pipe._do_F = lambda a, s, m: (time.sleep(SLEEP * timeout) if m == 1 else None, forward(a, s, m))
+        pipe._do_F = lambda a, s, m: (_asleep_until_reported(pipe.monitor, SLEEP * timeout) if m == 1 else None,
+                                      forward(a, s, m))
     if fault == "error" and rank == 1:
         forward = pipe._do_F
         pipe._do_F = lambda a, s, m: forward(a, s, m) if m == 0 else 1 / 0
@@ -234,7 +235,19 @@ def _stuck(fault: str, timeout: float):
     return dict(message=None, seconds=time.perf_counter() - t, refused=refused)
 
 
-SLEEP = 8  # timeouts the 'sleep' fault's rank sleeps: it must still be asleep when the report reaches it
+SLEEP = 8  # timeouts the 'sleep' fault's rank sleeps at most: it must still be asleep when the report reaches it
+
+
+def _asleep_until_reported(monitor, limit: float) -> None:
+    """The 'sleep' fault: asleep in 1F1 until this rank's monitor has published its report (what it answers
+    the waiting rank: "running 1F1"), ``limit`` seconds at most; then on to 1B0, where the flag stops it."""
+    key = monitor._key(monitor._step, f"report/{monitor.rank}")
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        with monitor._lock:
+            if monitor.flagged.is_set() and monitor.store.check([key]):
+                return
+        time.sleep(0.05)
 REPORTED = 6  # timeouts within which the waiting rank reports: the timeout and every rank's answer, on a loaded machine
 
 
