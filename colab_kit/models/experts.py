@@ -19,20 +19,20 @@ Worked example, 3 tokens, top-2 of 3 experts::
     chosen [[2, 0], [0, 1], [2, 1]]  -> flat (token, slot) 0..5 -> experts [2 0 0 1 2 1]
     stable sort by expert: order [1 2 3 5 0 4] -> rows of tokens [0 1 | 1 2 | 0 2], counts [2 2 2]
 
-The local expert compute (``expert_compute``): three ways measured on this machine (2 cores shared with a CI
-run, one thread, torch 2.13 CPU, fp32, forward + backward, medians with the three ways taking turns;
-``bench_expert_compute(n, d, f, rows)``)::
+The local expert compute (``expert_compute``): three ways measured on this machine (2 cores, one thread,
+torch 2.13 CPU, fp32, forward + backward, medians with the three ways taking turns;
+``bench_expert_compute(n, d, f, rows)``, run by ``python bench/moe.py``: ``bench/results/moe.json``)::
 
     experts x d x f, rows          loop     torch._grouped_mm   padded bmm
-    4 x 32 x 128,    128 rows      1.01 ms  0.77 ms             0.71 ms
-    8 x 32 x 128,    256 rows      1.84 ms  1.07 ms             0.95 ms
-    8 x 64 x 256,  1,024 rows      8.78 ms  8.32 ms             8.56 ms
-    16 x 64 x 256, 2,048 rows     14.25 ms 14.01 ms            17.73 ms
+    4 x 32 x 128,    128 rows      0.79 ms  0.65 ms             0.51 ms
+    8 x 32 x 128,    256 rows      1.61 ms  0.92 ms             0.74 ms
+    8 x 64 x 256,  1,024 rows      5.07 ms  3.69 ms             3.41 ms
+    16 x 64 x 256, 2,048 rows     13.03 ms  7.82 ms             8.64 ms
 
 ``torch._grouped_mm`` (it runs on CPU in torch 2.13, with autograd; its backward refuses an expanded
-gradient, hence ``_Contiguous``) is kept: the fastest at the larger sizes, within about 10% of the padded
-form at the test GPT's sizes where all three take about a millisecond, and never the slowest; the padded form
-computes on padding (every expert padded to the busiest: 25% slower at 16 experts), the loop pays a matmul
+gradient, hence ``_Contiguous``) is kept: never the slowest, the fastest at the largest size, behind the
+padded form by 8-28% at the smaller ones where all three take a few milliseconds; the padded form computes on
+padding (every expert padded to the busiest), the loop pays a matmul
 call per expert. On one H200 (torch 2.11, bf16, 64 experts x 2,048 x 1,408, 65,536 rows, ``python
 bench/gpu_moe_check.py speed``): grouped 7.05 ms (322 TFLOP/s of the six GEMMs), padded 11.9 ms, loop
 63.3 ms; the bias adds are ``GroupBias`` (the gather's bf16 scatter-add backward was wrong by 31% there and

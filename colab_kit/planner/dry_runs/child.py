@@ -60,8 +60,9 @@ def _unwritten(stepping: bool = False):
     ``stepping`` (the optimizer's first step, ``_first_states``): no op computes on a tensor of ``BIG`` elements.
     An in-place op on one leaves it as it is; an op that makes a new tensor from one gets storage of the shape,
     stride and dtype the op would give (worked out on the meta device) and no values; a view is still made,
-    so a state that aliases a parameter stays an alias. The states' bytes are exact, their values never read:
-    the 406M GPT's AdamW step at dp=512 took 7 of the dry run's 8 s here before.
+    so a state that aliases a parameter stays an alias. The states' bytes are exact, their values never read,
+    and a rank that holds a whole 406M GPT steps AdamW without touching its 6.5 GB of parameters, gradients and
+    states.
 
     Worked example: ``torch.zeros(1 << 20)`` under it is an uninitialised tensor of 4 MiB (no page touched),
     ``torch.zeros(8)`` is eight zeros; ``big.copy_(src)`` returns ``big`` as it was; stepping,
