@@ -96,8 +96,13 @@ def _unwritten(stepping: bool = False):
             return NotImplemented  # out= and the like: rare, run as they are
         metas = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
         device = next(t.device for t in tree_leaves((args, kwargs)) if big(t))
-        return tree_map(lambda o: torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=device)
-                        if isinstance(o, torch.Tensor) else o, func(*metas[0], **metas[1]))
+        try:
+            shaped = func(*metas[0], **metas[1])
+        except (NotImplementedError, RuntimeError):  # no meta kernel, or a shape that depends on values
+            return NotImplemented
+        if not all(isinstance(o, torch.Tensor) for o in tree_leaves(shaped)):
+            return NotImplemented  # a number or a bool: a value the step may read, so computed for real
+        return tree_map(lambda o: torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=device), shaped)
 
     class Unwritten(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
