@@ -25,7 +25,7 @@ microbatch, so training stays equal to one process (to fp32 rounding of the grad
 which now add up in another order).
 
 Why it matters: ``python bench/pp.py`` (GPT d=128 x 4, 8 microbatches, 2 CPU ranks) prints
-the costs it fits; one run (2026-12-01, a loaded machine) read a chunk's F at 1.9-2.4 ms, I
+the costs it fits; one run on a loaded machine read a chunk's F at 1.9-2.4 ms, I
 2.3-2.7 ms and W 1.4-1.6 ms, and the first stage, which never splits (see ``executor``), an I
 of 0.01 ms and a W of 3.8 ms (its whole backward). The example rounds such costs to one
 value per kind. With them and free messages the unit-step plan leaves 11 ms of its 113.5 ms
