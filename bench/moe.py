@@ -139,21 +139,18 @@ def main(argv=None) -> int:
                     f"{ck_ms:.1f} ms/step", f"transformers FSDP2+EP all_to_all {hf_ms:.1f} ms/step", ratio,
                     "median of adjacent-round ratios; goal <= 1.00"))
     figures["times"] = t
-    # 2. grouped GEMM against the loop, at the Mixtral's expert sizes and one rank's rows
-    n_local = MIXTRAL["num_local_experts"]
-    rows_per_rank = BATCH // 2 * SEQ * MIXTRAL["num_experts_per_tok"]
+    # 2. grouped GEMM against the loop, at the Mixtral's expert sizes and one rank's rows, then over the sizes
+    # docs/moe.md tables (EXPERT_COMPUTE's choice rests on all of them)
     torch.set_num_threads(1)
-    ms = bench_expert_compute(n_local, MIXTRAL["hidden_size"], MIXTRAL["intermediate_size"], rows_per_rank)
-    figures["expert_compute_ms"] = ms
-    rows.append(row(f"expert compute, {n_local} x {MIXTRAL['hidden_size']} x {MIXTRAL['intermediate_size']}, "
-                    f"{rows_per_rank} rows, fwd+bwd, 1 thread", f"grouped_mm {ms['grouped_mm']:.2f} ms",
-                    f"loop {ms['loop']:.2f} ms", ms["grouped_mm"] / ms["loop"], "padded bmm "
-                    f"{ms['padded']:.2f} ms"))
-    # ... and over the sizes docs/moe.md tables (EXPERT_COMPUTE's choice rests on all of them)
+    mixtral = (MIXTRAL["num_local_experts"], MIXTRAL["hidden_size"], MIXTRAL["intermediate_size"],
+               BATCH // 2 * SEQ * MIXTRAL["num_experts_per_tok"])
     figures["expert_compute_sweep"] = []
-    for n, dm, f, r in SWEEP:
+    for n, dm, f, r in [mixtral, *SWEEP]:
         ms = bench_expert_compute(n, dm, f, r)
-        figures["expert_compute_sweep"].append({"experts": n, "d": dm, "f": f, "rows": r, "ms": ms})
+        if (n, dm, f, r) == mixtral:
+            figures["expert_compute_ms"] = ms
+        else:
+            figures["expert_compute_sweep"].append({"experts": n, "d": dm, "f": f, "rows": r, "ms": ms})
         rows.append(row(f"expert compute, {n} x {dm} x {f}, {r} rows, fwd+bwd, 1 thread",
                         f"grouped_mm {ms['grouped_mm']:.2f} ms", f"loop {ms['loop']:.2f} ms",
                         ms["grouped_mm"] / ms["loop"], f"padded bmm {ms['padded']:.2f} ms"))

@@ -31,7 +31,7 @@ torch 2.13 CPU, fp32, forward + backward, medians with the three ways taking tur
 
 ``torch._grouped_mm`` (it runs on CPU in torch 2.13, with autograd; its backward refuses an expanded
 gradient, hence ``_Contiguous``) is kept: never the slowest, the fastest at the largest size, behind the
-padded form by 8-28% at the smaller ones where all three take a few milliseconds; the padded form computes on
+padded form by 8-27% at the smaller ones where all three take a few milliseconds; the padded form computes on
 padding (every expert padded to the busiest), the loop pays a matmul
 call per expert. On one H200 (torch 2.11, bf16, 64 experts x 2,048 x 1,408, 65,536 rows, ``python
 bench/gpu_moe_check.py speed``): grouped 7.05 ms (322 TFLOP/s of the six GEMMs), padded 11.9 ms, loop

@@ -53,8 +53,8 @@ def _unwritten(stepping: bool = False):
     are never read. Untouched pages are not resident, so a rank's flat buffers are not paid for in this
     process's memory or time: the 512-rank ZeRO-2 config of notebook 08 (a 406M GPT, ``ck.plan(...,
     exact=2)``) took 11 s and 3.5 GB resident before, most of it zeroing and copying the full flat buffers
-    of params and grads (1.6 GB each). Other ops still write (the optimizer's first step into its states,
-    ``cat``, ``clone``, ``out=``), and so do fills of smaller tensors (offsets, indices, counters). A
+    of params and grads (1.6 GB each). Other ops still write (``cat``, ``clone``, ``out=``; outside
+    ``stepping``, below), and so do fills of smaller tensors (offsets, indices, counters). A
     ``torch.full`` without a dtype keeps the one its value implies (``5`` int64, ``True`` bool).
 
     ``stepping`` (the optimizer's first step, ``_first_states``): no op computes on a tensor of ``BIG`` elements.
