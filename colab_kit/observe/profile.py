@@ -198,7 +198,9 @@ def _build(p: Profile, engine, events, times, min_idle: float) -> None:
     p.matched = len(used - {None})
     p.intervals = _paint(p, engine, compute, copies, blocked, min_idle)
     busy = _union([(iv.start, iv.end) for iv in p.intervals if iv.kind in ("compute", "copy")])
-    p.hidden = [_measure(busy, a, b) for a, b in p.spans]
+    # hidden from the record's launch on: a backend span may begin up to the matching tolerance before it (the
+    # clocks differ), and the compute just before a blocking call is not communication hidden behind it
+    p.hidden = [_measure(busy, max(a, times[i][0]), b) for i, (a, b) in enumerate(p.spans)]
 
 
 def _union(spans):
