@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -100,11 +102,13 @@ def test_a_kernel_with_a_cluster_shuts_down_cleanly_and_leaves_nothing():
         seen = []
         for code in ("%load_ext colab_kit", "%colossal start -n 2",
                      "from colab_kit.notebook.cluster import forked; import os; "
-                     "print(forked.server_pid(), os.getsid(forked.server_pid()), os.getsid(0))"):
+                     "print(forked.server_pid(), os.getsid(forked.server_pid()), os.getsid(0), forked._SERVER.exits)"):
             reply = kc.execute_interactive(code, timeout=120, output_hook=lambda m: seen.append(
                 m["content"].get("text", "")) if m["msg_type"] == "stream" else None)
             assert reply["content"]["status"] == "ok", (code, seen)
-        server, server_session, kernel_session = map(int, seen[-1].split())
+        *ids, exits = seen[-1].split()
+        server, server_session, kernel_session = map(int, ids)
+        assert os.path.isdir(exits)
         assert server_session != kernel_session
         procs = [psutil.Process(server)] + psutil.Process(server).children(recursive=True)
         assert len(procs) >= 3, procs  # the server and its two engines
@@ -112,7 +116,22 @@ def test_a_kernel_with_a_cluster_shuts_down_cleanly_and_leaves_nothing():
         assert kernel.wait() == 0, kernel.returncode  # asked, and it exited: not terminated (-15) nor killed (-9)
         _, left = psutil.wait_procs(procs, timeout=30)
         assert left == [], left
+        assert not os.path.exists(exits)  # the server removes its exit statuses' directory as it ends
     finally:
         kc.stop_channels()
         if km.has_kernel:
             km.shutdown_kernel(now=True)
+
+
+def test_a_killed_kernels_server_ends_and_removes_its_directory():
+    """A kernel killed outright (SIGKILL, out of memory) never closes its server: the server sees its input end,
+    exits and removes the directory of exit statuses itself (one was left in /tmp for every such kernel)."""
+    code = ("import os, signal; from colab_kit.notebook.cluster import forked; s = forked.fork_server(); "
+            "print(s.pid, s.exits, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pid, exits = proc.stdout.split()
+    deadline = time.monotonic() + 30
+    while (psutil.pid_exists(int(pid)) or os.path.exists(exits)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(exits), exits

@@ -206,6 +206,10 @@ def serve() -> None:
             _become_engine(request)
         replies.write(json.dumps({"pid": pid}) + "\n")
         replies.flush()
+    if _EXITS:  # no kernel is left to read the exit statuses: a kernel that was killed leaves no directory behind
+        import shutil
+
+        shutil.rmtree(_EXITS[0], ignore_errors=True)
     os._exit(0)
 
 
