@@ -32,7 +32,7 @@ from ...config import ParallelConfig
 from ...errors import RankError
 from ...net import LOOPBACK
 from ...errors.tracebacks import pack, source_map
-from . import forked, remote
+from . import forked, remote, ssh
 from .forked import fork_server, forking
 from ..progress import call_progress, notebook_progress, stage_progress
 from .gather import RESTART_ADVICE, ClusterError, Waiting
@@ -164,6 +164,8 @@ class Cluster(Startup, Waiting):
                 # the kernel's, not this cluster's: before ``before``; its imports overlap the controller's start
                 fork_server()
                 engines = forked.ForkedEngineSetLauncher
+            elif engines == "ssh":  # every host's engines at once (ssh.py)
+                engines = ssh.ConcurrentSSHEngineSetLauncher
             before = descendant_pids()
             self._ipp = ipp.Cluster(n=self.n, engines=engines, controller_ip=self.ip, **kwargs)
             # a 0.5 s heartbeat, after the profile's and config's own controller arguments (startup.controller_args)

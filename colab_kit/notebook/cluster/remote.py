@@ -37,6 +37,7 @@ from ...config import ParallelConfig
 from ...launch import keep_freed_memory, nccl_device, place_rank
 from ...mesh import ProcessMesh
 from ...net import gloo_env, listening_store
+from .ssh import SLOT
 
 __all__ = ["probe", "open_store", "init_rank", "set_config", "call", "call_packed", "health", "namespace"]
 
@@ -76,7 +77,8 @@ def probe(controller_host: str, sys_path: list[str], cwd: str) -> dict:
         sys.path.append(cwd)
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return {"host": socket.gethostname(), "pid": os.getpid(), "ip": _route_ip(controller_host), "cuda": count,
-            "gpus": [str(torch.cuda.get_device_properties(i).uuid) for i in range(count)]}
+            "gpus": [str(torch.cuda.get_device_properties(i).uuid) for i in range(count)],
+            "slot": os.environ.get(SLOT)}  # an SSH engine's place in ``hosts`` order (ssh.SLOT)
 
 
 def open_store(addr: str, world_size: int, timeout: float) -> tuple[str, int]:

@@ -111,12 +111,17 @@ def _default_profile_configures_launchers() -> bool:
     return os.path.isfile(os.path.join(get_ipython_dir(), "profile_default", "ipcluster_config.py"))
 
 
-def host_order(hosts: list[str]) -> list[int]:
-    """Old rank of each new rank: ranks made contiguous per host, hosts in first-seen order.
+def host_order(hosts: list[str], slots: list | None = None) -> list[int]:
+    """Old rank of each new rank: by the engines' ``slots`` where every engine has a distinct one (SSH engines:
+    their place in ``hosts=``, ``ssh.SLOT``), else contiguous per host, hosts in first-seen order.
 
     >>> host_order(["a", "b", "a", "b"])   # engines registered alternately from two hosts
     [0, 2, 1, 3]
+    >>> host_order(["b", "a", "b", "a"], ["2", "0", "3", "1"])   # host b's engines registered first
+    [1, 3, 0, 2]
     """
+    if slots and None not in slots and len(set(slots)) == len(slots):
+        return sorted(range(len(hosts)), key=lambda r: int(slots[r]))
     return sorted(range(len(hosts)), key=lambda r: hosts.index(hosts[r]))
 
 
@@ -175,7 +180,7 @@ class Startup:
         ranks = list(range(self.n))
         info = self._gather(self._apply(ranks, remote.probe, self.ip, list(sys.path), os.getcwd()), self.timeout,
                             "start (probe)")
-        order = host_order([info[r]["host"] for r in range(self.n)])
+        order = host_order([info[r]["host"] for r in range(self.n)], [info[r].get("slot") for r in range(self.n)])
         self._ids = [self._ids[r] for r in order]
         info = {new: info[old] for new, old in enumerate(order)}
         hosts = [info[r]["host"] for r in range(self.n)]
