@@ -125,7 +125,8 @@ def median_of(measurements: list[dict]) -> dict:
 
 
 def measure(ranks: int = 4) -> dict:
-    """Measure now (see the module docstring); about 8-10 s on 4 CPU ranks plus process start."""
+    """Measure now (see the module docstring): about 15 s on 4 CPU ranks of a 2-core machine, process start
+    included (``constants_seconds`` in bench/results/plan.json)."""
     t0 = time.perf_counter()
     per_rank = launch(measure_rank, ranks, ranks)
     out = combine(per_rank)
