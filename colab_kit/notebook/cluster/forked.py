@@ -250,9 +250,15 @@ def _launcher_classes():
     return ForkedEngineLauncher, ForkedEngineSetLauncher
 
 
-def __getattr__(name):  # the launcher classes import ipyparallel: built when first asked for
-    if name in ("ForkedEngineLauncher", "ForkedEngineSetLauncher"):
-        classes = dict(zip(("ForkedEngineLauncher", "ForkedEngineSetLauncher"), _launcher_classes()))
-        globals().update(classes)
-        return classes[name]
-    raise AttributeError(name)
+def built_on_first_use(scope: dict, names: tuple[str, ...], build):
+    """A module ``__getattr__``: the classes ``names`` (launchers, which import ipyparallel), made by ``build()``
+    the first time one of them is asked for and kept in ``scope`` (the module's globals) from then on."""
+    def __getattr__(name):
+        if name not in names:
+            raise AttributeError(name)
+        scope.update(zip(names, build()))
+        return scope[name]
+    return __getattr__
+
+
+__getattr__ = built_on_first_use(globals(), ("ForkedEngineLauncher", "ForkedEngineSetLauncher"), _launcher_classes)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+from .forked import built_on_first_use
+
 __all__ = ["PER_HOST", "SLOT"]  # and ConcurrentSSHEngineSetLauncher, built on first use
 
 PER_HOST = 8
@@ -132,9 +134,5 @@ def _launcher_classes():
     return ConcurrentSSHEngineLauncher, ConcurrentSSHEngineSetLauncher
 
 
-def __getattr__(name):  # the launcher classes import ipyparallel: built when first asked for
-    if name in ("ConcurrentSSHEngineLauncher", "ConcurrentSSHEngineSetLauncher"):
-        classes = dict(zip(("ConcurrentSSHEngineLauncher", "ConcurrentSSHEngineSetLauncher"), _launcher_classes()))
-        globals().update(classes)
-        return classes[name]
-    raise AttributeError(name)
+__getattr__ = built_on_first_use(globals(), ("ConcurrentSSHEngineLauncher", "ConcurrentSSHEngineSetLauncher"),
+                                 _launcher_classes)
