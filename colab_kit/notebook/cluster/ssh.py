@@ -1,27 +1,32 @@
 """Engines over SSH, started, signalled and stopped host by host at once instead of one after another.
 
 ipyparallel's ``SSHEngineSetLauncher`` starts its engines one at a time, and each start is several ssh
-round trips and a remote Python (the shell's kind, ``IPython profile create``, the connection files, the
-engine); its ``signal`` and ``stop`` go engine by engine too. On two hosts of two engines each (the suite's
-two network namespaces, ``tests/cluster/test_two_hosts.py``) that was 8 s to start the engines and 1.6 s to
-signal them; on 8 hosts of 8 GPUs it grows 16 times, where the hosts could all be working.
+round trips, each a remote Python (the shell's kind, Python's presence, ``IPython profile create``, the
+connection files, the engine); its ``signal`` goes engine by engine, and its stop, for every engine in turn,
+waits with a remote Python that imports ipyparallel and fetches the engine's log in three more calls. On 8
+hosts of 8 GPUs that is 64 engines in a row, where the hosts could all be working. (``pytest -s
+tests/cluster/test_two_hosts.py -k ssh`` prints the seconds a start, a restart and a stop take.)
 
-``ConcurrentSSHEngineSetLauncher`` is that launcher with one change of order: per host, the first engine
-starts first (it sends the connection files, which the host's other engines read), then the host's other
-engines start together, and every host does so at the same time. Signals and stops go to every engine at
-once. At most ``PER_HOST`` ssh sessions open at once on one host: sshd's default ``MaxStartups 10:30:100``
-starts refusing new connections at random beyond 10 unauthenticated ones. ``Cluster(engines="ssh")`` uses it;
+``ConcurrentSSHEngineSetLauncher`` is that launcher with the work reordered: per host, the first engine
+starts first (it checks the shell and Python, makes the profile and sends the connection files, which the
+host's other engines read), then the host's other engines start together, one ssh call each, and every host
+does so at the same time. Signals and stops go to every engine at once; on a POSIX shell an engine is waited
+on with ``kill -0`` and its log read with ``cat`` (one call each). At most ``PER_HOST`` ssh sessions open at
+once on one host: sshd's default ``MaxStartups 10:30:100`` starts refusing new connections at random beyond
+10 unauthenticated ones. ``Cluster(engines="ssh")`` uses it;
 ``engines="ipyparallel.cluster.launcher.SSHEngineSetLauncher"`` gives ipyparallel's own.
 
 Worked example, ``hosts={"a": 2, "b": 2}``::
 
     round 1   a/0 (sends the files)    b/0 (sends the files)       two ssh starts at once
-    round 2   a/1                      b/1                         then the rest of each host at once
+    round 2   a/1 (its start only)     b/1 (its start only)        then the rest of each host at once
     ranks     0, 1 on a; 2, 3 on b     (by each engine's ``SLOT``, whichever registered first)
 """
 from __future__ import annotations
 
 import asyncio
+import os
+import shlex
 from concurrent.futures import ThreadPoolExecutor
 
 from .forked import built_on_first_use
@@ -48,6 +53,14 @@ def _split(host: str) -> tuple[str | None, str, str | None]:
     return user, host, port
 
 
+POSIX_SHELLS = {"sh", "bash", "dash", "zsh", "ksh", "ash"}
+"""Remote login shells whose engines are waited on with ``_WAIT`` (others: ipyparallel's remote Python)."""
+
+# one ssh call: poll the engine every 0.1 s up to ``polls`` times; ipyparallel's markers, its parser's format
+_WAIT = ("i=0; while kill -0 {pid} 2>/dev/null; do i=$((i+1)); if [ $i -ge {polls} ]; then "
+         "echo __process_running=1__; exit 0; fi; sleep 0.1; done; echo __process_running=0__")
+
+
 def _run_all(calls, workers: int) -> None:
     """Run ``calls`` (no-argument functions) on ``workers`` threads; raise the first failure after all ended."""
     if not calls:
@@ -66,7 +79,58 @@ def _launcher_classes():
     from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
 
     class ConcurrentSSHEngineLauncher(SSHEngineLauncher):
-        """One engine over SSH; its stop sends SIGTERM from a thread, so that the set's stops overlap."""
+        """One engine over SSH. A host's later engines reuse its first engine's ssh sender (its shell is known,
+        the profile made, the files sent: only the engine's own start goes over ssh); waiting on an engine
+        polls ``kill -0`` in the remote POSIX shell (ipyparallel's wait starts a remote Python that imports
+        ipyparallel each time) and its log comes back in one call; its stop sends SIGTERM from a thread, so
+        that the set's stops overlap."""
+
+        host_first = None  # the launcher of this host's first engine, for the host's later ones
+        pid: int  # ipyparallel's trait (the engine's pid on its host), declared for the type checker only
+        _output: str | None  # ipyparallel's cache of the engine's log (None: not fetched yet), likewise
+
+        def start(self, hostname=None, user=None, port=None):
+            first = self.host_first
+            if first is None:
+                return super().start(hostname=hostname, user=user, port=port)
+            self.hostname, self.user = hostname if hostname is not None else self.hostname, user or self.user
+            if port is not None and "-p" not in self.ssh_args:
+                self.ssh_args += ["-p", str(port)]
+            self._ssh_sender = first.ssh_sender  # the same host and arguments; set up once
+            self.pid = self.ssh_sender.cmd_start(self.program + self.program_args, env=self.get_env(),
+                                                 output_file=self.remote_output_file)
+            self.notify_start({"host": self.location, "pid": self.pid})
+            self._start_waiting()
+            self.fetch_files()
+
+        def _posix(self) -> bool:
+            return os.path.basename(self.ssh_sender.get_shell_info()[1] or "") in POSIX_SHELLS
+
+        def get_output(self, remove=False):
+            """The engine's remote log in one ssh call (``cat``, then ``rm`` if ``remove``): ipyparallel's polls
+            for the file, copies it with scp and removes it, three calls per engine, one engine after another,
+            as each stop is noticed."""
+            if self._output is not None or not self._posix():
+                return super().get_output(remove=remove)
+            path = shlex.quote(self.remote_output_file)
+            try:
+                self._output = self.ssh_sender.check_output(
+                    f"cat {path} 2>/dev/null" + (f"; rm -f {path}" if remove else ""), universal_newlines=True)
+            except Exception as e:  # noqa: BLE001 - as ipyparallel's: the output is a hint only
+                self.log.error(f"Failed to get output file {self.remote_output_file}: {e}")
+                self._output = ""
+            return self._output
+
+        def wait_one(self, timeout):
+            if not self._posix():
+                return super().wait_one(timeout)
+            polls = max(1, int(10 * (timeout if timeout is not None else 1e9)))
+            out = self.ssh_sender.check_output(_WAIT.format(pid=int(self.pid), polls=polls), universal_newlines=True)
+            if "__process_running=" not in out:
+                raise RuntimeError(out)
+            if "__process_running=1__" in out:
+                raise TimeoutError("still running")
+            return -1  # as ipyparallel's: the engine is not the waiting shell's child, its code is not known
 
         async def stop(self):
             try:
@@ -96,7 +160,7 @@ def _launcher_classes():
                 overrides = dict(n_or_config) if isinstance(n_or_config, dict) else {}
                 count = overrides.pop("n", 1) if isinstance(n_or_config, dict) else n_or_config
                 user, host, port = _split(full_host)
-                group = []
+                group: list = []
                 for i in range(min(count, n - started)):
                     kwargs = {attr: getattr(self, attr) for attr in inherited}
                     kwargs.update(overrides)
@@ -105,6 +169,7 @@ def _launcher_classes():
                     el = self.launchers[kwargs["identifier"]] = self.launcher_class(**kwargs)
                     if i > 0:
                         el.to_send = []  # the host's first engine sends the connection files
+                        el.host_first = group[0][0]
                     el.loop  # noqa: B018 - the IO loop is read here, on the kernel's thread, not in a worker
                     el.on_stop(self._notice_engine_stopped)
                     group.append((el, user, host, port))
