@@ -12,61 +12,26 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import TORCHRUN_STEPS as STEPS, torchrun as _torchrun, torchrun_reference as reference
+from tests.helpers.two_hosts import HostsUnavailable, namespaces, sshds
 
 SSH_DRIVER = Path(__file__).resolve().parents[1] / "scripts" / "ssh_cluster.py"
-
-
-def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
-
-
-def _end_everything_in(ns: str) -> None:
-    """SIGKILL what still runs in namespace ``ns`` (an sshd's sessions, an engine left behind)."""
-    for pid in _ip("netns", "pids", ns, check=False).stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
 
 
 @pytest.fixture(scope="module")
 def two_hosts():
     """Namespaces A and B joined by a veth pair, 10.231.<n>.1 and .2, removed afterwards."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("two hosts need network namespaces: root and iproute2's `ip` (CI runs as root)")
-    tag = f"{os.getpid() % 100000}"
-    a, b, va, vb = f"ckA{tag}", f"ckB{tag}", f"ckva{tag}", f"ckvb{tag}"
-    net = f"10.231.{os.getpid() % 250}"
     try:
-        _ip("netns", "add", a)
-        _ip("netns", "add", b)
-        _ip("link", "add", va, "type", "veth", "peer", "name", vb)
-        _ip("link", "set", va, "netns", a)
-        _ip("link", "set", vb, "netns", b)
-        _ip("-n", a, "addr", "add", f"{net}.1/24", "dev", va)
-        _ip("-n", b, "addr", "add", f"{net}.2/24", "dev", vb)
-        for ns, dev in ((a, va), (b, vb)):
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "set", dev, "up")
-    except (subprocess.CalledProcessError, OSError) as e:
-        for ns in (a, b):
-            _ip("netns", "del", ns, check=False)
-        pytest.skip(f"network namespaces cannot be made here: {getattr(e, 'stderr', e)}")
-    yield {"A": a, "B": b, "addr_a": f"{net}.1", "addr_b": f"{net}.2", "dev_a": va, "dev_b": vb}
-    for ns in (a, b):
-        _end_everything_in(ns)
-        _ip("netns", "del", ns, check=False)
-    assert not {a, b} & set(_ip("netns", "list").stdout.split())
+        with namespaces() as hosts:
+            yield hosts
+    except HostsUnavailable as e:
+        pytest.skip(str(e))
 
 
 def test_torchrun_across_two_hosts_trains_like_one_process(two_hosts):
@@ -99,69 +64,14 @@ def test_torchrun_across_two_hosts_trains_like_one_process(two_hosts):
         assert got["losses"] == pytest.approx(want, rel=1e-5), words
 
 
-# ---------------------------------------------------------------------- an sshd on each host
-SSHD_CONFIG = """\
-ListenAddress {addr}
-HostKey {dir}/host_key
-AuthorizedKeysFile {dir}/authorized_keys
-PidFile {dir}/sshd-{name}.pid
-PermitRootLogin prohibit-password
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-UsePAM no
-StrictModes no
-Subsystem sftp /usr/lib/openssh/sftp-server
-"""
-PROFILE = """\
-# what a user's ~/.ssh/config would say: the key, no prompt for the hosts' keys, and one connection per
-# host shared by ipyparallel's many ssh calls (its launcher runs several for every engine it starts)
-opts = ["-i", {key!r}, "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-        "-o", "BatchMode=yes", "-o", "LogLevel=ERROR", "-o", "ControlMaster=auto",
-        "-o", "ControlPath={control}/%C", "-o", "ControlPersist=30"]
-c.SSHLauncher.ssh_args = opts
-c.SSHLauncher.scp_args = opts
-c.SSHLauncher.user = "root"
-c.SSHLauncher.remote_python = {python!r}
-c.SSHLauncher.remote_profile_dir = {remote!r}
-"""
-
-
 @pytest.fixture(scope="module")
 def ssh_hosts(two_hosts, tmp_path_factory):
-    """An sshd in each namespace on its own address only, in its own UTS namespace: hostnames ck-host-a and
-    ck-host-b, so the engines it starts are on different hosts by every measure ipyparallel and colab_kit
-    take. Keys and configs in a temporary directory; the sshds and their sessions ended afterwards."""
-    sshd = shutil.which("sshd") or "/usr/sbin/sshd"
-    if not os.path.exists(sshd) or shutil.which("ssh") is None or shutil.which("unshare") is None:
-        pytest.skip("the SSH launcher test needs openssh-server, openssh-client and unshare "
-                    "(.ci/run installs openssh-server with apt-get)")
-    d = tmp_path_factory.mktemp("ssh")
-    for name in ("host_key", "user_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
-    shutil.copy(d / "user_key.pub", d / "authorized_keys")
-    os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
-    procs = []
-    for name, ns, addr in (("a", two_hosts["A"], two_hosts["addr_a"]), ("b", two_hosts["B"], two_hosts["addr_b"])):
-        cfg = d / f"sshd-{name}.conf"
-        cfg.write_text(SSHD_CONFIG.format(addr=addr, dir=d, name=name))
-        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
-                                       f"hostname ck-host-{name} && exec {sshd} -D -e -f {cfg}"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    profile = d / "profile_ck"
-    profile.mkdir()
-    (profile / "ipcluster_config.py").write_text(PROFILE.format(key=str(d / "user_key"), python=sys.executable, control=d,
-                                                                remote=str(d / "remote_profile")))
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not all((d / f"sshd-{n}.pid").exists() for n in "ab"):
-        if any(p.poll() is not None for p in procs):
-            pytest.fail("sshd did not start: " + " ".join(p.stderr.read() for p in procs if p.poll() is not None))
-        time.sleep(0.05)
-    yield {**two_hosts, "profile": str(profile)}
-    for p in procs:
-        p.kill()
-        p.wait()
-    for ns in (two_hosts["A"], two_hosts["B"]):
-        _end_everything_in(ns)
+    """An sshd in each namespace (hostnames ck-host-a and ck-host-b) and a profile that reaches both."""
+    try:
+        with sshds(two_hosts, tmp_path_factory.mktemp("ssh")) as hosts:
+            yield hosts
+    except HostsUnavailable as e:
+        pytest.skip(str(e))
 
 
 def test_an_ssh_cluster_across_two_hosts_trains_survives_a_dead_engine_and_restarts(ssh_hosts):

@@ -71,8 +71,9 @@ class Cluster(Startup, Waiting):
         ``fit_note`` says why, and is empty when n started. Local engines only.
     ipp_kwargs: passed to ``ipyparallel.Cluster`` (profile, profile_dir, config, ...).
 
-    Ranks are contiguous per host (each host's engines in engine-id order, the hosts in the order
-    their first engine registered), so tp groups, the fastest-varying axis, stay inside a host.
+    Ranks are contiguous per host, so tp groups, the fastest-varying axis, stay inside a host: SSH
+    engines in ``hosts`` order (each is told its place, ``ssh.SLOT``), other launchers' engines in
+    engine-id order, the hosts in the order their first engine registered.
 
     POSIX only (Linux, macOS): engines are signalled and watched as POSIX processes.
     The engines and the controller die with the process that started them, however it

@@ -80,16 +80,29 @@ def launcher_names() -> list[str]:
     return sorted(e.name for e in entry_points(group="ipyparallel.engine_launchers"))
 
 
+def over_ssh(engines) -> bool:
+    """Whether ``engines`` is an SSH engine set: "ssh", or ipyparallel's ``SSHEngineSetLauncher`` (or a subclass),
+    named or given as the class.
+
+    >>> over_ssh("ssh"), over_ssh("ipyparallel.cluster.launcher.SSHEngineSetLauncher"), over_ssh("mpi")
+    (True, True, False)
+    """
+    if engines == "ssh":
+        return True
+    names = [engines] if isinstance(engines, str) else [c.__name__ for c in getattr(engines, "__mro__", ())]
+    return any(name.rpartition(".")[2] == "SSHEngineSetLauncher" for name in names)
+
+
 def check_hosts(hosts, engines, n, ipp_kwargs) -> dict[str, int] | None:
     """``hosts=`` of a ``Cluster``, checked before anything starts; an ssh cluster must be told where to go."""
     if hosts is None:
         told = any(k in ipp_kwargs for k in ("config", "profile", "profile_dir"))
-        if engines == "ssh" and not told and not _default_profile_configures_launchers():
+        if over_ssh(engines) and not told and not _default_profile_configures_launchers():
             raise ClusterError("engines='ssh' needs the hosts to start engines on: hosts={'10.0.0.1': 2, "
                                "'10.0.0.2': 2} (%colossal start --hosts 10.0.0.1:2,10.0.0.2:2), or "
                                "c.SSHEngineSetLauncher.engines in a profile's ipcluster_config.py (profile=...)")
         return None
-    if engines != "ssh":
+    if not over_ssh(engines):
         raise ClusterError(f"hosts= says where ipyparallel's SSH launcher starts engines (engines='ssh'), not "
                            f"engines={engines!r}: the MPI launcher takes a hostfile (c.MPILauncher.mpi_args), and "
                            "Slurm places engines itself")
