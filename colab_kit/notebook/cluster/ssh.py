@@ -94,9 +94,7 @@ def _launcher_classes():
             if first is None:
                 return super().start(hostname=hostname, user=user, port=port)
             self.hostname, self.user = hostname if hostname is not None else self.hostname, user or self.user
-            if port is not None and "-p" not in self.ssh_args:
-                self.ssh_args += ["-p", str(port)]
-            self._ssh_sender = first.ssh_sender  # the same host and arguments; set up once
+            self._ssh_sender = first.ssh_sender  # the same host, user, port and arguments; set up once
             self.pid = self.ssh_sender.cmd_start(self.program + self.program_args, env=self.get_env(),
                                                  output_file=self.remote_output_file)
             self.notify_start({"host": self.location, "pid": self.pid})
@@ -124,6 +122,8 @@ def _launcher_classes():
         def wait_one(self, timeout):
             if not self._posix():
                 return super().wait_one(timeout)
+            if int(self.pid) <= 0:  # never started: nothing to wait for (``kill -0 -1`` would ask about everyone)
+                return -1
             polls = max(1, int(10 * (timeout if timeout is not None else 1e9)))
             out = self.ssh_sender.check_output(_WAIT.format(pid=int(self.pid), polls=polls), universal_newlines=True)
             if "__process_running=" not in out:
