@@ -6,7 +6,8 @@ of those imports are held once, by the server (about 230 MiB), and each engine h
 own once it has trained a small model (130 MiB for the engine and 9 MiB for the ipyparallel nanny it forks:
 psutil's USS, the pages only that process holds, which is what a memory cgroup charges one more process); the
 controller and the watchdog hold about 50 MiB together (measured on 4 engines after three dp steps of a small
-GPT; ``bench/cluster.py``: 788 MiB in all, against 1,120 MiB for engines started as their own interpreters).
+GPT, by hand once; ``bench/cluster.py`` keeps the totals, 802 MiB PSS in all against 1,129 MiB for engines
+started as their own interpreters in bench/results/cluster.json).
 Eight engines there need about 1.4 GiB with their server and controller, 2.0 GiB with a Jupyter server and a
 kernel of 0.6 GiB: the OOM killer would end the kernel half way through a notebook. ``fit=True`` asks for ``n``
 and starts the largest of n, n/2, n/4, ... that the memory left holds, so a config that divides ``n`` by powers of two
