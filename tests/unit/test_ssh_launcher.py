@@ -55,6 +55,7 @@ def test_the_engines_log_comes_back_in_one_call_and_is_removed(tmp_path):
     log.write_text("registered as engine 3\n")
     sender = LocalShell()
     el = _launcher(tmp_path, sender, remote_output_file=str(log))
+    el.pid = 4242  # started
     assert el.get_output(remove=True) == "registered as engine 3\n"
     assert not log.exists() and len(sender.calls) == 1
     assert el.get_output(remove=True) == "registered as engine 3\n" and len(sender.calls) == 1  # kept
@@ -65,7 +66,17 @@ def test_a_shell_that_is_not_posix_keeps_ipyparallels_way(tmp_path, monkeypatch)
 
     monkeypatch.setattr(SSHEngineLauncher, "wait_one", lambda self, timeout: "ipyparallel's")
     el = _launcher(tmp_path, LocalShell(shell="powershell.exe"))
+    el.pid = 4242
     assert el.wait_one(timeout=1) == "ipyparallel's" and el.ssh_sender.calls == []
+
+
+def test_an_engine_never_started_is_not_asked_anything(tmp_path):
+    """A host whose first engine failed leaves its others unstarted: their wait, log and stop ask no ssh."""
+    import asyncio
+
+    el = _launcher(tmp_path, None)  # no sender: any ssh call would fail
+    assert el.wait_one(timeout=1) == -1 and el.get_output(remove=True) == ""
+    asyncio.run(el.stop())
 
 
 def test_a_hosts_later_engine_starts_on_its_first_engines_sender(tmp_path):
@@ -79,3 +90,45 @@ def test_a_hosts_later_engine_starts_on_its_first_engines_sender(tmp_path):
     assert later.ssh_sender is sender and later.pid == 4242 and later.location == "me@node7"
     (cmd, env), = sender.started
     assert env[ssh.SLOT] == "1" and sender.calls == []  # one call: the start, nothing checked again
+
+
+def test_the_set_starts_each_hosts_first_engine_then_the_rest_on_its_sender(tmp_path, monkeypatch):
+    """Hosts as ipyparallel reads them (``user@host:port``, a dict with ``n``), ``n`` below their sum: each
+    engine its place (``SLOT``), its own log file and its own ssh arguments (a first engine's port stays its
+    host's); a host's later engines on its first engine's sender; a host whose first engine fails fails the
+    start, its other engines never contacted."""
+    import asyncio
+
+    from ipyparallel.cluster.launcher import SSHEngineLauncher
+
+    senders = {}
+
+    def first_start(self, hostname=None, user=None, port=None):  # ipyparallel's: checks, files, then the engine
+        self.hostname, self.user = hostname, user or self.user
+        if port is not None:
+            self.ssh_args.extend(["-p", port])
+        if hostname == "down":
+            raise RuntimeError("ssh: connect to host down port 22: No route to host")
+        self._ssh_sender = senders[hostname] = LocalShell()
+        self.pid = self._ssh_sender.cmd_start(self.program, env=self.get_env())
+        self.notify_start({"host": self.location, "pid": self.pid})
+
+    monkeypatch.setattr(SSHEngineLauncher, "start", first_start)
+    monkeypatch.setattr(ssh.ConcurrentSSHEngineLauncher, "_start_waiting", lambda self: None)
+
+    async def start(engines, n):
+        es = ssh.ConcurrentSSHEngineSetLauncher(engines=engines, profile_dir=str(tmp_path), cluster_id="t")
+        return es, es.start(n)
+
+    es, ids = asyncio.run(start({"a:2222": 2, "me@b": {"n": 3}}, 4))
+    assert ids == ["a:2222/0", "a:2222/1", "me@b/0", "me@b/1"]
+    els = [es.launchers[i] for i in ids]
+    assert [el.get_env()[ssh.SLOT] for el in els] == ["0", "1", "2", "3"]
+    assert els[1].ssh_sender is senders["a"] and els[3].ssh_sender is senders["b"]
+    assert [len(s.started) for s in senders.values()] == [2, 2]  # the later engine: one start on that sender
+    assert "-p" in els[0].ssh_args and "-p" not in els[2].ssh_args and "-p" not in es.ssh_args
+    assert len({el.remote_output_file for el in els}) == 4 and els[3].location == "me@b"
+
+    with pytest.raises(RuntimeError, match="No route"):
+        asyncio.run(start({"a": 2, "down": 2}, 4))
+    assert senders["a"].started  # the healthy host started; "down"'s second engine was never contacted

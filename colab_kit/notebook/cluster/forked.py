@@ -245,6 +245,7 @@ def _launcher_classes():
         """ipyparallel's local engine set, each engine forked from colab_kit's fork server."""
 
         launcher_class = ForkedEngineLauncher
+        entrypoint_name = f"{__name__}.ForkedEngineSetLauncher"  # how ipyparallel's cluster file names it
 
     ForkedEngineLauncher.__module__ = ForkedEngineSetLauncher.__module__ = __name__
     return ForkedEngineLauncher, ForkedEngineSetLauncher

@@ -209,7 +209,8 @@ def serve() -> None:
     if _EXITS:  # no kernel is left to read the exit statuses: a kernel that was killed leaves no directory behind
         import shutil
 
-        shutil.rmtree(_EXITS[0], ignore_errors=True)
+        path = _EXITS.pop()  # first: a child reaped now writes nothing into the directory being removed
+        shutil.rmtree(path, ignore_errors=True)
     os._exit(0)
 
 

@@ -57,20 +57,51 @@ POSIX_SHELLS = {"sh", "bash", "dash", "zsh", "ksh", "ash"}
 """Remote login shells whose engines are waited on with ``_WAIT`` (others: ipyparallel's remote Python)."""
 
 # one ssh call: poll the engine every 0.1 s up to ``polls`` times; ipyparallel's markers, its parser's format
+# (a ``sleep`` without fractions sleeps 1 s instead of spinning)
 _WAIT = ("i=0; while kill -0 {pid} 2>/dev/null; do i=$((i+1)); if [ $i -ge {polls} ]; then "
-         "echo __process_running=1__; exit 0; fi; sleep 0.1; done; echo __process_running=0__")
+         "echo __process_running=1__; exit 0; fi; sleep 0.1 2>/dev/null || sleep 1; done; "
+         "echo __process_running=0__")
 
 
 def _run_all(calls, workers: int) -> None:
-    """Run ``calls`` (no-argument functions) on ``workers`` threads; raise the first failure after all ended."""
+    """Run ``calls`` (no-argument functions) on ``workers`` threads; raise the first failure after all ended.
+    At the interpreter's exit (ipyparallel stops its clusters from an atexit hook, where no new thread may
+    start) they run one after another here."""
     if not calls:
         return
-    with ThreadPoolExecutor(max(1, min(workers, len(calls)))) as pool:
-        futures = [pool.submit(c) for c in calls]
+    try:
+        with ThreadPoolExecutor(max(1, min(workers, len(calls)))) as pool:
+            futures = [pool.submit(c) for c in calls]
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        errors = []
+        for c in calls:
+            try:
+                c()
+            except Exception as e:  # noqa: BLE001 - every call is made; the first failure is raised
+                errors.append(e)
+        if errors:
+            raise errors[0] from None
+        return
     for f in futures:
         error = f.exception()
         if error is not None:
             raise error
+
+
+def _per_host(groups: list[list], workers: int = PER_HOST) -> None:
+    """Each group (one host's calls) on ``workers`` threads of its own, every host at once: at most
+    ``workers`` ssh sessions open on a host whatever the other hosts run."""
+    _run_all([lambda g=g: _run_all(g, workers) for g in groups if g], len(groups))
+
+
+async def _in_thread(fn, *args):
+    """``fn(*args)`` off the event loop; inline where no thread may start (the interpreter's exit)."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    except RuntimeError as e:
+        if "shutdown" not in str(e):
+            raise
+        return fn(*args)
 
 
 def _launcher_classes():
@@ -104,14 +135,24 @@ def _launcher_classes():
         def _posix(self) -> bool:
             return os.path.basename(self.ssh_sender.get_shell_info()[1] or "") in POSIX_SHELLS
 
+        @property
+        def started(self) -> bool:
+            """Whether this engine was started (a host whose first engine failed leaves its others unstarted:
+            nothing of theirs is asked over ssh)."""
+            return int(self.pid) > 0
+
         def get_output(self, remove=False):
             """The engine's remote log in one ssh call (``cat``, then ``rm`` if ``remove``): ipyparallel's polls
             for the file, copies it with scp and removes it, three calls per engine, one engine after another,
             as each stop is noticed."""
-            if self._output is not None or not self._posix():
-                return super().get_output(remove=remove)
+            if self._output is None and not self.started:
+                self._output = ""
+            if self._output is not None:
+                return self._output
             path = shlex.quote(self.remote_output_file)
             try:
+                if not self._posix():
+                    return super().get_output(remove=remove)
                 self._output = self.ssh_sender.check_output(
                     f"cat {path} 2>/dev/null" + (f"; rm -f {path}" if remove else ""), universal_newlines=True)
             except Exception as e:  # noqa: BLE001 - as ipyparallel's: the output is a hint only
@@ -120,10 +161,10 @@ def _launcher_classes():
             return self._output
 
         def wait_one(self, timeout):
+            if not self.started:  # nothing to wait for (and ``kill -0 -1`` would ask about every process)
+                return -1
             if not self._posix():
                 return super().wait_one(timeout)
-            if int(self.pid) <= 0:  # never started: nothing to wait for (``kill -0 -1`` would ask about everyone)
-                return -1
             polls = max(1, int(10 * (timeout if timeout is not None else 1e9)))
             out = self.ssh_sender.check_output(_WAIT.format(pid=int(self.pid), polls=polls), universal_newlines=True)
             if "__process_running=" not in out:
@@ -133,8 +174,10 @@ def _launcher_classes():
             return -1  # as ipyparallel's: the engine is not the waiting shell's child, its code is not known
 
         async def stop(self):
+            if not self.started:
+                return
             try:
-                await asyncio.get_running_loop().run_in_executor(None, self.signal, SIGTERM)
+                await _in_thread(self.signal, SIGTERM)
             except Exception as e:  # noqa: BLE001 - as ipyparallel's stop: an engine gone already
                 self.log.debug(f"TERM failed: {e!r}")
             try:
@@ -142,13 +185,17 @@ def _launcher_classes():
                 return
             except TimeoutError:
                 self.log.warning(f"Process {self.pid} did not exit in {self.stop_seconds_until_kill} s after TERM")
-            await asyncio.get_running_loop().run_in_executor(None, self.signal, SIGKILL)
+            try:
+                await _in_thread(self.signal, SIGKILL)
+            except Exception as e:  # noqa: BLE001 - gone between the TERM's wait and the KILL
+                self.log.debug(f"KILL failed: {e!r}")
             await self.join(timeout=self.stop_timeout)
 
     class ConcurrentSSHEngineSetLauncher(SSHEngineSetLauncher):
         """ipyparallel's SSH engine set, every host's engines started at once (see the module docstring)."""
 
         launcher_class = ConcurrentSSHEngineLauncher
+        entrypoint_name = f"{__name__}.ConcurrentSSHEngineSetLauncher"  # how ipyparallel's cluster file names it
 
         def start(self, n):
             engine_traits = self.launcher_class.class_traits(config=True)
@@ -164,9 +211,14 @@ def _launcher_classes():
                 for i in range(min(count, n - started)):
                     kwargs = {attr: getattr(self, attr) for attr in inherited}
                     kwargs.update(overrides)
+                    for args in ("ssh_args", "scp_args"):  # each engine's own: a first engine appends its port
+                        kwargs[args] = list(kwargs.get(args, getattr(self, args)))
                     kwargs["parent"], kwargs["identifier"] = self, f"{full_host}/{i}"
                     kwargs["environment"] = {**kwargs.get("environment", {}), SLOT: str(started)}
                     el = self.launchers[kwargs["identifier"]] = self.launcher_class(**kwargs)
+                    # its own log file: the default is named by the time, read by engines starting at once
+                    base, ext = os.path.splitext(el.remote_output_file)
+                    el.remote_output_file = f"{base}-{self.cluster_id or 'ck'}-{started}{ext}"
                     if i > 0:
                         el.to_send = []  # the host's first engine sends the connection files
                         el.host_first = group[0][0]
@@ -183,16 +235,17 @@ def _launcher_classes():
                 return lambda: el.start(user=user, hostname=host, port=port)
 
             _run_all([start_one(*g[0]) for g in per_host], len(per_host))  # each host's files first
-            rest = [start_one(*e) for g in per_host for e in g[1:]]
-            _run_all(rest, PER_HOST * len(per_host))
+            _per_host([[start_one(*e) for e in g[1:]] for g in per_host])
             dlist = [el.identifier for g in per_host for el, *_ in g]
             self.notify_start(dlist)
             self.n = started
             return dlist
 
         def signal(self, sig):
-            launchers = list(self.launchers.values())
-            _run_all([lambda el=el: el.signal(sig) for el in launchers], PER_HOST * max(1, len(self.engines)))
+            hosts: dict = {}
+            for el in self.launchers.values():
+                hosts.setdefault(el.location, []).append(lambda el=el: el.signal(sig))
+            _per_host(list(hosts.values()))
 
     for cls in (ConcurrentSSHEngineLauncher, ConcurrentSSHEngineSetLauncher):
         cls.__module__ = __name__

@@ -86,11 +86,13 @@ def over_ssh(engines) -> bool:
 
     >>> over_ssh("ssh"), over_ssh("ipyparallel.cluster.launcher.SSHEngineSetLauncher"), over_ssh("mpi")
     (True, True, False)
+    >>> over_ssh("colab_kit.notebook.cluster.ssh.ConcurrentSSHEngineSetLauncher")
+    True
     """
     if engines == "ssh":
         return True
     names = [engines] if isinstance(engines, str) else [c.__name__ for c in getattr(engines, "__mro__", ())]
-    return any(name.rpartition(".")[2] == "SSHEngineSetLauncher" for name in names)
+    return any(name.rpartition(".")[2].endswith("SSHEngineSetLauncher") for name in names)
 
 
 def check_hosts(hosts, engines, n, ipp_kwargs) -> dict[str, int] | None:
