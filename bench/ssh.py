@@ -45,6 +45,7 @@ def _sum_of_ranks():
 def drive(args: dict) -> dict:
     """In host A's namespace: ``rounds`` of start, restart and stop for each side, alternating."""
     import colab_kit as ck
+    from colab_kit.notebook.cluster import ssh_forked
 
     hosts = {args["addr_a"]: 2, args["addr_b"]: 2}
     seconds: dict = {side: {"start": [], "restart": [], "stop": []} for side in SIDES}
@@ -65,6 +66,7 @@ def drive(args: dict) -> dict:
             t0 = time.monotonic()
             cluster.stop()
             seconds[side]["stop"].append(time.monotonic() - t0)
+            ssh_forked.close_all()  # every start a kernel's first: the hosts' fork servers start with it
     return seconds
 
 

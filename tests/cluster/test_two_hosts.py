@@ -89,6 +89,8 @@ def test_an_ssh_cluster_across_two_hosts_trains_survives_a_dead_engine_and_resta
     # ranks contiguous per host: rank 0, 1 on A and 2, 3 on B, so each tp pair is inside one host
     assert seen["hosts"] == ["ck-host-a"] * 2 + ["ck-host-b"] * 2, seen["start_output"]
     assert "started 4 ranks (ssh engines, nccl_rules)" in seen["start_output"]
+    # each engine forked by its host's fork server (ssh_forked), before and after the restart
+    assert all("forked_server" in p for p in seen["parents"] + seen["parents_after"]), seen["parents"]
     for rank_losses in seen["losses"]:
         assert rank_losses == pytest.approx(want, rel=1e-5)
 
@@ -104,6 +106,7 @@ def test_an_ssh_cluster_across_two_hosts_trains_survives_a_dead_engine_and_resta
     text = seen["kill_error"] + "\n" + seen["kill_output"]
     assert seen["kill_error"].startswith("RankError"), text
     assert "rank 3 failed" in text and "engine process died" in text and "on host 'ck-host-b'" in text, text
+    assert "killed by SIGKILL" in text, text  # how it ended, as host B's fork server wrote it
     assert seen["kill_s"] < 60 and seen["needs_restart"], seen["kill_s"]
 
     # restarted: fresh engines on the same hosts, the same cell trains like one process again

@@ -72,6 +72,18 @@ def listening() -> tuple[str, list[str]]:
     return socket.gethostname(), addrs
 
 
+def started_by() -> str:
+    """On an engine: the command line of its parent (a host's fork server, or nothing left: ppid 1)."""
+    import os
+
+    import psutil
+
+    try:
+        return " ".join(psutil.Process(os.getppid()).cmdline())
+    except psutil.Error:
+        return ""
+
+
 def losses() -> list[float]:
     from colab_kit.notebook.cluster.remote import namespace
 
@@ -86,6 +98,7 @@ seen["start_s"] = time.monotonic() - t0
 cluster = state.cluster
 seen["hosts"] = [row["host"] for row in cluster.ranks()]
 seen["pids"] = [row["pid"] for row in cluster.ranks()]
+seen["parents"] = cluster.run(started_by)
 must("%colossal config dp=2 tp=2")
 t0 = time.monotonic()
 must(TRAIN)
@@ -106,6 +119,7 @@ seen["restart_output"] = must("%colossal restart")
 seen["restart_s"] = time.monotonic() - t0
 seen["hosts_after"] = [row["host"] for row in cluster.ranks()]
 seen["pids_after"] = [row["pid"] for row in cluster.ranks()]
+seen["parents_after"] = cluster.run(started_by)
 must(TRAIN)  # fresh engines, the config re-applied by the restart
 seen["losses_after"] = cluster.run(losses)
 t0 = time.monotonic()

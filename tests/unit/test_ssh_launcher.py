@@ -3,6 +3,7 @@ ssh: waiting on an engine with ``kill -0``, its log in one call, a host's later 
 sender. The whole launcher over real ssh is ``tests/cluster/test_two_hosts.py``."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -99,21 +100,17 @@ def test_the_set_starts_each_hosts_first_engine_then_the_rest_on_its_sender(tmp_
     start, its other engines never contacted."""
     import asyncio
 
-    from ipyparallel.cluster.launcher import SSHEngineLauncher
-
     senders = {}
 
-    def first_start(self, hostname=None, user=None, port=None):  # ipyparallel's: checks, files, then the engine
+    def prepare(self, hostname=None, user=None, port=None):  # the first engine's checks and files (no fork server)
         self.hostname, self.user = hostname, user or self.user
         if port is not None:
             self.ssh_args.extend(["-p", port])
         if hostname == "down":
             raise RuntimeError("ssh: connect to host down port 22: No route to host")
         self._ssh_sender = senders[hostname] = LocalShell()
-        self.pid = self._ssh_sender.cmd_start(self.program, env=self.get_env())
-        self.notify_start({"host": self.location, "pid": self.pid})
 
-    monkeypatch.setattr(SSHEngineLauncher, "start", first_start)
+    monkeypatch.setattr(ssh.ConcurrentSSHEngineLauncher, "_prepare", prepare)
     monkeypatch.setattr(ssh.ConcurrentSSHEngineLauncher, "_start_waiting", lambda self: None)
 
     async def start(engines, n):
@@ -132,3 +129,45 @@ def test_the_set_starts_each_hosts_first_engine_then_the_rest_on_its_sender(tmp_
     with pytest.raises(RuntimeError, match="No route"):
         asyncio.run(start({"a": 2, "down": 2}, 4))
     assert senders["a"].started  # the healthy host started; "down"'s second engine was never contacted
+
+
+def test_an_ssh_hosts_fork_server_forks_engines_and_tells_how_they_ended(tmp_path, monkeypatch):
+    """``ssh_forked.RemoteForkServer`` over a local ``sh -c`` in place of ssh: the engine it forks gets the
+    launcher's arguments and the login environment with the request's variables set (an empty one unset); its
+    exit status comes back through the launcher's wait (one call) and through ``ssh_forked.exit_code`` by host."""
+    import json
+    import socket
+
+    from colab_kit.notebook.cluster import ssh_forked
+
+    profile = tmp_path / "profile_t"
+    profile.mkdir()
+    seen = tmp_path / "seen.json"
+    # ipengine runs its profile's config file: it writes what the engine was given, then ends with code 7
+    (profile / "ipengine_config.py").write_text(
+        "import json, os, sys\n"
+        f"json.dump({{'env': dict(os.environ), 'argv': sys.argv, 'cwd': os.getcwd()}}, open({str(seen)!r}, 'w'))\n"
+        "os._exit(7)\n")
+    monkeypatch.setenv("CK_TEST_LOGIN", "kept")
+    monkeypatch.setenv("CK_TEST_UNSET", "dropped")
+    monkeypatch.chdir(tmp_path)
+    server = ssh_forked.RemoteForkServer(["sh", "-c"], sys.executable)
+    monkeypatch.setitem(ssh_forked._SERVERS, ("sh", "-c"), server)
+    try:
+        el = _launcher(tmp_path, LocalShell(), remote_output_file=str(tmp_path / "engine.log"),
+                       environment={ssh.SLOT: "3", "CK_TEST_UNSET": ""})
+        el.server = server
+        el.engine_args = [f"--profile-dir={profile}"]
+        el.pid = el._launch()
+        assert el.forked_by is server and el.pid in server.forked
+        assert el.wait_one(timeout=60) == 7, (tmp_path / "engine.log").read_text()
+        got = json.loads(seen.read_text())
+        assert got["env"][ssh.SLOT] == "3" and got["env"]["CK_TEST_LOGIN"] == "kept"
+        assert "CK_TEST_UNSET" not in got["env"] and got["cwd"] == str(tmp_path)
+        assert f"--profile-dir={profile}" in got["argv"]
+        assert server.host == socket.gethostname()
+        assert ssh_forked.exit_code(socket.gethostname(), el.pid) == 7
+        assert ssh_forked.exit_code("another-host", el.pid) is None
+    finally:
+        server.close()
+    assert not server.alive and not os.path.exists(server.exits)  # the server removed its own directory

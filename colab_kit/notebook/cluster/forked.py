@@ -58,15 +58,19 @@ __all__ = ["ForkServer", "fork_server", "forking", "server_pid", "exit_code", "h
 class ForkServer:
     """The server process, seen from the kernel: ``fork(argv, env, cwd, log)`` returns the new engine's pid."""
 
-    def __init__(self):
+    def __init__(self, command: list[str] | None = None, exits: str | None = None):
+        """This machine's server by default; ``command`` runs one elsewhere (``ssh_forked.RemoteForkServer``:
+        ``ssh host python -c SERVE <exits>``), whose directory of exit statuses ``exits`` is on that host."""
         # a session of its own: out of the kernel's process group, which ipykernel signals on an interrupt
         # (SIGINT would end the server during its imports) and at shutdown, where it waits for every child in
         # its group to be gone; this one, signalled but not reaped until the kernel's own exit, stayed listed
         # as a zombie, and the kernel waited until Jupyter gave up on it and sent SIGTERM (2.5 s, atexit skipped)
-        self.exits = tempfile.mkdtemp(prefix="colab_kit-exits-")  # the server writes each child's exit status here
+        # the server writes each child's exit status into ``exits``
+        self.local = exits is None  # the directory is this machine's (a remote server removes its own)
+        self.exits = exits if exits is not None else tempfile.mkdtemp(prefix="colab_kit-exits-")
         self.forked: set[int] = set()
-        serve = "from colab_kit.notebook.cluster.forked_server import serve; serve()"
-        self.proc = subprocess.Popen([sys.executable, "-c", serve, self.exits], stdin=subprocess.PIPE,
+        self.host: str | None = None  # the server's hostname, from its first reply
+        self.proc = subprocess.Popen(command or [sys.executable, "-c", SERVE, self.exits], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
         self._lock = threading.Lock()
 
@@ -78,17 +82,20 @@ class ForkServer:
     def pid(self) -> int:
         return self.proc.pid
 
-    def fork(self, argv: list[str], env: dict, cwd: str, log: str, timeout: float = 120.0) -> int:
-        """Ask for one engine; its pid. A server that does not answer within ``timeout`` (its imports hung), or a
-        request cut short (Ctrl-C), ends the server, so that no later request reads an earlier reply; the next
-        ``fork_server()`` starts a new one."""
+    def fork(self, argv: list[str], env: dict, cwd: str | None, log: str, timeout: float = 120.0,
+             merge_env: bool = False) -> int:
+        """Ask for one engine; its pid. ``merge_env``: ``env`` is set over the server's own environment (an
+        empty value unsets), else it is the whole environment; ``cwd`` None: the server's directory. A server
+        that does not answer within ``timeout`` (its imports hung), or a request cut short (Ctrl-C), ends the
+        server, so that no later request reads an earlier reply; the next ``fork_server()`` starts a new one."""
         import select
 
         stdin, stdout = self.proc.stdin, self.proc.stdout
         assert stdin is not None and stdout is not None  # both pipes (subprocess.PIPE)
+        request = dict(argv=argv, env=env, cwd=cwd, log=log, **({"merge_env": True} if merge_env else {}))
         with self._lock:
             try:
-                stdin.write(json.dumps(dict(argv=argv, env=env, cwd=cwd, log=log)) + "\n")
+                stdin.write(json.dumps(request) + "\n")
                 stdin.flush()
                 ready, _, _ = select.select([stdout], [], [], timeout)
                 if not ready:
@@ -106,6 +113,7 @@ class ForkServer:
         if "error" in reply:
             raise RuntimeError(f"colab_kit's engine fork server could not fork an engine: {reply['error']}")
         self.forked.add(int(reply["pid"]))
+        self.host = reply.get("host", self.host)
         return int(reply["pid"])
 
     def exit_code(self, pid: int, wait: float = 2.0) -> int | None:
@@ -145,7 +153,12 @@ class ForkServer:
                 self.proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-        shutil.rmtree(self.exits, ignore_errors=True)
+        if self.local:
+            shutil.rmtree(self.exits, ignore_errors=True)
+
+
+SERVE = "from colab_kit.notebook.cluster.forked_server import serve; serve()"
+"""The server's program (``python -c SERVE <exits directory>``)."""
 
 
 def forking(engines) -> bool:

@@ -4,7 +4,10 @@ serve()" <exits directory>`` and writes one JSON request a line).
 
 Per request ``{"argv", "env", "cwd", "log"}`` the server forks; the child becomes ``python -m ipyparallel.engine
 <argv>`` (``_become_engine``: its own session, the log as stdout and stderr, the environment and directory of
-the request) after forking its own nanny (``_prefork_nanny``); the server answers ``{"pid": ...}``. Each child
+the request) after forking its own nanny (``_prefork_nanny``); the server answers ``{"pid": ..., "host": ...}``.
+A server on an SSH host (``ssh_forked.py``) is sent ``"merge_env": true`` and no ``cwd``: the engine's environment
+is the server's login environment with the request's variables set (an empty value unsets one), in the
+server's directory, as ipyparallel's remote start would give it. Each child
 that ends is reaped at once (``_reap``) and its exit code written to ``<exits>/<pid>`` for the kernel
 (``forked.exit_code``). Worked example, ``Cluster(2)``::
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 
 __all__ = ["serve", "WARM_MODULES"]
@@ -26,6 +30,7 @@ WARM_MODULES = ("torch", "torch.distributed", "ipyparallel.engine.app", "ipypara
 """What the server imports before it forks: what an engine's start-up would import itself."""
 
 _EXITS: list[str] = []  # in the server: the directory its kernel reads exit statuses from
+_BASE_ENV: dict[str, str] = {}  # in the server: its environment as it started, before its imports
 
 
 def _reap(signum, frame) -> None:
@@ -133,9 +138,16 @@ def _become_engine(request: dict) -> None:
         sys.stdin = open(0, closefd=False)
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
-        os.chdir(request["cwd"])
+        if request.get("cwd"):
+            os.chdir(request["cwd"])
+        env = dict(_BASE_ENV) if request.get("merge_env") else {}
+        for key, value in request["env"].items():
+            if value is None or (value == "" and request.get("merge_env")):
+                env.pop(key, None)
+            else:
+                env[key] = str(value)
         os.environ.clear()
-        os.environ.update(request["env"])
+        os.environ.update(env)
         sys.argv = ["ipyparallel.engine", *request["argv"]]
         import ipyparallel.engine.app as app
 
@@ -166,6 +178,7 @@ def serve() -> None:
     """Import ``WARM_MODULES``, then fork an engine for each request line on stdin until stdin closes."""
     import importlib
 
+    _BASE_ENV.update(os.environ)
     for name in WARM_MODULES:
         try:
             importlib.import_module(name)
@@ -176,6 +189,9 @@ def serve() -> None:
     gc.collect()
     gc.freeze()  # the imports' objects out of the collector's reach: an engine's collections leave their pages shared
     _EXITS[:] = sys.argv[1:2]
+    if _EXITS:
+        os.makedirs(_EXITS[0], mode=0o700, exist_ok=True)  # made by a local kernel already; on an SSH host, here
+    host = socket.gethostname()
     signal.signal(signal.SIGCHLD, _reap)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the kernel's terminal is not for the server
     requests, replies = sys.stdin, sys.stdout
@@ -204,7 +220,7 @@ def serve() -> None:
             continue
         if pid == 0:
             _become_engine(request)
-        replies.write(json.dumps({"pid": pid}) + "\n")
+        replies.write(json.dumps({"pid": pid, "host": host}) + "\n")
         replies.flush()
     if _EXITS:  # no kernel is left to read the exit statuses: a kernel that was killed leaves no directory behind
         import shutil

@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ...errors import MessageOnly, RankError, RankTimeout
-from . import forked, remote
+from . import forked, remote, ssh_forked
 from .results import RankTable, split, unwrap_plain
 
 __all__ = ["Waiting", "RESTART_ADVICE", "ClusterError"]
@@ -98,15 +98,18 @@ class Waiting:
         return f" (on host {row['host']!r}, pid {row['pid']})" if row else ""
 
     def _how_it_ended(self, rank: int) -> str:
-        """"killed by SIGKILL (...)", "exited with code 3 (...)" for an engine this kernel's fork server forked
-        (``forked.exit_code``), else "killed, crashed or out of memory"."""
+        """"killed by SIGKILL (...)", "exited with code 3 (...)" for an engine one of this kernel's fork servers
+        forked (``forked.exit_code`` here, ``ssh_forked.exit_code`` on an SSH host), else "killed, crashed or
+        out of memory"."""
         import socket
 
-
         row = next((row for row in self._table if row["rank"] == rank), None)
-        if row is None or row["host"] != socket.gethostname():  # a pid on another host is another process
+        if row is None:
             return forked.how_it_ended(None)
-        return forked.how_it_ended(forked.exit_code(row["pid"]))
+        code = ssh_forked.exit_code(row["host"], row["pid"])
+        if code is None and row["host"] == socket.gethostname():  # a pid on another host is another process
+            code = forked.exit_code(row["pid"])
+        return forked.how_it_ended(code)
 
     def _dead_ranks(self, ranks) -> list[int]:
         """Ranks whose engine has unregistered (the engine's nanny tells the controller at once)."""

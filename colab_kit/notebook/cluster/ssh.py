@@ -9,26 +9,33 @@ tests/cluster/test_two_hosts.py -k ssh`` prints the seconds a start, a restart a
 
 ``ConcurrentSSHEngineSetLauncher`` is that launcher with the work reordered: per host, the first engine
 starts first (it checks the shell and Python, makes the profile and sends the connection files, which the
-host's other engines read), then the host's other engines start together, one ssh call each, and every host
-does so at the same time. Signals and stops go to every engine at once; on a POSIX shell an engine is waited
-on with ``kill -0`` and its log read with ``cat`` (one call each). At most ``PER_HOST`` ssh sessions open at
-once on one host: sshd's default ``MaxStartups 10:30:100`` starts refusing new connections at random beyond
-10 unauthenticated ones. ``Cluster(engines="ssh")`` uses it;
+host's other engines read), then the host's other engines start together, and every host does so at the same
+time. Each engine is forked by the host's fork server (``ssh_forked.py``: one process per host that imported
+torch once, kept by the kernel for later starts) where the login shell is POSIX, else started with one ssh
+call of its own. A restart sends nothing again (the same files to the same host). Signals and stops go to
+every engine at once; on a POSIX shell a signal is ``kill``, the connection files go in one ``mkdir -p`` and
+one ``scp``, and an engine is waited on with ``kill -0``, its exit status and log read in the same call. At
+most ``PER_HOST`` ssh sessions open at once on one host: sshd's default ``MaxStartups 10:30:100`` starts
+refusing new connections at random beyond 10 unauthenticated ones. ``Cluster(engines="ssh")`` uses it;
 ``engines="ipyparallel.cluster.launcher.SSHEngineSetLauncher"`` gives ipyparallel's own.
 
 Worked example, ``hosts={"a": 2, "b": 2}``::
 
-    round 1   a/0 (sends the files)    b/0 (sends the files)       two ssh starts at once
-    round 2   a/1 (its start only)     b/1 (its start only)        then the rest of each host at once
+    round 1   a/0 (sends the files)    b/0 (sends the files)       both hosts at once, each host's fork
+    round 2   a/1 (forked only)        b/1 (forked only)           server importing torch meanwhile
     ranks     0, 1 on a; 2, 3 on b     (by each engine's ``SLOT``, whichever registered first)
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import posixpath
 import shlex
+import time
+from subprocess import check_output
 from concurrent.futures import ThreadPoolExecutor
 
+from . import ssh_forked
 from .forked import built_on_first_use
 
 __all__ = ["PER_HOST", "SLOT"]  # and ConcurrentSSHEngineSetLauncher, built on first use
@@ -61,6 +68,25 @@ POSIX_SHELLS = {"sh", "bash", "dash", "zsh", "ksh", "ash"}
 _WAIT = ("i=0; while kill -0 {pid} 2>/dev/null; do i=$((i+1)); if [ $i -ge {polls} ]; then "
          "echo __process_running=1__; exit 0; fi; sleep 0.1 2>/dev/null || sleep 1; done; "
          "echo __process_running=0__")
+
+
+_SENT: set[tuple] = set()  # hosts that have a profile and these connection files from this kernel
+
+
+def _sent_key(ssh: list[str], profile: str, to_send) -> tuple | None:
+    """What a host's first engine made and sent there (the ssh command, the remote profile, each remote file
+    with the local file's bytes), or None where a local file cannot be read. A restart sends the same files to
+    the same host: the key says it is done already."""
+    import hashlib
+
+    try:
+        files = tuple((remote, hashlib.sha256(open(local, "rb").read()).hexdigest()) for local, remote in to_send)
+    except OSError:
+        return None
+    return tuple(ssh), profile, files
+
+
+_LOG = "__colab_kit_engine_log__"  # in a wait's output: the ended engine's log follows
 
 
 def _run_all(calls, workers: int) -> None:
@@ -117,20 +143,98 @@ def _launcher_classes():
         that the set's stops overlap."""
 
         host_first = None  # the launcher of this host's first engine, for the host's later ones
+        server = None  # the host's fork server (``ssh_forked``); None: engines start as new interpreters
+        forked_by = None  # the server that forked this engine, if one did
         pid: int  # ipyparallel's trait (the engine's pid on its host), declared for the type checker only
+        hostname: str  # ipyparallel's traits, likewise
+        user: str
         _output: str | None  # ipyparallel's cache of the engine's log (None: not fetched yet), likewise
 
         def start(self, hostname=None, user=None, port=None):
             first = self.host_first
-            if first is None:
+            if first is None and not ssh_forked.forking(self.engine_cmd, self.remote_python):
                 return super().start(hostname=hostname, user=user, port=port)
-            self.hostname, self.user = hostname if hostname is not None else self.hostname, user or self.user
-            self._ssh_sender = first.ssh_sender  # the same host, user, port and arguments; set up once
-            self.pid = self.ssh_sender.cmd_start(self.program + self.program_args, env=self.get_env(),
-                                                 output_file=self.remote_output_file)
+            if first is None:
+                self._prepare(hostname, user, port)
+            else:
+                self.hostname, self.user = hostname if hostname is not None else self.hostname, user or self.user
+                self._ssh_sender = first.ssh_sender  # the same host, user, port and arguments; set up once
+                self.server = first.server
+            self.pid = self._launch()
             self.notify_start({"host": self.location, "pid": self.pid})
             self._start_waiting()
             self.fetch_files()
+
+        def _prepare(self, hostname, user, port):
+            """A host's first engine: ipyparallel's checks, profile and connection files (its ``start`` up to
+            the engine's own start), with the host's fork server started after the shell check, so that its
+            imports run during the rest."""
+            if hostname is not None:
+                self.hostname = hostname
+            if user is not None:
+                self.user = user
+            if port is not None:
+                if "-p" not in self.ssh_args:
+                    self.ssh_args.extend(["-p", str(port)])
+                if "-P" not in self.scp_args:
+                    self.scp_args.extend(["-P", str(port)])
+            self.ssh_sender.get_shell_info()
+            ssh = [*self.ssh_cmd, *self.ssh_args, self.location]
+            if self._posix():
+                self.server = ssh_forked.remote_fork_server(ssh, self.remote_python)
+            sent = _sent_key(ssh, self.remote_profile_dir, self.to_send)
+            if sent is not None and sent in _SENT:  # a restart: the profile is made, the same files are there
+                return
+            self.ssh_sender.has_python()
+            self.ssh_sender.check_output_python_module(
+                ["IPython", "profile", "create", "--profile-dir", self.remote_profile_dir])
+            self.send_files()
+            if sent is not None:
+                _SENT.add(sent)
+
+        def _launch(self) -> int:
+            """The engine's pid on its host: forked by the host's server, else started by ipyparallel's way."""
+            if self.server is not None:
+                try:
+                    pid = self.server.fork(list(self.program_args), self.get_env(), None, self.remote_output_file,
+                                           merge_env=True)
+                    self.forked_by = self.server
+                    return pid
+                except Exception as e:  # noqa: BLE001 - the usual start still works: said, not raised
+                    self.log.warning(f"{self.location}: colab_kit's fork server did not fork an engine ({e}); "
+                                     "it starts as a new interpreter")
+            return self.ssh_sender.cmd_start(self.program + self.program_args, env=self.get_env(),
+                                             output_file=self.remote_output_file)
+
+        def send_files(self):
+            """The connection files in two calls on a POSIX shell: one ``mkdir -p`` of their directories, one
+            ``scp`` per directory (ipyparallel checks each directory with a remote Python, then copies each file
+            on its own)."""
+            if not self.to_send or not self._posix():
+                return super().send_files()
+            for _ in range(10):  # as ipyparallel's: the controller may still be writing them
+                if all(os.path.exists(local) for local, _ in self.to_send):
+                    break
+                time.sleep(1)
+            dirs: dict[str, list[str]] = {}
+            for local, remote in self.to_send:
+                remote = remote.replace(os.path.sep, "/")
+                if os.path.basename(local) != posixpath.basename(remote):
+                    return super().send_files()  # renamed on the way: a copy each, ipyparallel's way
+                dirs.setdefault(posixpath.dirname(remote), []).append(local)
+            if any(dirs):
+                self.ssh_sender.check_output("mkdir -p " + " ".join(shlex.quote(d) for d in dirs if d),
+                                             universal_newlines=True)
+            for remote_dir, locals_ in dirs.items():
+                check_output([*self.scp_cmd, *self.scp_args, *locals_, f"{self.location}:{remote_dir or '.'}/"])
+
+        def signal(self, sig):
+            """``kill -SIG pid`` in a POSIX remote shell (ipyparallel's starts a remote Python for it)."""
+            if self.state != "running":
+                return
+            if not self._posix():
+                return super().signal(sig)
+            self.ssh_sender.check_output(f"kill -{int(sig)} {int(self.pid)}", universal_newlines=True)
 
         def _posix(self) -> bool:
             return os.path.basename(self.ssh_sender.get_shell_info()[1] or "") in POSIX_SHELLS
@@ -166,12 +270,22 @@ def _launcher_classes():
             if not self._posix():
                 return super().wait_one(timeout)
             polls = max(1, int(10 * (timeout if timeout is not None else 1e9)))
-            out = self.ssh_sender.check_output(_WAIT.format(pid=int(self.pid), polls=polls), universal_newlines=True)
+            script = _WAIT.format(pid=int(self.pid), polls=polls)
+            if self.forked_by is not None:  # then how it ended, as its fork server wrote it
+                script += "; " + self.forked_by.exit_script(int(self.pid))
+            if self._output is None:  # and its log, read and removed (ipyparallel does so as it notices the end)
+                path = shlex.quote(self.remote_output_file)
+                script += f"; echo {_LOG}; cat {path} 2>/dev/null; rm -f {path}"
+            out, _, log = self.ssh_sender.check_output(script, universal_newlines=True).partition(_LOG + "\n")
             if "__process_running=" not in out:
                 raise RuntimeError(out)
             if "__process_running=1__" in out:
                 raise TimeoutError("still running")
-            return -1  # as ipyparallel's: the engine is not the waiting shell's child, its code is not known
+            if _LOG in script and self._output is None:
+                self._output = log
+            code = ssh_forked.parse_exit(out)
+            # as ipyparallel's when not forked: the engine is not the waiting shell's child, its code is not known
+            return -1 if code is None else code
 
         async def stop(self):
             if not self.started:
