@@ -36,6 +36,7 @@ from ..models.experts import Experts
 from ..models.hf_moe import aux_coef
 from ..models.moe import has_experts, moe_blocks
 from ..policy import policy_for
+from ..policy.hf import sliding_window
 from ..policy.hf_moe import attention_limits
 from ..sequence.plan import scale_refusal
 from ..tensor import model_sizes
@@ -95,6 +96,9 @@ class ModelFacts:
     """q and k normalised over all heads at once (OLMoE): no tensor plan."""
     sinks: bool = False
     """Attention sinks and sliding windows (GPT-OSS): no tensor, sequence or pipeline plan."""
+    window: int | None = None
+    """A sliding window shorter than the model's positions (Mistral's; ``policy.hf.sliding_window``): no sequence
+    or pipeline plan for sequences longer than it."""
     memo: dict = field(default_factory=dict, repr=False)
     """What a rule computed for a config's fields (a part's rule), kept with the facts it read."""
 
@@ -121,6 +125,7 @@ class ModelFacts:
         policy = policy_for(model, policy)
         counts = {m.n for m in model.modules() if isinstance(m, Experts)}
         base: dict = dict(name=type(model).__name__, seq=seq, aux_coef=aux_coef(model), **attention_limits(model),
+                          window=sliding_window(model),
                           moe=bool(policy is not None and policy.experts) or has_experts(model),
                           policy_experts=bool(policy is not None and policy.experts),
                           drops=any(getattr(m, "capacity_factor", None) is not None for m in model.modules()

@@ -161,7 +161,8 @@ def _check_causal(engine) -> None:
                               "built with capacity_factor=None (dropless; ck.dense_state_dict(engine) gives them), "
                               "or in one process")
         return
-    known = ("colab_kit.models.GPT, transformers' GPT2LMHeadModel or LlamaForCausalLM, or a model whose policy "
+    known = ("colab_kit.models.GPT, transformers' GPT2LMHeadModel, LlamaForCausalLM (and Mistral, Qwen2, Qwen3) or "
+             "an MoE causal LM of colab_kit.policy.hf_moe, or a model whose policy "
              "has causal attention and loss='tokens'")
     if isinstance(cfg, (BERTConfig, ViTConfig)):
         raise ConfigError(f"generate() continues the prompts of a causal language model ({known}); "

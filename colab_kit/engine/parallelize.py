@@ -98,6 +98,23 @@ class Parallelized:
         return getattr(self.dense_twin, "cfg", None)
 
 
+def output_logits(out):
+    """The logits in a model's output for the built-in loss: the tensor it returns, or the ``logits`` of a
+    Hugging Face ``ModelOutput`` (``model(ids).logits``, as plain PyTorch reads them). A loss of the user's own
+    (``boost(..., loss_fn=)``) gets the output as the model returns it.
+
+    >>> import types
+    >>> t = torch.zeros(2, 3)
+    >>> output_logits(t) is t, output_logits(types.SimpleNamespace(logits=t, loss=None)) is t
+    (True, True)
+    """
+    if not isinstance(out, torch.Tensor):
+        logits = getattr(out, "logits", None)
+        if isinstance(logits, torch.Tensor):
+            return logits
+    return out
+
+
 def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, options: BoostOptions | None = None,
                 *, group_of_name: Callable[[str], int] | None = None) -> Parallelized:
     """This rank's share of ``model`` under ``config``: each part's step (``engine.parts.PARTS``), in order, where
@@ -115,7 +132,10 @@ def parallelize(model: nn.Module, mesh: ProcessMesh, config: ParallelConfig, opt
             p.apply(b)
             b.steps.append(p.name)
     layout = DropoutLayout(mesh, b.tp_plan, b.sp_plan) if "dropout" in b.steps else None
-    logits = policy.output if policy is not None and policy.output is not None else (lambda out: out)
+    if policy is not None and policy.output is not None:
+        logits = policy.output
+    else:  # the built-in loss takes logits: a Hugging Face model's output holds them (any causal LM, no policy)
+        logits = output_logits if loss_fn is lm_loss else (lambda out: out)
     return Parallelized(config=config, mesh=mesh, module=b.module, dense_twin=b.twin, policy=policy, loss_fn=b.loss,
                         data_parallel=b.data_parallel, placement_table=b.table, events=b.events, logits=logits,
                         token_loss=token_loss, tp_plan=b.tp_plan, sp_plan=b.sp_plan, dropout=layout, stages=b.stages,

@@ -272,7 +272,11 @@ _LAZY: dict[str, str] = {  # "module:Class" of a model family -> "module:factory
     "colab_kit.models.bert:BERT": "colab_kit.policy.builtin:bert_policy",
     "colab_kit.models.vit:ViT": "colab_kit.policy.builtin:vit_policy",
     "transformers.models.gpt2.modeling_gpt2:GPT2LMHeadModel": "colab_kit.policy.hf:gpt2_policy",
-    "transformers.models.llama.modeling_llama:LlamaForCausalLM": "colab_kit.policy.hf:llama_policy",
+    **{k: "colab_kit.policy.hf:llama_policy" for k in (  # Llama and its kin (colab_kit.policy.hf.LLAMA_LIKE)
+        "transformers.models.llama.modeling_llama:LlamaForCausalLM",
+        "transformers.models.mistral.modeling_mistral:MistralForCausalLM",
+        "transformers.models.qwen2.modeling_qwen2:Qwen2ForCausalLM",
+        "transformers.models.qwen3.modeling_qwen3:Qwen3ForCausalLM")},
     **{k: "colab_kit.policy.hf_moe:hf_moe_policy" for k in (  # mixtures of experts (colab_kit.policy.hf_moe)
         "transformers.models.mixtral.modeling_mixtral:MixtralForCausalLM",
         "transformers.models.qwen3_moe.modeling_qwen3_moe:Qwen3MoeForCausalLM",
@@ -309,7 +313,8 @@ def missing_policy_message(model: nn.Module | str, needs: str) -> str:
     """Why ``needs`` (e.g. "tp=2 and pp=2") cannot run ``model`` (or a model class of that name) without a policy."""
     name = model if isinstance(model, str) else type(model).__name__
     return (f"{needs} needs a sharding policy for {name}, and colab_kit has none built in (it has GPT, BERT, "
-            f"ViT, and transformers' GPT2LMHeadModel, LlamaForCausalLM and the MoE causal LMs of "
+            f"ViT, and transformers' GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+            f"Qwen3ForCausalLM and the MoE causal LMs of "
             f"colab_kit.policy.hf_moe): pass ck.boost(model, opt, config, "
             f"policy=Policy(blocks='<path of the nn.ModuleList of blocks>', layers={{'<path>': '<role>', "
             f"'<blocks>.*.<attention q/k/v>': 'column', '<blocks>.*.<attention out>': 'row', ...}}, "

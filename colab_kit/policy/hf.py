@@ -1,6 +1,7 @@
 """Policies for Hugging Face ``transformers`` models, handed to ``ck.boost`` as they are.
 
-``GPT2LMHeadModel`` and ``LlamaForCausalLM``, built from a config (random weights, no download),
+``GPT2LMHeadModel`` and ``LlamaForCausalLM`` (and Llama's kin: ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``LLAMA_LIKE``), built from a config (random weights, no download),
 the same on every rank (same seed)::
 
     torch.manual_seed(0)
@@ -45,7 +46,7 @@ import torch.nn as nn
 
 from . import Attention, Policy
 
-__all__ = ["gpt2_policy", "llama_policy", "conv1d_to_linear", "converted_conv1d"]
+__all__ = ["gpt2_policy", "llama_policy", "conv1d_to_linear", "converted_conv1d", "sliding_window", "LLAMA_LIKE"]
 
 _CONVERTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per prepared GPT-2: the paths of the modules that were ``Conv1D`` (kept here, not on the model)."""
@@ -103,10 +104,48 @@ def _gpt2_embed(m, ids):
     return t.drop(t.wte(ids) + t.wpe(pos))
 
 
+LLAMA_LIKE = {  # transformers' module:class -> the policy's name: Llama's frame, block and module names
+    "transformers.models.llama.modeling_llama:LlamaForCausalLM": "hf-llama",
+    "transformers.models.mistral.modeling_mistral:MistralForCausalLM": "hf-mistral",
+    "transformers.models.qwen2.modeling_qwen2:Qwen2ForCausalLM": "hf-qwen2",
+    "transformers.models.qwen3.modeling_qwen3:Qwen3ForCausalLM": "hf-qwen3",
+}
+"""The dense causal LMs ``llama_policy`` lowers. Mistral is Llama with a sliding window (``sliding_window``);
+Qwen2 adds biases to q, k and v (column Linears split them with their rows); Qwen3 normalises q and k head by
+head (``q_norm``, ``k_norm`` of ``head_dim``: whole heads on each rank, so the norms stay whole)."""
+
+
+def sliding_window(model) -> int | None:
+    """The window of a model whose attention looks back a limited number of tokens in some layer (Mistral's
+    ``sliding_window``, Qwen's with ``use_sliding_window``), where it is shorter than the positions the model
+    takes; None otherwise. Its forward masks that window itself: a sequence or pipeline plan, which calls
+    the attention without the model's mask, would attend further back.
+
+    >>> import types
+    >>> mistral = types.SimpleNamespace(config=types.SimpleNamespace(sliding_window=4096,
+    ...                                 max_position_embeddings=32768))
+    >>> qwen2 = types.SimpleNamespace(config=types.SimpleNamespace(sliding_window=4096, use_sliding_window=False,
+    ...                               max_position_embeddings=32768, layer_types=["full_attention"] * 2))
+    >>> sliding_window(mistral), sliding_window(qwen2)
+    (4096, None)
+    """
+    cfg = getattr(model, "config", None)
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    types_ = getattr(cfg, "layer_types", None)
+    if types_ is not None and "sliding_attention" not in types_:
+        return None
+    longest = getattr(cfg, "max_position_embeddings", None)
+    return int(window) if longest is None or int(window) < int(longest) else None
+
+
 def llama_policy(model) -> Policy:
+    """Llama's policy, and that of the models of ``LLAMA_LIKE`` (named after each)."""
     cfg, L = model.config, "model.layers"
+    key = f"{type(model).__module__}:{type(model).__qualname__}"
     return Policy(
-        name="hf-llama", blocks=L,
+        name=LLAMA_LIKE.get(key, "hf-llama"), blocks=L,
         layers={"model.embed_tokens": "vocab", "model.rotary_emb": "rotary",
                 f"{L}.*.input_layernorm": "rmsnorm", f"{L}.*.self_attn.q_proj": "column",
                 f"{L}.*.self_attn.k_proj": "column", f"{L}.*.self_attn.v_proj": "column",

@@ -28,7 +28,18 @@ def attention_sinks(c, f):
             "version: set tp=1, sp=1 and pp=1 (dp, ep and ZeRO run it)")
 
 
-RULES = (needs_policy, policy_fits, attention_sinks)
+@rule(priced=True)
+def sliding_window(c, f):
+    split = [f"{a}={getattr(c, a)}" for a in ("sp", "pp") if getattr(c, a) > 1]
+    if not (f.window and split) or (f.seq is not None and f.seq <= f.window):
+        return None
+    return (f"{' and '.join(split)} with {f.name}: its attention looks back at most {f.window} tokens (a sliding "
+            "window the model's own forward masks), and sequence and pipeline parallelism call the attention "
+            f"without that mask: set the config's sliding_window=None if no sequence is longer than {f.window} "
+            "tokens (then the two are the same), or use tp, dp and ZeRO, which run the model's own forward")
+
+
+RULES = (needs_policy, policy_fits, attention_sinks, sliding_window)
 """This part's rules, in the order they are asked."""
 
 

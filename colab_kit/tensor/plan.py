@@ -12,7 +12,7 @@ from .. import comm
 from ..config import Axis, ConfigError
 from ..policy import expand, get_module, policy_for, set_module
 from .cross_entropy import vocab_parallel_cross_entropy
-from ..placement import PlacementTable, mark_parts
+from ..placement import PlacementTable, add_partial, mark_parts
 from ..sharded_init import cut
 
 __all__ = ["TensorPlan", "sync_grads", "regrouped", "require_divisible"]
@@ -120,12 +120,27 @@ class TensorPlan:
                 if path in fused:
                     mark_parts(new, fused[path])
                 set_module(model, path, new)
-        for _, att, what in policy.attentions(model):
+        for path, att, what in policy.attentions(model):
             for name in (*what.heads, *what.kv_heads, *what.widths):
                 setattr(att, name, getattr(att, name) // split)
+            self._per_head_params(path, att, dense_of)
         for a, b in policy.tied:  # the head as it was (dense), the table as this mode made it
             self.tie(model, get_module(model, a), dense_of.get(b, get_module(model, b)), a, b)
         return model
+
+    def _per_head_params(self, path: str, att: nn.Module, named: dict) -> None:
+        """Parameters of an attention module that no policy role names (Qwen3's ``q_norm`` and ``k_norm``: one
+        ``head_dim`` vector applied to every head) stay whole on each rank, which applies them to its own
+        heads of its own rows only: their gradient is ``Partial`` over the head and batch axes, summed after
+        backward (``sync_grads``). Worked example, tp=2 (1d), 4 heads: rank 0's ``q_norm.weight.grad`` holds
+        heads 0-1's part, rank 1's heads 2-3's; both hold the sum after the step's all-reduce."""
+        axes = (*self.head_axes, *self.batch_axes)
+        for sub, mod in att.named_modules(prefix=path):
+            if any(sub == n or sub.startswith(n + ".") for n in named):
+                continue  # a layer the policy names: the mode's layer declared its own parameters
+            for name, _ in mod.named_parameters(recurse=False):
+                for axis in axes:
+                    add_partial(mod, name, axis)
 
     def tie(self, model: nn.Module, table: nn.Module, head: nn.Module, table_path: str, head_path: str) -> None:
         """Make the head at ``head_path`` use ``table``'s (sharded) weight again (the policy's ``tied``);

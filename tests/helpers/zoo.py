@@ -132,7 +132,9 @@ class Plain(nn.Module):
 
 
 def make_hf(name: str, dropout: float = 0.0):
-    """A small Hugging Face GPT-2 or Llama, built from a config (no download), the same weights on every rank;
+    """A small Hugging Face model, built from a config (no download), the same weights on every rank: GPT-2,
+    Llama, Llama's kin (``mistral`` without a sliding window, ``mistral-window`` with one of 8 tokens, ``qwen2``
+    with q/k/v biases, ``qwen3`` with per-head q/k norms), or ``neox`` (GPT-NeoX: no policy, dp and ZeRO only);
     ``dropout``: a GPT-2's residual, embedding and attention dropout."""
     import transformers
 
@@ -142,9 +144,21 @@ def make_hf(name: str, dropout: float = 0.0):
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             n_embd=32, n_layer=4, n_head=4, n_positions=16, vocab_size=64, resid_pdrop=dropout, embd_pdrop=dropout,
             attn_pdrop=dropout, bos_token_id=0, eos_token_id=0))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    llama = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=16, bos_token_id=0, eos_token_id=0,
+                 pad_token_id=0)
+    if name in ("mistral", "mistral-window"):
+        return transformers.MistralForCausalLM(transformers.MistralConfig(
+            **llama, sliding_window=8 if name == "mistral-window" else None))
+    if name == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**llama))
+    if name == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**llama, head_dim=8))
+    if name == "neox":
+        return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64,
+            max_position_embeddings=16, bos_token_id=0, eos_token_id=0, hidden_dropout=0.0, attention_dropout=0.0))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama))
 
 
 def assert_params_match(got: dict, want: dict, opt: str, where) -> None:

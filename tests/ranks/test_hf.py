@@ -1,6 +1,8 @@
 """Hugging Face models handed to ``ck.boost`` as they are: ``transformers``' GPT2LMHeadModel (fused
 ``c_attn`` in Conv1D layout, tied head) and LlamaForCausalLM (RoPE, RMSNorm, SwiGLU, grouped-query
-attention, a padding row in its token table), built from a config with random weights. Five steps equal
+attention, a padding row in its token table), built from a config with random weights; Llama's kin where each
+differs (Mistral with and without a sliding window, Qwen2's q/k/v biases, Qwen3's per-head q/k norms) and
+GPT-NeoX, which has no policy (dp and ZeRO only). Five steps equal
 the same model trained in one process with plain PyTorch (mean token cross-entropy of ``model(ids).logits``)
 within 1e-5, under tp 1d, 2d and 3d, pp 1f1b and zb-h1, ZeRO-3, sp ring and Ulysses, recompute, and
 dp x tp x pp. Each config trains once, with AdamW for one model and SGD + momentum for the other
@@ -48,7 +50,9 @@ def reference(name: str, opt: str):
 
 def optimizer_of(name: str, kw: dict) -> str:
     """GPT-2 trains with AdamW where Llama trains with SGD + momentum, and the other way round on the next
-    config of the list."""
+    config of the list; each of Llama's kin AdamW on its first config, SGD + momentum on its second."""
+    if name in _KIN:
+        return ("adamw", "sgd")[_KIN[name].index(kw) % 2]
     configs = [dict(k) for k in dict.fromkeys(tuple(sorted(c[1].items())) for cs in CASES.values() for c in cs)]
     return list(OPTIMIZERS)[(configs.index(kw) + (name == "llama")) % len(OPTIMIZERS)]
 
@@ -64,8 +68,16 @@ def _train(cases):
 
 _TWO = (dict(tp=2), dict(pp=2, microbatches=2, schedule="1f1b"), dict(pp=2, microbatches=2, schedule="zb-h1"),
         dict(dp=2, zero=3), dict(sp=2), dict(sp=2, sp_mode="ulysses"), dict(tp=2, recompute=True))
-CASES = {2: [(m, kw) for m in ("gpt2", "llama") for kw in _TWO],
-         4: [(m, dict(tp=4, tp_mode="2d")) for m in ("gpt2", "llama")],
+_KIN = {  # Llama's kin under its policy (each where it differs from Llama), and a model with no policy
+    "mistral": (dict(pp=2, microbatches=2, schedule="1f1b"), dict(sp=2)),
+    "mistral-window": (dict(tp=2), dict(dp=2, zero=3)),  # a window of 8 in 16 tokens: the model's own mask
+    "qwen2": (dict(tp=2), dict(sp=2, sp_mode="ulysses")),  # q/k/v biases
+    "qwen3": (dict(tp=2), dict(pp=2, microbatches=2, schedule="zb-h1"), dict(tp=4, tp_mode="2d")),  # per-head
+    # q/k norms (their gradients summed over the heads' and rows' axes)
+    "neox": (dict(dp=2, zero=2),)}  # no policy: dp and ZeRO take model(ids).logits
+CASES = {2: [(m, kw) for m in ("gpt2", "llama") for kw in _TWO] + [(m, kw) for m, kws in _KIN.items() for kw in kws
+                                                                    if ck.ParallelConfig(**kw).world_size == 2],
+         4: [(m, dict(tp=4, tp_mode="2d")) for m in ("gpt2", "llama")] + [("qwen3", dict(tp=4, tp_mode="2d"))],
          8: [(m, dict(dp=2, tp=2, pp=2, microbatches=2)) for m in ("gpt2", "llama")] + [(m, dict(tp=8, tp_mode="3d")) for m in ("gpt2", "llama")]}
 
 
@@ -85,11 +97,11 @@ def test_trains_like_one_process(runs, case):
 
 
 def test_every_config_and_model_sees_both_optimizers():
-    cases = [c for cs in CASES.values() for c in cs]
+    cases = [c for cs in CASES.values() for c in cs if c[0] not in _KIN]
     for kw in {tuple(sorted(c[1].items())) for c in cases}:
         assert {optimizer_of(n, k) for n, k in cases if tuple(sorted(k.items())) == kw} == set(OPTIMIZERS), kw
-    for m in ("gpt2", "llama"):
-        assert {optimizer_of(n, k) for n, k in cases if n == m} == set(OPTIMIZERS), m
+    for m in ("gpt2", "llama", *(k for k in _KIN if len(_KIN[k]) > 1)):
+        assert {optimizer_of(n, k) for n, k in CASES[2] + cases if n == m} == set(OPTIMIZERS), m
 
 
 def _round_trip(kw, src, dst):
@@ -134,6 +146,13 @@ def test_save_pretrained_and_load_pretrained_round_trip(tmp_path):
 
 
 def test_refused_in_the_kernel():
+    with pytest.raises(ck.ConfigError, match=r"sp=2 with MistralForCausalLM: its attention looks back at most 8 "
+                                             r"tokens .* set the config's sliding_window=None"):
+        ck.boost(make("mistral-window"), OPTIMIZERS["sgd"], ck.ParallelConfig(sp=2))
+    with pytest.raises(ck.ConfigError, match=r"pp=2 with MistralForCausalLM: its attention looks back"):
+        ck.boost(make("mistral-window"), OPTIMIZERS["sgd"], ck.ParallelConfig(pp=2, microbatches=2))
+    with pytest.raises(ck.ConfigError, match=r"tp=2 needs a sharding policy for GPTNeoXForCausalLM"):
+        ck.boost(make("neox"), OPTIMIZERS["sgd"], ck.ParallelConfig(tp=2))
     with pytest.raises(ck.ConfigError, match=r"n_heads=4, n_kv_heads=2 not divisible by 8: tp_mode='1d'"):
         ck.boost(make("llama"), OPTIMIZERS["sgd"], ck.ParallelConfig(tp=8))
     with pytest.raises(ck.ConfigError, match=r"n_kv_heads=2 not divisible by 4: tp_mode=.1d."):
