@@ -136,7 +136,10 @@ class Engine:
         self.parts = parallelize(model, mesh, config, options, group_of_name=group_of_name)
         self.optimizer, views, views_layout = self._build_optimizer(optimizer)
         scheduler = attach_scheduler(options.lr_scheduler, user_optimizer, self.optimizer)
-        estimate = (lambda: self.memory_estimate()["activations"]) if self.model_cfg is not None else None
+        # the activations a step needs, for an offload's device account: a built-in model's from its config, any
+        # other model with a policy from its dense forward traced on fake tensors (none for a model without one)
+        known = self.model_cfg is not None or self.parts.policy is not None
+        estimate = (lambda: self.memory_estimate()["activations"]) if known else None
         self.step = TrainingStep(self.parts, self.optimizer, lr_scheduler=scheduler,
                                  max_grad_norm=options.max_grad_norm, views=views, views_layout=views_layout,
                                  estimate_activations=estimate)

@@ -157,3 +157,30 @@ def test_refused_in_the_kernel():
         ck.boost(make("llama"), OPTIMIZERS["sgd"], ck.ParallelConfig(tp=8))
     with pytest.raises(ck.ConfigError, match=r"n_kv_heads=2 not divisible by 4: tp_mode=.1d."):
         ck.boost(make("llama"), OPTIMIZERS["sgd"], ck.ParallelConfig(tp=4))
+
+
+def _offload_refusal():
+    """Llama under dp=2 ZeRO-3 with offload='auto': a budget far below one step, then room for everything."""
+    config = ck.ParallelConfig(dp=2, zero=3, offload="auto")
+    try:
+        ck.boost(make("llama"), OPTIMIZERS["adamw"], config, device_budget=50_000).train_step(DATA.batch(0, BATCH))
+        refused = None
+    except ck.ConfigError as exc:
+        refused = str(exc)
+    engine = ck.boost(make("llama"), OPTIMIZERS["adamw"], config, device_budget=1 << 40)
+    losses = [engine.train_step(DATA.batch(s, BATCH)) for s in range(STEPS)]
+    return refused, engine.memory()["activations"], losses
+
+
+def test_offload_auto_reserves_a_hugging_face_models_activations_before_its_first_step():
+    """The device account of offload='auto' holds the step's activations from the first step on, for a model
+    without a built-in config too (estimated from its dense forward traced on fake tensors): a budget that
+    cannot hold one step is refused before the step runs, naming the activations it needs (0 B before, and the
+    step ran, to fail at the second). With room, the same run trains as one process does."""
+    import re
+
+    (refused, measured, losses), _ = ck.launch(_offload_refusal, 2)
+    assert refused is not None and "too small for one step" in refused, refused
+    acts = int(re.search(r"the activations \(([\d,]+) B\)", refused).group(1).replace(",", ""))
+    assert 0.5 * measured <= acts <= 1.5 * measured, (acts, measured)
+    assert losses == pytest.approx(reference("llama", "adamw"), rel=1e-5)
