@@ -78,7 +78,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.moe import MoE
-from .files import CheckpointError, config_instance, check, data_files, file_digest, finish, start
+from .files import CheckpointError, config_instance, check, data_files, file_digest, finish, replace_refusal, start
 from .layout import local_space, owners, store_shape
 
 __all__ = ["CheckpointError", "save", "load", "check"]
@@ -155,10 +155,12 @@ def save(engine, path, extra: dict | None = None) -> None:
     path = os.path.abspath(os.fspath(path))
     rank, world = dist.get_rank(), dist.get_world_size()
     space = local_space(engine)
-    everyone = _gather((path, _held(space, engine.optimizer)))
-    paths = sorted({p for p, _ in everyone})
+    everyone = _gather((path, _held(space, engine.optimizer), replace_refusal(path) if rank == 0 else None))
+    paths = sorted({p for p, *_ in everyone})
     if len(paths) > 1:
         raise ValueError(f"engine.save needs the same path on every rank, got {', '.join(paths)}")
+    if everyone[0][2] is not None:  # rank 0's look, the same answer on every rank
+        raise CheckpointError(f"engine.save({path!r}) refused: {everyone[0][2]}")
     box = [uuid.uuid4().hex[:8] if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     tmp = f"{path}.tmp-{box[0]}"
@@ -172,7 +174,7 @@ def save(engine, path, extra: dict | None = None) -> None:
     if blind:
         raise RuntimeError(f"ranks {blind} do not see {tmp}, which rank 0 made: a checkpoint is written to a "
                            "directory every rank shares (one filesystem, or a network one)")
-    sd, tensors = _state_dict(space, engine.optimizer, [h for _, h in everyone])
+    sd, tensors = _state_dict(space, engine.optimizer, [h for _, h, _ in everyone])
     try:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))
     except (Exception, dcp.api.CheckpointException) as e:  # DCP's is a BaseException

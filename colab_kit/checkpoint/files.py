@@ -50,6 +50,40 @@ def _write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def replace_refusal(path: str) -> str | None:
+    """Why a save may not replace what is at ``path``: only nothing, an empty directory or a colab_kit checkpoint
+    (a manifest of this format) is replaced; a file or any other directory (a project, a data folder, another
+    program's checkpoint) is the user's, and stays.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> replace_refusal(os.path.join(d, "new")) is None, replace_refusal(d) is None
+    (True, True)
+    >>> _ = open(os.path.join(d, "notes.txt"), "w").write("mine")
+    >>> replace_refusal(d).split(": ")[0].split(" is ", 1)[1]
+    'a directory that is not a colab_kit checkpoint (it holds notes.txt)'
+
+    """
+    if not os.path.lexists(path):
+        return None
+    if os.path.isdir(path) and not os.path.islink(path):
+        names = sorted(os.listdir(path))
+        if not names:
+            return None
+        try:
+            with open(os.path.join(path, MANIFEST), encoding="utf-8") as fh:
+                if json.load(fh).get("format") == FORMAT:
+                    return None
+        except (OSError, ValueError, AttributeError):
+            pass
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        return (f"{path} is a directory that is not a colab_kit checkpoint (it holds {shown}): a save replaces "
+                f"only an earlier checkpoint; save to a new path (say {os.path.join(path, 'checkpoint')}) or remove "
+                "it first")
+    return (f"{path} is a file, not a colab_kit checkpoint (a checkpoint is a directory): a save replaces only an "
+            f"earlier checkpoint; save to a new path (say {path}.ckpt) or remove it first")
+
+
 def start(tmp: str, expect: int) -> None:
     os.makedirs(tmp)
     _write_json(os.path.join(tmp, STARTED), {"format": FORMAT, "files": expect})

@@ -142,6 +142,19 @@ def _refusals(root: str, rng: torch.Tensor) -> dict:
     out["rng"] = torch.equal(torch.get_rng_state(), rng)  # same world size: this rank's own state back
     temp = sorted(glob.glob(good + ".tmp-*"))
     out["temp"] = _refused(engine, temp[0]) if temp else "no temp dir"
+    project, weights = os.path.join(root, "project"), os.path.join(root, "model.pt")
+    if rank == 0:  # what a save must not replace: a folder of the user's, a file
+        os.makedirs(os.path.join(project, "data"))
+        open(os.path.join(project, "notes.txt"), "w").write("mine")
+        open(weights, "w").write("weights")
+    dist.barrier()
+    for key, where in (("project", project), ("file", weights)):
+        try:
+            engine.save(where)
+            out[key] = "saved"
+        except CheckpointError as e:
+            out[key] = str(e)
+    out["kept"] = sorted(os.listdir(project)), open(weights).read()
     engine.close()
     other = ck.boost(GPT(OTHER), OPTIMIZERS["adamw"], ck.ParallelConfig(dp=4))
     out["other model"] = _refused(other, good)
@@ -289,6 +302,10 @@ def test_refusals_say_what_differs(runs):
         assert "incomplete: the save was interrupted" in r["temp"] and "of 5 files" in r["temp"]
         assert "another model" in r["other model"] and "d_model (checkpoint 32, this engine 16)" in r["other model"]
         assert "saved with optimizer AdamW" in r["other optimizer"] and "SGD" in r["other optimizer"]
+        # a save replaces only an earlier checkpoint: a folder of the user's and a file are refused, untouched
+        assert "is a directory that is not a colab_kit checkpoint (it holds data, notes.txt)" in r["project"]
+        assert "is a file, not a colab_kit checkpoint" in r["file"] and "model.pt.ckpt" in r["file"]
+        assert r["kept"] == (["data", "notes.txt"], "weights")
     texts = [{k: v for k, v in res["refusals"].items() if k != "memory"} for res in four]
     assert all(t == texts[0] for t in texts)
 
