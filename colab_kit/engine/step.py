@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from .batch import check_batch
 from ..config import Axis
 from .. import comm
 from ..measure import ActivationMeter
@@ -213,11 +214,17 @@ class TrainingStep(ExpertSteps):
             self.parts.module.train()
         return inputs, targets
 
+    _values_checked = False
+    """Whether a batch's ids and targets were read once (``check_batch``: on a GPU, at the first step only)."""
+
     def prepare(self, batch, microbatches: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(inputs, targets)`` of ``batch`` (global, or this rank's dp rows with ``local``),
         after telling the loss and the dropout where they sit; a batch that does not split is refused
         before any collective."""
-        inputs, targets = batch
+        on_cpu = all(t.device.type == "cpu" for t in batch if torch.is_tensor(t)) if isinstance(batch, (tuple, list)) \
+            else True
+        inputs, targets = check_batch(batch, self.parts, values=on_cpu or not self._values_checked)
+        self._values_checked = True
         dp, rows = self.config.dp, inputs.shape[0]
         said = batch.global_rows if isinstance(batch, LocalBatch) else None
         if local and said is not None and said != rows * dp:
