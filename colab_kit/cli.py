@@ -23,10 +23,14 @@ its own one-process recipe by ``tests/ranks/test_models_precision.py``).
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 from typing import Any
+from colab_kit.checkpoint.files import MANIFEST, replace_refusal
 from colab_kit.config import Axis
+from colab_kit.engine.checks import check_policy
 from colab_kit.datasets import TextCorpus
 from colab_kit.engine.reference import max_relative_difference
 from colab_kit.launch import default_backend
@@ -51,7 +55,30 @@ def _corpus(text: str | None):
 
 
 def _recipe(model, lr: float, total: int):
-    return ck.recipe.adamw(model, lr, WEIGHT_DECAY, warmup=max(1, total // 10), total=total)
+    return ck.recipe.adamw(model, lr, WEIGHT_DECAY, warmup=min(max(1, total // 10), total - 1), total=total)
+
+
+def _check_demo(ranks, steps, batch, lr, cfg, save, resume, text) -> None:
+    """What every rank would fail at, refused here before any starts: the flag, the rule, a value that works."""
+    import torch
+
+    if steps < 1:
+        raise ck.ConfigError(f"--steps {steps}: the demo trains at least 1 step (the default is 200)")
+    if batch < 1:
+        raise ck.ConfigError(f"--batch {batch}: a batch holds at least 1 row per rank (the default is 32)")
+    if not (math.isfinite(lr) and lr > 0):
+        raise ck.ConfigError(f"--lr {lr}: a learning rate is a number > 0 (the default is 3e-3)")
+    texts = [] if text is None else list(text) if isinstance(text, (list, tuple)) else [text]
+    for flag, path in [("--resume", resume), *(("--text", t) for t in texts)]:
+        if path is not None and not os.path.exists(path):
+            raise ck.ConfigError(f"{flag} {path}: no such file or directory")
+    if resume is not None and not os.path.isfile(os.path.join(resume, MANIFEST)):
+        raise ck.ConfigError(f"--resume {resume}: not a checkpoint colab_kit saved (no {MANIFEST} in it): pass the "
+                             "directory a run's --save wrote")
+    if save is not None and (why := replace_refusal(os.path.abspath(save))) is not None:
+        raise ck.ConfigError(f"--save {save}: {why}")
+    with torch.device("meta"):  # the model's rules (heads, layers, vocabulary over the degrees), no memory
+        check_policy(GPT(GPTConfig(**MODEL)), cfg)
 
 
 def _train(config_dict: dict, steps: int, batch: int, lr: float, show_progress: bool, save: str | None = None,
@@ -178,8 +205,11 @@ def demo(ranks: int | None = None, steps: int = 200, batch: int = 32, lr: float 
         ranks = cfg.world_size
     if ranks is None:
         ranks = torch.cuda.device_count() or 4
+    if ranks < 1:
+        raise ck.ConfigError(f"--ranks {ranks}: the demo runs on at least 1 rank (--ranks 1, or leave it out)")
     if config is None:
         cfg = ck.ParallelConfig(dp=ranks)
+    _check_demo(ranks, steps, batch, lr, cfg, save, resume, text)
     if batch % (cfg.dp * cfg.microbatches):
         m = cfg.dp * cfg.microbatches
         what = f"{ranks} ranks" if config is None else f"dp={cfg.dp} x microbatches={cfg.microbatches}"

@@ -23,13 +23,15 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 
-from .errors import tracebacks
+from .errors import stacks, tracebacks
 from .errors import RankError, RankTimeout
 from .net import LOOPBACK, gloo_env, listening_store
 
@@ -248,12 +250,14 @@ def keep_freed_memory(mmap_below: int = 32 << 20, trim_above: int = 256 << 20) -
         return False
 
 
-def _worker(rank, world_size, port, payload, results, backend, threads, timeout, bind=True):
+def _worker(rank, world_size, port, payload, results, backend, threads, timeout, bind=True, stacks_dir=None):
     import torch
     import torch.distributed as dist
 
     status, value, store = "ok", None, None
     try:
+        if stacks_dir is not None:  # asked (SIGUSR1) where it is when launch gives up on it (errors.stacks)
+            stacks.arm(os.path.join(stacks_dir, str(rank)))
         fn, args = tracebacks.unpack(payload)  # the caller's code keeps its file names and lines
         os.environ.update(gloo_env(LOOPBACK))  # gloo listens on loopback too
         os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank),
@@ -317,8 +321,9 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout: floa
     default each rank is bound to its own cores (``bind_rank``) and runs a thread per core; given, the
     ranks are not bound and run that many threads each.
     """
-    if not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive whole number, got {world_size!r}")
+    _check_launch(fn, world_size, backend, timeout, grace, threads)
     backend = backend or default_backend(world_size)
     try:
         payload = tracebacks.pack((fn, args))  # by value where needed, with the source lines of that code
@@ -330,15 +335,28 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout: floa
     results = ctx.Queue()
     bind = os.environ.get("COLAB_KIT_BIND", "1") != "0"  # read here: the ranks fork from a server started earlier
     threads = threads or None  # 0: the default split, as before
+    stacks_dir = tempfile.mkdtemp(prefix="colab_kit-stacks-")
     procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, payload, results, backend, threads,
-                                               timeout, bind), daemon=True) for r in range(world_size)]
-    with _main_not_reimported():
-        for p in procs:
-            p.start()
+                                               timeout, bind, stacks_dir), daemon=True) for r in range(world_size)]
+    try:
+        with _main_not_reimported():
+            for p in procs:
+                p.start()
+    except BaseException:
+        shutil.rmtree(stacks_dir, ignore_errors=True)
+        raise
     reported: set[int] = set()
     try:
         return _collect(procs, results, timeout, grace, reported)
+    except RankError as err:  # the ranks that never reported: where each one is, before they are stopped
+        running = {r: p.pid for r, p in enumerate(procs) if r not in reported and p.is_alive() and p.pid}
+        said = stacks.describe(stacks.where_ranks_are(running, stacks_dir))
+        if said:
+            err.advice = f"{err.advice}\n{said}" if err.advice else said
+            err.args = (err._message(),)
+        raise
     finally:
+        shutil.rmtree(stacks_dir, ignore_errors=True)
         store.set(_RELEASE, "1")  # ranks that finished may exit now (and flush their output)
         for r, p in enumerate(procs):
             if r not in reported and p.is_alive():  # stuck in a collective or hanging
@@ -349,6 +367,38 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout: floa
                 p.kill()
                 p.join(timeout=5)
         del store
+
+
+BACKENDS = ("nccl_rules", "gloo", "nccl")
+"""What ``launch(backend=)`` takes (None: ``default_backend``)."""
+
+
+def _check_launch(fn, world_size: int, backend, timeout, grace, threads) -> None:
+    """Refuse, before any rank starts, what every rank would fail at: each rule and a value that works.
+
+    >>> try:
+    ...     _check_launch(print, 2, "glooo", 60, 5, None)
+    ... except ValueError as e:
+    ...     print(str(e)[:52])
+    backend='glooo' is not one launch runs: 'nccl_rules'
+    """
+    import torch
+
+    if not callable(fn):
+        raise TypeError(f"launch runs fn(*args) on every rank: fn must be callable, got {type(fn).__name__}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one launch runs: 'nccl_rules' (gloo under NCCL's rules, CPU "
+                         "ranks' default), 'gloo', 'nccl' (one GPU a rank), or None for the default")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"backend='nccl' gives each rank its own GPU: {world_size} ranks, "
+                         f"{torch.cuda.device_count()} GPUs visible here; use backend=None (CPU ranks on "
+                         "'nccl_rules') or fewer ranks")
+    for name, value, least in (("timeout", timeout, 0), ("grace", grace, -1)):  # grace 0: stop the rest at once
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > least:
+            raise ValueError(f"{name} must be a number of seconds {'> 0' if least == 0 else '>= 0'}, got {value!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 0):
+        raise ValueError(f"threads must be a whole number of torch threads per rank (0 or None: the default "
+                         f"split of this machine's cores), got {threads!r}")
 
 
 def _collect(procs, results, timeout: float, grace: float, reported: set) -> list:

@@ -66,22 +66,35 @@ def replace_refusal(path: str) -> str | None:
     """
     if not os.path.lexists(path):
         return None
-    if os.path.isdir(path) and not os.path.islink(path):
-        names = sorted(os.listdir(path))
-        if not names:
+    if os.path.islink(path):  # the link is what a save replaces; its target stays as it is
+        target = os.path.realpath(path)
+        if not os.path.exists(target) or _replaceable_dir(target):
             return None
-        try:
-            with open(os.path.join(path, MANIFEST), encoding="utf-8") as fh:
-                if json.load(fh).get("format") == FORMAT:
-                    return None
-        except (OSError, ValueError, AttributeError):
-            pass
+        return (f"{path} links to {target}, which is not a colab_kit checkpoint: a save replaces only an earlier "
+                f"checkpoint; save to a new path (say {path}.ckpt) or remove the link first")
+    if os.path.isdir(path):
+        if _replaceable_dir(path):
+            return None
+        names = sorted(os.listdir(path))
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         return (f"{path} is a directory that is not a colab_kit checkpoint (it holds {shown}): a save replaces "
                 f"only an earlier checkpoint; save to a new path (say {os.path.join(path, 'checkpoint')}) or remove "
                 "it first")
     return (f"{path} is a file, not a colab_kit checkpoint (a checkpoint is a directory): a save replaces only an "
             f"earlier checkpoint; save to a new path (say {path}.ckpt) or remove it first")
+
+
+def _replaceable_dir(path: str) -> bool:
+    """An empty directory, or a colab_kit checkpoint of any format version (its manifest names one)."""
+    if not os.path.isdir(path):
+        return False
+    if not os.listdir(path):
+        return True
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as fh:
+            return str(json.load(fh).get("format", "")).startswith("colab_kit.checkpoint/")
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def start(tmp: str, expect: int) -> None:

@@ -1,4 +1,5 @@
-"""What a training or evaluation batch must be before a step splits it (``check_batch``).
+"""What a training or evaluation batch must be before a step splits it (``check_batch``, from ``train_step``,
+``evaluate`` and a pipeline's ``begin``).
 
 Every rank holds the same global batch, so every rank refuses it alike, before any collective, with the rule
 broken and what would work. What torch would refuse in one process is refused here too, under every config:
@@ -34,6 +35,17 @@ def label_sizes(parts) -> tuple[int | None, int | None]:
     return vocab, vocab
 
 
+def _language_model(parts) -> bool:
+    """Whether the model predicts one token per input token (a built-in GPT or BERT, or a policy whose loss is
+    "tokens"): the built-in loss then takes targets of the inputs' shape. A model of the user's own without a
+    policy may predict otherwise (the last position only, several tokens a position)."""
+    cfg = parts.model_cfg
+    if cfg is not None:
+        return getattr(cfg, "vocab_size", None) is not None
+    policy = parts.policy
+    return policy is not None and policy.loss == "tokens" and bool(policy.sequence)
+
+
 def _where(mask: torch.Tensor) -> str:
     at = [int(i) for i in mask.nonzero()[0]]
     return f"row {at[0]}" + (f", position {at[1]}" if len(at) > 1 else "")
@@ -60,7 +72,8 @@ def check_batch(batch, parts, values: bool = True) -> tuple[torch.Tensor, torch.
     if targets.is_floating_point() or targets.dtype == torch.bool:
         raise ValueError(f"the built-in loss (cross-entropy) takes class ids as targets, got {targets.dtype}: "
                          "integer targets (torch.long), or boost(..., loss_fn=) for targets of another kind")
-    if tokens and inputs.dim() >= 2 and targets.dim() >= 2 and targets.shape != inputs.shape:
+    if tokens and _language_model(parts) and inputs.dim() >= 2 and targets.dim() >= 2 and \
+            targets.shape != inputs.shape:
         raise ValueError(f"targets {tuple(targets.shape)} for inputs {tuple(inputs.shape)}: a language model's "
                          "targets are one id per input token (the next ids), of the inputs' shape")
     if not values:

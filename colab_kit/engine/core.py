@@ -31,6 +31,8 @@ the parts' rules (``engine.parts``), which the planner asks too); the engine nev
 """
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -139,11 +141,24 @@ class Engine:
         # the activations a step needs, for an offload's device account: a built-in model's from its config, any
         # other model with a policy from its dense forward traced on fake tensors (none for a model without one)
         known = self.model_cfg is not None or self.parts.policy is not None
-        estimate = (lambda: self.memory_estimate()["activations"]) if known else None
+        estimate = self._activations_estimate if known else None
         self.step = TrainingStep(self.parts, self.optimizer, lr_scheduler=scheduler,
                                  max_grad_norm=options.max_grad_norm, views=views, views_layout=views_layout,
                                  estimate_activations=estimate)
         """The training step: ``engine.step(batch)``; with pp, ``begin`` / ``advance`` / ``finish`` too."""
+
+    def _activations_estimate(self) -> int:
+        """The activations a step needs, for an offload's device account (``memory_estimate``); 0 with a warning
+        where a model's forward cannot be traced on fake tensors (a kernel without a fake implementation): the
+        account then holds what the steps measure, from the second step on."""
+        try:
+            return self.memory_estimate()["activations"]
+        except Exception as e:  # noqa: BLE001 - an estimate only: the measurement takes over
+            if not getattr(self, "_estimate_warned", False):
+                self._estimate_warned = True
+                warnings.warn(f"the activation estimate failed ({type(e).__name__}: {e}); offload reserves what "
+                              "each step measures, from the second step on", stacklevel=2)
+            return 0
 
     def _build_optimizer(self, optimizer):
         """The optimizer over what this rank steps (``data_parallel.optimizer_layout()``): a factory called with those

@@ -167,7 +167,7 @@ class TrainingStep(ExpertSteps):
             local_loss, _ = pipe.finish()
             with pipe.watching("in the loss all-reduce"):
                 return self.pipeline_loss(local_loss)
-        inputs, targets = batch
+        inputs, targets = check_batch(batch, self.parts, values=self._values_to_check(batch))
         self.count_targets(targets, 1, local)
         with self.moe_at(0):
             logits = self.parts.logits(self.parts.module(self.local_rows(inputs, local)))
@@ -217,14 +217,18 @@ class TrainingStep(ExpertSteps):
     _values_checked = False
     """Whether a batch's ids and targets were read once (``check_batch``: on a GPU, at the first step only)."""
 
+    def _values_to_check(self, batch) -> bool:
+        """Whether ``check_batch`` reads this batch's values: every batch on the CPU, the first one on a GPU."""
+        on_cpu = not isinstance(batch, (tuple, list)) or all(t.device.type == "cpu" for t in batch
+                                                               if torch.is_tensor(t))
+        first, self._values_checked = not self._values_checked, True
+        return on_cpu or first
+
     def prepare(self, batch, microbatches: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(inputs, targets)`` of ``batch`` (global, or this rank's dp rows with ``local``),
         after telling the loss and the dropout where they sit; a batch that does not split is refused
         before any collective."""
-        on_cpu = all(t.device.type == "cpu" for t in batch if torch.is_tensor(t)) if isinstance(batch, (tuple, list)) \
-            else True
-        inputs, targets = check_batch(batch, self.parts, values=on_cpu or not self._values_checked)
-        self._values_checked = True
+        inputs, targets = check_batch(batch, self.parts, values=self._values_to_check(batch))
         dp, rows = self.config.dp, inputs.shape[0]
         said = batch.global_rows if isinstance(batch, LocalBatch) else None
         if local and said is not None and said != rows * dp:

@@ -84,6 +84,7 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
     """
     if isinstance(exact, bool) or not isinstance(exact, int) or exact < 0:
         raise ConfigError(f"exact must be a whole number of candidates to dry-run, got {exact!r}: try 3")
+    _check_arguments(memory_per_rank, precision, optimizer, seq, limit, restrict)
     if isinstance(model_cfg, nn.Module) and has_experts(model_cfg) and isinstance(getattr(model_cfg, "cfg", None),
                                                                                    GPTConfig):
         model_cfg = model_cfg.cfg  # the built-in MoE GPT: planned from its config (planner.moe.local)
@@ -117,6 +118,44 @@ def plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision
         cands = _ranked(exact_states(cands, model_cfg, batch, seq, optimizer, policy, exact, memory_per_rank),
                         limit, cands.constants, memory_per_rank)
     return cands
+
+
+def _check_arguments(memory_per_rank, precision, optimizer, seq, limit, restrict) -> None:
+    """``ck.plan``'s arguments, each refused with the rule and a value that works before anything is priced.
+
+    >>> try:
+    ...     _check_arguments(80, "fp32", "adamw", None, None, None)
+    ... except ConfigError as e:
+    ...     print(str(e)[:60])
+    memory_per_rank=80 is in bytes: 80 GiB is 80 * 2**30 (858993
+    """
+    import dataclasses
+    import difflib
+
+    if memory_per_rank is not None:
+        if isinstance(memory_per_rank, bool) or not isinstance(memory_per_rank, (int, float)) or memory_per_rank <= 0:
+            raise ConfigError(f"memory_per_rank must be a number of bytes > 0 (or None: all the device's), got "
+                              f"{memory_per_rank!r}: e.g. 80 * 2**30 for 80 GiB")
+        if memory_per_rank < 1024:  # no device holds a step in less than a KiB: a number of GB, surely
+            raise ConfigError(f"memory_per_rank={memory_per_rank!r} is in bytes: {memory_per_rank:g} GiB is "
+                              f"{memory_per_rank:g} * 2**30 ({int(memory_per_rank * 2 ** 30)}; on the command line "
+                              f"--memory {memory_per_rank:g}GiB)")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"precision={precision!r} is not one the engine trains in: 'fp32', 'bf16' or 'fp16'")
+    try:
+        optimizer_states(optimizer)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 1):
+        raise ConfigError(f"seq must be a whole number of tokens >= 1 (or None: the model's own), got {seq!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ConfigError(f"limit must be a whole number of candidates >= 1 (or None: all), got {limit!r}")
+    fields = [f.name for f in dataclasses.fields(ParallelConfig)]
+    for key in restrict or {}:
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), fields, n=1)
+            raise ConfigError(f"restrict={{{key!r}: ...}}: {key!r} is no ParallelConfig field"
+                              + (f" (did you mean {near[0]!r}?)" if near else f": one of {', '.join(fields)}"))
 
 
 def _plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precision: str = "fp32",

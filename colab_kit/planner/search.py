@@ -51,7 +51,7 @@ import math
 from collections.abc import Iterator
 from operator import attrgetter
 
-from ..config import ConfigError, ParallelConfig
+from ..config import Axis, ConfigError, ParallelConfig
 from ..engine.facts import ModelFacts
 from ..engine.parts import first_refusal
 from ..memory.formulas import model_state_bytes
@@ -324,6 +324,28 @@ def search(shape: ModelShape, gpus: int, batch: int, hw: Hardware, *, precision:
     return out
 
 
+def _restricted_away(shape: ModelShape, gpus: int, restrict: dict) -> str | None:
+    """What in ``restrict`` no layout can take: a tp that divides neither the heads and width nor the GPUs, a pp
+    that does not divide the layers or the GPUs (the sizes that would); None where each value could be taken.
+
+    >>> import types
+    >>> gpt = types.SimpleNamespace(heads=32, hidden=4096, layers=32)
+    >>> _restricted_away(gpt, 64, {"tp": 3})
+    'tp=3 does not divide each of the 32 heads, the width 4096 and the 64 GPUs: tp one of 1, 2, 4, 8, 16, 32'
+    """
+    for key, sizes in ((Axis.TP, (shape.heads, shape.hidden, gpus)), (Axis.PP, (shape.layers, gpus))):
+        if key not in restrict:
+            continue
+        wanted = restrict[key] if isinstance(restrict[key], (tuple, list, set, frozenset)) else (restrict[key],)
+        ok = [v for v in range(1, gpus + 1) if all(n % v == 0 for n in sizes)]
+        if not any(v in ok for v in wanted):
+            what = (f"the {shape.heads} heads, the width {shape.hidden} and the {gpus} GPUs" if key == Axis.TP else
+                    f"the {shape.layers} layers and the {gpus} GPUs")
+            shown = ", ".join(map(str, wanted))
+            return f"{key}={shown} does not divide each of {what}: {key} one of {', '.join(map(str, ok))}"
+    return None
+
+
 def plan_at_scale(model, gpus: int, batch: int, hw: Hardware, *, precision: str, optimizer: str = "adamw",
                   seq: int | None = None, memory_per_rank: int | None = None, limit: int | None = None,
                   policy=None, restrict: dict | None = None) -> Candidates:
@@ -335,6 +357,10 @@ def plan_at_scale(model, gpus: int, batch: int, hw: Hardware, *, precision: str,
     shape, facts = shape_and_facts(model, policy, seq)  # read once: priced by the shape, judged by the facts
     found = search(shape, gpus, batch, hw, precision=precision, optimizer=optimizer, memory_per_rank=memory_per_rank,
                    restrict=restrict, limit=limit or 10, facts=facts)
+    if not found and restrict:
+        why = _restricted_away(shape, gpus, restrict)
+        if why:
+            raise ConfigError(f"restrict={restrict!r} leaves no layout of {gpus} GPUs for {shape.name}: {why}")
     if not found:
         need = shape.params * 16 / (memory_per_rank or hw.usable_bytes)
         raise ConfigError(f"no configuration of {gpus} GPUs of {hw.name} fits {shape.name} "

@@ -129,18 +129,24 @@ class TensorPlan:
         return model
 
     def _per_head_params(self, path: str, att: nn.Module, named: dict) -> None:
-        """Parameters of an attention module that no policy role names (Qwen3's ``q_norm`` and ``k_norm``: one
-        ``head_dim`` vector applied to every head) stay whole on each rank, which applies them to its own
-        heads of its own rows only: their gradient is ``Partial`` over the head and batch axes, summed after
-        backward (``sync_grads``). Worked example, tp=2 (1d), 4 heads: rank 0's ``q_norm.weight.grad`` holds
-        heads 0-1's part, rank 1's heads 2-3's; both hold the sum after the step's all-reduce."""
+        """Per-head parameters of an attention module that no policy role names (Qwen3's ``q_norm`` and ``k_norm``:
+        one vector of the module's ``head_dim`` applied to every head) stay whole on each rank, which applies them
+        to its own heads of its own rows only: their gradient is ``Partial`` over the head and batch axes, summed
+        after backward (``sync_grads``). Worked example, tp=2 (1d), 4 heads: rank 0's ``q_norm.weight.grad`` holds
+        heads 0-1's part, rank 1's heads 2-3's; both hold the sum after the step's all-reduce. A parameter of
+        another size (a norm over the whole width, before the split or after the output's sum) keeps what it
+        had: it sees every feature on every rank."""
+        head_dim = getattr(att, "head_dim", None)
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool):
+            return
         axes = (*self.head_axes, *self.batch_axes)
         for sub, mod in att.named_modules(prefix=path):
             if any(sub == n or sub.startswith(n + ".") for n in named):
                 continue  # a layer the policy names: the mode's layer declared its own parameters
-            for name, _ in mod.named_parameters(recurse=False):
-                for axis in axes:
-                    add_partial(mod, name, axis)
+            for name, p in mod.named_parameters(recurse=False):
+                if p.dim() == 1 and p.shape[0] == head_dim:
+                    for axis in axes:
+                        add_partial(mod, name, axis)
 
     def tie(self, model: nn.Module, table: nn.Module, head: nn.Module, table_path: str, head_path: str) -> None:
         """Make the head at ``head_path`` use ``table``'s (sharded) weight again (the policy's ``tied``);

@@ -204,3 +204,51 @@ def test_a_process_the_kernel_starts_meanwhile_is_not_taken_for_the_clusters():
             p.kill()
         root.wait()
         stray.wait()
+
+
+def _all_reduce_world():
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1))
+
+
+def _rank_plus_one():
+    import torch.distributed as dist
+
+    return dist.get_rank() + 1
+
+
+HOLD_UP = """import time
+import torch, torch.distributed as dist
+if rank == 1:
+    time.sleep(1000)
+dist.all_reduce(torch.ones(1))
+"""
+
+
+def test_a_stuck_or_partial_collective_says_where_and_marks_the_cluster(monkeypatch):
+    """1. Rank 1 never enters the all-reduce rank 0 waits in: the timeout's error says where each rank is, from its
+    Python stack (SIGUSR1 to faulthandler, relayed as its stderr), in the cell's own lines; what each rank printed
+    is kept without those stacks. (ipykernel relays what an engine writes to its stderr's fd only outside pytest:
+    the engines here start without pytest's variable, as a notebook's do.)
+    2. ``ranks=[0]`` running a collective of the whole world: rank 0 fails at the collective timeout. The error says
+    that the call ran on some ranks only, and the cluster is marked for restart (its process group is unusable
+    after the timeout; before, it reported itself healthy and the next step failed with a misleading "collectives
+    differ between ranks")."""
+    monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
+    with Cluster(n=2, timeout=180, collective_timeout=6) as cluster:
+        with pytest.raises(ck.RankTimeout) as info:
+            cluster.execute(HOLD_UP, timeout=3)
+        text = str(info.value)
+        assert "    rank 1: cell line 4: time.sleep(1000)" in text, text
+        assert "    rank 0: cell line 5: dist.all_reduce(torch.ones(1)) (inside " in text, text
+        assert not any("most recent call first" in o.stderr for o in info.value.outputs.values())
+        cluster.restart()
+        with pytest.raises(ck.RankError) as info:
+            cluster.run(_all_reduce_world, ranks=[0], timeout=60)
+        text = str(info.value)
+        assert "this ran on ranks [0] only: a collective of a group that holds ranks [1] too" in text, text
+        assert cluster.needs_restart and "NEEDS RESTART" in cluster.status()
+        cluster.restart()
+        assert cluster.run(_rank_plus_one) == [1, 2]

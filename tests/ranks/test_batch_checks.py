@@ -48,6 +48,13 @@ def _refusals():
     x, y = _batch()
     y[:, :4] = -100  # ignored, as torch's cross_entropy ignores it
     out["ignored"] = engine.evaluate((x, y))
+    out["ignored step"] = engine.train_step((x, y))  # the same loss, then a step: -100 passes the checks
+    y[0, 5] = -1
+    try:
+        engine.evaluate((x, y))
+        out["evaluate minus one"] = "evaluated"
+    except ValueError as e:
+        out["evaluate minus one"] = str(e)
     engine.close()
     return out
 
@@ -69,4 +76,5 @@ def test_bad_batches_are_refused_before_the_step_and_ignored_targets_count_as_to
     x, y = _batch()
     y[:, :4] = -100
     want = torch.nn.functional.cross_entropy(GPT(CFG)(x).flatten(0, 1), y.flatten()).item()
-    assert r["ignored"] == pytest.approx(want, rel=1e-5)
+    assert r["ignored"] == pytest.approx(want, rel=1e-5) and r["ignored step"] == pytest.approx(want, rel=1e-5)
+    assert r["evaluate minus one"].startswith("targets hold -1 (row 0, position 5)"), r["evaluate minus one"]

@@ -2,6 +2,9 @@
 import subprocess
 import sys
 
+import pytest
+
+import colab_kit as ck
 from colab_kit import cli
 
 
@@ -76,3 +79,27 @@ def test_demo_config_refusals(capsys):
     assert "runs on 4 ranks, not --ranks 2" in capsys.readouterr().err
     assert cli.main(["demo", "--config", "dp=2", "--batch", "5", "--steps", "1", "--report", ""]) == 2
     assert "--batch 5 does not split over dp=2 x microbatches=1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--steps", "0"], "--steps 0: the demo trains at least 1 step"),
+    (["--ranks", "0"], "--ranks 0: the demo runs on at least 1 rank"),
+    (["--batch", "0"], "--batch 0: a batch holds at least 1 row per rank"),
+    (["--lr", "-1"], "--lr -1.0: a learning rate is a number > 0"),
+    (["--config", "tp=3"], "tp=3 does not divide the model's 4 attention heads"),
+    (["--resume", "/nonexistent/ck"], "--resume /nonexistent/ck: no such file or directory"),
+    (["--text", "/nonexistent/corpus"], "--text /nonexistent/corpus: no such file or directory"),
+])
+def test_demo_refuses_bad_flags_before_any_rank_starts(flags, words, capsys, monkeypatch):
+    """Each refused in the parent, naming the flag (before: after every rank started, the error printed once per
+    rank with a traceback, or a crash: --steps 1 failed in the LR schedule's warmup)."""
+    monkeypatch.setattr(ck, "launch", lambda *a, **k: pytest.fail("no rank may start"))
+    assert cli.main(["demo", *flags, "--report", ""]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_demo_refuses_to_save_over_a_folder_of_the_users(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(ck, "launch", lambda *a, **k: pytest.fail("no rank may start"))
+    (tmp_path / "notes.txt").write_text("mine")
+    assert cli.main(["demo", "--save", str(tmp_path), "--report", ""]) == 2
+    assert "is a directory that is not a colab_kit checkpoint (it holds notes.txt)" in capsys.readouterr().err

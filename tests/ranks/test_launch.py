@@ -222,6 +222,7 @@ def test_failed_rank_with_a_stuck_peer_stops_after_grace():
     assert list(e.failures) == [0] and e.stuck == [1]
     assert "RuntimeError: first failure" in e.failures[0]
     assert "ranks 1 were still waiting" in str(e)
+    assert "rank 1: test_launch.py:55 in raise_on_0_while_1_sleeps: time.sleep(1000)" in str(e), str(e)  # where
     assert not mp.active_children()  # the sleeping rank was stopped
 
 
@@ -236,7 +237,27 @@ def test_hanging_rank_gives_rank_timeout():
     assert e.stuck == [1] and e.failures == {} and e.timeout == 3
     assert e.rank == 1
     assert str(e).startswith("ranks 1 did not finish within 3 s in launch")
+    assert "    rank 1: test_launch.py:60 in hang_on_1: time.sleep(1000)" in str(e), str(e)
     assert not mp.active_children()  # the hanging rank was stopped
+
+
+def sleep_on_1_while_0_all_reduces():
+    if dist.get_rank() == 1:
+        time.sleep(1000)
+    dist.all_reduce(torch.ones(2))
+
+
+def test_the_rank_that_holds_up_a_collective_is_shown_where_it_is():
+    """Rank 1 never enters the all-reduce rank 0 waits in: whichever gives up first (the launch's deadline, or
+    the process group's timeout on rank 0, which reports first), the error says where each running rank is,
+    read from its Python stack (errors/stacks.py): rank 1 in its sleep, rank 0 in the all-reduce."""
+    with pytest.raises(RankError) as info:
+        ck.launch(sleep_on_1_while_0_all_reduces, 2, timeout=4)
+    text = str(info.value)
+    assert "    rank 1: test_launch.py:246 in sleep_on_1_while_0_all_reduces: time.sleep(1000)" in text, text
+    if 0 in info.value.stuck:
+        assert "    rank 0: test_launch.py:247 in sleep_on_1_while_0_all_reduces: dist.all_reduce" in text, text
+    assert not mp.active_children()
 
 
 def test_rank_that_exits_without_a_word_is_blamed_first():

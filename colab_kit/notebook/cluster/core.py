@@ -111,6 +111,11 @@ class Cluster(Startup, Waiting):
         if backend not in (None, "gloo", "nccl", "nccl_rules"):
             raise ClusterError(f"backend must be 'nccl', 'nccl_rules', 'gloo' or None (pick by hardware), got "
                                f"{backend!r}")
+        for name, value, least, default in (("timeout", timeout, 0, 60), ("grace", grace, -1, 3.0),
+                                            ("collective_timeout", collective_timeout, 0, 120)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > least:
+                raise ClusterError(f"{name} must be a number of seconds {'> 0' if least == 0 else '>= 0'}, got "
+                                   f"{value!r} (the default: {default})")
         if "controller_ip" in ipp_kwargs:
             ip = ip or ipp_kwargs.pop("controller_ip")
         if ip is None and engines not in LOCAL_LAUNCHERS:
@@ -353,7 +358,7 @@ class Cluster(Startup, Waiting):
             sent()
         tick = None if progress is None else (lambda t: progress(t, {r: ar.stdout or "" for r, ar in ars.items()}))
         try:
-            self._gather(ars, timeout, where, unwrap=unwrap_execute, tick=tick)
+            self._gather(ars, timeout, where, unwrap=unwrap_execute, tick=tick, cell=code)
             check_ranks(ars, self._ids)
         except RankError as err:
             err.outputs = {r: rank_output(r, ar, err) for r, ar in ars.items()}

@@ -69,7 +69,7 @@ class ForkServer:
         self.local = exits is None  # the directory is this machine's (a remote server removes its own)
         self.exits = exits if exits is not None else tempfile.mkdtemp(prefix="colab_kit-exits-")
         self.forked: set[int] = set()
-        self.host: str | None = None  # the server's hostname, from its first reply
+        self.host: str | None = None  # the server's hostname, from its first line
         self.proc = subprocess.Popen(command or [sys.executable, "-c", SERVE, self.exits], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
         self._lock = threading.Lock()
@@ -85,36 +85,67 @@ class ForkServer:
     def fork(self, argv: list[str], env: dict, cwd: str | None, log: str, timeout: float = 120.0,
              merge_env: bool = False) -> int:
         """Ask for one engine; its pid. ``merge_env``: ``env`` is set over the server's own environment (an
-        empty value unsets), else it is the whole environment; ``cwd`` None: the server's directory. A server
-        that does not answer within ``timeout`` (its imports hung), or a request cut short (Ctrl-C), ends the
-        server, so that no later request reads an earlier reply; the next ``fork_server()`` starts a new one."""
-        import select
+        empty value unsets), else it is the whole environment; ``cwd`` None: the server's directory.
 
-        stdin, stdout = self.proc.stdin, self.proc.stdout
-        assert stdin is not None and stdout is not None  # both pipes (subprocess.PIPE)
+        The server says it is ready once its imports are done, and no request is written before: a server that
+        is not ready within ``timeout`` (its imports hung) has been asked nothing, and is ended (``abandon``); a
+        ready one forks at once, so its reply has ``REPLY_SECONDS``. Lines that are no reply (what a login shell
+        prints over ssh) are skipped. A request cut short (Ctrl-C) or a reply that does not come also end the
+        server, so that no later request reads an earlier reply; the next ``fork_server()`` starts a new one."""
+        stdin = self.proc.stdin
+        assert stdin is not None  # a pipe (subprocess.PIPE)
         request = dict(argv=argv, env=env, cwd=cwd, log=log, **({"merge_env": True} if merge_env else {}))
         with self._lock:
             try:
+                if not self.ready:
+                    hello = self._reply(timeout, "got ready")
+                    self.ready, self.host = True, hello.get("host", self.host)
                 stdin.write(json.dumps(request) + "\n")
                 stdin.flush()
-                ready, _, _ = select.select([stdout], [], [], timeout)
-                if not ready:
-                    raise TimeoutError(f"colab_kit's engine fork server (pid {self.pid}) did not fork an engine "
-                                       f"within {timeout:g} s")
-                line = stdout.readline()
+                reply = self._reply(REPLY_SECONDS, "forked an engine")
             except BaseException:
-                self.proc.kill()
-                self.proc.wait()
+                self.abandon()
                 raise
-        if not line:
-            raise RuntimeError(f"colab_kit's engine fork server (pid {self.pid}) exited with code "
-                               f"{self.proc.wait()} before it forked an engine")
-        reply = json.loads(line)
         if "error" in reply:
             raise RuntimeError(f"colab_kit's engine fork server could not fork an engine: {reply['error']}")
         self.forked.add(int(reply["pid"]))
-        self.host = reply.get("host", self.host)
         return int(reply["pid"])
+
+    ready = False
+    """Whether the server said it finished its imports (its first line)."""
+    _buf = b""
+
+    def _reply(self, timeout: float, what: str) -> dict:
+        """The server's next reply (a JSON object of ``ready``, ``pid`` or ``error``), within ``timeout`` s."""
+        import select
+        import time
+
+        assert self.proc.stdout is not None  # a pipe (subprocess.PIPE)
+        fd, end = self.proc.stdout.fileno(), time.monotonic() + timeout
+        while True:
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                try:
+                    reply = json.loads(line)
+                except ValueError:
+                    continue  # not the server's (a login shell's banner over ssh)
+                if isinstance(reply, dict) and reply.keys() & {"ready", "pid", "error"}:
+                    return reply
+            left = end - time.monotonic()
+            ready = select.select([fd], [], [], max(left, 0))[0] if left > 0 else []
+            if not ready:
+                raise TimeoutError(f"colab_kit's engine fork server (pid {self.pid}) has not {what} within "
+                                   f"{timeout:g} s")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"colab_kit's engine fork server (pid {self.pid}) exited with code "
+                                   f"{self.proc.wait()} before it {what}")
+            self._buf += chunk
+
+    def abandon(self) -> None:
+        """End the server now (its replies can no longer be trusted to match the requests)."""
+        self.proc.kill()
+        self.proc.wait()
 
     def exit_code(self, pid: int, wait: float = 2.0) -> int | None:
         """How engine ``pid`` ended, as ``Popen.returncode`` says it (``-9``: killed by SIGKILL), once the server
@@ -156,6 +187,9 @@ class ForkServer:
         if self.local:
             shutil.rmtree(self.exits, ignore_errors=True)
 
+
+REPLY_SECONDS = 30.0
+"""How long a ready server has to answer a request (a fork: milliseconds)."""
 
 SERVE = "from colab_kit.notebook.cluster.forked_server import serve; serve()"
 """The server's program (``python -c SERVE <exits directory>``)."""

@@ -5,6 +5,7 @@ serve()" <exits directory>`` and writes one JSON request a line).
 Per request ``{"argv", "env", "cwd", "log"}`` the server forks; the child becomes ``python -m ipyparallel.engine
 <argv>`` (``_become_engine``: its own session, the log as stdout and stderr, the environment and directory of
 the request) after forking its own nanny (``_prefork_nanny``); the server answers ``{"pid": ..., "host": ...}``.
+Before any request it says ``{"ready": true, "host": ...}``, once its imports are done.
 A server on an SSH host (``ssh_forked.py``) is sent ``"merge_env": true`` and no ``cwd``: the engine's environment
 is the server's login environment with the request's variables set (an empty value unsets one), in the
 server's directory, as ipyparallel's remote start would give it. Each child
@@ -192,9 +193,14 @@ def serve() -> None:
     if _EXITS:
         os.makedirs(_EXITS[0], mode=0o700, exist_ok=True)  # made by a local kernel already; on an SSH host, here
     host = socket.gethostname()
+    requests, replies = sys.stdin, sys.stdout
+    try:
+        replies.write(json.dumps({"ready": True, "host": host}) + "\n")  # imports done: the kernel may ask now
+        replies.flush()
+    except OSError:  # the kernel is gone already (killed during the imports): end below, as on end of input
+        pass
     signal.signal(signal.SIGCHLD, _reap)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the kernel's terminal is not for the server
-    requests, replies = sys.stdin, sys.stdout
     while True:
         line = requests.readline()
         if not line:
@@ -220,8 +226,11 @@ def serve() -> None:
             continue
         if pid == 0:
             _become_engine(request)
-        replies.write(json.dumps({"pid": pid, "host": host}) + "\n")
-        replies.flush()
+        try:
+            replies.write(json.dumps({"pid": pid, "host": host}) + "\n")
+            replies.flush()
+        except OSError:  # the kernel is gone: nobody reads the replies
+            break
     if _EXITS:  # no kernel is left to read the exit statuses: a kernel that was killed leaves no directory behind
         import shutil
 

@@ -20,16 +20,21 @@ waits for them and decides what the caller is told::
 from __future__ import annotations
 
 import concurrent.futures as cf
+import re
 import signal
 import time
 from typing import TYPE_CHECKING, Any
 
-from ...errors import MessageOnly, RankError, RankTimeout
+from ...errors import MessageOnly, RankError, RankTimeout, stacks
 from . import forked, remote, ssh_forked
 from .results import RankTable, split, unwrap_plain
 
 __all__ = ["Waiting", "RESTART_ADVICE", "ClusterError"]
 
+COMM_FAILURE = re.compile(r"DistBackendError|RuleBroken|PipelineHang|WaitTimeout|NCCL error|"
+                          r"gloo[^\n]*(Timed out|Connection closed|Connection reset|timeout caused pair closure)")
+"""A rank's error text that says it failed inside a collective (torch's backend or colab_kit's comm said so, not
+a user's own socket): the process group is unusable after it."""
 RESTART_ADVICE = ("the cluster's process group is now unusable: run %colossal restart (or cluster.restart()) "
                   "to get fresh engines with the same config")
 HEALTH_SECONDS = 5.0
@@ -153,8 +158,10 @@ class Waiting:
             self._broken = f"the ranks are out of step after an interrupt: {why}"
         return not why
 
-    def _gather(self, ars: dict, timeout: float | None, where: str, unwrap=None, tick=None) -> dict:
-        """Wait for one AsyncResult per rank; give up on the rest ``grace`` s after a failure."""
+    def _gather(self, ars: dict, timeout: float | None, where: str, unwrap=None, tick=None,
+                cell: str | None = None) -> dict:
+        """Wait for one AsyncResult per rank; give up on the rest ``grace`` s after a failure. ``cell``: the code
+        the ranks run (``execute``), for saying where a stuck rank is in it."""
         unwrap = unwrap or unwrap_plain
         t0 = time.monotonic()
         deadline = float("inf") if timeout is None else t0 + timeout
@@ -180,17 +187,22 @@ class Waiting:
             self._interrupt(pending)
             raise
         if failures:
-            self._raise_failures(failures, pending, where)
+            self._raise_failures(failures, pending, where, targets=sorted(ars), cell=cell)
         if pending:
             assert timeout is not None  # without one the loop above ends only when every rank has answered
             self._busy = pending
+            said = self._where(pending, cell=cell)
             raise RankTimeout(sorted(pending), timeout, where,
                               "they are still running it: wait for them (%colossal status), or run "
-                              "%colossal restart (cluster.restart()) to stop them")
+                              "%colossal restart (cluster.restart()) to stop them" + (f"\n{said}" if said else ""))
         return results
 
-    def _raise_failures(self, failures: dict, pending: dict, where: str):
-        """RankError with the dead engines first: a peer's "connection closed" is their consequence."""
+    def _raise_failures(self, failures: dict, pending: dict, where: str, targets: list[int] | None = None,
+                        cell: str | None = None):
+        """RankError with the dead engines first: a peer's "connection closed" is their consequence. A failure
+        inside a collective (a timeout, a closed connection, ranks out of step) leaves the process group unusable:
+        the cluster is marked for restart, and a call on some ranks only (``--ranks``) is said to be the likely
+        cause (a collective of a group with other ranks waits for ranks that never enter it)."""
         died = [r for r, text in failures.items() if text.startswith("EngineError")]
         for r in self._dead_ranks(sorted(pending)):  # dead, but the controller has not said so yet
             failures[r] = "EngineError: this rank's engine process died while running the call"
@@ -200,11 +212,44 @@ class Waiting:
             failures[r] += f" ({self._how_it_ended(r)})" + self._whereabouts(r)
         ordered = {r: failures[r] for r in died} | {r: t for r, t in failures.items() if r not in died}
         advice = ""
-        if pending or died:
+        in_collective = [r for r, text in ordered.items() if COMM_FAILURE.search(text)]
+        if pending or died or in_collective:
             self._broken = (f"the engines of ranks {sorted(died)} died in {where}" if died else
-                            f"rank {next(iter(ordered))} failed in {where} while ranks {sorted(pending)} waited")
+                            f"rank {next(iter(ordered))} failed in {where} while ranks {sorted(pending)} waited"
+                            if pending else f"rank {in_collective[0]} failed inside a collective in {where}")
             advice = RESTART_ADVICE
-        raise RankError(ordered, sorted(pending), where, advice)
+        some = targets is not None and len(targets) < len(self._ids)
+        if in_collective and some:
+            others = sorted(set(range(len(self._ids))) - set(targets or []))
+            advice = (f"  this ran on ranks {targets} only: a collective of a group that holds ranks {others} too "
+                      "(an engine's step or generate under tp, pp or dp) waits for ranks that never enter it; run "
+                      f"it on every rank (without --ranks / ranks=)\n{advice}")
+        said = self._where(pending, cell=cell) if pending else ""
+        raise RankError(ordered, sorted(pending), where, f"{advice}\n{said}" if said and advice else said or advice)
+
+    def _where(self, pending: dict, wait: float = 2.0, cell: str | None = None) -> str:
+        """Where each rank still running is (``errors.stacks.describe``): asked for its Python stack by SIGUSR1
+        (``faulthandler``, armed by ``remote.probe``), which it writes to its stderr; ipyparallel relays that as the
+        call's output, read here. "" where none answered within ``wait`` seconds."""
+        def text(ar) -> str:
+            err = ar.stderr
+            return "".join(err) if isinstance(err, list) else (err or "")
+
+        before = {r: len(text(ar)) for r, ar in pending.items()}
+        self._signal(list(pending), signal.SIGUSR1)
+        seen: dict = {}  # rank -> when its dump began to arrive
+        found: dict = {}
+        end = time.monotonic() + wait
+        while len(found) < len(pending) and time.monotonic() < end:
+            time.sleep(0.1)
+            for r, ar in pending.items():
+                new = text(ar)[before[r]:]
+                if r in found or "most recent call first" not in new:
+                    continue
+                seen.setdefault(r, time.monotonic())
+                if time.monotonic() - seen[r] >= 0.3:  # the dump arrives in pieces: read it whole
+                    found[r] = stacks.user_frames(new)
+        return stacks.describe({r: f for r, f in found.items() if f}, cell=cell)
 
     # ------------------------------------------------------------ sending
     def _view(self, ranks: list[int]):

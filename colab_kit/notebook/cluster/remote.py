@@ -69,8 +69,14 @@ def _route_ip(target: str) -> str:
 def probe(controller_host: str, sys_path: list[str], cwd: str) -> dict:
     """Who and where this engine is. Also makes the kernel's import path visible here, so a
     function defined in a module next to the notebook (or a test file) can be sent to it."""
+    import faulthandler
+    import signal
+
     import torch
 
+    # asked by SIGUSR1, this engine writes every thread's Python stack to its stderr, which ipyparallel relays as
+    # the running call's output: a call that times out says where each rank is (gather.Waiting._where)
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True, chain=False)  # fd 2: captured by ipykernel
     missing = [p for p in sys_path if p not in sys.path and os.path.isdir(p or ".")]
     sys.path[:0] = missing
     if os.path.isdir(cwd) and os.path.abspath(os.getcwd()) != os.path.abspath(cwd) and cwd not in sys.path:

@@ -17,6 +17,7 @@ from typing import cast
 from dataclasses import dataclass, field
 
 from ...errors import RankError
+from ...errors.stacks import without_dumps
 
 __all__ = ["RankOutput", "RankTable", "split", "check_ranks", "unwrap_plain", "unwrap_call", "unwrap_execute",
            "rank_output"]
@@ -96,12 +97,13 @@ def rank_output(rank: int, ar, err: RankError | None, interrupted: bool = False)
     status = "stuck" if not ar.ready() else "error" if err is not None and rank in err.failures else "ok"
     if interrupted and status == "ok" and not unwrap_plain(ar)[0]:
         status = "interrupted"
+    stderr = without_dumps(ar.stderr or "")  # less the stacks it wrote when asked where it was (gather._where)
     if status == "interrupted":
-        return RankOutput(rank, ar.stdout or "", ar.stderr or "", None, None, status, [])
+        return RankOutput(rank, ar.stdout or "", stderr, None, None, status, [])
     res = ar.execute_result if status == "ok" else None
     displays = [{"data": o.get("data", {}), "metadata": o.get("metadata", {})}
                 for o in (ar.outputs or []) if isinstance(o, dict)]
-    return RankOutput(rank, ar.stdout or "", ar.stderr or "",
+    return RankOutput(rank, ar.stdout or "", stderr,
                       res["data"].get("text/plain") if res else None,
                       err.failures.get(rank) if status == "error" and err is not None else None, status, displays)
 

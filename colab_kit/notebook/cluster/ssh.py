@@ -70,6 +70,11 @@ _WAIT = ("i=0; while kill -0 {pid} 2>/dev/null; do i=$((i+1)); if [ $i -ge {poll
          "echo __process_running=0__")
 
 
+STARTUP_VARS = frozenset({"PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONNOUSERSITE", "PYTHONUSERBASE",
+                          "LD_LIBRARY_PATH", "LD_PRELOAD", "OMP_NUM_THREADS", "MKL_NUM_THREADS"})
+"""Environment variables an interpreter (or torch) reads as it starts: an engine whose environment sets one is
+started as a new interpreter, not forked from a server that started without it."""
+
 _SENT: set[tuple] = set()  # hosts that have a profile and these connection files from this kernel
 
 
@@ -183,7 +188,7 @@ def _launcher_classes():
             if self._posix():
                 self.server = ssh_forked.remote_fork_server(ssh, self.remote_python)
             sent = _sent_key(ssh, self.remote_profile_dir, self.to_send)
-            if sent is not None and sent in _SENT:  # a restart: the profile is made, the same files are there
+            if sent is not None and sent in _SENT and self._still_there():  # a restart: the same files are there
                 return
             self.ssh_sender.has_python()
             self.ssh_sender.check_output_python_module(
@@ -192,18 +197,35 @@ def _launcher_classes():
             if sent is not None:
                 _SENT.add(sent)
 
+        def _still_there(self) -> bool:
+            """Whether the host still has the connection files and the log directory (one ssh call): a host
+            rebooted or wiped since the first start gets them again."""
+            paths = [posixpath.dirname(self.remote_output_file), *(r for _, r in self.to_send)]
+            test = " && ".join(f"test -e {shlex.quote(p)}" for p in paths if p)
+            try:
+                return "__there__" in self.ssh_sender.check_output(f"{test} && echo __there__; true",
+                                                                   universal_newlines=True)
+            except Exception:  # noqa: BLE001 - not known: send them again
+                return False
+
         def _launch(self) -> int:
-            """The engine's pid on its host: forked by the host's server, else started by ipyparallel's way."""
-            if self.server is not None:
+            """The engine's pid on its host: forked by the host's server, else started by ipyparallel's way (also
+            where the engine's environment sets what an interpreter reads as it starts, ``STARTUP_VARS``: a
+            forked engine would not see it)."""
+            env = self.get_env()
+            if self.server is not None and STARTUP_VARS & {k for k, v in env.items() if v not in (None, "")}:
+                self.log.info(f"{self.location}: the engine's environment sets "
+                              f"{sorted(STARTUP_VARS & set(env))}: it starts as a new interpreter")
+            elif self.server is not None:
                 try:
-                    pid = self.server.fork(list(self.program_args), self.get_env(), None, self.remote_output_file,
+                    pid = self.server.fork(list(self.program_args), env, None, self.remote_output_file,
                                            merge_env=True)
                     self.forked_by = self.server
                     return pid
                 except Exception as e:  # noqa: BLE001 - the usual start still works: said, not raised
                     self.log.warning(f"{self.location}: colab_kit's fork server did not fork an engine ({e}); "
                                      "it starts as a new interpreter")
-            return self.ssh_sender.cmd_start(self.program + self.program_args, env=self.get_env(),
+            return self.ssh_sender.cmd_start(self.program + self.program_args, env=env,
                                              output_file=self.remote_output_file)
 
         def send_files(self):
@@ -271,7 +293,7 @@ def _launcher_classes():
                 return super().wait_one(timeout)
             polls = max(1, int(10 * (timeout if timeout is not None else 1e9)))
             script = _WAIT.format(pid=int(self.pid), polls=polls)
-            if self.forked_by is not None:  # then how it ended, as its fork server wrote it
+            if self.forked_by is not None and self.forked_by.alive:  # then how it ended, as its server wrote it
                 script += "; " + self.forked_by.exit_script(int(self.pid))
             if self._output is None:  # and its log, read and removed (ipyparallel does so as it notices the end)
                 path = shlex.quote(self.remote_output_file)

@@ -44,27 +44,51 @@ class RemoteForkServer(ForkServer):
 
     def __init__(self, ssh: list[str], python: str):
         self.ssh = list(ssh)
-        exits = f"/tmp/colab_kit-exits-{secrets.token_hex(8)}"  # made by the server, removed as it ends
-        super().__init__([*self.ssh, shlex.join([python, "-c", SERVE, exits])], exits=exits)
+        self.exits = f"/tmp/colab_kit-exits-{secrets.token_hex(8)}"  # made by the server, removed as it ends
+        # a session that lives for the kernel: OpenSSH's keep-alives notice a connection a firewall dropped
+        super().__init__([*_with_options(self.ssh, "ServerAliveInterval=15", "ServerAliveCountMax=3"),
+                          shlex.join([python, "-c", SERVE, self.exits])], exits=self.exits)
 
-    def exit_script(self, pid: int, polls: int = 20) -> str:
+    def abandon(self) -> None:
+        """End the ssh session and the server at its far end (found by its unique directory of exit statuses: no
+        request reaches a server that was not ready, so it has forked nothing of it)."""
+        super().abandon()
+        self._remote(f"pkill -f {shlex.quote(self.exits)} 2>/dev/null; true", 10)
+
+    def _remote(self, script: str, timeout: float) -> str:
+        """``script`` in the host's shell over a new ssh call (short connect timeout, no password prompt)."""
+        try:
+            return subprocess.run([*_with_options(self.ssh, "ConnectTimeout=5", "BatchMode=yes"), script],
+                                  capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    def exit_script(self, pid: int, polls: int = 5) -> str:
         """Shell that prints ``__exit_code=N__`` once engine ``pid`` has ended and the server has written its
-        status (polled every 0.1 s up to ``polls`` times), nothing while it runs or when nothing is known."""
+        status (polled every 0.1 s up to ``polls`` times), nothing while it runs or when nothing is known; it
+        never ends the shell, so what follows it in the same call runs too."""
         path = shlex.quote(f"{self.exits}/{int(pid)}")
-        return (f"i=0; while [ ! -f {path} ]; do kill -0 {int(pid)} 2>/dev/null && exit 0; i=$((i+1)); "
-                f"[ $i -ge {polls} ] && exit 0; sleep 0.1 2>/dev/null || sleep 1; done; "
-                f"echo __exit_code=$(cat {path})__")
+        return (f"i=0; while [ ! -f {path} ] && ! kill -0 {int(pid)} 2>/dev/null && [ $i -lt {polls} ]; do "
+                f"i=$((i+1)); sleep 0.1 2>/dev/null || sleep 1; done; "
+                f"if [ -f {path} ]; then echo __exit_code=$(cat {path})__; fi")
 
     def exit_code(self, pid: int, wait: float = 2.0) -> int | None:
-        """How engine ``pid`` ended (``-9``: SIGKILL), read over ssh; None while it runs or when not known."""
+        """How engine ``pid`` ended (``-9``: SIGKILL), read over ssh; None while it runs or when not known (a
+        server no longer running wrote nothing more)."""
         if pid not in self.forked:
             return None
-        try:
-            out = subprocess.run([*self.ssh, self.exit_script(pid, max(1, int(10 * wait)))], capture_output=True,
-                                 text=True, timeout=wait + 30, stdin=subprocess.DEVNULL).stdout
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return parse_exit(out)
+        return parse_exit(self._remote(self.exit_script(pid, max(1, int(10 * wait))), wait + 10))
+
+
+def _with_options(ssh: list[str], *options: str) -> list[str]:
+    """``ssh`` with ``-o`` options before its arguments, where it is OpenSSH's client (else as it is).
+
+    >>> _with_options(["ssh", "-p", "2222", "me@b"], "BatchMode=yes"), _with_options(["sh", "-c"], "BatchMode=yes")
+    (['ssh', '-o', 'BatchMode=yes', '-p', '2222', 'me@b'], ['sh', '-c'])
+    """
+    if not ssh or os.path.basename(ssh[0]) != "ssh":
+        return list(ssh)
+    return [ssh[0], *(x for o in options for x in ("-o", o)), *ssh[1:]]
 
 
 def parse_exit(out: str) -> int | None:
@@ -104,9 +128,10 @@ def forking(engine_cmd, remote_python: str) -> bool:
 
 
 def exit_code(host: str, pid: int, wait: float = 2.0) -> int | None:
-    """How engine ``pid`` on ``host`` (its hostname) ended, if a fork server of this kernel forked it."""
+    """How engine ``pid`` on ``host`` (its hostname) ended, if a fork server of this kernel that still runs forked
+    it (one that ended wrote nothing more: no ssh call is made for it)."""
     for server in list(_SERVERS.values()):
-        if server.host == host and pid in server.forked:
+        if server.host == host and pid in server.forked and server.alive:
             return server.exit_code(pid, wait)
     return None
 

@@ -73,6 +73,7 @@ def measure_rank(ranks: int) -> dict:
         mine: dict = {}
         for op in OPS:
             for size in _SIZES + ((_LARGE[op],) if op in _LARGE else ()):
+                size -= size % n  # a reduce-scatter or all-to-all splits it in n (groups of 3, 6, ...)
                 t = torch.ones(size, device=mesh.device)
                 wire = wire_bytes("send" if op == "sendrecv" else op, size * 4, n)  # each way: one message
                 points.setdefault(f"{n}/{op}", []).append(wire)
