@@ -185,6 +185,22 @@ class ParallelConfig:
     transformer block, which keeps only its input. True / False (and the words true / on / false / off) are
     stored as "full" / "none"."""
 
+    def __new__(cls, *args, **kwargs):
+        """Refuse an unknown keyword as ``from_dict`` does, with the field it was likely meant to be (the
+        dataclass's own ``__init__`` would raise a bare TypeError).
+
+        >>> ParallelConfig(dp=2, microbatch=4)
+        Traceback (most recent call last):
+        ...
+        colab_kit.config.ConfigError: unknown config key 'microbatch': did you mean 'microbatches'?
+        """
+        unknown = [k for k in kwargs if k not in _FIELDS]
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], _FIELDS, n=1)
+            hint = f"did you mean {near[0]!r}?" if near else f"known keys: {', '.join(_FIELDS)}"
+            raise ConfigError(f"unknown config key {unknown[0]!r}: {hint}")
+        return super().__new__(cls)
+
     def __post_init__(self):
         object.__setattr__(self, "recompute", _recompute_mode(self.recompute))
         self._check()
@@ -418,3 +434,7 @@ class ParallelConfig:
             also = " (or 'zb-v', which takes exactly 2)" if v == 2 else " ('zb-v' takes exactly 2)"
             raise ConfigError(f"chunks={v} (virtual stages) needs schedule='interleaved'{also}; "
                               f"schedule={s!r} runs one chunk per rank: set chunks=1 or schedule='interleaved'")
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
+"""ParallelConfig's fields, in order (``ParallelConfig.__new__`` names the nearest to an unknown keyword)."""

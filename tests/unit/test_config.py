@@ -442,3 +442,16 @@ def test_from_dict_accepts_numpy_integers():
     np = pytest.importorskip("numpy")
     c = P.from_dict({"dp": np.int64(2), "zero": np.int32(1)})
     assert c == P(dp=2, zero=1) and type(c.dp) is int
+
+
+def test_an_unknown_keyword_names_the_field_it_was_likely_meant_to_be():
+    """As ``from_dict`` and ``parse`` do (a bare TypeError before), and a config still pickles and copies."""
+    import copy
+    import pickle
+
+    with pytest.raises(ConfigError, match=r"unknown config key 'microbatch': did you mean 'microbatches'\?"):
+        ParallelConfig(dp=2, microbatch=4)
+    with pytest.raises(ConfigError, match=r"unknown config key 'tensor': known keys: dp, tp"):
+        ParallelConfig(tensor=2)
+    c = ParallelConfig(dp=2, tp=2, microbatches=4)
+    assert pickle.loads(pickle.dumps(c)) == c == copy.deepcopy(c)
