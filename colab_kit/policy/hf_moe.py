@@ -17,8 +17,9 @@ ep rank 0 by all-to-all and come back; attention, norms, routers and embeddings 
 averaged over dp; the experts' gradients over the ranks holding the same experts (edp ``[1, 3]``).
 
 What runs (``tests/ranks/test_hf_moe.py``): dp, ep, ZeRO 1-3 (ep with 1-2), recomputation, 1D tp (every tp
-rank routes the same tokens: the MoE layers run whole on each), sp ring and Ulysses, and pp where the
-load-balancing loss is off (DeepSeek-V3 has none; ``output_router_logits=False``). Refused under tp with the
+rank routes the same tokens: the MoE layers run whole on each), sp ring and Ulysses, and pp (1f1b, zb-h1, zb-v;
+with the load-balancing loss on, each microbatch's router counts ride the pipeline's messages:
+``models.hf_moe.CountsRelay``). Refused under tp with the
 rule (``tensor.part``, from ``attention_limits``): DeepSeek-V3's multi-head latent attention (no tensor plan) and
 OLMoE (q/k norms over all heads); tp, sp and pp with GPT-OSS (attention sinks, sliding windows: dp, ep and ZeRO
 run it); 2D/2.5D/3D tp and split_gather for every MoE model.
