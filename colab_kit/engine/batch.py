@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ..policy.hf import sliding_window
+
 __all__ = ["check_batch", "label_sizes"]
 
 
@@ -33,6 +35,19 @@ def label_sizes(parts) -> tuple[int | None, int | None]:
     vocab = getattr(hf, "vocab_size", None)
     vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
     return vocab, vocab
+
+
+def _check_window(parts, inputs: torch.Tensor) -> None:
+    """A model whose attention looks back a limited window (``policy.hf.sliding_window``) under sp or pp, which
+    call the attention without the model's own mask: sequences up to the window only (the same attention)."""
+    cfg = parts.config
+    split = [f"{a}={getattr(cfg, a)}" for a in ("sp", "pp") if getattr(cfg, a) > 1]
+    window = sliding_window(parts.dense_twin) if split and inputs.dim() >= 2 else None
+    if window and inputs.shape[1] > window:
+        raise ValueError(f"sequences of {inputs.shape[1]} tokens with {' and '.join(split)}: the model's attention "
+                         f"looks back at most {window} tokens (a sliding window its own forward masks), and "
+                         f"sequence and pipeline parallelism call the attention without that mask: use sequences of "
+                         f"at most {window} tokens, or tp, dp and ZeRO, which run the model's own forward")
 
 
 def _language_model(parts) -> bool:
@@ -76,6 +91,7 @@ def check_batch(batch, parts, values: bool = True) -> tuple[torch.Tensor, torch.
             targets.shape != inputs.shape:
         raise ValueError(f"targets {tuple(targets.shape)} for inputs {tuple(inputs.shape)}: a language model's "
                          "targets are one id per input token (the next ids), of the inputs' shape")
+    _check_window(parts, inputs)
     if not values:
         return inputs, targets
     bad = (targets != -100) & ((targets < 0) | (targets >= classes if classes else False))

@@ -98,7 +98,7 @@ class ModelFacts:
     """Attention sinks and sliding windows (GPT-OSS): no tensor, sequence or pipeline plan."""
     window: int | None = None
     """A sliding window shorter than the model's positions (Mistral's; ``policy.hf.sliding_window``): no sequence
-    or pipeline plan for sequences longer than it."""
+    or pipeline plan for sequences longer than it (refused where ``seq`` is known, else at the first batch)."""
     memo: dict = field(default_factory=dict, repr=False)
     """What a rule computed for a config's fields (a part's rule), kept with the facts it read."""
 

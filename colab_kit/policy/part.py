@@ -31,8 +31,8 @@ def attention_sinks(c, f):
 @rule(priced=True)
 def sliding_window(c, f):
     split = [f"{a}={getattr(c, a)}" for a in ("sp", "pp") if getattr(c, a) > 1]
-    if not (f.window and split) or (f.seq is not None and f.seq <= f.window):
-        return None
+    if not (f.window and split) or f.seq is None or f.seq <= f.window:
+        return None  # the sequence unknown (boost): checked on the first batch (engine.batch.check_batch)
     return (f"{' and '.join(split)} with {f.name}: its attention looks back at most {f.window} tokens (a sliding "
             "window the model's own forward masks), and sequence and pipeline parallelism call the attention "
             f"without that mask: set the config's sliding_window=None if no sequence is longer than {f.window} "

@@ -146,11 +146,18 @@ def test_save_pretrained_and_load_pretrained_round_trip(tmp_path):
 
 
 def test_refused_in_the_kernel():
-    with pytest.raises(ck.ConfigError, match=r"sp=2 with MistralForCausalLM: its attention looks back at most 8 "
-                                             r"tokens .* set the config's sliding_window=None"):
-        ck.boost(make("mistral-window"), OPTIMIZERS["sgd"], ck.ParallelConfig(sp=2))
-    with pytest.raises(ck.ConfigError, match=r"pp=2 with MistralForCausalLM: its attention looks back"):
-        ck.boost(make("mistral-window"), OPTIMIZERS["sgd"], ck.ParallelConfig(pp=2, microbatches=2))
+    from colab_kit.engine.facts import ModelFacts
+    from colab_kit.engine.parts import first_refusal
+
+    # the planner knows the sequence: a window shorter than it is refused under sp and pp (boost, which does not
+    # know it yet, checks the first batch: test_the_first_step_reserves_... below)
+    facts = ModelFacts.of(make("mistral-window"), seq=16)
+    why = str(first_refusal(ck.ParallelConfig(sp=2), facts))
+    assert "sp=2 with MistralForCausalLM: its attention looks back at most 8 tokens" in why and \
+        "set the config's sliding_window=None" in why, why
+    assert "pp=2 with MistralForCausalLM: its attention looks back" in str(
+        first_refusal(ck.ParallelConfig(pp=2, microbatches=2), facts))
+    assert first_refusal(ck.ParallelConfig(sp=2), ModelFacts.of(make("mistral-window"), seq=8)) is None
     with pytest.raises(ck.ConfigError, match=r"tp=2 needs a sharding policy for GPTNeoXForCausalLM"):
         ck.boost(make("neox"), OPTIMIZERS["sgd"], ck.ParallelConfig(tp=2))
     with pytest.raises(ck.ConfigError, match=r"n_heads=4, n_kv_heads=2 not divisible by 8: tp_mode='1d'"):
@@ -160,7 +167,17 @@ def test_refused_in_the_kernel():
 
 
 def _offload_refusal():
-    """Llama under dp=2 ZeRO-3 with offload='auto': a budget far below one step, then room for everything."""
+    """Llama under dp=2 ZeRO-3 with offload='auto': a budget far below one step, then room for everything. And
+    Mistral with a window of 8 under sp=2: 16-token sequences refused at the first step, 8-token ones trained."""
+    window = ck.boost(make("mistral-window"), OPTIMIZERS["sgd"], ck.ParallelConfig(sp=2))
+    try:
+        window.train_step(DATA.batch(0, BATCH))
+        long = "trained"
+    except ValueError as e:
+        long = str(e)
+    x, y = DATA.batch(0, BATCH)
+    short = window.train_step((x[:, :8], y[:, :8]))
+    window.close()
     config = ck.ParallelConfig(dp=2, zero=3, offload="auto")
     try:
         ck.boost(make("llama"), OPTIMIZERS["adamw"], config, device_budget=50_000).train_step(DATA.batch(0, BATCH))
@@ -169,17 +186,20 @@ def _offload_refusal():
         refused = str(exc)
     engine = ck.boost(make("llama"), OPTIMIZERS["adamw"], config, device_budget=1 << 40)
     losses = [engine.train_step(DATA.batch(s, BATCH)) for s in range(STEPS)]
-    return refused, engine.memory()["activations"], losses
+    return refused, engine.memory()["activations"], losses, long, short
 
 
-def test_offload_auto_reserves_a_hugging_face_models_activations_before_its_first_step():
+def test_the_first_step_reserves_a_hf_models_activations_and_checks_its_window():
     """The device account of offload='auto' holds the step's activations from the first step on, for a model
     without a built-in config too (estimated from its dense forward traced on fake tensors): a budget that
     cannot hold one step is refused before the step runs, naming the activations it needs (0 B before, and the
-    step ran, to fail at the second). With room, the same run trains as one process does."""
+    step ran, to fail at the second). With room, the same run trains as one process does. Mistral with a window
+    of 8 under sp=2: boost cannot know the sequence; the first batch of 16 tokens is refused, 8 tokens train."""
     import re
 
-    (refused, measured, losses), _ = ck.launch(_offload_refusal, 2)
+    (refused, measured, losses, long, short), _ = ck.launch(_offload_refusal, 2)
+    assert long.startswith("sequences of 16 tokens with sp=2: the model's attention looks back at most 8 tokens"), long
+    assert short > 0
     assert refused is not None and "too small for one step" in refused, refused
     acts = int(re.search(r"the activations \(([\d,]+) B\)", refused).group(1).replace(",", ""))
     assert 0.5 * measured <= acts <= 1.5 * measured, (acts, measured)
