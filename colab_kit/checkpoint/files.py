@@ -140,6 +140,9 @@ def leftovers(path: str) -> list[str]:
 
 def read_manifest(path: str) -> dict:
     """The manifest of a complete checkpoint, or CheckpointError saying why there is none."""
+    if os.path.isfile(path):
+        raise CheckpointError(f"no checkpoint at {path}: it is a file, and a colab_kit checkpoint is the directory "
+                              "engine.save wrote (a Hugging Face directory of *.safetensors: ck.load_pretrained)")
     if not os.path.isdir(path):
         parent = os.path.dirname(os.path.abspath(path)) or "."
         base = os.path.basename(os.path.abspath(path))

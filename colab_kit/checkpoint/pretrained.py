@@ -193,6 +193,9 @@ def _files(directory: str) -> dict[str, str]:
         with safe_open(path, framework="pt") as f:
             where.update({k: path for k in f.keys()})
     if not where:
+        if os.path.exists(os.path.join(directory, "manifest.json")):
+            raise FileNotFoundError(f"{directory} is a colab_kit checkpoint (engine.save's), not a save_pretrained "
+                                    f"directory: read it with engine.load({directory!r})")
         raise FileNotFoundError(f"{directory} holds no *.safetensors files (a save_pretrained directory)")
     return where
 

@@ -44,6 +44,7 @@ from ..config import ConfigError, ParallelConfig
 from ..datasets import ShardedLoader
 from ..datasets.loader import LocalBatch
 from ..mesh import ProcessMesh
+from ..policy import Policy
 from ..zero.optimizer import (OptimizerSpec, attach_scheduler, check_elementwise, check_scheduler, local_names,
                               rebuild)
 from . import reports
@@ -86,6 +87,13 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
     why = first_refusal(config)  # what no model changes, before the model and the optimizer are read
     if why is not None:
         raise why
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"boost shards a torch.nn.Module, got {type(model).__name__}: e.g. "
+                        "ck.boost(GPT(GPTConfig(...)), optimizer, config)")
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a colab_kit.policy.Policy, got {type(policy).__name__}: leave it out for "
+                        "the built-in models (GPT, BERT, ViT) and the Hugging Face ones colab_kit knows, or "
+                        "build one (help(colab_kit.policy) has a worked example)")
     if isinstance(optimizer, torch.optim.Optimizer):  # read before the model is sharded: names, groups, settings
         spec = OptimizerSpec.capture(optimizer, model)
     elif callable(optimizer):

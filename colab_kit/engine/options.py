@@ -57,3 +57,7 @@ class BoostOptions:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
             raise ConfigError(f"device_budget must be a positive number of bytes, got {budget!r}")
         check_max_norm(self.max_grad_norm)
+        if not callable(self.loss_fn):
+            raise ConfigError(f"loss_fn must be a function (logits, targets) -> scalar loss, got "
+                              f"{type(self.loss_fn).__name__}: e.g. loss_fn=torch.nn.functional.cross_entropy, or "
+                              "leave it out for the mean token cross-entropy")

@@ -150,8 +150,13 @@ def hardware_of(hardware) -> Hardware | str:
         return hardware
     if isinstance(hardware, str) and hardware in HARDWARE:
         return HARDWARE[hardware]
-    raise ConfigError(f"unknown hardware {hardware!r}: choose a preset ({', '.join(sorted(HARDWARE))}), "
-                      f"{LOCAL!r} (the constants measured here), or a planner.cluster.hardware.Hardware of your own")
+    import difflib
+
+    near = difflib.get_close_matches(str(hardware), list(HARDWARE), n=1, cutoff=0.5) if isinstance(hardware, str) \
+        else []
+    raise ConfigError(f"unknown hardware {hardware!r}: " + (f"did you mean {near[0]!r}? " if near else "")
+                      + f"choose a preset ({', '.join(sorted(HARDWARE))}), {LOCAL!r} (the constants measured here), "
+                      "or a planner.cluster.hardware.Hardware of your own")
 
 
 def gpt_of(shape: ModelShape) -> GPTConfig:

@@ -44,3 +44,41 @@ def test_a_cluster_refuses_timeouts_that_are_not_positive(kwargs, rule):
     with pytest.raises(ClusterError) as info:
         ck.Cluster(2, **kwargs)
     assert f"{name} must be a number of seconds {rule}, got {value!r}" in str(info.value)
+
+
+def test_boost_refuses_what_is_no_model_loss_or_policy():
+    """Before: the message named an internal (``ModelFacts.of``), a loss of 3 failed at the first step with
+    "'int' object is not callable", a policy named by a string raised a TypeError that named no alternative."""
+    from colab_kit.models import GPT, GPTConfig
+
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    with pytest.raises(TypeError, match=r"boost shards a torch.nn.Module, got NoneType"):
+        ck.boost(None, sgd, ck.ParallelConfig())
+    model = GPT(GPTConfig(vocab_size=16, seq_len=8, d_model=16, n_heads=2, n_layers=1))
+    with pytest.raises(ck.ConfigError, match=r"loss_fn must be a function \(logits, targets\) -> scalar loss, got int"):
+        ck.boost(model, sgd, ck.ParallelConfig(), loss_fn=3)
+    with pytest.raises(TypeError, match=r"policy must be a colab_kit.policy.Policy, got str: leave it out"):
+        ck.boost(model, sgd, ck.ParallelConfig(), policy="gpt")
+
+
+def test_a_checkpoint_and_a_pretrained_directory_are_told_apart(tmp_path):
+    from colab_kit.checkpoint import CheckpointError
+    from colab_kit.checkpoint.files import read_manifest
+    from colab_kit.checkpoint.pretrained import _files
+
+    weights = tmp_path / "model.pt"
+    weights.write_text("x")
+    with pytest.raises(CheckpointError, match=r"it is a file, and a colab_kit checkpoint is the directory"):
+        read_manifest(str(weights))
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "manifest.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"is a colab_kit checkpoint \(engine.save's\), not a save_pretrained"):
+        _files(str(tmp_path / "ck"))
+    with pytest.raises(ck.ConfigError, match=r"unknown hardware '8xH100': did you mean '8xH100-SXM'\?"):
+        ck.estimate(GPTConfig_small(), ck.ParallelConfig(dp=8), 8, hardware="8xH100")
+
+
+def GPTConfig_small():
+    from colab_kit.models import GPTConfig
+
+    return GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
