@@ -373,6 +373,17 @@ BACKENDS = ("nccl_rules", "gloo", "nccl")
 """What ``launch(backend=)`` takes (None: ``default_backend``)."""
 
 
+def seconds_refusal(name: str, value, zero_ok: bool = False) -> str | None:
+    """Why ``value`` is no number of seconds for ``name`` (> 0, or >= 0 with ``zero_ok``), or None.
+
+    >>> seconds_refusal("timeout", 0), seconds_refusal("grace", 0, zero_ok=True)
+    ('timeout must be a number of seconds > 0, got 0', None)
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not zero_ok):
+        return f"{name} must be a number of seconds {'>= 0' if zero_ok else '> 0'}, got {value!r}"
+    return None
+
+
 def _check_launch(fn, world_size: int, backend, timeout, grace, threads) -> None:
     """Refuse, before any rank starts, what every rank would fail at: each rule and a value that works.
 
@@ -393,9 +404,10 @@ def _check_launch(fn, world_size: int, backend, timeout, grace, threads) -> None
         raise ValueError(f"backend='nccl' gives each rank its own GPU: {world_size} ranks, "
                          f"{torch.cuda.device_count()} GPUs visible here; use backend=None (CPU ranks on "
                          "'nccl_rules') or fewer ranks")
-    for name, value, least in (("timeout", timeout, 0), ("grace", grace, -1)):  # grace 0: stop the rest at once
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > least:
-            raise ValueError(f"{name} must be a number of seconds {'> 0' if least == 0 else '>= 0'}, got {value!r}")
+    for name, value, zero in (("timeout", timeout, False), ("grace", grace, True)):  # grace 0: stop the rest at once
+        why = seconds_refusal(name, value, zero_ok=zero)
+        if why is not None:
+            raise ValueError(why)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 0):
         raise ValueError(f"threads must be a whole number of torch threads per rank (0 or None: the default "
                          f"split of this machine's cores), got {threads!r}")

@@ -8,9 +8,13 @@ where each one was, the caller's own lines included (``describe``). Worked examp
 rank 0 all-reduces::
 
     RankError: rank 0 failed in launch: RuntimeError: [...] Timed out waiting 15000ms for recv operation
-      ranks 1 were still running (...)
+      ranks 1 were still waiting (...)
       where each rank still running was:
         rank 1: train.py:6 in step: time.sleep(1000)
+        ...
+
+The notebook cluster asks its engines the same way (``faulthandler`` writes to the engine's stderr, which
+ipykernel relays as the running call's output: ``user_frames`` reads it there).
 """
 from __future__ import annotations
 
@@ -34,6 +38,12 @@ def arm(path: str) -> None:
     faulthandler.register(signal.SIGUSR1, file=fh, all_threads=True, chain=False)
 
 
+def _threads(text: str) -> list[list[tuple[str, int, str]]]:
+    """Each thread's frames in a ``faulthandler`` dump, innermost first (as it writes them)."""
+    return [[(f, int(n), fn) for f, n, fn in (m.groups() for m in map(_FRAME.match, block.splitlines()) if m)]
+            for block in re.split(r"\n\s*\n", text)]
+
+
 def _main_frames(text: str, entry: str) -> list[tuple[str, int, str]]:
     """The frames of the thread whose stack holds ``entry`` (the rank's main function), oldest first, after it.
 
@@ -48,12 +58,10 @@ def _main_frames(text: str, entry: str) -> list[tuple[str, int, str]]:
     >>> _main_frames(dump, "_worker")
     [('/home/me/train.py', 6, 'step')]
     """
-    for block in re.split(r"\n\s*\n", text):
-        frames = [m.groups() for m in map(_FRAME.match, block.splitlines()) if m]
-        names = [f[2] for f in frames]
+    for frames in _threads(text):
+        names = [fn for _, _, fn in frames]
         if entry in names:
-            inner = frames[:names.index(entry)]
-            return [(f, int(n), fn) for f, n, fn in reversed(inner)]
+            return frames[:names.index(entry)][::-1]
     return []
 
 
@@ -75,8 +83,7 @@ def user_frames(text: str) -> list[tuple[str, int, str]]:
     ('/tmp/ipykernel_7/1234.py', 3, '<module>')
     """
     libs = _library_dirs()
-    for block in re.split(r"\n\s*\n", text):
-        frames = [(f, int(n), fn) for f, n, fn in (m.groups() for m in map(_FRAME.match, block.splitlines()) if m)]
+    for frames in _threads(text):
         if any(not os.path.abspath(f).startswith(libs) for f, _, _ in frames):
             return frames[::-1]
     return []

@@ -147,6 +147,7 @@ def test_an_ssh_hosts_fork_server_forks_engines_and_tells_how_they_ended(tmp_pat
     (profile / "ipengine_config.py").write_text(
         "import json, os, sys\n"
         f"json.dump({{'env': dict(os.environ), 'argv': sys.argv, 'cwd': os.getcwd()}}, open({str(seen)!r}, 'w'))\n"
+        "print('the engine read its config', flush=True)\n"
         "os._exit(7)\n")
     monkeypatch.setenv("CK_TEST_LOGIN", "kept")
     monkeypatch.setenv("CK_TEST_UNSET", "dropped")
@@ -160,7 +161,11 @@ def test_an_ssh_hosts_fork_server_forks_engines_and_tells_how_they_ended(tmp_pat
         el.engine_args = [f"--profile-dir={profile}"]
         el.pid = el._launch()
         assert el.forked_by is server and el.pid in server.forked
-        assert el.wait_one(timeout=60) == 7, (tmp_path / "engine.log").read_text()
+        log = tmp_path / "engine.log"
+        assert el.wait_one(timeout=60) == 7, log.read_text() if log.exists() else "no log"
+        # the wait, the exit status and the log in one call; the log read and removed with it
+        assert len(el.ssh_sender.calls) == 1 and not log.exists()
+        assert "the engine read its config" in el.get_output(remove=True) and len(el.ssh_sender.calls) == 1
         got = json.loads(seen.read_text())
         assert got["env"][ssh.SLOT] == "3" and got["env"]["CK_TEST_LOGIN"] == "kept"
         assert "CK_TEST_UNSET" not in got["env"] and got["cwd"] == str(tmp_path)
@@ -171,3 +176,37 @@ def test_an_ssh_hosts_fork_server_forks_engines_and_tells_how_they_ended(tmp_pat
     finally:
         server.close()
     assert not server.alive and not os.path.exists(server.exits)  # the server removed its own directory
+
+
+def test_a_restart_sends_nothing_again_while_the_host_still_has_the_files(tmp_path, monkeypatch):
+    """A host's first engine makes the profile and sends the files once; the next start of the same cluster (the
+    same files to the same host) asks only whether they are still there (one call), and sends them again once
+    they are gone."""
+    from colab_kit.notebook.cluster import ssh_forked
+
+    monkeypatch.setattr(ssh_forked, "remote_fork_server", lambda *a: None)  # no server: only the files here
+    monkeypatch.setattr(ssh, "_SENT", set())
+    local = tmp_path / "ipcontroller-engine.json"
+    local.write_text("{}")
+    remote = tmp_path / "remote" / "security" / "ipcontroller-engine.json"
+    log_dir = tmp_path / "remote" / "log"
+    done: list[str] = []
+
+    def first(identifier):
+        sender = LocalShell()
+        sender.has_python = lambda: done.append("has_python")
+        sender.check_output_python_module = lambda args: done.append("profile")
+        el = _launcher(tmp_path, sender, remote_output_file=str(log_dir / "engine.out"))
+        el.identifier, el.to_send = identifier, [(str(local), str(remote))]
+        el.send_files = lambda: (done.append("send"), remote.parent.mkdir(parents=True, exist_ok=True),
+                                 remote.write_text("{}"), log_dir.mkdir(parents=True, exist_ok=True))
+        el._prepare("node7", None, None)
+        return sender
+
+    first("h/0")
+    assert done == ["has_python", "profile", "send"]
+    again = first("h/0")  # the restart
+    assert done == ["has_python", "profile", "send"] and len(again.calls) == 1 and "test -e" in again.calls[0]
+    remote.unlink()  # the host lost them (rebooted, wiped)
+    first("h/0")
+    assert done == ["has_python", "profile", "send"] * 2

@@ -30,6 +30,7 @@ from typing import Any
 
 from ...config import ParallelConfig
 from ...errors import RankError
+from ...launch import seconds_refusal
 from ...net import LOOPBACK
 from ...errors.tracebacks import pack, source_map
 from . import forked, remote, ssh
@@ -111,11 +112,11 @@ class Cluster(Startup, Waiting):
         if backend not in (None, "gloo", "nccl", "nccl_rules"):
             raise ClusterError(f"backend must be 'nccl', 'nccl_rules', 'gloo' or None (pick by hardware), got "
                                f"{backend!r}")
-        for name, value, least, default in (("timeout", timeout, 0, 60), ("grace", grace, -1, 3.0),
-                                            ("collective_timeout", collective_timeout, 0, 120)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > least:
-                raise ClusterError(f"{name} must be a number of seconds {'> 0' if least == 0 else '>= 0'}, got "
-                                   f"{value!r} (the default: {default})")
+        for name, value, default in (("timeout", timeout, 60), ("grace", grace, 3.0),
+                                     ("collective_timeout", collective_timeout, 120)):
+            why = seconds_refusal(name, value, zero_ok=name == "grace")
+            if why is not None:
+                raise ClusterError(f"{why} (the default: {default})")
         if "controller_ip" in ipp_kwargs:
             ip = ip or ipp_kwargs.pop("controller_ip")
         if ip is None and engines not in LOCAL_LAUNCHERS:

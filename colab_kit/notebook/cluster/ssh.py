@@ -267,6 +267,11 @@ def _launcher_classes():
             nothing of theirs is asked over ssh)."""
             return int(self.pid) > 0
 
+        def _read_log(self, remove: bool) -> str:
+            """Shell that prints the engine's remote log (and removes it with ``remove``)."""
+            path = shlex.quote(self.remote_output_file)
+            return f"cat {path} 2>/dev/null" + (f"; rm -f {path}" if remove else "")
+
         def get_output(self, remove=False):
             """The engine's remote log in one ssh call (``cat``, then ``rm`` if ``remove``): ipyparallel's polls
             for the file, copies it with scp and removes it, three calls per engine, one engine after another,
@@ -275,12 +280,10 @@ def _launcher_classes():
                 self._output = ""
             if self._output is not None:
                 return self._output
-            path = shlex.quote(self.remote_output_file)
             try:
                 if not self._posix():
                     return super().get_output(remove=remove)
-                self._output = self.ssh_sender.check_output(
-                    f"cat {path} 2>/dev/null" + (f"; rm -f {path}" if remove else ""), universal_newlines=True)
+                self._output = self.ssh_sender.check_output(self._read_log(remove), universal_newlines=True)
             except Exception as e:  # noqa: BLE001 - as ipyparallel's: the output is a hint only
                 self.log.error(f"Failed to get output file {self.remote_output_file}: {e}")
                 self._output = ""
@@ -296,8 +299,7 @@ def _launcher_classes():
             if self.forked_by is not None and self.forked_by.alive:  # then how it ended, as its server wrote it
                 script += "; " + self.forked_by.exit_script(int(self.pid))
             if self._output is None:  # and its log, read and removed (ipyparallel does so as it notices the end)
-                path = shlex.quote(self.remote_output_file)
-                script += f"; echo {_LOG}; cat {path} 2>/dev/null; rm -f {path}"
+                script += f"; echo {_LOG}; {self._read_log(remove=True)}"
             out, _, log = self.ssh_sender.check_output(script, universal_newlines=True).partition(_LOG + "\n")
             if "__process_running=" not in out:
                 raise RuntimeError(out)
