@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from .agree import agree_on_batch
 from .batch import check_batch
 from ..config import Axis
 from .. import comm
@@ -157,6 +158,7 @@ class TrainingStep(ExpertSteps):
     @torch.no_grad()
     def evaluate(self, batch, local: bool = False) -> float:
         """The global mean loss of ``batch`` without training."""
+        self._agree_once(batch, local, "evaluate")
         self.parts.module.eval()
         self._moe_steps = {}  # an evaluation counts its own batch (capacity) and keeps no auxiliary loss
         if self.pipeline is not None:
@@ -201,6 +203,7 @@ class TrainingStep(ExpertSteps):
     def _start(self, batch, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything before the first forward: the comm log's step, this rank's rows, the activation
         reserve (offload), the timeline and meters reset, the model in training mode."""
+        self._agree_once(batch, local, "train_step")  # the first step only, before its records: not the step's
         self.mesh.log.begin_step()  # before prepare: a local batch's target count is this step's first collective
         inputs, targets = self.prepare(batch, self.config.microbatches, local)
         self._hold_activations()
@@ -213,6 +216,15 @@ class TrainingStep(ExpertSteps):
         if not self.parts.module.training:  # module.train() walks every submodule: ~0.15 ms a step for 4 layers
             self.parts.module.train()
         return inputs, targets
+
+    _agreed: frozenset = frozenset()
+    """Which of "train_step" and "evaluate" checked that the ranks hold the same batch (``agree_on_batch``: at
+    the first of each)."""
+
+    def _agree_once(self, batch, local: bool, what: str) -> None:
+        if what not in self._agreed:
+            agree_on_batch(batch, self.mesh, local, what)
+            self._agreed = self._agreed | {what}
 
     _values_checked = False
     """Whether a batch's ids and targets were read once (``check_batch``: on a GPU, at the first step only)."""

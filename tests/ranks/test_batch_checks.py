@@ -1,7 +1,8 @@
 """A batch is checked before a step splits it (``colab_kit/engine/batch.py``): what torch refuses in one
 process is refused under the engine too, with the rule and what would work. Under tp=2 (here) the
 vocabulary-parallel embedding and loss would otherwise train on ids no rank owns, and on -1 targets as class 0,
-with no error. One spawn of 2 ranks; every refusal the same on both."""
+with no error. Ranks handed different batches (``colab_kit/engine/agree.py``) are refused at the first step and
+the first evaluation, on every rank. One spawn of 2 ranks; every refusal the same on both."""
 from __future__ import annotations
 
 import pytest
@@ -56,11 +57,69 @@ def _refusals():
     except ValueError as e:
         out["evaluate minus one"] = str(e)
     engine.close()
+    out.update(_agreements())
     return out
 
 
-def test_bad_batches_are_refused_before_the_step_and_ignored_targets_count_as_torchs():
-    results = ck.launch(_refusals, 2)
+def _gathers(engine, fn):
+    """``fn()``'s result and the all-gathers ``agree_on_batch`` ran inside it, counted where it calls torch."""
+    from colab_kit.engine import agree
+
+    calls = []
+    real = agree._gather
+
+    def counted(out, mine):
+        calls.append(mine.numel())
+        return real(out, mine)
+
+    agree._gather = counted
+    try:
+        try:
+            value = fn()
+        except ValueError as e:
+            value = str(e)
+    finally:
+        agree._gather = real
+    return value, calls
+
+
+def _agreements():
+    """Each rank's own batch under dp=2 (rank 1's rows shuffled, then another seed; a refused batch is checked
+    again at the next call), under tp=2 with local rows,
+    a malformed batch on rank 1 only; and what the check costs: one gather of FINGERPRINT numbers at the first
+    step and the first evaluation, none later, none in the step's comm records."""
+    import torch.distributed as dist
+
+    rank, out = dist.get_rank(), {}
+    x, y = _batch()
+    mine = (x, y) if rank == 0 else (x[[1, 0, 2, 3]], y[[1, 0, 2, 3]])  # the same rows in another order
+    torch.manual_seed(0)
+    dp = ck.boost(GPT(CFG), lambda ps: torch.optim.SGD(ps, lr=0.1), ck.ParallelConfig(dp=2))
+    out["dp shuffled"], out["dp shuffled gathers"] = _gathers(dp, lambda: dp.train_step(mine))
+    out["dp same"], out["dp same gathers"] = _gathers(dp, lambda: dp.train_step((x, y)))
+    out["dp same records"] = [r.op for r in dp.mesh.log.last_step()]
+    out["dp later"], out["dp later gathers"] = _gathers(dp, lambda: dp.train_step((x, y)))
+    other = SyntheticTokens(64, 16, seed=1 + rank).batch(0, 4)  # a per-rank seed
+    out["dp eval seeded"], out["dp eval gathers"] = _gathers(dp, lambda: dp.evaluate(other))
+    out["dp eval same"], out["dp eval same gathers"] = _gathers(dp, lambda: dp.evaluate((x, y)))
+    out["dp eval later"], out["dp eval later gathers"] = _gathers(dp, lambda: dp.evaluate((x, y)))
+    dp.close()
+    torch.manual_seed(0)
+    tp = ck.boost(GPT(CFG), lambda ps: torch.optim.SGD(ps, lr=0.1), ck.ParallelConfig(tp=2))
+    rows = (x[:2], y[:2]) if rank == 0 else (x[2:], y[2:])  # a sampler over both ranks: each its half
+    out["tp local halves"] = _gathers(tp, lambda: tp.train_step(rows, local=True))[0]
+    malformed = (x, y) if rank == 0 else x  # rank 1 alone hands a bare tensor
+    out["tp one malformed"] = _gathers(tp, lambda: tp.train_step(malformed))[0]
+    tp.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return ck.launch(_refusals, 2)
+
+
+def test_bad_batches_are_refused_before_the_step_and_ignored_targets_count_as_torchs(results):
     assert results[0] == results[1]
     r = results[0]
     assert "targets hold -1 (row 0, position 5)" in r["minus one"] and "0..63, or -100" in r["minus one"] \
@@ -78,3 +137,62 @@ def test_bad_batches_are_refused_before_the_step_and_ignored_targets_count_as_to
     want = torch.nn.functional.cross_entropy(GPT(CFG)(x).flatten(0, 1), y.flatten()).item()
     assert r["ignored"] == pytest.approx(want, rel=1e-5) and r["ignored step"] == pytest.approx(want, rel=1e-5)
     assert r["evaluate minus one"].startswith("targets hold -1 (row 0, position 5)"), r["evaluate minus one"]
+
+
+def test_ranks_handed_different_batches_are_refused_at_the_first_step_on_every_rank(results):
+    """A loader of each rank's own (a shuffle, a per-rank seed, a sampler over every rank instead of dp) trains
+    on a mixture with no error; it is refused at the first step and the first evaluation, on both ranks alike
+    (a malformed batch on one rank too, where one rank would otherwise raise while the other waits). The check
+    is one gather of ``FINGERPRINT`` int64s at the first accepted batch of each, none later, outside the step's
+    records."""
+    from colab_kit.engine.agree import FINGERPRINT
+
+    assert results[0] == results[1]
+    r = results[0]
+    assert r["dp shuffled"].startswith("train_step: ranks [1] were handed a different batch from rank 0 (inputs "
+                                       "and targets differ): every rank passes the same global batch"), r["dp shuffled"]
+    assert "engine.loader(dataset, batch_size)" in r["dp shuffled"]
+    assert isinstance(r["dp same"], float) and isinstance(r["dp later"], float)
+    assert r["dp shuffled gathers"] == [FINGERPRINT] and r["dp same gathers"] == [FINGERPRINT]
+    assert r["dp later gathers"] == [] and r["dp eval later gathers"] == []
+    assert "all_gather" not in r["dp same records"] and r["dp same records"], r["dp same records"]
+    assert r["dp eval seeded"].startswith("evaluate: ranks [1] were handed a different batch from rank 0"), \
+        r["dp eval seeded"]
+    assert r["dp eval gathers"] == [FINGERPRINT] and r["dp eval same gathers"] == [FINGERPRINT]  # refused: again
+    assert r["dp eval same"] == r["dp eval later"] and isinstance(r["dp eval later"], float)
+    assert r["tp local halves"].startswith("train_step: ranks [1] were handed a different batch from rank 0"), \
+        r["tp local halves"]
+    assert "ranks of one dp coordinate (here ranks [0, 1], dp rank 0) pass the same rows" in r["tp local halves"]
+    assert "DistributedSampler(num_replicas=dp, rank=dp rank)" in r["tp local halves"]
+    assert r["tp one malformed"].startswith("train_step: ranks [1] were handed a different batch from rank 0 "
+                                            "(targets differs)"), r["tp one malformed"]
+
+
+def test_a_fingerprint_tells_batches_apart_and_is_the_same_for_equal_ones():
+    """No ranks: equal batches (copies, another memory layout, summed in chunks) give one fingerprint; a
+    reorder, one changed element, another dtype or shape, a bool flipped, a tensor for a pair give another."""
+    from colab_kit.engine import agree
+
+    x, y = _batch()
+    base = agree.fingerprint((x, y))
+    assert base.shape == (agree.FINGERPRINT,)
+    assert torch.equal(agree.fingerprint((x.clone(), y.clone())), base)
+    assert torch.equal(agree.fingerprint((x.t().contiguous().t(), y)), base)  # strides differ, values equal
+    assert torch.equal(agree.fingerprint([x, y]).narrow(0, 1, 10), base.narrow(0, 1, 10))
+    changed = y.clone()
+    changed[3, 15] += 1
+    for other in ((x[[1, 0, 2, 3]], y[[1, 0, 2, 3]]), (x, changed), (x.int(), y), (x.reshape(8, 8), y), x,
+                  (x, y.flip(1))):
+        assert not torch.equal(agree.fingerprint(other), base)
+    mask = torch.zeros(7, dtype=torch.bool)  # 7 bytes: read byte by byte
+    flipped = mask.clone()
+    flipped[6] = True
+    assert not torch.equal(agree.fingerprint((mask, mask)), agree.fingerprint((mask, flipped)))
+    big = torch.randn(1000, 33)
+    whole = agree.fingerprint((big, big))
+    real = agree._CHUNK
+    agree._CHUNK = 1000  # the same sums over many chunks (and a last, short one)
+    try:
+        assert torch.equal(agree.fingerprint((big, big)), whole)
+    finally:
+        agree._CHUNK = real
