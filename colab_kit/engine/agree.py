@@ -1,5 +1,5 @@
 """Whether the ranks were handed the same batch: ``agree_on_batch``, at the first training step and the first
-evaluation of an engine, before anything else reads the batch.
+evaluation of an engine, and at every ``generate`` (its prompts and settings), before anything reads them.
 
 Every rank passes the same global batch and the engine gives each its rows (or, with ``local=True``, the
 ranks of one dp coordinate pass the same rows). A loader that hands each rank a batch of its own (a
@@ -8,15 +8,17 @@ fail: each rank takes its rows of a different batch, so under dp the step trains
 sp or pp the ranks that share a row compute one layer on different inputs. Nothing in the losses says so.
 
 So each rank reduces its batch to a fingerprint (per tensor: dtype, shape, and two exact integer sums of
-its bytes, one of them weighted by position so that a reordering shows) and the ranks all-gather them, once:
-one all-gather (``all_gather_single``) of ``FINGERPRINT`` int64s per rank over the world, outside the step's comm
+its bytes, one of them weighted by position so that a reordering shows) and the ranks all-gather them: one
+all-gather (``all_gather_single``) of ``FINGERPRINT`` int64s per rank over the world, outside the step's comm
 records (as the mesh's own set-up is). Every rank then sees the same table and refuses alike, before any
 collective of the step, so a mismatch raises on every rank instead of hanging one. Worked example,
-``ParallelConfig(dp=2, tp=2)`` on 4 ranks, rank 2 handed another batch::
+``ParallelConfig(dp=2, tp=2)`` on 4 ranks, rank 2 handed a batch of its own::
 
     engine.train_step(batch)        # on every rank
-    ValueError: ranks 2 were handed a different batch from rank 0 (inputs and targets differ): every rank
-    passes the same global batch and the engine gives each its rows ...
+    ValueError: train_step: ranks [2] were handed a different batch from rank 0 (inputs and targets differ):
+    every rank passes the same global batch and the engine gives each its rows: build the loader alike on
+    every rank (the same data, the same seed), or hand each rank its dp share with engine.loader(dataset,
+    batch_size) (a LocalBatch). Trained as given, each rank would take its rows of another batch: ...
 
 A malformed batch on one rank only is reported the same way (its fingerprint differs), rather than one rank
 raising ``check_batch``'s error while the others wait for it.
@@ -76,9 +78,8 @@ def fingerprint(batch) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int64)
 
 
-def _differs(a: torch.Tensor, b: torch.Tensor) -> str:
-    parts = [name for name, sl in (("inputs", slice(1, 6)), ("targets", slice(6, 11)))
-             if not torch.equal(a[sl], b[sl])]
+def _differs(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> str:
+    parts = [name for name, sl in zip(names, (slice(1, 6), slice(6, 11))) if not torch.equal(a[sl], b[sl])]
     return " and ".join(parts) + (" differ" if len(parts) > 1 else " differs") if parts else "the batch's kind differs"
 
 
@@ -87,10 +88,12 @@ def _gather(out: torch.Tensor, mine: torch.Tensor) -> None:
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, mine)
 
 
-def agree_on_batch(batch, mesh, local: bool, what: str = "train_step") -> None:
+def agree_on_batch(batch, mesh, local: bool, what: str = "train_step", rule: str | None = None,
+                   names: tuple[str, str] = ("inputs", "targets")) -> None:
     """Refuse (ValueError, on every rank) where ranks that must hold the same batch were handed different ones:
     every rank (``local=False``), or the ranks of one dp coordinate (``local=True``). One all-gather; a world of
-    one rank checks nothing."""
+    one rank checks nothing. ``rule``: what the error says must hold instead (a batch's rule by default);
+    ``names``: what the error calls the batch's two parts."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return
@@ -104,17 +107,21 @@ def agree_on_batch(batch, mesh, local: bool, what: str = "train_step") -> None:
     for ranks in groups.values():
         first = ranks[0]
         odd = [r for r in ranks[1:] if not torch.equal(rows[r], rows[first])]
-        if not odd:
-            continue
-        if local:
-            rule = (f"with local=True the ranks of one dp coordinate (here ranks {ranks}, dp rank "
-                    f"{mesh.layout.coords(first)[Axis.DP]}) pass the same rows, their dp share: build each rank's "
-                    "loader over the dp size and dp rank (engine.loader(dataset, batch_size), or a "
-                    "DistributedSampler(num_replicas=dp, rank=dp rank)), not over every rank")
-        else:
-            rule = ("every rank passes the same global batch and the engine gives each its rows: build the loader "
-                    "alike on every rank (the same data, the same seed), or hand each rank its dp share with "
-                    "engine.loader(dataset, batch_size) (a LocalBatch)")
-        raise ValueError(f"{what}: ranks {odd} were handed a different batch from rank {first} "
-                         f"({_differs(rows[first], rows[odd[0]])}): {rule}. Trained as given, the ranks would "
-                         "each take their rows of different batches and the loss would be of none of them")
+        if odd:
+            raise ValueError(f"{what}: ranks {odd} were handed a different batch from rank {first} "
+                             f"({_differs(rows[first], rows[odd[0]], names)}): "
+                             f"{rule or _rule(mesh, local, ranks)}")
+
+
+_TRAINED_AS_GIVEN = ". Trained as given, each rank would take its rows of another batch: a loss of none of them"
+
+
+def _rule(mesh, local: bool, ranks: list[int]) -> str:
+    if local:
+        return (f"with local=True the ranks of one dp coordinate (here ranks {ranks}, dp rank "
+                f"{mesh.layout.coords(ranks[0])[Axis.DP]}) pass the same rows, their dp share: build each rank's "
+                "loader over the dp size and dp rank (engine.loader(dataset, batch_size), or a "
+                "DistributedSampler(num_replicas=dp, rank=dp rank)), not over every rank" + _TRAINED_AS_GIVEN)
+    return ("every rank passes the same global batch and the engine gives each its rows: build the loader alike on "
+            "every rank (the same data, the same seed), or hand each rank its dp share with "
+            "engine.loader(dataset, batch_size) (a LocalBatch)" + _TRAINED_AS_GIVEN)

@@ -62,10 +62,12 @@ step in progress or broken.
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 
 from .. import comm
+from .agree import agree_on_batch
 from ..config import Axis, ConfigError
 from ..models import BERTConfig, GPTConfig, ViTConfig
 from ..sequence.zigzag import sequence_positions
@@ -82,6 +84,10 @@ def generate(engine, prompt_ids: torch.Tensor, max_new_tokens: int, temperature:
              seed: int = 0) -> torch.Tensor:
     """``prompt_ids [b, t]`` continued by ``max_new_tokens`` tokens, ``[b, t + max_new_tokens]`` on every
     rank (on the prompt's device); see the module docstring for what each rank does."""
+    settings = torch.tensor([zlib.crc32(repr((max_new_tokens, temperature, seed)).encode())])
+    agree_on_batch((prompt_ids, settings), engine.mesh, False, "generate",  # before any check a rank makes alone
+                   rule="every rank passes the same prompts, max_new_tokens, temperature and seed (each rank picks "
+                        "the same tokens by the same draw)", names=("prompt_ids", "the settings"))
     ids, window = check(engine, prompt_ids, max_new_tokens, temperature, seed)
     if max_new_tokens == 0:
         return ids.to(prompt_ids.device)

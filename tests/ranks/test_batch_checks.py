@@ -86,7 +86,7 @@ def _gathers(engine, fn):
 def _agreements():
     """Each rank's own batch under dp=2 (rank 1's rows shuffled, then another seed; a refused batch is checked
     again at the next call), under tp=2 with local rows,
-    a malformed batch on rank 1 only; and what the check costs: one gather of FINGERPRINT numbers at the first
+    a malformed batch on rank 1 only, prompts or a seed of generate; and what the check costs: one gather of FINGERPRINT numbers at the first
     step and the first evaluation, none later, none in the step's comm records."""
     import torch.distributed as dist
 
@@ -103,6 +103,9 @@ def _agreements():
     out["dp eval seeded"], out["dp eval gathers"] = _gathers(dp, lambda: dp.evaluate(other))
     out["dp eval same"], out["dp eval same gathers"] = _gathers(dp, lambda: dp.evaluate((x, y)))
     out["dp eval later"], out["dp eval later gathers"] = _gathers(dp, lambda: dp.evaluate((x, y)))
+    out["generate prompts"] = _gathers(dp, lambda: dp.generate(x[rank:rank + 1, :4], 2))[0]
+    out["generate seeds"] = _gathers(dp, lambda: dp.generate(x[:1, :4], 2, temperature=1.0, seed=rank))[0]
+    out["generate same"] = _gathers(dp, lambda: dp.generate(x[:1, :4], 2, temperature=1.0, seed=7).tolist())
     dp.close()
     torch.manual_seed(0)
     tp = ck.boost(GPT(CFG), lambda ps: torch.optim.SGD(ps, lr=0.1), ck.ParallelConfig(tp=2))
@@ -160,6 +163,11 @@ def test_ranks_handed_different_batches_are_refused_at_the_first_step_on_every_r
         r["dp eval seeded"]
     assert r["dp eval gathers"] == [FINGERPRINT] and r["dp eval same gathers"] == [FINGERPRINT]  # refused: again
     assert r["dp eval same"] == r["dp eval later"] and isinstance(r["dp eval later"], float)
+    assert r["generate prompts"].startswith("generate: ranks [1] were handed a different batch from rank 0 "
+                                           "(prompt_ids differs): every rank passes the same prompts"), \
+        r["generate prompts"]
+    assert "(the settings differs)" in r["generate seeds"], r["generate seeds"]
+    assert len(r["generate same"][0][0]) == 6 and r["generate same"][1] == [FINGERPRINT]  # a gather each call
     assert r["tp local halves"].startswith("train_step: ranks [1] were handed a different batch from rank 0"), \
         r["tp local halves"]
     assert "ranks of one dp coordinate (here ranks [0, 1], dp rank 0) pass the same rows" in r["tp local halves"]
