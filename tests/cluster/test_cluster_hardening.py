@@ -238,6 +238,7 @@ def test_a_stuck_or_partial_collective_says_where_and_marks_the_cluster(monkeypa
     differ between ranks")."""
     monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
     with Cluster(n=2, timeout=180, collective_timeout=6) as cluster:
+        assert cluster._relays == {0, 1}  # remote.probe: both engines' fd 2 watched
         with pytest.raises(ck.RankTimeout) as info:
             cluster.execute(HOLD_UP, timeout=3)
         text = str(info.value)
@@ -252,3 +253,22 @@ def test_a_stuck_or_partial_collective_says_where_and_marks_the_cluster(monkeypa
         assert cluster.needs_restart and "NEEDS RESTART" in cluster.status()
         cluster.restart()
         assert cluster.run(_rank_plus_one) == [1, 2]
+
+
+def test_where_waits_for_no_stack_an_engine_cannot_relay(cluster, monkeypatch):
+    """Under pytest ipykernel does not relay what an engine writes to its fd 2 (``remote.probe`` says so: its
+    "relays"), so the stack a timeout asks for goes to the engine's log: ``_where`` returns at once instead of
+    waiting its 2 s for output that cannot come (every timeout or peer failure of this session paid them)."""
+    from types import SimpleNamespace
+
+    import colab_kit.notebook.cluster.gather as gather
+
+    assert cluster._relays == frozenset()
+
+    def no_sleep(seconds):
+        raise AssertionError(f"_where waited ({seconds} s) for a stack no engine relays")
+
+    pending = {0: cluster._apply([0], _rank_plus_one)[0]}
+    pending[0].get(timeout=60)
+    monkeypatch.setattr(gather, "time", SimpleNamespace(sleep=no_sleep, monotonic=time.monotonic))
+    assert cluster._where(pending) == ""

@@ -77,6 +77,9 @@ class Waiting:
     _busy: dict[int, Any]
     grace: float
     timeout: float
+    _relays: frozenset = frozenset()
+    """Ranks whose engine relays what it writes to fd 2 as the running call's output (``remote.probe``'s
+    "relays"): only their stacks can come back to ``_where``."""
 
     if TYPE_CHECKING:
         @property
@@ -230,13 +233,16 @@ class Waiting:
     def _where(self, pending: dict, wait: float = 2.0, cell: str | None = None) -> str:
         """Where each rank still running is (``errors.stacks.describe``): asked for its Python stack by SIGUSR1
         (``faulthandler``, armed by ``remote.probe``), which it writes to its stderr; ipyparallel relays that as the
-        call's output, read here. "" where none answered within ``wait`` seconds."""
+        call's output, read here. "" where none answered within ``wait`` seconds, at once where no rank's engine
+        relays its fd 2 (ipykernel does not under pytest; a launcher may not): the dump then goes to its log."""
         def text(ar) -> str:
             err = ar.stderr
             return "".join(err) if isinstance(err, list) else (err or "")
 
         before = {r: len(text(ar)) for r, ar in pending.items()}
         self._signal(list(pending), signal.SIGUSR1)
+        if not self._relays.intersection(pending):
+            return ""
         seen: dict = {}  # rank -> when its dump began to arrive
         found: dict = {}
         end = time.monotonic() + wait

@@ -84,7 +84,10 @@ def probe(controller_host: str, sys_path: list[str], cwd: str) -> dict:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return {"host": socket.gethostname(), "pid": os.getpid(), "ip": _route_ip(controller_host), "cuda": count,
             "gpus": [str(torch.cuda.get_device_properties(i).uuid) for i in range(count)],
-            "slot": os.environ.get(SLOT)}  # an SSH engine's place in ``hosts`` order (ssh.SLOT)
+            "slot": os.environ.get(SLOT),  # an SSH engine's place in ``hosts`` order (ssh.SLOT)
+            # whether ipykernel relays what is written to fd 2 (its watch of the fd; off where PYTEST_CURRENT_TEST
+            # is set): where it does not, a stack dump reaches the engine's log, not the call's output
+            "relays": bool(getattr(sys.stderr, "_should_watch", False))}
 
 
 def open_store(addr: str, world_size: int, timeout: float) -> tuple[str, int]:

@@ -148,6 +148,7 @@ class Startup:
     _ipp: Any
     _ids: list[int]
     _table: RankTable
+    _relays: frozenset
     n: int
     ip: str
     engines: Any  # a launcher name or class
@@ -214,5 +215,6 @@ class Startup:
         done = self._gather({r: self._client[self._ids[r]].apply_async(
             remote.init_rank, r, self.n, local[r], per_host[r], addr, port, backend, self.collective_timeout)
             for r in ranks}, self.timeout, "start (init_process_group)")
+        self._relays = frozenset(r for r in range(self.n) if info[r].get("relays"))
         self._table = RankTable({"rank": r, "host": hosts[r], "pid": info[r]["pid"], "device": done[r]["device"],
                                  "backend": backend} for r in range(self.n))
