@@ -7,8 +7,10 @@ ranks of one dp coordinate pass the same rows). A loader that hands each rank a 
 fail: each rank takes its rows of a different batch, so under dp the step trains on a mixture, and under tp,
 sp or pp the ranks that share a row compute one layer on different inputs. Nothing in the losses says so.
 
-So each rank reduces its batch to a fingerprint (per tensor: dtype, shape, and two exact integer sums of
-its bytes, one of them weighted by position so that a reordering shows) and the ranks all-gather them: one
+So each rank reduces its batch to a fingerprint (per tensor: dtype, shape, and sums of its values, one of
+them weighted by position so that a reordering shows: exact integer sums of an integer tensor's bytes, float64
+sums of a floating one, matched within ``FLOAT_RTOL`` so that a value one rounding off on another CPU or GPU
+still counts as the same) and the ranks all-gather them: one
 all-gather (``all_gather_single``) of ``FINGERPRINT`` int64s per rank over the world, outside the step's comm
 records (as the mesh's own set-up is). Every rank then sees the same table and refuses alike, before any
 collective of the step, so a mismatch raises on every rank instead of hanging one. Worked example,
@@ -35,9 +37,16 @@ from ..config import Axis
 __all__ = ["FINGERPRINT", "fingerprint", "agree_on_batch"]
 
 FINGERPRINT = 11
-"""int64s per rank: the batch's kind, then per tensor (two at most) dtype and shape, element count, two sums."""
+"""int64s per rank: the batch's kind, then per tensor (two at most) its dtype and shape, how it is compared
+(exact, or floating), and three sums."""
 
-_CHUNK = 1 << 22  # 16-bit pieces summed at a time (32 MiB as int64): the check's memory stays small
+FLOAT_RTOL = 1e-6
+"""How far two floating tensors' sums may differ, relative to the sum of their magnitudes, and still count as
+one batch: a value one rounding off on another rank (its mean taken in another order, on another CPU or GPU)
+moves a sum by about 6e-8 of it; another batch, or the same rows in another order, by far more."""
+
+_CHUNK = 1 << 22  # elements summed at a time (32 MiB as int64 or float64): the check's memory stays small
+_EXACT, _FLOATING = 1, 2
 
 
 def _code(text: str) -> int:
@@ -45,41 +54,76 @@ def _code(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _sums(t: torch.Tensor) -> tuple[int, int]:
-    """Exact sums of ``t``'s bytes read as 16-bit integers, plain and weighted by position (1 + i mod 65521).
-    Each term is below 2^31 in magnitude, so neither sum overflows an int64 for fewer than 2^32 pieces, and
-    integer sums do not depend on the order a device adds them in: equal tensors give equal sums anywhere."""
+def _chunks(flat: torch.Tensor, dtype: torch.dtype):
+    """``(values, weights)`` of ``flat`` a chunk at a time, in ``dtype``; weight ``1 + i mod 65521`` at position i."""
+    for start in range(0, flat.numel(), _CHUNK):
+        v = flat[start:start + _CHUNK].to(dtype)
+        w = (torch.arange(start, start + v.numel(), device=v.device, dtype=torch.int64) % 65521 + 1).to(dtype)
+        yield v, w
+
+
+def _exact_sums(t: torch.Tensor) -> list[int]:
+    """Sums of ``t``'s bytes read as 16-bit integers, plain and weighted by position: each term is below 2^31 in
+    magnitude, so neither overflows an int64 for fewer than 2^32 pieces, and integer sums do not depend on the
+    order a device adds them in: equal tensors give equal sums anywhere."""
     flat = t.detach().contiguous().reshape(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    raw = flat.view(torch.uint8)
+    raw = (flat.to(torch.uint8) if flat.dtype == torch.bool else flat).view(torch.uint8)
     pieces = raw.view(torch.int16) if raw.numel() % 2 == 0 else raw
     plain = weighted = 0
-    for start in range(0, pieces.numel(), _CHUNK):
-        v = pieces[start:start + _CHUNK].to(torch.int64)
-        w = (torch.arange(start, start + v.numel(), device=v.device, dtype=torch.int64) % 65521) + 1
+    for v, w in _chunks(pieces, torch.int64):
         plain += int(v.sum())
         weighted += int((v * w).sum())
-    return plain, weighted
+    return [plain, weighted, 0]
+
+
+def _float_sums(t: torch.Tensor) -> list[int]:
+    """Plain, position-weighted and magnitude sums of a floating tensor in float64, as their bits (compared
+    within ``FLOAT_RTOL`` by ``_same``)."""
+    flat = t.detach().reshape(-1)
+    plain = weighted = size = 0.0
+    for v, w in _chunks(flat, torch.float64):
+        plain += float(v.sum())
+        weighted += float((v * w).sum())
+        size += float(v.abs().sum())
+    return torch.tensor([plain, weighted, size], dtype=torch.float64).view(torch.int64).tolist()
 
 
 def fingerprint(batch) -> torch.Tensor:
-    """``FINGERPRINT`` int64s that differ between two batches that differ (with overwhelming likelihood),
-    whatever ``batch`` is: a pair of tensors, a tensor, anything else (named by its type)."""
+    """``FINGERPRINT`` int64s that tell two batches apart (with overwhelming likelihood) whatever ``batch`` is: a
+    pair of tensors, a tensor, anything else (named by its type). Integer and bool tensors by their bytes;
+    floating ones by float64 sums, so that a rounding apart still matches (``FLOAT_RTOL``)."""
     items = list(batch)[:2] if isinstance(batch, (tuple, list)) else [batch]
     out = [_code(type(batch).__name__) + 16 * len(items) if isinstance(batch, (tuple, list)) else 0]
     for k in range(2):
         item = items[k] if k < len(items) else None
         if torch.is_tensor(item):
-            plain, weighted = _sums(item)
-            out += [_code(f"{item.dtype}{tuple(item.shape)}"), item.numel(), plain, weighted, 1]
+            floating = item.is_floating_point() or item.is_complex()
+            sums = _float_sums(item.real if item.is_complex() else item) if floating else _exact_sums(item)
+            out += [_code(f"{item.dtype}{tuple(item.shape)}"), _FLOATING if floating else _EXACT, *sums]
         else:
             out += [_code(type(item).__name__), 0, 0, 0, 0]
     return torch.tensor(out, dtype=torch.int64)
 
 
+_SLOTS = (slice(1, 6), slice(6, 11))  # each tensor's five numbers in a fingerprint
+
+
+def _same_slot(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not torch.equal(a[:2], b[:2]) or int(a[1]) != _FLOATING:
+        return torch.equal(a, b)
+    x, y = a[2:].view(torch.float64).tolist(), b[2:].view(torch.float64).tolist()
+    scale = max(abs(x[2]), abs(y[2]))
+    both_nan = [u != u and v != v for u, v in zip(x, y)]
+    return all(n or u == v or abs(u - v) <= FLOAT_RTOL * scale * (65521 if i == 1 else 1)
+               for i, (u, v, n) in enumerate(zip(x, y, both_nan)))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return int(a[0]) == int(b[0]) and all(_same_slot(a[sl], b[sl]) for sl in _SLOTS)
+
+
 def _differs(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> str:
-    parts = [name for name, sl in zip(names, (slice(1, 6), slice(6, 11))) if not torch.equal(a[sl], b[sl])]
+    parts = [name for name, sl in zip(names, _SLOTS) if not _same_slot(a[sl], b[sl])]
     return " and ".join(parts) + (" differ" if len(parts) > 1 else " differs") if parts else "the batch's kind differs"
 
 
@@ -106,7 +150,7 @@ def agree_on_batch(batch, mesh, local: bool, what: str = "train_step", rule: str
         groups.setdefault(mesh.layout.coords(r)[Axis.DP] if local else 0, []).append(r)
     for ranks in groups.values():
         first = ranks[0]
-        odd = [r for r in ranks[1:] if not torch.equal(rows[r], rows[first])]
+        odd = [r for r in ranks[1:] if not _same(rows[r], rows[first])]
         if odd:
             raise ValueError(f"{what}: ranks {odd} were handed a different batch from rank {first} "
                              f"({_differs(rows[first], rows[odd[0]], names)}): "

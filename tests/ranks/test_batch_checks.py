@@ -196,11 +196,39 @@ def test_a_fingerprint_tells_batches_apart_and_is_the_same_for_equal_ones():
     flipped = mask.clone()
     flipped[6] = True
     assert not torch.equal(agree.fingerprint((mask, mask)), agree.fingerprint((mask, flipped)))
-    big = torch.randn(1000, 33)
-    whole = agree.fingerprint((big, big))
+
+
+def test_floating_batches_match_within_a_rounding_and_no_further():
+    """Images normalised on each rank may differ by a rounding (a mean taken in another order, on another CPU):
+    still one batch. Rows reordered, a pixel changed by 1e-3, NaN in one only: another. Sums taken in chunks
+    (a float64 sum's last bits depend on the grouping) still match."""
+    from colab_kit.engine import agree
+
+    torch.manual_seed(0)
+    images, labels = torch.randn(16, 1, 8, 8), torch.arange(16) % 10
+    base = agree.fingerprint((images, labels))
+
+    def same(x):
+        return agree._same(agree.fingerprint((x, labels)), base)
+
+    assert same(images.clone())
+    assert same(torch.nextafter(images, torch.full_like(images, 10.0)))  # every pixel one rounding up
+    assert not same(images[torch.randperm(16)])
+    bumped = images.clone()
+    bumped[3, 0, 2, 5] += 1e-3
+    assert not same(bumped)
+    assert not same(images.double())
+    assert not agree._same(agree.fingerprint((images, labels[torch.randperm(16)])), base)
+    with_nan = images.clone()
+    with_nan[0, 0, 0, 0] = float("nan")
+    assert agree._same(agree.fingerprint((with_nan, labels)), agree.fingerprint((with_nan.clone(), labels)))
+    assert not same(with_nan)
+    big, ids = torch.randn(1000, 33), torch.randint(0, 50, (1000, 33))
+    whole = agree.fingerprint((big, ids))
     real = agree._CHUNK
     agree._CHUNK = 1000  # the same sums over many chunks (and a last, short one)
     try:
-        assert torch.equal(agree.fingerprint((big, big)), whole)
+        chunked = agree.fingerprint((big, ids))
     finally:
         agree._CHUNK = real
+    assert agree._same(chunked, whole) and torch.equal(chunked[6:], whole[6:])  # the ids' sums exactly
