@@ -251,6 +251,16 @@ class ProcessMesh:
         mesh.users += 1
         return mesh
 
+    def hold(self) -> bool:
+        """Take one more hold on this mesh, as ``shared()`` does, if it is a shared one (True); a mesh built
+        directly (``ProcessMesh(cfg)``) is its builder's to release (False). ``boost(..., mesh=mesh)`` holds the
+        mesh a cluster predefines, so that a new ``%colossal config`` (which gives the cluster's hold back)
+        leaves the engines built on the old one working until they are closed."""
+        if self._key is None or self.closed:
+            return False
+        self.users += 1
+        return True
+
     def track(self, holder) -> None:
         """Note that ``holder`` (an engine) took one hold with ``shared()``: if it is dropped without
         giving it back, ``prune()`` does."""
@@ -377,7 +387,8 @@ class ProcessMesh:
         if axis not in self._groups:
             if self.closed:
                 raise RuntimeError(f"this mesh ({self.config.describe()}) was released with the last engine that "
-                                   "used it (engine.close()): boost again, or use ProcessMesh.shared(config)")
+                                   "used it (engine.close()), or by whoever built it: boost again, or use "
+                                   "ProcessMesh.shared(config)")
             self._groups[axis] = self._mesh_for(axis).get_group()
         return self._groups[axis]
 

@@ -107,9 +107,15 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
     if spec is not None and config.tp > 1:
         check_elementwise(spec.kind, f"tensor parallelism ({config.tp_mode}) gives each rank a block of each matrix")
     options = replace(options, policy=check_policy(model, config, policy))  # every part's rules, in the kernel
-    owned = mesh is None
+    if mesh is not None and mesh.closed:
+        raise ConfigError(f"the mesh given ({mesh.config.describe()}) was released (its last engine closed, or the "
+                          "cluster's config changed since it was built): pass the cluster's current mesh, or leave "
+                          "mesh= out")
+    owned = mesh is None or mesh.hold()  # a shared mesh given (a cluster's) is held too: a new config keeps it
     mesh = mesh or ProcessMesh.shared(config)
     if mesh.config != config:
+        if owned:
+            mesh.release()
         raise ConfigError(f"the mesh was built for {mesh.config.describe()} but boost was given "
                           f"{config.describe()}: pass the same config to both")
     try:

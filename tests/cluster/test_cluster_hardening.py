@@ -272,3 +272,44 @@ def test_where_waits_for_no_stack_an_engine_cannot_relay(cluster, monkeypatch):
     pending[0].get(timeout=60)
     monkeypatch.setattr(gather, "time", SimpleNamespace(sleep=no_sleep, monotonic=time.monotonic))
     assert cluster._where(pending) == ""
+
+
+def test_status_admits_an_engine_killed_between_calls(cluster):
+    """An engine killed while no call runs (the OOM killer between two cells): ``status()`` and ``needs_restart``
+    say so before the next cell finds it (the engine's nanny tells the controller; no engine is asked)."""
+    assert "NEEDS RESTART" not in cluster.status()
+    pid = cluster.ranks()[2]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not cluster.needs_restart and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cluster.needs_restart
+    assert "NEEDS RESTART (the engines of ranks [2] are gone (killed, or out of memory?))" in cluster.status()
+
+
+def test_a_new_config_leaves_the_engines_of_the_old_one_working(cluster):
+    """``boost(..., mesh=mesh)`` on the cluster's predefined mesh holds it: a new ``set_config`` (``%colossal
+    config``) gives the cluster's hold back without destroying the groups a live engine steps on. Before, the old
+    engine's next step failed with "this mesh was released with the last engine (engine.close())", though none
+    was closed. A mesh that is released by then is refused at boost, saying why."""
+    cluster.set_config(ck.ParallelConfig(dp=4))
+    boost = ("import torch, colab_kit as ck\nfrom colab_kit.models import GPT, GPTConfig\n"
+             "from colab_kit.datasets import SyntheticTokens\n"
+             "CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)\n"
+             "batch = SyntheticTokens(64, 16, seed=0).batch(0, 8)\n"
+             "torch.manual_seed(0)\n"
+             "old = ck.boost(GPT(CFG), lambda ps: torch.optim.SGD(ps, lr=0.1), config, mesh=mesh)\n"
+             "first = old.train_step(batch)\nold_mesh = mesh\n")
+    cluster.execute(boost)
+    cluster.set_config(ck.ParallelConfig(dp=2, tp=2))
+    out = cluster.execute("second = old.train_step(batch)\nprint(second < first, config.describe())")
+    assert [o.stdout for o in out.values()] == ["True dp=2 x tp=2 (1d) = 4 ranks\n"] * 4
+    out = cluster.execute("old.close()\nprint(old_mesh.closed)\n"
+                          "try:\n    ck.boost(GPT(CFG), lambda ps: torch.optim.SGD(ps, lr=0.1), old.config, mesh=old_mesh)\n"
+                          "except ck.ConfigError as e:\n    print(e)\n"
+                          "new = ck.boost(GPT(CFG), lambda ps: torch.optim.SGD(ps, lr=0.1), config, mesh=mesh)\n"
+                          "print(round(new.train_step(batch), 4) == round(first, 4))\nnew.close()\n")
+    text = out[0].stdout
+    assert text.startswith("True\nthe mesh given (dp=4 = 4 ranks) was released (its last engine closed, or the "
+                           "cluster's config changed since it was built)"), text
+    assert text.endswith("True\n"), text

@@ -145,7 +145,23 @@ class Cluster(Startup, Waiting):
 
     @property
     def needs_restart(self) -> bool:
+        self._notice_deaths()
         return self._broken is not None
+
+    def _notice_deaths(self) -> None:
+        """Mark the cluster for restart where an engine or the controller has died since the last call (an engine
+        killed, or out of memory, between cells): ``status()`` and ``needs_restart`` say so before the next cell
+        finds it. The engines' nannies tell the controller at once; no engine is asked anything."""
+        if self._client is None or self._broken is not None:
+            return
+        try:
+            dead = self._dead_ranks(range(len(self._ids)))
+        except Exception:  # noqa: BLE001 - a client whose controller is gone cannot list its engines
+            dead = []
+        if dead:
+            self._broken = f"the engines of ranks {dead} are gone (killed, or out of memory?)"
+        elif self._controller_dead():
+            self._broken = "the controller process has ended"
 
     def start(self, progress=None) -> Cluster:
         """Start the controller and ``n`` engines, wait for them, initialise torch.distributed.
@@ -377,6 +393,7 @@ class Cluster(Startup, Waiting):
         """One line: running or not, ranks, backend, config, and whether a restart is needed."""
         if not self.running:
             return "no cluster running"
+        self._notice_deaths()
         backend = self._table[0]["backend"] if self._table else "?"
         text = (f"{self.world_size} ranks ({self.engines} engines, {backend}); config: "
                 + (self.config.describe() if self.config else "none set"))
