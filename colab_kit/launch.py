@@ -379,7 +379,8 @@ def seconds_refusal(name: str, value, zero_ok: bool = False) -> str | None:
     >>> seconds_refusal("timeout", 0), seconds_refusal("grace", 0, zero_ok=True)
     ('timeout must be a number of seconds > 0, got 0', None)
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (value == 0 and not zero_ok):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0 \
+            or (value == 0 and not zero_ok):  # value != value: NaN, which no comparison refuses
         return f"{name} must be a number of seconds {'>= 0' if zero_ok else '> 0'}, got {value!r}"
     return None
 

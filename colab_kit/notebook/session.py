@@ -28,6 +28,9 @@ class ColossalState:
         self.cluster: Cluster | None = None
         self.config: ParallelConfig | None = None   # also kept while no cluster runs (for mesh, next start)
         self.last: dict[int, RankOutput] | None = None  # outputs of the last %%colossal cell
+        self.dropped: ParallelConfig | None = None
+        """The kept config the last ``start`` dropped because it did not fit the ranks that started (the magic says
+        so): the session's config is always what the ranks have, once a cluster runs."""
         self.recorded: list[tuple] = []
         """What this cluster ran, in order, for ``%colossal export``: ``("config", dict)``, ``("cell", source,
         ranks)`` (cells that ran without an error), ``("restart",)``."""
@@ -57,9 +60,12 @@ class ColossalState:
                                 progress)
         self.cluster = cluster
         self.recorded = []  # a new cluster: what it runs from here
+        self.dropped = None
         if self.config is not None and self.config.world_size == cluster.world_size:
             cluster.set_config(self.config)
             self.recorded.append(("config", self.config.to_dict()))
+        elif self.config is not None:  # %colossal config, mesh and schedule then show what the ranks have: none
+            self.config, self.dropped = None, self.config
         return cluster
 
     def restart(self, progress=None) -> Cluster:

@@ -254,7 +254,7 @@ def test_bad_sizes_are_clear_errors():
         Cluster(n=2, backend="mpi")
 
 
-def test_ssh_hosts_are_checked_before_anything_starts(monkeypatch):
+def test_ssh_hosts_are_checked_before_anything_starts(monkeypatch, tmp_path):
     import colab_kit.notebook.cluster.startup as startup
     monkeypatch.setattr(startup, "_default_profile_configures_launchers", lambda: False)
     with pytest.raises(ClusterError, match=r"engines='ssh' needs the hosts .*--hosts 10.0.0.1:2,10.0.0.2:2"):
@@ -268,7 +268,18 @@ def test_ssh_hosts_are_checked_before_anything_starts(monkeypatch):
             Cluster(engines="ssh", ip="10.0.0.1", hosts=bad)
     cluster = Cluster(engines="ssh", ip="10.0.0.1", hosts={"a": 2, "b": 1})
     assert cluster.n == 3 and cluster.hosts == {"a": 2, "b": 1} and not cluster.running
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path))
+    (tmp_path / "profile_ssh").mkdir()
     Cluster(engines="ssh", ip="10.0.0.1", profile="ssh")  # the profile's ipcluster_config.py may name them
+    with pytest.raises(ClusterError, match=r"no IPython profile 'shh' in .*; did you mean 'ssh'\?"):
+        Cluster(engines="ssh", ip="10.0.0.1", profile="shh")  # ipyparallel would make an empty one
+    with pytest.raises(ClusterError, match=r"profile_dir='/nowhere' is not a directory"):
+        Cluster(engines="ssh", ip="10.0.0.1", profile_dir="/nowhere")
+    with pytest.raises(ClusterError, match=r"unknown keyword collective_timout=.*did you mean 'collective_timeout'"):
+        Cluster(n=2, collective_timout=30)
+    with pytest.raises(ClusterError, match=r"ip='10.0.0.1' is not an address of this host, and local engines"):
+        Cluster(n=2, ip="10.0.0.1")
+    assert Cluster(n=2, ip="127.0.0.1", log_level=20).ip == "127.0.0.1"  # ipyparallel's own keywords pass
     assert startup.host_order(["b", "a", "b", "a", "c"]) == [0, 2, 1, 3, 4]
 
 

@@ -313,3 +313,30 @@ def test_a_new_config_leaves_the_engines_of_the_old_one_working(cluster):
     assert text.startswith("True\nthe mesh given (dp=4 = 4 ranks) was released (its last engine closed, or the "
                            "cluster's config changed since it was built)"), text
     assert text.endswith("True\n"), text
+
+
+def test_calls_and_configs_given_the_wrong_way_are_refused_before_anything_is_sent(cluster):
+    """A timeout that is not positive, ranks that are not a list of ranks, something that is not a function or
+    code: refused in the kernel, saying what would work. One rank as a number, a config as its words or its
+    fields: taken as meant."""
+    for bad in (0, -1, float("nan"), "5"):
+        with pytest.raises(ClusterError, match="timeout"):
+            cluster.run(_rank_plus_one, timeout=bad)
+    with pytest.raises(ClusterError, match="timeout"):
+        cluster.execute("1", timeout=0)
+    with pytest.raises(ClusterError, match=r"ranks is a list of rank numbers, e.g. ranks=\[0, 1\], got '0'"):
+        cluster.run(_rank_plus_one, ranks="0")
+    with pytest.raises(ClusterError, match=r"ranks \[True\] are not ranks"):
+        cluster.run(_rank_plus_one, ranks=[True])
+    with pytest.raises(ClusterError, match="run takes a function to call on the ranks, got int"):
+        cluster.run(5)
+    with pytest.raises(ClusterError, match="execute takes code as a string, got function"):
+        cluster.execute(_rank_plus_one)
+    with pytest.raises(ClusterError, match="set_config takes a ck.ParallelConfig"):
+        cluster.set_config(4)
+    assert cluster.run(_rank_plus_one, ranks=2) == {2: 3}
+    cluster.set_config("dp=2 tp=2")
+    assert cluster.config == ck.ParallelConfig(dp=2, tp=2)
+    cluster.set_config({"dp": 4})
+    assert cluster.execute("print(config.describe())", ranks=[3])[3].stdout == "dp=4 = 4 ranks\n"
+    assert not cluster.needs_restart

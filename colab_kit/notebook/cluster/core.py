@@ -39,7 +39,7 @@ from ..progress import call_progress, notebook_progress, stage_progress
 from .gather import RESTART_ADVICE, ClusterError, Waiting
 from .results import RankOutput, RankTable, check_ranks, rank_output, split, unwrap_call, unwrap_execute
 from .room import CONTROLLER_BYTES, FORK_SERVER_BYTES, fitting
-from .startup import Startup, check_hosts, controller_args, launcher_names, preload_torch
+from .startup import Startup, check_hosts, check_ipp_options, controller_args, launcher_names, preload_torch
 from .watchdog import Watchdog, cluster_processes, descendant_pids, end_processes, launcher_pids, with_descendants
 
 __all__ = ["Cluster", "ClusterError", "RankOutput", "RankTable", "RESTART_ADVICE"]
@@ -117,6 +117,7 @@ class Cluster(Startup, Waiting):
             why = seconds_refusal(name, value, zero_ok=name == "grace")
             if why is not None:
                 raise ClusterError(f"{why} (the default: {default})")
+        check_ipp_options(engines, ip or ipp_kwargs.get("controller_ip"), ipp_kwargs)
         if "controller_ip" in ipp_kwargs:
             ip = ip or ipp_kwargs.pop("controller_ip")
         if ip is None and engines not in LOCAL_LAUNCHERS:
@@ -301,8 +302,17 @@ class Cluster(Startup, Waiting):
     def world_size(self) -> int:
         return len(self._ids)
 
-    def set_config(self, config: ParallelConfig | None) -> None:
-        """Check ``config`` against the world size, then set ``config`` and build ``mesh`` on every rank."""
+    def set_config(self, config: ParallelConfig | str | dict | None) -> None:
+        """Check ``config`` against the world size, then set ``config`` and build ``mesh`` on every rank. Given
+        as a ``ParallelConfig``, its words (``"dp=2 tp=2"``, as ``%colossal config`` takes them) or its fields
+        (``{"dp": 2, "tp": 2}``); None clears it."""
+        if isinstance(config, str):
+            config = ParallelConfig.parse(config)
+        elif isinstance(config, dict):
+            config = ParallelConfig(**config)
+        elif config is not None and not isinstance(config, ParallelConfig):
+            raise ClusterError(f"set_config takes a ck.ParallelConfig (or its words, 'dp=2 tp=2', or its fields, "
+                               f"{{'dp': 2}}), or None to clear it; got {type(config).__name__}")
         self._check_usable()
         if config is not None:
             config.check_world_size(self.world_size)
@@ -319,7 +329,10 @@ class Cluster(Startup, Waiting):
         False or None shows nothing.
         """
         mode = call_progress(progress)  # a bad value is refused before anything is sent
-        targets = self._targets(ranks)
+        if not callable(fn):
+            raise ClusterError(f"run takes a function to call on the ranks, got {type(fn).__name__}: "
+                               "cluster.run(fn, *args), or cluster.execute(code) for a string of code")
+        targets = self._targets(ranks, timeout)
         # pickled here with cloudpickle (tracebacks.pack), not ipyparallel's canning: a class defined in the
         # notebook (a user's nn.Module, whose methods' super() cell refers back to it) travels by value
         ars = self._apply(targets, remote.call_packed, pack((fn, args)), source_map(fn, args))
@@ -369,7 +382,10 @@ class Cluster(Startup, Waiting):
         execute draws no line of its own, so True and "auto" show nothing here (the magic passes its own).
         """
         progress = call_progress(progress, auto=None)
-        targets = self._targets(ranks)
+        if not isinstance(code, str):
+            raise ClusterError(f"execute takes code as a string, got {type(code).__name__}: cluster.run(fn) calls "
+                               "a function")
+        targets = self._targets(ranks, timeout)
         ars = split(self._view(targets).execute(code, silent=False, block=False), targets)
         if sent is not None:
             sent()

@@ -271,11 +271,24 @@ class Waiting:
         """``fn(*args)`` on ``ranks``: rank -> AsyncResult."""
         return split(self._view(ranks).apply_async(fn, *args), ranks)
 
-    def _targets(self, ranks: list[int] | None) -> list[int]:
+    def _targets(self, ranks: list[int] | int | None, timeout: float | None = None) -> list[int]:
+        """The ranks a call goes to (all for None; one rank may be given as a number), and its ``timeout``,
+        checked before anything is sent."""
+        from ...launch import seconds_refusal
+
+        if timeout is not None:
+            why = seconds_refusal("timeout", timeout)
+            if why is not None:
+                raise ClusterError(f"{why}, or None to wait until every rank is done")
         self._check_usable()
         if ranks is None:
             return list(range(self.world_size))
-        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.world_size)]
+        if isinstance(ranks, int) and not isinstance(ranks, bool):
+            ranks = [ranks]
+        if isinstance(ranks, (str, bytes, bool)) or not hasattr(ranks, "__iter__"):
+            raise ClusterError(f"ranks is a list of rank numbers, e.g. ranks=[0, 1], got {ranks!r}")
+        ranks = list(ranks)
+        bad = [r for r in ranks if isinstance(r, bool) or not (isinstance(r, int) and 0 <= r < self.world_size)]
         if bad or not ranks:
             raise ClusterError(f"ranks {bad or ranks} are not ranks of this cluster: "
                                f"choose among 0..{self.world_size - 1}")

@@ -120,6 +120,53 @@ def check_hosts(hosts, engines, n, ipp_kwargs) -> dict[str, int] | None:
     return dict(hosts)
 
 
+def check_ipp_options(engines, ip: str | None, ipp_kwargs: dict) -> None:
+    """What ``Cluster(**ipp_kwargs)`` passes to ``ipyparallel.Cluster``, and a local cluster's ``ip=``, checked
+    before anything starts: a keyword ipyparallel does not take (a typo of one of ``Cluster``'s own, such as
+    ``collective_timout``, was silently ignored), a profile that does not exist (ipyparallel made an empty one,
+    dropping the launcher settings the user meant), an address local engines cannot listen on."""
+    import difflib
+
+    import ipyparallel
+
+    known = set(ipyparallel.Cluster.class_trait_names()) | {"config", "controller_ip"}
+    own = ["n", "engines", "ip", "hosts", "timeout", "backend", "grace", "collective_timeout", "fit"]
+    for key in ipp_kwargs:
+        if key not in known:
+            near = difflib.get_close_matches(key, own + sorted(known), n=1)
+            raise ClusterError(f"Cluster got an unknown keyword {key}=: it is neither one of Cluster's "
+                               f"({', '.join(own)}) nor ipyparallel.Cluster's"
+                               + (f"; did you mean {near[0]!r}?" if near else ""))
+    profile, profile_dir = ipp_kwargs.get("profile"), ipp_kwargs.get("profile_dir")
+    if profile_dir is not None and not os.path.isdir(os.path.expanduser(str(profile_dir))):
+        raise ClusterError(f"profile_dir={profile_dir!r} is not a directory: give an ipyparallel profile's directory "
+                           "(made by `ipython profile create NAME --parallel`)")
+    if profile is not None and profile_dir is None and profile != "default":
+        from IPython.paths import get_ipython_dir
+
+        where = get_ipython_dir()
+        if not os.path.isdir(os.path.join(where, f"profile_{profile}")):
+            have = sorted(d[len("profile_"):] for d in os.listdir(where) if d.startswith("profile_")) \
+                if os.path.isdir(where) else []
+            near = difflib.get_close_matches(str(profile), have, n=1)
+            raise ClusterError(f"no IPython profile {profile!r} in {where}" + (f"; did you mean {near[0]!r}?" if near
+                               else f" (there: {', '.join(have) or 'none'})") + f": create it with `ipython profile "
+                               f"create {profile} --parallel` and put the launcher's settings in its "
+                               "ipcluster_config.py, or leave profile out")
+    if ip is not None and engines == "local" and not _this_hosts(ip):
+        raise ClusterError(f"ip={ip!r} is not an address of this host, and local engines run here: leave ip out "
+                           "(loopback), or give one of this host's addresses for engines started elsewhere")
+
+
+def _this_hosts(ip: str) -> bool:
+    """Whether the controller can listen on ``ip`` here: loopback, every interface, or an interface's address."""
+    import psutil
+
+    if is_loopback(ip) or ip in ("0.0.0.0", "*", "::", ""):
+        return True
+    return any(a.address.split("%")[0] == ip for addrs in psutil.net_if_addrs().values() for a in addrs)
+
+
 def _default_profile_configures_launchers() -> bool:
     from IPython.paths import get_ipython_dir
 
