@@ -235,7 +235,8 @@ def test_a_stuck_or_partial_collective_says_where_and_marks_the_cluster(monkeypa
     2. ``ranks=[0]`` running a collective of the whole world: rank 0 fails at the collective timeout. The error says
     that the call ran on some ranks only, and the cluster is marked for restart (its process group is unusable
     after the timeout; before, it reported itself healthy and the next step failed with a misleading "collectives
-    differ between ranks")."""
+    differ between ranks"). 3. Rank 0 alone in an all-reduce that rank 1 skipped (``if rank == 0:``): when the
+    collective times out, the error says that rank 1 finished the call without entering it."""
     monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
     with Cluster(n=2, timeout=180, collective_timeout=6) as cluster:
         assert cluster._relays == {0, 1}  # remote.probe: both engines' fd 2 watched
@@ -251,6 +252,14 @@ def test_a_stuck_or_partial_collective_says_where_and_marks_the_cluster(monkeypa
         text = str(info.value)
         assert "this ran on ranks [0] only: a collective of a group that holds ranks [1] too" in text, text
         assert cluster.needs_restart and "NEEDS RESTART" in cluster.status()
+        cluster.restart()
+        with pytest.raises(ck.RankError) as info:  # rank 0 alone in an all-reduce; rank 1 done with the cell
+            cluster.execute("import torch, torch.distributed as dist\nif rank == 0:\n    dist.all_reduce(torch.ones(1))",
+                            timeout=60)
+        text = str(info.value)
+        assert "ranks [1] finished this call without entering the collective ranks [0] waited in: every rank of a " \
+            "group must call each of its collectives" in text, text
+        assert cluster.needs_restart
         cluster.restart()
         assert cluster.run(_rank_plus_one) == [1, 2]
 

@@ -227,6 +227,12 @@ class Waiting:
             advice = (f"  this ran on ranks {targets} only: a collective of a group that holds ranks {others} too "
                       "(an engine's step or generate under tp, pp or dp) waits for ranks that never enter it; run "
                       f"it on every rank (without --ranks / ranks=)\n{advice}")
+        finished = sorted(set(targets or []) - set(failures) - set(pending))
+        if in_collective and finished and not some:
+            advice = (f"  ranks {finished} finished this call without entering the collective ranks "
+                      f"{sorted(in_collective)} waited in: every rank of a group must call each of its collectives, "
+                      "in the same order (is one under `if rank == ...:`, or after a return some ranks take?)\n"
+                      f"{advice}")
         said = self._where(pending, cell=cell) if pending else ""
         raise RankError(ordered, sorted(pending), where, f"{advice}\n{said}" if said and advice else said or advice)
 
