@@ -180,14 +180,22 @@ def _plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precisio
     if seq != model_cfg.seq_len:
         import dataclasses
         model_cfg = dataclasses.replace(model_cfg, seq_len=seq)
-    consts = constants if constants is not None else globals()["constants"](ranks=world_size)
-    out = Candidates()
-    out.constants, out.memory_per_rank = consts, memory_per_rank
     moe = bool(getattr(model_cfg, "n_experts", 0))
     configs = moe_configs if moe else enumerate_configs
     timed = moe_step_seconds if moe else step_seconds
     facts = ModelFacts.of(model_cfg, seq=model_cfg.seq_len)  # read once: every config judged by the engine's rules
-    for cfg in configs(model_cfg, world_size, batch, precision, with_auto=memory_per_rank is not None, facts=facts):
+    listed = list(configs(model_cfg, world_size, batch, precision, with_auto=memory_per_rank is not None,
+                          facts=facts))
+    if not listed:  # before the machine's constants are measured (ranks spawned: seconds)
+        raise ConfigError(f"no configuration of {world_size} ranks runs this model with a global batch of {batch} "
+                          f"rows: data parallelism needs the batch to split over dp x microbatches (a multiple of "
+                          f"dp), tensor and sequence parallelism need the model's heads, sizes and sequence length "
+                          f"to divide over them, a pipeline needs n_layers to split over its stages: try a batch "
+                          f"that is a multiple of {world_size} (e.g. {world_size * max(1, round(batch / world_size))})")
+    consts = constants if constants is not None else globals()["constants"](ranks=world_size)
+    out = Candidates()
+    out.constants, out.memory_per_rank = consts, memory_per_rank
+    for cfg in listed:
         mem = config_estimate(model_cfg, cfg, batch, optimizer, host_share=None)
         kwargs = {}
         if cfg.offload == "auto":  # the placement puts on the host what does not fit
@@ -197,12 +205,6 @@ def _plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precisio
         seconds, parts, counts = timed(model_cfg, cfg, batch, consts, mem, optimizer)
         fits = memory_per_rank is None or sum(mem["device"].values()) <= memory_per_rank
         out.append(Candidate(cfg, mem, seconds, fits, parts, counts, kwargs))
-    if not out:
-        raise ConfigError(f"no configuration of {world_size} ranks runs this model with a global batch of {batch} "
-                          f"rows: data parallelism needs the batch to split over dp x microbatches (a multiple of "
-                          f"dp), tensor and sequence parallelism need the model's heads, sizes and sequence length "
-                          f"to divide over them, a pipeline needs n_layers to split over its stages: try a batch "
-                          f"that is a multiple of {world_size} (e.g. {world_size * max(1, round(batch / world_size))})")
     return _ranked(out, limit, consts, memory_per_rank)
 
 
@@ -282,14 +284,15 @@ def _other_model(model, world_size, batch, memory_per_rank, precision, optimizer
         gpt = dataclasses.replace(gpt, seq_len=input_shape[1])
     parts = part_params(gpt, ParallelConfig())
     scale = sum(p.numel() for p in twin.parameters()) / (parts["embed"] + gpt.n_layers * parts["block"] + parts["tail"])
+    facts = ModelFacts.of(twin, policy, seq=gpt.seq_len if policy.sequence else None)
+    listed = list(enumerate_configs(gpt, world_size, batch, precision, with_auto=False, facts=facts))
+    if not listed:  # before the constants are measured and the forward traced: "auto" needs the measured step
+        raise ConfigError(f"no configuration of {world_size} ranks runs {type(model).__name__} with a global batch of "
+                          f"{batch} rows: try a batch that is a multiple of {world_size}")
     consts = constants if constants is not None else globals()["constants"](ranks=world_size)
     traced = traced_activations(twin, input_shape, dtype, precision)  # the dense forward, once
     out = Candidates()
-    facts = ModelFacts.of(twin, policy, seq=gpt.seq_len if policy.sequence else None)
-    for cfg in enumerate_configs(gpt, world_size, batch, precision, with_auto=memory_per_rank is not None,
-                                 facts=facts):
-        if cfg.offload == "auto":
-            continue  # its placement needs the measured step; the planner ranks the others
+    for cfg in listed:
         mem = config_estimate(gpt, cfg, batch, optimizer)
         states = {k: round(mem[k] * scale) for k in ("params", "grads", "optimizer")}
         acts = model_activations(twin, policy, cfg, input_shape, dtype, traced=traced)
@@ -297,7 +300,4 @@ def _other_model(model, world_size, batch, memory_per_rank, precision, optimizer
         seconds, cost_parts, counts = step_seconds(gpt, cfg, batch, consts, mem, optimizer)
         fits = memory_per_rank is None or sum(mem["device"].values()) <= memory_per_rank
         out.append(Candidate(cfg, mem, seconds, fits, cost_parts, counts, {}))
-    if not out:
-        raise ConfigError(f"no configuration of {world_size} ranks runs {type(model).__name__} with a global batch of "
-                          f"{batch} rows: try a batch that is a multiple of {world_size}")
     return _ranked(out, limit, consts, memory_per_rank)

@@ -34,3 +34,21 @@ def test_plan_refuses_each_argument_with_what_works(kwargs, words):
 def test_a_restrict_that_fits_still_plans():
     cands = ck.plan(GPT7B, 64, 512, hardware="8xA100-80GB", restrict={"tp": 8, "microbatches": (4, 8)}, limit=3)
     assert cands and all(c.config.tp == 8 and c.config.microbatches in (4, 8) for c in cands)
+
+
+def test_a_plan_no_config_runs_is_refused_before_the_machine_is_measured(monkeypatch):
+    """``ck.plan`` on this machine measures its constants by spawning ranks (seconds): a model no config of the
+    ranks can run is refused first (before: 12-21 s of measuring, then the refusal). Both paths: a GPTConfig and
+    a model of the user's own."""
+    import colab_kit.planner as planner
+    from colab_kit.models import ViT, ViTConfig
+
+    def measured(*a, **kw):
+        raise AssertionError("the constants were measured before the refusal")
+
+    monkeypatch.setattr(planner, "constants", measured)
+    with pytest.raises(ck.ConfigError, match="no configuration of 7 ranks runs this model with a global batch of 16"):
+        ck.plan(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2), 7, 16)
+    with pytest.raises(ck.ConfigError, match="no configuration of 7 ranks runs ViT with a global batch of 16"):
+        ck.plan(ViT(ViTConfig(image_size=8, patch_size=4, channels=1, num_classes=10, d_model=32, n_heads=4,
+                              n_layers=2)), 7, 16)
