@@ -25,6 +25,8 @@ by side: by its dense groups (dp), by its ``ep`` groups and by its ``edp`` group
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import plotly.graph_objects as go
 
 from ..config import Axis, ConfigError, ParallelConfig
@@ -104,9 +106,31 @@ def _panel(fig: go.Figure, layout: MeshLayout, axis: str, pos: dict, dx: float =
     return shapes
 
 
+MAX_DRAWN = 1024
+"""Ranks a mesh figure draws at most: beyond, one square per rank is too dense to read and takes the browser
+tens of seconds (4,096 ranks: 44 s); the same groups show on a smaller dp and pp (``_too_many``)."""
+
+
+def _too_many(layout: MeshLayout) -> None:
+    """Refuse a mesh of more than ``MAX_DRAWN`` ranks, naming a smaller one that shows the same groups."""
+    cfg = layout.config
+    if layout.world_size <= MAX_DRAWN:
+        return
+    try:  # (ep must still divide dp x sp)
+        smaller: ParallelConfig | None = replace(cfg, dp=min(cfg.dp, 2), pp=min(cfg.pp, 2))
+    except ConfigError:
+        smaller = None
+    hint = (f"draw {smaller.describe()} instead: every dp replica and pipeline stage holds the same groups on the "
+            "other axes" if smaller is not None and MeshLayout(smaller).world_size <= MAX_DRAWN else
+            "draw the same degrees with a smaller dp and pp: each replica and stage repeats the same groups")
+    raise ValueError(f"{cfg.describe()}: more ranks than the {MAX_DRAWN} a mesh figure draws (a square each, "
+                     f"too dense to read): {hint}")
+
+
 def mesh_figure(config_or_layout: ParallelConfig | MeshLayout, axis: str = Axis.TP) -> go.Figure:
-    """The device mesh, one square per rank, coloured by its group on ``axis``."""
+    """The device mesh, one square per rank, coloured by its group on ``axis`` (at most ``MAX_DRAWN`` ranks)."""
     layout = config_or_layout if isinstance(config_or_layout, MeshLayout) else MeshLayout(config_or_layout)
+    _too_many(layout)
     cfg = layout.config
     groups = layout.groups(axis)  # raises ValueError naming the axes this mesh has
     pos = cell_positions(layout)
@@ -140,6 +164,7 @@ def expert_mesh_figure(config_or_layout: ParallelConfig | MeshLayout, dense: str
     A config without experts split (``ep=1``) is a ``ConfigError``: ``mesh_figure`` draws it.
     """
     layout = config_or_layout if isinstance(config_or_layout, MeshLayout) else MeshLayout(config_or_layout)
+    _too_many(layout)
     cfg = layout.config
     if layout.ep <= 1:
         raise ConfigError(f"{cfg.describe()} does not split the experts (ep=1), so it has no ep or edp groups: "

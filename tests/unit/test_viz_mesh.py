@@ -83,3 +83,15 @@ def test_title_and_block_labels():
 def test_unknown_axis_names_the_axes_of_the_mesh():
     with pytest.raises(ValueError, match="unknown axis 'tp_row' for tp_mode='1d': this mesh has axes pp, dp, sp, tp"):
         mesh_figure(ck.ParallelConfig(dp=2), axis="tp_row")
+
+
+def test_a_mesh_too_large_to_draw_is_refused_naming_a_smaller_one_with_the_same_groups():
+    """4,096 ranks took the browser 44 s to draw, one unreadable square each: refused, naming the same degrees
+    with dp and pp of 2 (each replica and stage repeats the same groups); 1,024 still draw."""
+    import colab_kit as ck
+    from colab_kit.viz.mesh import MAX_DRAWN, mesh_figure
+
+    with pytest.raises(ValueError, match=r"dp=64 x pp=8 x tp=8 \(1d\) = 4096 ranks: more ranks than the 1024 a mesh "
+                                         r"figure draws .*: draw dp=2 x pp=2 x tp=8 \(1d\) = 32 ranks instead"):
+        mesh_figure(ck.ParallelConfig(dp=64, pp=8, tp=8))
+    assert MAX_DRAWN == 1024 and len(mesh_figure(ck.ParallelConfig(dp=128, tp=8)).layout.shapes) == 1024
