@@ -230,6 +230,18 @@ def test_lifecycle_start_fail_restart_stop_start_again(run, state):
     assert error is None and out == "[rank 0]\n0 dp=2 = 2 ranks\n[rank 1]\n1 dp=2 = 2 ranks\n"
     run("%colossal stop")
 
+    run("%colossal config dp=2 tp=2")  # kept for 4 ranks; 2 start: dropped, so config and mesh show the ranks'
+    error, out, _ = run("%colossal start -n 2")
+    assert error is None and "the kept config (dp=2 x tp=2 (1d) = 4 ranks) does not fit 2 ranks and was " \
+        "dropped: set one with %colossal config" in out, out
+    error, out, _ = run("%colossal config")
+    assert out.startswith("no config set"), out
+    error, out, err = run("%%colossal\nimport torch, colab_kit as ck\n"
+                          "ck.boost(torch.nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), config)")
+    assert "boost needs a ck.ParallelConfig, got None: on a cluster's ranks `config` is the one %colossal " \
+        "config" in out + err, out + err
+    run("%colossal stop")
+
 
 def test_state_works_without_ipython():
     s = ck.magics.ColossalState()
@@ -258,9 +270,9 @@ def test_schedule_plans_in_the_kernel(run, ip, state):
     assert error is None and out.startswith("gpipe, pp=2, microbatches=4 (planned") and "peak" in out
     error, out, _ = run("%colossal schedule --schedule interleaved")  # interleaved picks chunks=2
     assert error is None and "interleaved, pp=2, microbatches=4, chunks=2" in out
-    _usage(run, "%colossal schedule --schedule interleaved --chunks 1", "needs chunks > 1", "try chunks=2")
+    _usage(run, "%colossal schedule --schedule interleaved --chunks 1", "needs chunks > 1", "try --chunks 2")
     _usage(run, "%colossal schedule --pp 4 --schedule interleaved -m 6", "needs microbatches divisible by pp=4",
-           "try microbatches=4 or 8")
+           "try --microbatches 4 or 8")
     _usage(run, "%colossal schedule --schedule zb", "unknown schedule 'zb'", "'zb-h1'")
     _usage(run, "%colossal schedule --pp two", "argument --pp: invalid int value: 'two'")
     _usage(run, "%colossal schedule --stages 4", "unrecognized arguments: --stages 4")

@@ -12,6 +12,7 @@
     %colossal memory --timeline       # one step of `engine` on `batch`: bytes by category after every op
     %colossal moe --layer 1           # MoE: each expert's load per step, the all-to-all traffic (MoEView)
     %colossal plan --model MODEL --batch 16 --memory 64MiB   # candidates, estimated (PlannerView)
+    %colossal export runs/train.py    # what the cluster ran, as a script (+ runs/train.sbatch) for torchrun / srun
     %colossal status | stop | restart
 
     %%colossal --ranks 0,2 --timeout 30
@@ -37,11 +38,20 @@ every subcommand and flag; ``-h`` after a subcommand (or on ``%%colossal``) show
 help. ``start`` and ``restart`` show a live line in a notebook (engines registered,
 torch.distributed ready). The magics act on one explicit ``ColossalState``
 (``colab_kit.notebook.session()`` returns the shell's).
+
+Flags naming one of a fixed set (``--schedule 1F1B``, ``--axis DP``, ``--by PLACE``) read any case, as
+``%colossal config`` does; the advice in an error is written in the subcommand's flags (``try --chunks 2``).
+``export PATH``: a ``.py`` file, a name without suffix (``.py`` added) or an existing folder (``train.py`` in
+it); another suffix, a missing or unwritable folder is a ``UsageError`` (``export.script_path``). A ``--var``
+that holds no engine on the ranks is told what it holds (``'data' ... holds a tuple, not an engine``) and
+which variables do hold engines. ``%unload_ext`` / ``%reload_ext colab_kit`` stop the running cluster and drop
+the kept config, saying so in one line (``unload_ipython_extension``).
 """
 from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -53,7 +63,7 @@ from IPython.display import display
 from ..cluster import ClusterError
 from ...config import Axis, ConfigError, ParallelConfig
 from ...errors import RankError
-from .flags import COMMANDS, cell_parser, command_parser, help_text, split, wants_help
+from .flags import COMMANDS, HELP, cell_parser, command_parser, help_text, split, wants_help
 from ..progress import Progress, StageProgress
 from .output import show_outputs
 from .training import ask_training, summary_lines
@@ -61,7 +71,8 @@ from ..session import ColossalState, current
 from ...models import GPTConfig
 from ...planner import plan
 from .export import write_export
-from .pipeline_views import NoTimeline, memory_timeline_view, profile_view, schedule_view, timeline_view
+from .pipeline_views import (NoTimeline, memory_timeline_view, no_engine, profile_view, schedule_view,
+                             timeline_view)
 
 if TYPE_CHECKING:
     from ..widgets.memory_view import MemoryView
@@ -92,15 +103,16 @@ class ColossalMagics(Magics):
 
     def _line(self, line: str):
         argv = split(line, "%colossal")
-        if not argv or argv[0] in ("help", "-h", "--help"):
-            topic = argv[1] if argv[1:] and argv[1] in COMMANDS else None
+        if not argv or argv[0] in ("help", *HELP):
+            topic = argv[1] if argv[1:] and argv[1] not in HELP else None  # help -h: the whole help
+            if topic is not None and topic not in COMMANDS:
+                raise UsageError(f"%colossal help: {topic!r} is not a subcommand{_near(topic)}. Subcommands: "
+                                 f"{', '.join(COMMANDS)} (%colossal help alone lists them all with their flags)")
             print(command_parser(topic).format_help() if topic else help_text())
             return None
         name, rest = argv[0], argv[1:]
         if name not in COMMANDS:
-            near = difflib.get_close_matches(name, COMMANDS, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise UsageError(f"%colossal: unknown subcommand {name!r}{hint}. Subcommands: {', '.join(COMMANDS)}")
+            raise UsageError(f"%colossal: unknown subcommand {name!r}{_near(name)}. Subcommands: {', '.join(COMMANDS)}")
         p = command_parser(name)
         if wants_help(rest):  # that subcommand's usage and help, and nothing else
             print(p.format_help())
@@ -138,9 +150,9 @@ class ColossalMagics(Magics):
         print(f"started {cluster.world_size} ranks ({args.engines} engines, {backend}) "
               f"in {time.perf_counter() - t0:.1f} s")
         display(cluster.ranks())
-        if self.state.config is not None and cluster.config is None:
-            print(f"the kept config ({self.state.config.describe()}) does not fit {cluster.world_size} ranks: "
-                  "set one with %colossal config")
+        if self.state.dropped is not None:
+            print(f"the kept config ({self.state.dropped.describe()}) does not fit {cluster.world_size} ranks and was "
+                  "dropped: set one with %colossal config")
 
     def _do_config(self, args, words):
         if not words:
@@ -151,25 +163,52 @@ class ColossalMagics(Magics):
         print(self.state.apply_config(config))
 
     def _do_mesh(self, args, words):
+        """The mesh coloured by ``--axis`` (read in any case); an axis this mesh lacks, or ``--axis experts``
+        on a config that does not split the experts, is a ``UsageError`` phrased in the magic's flags."""
+        from ...mesh import MeshLayout
         from ...viz.mesh import expert_mesh_figure, mesh_figure
 
         config = self.state.mesh_config(words)
+        dense = Axis.TP if config.tp > 1 else Axis.DP
+        axes = MeshLayout(config).axes
+        if args.axis not in (*axes, "experts"):
+            near = difflib.get_close_matches(args.axis, (*axes, "experts"), n=1)
+            hint = f"did you mean --axis {near[0]}? " if near else ""
+            raise UsageError(f"%colossal mesh: unknown axis {args.axis!r} for tp_mode={config.tp_mode!r}: {hint}"
+                             f"this mesh has axes {', '.join(axes)} (and --axis experts draws the dense, ep and "
+                             f"edp groups side by side)")
+        if args.axis == "experts" and config.ep <= 1:
+            fold = config.dp * config.sp
+            ep = next((k for k in range(2, fold + 1) if fold % k == 0), None)
+            defaults = ParallelConfig().to_dict()
+            inline = " ".join(f"{k}={v}" for k, v in config.to_dict().items() if defaults.get(k) != v and k != "ep")
+            fix = (f"or split them with ep above 1 (a divisor of dp x sp = {fold}): %colossal mesh --axis experts "
+                   f"{inline} ep={ep}" if ep else
+                   "and its dp x sp is 1, nothing to split them over: give dp above 1 and ep, e.g. %colossal "
+                   "mesh --axis experts dp=4 ep=2")
+            raise UsageError(f"%colossal mesh --axis experts: {config.describe()} does not split the experts (ep=1), "
+                             f"so it has no ep or edp groups: draw it with %colossal mesh --axis {dense}, {fix}")
         try:
             if args.axis == "experts":
-                return expert_mesh_figure(config, dense=Axis.TP if config.tp > 1 else Axis.DP)
+                return expert_mesh_figure(config, dense=dense)
             return mesh_figure(config, axis=args.axis)
         except ValueError as exc:
             raise UsageError(f"%colossal mesh: {exc}") from None
 
     def _do_schedule(self, args, words):
-        text, fig = schedule_view(self.state.config, pp=args.pp, microbatches=args.microbatches,
-                                  schedule=args.schedule, chunks=args.chunks)
+        """The planned schedule; a shape it cannot take is a ``UsageError`` whose advice is in this magic's flags
+        (``try --chunks 2``, not ``try chunks=2``: the rule comes from ``ParallelConfig``)."""
+        try:
+            text, fig = schedule_view(self.state.config, pp=args.pp, microbatches=args.microbatches,
+                                      schedule=args.schedule, chunks=args.chunks)
+        except ConfigError as exc:
+            raise UsageError(f"%colossal schedule: {as_flags(str(exc), COMMANDS['schedule'][0])}") from None
         print(text)
         return fig
 
     def _do_timeline(self, args, words):
         try:
-            text, fig = timeline_view(self.state.require_cluster(), args.var)
+            text, fig = timeline_view(self.state.require_cluster(), args.var)  # says what --var holds if no engine
         except NoTimeline as exc:
             raise UsageError(f"%colossal timeline: {exc}") from None
         print(text)
@@ -199,7 +238,7 @@ class ColossalMagics(Magics):
         try:
             view = MemoryView(self.state, args.var, by=args.by)
         except NoMemory as exc:
-            raise UsageError(f"%colossal memory: {exc}") from None
+            raise UsageError(f"%colossal memory: {self._no_engine(cluster, args.var, exc)}") from None
         old, self._memory_view = self._memory_view, None
         if old is not None:
             old.unwatch()  # the view shown before stops refreshing: one watcher per %colossal memory
@@ -213,10 +252,12 @@ class ColossalMagics(Magics):
         """A ``MoEView`` that watches where widgets render; elsewhere its text, and the load figure as the result."""
         from ..widgets.moe_view import MoEView, NoMoE
 
-        self.state.require_cluster()
+        cluster = self.state.require_cluster()
         try:
             view = MoEView(self.state, args.var, layer=args.layer)
-        except (NoMoE, ConfigError) as exc:
+        except NoMoE as exc:
+            raise UsageError(f"%colossal moe: {self._no_engine(cluster, args.var, exc)}") from None
+        except ConfigError as exc:
             raise UsageError(f"%colossal moe: {exc}") from None
         old, self._moe_view = self._moe_view, None
         if old is not None:
@@ -250,6 +291,17 @@ class ColossalMagics(Magics):
         print(repr(view))
         return view.figure()
 
+    @staticmethod
+    def _no_engine(cluster, var: str, exc: Exception) -> str:
+        """``exc``'s message, or where it says the ranks have no engine in ``var`` (``NoMemory``, ``NoMoE``), what
+        ``var`` holds there instead and which variables do hold engines (``pipeline_views.no_engine``)."""
+        if "have no engine in a variable" not in str(exc):
+            return str(exc)
+        try:
+            return no_engine(cluster, var)
+        except Exception:  # noqa: BLE001 - asking the ranks again failed: the view's own message then
+            return str(exc)
+
     def _model_config(self, var: str):
         """The GPTConfig in the kernel variable ``var`` (or the ``.cfg`` of a GPT there)."""
         assert self.shell is not None  # a magic runs in a shell
@@ -272,13 +324,22 @@ class ColossalMagics(Magics):
             print(f"kept config: {self.state.config.describe()}")
 
     def _do_export(self, args, words):
-        """Write what the cluster ran as a script for torchrun / srun (``colab_kit.notebook.magics.export``)."""
+        """Write what the cluster ran as a script for torchrun / srun (``colab_kit.notebook.magics.export``).
+
+        PATH: ``train.py``; ``train`` (``.py`` added); an existing folder (``train.py`` written in it, and the
+        output says so); another suffix is refused, as is a folder that does not exist or cannot be written
+        (``export.script_path``): each a ``UsageError`` saying what would work, nothing written."""
         try:
             cluster = self.state.cluster
             out = write_export(self.state.recorded, args.path,
                                cluster.world_size if cluster is not None and cluster.running else None)
-        except ValueError as exc:  # ConfigError: nothing to export yet
+        except ValueError as exc:  # ConfigError: nothing to export yet, or a PATH it cannot write
             raise UsageError(f"%colossal export: {exc}") from None
+        except OSError as exc:  # what the checks before writing could not foresee (a full disk, a read-only file)
+            raise UsageError(f"%colossal export: cannot write {exc.filename or args.path}: "
+                             f"{exc.strerror or exc}") from None
+        if out.get("folder"):
+            print(f"{args.path} is a folder: the script is {os.path.basename(out['script'])} in it")
         print(f"wrote {out['script']} and {out['sbatch']}: run it with\n  {out['torchrun']}\n  sbatch "
               f"{os.path.basename(out['sbatch'])}")
         if out["skipped"]:
@@ -337,6 +398,26 @@ class ColossalMagics(Magics):
             print(text)
 
 
+def _near(name: str) -> str:
+    near = difflib.get_close_matches(name, COMMANDS, n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def as_flags(message: str, flags) -> str:
+    """``message`` (a ``ConfigError``'s: ``rule: advice``) with the advice's ``key=value`` words for keys that are
+    ``flags`` of the magic written as those flags: ``set chunks=1 or schedule='interleaved'`` -> ``set --chunks 1
+    or --schedule interleaved``. The rule before the last ``: `` keeps its words (it says what the values are)."""
+    rule, sep, advice = message.rpartition(": ")
+    if not sep:
+        return message
+    names = "|".join(sorted(flags, key=len, reverse=True))
+
+    def flag(m: re.Match) -> str:
+        value = m.group(2) if m.group(2) is not None else m.group(3)
+        return f"--{m.group(1)} {value}"
+    return rule + sep + re.sub(rf"\b({names})=(?:'([^']*)'|([\w.-]+))", flag, advice)
+
+
 def _has_widgets() -> bool:
     import importlib.util
 
@@ -356,9 +437,32 @@ def load_ipython_extension(ipython) -> None:
 
 
 def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext colab_kit`` (and the first half of ``%reload_ext colab_kit``): the magics go, with their
+    state. A running cluster is stopped and the kept config dropped, and one line says so: they are not
+    carried over to the reloaded extension, as reloading is for new code (the engines run the code they
+    started with, and the state's class may have changed); ``%load_ext`` again starts from no cluster and no
+    config. The views that ``%colossal memory`` / ``moe`` left watching stop refreshing."""
     magics = ipython.magics_manager.registry.pop("ColossalMagics", None)
-    if magics is not None and magics.state.cluster is not None and magics.state.cluster.running:
-        magics.state.cluster.stop()
     ipython.magics_manager.magics["line"].pop("colossal", None)
     ipython.magics_manager.magics["cell"].pop("colossal", None)
+    if magics is None:
+        return
+    for view in (magics._memory_view, magics._moe_view):
+        if view is not None:
+            view.unwatch()
+    magics._memory_view = magics._moe_view = None
+    state, said = magics.state, []
+    if state.cluster is not None and state.cluster.running:
+        ranks = state.cluster.world_size
+        try:
+            state.cluster.stop()
+            said.append(f"stopped the cluster of {ranks} ranks")
+        except Exception as exc:  # noqa: BLE001 - unloading goes on: say what was left behind
+            said.append(f"could not stop the cluster of {ranks} ranks ({type(exc).__name__}: {exc})")
+        state.cluster = None
+    if state.config is not None:
+        said.append(f"dropped the kept config {state.config.describe()}")
+    if said:
+        print(f"colab_kit unloaded: {'; '.join(said)} (after %load_ext colab_kit: %colossal start -n N and "
+              f"%colossal config again)")
 

@@ -10,6 +10,12 @@ never died). Lines that are IPython syntax (``%time``, ``!ls``) cannot run in a 
 own transformation finds them, each becomes ``pass`` with its text as a comment, and the magic says which.
 The script is checked to parse before it is written.
 
+Where it is written (``script_path``): ``PATH`` ending in ``.py`` is the script; ``PATH`` without a suffix gets
+``.py`` (``train`` -> ``train.py``); an existing folder gets ``train.py`` inside it (``export runs/`` ->
+``runs/train.py``); any other suffix (``train.txt``) is refused, as torchrun and srun are given a ``.py``
+script (``train.txt.py`` would not be what was typed). ``~`` is the home folder. A folder that does not
+exist, or that cannot be written, is refused before anything is written (``ConfigError`` saying which).
+
 Worked example, after ``%colossal config dp=2 tp=2`` and one cell ``engine = ck.boost(...)``::
 
     config = ck.ParallelConfig(dp=2, tp=2)                     # %colossal config dp=2 tp=2
@@ -29,7 +35,10 @@ import time
 from ...config import ConfigError, ParallelConfig
 from ..session import current
 
-__all__ = ["export", "export_script", "write_export"]
+__all__ = ["export", "export_script", "write_export", "script_path"]
+
+DEFAULT_NAME = "train.py"
+"""The script's name when ``PATH`` is a folder."""
 
 _HEADER = '''"""Exported by colab_kit's %colossal export on {when}: the configs and the %%colossal cells the notebook's
 cluster ran, in order, as one script.
@@ -126,12 +135,48 @@ def export_script(recorded: list[tuple], world_size: int | None = None) -> tuple
     return body, world, skipped
 
 
+def script_path(path) -> tuple[str, bool]:
+    """``(absolute path of the script, whether PATH was a folder)`` by the rules in the module docstring;
+    ``ConfigError`` saying what would work where the folder is missing or not writable, or the suffix is not .py."""
+    given = os.fspath(path)
+    full = os.path.abspath(os.path.expanduser(given))
+    if os.path.isdir(full):
+        folder, full = True, os.path.join(full, DEFAULT_NAME)
+    elif given.endswith(("/", os.sep)):
+        raise ConfigError(f"the folder {full} does not exist: create it first (mkdir -p {full}), or give a script "
+                          f"in an existing folder, e.g. {DEFAULT_NAME}")
+    else:
+        folder = False
+        stem, suffix = os.path.splitext(full)
+        if not suffix:
+            full += ".py"
+        elif suffix != ".py":
+            raise ConfigError(f"{given!r} has the suffix {suffix!r}: the script must be a .py file (torchrun and "
+                              f"srun run it with python): try {os.path.basename(stem)}.py, or a folder to write "
+                              f"{DEFAULT_NAME} in")
+    where = os.path.dirname(full)
+    if not os.path.isdir(where):
+        near = where
+        while not os.path.isdir(near):  # the deepest folder that does exist
+            if os.path.exists(near):
+                raise ConfigError(f"{near} is a file, not a folder: give a path in a folder, e.g. "
+                                  f"{os.path.join(os.path.dirname(near), DEFAULT_NAME)}")
+            near = os.path.dirname(near)
+        raise ConfigError(f"the folder {where} does not exist (the nearest that does is {near}): create it first "
+                          f"(mkdir -p {where}), or give a path in an existing folder, e.g. {DEFAULT_NAME}")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ConfigError(f"the folder {where} is not writable: give a path in a folder you can write, e.g. "
+                          f"{os.path.join(os.path.expanduser('~'), DEFAULT_NAME)} or /tmp/{DEFAULT_NAME}")
+    if os.path.isdir(full):  # a folder named like the script: its train.py is what a folder gets
+        raise ConfigError(f"{full} is a folder: give the script another name, or the folder itself to write "
+                          f"{DEFAULT_NAME} in")
+    return full, folder
+
+
 def write_export(recorded: list[tuple], path, world_size: int | None = None) -> dict:
-    """Write ``path`` (the script) and ``<path without .py>.sbatch``; return ``{"script", "sbatch",
-    "torchrun", "world_size", "skipped"}``."""
-    path = os.path.abspath(os.fspath(path))
-    if not path.endswith(".py"):
-        path += ".py"
+    """Write the script (where ``script_path`` puts ``path``) and ``<script without .py>.sbatch``; return
+    ``{"script", "sbatch", "torchrun", "world_size", "skipped", "folder"}`` (``folder``: PATH was a folder)."""
+    path, folder = script_path(path)
     body, world, skipped = export_script(recorded, world_size)
     sbatch = path[:-3] + ".sbatch"
     torchrun = f"torchrun --nproc-per-node {world} {os.path.basename(path)}"
@@ -143,7 +188,8 @@ def write_export(recorded: list[tuple], path, world_size: int | None = None) -> 
                 f"#SBATCH --time=01:00:00\n# one task per GPU where there are GPUs: add --gpus-per-task=1\n"
                 f"# ck.init() reads SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and the first host of the node list\n"
                 f"srun python {os.path.basename(path)}\n")
-    return {"script": path, "sbatch": sbatch, "torchrun": torchrun, "world_size": world, "skipped": skipped}
+    return {"script": path, "sbatch": sbatch, "torchrun": torchrun, "world_size": world, "skipped": skipped,
+            "folder": folder}
 
 
 def export(path, state=None) -> dict:

@@ -77,8 +77,15 @@ def _bytes(text: str) -> int:
     return value
 
 
+def _word(text: str) -> str:
+    """A name from a fixed set (a schedule, an axis, category|place), in any case: ``1F1B``, ``ZB-H1`` and ``DP``
+    read as ``%colossal config`` reads them (lower-cased), then are checked against the set."""
+    return text.strip().lower()
+
+
 # argparse names the type in its message
 _positive_int.__name__, _seconds.__name__, _bytes.__name__, _host_list.__name__ = "int", "float", "bytes", "hosts"
+_word.__name__ = "name"
 
 FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "n": (("-n",), dict(type=_positive_int, default=None, metavar="N",
@@ -95,18 +102,20 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                                      help="ipyparallel profile (a name, or a directory) whose ipcluster_config.py "
                                           "configures the launcher: ssh options, Slurm account, ...")),
     "timeout": (("--timeout",), dict(type=_seconds, default=None, metavar="S", help="seconds before giving up")),
-    "axis": (("--axis",), dict(default=Axis.TP, help="colour the ranks by their group on this axis (experts: the "
-                                                  "dense, ep and edp groups side by side)")),
+    "axis": (("--axis",), dict(type=_word, default=Axis.TP,
+                               help="colour the ranks by their group on this axis, any case (experts: the dense, ep "
+                                    "and edp groups side by side)")),
     "ranks": (("--ranks",), dict(type=_rank_list, default=None, metavar="0,2", help="only these ranks")),
     "pp": (("--pp",), dict(type=int, default=None, metavar="P", help="pipeline ranks")),
     "microbatches": (("-m", "--microbatches"), dict(type=int, default=None, metavar="M", help="microbatches per step")),
-    "schedule": (("--schedule",), dict(default=None, metavar="S", help="gpipe, 1f1b, interleaved, zb-h1 or zb-v")),
+    "schedule": (("--schedule",), dict(type=_word, default=None, metavar="S",
+                                       help="gpipe, 1f1b, interleaved, zb-h1 or zb-v (any case)")),
     "chunks": (("--chunks",), dict(type=int, default=None, metavar="V",
                                    help="model chunks per rank (interleaved; zb-v takes 2)")),
     "var": (("--var",), dict(default="engine", metavar="NAME", help="the engine's variable on the ranks")),
     "data": (("--data",), dict(default="batch", metavar="NAME",
                                help="the batch's variable on the ranks (a batch, or a function step -> batch)")),
-    "by": (("--by",), dict(default="category", choices=("category", "place"), metavar="category|place",
+    "by": (("--by",), dict(type=_word, default="category", choices=("category", "place"), metavar="category|place",
                            help="stack the bars by category (params, grads, ...) or by place (device, host)")),
     "timeline": (("--timeline",), dict(action="store_true",
                                        help="one step of --var on --data sampled after every op: bytes by category "
@@ -121,7 +130,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "memory": (("--memory",), dict(type=_bytes, default=None, metavar="64MiB",
                                    help="memory per rank (B, KiB, MiB, GiB); candidates over it are marked")),
     "top": (("--top",), dict(type=_positive_int, default=10, metavar="K", help="show the best K candidates")),
-    "path": (("path",), dict(metavar="PATH", help="the script to write (.py), with a Slurm batch file beside it")),
+    "path": (("path",), dict(metavar="PATH", help="where to write the script: a .py path (train: train.py; another "
+                                                  "suffix is refused), or an existing folder (train.py in it); a "
+                                                  "Slurm batch file (.sbatch) is written beside it")),
 }
 COMMANDS = {  # name: (flags, takes config words, help)
     "start": (("n", "fit", "engines", "ip", "hosts", "profile", "timeout"), False,
@@ -196,10 +207,17 @@ def wants_help(argv: list[str]) -> bool:
 
 
 def _flag_lines(flags) -> list[str]:
+    """One line per flag as argparse would show it: ``--fit`` (a switch takes no value), ``--engines ENGINES``,
+    ``-m, --microbatches M``, and a positional argument as its placeholder alone (``PATH``)."""
     lines = []
     for name in flags:
         names, kwargs = FLAGS[name]
-        label = ", ".join(names) + (f" {kwargs['metavar']}" if "metavar" in kwargs else f" {names[-1][2:].upper()}")
+        if not names[0].startswith("-"):  # positional: argparse shows its metavar (or its name upper-cased)
+            label = kwargs.get("metavar", names[0].upper())
+        elif kwargs.get("action") in ("store_true", "store_false", "count"):
+            label = ", ".join(names)
+        else:
+            label = ", ".join(names) + f" {kwargs.get('metavar', name.upper())}"
         lines.append(f"      {label:<22} {kwargs['help']}")
     return lines
 

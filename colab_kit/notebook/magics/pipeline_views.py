@@ -22,7 +22,7 @@ from colab_kit.notebook.cluster.remote import namespace
 
 from typing import Any
 
-__all__ = ["schedule_view", "timeline_view", "profile_view", "NoTimeline"]
+__all__ = ["schedule_view", "timeline_view", "profile_view", "NoTimeline", "no_engine"]
 
 DEFAULTS: dict[str, Any] = {"pp": 4, "microbatches": 8, "schedule": "1f1b", "chunks": 1}
 
@@ -72,6 +72,61 @@ def _rank_timeline(var: str):
     return eng.timeline() if eng is not None and hasattr(eng, "timeline") else None
 
 
+def _rank_holds(var: str) -> tuple[str | None, list[str]]:
+    """On a rank: the type of what ``var`` holds (None: no such variable), and the variables holding an engine."""
+    from colab_kit.engine.core import Engine
+
+    ns = namespace()
+    held = type(ns[var]).__name__ if var in ns else None
+    return held, sorted(n for n, v in list(ns.items()) if isinstance(v, Engine) and not n.startswith("_"))
+
+
+def no_engine(cluster, var: str, then: str = "") -> str:
+    """Why ``--var var`` names no engine on some ranks, and what would work (asks the ranks).
+
+    Where ``var`` holds something else (``--var data``: a batch; ``--var model``), it says what (a tuple, a
+    GPT), never advising to overwrite it with an engine; the variables that hold an engine on every rank are
+    named (``--var NAME``); building one is suggested only where no rank holds any. ``then``: what to do next
+    with the engine, ``{name}`` standing for its variable (``timeline``: train a step)."""
+    got = cluster.run(_rank_holds, var, progress=None)
+    missing = [r for r, (_, engines) in enumerate(got) if var not in engines]
+    if not missing:
+        return f"every rank holds an engine in {var!r} now: run the command again"
+    kinds: dict[str | None, list[int]] = {}
+    for r in missing:
+        kinds.setdefault(got[r][0], []).append(r)
+    said = [f"{var!r} on {_ranks(rs)} holds {_a(kind)}, not an engine" if kind else
+            f"{_ranks(rs)} {'has' if len(rs) == 1 else 'have'} no engine in a variable {var!r}"
+            for kind, rs in kinds.items()]
+    everywhere = sorted(set.intersection(*(set(engines) for _, engines in got)))
+    somewhere = sorted(set().union(*(engines for _, engines in got)) - set(everywhere))
+    if everywhere:
+        name = everywhere[0]
+        fix = f"name one with --var NAME: the engines on every rank are in {', '.join(map(repr, everywhere))}"
+    elif somewhere:
+        name = "NAME"
+        fix = (f"engines are in {', '.join(map(repr, somewhere))} on some ranks only: build the engine on every rank "
+               f"(a %%colossal cell without --ranks) and name its variable with --var NAME")
+    else:
+        name = var if set(kinds) == {None} else "engine" if var != "engine" else "eng"  # never over the user's data
+        build = f"{name} = ck.boost(model, optimizer_factory, config, mesh=mesh)"
+        fix = (f"no variable on the ranks holds an engine: build one (in a %%colossal cell: {build}), or name its "
+               f"variable with --var NAME" if name == var else
+               f"no variable on the ranks holds an engine: build one under another name (in a %%colossal cell: "
+               f"{build}) and give --var {name}")
+    if then:
+        fix += f"; then {then.format(name=name)}"
+    return "; ".join(said) + ": " + fix
+
+
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[:1].lower() in "aeiou" else f"a {kind}"
+
+
+def _ranks(rs: list[int]) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs}"
+
+
 def timeline_view(cluster, var: str = "engine"):
     """(summary text, measured Gantt figure) of the last step of ``var`` on every rank.
 
@@ -82,11 +137,9 @@ def timeline_view(cluster, var: str = "engine"):
     from ...viz.schedule_data import event_cells, measured_bubble
 
     got = cluster.run(_rank_timeline, var)
-    missing = [r for r, events in enumerate(got) if events is None]
-    if missing:
-        raise NoTimeline(f"ranks {missing} have no engine in a variable {var!r}: build one and train a step "
-                         f"(in a %%colossal cell: {var} = ck.boost(model, optimizer_factory, config, mesh=mesh); "
-                         f"{var}.train_step(batch)), or name its variable with --var NAME")
+    if any(events is None for events in got):
+        raise NoTimeline(no_engine(cluster, var, then="train a step first if it has not ({name}.train_step(batch) "
+                                                      "in a %%colossal cell)"))
     if not any(got):
         raise NoTimeline(f"the engine {var!r} on the ranks has not trained a step yet: "
                          f"run {var}.train_step(batch) on every rank first")
@@ -122,6 +175,8 @@ def _rank_profile(var: str, data: str, run: bool, method: str = "profile"):
 def _checked(cluster, var: str, data: str, method: str) -> list:
     """Every rank's ``var.<method>(data)``, once every rank is known to have both (``NoTimeline`` if not)."""
     missing = {r: why for r, why in enumerate(cluster.run(_rank_profile, var, data, False, method)) if why}
+    if any(why.startswith("no engine") for why in missing.values()):  # what --var holds instead, where engines are
+        raise NoTimeline(no_engine(cluster, var))
     if missing:
         raise NoTimeline(f"ranks {sorted(missing)}: {next(iter(missing.values()))}: define {var} = ck.boost(...) "
                          f"and {data} = (inputs, targets) (or a function step -> batch) on every rank, "
