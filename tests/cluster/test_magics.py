@@ -175,6 +175,19 @@ def test_cell_timeout_returns_and_reports_the_running_ranks(run, shared):
     assert error is None and out == "[rank 1]\n1\n"
 
 
+def test_a_kernel_variable_used_on_the_ranks_is_named_as_the_kernels(run, shared):
+    """``NameError`` on the ranks for a name this kernel defines: the magic says the cell runs in the ranks' own
+    namespace (a plain NameError read as a typo); a name the kernel lacks too gets no such hint."""
+    run("KERNEL_ONLY = 3")
+    error, out, err = run("%%colossal\nprint(KERNEL_ONLY)")
+    assert isinstance(error, ck.RankError)
+    assert "'KERNEL_ONLY' is a variable of this kernel, not of the ranks: a %%colossal cell runs in each rank's " \
+        "own namespace" in err, err
+    error, out, err = run("%%colossal\nprint(NOWHERE)")
+    assert isinstance(error, ck.RankError) and "NameError: name 'NOWHERE'" in out + err
+    assert "is a variable of this kernel" not in err
+
+
 def test_ctrl_c_in_a_cell_shows_every_ranks_output_and_the_health_check(run, shared):
     import _thread
     import threading
@@ -182,6 +195,8 @@ def test_ctrl_c_in_a_cell_shows_every_ranks_output_and_the_health_check(run, sha
     threading.Timer(1.5, _thread.interrupt_main).start()
     error, out, err = run("%%colossal\nimport time\nprint('working on', rank, flush=True)\ntime.sleep(1000)")
     assert isinstance(error, KeyboardInterrupt)
+    assert error._render_traceback_() == ["CellInterrupted: the cell was interrupted on every rank (what each "
+                                          "printed, and the cluster's check, are above)"]  # not 56 lines of frames
     for r in range(4):
         assert f"[rank {r}] interrupted\nworking on {r}\n" in out
     assert "interrupted; cluster: 4 ranks" in err and "NEEDS RESTART" not in err

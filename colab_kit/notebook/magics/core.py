@@ -62,7 +62,7 @@ from IPython.display import display
 
 from ..cluster import ClusterError
 from ...config import Axis, ConfigError, ParallelConfig
-from ...errors import RankError
+from ...errors import MessageOnly, RankError
 from .flags import COMMANDS, HELP, cell_parser, command_parser, help_text, split, wants_help
 from ..progress import Progress, StageProgress
 from .output import show_outputs
@@ -83,6 +83,15 @@ __all__ = ["ColossalState", "ColossalMagics", "state", "show_outputs", "load_ipy
 
 
 # ---------------------------------------------------------------- the magics
+class CellInterrupted(MessageOnly, KeyboardInterrupt):
+    """A Ctrl-C (or the stop button) during a ``%%colossal`` cell, raised once every rank's output and the
+    cluster's health check are printed: IPython shows its one line, not the kernel-side frames of the wait.
+    ``outputs`` and ``cluster_status`` as on the ``KeyboardInterrupt`` ``Cluster.execute`` raises."""
+
+    outputs: dict | None = None
+    cluster_status: str | None = None
+
+
 @magics_class
 class ColossalMagics(Magics):
     """``%colossal`` / ``%%colossal``, bound to one explicit ``ColossalState``."""
@@ -362,6 +371,16 @@ class ColossalMagics(Magics):
               + (f" with config {cluster.config.describe()}" if cluster.config else ""))
         display(cluster.ranks())
 
+    def _kernel_names(self, err: RankError) -> list[str]:
+        """A hint for each name a rank found undefined that this kernel defines: a ``%%colossal`` cell runs in
+        each rank's own namespace, not the kernel's."""
+        ns = getattr(self.shell, "user_ns", None) or {}
+        names = sorted({m.group(1) for text in err.failures.values()
+                        for m in re.finditer(r"NameError: name '(\w+)' is not defined", str(text))})
+        return [f"{name!r} is a variable of this kernel, not of the ranks: a %%colossal cell runs in each rank's own "
+                f"namespace; define it in a %%colossal cell (as the kernel's cells do for themselves)"
+                for name in names if name in ns]
+
     def _cell(self, line: str, cell: str):
         p, argv = cell_parser(), split(line, "%%colossal")
         if wants_help(argv):  # the help, and the cell is not run
@@ -380,6 +399,8 @@ class ColossalMagics(Magics):
             if self.state.last:
                 show_outputs(self.state.last)
                 err.shown = True
+            for hint in self._kernel_names(err):
+                print(hint, file=sys.stderr)
             raise err from None
         except KeyboardInterrupt as stop:  # Ctrl-C / the stop button: what every rank said so far, then
             self.state.last = getattr(stop, "outputs", None)  # whether the ranks are still in step
@@ -388,7 +409,10 @@ class ColossalMagics(Magics):
             status = getattr(stop, "cluster_status", None)  # set by Cluster.execute
             if status:
                 print(f"interrupted; cluster: {status}", file=sys.stderr)
-            raise
+            short = CellInterrupted("the cell was interrupted on every rank (what each printed, and the cluster's "
+                                    "check, are above)")
+            short.outputs, short.cluster_status = self.state.last, status
+            raise short from None
         finally:
             if progress is not None:
                 progress.close()
