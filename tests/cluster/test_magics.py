@@ -566,6 +566,8 @@ def test_plan_refuses_bad_input_before_planning(run, ip, state):
            "Usage: %colossal plan --model VAR --batch N [--ranks N] [--memory 64MiB] [--top K]")
     _usage(run, "%colossal plan --model MODEL --batch 8 --memory 64MB",
            "argument --memory: expected bytes like 64MiB, 1.5GiB or 4096 (units B, KiB, MiB, GiB, TiB), got '64MB'")
+    _usage(run, "%colossal plan --model MODEL --batch 8 --ranks 2 --memory 0.5KiB",
+           "--memory comes to 512 bytes, less than a KiB", "did you mean GiB? e.g. --memory 16GiB")
     _usage(run, "%colossal plan --model MODEL --batch 0", "argument --batch: must be a positive whole number, got '0'")
     _usage(run, "%colossal plan --model MODEL --batch 8 --top 0", "argument --top: must be a positive whole number")
     _usage(run, "%colossal plan --model MODL --batch 8 --ranks 4", "no variable 'MODL' in the kernel",

@@ -290,6 +290,9 @@ class ColossalMagics(Magics):
                              "give --ranks N, or run %colossal start -n 4 first")
         from ..widgets.planner_view import PlannerView
 
+        if args.memory is not None and args.memory < 1024:  # given with its unit here: ck.plan's "is in bytes" misleads
+            raise UsageError(f"%colossal plan: --memory comes to {args.memory} bytes, less than a KiB, and no device "
+                             "holds a training step in that: did you mean GiB? e.g. --memory 16GiB")
         try:
             cands = plan(model_cfg, ranks, args.batch, memory_per_rank=args.memory)
             view = PlannerView(cands, self.state, memory_per_rank=args.memory, top=args.top)
