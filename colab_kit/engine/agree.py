@@ -27,6 +27,7 @@ raising ``check_batch``'s error while the others wait for it.
 """
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -36,17 +37,20 @@ from ..config import Axis
 
 __all__ = ["FINGERPRINT", "fingerprint", "agree_on_batch"]
 
-FINGERPRINT = 11
-"""int64s per rank: the batch's kind, then per tensor (two at most) its dtype and shape, how it is compared
-(exact, or floating), and three sums."""
+SLOT = 6
+"""int64s per tensor: its dtype and shape, how it is compared, and four sums (``_exact_sums`` / ``_float_sums``)."""
+FINGERPRINT = 1 + 2 * SLOT
+"""int64s per rank: the batch's kind, then a ``SLOT`` for each of its two parts."""
 
 FLOAT_RTOL = 1e-6
-"""How far two floating tensors' sums may differ, relative to the sum of their magnitudes, and still count as
-one batch: a value one rounding off on another rank (its mean taken in another order, on another CPU or GPU)
-moves a sum by about 6e-8 of it; another batch, or the same rows in another order, by far more."""
+"""How far two floating tensors' sums may differ, relative to the sums of their magnitudes, and still count as
+one batch (for 16- and 8-bit floats, their own epsilon): a value one rounding off on another rank (its mean
+taken in another order, on another CPU or GPU) moves a sum by at most that much of it; another batch, or the
+same rows in another order, by far more."""
 
 _CHUNK = 1 << 22  # elements summed at a time (32 MiB as int64 or float64): the check's memory stays small
-_EXACT, _FLOATING = 1, 2
+_EXACT, _FLOATING = 1, 16  # a floating tensor's kind is _FLOATING + its element size (its tolerance: _rtol)
+_NOT_A_TENSOR, _UNREADABLE = 0, -1
 
 
 def _code(text: str) -> int:
@@ -62,64 +66,95 @@ def _chunks(flat: torch.Tensor, dtype: torch.dtype):
         yield v, w
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a plain strided tensor: a sparse one densified, a quantized one as its integers."""
+    t = t.detach()
+    if t.is_sparse or t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_quantized:
+        t = t.int_repr()
+    return t
+
+
 def _exact_sums(t: torch.Tensor) -> list[int]:
     """Sums of ``t``'s bytes read as 16-bit integers, plain and weighted by position: each term is below 2^31 in
     magnitude, so neither overflows an int64 for fewer than 2^32 pieces, and integer sums do not depend on the
     order a device adds them in: equal tensors give equal sums anywhere."""
-    flat = t.detach().contiguous().reshape(-1)
+    flat = t.contiguous().reshape(-1)
     raw = (flat.to(torch.uint8) if flat.dtype == torch.bool else flat).view(torch.uint8)
+    if raw.numel() % 2 == 0 and raw.storage_offset() % 2:  # a view at an odd byte: read 16 bits from a copy
+        raw = raw.clone()
     pieces = raw.view(torch.int16) if raw.numel() % 2 == 0 else raw
     plain = weighted = 0
     for v, w in _chunks(pieces, torch.int64):
         plain += int(v.sum())
         weighted += int((v * w).sum())
-    return [plain, weighted, 0]
+    return [_EXACT, plain, weighted, 0, 0]
 
 
 def _float_sums(t: torch.Tensor) -> list[int]:
-    """Plain, position-weighted and magnitude sums of a floating tensor in float64, as their bits (compared
-    within ``FLOAT_RTOL`` by ``_same``)."""
-    flat = t.detach().reshape(-1)
-    plain = weighted = size = 0.0
+    """Plain and position-weighted sums of a floating tensor in float64, and the same of its magnitudes, as
+    their bits (compared within ``_rtol`` by ``_same_slot``); the exact byte sums where one is not finite (a NaN
+    or an infinity in the batch: compared bit for bit)."""
+    flat = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
+    plain = weighted = size = wsize = 0.0
     for v, w in _chunks(flat, torch.float64):
         plain += float(v.sum())
         weighted += float((v * w).sum())
         size += float(v.abs().sum())
-    return torch.tensor([plain, weighted, size], dtype=torch.float64).view(torch.int64).tolist()
+        wsize += float((v.abs() * w).sum())
+    if not all(math.isfinite(x) for x in (plain, weighted, size, wsize)):
+        return _exact_sums(t)
+    bits = torch.tensor([plain, weighted, size, wsize], dtype=torch.float64).view(torch.int64).tolist()
+    return [_FLOATING + t.element_size(), *bits]
+
+
+def _rtol(kind: int) -> float:
+    """The tolerance of a floating tensor of ``kind``: ``FLOAT_RTOL``, or the epsilon of a 16- or 8-bit float."""
+    return max(FLOAT_RTOL, {2: 2.0 ** -7, 1: 2.0 ** -2}.get(kind - _FLOATING, 0.0))
 
 
 def fingerprint(batch) -> torch.Tensor:
     """``FINGERPRINT`` int64s that tell two batches apart (with overwhelming likelihood) whatever ``batch`` is: a
     pair of tensors, a tensor, anything else (named by its type). Integer and bool tensors by their bytes;
-    floating ones by float64 sums, so that a rounding apart still matches (``FLOAT_RTOL``)."""
+    floating ones by float64 sums, so that a rounding apart still matches (``_rtol``). A tensor whose values
+    cannot be read here (a meta tensor, say) is marked so, and every rank refuses alike."""
     items = list(batch)[:2] if isinstance(batch, (tuple, list)) else [batch]
     out = [_code(type(batch).__name__) + 16 * len(items) if isinstance(batch, (tuple, list)) else 0]
     for k in range(2):
         item = items[k] if k < len(items) else None
         if torch.is_tensor(item):
-            floating = item.is_floating_point() or item.is_complex()
-            sums = _float_sums(item.real if item.is_complex() else item) if floating else _exact_sums(item)
-            out += [_code(f"{item.dtype}{tuple(item.shape)}"), _FLOATING if floating else _EXACT, *sums]
+            try:
+                t = _dense(item)
+                sums = _float_sums(t) if t.is_floating_point() or t.is_complex() else _exact_sums(t)
+            except Exception as exc:  # noqa: BLE001 - refused by every rank after the gather, not raised alone here
+                sums = [_UNREADABLE, _code(type(exc).__name__), 0, 0, 0]
+            out += [_code(f"{item.dtype}{tuple(item.shape)}"), *sums]
         else:
-            out += [_code(type(item).__name__), 0, 0, 0, 0]
+            out += [_code(type(item).__name__), _NOT_A_TENSOR, 0, 0, 0, 0]
     return torch.tensor(out, dtype=torch.int64)
 
 
-_SLOTS = (slice(1, 6), slice(6, 11))  # each tensor's five numbers in a fingerprint
+_SLOTS = (slice(1, 1 + SLOT), slice(1 + SLOT, 1 + 2 * SLOT))  # each part's numbers in a fingerprint
 
 
 def _same_slot(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not torch.equal(a[:2], b[:2]) or int(a[1]) != _FLOATING:
+    kind = int(a[1])
+    if not torch.equal(a[:2], b[:2]) or kind < _FLOATING:
         return torch.equal(a, b)
     x, y = a[2:].view(torch.float64).tolist(), b[2:].view(torch.float64).tolist()
-    scale = max(abs(x[2]), abs(y[2]))
-    both_nan = [u != u and v != v for u, v in zip(x, y)]
-    return all(n or u == v or abs(u - v) <= FLOAT_RTOL * scale * (65521 if i == 1 else 1)
-               for i, (u, v, n) in enumerate(zip(x, y, both_nan)))
+    rtol = _rtol(kind)
+    return (abs(x[0] - y[0]) <= rtol * max(x[2], y[2]) and abs(x[1] - y[1]) <= rtol * max(x[3], y[3])
+            and abs(x[2] - y[2]) <= rtol * max(x[2], y[2]) and abs(x[3] - y[3]) <= rtol * max(x[3], y[3]))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return int(a[0]) == int(b[0]) and all(_same_slot(a[sl], b[sl]) for sl in _SLOTS)
+
+
+def _malformed(row: torch.Tensor) -> bool:
+    """Whether a fingerprint's batch is no pair of readable tensors (a bare tensor, a tensor not read here)."""
+    return int(row[0]) == 0 or any(int(row[sl][1]) in (_NOT_A_TENSOR, _UNREADABLE) for sl in _SLOTS)
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> str:
@@ -141,7 +176,7 @@ def agree_on_batch(batch, mesh, local: bool, what: str = "train_step", rule: str
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return
-    mine = fingerprint(batch).to(mesh.device)
+    mine = fingerprint(batch).to(mesh.device)  # never raises: a rank that did would leave the others waiting
     table = torch.empty(world * FINGERPRINT, dtype=torch.int64, device=mesh.device)
     _gather(table, mine)
     rows = table.view(world, FINGERPRINT).cpu()
@@ -151,6 +186,12 @@ def agree_on_batch(batch, mesh, local: bool, what: str = "train_step", rule: str
     for ranks in groups.values():
         first = ranks[0]
         odd = [r for r in ranks[1:] if not _same(rows[r], rows[first])]
+        if odd and any(_malformed(rows[r]) for r in [first, *odd]):
+            bad = sorted(r for r in ranks if _malformed(rows[r]))
+            raise ValueError(f"{what}: ranks {bad} passed no pair of tensors their peers could compare (a bare tensor, "
+                             f"something else, or a tensor whose values cannot be read here, such as a meta one), "
+                             f"while ranks {sorted(set(ranks) - set(bad))} passed {names[0]} and {names[1]}: every "
+                             f"rank passes the same pair of tensors ({names[0]}, {names[1]})")
         if odd:
             raise ValueError(f"{what}: ranks {odd} were handed a different batch from rank {first} "
                              f"({_differs(rows[first], rows[odd[0]], names)}): "

@@ -277,8 +277,10 @@ def test_ssh_hosts_are_checked_before_anything_starts(monkeypatch, tmp_path):
         Cluster(engines="ssh", ip="10.0.0.1", profile_dir="/nowhere")
     with pytest.raises(ClusterError, match=r"unknown keyword collective_timout=.*did you mean 'collective_timeout'"):
         Cluster(n=2, collective_timout=30)
-    with pytest.raises(ClusterError, match=r"ip='10.0.0.1' is not an address of this host, and local engines"):
+    with pytest.raises(ClusterError, match=r"ip='10.0.0.1' is not an address, interface or name of this host"):
         Cluster(n=2, ip="10.0.0.1")
+    import socket
+    assert Cluster(n=2, ip=socket.gethostname()).ip == socket.gethostname()  # this host's name resolves here
     assert Cluster(n=2, ip="127.0.0.1", log_level=20).ip == "127.0.0.1"  # ipyparallel's own keywords pass
     assert startup.host_order(["b", "a", "b", "a", "c"]) == [0, 2, 1, 3, 4]
 

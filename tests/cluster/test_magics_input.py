@@ -70,12 +70,14 @@ def test_export_path_rules_folder_suffix_and_none(run, state, tmp_path):
     assert (folder / "train.py").exists() and (folder / "train.sbatch").exists()
     assert not (tmp_path / "runs.py").exists()
     text = _usage(run, f"%colossal export {tmp_path / 'train.txt'}", "the suffix '.txt'", "must be a .py file",
-                  "try train.py")
+                  f"try {tmp_path / 'train'}.py")
     assert "train.txt.py" not in text and not list(tmp_path.glob("train.txt*"))
     error, out, _ = run(f"%colossal export {tmp_path / 'job'}")  # no suffix: .py added
     assert error is None and (tmp_path / "job.py").exists() and (tmp_path / "job.sbatch").exists(), out
     assert script_path(str(folder) + os.sep) == (str(folder / "train.py"), True)
     assert script_path(tmp_path / "a.py") == (str(tmp_path / "a.py"), False)
+    assert script_path(tmp_path / "run.v2") == (str(tmp_path / "run.v2.py"), False)  # a dot in the name
+    assert script_path(tmp_path / "A.PY") == (str(tmp_path / "A.PY"), False)
 
 
 # ---------------------------------------------------------------- 3: unloading says what it stopped

@@ -172,8 +172,9 @@ def test_ranks_handed_different_batches_are_refused_at_the_first_step_on_every_r
         r["tp local halves"]
     assert "ranks of one dp coordinate (here ranks [0, 1], dp rank 0) pass the same rows" in r["tp local halves"]
     assert "DistributedSampler(num_replicas=dp, rank=dp rank)" in r["tp local halves"]
-    assert r["tp one malformed"].startswith("train_step: ranks [1] were handed a different batch from rank 0 "
-                                            "(targets differs)"), r["tp one malformed"]
+    assert r["tp one malformed"].startswith("train_step: ranks [1] passed no pair of tensors their peers could "
+                                            "compare"), r["tp one malformed"]
+    assert "while ranks [0] passed inputs and targets" in r["tp one malformed"]
 
 
 def test_a_fingerprint_tells_batches_apart_and_is_the_same_for_equal_ones():
@@ -231,4 +232,38 @@ def test_floating_batches_match_within_a_rounding_and_no_further():
         chunked = agree.fingerprint((big, ids))
     finally:
         agree._CHUNK = real
-    assert agree._same(chunked, whole) and torch.equal(chunked[6:], whole[6:])  # the ids' sums exactly
+    second = slice(1 + agree.SLOT, None)
+    assert agree._same(chunked, whole) and torch.equal(chunked[second], whole[second])  # the ids' sums exactly
+
+
+def test_odd_tensors_fingerprint_on_every_rank_and_16_bit_floats_match_within_their_epsilon():
+    """What a rank must never raise on alone (the others would wait in the gather): a byte tensor viewed at an odd
+    offset, a sparse tensor, a meta tensor (marked unreadable). bf16 one rounding apart matches; a
+    swap in a small float tensor, NaN on one rank only, an imaginary part changed do not."""
+    from colab_kit.engine import agree
+
+    buf = torch.arange(10, dtype=torch.uint8)
+    odd = buf[1:5]  # storage offset 1, 4 elements
+    assert torch.equal(agree.fingerprint((odd, odd)), agree.fingerprint((odd.clone(), odd.clone())))
+    dense = torch.eye(3)
+    assert agree._same(agree.fingerprint((dense.to_sparse(), buf)), agree.fingerprint((dense, buf)))
+    meta = agree.fingerprint((torch.empty(4, device="meta"), buf))
+    assert int(meta[1 + 1]) == agree._UNREADABLE and agree._malformed(meta)
+    torch.manual_seed(0)
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    flipped = x.clone()
+    flipped[0, 3] = (flipped[0, 3].float() * (1 + 2 ** -7)).to(torch.bfloat16)
+    assert not torch.equal(flipped, x)  # one bf16 rounding apart
+    assert agree._same(agree.fingerprint((flipped, buf)), agree.fingerprint((x, buf)))
+    small = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+    swapped = small[[1, 0, 2, 3, 4, 5, 6, 7]]
+    assert not agree._same(agree.fingerprint((small, buf)), agree.fingerprint((swapped, buf)))
+    nan = small.clone()
+    nan[2] = float("nan")
+    assert agree._same(agree.fingerprint((nan, buf)), agree.fingerprint((nan.clone(), buf)))
+    assert not agree._same(agree.fingerprint((nan, buf)), agree.fingerprint((small, buf)))
+    inf = small.clone()
+    inf[5] = float("inf")
+    assert not agree._same(agree.fingerprint((inf, buf)), agree.fingerprint((small, buf)))
+    z = torch.complex(small, small)
+    assert not agree._same(agree.fingerprint((z, buf)), agree.fingerprint((torch.complex(small, small + 1), buf)))

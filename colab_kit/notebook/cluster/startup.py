@@ -154,17 +154,28 @@ def check_ipp_options(engines, ip: str | None, ipp_kwargs: dict) -> None:
                                f"create {profile} --parallel` and put the launcher's settings in its "
                                "ipcluster_config.py, or leave profile out")
     if ip is not None and engines == "local" and not _this_hosts(ip):
-        raise ClusterError(f"ip={ip!r} is not an address of this host, and local engines run here: leave ip out "
-                           "(loopback), or give one of this host's addresses for engines started elsewhere")
+        raise ClusterError(f"ip={ip!r} is not an address, interface or name of this host, and local engines run here: "
+                           "leave ip out (loopback), or give one of this host's addresses")
 
 
 def _this_hosts(ip: str) -> bool:
-    """Whether the controller can listen on ``ip`` here: loopback, every interface, or an interface's address."""
+    """Whether the controller can listen on ``ip`` here: loopback, every interface, an interface's name or
+    address, or a host name that resolves to one of them."""
+    import socket
+
     import psutil
 
     if is_loopback(ip) or ip in ("0.0.0.0", "*", "::", ""):
         return True
-    return any(a.address.split("%")[0] == ip for addrs in psutil.net_if_addrs().values() for a in addrs)
+    interfaces = psutil.net_if_addrs()
+    mine = {a.address.split("%")[0] for addrs in interfaces.values() for a in addrs}
+    if ip in interfaces or ip in mine:
+        return True
+    try:
+        named = {info[4][0] for info in socket.getaddrinfo(ip, None)}
+    except OSError:
+        return False
+    return any(is_loopback(a) or a in mine for a in named)
 
 
 def _default_profile_configures_launchers() -> bool:
@@ -246,6 +257,7 @@ class Startup:
         order = host_order([info[r]["host"] for r in range(self.n)], [info[r].get("slot") for r in range(self.n)])
         self._ids = [self._ids[r] for r in order]
         info = {new: info[old] for new, old in enumerate(order)}
+        self._relays = frozenset(r for r in range(self.n) if info[r].get("relays"))  # before a start can hang
         hosts = [info[r]["host"] for r in range(self.n)]
         local = [hosts[:r].count(h) for r, h in enumerate(hosts)]
         per_host = [hosts.count(h) for h in hosts]
@@ -262,6 +274,5 @@ class Startup:
         done = self._gather({r: self._client[self._ids[r]].apply_async(
             remote.init_rank, r, self.n, local[r], per_host[r], addr, port, backend, self.collective_timeout)
             for r in ranks}, self.timeout, "start (init_process_group)")
-        self._relays = frozenset(r for r in range(self.n) if info[r].get("relays"))
         self._table = RankTable({"rank": r, "host": hosts[r], "pid": info[r]["pid"], "device": done[r]["device"],
                                  "backend": backend} for r in range(self.n))

@@ -11,9 +11,10 @@ own transformation finds them, each becomes ``pass`` with its text as a comment,
 The script is checked to parse before it is written.
 
 Where it is written (``script_path``): ``PATH`` ending in ``.py`` is the script; ``PATH`` without a suffix gets
-``.py`` (``train`` -> ``train.py``); an existing folder gets ``train.py`` inside it (``export runs/`` ->
-``runs/train.py``); any other suffix (``train.txt``) is refused, as torchrun and srun are given a ``.py``
-script (``train.txt.py`` would not be what was typed). ``~`` is the home folder. A folder that does not
+``.py`` (``train`` -> ``train.py``), and so does a name with a dot in it (``run.v2`` -> ``run.v2.py``); an
+existing folder gets ``train.py`` inside it (``export runs/`` -> ``runs/train.py``); the suffix of a file that
+is no script (``train.txt``, ``.ipynb``, ``.sh``: ``NOT_SCRIPTS``) is refused, as torchrun and srun are given a
+``.py`` script (``train.txt.py`` would not be what was typed). ``~`` is the home folder. A folder that does not
 exist, or that cannot be written, is refused before anything is written (``ConfigError`` saying which).
 
 Worked example, after ``%colossal config dp=2 tp=2`` and one cell ``engine = ck.boost(...)``::
@@ -39,6 +40,9 @@ __all__ = ["export", "export_script", "write_export", "script_path"]
 
 DEFAULT_NAME = "train.py"
 """The script's name when ``PATH`` is a folder."""
+NOT_SCRIPTS = frozenset({".txt", ".ipynb", ".sh", ".sbatch", ".json", ".md", ".yaml", ".yml", ".toml", ".cfg",
+                         ".ini", ".csv", ".log", ".pyc", ".out", ".err"})
+"""Suffixes of files that are not a script (refused, not given a .py); any other dot is part of the name."""
 
 _HEADER = '''"""Exported by colab_kit's %colossal export on {when}: the configs and the %%colossal cells the notebook's
 cluster ran, in order, as one script.
@@ -148,12 +152,12 @@ def script_path(path) -> tuple[str, bool]:
     else:
         folder = False
         stem, suffix = os.path.splitext(full)
-        if not suffix:
-            full += ".py"
-        elif suffix != ".py":
+        if suffix.lower() in NOT_SCRIPTS:
             raise ConfigError(f"{given!r} has the suffix {suffix!r}: the script must be a .py file (torchrun and "
-                              f"srun run it with python): try {os.path.basename(stem)}.py, or a folder to write "
+                              f"srun run it with python): try {os.path.splitext(given)[0]}.py, or a folder to write "
                               f"{DEFAULT_NAME} in")
+        if suffix.lower() != ".py":  # none, or a dot in the name (run.v2): the script is that name + .py
+            full += ".py"
     where = os.path.dirname(full)
     if not os.path.isdir(where):
         near = where

@@ -88,7 +88,11 @@ def no_engine(cluster, var: str, then: str = "") -> str:
     GPT), never advising to overwrite it with an engine; the variables that hold an engine on every rank are
     named (``--var NAME``); building one is suggested only where no rank holds any. ``then``: what to do next
     with the engine, ``{name}`` standing for its variable (``timeline``: train a step)."""
-    got = cluster.run(_rank_holds, var, progress=None)
+    try:
+        got = cluster.run(_rank_holds, var, progress=None)
+    except Exception:  # noqa: BLE001 - a cluster that cannot answer now: the plain rule, not its error
+        return (f"no engine in a variable {var!r} on every rank (the ranks could not be asked what it holds): name "
+                "the variable that holds one with --var NAME")
     missing = [r for r, (_, engines) in enumerate(got) if var not in engines]
     if not missing:
         return f"every rank holds an engine in {var!r} now: run the command again"
