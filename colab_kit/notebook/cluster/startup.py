@@ -172,7 +172,7 @@ def _this_hosts(ip: str) -> bool:
     if ip in interfaces or ip in mine:
         return True
     try:
-        named = {info[4][0] for info in socket.getaddrinfo(ip, None)}
+        named = {str(info[4][0]) for info in socket.getaddrinfo(ip, None)}
     except OSError:
         return False
     return any(is_loopback(a) or a in mine for a in named)
