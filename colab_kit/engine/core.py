@@ -81,9 +81,9 @@ def boost(model: nn.Module, optimizer, config: ParallelConfig, *, policy=None,
     each step's norm is in ``engine.records`` (``"grad_norm"``).
     """
     if config is None:
-        raise ConfigError("boost needs a ck.ParallelConfig, got None: on a cluster's ranks `config` is the one "
-                          "%colossal config (cluster.set_config) set, and none is set yet: run %colossal config "
-                          "dp=4 (your degrees) first, or pass ck.ParallelConfig(dp=...) here")
+        raise ConfigError("boost needs a ck.ParallelConfig, got None: pass one, e.g. ck.ParallelConfig(dp=4); in a "
+                          "%%colossal cell `config` is the cluster's, which %colossal config dp=4 (your degrees) sets, "
+                          "and none is set yet")
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"config must be a ck.ParallelConfig, got {type(config).__name__}")
     options = BoostOptions(policy, loss_fn, bucket_bytes, device_budget, max_grad_norm, lr_scheduler)

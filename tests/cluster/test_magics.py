@@ -253,8 +253,8 @@ def test_lifecycle_start_fail_restart_stop_start_again(run, state):
     assert out.startswith("no config set"), out
     error, out, err = run("%%colossal\nimport torch, colab_kit as ck\n"
                           "ck.boost(torch.nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), config)")
-    assert "boost needs a ck.ParallelConfig, got None: on a cluster's ranks `config` is the one %colossal " \
-        "config" in out + err, out + err
+    assert "boost needs a ck.ParallelConfig, got None: pass one, e.g. ck.ParallelConfig(dp=4); in a %%colossal " \
+        "cell `config` is the cluster's" in out + err, out + err
     run("%colossal stop")
 
 
