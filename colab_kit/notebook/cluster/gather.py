@@ -26,6 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ...errors import MessageOnly, RankError, RankTimeout, stacks
+from ...launch import seconds_refusal
 from . import forked, remote, ssh_forked
 from .results import RankTable, split, unwrap_plain
 
@@ -280,8 +281,6 @@ class Waiting:
     def _targets(self, ranks: list[int] | int | None, timeout: float | None = None) -> list[int]:
         """The ranks a call goes to (all for None; one rank may be given as a number), and its ``timeout``,
         checked before anything is sent."""
-        from ...launch import seconds_refusal
-
         if timeout is not None:
             why = seconds_refusal("timeout", timeout)
             if why is not None:

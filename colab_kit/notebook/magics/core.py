@@ -62,6 +62,7 @@ from IPython.display import display
 
 from ..cluster import ClusterError
 from ...config import Axis, ConfigError, ParallelConfig
+from ...mesh import MeshLayout
 from ...errors import MessageOnly, RankError
 from .flags import COMMANDS, HELP, cell_parser, command_parser, help_text, split, wants_help
 from ..progress import Progress, StageProgress
@@ -174,7 +175,6 @@ class ColossalMagics(Magics):
     def _do_mesh(self, args, words):
         """The mesh coloured by ``--axis`` (read in any case); an axis this mesh lacks, or ``--axis experts``
         on a config that does not split the experts, is a ``UsageError`` phrased in the magic's flags."""
-        from ...mesh import MeshLayout
         from ...viz.mesh import expert_mesh_figure, mesh_figure
 
         config = self.state.mesh_config(words)
@@ -190,7 +190,7 @@ class ColossalMagics(Magics):
             fold = config.dp * config.sp
             ep = next((k for k in range(2, fold + 1) if fold % k == 0), None)
             defaults = ParallelConfig().to_dict()
-            inline = " ".join(f"{k}={v}" for k, v in config.to_dict().items() if defaults.get(k) != v and k != "ep")
+            inline = " ".join(f"{k}={v}" for k, v in config.to_dict().items() if defaults.get(k) != v and k != Axis.EP)
             fix = (f"or split them with ep above 1 (a divisor of dp x sp = {fold}): %colossal mesh --axis experts "
                    f"{inline} ep={ep}" if ep else
                    "and its dp x sp is 1, nothing to split them over: give dp above 1 and ep, e.g. %colossal "

@@ -14,6 +14,7 @@ measured events of its last step, drawn with the idle gaps between them.
 (``ck.profile(engine, batch)``) and draws each rank's intervals on one lane.
 """
 from __future__ import annotations
+from ...engine.core import Engine
 from ...memory.timeline import memory_timeline, timeline_figure
 from ...observe.profile import profile, profile_figure
 from ...pipeline import build_plan, simulate
@@ -74,8 +75,6 @@ def _rank_timeline(var: str):
 
 def _rank_holds(var: str) -> tuple[str | None, list[str]]:
     """On a rank: the type of what ``var`` holds (None: no such variable), and the variables holding an engine."""
-    from colab_kit.engine.core import Engine
-
     ns = namespace()
     held = type(ns[var]).__name__ if var in ns else None
     return held, sorted(n for n, v in list(ns.items()) if isinstance(v, Engine) and not n.startswith("_"))
