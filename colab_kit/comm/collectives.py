@@ -18,7 +18,8 @@ __all__ = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", 
 # The fused, single-buffer forms (NCCL's native allgather / reduce-scatter): one contiguous
 # input and one contiguous output, no list of per-rank tensors. torch 2.13 renamed them
 # (``*_single``; the old ``*_into_tensor`` / ``*_tensor`` names warn); older torch has only those.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+torch_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""torch's own all-gather into one tensor, unrecorded (torch 2.13 renamed ``all_gather_into_tensor``)."""
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -112,7 +113,7 @@ def all_reduce(tensor: torch.Tensor, mesh, axis: str, op=dist.ReduceOp.SUM, *, a
             if done is not None:
                 done()
         _run(mesh, "all_reduce", axis, buf,
-             lambda a: _all_gather_single(pieces, flat, group=group, async_op=a), False, tag, combined)
+             lambda a: torch_all_gather_single(pieces, flat, group=group, async_op=a), False, tag, combined)
         return tensor
     out = _run(mesh, "all_reduce", axis, buf,
                lambda a: dist.all_reduce(buf, op=op, group=group, async_op=a), async_op, tag, then)
@@ -163,7 +164,7 @@ def all_gather(tensor: torch.Tensor, mesh, axis: str, dim: int = 0, *, tag: str 
     out = torch.empty(n * piece.numel(), dtype=piece.dtype, device=piece.device)
     flat = piece.view(-1)
     _run(mesh, "all_gather", axis, piece,
-         lambda a: _all_gather_single(out, flat, group=mesh.group(axis), async_op=a), False, tag)
+         lambda a: torch_all_gather_single(out, flat, group=mesh.group(axis), async_op=a), False, tag)
     dim = dim % max(len(shape), 1)
     stacked = out.view((n,) + shape)                    # [n, *shape]: rank r's piece at [r]
     if dim == 0:
@@ -228,7 +229,7 @@ def all_gather_into(out: torch.Tensor, piece: torch.Tensor, mesh, axis: str, *, 
     (in place: ZeRO's updated shard inside the bucket of parameters). With ``async_op=True``
     a ``Pending``. Recorded bytes: this rank's piece, as ``all_gather``.
     """
-    return _fused("all_gather", out, piece, out, piece, mesh, axis, _all_gather_single, async_op, tag, then)
+    return _fused("all_gather", out, piece, out, piece, mesh, axis, torch_all_gather_single, async_op, tag, then)
 
 
 def _fused(op: str, out, src, whole, block, mesh, axis: str, single, async_op: bool, tag: str, then):

@@ -33,6 +33,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import torch_all_gather_single
 from ..config import Axis
 
 __all__ = ["FINGERPRINT", "fingerprint", "agree_on_batch"]
@@ -163,8 +164,8 @@ def _differs(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> str:
 
 
 def _gather(out: torch.Tensor, mine: torch.Tensor) -> None:
-    """Every rank's ``mine`` into ``out``, over the world (torch 2.13 renamed ``all_gather_into_tensor``)."""
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, mine)
+    """Every rank's ``mine`` into ``out``, over the world, outside the comm records."""
+    torch_all_gather_single(out, mine)
 
 
 def agree_on_batch(batch, mesh, local: bool, what: str = "train_step", rule: str | None = None,
