@@ -152,12 +152,12 @@ def _one_shot_checks(mesh, mesh4, rank):
     from colab_kit.comm import collectives
 
     gathers = []
-    real = collectives._all_gather_single
+    real = collectives.torch_all_gather_single
 
     def counting(*args, **kwargs):
         gathers.append(1)
         return real(*args, **kwargs)
-    collectives._all_gather_single = counting
+    collectives.torch_all_gather_single = counting
     gen = torch.Generator().manual_seed(rank)
     SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
     seen = []
@@ -210,7 +210,7 @@ def _one_shot_checks(mesh, mesh4, rank):
         comm.all_reduce(t, mesh, "tp")
         got["switched off"] = (len(gathers) - before, None, None, None)
     finally:
-        collectives._all_gather_single = real
+        collectives.torch_all_gather_single = real
         collectives.ONE_SHOT_BYTES = 64 << 10
         mesh.abort_flag = None
     return got
