@@ -85,7 +85,7 @@ def test_the_planner_takes_any_model_with_its_rules():
     """ck.plan on a model: only configs boost accepts for it (no sp for ViT; BERT gets sp and 3D),
     its activations scaled from its own traced forward (dp=4 holds a quarter of one process's). Priced with the
     example constants: what is tested is the model's side, not this machine's (measuring them for 8 ranks in a
-    fresh cache cost this test 40 s; tests/ranks/test_planner.py measures them)."""
+    fresh cache took this test 52 s under `pytest --durations`; tests/ranks/test_planner.py measures them)."""
     from colab_kit.models import BERT, ViT
     vit = ck.plan(ViT(VIT_CFG), 4, 16, constants=EXAMPLE_CONSTANTS)
     assert vit and not any(c.config.sp > 1 for c in vit)
