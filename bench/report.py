@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
 KEYS = ("benchmark", "command", "when", "machine", "torch", "rows")
-ORDER = ("dp", "tp", "one_shot", "pp", "sp", "zero", "zero_scale", "recipe", "models", "moe", "cluster", "ssh", "bind", "plan", "moe_plan", "gpu_check",
+ORDER = ("dp", "tp", "one_shot", "pp", "sp", "zero", "zero_scale", "recipe", "models", "moe", "cluster", "ssh", "bind", "spin", "plan", "moe_plan", "gpu_check",
          "gpu_moe_check")
 
 HEAD = """# Benchmarks

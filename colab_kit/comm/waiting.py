@@ -7,6 +7,7 @@ import threading
 import time
 
 from .records import CommLog, CommRecord
+from .spin import spin
 
 __all__ = ["ABORT_POLL", "Aborted", "WaitTimeout", "finish", "Pending"]
 
@@ -39,6 +40,9 @@ def finish(work, flag: threading.Event | None = None, what: str = "a collective"
     """
     if armed is None and flag is None and timeout is None:
         work.wait()
+        return
+    if armed is None and getattr(work, "polls", False) and spin(work.is_completed):
+        work.wait()  # a rules collective polled a moment first (``comm.spin``): complete, its checks run here
         return
     t0 = time.monotonic()
     if armed is not None:

@@ -252,6 +252,61 @@ def test_torchs_own_pipelining_trains_under_the_rules():
         assert not torch.allclose(grads[0], 2 * want[0])  # the check can fail: gradients summed, not averaged
 
 
+
+def _waits(budget: float) -> dict:
+    """On each of 2 ranks, under polling budget ``budget`` (s): all-reduces, a batch and unbatched messages;
+    the results, and what the rules' waits polled (``comm.spin``, counted by the kind of its look)."""
+    import torch
+    import torch.distributed as dist
+
+    from colab_kit.comm import rules, spin as spin_mod
+    from colab_kit.comm.rules import works
+
+    spin_mod.SPIN_SECONDS = budget
+    looks: dict = {}
+    real = works.spin
+
+    def counted(done, b=None):
+        kind = type(getattr(done, "__self__", done)).__name__
+        looks[kind] = looks.get(kind, 0) + 1
+        return real(done, b)
+    works.spin = counted
+    me, other = dist.get_rank(), 1 - dist.get_rank()
+    sums = []
+    for k in range(20):
+        t = torch.arange(4.0) * (me + 1) + k
+        dist.all_reduce(t)
+        sums.append(t.tolist())
+    got = torch.empty(3)
+    ops = [dist.P2POp(dist.irecv, got, other), dist.P2POp(dist.isend, torch.full((3,), me + 1.0), other)]
+    for w in rules.batch_isend_irecv(ops):
+        w.wait()
+    echo = torch.empty(2)
+    if me == 0:
+        dist.send(torch.tensor([5.0, 6.0]), 1)
+        dist.recv(echo, 1)
+    else:
+        dist.recv(echo, 0)
+        dist.send(echo * 2, 0)
+    works.spin = real
+    return {"sums": sums, "got": got.tolist(), "echo": echo.tolist(), "looks": looks}
+
+
+def test_waits_poll_first_and_give_the_same_results_as_sleeping():
+    """A rules collective's wait polls gloo's work first on the rank's thread (``comm.spin``, ``bench/spin.py``
+    measures what it saves), a message's sleeps at once; with a budget of 0 (``COLAB_KIT_SPIN_US=0``) every wait
+    sleeps at once. Either way every sum and message is the same, and matches what the ranks sent."""
+    polling, sleeping = (ck.launch(_waits, 2, budget, timeout=120) for budget in (1e-3, 0.0))
+    for r in range(2):
+        assert polling[r]["sums"] == sleeping[r]["sums"] == [[3 * i + 2 * k for i in range(4)] for k in range(20)]
+        assert polling[r]["got"] == sleeping[r]["got"] == [2.0 - r] * 3
+        assert polling[r]["looks"] == sleeping[r]["looks"]
+        assert sum(polling[r]["looks"].values()) >= 20  # each all-reduce's wait looked at gloo's work first
+        assert "Future" not in polling[r]["looks"]  # a message's wait sleeps at once (a channel completes it)
+    assert polling[0]["echo"] == sleeping[0]["echo"] == [10.0, 12.0]
+    assert polling[1]["echo"] == [5.0, 6.0]
+
+
 # --------------------------------------------------------------------------- the pipeline's order, in one process
 @pytest.mark.parametrize("schedule,pp,m,chunks", [("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1),
                                                   ("interleaved", 2, 4, 2), ("zb-h1", 4, 6, 1), ("zb-v", 2, 4, 2),

@@ -16,6 +16,7 @@ import weakref
 import torch
 import torch._C._distributed_c10d as c10d
 
+from ..spin import spin
 from .pairs import RuleBroken
 
 __all__ = ["LIVE", "STALL", "Checked", "FutureWork", "start_watchdog", "wait_loop", "report", "last_of"]
@@ -87,7 +88,7 @@ class FutureWork(c10d.Work):
         self.future, self.tensor = future, tensor
 
     def wait(self, timeout=None) -> bool:
-        self.future.wait()
+        self.future.wait()  # no polling first (``comm.spin``): a channel's thread completes it, and needs the GIL
         return True
 
     def is_completed(self) -> bool:
@@ -99,6 +100,10 @@ class FutureWork(c10d.Work):
 
 class Checked(c10d.Work):
     """gloo's work for collective ``seq``, compared with the other ranks' on the board when waited."""
+
+    polls = True
+    """Its wait polls ``is_completed()`` for a moment first (``comm.spin``): gloo's own threads complete it, with
+    no Python on their way, so a polling rank takes nothing from them (``comm.waiting.finish`` reads this)."""
 
     def __init__(self, group, seq: int, mine: list[int], inner, result):
         super().__init__()
@@ -125,7 +130,9 @@ class Checked(c10d.Work):
         return self._verdict[0]
 
     def wait(self, timeout=None) -> bool:
-        if not self.inner.is_completed() and not self.everyone_called_it():
+        # a moment's polling first (``comm.spin``); then, unless every rank has started this collective, the same
+        # one, a sleep on an Event that completion or the watchdog sets
+        if not spin(self.inner.is_completed) and not self.everyone_called_it():
             try:
                 fut = self.inner.get_future()
             except RuntimeError:  # gloo's reduce-scatter has no future: its own (uninterruptible) wait
