@@ -252,7 +252,6 @@ def test_torchs_own_pipelining_trains_under_the_rules():
         assert not torch.allclose(grads[0], 2 * want[0])  # the check can fail: gradients summed, not averaged
 
 
-
 def _waits(budget: float) -> dict:
     """On each of 2 ranks, under polling budget ``budget`` (s): all-reduces, a batch and unbatched messages;
     the results, and what the rules' waits polled (``comm.spin``, counted by the kind of its look)."""
