@@ -7,6 +7,7 @@ import torch
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
+from colab_kit.engine import parts
 from colab_kit.engine.reference import single_process_losses
 from colab_kit.models import GPT, GPTConfig
 
@@ -107,3 +108,31 @@ def test_gpt_is_deterministic_and_shaped():
     assert len(a.blocks) == GPT_CFG.n_layers
     with pytest.raises(ValueError, match="divisible by n_heads"):
         GPTConfig(d_model=30, n_heads=4)
+
+
+def _start_from_other_seeds(bucket_bytes):
+    """On each rank: a GPT built with this rank's own seed, boosted under dp=2 zero=1 with the start-up bucket at
+    ``bucket_bytes``; its parameters before and after ``boost``, and the start-up broadcasts."""
+    parts.INIT_BUCKET_BYTES = bucket_bytes
+    rank = torch.distributed.get_rank()
+    model = GPT(GPTConfig(**{**GPT_CFG.__dict__, "seed": rank}))
+    before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    engine = ck.boost(model, OPTIMIZERS["adamw"], ck.ParallelConfig(dp=2, zero=1))
+    sent = [r for r in engine.comm() if r["tag"] == "init params"]
+    return before, ck.state_vector(engine), [(r["op"], r["bytes"]) for r in sent]
+
+
+def test_every_rank_starts_from_rank_0s_weights_in_a_few_bucketed_broadcasts():
+    """Ranks that built their model from different seeds start training from rank 0's weights: one broadcast
+    per bucket (``INIT_BUCKET_BYTES``), not one per parameter; with a bucket of 16 KiB, several, the same start."""
+    n_bytes = GPT(GPT_CFG).num_parameters() * 4
+    for bucket, expected in [(32 << 20, 1), (16 << 10, None)]:
+        (before0, after0, sent0), (before1, after1, sent1) = ck.launch(_start_from_other_seeds, 2, bucket)
+        assert not torch.equal(before0, before1)                  # the ranks did build different weights
+        assert torch.equal(after0, before0) and torch.equal(after1, before0), bucket
+        assert sent0 == sent1 and sum(b for _, b in sent0) == n_bytes
+        assert {op for op, _ in sent0} == {"broadcast"}
+        if expected is not None:
+            assert len(sent0) == expected
+        else:  # a bucket is sent once it holds 16 KiB or more
+            assert 1 < len(sent0) <= n_bytes // (16 << 10) + 1
