@@ -100,22 +100,34 @@ _WANTED: dict = {}  # type -> whether the walk enters it (decided once per type)
 
 
 def _wanted(kind) -> bool:
+    """Whether the walk enters objects of type ``kind``: tensors, modules, optimizers, containers and the objects
+    of ``WALK``'s modules, except a type that declares ``holds_no_tensors = True`` (the engine's event log)."""
     known = _WANTED.get(kind)
     if known is None:
-        known = _WANTED[kind] = (issubclass(kind, (torch.Tensor, nn.Module, torch.optim.Optimizer) + _CONTAINERS)
-                                 or _under(kind.__module__, WALK))
+        known = _WANTED[kind] = (not getattr(kind, "holds_no_tensors", False) and (
+            issubclass(kind, (torch.Tensor, nn.Module, torch.optim.Optimizer) + _CONTAINERS)
+            or _under(kind.__module__, WALK)))
     return known
 
 
 def _walk(roots) -> dict:
-    """{storage address: (nbytes now, category)} of every storage reachable from ``roots``."""
+    """{storage address: (nbytes now, category)} of every storage reachable from ``roots``, breadth first (an
+    object reached twice is entered once, the first time). It runs after every op of a measured step, so its
+    loop keeps to local names and one dict lookup per value."""
     found: dict = {}
     seen: set = set()
     order = CATEGORIES.index
     todo = deque((r, "params") for r in roots)
+    append, known = todo.append, _WANTED.get
 
     def push(values, cat):
-        todo.extend((v, cat) for v in values if _wanted(type(v)) and id(v) not in seen)
+        for v in values:
+            kind = type(v)
+            wanted = known(kind)
+            if wanted is None:
+                wanted = _wanted(kind)
+            if wanted and id(v) not in seen:
+                append((v, cat))
 
     while todo:
         obj, cat = todo.popleft()
@@ -123,23 +135,23 @@ def _walk(roots) -> dict:
             continue
         seen.add(id(obj))
         kind = type(obj)
-        if isinstance(obj, torch.Tensor):
+        if kind in _PLAIN or isinstance(obj, torch.Tensor):
             local = None if kind in _PLAIN else getattr(obj, "_local_tensor", None)  # a DTensor: this rank's piece
             if local is not None:
-                todo.append((local, cat))
+                append((local, cat))
             else:
                 storage = obj.untyped_storage()
                 key = (obj.device.type, storage.data_ptr())
                 if key not in found or order(cat) < order(found[key][1]):
                     found[key] = (storage.nbytes(), cat)
-            if obj.is_leaf and obj.requires_grad and obj.grad is not None:
-                todo.append((obj.grad, "grads"))
+            if obj.requires_grad and obj.is_leaf and obj.grad is not None:
+                append((obj.grad, "grads"))
         elif isinstance(obj, nn.Module):
             push(obj._parameters.values(), "params")
             push(obj._modules.values(), "params")
             state = _composable_state(obj)
             if state is not None:
-                todo.append((state, "other"))
+                append((state, "other"))
         elif isinstance(obj, torch.optim.Optimizer):
             push((p for g in obj.param_groups for p in g["params"]), "params")
             push(obj.state.values(), "optimizer")
