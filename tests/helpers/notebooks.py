@@ -191,6 +191,12 @@ these start 4 engines there, and this file runs them with nbclient under this ma
 both sizes, each against its own expectations beside ``EXPECT``'s common ones. Except ``EIGHT_ELSEWHERE``."""
 
 EIGHT_ELSEWHERE = {
+    "02_tensor_parallel.ipynb":
+        "its 8-rank run (29 s of a 23-minute suite) is left out: the browser tier runs it top to bottom on 4 ranks "
+        "(1D and 2D measured, 2.5D and 3D planned), and what its 8 ranks add is each measured in tests/ranks: 2.5D and "
+        "3D layers against their dense twins and their bytes against the formulas (test_tp2d, test_tp3d), 2D and 3D "
+        "GPTs trained against one process on 8 ranks (test_tp2d, test_tp3d, test_parity_matrix); where the browser "
+        "tier cannot run, test_notebooks.py still runs it with nbclient on this machine's memory",
     "06_hybrid_and_planner.ipynb":
         "its 8-rank run (22 s of a 21-minute suite) is left out: the browser tier runs it top to bottom on 4 ranks "
         "with the same cells (the plan, the top three measured, a checkpoint saved under one config and resumed under "
