@@ -83,28 +83,33 @@ INIT_BUCKET_BYTES = 32 << 20
 
 def _broadcast(b: Build) -> None:
     """One start even if a seed differed: every parameter this rank made is overwritten with its group's first
-    rank's (over dp, or over edp for an expert's piece under ep), a bucket of up to ``INIT_BUCKET_BYTES`` per
-    broadcast, as DDP syncs a module's states: flattened per (axis, dtype), sent, copied back. A model's
-    parameters cost a handful of broadcasts, not one each (a 4-block GPT: 1, not 53); the start-up peak grows by
-    one bucket. Meta parameters (made later by ZeRO-3 from its recipe, the same on every rank) are skipped.
+    rank's (over dp, or over edp for an expert's piece under ep), several parameters per broadcast, as DDP syncs a
+    module's states: flattened per (axis, dtype), sent, copied back. A bucket holds at most the largest parameter
+    this rank holds (and never more than ``INIT_BUCKET_BYTES``), so the copy adds no more to the start-up peak
+    than one parameter, which sharded initialisation already allows itself (one whole parameter at a time); a
+    parameter that size or larger goes alone, in place. Meta parameters (made later by ZeRO-3 from its recipe,
+    the same on every rank) are skipped.
 
-    Worked example, dp=2 on tests' 4-block GPT (53 parameters, 55,488 floats, 217 KiB): rank 0 sends and rank 1
-    receives one broadcast of 55,488 floats tagged "init params"; rank 1's parameters then hold rank 0's values."""
+    Worked example, dp=2 on tests' 4-block GPT (53 parameters, 55,488 floats; the largest, an MLP weight, 4,096):
+    15 broadcasts tagged "init params" instead of 53, each at most 16 KiB (the 8 MLP weights alone, the rest
+    shared); rank 1's parameters then hold rank 0's values."""
+    made = [p for p in b.module.parameters() if not p.is_meta]
+    if not made:
+        return
+    cap = min(INIT_BUCKET_BYTES, max(p.numel() * p.element_size() for p in made))
     buckets: dict[tuple, list[torch.Tensor]] = {}
     filled: dict[tuple, int] = {}
-    with torch.no_grad():
-        for p in b.module.parameters():
-            if p.is_meta:
-                continue
+    with torch.no_grad():  # smallest first, so that the small ones share buckets (the same order on every rank)
+        for _, _, p in sorted((p.numel() * p.element_size(), i, p) for i, p in enumerate(made)):
             axis = Axis.EDP if b.config.ep > 1 and b.table[p].on(Axis.EP) != Replicate() else Axis.DP
             if b.mesh.size(axis) == 1:
                 continue
-            key = (axis, p.dtype, p.device)
-            buckets.setdefault(key, []).append(p.data)
-            filled[key] = filled.get(key, 0) + p.numel() * p.element_size()
-            if filled[key] >= INIT_BUCKET_BYTES:
-                _send_bucket(b, key[0], buckets.pop(key))
+            key, nbytes = (axis, p.dtype, p.device), p.numel() * p.element_size()
+            if filled.get(key, 0) + nbytes > cap and key in buckets:  # the bucket would outgrow one parameter
+                _send_bucket(b, axis, buckets.pop(key))
                 del filled[key]
+            buckets.setdefault(key, []).append(p.data)
+            filled[key] = filled.get(key, 0) + nbytes
         for key in sorted(buckets, key=str):  # the same order on every rank
             _send_bucket(b, key[0], buckets[key])
 

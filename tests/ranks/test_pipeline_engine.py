@@ -240,12 +240,17 @@ SLEEP = 8  # timeouts the 'sleep' fault's rank sleeps at most: it must still be 
 
 def _asleep_until_reported(monitor, limit: float) -> None:
     """The 'sleep' fault: asleep in 1F1 until this rank's monitor has published its report (what it answers
-    the waiting rank: "running 1F1"), ``limit`` seconds at most; then on to 1B0, where the flag stops it."""
+    the waiting rank: "running 1F1") and the waiting rank has gathered it, ``limit`` seconds at most; then on to
+    1B0, where the flag stops it and this rank publishes its report again ("stopped before 1B0"). The waiting
+    rank gathers for ``report_wait`` seconds from raising the flag, which was before this rank's report went
+    out, so asleep that long after it, this rank never replaces its report while the other still reads
+    (it did once, under CI's load, when it woke as soon as the report was out)."""
     key = monitor._key(monitor._step, f"report/{monitor.rank}")
     end = time.monotonic() + limit
     while time.monotonic() < end:
         with monitor._lock:
             if monitor.flagged.is_set() and monitor.store.check([key]):
+                time.sleep(min(monitor.report_wait, max(end - time.monotonic(), 0)))
                 return
         time.sleep(0.05)
 REPORTED = 6  # timeouts within which the waiting rank reports: the timeout and every rank's answer, on a loaded machine
