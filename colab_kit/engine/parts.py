@@ -97,21 +97,20 @@ def _broadcast(b: Build) -> None:
     if not made:
         return
     cap = min(INIT_BUCKET_BYTES, max(p.numel() * p.element_size() for p in made))
-    buckets: dict[tuple, list[torch.Tensor]] = {}
-    filled: dict[tuple, int] = {}
+    buckets: dict[tuple, tuple[int, list[torch.Tensor]]] = {}  # (axis, dtype, device) -> (bytes, tensors)
     with torch.no_grad():  # smallest first, so that the small ones share buckets (the same order on every rank)
-        for _, _, p in sorted((p.numel() * p.element_size(), i, p) for i, p in enumerate(made)):
+        for nbytes, _, p in sorted((p.numel() * p.element_size(), i, p) for i, p in enumerate(made)):
             axis = Axis.EDP if b.config.ep > 1 and b.table[p].on(Axis.EP) != Replicate() else Axis.DP
             if b.mesh.size(axis) == 1:
                 continue
-            key, nbytes = (axis, p.dtype, p.device), p.numel() * p.element_size()
-            if filled.get(key, 0) + nbytes > cap and key in buckets:  # the bucket would outgrow one parameter
-                _send_bucket(b, axis, buckets.pop(key))
-                del filled[key]
-            buckets.setdefault(key, []).append(p.data)
-            filled[key] = filled.get(key, 0) + nbytes
-        for key in sorted(buckets, key=str):  # the same order on every rank
-            _send_bucket(b, key[0], buckets[key])
+            key = (axis, p.dtype, p.device)
+            filled, tensors = buckets.get(key, (0, []))
+            if tensors and filled + nbytes > cap:  # the bucket would outgrow one parameter: send it first
+                _send_bucket(b, axis, tensors)
+                filled, tensors = 0, []
+            buckets[key] = (filled + nbytes, tensors + [p.data])
+        for (axis, _, _), (_, tensors) in buckets.items():  # in the order they began, the same on every rank
+            _send_bucket(b, axis, tensors)
 
 
 def _send_bucket(b: Build, axis: str, tensors: list[torch.Tensor]) -> None:

@@ -12,6 +12,7 @@ from colab_kit.engine.reference import single_process_losses
 from colab_kit.models import GPT, GPTConfig
 
 from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, STEPS
+from tests.helpers.matrix import CFG as FOUR_BLOCKS
 
 CASES = [(opt, mb) for opt in OPTIMIZERS for mb in (1, 2)]
 
@@ -115,7 +116,7 @@ def _start_from_other_seeds(bucket_bytes):
     ``bucket_bytes``; its parameters before and after ``boost``, and the start-up broadcasts."""
     parts.INIT_BUCKET_BYTES = bucket_bytes
     rank = torch.distributed.get_rank()
-    model = GPT(GPTConfig(**{**GPT_CFG.__dict__, "seed": rank}))
+    model = GPT(GPTConfig(**{**FOUR_BLOCKS.__dict__, "seed": rank}))
     before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
     engine = ck.boost(model, OPTIMIZERS["adamw"], ck.ParallelConfig(dp=2, zero=1))
     sent = [r for r in engine.comm() if r["tag"] == "init params"]
@@ -125,8 +126,9 @@ def _start_from_other_seeds(bucket_bytes):
 def test_every_rank_starts_from_rank_0s_weights_in_a_few_bucketed_broadcasts():
     """Ranks that built their model from different seeds start training from rank 0's weights, several parameters
     per broadcast, none larger than the largest parameter (the start-up peak grows by one parameter at most); with
-    ``INIT_BUCKET_BYTES`` at 1 KiB, smaller buckets (a larger parameter alone), the same start."""
-    sizes = [p.numel() * 4 for p in GPT(GPT_CFG).parameters()]
+    ``INIT_BUCKET_BYTES`` at 1 KiB, smaller buckets (a larger parameter alone), the same start. The model is
+    ``colab_kit.engine.parts._broadcast``'s worked example: the 4-block test GPT."""
+    sizes = [p.numel() * 4 for p in GPT(FOUR_BLOCKS).parameters()]
     for cap in (32 << 20, 1 << 10):
         (before0, after0, sent0), (before1, after1, sent1) = ck.launch(_start_from_other_seeds, 2, cap)
         assert not torch.equal(before0, before1)                  # the ranks did build different weights
@@ -134,5 +136,6 @@ def test_every_rank_starts_from_rank_0s_weights_in_a_few_bucketed_broadcasts():
         assert sent0 == sent1 and {op for op, _ in sent0} == {"broadcast"} and sum(b for _, b in sent0) == sum(sizes)
         if cap > max(sizes):  # a bucket as large as the largest parameter: 53 parameters in 15 broadcasts
             assert max(b for _, b in sent0) == max(sizes) and len(sent0) < len(sizes) / 3
+            assert (len(sizes), len(sent0)) == (53, 15)
         else:  # 1 KiB buckets: more of them, every one that holds several parameters within 1 KiB
             assert len(sent0) > len(sizes) / 3 and all(b <= cap or b in sizes for _, b in sent0)
