@@ -360,6 +360,18 @@ SNAPSHOT_JS = """() => {
 }""" % json.dumps(", ".join(MARKS))
 
 
+# Each cell's kind and prompt alone, polled every second while the notebook runs: the whole SNAPSHOT_JS (every
+# output's text and every figure's size, which makes Chromium lay the page out) is taken when the run ends or fails.
+PROMPTS_JS = """() => {
+  const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
+  if (!nb) return null;
+  return [...nb.querySelectorAll('.jp-Cell')].filter(c => c.closest('.jp-Notebook') === nb).map(c => ({
+    code: c.classList.contains('jp-CodeCell'),
+    prompt: (c.querySelector('.jp-InputPrompt') || {}).textContent || '',
+  }));
+}"""
+
+
 def _prompt_count(prompt: str) -> str:
     m = re.search(r"\[(.*?)\]", prompt)
     return m.group(1).strip() if m else ""
@@ -382,8 +394,9 @@ def _errors(cell_snap) -> list[str]:
             if o["mime"] == STDERR and re.search(r"Traceback|^\w*(Error|Exception)\b", o["text"], re.M)]
 
 
-def _run_all(page, lab: Lab, cells_json, name: str) -> list:
-    """Run All Cells from the Run menu; return the snapshot once every code cell has run."""
+def _run_all(page, lab: Lab, cells_json, name: str) -> None:
+    """Run All Cells from the Run menu; return once every code cell has run (or fail, describing the cells from
+    a full snapshot)."""
     code = [i for i, c in enumerate(cells_json) if c["cell_type"] == "code"]
     start = time.monotonic()
     # the page says "Idle" before its kernel has started: wait for the kernel and the page's connection to it
@@ -398,20 +411,21 @@ def _run_all(page, lab: Lab, cells_json, name: str) -> list:
             page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
             clicked = time.monotonic()
         time.sleep(1)
-        snap = page.evaluate(SNAPSHOT_JS)
-        assert snap and [c["code"] for c in snap] == [c["cell_type"] == "code" for c in cells_json], \
-            f"{name}: the page's cells do not match the file's ({len(snap or [])} vs {len(cells_json)})"
-        counts = {i: _prompt_count(snap[i]["prompt"]) for i in code}
+        cells = page.evaluate(PROMPTS_JS)
+        assert cells and [c["code"] for c in cells] == [c["cell_type"] == "code" for c in cells_json], \
+            f"{name}: the page's cells do not match the file's ({len(cells or [])} vs {len(cells_json)})"
+        counts = {i: _prompt_count(cells[i]["prompt"]) for i in code}
         if not any(counts.values()) and time.monotonic() - clicked > 20:
             clicked = None  # the click reached a page not yet ready: nothing ran at all, so click again
             continue
         running = [i for i in code if counts[i] == "*"]  # the first one runs, the others wait their turn
         idle = not running and lab.kernels_idle()
         if idle and all(counts[i].isdigit() for i in code):
-            return snap
+            return
         if idle:  # nothing queued, yet some cells never ran: an error stopped "Run All Cells"
             stalled_since = stalled_since or time.monotonic()
             if time.monotonic() - stalled_since > 10:
+                snap = page.evaluate(SNAPSHOT_JS)
                 failed = [i for i in code if counts[i].isdigit() and _errors(snap[i])]
                 never = [i for i in code if not counts[i].isdigit()]
                 detail = "\n".join(_describe(cells_json, snap, i) for i in failed) or "(no error output shown)"
@@ -419,6 +433,7 @@ def _run_all(page, lab: Lab, cells_json, name: str) -> list:
         else:
             stalled_since = None
         if time.monotonic() > deadline:
+            snap = page.evaluate(SNAPSHOT_JS)
             if not running:
                 pytest.fail(f"{name}: not finished after {RUN_TIMEOUT} s, though no cell is marked running")
             pytest.fail(f"{name}: not finished after {RUN_TIMEOUT} s; still running "
