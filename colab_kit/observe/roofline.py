@@ -134,8 +134,8 @@ def _cached(world: int) -> dict:
     got = cached(world)
     if got is None:
         raise ValueError(f"no measured collective constants for {world} ranks in {cache_path()}: measure them once "
-                         f"in the notebook with colab_kit.planner.constants(ranks={world}) (a few seconds) "
-                         f"and pass them as ck.roofline(engine, constants=...), or call it again after")
+                         f"in the notebook with colab_kit.planner.constants(ranks={world}) (about 20 s on 2 cores, "
+                         f"then cached) and pass them as ck.roofline(engine, constants=...), or call it again after")
     return got
 
 

@@ -1,4 +1,7 @@
-"""The machine's constants for the planner's cost model, measured in a few seconds and cached.
+"""The machine's constants for the planner's cost model, measured once and cached.
+
+Measuring takes about 20 s with 4 ranks on 2 cores (19.9 s on the CI machine, AMD EPYC: ``constants(refresh=True,
+ranks=4)``), nearly all of it the timed windows below; after that every call reads the cache.
 
 ``constants(ranks=4)`` starts ``ranks`` local processes once (``ck.launch``, gloo on CPU) and
 measures, all ranks at the same time (so that they share the cores the way a real run does):
