@@ -5,8 +5,9 @@ Not loaded by default. Around each test (set-up, call and tear-down) it reads th
 browser used counts too, not only this process. At the end it prints the session's busy core-seconds, the tiers
 and the slowest tests, and writes every row to ``$CK_CPUPROF`` (default ``cpuprof.json``, ignored by git).
 
-On a shared 2-core machine one run's wall time moves by 10-15% (the same test file: 37 to 57 s in four runs back
-to back), so compare changes by busy core-seconds, which move far less. Worked example, a test of 4 ranks that
+On a shared 2-core machine wall time moves from run to run (the whole suite 1,428 and 1,533 s in two CI runs of the
+same tests; ``tests/ranks/test_parity_matrix.py`` 38.5 and 51.7 s in two runs a minute apart), so compare changes
+by busy core-seconds as well. Worked example, a test of 4 ranks that
 ran 10 s with the two cores 80% busy, and a one-process test that ran 2 s on one core::
 
     {"test": "tests/ranks/test_x.py::test_four_ranks", "wall": 10.0, "busy": 16.0}
@@ -27,36 +28,35 @@ _ROWS: list[dict] = []
 _START: dict = {}
 
 
-def _counters() -> tuple[float, float] | None:
-    """(busy, total) core-seconds since boot, or None where ``/proc/stat`` is missing."""
+def _busy() -> float | None:
+    """Core-seconds the machine has spent outside its idle loop since boot, or None where ``/proc/stat`` is missing."""
     try:
         with open("/proc/stat") as f:
             fields = [int(v) for v in f.readline().split()[1:]]
     except OSError:
         return None
-    hz = os.sysconf("SC_CLK_TCK")
     idle = fields[3] + fields[4]  # idle and iowait
-    return (sum(fields) - idle) / hz, sum(fields) / hz
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def _busy_since(before: tuple[float, float] | None) -> float | None:
-    after = _counters()
-    return None if before is None or after is None else after[0] - before[0]
+def _busy_since(before: float | None) -> float | None:
+    after = _busy()
+    return None if before is None or after is None else after - before
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    t0, before = time.monotonic(), _counters()
+    t0, before = time.monotonic(), _busy()
     yield
     _ROWS.append({"test": item.nodeid, "wall": time.monotonic() - t0, "busy": _busy_since(before)})
 
 
 def pytest_sessionstart(session):
-    _START.update(t=time.monotonic(), counters=_counters())
+    _START.update(t=time.monotonic(), busy=_busy())
 
 
 def pytest_terminal_summary(terminalreporter):
-    wall, busy = time.monotonic() - _START["t"], _busy_since(_START["counters"])
+    wall, busy = time.monotonic() - _START["t"], _busy_since(_START["busy"])
     cores = os.cpu_count() or 1
     write = terminalreporter.write_line
     terminalreporter.section("cpuprof")

@@ -433,9 +433,9 @@ def _run_all(page, lab: Lab, cells_json, name: str) -> None:
         else:
             stalled_since = None
         if time.monotonic() > deadline:
-            snap = page.evaluate(SNAPSHOT_JS)
             if not running:
                 pytest.fail(f"{name}: not finished after {RUN_TIMEOUT} s, though no cell is marked running")
+            snap = page.evaluate(SNAPSHOT_JS)
             pytest.fail(f"{name}: not finished after {RUN_TIMEOUT} s; still running "
                         f"{_describe(cells_json, snap, running[0])}\n(queued behind it: cells {running[1:]})")
 
