@@ -242,6 +242,25 @@ def expected_problems(name: str, cells, ranks: int | None = None) -> list[str]:
     return problems
 
 
+def temp_entries() -> set[str]:
+    """The names in the temporary folder that the notebooks make there (``colab_kit_*``: 01's checkpoint, 06's
+    folder). The library's own (``colab_kit-exits-*``, ``colab_kit-stacks-*``, ``colab_kit-dry-run-*``) go when the
+    process that made them ends, which may be after the kernel is told to stop: tests/cluster checks those."""
+    import tempfile
+
+    return {p.name for p in Path(tempfile.gettempdir()).glob("colab_kit_*")}
+
+
+def left_in_temp(name: str, before: set[str]) -> list[str]:
+    """What ``name``'s run left in the temporary folder (``colab_kit_*`` names that were not there ``before``): a
+    notebook removes what it makes there, or every run of it adds one (notebook 06 left a 3 MB checkpoint
+    folder per run until it did)."""
+    import tempfile
+
+    left = sorted(temp_entries() - before)
+    return [f"{name} left {left} in {tempfile.gettempdir()}: a notebook removes what it makes there"] if left else []
+
+
 def started_ranks(cells) -> int | None:
     """The ranks the notebook's ``%colossal start`` started ("started 8 ranks ..."), None where it shows none."""
     for c in cells:

@@ -21,6 +21,7 @@ is saved (Ctrl+S) so the page can be checked against what the kernel sent:
   (JupyterLab then keeps running the cells after it);
 - the outputs ``tests/notebooks/test_notebooks.py`` expects (its ``EXPECT``) are in what the kernel sent:
   where this tier runs, that file does not run the notebooks a second time with nbclient.
+- the notebook leaves nothing of its own in the temporary folder (``colab_kit_*``: a checkpoint it saved).
 
 A screenshot of the whole notebook goes to ``tests/screenshots/<notebook stem>.png`` when the
 test fails, and for every notebook with ``CK_SCREENSHOTS=1`` (each costs about 4 s). Skipped, with the reason, only where ``/usr/bin/chromium`` or
@@ -45,7 +46,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.notebooks import CHROMIUM, NOTEBOOKS, ROOT, browser_missing
+from tests.helpers.notebooks import CHROMIUM, NOTEBOOKS, ROOT, browser_missing, left_in_temp, temp_entries
 
 SCREENSHOTS = ROOT / "tests" / "screenshots"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -576,7 +577,7 @@ def test_notebook_renders_in_a_browser(path: Path, lab: Lab, browser):
         page.goto(f"{lab.url}/lab/tree/{name}?token={lab.token}&reset", timeout=120_000)
         page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=120_000)
         page.keyboard.press("Control+b")  # hide the file browser: more room for the notebook
-        t0 = time.monotonic()
+        t0, in_temp = time.monotonic(), temp_entries()
         _run_all(page, lab, cells_json, name)
         snap = _settle(page)
         print(f"{name}: ran in {time.monotonic() - t0:.0f} s")
@@ -587,6 +588,7 @@ def test_notebook_renders_in_a_browser(path: Path, lab: Lab, browser):
         if saved:  # the outputs tests/notebooks/test_notebooks.py expects, from this run (nbclient skips where this runs)
             from tests.helpers.notebooks import expected_problems, started_ranks
             problems += expected_problems(name, saved, started_ranks(saved))
+        problems += left_in_temp(name, in_temp)
         assert not problems, f"{name} in JupyterLab:\n" + "\n\n".join(dict.fromkeys(problems))
         passed = True
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.notebooks import (ASKED, BINDER_RUNS, EIGHT_ELSEWHERE, NOTEBOOKS, browser_runs, expected_problems,
-                                     started_ranks)
+                                     left_in_temp, started_ranks, temp_entries)
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path: Path):
@@ -36,15 +36,24 @@ def test_notebook_runs_top_to_bottom(path: Path):
             assert not cell.get("outputs"), f"{path.name} is committed with outputs: clear them"
     client = NotebookClient(nb, kernel_name="python3", timeout=600, startup_timeout=120,
                             resources={"metadata": {"path": str(path.parent)}})
+    before = temp_entries()
     client.execute()  # raises CellExecutionError naming the cell that failed
-    problems = expected_problems(path.name, nb.cells, started_ranks(nb.cells))
+    problems = expected_problems(path.name, nb.cells, started_ranks(nb.cells)) + left_in_temp(path.name, before)
     assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebooks_are_committed_without_outputs(path: Path):
+    """No outputs, and every cell with its id (nbformat 4.5 requires one: JupyterLab adds a missing one on save
+    and nbformat warns that it will become an error)."""
+    import json
+
     import nbformat
 
     for cell in nbformat.read(path, as_version=4).cells:
         if cell.cell_type == "code":
             assert not cell.get("outputs"), f"{path.name} is committed with outputs: clear them"
+    raw = json.loads(path.read_text())
+    missing = [i for i, cell in enumerate(raw["cells"]) if "id" not in cell]
+    assert (raw["nbformat"], raw["nbformat_minor"]) >= (4, 5) and not missing, \
+        f"{path.name}: cells {missing} have no id (nbformat 4.5): nbformat.validator.normalize() adds them"
