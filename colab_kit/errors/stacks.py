@@ -52,7 +52,7 @@ def _main_frames(text: str, entry: str) -> list[tuple[str, int, str]]:
     ...
     ... Current thread 0x2 (most recent call first):
     ...   File "/home/me/train.py", line 6 in step
-    ...   File "/x/colab_kit/launch.py", line 281 in _worker
+    ...   File "/x/colab_kit/launch/__init__.py", line 201 in _worker
     ...   File "/x/multiprocessing/process.py", line 108 in run
     ... '''
     >>> _main_frames(dump, "_worker")
