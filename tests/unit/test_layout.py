@@ -48,12 +48,12 @@ LOCAL_IMPORTS = {  # (importing module, imported module): why the import waits f
     ("colab_kit", "colab_kit.notebook.magics"):
         "%load_ext colab_kit: IPython and the magics load in a kernel only, not on every import colab_kit",
     ("colab_kit.cli", "colab_kit.viz"): "plotly: the demo's HTML report only (--report '' skips it), not colab-kit plan",
-    ("colab_kit.notebook.magics.core", "colab_kit.viz.mesh"): "plotly: when %colossal mesh draws",
-    ("colab_kit.notebook.magics.core", "colab_kit.notebook.widgets.memory_view"):
+    ("colab_kit.notebook.magics.views", "colab_kit.viz.mesh"): "plotly: when %colossal mesh draws",
+    ("colab_kit.notebook.magics.views", "colab_kit.notebook.widgets.memory_view"):
         "ipywidgets and plotly: %colossal memory's widget only (text elsewhere)",
-    ("colab_kit.notebook.magics.core", "colab_kit.notebook.widgets.planner_view"):
+    ("colab_kit.notebook.magics.views", "colab_kit.notebook.widgets.planner_view"):
         "ipywidgets and plotly: %colossal plan's widget only (text elsewhere)",
-    ("colab_kit.notebook.magics.core", "colab_kit.notebook.widgets.moe_view"):
+    ("colab_kit.notebook.magics.views", "colab_kit.notebook.widgets.moe_view"):
         "ipywidgets and plotly: %colossal moe's widget only (text elsewhere)",
     ("colab_kit.notebook.magics.pipeline_views", "colab_kit.viz.pipeline"): "plotly: when a schedule is drawn",
     ("colab_kit.notebook.magics.pipeline_views", "colab_kit.viz.schedule_data"): "plotly (viz's package): idem",

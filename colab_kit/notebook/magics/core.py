@@ -61,19 +61,15 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
 from ..cluster import ClusterError
-from ...config import Axis, ConfigError, ParallelConfig
-from ...mesh import MeshLayout
+from ...config import ConfigError, ParallelConfig
 from ...errors import MessageOnly, RankError
 from .flags import COMMANDS, HELP, cell_parser, command_parser, help_text, split, wants_help
 from ..progress import Progress, StageProgress
 from .output import show_outputs
 from .training import ask_training, summary_lines
 from ..session import ColossalState, current
-from ...models import GPTConfig
-from ...planner import plan
 from .export import write_export
-from .pipeline_views import (NoTimeline, memory_timeline_view, no_engine, profile_view, schedule_view,
-                             timeline_view)
+from .views import ViewCommands
 
 if TYPE_CHECKING:
     from ..widgets.memory_view import MemoryView
@@ -94,8 +90,9 @@ class CellInterrupted(MessageOnly, KeyboardInterrupt):
 
 
 @magics_class
-class ColossalMagics(Magics):
-    """``%colossal`` / ``%%colossal``, bound to one explicit ``ColossalState``."""
+class ColossalMagics(ViewCommands, Magics):
+    """``%colossal`` / ``%%colossal``, bound to one explicit ``ColossalState``; the subcommands that draw are
+    ``ViewCommands``'s (``views.py``)."""
 
     def __init__(self, shell, state: ColossalState):
         super().__init__(shell)
@@ -171,161 +168,6 @@ class ColossalMagics(Magics):
             return
         config = ParallelConfig.parse(words)  # validated in the kernel, before any engine
         print(self.state.apply_config(config))
-
-    def _do_mesh(self, args, words):
-        """The mesh coloured by ``--axis`` (read in any case); an axis this mesh lacks, or ``--axis experts``
-        on a config that does not split the experts, is a ``UsageError`` phrased in the magic's flags."""
-        from ...viz.mesh import expert_mesh_figure, mesh_figure
-
-        config = self.state.mesh_config(words)
-        dense = Axis.TP if config.tp > 1 else Axis.DP
-        axes = MeshLayout(config).axes
-        if args.axis not in (*axes, "experts"):
-            near = difflib.get_close_matches(args.axis, (*axes, "experts"), n=1)
-            hint = f"did you mean --axis {near[0]}? " if near else ""
-            raise UsageError(f"%colossal mesh: unknown axis {args.axis!r} for tp_mode={config.tp_mode!r}: {hint}"
-                             f"this mesh has axes {', '.join(axes)} (and --axis experts draws the dense, ep and "
-                             f"edp groups side by side)")
-        if args.axis == "experts" and config.ep <= 1:
-            fold = config.dp * config.sp
-            ep = next((k for k in range(2, fold + 1) if fold % k == 0), None)
-            defaults = ParallelConfig().to_dict()
-            inline = " ".join(f"{k}={v}" for k, v in config.to_dict().items() if defaults.get(k) != v and k != Axis.EP)
-            fix = (f"or split them with ep above 1 (a divisor of dp x sp = {fold}): %colossal mesh --axis experts "
-                   f"{inline} ep={ep}" if ep else
-                   "and its dp x sp is 1, nothing to split them over: give dp above 1 and ep, e.g. %colossal "
-                   "mesh --axis experts dp=4 ep=2")
-            raise UsageError(f"%colossal mesh --axis experts: {config.describe()} does not split the experts (ep=1), "
-                             f"so it has no ep or edp groups: draw it with %colossal mesh --axis {dense}, {fix}")
-        try:
-            if args.axis == "experts":
-                return expert_mesh_figure(config, dense=dense)
-            return mesh_figure(config, axis=args.axis)
-        except ValueError as exc:
-            raise UsageError(f"%colossal mesh: {exc}") from None
-
-    def _do_schedule(self, args, words):
-        """The planned schedule; a shape it cannot take is a ``UsageError`` whose advice is in this magic's flags
-        (``try --chunks 2``, not ``try chunks=2``: the rule comes from ``ParallelConfig``)."""
-        try:
-            text, fig = schedule_view(self.state.config, pp=args.pp, microbatches=args.microbatches,
-                                      schedule=args.schedule, chunks=args.chunks)
-        except ConfigError as exc:
-            raise UsageError(f"%colossal schedule: {as_flags(str(exc), COMMANDS['schedule'][0])}") from None
-        print(text)
-        return fig
-
-    def _do_timeline(self, args, words):
-        try:
-            text, fig = timeline_view(self.state.require_cluster(), args.var)  # says what --var holds if no engine
-        except NoTimeline as exc:
-            raise UsageError(f"%colossal timeline: {exc}") from None
-        print(text)
-        return fig
-
-    def _do_profile(self, args, words):
-        try:
-            text, fig = profile_view(self.state.require_cluster(), args.var, args.data)
-        except NoTimeline as exc:
-            raise UsageError(f"%colossal profile: {exc}") from None
-        print(text)
-        return fig
-
-    def _do_memory(self, args, words):
-        """A ``MemoryView`` that watches (refreshed after each ``%%colossal`` cell) where widgets render;
-        elsewhere its text table, and the figure as the result."""
-        from ..widgets.memory_view import MemoryView, NoMemory
-
-        cluster = self.state.require_cluster()
-        if args.timeline:
-            try:
-                text, fig = memory_timeline_view(cluster, args.var, args.data)
-            except NoTimeline as exc:
-                raise UsageError(f"%colossal memory --timeline: {exc}") from None
-            print(text)
-            return fig
-        try:
-            view = MemoryView(self.state, args.var, by=args.by)
-        except NoMemory as exc:
-            raise UsageError(f"%colossal memory: {self._no_engine(cluster, args.var, exc)}") from None
-        old, self._memory_view = self._memory_view, None
-        if old is not None:
-            old.unwatch()  # the view shown before stops refreshing: one watcher per %colossal memory
-        if self._notebook and _has_widgets():
-            self._memory_view = view.watch(self.shell)
-            return view
-        print(repr(view))
-        return view.figure()
-
-    def _do_moe(self, args, words):
-        """A ``MoEView`` that watches where widgets render; elsewhere its text, and the load figure as the result."""
-        from ..widgets.moe_view import MoEView, NoMoE
-
-        cluster = self.state.require_cluster()
-        try:
-            view = MoEView(self.state, args.var, layer=args.layer)
-        except NoMoE as exc:
-            raise UsageError(f"%colossal moe: {self._no_engine(cluster, args.var, exc)}") from None
-        except ConfigError as exc:
-            raise UsageError(f"%colossal moe: {exc}") from None
-        old, self._moe_view = self._moe_view, None
-        if old is not None:
-            old.unwatch()
-        if self._notebook and _has_widgets():
-            self._moe_view = view.watch(self.shell)
-            return view
-        print(repr(view))
-        return view.load_figure()
-
-    def _do_plan(self, args, words):
-        """``ck.plan`` for the model in ``--model``: a ``PlannerView`` where widgets render (Apply sets the
-        chosen config as ``%colossal config`` does); elsewhere its text table, and the scatter as the result."""
-        model_cfg = self._model_config(args.model)
-        if args.world is not None:
-            ranks = args.world
-        elif self.state.cluster is not None and self.state.cluster.running:
-            ranks = self.state.cluster.world_size
-        else:
-            raise UsageError("%colossal plan: no cluster to take the number of ranks from: "
-                             "give --ranks N, or run %colossal start -n 4 first")
-        from ..widgets.planner_view import PlannerView
-
-        if args.memory is not None and args.memory < 1024:  # given with its unit here: ck.plan's "is in bytes" misleads
-            raise UsageError(f"%colossal plan: --memory comes to {args.memory} bytes, less than a KiB, and no device "
-                             "holds a training step in that: did you mean GiB? e.g. --memory 16GiB")
-        try:
-            cands = plan(model_cfg, ranks, args.batch, memory_per_rank=args.memory)
-            view = PlannerView(cands, self.state, memory_per_rank=args.memory, top=args.top)
-        except ValueError as exc:  # ConfigError included: the rule the model, batch or ranks break
-            raise UsageError(f"%colossal plan: {exc}") from None
-        if self._notebook and _has_widgets():
-            return view
-        print(repr(view))
-        return view.figure()
-
-    @staticmethod
-    def _no_engine(cluster, var: str, exc: Exception) -> str:
-        """``exc``'s message, or where it says the ranks have no engine in ``var`` (``NoMemory``, ``NoMoE``), what
-        ``var`` holds there instead and which variables do hold engines (``pipeline_views.no_engine``)."""
-        if "have no engine in a variable" not in str(exc):
-            return str(exc)
-        try:
-            return no_engine(cluster, var)
-        except Exception:  # noqa: BLE001 - asking the ranks again failed: the view's own message then
-            return str(exc)
-
-    def _model_config(self, var: str):
-        """The GPTConfig in the kernel variable ``var`` (or the ``.cfg`` of a GPT there)."""
-        assert self.shell is not None  # a magic runs in a shell
-        if var not in self.shell.user_ns:
-            raise UsageError(f"%colossal plan: no variable {var!r} in the kernel: define the model's config first, "
-                             f"e.g. {var} = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=4, n_layers=4)")
-        value = self.shell.user_ns[var]
-        value = value if isinstance(value, GPTConfig) else getattr(value, "cfg", value)
-        if not isinstance(value, GPTConfig):
-            raise UsageError(f"%colossal plan: {var!r} is a {type(value).__name__}, not a GPTConfig or a GPT: "
-                             "--model names a variable holding the model's GPTConfig")
-        return value
 
     def _do_status(self, args, words):
         cluster = self.state.cluster
@@ -428,27 +270,6 @@ class ColossalMagics(Magics):
 def _near(name: str) -> str:
     near = difflib.get_close_matches(name, COMMANDS, n=1)
     return f" (did you mean {near[0]!r}?)" if near else ""
-
-
-def as_flags(message: str, flags) -> str:
-    """``message`` (a ``ConfigError``'s: ``rule: advice``) with the advice's ``key=value`` words for keys that are
-    ``flags`` of the magic written as those flags: ``set chunks=1 or schedule='interleaved'`` -> ``set --chunks 1
-    or --schedule interleaved``. The rule before the last ``: `` keeps its words (it says what the values are)."""
-    rule, sep, advice = message.rpartition(": ")
-    if not sep:
-        return message
-    names = "|".join(sorted(flags, key=len, reverse=True))
-
-    def flag(m: re.Match) -> str:
-        value = m.group(2) if m.group(2) is not None else m.group(3)
-        return f"--{m.group(1)} {value}"
-    return rule + sep + re.sub(rf"\b({names})=(?:'([^']*)'|([\w.-]+))", flag, advice)
-
-
-def _has_widgets() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("ipywidgets") is not None
 
 
 ColossalMagics.colossal.__doc__ = help_text()  # what %colossal? shows: built from the one flags table
