@@ -72,7 +72,6 @@ import dataclasses
 import os
 import uuid
 import warnings
-from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -80,6 +79,7 @@ import torch.distributed as dist
 from ..models.moe import MoE
 from .files import CheckpointError, config_instance, check, data_files, file_digest, finish, replace_refusal, start
 from .layout import local_space, owners, store_shape
+from .state import hyperparameters, plain, restore_hyperparameters, unplain
 
 __all__ = ["CheckpointError", "save", "load", "check"]
 
@@ -242,85 +242,9 @@ def _manifest(engine, tensors: dict, extra: bool, cuda_rng: bool) -> dict:
             "step": engine.step_count, "history": list(engine.history), "records": list(engine.records),
             "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
             "optimizer": type(engine.optimizer).__name__, "tensors": tensors, "extra": extra,
-            "param_groups": [_hyper(g) for g in engine.optimizer.param_groups], "rng": {"cuda": cuda_rng},
-            "lr_scheduler": _plain(engine.lr_scheduler.state_dict()) if engine.lr_scheduler is not None else None,
+            "param_groups": [hyperparameters(g) for g in engine.optimizer.param_groups], "rng": {"cuda": cuda_rng},
+            "lr_scheduler": plain(engine.lr_scheduler.state_dict()) if engine.lr_scheduler is not None else None,
             "loader": engine.current_loader.state_dict() if engine.current_loader is not None else None}
-
-
-def _plain(v):
-    """``v`` (a scheduler's state) as JSON holds it: tensors and numpy numbers as numbers, tuples as lists, a
-    dict whose keys are not all strings (``MultiStepLR``'s milestones, a ``Counter``) as ``{"__items__":
-    [[key, value], ...]}`` so that ``_unplain`` gives the same keys back."""
-    import collections
-    if torch.is_tensor(v):
-        return v.tolist()
-    if hasattr(v, "item") and hasattr(v, "dtype") and not isinstance(v, (list, tuple, dict)):  # a numpy number
-        return v.item()
-    if isinstance(v, dict):
-        if all(isinstance(k, str) for k in v) and not isinstance(v, collections.Counter):
-            return {k: _plain(x) for k, x in v.items()}
-        return {"__items__": [[_plain(k), _plain(x)] for k, x in v.items()],
-                "__counter__": isinstance(v, collections.Counter)}
-    if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    raise CheckpointError(f"the LR scheduler's state holds a {type(v).__name__}, which a checkpoint's manifest "
-                          f"cannot hold: use a torch scheduler whose state is numbers (LambdaLR over functions, ...)")
-
-
-def _unplain(v):
-    """The inverse of ``_plain`` for what it tags."""
-    import collections
-    if isinstance(v, dict):
-        if "__items__" in v:
-            d = {(tuple(k) if isinstance(k, list) else k): _unplain(x) for k, x in v["__items__"]}
-            return collections.Counter(d) if v.get("__counter__") else d
-        return {k: _unplain(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_unplain(x) for x in v]
-    return v
-
-
-def _number(v):
-    """``v`` as a JSON number (or list of numbers) when it is a numeric hyperparameter, else None."""
-    if torch.is_tensor(v) and v.numel() == 1:
-        v = v.item()
-    if isinstance(v, bool) or v is None:
-        return None
-    if isinstance(v, (int, float)):
-        return v
-    if isinstance(v, (tuple, list)) and v and all(_number(x) is not None for x in v):
-        return [_number(x) for x in v]
-    return None
-
-
-def _hyper(group: dict) -> dict:
-    """A param group's numeric hyperparameters (not its parameters, not its flags)."""
-    return {k: n for k, v in group.items() if k != "params" and (n := _number(v)) is not None}
-
-
-def _restore_hyper(opt, saved: list[dict] | None, path: str) -> None:
-    if not saved:  # a checkpoint from before they were saved
-        return
-    groups = opt.param_groups
-    pairs: Iterable[tuple[dict, dict]]
-    if len(saved) == len(groups):
-        pairs = zip(groups, saved)
-    elif all(g == saved[0] for g in saved):
-        pairs = ((g, saved[0]) for g in groups)
-    else:
-        warnings.warn(f"{path} holds {len(saved)} optimizer param groups with different hyperparameters and this "
-                      f"engine {len(groups)}: the engine keeps its own (lr {[g.get('lr') for g in groups]})",
-                      stacklevel=4)  # the line that called engine.load (-> load -> _restore_hyper)
-        return
-    for group, values in pairs:
-        for k, v in values.items():
-            now = group.get(k)
-            if torch.is_tensor(now):
-                now.fill_(v)
-            else:
-                group[k] = tuple(v) if isinstance(now, tuple) or (now is None and isinstance(v, list)) else v
 
 
 def _read(path: str, key: str, shape2d, dtype: torch.dtype) -> torch.Tensor:
@@ -382,10 +306,10 @@ def load(engine, path) -> dict:
         masters.copy_to_model()
     if engine.config.zero in (1, 2):
         engine.data_parallel.gather_params()
-    _restore_hyper(opt, manifest.get("param_groups"), path)
+    restore_hyperparameters(opt, manifest.get("param_groups"), path)
     saved_sched = manifest.get("lr_scheduler")
     if engine.lr_scheduler is not None and saved_sched is not None:
-        engine.lr_scheduler.load_state_dict(_unplain(saved_sched))  # after the groups' lr: its last value
+        engine.lr_scheduler.load_state_dict(unplain(saved_sched))  # after the groups' lr: its last value
     elif (engine.lr_scheduler is None) != (saved_sched is None) and dist.get_rank() == 0:
         warnings.warn(f"{path} was saved {'without' if saved_sched is None else 'with'} an LR scheduler and this "
                       f"engine has {'one' if saved_sched is None else 'none'}: "
