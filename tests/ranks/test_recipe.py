@@ -374,7 +374,7 @@ def test_scheduler_states_survive_the_manifest():
     """A checkpoint keeps a scheduler's state in JSON: MultiStepLR's milestones (a Counter of int keys) and
     SequentialLR's nested states come back as they were, so the resumed schedule is the uninterrupted one."""
     import json
-    from colab_kit.checkpoint import _plain, _unplain
+    from colab_kit.checkpoint.state import plain, unplain
     S = torch.optim.lr_scheduler
 
     def make(kind):
@@ -394,10 +394,10 @@ def test_scheduler_states_survive_the_manifest():
         for _ in range(3):
             opt.step()
             sched.step()
-        state = json.loads(json.dumps(_plain(sched.state_dict())))
+        state = json.loads(json.dumps(plain(sched.state_dict())))
         lr = opt.param_groups[0]["lr"]
         opt, sched = make(kind)
-        sched.load_state_dict(_unplain(state))
+        sched.load_state_dict(unplain(state))
         opt.param_groups[0]["lr"] = lr  # what the checkpoint's param-group settings restore
         got = want[:3]
         for _ in range(3):
