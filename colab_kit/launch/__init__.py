@@ -20,6 +20,7 @@ grace period instead of hanging the caller.
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -122,6 +123,7 @@ def _worker(rank, world_size, port, payload, results, backend, threads, timeout,
     import torch.distributed as dist
 
     status, value, store = "ok", None, None
+    gc.freeze()  # what the fork server imported stays out of every collection (ProcessMesh.prune's included)
     try:
         if stacks_dir is not None:  # asked (SIGUSR1) where it is when launch gives up on it (errors.stacks)
             stacks.arm(os.path.join(stacks_dir, str(rank)))
