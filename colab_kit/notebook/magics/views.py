@@ -93,21 +93,11 @@ class ViewCommands:
         print(text)
         return fig
 
-    def _do_timeline(self, args, words):
-        try:
-            text, fig = timeline_view(self.state.require_cluster(), args.var)  # says what --var holds if no engine
-        except NoTimeline as exc:
-            raise UsageError(f"%colossal timeline: {exc}") from None
-        print(text)
-        return fig
+    def _do_timeline(self, args, words):  # timeline_view says what --var holds where it holds no engine
+        return _text_then_figure("timeline", lambda: timeline_view(self.state.require_cluster(), args.var))
 
     def _do_profile(self, args, words):
-        try:
-            text, fig = profile_view(self.state.require_cluster(), args.var, args.data)
-        except NoTimeline as exc:
-            raise UsageError(f"%colossal profile: {exc}") from None
-        print(text)
-        return fig
+        return _text_then_figure("profile", lambda: profile_view(self.state.require_cluster(), args.var, args.data))
 
     def _do_memory(self, args, words):
         """A ``MemoryView`` that watches (refreshed after each ``%%colossal`` cell) where widgets render;
@@ -116,12 +106,7 @@ class ViewCommands:
 
         cluster = self.state.require_cluster()
         if args.timeline:
-            try:
-                text, fig = memory_timeline_view(cluster, args.var, args.data)
-            except NoTimeline as exc:
-                raise UsageError(f"%colossal memory --timeline: {exc}") from None
-            print(text)
-            return fig
+            return _text_then_figure("memory --timeline", lambda: memory_timeline_view(cluster, args.var, args.data))
         try:
             view = MemoryView(self.state, args.var, by=args.by)
         except NoMemory as exc:
@@ -204,6 +189,17 @@ class ViewCommands:
             raise UsageError(f"%colossal plan: {var!r} is a {type(value).__name__}, not a GPTConfig or a GPT: "
                              "--model names a variable holding the model's GPTConfig")
         return value
+
+
+def _text_then_figure(what: str, view):
+    """Print the text of ``view()`` (a ``(text, figure)`` of ``pipeline_views``) and return its figure; a
+    ``NoTimeline`` it raises is a ``UsageError`` of ``%colossal <what>``."""
+    try:
+        text, fig = view()
+    except NoTimeline as exc:
+        raise UsageError(f"%colossal {what}: {exc}") from None
+    print(text)
+    return fig
 
 
 def as_flags(message: str, flags) -> str:
