@@ -66,12 +66,12 @@ def _pairs(root: str, phase: str) -> dict:
         if ck.ParallelConfig(**b).world_size != world:
             continue
         engine = ck.boost(GPT(CFG), OPTIMIZERS[opt], ck.ParallelConfig(**b))
-        extra = engine.load(path)
+        extra, metadata_reads = _counting_metadata_reads(engine.load, path)
         start = engine.step_count
         for s in range(start, STEPS):
             engine.train_step(data.batch(s, BATCH))
         engine.save(os.path.join(root, f"final{i}"))  # the parameters by dense name, read back below
-        out[i] = dict(losses=list(engine.history), start=start, extra=extra, map=_map(engine),
+        out[i] = dict(losses=list(engine.history), start=start, extra=extra, map=_map(engine), reads=metadata_reads,
                       scale=engine.scaler.state_dict() if engine.scaler is not None else None)
         engine.close()
     if phase == "A":
@@ -212,6 +212,22 @@ def _killed(root: str) -> None:
 
 
 # --------------------------------------------------------------------------- in the test process
+def _counting_metadata_reads(load, path):
+    """``load(path)`` and how many times DCP unpickled the checkpoint's ``.metadata`` meanwhile."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reads, real = [], FileSystemReader.read_metadata
+
+    def counted(self, *args, **kwargs):
+        reads.append(1)
+        return real(self, *args, **kwargs)
+    FileSystemReader.read_metadata = counted  # type: ignore[method-assign]
+    try:
+        return load(path), len(reads)
+    finally:
+        FileSystemReader.read_metadata = real  # type: ignore[method-assign]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
@@ -269,6 +285,16 @@ def test_three_plus_two_steps_equal_five(runs, i):
     for name, ref in ref_params.items():
         torch.testing.assert_close(_saved(final, name, ref.shape), ref, rtol=1e-5, atol=atol,
                                    msg=lambda m: f"{a} -> {b} {name}: {m}")
+
+
+def test_a_load_reads_the_metadata_once(runs):
+    """``engine.load`` unpickles the checkpoint's DCP metadata once, not once per dense tensor and state (it did:
+    ``dcp.load`` given a path makes a new reader per call, and the file lists every chunk of every tensor)."""
+    _, four, two = runs
+    for results in (four, two):
+        for res in results:
+            reads = [res[i]["reads"] for i in range(len(PAIRS)) if i in res]
+            assert reads and all(n == 1 for n in reads), reads
 
 
 def test_dcp_chunks_are_the_docstring_example(runs):

@@ -108,6 +108,18 @@ def _loop():
         a.train_step(data.batch(0, BATCH))
     except RuntimeError as exc:
         closed_error = str(exc)
+    held = ProcessMesh.shared(cfg)  # held as the notebook cluster holds its mesh: no engine to give back
+    generations: list[int] = []
+
+    def note(phase, info):
+        if phase == "stop":
+            generations.append(info["generation"])
+    gc.callbacks.append(note)
+    try:
+        ProcessMesh.prune()  # nothing an engine holds: no full collection paid for
+    finally:
+        gc.callbacks.remove(note)
+    held.release()
     dropped = ck.boost(GPT(GPT4), _sgd, cfg)  # never closed: collected, its monitor ends
     dropped.train_step(data.batch(0, BATCH))
     monitor = dropped.pipeline.monitor
@@ -117,7 +129,8 @@ def _loop():
     kept = len(ProcessMesh._shared)  # the collector alone never destroys a mesh (ranks collect at other times)
     pruned = ProcessMesh.prune()     # the next boost does this, at the same point on every rank
     return dict(base=base, counts=counts, same_mesh=same_mesh, closed_error=closed_error, kept=kept, pruned=pruned,
-                dropped_alive=monitor.alive, shared_left=len(ProcessMesh._shared), after=census())
+                dropped_alive=monitor.alive, shared_left=len(ProcessMesh._shared), after=census(),
+                full_collections=generations.count(2), frozen=gc.get_freeze_count())
 
 
 def test_engines_in_a_loop_leak_no_thread_connection_or_group():
@@ -130,4 +143,6 @@ def test_engines_in_a_loop_leak_no_thread_connection_or_group():
         assert "closed" in res["closed_error"]
         assert not res["dropped_alive"], "the hang monitor of a dropped engine kept running"
         assert res["kept"] == 1 and res["pruned"] == 1, res  # kept through gc, given back by prune()
+        assert res["full_collections"] == 0, res  # a mesh held by no engine: prune() collected nothing
+        assert res["frozen"] > 0, res  # the rank froze what it inherited from ck.launch's fork server
         assert res["shared_left"] == 0 and res["after"] == base, res  # the dropped engine's mesh went with it
