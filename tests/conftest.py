@@ -1,6 +1,7 @@
 """Shared fixtures: one 4-engine cluster for the whole session (the notebook tier), the small GPT's
 one-process references (``gpt_references``), and binder/'s environment, built in the background from the
-start of the session (``binder_env``); one torch thread in this process and its kernels (``pytest_configure``).
+start of the session (``binder_env``); one torch thread in this process and its kernels, NCCL's rules and
+the fork server's preloads for every launch (``pytest_configure``).
 
 Starting engines costs ~7 s each time on a 2-core machine, so every test that
 only needs a working cluster shares this one; tests that must start, stop or
@@ -27,6 +28,9 @@ def pytest_configure(config):
     # every multi-rank test plays NCCL's rules: ck.launch's default already, and ck.init's (torchrun, Slurm, MPI
     # scripts the tests start) through this (docs/nccl.md)
     os.environ.setdefault("COLAB_KIT_CPU_BACKEND", "nccl_rules")
+    # every test module imports pytest and most tests.helpers; a rank imports its function's module to unpickle
+    # it: ck.launch's fork server imports both once instead (colab_kit.launch.preloaded)
+    os.environ.setdefault("COLAB_KIT_PRELOAD", "pytest,tests.helpers")
     torch.set_num_threads(1)
 
 

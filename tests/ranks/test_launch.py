@@ -426,3 +426,15 @@ def test_the_forkserver_restarts_when_what_it_preloads_grows(monkeypatch):
     assert ck.launch(_has_module, 1, "json.tool") == [True]
     monkeypatch.undo()
     assert ck.launch(_has_module, 1, "json.tool") == [True]  # a shorter list keeps the running server
+
+
+def test_colab_kit_preload_names_what_the_launched_functions_module_imports(monkeypatch):
+    """``COLAB_KIT_PRELOAD`` adds modules to the forkserver's list, read at each launch: this suite names
+    pytest there (tests/conftest.py), so no rank of any test file imports it while it unpickles its function
+    (0.1 s of CPU a rank). This file's functions travel by value: a rank that has pytest got it from the
+    server."""
+    assert ck.launch(_has_module, 2, "pytest") == [True, True]
+    assert ck.launch(_has_module, 1, "xml.dom.minidom") == [False]
+    monkeypatch.setenv("COLAB_KIT_PRELOAD", os.environ.get("COLAB_KIT_PRELOAD", "") + ", xml.dom.minidom ,")
+    assert launch_mod.preloaded()[-1] == "xml.dom.minidom"
+    assert ck.launch(_has_module, 1, "xml.dom.minidom") == [True]
