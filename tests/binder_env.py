@@ -49,7 +49,8 @@ class BinderEnv:
         env = dict(os.environ if base is None else base)
         env.update(PATH=f"{self.bin}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(self.venv),
                    PIP_DISABLE_PIP_VERSION_CHECK="1", MEM_LIMIT=str(BINDER_MEM_LIMIT))
-        for name in ("PYTHONPATH", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE"):
+        # none of these is set on Binder; COLAB_KIT_PRELOAD is this suite's own (tests/conftest.py)
+        for name in ("PYTHONPATH", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE", "COLAB_KIT_PRELOAD"):
             env.pop(name, None)
         return env
 
