@@ -77,8 +77,8 @@ def preloaded() -> list[str]:
     ``COLAB_KIT_PRELOAD`` is for what the module of a launched function imports: each rank unpickles the
     function by importing that module, and with it everything the module imports at its top. A test suite
     sets ``COLAB_KIT_PRELOAD=pytest`` (a test module imports pytest: 0.1 s of CPU in every rank of every
-    launch here, 3% of tests/ranks' CPU); a script whose functions sit beside ``import sklearn`` names
-    ``sklearn``. Worked example, a test file launched twice on 4 ranks::
+    launch here, 3% of the samples of a py-spy profile of tests/ranks); a script whose functions sit beside
+    ``import sklearn`` names ``sklearn``. Worked example, a test file launched twice on 4 ranks::
 
         COLAB_KIT_PRELOAD unset     every launch: 4 ranks x import pytest (~0.1 s of CPU each)
         COLAB_KIT_PRELOAD=pytest    the server imports it once; its ranks start with it

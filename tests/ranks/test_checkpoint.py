@@ -211,7 +211,6 @@ def _killed(root: str) -> None:
         engine.save(os.path.join(root, "ck"))
 
 
-# --------------------------------------------------------------------------- in the test process
 def _counting_metadata_reads(load, path):
     """``load(path)`` and how many times DCP unpickled the checkpoint's ``.metadata`` meanwhile."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -228,6 +227,7 @@ def _counting_metadata_reads(load, path):
         FileSystemReader.read_metadata = real  # type: ignore[method-assign]
 
 
+# --------------------------------------------------------------------------- in the test process
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
