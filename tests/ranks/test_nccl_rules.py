@@ -342,3 +342,25 @@ def test_the_action_lists_own_order_would_not_do():
     plan = lower(build_plan("1f1b", 2, 4))
     seen = [[a if a.kind in ("SF", "SB") else match(a) for a in plan.actions[r] if a.is_comm] for r in range(2)]
     assert seen[0] != seen[1] and sorted(map(str, seen[0])) == sorted(map(str, seen[1]))
+
+
+def test_a_peer_that_has_not_opened_the_board_yet_has_written_nothing():
+    """The shared board's rows read "not written" until their rank writes: a board file starts as zeros, which
+    would read as collective 0 with an all-zero fingerprint ("all_reduce(sum) float32[]"), so a rank that compared
+    its first collective before its peer had opened the board failed with a difference nobody made (seen once, a
+    group of a second mesh in tests/ranks/test_comm.py under load). In one process, no ranks: rank 0 opens, writes
+    and reads collective 0 before rank 1 has opened."""
+    import torch.distributed as dist
+
+    from colab_kit.comm.rules.board import Board
+
+    store = dist.HashStore()
+    first = Board(store, 0, 2, 3)
+    first.write(0, [1, 2, 3])
+    assert first.read(0) == [[1, 2, 3], None]
+    second = Board(store, 1, 2, 3)
+    assert second.read(0) == [[1, 2, 3], None]
+    second.write(0, [1, 2, 3])
+    assert first.read(0) == [[1, 2, 3], [1, 2, 3]]
+    first.close()
+    second.close()

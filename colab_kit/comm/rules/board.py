@@ -61,16 +61,20 @@ class Board:
             path = os.path.join(folder, f"colab_kit-rules-{uuid.uuid4().hex}")
             with open(path, "wb") as f:
                 f.truncate(nbytes)
-            store.set("ck_rules_board", path)
         else:
             path = store.get("ck_rules_board").decode()
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), nbytes)
-        if store.add("ck_rules_board_opened", 1) == size:  # the last to open removes the name
-            os.unlink(path)
         # numpy, not torch: a slot's read and write cost about a microsecond each (torch's views: ten times that)
         self.slots = np.frombuffer(self._map, dtype=np.int64).reshape(size, SLOTS, 1 + width)
-        self.slots[rank, :, 0] = -1
+        if rank == 0:
+            # every row "not written" before any rank can see the board: a new file is zeros, and a zero row reads
+            # as collective 0 with an all-zero fingerprint, so a rank that read a peer's row before that peer had
+            # opened the board would compare its first collective against it ("float32[]") and fail
+            self.slots[:, :, 0] = -1
+            store.set("ck_rules_board", path)
+        if store.add("ck_rules_board_opened", 1) == size:  # the last to open removes the name
+            os.unlink(path)
 
     def write(self, seq: int, fingerprint: list[int]) -> None:
         slot = self.slots[self.rank, seq % SLOTS]
