@@ -23,7 +23,7 @@ LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # the small GPT and the two optimizers most parity tests train (the contract names AdamW and SGD + momentum)
 GPT_CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
-STEPS, BATCH = 5, 8
+STEPS, BATCH = 3, 8  # a parity test's steps: docs/testing.md, "How many steps"
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9),

@@ -165,7 +165,7 @@ def assert_params_match(got: dict, want: dict, opt: str, where) -> None:
     """Final parameters equal the single process's, every one of them. AdamW divides each gradient
     by its own running size, so an element whose gradient is at rounding noise can move by a small
     fraction of lr either way: its atol is looser; SGD (which sees the gradient's scale) stays tight.
-    Both are far below what five steps move a weight (about 5 lr = 1.5e-2 for AdamW), so the untrained
+    Both are far below what three steps move a weight (about 3 lr = 9e-3 for AdamW), so the untrained
     weights fail."""
     assert sorted(got) == sorted(want), where
     atol = 2e-4 if opt == "adamw" else 5e-5

@@ -1,6 +1,6 @@
 """Global gradient-norm clipping (``boost(..., max_grad_norm=)``, ``colab_kit.engine.clipping``) against
 ``torch.nn.utils.clip_grad_norm_`` in one process: GPT (and BERT, whose decoder is tied to its token table
-across two pipeline ranks) clipped at a norm small enough to clip every step, five steps with SGD +
+across two pipeline ranks) clipped at a norm small enough to clip every step, three steps with SGD +
 momentum and AdamW, equal within 1e-5 in losses and in the norm each step records, under dp, ZeRO 1, 2
 and 3, ZeRO-2 with CPU offload, tp 1d, split_gather, 2d, 3d, pp, ring sp, and their compositions. A norm
 that counted replicated copies twice (or forgot a shard) would differ by far more. ``max_grad_norm <= 0``
@@ -21,7 +21,7 @@ from colab_kit.models import GPT
 from tests.helpers import case_id, rank0_per_world
 from tests.helpers import BATCH, GPT_CFG, OPTIMIZERS, make as make_model, mlm_batch, plain_mixed_precision
 
-STEPS, MAX_NORM, RTOL = 5, 0.05, 1e-5
+STEPS, MAX_NORM, RTOL = 3, 0.05, 1e-5
 
 
 def batch(name, step):

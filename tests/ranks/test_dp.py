@@ -53,7 +53,7 @@ def test_dp_matches_single_process(dp, references):
             assert torch.equal(got["params"], results[0][case]["params"]), (case, rank)
         # training moved the weights well past the tolerance, so the match is not trivial
         initial = torch.cat([p.detach().reshape(-1) for p in GPT(GPT_CFG).parameters()])
-        assert (ref_params - initial).abs().max() > 1e-2
+        assert (ref_params - initial).abs().max() > 100 * 5e-5  # 100x the atol
 
 
 def test_dp_records_and_memory():

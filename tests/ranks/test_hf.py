@@ -2,7 +2,7 @@
 ``c_attn`` in Conv1D layout, tied head) and LlamaForCausalLM (RoPE, RMSNorm, SwiGLU, grouped-query
 attention, a padding row in its token table), built from a config with random weights; Llama's kin where each
 differs (Mistral with and without a sliding window, Qwen2's q/k/v biases, Qwen3's per-head q/k norms) and
-GPT-NeoX, which has no policy (dp and ZeRO only). Five steps equal
+GPT-NeoX, which has no policy (dp and ZeRO only). Three steps equal
 the same model trained in one process with plain PyTorch (mean token cross-entropy of ``model(ids).logits``)
 within 1e-5, under tp 1d, 2d and 3d, pp 1f1b and zb-h1, ZeRO-3, sp ring and Ulysses, recompute, and
 dp x tp x pp. Each config trains once, with AdamW for one model and SGD + momentum for the other
@@ -26,7 +26,7 @@ from tests.helpers import OPTIMIZERS, make_hf as make
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-STEPS, BATCH = 5, 8
+STEPS, BATCH = 3, 8
 DATA = SyntheticTokens(64, 16, seed=1)
 
 
@@ -93,7 +93,8 @@ def test_trains_like_one_process(runs, case):
     opt = optimizer_of(name, kw)
     got, want = runs[name, tuple(sorted(kw.items()))], reference(name, opt)
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want, strict=True)), (opt, got, want)
-    assert abs(want[-1] - want[0]) > 1e-2 * want[0]  # it trained: the untrained model's losses would fail
+    # it trained, by 100x the tolerance: a run whose updates were lost (the untrained losses) would fail
+    assert abs(want[-1] - want[0]) > 1e-3 * want[0]
 
 
 def test_every_config_and_model_sees_both_optimizers():

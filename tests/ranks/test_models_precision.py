@@ -19,7 +19,7 @@ from tests.helpers import case_id, rank0_per_world
 from tests.helpers import (LOW, OPTIMIZERS, batch as builtin_batch, make as builtin_make, make_hf,
                            plain_mixed_precision, trained_like, update_error)
 
-STEPS = 4
+STEPS = 3
 
 
 def make(name):

@@ -7,12 +7,12 @@ pipeline schedule (GPipe, interleaved, ZB-H1, ZB-V) and ZeRO-2 offload under a p
 2D, 2.5D, 3D, split_gather and ZB-V; 2D with pp and with dp x ZeRO-2; Ulysses inside dp x tp; split_gather
 with pp and ZeRO; tp with the interleaved and ZB-V schedules.
 
-One spawn per world size (4 and 8 ranks), every config looped inside it, 4 steps of a 4-block GPT; the
+One spawn per world size (4 and 8 ranks), every config looped inside it, 3 steps of a 4-block GPT; the
 compositions alternate between AdamW and SGD with momentum (``optimizer_of``), so each optimizer runs under
 half of them at every world size (the per-mode files run both under every mode). The reference trains the same torch optimizer on the same batches in this process
 (``colab_kit.engine.reference.train_single_process``: ``GPT``, ``F.cross_entropy``, ``backward``, ``step``, nothing of
 the engine's); a run whose updates were wrong would differ from step 2 on, and the check below shows that
-the reference's own steps 2-4 move the loss by far more than the tolerance.
+the reference's own steps 2-3 move the loss by far more than the tolerance.
 """
 from __future__ import annotations
 

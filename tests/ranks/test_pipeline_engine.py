@@ -27,7 +27,7 @@ from tests.helpers import OPTIMIZERS
 from tests.helpers.pipeline_memory import PEAK_CASES, check_peaks, measure_peaks
 
 GPT4 = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
-STEPS, BATCH, M = 5, 8, 4
+STEPS, BATCH, M = 3, 8, 4
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 

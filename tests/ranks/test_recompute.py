@@ -25,7 +25,7 @@ from colab_kit.engine.reference import train_single_process
 from tests.helpers import OPTIMIZERS
 
 GPT4 = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
-STEPS, BATCH = 5, 8
+STEPS, BATCH = 3, 8
 CONFIGS = {
     "dp=2": dict(dp=2),
     "tp=2": dict(tp=2),

@@ -1,6 +1,6 @@
 """Sequence parallelism in the engine: ring and Ulysses train like one process.
 
-Five GPT steps (AdamW and SGD + momentum) give the single-process losses (1e-5 relative) and
+Three GPT steps (AdamW and SGD + momentum) give the single-process losses (1e-5 relative) and
 final parameters for ring sp=2 and 4, ring sp=2 x dp=2, sp=2 x tp=2 (1d), sp=2 x pp=2, Ulysses
 sp=2 and 4, and with ZeRO (ring sp=2 x dp=2 with zero=2 and zero=3). Every rank of an sp group
 holds 1/sp of the tokens; at sp=4 on a long sequence a rank holds at most a third of one

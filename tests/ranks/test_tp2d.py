@@ -181,7 +181,8 @@ def references():
 
 @pytest.mark.parametrize("world, cfgs", [(4, CFG_4), (8, CFG_8)])
 def test_2d_layers_and_training(world, cfgs, references):
-    assert all(max(abs(x - losses[0]) for x in losses) > 1e-2 for losses, _ in references.values())  # it trained
+    # it trained: the losses move by 100x the 1e-5 tolerance
+    assert all(max(abs(x - losses[0]) for x in losses) > 1e-3 * losses[0] for losses, _ in references.values())
     results = ck.launch(_layers_and_training, world, cfgs)
     for rank, (layer_failures, losses) in enumerate(results):
         for cfg, failures in zip(cfgs, layer_failures):

@@ -21,7 +21,7 @@ from colab_kit.tensor.tp3d import (BATCH_AXES, INNER, RESIDUAL, Embedding3D, Lay
                                    VocabEmbedding3D, linear_comm_bytes, local_block)
 
 GPT_CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=2)
-STEPS, BATCH = 5, 8
+STEPS, BATCH = 3, 8
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3),
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9),
@@ -222,7 +222,7 @@ def test_3d_gpt_trains_like_one_process(results):
             assert got["memory"]["params"] < dense_params / 4, (case, rank)  # shards, not copies
             assert {axis for _, axis in got["axes"]} == {"tp_in", "tp_wt", "tp_out", "tp"}, (case, rank)
         initial = torch.cat([p.detach().reshape(-1) for p in GPT(GPT_CFG).parameters()])
-        assert (ref_params - initial).abs().max() > 1e-2  # the match is not trivial
+        assert (ref_params - initial).abs().max() > 100 * 5e-5  # the match is not trivial: 100x the atol
     print("3d spawn seconds (rank 0):", results[0][2])
 
 

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 against one process: five GPT steps (AdamW and SGD + momentum) give the
+"""ZeRO stages 1 and 2 against one process: three GPT steps (AdamW and SGD + momentum) give the
 single-process losses (1e-5 relative) and final parameters, for zero=1 and 2 at dp=2 (zero=1 and 2 with
 offload="cpu" too: the optimizer and its fp32 copies on the host), zero=2 at
 dp=4 with microbatches, with tp=2 (1d), with pp=2 (1f1b) and with a 2D tensor mode (8 ranks); the

@@ -1,6 +1,6 @@
 """ZeRO stage 3 against one process, and what it costs.
 
-Five GPT steps (AdamW and SGD + momentum) give the single-process losses (1e-5 relative) and
+Three GPT steps (AdamW and SGD + momentum) give the single-process losses (1e-5 relative) and
 final parameters for zero=3 at dp=2 and dp=4, with microbatches=2, with recompute, with tp=2
 (1d) and with a 2D tensor mode (8 ranks). Cost: between steps a rank holds its shards only
 (params and grads 4P/N, the ZeRO paper's stage-3 formula within 5%); inside a step at most the
