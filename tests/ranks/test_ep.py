@@ -20,6 +20,7 @@ from colab_kit.precision import TOLERANCE
 from tests.helpers.moe import BATCH, MODELS, OPTIMIZERS, RTOL, STEPS, build, data, reference, reference_mixed
 
 PP = dict(pp=2, schedule="1f1b", microbatches=2)
+SAVED_AFTER = 1  # steps before a checkpoint is saved; STEPS - SAVED_AFTER = 2 after its load
 CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs, boost kwargs)
     "dp=2 ep=2": (2, "softmax", "sgd", dict(dp=2, ep=2), {}),
     "dp=2 ep=2 adamw capacity": (2, "capacity", "adamw", dict(dp=2, ep=2), {}),
@@ -91,10 +92,11 @@ LOADS3 = {"dp=4 ep=2 zero=3": dict(dp=4, ep=2, zero=3), "dp=4 ep=2 zero=1": dict
 
 
 def _save_and_load(path: str, loads: dict, saved: dict = SAVED) -> dict:
-    """Two steps at ``saved``, saved; each of ``loads`` loads it and trains steps 3-4; the dense weights."""
+    """One step at ``saved``, saved; each of ``loads`` loads it and trains steps 2-3 (the second moves by the loaded
+    momentum); the dense weights."""
     d = data()
     engine = ck.boost(build("softmax"), OPTIMIZERS["sgd"], ck.ParallelConfig(**saved))
-    for s in range(2):
+    for s in range(SAVED_AFTER):
         engine.train_step(d.batch(s, BATCH))
     engine.save(path)
     engine.close()
@@ -102,7 +104,7 @@ def _save_and_load(path: str, loads: dict, saved: dict = SAVED) -> dict:
     for name, kw in loads.items():
         engine = ck.boost(build("softmax"), OPTIMIZERS["sgd"], ck.ParallelConfig(**kw))
         engine.load(path)
-        out[name] = [engine.train_step(d.batch(s, BATCH)) for s in range(2, STEPS)]
+        out[name] = [engine.train_step(d.batch(s, BATCH)) for s in range(SAVED_AFTER, STEPS)]
         out[name + " weights"] = ck.dense_state_dict(engine)
         engine.close()
     return out
@@ -176,12 +178,12 @@ def _generate() -> dict:
 
 
 def _save_and_load_one(path: str, path3: str) -> dict:
-    """A one-rank engine loads each checkpoint the four ranks wrote (``SAVED``, ``SAVED3``), trains steps 3-4."""
+    """A one-rank engine loads each checkpoint the four ranks wrote (``SAVED``, ``SAVED3``), trains steps 2-3."""
     d, out = data(), {}
     for key, where in (("one process", path), ("zero3 one process", path3)):
         engine = ck.boost(build("softmax"), OPTIMIZERS["sgd"], ck.ParallelConfig())
         engine.load(where)
-        out[key] = [engine.train_step(d.batch(s, BATCH)) for s in range(2, STEPS)]
+        out[key] = [engine.train_step(d.batch(s, BATCH)) for s in range(SAVED_AFTER, STEPS)]
         engine.close()
     return out
 
@@ -267,9 +269,9 @@ def test_dispatch_bytes_equal_the_formula(runs):
 
 
 def test_a_checkpoint_saved_at_ep4_trains_on_at_ep2_with_pp_and_in_one_process(runs):
-    """Saved after two steps at dp=4 ep=4 ZeRO-1 (router biases included), loaded at dp=4 ep=2, dp=2 ep=2 pp=2
-    and by one rank: steps 3-4 are one process's; the dense weights of every rank equal the ep=2 run's."""
-    want = reference("softmax", "sgd", dp=4)[2:]
+    """Saved after one step at dp=4 ep=4 ZeRO-1 (router biases included), loaded at dp=4 ep=2, dp=2 ep=2 pp=2
+    and by one rank: steps 2-3 are one process's; the dense weights of every rank equal the ep=2 run's."""
+    want = reference("softmax", "sgd", dp=4)[SAVED_AFTER:]
     for name in LOADS:
         for rank in range(1 if name == "one process" else 4):
             got = runs["one process", 0]["one process"] if name == "one process" else runs["extra", rank][name]
@@ -283,10 +285,10 @@ def test_a_checkpoint_saved_at_ep4_trains_on_at_ep2_with_pp_and_in_one_process(r
 
 
 def test_a_zero3_checkpoint_saved_at_ep4_trains_on_at_ep2_and_in_one_process(runs):
-    """Saved after two steps at dp=4 ep=4 ZeRO-3 (each rank's pieces of the dense and the expert chunks), loaded
-    at dp=4 ep=2 with ZeRO-3 and ZeRO-1 and by one rank: steps 3-4 are one process's; the dense weights rank 0
-    assembles equal those of the ZeRO-1 checkpoint's run at ep=2 (the same four steps)."""
-    want = reference("softmax", "sgd", dp=4)[2:]
+    """Saved after one step at dp=4 ep=4 ZeRO-3 (each rank's pieces of the dense and the expert chunks), loaded
+    at dp=4 ep=2 with ZeRO-3 and ZeRO-1 and by one rank: steps 2-3 are one process's; the dense weights rank 0
+    assembles equal those of the ZeRO-1 checkpoint's run at ep=2 (the same three steps)."""
+    want = reference("softmax", "sgd", dp=4)[SAVED_AFTER:]
     for name in LOADS3:
         for rank in range(1 if name == "one process" else 4):
             got = runs["one process", 0]["zero3 one process"] if name == "one process" else \

@@ -1,5 +1,5 @@
 """Hugging Face mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3, GPT-OSS) under the
-engine: 4 steps with AdamW and with SGD(momentum=0.9) equal one process within 1e-5 (fp32) under dp=2, dp=2 ep=2,
+engine: 3 steps with AdamW and with SGD(momentum=0.9) equal one process within 1e-5 (fp32) under dp=2, dp=2 ep=2,
 dp=4 ep=4, dp=4 ep=2, ep x ZeRO 1/2 (with microbatches) and 3, pp with HF's load-balancing loss over every stage's layers (1F1B with ep, and with ep x tp; zb-h1 with recomputation, zb-v with a
 stage pair per rank; its counts ride the pipeline's messages, whose bytes are checked), 1D tp
 (alone and with ep) and sp (ring, Ulysses; ep folded over dp x sp). The reference is plain torch on the HF model:
