@@ -1,9 +1,11 @@
 """Every notebook run in a real browser: JupyterLab on loopback, headless Chromium (tier 4).
 
 A module-scoped JupyterLab serves a temporary copy of ``notebooks/`` on 127.0.0.1 (free
-port, random token; its own settings, runtime and IPython dirs). For each notebook,
-Chromium (Debian's ``/usr/bin/chromium``, driven by Playwright, which never downloads a
-browser here) opens it, runs "Run All Cells" from JupyterLab's Run menu and waits until
+port, random token; its own settings, runtime and IPython dirs). Chromium (Debian's
+``/usr/bin/chromium``, driven by Playwright, which never downloads a browser here) loads
+JupyterLab once; for each notebook the page opens it (``docmanager:open``, what a
+double-click in the file browser runs: loading JupyterLab's JavaScript anew took 4-5 s of
+every notebook), runs "Run All Cells" from JupyterLab's Run menu and waits until
 the kernel is idle and every code cell has an execution count (or fails naming the cell
 that stopped the run, or the one still running after RUN_TIMEOUT). The executed notebook
 is saved (Ctrl+S) so the page can be checked against what the kernel sent:
@@ -22,6 +24,9 @@ is saved (Ctrl+S) so the page can be checked against what the kernel sent:
 - the outputs ``tests/notebooks/test_notebooks.py`` expects (its ``EXPECT``) are in what the kernel sent:
   where this tier runs, that file does not run the notebooks a second time with nbclient.
 - the notebook leaves nothing of its own in the temporary folder (``colab_kit_*``: a checkpoint it saved).
+
+After each notebook its tab is closed (its widgets disposed) and its kernel shut down; a notebook that
+failed closes the page too, so the next one starts in a freshly loaded JupyterLab.
 
 A screenshot of the whole notebook goes to ``tests/screenshots/<notebook stem>.png`` when the
 test fails, and for every notebook with ``CK_SCREENSHOTS=1`` (each costs about 4 s). Skipped, with the reason, only where ``/usr/bin/chromium`` or
@@ -186,7 +191,8 @@ class Lab:
              f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.dir}",
              f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={workdir / 'workspaces'}",
              "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-             "--ServerApp.terminals_enabled=False", "--ServerApp.allow_root=True"],  # CI runs as root
+             "--ServerApp.terminals_enabled=False", "--ServerApp.allow_root=True",  # CI runs as root
+             "--LabApp.expose_app_in_browser=True"],  # window.jupyterapp: the page opens each notebook with it
             cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.logfile = workdir / "jupyterlab.log"
         deadline = time.monotonic() + SERVER_TIMEOUT
@@ -315,6 +321,54 @@ def browser():
         b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         yield b
         b.close()
+
+
+VIEWPORT = {"width": 1280, "height": 900}
+
+
+class LabPage:
+    """One JupyterLab page for the whole tier: loaded once, each notebook opened in it and closed after.
+    ``get()`` loads it again when it was closed (after a failed notebook)."""
+
+    def __init__(self, browser, lab: Lab):
+        self.browser, self.lab, self.page = browser, lab, None
+
+    def get(self):
+        if self.page is None or self.page.is_closed():
+            self.page = self.browser.new_page(viewport=VIEWPORT)
+            self.page.goto(f"{self.lab.url}/lab?token={self.lab.token}&reset", timeout=120_000)
+            self.page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell", timeout=120_000)
+            self.page.evaluate("async () => { await window.jupyterapp.restored; }")
+            self.page.keyboard.press("Control+b")  # hide the file browser: more room for the notebook
+        return self.page
+
+    def open(self, name: str):
+        """The notebook ``name`` open in the page's main area, as a double-click in the file browser opens it."""
+        page = self.get()
+        page.evaluate("async (path) => { await window.jupyterapp.commands.execute('docmanager:open', "
+                      "{path, factory: 'Notebook'}); }", name)
+        page.wait_for_function("(path) => { const w = window.jupyterapp.shell.currentWidget; return w && w.context "
+                               "&& w.context.path === path && w.node.querySelector('.jp-Notebook .jp-Cell'); }",
+                               arg=name, timeout=120_000)
+        return page
+
+    def close_documents(self) -> None:
+        """Close every tab of the main area without asking (the notebook was saved, or failed)."""
+        if self.page is not None and not self.page.is_closed():
+            self.page.evaluate("() => { for (const w of Array.from(window.jupyterapp.shell.widgets('main'))) {"
+                               " if (w.context) { w.context.model.dirty = false; } w.dispose(); } }")
+
+    def close(self) -> None:
+        if self.page is not None and not self.page.is_closed():
+            self.page.close()
+        self.page = None
+
+
+@pytest.fixture(scope="module")
+def lab_page(browser, lab):
+    holder = LabPage(browser, lab)
+    yield holder
+    holder.close()
 
 
 # ---------------------------------------------------------------- the page
@@ -565,18 +619,19 @@ carried against marks drawn), so a view that really failed still fails the test.
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_renders_in_a_browser(path: Path, lab: Lab, browser):
+def test_notebook_renders_in_a_browser(path: Path, lab: Lab, lab_page: LabPage):
     name = path.name
     cells_json = json.loads((lab.dir / name).read_text())["cells"]
     may_fail = {i for i, c in enumerate(cells_json) if "raises-exception" in c.get("metadata", {}).get("tags", [])}
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
     problems: list[str] = []
-    page.on("pageerror", lambda exc: None if str(exc) in SLOW_START else problems.append(
-        f"JavaScript error in the page: {exc}"))
+
+    def page_error(exc):
+        if str(exc) not in SLOW_START:
+            problems.append(f"JavaScript error in the page: {exc}")
+    page = lab_page.get()
+    page.on("pageerror", page_error)
     try:
-        page.goto(f"{lab.url}/lab/tree/{name}?token={lab.token}&reset", timeout=120_000)
-        page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=120_000)
-        page.keyboard.press("Control+b")  # hide the file browser: more room for the notebook
+        lab_page.open(name)
         t0, in_temp = time.monotonic(), temp_entries()
         _run_all(page, lab, cells_json, name)
         snap = _settle(page)
@@ -597,7 +652,12 @@ def test_notebook_renders_in_a_browser(path: Path, lab: Lab, browser):
                 _screenshot(page, SCREENSHOTS / f"{path.stem}.png")
         except Exception as exc:  # noqa: BLE001 - a failed screenshot must not hide the test's own failure
             print(f"{name}: no screenshot: {exc}")
-        page.close()
+        page.remove_listener("pageerror", page_error)
+        if locals().get("passed"):
+            page.set_viewport_size(VIEWPORT)  # a screenshot made it as tall as the notebook
+            lab_page.close_documents()
+        else:  # the next notebook starts in a freshly loaded page
+            lab_page.close()
         leftover = lab.stop_kernels()
         if leftover:
             print(f"{name}: killed {len(leftover)} processes that outlived the kernel: {leftover[:3]}")
