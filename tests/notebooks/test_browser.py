@@ -353,7 +353,8 @@ class LabPage:
         return page
 
     def close_documents(self) -> None:
-        """Close every tab of the main area without asking (the notebook was saved, or failed)."""
+        """Close every tab of the main area without asking: the notebook passed and was saved (a failed one
+        closes the whole page instead)."""
         if self.page is not None and not self.page.is_closed():
             self.page.evaluate("() => { for (const w of Array.from(window.jupyterapp.shell.widgets('main'))) {"
                                " if (w.context) { w.context.model.dirty = false; } w.dispose(); } }")

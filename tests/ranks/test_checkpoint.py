@@ -29,7 +29,7 @@ CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)  #
 OTHER = GPTConfig(vocab_size=64, seq_len=16, d_model=16, n_heads=4, n_layers=4)
 OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1),
               "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)}
-STEPS, SPLIT, BATCH = 5, 3, 8
+STEPS, SPLIT, BATCH = 5, 3, 8  # saved after SPLIT steps, two after the load (docs/testing.md, "How many steps")
 PAIRS = [  # (A, B, optimizer)
     (dict(dp=2, tp=2), dict(dp=4), "adamw"),
     (dict(dp=4, zero=2), dict(pp=2, dp=2), "adamw"),

@@ -19,7 +19,7 @@ import colab_kit as ck
 from colab_kit.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
-STEPS, EVERY = 8, 2
+STEPS, EVERY = 8, 2  # a checkpoint every EVERY steps, so that a restart has several to resume from
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "torchrun_fit.py"
 
 

@@ -24,7 +24,7 @@ from colab_kit.models import GPT
 
 from tests.helpers import BATCH, GPT_CFG
 
-STEPS, WARMUP, MAX_NORM, RTOL = 6, 2, 0.05, 1e-5
+STEPS, WARMUP, MAX_NORM, RTOL = 6, 2, 0.05, 1e-5  # the schedule's warmup and some of its decay
 
 
 def schedule(step: int) -> float:
