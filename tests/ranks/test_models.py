@@ -216,6 +216,9 @@ def test_modes_a_model_cannot_take_yet_say_so():
 
 
 # --------------------------------------------------------------------------- checkpoints that reshard
+SAVED_AFTER = 1  # steps before a checkpoint is saved; STEPS - SAVED_AFTER = 2 after its load
+
+
 def _save_then_load(pairs, root):
     """Per pair: one step under config a, save; a new engine under config b loads it and runs steps 2-3 (the second
     of them moves by the loaded momentum, so a lost optimizer state shows)."""
@@ -225,12 +228,12 @@ def _save_then_load(pairs, root):
         first = []
         if ck.ParallelConfig(**a).world_size == torch.distributed.get_world_size():
             engine = ck.boost(make(name, tie), OPTIMIZERS["sgd"], ck.ParallelConfig(**a), policy=_policy(name))
-            first = [engine.train_step(batch(name, s)) for s in range(1)]
+            first = [engine.train_step(batch(name, s)) for s in range(SAVED_AFTER)]
             engine.save(path)
             engine.close()
         engine = ck.boost(make(name, tie), OPTIMIZERS["sgd"], ck.ParallelConfig(**b), policy=_policy(name))
         engine.load(path)
-        out[i] = first + [engine.train_step(batch(name, s)) for s in range(1, STEPS)]
+        out[i] = first + [engine.train_step(batch(name, s)) for s in range(SAVED_AFTER, STEPS)]
         engine.close()
     return out
 
