@@ -62,7 +62,11 @@ def __dir__():
 
 
 def load_ipython_extension(ipython):
-    """``%load_ext colab_kit``: register the ``%colossal`` line and cell magics."""
+    """``%load_ext colab_kit``: register the ``%colossal`` line and cell magics, and start the kernel's engine
+    fork server (its imports run beside the magics' own and the next cells: ``forked.prestart``)."""
+    from .notebook.cluster.forked import prestart
+
+    prestart()
     from .notebook.magics import load_ipython_extension as _load
 
     _load(ipython)

@@ -62,9 +62,10 @@ _HF_MODELS = ("transformers.models.gpt2.modeling_gpt2", "transformers.models.lla
 # Imported once in the forkserver, a rank forked from it starts with them (8 ranks on 2 cores: ~5 s a spawn).
 # Also torch's distributed checkpoint, which a rank's first save or load imports (0.06 s of CPU a rank; 0.6% of
 # tests/ranks' CPU, py-spy), for 0.06 s once in the server.
-_ENGINE = ("torch._dynamo", "torch.distributed.tensor", "colab_kit.engine.core", "colab_kit.placement",
-           "colab_kit.tensor.tp1d", "colab_kit.pipeline.executor", "colab_kit.zero.stage3", "colab_kit.engine.checks",
-           "torch.distributed.checkpoint")
+# The notebook cluster's fork server imports the same (``notebook/cluster/forked_server.py``'s WARM_MODULES).
+ENGINE_MODULES = ("torch._dynamo", "torch.distributed.tensor", "colab_kit.engine.core", "colab_kit.placement",
+                  "colab_kit.tensor.tp1d", "colab_kit.pipeline.executor", "colab_kit.zero.stage3",
+                  "colab_kit.engine.checks", "torch.distributed.checkpoint")
 
 
 def preloaded() -> list[str]:
@@ -87,7 +88,7 @@ def preloaded() -> list[str]:
     ``transformers`` does)."""
     hf = list(_HF_MODELS) if "transformers" in sys.modules else []
     extra = [m.strip() for m in os.environ.get("COLAB_KIT_PRELOAD", "").split(",") if m.strip()]
-    return ["torch", "torch.distributed", "colab_kit", *_ENGINE, *hf, *extra]
+    return ["torch", "torch.distributed", "colab_kit", *ENGINE_MODULES, *hf, *extra]
 
 
 def _context():

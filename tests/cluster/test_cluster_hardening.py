@@ -22,6 +22,7 @@ import pytest
 
 import colab_kit as ck
 from colab_kit.notebook.cluster import Cluster, ClusterError
+from colab_kit.notebook.cluster.watchdog import wait_ended
 
 
 def _listening(pids) -> list[tuple[int, str]]:
@@ -85,6 +86,31 @@ _ORPHAN_SCRIPT = textwrap.dedent("""
 """)
 
 
+def test_a_zombie_counts_as_ended_and_a_running_process_does_not():
+    """``wait_ended``, what ``cluster.stop()`` waits with: a process that exited but is not reaped yet (an orphan
+    waits for PID 1 to reap it, up to 1.85 s on the CI machine) has ended; one still running has not. A parent that
+    never reaps holds the zombie here, so the test does not depend on how fast this machine's init is;
+    ``psutil.wait_procs`` returns the zombie as still running (every stop waited its whole grace second)."""
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import os, subprocess, sys, time
+        zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+        sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        while open(f"/proc/{zombie.pid}/stat").read().split(") ")[1][0] != "Z":
+            time.sleep(0.01)
+        print(zombie.pid, sleeper.pid, flush=True)
+        time.sleep(60)  # never reaps the zombie
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        zombie, sleeper = (psutil.Process(int(pid)) for pid in holder.stdout.readline().split())
+        assert zombie.status() == psutil.STATUS_ZOMBIE
+        ended, running = wait_ended([zombie, sleeper], 0.5)
+        assert ended == [zombie] and running == [sleeper], (ended, running)
+    finally:
+        for p in [holder, *(c for c in psutil.Process(holder.pid).children())]:
+            p.kill()
+        holder.wait()
+
+
 def test_no_orphans_when_the_kernel_is_sigkilled():
     child = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT], stdout=subprocess.PIPE, text=True)
     try:
@@ -95,7 +121,7 @@ def test_no_orphans_when_the_kernel_is_sigkilled():
         child.send_signal(signal.SIGKILL)
         child.wait()
         t0 = time.monotonic()
-        gone, left = psutil.wait_procs(alive, timeout=30)
+        gone, left = wait_ended(alive, 30)
         assert left == [], f"still running {time.monotonic() - t0:.0f} s after the kernel died: {left}"
     finally:
         child.kill()

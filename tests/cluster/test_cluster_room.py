@@ -97,20 +97,25 @@ def test_cluster_fit_picks_fewer_engines_before_starting_any(monkeypatch):
 
 
 def test_what_an_engine_and_the_controller_hold_is_within_the_constants():
-    """The figures ``fitting`` counts with, measured: a fresh 2-engine cluster trains three dp steps of a small
-    GPT; each engine with its nanny holds at most ``ENGINE_BYTES`` of pages of its own (psutil's USS, what a
-    memory cgroup charges one more process) and not less than half of it (the constant is not a guess ten times
-    too high); the controller's processes and the watchdog together at most ``CONTROLLER_BYTES``; the fork server
-    the engines were forked from, whose pages they share, at most ``FORK_SERVER_BYTES`` (its RSS)."""
+    """The figures ``fitting`` counts with, measured: a fresh 2-engine cluster trains three dp steps of a Hugging
+    Face GPT-2 (transformers imported on the engines, as notebook 07 does: the most an engine of the notebooks
+    holds; a small colab_kit GPT leaves 67 MiB); each engine with its nanny holds at most ``ENGINE_BYTES`` of pages
+    of its own (psutil's USS, what a memory cgroup charges one more process) and not less than half of it (the
+    constant is not a guess ten times too high); the controller's processes and the watchdog together at most
+    ``CONTROLLER_BYTES``; the fork server the engines were forked from, whose pages they share, at most
+    ``FORK_SERVER_BYTES`` (its RSS)."""
     def train():
         import torch
+        import transformers
         import colab_kit as ck
         from colab_kit.datasets import SyntheticTokens
-        from colab_kit.models import GPT, GPTConfig
-        engine = ck.boost(GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=64, n_heads=8, n_layers=2)),
-                          lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(dp=2))
+        cfg = transformers.GPT2Config(n_embd=32, n_layer=4, n_head=4, n_positions=32, vocab_size=256,
+                                      resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+        torch.manual_seed(0)
+        engine = ck.boost(transformers.GPT2LMHeadModel(cfg), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                          ck.ParallelConfig(dp=2))
         for step in range(3):
-            engine.train_step(SyntheticTokens(64, 16).batch(step, 8))
+            engine.train_step(SyntheticTokens(256, 32).batch(step, 8))
         engine.close()
 
     def uss(p) -> int:

@@ -10,6 +10,7 @@ import time
 import psutil
 
 from colab_kit.notebook.cluster import forked
+from colab_kit.notebook.cluster.watchdog import wait_ended
 
 
 def _where_am_i():
@@ -93,19 +94,26 @@ def test_a_dead_server_is_replaced_a_bad_request_answered_and_end_of_input_ends_
 def test_a_kernel_with_a_cluster_shuts_down_cleanly_and_leaves_nothing():
     """Jupyter shuts a kernel down by asking it to, and ipykernel first ends every child in its process group.
     The fork server lives in a session of its own: with it in the kernel's group, the kernel waited on it as
-    a zombie until Jupyter sent SIGTERM (exit code -15 after 2.6 s, the kernel's atexit handlers skipped)."""
+    a zombie until Jupyter sent SIGTERM (exit code -15 after 2.6 s, the kernel's atexit handlers skipped).
+    ``%load_ext colab_kit`` has started the server already (``forked.prestart``), and an engine forked from it
+    starts with what its first ``boost`` and ``%%colossal`` cell import (``WARM_MODULES``)."""
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3")
     try:
         kernel = km.provisioner.process
         seen = []
-        for code in ("%load_ext colab_kit", "%colossal start -n 2",
-                     "from colab_kit.notebook.cluster import forked; import os; "
+        for code in ("%load_ext colab_kit\nfrom colab_kit.notebook.cluster import forked; print(forked.server_pid())",
+                     "%colossal start -n 2",
+                     "%%colossal\nimport sys\nfrom colab_kit.notebook.cluster.forked_server import WARM_MODULES\n"
+                     "print('not imported:', [m for m in WARM_MODULES if m not in sys.modules])",
+                     "import os; "
                      "print(forked.server_pid(), os.getsid(forked.server_pid()), os.getsid(0), forked._SERVER.exits)"):
             reply = kc.execute_interactive(code, timeout=120, output_hook=lambda m: seen.append(
                 m["content"].get("text", "")) if m["msg_type"] == "stream" else None)
             assert reply["content"]["status"] == "ok", (code, seen)
+        assert seen[0].strip() != "None", seen  # started by %load_ext, before any cluster
+        assert any("[ranks 0, 1]\nnot imported: []" in text for text in seen), seen  # both ranks, one output
         *ids, exits = seen[-1].split()
         server, server_session, kernel_session = map(int, ids)
         assert os.path.isdir(exits)
@@ -114,7 +122,7 @@ def test_a_kernel_with_a_cluster_shuts_down_cleanly_and_leaves_nothing():
         assert len(procs) >= 3, procs  # the server and its two engines
         km.shutdown_kernel(now=False)
         assert kernel.wait() == 0, kernel.returncode  # asked, and it exited: not terminated (-15) nor killed (-9)
-        _, left = psutil.wait_procs(procs, timeout=30)
+        _, left = wait_ended(procs, 30)
         assert left == [], left
         assert not os.path.exists(exits)  # the server removes its exit statuses' directory as it ends
     finally:

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import pytest
 
+from colab_kit.notebook.cluster.watchdog import wait_ended
 from tests.helpers.notebooks import CHROMIUM, NOTEBOOKS, ROOT, browser_missing, left_in_temp, temp_entries
 
 SCREENSHOTS = ROOT / "tests" / "screenshots"
@@ -254,7 +255,7 @@ class Lab:
                     self.api("DELETE", f"/api/{what}/{k['id']}")
             except OSError:  # the server is gone, or the kernel went with its session
                 pass
-        _, alive = psutil.wait_procs(procs, timeout=30)
+        _, alive = wait_ended(procs, 30)  # an exited engine or controller is a zombie until PID 1 reaps it
         killed = []
         for p in alive:
             try:
@@ -262,7 +263,7 @@ class Lab:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
-        psutil.wait_procs(alive, timeout=10)
+        wait_ended(alive, 10)
         return killed
 
     def close(self) -> None:

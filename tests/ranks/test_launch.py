@@ -422,7 +422,7 @@ def test_the_forkserver_restarts_when_what_it_preloads_grows(monkeypatch):
     """A module added to the preload list after the forkserver started (the caller imported transformers
     after its first launch) is in the next launch's ranks from the start, not imported by each of them."""
     assert ck.launch(_has_module, 1, "json.tool") == [False]  # the server runs, without it
-    monkeypatch.setattr(launch_mod, "_ENGINE", launch_mod._ENGINE + ("json.tool",))
+    monkeypatch.setattr(launch_mod, "ENGINE_MODULES", launch_mod.ENGINE_MODULES + ("json.tool",))
     assert ck.launch(_has_module, 1, "json.tool") == [True]
     monkeypatch.undo()
     assert ck.launch(_has_module, 1, "json.tool") == [True]  # a shorter list keeps the running server

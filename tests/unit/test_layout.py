@@ -47,6 +47,8 @@ of its own; ``colab_kit`` is the package's ``__init__``."""
 LOCAL_IMPORTS = {  # (importing module, imported module): why the import waits for a call
     ("colab_kit", "colab_kit.notebook.magics"):
         "%load_ext colab_kit: IPython and the magics load in a kernel only, not on every import colab_kit",
+    ("colab_kit", "colab_kit.notebook.cluster.forked"):
+        "%load_ext colab_kit starts the engine fork server: ipyparallel's cluster layer loads in a kernel only",
     ("colab_kit.cli", "colab_kit.viz"): "plotly: the demo's HTML report only (--report '' skips it), not colab-kit plan",
     ("colab_kit.notebook.magics.views", "colab_kit.viz.mesh"): "plotly: when %colossal mesh draws",
     ("colab_kit.notebook.magics.views", "colab_kit.notebook.widgets.memory_view"):

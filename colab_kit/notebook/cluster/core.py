@@ -103,9 +103,13 @@ class Cluster(Startup, Waiting):
                                    "elsewhere: give n for that launcher, or use engines='local'")
             try:
                 server = FORK_SERVER_BYTES if forking(engines) and forked.server_pid() is None else 0
+                if forking(engines) and not server:  # started by %load_ext: counted once its imports are done
+                    forked.fork_server().wait_ready()
                 n, self.fit_note = fitting(n, beside=CONTROLLER_BYTES + server)
             except (MemoryError, ValueError) as exc:
                 raise ClusterError(str(exc)) from None
+            except (TimeoutError, RuntimeError) as exc:  # the fork server hung or died in its imports
+                raise ClusterError(f"could not count this host's memory for fit=True: {exc}") from None
         if isinstance(engines, str) and "." not in engines and engines not in launcher_names():
             raise ClusterError(f"unknown engine launcher engines={engines!r}: ipyparallel knows "
                                f"{', '.join(launcher_names())} (or give a launcher class path)")

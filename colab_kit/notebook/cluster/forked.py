@@ -2,12 +2,13 @@
 
 A local ipyparallel engine started the usual way is a fresh interpreter that imports torch, ipyparallel and
 colab_kit's remote part before it registers (and its nanny is one more): about 4 s of CPU each, so on a
-2-core Intel Xeon VM ipyparallel starts 4 engines in 8.6 s and restarts them in 9.1 s; forked, 1.6 s (the
-median of three starts, 2.3, 1.6 and 1.6 s; the first of a kernel also starts the server) and 1.5 s
+2-core Intel Xeon VM ipyparallel starts 4 engines in 10.3 s and restarts them in 15.1 s; forked, 2.5 s (the
+median of three starts, 4.7, 2.5 and 2.4 s; the first of the run also starts the server) and 1.5 s
 (``python bench/cluster.py``; bench/results/cluster.json).
 ``ForkedEngineSetLauncher`` is ipyparallel's local launcher with one change: each engine is forked from a server process
 that imported those modules once (the server's own code: ``forked_server.py``).
-The server is started by the first cluster of a kernel and serves every later start and restart.
+The server is started by ``%load_ext colab_kit`` (``prestart``), or else by the first cluster of a kernel, and
+serves every later start and restart.
 
 What each process is, for ``Cluster(4)`` in a notebook kernel::
 
@@ -52,7 +53,8 @@ import threading
 from .forked_server import WARM_MODULES  # what the server imports (its own code is in forked_server.py)
 
 # and ForkedEngineSetLauncher
-__all__ = ["ForkServer", "fork_server", "forking", "server_pid", "exit_code", "how_it_ended", "WARM_MODULES"]
+__all__ = ["ForkServer", "fork_server", "prestart", "forking", "server_pid", "exit_code", "how_it_ended",
+           "WARM_MODULES"]
 
 
 class ForkServer:
@@ -97,9 +99,7 @@ class ForkServer:
         request = dict(argv=argv, env=env, cwd=cwd, log=log, **({"merge_env": True} if merge_env else {}))
         with self._lock:
             try:
-                if not self.ready:
-                    hello = self._reply(timeout, "got ready")
-                    self.ready, self.host = True, hello.get("host", self.host)
+                self._wait_ready(timeout)
                 stdin.write(json.dumps(request) + "\n")
                 stdin.flush()
                 reply = self._reply(REPLY_SECONDS, "forked an engine")
@@ -110,6 +110,22 @@ class ForkServer:
             raise RuntimeError(f"colab_kit's engine fork server could not fork an engine: {reply['error']}")
         self.forked.add(int(reply["pid"]))
         return int(reply["pid"])
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Return once the server has finished its imports (at once when it said so before): what it holds in
+        memory then is all it will hold (``Cluster(fit=True)`` counts it). A server not ready within ``timeout``
+        is ended, as in ``fork``."""
+        with self._lock:
+            try:
+                self._wait_ready(timeout)
+            except BaseException:
+                self.abandon()
+                raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        if not self.ready:
+            hello = self._reply(timeout, "got ready")
+            self.ready, self.host = True, hello.get("host", self.host)
 
     ready = False
     """Whether the server said it finished its imports (its first line)."""
@@ -216,6 +232,22 @@ def fork_server() -> ForkServer:
                 _SERVER.close()  # the dead one's pipes and its directory of exit statuses
             _SERVER = ForkServer()
         return _SERVER
+
+
+def prestart() -> None:
+    """Start this kernel's fork server now (``%load_ext colab_kit`` does, before it imports the magics), so that
+    its imports (torch, DTensor, the engine's parts: 3.9 s to ready here) run while the notebook's next cells do,
+    not inside ``%colossal start``. Worked example, Run All on 2 cores: the server imports on one core while the
+    kernel imports the magics and runs the cells up to ``%colossal start -n 4`` on the other; the start then
+    forks 4 engines from a server that is ready, or nearly. Nothing where engines are not forked
+    (``COLAB_KIT_FORK_ENGINES=0``, or no ``fork``). A kernel that starts no local cluster keeps an idle server of
+    about 310 MiB until it exits (``fork_server().close()`` ends it sooner), which ``Cluster(fit=True)``
+    counts as memory in use."""
+    if forking("local"):
+        try:
+            fork_server()
+        except OSError:  # no process to spare now: %colossal start tries again, and says why
+            pass
 
 
 def _close_server() -> None:

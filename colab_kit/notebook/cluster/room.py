@@ -1,17 +1,19 @@
 """How many engines the memory left on this host holds: ``Cluster(8, fit=True)``, ``%colossal start -n 8 --fit``.
 
 A notebook on Binder gets 2 GiB for everything (the Jupyter server, the kernel, the controller and every
-engine). Local engines are forked from one fork server that has imported torch (``forked.py``), so the pages
-of those imports are held once, by the server (about 230 MiB), and each engine holds about 140 MiB of its
-own once it has trained a small model (130 MiB for the engine and 9 MiB for the ipyparallel nanny it forks:
-psutil's USS, the pages only that process holds, which is what a memory cgroup charges one more process); the
-controller and the watchdog hold about 50 MiB together (measured on 4 engines after three dp steps of a small
-GPT, by hand once; ``bench/cluster.py`` keeps the totals, 802 MiB PSS in all against 1,129 MiB for engines
-started as their own interpreters in bench/results/cluster.json).
-Eight engines there need about 1.4 GiB with their server and controller, 2.0 GiB with a Jupyter server and a
-kernel of 0.6 GiB: the OOM killer would end the kernel half way through a notebook. ``fit=True`` asks for ``n``
-and starts the largest of n, n/2, n/4, ... that the memory left holds, so a config that divides ``n`` by powers of two
-(dp, tp, pp) still divides what starts; it says why when it starts fewer.
+engine). Local engines are forked from one fork server that has imported torch and the engine's parts
+(``forked.py``), so the pages of those imports are held once, by the server (312 MiB RSS), and each engine holds
+what it adds of its own: 67 MiB once it has trained a small GPT, 136 MiB once it has imported transformers and
+trained a Hugging Face GPT-2 as notebook 07 does (the engine with its ipyparallel nanny: psutil's USS, the pages
+only that process holds, which is what a memory cgroup charges one more process); the controller and the
+watchdog hold about 50 MiB together (``tests/cluster/test_cluster_room.py``, ``-s`` prints them;
+``bench/cluster.py`` keeps the totals, 568 MiB PSS in all for 4 engines after three dp steps against 1,132 MiB
+for engines started as their own interpreters, in bench/results/cluster.json).
+Eight engines that trained a Hugging Face model need about 1.4 GiB with their server and controller, 2.0 GiB
+with a Jupyter server and a kernel of 0.6 GiB: the OOM killer would end the kernel half way through a
+notebook. ``fit=True`` asks for ``n`` and starts the largest of n, n/2, n/4, ... that the memory left holds, so a
+config that divides ``n`` by powers of two (dp, tp, pp) still divides what starts; it says why when it starts
+fewer.
 
 The limit is the smallest of what this host declares:
 
@@ -43,9 +45,9 @@ from pathlib import Path
 __all__ = ["ENGINE_BYTES", "CONTROLLER_BYTES", "FORK_SERVER_BYTES", "Room", "memory_room", "fitting"]
 
 GiB, MiB = 2**30, 2**20
-ENGINE_BYTES = 200 * MiB      # a forked engine and its nanny after a small training step: 141 MiB USS, a margin
+ENGINE_BYTES = 200 * MiB      # a forked engine and its nanny after a Hugging Face model's steps: 136 MiB USS, a margin
 CONTROLLER_BYTES = 64 * MiB   # ipyparallel's controller (its hub and schedulers) and the watchdog: ~50 MiB USS
-FORK_SERVER_BYTES = 256 * MiB  # the fork server, torch imported (233 MiB RSS): counted until it runs, then it is in use
+FORK_SERVER_BYTES = 344 * MiB  # the fork server, its imports done (312 MiB RSS): counted until it runs, then in use
 _UNLIMITED = 2**60            # cgroup v1 writes "no limit" as a huge number
 
 
