@@ -242,21 +242,24 @@ def test_hanging_rank_gives_rank_timeout():
 
 
 def sleep_on_1_while_0_all_reduces():
+    from datetime import timedelta
+    patient = dist.new_group(timeout=timedelta(seconds=600))  # rank 0's all-reduce outwaits the launch's deadline
     if dist.get_rank() == 1:
         time.sleep(1000)
-    dist.all_reduce(torch.ones(2))
+    dist.all_reduce(torch.ones(2), group=patient)
 
 
 def test_the_rank_that_holds_up_a_collective_is_shown_where_it_is():
-    """Rank 1 never enters the all-reduce rank 0 waits in: whichever gives up first (the launch's deadline, or
-    the process group's timeout on rank 0, which reports first), the error says where each running rank is,
-    read from its Python stack (errors/stacks.py): rank 1 in its sleep, rank 0 in the all-reduce."""
+    """Rank 1 never enters the all-reduce rank 0 waits in: at the launch's deadline the error says where each
+    running rank is, read from its Python stack (errors/stacks.py): rank 1 in its sleep, rank 0 in the
+    all-reduce. The all-reduce's group waits longer than the deadline: with the launch's own timeout on both,
+    they raced, and once rank 0 was caught building its own timeout's traceback (traceback.py)."""
     with pytest.raises(RankError) as info:
         ck.launch(sleep_on_1_while_0_all_reduces, 2, timeout=4)
     text = str(info.value)
-    assert "    rank 1: test_launch.py:246 in sleep_on_1_while_0_all_reduces: time.sleep(1000)" in text, text
-    if 0 in info.value.stuck:
-        assert "    rank 0: test_launch.py:247 in sleep_on_1_while_0_all_reduces: dist.all_reduce" in text, text
+    assert info.value.stuck == [0, 1], text
+    assert "    rank 1: test_launch.py:248 in sleep_on_1_while_0_all_reduces: time.sleep(1000)" in text, text
+    assert "    rank 0: test_launch.py:249 in sleep_on_1_while_0_all_reduces: dist.all_reduce" in text, text
     assert not mp.active_children()
 
 
