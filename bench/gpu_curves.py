@@ -24,7 +24,9 @@ head dim 128 (batch 1, 32 heads) does 2.2e12 FLOPs forward, so 6.5 ms is 0.34 of
 
 ``bench/results/gpu_curves.json`` holds every point, the device, torch and CUDA versions, nvidia-smi's clocks
 before and after the GEMMs, the date, and the fit ``planner.cluster.curve_fit.measured_preset`` makes of them (e_max,
-knee, attention's and HBM's efficiencies), which ``bench/gpu_estimate_check.py`` prices with. About a minute on
+knee, attention's and HBM's efficiencies) against the preset of the GPU that ran them (``preset_for_device``:
+an H100 SXM's against ``8xH100-SXM``, carried over to ``8xH200-SXM`` and the other way), which
+``bench/gpu_estimate_check.py`` prices with. About a minute on
 an H200. Exit 2 without CUDA (and without ``--cpu-smoke``).
 
 ``--cpu-smoke``: the same code paths on the CPU with tiny sizes (perf_counter instead of events), in seconds; its
@@ -53,8 +55,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from colab_kit.planner.cluster.hardware import HARDWARE  # noqa: E402
-from colab_kit.planner.cluster.curve_fit import (BACKWARD, attention_falloff, attention_flops, grouped_vs_curve,  # noqa: E402
-                                        measured_preset)
+from colab_kit.planner.cluster.curve_fit import (BACKWARD, attention_falloff, attention_flops, carry_over,  # noqa: E402
+                                                 grouped_vs_curve, measured_preset, preset_for_device)
 
 try:
     from _results import gpu_or_smoke, machine, row  # noqa: E402
@@ -233,8 +235,13 @@ def clocks() -> dict | None:
 
 
 def summary(curves: dict) -> tuple[dict, list[dict]]:
-    """The fit ``measured_preset`` makes of ``curves`` on the H200 preset, and the result file's rows."""
-    hw = measured_preset(HARDWARE["8xH200-SXM"], curves)
+    """The fit ``measured_preset`` makes of ``curves`` on the preset of the GPU that ran them
+    (``preset_for_device``: an H100 SXM's against 8xH100-SXM), the same efficiencies carried over to the other
+    of H100 and H200 (``carry_over``: the same tensor cores, its own datasheet HBM), and the result file's rows."""
+    name = preset_for_device(curves["device"])
+    hw = measured_preset(HARDWARE[name], curves)
+    other = {"8xH200-SXM": "8xH100-SXM", "8xH100-SXM": "8xH200-SXM"}.get(name)
+    carried = carry_over(hw, HARDWARE[other]) if other else None
     peak = hw.peak("bf16") / 1e12
     gemm = [p for p in curves["gemm"] if "seconds" in p]
     top = max(gemm, key=lambda p: p["tflops"])
@@ -242,7 +249,9 @@ def summary(curves: dict) -> tuple[dict, list[dict]]:
     grouped = grouped_vs_curve(curves["grouped"], hw)
     fit = {"e_max": hw.e_max, "knee": hw.knee, "attention_efficiency": hw.attention_efficiency,
            "hbm_efficiency": hw.hbm_efficiency, "attention_falloff": attention_falloff(curves["attention"], peak * 1e12),
-           "grouped_vs_curve": grouped, "preset": "8xH200-SXM (planner.cluster.curve_fit.measured_preset)"}
+           "grouped_vs_curve": grouped, "preset": f"{name} (planner.cluster.curve_fit.measured_preset)"}
+    if carried is not None:
+        fit["carried_over"] = {"preset": other, "source": carried.sources["e_max"]}
     dims = [d for p in gemm for d in (p["m"], p["n"], p["k"])]
     rows = [row(f"bf16 GEMM, {len(gemm)} shapes of {min(dims)}-{max(dims)}", f"best {top['tflops']:g} TFLOP/s at "
                 f"{top['m']}x{top['n']}x{top['k']}; fit e_max {hw.e_max:.3f}, knee {hw.knee:.1f}",
@@ -272,6 +281,11 @@ def main(argv=None) -> int:
     sizes, dev, dtype = SIZES["cuda" if cuda else "cpu"], torch.device("cuda" if cuda else "cpu"), torch.bfloat16
     timer, t0 = Timer(cuda, sizes["warmup"], sizes["reps"]), time.perf_counter()
     device = torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+    try:
+        preset_for_device(device)  # before a minute of sweeps, not after
+    except ValueError as exc:
+        print(f"gpu_curves: {exc}", file=sys.stderr)
+        return 2
     curves = {"benchmark": "gpu_curves", "mode": "cuda" if cuda else "cpu-smoke", "device": device,
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cuda": torch.version.cuda,
               "dtype": "bf16", "clocks": {"before": clocks() if cuda else None}}

@@ -53,7 +53,7 @@ import colab_kit as ck  # noqa: E402
 from colab_kit.datasets import SyntheticTokens  # noqa: E402
 from colab_kit.models import GPT, GPTConfig  # noqa: E402
 from colab_kit.planner.cluster.hardware import HARDWARE  # noqa: E402
-from colab_kit.planner.cluster.curve_fit import load_curves, measured_preset  # noqa: E402
+from colab_kit.planner.cluster.curve_fit import load_curves, measured_preset, preset_for_device  # noqa: E402
 from gpu_check import SIZES as CHECK_SIZES  # noqa: E402
 
 CURVES = os.path.join(ROOT, "bench", "results", "gpu_curves.json")
@@ -117,12 +117,20 @@ def _rank_steps(jobs: list[dict], mode: dict) -> list[dict]:
 
 
 def preset_for(device: str, curves_path: str | None) -> tuple:
-    """``(datasheet preset, preset priced with, one line saying which)``: the preset of the GPU's name (an H200
-    unless the name says H100 or A100), with ``measured_preset`` of the curves where the file exists."""
-    name = "8xH100-SXM" if "H100" in device else "8xA100-80GB" if "A100" in device else "8xH200-SXM"
+    """``(datasheet preset, preset priced with, one line saying which)``: the preset of the GPU's name
+    (``curve_fit.preset_for_device``), with ``measured_preset`` of the curves where the file exists and was
+    measured on a GPU of the same preset (curves of another are not used, and the line says so: their fractions
+    are of another datasheet; the measured step times are kept either way)."""
+    try:
+        name = preset_for_device(device)
+    except ValueError as exc:  # after the run: its measured times are kept, the ratios flagged
+        return HARDWARE["8xH200-SXM"], HARDWARE["8xH200-SXM"], f"8xH200-SXM as shipped, NOT this GPU's: {exc}"
     base = HARDWARE[name]
     if curves_path and os.path.exists(curves_path):
         curves = load_curves(curves_path)
+        if preset_for_device(curves["device"]) != name:
+            return base, base, (f"{name} as shipped (datasheet): {curves_path} was measured on {curves['device']}, "
+                                f"another preset's GPU; run bench/gpu_curves.py on this one first")
         hw = measured_preset(base, curves)
         return base, hw, (f"{name} with e_max {hw.e_max:.3f}, knee {hw.knee:.1f}, attention "
                           f"{hw.attention_efficiency[0]:.3g}/{hw.attention_efficiency[1]:.3g}, HBM {hw.hbm_efficiency:.3g} "

@@ -16,8 +16,8 @@ import colab_kit as ck
 from colab_kit.models import GPTConfig
 from colab_kit.planner.cluster.hardware import CALIBRATED, HARDWARE
 from colab_kit.planner.cluster.curve_fit import (MEASURED, attention_falloff, attention_flops, carry_over, curve_seconds,
-                                        fit_attention, fit_gemm, grouped_vs_curve, h100_from_h200, hbm_efficiency,
-                                        load_curves, measured_preset)
+                                        fit_attention, fit_gemm, grouped_vs_curve, h100_from_h200, h200_from_h100,
+                                        hbm_efficiency, load_curves, measured_preset, preset_for_device)
 
 ROOT = Path(__file__).resolve().parents[2]
 H200 = HARDWARE["8xH200-SXM"]
@@ -28,8 +28,9 @@ SHAPES = ([(d, d, d) for d in (256, 1024, 4096, 16384)]
 
 
 def _gemm(e_max, knee, bytes_per_s=None, shapes=SHAPES):
-    return [{"m": m, "n": n, "k": k, "seconds": curve_seconds(m, n, k, e_max, knee, PEAK, bytes_per_s)}
-            for m, n, k in shapes]
+    points = [{"m": m, "n": n, "k": k, "seconds": curve_seconds(m, n, k, e_max, knee, PEAK, bytes_per_s)}
+              for m, n, k in shapes]
+    return [{**p, "tflops": 2 * p["m"] * p["n"] * p["k"] / p["seconds"] / 1e12} for p in points]
 
 
 def _attention(fwd, bwd, short=0.5):
@@ -144,6 +145,40 @@ def test_h100_from_h200_keeps_the_efficiencies_and_h100s_hbm():
         assert "carried over from 8xH200-SXM" in h100.sources[figure] and "3.35 / 4.8 = 0.70" in h100.sources[figure]
         assert "measured on NVIDIA H200" in h100.sources[figure]
     assert carry_over(h200, HARDWARE["8xH800-SXM"]).intra == HARDWARE["8xH800-SXM"].intra
+
+
+@pytest.mark.parametrize("device, preset", [("NVIDIA H100 80GB HBM3", "8xH100-SXM"), ("NVIDIA H200", "8xH200-SXM"),
+                                            ("NVIDIA A100-SXM4-80GB", "8xA100-80GB"), ("cpu (x86_64, 2 cores)",
+                                                                                        "8xH200-SXM")])
+def test_curves_are_fitted_against_the_preset_of_the_gpu_that_ran_them(device, preset):
+    assert preset_for_device(device) == preset
+
+
+@pytest.mark.parametrize("device", ["NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA A100-SXM4-40GB"])
+def test_a_gpu_whose_datasheet_no_preset_has_is_refused(device):
+    with pytest.raises(ValueError, match="is not the GPU of the 8x.* preset .*own datasheet"):
+        preset_for_device(device)
+
+
+def test_curves_of_an_h100_give_h100s_hbm_efficiency_and_carry_over_to_the_h200():
+    """The same copies timed on an H100 reach 0.9 of its 3.35 TB/s: fitted against the H200's 4.8 TB/s (the
+    script's fit before it read the device) they would say 0.63. The H200 then gets the H100's efficiencies."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_curves
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    curves = _curves()
+    big = 4 * 2 ** 30
+    curves["device"] = "NVIDIA H100 80GB HBM3"
+    curves["hbm"] = [{"op": op, "bytes": n * big, "seconds": n * big / (3.35e12 * 0.9), "gb_per_s": 3350 * 0.9}
+                     for op, n in (("copy", 2), ("add", 3))]
+    fit, rows = gpu_curves.summary(curves)
+    assert fit["hbm_efficiency"] == pytest.approx(0.9) and fit["preset"].startswith("8xH100-SXM")
+    assert fit["carried_over"]["preset"] == "8xH200-SXM"
+    assert "carried over from 8xH100-SXM" in fit["carried_over"]["source"]
+    h200 = h200_from_h100(measured_preset(HARDWARE["8xH100-SXM"], curves))
+    assert h200.memory_bytes_per_s == 4.8e12 and h200.hbm_efficiency == pytest.approx(0.9)
 
 
 def test_grouped_points_are_set_against_the_dense_price():

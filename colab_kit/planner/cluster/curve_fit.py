@@ -13,8 +13,11 @@ turns those curves into the figures ``planner.cluster.hardware.Hardware`` prices
   ``attention_falloff`` says how far they fall at short sequences and head dim 64 (not priced: one pair);
 - ``hbm_efficiency``: the fraction of the datasheet's HBM bandwidth a large copy and a large add reach;
 - ``measured_preset(base, curves)``: ``base`` with those four figures replaced, each with its source; the
-  datasheet peak stays. ``carry_over`` / ``h100_from_h200``: another GPU of the same tensor cores (an H100 SXM)
-  with the efficiencies measured on the H200 and its own datasheet HBM.
+  datasheet peak stays. ``carry_over`` / ``h100_from_h200`` / ``h200_from_h100``: another GPU of the same tensor
+  cores with the efficiencies measured on the one that was lent and its own datasheet HBM;
+- ``preset_for_device``: the preset a measurement of a device is fitted against, by the name torch gives it
+  (``NVIDIA H100 80GB HBM3`` -> ``8xH100-SXM``): a GEMM's fraction of the peak and HBM's of the datasheet are only
+  meaningful against the datasheet of the GPU that ran them.
 
 Worked example: GEMM points made by the curve itself (e_max 0.7, knee 120, H200's peak and bandwidth) give
 those constants back; points of another curve do not give the Table 1 fit::
@@ -38,7 +41,8 @@ from dataclasses import replace
 from .hardware import HARDWARE, Hardware
 
 __all__ = ["attention_falloff", "attention_flops", "carry_over", "curve_seconds", "fit_attention", "fit_gemm",
-           "grouped_vs_curve", "h100_from_h200", "hbm_efficiency", "load_curves", "measured_preset"]
+           "grouped_vs_curve", "h100_from_h200", "h200_from_h100", "hbm_efficiency", "load_curves", "measured_preset",
+           "preset_for_device"]
 
 BACKWARD = 2.5
 """FlashAttention's backward FLOPs over its forward's (Dao 2023, Sec. 4.1): five products against two."""
@@ -250,3 +254,31 @@ def h100_from_h200(h200_measured: Hardware) -> Hardware:
     """The H100 SXM preset with the efficiencies measured on an H200 (``carry_over``): H100's 3.35 TB/s HBM3
     against H200's 4.8 TB/s HBM3e, the same 989 TFLOP/s bf16 peak."""
     return carry_over(h200_measured, HARDWARE["8xH100-SXM"])
+
+
+def h200_from_h100(h100_measured: Hardware) -> Hardware:
+    """The H200 SXM preset with the efficiencies measured on an H100 SXM (``carry_over``): the same tensor cores
+    and 989 TFLOP/s bf16 peak, H200's 4.8 TB/s HBM3e against H100's 3.35 TB/s."""
+    return carry_over(h100_measured, HARDWARE["8xH200-SXM"])
+
+
+_DEVICE_PRESETS = (("H200", "8xH200-SXM", ()), ("H100", "8xH100-SXM", ("PCIE", "NVL", "96GB")),
+                   ("H800", "8xH800-SXM", ("PCIE",)), ("A100", "8xA100-80GB", ("40GB", "PCIE")))
+"""(what the device's name holds, its preset, variants of that name whose datasheet the preset is not)."""
+
+
+def preset_for_device(device: str) -> str:
+    """The name of the preset a GPU's measurements are fitted against, from ``torch.cuda.get_device_name``:
+    ``"NVIDIA H100 80GB HBM3"`` -> ``"8xH100-SXM"``, ``"NVIDIA H200"`` -> ``"8xH200-SXM"``. A name that matches
+    none (the CPU of ``--cpu-smoke``) gets the H200's, the preset the curves were first made for. A variant with
+    another datasheet (an H100 PCIe or NVL, an A100 40GB) is refused, saying what would work, not fitted against
+    the wrong peak or bandwidth."""
+    upper = device.upper()
+    for key, name, others in _DEVICE_PRESETS:
+        if key in upper:
+            if any(v in upper for v in others):
+                raise ValueError(f"{device!r} is not the GPU of the {name} preset (its datasheet peak or HBM "
+                                 f"differ): fit its curves with measured_preset against a Hardware of its own "
+                                 f"datasheet")
+            return name
+    return "8xH200-SXM"
