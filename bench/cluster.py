@@ -11,6 +11,10 @@
    engines need (colab_kit: the fork server, engines and nannies; ipyparallel: engines and nannies).
 4. no-op cell: ``%%colossal`` with ``pass`` against ``client[:].execute("pass")`` on the same engines.
 
+Within each start of 1: the first training cell on the fresh engines (``boost`` of a small GPT and three dp
+steps: what an engine imports at its first ``boost`` is part of it), then ``%colossal stop`` against
+``client.close()`` and ``cluster.stop_cluster_sync()``, each until its call returns.
+
 colab_kit forks its local engines from a server that has imported torch once per kernel
 (``colab_kit/notebook/cluster/forked.py``) and runs the controller's heartbeat at 0.5 s; ipyparallel's side is
 as its users start it (new interpreters, the 3 s heartbeat). The first ``%colossal start`` of the run also
@@ -141,18 +145,26 @@ def main(argv=None) -> None:
     shell.run_line_magic("load_ext", "colab_kit")
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start; n={args.n}")
 
-    ours, raw = [], []
+    ours, raw, ours_cell, raw_cell, ours_stop, raw_stop = [], [], [], [], [], []
     for i in range(args.starts):
         ours.append(timed(lambda: magic(shell, f"start -n {args.n}")))
-        magic(shell, "stop")
+        cluster = ck.magics.state(shell).cluster
+        ours_cell.append(timed(lambda: cluster.run(_train_a_little, args.n)))
+        ours_stop.append(timed(lambda: magic(shell, "stop")))
         holder = {}
         raw.append(timed(lambda: holder.update(c=raw_start(args.n))))
-        holder["c"][1].close()
-        holder["c"][0].stop_cluster_sync()
+        raw_cell.append(timed(lambda: holder["c"][1][:].apply_sync(_train_a_little, args.n)))
+        raw_stop.append(timed(lambda: (holder["c"][1].close(), holder["c"][0].stop_cluster_sync())))
         first = " (the first also starts the fork server)" if i == 0 else ""
-        print(f"  start {i + 1}: %colossal {ours[-1]:.2f} s{first}, raw ipyparallel + dist init {raw[-1]:.2f} s")
-    rows = [_report(f"%colossal start -n {args.n} (engines + torch.distributed)", ours, raw)]
-    figures = {"start_s": {"colab_kit": ours, "raw": raw}}
+        print(f"  start {i + 1}: %colossal {ours[-1]:.2f} s{first}, raw ipyparallel + dist init {raw[-1]:.2f} s; "
+              f"first training cell {ours_cell[-1]:.2f} / {raw_cell[-1]:.2f} s; stop {ours_stop[-1]:.2f} / "
+              f"{raw_stop[-1]:.2f} s")
+    rows = [_report(f"%colossal start -n {args.n} (engines + torch.distributed)", ours, raw),
+            _report(f"first training cell on {args.n} fresh engines (imports the engine: boost + 3 dp steps)",
+                    ours_cell, raw_cell),
+            _report(f"%colossal stop of {args.n} engines (until the call returns)", ours_stop, raw_stop)]
+    figures = {"start_s": {"colab_kit": ours, "raw": raw}, "first_cell_s": {"colab_kit": ours_cell, "raw": raw_cell},
+               "stop_s": {"colab_kit": ours_stop, "raw": raw_stop}}
 
     ours, raw = [], []
     magic(shell, f"start -n {args.n}")
