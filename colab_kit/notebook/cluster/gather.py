@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import MessageOnly, RankError, RankTimeout, stacks
 from ...launch import seconds_refusal
 from . import forked, remote, ssh_forked
+from .watchdog import has_ended
 from .results import RankTable, split, unwrap_plain
 
 __all__ = ["Waiting", "RESTART_ADVICE", "ClusterError"]
@@ -91,15 +92,7 @@ class Waiting:
 
     def _controller_dead(self) -> bool:
         """Whether a process of the controller (started by this kernel) has ended."""
-        import psutil
-
-        for proc in self._controller_procs:
-            try:
-                if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
-                    return True
-            except psutil.Error:
-                return True
-        return False
+        return any(has_ended(proc) for proc in self._controller_procs)
 
     def _whereabouts(self, rank: int) -> str:
         """`` (on host "b", pid 41)`` for a rank of the ranks table; nothing before the table exists."""

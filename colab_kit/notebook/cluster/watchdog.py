@@ -28,7 +28,7 @@ import time
 import psutil
 
 __all__ = ["Watchdog", "cluster_processes", "launcher_pids", "descendant_pids", "with_descendants", "end_processes",
-           "wait_ended"]
+           "has_ended", "wait_ended"]
 
 KILL_AFTER = 3.0
 
@@ -153,9 +153,11 @@ def _alive(pid: int, created: float):
         return None
 
 
-def _ended(p: psutil.Process) -> bool:
+def has_ended(p: psutil.Process) -> bool:
+    """Whether ``p`` has ended: gone, its pid taken by another process since, or a zombie (``wait_ended``
+    says why a zombie counts). A process that denies access still runs."""
     try:
-        return p.status() == psutil.STATUS_ZOMBIE
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
     except psutil.Error:  # AccessDenied: it runs
@@ -177,7 +179,7 @@ def wait_ended(procs, timeout: float) -> tuple[list, list]:
     """
     procs, deadline, delay = list(procs), time.monotonic() + timeout, 0.005
     while True:
-        running = [p for p in procs if not _ended(p)]
+        running = [p for p in procs if not has_ended(p)]
         if not running or time.monotonic() >= deadline:
             return [p for p in procs if p not in running], running
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
