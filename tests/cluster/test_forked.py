@@ -91,6 +91,42 @@ def test_a_dead_server_is_replaced_a_bad_request_answered_and_end_of_input_ends_
     assert fresh.proc.returncode == 0 and not os.path.exists(exits)  # the exit statuses' directory removed
 
 
+def _slow_optimizer(params):
+    time.sleep(600)
+    return None
+
+
+def test_a_dry_run_in_a_kernel_forks_from_its_engine_server(tmp_path):
+    """Where the kernel's fork server runs (``%load_ext colab_kit`` starts it), ``ck.dry_run`` forks its child
+    from it (``launch.warm``'s registered forker) instead of starting a second server: the report is the same
+    as the launch forkserver's, the child is one of the server's and exited 0; a dry run past its timeout is
+    killed through it, and the kernel's server keeps serving."""
+    import colab_kit as ck
+    from colab_kit.launch.warm import _FORKERS
+    from colab_kit.models import GPTConfig
+
+    cfg, config = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2), ck.ParallelConfig(dp=2, tp=2)
+    server = forked.fork_server()
+    before = set(server.forked)
+    report = ck.dry_run(cfg, config, rank=3, hardware=[])
+    [pid] = server.forked - before
+    assert server.exit_code(pid) == 0
+    saved = list(_FORKERS)
+    _FORKERS.clear()  # the same dry run through ck.launch's forkserver
+    try:
+        assert ck.dry_run(cfg, config, rank=3, hardware=[]).memory == report.memory
+    finally:
+        _FORKERS[:] = saved
+    before = set(server.forked)
+    try:
+        ck.dry_run(cfg, config, rank=1, hardware=[], timeout=1.5, optimizer=_slow_optimizer)
+        raise AssertionError("a dry run past its timeout returned")
+    except ck.RankTimeout as err:
+        assert "rank 1" in str(err) and "1.5 s" in str(err)
+    [pid] = server.forked - before
+    assert server.exit_code(pid, wait=10) == -signal.SIGKILL and server.alive
+
+
 def test_a_kernel_with_a_cluster_shuts_down_cleanly_and_leaves_nothing():
     """Jupyter shuts a kernel down by asking it to, and ipykernel first ends every child in its process group.
     The fork server lives in a session of its own: with it in the kernel's group, the kernel waited on it as

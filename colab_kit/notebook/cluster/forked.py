@@ -50,6 +50,7 @@ import sys
 import tempfile
 import threading
 
+from ...launch.warm import register_forker
 from .forked_server import WARM_MODULES  # what the server imports (its own code is in forked_server.py)
 
 # and ForkedEngineSetLauncher
@@ -94,20 +95,30 @@ class ForkServer:
         ready one forks at once, so its reply has ``REPLY_SECONDS``. Lines that are no reply (what a login shell
         prints over ssh) are skipped. A request cut short (Ctrl-C) or a reply that does not come also end the
         server, so that no later request reads an earlier reply; the next ``fork_server()`` starts a new one."""
+        request = dict(argv=argv, env=env, cwd=cwd, log=log, **({"merge_env": True} if merge_env else {}))
+        return self._ask(request, timeout, "an engine")
+
+    def call(self, target: str, args: list, log: str, timeout: float = 120.0) -> int:
+        """Fork a child that runs ``target`` (``"module:function"``) on ``args`` with this kernel's environment
+        and directory, its output appended to ``log``, and exits (``launch.warm.fork_call``); its pid. Its exit
+        code is ``exit_code(pid)``'s once it ends."""
+        request = dict(call=target, args=list(args), env=dict(os.environ), cwd=os.getcwd(), log=log)
+        return self._ask(request, timeout, f"a child for {target}")
+
+    def _ask(self, request: dict, timeout: float, what: str) -> int:
         stdin = self.proc.stdin
         assert stdin is not None  # a pipe (subprocess.PIPE)
-        request = dict(argv=argv, env=env, cwd=cwd, log=log, **({"merge_env": True} if merge_env else {}))
         with self._lock:
             try:
                 self._wait_ready(timeout)
                 stdin.write(json.dumps(request) + "\n")
                 stdin.flush()
-                reply = self._reply(REPLY_SECONDS, "forked an engine")
+                reply = self._reply(REPLY_SECONDS, f"forked {what}")
             except BaseException:
                 self.abandon()
                 raise
         if "error" in reply:
-            raise RuntimeError(f"colab_kit's engine fork server could not fork an engine: {reply['error']}")
+            raise RuntimeError(f"colab_kit's engine fork server could not fork {what}: {reply['error']}")
         self.forked.add(int(reply["pid"]))
         return int(reply["pid"])
 
@@ -248,6 +259,59 @@ def prestart() -> None:
             fork_server()
         except OSError:  # no process to spare now: %colossal start tries again, and says why
             pass
+
+
+class _Child:
+    """A child ``ForkServer.call`` forked, as ``launch.warm.Forked``: its exit code from the server's file."""
+
+    def __init__(self, server: ForkServer, pid: int):
+        self.server, self.pid = server, pid
+
+    def wait(self, timeout: float) -> int | None:
+        """Its exit code within ``timeout`` s, else None; -1 when it ended and the server that would have said how
+        is gone (killed with it, say)."""
+        import time
+
+        end, delay = time.monotonic() + timeout, 0.005
+        while True:
+            code = self.server.exit_code(self.pid, wait=0)
+            if code is not None:
+                return code
+            if not self.server.alive and not _running(self.pid):
+                return -1
+            left = end - time.monotonic()
+            if left <= 0:
+                return None
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, 0.05)
+
+    def kill(self) -> None:
+        """SIGKILL, then wait (up to 5 s) until the server has reaped it, as ``multiprocessing``'s kill and join."""
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.wait(5.0)
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _fork_call(target: str, args: list, log: str) -> _Child | None:
+    """``launch.warm``'s forker: this kernel's fork server, where one runs (``%load_ext colab_kit`` starts it)."""
+    server = _SERVER
+    if server is None or not server.alive:
+        return None
+    return _Child(server, server.call(target, args, log))
+
+
+register_forker(_fork_call)
 
 
 def _close_server() -> None:

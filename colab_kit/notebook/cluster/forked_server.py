@@ -5,6 +5,8 @@ serve()" <exits directory>`` and writes one JSON request a line).
 Per request ``{"argv", "env", "cwd", "log"}`` the server forks; the child becomes ``python -m ipyparallel.engine
 <argv>`` (``_become_engine``: its own session, the log as stdout and stderr, the environment and directory of
 the request) after forking its own nanny (``_prefork_nanny``); the server answers ``{"pid": ..., "host": ...}``.
+A request ``{"call": "module:function", "args", "env", "cwd", "log"}`` forks a child that runs that function
+and exits (``launch.warm.fork_call``: ``ck.dry_run`` in a kernel, without a new interpreter's imports).
 Before any request it says ``{"ready": true, "host": ...}``, once its imports are done.
 A server on an SSH host (``ssh_forked.py``) is sent ``"merge_env": true`` and no ``cwd``: the engine's environment
 is the server's login environment with the request's variables set (an empty value unsets one), in the
@@ -25,6 +27,7 @@ import socket
 import sys
 
 from ...launch import ENGINE_MODULES
+from ...launch.warm import run_target
 
 __all__ = ["serve", "WARM_MODULES"]
 
@@ -128,7 +131,9 @@ def _prefork_nanny():
 
 
 def _become_engine(request: dict) -> None:
-    """In the forked child: become ``python -m ipyparallel.engine <argv>`` in ``cwd`` with ``env``; never returns."""
+    """In the forked child: become ``python -m ipyparallel.engine <argv>`` in ``cwd`` with ``env``, or, for a
+    request with ``"call": "module:function"`` (``ForkServer.call``), run that on ``"args"`` and exit; never
+    returns."""
     code = 1
     _EXITS.clear()  # the server's: an engine reaps nobody for the kernel
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})  # held by the server around the fork
@@ -156,12 +161,15 @@ def _become_engine(request: dict) -> None:
                 env[key] = str(value)
         os.environ.clear()
         os.environ.update(env)
-        sys.argv = ["ipyparallel.engine", *request["argv"]]
-        import ipyparallel.engine.app as app
+        if "call" in request:  # not an engine: one function, then exit (launch.warm.fork_call: a dry run)
+            code = run_target(request["call"], request["args"], request["log"])
+        else:
+            sys.argv = ["ipyparallel.engine", *request["argv"]]
+            import ipyparallel.engine.app as app
 
-        app.start_nanny = _prefork_nanny()  # after the streams and environment are the engine's, before any thread
-        app.main()
-        code = 0
+            app.start_nanny = _prefork_nanny()  # after the streams and environment are the engine's, before any thread
+            app.main()
+            code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - reported in the engine's log, then the process ends

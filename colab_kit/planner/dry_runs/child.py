@@ -1,7 +1,7 @@
 """The dry-run process (``run_jobs``): each job built in turn as its rank of torch's fake process group, its
 model's tensors given storage and no values (``_unwritten``), the optimizer stepped once on zero gradients, and
 what the rank holds measured (``engine.memory()``, the activations by the engine's estimate). ``run.dry_run_many``
-starts it with ``python -c "... from colab_kit.planner.dry_runs.child import run_jobs ..."``."""
+runs it in a child forked from a warm server (``launch.warm.fork_call``), its stderr in a log file."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,8 @@
 """``dry_run(model, config, rank=r)``: what rank r of a run far larger than this machine would hold.
 
-Rank r is built in a fresh process, as rank r of ``config.world_size`` in torch's ``fake`` process group
-(no peers, no communication; torchtitan's dry runs do the same): ``boost`` makes that rank's shards of
+Rank r is built in a fresh process (forked from a warm server: ``launch.warm``), as rank r of
+``config.world_size`` in torch's ``fake`` process group (no peers, no communication; torchtitan's dry runs do
+the same): ``boost`` makes that rank's shards of
 the model on the meta device, values left unset, and the optimizer steps once on zero gradients so that
 its states exist as after a first step. No training step runs: under the fake group a pipeline receiver
 would read the activation's shape from a header that never came (``pipeline.p2p``). Reported: what
@@ -15,7 +16,7 @@ before any process starts.
 
 Worked example: GPT 406.4M (vocab 50304, seq 1024, d_model 1024, 16 heads, 24 layers, untied head),
 AdamW, ``ParallelConfig(dp=8, tp=8, pp=8, microbatches=8)`` = 512 ranks, batch 64. Rank 37 is
-((pp 0 * 8 + dp 4) * 1 + sp 0) * 8 + tp 5; about 2 s here, 0.9 s of it the rank itself::
+((pp 0 * 8 + dp 4) * 1 + sp 0) * 8 + tp 5; 0.44 s here without pricing (``bench/results/dry_run.json``)::
 
     >>> print(dry_run(GPT(cfg, device="meta"), config, rank=37, batch=64, hardware="8xH100-SXM"))  # doctest: +SKIP
     dry run: rank 37 of 512, dp=8 x pp=8 x tp=8 (1d) = 512 ranks, 1f1b x 8 microbatches; GPT 406.4M params, ...
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 
@@ -46,6 +46,7 @@ from ...config import ConfigError, ParallelConfig
 from ...errors import RankError, RankTimeout
 from ...engine.checks import check_policy
 from ...engine.core import unsupported
+from ...launch.warm import fork_call
 from ...memory.estimator import gpt_like
 from ...memory.formulas import OPTIMIZER_STATES
 from ...models import GPT, GPTConfig
@@ -143,35 +144,42 @@ def _prepare(model, config, rank=0, batch=None, seq=None, optimizer="adamw", pol
 
 
 def _spawn(jobs: list, timeout: float) -> list:
-    """Run ``jobs`` in one fresh process (``child.run_jobs``): their results, or RankError / DryRunTimeout."""
+    """Run ``jobs`` in one child forked from a warm server (``launch.warm.fork_call``: the kernel's fork server,
+    or ``ck.launch``'s forkserver), which runs ``child.run_jobs``: their results, or RankError / DryRunTimeout.
+    A new interpreter took 3.5 s here for a small GPT's dry run, forked it takes 0.07 s."""
     import cloudpickle  # a factory or policy defined in a notebook travels by value
 
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # above colab_kit/
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="colab_kit-dry-run-") as tmp:
-        src, dst = os.path.join(tmp, "jobs.pkl"), os.path.join(tmp, "results.pkl")
+        src, dst, log = (os.path.join(tmp, name) for name in ("jobs.pkl", "results.pkl", "log"))
         with open(src, "wb") as fh:
             pickle.dump(sys.path, fh)
             cloudpickle.dump(jobs, fh)
-        child = "import sys; from colab_kit.planner.dry_runs.child import run_jobs; run_jobs(*sys.argv[1:])"
-        cmd = [sys.executable, "-c", child, src, dst]
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-        except subprocess.TimeoutExpired as exc:
-            job = jobs[_running(exc.stderr)]
+        child = fork_call("colab_kit.planner.dry_runs.child:run_jobs", [src, dst], log)
+        code = child.wait(timeout)
+        if code is None:
+            child.kill()
+            job = jobs[_running(_read(log))]
             raise DryRunTimeout([job["rank"]], timeout, f"ck.dry_run of {job['config'].describe()}",
                                 f"pass a larger timeout= (it was {timeout:g} s for {len(jobs)} rank(s))") from None
         if not os.path.exists(dst):  # the process died before it could report
-            job = jobs[_running(done.stderr)]
-            raise RankError({job["rank"]: done.stderr[-4000:]}, where=f"ck.dry_run of {job['config'].describe()} "
-                                                                      f"(exit code {done.returncode})")
+            text = _read(log)
+            job = jobs[_running(text)]
+            raise RankError({job["rank"]: text[-4000:]}, where=f"ck.dry_run of {job['config'].describe()} "
+                                                               f"(exit code {code})")
         with open(dst, "rb") as fh:
             out = pickle.load(fh)
     if out and "error" in out[-1]:
         job = jobs[len(out) - 1]
         raise RankError({job["rank"]: out[-1]["error"]}, where=f"ck.dry_run of {job['config'].describe()}")
     return out
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return ""
 
 
 def _running(stderr) -> int:
