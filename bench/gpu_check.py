@@ -21,7 +21,9 @@ message and the others still run. Each prints one ``PASS``/``FAIL`` line with it
    step after the first stays within B plus an allowance (384 MiB, printed beside it) for what the account
    does not see: allocator rounding, cuBLAS/cuBLASLt workspaces, and backward's transient activation
    gradients (the activation meter counts saved tensors). The allowance must be below the states kept on
-   the host, so an engine that ignored the budget would fail.
+   the host, so an engine that ignored the budget would fail. Then the same model in bf16 with
+   ``offload="cpu"`` trains 3 steps to finite losses (its host shards pinned on a GPU; ZeRO-3 frees the widened
+   16-bit gradients by resizing their storage).
 4. ``parity``: the CPU suite's parity configs (``tests/ranks/test_dp.py``, ``test_zero.py``, ``test_zero3.py``)
    and their one-rank forms, each whose world size fits on the GPUs, train the suite's GPT 5 steps with
    AdamW and with SGD + momentum to the losses of ``colab_kit.engine.reference.train_single_process`` (one CPU
@@ -271,6 +273,13 @@ def _rank_budget(sizes):
            "account_peak": place.account.peak, "cuda_peaks": peaks, "losses": losses,
            "device_type": engine.mesh.device.type}
     engine.close()
+    del engine, place
+    gc.collect()
+    # bf16 with every chunk on the host (pinned, on a GPU): ZeRO-3 frees each widened 16-bit shard gradient by
+    # resizing its storage, which a Tensor.pin_memory() storage refuses ("not resizable", at the first step)
+    mixed = ck.boost(GPT(cfg), _adamw, ck.ParallelConfig(zero=3, offload="cpu", precision="bf16"))
+    out["bf16_offload_losses"] = [mixed.train_step(data.batch(s, batch)) for s in range(3)]
+    mixed.close()
     return out
 
 
@@ -280,9 +289,12 @@ def check_zero3_budget(ctx):
     allow, dev = ctx["sizes"]["allowance"], r["device_type"]
     placed = all(k == ([dev] if w == "device" else ["cpu"]) for k, w in zip(r["tensor_devices"], r["where"]))
     sides = {"device", "host"} <= set(r["where"])
-    ok = placed and sides and r["account_peak"] <= r["budget"] and all(map(math.isfinite, r["losses"]))
+    mixed = r["bf16_offload_losses"]
+    ok = (placed and sides and r["account_peak"] <= r["budget"] and all(map(math.isfinite, r["losses"]))
+          and all(map(math.isfinite, mixed)))
     detail = (f"{r['where'].count('host')}/{len(r['where'])} chunks on the host, tensors where placed: {placed}; "
-              f"budget {r['budget']:,} B, account peak {r['account_peak']:,} B")
+              f"budget {r['budget']:,} B, account peak {r['account_peak']:,} B; bf16 offload='cpu' loss "
+              f"{mixed[0]:.3f} -> {mixed[-1]:.3f}")
     if ctx["cuda"]:
         cuda_peak = max(r["cuda_peaks"][1:])
         r.update(cuda_peak_after_first=cuda_peak, allowance=allow, beyond_budget=cuda_peak - r["budget"])

@@ -60,7 +60,7 @@ CURVES = os.path.join(ROOT, "bench", "results", "gpu_curves.json")
 _MOE = dict(vocab_size=256, seq_len=512, d_model=512, n_heads=8, n_layers=12, n_experts=8, top_k=2, d_expert=1024,
             aux_loss=0.01)  # bench/gpu_moe_check.py's bf16 check
 MODES = {
-    "cuda": dict(precision="bf16", warmup=3, timed=10, backend="nccl", timeout=480.0, where="one GPU", models=[
+    "cuda": dict(precision="bf16", warmup=3, timed=10, backend="nccl", timeout=280.0, where="one GPU", models=[
         ("125M GPT (gpu_check)", CHECK_SIZES["cuda"]["gpt"], 16, ("none", "full")),
         ("350M GPT", dict(vocab_size=25600, seq_len=1024, d_model=1024, n_heads=16, n_layers=24), 16, ("none", "full")),
         ("1.3B GPT", dict(vocab_size=25600, seq_len=1024, d_model=2048, n_heads=16, n_layers=24), 16, ("none", "full")),
@@ -87,8 +87,6 @@ def _rank_steps(jobs: list[dict], mode: dict) -> list[dict]:
             engine = ck.boost(model, lambda ps: torch.optim.AdamW(ps, lr=3e-4),
                               ck.ParallelConfig(precision=mode["precision"], recompute=job["recompute"]))
             cuda = engine.mesh.device.type == "cuda"
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
             data, times, losses = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=2), [], []
             for s in range(mode["warmup"] + mode["timed"]):
                 batch = data.batch(s, job["batch"])
@@ -98,8 +96,8 @@ def _rank_steps(jobs: list[dict], mode: dict) -> list[dict]:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             r.update(step_seconds=statistics.median(times[mode["warmup"]:]), step_times=times, losses=losses,
-                     device=str(engine.mesh.device),
-                     max_memory_allocated=torch.cuda.max_memory_allocated() if cuda else None)
+                     device=str(engine.mesh.device),  # train_step resets the peak: the last step's
+                     last_step_max_memory_allocated=torch.cuda.max_memory_allocated() if cuda else None)
         except torch.cuda.OutOfMemoryError as exc:
             r["skipped"] = f"out of memory: {str(exc).splitlines()[0][:300]}"
         except Exception as exc:  # recorded; the other configs still run
@@ -127,7 +125,11 @@ def preset_for(device: str, curves_path: str | None) -> tuple:
         return HARDWARE["8xH200-SXM"], HARDWARE["8xH200-SXM"], f"8xH200-SXM as shipped, NOT this GPU's: {exc}"
     base = HARDWARE[name]
     if curves_path and os.path.exists(curves_path):
-        curves = load_curves(curves_path)
+        try:
+            curves = load_curves(curves_path)
+            measured_preset(base, curves)
+        except (ValueError, KeyError) as exc:  # an INCOMPLETE curves file (a sweep with no timed point)
+            return base, base, f"{name} as shipped (datasheet): {curves_path} cannot be fitted: {exc}"
         if preset_for_device(curves["device"]) != name:
             return base, base, (f"{name} as shipped (datasheet): {curves_path} was measured on {curves['device']}, "
                                 f"another preset's GPU; run bench/gpu_curves.py on this one first")

@@ -94,8 +94,14 @@ def _move(t: torch.Tensor, device: torch.device) -> None:
     """Move ``t``'s data to ``device``; to the host from a GPU into pinned memory, so that the copies of its
     shard back to the GPU at each gather (``staged``) run without the host waiting."""
     if t is not None and t.device != device:
-        moved = t.data.to(device)
-        t.data = moved.pin_memory() if device.type == "cpu" and t.device.type == "cuda" else moved
+        if device.type == "cpu" and t.device.type == "cuda":
+            # pinned by the allocator (torch.empty), not by Tensor.pin_memory(): the latter's storage cannot be
+            # resized, and ZeRO-3 frees a widened 16-bit shard gradient with resize_(0) (stage3's finish)
+            pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            pinned.copy_(t.data)
+            t.data = pinned
+        else:
+            t.data = t.data.to(device)
 
 
 class ChunkPlacement:

@@ -318,7 +318,9 @@ class ZeroStage3:
             for master, c in zip(self.masters.params, self.chunks, strict=True):  # each piece released once
                 grad = c.shard_grad()
                 master.grad = grad.to(device=master.device, dtype=torch.float32).view_as(master)
-                grad.untyped_storage().resize_(0)  # widened (its values are the fp32 ones); back at zero()
+                storage = grad.untyped_storage()
+                if storage.resizable():  # widened (its values are the fp32 ones); back at zero()
+                    storage.resize_(0)
 
     def master_bytes(self) -> int:
         return self.masters.nbytes if self.masters is not None else 0

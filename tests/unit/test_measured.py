@@ -147,6 +147,15 @@ def test_h100_from_h200_keeps_the_efficiencies_and_h100s_hbm():
     assert carry_over(h200, HARDWARE["8xH800-SXM"]).intra == HARDWARE["8xH800-SXM"].intra
 
 
+def test_a_kernels_fixed_microseconds_do_not_pull_the_fit_above_the_peak():
+    """Each GEMM timed 4 us longer than the curve (a kernel's fixed cost on the GPU): the small shapes' points
+    would pull e_max above the peak with them; left out (``MIN_FIT_SECONDS``), the fit is the curve's."""
+    shapes = SHAPES + [(256, 256, 256), (512, 512, 512), (4096, 256, 256), (1024, 1024, 256)]
+    points = [{**p, "seconds": p["seconds"] + 4e-6} for p in _gemm(0.8, 60.0, shapes=shapes)]
+    e, knee = fit_gemm(points, PEAK)
+    assert e == pytest.approx(0.8, rel=0.03) and knee < 150, (e, knee)
+
+
 @pytest.mark.parametrize("device, preset", [("NVIDIA H100 80GB HBM3", "8xH100-SXM"), ("NVIDIA H200", "8xH200-SXM"),
                                             ("NVIDIA A100-SXM4-80GB", "8xA100-80GB"), ("cpu (x86_64, 2 cores)",
                                                                                         "8xH200-SXM")])
