@@ -1,6 +1,6 @@
 """Checks of colab_kit on a GPU machine (CUDA, NCCL); run by hand where a GPU is lent, never by CI.
 
-Six checks, in this order, each a function below (``check_*``); one that raises is a FAIL with its
+Seven checks, in this order, each a function below (``check_*``); one that raises is a FAIL with its
 message and the others still run. Each prints one ``PASS``/``FAIL`` line with its seconds:
 
 1. NCCL through both entry points. ``launch``: ``ck.launch(fn, gpus)`` runs one rank per GPU on NCCL;
@@ -37,6 +37,11 @@ message and the others still run. Each prints one ``PASS``/``FAIL`` line with it
    step's ``max_memory_allocated()``; hold the engine's parameter bytes exactly; reach the dispatch meter's
    activations within 10%; and its snapshot pickle must load.
    On CPU ranks ``method="history"`` must be refused with the way out.
+6. ``shared_gpu``: several ranks on one GPU (NCCL refuses that: ``comm/rules/staging.py``). The multi-rank
+   parity configs and ring x pp, Ulysses x ZeRO-3 and tp x ZB-H1, on 2, 4 and 8 ranks of ``nccl_rules`` with
+   ``COLAB_KIT_RULES_DEVICE=cuda``: every rank's engine on cuda, every collective and message through pinned
+   host buffers, each trained to one process's losses (fp32, 1e-5, TF32 off). In the smoke, CPU tensors staged
+   the same way (``COLAB_KIT_RULES_STAGE=1``).
 
 All figures go to ``bench/results/gpu_check.json`` (device, torch, each check's status, seconds, figures).
 Exit 0 when all pass, 1 when one fails, 2 without CUDA (and without ``--cpu-smoke``).
@@ -381,6 +386,57 @@ def check_parity(ctx):
                 "tf32": False}, detail
 
 
+# ------------------------------------------------------------------ 6. several ranks sharing the GPU
+SHARED_CONFIGS = [kw for kw in PARITY_CONFIGS if kw.get("dp", 1) * kw.get("tp", 1) * kw.get("pp", 1) > 1] + [
+    dict(sp=2, pp=2, microbatches=4, schedule="1f1b"), dict(dp=2, sp=2, sp_mode="ulysses", zero=3),
+    dict(tp=2, pp=2, microbatches=4, schedule="zb-h1")]
+"""The multi-rank parity configs, and ring x pp, Ulysses x ZeRO-3 and tp x ZB-H1 (every kind of call)."""
+
+
+def _rank_shared(configs):
+    import torch.distributed as dist
+    staged = bool(getattr(dist.distributed_c10d._get_default_group(), "staging", False))
+    return [{**r, "staged": staged} for r in _rank_parity(configs, False)]
+
+
+def check_shared_gpu(ctx):
+    """Several ranks on one GPU (``comm/rules/staging.py``): each config of ``SHARED_CONFIGS`` on 2 to 8 ranks of
+    ``nccl_rules`` with ``COLAB_KIT_RULES_DEVICE=cuda``, every rank's engine on cuda, every call staged through
+    pinned host buffers, trains to one process's losses (fp32, 1e-5, TF32 off). The CPU smoke stages CPU
+    tensors (``COLAB_KIT_RULES_STAGE=1``): the same code, without a GPU. Each staged call is a host sync: no
+    timing here says anything about a run on NCCL."""
+    env = {"COLAB_KIT_RULES_DEVICE": "cuda"} if ctx["cuda"] else {"COLAB_KIT_RULES_STAGE": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # ck.launch hands them to the ranks (launch.RULES_ENV)
+    rows = []
+    try:
+        for world in sorted({ck.ParallelConfig(**kw).world_size for kw in SHARED_CONFIGS}):
+            group = [kw for kw in SHARED_CONFIGS if ck.ParallelConfig(**kw).world_size == world]
+            rows += ck.launch(_rank_shared, world, group, backend="nccl_rules", timeout=ctx["timeout"],
+                              threads=ctx["threads"])[0]
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    refs = _references()
+    for r in rows:
+        r.update(parity(r["losses"], refs[r["optimizer"]]))
+    device = "cuda" if ctx["cuda"] else "cpu"
+    bad = [f"{r['config']} {r['optimizer']} ({_rel(r['max_rel'])}, {r['device']}, staged {r['staged']})"
+           for r in rows if r["status"] != "PASS" or not r["device"].startswith(device) or not r["staged"]]
+    worst = max((r["max_rel"] for r in rows if r["max_rel"] is not None), default=float("nan"))
+    ok = bool(rows) and not bad
+    worlds = sorted({ck.ParallelConfig(**kw).world_size for kw in SHARED_CONFIGS})
+    detail = (f"{len(rows)} runs ({len(SHARED_CONFIGS)} configs on {', '.join(map(str, worlds))} ranks sharing "
+              f"{ctx['devices'] if ctx['cuda'] else 'no'} GPU, x {len(OPTIMIZERS)} optimizers) on {device}, every call "
+              f"staged; worst rel {_rel(worst)} (<= {RTOL:g}){'; FAILED: ' + '; '.join(bad) if bad else ''}")
+    return ok, {"rows": rows, "reference": refs, "env": env, "rtol": RTOL}, detail
+
+
+def _references() -> dict:
+    cfg, data = GPTConfig(**PARITY_MODEL), SyntheticTokens(PARITY_MODEL["vocab_size"], PARITY_MODEL["seq_len"], seed=1)
+    return {opt: train_single_process(cfg, f, data, PARITY_STEPS, PARITY_BATCH)[0] for opt, f in OPTIMIZERS.items()}
+
+
 # ------------------------------------------------------------------ 5. the memory timeline from CUDA's allocator log
 def _rank_memory_history(tmp: str):
     import pickle
@@ -434,7 +490,8 @@ def check_memory_history(ctx):
 
 
 CHECKS = [("launch", check_launch), ("torchrun", check_torchrun), ("gpt", check_gpt),
-          ("zero3_budget", check_zero3_budget), ("parity", check_parity), ("memory_history", check_memory_history)]
+          ("zero3_budget", check_zero3_budget), ("parity", check_parity), ("memory_history", check_memory_history),
+          ("shared_gpu", check_shared_gpu)]
 
 
 def main(argv=None) -> int:

@@ -334,8 +334,9 @@ class ProcessMesh:
         config.check_world_size(dist.get_world_size())
         self.config = config
         self.layout = MeshLayout(config)
-        if device_type is None:
-            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        if device_type is None:  # NCCL's GPU; a rules group's own device (cuda: ranks sharing a GPU, comm.rules)
+            device_type = "cuda" if dist.get_backend() == "nccl" else \
+                getattr(dist.distributed_c10d._get_default_group(), "device_type", "cpu")
         self.device_type = device_type
         self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
             else torch.device("cpu")

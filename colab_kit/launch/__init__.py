@@ -68,6 +68,11 @@ ENGINE_MODULES = ("torch._dynamo", "torch.distributed.tensor", "colab_kit.engine
                   "colab_kit.engine.checks", "torch.distributed.checkpoint")
 
 
+RULES_ENV = ("COLAB_KIT_RULES_DEVICE", "COLAB_KIT_RULES_STAGE")
+"""What a rank's ``nccl_rules`` groups read (``comm.rules``: the job's device, and staging through host copies),
+handed from the caller's environment at each launch: the ranks fork from a server that started earlier."""
+
+
 def preloaded() -> list[str]:
     """What the forkserver imports once, before it forks any rank: torch, colab_kit and the parts of both that
     a rank's first ``boost`` needs, always; the Hugging Face models too when this process has imported
@@ -136,7 +141,8 @@ def nccl_device(backend: str) -> dict:
     return {"device_id": torch.device("cuda", torch.cuda.current_device())}
 
 
-def _worker(rank, world_size, port, payload, results, backend, threads, timeout, bind=True, stacks_dir=None):
+def _worker(rank, world_size, port, payload, results, backend, threads, timeout, bind=True, stacks_dir=None,
+            rules_env=None):
     import torch
     import torch.distributed as dist
 
@@ -156,6 +162,9 @@ def _worker(rank, world_size, port, payload, results, backend, threads, timeout,
         keep_freed_memory()
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        os.environ.update(rules_env or {})  # the caller's, read at launch (comm.rules.staging)
+        if backend == "nccl_rules" and os.environ.get("COLAB_KIT_RULES_DEVICE") == "cuda":  # ranks share the GPUs
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         # nccl_rules is registered by importing colab_kit (its comm package), as this module's package is
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=timedelta(seconds=timeout))
@@ -223,8 +232,10 @@ def launch(fn, world_size: int, *args, backend: str | None = None, timeout: floa
     bind = os.environ.get("COLAB_KIT_BIND", "1") != "0"  # read here: the ranks fork from a server started earlier
     threads = threads or None  # 0: the default split, as before
     stacks_dir = tempfile.mkdtemp(prefix="colab_kit-stacks-")
+    rules_env = {k: os.environ.get(k, "") for k in RULES_ENV}  # read here, as COLAB_KIT_BIND
     procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, payload, results, backend, threads,
-                                               timeout, bind, stacks_dir), daemon=True) for r in range(world_size)]
+                                               timeout, bind, stacks_dir, rules_env), daemon=True)
+             for r in range(world_size)]
     try:
         with _main_not_reimported():
             for p in procs:

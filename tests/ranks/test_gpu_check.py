@@ -31,7 +31,7 @@ def test_cpu_smoke_passes_every_check_with_plausible_figures(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     checks = report["checks"]
-    assert list(checks) == ["launch", "torchrun", "gpt", "zero3_budget", "parity", "memory_history"]
+    assert list(checks) == ["launch", "torchrun", "gpt", "zero3_budget", "parity", "memory_history", "shared_gpu"]
     assert {c["status"] for c in checks.values()} == {"PASS"}, proc.stdout
     assert report["mode"] == "cpu-smoke" and report["passed"] is True
     for name, c in checks.items():  # one line per check, with its seconds
@@ -46,11 +46,15 @@ def test_cpu_smoke_passes_every_check_with_plausible_figures(tmp_path):
     assert gpt["throughput"]["tokens_per_s"] > 0 and 0 < gpt["throughput"]["mfu"] <= 1
     z = checks["zero3_budget"]["figures"]
     assert {"device", "host"} <= set(z["where"]) and z["account_peak"] <= z["budget"]
-    assert all(math.isfinite(x) for x in z["losses"])
+    assert all(math.isfinite(x) for x in z["losses"]) and all(math.isfinite(x) for x in z["bf16_offload_losses"])
     par = checks["parity"]["figures"]
     assert len(par["rows"]) == 16 and all(r["max_rel"] <= 1e-5 for r in par["rows"])
     assert "dp=2 zero=3" in par["skipped"] and "dp=1 zero=3 offload=auto" not in par["skipped"]
     assert "method='dispatch'" in checks["memory_history"]["figures"]["refused"]  # CPU: the allocator log refused
+    shared = checks["shared_gpu"]["figures"]  # every multi-rank config, staged through host copies (smoke: on CPU)
+    assert shared["env"] == {"COLAB_KIT_RULES_STAGE": "1"} and len(shared["rows"]) == 30
+    assert all(r["staged"] and r["max_rel"] <= 1e-5 for r in shared["rows"])
+    assert {r["config"] for r in shared["rows"]} >= {"dp=2 tp=4 tp_mode=2d zero=3", "dp=2 zero=3 offload=auto"}
 
 
 def test_parity_reports_fail_for_an_untrained_run_and_for_shifted_losses(gpu_check):

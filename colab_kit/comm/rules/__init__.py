@@ -37,7 +37,7 @@ BACKEND = "nccl_rules"
 def device_type() -> str:
     """The device every tensor of this process's rules groups must be on: ``COLAB_KIT_RULES_DEVICE`` (``cpu``
     by default; ``cuda`` when several ranks share one GPU and their tensors travel through host buffers)."""
-    return os.environ.get("COLAB_KIT_RULES_DEVICE", "cpu")
+    return os.environ.get("COLAB_KIT_RULES_DEVICE") or "cpu"
 
 
 def _create(opts, backend_options=None):

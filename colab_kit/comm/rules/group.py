@@ -36,6 +36,7 @@ import torch._C._distributed_c10d as c10d
 from .board import Board, same_host
 from .fingerprint import WIDTH, differs, fingerprint, reduce_code
 from .pairs import Batch, Channel, Op, RuleBroken, describe_tensor
+from .staging import Staged, first, nothing, staged, staging, to_host
 from .works import LIVE, STALL, Checked, FutureWork, last_of, report, start_watchdog, wait_loop
 
 __all__ = ["RulesGroup", "LIVE"]
@@ -64,6 +65,8 @@ class RulesGroup(dist.ProcessGroup):
         self._inner: Any = dist.ProcessGroupGloo(store, rank, size, timeout)  # None after shutdown()
         self._ranks = list(ranks) if ranks else list(range(size))
         self.device_type, self.label = device_type, name
+        self.staging = staging(device_type)  # calls run on host copies (several ranks on one GPU: staging.py)
+        self._carried = "cpu" if self.staging else device_type  # the device of what reaches gloo
         self._seq = 0
         self._channels: dict[int, Channel] = {}
         self._counts: dict = {}  # messages so far per (direction, peer): names one in a mismatch
@@ -115,9 +118,12 @@ class RulesGroup(dist.ProcessGroup):
         self.shutdown()
 
     # ------------------------------------------------------------------ rule 4: the device
-    def _on_device(self, what: str, tensors) -> None:
+    def _on_device(self, what: str, tensors, device: str | None = None) -> None:
+        """Rule 4 on ``tensors`` (nested), against ``device`` (the job's, ``self.device_type``, for what a caller
+        hands in; by default what reaches gloo: host copies where the group stages)."""
+        device = device or self._carried
         for t in _flat(tensors):
-            if t.device.type != self.device_type:
+            if t.device.type != device:
                 raise RuleBroken(
                     f"nccl-rules: {what} over ranks {self._ranks} was handed a {t.device.type} tensor "
                     f"{describe_tensor(t)}, but this job's collectives run on {self.device_type} (NCCL takes only "
@@ -232,11 +238,13 @@ class RulesGroup(dist.ProcessGroup):
         fut.add_done_callback(lambda f: report(f.wait, callback))
 
     # ------------------------------------------------------------------ collectives (torch's signatures)
-    def allreduce(self, tensors, opts=None):  # type: ignore[override]
+    @staged("all_reduce", first)
+    def allreduce(self, tensors, opts=None):
         opts = opts or c10d.AllreduceOptions()
         fp = fingerprint("all_reduce", tensors[0], reduce_code(opts.reduceOp))
         return self._collective("all_reduce", tensors, fp, lambda: self._inner.allreduce(tensors, opts), tensors)
 
+    @staged("all_reduce_coalesced", first)
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or c10d.AllreduceCoalescedOptions()
         fp = fingerprint("all_reduce_coalesced", tensors[0], reduce_code(opts.reduceOp),
@@ -244,22 +252,26 @@ class RulesGroup(dist.ProcessGroup):
         return self._collective("all_reduce_coalesced", tensors, fp,
                                 lambda: self._inner.allreduce_coalesced(tensors, opts), tensors)
 
-    def broadcast(self, tensors, opts=None):  # type: ignore[override]
+    @staged("broadcast", first)
+    def broadcast(self, tensors, opts=None):
         opts = opts or c10d.BroadcastOptions()
         fp = fingerprint("broadcast", tensors[0], opts.rootRank)
         return self._collective("broadcast", tensors, fp, lambda: self._inner.broadcast(tensors, opts), tensors)
 
-    def reduce(self, tensors, opts=None):  # type: ignore[override]
+    @staged("reduce", first)
+    def reduce(self, tensors, opts=None):
         opts = opts or c10d.ReduceOptions()
         fp = fingerprint("reduce", tensors[0], (opts.rootRank << 4) | reduce_code(opts.reduceOp))
         return self._collective("reduce", tensors, fp, lambda: self._inner.reduce(tensors, opts), tensors)
 
+    @staged("all_gather", first)
     def allgather(self, outputs, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
         fp = fingerprint("all_gather", inputs[0])
         return self._collective("all_gather", [outputs, inputs], fp,
                                 lambda: self._inner.allgather(outputs, inputs, opts), outputs)
 
+    @staged("all_gather_coalesced", first)
     def allgather_coalesced(self, outputs, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
         fp = fingerprint("all_gather_coalesced", inputs[0],
@@ -267,6 +279,7 @@ class RulesGroup(dist.ProcessGroup):
         return self._collective("all_gather_coalesced", [outputs, inputs], fp,
                                 lambda: self._inner.allgather_coalesced(outputs, inputs, opts), outputs)
 
+    @staged("all_gather_single", first)
     def all_gather_single(self, output, input, opts=None):
         opts = opts or c10d.AllgatherOptions()
         fp = fingerprint("all_gather_single", input)
@@ -279,12 +292,14 @@ class RulesGroup(dist.ProcessGroup):
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return last_of(works)
 
-    def reduce_scatter(self, outputs, inputs, opts=None):  # type: ignore[override]
+    @staged("reduce_scatter", first)
+    def reduce_scatter(self, outputs, inputs, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
         fp = fingerprint("reduce_scatter", outputs[0], reduce_code(opts.reduceOp))
         return self._collective("reduce_scatter", [outputs, inputs], fp,
                                 lambda: self._inner.reduce_scatter(outputs, inputs, opts), outputs)
 
+    @staged("reduce_scatter_single", first)
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
         fp = fingerprint("reduce_scatter_single", input, reduce_code(opts.reduceOp))
@@ -297,6 +312,7 @@ class RulesGroup(dist.ProcessGroup):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return last_of(works)
 
+    @staged("all_to_all_single", first)
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         opts = opts or c10d.AllToAllOptions()
         even = not output_splits and not input_splits
@@ -307,19 +323,22 @@ class RulesGroup(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single
 
+    @staged("all_to_all", first)
     def alltoall(self, outputs, inputs, opts=None):
         opts = opts or c10d.AllToAllOptions()
         fp = fingerprint("all_to_all", inputs[0], shape=[len(inputs)])
         return self._collective("all_to_all", [outputs, inputs], fp,
                                 lambda: self._inner.alltoall(outputs, inputs, opts), outputs)
 
-    def gather(self, outputs, inputs, opts=None):  # type: ignore[override]
+    @staged("gather", first)
+    def gather(self, outputs, inputs, opts=None):
         opts = opts or c10d.GatherOptions()
         fp = fingerprint("gather", inputs[0], opts.rootRank)
         return self._collective("gather", [outputs, inputs], fp,
                                 lambda: self._inner.gather(outputs, inputs, opts), outputs)
 
-    def scatter(self, outputs, inputs, opts=None):  # type: ignore[override]
+    @staged("scatter", first)
+    def scatter(self, outputs, inputs, opts=None):
         opts = opts or c10d.ScatterOptions()
         fp = fingerprint("scatter", outputs[0], opts.rootRank)
         return self._collective("scatter", [outputs, inputs], fp,
@@ -347,11 +366,13 @@ class RulesGroup(dist.ProcessGroup):
                              f"({self.rank()} of {self.size()}), got {peer}")
         return Op(kind, tensors[0], peer, self._ranks[peer])
 
+    @staged("send", nothing)
     def send(self, tensors, dst: int, tag: int = 0):
         op = self._op("send", tensors, dst)
         self._channel(dst).submit(op)
         return FutureWork(op.future, op.tensor)
 
+    @staged("recv", first)
     def recv(self, tensors, src: int, tag: int = 0):
         op = self._op("recv", tensors, src)
         self._channel(src).submit(op)
@@ -362,6 +383,14 @@ class RulesGroup(dist.ProcessGroup):
 
     def batch(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
         """``(kind, tensor, group peer)`` ops run as one NCCL group (``batch_isend_irecv``); their Works."""
+        if not self.staging:
+            return self._batch(ops)
+        self._on_device("batch_isend_irecv", [t for _, t, _ in ops], self.device_type)
+        staged = [(kind, *to_host(t, t if kind == "recv" else []), peer) for kind, t, peer in ops]
+        works = self._batch([(kind, host, peer) for kind, host, _, peer in staged])
+        return [Staged(w, back, [t]) for w, (_, _, back, _), (_, t, _) in zip(works, staged, ops)]
+
+    def _batch(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
         made = [self._op(kind, [t], peer) for kind, t, peer in ops]
         channels = [self._channel(p) for p in sorted({op.group_peer for op in made})]
         batch = Batch(made, channels)
