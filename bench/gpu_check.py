@@ -47,7 +47,7 @@ All figures go to ``bench/results/gpu_check.json`` (device, torch, each check's 
 Exit 0 when all pass, 1 when one fails, 2 without CUDA (and without ``--cpu-smoke``).
 
 ``--cpu-smoke``: the same checks and code paths on CPU ranks with gloo under NCCL's rules (``nccl_rules``), in well under 20 s: 2 ranks for
-``launch`` and ``torchrun``, a GPT of 5,616 parameters in fp32, the budget held against the engine's
+``launch`` and ``torchrun``, a GPT of 5,616 parameters in bf16 (as on the GPU), the budget held against the engine's
 account only (there is no CUDA allocator), parity as on one GPU. Its JSON goes to ``--out`` (default: a
 temp file), never over the GPU figures::
 
@@ -92,7 +92,7 @@ SIZES = {  # per mode: the GPT of check 2 and the ZeRO-3 model of check 3
                  gpt_steps=30, lr=6e-4, precision="bf16", allowance=384 * MIB, zero_batch=8, zero_steps=5,
                  zero=dict(vocab_size=4096, seq_len=256, d_model=1024, n_heads=16, n_layers=8)),  # 109M
     "cpu": dict(gpt=dict(vocab_size=64, seq_len=16, d_model=16, n_heads=2, n_layers=1), gpt_batch=8,
-                gpt_steps=8, lr=1e-2, precision="fp32", allowance=0, zero_batch=8, zero_steps=4,
+                gpt_steps=8, lr=1e-2, precision="bf16", allowance=0, zero_batch=8, zero_steps=4,
                 zero=dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)),
 }
 PARITY_MODEL = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)  # tests/ranks/test_dp.py's GPT_CFG
