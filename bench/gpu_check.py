@@ -46,7 +46,7 @@ message and the others still run. Each prints one ``PASS``/``FAIL`` line with it
 All figures go to ``bench/results/gpu_check.json`` (device, torch, each check's status, seconds, figures).
 Exit 0 when all pass, 1 when one fails, 2 without CUDA (and without ``--cpu-smoke``).
 
-``--cpu-smoke``: the same checks and code paths on CPU ranks with gloo under NCCL's rules (``nccl_rules``), in well under 20 s: 2 ranks for
+``--cpu-smoke``: the same checks and code paths on CPU ranks with gloo under NCCL's rules (``nccl_rules``), in about 20 s: 2 ranks for
 ``launch`` and ``torchrun``, a GPT of 5,616 parameters in bf16 (as on the GPU), the budget held against the engine's
 account only (there is no CUDA allocator), parity as on one GPU. Its JSON goes to ``--out`` (default: a
 temp file), never over the GPU figures::
