@@ -7,7 +7,9 @@ already, the child starts with them. Which server forks it:
 1. a server the notebook layer registered (``register_forker``): a kernel's engine fork server, started by
    ``%load_ext colab_kit`` (``notebook/cluster/forked.py``), so a kernel runs no second server for it;
 2. otherwise ``ck.launch``'s forkserver (``launch._context()``: torch, colab_kit and the engine's parts
-   imported once), started here if no launch started it yet; it lives as long as this process.
+   imported once), started here if no launch started it yet; it lives as long as this process;
+3. inside a rank of ``ck.launch`` (a daemonic process, which ``multiprocessing`` lets start no child), a new
+   interpreter, as before.
 
 The child runs ``module:function`` with string ``args``, with its stdout and stderr in ``log`` (appended), and
 exits 0, or 1 if the function raised (its traceback in the log). What it returns is not sent back: the callers
@@ -60,6 +62,10 @@ def fork_call(target: str, args: list, log: str) -> Forked:
         child = forker(target, list(args), log)
         if child is not None:
             return child
+    import multiprocessing as mp
+
+    if mp.current_process().daemon:  # a rank of ck.launch: multiprocessing lets a daemon start no child
+        return _Interpreter(target, list(args), log)
     process = _context().Process(target=run_target, args=(target, list(args), log), daemon=True)
     with _main_left_out():
         process.start()
@@ -108,6 +114,32 @@ def run_target(target: str, args: list, log: str) -> int:
     if code:
         raise SystemExit(code)
     return code
+
+
+class _Interpreter:
+    """A new interpreter running ``run_target``: where no server may fork (inside a daemonic process)."""
+
+    def __init__(self, target: str, args: list, log: str):
+        import subprocess
+
+        code = ("import sys; from colab_kit.launch.warm import run_target; "
+                "run_target(sys.argv[1], sys.argv[3:], sys.argv[2])")
+        path = os.pathsep.join(p for p in sys.path if p)
+        self._popen = subprocess.Popen([sys.executable, "-c", code, target, log, *args],
+                                       env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"})
+        self.pid = self._popen.pid
+
+    def wait(self, timeout: float) -> int | None:
+        import subprocess
+
+        try:
+            return self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        self._popen.kill()
+        self._popen.wait()
 
 
 class _Process:

@@ -243,6 +243,17 @@ def test_a_script_that_dry_runs_outside_a_main_guard_runs_once(tmp_path):
     assert done.stdout.count("script ran") == 1 and done.stdout.splitlines()[-1].isdigit(), done.stdout
 
 
+def _dry_run_in_a_rank():
+    return ck.dry_run(SMALL, ck.ParallelConfig(dp=2, tp=2), rank=3, hardware=[]).memory
+
+
+def test_a_rank_of_launch_dry_runs_in_a_new_interpreter():
+    """A rank of ``ck.launch`` is a daemonic process, which multiprocessing lets fork no child: its dry run
+    starts a new interpreter, as every dry run did before, with the same report."""
+    [inside] = ck.launch(_dry_run_in_a_rank, 1)
+    assert inside == dry_run(SMALL, ck.ParallelConfig(dp=2, tp=2), rank=3, hardware=[]).memory
+
+
 def _slow_optimizer(params):
     time.sleep(600)
     return torch.optim.SGD(params, lr=0.1)
