@@ -185,6 +185,9 @@ class Chunk:
             pending.wait()
             piece = flat[self.rank * self.piece:(self.rank + 1) * self.piece]  # fp32; the shard's gradient may be
             grad = self.shard_grad()
+            # these copies to a host gradient block (not non_blocking): the optimizer then overwrites the pinned
+            # host shard that ``ChunkPlacement.staged`` copies to the GPU without waiting, and that copy has to
+            # be done by then; a copy here made non_blocking would race it
             if self.fresh:  # 16-bit, on the host. The step's first reduction: a converting copy (0 + x is x)
                 grad.copy_(piece)
             else:  # later microbatches: rounded first, then added, as one process accumulates 16-bit gradients
