@@ -1,0 +1,105 @@
+"""Operators a training step dispatches, beside the step times the GPU checks measured: is a small model's step
+bound by the host's dispatch rather than by the GPU?
+
+    python bench/op_count.py
+
+For each model a GPU check trained on one GPU (``bench/gpu_check.py``'s 125M GPT, ``bench/gpu_moe_check.py``'s
+MoE GPT; bf16, AdamW, one rank), one ``ck.boost`` step is run here on one CPU rank with the same layers,
+widths, experts and precision, but 64 tokens a row and 2 rows (the number of operators does not depend on
+them), under a ``TorchDispatchMode`` that counts every aten operator the step dispatches (forward, backward,
+optimizer, the engine's own). Each row puts that count beside the step the GPU check measured (from
+``bench/results/gpu_check.json`` / ``gpu_moe_check.json``): measured seconds / operators is the host time per
+operator at which dispatch alone would take the whole step. Eager PyTorch spends some microseconds of host
+time per operator (``bench/gpu_curves.py``'s ``launch`` sweep measures it on the GPU's machine); where the
+implied figure is of that size, the step is bound by the host, which ``ck.estimate`` does not price (its
+``kernel_seconds`` is the GPU's gap between kernels). A measurement for the cost model, not a comparison.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+try:
+    from _results import RESULTS, row, write
+except ImportError:  # run as a module (python -m bench.op_count)
+    from bench._results import RESULTS, row, write
+
+MODELS = {  # name: (GPTConfig fields, the GPU check's result file, how to read its measured step seconds)
+    "125M GPT (gpu_check)": (dict(vocab_size=25600, seq_len=1024, d_model=768, n_heads=12, n_layers=12),
+                             "gpu_check.json", "gpt"),
+    "MoE GPT (gpu_moe_check)": (dict(vocab_size=256, seq_len=512, d_model=512, n_heads=8, n_layers=12, n_experts=8,
+                                     top_k=2, d_expert=1024, aux_loss=0.01), "gpu_moe_check.json", "moe"),
+}
+
+
+def _count(fields: dict) -> dict:
+    """On the rank: operators and host reads (``_local_scalar_dense``) of the second of two steps."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import colab_kit as ck
+    from colab_kit.datasets import SyntheticTokens
+    from colab_kit.models import GPT, GPTConfig
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.reads = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            self.reads += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    cfg = GPTConfig(**{**fields, "seq_len": 64})
+    engine = ck.boost(GPT(cfg), lambda ps: torch.optim.AdamW(ps, lr=3e-4), ck.ParallelConfig(precision="bf16"))
+    data = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=2)
+    engine.train_step(data.batch(0, 2))
+    counter = Count()
+    with counter:
+        engine.train_step(data.batch(1, 2))
+    engine.close()
+    return {"ops": counter.ops, "host_reads": counter.reads}
+
+
+def _measured(path: str, kind: str) -> tuple[float | None, str]:
+    """The step seconds a GPU check measured, and where it ran."""
+    try:
+        with open(os.path.join(RESULTS, path), encoding="utf-8") as fh:
+            d = json.load(fh)
+    except OSError:
+        return None, "not run"
+    device = d.get("device", "?")
+    if kind == "gpt":
+        return d["checks"]["gpt"]["figures"]["throughput"]["step_seconds"], device
+    note = next((r["note"] for r in d["rows"] if r["what"].endswith("bf16")), "")
+    tokens_per_s = float(note.rsplit(", ", 1)[-1].split()[0].replace(",", "")) if "tokens/s" in note else None
+    fields = MODELS["MoE GPT (gpu_moe_check)"][0]
+    return (16 * fields["seq_len"] / tokens_per_s if tokens_per_s else None), device  # its batch: 16 rows
+
+
+def main(argv=None) -> None:
+    import colab_kit as ck
+
+    rows, figures = [], {}
+    for name, (fields, path, kind) in MODELS.items():
+        [counted] = ck.launch(_count, 1, fields)
+        seconds, device = _measured(path, kind)
+        per_op = seconds / counted["ops"] if seconds else None
+        print(f"{name}: {counted['ops']:,} operators a step ({counted['host_reads']} host reads); measured step "
+              f"{seconds * 1e3 if seconds else float('nan'):.1f} ms on {device}: "
+              f"{per_op * 1e6 if per_op else float('nan'):.1f} us of host time per operator would fill it")
+        rows.append(row(f"{name}: operators a training step dispatches", f"{counted['ops']:,} operators",
+                        None, None, f"step measured on {device}: {seconds * 1e3:.1f} ms = "
+                        f"{per_op * 1e6:.1f} us an operator if host-bound" if per_op else "no GPU step measured"))
+        figures[name] = {**counted, "measured_step_seconds": seconds, "device": device, "model": fields}
+    write("op_count", rows, figures, {}, argv)
+
+
+if __name__ == "__main__":
+    main()
