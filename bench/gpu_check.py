@@ -117,8 +117,10 @@ def parity(got, want, rtol: float = RTOL) -> dict:
     return {"status": "PASS" if worst <= rtol else "FAIL", "max_rel": worst}
 
 
-def run_checks(checks, ctx) -> dict:
-    """Run ``(name, fn)`` in order; ``fn(ctx) -> (ok, figures, detail)``. One that raises is a FAIL."""
+def run_checks(checks, ctx, after=None) -> dict:
+    """Run ``(name, fn)`` in order; ``fn(ctx) -> (ok, figures, detail)``. One that raises is a FAIL.
+    ``after(results so far)`` is called after each check (``main`` writes the file each time, so a check that
+    the outer ``timeout`` kills loses only itself)."""
     out = {}
     for name, fn in checks:
         t0 = time.perf_counter()
@@ -132,6 +134,8 @@ def run_checks(checks, ctx) -> dict:
         secs = time.perf_counter() - t0
         out[name] = {"status": "PASS" if ok else "FAIL", "seconds": round(secs, 2), "detail": detail, "figures": figures}
         print(f"{'PASS' if ok else 'FAIL'}  {name:<13} {secs:6.1f} s  {detail}", flush=True)
+        if after is not None:
+            after(out)
     return out
 
 
@@ -412,8 +416,8 @@ def check_shared_gpu(ctx):
     try:
         for world in sorted({ck.ParallelConfig(**kw).world_size for kw in SHARED_CONFIGS}):
             group = [kw for kw in SHARED_CONFIGS if ck.ParallelConfig(**kw).world_size == world]
-            rows += ck.launch(_rank_shared, world, group, backend="nccl_rules", timeout=ctx["timeout"],
-                              threads=ctx["threads"])[0]
+            rows += ck.launch(_rank_shared, world, group, backend="nccl_rules", threads=ctx["threads"],
+                              timeout=min(ctx["timeout"], 120.0))[0]  # a hang reported, inside the outer timeout
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -520,9 +524,18 @@ def main(argv=None) -> int:
     print(f"gpu_check: {f'CUDA, {gpus} GPU(s)' if cuda else 'CPU smoke (nccl_rules)'}, torch {torch.__version__}, "
           f"{ctx['world']} rank(s) for launch/torchrun", flush=True)
     t0 = time.perf_counter()
-    results = run_checks(CHECKS, ctx)  # the ranks first: this process makes no CUDA context before them
+    results = run_checks(CHECKS, ctx, lambda so_far: _write(out, so_far, cuda, gpus, t0, argv, partial=True))
+    report = _write(out, results, cuda, gpus, t0, argv)
+    print(f"{'ALL PASS' if report['passed'] else 'SOME FAILED'} in {report['seconds']:.1f} s on {report['device']}; "
+          f"figures in {out}")
+    return 0 if report["passed"] else 1
+
+
+def _write(out: str, results: dict, cuda: bool, gpus: int, t0: float, argv, partial: bool = False) -> dict:
+    """The result file of the checks run so far (``partial``: more were to come)."""
+    # the ranks first: this process makes no CUDA context before the first check has run
     device = torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
-    passed = all(r["status"] == "PASS" for r in results.values())
+    passed = all(r["status"] == "PASS" for r in results.values()) and not partial
     report = {"mode": "cuda" if cuda else "cpu-smoke", "device": device, "devices": gpus, "torch": torch.__version__,
               "cuda": torch.version.cuda, "nccl": _nccl_version() if cuda else None,
               "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -530,12 +543,12 @@ def main(argv=None) -> int:
               # the keys every result file has, for bench/report.py (docs/benchmarks.md)
               "benchmark": "gpu_check", "command": " ".join(["python", "bench/gpu_check.py", *(argv or sys.argv[1:])]),
               "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(),
-              "rows": [row(f"GPU check: {name}", r["status"], None, None, r["detail"]) for name, r in results.items()]}
+              "rows": [row(f"GPU check: {name}", r["status"], None, None, r["detail"]) for name, r in results.items()],
+              **({"partial": f"{len(results)} of {len(CHECKS)} checks run so far"} if partial else {})}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w", encoding="utf-8") as fh:
         json.dump(report, fh, indent=1, default=str)
-    print(f"{'ALL PASS' if passed else 'SOME FAILED'} in {report['seconds']:.1f} s on {device}; figures in {out}")
-    return 0 if passed else 1
+    return report
 
 
 if __name__ == "__main__":
