@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
 import os
 import shutil
 import statistics
@@ -72,9 +73,11 @@ MODES = {
 }
 
 
-def _rank_steps(jobs: list[dict], mode: dict) -> list[dict]:
+def _rank_steps(jobs: list[dict], mode: dict, progress: str | None = None) -> list[dict]:
     """On the one rank: each job's model built once on the CPU (a copy per recompute mode, not drawn again), boosted,
-    trained ``warmup + timed`` steps, each step synchronised and timed on the host; an error ends that job only."""
+    trained ``warmup + timed`` steps, each step synchronised and timed on the host; an error ends that job only.
+    Each finished job is also appended to ``progress`` (a JSON line), which the caller reads if the rank is
+    stopped at its timeout."""
     out, built = [], {}
     for job in jobs:
         r, engine, model = dict(job), None, None
@@ -111,6 +114,9 @@ def _rank_steps(jobs: list[dict], mode: dict) -> list[dict]:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         out.append(r)
+        if progress:
+            with open(progress, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(r, default=str) + "\n")
     return out
 
 
@@ -196,11 +202,18 @@ def main(argv=None) -> int:
     jobs = [{"name": name, "model": model, "batch": batch, "recompute": rc}
             for name, model, batch, modes in mode["models"] for rc in modes]
     t0 = time.perf_counter()
+    progress = out + ".progress"
+    if os.path.exists(progress):
+        os.remove(progress)
     try:
-        results = ck.launch(_rank_steps, 1, jobs, mode, backend=mode["backend"], timeout=mode["timeout"])[0]
-    except Exception as exc:  # the rank died or ran past its time: say so in the result file, not only here
+        results = ck.launch(_rank_steps, 1, jobs, mode, progress, backend=mode["backend"], timeout=mode["timeout"])[0]
+    except Exception as exc:  # the rank died or ran past its time: the jobs it finished kept, the rest said so
         text = exc.summary() if isinstance(exc, ck.RankError) else f"{type(exc).__name__}: {exc}"
-        results = [{**job, "skipped": f"the rank failed: {text[:500]}"} for job in jobs]
+        with open(progress, encoding="utf-8") if os.path.exists(progress) else open(os.devnull) as fh:
+            done = [json.loads(line) for line in fh if line.strip()]
+        results = done + [{**job, "skipped": f"the rank failed: {text[:500]}"} for job in jobs[len(done):]]
+    if os.path.exists(progress):
+        os.remove(progress)
     device = torch.cuda.get_device_name(0) if cuda else "cpu"  # after the rank: no CUDA context here before it
     base, hw, label = preset_for(device, args.curves)
     rows, figures = price(results, mode, base, hw, label)
