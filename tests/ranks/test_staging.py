@@ -91,6 +91,27 @@ def test_outputs_left_on_the_host_fail(monkeypatch):
         ck.launch(_run, 4, True, timeout=300)
 
 
+def _dtensor_calls():
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    whole = distribute_tensor(torch.arange(8.0).view(4, 2), mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+    summed = funcol.all_reduce(torch.ones(3) * (dist.get_rank() + 1), "sum", mesh)
+    gathered = funcol.all_gather_tensor(torch.full((2,), float(dist.get_rank())), 0, mesh)
+    return whole.to_local().tolist(), summed.tolist(), gathered.tolist()
+
+
+def test_dtensor_and_functional_collectives_get_their_outputs(monkeypatch):
+    """torch's functional collectives (what DTensor's redistribute runs) hand the group an output they wait on
+    with ``wait_tensor``: the staged Work's wait puts the result there."""
+    monkeypatch.setenv("COLAB_KIT_RULES_STAGE", "1")
+    want = ([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]], [3.0, 3.0, 3.0], [0.0, 0.0, 1.0, 1.0])
+    assert ck.launch(_dtensor_calls, 2) == [want, want]
+
+
 def test_plain_ranks_do_not_stage():
     def staging():
         import torch.distributed as dist
