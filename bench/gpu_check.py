@@ -41,7 +41,8 @@ message and the others still run. Each prints one ``PASS``/``FAIL`` line with it
    parity configs and ring x pp, Ulysses x ZeRO-3 and tp x ZB-H1, on 2, 4 and 8 ranks of ``nccl_rules`` with
    ``COLAB_KIT_RULES_DEVICE=cuda``: every rank's engine on cuda, every collective and message through pinned
    host buffers, each trained to one process's losses (fp32, 1e-5, TF32 off). In the smoke, CPU tensors staged
-   the same way (``COLAB_KIT_RULES_STAGE=1``).
+   the same way (``COLAB_KIT_RULES_STAGE=1``). Ring attention's fused CUDA kernels are probed there on their
+   first block (``colab_kit.sequence.ring_kernels.PROBED``: admitted, or why not), and recorded.
 
 All figures go to ``bench/results/gpu_check.json`` (device, torch, each check's status, seconds, figures).
 Exit 0 when all pass, 1 when one fails, 2 without CUDA (and without ``--cpu-smoke``).
@@ -399,8 +400,12 @@ SHARED_CONFIGS = [kw for kw in PARITY_CONFIGS if kw.get("dp", 1) * kw.get("tp", 
 
 def _rank_shared(configs):
     import torch.distributed as dist
+
+    from colab_kit.sequence.ring_kernels import PROBED
     staged = bool(getattr(dist.distributed_c10d._get_default_group(), "staging", False))
-    return [{**r, "staged": staged} for r in _rank_parity(configs, False)]
+    rows = _rank_parity(configs, False)
+    kernels = {f"{d} {str(t).removeprefix('torch.')} head dim {h}": v for (d, t, h), v in PROBED.items()}
+    return [{**r, "staged": staged, "ring_kernels": kernels} for r in rows]
 
 
 def check_shared_gpu(ctx):
@@ -430,10 +435,12 @@ def check_shared_gpu(ctx):
     worst = max((r["max_rel"] for r in rows if r["max_rel"] is not None), default=float("nan"))
     ok = bool(rows) and not bad
     worlds = sorted({ck.ParallelConfig(**kw).world_size for kw in SHARED_CONFIGS})
+    kernels = {k: v for r in rows for k, v in r["ring_kernels"].items()}  # ring attention's CUDA kernel probes
     detail = (f"{len(rows)} runs ({len(SHARED_CONFIGS)} configs on {', '.join(map(str, worlds))} ranks sharing "
               f"{ctx['devices'] if ctx['cuda'] else 'no'} GPU, x {len(OPTIMIZERS)} optimizers) on {device}, every call "
-              f"staged; worst rel {_rel(worst)} (<= {RTOL:g}){'; FAILED: ' + '; '.join(bad) if bad else ''}")
-    return ok, {"rows": rows, "reference": refs, "env": env, "rtol": RTOL}, detail
+              f"staged; worst rel {_rel(worst)} (<= {RTOL:g}){'; FAILED: ' + '; '.join(bad) if bad else ''}"
+              + (f"; ring attention's fused kernels: {kernels}" if kernels else ""))
+    return ok, {"rows": rows, "reference": refs, "env": env, "rtol": RTOL, "ring_kernels": kernels}, detail
 
 
 def _references() -> dict:

@@ -45,6 +45,7 @@ import torch
 
 from ..config import Axis
 from .. import comm
+from .ring_kernels import block_backward, block_forward, kernel_for
 from .zigzag import LAYOUTS, chunk_ids
 
 __all__ = ["RingAttention", "RingRecorder", "ring_attention", "merge_lse", "gather_keys"]
@@ -142,19 +143,6 @@ def _block_backward(q, k, v, do, lse, delta, scale, diag, keys=None, keep=None):
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
 
 
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-
-
-def _fused(q, v, keys, drop) -> bool:
-    """Whether each block runs through torch's fused flash-attention kernel, which returns the block's LSE and
-    never holds a score block (on CPU; equal q/k and v widths, no key mask, no attention dropout), in q's dtype;
-    else the explicit blocks below, in at least fp32."""
-    return (q.device.type == "cpu" and keys is None and drop is None and v.shape[-1] == q.shape[-1]
-            and q.dtype in _FUSED_DTYPES)
-
-
 def _lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -188,9 +176,10 @@ class RingAttention(torch.autograd.Function):
 
     ``q, k, v``: this rank's tokens, ``[b, heads, t_local, d]`` in ``layout``; returns the
     attention output of those tokens, same shape. Saves q, k, v, the output and the LSE
-    (``[b, heads, t_local]``) only. On CPU, with equal q/k and v widths and no key mask or dropout, each block
-    runs through torch's fused flash-attention kernel in q's dtype (no score block is ever made; blocks merge
-    by their LSE in at least fp32; ``colab_kit.observe.throughput.flop_counter()`` counts its FLOPs, a plain
+    (``[b, heads, t_local]``) only. With equal q/k and v widths and no key mask or dropout, each block runs
+    through a fused kernel of torch's in q's dtype (``ring_kernels``: flash attention on CPU, FlashAttention-2
+    or memory-efficient attention on CUDA once probed; no score block is ever made; blocks merge by their LSE
+    in at least fp32; ``colab_kit.observe.throughput.flop_counter()`` counts the CPU kernel's FLOPs, a plain
     ``FlopCounterMode`` does not in torch 2.13); otherwise explicit blocks in at least fp32.
     ``causal=False``: bidirectional (BERT's); ``keys``: every rank's key-padding mask ``[sp, b, t_local]``
     (True: a real token), indexed by the rank whose K/V a rotation holds, or None. ``drop(q_chunk, k_chunk)``: attention
@@ -201,7 +190,8 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mesh, axis, layout, recorder, causal=True, keys=None, drop=None):
         n, r = mesh.size(axis), mesh.rank(axis)
         acc = torch.promote_types(q.dtype, torch.float32)
-        fused = _fused(q, v, keys, drop)               # a block through the fused kernel, in q's dtype
+        fused = kernel_for(q, v, keys, drop)           # a block through a fused kernel, in q's dtype (ring_kernels)
+        aux: dict = {}                                 # what a CUDA kernel's backward needs of its forward, per block
         work = q.dtype if fused else acc
         c, scale = q.shape[2] // 2, q.shape[-1] ** -0.5
         q_ids = chunk_ids(r, n, layout)
@@ -223,7 +213,8 @@ class RingAttention(torch.autograd.Function):
                         keep = drop(q_ids[a], kb) if drop is not None else None
                         kb_, vb_ = kv_of(kv)
                         if fused:  # the kernel's output and LSE; merged in acc
-                            o_b, l_b = _FLASH(qa, kb_[:, :, ks], vb_[:, :, ks], 0.0, rel == "diag", scale=scale)
+                            o_b, l_b, aux[i, a, b] = block_forward(fused, qa, kb_[:, :, ks], vb_[:, :, ks],
+                                                                   rel == "diag", scale)
                             o_b, l_b = o_b.to(acc), l_b.to(acc)
                         else:
                             o_b, l_b = _block_forward(qa, kb_[:, :, ks], vb_[:, :, ks], scale, rel == "diag", km,
@@ -241,7 +232,7 @@ class RingAttention(torch.autograd.Function):
         lse = torch.cat([l0, l1], dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mesh, ctx.axis, ctx.layout, ctx.recorder = mesh, axis, layout, recorder
-        ctx.causal, ctx.keys, ctx.drop, ctx.fused = causal, keys, drop, fused
+        ctx.causal, ctx.keys, ctx.drop, ctx.fused, ctx.aux = causal, keys, drop, fused, aux
         return out.to(q.dtype)
 
     @staticmethod
@@ -279,9 +270,9 @@ class RingAttention(torch.autograd.Function):
                         keep = drop(q_ids[a], kb) if drop is not None else None
                         kb_, vb_ = kv_of(kv)
                         if fused:
-                            dq_b, dk_b, dv_b = _FLASH_BACKWARD(dos[a], qs[a], kb_[:, :, ks], vb_[:, :, ks], outs[a],
-                                                               lses[a].to(_lse_dtype(work)), 0.0, rel == "diag",
-                                                               scale=scale)
+                            dq_b, dk_b, dv_b = block_backward(fused, dos[a], qs[a], kb_[:, :, ks], vb_[:, :, ks],
+                                                              outs[a], lses[a].to(_lse_dtype(work)), rel == "diag",
+                                                              scale, ctx.aux[i, a, b])
                         else:
                             dq_b, dk_b, dv_b = _block_backward(qs[a], kb_[:, :, ks], vb_[:, :, ks], dos[a], lses[a],
                                                                deltas[a], scale, rel == "diag", km, keep)

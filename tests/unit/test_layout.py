@@ -45,6 +45,8 @@ LAYERS = (  # bottom to top: a package imports only from its own package and fro
 of its own; ``colab_kit`` is the package's ``__init__``."""
 
 LOCAL_IMPORTS = {  # (importing module, imported module): why the import waits for a call
+    ("colab_kit.sequence.ring_kernels", "colab_kit.sequence.ring"):
+        "ring imports ring_kernels: the probe's reference is ring's explicit block (a cycle at import time)",
     ("colab_kit", "colab_kit.notebook.magics"):
         "%load_ext colab_kit: IPython and the magics load in a kernel only, not on every import colab_kit",
     ("colab_kit", "colab_kit.notebook.cluster.forked"):
