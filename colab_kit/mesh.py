@@ -65,6 +65,7 @@ import torch.distributed as dist
 
 from .config import Axis, AXES, ParallelConfig
 from .comm import CommLog
+from .comm.waiting import QUEUED_COMPLETES
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -349,6 +350,7 @@ class ProcessMesh:
         if self.layout.ep > 1:
             self.ep_mesh = self._expert_mesh(device_type)
         self.log = CommLog()
+        QUEUED_COMPLETES[0] = dist.get_backend() == "nccl"  # finish() then reads completion from is_completed()
         self.users, self.closed, self._key = 0, False, None
         self._holders = []  # weak references to the engines holding this mesh (``track``)
         # looked up on every collective: computed once (slicing a DeviceMesh costs ~1 ms)

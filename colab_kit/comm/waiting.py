@@ -9,11 +9,18 @@ import time
 from .records import CommLog, CommRecord
 from .spin import spin
 
-__all__ = ["ABORT_POLL", "Aborted", "WaitTimeout", "finish", "Pending"]
+__all__ = ["ABORT_POLL", "QUEUED_COMPLETES", "Aborted", "WaitTimeout", "finish", "Pending"]
 
 
 ABORT_POLL = 0.25
 """Seconds between looks at ``mesh.abort_flag`` while a wait is blocked (see ``finish``)."""
+
+QUEUED_COMPLETES = [False]
+"""Whether this process's backend completes a Work's future, and returns from its ``wait()``, once the call is
+queued on the GPU's stream (NCCL), not when its data has arrived. ``ProcessMesh`` sets it for NCCL; ``finish``
+then reads completion from ``work.is_completed()`` (NCCL's CUDA events) while it looks at the hang flag and the
+clock: a peer that never joins is found, where the future had said "done" at once and the rank would have hung
+at its next host sync until NCCL's watchdog killed the process."""
 
 
 class Aborted(RuntimeError):
@@ -41,6 +48,9 @@ def finish(work, flag: threading.Event | None = None, what: str = "a collective"
     if armed is None and flag is None and timeout is None:
         work.wait()
         return
+    if QUEUED_COMPLETES[0]:
+        _until_completed(work, flag, what, timeout)
+        return
     if armed is None and getattr(work, "polls", False) and spin(work.is_completed):
         work.wait()  # a rules collective polled a moment first (``comm.spin``): complete, its checks run here
         return
@@ -67,6 +77,23 @@ def finish(work, flag: threading.Event | None = None, what: str = "a collective"
         raise errors[0]
     if waiter is None:
         work.wait()  # completed: returns at once, or raises the backend's error
+
+
+def _until_completed(work, flag, what: str, timeout: float | None) -> None:
+    """``finish`` where a Work's future completes when queued (``QUEUED_COMPLETES``): poll ``is_completed()``
+    (from 50 us apart up to ``ABORT_POLL``), looking at the flag and the clock in between, then ``wait()``.
+
+    Worked example, NCCL, rank 1's receive of an activation rank 0 never sends, hang flag set by rank 0 after its
+    own error: ``is_completed()`` stays False; at the next look the flag is set: ``Aborted``, at once."""
+    t0, delay = time.monotonic(), 5e-5
+    while not work.is_completed():
+        if flag is not None and flag.is_set():
+            raise Aborted(f"gave up waiting for {what}: another rank raised the hang flag")
+        if timeout is not None and time.monotonic() - t0 > timeout:
+            raise WaitTimeout(f"{what} did not complete within {timeout:g} s")
+        time.sleep(delay)
+        delay = min(2 * delay, ABORT_POLL)
+    work.wait()  # complete: returns at once, or raises the backend's error
 
 
 class _Waiter:
