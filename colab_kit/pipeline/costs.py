@@ -154,7 +154,8 @@ def zb_v_plan(pp: int, m: int, costs: dict, unit: list[list[Action]]) -> list[li
 def measured_costs(events: list[dict], stages, device="cpu") -> dict[tuple[int, str], float]:
     """Median seconds of each (stage, kind) compute action in ``events`` (one step's timeline on
     this rank), the largest over every rank: a collective (an all-reduce of integer microseconds,
-    so every rank gets the same dict). ``stages`` are the stages of the whole pipeline, in order."""
+    so every rank gets the same dict). ``stages`` are the stages of the whole pipeline, in order. On a GPU
+    an action's seconds are its CUDA events' (``device_seconds``), not the host's time to issue it."""
     import torch
     import torch.distributed as dist
 
@@ -162,7 +163,7 @@ def measured_costs(events: list[dict], stages, device="cpu") -> dict[tuple[int, 
     for ev in events:
         if ev.get("action") and ev.get("kind") == "compute":
             a = parse_one(ev["action"])
-            durations.setdefault((a.stage, a.kind), []).append(ev["end"] - ev["start"])
+            durations.setdefault((a.stage, a.kind), []).append(ev.get("device_seconds", ev["end"] - ev["start"]))
     keys = [(s, k) for s in stages for k in KINDS]
     us = torch.tensor([round(statistics.median(durations[k]) * 1e6) if k in durations else -1 for k in keys],
                       dtype=torch.int64, device=device)

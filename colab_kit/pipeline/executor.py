@@ -207,6 +207,7 @@ class PipelineExecutor(ComputeActions, CommActions):
         self._saved, self._act, self._out, self._gout, self._gin = {}, {}, {}, {}, {}
         self._bytes: dict[tuple[int, int], int] = {}
         self._held, self.peak_bytes, self._sends = 0, 0, []
+        self._timed: list = []  # on CUDA: (event dict, start, end CUDA events) of each compute action
         self._side = work.side if not forward_only else None
         self._plan_messages(self._sent_at)  # this step's messages in the order both ends derive
         self.loss = torch.zeros((), device=self.mesh.device)
@@ -258,6 +259,7 @@ class PipelineExecutor(ComputeActions, CommActions):
             self._set("waiting", f"{a} (its send) to be received")
             self._wait(pending, a, "the peer to receive it")
         self._sends = []
+        self._device_seconds()
         if not self.forward_only and self._sync_at is None:
             self.work.data_parallel.arm(sync=True)
         return self.loss, self.peak_bytes
@@ -308,22 +310,41 @@ class PipelineExecutor(ComputeActions, CommActions):
         if j == self._sync_at:
             self.work.data_parallel.arm(sync=True)
         start = time.perf_counter() - self.t0
+        gpu = None if a.is_comm or self.mesh.device.type != "cuda" else \
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         if a.is_comm:
             getattr(self, "_do_" + a.kind)(a, a.stage, a.microbatch)
         else:  # a recomputed forward in B or I draws the same dropout masks as F did
+            if gpu is not None:
+                gpu[0].record()
             with self.work.microbatch_at(a.microbatch):
                 getattr(self, "_do_" + a.kind)(a, a.stage, a.microbatch)
-        self._event(str(a), "comm" if a.is_comm else "compute", start, time.perf_counter() - self.t0, a,
-                    self.timesteps[self.me][self._index[j]])
+            if gpu is not None:
+                gpu[1].record()
+        ev = self._event(str(a), "comm" if a.is_comm else "compute", start, time.perf_counter() - self.t0, a,
+                         self.timesteps[self.me][self._index[j]])
+        if gpu is not None and ev is not None:
+            self._timed.append((ev, *gpu))
 
-    def _event(self, name, kind, start, end, a=None, timestep=None) -> None:
+    def _event(self, name, kind, start, end, a=None, timestep=None) -> dict | None:
         if self.forward_only:  # evaluate() leaves the last training step's timeline alone
-            return
+            return None
         ev = {"name": name, "kind": kind, "start": start, "end": end, "rank": self.mesh.global_rank,
               "pp_rank": self.me}
         if a is not None:
             ev.update(action=name, stage=a.stage, microbatch=a.microbatch, timestep=timestep)  # name is str(a)
         self.events.append(ev)
+        return ev
+
+    def _device_seconds(self) -> None:
+        """On CUDA, each compute action's seconds on the GPU (``device_seconds``, from CUDA events; its host
+        ``start``/``end`` are when it was issued, which on a GPU says little of how long it ran): what
+        ``costs.measured_costs`` and a ZB-V ``replan`` read. One wait for the step's last event."""
+        if self._timed:
+            self._timed[-1][2].synchronize()
+            for ev, begun, ended in self._timed:
+                ev["device_seconds"] = begun.elapsed_time(ended) / 1e3
+            self._timed = []
 
     def _set(self, state: str, note: str = "") -> None:
         """What this rank is doing now (read by the hang monitor's thread)."""

@@ -77,6 +77,14 @@ def test_measured_costs_are_the_median_per_stage_and_kind_of_a_timeline():
         measured_costs(events, range(3))
 
 
+def test_on_a_gpu_the_measured_cost_is_the_actions_device_seconds():
+    """A GPU's compute action is issued in microseconds and runs for milliseconds: its CUDA events' seconds
+    (``device_seconds``, which the executor sets on CUDA) are its cost, not the host's issue time."""
+    events = [dict(action=f"0{k}0", kind="compute", start=0.0, end=1e-5, device_seconds=d, stage=0)
+              for k, d in (("F", 0.004), ("I", 0.002), ("W", 0.003))]
+    assert measured_costs(events, range(1)) == {(0, "F"): 0.004, (0, "I"): 0.002, (0, "W"): 0.003}
+
+
 @pytest.mark.parametrize("costs, words", [
     ({"F": 1, "I": 1}, ["missing (0, 'W')", "kind defaults"]),
     ({"F": 1, "I": -1, "W": 1}, ["stage 0's I must be a finite number >= 0"]),
