@@ -553,8 +553,9 @@ def _write(out: str, results: dict, cuda: bool, gpus: int, t0: float, argv, part
               "rows": [row(f"GPU check: {name}", r["status"], None, None, r["detail"]) for name, r in results.items()],
               **({"partial": f"{len(results)} of {len(CHECKS)} checks run so far"} if partial else {})}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w", encoding="utf-8") as fh:
+    with open(out + ".tmp", "w", encoding="utf-8") as fh:  # whole or not at all: a kill mid-write loses no check
         json.dump(report, fh, indent=1, default=str)
+    os.replace(out + ".tmp", out)
     return report
 
 

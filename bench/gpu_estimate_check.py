@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     except Exception as exc:  # the rank died or ran past its time: the jobs it finished kept, the rest said so
         text = exc.summary() if isinstance(exc, ck.RankError) else f"{type(exc).__name__}: {exc}"
         with open(progress, encoding="utf-8") if os.path.exists(progress) else open(os.devnull) as fh:
-            done = [json.loads(line) for line in fh if line.strip()]
+            done = [json.loads(line) for line in fh if line.strip().endswith("}")]  # not a line cut short
         results = done + [{**job, "skipped": f"the rank failed: {text[:500]}"} for job in jobs[len(done):]]
     if os.path.exists(progress):
         os.remove(progress)

@@ -81,7 +81,8 @@ def finish(work, flag: threading.Event | None = None, what: str = "a collective"
 
 def _until_completed(work, flag, what: str, timeout: float | None) -> None:
     """``finish`` where a Work's future completes when queued (``QUEUED_COMPLETES``): poll ``is_completed()``
-    (from 50 us apart up to ``ABORT_POLL``), looking at the flag and the clock in between, then ``wait()``.
+    (from 50 us apart up to 1 ms: the host issues the next kernel at most that late), looking at the flag and
+    the clock in between, then ``wait()``.
 
     Worked example, NCCL, rank 1's receive of an activation rank 0 never sends, hang flag set by rank 0 after its
     own error: ``is_completed()`` stays False; at the next look the flag is set: ``Aborted``, at once."""
@@ -92,7 +93,7 @@ def _until_completed(work, flag, what: str, timeout: float | None) -> None:
         if timeout is not None and time.monotonic() - t0 > timeout:
             raise WaitTimeout(f"{what} did not complete within {timeout:g} s")
         time.sleep(delay)
-        delay = min(2 * delay, ABORT_POLL)
+        delay = min(2 * delay, 1e-3)
     work.wait()  # complete: returns at once, or raises the backend's error
 
 

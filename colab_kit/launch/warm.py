@@ -66,7 +66,7 @@ def fork_call(target: str, args: list, log: str) -> Forked:
 
     if mp.current_process().daemon:  # a rank of ck.launch: multiprocessing lets a daemon start no child
         return _Interpreter(target, list(args), log)
-    process = _context().Process(target=run_target, args=(target, list(args), log), daemon=True)
+    process = _context().Process(target=run_target, args=(target, list(args), log, dict(os.environ)), daemon=True)
     with _main_left_out():
         process.start()
     return _Process(process)
@@ -88,10 +88,15 @@ def _main_left_out():
             setattr(main, key, value)
 
 
-def run_target(target: str, args: list, log: str) -> int:
-    """In the child: stdout and stderr to ``log``, then ``target(*args)``; its exit code (0, or 1 if it raised)."""
+def run_target(target: str, args: list, log: str, env: dict | None = None) -> int:
+    """In the child: stdout and stderr to ``log``, the caller's environment ``env`` (a forkserver's child has the
+    server's, from when it started), then ``target(*args)``; its exit code (0, or 1 if it raised)."""
     import importlib
     import traceback
+
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
 
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)

@@ -112,6 +112,21 @@ def test_dtensor_and_functional_collectives_get_their_outputs(monkeypatch):
     assert ck.launch(_dtensor_calls, 2) == [want, want]
 
 
+def _reduce_to_0():
+    import torch.distributed as dist
+
+    x = torch.full((4,), float(dist.get_rank() + 1))
+    dist.reduce(x, dst=0)
+    return x.tolist()
+
+
+def test_a_staged_reduce_leaves_the_other_ranks_tensors_as_nccl_does(monkeypatch):
+    """gloo's ring reduce leaves partial sums in the non-root ranks' buffers; NCCL leaves them as they were, and
+    so does a staged group (only the root's output is copied back)."""
+    monkeypatch.setenv("COLAB_KIT_RULES_STAGE", "1")
+    assert ck.launch(_reduce_to_0, 3) == [[6.0] * 4, [2.0] * 4, [3.0] * 4]
+
+
 def test_plain_ranks_do_not_stage():
     def staging():
         import torch.distributed as dist

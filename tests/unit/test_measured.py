@@ -163,7 +163,8 @@ def test_curves_are_fitted_against_the_preset_of_the_gpu_that_ran_them(device, p
     assert preset_for_device(device) == preset
 
 
-@pytest.mark.parametrize("device", ["NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA A100-SXM4-40GB"])
+@pytest.mark.parametrize("device", ["NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA A100-SXM4-40GB", "NVIDIA H200 NVL",
+                                    "NVIDIA GH200 480GB"])
 def test_a_gpu_whose_datasheet_no_preset_has_is_refused(device):
     with pytest.raises(ValueError, match="is not the GPU of the 8x.* preset .*own datasheet"):
         preset_for_device(device)

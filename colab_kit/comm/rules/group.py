@@ -36,7 +36,7 @@ import torch._C._distributed_c10d as c10d
 from .board import Board, same_host
 from .fingerprint import WIDTH, differs, fingerprint, reduce_code
 from .pairs import Batch, Channel, Op, RuleBroken, describe_tensor
-from .staging import Staged, first, nothing, staged, staging, to_host
+from .staging import Staged, as_list, first, nothing, root_only, staged, staging, to_host
 from .works import LIVE, STALL, Checked, FutureWork, last_of, report, start_watchdog, wait_loop
 
 __all__ = ["RulesGroup", "LIVE"]
@@ -258,7 +258,7 @@ class RulesGroup(dist.ProcessGroup):
         fp = fingerprint("broadcast", tensors[0], opts.rootRank)
         return self._collective("broadcast", tensors, fp, lambda: self._inner.broadcast(tensors, opts), tensors)
 
-    @staged("reduce", first)
+    @staged("reduce", root_only)
     def reduce(self, tensors, opts=None):
         opts = opts or c10d.ReduceOptions()
         fp = fingerprint("reduce", tensors[0], (opts.rootRank << 4) | reduce_code(opts.reduceOp))
@@ -279,7 +279,7 @@ class RulesGroup(dist.ProcessGroup):
         return self._collective("all_gather_coalesced", [outputs, inputs], fp,
                                 lambda: self._inner.allgather_coalesced(outputs, inputs, opts), outputs)
 
-    @staged("all_gather_single", first)
+    @staged("all_gather_single", first, as_list)
     def all_gather_single(self, output, input, opts=None):
         opts = opts or c10d.AllgatherOptions()
         fp = fingerprint("all_gather_single", input)
@@ -299,7 +299,7 @@ class RulesGroup(dist.ProcessGroup):
         return self._collective("reduce_scatter", [outputs, inputs], fp,
                                 lambda: self._inner.reduce_scatter(outputs, inputs, opts), outputs)
 
-    @staged("reduce_scatter_single", first)
+    @staged("reduce_scatter_single", first, as_list)
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
         fp = fingerprint("reduce_scatter_single", input, reduce_code(opts.reduceOp))
@@ -312,7 +312,7 @@ class RulesGroup(dist.ProcessGroup):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return last_of(works)
 
-    @staged("all_to_all_single", first)
+    @staged("all_to_all_single", first, as_list)
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         opts = opts or c10d.AllToAllOptions()
         even = not output_splits and not input_splits
@@ -388,7 +388,7 @@ class RulesGroup(dist.ProcessGroup):
         self._on_device("batch_isend_irecv", [t for _, t, _ in ops], self.device_type)
         staged = [(kind, *to_host(t, t if kind == "recv" else []), peer) for kind, t, peer in ops]
         works = self._batch([(kind, host, peer) for kind, host, _, peer in staged])
-        return [Staged(w, back, [t]) for w, (_, _, back, _), (_, t, _) in zip(works, staged, ops)]
+        return [Staged(w, back, [t], kept=t) for w, (_, _, back, _), (_, t, _) in zip(works, staged, ops)]
 
     def _batch(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
         made = [self._op(kind, [t], peer) for kind, t, peer in ops]

@@ -26,7 +26,7 @@ import threading
 import torch
 import torch._C._distributed_c10d as c10d
 
-__all__ = ["Staged", "staged", "staging", "to_host", "first", "nothing"]
+__all__ = ["Staged", "staged", "staging", "to_host", "first", "nothing", "root_only", "as_list"]
 
 
 def staging(device_type: str) -> bool:
@@ -74,11 +74,12 @@ class Staged(c10d.Work):
     each output's host copy is copied back onto the caller's tensor, once. ``result()`` and the future's value
     are the caller's tensors."""
 
-    def __init__(self, inner, back: list, outputs: list):
+    def __init__(self, inner, back: list, outputs, kept=None):
         super().__init__()
         self.inner, self._back, self.outputs = inner, back, outputs
         self.polls = getattr(inner, "polls", False)  # comm.waiting polls a gloo-backed work first
         self.tensor = getattr(inner, "tensor", None)  # what a message's Work keeps alive (FutureWork.tensor)
+        self.kept = kept  # the caller's tensors, alive as long as the Work, as NCCL's Work keeps them
         self._lock = threading.Lock()
 
     def _copy_back(self) -> None:
@@ -109,27 +110,42 @@ class Staged(c10d.Work):
         return self.inner.get_future().then(back)
 
 
-def staged(what: str, outputs):
+def staged(what: str, outputs, result=None):
     """A ``RulesGroup`` method, staged where its group stages (``staging``): the caller's tensors checked against
-    the job's device (rule 4), the call run on host copies of them, ``outputs(args)``'s copies copied back when
-    its Work completes. ``what`` names the call in a broken rule."""
+    the job's device (rule 4), the call run on host copies of them, ``outputs(group, args)``'s copies copied back
+    when its Work completes. ``what`` names the call in a broken rule; ``result(args)``: what the Work's
+    ``result()`` and future give, as the unstaged call's (by default the first argument)."""
+    result = result or (lambda args: args[0] if args else [])
+
     def wrap(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
             if not self.staging:
                 return method(self, *args, **kwargs)
             self._on_device(what, args, self.device_type)
-            host_args, back = to_host(args, outputs(args))
-            return Staged(method(self, *host_args, **kwargs), back, outputs(args))
+            host_args, back = to_host(args, outputs(self, args))
+            return Staged(method(self, *host_args, **kwargs), back, result(args), kept=args)
         return call
     return wrap
 
 
-def first(args):
+def first(group, args):
     """A call's outputs: its first argument (``all_reduce(tensors)``, ``all_gather(outputs, inputs)``, ...)."""
     return args[0]
 
 
-def nothing(args):
+def nothing(group, args):
     """A call without outputs (a send)."""
     return []
+
+
+def root_only(group, args):
+    """A reduce's outputs: the root's tensor only. gloo's ring reduce leaves partial sums in the other ranks'
+    buffers, where NCCL leaves them as they were: copied back, they would differ from a real GPU run."""
+    opts = args[1] if len(args) > 1 and args[1] is not None else None
+    return args[0] if group.rank() == (opts.rootRank if opts is not None else 0) else []
+
+
+def as_list(args):
+    """The result of a ``*_single`` call: ``[output]``, as the unstaged group gives it."""
+    return [args[0]]

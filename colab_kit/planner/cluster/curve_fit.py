@@ -273,7 +273,7 @@ def h200_from_h100(h100_measured: Hardware) -> Hardware:
     return carry_over(h100_measured, HARDWARE["8xH200-SXM"])
 
 
-_DEVICE_PRESETS = (("H200", "8xH200-SXM", ()), ("H100", "8xH100-SXM", ("PCIE", "NVL", "96GB")),
+_DEVICE_PRESETS = (("H200", "8xH200-SXM", ("NVL", "GH200")), ("H100", "8xH100-SXM", ("PCIE", "NVL", "96GB")),
                    ("H800", "8xH800-SXM", ("PCIE",)), ("A100", "8xA100-80GB", ("40GB", "PCIE")))
 """(what the device's name holds, its preset, variants of that name whose datasheet the preset is not)."""
 

@@ -155,7 +155,11 @@ def _spawn(jobs: list, timeout: float) -> list:
             pickle.dump(sys.path, fh)
             cloudpickle.dump(jobs, fh)
         child = fork_call("colab_kit.planner.dry_runs.child:run_jobs", [src, dst], log)
-        code = child.wait(timeout)
+        try:
+            code = child.wait(timeout)
+        except BaseException:  # Ctrl-C in the notebook: the child goes with the call, as a subprocess did
+            child.kill()
+            raise
         if code is None:
             child.kill()
             job = jobs[_running(_read(log))]
