@@ -370,8 +370,7 @@ def check_parity(ctx):
     """The suite's configs that fit on the devices = one process's losses (fp32, 1e-5, TF32 off)."""
     fits = [kw for kw in PARITY_CONFIGS if ck.ParallelConfig(**kw).world_size <= ctx["devices"]]
     skipped = [_name(kw) for kw in PARITY_CONFIGS if kw not in fits]
-    cfg, data = GPTConfig(**PARITY_MODEL), SyntheticTokens(PARITY_MODEL["vocab_size"], PARITY_MODEL["seq_len"], seed=1)
-    refs = {opt: train_single_process(cfg, f, data, PARITY_STEPS, PARITY_BATCH)[0] for opt, f in OPTIMIZERS.items()}
+    refs = _references()
     rows = []
     for world in sorted({ck.ParallelConfig(**kw).world_size for kw in fits}):
         group = [kw for kw in fits if ck.ParallelConfig(**kw).world_size == world]

@@ -77,8 +77,7 @@ def _measured(path: str, kind: str) -> tuple[float | None, str]:
     device = d.get("device", "?")
     if kind == "gpt":
         return d["checks"]["gpt"]["figures"]["throughput"]["step_seconds"], device
-    note = next((r["note"] for r in d["rows"] if r["what"].endswith("bf16")), "")
-    tokens_per_s = float(note.rsplit(", ", 1)[-1].split()[0].replace(",", "")) if "tokens/s" in note else None
+    tokens_per_s = d["checks"]["bf16"]["figures"].get("tokens_per_s")
     fields = MODELS["MoE GPT (gpu_moe_check)"][0]
     return (16 * fields["seq_len"] / tokens_per_s if tokens_per_s else None), device  # its batch: 16 rows
 

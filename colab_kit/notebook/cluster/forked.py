@@ -2,8 +2,8 @@
 
 A local ipyparallel engine started the usual way is a fresh interpreter that imports torch, ipyparallel and
 colab_kit's remote part before it registers (and its nanny is one more): about 4 s of CPU each, so on a
-2-core Intel Xeon VM ipyparallel starts 4 engines in 10.3 s and restarts them in 15.1 s; forked, 2.5 s (the
-median of three starts, 4.7, 2.5 and 2.4 s; the first of the run also starts the server) and 1.5 s
+2-core Intel Xeon VM ipyparallel starts 4 engines in 10.1 s and restarts them in 12.1 s; forked, 2.4 s (the
+median of three starts; the first of the run also starts the server) and 1.5 s
 (``python bench/cluster.py``; bench/results/cluster.json).
 ``ForkedEngineSetLauncher`` is ipyparallel's local launcher with one change: each engine is forked from a server process
 that imported those modules once (the server's own code: ``forked_server.py``).
@@ -51,6 +51,7 @@ import tempfile
 import threading
 
 from ...launch.warm import register_forker
+from .watchdog import has_ended
 from .forked_server import WARM_MODULES  # what the server imports (its own code is in forked_server.py)
 
 # and ForkedEngineSetLauncher
@@ -179,8 +180,6 @@ class ForkServer:
         has reaped it (waiting up to ``wait`` seconds); None for a pid it did not fork or one still running."""
         import time
 
-        import psutil
-
         if pid not in self.forked:
             return None
         path, end = os.path.join(self.exits, str(pid)), time.monotonic() + wait
@@ -190,11 +189,8 @@ class ForkServer:
                     return int(fh.read())
             except (OSError, ValueError):
                 pass
-            try:  # still running (the controller dropped a live engine): nothing to wait for
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    return None
-            except psutil.Error:
-                pass
+            if _running(pid):  # still running (the controller dropped a live engine): nothing to wait for
+                return None
             if time.monotonic() >= end:
                 return None
             time.sleep(0.05)
@@ -298,8 +294,8 @@ def _running(pid: int) -> bool:
     import psutil
 
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+        return not has_ended(psutil.Process(pid))
+    except psutil.Error:  # gone already
         return False
 
 

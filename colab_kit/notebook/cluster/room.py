@@ -7,7 +7,7 @@ what it adds of its own: 67 MiB once it has trained a small GPT, 136 MiB once it
 trained a Hugging Face GPT-2 as notebook 07 does (the engine with its ipyparallel nanny: psutil's USS, the pages
 only that process holds, which is what a memory cgroup charges one more process); the controller and the
 watchdog hold about 50 MiB together (``tests/cluster/test_cluster_room.py``, ``-s`` prints them;
-``bench/cluster.py`` keeps the totals, 568 MiB PSS in all for 4 engines after three dp steps against 1,132 MiB
+``bench/cluster.py`` keeps the totals, 566 MiB PSS in all for 4 engines after three dp steps against 1,131 MiB
 for engines started as their own interpreters, in bench/results/cluster.json).
 Eight engines that trained a Hugging Face model need about 1.4 GiB with their server and controller, 2.0 GiB
 with a Jupyter server and a kernel of 0.6 GiB: the OOM killer would end the kernel half way through a
