@@ -49,10 +49,12 @@ def row(what: str, colab_kit: str, peer: str | None, ratio: float | None, note: 
             "note": note}
 
 
-def write(name: str, rows: list[dict], figures: dict, args: dict | None = None, argv: list[str] | None = None) -> str:
-    """Write ``bench/results/<name>.json``; return its path."""
+def write(name: str, rows: list[dict], figures: dict, args: dict | None = None, argv: list[str] | None = None,
+          script: str | None = None) -> str:
+    """Write ``bench/results/<name>.json``; return its path. ``script``: the benchmark's file where it is not
+    ``bench/<name>.py`` (one script writing two results)."""
     argv = sys.argv[1:] if argv is None else argv
-    out = {"benchmark": name, "command": " ".join(["python", f"bench/{name}.py", *argv]),
+    out = {"benchmark": name, "command": " ".join(["python", f"bench/{script or name}.py", *argv]),
            "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), "torch": torch.__version__,
            "args": args or {}, "rows": rows, "figures": figures}
     os.makedirs(RESULTS, exist_ok=True)

@@ -1,6 +1,6 @@
 """Checks of colab_kit on a GPU machine (CUDA, NCCL); run by hand where a GPU is lent, never by CI.
 
-Seven checks, in this order, each a function below (``check_*``); one that raises is a FAIL with its
+Eight checks, in this order, each a function below (``check_*``); one that raises is a FAIL with its
 message and the others still run. Each prints one ``PASS``/``FAIL`` line with its seconds:
 
 1. NCCL through both entry points. ``launch``: ``ck.launch(fn, gpus)`` runs one rank per GPU on NCCL;
@@ -43,6 +43,12 @@ message and the others still run. Each prints one ``PASS``/``FAIL`` line with it
    host buffers, each trained to one process's losses (fp32, 1e-5, TF32 off). In the smoke, CPU tensors staged
    the same way (``COLAB_KIT_RULES_STAGE=1``). Ring attention's fused CUDA kernels are probed there on their
    first block (``colab_kit.sequence.ring_kernels.PROBED``: admitted, or why not), and recorded.
+7. ``offload_copies``: ZeRO-3 ``offload="cpu"`` in bf16 with its host <-> device copies on the compute stream
+   against a side stream (``colab_kit/zero/copies.py``; ``bench/_gpu_copies.py``): the same losses bit for bit,
+   step times side by side, host syncs per step, and the share of the copies' time beside compute kernels.
+
+The parity and shared_gpu rows also record the host syncs of one more step of each config
+(``torch.cuda.set_sync_debug_mode``, by line; under ``shared_gpu`` those of the staging apart).
 
 All figures go to ``bench/results/gpu_check.json`` (device, torch, each check's status, seconds, figures).
 Exit 0 when all pass, 1 when one fails, 2 without CUDA (and without ``--cpu-smoke``).
@@ -82,8 +88,10 @@ from colab_kit.engine.reference import max_relative_difference, train_single_pro
 
 try:
     from _results import machine, row  # noqa: E402
+    from _gpu_copies import check_offload_copies, host_syncs  # noqa: E402
 except ImportError:  # run as a module (python -m bench.gpu_check)
     from bench._results import machine, row  # noqa: E402
+    from bench._gpu_copies import check_offload_copies, host_syncs  # noqa: E402
 
 RTOL = 1e-5  # fp32 parity, as the CPU suite
 MARK = "gpu_check torchrun report: "
@@ -360,8 +368,9 @@ def _rank_parity(configs, plain: bool):
                 budget = measured + states // 2
             engine = ck.boost(GPT(cfg), factory, ck.ParallelConfig(**kw), device_budget=budget)
             losses = [engine.train_step(data.batch(s, PARITY_BATCH)) for s in range(PARITY_STEPS)]
+            syncs = host_syncs(lambda: engine.train_step(data.batch(PARITY_STEPS, PARITY_BATCH)))  # one more step
             rows.append({"config": _name(kw), "optimizer": opt, "losses": losses,
-                         "device": str(engine.mesh.device)})
+                         "device": str(engine.mesh.device), "host_syncs": syncs})
             engine.close()
     return rows
 
@@ -501,7 +510,7 @@ def check_memory_history(ctx):
 
 CHECKS = [("launch", check_launch), ("torchrun", check_torchrun), ("gpt", check_gpt),
           ("zero3_budget", check_zero3_budget), ("parity", check_parity), ("memory_history", check_memory_history),
-          ("shared_gpu", check_shared_gpu)]
+          ("shared_gpu", check_shared_gpu), ("offload_copies", lambda ctx: check_offload_copies(ctx, _launch))]
 
 
 def main(argv=None) -> int:

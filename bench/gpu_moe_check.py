@@ -50,8 +50,10 @@ from colab_kit.models.experts import expert_compute  # noqa: E402
 
 try:
     from _results import machine, row  # noqa: E402
+    from _gpu_copies import host_syncs  # noqa: E402
 except ImportError:  # python -m bench.gpu_moe_check
     from bench._results import machine, row  # noqa: E402
+    from bench._gpu_copies import host_syncs  # noqa: E402
 
 FORMS = ("grouped_mm", "loop", "padded")
 
@@ -164,8 +166,6 @@ def _rank_syncs(model: str):
     """One training step of ``model`` (the built-in MoE GPT "softmax" or the HF "mixtral" of the tests) on the
     GPU under ``torch.cuda.set_sync_debug_mode("warn")``, after a warm-up step: each host sync it made, by the
     Python line that made it."""
-    import collections
-    import warnings
     sys.path.insert(0, ROOT)
     from tests.helpers.moe import BATCH, OPTIMIZERS, data
     if model == "mixtral":
@@ -175,18 +175,9 @@ def _rank_syncs(model: str):
     engine = ck.boost(build(model), OPTIMIZERS["sgd"], ck.ParallelConfig())
     d = data()
     engine.train_step(d.batch(0, BATCH))
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            engine.train_step(d.batch(1, BATCH))
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    sites = collections.Counter(f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}" for w in caught
-                                if "synchroniz" in str(w.message))
+    r = host_syncs(lambda: engine.train_step(d.batch(1, BATCH)))
     engine.close()
-    return {"syncs": sum(sites.values()), "sites": dict(sites.most_common())}
+    return {"syncs": r["syncs"], "sites": r["sites"]}
 
 
 def check_syncs():

@@ -40,31 +40,19 @@ MODELS = {  # name: (GPTConfig fields, the GPU check's result file, how to read 
 def _count(fields: dict) -> dict:
     """On the rank: operators and host reads (``_local_scalar_dense``) of the second of two steps."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     import colab_kit as ck
     from colab_kit.datasets import SyntheticTokens
     from colab_kit.models import GPT, GPTConfig
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops, self.reads = 0, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops += 1
-            self.reads += func is torch.ops.aten._local_scalar_dense.default
-            return func(*args, **(kwargs or {}))
+    from colab_kit.observe.ops import count_ops
 
     cfg = GPTConfig(**{**fields, "seq_len": 64})
     engine = ck.boost(GPT(cfg), lambda ps: torch.optim.AdamW(ps, lr=3e-4), ck.ParallelConfig(precision="bf16"))
     data = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=2)
     engine.train_step(data.batch(0, 2))
-    counter = Count()
-    with counter:
-        engine.train_step(data.batch(1, 2))
+    counted = count_ops(lambda: engine.train_step(data.batch(1, 2)))
     engine.close()
-    return {"ops": counter.ops, "host_reads": counter.reads}
+    return {"ops": counted["ops"], "host_reads": counted["host_reads"]}
 
 
 def _measured(path: str, kind: str) -> tuple[float | None, str]:
@@ -86,17 +74,25 @@ def main(argv=None) -> None:
     import colab_kit as ck
 
     rows, figures = [], {}
+    from colab_kit.models import GPTConfig
+    from colab_kit.planner.cluster.host import ops_per_step
+    from colab_kit.planner.shape import ModelShape
+
     for name, (fields, path, kind) in MODELS.items():
         [counted] = ck.launch(_count, 1, fields)
+        floor = ops_per_step(ModelShape.of(GPTConfig(**fields)), fields["n_layers"], 1, "bf16", "none")
         seconds, device = _measured(path, kind)
         per_op = seconds / counted["ops"] if seconds else None
-        print(f"{name}: {counted['ops']:,} operators a step ({counted['host_reads']} host reads); measured step "
+        print(f"{name}: {counted['ops']:,} operators a step ({counted['host_reads']} host reads; the estimate's host "
+              f"floor counts {floor:,}: planner.cluster.host); measured step "
               f"{seconds * 1e3 if seconds else float('nan'):.1f} ms on {device}: "
               f"{per_op * 1e6 if per_op else float('nan'):.1f} us of host time per operator would fill it")
         rows.append(row(f"{name}: operators a training step dispatches", f"{counted['ops']:,} operators",
-                        None, None, f"step measured on {device}: {seconds * 1e3:.1f} ms = "
+                        f"{floor:,} (the estimate's count)", counted["ops"] / floor,
+                        f"step measured on {device}: {seconds * 1e3:.1f} ms = "
                         f"{per_op * 1e6:.1f} us an operator if host-bound" if per_op else "no GPU step measured"))
-        figures[name] = {**counted, "measured_step_seconds": seconds, "device": device, "model": fields}
+        figures[name] = {**counted, "estimate_ops": floor, "measured_step_seconds": seconds, "device": device,
+                         "model": fields}
     write("op_count", rows, figures, {}, argv)
 
 

@@ -165,7 +165,8 @@ class Chunk:
     def reduce_grads(self) -> None:
         """Average ``grad_full`` over the axis, reduce-scatter it in place (async) and drop the
         parameters' gradient views; ``finish_reduce()`` adds the reduced piece into ``shard.grad``."""
-        self.finish_reduce()
+        if self._reducing is not None:  # ZeRO-3 settles a chunk (through its copies, when on the host) first
+            raise RuntimeError(f"chunk {self.name}: its previous reduce-scatter was never settled")
         if self.grad_full is None:  # autograd's own tensors (or none: a gradient of zeros everywhere)
             self.collect_grads()
         assert self.grad_full is not None  # prepare_grads or collect_grads made it
@@ -179,16 +180,18 @@ class Chunk:
                                            tag=f"zero3 grads {self.name}")
         self._reducing = (pending, flat)
 
-    def finish_reduce(self) -> None:
+    def finish_reduce(self, copies=None) -> None:
+        """Add the reduced piece into the shard's gradient. ``copies`` (``colab_kit.zero.copies.Copies``):
+        the gradient lives on the host; the piece goes there through them (on a GPU, a side stream), and
+        the gradient is read only after ``copies.drain()``."""
         if self._reducing is not None:
             pending, flat = self._reducing
             pending.wait()
             piece = flat[self.rank * self.piece:(self.rank + 1) * self.piece]  # fp32; the shard's gradient may be
             grad = self.shard_grad()
-            # these copies to a host gradient block (not non_blocking): the optimizer then overwrites the pinned
-            # host shard that ``ChunkPlacement.staged`` copies to the GPU without waiting, and that copy has to
-            # be done by then; a copy here made non_blocking would race it
-            if self.fresh:  # 16-bit, on the host. The step's first reduction: a converting copy (0 + x is x)
+            if copies is not None:  # rounded on the device, as below, then copied or added on the host
+                copies.to_host(piece if piece.dtype == grad.dtype else piece.to(grad.dtype), grad, add=not self.fresh)
+            elif self.fresh:  # 16-bit. The step's first reduction: a converting copy (0 + x is x)
                 grad.copy_(piece)
             else:  # later microbatches: rounded first, then added, as one process accumulates 16-bit gradients
                 grad.add_(piece.to(grad.device, grad.dtype))

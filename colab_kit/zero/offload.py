@@ -43,6 +43,7 @@ import torch
 
 from ..measure import tensor_bytes
 from ..config import ConfigError
+from .copies import Copies, Copy
 
 __all__ = ["Account", "DeviceBudgetExceeded", "ChunkPlacement", "host_device"]
 
@@ -127,6 +128,10 @@ class ChunkPlacement:
         on the host), reduced gradient pieces back to the host, states moved by ``place``."""
         self.last_transfers = dict(self.transfers)
         """The same for the last step finished (``after_step``)."""
+        self.copies = Copies(self.device)
+        """The host <-> device copies (``colab_kit.zero.copies``): on a GPU, on a side stream."""
+        self.ahead: dict[int, Copy] = {}
+        """Shards of host chunks copied to the device one unit ahead of their all-gather (``stage_ahead``)."""
         if mode in ("cpu", "auto"):  # "auto" starts on the host and measures its first step
             for c in chunks:
                 self.place(c.index, "host", "offload='cpu'" if mode == "cpu" else "first step measured on the host")
@@ -166,16 +171,42 @@ class ChunkPlacement:
 
     # ------------------------------------------------------------------ during a step
     def staged(self, i: int) -> torch.Tensor:
-        """Chunk ``i``'s shard on the device, for its all-gather (a copy when it lives on the host)."""
+        """Chunk ``i``'s shard on the device, for its all-gather (a copy when it lives on the host: the one
+        ``stage_ahead`` started, or one started now); the compute stream waits for it, the host does not."""
         c = self.chunks[i]
-        if self.where[i] == "host":
-            self.account.set(f"staged shard {c.name}", c.shard.numel() * c.shard.element_size())
-            self.transfers["to_device"] += c.shard.numel() * c.shard.element_size()
-            return c.shard.detach().to(self.device, non_blocking=True)  # pinned (``_move``): queued, not waited
-        return c.shard.detach()
+        if self.where[i] != "host":
+            return c.shard.detach()
+        copy = self.ahead.pop(i, None)
+        if copy is not None:
+            self.account.drop(f"shard ahead {c.name}")
+        else:
+            copy = self._copy(i)
+        self.account.set(f"staged shard {c.name}", c.shard.numel() * c.shard.element_size())
+        return copy.wait()
+
+    def stage_ahead(self, i: int) -> None:
+        """Start copying chunk ``i``'s shard to the device now, a unit before its all-gather, so that the
+        copy runs beside the compute in between (on a GPU: on the side stream)."""
+        c = self.chunks[i]
+        if self.where[i] == "host" and i not in self.ahead and c.state == "free":
+            self.account.set(f"shard ahead {c.name}", c.shard.numel() * c.shard.element_size())
+            self.ahead[i] = self._copy(i)
+
+    def _copy(self, i: int) -> Copy:
+        shard = self.chunks[i].shard
+        self.transfers["to_device"] += shard.numel() * shard.element_size()
+        return self.copies.to_device(shard.detach())  # pinned (``_move``)
 
     def unstage(self, i: int) -> None:
         self.account.drop(f"staged shard {self.chunks[i].name}")
+
+    def drain(self) -> None:
+        """Before the optimizer steps (or the model is read): every copy landed, none ahead kept (the
+        shards are about to change)."""
+        for i in self.ahead:
+            self.account.drop(f"shard ahead {self.chunks[i].name}")
+        self.ahead = {}
+        self.copies.drain()
 
     def hold(self, what: str, nbytes: int) -> None:
         self.account.set(what, nbytes)
@@ -197,19 +228,21 @@ class ChunkPlacement:
     def check_step(self, chunks, activations: int) -> None:
         """Refuse, before a step runs, a budget below what one step holds on the device at once
         whatever the placement: the embeddings or the tail whole with its gradient buffer, two blocks
-        whole (one in use, one prefetched), a block's gradient buffer, a staged shard, and the
+        whole (one in use, one prefetched), a block's gradient buffer, a staged shard and one copied ahead, and the
         activations held for this step."""
         whole = [sum(chunks[i].nbytes for i in unit) for unit in self.units]  # a unit's chunks, gathered together
         rest = max([sum(chunks[i].nbytes for i in unit) for unit in self.outer] or [0])
         big = max(whole or [0])
-        piece = max(c.shard.numel() * c.shard.element_size() for c in chunks)
+        piece = max(sum(chunks[i].shard.numel() * chunks[i].shard.element_size() for i in unit)
+                    for unit in self.units + self.outer)  # a unit's shards, staged together
         acts = activations
-        need = 2 * rest + 3 * big + piece + acts
+        need = 2 * rest + 3 * big + 2 * piece + acts
         if need > self.budget:
             raise ConfigError(
                 f"device_budget={self.budget:,} B is too small for one step of this model: the device holds at once "
                 f"the embeddings or the tail and its gradient (2 x {rest:,} B), two blocks and a block's gradient "
-                f"(3 x {big:,} B), a staged shard ({piece:,} B) and the activations ({acts:,} B): at least "
+                f"(3 x {big:,} B), a staged shard and one copied ahead (2 x {piece:,} B) and the activations "
+                f"({acts:,} B): at least "
                 f"{need:,} B. Raise device_budget, use a smaller batch or recompute=True, or more dp ranks")
 
     def after_step(self, next_activations: int | None = None) -> None:

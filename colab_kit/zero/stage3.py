@@ -215,6 +215,9 @@ class ZeroStage3:
         if self.prefetch and nxt < len(self.units):
             for i in self.needs[nxt]:
                 self._gather(i, async_op=True)
+            if self.placement is not None and nxt + 1 < len(self.units):  # its shard's copy runs beside u
+                for i in self.needs[nxt + 1]:
+                    self.placement.stage_ahead(i)
 
     def _block_starts(self, u: int, module, args, kwargs) -> None:
         """Block ``u - 1``'s forward pre-hook: ``_pre_forward``; on the first block in training, a hook on its
@@ -237,6 +240,8 @@ class ZeroStage3:
                         self.placement.hold(f"gradient of {self.chunks[i].name}", self.chunks[i].nbytes)
                     if not training:
                         self._free(i)
+            if not training and self.placement is not None:  # no backward follows: nothing kept in flight
+                self.placement.drain()
             return
         for i in self.units[u]:
             self._free(i)
@@ -262,6 +267,9 @@ class ZeroStage3:
         if self.prefetch and u >= 1 and self.kinds[u - 1] in ("block", "embed"):
             for i in self.needs[u - 1]:
                 self._gather(i, async_op=True)
+            if self.placement is not None and u >= 2 and self.kinds[u - 2] in ("block", "embed"):
+                for i in self.needs[u - 2]:
+                    self.placement.stage_ahead(i)
 
     def _on_grad(self, i: int, _param) -> None:
         c = self.chunks[i]
@@ -292,7 +300,8 @@ class ZeroStage3:
         """Wait for ``c``'s reduce-scatter, add its piece into the shard's gradient, drop its buffer."""
         if self.placement is not None and c.reducing and self.placement.where[c.index] == "host":
             self.placement.transfers["to_host"] += 4 * c.piece  # the reduced fp32 piece, added on the host
-        c.finish_reduce()
+        place = self.placement
+        c.finish_reduce(place.copies if place is not None and place.where[c.index] == "host" else None)
         if self.placement is not None:
             self.placement.release(f"gradient of {c.name}")
 
@@ -314,6 +323,8 @@ class ZeroStage3:
             self._settle(c)
             self._free(c.index)
         self._inflight = []
+        if self.placement is not None:  # every gradient piece landed on the host, no shard copy in flight
+            self.placement.drain()
         if self.masters is not None:  # the step's fp32 gradients, made from the 16-bit reduced pieces,
             for master, c in zip(self.masters.params, self.chunks, strict=True):  # each piece released once
                 grad = c.shard_grad()

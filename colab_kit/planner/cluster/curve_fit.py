@@ -48,6 +48,8 @@ BACKWARD = 2.5
 """FlashAttention's backward FLOPs over its forward's (Dao 2023, Sec. 4.1): five products against two."""
 MEASURED = ("e_max", "knee", "attention_efficiency", "hbm_efficiency")
 """The ``Hardware`` fields ``measured_preset`` replaces (its datasheet figures stay)."""
+LAUNCH = ("op_seconds", "kernel_seconds")
+"""Replaced too where the curves have the launch sweep (``gpu_curves.py``'s ``launch``)."""
 
 
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool = True) -> float:
@@ -221,6 +223,8 @@ def load_curves(path: str) -> dict:
 
 def measured_preset(base: Hardware, curves: dict) -> Hardware:
     """``base`` with the matmul curve, attention's and HBM's efficiencies measured (``curves``: ``load_curves``),
+    and, where the curves have the launch sweep, the host's seconds an operator (``op_seconds``: the floor of
+    ``planner.cluster.host``) and the GPU's seconds a tiny kernel (``kernel_seconds``),
     each replaced figure's source naming the device, the date and the script; the datasheet peak, HBM
     bandwidth and everything else stay ``base``'s, and so does the name (``Estimate.peak_flops`` looks the
     peak up by it). The GEMMs are fitted against the measured HBM bound, and in bf16; the same fractions are
@@ -244,8 +248,18 @@ def measured_preset(base: Hardware, curves: dict) -> Hardware:
                                         "planner.cluster.curve_fit.attention_falloff)"),
                "hbm_efficiency": (f"{where}: a large copy and add reach {hbm:.3f} of the datasheet's "
                                   f"{base.memory_bytes_per_s / 1e12:g} TB/s (bytes read and written)")}
+    extra: dict = {}
+    launch = curves.get("launch") or {}
+    if launch.get("host_seconds_per_op"):  # the host's floor (planner.cluster.host) and the GPU's gap per kernel
+        extra["op_seconds"] = launch["host_seconds_per_op"]
+        sources["op_seconds"] = (f"{where}: {launch['kernels']} tiny add_ kernels issued from Python, "
+                                 f"{launch['host_seconds_per_op'] * 1e6:.2f} us of host time each")
+        if launch.get("device_seconds_per_op"):
+            extra["kernel_seconds"] = launch["device_seconds_per_op"]
+            sources["kernel_seconds"] = (f"{where}: the same kernels queued ahead, run back to back on the GPU: "
+                                         f"{launch['device_seconds_per_op'] * 1e6:.2f} us each")
     return replace(base, e_max=e_max, knee=knee, attention_efficiency=(fwd, bwd), hbm_efficiency=hbm,
-                   sources=sources, source=f"{base.source}; efficiencies {where}")
+                   sources=sources, source=f"{base.source}; efficiencies {where}", **extra)
 
 
 def carry_over(measured: Hardware, target: Hardware) -> Hardware:
@@ -255,9 +269,10 @@ def carry_over(measured: Hardware, target: Hardware) -> Hardware:
     note = (f"carried over from {measured.name} (the same tensor cores); memory-bound parts scale by the "
             f"datasheets' HBM ratio {target.memory_bytes_per_s / 1e12:g} / {measured.memory_bytes_per_s / 1e12:g} "
             f"= {ratio:.2f}: ")
-    sources = {**target.sources, **{k: note + measured.sources.get(k, "given") for k in
-                                    ("e_max, knee", "e_max", "knee", "attention_efficiency", "hbm_efficiency")}}
-    return replace(target, **{f: getattr(measured, f) for f in MEASURED}, sources=sources,
+    launch = [f for f in LAUNCH if "measured on" in measured.sources.get(f, "")]  # the host's too, said so
+    carried = ("e_max, knee", "e_max", "knee", "attention_efficiency", "hbm_efficiency", *launch)
+    sources = {**target.sources, **{k: note + measured.sources.get(k, "given") for k in carried}}
+    return replace(target, **{f: getattr(measured, f) for f in (*MEASURED, *launch)}, sources=sources,
                    source=f"{target.source}; efficiencies carried over from {measured.name} ({measured.source})")
 
 

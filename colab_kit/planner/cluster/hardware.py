@@ -164,6 +164,9 @@ _FIT = "fitted on Megatron-LM Table 1 (bench/estimate.py --calibrate); the same 
 _COMMON = {"e_max, knee": _FIT, "bus_efficiency": _NCCL, "latency": _LAT,
            "hbm_efficiency": "assumption: STREAM-like kernels reach about 80% of HBM bandwidth",
            "kernel_seconds": "assumption: a few microseconds of idle GPU between dependent kernels",
+           "op_seconds": ("assumption: eager PyTorch's host time per operator dispatched (Python, the dispatcher, "
+                          "autograd, the launch), about 5 us on a server CPU; bench/gpu_curves.py's launch sweep "
+                          "measures it on a GPU's host"),
            "alloc_fixed_bytes": "assumption: CUDA context, cuBLAS workspace and NCCL buffers about 3 GiB",
            "alloc_fraction": "assumption: caching-allocator fragmentation about 5%",
            "attention": ("flash: the engine's attention is torch's F.scaled_dot_product_attention, whose flash backend "

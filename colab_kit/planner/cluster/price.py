@@ -3,7 +3,7 @@
 The at-scale cost model (the local one, ``planner.local.step``, is fitted on this machine's CPU ranks instead).
 For the fullest rank (the last pipeline stage, which also runs the head and the loss)::
 
-    step = compute + bubble + comm:tp + comm:sp + comm:pp + comm:dp (exposed) + optimizer
+    step = compute + bubble + comm:tp + comm:sp + comm:pp + comm:dp (exposed) + optimizer + host
 
 - ``compute``: m microbatches x the rank's blocks (``compute.block``: forward, backward, and what the
   recompute mode repeats) + the head; at the preset's matmul curve and HBM bandwidth;
@@ -24,7 +24,9 @@ For the fullest rank (the last pipeline stage, which also runs the head and the 
   forward and backward and its gradients reduce-scattered, per microbatch, each hidden behind that block's
   compute at most;
 - ``optimizer``: the update streamed through HBM (AdamW: about 30 bytes a parameter of the rank's shard);
-  offload="cpu": the shard's gradients down and parameters up over PCIe and the update on the host.
+  offload="cpu": the shard's gradients down and parameters up over PCIe and the update on the host;
+- ``host``: the part of the host's dispatch (operators a step x seconds an operator, ``host``) that the rest
+  does not cover: a small model's step is the host's.
 
 Worked example, Table 1's 145B row (tp 8, pp 8, dp 24, interleaved x 2 chunks, 48 microbatches of 2,
 full recomputation, fp16) on DGX A100 nodes; published iteration 24.8 s::
@@ -35,7 +37,7 @@ full recomputation, fp16) on DGX A100 nodes; published iteration 24.8 s::
     >>> 0.85 < p.step_seconds / 24.82 < 1.15
     True
     >>> sorted(p.breakdown)
-    ['bubble', 'comm:dp', 'comm:pp', 'comm:sp', 'comm:tp', 'compute', 'optimizer']
+    ['bubble', 'comm:dp', 'comm:pp', 'comm:sp', 'comm:tp', 'compute', 'host', 'optimizer']
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from . import comm
+from . import comm, host
 from ...config import Axis
 from ..moe import price as moe_price
 from ..moe.shape import tp_layer_params
@@ -215,6 +217,7 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
                  "comm:pp": comm_pp, "comm:dp": exposed_dp, "optimizer": opt}
     if n_moe:
         breakdown["comm:ep"] = comm_total[Axis.EP]
+    breakdown["host"] = max(0.0, host.host_seconds(shape, config, layers, hw) - sum(breakdown.values()))
     return Priced(step_seconds=sum(breakdown.values()), breakdown=breakdown, comm_total=comm_total,
                   collectives=count, assumptions=notes,
                   per_microbatch={"F": f_mb, "I": i_mb, "W": w_mb})
@@ -307,6 +310,9 @@ def _assumptions(hw: Hardware, precision: str) -> tuple:
            f"({hw.sources.get('bus_efficiency')})",
            f"PCIe {hw.pcie_bytes_per_s / 1e9:g} GB/s each way ({hw.sources.get('pcie')})",
            f"{hw.kernel_seconds * 1e6:g} us per kernel ({hw.sources.get('kernel_seconds')})",
+           (f"the host's floor: {hw.op_seconds * 1e6:g} us an operator dispatched ({hw.sources.get('op_seconds')}), "
+            f"operators counted on the engine (planner.cluster.host)" if hw.stack.name in host.EAGER_STACKS else
+            f"no host floor priced: stack {hw.stack.name} is not the engine's eager PyTorch"),
            "fp32 matmuls without TF32 (PyTorch's default); gradients reduced in fp32 (the engine's recipe)",
            ("tp collectives under their GEMMs (all but the first of tp chunks)" if hw.stack.tp_overlap else
             "tp collectives not overlapped") + "; dp gradient reduction hidden behind the last microbatch's backward "

@@ -1,0 +1,101 @@
+"""The host's floor under a step: eager PyTorch dispatches every operator from the CPU, one at a time.
+
+A GPU runs a step's kernels no faster than the host can issue them. Each operator of an eager step costs the
+host some microseconds (Python, torch's dispatcher, autograd, the kernel's launch) whatever its size, so a
+small model's step is bound by the host, not by the GPU: the 125M GPT of the GPU check dispatches 3,305
+operators a step (``bench/op_count.py``). ``price`` adds the part of this floor the GPU's own time does not
+cover, as ``breakdown["host"]`` (``max(0, host - the rest)``: the host runs ahead while the GPU is busier).
+
+Operators a step dispatches on the fullest rank, counted by ``colab_kit.observe.ops.count_ops`` on the engine
+(one rank, AdamW, ``tests/ranks/test_host_ops.py`` recounts them), per model family and precision::
+
+    ops = fixed + per_microbatch m + blocks (per_block + (per_block_microbatch + recompute[mode]) m)
+
+``per_block`` is paid once a step (the optimizer and the precision's copies, per parameter tensor), the
+rest per microbatch (forward, backward, the replayed forward of the recompute mode). The number depends on
+the program, not on the widths: a family is counted once at a tiny width. Worked example, the GPT check's
+125M GPT (12 blocks, bf16, one microbatch, no recompute)::
+
+    >>> from colab_kit.planner.shape import ModelShape
+    >>> s = ModelShape(layers=12, hidden=768, heads=12, vocab=25600, seq=1024)
+    >>> ops_per_step(s, blocks=12, microbatches=1, precision="bf16", recompute="none")
+    3298
+
+(``bench/op_count.py`` counts 3,305 on the engine at 125M: the 7 more are the first step's data-dependent
+checks of the full-size model.) Priced at ``Hardware.op_seconds`` a operator: 5 us assumed for a datasheet
+preset, measured on the GPU's own host by ``bench/gpu_curves.py``'s launch sweep for a measured one
+(``curve_fit.measured_preset``). Only the engine's own stack is counted (``stack="colab_kit"``, and
+torchtitan's eager one alike); other stacks fuse their elementwise work and may capture CUDA graphs, so no
+floor is priced for them. The counts are those of one rank without parallel axes; tp, sp, pp and ZeRO add their
+collectives' operators, which are not counted: the floor stays a lower bound.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["OPS", "OpCount", "family", "host_seconds", "ops_per_step"]
+
+
+@dataclass(frozen=True)
+class OpCount:
+    """Operators of one eager step (the module's formula) for one family and precision."""
+    fixed: int
+    per_microbatch: int
+    per_block: int
+    per_block_microbatch: int
+    recompute: tuple  # extra per block and microbatch: (selective, op, full)
+
+    def ops(self, blocks: int, microbatches: int, recompute: str) -> int:
+        extra = {"selective": self.recompute[0], "op": self.recompute[1], "full": self.recompute[2]}.get(recompute, 0)
+        return (self.fixed + self.per_microbatch * microbatches
+                + blocks * (self.per_block + (self.per_block_microbatch + extra) * microbatches))
+
+
+OPS = {  # family -> {"fp32" | "mixed" (bf16, fp16)} -> counts (tests/ranks/test_host_ops.py recounts them)
+    "gpt": {"fp32": OpCount(86, 57, 120, 93, (10, 67, 61)), "mixed": OpCount(107, 59, 168, 93, (10, 67, 61))},
+    "gpt-moe": {"fp32": OpCount(94, 57, 131, 228, (10, 138, 132)), "mixed": OpCount(115, 59, 183, 234, (10, 138, 132))},
+    "llama": {"fp32": OpCount(66, 96, 90, 211, (10, 137, 128)), "mixed": OpCount(79, 105, 126, 219, (10, 141, 132))},
+    "hf-moe": {"fp32": OpCount(74, 94, 90, 333, (10, 166, 159)), "mixed": OpCount(86, 103, 127, 350, (10, 171, 164))},
+}
+"""Counted on: the built-in ``GPT`` (``gpt``) and its mixture of experts (``gpt-moe``), Hugging Face's
+``LlamaForCausalLM`` (``llama``: every gated, rotary block, Mistral and Qwen alike) and ``MixtralForCausalLM``
+(``hf-moe``: every Hugging Face mixture of experts; the engine runs its experts grouped, so the count does not
+grow with the experts)."""
+
+EAGER_STACKS = ("colab_kit", "torchtitan")
+
+
+def family(shape) -> str:
+    """The counted family ``shape`` is priced as (``OPS``)."""
+    if shape.experts:
+        return "gpt-moe" if shape.name == "GPT-MoE" else "hf-moe"
+    return "llama" if shape.gated else "gpt"
+
+
+def _dense(shape) -> str:
+    return "llama" if shape.gated else "gpt"
+
+
+def ops_per_step(shape, blocks: int, microbatches: int, precision: str, recompute: str) -> int:
+    """Operators one eager step dispatches on a rank holding ``blocks`` of ``shape``'s blocks (the module's
+    formula); a mixture of experts' dense blocks (``moe_blocks`` leaves them out) at its dense family's counts."""
+    kind = "fp32" if precision == "fp32" else "mixed"
+    count = OPS[family(shape)][kind]
+    if not shape.experts or len(shape.moe_blocks) >= shape.layers:
+        return count.ops(blocks, microbatches, recompute)
+    moe = round(blocks * len(shape.moe_blocks) / shape.layers)
+    dense = OPS[_dense(shape)][kind]
+    return count.ops(moe, microbatches, recompute) + (dense.ops(blocks - moe, microbatches, recompute)
+                                                      - dense.ops(0, microbatches, recompute))
+
+
+def host_seconds(shape, config, blocks: int, hw) -> float:
+    """The host's seconds to dispatch one step on the fullest rank (0 for a stack that is not eager PyTorch)."""
+    if hw.stack.name not in EAGER_STACKS:
+        return 0.0
+    return ops_per_step(shape, blocks, config.microbatches, config.precision,
+                        _mode(config.recompute)) * hw.op_seconds
+
+
+def _mode(recompute) -> str:
+    return "full" if recompute is True else "none" if recompute in (False, None) else str(recompute)
