@@ -1,22 +1,23 @@
 """Offload's copies on a side stream, and host syncs per step: the GPU check's ``offload_copies`` check and
-``bench/zero.py --streams``.
+``bench/zero_streams.py``.
 
 ``offload_copies`` trains ZeRO-3 with ``offload="cpu"`` in bf16 (every chunk on the host, its shard pinned) on
 one rank twice from the same weights: with the copies on the compute stream, the copies back blocking the host
-(``COLAB_KIT_COPIES=inline``, what the engine did before ``colab_kit/zero/copies.py``), and on a side stream
-ordered by events (``stream``, the default on a GPU). The two engines take turns step by step, so the machine's
-noise hits both alike. Recorded per mode: the losses (the same bit for bit: the same kernels, only the streams
-differ), the median step time after the first, the copies made, and the host syncs of one step
+(``COLAB_KIT_COPIES=inline``), and on side streams ordered by events (``stream``, the default on a GPU). The two
+engines take turns step by step, so the machine's noise hits both alike. Recorded per mode: the losses (the same
+bit for bit on CPU; on a GPU within 2^-6, as FlashAttention's backward is not bit-reproducible run to run), the
+median step time after the first, the copies made, and the host syncs of one step
 (``torch.cuda.set_sync_debug_mode("warn")``, by line). In stream mode one step runs under ``torch.profiler``:
 the share of the copies' time (``Memcpy HtoD/DtoH``) that ran while a compute kernel ran, the profile that shows
 the copies beside compute. The CPU smoke runs ``now`` against ``lazy`` (CUDA's ordering played on CPU) and
 checks the losses only::
 
-    python bench/zero.py --streams          # on a GPU: the two modes side by side, their ratio printed
+    python bench/zero_streams.py          # on a GPU: the two modes side by side, their ratio printed
 """
 from __future__ import annotations
 
 import collections
+import math
 import os
 import statistics
 import time
@@ -27,11 +28,12 @@ import torch
 
 import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
+from colab_kit.engine.reference import max_relative_difference
 from colab_kit.models import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGING = os.path.join("colab_kit", "comm", "rules", "staging.py")
-STREAMS_SIZES = {  # ``bench/zero.py --streams``: the GPU check's ZeRO-3 model (109M) on a GPU, a tiny one on CPU
+STREAMS_SIZES = {  # ``bench/zero_streams.py``: the GPU check's ZeRO-3 model (109M) on a GPU, a tiny one on CPU
     "cuda": dict(zero=dict(vocab_size=4096, seq_len=256, d_model=1024, n_heads=16, n_layers=8), zero_batch=8,
                  zero_steps=5),
     "cpu": dict(zero=dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2), zero_batch=8, zero_steps=4),
@@ -129,11 +131,14 @@ def check_offload_copies(ctx, launch) -> tuple[bool, dict, str]:
     sizes = ctx["sizes"]
     r = launch(ctx, rank_offload_copies, 1, sizes["zero"], sizes["zero_batch"], sizes["zero_steps"] + 1, modes)[0]
     before, after = (r["modes"][m] for m in modes)
-    same = before["losses"] == after["losses"] and all(x == x for x in after["losses"])
+    rel = max_relative_difference(after["losses"], before["losses"])
+    # on CPU the same bits; on a GPU FlashAttention's backward adds dq atomically, in no fixed order, so two
+    # engines of the same weights drift apart by bf16 rounding from step to step, copies or not
+    same = all(math.isfinite(x) for x in after["losses"]) and rel <= (0.0 if not ctx["cuda"] else 2.0 ** -6)
     ratio = before["median_step_s"] / after["median_step_s"]
-    r.update(same_losses=same, speedup=ratio)
+    r.update(same_losses=same, max_rel=rel, speedup=ratio)
     detail = (f"bf16 zero=3 offload=cpu, {modes[0]} {before['median_step_s'] * 1e3:.1f} ms vs {modes[1]} "
-              f"{after['median_step_s'] * 1e3:.1f} ms a step ({ratio:.2f}x); losses the same bit for bit: {same}")
+              f"{after['median_step_s'] * 1e3:.1f} ms a step ({ratio:.2f}x); losses' max rel difference {rel:.1e}")
     if ctx["cuda"]:
         prof, syncs = after.get("profile") or {}, [before["syncs"], after["syncs"]]
         detail += (f"; host syncs a step {syncs[0] and syncs[0]['syncs']} -> {syncs[1] and syncs[1]['syncs']}; "

@@ -4,7 +4,8 @@
 # written into $OUT (the only folder the tool brings back), never only into the device's copy of bench/results;
 # copy them into bench/results/ here, then `python bench/report.py`.
 #   checks:   gpu_check.py (NCCL, bf16 GPT, ZeRO-3 budget and bf16 offload, parity, memory timeline, several
-#             ranks sharing the GPU) and gpu_moe_check.py: about 3 min
+#             ranks sharing the GPU, offload's copies: side streams against the compute stream) and
+#             gpu_moe_check.py: about 3-4 min
 #   estimate: gpu_curves.py (GEMM, attention, HBM, grouped-GEMM sweeps) then gpu_estimate_check.py priced on
 #             those curves: about 2-3 min
 set -u

@@ -11,8 +11,10 @@ optimizer, the engine's own). Each row puts that count beside the step the GPU c
 ``bench/results/gpu_check.json`` / ``gpu_moe_check.json``): measured seconds / operators is the host time per
 operator at which dispatch alone would take the whole step. Eager PyTorch spends some microseconds of host
 time per operator (``bench/gpu_curves.py``'s ``launch`` sweep measures it on the GPU's machine); where the
-implied figure is of that size, the step is bound by the host, which ``ck.estimate`` does not price (its
-``kernel_seconds`` is the GPU's gap between kernels). A measurement for the cost model, not a comparison.
+implied figure is of that size, the step is bound by the host. Beside it, the count the estimate's host floor
+takes (``planner.cluster.host.ops_per_step``) and that floor at the datasheet H200 preset's 5 us an operator,
+beside the preset's estimate of the GPU's own work. AdamW runs with ``foreach=True``, as torch picks it for CUDA
+tensors. A measurement for the cost model, not a comparison.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ try:
 except ImportError:  # run as a module (python -m bench.op_count)
     from bench._results import RESULTS, row, write
 
+PRESET = "8xH200-SXM"  # the datasheet preset: its op_seconds is the 5 us assumption
 MODELS = {  # name: (GPTConfig fields, the GPU check's result file, how to read its measured step seconds)
     "125M GPT (gpu_check)": (dict(vocab_size=25600, seq_len=1024, d_model=768, n_heads=12, n_layers=12),
                              "gpu_check.json", "gpt"),
@@ -47,7 +50,8 @@ def _count(fields: dict) -> dict:
     from colab_kit.observe.ops import count_ops
 
     cfg = GPTConfig(**{**fields, "seq_len": 64})
-    engine = ck.boost(GPT(cfg), lambda ps: torch.optim.AdamW(ps, lr=3e-4), ck.ParallelConfig(precision="bf16"))
+    engine = ck.boost(GPT(cfg), lambda ps: torch.optim.AdamW(ps, lr=3e-4, foreach=True),  # as on CUDA
+                      ck.ParallelConfig(precision="bf16"))
     data = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=2)
     engine.train_step(data.batch(0, 2))
     counted = count_ops(lambda: engine.train_step(data.batch(1, 2)))
@@ -76,11 +80,17 @@ def main(argv=None) -> None:
     rows, figures = [], {}
     from colab_kit.models import GPTConfig
     from colab_kit.planner.cluster.host import ops_per_step
+    from colab_kit.planner.cluster.hardware import HARDWARE
     from colab_kit.planner.shape import ModelShape
+
+    op_seconds = HARDWARE[PRESET].op_seconds
 
     for name, (fields, path, kind) in MODELS.items():
         [counted] = ck.launch(_count, 1, fields)
         floor = ops_per_step(ModelShape.of(GPTConfig(**fields)), fields["n_layers"], 1, "bf16", "none")
+        est = ck.estimate(GPTConfig(**fields), ck.ParallelConfig(precision="bf16"), 16, hardware=PRESET)  # 16 rows
+        priced = {"preset": PRESET, "op_seconds": op_seconds, "floor_seconds": floor * op_seconds,
+                  "step_seconds": est.step_seconds, "gpu_seconds": est.step_seconds - est.breakdown["host"], "host_part": est.breakdown["host"]}
         seconds, device = _measured(path, kind)
         per_op = seconds / counted["ops"] if seconds else None
         print(f"{name}: {counted['ops']:,} operators a step ({counted['host_reads']} host reads; the estimate's host "
@@ -91,8 +101,11 @@ def main(argv=None) -> None:
                         f"{floor:,} (the estimate's count)", counted["ops"] / floor,
                         f"step measured on {device}: {seconds * 1e3:.1f} ms = "
                         f"{per_op * 1e6:.1f} us an operator if host-bound" if per_op else "no GPU step measured"))
+        print(f"  the estimate on {PRESET}: GPU work {priced['gpu_seconds'] * 1e3:.1f} ms, host floor "
+              f"{priced['floor_seconds'] * 1e3:.1f} ms at {op_seconds * 1e6:g} us an operator, step "
+              f"{priced['step_seconds'] * 1e3:.1f} ms")
         figures[name] = {**counted, "estimate_ops": floor, "measured_step_seconds": seconds, "device": device,
-                         "model": fields}
+                         "model": fields, "estimate": priced}
     write("op_count", rows, figures, {}, argv)
 
 

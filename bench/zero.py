@@ -63,11 +63,9 @@ from colab_kit.memory.peak import StatePeak
 from colab_kit.models import GPT, GPTConfig
 
 try:
-    from _gpu_copies import STREAMS_SIZES, check_offload_copies
     from _results import row, write
     from _zero_peers import PEERS, adamw
 except ImportError:  # run as a module (python -m bench.zero)
-    from bench._gpu_copies import STREAMS_SIZES, check_offload_copies
     from bench._results import row, write
     from bench._zero_peers import PEERS, adamw
 
@@ -210,11 +208,7 @@ def main(argv=None):
                     help="d_model for dp >= 4 (default: --d-model); smaller keeps an oversubscribed run short")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--streams", action="store_true",
-                    help="offload's copies on the compute stream against a side stream, on a GPU (bench/_gpu_copies.py)")
     args = ap.parse_args(argv)
-    if args.streams:
-        return streams(argv)
     cores = os.cpu_count() or 1
     load = "load average %.1f %.1f %.1f" % os.getloadavg()
     print(f"torch {torch.__version__}, {cores} cores ({load} at start), AdamW lr=1e-3 foreach, global batch {args.batch}, "
@@ -247,26 +241,6 @@ def main(argv=None):
     print("load average %.1f %.1f %.1f at the end" % os.getloadavg())
     write("zero", [_result_row(dp, name, s, args) for dp, name, s in rows],
           {f"dp={dp} {name}": s for dp, name, s in rows}, vars(args), argv)
-
-
-def streams(argv) -> int:
-    """``--streams``: ZeRO-3 offload's copies, compute stream against side stream (``bench/_gpu_copies.py``), one
-    rank; on a GPU the ratio is printed and written to ``bench/results/zero_streams.json``; without one, the
-    CPU's plain copies against lazy ones (CUDA's ordering played on CPU): the losses only, nothing written."""
-    cuda = torch.cuda.is_available()
-    ctx = {"cuda": cuda, "sizes": STREAMS_SIZES["cuda" if cuda else "cpu"]}
-
-    def launch(ctx, fn, world, *args):
-        return ck.launch(fn, world, *args, backend="nccl" if cuda else "nccl_rules", timeout=600.0)
-
-    ok, figures, detail = check_offload_copies(ctx, launch)
-    print(("" if cuda else "no GPU here: plain copies against lazy ones, the losses only; ") + detail)
-    if cuda:
-        side, inline = (figures["modes"][m]["median_step_s"] for m in ("stream", "inline"))
-        write("zero_streams", [row("ZeRO-3 offload='cpu' bf16, one rank: its copies", f"side stream {side * 1e3:.1f} ms",
-                                   f"compute stream {inline * 1e3:.1f} ms", side / inline, "median step, s/s")],
-              figures, {"streams": True}, argv, script="zero")
-    return 0 if ok else 1
 
 
 def _result_row(dp: int, name: str, s: dict, args) -> dict:

@@ -21,11 +21,11 @@ on two side streams instead, one each way, so that a shard going up and a gradie
   next change.
 
 Modes (``COLAB_KIT_COPIES``, or ``mode=``): ``"stream"`` (the default on CUDA), ``"inline"`` (the copies
-on the compute stream, the device -> host ones blocking: what the engine did before; ``bench/zero.py
---streams`` times both), ``"now"`` (the default elsewhere: plain copies) and ``"lazy"``, CUDA's ordering
-played on CPU for tests: a copy happens only when it is waited, reading its source then, its destination
-reads NaN until then, and ``drain`` checks that no shard changed after its copy landed. A missing wait, or a
-source changed too early, changes the losses or raises.
+on the compute stream, the device -> host ones blocking; ``bench/zero_streams.py`` times both), ``"now"``
+(the default elsewhere: plain copies) and ``"lazy"``, CUDA's ordering played on CPU for tests: a copy happens
+only when it is waited, reading its source then, its destination reads NaN until then, and a shard changed
+between the copy's start and the drain raises. A missing wait changes the losses; a source changed too early
+raises.
 
 What each rank sees, dp=2, ZeRO-3 with offload, blocks b0 b1 b2 on the host, in forward::
 
@@ -76,7 +76,8 @@ class Copies:
         cuda = self.device.type == "cuda"
         self.mode = mode or os.environ.get("COLAB_KIT_COPIES") or ("stream" if cuda else "now")
         if self.mode not in MODES:
-            raise ValueError(f"COLAB_KIT_COPIES={self.mode!r}: one of {', '.join(MODES)}")
+            raise ValueError(f"offload's copy mode {self.mode!r} (mode= or COLAB_KIT_COPIES): one of "
+                             f"{', '.join(MODES)}")
         if self.mode in ("stream", "inline") and not cuda:
             self.mode = "now"  # no stream to order on a CPU device
         stream = self.mode == "stream"
@@ -96,8 +97,8 @@ class Copies:
             self._queued = True
             return Copy(src.to(self.device, non_blocking=True))
         if self.mode == "lazy":
-            out = torch.full(src.shape, float("nan"), dtype=src.dtype, device=self.device)
-            return self._keep(Copy(out, on_wait=lambda: self._landed.append((src, out.copy_(src)))))
+            out, then = torch.full(src.shape, float("nan"), dtype=src.dtype, device=self.device), src.clone()
+            return self._keep(Copy(out, on_wait=lambda: self._land(src, then, out)))
         assert self.up is not None
         with torch.cuda.stream(self.up):  # made here, so the copy waits for nothing the compute stream queued
             out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
@@ -127,6 +128,13 @@ class Copies:
         src.record_stream(self.down)  # its memory (a reduce-scatter's whole buffer) goes back once the copy ran
         return self._keep(Copy(dst, hold=(buffer,), event=event, on_wait=lambda: land(buffer), where="host"))
 
+    def _land(self, src: torch.Tensor, then: torch.Tensor, out: torch.Tensor) -> None:
+        """Lazy: the copy lands at its wait; ``then`` is the source as it was when the copy was made."""
+        if not _same(src, then):
+            raise RuntimeError("a shard changed between its copy to the device and the copy's wait: on a GPU the "
+                               "copy could have read either value")
+        self._landed.append((src, out.copy_(src)))
+
     def _keep(self, copy: Copy) -> Copy:
         self.pending = [c for c in self.pending if not c.done] + [copy]
         return copy
@@ -145,6 +153,11 @@ class Copies:
             c.wait()
         landed, self._landed = self._landed, []
         for src, out in landed:  # lazy: a shard changed while a GPU's copy could still have been reading it
-            if not torch.equal(src.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8)):
+            if not _same(src, out):
                 raise RuntimeError("a shard copied to the device changed before the copies were drained: on a GPU "
                                    "the copy could have read the new values")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same bytes (NaN included)."""
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))

@@ -22,7 +22,8 @@ Two parts, one account:
 
 A chunk on the host is gathered through a staged copy of its shard on the device, its
 reduce-scatter lands on the device and is added into the host gradient, and its update runs
-on the host. On a machine with a GPU the tensors really move (``tensor.to``); on one without,
+on the host. On a machine with a GPU the tensors really move, the copies on side streams
+(``colab_kit.zero.copies``: a shard copied one unit ahead of its gather); on one without,
 the device is an account kept over the same host memory: each decision is made, recorded
 (``ChunkPlacement.log``) and enforced (``Account.check`` raises ``DeviceBudgetExceeded``
 when the device side would pass the budget) exactly as it would be with a GPU.
@@ -228,7 +229,8 @@ class ChunkPlacement:
     def check_step(self, chunks, activations: int) -> None:
         """Refuse, before a step runs, a budget below what one step holds on the device at once
         whatever the placement: the embeddings or the tail whole with its gradient buffer, two blocks
-        whole (one in use, one prefetched), a block's gradient buffer, a staged shard and one copied ahead, and the
+        whole (one in use, one prefetched), a block's gradient buffer, a unit's staged shards and the next's copied
+        ahead, and the
         activations held for this step."""
         whole = [sum(chunks[i].nbytes for i in unit) for unit in self.units]  # a unit's chunks, gathered together
         rest = max([sum(chunks[i].nbytes for i in unit) for unit in self.outer] or [0])
@@ -241,9 +243,9 @@ class ChunkPlacement:
             raise ConfigError(
                 f"device_budget={self.budget:,} B is too small for one step of this model: the device holds at once "
                 f"the embeddings or the tail and its gradient (2 x {rest:,} B), two blocks and a block's gradient "
-                f"(3 x {big:,} B), a staged shard and one copied ahead (2 x {piece:,} B) and the activations "
-                f"({acts:,} B): at least "
-                f"{need:,} B. Raise device_budget, use a smaller batch or recompute=True, or more dp ranks")
+                f"(3 x {big:,} B), a unit's shards staged and the next's copied ahead (2 x {piece:,} B) and the "
+                f"activations ({acts:,} B): at least {need:,} B. Raise device_budget, use a smaller batch or "
+                f"recompute=True, or more dp ranks")
 
     def after_step(self, next_activations: int | None = None) -> None:
         """After each step: with "auto", after the first step, place the chunks (``plan``). ``next_activations``:

@@ -31,7 +31,8 @@ def test_cpu_smoke_passes_every_check_with_plausible_figures(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     checks = report["checks"]
-    assert list(checks) == ["launch", "torchrun", "gpt", "zero3_budget", "parity", "memory_history", "shared_gpu"]
+    assert list(checks) == ["launch", "torchrun", "gpt", "zero3_budget", "parity", "memory_history", "shared_gpu",
+                            "offload_copies"]
     assert {c["status"] for c in checks.values()} == {"PASS"}, proc.stdout
     assert report["mode"] == "cpu-smoke" and report["passed"] is True
     for name, c in checks.items():  # one line per check, with its seconds
@@ -55,6 +56,11 @@ def test_cpu_smoke_passes_every_check_with_plausible_figures(tmp_path):
     assert shared["env"] == {"COLAB_KIT_RULES_STAGE": "1"} and len(shared["rows"]) == 30
     assert all(r["staged"] and r["max_rel"] <= 1e-5 for r in shared["rows"])
     assert {r["config"] for r in shared["rows"]} >= {"dp=2 tp=4 tp_mode=2d zero=3", "dp=2 zero=3 offload=auto"}
+    assert all(r["host_syncs"] is None for r in par["rows"])  # counted on CUDA only
+    copies = checks["offload_copies"]["figures"]  # smoke: plain copies against lazy ones, the same losses
+    modes = copies["modes"]
+    assert {m["mode"] for m in modes.values()} == {"now", "lazy"} and copies["max_rel"] == 0.0
+    assert modes["lazy"]["copies_per_step"]["to_host"] > 0 and modes["lazy"]["losses"] == modes["now"]["losses"]
 
 
 def test_parity_reports_fail_for_an_untrained_run_and_for_shifted_losses(gpu_check):

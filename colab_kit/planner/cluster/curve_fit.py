@@ -263,7 +263,9 @@ def measured_preset(base: Hardware, curves: dict) -> Hardware:
 
 
 def carry_over(measured: Hardware, target: Hardware) -> Hardware:
-    """``target`` with ``measured``'s efficiencies (``MEASURED``), for a GPU of the same tensor cores: its own
+    """``target`` with ``measured``'s efficiencies (``MEASURED``, and ``LAUNCH`` where measured: the host's figure
+    then is the lent machine's CPU, taken for the target's, said so in its source), for a GPU of the same
+    tensor cores: its own
     datasheet peak and HBM bandwidth stay, so memory-bound parts scale by the datasheets' bandwidth ratio."""
     ratio = target.memory_bytes_per_s / measured.memory_bytes_per_s
     note = (f"carried over from {measured.name} (the same tensor cores); memory-bound parts scale by the "

@@ -10,8 +10,10 @@ cards to the other nodes. The cost model (``planner.cluster.price``) reads:
 - elementwise work (norms, softmax, dropout, activations) at ``hbm_efficiency`` of the HBM bandwidth;
 - collectives on NVLink inside a node and on the node's NICs across nodes (``planner.cluster.comm``), at
   the bus bandwidth NCCL reaches (``bus_efficiency``), with a latency per ring hop;
-- ``kernel_seconds``: the GPU's idle gap per kernel launched; ``alloc_fraction`` / ``alloc_fixed_bytes``:
-  what the allocator, the CUDA context and NCCL's buffers take from ``device_bytes`` (``usable_bytes``);
+- ``kernel_seconds``: the GPU's idle gap per kernel launched; ``op_seconds``: the host's time per operator
+  dispatched (the local cost model's unit, and the floor of ``planner.cluster.host``);
+  ``alloc_fraction`` / ``alloc_fixed_bytes``: what the allocator, the CUDA context and NCCL's buffers take
+  from ``device_bytes`` (``usable_bytes``);
 - ``stack``: the software the node runs (``planner.cluster.stack.Stack``: attention's kernel, fused or eager
   elementwise kernels, what overlaps), ``colab_kit``'s own engine by default. ``attention`` is the stack's
   kernel: ``"flash"``, what the engine's ``F.scaled_dot_product_attention`` runs on these GPUs in fp16/bf16

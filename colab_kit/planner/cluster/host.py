@@ -2,9 +2,10 @@
 
 A GPU runs a step's kernels no faster than the host can issue them. Each operator of an eager step costs the
 host some microseconds (Python, torch's dispatcher, autograd, the kernel's launch) whatever its size, so a
-small model's step is bound by the host, not by the GPU: the 125M GPT of the GPU check dispatches 3,305
-operators a step (``bench/op_count.py``). ``price`` adds the part of this floor the GPU's own time does not
-cover, as ``breakdown["host"]`` (``max(0, host - the rest)``: the host runs ahead while the GPU is busier).
+small model's step is bound by the host, not by the GPU: the 125M GPT of the GPU check dispatches 2,123
+operators a step (``bench/op_count.py``). ``price`` adds the part of this floor the rank's own GPU work does
+not cover, as ``breakdown["host"]`` (``max(0, host - (the rest - bubble))``: the host runs ahead while the GPU
+is busier, and waits through a pipeline's bubble as the GPU does).
 
 Operators a step dispatches on the fullest rank, counted by ``colab_kit.observe.ops.count_ops`` on the engine
 (one rank, AdamW, ``tests/ranks/test_host_ops.py`` recounts them), per model family and precision::
@@ -19,10 +20,10 @@ the program, not on the widths: a family is counted once at a tiny width. Worked
     >>> from colab_kit.planner.shape import ModelShape
     >>> s = ModelShape(layers=12, hidden=768, heads=12, vocab=25600, seq=1024)
     >>> ops_per_step(s, blocks=12, microbatches=1, precision="bf16", recompute="none")
-    3298
+    2116
 
-(``bench/op_count.py`` counts 3,305 on the engine at 125M: the 7 more are the first step's data-dependent
-checks of the full-size model.) Priced at ``Hardware.op_seconds`` a operator: 5 us assumed for a datasheet
+(``bench/op_count.py`` counts the engine's step of that GPT at full size, with ``foreach=True``.)
+Priced at ``Hardware.op_seconds`` a operator: 5 us assumed for a datasheet
 preset, measured on the GPU's own host by ``bench/gpu_curves.py``'s launch sweep for a measured one
 (``curve_fit.measured_preset``). Only the engine's own stack is counted (``stack="colab_kit"``, and
 torchtitan's eager one alike); other stacks fuse their elementwise work and may capture CUDA graphs, so no
@@ -46,21 +47,26 @@ class OpCount:
     recompute: tuple  # extra per block and microbatch: (selective, op, full)
 
     def ops(self, blocks: int, microbatches: int, recompute: str) -> int:
-        extra = {"selective": self.recompute[0], "op": self.recompute[1], "full": self.recompute[2]}.get(recompute, 0)
+        extras = {"none": 0, "selective": self.recompute[0], "op": self.recompute[1], "full": self.recompute[2]}
+        if recompute not in extras:
+            raise ValueError(f"recompute {recompute!r}: one of {', '.join(extras)}")
+        extra = extras[recompute]
         return (self.fixed + self.per_microbatch * microbatches
                 + blocks * (self.per_block + (self.per_block_microbatch + extra) * microbatches))
 
 
 OPS = {  # family -> {"fp32" | "mixed" (bf16, fp16)} -> counts (tests/ranks/test_host_ops.py recounts them)
-    "gpt": {"fp32": OpCount(86, 57, 120, 93, (10, 67, 61)), "mixed": OpCount(107, 59, 168, 93, (10, 67, 61))},
-    "gpt-moe": {"fp32": OpCount(94, 57, 131, 228, (10, 138, 132)), "mixed": OpCount(115, 59, 183, 234, (10, 138, 132))},
-    "llama": {"fp32": OpCount(66, 96, 90, 211, (10, 137, 128)), "mixed": OpCount(79, 105, 126, 219, (10, 141, 132))},
-    "hf-moe": {"fp32": OpCount(74, 94, 90, 333, (10, 166, 159)), "mixed": OpCount(86, 103, 127, 350, (10, 171, 164))},
+    "gpt": {"fp32": OpCount(56, 57, 24, 93, (10, 67, 61)), "mixed": OpCount(77, 59, 72, 93, (10, 67, 61))},
+    "gpt-moe": {"fp32": OpCount(64, 57, 27, 228, (10, 138, 132)), "mixed": OpCount(85, 59, 79, 234, (10, 138, 132))},
+    "llama": {"fp32": OpCount(52, 96, 18, 211, (10, 137, 128)), "mixed": OpCount(65, 105, 54, 219, (10, 141, 132))},
+    "hf-moe": {"fp32": OpCount(60, 94, 18, 333, (10, 166, 159)), "mixed": OpCount(72, 103, 55, 350, (10, 171, 164))},
 }
 """Counted on: the built-in ``GPT`` (``gpt``) and its mixture of experts (``gpt-moe``), Hugging Face's
 ``LlamaForCausalLM`` (``llama``: every gated, rotary block, Mistral and Qwen alike) and ``MixtralForCausalLM``
 (``hf-moe``: every Hugging Face mixture of experts; the engine runs its experts grouped, so the count does not
-grow with the experts)."""
+grow with the experts). AdamW with ``foreach=True``, as torch picks it for CUDA tensors (on CPU it loops over
+the tensors one by one: three times the optimizer's operators). "mixed" is counted in bf16; fp16 adds the
+loss scaler's few operators a step, not counted."""
 
 EAGER_STACKS = ("colab_kit", "torchtitan")
 
@@ -76,26 +82,25 @@ def _dense(shape) -> str:
     return "llama" if shape.gated else "gpt"
 
 
-def ops_per_step(shape, blocks: int, microbatches: int, precision: str, recompute: str) -> int:
+def ops_per_step(shape, blocks: int, microbatches: int, precision: str, recompute: str,
+                 moe: int | None = None) -> int:
     """Operators one eager step dispatches on a rank holding ``blocks`` of ``shape``'s blocks (the module's
-    formula); a mixture of experts' dense blocks (``moe_blocks`` leaves them out) at its dense family's counts."""
+    formula), ``moe`` of them MoE blocks (default: all of a mixture of experts' share, ``moe_blocks``); its dense
+    blocks at its dense family's counts."""
     kind = "fp32" if precision == "fp32" else "mixed"
     count = OPS[family(shape)][kind]
-    if not shape.experts or len(shape.moe_blocks) >= shape.layers:
+    if not shape.experts:
         return count.ops(blocks, microbatches, recompute)
-    moe = round(blocks * len(shape.moe_blocks) / shape.layers)
+    if moe is None:
+        moe = round(blocks * len(shape.moe_blocks) / shape.layers)
     dense = OPS[_dense(shape)][kind]
     return count.ops(moe, microbatches, recompute) + (dense.ops(blocks - moe, microbatches, recompute)
                                                       - dense.ops(0, microbatches, recompute))
 
 
-def host_seconds(shape, config, blocks: int, hw) -> float:
-    """The host's seconds to dispatch one step on the fullest rank (0 for a stack that is not eager PyTorch)."""
+def host_seconds(shape, config, blocks: int, hw, recompute: str, moe: int | None = None) -> float:
+    """The host's seconds to dispatch one step on the fullest rank (0 for a stack that is not eager PyTorch);
+    ``recompute``: the mode (``compute.recompute_mode``)."""
     if hw.stack.name not in EAGER_STACKS:
         return 0.0
-    return ops_per_step(shape, blocks, config.microbatches, config.precision,
-                        _mode(config.recompute)) * hw.op_seconds
-
-
-def _mode(recompute) -> str:
-    return "full" if recompute is True else "none" if recompute in (False, None) else str(recompute)
+    return ops_per_step(shape, blocks, config.microbatches, config.precision, recompute, moe) * hw.op_seconds

@@ -25,8 +25,9 @@ For the fullest rank (the last pipeline stage, which also runs the head and the 
   compute at most;
 - ``optimizer``: the update streamed through HBM (AdamW: about 30 bytes a parameter of the rank's shard);
   offload="cpu": the shard's gradients down and parameters up over PCIe and the update on the host;
-- ``host``: the part of the host's dispatch (operators a step x seconds an operator, ``host``) that the rest
-  does not cover: a small model's step is the host's.
+- ``host``: the part of the host's dispatch (operators a step x seconds an operator, ``host``) that the rank's
+  own GPU work does not cover (the bubble hides none of it: the host waits through it too): a small model's
+  step is the host's.
 
 Worked example, Table 1's 145B row (tp 8, pp 8, dp 24, interleaved x 2 chunks, 48 microbatches of 2,
 full recomputation, fp16) on DGX A100 nodes; published iteration 24.8 s::
@@ -62,9 +63,9 @@ AXES = (Axis.TP, Axis.SP, Axis.PP, Axis.DP)
 @dataclass(frozen=True)
 class Priced:
     """One step of one config: ``step_seconds`` = the sum of ``breakdown`` (compute, exposed comm per axis,
-    bubble, optimizer); ``comm_total`` per axis before overlap; ``collectives`` per axis per step on one
-    rank; ``assumptions``: every figure taken from the preset, with its source, and the model's choices;
-    ``per_microbatch``: the rank's F, I, W seconds of one microbatch (exposed comm included)."""
+    bubble, optimizer, the host's floor beyond them); ``comm_total`` per axis before overlap; ``collectives`` per
+    axis per step on one rank; ``assumptions``: every figure taken from the preset, with its source, and the
+    model's choices; ``per_microbatch``: the rank's F, I, W seconds of one microbatch (exposed comm included)."""
     step_seconds: float
     breakdown: dict
     comm_total: dict
@@ -217,7 +218,9 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
                  "comm:pp": comm_pp, "comm:dp": exposed_dp, "optimizer": opt}
     if n_moe:
         breakdown["comm:ep"] = comm_total[Axis.EP]
-    breakdown["host"] = max(0.0, host.host_seconds(shape, config, layers, hw) - sum(breakdown.values()))
+    # the host dispatches while the GPU works, not through the bubble (it waits on the same receives)
+    floor = host.host_seconds(shape, config, layers, hw, mode, n_moe if shape.experts else None)
+    breakdown["host"] = max(0.0, floor - sum(breakdown.values()) + idle)
     return Priced(step_seconds=sum(breakdown.values()), breakdown=breakdown, comm_total=comm_total,
                   collectives=count, assumptions=notes,
                   per_microbatch={"F": f_mb, "I": i_mb, "W": w_mb})
