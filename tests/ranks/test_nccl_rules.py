@@ -148,6 +148,16 @@ def _programs(backend: str) -> dict:
     # 4. the device rule: a CPU tensor handed to a group whose job runs on the GPU
     g = group(device="cuda") if backend == "nccl_rules" else group()
     attempt("device", lambda: dist.all_reduce(torch.ones(2), group=g))
+
+    # 5. contiguous tensors: a transposed view all-reduced (gloo sums it in place, as a view)
+    g = group()
+
+    def strided():
+        x = torch.arange(6.0).reshape(2, 3).t()  # (3, 2), strides (1, 3)
+        dist.all_reduce(x, group=g)
+        return x.tolist()
+
+    attempt("contiguous", strided)
     return out
 
 
@@ -204,6 +214,14 @@ def test_tensors_must_be_on_the_device(outcomes):
         assert outcomes["gloo"][rank]["device"][0] == "ok"
         kind, text = outcomes["nccl_rules"][rank]["device"]
         assert kind == "RuleBroken" and "cpu tensor float32[2]" in text and "run on cuda" in text, text
+
+
+def test_tensors_must_be_contiguous(outcomes):
+    for rank in range(2):
+        kind, summed = outcomes["gloo"][rank]["contiguous"]
+        assert kind == "ok" and summed == [[0.0, 6.0], [2.0, 8.0], [4.0, 10.0]], summed  # gloo: done, as a view
+        kind, text = outcomes["nccl_rules"][rank]["contiguous"]
+        assert kind == "RuleBroken" and "non-contiguous tensor float32[3, 2]" in text and "(1, 3)" in text, text
 
 
 def _torch_pipelining() -> dict:

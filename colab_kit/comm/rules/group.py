@@ -1,6 +1,6 @@
 """``RulesGroup``: a process group that runs on gloo and refuses what NCCL would not forgive.
 
-Every call is checked against four rules, then handed to a gloo group of the same ranks:
+Every call is checked against five rules, then handed to a gloo group of the same ranks:
 
 1. **tags are ignored**: a point-to-point message is matched by order alone (``pairs.Channel``);
 2. **one pair, one stream**: a pair's unbatched sends and receives run one at a time in issue order,
@@ -11,7 +11,9 @@ Every call is checked against four rules, then handed to a gloo group of the sam
    what each rank called;
 4. **tensors on the device**: every tensor handed to a collective or message is on the job's device
    (``COLAB_KIT_RULES_DEVICE``: ``cpu``, or ``cuda`` for several ranks sharing one GPU, whose tensors
-   then travel through pinned host buffers).
+   then travel through pinned host buffers);
+5. **contiguous tensors**: every tensor handed to a collective or message is contiguous (in its memory
+   format), as ProcessGroupNCCL demands; gloo all-reduces and broadcasts a strided view as it is.
 
 Worked example, a dp group of ranks [0, 1] where rank 1 reduces a tensor of another shape::
 
@@ -44,6 +46,15 @@ __all__ = ["RulesGroup", "LIVE"]
 _STUCK: list = []
 """gloo groups whose shutdown did not finish (a collective stuck on a mismatch): kept, never destroyed."""
 
+
+
+def _contiguous(t: torch.Tensor) -> bool:
+    """Contiguous in some memory format, as ProcessGroupNCCL asks (``suggest_memory_format``: channels-last
+    4D and 5D tensors pass too)."""
+    if t.is_contiguous():
+        return True
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+    return fmt is not None and t.is_contiguous(memory_format=fmt)
 
 
 def _flat(args) -> list[torch.Tensor]:
@@ -117,9 +128,9 @@ class RulesGroup(dist.ProcessGroup):
     def abort(self) -> None:
         self.shutdown()
 
-    # ------------------------------------------------------------------ rule 4: the device
+    # ------------------------------------------------------------------ rules 4 and 5: the device, contiguous
     def _on_device(self, what: str, tensors, device: str | None = None) -> None:
-        """Rule 4 on ``tensors`` (nested), against ``device`` (the job's, ``self.device_type``, for what a caller
+        """Rules 4 and 5 on ``tensors`` (nested), against ``device`` (the job's, ``self.device_type``, for what a caller
         hands in; by default what reaches gloo: host copies where the group stages)."""
         device = device or self._carried
         for t in _flat(tensors):
@@ -128,6 +139,12 @@ class RulesGroup(dist.ProcessGroup):
                     f"nccl-rules: {what} over ranks {self._ranks} was handed a {t.device.type} tensor "
                     f"{describe_tensor(t)}, but this job's collectives run on {self.device_type} (NCCL takes only "
                     f"tensors on the device): move it there first (tensor.to(mesh.device))")
+            if not _contiguous(t):  # rule 5
+                raise RuleBroken(
+                    f"nccl-rules: {what} over ranks {self._ranks} was handed a non-contiguous tensor "
+                    f"{describe_tensor(t)} (strides {tuple(t.stride())}); NCCL takes only contiguous tensors "
+                    f"(\"Tensors must be contiguous\"), where gloo reduces or broadcasts a strided view as it is: "
+                    f"hand it t.contiguous() and copy the result back into t")
 
     # ------------------------------------------------------------------ rule 3: one collective sequence
     def _collective(self, op: str, tensors, fingerprint: list[int], launch, result):
