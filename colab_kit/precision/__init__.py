@@ -144,7 +144,13 @@ class MasterWeights:
 
     def __init__(self, tensors, device=None, table=None):
         self.model = list(tensors)
-        self.params = [nn.Parameter(t.detach().to(device=device, dtype=torch.float32, copy=True)) for t in self.model]
+        self.pinned = device is not None and torch.device(device).type == "cpu" and any(
+            t.is_cuda for t in self.model)
+        """Host masters of GPU tensors (ZeRO-Offload): in pinned memory, so that each step's copies between
+        them and the GPU (gradients down, updated values up) run at the link's speed, not through a bounce
+        buffer of pageable memory. The copies stay blocking: the host steps the masters right after."""
+        self.params = [nn.Parameter(self._host(t) if self.pinned else
+                                    t.detach().to(device=device, dtype=torch.float32, copy=True)) for t in self.model]
         self.table = PlacementTable()
         if table is not None:
             for m, t in zip(self.params, self.model):
@@ -154,10 +160,19 @@ class MasterWeights:
     def grads(self) -> list:
         return [m.grad for m in self.params]
 
+    @staticmethod
+    def _host(t: torch.Tensor) -> torch.Tensor:
+        """``t`` in fp32 in pinned host memory (from the allocator: a ``Tensor.pin_memory()`` storage cannot be
+        resized, and ZeRO-3 resizes the storages it frees)."""
+        out = torch.empty(t.shape, dtype=torch.float32, pin_memory=True)
+        out.copy_(t.detach())
+        return out
+
     def set_grads(self, grads) -> None:
         """The masters' gradients (converted to fp32 where they are not), one per master."""
         for m, g in zip(self.params, grads, strict=True):
-            m.grad = g.to(device=m.device, dtype=torch.float32).view_as(m)
+            m.grad = (self._host(g) if self.pinned and g.is_cuda else
+                      g.to(device=m.device, dtype=torch.float32)).view_as(m)
 
     def drop_grads(self) -> None:
         for m in self.params:
