@@ -113,8 +113,9 @@ class Staged(c10d.Work):
 def staged(what: str, outputs, result=None):
     """A ``RulesGroup`` method, staged where its group stages (``staging``): the caller's tensors checked against
     the job's device and contiguous (rules 4 and 5), the call run on host copies of them, ``outputs(group,
-    args)``'s copies copied back when its Work completes. ``what`` names the call in a broken rule; ``result(args)``: what the Work's
-    ``result()`` and future give, as the unstaged call's (by default the first argument)."""
+    args)``'s copies copied back when its Work completes. ``what`` names the call in a broken rule;
+    ``result(args)``: what the Work's ``result()`` and future give, as the unstaged call's (by default the first
+    argument)."""
     result = result or (lambda args: args[0] if args else [])
 
     def wrap(method):
