@@ -23,8 +23,9 @@ class Candidate:
     estimate: Any = None
     """On a hardware preset: the ``ck.estimate`` this candidate was ranked by (MFU, tokens/s, assumptions)."""
     dry_runs: list = field(default_factory=list)
-    """``plan(..., exact=k)``: the ``DryRunReport`` of each pipeline stage's first rank; then ``memory``'s
-    params, grads and optimizer are the fullest of them, exact to the byte (the activations stay estimated)."""
+    """``plan(..., exact=k)``: the ``DryRunReport`` of each pipeline stage's first rank; then ``memory`` is the
+    fullest of them (model states plus estimated activations): its params, grads and optimizer exact to the
+    byte, its activations the engine's estimate for that rank."""
 
     @property
     def exact(self) -> bool:

@@ -104,19 +104,19 @@ def test_dry_run_of_ep_at_scale_gives_the_estimates_model_states():
 
 def test_plan_exact_dry_runs_what_the_engine_runs_and_keeps_the_estimate_of_the_rest():
     """``ck.plan(..., exact=2)`` of an MoE GPT on 16 H100s: in fp32 the first two candidates are dry-run and their
-    exact parameters are the estimate's for the same pipeline stage (the dry runs' fullest stage by model states;
-    the estimate's fullest also counts activations, so with pp the two can be different stages); in bf16
-    likewise (the engine runs ep in 16 bits too)."""
+    exact parameters (and the estimated activations) are the estimate's for the same pipeline stage, the dry runs'
+    fullest; in bf16 likewise (the engine runs ep in 16 bits too)."""
     from colab_kit.models import GPTConfig
     # wide enough that the GPU's work, not the host's dispatch, sets the step (the host floor ties small models)
     cfg = GPTConfig(vocab_size=1024, seq_len=1024, d_model=1024, n_heads=8, n_layers=8, n_experts=16, top_k=2,
                     d_expert=1024, shared_experts=1, moe_every=2)
     from colab_kit.memory.estimator import config_estimate
 
-    def same_stage(c):  # the dry runs' fullest stage (by model states) against the estimate of that stage
-        full = max(c.dry_runs, key=lambda r: sum(r.memory[k] for k in ("params", "grads", "optimizer")))
+    def same_stage(c):  # the dry runs' fullest rank against the estimate of that rank's stage
+        full = max(c.dry_runs, key=lambda r: sum(r.memory[k] for k in ("params", "grads", "optimizer", "activations")))
         stage = full.rank // (c.config.world_size // c.config.pp)
-        return c.memory["params"] == config_estimate(cfg, c.config, 64, pp_rank=stage)["params"]
+        est = config_estimate(cfg, c.config, 64, pp_rank=stage)
+        return c.memory["params"] == est["params"] and c.memory["activations"] == est["activations"]
 
     fp32 = ck.plan(cfg, 16, 64, precision="fp32", hardware="8xH100-SXM", exact=2, limit=4)
     exact = [c for c in fp32 if c.dry_runs]

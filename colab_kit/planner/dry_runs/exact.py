@@ -1,9 +1,12 @@
 """``ck.plan(..., exact=k)``: the first k candidates that fit, their model states made exact by dry runs.
 
 Each chosen candidate's pipeline stages are dry-run on their first rank (``ck.dry_run``: built under torch's
-fake process group, one process for all of them); its params, grads and optimizer bytes, on the device and
-the host, become those of its fullest rank, exact to the byte; the activations stay the estimate (a dry run
-takes no step), and ``fits`` is decided again. ``plan`` then ranks the list again.
+fake process group, one process for all of them); its memory becomes that of its fullest rank (model states
+plus the activations the engine's estimate gives that rank: a dry run takes no step): params, grads and
+optimizer bytes on the device and the host exact to the byte, the activations that rank's estimate. One rank's
+figures, not the worst states of one stage beside the worst activations of another: with pp the first stage
+holds the most activations, the last one the head. ``fits`` is decided again, and ``plan`` ranks the list
+again.
 """
 from __future__ import annotations
 from ...engine.core import unsupported
@@ -27,8 +30,9 @@ def exact_states(cands, model, batch, seq, optimizer, policy, count, memory_per_
     at = 0
     for c, call in zip(chosen, calls):
         mine, at = reports[at:at + len(call["rank"])], at + len(call["rank"])
-        full = max(mine, key=lambda r: sum(r.memory[k] for k in ("params", "grads", "optimizer")))
-        keys, acts = ("params", "grads", "optimizer"), c.memory["activations"]
+        keys = ("params", "grads", "optimizer")
+        full = max(mine, key=lambda r: sum(r.memory[k] for k in keys) + r.memory["activations"])
+        acts = full.memory["activations"] or c.memory["activations"]  # 0: a model the estimate cannot walk
         c.memory = {**{k: full.memory[k] for k in keys}, "activations": acts,  # where each lies, as the rank said
                     "device": {**{k: full.memory["device"][k] for k in keys}, "activations": acts},
                     "host": {**{k: full.memory["host"][k] for k in keys}, "activations": 0}}
