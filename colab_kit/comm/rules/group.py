@@ -281,14 +281,14 @@ class RulesGroup(dist.ProcessGroup):
         fp = fingerprint("reduce", tensors[0], (opts.rootRank << 4) | reduce_code(opts.reduceOp))
         return self._collective("reduce", tensors, fp, lambda: self._inner.reduce(tensors, opts), tensors)
 
-    @staged("all_gather", first)
+    @staged("all_gather", first, written=True)
     def allgather(self, outputs, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
         fp = fingerprint("all_gather", inputs[0])
         return self._collective("all_gather", [outputs, inputs], fp,
                                 lambda: self._inner.allgather(outputs, inputs, opts), outputs)
 
-    @staged("all_gather_coalesced", first)
+    @staged("all_gather_coalesced", first, written=True)
     def allgather_coalesced(self, outputs, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
         fp = fingerprint("all_gather_coalesced", inputs[0],
@@ -296,7 +296,7 @@ class RulesGroup(dist.ProcessGroup):
         return self._collective("all_gather_coalesced", [outputs, inputs], fp,
                                 lambda: self._inner.allgather_coalesced(outputs, inputs, opts), outputs)
 
-    @staged("all_gather_single", first, as_list)
+    @staged("all_gather_single", first, as_list, written=True)
     def all_gather_single(self, output, input, opts=None):
         opts = opts or c10d.AllgatherOptions()
         fp = fingerprint("all_gather_single", input)
@@ -309,14 +309,14 @@ class RulesGroup(dist.ProcessGroup):
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return last_of(works)
 
-    @staged("reduce_scatter", first)
+    @staged("reduce_scatter", first, written=True)
     def reduce_scatter(self, outputs, inputs, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
         fp = fingerprint("reduce_scatter", outputs[0], reduce_code(opts.reduceOp))
         return self._collective("reduce_scatter", [outputs, inputs], fp,
                                 lambda: self._inner.reduce_scatter(outputs, inputs, opts), outputs)
 
-    @staged("reduce_scatter_single", first, as_list)
+    @staged("reduce_scatter_single", first, as_list, written=True)
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
         fp = fingerprint("reduce_scatter_single", input, reduce_code(opts.reduceOp))
@@ -329,7 +329,7 @@ class RulesGroup(dist.ProcessGroup):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return last_of(works)
 
-    @staged("all_to_all_single", first, as_list)
+    @staged("all_to_all_single", first, as_list, written=True)
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         opts = opts or c10d.AllToAllOptions()
         even = not output_splits and not input_splits
@@ -340,21 +340,21 @@ class RulesGroup(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single
 
-    @staged("all_to_all", first)
+    @staged("all_to_all", first, written=True)
     def alltoall(self, outputs, inputs, opts=None):
         opts = opts or c10d.AllToAllOptions()
         fp = fingerprint("all_to_all", inputs[0], shape=[len(inputs)])
         return self._collective("all_to_all", [outputs, inputs], fp,
                                 lambda: self._inner.alltoall(outputs, inputs, opts), outputs)
 
-    @staged("gather", first)
+    @staged("gather", first, written=True)
     def gather(self, outputs, inputs, opts=None):
         opts = opts or c10d.GatherOptions()
         fp = fingerprint("gather", inputs[0], opts.rootRank)
         return self._collective("gather", [outputs, inputs], fp,
                                 lambda: self._inner.gather(outputs, inputs, opts), outputs)
 
-    @staged("scatter", first)
+    @staged("scatter", first, written=True)
     def scatter(self, outputs, inputs, opts=None):
         opts = opts or c10d.ScatterOptions()
         fp = fingerprint("scatter", outputs[0], opts.rootRank)
@@ -389,7 +389,7 @@ class RulesGroup(dist.ProcessGroup):
         self._channel(dst).submit(op)
         return FutureWork(op.future, op.tensor)
 
-    @staged("recv", first)
+    @staged("recv", first, written=True)
     def recv(self, tensors, src: int, tag: int = 0):
         op = self._op("recv", tensors, src)
         self._channel(src).submit(op)
@@ -403,7 +403,7 @@ class RulesGroup(dist.ProcessGroup):
         if not self.staging:
             return self._batch(ops)
         self._on_device("batch_isend_irecv", [t for _, t, _ in ops], self.device_type)
-        staged = [(kind, *to_host(t, t if kind == "recv" else []), peer) for kind, t, peer in ops]
+        staged = [(kind, *to_host(t, t if kind == "recv" else [], written=True), peer) for kind, t, peer in ops]
         works = self._batch([(kind, host, peer) for kind, host, _, peer in staged])
         return [Staged(w, back, [t], kept=t) for w, (_, _, back, _), (_, t, _) in zip(works, staged, ops)]
 

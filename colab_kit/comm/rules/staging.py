@@ -35,22 +35,33 @@ def staging(device_type: str) -> bool:
     return device_type != "cpu" or os.environ.get("COLAB_KIT_RULES_STAGE", "0") == "1"
 
 
+def _room(t: torch.Tensor) -> torch.Tensor:
+    """A host buffer for ``t`` (pinned for a CUDA tensor), its contents not copied."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+
+
 def _host(t: torch.Tensor) -> torch.Tensor:
-    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+    h = _room(t)
     h.copy_(t)
     return h
 
 
-def to_host(args, outputs) -> tuple:
+def to_host(args, outputs, written: bool = False) -> tuple:
     """``(args with every tensor replaced by a host copy, [(device tensor, its host copy)] for those of
     outputs)``: ``args`` nested lists and tuples of tensors and other values, ``outputs`` the tensors the call
-    writes (their host copies are copied back by ``Staged``). A tensor that appears twice gets one copy."""
+    writes (their host copies are copied back by ``Staged``). A tensor that appears twice gets one copy.
+    ``written``: the call writes its outputs whole without reading them (a gather's, a receive's), so an output
+    that is no input too gets an empty host buffer: its old contents never cross to the host."""
     copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    seen: dict[int, int] = {}
+    for t in _flat(args):
+        seen[id(t)] = seen.get(id(t), 0) + 1
+    fresh = {id(t) for t in _flat(outputs) if seen.get(id(t)) == 1} if written else set()
 
     def swap(a):
         if isinstance(a, torch.Tensor):
             if id(a) not in copies:
-                copies[id(a)] = (a, _host(a))
+                copies[id(a)] = (a, _room(a) if id(a) in fresh else _host(a))
             return copies[id(a)][1]
         if isinstance(a, (list, tuple)):
             return type(a)(swap(x) for x in a)
@@ -110,12 +121,12 @@ class Staged(c10d.Work):
         return self.inner.get_future().then(back)
 
 
-def staged(what: str, outputs, result=None):
+def staged(what: str, outputs, result=None, written: bool = False):
     """A ``RulesGroup`` method, staged where its group stages (``staging``): the caller's tensors checked against
     the job's device and contiguous (rules 4 and 5), the call run on host copies of them, ``outputs(group,
     args)``'s copies copied back when its Work completes. ``what`` names the call in a broken rule;
     ``result(args)``: what the Work's ``result()`` and future give, as the unstaged call's (by default the first
-    argument)."""
+    argument). ``written``: the call only writes its outputs (``to_host``)."""
     result = result or (lambda args: args[0] if args else [])
 
     def wrap(method):
@@ -124,7 +135,7 @@ def staged(what: str, outputs, result=None):
             if not self.staging:
                 return method(self, *args, **kwargs)
             self._on_device(what, args, self.device_type)
-            host_args, back = to_host(args, outputs(self, args))
+            host_args, back = to_host(args, outputs(self, args), written)
             return Staged(method(self, *host_args, **kwargs), back, result(args), kept=args)
         return call
     return wrap
