@@ -89,7 +89,7 @@ from ..comm import finish
 from ..placement import PlacementTable
 
 __all__ = ["COMPUTE_DTYPES", "TOLERANCE", "tolerance", "compute_dtype", "to_compute_dtype", "loss_in_fp32",
-           "MasterWeights", "LossScaler", "master_step"]
+           "MasterWeights", "LossScaler", "master_step", "pinned_copy"]
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = {"fp32": 1e-5, "bf16": 2.0 ** -12, "fp16": 2.0 ** -15}
@@ -131,6 +131,16 @@ def loss_in_fp32(loss_fn):
     return loss
 
 
+def pinned_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` (in ``dtype``; by default its own) in pinned host memory, so that copies between it and a GPU run
+    at the link's speed without the host waiting. Pinned by the allocator (``torch.empty(pin_memory=True)``),
+    not by ``Tensor.pin_memory()``, whose storage cannot be resized: ZeRO-3 frees a widened 16-bit shard
+    gradient with ``resize_(0)`` (stage 3's ``finish``)."""
+    out = torch.empty(t.shape, dtype=dtype or t.dtype, pin_memory=True)
+    out.copy_(t.detach())
+    return out
+
+
 class MasterWeights:
     """fp32 copies (``params``, what the optimizer steps) of 16-bit tensors (``model``).
 
@@ -149,7 +159,7 @@ class MasterWeights:
         """Host masters of GPU tensors (ZeRO-Offload): in pinned memory, so that each step's copies between
         them and the GPU (gradients down, updated values up) run at the link's speed, not through a bounce
         buffer of pageable memory. The copies stay blocking: the host steps the masters right after."""
-        self.params = [nn.Parameter(self._host(t) if self.pinned else
+        self.params = [nn.Parameter(pinned_copy(t, torch.float32) if self.pinned else
                                     t.detach().to(device=device, dtype=torch.float32, copy=True)) for t in self.model]
         self.table = PlacementTable()
         if table is not None:
@@ -160,18 +170,10 @@ class MasterWeights:
     def grads(self) -> list:
         return [m.grad for m in self.params]
 
-    @staticmethod
-    def _host(t: torch.Tensor) -> torch.Tensor:
-        """``t`` in fp32 in pinned host memory (from the allocator: a ``Tensor.pin_memory()`` storage cannot be
-        resized, and ZeRO-3 resizes the storages it frees)."""
-        out = torch.empty(t.shape, dtype=torch.float32, pin_memory=True)
-        out.copy_(t.detach())
-        return out
-
     def set_grads(self, grads) -> None:
         """The masters' gradients (converted to fp32 where they are not), one per master."""
         for m, g in zip(self.params, grads, strict=True):
-            m.grad = (self._host(g) if self.pinned and g.is_cuda else
+            m.grad = (pinned_copy(g, torch.float32) if self.pinned and g.is_cuda else
                       g.to(device=m.device, dtype=torch.float32)).view_as(m)
 
     def drop_grads(self) -> None:

@@ -126,7 +126,7 @@ class Copies:
             buffer.copy_(src, non_blocking=True)
             event = self.down.record_event()
         src.record_stream(self.down)  # its memory (a reduce-scatter's whole buffer) goes back once the copy ran
-        return self._keep(Copy(dst, hold=(buffer,), event=event, on_wait=lambda: land(buffer), where="host"))
+        return self._keep(Copy(dst, event=event, on_wait=lambda: land(buffer), where="host"))  # holds the buffer
 
     def _land(self, src: torch.Tensor, then: torch.Tensor, out: torch.Tensor) -> None:
         """Lazy: the copy lands at its wait; ``then`` is the source as it was when the copy was made."""

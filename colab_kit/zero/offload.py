@@ -44,6 +44,7 @@ import torch
 
 from ..measure import tensor_bytes
 from ..config import ConfigError
+from ..precision import pinned_copy
 from .copies import Copies, Copy
 
 __all__ = ["Account", "DeviceBudgetExceeded", "ChunkPlacement", "host_device"]
@@ -97,11 +98,7 @@ def _move(t: torch.Tensor, device: torch.device) -> None:
     shard back to the GPU at each gather (``staged``) run without the host waiting."""
     if t is not None and t.device != device:
         if device.type == "cpu" and t.device.type == "cuda":
-            # pinned by the allocator (torch.empty), not by Tensor.pin_memory(): the latter's storage cannot be
-            # resized, and ZeRO-3 frees a widened 16-bit shard gradient with resize_(0) (stage3's finish)
-            pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            pinned.copy_(t.data)
-            t.data = pinned
+            t.data = pinned_copy(t.data)
         else:
             t.data = t.data.to(device)
 
@@ -230,8 +227,7 @@ class ChunkPlacement:
         """Refuse, before a step runs, a budget below what one step holds on the device at once
         whatever the placement: the embeddings or the tail whole with its gradient buffer, two blocks
         whole (one in use, one prefetched), a block's gradient buffer, a unit's staged shards and the next's copied
-        ahead, and the
-        activations held for this step."""
+        ahead, and the activations held for this step."""
         whole = [sum(chunks[i].nbytes for i in unit) for unit in self.units]  # a unit's chunks, gathered together
         rest = max([sum(chunks[i].nbytes for i in unit) for unit in self.outer] or [0])
         big = max(whole or [0])

@@ -75,10 +75,11 @@ def family(shape) -> str:
     """The counted family ``shape`` is priced as (``OPS``)."""
     if shape.experts:
         return "gpt-moe" if shape.name == "GPT-MoE" else "hf-moe"
-    return "llama" if shape.gated else "gpt"
+    return _dense(shape)
 
 
 def _dense(shape) -> str:
+    """The family of ``shape``'s dense blocks."""
     return "llama" if shape.gated else "gpt"
 
 
