@@ -1,6 +1,6 @@
 """What one GPU computes and moves, measured for the at-scale cost model: run by hand where a GPU is lent.
 
-Five sweeps, bf16, each point the median of 20 CUDA-event timings after 3 warm-up runs. The runs of a
+Six sweeps, bf16, each point the median of 20 CUDA-event timings after 3 warm-up runs. The runs of a
 point are queued behind a ``torch.cuda._sleep`` kernel, so each pair of events times the GPU's work alone, not
 the host's launches; before each GEMM run a 256 MiB buffer is zeroed, so no operand stays in the 60 MB L2:
 
@@ -17,7 +17,10 @@ the host's launches; before each GEMM run a 256 MiB buffer is zeroed, so no oper
    768) and DeepSeek-V3 under ep=8 (32 x 7168 x 2048), 64-4096 rows per expert;
 5. ``launch``: a 1,024-element ``add_`` issued 800 times (under the ~1,024 launches CUDA queues before the host
    blocks, so the GPU's time per op is its own): host seconds per op (torch's dispatch and the launch)
-   and GPU seconds per op queued back to back (``Hardware.kernel_seconds``'s assumption is 3 us; recorded only).
+   and GPU seconds per op queued back to back (``Hardware.kernel_seconds``'s assumption is 3 us);
+6. ``program``: each family the host's floor counts trained at a tiny width on one rank of this GPU (``ck.boost``,
+   NCCL, bf16, AdamW; ``bench/_host_program.py``): the step's host seconds / its operators counted, the host
+   seconds an operator of that program (``Hardware.family_op_seconds``; a tiny ``add_`` is the cheapest one).
 
 A point, worked: ``{"m": 8192, "n": 8192, "k": 8192, "seconds": 1.395e-3, "tflops": 788.2}``, 2 x 8192^3 =
 1.10e12 FLOPs in 1.395 ms (the 788 TFLOP/s one H200 here reached on that shape); an attention point of seq 16384,
@@ -60,8 +63,10 @@ from colab_kit.planner.cluster.curve_fit import (BACKWARD, attention_falloff, at
                                                  grouped_vs_curve, measured_preset, preset_for_device)
 
 try:
+    from _host_program import measure_program  # noqa: E402
     from _results import gpu_or_smoke, machine, row  # noqa: E402
 except ImportError:  # python -m bench.gpu_curves
+    from bench._host_program import measure_program  # noqa: E402
     from bench._results import gpu_or_smoke, machine, row  # noqa: E402
 
 GPTS = ((16384, 768), (16384, 1024), (16384, 2048))  # (tokens, d_model) of gpu_estimate_check's GPTs, batch 16
@@ -267,6 +272,13 @@ def summary(curves: dict) -> tuple[dict, list[dict]]:
         rows.append(row("grouped expert GEMM vs E dense GEMMs priced", f"measured / priced up to {worst['ratio']:g} "
                         f"({worst['experts']} x {worst['rows_per_expert']} rows x {worst['d_model']} x "
                         f"{worst['d_expert']})", None, None, "the price: planner.moe.price's dense GEMMs"))
+    if hw.family_op_seconds:
+        fit["family_op_seconds"] = hw.family_op_seconds
+        add = (curves.get("launch") or {}).get("host_seconds_per_op")
+        rows.append(row("host seconds an operator of a training step (tiny width, one rank)", ", ".join(
+            f"{f} {s * 1e6:.2f} us" for f, s in hw.family_op_seconds.items()),
+            f"a tiny add_: {add * 1e6:.2f} us" if add else None, hw.op_seconds / add if add else None,
+            "measured; the host's floor (planner.cluster.host) prices each family's own"))
     return fit, rows
 
 
@@ -315,8 +327,16 @@ def main(argv=None) -> int:
     _dump(curves, out)  # the points first: nothing after this may lose them
     try:
         curves["launch"] = measure_launch(cuda, sizes, dev)
-    except Exception as exc:  # noqa: BLE001 - recorded; a figure the preset does not use
+    except Exception as exc:  # noqa: BLE001 - recorded; the preset keeps its assumption
         curves["launch"] = {"error": f"{type(exc).__name__}: {exc}"}
+    t = time.perf_counter()
+    try:
+        curves["program"] = measure_program(cuda)
+    except Exception as exc:  # noqa: BLE001 - recorded; the preset falls back to the launch sweep
+        curves["program"] = [{"error": f"{type(exc).__name__}: {str(exc)[:300]}"}]
+    print(f"program    {len(curves['program'])} families in {time.perf_counter() - t:.1f} s: " + ", ".join(
+        f"{p['family']} {p['seconds_per_op'] * 1e6:.1f} us/op" if "seconds_per_op" in p else
+        f"{p.get('family', '?')} {'skipped' if 'skipped' in p else 'failed'}" for p in curves["program"]), flush=True)
     ok = all(any("error" not in p for p in curves[k]) for k in ("gemm", "attention", "hbm", "grouped"))
     try:
         if not ok:

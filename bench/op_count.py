@@ -14,7 +14,10 @@ time per operator (``bench/gpu_curves.py``'s ``launch`` sweep measures it on the
 implied figure is of that size, the step is bound by the host. Beside it, the count the estimate's host floor
 takes (``planner.cluster.host.ops_per_step``) and that floor at the datasheet H200 preset's 5 us an operator,
 beside the preset's estimate of the GPU's own work. AdamW runs with ``foreach=True``, as torch picks it for CUDA
-tensors. A measurement for the cost model, not a comparison.
+tensors. Its host reads are mostly AdamW's reads of its step counts, which live on the CPU even for CUDA
+parameters: not device syncs. Last, this CPU's host seconds an operator of the tiny GPT's and MoE GPT's training
+steps (``bench/_host_program.py``, the sweep ``bench/gpu_curves.py`` runs on a GPU) beside a tiny ``add_``'s:
+the program's operators cost several times the cheapest one. A measurement for the cost model, not a comparison.
 """
 from __future__ import annotations
 
@@ -27,8 +30,10 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 try:
+    from _host_program import SIZES, measure_program
     from _results import RESULTS, row, write
 except ImportError:  # run as a module (python -m bench.op_count)
+    from bench._host_program import SIZES, measure_program
     from bench._results import RESULTS, row, write
 
 PRESET = "8xH200-SXM"  # the datasheet preset: its op_seconds is the 5 us assumption
@@ -106,7 +111,33 @@ def main(argv=None) -> None:
               f"{priced['step_seconds'] * 1e3:.1f} ms")
         figures[name] = {**counted, "estimate_ops": floor, "measured_step_seconds": seconds, "device": device,
                          "model": fields, "estimate": priced}
+    add = _add_seconds()
+    for p in measure_program(False, ("gpt", "gpt-moe"), {**SIZES["cuda"], "timed": 20}):
+        what = f"this CPU: host seconds an operator of the tiny {p['family']} family's step ({p['layers']} blocks)"
+        if "seconds_per_op" not in p:
+            rows.append(row(what, p.get("error") or p.get("skipped"), None, None, "not measured"))
+            continue
+        print(f"{what}: {p['seconds_per_op'] * 1e6:.2f} us ({p['ops']:,} operators in {p['step_seconds'] * 1e3:.1f} "
+              f"ms), a tiny add_ {add * 1e6:.2f} us")
+        rows.append(row(what, f"{p['seconds_per_op'] * 1e6:.2f} us", f"a tiny add_: {add * 1e6:.2f} us",
+                        p["seconds_per_op"] / add, "the arithmetic at d 64 runs on the same core here: an upper "
+                        "bound; bench/gpu_curves.py's program sweep times it with a GPU doing the arithmetic"))
+        figures[f"this CPU, {p['family']}"] = {**p, "add_seconds_per_op": add}
     write("op_count", rows, figures, {}, argv)
+
+
+def _add_seconds(n: int = 2000) -> float:
+    """This process's host seconds a tiny ``add_`` (1,024 elements, the CPU): the cheapest operator."""
+    import time
+
+    import torch
+    x = torch.zeros(1024)
+    for _ in range(100):
+        x.add_(1.0)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.add_(1.0)
+    return (time.perf_counter() - t0) / n
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The estimate's host floor (``planner.cluster.host``) against hand formulas: the operator count, the part of
 it the GPU's work does not cover, no floor for a stack that is not eager PyTorch, the bubble hiding none of it,
-and a measured preset's launch figures."""
+and a measured preset's host figures: each family priced at its own step's seconds an operator."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,7 @@ import colab_kit as ck
 from colab_kit.models import GPTConfig
 from colab_kit.planner.cluster.curve_fit import carry_over, measured_preset
 from colab_kit.planner.cluster.hardware import HARDWARE
-from colab_kit.planner.cluster.host import OPS, family, ops_per_step
+from colab_kit.planner.cluster.host import OPS, family, host_seconds, op_seconds, ops_per_step
 from colab_kit.planner.cluster.price import price
 from colab_kit.planner.shape import ModelShape
 
@@ -77,3 +77,40 @@ def test_a_measured_preset_takes_the_launch_sweep_and_carries_it_said_so():
     h100 = carry_over(hw, HARDWARE["8xH100-SXM"])
     assert h100.op_seconds == 7e-6 and "carried over from 8xH200-SXM" in h100.sources["op_seconds"]
     assert carry_over(measured_preset(H200, _curves()), HARDWARE["8xH100-SXM"]).op_seconds == H200.op_seconds
+
+
+def _program(**per_op):
+    return [{"family": f, "ops": 2000, "step_seconds": 2000 * s, "seconds_per_op": s} for f, s in per_op.items()]
+
+
+def test_a_measured_preset_prices_each_family_at_its_own_program_sweep():
+    from tests.unit.test_measured import _curves
+    curves = {**_curves(), "launch": {"kernels": 800, "host_seconds_per_op": 6e-6, "device_seconds_per_op": 2e-6},
+              "program": _program(gpt=2e-5, **{"gpt-moe": 3e-5}) + [{"family": "llama", "skipped": "no transformers"}]}
+    hw = measured_preset(H200, curves)
+    assert hw.family_op_seconds == {"gpt": 2e-5, "gpt-moe": 3e-5} and hw.op_seconds == 2e-5  # not the add_'s 6 us
+    assert hw.kernel_seconds == 2e-6 and "a tiny add_ takes 6.00 us" in hw.sources["family_op_seconds"]
+    assert "gpt family's training step" in hw.sources["op_seconds"]
+    moe = ModelShape.of(GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=4, n_experts=4, top_k=2,
+                                  d_expert=64))
+    llama = dataclasses.replace(SMALL, gated=True, name="LlamaForCausalLM")
+    mixtral = dataclasses.replace(moe, gated=True, name="MixtralForCausalLM")
+    assert op_seconds(hw, SMALL) == (2e-5, "gpt") and op_seconds(hw, moe) == (3e-5, "gpt-moe")
+    assert op_seconds(hw, llama)[0] == 2e-5 and op_seconds(hw, mixtral)[0] == 3e-5  # their kin's
+    assert op_seconds(H200, moe) == (H200.op_seconds, "op_seconds")  # a datasheet preset: the assumption
+    config = ck.ParallelConfig(precision="bf16")
+    assert host_seconds(moe, config, 4, hw, "none") == pytest.approx(ops_per_step(moe, 4, 1, "bf16", "none") * 3e-5)
+    assert host_seconds(moe, config, 4, hw, "none") != pytest.approx(host_seconds(moe, config, 4, H200, "none"))
+    h100 = carry_over(hw, HARDWARE["8xH100-SXM"])
+    assert h100.family_op_seconds == hw.family_op_seconds
+    assert "carried over from 8xH200-SXM" in h100.sources["family_op_seconds"]
+    assert any("gpt 20, gpt-moe 30 us an operator of each family's own step" in a
+               for a in price(SMALL, config, 16, hw).assumptions)
+
+
+def test_a_failed_program_sweep_falls_back_to_the_launch_sweep():
+    from tests.unit.test_measured import _curves
+    curves = {**_curves(), "launch": {"kernels": 800, "host_seconds_per_op": 6e-6},
+              "program": [{"error": "RankError: rank 0 failed"}]}
+    hw = measured_preset(H200, curves)
+    assert hw.family_op_seconds == {} and hw.op_seconds == 6e-6 and "lower bound" in hw.sources["op_seconds"]

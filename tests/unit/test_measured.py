@@ -228,15 +228,19 @@ def test_gpu_curves_cpu_smoke_writes_every_sweep(smoke_curves):
     out = smoke_curves
     data = json.loads(out.read_text())
     assert data["mode"] == "cpu-smoke" and data["benchmark"] == "gpu_curves"
-    assert {"device", "date", "torch", "cuda", "clocks", "gemm", "attention", "hbm", "grouped", "launch", "fit",
-            "rows", "command", "when", "machine"} <= set(data)
+    assert {"device", "date", "torch", "cuda", "clocks", "gemm", "attention", "hbm", "grouped", "launch", "program",
+            "fit", "rows", "command", "when", "machine"} <= set(data)
     for key, fields in (("gemm", {"m", "n", "k", "seconds", "tflops"}),
                         ("attention", {"seq", "head_dim", "forward_seconds", "backward_seconds", "kernel"}),
                         ("hbm", {"op", "bytes", "seconds", "gb_per_s"}),
                         ("grouped", {"experts", "rows_per_expert", "d_model", "d_expert", "seconds"})):
         assert data[key] and all(fields <= set(p) for p in data[key]), (key, data[key])
     assert "Flash" in data["attention"][0]["kernel"]  # SDPA ran its flash kernel (the CPU's here)
-    assert measured_preset(H200, load_curves(str(out))).sources["e_max"].startswith("measured on cpu")
+    hw = measured_preset(H200, load_curves(str(out)))
+    assert hw.sources["e_max"].startswith("measured on cpu")
+    program = {p["family"]: p for p in data["program"]}
+    assert {"gpt", "gpt-moe"} <= set(program) and program["gpt-moe"]["ops"] > program["gpt"]["ops"] > 100
+    assert hw.family_op_seconds["gpt"] == program["gpt"]["seconds_per_op"] == hw.op_seconds
 
 
 def test_gpu_estimate_check_cpu_smoke_prices_every_config_on_the_measured_preset(smoke_curves, tmp_path):

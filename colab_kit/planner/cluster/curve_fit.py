@@ -48,8 +48,8 @@ BACKWARD = 2.5
 """FlashAttention's backward FLOPs over its forward's (Dao 2023, Sec. 4.1): five products against two."""
 MEASURED = ("e_max", "knee", "attention_efficiency", "hbm_efficiency")
 """The ``Hardware`` fields ``measured_preset`` replaces (its datasheet figures stay)."""
-LAUNCH = ("op_seconds", "kernel_seconds")
-"""Replaced too where the curves have the launch sweep (``gpu_curves.py``'s ``launch``)."""
+LAUNCH = ("op_seconds", "kernel_seconds", "family_op_seconds")
+"""Replaced too where the curves have the host's sweeps (``gpu_curves.py``'s ``launch`` and ``program``)."""
 
 
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool = True) -> float:
@@ -223,8 +223,9 @@ def load_curves(path: str) -> dict:
 
 def measured_preset(base: Hardware, curves: dict) -> Hardware:
     """``base`` with the matmul curve, attention's and HBM's efficiencies measured (``curves``: ``load_curves``),
-    and, where the curves have the launch sweep, the host's seconds an operator (``op_seconds``: the floor of
-    ``planner.cluster.host``) and the GPU's seconds a tiny kernel (``kernel_seconds``),
+    and, where the curves have the host's sweeps, the host's seconds an operator (``op_seconds`` and
+    ``family_op_seconds``: the floor of ``planner.cluster.host``) and the GPU's seconds a tiny kernel
+    (``kernel_seconds``; ``_host_figures``),
     each replaced figure's source naming the device, the date and the script; the datasheet peak, HBM
     bandwidth and everything else stay ``base``'s, and so does the name (``Estimate.peak_flops`` looks the
     peak up by it). The GEMMs are fitted against the measured HBM bound, and in bf16; the same fractions are
@@ -248,18 +249,40 @@ def measured_preset(base: Hardware, curves: dict) -> Hardware:
                                         "planner.cluster.curve_fit.attention_falloff)"),
                "hbm_efficiency": (f"{where}: a large copy and add reach {hbm:.3f} of the datasheet's "
                                   f"{base.memory_bytes_per_s / 1e12:g} TB/s (bytes read and written)")}
-    extra: dict = {}
-    launch = curves.get("launch") or {}
-    if launch.get("host_seconds_per_op"):  # the host's floor (planner.cluster.host) and the GPU's gap per kernel
-        extra["op_seconds"] = launch["host_seconds_per_op"]
-        sources["op_seconds"] = (f"{where}: {launch['kernels']} tiny add_ kernels issued from Python, "
-                                 f"{launch['host_seconds_per_op'] * 1e6:.2f} us of host time each")
-        if launch.get("device_seconds_per_op"):
-            extra["kernel_seconds"] = launch["device_seconds_per_op"]
-            sources["kernel_seconds"] = (f"{where}: the same kernels queued ahead, run back to back on the GPU: "
-                                         f"{launch['device_seconds_per_op'] * 1e6:.2f} us each")
+    extra = _host_figures(curves, where, sources)
     return replace(base, e_max=e_max, knee=knee, attention_efficiency=(fwd, bwd), hbm_efficiency=hbm,
                    sources=sources, source=f"{base.source}; efficiencies {where}", **extra)
+
+
+def _host_figures(curves: dict, where: str, sources: dict) -> dict:
+    """The host's figures of ``curves`` (``planner.cluster.host``'s floor), their sources written into ``sources``:
+    ``family_op_seconds`` from the ``program`` sweep (each family's own step at a tiny width, timed / operators
+    counted) and ``op_seconds`` the built-in GPT's of them; without that sweep, ``op_seconds`` from the ``launch``
+    sweep's tiny ``add_`` (the cheapest operator: a lower bound). ``kernel_seconds`` from ``launch``."""
+    extra: dict = {}
+    launch = curves.get("launch") or {}
+    add = launch.get("host_seconds_per_op")
+    program = {p["family"]: p for p in curves.get("program") or [] if p.get("seconds_per_op")}
+    if program:
+        extra["family_op_seconds"] = {f: p["seconds_per_op"] for f, p in program.items()}
+        each = "; ".join(f"{f}: {p['ops']} operators in {p['step_seconds'] * 1e3:.2f} ms, "
+                         f"{p['seconds_per_op'] * 1e6:.2f} us each" for f, p in program.items())
+        sources["family_op_seconds"] = (f"{where}: each family's training step at a tiny width on one rank (bf16, "
+                                        f"AdamW), the host's seconds / the operators counted ({each})"
+                                        + (f"; a tiny add_ takes {add * 1e6:.2f} us" if add else ""))
+        dense = program.get("gpt") or min(program.values(), key=lambda p: p["seconds_per_op"])
+        extra["op_seconds"] = dense["seconds_per_op"]
+        sources["op_seconds"] = (f"{where}: the {dense['family']} family's training step at a tiny width, "
+                                 f"{dense['seconds_per_op'] * 1e6:.2f} us of host time an operator (program sweep)")
+    elif add:
+        extra["op_seconds"] = add
+        sources["op_seconds"] = (f"{where}: {launch['kernels']} tiny add_ kernels issued from Python, "
+                                 f"{add * 1e6:.2f} us of host time each (the cheapest operator: a lower bound)")
+    if launch.get("device_seconds_per_op"):
+        extra["kernel_seconds"] = launch["device_seconds_per_op"]
+        sources["kernel_seconds"] = (f"{where}: tiny kernels queued ahead, run back to back on the GPU: "
+                                     f"{launch['device_seconds_per_op'] * 1e6:.2f} us each")
+    return extra
 
 
 def carry_over(measured: Hardware, target: Hardware) -> Hardware:

@@ -11,7 +11,8 @@ cards to the other nodes. The cost model (``planner.cluster.price``) reads:
 - collectives on NVLink inside a node and on the node's NICs across nodes (``planner.cluster.comm``), at
   the bus bandwidth NCCL reaches (``bus_efficiency``), with a latency per ring hop;
 - ``kernel_seconds``: the GPU's idle gap per kernel launched; ``op_seconds``: the host's time per operator
-  dispatched (the local cost model's unit, and the floor of ``planner.cluster.host``);
+  dispatched (the local cost model's unit, and the floor of ``planner.cluster.host``), and
+  ``family_op_seconds`` that time for each model family's own step where it was measured (a measured preset);
   ``alloc_fraction`` / ``alloc_fixed_bytes``: what the allocator, the CUDA context and NCCL's buffers take
   from ``device_bytes`` (``usable_bytes``);
 - ``stack``: the software the node runs (``planner.cluster.stack.Stack``: attention's kernel, fused or eager
@@ -64,6 +65,7 @@ class Hardware:
     inter: tuple                 # (latency s, bytes/s per GPU) across nodes: the node's NICs / gpus_per_node
     source: str                  # one line of where the figures come from (dry_run prints it)
     op_seconds: float = 5e-6     # host time per autograd op (the local cost model's unit)
+    family_op_seconds: dict = field(default_factory=dict)  # family -> host time an op of its step (measured)
     nics_per_node: int = 8
     nic_bytes_per_s: float = 25e9
     pcie_bytes_per_s: float = 25e9     # host <-> GPU each way, for offload="cpu"

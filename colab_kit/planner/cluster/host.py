@@ -23,18 +23,21 @@ the program, not on the widths: a family is counted once at a tiny width. Worked
     2116
 
 (``bench/op_count.py`` counts the engine's step of that GPT at full size, with ``foreach=True``.)
-Priced at ``Hardware.op_seconds`` a operator: 5 us assumed for a datasheet
-preset, measured on the GPU's own host by ``bench/gpu_curves.py``'s launch sweep for a measured one
-(``curve_fit.measured_preset``). Only the engine's own stack is counted (``stack="colab_kit"``, and
-torchtitan's eager one alike); other stacks fuse their elementwise work and may capture CUDA graphs, so no
-floor is priced for them. The counts are those of one rank without parallel axes; tp, sp, pp and ZeRO add their
-collectives' operators, which are not counted: the floor stays a lower bound.
+Priced at ``op_seconds(hw, shape)`` an operator: on a measured preset (``curve_fit.measured_preset``), the
+host seconds an operator of the family's own training step, timed at a tiny width on the GPU's machine
+(``bench/gpu_curves.py``'s ``program`` sweep: ``Hardware.family_op_seconds``); a family not timed takes its
+built-in kin's figure (Llama the GPT's, a Hugging Face MoE the built-in MoE's), else ``Hardware.op_seconds``:
+5 us assumed on a datasheet preset, the launch of a tiny ``add_`` where only that was measured. Only the
+engine's own stack is counted (``stack="colab_kit"``, and torchtitan's eager one alike); other stacks fuse
+their elementwise work and may capture CUDA graphs, so no floor is priced for them. The counts are those of
+one rank without parallel axes; tp, sp, pp and ZeRO add their collectives' operators, which are not counted:
+the floor stays a lower bound.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["OPS", "OpCount", "family", "host_seconds", "ops_per_step"]
+__all__ = ["OPS", "OpCount", "family", "host_seconds", "op_seconds", "ops_per_step"]
 
 
 @dataclass(frozen=True)
@@ -99,9 +102,32 @@ def ops_per_step(shape, blocks: int, microbatches: int, precision: str, recomput
                                                       - dense.ops(0, microbatches, recompute))
 
 
+KIN = {"llama": "gpt", "hf-moe": "gpt-moe"}
+"""The built-in family whose measured figure a Hugging Face family takes where its own was not timed."""
+
+
+def op_seconds(hw, shape) -> tuple[float, str]:
+    """``(seconds, which)``: the host's seconds an operator of ``shape``'s step on ``hw``, and which figure it is
+    (the family's own, its kin's, or ``op_seconds``)::
+
+        >>> from dataclasses import replace
+        >>> from colab_kit.planner.cluster.hardware import HARDWARE
+        >>> from colab_kit.planner.shape import ModelShape
+        >>> hw = replace(HARDWARE["8xH200-SXM"], family_op_seconds={"gpt": 2e-5})
+        >>> op_seconds(hw, ModelShape(layers=2, hidden=64, heads=2, vocab=256, seq=64, gated=True))
+        (2e-05, "gpt (measured for llama's kin)")
+    """
+    name = family(shape)
+    for which in (name, KIN.get(name)):
+        if which in hw.family_op_seconds:
+            return hw.family_op_seconds[which], which if which == name else f"{which} (measured for {name}'s kin)"
+    return hw.op_seconds, "op_seconds"
+
+
 def host_seconds(shape, config, blocks: int, hw, recompute: str, moe: int | None = None) -> float:
     """The host's seconds to dispatch one step on the fullest rank (0 for a stack that is not eager PyTorch);
     ``recompute``: the mode (``compute.recompute_mode``)."""
     if hw.stack.name not in EAGER_STACKS:
         return 0.0
-    return ops_per_step(shape, blocks, config.microbatches, config.precision, recompute, moe) * hw.op_seconds
+    per_op = op_seconds(hw, shape)[0]
+    return ops_per_step(shape, blocks, config.microbatches, config.precision, recompute, moe) * per_op

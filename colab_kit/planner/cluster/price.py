@@ -294,6 +294,13 @@ def _tp_param_split(config) -> int:
     return config.tp_q ** 2 if config.tp_mode == "2.5d" else config.tp
 
 
+def _per_op(hw: Hardware) -> str:
+    """The host's seconds an operator, as the assumptions say it: per family where measured."""
+    measured = ", ".join(f"{f} {s * 1e6:.3g}" for f, s in hw.family_op_seconds.items())
+    return (f"{measured} us an operator of each family's own step, else {hw.op_seconds * 1e6:.3g} us" if measured
+            else f"{hw.op_seconds * 1e6:g} us an operator dispatched")
+
+
 @functools.lru_cache(maxsize=64)
 def _assumptions(hw: Hardware, precision: str) -> tuple:
     """Every figure the model takes from ``hw`` with its source, then the model's own choices."""
@@ -313,7 +320,7 @@ def _assumptions(hw: Hardware, precision: str) -> tuple:
            f"({hw.sources.get('bus_efficiency')})",
            f"PCIe {hw.pcie_bytes_per_s / 1e9:g} GB/s each way ({hw.sources.get('pcie')})",
            f"{hw.kernel_seconds * 1e6:g} us per kernel ({hw.sources.get('kernel_seconds')})",
-           (f"the host's floor: {hw.op_seconds * 1e6:g} us an operator dispatched ({hw.sources.get('op_seconds')}), "
+           (f"the host's floor: {_per_op(hw)} ({hw.sources.get('op_seconds')}), "
             f"operators counted on the engine (planner.cluster.host)" if hw.stack.name in host.EAGER_STACKS else
             f"no host floor priced: stack {hw.stack.name} is not the engine's eager PyTorch"),
            "fp32 matmuls without TF32 (PyTorch's default); gradients reduced in fp32 (the engine's recipe)",
