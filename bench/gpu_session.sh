@@ -6,8 +6,8 @@
 #   checks:   gpu_check.py (NCCL, bf16 GPT, ZeRO-3 budget and bf16 offload, parity, memory timeline, several
 #             ranks sharing the GPU, offload's copies: side streams against the compute stream) and
 #             gpu_moe_check.py: about 3-4 min
-#   estimate: gpu_curves.py (GEMM, attention, HBM, grouped-GEMM sweeps) then gpu_estimate_check.py priced on
-#             those curves: about 2-3 min
+#   estimate: gpu_curves.py (GEMM, attention, HBM, grouped-GEMM, launch and program sweeps) then
+#             gpu_estimate_check.py priced on those curves: about 3 min
 set -u
 part=${1:?usage: bash bench/gpu_session.sh checks|estimate}
 OUT=${OUT:-$(mktemp -d)}
@@ -23,7 +23,7 @@ case "$part" in
     if [ "$code" -le 1 ]; then cp bench/results/gpu_moe_check.json "$OUT/" 2>/dev/null || true; fi
     ;;
   estimate)
-    timeout 200 python3 bench/gpu_curves.py --out "$OUT/gpu_curves.json"; echo "gpu_curves exit $?"
+    timeout 230 python3 bench/gpu_curves.py --out "$OUT/gpu_curves.json"; echo "gpu_curves exit $?"
     timeout 330 python3 bench/gpu_estimate_check.py --curves "$OUT/gpu_curves.json" --out "$OUT/gpu_estimate_check.json"
     echo "gpu_estimate_check exit $?"
     ;;
