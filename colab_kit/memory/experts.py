@@ -26,6 +26,9 @@ A rank of ``ParallelConfig(dp, tp, pp, sp, ep, zero)`` (tp 1D only, dropless lay
       routing indices and weights       24 N k + 2 e N k + e N
       (the dense MLP's 2 e N f / tp is gone; the MLP input e N h is the router's)
 
+  under per-op recomputation only the router's logits ``e N E`` and a shared expert's second matmul's
+  output ``e N h`` stay, against the dense block's fc1 ``e N f / tp`` (``moe_block_extra``)
+
 Worked example, 4 experts of width 32 (d_model 32, 2 blocks, both MoE, one shared expert), ``dp=4 ep=2
 zero=1``, AdamW, fp32: a rank holds 2 of the 4 experts of each layer, ``2 x 2 x 2,112 = 8,448`` expert
 parameters, their optimizer states over ``edp = 2`` ranks::
@@ -106,11 +109,17 @@ def moe_stage_params(model, config) -> list[tuple[int, int]]:
 def moe_block_extra(model, tokens: int, e: int, recompute="none", tp: int = 1) -> int:
     """Bytes one MoE block saves beyond (or below) a dense block of the same widths for ``tokens`` tokens on
     the rank (the module docstring's table: under 1D tp the MoE layer's terms whole, the dense MLP's
-    ``2 e N f / tp`` it replaces split); 0 under full recomputation (a block keeps its input only)."""
-    if recompute_mode(recompute) == "full":
+    ``2 e N f / tp`` it replaces split); 0 under full recomputation (a block keeps its input only). Per-op
+    (``recompute.op``: every second matmul kept) keeps the router's logits (the block's third matmul) and, with
+    shared experts, their second matmul's output, ``e N E + e N h``, where a dense block keeps fc1's ``e N f / tp``;
+    the routed experts' grouped GEMMs are not counted matmuls, so the dispatch and the experts run again."""
+    mode = recompute_mode(recompute)
+    if mode == "full":
         return 0
     n, h, k = tokens, model.d_model, model.top_k
     f, fe = model.d_ff or 4 * h, model.d_expert or model.d_ff or 4 * h
+    if mode == "op":
+        return e * n * model.n_experts + (e * n * h if model.shared_experts else 0) - e * n * f // tp
     s = model.shared_experts * fe
     rows = n * k  # received by this rank's experts on average (balanced routing)
     dispatch = e * rows * h + 2 * e * n * k * h

@@ -1,6 +1,6 @@
 """The memory estimate of a mixture of experts under expert parallelism against ``engine.memory()`` (tier 2):
 the MoE GPT of ``tests/helpers/moe.py`` on dp=4 with ep=2 and ep=4 and ZeRO 0 to 3, and under 1D tp and sp (ring,
-Ulysses) with ep folded over dp x sp, one spawn of 4 ranks.
+Ulysses) with ep folded over dp x sp, and under selective and per-op recomputation, one spawn of 4 ranks.
 On every rank the estimate (``memory.experts.moe_estimate``, what ``engine.memory_estimate()`` and ``ck.plan``
 report) gives the parameters exactly (dense + E/ep experts per MoE layer), the gradients and optimizer states
 within 1% (ZeRO shards the dense states over dp, the experts' over edp = dp/ep), and the activations within
@@ -27,17 +27,21 @@ CONFIGS = [dict(dp=4, ep=2), dict(dp=4, ep=4, zero=1), dict(dp=4, ep=2, zero=2),
            # 1D tp: the MoE layers whole on every tp rank; sp (ring, Ulysses): T / sp tokens a rank, ep over dp x sp
            dict(dp=2, tp=2, ep=2), dict(dp=2, tp=2, ep=2, zero=2), dict(tp=2, sp=2, ep=2, zero=1),
            dict(dp=2, sp=2, ep=4), dict(dp=2, sp=2, sp_mode="ulysses", ep=2, zero=1),
-           dict(dp=2, sp=2, ep=2, recompute="full")]
+           dict(dp=2, sp=2, ep=2, recompute="full"),
+           # per-op recomputation: the router's logits and the shared expert's second matmul kept, the rest again
+           dict(dp=4, ep=2, recompute="op"), dict(dp=2, tp=2, ep=2, recompute="op"),
+           dict(dp=2, sp=2, ep=2, recompute="op"), dict(dp=4, ep=4, recompute="selective")]
 KEYS = ("params", "grads", "optimizer", "activations")
 
 
-def _measure(configs: list[dict]) -> list[tuple[dict, dict]]:
+def _measure(configs: list[dict]) -> list[tuple[dict, dict, int]]:
     out = []
     for kw in configs:
         engine = ck.boost(build("softmax"), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(**kw))
         engine.train_step(data().batch(0, BATCH))
         m, e = engine.memory(), engine.memory_estimate()
-        out.append(({k: m[k] for k in KEYS}, {k: e[k] for k in KEYS}))
+        a2a = sum(r["op"] == "all_to_all" and r["axis"] == "ep" for r in engine.comm(last_step=True))
+        out.append(({k: m[k] for k in KEYS}, {k: e[k] for k in KEYS}, a2a))
         engine.close()
     return out
 
@@ -51,11 +55,28 @@ def measured():
 def test_the_estimate_is_the_measurement_on_every_rank(measured, i):
     kw = CONFIGS[i]
     for rank, per in enumerate(measured):
-        got, est = per[i]
+        got, est, _ = per[i]
         assert est["params"] == got["params"], (kw, rank, got, est)
         assert est["grads"] == pytest.approx(got["grads"], rel=0.01), (kw, rank, got, est)
         assert est["optimizer"] == pytest.approx(got["optimizer"], rel=0.01), (kw, rank, got, est)
-        assert est["activations"] == pytest.approx(got["activations"], rel=0.25), (kw, rank, got, est)
+        # per-op keeps nothing that follows the routing: within 2% (dp=4 ep=2: 69,284 B measured, 68,484
+        # estimated, the same 800 B apart as under full recomputation), where an estimate that kept the MoE
+        # layers' routed terms whole gives 130,180 B (1.9x)
+        tol = 0.02 if kw.get("recompute") == "op" else 0.25
+        assert est["activations"] == pytest.approx(got["activations"], rel=tol), (kw, rank, got, est)
+
+
+@pytest.mark.parametrize("i", range(len(CONFIGS)))
+def test_the_at_scale_price_counts_the_all_to_alls_a_step_runs(measured, i):
+    """``price``'s ``collectives["ep"]``: a MoE block's counts, dispatch and combine forward and two transposes
+    backward, the forward three again under full and per-op recomputation (colab_kit's all-to-all is c10d's
+    in-place op: nothing to keep). The check can fail: "op" priced as "none" counts 10 where the engine runs 16."""
+    from colab_kit.planner.cluster.price import price
+    from colab_kit.planner.shape import ModelShape
+    kw = CONFIGS[i]
+    priced = price(ModelShape.of(MODELS["softmax"]), ck.ParallelConfig(**kw), BATCH, "8xH100-SXM").collectives
+    for rank, per in enumerate(measured):
+        assert per[i][2] == priced.get("ep", 0), (kw, rank, per[i][2], priced)
 
 
 def test_the_experts_are_counted_split_over_ep():

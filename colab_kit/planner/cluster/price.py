@@ -116,8 +116,10 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         blk = _mix(blk, moe_price.moe_block(shape, config, rows, seq, hw, blk), n_moe / layers)
         a_f, a_b, ep_n = moe_price.dispatch_seconds(shape, config, rows, seq, hw)
         ep_f, ep_b = a_f * n_moe / layers, a_b * n_moe / layers
-        ep_rc = ep_f if mode == "full" else 0.0
-        count[Axis.EP] = m * n_moe * (ep_n[0] * (2 if mode == "full" else 1) + ep_n[1])
+        # full and per-op recomputation replay the forward's all-to-alls (c10d's in-place ops: nothing to keep)
+        replayed = mode in ("full", "op")
+        ep_rc = ep_f if replayed else 0.0
+        count[Axis.EP] = m * n_moe * (ep_n[0] * (2 if replayed else 1) + ep_n[1])
     # tensor and sequence parallel collectives of one block and microbatch: never hidden (tp), or behind
     # the attention core they feed (sp ring)
     if n_moe:  # an MoE block runs whole on every tp rank: attention's all-reduces only (moe_price.tp_share)

@@ -7,7 +7,7 @@ model (``planner.local.step.step_seconds``) of the dense GPT a token sees, its M
 routed to and the shared ones (``top_k * d_expert + shared * d_expert``; under 1D tp ``tp`` times that, so
 that a rank's tp share of it is the whole MoE layer's work, which every tp rank repeats), plus the dispatch
 and combine all-to-alls of each MoE layer, forward and backward (4 per layer and microbatch, full
-recomputation 2 more), of ``T k h`` values a rank (T = ``rows x seq / sp``: under sp each rank routes its own
+and per-op recomputation 2 more), of ``T k h`` values a rank (T = ``rows x seq / sp``: under sp each rank routes its own
 tokens; tp does not divide them) at the measured all-to-all constants of ``ep`` ranks. The memory is the
 engine's estimate (``memory.experts``).
 
@@ -30,7 +30,7 @@ import dataclasses
 
 from ...engine.facts import ModelFacts
 from ...engine.parts import first_refusal
-from ...memory.formulas import PRECISION_BYTES
+from ...memory.formulas import PRECISION_BYTES, recompute_mode
 from ...models import GPTConfig
 from ...models.moe import moe_blocks
 from ..configs import enumerate_configs
@@ -78,7 +78,7 @@ def moe_step_seconds(model: GPTConfig, cfg, batch: int, consts: dict, memory: di
     layers = -(-len(moe_blocks(model)) // n_stages) * cfg.chunks  # the fullest rank's MoE blocks
     tokens = batch // (cfg.dp * cfg.microbatches) * model.seq_len // cfg.sp  # a rank's own (sp), all of them (tp)
     payload = tokens * model.top_k * model.d_model * PRECISION_BYTES[cfg.precision]
-    per = 4 + (2 if cfg.recompute in (True, "full") else 0)
+    per = 4 + (2 if recompute_mode(cfg.recompute) in ("full", "op") else 0)  # both replay the forward's two
     n = cfg.microbatches * layers * per
     ep = collective_seconds(consts, "all_to_all", payload, cfg.ep, n)
     return seconds + ep, {**parts, "comm:ep": ep}, {**counts, "comm:ep": n}

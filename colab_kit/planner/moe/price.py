@@ -17,9 +17,9 @@ by tp as for a dense model):
   backward; the dispatch's permutes (2 passes over ``T k h``) at HBM speed. Forward FLOPs of the routed
   experts per rank and MoE block (``expert_flops``): ``2 T k h f (2 or 3)``, whatever tp is;
 - **comm:ep**: the dispatch and combine all-to-alls of ``T k h`` values per rank forward (``dispatch_bytes``:
-  ``T k h e`` bytes, under sp ``rows seq k h e / sp``), the two transposes backward, full recomputation
-  replaying the forward two (``colab_kit.expert.layer``), on the ep group (ep folded over the dp x sp ranks of
-  a tp position, each tp rank in its own group) as the rank order places it
+  ``T k h e`` bytes, under sp ``rows seq k h e / sp``), the two transposes backward, full and per-op
+  recomputation replaying the forward's (``colab_kit.expert.layer``), on the ep group (ep folded over the dp x
+  sp ranks of a tp position, each tp rank in its own group) as the rank order places it
   (``comm.placement(config, "ep")``: ep is the fastest part of the folded dp x sp block, so an ep group
   of at most ``G / tp`` ranks sits inside a node, NVLink; a larger one crosses nodes, each rank's bytes for
   other nodes on its NIC): nothing hidden (DeepSeek-V3's DualPipe overlaps them; this engine does not);
@@ -130,10 +130,18 @@ def moe_block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware, de
     f = dense.f - fc1[0] - fc2[0] + sum(g[0] for g in gemms) + permute
     i = dense.i - fc1[1] - fc2[1] + sum(g[1] for g in gemms) + permute
     w = dense.w - fc1[2] - fc2[2] + sum(g[2] for g in gemms)
+    # per-op (recompute.op): every second counted matmul and the elementwise ops run again. The router is an odd
+    # one (after qkv, proj; or q, k, v, o): kept. The routed experts' grouped GEMMs are not counted matmuls: both
+    # run again (the combine's backward needs their outputs), and so does the dispatch. A shared expert's first
+    # matmul (its gate, gated) runs again, its next is kept. A dense block's recomputed MLP matmul (up, gated) is
+    # not in an MoE block.
+    mlp_again = gemm(hw, p, config, t, shape.d_ff, h, True)[0] if shape.gated else 0.0
+    shared_again = shared[0][0] / width if shared else 0.0
+    op = (dense.op or 0.0) - mlp_again + up[0] + down[0] + permute + shared_again
     rc = {0.0: 0.0, dense.f: f}.get(dense.rc, dense.rc)  # full recomputation repeats the MoE forward
-    if dense.op is not None and dense.rc == dense.op:  # per-op: every second matmul and the elementwise ops
-        rc = (f - dense.attn) / 2
-    return BlockCost(f=f, i=i, w=w, attn=dense.attn, rc=rc)
+    if dense.op is not None and dense.rc == dense.op:
+        rc = op
+    return BlockCost(f=f, i=i, w=w, attn=dense.attn, rc=rc, op=op)
 
 
 def expert_gemms(shape: ModelShape, config, tokens: float, hw: Hardware) -> tuple[tuple, tuple]:
