@@ -237,10 +237,6 @@ def _check(config, batch, shape, facts, uneven: bool = False, local: bool = True
                          f"part's rule {rule.name}): {why}")
             continue
         raise ConfigError(why)
-    if shape.experts and config.ep > 1 and config.offload != "none":
-        raise ConfigError(f"the planner prices expert parallelism (ep={config.ep}) without offload (the engine runs "
-                          f"it, its host states are not priced yet), got offload={config.offload!r}: set "
-                          f"offload='none'")
     return notes
 
 

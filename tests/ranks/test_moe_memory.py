@@ -1,6 +1,7 @@
 """The memory estimate of a mixture of experts under expert parallelism against ``engine.memory()`` (tier 2):
 the MoE GPT of ``tests/helpers/moe.py`` on dp=4 with ep=2 and ep=4 and ZeRO 0 to 3, and under 1D tp and sp (ring,
-Ulysses) with ep folded over dp x sp, and under selective and per-op recomputation, one spawn of 4 ranks.
+Ulysses) with ep folded over dp x sp, under selective and per-op recomputation and with offload, one spawn of 4
+ranks.
 On every rank the estimate (``memory.experts.moe_estimate``, what ``engine.memory_estimate()`` and ``ck.plan``
 report) gives the parameters exactly (dense + E/ep experts per MoE layer), the gradients and optimizer states
 within 1% (ZeRO shards the dense states over dp, the experts' over edp = dp/ep), and the activations within
@@ -30,8 +31,12 @@ CONFIGS = [dict(dp=4, ep=2), dict(dp=4, ep=4, zero=1), dict(dp=4, ep=2, zero=2),
            dict(dp=2, sp=2, ep=2, recompute="full"),
            # per-op recomputation: the router's logits and the shared expert's second matmul kept, the rest again
            dict(dp=4, ep=2, recompute="op"), dict(dp=2, tp=2, ep=2, recompute="op"),
-           dict(dp=2, sp=2, ep=2, recompute="op"), dict(dp=4, ep=4, recompute="selective")]
+           dict(dp=2, sp=2, ep=2, recompute="op"), dict(dp=4, ep=4, recompute="selective"),
+           # offload: the experts' states over edp on the host beside the dense ones over dp
+           dict(dp=4, ep=2, zero=1, offload="cpu"), dict(dp=4, ep=4, zero=2, offload="cpu", precision="bf16"),
+           dict(dp=4, ep=2, zero=3, offload="cpu")]
 KEYS = ("params", "grads", "optimizer", "activations")
+STATES = ("params", "grads", "optimizer")
 
 
 def _measure(configs: list[dict]) -> list[tuple[dict, dict, int]]:
@@ -41,7 +46,8 @@ def _measure(configs: list[dict]) -> list[tuple[dict, dict, int]]:
         engine.train_step(data().batch(0, BATCH))
         m, e = engine.memory(), engine.memory_estimate()
         a2a = sum(r["op"] == "all_to_all" and r["axis"] == "ep" for r in engine.comm(last_step=True))
-        out.append(({k: m[k] for k in KEYS}, {k: e[k] for k in KEYS}, a2a))
+        out.append(({k: m[k] for k in KEYS} | {"host": dict(m["host"])}, {k: e[k] for k in KEYS} | {
+            "host": dict(e["host"])}, a2a))
         engine.close()
     return out
 
@@ -64,6 +70,21 @@ def test_the_estimate_is_the_measurement_on_every_rank(measured, i):
         # layers' routed terms whole gives 130,180 B (1.9x)
         tol = 0.02 if kw.get("recompute") == "op" else 0.25
         assert est["activations"] == pytest.approx(got["activations"], rel=tol), (kw, rank, got, est)
+
+
+@pytest.mark.parametrize("i", [i for i, kw in enumerate(CONFIGS) if kw.get("offload")])
+def test_offload_puts_the_states_where_the_estimate_says(measured, i):
+    """ep with offload: ZeRO 1-2 the optimizer's states (dense over dp, experts over edp) on the host, ZeRO-3
+    every model state; the estimate's host bytes are the measured ones within 1%, and nothing else is there."""
+    kw = CONFIGS[i]
+    on_host = ("optimizer",) if kw["zero"] < 3 else STATES
+    for rank, per in enumerate(measured):
+        got, est, _ = per[i]
+        for k in STATES:
+            if k in on_host:
+                assert got["host"][k] > 0 and est["host"][k] == pytest.approx(got["host"][k], rel=0.01), (kw, rank, k)
+            else:
+                assert got["host"][k] == est["host"][k] == 0, (kw, rank, k)
 
 
 @pytest.mark.parametrize("i", range(len(CONFIGS)))

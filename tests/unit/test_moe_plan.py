@@ -189,7 +189,6 @@ def test_the_plan_at_scale_searches_ep_and_prices_what_estimate_prices():
     ("softmax", ck.ParallelConfig(dp=2, tp=2, sp_mode="split_gather"), {}, "tp_mode='1d' without split_gather"),
     ("capacity", ck.ParallelConfig(dp=2, sp=2), {}, r"sp=1 \(dp=4 runs the same ranks\), or capacity_factor=None"),
     ("softmax", ck.ParallelConfig(dp=6, ep=3), {}, "try ep=2"),
-    ("softmax", ck.ParallelConfig(dp=4, ep=2, zero=1, offload="cpu"), {}, "offload='none'"),
     ("softmax", ck.ParallelConfig(dp=4, pp=3), {"hardware": "this machine", "uneven_stages": True}, "cluster preset"),
 ])
 def test_what_the_engine_refuses_is_refused_with_the_rule(name, config, kwargs, match):
@@ -197,6 +196,36 @@ def test_what_the_engine_refuses_is_refused_with_the_rule(name, config, kwargs, 
         ck.estimate(MODELS[name], config, 12, **{"constants": ck.planner.EXAMPLE_CONSTANTS, **kwargs})
     why = unsupported(config, GPT(MODELS[name]))  # the engine refuses the first three with the same rule
     assert (why is not None) == (config.tp_mode != "1d" or config.sp_mode == "split_gather" or config.sp > 1)
+
+
+def test_ep_with_offload_is_priced_as_the_engine_runs_it():
+    """The engine runs ep with offload (tests/ranks/test_ep.py). At a preset the experts' states, sharded over
+    edp, sit on the host beside the dense ones over dp, as ``engine.memory()`` measures them
+    (tests/ranks/test_moe_memory.py), and the step pays each shard's gradients down and parameters up over PCIe
+    and its update on the host, by hand: ``shard (4 + 2) / PCIe + shard (30 bytes) / host`` (bf16, AdamW) for the
+    dense shard over dp and the experts' over edp. On this machine it is priced too."""
+    from colab_kit.planner.cluster.hardware import HARDWARE
+    from colab_kit.planner.cluster.terms import HOST_BYTES_PER_S
+    from colab_kit.planner.moe.price import params_split
+    cfg = ck.models.GPTConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_heads=16, n_layers=8, n_experts=16,
+                              top_k=2, d_expert=1408, shared_experts=1)
+    hw, shape = HARDWARE["8xH100-SXM"], ModelShape.of(cfg)
+    for zero in (1, 2, 3):
+        config = ck.ParallelConfig(dp=8, ep=4, zero=zero, offload="cpu", precision="bf16")
+        est = ck.estimate(cfg, config, 32, hardware=hw)
+        dense, experts = params_split(shape, config, shape.layers)
+        shards = (dense / 8, experts / 2)  # dp = 8, edp = dp / ep = 2
+        want = sum(s * 6 / hw.pcie_bytes_per_s + s * 30 / HOST_BYTES_PER_S for s in shards)
+        assert est.breakdown["optimizer"] == pytest.approx(want, rel=1e-9), zero
+        engine_estimate = config_estimate(cfg, config, 32)
+        assert est.memory["host"] == engine_estimate["host"] and est.memory["host"]["optimizer"] > 0
+        on_host = ("optimizer",) if zero < 3 else ("params", "grads", "optimizer")
+        assert all(est.memory["device"][k] == 0 for k in on_host)
+        none = ck.estimate(cfg, config.replace(offload="none"), 32, hardware=hw)
+        assert none.breakdown["optimizer"] < est.breakdown["optimizer"] and est.device_bytes < none.device_bytes
+    local = ck.estimate(MODELS["softmax"], ck.ParallelConfig(dp=4, ep=2, zero=1, offload="cpu"), 12,
+                        constants=ck.planner.EXAMPLE_CONSTANTS)
+    assert local.step_seconds > 0 and local.memory["host"]["optimizer"] > 0
 
 
 def test_ep_on_a_dense_model_is_refused():
