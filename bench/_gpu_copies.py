@@ -71,6 +71,26 @@ def host_syncs(step) -> dict | None:
     return {"syncs": sum(sites.values()), "staged": staged, "sites": dict(sites.most_common())}
 
 
+def union(spans) -> list[list[float]]:
+    """``(start, end)`` intervals merged where they overlap, in order."""
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
+def busy_seconds(prof) -> float:
+    """From a CUDA profile: the seconds the GPU ran anything (the union of its kernels' and copies' intervals),
+    the step's time less the GPU's idle gaps."""
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+             and not getattr(e, "is_user_annotation", False)]
+    return sum(b - a for a, b in union(spans)) / 1e6
+
+
 def copy_overlap(prof) -> dict:
     """From a CUDA profile: the copies' microseconds (host <-> device memcpy) and how many of them ran while a
     compute kernel ran (the union of the kernels' intervals; NCCL's kernels and annotations are not compute)."""
@@ -83,12 +103,7 @@ def copy_overlap(prof) -> dict:
             copies.append(span)
         elif "Memcpy" not in e.name and "Memset" not in e.name and not e.name.startswith("nccl"):
             kernels.append(span)
-    merged: list[list[float]] = []
-    for a, b in sorted(kernels):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
+    merged = union(kernels)
     total = sum(b - a for a, b in copies)
     beside = sum(max(0.0, min(b, kb) - max(a, ka)) for a, b in copies for ka, kb in merged)
     return {"copies": len(copies), "copy_us": total, "beside_compute_us": beside,

@@ -17,10 +17,11 @@ operator (``Hardware.family_op_seconds``, taken by ``curve_fit.measured_preset``
 
 A row, worked (the CPU of this project's 2-core test machine, gloo; ``python bench/op_count.py``)::
 
-    {"family": "gpt", "ops": 2117, "step_seconds": 0.0137, "seconds_per_op": 6.5e-06, ...}
+    {"family": "gpt", "ops": 2117, "step_seconds": 0.0223, "seconds_per_op": 1.05e-05, ...}
 
-Where the step is not host-bound (a slow GPU, a fast host), the figure is an upper bound; ``device_seconds``
-(CUDA events around the timed steps, on a GPU) says how much of the step the GPU was busy for.
+Where the step is not host-bound (a slow GPU, a fast host), the figure is an upper bound: on a GPU one more
+step runs under ``torch.profiler``, and ``device_busy_seconds`` (the union of its kernels' intervals:
+``_gpu_copies.busy_seconds``) over ``step_seconds`` says how much of the step the GPU was busy for.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import statistics
 import time
 
 FAMILIES = ("gpt", "gpt-moe", "llama", "hf-moe")
-SIZES = {"cuda": dict(layers=12, warmup=3, timed=10, timeout=240.0),
+SIZES = {"cuda": dict(layers=12, warmup=3, timed=10, timeout=150.0),
          "cpu": dict(layers=2, warmup=1, timed=2, timeout=120.0)}
 _WIDTH = dict(vocab=256, seq=64, d_model=64, heads=2, d_ff=128, experts=8, top_k=2, rows=2)
 
@@ -97,33 +98,39 @@ def step(family: str, sizes: dict) -> dict:
         sync()
         counted = count_ops(lambda: engine.train_step(data.batch(sizes["warmup"], _WIDTH["rows"])))
         sync()
-        times, device = [], []
+        times = []
         for i in range(sizes["timed"]):
             batch = data.batch(sizes["warmup"] + 1 + i, _WIDTH["rows"])
-            marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
             t0 = time.perf_counter()
-            if marks:
-                marks[0].record()
             engine.train_step(batch)
-            if marks:
-                marks[1].record()
             sync()
             times.append(time.perf_counter() - t0)
-            if marks:
-                device.append(marks[0].elapsed_time(marks[1]) / 1e3)
+        busy = _busy(engine, data.batch(sizes["warmup"] + 1 + sizes["timed"], _WIDTH["rows"])) if cuda else None
     finally:
         engine.close()
     seconds = statistics.median(times)
     return {"layers": sizes["layers"], "precision": "bf16", "ops": counted["ops"], "host_reads": counted["host_reads"],
-            "step_seconds": seconds, "seconds_per_op": seconds / counted["ops"],
-            "device_seconds": statistics.median(device) if device else None,
+            "step_seconds": seconds, "seconds_per_op": seconds / counted["ops"], "device_busy_seconds": busy,
             "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
 
 
-def measure_program(cuda: bool, families: tuple = FAMILIES, sizes: dict | None = None) -> list[dict]:
+def _busy(engine, batch) -> float:
+    """Seconds the GPU ran kernels or copies during one step (``torch.profiler``)."""
+    from torch.profiler import ProfilerActivity, profile
+    try:
+        from _gpu_copies import busy_seconds
+    except ImportError:  # python -m bench....
+        from bench._gpu_copies import busy_seconds
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.train_step(batch)
+    return busy_seconds(prof)
+
+
+def measure_program(cuda: bool, families: tuple = FAMILIES, sizes: dict | None = None,
+                    timeout: float | None = None) -> list[dict]:
     """Each family's row, from one spawned rank (NCCL on the GPU, gloo on the CPU): ``step``'s figures, or
-    ``skipped`` (no ``transformers``) or ``error``."""
+    ``skipped`` (no ``transformers``) or ``error``; ``timeout`` (default the sizes') bounds the rank."""
     import colab_kit as ck
     sizes = sizes or SIZES["cuda" if cuda else "cpu"]
     return ck.launch(_rank, 1, sizes, tuple(families), backend="nccl" if cuda else None,
-                     timeout=sizes["timeout"])[0]
+                     timeout=timeout or sizes["timeout"])[0]

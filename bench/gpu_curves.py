@@ -329,9 +329,10 @@ def main(argv=None) -> int:
         curves["launch"] = measure_launch(cuda, sizes, dev)
     except Exception as exc:  # noqa: BLE001 - recorded; the preset keeps its assumption
         curves["launch"] = {"error": f"{type(exc).__name__}: {exc}"}
+    _dump(curves, out)  # the launch sweep kept before the program sweep's spawn
     t = time.perf_counter()
-    try:
-        curves["program"] = measure_program(cuda)
+    try:  # inside gpu_session.sh's 230 s for the whole script
+        curves["program"] = measure_program(cuda, timeout=max(60.0, 200.0 - (t - t0)) if cuda else None)
     except Exception as exc:  # noqa: BLE001 - recorded; the preset falls back to the launch sweep
         curves["program"] = [{"error": f"{type(exc).__name__}: {str(exc)[:300]}"}]
     print(f"program    {len(curves['program'])} families in {time.perf_counter() - t:.1f} s: " + ", ".join(

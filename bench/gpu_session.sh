@@ -24,7 +24,7 @@ case "$part" in
     ;;
   estimate)
     timeout 230 python3 bench/gpu_curves.py --out "$OUT/gpu_curves.json"; echo "gpu_curves exit $?"
-    timeout 330 python3 bench/gpu_estimate_check.py --curves "$OUT/gpu_curves.json" --out "$OUT/gpu_estimate_check.json"
+    timeout 320 python3 bench/gpu_estimate_check.py --curves "$OUT/gpu_curves.json" --out "$OUT/gpu_estimate_check.json"
     echo "gpu_estimate_check exit $?"
     ;;
   *) echo "unknown part $part: checks or estimate" >&2; exit 2 ;;

@@ -106,19 +106,21 @@ def moe_stage_params(model, config) -> list[tuple[int, int]]:
     return out
 
 
-def moe_block_extra(model, tokens: int, e: int, recompute="none", tp: int = 1) -> int:
+def moe_block_extra(model, tokens: int, e: int, recompute="none", tp: int = 1, op_exact: bool = True) -> int:
     """Bytes one MoE block saves beyond (or below) a dense block of the same widths for ``tokens`` tokens on
     the rank (the module docstring's table: under 1D tp the MoE layer's terms whole, the dense MLP's
     ``2 e N f / tp`` it replaces split); 0 under full recomputation (a block keeps its input only). Per-op
     (``recompute.op``: every second matmul kept) keeps the router's logits (the block's third matmul) and, with
     shared experts, their second matmul's output, ``e N E + e N h``, where a dense block keeps fc1's ``e N f / tp``;
-    the routed experts' grouped GEMMs are not counted matmuls, so the dispatch and the experts run again."""
+    the routed experts' grouped GEMMs are not counted matmuls, so the dispatch and the experts run again.
+    ``op_exact`` False (a block whose matmul order is not the MoE GPT's: ``planner.moe.shape.op_keeps_router``):
+    per-op is counted as no recomputation of the MoE layer, an upper bound."""
     mode = recompute_mode(recompute)
     if mode == "full":
         return 0
     n, h, k = tokens, model.d_model, model.top_k
     f, fe = model.d_ff or 4 * h, model.d_expert or model.d_ff or 4 * h
-    if mode == "op":
+    if mode == "op" and op_exact:
         return e * n * model.n_experts + (e * n * h if model.shared_experts else 0) - e * n * f // tp
     s = model.shared_experts * fe
     rows = n * k  # received by this rank's experts on average (balanced routing)
@@ -127,24 +129,27 @@ def moe_block_extra(model, tokens: int, e: int, recompute="none", tp: int = 1) -
             + 24 * n * k + 2 * e * n * k + e * n - 2 * e * n * f // tp)
 
 
-def _stage_activations(model, config, rows: int, seq: int, layers, first: bool, last: bool, moe: set) -> int:
+def _stage_activations(model, config, rows: int, seq: int, layers, first: bool, last: bool, moe: set,
+                       op_exact: bool = True) -> int:
     """One microbatch's saved bytes on a stage: the dense GPT's in the config's layout (1D tp, sp's
     ``seq / sp`` tokens) and each MoE block's difference for the rank's ``rows x seq / sp`` tokens."""
     e = PRECISION_BYTES[config.precision]
     dense = layout_activations(model, config, rows, seq, layers=len(layers), first=first, last=last)
     tokens = rows * (seq // config.sp)
-    return dense + sum(i in moe for i in layers) * moe_block_extra(model, tokens, e, config.recompute, config.tp)
+    extra = moe_block_extra(model, tokens, e, config.recompute, config.tp, op_exact)
+    return dense + sum(i in moe for i in layers) * extra
 
 
 def moe_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | None = None,
                  pp_rank: int | None = None, host_share: float | None = None, moe=None, split=None,
-                 params=None) -> dict:
+                 params=None, op_exact: bool = True) -> dict:
     """``config_estimate`` for an MoE GPT (``model.n_experts > 0``): the keys of ``engine.memory()`` with
     "device" and "host" for pipeline rank ``pp_rank`` (None: the fullest). See the module docstring.
 
     The planner prices other models through the same walk: ``moe`` the MoE block indices (default
     ``moe_blocks(model)``), ``split`` each stage's block range (default ``stage_layers``), ``params`` each pipeline
-    rank's ``(dense, experts)`` parameters (default ``moe_stage_params``)."""
+    rank's ``(dense, experts)`` parameters (default ``moe_stage_params``), ``op_exact`` whether its blocks run
+    their matmuls in the MoE GPT's order (``moe_block_extra``)."""
     import numpy as np
 
     moe_blocks, stage_layers = _moe_layers()
@@ -154,7 +159,8 @@ def moe_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | Non
     n = config.pp * config.chunks
     layers = split or stage_layers(model.n_layers, n)
     moe = set(moe_blocks(model) if moe is None else moe)
-    per = [_stage_activations(model, config, rows, seq, layers[s], s == 0, s == n - 1, moe) for s in range(n)]
+    per = [_stage_activations(model, config, rows, seq, layers[s], s == 0, s == n - 1, moe, op_exact)
+           for s in range(n)]
     if config.pp > 1:
         plan, _ = stage_plan(config)
         acts = []

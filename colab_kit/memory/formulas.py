@@ -83,6 +83,32 @@ def placed(est: dict, zero: int = 0, offload: str = "none", host_share: float | 
     return {**est, "device": {k: est[k] - host[k] for k in est}, "host": host}
 
 
+def auto_placed(est: dict, budget: int) -> dict:
+    """``offload="auto"`` (ZeRO-3 chunks placed under a device budget) as ``placed`` puts it: the model states
+    that do not fit beside the activations in ``budget`` bytes go to the host, in proportion (the placement
+    moves whole chunks; the estimate takes their share).
+
+    >>> auto_placed({"params": 10, "grads": 10, "optimizer": 20, "activations": 5}, 25)["host"]
+    {'params': 5, 'grads': 5, 'optimizer': 10, 'activations': 0}
+    """
+    states = est["params"] + est["grads"] + est["optimizer"]
+    room = max(0, budget - est["activations"])
+    share = 0.0 if states <= room else 1.0 - room / states
+    out = placed({k: est[k] for k in ("params", "grads", "optimizer", "activations")}, 3, "auto", share)
+    over = min(sum(out["device"].values()) - budget, out["device"]["optimizer"]) if share else 0
+    if over > 0:  # each category's share was rounded: the host takes the last bytes, the device stays in budget
+        out["host"]["optimizer"] += over
+        out["device"]["optimizer"] -= over
+    return out
+
+
+def host_share(memory: dict) -> float:
+    """The share of the model states ``memory`` (``placed``'s) keeps on the host."""
+    keys = ("params", "grads", "optimizer")
+    total = sum(memory[k] for k in keys)
+    return sum(memory["host"][k] for k in keys) / total if total else 0.0
+
+
 def recompute_mode(recompute) -> str:
     """``recompute`` as "none", "selective", "op" or "full" (True / False: "full" / "none"), as
     ``ParallelConfig`` keeps it."""

@@ -31,7 +31,7 @@ import torch.nn as nn
 from ..config import ConfigError, ParallelConfig
 from ..engine.facts import ModelFacts
 from ..memory.estimator import config_estimate, gpt_like, model_activations, part_params, traced_activations
-from ..memory.formulas import optimizer_states, placed
+from ..memory.formulas import auto_placed, optimizer_states, placed
 from ..models import GPTConfig
 from ..models.moe import has_experts
 from ..policy import missing_policy_message, policy_for
@@ -201,7 +201,7 @@ def _plan(model_cfg, world_size: int, batch: int, memory_per_rank=None, precisio
         if cfg.offload == "auto":  # the placement puts on the host what does not fit
             assert memory_per_rank is not None  # enumerate_configs offers "auto" only with a budget
             kwargs = {"device_budget": memory_per_rank}
-            mem = _auto_placed(mem, memory_per_rank)
+            mem = auto_placed(mem, memory_per_rank)
         seconds, parts, counts = timed(model_cfg, cfg, batch, consts, mem, optimizer)
         fits = memory_per_rank is None or sum(mem["device"].values()) <= memory_per_rank
         out.append(Candidate(cfg, mem, seconds, fits, parts, counts, kwargs))
@@ -215,16 +215,6 @@ def _ranked(out: list, limit, consts, memory_per_rank) -> Candidates:
     result = Candidates(kept[:limit] if limit else kept)
     result.constants, result.memory_per_rank = consts, memory_per_rank
     return result
-
-
-def _auto_placed(mem: dict, budget: int) -> dict:
-    """offload='auto' (ZeRO-3 chunks placed under the budget): the model states that do not fit
-    beside the activations go to the host, in proportion."""
-    states = mem["params"] + mem["grads"] + mem["optimizer"]
-    room = max(0, budget - mem["activations"])
-    share = 0.0 if states <= room else 1.0 - room / states
-    est = {k: mem[k] for k in ("params", "grads", "optimizer", "activations")}
-    return placed(est, 3, "auto", share)
 
 
 def _prune(cands: list) -> list:

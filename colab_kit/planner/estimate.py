@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from ..config import ConfigError, ParallelConfig
 from ..memory.estimator import config_estimate
-from ..memory.formulas import optimizer_states
+from ..memory.formulas import auto_placed, host_share, optimizer_states
 from ..models import GPT, GPTConfig
 from .cluster.hardware import ATTENTION, HARDWARE, Hardware
 from .cluster.price import price
@@ -276,6 +276,8 @@ def estimate(model, config: ParallelConfig, batch: int, *, seq: int | None = Non
     except ValueError as exc:  # an unknown optimizer, refused before anything is priced
         raise ConfigError(str(exc)) from None
     memory = memory_of(shape, config, batch, optimizer)
+    if config.offload == "auto" and isinstance(hw, Hardware):  # the placement under the preset's usable memory
+        memory = auto_placed(memory, hw.usable_bytes)
     if hw == LOCAL:
         consts = constants if constants is not None else measured(ranks=config.world_size)
         if shape.experts:  # the MoE GPT of its widths (planner.moe.local)
@@ -326,8 +328,12 @@ def priced(shape: ModelShape, config: ParallelConfig, batch: int, hw: Hardware, 
            optimizer: str = "adamw") -> Estimate:
     """The ``Estimate`` of ``config`` on a preset with ``memory`` (``memory_of``'s): ``ck.estimate`` and the
     at-scale ``ck.plan`` both make theirs here, so the plan ranks by exactly what ``ck.estimate`` says."""
-    p = price(shape, config, batch, hw, seq=shape.seq, optimizer=optimizer)
+    p = price(shape, config, batch, hw, seq=shape.seq, optimizer=optimizer, host_share=host_share(memory))
     notes = list(p.assumptions)  # (the attention kernel's line among them)
+    if config.offload == "auto":
+        notes.append(f"offload='auto': {host_share(memory):.0%} of the model states on the host, what does not "
+                     f"fit beside the activations in the preset's {hw.usable_bytes / 2 ** 30:.1f} GiB usable "
+                     f"(memory.formulas.auto_placed)")
     return Estimate(shape, config, batch, shape.seq, hw.name, p.step_seconds, memory, hw.device_bytes - hw.usable_bytes,
                     hw.device_bytes, dict(p.breakdown), notes, dict(p.collectives))
 

@@ -26,7 +26,7 @@ the program, not on the widths: a family is counted once at a tiny width. Worked
 Priced at ``op_seconds(hw, shape)`` an operator: on a measured preset (``curve_fit.measured_preset``), the
 host seconds an operator of the family's own training step, timed at a tiny width on the GPU's machine
 (``bench/gpu_curves.py``'s ``program`` sweep: ``Hardware.family_op_seconds``); a family not timed takes its
-built-in kin's figure (Llama the GPT's, a Hugging Face MoE the built-in MoE's), else ``Hardware.op_seconds``:
+kin's figure (Llama the GPT's, a Hugging Face MoE the built-in MoE's, and back), else ``Hardware.op_seconds``:
 5 us assumed on a datasheet preset, the launch of a tiny ``add_`` where only that was measured. Only the
 engine's own stack is counted (``stack="colab_kit"``, and torchtitan's eager one alike); other stacks fuse
 their elementwise work and may capture CUDA graphs, so no floor is priced for them. The counts are those of
@@ -102,8 +102,9 @@ def ops_per_step(shape, blocks: int, microbatches: int, precision: str, recomput
                                                       - dense.ops(0, microbatches, recompute))
 
 
-KIN = {"llama": "gpt", "hf-moe": "gpt-moe"}
-"""The built-in family whose measured figure a Hugging Face family takes where its own was not timed."""
+KIN = {"llama": "gpt", "hf-moe": "gpt-moe", "gpt": "llama", "gpt-moe": "hf-moe"}
+"""The family whose measured figure a family takes where its own was not timed: the built-in and the Hugging
+Face one of the same kind (dense, mixture of experts), each for the other."""
 
 
 def op_seconds(hw, shape) -> tuple[float, str]:

@@ -75,12 +75,14 @@ class Priced:
 
 
 def price(shape: ModelShape, config, batch: int, hw: Hardware | str, *, seq: int | None = None,
-          optimizer: str = "adamw") -> Priced:
+          optimizer: str = "adamw", host_share: float = 1.0) -> Priced:
     """Seconds of one training step of ``config`` (any config ``ParallelConfig`` accepts) training ``shape`` on
     ``batch`` global rows of ``seq`` tokens (the shape's when None) on nodes of preset ``hw`` (a name of
     ``hardware.HARDWARE`` or a ``Hardware``). ``optimizer``: adamw, adam, sgd-momentum, sgd-nomomentum.
-    Results are cached: the planner prices thousands of configs."""
-    return _price(shape, config, int(batch), preset(hw), int(seq or shape.seq), str(optimizer).lower())
+    ``host_share``: under ``offload="auto"``, the share of the model states placed on the host
+    (``memory.formulas.host_share``). Results are cached: the planner prices thousands of configs."""
+    return _price(shape, config, int(batch), preset(hw), int(seq or shape.seq), str(optimizer).lower(),
+                  float(host_share) if config.offload == "auto" else 1.0)
 
 
 def bubble(schedule: str, pp: int, m: int, chunks: int, f: float, i: float, w: float) -> float:
@@ -101,7 +103,8 @@ def bubble(schedule: str, pp: int, m: int, chunks: int, f: float, i: float, w: f
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimizer: str) -> Priced:
+def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimizer: str,
+           host_share: float = 1.0) -> Priced:
     m, p, v = config.microbatches, config.pp, config.chunks
     rows = batch / (config.dp * m)
     mode = recompute_mode(config)
@@ -122,14 +125,15 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         count[Axis.EP] = m * n_moe * (ep_n[0] * (2 if replayed else 1) + ep_n[1])
     # tensor and sequence parallel collectives of one block and microbatch: never hidden (tp), or behind
     # the attention core they feed (sp ring)
+    share = moe_price.tp_share(config, n_moe, layers) if n_moe else 1.0
     if n_moe:  # an MoE block runs whole on every tp rank: attention's all-reduces only (moe_price.tp_share)
-        share = moe_price.tp_share(config, n_moe, layers)
         tp_f, tp_b = tp_f * share, tp_b * share
     if hw.stack.tp_overlap and config.tp > 1 and config.tp_mode == "1d":  # chunks under the GEMMs they feed
         tp_f, tp_b = _under(tp_f, dense.gemms[0], config.tp), _under(tp_b, dense.gemms[1], config.tp)
-    # full replays the forward's tp collectives; per-op ("op") the attention's (colab_kit's collectives are
-    # in-place ops, recomputed, not saved) and, as full, the sequence mode's
-    tp_rc = {"full": tp_f, "op": tp_f / 2}.get(mode, 0.0)
+    # full replays the forward's tp collectives; per-op ("op") the attention's, in a dense block and an MoE block
+    # alike: half a dense block's forward ones (colab_kit's collectives are in-place ops, recomputed, not saved),
+    # and, as full, the sequence mode's
+    tp_rc = {"full": tp_f, "op": tp_f / share / 2}.get(mode, 0.0)
     sp_rc, sp_exp_rc = (sp_f, sp_exp_f) if mode in ("full", "op") else (0.0, 0.0)
     # ZeRO-3: each block's parameters gathered forward and backward, gradients reduce-scattered (fp32)
     z3_f = z3_b = z3_exp_f = z3_exp_b = 0.0
@@ -169,8 +173,8 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     replay = 2 if mode in ("full", "op") else 1  # the forward's sequence collectives again
     forward_tp = tp_n[0] * replay if mode == "full" else tp_n[0] + tp_n[0] // 2 if mode == "op" else tp_n[0]
     count[Axis.TP] += m * layers * (forward_tp + tp_n[1])
-    if n_moe and config.tp > 1:  # an MoE block: half of a 1D block's all-reduces (attention's)
-        count[Axis.TP] -= m * n_moe * (forward_tp + tp_n[1]) // 2
+    if n_moe and config.tp > 1:  # an MoE block has no MLP all-reduce: fc2's forward one (replayed by full only)
+        count[Axis.TP] -= m * n_moe * ((tp_n[0] // 2) * (2 if mode == "full" else 1) + tp_n[1] // 2)  # and fc1's
     count[Axis.SP] += m * layers * (sp_n[0] * replay + sp_n[1])
     # pipeline: p2p of each microbatch and chunk, the schedule's bubble on the other stages' work
     comm_pp = 0.0
@@ -205,14 +209,14 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
                 exposed_dp += regather
             comm_dp += regather
             count[Axis.DP] += 1
-    opt = optimizer_seconds(rank_params, config, hw, optimizer, grads.size)
+    opt = optimizer_seconds(rank_params, config, hw, optimizer, grads.size, host_share)
     notes = _assumptions(hw, config.precision) + (hw.stack.note(),)
     if n_moe:
         edp = config.dp * config.sp // config.ep
         e_exp, e_tot, e_n = moe_price.expert_sync(shape, config, hw, experts, layers * (blk.i + blk.w + blk.rc),
                                                   layers)
         exposed_dp, comm_dp, count[Axis.DP] = exposed_dp + e_exp, comm_dp + e_tot, count[Axis.DP] + e_n
-        opt += optimizer_seconds(experts, config, hw, optimizer, edp)
+        opt += optimizer_seconds(experts, config, hw, optimizer, edp, host_share)
         comm_total[Axis.EP] = m * layers * (ep_f + ep_b + ep_rc)
         notes = notes + _moe_notes(config)
     comm_total[Axis.DP] = comm_dp

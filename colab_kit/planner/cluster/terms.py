@@ -125,14 +125,19 @@ def params_on_rank(shape: ModelShape, config) -> float:
     return out / split
 
 
-def optimizer_seconds(rank_params: float, config, hw: Hardware, optimizer: str, group: int) -> float:
+def optimizer_seconds(rank_params: float, config, hw: Hardware, optimizer: str, group: int,
+                      host_share: float = 1.0) -> float:
     """The update of the rank's shard (ZeRO >= 1: ``1 / group`` of its parameters) streamed through HBM, or
-    under offload the shard's gradients down and parameters up over PCIe and the update on the host."""
+    under offload the shard's gradients down and parameters up over PCIe and the update on the host; under
+    ``offload="auto"`` that for the ``host_share`` of the shard the placement put on the host, the rest on the
+    device (``host_share`` 0: as without offload)."""
     shard = rank_params / (group if config.zero >= 1 else 1)
     per = _UPDATE_BYTES.get(optimizer, 30) - (2 if config.precision == "fp32" else 0)
     if config.offload in ("cpu", "auto") and config.zero >= 1:
+        share = 1.0 if config.offload == "cpu" else host_share
         size = 4 if config.precision == "fp32" else 2
-        return shard * (4 + size) / hw.pcie_bytes_per_s + shard * per / HOST_BYTES_PER_S
+        host = share * shard * ((4 + size) / hw.pcie_bytes_per_s + per / HOST_BYTES_PER_S)
+        return host + (hw.stream_seconds((1 - share) * shard * per, 8) if share < 1 else 0.0)
     return hw.stream_seconds(shard * per, 8)
 
 

@@ -29,7 +29,7 @@ from ...memory.layout import stage_plan
 from ...models import GPTConfig
 from ...models.moe import moe_blocks
 
-__all__ = ["gpt_moe_of", "gpt_moe_shape", "hf_experts", "hf_moe_shape", "moe_memory", "stage_split",
+__all__ = ["gpt_moe_of", "gpt_moe_shape", "hf_experts", "hf_moe_shape", "moe_memory", "op_keeps_router", "stage_split",
            "tp_layer_params"]
 
 
@@ -172,4 +172,29 @@ def moe_memory(shape, config, batch: int, optimizer: str = "adamw") -> dict:
         plan, _ = stage_plan(config)
         params = [tuple(map(sum, zip(*[stage(s) for s in plan.stages_of(r)]))) for r in range(config.pp)]
     return moe_estimate(gpt, config, batch, optimizer, seq=shape.seq, moe=shape.moe_blocks, split=split,
-                        params=params)
+                        params=params, op_exact=op_keeps_router(shape))
+
+
+def op_keeps_router(shape) -> bool:
+    """Whether per-op recomputation (``recompute.op``: every second matmul kept) keeps an MoE block's router
+    logits and nothing else of its MoE layer, as it does in the built-in MoE GPT (qkv, proj, router: the third;
+    a shared expert after it, its second kept). So too where attention is four plain matrices (q, k, v, o: the
+    router fifth) and there is no shared expert (Mixtral, Qwen3-MoE). Not where attention has another count
+    (DeepSeek's latent attention: five) or a shared expert may run first (Qwen2-MoE): those are estimated as
+    keeping the MoE layer's terms, an upper bound.
+
+        >>> from dataclasses import replace
+        >>> from colab_kit.planner.shape import ModelShape
+        >>> mixtral = ModelShape(layers=2, hidden=64, heads=4, vocab=128, seq=32, kv_heads=2, gated=True,
+        ...                      name="MixtralForCausalLM", experts=4, top_k=2, d_expert=32, moe_blocks=(0, 1),
+        ...                      attn_params=12288)
+        >>> op_keeps_router(mixtral), op_keeps_router(replace(mixtral, shared_ffn=64))
+        (True, False)
+    """
+    if shape.name == "GPT-MoE":
+        return True
+    if shape.shared_ffn:
+        return False
+    q = shape.core_width or shape.hidden
+    kv = shape.n_kv * (q // shape.heads)
+    return shape.attn_params in (0, 2 * shape.hidden * q + 2 * shape.hidden * kv)
