@@ -203,7 +203,8 @@ def test_ep_with_offload_is_priced_as_the_engine_runs_it():
     edp, sit on the host beside the dense ones over dp, as ``engine.memory()`` measures them
     (tests/ranks/test_moe_memory.py), and the step pays each shard's gradients down and parameters up over PCIe
     and its update on the host, by hand: ``shard (4 + 2) / PCIe + shard (30 bytes) / host`` (bf16, AdamW) for the
-    dense shard over dp and the experts' over edp. On this machine it is priced too."""
+    dense shard over dp and the experts' over edp (ZeRO-3 stages its shards per gather instead, priced apart as
+    ``offload``). On this machine it is priced too."""
     from colab_kit.planner.cluster.hardware import HARDWARE
     from colab_kit.planner.cluster.terms import HOST_BYTES_PER_S
     from colab_kit.planner.moe.price import params_split
@@ -215,8 +216,10 @@ def test_ep_with_offload_is_priced_as_the_engine_runs_it():
         est = ck.estimate(cfg, config, 32, hardware=hw)
         dense, experts = params_split(shape, config, shape.layers)
         shards = (dense / 8, experts / 2)  # dp = 8, edp = dp / ep = 2
-        want = sum(s * 6 / hw.pcie_bytes_per_s + s * 30 / HOST_BYTES_PER_S for s in shards)
+        pcie = 6 / hw.pcie_bytes_per_s if zero < 3 else 0.0  # ZeRO-3: staged per gather (breakdown["offload"])
+        want = sum(s * pcie + s * 30 / HOST_BYTES_PER_S for s in shards)
         assert est.breakdown["optimizer"] == pytest.approx(want, rel=1e-9), zero
+        assert ("offload" in est.breakdown) == (zero == 3)
         engine_estimate = config_estimate(cfg, config, 32)
         assert est.memory["host"] == engine_estimate["host"] and est.memory["host"]["optimizer"] > 0
         on_host = ("optimizer",) if zero < 3 else ("params", "grads", "optimizer")

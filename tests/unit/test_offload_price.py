@@ -2,8 +2,10 @@
 
 The engine's auto placement (``colab_kit.zero.offload``) keeps ZeRO-3's chunks on the device while they fit beside
 the step's activations and puts the rest on the host. ``ck.estimate`` at a preset places the states the same way
-under ``Hardware.usable_bytes`` (``memory.formulas.auto_placed``) and prices the optimizer's PCIe traffic and host
-update for the host's share only, the rest as a device update (``terms.optimizer_seconds``). A model that fits
+under ``Hardware.usable_bytes`` (``memory.formulas.auto_placed``) and prices the host update for the host's share
+only, the rest as a device update (``terms.optimizer_seconds``), and the PCIe traffic of that share's chunks
+(``terms.zero3_transfers``: staged per gather, counted as the engine counts them in
+tests/ranks/test_zero3_transfers.py) where compute does not cover it. A model that fits
 costs what it costs without offload; one that does not pays for its host share, less than ``offload="cpu"``.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 import colab_kit as ck
 from colab_kit.models import GPTConfig
 from colab_kit.planner.cluster.hardware import HARDWARE
+from colab_kit.planner.cluster.price import price
 from colab_kit.planner.cluster.terms import HOST_BYTES_PER_S, params_on_rank
 from colab_kit.planner.estimate import memory_of
 from colab_kit.planner.shape import ModelShape
@@ -44,9 +47,17 @@ def test_auto_that_does_not_fit_puts_the_rest_on_the_host_and_pays_for_that_shar
     host = e["auto"].memory["host"]
     assert sum(host.values()) == pytest.approx(share * states, rel=1e-6) and 0.3 < share < 0.7
     assert sum(e["auto"].memory["device"].values()) == pytest.approx(HW.usable_bytes, rel=1e-6)  # full, not over
-    shard = params_on_rank(ModelShape.of(LARGE), config) / 8
-    want = (share * shard * (6 / HW.pcie_bytes_per_s + 30 / HOST_BYTES_PER_S)
-            + HW.stream_seconds((1 - share) * shard * 30, 8))
+    params = params_on_rank(ModelShape.of(LARGE), config)
+    shard = params / 8
+    # the update: the host's share on the host, the rest on the device
+    want = share * shard * 30 / HOST_BYTES_PER_S + HW.stream_seconds((1 - share) * shard * 30, 8)
     assert e["auto"].breakdown["optimizer"] == pytest.approx(want, rel=1e-6)
+    # PCIe: the host chunks' shards staged per gather (twice, the tail once) and their reduced fp32 pieces back
+    tail = 2 * 8192 + 32000 * 8192
+    moved = price(ModelShape.of(LARGE), config, 8, HW, host_share=share).transfers
+    assert moved["to_device"] == pytest.approx(share * 2 * (2 * params - tail) / 8, rel=1e-9)
+    assert moved["to_host"] == pytest.approx(share * 4 * params / 8, rel=1e-9)
+    assert e["auto"].breakdown["offload"] == max(0.0, moved["to_device"] / HW.pcie_bytes_per_s
+                                                 - e["auto"].breakdown["compute"])
     assert e["none"].step_seconds < e["auto"].step_seconds < e["cpu"].step_seconds
     assert e["none"].device_bytes > HW.device_bytes >= e["auto"].device_bytes  # none does not fit

@@ -25,6 +25,9 @@ For the fullest rank (the last pipeline stage, which also runs the head and the 
   compute at most;
 - ``optimizer``: the update streamed through HBM (AdamW: about 30 bytes a parameter of the rank's shard);
   offload="cpu": the shard's gradients down and parameters up over PCIe and the update on the host;
+- ``offload`` (ZeRO-3 with offload): each host chunk's shard staged up per gather and its reduced piece back
+  per microbatch (``terms.zero3_transfers``, the engine's count), on side streams under compute: what it does
+  not cover;
 - ``host``: the part of the host's dispatch (operators a step x seconds an operator, ``host``) that the rank's
   own GPU work does not cover (the bubble hides none of it: the host waits through it too): a small model's
   step is the host's.
@@ -52,7 +55,7 @@ from ..moe import price as moe_price
 from ..moe.shape import tp_layer_params
 from .hardware import Hardware, preset
 from .compute import BlockCost, attention_note, recompute_mode, with_recompute
-from .terms import optimizer_seconds, params_on_rank, per_block
+from .terms import optimizer_seconds, params_on_rank, per_block, zero3_transfers
 from ..shape import ModelShape
 
 __all__ = ["Priced", "bubble", "compute_floor", "price", "recompute_mode"]
@@ -72,6 +75,8 @@ class Priced:
     collectives: dict
     assumptions: tuple
     per_microbatch: dict = field(default_factory=dict)
+    transfers: dict = field(default_factory=dict)
+    """ZeRO-3 with offload: bytes over PCIe a step each way (``terms.zero3_transfers``)."""
 
 
 def price(shape: ModelShape, config, batch: int, hw: Hardware | str, *, seq: int | None = None,
@@ -224,12 +229,16 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
                  "comm:pp": comm_pp, "comm:dp": exposed_dp, "optimizer": opt}
     if n_moe:
         breakdown["comm:ep"] = comm_total[Axis.EP]
+    moved = zero3_transfers(shape, config, rank_params, experts, grads.size,
+                            config.dp * config.sp // config.ep if n_moe else 1, host_share)
+    if moved["to_device"]:  # on two side streams, one each way, a unit ahead: what compute does not cover
+        breakdown["offload"] = max(0.0, max(moved.values()) / hw.pcie_bytes_per_s - compute)
     # the host dispatches while the GPU works, not through the bubble (it waits on the same receives)
     floor = host.host_seconds(shape, config, layers, hw, mode, n_moe if shape.experts else None)
     breakdown["host"] = max(0.0, floor - sum(breakdown.values()) + idle)
     return Priced(step_seconds=sum(breakdown.values()), breakdown=breakdown, comm_total=comm_total,
                   collectives=count, assumptions=notes,
-                  per_microbatch={"F": f_mb, "I": i_mb, "W": w_mb})
+                  per_microbatch={"F": f_mb, "I": i_mb, "W": w_mb}, transfers=moved if moved["to_device"] else {})
 
 
 def compute_floor(shape: ModelShape, config, batch: int, dp: int, microbatches: int, pp: int, hw: Hardware | str,

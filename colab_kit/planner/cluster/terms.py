@@ -136,9 +136,36 @@ def optimizer_seconds(rank_params: float, config, hw: Hardware, optimizer: str, 
     if config.offload in ("cpu", "auto") and config.zero >= 1:
         share = 1.0 if config.offload == "cpu" else host_share
         size = 4 if config.precision == "fp32" else 2
-        host = share * shard * ((4 + size) / hw.pcie_bytes_per_s + per / HOST_BYTES_PER_S)
+        pcie = (4 + size) / hw.pcie_bytes_per_s if config.zero < 3 else 0.0  # ZeRO-3: zero3_transfers, per gather
+        host = share * shard * (pcie + per / HOST_BYTES_PER_S)
         return host + (hw.stream_seconds((1 - share) * shard * per, 8) if share < 1 else 0.0)
     return hw.stream_seconds(shard * per, 8)
+
+
+def zero3_transfers(shape: ModelShape, config, rank_params: float, experts: float, group: int, edp: int,
+                    host_share: float = 1.0) -> dict:
+    """Bytes a ZeRO-3 rank with offload moves over PCIe in a step, as the engine's placement counts them
+    (``placement.last_transfers``): each host chunk's shard staged to the device for each gather, forward and
+    backward in every microbatch (the tail, final norm and untied head, once), and each microbatch's reduced
+    fp32 piece back; ``host_share`` of it under ``offload="auto"``. ``rank_params`` over ``group`` (dp x sp),
+    an MoE's ``experts`` over ``edp``. Worked example, a 4-block GPT of d 32 over dp=2 in fp32 (55,488
+    parameters, the tail 2,112): ``(2 x 55,488 - 2,112) / 2 x 4`` B up, ``55,488 / 2 x 4`` B back::
+
+        >>> from colab_kit.config import ParallelConfig
+        >>> s = ModelShape(layers=4, hidden=32, heads=4, vocab=64, seq=16)
+        >>> zero3_transfers(s, ParallelConfig(dp=2, zero=3, offload="cpu"), 55488, 0, 2, 1)
+        {'to_device': 217728.0, 'to_host': 110976.0}
+    """
+    if config.zero != 3 or config.offload not in ("cpu", "auto"):
+        return {"to_device": 0.0, "to_host": 0.0}
+    share = 1.0 if config.offload == "cpu" else host_share
+    size, m = (4 if config.precision == "fp32" else 2), config.microbatches
+    split = config.tp_q ** 2 if config.tp_mode == "2.5d" else config.tp
+    tail = ((shape.hidden if shape.gated else 2 * shape.hidden) + (0 if shape.tied else shape.vocab * shape.hidden)
+            / split)
+    up = (2 * rank_params - tail) / group + 2 * experts / edp
+    down = rank_params / group + experts / edp
+    return {"to_device": share * m * size * up, "to_host": share * m * 4 * down}
 
 
 BLOCK_FIELDS = ("precision", "tp", "tp_mode", "tp_depth", "sp", "sp_mode")
