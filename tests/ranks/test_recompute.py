@@ -138,12 +138,19 @@ def test_op_holds_between_none_and_full_as_estimated(results, name):
 
 
 def test_recompute_runs_one_more_tp_all_reduce_per_block(results):
-    """1D tp: the recomputation runs attn.proj's forward all-reduce again (it stops before fc2's)."""
+    """1D tp: the recomputation runs attn.proj's forward all-reduce again (it stops before fc2's), and the price
+    of the engine's stack (``Stack.checkpoint="early_stop"``) counts that one."""
     for res in results:
         on, off = res["tp=2", True, "sgd"]["tp_all_reduces"], res["tp=2", False, "sgd"]["tp_all_reduces"]
         assert on - off == GPT4.n_layers, (on, off)
         # "op": colab_kit's all-reduce is c10d's in-place op, which a saved output cannot replay: it runs again too
         assert res["tp=2", "op", "sgd"]["tp_all_reduces"] == on
+    # the at-scale price of the engine's stack counts the same one more a block (torch's early stop)
+    from colab_kit.planner.cluster.price import price
+    from colab_kit.planner.shape import ModelShape
+    counts = {r: price(ModelShape.of(GPT4), ck.ParallelConfig(tp=2, recompute=r), BATCH, "8xH100-SXM").collectives[
+        "tp"] for r in (True, False, "op")}
+    assert counts[True] - counts[False] == counts["op"] - counts[False] == GPT4.n_layers
 
 
 def _step_flops(model, x, y) -> int:

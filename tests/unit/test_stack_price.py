@@ -77,14 +77,43 @@ def test_op_recomputation_repeats_every_second_matmul_and_every_elementwise_op()
     r = block(GPT, ring, 8, 2048, A100)
     assert r.op == pytest.approx(gemm(A100, "bf16", ring, 8192, 6144, 6144, False)[0]
                                  + elementwise(GPT, ring, 8192, A100) + r.attn, rel=1e-12)
-    # the tp collectives: full replays the forward's two all-reduces, op attention's one
+    # the tp collectives: op replays attention's all-reduce; full the forward's two under a whole-forward
+    # checkpoint (Megatron's), attention's one under torch's early stop (colab_kit's: fc2's is not replayed,
+    # measured in tests/ranks/test_recompute.py)
     counts = {m: price(GPT, ParallelConfig(tp=8, precision="bf16", recompute=m), 8, A100).collectives["tp"]
               for m in ("none", "op", "full")}
-    assert counts == {"none": 40 * 4, "op": 40 * 5, "full": 40 * 6}
+    assert counts == {"none": 40 * 4, "op": 40 * 5, "full": 40 * 5}
+    whole = A100.with_stack("megatron-lm-2021")
+    assert price(GPT, ParallelConfig(tp=8, precision="bf16", recompute="full"), 8, whole).collectives["tp"] == 40 * 6
     # between selective and full, in a whole step too
     steps = {m: price(LLAMA, ParallelConfig(dp=64, zero=3, precision="bf16", recompute=m), 64, H100).step_seconds
              for m in ("none", "selective", "op", "full")}
     assert steps["none"] < steps["selective"] < steps["op"] < steps["full"], steps
+
+
+def test_full_recomputation_under_torchs_early_stop_leaves_the_last_gemm_out():
+    """torch's non-reentrant checkpoint (colab_kit, torchtitan: ``Stack.checkpoint="early_stop"``) stops once the
+    last tensor backward needs is rebuilt: a GPT block's fc2 (a Llama block's down) does not run again (the
+    engine's FLOPs, tests/ranks/test_recompute.py). Megatron's checkpoint replays the whole forward. An MoE block
+    replays its routed experts (the combine's backward needs their outputs), not its shared expert's last GEMM."""
+    from colab_kit.models import GPTConfig
+    from colab_kit.planner.moe.price import moe_block
+    cfg = ParallelConfig(tp=8, precision="bf16", recompute="full")
+    for shape, t, fc2 in ((GPT, 16384, (6144, 4 * 6144)), (LLAMA, 65536, (4096, 14336))):
+        b = block(shape, cfg, 8, shape.seq, A100)
+        last = gemm(A100, "bf16", cfg, t, *fc2, False)[0]
+        assert with_recompute(b, "full", early_stop=True).rc == pytest.approx(b.f - last, rel=1e-12)
+        assert with_recompute(b, "full").rc == b.f
+    assert STACKS["colab_kit"].checkpoint == STACKS["torchtitan"].checkpoint == "early_stop"
+    assert {STACKS[s].checkpoint for s in ("megatron-lm-2021", "megatron-core", "deepspeed-2021")} == {"whole"}
+    moe = ModelShape.of(GPTConfig(vocab_size=32000, seq_len=4096, d_model=2048, n_heads=16, n_layers=4, n_experts=64,
+                                  top_k=6, d_expert=1408, shared_experts=2))
+    config = ParallelConfig(dp=8, ep=8, precision="bf16", recompute="full")
+    for hw, skipped in ((H100, H100.gemm_seconds(4096, 2048, moe.shared_ffn, "bf16")), (H100.with_stack(
+            "megatron-core"), 0.0)):
+        early = hw.stack.checkpoint == "early_stop"
+        m = moe_block(moe, config, 1, 4096, hw, with_recompute(block(moe, config, 1, 4096, hw), "full", early))
+        assert m.rc == pytest.approx(m.f - skipped, rel=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------- overlap

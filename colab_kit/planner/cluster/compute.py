@@ -111,6 +111,8 @@ class BlockCost:
     """What per-op selective recomputation repeats (None: half the forward less the core, an MoE block)."""
     gemms: tuple = (0.0, 0.0)
     """Seconds of the block's weight GEMMs, (forward, backward): what tp communication can hide under."""
+    tail: float = 0.0
+    """Forward seconds of the block's last GEMM (fc2, down): what torch's early stop does not replay."""
 
 
 def _splits(config, m: float, n: float, k: float) -> tuple[float, float, float, float]:
@@ -166,7 +168,7 @@ def block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> Blo
     if ring_or_ulysses and config.sp_mode == "ring":
         again += attn
     return BlockCost(f=forward, i=backward_input, w=dw, attn=attn, rc=0.0, repeat=repeat, op=again + elem,
-                     gemms=(f, dx + dw))
+                     gemms=(f, dx + dw), tail=gemms[3][0])
 
 
 def family(shape: ModelShape) -> str:
@@ -269,14 +271,15 @@ def attention_note(hw: Hardware, precision: str) -> str:
             f"({hw.sources.get('attention_efficiency', 'given')}); {hw.sources.get('attention', '')}")
 
 
-def with_recompute(cost: BlockCost, mode: str) -> BlockCost:
-    """``cost`` with what ``mode`` recomputes in backward: the whole forward ("full"), attention's core
-    ("selective": ``cost.repeat``, the core's forward unless the kernel says otherwise), every second matmul and
-    every elementwise op ("op": ``cost.op``), nothing ("none")."""
+def with_recompute(cost: BlockCost, mode: str, early_stop: bool = False) -> BlockCost:
+    """``cost`` with what ``mode`` recomputes in backward: the whole forward ("full"; with ``early_stop``, torch's
+    non-reentrant checkpoint, all but its last GEMM, ``cost.tail``), attention's core ("selective":
+    ``cost.repeat``, the core's forward unless the kernel says otherwise), every second matmul and every
+    elementwise op ("op": ``cost.op``), nothing ("none")."""
     core = cost.attn if cost.repeat is None else cost.repeat
     op = (cost.f - cost.attn) / 2 if cost.op is None else cost.op
-    rc = {"full": cost.f, "selective": core, "op": op}.get(mode, 0.0)
-    return BlockCost(cost.f, cost.i, cost.w, cost.attn, rc, cost.repeat, cost.op, cost.gemms)
+    rc = {"full": cost.f - (cost.tail if early_stop else 0.0), "selective": core, "op": op}.get(mode, 0.0)
+    return BlockCost(cost.f, cost.i, cost.w, cost.attn, rc, cost.repeat, cost.op, cost.gemms, cost.tail)
 
 
 def head(shape: ModelShape, config, rows: float, seq: int, hw: Hardware) -> BlockCost:

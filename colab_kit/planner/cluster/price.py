@@ -114,7 +114,8 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     rows = batch / (config.dp * m)
     mode = recompute_mode(config)
     dense, hd, (tp_f, tp_b, tp_n), (sp_f, sp_b, sp_exp_f, sp_exp_b, sp_n) = per_block(shape, config, rows, seq, hw)
-    blk = with_recompute(dense, mode)
+    early = hw.stack.checkpoint == "early_stop"  # torch's checkpoint: a block's last GEMM not replayed
+    blk = with_recompute(dense, mode, early)
     layers = math.ceil(shape.layers / (p * v)) * v  # the fullest rank's blocks
     comm_total = dict.fromkeys(AXES, 0.0)
     count = dict.fromkeys(AXES, 0)
@@ -135,10 +136,12 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         tp_f, tp_b = tp_f * share, tp_b * share
     if hw.stack.tp_overlap and config.tp > 1 and config.tp_mode == "1d":  # chunks under the GEMMs they feed
         tp_f, tp_b = _under(tp_f, dense.gemms[0], config.tp), _under(tp_b, dense.gemms[1], config.tp)
-    # full replays the forward's tp collectives; per-op ("op") the attention's, in a dense block and an MoE block
-    # alike: half a dense block's forward ones (colab_kit's collectives are in-place ops, recomputed, not saved),
-    # and, as full, the sequence mode's
-    tp_rc = {"full": tp_f, "op": tp_f / share / 2}.get(mode, 0.0)
+    # full replays the forward's tp collectives (with torch's early stop, as per-op, all but fc2's: the
+    # attention's); per-op ("op") the attention's, in a dense block and an MoE block alike: half a dense block's
+    # forward ones (colab_kit's collectives are in-place ops, recomputed, not saved), and, as full, the sequence
+    # mode's
+    attention_only = mode == "op" or (mode == "full" and early)
+    tp_rc = tp_f / share / 2 if attention_only else tp_f if mode == "full" else 0.0
     sp_rc, sp_exp_rc = (sp_f, sp_exp_f) if mode in ("full", "op") else (0.0, 0.0)
     # ZeRO-3: each block's parameters gathered forward and backward, gradients reduce-scattered (fp32)
     z3_f = z3_b = z3_exp_f = z3_exp_b = 0.0
@@ -176,10 +179,12 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     comm_total[Axis.TP] = exposed_tp
     comm_total[Axis.SP] = m * layers * (sp_f + sp_b + sp_rc)
     replay = 2 if mode in ("full", "op") else 1  # the forward's sequence collectives again
-    forward_tp = tp_n[0] * replay if mode == "full" else tp_n[0] + tp_n[0] // 2 if mode == "op" else tp_n[0]
+    forward_tp = tp_n[0] + tp_n[0] // 2 if attention_only else tp_n[0] * replay if mode == "full" else tp_n[0]
     count[Axis.TP] += m * layers * (forward_tp + tp_n[1])
-    if n_moe and config.tp > 1:  # an MoE block has no MLP all-reduce: fc2's forward one (replayed by full only)
-        count[Axis.TP] -= m * n_moe * ((tp_n[0] // 2) * (2 if mode == "full" else 1) + tp_n[1] // 2)  # and fc1's
+    if n_moe and config.tp > 1:  # an MoE block has no MLP all-reduce: fc2's forward one (replayed by a whole
+        # forward only) and fc1's backward one
+        whole = mode == "full" and not early
+        count[Axis.TP] -= m * n_moe * ((tp_n[0] // 2) * (2 if whole else 1) + tp_n[1] // 2)
     count[Axis.SP] += m * layers * (sp_n[0] * replay + sp_n[1])
     # pipeline: p2p of each microbatch and chunk, the schedule's bubble on the other stages' work
     comm_pp = 0.0

@@ -29,6 +29,10 @@ tp_overlap         1D tp collectives cut into chunks and run under the GEMMs the
 zero3_gather       ZeRO-3's parameter gathers: "block", one flat all-gather per block (FSDP, colab_kit's
                    chunks); "tensor", one per parameter tensor (DeepSpeed's stage 3 of 2021), each paying a
                    ring's latency, which grows with the ranks
+checkpoint         full recomputation: "early_stop", torch's non-reentrant checkpoint (colab_kit, torchtitan's
+                   activation checkpointing), which stops replaying once the last tensor backward needs is
+                   rebuilt: a block's last GEMM (fc2, down) and its all-reduce are not run again; "whole",
+                   the block's whole forward again (Megatron's and DeepSpeed's checkpoint functions)
 =================  ===========================================================================================
 
 Contention: communication hidden behind compute is taken to slow that compute by nothing. NCCL's kernels
@@ -51,7 +55,7 @@ __all__ = ["ATTENTION", "STACKS", "Stack", "stack"]
 ATTENTION = ("flash", "unfused")
 """The kernels attention's core can be priced as (``Stack.attention``)."""
 _CHOICES = {"attention": ATTENTION, "elementwise": ("eager", "fused"), "param_gather": ("exposed", "overlapped"),
-            "tp_overlap": (False, True), "zero3_gather": ("block", "tensor")}
+            "tp_overlap": (False, True), "zero3_gather": ("block", "tensor"), "checkpoint": ("early_stop", "whole")}
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class Stack:
     param_gather: str = "exposed"
     tp_overlap: bool = False
     zero3_gather: str = "block"
+    checkpoint: str = "early_stop"
     source: str = ("colab_kit's engine: torch's F.scaled_dot_product_attention, eager PyTorch elsewhere, ZeRO 1-2 "
                    "gather the parameters after the update, tp collectives not overlapped, ZeRO-3 one gather per block")
 
@@ -81,14 +86,14 @@ class Stack:
 
 STACKS = {s.name: s for s in (
     Stack(),
-    Stack("megatron-lm-2021", attention="unfused", elementwise="fused",
+    Stack("megatron-lm-2021", attention="unfused", elementwise="fused", checkpoint="whole",
           source="Megatron-LM 2021 (Narayanan et al., arXiv 2104.04473; Korthikanti et al., arXiv 2205.05198): batched "
                  "attention products and a fused scaled-masked softmax, fused bias-GELU and bias-dropout-add, apex "
                  "LayerNorm; gradients all-reduced after backward"),
-    Stack("deepspeed-2021", attention="unfused", elementwise="fused", zero3_gather="tensor",
+    Stack("deepspeed-2021", attention="unfused", elementwise="fused", zero3_gather="tensor", checkpoint="whole",
           source="DeepSpeed ZeRO stage 3 of 2021 (Rajbhandari et al., arXiv 2104.07857) on Megatron-LM's kernels: "
                  "each partitioned parameter gathered by an all-gather of its own (partition_parameters.py)"),
-    Stack("megatron-core", elementwise="fused", param_gather="overlapped", tp_overlap=True,
+    Stack("megatron-core", elementwise="fused", param_gather="overlapped", tp_overlap=True, checkpoint="whole",
           source="Megatron-Core with Transformer Engine (2024): flash attention, fused RMSNorm / RoPE / SwiGLU / "
                  "bias-dropout-add, distributed optimizer with --overlap-grad-reduce --overlap-param-gather, "
                  "--tp-comm-overlap"),

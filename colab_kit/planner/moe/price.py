@@ -58,7 +58,7 @@ import math
 
 from ...config import Axis
 from ..cluster import comm
-from ..cluster.compute import BlockCost, gemm
+from ..cluster.compute import BlockCost, gemm, recompute_mode
 from ..cluster.hardware import Hardware
 from ..cluster.terms import params_on_rank
 from ..shape import ModelShape
@@ -138,10 +138,13 @@ def moe_block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware, de
     mlp_again = gemm(hw, p, config, t, shape.d_ff, h, True)[0] if shape.gated else 0.0
     shared_again = shared[0][0] / width if shared else 0.0
     op = (dense.op or 0.0) - mlp_again + up[0] + down[0] + permute + shared_again
-    rc = {0.0: 0.0, dense.f: f}.get(dense.rc, dense.rc)  # full recomputation repeats the MoE forward
-    if dense.op is not None and dense.rc == dense.op:
-        rc = op
-    return BlockCost(f=f, i=i, w=w, attn=dense.attn, rc=rc, op=op)
+    # full: the MoE block's forward again; torch's early stop leaves a shared expert's last GEMM out (the
+    # combine's backward needs the routed experts' outputs, so they run again)
+    tail = shared[1][0] if shared else 0.0
+    early = hw.stack.checkpoint == "early_stop"
+    mode = recompute_mode(config)
+    rc = {"full": f - (tail if early else 0.0), "op": op, "selective": dense.rc}.get(mode, 0.0)
+    return BlockCost(f=f, i=i, w=w, attn=dense.attn, rc=rc, op=op, tail=tail)
 
 
 def expert_gemms(shape: ModelShape, config, tokens: float, hw: Hardware) -> tuple[tuple, tuple]:

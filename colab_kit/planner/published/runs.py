@@ -38,9 +38,11 @@ RUNS_2024 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runs_2024.
 _COMPILED = dataclasses.replace(STACKS["torchtitan"], name="torchtitan+compile", elementwise="fused",
                                 source="torchtitan with torch.compile: FSDP2, SDPA flash attention, the elementwise "
                                        "ops compiled into fused kernels")
-_FOUNDRY = dataclasses.replace(STACKS["torchtitan"], name="llm-foundry",
+_FOUNDRY = dataclasses.replace(STACKS["torchtitan"], name="llm-foundry", checkpoint="whole",
                                source="llm-foundry (MosaicML): FSDP FULL_SHARD with prefetch, FlashAttention, eager "
-                                      "PyTorch LayerNorm and GELU")
+                                      "PyTorch LayerNorm and GELU; activation checkpointing through Composer's "
+                                      "FSDP wrapper, reentrant by default (activation_checkpointing_reentrant): "
+                                      "the whole forward again")
 
 
 @functools.lru_cache(maxsize=1)
