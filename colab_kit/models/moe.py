@@ -81,7 +81,22 @@ def balance_loss(probs: torch.Tensor, counts: torch.Tensor, tokens, k: int, kind
 
 def z_loss(logits: torch.Tensor, tokens) -> torch.Tensor:
     """This piece's share of the mean over the batch's ``tokens`` of ``logsumexp(logits)^2``."""
-    return logits.logsumexp(-1).square().sum() / tokens
+    return per_token(logits.logsumexp(-1).square().sum(), tokens)
+
+
+def per_token(x: torch.Tensor, tokens) -> torch.Tensor:
+    """``x / tokens`` for ``tokens`` a host int or a 0-dim integer tensor on ``x``'s device (the batch's token
+    count, left there so that routing reads nothing to the host). A 16-bit ``x`` is divided in fp32 and rounded
+    once, as dividing by a Python int does: a device tensor would be cast to ``x``'s dtype first (bf16 holds
+    10,000 as 9,984).
+
+        >>> x = torch.tensor(3.0, dtype=torch.bfloat16)
+        >>> torch.equal(per_token(x, 10_000), per_token(x, torch.tensor(10_000))), torch.tensor(10_000).bfloat16()
+        (True, tensor(9984., dtype=torch.bfloat16))
+    """
+    if isinstance(tokens, int) or x.dtype in (torch.float32, torch.float64):
+        return x / tokens
+    return (x.float() / tokens).to(x.dtype)
 
 
 def keep_within_capacity(chosen: torch.Tensor, n_experts: int, capacity: int,
@@ -137,10 +152,12 @@ class MoE(nn.Module):
         else:
             stats = cached
         per_slot = stats[:, :-1].view(stats.shape[0], self.k, self.n)
-        total, tokens = per_slot.sum(0), int(stats[:, -1].sum())
+        total = per_slot.sum(0)
+        tokens: int | torch.Tensor = stats[:, -1].sum()  # left on the device: no host read to route
         counts = total.sum(0).float()
         keep = None
         if self.capacity_factor is not None:
+            tokens = int(tokens)  # the capacity is a host number: the one host read, where there is a capacity
             cap = math.ceil(self.capacity_factor * self.k * tokens / self.n)
             keep = keep_within_capacity(chosen, self.n, cap, per_slot[:step.piece].sum(0), total)
         order, got = dispatch(chosen, keep, self.n)
@@ -168,7 +185,8 @@ class MoE(nn.Module):
     def _seen(self, logits, probs, counts, tokens, local, total, keep) -> dict:
         """This layer's routing of the microbatch, for the engine's records (``MoEStep.seen``): detached tensors,
         read on the host once per step with every layer's (``expert.records.step_layers``). ``local [k, E]``:
-        this rank's assignments per slot and expert; ``tokens`` is a host int already (the capacity needs it)."""
+        this rank's assignments per slot and expert; ``tokens`` a host int where there is a capacity (which needs
+        it), else a 0-dim tensor on the device."""
         dropped: torch.Tensor | int = 0
         if keep is not None:  # the batch's drops: every assignment past an expert's capacity
             cap = math.ceil(self.capacity_factor * self.k * tokens / self.n)

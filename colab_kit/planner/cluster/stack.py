@@ -31,8 +31,13 @@ zero3_gather       ZeRO-3's parameter gathers: "block", one flat all-gather per 
                    ring's latency, which grows with the ranks
 checkpoint         full recomputation: "early_stop", torch's non-reentrant checkpoint (colab_kit, torchtitan's
                    activation checkpointing), which stops replaying once the last tensor backward needs is
-                   rebuilt: a block's last GEMM (fc2, down) and its all-reduce are not run again; "whole",
-                   the block's whole forward again (Megatron's and DeepSpeed's checkpoint functions)
+                   rebuilt; "whole", the block's whole forward again (Megatron's and DeepSpeed's checkpoint
+                   functions). What early stop leaves out depends on ``linear`` (``replayed_by_full``)
+linear             how the parallel linear layers are written: "function", autograd Functions, which save
+                   their inputs only once their whole forward ran (colab_kit's tp layers and zero-bubble
+                   ``DeferredLinear``, Megatron's): early stop still runs the last GEMM, and a 2D/2.5D/3D
+                   block's collectives; "module", ``nn.Linear`` on DTensors (torchtitan): the last GEMM saved
+                   before it runs, left out
 =================  ===========================================================================================
 
 Contention: communication hidden behind compute is taken to slow that compute by nothing. NCCL's kernels
@@ -50,12 +55,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["ATTENTION", "STACKS", "Stack", "stack"]
+__all__ = ["ATTENTION", "STACKS", "Stack", "replayed_by_full", "stack"]
 
 ATTENTION = ("flash", "unfused")
 """The kernels attention's core can be priced as (``Stack.attention``)."""
 _CHOICES = {"attention": ATTENTION, "elementwise": ("eager", "fused"), "param_gather": ("exposed", "overlapped"),
-            "tp_overlap": (False, True), "zero3_gather": ("block", "tensor"), "checkpoint": ("early_stop", "whole")}
+            "tp_overlap": (False, True), "zero3_gather": ("block", "tensor"), "checkpoint": ("early_stop", "whole"),
+            "linear": ("function", "module")}
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class Stack:
     tp_overlap: bool = False
     zero3_gather: str = "block"
     checkpoint: str = "early_stop"
+    linear: str = "function"
     source: str = ("colab_kit's engine: torch's F.scaled_dot_product_attention, eager PyTorch elsewhere, ZeRO 1-2 "
                    "gather the parameters after the update, tp collectives not overlapped, ZeRO-3 one gather per block")
 
@@ -97,11 +104,34 @@ STACKS = {s.name: s for s in (
           source="Megatron-Core with Transformer Engine (2024): flash attention, fused RMSNorm / RoPE / SwiGLU / "
                  "bias-dropout-add, distributed optimizer with --overlap-grad-reduce --overlap-param-gather, "
                  "--tp-comm-overlap"),
-    Stack("torchtitan", param_gather="overlapped",
+    Stack("torchtitan", param_gather="overlapped", linear="module",
           source="torchtitan (Liang et al. 2024, arXiv 2410.06511) without torch.compile: FSDP2 prefetching each "
                  "block's all-gather, SDPA flash attention, eager PyTorch elementwise (torch.compile: "
                  "elementwise='fused')"))}
 """Named stacks; ``Stack(...)`` or ``dataclasses.replace(STACKS[name], ...)`` makes others."""
+
+
+def replayed_by_full(config, stack: Stack) -> tuple[bool, float]:
+    """``(last GEMM left out, share of the forward's tp collectives replayed)`` by full recomputation of a block
+    under ``config`` on ``stack``. A whole-forward checkpoint: ``(False, 1.0)``. torch's early stop (the last
+    tensor backward needs is fc2's input): fc2 is left out where it is a plain module's GEMM (no tp and no
+    zero-bubble schedule in colab_kit, any 1D layout in torchtitan); of the tp collectives 1D leaves fc2's
+    all-reduce out (half replayed), split_gather its reduce-scatter (three of four), and 2D/2.5D/3D blocks,
+    autograd Functions whole, replay everything::
+
+        >>> from colab_kit.config import ParallelConfig
+        >>> replayed_by_full(ParallelConfig(tp=2), STACKS["colab_kit"]), replayed_by_full(ParallelConfig(),
+        ...                                                                                  STACKS["colab_kit"])
+        ((False, 0.5), (True, 1.0))
+        >>> replayed_by_full(ParallelConfig(tp=4, tp_mode="2d"), STACKS["colab_kit"])
+        (False, 1.0)
+    """
+    if stack.checkpoint != "early_stop" or (config.tp > 1 and config.tp_mode != "1d"):
+        return False, 1.0
+    zero_bubble = config.pp > 1 and config.schedule in ("zb-h1", "zb-v")  # DeferredLinear: autograd Functions
+    plain = stack.linear == "module" or (config.tp == 1 and not zero_bubble)
+    share = 1.0 if config.tp == 1 else 0.75 if config.sp_mode == "split_gather" else 0.5
+    return plain, share
 
 
 def stack(name_or_stack) -> Stack:

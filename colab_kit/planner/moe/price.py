@@ -138,10 +138,12 @@ def moe_block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware, de
     mlp_again = gemm(hw, p, config, t, shape.d_ff, h, True)[0] if shape.gated else 0.0
     shared_again = shared[0][0] / width if shared else 0.0
     op = (dense.op or 0.0) - mlp_again + up[0] + down[0] + permute + shared_again
-    # full: the MoE block's forward again; torch's early stop leaves a shared expert's last GEMM out (the
-    # combine's backward needs the routed experts' outputs, so they run again)
-    tail = shared[1][0] if shared else 0.0
-    early = hw.stack.checkpoint == "early_stop"
+    # full: the MoE block's forward again; torch's early stop leaves the MoE GPT's shared expert's last GEMM out
+    # (a plain module, run last, nothing saved after it; the combine's backward needs the routed experts'
+    # outputs, so they run again). Other orders (Qwen2-MoE's gated shared expert) are priced whole.
+    tail = shared[1][0] if shared and shape.name == "GPT-MoE" else 0.0
+    zero_bubble = config.pp > 1 and config.schedule in ("zb-h1", "zb-v")  # DeferredLinear: replayed
+    early = hw.stack.checkpoint == "early_stop" and not (zero_bubble and hw.stack.linear == "function")
     mode = recompute_mode(config)
     rc = {"full": f - (tail if early else 0.0), "op": op, "selective": dense.rc}.get(mode, 0.0)
     return BlockCost(f=f, i=i, w=w, attn=dense.attn, rc=rc, op=op, tail=tail)
