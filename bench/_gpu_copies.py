@@ -30,6 +30,7 @@ import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.engine.reference import max_relative_difference
 from colab_kit.models import GPT, GPTConfig
+from colab_kit.observe.profile import _union as union  # (start, end) intervals merged where they overlap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGING = os.path.join("colab_kit", "comm", "rules", "staging.py")
@@ -69,17 +70,6 @@ def host_syncs(step) -> dict | None:
             torch.cuda.set_sync_debug_mode(0)
     staged = sum(n for k, n in sites.items() if k.startswith(STAGING))
     return {"syncs": sum(sites.values()), "staged": staged, "sites": dict(sites.most_common())}
-
-
-def union(spans) -> list[list[float]]:
-    """``(start, end)`` intervals merged where they overlap, in order."""
-    merged: list[list[float]] = []
-    for a, b in sorted(spans):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return merged
 
 
 def busy_seconds(prof) -> float:
