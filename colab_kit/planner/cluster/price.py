@@ -240,7 +240,7 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
                  "comm:pp": comm_pp, "comm:dp": exposed_dp, "optimizer": opt}
     if n_moe:
         breakdown["comm:ep"] = comm_total[Axis.EP]
-    moved = zero3_transfers(shape, config, rank_params, experts, grads.size,
+    moved = zero3_transfers(shape, config, rank_params, experts, config.dp,  # ZeRO shards over dp, experts edp
                             config.dp * config.sp // config.ep if n_moe else 1, host_share)
     if moved["to_device"]:  # on two side streams, one each way, a unit ahead: what compute does not cover
         breakdown["offload"] = max(0.0, max(moved.values()) / hw.pcie_bytes_per_s - compute)

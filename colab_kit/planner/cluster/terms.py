@@ -147,8 +147,10 @@ def zero3_transfers(shape: ModelShape, config, rank_params: float, experts: floa
     """Bytes a ZeRO-3 rank with offload moves over PCIe in a step, as the engine's placement counts them
     (``placement.last_transfers``): each host chunk's shard staged to the device for each gather, forward and
     backward in every microbatch (the tail, final norm and untied head, once), and each microbatch's reduced
-    fp32 piece back; ``host_share`` of it under ``offload="auto"``. ``rank_params`` over ``group`` (dp x sp),
-    an MoE's ``experts`` over ``edp``. Worked example, a 4-block GPT of d 32 over dp=2 in fp32 (55,488
+    fp32 piece back; ``host_share`` of it under ``offload="auto"``. ``rank_params`` over ``group`` (dp: the
+    engine's ZeRO shards over dp, not sp), an MoE's ``experts`` over ``edp``; under tp ``rank_params`` as
+    ``params_on_rank`` counts them (the norms and row biases every tp rank holds whole, split too: 2.4% under
+    at d 32, nothing at scale). Worked example, a 4-block GPT of d 32 over dp=2 in fp32 (55,488
     parameters, the tail 2,112): ``(2 x 55,488 - 2,112) / 2 x 4`` B up, ``55,488 / 2 x 4`` B back::
 
         >>> from colab_kit.config import ParallelConfig
