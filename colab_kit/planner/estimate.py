@@ -328,10 +328,11 @@ def priced(shape: ModelShape, config: ParallelConfig, batch: int, hw: Hardware, 
            optimizer: str = "adamw") -> Estimate:
     """The ``Estimate`` of ``config`` on a preset with ``memory`` (``memory_of``'s): ``ck.estimate`` and the
     at-scale ``ck.plan`` both make theirs here, so the plan ranks by exactly what ``ck.estimate`` says."""
-    p = price(shape, config, batch, hw, seq=shape.seq, optimizer=optimizer, host_share=host_share(memory))
+    share = host_share(memory)
+    p = price(shape, config, batch, hw, seq=shape.seq, optimizer=optimizer, host_share=share)
     notes = list(p.assumptions)  # (the attention kernel's line among them)
     if config.offload == "auto":
-        notes.append(f"offload='auto': {host_share(memory):.0%} of the model states on the host, what does not "
+        notes.append(f"offload='auto': {share:.0%} of the model states on the host, what does not "
                      f"fit beside the activations in the preset's {hw.usable_bytes / 2 ** 30:.1f} GiB usable "
                      f"(memory.formulas.auto_placed)")
     return Estimate(shape, config, batch, shape.seq, hw.name, p.step_seconds, memory, hw.device_bytes - hw.usable_bytes,

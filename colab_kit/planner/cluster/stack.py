@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["ATTENTION", "STACKS", "Stack", "replayed_by_full", "stack"]
+__all__ = ["ATTENTION", "STACKS", "Stack", "plain_left_out", "replayed_by_full", "stack"]
 
 ATTENTION = ("flash", "unfused")
 """The kernels attention's core can be priced as (``Stack.attention``)."""
@@ -128,10 +128,17 @@ def replayed_by_full(config, stack: Stack) -> tuple[bool, float]:
     """
     if stack.checkpoint != "early_stop" or (config.tp > 1 and config.tp_mode != "1d"):
         return False, 1.0
-    zero_bubble = config.pp > 1 and config.schedule in ("zb-h1", "zb-v")  # DeferredLinear: autograd Functions
-    plain = stack.linear == "module" or (config.tp == 1 and not zero_bubble)
+    plain = stack.linear == "module" or (config.tp == 1 and plain_left_out(config, stack))
     share = 1.0 if config.tp == 1 else 0.75 if config.sp_mode == "split_gather" else 0.5
     return plain, share
+
+
+def plain_left_out(config, stack: Stack) -> bool:
+    """Whether full recomputation leaves out a plain ``nn.Linear`` run last in a block (fc2 without tp, an MoE
+    block's shared expert): under torch's early stop, unless the zero-bubble schedules' ``DeferredLinear``, an
+    autograd Function, stands in for it (``stack.linear == "function"``)."""
+    zero_bubble = config.pp > 1 and config.schedule in ("zb-h1", "zb-v")
+    return stack.checkpoint == "early_stop" and not (zero_bubble and stack.linear == "function")
 
 
 def stack(name_or_stack) -> Stack:

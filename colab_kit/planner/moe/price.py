@@ -60,6 +60,7 @@ from ...config import Axis
 from ..cluster import comm
 from ..cluster.compute import BlockCost, gemm, recompute_mode
 from ..cluster.hardware import Hardware
+from ..cluster.stack import plain_left_out
 from ..cluster.terms import params_on_rank
 from ..shape import ModelShape
 
@@ -142,10 +143,8 @@ def moe_block(shape: ModelShape, config, rows: float, seq: int, hw: Hardware, de
     # (a plain module, run last, nothing saved after it; the combine's backward needs the routed experts'
     # outputs, so they run again). Other orders (Qwen2-MoE's gated shared expert) are priced whole.
     tail = shared[1][0] if shared and shape.name == "GPT-MoE" else 0.0
-    zero_bubble = config.pp > 1 and config.schedule in ("zb-h1", "zb-v")  # DeferredLinear: replayed
-    early = hw.stack.checkpoint == "early_stop" and not (zero_bubble and hw.stack.linear == "function")
-    mode = recompute_mode(config)
-    rc = {"full": f - (tail if early else 0.0), "op": op, "selective": dense.rc}.get(mode, 0.0)
+    left_out = plain_left_out(config, hw.stack)
+    rc = {"full": f - (tail if left_out else 0.0), "op": op, "selective": dense.rc}.get(recompute_mode(config), 0.0)
     return BlockCost(f=f, i=i, w=w, attn=dense.attn, rc=rc, op=op, tail=tail)
 
 
