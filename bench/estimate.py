@@ -165,6 +165,26 @@ def attention_by_kernel(shape: ModelShape = LLAMA3_8B, config: ParallelConfig = 
     return out
 
 
+def memory_by_architecture(shape: ModelShape = LLAMA3_8B, batch: int = 8) -> list[dict]:
+    """Activations a rank of ``dp=8 zero=3`` bf16 holds for a Llama 3 8B step at sequence 8192 (one row a GPU) on
+    a DGX H100, as its blocks save (``memory.saves``: RMSNorm in fp32, SwiGLU, fp32 loss) and as a GPT of the same
+    widths saves (the count before), and whether the step fits, per recomputation mode."""
+    import colab_kit as ck
+    from colab_kit.memory.estimator import config_estimate
+    from colab_kit.planner.estimate import gpt_of
+
+    out = []
+    for mode in ("none", "op", "full"):
+        config = ParallelConfig(dp=8, zero=3, precision="bf16", recompute=mode)
+        est = ck.estimate(shape, config, batch, hardware="8xH100-SXM")
+        gpt = config_estimate(gpt_of(shape), config, batch, seq=shape.seq)["activations"]
+        states = est.device_bytes - est.memory["device"]["activations"]
+        out.append({"recompute": mode, "activations": est.memory["activations"], "gpt_count": gpt,
+                    "fits": est.fits, "gpt_count_fits": states + gpt <= est.device_capacity,
+                    "capacity": est.device_capacity})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibrate", action="store_true", help="refit the matmul curve on Table 1 and print it")
@@ -218,6 +238,17 @@ def main() -> None:
                         f"unfused {unfused['step_seconds']:.2f} s/step, attention {unfused['attention_seconds']:.2f} s "
                         f"({100 * unfused['share']:.0f}%)", flash["step_seconds"] / unfused["step_seconds"],
                         "estimates, not measured; attention's core priced by kernel (docs/estimate.md)"))
+    print("\nmemory by architecture: Llama 3 8B, seq 8192, dp=8 zero=3 bf16, a row a GPU, DGX H100")
+    figures["memory_by_architecture"] = memory_by_architecture()
+    for m in figures["memory_by_architecture"]:
+        gib = 2 ** 30
+        print(f"  recompute {m['recompute']:>4}: activations {m['activations'] / gib:.1f} GiB "
+              f"({'fits' if m['fits'] else 'does not fit'}); a GPT's count {m['gpt_count'] / gib:.1f} GiB "
+              f"({'fits' if m['gpt_count_fits'] else 'does not fit'})")
+        rows.append(row(f"Llama 3 8B activations a rank, seq 8192, dp=8 zero=3 bf16, recompute {m['recompute']}",
+                        f"{m['activations'] / gib:.1f} GiB ({'fits' if m['fits'] else 'does not fit'})",
+                        f"a GPT of its widths {m['gpt_count'] / gib:.1f} GiB", m["activations"] / m["gpt_count"],
+                        "estimates; the block count is held to the engine's meter in tests/ranks/test_hf_activations.py"))
     shape, config, batch = as_run(table1()[6])
     t = time.perf_counter()
     for i in range(2000):

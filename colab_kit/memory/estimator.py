@@ -35,6 +35,7 @@ import functools
 
 from .experts import moe_estimate
 from .formulas import model_state_bytes, placed
+from .saves import BlockSaves
 from .layout import (layout_activations, part_params, pipeline_peak, rank_params, stage_params,  # noqa: F401
                      walks)
 from ..config import ParallelConfig
@@ -49,13 +50,14 @@ __all__ = ["part_params", "stage_params", "rank_params", "layout_activations", "
 
 def config_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | None = None,
                     pp_rank: int | None = None, n_params: int | None = None, host_share: float | None = None,
-                    fitted: bool = True) -> dict:
+                    fitted: bool = True, saves=None) -> dict:
     """Estimated bytes on one rank of ``config`` training a GPT (``model``: its GPTConfig) on a
     global ``batch`` of rows per step: the keys of ``engine.memory()`` with "device" and "host".
 
     ``pp_rank`` picks the pipeline rank (None: the one with the most parameters plus activations);
     ``n_params`` overrides the parameter count (another model); ``seq`` defaults to the model's; ``fitted``
-    (``pipeline_peak``): zb-v's plan fitted to the model's FLOPs, as the engine runs it, or at unit costs.
+    (``pipeline_peak``): zb-v's plan fitted to the model's FLOPs, as the engine runs it, or at unit costs;
+    ``saves`` (``memory.saves.BlockSaves``): what a block of another architecture saves (the GPT's when None).
 
     >>> from colab_kit import ParallelConfig
     >>> from colab_kit.models import GPTConfig
@@ -70,9 +72,9 @@ def config_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | 
     rows = batch // (config.dp * config.microbatches)
     params = stage_params(model, config) if n_params is None else [n_params] * config.pp
     if config.pp > 1:
-        acts = pipeline_peak(model, config, rows, seq, fitted=fitted)
+        acts = pipeline_peak(model, config, rows, seq, fitted=fitted, saves=saves)
     else:
-        acts = [layout_activations(model, config, rows, seq, layers=model.n_layers)]
+        acts = [layout_activations(model, config, rows, seq, layers=model.n_layers, saves=saves)]
     states = [model_state_bytes(p, optimizer, config.precision, config.dp, config.zero, config.offload) for p in params]
     totals = [sum(s.values()) + a for s, a in zip(states, acts)]
     r = max(range(config.pp), key=totals.__getitem__) if pp_rank is None else pp_rank
@@ -162,17 +164,20 @@ def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, tr
     """Activations per rank for any model with a policy: its dense forward traced on the meta device for
     the global batch ``shape`` (``traced_activations``), times the share of a GPT of the same widths that
     ``config``'s layout keeps on the rank (``config_estimate``'s layout formulas: dp and microbatch rows,
-    the tensor mode's split, sp's tokens, the pipeline's peak). Within 25% of what the engine measures
-    for BERT, ViT, GPT-2, Llama and a user's model (``tests/ranks/test_models_memory.py``)."""
+    the tensor mode's split, sp's tokens, the pipeline's peak), its blocks counted as the model's own
+    architecture saves (``BlockSaves.of_module``: a Llama's RMSNorm, SwiGLU and grouped-query attention). Within
+    25% of what the engine measures for BERT, ViT, GPT-2, Llama and a user's model
+    (``tests/ranks/test_models_memory.py``)."""
     gpt = gpt_like(model, policy)
+    saves = BlockSaves.of_module(model, policy)  # the share of this architecture's blocks, not a GPT's
     tokens = policy.sequence and len(shape) > 1
     seq = shape[1] if tokens else gpt.seq_len
     if seq > gpt.seq_len:
         import dataclasses
         gpt = dataclasses.replace(gpt, seq_len=seq)
     batch = shape[0]
-    one = config_estimate(gpt, ParallelConfig(precision=config.precision), batch, seq=seq)["activations"]
-    here = config_estimate(gpt, config, batch, seq=seq, pp_rank=pp_rank)["activations"]
+    one = config_estimate(gpt, ParallelConfig(precision=config.precision), batch, seq=seq, saves=saves)["activations"]
+    here = config_estimate(gpt, config, batch, seq=seq, pp_rank=pp_rank, saves=saves)["activations"]
     if traced is None:  # ``traced``: the dense trace, when the caller already has it (the planner, per precision)
         traced = traced_activations(model, shape, dtype, config.precision)
     return round(traced * here / max(one, 1))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .saves import BlockSaves
+
 __all__ = ["estimate", "model_state_bytes", "activation_bytes", "optimizer_states", "placed", "PRECISION_BYTES",
            "OPTIMIZER_STATES", "recompute_mode"]
 
@@ -121,7 +123,7 @@ def recompute_mode(recompute) -> str:
 
 def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | None = None, first: bool = True,
                      last: bool = True, tp: int = 1, recompute: bool | str = False, bytes_per_elem: int = 4,
-                     sequence_split: int = 1) -> dict:
+                     sequence_split: int = 1, saves: BlockSaves | None = None) -> dict:
     """Bytes autograd saves in one forward of ``rows`` sequences through a ``ck.models.GPT``
     (``model`` is its ``GPTConfig``) on one rank: what ``ActivationMeter`` measures.
 
@@ -162,27 +164,28 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
     1D tensor parallelism is estimated for the blocks; its vocabulary-parallel embedding and
     loss save a little more than the dense ones. ``sequence_split``: split_gather (Megatron's
     sequence parallelism in the tp group) keeps each LayerNorm's input and statistics split
-    along the sequence over that many ranks; the rest is 1D's.
+    along the sequence over that many ranks; the rest is 1D's. ``saves``: another architecture's block
+    (``memory.saves.BlockSaves``: a Hugging Face Llama's RMSNorm in fp32, SwiGLU, grouped-query attention, q/k
+    norms, its loss in fp32); the GPT's by default, the table above.
 
     >>> from colab_kit.models import GPTConfig
     >>> a = activation_bytes(GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2), 8)
     >>> a["block"], a["held"], a["peak"] == a["held"]
     (1056768, 2316548, True)
     """
-    h, f, heads, vocab = model.d_model, model.d_ff, model.n_heads, model.vocab_size
+    saves = saves or BlockSaves.of_gpt(model)
     seq = model.seq_len if seq is None else seq
     layers = model.n_layers if layers is None else layers
     n, e = rows * seq, bytes_per_elem
-    ln = (e * n * h + 8 * n) // sequence_split  # one LayerNorm: its input, mean and 1/std
     mode = recompute_mode(recompute)
-    block = 2 * ln + 2 * e * n * h + (4 * e * n * h + 4 * n * heads + 2 * e * n * f) // tp
-    core = 4 * n * heads // tp  # what attention's core alone keeps: the log-sum-exp (fp32)
-    x = e * n * h // sequence_split  # the block's input (split_gather: split too)
-    op = x + (4 * e * n * h + 4 * n * heads + e * n * f) // tp  # + qkv, fc1 and the attention kernel's outputs
+    block = saves.block(n, e, tp, sequence_split)
+    core = saves.core(n, tp)  # what attention's core alone keeps: the log-sum-exp (fp32)
+    x = e * n * saves.hidden // sequence_split  # the block's input (split_gather: split too)
+    op = saves.op_kept(n, e, tp, sequence_split)  # + every second matmul's and the attention kernel's outputs
     kept = {"full": x, "op": op, "selective": block - core, "none": block}[mode]
     embed = 8 * n + 8 * seq if first else 0
-    head = (ln + e * n * h + e * n * vocab // tp + 8 * n + 4) if last else 0
-    held = layers * kept + embed + head
+    head = saves.head(n, e, tp, sequence_split) if last else 0
+    held = layers * kept + embed + head + (saves.rope(seq, e) if layers and mode in ("none", "selective") else 0)
     return {"block": block, "blocks": layers * kept, "embedding": embed, "head": head, "held": held,
             "peak": held + ({"full": block, "op": block - op + x, "selective": core, "none": 0}[mode] if layers else 0)}
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from ..config import ConfigError, ParallelConfig
 from ..memory.estimator import config_estimate
 from ..memory.formulas import auto_placed, host_share, optimizer_states
+from ..memory.saves import BlockSaves
 from ..models import GPT, GPTConfig
 from .cluster.hardware import ATTENTION, HARDWARE, Hardware
 from .cluster.price import price
@@ -160,8 +161,8 @@ def hardware_of(hardware) -> Hardware | str:
 
 
 def gpt_of(shape: ModelShape) -> GPTConfig:
-    """The GPT of ``shape``'s widths that the engine's memory estimate counts (a gated MLP's three matrices
-    as a GPT MLP of 1.5 times its width)."""
+    """The GPT of ``shape``'s widths that the engine's memory estimate lays out (a gated MLP's three matrices
+    as a GPT MLP of 1.5 times its width: its parameters; what a block saves is ``shape.block_saves()``'s)."""
     d_ff = shape.d_ff * 3 // 2 if shape.gated else shape.d_ff
     return GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq, d_model=shape.hidden, n_heads=shape.heads,
                      n_layers=shape.layers, d_ff=d_ff)
@@ -170,7 +171,9 @@ def gpt_of(shape: ModelShape) -> GPTConfig:
 def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: str = "adamw", *,
               gpt: GPTConfig | None = None, fit: bool = True) -> dict:
     """The engine's estimate for the fullest rank of ``config`` (``config_estimate`` of ``gpt_of(shape)``),
-    its model states scaled to ``shape.params`` (grouped-query attention, no position table, a tied head).
+    its model states scaled to ``shape.params`` (grouped-query attention, no position table, a tied head), its
+    activations what the shape's blocks save as the engine runs them (``shape.block_saves()``: a Llama's
+    RMSNorm in fp32, SwiGLU, grouped-query attention and fp32 loss; ``memory.saves``).
 
     A pipeline of more than ``2 pp`` microbatches holds at its peak what one of ``2 pp`` microbatches of the
     same rows holds (every schedule but gpipe has reached its steady state by then;
@@ -187,7 +190,7 @@ def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: 
         return moe_memory(shape, config, batch, optimizer)
     gpt = gpt or gpt_of(shape)
     fitted = config.schedule != "zb-v" or (fit and config.microbatches < 2 * config.pp)
-    mem = _cached_estimate(gpt, config, batch, optimizer, shape.seq, fitted)
+    mem = _cached_estimate(gpt, config, batch, optimizer, shape.seq, fitted, shape.block_saves())
     scale = shape.params / _gpt_params(gpt)
     if abs(scale - 1) < 1e-12:
         return {**mem, "device": dict(mem["device"]), "host": dict(mem["host"])}
@@ -201,13 +204,14 @@ def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: 
 
 
 def _cached_estimate(gpt: GPTConfig, config: ParallelConfig, batch: int, optimizer: str, seq: int,
-                     fitted: bool) -> dict:
-    return _estimate_of(dataclasses.astuple(gpt), config, batch, optimizer, seq, fitted)
+                     fitted: bool, saves: BlockSaves | None = None) -> dict:
+    return _estimate_of(dataclasses.astuple(gpt), config, batch, optimizer, seq, fitted, saves)
 
 
 @functools.lru_cache(maxsize=4096)
-def _estimate_of(gpt: tuple, config: ParallelConfig, batch: int, optimizer: str, seq: int, fitted: bool) -> dict:
-    return config_estimate(GPTConfig(*gpt), config, batch, optimizer, seq=seq, fitted=fitted)
+def _estimate_of(gpt: tuple, config: ParallelConfig, batch: int, optimizer: str, seq: int, fitted: bool,
+                 saves: BlockSaves | None) -> dict:
+    return config_estimate(GPTConfig(*gpt), config, batch, optimizer, seq=seq, fitted=fitted, saves=saves)
 
 
 def _gpt_params(gpt: GPTConfig) -> int:

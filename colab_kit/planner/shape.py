@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ..config import ConfigError
 from ..engine.facts import ModelFacts
+from ..memory.saves import BlockSaves, mlp_columns, read_block
 from ..models import GPT, GPTConfig
 from ..models.moe import has_experts
 from ..policy import missing_policy_message, policy_for
@@ -91,6 +92,21 @@ class ModelShape:
     causal: bool = True
     """Whether attention masks future tokens (decoder LMs; BERT and ViT do not): a FlashAttention-priced core
     computes half of the square (``planner.cluster.compute``); the policy's ``Attention.causal`` where read."""
+    norm: str = ""
+    """The blocks' norm as the engine runs it: "layer" (LayerNorm) or "rms" (Hugging Face's RMSNorm, computed in
+    fp32); "": "rms" when ``gated`` (a Llama, which the engine runs as Hugging Face's), "layer" otherwise."""
+    qk_norm: bool = False
+    """Per-head RMSNorms on q and k (Qwen3)."""
+    loss_fp32: bool | None = None
+    """Whether the loss upcasts the logits to fp32 (Hugging Face's causal LMs); None: as ``gated``."""
+    linears: tuple = ()
+    """(output width, split over tp) of one block's matmuls in forward order, where read from a model; ():
+    a GPT's fused qkv, proj, fc1, fc2, or a gated block's q, k, v, o, gate, up, down."""
+    rotary: bool | None = None
+    """Rotary positions kept as tables a forward (``BlockSaves.rotary``); None: as ``gated`` without ``positions``."""
+    hf_attention: bool | None = None
+    """Attention through ``transformers``' interface (``memory.saves.BlockSaves.hf_attention``); None: as
+    ``gated``."""
 
     def __post_init__(self):
         for key in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -171,6 +187,24 @@ class ModelShape:
         if self.gated:
             return self.block_matmul_params() + 2 * self.hidden
         return self.block_matmul_params() + self.qkv_out + self.d_ff + 6 * self.hidden  # biases, 2 LayerNorms
+
+    def block_saves(self) -> BlockSaves:
+        """What one dense block saves for backward as the engine runs it (``memory.saves``): the norm, the
+        attention's q and key/value widths, the gated MLP, the loss's dtype and the matmuls' order.
+
+            >>> s = ModelShape(32, 4096, 32, 128256, 8192, ffn=14336, kv_heads=8, gated=True, positions=False)
+            >>> b = s.block_saves()
+            >>> b.norm, b.q, b.kv, b.loss_fp32, len(b.matmuls())
+            ('rms', 4096, 1024, True, 7)
+        """
+        q = self.core_width or self.hidden
+        return BlockSaves(hidden=self.hidden, heads=self.heads, ffn=self.d_ff, vocab=self.vocab, q_width=q,
+                          kv_width=self.n_kv * (q // self.heads), kv_heads=self.n_kv,
+                          norm=self.norm or ("rms" if self.gated else "layer"), gated=self.gated,
+                          qk_norm=self.qk_norm, loss_fp32=self.gated if self.loss_fp32 is None else self.loss_fp32,
+                          linears=tuple(self.linears),
+                          hf_attention=self.gated if self.hf_attention is None else self.hf_attention,
+                          rotary=(self.gated and not self.positions) if self.rotary is None else self.rotary)
 
     # ------------------------------------------------------------------ mixtures of experts
     @property
@@ -280,10 +314,7 @@ def _of_module(cls, model: nn.Module, policy, seq: int | None) -> ModelShape:
         policy.prepare(twin)
     sizes = model_sizes(twin, policy)
     blocks = policy.block_list(twin)
-    inside = {p for p, _, _ in policy.attentions(twin)}
-    first = policy.blocks + ".0."
-    cols = [m.out_features for p, _, m in policy.modules(twin, "column")
-            if p.startswith(first) and not any(p.startswith(a + ".") for a in inside)]
+    cols = mlp_columns(twin, policy)
     vocab = sizes.outputs.get("vocab_size") or sizes.tables.get("vocab_size")
     hf = getattr(model, "config", None)
     max_seq = sizes.seq_len or int(getattr(hf, "max_position_embeddings", 0) or 0)
@@ -291,8 +322,12 @@ def _of_module(cls, model: nn.Module, policy, seq: int | None) -> ModelShape:
         raise ConfigError(f"ck.estimate prices decoder language models (a token table and a vocabulary head); "
                           f"{type(model).__name__} has {'no vocabulary' if not vocab else 'no sequence length'}: "
                           f"pass seq= or a causal LM")
+    read = read_block(twin, policy)
+    q = read["q_width"]
     return cls(layers=len(blocks), hidden=sizes.d_model, heads=sizes.n_heads, vocab=vocab, seq=seq or max_seq,
                ffn=max(cols) if cols else sizes.d_ff, kv_heads=sizes.kv.get("n_kv_heads", 0), gated=len(cols) >= 2,
                tied=bool(sizes.tied), positions=bool(sizes.seq_len), name=type(model).__name__,
                params_exact=sum(p.numel() for p in twin.parameters()),
-               causal=all(a.causal for _, _, a in policy.attentions(twin)))
+               causal=all(a.causal for _, _, a in policy.attentions(twin)), core_width=0 if q == sizes.d_model else q,
+               norm=read["norm"], qk_norm=read["qk_norm"], loss_fp32=read["loss_fp32"], linears=read["linears"],
+               hf_attention=read["hf_attention"], rotary=read["rotary"])

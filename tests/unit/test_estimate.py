@@ -66,7 +66,11 @@ def test_model_states_follow_the_true_parameter_count():
     mem = memory_of(llama_like, ck.ParallelConfig(dp=2, zero=1, precision="bf16"), 8)
     gpt = config_estimate(gpt_of(llama_like), ck.ParallelConfig(dp=2, zero=1, precision="bf16"), 8)
     assert mem["params"] == pytest.approx(2 * llama_like.params, abs=2)  # bf16: 2 bytes each
-    assert mem["params"] != gpt["params"] and mem["activations"] == gpt["activations"]
+    assert mem["params"] != gpt["params"]
+    # activations: what a Llama block saves (RMSNorm in fp32, SwiGLU, 2 of 4 kv heads, fp32 loss), not the twin's
+    llama = config_estimate(gpt_of(llama_like), ck.ParallelConfig(dp=2, zero=1, precision="bf16"), 8,
+                            saves=llama_like.block_saves())
+    assert mem["activations"] == llama["activations"] > 1.3 * gpt["activations"]
     assert sum(mem["device"].values()) + sum(mem["host"].values()) == sum(mem[k] for k in
                                                                           ("params", "grads", "optimizer", "activations"))
 

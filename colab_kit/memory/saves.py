@@ -1,0 +1,207 @@
+"""What one decoder block saves for backward, by architecture: the per-op count behind ``activation_bytes``,
+for the built-in GPT and for the Hugging Face decoders the engine runs as they are (Llama, Mistral, Qwen2,
+Qwen3: an RMSNorm that computes in fp32, a SwiGLU MLP, grouped-query attention, per-head q/k norms).
+
+Read off autograd's saved tensors of the modules themselves (each storage once, parameters never; what
+``ActivationMeter`` counts), N tokens on a rank, e bytes an element of the compute dtype, tp 1D ranks, a
+sequence split s (split_gather), h the residual width, q the query width (heads x head dim), kv the key/value
+width, a and a_kv the heads, f the MLP's inner width::
+
+    tensor                          GPT (LayerNorm, GELU)        HF Llama family (RMSNorm, SwiGLU)
+    each of the two norms           e N h + 8 N          (/ s)   4 N h + e N h + 4 N   (/ s)
+                                    input; mean, 1/std fp32      fp32 copy of the input, normed, 1/rms
+    the norms' outputs (matmul in)  2 e N h                      2 e N h
+    attention kernel                e N (2 q + 2 kv) + 4 N a     (/ tp) q, k, v, output; log-sum-exp
+    q / k norms (Qwen3)             -                            4 N (q + kv) + e N (q + kv) + 4 N (a + a_kv)
+    MLP inner tensors               2 e N f (fc1, gelu)  (/ tp)  4 e N f (gate, silu, up, product)  (/ tp)
+
+An HF model's loss upcasts the logits (``logits.float()``): its log-softmax is 4 N V / tp bytes whatever the
+compute dtype, where the GPT's is e N V / tp. In fp32 the norm's "fp32 copy" is its input itself, so the two
+columns agree there on the norm (2 e N h + 8 N against e N h + 8 N: RMSNorm also keeps its normed input).
+
+Per-op recomputation (``recompute="op"``) keeps a block's input, the outputs of the 1st, 3rd, ... matmul in
+forward order (``linears``: a GPT's fused qkv and fc1; a Llama's q, v, gate and down; a row-parallel
+matmul's output is whole on every rank) and the attention kernel's output and log-sum-exp.
+
+Worked example, a Llama block of h 64, q 64, kv 32, 4 heads, f 176 on one rank in bf16 (e 2), per token:
+2 x (4 x 64 + 2 x 64 + 4) + 2 x 2 x 64 + 2 x (128 + 64) + 16 + 4 x 2 x 176 = 2,840 bytes, what the engine's
+meter measures (tests/unit/test_block_saves.py); the GPT twin the planner used before (d_ff 1.5 f) counted 2,112.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from ..tensor import model_sizes
+
+__all__ = ["BlockSaves", "read_block", "mlp_columns"]
+
+
+@dataclass(frozen=True)
+class BlockSaves:
+    """One block's widths as its saved tensors see them (the table above)."""
+
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    q_width: int = 0
+    """Heads x head dim (0: ``hidden``)."""
+    kv_width: int = 0
+    """Key/value heads x head dim (0: ``q_width``)."""
+    kv_heads: int = 0
+    """Key/value heads (0: ``heads``)."""
+    norm: str = "layer"
+    """"layer": LayerNorm (the GPT's); "rms": Hugging Face's RMSNorm, which computes in fp32."""
+    gated: bool = False
+    """A SwiGLU MLP (gate, up, down) rather than fc1, GELU, fc2."""
+    qk_norm: bool = False
+    """Per-head RMSNorms on q and k (Qwen3)."""
+    loss_fp32: bool = False
+    """The loss upcasts the logits to fp32 (Hugging Face's causal LMs)."""
+    linears: tuple = ()
+    """(output width, split over tp) of each matmul in forward order; () derives it: fused qkv, proj, fc1, fc2
+    (GPT), or q, k, v, o, gate, up, down (gated)."""
+    rotary: bool = False
+    """Rotary positions computed once a forward and kept by every block's product with them (Hugging Face's
+    ``cos`` and ``sin``, one row per position): ``2 seq d_head e`` bytes a forward on a stage, unless per-op or
+    full recomputation rebuilds them with the block."""
+    hf_attention: bool = False
+    """Attention runs through ``transformers``' attention interface: under ring or Ulysses sp
+    (``SequencePlan.hf_attention``) its grouped k and v are repeated to the q heads and its output is copied
+    back to the model's layout, e n (2 (q - kv) + q) bytes more a block."""
+
+    @classmethod
+    def of_gpt(cls, cfg) -> BlockSaves:
+        """The built-in GPT of ``cfg`` (a ``GPTConfig``).
+
+        >>> from colab_kit.models import GPTConfig
+        >>> BlockSaves.of_gpt(GPTConfig(d_model=64, n_heads=4)).matmuls()
+        ((192, True), (64, False), (256, True), (64, False))
+        """
+        return cls(hidden=cfg.d_model, heads=cfg.n_heads, ffn=cfg.d_ff or 4 * cfg.d_model, vocab=cfg.vocab_size)
+
+    @classmethod
+    def of_module(cls, model, policy) -> BlockSaves:
+        """Read off a model with a policy (``read_block``) at its policy's widths."""
+        sizes = model_sizes(model, policy)
+        cols = mlp_columns(model, policy)
+        read = read_block(model, policy)
+        q = read.pop("q_width")
+        heads = sizes.n_heads or 1
+        kv_heads = sizes.kv.get("n_kv_heads", 0) or heads
+        vocab = next(iter(sizes.outputs.values()), sizes.d_model)
+        return cls(hidden=sizes.d_model, heads=heads, ffn=max(cols) if cols else sizes.d_ff, vocab=vocab,
+                   q_width=q, kv_width=kv_heads * (q // heads), kv_heads=kv_heads, gated=len(cols) >= 2, **read)
+
+    @property
+    def q(self) -> int:
+        return self.q_width or self.hidden
+
+    @property
+    def kv(self) -> int:
+        return self.kv_width or self.q
+
+    def matmuls(self) -> tuple:
+        """``linears``, or the one its ``gated`` implies."""
+        if self.linears:
+            return tuple(self.linears)
+        h, f = self.hidden, self.ffn
+        if self.gated:
+            return ((self.q, True), (self.kv, True), (self.kv, True), (h, False), (f, True), (f, True), (h, False))
+        return ((self.q + 2 * self.kv, True), (h, False), (f, True), (h, False))
+
+    # ------------------------------------------------------------------ bytes, N tokens on a rank
+    def sp_copies(self, n: int, e: int, tp: int = 1, output: bool = True) -> int:
+        """What ring or Ulysses sp adds to a block through ``transformers``' attention interface (``hf_attention``):
+        k and v repeated to the q heads and (``output``: unless Ulysses' selective recomputation drops the
+        kernel's own) the output copied back."""
+        return e * n * (2 * (self.q - self.kv) + (self.q if output else 0)) // tp if self.hf_attention else 0
+
+    def ring_fp32(self, n: int, e: int, tp: int = 1) -> int:
+        """The ring's output is merged and saved in fp32 (``sequence.ring``): ``(4 - e) N q / tp`` more than the
+        kernel's output in the compute dtype."""
+        return (4 - e) * n * self.q // tp
+
+    def rope(self, seq: int, e: int) -> int:
+        """The rotary tables a forward keeps (``rotary``), whatever its rows."""
+        return 2 * seq * (self.q // self.heads) * e if self.rotary else 0
+
+    def norm_bytes(self, n: int, e: int, split: int = 1) -> int:
+        """One norm's own saved tensors (its output is the next matmul's input, counted there)."""
+        own = (4 * n * self.hidden + e * n * self.hidden + 4 * n) if self.norm == "rms" \
+            else (e * n * self.hidden + 8 * n)
+        return own // split
+
+    def split_part(self, n: int, e: int) -> int:
+        """What tp 1D splits, undivided: the attention kernel's tensors, the q/k norms, the MLP's inner ones."""
+        attn = e * n * (2 * self.q + 2 * self.kv) + 4 * n * self.heads
+        return attn + self.qk_bytes(n, e) + (4 if self.gated else 2) * e * n * self.ffn
+
+    def qk_bytes(self, n: int, e: int) -> int:
+        """The per-head q and k norms' own tensors (Qwen3), undivided by tp: an fp32 copy, 1/rms, the normed."""
+        if not self.qk_norm:
+            return 0
+        q, kv = self.q, self.kv
+        return 4 * n * (q + kv) + e * n * (q + kv) + 4 * n * (self.heads + (self.kv_heads or self.heads))
+
+    def block(self, n: int, e: int, tp: int = 1, split: int = 1) -> int:
+        """Everything a block saves, no recomputation."""
+        return 2 * self.norm_bytes(n, e, split) + 2 * e * n * self.hidden + self.split_part(n, e) // tp
+
+    def core(self, n: int, tp: int = 1) -> int:
+        """What attention's core alone keeps: the log-sum-exp (fp32), what selective recomputation drops."""
+        return 4 * n * self.heads // tp
+
+    def kernel(self, n: int, e: int, tp: int = 1) -> int:
+        """The attention kernel's own outputs: its output and log-sum-exp."""
+        return (e * n * self.q + 4 * n * self.heads) // tp
+
+    def op_kept(self, n: int, e: int, tp: int = 1, split: int = 1) -> int:
+        """What per-op recomputation keeps: the input, every second matmul's output (the 1st, 3rd, ...), the
+        kernel's outputs."""
+        kept = self.matmuls()[::2]
+        whole = sum(w for w, s in kept if not s)
+        return (e * n * self.hidden) // split + e * n * whole \
+            + (e * n * sum(w for w, s in kept if s) + e * n * self.q + 4 * n * self.heads) // tp
+
+    def head(self, n: int, e: int, tp: int = 1, split: int = 1) -> int:
+        """The last stage's norm, head input, log-softmax, targets and the loss's weight."""
+        return self.norm_bytes(n, e, split) + e * n * self.hidden \
+            + (4 if self.loss_fp32 else e) * n * self.vocab // tp + 8 * n + 4
+
+    def store(self, n: int, e: int, tp: int, layers: int, last: bool) -> int:
+        """What a zero-bubble I leaves for its W: each Linear's input once (q, k, v share one; gate and up
+        another): h + q / tp (the output projection) + h + f / tp (the MLP's last) a block, and the head's."""
+        block = e * n * (self.hidden + self.q // tp + self.hidden + self.ffn // tp)
+        return layers * block + (e * n * (self.hidden + self.vocab // tp) if last else 0)
+
+
+def mlp_columns(model, policy) -> list[int]:
+    """Output widths of block 0's column-split Linears outside attention: the MLP's (two where gated)."""
+    inside = {p for p, _, _ in policy.attentions(model)}
+    first = policy.blocks + ".0."
+    return [m.out_features for p, _, m in policy.modules(model, "column")
+            if p.startswith(first) and not any(p.startswith(a + ".") for a in inside)]
+
+
+def read_block(model, policy) -> dict:
+    """What ``BlockSaves`` needs beyond the widths, read off block 0 of ``model`` (a meta twin will do) with its
+    ``policy``: the q width (a Hugging Face config's ``head_dim`` times the heads), the norm ("rms" where every
+    norm module's class is an RMSNorm), per-head q/k norms, whether the loss upcasts the logits and attention
+    runs through ``transformers`` (a Hugging Face model), the matmuls (every ``nn.Linear`` in module order,
+    split where the policy makes it a column)."""
+    block = policy.block_list(model)[0]
+    hf = getattr(model, "config", None)
+    hf = hf if hf is not None and hasattr(hf, "to_dict") else None
+    sizes = model_sizes(model, policy)
+    head_dim = int(getattr(hf, "head_dim", 0) or 0) if hf is not None else 0
+    columns = {id(m) for _, _, m in policy.modules(model, "column")}
+    norms = [type(m).__name__.lower() for n, m in block.named_modules() if n and "norm" in type(m).__name__.lower()]
+    return {"q_width": (sizes.n_heads or 1) * head_dim if head_dim else sizes.d_model,
+            "norm": "rms" if norms and all("rms" in n for n in norms) else "layer",
+            "qk_norm": any(n.endswith(("q_norm", "k_norm")) for n, _ in block.named_modules()),
+            "loss_fp32": hf is not None and hasattr(model, "loss_function"), "hf_attention": hf is not None,
+            "rotary": hf is not None and any("rotary" in n for n, _ in model.named_modules()),
+            "linears": tuple((m.out_features, id(m) in columns) for m in block.modules() if isinstance(m, nn.Linear))}
