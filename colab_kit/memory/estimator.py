@@ -40,6 +40,7 @@ from .layout import (layout_activations, part_params, pipeline_peak, rank_params
                      walks)
 from ..config import ParallelConfig
 from ..models import GPTConfig
+from ..models.moe import has_experts
 from ..precision import compute_dtype
 from ..sharded_init import meta_twin
 from ..tensor import model_sizes
@@ -169,7 +170,8 @@ def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, tr
     25% of what the engine measures for BERT, ViT, GPT-2, Llama and a user's model
     (``tests/ranks/test_models_memory.py``)."""
     gpt = gpt_like(model, policy)
-    saves = BlockSaves.of_module(model, policy)  # the share of this architecture's blocks, not a GPT's
+    # the share of this architecture's dense blocks (a mixture of experts: the GPT's, its MoE walk counts the rest)
+    saves = None if policy.experts or has_experts(model) else BlockSaves.of_module(model, policy)
     tokens = policy.sequence and len(shape) > 1
     seq = shape[1] if tokens else gpt.seq_len
     if seq > gpt.seq_len:

@@ -135,7 +135,7 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
     ============================  ==================================  ======================
     op                            saves                               bytes
     ============================  ==================================  ======================
-    ln1, ln2 (LayerNorm)          input; mean and 1/std (fp32)        2 (e N h + 8 N)
+    ln1, ln2 (LayerNorm)          input; mean and 1/std               2 (e N h + 2 e N)
     qkv, fc1 (Linear)             its input (the LayerNorm's output)  2 e N h
     scaled_dot_product_attention  q, k, v (one tensor), output        4 e N h / tp
                                   log-sum-exp, fp32, per head         4 N a / tp
@@ -157,7 +157,7 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
     attention kernel (its output e N h / tp and log-sum-exp 4 N a / tp); in backward one block at a time
     recomputes the rest (``peak``). The
     embeddings save the token ids (8 N) and positions (8 seq); the last stage saves ln_f's
-    input and statistics, the head's input (e N (2h) + 8 N), the log-softmax (e N V / tp)
+    input and statistics, the head's input (e N (2h) + 8 N), the log-softmax (4 N V / tp: fp32)
     and the targets (8 N) with the loss's weight (4). The meter counts a tensor's whole storage:
     the token ids and targets of a microbatch that is a slice of a larger batch count as that
     batch (the estimate counts N).

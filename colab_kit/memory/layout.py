@@ -140,7 +140,7 @@ def layout_activations(model, config, rows: int, seq: int, *, layers: int, first
         if recompute == "op" and ring:  # the ring's kernels run in its autograd Function: its output is recomputed
             held -= layers * saves.kernel(rows * seq, e, config.tp)
         if config.sp > 1 and config.sp_mode != "split_gather" and recompute in ("none", "selective"):
-            n = rows * seq  # transformers' attention under sp: k, v repeated, the output copied
+            n = rows * seq  # under sp: k, v repeated to the q heads, the output copied back (fp32 from the ring)
             held += layers * saves.sp_copies(n, e, config.tp, output=recompute == "none")
             held += layers * saves.ring_fp32(n, e, config.tp) if ring else 0
         return held
@@ -152,16 +152,15 @@ def layout_activations(model, config, rows: int, seq: int, *, layers: int, first
     # RMSNorm2D/3D: an fp32 copy, 1/rms (fp32), the normed; LayerNorm2D/3D: centred, product, 1/std
     ln = (4 * n * hl + e * n * hl + 4 * n) if saves.norm == "rms" else 2 * e * n * hl + e * n
     attn = (e * n * (2 * qw + 2 * kvw) + saves.qk_bytes(n, e)) // q + 4 * n * al
-    logits = 4 if saves.loss_fp32 else e  # bytes of one log-softmax element
     if config.tp_mode == "3d":
         gathered = e * q * n * (2 * hl + hl + fl)  # X^ of qkv, fc1 (residual), proj (inner), fc2 (MLP inner)
         weights = e * (3 * h * h + h * h + 2 * h * f) // (q * q)
         block = 2 * ln + gathered + weights + attn + e * n * mlp // (2 * q)
-        head = ln + e * q * n * hl + e * h * v // (q * q) + logits * n * (v // q) + 8 * n + 4
+        head = ln + e * q * n * hl + e * h * v // (q * q) + 4 * n * (v // q) + 8 * n + 4
         embed = 8 * n * q + 8 * seq
     else:
         block = 2 * ln + 2 * e * n * hl + attn + e * n * mlp // q
-        head = ln + e * n * hl + logits * n * vl + 8 * n + 4
+        head = ln + e * n * hl + 4 * n * vl + 8 * n + 4
         embed = 8 * n * q + 8 * seq  # VocabEmbedding2D gathers the ids of the grid column
     kept = {"full": e * n * hl, "selective": block - 4 * n * al, "none": block}  # core: its lse
     if config.tp_mode == "3d":  # "op" (1d, 3d only): input, qkv's and fc1's matmul outputs (q n rows), the kernel's

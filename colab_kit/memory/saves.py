@@ -8,16 +8,17 @@ sequence split s (split_gather), h the residual width, q the query width (heads 
 width, a and a_kv the heads, f the MLP's inner width::
 
     tensor                          GPT (LayerNorm, GELU)        HF Llama family (RMSNorm, SwiGLU)
-    each of the two norms           e N h + 8 N          (/ s)   4 N h + e N h + 4 N   (/ s)
-                                    input; mean, 1/std fp32      fp32 copy of the input, normed, 1/rms
+    each of the two norms           e N h + 2 e N        (/ s)   4 N h + e N h + 4 N   (/ s)
+                                    input; mean, 1/std           fp32 copy of the input, normed, 1/rms (fp32)
     the norms' outputs (matmul in)  2 e N h                      2 e N h
     attention kernel                e N (2 q + 2 kv) + 4 N a     (/ tp) q, k, v, output; log-sum-exp
-    q / k norms (Qwen3)             -                            4 N (q + kv) + e N (q + kv) + 4 N (a + a_kv)
+    q / k norms (Qwen3), / tp       -                            4 N (q + kv) + e N (q + kv) + 4 N (a + a_kv)
     MLP inner tensors               2 e N f (fc1, gelu)  (/ tp)  4 e N f (gate, silu, up, product)  (/ tp)
 
-An HF model's loss upcasts the logits (``logits.float()``): its log-softmax is 4 N V / tp bytes whatever the
-compute dtype, where the GPT's is e N V / tp. In fp32 the norm's "fp32 copy" is its input itself, so the two
-columns agree there on the norm (2 e N h + 8 N against e N h + 8 N: RMSNorm also keeps its normed input).
+The engine takes every loss on fp32 logits (``precision.loss_in_fp32``): the log-softmax is 4 N V / tp bytes
+whatever the compute dtype. In fp32 the norm's "fp32 copy" is its input itself: RMSNorm keeps its input, its
+normed input and 1/rms (2 e N h + 4 N), LayerNorm its input, mean and 1/std (e N h + 8 N; in 16 bits the
+statistics are 16-bit too, as the CPU kernel keeps them; CUDA's keeps them in fp32, 4 N more a norm).
 
 Per-op recomputation (``recompute="op"``) keeps a block's input, the outputs of the 1st, 3rd, ... matmul in
 forward order (``linears``: a GPT's fused qkv and fc1; a Llama's q, v, gate and down; a row-parallel
@@ -58,8 +59,6 @@ class BlockSaves:
     """A SwiGLU MLP (gate, up, down) rather than fc1, GELU, fc2."""
     qk_norm: bool = False
     """Per-head RMSNorms on q and k (Qwen3)."""
-    loss_fp32: bool = False
-    """The loss upcasts the logits to fp32 (Hugging Face's causal LMs)."""
     linears: tuple = ()
     """(output width, split over tp) of each matmul in forward order; () derives it: fused qkv, proj, fc1, fc2
     (GPT), or q, k, v, o, gate, up, down (gated)."""
@@ -67,11 +66,6 @@ class BlockSaves:
     """Rotary positions computed once a forward and kept by every block's product with them (Hugging Face's
     ``cos`` and ``sin``, one row per position): ``2 seq d_head e`` bytes a forward on a stage, unless per-op or
     full recomputation rebuilds them with the block."""
-    hf_attention: bool = False
-    """Attention runs through ``transformers``' attention interface: under ring or Ulysses sp
-    (``SequencePlan.hf_attention``) its grouped k and v are repeated to the q heads and its output is copied
-    back to the model's layout, e n (2 (q - kv) + q) bytes more a block."""
-
     @classmethod
     def of_gpt(cls, cfg) -> BlockSaves:
         """The built-in GPT of ``cfg`` (a ``GPTConfig``).
@@ -114,14 +108,15 @@ class BlockSaves:
 
     # ------------------------------------------------------------------ bytes, N tokens on a rank
     def sp_copies(self, n: int, e: int, tp: int = 1, output: bool = True) -> int:
-        """What ring or Ulysses sp adds to a block through ``transformers``' attention interface (``hf_attention``):
-        k and v repeated to the q heads and (``output``: unless Ulysses' selective recomputation drops the
-        kernel's own) the output copied back."""
-        return e * n * (2 * (self.q - self.kv) + (self.q if output else 0)) // tp if self.hf_attention else 0
+        """What ring or Ulysses sp adds to a block: k and v repeated to the q heads before the exchange
+        (``SequencePlan.hf_attention``; nothing without grouped-query attention) and (``output``: unless Ulysses'
+        selective recomputation drops the kernel's own) the output copied back to the model's layout, which the
+        output projection saves beside the kernel's."""
+        return e * n * (2 * (self.q - self.kv) + (self.q if output else 0)) // tp
 
     def ring_fp32(self, n: int, e: int, tp: int = 1) -> int:
-        """The ring's output is merged and saved in fp32 (``sequence.ring``): ``(4 - e) N q / tp`` more than the
-        kernel's output in the compute dtype."""
+        """The ring merges its blocks' outputs in fp32 (``sequence.ring``), and the copy back is that fp32 tensor:
+        ``(4 - e) N q / tp`` more than ``sp_copies``' in the compute dtype."""
         return (4 - e) * n * self.q // tp
 
     def rope(self, seq: int, e: int) -> int:
@@ -131,7 +126,7 @@ class BlockSaves:
     def norm_bytes(self, n: int, e: int, split: int = 1) -> int:
         """One norm's own saved tensors (its output is the next matmul's input, counted there)."""
         own = (4 * n * self.hidden + e * n * self.hidden + 4 * n) if self.norm == "rms" \
-            else (e * n * self.hidden + 8 * n)
+            else (e * n * self.hidden + 2 * e * n)
         return own // split
 
     def split_part(self, n: int, e: int) -> int:
@@ -167,9 +162,9 @@ class BlockSaves:
             + (e * n * sum(w for w, s in kept if s) + e * n * self.q + 4 * n * self.heads) // tp
 
     def head(self, n: int, e: int, tp: int = 1, split: int = 1) -> int:
-        """The last stage's norm, head input, log-softmax, targets and the loss's weight."""
-        return self.norm_bytes(n, e, split) + e * n * self.hidden \
-            + (4 if self.loss_fp32 else e) * n * self.vocab // tp + 8 * n + 4
+        """The last stage's norm, head input, log-softmax (fp32: ``precision.loss_in_fp32``), targets and the loss's
+        weight."""
+        return self.norm_bytes(n, e, split) + e * n * self.hidden + 4 * n * self.vocab // tp + 8 * n + 4
 
     def store(self, n: int, e: int, tp: int, layers: int, last: bool) -> int:
         """What a zero-bubble I leaves for its W: each Linear's input once (q, k, v share one; gate and up
@@ -187,21 +182,20 @@ def mlp_columns(model, policy) -> list[int]:
 
 
 def read_block(model, policy) -> dict:
-    """What ``BlockSaves`` needs beyond the widths, read off block 0 of ``model`` (a meta twin will do) with its
-    ``policy``: the q width (a Hugging Face config's ``head_dim`` times the heads), the norm ("rms" where every
-    norm module's class is an RMSNorm), per-head q/k norms, whether the loss upcasts the logits and attention
-    runs through ``transformers`` (a Hugging Face model), the matmuls (every ``nn.Linear`` in module order,
-    split where the policy makes it a column)."""
+    """What ``BlockSaves`` needs beyond the widths, read off block 0 of a dense ``model`` (a meta twin will do) with
+    its ``policy``: the q width (a Hugging Face config's ``head_dim`` times the heads), the norm ("rms" where every
+    norm of the block is a Hugging Face RMSNorm, which upcasts to fp32; a LayerNorm's count otherwise), per-head
+    q/k norms, whether rotary tables are kept (the policy's "rotary" role), the matmuls (every ``nn.Linear`` in
+    module order, split where the policy makes it a column)."""
     block = policy.block_list(model)[0]
     hf = getattr(model, "config", None)
-    hf = hf if hf is not None and hasattr(hf, "to_dict") else None
+    head_dim = int(getattr(hf, "head_dim", 0) or 0) if hf is not None and hasattr(hf, "to_dict") else 0
     sizes = model_sizes(model, policy)
-    head_dim = int(getattr(hf, "head_dim", 0) or 0) if hf is not None else 0
     columns = {id(m) for _, _, m in policy.modules(model, "column")}
-    norms = [type(m).__name__.lower() for n, m in block.named_modules() if n and "norm" in type(m).__name__.lower()]
+    norms = [type(m) for n, m in block.named_modules() if n and "norm" in type(m).__name__.lower()]
     return {"q_width": (sizes.n_heads or 1) * head_dim if head_dim else sizes.d_model,
-            "norm": "rms" if norms and all("rms" in n for n in norms) else "layer",
+            "norm": "rms" if norms and all(c.__module__.startswith("transformers.") and "rms" in c.__name__.lower()
+                                           for c in norms) else "layer",
             "qk_norm": any(n.endswith(("q_norm", "k_norm")) for n, _ in block.named_modules()),
-            "loss_fp32": hf is not None and hasattr(model, "loss_function"), "hf_attention": hf is not None,
-            "rotary": hf is not None and any("rotary" in n for n, _ in model.named_modules()),
+            "rotary": bool(policy.modules(model, "rotary")),
             "linears": tuple((m.out_features, id(m) in columns) for m in block.modules() if isinstance(m, nn.Linear))}

@@ -97,16 +97,11 @@ class ModelShape:
     fp32); "": "rms" when ``gated`` (a Llama, which the engine runs as Hugging Face's), "layer" otherwise."""
     qk_norm: bool = False
     """Per-head RMSNorms on q and k (Qwen3)."""
-    loss_fp32: bool | None = None
-    """Whether the loss upcasts the logits to fp32 (Hugging Face's causal LMs); None: as ``gated``."""
     linears: tuple = ()
     """(output width, split over tp) of one block's matmuls in forward order, where read from a model; ():
     a GPT's fused qkv, proj, fc1, fc2, or a gated block's q, k, v, o, gate, up, down."""
     rotary: bool | None = None
     """Rotary positions kept as tables a forward (``BlockSaves.rotary``); None: as ``gated`` without ``positions``."""
-    hf_attention: bool | None = None
-    """Attention through ``transformers``' interface (``memory.saves.BlockSaves.hf_attention``); None: as
-    ``gated``."""
 
     def __post_init__(self):
         for key in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -194,16 +189,14 @@ class ModelShape:
 
             >>> s = ModelShape(32, 4096, 32, 128256, 8192, ffn=14336, kv_heads=8, gated=True, positions=False)
             >>> b = s.block_saves()
-            >>> b.norm, b.q, b.kv, b.loss_fp32, len(b.matmuls())
-            ('rms', 4096, 1024, True, 7)
+            >>> b.norm, b.q, b.kv, len(b.matmuls())
+            ('rms', 4096, 1024, 7)
         """
         q = self.core_width or self.hidden
         return BlockSaves(hidden=self.hidden, heads=self.heads, ffn=self.d_ff, vocab=self.vocab, q_width=q,
                           kv_width=self.n_kv * (q // self.heads), kv_heads=self.n_kv,
                           norm=self.norm or ("rms" if self.gated else "layer"), gated=self.gated,
-                          qk_norm=self.qk_norm, loss_fp32=self.gated if self.loss_fp32 is None else self.loss_fp32,
-                          linears=tuple(self.linears),
-                          hf_attention=self.gated if self.hf_attention is None else self.hf_attention,
+                          qk_norm=self.qk_norm, linears=tuple(self.linears),
                           rotary=(self.gated and not self.positions) if self.rotary is None else self.rotary)
 
     # ------------------------------------------------------------------ mixtures of experts
@@ -324,10 +317,13 @@ def _of_module(cls, model: nn.Module, policy, seq: int | None) -> ModelShape:
                           f"pass seq= or a causal LM")
     read = read_block(twin, policy)
     q = read["q_width"]
+    attn = 0  # a q width other than hidden (Qwen3's head_dim): the attention's matrices read, as FLOPs count them
+    if q != sizes.d_model and policy.attentions(twin):
+        attn = sum(p.numel() for p in policy.attentions(twin)[0][1].parameters() if p.dim() >= 2)
     return cls(layers=len(blocks), hidden=sizes.d_model, heads=sizes.n_heads, vocab=vocab, seq=seq or max_seq,
                ffn=max(cols) if cols else sizes.d_ff, kv_heads=sizes.kv.get("n_kv_heads", 0), gated=len(cols) >= 2,
                tied=bool(sizes.tied), positions=bool(sizes.seq_len), name=type(model).__name__,
                params_exact=sum(p.numel() for p in twin.parameters()),
                causal=all(a.causal for _, _, a in policy.attentions(twin)), core_width=0 if q == sizes.d_model else q,
-               norm=read["norm"], qk_norm=read["qk_norm"], loss_fp32=read["loss_fp32"], linears=read["linears"],
-               hf_attention=read["hf_attention"], rotary=read["rotary"])
+               norm=read["norm"], qk_norm=read["qk_norm"], linears=read["linears"], attn_params=attn,
+               rotary=read["rotary"])

@@ -47,8 +47,8 @@ def test_a_block_saves_what_its_ops_keep(kind, precision):
     block = _traced(kind, 3, precision) - _traced(kind, 2, precision)
     shape = ModelShape.of(_config(kind, 3), seq=SEQ)
     saves = shape.block_saves()
-    assert (saves.norm, saves.gated, saves.qk_norm, saves.loss_fp32, saves.kv) == ("rms", True, kind == "qwen3",
-                                                                                   True, saves.q // 2)
+    assert (saves.norm, saves.gated, saves.qk_norm, saves.kv, saves.rotary) == \
+        ("rms", True, kind == "qwen3", saves.q // 2, True)
     assert saves.block(n, e) == block, (saves.block(n, e), block)
     old = BlockSaves.of_gpt(gpt_of(shape)).block(n, e)  # the twin: rejected
     assert abs(old - block) > 0.15 * block
@@ -65,4 +65,4 @@ def test_the_worked_example_by_hand():
     assert s.op_kept(1, 2) == 2 * (64 + 64 + 32 + 176 + 64 + 64) + 16
     assert s.op_kept(1, 2, tp=2) == 2 * (64 + 64) + (2 * (64 + 32 + 176 + 64) + 16) // 2
     gpt = BlockSaves.of_gpt(ck.models.GPTConfig(d_model=64, n_heads=4, d_ff=176, vocab_size=96))
-    assert gpt.block(1, 2) == 2 * (2 * 64 + 8) + 2 * 2 * 64 + 4 * 2 * 64 + 16 + 2 * 2 * 176
+    assert gpt.block(1, 2) == 2 * (2 * 64 + 2 * 2) + 2 * 2 * 64 + 4 * 2 * 64 + 16 + 2 * 2 * 176  # 16-bit statistics

@@ -16,9 +16,12 @@ For the fullest rank (the last pipeline stage, which also runs the head and the 
   reduce-scatters; 2D / 2.5D / 3D their broadcasts, all-gathers and reduce-scatters per GEMM
   (``terms.tensor_comm``);
 - ``comm:sp``: ring K/V rotations hidden behind the attention core they feed (exposed = what does not fit);
-  Ulysses' four all-to-alls forward and backward, exposed;
+  Ulysses' four all-to-alls forward and backward, exposed; where the stack reduces gradients over dp alone
+  (``Stack.zero_over`` "dp": colab_kit) the sum of each rank's gradients (ZeRO: its piece) over sp after the dp
+  reduction, one flat all-reduce at the step's end, exposed (``terms.sp_grad_bytes``);
 - ``comm:pp``: an activation forward and a gradient back per microbatch and chunk, ``m v + p - 1`` of each;
-- ``comm:dp``: gradients reduced in fp32 over dp x sp (the engine's recipe): ZeRO 0 an all-reduce, hidden
+- ``comm:dp``: gradients reduced in fp32 over dp (colab_kit; dp x sp where ``Stack.zero_over`` is "dp+sp",
+  the group ZeRO shards over too): ZeRO 0 an all-reduce, hidden
   behind the last microbatch's backward except its last bucket (a block's share); ZeRO 1-2 a reduce-scatter
   so hidden and an all-gather of the parameters after the update; ZeRO-3 each block's parameters gathered
   forward and backward and its gradients reduce-scattered, per microbatch, each hidden behind that block's
@@ -56,7 +59,7 @@ from ..moe.shape import tp_layer_params
 from .hardware import Hardware, preset
 from .compute import BlockCost, attention_note, recompute_mode, with_recompute
 from .stack import replayed_by_full
-from .terms import optimizer_seconds, params_on_rank, per_block, zero3_transfers
+from .terms import optimizer_seconds, params_on_rank, per_block, sp_grad_bytes, zero3_transfers
 from ..shape import ModelShape
 
 __all__ = ["Priced", "bubble", "compute_floor", "price", "recompute_mode"]
@@ -150,10 +153,11 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     sp_rc, sp_exp_rc = (sp_f, sp_exp_f) if mode in ("full", "op") else (0.0, 0.0)
     # ZeRO-3: each block's parameters gathered forward and backward, gradients reduce-scattered (fp32)
     z3_f = z3_b = z3_exp_f = z3_exp_b = 0.0
-    grads = comm.placement(config, "dp+sp", hw.gpus_per_node)
+    sp_apart = hw.stack.zero_over != "dp+sp" and config.sp > 1  # sp's shares summed after the dp reduction
+    grads = comm.placement(config, Axis.DP if sp_apart else "dp+sp", hw.gpus_per_node)
     size = 4 if config.precision == "fp32" else 2
     block_params, block_experts = shape.block_params() / _tp_param_split(config), 0.0
-    if n_moe:  # a block's dense parameters over dp x sp; its E / ep routed experts a second chunk over edp
+    if n_moe:  # a block's dense parameters over the gradients' group; its E / ep routed experts a chunk over edp
         parts = [tp_layer_params(shape, i, config.tp) for i in range(shape.layers)]
         block_params = sum(d for d, _ in parts) / shape.layers
         block_experts = sum(e for _, e in parts) / shape.layers / config.ep
@@ -202,7 +206,7 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         count[Axis.PP] += 2 * (m * v + p - 1)
     comm_total[Axis.PP] = comm_pp
     idle = bubble(config.schedule, p, m, v, f_mb, i_mb, w_mb)
-    # data parallel: gradients (fp32) over dp x sp, parameters gathered back under ZeRO 1-2
+    # data parallel: gradients (fp32) over the stack's group (dp, or dp x sp), parameters gathered back under ZeRO 1-2
     rank_params = params_on_rank(shape, config)
     experts = 0.0
     if n_moe:
@@ -236,6 +240,12 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         comm_total[Axis.EP] = m * layers * (ep_f + ep_b + ep_rc)
         notes = notes + _moe_notes(config)
     comm_total[Axis.DP] = comm_dp
+    if sp_apart:  # one flat all-reduce of the rank's gradients (ZeRO >= 1: its piece) over sp, at the step's end
+        sp_sum = comm.seconds("all_reduce", sp_grad_bytes(rank_params, config), comm.placement(config, Axis.SP,
+                                                                                               hw.gpus_per_node), hw)
+        exposed_sp += sp_sum
+        comm_total[Axis.SP] += sp_sum
+        count[Axis.SP] += 1
     breakdown = {"compute": compute, "bubble": idle, "comm:tp": exposed_tp, "comm:sp": exposed_sp,
                  "comm:pp": comm_pp, "comm:dp": exposed_dp, "optimizer": opt}
     if n_moe:

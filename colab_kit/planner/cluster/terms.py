@@ -34,7 +34,7 @@ from .compute import block, head
 from ..shape import ModelShape
 
 __all__ = ["BLOCK_FIELDS", "HOST_BYTES_PER_S", "optimizer_seconds", "params_on_rank", "per_block", "seq_comm",
-           "tensor_comm"]
+           "sp_grad_bytes", "tensor_comm"]
 
 HOST_BYTES_PER_S = 10e9
 """Assumption: host memory bandwidth one GPU's share of the CPU cores streams through a CPU Adam (offload)."""
@@ -140,6 +140,18 @@ def optimizer_seconds(rank_params: float, config, hw: Hardware, optimizer: str, 
         host = share * shard * (pcie + per / HOST_BYTES_PER_S)
         return host + (hw.stream_seconds((1 - share) * shard * per, 8) if share < 1 else 0.0)
     return hw.stream_seconds(shard * per, 8)
+
+
+def sp_grad_bytes(rank_params: float, config) -> float:
+    """Bytes of the gradient sum over sp where ZeRO shards over dp alone (colab_kit: ``Stack.zero_over`` "dp"):
+    after the dp reduction every rank all-reduces what its sp ranks share in fp32, its whole gradients at ZeRO 0,
+    its piece (``1 / dp``) at ZeRO 1-3 (``tensor.plan.sync_grads``, ``zero/stage1.py``'s ``sum_slices``).
+
+        >>> from colab_kit.config import ParallelConfig
+        >>> sp_grad_bytes(1000, ParallelConfig(dp=2, sp=2)), sp_grad_bytes(1000, ParallelConfig(dp=2, sp=2, zero=1))
+        (4000.0, 2000.0)
+    """
+    return 4 * rank_params / (config.dp if config.zero >= 1 else 1)
 
 
 def zero3_transfers(shape: ModelShape, config, rank_params: float, experts: float, group: int, edp: int,
