@@ -143,7 +143,7 @@ def _states_fit(shape: ModelShape, dp: int, tp: int, pp: int, zero: int, precisi
         dense, experts = moe_price.params_split(shape, ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep),
                                                 shape.layers // pp)
         both = [model_state_bytes(math.ceil(dense), optimizer, precision, dp, zero),
-                model_state_bytes(math.ceil(experts), optimizer, precision, dp * sp // ep, zero)]
+                model_state_bytes(math.ceil(experts), optimizer, precision, dp * sp // ep if ep > 1 else dp, zero)]
         return sum(sum(s.values()) for s in both) <= usable
     states = model_state_bytes(math.ceil(per_stage / tp), optimizer, precision, dp, zero)
     return sum(states.values()) <= usable

@@ -19,12 +19,14 @@ from colab_kit.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2)
 CONFIGS = [dict(dp=2, sp=2, sp_mode=mode, zero=z) for mode in ("ulysses", "ring") for z in (0, 1, 3)]
+MOE = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4, top_k=2)
+MOE_CONFIGS = [dict(dp=2, sp=2, sp_mode="ulysses", zero=z) for z in (1, 3)]  # ep=1: the experts are dense
 
 
 def _records(_) -> list:
     out = []
-    for kw in CONFIGS:
-        engine = ck.boost(GPT(CFG), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(**kw))
+    for model, kw in [(CFG, kw) for kw in CONFIGS] + [(MOE, kw) for kw in MOE_CONFIGS]:
+        engine = ck.boost(GPT(model), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(**kw))
         for step in range(2):
             engine.train_step(SyntheticTokens(64, 16, seed=1).batch(step, 8))
         sums = [(r["op"], r["bytes"]) for r in engine.comm(last_step=True)
@@ -63,3 +65,28 @@ def test_the_sp_sum_is_what_the_price_charges(records, i):
     assert ours.breakdown["optimizer"] == optimizer_seconds(rank_params, cfg, hw, "adamw", cfg.dp)
     assert folded.breakdown["optimizer"] == optimizer_seconds(rank_params, cfg, hw, "adamw", cfg.dp * cfg.sp)
     assert (ours.breakdown["optimizer"] > folded.breakdown["optimizer"]) == bool(cfg.zero)
+
+
+@pytest.mark.parametrize("i", range(len(MOE_CONFIGS)), ids=[f"zero{c['zero']}" for c in MOE_CONFIGS])
+def test_without_ep_the_experts_are_summed_and_sharded_as_dense(records, i):
+    """ep=1: no expert step (``zero/apply.py``), so an MoE GPT's experts are dense parameters: reduced over dp,
+    summed over sp with the rest, their states a 1 / dp shard. Priced and estimated so; the price of expert
+    parallelism (experts over edp = dp sp, outside the sp sum) would miss the sum's bytes by the experts'."""
+    from colab_kit.memory.estimator import config_estimate
+    from colab_kit.planner.cluster.hardware import HARDWARE
+    from colab_kit.planner.cluster.price import price
+    from colab_kit.planner.cluster.terms import optimizer_seconds, sp_grad_bytes
+    from colab_kit.planner.shape import ModelShape
+
+    cfg, shape = ck.ParallelConfig(**MOE_CONFIGS[i]), ModelShape.of(MOE)
+    want = sp_grad_bytes(shape.params, cfg)  # every parameter, tp = 1
+    est = config_estimate(MOE, cfg, 8)["optimizer"]
+    for rank, per in enumerate(records):
+        sums, optimizer = per[len(CONFIGS) + i]
+        assert sums == [("all_reduce", want)], (rank, sums, want)
+        assert abs(optimizer - est) <= 0.01 * optimizer, (rank, optimizer, est)
+    hw = HARDWARE["8xA100-80GB"]
+    ours = price(shape, cfg, 8, hw)
+    assert ours.collectives["sp"] == price(shape, cfg, 8, hw.with_stack(zero_over="dp+sp")).collectives["sp"] + 1
+    assert ours.breakdown["optimizer"] == pytest.approx(optimizer_seconds(shape.params, cfg, hw, "adamw", cfg.dp)
+                                                        + optimizer_seconds(0, cfg, hw, "adamw", cfg.dp))

@@ -16,12 +16,12 @@ For the fullest rank (the last pipeline stage, which also runs the head and the 
   reduce-scatters; 2D / 2.5D / 3D their broadcasts, all-gathers and reduce-scatters per GEMM
   (``terms.tensor_comm``);
 - ``comm:sp``: ring K/V rotations hidden behind the attention core they feed (exposed = what does not fit);
-  Ulysses' four all-to-alls forward and backward, exposed; where the stack reduces gradients over dp alone
-  (``Stack.zero_over`` "dp": colab_kit) the sum of each rank's gradients (ZeRO: its piece) over sp after the dp
-  reduction, one flat all-reduce at the step's end, exposed (``terms.sp_grad_bytes``);
+  Ulysses' four all-to-alls forward and backward, exposed;
 - ``comm:pp``: an activation forward and a gradient back per microbatch and chunk, ``m v + p - 1`` of each;
 - ``comm:dp``: gradients reduced in fp32 over dp (colab_kit; dp x sp where ``Stack.zero_over`` is "dp+sp",
-  the group ZeRO shards over too): ZeRO 0 an all-reduce, hidden
+  the group ZeRO shards over too; over dp alone, the sum of each rank's gradients, ZeRO: its piece, over sp
+  follows, one flat all-reduce at the step's end, exposed: ``terms.sp_grad_bytes``, counted on sp; an MoE's
+  experts are dense parameters at ep 1): ZeRO 0 an all-reduce, hidden
   behind the last microbatch's backward except its last bucket (a block's share); ZeRO 1-2 a reduce-scatter
   so hidden and an all-gather of the parameters after the update; ZeRO-3 each block's parameters gathered
   forward and backward and its gradients reduce-scattered, per microbatch, each hidden behind that block's
@@ -161,6 +161,8 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         parts = [tp_layer_params(shape, i, config.tp) for i in range(shape.layers)]
         block_params = sum(d for d, _ in parts) / shape.layers
         block_experts = sum(e for _, e in parts) / shape.layers / config.ep
+        if config.ep == 1:  # no expert parallelism: the experts are dense parameters (zero/apply.py), one chunk
+            block_params, block_experts = block_params + block_experts, 0.0
     if config.zero == 3 and grads.size > 1:
         edp = comm.placement(config, Axis.EDP, hw.gpus_per_node) if n_moe else grads
         gather = (comm.seconds("all_gather", block_params * size / grads.size, grads, hw)
@@ -211,6 +213,8 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     experts = 0.0
     if n_moe:
         rank_params, experts = moe_price.params_split(shape, config, layers)
+        if config.ep == 1:  # reduced, summed over sp and updated with the dense ones (zero/apply.py)
+            rank_params, experts = rank_params + experts, 0.0
     exposed_dp = m * layers * (z3_exp_f + z3_exp_b)
     comm_dp = m * layers * (z3_f + z3_b)
     if grads.size > 1 and config.zero < 3:
@@ -239,13 +243,14 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         opt += optimizer_seconds(experts, config, hw, optimizer, edp, host_share)
         comm_total[Axis.EP] = m * layers * (ep_f + ep_b + ep_rc)
         notes = notes + _moe_notes(config)
-    comm_total[Axis.DP] = comm_dp
-    if sp_apart:  # one flat all-reduce of the rank's gradients (ZeRO >= 1: its piece) over sp, at the step's end
+    if sp_apart:  # one flat all-reduce of the rank's gradients (ZeRO >= 1: its piece) over sp, at the step's end:
+        # gradient sync, exposed and totalled with dp's (comm:dp, which search's bound leaves out), counted on the
+        # sp group that runs it (the engine's record)
         sp_sum = comm.seconds("all_reduce", sp_grad_bytes(rank_params, config), comm.placement(config, Axis.SP,
                                                                                                hw.gpus_per_node), hw)
-        exposed_sp += sp_sum
-        comm_total[Axis.SP] += sp_sum
+        exposed_dp, comm_dp = exposed_dp + sp_sum, comm_dp + sp_sum
         count[Axis.SP] += 1
+    comm_total[Axis.DP] = comm_dp
     breakdown = {"compute": compute, "bubble": idle, "comm:tp": exposed_tp, "comm:sp": exposed_sp,
                  "comm:pp": comm_pp, "comm:dp": exposed_dp, "optimizer": opt}
     if n_moe:

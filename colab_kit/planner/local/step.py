@@ -50,6 +50,7 @@ import functools
 
 from ...config import Axis
 from ...memory.formulas import PRECISION_BYTES, activation_bytes
+from ...memory.layout import rank_params
 from ...pipeline.costs import flops_per_token
 from ...observe.measured import alpha_beta
 from .comm import collective_seconds, dp_comm, engine_buckets, forward_share, shares_cores, sp_comm, tp_comm
@@ -237,9 +238,11 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict,
     block_rc = rc / (layers_stage if cfg.pp > 1 else model.n_layers)
     dp_s, dp_n = dp_comm(model, cfg, consts, memory, _forward(model, cfg, consts, tokens, 1, False), block_rc)
     parts["comm:dp"], counts[Axis.DP] = dp_s, dp_n
-    if cfg.sp > 1:  # gradients of the parameters replicated over sp, one flat all-reduce
-        grads = memory["grads"] * (cfg.dp if cfg.zero >= 2 else 1)
+    if cfg.sp > 1:  # gradients of the parameters replicated over sp, one flat all-reduce in fp32 after the dp
+        # reduction: the rank's whole gradients, or under ZeRO its 1 / dp piece (planner.cluster.terms.sp_grad_bytes)
+        grads = 4 * rank_params(model, cfg) // (cfg.dp if cfg.zero >= 1 else 1)
         parts["comm:sp"] += collective_seconds(consts, "all_reduce", grads, cfg.sp)
+        counts[Axis.SP] = counts.get(Axis.SP, 0) + 1
     parts["optimizer"] = _optimizer(cfg, consts, memory, model, optimizer)
     loss = sum(collective_seconds(consts, "all_reduce", 4, n) for n in (cfg.dp, cfg.sp, cfg.tp, cfg.pp))
     parts["comm:loss"] = loss
