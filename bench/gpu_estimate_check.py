@@ -14,7 +14,9 @@ Beside each: ``ck.estimate(model, config, batch, hardware=hw)`` on one GPU, ``hw
 efficiencies ``bench/gpu_curves.py`` measured (``planner.cluster.curve_fit.measured_preset`` of
 ``bench/results/gpu_curves.json``, or ``--curves``; the datasheet preset where there is none, said so), and on
 the datasheet preset too. A row per config: estimate / measured (the target is within 10%; a benchmark, not
-asserted). Rows and figures (steps, losses, peak memory beside the estimate's, the estimates' breakdowns) go to
+asserted), and the activations the estimate counts against what the engine's meter measured on the device's own
+kernels (CUDA's LayerNorm keeps fp32 statistics, its flash attention its own log-sum-exp: ``memory.saves``, counted
+on CPU's). Rows and figures (steps, losses, peak memory beside the estimate's, the estimates' breakdowns) go to
 ``bench/results/gpu_estimate_check.json`` through ``bench/_results.py``. Exit 0 when a config ran, 1 when none
 did, 2 without CUDA (and without ``--cpu-smoke``). Run ``bench/gpu_curves.py`` first.
 
@@ -100,7 +102,8 @@ def _rank_steps(jobs: list[dict], mode: dict, progress: str | None = None) -> li
                 times.append(time.perf_counter() - t0)
             r.update(step_seconds=statistics.median(times[mode["warmup"]:]), step_times=times, losses=losses,
                      device=str(engine.mesh.device),  # train_step resets the peak: the last step's
-                     last_step_max_memory_allocated=torch.cuda.max_memory_allocated() if cuda else None)
+                     last_step_max_memory_allocated=torch.cuda.max_memory_allocated() if cuda else None,
+                     measured_activations=engine.memory()["activations"])  # the meter's, on this device's kernels
         except torch.cuda.OutOfMemoryError as exc:
             r["skipped"] = f"out of memory: {str(exc).splitlines()[0][:300]}"
         except Exception as exc:  # recorded; the other configs still run
@@ -159,14 +162,17 @@ def price(results: list[dict], mode: dict, base, hw, label: str) -> tuple[list[d
             figures.append(r)
             continue
         est, sheet = (ck.estimate(cfg, config, r["batch"], hardware=h) for h in (hw, base))
-        m = r["step_seconds"]
+        m, acts = r["step_seconds"], r.get("measured_activations")
+        acts_ratio = est.memory["activations"] / acts if acts else None
         rows.append(_results.row(what, f"estimate {est.step_seconds * 1e3:.1f} ms/step", f"measured {m * 1e3:.1f} ms/step",
                                  est.step_seconds / m, f"target within 10% (not asserted); on {label}; the datasheet "
-                                 f"preset's {sheet.step_seconds * 1e3:.1f} ms ({sheet.step_seconds / m:.3f})"))
+                                 f"preset's {sheet.step_seconds * 1e3:.1f} ms ({sheet.step_seconds / m:.3f})"
+                                 + (f"; activations estimate / measured {acts_ratio:.3f}" if acts_ratio else "")))
         figures.append({**r, "estimate_seconds": est.step_seconds, "ratio": est.step_seconds / m,
                         "datasheet_seconds": sheet.step_seconds, "datasheet_ratio": sheet.step_seconds / m,
                         "breakdown": est.breakdown, "estimate_device_bytes": est.device_bytes,
                         "estimate_memory": {k: est.memory[k] for k in ("params", "grads", "optimizer", "activations")},
+                        "activations_ratio": acts_ratio,
                         "mfu_measured": est.model_flops / m / base.peak(mode["precision"]) if "cuda" in
                         r.get("device", "") else None})
     return rows, figures

@@ -253,6 +253,9 @@ def test_gpu_estimate_check_cpu_smoke_prices_every_config_on_the_measured_preset
     assert all(r["ratio"] and r["ratio"] > 0 for r in data["rows"])
     assert "measured on cpu" in data["figures"]["preset"]
     assert {c["recompute"] for c in data["figures"]["configs"]} == {"none", "full"}
+    # the activations the estimate counts against the meter's on the device: on CPU the count's own kernels
+    assert all(abs(c["activations_ratio"] - 1) < 0.02 for c in data["figures"]["configs"]), \
+        [c["activations_ratio"] for c in data["figures"]["configs"]]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
