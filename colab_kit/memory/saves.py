@@ -161,6 +161,18 @@ class BlockSaves:
         return (e * n * self.hidden) // split + e * n * whole \
             + (e * n * sum(w for w, s in kept if s) + e * n * self.q + 4 * n * self.heads) // tp
 
+    def mlp_bytes(self, n: int, e: int, tp: int = 1, mode: str = "none") -> int:
+        """What the block's MLP keeps: its inner tensors ("none", "selective"), or under per-op recomputation its
+        kept matmuls' outputs (the last two or three of ``matmuls()``, kept by their place in the whole block:
+        a GPT's fc1, a Llama's gate and down); what a mixture of experts' MoE layer replaces
+        (``memory.experts.moe_block_extra``)."""
+        if mode == "op":
+            mm = self.matmuls()
+            mlp = range(len(mm) - (3 if self.gated else 2), len(mm))
+            kept = [mm[i] for i in mlp if i % 2 == 0]
+            return e * n * sum(w for w, s in kept if not s) + e * n * sum(w for w, s in kept if s) // tp
+        return (4 if self.gated else 2) * e * n * self.ffn // tp
+
     def head(self, n: int, e: int, tp: int = 1, split: int = 1) -> int:
         """The last stage's norm, head input, log-softmax (fp32: ``precision.loss_in_fp32``), targets and the loss's
         weight."""

@@ -151,8 +151,9 @@ def moe_memory(shape, config, batch: int, optimizer: str = "adamw") -> dict:
     """The fullest rank's bytes of a mixture of experts ``shape`` under ``config`` (``memory.experts``'s walk):
     model states from the shape's own per-block counts (dense over dp, split by 1D tp as ``part_params``
     splits a GPT but for the MoE layers, which run whole on every tp rank; ``E / ep`` experts per MoE block over
-    edp, whole on every tp rank: ``tp_layer_params``), activations of a GPT of its widths (a gated MLP as a
-    GELU one 1.5 times as wide) in the config's layout with each MoE block's router, dispatch buffers and
+    edp, whole on every tp rank: ``tp_layer_params``), activations of its blocks outside the MoE layers as they
+    save them (``shape.block_saves()``: norms, attention widths, a gated dense MLP) in the config's layout with
+    each MoE block's router, dispatch buffers and
     expert hidden states for the rank's tokens (all of its (dp, sp) shard's under tp, ``seq / sp`` of a row
     under sp)."""
     gpt = gpt_moe_of(shape)
@@ -172,7 +173,7 @@ def moe_memory(shape, config, batch: int, optimizer: str = "adamw") -> dict:
         plan, _ = stage_plan(config)
         params = [tuple(map(sum, zip(*[stage(s) for s in plan.stages_of(r)]))) for r in range(config.pp)]
     return moe_estimate(gpt, config, batch, optimizer, seq=shape.seq, moe=shape.moe_blocks, split=split,
-                        params=params, op_exact=op_keeps_router(shape))
+                        params=params, op_exact=op_keeps_router(shape), saves=shape.block_saves())
 
 
 def op_keeps_router(shape) -> bool:
