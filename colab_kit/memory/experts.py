@@ -129,7 +129,7 @@ def moe_block_extra(model, tokens: int, e: int, recompute="none", tp: int = 1, o
     s = model.shared_experts * fe
     rows = n * k  # received by this rank's experts on average (balanced routing)
     dispatch = e * rows * h + 2 * e * n * k * h
-    dense = 2 * e * n * f // tp if dense_mlp is None or mode == "op" else dense_mlp
+    dense = 2 * e * n * f // tp if dense_mlp is None else dense_mlp  # what the layout counted for the dense MLP
     return (e * n * model.n_experts + dispatch + 2 * e * rows * fe + 2 * e * n * s
             + 24 * n * k + 2 * e * n * k + e * n - dense)
 

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from ..tensor import model_sizes
 
-__all__ = ["BlockSaves", "read_block", "mlp_columns"]
+__all__ = ["BlockSaves", "read_block", "mlp_columns", "qk_norm"]
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,8 @@ class BlockSaves:
     """"layer": LayerNorm (the GPT's); "rms": Hugging Face's RMSNorm, which computes in fp32."""
     gated: bool = False
     """A SwiGLU MLP (gate, up, down) rather than fc1, GELU, fc2."""
-    qk_norm: bool = False
-    """Per-head RMSNorms on q and k (Qwen3)."""
+    qk_norm: str = ""
+    """RMSNorms on q and k: "head" per head (Qwen3, Qwen3-MoE), "full" over the whole width (OLMoE); "": none."""
     linears: tuple = ()
     """(output width, split over tp) of each matmul in forward order; () derives it: fused qkv, proj, fc1, fc2
     (GPT), or q, k, v, o, gate, up, down (gated)."""
@@ -139,7 +139,8 @@ class BlockSaves:
         if not self.qk_norm:
             return 0
         q, kv = self.q, self.kv
-        return 4 * n * (q + kv) + e * n * (q + kv) + 4 * n * (self.heads + (self.kv_heads or self.heads))
+        stats = self.heads + (self.kv_heads or self.heads) if self.qk_norm == "head" else 2  # 1/rms a row
+        return 4 * n * (q + kv) + e * n * (q + kv) + 4 * n * stats
 
     def block(self, n: int, e: int, tp: int = 1, split: int = 1) -> int:
         """Everything a block saves, no recomputation."""
@@ -164,8 +165,8 @@ class BlockSaves:
     def mlp_bytes(self, n: int, e: int, tp: int = 1, mode: str = "none") -> int:
         """What the block's MLP keeps: its inner tensors ("none", "selective"), or under per-op recomputation its
         kept matmuls' outputs (the last two or three of ``matmuls()``, kept by their place in the whole block:
-        a GPT's fc1, a Llama's gate and down); what a mixture of experts' MoE layer replaces
-        (``memory.experts.moe_block_extra``)."""
+        a GPT's fc1, a Llama's gate and down: the MLP's matmuls must end the list, as in every block read here);
+        what a mixture of experts' MoE layer replaces (``memory.experts.moe_block_extra``)."""
         if mode == "op":
             mm = self.matmuls()
             mlp = range(len(mm) - (3 if self.gated else 2), len(mm))
@@ -208,6 +209,16 @@ def read_block(model, policy) -> dict:
     return {"q_width": (sizes.n_heads or 1) * head_dim if head_dim else sizes.d_model,
             "norm": "rms" if norms and all(c.__module__.startswith("transformers.") and "rms" in c.__name__.lower()
                                            for c in norms) else "layer",
-            "qk_norm": any(n.endswith(("q_norm", "k_norm")) for n, _ in block.named_modules()),
+            "qk_norm": qk_norm(block, head_dim or sizes.d_model // (sizes.n_heads or 1)),
             "rotary": bool(policy.modules(model, "rotary")),
             "linears": tuple((m.out_features, id(m) in columns) for m in block.modules() if isinstance(m, nn.Linear))}
+
+
+def qk_norm(block, head_dim: int) -> str:
+    """Whether ``block``'s attention normalises q and k: "head" (a norm of ``head_dim`` weights, per head), "full"
+    (over the whole projection, OLMoE's), or ""."""
+    norm = next((m for n, m in block.named_modules() if n.endswith("q_norm")), None)
+    weight = getattr(norm, "weight", None)
+    if weight is None:
+        return ""
+    return "head" if weight.numel() == head_dim else "full"

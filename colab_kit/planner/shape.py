@@ -95,8 +95,8 @@ class ModelShape:
     norm: str = ""
     """The blocks' norm as the engine runs it: "layer" (LayerNorm) or "rms" (Hugging Face's RMSNorm, computed in
     fp32); "": "rms" when ``gated`` (a Llama, which the engine runs as Hugging Face's), "layer" otherwise."""
-    qk_norm: bool = False
-    """Per-head RMSNorms on q and k (Qwen3)."""
+    qk_norm: str = ""
+    """RMSNorms on q and k: "head" (Qwen3, Qwen3-MoE), "full" (OLMoE: over the whole width), "": none."""
     linears: tuple = ()
     """(output width, split over tp) of one block's matmuls in forward order, where read from a model; ():
     a GPT's fused qkv, proj, fc1, fc2, or a gated block's q, k, v, o, gate, up, down."""

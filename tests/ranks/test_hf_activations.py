@@ -114,11 +114,13 @@ def moe_runs():
 @pytest.mark.parametrize("name", MOE_FAMILIES)
 def test_hf_moe_blocks_are_counted_as_they_save_outside_the_moe_layer(moe_runs, name):
     """A Hugging Face mixture of experts' walk (``planner.moe.shape.moe_memory``) counts its attention, norms,
-    rotary tables and head as ``memory.saves`` does: under full recomputation, where a block keeps only its input,
-    the estimate is the measurement (counted as the MoE GPT's: 0.80-0.89). Without recomputation the MoE layer's
-    own tensors are still the MoE GPT's count: measured 0.83-0.93 (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE), 0.66-0.81
-    (DeepSeek-V3's latent attention), printed with ``pytest -s``; GPT-OSS (its norm multiplies in fp32, its
-    attention has sinks) is left out: 0.63, and 0.91 under full in bf16."""
+    rotary tables, q/k norms (Qwen3-MoE's per head, OLMoE's over the whole width) and head as ``memory.saves``
+    does: under full recomputation, where a block keeps only its input, the estimate is the measurement (counted as
+    the MoE GPT's: 0.80-0.89). Without recomputation the MoE layer's own tensors are still the MoE GPT's count:
+    0.93-1.00 of the measurement for Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE (held within 0.90-1.005; without the
+    q/k norms Qwen3-MoE's was 0.83-0.87), 0.66-0.81 for DeepSeek-V3 (latent attention's widths and low-rank
+    norms not counted; printed with ``pytest -s``); GPT-OSS (its norm multiplies in fp32, its attention has sinks)
+    is left out: 0.63, and 0.91 under full in bf16."""
     from tests.helpers import hf_moe
     for precision in ("fp32", "bf16"):
         for mode in ("none", "full"):
@@ -128,3 +130,5 @@ def test_hf_moe_blocks_are_counted_as_they_save_outside_the_moe_layer(moe_runs, 
             print(f"{name} {precision} {mode}: estimate / measured {est / got:.3f}")
             if mode == "full":
                 assert abs(est - got) <= 0.005 * got, (precision, est, got)
+            elif name != "deepseek":
+                assert 0.90 * got <= est <= 1.005 * got, (precision, est, got)

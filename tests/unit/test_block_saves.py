@@ -48,7 +48,7 @@ def test_a_block_saves_what_its_ops_keep(kind, precision):
     shape = ModelShape.of(_config(kind, 3), seq=SEQ)
     saves = shape.block_saves()
     assert (saves.norm, saves.gated, saves.qk_norm, saves.kv, saves.rotary) == \
-        ("rms", True, kind == "qwen3", saves.q // 2, True)
+        ("rms", True, "head" if kind == "qwen3" else "", saves.q // 2, True)
     assert saves.block(n, e) == block, (saves.block(n, e), block)
     old = BlockSaves.of_gpt(gpt_of(shape)).block(n, e)  # the twin: rejected
     assert abs(old - block) > 0.15 * block
@@ -57,6 +57,7 @@ def test_a_block_saves_what_its_ops_keep(kind, precision):
 def test_the_worked_example_by_hand():
     """The docstring's Llama block (h 64, q 64, kv 32, 4 heads, f 176), one token in bf16: 2,840 bytes."""
     s = BlockSaves(hidden=64, heads=4, ffn=176, vocab=96, kv_width=32, kv_heads=2, norm="rms", gated=True)
+    assert BlockSaves(hidden=64, heads=4, ffn=176, vocab=96, qk_norm="full").qk_bytes(1, 2) == (4 + 2) * 128 + 8
     norms = 2 * (4 * 64 + 2 * 64 + 4)  # fp32 copy, normed, 1/rms
     inputs = 2 * 2 * 64  # the norms' outputs, the q/k/v and gate/up matmuls' input
     attn = 2 * (2 * 64 + 2 * 32) + 4 * 4  # q, out, k, v; the log-sum-exp

@@ -121,8 +121,9 @@ def test_experts_split_over_ep_lower_the_edp_reduction_and_the_states():
     one, eight = (price(shape, ck.ParallelConfig(dp=64, pp=4, ep=e, zero=1, microbatches=8, precision="bf16"),
                         512, hw) for e in (1, 8))
     assert eight.comm_total["dp"] < one.comm_total["dp"]
-    # ZeRO-1: a rank updates experts / ep / edp = experts / dp of them either way
-    assert eight.breakdown["optimizer"] == pytest.approx(one.breakdown["optimizer"])
+    # ZeRO-1: a rank updates experts / ep / edp = experts / dp of them either way (at ep 1 with the dense ones, one
+    # update; at ep 8 two, the second's kernels launched apart)
+    assert eight.breakdown["optimizer"] == pytest.approx(one.breakdown["optimizer"], rel=0.02)
     m1, m8 = (memory_of(shape, ck.ParallelConfig(dp=64, pp=4, ep=e, zero=1, microbatches=8, precision="bf16"), 512)
               for e in (1, 8))
     assert m8["params"] < m1["params"] / 3

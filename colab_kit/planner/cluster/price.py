@@ -240,7 +240,7 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         e_exp, e_tot, e_n = moe_price.expert_sync(shape, config, hw, experts, layers * (blk.i + blk.w + blk.rc),
                                                   layers)
         exposed_dp, comm_dp, count[Axis.DP] = exposed_dp + e_exp, comm_dp + e_tot, count[Axis.DP] + e_n
-        opt += optimizer_seconds(experts, config, hw, optimizer, edp, host_share)
+        opt += optimizer_seconds(experts, config, hw, optimizer, edp, host_share) if experts else 0.0
         comm_total[Axis.EP] = m * layers * (ep_f + ep_b + ep_rc)
         notes = notes + _moe_notes(config)
     if sp_apart:  # one flat all-reduce of the rank's gradients (ZeRO >= 1: its piece) over sp, at the step's end:

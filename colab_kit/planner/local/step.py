@@ -182,8 +182,10 @@ def _op_counts(heads: int) -> tuple[int, int]:
 
 
 def step_seconds(model, cfg, batch: int, consts: dict, memory: dict,
-                 optimizer: str = "adamw") -> tuple[float, dict, dict]:
-    """(seconds, breakdown by part, collectives per step by part) of one train_step of ``cfg``."""
+                 optimizer: str = "adamw", summed: int | None = None) -> tuple[float, dict, dict]:
+    """(seconds, breakdown by part, collectives per step by part) of one train_step of ``cfg``. ``summed``: the
+    parameters whose gradients sp sums after the dp reduction where they are not ``model``'s own (a mixture of
+    experts priced as its active GPT: its dense ones, and at ep 1 its experts too)."""
     e = PRECISION_BYTES[cfg.precision]
     m = cfg.microbatches
     tokens = batch // (cfg.dp * m) * model.seq_len
@@ -240,7 +242,7 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict,
     parts["comm:dp"], counts[Axis.DP] = dp_s, dp_n
     if cfg.sp > 1:  # gradients of the parameters replicated over sp, one flat all-reduce in fp32 after the dp
         # reduction: the rank's whole gradients, or under ZeRO its 1 / dp piece (planner.cluster.terms.sp_grad_bytes)
-        grads = 4 * rank_params(model, cfg) // (cfg.dp if cfg.zero >= 1 else 1)
+        grads = 4 * (rank_params(model, cfg) if summed is None else summed) // (cfg.dp if cfg.zero >= 1 else 1)
         parts["comm:sp"] += collective_seconds(consts, "all_reduce", grads, cfg.sp)
         counts[Axis.SP] = counts.get(Axis.SP, 0) + 1
     parts["optimizer"] = _optimizer(cfg, consts, memory, model, optimizer)

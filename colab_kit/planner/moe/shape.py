@@ -26,6 +26,7 @@ import torch.nn as nn
 from ...config import ConfigError
 from ...memory.experts import moe_estimate
 from ...memory.layout import stage_plan
+from ...memory.saves import qk_norm
 from ...models import GPTConfig
 from ...models.moe import moe_blocks
 
@@ -96,7 +97,8 @@ def hf_moe_shape(cls, model: nn.Module, seq: int | None):
                tied=bool(getattr(cfg, "tie_word_embeddings", False)), positions=False, name=type(model).__name__,
                params_exact=sum(p.numel() for p in model.parameters()), experts=n, top_k=top_k,
                d_expert=d_expert, shared_ffn=_matrices(shared) // (3 * h), moe_blocks=tuple(moe),
-               attn_params=_matrices(getattr(blocks[0], "self_attn", None)), core_width=0 if core == h else core)
+               attn_params=_matrices(getattr(blocks[0], "self_attn", None)), core_width=0 if core == h else core,
+               qk_norm=qk_norm(blocks[0], head_dim))
 
 
 def stage_split(layers: int, stages: int) -> list[range]:
