@@ -166,7 +166,7 @@ def activation_bytes(model, rows: int, *, seq: int | None = None, layers: int | 
     sequence parallelism in the tp group) keeps each LayerNorm's input and statistics split
     along the sequence over that many ranks; the rest is 1D's. ``saves``: another architecture's block
     (``memory.saves.BlockSaves``: a Hugging Face Llama's RMSNorm in fp32, SwiGLU, grouped-query attention, q/k
-    norms, its loss in fp32); the GPT's by default, the table above.
+    norms, rotary tables); the GPT's by default, the table above.
 
     >>> from colab_kit.models import GPTConfig
     >>> a = activation_bytes(GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2), 8)

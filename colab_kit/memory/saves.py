@@ -66,6 +66,7 @@ class BlockSaves:
     """Rotary positions computed once a forward and kept by every block's product with them (Hugging Face's
     ``cos`` and ``sin``, one row per position): ``2 seq d_head e`` bytes a forward on a stage, unless per-op or
     full recomputation rebuilds them with the block."""
+
     @classmethod
     def of_gpt(cls, cfg) -> BlockSaves:
         """The built-in GPT of ``cfg`` (a ``GPTConfig``).
@@ -135,7 +136,8 @@ class BlockSaves:
         return attn + self.qk_bytes(n, e) + (4 if self.gated else 2) * e * n * self.ffn
 
     def qk_bytes(self, n: int, e: int) -> int:
-        """The per-head q and k norms' own tensors (Qwen3), undivided by tp: an fp32 copy, 1/rms, the normed."""
+        """The q and k norms' own tensors, undivided by tp: an fp32 copy, the normed, and 1/rms per head ("head",
+        Qwen3) or per row ("full", OLMoE)."""
         if not self.qk_norm:
             return 0
         q, kv = self.q, self.kv

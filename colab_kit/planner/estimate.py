@@ -173,7 +173,7 @@ def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: 
     """The engine's estimate for the fullest rank of ``config`` (``config_estimate`` of ``gpt_of(shape)``),
     its model states scaled to ``shape.params`` (grouped-query attention, no position table, a tied head), its
     activations what the shape's blocks save as the engine runs them (``shape.block_saves()``: a Llama's
-    RMSNorm in fp32, SwiGLU, grouped-query attention and fp32 loss; ``memory.saves``).
+    RMSNorm in fp32, SwiGLU, grouped-query attention, rotary tables; ``memory.saves``).
 
     A pipeline of more than ``2 pp`` microbatches holds at its peak what one of ``2 pp`` microbatches of the
     same rows holds (every schedule but gpipe has reached its steady state by then;

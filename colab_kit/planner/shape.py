@@ -185,7 +185,7 @@ class ModelShape:
 
     def block_saves(self) -> BlockSaves:
         """What one dense block saves for backward as the engine runs it (``memory.saves``): the norm, the
-        attention's q and key/value widths, the gated MLP, the loss's dtype and the matmuls' order.
+        attention's q and key/value widths, q/k norms, the gated MLP, rotary tables and the matmuls' order.
 
             >>> s = ModelShape(32, 4096, 32, 128256, 8192, ffn=14336, kv_heads=8, gated=True, positions=False)
             >>> b = s.block_saves()
