@@ -51,6 +51,8 @@ class Axis(_StrEnum):
     - ``EP``: expert-parallel ranks, each holding a share of the experts (tokens exchanged by all-to-all).
     - ``EDP``: the data-parallel ranks that hold the same experts, over which expert gradients are summed
       (``EP`` and ``EDP`` fold the ``DP`` x ``SP`` block).
+    - ``DP_SP``: the ``DP`` x ``SP`` block flattened (``dp_i * sp + sp_i``): the ranks that hold the same
+      weights, over which data parallelism reduces and ZeRO shards them when ``sp > 1`` (``colab_kit.zero``).
     - ``TP_ROW`` / ``TP_COL``: the 2D / 2.5D tensor grid's rows and columns; ``TP_DEP``: its depth in 2.5D.
     - ``TP_IN``: the 3D tensor cube's input axis (a first Linear all-gathers its input over it).
     - ``TP_WT``: the 3D cube's weight axis (weights all-gathered over it; it never changes role).
@@ -70,6 +72,7 @@ class Axis(_StrEnum):
     TP = "tp"
     EP = "ep"
     EDP = "edp"
+    DP_SP = "dp_sp"
     TP_ROW = "tp_row"
     TP_COL = "tp_col"
     TP_DEP = "tp_dep"
@@ -215,6 +218,18 @@ class ParallelConfig:
     def shape(self) -> dict[str, int]:
         """Axis sizes in rank order, slowest first: ``{"pp", "dp", "sp", "tp"}``."""
         return {a: getattr(self, a) for a in AXES}
+
+    @property
+    def zero_ranks(self) -> int:
+        """The ranks that hold the same weights: ``dp * sp`` (sp ranks see other tokens of the same rows). Data
+        parallelism reduces the gradients over them (a mean over dp, a sum over sp), and ZeRO shards the
+        optimizer states, gradients (stage 2) and parameters (stage 3) ``1 / (dp * sp)`` a rank, as
+        Megatron-Core's distributed optimizer (dp x cp) and torchtitan's FSDP (dp_shard x cp) do.
+
+        >>> ParallelConfig(dp=2, sp=2, zero=1).zero_ranks, ParallelConfig(dp=4, tp=2).zero_ranks
+        (4, 4)
+        """
+        return self.dp * self.sp
 
     @property
     def tp_q(self) -> int:

@@ -51,6 +51,11 @@ position, numbered ``f = dp_i * sp + sp_i``: ``ep`` (fastest, ``ep_i = f % ep``)
       1    1   0   1
       2    2   1   0      rank 2 holds experts 0..E/2-1 of every MoE layer, as rank 0 does
       3    3   1   1
+
+``dp_sp`` is the same ``dp x sp`` block flattened (``f`` as above): the ranks that hold the same weights,
+over which data parallelism reduces and ZeRO shards (``ParallelConfig.zero_ranks``). With ``sp = 1`` its groups
+are dp's, with ``dp = 1`` sp's. ``ParallelConfig(dp=2, sp=2, tp=2)``: ``groups("dp_sp") = [[0, 2, 4, 6],
+[1, 3, 5, 7]]``, rank 6 at ``dp_sp`` coordinate 3.
 """
 from __future__ import annotations
 
@@ -121,6 +126,8 @@ class MeshLayout:
     def size(self, axis: str) -> int:
         """Number of ranks in each group of ``axis``."""
         self._check_axis(axis)
+        if axis == Axis.DP_SP:
+            return self.config.zero_ranks
         if axis in (Axis.EP, Axis.EDP):
             return self.ep if axis == Axis.EP else self.config.dp * self.config.sp // self.ep
         return self.config.shape[axis] if axis in AXES else self.sub[axis]
@@ -140,7 +147,8 @@ class MeshLayout:
         return dict(zip(self.sub, idx))
 
     def all_coords(self, rank: int) -> dict[str, int]:
-        """Main and tensor sub-axis coordinates together (and ``edp``, ``ep`` with experts split)."""
+        """Main and tensor sub-axis coordinates together (and ``edp``, ``ep`` with experts split; ``dp_sp``, the
+        ``dp x sp`` block flattened, is left out of tables: ``ProcessMesh.rank`` answers it)."""
         out = {**self.coords(rank), **self.sub_coords(rank)}
         if self.ep > 1:
             folded = out[Axis.DP] * self.config.sp + out[Axis.SP]
@@ -161,6 +169,9 @@ class MeshLayout:
         """Every group of ``axis``, as rank lists in ascending order of the axis coordinate."""
         self._check_axis(axis)
         names: tuple[str, ...]
+        if axis == Axis.DP_SP:
+            c = self.config
+            return self.grid.reshape(c.pp, c.zero_ranks, c.tp).movedim(1, -1).reshape(-1, c.zero_ranks).tolist()
         if axis in (Axis.EP, Axis.EDP):
             names, grid = (Axis.PP, Axis.EDP, Axis.EP, Axis.TP), self.expert_grid
         else:
@@ -178,7 +189,7 @@ class MeshLayout:
         return [{"rank": r, **self.all_coords(r)} for r in range(self.world_size)]
 
     def _check_axis(self, axis: str) -> None:
-        if axis not in self.axes:
+        if axis not in self.axes and axis != Axis.DP_SP:  # dp_sp: a flattened view, not an axis of its own
             raise ValueError(f"unknown axis {axis!r} for tp_mode={self.config.tp_mode!r}: "
                              f"this mesh has axes {', '.join(self.axes)}")
 
@@ -315,12 +326,12 @@ class ProcessMesh:
                 except (ValueError, RuntimeError):  # already gone (the world was torn down)
                     pass
         self._groups.clear()
-        self.device_mesh = self.tp_mesh = self.ep_mesh = None  # connections close with the last reference
+        self.device_mesh = self.tp_mesh = self.ep_mesh = self.dp_sp_mesh = None  # connections close with the last ref
 
     def _all_groups(self) -> list:
         """Every process group this mesh built (its DeviceMesh dimensions, and the tensor sub-axes)."""
         out: list = list(getattr(self, "_extra_groups", []))
-        for mesh in (self.device_mesh, self.tp_mesh, self.ep_mesh):
+        for mesh in (self.device_mesh, self.tp_mesh, self.ep_mesh, self.dp_sp_mesh):
             if mesh is not None:
                 out += [mesh.get_group(i) for i in range(mesh.ndim)]
         return out
@@ -343,10 +354,12 @@ class ProcessMesh:
             else torch.device("cpu")
         self.global_rank = dist.get_rank()
         self.device_mesh = init_device_mesh(device_type, tuple(config.shape.values()), mesh_dim_names=_names(*AXES))
-        self.tp_mesh = self.ep_mesh = None
+        self.tp_mesh = self.ep_mesh = self.dp_sp_mesh = None
         self._extra_groups: list = []  # groups a mesh made on the way (the flattened dp x sp)
         if self.layout.sub:
             self.tp_mesh = self._tensor_sub_mesh(device_type)
+        if config.dp > 1 and config.sp > 1:  # made with the rest (a collective), used by data parallelism and ZeRO
+            self.dp_sp_mesh = self._flat_dp_sp(device_type)
         if self.layout.ep > 1:
             self.ep_mesh = self._expert_mesh(device_type)
         self.log = CommLog()
@@ -355,6 +368,7 @@ class ProcessMesh:
         self._holders = []  # weak references to the engines holding this mesh (``track``)
         # looked up on every collective: computed once (slicing a DeviceMesh costs ~1 ms)
         self._coords = self.layout.all_coords(self.global_rank)
+        self._dp_sp = self._coords[Axis.DP] * config.sp + self._coords[Axis.SP]  # rank(Axis.DP_SP)
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._ranks: dict[str, list[int]] = {}
 
@@ -369,13 +383,27 @@ class ProcessMesh:
             shape = tuple(self.config.shape[a] for a in (Axis.PP, Axis.DP, Axis.SP)) + tuple(sub.values())
             return init_device_mesh(device_type, shape, mesh_dim_names=_names(Axis.PP, Axis.DP, Axis.SP, *sub))
 
+    def _flat_dp_sp(self, device_type: str):
+        """The dp x sp block flattened into ``dp_sp`` (a DeviceMesh with that dimension)."""
+        assert self.device_mesh is not None
+        try:  # private in torch 2.13, hence the fallback (which makes pp and tp groups again)
+            folded = self.device_mesh[Axis.DP, Axis.SP]._flatten(str(Axis.DP_SP))
+            self._extra_groups.append(folded.get_group())
+            return folded
+        except AttributeError:
+            from torch.distributed.device_mesh import init_device_mesh
+            shape = (self.config.pp, self.config.zero_ranks, self.config.tp)
+            return init_device_mesh(device_type, shape, mesh_dim_names=_names(Axis.PP, Axis.DP_SP, Axis.TP))
+
     def _expert_mesh(self, device_type: str):
         """The dp x sp block folded into ``(edp, ep)`` (a DeviceMesh over those two axes)."""
         assert self.device_mesh is not None
         fold = (self.layout.size(Axis.EDP), self.layout.size(Axis.EP))
         try:  # private in torch 2.13, hence the fallback (which makes pp and tp groups again)
-            folded = self.device_mesh[Axis.DP, Axis.SP]._flatten("dp_sp")
-            self._extra_groups.append(folded.get_group())
+            folded = self.dp_sp_mesh if self.dp_sp_mesh is not None and self.dp_sp_mesh.ndim == 1 else \
+                self.device_mesh[Axis.DP, Axis.SP]._flatten(str(Axis.DP_SP))
+            if folded is not self.dp_sp_mesh:
+                self._extra_groups.append(folded.get_group())
             return folded._unflatten(0, fold, _names(Axis.EDP, Axis.EP))
         except AttributeError:
             from torch.distributed.device_mesh import init_device_mesh
@@ -384,6 +412,11 @@ class ProcessMesh:
 
     def _mesh_for(self, axis: str):
         self.layout._check_axis(axis)
+        if axis == Axis.DP_SP:  # dp's or sp's own groups where the other is 1
+            if self.dp_sp_mesh is None:
+                assert self.device_mesh is not None, "a released mesh has no groups"
+                return self.device_mesh[Axis.SP if self.config.dp == 1 else Axis.DP]
+            return self.dp_sp_mesh if self.dp_sp_mesh.ndim == 1 else self.dp_sp_mesh[axis]
         mesh = self.device_mesh if axis in AXES else self.ep_mesh if axis in (Axis.EP, Axis.EDP) else self.tp_mesh
         assert mesh is not None, "a released mesh has no groups"  # group() refuses a closed mesh first
         return mesh[axis]
@@ -402,6 +435,8 @@ class ProcessMesh:
         """This rank's coordinate on ``axis`` (its rank inside the group)."""
         if axis not in self._coords:
             self.layout._check_axis(axis)
+            if axis == Axis.DP_SP:
+                return self._dp_sp
         return self._coords[axis]
 
     def size(self, axis: str) -> int:

@@ -3,12 +3,13 @@ gradient, as ``torch.nn.utils.clip_grad_norm_`` does in one process.
 
 Every rank sums the squares of the gradient elements its optimizer steps (``grads.optimizer_layout()``:
 whole parameters, ZeRO's pieces, or their fp32 masters), each weighted so that an element held by several
-ranks counts once: ``1 / size(axis)`` for every tensor or sequence axis the parameter is ``Replicate()`` on
-(``engine.placement_table``), ``1 / dp`` when the gradients are copies over dp (no ZeRO), ``1 / 2`` for
-each copy of a weight tied across two pipeline ranks; an expert split over ep (``Shard(0)`` on ep) has copies
-on its edp group only: ``1 / edp`` without ZeRO. One all-reduce of that number per mesh axis gives
-the global sum; then, as torch does, every gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))``.
-With fp16 this runs after unscaling, and an overflowed (skipped) step is not clipped.
+ranks counts once: ``1 / size(axis)`` for every tensor axis the parameter is ``Replicate()`` on
+(``engine.placement_table``), ``1 / (dp sp)`` when the gradients are copies over dp x sp (no ZeRO; ZeRO's
+pieces are apart over dp x sp), ``1 / 2`` for each copy of a weight tied across two pipeline ranks; an expert
+split over ep (``Shard(0)`` on ep) has copies on its edp group only: ``1 / edp`` without ZeRO. One all-reduce
+of that number per mesh axis gives the global sum; then, as torch does, every gradient is multiplied by
+``min(1, max_norm / (norm + 1e-6))``. With fp16 this runs after unscaling, and an overflowed
+(skipped) step is not clipped.
 
 Worked example, ``ParallelConfig(dp=2, tp=2)`` (1d), a block's ``fc1.weight`` split over tp and its
 ``ln1.weight`` whole on both tp ranks::
@@ -43,16 +44,16 @@ def weights(mesh, table, config, grads, tied) -> list[tuple[torch.Tensor, list[t
     """Per optimizer tensor of ``grads`` (the gradient part), its runs ``(at, length, weight)``: where each
     parameter's elements lie in it and how much each counts in the global sum of squares (see the module
     docstring). ``table``: the placement table; ``tied``: the pipeline's tied pairs ``(shape, param or None)``."""
-    axes = [a for a in mesh.layout.fine_names if a not in (Axis.PP, Axis.DP) and mesh.size(a) > 1]
+    axes = [a for a in mesh.layout.fine_names if a not in (Axis.PP, Axis.DP, Axis.SP) and mesh.size(a) > 1]
     tied_here = {id(p) for _, p in tied if p is not None}
-    dp_copies = 1.0 / config.dp if config.zero == 0 else 1.0
+    dp_copies = 1.0 / config.zero_ranks if config.zero == 0 else 1.0  # ZeRO: pieces apart over dp x sp
     out = []
     for t, runs in grads.optimizer_layout():
         mine = []
         for p, _start, length, at in runs:
             placed = table[p]
             copies = dp_copies
-            if getattr(config, "ep", 1) > 1 and any(Axis.EP in axes for _, axes in placed.shards):
+            if getattr(config, "ep", 1) > 1 and any(Axis.EP in on for _, on in placed.shards):
                 copies = 1.0 / mesh.size(Axis.EDP) if config.zero == 0 else 1.0  # experts: copies over edp only
             w = copies * (0.5 if id(p) in tied_here else 1.0)
             for a in axes:

@@ -127,15 +127,16 @@ def _send_bucket(b: Build, axis: str, tensors: list[torch.Tensor]) -> None:
 
 # ---------------------------------------------------------------------------------------------- the step's hooks
 def _sum_replicated(step, masters) -> None:
-    """Gradients of what the tensor or sequence plan keeps whole on each of its ranks, summed over those axes
-    (after the dp reduction: sums over different groups commute); with ZeRO or fp32 masters on this rank's
-    reduced pieces."""
+    """Gradients of what the tensor plan keeps whole on each of its ranks, summed over those axes (after the
+    dp reduction: sums over different groups commute); with ZeRO or fp32 masters on this rank's reduced
+    pieces. The sequence plan's sums over sp are made by the dp reduction itself, over ``dp_sp``
+    (``zero.reduction_axis``)."""
     if step.parts.tp_plan is None and step.parts.sp_plan is None:
         return
     if step.config.zero or masters is not None:
         step.data_parallel.sync_replicated()
     else:
-        sync_grads(step.parts.module, step.mesh, step.parts.placement_table)
+        sync_grads(step.parts.module, step.mesh, step.parts.placement_table, skip=step.data_parallel.folds)
 
 
 PARTS: tuple[Part, ...] = (

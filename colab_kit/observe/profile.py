@@ -260,7 +260,8 @@ def _paint(p: Profile, engine, compute, copies, blocked, min_idle: float) -> lis
                 out.append(Interval(x, y, "idle", "idle"))
         if i < len(blocked):
             rec = p.records[i]
-            zero = engine.config.zero and rec.axis == Axis.DP and rec.op in ("all_gather", "reduce_scatter")
+            zero = engine.config.zero and rec.axis in (Axis.DP, Axis.DP_SP) \
+                and rec.op in ("all_gather", "reduce_scatter")
             name = (f"ZeRO {rec.op}" if zero else f"{rec.op}@{rec.axis}") + (f" ({rec.tag})" if rec.tag else "")
             out.append(Interval(a, b, "comm", name, rec.axis, i))
         pos = b

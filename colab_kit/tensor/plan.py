@@ -18,19 +18,20 @@ from ..sharded_init import cut
 __all__ = ["TensorPlan", "sync_grads", "regrouped", "require_divisible"]
 
 
-def sync_grads(module, mesh, table=None) -> None:
+def sync_grads(module, mesh, table=None, skip=()) -> None:
     """Sum every gradient that is ``Partial()`` on an axis over that axis (``colab_kit.placement``).
 
     ``table``: the engine's ``PlacementTable`` (its parameters are what is summed: the model's, or
     their fp32 masters); None reads the declarations of ``module``'s layers. One flat all-reduce per
     axis: the partial gradients are packed, summed, unpacked; one partial over two axes is summed
-    over the first, then the second.
+    over the first, then the second. ``skip``: axes summed already (sp, by data parallelism's reduction
+    over ``dp_sp``: ``zero.folded_axes``).
     """
     table = table if table is not None else PlacementTable(module)
     by_axis: dict[str, list[torch.Tensor]] = {}
     for p in table.params:
         for axis in table.partial(p):
-            if p.grad is not None and mesh.size(axis) > 1:
+            if p.grad is not None and mesh.size(axis) > 1 and axis not in skip:
                 by_axis.setdefault(axis, []).append(p.grad)
     for axis, grads in by_axis.items():
         flat = torch.cat([g.reshape(-1) for g in grads])

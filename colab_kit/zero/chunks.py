@@ -59,9 +59,10 @@ class Chunk:
         self.index, self.name, self.params, self.mesh, self.axis = index, name, params, mesh, axis
         n, r = mesh.size(axis), mesh.rank(axis)
         self.n, self.rank = n, r
-        self.divisor = n
-        """What the summed gradient is divided by: the axis size (the mean over dp), or dp for an expert chunk
-        over edp (``colab_kit.zero.split``: its sum over edp already holds every dp rank's tokens)."""
+        self.divisor = mesh.size(Axis.DP)
+        """What the summed gradient is divided by: dp (the mean over the data-parallel replicas; over ``dp_sp``
+        the sp ranks' token shares are summed, and an expert chunk's sum over edp already holds every dp rank's
+        tokens: ``colab_kit.zero.split``)."""
         self.numel = sum(p.numel() for p in params)
         self.size = padded(max(self.numel, 1), n)
         self.piece = self.size // n

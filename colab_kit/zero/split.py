@@ -60,7 +60,6 @@ def chunk_units(units, mesh, axis: str, table, experts: bool) -> tuple[list, lis
             if not ps and label == "tail":  # a tail whose only weight is tied to the embeddings': no chunk of its own
                 continue
             c = Chunk(len(chunks), label, ps, mesh, over)
-            c.divisor = mesh.size(axis)
             of_unit[-1].append(c.index)
             chunks.append(c)
     return chunks, of_unit
@@ -73,6 +72,7 @@ class ExpertSplit:
     def __init__(self, dense, experts, zero: int):
         self.dense, self.experts, self.stage = dense, experts, zero
         self.parts = (dense, experts)
+        self.folds = dense.folds  # the experts carry no sp partial (their ep declaration replaced it)
         self._owner = {id(p): part for part in self.parts for p in part._params}
         low = [p.masters for p in self.parts if p.masters is not None]
         self.masters = JoinedMasters(low) if low else None

@@ -49,7 +49,24 @@ from ..tensor import sync_grads
 if TYPE_CHECKING:
     from .offload import ChunkPlacement
 
-__all__ = ["DataParallel", "GradientPart", "default_bucket_bytes", "fill_buckets"]
+__all__ = ["DataParallel", "GradientPart", "default_bucket_bytes", "fill_buckets", "folded_axes", "reduction_axis"]
+
+
+def reduction_axis(config) -> str:
+    """The axis data parallelism reduces the dense gradients over and ZeRO shards over: ``dp``, or with
+    sequence parallelism ``dp_sp`` (``ParallelConfig.zero_ranks``), where the sp ranks' sum of their token
+    shares joins the mean over dp in one collective.
+
+    >>> from colab_kit.config import ParallelConfig
+    >>> reduction_axis(ParallelConfig(dp=2, zero=1)), reduction_axis(ParallelConfig(dp=2, sp=2, zero=1))
+    ('dp', 'dp_sp')
+    """
+    return Axis.DP_SP if config.sp > 1 else Axis.DP
+
+
+def folded_axes(axis: str, mesh) -> tuple[str, ...]:
+    """The axes whose gradient sums a reduction over ``axis`` includes: ``(sp,)`` over ``dp_sp`` with sp > 1."""
+    return (Axis.SP,) if axis == Axis.DP_SP and mesh.size(Axis.SP) > 1 else ()
 
 
 def default_bucket_bytes(total: int, shared_cores: bool = False) -> int:
@@ -132,9 +149,13 @@ class DataParallel:
         self.placements = placements if placements is not None else PlacementTable()
         """The engine's ``PlacementTable``: which gradients are ``Partial()`` over a tensor or sequence axis."""
         self.size = mesh.size(axis)
-        self.divisor = self.size
-        """What each reduced gradient is divided by: the axis's size (dp), or dp for experts reduced over edp
-        (their gradients already hold the tokens of the whole ep group: ``colab_kit.zero.split``)."""
+        self.divisor = mesh.size(Axis.DP)
+        """What each reduced gradient is divided by: dp, for the mean over the data-parallel replicas, whatever
+        ``axis`` is (over ``dp_sp`` the sp ranks' shares of the same rows are summed; experts reduced over edp
+        already hold the tokens of their whole ep group: ``colab_kit.zero.split``)."""
+        self.folds = folded_axes(axis, mesh)
+        """Axes whose ``Partial()`` gradient sums this reduction already makes (sp, reduced over ``dp_sp``):
+        the tensor plan's sums (``tensor.sync_grads``) skip them."""
         self.events = events if events is not None else []
         params = [p for p in params if p.requires_grad]
         self._params = params
@@ -242,7 +263,7 @@ class DataParallel:
 
     def sync_replicated(self) -> None:
         """Mixed precision with a tensor plan: its gradient sums, on the masters' fp32 gradients."""
-        sync_grads(None, self.mesh, self.masters.table)
+        sync_grads(None, self.mesh, self.masters.table, skip=self.folds)
 
     def build_optimizer(self, optimizer_factory) -> torch.optim.Optimizer:
         """``optimizer_factory`` over the fp32 masters (mixed precision) or the parameters."""
@@ -310,6 +331,7 @@ class GradientPart(Protocol):
         dp.zero()
     """
     t0: float                # when the current step began (perf_counter)
+    folds: tuple[str, ...]   # axes whose partial sums the reduction makes (sp over dp_sp): ``folded_axes``
 
     @property
     def masters(self) -> MasterWeights | None: ...  # fp32 master weights under mixed precision, else None

@@ -288,7 +288,7 @@ class ZeroStage1(DataParallel):
         """Per axis, the (piece, lo, hi) slices of this rank's pieces that belong to marked parameters."""
         sums: dict[str, list[tuple[int, int, int]]] = {}
         for p in params:
-            axes = [a for a in self.placements.partial(p) if self.mesh.size(a) > 1]
+            axes = [a for a in self.placements.partial(p) if self.mesh.size(a) > 1 and a not in self.folds]
             if not axes:
                 continue
             i, start = self._offset[id(p)]

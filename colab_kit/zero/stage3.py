@@ -87,6 +87,7 @@ import torch.nn as nn
 
 from ..config import Axis, ConfigError
 from ..precision import MasterWeights
+from .stage0 import folded_axes
 from .stage1 import build_over, sum_slices
 from .chunks import Chunk
 from .split import chunk_units
@@ -114,6 +115,8 @@ class ZeroStage3:
                  offload: str = "none", device_budget: int | None = None, blocks: nn.ModuleList | None = None,
                  placements=None, group_of=None, experts: bool = False, tail=()):
         self.module, self.mesh, self.axis = module, mesh, axis
+        self.folds = folded_axes(axis, mesh)
+        """Axes whose gradient sums the chunks' reduce-scatter already makes (sp over ``dp_sp``)."""
         self.placements = placements if placements is not None else PlacementTable(module)
         self.events = events if events is not None else []
         self.prefetch = prefetch
@@ -430,7 +433,7 @@ class ZeroStage3:
                 start = c.offsets[id(p)]
                 lo, hi = max(start, a), min(start + p.numel(), b)
                 for axis in self.placements.partial(p):
-                    if self.mesh.size(axis) > 1 and lo < hi:
+                    if self.mesh.size(axis) > 1 and axis not in self.folds and lo < hi:
                         sums.setdefault(axis, []).append((c.index, lo - a, hi - a))
         return sums
 
