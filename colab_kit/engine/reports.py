@@ -110,7 +110,8 @@ def memory_estimate(engine: EngineView) -> dict:
             est = placed({**{k: est[k] for k in ("params", "grads", "optimizer")}, "activations": 0},
                          cfg.zero, cfg.offload, share)
         return est
-    est = estimate(engine.parts.n_local, name, dp=cfg.dp, zero=cfg.zero, precision=cfg.precision, offload=cfg.offload)
+    est = estimate(engine.parts.n_local, name, dp=cfg.zero_ranks, zero=cfg.zero, precision=cfg.precision,
+                   offload=cfg.offload)  # ZeRO over dp x sp
     est["activations"] = 0
     shape = engine.step.records.input  # (the last step's global input shape, its dtype)
     if engine.parts.policy is not None and shape is not None:

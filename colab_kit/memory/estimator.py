@@ -76,7 +76,8 @@ def config_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | 
         acts = pipeline_peak(model, config, rows, seq, fitted=fitted, saves=saves)
     else:
         acts = [layout_activations(model, config, rows, seq, layers=model.n_layers, saves=saves)]
-    states = [model_state_bytes(p, optimizer, config.precision, config.dp, config.zero, config.offload) for p in params]
+    states = [model_state_bytes(p, optimizer, config.precision, config.zero_ranks, config.zero, config.offload)
+              for p in params]  # ZeRO shards over dp x sp
     totals = [sum(s.values()) + a for s, a in zip(states, acts)]
     r = max(range(config.pp), key=totals.__getitem__) if pp_rank is None else pp_rank
     return placed({**states[r], "activations": acts[r]}, config.zero, config.offload, host_share)

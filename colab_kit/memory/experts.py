@@ -163,7 +163,7 @@ def moe_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | Non
     moe_blocks, stage_layers = _moe_layers()
     seq = model.seq_len if seq is None else seq
     rows = batch // (config.dp * config.microbatches)
-    edp = config.dp * config.sp // config.ep if config.ep > 1 else config.dp  # ep 1: the experts are dense (over dp)
+    edp = config.zero_ranks // config.ep  # ep 1: the experts are dense, over dp x sp with the rest
     n = config.pp * config.chunks
     layers = split or stage_layers(model.n_layers, n)
     moe = set(moe_blocks(model) if moe is None else moe)
@@ -179,7 +179,7 @@ def moe_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | Non
         acts = [per[0]]
     states = []
     for dense, experts in (params or moe_stage_params(model, config)):
-        d = model_state_bytes(dense, optimizer, config.precision, config.dp, config.zero, config.offload)
+        d = model_state_bytes(dense, optimizer, config.precision, config.zero_ranks, config.zero, config.offload)
         x = model_state_bytes(experts, optimizer, config.precision, edp, config.zero, config.offload)
         states.append({k: d[k] + x[k] for k in d})
     totals = [sum(s.values()) + a for s, a in zip(states, acts)]

@@ -35,7 +35,7 @@ def startup_bytes(model, config, *, meta: bool = True, pp_rank: int | None = Non
     (``meta``), or plus the whole model (built dense)."""
     per = stage_params(model, config)
     n = max(per) if pp_rank is None else per[pp_rank]
-    states = model_state_bytes(n, "sgd", "fp32", config.dp, config.zero)
+    states = model_state_bytes(n, "sgd", "fp32", config.zero_ranks, config.zero)  # ZeRO over dp x sp
     kept = states["params"] + (states["grads"] if config.zero else 0)
     whole = sum(stage_params(model, type(config)()))  # the dense model, one rank
     return kept + 4 * (largest_tensor(model) if meta else whole)
@@ -49,7 +49,7 @@ def gathered_bytes(model, config, tied: bool = False) -> int:
         embeddings + block 0 (forward's start, backward's end)   two blocks   the last block + the tail
 
     (the tail with the embeddings' chunk too when ``tied``); never the embeddings, the tail and a block together,
-    which a 128k vocabulary would make 2 x 1B parameters at d 8192. Chunks are padded to a multiple of dp.
+    which a 128k vocabulary would make 2 x 1B parameters at d 8192. Chunks are padded to a multiple of dp x sp.
 
     >>> from colab_kit import ParallelConfig
     >>> from colab_kit.models import GPTConfig
@@ -59,6 +59,6 @@ def gathered_bytes(model, config, tied: bool = False) -> int:
     """
     parts = part_params(model, config)
     width = PRECISION_BYTES[config.precision]
-    embed, block, tail = (width * padded(parts[k], config.dp) for k in ("embed", "block", "tail"))
+    embed, block, tail = (width * padded(parts[k], config.zero_ranks) for k in ("embed", "block", "tail"))
     tail = tail + embed if tied else tail
     return max(embed + block, 2 * block, block + tail)

@@ -135,17 +135,17 @@ def layouts(shape: ModelShape, gpus: int, restrict: dict | None = None) -> Itera
 def _states_fit(shape: ModelShape, dp: int, tp: int, pp: int, zero: int, precision: str, optimizer: str,
                 usable: int, sp: int = 1) -> bool:
     """Whether the fullest stage's model states alone fit (step 2): its blocks split over tp, the token
-    table (first stage) or the head (last) too; a mixture of experts' MoE layers whole on every tp rank, its
-    experts over the largest ep of dp x sp and their states over edp."""
+    table (first stage) or the head (last) too, ZeRO's shards over dp x sp; a mixture of experts' MoE layers
+    whole on every tp rank, its experts over the largest ep of dp x sp and their states over edp."""
     per_stage = shape.layers // pp * shape.block_params() + shape.vocab * shape.hidden * (1 if pp > 1 else 2)
     if shape.experts:  # the dense part of its blocks; the experts as few as the largest ep leaves, over edp
         ep = max(_eps(shape, dp * sp))
         dense, experts = moe_price.params_split(shape, ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep),
                                                 shape.layers // pp)
-        both = [model_state_bytes(math.ceil(dense), optimizer, precision, dp, zero),
-                model_state_bytes(math.ceil(experts), optimizer, precision, dp * sp // ep if ep > 1 else dp, zero)]
+        both = [model_state_bytes(math.ceil(dense), optimizer, precision, dp * sp, zero),
+                model_state_bytes(math.ceil(experts), optimizer, precision, dp * sp // ep, zero)]
         return sum(sum(s.values()) for s in both) <= usable
-    states = model_state_bytes(math.ceil(per_stage / tp), optimizer, precision, dp, zero)
+    states = model_state_bytes(math.ceil(per_stage / tp), optimizer, precision, dp * sp, zero)
     return sum(states.values()) <= usable
 
 

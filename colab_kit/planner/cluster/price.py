@@ -18,10 +18,10 @@ For the fullest rank (the last pipeline stage, which also runs the head and the 
 - ``comm:sp``: ring K/V rotations hidden behind the attention core they feed (exposed = what does not fit);
   Ulysses' four all-to-alls forward and backward, exposed;
 - ``comm:pp``: an activation forward and a gradient back per microbatch and chunk, ``m v + p - 1`` of each;
-- ``comm:dp``: gradients reduced in fp32 over dp (colab_kit; dp x sp where ``Stack.zero_over`` is "dp+sp",
-  the group ZeRO shards over too; over dp alone, the sum of each rank's gradients, ZeRO: its piece, over sp
-  follows, one flat all-reduce at the step's end, exposed: ``terms.sp_grad_bytes``, counted on sp; an MoE's
-  experts are dense parameters at ep 1): ZeRO 0 an all-reduce, hidden
+- ``comm:dp``: gradients reduced in fp32 over dp x sp (the sp ranks' sum of their token shares in the same
+  collective, the group ZeRO shards over: colab_kit's engine, Megatron-Core's distributed optimizer with
+  context parallelism, torchtitan's FSDP over ``dp_shard x cp``; an MoE's experts are dense parameters at
+  ep 1): ZeRO 0 an all-reduce, hidden
   behind the last microbatch's backward except its last bucket (a block's share); ZeRO 1-2 a reduce-scatter
   so hidden and an all-gather of the parameters after the update; ZeRO-3 each block's parameters gathered
   forward and backward and its gradients reduce-scattered, per microbatch, each hidden behind that block's
@@ -59,7 +59,7 @@ from ..moe.shape import tp_layer_params
 from .hardware import Hardware, preset
 from .compute import BlockCost, attention_note, recompute_mode, with_recompute
 from .stack import replayed_by_full
-from .terms import optimizer_seconds, params_on_rank, per_block, sp_grad_bytes, zero3_transfers
+from .terms import optimizer_seconds, params_on_rank, per_block, zero3_transfers
 from ..shape import ModelShape
 
 __all__ = ["Priced", "bubble", "compute_floor", "price", "recompute_mode"]
@@ -153,8 +153,7 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     sp_rc, sp_exp_rc = (sp_f, sp_exp_f) if mode in ("full", "op") else (0.0, 0.0)
     # ZeRO-3: each block's parameters gathered forward and backward, gradients reduce-scattered (fp32)
     z3_f = z3_b = z3_exp_f = z3_exp_b = 0.0
-    sp_apart = hw.stack.zero_over != "dp+sp" and config.sp > 1  # sp's shares summed after the dp reduction
-    grads = comm.placement(config, Axis.DP if sp_apart else "dp+sp", hw.gpus_per_node)
+    grads = comm.placement(config, "dp+sp", hw.gpus_per_node)  # the sp ranks' sum joins the dp reduction
     size = 4 if config.precision == "fp32" else 2
     block_params, block_experts = shape.block_params() / _tp_param_split(config), 0.0
     if n_moe:  # a block's dense parameters over the gradients' group; its E / ep routed experts a chunk over edp
@@ -243,19 +242,12 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         opt += optimizer_seconds(experts, config, hw, optimizer, edp, host_share) if experts else 0.0
         comm_total[Axis.EP] = m * layers * (ep_f + ep_b + ep_rc)
         notes = notes + _moe_notes(config)
-    if sp_apart:  # one flat all-reduce of the rank's gradients (ZeRO >= 1: its piece) over sp, at the step's end:
-        # gradient sync, exposed and totalled with dp's (comm:dp, which search's bound leaves out), counted on the
-        # sp group that runs it (the engine's record)
-        sp_sum = comm.seconds("all_reduce", sp_grad_bytes(rank_params, config), comm.placement(config, Axis.SP,
-                                                                                               hw.gpus_per_node), hw)
-        exposed_dp, comm_dp = exposed_dp + sp_sum, comm_dp + sp_sum
-        count[Axis.SP] += 1
     comm_total[Axis.DP] = comm_dp
     breakdown = {"compute": compute, "bubble": idle, "comm:tp": exposed_tp, "comm:sp": exposed_sp,
                  "comm:pp": comm_pp, "comm:dp": exposed_dp, "optimizer": opt}
     if n_moe:
         breakdown["comm:ep"] = comm_total[Axis.EP]
-    moved = zero3_transfers(shape, config, rank_params, experts, config.dp,  # ZeRO shards over dp, experts edp
+    moved = zero3_transfers(shape, config, rank_params, experts, config.zero_ranks,  # dp x sp; experts over edp
                             config.dp * config.sp // config.ep if n_moe else 1, host_share)
     if moved["to_device"]:  # on two side streams, one each way, a unit ahead: what compute does not cover
         breakdown["offload"] = max(0.0, max(moved.values()) / hw.pcie_bytes_per_s - compute)

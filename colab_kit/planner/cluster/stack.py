@@ -33,11 +33,6 @@ checkpoint         full recomputation: "early_stop", torch's non-reentrant check
                    activation checkpointing), which stops replaying once the last tensor backward needs is
                    rebuilt; "whole", the block's whole forward again (Megatron's and DeepSpeed's checkpoint
                    functions). What early stop leaves out depends on ``linear`` (``replayed_by_full``)
-zero_over          the ranks ZeRO shards the parameters, gradients and optimizer states over: "dp" (colab_kit,
-                   whose sp ranks hold the same shard: each sums its gradient piece over sp after the dp
-                   reduction, one flat all-reduce exposed at the step's end, ``zero/stage1.py``), or "dp+sp"
-                   (Megatron-Core's distributed optimizer over the data-parallel group with context parallelism,
-                   torchtitan's FSDP over ``dp_shard x cp``): one reduce-scatter over both, shards 1 / (dp sp)
 linear             how the parallel linear layers are written: "function", autograd Functions, which save
                    their inputs only once their whole forward ran (colab_kit's tp layers and zero-bubble
                    ``DeferredLinear``, Megatron's): early stop still runs the last GEMM, and a 2D/2.5D/3D
@@ -66,7 +61,7 @@ ATTENTION = ("flash", "unfused")
 """The kernels attention's core can be priced as (``Stack.attention``)."""
 _CHOICES = {"attention": ATTENTION, "elementwise": ("eager", "fused"), "param_gather": ("exposed", "overlapped"),
             "tp_overlap": (False, True), "zero3_gather": ("block", "tensor"), "checkpoint": ("early_stop", "whole"),
-            "linear": ("function", "module"), "zero_over": ("dp", "dp+sp")}
+            "linear": ("function", "module")}
 
 
 @dataclass(frozen=True)
@@ -81,7 +76,6 @@ class Stack:
     zero3_gather: str = "block"
     checkpoint: str = "early_stop"
     linear: str = "function"
-    zero_over: str = "dp"
     source: str = ("colab_kit's engine: torch's F.scaled_dot_product_attention, eager PyTorch elsewhere, ZeRO 1-2 "
                    "gather the parameters after the update, tp collectives not overlapped, ZeRO-3 one gather per block")
 
@@ -107,11 +101,10 @@ STACKS = {s.name: s for s in (
           source="DeepSpeed ZeRO stage 3 of 2021 (Rajbhandari et al., arXiv 2104.07857) on Megatron-LM's kernels: "
                  "each partitioned parameter gathered by an all-gather of its own (partition_parameters.py)"),
     Stack("megatron-core", elementwise="fused", param_gather="overlapped", tp_overlap=True, checkpoint="whole",
-          zero_over="dp+sp",
           source="Megatron-Core with Transformer Engine (2024): flash attention, fused RMSNorm / RoPE / SwiGLU / "
                  "bias-dropout-add, distributed optimizer with --overlap-grad-reduce --overlap-param-gather, "
                  "--tp-comm-overlap"),
-    Stack("torchtitan", param_gather="overlapped", linear="module", zero_over="dp+sp",
+    Stack("torchtitan", param_gather="overlapped", linear="module",
           source="torchtitan (Liang et al. 2024, arXiv 2410.06511) without torch.compile: FSDP2 prefetching each "
                  "block's all-gather, SDPA flash attention, eager PyTorch elementwise (torch.compile: "
                  "elementwise='fused')"))}

@@ -34,7 +34,7 @@ from .compute import block, head
 from ..shape import ModelShape
 
 __all__ = ["BLOCK_FIELDS", "HOST_BYTES_PER_S", "optimizer_seconds", "params_on_rank", "per_block", "seq_comm",
-           "sp_grad_bytes", "tensor_comm"]
+           "tensor_comm"]
 
 HOST_BYTES_PER_S = 10e9
 """Assumption: host memory bandwidth one GPU's share of the CPU cores streams through a CPU Adam (offload)."""
@@ -142,25 +142,13 @@ def optimizer_seconds(rank_params: float, config, hw: Hardware, optimizer: str, 
     return hw.stream_seconds(shard * per, 8)
 
 
-def sp_grad_bytes(rank_params: float, config) -> float:
-    """Bytes of the gradient sum over sp where ZeRO shards over dp alone (colab_kit: ``Stack.zero_over`` "dp"):
-    after the dp reduction every rank all-reduces what its sp ranks share in fp32, its whole gradients at ZeRO 0,
-    its piece (``1 / dp``) at ZeRO 1-3 (``tensor.plan.sync_grads``, ``zero/stage1.py``'s ``sum_slices``).
-
-        >>> from colab_kit.config import ParallelConfig
-        >>> sp_grad_bytes(1000, ParallelConfig(dp=2, sp=2)), sp_grad_bytes(1000, ParallelConfig(dp=2, sp=2, zero=1))
-        (4000.0, 2000.0)
-    """
-    return 4 * rank_params / (config.dp if config.zero >= 1 else 1)
-
-
 def zero3_transfers(shape: ModelShape, config, rank_params: float, experts: float, group: int, edp: int,
                     host_share: float = 1.0) -> dict:
     """Bytes a ZeRO-3 rank with offload moves over PCIe in a step, as the engine's placement counts them
     (``placement.last_transfers``): each host chunk's shard staged to the device for each gather, forward and
     backward in every microbatch (the tail, final norm and untied head, once), and each microbatch's reduced
-    fp32 piece back; ``host_share`` of it under ``offload="auto"``. ``rank_params`` over ``group`` (dp: the
-    engine's ZeRO shards over dp, not sp), an MoE's ``experts`` over ``edp``; under tp ``rank_params`` as
+    fp32 piece back; ``host_share`` of it under ``offload="auto"``. ``rank_params`` over ``group`` (dp x sp: the
+    ranks the engine's ZeRO shards over), an MoE's ``experts`` over ``edp``; under tp ``rank_params`` as
     ``params_on_rank`` counts them (the norms and row biases every tp rank holds whole, split too: 2.4% under
     at d 32, nothing at scale). Worked example, a 4-block GPT of d 32 over dp=2 in fp32 (55,488
     parameters, the tail 2,112): ``(2 x 55,488 - 2,112) / 2 x 4`` B up, ``55,488 / 2 x 4`` B back::

@@ -76,8 +76,10 @@ def sp_comm(model, cfg, consts, tokens: int, layers: int, e: int) -> tuple[float
 
 def dp_comm(model, cfg, consts, memory, block_fwd: float = 0.0, block_rc: float = 0.0) -> tuple[float, int]:
     """Seconds of the dp collectives a step waits for, and their count. ``block_fwd``, ``block_rc``: one
-    block's forward and recomputation seconds on one microbatch (ZeRO 3 hides its prefetches behind them)."""
-    if cfg.dp == 1:
+    block's forward and recomputation seconds on one microbatch (ZeRO 3 hides its prefetches behind them). The
+    group: dp x sp (``ParallelConfig.zero_ranks``)."""
+    n = cfg.zero_ranks  # the sp ranks' gradient sum joins the dp reduction (zero.reduction_axis)
+    if n == 1:
         return 0.0, 0
     if cfg.zero == 3:
         return _zero3(model, cfg, consts, block_fwd, block_rc)
@@ -85,15 +87,15 @@ def dp_comm(model, cfg, consts, memory, block_fwd: float = 0.0, block_rc: float 
     wire = bucket * 4 // PRECISION_BYTES[cfg.precision]  # gradients are reduced in fp32 (colab_kit.precision)
     if cfg.zero:  # stage 2 without a pipeline reduce-scatters every microbatch's buckets (zero.stage2)
         rounds = cfg.microbatches if cfg.zero == 2 and cfg.pp == 1 else 1
-        rs = collective_seconds(consts, "reduce_scatter", wire, cfg.dp, rounds * nb)
-        return rs + collective_seconds(consts, "all_gather", bucket // cfg.dp, cfg.dp, nb), (rounds + 1) * nb
+        rs = collective_seconds(consts, "reduce_scatter", wire, n, rounds * nb)
+        return rs + collective_seconds(consts, "all_gather", bucket // n, n, nb), (rounds + 1) * nb
     # the first bucket's all-reduce runs while backward goes on, where a core is free to run it. With more
     # ranks than cores it cannot finish before the slowest peer's backward does, and it waits like the
     # rest: dp=4 on 4 ranks / 2 cores, GPTs of 2-8 blocks, every step 3-4 ms (a bucket) above the model
     # that hid it. (ZeRO 3's prefetches, issued a block ahead with every rank at the same block, are
     # half hidden there: ``_zero3``.)
     hidden = 1 if consts.get("cores", cfg.world_size) >= cfg.world_size and nb > 1 else 0
-    return collective_seconds(consts, "all_reduce", wire, cfg.dp, nb - hidden), nb
+    return collective_seconds(consts, "all_reduce", wire, n, nb - hidden), nb
 
 
 def shares_cores(consts, cfg) -> bool:
@@ -105,11 +107,11 @@ def shares_cores(consts, cfg) -> bool:
 def engine_buckets(model, cfg, shared_cores: bool = False) -> tuple[int, int]:
     """(bytes a bucket holds, buckets) of the fullest rank's gradients as the engine makes them, in the
     parameters' own bytes (16-bit under bf16/fp16): about two (``zero.stage0.default_bucket_bytes``; one
-    where the ranks share the host's cores, ``shared_cores``), 2 dp at ZeRO stage 2
+    where the ranks share the host's cores, ``shared_cores``), 2 dp sp at ZeRO stage 2
     (``zero.stage2.stage2_bucket_size``)."""
     e = PRECISION_BYTES[cfg.precision]
     total = max(stage_params(model, cfg)) * e
-    bucket = stage2_bucket_size(total, cfg.dp) if cfg.zero == 2 else default_bucket_bytes(total, shared_cores)
+    bucket = stage2_bucket_size(total, cfg.zero_ranks) if cfg.zero == 2 else default_bucket_bytes(total, shared_cores)
     return bucket, _bucket_count(model, cfg, bucket, e)
 
 
@@ -154,14 +156,14 @@ def _zero3(model, cfg, consts, f: float, rc: float) -> tuple[float, int]:
     ranks a collective in flight overlaps the compute only for the ``cores / ranks`` share of the time its peers
     get a core: on 4 CPU ranks / 2 cores a ZeRO 3 step (dp=4, recompute, the 4-block test GPT) measured
     60-68 ms, where every collective counted whole made 86 and every prefetch hidden 52-57."""
-    parts = part_params(model, cfg)
+    parts, n = part_params(model, cfg), cfg.zero_ranks  # ZeRO shards over dp x sp
     layers = model.n_layers // cfg.pp
-    g = collective_seconds(consts, "all_gather", parts["block"] * 4 // cfg.dp, cfg.dp)
-    r = collective_seconds(consts, "reduce_scatter", parts["block"] * 4, cfg.dp)
-    g_embed = collective_seconds(consts, "all_gather", parts["embed"] * 4 // cfg.dp, cfg.dp)
-    r_embed = collective_seconds(consts, "reduce_scatter", parts["embed"] * 4, cfg.dp)
-    g_tail = collective_seconds(consts, "all_gather", parts["tail"] * 4 // cfg.dp, cfg.dp)
-    r_tail = collective_seconds(consts, "reduce_scatter", parts["tail"] * 4, cfg.dp)
+    g = collective_seconds(consts, "all_gather", parts["block"] * 4 // n, n)
+    r = collective_seconds(consts, "reduce_scatter", parts["block"] * 4, n)
+    g_embed = collective_seconds(consts, "all_gather", parts["embed"] * 4 // n, n)
+    r_embed = collective_seconds(consts, "reduce_scatter", parts["embed"] * 4, n)
+    g_tail = collective_seconds(consts, "all_gather", parts["tail"] * 4 // n, n)
+    r_tail = collective_seconds(consts, "reduce_scatter", parts["tail"] * 4, n)
     share = min(1.0, consts.get("cores", cfg.world_size) / cfg.world_size)
 
     def shown(x, behind):  # the part of ``x`` not hidden behind ``behind`` of compute: with fewer cores than

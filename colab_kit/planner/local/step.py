@@ -50,7 +50,6 @@ import functools
 
 from ...config import Axis
 from ...memory.formulas import PRECISION_BYTES, activation_bytes
-from ...memory.layout import rank_params
 from ...pipeline.costs import flops_per_token
 from ...observe.measured import alpha_beta
 from .comm import collective_seconds, dp_comm, engine_buckets, forward_share, shares_cores, sp_comm, tp_comm
@@ -182,10 +181,8 @@ def _op_counts(heads: int) -> tuple[int, int]:
 
 
 def step_seconds(model, cfg, batch: int, consts: dict, memory: dict,
-                 optimizer: str = "adamw", summed: int | None = None) -> tuple[float, dict, dict]:
-    """(seconds, breakdown by part, collectives per step by part) of one train_step of ``cfg``. ``summed``: the
-    parameters whose gradients sp sums after the dp reduction where they are not ``model``'s own (a mixture of
-    experts priced as its active GPT: its dense ones, and at ep 1 its experts too)."""
+                 optimizer: str = "adamw") -> tuple[float, dict, dict]:
+    """(seconds, breakdown by part, collectives per step by part) of one train_step of ``cfg``."""
     e = PRECISION_BYTES[cfg.precision]
     m = cfg.microbatches
     tokens = batch // (cfg.dp * m) * model.seq_len
@@ -240,11 +237,6 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict,
     block_rc = rc / (layers_stage if cfg.pp > 1 else model.n_layers)
     dp_s, dp_n = dp_comm(model, cfg, consts, memory, _forward(model, cfg, consts, tokens, 1, False), block_rc)
     parts["comm:dp"], counts[Axis.DP] = dp_s, dp_n
-    if cfg.sp > 1:  # gradients of the parameters replicated over sp, one flat all-reduce in fp32 after the dp
-        # reduction: the rank's whole gradients, or under ZeRO its 1 / dp piece (planner.cluster.terms.sp_grad_bytes)
-        grads = 4 * (rank_params(model, cfg) if summed is None else summed) // (cfg.dp if cfg.zero >= 1 else 1)
-        parts["comm:sp"] += collective_seconds(consts, "all_reduce", grads, cfg.sp)
-        counts[Axis.SP] = counts.get(Axis.SP, 0) + 1
     parts["optimizer"] = _optimizer(cfg, consts, memory, model, optimizer)
     loss = sum(collective_seconds(consts, "all_reduce", 4, n) for n in (cfg.dp, cfg.sp, cfg.tp, cfg.pp))
     parts["comm:loss"] = loss
@@ -278,7 +270,7 @@ def _optimizer(cfg, consts, memory, model=None, optimizer: str = "adamw") -> flo
     Worked example (the 4-block test GPT, 210,304 parameters in 53 tensors, AdamW, 4 ranks on 2 cores at
     6.2 us an op and 10.8 ns an element): 53 x 10 x 6.2 us + 210,304 x 10.8 ns = 3.3 + 2.3 = 5.6 ms (it
     took 5.1-5.4 ms between forward-backward passes, by hand, once)."""
-    shard, ops = cfg.dp if cfg.zero in (1, 2) else 1, OPS_PER_TENSOR.get(optimizer, 10)
+    shard, ops = cfg.zero_ranks if cfg.zero in (1, 2) else 1, OPS_PER_TENSOR.get(optimizer, 10)
     opt = consts.get("optimizer", {})
     per_element = opt.get("element_seconds")
     if per_element is not None:

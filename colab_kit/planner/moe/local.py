@@ -30,7 +30,6 @@ import dataclasses
 
 from ...engine.facts import ModelFacts
 from ...engine.parts import first_refusal
-from ...memory.experts import moe_stage_params
 from ...memory.formulas import PRECISION_BYTES, recompute_mode
 from ...models import GPTConfig
 from ...models.moe import moe_blocks
@@ -71,10 +70,8 @@ def active_gpt(model: GPTConfig, tp: int = 1) -> GPTConfig:
 def moe_step_seconds(model: GPTConfig, cfg, batch: int, consts: dict, memory: dict, optimizer: str = "adamw"):
     """``(seconds, breakdown, collectives)`` of one step of the MoE GPT ``model`` under ``cfg`` (the module
     docstring): ``step_seconds`` of ``active_gpt(model)`` and the all-to-alls as ``comm:ep``."""
-    dense, experts = max(moe_stage_params(model, cfg), key=sum)  # what sp sums: the dense ones; at ep 1 the experts
     seconds, parts, counts = step_seconds(dataclasses.replace(active_gpt(model, cfg.tp), seq_len=model.seq_len),
-                                          cfg, batch, consts, memory, optimizer,
-                                          summed=dense + (experts if cfg.ep <= 1 else 0))
+                                          cfg, batch, consts, memory, optimizer)
     if cfg.ep <= 1:
         return seconds, parts, counts
     n_stages = cfg.pp * cfg.chunks
