@@ -57,7 +57,7 @@ def _unswept(rel: str) -> bool:
 
 def test_axis_members_are_exactly_the_mesh_axes():
     assert {a.name: a.value for a in Axis} == {
-        "PP": "pp", "DP": "dp", "SP": "sp", "TP": "tp", "EP": "ep", "EDP": "edp",
+        "PP": "pp", "DP": "dp", "SP": "sp", "TP": "tp", "EP": "ep", "EDP": "edp", "DP_SP": "dp_sp",
         "TP_ROW": "tp_row", "TP_COL": "tp_col", "TP_DEP": "tp_dep", "TP_IN": "tp_in", "TP_WT": "tp_wt",
         "TP_OUT": "tp_out"}
     assert ck.Axis is Axis and "Axis" in ck.__all__

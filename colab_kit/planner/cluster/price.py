@@ -207,12 +207,12 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
         count[Axis.PP] += 2 * (m * v + p - 1)
     comm_total[Axis.PP] = comm_pp
     idle = bubble(config.schedule, p, m, v, f_mb, i_mb, w_mb)
-    # data parallel: gradients (fp32) over the stack's group (dp, or dp x sp), parameters gathered back under ZeRO 1-2
+    # data parallel: gradients (fp32) over dp x sp, parameters gathered back under ZeRO 1-2
     rank_params = params_on_rank(shape, config)
     experts = 0.0
     if n_moe:
         rank_params, experts = moe_price.params_split(shape, config, layers)
-        if config.ep == 1:  # reduced, summed over sp and updated with the dense ones (zero/apply.py)
+        if config.ep == 1:  # reduced over dp x sp and updated with the dense ones (zero/apply.py)
             rank_params, experts = rank_params + experts, 0.0
     exposed_dp = m * layers * (z3_exp_f + z3_exp_b)
     comm_dp = m * layers * (z3_f + z3_b)
