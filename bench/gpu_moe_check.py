@@ -266,8 +266,15 @@ def main() -> int:
             ok, figures, detail = False, {"traceback": traceback.format_exc()}, f"raised {type(exc).__name__}: {exc}"
         secs = time.perf_counter() - t0
         results[name] = {"status": "PASS" if ok else "FAIL", "seconds": round(secs, 2), "detail": detail,
-                         "figures": figures}
+                         "figures": figures, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
         print(f"{'PASS' if ok else 'FAIL'}  {name:<8} {secs:6.1f} s  {detail}", flush=True)
+        _write(results, only)  # after each check: a run cut off by a timeout keeps what it finished
+    return 0 if all(r["status"] == "PASS" for r in results.values()) else 1
+
+
+def _write(results: dict, only: list) -> None:
+    """``bench/results/gpu_moe_check.json``: this run's checks so far, and (a run of some checks) the others'
+    last results, each with its ``when``."""
     out = os.path.join(ROOT, "bench", "results", "gpu_moe_check.json")
     checks = dict(results)
     if only and os.path.exists(out):  # some checks run again: the others' last results stay, each with its "when"
@@ -275,15 +282,12 @@ def main() -> int:
             earlier = json.load(fh)
         checks = {**{k: {"when": earlier.get("when"), **v} for k, v in earlier.get("checks", {}).items()}, **results}
     now = time.strftime("%Y-%m-%dT%H:%M:%S")
-    for r in results.values():
-        r["when"] = now
     with open(out, "w", encoding="utf-8") as fh:  # the keys every result file has (bench/report.py)
         json.dump({"benchmark": "gpu_moe_check", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                    "command": " ".join(["python", "bench/gpu_moe_check.py", *sys.argv[1:]]),
                    "when": now, "machine": machine(), "checks": checks,
                    "rows": [row(f"GPU MoE check: {name}", r["status"], None, None, r["detail"])
                             for name, r in checks.items()]}, fh, indent=1, default=str)
-    return 0 if all(r["status"] == "PASS" for r in results.values()) else 1
 
 
 if __name__ == "__main__":

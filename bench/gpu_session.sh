@@ -20,7 +20,8 @@ case "$part" in
     timeout 300 python3 bench/gpu_check.py --out "$OUT/gpu_check.json"; echo "gpu_check exit $?"
     rm -f bench/results/gpu_moe_check.json  # the committed one must not come back as this run's
     timeout 240 python3 bench/gpu_moe_check.py; code=$?; echo "gpu_moe_check exit $code"
-    if [ "$code" -le 1 ]; then cp bench/results/gpu_moe_check.json "$OUT/" 2>/dev/null || true; fi
+    # written after each check: whatever finished comes back, a run cut off by the timeout (124) too
+    cp bench/results/gpu_moe_check.json "$OUT/" 2>/dev/null || true
     ;;
   estimate)
     timeout 230 python3 bench/gpu_curves.py --out "$OUT/gpu_curves.json"; echo "gpu_curves exit $?"

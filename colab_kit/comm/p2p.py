@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from . import rules
 from .records import CommRecord
-from .waiting import Pending, _Waiter, finish
+from .waiting import QUEUED_COMPLETES, Pending, _Waiter, finish
 
 __all__ = ["P2PPending", "isend", "irecv", "sendrecv"]
 
@@ -20,10 +20,18 @@ class P2PPending(Pending):
 
     With a ``timeout`` (seconds) a wait that runs out raises ``WaitTimeout``; while the
     mesh's ``abort_flag`` is set up (a pipeline step) a raised flag ends it with ``Aborted``.
-    ``armed``: a waiter thread waits on it from the moment it was posted (``arm=True``).
+    ``armed``: a waiter thread waits on it from the moment it was posted (``arm=True``; not on NCCL, see
+    ``_p2p``); ``ready()`` says, without blocking, whether it is done.
     """
 
     armed: tuple | None = None
+
+    def ready(self) -> bool:
+        """Done, by the waiter thread's event (armed), or by NCCL's CUDA event (``work.is_completed()``, on a
+        backend whose Work completes when queued: ``QUEUED_COMPLETES``); else False (not known without waiting)."""
+        if self.armed is not None:
+            return self.armed[0].is_set()
+        return bool(QUEUED_COMPLETES[0]) and self.work.is_completed()
 
     def wait(self, timeout: float | None = None) -> CommRecord:
         called = time.perf_counter()
@@ -46,7 +54,11 @@ def _p2p(op, tensor, mesh, axis, peer, msg_tag, tag, arm=False):
     work = fn(tensor, group=mesh.group(axis), tag=msg_tag, **kw)
     pending = P2PPending(work, mesh.log, op, axis, tensor.numel() * tensor.element_size(), tag,
                          flag=mesh.abort_flag)
-    if arm:
+    if arm and not QUEUED_COMPLETES[0]:
+        # Not on NCCL: its Work.wait() makes the calling thread's current stream, the device's default stream
+        # that every thread shares, wait for the message; a thread waiting from the moment a receive is posted
+        # ahead would hold all later compute behind it. There ``ready()`` reads the CUDA event, and the wait at
+        # the receive action orders the stream where the data is used.
         pending.armed = _Waiter.watch(work)
     return pending
 
@@ -91,6 +103,8 @@ def sendrecv(send: torch.Tensor, recv: torch.Tensor, mesh, axis: str, to: int, s
     ops = [dist.P2POp(dist.isend, send, ranks[to], group, msg_tag),
            dist.P2POp(dist.irecv, recv, ranks[source], group, msg_tag)]
     works = rules.batch_isend_irecv(ops)  # one group on NCCL and under its rules; torch's function elsewhere
+    if len(works) == 1:  # NCCL returns the group's one Work: both records wait on it (the second at once)
+        works = works * 2
     flag = mesh.abort_flag
     return [P2PPending(w, mesh.log, op, axis, t.numel() * t.element_size(), tag, flag=flag)
             for w, op, t in zip(works, ("send", "recv"), (send, recv))]

@@ -12,7 +12,8 @@ ordered before it was issued: before each action the executor posts, as far as t
 without waiting, up to the next ``prefetch`` receives of its list (2 by default), so a message that
 arrives while the rank computes lands at once. Every posted send and receive is armed
 (``comm.isend(..., arm=True)``): a waiter thread waits on it from the moment it is posted, so a
-receive action finds a message that came in during compute already complete. The backend tag is
+receive action finds a message that came in during compute already complete (on NCCL its CUDA event
+says so instead: a thread in NCCL's ``wait()`` would stall the compute stream, ``comm.p2p``). The backend tag is
 still ``lowering.message_tag`` with the step (mod 256) and a header or side bit (``step_tag``), which
 gloo uses and NCCL (and ``comm.rules``) ignore.
 
@@ -181,7 +182,7 @@ class CommActions:
         key = (a.stage - 1, self._key)
         if key not in self._shapes:
             posted = self._posted.get((a, "header"))
-            if posted is None or not (block or posted[0].armed[0].is_set()):
+            if posted is None or not (block or posted[0].ready()):
                 return None
             del self._posted[a, "header"]
             self._wait(posted[0], a, f"its shape header, from pp {msg.peer}")
@@ -244,7 +245,7 @@ class CommActions:
         (a message already issued, so waiting cannot deadlock: ``order``'s docstring)."""
         keep = []
         for sent, to, pending in self._sends:
-            if pending.armed is not None and pending.armed[0].is_set():
+            if pending.ready():
                 self._wait(pending, sent, "the peer to receive it")  # done: records it, raises its error if any
             elif to == peer and sent != a:
                 self._set("waiting", f"{sent} (its send) to be received, before {a}")

@@ -135,3 +135,24 @@ def test_plain_ranks_do_not_stage():
         return dist.distributed_c10d._get_default_group().staging
 
     assert ck.launch(staging, 2) == [False, False]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_object_collectives_put_their_bytes_on_the_groups_device(device):
+    """torch's object collectives (``all_gather_object``, ``broadcast_object_list``: checkpoints, ``engine.fit``)
+    put their bytes on the device a group reports, as NCCL's group reports ``[cuda]``. A rules group is a Python
+    group with no backend registered, so torch read ``[]`` and picked the CPU: on ranks sharing a GPU
+    (``COLAB_KIT_RULES_DEVICE=cuda``) the device rule then refused them and every checkpoint failed. One process,
+    a group of one rank (no CUDA needed: only the device torch picks is asked)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_object_coll_device
+
+    from colab_kit.comm.rules.group import RulesGroup
+
+    group = RulesGroup(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10), None, device, name="objects")
+    try:
+        assert _get_object_coll_device(group) == device
+    finally:
+        group.shutdown()

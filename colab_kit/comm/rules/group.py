@@ -93,6 +93,14 @@ class RulesGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return "nccl_rules"
 
+    @property
+    def _device_types(self) -> list:  # type: ignore[override]  # torch's object collectives read it
+        """The one device this group's tensors live on, as NCCL's group answers ``[cuda]``: torch's object
+        collectives (``all_gather_object``, ``broadcast_object_list``: checkpoints, ``engine.fit``) put their
+        bytes there. A Python group registers no backend, so torch would read ``[]`` and pick the CPU, which
+        the device rule refuses on a job whose ranks share a GPU (``COLAB_KIT_RULES_DEVICE=cuda``)."""
+        return [torch.device(self.device_type)]
+
     def size(self) -> int:
         return len(self._ranks)
 
