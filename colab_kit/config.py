@@ -161,7 +161,8 @@ class ParallelConfig:
     sp_mode: str = "ring"
     """'ring' (ring self-attention), 'ulysses' (all-to-all) or 'split_gather' (Megatron SP inside tp)."""
     zero: int = 0
-    """ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters sharded over dp."""
+    """ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters sharded over dp (over dp x sp
+    with sequence parallelism: ``zero_ranks``)."""
     offload: str = "none"
     """'none'; 'cpu': ZeRO's sharded optimizer states and the update in host memory (ZeRO-Offload);
     'auto' (zero=3): each chunk on the device or the host under ``boost(..., device_budget=BYTES)``,

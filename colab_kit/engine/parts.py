@@ -47,6 +47,7 @@ from ..sharded_init import materialize, meta_twin
 from ..tensor import sync_grads
 from ..tensor.part import PART as TENSOR
 from ..zero.part import PART as DATA_PARALLEL
+from ..zero.stage0 import reduction_axis
 from .facts import ModelFacts
 
 __all__ = ["Build", "HOOKS", "PARTS", "Part", "first_refusal", "hooks", "not_yet", "part", "plan_steps", "refusals"]
@@ -83,7 +84,8 @@ INIT_BUCKET_BYTES = 32 << 20
 
 def _broadcast(b: Build) -> None:
     """One start even if a seed differed: every parameter this rank made is overwritten with its group's first
-    rank's (over dp, or over edp for an expert's piece under ep), several parameters per broadcast, as DDP syncs a
+    rank's (over dp x sp, the ranks data parallelism reduces over, ``zero.reduction_axis``; over edp for an
+    expert's piece under ep), several parameters per broadcast, as DDP syncs a
     module's states: flattened per (axis, dtype), sent, copied back. A bucket holds at most the largest parameter
     this rank holds (and never more than ``INIT_BUCKET_BYTES``), so the copy adds no more to the start-up peak
     than one parameter, which sharded initialisation already allows itself (one whole parameter at a time); a
@@ -100,7 +102,7 @@ def _broadcast(b: Build) -> None:
     buckets: dict[tuple, tuple[int, list[torch.Tensor]]] = {}  # (axis, dtype, device) -> (bytes, tensors)
     with torch.no_grad():  # smallest first, so that the small ones share buckets (the same order on every rank)
         for nbytes, _, p in sorted((p.numel() * p.element_size(), i, p) for i, p in enumerate(made)):
-            axis = Axis.EDP if b.config.ep > 1 and b.table[p].on(Axis.EP) != Replicate() else Axis.DP
+            axis = Axis.EDP if b.config.ep > 1 and b.table[p].on(Axis.EP) != Replicate() else reduction_axis(b.config)
             if b.mesh.size(axis) == 1:
                 continue
             key = (axis, p.dtype, p.device)

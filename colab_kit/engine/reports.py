@@ -52,7 +52,7 @@ def memory(engine: EngineView) -> dict:
     and where they live: ``"device"`` and ``"host"``, each a dict of the same four categories
     whose sum is the total.
 
-    Held now, between steps: with ZeRO the optimizer states of this rank's pieces (1/dp of
+    Held now, between steps: with ZeRO the optimizer states of this rank's pieces (1/(dp sp) of
     them, plus padding) and, at stage 2, only the gradient pieces (see colab_kit.zero). The
     device is the rank's accelerator; on a machine without one it is an account of the same
     host memory (``offload`` moves what it names to the "host" side of that account)::

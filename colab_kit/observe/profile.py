@@ -11,7 +11,8 @@ step, a function ``step -> batch`` (0, 1, ...) or an iterable of batches; ``loca
     # [Interval(start=0.00037, end=0.00057, kind='compute', name='forward 0', axis=None, record=None),
     #  Interval(start=0.00057, end=0.00123, kind='comm', name='all_reduce@tp (g forward)', axis='tp', record=0)]
     p.totals()     # {'compute': 0.0053, 'comm': 0.0273, 'copy': 0.0, 'idle': 0.0026}
-    p.by_axis()    # {'tp': 0.0252, 'dp': 0.0022}: waited in, by axis (with ZeRO also "ZeRO all_gather", ...)
+    p.by_axis()    # {'tp': 0.0252, 'dp': 0.0022}: waited in, by axis (with ZeRO also "ZeRO all_gather", ...;
+                   # under sp the dp reduction is 'dp_sp')
     p.summary()    # 'rank 0: 35.2 ms: compute 5.3, communication 27.3 (tp 25.2, dp 2.2), copy 0.0, idle 2.6 ms;
                    #  0% of 17.3 ms communication hidden'   (p.overlap == 0.0: tp's all-reduces block)
     p.chrome_trace("rank0.json")   # ui.perfetto.dev; merge_traces(profiles, path): every rank, a lane each

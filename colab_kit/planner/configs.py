@@ -63,7 +63,7 @@ def enumerate_configs(model, world_size: int, batch: int, precision: str = "fp32
                 _tensor_modes(tp), ("ring", "ulysses") if sp > 1 else ("ring", "split_gather") if tp > 1 else ("ring",),
                 _pipelines(pp)):
             recomputes = _RECOMPUTES[sp_mode != "ring" or sp == 1]
-            for zero, offload, recompute in itertools.product((0, 1, 2, 3) if dp > 1 else (0,),
+            for zero, offload, recompute in itertools.product((0, 1, 2, 3) if dp * sp > 1 else (0,),  # dp x sp
                                                               ("none", "cpu", "auto"), recomputes):
                 if (offload == "auto" and not with_auto) or (offload != "none" and zero == 0):
                     continue

@@ -30,9 +30,9 @@ Worked example (175B, 1,536 A100s, the Megatron-LM Table 1 setting)::
     >>> cands = ck.plan(gpt3, 1536, batch=1536, precision="fp16", hardware="8xA100-80GB")  # doctest: +SKIP
     >>> print(cands.table(3))                                                             # doctest: +SKIP
       #  config                                                       fits  GiB/rank    states      acts   s/step
-      0  dp=768 x tp=2 (1d) zero=3 split_gather op-recompute          yes      42.61      1.70     40.91    9.998
-      1  dp=1536 zero=3 op-recompute                                  yes      42.56      1.70     40.86   10.127
-      2  dp=768 x sp=2 zero=3 ring op-recompute                       yes      39.69      3.40     36.29   10.137
+      0  dp=768 x tp=2 (1d) zero=3 split_gather op-recompute          yes      42.80      1.70     41.10    9.998
+      1  dp=1536 zero=3 op-recompute                                  yes      42.75      1.70     41.05   10.127
+      2  dp=768 x sp=2 zero=3 ring op-recompute                       yes      38.18      1.70     36.48   10.137
     3 of 10 candidates; memory_per_rank 72,778,774,528 B; estimates (GiB on the device per rank)
     (the MFU and why columns left out here)
 
@@ -284,7 +284,7 @@ def search(shape: ModelShape, gpus: int, batch: int, hw: Hardware, *, precision:
     todo: list[tuple[float, int, tuple[int, int, int, int], list[int]]] = []  # (floor, place, layout, zeros)
     probes: dict[tuple, ParallelConfig | None] = {}
     for place, (dp, tp, pp, sp) in enumerate(layouts(shape, gpus, restrict)):
-        zeros = [z for z in (0, 1, 2, 3) if (dp > 1 or z == 0) and _allowed(restrict, "zero", z)
+        zeros = [z for z in (0, 1, 2, 3) if (dp * sp > 1 or z == 0) and _allowed(restrict, "zero", z)
                  and _states_fit(shape, dp, tp, pp, z, precision, optimizer, usable, sp)]
         if not zeros or not recomputes:
             continue

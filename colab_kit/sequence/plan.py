@@ -11,9 +11,10 @@ on the local tokens unchanged.
 The loss and the gradients. Each rank's loss is the mean over its own tokens; as every rank of
 an sp group holds the same number of tokens, the global mean is the mean over sp of the local
 means (the engine all-reduces it over sp as over dp). The parameters are replicated over sp,
-so their gradients are summed over sp after backward (``Partial()`` over sp in the placement table, the same
-route as tensor parallelism's replicated parameters: after the dp reduction, on ZeRO's pieces
-too), with the backward started from ``loss / sp``, as ``dp`` divides by dp.
+so their gradients are summed over sp after backward (``Partial()`` over sp in the placement table), with
+the backward started from ``loss / sp``, as ``dp`` divides by dp. The sum is data parallelism's own
+reduction, which runs over the dp x sp ranks (``zero.reduction_axis``): one all-reduce (ZeRO: one
+reduce-scatter, a ``1 / (dp sp)`` shard) sums over sp and averages over dp.
 
 Worked example, ``sp=2`` ring, a batch of 2 sequences of 8 tokens::
 
@@ -21,7 +22,7 @@ Worked example, ``sp=2`` ring, a batch of 2 sequences of 8 tokens::
     rank 1   tokens [2 3 4 5] of each row, positions [2 3 4 5]; loss_1 likewise
     attention: K/V chunks go round the ring (1 rotation), online softmax merges the blocks
     global loss = (loss_0 + loss_1) / 2 (all-reduce over sp), equal to the unsplit loss
-    backward from loss_r / 2; gradients all-reduced over sp (and dp) -> one process's gradient
+    backward from loss_r / 2; gradients all-reduced over dp x sp, / dp -> one process's gradient
 
 A sequence whose length does not split into ``2 sp`` chunks (ring) or ``sp`` pieces (ulysses,
 with its head count divisible by sp) is refused at the first step, before any collective, with

@@ -20,7 +20,7 @@ Three steps, all inside ``boost``:
 3. ``materialize(module)``, after the plan and the pipeline split, makes in place whatever is
    still meta, one tensor at a time: every shard the plan cut, what it leaves whole (1D's LayerNorms
    and position table), or everything when tp = 1. Under ZeRO-3 the trainable tensors stay meta
-   here (``materialize(module, keep=...)``): ZeRO-3's chunks make only this rank's dp piece of each
+   here (``materialize(module, keep=...)``): ZeRO-3's chunks make only this rank's dp (x sp) piece of each
    (``colab_kit.zero.chunks``), so a rank never holds its whole tp/pp share either.
 
 So a rank's memory peaks at its own shards plus the largest single dense parameter (and

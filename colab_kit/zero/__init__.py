@@ -1,4 +1,4 @@
-"""Data parallelism and ZeRO over the dp axis (Rajbhandari et al. 2020, arXiv 1910.02054), and heterogeneous
+"""Data parallelism and ZeRO over the dp axis, dp x sp under sequence parallelism (Rajbhandari et al. 2020, arXiv 1910.02054), and heterogeneous
 memory. One class per stage, named for the ``config.zero`` it runs, all with one declared interface
 (``GradientPart``, which the engine and the pipeline executor drive):
 

@@ -1,11 +1,12 @@
-"""Chunks: the parameters of one unit of a model in one flat buffer, sharded over the dp axis.
+"""Chunks: the parameters of one unit of a model in one flat buffer, sharded over the dp axis (dp x sp under
+sequence parallelism).
 
 Gemini (Colossal-AI's heterogeneous memory manager) keeps parameters in chunks: flat buffers
 that are gathered, freed, reduced and moved as one. Here a chunk holds one unit of the model
 (a transformer block, or the parameters outside the blocks: embeddings, final LayerNorm, head),
 in the order the forward pass uses them, so "gather the next chunk" is "gather the next block".
 
-A chunk of ``numel`` elements is padded to ``size``, a multiple of n = dp, and cut into n
+A chunk of ``numel`` elements is padded to ``size``, a multiple of n (its axis's size: dp, dp x sp), and cut into n
 pieces of ``size / n``; rank r keeps piece r as ``shard`` (an fp32 tensor of its own, what the
 optimizer steps) with its ``shard.grad``. The unit's parameters are views into ``full``, a
 buffer of ``size`` elements whose storage exists only while the chunk is gathered: ``free()``

@@ -1,4 +1,5 @@
-"""Two gradient parts under one interface: the dense parameters over dp, the experts over edp (``ep > 1``).
+"""Two gradient parts under one interface: the dense parameters over dp (dp x sp under sequence parallelism,
+``stage0.reduction_axis``), the experts over edp (``ep > 1``).
 
 With expert parallelism the ranks of a dp group hold different experts, so one flat buffer reduced over dp
 cannot carry both. ``ExpertSplit`` keeps two parts of the same ZeRO stage (``DataParallel``, 1 or 2): one

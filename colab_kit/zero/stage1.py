@@ -1,4 +1,5 @@
-"""ZeRO stages 1 and 2 over the dp axis (Rajbhandari et al. 2020, arXiv 1910.02054).
+"""ZeRO stages 1 and 2 over the dp axis (Rajbhandari et al. 2020, arXiv 1910.02054); with sequence parallelism
+over the dp x sp ranks (``dp_sp``, ``stage0.reduction_axis``): read dp as dp x sp below.
 
 Plain data parallelism keeps on every dp rank the whole optimizer state and the whole
 reduced gradient, although each rank then makes the same update. ZeRO cuts the update
@@ -65,7 +66,8 @@ Composition. With tensor parallelism the parameters are this rank's tp shards, s
 again over the dp group of this tp coordinate. A parameter whose gradient the tensor plan
 sums over a replicated axis (``Partial()`` in the placement table) is summed on this rank's piece, after the
 dp reduction: sums over different groups commute, and every rank of one tp group holds the
-same layout and the same dp coordinate, hence the same pieces (checked once at start). With
+same layout and the same dp coordinate, hence the same pieces (checked once at start). The sequence plan's
+sums over sp are the reduction's own (``folds``: it runs over dp x sp). With
 pipeline parallelism each pp rank shards its own stages' parameters over its dp group; the
 executor drives ``arm``/``finish`` as for ``DataParallel``.
 """

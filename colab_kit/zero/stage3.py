@@ -1,4 +1,5 @@
-"""ZeRO stage 3 (P_os+g+p): parameters, gradients and optimizer states all sharded over dp.
+"""ZeRO stage 3 (P_os+g+p): parameters, gradients and optimizer states all sharded over dp (dp x sp under
+sequence parallelism, ``stage0.reduction_axis``: read dp as dp x sp below).
 
 Each rank keeps 1/dp of every parameter (``chunks.Chunk``): one chunk per unit (``colab_kit.zero.units``):
 the embeddings, each transformer block, the tail (final norm and head). A unit's parameters are gathered
@@ -29,7 +30,7 @@ there, fp32), so no rank ever holds a whole model's gradient; a chunk whose para
 microbatch is reduced at ``finish()`` (with zeros for what got none), on every rank alike.
 
 Between steps a rank holds 4P/N parameter bytes, 4P/N gradient bytes and K P/N optimizer
-bytes (fp32, P parameters on this rank before ZeRO, N = dp): the ZeRO paper's 16P/N with Adam.
+bytes (fp32, P parameters on this rank before ZeRO, N = dp x sp): the ZeRO paper's 16P/N with Adam.
 Inside a step, beyond that, at most: E or T and a block whole, or two blocks (one used, one prefetched:
 ``colab_kit.memory.gathered_bytes``, equal to the measured ``peak_gathered``), one block's gradient buffer,
 one block's reduce-scatter in flight (the previous block's buffer; it is waited for before the next one

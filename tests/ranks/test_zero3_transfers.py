@@ -3,9 +3,9 @@ counted by the engine's placement (``placement.last_transfers``), on 4 ranks.
 
 Each host chunk's shard is staged to the device for each gather, forward and backward in every microbatch (the
 tail, final norm and head, once), and each microbatch's reduced fp32 piece goes back; an MoE block's experts
-are a chunk of their own over edp; ZeRO shards over dp, not sp. The price is the engine's count, byte for byte,
+are a chunk of their own over edp; ZeRO shards over dp x sp. The price is the engine's count, byte for byte,
 in fp32 and bf16, with microbatches, experts and sp (within 3% under tp); a price that staged each shard once a
-step (as ZeRO 1-2's parameters go up), or sharded over dp x sp, is off by 2x.
+step (as ZeRO 1-2's parameters go up), or sharded over dp alone under sp, is off by 2x.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ MOE = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_
 CONFIGS = [("dense", dict(dp=4, zero=3, offload="cpu")), ("dense", dict(dp=4, zero=3, offload="cpu", microbatches=2)),
            ("dense", dict(dp=4, zero=3, offload="cpu", precision="bf16", recompute="full")),
            ("moe", dict(dp=4, ep=2, zero=3, offload="cpu")),
-           ("dense", dict(dp=2, sp=2, zero=3, offload="cpu")),  # ZeRO shards over dp, not sp
+           ("dense", dict(dp=2, sp=2, zero=3, offload="cpu")),  # ZeRO shards over dp x sp
            ("dense", dict(dp=2, tp=2, zero=3, offload="cpu"))]
 APPROX = {5: 0.03}  # tp: params_on_rank splits the norms and row biases every tp rank holds whole
 

@@ -76,8 +76,12 @@ def test_one_reduction_over_dp_sp_and_a_shard_of_one_over_dp_sp(records, i):
             assert got["optimizer"] < 0.6 * over_dp, (rank, got["optimizer"], over_dp)
 
 
-@pytest.mark.parametrize("zero", [0, 1, 3])
-def test_the_price_updates_a_shard_of_one_over_dp_sp(zero):
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_the_price_reduces_and_updates_over_dp_sp(zero):
+    """By hand: the gradients' one reduction (ZeRO 0: all-reduce, 1-2: reduce-scatter, both over the group of
+    dp x sp = 4 ranks, plus ZeRO 1-2's all-gather of a quarter back), the update of a quarter, and nothing
+    priced over sp but attention's own collectives (those of ``dp=4 x sp=1``'s price have none)."""
+    from colab_kit.planner.cluster import comm
     from colab_kit.planner.cluster.hardware import HARDWARE
     from colab_kit.planner.cluster.price import price
     from colab_kit.planner.cluster.terms import optimizer_seconds, params_on_rank
@@ -87,5 +91,13 @@ def test_the_price_updates_a_shard_of_one_over_dp_sp(zero):
     ours = price(shape, cfg, 8, hw)
     rank_params = params_on_rank(shape, cfg)
     assert ours.breakdown["optimizer"] == optimizer_seconds(rank_params, cfg, hw, "adamw", cfg.dp * cfg.sp)
-    no_sp = price(shape, cfg.replace(sp=1, dp=4), 8, hw)  # the same reduction's count over 4 ranks, no attention
+    group = comm.placement(cfg, "dp+sp", hw.gpus_per_node)
+    assert group.size == 4
+    if zero < 3:
+        want = comm.seconds("all_reduce" if zero == 0 else "reduce_scatter", 4 * rank_params, group, hw)
+        if zero:
+            want += comm.seconds("all_gather", 4 * rank_params / 4, group, hw)
+        assert ours.comm_total["dp"] == pytest.approx(want, rel=1e-12)
+    no_sp = price(shape, cfg.replace(sp=1, dp=4), 8, hw)  # the same reduction over 4 ranks, no attention
     assert ours.collectives["dp"] == no_sp.collectives["dp"]
+    assert ours.comm_total["dp"] == pytest.approx(no_sp.comm_total["dp"], rel=1e-12)

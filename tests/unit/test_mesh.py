@@ -307,6 +307,9 @@ PROCESS_MESH_CONFIGS = [
     dict(dp=2, tp=8, tp_mode="3d"),
     dict(tp=9, tp_mode="2d"),
     dict(dp=3),
+    dict(dp=2, sp=2, pp=2),
+    dict(sp=4),
+    dict(dp=4, sp=2, ep=2),
 ]
 
 
@@ -321,7 +324,7 @@ def test_process_mesh_groups_match_layout(fake_world, kwargs):
         assert mesh.device.type == "cpu"
         assert mesh.coords() == lay.all_coords(rank)
         assert mesh.log.records == []
-        for axis in lay.axes:
+        for axis in lay.axes + ("dp_sp",):  # dp_sp: the dp x sp block flattened (dp's or sp's groups where one is 1)
             ranks = dist.get_process_group_ranks(mesh.group(axis))
             assert ranks == lay.group_of(rank, axis), (rank, axis)
             assert mesh.ranks(axis) == ranks
@@ -371,3 +374,10 @@ def test_process_mesh_errors(fake_world):
 
 def test_exported_names():
     assert ck.MeshLayout is MeshLayout and ck.ProcessMesh is ProcessMesh
+
+
+def test_dp_sp_flattens_the_dp_x_sp_block_by_hand():
+    lay = MeshLayout(P(dp=2, sp=2, tp=2))
+    assert lay.groups("dp_sp") == [[0, 2, 4, 6], [1, 3, 5, 7]] and lay.size("dp_sp") == 4
+    assert MeshLayout(P(dp=2, pp=2)).groups("dp_sp") == MeshLayout(P(dp=2, pp=2)).groups("dp")
+    assert MeshLayout(P(sp=2, tp=2)).groups("dp_sp") == MeshLayout(P(sp=2, tp=2)).groups("sp")

@@ -74,16 +74,19 @@ def sp_comm(model, cfg, consts, tokens: int, layers: int, e: int) -> tuple[float
     return layers * collective_seconds(consts, "all_to_all", kv, cfg.sp, 4), layers * 4
 
 
-def dp_comm(model, cfg, consts, memory, block_fwd: float = 0.0, block_rc: float = 0.0) -> tuple[float, int]:
+def dp_comm(model, cfg, consts, memory, block_fwd: float = 0.0, block_rc: float = 0.0,
+            scale: float = 1.0) -> tuple[float, int]:
     """Seconds of the dp collectives a step waits for, and their count. ``block_fwd``, ``block_rc``: one
     block's forward and recomputation seconds on one microbatch (ZeRO 3 hides its prefetches behind them). The
-    group: dp x sp (``ParallelConfig.zero_ranks``)."""
+    group: dp x sp (``ParallelConfig.zero_ranks``). ``scale``: the rank's gradients over ``model``'s (a mixture
+    of experts priced as its active GPT reduces every parameter it holds)."""
     n = cfg.zero_ranks  # the sp ranks' gradient sum joins the dp reduction (zero.reduction_axis)
     if n == 1:
         return 0.0, 0
     if cfg.zero == 3:
-        return _zero3(model, cfg, consts, block_fwd, block_rc)
+        return _zero3(model, cfg, consts, block_fwd, block_rc, scale)
     bucket, nb = engine_buckets(model, cfg, shares_cores(consts, cfg))
+    bucket = round(bucket * scale)
     wire = bucket * 4 // PRECISION_BYTES[cfg.precision]  # gradients are reduced in fp32 (colab_kit.precision)
     if cfg.zero:  # stage 2 without a pipeline reduce-scatters every microbatch's buckets (zero.stage2)
         rounds = cfg.microbatches if cfg.zero == 2 and cfg.pp == 1 else 1
@@ -144,7 +147,7 @@ def _bucket_count(model, cfg, bucket: int, e: int) -> int:
     return max(1, len(fill_buckets([x * e for x in sizes], bucket)))
 
 
-def _zero3(model, cfg, consts, f: float, rc: float) -> tuple[float, int]:
+def _zero3(model, cfg, consts, f: float, rc: float, scale: float = 1.0) -> tuple[float, int]:
     """ZeRO 3 (``zero.stage3``), per microbatch, L blocks on this rank, g one block's all-gather, r its
     reduce-scatter, E the embeddings' and T the tail's (``zero.units``): forward, E's and block 0's gathers
     are waited for, each next unit's (T's too) is prefetched while the block before computes (``f``), so
@@ -156,7 +159,7 @@ def _zero3(model, cfg, consts, f: float, rc: float) -> tuple[float, int]:
     ranks a collective in flight overlaps the compute only for the ``cores / ranks`` share of the time its peers
     get a core: on 4 CPU ranks / 2 cores a ZeRO 3 step (dp=4, recompute, the 4-block test GPT) measured
     60-68 ms, where every collective counted whole made 86 and every prefetch hidden 52-57."""
-    parts, n = part_params(model, cfg), cfg.zero_ranks  # ZeRO shards over dp x sp
+    parts, n = {k: round(v * scale) for k, v in part_params(model, cfg).items()}, cfg.zero_ranks  # over dp x sp
     layers = model.n_layers // cfg.pp
     g = collective_seconds(consts, "all_gather", parts["block"] * 4 // n, n)
     r = collective_seconds(consts, "reduce_scatter", parts["block"] * 4, n)

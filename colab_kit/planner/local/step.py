@@ -181,8 +181,10 @@ def _op_counts(heads: int) -> tuple[int, int]:
 
 
 def step_seconds(model, cfg, batch: int, consts: dict, memory: dict,
-                 optimizer: str = "adamw") -> tuple[float, dict, dict]:
-    """(seconds, breakdown by part, collectives per step by part) of one train_step of ``cfg``."""
+                 optimizer: str = "adamw", grad_scale: float = 1.0) -> tuple[float, dict, dict]:
+    """(seconds, breakdown by part, collectives per step by part) of one train_step of ``cfg``. ``grad_scale``:
+    the parameters whose gradients the rank reduces over ``model``'s own (a mixture of experts priced as its
+    active GPT: ``planner.moe.local``)."""
     e = PRECISION_BYTES[cfg.precision]
     m = cfg.microbatches
     tokens = batch // (cfg.dp * m) * model.seq_len
@@ -235,7 +237,8 @@ def step_seconds(model, cfg, batch: int, consts: dict, memory: dict,
     parts["comm:tp"], counts[Axis.TP] = m * tp_s, m * tp_n
     parts["comm:sp"], counts[Axis.SP] = m * sp_s, m * sp_n
     block_rc = rc / (layers_stage if cfg.pp > 1 else model.n_layers)
-    dp_s, dp_n = dp_comm(model, cfg, consts, memory, _forward(model, cfg, consts, tokens, 1, False), block_rc)
+    dp_s, dp_n = dp_comm(model, cfg, consts, memory, _forward(model, cfg, consts, tokens, 1, False), block_rc,
+                         grad_scale)
     parts["comm:dp"], counts[Axis.DP] = dp_s, dp_n
     parts["optimizer"] = _optimizer(cfg, consts, memory, model, optimizer)
     loss = sum(collective_seconds(consts, "all_reduce", 4, n) for n in (cfg.dp, cfg.sp, cfg.tp, cfg.pp))

@@ -30,6 +30,8 @@ import dataclasses
 
 from ...engine.facts import ModelFacts
 from ...engine.parts import first_refusal
+from ...memory.estimator import stage_params
+from ...memory.experts import moe_stage_params
 from ...memory.formulas import PRECISION_BYTES, recompute_mode
 from ...models import GPTConfig
 from ...models.moe import moe_blocks
@@ -70,8 +72,12 @@ def active_gpt(model: GPTConfig, tp: int = 1) -> GPTConfig:
 def moe_step_seconds(model: GPTConfig, cfg, batch: int, consts: dict, memory: dict, optimizer: str = "adamw"):
     """``(seconds, breakdown, collectives)`` of one step of the MoE GPT ``model`` under ``cfg`` (the module
     docstring): ``step_seconds`` of ``active_gpt(model)`` and the all-to-alls as ``comm:ep``."""
-    seconds, parts, counts = step_seconds(dataclasses.replace(active_gpt(model, cfg.tp), seq_len=model.seq_len),
-                                          cfg, batch, consts, memory, optimizer)
+    active = dataclasses.replace(active_gpt(model, cfg.tp), seq_len=model.seq_len)
+    # the gradients a rank reduces: every parameter it holds, its experts' too (at ep > 1 over edp, priced over
+    # the dp x sp group: the ring's bytes a rank differ by (n - 1) / n only)
+    held = max(sum(p) for p in moe_stage_params(model, cfg))
+    scale = held / max(max(stage_params(active, cfg)), 1)
+    seconds, parts, counts = step_seconds(active, cfg, batch, consts, memory, optimizer, grad_scale=scale)
     if cfg.ep <= 1:
         return seconds, parts, counts
     n_stages = cfg.pp * cfg.chunks

@@ -25,7 +25,7 @@ by tp as for a dense model):
   other nodes on its NIC): nothing hidden (DeepSeek-V3's DualPipe overlaps them; this engine does not);
 - **comm:tp** (``tp_share``): an MoE block has attention's tp all-reduces (one forward, one backward in 1D),
   not the dense MLP's two;
-- **comm:dp**: dense gradients over dp as for a dense model; the rank's experts' gradients (fp32) over
+- **comm:dp**: dense gradients over dp x sp as for a dense model; the rank's experts' gradients (fp32) over
   ``edp = dp sp / ep`` ranks (``placement(config, "edp")``: ``ep`` ranks apart), hidden behind the last
   microbatch's backward but its last bucket, and their parameters gathered back under ZeRO 1-2.
 
