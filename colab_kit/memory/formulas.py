@@ -35,12 +35,12 @@ def model_state_bytes(n_params: int, optimizer="adamw", precision: str = "fp32",
                       zero: int = 0, offload: str = "none") -> dict:
     """Bytes per rank of params, grads and optimizer states: the ZeRO paper's formulas.
 
-    ``n_params`` is Psi, the parameters this rank holds before ZeRO (already divided by tp and
-    pp); N = ``dp`` (the ranks ZeRO shards over: ``ParallelConfig.zero_ranks``, dp x sp). A parameter and its gradient take 2 bytes in bf16/fp16, 4 in fp32; the
-    optimizer takes K bytes per parameter: 4 per fp32 state, plus 4 for the fp32 master copy
-    under mixed precision (Adam: K = 8 in fp32, 12 mixed; SGD with momentum: 4 and 8). Stage 1
-    shards the optimizer over dp, stage 2 the gradients too, stage 3 the parameters too
-    (a shard is ceil(Psi / N) parameters).
+    ``n_params`` is Psi, the parameters this rank holds before ZeRO (already divided by tp and pp); N = ``dp``
+    (the ranks ZeRO shards over: ``ParallelConfig.zero_ranks``, dp x sp). A parameter and its gradient take 2
+    bytes in bf16/fp16, 4 in fp32; the optimizer takes K bytes per parameter: 4 per fp32 state, plus 4 for the
+    fp32 master copy under mixed precision (Adam: K = 8 in fp32, 12 mixed; SGD with momentum: 4 and 8). Stage 1
+    shards the optimizer over dp, stage 2 the gradients too, stage 3 the parameters too (a shard is ceil(Psi / N)
+    parameters).
 
     ``offload="cpu"`` with stage 1 or 2 in fp32 adds the fp32 copy of this rank's piece that the
     host steps (K + 4: ZeRO-Offload keeps the parameters on the device for compute and their

@@ -1,6 +1,6 @@
-"""Data parallelism and ZeRO over the dp axis, dp x sp under sequence parallelism (Rajbhandari et al. 2020, arXiv 1910.02054), and heterogeneous
-memory. One class per stage, named for the ``config.zero`` it runs, all with one declared interface
-(``GradientPart``, which the engine and the pipeline executor drive):
+"""Data parallelism and ZeRO over the dp axis, dp x sp under sequence parallelism (Rajbhandari et al. 2020, arXiv
+1910.02054), and heterogeneous memory. One class per stage, named for the ``config.zero`` it runs, all with one
+declared interface (``GradientPart``, which the engine and the pipeline executor drive):
 
 - ``stage0``: ``DataParallel``, plain data parallelism (DeepSpeed's stage 0): whole gradients all-reduced
   in buckets (the batch split over dp is ``datasets.loader.split_batch``, the rows ``ShardedLoader`` gives).
