@@ -94,7 +94,7 @@ class RulesGroup(dist.ProcessGroup):
         return "nccl_rules"
 
     @property
-    def _device_types(self) -> list:  # type: ignore[override]  # torch's object collectives read it
+    def _device_types(self) -> list:  # torch's object collectives read it
         """The one device this group's tensors live on, as NCCL's group answers ``[cuda]``: torch's object
         collectives (``all_gather_object``, ``broadcast_object_list``: checkpoints, ``engine.fit``) put their
         bytes there. A Python group registers no backend, so torch would read ``[]`` and pick the CPU, which
