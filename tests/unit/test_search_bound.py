@@ -1,9 +1,9 @@
 """The at-scale search's branch and bound (``planner.search``): a config's bound, priced at ZeRO 0 and its least
 recomputation less its optimizer and dp traffic, must stay below every (zero, recompute) variant it stands for,
 or the search stops before a faster one. Gradient traffic that differs between ZeRO stages (an exposed sum over
-sp of the whole gradients at ZeRO 0 and of a piece at ZeRO 1-3, as the engine once ran) counted anywhere but
-``comm:dp`` lifts the bound above the ZeRO-3 variant (254 ms against 188 ms in the first case below, measured
-then), and the second case's search missed its fastest layout. Both cases keep sp layouts in the search."""
+sp of the whole gradients at ZeRO 0 and of a piece at ZeRO 1-3, where ZeRO shards over dp alone) counted anywhere
+but ``comm:dp`` lifts the bound above the ZeRO-3 variant (254 ms against 188 ms in the first case below), and
+the second case's search missed its fastest layout. Both cases keep sp layouts in the search."""
 from __future__ import annotations
 
 import pytest
