@@ -91,7 +91,7 @@ def test_the_price_reduces_and_updates_over_dp_sp(zero):
     ours = price(shape, cfg, 8, hw)
     rank_params = params_on_rank(shape, cfg)
     assert ours.breakdown["optimizer"] == optimizer_seconds(rank_params, cfg, hw, "adamw", cfg.dp * cfg.sp)
-    group = comm.placement(cfg, "dp+sp", hw.gpus_per_node)
+    group = comm.placement(cfg, "dp_sp", hw.gpus_per_node)
     assert group.size == 4
     if zero < 3:
         want = comm.seconds("all_reduce" if zero == 0 else "reduce_scatter", 4 * rank_params, group, hw)

@@ -145,7 +145,7 @@ def test_param_gather_overlapped_leaves_one_blocks_bucket_or_what_the_forward_ca
     cfg = ParallelConfig(dp=64, zero=1, precision="bf16")
     exposed, hidden = price(LLAMA, cfg, 64, H100), price(LLAMA, cfg, 64, H100.with_stack(param_gather="overlapped"))
     from colab_kit.planner.cluster.terms import params_on_rank
-    grads = cluster_comm.placement(cfg, "dp+sp", 8)
+    grads = cluster_comm.placement(cfg, "dp_sp", 8)
     regather = cluster_comm.seconds("all_gather", params_on_rank(LLAMA, cfg) * 2 / 64, grads, H100)
     f = block(LLAMA, cfg, 1, 8192, H100).f
     saved = regather - max(regather / 32, regather - 32 * f)
@@ -158,7 +158,7 @@ def test_deepspeed_2021_zero3_pays_a_rings_latency_per_tensor_and_hides_nothing(
     gpt175 = ModelShape(96, 12288, 96, 51200, 2048)
     flat = price(gpt175, cfg, 1536, HARDWARE["8xA100-80GB"].with_stack("megatron-lm-2021"))
     per = price(gpt175, cfg, 1536, HARDWARE["8xA100-80GB"].with_stack("deepspeed-2021"))
-    group = cluster_comm.placement(cfg, "dp+sp", 8)
+    group = cluster_comm.placement(cfg, "dp_sp", 8)
     lat = cluster_comm.latency("all_gather", group, A100)
     assert lat == pytest.approx((1536 - 192) * 3e-6 + 192 * 10e-6, rel=1e-12)
     # 12 gathers forward, 12 backward, 12 reduce-scatters a block where FSDP issues one of each

@@ -51,14 +51,15 @@ class Group:
 
 
 def stride(config, axis: str) -> tuple[int, int]:
-    """``(size, stride)`` of a group of ``axis``: a mesh axis, "dp+sp" (gradients: dp and sp together, the
-    ranks that hold the same parameters), "ep" / "edp" (the dp x sp block folded as ``[edp, ep]``, ep
-    fastest: an ep group is ``ep`` neighbours of that block, an edp group ``ep`` of them apart) or a tensor
-    sub-axis (``mesh``'s names)."""
+    """``(size, stride)`` of a group of ``axis``: a mesh axis (``dp_sp``: dp and sp together, the ranks that hold
+    the same parameters, over which gradients are reduced), "ep" / "edp" (the dp x sp block folded as
+    ``[edp, ep]``, ep fastest: an ep group is ``ep`` neighbours of that block, an edp group ``ep`` of them apart)
+    or a tensor sub-axis (``mesh``'s names)."""
     tp, sp, dp = config.tp, config.sp, config.dp
     q = config.tp_q
-    table = {Axis.TP: (tp, 1), Axis.SP: (sp, tp), Axis.DP: (dp, tp * sp), Axis.PP: (config.pp, tp * sp * dp),
-             "dp+sp": (dp * sp, tp), Axis.EP: (config.ep, tp), Axis.EDP: (dp * sp // config.ep, tp * config.ep),
+    table: dict[str, tuple[int, int]] = {
+             Axis.TP: (tp, 1), Axis.SP: (sp, tp), Axis.DP: (dp, tp * sp), Axis.PP: (config.pp, tp * sp * dp),
+             Axis.DP_SP: (dp * sp, tp), Axis.EP: (config.ep, tp), Axis.EDP: (dp * sp // config.ep, tp * config.ep),
              Axis.TP_COL: (q, 1), Axis.TP_ROW: (q, q), Axis.TP_DEP: (config.tp_depth, q * q),
              Axis.TP_OUT: (q, 1), Axis.TP_WT: (q, q), Axis.TP_IN: (q, q * q)}
     return table[axis]

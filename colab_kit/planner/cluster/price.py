@@ -153,7 +153,7 @@ def _price(shape: ModelShape, config, batch: int, hw: Hardware, seq: int, optimi
     sp_rc, sp_exp_rc = (sp_f, sp_exp_f) if mode in ("full", "op") else (0.0, 0.0)
     # ZeRO-3: each block's parameters gathered forward and backward, gradients reduce-scattered (fp32)
     z3_f = z3_b = z3_exp_f = z3_exp_b = 0.0
-    grads = comm.placement(config, "dp+sp", hw.gpus_per_node)  # the sp ranks' sum joins the dp reduction
+    grads = comm.placement(config, Axis.DP_SP, hw.gpus_per_node)  # the sp ranks' sum joins the dp reduction
     size = 4 if config.precision == "fp32" else 2
     block_params, block_experts = shape.block_params() / _tp_param_split(config), 0.0
     if n_moe:  # a block's dense parameters over the gradients' group; its E / ep routed experts a chunk over edp
