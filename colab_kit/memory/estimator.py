@@ -31,9 +31,8 @@ Worked example, the demo GPT (vocab 64, seq 32, d_model 64, 4 heads, 4 layers) w
 """
 from __future__ import annotations
 
-import functools
-
 from .experts import moe_estimate
+from .fake import saved_bytes
 from .formulas import model_state_bytes, placed
 from .saves import BlockSaves
 from .layout import (layout_activations, part_params, pipeline_peak, rank_params, stage_params,  # noqa: F401
@@ -42,7 +41,6 @@ from ..config import ParallelConfig
 from ..models import GPTConfig
 from ..models.moe import has_experts
 from ..precision import compute_dtype
-from ..sharded_init import meta_twin
 from ..tensor import model_sizes
 
 __all__ = ["part_params", "stage_params", "rank_params", "layout_activations", "pipeline_peak", "config_estimate",
@@ -85,72 +83,11 @@ def config_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | 
 
 def traced_activations(model, shape, dtype=None, precision: str = "fp32") -> int:
     """Bytes ``model``'s forward saves for backward on an input of ``shape`` (``dtype``: int64 ids when
-    None), measured with fake CPU tensors (``FakeTensorMode``: shapes and dtypes, no storage, no compute,
+    None), measured with fake CPU tensors (``memory.fake.saved_bytes``: shapes and dtypes, no storage, no compute,
     the CPU kernels' choices, e.g. SDPA's): the dense model in one process. The meter's rule
     (``memory.ActivationMeter``): each storage once, parameters never. Equal to the measurement of the
     real model for GPT, ViT, Llama and a user's model here."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
-
-    twin = meta_twin(model)
-    twin.train()
-    low = compute_dtype(precision)
-    mode = FakeTensorMode()
-    with mode:
-        params = {n: torch.empty(p.shape, dtype=low if p.is_floating_point() else p.dtype,
-                                 requires_grad=p.requires_grad) for n, p in twin.named_parameters()}
-        bufs = {n: torch.zeros(b.shape, dtype=low if b.is_floating_point() else b.dtype)
-                for n, b in twin.named_buffers()}
-        x = torch.zeros(shape, dtype=dtype or torch.int64)
-        if x.is_floating_point():
-            x = x.to(low)
-    seen = {p.untyped_storage()._cdata for p in params.values()}
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        s = t.untyped_storage()
-        if s._cdata not in seen:
-            seen.add(s._cdata)
-            total += s.nbytes()
-        return t
-
-    with mode, _grouped_mm_shapes()(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        functional_call(twin, {**params, **bufs}, (x,), strict=False)
-    return total
-
-
-@functools.cache
-def _grouped_mm_shapes():
-    """A dispatch mode's class that gives ``aten._grouped_mm`` of fp32 or fp16 inputs its output's shape under
-    fake tensors. torch's meta kernel checks CUDA's rule (bf16 only), while the CPU kernel that really runs takes
-    every float dtype: a Hugging Face MoE in fp32 (``grouped_mm`` experts) could not be traced. What autograd
-    saves for the product (its two inputs) is saved above the dispatcher, and counted as before.
-
-    >>> import torch
-    >>> from torch._subclasses.fake_tensor import FakeTensorMode
-    >>> offs = torch.tensor([2, 6], dtype=torch.int32)
-    >>> with FakeTensorMode(), _grouped_mm_shapes()():
-    ...     out = torch._grouped_mm(torch.empty(6, 4), torch.empty(2, 4, 3), offs=offs)
-    >>> tuple(out.shape), out.dtype
-    ((6, 3), torch.float32)
-    """
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class GroupedMMShapes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._grouped_mm.default:
-                a, b = args[0], args[1]
-                if a.dtype != torch.bfloat16 and a.dtype == b.dtype and b.dim() == 3:
-                    if a.dim() == 2:  # tokens [S, K] by experts [E, K, N], grouped by offs: [S, N]
-                        return a.new_empty((a.shape[0], b.shape[-1]))
-                    if a.dim() == 3:  # a batch per expert: [E, S, K] by [E, K, N]
-                        return a.new_empty((a.shape[0], a.shape[1], b.shape[-1]))
-            return func(*args, **(kwargs or {}))
-
-    return GroupedMMShapes
+    return saved_bytes(model, tuple(shape), compute_dtype(precision), input_dtype=dtype, hidden=False)
 
 
 def gpt_like(model, policy):

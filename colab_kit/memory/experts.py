@@ -20,7 +20,8 @@ A rank of ``ParallelConfig(dp, tp, pp, sp, ep, zero)`` (tp 1D only, dropless lay
 
       router probabilities              e N E
       dispatch buffers (held)           e R h (the rows an expert receives: its GEMM's input)
-                                        + 2 e N k h (the rows combined back, and put in their slots)
+                                        + e N k h (the rows combined back in their slots, which the
+                                        weighting keeps; ``models.experts.combine`` gathers them)
       expert hidden (GELU in, out)      2 e R f
       shared experts (GELU in, out)     2 e N S
       routing indices and weights       24 N k + 2 e N k + e N
@@ -107,7 +108,7 @@ def moe_stage_params(model, config) -> list[tuple[int, int]]:
 
 
 def moe_block_extra(model, tokens: int, e: int, recompute="none", tp: int = 1, op_exact: bool = True,
-                    dense_mlp: int | None = None) -> int:
+                    dense_mlp: int | None = None, layer=None) -> int:
     """Bytes one MoE block saves beyond (or below) a dense block of the same widths for ``tokens`` tokens on
     the rank (the module docstring's table: under 1D tp the MoE layer's terms whole, the dense MLP's
     ``2 e N f / tp`` it replaces split); 0 under full recomputation (a block keeps its input only). Per-op
@@ -117,7 +118,9 @@ def moe_block_extra(model, tokens: int, e: int, recompute="none", tp: int = 1, o
     ``op_exact`` False (a block whose matmul order is not the MoE GPT's: ``planner.moe.shape.op_keeps_router``):
     per-op is counted as no recomputation of the MoE layer, an upper bound. ``dense_mlp``: what the dense block's
     MLP keeps in this mode where it is not the GPT's (``BlockSaves.mlp_bytes``: a gated MLP's four inner tensors;
-    under per-op its gate and down outputs)."""
+    under per-op its gate and down outputs). ``layer``: what a Hugging Face MoE layer saves, traced off the layer
+    (``memory.moe_saves.MoELayerSaves``), in place of the MoE GPT's table where nothing is recomputed (or only
+    attention's core)."""
     mode = recompute_mode(recompute)
     if mode == "full":
         return 0
@@ -126,29 +129,31 @@ def moe_block_extra(model, tokens: int, e: int, recompute="none", tp: int = 1, o
     if mode == "op" and op_exact:
         dense = e * n * f // tp if dense_mlp is None else dense_mlp
         return e * n * model.n_experts + (e * n * h if model.shared_experts else 0) - dense
+    if layer is not None:
+        return layer.bytes(n, e) - (2 * e * n * f // tp if dense_mlp is None else dense_mlp)
     s = model.shared_experts * fe
     rows = n * k  # received by this rank's experts on average (balanced routing)
-    dispatch = e * rows * h + 2 * e * n * k * h
+    dispatch = e * rows * h + e * n * k * h
     dense = 2 * e * n * f // tp if dense_mlp is None else dense_mlp  # what the layout counted for the dense MLP
     return (e * n * model.n_experts + dispatch + 2 * e * rows * fe + 2 * e * n * s
             + 24 * n * k + 2 * e * n * k + e * n - dense)
 
 
 def _stage_activations(model, config, rows: int, seq: int, layers, first: bool, last: bool, moe: set,
-                       op_exact: bool = True, saves=None) -> int:
+                       op_exact: bool = True, saves=None, layer=None) -> int:
     """One microbatch's saved bytes on a stage: the dense GPT's in the config's layout (1D tp, sp's
     ``seq / sp`` tokens) and each MoE block's difference for the rank's ``rows x seq / sp`` tokens."""
     e = PRECISION_BYTES[config.precision]
     dense = layout_activations(model, config, rows, seq, layers=len(layers), first=first, last=last, saves=saves)
     tokens = rows * (seq // config.sp)
     mlp = saves.mlp_bytes(tokens, e, config.tp, recompute_mode(config.recompute)) if saves is not None else None
-    extra = moe_block_extra(model, tokens, e, config.recompute, config.tp, op_exact, mlp)
+    extra = moe_block_extra(model, tokens, e, config.recompute, config.tp, op_exact, mlp, layer)
     return dense + sum(i in moe for i in layers) * extra
 
 
 def moe_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | None = None,
                  pp_rank: int | None = None, host_share: float | None = None, moe=None, split=None,
-                 params=None, op_exact: bool = True, saves=None) -> dict:
+                 params=None, op_exact: bool = True, saves=None, layer=None) -> dict:
     """``config_estimate`` for an MoE GPT (``model.n_experts > 0``): the keys of ``engine.memory()`` with
     "device" and "host" for pipeline rank ``pp_rank`` (None: the fullest). See the module docstring.
 
@@ -157,7 +162,7 @@ def moe_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | Non
     rank's ``(dense, experts)`` parameters (default ``moe_stage_params``), ``op_exact`` whether its blocks run
     their matmuls in the MoE GPT's order (``moe_block_extra``), ``saves`` what its blocks save outside the MoE layer
     (``memory.saves.BlockSaves``: a Hugging Face model's RMSNorm, attention widths, rotary tables; the GPT's when
-    None)."""
+    None), ``layer`` what its MoE layers save (``memory.moe_saves.MoELayerSaves``; the MoE GPT's table when None)."""
     import numpy as np
 
     moe_blocks, stage_layers = _moe_layers()
@@ -167,7 +172,7 @@ def moe_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | Non
     n = config.pp * config.chunks
     layers = split or stage_layers(model.n_layers, n)
     moe = set(moe_blocks(model) if moe is None else moe)
-    per = [_stage_activations(model, config, rows, seq, layers[s], s == 0, s == n - 1, moe, op_exact, saves)
+    per = [_stage_activations(model, config, rows, seq, layers[s], s == 0, s == n - 1, moe, op_exact, saves, layer)
            for s in range(n)]
     if config.pp > 1:
         plan, _ = stage_plan(config)

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from ..tensor import model_sizes
+from .fake import saved_bytes
 
-__all__ = ["BlockSaves", "read_block", "mlp_columns", "qk_norm"]
+__all__ = ["BlockSaves", "read_block", "mlp_columns", "qk_norm", "rms_kind"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class BlockSaves:
     kv_heads: int = 0
     """Key/value heads (0: ``heads``)."""
     norm: str = "layer"
-    """"layer": LayerNorm (the GPT's); "rms": Hugging Face's RMSNorm, which computes in fp32."""
+    """"layer": LayerNorm (the GPT's); "rms": Hugging Face's RMSNorm, which computes in fp32 and multiplies by its
+    weight in the compute dtype; "rms32": one that multiplies in fp32 too (GPT-OSS: its normed input kept in fp32)."""
     gated: bool = False
     """A SwiGLU MLP (gate, up, down) rather than fc1, GELU, fc2."""
     qk_norm: str = ""
@@ -66,6 +69,13 @@ class BlockSaves:
     """Rotary positions computed once a forward and kept by every block's product with them (Hugging Face's
     ``cos`` and ``sin``, one row per position): ``2 seq d_head e`` bytes a forward on a stage, unless per-op or
     full recomputation rebuilds them with the block."""
+    latent: tuple = ()
+    """Multi-head latent attention (DeepSeek-V3): ``(q rank, kv rank, rope dim, nope dim, v dim)`` a head; ()
+    none. Its low-rank norms and projections' inputs, and a fused kernel's q and k (nope + rope wide), v (a view of
+    ``kv_b_proj``'s output: its storage, nope + v wide), output (v wide) and log-sum-exp (``attention``)."""
+    sinks_keys: int = 0
+    """Eager attention with sinks (GPT-OSS): the keys a query's probabilities hold, the sequence and its sink;
+    0: a fused kernel."""
 
     @classmethod
     def of_gpt(cls, cfg) -> BlockSaves:
@@ -122,18 +132,35 @@ class BlockSaves:
 
     def rope(self, seq: int, e: int) -> int:
         """The rotary tables a forward keeps (``rotary``), whatever its rows."""
-        return 2 * seq * (self.q // self.heads) * e if self.rotary else 0
+        d = self.latent[2] if self.latent else self.q // self.heads
+        return 2 * seq * d * e if self.rotary else 0
 
     def norm_bytes(self, n: int, e: int, split: int = 1) -> int:
         """One norm's own saved tensors (its output is the next matmul's input, counted there)."""
-        own = (4 * n * self.hidden + e * n * self.hidden + 4 * n) if self.norm == "rms" \
-            else (e * n * self.hidden + 2 * e * n)
+        h = self.hidden
+        own = {"rms": 4 * n * h + e * n * h + 4 * n, "rms32": 8 * n * h + 4 * n}.get(self.norm, e * n * h + 2 * e * n)
         return own // split
+
+    def attention(self, n: int, e: int) -> int:
+        """What attention saves beside its input and the q/k norms, undivided by tp: a fused kernel's q, k, v,
+        output (the output projection's input too) and log-sum-exp; with ``latent`` the low-rank path as well
+        (each low-rank RMSNorm's fp32 copy, 1/rms and normed input, the up-projection's input; in fp32 the kv norm's
+        copy is its input, a view of ``kv_a_proj``'s output, rope dims included); with ``sinks_keys`` GPT-OSS's
+        eager attention: q, k and v repeated to the q heads, the probabilities over the keys and the sink (compute
+        dtype), the row maxima's indices (int64), the output copied for the projection."""
+        a = self.heads
+        if self.latent:
+            rq, rkv, dr, dn, dv = self.latent
+            low = (4 * n * rq + 2 * e * n * rq + 4 * n) if rq else 0
+            low += (4 * n * (rkv + dr) if e == 4 else 4 * n * rkv) + 2 * e * n * rkv + 4 * n
+            return e * n * a * (2 * (dn + dr) + dn + 2 * dv) + 4 * n * a + low
+        if self.sinks_keys:
+            return 4 * e * n * self.q + e * n * a * self.sinks_keys + 8 * n * a
+        return e * n * (2 * self.q + 2 * self.kv) + 4 * n * a
 
     def split_part(self, n: int, e: int) -> int:
         """What tp 1D splits, undivided: the attention kernel's tensors, the q/k norms, the MLP's inner ones."""
-        attn = e * n * (2 * self.q + 2 * self.kv) + 4 * n * self.heads
-        return attn + self.qk_bytes(n, e) + (4 if self.gated else 2) * e * n * self.ffn
+        return self.attention(n, e) + self.qk_bytes(n, e) + (4 if self.gated else 2) * e * n * self.ffn
 
     def qk_bytes(self, n: int, e: int) -> int:
         """The q and k norms' own tensors, undivided by tp: an fp32 copy, the normed, and 1/rms per head ("head",
@@ -224,3 +251,13 @@ def qk_norm(block, head_dim: int) -> str:
     if weight is None:
         return ""
     return "head" if weight.numel() == head_dim else "full"
+
+
+def rms_kind(block, hidden: int) -> str:
+    """"rms32" where ``block``'s input norm multiplies by its weight in fp32 (GPT-OSS: its normed input kept in
+    fp32, 8 bytes a value with the fp32 copy), "rms" where in the compute dtype (Llama: 6 in bf16), "" where the
+    block has no ``input_layernorm``: told apart by what the norm saves on a bf16 input (``fake.saved_bytes``)."""
+    norm = getattr(block, "input_layernorm", None)
+    if norm is None:
+        return ""
+    return "rms32" if saved_bytes(norm, (1, 2, hidden), torch.bfloat16) == 2 * (8 * hidden + 4) else "rms"

@@ -85,10 +85,20 @@ def dispatch(chosen: torch.Tensor, keep: torch.Tensor | None, n_experts: int) ->
 
 def combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Put expert outputs ``out [M, d]`` (rows in ``order``) back at their ``(token, slot)``, zero where an
-    assignment was dropped, and sum over slots with ``weights [N, k]``: ``[N, d]``."""
+    assignment was dropped, and sum over slots with ``weights [N, k]``: ``[N, d]``.
+
+    The slots are gathered (``out[where]``, ``where`` each slot's row of ``out``; a dropped slot's is a zero row
+    put after them), not scattered into zeros: ``index_copy``'s backward keeps its source for its shape, a second
+    ``[M, d]`` beside the slots the weighting keeps; a gather keeps its int64 index only.
+
+        chosen [[2, 0], [0, 1]], experts [2 0 0 1] -> order [1 2 3 0]: where [3 0 1 2] (slot 0 is row 3 of out)
+    """
     n, k = weights.shape
-    slots = out.new_zeros(n * k, out.shape[-1]).index_copy(0, order, out)
-    return (slots.view(n, k, -1) * weights[..., None]).sum(1)
+    m = out.shape[0]
+    where = torch.full((n * k,), m, dtype=torch.int64, device=out.device)  # dropped: the zero row after the rest
+    where[order] = torch.arange(m, device=out.device)
+    rows = out if m == n * k else torch.cat([out, out.new_zeros(1, out.shape[-1])])
+    return (rows[where].view(n, k, -1) * weights[..., None]).sum(1)
 
 
 def expert_compute(rows, counts, w_in, b_in, w_out, b_out, how: str = "grouped_mm") -> torch.Tensor:

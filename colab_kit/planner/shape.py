@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -102,6 +103,13 @@ class ModelShape:
     a GPT's fused qkv, proj, fc1, fc2, or a gated block's q, k, v, o, gate, up, down."""
     rotary: bool | None = None
     """Rotary positions kept as tables a forward (``BlockSaves.rotary``); None: as ``gated`` without ``positions``."""
+    latent: tuple = ()
+    """Multi-head latent attention's ``(q rank, kv rank, rope dim, nope dim, v dim)`` (``BlockSaves.latent``)."""
+    sinks: bool = False
+    """Eager attention with a sink a head (GPT-OSS: its probabilities over the sequence and the sink kept)."""
+    moe_saves: Any = None
+    """What one MoE layer saves, traced off a Hugging Face model's layer (``memory.moe_saves.MoELayerSaves``);
+    None: the MoE GPT's table (``memory.experts``)."""
 
     def __post_init__(self):
         for key in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -197,7 +205,8 @@ class ModelShape:
                           kv_width=self.n_kv * (q // self.heads), kv_heads=self.n_kv,
                           norm=self.norm or ("rms" if self.gated else "layer"), gated=self.gated,
                           qk_norm=self.qk_norm, linears=tuple(self.linears),
-                          rotary=(self.gated and not self.positions) if self.rotary is None else self.rotary)
+                          rotary=(self.gated and not self.positions) if self.rotary is None else self.rotary,
+                          latent=tuple(self.latent), sinks_keys=self.seq + 1 if self.sinks else 0)
 
     # ------------------------------------------------------------------ mixtures of experts
     @property

@@ -26,8 +26,10 @@ import torch.nn as nn
 from ...config import ConfigError
 from ...memory.experts import moe_estimate
 from ...memory.layout import stage_plan
-from ...memory.saves import qk_norm
+from ...memory.moe_saves import trace_moe_layer
+from ...memory.saves import qk_norm, rms_kind
 from ...models import GPTConfig
+from ...models.hf_moe import aux_coef
 from ...models.moe import moe_blocks
 
 __all__ = ["gpt_moe_of", "gpt_moe_shape", "hf_experts", "hf_moe_shape", "moe_memory", "op_keeps_router", "stage_split",
@@ -98,7 +100,17 @@ def hf_moe_shape(cls, model: nn.Module, seq: int | None):
                params_exact=sum(p.numel() for p in model.parameters()), experts=n, top_k=top_k,
                d_expert=d_expert, shared_ffn=_matrices(shared) // (3 * h), moe_blocks=tuple(moe),
                attn_params=_matrices(getattr(blocks[0], "self_attn", None)), core_width=0 if core == h else core,
-               qk_norm=qk_norm(blocks[0], head_dim))
+               qk_norm=qk_norm(blocks[0], head_dim), norm=rms_kind(blocks[0], h), latent=_latent(cfg),
+               sinks=getattr(getattr(blocks[0], "self_attn", None), "sinks", None) is not None,
+               moe_saves=trace_moe_layer(mlp, h, n, aux=aux_coef(model) > 0))
+
+
+def _latent(cfg) -> tuple:
+    """DeepSeek's multi-head latent attention widths (``BlockSaves.latent``), or ()."""
+    if not getattr(cfg, "kv_lora_rank", None):
+        return ()
+    return (int(getattr(cfg, "q_lora_rank", 0) or 0), int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim),
+            int(cfg.qk_nope_head_dim), int(cfg.v_head_dim))
 
 
 def stage_split(layers: int, stages: int) -> list[range]:
@@ -175,7 +187,8 @@ def moe_memory(shape, config, batch: int, optimizer: str = "adamw") -> dict:
         plan, _ = stage_plan(config)
         params = [tuple(map(sum, zip(*[stage(s) for s in plan.stages_of(r)]))) for r in range(config.pp)]
     return moe_estimate(gpt, config, batch, optimizer, seq=shape.seq, moe=shape.moe_blocks, split=split,
-                        params=params, op_exact=op_keeps_router(shape), saves=shape.block_saves())
+                        params=params, op_exact=op_keeps_router(shape), saves=shape.block_saves(),
+                        layer=shape.moe_saves)
 
 
 def op_keeps_router(shape) -> bool:

@@ -1,0 +1,93 @@
+"""What a module saves for backward, counted on fake CPU tensors (``FakeTensorMode``: shapes and dtypes, no storage,
+no compute, the CPU kernels' choices, e.g. SDPA's) by the meter's rule (``measure.ActivationMeter``: each storage
+once, parameters never). ``estimator.traced_activations`` counts a dense model's forward this way, and
+``moe_saves`` and ``saves.rms_kind`` one layer of it.
+
+Every saved tensor is held until the forward ends: a part of the graph whose output is dropped (a router's logits
+nobody reads) frees its saved tensors at once, and a later storage may then take the freed one's address, which the
+count would take for one it has seen (DeepSeek-V3's MoE layer in fp32: 656 and 1,536 B a token in two traces
+without it, of 2,192).
+
+    >>> import torch.nn as nn
+    >>> saved_bytes(nn.Sequential(nn.Linear(8, 16), nn.GELU()), (3, 8), torch.float32)  # GELU's input, 3 x 16 x 4
+    192
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+
+from ..sharded_init import meta_twin
+
+__all__ = ["saved_bytes", "grouped_mm_shapes"]
+
+
+def saved_bytes(module, shape: tuple, dtype, *, input_dtype=None, hidden: bool = True) -> int:
+    """Bytes ``module`` (a twin on the meta device is made: nothing of it is read but its shapes) saves for backward
+    called on one input of ``shape``, every float parameter and buffer in ``dtype`` (as the engine casts them).
+    ``hidden``: the input is a hidden state in ``dtype`` that needs its gradient, and its own bytes are the caller's
+    (a block's count holds them); False: the model's input (``input_dtype``, int64 token ids by default; a float
+    input in ``dtype``), counted where a layer keeps it."""
+    twin = meta_twin(module)
+    twin.train()
+    mode = FakeTensorMode()
+    with mode:
+        params = {n: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype,
+                                 requires_grad=p.requires_grad) for n, p in twin.named_parameters()}
+        bufs = {n: torch.zeros(b.shape, dtype=dtype if b.is_floating_point() else b.dtype)
+                for n, b in twin.named_buffers()}
+        if hidden:
+            x = torch.empty(shape, dtype=dtype, requires_grad=True)
+        else:
+            x = torch.zeros(shape, dtype=input_dtype or torch.int64)
+            x = x.to(dtype) if x.is_floating_point() else x
+    seen = {p.untyped_storage()._cdata for p in params.values()} | ({x.untyped_storage()._cdata} if hidden else set())
+    held = []
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        held.append(t)
+        s = t.untyped_storage()
+        if s._cdata not in seen:
+            seen.add(s._cdata)
+            total += s.nbytes()
+        return t
+
+    with mode, grouped_mm_shapes()(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        functional_call(twin, {**params, **bufs}, (x,), strict=False)
+    return total
+
+
+@functools.cache
+def grouped_mm_shapes():
+    """A dispatch mode's class that gives ``aten._grouped_mm`` of fp32 or fp16 inputs its output's shape under
+    fake tensors. torch's meta kernel checks CUDA's rule (bf16 only), while the CPU kernel that really runs takes
+    every float dtype: a Hugging Face MoE in fp32 (``grouped_mm`` experts) could not be traced. What autograd
+    saves for the product (its two inputs) is saved above the dispatcher, and counted as before.
+
+    >>> import torch
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> offs = torch.tensor([2, 6], dtype=torch.int32)
+    >>> with FakeTensorMode(), grouped_mm_shapes()():
+    ...     out = torch._grouped_mm(torch.empty(6, 4), torch.empty(2, 4, 3), offs=offs)
+    >>> tuple(out.shape), out.dtype
+    ((6, 3), torch.float32)
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class GroupedMMShapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._grouped_mm.default:
+                a, b = args[0], args[1]
+                if a.dtype != torch.bfloat16 and a.dtype == b.dtype and b.dim() == 3:
+                    if a.dim() == 2:  # tokens [S, K] by experts [E, K, N], grouped by offs: [S, N]
+                        return a.new_empty((a.shape[0], b.shape[-1]))
+                    if a.dim() == 3:  # a batch per expert: [E, S, K] by [E, K, N]
+                        return a.new_empty((a.shape[0], a.shape[1], b.shape[-1]))
+            return func(*args, **(kwargs or {}))
+
+    return GroupedMMShapes

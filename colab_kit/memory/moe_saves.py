@@ -1,0 +1,60 @@
+"""What one MoE layer of a Hugging Face mixture of experts saves for backward, read off the layer itself.
+
+Each family writes its router and experts its own way (Mixtral renormalises its top-k weights in fp32 and hands
+them on in fp32; Qwen3-MoE and OLMoE cast them back; DeepSeek-V3 routes in fp32 on an fp32 copy of the input,
+with group-limited top-k and masks; GPT-OSS softmaxes the top-k logits; experts are SwiGLU with gate and up in
+one tensor, or GPT-OSS's clamped, biased, interleaved form; Qwen2-MoE gates its shared expert). Rather than a
+formula per family, ``trace_moe_layer`` runs the layer (``block.mlp``: router, routed experts as transformers
+runs them, shared experts) on fake CPU tensors (``memory.fake``: shapes only, nothing allocated, the CPU kernels'
+choices, as ``estimator.traced_activations`` traces a dense model) for 2 and 4 tokens in fp32 and in bf16, and
+keeps what a token adds and what the layer holds whatever the tokens (the experts' offsets, a router weight's fp32
+copy). The meter's rule (``ActivationMeter``): each storage once, parameters never; the layer's
+input is left out, since the block's count holds it (the norm's output, the matmuls' input).
+
+Inside the engine a router with Hugging Face's load-balancing loss (``models.hf_moe.router_loss``) also keeps its
+softmax ``e N E`` and its probability sums ``e E`` (``aux``).
+
+Worked example, a Mixtral layer of h 32, 4 experts of width 64, top-2, in bf16 (e = 2), per token: the router
+``4 E + 8 k + 4 + 4 k`` (fp32 softmax, top-k indices, the sum and the top-k values it divides) = 44; the experts,
+``k`` rows each: three int64 indices, the gathered row ``e h``, gate and up ``2 e f``, the SiLU's output and the
+product ``2 e f``, the row's weight (fp32, 4) and the expert's output ``e h``: ``2 (24 + 64 + 256 + 256 + 4 + 64)
+= 1,336``; with the engine's loss ``e E`` = 8 more: 1,388 bytes a token (``tests/unit/test_moe_saves.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .fake import saved_bytes
+
+__all__ = ["MoELayerSaves", "trace_moe_layer"]
+
+_TOKENS = (2, 4)
+
+
+@dataclass(frozen=True)
+class MoELayerSaves:
+    """One MoE layer's saved bytes, ``(e, per token, fixed)`` for compute dtypes of e bytes (4: fp32, 2: bf16 and
+    fp16), traced (``trace_moe_layer``); ``experts`` and ``aux`` for the engine's load-balancing terms."""
+
+    traced: tuple
+    experts: int
+    aux: bool = False
+
+    def bytes(self, tokens: int, e: int) -> int:
+        """What the layer saves for ``tokens`` tokens on a rank in a compute dtype of ``e`` bytes."""
+        per, fixed = next((p, f) for b, p, f in self.traced if b == (4 if e >= 4 else 2))
+        aux = (e * tokens * self.experts + e * self.experts) if self.aux else 0
+        return tokens * per + fixed + aux
+
+
+def trace_moe_layer(layer, hidden: int, experts: int, aux: bool = False) -> MoELayerSaves:
+    """``MoELayerSaves`` of ``layer`` (an MoE block's MLP, on the meta device or not: only its shapes are read),
+    called on ``[1, tokens, hidden]``."""
+    traced = []
+    for e, dtype in ((4, torch.float32), (2, torch.bfloat16)):
+        got = [saved_bytes(layer, (1, n, hidden), dtype) for n in _TOKENS]
+        per = (got[1] - got[0]) // (_TOKENS[1] - _TOKENS[0])
+        traced.append((e, per, got[0] - per * _TOKENS[0]))
+    return MoELayerSaves(traced=tuple(traced), experts=experts, aux=aux)
