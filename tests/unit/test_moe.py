@@ -238,3 +238,29 @@ def test_routing_reads_nothing_to_the_host_without_a_capacity(monkeypatch):
         model = GPT(GPTConfig(**base, **extra))
         reads[name] = count_ops(lambda: (lm_loss(model(x), y) + moe_loss(model)).backward())["host_reads"]
     assert reads == {"dropless": 0, "capacity": 2 * 2}, reads
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_combine_keeps_its_slots_and_weights_not_a_second_copy(drop):
+    """``combine`` gathers the expert outputs into their slots: autograd keeps the slots (``e N k h``), the weights
+    and the int64 gather index, not the outputs themselves beside them (``index_copy`` into zeros kept its source
+    too: ``e M h`` more); the result is the scatter's, dropped slots zero."""
+    from colab_kit.models.experts import combine, dispatch
+    n, k, d, e = 6, 2, 8, 4
+    chosen = torch.tensor([[2, 0], [0, 1], [2, 1], [1, 0], [0, 2], [1, 2]])
+    keep = torch.rand(n, k, generator=torch.Generator().manual_seed(0)) > 0.3 if drop else None
+    order, _ = dispatch(chosen, keep, 3)
+    out = torch.randn(len(order), d, requires_grad=True)
+    weights = torch.rand(n, k, requires_grad=True)
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = combine(out, order, weights)
+    slots = torch.zeros(n * k, d).index_copy(0, order, out.detach())
+    assert torch.equal(y.detach(), (slots.view(n, k, d) * weights.detach()[..., None]).sum(1))
+    saved.pop(weights.untyped_storage().data_ptr(), None)
+    assert sum(saved.values()) == e * n * k * d + 8 * n * k  # the slots and the index (the weights: their own)
