@@ -234,14 +234,11 @@ def walks(plan) -> list[tuple[list[int], np.ndarray]]:
 
 def _weight_store(model, config, rows: int, seq: int, layers: int, last: bool,
                   saves: BlockSaves | None = None) -> int:
-    """What a zero-bubble I leaves for its W (``tensor.zero_bubble.WeightGradStore``): each
-    Linear's input, 1D layout (qkv h, proj h/tp, fc1 h, fc2 f/tp; the head h and its output
-    gradient V/tp). The store also keeps the blocks' output gradients; counting them too
-    overestimated what the meter measures (zb-h1, pp=2, m=2, recompute: 1,114,112 B estimated
-    against 643,588 measured by ``engine.memory()``; without them 524,288 B, and zb-v pp=2 m=2
-    rank 0 1,982,980 against 2,287,108), so they are left out; why the store holds less than both
-    is not traced yet (gradients sharing storage with the residual stream's is a guess). A Hugging Face Llama
-    block's store keeps its output gradients too (zb-h1, pp=2, the last stage: 540,672 B of store measured against
-    229,376 counted here; inputs and output gradients would be 565,248): not counted yet."""
+    """What a zero-bubble I leaves for its W (``tensor.zero_bubble.WeightGradStore``): each Linear's input
+    and output gradient, 1D layout (``BlockSaves.store``; a GPT block's inputs qkv h, proj h/tp, fc1 h, fc2 f/tp,
+    its gradients (q + 2 kv)/tp, h, f/tp, h; the head h and its output gradient V/tp). The executor's peak
+    counts a store from its I (it counted it only at the next F, so a store larger than what the forward saved,
+    as under recomputation, went unseen: the GPT of tests/ranks/test_recompute.py under zb-h1, pp=2, m=4, full
+    recomputation, measured 168,484 B on its last stage, where two stores of 143,360 B are held at once)."""
     n = rows * (seq // config.sp)
     return (saves or BlockSaves.of_gpt(model)).store(n, PRECISION_BYTES[config.precision], config.tp, layers, last)

@@ -209,9 +209,12 @@ class BlockSaves:
         return self.norm_bytes(n, e, split) + e * n * self.hidden + 4 * n * self.vocab // tp + 8 * n + 4
 
     def store(self, n: int, e: int, tp: int, layers: int, last: bool) -> int:
-        """What a zero-bubble I leaves for its W: each Linear's input once (q, k, v share one; gate and up
-        another): h + q / tp (the output projection) + h + f / tp (the MLP's last) a block, and the head's."""
-        block = e * n * (self.hidden + self.q // tp + self.hidden + self.ffn // tp)
+        """What a zero-bubble I leaves for its W (``tensor.zero_bubble.WeightGradStore``): each Linear's input once
+        (q, k, v share one; gate and up another): h + q / tp (the output projection) + h + f / tp (the MLP's last)
+        a block, and each Linear's output gradient (``matmuls()``: a column-split one's / tp, a row-split one's
+        whole); the head's input and output gradient."""
+        grads = sum(w // tp if split else w for w, split in self.matmuls())
+        block = e * n * (self.hidden + self.q // tp + self.hidden + self.ffn // tp + grads)
         return layers * block + (e * n * (self.hidden + self.vocab // tp) if last else 0)
 
 

@@ -104,6 +104,7 @@ class ComputeActions:
         nbytes = store.nbytes
         self._held += nbytes - self._bytes[s, m]
         self._bytes[s, m] = nbytes
+        self.peak_bytes = max(self.peak_bytes, self._held)  # a store can outweigh what the forward saved
         if s > 0:
             self._give_grad(s, m, x.grad)
 

@@ -168,6 +168,11 @@ def gpt_of(shape: ModelShape) -> GPTConfig:
                      n_layers=shape.layers, d_ff=d_ff)
 
 
+FIT_ACTIONS = 2048
+"""The largest ``pp x microbatches`` whose zb-v plan ``memory_of`` fits to the model's FLOPs, as the engine does
+(pp 16 and 128 microbatches: 0.9 s on this machine's CPU)."""
+
+
 def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: str = "adamw", *,
               gpt: GPTConfig | None = None, fit: bool = True) -> dict:
     """The engine's estimate for the fullest rank of ``config`` (``config_estimate`` of ``gpt_of(shape)``),
@@ -176,20 +181,24 @@ def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: 
     RMSNorm in fp32, SwiGLU, grouped-query attention, rotary tables; ``memory.saves``).
 
     A pipeline of more than ``2 pp`` microbatches holds at its peak what one of ``2 pp`` microbatches of the
-    same rows holds (every schedule but gpipe has reached its steady state by then;
-    tests/unit/test_estimate.py walks the plans to check it), so the schedule is walked for ``2 pp`` at most:
+    same rows holds (every schedule but gpipe has reached its steady state by then; zb-v at unit costs by ``3
+    pp``: tests/unit/test_estimate.py walks the plans to check it), so the schedule is walked that far at most:
     a 64-stage pipeline of 512 microbatches is priced in milliseconds, not minutes. zb-v's plan is the one
-    fitted to the model's FLOPs, as the engine runs it, below ``2 pp`` microbatches and with ``fit``; at unit
-    costs otherwise: from ``2 pp`` microbatches the same bytes (tested), below it up to 10% more (measured at
-    pp 4 and 8: on the safe side). The at-scale search passes ``fit=False``: fitting a deep V takes seconds."""
+    fitted to the model's FLOPs, as the engine runs it, with ``fit`` where ``pp x microbatches`` is at most
+    ``FIT_ACTIONS`` (about a second to fit), walked at the step's own microbatches: the fitted V reaches its
+    steady state later, its weight stores (each Linear's input and output gradient) outweighing a forward's
+    saves, and holds up to 6% more than the unit-cost walk (pp 4-16, 8 pp microbatches). Otherwise, and in the
+    at-scale search (``fit=False``: fitting a deep V takes seconds), at unit costs."""
     m = config.microbatches
-    if config.pp > 1 and config.schedule != "gpipe" and m > 2 * config.pp:
+    walk_fitted = config.schedule == "zb-v" and fit and config.pp * m <= FIT_ACTIONS
+    cap = 3 * config.pp if config.schedule == "zb-v" else 2 * config.pp
+    if config.pp > 1 and config.schedule != "gpipe" and m > cap and not walk_fitted:
         rows = batch // (config.dp * m)
-        config, batch = config.replace(microbatches=2 * config.pp), config.dp * 2 * config.pp * rows
+        config, batch = config.replace(microbatches=cap), config.dp * cap * rows
     if shape.experts:  # a mixture of experts: its own walk (planner.moe.shape.moe_memory)
         return moe_memory(shape, config, batch, optimizer)
     gpt = gpt or gpt_of(shape)
-    fitted = config.schedule != "zb-v" or (fit and config.microbatches < 2 * config.pp)
+    fitted = config.schedule != "zb-v" or walk_fitted or (fit and config.microbatches < 2 * config.pp)
     mem = _cached_estimate(gpt, config, batch, optimizer, shape.seq, fitted, shape.block_saves())
     scale = shape.params / _gpt_params(gpt)
     if abs(scale - 1) < 1e-12:

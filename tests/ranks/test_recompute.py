@@ -17,6 +17,7 @@ import colab_kit as ck
 from colab_kit.datasets import SyntheticTokens
 from colab_kit.engine.core import lm_loss
 from colab_kit.memory import ActivationMeter, activation_bytes
+from colab_kit.memory.saves import BlockSaves
 from colab_kit.models import GPT, GPTConfig
 from colab_kit.recompute import is_recomputed, recompute_blocks
 from colab_kit.recompute.op import SAVED_OPS, is_op_recomputed, op_policy, recompute_ops
@@ -93,10 +94,14 @@ def test_recompute_matches_single_process(results, name, mode):
 def test_recompute_holds_a_fraction_of_the_activations(results, name):
     for rank, res in enumerate(results):
         on, off = res[name, True, "sgd"]["memory"], res[name, False, "sgd"]["memory"]
-        # zb-h1's last stage splits I and W: from I to W its store keeps every linear's input and
-        # output gradient (recomputed or not), so its peak falls less (0.58 measured, 0.07-0.17 elsewhere)
-        ratio = 0.65 if name == "pp=2 zb-h1" and rank == 1 else 0.25
-        assert 0 < on["activations"] < ratio * off["activations"], (name, rank, on, off)
+        if name == "pp=2 zb-h1" and rank == 1:
+            # zb-h1's last stage splits I and W: from I to W its store keeps every linear's input and output
+            # gradient, recomputed or not, and two stores at once outweigh any forward's (the executor's peak
+            # counts a store from its I): 2 x 143,360 B, whatever the recomputation
+            store = BlockSaves.of_gpt(GPT4).store(BATCH // 4 * GPT4.seq_len, 4, 1, 2, True)
+            assert on["activations"] == 2 * store <= off["activations"], (rank, on, off, store)
+            continue
+        assert 0 < on["activations"] < 0.25 * off["activations"], (name, rank, on, off)
         assert {k: on[k] for k in ("params", "grads", "optimizer")} == \
                {k: off[k] for k in ("params", "grads", "optimizer")}
 
@@ -123,18 +128,21 @@ def test_op_holds_between_none_and_full_as_estimated(results, name):
     """"op" keeps each block's input, qkv's and fc1's outputs and the attention kernel's: strictly between
     "none" and "full" on every rank, and ``engine.memory_estimate()`` is off from the meter by one offset
     shared by the three modes (outside the blocks: the meter counts the token ids and targets of the rank's
-    slice as the whole batch's storage, under 2 KiB here) on the ranks where the
-    estimate places "none" and "full" to the byte (all but zb-h1's last stage, whose weight store the estimate
-    leaves out: ``memory.estimator._weight_store``)."""
+    slice as the whole batch's storage, under 2 KiB here), zb-h1's last stage too: its weight stores (each
+    Linear's input and output gradient, ``memory.layout._weight_store``) counted where they peak."""
     for rank, res in enumerate(results):
         got = {m: res[name, m, "sgd"] for m in (False, "op", True)}
         held = {m: g["memory"]["activations"] for m, g in got.items()}
-        assert held[False] > held["op"] > held[True] > 0, (name, rank, held)
-        if name == "pp=2 zb-h1" and rank == 1:
-            continue
+        if name == "pp=2 zb-h1" and rank == 1:  # two weight stores at once: the peak whatever is recomputed
+            assert held[False] > held["op"] == held[True] > 0, (name, rank, held)
+        else:
+            assert held[False] > held["op"] > held[True] > 0, (name, rank, held)
         offset = {m: held[m] - g["estimate"] for m, g in got.items()}
         whole_batch = 2 * 8 * BATCH * GPT4.seq_len  # int64 token ids and targets of the global batch
-        assert len(set(offset.values())) == 1 and 0 <= offset["op"] < whole_batch, (name, rank, offset)
+        # zb-h1's last stage: "none" measures 32 B more than its estimate, "op" and "full" none (not traced)
+        spread = 32 if name == "pp=2 zb-h1" and rank == 1 else 0
+        assert max(offset.values()) - min(offset.values()) <= spread, (name, rank, offset)
+        assert 0 <= offset["op"] < whole_batch, (name, rank, offset)
 
 
 def test_recompute_runs_one_more_tp_all_reduce_per_block(results):
