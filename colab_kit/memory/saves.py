@@ -257,10 +257,18 @@ def qk_norm(block, head_dim: int) -> str:
 
 
 def rms_kind(block, hidden: int) -> str:
-    """"rms32" where ``block``'s input norm multiplies by its weight in fp32 (GPT-OSS: its normed input kept in
-    fp32, 8 bytes a value with the fp32 copy), "rms" where in the compute dtype (Llama: 6 in bf16), "" where the
-    block has no ``input_layernorm``: told apart by what the norm saves on a bf16 input (``fake.saved_bytes``)."""
+    """"rms32" where ``block``'s input norm keeps ``8 h + 4`` bytes a token in bf16 (an RMSNorm that multiplies by
+    its weight in fp32, GPT-OSS's: its fp32 copy, 1/rms and the normed input in fp32), "rms" where ``6 h + 4``
+    (Llama's: the normed input in bf16); "" otherwise (another norm, none, or one the fake tensors cannot run):
+    the shape's default. Told apart by what the norm saves on bf16 inputs of 2 and 4 tokens
+    (``fake.saved_bytes``), whatever it holds besides that does not grow with the tokens (Qwen3-Next's ``1 +
+    weight``)."""
     norm = getattr(block, "input_layernorm", None)
-    if norm is None:
+    if not isinstance(norm, nn.Module) or isinstance(norm, (nn.ModuleList, nn.ModuleDict)):
         return ""
-    return "rms32" if saved_bytes(norm, (1, 2, hidden), torch.bfloat16) == 2 * (8 * hidden + 4) else "rms"
+    try:
+        per_token = (saved_bytes(norm, (1, 4, hidden), torch.bfloat16)
+                     - saved_bytes(norm, (1, 2, hidden), torch.bfloat16)) // 2
+    except Exception:  # noqa: BLE001  # a norm that will not run alone on fake tensors: the default
+        return ""
+    return {8 * hidden + 4: "rms32", 6 * hidden + 4: "rms"}.get(per_token, "")

@@ -181,17 +181,18 @@ def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: 
     RMSNorm in fp32, SwiGLU, grouped-query attention, rotary tables; ``memory.saves``).
 
     A pipeline of more than ``2 pp`` microbatches holds at its peak what one of ``2 pp`` microbatches of the
-    same rows holds (every schedule but gpipe has reached its steady state by then; zb-v at unit costs by ``3
-    pp``: tests/unit/test_estimate.py walks the plans to check it), so the schedule is walked that far at most:
-    a 64-stage pipeline of 512 microbatches is priced in milliseconds, not minutes. zb-v's plan is the one
-    fitted to the model's FLOPs, as the engine runs it, with ``fit`` where ``pp x microbatches`` is at most
-    ``FIT_ACTIONS`` (about a second to fit), walked at the step's own microbatches: the fitted V reaches its
-    steady state later, its weight stores (each Linear's input and output gradient) outweighing a forward's
-    saves, and holds up to 6% more than the unit-cost walk (pp 4-16, 8 pp microbatches). Otherwise, and in the
-    at-scale search (``fit=False``: fitting a deep V takes seconds), at unit costs."""
+    same rows holds (every schedule but gpipe has reached its steady state by then: tests/unit/test_estimate.py
+    walks the plans to check it), so the schedule is walked that far at most: a 64-stage pipeline of 512
+    microbatches is priced in milliseconds, not minutes. zb-v's plan is the one fitted to the model's FLOPs, as
+    the engine runs it, with ``fit`` where ``pp x microbatches`` is at most ``FIT_ACTIONS`` (about a second to
+    fit), walked at the step's own microbatches: the V reaches its steady state later, its weight stores (each
+    Linear's input and output gradient) outweighing a forward's saves; fitted it holds up to 6% more than at unit
+    costs after ``2 pp`` (pp 4-16, 8 pp microbatches), and at unit costs it holds 1% more from ``3 pp`` on.
+    Otherwise, and in the at-scale search (``fit=False``: fitting a deep V takes seconds, and walking ``3 pp``
+    doubled the 1T plan's time), at unit costs and ``2 pp``: about 1% short."""
     m = config.microbatches
     walk_fitted = config.schedule == "zb-v" and fit and config.pp * m <= FIT_ACTIONS
-    cap = 3 * config.pp if config.schedule == "zb-v" else 2 * config.pp
+    cap = 2 * config.pp
     if config.pp > 1 and config.schedule != "gpipe" and m > cap and not walk_fitted:
         rows = batch // (config.dp * m)
         config, batch = config.replace(microbatches=cap), config.dp * cap * rows

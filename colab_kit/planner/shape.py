@@ -108,8 +108,9 @@ class ModelShape:
     sinks: bool = False
     """Eager attention with a sink a head (GPT-OSS: its probabilities over the sequence and the sink kept)."""
     moe_saves: Any = None
-    """What one MoE layer saves, traced off a Hugging Face model's layer (``memory.moe_saves.MoELayerSaves``);
-    None: the MoE GPT's table (``memory.experts``)."""
+    """What one MoE layer saves, traced off a Hugging Face model's layer (``memory.moe_saves.MoELayerSaves``) when
+    the shape is read; None: the MoE GPT's table (``memory.experts``). A shape made from another by
+    ``dataclasses.replace`` keeps the trace of the widths it was read at: pass ``moe_saves=None`` with new ones."""
 
     def __post_init__(self):
         for key in ("layers", "hidden", "heads", "vocab", "seq"):

@@ -47,10 +47,10 @@ def test_a_hugging_face_config_is_read_on_the_meta_device():
 
 
 def test_memory_at_scale_walks_at_most_two_pp_microbatches_and_is_exact():
-    """Every schedule but gpipe holds at its peak after 2 pp microbatches what it holds after more, zb-v at unit
-    costs after 3 pp: the cap changes no byte (walked here on plans of up to 8 pp microbatches). zb-v fitted to
-    the FLOPs, as the engine runs it, is walked whole (its weight stores keep it growing longer: it holds more
-    than the unit-cost walk)."""
+    """Every schedule but gpipe holds at its peak after 2 pp microbatches what it holds after more: the cap
+    changes no byte (walked here on plans of up to 8 pp microbatches). zb-v's weight stores keep it growing
+    longer: fitted to the FLOPs, as the engine runs it, it is walked whole; at unit costs (the search's) it holds
+    about 1% more from 3 pp on than the 2 pp walk counts."""
     cfg = GPTConfig(vocab_size=512, seq_len=64, d_model=64, n_heads=4, n_layers=48)
     shape = ModelShape.of(cfg)
     for pp, schedule, chunks in ((2, "1f1b", 1), (4, "interleaved", 2), (4, "interleaved", 3), (8, "zb-h1", 1),
@@ -59,7 +59,11 @@ def test_memory_at_scale_walks_at_most_two_pp_microbatches_and_is_exact():
             c = ck.ParallelConfig(dp=2, pp=pp, microbatches=m, schedule=schedule, chunks=chunks, precision="bf16")
             assert memory_of(shape, c, 2 * m * 3) == config_estimate(cfg, c, 2 * m * 3), (pp, schedule, m)
             unit = memory_of(shape, c, 2 * m * 3, fit=False)
-            assert unit == config_estimate(cfg, c, 2 * m * 3, fitted=schedule != "zb-v"), (pp, schedule, m)
+            walked = config_estimate(cfg, c, 2 * m * 3, fitted=schedule != "zb-v")
+            if schedule == "zb-v":
+                assert unit["activations"] <= walked["activations"] <= 1.011 * unit["activations"], (pp, m)
+            else:
+                assert unit == walked, (pp, schedule, m)
     c = ck.ParallelConfig(dp=2, pp=8, microbatches=64, schedule="zb-v", chunks=2, precision="bf16")
     fitted, unit = memory_of(shape, c, 384)["activations"], memory_of(shape, c, 384, fit=False)["activations"]
     assert unit < fitted <= 1.06 * unit  # the fitted V holds 5% more

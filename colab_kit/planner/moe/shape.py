@@ -102,7 +102,16 @@ def hf_moe_shape(cls, model: nn.Module, seq: int | None):
                attn_params=_matrices(getattr(blocks[0], "self_attn", None)), core_width=0 if core == h else core,
                qk_norm=qk_norm(blocks[0], head_dim), norm=rms_kind(blocks[0], h), latent=_latent(cfg),
                sinks=getattr(getattr(blocks[0], "self_attn", None), "sinks", None) is not None,
-               moe_saves=trace_moe_layer(mlp, h, n, aux=aux_coef(model) > 0))
+               moe_saves=_traced(mlp, h, n, aux_coef(model) > 0))
+
+
+def _traced(mlp, hidden: int, experts: int, aux: bool):
+    """The MoE layer traced (``memory.moe_saves``), or None where fake tensors cannot run it (transformers' eager
+    experts loop sizes its rows with ``nonzero``): the MoE GPT's table then (``memory.experts``)."""
+    try:
+        return trace_moe_layer(mlp, hidden, experts, aux=aux)
+    except Exception:  # noqa: BLE001  # any failure of the trace: the table, as before the trace
+        return None
 
 
 def _latent(cfg) -> tuple:
