@@ -51,8 +51,8 @@ class ActivationMeter:
     what was measured. ``live`` is a set of storage addresses, kept up to date by its owner,
     that are parameters too (ZeRO stage 3 gathers a block's parameters into fresh storage each
     time). Storages are keyed by address alone (CPU and CUDA addresses do
-    not overlap in one process) and each is counted once per block, if a tensor autograd saved on it is still
-    held when the block ends (``_measured``).
+    not overlap in one process) and each is counted once per block (a storage at a freed one's address too:
+    ``_measured``).
     """
 
     listener = None
@@ -73,30 +73,32 @@ class ActivationMeter:
 
     @contextmanager
     def _measured(self, key):
-        """Count what the enclosed forward saves and still holds at its end: each storage once, by address, with
-        a weak reference to each saved tensor on it. A part of the graph whose output nobody keeps (a router's
-        logits, discarded) lets its saved tensors go at once; a later storage can then take a freed one's
-        address, and is counted as the new storage it is (keyed by address alone, it went uncounted, and which
-        one the allocator reused changed from run to run: DeepSeek-V3's MoE layers, 9 KB over 8 runs)."""
+        """Count each storage the enclosed code saves for backward once, by address, with a weak reference to each
+        saved tensor on it: a part of the graph whose output nobody keeps (a router's logits, discarded) lets its
+        saved tensors go at once, a later storage can take a freed one's address, and it is counted as the new
+        storage it is (keyed by address alone it went uncounted, and which address the allocator reused changed
+        from run to run: DeepSeek-V3's MoE layers, 9 KB over 8 runs)."""
         exclude, live = self._exclude, self._live  # parameters (and their views) are never counted
-        held: dict[int, tuple[list, int]] = {}  # address -> (weak references to its saved tensors, its bytes)
+        held: dict[int, list] = {}  # address -> weak references to the saved tensors on its storage
+        self.last = 0
         listener = self.listener
 
         def pack(t: torch.Tensor):
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr not in exclude and ptr not in live:
-                entry = held.get(ptr)
-                if entry is not None and any(r() is not None for r in entry[0]):
-                    entry[0].append(weakref.ref(t))
+                refs = held.get(ptr)
+                if refs is not None and any(r() is not None for r in refs):
+                    refs.append(weakref.ref(t))
                 else:  # a new storage (or a freed one's address taken again)
-                    held[ptr] = ([weakref.ref(t)], storage.nbytes())
+                    held[ptr] = [weakref.ref(t)]
+                    self.last += storage.nbytes()
+                    if self.last > self.peak:
+                        self.peak = self.last
             return t if listener is None else listener(t)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
-        self.last = sum(n for refs, n in held.values() if any(r() is not None for r in refs))
-        self.peak = max(self.peak, self.last)
         if key is not None:
             if len(self._known) >= 64:  # shapes that keep changing: keep the table small
                 self._known.clear()

@@ -3,11 +3,10 @@ no compute, the CPU kernels' choices, e.g. SDPA's) by the meter's rule (``measur
 once, parameters never). ``estimator.traced_activations`` counts a dense model's forward this way, and
 ``moe_saves`` and ``saves.rms_kind`` one layer of it.
 
-What counts is what the forward still holds at its end, as the meter counts it: a part of the graph whose output
-is dropped (a router's logits nobody reads) frees its saved tensors at once, and a later storage may then take the
-freed one's address; each storage is kept with weak references to its saved tensors, so a reused address is a new
-storage (keyed by address alone, DeepSeek-V3's MoE layer in fp32 counted 656 and 1,536 B a token in two traces,
-of 2,192).
+Each storage saved counts once, as the meter counts it: a part of the graph whose output is dropped (a router's
+logits nobody reads) frees its saved tensors at once, and a later storage may then take the freed one's address;
+each storage is kept with weak references to its saved tensors, so a reused address is a new storage (keyed by
+address alone, DeepSeek-V3's MoE layer in fp32 counted 656 and 1,536 B a token in two traces, of 2,192).
 
     >>> import torch.nn as nn
     >>> saved_bytes(nn.Sequential(nn.Linear(8, 16), nn.GELU()), (3, 8), torch.float32)  # GELU's input, 3 x 16 x 4
@@ -47,22 +46,23 @@ def saved_bytes(module, shape: tuple, dtype, *, input_dtype=None, hidden: bool =
             x = torch.zeros(shape, dtype=input_dtype or torch.int64)
             x = x.to(dtype) if x.is_floating_point() else x
     skip = {p.untyped_storage()._cdata for p in params.values()} | ({x.untyped_storage()._cdata} if hidden else set())
-    held: dict[int, tuple[list, int]] = {}  # storage -> (weak references to its saved tensors, its bytes)
+    held: dict[int, list] = {}  # storage -> weak references to its saved tensors
+    total = 0
 
     def pack(t):
+        nonlocal total
         s = t.untyped_storage()
         if s._cdata not in skip:
-            entry = held.get(s._cdata)
-            if entry is not None and any(r() is not None for r in entry[0]):
-                entry[0].append(weakref.ref(t))
-            else:
-                held[s._cdata] = ([weakref.ref(t)], s.nbytes())
+            refs = held.get(s._cdata)
+            if refs is not None and any(r() is not None for r in refs):
+                refs.append(weakref.ref(t))
+            else:  # a new storage (or a freed one's identity taken again)
+                held[s._cdata] = [weakref.ref(t)]
+                total += s.nbytes()
         return t
 
     with mode, grouped_mm_shapes()(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = functional_call(twin, {**params, **bufs}, (x,), strict=False)
-        total = sum(n for refs, n in held.values() if any(r() is not None for r in refs))
-    del out
+        functional_call(twin, {**params, **bufs}, (x,), strict=False)
     return total
 
 

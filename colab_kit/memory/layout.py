@@ -145,7 +145,7 @@ def layout_activations(model, config, rows: int, seq: int, *, layers: int, first
             held += layers * saves.ring_fp32(n, e, config.tp) if ring else 0
         return held
     q, h, f, a, v = config.tp_q, model.d_model, model.d_ff, model.n_heads, model.vocab_size
-    qw, kvw, mlp = saves.q, saves.kv, (4 if saves.gated else 2) * saves.ffn  # the MLP's saved inner widths
+    qw, kvw, mlp = saves.q, saves.kv, saves.inner * saves.ffn  # the MLP's saved inner widths
     shards = config.tp_depth * q if config.tp_mode != "3d" else q * q
     n = rows // shards * seq
     hl, fl, al, vl = h // q, f // q, a // q, v // q

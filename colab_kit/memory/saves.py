@@ -38,7 +38,7 @@ import torch.nn as nn
 from ..tensor import model_sizes
 from .fake import saved_bytes
 
-__all__ = ["BlockSaves", "read_block", "mlp_columns", "qk_norm", "rms_kind"]
+__all__ = ["BlockSaves", "read_block", "mlp_columns", "qk_norm", "rms_kind", "act_saves"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,9 @@ class BlockSaves:
     sinks_keys: int = 0
     """Eager attention with sinks (GPT-OSS): the keys a query's probabilities hold, the sequence and its sink;
     0: a fused kernel."""
+    act_saves: int = 0
+    """MLP-wide tensors the activation keeps beside its input (``read_block``: 0 for torch's GELU and SiLU; 3 for
+    GPT-2's tanh GELU written out in eager ops: the tanh's output, ``0.5 x`` and ``1 + tanh``)."""
 
     @classmethod
     def of_gpt(cls, cfg) -> BlockSaves:
@@ -99,6 +102,12 @@ class BlockSaves:
         vocab = next(iter(sizes.outputs.values()), sizes.d_model)
         return cls(hidden=sizes.d_model, heads=heads, ffn=max(cols) if cols else sizes.d_ff, vocab=vocab,
                    q_width=q, kv_width=kv_heads * (q // heads), kv_heads=kv_heads, gated=len(cols) >= 2, **read)
+
+    @property
+    def inner(self) -> int:
+        """MLP-wide tensors the MLP keeps: fc1's output and the activation's (GELU), or the gate's, the activation's,
+        the up projection's and the product (SwiGLU), and what the activation keeps besides (``act_saves``)."""
+        return (4 if self.gated else 2) + self.act_saves
 
     @property
     def q(self) -> int:
@@ -160,7 +169,7 @@ class BlockSaves:
 
     def split_part(self, n: int, e: int) -> int:
         """What tp 1D splits, undivided: the attention kernel's tensors, the q/k norms, the MLP's inner ones."""
-        return self.attention(n, e) + self.qk_bytes(n, e) + (4 if self.gated else 2) * e * n * self.ffn
+        return self.attention(n, e) + self.qk_bytes(n, e) + self.inner * e * n * self.ffn
 
     def qk_bytes(self, n: int, e: int) -> int:
         """The q and k norms' own tensors, undivided by tp: an fp32 copy, the normed, and 1/rms per head ("head",
@@ -201,7 +210,7 @@ class BlockSaves:
             mlp = range(len(mm) - (3 if self.gated else 2), len(mm))
             kept = [mm[i] for i in mlp if i % 2 == 0]
             return e * n * sum(w for w, s in kept if not s) + e * n * sum(w for w, s in kept if s) // tp
-        return (4 if self.gated else 2) * e * n * self.ffn // tp
+        return self.inner * e * n * self.ffn // tp
 
     def head(self, n: int, e: int, tp: int = 1, split: int = 1) -> int:
         """The last stage's norm, head input, log-softmax (fp32: ``precision.loss_in_fp32``), targets and the loss's
@@ -243,6 +252,7 @@ def read_block(model, policy) -> dict:
                                            for c in norms) else "layer",
             "qk_norm": qk_norm(block, head_dim or sizes.d_model // (sizes.n_heads or 1)),
             "rotary": bool(policy.modules(model, "rotary")),
+            "act_saves": act_saves(block, mlp_columns(model, policy)),
             "linears": tuple((m.out_features, id(m) in columns) for m in block.modules() if isinstance(m, nn.Linear))}
 
 
@@ -272,3 +282,28 @@ def rms_kind(block, hidden: int) -> str:
     except Exception:  # noqa: BLE001  # a norm that will not run alone on fake tensors: the default
         return ""
     return {8 * hidden + 4: "rms32", 6 * hidden + 4: "rms"}.get(per_token, "")
+
+
+_ACTIVATIONS = ("act", "act_fn", "activation_fn", "activation")
+
+
+def act_saves(block, columns: list[int]) -> int:
+    """MLP-wide tensors ``block``'s MLP activation keeps beside its input (``BlockSaves.act_saves``): the module
+    named ``act`` / ``act_fn`` / ``activation_fn`` under the block, traced on bf16 inputs of 2 and 4 rows of the
+    MLP's width (``columns``: its column Linears' widths); 0 where there is none to trace (a function, not a
+    module), as torch's GELU and SiLU keep only their input.
+
+        >>> from transformers.activations import NewGELUActivation
+        >>> mlp = nn.Module(); mlp.act = NewGELUActivation()
+        >>> act_saves(mlp, [64])      # GPT-2's tanh GELU: tanh's output, 0.5 x, 1 + tanh
+        3
+    """
+    act = next((m for name, m in block.named_modules() if name.rsplit(".", 1)[-1] in _ACTIVATIONS), None)
+    if not isinstance(act, nn.Module) or not columns:
+        return 0
+    f = max(columns)
+    try:
+        per_row = (saved_bytes(act, (4, f), torch.bfloat16) - saved_bytes(act, (2, f), torch.bfloat16)) // 2
+    except Exception:  # noqa: BLE001  # an activation that will not run alone on fake tensors: none counted
+        return 0
+    return per_row // (2 * f)

@@ -105,6 +105,8 @@ class ModelShape:
     """Rotary positions kept as tables a forward (``BlockSaves.rotary``); None: as ``gated`` without ``positions``."""
     latent: tuple = ()
     """Multi-head latent attention's ``(q rank, kv rank, rope dim, nope dim, v dim)`` (``BlockSaves.latent``)."""
+    act_saves: int = 0
+    """MLP-wide tensors the MLP's activation keeps beside its input (``BlockSaves.act_saves``: GPT-2's tanh GELU 3)."""
     sinks: bool = False
     """Eager attention with a sink a head (GPT-OSS: its probabilities over the sequence and the sink kept)."""
     moe_saves: Any = None
@@ -207,7 +209,8 @@ class ModelShape:
                           norm=self.norm or ("rms" if self.gated else "layer"), gated=self.gated,
                           qk_norm=self.qk_norm, linears=tuple(self.linears),
                           rotary=(self.gated and not self.positions) if self.rotary is None else self.rotary,
-                          latent=tuple(self.latent), sinks_keys=self.seq + 1 if self.sinks else 0)
+                          latent=tuple(self.latent), sinks_keys=self.seq + 1 if self.sinks else 0,
+                          act_saves=self.act_saves)
 
     # ------------------------------------------------------------------ mixtures of experts
     @property
@@ -336,4 +339,4 @@ def _of_module(cls, model: nn.Module, policy, seq: int | None) -> ModelShape:
                params_exact=sum(p.numel() for p in twin.parameters()),
                causal=all(a.causal for _, _, a in policy.attentions(twin)), core_width=0 if q == sizes.d_model else q,
                norm=read["norm"], qk_norm=read["qk_norm"], linears=read["linears"], attn_params=attn,
-               rotary=read["rotary"])
+               rotary=read["rotary"], act_saves=read["act_saves"])

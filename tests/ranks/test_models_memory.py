@@ -1,8 +1,9 @@
 """The estimator covers every model with a policy: ``engine.memory_estimate()`` against what the engine
 measured (``engine.memory()``), on every rank, for BERT, ViT, a user's model, Hugging Face GPT-2 and Llama
 under dp, tp 1d and 2d, pp 1F1B, ZeRO-3 and sp. Model states (params, grads, optimizer) within 10%,
-activations within 25% (measured: 0.88 to 1.15; the activations are the dense forward traced with fake
-tensors, scaled by the layout's share, ``estimate.model_activations``). An estimate that ignored the
+activations within 8% (measured: 0.95 to 1.05; GPT-2 1.02 to 1.15 before its tanh GELU was counted as it saves;
+the activations are the dense forward traced with fake tensors, scaled by the layout's share,
+``estimate.model_activations``). An estimate that ignored the
 split (dp's half, tp's share, the pipeline stage) would be off by 2x and fail.
 """
 from __future__ import annotations
@@ -60,7 +61,7 @@ def test_estimate_matches_the_measurement(runs, case):
     for rank, (got, est) in enumerate(runs[case[0], tuple(sorted(case[1].items()))]):
         for key in ("params", "grads", "optimizer"):
             assert abs(est[key] - got[key]) <= 0.10 * got[key], (rank, key, est[key], got[key])
-        assert got["activations"] > 0 and abs(est["activations"] - got["activations"]) <= 0.25 * got["activations"], \
+        assert got["activations"] > 0 and abs(est["activations"] - got["activations"]) <= 0.08 * got["activations"], \
             (rank, est["activations"], got["activations"])
         print(f"{case[0]} {case[1]} rank {rank}: activations estimate / measured "
               f"{est['activations'] / got['activations']:.2f}")  # pytest -s prints the figures the docs quote
