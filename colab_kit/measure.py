@@ -3,10 +3,10 @@ the tensors autograd saved for backward (``ActivationMeter``). The categories an
 ``colab_kit.memory``'s docstring."""
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["tensor_bytes", "optimizer_bytes", "ActivationMeter", "SavedRef"]
 
@@ -73,13 +73,13 @@ class ActivationMeter:
 
     @contextmanager
     def _measured(self, key):
-        """Count each storage the enclosed code saves for backward once, by address, with a weak reference to each
-        saved tensor on it: a part of the graph whose output nobody keeps (a router's logits, discarded) lets its
-        saved tensors go at once, a later storage can take a freed one's address, and it is counted as the new
-        storage it is (keyed by address alone it went uncounted, and which address the allocator reused changed
-        from run to run: DeepSeek-V3's MoE layers, 9 KB over 8 runs)."""
+        """Count each storage the enclosed code saves for backward once, by address, with a weak reference to the
+        storage: a part of the graph whose output nobody keeps (a router's logits, discarded) lets its saved
+        tensors go at once, a later storage can take a freed one's address, and it is counted as the new storage
+        it is (keyed by address alone it went uncounted, and which address the allocator reused changed from run
+        to run: DeepSeek-V3's MoE layers, 9 KB over 8 runs). A storage freed before the block ends still counts."""
         exclude, live = self._exclude, self._live  # parameters (and their views) are never counted
-        held: dict[int, list] = {}  # address -> weak references to the saved tensors on its storage
+        held: dict[int, StorageWeakRef] = {}  # address -> a weak reference to the storage counted there
         self.last = 0
         listener = self.listener
 
@@ -87,11 +87,9 @@ class ActivationMeter:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr not in exclude and ptr not in live:
-                refs = held.get(ptr)
-                if refs is not None and any(r() is not None for r in refs):
-                    refs.append(weakref.ref(t))
-                else:  # a new storage (or a freed one's address taken again)
-                    held[ptr] = [weakref.ref(t)]
+                ref = held.get(ptr)
+                if ref is None or ref.expired():  # a new storage (or a freed one's address taken again)
+                    held[ptr] = StorageWeakRef(storage)
                     self.last += storage.nbytes()
                     if self.last > self.peak:
                         self.peak = self.last

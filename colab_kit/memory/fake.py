@@ -5,8 +5,8 @@ once, parameters never). ``estimator.traced_activations`` counts a dense model's
 
 Each storage saved counts once, as the meter counts it: a part of the graph whose output is dropped (a router's
 logits nobody reads) frees its saved tensors at once, and a later storage may then take the freed one's address;
-each storage is kept with weak references to its saved tensors, so a reused address is a new storage (keyed by
-address alone, DeepSeek-V3's MoE layer in fp32 counted 656 and 1,536 B a token in two traces, of 2,192).
+each storage counted is kept as a weak reference, so a reused address is a new storage (keyed by address alone,
+DeepSeek-V3's MoE layer in fp32 counted 656 and 1,536 B a token in two traces, of 2,192).
 
     >>> import torch.nn as nn
     >>> saved_bytes(nn.Sequential(nn.Linear(8, 16), nn.GELU()), (3, 8), torch.float32)  # GELU's input, 3 x 16 x 4
@@ -15,23 +15,24 @@ address alone, DeepSeek-V3's MoE layer in fp32 counted 656 and 1,536 B a token i
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..sharded_init import meta_twin
 
 __all__ = ["saved_bytes", "grouped_mm_shapes"]
 
 
-def saved_bytes(module, shape: tuple, dtype, *, input_dtype=None, hidden: bool = True) -> int:
+def saved_bytes(module, shape: tuple, dtype, *, input_dtype=None, hidden: bool = True, output: bool = True) -> int:
     """Bytes ``module`` (a twin on the meta device is made: nothing of it is read but its shapes) saves for backward
     called on one input of ``shape``, every float parameter and buffer in ``dtype`` (as the engine casts them).
     ``hidden``: the input is a hidden state in ``dtype`` that needs its gradient, and its own bytes are the caller's
     (a block's count holds them); False: the model's input (``input_dtype``, int64 token ids by default; a float
-    input in ``dtype``), counted where a layer keeps it."""
+    input in ``dtype``), counted where a layer keeps it. ``output`` False: the module's output is left out where
+    the module keeps it itself (a ReLU's: the next layer's input, counted there)."""
     twin = meta_twin(module)
     twin.train()
     mode = FakeTensorMode()
@@ -46,23 +47,25 @@ def saved_bytes(module, shape: tuple, dtype, *, input_dtype=None, hidden: bool =
             x = torch.zeros(shape, dtype=input_dtype or torch.int64)
             x = x.to(dtype) if x.is_floating_point() else x
     skip = {p.untyped_storage()._cdata for p in params.values()} | ({x.untyped_storage()._cdata} if hidden else set())
-    held: dict[int, list] = {}  # storage -> weak references to its saved tensors
+    held: dict[int, StorageWeakRef] = {}  # storage -> a weak reference to it
     total = 0
 
     def pack(t):
         nonlocal total
         s = t.untyped_storage()
         if s._cdata not in skip:
-            refs = held.get(s._cdata)
-            if refs is not None and any(r() is not None for r in refs):
-                refs.append(weakref.ref(t))
-            else:  # a new storage (or a freed one's identity taken again)
-                held[s._cdata] = [weakref.ref(t)]
+            ref = held.get(s._cdata)
+            if ref is None or ref.expired():  # a new storage (or a freed one's identity taken again)
+                held[s._cdata] = StorageWeakRef(s)
                 total += s.nbytes()
         return t
 
     with mode, grouped_mm_shapes()(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        functional_call(twin, {**params, **bufs}, (x,), strict=False)
+        out = functional_call(twin, {**params, **bufs}, (x,), strict=False)
+    if not output and isinstance(out, torch.Tensor):  # its output is the caller's (a next layer saves it)
+        ref = held.get(out.untyped_storage()._cdata)
+        if ref is not None and not ref.expired():
+            total -= out.untyped_storage().nbytes()
     return total
 
 

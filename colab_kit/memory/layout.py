@@ -155,7 +155,8 @@ def layout_activations(model, config, rows: int, seq: int, *, layers: int, first
     if config.tp_mode == "3d":
         gathered = e * q * n * (2 * hl + hl + fl)  # X^ of qkv, fc1 (residual), proj (inner), fc2 (MLP inner)
         weights = e * (3 * h * h + h * h + 2 * h * f) // (q * q)
-        block = 2 * ln + gathered + weights + attn + e * n * mlp // (2 * q)
+        inner = (saves.inner - saves.act_saves) * saves.ffn // 2 + saves.act_saves * saves.ffn  # fc2's input: above
+        block = 2 * ln + gathered + weights + attn + e * n * inner // q
         head = ln + e * q * n * hl + e * h * v // (q * q) + 4 * n * (v // q) + 8 * n + 4
         embed = 8 * n * q + 8 * seq
     else:
@@ -240,5 +241,7 @@ def _weight_store(model, config, rows: int, seq: int, layers: int, last: bool,
     counts a store from its I (it counted it only at the next F, so a store larger than what the forward saved,
     as under recomputation, went unseen: the GPT of tests/ranks/test_recompute.py under zb-h1, pp=2, m=4, full
     recomputation, measured 168,484 B on its last stage, where two stores of 143,360 B are held at once)."""
+    if config.tp > 1 and config.tp_mode != "1d":  # 2D, 2.5D and 3D layers are not split: their W runs in I
+        return 0
     n = rows * (seq // config.sp)
     return (saves or BlockSaves.of_gpt(model)).store(n, PRECISION_BYTES[config.precision], config.tp, layers, last)

@@ -38,7 +38,7 @@ import torch.nn as nn
 from ..tensor import model_sizes
 from .fake import saved_bytes
 
-__all__ = ["BlockSaves", "read_block", "mlp_columns", "qk_norm", "rms_kind", "act_saves"]
+__all__ = ["BlockSaves", "read_block", "mlp_columns", "qk_norm", "rms_kind", "act_saves", "mlp_module"]
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ def read_block(model, policy) -> dict:
                                            for c in norms) else "layer",
             "qk_norm": qk_norm(block, head_dim or sizes.d_model // (sizes.n_heads or 1)),
             "rotary": bool(policy.modules(model, "rotary")),
-            "act_saves": act_saves(block, mlp_columns(model, policy)),
+            "act_saves": act_saves(mlp_module(model, policy), max(mlp_columns(model, policy), default=0)),
             "linears": tuple((m.out_features, id(m) in columns) for m in block.modules() if isinstance(m, nn.Linear))}
 
 
@@ -287,23 +287,42 @@ def rms_kind(block, hidden: int) -> str:
 _ACTIVATIONS = ("act", "act_fn", "activation_fn", "activation")
 
 
-def act_saves(block, columns: list[int]) -> int:
-    """MLP-wide tensors ``block``'s MLP activation keeps beside its input (``BlockSaves.act_saves``): the module
-    named ``act`` / ``act_fn`` / ``activation_fn`` under the block, traced on bf16 inputs of 2 and 4 rows of the
-    MLP's width (``columns``: its column Linears' widths); 0 where there is none to trace (a function, not a
-    module), as torch's GELU and SiLU keep only their input.
+def act_saves(mlp, width: int) -> int:
+    """MLP-wide tensors the activation of ``mlp`` (the module holding the MLP's Linears) keeps beside its input
+    and its output (the next Linear's input, counted there): its child named ``act``, ``act_fn``,
+    ``activation_fn`` or ``activation``, traced on bf16 inputs of 2 and 4 rows of ``width``. 0 where there is
+    none to trace (a function, not a module), as torch's GELU, SiLU and ReLU keep only their input or output.
 
         >>> from transformers.activations import NewGELUActivation
         >>> mlp = nn.Module(); mlp.act = NewGELUActivation()
-        >>> act_saves(mlp, [64])      # GPT-2's tanh GELU: tanh's output, 0.5 x, 1 + tanh
-        3
+        >>> act_saves(mlp, 64), act_saves(nn.Sequential(nn.Linear(8, 64), nn.ReLU()), 64)
+        (3, 0)
     """
-    act = next((m for name, m in block.named_modules() if name.rsplit(".", 1)[-1] in _ACTIVATIONS), None)
-    if not isinstance(act, nn.Module) or not columns:
+    if mlp is None or not width:
         return 0
-    f = max(columns)
+    act = next((m for name, m in mlp.named_modules() if name.rsplit(".", 1)[-1] in _ACTIVATIONS), None)
+    if not isinstance(act, nn.Module):
+        return 0
     try:
-        per_row = (saved_bytes(act, (4, f), torch.bfloat16) - saved_bytes(act, (2, f), torch.bfloat16)) // 2
+        per_row = (saved_bytes(act, (4, width), torch.bfloat16, output=False)
+                   - saved_bytes(act, (2, width), torch.bfloat16, output=False)) // 2
     except Exception:  # noqa: BLE001  # an activation that will not run alone on fake tensors: none counted
         return 0
-    return per_row // (2 * f)
+    return per_row // (2 * width)
+
+
+def mlp_module(model, policy):
+    """Block 0's MLP: the deepest module holding its column Linears outside attention (None without one)."""
+    inside = {p for p, _, _ in policy.attentions(model)}
+    first = policy.blocks + ".0."
+    paths = [p.split(".") for p, _, _ in policy.modules(model, "column")
+             if p.startswith(first) and not any(p.startswith(a + ".") for a in inside)]
+    if not paths:
+        return None
+    common = paths[0][:-1]
+    for p in paths[1:]:
+        n = 0
+        while n < min(len(common), len(p) - 1) and common[n] == p[n]:
+            n += 1
+        common = common[:n]
+    return model.get_submodule(".".join(common))

@@ -189,7 +189,8 @@ def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: 
     Linear's input and output gradient) outweighing a forward's saves; fitted it holds up to 6% more than at unit
     costs after ``2 pp`` (pp 4-16, 8 pp microbatches), and at unit costs it holds 1% more from ``3 pp`` on.
     Otherwise, and in the at-scale search (``fit=False``: fitting a deep V takes seconds, and walking ``3 pp``
-    doubled the 1T plan's time), at unit costs and ``2 pp``: about 1% short."""
+    doubled the 1T plan's time), at unit costs and ``2 pp``: short of the fitted plan the engine runs by 1.4-2%
+    for 175B at pp 8-32, up to 6% on small models (a zb-v candidate near the budget may not fit)."""
     m = config.microbatches
     walk_fitted = config.schedule == "zb-v" and fit and config.pp * m <= FIT_ACTIONS
     cap = 2 * config.pp
@@ -199,7 +200,7 @@ def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: 
     if shape.experts:  # a mixture of experts: its own walk (planner.moe.shape.moe_memory)
         return moe_memory(shape, config, batch, optimizer)
     gpt = gpt or gpt_of(shape)
-    fitted = config.schedule != "zb-v" or walk_fitted or (fit and config.microbatches < 2 * config.pp)
+    fitted = config.schedule != "zb-v" or walk_fitted
     mem = _cached_estimate(gpt, config, batch, optimizer, shape.seq, fitted, shape.block_saves())
     scale = shape.params / _gpt_params(gpt)
     if abs(scale - 1) < 1e-12:

@@ -43,8 +43,8 @@ def test_a_mixtral_layer_traced_is_the_hand_count():
 
 
 def _real(layer: torch.nn.Module, tokens: int, dtype) -> int:
-    """``layer`` run on real CPU tensors, counted by the engine's meter (``ActivationMeter``: each storage once,
-    parameters and here the input never, what the forward still holds at its end)."""
+    """``layer`` run on real CPU tensors, counted by the engine's meter (``ActivationMeter``: each storage saved
+    once, parameters and here the input never)."""
     from colab_kit.measure import ActivationMeter
     layer = layer.to(dtype)
     x = torch.randn(1, tokens, 32, dtype=dtype, requires_grad=True)
@@ -60,7 +60,8 @@ def test_the_trace_on_fake_tensors_is_what_the_layer_saves_when_run(name):
     """Shapes only (``FakeTensorMode``) against the layer run on real tensors with real routing, counted by the
     engine's meter: equal to the byte, fp32 and bf16, at a token count the trace did not see (its linear fit is
     exact: no saved tensor's size depends on the routing), the same in every run (DeepSeek-V3's router drops a
-    part of its graph mid-forward: what it saved is freed, its addresses taken again, and not counted)."""
+    part of its graph mid-forward: what it saved is freed and its addresses taken again by new storages, which
+    count)."""
     from tests.helpers import hf_moe
     torch.manual_seed(0)
     real = hf_moe.build(name).model.layers[1].mlp
