@@ -57,6 +57,7 @@ from ..models.moe import moe_blocks
 from ..pipeline.stage import stage_layers
 from .layout import layout_activations, part_params, stage_plan, walks
 from .formulas import PRECISION_BYTES, model_state_bytes, placed, recompute_mode
+from .saves import BlockSaves
 
 __all__ = ["expert_params", "moe_block_params", "moe_stage_params", "moe_block_extra", "moe_estimate"]
 
@@ -151,9 +152,50 @@ def _stage_activations(model, config, rows: int, seq: int, layers, first: bool, 
     return dense + sum(i in moe for i in layers) * extra
 
 
+def moe_block_store(model, n: int, e: int, tp: int, saves=None, shared_ffn: int | None = None,
+                    router_linear: bool = True) -> int:
+    """What a zero-bubble I leaves for its W in one MoE block (``BlockSaves.store``'s rule: each Linear split by
+    ``use_split_backward`` keeps its input and output gradient): attention's as a dense block's; the router where
+    it is an ``nn.Linear`` (``router_linear``: the MoE GPT's, its input and its ``E``-wide gradient; a Hugging Face
+    router is a module of its own, whose weight gradient comes in I); the shared experts' MLP of width ``S`` (the
+    MLP's input, the inner input of its last Linear, the gradients: ``S + h``, gated ``2 S + h``), whole on every
+    tp rank. The routed experts run as grouped GEMMs: their weight gradients come in I too.
+
+        >>> from colab_kit.models import GPTConfig
+        >>> g = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4, top_k=2,
+        ...               d_expert=32, shared_experts=1)
+        >>> moe_block_store(g, 10, 4, 1)  # 4 x 10 x (attention 2h in, 4h out + the MLP's input h + router 4 + S, S, h)
+        12960
+    """
+    s = saves or BlockSaves.of_gpt(model)
+    mm = s.matmuls()
+    attention = mm[:len(mm) - (3 if s.gated else 2)]
+    h = s.hidden
+    width = (model.shared_experts * (model.d_expert or model.d_ff or 4 * h)) if shared_ffn is None else shared_ffn
+    out = e * n * (h + s.q // tp) + e * n * sum(w // tp if split else w for w, split in attention)
+    if router_linear or width:
+        out += e * n * h  # the MLP's input, the router's and the shared experts' first Linears'
+    if router_linear:
+        out += e * n * model.n_experts
+    if width:
+        out += e * n * (width + (2 * width if s.gated else width) + h)
+    return out
+
+
+def _stage_store(model, config, rows: int, seq: int, layers, last: bool, moe: set, saves, shared_ffn,
+                 router_linear: bool) -> int:
+    """A stage's zero-bubble weight store: dense blocks as ``BlockSaves.store``, MoE blocks ``moe_block_store``."""
+    e, n = PRECISION_BYTES[config.precision], rows * (seq // config.sp)
+    s = saves or BlockSaves.of_gpt(model)
+    dense = sum(i not in moe for i in layers)
+    return (s.store(n, e, config.tp, dense, last)
+            + sum(i in moe for i in layers) * moe_block_store(model, n, e, config.tp, s, shared_ffn, router_linear))
+
+
 def moe_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | None = None,
                  pp_rank: int | None = None, host_share: float | None = None, moe=None, split=None,
-                 params=None, op_exact: bool = True, saves=None, layer=None) -> dict:
+                 params=None, op_exact: bool = True, saves=None, layer=None, shared_ffn: int | None = None,
+                 router_linear: bool = True) -> dict:
     """``config_estimate`` for an MoE GPT (``model.n_experts > 0``): the keys of ``engine.memory()`` with
     "device" and "host" for pipeline rank ``pp_rank`` (None: the fullest). See the module docstring.
 
@@ -162,7 +204,8 @@ def moe_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | Non
     rank's ``(dense, experts)`` parameters (default ``moe_stage_params``), ``op_exact`` whether its blocks run
     their matmuls in the MoE GPT's order (``moe_block_extra``), ``saves`` what its blocks save outside the MoE layer
     (``memory.saves.BlockSaves``: a Hugging Face model's RMSNorm, attention widths, rotary tables; the GPT's when
-    None), ``layer`` what its MoE layers save (``memory.moe_saves.MoELayerSaves``; the MoE GPT's table when None)."""
+    None), ``layer`` what its MoE layers save (``memory.moe_saves.MoELayerSaves``; the MoE GPT's table when None);
+    ``shared_ffn`` and ``router_linear`` what a zero-bubble schedule's weight store keeps (``moe_block_store``)."""
     import numpy as np
 
     moe_blocks, stage_layers = _moe_layers()
@@ -177,8 +220,10 @@ def moe_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | Non
     if config.pp > 1:
         plan, _ = stage_plan(config)
         acts = []
-        for stages, counts in walks(plan):  # the weight stores of zero-bubble schedules: not counted here
-            values = np.array([per[s] for s in stages] + [0 for _ in stages], dtype=np.int64)
+        store = [_stage_store(model, config, rows, seq, layers[s], s == n - 1, moe, saves, shared_ffn, router_linear)
+                 for s in range(n)] if config.schedule.startswith("zb") else [0] * n
+        for stages, counts in walks(plan):  # F adds a stage's activations, I trades them for its weight store
+            values = np.array([per[s] for s in stages] + [store[s] for s in stages], dtype=np.int64)
             acts.append(int((counts @ values).max()))
     else:
         acts = [per[0]]

@@ -21,7 +21,7 @@ import colab_kit as ck
 from colab_kit.memory.estimator import config_estimate
 from colab_kit.memory.experts import expert_params
 from colab_kit.models.moe import moe_blocks
-from tests.helpers.moe import BATCH, MODELS, build, data
+from tests.helpers.moe import BATCH, MODELS, OPTIMIZERS, build, data
 
 CONFIGS = [dict(dp=4, ep=2), dict(dp=4, ep=4, zero=1), dict(dp=4, ep=2, zero=2), dict(dp=4, ep=4, zero=2),
            dict(dp=4, ep=2, zero=1, recompute="full"), dict(dp=4, ep=2, zero=3),
@@ -180,3 +180,35 @@ def test_plan_exact_dry_runs_what_the_engine_runs_and_keeps_the_estimate_of_the_
     bf16 = ck.plan(cfg, 16, 64, precision="bf16", hardware="8xH100-SXM", exact=1, limit=3)
     exact16 = [c for c in bf16 if c.dry_runs]  # the engine runs ep in bf16 too: dry-run like fp32
     assert len(exact16) == 1 and all(same_stage(c) for c in exact16)
+
+
+def _zero_bubble(_):
+    import dataclasses
+
+    from colab_kit.models import GPT
+    cfg = dataclasses.replace(MODELS["softmax"], n_layers=4)  # a stage a block under zb-v
+    out = {}
+    for schedule, m in (("zb-h1", 4), ("zb-v", 4)):
+        for recompute in (False, True):
+            kw = dict(pp=2, microbatches=m, schedule=schedule, chunks=2 if schedule == "zb-v" else 1,
+                      recompute=recompute)
+            torch.manual_seed(0)
+            engine = ck.boost(GPT(cfg), OPTIMIZERS["sgd"], ck.ParallelConfig(**kw))
+            engine.train_step(data().batch(0, BATCH))
+            out[schedule, recompute] = engine.memory()["activations"], engine.memory_estimate()["activations"]
+            engine.close()
+    return out
+
+
+def test_zero_bubble_weight_stores_of_moe_blocks_are_counted():
+    """Under zb-h1 and zb-v an MoE block's I leaves its W what its split Linears keep (``moe_block_store``:
+    attention's, the router's and the shared expert's inputs and output gradients; the routed experts' weight
+    gradients come in I): with full recomputation the stores are the peak. The MoE GPT (a shared expert, top-2 of
+    4, 4 blocks), pp=2, 4 microbatches: the estimate 0.97-1.00 of every rank, but zb-h1's first stage under
+    recomputation (18,688 B measured, 1,536 B more: the token ids, which the meter counts as the whole batch's
+    storage); asserted within 3% and 2 KiB. Left out, the stores made zb-v's first rank under recomputation 0.50."""
+    runs = ck.launch(_zero_bubble, 2, None, timeout=300)
+    for rank, res in enumerate(runs):
+        for key, (got, est) in res.items():
+            print(rank, key, got, est, round(est / got, 3))  # pytest -s: the figures the docstring quotes
+            assert abs(est - got) <= 0.03 * got + 2048, (rank, key, got, est, est / got)

@@ -197,7 +197,7 @@ def moe_memory(shape, config, batch: int, optimizer: str = "adamw") -> dict:
         params = [tuple(map(sum, zip(*[stage(s) for s in plan.stages_of(r)]))) for r in range(config.pp)]
     return moe_estimate(gpt, config, batch, optimizer, seq=shape.seq, moe=shape.moe_blocks, split=split,
                         params=params, op_exact=op_keeps_router(shape), saves=shape.block_saves(),
-                        layer=shape.moe_saves)
+                        layer=shape.moe_saves, shared_ffn=shape.shared_ffn, router_linear=shape.name == "GPT-MoE")
 
 
 def op_keeps_router(shape) -> bool:
