@@ -77,7 +77,7 @@ class ActivationMeter:
         storage: a part of the graph whose output nobody keeps (a router's logits, discarded) lets its saved
         tensors go at once, a later storage can take a freed one's address, and it is counted as the new storage
         it is (keyed by address alone it went uncounted, and which address the allocator reused changed from run
-        to run: DeepSeek-V3's MoE layers, 9 KB over 8 runs). A storage freed before the block ends still counts."""
+        to run: DeepSeek-V3's MoE layers). A storage freed before the block ends still counts."""
         exclude, live = self._exclude, self._live  # parameters (and their views) are never counted
         held: dict[int, StorageWeakRef] = {}  # address -> a weak reference to the storage counted there
         self.last = 0

@@ -6,7 +6,7 @@ once, parameters never). ``estimator.traced_activations`` counts a dense model's
 Each storage saved counts once, as the meter counts it: a part of the graph whose output is dropped (a router's
 logits nobody reads) frees its saved tensors at once, and a later storage may then take the freed one's address;
 each storage counted is kept as a weak reference, so a reused address is a new storage (keyed by address alone,
-DeepSeek-V3's MoE layer in fp32 counted 656 and 1,536 B a token in two traces, of 2,192).
+DeepSeek-V3's MoE layer was counted short, by a different amount in each trace).
 
     >>> import torch.nn as nn
     >>> saved_bytes(nn.Sequential(nn.Linear(8, 16), nn.GELU()), (3, 8), torch.float32)  # GELU's input, 3 x 16 x 4

@@ -20,7 +20,8 @@ Worked example, a Mixtral layer of h 32, 4 experts of width 64, top-2, in bf16 (
 ``4 E + 8 k + 4 + 4 k`` (fp32 softmax, top-k indices, the sum and the top-k values it divides) = 44; the experts,
 ``k`` rows each: three int64 indices, the gathered row ``e h``, gate and up ``2 e f``, the SiLU's output and the
 product ``2 e f``, the row's weight (fp32, 4) and the expert's output ``e h``: ``2 (24 + 64 + 256 + 256 + 4 + 64)
-= 1,336``; with the engine's loss ``e E`` = 8 more: 1,388 bytes a token (``tests/unit/test_moe_saves.py``).
+= 1,336``; with the router's 44, 1,380 bytes a token, and with the engine's loss ``e E`` = 8 more, 1,388
+(``tests/unit/test_moe_saves.py``).
 """
 from __future__ import annotations
 

@@ -170,7 +170,7 @@ def gpt_of(shape: ModelShape) -> GPTConfig:
 
 FIT_ACTIONS = 2048
 """The largest ``pp x microbatches`` whose zb-v plan ``memory_of`` fits to the model's FLOPs, as the engine does
-(pp 16 and 128 microbatches: 0.9 s on this machine's CPU)."""
+(pp 16 and 128 microbatches: about a second on a CPU)."""
 
 
 def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: str = "adamw", *,
@@ -188,9 +188,9 @@ def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: 
     fit), walked at the step's own microbatches: the V reaches its steady state later, its weight stores (each
     Linear's input and output gradient) outweighing a forward's saves; fitted it holds up to 6% more than at unit
     costs after ``2 pp`` (pp 4-16, 8 pp microbatches), and at unit costs it holds 1% more from ``3 pp`` on.
-    Otherwise, and in the at-scale search (``fit=False``: fitting a deep V takes seconds, and walking ``3 pp``
-    doubled the 1T plan's time), at unit costs and ``2 pp``: short of the fitted plan the engine runs by 1.4-2%
-    for 175B at pp 8-32, up to 6% on small models (a zb-v candidate near the budget may not fit)."""
+    Otherwise, and in the at-scale search (``fit=False``: fitting a deep V takes seconds, and a ``3 pp`` walk
+    slows the search), at unit costs and ``2 pp``: up to 6% short of the fitted plan the engine runs
+    (tests/unit/test_estimate.py; a zb-v candidate near the budget may not fit)."""
     m = config.microbatches
     walk_fitted = config.schedule == "zb-v" and fit and config.pp * m <= FIT_ACTIONS
     cap = 2 * config.pp

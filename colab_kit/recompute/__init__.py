@@ -51,7 +51,7 @@ without -> with recompute::
     dp=2                      567,940 ->  68,228 B   (0.12)
     tp=2 (1d)                 720,256 -> 118,144 B   (0.16)
     pp=2 1f1b, 4 microbatches rank 0: 268,544 -> 18,688 B (0.07)  rank 1: 150,788 -> 25,860 B (0.17)
-    pp=2 zb-h1                rank 0: 268,544 -> 18,688 B (0.07)  rank 1: 294,148 -> 169,220 B (0.58)
+    pp=2 zb-h1                rank 0: 268,544 -> 18,688 B (0.07)  rank 1: 293,412 -> 286,720 B (0.98)
 
 The meter (``colab_kit.memory.ActivationMeter``) counts what saved-tensor hooks see. The
 checkpoint keeps the block's input in a closure, out of their sight, and its own hooks hide

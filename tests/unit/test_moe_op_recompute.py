@@ -5,10 +5,10 @@
 (4th) run again. The routed experts' ``torch._grouped_mm`` is not a counted matmul, so the dispatch and both
 expert GEMMs run again too. The memory estimate (``memory.experts.moe_block_extra``) and the at-scale price
 (``planner.moe.price.moe_block``) follow that. An estimate that kept the MoE layer's routed terms would hold
-2.3x too many bytes here, and a price of half the block's forward leaves the experts' second run out.
+2.0x too many bytes here, and a price of half the block's forward leaves the experts' second run out.
 
 Measured on the MoE GPT with a shared expert (2 MoE blocks, 8 rows of 16 tokens, fp32): the meter holds
-273,540 B under "op", the estimate's figure exactly (with the routed terms kept: 618,628). ``FlopCounterMode`` does not count
+273,540 B under "op", the estimate's figure exactly (with the routed terms kept: 553,092). ``FlopCounterMode`` does not count
 ``_grouped_mm``, so the FLOPs it sees "op" add are proj's and the shared expert's first matmul a block.
 """
 from __future__ import annotations
