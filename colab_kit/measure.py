@@ -13,6 +13,10 @@ __all__ = ["tensor_bytes", "optimizer_bytes", "ActivationMeter", "SavedRef"]
 
 
 
+def _address(storage) -> int:
+    return storage.data_ptr()
+
+
 def _storage_key(t: torch.Tensor):
     return (t.device.type, t.untyped_storage().data_ptr())
 
@@ -59,8 +63,10 @@ class ActivationMeter:
     """A function every tensor this meter's hooks see is passed to, whose result autograd keeps (a
     ``SavedRef``; ``memory_timeline``'s, since these hooks are the innermost while the meter measures)."""
 
-    def __init__(self, exclude=(), live: set | None = None):
-        self._exclude = frozenset(p.untyped_storage().data_ptr() for p in exclude)
+    def __init__(self, exclude=(), live: set | None = None, storage_id=None):
+        self._id = storage_id or _address  # fake tensors have no address: ``memory.fake`` keys by the storage object
+        self._exclude = frozenset(self._id(p.untyped_storage()) for p in exclude)
+        self._held: dict = {}
         self._live = live if live is not None else set()  # parameter storages that come and go (ZeRO-3's chunks)
         self._known: dict = {}
         self.peak = 0
@@ -78,14 +84,14 @@ class ActivationMeter:
         tensors go at once, a later storage can take a freed one's address, and it is counted as the new storage
         it is (keyed by address alone it went uncounted, and which address the allocator reused changed from run
         to run: DeepSeek-V3's MoE layers). A storage freed before the block ends still counts."""
-        exclude, live = self._exclude, self._live  # parameters (and their views) are never counted
+        exclude, live, storage_id = self._exclude, self._live, self._id  # parameters are never counted
         held: dict[int, StorageWeakRef] = {}  # address -> a weak reference to the storage counted there
-        self.last = 0
+        self._held, self.last = held, 0
         listener = self.listener
 
         def pack(t: torch.Tensor):
             storage = t.untyped_storage()
-            ptr = storage.data_ptr()
+            ptr = storage_id(storage)
             if ptr not in exclude and ptr not in live:
                 ref = held.get(ptr)
                 if ref is None or ref.expired():  # a new storage (or a freed one's address taken again)
@@ -101,6 +107,11 @@ class ActivationMeter:
             if len(self._known) >= 64:  # shapes that keep changing: keep the table small
                 self._known.clear()
             self._known[key] = self.last
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether the last measured block counted ``t``'s storage, and it is still alive."""
+        ref = self._held.get(self._id(t.untyped_storage()))
+        return ref is not None and not ref.expired()
 
     @contextmanager
     def _reuse(self, nbytes: int):

@@ -130,12 +130,12 @@ def moe_block_extra(model, tokens: int, e: int, recompute="none", tp: int = 1, o
     if mode == "op" and op_exact:
         dense = e * n * f // tp if dense_mlp is None else dense_mlp
         return e * n * model.n_experts + (e * n * h if model.shared_experts else 0) - dense
+    dense = 2 * e * n * f // tp if dense_mlp is None else dense_mlp  # what the layout counted for the dense MLP
     if layer is not None:
-        return layer.bytes(n, e) - (2 * e * n * f // tp if dense_mlp is None else dense_mlp)
+        return layer.bytes(n, e) - dense
     s = model.shared_experts * fe
     rows = n * k  # received by this rank's experts on average (balanced routing)
     dispatch = e * rows * h + e * n * k * h
-    dense = 2 * e * n * f // tp if dense_mlp is None else dense_mlp  # what the layout counted for the dense MLP
     return (e * n * model.n_experts + dispatch + 2 * e * rows * fe + 2 * e * n * s
             + 24 * n * k + 2 * e * n * k + e * n - dense)
 

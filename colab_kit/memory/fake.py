@@ -3,9 +3,8 @@ no compute, the CPU kernels' choices, e.g. SDPA's) by the meter's rule (``measur
 once, parameters never). ``estimator.traced_activations`` counts a dense model's forward this way, and
 ``moe_saves`` and ``saves.rms_kind`` one layer of it.
 
-Each storage saved counts once, as the meter counts it: a part of the graph whose output is dropped (a router's
-logits nobody reads) frees its saved tensors at once, and a later storage may then take the freed one's address;
-each storage counted is kept as a weak reference, so a reused address is a new storage (keyed by address alone,
+The engine's own meter counts, keyed by the storage object instead of its address (a fake storage has none):
+each storage saved once, a freed one's identity taken again by a new storage counted again (keyed alone,
 DeepSeek-V3's MoE layer was counted short, by a different amount in each trace).
 
     >>> import torch.nn as nn
@@ -19,11 +18,11 @@ import functools
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
-from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..measure import ActivationMeter
 from ..sharded_init import meta_twin
 
-__all__ = ["saved_bytes", "grouped_mm_shapes"]
+__all__ = ["saved_bytes", "per_token", "grouped_mm_shapes"]
 
 
 def saved_bytes(module, shape: tuple, dtype, *, input_dtype=None, hidden: bool = True, output: bool = True) -> int:
@@ -46,27 +45,25 @@ def saved_bytes(module, shape: tuple, dtype, *, input_dtype=None, hidden: bool =
         else:
             x = torch.zeros(shape, dtype=input_dtype or torch.int64)
             x = x.to(dtype) if x.is_floating_point() else x
-    skip = {p.untyped_storage()._cdata for p in params.values()} | ({x.untyped_storage()._cdata} if hidden else set())
-    held: dict[int, StorageWeakRef] = {}  # storage -> a weak reference to it
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        s = t.untyped_storage()
-        if s._cdata not in skip:
-            ref = held.get(s._cdata)
-            if ref is None or ref.expired():  # a new storage (or a freed one's identity taken again)
-                held[s._cdata] = StorageWeakRef(s)
-                total += s.nbytes()
-        return t
-
-    with mode, grouped_mm_shapes()(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    meter = ActivationMeter(exclude=[*params.values(), *([x] if hidden else [])], storage_id=_identity)
+    with mode, grouped_mm_shapes()(), meter.measure():
         out = functional_call(twin, {**params, **bufs}, (x,), strict=False)
-    if not output and isinstance(out, torch.Tensor):  # its output is the caller's (a next layer saves it)
-        ref = held.get(out.untyped_storage()._cdata)
-        if ref is not None and not ref.expired():
-            total -= out.untyped_storage().nbytes()
-    return total
+    if not output and isinstance(out, torch.Tensor) and meter.holds(out):  # the caller's (a next layer saves it)
+        return meter.last - out.untyped_storage().nbytes()
+    return meter.last
+
+
+def per_token(module, shape_of, dtype, **kw) -> tuple[int, int]:
+    """``(bytes a token, bytes whatever the tokens)`` ``module`` saves, fitted on inputs of ``shape_of(2)`` and
+    ``shape_of(4)`` (``saved_bytes``'s keywords): exact for what grows linearly with the tokens, as a layer's
+    saved tensors do."""
+    two, four = (saved_bytes(module, shape_of(n), dtype, **kw) for n in (2, 4))
+    per = (four - two) // 2
+    return per, two - 2 * per
+
+
+def _identity(storage) -> int:
+    return storage._cdata  # the storage object itself: a fake storage has no address
 
 
 @functools.cache

@@ -29,12 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .fake import saved_bytes
+from .fake import per_token
 
 __all__ = ["MoELayerSaves", "trace_moe_layer"]
-
-_TOKENS = (2, 4)
-
 
 @dataclass(frozen=True)
 class MoELayerSaves:
@@ -55,9 +52,6 @@ class MoELayerSaves:
 def trace_moe_layer(layer, hidden: int, experts: int, aux: bool = False) -> MoELayerSaves:
     """``MoELayerSaves`` of ``layer`` (an MoE block's MLP, on the meta device or not: only its shapes are read),
     called on ``[1, tokens, hidden]``."""
-    traced = []
-    for e, dtype in ((4, torch.float32), (2, torch.bfloat16)):
-        got = [saved_bytes(layer, (1, n, hidden), dtype) for n in _TOKENS]
-        per = (got[1] - got[0]) // (_TOKENS[1] - _TOKENS[0])
-        traced.append((e, per, got[0] - per * _TOKENS[0]))
-    return MoELayerSaves(traced=tuple(traced), experts=experts, aux=aux)
+    traced = tuple((e, *per_token(layer, lambda n: (1, n, hidden), dtype))
+                   for e, dtype in ((4, torch.float32), (2, torch.bfloat16)))
+    return MoELayerSaves(traced=traced, experts=experts, aux=aux)

@@ -30,13 +30,14 @@ meter measures (tests/unit/test_block_saves.py); the GPT twin the planner used b
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from ..tensor import model_sizes
-from .fake import saved_bytes
+from .fake import per_token
 
 __all__ = ["BlockSaves", "read_block", "mlp_columns", "qk_norm", "rms_kind", "act_saves", "mlp_module"]
 
@@ -227,12 +228,17 @@ class BlockSaves:
         return layers * block + (e * n * (self.hidden + self.vocab // tp) if last else 0)
 
 
-def mlp_columns(model, policy) -> list[int]:
-    """Output widths of block 0's column-split Linears outside attention: the MLP's (two where gated)."""
+def _mlp_linears(model, policy) -> list:
+    """(path, module) of block 0's column-split Linears outside attention: the MLP's (two where gated)."""
     inside = {p for p, _, _ in policy.attentions(model)}
     first = policy.blocks + ".0."
-    return [m.out_features for p, _, m in policy.modules(model, "column")
+    return [(p, m) for p, _, m in policy.modules(model, "column")
             if p.startswith(first) and not any(p.startswith(a + ".") for a in inside)]
+
+
+def mlp_columns(model, policy) -> list[int]:
+    """Output widths of block 0's column-split Linears outside attention: the MLP's (two where gated)."""
+    return [m.out_features for _, m in _mlp_linears(model, policy)]
 
 
 def read_block(model, policy) -> dict:
@@ -271,17 +277,16 @@ def rms_kind(block, hidden: int) -> str:
     its weight in fp32, GPT-OSS's: its fp32 copy, 1/rms and the normed input in fp32), "rms" where ``6 h + 4``
     (Llama's: the normed input in bf16); "" otherwise (another norm, none, or one the fake tensors cannot run):
     the shape's default. Told apart by what the norm saves on bf16 inputs of 2 and 4 tokens
-    (``fake.saved_bytes``), whatever it holds besides that does not grow with the tokens (Qwen3-Next's ``1 +
+    (``fake.per_token``), whatever it holds besides that does not grow with the tokens (Qwen3-Next's ``1 +
     weight``)."""
     norm = getattr(block, "input_layernorm", None)
     if not isinstance(norm, nn.Module) or isinstance(norm, (nn.ModuleList, nn.ModuleDict)):
         return ""
     try:
-        per_token = (saved_bytes(norm, (1, 4, hidden), torch.bfloat16)
-                     - saved_bytes(norm, (1, 2, hidden), torch.bfloat16)) // 2
+        per, _ = per_token(norm, lambda n: (1, n, hidden), torch.bfloat16)
     except Exception:  # noqa: BLE001  # a norm that will not run alone on fake tensors: the default
         return ""
-    return {8 * hidden + 4: "rms32", 6 * hidden + 4: "rms"}.get(per_token, "")
+    return {8 * hidden + 4: "rms32", 6 * hidden + 4: "rms"}.get(per, "")
 
 
 _ACTIVATIONS = ("act", "act_fn", "activation_fn", "activation")
@@ -304,8 +309,7 @@ def act_saves(mlp, width: int) -> int:
     if not isinstance(act, nn.Module):
         return 0
     try:
-        per_row = (saved_bytes(act, (4, width), torch.bfloat16, output=False)
-                   - saved_bytes(act, (2, width), torch.bfloat16, output=False)) // 2
+        per_row, _ = per_token(act, lambda n: (n, width), torch.bfloat16, output=False)
     except Exception:  # noqa: BLE001  # an activation that will not run alone on fake tensors: none counted
         return 0
     return per_row // (2 * width)
@@ -313,16 +317,5 @@ def act_saves(mlp, width: int) -> int:
 
 def mlp_module(model, policy):
     """Block 0's MLP: the deepest module holding its column Linears outside attention (None without one)."""
-    inside = {p for p, _, _ in policy.attentions(model)}
-    first = policy.blocks + ".0."
-    paths = [p.split(".") for p, _, _ in policy.modules(model, "column")
-             if p.startswith(first) and not any(p.startswith(a + ".") for a in inside)]
-    if not paths:
-        return None
-    common = paths[0][:-1]
-    for p in paths[1:]:
-        n = 0
-        while n < min(len(common), len(p) - 1) and common[n] == p[n]:
-            n += 1
-        common = common[:n]
-    return model.get_submodule(".".join(common))
+    parents = [p.split(".")[:-1] for p, _ in _mlp_linears(model, policy)]
+    return model.get_submodule(".".join(os.path.commonprefix(parents))) if parents else None
