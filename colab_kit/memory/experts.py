@@ -119,14 +119,17 @@ def moe_block_extra(model, tokens: int, e: int, recompute="none", tp: int = 1, o
     ``op_exact`` False (a block whose matmul order is not the MoE GPT's: ``planner.moe.shape.op_keeps_router``):
     per-op is counted as no recomputation of the MoE layer, an upper bound. ``dense_mlp``: what the dense block's
     MLP keeps in this mode where it is not the GPT's (``BlockSaves.mlp_bytes``: a gated MLP's four inner tensors;
-    under per-op its gate and down outputs). ``layer``: what a Hugging Face MoE layer saves, traced off the layer
+    under per-op its kept matmuls' outputs). ``layer``: what a Hugging Face MoE layer saves, traced off the layer
     (``memory.moe_saves.MoELayerSaves``), in place of the MoE GPT's table where nothing is recomputed (or only
-    attention's core)."""
+    attention's core), and under per-op where it was traced under the policy too (``layer.op``; then
+    ``op_exact`` is not read)."""
     mode = recompute_mode(recompute)
     if mode == "full":
         return 0
     n, h, k = tokens, model.d_model, model.top_k
     f, fe = model.d_ff or 4 * h, model.d_expert or model.d_ff or 4 * h
+    if mode == "op" and layer is not None and layer.op:
+        return layer.bytes(n, e, "op") - (e * n * f // tp if dense_mlp is None else dense_mlp)
     if mode == "op" and op_exact:
         dense = e * n * f // tp if dense_mlp is None else dense_mlp
         return e * n * model.n_experts + (e * n * h if model.shared_experts else 0) - dense

@@ -25,33 +25,65 @@ product ``2 e f``, the row's weight (fp32, 4) and the expert's output ``e h``: `
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
+from torch.utils.checkpoint import SelectiveCheckpointContext, checkpoint, create_selective_checkpoint_contexts
 
+from ..recompute.op import kept_through_hooks, op_policy
 from .fake import per_token
 
 __all__ = ["MoELayerSaves", "trace_moe_layer"]
 
+class _PerOp(nn.Module):
+    """``layer`` run as per-op recomputation runs it inside its block (``recompute.op``): under the block's policy,
+    the ``before`` matmuls attention ran already counted, the kept outputs passed through the meter's hooks."""
+
+    def __init__(self, layer: nn.Module, before: int):
+        super().__init__()
+        self.layer, self.before = layer, before
+
+    def forward(self, x):
+        policy = op_policy()
+        ctx = SelectiveCheckpointContext(is_recompute=False)
+        for _ in range(self.before):  # attention's matmuls: the count the MoE layer starts from
+            policy(ctx, torch.ops.aten.mm.default)
+        out = checkpoint(self.layer, x, use_reentrant=False,
+                         context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+        return kept_through_hooks(out, policy.kept)
+
+
 @dataclass(frozen=True)
 class MoELayerSaves:
     """One MoE layer's saved bytes, ``(e, per token, fixed)`` for compute dtypes of e bytes (4: fp32, 2: bf16 and
-    fp16), traced (``trace_moe_layer``); ``experts`` and ``aux`` for the engine's load-balancing terms."""
+    fp16), traced (``trace_moe_layer``); ``op`` the same under per-op recomputation (() where not traced);
+    ``experts`` and ``aux`` for the engine's load-balancing terms."""
 
     traced: tuple
     experts: int
     aux: bool = False
+    op: tuple = ()
 
-    def bytes(self, tokens: int, e: int) -> int:
-        """What the layer saves for ``tokens`` tokens on a rank in a compute dtype of ``e`` bytes."""
-        per, fixed = next((p, f) for b, p, f in self.traced if b == (4 if e >= 4 else 2))
-        aux = (e * tokens * self.experts + e * self.experts) if self.aux else 0
+    def bytes(self, tokens: int, e: int, mode: str = "none") -> int:
+        """What the layer saves for ``tokens`` tokens on a rank in a compute dtype of ``e`` bytes, with nothing
+        recomputed ("none"; "selective" recomputes attention's core only) or per op ("op": the engine's load-balancing
+        softmax is recomputed with the rest)."""
+        rows = self.op if mode == "op" else self.traced
+        per, fixed = next((p, f) for b, p, f in rows if b == (4 if e >= 4 else 2))
+        aux = (e * tokens * self.experts + e * self.experts) if self.aux and mode != "op" else 0
         return tokens * per + fixed + aux
 
 
-def trace_moe_layer(layer, hidden: int, experts: int, aux: bool = False) -> MoELayerSaves:
+_DTYPES = ((4, torch.float32), (2, torch.bfloat16))
+
+
+def trace_moe_layer(layer, hidden: int, experts: int, aux: bool = False, before: int | None = None) -> MoELayerSaves:
     """``MoELayerSaves`` of ``layer`` (an MoE block's MLP, on the meta device or not: only its shapes are read),
-    called on ``[1, tokens, hidden]``."""
-    traced = tuple((e, *per_token(layer, lambda n: (1, n, hidden), dtype))
-                   for e, dtype in ((4, torch.float32), (2, torch.bfloat16)))
-    return MoELayerSaves(traced=traced, experts=experts, aux=aux)
+    called on ``[1, tokens, hidden]``; under per-op recomputation too where ``before`` (the matmuls its block runs
+    ahead of it: attention's) is given."""
+    shape = lambda n: (1, n, hidden)  # noqa: E731
+    traced = tuple((e, *per_token(layer, shape, dtype)) for e, dtype in _DTYPES)
+    op = () if before is None else tuple((e, *per_token(_PerOp(layer, before), shape, dtype)) for e, dtype in _DTYPES)
+    return MoELayerSaves(traced=traced, experts=experts, aux=aux, op=op)

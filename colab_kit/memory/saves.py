@@ -190,8 +190,13 @@ class BlockSaves:
         return 4 * n * self.heads // tp
 
     def kernel(self, n: int, e: int, tp: int = 1) -> int:
-        """The attention kernel's own outputs: its output and log-sum-exp."""
-        return (e * n * self.q + 4 * n * self.heads) // tp
+        """The attention kernel's own outputs, what per-op recomputation keeps of attention's core: its output
+        (``latent``: v heads wide) and log-sum-exp; 0 for eager attention (``sinks_keys``: matmuls, a softmax,
+        no kernel op to keep)."""
+        if self.sinks_keys:
+            return 0
+        width = self.heads * self.latent[4] if self.latent else self.q
+        return (e * n * width + 4 * n * self.heads) // tp
 
     def op_kept(self, n: int, e: int, tp: int = 1, split: int = 1) -> int:
         """What per-op recomputation keeps: the input, every second matmul's output (the 1st, 3rd, ...), the
@@ -199,7 +204,7 @@ class BlockSaves:
         kept = self.matmuls()[::2]
         whole = sum(w for w, s in kept if not s)
         return (e * n * self.hidden) // split + e * n * whole \
-            + (e * n * sum(w for w, s in kept if s) + e * n * self.q + 4 * n * self.heads) // tp
+            + (e * n * sum(w for w, s in kept if s)) // tp + self.kernel(n, e, tp)
 
     def mlp_bytes(self, n: int, e: int, tp: int = 1, mode: str = "none") -> int:
         """What the block's MLP keeps: its inner tensors ("none", "selective"), or under per-op recomputation its

@@ -109,6 +109,10 @@ class ModelShape:
     """MLP-wide tensors the MLP's activation keeps beside its input (``BlockSaves.act_saves``: GPT-2's tanh GELU 3)."""
     sinks: bool = False
     """Eager attention with a sink a head (GPT-OSS: its probabilities over the sequence and the sink kept)."""
+    block_counts: tuple = ()
+    """Each block's parameters ``(whole, split over 1D tp, routed experts)`` read off a Hugging Face mixture of
+    experts (``planner.moe.shape``: q/k norms, attention and expert biases, sinks, a shared expert's gate counted as
+    they are); (): ``layer_params``' formula. Kept by ``dataclasses.replace``, as ``moe_saves``."""
     moe_saves: Any = None
     """What one MoE layer saves, traced off a Hugging Face model's layer (``memory.moe_saves.MoELayerSaves``) when
     the shape is read; None: the MoE GPT's table (``memory.experts``). A shape made from another by
@@ -224,7 +228,10 @@ class ModelShape:
         return self.block_params() - self.mlp_params(self.d_ff) + self.experts * self.hidden + shared
 
     def layer_params(self, i: int) -> tuple[int, int]:
-        """``(dense, routed experts)`` parameters of block ``i``."""
+        """``(dense, routed experts)`` parameters of block ``i`` (read where ``block_counts`` has them)."""
+        if self.block_counts:
+            whole, split, routed = self.block_counts[i]
+            return whole + split, routed
         if i in self.moe_blocks:
             return self.moe_dense_params(), self.experts * self.expert_params
         return self.block_params(), 0

@@ -17,7 +17,8 @@ ep rank 0 by all-to-all and come back; attention, norms, routers and embeddings 
 averaged over dp; the experts' gradients over the ranks holding the same experts (edp ``[1, 3]``).
 
 What runs (``tests/ranks/test_hf_moe.py``): dp, ep, ZeRO 1-3 (ep with 1-2), recomputation, 1D tp (every tp
-rank routes the same tokens: the MoE layers run whole on each), sp ring and Ulysses, and pp (1f1b, zb-h1, zb-v;
+rank routes the same tokens: the MoE layers run whole on each, the dense layers' MLPs split as Llama's),
+sp ring and Ulysses, and pp (1f1b, zb-h1, zb-v;
 with the load-balancing loss on, each microbatch's router counts ride the pipeline's messages:
 ``models.hf_moe.CountsRelay``). Refused under tp with the
 rule (``tensor.part``, from ``attention_limits``): DeepSeek-V3's multi-head latent attention (no tensor plan) and
@@ -31,7 +32,7 @@ import torch.nn as nn
 from . import Attention, Policy
 from .hf import _llama_context
 
-__all__ = ["hf_moe_policy", "moe_layer_paths", "attention_limits", "MOE_CLASSES"]
+__all__ = ["hf_moe_policy", "moe_layer_paths", "dense_mlp_layers", "attention_limits", "MOE_CLASSES"]
 
 MOE_CLASSES = {  # transformers' module:class -> the policy's name
     "transformers.models.mixtral.modeling_mixtral:MixtralForCausalLM": "hf-mixtral",
@@ -52,6 +53,30 @@ def moe_layer_paths(model: nn.Module, blocks: str = "model.layers") -> list[str]
         mlp = getattr(layer, "mlp", None)
         if mlp is not None and (hasattr(mlp, "gate") or hasattr(mlp, "router")) and hasattr(mlp, "experts"):
             out.append(f"{blocks}.{i}.mlp")
+    return out
+
+
+def dense_mlp_layers(model: nn.Module, blocks: str = "model.layers") -> dict[str, str]:
+    """The tensor roles of the dense MLPs among the MoE layers (Qwen3-MoE's ``mlp_only_layers``, DeepSeek-V3's first
+    ``first_k_dense_replace``): gate and up split by columns, down by rows, as a Llama MLP; an MoE layer's router,
+    experts and shared experts run whole on every tp rank.
+
+        >>> import torch, transformers as tf
+        >>> with torch.device("meta"):
+        ...     m = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        ...         num_attention_heads=4, num_key_value_heads=2, num_experts=4, moe_intermediate_size=32,
+        ...         vocab_size=64, mlp_only_layers=[0]))
+        >>> sorted(dense_mlp_layers(m).items())  # doctest: +NORMALIZE_WHITESPACE
+        [('model.layers.0.mlp.down_proj', 'row'), ('model.layers.0.mlp.gate_proj', 'column'),
+         ('model.layers.0.mlp.up_proj', 'column')]
+    """
+    moe = set(moe_layer_paths(model, blocks))
+    out = {}
+    for i, layer in enumerate(model.get_submodule(blocks).children()):
+        mlp, path = getattr(layer, "mlp", None), f"{blocks}.{i}.mlp"
+        if path not in moe and all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj",
+                                                                                          "down_proj")):
+            out.update({f"{path}.gate_proj": "column", f"{path}.up_proj": "column", f"{path}.down_proj": "row"})
     return out
 
 
@@ -78,6 +103,7 @@ def hf_moe_policy(model) -> Policy:
                        (("q", "column"), ("k", "column"), ("v", "column"), ("o", "row"))})
         attention = {f"{L}.*.self_attn": Attention(n_heads=cfg.num_attention_heads,
                                                    n_kv_heads=cfg.num_key_value_heads, hf=True)}
+        layers.update(dense_mlp_layers(model, L))
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     return Policy(
         name=name, blocks=L, layers=layers, attention=attention,

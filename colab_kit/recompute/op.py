@@ -39,8 +39,8 @@ from ..policy.classes import derived_class, derived_from
 from . import _as_first, swap_blocks
 from .hold import _Hold
 
-__all__ = ["op_policy", "op_recomputed_class", "is_op_recomputed", "recompute_ops", "SAVED_OPS", "MATMULS",
-           "ATTENTION"]
+__all__ = ["op_policy", "kept_through_hooks", "op_recomputed_class", "is_op_recomputed", "recompute_ops",
+           "SAVED_OPS", "MATMULS", "ATTENTION"]
 
 
 def _ops(root, *names) -> frozenset:
@@ -115,7 +115,7 @@ def _contexts(policy, coords, moe):
     return caching, _entered(cached, coords, moe)
 
 
-def _kept_through_hooks(out, kept):
+def kept_through_hooks(out, kept):
     """``out`` with ``kept`` held by ``_Keep`` on its first tensor (a block returns a tensor or a tuple)."""
     if not kept:
         return out
@@ -141,7 +141,7 @@ def op_recomputed_class(cls: type) -> type:
                              **kwargs)
             kept = policy.kept[:]
             policy.kept.clear()  # _Keep holds them now, until the block's recomputation takes them over
-            return _kept_through_hooks(out, kept)
+            return kept_through_hooks(out, kept)
         return forward
 
     return derived_class(cls, "OpRecomputed", make_forward, __name__,

@@ -36,6 +36,7 @@ CONFIGS = {  # name: (world, model, optimizer, ParallelConfig kwargs)
     "qwen3 dp=2 ep=2 zero=3": (2, "qwen3", "sgd", dict(dp=2, ep=2, zero=3)),  # the experts a chunk over edp
     "olmoe dp=2 ep=2 recompute": (2, "olmoe", "sgd", dict(dp=2, ep=2, recompute="full")),
     "mixtral tp=2": (2, "mixtral", "sgd", dict(tp=2)),  # 1D: every tp rank routes the same tokens
+    "qwen3 tp=2": (2, "qwen3", "adamw", dict(tp=2)),  # its dense first layer's MLP split as a Llama's
     "qwen3 sp=2 ring": (2, "qwen3", "adamw", dict(sp=2)),
     "deepseek sp=2 ulysses": (2, "deepseek", "adamw", dict(sp=2, sp_mode="ulysses")),
     "mixtral dp=4 ep=4": (4, "mixtral", "sgd", dict(dp=4, ep=4)),

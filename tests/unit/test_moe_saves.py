@@ -70,6 +70,20 @@ def test_the_trace_on_fake_tensors_is_what_the_layer_saves_when_run(name):
         assert saves.bytes(48, e) == _real(real, 48, dtype) == _real(real, 48, dtype), (name, e)
 
 
+def test_per_op_recomputation_keeps_every_second_matmul_counted_from_the_block():
+    """Under ``recompute="op"`` the layer runs under the engine's policy after attention's four matmuls (q, k, v, o):
+    Mixtral's router is the 5th and kept (its ``E`` logits a token), its experts' grouped GEMMs run again; Qwen2-MoE
+    runs its shared expert first (gate 5th and down 7th kept, ``S`` and ``h`` wide), its router 8th and the shared
+    expert's 1-wide gate 9th (kept). Counted from an odd start, Mixtral's router is recomputed: nothing a token."""
+    h, n_exp, shared = 32, 4, 32
+    mixtral, qwen2 = _meta("mixtral").model.layers[1].mlp, _meta("qwen2").model.layers[1].mlp
+    for e in (4, 2):
+        assert trace_moe_layer(mixtral, h, n_exp, before=4).bytes(1000, e, "op") == 1000 * e * n_exp
+        assert trace_moe_layer(qwen2, h, n_exp, before=4).bytes(1000, e, "op") == 1000 * e * (shared + h + 1)
+        assert trace_moe_layer(mixtral, h, n_exp, before=3).bytes(1000, e, "op") == 0
+    assert trace_moe_layer(mixtral, h, n_exp).op == ()  # not asked for: the walk falls back to its rule
+
+
 def test_the_norm_is_told_apart_by_what_it_saves():
     """Llama's RMSNorm multiplies by its weight in the compute dtype (in bf16: fp32 copy, 1/rms, the normed in
     bf16), GPT-OSS's in fp32 (the normed kept in fp32)."""

@@ -31,6 +31,7 @@ from ...memory.saves import qk_norm, rms_kind
 from ...models import GPTConfig
 from ...models.hf_moe import aux_coef
 from ...models.moe import moe_blocks
+from ...policy import policy_for
 
 __all__ = ["gpt_moe_of", "gpt_moe_shape", "hf_experts", "hf_moe_shape", "moe_memory", "op_keeps_router", "stage_split",
            "tp_layer_params"]
@@ -102,14 +103,54 @@ def hf_moe_shape(cls, model: nn.Module, seq: int | None):
                attn_params=_matrices(getattr(blocks[0], "self_attn", None)), core_width=0 if core == h else core,
                qk_norm=qk_norm(blocks[0], head_dim), norm=rms_kind(blocks[0], h), latent=_latent(cfg),
                sinks=getattr(getattr(blocks[0], "self_attn", None), "sinks", None) is not None,
-               moe_saves=_traced(mlp, h, n, aux_coef(model) > 0))
+               linears=_linears(model, blocks, set(moe), h, d_expert), block_counts=_block_counts(model, blocks),
+               moe_saves=_traced(mlp, h, n, aux_coef(model) > 0, len(_attention_linears(blocks[moe[0]]))))
 
 
-def _traced(mlp, hidden: int, experts: int, aux: bool):
-    """The MoE layer traced (``memory.moe_saves``), or None where fake tensors cannot run it (transformers' eager
-    experts loop sizes its rows with ``nonzero``): the MoE GPT's table then (``memory.experts``)."""
+def _attention_linears(block: nn.Module) -> list:
+    attention = getattr(block, "self_attn", None)
+    return [m for m in attention.modules() if isinstance(m, nn.Linear)] if isinstance(attention, nn.Module) else []
+
+
+def _linears(model: nn.Module, blocks: list, moe: set, hidden: int, d_expert: int) -> tuple:
+    """Each matmul of a block in forward order, ``(output width, split over tp)`` (``BlockSaves.linears``, what
+    per-op recomputation keeps every second of): attention's Linears as they are (DeepSeek's five latent
+    projections), split where the policy makes them columns, then the dense MLP's, a dense block's or, where every
+    block is MoE, gate, up and down of the expert width (the MLP the walk counts before an MoE layer replaces it).
+    () where the block has no ``self_attn`` Linears: the gated default."""
+    attention = _attention_linears(blocks[0])
+    if not attention:
+        return ()
+    policy = policy_for(model)
+    columns = {id(m) for _, _, m in policy.modules(model, "column")} if policy is not None else set()
+    dense = next((getattr(b, "mlp", None) for i, b in enumerate(blocks) if i not in moe), None)
+    mlp = [m for m in dense.modules() if isinstance(m, nn.Linear)] if isinstance(dense, nn.Module) else []
+    tail = [(m.out_features, id(m) in columns) for m in mlp] or [(d_expert, True), (d_expert, True), (hidden, False)]
+    return tuple((m.out_features, id(m) in columns) for m in attention) + tuple(tail)
+
+
+def _block_counts(model: nn.Module, blocks: list) -> tuple:
+    """``ModelShape.block_counts``: each block's ``(whole, split, routed)`` parameters, split those of the policy's
+    column Linears (weight and bias) and row Linears (weight; its bias is added whole after the sum), routed the
+    MoE layer's ``experts``."""
+    policy = policy_for(model)
+    roles = {id(m): r for _, r, m in policy.modules(model)} if policy is not None else {}
+    out = []
+    for block in blocks:
+        mlp = _moe_mlp(block)
+        routed = sum(p.numel() for p in mlp.experts.parameters()) if mlp is not None else 0
+        split = sum(m.weight.numel() + (m.bias.numel() if roles[id(m)] == "column" and m.bias is not None else 0)
+                    for m in block.modules() if roles.get(id(m)) in ("column", "row"))
+        out.append((sum(p.numel() for p in block.parameters()) - routed - split, split, routed))
+    return tuple(out)
+
+
+def _traced(mlp, hidden: int, experts: int, aux: bool, before: int):
+    """The MoE layer traced (``memory.moe_saves``; per-op recomputation after attention's ``before`` matmuls), or
+    None where fake tensors cannot run it (transformers' eager experts loop sizes its rows with ``nonzero``): the
+    MoE GPT's table then (``memory.experts``)."""
     try:
-        return trace_moe_layer(mlp, hidden, experts, aux=aux)
+        return trace_moe_layer(mlp, hidden, experts, aux=aux, before=before)
     except Exception:  # noqa: BLE001  # any failure of the trace: the table, as before the trace
         return None
 
@@ -158,6 +199,9 @@ def tp_layer_params(shape, i: int, tp: int) -> tuple[int, int]:
         >>> s.layer_params(0), tp_layer_params(s, 0, 2)  # 3h^2 + 3h + h^2 = 4,192 of the 6,592 halved
         ((6592, 8448), (4496, 8448))
     """
+    if shape.block_counts:  # read off the model: its column and row Linears split, the rest whole
+        whole, split, routed = shape.block_counts[i]
+        return whole + split // tp, routed
     dense, experts = shape.layer_params(i)
     if tp == 1:
         return dense, experts
@@ -206,7 +250,8 @@ def op_keeps_router(shape) -> bool:
     a shared expert after it, its second kept). So too where attention is four plain matrices (q, k, v, o: the
     router fifth) and there is no shared expert (Mixtral, Qwen3-MoE). Not where attention has another count
     (DeepSeek's latent attention: five) or a shared expert may run first (Qwen2-MoE): those are estimated as
-    keeping the MoE layer's terms, an upper bound.
+    keeping the MoE layer's terms, an upper bound. The rule for a layer the fake tensors could not trace: a traced
+    one is counted as the policy runs it (``MoELayerSaves.op``).
 
         >>> from dataclasses import replace
         >>> from colab_kit.planner.shape import ModelShape
