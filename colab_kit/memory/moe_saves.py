@@ -27,13 +27,17 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SelectiveCheckpointContext, checkpoint, create_selective_checkpoint_contexts
 
-from ..recompute.op import kept_through_hooks, op_policy
-from .fake import per_token
+from ..expert.hf import fused_layout
+from ..models import experts as _experts
+from ..recompute.op import MATMULS, kept_through_hooks, op_policy
+from .fake import per_token, saved_bytes
 
 __all__ = ["MoELayerSaves", "trace_moe_layer"]
 
@@ -65,6 +69,12 @@ class MoELayerSaves:
     experts: int
     aux: bool = False
     op: tuple = ()
+    ep_kept: int = 0
+    """Under ep > 1 the engine runs this family's experts one matmul pair an expert (``expert.hf.hf_expert_compute``:
+    GPT-OSS's interleaved layout, or any layout where ``EXPERT_COMPUTE`` is not grouped GEMMs), and per-op
+    recomputation counts them, which ``op`` (transformers' own experts) does not see: every expert keeps the output
+    of the same one of its two, this many values a routed row (gate and up ``2 f``, or down ``h``, by the parity of
+    the matmuls ahead of it: attention's, the router's, a shared expert's); 0 for grouped GEMMs."""
 
     def bytes(self, tokens: int, e: int, mode: str = "none") -> int:
         """What the layer saves for ``tokens`` tokens on a rank in a compute dtype of ``e`` bytes, with nothing
@@ -85,5 +95,54 @@ def trace_moe_layer(layer, hidden: int, experts: int, aux: bool = False, before:
     ahead of it: attention's) is given."""
     shape = lambda n: (1, n, hidden)  # noqa: E731
     traced = tuple((e, *per_token(layer, shape, dtype)) for e, dtype in _DTYPES)
-    op = () if before is None else tuple((e, *per_token(_PerOp(layer, before), shape, dtype)) for e, dtype in _DTYPES)
-    return MoELayerSaves(traced=traced, experts=experts, aux=aux, op=op)
+    op: tuple = ()
+    if before is not None:
+        try:
+            op = tuple((e, *per_token(_PerOp(layer, before), shape, dtype)) for e, dtype in _DTYPES)
+        except Exception:  # noqa: BLE001  # the policy's run fails on fake tensors: per-op by the walk's rule
+            op = ()
+    return MoELayerSaves(traced=traced, experts=experts, aux=aux, op=op, ep_kept=_ep_kept(layer, hidden, before))
+
+
+def _ep_kept(layer: nn.Module, hidden: int, before: int | None) -> int:
+    """``MoELayerSaves.ep_kept`` of ``layer``: which of an expert's two matmuls per-op keeps under ep (the first
+    where the matmuls ahead of it, ``before`` and the layer's own before its experts, are even in number), its
+    output's width."""
+    experts = next((m for m in layer.modules() if fused_layout(m) is not None), None)
+    if before is None or experts is None:
+        return 0
+    layout = fused_layout(experts)
+    if not (layout == "interleaved" or _experts.EXPERT_COMPUTE != "grouped_mm"):
+        return 0
+    ahead: list[int] = []
+    saved_bytes(_Counted(layer, ahead.append), (1, 2, hidden), torch.float32)
+    if not ahead:
+        return 0
+    gate_up: Any = experts.gate_up_proj
+    first = int(gate_up.shape[2 if layout == "interleaved" else 1])  # gate and up: 2 f
+    return first if (before + ahead[0]) % 2 == 0 else hidden
+
+
+class _Counted(nn.Module):
+    """``layer`` run with its matmuls counted (those ``recompute.op`` counts); ``report(count)`` when its experts
+    start (a function: a meta twin of this module calls the same one)."""
+
+    def __init__(self, layer: nn.Module, report):
+        super().__init__()
+        self.layer, self.report = layer, report
+
+    def forward(self, x):
+        seen = [0]
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen[0] += func in MATMULS
+                return func(*args, **(kwargs or {}))
+
+        experts = next(m for m in self.layer.modules() if fused_layout(m) is not None)
+        hook = experts.register_forward_pre_hook(lambda *_: self.report(seen[0]))
+        try:
+            with Count():
+                return self.layer(x)
+        finally:
+            hook.remove()

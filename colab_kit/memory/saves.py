@@ -22,7 +22,8 @@ statistics are 16-bit too, as the CPU kernel keeps them; CUDA's keeps them in fp
 
 Per-op recomputation (``recompute="op"``) keeps a block's input, the outputs of the 1st, 3rd, ... matmul in
 forward order (``linears``: a GPT's fused qkv and fc1; a Llama's q, v, gate and down; a row-parallel
-matmul's output is whole on every rank) and the attention kernel's output and log-sum-exp.
+matmul's output is whole on every rank) and the attention kernel's output and log-sum-exp (eager attention, GPT-OSS's
+with sinks, has no kernel op to keep: nothing of its core).
 
 Worked example, a Llama block of h 64, q 64, kv 32, 4 heads, f 176 on one rank in bf16 (e 2), per token:
 2 x (4 x 64 + 2 x 64 + 4) + 2 x 2 x 64 + 2 x (128 + 64) + 16 + 4 x 2 x 176 = 2,840 bytes, what the engine's

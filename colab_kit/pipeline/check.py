@@ -237,6 +237,13 @@ def _stuck(plan, deps, rows, pos, done) -> PlanError:
 
 def check(plan):
     """Raise ``PlanError`` unless ``plan`` is complete, well ordered and runs to the end; returns the plan."""
+    checked(plan)
+    return plan
+
+
+def checked(plan) -> tuple:
+    """``check(plan)``, returning what it found on the way: each position's dependencies and the lockstep rows
+    (``_step``), which ``simulate.prepare`` times the plan on."""
     where = positions(plan)
     deps = dependencies(plan, where)
     rows, pos, done = _step(plan, deps)
@@ -244,4 +251,4 @@ def check(plan):
         raise _stuck(plan, deps, rows, pos, done)
     if plan.lowered:
         _fifo(plan)
-    return plan
+    return deps, rows

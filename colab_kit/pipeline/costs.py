@@ -83,6 +83,14 @@ def stage_costs(costs: dict, n_stages: int) -> dict[tuple[int, str], float]:
 def zb_v_timed(pp: int, m: int, costs: dict, reserve: bool = False) -> list[list[Action]] | None:
     """ZB-V's actions per rank, list-scheduled on a continuous clock with ``costs`` (module
     docstring); None if the rules get stuck (``reserve``: keep the chunk-1 slot, which cannot)."""
+    timed = _zb_v_clocked(pp, m, costs, reserve)
+    return None if timed is None else timed[0]
+
+
+def _zb_v_clocked(pp: int, m: int, costs: dict, reserve: bool = False) -> tuple[list[list[Action]], float] | None:
+    """``zb_v_timed``'s plan and its makespan on the scheduler's own clock: each action starts when its rank is
+    free and what it waits for has ended, the rule ``simulate`` times a plan by, so this is the simulated makespan
+    (tests/unit/test_pipeline_costs.py) without simulating."""
     n, limit = 2 * pp, 2 * pp
     cost = stage_costs(costs, n)
     mine = [[r, n - 1 - r] for r in range(pp)]  # the V: PipelinePlan(..., placement="v").stages_of(r)
@@ -136,19 +144,17 @@ def zb_v_timed(pp: int, m: int, costs: dict, reserve: bool = False) -> list[list
             held[r] -= 1
         for d in {r, owner.get(s - 1, r), owner.get(s + 1, r)}:
             chosen[d] = choice(d)
-    return plan
+    return plan, max(free)
 
 
 def zb_v_plan(pp: int, m: int, costs: dict, unit: list[list[Action]]) -> list[list[Action]]:
     """The actions ``build_plan("zb-v", pp, m, 2, costs=costs)`` returns: the timed list schedule,
     or ``unit`` (the unit-step plan) where that simulates no longer under ``costs``."""
-    timed = zb_v_timed(pp, m, costs) or zb_v_timed(pp, m, costs, reserve=True)
-    cost = stage_costs(costs, 2 * pp)
-
-    def makespan(actions):
-        return simulate(PipelinePlan(pp, m, 2, "zb-v", actions, placement="v"), cost).makespan
-
-    return timed if timed is not None and makespan(timed) < makespan(unit) else unit
+    timed = _zb_v_clocked(pp, m, costs) or _zb_v_clocked(pp, m, costs, reserve=True)
+    if timed is None:
+        return unit
+    unit_makespan = simulate(PipelinePlan(pp, m, 2, "zb-v", unit, placement="v"), stage_costs(costs, 2 * pp)).makespan
+    return timed[0] if timed[1] < unit_makespan else unit
 
 
 def measured_costs(events: list[dict], stages, device="cpu") -> dict[tuple[int, str], float]:

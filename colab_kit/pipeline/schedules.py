@@ -165,39 +165,39 @@ def _zb_v(pp: int, m: int) -> list[list[Action]]:
     held = [0] * pp  # F done, W not yet
     owed: list[deque] = [deque() for _ in range(pp)]  # I done, W not yet
     plan: list[list[Action]] = [[] for _ in range(pp)]
-    t = 0
+    t, left = 0, 3 * n * m
+    get = ended.get
 
-    def ready(kind: str, s: int, i: int) -> bool:  # ran at an earlier step (not at all: False)
-        return ended.get((kind, s, i), t) < t
-
-    def pick(r: int) -> Action | None:
-        bwd = [(next_i[s], -s) for s in mine[r] if next_i[s] < m and ready("F", s, next_i[s])
-               and (s == n - 1 or ready("I", s + 1, next_i[s]))]
+    def pick(r: int) -> tuple | None:  # (kind, stage, microbatch); "ran at an earlier step": ended before t
+        bwd = [(i, -s) for s in mine[r] if (i := next_i[s]) < m and get(("F", s, i), t) < t
+               and (s == n - 1 or get(("I", s + 1, i), t) < t)]
         if bwd:
             i, s = min(bwd)
-            return Action(-s, "I", i)
-        fwd = [(-s, next_f[s]) for s in mine[r] if next_f[s] < m and (s == 0 or ready("F", s - 1, next_f[s]))]
-        if fwd and held[r] < limit:
-            s, i = min(fwd)
-            return Action(-s, "F", i)
-        return Action(owed[r][0][0], "W", owed[r][0][1]) if owed[r] else None
+            return "I", -s, i
+        if held[r] < limit:
+            fwd = [(-s, i) for s in mine[r] if (i := next_f[s]) < m and (s == 0 or get(("F", s - 1, i), t) < t)]
+            if fwd:
+                s, i = min(fwd)
+                return "F", -s, i
+        return ("W", *owed[r][0]) if owed[r] else None
 
-    while sum(map(len, plan)) < 3 * n * m:
+    while left:
         ran = [(r, a) for r in range(pp) if (a := pick(r)) is not None]
         if not ran:
             raise RuntimeError(f"zb-v list scheduler stuck at step {t} (pp={pp}, microbatches={m})")
-        for r, a in ran:
-            ended[a.kind, a.stage, a.microbatch] = t
-            plan[r].append(a)
-            if a.kind == "F":
-                next_f[a.stage] += 1
+        for r, (kind, s, i) in ran:
+            ended[kind, s, i] = t
+            plan[r].append(Action(s, kind, i))
+            if kind == "F":
+                next_f[s] += 1
                 held[r] += 1
-            elif a.kind == "I":
-                next_i[a.stage] += 1
-                owed[r].append((a.stage, a.microbatch))
+            elif kind == "I":
+                next_i[s] += 1
+                owed[r].append((s, i))
             else:
                 owed[r].popleft()
                 held[r] -= 1
+        left -= len(ran)
         t += 1
     return plan
 

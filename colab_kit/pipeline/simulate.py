@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from .actions import Action
-from .check import _step, check, dependencies, format_grid, positions
+from .check import checked, format_grid
 
 __all__ = ["Timeline", "simulate", "prepare", "DEFAULT_COSTS", "theory_bubble"]
 
@@ -107,10 +107,7 @@ class Timeline:
 def prepare(plan) -> tuple:
     """``plan`` checked (a broken plan raises ``PlanError``), with its dependencies and lockstep order:
     what ``simulate`` needs beyond the costs, for a caller that times one plan under many costs."""
-    check(plan)
-    deps = dependencies(plan, positions(plan))
-    rows, _, _ = _step(plan, deps)  # lockstep order: a valid order to fix start times in
-    return deps, rows
+    return checked(plan)  # the dependencies, and the lockstep order: a valid order to fix start times in
 
 
 def simulate(plan, costs: dict | None = None, prepared: tuple | None = None) -> Timeline:

@@ -190,7 +190,8 @@ def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: 
     costs after ``2 pp`` (pp 4-16, 8 pp microbatches), and at unit costs it holds 1% more from ``3 pp`` on.
     Otherwise, and in the at-scale search (``fit=False``: fitting a deep V takes seconds, and a ``3 pp`` walk
     slows the search), at unit costs and ``2 pp``: up to 6% short of the fitted plan the engine runs
-    (tests/unit/test_estimate.py; a zb-v candidate near the budget may not fit)."""
+    (tests/unit/test_estimate.py); the search walks a zb-v candidate within 10% of the budget fitted
+    (``search.ZBV_MARGIN``, up to ``search.SEARCH_FIT_ACTIONS``)."""
     m = config.microbatches
     walk_fitted = config.schedule == "zb-v" and fit and config.pp * m <= FIT_ACTIONS
     cap = 2 * config.pp

@@ -211,11 +211,26 @@ def _bound(shape, cfg, batch, hw, optimizer) -> float:
     return p.step_seconds - p.breakdown.get("optimizer", 0.0) - p.breakdown.get("comm:dp", 0.0)
 
 
+ZBV_MARGIN = 0.10
+"""How far under the budget a zb-v config priced at unit costs must be to be taken as fitting without its fitted
+plan: the V fitted to the model's FLOPs, as the engine runs it, holds up to 6% more than at unit costs
+(``estimate.memory_of``; tests/unit/test_estimate.py), so one within 10% of the budget is walked fitted too, where
+``pp x microbatches`` is at most ``SEARCH_FIT_ACTIONS``."""
+
+SEARCH_FIT_ACTIONS = 1024
+"""The largest ``pp x microbatches`` the search fits a zb-v plan for (pp 8 and 128 microbatches: a tenth of a second;
+pp 16 and 128, ``estimate.FIT_ACTIONS``, takes 0.4 s, a fifth of the 1T plan's time): a deeper V near the budget is
+priced at unit costs, up to 6% short of what the engine's fitted plan holds; ``ck.estimate`` of the chosen config
+walks it fitted."""
+
+
 def _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, offloads,
               facts: ModelFacts) -> list[Estimate]:
     """The (zero, offload, recompute) variants of ``cfg`` that fit and that no faster one beats on memory: for
     each ZeRO stage and offload the least recomputation that fits (more is only slower), then the time-memory
-    Pareto front."""
+    Pareto front. Memory at unit costs (``memory_of(fit=False)``), a zb-v config within ``ZBV_MARGIN`` of the
+    budget as the fitted plan the engine runs holds it (walked while ``pp x microbatches`` is at most
+    ``SEARCH_FIT_ACTIONS``)."""
     fitting = []
     for zero, offload in ((z, o) for z in zeros for o in offloads):
         for rc in recomputes:
@@ -226,7 +241,12 @@ def _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, 
             if first_refusal(c, facts) is not None:
                 break
             mem = memory_of(shape, c, batch, optimizer, gpt=gpt, fit=False)
-            if sum(mem["device"].values()) <= usable:
+            used = sum(mem["device"].values())
+            if (c.schedule == "zb-v" and c.pp * c.microbatches <= SEARCH_FIT_ACTIONS
+                    and usable / (1 + ZBV_MARGIN) < used <= usable):  # the fitted V may not fit
+                mem = memory_of(shape, c, batch, optimizer, gpt=gpt)
+                used = sum(mem["device"].values())
+            if used <= usable:
                 fitting.append(priced(shape, c, batch, hw, mem, optimizer))
                 break
     fitting.sort(key=lambda e: (e.step_seconds, sum(e.memory["device"].values())))

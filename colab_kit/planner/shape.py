@@ -112,11 +112,12 @@ class ModelShape:
     block_counts: tuple = ()
     """Each block's parameters ``(whole, split over 1D tp, routed experts)`` read off a Hugging Face mixture of
     experts (``planner.moe.shape``: q/k norms, attention and expert biases, sinks, a shared expert's gate counted as
-    they are); (): ``layer_params``' formula. Kept by ``dataclasses.replace``, as ``moe_saves``."""
+    they are); (): ``layer_params``' formula. Kept by ``dataclasses.replace``, as ``moe_saves``; one per block."""
     moe_saves: Any = None
     """What one MoE layer saves, traced off a Hugging Face model's layer (``memory.moe_saves.MoELayerSaves``) when
     the shape is read; None: the MoE GPT's table (``memory.experts``). A shape made from another by
-    ``dataclasses.replace`` keeps the trace of the widths it was read at: pass ``moe_saves=None`` with new ones."""
+    ``dataclasses.replace`` keeps what was read at the old widths: pass ``moe_saves=None, block_counts=(),
+    linears=()`` with new ones."""
 
     def __post_init__(self):
         for key in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -124,6 +125,9 @@ class ModelShape:
                 raise ValueError(f"ModelShape.{key} must be a positive integer, got {getattr(self, key)!r}")
         if self.hidden % self.heads:
             raise ValueError(f"ModelShape: heads ({self.heads}) must divide hidden ({self.hidden})")
+        if self.block_counts and len(self.block_counts) != self.layers:
+            raise ValueError(f"ModelShape: block_counts has {len(self.block_counts)} blocks for layers={self.layers} "
+                             f"(read at other widths: pass block_counts=() with new ones)")
         if self.experts and not (1 <= self.top_k <= self.experts and self.d_expert > 0 and self.moe_blocks):
             raise ValueError(f"ModelShape: experts={self.experts} needs 1 <= top_k <= experts, d_expert > 0 and the "
                              f"MoE blocks, got top_k={self.top_k}, d_expert={self.d_expert}, moe_blocks="

@@ -57,9 +57,9 @@ def moe_layer_paths(model: nn.Module, blocks: str = "model.layers") -> list[str]
 
 
 def dense_mlp_layers(model: nn.Module, blocks: str = "model.layers") -> dict[str, str]:
-    """The tensor roles of the dense MLPs among the MoE layers (Qwen3-MoE's ``mlp_only_layers``, DeepSeek-V3's first
-    ``first_k_dense_replace``): gate and up split by columns, down by rows, as a Llama MLP; an MoE layer's router,
-    experts and shared experts run whole on every tp rank.
+    """The tensor roles of the dense MLPs among the MoE layers (Qwen3-MoE's ``mlp_only_layers``): gate and up split
+    by columns, down by rows, as a Llama MLP; an MoE layer's router, experts and shared experts run whole on every
+    tp rank. Named where the attention has a tensor plan (DeepSeek-V3's and GPT-OSS's have none: no tp at all).
 
         >>> import torch, transformers as tf
         >>> with torch.device("meta"):

@@ -163,7 +163,8 @@ def test_hf_moe_blocks_are_counted_as_they_save(moe_runs, name):
             assert abs(cpu - got) <= 0.005 * got, (precision, mode, cpu, got, cpu / got)
 
 
-TP_MOE = [(name, dict(tp=2, recompute=mode)) for name in ("mixtral", "qwen3", "qwen2") for mode in ("none", "op")]
+TP_MOE = [(name, dict(tp=2, recompute=mode)) for name in ("mixtral", "qwen3", "qwen2") for mode in ("none", "op")] \
+    + [(name, dict(dp=2, ep=2, recompute="op")) for name in ("mixtral", "qwen2", "gptoss")]
 
 
 def _measure_moe_tp(cases) -> dict:
@@ -192,11 +193,15 @@ def test_hf_moe_under_tp_is_counted_rank_by_rank(moe_tp_runs, case):
     """Under 1D tp an MoE block's attention is split and its MoE layer runs whole on each rank; a dense layer among
     the MoE ones (Qwen3-MoE's ``mlp_only_layers``) is split as a Llama MLP (``policy.hf_moe.dense_mlp_layers``: it
     ran whole before, 6% past the activations and the parameters the estimate counted). Parameters and
-    activations of every rank the estimate's, per-op recomputation included."""
+    activations of every rank the estimate's, per-op recomputation included. Under ep a rank keeps what its routing
+    brings it and the estimate counts balanced routing: their mean is the estimate; GPT-OSS's experts then run in
+    the engine's loop of matmul pairs, one output of each kept by per-op recomputation (``MoELayerSaves.ep_kept``:
+    left out, 0.70-0.74 of the measurement at 16 rows)."""
     from tests.helpers import hf_moe
     name, kw = case
     est = ck.estimate(hf_moe.MODELS[name][1](), ck.ParallelConfig(**kw), 8, hardware="8xH100-SXM").memory
-    for rank, res in enumerate(moe_tp_runs):
-        params, acts = res[name, tuple(sorted(kw.items()))]
-        assert params == est["params"], (rank, params, est["params"])
-        assert abs(acts - est["activations"]) <= 0.005 * acts, (rank, acts, est["activations"])
+    held = [res[name, tuple(sorted(kw.items()))] for res in moe_tp_runs]
+    print(name, kw, [acts for _, acts in held], est["activations"])
+    assert all(params == est["params"] for params, _ in held), (held, est["params"])
+    got = [sum(acts for _, acts in held) / len(held)] if kw.get("ep", 1) > 1 else [acts for _, acts in held]
+    assert all(abs(a - est["activations"]) <= 0.005 * a for a in got), (got, est["activations"])

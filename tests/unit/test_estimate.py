@@ -71,6 +71,24 @@ def test_memory_at_scale_walks_at_most_two_pp_microbatches_and_is_exact():
     assert memory_of(shape, gpipe, 16) == config_estimate(cfg, gpipe, 16)
 
 
+def test_the_search_walks_a_zb_v_candidate_near_the_budget_as_the_engine_runs_it():
+    """A budget between what zb-v's plan holds at unit costs (the search's) and fitted to the FLOPs (the engine's,
+    4% more here): the search takes the fitted count for a zb-v config within ``ZBV_MARGIN`` of the budget, so it
+    plans recomputation where the unit-cost count would have planned none, which does not fit."""
+    cfg = GPTConfig(vocab_size=512, seq_len=64, d_model=64, n_heads=4, n_layers=48)
+    shape = ModelShape.of(cfg)
+    c = ck.ParallelConfig(dp=2, pp=8, microbatches=64, schedule="zb-v", chunks=2, precision="bf16")
+    fitted, unit = (sum(memory_of(shape, c, 384, fit=f)["device"].values()) for f in (True, False))
+    budget = (fitted + unit) // 2
+    assert unit < budget < fitted
+    restrict = dict(dp=2, pp=8, tp=1, sp=1, microbatches=64, schedule="zb-v", chunks=2, zero=0)
+    plans = ck.plan(cfg, 16, batch=384, precision="bf16", hardware="8xH100-SXM", memory_per_rank=budget,
+                    restrict=restrict)
+    assert plans and all(p.config.recompute != "none" for p in plans), plans.table()
+    for p in plans:  # what each holds as the engine runs it fits
+        assert sum(memory_of(shape, p.config, 384)["device"].values()) <= budget, p.config
+
+
 def test_model_states_follow_the_true_parameter_count():
     llama_like = ModelShape(layers=8, hidden=64, heads=4, vocab=64, seq=32, ffn=172, kv_heads=2, gated=True,
                             positions=False)

@@ -82,6 +82,13 @@ def test_per_op_recomputation_keeps_every_second_matmul_counted_from_the_block()
         assert trace_moe_layer(qwen2, h, n_exp, before=4).bytes(1000, e, "op") == 1000 * e * (shared + h + 1)
         assert trace_moe_layer(mixtral, h, n_exp, before=3).bytes(1000, e, "op") == 0
     assert trace_moe_layer(mixtral, h, n_exp).op == ()  # not asked for: the walk falls back to its rule
+    # under ep the engine runs GPT-OSS's experts as a loop of matmul pairs: after attention's 4 and the router,
+    # each expert's 1st is the 6th, 8th, ...: its 2nd, the h-wide down output, is kept (2f where the parity flips);
+    # Mixtral's experts are grouped GEMMs, which per-op does not count
+    gptoss = _meta("gptoss").model.layers[1].mlp
+    assert trace_moe_layer(gptoss, h, n_exp, before=4).ep_kept == h
+    assert trace_moe_layer(gptoss, h, n_exp, before=3).ep_kept == 2 * 64
+    assert trace_moe_layer(mixtral, h, n_exp, before=4).ep_kept == 0
 
 
 def test_the_norm_is_told_apart_by_what_it_saves():

@@ -13,7 +13,8 @@ import random
 import pytest
 
 from colab_kit.pipeline import build_plan, lower, simulate, steps
-from colab_kit.pipeline.costs import measured_costs, stage_costs, zb_v_timed
+from colab_kit.pipeline.plan import PipelinePlan
+from colab_kit.pipeline.costs import _zb_v_clocked, measured_costs, stage_costs, zb_v_timed
 from tests.helpers import assert_f_i_w_in_order, assert_one_f_i_w_each
 
 ZBV = [(pp, m) for pp in range(1, 5) for m in range(1, 3 * pp + 1)]
@@ -51,6 +52,20 @@ def test_plans_from_uneven_costs_keep_every_zb_v_rule_and_never_plan_slower():
             assert fitted <= unit + 1e-9, (pp, m, costs)
             shorter += fitted < unit - 1e-9
     assert shorter > len(ZBV)  # most uneven costs give a strictly shorter plan
+
+
+def test_the_schedulers_clock_is_the_simulated_makespan():
+    """``zb_v_plan`` compares the timed V with the unit one by the scheduler's own clock (one simulation fewer: a
+    third of a fitted plan's time at pp 16 x 128 microbatches): that clock is ``simulate``'s, to the rounding."""
+    rng = random.Random(1)
+    for pp, m in ZBV:
+        for costs in [MEASURED] + [random_costs(rng, pp) for _ in range(4)]:
+            for reserve in (False, True):
+                clocked = _zb_v_clocked(pp, m, costs, reserve)
+                if clocked is None:
+                    continue
+                plan = PipelinePlan(pp, m, 2, "zb-v", clocked[0], placement="v")
+                assert clocked[1] == pytest.approx(simulate(plan, stage_costs(costs, 2 * pp)).makespan, rel=1e-12)
 
 
 def test_the_costs_measured_on_cpu_ranks_give_a_shorter_plan():

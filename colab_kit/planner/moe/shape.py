@@ -104,7 +104,15 @@ def hf_moe_shape(cls, model: nn.Module, seq: int | None):
                qk_norm=qk_norm(blocks[0], head_dim), norm=rms_kind(blocks[0], h), latent=_latent(cfg),
                sinks=getattr(getattr(blocks[0], "self_attn", None), "sinks", None) is not None,
                linears=_linears(model, blocks, set(moe), h, d_expert), block_counts=_block_counts(model, blocks),
-               moe_saves=_traced(mlp, h, n, aux_coef(model) > 0, len(_attention_linears(blocks[moe[0]]))))
+               moe_saves=_traced(mlp, h, n, aux_coef(model) > 0, _before(blocks, moe)))
+
+
+def _before(blocks: list, moe: list) -> int | None:
+    """The matmuls each MoE block runs ahead of its MoE layer (its attention's Linears), where every MoE block runs
+    the same number and some: one trace serves them all. None otherwise (a block without attention Linears, or
+    blocks that differ): per-op recomputation by the walk's rule (``op_keeps_router``)."""
+    counts = {len(_attention_linears(blocks[i])) for i in moe}
+    return counts.pop() if len(counts) == 1 and 0 not in counts else None
 
 
 def _attention_linears(block: nn.Module) -> list:
@@ -145,7 +153,7 @@ def _block_counts(model: nn.Module, blocks: list) -> tuple:
     return tuple(out)
 
 
-def _traced(mlp, hidden: int, experts: int, aux: bool, before: int):
+def _traced(mlp, hidden: int, experts: int, aux: bool, before: int | None):
     """The MoE layer traced (``memory.moe_saves``; per-op recomputation after attention's ``before`` matmuls), or
     None where fake tensors cannot run it (transformers' eager experts loop sizes its rows with ``nonzero``): the
     MoE GPT's table then (``memory.experts``)."""
@@ -190,7 +198,8 @@ def tp_layer_params(shape, i: int, tp: int) -> tuple[int, int]:
     """``(dense, routed experts)`` parameters of block ``i`` on a rank of 1D tp degree ``tp``: attention's
     matrices (and a GPT's q, k, v biases) split, as are a dense block's MLP (its matrices, a GPT's ``fc1`` bias);
     the norms, a GPT's row-parallel biases and an MoE layer (router, shared experts, routed experts) whole: the
-    MoE layer runs whole on every tp rank. ``tp=1``: ``shape.layer_params(i)``.
+    MoE layer runs whole on every tp rank. ``tp=1``: ``shape.layer_params(i)``. A shape read off a Hugging Face
+    model (``block_counts``) splits what its policy splits: its column and row Linears.
 
         >>> from colab_kit.models import GPTConfig
         >>> from colab_kit.planner.shape import ModelShape
