@@ -152,7 +152,7 @@ def _stage_activations(model, config, rows: int, seq: int, layers, first: bool, 
     tokens = rows * (seq // config.sp)
     mlp = saves.mlp_bytes(tokens, e, config.tp, recompute_mode(config.recompute)) if saves is not None else None
     extra = moe_block_extra(model, tokens, e, config.recompute, config.tp, op_exact, mlp, layer)
-    if layer is not None and layer.op and config.ep > 1 and recompute_mode(config.recompute) == "op":
+    if layer is not None and layer.ep_kept and config.ep > 1 and recompute_mode(config.recompute) == "op":
         extra += e * tokens * model.top_k * layer.ep_kept  # the engine's expert loop: one output an expert kept
     return dense + sum(i in moe for i in layers) * extra
 

@@ -51,6 +51,13 @@ class Action(_Fields):
             raise ValueError(f"unknown action kind {kind!r}: one of {', '.join(COMPUTE + COMM)}")
         return tuple.__new__(cls, (stage, kind, microbatch))
 
+    @classmethod
+    def _make(cls, iterable):  # the named tuple's other constructor checks the kind too
+        return cls(*iterable)
+
+    def _replace(self, **changes):
+        return type(self)(**{**self._asdict(), **changes})
+
     @property
     def is_comm(self) -> bool:
         return self.kind in COMM

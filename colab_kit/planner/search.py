@@ -215,7 +215,8 @@ ZBV_MARGIN = 0.10
 """How far under the budget a zb-v config priced at unit costs must be to be taken as fitting without its fitted
 plan: the V fitted to the model's FLOPs, as the engine runs it, holds up to 6% more than at unit costs
 (``estimate.memory_of``; tests/unit/test_estimate.py), so one within 10% of the budget is walked fitted too, where
-``pp x microbatches`` is at most ``SEARCH_FIT_ACTIONS``."""
+``pp x microbatches`` is at most ``SEARCH_FIT_ACTIONS`` (a mixture of experts' walk is at unit costs either way:
+``planner.moe.shape.moe_memory``)."""
 
 SEARCH_FIT_ACTIONS = 1024
 """The largest ``pp x microbatches`` the search fits a zb-v plan for (pp 8 and 128 microbatches: a tenth of a second;
@@ -242,7 +243,7 @@ def _variants(shape, cfg, batch, hw, zeros, recomputes, optimizer, usable, gpt, 
                 break
             mem = memory_of(shape, c, batch, optimizer, gpt=gpt, fit=False)
             used = sum(mem["device"].values())
-            if (c.schedule == "zb-v" and c.pp * c.microbatches <= SEARCH_FIT_ACTIONS
+            if (c.schedule == "zb-v" and not shape.experts and c.pp * c.microbatches <= SEARCH_FIT_ACTIONS
                     and usable / (1 + ZBV_MARGIN) < used <= usable):  # the fitted V may not fit
                 mem = memory_of(shape, c, batch, optimizer, gpt=gpt)
                 used = sum(mem["device"].values())

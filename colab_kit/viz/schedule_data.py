@@ -107,7 +107,8 @@ def cells(source) -> tuple[list[Cell], str]:
         return plan_cells(source), "plan"
     if hasattr(source, "events") and hasattr(source, "plan"):
         return timeline_cells(source), "timeline"
-    if isinstance(source, (list, tuple)) and all(isinstance(r, (list, tuple)) for r in source):
+    if isinstance(source, (list, tuple)) and all(isinstance(r, (list, tuple)) and not isinstance(r, Action)
+                                                 for r in source):
         return event_cells(list(source)), "measured"
     raise TypeError(f"expected a PipelinePlan, a Timeline (from simulate) or per-rank event lists "
                     f"(engine.timeline() of every rank), got {type(source).__name__}")
@@ -122,7 +123,8 @@ def action_set(marks, plan=None) -> set[str]:
     if marks is None:
         return set()
     if isinstance(marks, dict):
-        marks = [m for v in marks.values() for m in (v if isinstance(v, (list, tuple, set)) else [v])]
+        marks = [m for v in marks.values()
+                 for m in (v if isinstance(v, (list, tuple, set)) and not isinstance(v, Action) else [v])]
     out = set()
     for m in marks:
         if m is None:

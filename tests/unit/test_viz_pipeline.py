@@ -87,6 +87,10 @@ def test_marks_need_the_plan_for_pairs_and_must_parse():
         action_set({"forward 0"})
     with pytest.raises(TypeError, match="a PipelinePlan, a Timeline"):
         cells("1f1b")
+    with pytest.raises(TypeError, match="a PipelinePlan, a Timeline"):  # one rank's row, not every rank's
+        cells([Action(0, "F", 0), Action(0, "F", 1)])
+    # a rank's one current action (an Action is a tuple of its fields: taken whole, not field by field)
+    assert action_set({0: Action(0, "F", 0), 1: None, 2: [Action(2, "I", 1)]}) == {"0F0", "2I1"}
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
