@@ -52,7 +52,7 @@ class Action(_Fields):
         return tuple.__new__(cls, (stage, kind, microbatch))
 
     @classmethod
-    def _make(cls, iterable):  # the named tuple's other constructor checks the kind too
+    def _make(cls, iterable):  # type: ignore[override]  # the named tuple's other constructor checks the kind too
         return cls(*iterable)
 
     def _replace(self, **changes):
