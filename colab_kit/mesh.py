@@ -151,9 +151,14 @@ class MeshLayout:
         ``dp x sp`` block flattened, is left out of tables: ``ProcessMesh.rank`` answers it)."""
         out = {**self.coords(rank), **self.sub_coords(rank)}
         if self.ep > 1:
-            folded = out[Axis.DP] * self.config.sp + out[Axis.SP]
+            folded = self.dp_sp(out)
             out.update({Axis.EDP: folded // self.ep, Axis.EP: folded % self.ep})
         return out
+
+    def dp_sp(self, coords: dict[str, int]) -> int:
+        """The ``dp_sp`` coordinate of a rank at ``coords``: its place in the ``dp x sp`` block flattened, sp
+        fastest (the fold ep and ``edp`` split too)."""
+        return coords[Axis.DP] * self.config.sp + coords[Axis.SP]
 
     def rank_of(self, **coords: int) -> int:
         """Inverse of ``coords``: ``rank_of(pp=1, dp=0, sp=0, tp=1)``; missing axes count as 0."""
@@ -368,7 +373,7 @@ class ProcessMesh:
         self._holders = []  # weak references to the engines holding this mesh (``track``)
         # looked up on every collective: computed once (slicing a DeviceMesh costs ~1 ms)
         self._coords = self.layout.all_coords(self.global_rank)
-        self._dp_sp = self._coords[Axis.DP] * config.sp + self._coords[Axis.SP]  # rank(Axis.DP_SP)
+        self._dp_sp = self.layout.dp_sp(self._coords)  # rank(Axis.DP_SP)
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._ranks: dict[str, list[int]] = {}
 
