@@ -259,8 +259,8 @@ def op_keeps_router(shape) -> bool:
     a shared expert after it, its second kept). So too where attention is four plain matrices (q, k, v, o: the
     router fifth) and there is no shared expert (Mixtral, Qwen3-MoE). Not where attention has another count
     (DeepSeek's latent attention: five) or a shared expert may run first (Qwen2-MoE): those are estimated as
-    keeping the MoE layer's terms, an upper bound. The rule for a layer the fake tensors could not trace: a traced
-    one is counted as the policy runs it (``MoELayerSaves.op``).
+    keeping the MoE layer's terms, an upper bound. This rule is used only where fake tensors could not trace the
+    layer; a traced layer is counted as the policy runs it (``MoELayerSaves.op``).
 
         >>> from dataclasses import replace
         >>> from colab_kit.planner.shape import ModelShape
