@@ -114,13 +114,17 @@ def memory_estimate(engine: EngineView) -> dict:
                    offload=cfg.offload)  # ZeRO over dp x sp
     est["activations"] = 0
     shape = engine.step.records.input  # (the last step's global input shape, its dtype)
-    if engine.parts.policy is not None and shape is not None:
-        cache = engine.traced  # the dense trace, once per input shape
-        if shape not in cache:
+    policy = engine.parts.policy
+    if policy is not None and shape is not None:
+        # a mixture of experts under per-op or full recomputation: traced as it recomputes (its MoE layers keep
+        # little a GPT block's share would say: 1.6-6x the measurement scaled from the dense trace)
+        mode = cfg.recompute if policy.experts and cfg.recompute in ("op", "full") else "none"
+        cache, key = engine.traced, (shape, mode)  # the trace, once per input shape
+        if key not in cache:
             cache.clear()
-            cache[shape] = traced_activations(engine.parts.dense_twin, *shape, cfg.precision)
-        est["activations"] = model_activations(engine.parts.dense_twin, engine.parts.policy, cfg, *shape,
-                                               pp_rank=engine.mesh.rank(Axis.PP), traced=cache[shape])
+            cache[key] = traced_activations(engine.parts.dense_twin, *shape, cfg.precision, policy, mode)
+        est["activations"] = model_activations(engine.parts.dense_twin, policy, cfg, *shape,
+                                               pp_rank=engine.mesh.rank(Axis.PP), traced=cache[key], traced_mode=mode)
     return placed(est, cfg.zero, cfg.offload, share)
 
 

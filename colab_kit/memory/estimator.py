@@ -41,6 +41,8 @@ from ..config import ParallelConfig
 from ..models import GPTConfig
 from ..models.moe import has_experts
 from ..precision import compute_dtype
+from ..recompute.apply import apply_recompute
+from ..sharded_init import meta_twin
 from ..tensor import model_sizes
 
 __all__ = ["part_params", "stage_params", "rank_params", "layout_activations", "pipeline_peak", "config_estimate",
@@ -81,12 +83,17 @@ def config_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | 
     return placed({**states[r], "activations": acts[r]}, config.zero, config.offload, host_share)
 
 
-def traced_activations(model, shape, dtype=None, precision: str = "fp32") -> int:
+def traced_activations(model, shape, dtype=None, precision: str = "fp32", policy=None, recompute: str = "none") -> int:
     """Bytes ``model``'s forward saves for backward on an input of ``shape`` (``dtype``: int64 ids when
     None), measured with fake CPU tensors (``memory.fake.saved_bytes``: shapes and dtypes, no storage, no compute,
     the CPU kernels' choices, e.g. SDPA's): the dense model in one process. The meter's rule
     (``memory.ActivationMeter``): each storage once, parameters never. Equal to the measurement of the
-    real model for GPT, ViT, Llama and a user's model here."""
+    real model for GPT, ViT, Llama and a user's model here. ``recompute`` "op" or "full" (with the model's
+    ``policy``): traced with its blocks recomputed as the engine runs them (``recompute.apply_recompute`` on a meta
+    copy), what each block keeps then passing the meter's hooks as in the engine."""
+    if recompute in ("op", "full"):
+        model = meta_twin(model)
+        apply_recompute(model, policy, ParallelConfig(recompute=recompute))
     return saved_bytes(model, tuple(shape), compute_dtype(precision), input_dtype=dtype, hidden=False)
 
 
@@ -99,14 +106,18 @@ def gpt_like(model, policy):
                      n_layers=len(policy.block_list(model)), d_ff=sizes.d_ff)
 
 
-def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, traced: int | None = None) -> int:
+def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, traced: int | None = None,
+                      traced_mode: str = "none") -> int:
     """Activations per rank for any model with a policy: its dense forward traced on the meta device for
     the global batch ``shape`` (``traced_activations``), times the share of a GPT of the same widths that
     ``config``'s layout keeps on the rank (``config_estimate``'s layout formulas: dp and microbatch rows,
     the tensor mode's split, sp's tokens, the pipeline's peak), its blocks counted as the model's own
     architecture saves (``BlockSaves.of_module``: a Llama's RMSNorm, SwiGLU and grouped-query attention). Within
     8% of what the engine measures for BERT, ViT, GPT-2, Llama and a user's model (0.95-1.05,
-    ``tests/ranks/test_models_memory.py``)."""
+    ``tests/ranks/test_models_memory.py``). ``traced_mode``: the recomputation ``traced`` ran under
+    (``traced_activations(recompute=)``): the layout's share is then taken at that recomputation, so the GPT's
+    ratio of recomputed to kept bytes is not applied twice (a mixture of experts, whose MoE layers a GPT block
+    does not resemble: ``engine.reports.memory_estimate``)."""
     gpt = gpt_like(model, policy)
     # the share of this architecture's dense blocks (a mixture of experts: the GPT's, its MoE walk counts the rest)
     saves = None if policy.experts or has_experts(model) else BlockSaves.of_module(model, policy)
@@ -116,7 +127,8 @@ def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, tr
         import dataclasses
         gpt = dataclasses.replace(gpt, seq_len=seq)
     batch = shape[0]
-    one = config_estimate(gpt, ParallelConfig(precision=config.precision), batch, seq=seq, saves=saves)["activations"]
+    one = config_estimate(gpt, ParallelConfig(precision=config.precision, recompute=traced_mode), batch, seq=seq,
+                          saves=saves)["activations"]
     here = config_estimate(gpt, config, batch, seq=seq, pp_rank=pp_rank, saves=saves)["activations"]
     if traced is None:  # ``traced``: the dense trace, when the caller already has it (the planner, per precision)
         traced = traced_activations(model, shape, dtype, config.precision)
