@@ -21,7 +21,7 @@ import torch
 
 from ..config import Axis, ParallelConfig
 from ..measure import optimizer_bytes, tensor_bytes
-from ..memory.estimator import config_estimate, model_activations, traced_activations
+from ..memory.estimator import config_estimate, model_activations, traced_activations, traced_mode
 from ..memory.formulas import estimate, optimizer_states, placed
 from ..models import GPTConfig
 from ..mesh import ProcessMesh
@@ -116,15 +116,13 @@ def memory_estimate(engine: EngineView) -> dict:
     shape = engine.step.records.input  # (the last step's global input shape, its dtype)
     policy = engine.parts.policy
     if policy is not None and shape is not None:
-        # a mixture of experts under per-op or full recomputation: traced as it recomputes (its MoE layers keep
-        # little a GPT block's share would say: 1.6-6x the measurement scaled from the dense trace)
-        mode = cfg.recompute if policy.experts and cfg.recompute in ("op", "full") else "none"
+        mode = traced_mode(engine.parts.dense_twin, policy, cfg)
         cache, key = engine.traced, (shape, mode)  # the trace, once per input shape
         if key not in cache:
             cache.clear()
             cache[key] = traced_activations(engine.parts.dense_twin, *shape, cfg.precision, policy, mode)
         est["activations"] = model_activations(engine.parts.dense_twin, policy, cfg, *shape,
-                                               pp_rank=engine.mesh.rank(Axis.PP), traced=cache[key], traced_mode=mode)
+                                               pp_rank=engine.mesh.rank(Axis.PP), traced=cache[key])
     return placed(est, cfg.zero, cfg.offload, share)
 
 

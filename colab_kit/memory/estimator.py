@@ -46,7 +46,7 @@ from ..sharded_init import meta_twin
 from ..tensor import model_sizes
 
 __all__ = ["part_params", "stage_params", "rank_params", "layout_activations", "pipeline_peak", "config_estimate",
-           "traced_activations", "gpt_like", "model_activations"]
+           "traced_activations", "traced_mode", "gpt_like", "model_activations"]
 
 
 def config_estimate(model, config, batch: int, optimizer="adamw", *, seq: int | None = None,
@@ -91,10 +91,23 @@ def traced_activations(model, shape, dtype=None, precision: str = "fp32", policy
     real model for GPT, ViT, Llama and a user's model here. ``recompute`` "op" or "full" (with the model's
     ``policy``): traced with its blocks recomputed as the engine runs them (``recompute.apply_recompute`` on a meta
     copy), what each block keeps then passing the meter's hooks as in the engine."""
-    if recompute in ("op", "full"):
+    hf = getattr(model, "config", None)
+    if recompute in ("op", "full") or getattr(hf, "output_router_logits", False):
         model = meta_twin(model)
-        apply_recompute(model, policy, ParallelConfig(recompute=recompute))
+        if getattr(hf, "output_router_logits", False):  # the engine's step turns Hugging Face's own load-balancing
+            model.config.output_router_logits = False  # loss off (models.hf_moe: the routers count the batch's)
+        if recompute in ("op", "full"):
+            apply_recompute(model, policy, ParallelConfig(recompute=recompute))
     return saved_bytes(model, tuple(shape), compute_dtype(precision), input_dtype=dtype, hidden=False)
+
+
+def traced_mode(model, policy, config) -> str:
+    """The recomputation ``model_activations`` traces ``model`` under for ``config``: a mixture of experts under
+    per-op or full recomputation as it recomputes (its MoE layers keep almost nothing of their own there, where a GPT
+    block's share would keep its MLP's fc1: 1.6-6x the measurement), "none" otherwise (the forward traced once, the
+    GPT's share of what each mode keeps applied)."""
+    experts = bool(getattr(policy, "experts", ())) or has_experts(model)
+    return config.recompute if experts and config.recompute in ("op", "full") else "none"
 
 
 def gpt_like(model, policy):
@@ -106,18 +119,18 @@ def gpt_like(model, policy):
                      n_layers=len(policy.block_list(model)), d_ff=sizes.d_ff)
 
 
-def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, traced: int | None = None,
-                      traced_mode: str = "none") -> int:
+def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, traced: int | None = None) -> int:
     """Activations per rank for any model with a policy: its dense forward traced on the meta device for
     the global batch ``shape`` (``traced_activations``), times the share of a GPT of the same widths that
     ``config``'s layout keeps on the rank (``config_estimate``'s layout formulas: dp and microbatch rows,
     the tensor mode's split, sp's tokens, the pipeline's peak), its blocks counted as the model's own
     architecture saves (``BlockSaves.of_module``: a Llama's RMSNorm, SwiGLU and grouped-query attention). Within
-    8% of what the engine measures for BERT, ViT, GPT-2, Llama and a user's model (0.95-1.05,
-    ``tests/ranks/test_models_memory.py``). ``traced_mode``: the recomputation ``traced`` ran under
-    (``traced_activations(recompute=)``): the layout's share is then taken at that recomputation, so the GPT's
-    ratio of recomputed to kept bytes is not applied twice (a mixture of experts, whose MoE layers a GPT block
-    does not resemble: ``engine.reports.memory_estimate``)."""
+    8% of what the engine measures for BERT, ViT, GPT-2, Llama and a user's model (0.97-1.02, GPT-2 1.07,
+    ``tests/ranks/test_models_memory.py``), the loss's saved tensors added (the engine takes it on fp32 logits:
+    the log-softmax over the outputs, the targets; outside the traced forward, 3% of the dense tests' activations,
+    up to 30% of a small recomputed mixture of experts'). A mixture of experts under per-op or full recomputation is
+    traced as it recomputes (``traced_mode``), and the layout's share taken at that recomputation. ``traced``: the
+    trace, where the caller has it, made under ``traced_mode(model, policy, config)``."""
     gpt = gpt_like(model, policy)
     # the share of this architecture's dense blocks (a mixture of experts: the GPT's, its MoE walk counts the rest)
     saves = None if policy.experts or has_experts(model) else BlockSaves.of_module(model, policy)
@@ -127,9 +140,12 @@ def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, tr
         import dataclasses
         gpt = dataclasses.replace(gpt, seq_len=seq)
     batch = shape[0]
-    one = config_estimate(gpt, ParallelConfig(precision=config.precision, recompute=traced_mode), batch, seq=seq,
+    mode = traced_mode(model, policy, config)
+    one = config_estimate(gpt, ParallelConfig(precision=config.precision, recompute=mode), batch, seq=seq,
                           saves=saves)["activations"]
     here = config_estimate(gpt, config, batch, seq=seq, pp_rank=pp_rank, saves=saves)["activations"]
-    if traced is None:  # ``traced``: the dense trace, when the caller already has it (the planner, per precision)
-        traced = traced_activations(model, shape, dtype, config.precision)
-    return round(traced * here / max(one, 1))
+    if traced is None:  # ``traced``: the trace, when the caller already has it (the planner, per mode)
+        traced = traced_activations(model, shape, dtype, config.precision, policy, mode)
+    n = batch * (seq if tokens else 1)  # the loss's rows: every token's, or one label a row
+    loss = 4 * n * gpt.vocab_size + 8 * n + 4  # outside the traced forward: the fp32 log-softmax, targets, weight
+    return round((traced + loss) * here / max(one, 1))

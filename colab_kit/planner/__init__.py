@@ -30,7 +30,8 @@ import torch.nn as nn
 
 from ..config import ConfigError, ParallelConfig
 from ..engine.facts import ModelFacts
-from ..memory.estimator import config_estimate, gpt_like, model_activations, part_params, traced_activations
+from ..memory.estimator import (config_estimate, gpt_like, model_activations, part_params, traced_activations,
+                                traced_mode)
 from ..memory.formulas import auto_placed, optimizer_states, placed
 from ..models import GPTConfig
 from ..models.moe import has_experts
@@ -280,12 +281,15 @@ def _other_model(model, world_size, batch, memory_per_rank, precision, optimizer
         raise ConfigError(f"no configuration of {world_size} ranks runs {type(model).__name__} with a global batch of "
                           f"{batch} rows: try a batch that is a multiple of {world_size}")
     consts = constants if constants is not None else globals()["constants"](ranks=world_size)
-    traced = traced_activations(twin, input_shape, dtype, precision)  # the dense forward, once
+    traced: dict[str, int] = {}  # the forward traced once per mode it is traced under (``traced_mode``)
     out = Candidates()
     for cfg in listed:
         mem = config_estimate(gpt, cfg, batch, optimizer)
         states = {k: round(mem[k] * scale) for k in ("params", "grads", "optimizer")}
-        acts = model_activations(twin, policy, cfg, input_shape, dtype, traced=traced)
+        mode = traced_mode(twin, policy, cfg)
+        if mode not in traced:
+            traced[mode] = traced_activations(twin, input_shape, dtype, precision, policy, mode)
+        acts = model_activations(twin, policy, cfg, input_shape, dtype, traced=traced[mode])
         mem = placed({**states, "activations": acts}, cfg.zero, cfg.offload, None)
         seconds, cost_parts, counts = step_seconds(gpt, cfg, batch, consts, mem, optimizer)
         fits = memory_per_rank is None or sum(mem["device"].values()) <= memory_per_rank

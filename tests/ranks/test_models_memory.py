@@ -1,8 +1,9 @@
 """The estimator covers every model with a policy: ``engine.memory_estimate()`` against what the engine
 measured (``engine.memory()``), on every rank, for BERT, ViT, a user's model, Hugging Face GPT-2 and Llama
 under dp, tp 1d and 2d, pp 1F1B, ZeRO-3 and sp. Model states (params, grads, optimizer) within 10%,
-activations within 8% (measured: 0.95 to 1.05; GPT-2 1.02 to 1.15 before its tanh GELU was counted as it saves;
-the activations are the dense forward traced with fake tensors, scaled by the layout's share,
+activations within 8% (measured: 0.97 to 1.02, GPT-2 1.07; 0.95 to 1.05 before the loss's fp32 log-softmax and
+targets, outside the traced forward, were added; GPT-2 1.02 to 1.15 before its tanh GELU was counted as it saves;
+the activations are the dense forward traced with fake tensors, the loss added, scaled by the layout's share,
 ``estimate.model_activations``). An estimate that ignored the
 split (dp's half, tp's share, the pipeline stage) would be off by 2x and fail.
 """
