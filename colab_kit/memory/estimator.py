@@ -128,7 +128,8 @@ def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, tr
     8% of what the engine measures for BERT, ViT, GPT-2, Llama and a user's model (0.97-1.02, GPT-2 1.07,
     ``tests/ranks/test_models_memory.py``), the loss's saved tensors added (the engine takes it on fp32 logits:
     the log-softmax over the outputs, the targets; outside the traced forward, 3% of the dense tests' activations,
-    up to 30% of a small recomputed mixture of experts'). A mixture of experts under per-op or full recomputation is
+    up to 30% of a small recomputed mixture of experts'; a user's ``loss_fn`` is counted as a cross-entropy over
+    the same outputs, which the usual ones keep too). A mixture of experts under per-op or full recomputation is
     traced as it recomputes (``traced_mode``), and the layout's share taken at that recomputation. ``traced``: the
     trace, where the caller has it, made under ``traced_mode(model, policy, config)``."""
     gpt = gpt_like(model, policy)
@@ -146,6 +147,6 @@ def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, tr
     here = config_estimate(gpt, config, batch, seq=seq, pp_rank=pp_rank, saves=saves)["activations"]
     if traced is None:  # ``traced``: the trace, when the caller already has it (the planner, per mode)
         traced = traced_activations(model, shape, dtype, config.precision, policy, mode)
-    n = batch * (seq if tokens else 1)  # the loss's rows: every token's, or one label a row
+    n = batch * (seq if tokens and policy.loss == "tokens" else 1)  # the loss's rows: every token's, or a row's label
     loss = 4 * n * gpt.vocab_size + 8 * n + 4  # outside the traced forward: the fp32 log-softmax, targets, weight
     return round((traced + loss) * here / max(one, 1))

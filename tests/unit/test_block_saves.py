@@ -67,3 +67,25 @@ def test_the_worked_example_by_hand():
     assert s.op_kept(1, 2, tp=2) == 2 * (64 + 64) + (2 * (64 + 32 + 176 + 64) + 16) // 2
     gpt = BlockSaves.of_gpt(ck.models.GPTConfig(d_model=64, n_heads=4, d_ff=176, vocab_size=96))
     assert gpt.block(1, 2) == 2 * (2 * 64 + 2 * 2) + 2 * 2 * 64 + 4 * 2 * 64 + 16 + 2 * 2 * 176  # 16-bit statistics
+
+
+def test_the_loss_is_counted_as_its_policy_takes_it():
+    """``model_activations`` adds the loss's saved tensors, outside the traced forward (the fp32 log-softmax, the
+    targets, the weight): over every token for a language model's ``loss="tokens"``, one row each for a
+    classifier's ``loss="classes"`` on token inputs (its logits ``[b, C]``), on one rank exactly that difference."""
+    import dataclasses
+
+    from colab_kit import ParallelConfig
+    from colab_kit.memory.estimator import model_activations
+    from colab_kit.policy import policy_for
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_config("llama", 2))
+    policy = policy_for(model)
+    traced = _traced("llama", 2, "fp32")
+    tokens = model_activations(model, policy, ParallelConfig(), (ROWS, SEQ), torch.int64, traced=traced)
+    rows = model_activations(model, dataclasses.replace(policy, loss="classes"), ParallelConfig(), (ROWS, SEQ),
+                             torch.int64, traced=traced)
+    v, n = 96, ROWS * SEQ
+    assert tokens == traced + 4 * n * v + 8 * n + 4
+    assert tokens - rows == (4 * v + 8) * (n - ROWS)
