@@ -14,6 +14,8 @@ DeepSeek-V3's MoE layer was counted short, by a different amount in each trace).
 from __future__ import annotations
 
 import functools
+import sys
+from contextlib import contextmanager
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -31,9 +33,14 @@ def saved_bytes(module, shape: tuple, dtype, *, input_dtype=None, hidden: bool =
     ``hidden``: the input is a hidden state in ``dtype`` that needs its gradient, and its own bytes are the caller's
     (a block's count holds them); False: the model's input (``input_dtype``, int64 token ids by default; a float
     input in ``dtype``), counted where a layer keeps it. ``output`` False: the module's output is left out where
-    the module keeps it itself (a ReLU's: the next layer's input, counted there)."""
+    the module keeps it itself (a ReLU's: the next layer's input, counted there). A Hugging Face model is traced
+    as the engine runs it, without its KV cache (``engine.parts``: a training step reads none; GPT-2's cache kept a
+    contiguous copy of each layer's keys and values, 7% of its activations, that the engine's step never makes)."""
     twin = meta_twin(module)
     twin.train()
+    hf = getattr(twin, "config", None)
+    if hf is not None and getattr(hf, "use_cache", False):  # the twin's own config (a deep copy)
+        hf.use_cache = False
     mode = FakeTensorMode()
     with mode:
         params = {n: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype,
@@ -46,7 +53,7 @@ def saved_bytes(module, shape: tuple, dtype, *, input_dtype=None, hidden: bool =
             x = torch.zeros(shape, dtype=input_dtype or torch.int64)
             x = x.to(dtype) if x.is_floating_point() else x
     meter = ActivationMeter(exclude=[*params.values(), *([x] if hidden else [])], storage_id=_identity)
-    with mode, grouped_mm_shapes()(), meter.measure():
+    with mode, grouped_mm_shapes()(), unpacked_rows(), meter.measure():
         out = functional_call(twin, {**params, **bufs}, (x,), strict=False)
     if not output and isinstance(out, torch.Tensor) and meter.holds(out):  # the caller's (a next layer saves it)
         return meter.last - out.untyped_storage().nbytes()
@@ -60,6 +67,26 @@ def per_token(module, shape_of, dtype, **kw) -> tuple[int, int]:
     two, four = (saved_bytes(module, shape_of(n), dtype, **kw) for n in (2, 4))
     per = (four - two) // 2
     return per, two - 2 * per
+
+
+@contextmanager
+def unpacked_rows():
+    """Hugging Face's mask builder asks, for a batch without a cache, whether its rows pack several sequences: it
+    reads the position ids, which fake tensors do not hold, so a trace answered "maybe" and built a float causal mask
+    that SDPA then saved in every layer (GPT-2: 2% of its activations). A training step's rows are one sequence
+    each (``engine.batch``: token ids alone, positions 0..t-1), what the real check finds there; the trace is told
+    so (``transformers.masking_utils.find_packed_sequence_indices`` answers None while it runs). Nothing where
+    transformers is not imported."""
+    masks = sys.modules.get("transformers.masking_utils")
+    real = getattr(masks, "find_packed_sequence_indices", None)
+    if real is None:
+        yield
+        return
+    masks.find_packed_sequence_indices = lambda position_ids: None  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        masks.find_packed_sequence_indices = real  # type: ignore[union-attr]
 
 
 def _identity(storage) -> int:

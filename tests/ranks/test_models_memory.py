@@ -1,10 +1,11 @@
 """The estimator covers every model with a policy: ``engine.memory_estimate()`` against what the engine
 measured (``engine.memory()``), on every rank, for BERT, ViT, a user's model, Hugging Face GPT-2 and Llama
 under dp, tp 1d and 2d, pp 1F1B, ZeRO-3 and sp. Model states (params, grads, optimizer) within 10%,
-activations within 8% (measured: 0.97 to 1.02, GPT-2 1.07; 0.95 to 1.05 before the loss's fp32 log-softmax and
-targets, outside the traced forward, were added; GPT-2 1.02 to 1.15 before its tanh GELU was counted as it saves;
-the activations are the dense forward traced with fake tensors, the loss added, scaled by the layout's share,
-``estimate.model_activations``). An estimate that ignored the
+activations within 5% (measured: 0.97 to 1.02 for every model; GPT-2 was 1.07 while its trace ran with the KV cache
+the engine's step turns off, and a causal mask the real run never builds; 0.95 to 1.05 before the loss's fp32
+log-softmax and targets, outside the traced forward, were added; GPT-2 1.02 to 1.15 before its tanh GELU was
+counted as it saves; the activations are the dense forward traced with fake tensors, the loss added, scaled by
+the layout's share, ``estimate.model_activations``). An estimate that ignored the
 split (dp's half, tp's share, the pipeline stage) would be off by 2x and fail.
 """
 from __future__ import annotations
@@ -62,7 +63,7 @@ def test_estimate_matches_the_measurement(runs, case):
     for rank, (got, est) in enumerate(runs[case[0], tuple(sorted(case[1].items()))]):
         for key in ("params", "grads", "optimizer"):
             assert abs(est[key] - got[key]) <= 0.10 * got[key], (rank, key, est[key], got[key])
-        assert got["activations"] > 0 and abs(est["activations"] - got["activations"]) <= 0.08 * got["activations"], \
+        assert got["activations"] > 0 and abs(est["activations"] - got["activations"]) <= 0.05 * got["activations"], \
             (rank, est["activations"], got["activations"])
         print(f"{case[0]} {case[1]} rank {rank}: activations estimate / measured "
               f"{est['activations'] / got['activations']:.2f}")  # pytest -s prints the figures the docs quote
@@ -70,17 +71,21 @@ def test_estimate_matches_the_measurement(runs, case):
 
 @pytest.mark.parametrize("name", MODELS + ("mixtral",))
 def test_the_traced_forward_is_what_the_meter_counts(name):
-    """One process: the fake-tensor trace of the dense forward against the meter on the real one (Mixtral: its
-    experts' ``grouped_mm`` in fp32, which torch's meta kernel alone refuses)."""
+    """One process: the fake-tensor trace of the dense forward against the meter on the real one, to the byte
+    (Mixtral within 1%: its experts' ``grouped_mm`` in fp32, which torch's meta kernel alone refuses)."""
     from tests.helpers import hf_moe
 
     model = hf_moe.build(name) if name == "mixtral" else make(name)
+    if hasattr(model, "config"):  # a Hugging Face model, run as the engine runs it: no KV cache (engine.parts)
+        model.config.use_cache = False
     x, _ = batch("gpt" if name == "mixtral" else name, 0)
     meter = ActivationMeter(exclude=list(model.parameters()))
     with meter.measure():
         model(x)
     traced = traced_activations(model, tuple(x.shape), x.dtype)
-    assert abs(traced - meter.last) <= 0.06 * meter.last, (traced, meter.last)
+    assert abs(traced - meter.last) <= 0.01 * meter.last, (traced, meter.last)
+    if name != "mixtral":  # to the byte (GPT-2's trace was 2% over: a causal mask the real run never builds)
+        assert traced == meter.last, (traced, meter.last)
 
 
 def test_the_planner_takes_any_model_with_its_rules():
