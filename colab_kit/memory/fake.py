@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -69,24 +70,28 @@ def per_token(module, shape_of, dtype, **kw) -> tuple[int, int]:
     return per, two - 2 * per
 
 
+_UNPACKED = threading.RLock()  # two threads tracing at once would otherwise leave the stand-in installed
+
+
 @contextmanager
 def unpacked_rows():
     """Hugging Face's mask builder asks, for a batch without a cache, whether its rows pack several sequences: it
-    reads the position ids, which fake tensors do not hold, so a trace answered "maybe" and built a float causal mask
-    that SDPA then saved in every layer (GPT-2: 2% of its activations). A training step's rows are one sequence
-    each (``engine.batch``: token ids alone, positions 0..t-1), what the real check finds there; the trace is told
-    so (``transformers.masking_utils.find_packed_sequence_indices`` answers None while it runs). Nothing where
-    transformers is not imported."""
+    reads the position ids, which fake tensors do not hold, so a trace answered "maybe" and built a causal mask that
+    SDPA then saved, as floats, in every layer (GPT-2: 2% of its activations). The engine's step calls the model on
+    token ids alone (``engine.step``), so its forward makes positions 0..t-1 and every row is one sequence, what the
+    real check finds; the trace is told so (``transformers.masking_utils.find_packed_sequence_indices`` answers None
+    while it runs, one trace at a time). Nothing where transformers is not imported (its models import the module)."""
     masks = sys.modules.get("transformers.masking_utils")
-    real = getattr(masks, "find_packed_sequence_indices", None)
-    if real is None:
+    if getattr(masks, "find_packed_sequence_indices", None) is None:
         yield
         return
-    masks.find_packed_sequence_indices = lambda position_ids: None  # type: ignore[union-attr]
-    try:
-        yield
-    finally:
-        masks.find_packed_sequence_indices = real  # type: ignore[union-attr]
+    with _UNPACKED:
+        real = masks.find_packed_sequence_indices  # type: ignore[union-attr]
+        masks.find_packed_sequence_indices = lambda *args, **kwargs: None  # type: ignore[union-attr]
+        try:
+            yield
+        finally:
+            masks.find_packed_sequence_indices = real  # type: ignore[union-attr]
 
 
 def _identity(storage) -> int:
