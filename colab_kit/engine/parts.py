@@ -38,7 +38,7 @@ from ..part import HOOKS, Build, NotYet, Part, Rule, broken, sentence
 from ..pipeline.part import PART as PIPELINE_SPLIT
 from ..pipeline.stage import defer_stages
 from ..placement import PlacementTable, Replicate
-from ..policy.hf import converted_conv1d
+from ..policy.hf import converted_conv1d, without_kv_cache
 from ..policy.part import PART as POLICY
 from ..precision.part import PART as PRECISION
 from ..recompute.part import PART as RECOMPUTE
@@ -59,9 +59,7 @@ _EXAMPLE = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=
 def _defer_init(b: Build) -> None:  # only this rank's shards are made, later
     b.twin, b.conv1d = meta_twin(b.model), tuple(converted_conv1d(b.model))  # before anything changes the model
     b.deferred = defer_stages(b.model, b.config, b.mesh.rank(Axis.PP), b.policy)
-    hf = getattr(b.model, "config", None)  # a training step reads no KV cache; a recomputed forward would append
-    if hf is not None and getattr(hf, "use_cache", False):  # its keys to it a second time
-        hf.use_cache = False
+    without_kv_cache(b.model)
 
 
 def _materialize(b: Build) -> None:

@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
 from ..measure import ActivationMeter
+from ..policy.hf import without_kv_cache
 from ..sharded_init import meta_twin
 
 __all__ = ["saved_bytes", "per_token", "grouped_mm_shapes"]
@@ -35,13 +36,10 @@ def saved_bytes(module, shape: tuple, dtype, *, input_dtype=None, hidden: bool =
     (a block's count holds them); False: the model's input (``input_dtype``, int64 token ids by default; a float
     input in ``dtype``), counted where a layer keeps it. ``output`` False: the module's output is left out where
     the module keeps it itself (a ReLU's: the next layer's input, counted there). A Hugging Face model is traced
-    as the engine runs it, without its KV cache (``engine.parts``: a training step reads none; GPT-2's cache kept a
-    contiguous copy of each layer's keys and values, 7% of its activations, that the engine's step never makes)."""
+    as the engine runs it, without its KV cache (``policy.hf.without_kv_cache``)."""
     twin = meta_twin(module)
     twin.train()
-    hf = getattr(twin, "config", None)
-    if hf is not None and getattr(hf, "use_cache", False):  # the twin's own config (a deep copy)
-        hf.use_cache = False
+    without_kv_cache(twin)  # the twin's own config (a deep copy)
     mode = FakeTensorMode()
     with mode:
         params = {n: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype,

@@ -46,7 +46,8 @@ import torch.nn as nn
 
 from . import Attention, Policy
 
-__all__ = ["gpt2_policy", "llama_policy", "conv1d_to_linear", "converted_conv1d", "sliding_window", "LLAMA_LIKE"]
+__all__ = ["gpt2_policy", "llama_policy", "conv1d_to_linear", "converted_conv1d", "sliding_window", "LLAMA_LIKE",
+           "without_kv_cache"]
 
 _CONVERTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per prepared GPT-2: the paths of the modules that were ``Conv1D`` (kept here, not on the model)."""
@@ -102,6 +103,22 @@ def _gpt2_embed(m, ids):
     t = m.transformer
     pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
     return t.drop(t.wte(ids) + t.wpe(pos))
+
+
+def without_kv_cache(model) -> None:
+    """Turn a Hugging Face model's KV cache off, as a training step runs it: the step reads no cache, a recomputed
+    forward would append its keys a second time, and a cache's copies of each layer's keys and values would be
+    saved memory the step never holds (GPT-2: 7% of its activations). The engine does this to the model it trains
+    (``engine.parts``), the memory trace to its twin (``memory.fake.saved_bytes``). Nothing for another model.
+
+    >>> import types
+    >>> m = types.SimpleNamespace(config=types.SimpleNamespace(use_cache=True)); without_kv_cache(m)
+    >>> m.config.use_cache
+    False
+    """
+    hf = getattr(model, "config", None)
+    if hf is not None and getattr(hf, "use_cache", False):
+        hf.use_cache = False
 
 
 LLAMA_LIKE = {  # transformers' module:class -> the policy's name: Llama's frame, block and module names

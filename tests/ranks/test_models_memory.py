@@ -17,6 +17,7 @@ import colab_kit as ck
 from colab_kit.memory.estimator import traced_activations
 from colab_kit.memory import ActivationMeter
 from colab_kit.planner import EXAMPLE_CONSTANTS
+from colab_kit.policy.hf import without_kv_cache
 
 from tests.helpers import case_id
 from tests.helpers import BERT_CFG, NET_POLICY, VIT_CFG, Plain, batch as builtin_batch, make
@@ -76,8 +77,7 @@ def test_the_traced_forward_is_what_the_meter_counts(name):
     from tests.helpers import hf_moe
 
     model = hf_moe.build(name) if name == "mixtral" else make(name)
-    if hasattr(model, "config"):  # a Hugging Face model, run as the engine runs it: no KV cache (engine.parts)
-        model.config.use_cache = False
+    without_kv_cache(model)  # a Hugging Face model run as the engine runs it
     x, _ = batch("gpt" if name == "mixtral" else name, 0)
     meter = ActivationMeter(exclude=list(model.parameters()))
     with meter.measure():
