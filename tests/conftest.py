@@ -21,9 +21,15 @@ def pytest_configure(config):
     nbclient 96 s against 78 s). The ranks and engines set their own threads (``colab_kit.launch.place_rank``),
     so what they run is unchanged."""
     import os
+    import signal
 
     import torch
 
+    # A run started as a background job of a non-interactive shell (`pytest ... &`, a CI script's `&`) inherits
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the tests of a Ctrl-C
+    # (``_thread.interrupt_main``) would wait out their cells' sleeps. Python's own handler, as in a terminal.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # every multi-rank test plays NCCL's rules: ck.launch's default already, and ck.init's (torchrun, Slurm, MPI
     # scripts the tests start) through this (docs/nccl.md)
