@@ -87,7 +87,8 @@ def memory_estimate(engine: EngineView) -> dict:
     parameters (counted per tensor mode and pipeline stage), and the GPT activation count in this
     config's layout for the last step's batch (0 before a step). Another model: the model states
     of its measured parameter count and, with a policy, the activations of its dense forward traced on the
-    meta device, scaled by this layout's share (``estimate.model_activations``). Same keys as
+    meta device, scaled by this layout's share (``estimate.model_activations``; a Hugging Face mixture of experts'
+    share from its own walk, as ``ck.estimate`` prices it). Same keys as
     ``memory()``, "device" and "host" included."""
     try:
         name = _STATE_NAMES[optimizer_states(engine.optimizer)]

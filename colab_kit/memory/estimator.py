@@ -31,10 +31,14 @@ Worked example, the demo GPT (vocab 64, seq 32, d_model 64, 4 heads, 4 layers) w
 """
 from __future__ import annotations
 
+import weakref
+
 from .experts import moe_estimate
 from .fake import saved_bytes
 from .formulas import model_state_bytes, placed
+from .moe_shape import hf_experts, moe_memory
 from .saves import BlockSaves
+from .shape import ModelShape
 from .layout import (layout_activations, part_params, pipeline_peak, rank_params, stage_params,  # noqa: F401
                      walks)
 from ..config import ParallelConfig
@@ -130,7 +134,17 @@ def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, tr
     the log-softmax over the outputs, the targets; outside the traced forward, 3% of the dense tests' activations,
     up to 30% of a small recomputed mixture of experts'; a user's ``loss_fn`` is counted as a cross-entropy over
     the same outputs, which the usual ones keep too). A mixture of experts under per-op or full recomputation is
-    traced as it recomputes (``traced_mode``), and the layout's share taken at that recomputation. ``traced``: the
+    traced as it recomputes (``traced_mode``), and the layout's share taken at that recomputation. A Hugging Face
+    mixture of experts takes its share from its own walk (``memory.moe_shape.moe_memory``, the one ``ck.estimate``
+    prices it by: its MoE layers whole on every tp rank, its experts' tokens under ep, each pipeline rank's stages),
+    not a GPT block's: 0.97-1.00 of the measurement where the GPT's share gave 0.72-0.88 under tp and ep
+    (``tests/ranks/test_hf_activations.py``). Worked example, Mixtral (2 blocks, hidden 32, 4 experts) on 8 rows of
+    16 tokens, the one-process trace plus loss 1,067,556 B::
+
+        tp=2       walk share 0.937 (attention halved, MoE layers whole)  ->  1,000,240 B a rank (measured 1,004,480)
+        dp=2 ep=2  walk share 0.500 (half the rows, balanced routing)
+
+    ``traced``: the
     trace, where the caller has it, made under ``traced_mode(model, policy, config)``."""
     gpt = gpt_like(model, policy)
     # the share of this architecture's dense blocks (a mixture of experts: the GPT's, its MoE walk counts the rest)
@@ -142,11 +156,29 @@ def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, tr
         gpt = dataclasses.replace(gpt, seq_len=seq)
     batch = shape[0]
     mode = traced_mode(model, policy, config)
-    one = config_estimate(gpt, ParallelConfig(precision=config.precision, recompute=mode), batch, seq=seq,
-                          saves=saves)["activations"]
-    here = config_estimate(gpt, config, batch, seq=seq, pp_rank=pp_rank, saves=saves)["activations"]
+    alone = ParallelConfig(precision=config.precision, recompute=mode)
+    if hf_experts(model):  # the layout's share of its own walk: its MoE layers run whole on every tp rank
+        walk = _walk_of(model, seq)
+        one = moe_memory(walk, alone, batch)["activations"]
+        here = moe_memory(walk, config, batch, pp_rank=pp_rank)["activations"]
+    else:
+        one = config_estimate(gpt, alone, batch, seq=seq, saves=saves)["activations"]
+        here = config_estimate(gpt, config, batch, seq=seq, pp_rank=pp_rank, saves=saves)["activations"]
     if traced is None:  # ``traced``: the trace, when the caller already has it (the planner, per mode)
         traced = traced_activations(model, shape, dtype, config.precision, policy, mode)
     n = batch * (seq if tokens and policy.loss == "tokens" else 1)  # the loss's rows: every token's, or a row's label
     loss = 4 * n * gpt.vocab_size + 8 * n + 4  # outside the traced forward: the fp32 log-softmax, targets, weight
     return round((traced + loss) * here / max(one, 1))
+
+
+_WALKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model -> {seq: its ModelShape}: read once per model (a Hugging Face MoE layer is traced to read it), however
+often the engine reports or the plan ranks candidates."""
+
+
+def _walk_of(model, seq: int) -> ModelShape:
+    """The ``ModelShape`` of a Hugging Face mixture of experts at sequence ``seq`` (``memory.moe_shape``), cached."""
+    shapes = _WALKS.setdefault(model, {})
+    if seq not in shapes:
+        shapes[seq] = ModelShape.of(model, seq=seq)
+    return shapes[seq]

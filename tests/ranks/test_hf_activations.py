@@ -185,6 +185,11 @@ def test_the_engines_own_estimate_of_a_recomputed_moe_traces_it_recomputed(moe_r
 
 TP_MOE = [(name, dict(tp=2, recompute=mode)) for name in ("mixtral", "qwen3", "qwen2") for mode in ("none", "op")] \
     + [(name, dict(dp=2, ep=2, recompute="op")) for name in ("mixtral", "qwen2", "gptoss")]
+# layouts whose engine estimate is held too (the planner's ``ck.estimate`` is held on TP_MOE above)
+MORE_MOE = [("mixtral", dict(pp=2, microbatches=2)), ("qwen2", dict(pp=2, microbatches=4, recompute="op")),
+            ("mixtral", dict(sp=2, sp_mode="ulysses")), ("qwen3", dict(sp=2, sp_mode="ring", recompute="selective")),
+            ("olmoe", dict(dp=2, recompute="full")), ("deepseek", dict(dp=2, ep=2, precision="bf16")),
+            ("gptoss", dict(dp=2, ep=2, recompute="none")), ("qwen2", dict(dp=2, ep=2, recompute="selective"))]
 
 
 def _measure_moe_tp(cases) -> dict:
@@ -198,14 +203,14 @@ def _measure_moe_tp(cases) -> dict:
         engine = ck.boost(hf_moe.build(name), lambda ps: torch.optim.AdamW(ps, lr=1e-3), ck.ParallelConfig(**kw))
         engine.train_step(SyntheticTokens(64, 16, seed=1).batch(0, 8))
         got = engine.memory()
-        out[name, tuple(sorted(kw.items()))] = got["params"], got["activations"]
+        out[name, tuple(sorted(kw.items()))] = got["params"], got["activations"], engine.memory_estimate()["activations"]
         engine.close()
     return out
 
 
 @pytest.fixture(scope="module")
 def moe_tp_runs():
-    return ck.launch(_measure_moe_tp, 2, TP_MOE, timeout=600)
+    return ck.launch(_measure_moe_tp, 2, TP_MOE + MORE_MOE, timeout=600)
 
 
 @pytest.mark.parametrize("case", TP_MOE, ids=case_id)
@@ -221,7 +226,25 @@ def test_hf_moe_under_tp_is_counted_rank_by_rank(moe_tp_runs, case):
     name, kw = case
     est = ck.estimate(hf_moe.MODELS[name][1](), ck.ParallelConfig(**kw), 8, hardware="8xH100-SXM").memory
     held = [res[name, tuple(sorted(kw.items()))] for res in moe_tp_runs]
-    print(name, kw, [acts for _, acts in held], est["activations"])
-    assert all(params == est["params"] for params, _ in held), (held, est["params"])
-    got = [sum(acts for _, acts in held) / len(held)] if kw.get("ep", 1) > 1 else [acts for _, acts in held]
+    print(name, kw, [acts for _, acts, _ in held], est["activations"])
+    assert all(params == est["params"] for params, _, _ in held), (held, est["params"])
+    got = [sum(acts for _, acts, _ in held) / len(held)] if kw.get("ep", 1) > 1 else [acts for _, acts, _ in held]
     assert all(abs(a - est["activations"]) <= 0.005 * a for a in got), (got, est["activations"])
+
+
+@pytest.mark.parametrize("case", TP_MOE + MORE_MOE, ids=case_id)
+def test_the_engines_own_estimate_of_an_hf_moe_takes_its_walks_share(moe_tp_runs, case):
+    """``engine.memory_estimate()`` of a Hugging Face mixture of experts on each rank: its one-process forward
+    traced (as above), times the share of it this layout keeps by the same walk as ``ck.estimate``
+    (``memory.moe_shape.moe_memory``), in which the MoE layers run whole on every tp rank and GPT-OSS's experts
+    under ep in the engine's loop. Taken as a dense GPT block's share before, 9 of these 17 were off by more than
+    4%: 0.76-0.88 of the measurement under tp (the MoE layer counted split), 0.72 for GPT-OSS under ep, 0.90-1.07
+    on the stages of a pipeline; measured now 0.97-1.00 (the least, Qwen2-MoE's first stage under pp with per-op
+    recomputation). Under ep a rank keeps what its routing brings it: the ranks' mean is held."""
+    name, kw = case
+    held = [res[name, tuple(sorted(kw.items()))] for res in moe_tp_runs]
+    pairs = [(acts, est) for _, acts, est in held]
+    if kw.get("ep", 1) > 1:
+        pairs = [(sum(a for a, _ in pairs) / len(pairs), sum(e for _, e in pairs) / len(pairs))]
+    print(name, kw, "memory_estimate / measured", [round(e / a, 3) for a, e in pairs])  # pytest -s: the docstring's
+    assert all(abs(e - a) <= 0.04 * a for a, e in pairs), (pairs, [e / a for a, e in pairs])
