@@ -29,6 +29,8 @@ Where each part lives:
     holds, measured: tensor_bytes, optimizer_bytes, ActivationMeter; re-exported here)
     formulas.py    the analytic model: ZeRO's model-state formulas, the activations each op saves
     estimator.py   one rank's estimate under any ParallelConfig (what engine.memory_estimate() reports)
+    shape.py       ModelShape: a decoder's widths, counts and FLOPs (what ck.estimate prices)
+    moe_shape.py   a mixture of experts' ModelShape (the MoE GPT's, or read off a Hugging Face model) and its walk
     startup.py     what boost itself costs a rank at its peak (a meta model: its shards and one dense tensor)
     peak.py        the in-step peak of model-state bytes, measured from outside on any code
     timeline.py    ck.memory_timeline(engine): bytes held after every op of one step

@@ -43,6 +43,7 @@ from .layout import (layout_activations, part_params, pipeline_peak, rank_params
                      walks)
 from ..config import ParallelConfig
 from ..models import GPTConfig
+from ..models import experts as _experts
 from ..models.moe import has_experts
 from ..precision import compute_dtype
 from ..recompute.apply import apply_recompute
@@ -147,7 +148,8 @@ def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, tr
     ``traced``: the
     trace, where the caller has it, made under ``traced_mode(model, policy, config)``."""
     gpt = gpt_like(model, policy)
-    # the share of this architecture's dense blocks (a mixture of experts: the GPT's, its MoE walk counts the rest)
+    # what this architecture's dense blocks save (a mixture of experts: a Hugging Face one's share from its own walk
+    # below, another's, the built-in MoE GPT's as a user wraps it, from the GPT's blocks)
     saves = None if policy.experts or has_experts(model) else BlockSaves.of_module(model, policy)
     tokens = policy.sequence and len(shape) > 1
     seq = shape[1] if tokens else gpt.seq_len
@@ -157,7 +159,8 @@ def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, tr
     batch = shape[0]
     mode = traced_mode(model, policy, config)
     alone = ParallelConfig(precision=config.precision, recompute=mode)
-    if hf_experts(model):  # the layout's share of its own walk: its MoE layers run whole on every tp rank
+    if hf_experts(model) and getattr(model, "config", None) is not None:
+        # a Hugging Face mixture of experts: the layout's share of its own walk (its MoE layers whole on a tp rank)
         walk = _walk_of(model, seq)
         one = moe_memory(walk, alone, batch)["activations"]
         here = moe_memory(walk, config, batch, pp_rank=pp_rank)["activations"]
@@ -172,13 +175,15 @@ def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, tr
 
 
 _WALKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""model -> {seq: its ModelShape}: read once per model (a Hugging Face MoE layer is traced to read it), however
-often the engine reports or the plan ranks candidates."""
+"""model -> {(seq, how its experts compute): its ModelShape}: read once per model (a Hugging Face MoE layer is
+traced to read it), however often the engine reports (``engine.memory_estimate()``) or a dry run's ranks ask.
+What per-op recomputation keeps of GPT-OSS's experts under ep follows ``models.experts.EXPERT_COMPUTE``
+(``MoELayerSaves.ep_kept``), so it is part of the key."""
 
 
 def _walk_of(model, seq: int) -> ModelShape:
     """The ``ModelShape`` of a Hugging Face mixture of experts at sequence ``seq`` (``memory.moe_shape``), cached."""
-    shapes = _WALKS.setdefault(model, {})
-    if seq not in shapes:
-        shapes[seq] = ModelShape.of(model, seq=seq)
-    return shapes[seq]
+    shapes, key = _WALKS.setdefault(model, {}), (seq, _experts.EXPERT_COMPUTE)  # read now: a user may set it
+    if key not in shapes:
+        shapes[key] = ModelShape.of(model, seq=seq)
+    return shapes[key]

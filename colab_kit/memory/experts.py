@@ -116,7 +116,7 @@ def moe_block_extra(model, tokens: int, e: int, recompute="none", tp: int = 1, o
     (``recompute.op``: every second matmul kept) keeps the router's logits (the block's third matmul) and, with
     shared experts, their second matmul's output, ``e N E + e N h``, where a dense block keeps fc1's ``e N f / tp``;
     the routed experts' grouped GEMMs are not counted matmuls, so the dispatch and the experts run again.
-    ``op_exact`` False (a block whose matmul order is not the MoE GPT's: ``planner.moe.shape.op_keeps_router``):
+    ``op_exact`` False (a block whose matmul order is not the MoE GPT's: ``memory.moe_shape.op_keeps_router``):
     per-op is counted as no recomputation of the MoE layer, an upper bound. ``dense_mlp``: what the dense block's
     MLP keeps in this mode where it is not the GPT's (``BlockSaves.mlp_bytes``: a gated MLP's four inner tensors;
     under per-op its kept matmuls' outputs). ``layer``: what a Hugging Face MoE layer saves, traced off the layer

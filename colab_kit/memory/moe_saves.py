@@ -14,7 +14,7 @@ input is left out, since the block's count holds it (the norm's output, the matm
 Inside the engine a router with Hugging Face's load-balancing loss (``models.hf_moe.router_loss``) also keeps its
 softmax ``e N E`` and its probability sums ``e E`` (``aux``; counted in the compute dtype: a router whose logits
 are fp32 keeps ``(4 - e) N E`` more). A layer the fake tensors cannot run (transformers' eager experts loop sizes
-its rows with ``nonzero``) is counted by the MoE GPT's table instead (``planner.moe.shape``).
+its rows with ``nonzero``) is counted by the MoE GPT's table instead (``memory.moe_shape``).
 
 Worked example, a Mixtral layer of h 32, 4 experts of width 64, top-2, in bf16 (e = 2), per token: the router
 ``4 E + 8 k + 4 + 4 k`` (fp32 softmax, top-k indices, the sum and the top-k values it divides) = 44; the experts,

@@ -73,7 +73,7 @@ class ModelShape:
     name: str = "GPT"
     params_exact: int = 0
     experts: int = 0
-    """Routed experts of each MoE layer (0: a dense model); ``planner.moe.shape`` reads them from a model."""
+    """Routed experts of each MoE layer (0: a dense model); ``memory.moe_shape`` reads them from a model."""
     top_k: int = 0
     d_expert: int = 0
     """One routed expert's inner width (its MLP is gated like the dense one's, ``gated``)."""
@@ -110,7 +110,7 @@ class ModelShape:
     """Eager attention with a sink a head (GPT-OSS: its probabilities over the sequence and the sink kept)."""
     block_counts: tuple = ()
     """Each block's parameters ``(whole, split over 1D tp, routed experts)`` read off a Hugging Face mixture of
-    experts (``planner.moe.shape``: q/k norms, attention and expert biases, sinks, a shared expert's gate counted as
+    experts (``memory.moe_shape``: q/k norms, attention and expert biases, sinks, a shared expert's gate counted as
     they are); (): ``layer_params``' formula. Kept by ``dataclasses.replace``, as ``moe_saves``; one per block."""
     moe_saves: Any = None
     """What one MoE layer saves, traced off a Hugging Face model's layer (``memory.moe_saves.MoELayerSaves``) when

@@ -198,7 +198,7 @@ def memory_of(shape: ModelShape, config: ParallelConfig, batch: int, optimizer: 
     if config.pp > 1 and config.schedule != "gpipe" and m > cap and not walk_fitted:
         rows = batch // (config.dp * m)
         config, batch = config.replace(microbatches=cap), config.dp * cap * rows
-    if shape.experts:  # a mixture of experts: its own walk (planner.moe.shape.moe_memory)
+    if shape.experts:  # a mixture of experts: its own walk (memory.moe_shape.moe_memory)
         return moe_memory(shape, config, batch, optimizer)
     gpt = gpt or gpt_of(shape)
     fitted = config.schedule != "zb-v" or walk_fitted

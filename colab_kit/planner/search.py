@@ -216,7 +216,7 @@ ZBV_MARGIN = 0.10
 plan: the V fitted to the model's FLOPs, as the engine runs it, holds up to 6% more than at unit costs
 (``estimate.memory_of``; tests/unit/test_estimate.py), so one within 10% of the budget is walked fitted too, where
 ``pp x microbatches`` is at most ``SEARCH_FIT_ACTIONS`` (a mixture of experts' walk is at unit costs either way:
-``planner.moe.shape.moe_memory``)."""
+``memory.moe_shape.moe_memory``)."""
 
 SEARCH_FIT_ACTIONS = 1024
 """The largest ``pp x microbatches`` the search fits a zb-v plan for (pp 8 and 128 microbatches: a tenth of a second;

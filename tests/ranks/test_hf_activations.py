@@ -189,7 +189,10 @@ TP_MOE = [(name, dict(tp=2, recompute=mode)) for name in ("mixtral", "qwen3", "q
 MORE_MOE = [("mixtral", dict(pp=2, microbatches=2)), ("qwen2", dict(pp=2, microbatches=4, recompute="op")),
             ("mixtral", dict(sp=2, sp_mode="ulysses")), ("qwen3", dict(sp=2, sp_mode="ring", recompute="selective")),
             ("olmoe", dict(dp=2, recompute="full")), ("deepseek", dict(dp=2, ep=2, precision="bf16")),
-            ("gptoss", dict(dp=2, ep=2, recompute="none")), ("qwen2", dict(dp=2, ep=2, recompute="selective"))]
+            ("gptoss", dict(dp=2, ep=2, recompute="none")), ("qwen2", dict(dp=2, ep=2, recompute="selective")),
+            ("mixtral4", dict(pp=2, microbatches=4, schedule="zb-v", chunks=2)),
+            ("mixtral4", dict(pp=2, microbatches=2, schedule="zb-h1", recompute="op")),
+            ("mixtral4", dict(pp=2, microbatches=4, schedule="interleaved", chunks=2))]
 
 
 def _measure_moe_tp(cases) -> dict:
@@ -237,10 +240,10 @@ def test_the_engines_own_estimate_of_an_hf_moe_takes_its_walks_share(moe_tp_runs
     """``engine.memory_estimate()`` of a Hugging Face mixture of experts on each rank: its one-process forward
     traced (as above), times the share of it this layout keeps by the same walk as ``ck.estimate``
     (``memory.moe_shape.moe_memory``), in which the MoE layers run whole on every tp rank and GPT-OSS's experts
-    under ep in the engine's loop. Taken as a dense GPT block's share before, 9 of these 17 were off by more than
-    4%: 0.76-0.88 of the measurement under tp (the MoE layer counted split), 0.72 for GPT-OSS under ep, 0.90-1.07
-    on the stages of a pipeline; measured now 0.97-1.00 (the least, Qwen2-MoE's first stage under pp with per-op
-    recomputation). Under ep a rank keeps what its routing brings it: the ranks' mean is held."""
+    under ep in the engine's loop, each pipeline rank's stages in its schedule. Taken as a dense GPT block's share
+    before, 12 of these 20 were off by more than 4%: 0.76-0.88 of the measurement under tp (the MoE layer counted
+    split), 0.72 for GPT-OSS under ep, 0.90-1.24 on the ranks of a pipeline (zb-h1 under per-op recomputation
+    1.14-1.24); measured now 0.97-1.00 (the least, Qwen2-MoE's first stage under 1F1B with per-op recomputation). Under ep a rank keeps what its routing brings it: the ranks' mean is held."""
     name, kw = case
     held = [res[name, tuple(sorted(kw.items()))] for res in moe_tp_runs]
     pairs = [(acts, est) for _, acts, est in held]
