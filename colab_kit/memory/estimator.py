@@ -159,8 +159,7 @@ def model_activations(model, policy, config, shape, dtype=None, pp_rank=None, tr
     batch = shape[0]
     mode = traced_mode(model, policy, config)
     alone = ParallelConfig(precision=config.precision, recompute=mode)
-    if hf_experts(model) and getattr(model, "config", None) is not None:
-        # a Hugging Face mixture of experts: the layout's share of its own walk (its MoE layers whole on a tp rank)
+    if hf_experts(model):  # a Hugging Face mixture of experts: its own walk's share (MoE layers whole on a tp rank)
         walk = _walk_of(model, seq)
         one = moe_memory(walk, alone, batch)["activations"]
         here = moe_memory(walk, config, batch, pp_rank=pp_rank)["activations"]

@@ -63,8 +63,10 @@ def _moe_mlp(block: nn.Module):
 
 
 def hf_experts(model: nn.Module) -> bool:
-    """Whether ``model`` is a Hugging Face causal LM with MoE blocks this module reads."""
-    return any(_moe_mlp(b) is not None for b in _blocks(model))
+    """Whether ``model`` is a Hugging Face causal LM with MoE blocks this module reads: its ``config`` (top-k, widths)
+    and blocks ``model.layers[i].mlp.experts`` of stacked tensors. A user's model laid out the same way without a
+    config is not one (it is read through its policy, as a dense model)."""
+    return getattr(model, "config", None) is not None and any(_moe_mlp(b) is not None for b in _blocks(model))
 
 
 def _matrices(module: nn.Module | None) -> int:
