@@ -38,6 +38,52 @@ def pytest_configure(config):
     # it: ck.launch's fork server imports both once instead (colab_kit.launch.preloaded)
     os.environ.setdefault("COLAB_KIT_PRELOAD", "pytest,tests.helpers")
     torch.set_num_threads(1)
+    _share_between_workers(config)
+
+
+SHARED_ENV = "COLAB_KIT_TEST_SHARED"
+"""Under pytest-xdist (the suite's default: ``-n 2`` in pyproject.toml), the folder the controller made for this
+run: what the workers share (binder/'s environment and the type check, each started once by whichever worker
+claims it first) and each worker's own temporary folder."""
+
+
+def _share_between_workers(config) -> None:
+    """Two workers run the suite's files side by side (``--dist loadfile``): one runs a tier's ranks while the
+    other waits on a browser or a cluster; on 2 cores each tier alone left about half the CPU idle. The
+    controller makes one folder for the run (removed at its end, ``pytest_sessionfinish``); each worker
+    takes its own temporary folder in it (``TMPDIR``, read by every process it starts), so what one worker's
+    tests leave in a temporary folder (a notebook's checkpoint, a rank's stacks) is never taken for another's."""
+    import os
+    import tempfile
+
+    if getattr(config, "workerinput", None) is not None:  # a worker: its own TMPDIR inside the run's folder
+        shared = os.environ.get(SHARED_ENV)
+        if shared:
+            own = os.path.join(shared, f"tmp-{config.workerinput['workerid']}")
+            os.makedirs(own, exist_ok=True)
+            os.environ["TMPDIR"] = tempfile.tempdir = own
+    elif getattr(config.option, "numprocesses", None) and not getattr(config.option, "collectonly", False):
+        os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="colab-kit-run-")  # the workers start after this
+
+
+def _claim(name: str) -> tuple:
+    """``(folder, ours)`` for a shared background job ``name``: under xdist the run's folder for it and whether
+    this worker is the first to claim it (it starts the job; the others wait for its result); without xdist a
+    new folder, always ours."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    shared = os.environ.get(SHARED_ENV)
+    if not shared:
+        return Path(tempfile.mkdtemp(prefix=f"colab-kit-{name}-")), True
+    where = Path(shared) / name
+    try:
+        os.close(os.open(Path(shared) / f"{name}.claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return where, False
+    where.mkdir()
+    return where, True
 
 
 @pytest.fixture(scope="session")
@@ -79,13 +125,13 @@ def _start_binder_build() -> None:
     this process while a cluster starts would be watched, and its end taken for the controller's death."""
     import subprocess
     import sys
-    import tempfile
-    from pathlib import Path
 
     from tests.binder_env import ROOT
 
-    where = Path(tempfile.mkdtemp(prefix="colab-kit-binder-"))
-    _BINDER["dir"] = where
+    where, ours = _claim("binder")
+    _BINDER["dir"], _BINDER["ours"] = where, ours
+    if not ours:  # another worker builds it: this one waits for its result.json
+        return
     cmd = ["nice", "-n", "10", sys.executable, "-m", "tests.binder_env", str(where)]
     detach = "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True, stdout=subprocess.DEVNULL)"
     subprocess.run([sys.executable, "-c", detach, *cmd], cwd=ROOT, check=True)
@@ -107,6 +153,28 @@ def _runs(item) -> bool:
     """Whether ``item`` will run: not under a ``skipif`` whose condition is already True (the browser tier
     without Chromium)."""
     return not any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+
+
+FIRST_UNDER_WORKERS = ("tests/notebooks/test_browser.py", "tests/cluster/", "tests/ranks/", "tests/notebooks/",
+                       "tests/unit/")
+"""The order the files are handed to pytest-xdist's workers in (``--no-loadscope-reorder`` keeps it): the browser
+tier, the longest file (about 6 minutes of the suite's 20), first, so that it never runs alone at the end; the
+unit tier's many short files last, filling whatever the other worker leaves."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the files in ``FIRST_UNDER_WORKERS``' order (each file's tests in their own order);
+    in one stream (``-n 0``) the order pytest collected, in which the browser tier finds binder/'s environment
+    built while the cluster tier ran."""
+    if getattr(config, "workerinput", None) is None:
+        return
+
+    def rank(item) -> int:
+        path = item.nodeid.split("::")[0]
+        return next((i for i, head in enumerate(FIRST_UNDER_WORKERS) if path.startswith(head)),
+                    len(FIRST_UNDER_WORKERS))
+
+    items.sort(key=rank)  # stable: a file's tests, and the files of one group, keep their order
 
 
 def pytest_collection_finish(session):
@@ -132,15 +200,15 @@ def _start_mypy() -> None:
     import os
     import subprocess
     import sys
-    import tempfile
-    from pathlib import Path
 
     from tests.binder_env import ROOT
 
     if importlib.util.find_spec("mypy") is None:
         return
-    where = Path(tempfile.mkdtemp(prefix="colab-kit-mypy-"))
-    _MYPY["dir"] = where
+    where, ours = _claim("mypy")
+    _MYPY["dir"], _MYPY["ours"] = where, ours
+    if not ours:
+        return
     run = (f"nice -n 19 {sys.executable} -m mypy colab_kit > {where / 'out.txt'} 2>&1; "
            f"echo $? > {where / 'rc.tmp'} && mv {where / 'rc.tmp'} {where / 'rc.txt'}")
     detach = ("import subprocess, sys; subprocess.Popen(['sh', '-c', sys.argv[1]], start_new_session=True, "
@@ -166,18 +234,30 @@ def mypy_result(timeout: float = 600) -> tuple[int, str] | None:
 
 def pytest_sessionfinish(session):
     """The build waited for (a session cut short may end while it runs) and its folder removed: 1.4 GB each; the
-    type check's folder removed."""
-    if _MYPY:
-        import shutil
+    type check's folder removed. Under xdist a worker leaves both to the controller, which waits for a build
+    the workers claimed and removes the run's folder once every worker has ended."""
+    import os
+    import shutil
+    from pathlib import Path
 
+    if getattr(session.config, "workerinput", None) is not None and os.environ.get(SHARED_ENV):
+        return
+    if _MYPY:
         shutil.rmtree(_MYPY.pop("dir"), ignore_errors=True)
     if _BINDER:
-        import shutil
-
         try:
             _binder_result()
         finally:
             shutil.rmtree(_BINDER.pop("dir"), ignore_errors=True)
+    shared = os.environ.get(SHARED_ENV)
+    if shared and getattr(session.config, "workerinput", None) is None:
+        if (Path(shared) / "binder.claimed").exists():
+            _BINDER["dir"] = Path(shared) / "binder"
+            try:
+                _binder_result()
+            except RuntimeError:
+                pass
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

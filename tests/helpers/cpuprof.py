@@ -1,6 +1,7 @@
 """Where the suite's time goes, in CPU as well as wall time: ``python -m pytest -q -p tests.helpers.cpuprof``.
 
-Not loaded by default. Around each test (set-up, call and tear-down) it reads the machine's CPU counters in
+Not loaded by default, and only in one stream: ``python -m pytest -q -n 0 -p tests.helpers.cpuprof`` (the suite's
+default is two pytest-xdist workers, whose tests would each count the other's CPU as their own). Around each test (set-up, call and tear-down) it reads the machine's CPU counters in
 ``/proc/stat`` (Linux only; elsewhere it records wall time alone), so what a test's ranks, engines, kernels and
 browser used counts too, not only this process. At the end it prints the session's busy core-seconds, the tiers
 and the slowest tests, and writes every row to ``$CK_CPUPROF`` (default ``cpuprof.json``, ignored by git).
@@ -49,6 +50,15 @@ def pytest_runtest_protocol(item, nextitem):
     t0, before = time.monotonic(), _busy()
     yield
     _ROWS.append({"test": item.nodeid, "wall": time.monotonic() - t0, "busy": _busy_since(before)})
+
+
+def pytest_configure(config):
+    """Refuse two streams: ``/proc/stat`` counts the whole machine, so beside another worker a test's busy
+    core-seconds would be its own and whatever the other worker ran meanwhile."""
+    if getattr(config, "workerinput", None) is None and getattr(config.option, "numprocesses", None):
+        raise pytest.UsageError("tests.helpers.cpuprof measures each test's CPU machine-wide, which two pytest-xdist "
+                                "workers would share: run it in one stream, `python -m pytest -q -n 0 -p "
+                                "tests.helpers.cpuprof`")
 
 
 def pytest_sessionstart(session):
