@@ -1,10 +1,12 @@
 """Shared fixtures: one 4-engine cluster for the whole session (the notebook tier), the small GPT's
 one-process references (``gpt_references``), and binder/'s environment, built in the background from the
 start of the session (``binder_env``); one torch thread in this process and its kernels, NCCL's rules and
-the fork server's preloads for every launch (``pytest_configure``).
+the fork server's preloads for every launch (``pytest_configure``); under the suite's two pytest-xdist
+workers, a temporary folder of each worker's own, and binder/'s build and the type check started once for both
+(docs/testing.md, "Two streams").
 
 Starting engines costs ~7 s each time on a 2-core machine, so every test that
-only needs a working cluster shares this one; tests that must start, stop or
+only needs a working cluster shares this one (one per worker that runs such tests); tests that must start, stop or
 restart a cluster of their own do it explicitly (and keep it small).
 """
 from __future__ import annotations
@@ -49,10 +51,10 @@ claims it first) and each worker's own temporary folder."""
 
 def _share_between_workers(config) -> None:
     """Two workers run the suite's files side by side (``--dist loadfile``): one runs a tier's ranks while the
-    other waits on a browser or a cluster; on 2 cores each tier alone left about half the CPU idle. The
-    controller makes one folder for the run (removed at its end, ``pytest_sessionfinish``); each worker
-    takes its own temporary folder in it (``TMPDIR``, read by every process it starts), so what one worker's
-    tests leave in a temporary folder (a notebook's checkpoint, a rank's stacks) is never taken for another's."""
+    other waits on a browser, a kernel or a cluster. The controller makes one folder for the run
+    (``pytest_sessionstart``, removed at its end by ``pytest_sessionfinish``); each worker takes its own temporary
+    folder in it here (``TMPDIR``, read by every process it starts), so what one worker's tests leave in a
+    temporary folder (a notebook's checkpoint, a rank's stacks) is never taken for another's."""
     import os
     import tempfile
 
@@ -62,8 +64,18 @@ def _share_between_workers(config) -> None:
             own = os.path.join(shared, f"tmp-{config.workerinput['workerid']}")
             os.makedirs(own, exist_ok=True)
             os.environ["TMPDIR"] = tempfile.tempdir = own
-    elif getattr(config.option, "numprocesses", None) and not getattr(config.option, "collectonly", False):
-        os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="colab-kit-run-")  # the workers start after this
+
+
+def pytest_sessionstart(session):
+    """The controller's folder for the run, made before pytest-xdist starts its workers (its own
+    ``pytest_sessionstart`` runs last), which inherit its name; nothing in one stream."""
+    import os
+    import tempfile
+
+    config = session.config
+    if (getattr(config, "workerinput", None) is None and getattr(config.option, "numprocesses", None)
+            and not getattr(config.option, "collectonly", False)):
+        os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="colab-kit-run-")
 
 
 def _claim(name: str) -> tuple:
@@ -153,28 +165,6 @@ def _runs(item) -> bool:
     """Whether ``item`` will run: not under a ``skipif`` whose condition is already True (the browser tier
     without Chromium)."""
     return not any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
-
-
-FIRST_UNDER_WORKERS = ("tests/notebooks/test_browser.py", "tests/cluster/", "tests/ranks/", "tests/notebooks/",
-                       "tests/unit/")
-"""The order the files are handed to pytest-xdist's workers in (``--no-loadscope-reorder`` keeps it): the browser
-tier, the longest file (about 6 minutes of the suite's 20), first, so that it never runs alone at the end; the
-unit tier's many short files last, filling whatever the other worker leaves."""
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, the files in ``FIRST_UNDER_WORKERS``' order (each file's tests in their own order);
-    in one stream (``-n 0``) the order pytest collected, in which the browser tier finds binder/'s environment
-    built while the cluster tier ran."""
-    if getattr(config, "workerinput", None) is None:
-        return
-
-    def rank(item) -> int:
-        path = item.nodeid.split("::")[0]
-        return next((i for i, head in enumerate(FIRST_UNDER_WORKERS) if path.startswith(head)),
-                    len(FIRST_UNDER_WORKERS))
-
-    items.sort(key=rank)  # stable: a file's tests, and the files of one group, keep their order
 
 
 def pytest_collection_finish(session):
