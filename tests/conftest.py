@@ -73,8 +73,11 @@ def pytest_sessionstart(session):
     import tempfile
 
     config = session.config
-    if (getattr(config, "workerinput", None) is None and getattr(config.option, "numprocesses", None)
-            and not getattr(config.option, "collectonly", False)):
+    if getattr(config, "workerinput", None) is not None:
+        return
+    # a run that is not a worker never takes an outer run's folder (a pytest started inside a test's environment)
+    os.environ.pop(SHARED_ENV, None)
+    if getattr(config.option, "numprocesses", None) and not getattr(config.option, "collectonly", False):
         os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="colab-kit-run-")
 
 
@@ -141,7 +144,7 @@ def _start_binder_build() -> None:
     from tests.binder_env import ROOT
 
     where, ours = _claim("binder")
-    _BINDER["dir"], _BINDER["ours"] = where, ours
+    _BINDER["dir"] = where
     if not ours:  # another worker builds it: this one waits for its result.json
         return
     cmd = ["nice", "-n", "10", sys.executable, "-m", "tests.binder_env", str(where)]
@@ -172,7 +175,10 @@ def pytest_collection_finish(session):
     niced (pip unpacks 1.4 GB, about 70 s on 2 cores): the cluster tier runs meanwhile, and the notebook tier
     finds it built instead of waiting for it (the browser tier's set-up took 105 s, nearly all this build).
     Likewise the type check (``mypy colab_kit``, 35 s cold on 2 cores) where ``test_mypy_is_clean`` will run:
-    at the lowest priority, on the CPU time the other tiers leave idle; the test reads its result."""
+    at the lowest priority, on the CPU time the other tiers leave idle; the test reads its result. Neither
+    under ``--collect-only``, which runs no test."""
+    if session.config.option.collectonly:
+        return
     if any("binder_env" in getattr(item, "fixturenames", ()) and _runs(item) for item in session.items):
         _start_binder_build()
     if any(item.nodeid.endswith("test_lint.py::test_mypy_is_clean") for item in session.items):
@@ -196,7 +202,7 @@ def _start_mypy() -> None:
     if importlib.util.find_spec("mypy") is None:
         return
     where, ours = _claim("mypy")
-    _MYPY["dir"], _MYPY["ours"] = where, ours
+    _MYPY["dir"] = where
     if not ours:
         return
     run = (f"nice -n 19 {sys.executable} -m mypy colab_kit > {where / 'out.txt'} 2>&1; "
@@ -241,13 +247,15 @@ def pytest_sessionfinish(session):
             shutil.rmtree(_BINDER.pop("dir"), ignore_errors=True)
     shared = os.environ.get(SHARED_ENV)
     if shared and getattr(session.config, "workerinput", None) is None:
-        if (Path(shared) / "binder.claimed").exists():
-            _BINDER["dir"] = Path(shared) / "binder"
-            try:
-                _binder_result()
-            except RuntimeError:
-                pass
-        shutil.rmtree(shared, ignore_errors=True)
+        try:  # a Ctrl-C during this wait still removes the folder (binder/'s 1.4 GB and the workers' TMPDIRs)
+            if (Path(shared) / "binder.claimed").exists():
+                _BINDER["dir"] = Path(shared) / "binder"
+                try:
+                    _binder_result()
+                except RuntimeError:
+                    pass
+        finally:
+            shutil.rmtree(shared, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Where the suite's time goes, in CPU as well as wall time: ``python -m pytest -q -p tests.helpers.cpuprof``.
+"""Where the suite's time goes, in CPU as well as wall time: ``python -m pytest -q -n 0 -p tests.helpers.cpuprof``.
 
 Not loaded by default, and only in one stream: ``python -m pytest -q -n 0 -p tests.helpers.cpuprof`` (the suite's
 default is two pytest-xdist workers, whose tests would each count the other's CPU as their own). Around each test (set-up, call and tear-down) it reads the machine's CPU counters in
@@ -56,7 +56,7 @@ def pytest_configure(config):
     """Refuse two streams: ``/proc/stat`` counts the whole machine, so beside another worker a test's busy
     core-seconds would be its own and whatever the other worker ran meanwhile."""
     if getattr(config, "workerinput", None) is None and getattr(config.option, "numprocesses", None):
-        raise pytest.UsageError("tests.helpers.cpuprof measures each test's CPU machine-wide, which two pytest-xdist "
+        raise pytest.UsageError("tests.helpers.cpuprof measures each test's CPU machine-wide, which pytest-xdist's "
                                 "workers would share: run it in one stream, `python -m pytest -q -n 0 -p "
                                 "tests.helpers.cpuprof`")
 
