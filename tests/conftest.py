@@ -40,7 +40,7 @@ def pytest_configure(config):
     # it: ck.launch's fork server imports both once instead (colab_kit.launch.preloaded)
     os.environ.setdefault("COLAB_KIT_PRELOAD", "pytest,tests.helpers")
     torch.set_num_threads(1)
-    _share_between_workers(config)
+    _worker_tmpdir(config)
 
 
 SHARED_ENV = "COLAB_KIT_TEST_SHARED"
@@ -49,7 +49,7 @@ run: what the workers share (binder/'s environment and the type check, each star
 claims it first) and each worker's own temporary folder."""
 
 
-def _share_between_workers(config) -> None:
+def _worker_tmpdir(config) -> None:
     """Two workers run the suite's files side by side (``--dist loadfile``): one runs a tier's ranks while the
     other waits on a browser, a kernel or a cluster. The controller makes one folder for the run
     (``pytest_sessionstart``, removed at its end by ``pytest_sessionfinish``); each worker takes its own temporary

@@ -1,7 +1,7 @@
 """Where the suite's time goes, in CPU as well as wall time: ``python -m pytest -q -n 0 -p tests.helpers.cpuprof``.
 
-Not loaded by default, and only in one stream: ``python -m pytest -q -n 0 -p tests.helpers.cpuprof`` (the suite's
-default is two pytest-xdist workers, whose tests would each count the other's CPU as their own). Around each test (set-up, call and tear-down) it reads the machine's CPU counters in
+Not loaded by default, and only in one stream (``-n 0``: beside the suite's second pytest-xdist worker, each test
+would count the other's CPU as its own). Around each test (set-up, call and tear-down) it reads the CPU counters in
 ``/proc/stat`` (Linux only; elsewhere it records wall time alone), so what a test's ranks, engines, kernels and
 browser used counts too, not only this process. At the end it prints the session's busy core-seconds, the tiers
 and the slowest tests, and writes every row to ``$CK_CPUPROF`` (default ``cpuprof.json``, ignored by git).
